@@ -1,0 +1,225 @@
+"""Chat templates: render HF/GGUF Jinja chat templates into a prompt string.
+
+Rendering follows HF ``transformers`` (``apply_chat_template``): a
+``jinja2.sandbox.ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``,
+the ``loopcontrols`` extension, a ``tojson`` filter that does not escape HTML or non-ASCII
+(``ensure_ascii=False``, ``indent``/``separators``/``sort_keys`` supported), the globals
+``raise_exception`` and ``strftime_now``, and the variables ``messages``, ``tools``,
+``add_generation_prompt``, ``bos_token``, ``eos_token`` plus any extra keyword arguments
+(OpenAI-compatible ``chat_template_kwargs``, e.g. ``enable_thinking``). ``{% generation %}``
+blocks (HF assistant masks) render their body.
+
+Capability detection (:attr:`ChatTemplate.caps`) renders small probe conversations and looks
+for needles in the output, like llama.cpp's minja ``chat_template`` caps detection.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+__all__ = ["ChatTemplate", "TemplateError", "CHATML_TEMPLATE"]
+
+#: Fallback used when a model has no chat template (ChatML, as llama.cpp's default
+#: ``chatml`` template and Ollama's generic template). String content only.
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+class TemplateError(ValueError):
+    """A chat template failed to compile or render (syntax error, ``raise_exception``,
+    undefined operation, sandbox violation). HTTP 400 / 500 depending on the face."""
+
+
+class _TemplateRaised(Exception):
+    """Internal: raised by the template's ``raise_exception(msg)``."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # HF-compatible: no HTML escaping, non-ASCII kept as is.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}`` (HF assistant-mask marker): renders the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _make_env() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+_ENV = _make_env()
+
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "some_tool",
+        "description": "Some tool.",
+        "parameters": {
+            "type": "object",
+            "properties": {"arg": {"type": "string", "description": "Some argument."}},
+            "required": ["arg"],
+        },
+    },
+}
+
+
+def _probe_call(name: str, args: Any, call_id: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+class ChatTemplate:
+    """A compiled chat template.
+
+    Args:
+        source: Jinja template text (GGUF ``tokenizer.chat_template`` or HF
+            ``tokenizer_config.json`` ``chat_template``).
+        bos_token / eos_token: texts exposed to the template as ``bos_token``/``eos_token``.
+
+    Raises:
+        TemplateError: the template does not compile.
+    """
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        self.source = source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        try:
+            self._tmpl = _ENV.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise TemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from e
+        self._caps: dict[str, bool] | None = None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list | None = None, **kwargs: Any) -> str:
+        """Render ``messages`` (OpenAI-style dicts: role, content, tool_calls, ...) to a prompt.
+
+        Args:
+            messages: conversation; passed to the template unchanged.
+            add_generation_prompt: append the assistant turn header.
+            tools: OpenAI tool definitions (list of dicts) or None (template sees ``none``).
+            **kwargs: extra template variables (``chat_template_kwargs``); they may override
+                ``bos_token``/``eos_token``.
+
+        Returns:
+            The prompt text (str), BOS text included only if the template writes it.
+
+        Raises:
+            TemplateError: ``raise_exception`` was called, or Jinja failed (undefined
+                operation, type error, sandbox violation).
+        """
+        ctx: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        ctx.update(kwargs)
+        ctx["messages"] = messages
+        ctx["tools"] = tools
+        ctx["add_generation_prompt"] = add_generation_prompt
+        try:
+            return self._tmpl.render(**ctx)
+        except _TemplateRaised as e:
+            raise TemplateError(f"chat template error: {e}") from e
+        except jinja2.TemplateError as e:
+            raise TemplateError(f"chat template error: {type(e).__name__}: {e}") from e
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
+            raise TemplateError(f"chat template error: {type(e).__name__}: {e}") from e
+
+    def _try(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False) -> str:
+        try:
+            return self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        except TemplateError:
+            return ""
+
+    @property
+    def caps(self) -> dict[str, bool]:
+        """What the template supports, detected by rendering probes (llama.cpp minja style).
+
+        Keys: ``supports_tools`` (a tool definition appears in the prompt),
+        ``supports_tool_calls`` (an assistant ``tool_calls`` entry appears),
+        ``supports_parallel_tool_calls`` (two calls in one message both appear),
+        ``supports_tool_responses`` (a ``tool`` role message appears),
+        ``supports_system_role`` (a system message's content appears),
+        ``requires_object_arguments`` (tool call arguments render only as objects, not
+        JSON strings). Computed once, then cached.
+        """
+        if self._caps is not None:
+            return self._caps
+        user = {"role": "user", "content": "Hey"}
+        sys_needle = "<System Needle>"
+        out_sys = self._try([{"role": "system", "content": sys_needle}, user])
+        supports_system_role = sys_needle in out_sys
+
+        out_tools = self._try([user], tools=[_PROBE_TOOL], add_generation_prompt=True)
+        supports_tools = "some_tool" in out_tools
+
+        args_obj = {"code": "print('Hello, World!')"}
+        args_str = json.dumps(args_obj)
+
+        def call_msgs(calls: list[dict]) -> list[dict]:
+            return [user, {"role": "assistant", "content": "", "tool_calls": calls}]
+
+        def call_msgs_none(calls: list[dict]) -> list[dict]:
+            return [user, {"role": "assistant", "content": None, "tool_calls": calls}]
+
+        def renders_call(calls: list[dict], needles: list[str]) -> bool:
+            for msgs in (call_msgs(calls), call_msgs_none(calls)):
+                out = self._try(msgs)
+                if out and all(n in out for n in needles):
+                    return True
+            return False
+
+        obj_ok = renders_call([_probe_call("ipython", args_obj, "call_1___")], ["ipython", "Hello, World!"])
+        str_ok = renders_call([_probe_call("ipython", args_str, "call_1___")], ["ipython", "Hello, World!"])
+        supports_tool_calls = obj_ok or str_ok
+        requires_object_arguments = obj_ok and not str_ok
+        args = args_obj if requires_object_arguments else args_str
+        supports_parallel = supports_tool_calls and renders_call(
+            [_probe_call("test_tool1", args, "call_1___"), _probe_call("test_tool2", args, "call_2___")],
+            ["test_tool1", "test_tool2"],
+        )
+        tool_resp = "Some response!"
+        out_resp = self._try(
+            call_msgs([_probe_call("ipython", args, "call_1___")])
+            + [{"role": "tool", "name": "ipython", "tool_call_id": "call_1___", "content": tool_resp}]
+        )
+        self._caps = {
+            "supports_tools": supports_tools,
+            "supports_tool_calls": supports_tool_calls,
+            "supports_parallel_tool_calls": supports_parallel,
+            "supports_tool_responses": tool_resp in out_resp,
+            "supports_system_role": supports_system_role,
+            "requires_object_arguments": requires_object_arguments,
+        }
+        return self._caps
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate({len(self.source)} chars)"

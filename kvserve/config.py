@@ -1,0 +1,93 @@
+"""Engine arguments, named after llama-server's and vLLM's flags.
+
+``EngineConfig`` is what the engine needs; the CLI fills it from llama-server
+flags (``-c``, ``-np``, ``-ctk``...) or vLLM names (``--max-model-len``,
+``--max-num-seqs``...).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine sizing and numerics.
+
+    Attributes:
+        n_ctx: total KV context in tokens (``-c``); 0 = the model's n_ctx_train.
+        n_parallel: slots (``-np``); -1 = auto: 4 slots sharing a unified KV.
+        kv_unified: every sequence may use the whole n_ctx (llama-server's
+            ``kv_unified``); None = True for auto n_parallel, False otherwise.
+        block_size: tokens per KV block.
+        kv_dtype: "f16" (llama-server's default), "bf16" or "f32".
+        max_num_batched_tokens: token budget of one step (vLLM name; llama-server
+            ``-b``); default 2048.
+        max_model_len: cap on one sequence's context (vLLM name); 0 = n_ctx_slot.
+        dtype: weight/activation dtype: "auto" | "float32" | "bfloat16" | "float16".
+            auto on CPU: float32 activations; Q4_0/Q4_1 weights kept packed
+            (int4 kernel for small batches, float32 copy for large ones), every
+            other type dequantized to float32. On CUDA: bfloat16.
+        int4_max_rows: batches with more rows than this use the float32 copy of
+            4-bit weights (0 = always the int4 kernel).
+        threads: torch intra-op threads (``-t``); 0 = all cores.
+        device: "auto" | "cpu" | "cuda".
+    """
+
+    n_ctx: int = 0
+    n_parallel: int = -1
+    kv_unified: bool | None = None
+    block_size: int = 16
+    kv_dtype: str = "f16"
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0
+    dtype: str = "auto"
+    int4_max_rows: int = 32
+    threads: int = 0
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.n_ctx < 0:
+            raise ValueError("n_ctx must be >= 0")
+        if self.n_parallel == 0 or self.n_parallel < -1:
+            raise ValueError("n_parallel must be -1 (auto) or >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.kv_dtype not in ("f16", "bf16", "f32"):
+            raise ValueError(f"unsupported KV cache type '{self.kv_dtype}' (f16, bf16, f32)")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype '{self.dtype}'")
+
+    @property
+    def n_slots(self) -> int:
+        return 4 if self.n_parallel == -1 else self.n_parallel
+
+    @property
+    def unified(self) -> bool:
+        return self.kv_unified if self.kv_unified is not None else self.n_parallel == -1
+
+    def resolve_n_ctx(self, n_ctx_train: int) -> int:
+        return self.n_ctx or n_ctx_train
+
+    def n_ctx_slot(self, n_ctx_train: int) -> int:
+        """Context of one sequence in tokens (llama-server ``n_ctx_slot``)."""
+        n = self.resolve_n_ctx(n_ctx_train)
+        per = n if self.unified else n // self.n_slots
+        if self.max_model_len:
+            per = min(per, self.max_model_len)
+        return per
+
+    def resolve_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def apply_threads(self) -> int:
+        import torch
+
+        n = self.threads or os.cpu_count() or 1
+        torch.set_num_threads(n)
+        return n

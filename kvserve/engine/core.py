@@ -1,0 +1,296 @@
+"""EngineCore: the synchronous engine. ``step()`` = schedule, execute, update.
+
+Not thread-safe: one thread owns it (AsyncEngine's engine thread, or the
+caller of ``kvserve.LLM``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvserve.config import EngineConfig
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.request import (
+    ContextSizeExceededError,
+    InvalidRequestError,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    Timings,
+    TokenLogprob,
+    TopLogprob,
+)
+from kvserve.engine.runner import ModelRunner, StepResult
+from kvserve.engine.sampler import SampleResult, SequenceSampler
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.loaders.weights import LoadedModel
+from kvserve.models.registry import build_model
+
+log = logging.getLogger("kvserve.engine")
+
+
+@dataclass
+class _SeqState:
+    """Per-request objects that live beside the Request: sampler and detokenizer."""
+
+    sampler: SequenceSampler
+    detok: IncrementalDetokenizer
+    prompt_logprobs: list = field(default_factory=list)
+    sent_prompt_logprobs: bool = False
+
+
+@dataclass
+class EngineStats:
+    """Counters since start (Prometheus counters) and current gauges."""
+
+    prompt_tokens_total: int = 0  # processed (not cached) prompt tokens
+    prompt_tokens_cached_total: int = 0
+    tokens_predicted_total: int = 0
+    prompt_seconds_total: float = 0.0
+    tokens_predicted_seconds_total: float = 0.0
+    n_decode_total: int = 0  # model steps
+    n_busy_slots_total: int = 0  # sum over steps of sequences in the step
+    n_tokens_max: int = 0
+    requests_finished: int = 0
+    num_preemptions: int = 0
+
+
+class EngineCore:
+    """Paged-KV continuous-batching engine for one model.
+
+    Args:
+        loaded: the LoadedModel (weights, tokenizer...).
+        config: EngineConfig (n_ctx, slots, KV dtype, ...).
+
+    Attributes:
+        n_ctx: total KV context (tokens); n_ctx_slot: one sequence's context.
+        tokenizer, model_info, model_config.
+    """
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig):
+        self.config = config
+        self.threads = config.apply_threads()
+        self.tokenizer = loaded.tokenizer
+        self.model_info = loaded.info
+        self.model_config = loaded.config
+        self.chat_template = loaded.chat_template
+        self.n_ctx = config.resolve_n_ctx(loaded.config.n_ctx_train)
+        self.n_ctx_slot = config.n_ctx_slot(loaded.config.n_ctx_train)
+        self.n_slots = config.n_slots
+        bs = config.block_size
+        # the pool holds n_ctx tokens plus one partial block per sequence
+        num_blocks = -(-self.n_ctx // bs) + self.n_slots
+        self.model = build_model(loaded, config, max_positions=max(self.n_ctx_slot, self.n_ctx) + bs)
+        self.device = self.model.device
+        self.kv = KVCacheManager(num_blocks, bs)
+        self.runner = ModelRunner(self.model, num_blocks, bs, config.kv_dtype, self.device)
+        self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens)
+        self.stats = EngineStats()
+        self._states: dict[str, _SeqState] = {}
+        self._pending: list[RequestOutput] = []
+        self.last_step_chunks: list[tuple[str, int, int]] = []  # (request_id, start, n) of the last step
+
+    # -- requests ----------------------------------------------------------------
+
+    def validate(self, request: Request) -> None:
+        """Raise InvalidRequestError / ContextSizeExceededError before scheduling."""
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty: at least one token is required")
+        nv = self.model_config.n_vocab
+        bad = next((t for t in request.prompt_token_ids if not 0 <= t < nv), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is out of range (vocabulary size {nv})")
+        need = n + max(request.params.n_predict, 0)
+        if n >= self.n_ctx_slot or need > self.n_ctx_slot:
+            raise ContextSizeExceededError(n, self.n_ctx_slot)
+
+    def add_request(self, request: Request) -> None:
+        """Validate and queue a request (raises InvalidRequestError subclasses)."""
+        self.validate(request)
+        if request.request_id in self._states:
+            raise InvalidRequestError(f"duplicate request id {request.request_id}")
+        if not request.eog_token_ids:
+            request.eog_token_ids = frozenset(self.tokenizer.eog_token_ids)
+        sampler = SequenceSampler(request.params, self.model_config.n_vocab, request.eog_token_ids,
+                                  self._piece_text)
+        self._states[request.request_id] = _SeqState(sampler, IncrementalDetokenizer(self.tokenizer, request.params.stop))
+        self.scheduler.add(request)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now; its blocks are freed at once and a final output is queued."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return
+        req.stop_type = "abort"
+        self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self._pending.append(self._output(req, [], "", None, finished=True))
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the step ----------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration: schedule, execute, update. Returns the outputs it produced."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions += len(sched.preempted)
+        if not sched.chunks:
+            return outputs
+        now = time.monotonic()
+        for ch in sched.chunks:
+            if ch.request.first_scheduled_time is None:
+                ch.request.first_scheduled_time = now
+        self.last_step_chunks = [(c.request.request_id, c.request.num_computed_tokens, c.num_new_tokens)
+                                 for c in sched.chunks]
+        result = self.runner.execute(sched, self.kv, {c.request.request_id: self._states[c.request.request_id].sampler
+                                                      for c in sched.chunks})
+        outputs.extend(self._update(sched, result))
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        now = time.monotonic()
+        st = self.stats
+        st.n_decode_total += 1
+        st.n_busy_slots_total += len(sched.chunks)
+        outs = []
+        for ch, sample, plp in zip(sched.chunks, result.samples, result.prompt_logprobs):
+            req = ch.request
+            start = req.num_computed_tokens
+            self.kv.record_tokens(req.request_id, start, [req.token_at(p) for p in range(start, start + ch.num_new_tokens)])
+            req.num_computed_tokens += ch.num_new_tokens
+            state = self._states[req.request_id]
+            if plp is not None:
+                state.prompt_logprobs.append(plp)
+            if start < req.num_prompt_tokens and req.num_preemptions == 0:
+                st.prompt_tokens_total += min(ch.num_new_tokens, req.num_prompt_tokens - start)
+            if sample is None:
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = 0
+                st.prompt_seconds_total += now - (req.first_scheduled_time or now)
+            out = self._accept(req, state, sample, now)
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def _accept(self, req: Request, state: _SeqState, sample: SampleResult, now: float) -> RequestOutput | None:
+        """Apply one sampled token: stop checks, detokenize, build the output event."""
+        p = req.params
+        if p.n_predict == 0:
+            req.stop_type = "limit"
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
+            return self._output(req, [], state.detok.flush(), None, finished=True)
+        tok = sample.token_id
+        req.output_token_ids.append(tok)
+        self.stats.tokens_predicted_total += 1
+        logprobs = [self._token_logprob(sample)] if p.n_probs > 0 else None
+        text = ""
+        finished = False
+        if tok in req.eog_token_ids and not p.ignore_eos:
+            req.stop_type = "eos"
+            finished = True
+        else:
+            text, stop = state.detok.add(tok)
+            if stop is not None:
+                req.stop_type, req.stopping_word = "word", stop
+                finished = True
+            elif (p.n_predict > 0 and len(req.output_token_ids) >= p.n_predict) or req.num_tokens >= self.n_ctx_slot:
+                req.stop_type = "limit"
+                finished = True
+        if finished:
+            if req.stop_type != "word":
+                text += state.detok.flush()
+            status = RequestStatus.FINISHED_LENGTH if req.stop_type == "limit" else RequestStatus.FINISHED_STOPPED
+            self._finish(req, status)
+        return self._output(req, [tok], text, logprobs, finished)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.finish_time = time.monotonic()
+        st = self.stats
+        st.n_tokens_max = max(st.n_tokens_max, req.num_tokens)
+        st.requests_finished += 1
+        if req.first_token_time is not None:
+            st.tokens_predicted_seconds_total += req.finish_time - req.first_token_time
+        self.scheduler.finish(req, status)
+
+    # -- outputs -----------------------------------------------------------------
+
+    def _piece_text(self, tok: int) -> str:
+        return self.tokenizer.token_bytes(tok).decode("utf-8", errors="replace")
+
+    def _token_logprob(self, s: SampleResult) -> TokenLogprob:
+        top = [TopLogprob(i, self._piece_text(i), list(self.tokenizer.token_bytes(i)), lp) for i, lp in (s.top or [])]
+        return TokenLogprob(s.token_id, self._piece_text(s.token_id), list(self.tokenizer.token_bytes(s.token_id)),
+                            s.logprob, top)
+
+    def _timings(self, req: Request) -> Timings:
+        cached = max(req.num_cached_tokens, 0)
+        t = Timings(cache_n=cached, prompt_n=req.num_prompt_tokens - cached, predicted_n=len(req.output_token_ids))
+        if req.first_scheduled_time is not None and req.first_token_time is not None:
+            t.prompt_ms = (req.first_token_time - req.first_scheduled_time) * 1e3
+            end = req.finish_time or time.monotonic()
+            t.predicted_ms = (end - req.first_token_time) * 1e3
+        return t
+
+    def _output(self, req: Request, toks: list[int], text: str, logprobs, finished: bool) -> RequestOutput:
+        state = self._states.get(req.request_id)
+        plp = None
+        if state is not None and req.params.prompt_logprobs is not None and not state.sent_prompt_logprobs \
+                and (toks or finished):
+            plp = self._prompt_logprobs(req, state)
+            state.sent_prompt_logprobs = True
+        out = RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=toks,
+            text=text,
+            logprobs=logprobs,
+            prompt_logprobs=plp,
+            finished=finished,
+            stop_type=req.stop_type if finished else "none",
+            stopping_word=req.stopping_word if finished else "",
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=len(req.output_token_ids),
+            timings=self._timings(req),
+            truncated=finished and req.stop_type == "limit" and req.num_tokens >= self.n_ctx_slot,
+        )
+        if finished:
+            self._states.pop(req.request_id, None)
+        return out
+
+    def _prompt_logprobs(self, req: Request, state: _SeqState) -> list[TokenLogprob | None]:
+        """First prompt token has no logprob (None), then one entry per prompt token."""
+        res: list[TokenLogprob | None] = [None]
+        for lp, top_ids, top_lps in state.prompt_logprobs:
+            base = len(res)
+            for j in range(lp.shape[0]):
+                tok = req.prompt_token_ids[base + j]
+                top = [TopLogprob(int(i), self._piece_text(int(i)), list(self.tokenizer.token_bytes(int(i))), float(v))
+                       for i, v in zip(top_ids[j].tolist(), top_lps[j].tolist())]
+                res.append(TokenLogprob(tok, self._piece_text(tok), list(self.tokenizer.token_bytes(tok)),
+                                        float(lp[j]), top))
+        return res
+
+
+def create_engine_core(model: str, config: EngineConfig | None = None) -> EngineCore:
+    """Load ``model`` (a .gguf path, an HF directory or a cached name) and build an EngineCore."""
+    from kvserve.models.registry import load_files
+    from kvserve.store import resolve_model
+
+    path = resolve_model(model, pull_missing=True)
+    return EngineCore(load_files(path), config or EngineConfig())

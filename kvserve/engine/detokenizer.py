@@ -1,0 +1,149 @@
+"""Incremental, UTF-8-safe detokenizer with stop-string hold-back.
+
+One :class:`IncrementalDetokenizer` per generated sequence. The engine feeds it each
+generated token id; it returns the text that is safe to send now:
+
+* UTF-8 safety: a token's piece may end in the middle of a multi-byte character (byte-level
+  BPE vocabularies split rare characters over several tokens). Those bytes are kept until the
+  character is complete, then the whole character is emitted; U+FFFD never appears for a split
+  character. Bytes that can never form a character (invalid UTF-8 from the model) become
+  U+FFFD at once, as Python's and llama-server's JSON output do.
+* Stop strings: any suffix of the pending text that is a prefix of a stop string is held back,
+  so a partial stop string never leaks, also when it spans tokens. When a stop string
+  matches, the text before it is emitted and the stop string and anything after it are not
+  (llama-server ``stop`` / vLLM ``stop`` with ``include_stop_str_in_output=False``). When
+  several stop strings match, the one starting earliest wins; on a tie, the first listed
+  (llama-server ``find_stopping_strings``).
+* Control tokens (``<|im_end|>``...) contribute no text, as in llama-server's output;
+  user-defined tokens contribute their text.
+
+End of generation: :meth:`flush` returns the held-back partial stop text. If generation ended
+in the middle of a character, the incomplete trailing bytes are dropped (not emitted as
+U+FFFD) — a documented difference from llama-server, which would send U+FFFD.
+"""
+
+from __future__ import annotations
+
+import codecs
+from typing import Protocol
+
+__all__ = ["IncrementalDetokenizer"]
+
+
+class _TokenBytes(Protocol):
+    def token_bytes(self, token_id: int, special: bool = True) -> bytes: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into UTF-8-safe text deltas, honouring stop strings.
+
+    Args:
+        tokenizer: anything with ``token_bytes(id, special) -> bytes``
+            (:class:`kvserve.loaders.tokenizer.Tokenizer`).
+        stop: stop strings (empty strings are ignored).
+        include_control: render control tokens' text (default False: they add no text,
+            as in llama-server's generated content).
+
+    Attributes:
+        stop_string: the stop string that matched, or None.
+        finished: True once a stop string matched or :meth:`flush` was called; later
+            :meth:`add` calls return ``("", None)``.
+    """
+
+    __slots__ = ("_tok", "_stops", "_max_hold", "_special", "_decoder", "_held", "_parts",
+                 "stop_string", "finished")
+
+    def __init__(self, tokenizer: _TokenBytes, stop: tuple[str, ...] = (), include_control: bool = False):
+        self._tok = tokenizer
+        self._stops: tuple[str, ...] = tuple(s for s in stop if s)
+        self._max_hold = max((len(s) for s in self._stops), default=1) - 1
+        self._special = include_control
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = ""  # decoded text not emitted yet (a possible stop-string prefix)
+        self._parts: list[str] = []
+        self.stop_string: str | None = None
+        self.finished = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (the concatenation of every returned delta)."""
+        if len(self._parts) > 1:
+            self._parts[:] = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    @property
+    def pending_text(self) -> str:
+        """Text decoded but held back (a possible stop-string prefix); not yet emitted."""
+        return self._held
+
+    def add(self, token_id: int) -> tuple[str, str | None]:
+        """Feed one generated token.
+
+        Returns:
+            (delta, stop): ``delta`` is new text safe to emit (may be ""); ``stop`` is the
+            stop string that matched with this token, else None. After a match the
+            detokenizer is finished and ignores further tokens.
+
+        Raises:
+            IndexError: token id outside the vocabulary.
+        """
+        if self.finished:
+            return "", None
+        piece = self._tok.token_bytes(token_id, self._special)
+        if not piece:
+            return "", None
+        new = self._decoder.decode(piece)
+        if not new:
+            return "", None
+        s = self._held + new
+        if not self._stops:
+            self._held = ""
+            self._parts.append(s)
+            return s, None
+        # Full match: any match overlaps the new text (earlier text had none, and every
+        # possible match start was held back), so searching held + new is enough.
+        best_pos = -1
+        best_stop: str | None = None
+        for st in self._stops:
+            pos = s.find(st)
+            if pos >= 0 and (best_pos < 0 or pos < best_pos):
+                best_pos, best_stop = pos, st
+        if best_stop is not None:
+            out = s[:best_pos]
+            self._held = ""
+            self.stop_string = best_stop
+            self.finished = True
+            if out:
+                self._parts.append(out)
+            return out, best_stop
+        hold = self._hold_len(s)
+        out = s[: len(s) - hold]
+        self._held = s[len(s) - hold:]
+        if out:
+            self._parts.append(out)
+        return out, None
+
+    def _hold_len(self, s: str) -> int:
+        """Length of the longest suffix of ``s`` that is a proper prefix of some stop string."""
+        best = 0
+        n = min(len(s), self._max_hold)
+        for st in self._stops:
+            for k in range(min(n, len(st) - 1), best, -1):
+                if s.endswith(st[:k]):
+                    best = k
+                    break
+        return best
+
+    def flush(self) -> str:
+        """End of generation: return the held-back text (a stop-string prefix that never
+        completed). Incomplete UTF-8 bytes at the very end are dropped, never emitted as
+        U+FFFD. Returns "" after a stop-string match. Idempotent."""
+        if self.finished:
+            return ""
+        self.finished = True
+        out = self._held
+        self._held = ""
+        self._decoder.reset()
+        if out:
+            self._parts.append(out)
+        return out

@@ -1,0 +1,319 @@
+"""The engine's request and output types: what a face hands in and what it gets back.
+
+A face (llama-server, OpenAI, Ollama dialect) translates its JSON into one
+:class:`Request` (token ids + :class:`SamplingParams`) and consumes a stream of
+:class:`RequestOutput` events. Nothing here knows about HTTP or chat.
+
+Thread-safety: a ``Request`` is owned by the engine thread once submitted; faces
+only read the ``RequestOutput`` objects they receive (those are never mutated
+after being sent).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+#: llama.cpp's "pick a random seed" value (0xFFFFFFFF).
+SEED_RANDOM = 4294967295
+
+#: llama.cpp's default sampler order (``/props`` ``samplers``).
+DEFAULT_SAMPLERS = (
+    "penalties",
+    "dry",
+    "top_n_sigma",
+    "top_k",
+    "typ_p",
+    "top_p",
+    "min_p",
+    "xtc",
+    "temperature",
+)
+
+#: llama.cpp's default DRY sequence breakers.
+DEFAULT_DRY_BREAKERS = ("\n", ":", '"', "*")
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses before scheduling (HTTP 400 in every face)."""
+
+
+class ContextSizeExceededError(InvalidRequestError):
+    """Prompt plus n_predict cannot fit in one sequence's context.
+
+    Carries ``n_prompt_tokens`` and ``n_ctx`` (tokens), which llama-server's
+    ``exceed_context_size_error`` envelope reports.
+    """
+
+    def __init__(self, n_prompt_tokens: int, n_ctx: int):
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
+        super().__init__(
+            f"request ({n_prompt_tokens} tokens) exceeds the available context size "
+            f"({n_ctx} tokens), try increasing it"
+        )
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request generation parameters, llama.cpp names and defaults.
+
+    Defaults follow llama-server's ``/props`` ``default_generation_settings``
+    (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, repeat_last_n 64, ...).
+
+    Attributes (units in brackets):
+        n_predict: max tokens to generate; -1 = until the context is full.
+        temperature: <= 0 means greedy (argmax), as in llama.cpp.
+        seed: RNG seed; ``SEED_RANDOM`` (4294967295) picks a random one.
+        logit_bias: token id -> additive bias; ``float('-inf')`` bans the token.
+            Faces resolve string keys / ``false`` before building the request.
+        samplers: order of the sampler chain (names as in ``DEFAULT_SAMPLERS``).
+        stop: stop strings; the matched string is not part of the output text.
+        ignore_eos: keep generating past end-of-generation tokens (they are
+            banned, as llama.cpp does).
+        min_tokens: end-of-generation tokens are banned until this many tokens
+            were generated.
+        n_probs: number of top candidates to report per generated token (0 = off).
+        post_sampling_probs: report probabilities after the sampler chain
+            (llama.cpp ``post_sampling_probs``) instead of the raw softmax.
+        prompt_logprobs: when not None, logprobs of each prompt token (and this
+            many top candidates) are computed; costs logits for every position.
+        cache_prompt: allow reuse of cached KV for the prompt (prefix cache).
+
+    Raises:
+        InvalidRequestError: from ``__post_init__`` on out-of-range values.
+    """
+
+    n_predict: int = -1
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_DRY_BREAKERS
+    samplers: tuple[str, ...] = DEFAULT_SAMPLERS
+    seed: int = SEED_RANDOM
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    n_probs: int = 0
+    post_sampling_probs: bool = False
+    prompt_logprobs: int | None = None
+    cache_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n_predict < -1:
+            raise InvalidRequestError("n_predict must be >= -1")
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k must be >= 0")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise InvalidRequestError("top_p must be in [0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p must be in [0, 1]")
+        if self.n_probs < 0:
+            raise InvalidRequestError("n_probs must be >= 0")
+        if self.min_tokens < 0:
+            raise InvalidRequestError("min_tokens must be >= 0")
+        if self.repeat_last_n < -1:
+            raise InvalidRequestError("repeat_last_n must be >= -1")
+        if not 0 <= self.seed <= SEED_RANDOM:
+            raise InvalidRequestError("seed must be in [0, 4294967295]")
+        self.stop = tuple(s for s in self.stop if s)
+        self.samplers = tuple(self.samplers)
+        self.dry_sequence_breakers = tuple(self.dry_sequence_breakers)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature <= 0)."""
+        return self.temperature <= 0.0
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that ``status > RequestStatus.PREEMPTED`` means finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3  # eos or stop word
+    FINISHED_LENGTH = 4  # n_predict or context full
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+@dataclass(slots=True)
+class TopLogprob:
+    """One candidate token: id, its text piece, UTF-8 bytes and natural-log probability."""
+
+    id: int
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Logprob of a generated (or prompt) token plus its top candidates.
+
+    With ``post_sampling_probs`` the values are probabilities after the sampler
+    chain (still stored as natural logs; ``-inf`` when filtered out).
+    """
+
+    id: int
+    token: str
+    bytes: list[int]
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+
+@dataclass(slots=True)
+class Timings:
+    """llama-server's ``timings`` object (ms and token counts).
+
+    ``predicted_per_token_ms`` divides by decode steps (generated tokens minus
+    one): the first token comes from the prefill logits (llama-server's
+    ``n_gen_steps``).
+    """
+
+    cache_n: int = 0
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+
+    def to_dict(self) -> dict:
+        """The JSON shape llama-server returns (per-token and per-second rates derived)."""
+        steps = max(self.predicted_n - 1, 1) if self.predicted_n > 1 else max(self.predicted_n, 1)
+        prompt_n = max(self.prompt_n, 1)
+        return {
+            "cache_n": self.cache_n,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_ms / prompt_n,
+            "prompt_per_second": (1e3 * self.prompt_n / self.prompt_ms) if self.prompt_ms > 0 else 0.0,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_ms / steps,
+            "predicted_per_second": (1e3 * steps / self.predicted_ms) if self.predicted_ms > 0 else 0.0,
+        }
+
+
+@dataclass(slots=True)
+class Request:
+    """Everything the engine needs for one sequence, and its whole state.
+
+    The scheduler moves it between queues; the KV cache manager owns its block
+    table (looked up by ``request_id``). Faces build it and never touch it again.
+
+    Attributes:
+        request_id: unique string.
+        prompt_token_ids: the prompt (list[int], token ids).
+        params: SamplingParams.
+        eog_token_ids: end-of-generation token ids (eos + template end-of-turn).
+        grammar: optional constraint object with ``accept_token(id)``,
+            ``fill_mask(mask)`` and ``is_terminated()`` (structured outputs issue).
+        priority_slot: llama-server ``id_slot`` (-1 = any); used by the serving layer.
+        cache_salt: extra key for the prefix cache (vLLM ``cache_salt``).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    eog_token_ids: frozenset[int] = frozenset()
+    grammar: object | None = None
+    priority_slot: int = -1
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # --- engine-owned state below ---
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling (-1 = not scheduled yet)
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    stop_type: str = "none"
+    stopping_word: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens (what must be in the KV cache to sample the next one)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One event of a request's output stream (one per engine step that produced something).
+
+    Attributes:
+        request_id: the request's id.
+        new_token_ids: tokens generated in this step (usually one).
+        text: new text, UTF-8 safe (never half a character, never a partial
+            stop string).
+        logprobs: one entry per new token when ``n_probs`` > 0, else None.
+        prompt_logprobs: on the first event only, when asked for.
+        finished: last event of this request.
+        stop_type: "none" while running, then "eos" | "limit" | "word" | "abort".
+        stopping_word: the stop string that ended generation (stop_type "word").
+        finish_reason: OpenAI's name: None, "stop", "length" or "abort".
+        num_prompt_tokens: prompt length in tokens.
+        num_cached_tokens: prompt tokens reused from the KV cache (cache_n).
+        num_output_tokens: tokens generated so far.
+        timings: llama-server timings so far.
+        truncated: prompt plus output hit the context limit.
+        error: message when the engine failed this request (finished is True).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finished: bool = False
+    stop_type: str = "none"
+    stopping_word: str = ""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    timings: Timings = field(default_factory=Timings)
+    truncated: bool = False
+    error: str | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        if not self.finished:
+            return None
+        return {"eos": "stop", "word": "stop", "limit": "length"}.get(self.stop_type, self.stop_type)

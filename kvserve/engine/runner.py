@@ -1,0 +1,182 @@
+"""ModelRunner: the only code that touches devices.
+
+It owns the KV tensors, turns a :class:`SchedulerOutput` into one flat batch
+(token ids, positions, cache rows, attention groups), runs the model and
+samples the next token of every sequence whose known tokens are all cached
+after this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.sampler import SampleResult, SequenceSampler, compute_logprobs, sample_batch
+from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.models.llama import AttentionBatch, LlamaModel, PrefillGroup
+
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Per scheduled chunk (same order): the sampled token (None when the chunk
+    did not complete the sequence) and, when asked for, prompt logprobs of the
+    chunk's tokens as (logprob [n], top ids [n, k], top logprobs [n, k]) tensors
+    for positions start+1 .. start+n (the logprob of token i+1 given tokens
+    <= i)."""
+
+    samples: list[SampleResult | None]
+    prompt_logprobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
+
+
+class ModelRunner:
+    """Runs steps of the model over a paged KV cache.
+
+    Args:
+        model: LlamaModel.
+        num_blocks, block_size: KV pool geometry (blocks, tokens per block).
+        kv_dtype: "f32" | "f16" | "bf16" (llama-server ``-ctk``/``-ctv`` names).
+        device: torch device of the model.
+
+    Memory: 2 * n_layer * num_blocks * block_size * n_head_kv * head_dim *
+    sizeof(kv_dtype) bytes.
+    """
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: str = "f16",
+                 device: str | torch.device = "cpu"):
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unsupported KV cache type '{kv_dtype}' (use one of {', '.join(KV_DTYPES)})")
+        self.model = model
+        self.device = torch.device(device)
+        self.block_size = block_size
+        c = model.config
+        rows = num_blocks * block_size
+        dt = KV_DTYPES[kv_dtype]
+        self.kv_caches = [
+            (torch.zeros(rows, c.n_head_kv, c.head_dim, dtype=dt, device=self.device),
+             torch.zeros(rows, c.n_head_kv, c.head_dim, dtype=dt, device=self.device))
+            for _ in range(c.n_layer)
+        ]
+        self.kv_bytes = 2 * c.n_layer * rows * c.n_head_kv * c.head_dim * torch.tensor([], dtype=dt).element_size()
+
+    def _rows(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        """Cache rows of positions [start, end) for a block table: [end-start] long."""
+        bs = self.block_size
+        bt = torch.tensor(table[start // bs: (end - 1) // bs + 1], dtype=torch.long)
+        rows = (bt[:, None] * bs + torch.arange(bs)).flatten()
+        off = start - (start // bs) * bs
+        return rows[off: off + end - start]
+
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager, samplers: dict[str, SequenceSampler]) -> StepResult:
+        """Run one step; return the sampled tokens per chunk (see StepResult)."""
+        chunks = sched.chunks
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new_tokens != 1)  # decodes first
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        n_decode = 0
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        prefills: list[PrefillGroup] = []
+        row_of: dict[int, int] = {}  # chunk index -> last row in batch
+        plp_rows: dict[int, tuple[int, int]] = {}
+        t = 0
+        for ci in order:
+            ch = chunks[ci]
+            req = ch.request
+            s, n = req.num_computed_tokens, ch.num_new_tokens
+            table = kv.block_table(req.request_id)
+            toks = [req.token_at(p) for p in range(s, s + n)]
+            ids.extend(toks)
+            pos.append(torch.arange(s, s + n))
+            slots.append(self._rows(table, s, s + n))
+            if n == 1:
+                n_decode += 1
+                dec_tables.append(table)
+                dec_lens.append(s + 1)
+            else:
+                kv_index = None if s == 0 else self._rows(table, 0, s + n).to(self.device)
+                prefills.append(PrefillGroup(t, t + n, s, kv_index))
+            row_of[ci] = t + n - 1
+            if req.params.prompt_logprobs is not None and s < req.num_prompt_tokens:
+                plp_rows[ci] = (t, t + n)
+            t += n
+        batch = AttentionBatch(
+            positions=torch.cat(pos).to(self.device),
+            slot_mapping=torch.cat(slots).to(self.device),
+            n_decode=n_decode,
+            prefills=prefills,
+        )
+        if n_decode:
+            L = max(dec_lens)
+            nb = -(-L // self.block_size)
+            bt = torch.zeros(n_decode, nb, dtype=torch.long)
+            for i, tb in enumerate(dec_tables):
+                m = min(len(tb), nb)
+                bt[i, :m] = torch.tensor(tb[:m])
+            rows = (bt[:, :, None] * self.block_size + torch.arange(self.block_size)).view(n_decode, -1)[:, :L]
+            lens = torch.tensor(dec_lens)
+            batch.decode_kv_index = rows.to(self.device)
+            batch.decode_mask = (torch.arange(L)[None, :] < lens[:, None]).view(n_decode, 1, 1, L).to(self.device)
+        # rows that need logits: last row of completing chunks, all rows for prompt logprobs
+        need: list[int] = []
+        sample_ci = [ci for ci in range(len(chunks)) if chunks[ci].completes]
+        for ci in sample_ci:
+            need.append(row_of[ci])
+        plp_off: dict[int, int] = {}
+        for ci, (a, b) in plp_rows.items():
+            plp_off[ci] = len(need)
+            need.extend(range(a, b))
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        logits = self.model(input_ids, batch, self.kv_caches,
+                            torch.tensor(need, dtype=torch.long, device=self.device))
+        samples: list[SampleResult | None] = [None] * len(chunks)
+        if sample_ci:
+            reqs = [chunks[ci].request for ci in sample_ci]
+            res = sample_batch(
+                logits[: len(sample_ci)],
+                [samplers[r.request_id] for r in reqs],
+                [_History(r) for r in reqs],
+                [len(r.output_token_ids) for r in reqs],
+                [getattr(r.grammar, "mask", lambda: None)() if r.grammar is not None else None for r in reqs],
+            )
+            for ci, r in zip(sample_ci, res):
+                samples[ci] = r
+        plps: list = [None] * len(chunks)
+        for ci, off in plp_off.items():
+            ch = chunks[ci]
+            req = ch.request
+            s, n = req.num_computed_tokens, ch.num_new_tokens
+            # logits at position p predict token p+1; keep those inside the prompt
+            m = min(n, req.num_prompt_tokens - 1 - s)
+            if m <= 0:
+                continue
+            targets = torch.tensor([req.token_at(p + 1) for p in range(s, s + m)], dtype=torch.long)
+            plps[ci] = compute_logprobs(logits[off: off + m].cpu(), targets, max(req.params.prompt_logprobs, 0))
+        return StepResult(samples, plps)
+
+
+class _History:
+    """Read-only sequence view of prompt + generated tokens (no list copy per step)."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req):
+        self.req = req
+
+    def __len__(self) -> int:
+        return self.req.num_tokens
+
+    def __getitem__(self, i):
+        r = self.req
+        if isinstance(i, slice):
+            return r.all_token_ids[i]
+        if i < 0:
+            i += r.num_tokens
+        return r.token_at(i)
+
+    def __iter__(self):
+        return iter(self.req.all_token_ids)

@@ -1,0 +1,325 @@
+"""GGUF loader: metadata, tensors and tokenizer through the ``gguf`` package.
+
+Quantized tensors: Q4_0 and Q4_1 are kept packed (converted to torch's int4
+layout by the model); every other type the ``gguf`` package can dequantize
+(F32, F16, BF16, Q8_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ*) becomes float32 at load.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvserve.loaders.weights import (
+    LoadedModel,
+    ModelConfig,
+    ModelInfo,
+    ModelLoadError,
+    Weight,
+    check_tensors,
+    unpermute_qk_order,
+)
+
+# llama.cpp's llama_model_ftype_name texts, by general.file_type.
+_FTYPE_NAMES = {
+    0: "all F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1",
+    10: "Q2_K - Medium", 11: "Q3_K - Small", 12: "Q3_K - Medium", 13: "Q3_K - Large",
+    14: "Q4_K - Small", 15: "Q4_K - Medium", 16: "Q5_K - Small", 17: "Q5_K - Medium",
+    18: "Q6_K", 32: "BF16",
+}
+
+
+GGUF_MAGIC = b"GGUF"
+# GGUF value types -> struct format (numbers) ; 8 = string, 9 = array
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NP_DTYPE = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+             7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+
+
+@dataclass(slots=True)
+class TensorInfo:
+    """One tensor's header entry: name, GGUF shape (innermost first), ggml type, absolute data offset."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int
+    n_bytes: int
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class _Cursor:
+    __slots__ = ("buf", "pos", "path")
+
+    def __init__(self, buf, path):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def need(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise ModelLoadError(f"{self.path}: truncated GGUF header (file ends at byte {len(self.buf)})")
+
+    def scalar(self, vtype: int):
+        fmt = _SCALAR_FMT[vtype]
+        n = struct.calcsize(fmt)
+        self.need(n)
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += n
+        return v
+
+    def string(self) -> str:
+        n = self.scalar(10)
+        self.need(n)
+        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def value(self, vtype: int):
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            etype = self.scalar(4)
+            count = self.scalar(10)
+            if etype == 8:
+                return [self.string() for _ in range(count)]
+            if etype in _NP_DTYPE:
+                dt = np.dtype(_NP_DTYPE[etype])
+                self.need(count * dt.itemsize)
+                arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos)
+                self.pos += count * dt.itemsize
+                return arr.tolist()
+            return [self.value(etype) for _ in range(count)]
+        if vtype not in _SCALAR_FMT:
+            raise ModelLoadError(f"{self.path}: unknown GGUF value type {vtype}")
+        return self.scalar(vtype)
+
+
+def read_gguf_header(path: str) -> tuple[dict, list[TensorInfo]]:
+    """Parse a GGUF file's metadata and tensor table.
+
+    We parse the header ourselves because gguf.GGUFReader builds a numpy view
+    per vocabulary string and takes ~5 s on a 49k-token vocabulary; tensor
+    data is still decoded with the ``gguf`` package.
+
+    Returns (metadata: key -> Python value, tensors). Raises ModelLoadError on a
+    bad magic, unsupported version or a truncated file.
+    """
+    import mmap
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        if size < 24:
+            raise ModelLoadError(f"{path}: not a GGUF file (only {size} bytes)")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    cur = _Cursor(buf, path)
+    cur.need(4)
+    if bytes(buf[0:4]) != GGUF_MAGIC:
+        raise ModelLoadError(f"{path}: not a GGUF file (bad magic {bytes(buf[0:4])!r})")
+    cur.pos = 4
+    version = cur.scalar(4)
+    if version not in (2, 3):
+        raise ModelLoadError(f"{path}: unsupported GGUF version {version}")
+    n_tensors, n_kv = cur.scalar(10), cur.scalar(10)
+    md: dict = {"GGUF.version": version}
+    for _ in range(n_kv):
+        key = cur.string()
+        md[key] = cur.value(cur.scalar(4))
+    import gguf
+
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.scalar(4)
+        shape = tuple(cur.scalar(10) for _ in range(n_dims))
+        gtype = cur.scalar(4)
+        offset = cur.scalar(10)
+        try:
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(gtype)]
+        except (ValueError, KeyError):
+            raise ModelLoadError(f"{path}: tensor '{name}' has unknown ggml type {gtype}") from None
+        n_el = 1
+        for d in shape:
+            n_el *= d
+        infos.append(TensorInfo(name, shape, gtype, offset, n_el // block * type_size))
+    align = int(md.get("general.alignment", 32))
+    data_start = -(-cur.pos // align) * align
+    for t in infos:
+        t.offset += data_start
+        if t.offset + t.n_bytes > size:
+            raise ModelLoadError(
+                f"{path}: truncated GGUF: tensor '{t.name}' needs bytes up to {t.offset + t.n_bytes}, file has {size}"
+            )
+    return md, infos
+
+
+def config_from_metadata(md: dict, path: str) -> ModelConfig:
+    """Build a ModelConfig from GGUF metadata; ModelLoadError on missing keys."""
+    arch = md.get("general.architecture")
+    if arch is None:
+        raise ModelLoadError(f"{path}: GGUF has no general.architecture")
+
+    def get(key, default=None, required=True):
+        full = f"{arch}.{key}"
+        if full in md and md[full] is not None:
+            return md[full]
+        if required and default is None:
+            raise ModelLoadError(f"{path}: missing GGUF key '{full}'")
+        return default
+
+    tokens = md.get("tokenizer.ggml.tokens") or []
+    n_embd = int(get("embedding_length"))
+    n_head = int(get("attention.head_count"))
+    n_head_kv = get("attention.head_count_kv", n_head, required=False)
+    if isinstance(n_head_kv, list):
+        n_head_kv = n_head_kv[0]
+    head_dim = int(get("attention.key_length", n_embd // n_head, required=False))
+    scaling = None
+    stype = get("rope.scaling.type", "", required=False)
+    if stype and stype != "none":
+        scaling = {
+            "type": stype,
+            "factor": float(get("rope.scaling.factor", 1.0, required=False)),
+            "original_context_length": int(get("rope.scaling.original_context_length", 0, required=False)),
+        }
+    ff = get("feed_forward_length")
+    if isinstance(ff, list):
+        ff = ff[0]
+    return ModelConfig(
+        arch=arch,
+        n_layer=int(get("block_count")),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=int(n_head_kv),
+        n_ff=int(ff),
+        n_vocab=int(get("vocab_size", len(tokens), required=False) or len(tokens)),
+        head_dim=head_dim,
+        n_ctx_train=int(get("context_length")),
+        rope_freq_base=float(get("rope.freq_base", 10000.0, required=False)),
+        rope_scaling=scaling,
+        rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
+        qkv_bias=arch == "qwen2",
+    )
+
+
+def _q4_blocks(raw: np.ndarray, rows: int, cols: int, kind: str) -> Weight:
+    """Unpack GGUF Q4_0 / Q4_1 blocks (32 weights each) into nibbles and scales.
+
+    Q4_0 block: d (f16), 16 bytes; Q4_1 block: d (f16), m (f16), 16 bytes.
+    Byte j holds weight j in its low nibble and weight j+16 in its high nibble.
+    """
+    nb = cols // 32
+    bsize = 18 if kind == "Q4_0" else 20
+    blocks = np.asarray(raw).reshape(rows, nb, bsize)
+    d = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float32)[:, :, 0]
+    if kind == "Q4_1":
+        m = blocks[:, :, 2:4].copy().view(np.float16).astype(np.float32)[:, :, 0]
+        qs = blocks[:, :, 4:]
+        zero = m + 8.0 * d
+    else:
+        qs = blocks[:, :, 2:]
+        zero = np.zeros_like(d)
+    q = np.empty((rows, nb, 32), dtype=np.uint8)
+    q[:, :, :16] = qs & 0x0F
+    q[:, :, 16:] = qs >> 4
+    return Weight((rows, cols), q4=q.reshape(rows, cols), q4_scale=d, q4_zero=zero, source_type=kind)
+
+
+def _tensor_to_weight(t: TensorInfo, raw: np.ndarray) -> Weight:
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(t.ggml_type)
+    shape = tuple(int(x) for x in reversed(t.shape))  # torch layout
+    data = raw[t.offset: t.offset + t.n_bytes]
+    if qtype.name in ("Q4_0", "Q4_1") and len(shape) == 2:
+        return _q4_blocks(data, shape[0], shape[1], qtype.name)
+    if qtype == gguf.GGMLQuantizationType.F32:
+        arr = data.view(np.float32)
+    elif qtype == gguf.GGMLQuantizationType.F16:
+        arr = data.view(np.float16).astype(np.float32)
+    else:
+        data = data.reshape(-1, gguf.quants.quant_shape_to_byte_shape((shape[-1],), qtype)[0]) if len(shape) > 1 else data
+        try:
+            arr = gguf.quants.dequantize(data, qtype)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"tensor '{t.name}': quantization type {qtype.name} is not supported") from e
+    return Weight(shape, dense=np.ascontiguousarray(arr.reshape(shape), dtype=np.float32), source_type=qtype.name)
+
+
+def load_gguf(path: str | os.PathLike) -> LoadedModel:
+    """Load a GGUF model file (llama family).
+
+    Returns a LoadedModel whose weights use GGUF tensor names with Q/K rows in
+    HF order (see kvserve.loaders.weights).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ModelLoadError: not a GGUF / truncated, unknown architecture, missing
+            tensor or key, unsupported quantization or tokenizer.
+    """
+    from kvserve.loaders.tokenizer import Tokenizer
+
+    path = str(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model file not found: {path}")
+    md, infos = read_gguf_header(path)
+    config = config_from_metadata(md, path)
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    weights: dict[str, Weight] = {}
+    size = 0
+    n_params = 0
+    for t in infos:
+        size += t.n_bytes
+        n_params += t.n_elements
+        try:
+            weights[t.name] = _tensor_to_weight(t, raw)
+        except ValueError as e:
+            if isinstance(e, ModelLoadError):
+                raise
+            raise ModelLoadError(f"{path}: tensor '{t.name}' is truncated or malformed: {e}") from e
+    if "output.weight" not in weights:
+        config.tie_embeddings = True
+    if "token_embd.weight" in weights:
+        config.n_vocab = weights["token_embd.weight"].shape[0]
+    check_tensors(config, weights, path)
+    if config.arch in ("llama", "mistral"):
+        # llama.cpp's converter interleaved RoPE pairs in Q/K rows; restore HF order.
+        for i in range(config.n_layer):
+            for name, heads in (("attn_q", config.n_head), ("attn_k", config.n_head_kv)):
+                w = weights[f"blk.{i}.{name}.weight"]
+                order = unpermute_qk_order(w.shape[0], heads)
+                weights[f"blk.{i}.{name}.weight"] = w.permute_rows(order)
+                if f"blk.{i}.{name}.bias" in weights:
+                    b = weights[f"blk.{i}.{name}.bias"]
+                    weights[f"blk.{i}.{name}.bias"] = Weight(b.shape, dense=b.dense[order])
+    try:
+        tokenizer = Tokenizer.from_gguf(md)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot build tokenizer: {e}") from e
+    ftype = _FTYPE_NAMES.get(int(md.get("general.file_type", -1) or -1), "unknown")
+    if md.get("general.file_type") is None:
+        ftype = "unknown"
+    info = ModelInfo(
+        path=path,
+        name=str(md.get("general.name") or Path(path).stem),
+        format="gguf",
+        arch=config.arch,
+        ftype=ftype,
+        n_params=n_params,
+        size=size,
+        n_vocab=config.n_vocab,
+        n_ctx_train=config.n_ctx_train,
+        n_embd=config.n_embd,
+        vocab_type=getattr(tokenizer, "vocab_type", 2),
+        quantization_level=ftype.split(" ")[0] if ftype != "all F32" else "F32",
+        metadata={k: v for k, v in md.items() if not k.startswith("tokenizer.ggml.")},
+    )
+    return LoadedModel(config, info, weights, tokenizer, md.get("tokenizer.chat_template"))

@@ -1,0 +1,177 @@
+"""Format-neutral model description shared by the GGUF and safetensors loaders.
+
+A loader produces a :class:`ModelConfig` (hyper-parameters), a
+:class:`ModelInfo` (what ``/v1/models`` ``meta`` and ``/props`` report) and a
+dict of :class:`Weight` objects under kvserve's internal tensor names
+(llama.cpp's GGUF names: ``token_embd.weight``, ``blk.N.attn_q.weight``, ...).
+
+Q/K projection rows are always in the HF (half-split RoPE) layout here: the
+GGUF loader undoes llama.cpp's converter permutation for the llama
+architecture, so the model has one RoPE code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class ModelLoadError(ValueError):
+    """A model file or directory that cannot be loaded; the message names the problem."""
+
+
+#: Architectures of the llama family kvserve runs (GGUF ``general.architecture``).
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Hyper-parameters of one llama-family model.
+
+    Attributes:
+        arch: "llama" | "mistral" | "qwen2".
+        n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab: sizes (counts).
+        head_dim: per-head size (n_embd // n_head unless the file says otherwise).
+        n_ctx_train: training context (tokens).
+        rope_freq_base: RoPE theta.
+        rope_scaling: None or dict(type="linear"|"llama3"|"yarn", factor=..., ...).
+        rms_eps: RMSNorm epsilon.
+        qkv_bias: q/k/v projections carry biases (qwen2).
+        tie_embeddings: output head shares token_embd.weight.
+    """
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_vocab: int
+    head_dim: int
+    n_ctx_train: int
+    rope_freq_base: float = 10000.0
+    rope_scaling: dict | None = None
+    rms_eps: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ModelLoadError(
+                f"unknown model architecture '{self.arch}' (supported: {', '.join(SUPPORTED_ARCHS)})"
+            )
+        if self.n_head <= 0 or self.n_head_kv <= 0 or self.n_head % self.n_head_kv:
+            raise ModelLoadError(f"bad head counts: n_head={self.n_head}, n_head_kv={self.n_head_kv}")
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """Descriptive facts about the loaded model (``/v1/models`` meta, ``/props``).
+
+    size is bytes of tensor data in the file; ftype is llama.cpp's file-type
+    text (e.g. "Q4_1", "all F32"); vocab_type is llama.cpp's enum (1 SPM, 2 BPE).
+    """
+
+    path: str
+    name: str
+    format: str  # "gguf" | "safetensors"
+    arch: str
+    ftype: str
+    n_params: int
+    size: int
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    vocab_type: int = 2
+    quantization_level: str = ""
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Weight:
+    """One tensor, torch layout ([out, in] for matrices).
+
+    Either ``dense`` (float32 numpy array), or a 4-bit block format kept packed:
+    ``q4`` (uint8 [out, in] values 0..15) with ``q4_scale`` and ``q4_zero``
+    (float32 [out, in // 32]) such that ``w = (q - 8) * scale + zero``
+    (torch's int4pack convention; for GGUF Q4_1 ``scale = d``, ``zero = m + 8d``;
+    for Q4_0 ``scale = d``, ``zero = 0``).
+    """
+
+    shape: tuple[int, ...]
+    dense: np.ndarray | None = None
+    q4: np.ndarray | None = None
+    q4_scale: np.ndarray | None = None
+    q4_zero: np.ndarray | None = None
+    source_type: str = "F32"
+
+    def to_dense(self) -> np.ndarray:
+        """float32 array of ``shape`` (dequantized when packed)."""
+        if self.dense is not None:
+            return self.dense
+        out, inp = self.shape
+        q = self.q4.astype(np.float32).reshape(out, inp // 32, 32)
+        w = (q - 8.0) * self.q4_scale[:, :, None] + self.q4_zero[:, :, None]
+        return w.reshape(out, inp)
+
+    def permute_rows(self, order: np.ndarray) -> "Weight":
+        """The same weight with rows (output features) reordered by ``order``."""
+        if self.dense is not None:
+            return Weight(self.shape, dense=np.ascontiguousarray(self.dense[order]), source_type=self.source_type)
+        return Weight(
+            self.shape,
+            q4=np.ascontiguousarray(self.q4[order]),
+            q4_scale=np.ascontiguousarray(self.q4_scale[order]),
+            q4_zero=np.ascontiguousarray(self.q4_zero[order]),
+            source_type=self.source_type,
+        )
+
+
+def unpermute_qk_order(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that turns llama.cpp's converter layout of Q/K back into HF's.
+
+    llama.cpp's converter stores, per head, row (i, half) at position
+    ``i * 2 + half`` (interleaved pairs) where HF has ``half * hd/2 + i``.
+    Returns an index array ``order`` with ``hf_rows = gguf_rows[order]``.
+    """
+    hd = n_rows // n_head
+    idx = np.arange(n_rows).reshape(n_head, hd // 2, 2)  # gguf position of (h, i, half)
+    return idx.transpose(0, 2, 1).reshape(n_rows)  # (h, half, i) -> gguf position
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """Everything a loader returns: config, info, weights, tokenizer, chat template."""
+
+    config: ModelConfig
+    info: ModelInfo
+    weights: dict[str, Weight]
+    tokenizer: object
+    chat_template: str | None = None
+    generation_defaults: dict = field(default_factory=dict)
+
+
+REQUIRED_LAYER_TENSORS = (
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+)
+
+
+def check_tensors(config: ModelConfig, weights: dict[str, Weight], source: str) -> None:
+    """Raise ModelLoadError naming the first missing tensor."""
+    needed = ["token_embd.weight", "output_norm.weight"]
+    for i in range(config.n_layer):
+        needed += [f"blk.{i}.{n}" for n in REQUIRED_LAYER_TENSORS]
+        if config.qkv_bias:
+            needed += [f"blk.{i}.attn_{x}.bias" for x in "qkv"]
+    for name in needed:
+        if name not in weights:
+            raise ModelLoadError(f"{source}: missing tensor '{name}'")

@@ -1,0 +1,288 @@
+"""The llama family in torch: llama, SmolLM, Mistral-style and qwen2 (q/k/v biases).
+
+One forward pass takes a flat batch of tokens from several sequences (decodes
+and prompt chunks mixed, continuous batching) and reads/writes a paged KV cache
+through an :class:`AttentionBatch` built by the model runner. Logits are
+computed only for the rows the runner asks for.
+
+RoPE uses the half-split (HF / NEOX) layout; the GGUF loader restores HF row
+order for llama Q/K weights, so one code path serves GGUF and HF models.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.loaders.weights import ModelConfig, Weight
+
+
+@dataclass
+class PrefillGroup:
+    """One sequence's prompt chunk inside the flat batch.
+
+    Tokens ``[start, end)`` of the batch are this chunk; ``kv_index`` ([n_kv]
+    long) lists the cache rows of all of the sequence's tokens up to and
+    including the chunk (None when the chunk starts at position 0: attention
+    then uses the chunk's own K/V with a causal mask); ``n_past`` is the
+    number of tokens before the chunk.
+    """
+
+    start: int
+    end: int
+    n_past: int
+    kv_index: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionBatch:
+    """Where each token's K/V goes and what each query attends to.
+
+    Layout of the flat batch: the ``n_decode`` single-token queries first, then
+    the prefill chunks in order.
+
+    Attributes:
+        positions: [T] long, absolute positions (RoPE).
+        slot_mapping: [T] long, cache row (block * block_size + offset) per token.
+        n_decode: number of single-token queries at the front.
+        decode_kv_index: [n_decode, L] long, cache rows each decode query reads
+            (padded with row 0).
+        decode_mask: [n_decode, 1, 1, L] bool, True where a row is valid.
+        prefills: prompt chunks (see PrefillGroup).
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    n_decode: int = 0
+    decode_kv_index: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    prefills: list[PrefillGroup] = field(default_factory=list)
+
+
+def _int4_pack(w: Weight, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch int4pack weight and [K/32, N, 2] bf16 scales/zeros for _weight_int4pack_mm_for_cpu."""
+    q = torch.from_numpy(w.q4.astype("int32"))
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    sz = torch.stack(
+        [torch.from_numpy(w.q4_scale).t(), torch.from_numpy(w.q4_zero).t()], dim=-1
+    ).to(torch.bfloat16)
+    return packed.to(device), sz.contiguous().to(device)
+
+
+class Linear(nn.Module):
+    """y = x @ W.T (+ b), with W dense or int4-packed.
+
+    Args:
+        weights: row blocks concatenated along the output dimension (fused
+            q|k|v or gate|up); all dense or all 4-bit packed.
+        dtype: dtype of dense weights.
+        int4: keep 4-bit weights packed (CPU int4pack kernel, bfloat16
+            activations); else dequantize to ``dtype``.
+        int4_max_rows: with int4, batches of more rows than this use a dense
+            float32 copy (MKL sgemm beats the int4 kernel on large M).
+
+    Input x: [T, in] float; output [T, out] in x's dtype.
+    """
+
+    def __init__(self, weights: list[Weight], bias: list[Weight] | None, dtype, device, int4: bool,
+                 int4_max_rows: int = 0):
+        super().__init__()
+        packed = all(w.q4 is not None for w in weights)
+        self.int4 = bool(int4 and packed and torch.device(device).type == "cpu")
+        self.int4_max_rows = int4_max_rows
+        self.out_features = sum(w.shape[0] for w in weights)
+        self.in_features = weights[0].shape[1]
+        self.packed = self.scales = self.weight = None
+        if self.int4:
+            merged = Weight(
+                (self.out_features, self.in_features),
+                q4=_np_cat([w.q4 for w in weights]),
+                q4_scale=_np_cat([w.q4_scale for w in weights]),
+                q4_zero=_np_cat([w.q4_zero for w in weights]),
+            )
+            self.packed, self.scales = _int4_pack(merged, device)
+            if int4_max_rows:
+                self.weight = torch.from_numpy(merged.to_dense()).to(device=device, dtype=torch.float32)
+        else:
+            dense = _np_cat([w.to_dense() for w in weights])
+            self.weight = torch.from_numpy(dense).to(device=device, dtype=dtype)
+        self.bias = None
+        if bias is not None:
+            self.bias = torch.from_numpy(_np_cat([b.to_dense() for b in bias])).to(device=device, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 and (self.weight is None or x.shape[0] <= self.int4_max_rows):
+            y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, 32, self.scales).to(x.dtype)
+        else:
+            w = self.weight
+            y = F.linear(x.to(w.dtype), w).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+def _np_cat(arrays):
+    import numpy as np
+
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: Weight, eps: float, device):
+        super().__init__()
+        self.weight = torch.from_numpy(weight.to_dense()).to(device=device, dtype=torch.float32)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim/2] float32 inverse frequencies, with linear or llama3 scaling."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_freq_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = config.rope_scaling
+    if sc and sc.get("type") == "linear" and sc.get("factor", 1.0) != 1.0:
+        inv = inv / sc["factor"]
+    elif sc and sc.get("type") == "llama3":
+        factor = sc.get("factor", 8.0)
+        low, high = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old_ctx = sc.get("original_context_length") or 8192
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.to(torch.float32)
+
+
+class LlamaModel(nn.Module):
+    """Decoder-only llama-family transformer over a paged KV cache.
+
+    Args:
+        config: ModelConfig.
+        weights: dict of Weight by GGUF tensor name (Q/K rows in HF order).
+        dtype: dense weight dtype (torch.float32 / bfloat16 / float16).
+        device: torch device.
+        int4: keep Q4_0/Q4_1 weights packed (CPU only).
+        int4_max_rows: see Linear.
+        max_positions: size of the RoPE tables (tokens).
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight], dtype=torch.float32, device="cpu",
+                 int4: bool = True, int4_max_rows: int = 0, max_positions: int = 8192):
+        super().__init__()
+        self.config = config
+        self.device = torch.device(device)
+        self.compute_dtype = torch.float32 if self.device.type == "cpu" else dtype
+        c = config
+        emb = weights["token_embd.weight"]
+        self.tok_embd = torch.from_numpy(emb.to_dense()).to(device=device, dtype=self.compute_dtype)
+        self.layers = nn.ModuleList()
+        lin = dict(dtype=dtype, device=device, int4=int4, int4_max_rows=int4_max_rows)
+        for i in range(c.n_layer):
+            p = f"blk.{i}."
+            layer = nn.Module()
+            layer.attn_norm = RMSNorm(weights[p + "attn_norm.weight"], c.rms_eps, device)
+            bias = [weights[p + f"attn_{x}.bias"] for x in "qkv"] if c.qkv_bias else None
+            layer.wqkv = Linear([weights[p + f"attn_{x}.weight"] for x in "qkv"], bias, **lin)
+            layer.wo = Linear([weights[p + "attn_output.weight"]], None, **lin)
+            layer.ffn_norm = RMSNorm(weights[p + "ffn_norm.weight"], c.rms_eps, device)
+            layer.w_gate_up = Linear([weights[p + "ffn_gate.weight"], weights[p + "ffn_up.weight"]], None, **lin)
+            layer.w_down = Linear([weights[p + "ffn_down.weight"]], None, **lin)
+            self.layers.append(layer)
+        self.output_norm = RMSNorm(weights["output_norm.weight"], c.rms_eps, device)
+        if c.tie_embeddings or "output.weight" not in weights:
+            self.output = None  # tied: logits = h @ tok_embd.T
+        else:
+            self.output = Linear([weights["output.weight"]], None, dtype=dtype, device=device, int4=False)
+        inv = rope_inv_freq(c)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv)  # [P, D/2]
+        self.rope_cos = torch.cos(freqs).to(device)
+        self.rope_sin = torch.sin(freqs).to(device)
+        self.q_size = c.n_head * c.head_dim
+        self.kv_size = c.n_head_kv * c.head_dim
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+
+    # -- pieces -------------------------------------------------------------
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]; cos/sin: [T, 1, D/2]; half-split layout
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def _attention(self, q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] (already written to the cache) -> [T, H*D]."""
+        c = self.config
+        T = q.shape[0]
+        out = torch.empty(T, c.n_head, c.head_dim, dtype=q.dtype, device=q.device)
+        nd = batch.n_decode
+        if nd:
+            idx = batch.decode_kv_index  # [B, L]
+            kd = k_cache[idx].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+            vd = v_cache[idx].to(q.dtype).transpose(1, 2)
+            qd = q[:nd].unsqueeze(2)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, scale=self.scale,
+                                               enable_gqa=True)
+            out[:nd] = o.squeeze(2)
+        for g in batch.prefills:
+            qp = q[g.start:g.end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+            if g.kv_index is None:
+                kp = k[g.start:g.end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lq, D]
+                vp = v[g.start:g.end].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                kp = k_cache[g.kv_index].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
+                vp = v_cache[g.kv_index].to(q.dtype).transpose(0, 1).unsqueeze(0)
+                lq, lk = g.end - g.start, g.kv_index.shape[0]
+                # bottom-right aligned causal mask: query i sees keys j <= n_past + i
+                mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[g.start:g.end] = o.squeeze(0).transpose(0, 1)
+        return out.reshape(T, -1)
+
+    # -- forward -------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                logits_indices: torch.Tensor | None, return_hidden: bool = False) -> torch.Tensor:
+        """Run the flat batch; return float32 logits [len(logits_indices), n_vocab].
+
+        input_ids: [T] long; kv_caches: per layer (k_cache, v_cache), each
+        [n_cache_rows, n_head_kv, head_dim]; logits_indices: rows of the batch
+        that need logits (None = all rows).
+        """
+        c = self.config
+        T = input_ids.shape[0]
+        x = self.tok_embd[input_ids]  # [T, E]
+        cos = self.rope_cos[batch.positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        slots = batch.slot_mapping
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = layer.attn_norm(x)
+            qkv = layer.wqkv(h)
+            q = qkv[:, : self.q_size].view(T, c.n_head, c.head_dim)
+            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, c.n_head_kv, c.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(T, c.n_head_kv, c.head_dim)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+            x = x + layer.wo(self._attention(q, k, v, k_cache, v_cache, batch))
+            h = layer.ffn_norm(x)
+            gu = layer.w_gate_up(h)
+            gate, up = gu.chunk(2, dim=-1)
+            x = x + layer.w_down(F.silu(gate) * up)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = self.output_norm(x)
+        if return_hidden:
+            return x
+        if self.output is None:
+            return F.linear(x, self.tok_embd).float()
+        return self.output(x).float()

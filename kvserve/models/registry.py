@@ -1,0 +1,65 @@
+"""From a model path to a ready torch module: picks the loader and the architecture class."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.loaders.weights import LoadedModel, ModelLoadError
+from kvserve.models.llama import LlamaModel
+
+#: GGUF general.architecture / HF architectures -> module class.
+ARCHITECTURES = {
+    "llama": LlamaModel,
+    "mistral": LlamaModel,
+    "qwen2": LlamaModel,
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_files(path: str | os.PathLike) -> LoadedModel:
+    """Read a .gguf file or an HF directory (config.json + safetensors).
+
+    Raises FileNotFoundError / ModelLoadError with a message naming the problem.
+    """
+    p = Path(path)
+    if p.is_dir():
+        from kvserve.loaders.safetensors import load_hf_dir
+
+        return load_hf_dir(p)
+    if not p.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    from kvserve.loaders.gguf import load_gguf
+
+    return load_gguf(p)
+
+
+def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -> LlamaModel:
+    """Instantiate the torch module for ``loaded`` with the numerics of ``config``.
+
+    dtype "auto": float32 on CPU (4-bit GGUF weights stay packed), bfloat16 on CUDA.
+    """
+    cls = ARCHITECTURES.get(loaded.config.arch)
+    if cls is None:
+        raise ModelLoadError(f"unknown model architecture '{loaded.config.arch}'")
+    device = config.resolve_device()
+    if config.dtype == "auto":
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        int4 = device == "cpu"
+    else:
+        dtype = _DTYPES[config.dtype]
+        int4 = False
+    return cls(loaded.config, loaded.weights, dtype=dtype, device=device, int4=int4,
+               int4_max_rows=config.int4_max_rows, max_positions=max_positions)
+
+
+def describe_dtypes(model: LlamaModel) -> str:
+    """Short text of the weight formats in use, e.g. "int4(q4_1)+float32"."""
+    lin = model.layers[0].wqkv
+    if lin.int4:
+        return "int4+float32" if lin.weight is not None else "int4"
+    return str(lin.weight.dtype).replace("torch.", "")
