@@ -332,7 +332,13 @@ class SequenceSampler:
             and not any(s in ("penalties", "dry", "typ_p", "xtc") for s in self._stages)
         )
         # First active stage is top_k: the batch can run one topk for all such rows.
-        self.topk_first = bool(self._stages) and self._stages[0] == "top_k" and not self._bias and not p.ignore_eos
+        # Leading full-vocabulary stages (penalties, dry) followed by top_k: the batch
+        # applies those per row, then runs one topk for all such rows.
+        lead = 0
+        while lead < len(self._stages) and self._stages[lead] in ("penalties", "dry"):
+            lead += 1
+        self._lead = lead
+        self.topk_after_lead = lead < len(self._stages) and self._stages[lead] == "top_k"
 
     # ------------------------------------------------------------------ helpers
 
@@ -545,7 +551,20 @@ class SequenceSampler:
 
     def _apply_top_p(self, cand: _Cand) -> None:
         """llama.cpp ``top-p``: sorted descending, keep up to and including the token where
-        the cumulative probability first reaches p."""
+        the cumulative probability first reaches p.
+
+        Like llama.cpp, a large unsorted set first tries the top 256 (``torch.topk``)
+        and sorts everything only when those do not reach p.
+        """
+        if not cand.sorted and cand.size() > 1024:
+            probs = torch.softmax(cand.vals, dim=0)
+            pv, pi = torch.topk(probs, 256, sorted=True)
+            cum = torch.cumsum(pv, dim=0)
+            if bool(cum[-1] >= self.params.top_p):
+                last = min(int((cum < self.params.top_p).sum().item()) + 1, 256)
+                cand.keep(pi[:last], sorted_=True)
+                cand.drop_removed()
+                return
         cand.sort_desc()
         cand.drop_removed()
         probs = torch.softmax(cand.vals, dim=0)
@@ -627,12 +646,13 @@ class SequenceSampler:
     ) -> SampleResult:
         p = self.params
         stages = self._stages
-        if pre_topk is not None and mask is None and not self._bans_eog(num_generated) and self.topk_first:
-            # The batch already ran topk (sorted, k_max >= our k) on the raw logits.
+        if pre_topk is not None:
+            # The batch already ran mask/bias/EOG ban, the leading penalties/dry and
+            # a sorted topk (k_max >= our k) for this row.
             k = p.top_k
             cand = _Cand(pre_topk[0][:k], pre_topk[1][:k], True)
             cand.drop_removed()
-            stages = stages[1:]
+            stages = stages[self._lead + 1 :]
         else:
             cand = _Cand(self._prepare(logits, num_generated, mask), None, False)
         for name in stages:
@@ -758,6 +778,11 @@ def _batched_after_top_k(
     post_lp = logp.gather(1, pos).squeeze(1)
     raw_lp = raw.gather(1, tok[:, None]).squeeze(1) - lse
     tok_l, post_l, raw_l = tok.tolist(), post_lp.tolist(), raw_lp.tolist()
+    raw_n = [s.params.n_probs if not s.params.post_sampling_probs else 0 for s in samplers]
+    raw_top_v = raw_top_i = None
+    if max(raw_n) > 0:  # one topk for every row that reports raw probabilities
+        tv, ti = torch.topk(raw, min(max(raw_n), raw.shape[1]), dim=-1)
+        raw_top_v, raw_top_i = (tv - lse[:, None]).tolist(), ti.tolist()
     out = []
     for j, s in enumerate(samplers):
         p = s.params
@@ -771,8 +796,8 @@ def _batched_after_top_k(
         else:
             top = None
             if p.n_probs > 0:
-                tv, ti = torch.topk(raw[j], min(p.n_probs, raw.shape[1]))
-                top = list(zip(ti.tolist(), (tv - lse[j]).tolist()))
+                n = min(p.n_probs, raw.shape[1])
+                top = list(zip(raw_top_i[j][:n], raw_top_v[j][:n]))
             out.append(SampleResult(int(tok_l[j]), float(raw_l[j]), top))
     return out
 
@@ -823,19 +848,30 @@ def sample_batch(
             results[r] = SampleResult(int(t), float(l), None)
 
     rest = [i for i in range(bsz) if results[i] is None]
-    topk_rows = [
-        i
-        for i in rest
-        if samplers[i].topk_first and masks[i] is None and not samplers[i]._bans_eog(num_generated[i])
-    ]
+    topk_rows = [i for i in rest if samplers[i].topk_after_lead]
     pre: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     if topk_rows:
         k_max = min(max(samplers[i].params.top_k for i in topk_rows), logits.shape[1])
-        sub = _rows(logits, topk_rows)
+        work = logits
+        for i in topk_rows:
+            smp = samplers[i]
+            if masks[i] is None and not smp._bias and not smp._bans_eog(num_generated[i]) and not smp._lead:
+                continue
+            if work is logits:
+                work = logits.clone()
+            cand = _Cand(smp._prepare(logits[i], num_generated[i], masks[i]), None, False)
+            for name in smp._stages[: smp._lead]:
+                if name == "penalties":
+                    smp._apply_penalties(cand, histories[i])
+                else:
+                    smp._apply_dry(cand, histories[i])
+            work[i] = cand.vals
+        sub = _rows(work, topk_rows)
+        raw_sub = _rows(logits, topk_rows)
         vals, ids = torch.topk(sub, k_max, dim=-1, sorted=True)
         groups: dict[tuple[str, ...], list[int]] = {}
         for j, r in enumerate(topk_rows):
-            tail = samplers[r]._stages[1:]
+            tail = samplers[r]._stages[samplers[r]._lead + 1 :]
             if _BATCHABLE.issuperset(tail):
                 groups.setdefault(tail, []).append(j)
             else:
@@ -845,7 +881,7 @@ def sample_batch(
             sel = torch.tensor(js, dtype=torch.long, device=logits.device) if len(js) < len(topk_rows) else None
             pick = (lambda t: t) if sel is None else (lambda t: t.index_select(0, sel))
             outs = _batched_after_top_k(
-                [samplers[topk_rows[j]] for j in js], pick(vals), pick(ids), pick(sub), pick(sub_lse), tail
+                [samplers[topk_rows[j]] for j in js], pick(vals), pick(ids), pick(raw_sub), pick(sub_lse), tail
             )
             for j, res in zip(js, outs):
                 results[topk_rows[j]] = res

@@ -18,6 +18,7 @@ from kvserve.loaders.weights import (
     LoadedModel,
     ModelConfig,
     ModelInfo,
+    SUPPORTED_ARCHS,
     ModelLoadError,
     Weight,
     check_tensors,
@@ -166,6 +167,8 @@ def config_from_metadata(md: dict, path: str) -> ModelConfig:
     arch = md.get("general.architecture")
     if arch is None:
         raise ModelLoadError(f"{path}: GGUF has no general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"{path}: unknown model architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHS)})")
 
     def get(key, default=None, required=True):
         full = f"{arch}.{key}"
@@ -242,7 +245,7 @@ def _tensor_to_weight(t: TensorInfo, raw: np.ndarray) -> Weight:
     if qtype.name in ("Q4_0", "Q4_1") and len(shape) == 2:
         return _q4_blocks(data, shape[0], shape[1], qtype.name)
     if qtype == gguf.GGMLQuantizationType.F32:
-        arr = data.view(np.float32)
+        arr = data.view(np.float32).copy()  # writable: torch refuses read-only memory
     elif qtype == gguf.GGMLQuantizationType.F16:
         arr = data.view(np.float16).astype(np.float32)
     else:

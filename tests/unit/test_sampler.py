@@ -369,33 +369,55 @@ def test_raw_top_probs_are_pre_sampling():
 def test_sample_batch_matches_per_row_sample():
     torch.manual_seed(3)
     n_vocab = 1000
-    logits = torch.randn(6, n_vocab) * 3
     mask = torch.ones(n_vocab, dtype=torch.bool)
     mask[:500] = False
     cfgs = [
-        dict(temperature=0.0),  # fast path
-        dict(temperature=0.0, repeat_penalty=1.3),  # greedy with penalties
-        dict(seed=10),  # defaults (batched top_k)
-        dict(seed=11, top_k=5, n_probs=3),  # batched top_k, raw probs
-        dict(seed=12, top_k=0, typical_p=0.9, post_sampling_probs=True, n_probs=2),
-        dict(temperature=0.0),  # greedy with a mask
+        (dict(temperature=0.0), None),  # fast path
+        (dict(temperature=0.0, repeat_penalty=1.3), None),  # greedy with penalties
+        (dict(seed=10), None),  # defaults: batched top_k + batched chain
+        (dict(seed=11, top_k=5, n_probs=3), None),  # raw probs
+        (dict(seed=12, top_k=0, typical_p=0.9, post_sampling_probs=True, n_probs=2), None),  # per-row
+        (dict(temperature=0.0), mask),  # greedy with a mask
+        (dict(seed=13, repeat_penalty=1.5, frequency_penalty=0.5), None),  # penalties then batched
+        (dict(seed=14, logit_bias={7: 5.0}, n_probs=2, post_sampling_probs=True), mask),  # bias + mask
+        (dict(seed=15, ignore_eos=True, typical_p=0.8, top_k=20), None),  # eog ban, per-row tail
+        (dict(seed=16, dry_multiplier=0.8, temperature=1.3, top_p=0.5, samplers=("dry", "top_k", "temperature", "top_p")), None),
+        (dict(seed=17, temperature=0.0, n_probs=2), None),  # greedy but not plain
     ]
-    hists = [[1, 2, 3], [int(logits[1].argmax())], [5], [6, 7], [], [9]]
-    masks = [None, None, None, None, None, mask]
+    b_rows = len(cfgs)
+    logits = torch.randn(b_rows, n_vocab) * 3
+    hists = [[(7 * i + j) % n_vocab for j in range(12)] + [1, 2, 3, 1, 2] for i in range(b_rows)]
+    hists[1] = [int(logits[1].argmax())]
+    eog = frozenset({int(logits[8].argmax())})
+    masks = [m for _, m in cfgs]
     for _ in range(3):
-        a = [SequenceSampler(SamplingParams(**c), n_vocab, frozenset()) for c in cfgs]
-        b = [SequenceSampler(SamplingParams(**c), n_vocab, frozenset()) for c in cfgs]
-        got = sample_batch(logits, a, hists, [0] * 6, masks)
-        want = [b[i].sample(logits[i], hists[i], 0, masks[i]) for i in range(6)]
+        a = [SequenceSampler(SamplingParams(**c), n_vocab, eog) for c, _ in cfgs]
+        b = [SequenceSampler(SamplingParams(**c), n_vocab, eog) for c, _ in cfgs]
+        got = sample_batch(logits, a, hists, [0] * b_rows, masks)
+        want = [b[i].sample(logits[i], hists[i], 0, masks[i]) for i in range(b_rows)]
         for g, w in zip(got, want):
             assert g.token_id == w.token_id
             assert g.logprob == pytest.approx(w.logprob, abs=1e-5)
             assert (g.top is None) == (w.top is None)
             if g.top is not None:
                 assert [t for t, _ in g.top] == [t for t, _ in w.top]
+                assert [v for _, v in g.top] == pytest.approx([v for _, v in w.top], abs=1e-5)
     assert got[0].token_id == int(logits[0].argmax())
     assert got[5].token_id == int((logits[5] + torch.where(mask, 0.0, float("-inf"))).argmax())
-    assert a[0].is_plain_greedy(0) and not a[1].is_plain_greedy(0)
+    assert got[8].token_id not in eog
+    assert a[0].is_plain_greedy(0) and not a[1].is_plain_greedy(0) and not a[10].is_plain_greedy(0)
+
+
+def test_sample_batch_distribution_matches_per_row():
+    # many draws: the batched default chain and the per-row chain give the same tokens
+    torch.manual_seed(5)
+    logits = torch.randn(4, 50)
+    a = [SequenceSampler(SamplingParams(seed=100 + i, temperature=1.5), 50, frozenset()) for i in range(4)]
+    b = [SequenceSampler(SamplingParams(seed=100 + i, temperature=1.5), 50, frozenset()) for i in range(4)]
+    for _ in range(100):
+        got = [r.token_id for r in sample_batch(logits, a, [[]] * 4, [0] * 4)]
+        want = [b[i].sample(logits[i], [], 0).token_id for i in range(4)]
+        assert got == want
 
 
 def test_compute_logprobs():
@@ -409,3 +431,39 @@ def test_compute_logprobs():
     assert torch.equal(ti, ri) and torch.allclose(tl, rv, atol=1e-6)
     lp0, ti0, tl0 = compute_logprobs(logits, ids, 0)
     assert ti0.shape == (5, 0) and tl0.shape == (5, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu():
+    torch.manual_seed(6)
+    n_vocab = 4096
+    logits = torch.randn(4, n_vocab) * 3
+    mask = torch.rand(n_vocab) > 0.5
+    cfgs = [dict(seed=1), dict(seed=2, repeat_penalty=1.2, n_probs=3), dict(temperature=0.0), dict(seed=3, top_k=0)]
+    masks = [None, mask, None, None]
+    hists = [[1, 2, 3]] * 4
+    for dev_masks, dev_logits in ((masks, logits), ([m.cuda() if m is not None else None for m in masks], logits.cuda())):
+        ss = [SequenceSampler(SamplingParams(**c), n_vocab, frozenset({5})) for c in cfgs]
+        res = [sample_batch(dev_logits, ss, hists, [0] * 4, dev_masks) for _ in range(5)]
+        ss = [SequenceSampler(SamplingParams(**c), n_vocab, frozenset({5})) for c in cfgs]
+        res_row = [[ss[i].sample(dev_logits[i], hists[i], 0, dev_masks[i]) for i in range(4)] for _ in range(5)]
+        if dev_logits.is_cuda:
+            cuda_tokens = [[r.token_id for r in step] for step in res]
+            assert cuda_tokens == [[r.token_id for r in step] for step in res_row]
+        else:
+            cpu_tokens = [[r.token_id for r in step] for step in res]
+    assert cuda_tokens == cpu_tokens
+    lp, ti, tl = compute_logprobs(logits.cuda(), torch.tensor([0, 1, 2, 3]).cuda(), 2)
+    assert lp.is_cuda and ti.shape == (4, 2)
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.5])  # peaky: top 256 reach p; flat: full sort
+def test_top_p_large_vocab_matches_bruteforce(scale):
+    torch.manual_seed(7)
+    n_vocab = 3000
+    x = torch.randn(n_vocab) * scale
+    p = SamplingParams(top_k=0, top_p=0.9, min_p=0.0, temperature=1.0, seed=1, n_probs=n_vocab, post_sampling_probs=True)
+    r = SequenceSampler(p, n_vocab, frozenset()).sample(x, [], 0)
+    probs, order = torch.sort(torch.softmax(x, 0), descending=True)
+    keep = int((torch.cumsum(probs, 0) < 0.9).sum()) + 1
+    assert sorted(t for t, _ in r.top) == sorted(order[:keep].tolist())

@@ -1,0 +1,66 @@
+"""The error envelope every face uses: ``{"error": {"code", "message", "type", ...}}``.
+
+Types and status codes follow llama-server (000_6dcbf6b03a8c9f77.txt Example 17):
+invalid_request_error 400, authentication_error 401, not_found_error 404,
+exceed_context_size_error 400 (+ n_prompt_tokens, n_ctx), not_supported_error
+501, unavailable_error 503, server_error 500.
+"""
+
+from __future__ import annotations
+
+from kvserve.engine.request import ContextSizeExceededError, InvalidRequestError
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """An error to answer with the envelope.
+
+    Args:
+        status: HTTP status code.
+        message: human-readable text (the contract's exact wording where the seed gives one).
+        type: error type; default from ``ERROR_TYPES``.
+        extra: additional members of the error object (e.g. n_prompt_tokens, n_ctx).
+    """
+
+    def __init__(self, status: int, message: str, type: str | None = None, **extra):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or ERROR_TYPES.get(status, "server_error")
+        self.extra = extra
+
+    def body(self) -> dict:
+        err = {"code": self.status, "message": self.message, "type": self.type}
+        err.update(self.extra)
+        return {"error": err}
+
+    @classmethod
+    def from_exception(cls, e: BaseException) -> "ApiError":
+        """Map engine exceptions to API errors (context size -> exceed_context_size_error)."""
+        if isinstance(e, ApiError):
+            return e
+        if isinstance(e, ContextSizeExceededError):
+            return cls(400, str(e), "exceed_context_size_error", n_prompt_tokens=e.n_prompt_tokens, n_ctx=e.n_ctx)
+        if isinstance(e, InvalidRequestError):
+            return cls(400, str(e))
+        return cls(500, f"{type(e).__name__}: {e}")
+
+
+def bad_request(message: str) -> ApiError:
+    return ApiError(400, message)
+
+
+def not_supported(message: str) -> ApiError:
+    return ApiError(501, message)
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message)

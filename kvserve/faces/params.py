@@ -1,0 +1,298 @@
+"""Request JSON -> SamplingParams with llama-server's field names, and back.
+
+Every face reads sampling fields through :func:`sampling_params_from_body`, so a
+field means the same thing on ``/completion``, ``/v1/completions`` and
+``/v1/chat/completions``. Wrong JSON types give 400 naming the field
+(``Field 'temperature': type must be number, but is string``, llama-server's
+wording without nlohmann's exception prefix); out-of-range values give 400.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from kvserve.engine.request import SEED_RANDOM, InvalidRequestError, SamplingParams
+from kvserve.faces.errors import ApiError
+
+# JSON field -> (SamplingParams attribute, kind)
+_NUMBER_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "typical_p": "typical_p",
+    "top_n_sigma": "top_n_sigma",
+    "xtc_probability": "xtc_probability",
+    "xtc_threshold": "xtc_threshold",
+    "repeat_penalty": "repeat_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "dry_multiplier": "dry_multiplier",
+    "dry_base": "dry_base",
+}
+_INT_FIELDS = {
+    "top_k": "top_k",
+    "repeat_last_n": "repeat_last_n",
+    "dry_allowed_length": "dry_allowed_length",
+    "dry_penalty_last_n": "dry_penalty_last_n",
+    "min_tokens": "min_tokens",
+    "n_probs": "n_probs",
+}
+_BOOL_FIELDS = {
+    "ignore_eos": "ignore_eos",
+    "post_sampling_probs": "post_sampling_probs",
+    "cache_prompt": "cache_prompt",
+}
+
+# llama.cpp sampler names (common_sampler_types_from_names, with aliases) and chars
+_SAMPLER_NAMES = {
+    "penalties": "penalties", "dry": "dry", "top_n_sigma": "top_n_sigma", "top-n-sigma": "top_n_sigma",
+    "top_k": "top_k", "top-k": "top_k", "typ_p": "typ_p", "typ-p": "typ_p", "typical_p": "typ_p",
+    "typical-p": "typ_p", "typ": "typ_p", "typical": "typ_p", "top_p": "top_p", "top-p": "top_p",
+    "nucleus": "top_p", "min_p": "min_p", "min-p": "min_p", "xtc": "xtc", "temperature": "temperature",
+    "temp": "temperature",
+}
+_SAMPLER_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
+                  "m": "min_p", "x": "xtc", "t": "temperature"}
+
+
+def json_type(v: Any) -> str:
+    """nlohmann::json's name of a value's type (null, boolean, number, string, array, object)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    if isinstance(v, dict):
+        return "object"
+    return type(v).__name__
+
+
+def type_error(field: str, want: str, v: Any) -> ApiError:
+    """400 ``Field 'X': type must be W, but is T``."""
+    return ApiError(400, f"Field '{field}': type must be {want}, but is {json_type(v)}")
+
+
+def get_number(body: dict, key: str, default: float | None = None) -> float | None:
+    """``body[key]`` as a float (null/absent -> default); 400 on a non-number."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise type_error(key, "number", v)
+    return float(v)
+
+
+def get_int(body: dict, key: str, default: int | None = None) -> int | None:
+    """``body[key]`` as an int (numbers are truncated, as nlohmann's get<int> does)."""
+    v = get_number(body, key)
+    if v is None:
+        return default
+    if not math.isfinite(v):
+        raise ApiError(400, f"Field '{key}': must be a finite number")
+    return int(v)
+
+
+def get_bool(body: dict, key: str, default: bool | None = None) -> bool | None:
+    """``body[key]`` as a bool; 400 on a non-boolean."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise type_error(key, "boolean", v)
+    return v
+
+
+def get_str(body: dict, key: str, default: str | None = None) -> str | None:
+    """``body[key]`` as a string; 400 on a non-string."""
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise type_error(key, "string", v)
+    return v
+
+
+def _stop(v: Any) -> tuple[str, ...]:
+    if isinstance(v, str):
+        return (v,)
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return tuple(v)
+    raise type_error("stop", "string or array of strings", v)
+
+
+def _samplers(v: Any) -> tuple[str, ...]:
+    if isinstance(v, str):
+        return tuple(_SAMPLER_CHARS[c] for c in v if c in _SAMPLER_CHARS)
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return tuple(_SAMPLER_NAMES[s.lower()] for s in v if s.lower() in _SAMPLER_NAMES)
+    raise type_error("samplers", "array or string", v)
+
+
+def _bias_value(field: str, b: Any) -> float:
+    if b is False:
+        return float("-inf")
+    if isinstance(b, bool) or not isinstance(b, (int, float)):
+        raise type_error(field, "number or false", b)
+    return float(b)
+
+
+def _token_ids_for(key: Any, tokenizer) -> list[int]:
+    """A logit_bias key: a token id (int, or a string of digits in the object form) or a text."""
+    if isinstance(key, bool):
+        raise type_error("logit_bias", "number or string", key)
+    if isinstance(key, (int, float)):
+        return [int(key)]
+    if isinstance(key, str):
+        try:
+            return [int(key)]
+        except ValueError:
+            return list(tokenizer.encode(key, add_special=False, parse_special=False)) if tokenizer else []
+    raise type_error("logit_bias", "number or string", key)
+
+
+def parse_logit_bias(v: Any, tokenizer) -> dict[int, float]:
+    """llama.cpp's logit_bias forms: ``[[id|text, bias|false], ...]`` or ``{"id"|"text": bias|false}``.
+
+    A text applies the bias to each of its tokens; ids outside the vocabulary are ignored.
+    """
+    n_vocab = getattr(tokenizer, "n_vocab", None)
+    pairs: list[tuple[Any, Any]] = []
+    if isinstance(v, dict):
+        pairs = list(v.items())
+    elif isinstance(v, list):
+        for el in v:
+            if not isinstance(el, list) or len(el) != 2:
+                raise ApiError(400, "Field 'logit_bias': each element must be a [token, bias] pair")
+            pairs.append((el[0], el[1]))
+    else:
+        raise type_error("logit_bias", "array or object", v)
+    out: dict[int, float] = {}
+    for key, b in pairs:
+        bias = _bias_value("logit_bias", b)
+        for tid in _token_ids_for(key, tokenizer):
+            if tid >= 0 and (n_vocab is None or tid < n_vocab):
+                out[tid] = bias
+    return out
+
+
+def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *,
+                              max_tokens_keys: tuple[str, ...] = ("n_predict",)) -> SamplingParams:
+    """Build SamplingParams from a request body over the server ``defaults``.
+
+    Args:
+        body: the request JSON object.
+        defaults: server-wide defaults (``--temp``, ``-n``...).
+        tokenizer: resolves text keys of ``logit_bias`` (may be None).
+        max_tokens_keys: fields read as n_predict, first present wins
+            (``("n_predict", "max_tokens")`` on ``/completion``,
+            ``("max_completion_tokens", "max_tokens")`` on chat...).
+
+    Raises:
+        ApiError: 400 on a wrong type or an out-of-range value.
+    """
+    kw: dict[str, Any] = {}
+    for key, attr in _NUMBER_FIELDS.items():
+        v = get_number(body, key)
+        if v is not None:
+            kw[attr] = v
+    for key, attr in _INT_FIELDS.items():
+        v = get_int(body, key)
+        if v is not None:
+            kw[attr] = v
+    for key, attr in _BOOL_FIELDS.items():
+        v = get_bool(body, key)
+        if v is not None:
+            kw[attr] = v
+    if kw.get("top_k", 0) < 0:
+        kw["top_k"] = 0  # llama.cpp: top_k <= 0 disables the sampler
+    for key in max_tokens_keys:
+        v = get_int(body, key)
+        if v is not None:
+            kw["n_predict"] = v
+            break
+    seed = get_int(body, "seed")
+    if seed is not None:
+        kw["seed"] = SEED_RANDOM if seed < 0 else seed & 0xFFFFFFFF
+    if body.get("stop") is not None:
+        kw["stop"] = _stop(body["stop"])
+    if body.get("samplers") is not None:
+        kw["samplers"] = _samplers(body["samplers"])
+    if body.get("dry_sequence_breakers") is not None:
+        br = body["dry_sequence_breakers"]
+        if not isinstance(br, list) or not all(isinstance(s, str) for s in br):
+            raise type_error("dry_sequence_breakers", "array of strings", br)
+        kw["dry_sequence_breakers"] = tuple(br)
+    lb = body.get("logit_bias")
+    if lb is not None:
+        kw["logit_bias"] = {**defaults.logit_bias, **parse_logit_bias(lb, tokenizer)}
+    for key in ("temperature", "top_p", "min_p"):
+        if key in kw and not math.isfinite(kw[key]):
+            raise ApiError(400, f"Field '{key}': must be a finite number")
+    try:
+        return dataclasses.replace(defaults, **kw)
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e)) from e
+
+
+def params_to_dict(p: SamplingParams, *, stream: bool = False) -> dict:
+    """llama-server's ``generation_settings`` / ``/slots`` ``params`` object for ``p``."""
+    bias = [[tid, (False if math.isinf(b) and b < 0 else b)] for tid, b in sorted(p.logit_bias.items())]
+    return {
+        "n_predict": p.n_predict,
+        "seed": p.seed,
+        "temperature": p.temperature,
+        "dynatemp_range": 0.0,
+        "dynatemp_exponent": 1.0,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "top_n_sigma": p.top_n_sigma,
+        "xtc_probability": p.xtc_probability,
+        "xtc_threshold": p.xtc_threshold,
+        "typical_p": p.typical_p,
+        "repeat_last_n": p.repeat_last_n,
+        "repeat_penalty": p.repeat_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "dry_multiplier": p.dry_multiplier,
+        "dry_base": p.dry_base,
+        "dry_allowed_length": p.dry_allowed_length,
+        "dry_penalty_last_n": p.dry_penalty_last_n,
+        "dry_sequence_breakers": list(p.dry_sequence_breakers),
+        "mirostat": 0,
+        "mirostat_tau": 5.0,
+        "mirostat_eta": 0.1,
+        "stop": list(p.stop),
+        "max_tokens": p.n_predict,
+        "n_keep": 0,
+        "n_discard": 0,
+        "ignore_eos": p.ignore_eos,
+        "stream": stream,
+        "logit_bias": bias,
+        "n_probs": p.n_probs,
+        "min_keep": 0,
+        "min_tokens": p.min_tokens,
+        "grammar": "",
+        "grammar_lazy": False,
+        "grammar_triggers": [],
+        "preserved_tokens": [],
+        "chat_format": "Content-only",
+        "reasoning_format": "none",
+        "reasoning_in_content": False,
+        "thinking_forced_open": False,
+        "samplers": list(p.samplers),
+        "speculative.n_max": 16,
+        "speculative.n_min": 0,
+        "speculative.p_min": 0.75,
+        "timings_per_token": False,
+        "post_sampling_probs": p.post_sampling_probs,
+        "cache_prompt": p.cache_prompt,
+        "lora": [],
+    }

@@ -1,0 +1,215 @@
+"""llama-server's slots: N places where a request runs, and the view ``GET /slots`` shows.
+
+A slot is a view over the engine (DESIGN.md "Slots"): it remembers the tokens of
+the last sequence it ran (prompt + output), which request it runs now and its
+progress. The KV blocks themselves belong to the engine's KV cache manager.
+
+Placement (llama-server ``get_available_slot``, seed Example 8): the slot named by
+``id_slot``; else the idle slot whose remembered tokens share the longest common
+prefix with the new prompt, if that prefix is more than ``--slot-prompt-similarity``
+of the prompt; else the least recently used idle slot; else the request waits in
+a FIFO queue (counted by ``n_deferred``, the ``requests_deferred`` gauge).
+
+Thread-safety: every method runs on the server's asyncio loop (one thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.engine.request import RequestOutput
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Number of leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class Slot:
+    """One slot: its remembered tokens and the progress of the request it runs.
+
+    Attributes:
+        id: slot index (0-based).
+        n_ctx: context of the slot in tokens (n_ctx_slot).
+        tokens: tokens of the last/current sequence (prompt + generated).
+        is_processing: a request runs in it now.
+        id_task: id of the current (or last) task, -1 before the first.
+        last_used: placement counter value of the last use (LRU order).
+    """
+
+    id: int
+    n_ctx: int
+    tokens: list[int] = field(default_factory=list)
+    is_processing: bool = False
+    id_task: int = -1
+    last_used: int = 0
+    n_prompt: int = 0
+    n_prompt_cache: int = 0
+    n_predict: int = -1
+    n_decoded: int = 0
+    has_new_line: bool = False
+    has_next_token: bool = False
+    params: dict = field(default_factory=dict)
+
+    def begin(self, prompt_tokens: list[int], id_task: int, n_predict: int, params: dict) -> None:
+        """Start a request in this slot."""
+        self.is_processing = True
+        self.id_task = id_task
+        self.tokens = list(prompt_tokens)
+        self.n_prompt = len(prompt_tokens)
+        self.n_prompt_cache = 0
+        self.n_predict = n_predict
+        self.n_decoded = 0
+        self.has_new_line = False
+        self.has_next_token = True
+        self.params = params
+
+    def update(self, out: RequestOutput) -> None:
+        """Apply one engine output event to the view."""
+        self.tokens.extend(out.new_token_ids)
+        self.n_prompt_cache = out.num_cached_tokens
+        self.n_decoded = out.num_output_tokens
+        if "\n" in out.text:
+            self.has_new_line = True
+        if out.finished:
+            self.has_next_token = False
+
+    def view(self) -> dict:
+        """The ``GET /slots`` entry (llama-server field names)."""
+        n_remain = -1 if self.n_predict < 0 else max(self.n_predict - self.n_decoded, 0)
+        return {
+            "id": self.id,
+            "n_ctx": self.n_ctx,
+            "speculative": False,
+            "is_processing": self.is_processing,
+            "id_task": self.id_task,
+            # llama-server fills this from the slot's cached token list: it grows while decoding
+            "n_prompt_tokens": len(self.tokens),
+            "n_prompt_tokens_processed": self.n_prompt - self.n_prompt_cache,
+            "n_prompt_tokens_cache": self.n_prompt_cache,
+            "params": self.params,
+            "next_token": [{
+                "has_next_token": self.has_next_token,
+                "has_new_line": self.has_new_line,
+                "n_remain": n_remain,
+                "n_decoded": self.n_decoded,
+            }],
+        }
+
+
+class SlotManager:
+    """Owns the slots and the queue of requests waiting for one.
+
+    Args:
+        n_slots: number of slots (``-np``).
+        n_ctx_slot: context of one slot in tokens.
+        similarity: ``--slot-prompt-similarity`` (0 disables the prefix rule).
+    """
+
+    def __init__(self, n_slots: int, n_ctx_slot: int, similarity: float = 0.10):
+        self.slots = [Slot(i, n_ctx_slot) for i in range(n_slots)]
+        self.similarity = similarity
+        self._waiters: deque[tuple[list[int], int, asyncio.Future]] = deque()
+        self._clock = itertools.count(1)
+        self._task_ids = itertools.count(0)
+
+    # -- facts ---------------------------------------------------------------------------
+
+    @property
+    def n_busy(self) -> int:
+        """Slots running a request now (``requests_processing``)."""
+        return sum(s.is_processing for s in self.slots)
+
+    @property
+    def n_deferred(self) -> int:
+        """Requests waiting for a slot now (``requests_deferred``)."""
+        return len(self._waiters)
+
+    def has_idle(self) -> bool:
+        """True when at least one slot is idle."""
+        return any(not s.is_processing for s in self.slots)
+
+    def views(self) -> list[dict]:
+        """``GET /slots`` body."""
+        return [s.view() for s in self.slots]
+
+    def next_task_id(self) -> int:
+        """A new task id (llama-server ``id_task``)."""
+        return next(self._task_ids)
+
+    # -- placement -----------------------------------------------------------------------
+
+    def pick(self, prompt: list[int], id_slot: int = -1) -> Slot | None:
+        """The slot a request would get now, or None when it has to wait."""
+        if id_slot >= 0:
+            s = self.slots[id_slot]
+            return None if s.is_processing else s
+        idle = [s for s in self.slots if not s.is_processing]
+        if not idle:
+            return None
+        if self.similarity > 0 and prompt:
+            best, best_len = None, 0
+            for s in idle:
+                n = common_prefix_len(s.tokens, prompt)
+                if n > best_len:
+                    best, best_len = s, n
+            if best is not None and best_len / len(prompt) > self.similarity:
+                return best
+        return min(idle, key=lambda s: s.last_used)
+
+    def _take(self, slot: Slot) -> Slot:
+        slot.is_processing = True  # reserved; begin() fills the rest
+        slot.last_used = next(self._clock)
+        return slot
+
+    async def acquire(self, prompt: list[int], id_slot: int = -1) -> Slot:
+        """Reserve a slot for ``prompt``; waits (FIFO) while none fits.
+
+        Raises:
+            IndexError: ``id_slot`` is not a slot index.
+        """
+        if id_slot >= len(self.slots):
+            raise IndexError(id_slot)
+        if not self._waiters:
+            slot = self.pick(prompt, id_slot)
+            if slot is not None:
+                return self._take(slot)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        entry = (prompt, id_slot, fut)
+        self._waiters.append(entry)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+            elif fut.done() and not fut.cancelled():
+                self.release(fut.result())  # assigned while being cancelled: give it back
+            raise
+
+    def release(self, slot: Slot) -> None:
+        """Mark ``slot`` idle (keeping its tokens) and hand free slots to waiters in order."""
+        slot.is_processing = False
+        slot.has_next_token = False
+        self._wake()
+
+    def _wake(self) -> None:
+        for entry in list(self._waiters):
+            prompt, id_slot, fut = entry
+            if fut.done():
+                self._waiters.remove(entry)
+                continue
+            slot = self.pick(prompt, id_slot)
+            if slot is None:
+                if not self.has_idle():
+                    return
+                continue  # waits for one particular slot; later waiters may still fit
+            self._waiters.remove(entry)
+            fut.set_result(self._take(slot))
