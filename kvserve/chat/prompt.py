@@ -1,0 +1,284 @@
+"""Chat messages -> prompt text and token ids, with user text kept out of special tokens.
+
+A chat template mixes two kinds of text: the template's own markup (``<|im_start|>user\\n``,
+``<|im_end|>``) whose special-token texts must become special tokens, and message content,
+which must be tokenized as ordinary text: a user who types ``<|im_end|>`` must not close the
+turn (llama-server Example 7: ``/tokenize`` with ``parse_special: false``).
+
+How :func:`render_chat` keeps the two apart:
+
+1. Every non-empty string content is replaced by a unique sentinel (private-use characters
+   and a random nonce) and the template is rendered; the output is split on the sentinels
+   into markup pieces and content pieces. A second render with the real content checks that
+   substituting the content back gives the same text (it does not when a template inspects
+   or transforms content beyond ``trim``; then each content is located in the real render by
+   searching in order, see :func:`_locate_contents`).
+2. When no content contains special-token text, the whole prompt is tokenized in one call
+   with special parsing on: exactly what llama-server does, ids identical by construction.
+3. Otherwise the markup is split at its special-token texts, those become their ids, and
+   every stretch of text between them (markup and content joined) is tokenized with special
+   parsing off.
+
+Boundary caveat: in step 3 a stretch of ordinary text is tokenized by itself; for BPE
+tokenizers (byte-level, e.g. SmolLM2, Qwen, Llama 3) this equals what the whole string would
+give, because the tokenizer also splits at special tokens first. For SentencePiece
+vocabularies that add a leading space per call (``add_space_prefix``) a stretch that follows
+a special token may get a different first token than llama.cpp would give. Only message
+content strings are protected: text the template takes from elsewhere (tool definitions,
+``tool_calls`` arguments, ``chat_template_kwargs``) is markup.
+
+Continuing the final message (vLLM/transformers ``continue_final_message``, llama-server's
+default "prefill assistant" for a final assistant message): the conversation is rendered
+without the generation prompt and cut right after the final message's content, so the
+end-of-turn text the template adds after it is dropped and the model continues that message.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import secrets
+from typing import Any
+
+from kvserve.chat.template import ChatTemplate, TemplateError
+from kvserve.faces.errors import ApiError
+
+__all__ = ["render_chat", "normalize_messages", "continues_final_message"]
+
+_OPEN, _CLOSE = "\ue000", "\ue001"  # Unicode private-use characters delimit sentinels
+
+
+def _type_name(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _content_text(content: Any, i: int) -> str | None:
+    """A message's content as a string: string, null, or a list of ``{"type": "text"}`` parts."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"messages[{i}].content: expected a string, null or an array of content "
+                            f"parts, got {_type_name(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        if not isinstance(part, dict):
+            raise ApiError(400, f"{where}: expected an object, got {_type_name(part)}")
+        kind = part.get("type")
+        if kind is None:
+            raise ApiError(400, f"{where}: missing content part 'type'")
+        if kind != "text":
+            raise ApiError(400, f"{where}: unsupported content part type {kind!r} (only 'text' is supported)")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ApiError(400, f"{where}.text: expected a string, got {_type_name(text)}")
+        texts.append(text)
+    return "\n".join(texts)  # vLLM and llama.cpp join text parts with newlines
+
+
+def normalize_messages(messages: Any) -> list[dict]:
+    """Validate OpenAI-style chat messages and return copies with string/null content.
+
+    Each message must be an object with a string ``role``; ``content`` may be a string, null
+    (e.g. an assistant message with ``tool_calls``) or an array of ``{"type": "text", "text"}``
+    parts, which are joined with newlines. Other members (``tool_calls``, ``name``,
+    ``tool_call_id``, ``reasoning_content``) are kept for the template.
+
+    Raises:
+        ApiError: 400 ``'messages' is required`` when None, other 400s naming the field.
+    """
+    if messages is None:
+        raise ApiError(400, "'messages' is required")
+    if not isinstance(messages, list):
+        raise ApiError(400, f"Expected 'messages' to be an array, got {_type_name(messages)}")
+    if not messages:
+        raise ApiError(400, "'messages' must not be empty")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}]: expected an object, got {_type_name(m)}")
+        role = m.get("role")
+        if role is None:
+            raise ApiError(400, f"messages[{i}]: missing 'role'")
+        if not isinstance(role, str):
+            raise ApiError(400, f"messages[{i}].role: expected a string, got {_type_name(role)}")
+        if "content" not in m and not m.get("tool_calls"):
+            raise ApiError(400, f"messages[{i}]: missing 'content'")
+        out.append({**m, "content": _content_text(m.get("content"), i)})
+    return out
+
+
+def continues_final_message(messages: list[dict], continue_final_message: bool | None) -> bool:
+    """Whether the final message is continued: forced by True, never by False, and with None
+    (llama-server's default, ``prefill_assistant``) when the final message is the assistant's."""
+    if continue_final_message is not None:
+        return bool(continue_final_message) and bool(messages)
+    return bool(messages) and messages[-1].get("role") == "assistant"
+
+
+@functools.lru_cache(maxsize=8)
+def _specials(tokenizer) -> tuple[re.Pattern | None, dict[str, int]]:
+    """Regex over the texts of the tokens that special parsing turns into one token
+    (control/unknown types), longest first, and text -> id."""
+    table: dict[str, int] = {}
+    for i in range(len(tokenizer)):
+        if tokenizer.is_control(i):
+            text = tokenizer.token_text(i)
+            if text:
+                table.setdefault(text, i)
+    if not table:
+        return None, table
+    alternation = "|".join(re.escape(t) for t in sorted(table, key=len, reverse=True))
+    return re.compile(alternation), table
+
+
+# A segment is (text, content index or None for markup).
+Segment = tuple[str, "int | None"]
+
+
+def _split_marked(marked: str, nonce: str) -> list[Segment]:
+    parts = re.split(f"{_OPEN}{nonce}(\\d+){_CLOSE}", marked)
+    segs: list[Segment] = []
+    for k, part in enumerate(parts):
+        if k % 2 == 0:
+            if part:
+                segs.append((part, None))
+        else:
+            segs.append(("", int(part)))
+    return segs
+
+
+def _fill(segs: list[Segment], contents: list[str]) -> list[Segment]:
+    return [(contents[c] if c is not None else t, c) for t, c in segs]
+
+
+def _locate_contents(truth: str, contents: list[str]) -> list[Segment]:
+    """Fallback when the template transforms content: find each content (or its stripped form)
+    in the rendered text, in order; whatever is not found is treated as markup."""
+    segs: list[Segment] = []
+    pos = 0
+    for idx, c in enumerate(contents):
+        for needle in (c, c.strip()):
+            at = truth.find(needle, pos) if needle else -1
+            if at >= 0:
+                if at > pos:
+                    segs.append((truth[pos:at], None))
+                segs.append((needle, idx))
+                pos = at + len(needle)
+                break
+    if pos < len(truth):
+        segs.append((truth[pos:], None))
+    return segs
+
+
+def _segments(template: ChatTemplate, messages: list[dict], gen: bool, tools, kwargs) -> tuple[str, list[Segment]]:
+    """Render and split into markup/content segments (see module docstring)."""
+    nonce = secrets.token_hex(6)
+    contents: list[str] = []
+    marked_msgs = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, str) and c:
+            m = {**m, "content": f"{_OPEN}{nonce}{len(contents)}{_CLOSE}"}
+            contents.append(c)
+        marked_msgs.append(m)
+    try:
+        truth = template.render(messages, add_generation_prompt=gen, tools=tools, **kwargs)
+        if not contents:
+            return truth, [(truth, None)] if truth else []
+        marked = template.render(marked_msgs, add_generation_prompt=gen, tools=tools, **kwargs)
+    except TemplateError as e:
+        raise ApiError(400, str(e)) from e
+    segs = _split_marked(marked, nonce)
+    for variant in (contents, [c.strip() for c in contents]):  # templates often `| trim` content
+        filled = _fill(segs, variant)
+        if "".join(t for t, _ in filled) == truth:
+            return truth, filled
+    return truth, _locate_contents(truth, contents)
+
+
+def _final_content_index(messages: list[dict]) -> int | None:
+    """Index (among non-empty string contents) of the final message's content, or None."""
+    c = messages[-1].get("content")
+    if not (isinstance(c, str) and c):
+        return None
+    return sum(1 for m in messages if isinstance(m.get("content"), str) and m.get("content")) - 1
+
+
+def _tokenize(tokenizer, segs: list[Segment]) -> list[int]:
+    pattern, table = _specials(tokenizer)
+    text = "".join(t for t, _ in segs)
+    if pattern is None or not any(c is not None and pattern.search(t) for t, c in segs):
+        ids = tokenizer.encode(text, add_special=False, parse_special=True)
+    else:
+        ids, buf = [], []
+
+        def flush() -> None:
+            s = "".join(buf)
+            buf.clear()
+            if s:
+                ids.extend(tokenizer.encode(s, add_special=False, parse_special=False))
+
+        for t, c in segs:
+            if c is not None:
+                buf.append(t)
+                continue
+            pos = 0
+            for m in pattern.finditer(t):
+                buf.append(t[pos:m.start()])
+                flush()
+                ids.append(table[m.group()])
+                pos = m.end()
+            buf.append(t[pos:])
+        flush()
+    # llama-server tokenizes chat prompts with add_special: BOS when the vocabulary asks for
+    # it. Unlike llama.cpp, no second BOS when the template already wrote one.
+    bos = tokenizer.bos_token_id
+    if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+    return ids
+
+
+def render_chat(template: ChatTemplate, tokenizer, messages: Any, *, add_generation_prompt: bool = True,
+                tools: list | None = None, continue_final_message: bool | None = False,
+                **template_kwargs: Any) -> tuple[str, list[int]]:
+    """Render ``messages`` with ``template`` and tokenize, user content without special tokens.
+
+    Args:
+        template: the model's ChatTemplate.
+        tokenizer: the model's Tokenizer.
+        messages: OpenAI-style messages (validated by :func:`normalize_messages`).
+        add_generation_prompt: append the assistant turn header (ignored when continuing).
+        tools: OpenAI tool definitions for the template, or None.
+        continue_final_message: True continues the final message (no generation prompt, no
+            end-of-turn after its content); None does so when the final message is the
+            assistant's (llama-server's default); False never.
+        **template_kwargs: extra template variables (``chat_template_kwargs``).
+
+    Returns:
+        (prompt text, prompt token ids). The text is what ``/apply-template`` shows.
+
+    Raises:
+        ApiError: 400 for invalid messages or a template error.
+    """
+    msgs = normalize_messages(messages)
+    if continues_final_message(msgs, continue_final_message):
+        final = _final_content_index(msgs)
+        if final is None:
+            # Nothing to continue: the final message is empty, so start the turn (llama.cpp's
+            # prefill path renders the earlier messages with the generation prompt).
+            truth, segs = _segments(template, msgs[:-1], True, tools, template_kwargs)
+        else:
+            truth, segs = _segments(template, msgs, False, tools, template_kwargs)
+            ends = [k for k, (_, c) in enumerate(segs) if c == final]
+            if not ends:
+                raise ApiError(400, "cannot continue the final message: the chat template does not "
+                                    "render its content")
+            segs = segs[: ends[-1] + 1]
+            truth = "".join(t for t, _ in segs)
+    else:
+        truth, segs = _segments(template, msgs, add_generation_prompt, tools, template_kwargs)
+    return truth, _tokenize(tokenizer, segs)

@@ -1,0 +1,401 @@
+"""llama-server's native endpoints (seed Examples 2, 3, 6, 7, 8, 15, 17).
+
+GET /health /v1/health /v1/models /models /props /slots /metrics; POST /props
+/completion /completions /tokenize /detokenize /apply-template /slots/{id};
+/embeddings and /v1/embeddings answer 501 (not implemented).
+
+Each handler only translates: JSON -> engine Request -> JSON/SSE.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response
+
+from kvserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
+from kvserve.faces.errors import ApiError
+from kvserve.faces.http import json_response, read_json
+from kvserve.faces.params import get_bool, get_int, params_to_dict, sampling_params_from_body, type_error
+from kvserve.faces.sse import sse_response, until_disconnect
+from kvserve.serving import metrics as metrics_mod
+from kvserve.serving.state import ServerState, generate
+
+EMBEDDINGS_OFF = "This server does not support embeddings. Start it with `--embeddings`"
+PROPS_OFF = "This server does not support changing global properties. Start it with `--props`"
+SLOTS_OFF = "This server does not support slots endpoint. Start it with `--slots`"
+METRICS_OFF = "This server does not support metrics endpoint. Start it with `--metrics`"
+SLOT_ACTIONS_OFF = "This server does not support slots action. Start it with `--slot-save-path`"
+
+_ids = itertools.count()
+
+
+# -- prompts ------------------------------------------------------------------------------
+
+def _is_token(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def tokenize_mixed(tokenizer, prompt, *, add_special: bool, parse_special: bool = True,
+                   field_name: str = "prompt") -> list[int]:
+    """A prompt as a string, token ids, or a mixed list of ids and strings -> token ids.
+
+    Only the first string piece gets the special tokens (BOS per the tokenizer's add_bos),
+    as llama-server's ``tokenize_mixed`` does.
+    """
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special=add_special, parse_special=parse_special)
+    if isinstance(prompt, list):
+        out: list[int] = []
+        for i, p in enumerate(prompt):
+            if _is_token(p):
+                out.append(p)
+            elif isinstance(p, str):
+                out += tokenizer.encode(p, add_special=add_special and i == 0, parse_special=parse_special)
+            else:
+                raise type_error(field_name, "string, token id or an array of them", p)
+        return out
+    raise type_error(field_name, "string or array", prompt)
+
+
+def split_prompts(prompt) -> list:
+    """llama-server's rule: a string, ids or a mixed list is one prompt; another array is several."""
+    if isinstance(prompt, list) and prompt:
+        if all(_is_token(p) for p in prompt):
+            return [prompt]
+        has_num = any(_is_token(p) for p in prompt)
+        has_str = any(isinstance(p, str) for p in prompt)
+        if has_num and has_str and all(_is_token(p) or isinstance(p, str) for p in prompt):
+            return [prompt]
+        return list(prompt)
+    return [prompt]
+
+
+# -- probabilities ------------------------------------------------------------------------
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0
+
+
+def probs_json(lp: TokenLogprob, post_sampling: bool) -> dict:
+    """One ``completion_probabilities`` entry in llama-server's shape."""
+    if post_sampling:
+        return {"id": lp.id, "token": lp.token, "bytes": lp.bytes, "prob": math.exp(lp.logprob),
+                "top_probs": [{"id": t.id, "token": t.token, "bytes": t.bytes, "prob": math.exp(t.logprob)}
+                              for t in lp.top_logprobs]}
+    return {"id": lp.id, "token": lp.token, "bytes": lp.bytes, "logprob": _finite(lp.logprob),
+            "top_logprobs": [{"id": t.id, "token": t.token, "bytes": t.bytes, "logprob": _finite(t.logprob)}
+                             for t in lp.top_logprobs]}
+
+
+# -- /completion --------------------------------------------------------------------------
+
+@dataclass
+class _Completion:
+    """What one /completion task accumulates from its outputs."""
+
+    index: int
+    prompt_text: str
+    prompt_ids: list[int]
+    request: Request
+    content: str = ""
+    tokens: list[int] = field(default_factory=list)
+    probs: list[dict] = field(default_factory=list)
+    last: RequestOutput | None = None
+
+    def add(self, out: RequestOutput, post_sampling: bool) -> None:
+        self.content += out.text
+        self.tokens += out.new_token_ids
+        if out.logprobs:
+            self.probs += [probs_json(lp, post_sampling) for lp in out.logprobs]
+        self.last = out
+
+
+class CompletionHandler:
+    """POST /completion: one or more prompts, streaming or not."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def _build(self, body: dict) -> tuple[list[_Completion], SamplingParams, dict]:
+        state = self.state
+        tok = state.tokenizer
+        if "prompt" not in body or body["prompt"] is None:
+            raise ApiError(400, '"prompt" must be provided')
+        params = sampling_params_from_body(body, state.default_params, tok,
+                                           max_tokens_keys=("n_predict", "max_tokens"))
+        id_slot = get_int(body, "id_slot", -1)
+        opts = {
+            "stream": bool(get_bool(body, "stream", False)),
+            "return_tokens": bool(get_bool(body, "return_tokens", False)),
+            "id_slot": id_slot if id_slot is not None and id_slot >= 0 else -1,
+        }
+        prompts = split_prompts(body["prompt"])
+        tasks = []
+        for i, p in enumerate(prompts):
+            ids = tokenize_mixed(tok, p, add_special=True)
+            text = p if isinstance(p, str) else tok.decode(ids)
+            req = Request(f"cmpl-{uuid.uuid4().hex}", ids, params, priority_slot=opts["id_slot"])
+            tasks.append(_Completion(i, text, ids, req))
+        return tasks, params, opts
+
+    def final_json(self, c: _Completion, params: SamplingParams, opts: dict, *, stream: bool) -> dict:
+        """The final result object (Example 6 field order)."""
+        out = c.last
+        assert out is not None
+        n_pred = out.num_output_tokens
+        res = {
+            "index": c.index,
+            "content": "" if stream else c.content,
+            "tokens": [] if stream or not opts["return_tokens"] else c.tokens,
+            "id_slot": c.request.priority_slot,
+            "stop": True,
+            "model": self.state.model_alias,
+            "tokens_predicted": n_pred,
+            "tokens_evaluated": out.num_prompt_tokens,
+            "generation_settings": params_to_dict(params, stream=opts["stream"]),
+            "prompt": c.prompt_text,
+            "has_new_line": "\n" in c.content,
+            "truncated": out.truncated,
+            "stop_type": out.stop_type if out.stop_type != "abort" else "none",
+            "stopping_word": out.stopping_word,
+            # tokens in the slot's KV: the last sampled token is never decoded
+            "tokens_cached": out.num_prompt_tokens + max(n_pred - 1, 0),
+            "timings": out.timings.to_dict(),
+        }
+        if params.n_probs > 0 and not stream:
+            res["completion_probabilities"] = c.probs
+        if out.error:
+            raise ApiError(500, out.error)
+        return res
+
+    async def run_one(self, c: _Completion, params: SamplingParams) -> None:
+        """Drive one task to its end (non-streaming)."""
+        async for out in generate(self.state, c.request):
+            c.add(out, params.post_sampling_probs)
+
+    async def __call__(self, http: HttpRequest) -> Response:
+        self.state.require_ready()
+        body = await read_json(http)
+        tasks, params, opts = self._build(body)
+        if opts["stream"]:
+            if len(tasks) != 1:
+                raise ApiError(400, "streaming supports one prompt per request")
+            return await sse_response(self._stream(tasks[0], params, opts), done=False,
+                                      ping_interval=self.state.args.sse_ping_interval)
+        import asyncio
+
+        async def run_all():
+            await asyncio.gather(*(self.run_one(c, params) for c in tasks))
+
+        await until_disconnect(http, run_all())
+        results = [self.final_json(c, params, opts, stream=False) for c in tasks]
+        return json_response(results[0] if len(results) == 1 else results)
+
+    async def _stream(self, c: _Completion, params: SamplingParams, opts: dict):
+        async for out in generate(self.state, c.request):
+            c.add(out, params.post_sampling_probs)
+            if out.text or (out.logprobs and params.n_probs > 0):
+                chunk = {"index": c.index, "content": out.text,
+                         "tokens": out.new_token_ids if opts["return_tokens"] else [],
+                         "stop": False, "id_slot": c.request.priority_slot, "stop_type": "none",
+                         "tokens_predicted": out.num_output_tokens, "tokens_evaluated": out.num_prompt_tokens}
+                if params.n_probs > 0 and out.logprobs:
+                    chunk["completion_probabilities"] = [probs_json(lp, params.post_sampling_probs)
+                                                         for lp in out.logprobs]
+                yield chunk
+            if out.finished:
+                if out.error:
+                    raise ApiError(500, out.error)
+                yield self.final_json(c, params, opts, stream=True)
+
+
+# -- the router ---------------------------------------------------------------------------
+
+def models_json(state: ServerState) -> dict:
+    """GET /v1/models and /models: Ollama-style ``models`` plus OpenAI ``data`` (Example 3)."""
+    state.require_ready()
+    info = state.engine.model_info
+    name = state.model_alias
+    return {
+        "models": [{
+            "name": name, "model": name, "modified_at": "", "size": "", "digest": "", "type": "model",
+            "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
+            "details": {"parent_model": "", "format": info.format, "family": "", "families": [""],
+                        "parameter_size": "", "quantization_level": info.quantization_level or ""},
+        }],
+        "object": "list",
+        "data": [{
+            "id": name,
+            "aliases": list(state.served_names),
+            "tags": [],
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "llamacpp",
+            "meta": {"vocab_type": info.vocab_type, "n_vocab": info.n_vocab, "n_ctx": state.engine.n_ctx_slot,
+                     "n_ctx_train": info.n_ctx_train, "n_embd": info.n_embd, "n_params": info.n_params,
+                     "size": info.size, "ftype": info.ftype},
+        }],
+    }
+
+
+def props_json(state: ServerState) -> dict:
+    """GET /props (Example 3)."""
+    state.require_ready()
+    args, tok, tmpl = state.args, state.tokenizer, state.template
+    return {
+        "default_generation_settings": {
+            "id": 0, "id_task": -1, "n_ctx": state.engine.n_ctx_slot, "speculative": False,
+            "is_processing": False, "params": params_to_dict(state.default_params),
+        },
+        "total_slots": state.engine.n_slots,
+        "model_alias": state.model_alias,
+        "model_path": state.model_path,
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": args.slots,
+        "endpoint_props": args.props,
+        "endpoint_metrics": args.metrics,
+        "webui": False,
+        "chat_template": tmpl.source if tmpl else "",
+        "chat_template_caps": dict(tmpl.caps) if tmpl else {},
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "build_info": state.build_info,
+        "is_sleeping": False,
+    }
+
+
+def build_router(state: ServerState) -> APIRouter:
+    """The native endpoints bound to ``state``."""
+    r = APIRouter()
+    completion = CompletionHandler(state)
+
+    @r.get("/health")
+    @r.get("/v1/health")
+    async def health():
+        state.require_ready()
+        return json_response({"status": "ok"})
+
+    @r.get("/v1/models")
+    @r.get("/models")
+    async def models():
+        return json_response(models_json(state))
+
+    @r.get("/props")
+    async def props():
+        return json_response(props_json(state))
+
+    @r.post("/props")
+    async def set_props(http: HttpRequest):
+        if not state.args.props:
+            raise ApiError(501, PROPS_OFF)
+        state.require_ready()
+        await read_json(http, required=False)
+        return json_response({"success": True})
+
+    r.add_api_route("/completion", completion, methods=["POST"])
+    r.add_api_route("/completions", completion, methods=["POST"])
+
+    @r.post("/tokenize")
+    async def tokenize(http: HttpRequest):
+        state.require_ready()
+        body = await read_json(http)
+        tok = state.tokenizer
+        ids: list[int] = []
+        if body.get("content") is not None:
+            ids = tokenize_mixed(tok, body["content"], add_special=bool(get_bool(body, "add_special", False)),
+                                 parse_special=bool(get_bool(body, "parse_special", True)), field_name="content")
+        if get_bool(body, "with_pieces", False):
+            return json_response({"tokens": [{"id": t, "piece": tok.piece(t)} for t in ids]})
+        return json_response({"tokens": ids})
+
+    @r.post("/detokenize")
+    async def detokenize(http: HttpRequest):
+        state.require_ready()
+        body = await read_json(http)
+        ids = body.get("tokens") or []
+        if not isinstance(ids, list) or not all(_is_token(t) for t in ids):
+            raise type_error("tokens", "array of token ids", ids)
+        tok = state.tokenizer
+        bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is out of range (vocabulary size {tok.n_vocab})")
+        return json_response({"content": tok.decode(ids)})
+
+    @r.post("/apply-template")
+    async def apply_template(http: HttpRequest):
+        state.require_ready()
+        body = await read_json(http)
+        return json_response({"prompt": render_prompt(state, body)})
+
+    @r.get("/slots")
+    async def slots(http: HttpRequest):
+        if not state.args.slots:
+            raise ApiError(501, SLOTS_OFF)
+        state.require_ready()
+        fail = http.query_params.get("fail_on_no_slot", "")
+        if fail not in ("", "0", "false") and not state.slots.has_idle():
+            raise ApiError(503, "no slot available")
+        return json_response(state.slots.views())
+
+    @r.post("/slots/{id_slot}")
+    async def slot_action(id_slot: str, http: HttpRequest):
+        if not state.args.slot_save_path:
+            raise ApiError(501, SLOT_ACTIONS_OFF)
+        state.require_ready()
+        try:
+            sid = int(id_slot)
+            slot = state.slots.slots[sid]
+            if sid < 0:
+                raise IndexError
+        except (ValueError, IndexError):
+            raise ApiError(400, "Invalid slot ID") from None
+        action = http.query_params.get("action", "")
+        if action == "erase":
+            if slot.is_processing:
+                raise ApiError(400, "Slot is busy")
+            n = len(slot.tokens)
+            slot.tokens = []
+            return json_response({"id_slot": sid, "n_erased": n})
+        if action in ("save", "restore"):
+            raise ApiError(501, f"slot action '{action}' is not implemented yet")
+        raise ApiError(400, "Invalid action")
+
+    @r.get("/metrics")
+    async def metrics():
+        if not state.args.metrics:
+            raise ApiError(501, METRICS_OFF)
+        state.require_ready()
+        return Response(state.metrics.render(), media_type=metrics_mod.CONTENT_TYPE)
+
+    async def embeddings(http: HttpRequest):
+        if not state.args.embeddings:
+            raise ApiError(501, EMBEDDINGS_OFF)
+        raise ApiError(501, "embeddings are not implemented yet")
+
+    for path in ("/embedding", "/embeddings", "/v1/embeddings"):
+        r.add_api_route(path, embeddings, methods=["POST"])
+    return r
+
+
+def render_prompt(state: ServerState, body: dict) -> str:
+    """The chat prompt text for ``body["messages"]``, rendered as the chat endpoint does."""
+    if state.template is None:
+        raise ApiError(500, "the model has no chat template")
+    if "messages" not in body:
+        raise ApiError(400, "'messages' is required")
+    from kvserve.chat.prompt import render_chat
+
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise type_error("chat_template_kwargs", "object", kwargs)
+    text, _ = render_chat(state.template, state.tokenizer, body["messages"], add_generation_prompt=True,
+                          tools=body.get("tools"), continue_final_message=body.get("continue_final_message"),
+                          **kwargs)
+    return text

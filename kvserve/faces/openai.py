@@ -1,0 +1,473 @@
+"""The OpenAI-compatible face: ``/v1/chat/completions`` (also ``/chat/completions``) and the
+legacy ``/v1/completions``.
+
+Shapes follow llama-server (000_6dcbf6b03a8c9f77.txt Examples 4, 5, 17): ``chatcmpl-`` + 32
+characters, ``system_fingerprint`` = build string, ``usage.prompt_tokens_details.cached_tokens``
+always present, llama.cpp's ``timings`` on the response / the finish chunk. As in llama-server,
+``/completions`` without ``/v1`` is the native endpoint (the llama face), not this one.
+
+Streaming (SSE): a role-only first chunk, one chunk per text delta, a finish chunk with an
+empty delta, ``finish_reason`` and ``timings``, with ``stream_options.include_usage`` a chunk
+with ``"choices": []`` and ``usage``, then ``data: [DONE]``. While nothing arrives for
+``--sse-ping-interval`` seconds (long prefills) the comment line ``:`` is sent. Errors found
+before the response starts are plain JSON errors; after that, one ``data: {"error": ...}``
+event and the stream ends without ``[DONE]``. A client that disconnects cancels its
+generations (the engine aborts them).
+
+Deviations from OpenAI: ``model`` is not checked and the response names the served model;
+``n`` > 1 runs n independent requests (choice i uses ``seed + i`` when a seed is given);
+``/v1/completions`` ``suffix`` is refused (400).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import secrets
+import string
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response
+
+from kvserve.chat.prompt import render_chat
+from kvserve.engine.request import SEED_RANDOM, Request, RequestOutput, SamplingParams, TokenLogprob
+from kvserve.faces.errors import ApiError
+from kvserve.faces.http import error_response, json_response, read_json
+from kvserve.faces.sse import error_body, sse_response, until_disconnect
+from kvserve.faces.params import get_bool, get_int, get_str, sampling_params_from_body, type_error
+from kvserve.serving.state import ServerState, generate
+
+__all__ = ["build_router", "router"]
+
+_ALNUM = string.ascii_letters + string.digits
+_MAX_N = 128
+_LOGPROB_FLOOR = -9999.0  # OpenAI/vLLM's stand-in for -inf (JSON has no infinities)
+
+
+def _rand_id(prefix: str) -> str:
+    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(32))
+
+
+def _lp(v: float) -> float:
+    return v if math.isfinite(v) else _LOGPROB_FLOOR
+
+
+# ------------------------------------------------------------------------ request plan
+
+
+@dataclass
+class Plan:
+    """What one HTTP request asks for: the engine requests (one per choice) and output options."""
+
+    kind: str  # "chat" | "text"
+    response_id: str
+    created: int
+    model: str
+    requests: list[Request]  # prompt-major: choice k = prompt k // n, sample k % n
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # top candidates to report (chat: top_logprobs; legacy: logprobs)
+    echo_texts: list[str] = field(default_factory=list)  # legacy echo: prompt text per choice
+
+
+def _n_choices(body: dict) -> int:
+    n = get_int(body, "n", 1)
+    if not 1 <= n <= _MAX_N:
+        raise ApiError(400, f"Field 'n': must be between 1 and {_MAX_N}")
+    return n
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = get_bool(body, "stream", False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise type_error("stream_options", "object", opts)
+        include_usage = bool(get_bool(opts, "include_usage", False))
+    return stream, include_usage
+
+
+def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of n: a distinct seed derived from the request's seed (random stays random)."""
+    if i == 0 or params.seed == SEED_RANDOM:
+        return params
+    seed = (params.seed + i) % SEED_RANDOM
+    return dataclasses.replace(params, seed=seed)
+
+
+def _engine_requests(state: ServerState, body: dict, response_id: str, prompts: list[list[int]],
+                     params: SamplingParams, n: int) -> list[Request]:
+    id_slot = get_int(body, "id_slot", -1)
+    eog = state.tokenizer.eog_token_ids
+    reqs = []
+    for p, ids in enumerate(prompts):
+        for i in range(n):
+            k = p * n + i
+            reqs.append(Request(f"{response_id}-{k}", list(ids), _choice_params(params, k), eog_token_ids=eog,
+                                priority_slot=id_slot if id_slot is not None else -1))
+    return reqs
+
+
+def _validate(state: ServerState, reqs: list[Request]) -> None:
+    """Refuse now what the engine would refuse, so a stream never starts for a bad request."""
+    engine, slots = state.engine, state.slots
+    for r in reqs:
+        engine.validate(r)
+        if slots is not None and r.priority_slot >= len(slots.slots):
+            raise ApiError(400, f"Invalid id_slot: {r.priority_slot}")
+
+
+def chat_plan(state: ServerState, body: dict) -> Plan:
+    """Parse a chat completion request (raises ApiError 400 on bad fields)."""
+    state.require_ready()
+    if "messages" not in body or body["messages"] is None:
+        raise ApiError(400, "'messages' is required")
+    if state.template is None:
+        raise ApiError(500, "this model has no chat template; use /v1/completions")
+    stream, include_usage = _stream_flags(body)
+    n = _n_choices(body)
+    logprobs = get_bool(body, "logprobs", False)
+    top = get_int(body, "top_logprobs")
+    if top is not None and not logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs to be set to true")
+    if top is not None and not 0 <= top <= 20:
+        raise ApiError(400, "Field 'top_logprobs': must be between 0 and 20")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise type_error("chat_template_kwargs", "object", kwargs)
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise type_error("tools", "array", tools)
+    cont = get_bool(body, "continue_final_message")
+    add_gen = get_bool(body, "add_generation_prompt")
+    if cont and add_gen:
+        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    if add_gen is False and cont is None:
+        cont = False
+    _, ids = render_chat(state.template, state.tokenizer, body["messages"],
+                         add_generation_prompt=add_gen is not False, tools=tools or None,
+                         continue_final_message=cont, **kwargs)
+    params = sampling_params_from_body(body, state.default_params, state.tokenizer,
+                                       max_tokens_keys=("max_completion_tokens", "max_tokens", "n_predict"))
+    if logprobs:
+        params = dataclasses.replace(params, n_probs=max(top or 0, 1))
+    rid = _rand_id("chatcmpl-")
+    reqs = _engine_requests(state, body, rid, [ids], params, n)
+    _validate(state, reqs)
+    return Plan("chat", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage,
+                (top or 0) if logprobs else None)
+
+
+def _prompt_list(state: ServerState, prompt) -> list[list[int]]:
+    """Legacy ``prompt``: a string, token ids, a list of strings, or a list of token-id lists.
+
+    Token lists may mix ids and strings (llama-server); strings are tokenized with special
+    tokens parsed and BOS added when the vocabulary asks for it, as ``/completion`` does.
+    """
+    tok = state.tokenizer
+
+    def one(p) -> list[int]:
+        if isinstance(p, str):
+            return tok.encode(p, add_special=True, parse_special=True)
+        ids: list[int] = []
+        for k, el in enumerate(p):
+            if isinstance(el, bool) or not isinstance(el, (int, str)):
+                raise ApiError(400, "Field 'prompt': elements must be token ids or strings")
+            if isinstance(el, str):
+                ids.extend(tok.encode(el, add_special=(k == 0), parse_special=True))
+            elif not 0 <= el < tok.n_vocab:
+                raise ApiError(400, f"Field 'prompt': token id {el} out of range [0, {tok.n_vocab})")
+            else:
+                ids.append(el)
+        return ids
+
+    if prompt is None:
+        raise ApiError(400, "'prompt' is required")
+    if isinstance(prompt, str):
+        return [one(prompt)]
+    if not isinstance(prompt, list):
+        raise type_error("prompt", "string or array", prompt)
+    if not prompt:
+        raise ApiError(400, "Field 'prompt': must not be empty")
+    if any(isinstance(p, list) for p in prompt) or all(isinstance(p, str) for p in prompt):
+        return [one(p) for p in prompt]  # several prompts: strings and/or token lists
+    return [one(prompt)]  # one prompt of token ids, possibly mixed with strings
+
+
+def completion_plan(state: ServerState, body: dict) -> Plan:
+    """Parse a legacy completion request (raises ApiError 400 on bad fields)."""
+    state.require_ready()
+    if get_str(body, "suffix"):
+        raise ApiError(400, "'suffix' is not supported")
+    stream, include_usage = _stream_flags(body)
+    n = _n_choices(body)
+    echo = get_bool(body, "echo", False)
+    logprobs = get_int(body, "logprobs")
+    if logprobs is not None and not 0 <= logprobs <= 20:
+        raise ApiError(400, "Field 'logprobs': must be between 0 and 20")
+    prompts = _prompt_list(state, body.get("prompt"))
+    if any(not p for p in prompts):
+        raise ApiError(400, "Field 'prompt': the prompt is empty")
+    # OpenAI's default max_tokens for completions is 16 (llama-server uses -1).
+    defaults = dataclasses.replace(state.default_params, n_predict=16)
+    params = sampling_params_from_body(body, defaults, state.tokenizer, max_tokens_keys=("max_tokens", "n_predict"))
+    if logprobs is not None:
+        params = dataclasses.replace(params, n_probs=max(logprobs, 1),
+                                     prompt_logprobs=max(logprobs, 1) if echo else None)
+    rid = _rand_id("cmpl-")
+    reqs = _engine_requests(state, body, rid, prompts, params, n)
+    _validate(state, reqs)
+    echo_texts = [state.tokenizer.decode(r.prompt_token_ids) if echo else "" for r in reqs]
+    return Plan("text", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage, logprobs,
+                echo_texts)
+
+
+# ------------------------------------------------------------------------ running choices
+
+
+async def run_choices(state: ServerState, plan: Plan) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Run every choice concurrently and yield ``(index, output)`` as outputs come.
+
+    A choice's exception is raised here. Closing the iterator (client disconnect) cancels
+    every choice, which aborts them in the engine and frees their slots.
+    """
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def produce(i: int, req: Request) -> None:
+        try:
+            async for out in generate(state, req):
+                q.put_nowait((i, out))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(produce(i, r)) for i, r in enumerate(plan.requests)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await q.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _check_output(out: RequestOutput) -> None:
+    if out.error:
+        raise ApiError(500, out.error)
+
+
+# ------------------------------------------------------------------------ logprobs shapes
+
+
+def _chat_logprob(lp: TokenLogprob, top_n: int) -> dict:
+    top = sorted(lp.top_logprobs, key=lambda t: t.logprob, reverse=True)[:top_n]
+    return {"token": lp.token, "logprob": _lp(lp.logprob), "bytes": list(lp.bytes),
+            "top_logprobs": [{"token": t.token, "logprob": _lp(t.logprob), "bytes": list(t.bytes)} for t in top]}
+
+
+class _LegacyLogprobs:
+    """Accumulates OpenAI's legacy ``logprobs`` object: tokens, token_logprobs, top_logprobs,
+    text_offset (character offsets into the choice's full text, echo included)."""
+
+    def __init__(self, top_n: int, offset: int = 0):
+        self.top_n = top_n
+        self.offset = offset
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict | None] = []
+        self.text_offset: list[int] = []
+
+    def add(self, lp: TokenLogprob | None, token_text: str | None = None) -> None:
+        text = lp.token if lp is not None else (token_text or "")
+        self.tokens.append(text)
+        self.text_offset.append(self.offset)
+        self.offset += len(text)
+        if lp is None:
+            self.token_logprobs.append(None)
+            self.top_logprobs.append(None)
+            return
+        self.token_logprobs.append(_lp(lp.logprob))
+        top = sorted(lp.top_logprobs, key=lambda t: t.logprob, reverse=True)[: self.top_n]
+        self.top_logprobs.append({t.token: _lp(t.logprob) for t in top})
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
+                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+
+    def take(self) -> dict:
+        """The entries so far (for one stream chunk), then start over at the current offset."""
+        d = self.to_dict()
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+        return d
+
+
+def _add_prompt_logprobs(acc: _LegacyLogprobs, state: ServerState, req: Request, out: RequestOutput) -> None:
+    plp = out.prompt_logprobs or [None] * len(req.prompt_token_ids)
+    for tok, lp in zip(req.prompt_token_ids, plp):
+        acc.add(lp, state.tokenizer.token_bytes(tok).decode("utf-8", errors="replace") if lp is None else None)
+
+
+# ------------------------------------------------------------------------ responses
+
+
+def _usage(outs: list[RequestOutput], n_per_prompt: int) -> dict:
+    prompt = sum(o.num_prompt_tokens for o in outs[::n_per_prompt]) if outs else 0
+    completion = sum(o.num_output_tokens for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs[::n_per_prompt]) if outs else 0
+    return {"completion_tokens": completion, "prompt_tokens": prompt, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def complete(state: ServerState, plan: Plan) -> dict:
+    """Run a non-streaming request to the end and build the response object."""
+    texts = ["" for _ in plan.requests]
+    finals: list[RequestOutput | None] = [None] * len(plan.requests)
+    chat_lps: list[list[dict]] = [[] for _ in plan.requests]
+    legacy = [_LegacyLogprobs(plan.logprobs or 0, 0) for _ in plan.requests]
+    started = [False] * len(plan.requests)
+    async for i, out in run_choices(state, plan):
+        _check_output(out)
+        if plan.kind == "text" and plan.logprobs is not None and not started[i] and plan.echo_texts[i]:
+            _add_prompt_logprobs(legacy[i], state, plan.requests[i], out)
+        started[i] = True
+        texts[i] += out.text
+        for lp in out.logprobs or []:
+            if plan.kind == "chat":
+                chat_lps[i].append(_chat_logprob(lp, plan.logprobs or 0))
+            else:
+                legacy[i].add(lp)
+        if out.finished:
+            finals[i] = out
+    outs = [f for f in finals if f is not None]
+    choices = []
+    for i, out in enumerate(outs):
+        if plan.kind == "chat":
+            c = {"finish_reason": out.finish_reason, "index": i,
+                 "message": {"role": "assistant", "content": texts[i]}}
+            if plan.logprobs is not None:
+                c["logprobs"] = {"content": chat_lps[i]}
+        else:
+            c = {"finish_reason": out.finish_reason, "index": i, "text": plan.echo_texts[i] + texts[i],
+                 "logprobs": legacy[i].to_dict() if plan.logprobs is not None else None}
+        choices.append(c)
+    return {
+        "choices": choices,
+        "created": plan.created,
+        "model": plan.model,
+        "system_fingerprint": state.build_info,
+        "object": "chat.completion" if plan.kind == "chat" else "text_completion",
+        "usage": _usage(outs, plan.n),
+        "id": plan.response_id,
+        "timings": outs[0].timings.to_dict(),
+    }
+
+
+async def stream_events(state: ServerState, plan: Plan) -> AsyncIterator[dict]:
+    """The SSE events of a streaming request, as JSON objects (see the module docstring);
+    :func:`kvserve.faces.sse.sse_response` writes them, pings, the error event and [DONE]."""
+    obj = "chat.completion.chunk" if plan.kind == "chat" else "text_completion"
+
+    def chunk(choices: list[dict], **extra) -> dict:
+        d = {"choices": choices, "created": plan.created, "id": plan.response_id, "model": plan.model,
+             "system_fingerprint": state.build_info, "object": obj}
+        d.update(extra)
+        return d
+
+    n = len(plan.requests)
+    finals: list[RequestOutput | None] = [None] * n
+    pending_lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    legacy = [_LegacyLogprobs(plan.logprobs or 0, 0) for _ in range(n)]
+    started = [False] * n
+    if plan.kind == "chat":
+        for i in range(n):
+            yield chunk([{"finish_reason": None, "index": i, "delta": {"role": "assistant", "content": None}}])
+
+    def logprobs_of(i: int) -> dict | None:
+        if plan.logprobs is None:
+            return None
+        lps, pending_lps[i] = pending_lps[i], []
+        if plan.kind == "chat":
+            return {"content": [_chat_logprob(lp, plan.logprobs) for lp in lps]}
+        for lp in lps:
+            legacy[i].add(lp)
+        return legacy[i].take()
+
+    async for i, out in run_choices(state, plan):
+        _check_output(out)
+        text = out.text
+        if not started[i]:
+            started[i] = True
+            if plan.kind == "text" and plan.echo_texts[i]:
+                if plan.logprobs is not None:
+                    _add_prompt_logprobs(legacy[i], state, plan.requests[i], out)
+                text = plan.echo_texts[i] + text
+        pending_lps[i].extend(out.logprobs or [])
+        if text:
+            if plan.kind == "chat":
+                c = {"finish_reason": None, "index": i, "delta": {"content": text}}
+                if plan.logprobs is not None:
+                    c["logprobs"] = logprobs_of(i)
+            else:
+                c = {"finish_reason": None, "index": i, "text": text, "logprobs": logprobs_of(i)}
+            yield chunk([c])
+        if out.finished:
+            finals[i] = out
+            if plan.kind == "chat":
+                c = {"finish_reason": out.finish_reason, "index": i, "delta": {}}
+                if plan.logprobs is not None and pending_lps[i]:
+                    c["logprobs"] = logprobs_of(i)
+            else:
+                c = {"finish_reason": out.finish_reason, "index": i, "text": "",
+                     "logprobs": logprobs_of(i) if pending_lps[i] else None}
+            yield chunk([c], timings=out.timings.to_dict())
+    outs = [f for f in finals if f is not None]
+    if plan.include_usage:
+        yield chunk([], usage=_usage(outs, plan.n), timings=outs[0].timings.to_dict())
+
+
+# ------------------------------------------------------------------------ routes
+
+
+async def _serve(state: ServerState, http: HttpRequest, make_plan) -> Response:
+    try:
+        plan = make_plan(state, await read_json(http))
+        if plan.stream:
+            return await sse_response(stream_events(state, plan), ping_interval=state.args.sse_ping_interval,
+                                      done=True, headers={"X-Accel-Buffering": "no"})
+        return json_response(await until_disconnect(http, complete(state, plan)))
+    except Exception as e:  # noqa: BLE001 - every failure answers with the error envelope
+        return error_response(ApiError.from_exception(e)) if isinstance(e, ApiError) else \
+            json_response(error_body(e), ApiError.from_exception(e).status)
+
+
+def build_router(state: ServerState) -> APIRouter:
+    """The OpenAI face's routes, bound to ``state``."""
+    r = APIRouter()
+
+    @r.post("/v1/chat/completions")
+    @r.post("/chat/completions")
+    async def chat_completions(http: HttpRequest) -> Response:
+        return await _serve(state, http, chat_plan)
+
+    @r.post("/v1/completions")
+    async def completions(http: HttpRequest) -> Response:
+        return await _serve(state, http, completion_plan)
+
+    return r
+
+
+router = build_router  # the name the brief asked for

@@ -1,0 +1,188 @@
+"""``kvserve serve`` command line: llama-server's flag names (short and long) and vLLM's.
+
+An unknown flag is an error (exit 2), abbreviations are not accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from kvserve.config import EngineConfig
+from kvserve.engine.request import SEED_RANDOM, InvalidRequestError, SamplingParams
+
+DEFAULT_MODEL = "smollm2"
+
+
+@dataclass
+class ServerArgs:
+    """Parsed ``kvserve serve`` arguments (names as llama-server's long flags)."""
+
+    model: str = DEFAULT_MODEL
+    model_given: bool = False
+    alias: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8080
+    ctx_size: int = 0
+    parallel: int = -1
+    threads: int = 0
+    batch_size: int = 2048
+    ubatch_size: int = 512
+    n_predict: int = -1
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int = SEED_RANDOM
+    api_keys: list[str] = field(default_factory=list)
+    metrics: bool = False
+    slots: bool = True
+    props: bool = False
+    slot_save_path: str | None = None
+    cache_ram: int = 8192
+    cache_reuse: int = 0
+    slot_prompt_similarity: float = 0.10
+    jinja: bool = True
+    chat_template: str | None = None
+    chat_template_file: str | None = None
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    sse_ping_interval: float = 30.0
+    cors_origins: list[str] = field(default_factory=lambda: ["*"])
+    log_verbosity: int = 3
+    embeddings: bool = False
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int = 0
+
+    def served_names(self) -> list[str]:
+        """Names the model answers to: ``-a``/``--served-model-name``, else the model spec."""
+        return list(self.alias) if self.alias else [self.model]
+
+    def default_sampling_params(self) -> SamplingParams:
+        """Server-wide sampling defaults from ``--temp``, ``--top-k``, ``-n``..."""
+        return SamplingParams(n_predict=self.n_predict, temperature=self.temp, top_k=max(self.top_k, 0),
+                              top_p=self.top_p, min_p=self.min_p, repeat_penalty=self.repeat_penalty,
+                              seed=self.seed)
+
+    def engine_config(self) -> EngineConfig:
+        """The EngineConfig these flags describe."""
+        return EngineConfig(
+            n_ctx=self.ctx_size,
+            n_parallel=self.parallel,
+            kv_dtype=self.cache_type_k,
+            max_num_batched_tokens=self.batch_size,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            threads=self.threads,
+            device=self.device,
+        )
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # noqa: D401 - argparse hook
+        self.print_usage()
+        self.exit(2, f"error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of ``kvserve serve``."""
+    p = _Parser(prog="kvserve serve", allow_abbrev=False,
+                description="Serve a model over HTTP (llama-server and OpenAI APIs).")
+    a = p.add_argument
+    a("model_pos", nargs="?", metavar="MODEL", help=f"model name, .gguf path or HF dir (default {DEFAULT_MODEL})")
+    a("-m", "--model", help="model name, .gguf path or HF directory")
+    a("-a", "--alias", help="model name for the API (comma-separated for several)")
+    a("--served-model-name", nargs="+", help="model name(s) for the API (vLLM)")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8080)
+    a("-c", "--ctx-size", type=int, default=0, help="total context in tokens (0 = the model's)")
+    a("--max-model-len", type=int, default=0, help="max context of one sequence (vLLM)")
+    a("-np", "--parallel", type=int, default=None, help="slots (-1 = auto: 4, unified KV)")
+    a("--max-num-seqs", type=int, default=None, help="slots (vLLM name of -np)")
+    a("-t", "--threads", type=int, default=0)
+    a("-b", "--batch-size", type=int, default=None, help="tokens per step (= --max-num-batched-tokens)")
+    a("-ub", "--ubatch-size", type=int, default=512, help="accepted; one step is one batch here")
+    a("--max-num-batched-tokens", type=int, default=None)
+    a("-n", "--n-predict", type=int, default=-1)
+    a("--temp", type=float, default=0.8)
+    a("--top-k", type=int, default=40)
+    a("--top-p", type=float, default=0.95)
+    a("--min-p", type=float, default=0.05)
+    a("--repeat-penalty", type=float, default=1.0)
+    a("-s", "--seed", type=int, default=-1)
+    a("--api-key", default=None, help="API key(s), comma-separated")
+    a("--api-key-file", default=None, help="file with one API key per line")
+    a("--metrics", action="store_true")
+    a("--slots", dest="slots", action="store_true", default=True)
+    a("--no-slots", dest="slots", action="store_false")
+    a("--props", action="store_true")
+    a("--slot-save-path", default=None, help="existing directory for slot files")
+    a("--cache-ram", type=int, default=8192, help="host prompt cache in MiB")
+    a("--cache-reuse", type=int, default=0)
+    a("--slot-prompt-similarity", "-sps", type=float, default=0.10)
+    a("--jinja", dest="jinja", action="store_true", default=True)
+    a("--no-jinja", dest="jinja", action="store_false")
+    a("--chat-template", default=None)
+    a("--chat-template-file", default=None)
+    a("-ctk", "--cache-type-k", default="f16", choices=["f16", "f32", "bf16"])
+    a("-ctv", "--cache-type-v", default="f16", choices=["f16", "f32", "bf16"])
+    a("--sse-ping-interval", type=float, default=30.0, help="seconds between SSE comment pings")
+    a("--cors-origins", default="*", help="comma-separated origins, * for all")
+    a("-lv", "--log-verbosity", "--verbosity", type=int, default=3)
+    a("--embeddings", action="store_true")
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    a("--device", default="auto")
+    return p
+
+
+def _read_keys(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        return [ln.strip() for ln in f if ln.strip()]
+
+
+def parse_args(argv: list[str]) -> ServerArgs:
+    """Parse ``kvserve serve`` arguments; exits 2 on an unknown flag or a bad value."""
+    p = build_parser()
+    ns = p.parse_args(argv)
+    if ns.model and ns.model_pos and ns.model != ns.model_pos:
+        p.error("give the model once: positional MODEL or -m/--model")
+    model = ns.model or ns.model_pos
+    if ns.slot_save_path is not None and not os.path.isdir(ns.slot_save_path):
+        # llama-server's wording (seed Example 1); it exits at once
+        p.exit(2, f'error while handling argument "--slot-save-path": not a directory: {ns.slot_save_path}\n')
+    keys: list[str] = []
+    if ns.api_key:
+        keys += [k.strip() for k in ns.api_key.split(",") if k.strip()]
+    if ns.api_key_file:
+        try:
+            keys += _read_keys(ns.api_key_file)
+        except OSError as e:
+            p.error(f'error while handling argument "--api-key-file": {e}')
+    alias = list(ns.served_model_name or [])
+    if ns.alias:
+        alias = [x.strip() for x in ns.alias.split(",") if x.strip()] + alias
+    parallel = ns.parallel if ns.parallel is not None else (ns.max_num_seqs if ns.max_num_seqs is not None else -1)
+    batch = ns.batch_size or ns.max_num_batched_tokens or 2048
+    if parallel == 0 or parallel < -1:
+        p.error(f"invalid -np value {parallel}: -1 (auto) or >= 1")
+    args = ServerArgs(
+        model=model or DEFAULT_MODEL, model_given=bool(model), alias=alias, host=ns.host, port=ns.port,
+        ctx_size=ns.ctx_size, parallel=parallel, threads=ns.threads, batch_size=batch, ubatch_size=ns.ubatch_size,
+        n_predict=ns.n_predict, temp=ns.temp, top_k=ns.top_k, top_p=ns.top_p, min_p=ns.min_p,
+        repeat_penalty=ns.repeat_penalty, seed=SEED_RANDOM if ns.seed < 0 else ns.seed & 0xFFFFFFFF,
+        api_keys=keys, metrics=ns.metrics, slots=ns.slots, props=ns.props, slot_save_path=ns.slot_save_path,
+        cache_ram=ns.cache_ram, cache_reuse=ns.cache_reuse, slot_prompt_similarity=ns.slot_prompt_similarity,
+        jinja=ns.jinja, chat_template=ns.chat_template, chat_template_file=ns.chat_template_file,
+        cache_type_k=ns.cache_type_k, cache_type_v=ns.cache_type_v, sse_ping_interval=ns.sse_ping_interval,
+        cors_origins=[o.strip() for o in ns.cors_origins.split(",") if o.strip()], log_verbosity=ns.log_verbosity,
+        embeddings=ns.embeddings, dtype=ns.dtype, device=ns.device, max_model_len=ns.max_model_len,
+    )
+    try:
+        args.default_sampling_params()
+        args.engine_config()
+    except (InvalidRequestError, ValueError) as e:
+        p.error(str(e))
+    return args

@@ -1,0 +1,213 @@
+"""``kvserve serve``: the HTTP server (FastAPI + uvicorn) around one engine.
+
+Start-up order: the listening socket opens first, then the model loads on a
+background thread while ``/health`` answers 503 ``Loading model``. The log keeps
+llama-server's line shapes and order (seed Example 1): the security warning,
+``loading model``, ``initializing, n_slots = ...``, ``model loaded``, then
+``listening on http://HOST:PORT``. That last line comes after the load, as in
+llama-server, although the socket already accepts connections (and answers 503)
+before it: a supervisor that waits for the line sees the same order as with
+llama-server; one that polls /health sees the earlier listener.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import threading
+import time
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request as HttpRequest
+
+from kvserve.faces.auth import add_security
+from kvserve.faces.errors import ApiError
+from kvserve.faces.http import json_response
+from kvserve.serving.args import ServerArgs, parse_args
+from kvserve.serving.state import ServerState
+
+log = logging.getLogger("kvserve.server")
+
+_T0 = time.monotonic()
+_LEVELS = {logging.DEBUG: "D", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E", logging.CRITICAL: "E"}
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+class LlamaLogFormatter(logging.Formatter):
+    """``0.00.003.284 I srv  llama_server: message`` (minutes.seconds.ms.us since start).
+
+    The record's ``func`` extra (default: the logger's function name) is right-aligned
+    in 12 characters, as llama-server's ``SRV_INF`` does.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        us = int((record.created - _START_WALL) * 1e6)
+        m, us = divmod(us, 60_000_000)
+        s, us = divmod(us, 1_000_000)
+        ms, us = divmod(us, 1000)
+        func = getattr(record, "func", record.funcName)
+        comp = getattr(record, "comp", "srv")
+        msg = record.getMessage()
+        if record.exc_info:
+            msg += "\n" + self.formatException(record.exc_info)
+        return f"{m}.{s:02d}.{ms:03d}.{us:03d} {_LEVELS.get(record.levelno, 'I')} {comp}  {func:>12}: {msg}"
+
+
+_START_WALL = time.time()
+
+
+def setup_logging(verbosity: int) -> None:
+    """Log to stderr in llama-server's shape; ``-lv`` >= 4 adds debug lines."""
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(LlamaLogFormatter())
+    root = logging.getLogger("kvserve")
+    root.handlers[:] = [h]
+    root.setLevel(logging.DEBUG if verbosity >= 4 else logging.INFO)
+    root.propagate = False
+
+
+def _srv(level: int, func: str, msg: str, *a) -> None:
+    log.log(level, msg, *a, extra={"func": func})
+
+
+# -- the app ------------------------------------------------------------------------------
+
+def build_app(state: ServerState) -> FastAPI:
+    """The ASGI app: native and OpenAI faces, error envelopes, API keys, CORS."""
+    from kvserve.faces import llama
+
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kv = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: HttpRequest, e: ApiError):
+        if e.status == 503 and e.message == "Loading model":  # the seed's exact member order
+            return json_response({"error": {"message": e.message, "type": e.type, "code": 503}}, 503)
+        return json_response(e.body(), e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: HttpRequest, e: StarletteHTTPException):
+        if e.status_code in (404, 405):  # llama-server: any unknown method + path is 404
+            return json_response({"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}},
+                                 404)
+        return json_response(ApiError(e.status_code, str(e.detail)).body(), e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: HttpRequest, e: RequestValidationError):
+        return json_response(ApiError(400, str(e)).body(), 400)
+
+    @app.exception_handler(Exception)
+    async def _crash(_: HttpRequest, e: Exception):
+        log.exception("unhandled error", extra={"func": "handle"})
+        return json_response(ApiError.from_exception(e).body(), ApiError.from_exception(e).status)
+
+    app.include_router(llama.build_router(state))
+    _include_openai(app, state)
+    add_security(app, state.args.api_keys, state.args.cors_origins)
+    return app
+
+
+def _include_openai(app: FastAPI, state: ServerState) -> None:
+    """Mount the OpenAI face when it is present (it is built in parallel)."""
+    try:
+        from kvserve.faces import openai as openai_face
+    except ImportError:
+        return
+    if hasattr(openai_face, "build_router"):
+        app.include_router(openai_face.build_router(state))
+    elif hasattr(openai_face, "register"):
+        openai_face.register(app, state)
+
+
+# -- loading ------------------------------------------------------------------------------
+
+def make_template(args: ServerArgs, core):
+    """The chat template: --chat-template-file, --chat-template, the model's, else ChatML."""
+    from kvserve.chat.template import ChatTemplate
+
+    tok = core.tokenizer
+    if args.chat_template_file:
+        with open(args.chat_template_file, encoding="utf-8") as f:
+            source = f.read()
+    elif args.chat_template:
+        source = CHATML if args.chat_template == "chatml" else args.chat_template
+    else:
+        source = core.chat_template or getattr(tok, "chat_template", None) or CHATML
+    return ChatTemplate(source, tok.bos_token, tok.eos_token)
+
+
+def load_model(state: ServerState, on_fail) -> None:
+    """Resolve (pull if needed) and load the model, then publish it on ``state``."""
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.core import EngineCore
+    from kvserve.models.registry import load_files
+    from kvserve.store import resolve_model
+
+    args = state.args
+    try:
+        path = str(resolve_model(args.model, pull_missing=True))
+        _srv(logging.INFO, "load_model", "loading model '%s'", path)
+        cfg = args.engine_config()
+        core = EngineCore(load_files(path), cfg)
+        template = make_template(args, core)
+        _srv(logging.INFO, "load_model", "initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = '%s'",
+             core.n_slots, core.n_ctx_slot, "true" if cfg.unified else "false")
+        if args.log_verbosity >= 4:
+            _srv(logging.INFO, "load_model", "prompt cache is enabled, size limit: %d MiB", args.cache_ram)
+        state.set_loaded(AsyncEngine(core), template, path)
+        _srv(logging.INFO, "llama_server", "model loaded")
+        _srv(logging.INFO, "llama_server", "listening on http://%s:%d", args.host, args.port)
+    except BaseException as e:  # noqa: BLE001 - reported, then the server exits
+        state.load_error = f"{type(e).__name__}: {e}"
+        _srv(logging.ERROR, "load_model", "failed to load model '%s': %s", args.model, state.load_error)
+        _srv(logging.ERROR, "llama_server", "exiting due to model loading error")
+        on_fail()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the server until SIGINT/SIGTERM; returns the exit status."""
+    import uvicorn
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    setup_logging(args.log_verbosity)
+    _srv(logging.INFO, "llama_server", "initializing ...")
+    if not args.api_keys:
+        cors_all = "*" in args.cors_origins
+        _srv(logging.WARNING, "llama_server", "security: no API key is set%s",
+             " and CORS allows all origins" if cors_all else "")
+    state = ServerState(args)
+    app = build_app(state)
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as e:
+        _srv(logging.ERROR, "llama_server", "couldn't bind HTTP server socket, hostname: %s, port: %d: %s",
+             args.host, args.port, e)
+        return 1
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                           timeout_graceful_shutdown=3))
+    failed = threading.Event()
+
+    def on_fail() -> None:
+        failed.set()
+        server.should_exit = True
+
+    threading.Thread(target=load_model, args=(state, on_fail), name="kvserve-load", daemon=True).start()
+    server.run(sockets=[sock])
+    if state.engine is not None:
+        state.engine.shutdown()
+    return 1 if failed.is_set() else 0
