@@ -32,6 +32,8 @@ class EngineConfig:
         int4_max_rows: batches with more rows than this use the float32 copy of
             4-bit weights (0 = always the int4 kernel).
         threads: torch intra-op threads (``-t``); 0 = all cores.
+        cache_ram: host-tier budget in MiB for unreferenced cached KV blocks
+            (llama-server ``--cache-ram``: default 8192, -1 = no limit, 0 = off).
         device: "auto" | "cpu" | "cuda".
     """
 
@@ -46,6 +48,7 @@ class EngineConfig:
     int4_max_rows: int = 32
     threads: int = 0
     device: str = "auto"
+    cache_ram: int = 8192
 
     def __post_init__(self) -> None:
         if self.n_ctx < 0:
@@ -56,8 +59,24 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.kv_dtype not in ("f16", "bf16", "f32"):
             raise ValueError(f"unsupported KV cache type '{self.kv_dtype}' (f16, bf16, f32)")
+        if self.cache_ram < -1:
+            raise ValueError("cache_ram must be -1 (no limit), 0 (off) or a size in MiB")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype '{self.dtype}'")
+
+    def host_tier_blocks(self, block_bytes: int, active_blocks: int) -> int:
+        """Blocks of the host tier for ``cache_ram`` MiB (capped at 65536 blocks and,
+        for -1, at half the machine's memory)."""
+        if self.cache_ram == 0:
+            return 0
+        if self.cache_ram < 0:
+            try:
+                budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+            except (ValueError, OSError):
+                budget = 8192 << 20
+        else:
+            budget = self.cache_ram << 20
+        return max(0, min(budget // max(block_bytes, 1), 65536))
 
     @property
     def n_slots(self) -> int:

@@ -31,6 +31,8 @@ from kvserve.models.registry import build_model
 
 log = logging.getLogger("kvserve.engine")
 
+_KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
 
 @dataclass
 class _SeqState:
@@ -81,11 +83,16 @@ class EngineCore:
         self.n_ctx_slot = config.n_ctx_slot(loaded.config.n_ctx_train)
         self.n_slots = config.n_slots
         bs = config.block_size
-        # the pool holds n_ctx tokens plus one partial block per sequence
-        num_blocks = -(-self.n_ctx // bs) + self.n_slots
         self.model = build_model(loaded, config, max_positions=max(self.n_ctx_slot, self.n_ctx) + bs)
         self.device = self.model.device
-        self.kv = KVCacheManager(num_blocks, bs)
+        c = loaded.config
+        self.block_bytes = 2 * c.n_layer * bs * c.n_head_kv * c.head_dim * _KV_BYTES[config.kv_dtype]
+        # the pool: n_ctx tokens for running sequences plus one partial block per
+        # sequence, the host tier (--cache-ram), and the null block
+        active = -(-self.n_ctx // bs) + self.n_slots
+        host = config.host_tier_blocks(self.block_bytes, active)
+        num_blocks = 1 + active + host
+        self.kv = KVCacheManager(num_blocks, bs, host_blocks=host)
         self.runner = ModelRunner(self.model, num_blocks, bs, config.kv_dtype, self.device)
         self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens)
         self.stats = EngineStats()
@@ -169,7 +176,8 @@ class EngineCore:
         for ch, sample, plp in zip(sched.chunks, result.samples, result.prompt_logprobs):
             req = ch.request
             start = req.num_computed_tokens
-            self.kv.record_tokens(req.request_id, start, [req.token_at(p) for p in range(start, start + ch.num_new_tokens)])
+            self.kv.record_tokens(req.request_id, start,
+                                  [req.token_at(p) for p in range(start, start + ch.num_new_tokens)], req.cache_salt)
             req.num_computed_tokens += ch.num_new_tokens
             state = self._states[req.request_id]
             if plp is not None:
@@ -182,6 +190,7 @@ class EngineCore:
                 req.first_token_time = now
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = 0
+                st.prompt_tokens_cached_total += req.num_cached_tokens
                 st.prompt_seconds_total += now - (req.first_scheduled_time or now)
             out = self._accept(req, state, sample, now)
             if out is not None:

@@ -1,59 +1,128 @@
-"""Paged KV cache bookkeeping: the block pool and per-sequence block tables.
+"""Paged KV cache bookkeeping: block pool, block tables, prefix index and host tier.
 
-Only :class:`KVCacheManager` touches free lists, reference counts and block
-tables (one writer); the scheduler asks it for room and gets True/False back.
-The KV tensors themselves live in the model runner (the only code that touches
-devices): block ``b`` holds cache rows ``b * block_size ... b * block_size +
-block_size - 1`` in every layer.
+Only :class:`KVCacheManager` touches free lists, reference counts, hashes and
+block tables (one writer); the scheduler asks it for room and gets results
+back. The KV tensors live in the model runner (the only code that touches
+devices): block ``b`` holds cache rows ``b * block_size ... + block_size - 1``
+in every layer.
 
-Blocks are reference counted and remember their tokens, so the prefix cache
-(hash-chained full blocks shared between sequences) can be layered on top
-without changing callers.
+Prefix cache (vLLM's block hashing, made token-granular):
+- a full block is indexed by a hash chain: blake2b(parent key, its tokens);
+  the root key carries the extra keys (``cache_salt``), so requests with
+  different salts never share a block;
+- every block that holds tokens is also listed under its parent key, so the
+  block after the last matching full block is matched token by token; the
+  matched rows are copied into a fresh block (copy on write), so reuse is
+  token-granular, not only block-granular;
+- a prompt never reuses its last token: the cache holds keys and values, not
+  logits (llama-server's rule; at least one prompt token is evaluated).
+
+Host tier (llama-server ``--cache-ram``): blocks that no sequence references
+stay indexed and reusable, least recently used first out, up to a budget of
+blocks; with budget 0 they are freed at once. The pool is allocated with
+``torch.empty`` by the runner, so tier capacity costs memory only once used.
+
+Slots: a finished sequence's blocks can be *parked* under a key (the slot
+that ran it), which keeps them referenced like llama-server's idle slot; the
+next request on that slot releases them after matching its own prefix.
+Parked blocks are released (oldest first) when the pool runs out.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Block:
-    """One fixed-size page of KV: id, reference count and the tokens it holds."""
+    """One fixed-size page of KV.
+
+    Attributes:
+        block_id: index in the pool.
+        ref_count: sequences (and parked slots) holding it.
+        token_ids: tokens whose K/V it holds, in position order (<= block_size).
+        parent: key of the preceding block (root key for position 0), set when
+            the first token is recorded; None while empty.
+        hash: chain key once the block is full and indexed, else None.
+    """
 
     block_id: int
     ref_count: int = 0
     token_ids: list[int] = field(default_factory=list)
+    parent: bytes | None = None
+    hash: bytes | None = None
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """Result of a prefix lookup: shared full blocks, an optional copy-on-write
+    source (block id, tokens to copy) and the number of cached tokens."""
+
+    blocks: list[int] = field(default_factory=list)
+    cow_src: int | None = None
+    cow_tokens: int = 0
+
+
+def root_key(salt: str | None) -> bytes:
+    """Parent key of a sequence's first block; the salt separates caches."""
+    return hashlib.blake2b(b"kvserve-root\x00" + (salt or "").encode(), digest_size=16).digest()
+
+
+def chain_key(parent: bytes, tokens: list[int]) -> bytes:
+    """Key of a full block: hash of its parent key and its tokens."""
+    return hashlib.blake2b(parent + array("i", tokens).tobytes(), digest_size=16).digest()
 
 
 class KVCacheManager:
-    """Allocates fixed-size KV blocks to sequences.
+    """Allocates fixed-size KV blocks to sequences and indexes them for reuse.
 
     Args:
         num_blocks: blocks in the pool (each ``block_size`` tokens, all layers).
         block_size: tokens per block (default 16, as vLLM).
+        host_blocks: host-tier budget: unreferenced indexed blocks kept for
+            reuse (0 = free at once; -1 = as many as the pool holds).
+
+    Block 0 is the null block: never allocated, its rows stay zero, and the
+    runner points padded attention positions at it (uninitialized memory
+    could hold NaN, and 0 * NaN is NaN even under a mask).
 
     Thread-safety: engine thread only.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16):
+    def __init__(self, num_blocks: int, block_size: int = 16, host_blocks: int = 0):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.host_blocks = num_blocks if host_blocks < 0 else host_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives low ids first
+        self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # empty blocks; pop() gives low ids first
+        self._lru: OrderedDict[int, None] = OrderedDict()  # ref 0 but still indexed (host tier)
+        self._by_hash: dict[bytes, int] = {}
+        self._children: dict[bytes, set[int]] = {}
         self._tables: dict[str, list[int]] = {}
+        self._parked: OrderedDict[str, list[int]] = OrderedDict()
+        self.pending_copies: list[tuple[int, int, int]] = []  # (src block, dst block, rows) for the runner
 
     # -- queries -----------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks allocatable now without preempting anyone (empty + host tier)."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the host tier (unreferenced but reusable)."""
+        return len(self._lru)
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use (0..1)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of blocks referenced by sequences or slots (0..1)."""
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
     def block_table(self, request_id: str) -> list[int]:
         """The sequence's block ids in position order (empty if it has none)."""
@@ -62,47 +131,202 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def hit_tokens(self, hit: PrefixHit) -> int:
+        return len(hit.blocks) * self.block_size + hit.cow_tokens
+
+    # -- prefix lookup -----------------------------------------------------------
+
+    def match_prefix(self, token_ids: list[int], salt: str | None, max_tokens: int) -> PrefixHit:
+        """Longest cached prefix of ``token_ids`` (at most ``max_tokens`` tokens). Changes nothing."""
+        bs = self.block_size
+        hit = PrefixHit()
+        parent = root_key(salt)
+        n_full = max_tokens // bs
+        i = 0
+        while i < n_full:
+            key = chain_key(parent, token_ids[i * bs:(i + 1) * bs])
+            bid = self._by_hash.get(key)
+            if bid is None:
+                break
+            hit.blocks.append(bid)
+            parent = key
+            i += 1
+        # token-granular tail: the best child of the last matched key
+        start = i * bs
+        want = token_ids[start:min(start + bs, max_tokens)]
+        best, best_n = None, 0
+        for bid in self._children.get(parent, ()):
+            toks = self.blocks[bid].token_ids
+            n = 0
+            for a, b in zip(toks, want):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = bid, n
+        if best is not None and best_n > 0:
+            hit.cow_src, hit.cow_tokens = best, best_n
+        return hit
+
     # -- updates -----------------------------------------------------------------
+
+    def _take_block(self) -> Block | None:
+        if self._free:
+            b = self.blocks[self._free.pop()]
+        elif self._lru:
+            bid, _ = self._lru.popitem(last=False)
+            b = self.blocks[bid]
+            self._unindex(b)
+        elif self._parked:
+            _, table = self._parked.popitem(last=False)
+            self._release_table(table)
+            return self._take_block()
+        else:
+            return None
+        b.ref_count = 1
+        b.token_ids = []
+        return b
+
+    def _unindex(self, b: Block) -> None:
+        if b.hash is not None and self._by_hash.get(b.hash) == b.block_id:
+            del self._by_hash[b.hash]
+        if b.parent is not None:
+            kids = self._children.get(b.parent)
+            if kids is not None:
+                kids.discard(b.block_id)
+                if not kids:
+                    del self._children[b.parent]
+        b.hash = b.parent = None
+        b.token_ids = []
+
+    def allocate_prefix(self, request_id: str, hit: PrefixHit) -> bool:
+        """Give a new sequence the blocks of ``hit``: shared full blocks (+1 ref)
+        and, for a partial match, a fresh block whose first rows are copied from
+        the source (queued in ``pending_copies``). False (nothing changed) when
+        no block is free for the copy."""
+        table = self._tables.setdefault(request_id, [])
+        assert not table, "allocate_prefix on a sequence that already has blocks"
+        for bid in hit.blocks:
+            b = self.blocks[bid]
+            if b.ref_count == 0:
+                self._lru.pop(bid, None)
+            b.ref_count += 1
+            table.append(bid)
+        if hit.cow_src is not None:
+            src = self.blocks[hit.cow_src]
+            if src.ref_count == 0:  # keep the source alive while choosing a destination
+                self._lru.pop(src.block_id, None)
+            src.ref_count += 1
+            dst = self._take_block()
+            self._unref(src)
+            if dst is None:
+                self.free(request_id)
+                return False
+            dst.parent = src.parent
+            dst.token_ids = src.token_ids[: hit.cow_tokens]
+            self._children.setdefault(dst.parent, set()).add(dst.block_id)
+            self.pending_copies.append((src.block_id, dst.block_id, hit.cow_tokens))
+            table.append(dst.block_id)
+        return True
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Make the sequence's table cover ``num_tokens`` tokens.
 
-        Returns False (and changes nothing) when the pool lacks free blocks.
+        Evicts host-tier blocks (LRU) and parked slot blocks when the pool has
+        no empty block. Returns False (and changes nothing) when still short.
         """
         table = self._tables.setdefault(request_id, [])
         need = self.blocks_needed(num_tokens) - len(table)
         if need <= 0:
             return True
-        if need > len(self._free):
+        parked = sum(len(t) for t in self._parked.values())
+        if need > len(self._free) + len(self._lru) + parked:
             if not table:
                 del self._tables[request_id]
             return False
+        new: list[Block] = []
         for _ in range(need):
-            b = self.blocks[self._free.pop()]
-            b.ref_count = 1
-            b.token_ids = []
+            b = self._take_block()
+            if b is None:  # parked blocks shared with running sequences freed nothing
+                for nb in new:
+                    table.remove(nb.block_id)
+                    self._unref(nb)
+                if not table:
+                    del self._tables[request_id]
+                return False
+            new.append(b)
             table.append(b.block_id)
         return True
 
-    def record_tokens(self, request_id: str, start: int, token_ids: list[int]) -> None:
-        """Note that positions ``start..`` of the sequence now hold ``token_ids`` in the cache."""
+    def record_tokens(self, request_id: str, start: int, token_ids: list[int], salt: str | None = None) -> None:
+        """Note that positions ``start..`` of the sequence now hold ``token_ids``;
+        blocks that become full are indexed by their chain key."""
         table = self._tables[request_id]
         bs = self.block_size
         pos = start
         for t in token_ids:
-            blk = self.blocks[table[pos // bs]]
-            off = pos % bs
+            idx, off = divmod(pos, bs)
+            blk = self.blocks[table[idx]]
+            if off == 0 and blk.parent is None:
+                blk.parent = root_key(salt) if idx == 0 else self.blocks[table[idx - 1]].hash
+                if blk.parent is not None:
+                    self._children.setdefault(blk.parent, set()).add(blk.block_id)
             if off < len(blk.token_ids):
                 del blk.token_ids[off:]
             blk.token_ids.append(t)
+            if off == bs - 1 and blk.parent is not None and blk.hash is None:
+                key = chain_key(blk.parent, blk.token_ids)
+                blk.hash = key
+                self._by_hash.setdefault(key, blk.block_id)
             pos += 1
 
-    def free(self, request_id: str) -> None:
-        """Drop the sequence's references; blocks reaching zero return to the pool."""
-        for bid in reversed(self._tables.pop(request_id, [])):
-            b = self.blocks[bid]
-            b.ref_count -= 1
-            if b.ref_count <= 0:
-                b.ref_count = 0
-                b.token_ids = []
+    def _unref(self, b: Block) -> None:
+        b.ref_count -= 1
+        if b.ref_count > 0:
+            return
+        b.ref_count = 0
+        indexed = b.hash is not None or (b.parent is not None and b.token_ids)
+        if indexed and self.host_blocks > 0:
+            self._lru[b.block_id] = None
+            while len(self._lru) > self.host_blocks:
+                bid, _ = self._lru.popitem(last=False)
+                old = self.blocks[bid]
+                self._unindex(old)
                 self._free.append(bid)
+        else:
+            self._unindex(b)
+            self._free.append(b.block_id)
+
+    def _release_table(self, table: list[int]) -> None:
+        for bid in reversed(table):  # tail first: it is the least reusable
+            self._unref(self.blocks[bid])
+
+    def free(self, request_id: str) -> None:
+        """Drop the sequence's references; unreferenced blocks go to the host tier or the free list."""
+        self._release_table(self._tables.pop(request_id, []))
+
+    def park(self, request_id: str, key: str) -> None:
+        """Keep the sequence's blocks referenced under ``key`` (an idle slot); replaces what the key held."""
+        table = self._tables.pop(request_id, [])
+        old = self._parked.pop(key, None)
+        self._parked[key] = table
+        if old:
+            self._release_table(old)
+
+    def release_parked(self, key: str) -> None:
+        """Drop the blocks parked under ``key`` (when its slot starts a new sequence)."""
+        table = self._parked.pop(key, None)
+        if table:
+            self._release_table(table)
+
+    def parked_tokens(self, key: str) -> list[int]:
+        """Tokens held by the blocks parked under ``key``."""
+        out: list[int] = []
+        for bid in self._parked.get(key, []):
+            out.extend(self.blocks[bid].token_ids)
+        return out
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """Copy-on-write jobs for the runner (emptied)."""
+        c, self.pending_copies = self.pending_copies, []
+        return c

@@ -55,12 +55,25 @@ class ModelRunner:
         c = model.config
         rows = num_blocks * block_size
         dt = KV_DTYPES[kv_dtype]
+        # torch.empty: pages of the host tier cost memory only once written; block 0
+        # (the null block, never allocated) is zeroed because padding reads it
         self.kv_caches = [
-            (torch.zeros(rows, c.n_head_kv, c.head_dim, dtype=dt, device=self.device),
-             torch.zeros(rows, c.n_head_kv, c.head_dim, dtype=dt, device=self.device))
+            (torch.empty(rows, c.n_head_kv, c.head_dim, dtype=dt, device=self.device),
+             torch.empty(rows, c.n_head_kv, c.head_dim, dtype=dt, device=self.device))
             for _ in range(c.n_layer)
         ]
+        for k, v in self.kv_caches:
+            k[:block_size].zero_()
+            v[:block_size].zero_()
         self.kv_bytes = 2 * c.n_layer * rows * c.n_head_kv * c.head_dim * torch.tensor([], dtype=dt).element_size()
+
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy the first ``rows`` KV rows of block ``src`` into block ``dst`` in every layer (copy on write)."""
+        bs = self.block_size
+        for src, dst, n in copies:
+            for k, v in self.kv_caches:
+                k[dst * bs: dst * bs + n] = k[src * bs: src * bs + n]
+                v[dst * bs: dst * bs + n] = v[src * bs: src * bs + n]
 
     def _rows(self, table: list[int], start: int, end: int) -> torch.Tensor:
         """Cache rows of positions [start, end) for a block table: [end-start] long."""
@@ -72,6 +85,7 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager, samplers: dict[str, SequenceSampler]) -> StepResult:
         """Run one step; return the sampled tokens per chunk (see StepResult)."""
+        self.copy_blocks(sched.kv_copies)
         chunks = sched.chunks
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new_tokens != 1)  # decodes first
         ids: list[int] = []
@@ -119,8 +133,10 @@ class ModelRunner:
                 bt[i, :m] = torch.tensor(tb[:m])
             rows = (bt[:, :, None] * self.block_size + torch.arange(self.block_size)).view(n_decode, -1)[:, :L]
             lens = torch.tensor(dec_lens)
-            batch.decode_kv_index = rows.to(self.device)
-            batch.decode_mask = (torch.arange(L)[None, :] < lens[:, None]).view(n_decode, 1, 1, L).to(self.device)
+            valid = torch.arange(L)[None, :] < lens[:, None]
+            # padded positions read the null block's zero rows (row 0), never uninitialized memory
+            batch.decode_kv_index = torch.where(valid, rows, 0).to(self.device)
+            batch.decode_mask = valid.view(n_decode, 1, 1, L).to(self.device)
         # rows that need logits: last row of completing chunks, all rows for prompt logprobs
         need: list[int] = []
         sample_ci = [ci for ci in range(len(chunks)) if chunks[ci].completes]

@@ -33,8 +33,12 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """The step's chunks, who was preempted, and KV rows to copy first (copy on write:
+    (src block, dst block, rows))."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -66,7 +70,10 @@ class Scheduler:
         self.requests[request.request_id] = request
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Mark finished, remove from queues and free its blocks (same step)."""
+        """Mark finished, remove from queues and release its blocks (same step).
+
+        A request that ran in a slot (``priority_slot`` >= 0) leaves its blocks
+        parked under that slot, as llama-server's idle slot keeps its KV."""
         request.status = status
         if request in self.running:
             self.running.remove(request)
@@ -76,7 +83,10 @@ class Scheduler:
             except ValueError:
                 pass
         self.requests.pop(request.request_id, None)
-        self.kv.free(request.request_id)
+        if request.priority_slot >= 0:
+            self.kv.park(request.request_id, f"slot:{request.priority_slot}")
+        else:
+            self.kv.free(request.request_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -108,15 +118,36 @@ class Scheduler:
         budget = self.max_num_batched_tokens - out.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+            if not self._admit(req, budget):
                 break
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, n))
             budget -= n
+        out.kv_copies = self.kv.take_copies()
         return out
+
+    def _admit(self, req: Request, budget: int) -> bool:
+        """Reuse the longest cached prefix, then allocate the first chunk. False: no room."""
+        kv = self.kv
+        hit_tokens = 0
+        if req.params.cache_prompt:
+            hit = kv.match_prefix(req.all_token_ids, req.cache_salt, req.num_tokens - 1)
+            hit_tokens = kv.hit_tokens(hit)
+            if hit_tokens and not kv.allocate_prefix(req.request_id, hit):
+                return False
+        n = min(req.num_tokens - hit_tokens, budget)
+        if not kv.allocate(req.request_id, hit_tokens + n):
+            kv.free(req.request_id)
+            return False
+        req.num_computed_tokens = hit_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = hit_tokens
+        if req.priority_slot >= 0:
+            kv.release_parked(f"slot:{req.priority_slot}")
+        return True
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -233,8 +233,10 @@ class LlamaModel(nn.Module):
         for g in batch.prefills:
             qp = q[g.start:g.end].transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
             if g.kv_index is None:
-                kp = k[g.start:g.end].transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lq, D]
-                vp = v[g.start:g.end].transpose(0, 1).unsqueeze(0)
+                # the chunk's own K/V, rounded like the cache stores them, so results do
+                # not depend on whether a prefix came from the cache or from this chunk
+                kp = k[g.start:g.end].to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lq, D]
+                vp = v[g.start:g.end].to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
                 kp = k_cache[g.kv_index].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]

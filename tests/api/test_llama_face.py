@@ -310,8 +310,10 @@ def test_two_slots_at_once_third_waits(smollm2_server):
     long = {"n_predict": 24, "ignore_eos": True, "temperature": 0}
     threads = [threading.Thread(target=run, args=("a", {"prompt": "first request", "id_slot": 0, **long})),
                threading.Thread(target=run, args=("b", {"prompt": "second request here", **long}))]
-    for t in threads:
-        t.start()
+    # "a" first: were "b" placed first, it could take slot 0 (the LRU one) and "a" would wait for it
+    threads[0].start()
+    poll(lambda: get(srv, "/slots").json()[0]["is_processing"], timeout=60)
+    threads[1].start()
 
     def both_busy():
         s = get(srv, "/slots").json()
