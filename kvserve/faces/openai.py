@@ -219,8 +219,9 @@ def completion_plan(state: ServerState, body: dict) -> Plan:
     defaults = dataclasses.replace(state.default_params, n_predict=16)
     params = sampling_params_from_body(body, defaults, state.tokenizer, max_tokens_keys=("max_tokens", "n_predict"))
     if logprobs is not None:
-        params = dataclasses.replace(params, n_probs=max(logprobs, 1),
-                                     prompt_logprobs=max(logprobs, 1) if echo else None)
+        params = dataclasses.replace(params, n_probs=max(logprobs, 1))
+        if echo:  # prompt logprobs need logits at every prompt position: no prefix reuse
+            params = dataclasses.replace(params, prompt_logprobs=max(logprobs, 1), cache_prompt=False)
     rid = _rand_id("cmpl-")
     reqs = _engine_requests(state, body, rid, prompts, params, n)
     _validate(state, reqs)
