@@ -22,7 +22,7 @@ from kvserve.loaders.weights import (
     ModelLoadError,
     Weight,
     check_tensors,
-    unpermute_qk_order,
+    interleave_qk,
 )
 
 # llama.cpp's llama_model_ftype_name texts, by general.file_type.
@@ -261,7 +261,7 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
     """Load a GGUF model file (llama family).
 
     Returns a LoadedModel whose weights use GGUF tensor names with Q/K rows in
-    HF order (see kvserve.loaders.weights).
+    interleaved-pair RoPE order (see kvserve.loaders.weights).
 
     Raises:
         FileNotFoundError: no such file.
@@ -293,16 +293,9 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
     if "token_embd.weight" in weights:
         config.n_vocab = weights["token_embd.weight"].shape[0]
     check_tensors(config, weights, path)
-    if config.arch in ("llama", "mistral"):
-        # llama.cpp's converter interleaved RoPE pairs in Q/K rows; restore HF order.
-        for i in range(config.n_layer):
-            for name, heads in (("attn_q", config.n_head), ("attn_k", config.n_head_kv)):
-                w = weights[f"blk.{i}.{name}.weight"]
-                order = unpermute_qk_order(w.shape[0], heads)
-                weights[f"blk.{i}.{name}.weight"] = w.permute_rows(order)
-                if f"blk.{i}.{name}.bias" in weights:
-                    b = weights[f"blk.{i}.{name}.bias"]
-                    weights[f"blk.{i}.{name}.bias"] = Weight(b.shape, dense=b.dense[order])
+    if config.arch == "qwen2":
+        # llama.cpp runs qwen2 with NEOX RoPE and does not permute; we use interleaved pairs
+        interleave_qk(config, weights)
     try:
         tokenizer = Tokenizer.from_gguf(md)
     except Exception as e:

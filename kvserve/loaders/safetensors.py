@@ -1,8 +1,8 @@
 """HF model directories: config.json + *.safetensors + tokenizer.json.
 
 Supported ``architectures``: LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM. Tensors are renamed to kvserve's (GGUF) names; Q/K rows stay
-in HF order, which is what the model expects.
+Qwen2ForCausalLM. Tensors are renamed to kvserve's (GGUF) names and Q/K rows
+are permuted to the interleaved-pair RoPE layout the model uses.
 """
 
 from __future__ import annotations
@@ -13,7 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.loaders.weights import LoadedModel, ModelConfig, ModelInfo, ModelLoadError, Weight, check_tensors
+from kvserve.loaders.weights import (
+    LoadedModel,
+    ModelConfig,
+    ModelInfo,
+    ModelLoadError,
+    Weight,
+    check_tensors,
+    interleave_qk,
+)
 
 HF_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -131,6 +139,7 @@ def load_hf_dir(path: str | os.PathLike) -> LoadedModel:
     if "output.weight" not in weights:
         config.tie_embeddings = True
     check_tensors(config, weights, str(d))
+    interleave_qk(config, weights)
     try:
         tokenizer = Tokenizer.from_hf_dir(d)
     except Exception as e:

@@ -5,9 +5,11 @@ A loader produces a :class:`ModelConfig` (hyper-parameters), a
 dict of :class:`Weight` objects under kvserve's internal tensor names
 (llama.cpp's GGUF names: ``token_embd.weight``, ``blk.N.attn_q.weight``, ...).
 
-Q/K projection rows are always in the HF (half-split RoPE) layout here: the
-GGUF loader undoes llama.cpp's converter permutation for the llama
-architecture, so the model has one RoPE code path.
+Q/K projection rows are always in llama.cpp's interleaved-pair RoPE layout
+here (rotary pairs are adjacent rows, so RoPE is one complex multiply): GGUF
+llama weights already are (llama.cpp's converter permutes them); HF weights
+and GGUF qwen2 weights (NEOX layout) are permuted at load by
+:func:`interleave_qk`.
 """
 
 from __future__ import annotations
@@ -128,16 +130,28 @@ class Weight:
         )
 
 
-def unpermute_qk_order(n_rows: int, n_head: int) -> np.ndarray:
-    """Row order that turns llama.cpp's converter layout of Q/K back into HF's.
+def interleave_order(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order turning the half-split (HF / NEOX) Q/K layout into interleaved pairs.
 
-    llama.cpp's converter stores, per head, row (i, half) at position
-    ``i * 2 + half`` (interleaved pairs) where HF has ``half * hd/2 + i``.
-    Returns an index array ``order`` with ``hf_rows = gguf_rows[order]``.
+    Per head, HF row ``half * hd/2 + i`` becomes row ``2 * i + half``, as
+    llama.cpp's converter does for llama (``permute``). Returns ``order`` with
+    ``interleaved_rows = hf_rows[order]``.
     """
     hd = n_rows // n_head
-    idx = np.arange(n_rows).reshape(n_head, hd // 2, 2)  # gguf position of (h, i, half)
-    return idx.transpose(0, 2, 1).reshape(n_rows)  # (h, half, i) -> gguf position
+    idx = np.arange(n_rows).reshape(n_head, 2, hd // 2)  # hf position of (h, half, i)
+    return idx.transpose(0, 2, 1).reshape(n_rows)  # (h, i, half) -> hf position
+
+
+def interleave_qk(config: "ModelConfig", weights: dict) -> None:
+    """Permute every layer's Q/K weights (and biases) from half-split to interleaved, in place."""
+    for i in range(config.n_layer):
+        for name, heads in (("attn_q", config.n_head), ("attn_k", config.n_head_kv)):
+            w = weights[f"blk.{i}.{name}.weight"]
+            order = interleave_order(w.shape[0], heads)
+            weights[f"blk.{i}.{name}.weight"] = w.permute_rows(order)
+            b = weights.get(f"blk.{i}.{name}.bias")
+            if b is not None:
+                weights[f"blk.{i}.{name}.bias"] = Weight(b.shape, dense=np.ascontiguousarray(b.to_dense()[order]))
 
 
 @dataclass(slots=True)

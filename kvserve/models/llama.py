@@ -5,8 +5,8 @@ and prompt chunks mixed, continuous batching) and reads/writes a paged KV cache
 through an :class:`AttentionBatch` built by the model runner. Logits are
 computed only for the rows the runner asks for.
 
-RoPE uses the half-split (HF / NEOX) layout; the GGUF loader restores HF row
-order for llama Q/K weights, so one code path serves GGUF and HF models.
+RoPE uses llama.cpp's interleaved-pair layout (the loaders permute HF and
+qwen2 weights into it), so rotating q and k is one complex multiply.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class LlamaModel(nn.Module):
 
     Args:
         config: ModelConfig.
-        weights: dict of Weight by GGUF tensor name (Q/K rows in HF order).
+        weights: dict of Weight by GGUF tensor name (Q/K rows in interleaved-pair order).
         dtype: dense weight dtype (torch.float32 / bfloat16 / float16).
         device: torch device.
         int4: keep Q4_0/Q4_1 weights packed (CPU only).
@@ -201,20 +201,20 @@ class LlamaModel(nn.Module):
         else:
             self.output = Linear([weights["output.weight"]], None, dtype=dtype, device=device, int4=False)
         inv = rope_inv_freq(c)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv)  # [P, D/2]
-        self.rope_cos = torch.cos(freqs).to(device)
-        self.rope_sin = torch.sin(freqs).to(device)
+        t = torch.arange(max_positions, dtype=torch.float64)
+        freqs = torch.outer(t, inv.double())  # [P, D/2]
+        self.rope_cis = torch.polar(torch.ones_like(freqs), freqs).to(torch.complex64).to(device)  # [P, D/2]
         self.q_size = c.n_head * c.head_dim
         self.kv_size = c.n_head_kv * c.head_dim
         self.scale = 1.0 / math.sqrt(c.head_dim)
 
     # -- pieces -------------------------------------------------------------
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D]; cos/sin: [T, 1, D/2]; half-split layout
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def _rope(self, qk: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+        """qk: [T, H + Hkv, D] float32, pairs (2i, 2i+1) rotated by cis: [T, 1, D/2] complex64."""
+        T, H, D = qk.shape
+        x = torch.view_as_complex(qk.reshape(T, H, D // 2, 2))
+        return torch.view_as_real(x * cis).reshape(T, H, D)
 
     def _attention(self, q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] (already written to the cache) -> [T, H*D]."""
@@ -262,17 +262,15 @@ class LlamaModel(nn.Module):
         c = self.config
         T = input_ids.shape[0]
         x = self.tok_embd[input_ids]  # [T, E]
-        cos = self.rope_cos[batch.positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        cis = self.rope_cis[batch.positions].unsqueeze(1)  # [T, 1, D/2]
         slots = batch.slot_mapping
+        nq = c.n_head
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = layer.attn_norm(x)
-            qkv = layer.wqkv(h)
-            q = qkv[:, : self.q_size].view(T, c.n_head, c.head_dim)
-            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, c.n_head_kv, c.head_dim)
+            qkv = layer.wqkv(h)  # [T, (H + 2 Hkv) D]
+            qk = self._rope(qkv[:, : self.q_size + self.kv_size].view(T, nq + c.n_head_kv, c.head_dim), cis)
+            q, k = qk[:, :nq], qk[:, nq:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, c.n_head_kv, c.head_dim)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
             k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
             v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
             x = x + layer.wo(self._attention(q, k, v, k_cache, v_cache, batch))
