@@ -47,14 +47,16 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
     if cls is None:
         raise ModelLoadError(f"unknown model architecture '{loaded.config.arch}'")
     device = config.resolve_device()
+    half_rows = 0
     if config.dtype == "auto":
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         int4 = device == "cpu"
+        half_rows = config.output_half_max_rows
     else:
         dtype = _DTYPES[config.dtype]
         int4 = False
     return cls(loaded.config, loaded.weights, dtype=dtype, device=device, int4=int4,
-               int4_max_rows=config.int4_max_rows, max_positions=max_positions)
+               int4_max_rows=config.int4_max_rows, max_positions=max_positions, output_half_max_rows=half_rows)
 
 
 def describe_dtypes(model: LlamaModel) -> str:
