@@ -4,6 +4,8 @@ import os
 import sys
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads; see kvserve/__init__.py
+
 import pytest
 
 TESTS = Path(__file__).resolve().parent
