@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import torch
 from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
@@ -26,6 +28,7 @@ from kvserve.engine.request import (
 from kvserve.engine.runner import ModelRunner, StepResult
 from kvserve.engine.sampler import SampleResult, SequenceSampler
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.slot_file import SlotFileError, SlotHeader, model_fingerprint, read_slot_file, write_slot_file
 from kvserve.loaders.weights import LoadedModel
 from kvserve.models.registry import build_model
 
@@ -95,6 +98,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, bs, host_blocks=host)
         self.runner = ModelRunner(self.model, num_blocks, bs, config.kv_dtype, self.device)
         self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens)
+        self.scheduler.detokenize = self._excerpt
         self.stats = EngineStats()
         self._states: dict[str, _SeqState] = {}
         self._pending: list[RequestOutput] = []
@@ -237,7 +241,101 @@ class EngineCore:
             st.tokens_predicted_seconds_total += req.finish_time - req.first_token_time
         self.scheduler.finish(req, status)
 
+    # -- slots: files and erase -----------------------------------------------------
+
+    def _check_slot(self, slot_id: int) -> str:
+        """The parked key of an idle slot; SlotFileError for a bad id or a busy slot."""
+        if not 0 <= slot_id < self.n_slots:
+            raise SlotFileError(f"Invalid slot ID: {slot_id}")
+        if any(r.priority_slot == slot_id for r in self.scheduler.requests.values()):
+            raise SlotFileError(f"slot {slot_id} is busy")
+        return f"slot:{slot_id}"
+
+    @property
+    def model_fingerprint(self) -> bytes:
+        """16-byte identity of the loaded model, written into slot files (computed once)."""
+        fp = getattr(self, "_fingerprint", None)
+        if fp is None:
+            emb = self.model.tok_embd
+            step = max(emb.shape[0] // 32, 1)
+            sample = emb[::step][:32].to(torch.bfloat16).cpu().contiguous().view(torch.uint8).numpy().tobytes()
+            fp = self._fingerprint = model_fingerprint(self.model_config, self.model_info, sample)
+        return fp
+
+    def slot_tokens(self, slot_id: int) -> list[int]:
+        """Tokens whose KV the idle slot holds (empty when nothing is parked)."""
+        return self.kv.parked_tokens(f"slot:{slot_id}")
+
+    def save_slot(self, slot_id: int, path: str) -> dict:
+        """Write the slot's parked tokens and KV rows to ``path`` (format: kvserve.engine.slot_file).
+
+        Returns:
+            {"n_saved": tokens, "n_written": bytes}.
+
+        Raises:
+            SlotFileError: bad slot id, busy slot, write failure.
+        """
+        key = self._check_slot(slot_id)
+        tokens = self.kv.parked_tokens(key)
+        table = self.kv.parked_table(key)
+        rows = torch.tensor([self.kv.row_of(table, p) for p in range(len(tokens))], dtype=torch.long)
+        layers = self.runner.read_rows(rows)
+        c = self.model_config
+        hdr = SlotHeader(self.model_fingerprint, len(tokens), self.config.kv_dtype, c.n_layer, c.n_head_kv,
+                         c.head_dim)
+        n = write_slot_file(path, hdr, tokens, layers)
+        return {"n_saved": len(tokens), "n_written": n}
+
+    def restore_slot(self, slot_id: int, path: str) -> dict:
+        """Load a slot file into the slot: its tokens become the slot's parked, indexed KV.
+
+        The next request on the slot (or any request, through the prefix index)
+        reuses them; at least one prompt token is still evaluated. Restored
+        blocks are indexed without a cache_salt.
+
+        Returns:
+            {"n_restored": tokens, "n_read": bytes, "tokens": the token ids}.
+
+        Raises:
+            FileNotFoundError: no such file.
+            SlotFileError: busy slot, another model's file, corrupt file, too
+                many tokens for the slot's context, no room in the KV pool.
+        """
+        key = self._check_slot(slot_id)
+        c = self.model_config
+        _, tokens, layers, n_read = read_slot_file(
+            path, fingerprint=self.model_fingerprint, kv_dtype=self.config.kv_dtype, n_layer=c.n_layer,
+            n_head_kv=c.n_head_kv, head_dim=c.head_dim)
+        if len(tokens) >= self.n_ctx_slot:
+            raise SlotFileError(f"slot file holds {len(tokens)} tokens, more than the slot's context "
+                                f"({self.n_ctx_slot} tokens)")
+        bad = next((t for t in tokens if not 0 <= t < c.n_vocab), None)
+        if bad is not None:
+            raise SlotFileError(f"slot file is corrupt: token id {bad} is out of range")
+        self.kv.release_parked(key)
+        rid = f"restore:{key}:{time.monotonic_ns()}"
+        if tokens:
+            if not self.kv.allocate(rid, len(tokens)):
+                raise SlotFileError("not enough free KV cache blocks to restore the slot")
+            table = self.kv.block_table(rid)
+            rows = torch.tensor([self.kv.row_of(table, p) for p in range(len(tokens))], dtype=torch.long)
+            self.runner.write_rows(rows, layers)
+            self.kv.record_tokens(rid, 0, tokens, None)
+        self.kv.park(rid, key, None)
+        return {"n_restored": len(tokens), "n_read": n_read, "tokens": tokens}
+
+    def erase_slot(self, slot_id: int) -> dict:
+        """Release the slot's parked KV. Returns {"n_erased": tokens it held}. SlotFileError: busy/bad id."""
+        key = self._check_slot(slot_id)
+        n = len(self.kv.parked_tokens(key))
+        self.kv.release_parked(key)
+        return {"n_erased": n}
+
     # -- outputs -----------------------------------------------------------------
+
+    def _excerpt(self, ids: list[int]) -> str:
+        """Text of a few token ids for cache_miss excerpts (invalid UTF-8 replaced)."""
+        return b"".join(self.tokenizer.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
 
     def _piece_text(self, tok: int) -> str:
         return self.tokenizer.token_bytes(tok).decode("utf-8", errors="replace")
@@ -249,7 +347,8 @@ class EngineCore:
 
     def _timings(self, req: Request) -> Timings:
         cached = max(req.num_cached_tokens, 0)
-        t = Timings(cache_n=cached, prompt_n=req.num_prompt_tokens - cached, predicted_n=len(req.output_token_ids))
+        t = Timings(cache_n=cached, prompt_n=req.num_prompt_tokens - cached, predicted_n=len(req.output_token_ids),
+                    cache_miss=req.cache_miss)
         if req.first_scheduled_time is not None and req.first_token_time is not None:
             t.prompt_ms = (req.first_token_time - req.first_scheduled_time) * 1e3
             end = req.finish_time or time.monotonic()

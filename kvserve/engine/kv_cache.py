@@ -26,6 +26,12 @@ Slots: a finished sequence's blocks can be *parked* under a key (the slot
 that ran it), which keeps them referenced like llama-server's idle slot; the
 next request on that slot releases them after matching its own prefix.
 Parked blocks are released (oldest first) when the pool runs out.
+
+KV shifting (llama-server ``--cache-reuse N``, :meth:`KVCacheManager.reuse_shifted`):
+after the prefix match, runs of >= N of the slot's parked tokens that match the
+prompt further on are moved to their new positions: the manager emits
+``pending_shifts`` jobs (src row, dst row, position delta) that the runner
+executes before the step's forward (K rows re-rotated by the delta, V copied).
 """
 
 from __future__ import annotations
@@ -105,7 +111,9 @@ class KVCacheManager:
         self._children: dict[bytes, set[int]] = {}
         self._tables: dict[str, list[int]] = {}
         self._parked: OrderedDict[str, list[int]] = OrderedDict()
+        self._parked_salt: dict[str, str | None] = {}
         self.pending_copies: list[tuple[int, int, int]] = []  # (src block, dst block, rows) for the runner
+        self.pending_shifts: list[tuple[int, int, int]] = []  # (src row, dst row, position delta) for the runner
 
     # -- queries -----------------------------------------------------------------
 
@@ -305,19 +313,109 @@ class KVCacheManager:
         """Drop the sequence's references; unreferenced blocks go to the host tier or the free list."""
         self._release_table(self._tables.pop(request_id, []))
 
-    def park(self, request_id: str, key: str) -> None:
-        """Keep the sequence's blocks referenced under ``key`` (an idle slot); replaces what the key held."""
+    def park(self, request_id: str, key: str, salt: str | None = None) -> None:
+        """Keep the sequence's blocks referenced under ``key`` (an idle slot); replaces what the key held.
+
+        ``salt`` is the sequence's cache_salt (KV shifting only reuses parked rows of the same salt)."""
         table = self._tables.pop(request_id, [])
         old = self._parked.pop(key, None)
         self._parked[key] = table
+        self._parked_salt[key] = salt
         if old:
             self._release_table(old)
 
     def release_parked(self, key: str) -> None:
         """Drop the blocks parked under ``key`` (when its slot starts a new sequence)."""
         table = self._parked.pop(key, None)
+        self._parked_salt.pop(key, None)
         if table:
             self._release_table(table)
+
+    def parked_keys(self) -> list[str]:
+        """Keys with parked blocks, oldest first."""
+        return list(self._parked)
+
+    def parked_table(self, key: str) -> list[int]:
+        """Block ids parked under ``key`` in position order (empty if none)."""
+        return list(self._parked.get(key, []))
+
+    def parked_salt(self, key: str) -> str | None:
+        """cache_salt of the sequence parked under ``key`` (None: unsalted or nothing parked)."""
+        return self._parked_salt.get(key)
+
+    def row_of(self, table: list[int], pos: int) -> int:
+        """KV cache row of position ``pos`` (tokens) of a block table."""
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def reuse_shifted(self, request_id: str, prompt: list[int], n_past: int, key: str, min_run: int,
+                      limit: int, salt: str | None = None) -> int:
+        """llama-server's cache-reuse loop over the tokens parked under ``key``.
+
+        Starting at cached position ``n_past`` (the end of the common prefix),
+        skip cached tokens until a run of at least ``min_run`` tokens matches
+        ``prompt`` at the current prompt position ``head_p``; reuse that run at
+        its new positions and continue after it. Only text removed from the
+        prompt is handled (the walk only moves forward through the cache).
+
+        The sequence's table is extended to cover the reused positions
+        [n_past, head_p), shift jobs (src row, dst row, delta = new - old
+        position) are queued in ``pending_shifts`` and the tokens are recorded
+        (indexed) under ``salt``.
+
+        Args:
+            prompt: the request's prompt token ids.
+            n_past: prompt tokens already reused by the prefix match (tokens).
+            min_run: N of ``--cache-reuse N`` / ``n_cache_reuse`` (>= 1).
+            limit: prompt positions >= limit are never reused (len(prompt) - 1:
+                at least one prompt token is evaluated).
+
+        Returns:
+            the new n_past (tokens); ``n_past`` unchanged when nothing matched,
+            the parked salt differs, or no block was free.
+        """
+        src_table = self._parked.get(key)
+        if not src_table or min_run <= 0 or self._parked_salt.get(key) != salt:
+            return n_past
+        cached = self.parked_tokens(key)
+        head_c = head_p = n_past
+        runs: list[tuple[int, int, int]] = []  # (cached start, prompt start, length)
+        while head_c < len(cached) and head_p < limit:
+            n = 0
+            while head_c + n < len(cached) and head_p + n < limit and cached[head_c + n] == prompt[head_p + n]:
+                n += 1
+            if n >= min_run:
+                runs.append((head_c, head_p, n))
+                head_c += n
+                head_p += n
+            else:
+                head_c += 1
+        if not runs:
+            return n_past
+        # pin the source blocks: allocating may release this very parked table
+        pinned = list(src_table)
+        for bid in pinned:
+            b = self.blocks[bid]
+            if b.ref_count == 0:
+                self._lru.pop(bid, None)
+            b.ref_count += 1
+        try:
+            if not self.allocate(request_id, head_p):
+                return n_past
+            table = self._tables[request_id]
+            for c0, p0, n in runs:
+                delta = p0 - c0
+                for i in range(n):
+                    self.pending_shifts.append((self.row_of(src_table, c0 + i), self.row_of(table, p0 + i), delta))
+        finally:
+            for bid in pinned:
+                self._unref(self.blocks[bid])
+        self.record_tokens(request_id, n_past, prompt[n_past:head_p], salt)
+        return head_p
+
+    def take_shifts(self) -> list[tuple[int, int, int]]:
+        """KV shift jobs for the runner (emptied): (src row, dst row, position delta)."""
+        c, self.pending_shifts = self.pending_shifts, []
+        return c
 
     def parked_tokens(self, key: str) -> list[int]:
         """Tokens held by the blocks parked under ``key``."""

@@ -80,6 +80,9 @@ class SamplingParams:
         prompt_logprobs: when not None, logprobs of each prompt token (and this
             many top candidates) are computed; costs logits for every position.
         cache_prompt: allow reuse of cached KV for the prompt (prefix cache).
+        n_cache_reuse: KV shifting (llama-server ``n_cache_reuse`` / ``--cache-reuse``):
+            minimum run of tokens [tokens] of the slot's cached sequence that is
+            moved to its new position when text was removed from the prompt; 0 = off.
 
     Raises:
         InvalidRequestError: from ``__post_init__`` on out-of-range values.
@@ -113,6 +116,7 @@ class SamplingParams:
     post_sampling_probs: bool = False
     prompt_logprobs: int | None = None
     cache_prompt: bool = True
+    n_cache_reuse: int = 0
 
     def __post_init__(self) -> None:
         if self.n_predict < -1:
@@ -125,6 +129,8 @@ class SamplingParams:
             raise InvalidRequestError("min_p must be in [0, 1]")
         if self.n_probs < 0:
             raise InvalidRequestError("n_probs must be >= 0")
+        if self.n_cache_reuse < 0:
+            raise InvalidRequestError("n_cache_reuse must be >= 0")
         if self.min_tokens < 0:
             raise InvalidRequestError("min_tokens must be >= 0")
         if self.repeat_last_n < -1:
@@ -189,6 +195,10 @@ class Timings:
     ``predicted_per_token_ms`` divides by decode steps (generated tokens minus
     one): the first token comes from the prefill logits (llama-server's
     ``n_gen_steps``).
+
+    ``cache_miss`` (kvserve): why fewer prompt tokens were reused than a cached
+    candidate offered (see ``Scheduler._diagnose``); None when nothing was
+    missed. ``to_dict`` includes it only when present.
     """
 
     cache_n: int = 0
@@ -196,12 +206,13 @@ class Timings:
     prompt_ms: float = 0.0
     predicted_n: int = 0
     predicted_ms: float = 0.0
+    cache_miss: dict | None = None
 
     def to_dict(self) -> dict:
         """The JSON shape llama-server returns (per-token and per-second rates derived)."""
         steps = max(self.predicted_n - 1, 1) if self.predicted_n > 1 else max(self.predicted_n, 1)
         prompt_n = max(self.prompt_n, 1)
-        return {
+        d = {
             "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
             "prompt_ms": self.prompt_ms,
@@ -212,6 +223,9 @@ class Timings:
             "predicted_per_token_ms": self.predicted_ms / steps,
             "predicted_per_second": (1e3 * steps / self.predicted_ms) if self.predicted_ms > 0 else 0.0,
         }
+        if self.cache_miss is not None:
+            d["cache_miss"] = dict(self.cache_miss)
+        return d
 
 
 @dataclass(slots=True)
@@ -230,6 +244,7 @@ class Request:
             ``fill_mask(mask)`` and ``is_terminated()`` (structured outputs issue).
         priority_slot: llama-server ``id_slot`` (-1 = any); used by the serving layer.
         cache_salt: extra key for the prefix cache (vLLM ``cache_salt``).
+        cache_miss: set by the scheduler at admission (cache_miss diagnostics dict or None).
     """
 
     request_id: str
@@ -251,6 +266,7 @@ class Request:
     finish_time: float | None = None
     stop_type: str = "none"
     stopping_word: str = ""
+    cache_miss: dict | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -311,6 +327,11 @@ class RequestOutput:
     timings: Timings = field(default_factory=Timings)
     truncated: bool = False
     error: str | None = None
+
+    @property
+    def cache_miss(self) -> dict | None:
+        """cache_miss diagnostics of the request (``timings.cache_miss``), None when nothing was missed."""
+        return self.timings.cache_miss
 
     @property
     def finish_reason(self) -> str | None:

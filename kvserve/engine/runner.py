@@ -75,6 +75,42 @@ class ModelRunner:
                 k[dst * bs: dst * bs + n] = k[src * bs: src * bs + n]
                 v[dst * bs: dst * bs + n] = v[src * bs: src * bs + n]
 
+    def shift_rows(self, jobs: list[tuple[int, int, int]]) -> None:
+        """KV shifting: copy cache row ``src`` to row ``dst`` in every layer, K rotated by ``delta`` positions.
+
+        K is cached after RoPE (interleaved pairs (2i, 2i+1) as complex numbers times
+        ``rope_cis[pos]``), so moving a key from position p to p + delta is one more
+        multiply by e^(i delta theta): ``rope_cis[delta]``, or its conjugate for a
+        negative delta. Rows are rotated in float32 and stored back in the cache
+        dtype; V rows are copied unchanged. All rows are read before any is written.
+
+        Args:
+            jobs: (src row, dst row, delta in positions); |delta| < the RoPE table size.
+        """
+        if not jobs:
+            return
+        t = torch.tensor(jobs, dtype=torch.long)
+        src, dst, delta = t[:, 0].to(self.device), t[:, 1].to(self.device), t[:, 2]
+        cis = self.model.rope_cis[delta.abs().to(self.model.rope_cis.device)]  # [J, D/2] complex64
+        cis = torch.where((delta < 0).to(cis.device)[:, None], cis.conj(), cis).to(self.device)
+        for k, v in self.kv_caches:
+            J, H, D = len(jobs), k.shape[1], k.shape[2]
+            ks = torch.view_as_complex(k[src].float().reshape(J, H, D // 2, 2).contiguous())
+            k[dst] = torch.view_as_real(ks * cis[:, None, :]).reshape(J, H, D).to(k.dtype)
+            v[dst] = v[src]
+
+    def read_rows(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V) of cache ``rows`` ([N] long): CPU tensors [N, n_head_kv, head_dim], cache dtype."""
+        idx = rows.to(self.device)
+        return [(k[idx].cpu(), v[idx].cpu()) for k, v in self.kv_caches]
+
+    def write_rows(self, rows: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write per-layer (K, V) [N, n_head_kv, head_dim] into cache ``rows`` ([N] long)."""
+        idx = rows.to(self.device)
+        for (k, v), (ks, vs) in zip(self.kv_caches, layers):
+            k[idx] = ks.to(device=self.device, dtype=k.dtype)
+            v[idx] = vs.to(device=self.device, dtype=v.dtype)
+
     def _rows(self, table: list[int], start: int, end: int) -> torch.Tensor:
         """Cache rows of positions [start, end) for a block table: [end-start] long."""
         bs = self.block_size
@@ -85,6 +121,7 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager, samplers: dict[str, SequenceSampler]) -> StepResult:
         """Run one step; return the sampled tokens per chunk (see StepResult)."""
+        self.shift_rows(sched.kv_shifts)
         self.copy_blocks(sched.kv_copies)
         chunks = sched.chunks
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new_tokens != 1)  # decodes first

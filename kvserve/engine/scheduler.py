@@ -12,10 +12,28 @@ preempted (blocks freed, recomputed later from its tokens).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.request import Request, RequestStatus
+
+
+#: finished sequences remembered for cache_miss diagnostics
+RECENT_SEQUENCES = 8
+#: tokens on each side of the first differing position in cache_miss excerpts
+EXCERPT_TOKENS = 8
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two int32 arrays (tokens)."""
+    m = min(len(a), len(b))
+    if m == 0:
+        return 0
+    ne = np.flatnonzero(a[:m] != b[:m])
+    return int(ne[0]) if len(ne) else m
 
 
 @dataclass(slots=True)
@@ -34,11 +52,13 @@ class ScheduledChunk:
 @dataclass(slots=True)
 class SchedulerOutput:
     """The step's chunks, who was preempted, and KV rows to copy first (copy on write:
-    (src block, dst block, rows))."""
+    (src block, dst block, rows)); KV shift jobs (src row, dst row, position delta)
+    run before the copies."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    kv_shifts: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +81,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        #: recently finished sequences (token ids as int32 arrays, cache_salt), for cache_miss diagnostics
+        self.recent: deque[tuple[np.ndarray, str | None]] = deque(maxlen=RECENT_SEQUENCES)
+        #: token ids -> text, for cache_miss excerpts (set by EngineCore)
+        self.detokenize: Callable[[list[int]], str] | None = None
 
     # -- queue changes -----------------------------------------------------------
 
@@ -83,8 +107,11 @@ class Scheduler:
             except ValueError:
                 pass
         self.requests.pop(request.request_id, None)
+        n = request.num_computed_tokens
+        if n > 0:
+            self.recent.append((np.asarray(request.all_token_ids[:n], dtype=np.int32), request.cache_salt))
         if request.priority_slot >= 0:
-            self.kv.park(request.request_id, f"slot:{request.priority_slot}")
+            self.kv.park(request.request_id, f"slot:{request.priority_slot}", request.cache_salt)
         else:
             self.kv.free(request.request_id)
 
@@ -127,27 +154,111 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, n))
             budget -= n
         out.kv_copies = self.kv.take_copies()
+        out.kv_shifts = self.kv.take_shifts()
         return out
 
     def _admit(self, req: Request, budget: int) -> bool:
-        """Reuse the longest cached prefix, then allocate the first chunk. False: no room."""
+        """Reuse the longest cached prefix (then, with ``n_cache_reuse``, shifted chunks
+        of the slot's parked tokens), then allocate the first chunk. False: no room."""
         kv = self.kv
         hit_tokens = 0
+        fresh = req.num_cached_tokens < 0 and not req.output_token_ids
+        slot_key = f"slot:{req.priority_slot}" if req.priority_slot >= 0 else None
+        mark = len(kv.pending_shifts)
         if req.params.cache_prompt:
             hit = kv.match_prefix(req.all_token_ids, req.cache_salt, req.num_tokens - 1)
             hit_tokens = kv.hit_tokens(hit)
             if hit_tokens and not kv.allocate_prefix(req.request_id, hit):
                 return False
+            if fresh and slot_key is not None and req.params.n_cache_reuse > 0:
+                hit_tokens = kv.reuse_shifted(req.request_id, req.prompt_token_ids, hit_tokens, slot_key,
+                                              req.params.n_cache_reuse, req.num_prompt_tokens - 1, req.cache_salt)
         n = min(req.num_tokens - hit_tokens, budget)
         if not kv.allocate(req.request_id, hit_tokens + n):
             kv.free(req.request_id)
+            del kv.pending_shifts[mark:]  # this request's jobs: their rows belong to the blocks just freed
             return False
         req.num_computed_tokens = hit_tokens
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = hit_tokens
-        if req.priority_slot >= 0:
-            kv.release_parked(f"slot:{req.priority_slot}")
+            if fresh:
+                req.cache_miss = self._diagnose(req, hit_tokens)
+        if slot_key is not None:
+            kv.release_parked(slot_key)
         return True
+
+    # -- cache_miss diagnostics -----------------------------------------------------
+
+    def _diagnose(self, req: Request, n_reused: int) -> dict | None:
+        """Why fewer prompt tokens were reused than a cached candidate offered (or None).
+
+        Candidates: every slot's parked sequence (still cached) and the last
+        ``RECENT_SEQUENCES`` finished sequences (maybe evicted since). The best
+        one shares the longest common prefix (LCP) with the prompt. A miss is
+        reported when ``n_reused`` < min(LCP, prompt - 1) (the cache offered
+        more), or when reuse stopped before the prompt's last token because the
+        prompt differs from the candidate at position LCP (the candidate goes on
+        with other tokens there; a candidate that simply ended is no miss).
+
+        reason: "cache_prompt false" (the request turned reuse off), "cache_salt"
+        (the candidate was cached under another salt), "evicted" (its KV is
+        gone: host tier off/full, erased), "different slot" (it sits in another
+        slot and could not be matched), "prefix differs" (the prompt changed at
+        ``first_diff_pos``).
+        """
+        n = req.num_prompt_tokens
+        limit = n - 1
+        if n_reused >= limit or n == 0:
+            return None
+        prompt = np.asarray(req.prompt_token_ids, dtype=np.int32)
+        own = f"slot:{req.priority_slot}" if req.priority_slot >= 0 else None
+        best = None  # (lcp, rank, tokens, source, salt_ok, cached)
+        cands: list[tuple[np.ndarray, str, str | None, bool]] = []
+        for key in self.kv.parked_keys():
+            toks = self.kv.parked_tokens(key)
+            if toks:
+                cands.append((np.asarray(toks, dtype=np.int32), key, self.kv.parked_salt(key), True))
+        for toks, salt in self.recent:
+            cands.append((toks, "recent", salt, False))
+        for toks, source, salt, cached in cands:
+            lcp = _lcp(prompt, toks)
+            if lcp == 0:
+                continue
+            salt_ok = salt == req.cache_salt
+            # prefer, at equal LCP: same salt, still cached, this request's slot
+            rank = (lcp, salt_ok, cached, source == own)
+            if best is None or rank > best[1]:
+                best = (lcp, rank, toks, source, salt_ok, cached)
+        if best is None:
+            return None
+        lcp, _, toks, source, salt_ok, cached = best
+        offer = min(lcp, limit)
+        if n_reused < offer:
+            if not req.params.cache_prompt:
+                reason = "cache_prompt false"
+            elif not salt_ok:
+                reason = "cache_salt"
+            elif not cached:
+                reason = "evicted"
+            elif source != own:
+                reason = "different slot"
+            else:
+                reason = "prefix differs"
+        elif lcp < len(toks) and lcp < limit:
+            reason = "prefix differs"
+        else:
+            return None
+        pos = lcp
+        lo = max(pos - EXCERPT_TOKENS, 0)
+        detok = self.detokenize or (lambda ids: " ".join(map(str, ids)))
+        return {
+            "n_reused": n_reused,
+            "best_candidate_tokens": lcp,
+            "first_diff_pos": pos,
+            "prompt_excerpt": detok([int(t) for t in prompt[lo: pos + EXCERPT_TOKENS]]),
+            "cached_excerpt": detok([int(t) for t in toks[lo: pos + EXCERPT_TOKENS]]),
+            "reason": reason,
+        }
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from kvserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import json_response, read_json
-from kvserve.faces.params import get_bool, get_int, params_to_dict, sampling_params_from_body, type_error
+from kvserve.faces.params import get_bool, get_int, get_str, params_to_dict, sampling_params_from_body, type_error
 from kvserve.faces.sse import sse_response, until_disconnect
 from kvserve.serving import metrics as metrics_mod
 from kvserve.serving.state import ServerState, generate
@@ -141,7 +141,8 @@ class CompletionHandler:
         for i, p in enumerate(prompts):
             ids = tokenize_mixed(tok, p, add_special=True)
             text = p if isinstance(p, str) else tok.decode(ids)
-            req = Request(f"cmpl-{uuid.uuid4().hex}", ids, params, priority_slot=opts["id_slot"])
+            req = Request(f"cmpl-{uuid.uuid4().hex}", ids, params, priority_slot=opts["id_slot"],
+                          cache_salt=get_str(body, "cache_salt") or None)
             tasks.append(_Completion(i, text, ids, req))
         return tasks, params, opts
 
@@ -357,15 +358,11 @@ def build_router(state: ServerState) -> APIRouter:
         except (ValueError, IndexError):
             raise ApiError(400, "Invalid slot ID") from None
         action = http.query_params.get("action", "")
-        if action == "erase":
-            if slot.is_processing:
-                raise ApiError(400, "Slot is busy")
-            n = len(slot.tokens)
-            slot.tokens = []
-            return json_response({"id_slot": sid, "n_erased": n})
-        if action in ("save", "restore"):
-            raise ApiError(501, f"slot action '{action}' is not implemented yet")
-        raise ApiError(400, "Invalid action")
+        if action not in ("save", "restore", "erase"):
+            raise ApiError(400, "Invalid action")
+        if slot.is_processing:
+            raise ApiError(400, "Slot is busy")
+        return json_response(await _slot_file_action(state, slot, action, http))
 
     @r.get("/metrics")
     async def metrics():
@@ -382,6 +379,54 @@ def build_router(state: ServerState) -> APIRouter:
     for path in ("/embedding", "/embeddings", "/v1/embeddings"):
         r.add_api_route(path, embeddings, methods=["POST"])
     return r
+
+
+def _slot_filename(state: ServerState, body: dict) -> tuple[str, str]:
+    """(filename, full path) of a save/restore request; 400 ``Invalid filename`` for anything
+    that could leave the save directory."""
+    import os
+
+    name = body.get("filename")
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or ".." in name \
+            or "\x00" in name or name in (".",) or os.path.isabs(name):
+        raise ApiError(400, "Invalid filename")
+    return name, os.path.join(state.args.slot_save_path, name)
+
+
+async def _slot_file_action(state: ServerState, slot, action: str, http: HttpRequest) -> dict:
+    """POST /slots/{id}?action=save|restore|erase, run on the engine thread (seed Example 11)."""
+    import asyncio
+
+    from kvserve.engine.slot_file import SlotFileError
+
+    sid = slot.id
+    engine = state.engine
+    filename, path = "", ""
+    if action in ("save", "restore"):
+        body = await read_json(http, required=False) or {}
+        filename, path = _slot_filename(state, body)
+    t0 = time.perf_counter()
+    try:
+        if action == "save":
+            res = await asyncio.wrap_future(engine.call(lambda core: core.save_slot(sid, path)))
+        elif action == "restore":
+            res = await asyncio.wrap_future(engine.call(lambda core: core.restore_slot(sid, path)))
+        else:
+            res = await asyncio.wrap_future(engine.call(lambda core: core.erase_slot(sid)))
+    except FileNotFoundError:
+        raise ApiError(404, f"slot file not found: {filename}") from None
+    except SlotFileError as e:
+        raise ApiError(400, str(e)) from None
+    ms = (time.perf_counter() - t0) * 1e3
+    if action == "save":
+        return {"id_slot": sid, "filename": filename, "n_saved": res["n_saved"], "n_written": res["n_written"],
+                "timings": {"save_ms": ms}}
+    if action == "restore":
+        slot.set_cached(res["tokens"])
+        return {"id_slot": sid, "filename": filename, "n_restored": res["n_restored"], "n_read": res["n_read"],
+                "timings": {"restore_ms": ms}}
+    slot.set_cached([])
+    return {"id_slot": sid, "n_erased": res["n_erased"]}
 
 
 def render_prompt(state: ServerState, body: dict) -> str:

@@ -111,7 +111,8 @@ def _engine_requests(state: ServerState, body: dict, response_id: str, prompts: 
         for i in range(n):
             k = p * n + i
             reqs.append(Request(f"{response_id}-{k}", list(ids), _choice_params(params, k), eog_token_ids=eog,
-                                priority_slot=id_slot if id_slot is not None else -1))
+                                priority_slot=id_slot if id_slot is not None else -1,
+                                cache_salt=get_str(body, "cache_salt") or None))
     return reqs
 
 

@@ -38,6 +38,7 @@ _INT_FIELDS = {
     "dry_penalty_last_n": "dry_penalty_last_n",
     "min_tokens": "min_tokens",
     "n_probs": "n_probs",
+    "n_cache_reuse": "n_cache_reuse",
 }
 _BOOL_FIELDS = {
     "ignore_eos": "ignore_eos",

@@ -65,7 +65,7 @@ class ServerArgs:
         """Server-wide sampling defaults from ``--temp``, ``--top-k``, ``-n``..."""
         return SamplingParams(n_predict=self.n_predict, temperature=self.temp, top_k=max(self.top_k, 0),
                               top_p=self.top_p, min_p=self.min_p, repeat_penalty=self.repeat_penalty,
-                              seed=self.seed)
+                              seed=self.seed, n_cache_reuse=max(self.cache_reuse, 0))
 
     def engine_config(self) -> EngineConfig:
         """The EngineConfig these flags describe."""
@@ -78,6 +78,7 @@ class ServerArgs:
             dtype=self.dtype,
             threads=self.threads,
             device=self.device,
+            cache_ram=self.cache_ram,
         )
 
 

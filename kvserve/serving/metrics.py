@@ -63,13 +63,10 @@ class Metrics:
     def __init__(self, state: "ServerState"):
         self._state = state
         self._lock = threading.Lock()
-        self.prompt_tokens_cached_total = 0
         self._last = {k: 0.0 for k in _WINDOW_KEYS}
 
     def on_output(self, out: RequestOutput) -> None:
-        """Account one engine output (cached prompt tokens are counted once, at the end)."""
-        if out.finished:
-            self.prompt_tokens_cached_total += out.num_cached_tokens
+        """Hook for per-output accounting (the engine's counters are the source of truth)."""
 
     def _values(self) -> dict[str, float]:
         state = self._state
@@ -81,10 +78,11 @@ class Metrics:
             d = {k: cur[k] - self._last[k] for k in _WINDOW_KEYS}
             self._last = cur
         slots = state.slots
-        cached = (getattr(st, "prompt_tokens_cached_total", 0) or 0) if st else 0
+        # the engine counts reused prompt tokens when a request's first token is sampled
+        cached = st.prompt_tokens_cached_total if st else 0
         return {
             "prompt_tokens_total": cur["prompt_tokens_total"],
-            "prompt_tokens_cached_total": cached or self.prompt_tokens_cached_total,
+            "prompt_tokens_cached_total": cached,
             "prompt_seconds_total": cur["prompt_seconds_total"],
             "tokens_predicted_total": cur["tokens_predicted_total"],
             "tokens_predicted_seconds_total": cur["tokens_predicted_seconds_total"],

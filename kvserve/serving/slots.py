@@ -72,6 +72,15 @@ class Slot:
         self.has_next_token = True
         self.params = params
 
+    def set_cached(self, tokens: list[int]) -> None:
+        """The idle slot now holds ``tokens`` (after a slot file restore, or [] after erase)."""
+        self.tokens = list(tokens)
+        self.n_prompt = len(tokens)
+        self.n_prompt_cache = len(tokens)
+        self.n_decoded = 0
+        self.has_new_line = False
+        self.has_next_token = False
+
     def update(self, out: RequestOutput) -> None:
         """Apply one engine output event to the view."""
         self.tokens.extend(out.new_token_ids)

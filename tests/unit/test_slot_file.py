@@ -1,0 +1,127 @@
+"""Slot files: save/erase/restore round trip on the tiny model, and every kind of bad file."""
+
+import os
+import struct
+
+import pytest
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.engine.core import EngineCore
+from kvserve.engine.request import Request, SamplingParams
+from kvserve.engine.slot_file import HEADER, SlotFileError
+from kvserve.models.registry import load_files
+
+
+def core_for(path, **kw) -> EngineCore:
+    kw.setdefault("n_ctx", 1024)
+    kw.setdefault("n_parallel", 2)
+    kw.setdefault("dtype", "float32")
+    return EngineCore(load_files(path), EngineConfig(**kw))
+
+
+def run(core, ids, slot=0, n_predict=4):
+    r = Request(f"r-{torch.randint(0, 1 << 30, (1,)).item()}", list(ids),
+                SamplingParams(temperature=0, n_predict=n_predict, ignore_eos=True), priority_slot=slot)
+    core.add_request(r)
+    outs = []
+    while not outs or not outs[-1].finished:
+        outs += [o for o in core.step() if o.request_id == r.request_id]
+    t = outs[-1].timings
+    return t.cache_n, t.prompt_n, [x for o in outs for x in o.new_token_ids]
+
+
+PRE = list(range(20, 48))  # 28 tokens, as seed Example 11
+Q = PRE + [60, 61, 62, 63, 64, 65, 66, 67, 68, 69]  # 38 tokens
+
+
+@pytest.fixture
+def saved(tiny_gguf, tmp_path):
+    core = core_for(tiny_gguf)
+    run(core, PRE, n_predict=0)
+    path = str(tmp_path / "prefix.bin")
+    res = core.save_slot(0, path)
+    return core, path, res
+
+
+def test_save_erase_restore_round_trip(tiny_gguf, saved):
+    core, path, res = saved
+    c = core.model_config
+    assert res["n_saved"] == 28
+    assert res["n_written"] == os.path.getsize(path) == 40 + 4 * 28 + 2 * c.n_layer * 28 * c.n_head_kv * c.head_dim * 2
+    assert core.erase_slot(0) == {"n_erased": 28}
+    # erase drops the slot's hold; with the host tier on (--cache-ram) the blocks stay indexed there
+    assert run(core, Q)[:2] == (28, 10)
+    fresh = core_for(tiny_gguf, cache_ram=0)
+    ref = run(fresh, Q)
+    assert fresh.erase_slot(0)["n_erased"] == 38 + 3  # prompt + generated tokens fed back (the last never is)
+    r = fresh.restore_slot(0, path)
+    assert (r["n_restored"], r["n_read"]) == (28, res["n_written"])
+    assert fresh.slot_tokens(0) == PRE
+    warm = run(fresh, Q)
+    assert warm[:2] == (28, 10)
+    assert warm[2] == ref[2]  # exact: float32 weights, the file holds the cache's own f16 rows
+
+
+def test_restore_into_a_new_process_and_repeat_rule(tiny_gguf, saved):
+    _, path, _ = saved
+    other = core_for(tiny_gguf, cache_ram=0)
+    other.restore_slot(1, path)
+    # identical prompt: all but the last token are reused (Example 9's rule)
+    assert run(other, PRE, slot=1)[:2] == (27, 1)
+
+
+def test_busy_slot_is_refused(tiny_gguf, saved, tmp_path):
+    core, path, _ = saved
+    core.add_request(Request("busy", Q, SamplingParams(temperature=0, n_predict=4), priority_slot=0))
+    with pytest.raises(SlotFileError, match="busy"):
+        core.save_slot(0, str(tmp_path / "x.bin"))
+    with pytest.raises(SlotFileError, match="busy"):
+        core.erase_slot(0)
+
+
+def _patched(path, tmp_path, name, fn) -> str:
+    data = bytearray(open(path, "rb").read())
+    data = fn(data)
+    out = tmp_path / name
+    out.write_bytes(bytes(data))
+    return str(out)
+
+
+@pytest.mark.parametrize("name,fn,msg", [
+    ("truncated", lambda d: d[:-10], "corrupt"),
+    ("extra", lambda d: d + b"\0", "corrupt"),
+    ("magic", lambda d: b"XXSLOT" + d[6:], "bad magic"),
+    ("version", lambda d: d[:6] + struct.pack("<H", 99) + d[8:], "version 99"),
+    ("short", lambda d: d[:12], "shorter"),
+    ("empty", lambda d: b"", "shorter"),
+    ("dtype", lambda d: d[:28] + bytes([0]) + d[29:], "dtype"),
+    ("fingerprint", lambda d: d[:8] + bytes(16) + d[24:], "different model"),
+])
+def test_bad_files_raise_slot_file_error(saved, tmp_path, name, fn, msg):
+    core, path, _ = saved
+    bad = _patched(path, tmp_path, name, fn)
+    before = core.slot_tokens(0)
+    with pytest.raises(SlotFileError, match=msg):
+        core.restore_slot(0, bad)
+    assert core.slot_tokens(0) == before  # nothing applied
+
+
+def test_other_model_is_refused(tmp_path, saved):
+    import tinymodel
+
+    _, path, _ = saved
+    other = tinymodel.write_tiny_gguf(tmp_path / "other.gguf", seed=7)  # same shape, other weights
+    core = core_for(str(other))
+    with pytest.raises(SlotFileError, match="different model"):
+        core.restore_slot(0, path)
+
+
+def test_missing_file(saved, tmp_path):
+    core, _, _ = saved
+    with pytest.raises(FileNotFoundError):
+        core.restore_slot(0, str(tmp_path / "nope.bin"))
+
+
+def test_header_is_40_bytes():
+    assert HEADER.size == 40
