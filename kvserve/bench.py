@@ -92,12 +92,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("-t", "--threads", type=int, default=0)
     ap.add_argument("-ctk", "--cache-type-k", default="f16")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--int4-max-rows", type=int, default=32)
+    ap.add_argument("--cpu-kernel", default="auto", choices=["auto", "int8", "int4", "dense"])
+    ap.add_argument("--small-batch-rows", type=int, default=16)
     ap.add_argument("-b", "--batch-size", type=int, default=2048)
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     cfg = EngineConfig(n_ctx=4096, n_parallel=16, kv_unified=True, threads=a.threads, kv_dtype=a.cache_type_k,
-                       dtype=a.dtype, int4_max_rows=a.int4_max_rows, max_num_batched_tokens=a.batch_size)
+                       dtype=a.dtype, cpu_kernel=a.cpu_kernel, small_batch_rows=a.small_batch_rows, max_num_batched_tokens=a.batch_size)
     core = create_engine_core(a.model, cfg)
     load_s = time.perf_counter() - t0
     res = run_bench(core)

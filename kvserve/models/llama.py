@@ -74,30 +74,46 @@ def _int4_pack(w: Weight, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Linear(nn.Module):
-    """y = x @ W.T (+ b), with W dense or int4-packed.
+    """y = x @ W.T (+ b) with a small-batch kernel and a dense large-batch path.
 
     Args:
         weights: row blocks concatenated along the output dimension (fused
-            q|k|v or gate|up); all dense or all 4-bit packed.
-        dtype: dtype of dense weights.
-        int4: keep 4-bit weights packed (CPU int4pack kernel, bfloat16
-            activations); else dequantize to ``dtype``.
-        int4_max_rows: with int4, batches of more rows than this use a dense
-            float32 copy (MKL sgemm beats the int4 kernel on large M).
+            q|k|v or gate|up).
+        bias: matching bias blocks or None.
+        dtype: dtype of the dense weights.
+        device: torch device.
+        kernel: small-batch kernel on CPU: "auto" (int4 for Q4_0/Q4_1 weights, whose
+            blocks it represents exactly; int8 for other quantized GGUF types;
+            dense for float weights), "int8" (weights requantized per
+            output row to int8, bfloat16 scales rounded before quantizing, torch's
+            ``_weight_int8pack_mm`` with bfloat16 activations), "int4" (Q4_0/Q4_1
+            blocks kept packed for ``_weight_int4pack_mm_for_cpu``, group size 32,
+            zero = m + 8d; other types fall back to dense) or "dense".
+        small_max_rows: batches of at most this many rows use ``kernel``; larger
+            ones use the dense weights (float32 GEMM wins there). 0 = always
+            ``kernel`` and no dense copy is kept.
 
-    Input x: [T, in] float; output [T, out] in x's dtype.
+    Input x: [T, in] float32; output [T, out] float32 (the small-batch kernels
+    compute in bfloat16).
     """
 
-    def __init__(self, weights: list[Weight], bias: list[Weight] | None, dtype, device, int4: bool,
-                 int4_max_rows: int = 0):
+    def __init__(self, weights: list[Weight], bias: list[Weight] | None, dtype, device, kernel: str = "dense",
+                 small_max_rows: int = 0):
         super().__init__()
+        cpu = torch.device(device).type == "cpu"
         packed = all(w.q4 is not None for w in weights)
-        self.int4 = bool(int4 and packed and torch.device(device).type == "cpu")
-        self.int4_max_rows = int4_max_rows
+        if kernel == "auto":
+            quantized = all(w.source_type not in _FLOAT_TYPES for w in weights)
+            kernel = "int4" if packed else "int8" if quantized else "dense"
+        n_out = sum(w.shape[0] for w in weights)
+        if kernel == "int4" and (not packed or n_out % 16) or not cpu:  # the int4pack layout needs N % 16 == 0
+            kernel = "dense"
+        self.kernel = kernel
+        self.small_max_rows = small_max_rows
         self.out_features = sum(w.shape[0] for w in weights)
         self.in_features = weights[0].shape[1]
-        self.packed = self.scales = self.weight = None
-        if self.int4:
+        self.packed = self.scales = self.q8 = self.weight = None
+        if kernel == "int4":
             merged = Weight(
                 (self.out_features, self.in_features),
                 q4=_np_cat([w.q4 for w in weights]),
@@ -105,17 +121,24 @@ class Linear(nn.Module):
                 q4_zero=_np_cat([w.q4_zero for w in weights]),
             )
             self.packed, self.scales = _int4_pack(merged, device)
-            if int4_max_rows:
-                self.weight = torch.from_numpy(merged.to_dense()).to(device=device, dtype=torch.float32)
+            dense = merged.to_dense() if small_max_rows else None
         else:
             dense = _np_cat([w.to_dense() for w in weights])
-            self.weight = torch.from_numpy(dense).to(device=device, dtype=dtype)
+            if kernel == "int8":
+                self.q8, self.scales = _int8_rows(torch.from_numpy(dense))
+                if not small_max_rows:
+                    dense = None
+        if dense is not None:
+            self.weight = torch.from_numpy(dense).to(device=device, dtype=torch.float32 if kernel != "dense" else dtype)
         self.bias = None
         if bias is not None:
             self.bias = torch.from_numpy(_np_cat([b.to_dense() for b in bias])).to(device=device, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 and (self.weight is None or x.shape[0] <= self.int4_max_rows):
+        small = self.weight is None or (self.kernel != "dense" and x.shape[0] <= self.small_max_rows)
+        if small and self.kernel == "int8":
+            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q8, self.scales).to(x.dtype)
+        elif small and self.kernel == "int4":
             y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, 32, self.scales).to(x.dtype)
         else:
             w = self.weight
@@ -123,6 +146,21 @@ class Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+_FLOAT_TYPES = {"F32", "F16", "BF16", "F64", "torch.float32", "torch.float16", "torch.bfloat16"}
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 quantization: (q int8 [N, K], scale bfloat16 [N]).
+
+    The scale is rounded to bfloat16 before quantizing, so the kernel's
+    bfloat16 scale adds no error of its own.
+    """
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).to(torch.bfloat16)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
 
 
 def _np_cat(arrays):
@@ -168,16 +206,13 @@ class LlamaModel(nn.Module):
         weights: dict of Weight by GGUF tensor name (Q/K rows in interleaved-pair order).
         dtype: dense weight dtype (torch.float32 / bfloat16 / float16).
         device: torch device.
-        int4: keep Q4_0/Q4_1 weights packed (CPU only).
-        int4_max_rows: see Linear.
+        kernel, small_max_rows: small-batch kernel of every projection and of
+            the output head, and the rows up to which it is used (see Linear).
         max_positions: size of the RoPE tables (tokens).
-        output_half_max_rows: on CPU, batches of at most this many logits rows use
-            a float16 copy of the output head (0 = never).
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, Weight], dtype=torch.float32, device="cpu",
-                 int4: bool = True, int4_max_rows: int = 0, max_positions: int = 8192,
-                 output_half_max_rows: int = 0):
+                 kernel: str = "dense", small_max_rows: int = 0, max_positions: int = 8192):
         super().__init__()
         self.config = config
         self.device = torch.device(device)
@@ -186,7 +221,7 @@ class LlamaModel(nn.Module):
         emb = weights["token_embd.weight"]
         self.tok_embd = torch.from_numpy(emb.to_dense()).to(device=device, dtype=self.compute_dtype)
         self.layers = nn.ModuleList()
-        lin = dict(dtype=dtype, device=device, int4=int4, int4_max_rows=int4_max_rows)
+        lin = dict(dtype=dtype, device=device, kernel=kernel, small_max_rows=small_max_rows)
         for i in range(c.n_layer):
             p = f"blk.{i}."
             layer = nn.Module()
@@ -199,17 +234,11 @@ class LlamaModel(nn.Module):
             layer.w_down = Linear([weights[p + "ffn_down.weight"]], None, **lin)
             self.layers.append(layer)
         self.output_norm = RMSNorm(weights["output_norm.weight"], c.rms_eps, device)
-        if c.tie_embeddings or "output.weight" not in weights:
-            self.output_weight = self.tok_embd  # tied: logits = h @ tok_embd.T
-        else:
-            self.output_weight = torch.from_numpy(weights["output.weight"].to_dense()).to(
-                device=device, dtype=self.compute_dtype)
-        # CPU decode reads the whole [n_vocab, n_embd] head per step: a float16 copy
-        # halves the bytes and is ~3x faster for a few rows; larger batches use float32
-        self.output_half = None
-        self.output_half_max_rows = output_half_max_rows
-        if self.device.type == "cpu" and output_half_max_rows > 0:
-            self.output_half = self.output_weight.to(torch.float16)
+        # tied embeddings: the head is token_embd.weight (its own copy, in the head's formats)
+        head = weights["token_embd.weight"] if c.tie_embeddings or "output.weight" not in weights \
+            else weights["output.weight"]
+        self.output = Linear([head], None, dtype=dtype, device=device,
+                             kernel="int8" if kernel == "auto" else kernel, small_max_rows=small_max_rows)
         inv = rope_inv_freq(c)
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv.double())  # [P, D/2]
@@ -293,6 +322,4 @@ class LlamaModel(nn.Module):
         x = self.output_norm(x)
         if return_hidden:
             return x
-        if self.output_half is not None and x.shape[0] <= self.output_half_max_rows:
-            return F.linear(x.to(torch.float16), self.output_half).float()
-        return F.linear(x.to(self.output_weight.dtype), self.output_weight).float()
+        return self.output(x).float()

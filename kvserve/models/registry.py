@@ -41,27 +41,26 @@ def load_files(path: str | os.PathLike) -> LoadedModel:
 def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -> LlamaModel:
     """Instantiate the torch module for ``loaded`` with the numerics of ``config``.
 
-    dtype "auto": float32 on CPU (4-bit GGUF weights stay packed), bfloat16 on CUDA.
+    dtype "auto": on CPU float32 for large batches and ``config.cpu_kernel`` for
+    small ones; bfloat16 on CUDA.
     """
     cls = ARCHITECTURES.get(loaded.config.arch)
     if cls is None:
         raise ModelLoadError(f"unknown model architecture '{loaded.config.arch}'")
     device = config.resolve_device()
-    half_rows = 0
     if config.dtype == "auto":
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
-        int4 = device == "cpu"
-        half_rows = config.output_half_max_rows
+        kernel = config.cpu_kernel if device == "cpu" else "dense"
     else:
         dtype = _DTYPES[config.dtype]
-        int4 = False
-    return cls(loaded.config, loaded.weights, dtype=dtype, device=device, int4=int4,
-               int4_max_rows=config.int4_max_rows, max_positions=max_positions, output_half_max_rows=half_rows)
+        kernel = "dense"
+    return cls(loaded.config, loaded.weights, dtype=dtype, device=device, kernel=kernel,
+               small_max_rows=config.small_batch_rows, max_positions=max_positions)
 
 
 def describe_dtypes(model: LlamaModel) -> str:
     """Short text of the weight formats in use, e.g. "int4(q4_1)+float32"."""
     lin = model.layers[0].wqkv
-    if lin.int4:
-        return "int4+float32" if lin.weight is not None else "int4"
+    if lin.kernel != "dense":
+        return f"{lin.kernel}+float32" if lin.weight is not None else lin.kernel
     return str(lin.weight.dtype).replace("torch.", "")

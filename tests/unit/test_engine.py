@@ -106,12 +106,14 @@ def test_quantized_gguf_matches_its_dequantized_hf_twin(tmp_path, qtype, tol):
     assert (a - b).abs().max().item() < tol
 
 
-def test_int4_packed_weights_close_to_dense(tmp_path):
+@pytest.mark.parametrize("kernel", ["int4", "int8"])
+def test_small_batch_kernels_close_to_dense(tmp_path, kernel):
     gg = str(tinymodel.write_tiny_gguf(tmp_path / "q.gguf", n_embd=256, n_ff=512, qtype="Q4_1", seed=8))
     ids = prompt_ids(4, 12)
     dense = _logits_of(make_core(gg, dtype="float32"), ids)
-    packed_core = make_core(gg, dtype="auto", int4_max_rows=0)
-    assert packed_core.model.layers[0].wqkv.int4
+    packed_core = make_core(gg, dtype="auto", cpu_kernel=kernel, small_batch_rows=0)
+    assert packed_core.model.layers[0].wqkv.kernel == kernel
+    assert packed_core.model.layers[0].wqkv.weight is None  # no dense copy when always small
     packed = _logits_of(packed_core, ids)
     # bfloat16 activations and scales in the int4 kernel: agreement to ~1e-2 relative
     assert torch.allclose(dense, packed, atol=0.05 * dense.abs().max().item())
