@@ -10,17 +10,18 @@ weights (prefill), so agreement is close, not bit-exact.
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REFERENCE
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.request import SamplingParams
 from kvserve.llm import LLM
 from kvserve.models.registry import load_files
 
+REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "smollm2"
 ROWS = [json.loads(line) for line in (REFERENCE / "completions.jsonl").read_text().splitlines()]
 
 
