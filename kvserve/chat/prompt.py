@@ -208,10 +208,13 @@ def _final_content_index(messages: list[dict]) -> int | None:
     return sum(1 for m in messages if isinstance(m.get("content"), str) and m.get("content")) - 1
 
 
-def _tokenize(tokenizer, segs: list[Segment]) -> list[int]:
+def _tokenize(tokenizer, segs: list[Segment], force_split: bool = False) -> list[int]:
+    """Token ids of the rendered segments: template markup with special-token parsing,
+    message contents without. Fast path (one encode of the whole text) when no content
+    holds special-token text; ``force_split`` takes the split path anyway (tests)."""
     pattern, table = _specials(tokenizer)
     text = "".join(t for t, _ in segs)
-    if pattern is None or not any(c is not None and pattern.search(t) for t, c in segs):
+    if pattern is None or (not force_split and not any(c is not None and pattern.search(t) for t, c in segs)):
         ids = tokenizer.encode(text, add_special=False, parse_special=True)
     else:
         ids, buf = [], []

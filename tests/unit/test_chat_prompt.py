@@ -26,24 +26,8 @@ def smol(smollm2_gguf) -> tuple[ChatTemplate, Tokenizer]:
 
 def _segmented(tmpl, tok, messages, **kw) -> list[int]:
     """Force the split path (markup specials -> ids, text between tokenized plain)."""
-    truth, segs = prompt_mod._segments(tmpl, normalize_messages(messages), True, None, kw)
-    pattern, table = prompt_mod._specials(tok)
-    ids, buf = [], []
-    # same algorithm as _tokenize's slow path, without the fast-path shortcut
-    for t, c in segs:
-        if c is not None:
-            buf.append(t)
-            continue
-        pos = 0
-        for m in pattern.finditer(t):
-            buf.append(t[pos:m.start()])
-            ids.extend(tok.encode("".join(buf), parse_special=False))
-            buf.clear()
-            ids.append(table[m.group()])
-            pos = m.end()
-        buf.append(t[pos:])
-    ids.extend(tok.encode("".join(buf), parse_special=False))
-    return ids
+    _, segs = prompt_mod._segments(tmpl, normalize_messages(messages), True, None, kw)
+    return prompt_mod._tokenize(tok, segs, force_split=True)
 
 
 @pytest.mark.parametrize("row", ROWS)
