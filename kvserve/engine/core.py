@@ -117,7 +117,7 @@ class EngineCore:
             raise InvalidRequestError(f"token id {bad} is out of range (vocabulary size {nv})")
         need = n + max(request.params.n_predict, 0)
         if n >= self.n_ctx_slot or need > self.n_ctx_slot:
-            raise ContextSizeExceededError(n, self.n_ctx_slot)
+            raise ContextSizeExceededError(n, self.n_ctx_slot, max(request.params.n_predict, 0))
 
     def add_request(self, request: Request) -> None:
         """Validate and queue a request (raises InvalidRequestError subclasses)."""

@@ -46,13 +46,20 @@ class ContextSizeExceededError(InvalidRequestError):
     ``exceed_context_size_error`` envelope reports.
     """
 
-    def __init__(self, n_prompt_tokens: int, n_ctx: int):
+    def __init__(self, n_prompt_tokens: int, n_ctx: int, n_predict: int = 0):
         self.n_prompt_tokens = n_prompt_tokens
         self.n_ctx = n_ctx
-        super().__init__(
-            f"request ({n_prompt_tokens} tokens) exceeds the available context size "
-            f"({n_ctx} tokens), try increasing it"
-        )
+        self.n_predict = n_predict
+        if n_prompt_tokens < n_ctx and n_predict > 0:
+            # the prompt fits; prompt + requested tokens does not (llama-server's text
+            # would claim fewer tokens than the context exceed it)
+            msg = (f"request ({n_prompt_tokens} prompt tokens + {n_predict} requested tokens = "
+                   f"{n_prompt_tokens + n_predict} tokens) exceeds the available context size "
+                   f"({n_ctx} tokens), try lowering n_predict/max_tokens or increasing the context")
+        else:
+            msg = (f"request ({n_prompt_tokens} tokens) exceeds the available context size "
+                   f"({n_ctx} tokens), try increasing it")
+        super().__init__(msg)
 
 
 @dataclass(slots=True)

@@ -244,7 +244,9 @@ class Scheduler:
                 reason = "different slot"
             else:
                 reason = "prefix differs"
-        elif lcp < len(toks) and lcp < limit:
+        elif lcp < len(toks) and n_reused <= lcp < limit:
+            # reuse stopped where the prompt leaves the best candidate (a host-tier hit
+            # may already reach further than any remembered candidate: then no miss)
             reason = "prefix differs"
         else:
             return None

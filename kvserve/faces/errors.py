@@ -48,7 +48,10 @@ class ApiError(Exception):
         if isinstance(e, ApiError):
             return e
         if isinstance(e, ContextSizeExceededError):
-            return cls(400, str(e), "exceed_context_size_error", n_prompt_tokens=e.n_prompt_tokens, n_ctx=e.n_ctx)
+            extra = {"n_prompt_tokens": e.n_prompt_tokens, "n_ctx": e.n_ctx}
+            if e.n_prompt_tokens < e.n_ctx and e.n_predict:
+                extra["n_predict"] = e.n_predict
+            return cls(400, str(e), "exceed_context_size_error", **extra)
         if isinstance(e, InvalidRequestError):
             return cls(400, str(e))
         return cls(500, f"{type(e).__name__}: {e}")

@@ -45,6 +45,8 @@ async def read_json(request: HttpRequest, *, required: bool = True) -> dict:
         raise ApiError(400, f"request body is not valid UTF-8: {e}") from e
     except json.JSONDecodeError as e:
         raise ApiError(400, f"invalid JSON: parse error at line {e.lineno}, column {e.colno}: {e.msg}") from e
+    except RecursionError:
+        raise ApiError(400, "invalid JSON: nesting too deep") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     return body

@@ -140,6 +140,9 @@ class CompletionHandler:
         tasks = []
         for i, p in enumerate(prompts):
             ids = tokenize_mixed(tok, p, add_special=True)
+            bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"Field 'prompt': token id {bad} out of range [0, {tok.n_vocab})")
             text = p if isinstance(p, str) else tok.decode(ids)
             req = Request(f"cmpl-{uuid.uuid4().hex}", ids, params, priority_slot=opts["id_slot"],
                           cache_salt=get_str(body, "cache_salt") or None)
@@ -417,6 +420,8 @@ async def _slot_file_action(state: ServerState, slot, action: str, http: HttpReq
         raise ApiError(404, f"slot file not found: {filename}") from None
     except SlotFileError as e:
         raise ApiError(400, str(e)) from None
+    except OSError as e:  # e.g. name too long: say what, never the server's directory
+        raise ApiError(400, f"cannot {action} slot file '{filename[:64]}': {e.strerror}") from None
     ms = (time.perf_counter() - t0) * 1e3
     if action == "save":
         return {"id_slot": sid, "filename": filename, "n_saved": res["n_saved"], "n_written": res["n_written"],

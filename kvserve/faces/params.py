@@ -183,6 +183,30 @@ def parse_logit_bias(v: Any, tokenizer) -> dict[int, float]:
     return out
 
 
+_CONSTRAINT_FIELDS = ("grammar", "json_schema", "structured_outputs", "guided_json", "guided_regex",
+                      "guided_choice", "guided_grammar")
+
+
+def refuse_constraints(body: dict) -> None:
+    """501 when the request asks for constrained output (not supported yet); 400 for a
+    ``response_format`` that is not an object with a known type."""
+    for key in _CONSTRAINT_FIELDS:
+        v = body.get(key)
+        if v not in (None, "", {}, []):
+            raise ApiError(501, f"Field '{key}': constrained output is not supported yet")
+    rf = body.get("response_format")
+    if rf is None:
+        return
+    if not isinstance(rf, dict):
+        raise ApiError(400, f"Field 'response_format': type must be object, but is {json_type(rf)}")
+    kind = rf.get("type")
+    if kind in (None, "text"):
+        return
+    if kind in ("json_object", "json_schema", "grammar", "regex"):
+        raise ApiError(501, f"Field 'response_format': type '{kind}' (constrained output) is not supported yet")
+    raise ApiError(400, f"Field 'response_format': unknown type {kind!r}")
+
+
 def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *,
                               max_tokens_keys: tuple[str, ...] = ("n_predict",)) -> SamplingParams:
     """Build SamplingParams from a request body over the server ``defaults``.
@@ -196,8 +220,12 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
             ``("max_completion_tokens", "max_tokens")`` on chat...).
 
     Raises:
-        ApiError: 400 on a wrong type or an out-of-range value.
+        ApiError: 400 on a wrong type or an out-of-range value; 501 for constrained
+            output (grammars, JSON schemas), which is not built yet: answering
+            with unconstrained text would look like success to a client that
+            relies on the constraint.
     """
+    refuse_constraints(body)
     kw: dict[str, Any] = {}
     for key, attr in _NUMBER_FIELDS.items():
         v = get_number(body, key)

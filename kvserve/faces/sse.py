@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable
 from starlette.requests import Request as HttpRequest
 from starlette.responses import StreamingResponse
 
+from kvserve.engine.request import InvalidRequestError
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import dumps
 
@@ -39,7 +40,7 @@ def sse_data(obj) -> str:
 
 def error_body(e: BaseException) -> dict:
     """The envelope for any exception (no stack trace: server errors are logged)."""
-    if not isinstance(e, ApiError):
+    if not isinstance(e, (ApiError, InvalidRequestError)):  # client mistakes are not server faults
         log.exception("request failed", exc_info=e)
     return ApiError.from_exception(e).body()
 

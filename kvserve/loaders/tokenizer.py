@@ -600,7 +600,11 @@ class Tokenizer:
             list[int] of token ids.
         """
         hf = self._hf if parse_special else self._hf_plain
-        ids = hf.encode(text, add_special_tokens=False).ids if text else []
+        try:
+            ids = hf.encode(text, add_special_tokens=False).ids if text else []
+        except TypeError:  # lone surrogates (JSON "\ud800", undecodable stdin): U+FFFD, as a decoder would
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            ids = hf.encode(text, add_special_tokens=False).ids
         if add_special:
             if self.add_bos:
                 ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
@@ -611,6 +615,7 @@ class Tokenizer:
     def encode_batch(self, texts: list[str], add_special: bool = False, parse_special: bool = True) -> list[list[int]]:
         """:meth:`encode` for many texts at once (parallel in the HF library)."""
         hf = self._hf if parse_special else self._hf_plain
+        texts = [t.encode("utf-16", "surrogatepass").decode("utf-16", "replace") for t in texts]
         encs = hf.encode_batch(texts, add_special_tokens=False)
         out = []
         for t, e in zip(texts, encs):

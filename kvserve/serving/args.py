@@ -167,6 +167,8 @@ def parse_args(argv: list[str]) -> ServerArgs:
         alias = [x.strip() for x in ns.alias.split(",") if x.strip()] + alias
     parallel = ns.parallel if ns.parallel is not None else (ns.max_num_seqs if ns.max_num_seqs is not None else -1)
     batch = ns.batch_size or ns.max_num_batched_tokens or 2048
+    if not 0 <= ns.port <= 65535:
+        p.error(f"invalid --port value {ns.port}: 0-65535")
     if parallel == 0 or parallel < -1:
         p.error(f"invalid -np value {parallel}: -1 (auto) or >= 1")
     args = ServerArgs(

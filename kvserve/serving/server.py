@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HttpRequest
 
 from kvserve.faces.auth import add_security
+from kvserve.engine.request import InvalidRequestError
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import json_response
 from kvserve.serving.args import ServerArgs, parse_args
@@ -100,6 +101,12 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: HttpRequest, e: RequestValidationError):
         return json_response(ApiError(400, str(e)).body(), 400)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid(_: HttpRequest, e: InvalidRequestError):
+        # a client mistake found by the engine (context size, bad ids): 4xx, no traceback
+        err = ApiError.from_exception(e)
+        return json_response(err.body(), err.status)
 
     @app.exception_handler(Exception)
     async def _crash(_: HttpRequest, e: Exception):

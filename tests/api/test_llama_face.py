@@ -441,3 +441,43 @@ def test_chat_error_rows(smollm2_server, smollm2_tokenizer):
     r = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"})
     assert r.status_code == 400
     assert r.json()["error"]["message"].startswith("Field 'temperature': ")
+
+
+def test_bad_input_is_4xx_and_server_survives(smollm2_server, smollm2_tokenizer):
+    """Defects found by a break-it review: each must be a 4xx/501 envelope, never a 500."""
+    srv = smollm2_server
+    for bad in ([99999], [-1], [49152]):
+        r = post(srv, "/completion", {"prompt": bad, "n_predict": 2})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == f"Field 'prompt': token id {bad[0]} out of range [0, 49152)"
+    # lone surrogates become U+FFFD, as a UTF-8 decoder would
+    r = httpx.post(srv.url("/tokenize"), content=b'{"content": "\\ud800 hi"}', timeout=TIMEOUT)
+    assert r.status_code == 200
+    assert r.json()["tokens"] == smollm2_tokenizer.encode("\ufffd hi")
+    r = httpx.post(srv.url("/v1/chat/completions"), timeout=TIMEOUT,
+                   content=b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 1}')
+    assert r.status_code == 200
+    deep = "[" * 5000 + "]" * 5000
+    r = httpx.post(srv.url("/v1/chat/completions"), content=('{"messages":' + deep + "}").encode(), timeout=TIMEOUT)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "invalid JSON: nesting too deep"
+    # the prompt fits, prompt + n_predict does not: the message counts both
+    n = len(smollm2_tokenizer.encode("hello " * 2000, add_special=True))
+    r = post(srv, "/completion", {"prompt": "hello " * 2000, "n_predict": 100})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["type"] == "exceed_context_size_error"
+    assert (err["n_prompt_tokens"], err["n_ctx"], err["n_predict"]) == (n, 2048, 100)
+    assert err["message"].startswith(f"request ({n} prompt tokens + 100 requested tokens = {n + 100} tokens)")
+    # constrained output is not built yet: refused, never silently unconstrained
+    r = post(srv, "/completion", {"prompt": "yes or no:", "grammar": 'root ::= "yes" | "no"'})
+    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+    r = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                           "response_format": {"type": "json_object"}})
+    assert r.status_code == 501
+    r = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                           "response_format": {"type": "bogus"}})
+    assert r.status_code == 400
+    r = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                           "response_format": {"type": "text"}})
+    assert r.status_code == 200
+    assert get(srv, "/health").json() == {"status": "ok"}
+    assert "Traceback" not in srv.log()

@@ -185,3 +185,12 @@ def test_spm_vocab() -> None:
     assert tok.encode("</s>a") == [2, tid["▁a"]]  # space prefix after a special token
     assert tok.token_bytes(tid["<0xC3>"]) == b"\xc3"
     assert 2 in tok.eog_token_ids
+
+
+def test_lone_surrogates_become_replacement_characters(smollm2_gguf):
+    """JSON "\\ud800" or undecodable stdin (surrogateescape) must not crash the tokenizer."""
+    from kvserve.loaders.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf_file(smollm2_gguf)
+    assert tok.encode("a\ud800b") == tok.encode("a\ufffdb")
+    assert tok.encode_batch(["\udcff x"]) == [tok.encode("\ufffd x")]

@@ -1,0 +1,27 @@
+"""kvserve serve flags: llama-server names, vLLM names, clean errors."""
+
+import pytest
+
+from kvserve.serving.args import parse_args
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_port_out_of_range_is_a_usage_error(port, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["m.gguf", "--port", port])
+    assert e.value.code == 2
+    assert "--port" in capsys.readouterr().err
+
+
+def test_unknown_flag_is_an_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["m.gguf", "--no-such-flag"])
+    assert e.value.code == 2
+
+
+def test_llama_and_vllm_names_fill_the_engine_config():
+    a = parse_args(["m.gguf", "-c", "4096", "-np", "2", "-ctk", "f32", "--cache-ram", "0",
+                    "--max-num-batched-tokens", "512"])
+    cfg = a.engine_config()
+    assert (cfg.n_ctx, cfg.n_parallel, cfg.kv_dtype, cfg.cache_ram, cfg.max_num_batched_tokens) == \
+        (4096, 2, "f32", 0, 512)
