@@ -56,7 +56,7 @@ def ttft(client: httpx.Client, url: str, prompt: str) -> tuple[float, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", action="append", required=True)
-    ap.add_argument("--words", type=int, default=1400, help="words in the shared prefix (~1,500 tokens)")
+    ap.add_argument("--words", type=int, default=880, help="words in the shared prefix (~1,500 tokens with SmolLM2)")
     ap.add_argument("--runs", type=int, default=3)
     a = ap.parse_args()
     rng = random.Random(1234)
