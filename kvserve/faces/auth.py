@@ -18,7 +18,7 @@ from starlette.middleware.cors import CORSMiddleware
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 
 _INVALID = json.dumps({"error": {"message": "Invalid API Key", "type": "authentication_error",
-                                 "code": 401}}).encode()
+                                 "code": 401}}, separators=(",", ":")).encode()
 
 
 def key_matches(given: str, keys: list[str]) -> bool:

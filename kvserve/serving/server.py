@@ -82,7 +82,8 @@ def build_app(state: ServerState) -> FastAPI:
     """The ASGI app: native and OpenAI faces, error envelopes, API keys, CORS."""
     from kvserve.faces import llama
 
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    # no slash redirects: llama-server answers /health/ with 404, not 307
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.state.kv = state
 
     @app.exception_handler(ApiError)

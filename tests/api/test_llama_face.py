@@ -85,6 +85,7 @@ def test_startup_health_and_api_keys(start_server, tmp_path):
             assert r.status_code == 401, (path, headers)
             assert r.json() == {"error": {"message": "Invalid API Key", "type": "authentication_error",
                                           "code": 401}}
+            assert r.text == '{"error":{"message":"Invalid API Key","type":"authentication_error","code":401}}'
     r = post(srv, "/tokenize", {"content": "hi"})
     assert r.status_code == 401
     assert get(srv, "/v1/models", headers={"Authorization": "Bearer secret-123"}).status_code == 200
@@ -479,5 +480,6 @@ def test_bad_input_is_4xx_and_server_survives(smollm2_server, smollm2_tokenizer)
     r = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                                            "response_format": {"type": "text"}})
     assert r.status_code == 200
+    assert get(srv, "/health/").status_code == 404  # no 307 slash redirect (llama-server: 404)
     assert get(srv, "/health").json() == {"status": "ok"}
     assert "Traceback" not in srv.log()
