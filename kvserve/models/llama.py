@@ -36,6 +36,15 @@ class PrefillGroup:
     end: int
     n_past: int
     kv_index: torch.Tensor | None = None
+    _mask: torch.Tensor | None = None
+
+    def mask(self) -> torch.Tensor:
+        """[Lq, Lk] bool, bottom-right aligned causal: query i sees keys j <= n_past + i.
+        Built once per step and shared by every layer."""
+        if self._mask is None:
+            lq, lk = self.end - self.start, self.kv_index.shape[0]
+            self._mask = torch.ones(lq, lk, dtype=torch.bool, device=self.kv_index.device).tril(diagonal=lk - lq)
+        return self._mask
 
 
 @dataclass
@@ -280,10 +289,7 @@ class LlamaModel(nn.Module):
             else:
                 kp = k_cache[g.kv_index].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
                 vp = v_cache[g.kv_index].to(q.dtype).transpose(0, 1).unsqueeze(0)
-                lq, lk = g.end - g.start, g.kv_index.shape[0]
-                # bottom-right aligned causal mask: query i sees keys j <= n_past + i
-                mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask(), scale=self.scale, enable_gqa=True)
             out[g.start:g.end] = o.squeeze(0).transpose(0, 1)
         return out.reshape(T, -1)
 
