@@ -248,6 +248,9 @@ class LlamaModel(nn.Module):
             else weights["output.weight"]
         self.output = Linear([head], None, dtype=dtype, device=device,
                              kernel="int8" if kernel == "auto" else kernel, small_max_rows=small_max_rows)
+        w = self.output.weight
+        if head is weights["token_embd.weight"] and w is not None and w.dtype == self.tok_embd.dtype:
+            self.output.weight = self.tok_embd  # tied: one dense copy of the embedding, not two
         inv = rope_inv_freq(c)
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv.double())  # [P, D/2]
