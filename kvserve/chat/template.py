@@ -24,7 +24,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplate", "TemplateError", "CHATML_TEMPLATE"]
+__all__ = ["CHATML_TEMPLATE", "ChatTemplate", "TemplateError"]
 
 #: Fallback used when a model has no chat template (ChatML, as llama.cpp's default
 #: ``chatml`` template and Ollama's generic template). String content only.

@@ -1,0 +1,463 @@
+"""Reasoning ("thinking") output: split it from the answer, stream it, and cap its length.
+
+Styles of :func:`split_reasoning` and :class:`ReasoningStreamer`:
+
+``deepseek_r1`` (vLLM ``--reasoning-parser deepseek_r1``, seed 002 Example 12)
+    No end tag: no reasoning (``None``), all text is content, unchanged. With an end tag: the
+    text before it is reasoning (after a ``<think>`` when there is one), the text after it is
+    content; both stripped of surrounding whitespace, as the seed's outputs are.
+``qwen3`` (vLLM ``--reasoning-parser qwen3``, current vLLM)
+    A ``<think>`` in the output is skipped. With an end tag: split as above (stripped). Without
+    one the output was cut while thinking, so it is all reasoning and content is ``""``;
+    with ``thinking_enabled=False`` (``chat_template_kwargs.enable_thinking``) it is all content.
+``deepseek`` (llama-server ``--reasoning-format deepseek``/``auto``, seed 000 Example 14)
+    Thinking is open when the prompt ended inside ``<think>`` (``started_in_prompt``; the
+    prompt's text after that tag, ``prompt_tail``, belongs to the reasoning, as llama-server
+    parses generation prompt + output) or when the output starts with ``<think>``. Then all
+    text up to ``</think>`` is reasoning, unfinished or not, unstripped; the content after
+    the tag loses its leading whitespace. Otherwise all text is content.
+``deepseek-legacy`` (llama-server)
+    Reasoning as ``deepseek``, and content keeps the raw text with its tags (prefixed with
+    ``<think>`` + ``prompt_tail`` when the prompt opened it).
+``none`` (llama-server)
+    No split. Content is the raw text, prefixed with ``<think>`` + ``prompt_tail`` when the
+    prompt opened thinking (seed: ``"<think>\\n creek ..."``).
+
+Streaming gives the same strings when its fragments are concatenated, with two exceptions
+inherent to deciding early (vLLM streams the same way): ``deepseek_r1`` output that starts
+thinking (``started_in_prompt`` or a leading ``<think>``) but never closes it was streamed as
+reasoning, while the finished split says content; ``deepseek_r1`` output that did not start
+thinking but writes ``</think>`` later streams as content (the split makes the text before
+it reasoning: pass ``started_in_prompt`` when the template opened thinking); and
+``deepseek_r1``/``qwen3`` text before a ``<think>`` that is not at the start is kept in the
+stream but dropped by the split.
+
+:class:`ThinkingBudget` is a per-request constraint for the engine (``mask`` /
+``accept_token`` / ``is_terminated``) that forces the end tag after N thinking tokens and then
+hands over to an inner constraint (a grammar for the answer), like llama-server's
+``--reasoning-budget`` and vLLM's ``thinking_token_budget``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+__all__ = [
+    "REASONING_STYLES",
+    "Constraint",
+    "ReasoningStreamer",
+    "ThinkingBudget",
+    "prompt_thinking_tail",
+    "split_reasoning",
+]
+
+#: Accepted ``style`` values ("auto" is llama-server's default and means "deepseek").
+REASONING_STYLES = ("deepseek_r1", "qwen3", "deepseek", "deepseek-legacy", "none", "auto")
+
+_WS = " \t\n\r"
+
+
+def _style(style: str) -> str:
+    if style not in REASONING_STYLES:
+        raise ValueError(f"unknown reasoning style {style!r}; valid: {', '.join(REASONING_STYLES)}")
+    return "deepseek" if style == "auto" else style
+
+
+def prompt_thinking_tail(prompt: str, start: str = "<think>", end: str = "</think>") -> str | None:
+    """The prompt's text after a final unclosed ``start`` tag, or None when thinking is not open.
+
+    ``"...<｜Assistant｜><think>\\n"`` gives ``"\\n"``: pass ``started_in_prompt=True`` and that
+    tail as ``prompt_tail``.
+    """
+    i = prompt.rfind(start)
+    if i < 0 or prompt.find(end, i) >= 0:
+        return None
+    return prompt[i + len(start):]
+
+
+def split_reasoning(text: str, *, start: str = "<think>", end: str = "</think>", started_in_prompt: bool = False,
+                    style: str = "deepseek_r1", prompt_tail: str = "",
+                    thinking_enabled: bool = True) -> tuple[str | None, str]:
+    """Split a finished output into (reasoning or None, content); see the module docstring.
+
+    Args:
+        text: the generated text only (not the prompt).
+        started_in_prompt: the prompt ended inside an open ``start`` tag.
+        prompt_tail: the prompt's text after that tag (llama-server styles use it).
+        thinking_enabled: ``qwen3`` only (``enable_thinking``).
+
+    Raises:
+        ValueError: unknown style.
+    """
+    style = _style(style)
+    if style == "none":
+        return None, (start + prompt_tail if started_in_prompt else "") + text
+    if style == "deepseek_r1":
+        e = text.find(end)
+        if e < 0:
+            opened = text.lstrip(_WS).startswith(start)
+            if started_in_prompt or opened:  # cut off while thinking: all of it is reasoning
+                body = text.lstrip(_WS)[len(start):] if opened else text
+                return body.strip(), ""
+            return None, text
+        head = text[:e]
+        s = head.find(start)
+        reasoning = head[s + len(start):] if s >= 0 else head
+        return reasoning.strip(), text[e + len(end):].strip()
+    if style == "qwen3":
+        if not thinking_enabled:
+            return None, text
+        _, found, after = text.partition(start)
+        body = after if found else text
+        reasoning, found, content = body.partition(end)
+        return reasoning.strip(), content.strip() if found else ""
+    # llama-server: deepseek / deepseek-legacy
+    if started_in_prompt:
+        body = prompt_tail + text
+    elif text.startswith(start):
+        body = text[len(start):]
+    else:
+        return None, text
+    reasoning, found, after = body.partition(end)
+    if style == "deepseek-legacy":
+        return reasoning, (start + prompt_tail if started_in_prompt else "") + text
+    return reasoning, after.lstrip(_WS) if found else ""
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+class _Field:
+    """Streams one output field, optionally dropping leading and trailing whitespace."""
+
+    __slots__ = ("held", "lstrip", "rstrip", "started")
+
+    def __init__(self, lstrip: bool, rstrip: bool) -> None:
+        self.lstrip, self.rstrip = lstrip, rstrip
+        self.started = False
+        self.held = ""
+
+    def push(self, text: str) -> str:
+        if self.lstrip and not self.started:
+            text = text.lstrip(_WS)
+            if not text:
+                return ""
+        self.started = True
+        if not self.rstrip:
+            return text
+        text = self.held + text
+        body = text.rstrip(_WS)
+        self.held = text[len(body):]
+        return body
+
+    def end(self) -> str:
+        """The field is over: trailing whitespace is dropped, or released when kept."""
+        held, self.held = self.held, ""
+        return "" if self.rstrip else held
+
+
+class ReasoningStreamer:
+    """Streaming split of one response; same arguments as :func:`split_reasoning`.
+
+    ``feed(delta)`` / ``finish()`` return fragments ``{"reasoning": str}`` and
+    ``{"content": str}`` in output order (face maps them to ``reasoning``/``reasoning_content``
+    and ``content``). A possible partial tag is held back until it is decided. Not thread-safe.
+
+    Attributes:
+        reasoning_tokens: how many fed deltas were thinking (a delta counts when thinking was
+            open when it began, the one holding the end tag included; fed one token's text
+            per call this is ``completion_tokens_details.reasoning_tokens``). 0 for ``none``.
+    """
+
+    def __init__(self, *, style: str = "deepseek_r1", start: str = "<think>", end: str = "</think>",
+                 started_in_prompt: bool = False, prompt_tail: str = "", thinking_enabled: bool = True) -> None:
+        self.style = _style(style)
+        self.start, self.end = start, end
+        self.reasoning_tokens = 0
+        self._pending_count = 0
+        self._buf = ""
+        self._prefix_done = False
+        self._started_in_prompt = started_in_prompt
+        self._prompt_tail = prompt_tail
+        vllm = self.style in ("deepseek_r1", "qwen3")
+        self._reasoning = _Field(lstrip=vllm, rstrip=vllm)
+        self._after = _Field(lstrip=True, rstrip=vllm)
+        if self.style == "none" or self.style == "qwen3" and not thinking_enabled:
+            self._phase = "content"
+        elif started_in_prompt and self.style not in ("deepseek_r1", "qwen3"):
+            self._phase = "reasoning"
+        else:
+            self._phase = "undecided"  # waiting to see whether the output opens with the tag
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Thinking is (or may still be) open: no answer text has been produced yet."""
+        return self._phase in ("undecided", "held", "reasoning")
+
+    def feed(self, delta: str) -> list[dict]:
+        if not delta:
+            return []
+        if self.style != "none":
+            if self._phase == "reasoning":
+                self.reasoning_tokens += 1
+            elif self._phase in ("undecided", "held"):
+                self._pending_count += 1
+        return self._emit(self._scan(delta, final=False), delta)
+
+    def finish(self) -> list[dict]:
+        parts = self._scan("", final=True)
+        out = self._emit(parts, "", force_prefix=True)
+        tail = self._reasoning.end()
+        if tail:
+            out.append({"reasoning": tail})
+        tail = self._after.end()
+        if tail:
+            out.append({"content": tail})
+        return _merge(out)
+
+    # -- scanning: ("r" reasoning | "a" content after the end tag | "c" plain content, text) --
+
+    def _scan(self, delta: str, final: bool) -> list[tuple[str, str]]:
+        parts: list[tuple[str, str]] = []
+        self._buf += delta
+        if self._phase == "undecided":
+            self._decide(final)
+            if self._phase == "undecided":
+                return parts
+        if self._phase == "held":
+            i = self._buf.find(self.end)
+            if i < 0 and not final:
+                return parts
+            if i < 0:
+                self._phase = "content"
+            else:
+                self._phase = "reasoning"
+                self.reasoning_tokens += self._pending_count
+            self._pending_count = 0
+        if self._phase == "reasoning":
+            i = self._buf.find(self.end)
+            if i >= 0:
+                parts.append(("r", self._buf[:i]))
+                self._buf, self._phase = self._buf[i + len(self.end):], "after"
+            else:
+                k = 0 if final else _partial_suffix(self._buf, self.end)
+                parts.append(("r", self._buf[:len(self._buf) - k]))
+                self._buf = self._buf[len(self._buf) - k:]
+                return parts
+        parts.append(("a" if self._phase == "after" else "c", self._buf))
+        self._buf = ""
+        return parts
+
+    def _decide(self, final: bool) -> None:
+        vllm = self.style in ("deepseek_r1", "qwen3")
+        s = self._buf.lstrip(_WS) if vllm else self._buf
+        if s.startswith(self.start):
+            self._buf = s[len(self.start):]
+            self._phase = "reasoning"
+        elif self.start.startswith(s) and not final:
+            return
+        elif self.style == "qwen3" or (self.style == "deepseek_r1" and self._started_in_prompt):
+            self._phase = "reasoning"
+        elif self.style == "deepseek_r1":
+            # Only an end tag can still make this reasoning (002 Example 12's third case):
+            # hold the text until "</think>" shows up (reasoning) or the output ends (content).
+            self._phase = "held"
+            return
+        else:
+            self._phase = "content"
+        if self._phase == "reasoning":
+            self.reasoning_tokens += self._pending_count
+        self._pending_count = 0
+
+    def _emit(self, parts: list[tuple[str, str]], raw: str, force_prefix: bool = False) -> list[dict]:
+        out: list[dict] = []
+        if not self._prefix_done and (raw or parts or force_prefix):
+            self._prefix_done = True
+            if self._started_in_prompt:
+                if self.style in ("none", "deepseek-legacy"):
+                    out.append({"content": self.start + self._prompt_tail})
+                if self.style in ("deepseek", "deepseek-legacy") and self._prompt_tail:
+                    out.append({"reasoning": self._prompt_tail})
+        if self.style == "none":
+            if raw:
+                out.append({"content": raw})
+            return _merge(out)
+        for kind, text in parts:
+            if kind == "r":
+                text = self._reasoning.push(text)
+                if text:
+                    out.append({"reasoning": text})
+            elif self.style == "deepseek-legacy":
+                continue
+            elif kind == "a":
+                text = self._after.push(text)
+                if text:
+                    out.append({"content": text})
+            elif text:
+                out.append({"content": text})
+        if self.style == "deepseek-legacy" and raw:
+            out.append({"content": raw})
+        return _merge(out)
+
+
+def _merge(frags: list[dict]) -> list[dict]:
+    out: list[dict] = []
+    for f in frags:
+        (k, v), = f.items()
+        if out and k in out[-1]:
+            out[-1][k] += v
+        else:
+            out.append({k: v})
+    return out
+
+
+class Constraint(Protocol):
+    """The engine's per-request constraint protocol (grammar matchers implement it)."""
+
+    def mask(self) -> torch.Tensor | None: ...
+    def accept_token(self, token_id: int) -> bool: ...
+    def is_terminated(self) -> bool: ...
+
+
+class ThinkingBudget:
+    """Caps thinking at ``budget`` tokens, then gates to ``inner`` for the answer.
+
+    Phases: ``before`` (output may open thinking with ``start_tag_ids``), ``thinking`` (no
+    mask; tokens counted), ``forcing`` (after ``budget`` thinking tokens the mask allows only
+    the next token of ``end_tag_token_ids``, one by one), ``answer`` (everything delegates to
+    ``inner``; ``mask()`` is None when there is none). The model closing thinking itself (the
+    end tag's ids in a row, or ``end_text`` in the decoded thinking text when ``token_text`` is
+    given, for tags split differently across tokens) ends thinking without forcing.
+
+    Args:
+        budget: thinking tokens allowed; 0 forces the end tag at once, -1 means no limit
+            (only the gating to ``inner``).
+        end_tag_token_ids: tokens to force, e.g. tokenized ``"\\n</think>"``.
+        n_vocab: mask length (the logits width, which may exceed the tokenizer's size).
+        started_in_prompt: the prompt ended inside an open thinking tag.
+        start_tag_ids: the opening tag's ids; when not started in the prompt, thinking begins
+            only if the output starts with them (with ``inner`` set, the first token may be
+            ``start_tag_ids[0]`` besides what ``inner`` allows, and the rest is then forced).
+            Empty and not started: no thinking, straight to ``answer``.
+        inner: the answer's constraint (e.g. a JSON-schema grammar matcher) or None.
+        token_text: token id -> its decoded text, for text detection of the end tag.
+        end_text: the end tag's text for that detection.
+
+    Masks are bool [n_vocab] CPU tensors (True = allowed), shared between calls: read only.
+    """
+
+    def __init__(self, budget: int, end_tag_token_ids: Sequence[int], n_vocab: int, *,
+                 started_in_prompt: bool, start_tag_ids: Sequence[int] = (), inner: Constraint | None = None,
+                 token_text: Callable[[int], str] | None = None, end_text: str = "</think>") -> None:
+        if budget < -1:
+            raise ValueError(f"thinking budget must be >= -1, got {budget}")
+        if not end_tag_token_ids:
+            raise ValueError("end_tag_token_ids must not be empty")
+        self.budget = budget
+        self.end_ids = list(end_tag_token_ids)
+        self.start_ids = list(start_tag_ids)
+        self.n_vocab = n_vocab
+        self.inner = inner
+        self.token_text = token_text
+        self.end_text = end_text
+        self.thinking_tokens = 0  # free thinking tokens (forced ones not counted)
+        self.forced = False  # the end tag was forced
+        self._start_pos = 0
+        self._force_pos = 0
+        self._recent: deque[int] = deque(maxlen=len(self.end_ids))
+        self._text = ""
+        self._onehots: dict[int, torch.Tensor] = {}
+        if started_in_prompt:
+            self.phase = "thinking"
+            self._check_budget()
+        else:
+            self.phase = "before" if self.start_ids else "answer"
+
+    # -- constraint protocol --
+
+    def mask(self) -> torch.Tensor | None:
+        if self.phase == "thinking":
+            return None
+        if self.phase == "forcing":
+            return self._onehot(self.end_ids[self._force_pos])
+        if self.phase == "before":
+            if self.inner is None:
+                return None
+            if self._start_pos > 0:
+                return self._onehot(self.start_ids[self._start_pos])
+            m = self.inner.mask()
+            if m is None:
+                return None
+            m = m.clone()
+            m[self.start_ids[0]] = True
+            return m
+        return self.inner.mask() if self.inner is not None else None
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.phase == "thinking":
+            self.thinking_tokens += 1
+            if self._closed_by(token_id):
+                self.phase = "answer"
+            else:
+                self._check_budget()
+            return True
+        if self.phase == "forcing":
+            if token_id != self.end_ids[self._force_pos]:
+                return False
+            self._force_pos += 1
+            if self._force_pos == len(self.end_ids):
+                self.phase = "answer"
+            return True
+        if self.phase == "before":
+            if token_id == self.start_ids[self._start_pos]:
+                self._start_pos += 1
+                if self._start_pos == len(self.start_ids):
+                    self.phase = "thinking"
+                    self._check_budget()
+                return True
+            if self._start_pos > 0:
+                if self.inner is not None:
+                    return False  # the rest of the start tag is forced
+                self.phase = "answer"  # the model wrote something else: no thinking
+                return True
+            self.phase = "answer"
+        return self.inner.accept_token(token_id) if self.inner is not None else True
+
+    def is_terminated(self) -> bool:
+        return self.phase == "answer" and self.inner is not None and self.inner.is_terminated()
+
+    # -- helpers --
+
+    @property
+    def thinking(self) -> bool:
+        """Thinking is open (counting or being forced shut)."""
+        return self.phase in ("thinking", "forcing")
+
+    def _check_budget(self) -> None:
+        if self.budget >= 0 and self.thinking_tokens >= self.budget:
+            self.phase, self.forced, self._force_pos = "forcing", True, 0
+
+    def _closed_by(self, token_id: int) -> bool:
+        self._recent.append(token_id)
+        if list(self._recent) == self.end_ids:
+            return True
+        if self.token_text is not None and self.end_text:
+            self._text = (self._text + self.token_text(token_id))[-(len(self.end_text) + 64):]
+            return self.end_text in self._text
+        return False
+
+    def _onehot(self, token_id: int) -> torch.Tensor:
+        m = self._onehots.get(token_id)
+        if m is None:
+            m = torch.zeros(self.n_vocab, dtype=torch.bool)
+            m[token_id] = True
+            self._onehots[token_id] = m
+        return m
