@@ -43,7 +43,7 @@ from typing import Any
 from kvserve.chat.template import ChatTemplate, TemplateError
 from kvserve.faces.errors import ApiError
 
-__all__ = ["render_chat", "normalize_messages", "continues_final_message"]
+__all__ = ["continues_final_message", "normalize_messages", "render_chat"]
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # Unicode private-use characters delimit sentinels
 
@@ -107,7 +107,41 @@ def normalize_messages(messages: Any) -> list[dict]:
             raise ApiError(400, f"messages[{i}].role: expected a string, got {_type_name(role)}")
         if "content" not in m and not m.get("tool_calls"):
             raise ApiError(400, f"messages[{i}]: missing 'content'")
-        out.append({**m, "content": _content_text(m.get("content"), i)})
+        msg = {**m, "content": _content_text(m.get("content"), i)}
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _normalize_tool_calls(m["tool_calls"], i)
+        if "reasoning" in m and "reasoning_content" not in m:
+            msg["reasoning_content"] = m["reasoning"]  # vLLM's name; templates read reasoning_content
+        out.append(msg)
+    return out
+
+
+def _normalize_tool_calls(calls: Any, i: int) -> list[dict]:
+    """Assistant ``tool_calls`` for the template: ``function.arguments`` given as a JSON string
+    (what OpenAI clients send back) becomes the object it encodes, as llama.cpp does, so a
+    template's ``arguments | tojson`` renders an object, not a quoted string."""
+    import json
+
+    if not isinstance(calls, list):
+        raise ApiError(400, f"messages[{i}].tool_calls: expected an array, got {_type_name(calls)}")
+    out = []
+    for j, c in enumerate(calls):
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            raise ApiError(400, f"messages[{i}].tool_calls[{j}]: expected an object with a 'function' object")
+        f = dict(c["function"])
+        if not isinstance(f.get("name"), str):
+            raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.name: expected a string")
+        args = f.get("arguments")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args) if args.strip() else {}
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                f["arguments"] = parsed
+        elif args is None:
+            f["arguments"] = {}
+        out.append({**c, "function": f})
     return out
 
 

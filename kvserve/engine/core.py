@@ -214,7 +214,12 @@ class EngineCore:
         logprobs = [self._token_logprob(sample)] if p.n_probs > 0 else None
         text = ""
         finished = False
-        if tok in req.eog_token_ids and not p.ignore_eos:
+        grammar = req.grammar
+        if tok in req.eog_token_ids and (not p.ignore_eos or grammar is not None):
+            # with a constraint, an EOG token is only sampled where the constrained text may end
+            req.stop_type = "eos"
+            finished = True
+        elif grammar is not None and not self._grammar_accepts(req, grammar, tok):
             req.stop_type = "eos"
             finished = True
         else:
@@ -231,6 +236,19 @@ class EngineCore:
             status = RequestStatus.FINISHED_LENGTH if req.stop_type == "limit" else RequestStatus.FINISHED_STOPPED
             self._finish(req, status)
         return self._output(req, [tok], text, logprobs, finished)
+
+    @staticmethod
+    def _grammar_accepts(req: Request, grammar, tok: int) -> bool:
+        """Advance the request's constraint by ``tok``; False ends the request (stop_type "eos").
+
+        A refused token cannot happen when the mask was applied (it is logged, and the
+        token's text is not emitted); a terminated constraint ends generation normally.
+        """
+        if not grammar.accept_token(tok):
+            log.warning("request %s: sampled token %d is not allowed by its output constraint; ending it",
+                        req.request_id, tok)
+            return False
+        return not grammar.is_terminated()
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.finish_time = time.monotonic()

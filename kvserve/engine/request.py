@@ -247,8 +247,24 @@ class Request:
         prompt_token_ids: the prompt (list[int], token ids).
         params: SamplingParams.
         eog_token_ids: end-of-generation token ids (eos + template end-of-turn).
-        grammar: optional constraint object with ``accept_token(id)``,
-            ``fill_mask(mask)`` and ``is_terminated()`` (structured outputs issue).
+        grammar: optional output constraint (structured outputs), any object with
+            this protocol (``kvserve.structured.backend.GrammarConstraint`` is one; a
+            wrapper such as a reasoning-budget gate may be another):
+
+            - ``mask() -> torch.Tensor | None``: called once per sampled token, before
+              sampling; bool [n_vocab] (the logits' width), True = allowed, any device;
+              None = no constraint at this position; never all False (the sampler
+              raises SamplingError on an empty mask). End-of-generation ids are allowed
+              only where the constrained text may end (only they, once it must end);
+            - ``accept_token(token_id: int) -> bool``: called for each sampled token that
+              is not an end-of-generation token; False means the token breaks the
+              constraint (the engine then ends the request, stop_type "eos");
+            - ``is_terminated() -> bool``: checked after each accepted token; True ends
+              the request (stop_type "eos"), the token's text not emitted.
+
+            A request with a constraint ends with stop_type "eos" when an
+            end-of-generation token is sampled, even with ``ignore_eos`` (the sampler
+            then only lets it through when nothing else is allowed).
         priority_slot: llama-server ``id_slot`` (-1 = any); used by the serving layer.
         cache_salt: extra key for the prefix cache (vLLM ``cache_salt``).
         cache_miss: set by the scheduler at admission (cache_miss diagnostics dict or None).

@@ -194,7 +194,7 @@ class ModelRunner:
                 [samplers[r.request_id] for r in reqs],
                 [_History(r) for r in reqs],
                 [len(r.output_token_ids) for r in reqs],
-                [getattr(r.grammar, "mask", lambda: None)() if r.grammar is not None else None for r in reqs],
+                [r.grammar.mask() if r.grammar is not None else None for r in reqs],
             )
             for ci, r in zip(sample_ci, res):
                 samples[ci] = r

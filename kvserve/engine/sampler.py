@@ -5,7 +5,9 @@ The chain follows llama.cpp (``src/llama-sampling.cpp`` and
 
 1. grammar ``mask`` (bool [n_vocab], True = allowed): disallowed tokens get
    ``-inf`` before anything else (llama.cpp applies the grammar sampler first
-   when it resamples; we always apply it first);
+   when it resamples; we always apply it first). When ``logit_bias`` or the EOG
+   ban below would leave no token, a masked row falls back to the mask alone
+   (the constraint wins); only a mask that allows nothing raises SamplingError;
 2. ``logit_bias`` (llama.cpp's ``logit-bias`` sampler, added before the chain):
    ``logit += bias``; ``-inf`` bans a token, ``+inf`` forces it (only the
    ``+inf`` tokens stay candidates);
@@ -386,7 +388,22 @@ class SequenceSampler:
                 x = before if before is not None else x
             touched = True
         if touched and not bool((x > NEG_INF).any()):
-            raise SamplingError("no token is allowed by the grammar mask and logit_bias")
+            if mask is None:
+                raise SamplingError("no token is allowed by logit_bias")
+            x = self._mask_only(logits, mask)
+        return x
+
+    def _mask_only(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Logits with only the grammar mask applied: a constrained request whose bias or EOG
+        ban leaves nothing still produces valid text (the grammar wins).
+
+        Raises:
+            SamplingError: the mask itself allows no token.
+        """
+        x = logits.to(torch.float32).clone()
+        x.masked_fill_(~mask.to(device=x.device, dtype=torch.bool), NEG_INF)
+        if not bool((x > NEG_INF).any()):
+            raise SamplingError("no token is allowed by the grammar mask")
         return x
 
     # ------------------------------------------------------------------ stages

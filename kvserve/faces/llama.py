@@ -1,10 +1,14 @@
-"""llama-server's native endpoints (seed Examples 2, 3, 6, 7, 8, 15, 17).
+"""llama-server's native endpoints (seed Examples 2, 3, 6, 7, 8, 12, 15, 17).
 
 GET /health /v1/health /v1/models /models /props /slots /metrics; POST /props
 /completion /completions /tokenize /detokenize /apply-template /slots/{id};
 /embeddings and /v1/embeddings answer 501 (not implemented).
 
 Each handler only translates: JSON -> engine Request -> JSON/SSE.
+
+``/completion`` reads ``grammar`` (GBNF), ``json_schema`` and ``response_format``
+(:func:`kvserve.structured.spec.constraint_from_body`); each prompt's Request gets its
+own matcher, and ``generation_settings.grammar`` shows the grammar used.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from kvserve.faces.params import get_bool, get_int, get_str, params_to_dict, sam
 from kvserve.faces.sse import sse_response, until_disconnect
 from kvserve.serving import metrics as metrics_mod
 from kvserve.serving.state import ServerState, generate
+from kvserve.structured.spec import constraint_from_body
 
 EMBEDDINGS_OFF = "This server does not support embeddings. Start it with `--embeddings`"
 PROPS_OFF = "This server does not support changing global properties. Start it with `--props`"
@@ -135,6 +140,8 @@ class CompletionHandler:
             "stream": bool(get_bool(body, "stream", False)),
             "return_tokens": bool(get_bool(body, "return_tokens", False)),
             "id_slot": id_slot if id_slot is not None and id_slot >= 0 else -1,
+            "constraint": constraint_from_body(body, "llama"),
+            "grammar": "",
         }
         prompts = split_prompts(body["prompt"])
         tasks = []
@@ -163,7 +170,7 @@ class CompletionHandler:
             "model": self.state.model_alias,
             "tokens_predicted": n_pred,
             "tokens_evaluated": out.num_prompt_tokens,
-            "generation_settings": params_to_dict(params, stream=opts["stream"]),
+            "generation_settings": params_to_dict(params, stream=opts["stream"], grammar=opts["grammar"]),
             "prompt": c.prompt_text,
             "has_new_line": "\n" in c.content,
             "truncated": out.truncated,
@@ -179,15 +186,36 @@ class CompletionHandler:
             raise ApiError(500, out.error)
         return res
 
-    async def run_one(self, c: _Completion, params: SamplingParams) -> None:
+    async def _constrain(self, tasks: list[_Completion], opts: dict) -> None:
+        """Give each task its own matcher for the request's constraint (compiled off the loop:
+        the first use loads xgrammar, a new schema takes ~30 ms)."""
+        spec = opts["constraint"]
+        if spec is None:
+            return
+        grammars = self.state.grammars
+
+        def build():
+            opts["grammar"] = grammars.grammar_text(spec)
+            for c in tasks:
+                c.request.grammar = grammars.constraint(spec)
+
+        import asyncio
+
+        await asyncio.to_thread(build)
+
+    def _params_view(self, params: SamplingParams, opts: dict) -> dict:
+        return params_to_dict(params, grammar=opts["grammar"])
+
+    async def run_one(self, c: _Completion, params: SamplingParams, opts: dict) -> None:
         """Drive one task to its end (non-streaming)."""
-        async for out in generate(self.state, c.request):
+        async for out in generate(self.state, c.request, self._params_view(params, opts)):
             c.add(out, params.post_sampling_probs)
 
     async def __call__(self, http: HttpRequest) -> Response:
         self.state.require_ready()
         body = await read_json(http)
         tasks, params, opts = self._build(body)
+        await self._constrain(tasks, opts)
         if opts["stream"]:
             if len(tasks) != 1:
                 raise ApiError(400, "streaming supports one prompt per request")
@@ -196,14 +224,14 @@ class CompletionHandler:
         import asyncio
 
         async def run_all():
-            await asyncio.gather(*(self.run_one(c, params) for c in tasks))
+            await asyncio.gather(*(self.run_one(c, params, opts) for c in tasks))
 
         await until_disconnect(http, run_all())
         results = [self.final_json(c, params, opts, stream=False) for c in tasks]
         return json_response(results[0] if len(results) == 1 else results)
 
     async def _stream(self, c: _Completion, params: SamplingParams, opts: dict):
-        async for out in generate(self.state, c.request):
+        async for out in generate(self.state, c.request, self._params_view(params, opts)):
             c.add(out, params.post_sampling_probs)
             if out.text or (out.logprobs and params.n_probs > 0):
                 chunk = {"index": c.index, "content": out.text,

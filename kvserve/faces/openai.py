@@ -34,12 +34,14 @@ from fastapi import APIRouter
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
-from kvserve.chat.prompt import render_chat
+from kvserve.chat.prompt import continues_final_message, normalize_messages, render_chat
 from kvserve.engine.request import SEED_RANDOM, Request, RequestOutput, SamplingParams, TokenLogprob
+from kvserve.faces.chat_features import chat_features, constraint_factory
+from kvserve.faces.chat_output import ChoiceOutput, OutputMode
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import error_response, json_response, read_json
-from kvserve.faces.sse import error_body, sse_response, until_disconnect
 from kvserve.faces.params import get_bool, get_int, get_str, sampling_params_from_body, type_error
+from kvserve.faces.sse import error_body, sse_response, until_disconnect
 from kvserve.serving.state import ServerState, generate
 
 __all__ = ["build_router", "router"]
@@ -74,6 +76,7 @@ class Plan:
     include_usage: bool = False
     logprobs: int | None = None  # top candidates to report (chat: top_logprobs; legacy: logprobs)
     echo_texts: list[str] = field(default_factory=list)  # legacy echo: prompt text per choice
+    mode: OutputMode = field(default_factory=OutputMode)  # chat: reasoning split and tool-call parsing
 
 
 def _n_choices(body: dict) -> int:
@@ -103,7 +106,7 @@ def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
 
 
 def _engine_requests(state: ServerState, body: dict, response_id: str, prompts: list[list[int]],
-                     params: SamplingParams, n: int) -> list[Request]:
+                     params: SamplingParams, n: int, make_constraint=None) -> list[Request]:
     id_slot = get_int(body, "id_slot", -1)
     eog = state.tokenizer.eog_token_ids
     reqs = []
@@ -112,7 +115,8 @@ def _engine_requests(state: ServerState, body: dict, response_id: str, prompts: 
             k = p * n + i
             reqs.append(Request(f"{response_id}-{k}", list(ids), _choice_params(params, k), eog_token_ids=eog,
                                 priority_slot=id_slot if id_slot is not None else -1,
-                                cache_salt=get_str(body, "cache_salt") or None))
+                                cache_salt=get_str(body, "cache_salt") or None,
+                                grammar=make_constraint() if make_constraint is not None else None))
     return reqs
 
 
@@ -140,30 +144,44 @@ def chat_plan(state: ServerState, body: dict) -> Plan:
         raise ApiError(400, "top_logprobs requires logprobs to be set to true")
     if top is not None and not 0 <= top <= 20:
         raise ApiError(400, "Field 'top_logprobs': must be between 0 and 20")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise type_error("chat_template_kwargs", "object", kwargs)
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise type_error("tools", "array", tools)
+    feats = chat_features(state, body)
     cont = get_bool(body, "continue_final_message")
     add_gen = get_bool(body, "add_generation_prompt")
     if cont and add_gen:
         raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
     if add_gen is False and cont is None:
         cont = False
-    _, ids = render_chat(state.template, state.tokenizer, body["messages"],
-                         add_generation_prompt=add_gen is not False, tools=tools or None,
-                         continue_final_message=cont, **kwargs)
+    text, ids = render_chat(state.template, state.tokenizer, body["messages"],
+                            add_generation_prompt=add_gen is not False, tools=feats.template_tools,
+                            continue_final_message=cont, **feats.template_kwargs)
+    msgs = normalize_messages(body["messages"])
+    prefill = (msgs[-1].get("content") or "") if continues_final_message(msgs, cont) else ""
     params = sampling_params_from_body(body, state.default_params, state.tokenizer,
                                        max_tokens_keys=("max_completion_tokens", "max_tokens", "n_predict"))
     if logprobs:
         params = dataclasses.replace(params, n_probs=max(top or 0, 1))
+    spec = _constraint_spec(body)
+    if feats.tool_grammar is not None:
+        if spec is not None:
+            raise ApiError(400, "tool_choice 'required' or a named function cannot be combined with "
+                                "response_format or structured outputs")
+        from kvserve.structured.spec import ConstraintSpec
+
+        spec = ConstraintSpec("grammar", feats.tool_grammar)
+    mode = feats.output_mode(text, prefill)
+    make = constraint_factory(state, spec, prefill, mode, feats.thinking_budget)
     rid = _rand_id("chatcmpl-")
-    reqs = _engine_requests(state, body, rid, [ids], params, n)
+    reqs = _engine_requests(state, body, rid, [ids], params, n, make)
     _validate(state, reqs)
     return Plan("chat", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage,
-                (top or 0) if logprobs else None)
+                (top or 0) if logprobs else None, mode=mode)
+
+
+def _constraint_spec(body: dict):
+    """The structured-output constraint of an OpenAI-face request (any dialect), or None."""
+    from kvserve.structured.spec import constraint_from_body
+
+    return constraint_from_body(body, "openai")
 
 
 def _prompt_list(state: ServerState, prompt) -> list[list[int]]:
@@ -224,7 +242,9 @@ def completion_plan(state: ServerState, body: dict) -> Plan:
         if echo:  # prompt logprobs need logits at every prompt position: no prefix reuse
             params = dataclasses.replace(params, prompt_logprobs=max(logprobs, 1), cache_prompt=False)
     rid = _rand_id("cmpl-")
-    reqs = _engine_requests(state, body, rid, prompts, params, n)
+    spec = _constraint_spec(body)
+    make = constraint_factory(state, spec, "", OutputMode(), -1) if spec is not None else None
+    reqs = _engine_requests(state, body, rid, prompts, params, n, make)
     _validate(state, reqs)
     echo_texts = [state.tokenizer.decode(r.prompt_token_ids) if echo else "" for r in reqs]
     return Plan("text", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage, logprobs,
@@ -326,12 +346,19 @@ def _add_prompt_logprobs(acc: _LegacyLogprobs, state: ServerState, req: Request,
 # ------------------------------------------------------------------------ responses
 
 
-def _usage(outs: list[RequestOutput], n_per_prompt: int) -> dict:
+def _usage(outs: list[RequestOutput], n_per_prompt: int, reasoning_tokens: int | None = None) -> dict:
     prompt = sum(o.num_prompt_tokens for o in outs[::n_per_prompt]) if outs else 0
     completion = sum(o.num_output_tokens for o in outs)
     cached = sum(o.num_cached_tokens for o in outs[::n_per_prompt]) if outs else 0
-    return {"completion_tokens": completion, "prompt_tokens": prompt, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    u = {"completion_tokens": completion, "prompt_tokens": prompt, "total_tokens": prompt + completion,
+         "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning_tokens is not None:
+        u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return u
+
+
+def _finish_reason(out: RequestOutput, co: ChoiceOutput | None) -> str:
+    return "tool_calls" if co is not None and co.has_tool_calls else out.finish_reason
 
 
 async def complete(state: ServerState, plan: Plan) -> dict:
@@ -341,12 +368,15 @@ async def complete(state: ServerState, plan: Plan) -> dict:
     chat_lps: list[list[dict]] = [[] for _ in plan.requests]
     legacy = [_LegacyLogprobs(plan.logprobs or 0, 0) for _ in plan.requests]
     started = [False] * len(plan.requests)
+    post = [ChoiceOutput(plan.mode) if plan.kind == "chat" and plan.mode.active else None for _ in plan.requests]
     async for i, out in run_choices(state, plan):
         _check_output(out)
         if plan.kind == "text" and plan.logprobs is not None and not started[i] and plan.echo_texts[i]:
             _add_prompt_logprobs(legacy[i], state, plan.requests[i], out)
         started[i] = True
         texts[i] += out.text
+        if post[i] is not None:
+            post[i].count(out.text)
         for lp in out.logprobs or []:
             if plan.kind == "chat":
                 chat_lps[i].append(_chat_logprob(lp, plan.logprobs or 0))
@@ -358,8 +388,8 @@ async def complete(state: ServerState, plan: Plan) -> dict:
     choices = []
     for i, out in enumerate(outs):
         if plan.kind == "chat":
-            c = {"finish_reason": out.finish_reason, "index": i,
-                 "message": {"role": "assistant", "content": texts[i]}}
+            msg = post[i].message(texts[i]) if post[i] is not None else {"role": "assistant", "content": texts[i]}
+            c = {"finish_reason": _finish_reason(out, post[i]), "index": i, "message": msg}
             if plan.logprobs is not None:
                 c["logprobs"] = {"content": chat_lps[i]}
         else:
@@ -372,10 +402,16 @@ async def complete(state: ServerState, plan: Plan) -> dict:
         "model": plan.model,
         "system_fingerprint": state.build_info,
         "object": "chat.completion" if plan.kind == "chat" else "text_completion",
-        "usage": _usage(outs, plan.n),
+        "usage": _usage(outs, plan.n, _reasoning_tokens(plan, post)),
         "id": plan.response_id,
         "timings": outs[0].timings.to_dict(),
     }
+
+
+def _reasoning_tokens(plan: Plan, post: list[ChoiceOutput | None]) -> int | None:
+    if plan.kind != "chat" or not plan.mode.splits_reasoning:
+        return None
+    return sum(p.reasoning_tokens for p in post if p is not None)
 
 
 async def stream_events(state: ServerState, plan: Plan) -> AsyncIterator[dict]:
@@ -394,6 +430,7 @@ async def stream_events(state: ServerState, plan: Plan) -> AsyncIterator[dict]:
     pending_lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
     legacy = [_LegacyLogprobs(plan.logprobs or 0, 0) for _ in range(n)]
     started = [False] * n
+    post = [ChoiceOutput(plan.mode) if plan.kind == "chat" and plan.mode.active else None for _ in range(n)]
     if plan.kind == "chat":
         for i in range(n):
             yield chunk([{"finish_reason": None, "index": i, "delta": {"role": "assistant", "content": None}}])
@@ -418,18 +455,21 @@ async def stream_events(state: ServerState, plan: Plan) -> AsyncIterator[dict]:
                     _add_prompt_logprobs(legacy[i], state, plan.requests[i], out)
                 text = plan.echo_texts[i] + text
         pending_lps[i].extend(out.logprobs or [])
-        if text:
-            if plan.kind == "chat":
-                c = {"finish_reason": None, "index": i, "delta": {"content": text}}
-                if plan.logprobs is not None:
+        if plan.kind == "chat":
+            deltas = (post[i].feed(text) if post[i] is not None else [{"content": text}]) if text else []
+            if out.finished and post[i] is not None:
+                deltas += post[i].finish()
+            for d in deltas:
+                c = {"finish_reason": None, "index": i, "delta": d}
+                if plan.logprobs is not None and pending_lps[i]:
                     c["logprobs"] = logprobs_of(i)
-            else:
-                c = {"finish_reason": None, "index": i, "text": text, "logprobs": logprobs_of(i)}
-            yield chunk([c])
+                yield chunk([c])
+        elif text:
+            yield chunk([{"finish_reason": None, "index": i, "text": text, "logprobs": logprobs_of(i)}])
         if out.finished:
             finals[i] = out
             if plan.kind == "chat":
-                c = {"finish_reason": out.finish_reason, "index": i, "delta": {}}
+                c = {"finish_reason": _finish_reason(out, post[i]), "index": i, "delta": {}}
                 if plan.logprobs is not None and pending_lps[i]:
                     c["logprobs"] = logprobs_of(i)
             else:
@@ -438,7 +478,7 @@ async def stream_events(state: ServerState, plan: Plan) -> AsyncIterator[dict]:
             yield chunk([c], timings=out.timings.to_dict())
     outs = [f for f in finals if f is not None]
     if plan.include_usage:
-        yield chunk([], usage=_usage(outs, plan.n), timings=outs[0].timings.to_dict())
+        yield chunk([], usage=_usage(outs, plan.n, _reasoning_tokens(plan, post)), timings=outs[0].timings.to_dict())
 
 
 # ------------------------------------------------------------------------ routes
@@ -446,7 +486,9 @@ async def stream_events(state: ServerState, plan: Plan) -> AsyncIterator[dict]:
 
 async def _serve(state: ServerState, http: HttpRequest, make_plan) -> Response:
     try:
-        plan = make_plan(state, await read_json(http))
+        body = await read_json(http)
+        # tokenizing, template rendering and grammar compiles are CPU work: off the event loop
+        plan = await asyncio.to_thread(make_plan, state, body)
         if plan.stream:
             return await sse_response(stream_events(state, plan), ping_interval=state.args.sse_ping_interval,
                                       done=True, headers={"X-Accel-Buffering": "no"})

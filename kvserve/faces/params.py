@@ -183,30 +183,6 @@ def parse_logit_bias(v: Any, tokenizer) -> dict[int, float]:
     return out
 
 
-_CONSTRAINT_FIELDS = ("grammar", "json_schema", "structured_outputs", "guided_json", "guided_regex",
-                      "guided_choice", "guided_grammar")
-
-
-def refuse_constraints(body: dict) -> None:
-    """501 when the request asks for constrained output (not supported yet); 400 for a
-    ``response_format`` that is not an object with a known type."""
-    for key in _CONSTRAINT_FIELDS:
-        v = body.get(key)
-        if v not in (None, "", {}, []):
-            raise ApiError(501, f"Field '{key}': constrained output is not supported yet")
-    rf = body.get("response_format")
-    if rf is None:
-        return
-    if not isinstance(rf, dict):
-        raise ApiError(400, f"Field 'response_format': type must be object, but is {json_type(rf)}")
-    kind = rf.get("type")
-    if kind in (None, "text"):
-        return
-    if kind in ("json_object", "json_schema", "grammar", "regex"):
-        raise ApiError(501, f"Field 'response_format': type '{kind}' (constrained output) is not supported yet")
-    raise ApiError(400, f"Field 'response_format': unknown type {kind!r}")
-
-
 def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *,
                               max_tokens_keys: tuple[str, ...] = ("n_predict",)) -> SamplingParams:
     """Build SamplingParams from a request body over the server ``defaults``.
@@ -219,13 +195,13 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
             (``("n_predict", "max_tokens")`` on ``/completion``,
             ``("max_completion_tokens", "max_tokens")`` on chat...).
 
+    Output constraints (``grammar``, ``json_schema``, ``response_format``,
+    ``structured_outputs``...) are not sampling parameters: faces read them with
+    :func:`kvserve.structured.spec.constraint_from_body`.
+
     Raises:
-        ApiError: 400 on a wrong type or an out-of-range value; 501 for constrained
-            output (grammars, JSON schemas), which is not built yet: answering
-            with unconstrained text would look like success to a client that
-            relies on the constraint.
+        ApiError: 400 on a wrong type or an out-of-range value.
     """
-    refuse_constraints(body)
     kw: dict[str, Any] = {}
     for key, attr in _NUMBER_FIELDS.items():
         v = get_number(body, key)
@@ -270,8 +246,12 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
         raise ApiError(400, str(e)) from e
 
 
-def params_to_dict(p: SamplingParams, *, stream: bool = False) -> dict:
-    """llama-server's ``generation_settings`` / ``/slots`` ``params`` object for ``p``."""
+def params_to_dict(p: SamplingParams, *, stream: bool = False, grammar: str = "") -> dict:
+    """llama-server's ``generation_settings`` / ``/slots`` ``params`` object for ``p``.
+
+    Args:
+        grammar: the request's grammar text (``GrammarBackend.grammar_text``), "" without one.
+    """
     bias = [[tid, (False if math.isinf(b) and b < 0 else b)] for tid, b in sorted(p.logit_bias.items())]
     return {
         "n_predict": p.n_predict,
@@ -308,7 +288,7 @@ def params_to_dict(p: SamplingParams, *, stream: bool = False) -> dict:
         "n_probs": p.n_probs,
         "min_keep": 0,
         "min_tokens": p.min_tokens,
-        "grammar": "",
+        "grammar": grammar,
         "grammar_lazy": False,
         "grammar_triggers": [],
         "preserved_tokens": [],

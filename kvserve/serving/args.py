@@ -56,6 +56,21 @@ class ServerArgs:
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int = 0
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
+    reasoning_format: str = "auto"
+    reasoning_parser: str | None = None
+    reasoning_budget: int = -1
+    reasoning: str | None = None  # --reasoning on|off: enable_thinking for every request
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def vllm_tools(self) -> bool:
+        """Tool calling follows vLLM's rules (``--tool-call-parser``/``--enable-auto-tool-choice`` given,
+        or ``--no-jinja``): ``tool_choice: "auto"`` needs both flags. Otherwise llama-server's: with
+        ``--jinja`` (the default) the parser is detected from the chat template and auto is on."""
+        return self.tool_call_parser is not None or self.enable_auto_tool_choice or not self.jinja
 
     def served_names(self) -> list[str]:
         """Names the model answers to: ``-a``/``--served-model-name``, else the model spec."""
@@ -136,6 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
     a("--embeddings", action="store_true")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     a("--device", default="auto")
+    a("--tool-call-parser", default=None, help="tool-call parser (vLLM names: hermes, llama3_json, mistral, pythonic)")
+    a("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto" (vLLM)')
+    a("--exclude-tools-when-tool-choice-none", action="store_true",
+      help='leave tool definitions out of the prompt when tool_choice is "none" (vLLM)')
+    a("--reasoning-format", default="auto", choices=["auto", "none", "deepseek", "deepseek-legacy"],
+      help="where thinking goes in chat responses (llama-server): reasoning_content unless none")
+    a("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+      help="split thinking into the 'reasoning' field (vLLM)")
+    a("--reasoning-budget", type=int, default=-1, help="thinking tokens before </think> is forced (-1: no limit)")
+    a("--reasoning", default=None, choices=["on", "off"], help="enable_thinking for every request's template")
+    a("--chat-template-kwargs", default=None, help="JSON object passed to every chat template render")
     return p
 
 
@@ -169,6 +195,26 @@ def parse_args(argv: list[str]) -> ServerArgs:
     batch = ns.batch_size or ns.max_num_batched_tokens or 2048
     if not 0 <= ns.port <= 65535:
         p.error(f"invalid --port value {ns.port}: 0-65535")
+    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+        # vLLM's startup check (validate_parsed_serve_args)
+        p.exit(2, "error: --enable-auto-tool-choice requires --tool-call-parser\n")
+    if ns.tool_call_parser:
+        from kvserve.chat.tool_calls import TOOL_PARSERS
+
+        if ns.tool_call_parser not in TOOL_PARSERS:
+            p.error(f"invalid --tool-call-parser {ns.tool_call_parser!r}: choose from {', '.join(sorted(TOOL_PARSERS))}")
+    if ns.reasoning_budget < -1:
+        p.error(f"invalid --reasoning-budget {ns.reasoning_budget}: -1 (no limit) or >= 0")
+    tkw: dict = {}
+    if ns.chat_template_kwargs:
+        import json
+
+        try:
+            tkw = json.loads(ns.chat_template_kwargs)
+        except ValueError as e:
+            p.error(f"invalid --chat-template-kwargs: {e}")
+        if not isinstance(tkw, dict):
+            p.error("invalid --chat-template-kwargs: expected a JSON object")
     if parallel == 0 or parallel < -1:
         p.error(f"invalid -np value {parallel}: -1 (auto) or >= 1")
     args = ServerArgs(
@@ -182,6 +228,10 @@ def parse_args(argv: list[str]) -> ServerArgs:
         cache_type_k=ns.cache_type_k, cache_type_v=ns.cache_type_v, sse_ping_interval=ns.sse_ping_interval,
         cors_origins=[o.strip() for o in ns.cors_origins.split(",") if o.strip()], log_verbosity=ns.log_verbosity,
         embeddings=ns.embeddings, dtype=ns.dtype, device=ns.device, max_model_len=ns.max_model_len,
+        tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
+        reasoning_format=ns.reasoning_format, reasoning_parser=ns.reasoning_parser,
+        reasoning_budget=ns.reasoning_budget, reasoning=ns.reasoning, chat_template_kwargs=tkw,
     )
     try:
         args.default_sampling_params()

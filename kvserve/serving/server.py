@@ -168,6 +168,9 @@ def load_model(state: ServerState, on_fail) -> None:
         if args.log_verbosity >= 4:
             _srv(logging.INFO, "load_model", "prompt cache is enabled, size limit: %d MiB", args.cache_ram)
         state.set_loaded(AsyncEngine(core), template, path)
+        # import xgrammar and build its vocabulary table now, off the request path (~1.5 s),
+        # so the first constrained request does not pay for it; the server is ready meanwhile
+        threading.Thread(target=_warm_grammars, args=(state,), name="grammar-warmup", daemon=True).start()
         _srv(logging.INFO, "llama_server", "model loaded")
         _srv(logging.INFO, "llama_server", "listening on http://%s:%d", args.host, args.port)
     except BaseException as e:  # noqa: BLE001 - reported, then the server exits
@@ -175,6 +178,13 @@ def load_model(state: ServerState, on_fail) -> None:
         _srv(logging.ERROR, "load_model", "failed to load model '%s': %s", args.model, state.load_error)
         _srv(logging.ERROR, "llama_server", "exiting due to model loading error")
         on_fail()
+
+
+def _warm_grammars(state: ServerState) -> None:
+    try:
+        state.grammars._get_compiler()
+    except Exception as e:  # noqa: BLE001 - a constrained request reports the real error later
+        _srv(logging.WARNING, "load_model", "structured outputs backend failed to start: %s", e)
 
 
 def _listen(host: str, port: int) -> socket.socket:

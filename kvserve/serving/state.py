@@ -19,6 +19,7 @@ from kvserve.engine.request import Request, RequestOutput, SamplingParams
 from kvserve.faces.errors import ApiError
 from kvserve.serving.metrics import Metrics
 from kvserve.serving.slots import SlotManager
+from kvserve.structured.backend import GrammarBackend
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvserve.chat.template import ChatTemplate
@@ -60,6 +61,9 @@ class ServerState:
         model_path: resolved model file/directory ("" while loading).
         default_params: server-wide SamplingParams defaults (``--temp``, ``-n``...).
         load_error: message when loading failed (the server then answers 503/500).
+        grammars: the model's GrammarBackend (structured outputs: compile cache and
+            per-request constraints), None while loading; xgrammar itself loads on the
+            first constrained request.
     """
 
     def __init__(self, args: "ServerArgs"):
@@ -75,6 +79,7 @@ class ServerState:
         self.model_path: str = ""
         self.default_params: SamplingParams = args.default_sampling_params()
         self.load_error: str | None = None
+        self.grammars: GrammarBackend | None = None
 
     def set_loaded(self, engine: "AsyncEngine", template: "ChatTemplate | None", model_path: str) -> None:
         """Publish the loaded engine (called once, by the loader)."""
@@ -82,6 +87,7 @@ class ServerState:
         self.template = template
         self.model_path = model_path
         self.slots = SlotManager(engine.n_slots, engine.n_ctx_slot, self.args.slot_prompt_similarity)
+        self.grammars = GrammarBackend(engine.tokenizer, engine.core.model_config.n_vocab)
         self.engine = engine  # last: require_ready() passes from now on
 
     @property

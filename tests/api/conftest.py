@@ -1,8 +1,8 @@
 """Fixtures that run real ``kvserve serve`` processes on 127.0.0.1 (free ports).
 
-``start_server(*args, model=None, wait=True)`` starts one and waits for /health
-200 (120 s at most, failing with the server's log); every process is terminated
-at teardown. ``smollm2_server`` is one shared server (``-np 2 -c 4096 --metrics``).
+``start_server(*args, model=None, wait=True)`` (per test) and ``start_server_module`` (per
+module) start one and wait for /health 200 (120 s at most, failing with the server's log);
+every process is terminated at teardown. ``smollm2_server`` is one shared server (``-np 2 -c 4096 --metrics``).
 """
 
 from __future__ import annotations
@@ -130,4 +130,21 @@ def smollm2_server(smollm2_path, tmp_path_factory):
         srv.wait_ready()
         yield srv
     finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def start_server_module(smollm2_path, tmp_path_factory):
+    """Like ``start_server`` but the servers live for the test module (shared by its tests)."""
+    servers: list[Server] = []
+    logdir = tmp_path_factory.mktemp("mlogs")
+
+    def start(*args: str, model: str | None = None) -> Server:
+        srv = _spawn(model or smollm2_path, tuple(args), logdir)
+        servers.append(srv)
+        srv.wait_ready()
+        return srv
+
+    yield start
+    for srv in servers:
         srv.stop()

@@ -468,12 +468,11 @@ def test_bad_input_is_4xx_and_server_survives(smollm2_server, smollm2_tokenizer)
     assert r.status_code == 400 and err["type"] == "exceed_context_size_error"
     assert (err["n_prompt_tokens"], err["n_ctx"], err["n_predict"]) == (n, 2048, 100)
     assert err["message"].startswith(f"request ({n} prompt tokens + 100 requested tokens = {n + 100} tokens)")
-    # constrained output is not built yet: refused, never silently unconstrained
-    r = post(srv, "/completion", {"prompt": "yes or no:", "grammar": 'root ::= "yes" | "no"'})
-    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
-    r = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                           "response_format": {"type": "json_object"}})
-    assert r.status_code == 501
+    # constrained output: a grammar the backend cannot enforce is a 400, never unconstrained
+    r = post(srv, "/completion", {"prompt": "yes or no:", "grammar": 'root ::= "yes" | "no"', "n_predict": 4})
+    assert r.status_code == 200 and r.json()["content"] in ("yes", "no")
+    r = post(srv, "/completion", {"prompt": "yes or no:", "grammar": 'root ::= yes'})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                            "response_format": {"type": "bogus"}})
     assert r.status_code == 400

@@ -1,0 +1,230 @@
+"""Chat request fields for tools, reasoning and constrained output -> what the chat plan needs:
+the tools to render, the template kwargs, the output mode and a constraint per choice.
+
+Tool calling (seed 002 Example 10, seed 000 Example 13):
+
+- ``tools``: OpenAI function definitions; ``tool_choice``: ``none`` | ``auto`` | ``required`` |
+  ``{"type": "function", "function": {"name": ...}}`` (default ``auto`` with tools, else ``none``);
+  ``parallel_tool_calls`` (default true).
+- Parser: ``--tool-call-parser`` (vLLM names), else (with ``--jinja``) detected from the chat
+  template, as llama-server does.
+- vLLM's rules apply when ``--tool-call-parser``/``--enable-auto-tool-choice`` is given or with
+  ``--no-jinja``: ``auto`` needs both flags, ``required``/named need the parser, with vLLM's 400
+  texts. Otherwise llama-server's: ``auto`` is on with a tool-capable template.
+- ``required`` and a named function add a grammar that forces valid calls (arguments match
+  the tool's JSON schema) from the first generated token; ``auto`` parses what the model
+  writes. ``--exclude-tools-when-tool-choice-none`` leaves tools out of the prompt for ``none``.
+
+Reasoning (seed 000 Example 14, seed 002 Example 12): llama-server's ``--reasoning-format`` /
+request ``reasoning_format`` (``auto`` = ``deepseek``) fills ``reasoning_content``; with vLLM's
+``--reasoning-parser`` the field is ``reasoning`` and ``include_reasoning`` may drop it.
+``--reasoning-budget`` / ``thinking_token_budget`` force ``</think>`` after N thinking tokens when
+the prompt opened a thinking block. ``chat_template_kwargs``, ``reasoning_effort`` and
+``--reasoning on|off`` (``enable_thinking``) reach the template. A grammar (schema, tool call)
+applies after the thinking block when the prompt opened one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.faces.chat_output import OutputMode
+from kvserve.faces.errors import ApiError
+from kvserve.faces.params import get_bool, get_int, get_str, type_error
+
+__all__ = ["ChatFeatures", "chat_features", "parse_tool_choice", "parse_tools"]
+
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+
+
+def parse_tools(tools: Any) -> list[dict] | None:
+    """Validate ``tools`` (400 naming the bad entry); None/[] -> None."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise type_error("tools", "array", tools)
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+            raise ApiError(400, f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{...}}}}")
+        f = t["function"]
+        if not isinstance(f.get("name"), str) or not f["name"]:
+            raise ApiError(400, f"tools[{i}].function.name: expected a non-empty string")
+        params = f.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ApiError(400, f"tools[{i}].function.parameters: expected a JSON schema object")
+    return tools or None
+
+
+def parse_tool_choice(body: dict, tools: list[dict] | None) -> str | dict:
+    """``tool_choice`` as ``"none"``/``"auto"``/``"required"`` or the named function's name
+    wrapped as ``{"name": ...}``; 400 for unknown values or a function not in ``tools``."""
+    tc = body.get("tool_choice")
+    if tc is None:
+        return "auto" if tools else "none"
+    if isinstance(tc, str):
+        if tc not in ("none", "auto", "required"):
+            raise ApiError(400, f"Field 'tool_choice': expected 'none', 'auto', 'required' or a function, got {tc!r}")
+        if tc != "none" and not tools:
+            raise ApiError(400, f"Field 'tool_choice': {tc!r} requires 'tools'")
+        return tc
+    if isinstance(tc, dict):
+        fn = tc.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if tc.get("type", "function") != "function" or not isinstance(name, str):
+            raise ApiError(400, "Field 'tool_choice': expected {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if not tools or all(t["function"]["name"] != name for t in tools):
+            raise ApiError(400, f"Field 'tool_choice': function {name!r} is not in 'tools'")
+        return {"name": name}
+    raise type_error("tool_choice", "string or object", tc)
+
+
+@dataclass
+class ChatFeatures:
+    """What :func:`chat_features` decided for one chat request.
+
+    Attributes:
+        template_tools: tools passed to the template (None: none).
+        template_kwargs: extra template variables (chat_template_kwargs, enable_thinking...).
+        tool_choice: the parsed tool_choice.
+        tool_parser: parser name used on the output (None: no parsing).
+        parallel: parallel_tool_calls.
+        tool_grammar: GBNF forcing the call(s) for required/named (None otherwise).
+        reasoning_style, reasoning_field, include_reasoning: see OutputMode.
+        thinking_budget: thinking tokens before ``</think>`` is forced (-1: no limit).
+    """
+
+    template_tools: list[dict] | None = None
+    template_kwargs: dict = field(default_factory=dict)
+    tool_choice: str | dict = "none"
+    tool_parser: str | None = None
+    parallel: bool = True
+    tool_grammar: str | None = None
+    reasoning_style: str | None = None
+    reasoning_field: str = "reasoning_content"
+    include_reasoning: bool = True
+    thinking_budget: int = -1
+
+    def output_mode(self, prompt_text: str, prefill: str) -> OutputMode:
+        """The OutputMode for a rendered prompt (``prefill``: continued assistant content)."""
+        from kvserve.chat.reasoning import prompt_thinking_tail
+
+        tail = prompt_thinking_tail(prompt_text) if thinking_opened(prompt_text, prefill) else None
+        return OutputMode(tool_parser=self.tool_parser, parallel_tool_calls=self.parallel,
+                          reasoning_style=self.reasoning_style, reasoning_field=self.reasoning_field,
+                          include_reasoning=self.include_reasoning, started_in_prompt=tail is not None,
+                          prompt_tail=tail or "", thinking_enabled=self.template_kwargs.get("enable_thinking") is not False,
+                          prefill=prefill)
+
+
+def thinking_opened(prompt_text: str, prefill: str = "") -> bool:
+    """True when the prompt ends inside an opened thinking block: the generation prompt ends
+    with ``<think>`` (and whitespace), or the continued assistant message opened one."""
+    if prefill:
+        return prefill.rfind(_THINK_OPEN) > prefill.rfind(_THINK_CLOSE)
+    return prompt_text.rstrip().endswith(_THINK_OPEN)
+
+
+def _resolve_parser(state, choice: str | dict, template) -> str | None:
+    """The tool-call parser for this request, raising vLLM's/our 400s when none fits."""
+    args = state.args
+    if choice == "none":
+        return None
+    if args.vllm_tools:
+        if choice == "auto":
+            if not (args.enable_auto_tool_choice and args.tool_call_parser):
+                raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
+                                    '--tool-call-parser to be set')
+            return args.tool_call_parser
+        if not args.tool_call_parser:
+            shown = choice if isinstance(choice, str) else {"type": "function", "function": choice}
+            raise ApiError(400, f"tool_choice={json.dumps(shown)} requires --tool-call-parser to be set")
+        return args.tool_call_parser
+    from kvserve.chat.tool_calls import detect_tool_parser
+
+    parser = detect_tool_parser(template.source) if template is not None else None
+    if parser is None:
+        if choice == "auto":
+            return None  # the template cannot call tools: plain text, as llama-server answers
+        raise ApiError(400, "tool_choice 'required' or a named function needs a chat template with tool-call "
+                            "support (--chat-template-file) or --tool-call-parser")
+    return parser
+
+
+def chat_features(state, body: dict) -> ChatFeatures:
+    """Read the tool, reasoning and template fields of a chat request (400 on bad values)."""
+    args = state.args
+    f = ChatFeatures()
+    tools = parse_tools(body.get("tools"))
+    f.tool_choice = parse_tool_choice(body, tools)
+    par = get_bool(body, "parallel_tool_calls", True)
+    f.parallel = True if par is None else par
+    f.tool_parser = _resolve_parser(state, f.tool_choice, state.template) if tools else None
+    if tools and not (f.tool_choice == "none" and args.exclude_tools_when_tool_choice_none):
+        f.template_tools = tools
+    if f.tool_parser is not None and f.tool_choice not in ("none", "auto"):
+        from kvserve.chat.tool_grammar import tool_call_grammar
+
+        name = f.tool_choice["name"] if isinstance(f.tool_choice, dict) else None
+        try:
+            f.tool_grammar = tool_call_grammar(f.tool_parser, tools, required_name=name, parallel=f.parallel)
+        except ValueError as e:
+            raise ApiError(400, f"tools: {e}") from None
+
+    kwargs: dict = dict(args.chat_template_kwargs)
+    if args.reasoning is not None:
+        kwargs["enable_thinking"] = args.reasoning == "on"
+    req_kwargs = body.get("chat_template_kwargs")
+    if req_kwargs is not None:
+        if not isinstance(req_kwargs, dict):
+            raise type_error("chat_template_kwargs", "object", req_kwargs)
+        kwargs.update(req_kwargs)
+    effort = get_str(body, "reasoning_effort")
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+    f.template_kwargs = kwargs
+
+    if args.reasoning_parser:
+        f.reasoning_style, f.reasoning_field = args.reasoning_parser, "reasoning"
+        inc = get_bool(body, "include_reasoning", True)
+        f.include_reasoning = True if inc is None else inc
+    else:
+        fmt = get_str(body, "reasoning_format") or args.reasoning_format
+        if fmt not in ("auto", "none", "deepseek", "deepseek-legacy"):
+            raise ApiError(400, f"Field 'reasoning_format': expected none, auto, deepseek or deepseek-legacy, "
+                                f"got {fmt!r}")
+        f.reasoning_style = "deepseek" if fmt == "auto" else fmt
+    budget = get_int(body, "thinking_token_budget")
+    if budget is None:
+        budget = args.reasoning_budget
+    if budget < -1:
+        raise ApiError(400, "Field 'thinking_token_budget': must be -1 (no limit) or >= 0")
+    f.thinking_budget = budget
+    return f
+
+
+def constraint_factory(state, spec, prefill: str, mode: OutputMode, budget: int) -> Callable[[], Any] | None:
+    """A function making one fresh engine constraint per choice, or None when nothing constrains
+    the output. The grammar (``spec``) starts after a thinking block the prompt opened; the
+    thinking budget forces ``</think>``. Compiles once now so a bad grammar is a 400 before any
+    output."""
+    gate = mode.started_in_prompt and mode.reasoning_style not in (None, "none")
+    if spec is None and not (gate and budget >= 0):
+        return None
+    tok = state.tokenizer
+    n_vocab = state.engine.core.model_config.n_vocab  # the logits' width
+
+    def make():
+        inner = state.grammars.constraint(spec, prefill=prefill if not gate else "") if spec is not None else None
+        if not gate:
+            return inner
+        from kvserve.chat.reasoning import ThinkingBudget
+
+        return ThinkingBudget(budget, end_tag_token_ids=tok.encode("\n" + _THINK_CLOSE + "\n\n"), n_vocab=n_vocab,
+                              started_in_prompt=True, start_tag_ids=tok.encode(_THINK_OPEN), inner=inner,
+                              token_text=lambda t: tok.token_bytes(t).decode("utf-8", errors="replace"))
+
+    make()  # compile (and check the prefill) now: errors are 400s before the response starts
+    return make

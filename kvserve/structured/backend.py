@@ -1,0 +1,359 @@
+"""Compiling constraints with xgrammar and the per-request matcher the engine drives.
+
+:class:`GrammarBackend` is built once per loaded model. It describes the vocabulary to
+xgrammar (raw token bytes; control tokens as ``b""`` so xgrammar never allows them inside
+constrained text; the end-of-generation ids as stop tokens, allowed only where the grammar
+may end), compiles a :class:`ConstraintSpec` into an ``xgrammar.CompiledGrammar`` (an LRU
+cache keyed by the spec; the tokenizer is fixed per backend) and hands out
+:class:`GrammarConstraint` objects, the engine's hook (``Request.grammar``).
+
+Regular expressions: ``.`` means "any character but a newline" (Python's ``re``, which
+vLLM's ``regex`` field follows); xgrammar's ``.`` includes newlines, so it is rewritten.
+``^``/``$`` inside an expression are refused (see :mod:`kvserve.structured.regex`).
+
+JSON whitespace: schemas and ``json_object`` are compiled with ``any_whitespace=True`` and
+``max_whitespace_cnt=20``, so at each gap between JSON tokens the model may write up to 20
+spaces, tabs or newlines. Trained models write the JSON layout they learned (compact or
+indented) without being forced into one; the bound (like llama.cpp's ``space`` rule, seed
+000 Example 12) keeps a weak model from looping on whitespace until ``n_predict``. For the
+same reason numbers have at most 16 digits before the point (and 15 after it or in the
+exponent) unless a schema bound needs more, as in llama.cpp's JSON grammars.
+
+Two repairs of xgrammar's JSON grammar text (``bound_numbers`` and the string class for
+``minLength``/``maxLength``, which let raw control characters into JSON strings) are applied
+to the EBNF it prints, which is then parsed again; ``generation_settings.grammar`` shows the
+repaired text.
+
+xgrammar is imported on first use (importing it costs ~1.5 s), not when the server starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvserve.faces.errors import ApiError
+from kvserve.structured.spec import ConstraintSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    import xgrammar
+
+__all__ = ["MAX_DIGITS", "MAX_WHITESPACE", "CompiledConstraint", "GrammarBackend", "GrammarConstraint", "bound_numbers", "clean_error"]
+
+log = logging.getLogger("kvserve.structured")
+
+#: most whitespace characters the model may write at one gap of a JSON value.
+MAX_WHITESPACE = 20
+#: most digits of a JSON number's integral part (and of its fraction and exponent), as in
+#: llama.cpp's JSON grammars (``[1-9] [0-9]{0,15}``).
+MAX_DIGITS = 16
+
+_NOISE = re.compile(r"\[\d\d:\d\d:\d\d\] \S+?:\d+: ")
+#: the character class xgrammar gives strings with minLength/maxLength: it lets raw control
+#: characters (a tab, NUL...) into the JSON string, which JSON forbids; replaced by one that
+#: does not (escapes stay unavailable in such strings: valid, a little narrower).
+_LENGTH_CHAR_XGR = r'(([^\"\\\r\n]))'
+_LENGTH_CHAR_JSON = r'(([^\0-\x1f\"\\]))'
+_LABEL = {"grammar": "grammar", "json_schema": "json_schema", "json_object": "json_object", "regex": "regex",
+          "choice": "choice"}
+
+
+def clean_error(e: BaseException) -> str:
+    """xgrammar's exception text without the ``[hh:mm:ss] /project/cpp/x.cc:94: `` prefixes, one line."""
+    text = _NOISE.sub("", str(e))
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("Stack trace")]
+    return " ".join(lines) if lines else type(e).__name__
+
+
+#: a string literal, or a character class (scanned past so that its ``\"`` starts no string).
+_LITERAL_OR_CLASS = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]')
+_DIGIT_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\]\)\)$", re.MULTILINE)
+_DIGIT_STAR = re.compile(r"\[0-9\]\*")
+
+
+def bound_numbers(ebnf: str) -> str:
+    """Cap digit runs in xgrammar's JSON grammar at :data:`MAX_DIGITS` (as llama.cpp's JSON
+    grammars do): ``[0-9]*`` -> ``[0-9]{0,15}``, ``digit{n, -1}`` -> ``digit{n, max(n, 15)}``.
+
+    A weak model otherwise writes a number's digits until ``n_predict``. String literals
+    (consts, ``Regex("...")`` of patterns) are left alone.
+    """
+    names = _DIGIT_RULE.findall(ebnf)
+    rep = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\{(\d+), -1\}") if names else None
+    cap = MAX_DIGITS - 1
+
+    def fix(seg: str) -> str:
+        seg = _DIGIT_STAR.sub(f"[0-9]{{0,{cap}}}", seg)
+        if rep is not None:
+            seg = rep.sub(lambda m: f"{m.group(1)}{{{m.group(2)}, {max(int(m.group(2)), cap)}}}", seg)
+        return seg
+
+    out, last = [], 0
+    for m in _LITERAL_OR_CLASS.finditer(ebnf):
+        if not m.group(0).startswith('"'):
+            continue
+        out.append(fix(ebnf[last:m.start()]))
+        out.append(m.group(0))
+        last = m.end()
+    out.append(fix(ebnf[last:]))
+    return "".join(out)
+
+
+def _ebnf_string(s: str) -> str:
+    """A string literal for xgrammar's EBNF (escapes quote, backslash and control characters)."""
+    out = []
+    for ch in s:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """``root ::= "a" | "b"`` for a list of literal choices (an empty string is ``""``)."""
+    return "root ::= " + " | ".join(_ebnf_string(c) for c in choices)
+
+
+@dataclass(frozen=True)
+class CompiledConstraint:
+    """A compile-cache entry.
+
+    Attributes:
+        compiled: the ``xgrammar.CompiledGrammar`` (shared by every matcher made from it).
+        text: the grammar to report (``generation_settings.grammar``): GBNF as given, else
+            the EBNF xgrammar produced.
+    """
+
+    compiled: Any
+    text: str
+
+
+class GrammarConstraint:
+    """One request's constraint: the engine hook ``Request.grammar``.
+
+    The hook protocol (see ``kvserve.engine.request.Request``):
+
+    - ``mask() -> torch.Tensor | None``: bool [n_vocab] on CPU, True = allowed next; end-of-
+      generation ids are True only where the grammar may end (then they are the only ones
+      once it must end);
+    - ``accept_token(token_id) -> bool``: advance by a sampled token that is not an
+      end-of-generation token; False (state unchanged) when the grammar does not allow it;
+    - ``is_terminated() -> bool``: True once a stop token was accepted.
+
+    Not thread-safe: used by the engine thread only after it is created.
+
+    Args:
+        matcher: a fresh ``xgrammar.GrammarMatcher``.
+        n_vocab: width of the model's logits (may exceed the tokenizer's size; the extra ids
+            are never allowed).
+        vocab_size: the TokenizerInfo's vocabulary size (>= n_vocab).
+        stop_ids: the stop (end-of-generation) ids, for the mask of a terminated matcher.
+        text: the grammar text (what ``generation_settings.grammar`` reports).
+    """
+
+    __slots__ = ("_bitmask", "_matcher", "_n_vocab", "_stop_ids", "text")
+
+    def __init__(self, matcher: xgrammar.GrammarMatcher, n_vocab: int, vocab_size: int, stop_ids: list[int],
+                 text: str):
+        import xgrammar as xgr
+
+        self._matcher = matcher
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # int32 [1, ceil(vocab_size / 32)]
+        self._n_vocab = int(n_vocab)
+        self._stop_ids = [t for t in stop_ids if 0 <= t < n_vocab]
+        self.text = text
+
+    def mask(self) -> torch.Tensor:
+        """Allowed next tokens: bool [n_vocab] (CPU), True = allowed; never all False.
+
+        ~10-50 us for a 49k vocabulary: xgrammar fills a packed int32 bitmask, which
+        ``np.unpackbits`` expands (bit j of word i is token 32 * i + j).
+        """
+        if self._matcher.is_terminated():
+            m = torch.zeros(self._n_vocab, dtype=torch.bool)
+            m[self._stop_ids] = True
+            return m
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[: self._n_vocab]
+        if not bits.any():
+            # nothing can continue the text (cannot happen with a vocabulary that has every byte):
+            # end the request rather than fail the engine step (the sampler raises on an empty mask)
+            log.warning("output constraint allows no token; allowing only end-of-generation tokens")
+            bits[self._stop_ids] = 1
+        return torch.from_numpy(bits).view(torch.bool)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by ``token_id``; False (nothing changes) when the grammar does not allow it."""
+        try:
+            return bool(self._matcher.accept_token(int(token_id)))
+        except Exception:  # noqa: BLE001 - ids outside the vocabulary raise in xgrammar
+            return False
+
+    def is_terminated(self) -> bool:
+        """True once the matcher accepted a stop token (generation must end)."""
+        return bool(self._matcher.is_terminated())
+
+    def is_completed(self) -> bool:
+        """True when the text so far is a complete match (the grammar may end here)."""
+        return bool(self._matcher.is_completed())
+
+
+class GrammarBackend:
+    """xgrammar for one tokenizer: compile cache plus matcher factory.
+
+    Args:
+        tokenizer: the model's Tokenizer (``token_bytes(id, special=False)`` gives ``b""``
+            for control tokens, ``eog_token_ids``, ``__len__``).
+        n_vocab: width of the model's logits (tokens); may exceed ``len(tokenizer)``.
+        cache_size: compiled grammars kept (least recently used dropped first).
+        max_threads: xgrammar compiler threads.
+
+    Attributes:
+        cache_hits, cache_misses: compile-cache counters since creation.
+
+    The TokenizerInfo (~0.05 s for 49k tokens) and the compiler are built on first use.
+    Thread-safe: faces call ``constraint`` from the server loop or worker threads.
+    """
+
+    def __init__(self, tokenizer, n_vocab: int, *, cache_size: int = 64, max_threads: int = 2):
+        self.tokenizer = tokenizer
+        self.n_vocab = int(n_vocab)
+        self.vocab_size = max(self.n_vocab, len(tokenizer))
+        self.stop_ids = sorted(int(t) for t in tokenizer.eog_token_ids)
+        self.cache_size = int(cache_size)
+        self.max_threads = int(max_threads)
+        self.cache_hits = 0
+        self.cache_misses = 0
+        self._cache: OrderedDict[ConstraintSpec, CompiledConstraint] = OrderedDict()
+        self._lock = threading.Lock()
+        self._compiler = None
+        self._info = None
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                tok = self.tokenizer
+                eog = set(self.stop_ids)
+                vocab = [b"" if i in eog else tok.token_bytes(i, special=False) for i in range(len(tok))]
+                self._info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size,
+                                               stop_token_ids=self.stop_ids)
+                # our LRU is the cache; xgrammar's own would hold a second copy
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=self.max_threads, cache_enabled=False)
+            return self._compiler
+
+    # -- compiling ------------------------------------------------------------------------------
+
+    def _grammar(self, spec: ConstraintSpec):
+        """The ``xgrammar.Grammar`` for a spec and the text to report; raises ApiError 400."""
+        import xgrammar as xgr
+
+        from kvserve.structured.gbnf import GbnfError, gbnf_to_ebnf
+        from kvserve.structured.regex import RegexError, check_anchors, python_dots
+        from kvserve.structured.schema import SchemaError, check_schema
+
+        kind, value = spec.kind, spec.value
+        try:
+            if kind == "grammar":
+                return xgr.Grammar.from_ebnf(gbnf_to_ebnf(value)), value
+            if kind in ("json_schema", "json_object"):
+                schema = value if kind == "json_schema" else '{"type":"object"}'
+                if kind == "json_schema":
+                    check_schema(json.loads(schema))
+                g = xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE,
+                                                 strict_mode=True)
+                text = str(g)
+                fixed = bound_numbers(text.replace(_LENGTH_CHAR_XGR, _LENGTH_CHAR_JSON))
+                if fixed != text:
+                    g = xgr.Grammar.from_ebnf(fixed)
+                return g, str(g)
+            if kind == "regex":
+                check_anchors(value)
+                g = xgr.Grammar.from_regex(python_dots(value))
+                return g, str(g)
+            g = xgr.Grammar.from_ebnf(choice_ebnf(json.loads(value)))
+            return g, str(g)
+        except (GbnfError, SchemaError, RegexError) as e:
+            raise ApiError(400, f"{_LABEL[kind]}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError, its own types
+            raise ApiError(400, f"{_LABEL[kind]}: {clean_error(e)}") from None
+
+    def compile(self, spec: ConstraintSpec) -> CompiledConstraint:
+        """Compile ``spec`` (or take it from the LRU cache).
+
+        Returns:
+            CompiledConstraint (the xgrammar CompiledGrammar and the grammar text).
+
+        Raises:
+            ApiError: 400 ``<kind>: <what is wrong>`` for an invalid grammar, regex or schema
+                (xgrammar's message without its source-file prefix).
+        """
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                self.cache_hits += 1
+                return hit
+            self.cache_misses += 1
+        compiler = self._get_compiler()
+        grammar, text = self._grammar(spec)
+        try:
+            compiled = compiler.compile_grammar(grammar)
+        except Exception as e:  # noqa: BLE001
+            raise ApiError(400, f"{_LABEL[spec.kind]}: {clean_error(e)}") from None
+        entry = CompiledConstraint(compiled, text)
+        with self._lock:
+            self._cache[spec] = entry
+            self._cache.move_to_end(spec)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return entry
+
+    def grammar_text(self, spec: ConstraintSpec) -> str:
+        """What ``generation_settings.grammar`` shows: GBNF as given, else xgrammar's EBNF.
+
+        Raises:
+            ApiError: 400 as :meth:`compile`.
+        """
+        return self.compile(spec).text
+
+    def constraint(self, spec: ConstraintSpec, prefill: str = "") -> GrammarConstraint:
+        """A fresh matcher for one request (each request needs its own).
+
+        Args:
+            spec: the constraint.
+            prefill: text the constrained output already starts with (a continued final
+                assistant message); it is fed to the matcher first.
+
+        Raises:
+            ApiError: 400 for a spec that does not compile, or a ``prefill`` the constraint
+                does not allow.
+        """
+        import xgrammar as xgr
+
+        entry = self.compile(spec)
+        matcher = xgr.GrammarMatcher(entry.compiled)
+        if prefill and not matcher.accept_string(prefill):
+            raise ApiError(400, f"the message being continued ({prefill[:40]!r}) does not match the requested "
+                                f"{spec.kind} constraint")
+        return GrammarConstraint(matcher, self.n_vocab, self.vocab_size, self.stop_ids, entry.text)
+
+    def cache_info(self) -> dict:
+        """``{"size", "capacity", "hits", "misses"}`` of the compile cache."""
+        with self._lock:
+            return {"size": len(self._cache), "capacity": self.cache_size, "hits": self.cache_hits,
+                    "misses": self.cache_misses}
