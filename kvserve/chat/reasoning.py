@@ -350,13 +350,16 @@ class ThinkingBudget:
         inner: the answer's constraint (e.g. a JSON-schema grammar matcher) or None.
         token_text: token id -> its decoded text, for text detection of the end tag.
         end_text: the end tag's text for that detection.
+        eog_token_ids: end-of-generation ids, banned while thinking when ``inner`` is set (the
+            answer it constrains must still come).
 
     Masks are bool [n_vocab] CPU tensors (True = allowed), shared between calls: read only.
     """
 
     def __init__(self, budget: int, end_tag_token_ids: Sequence[int], n_vocab: int, *,
                  started_in_prompt: bool, start_tag_ids: Sequence[int] = (), inner: Constraint | None = None,
-                 token_text: Callable[[int], str] | None = None, end_text: str = "</think>") -> None:
+                 token_text: Callable[[int], str] | None = None, end_text: str = "</think>",
+                 eog_token_ids: Sequence[int] = ()) -> None:
         if budget < -1:
             raise ValueError(f"thinking budget must be >= -1, got {budget}")
         if not end_tag_token_ids:
@@ -375,6 +378,12 @@ class ThinkingBudget:
         self._recent: deque[int] = deque(maxlen=len(self.end_ids))
         self._text = ""
         self._onehots: dict[int, torch.Tensor] = {}
+        self._no_eog: torch.Tensor | None = None
+        if inner is not None and eog_token_ids:
+            # an answer is owed to ``inner`` (a schema, a forced tool call): thinking may not end
+            # the output; max_tokens or the budget still bound it
+            self._no_eog = torch.ones(n_vocab, dtype=torch.bool)
+            self._no_eog[[t for t in eog_token_ids if 0 <= t < n_vocab]] = False
         if started_in_prompt:
             self.phase = "thinking"
             self._check_budget()
@@ -385,7 +394,7 @@ class ThinkingBudget:
 
     def mask(self) -> torch.Tensor | None:
         if self.phase == "thinking":
-            return None
+            return self._no_eog
         if self.phase == "forcing":
             return self._onehot(self.end_ids[self._force_pos])
         if self.phase == "before":

@@ -858,6 +858,8 @@ class ToolParser:
     anywhere_markers: tuple[str, ...] = ()
     #: markers that start it only when all text before is whitespace
     start_markers: tuple[str, ...] = ()
+    #: text that closes one call (hermes); lets :meth:`extract` tell a cut-off last call
+    close_marker: str = ""
 
     def __init__(self, make_id: Callable[[], str] | None = None) -> None:
         self.make_id = make_id or make_call_id
@@ -873,6 +875,16 @@ class ToolParser:
         """Parse a finished output. Malformed calls: all of ``text`` as content, no calls."""
         s = self.stream()
         frags = s.feed(text) + s.finish()
+        if s.malformed and self.close_marker and self.anywhere_markers:
+            # An output cut off (max_tokens) inside its last call, which has no closing marker:
+            # keep the whole calls before it when they parse (the unfinished one is dropped and
+            # logged). A call that was closed but is broken still makes all of it content (vLLM).
+            cut = max(text.rfind(m) for m in self.anywhere_markers)
+            if cut > 0 and self.close_marker not in text[cut:]:
+                head = self.extract(text[:cut].rstrip())
+                if head.calls:
+                    logger.warning("dropped a malformed or unfinished last tool call")
+                    return head
         if s.malformed or not s.saw_calls:
             return ExtractedToolCalls(content=text, calls=[])
         content: list[str] = []
@@ -918,6 +930,7 @@ class HermesToolParser(ToolParser):
 
     name = "hermes"
     anywhere_markers = ("<tool_call>",)
+    close_marker = "</tool_call>"
 
     def _region(self) -> _Region:
         return _HermesRegion()

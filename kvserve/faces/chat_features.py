@@ -35,7 +35,7 @@ from kvserve.faces.chat_output import OutputMode
 from kvserve.faces.errors import ApiError
 from kvserve.faces.params import get_bool, get_int, get_str, type_error
 
-__all__ = ["ChatFeatures", "chat_features", "parse_tool_choice", "parse_tools"]
+__all__ = ["ChatFeatures", "chat_features", "parse_tool_choice", "parse_tools", "template_kwargs"]
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
@@ -153,6 +153,23 @@ def _resolve_parser(state, choice: str | dict, template) -> str | None:
     return parser
 
 
+def template_kwargs(args, body: dict) -> dict:
+    """Extra template variables: ``--chat-template-kwargs``, ``--reasoning on|off``
+    (``enable_thinking``), then the request's ``chat_template_kwargs`` and ``reasoning_effort``."""
+    kwargs: dict = dict(args.chat_template_kwargs)
+    if args.reasoning is not None:
+        kwargs["enable_thinking"] = args.reasoning == "on"
+    req_kwargs = body.get("chat_template_kwargs")
+    if req_kwargs is not None:
+        if not isinstance(req_kwargs, dict):
+            raise type_error("chat_template_kwargs", "object", req_kwargs)
+        kwargs.update(req_kwargs)
+    effort = get_str(body, "reasoning_effort")
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+    return kwargs
+
+
 def chat_features(state, body: dict) -> ChatFeatures:
     """Read the tool, reasoning and template fields of a chat request (400 on bad values)."""
     args = state.args
@@ -173,18 +190,7 @@ def chat_features(state, body: dict) -> ChatFeatures:
         except ValueError as e:
             raise ApiError(400, f"tools: {e}") from None
 
-    kwargs: dict = dict(args.chat_template_kwargs)
-    if args.reasoning is not None:
-        kwargs["enable_thinking"] = args.reasoning == "on"
-    req_kwargs = body.get("chat_template_kwargs")
-    if req_kwargs is not None:
-        if not isinstance(req_kwargs, dict):
-            raise type_error("chat_template_kwargs", "object", req_kwargs)
-        kwargs.update(req_kwargs)
-    effort = get_str(body, "reasoning_effort")
-    if effort is not None:
-        kwargs.setdefault("reasoning_effort", effort)
-    f.template_kwargs = kwargs
+    f.template_kwargs = template_kwargs(args, body)
 
     if args.reasoning_parser:
         f.reasoning_style, f.reasoning_field = args.reasoning_parser, "reasoning"
@@ -224,7 +230,8 @@ def constraint_factory(state, spec, prefill: str, mode: OutputMode, budget: int)
 
         return ThinkingBudget(budget, end_tag_token_ids=tok.encode("\n" + _THINK_CLOSE + "\n\n"), n_vocab=n_vocab,
                               started_in_prompt=True, start_tag_ids=tok.encode(_THINK_OPEN), inner=inner,
-                              token_text=lambda t: tok.token_bytes(t).decode("utf-8", errors="replace"))
+                              token_text=lambda t: tok.token_bytes(t).decode("utf-8", errors="replace"),
+                              eog_token_ids=sorted(tok.eog_token_ids))
 
     make()  # compile (and check the prefill) now: errors are 400s before the response starts
     return make

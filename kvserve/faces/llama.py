@@ -469,11 +469,10 @@ def render_prompt(state: ServerState, body: dict) -> str:
     if "messages" not in body:
         raise ApiError(400, "'messages' is required")
     from kvserve.chat.prompt import render_chat
+    from kvserve.faces.chat_features import parse_tools, template_kwargs
 
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise type_error("chat_template_kwargs", "object", kwargs)
     text, _ = render_chat(state.template, state.tokenizer, body["messages"], add_generation_prompt=True,
-                          tools=body.get("tools"), continue_final_message=body.get("continue_final_message"),
-                          **kwargs)
+                          tools=parse_tools(body.get("tools")),
+                          continue_final_message=body.get("continue_final_message"),
+                          **template_kwargs(state.args, body))  # as the chat endpoint renders
     return text

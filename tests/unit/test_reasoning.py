@@ -305,3 +305,16 @@ def test_budget_arguments_checked():
         ThinkingBudget(-2, [END], V, started_in_prompt=True)
     with pytest.raises(ValueError):
         ThinkingBudget(1, [], V, started_in_prompt=True)
+
+
+def test_eog_is_banned_while_thinking_only_when_an_answer_is_owed():
+    EOG = 11
+    b = ThinkingBudget(-1, [NL, END], V, started_in_prompt=True, inner=FakeGrammar(), eog_token_ids=[EOG, 99])
+    assert allowed(b.mask()) == [i for i in range(V) if i != EOG]
+    b.accept_token(A)
+    assert allowed(b.mask()) == [i for i in range(V) if i != EOG]
+    b.accept_token(NL)
+    b.accept_token(END)
+    assert allowed(b.mask()) == [LB]  # the answer's grammar takes over
+    b = ThinkingBudget(-1, [NL, END], V, started_in_prompt=True, inner=None, eog_token_ids=[EOG])
+    assert b.mask() is None  # nothing owed: the model may stop while thinking

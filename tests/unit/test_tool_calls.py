@@ -464,3 +464,14 @@ def test_non_incremental_stream_sends_whole_calls():
                              "function": {"name": "list_dir", "arguments": '{"path": "src"}'}}]},
         ]
         assert rebuild(frags)[0] == "I will read the file first." and s.saw_calls
+
+
+def test_unfinished_last_call_is_dropped_when_earlier_calls_are_whole():
+    p = get_tool_parser("hermes")
+    text = ('Hi\n<tool_call>\n{"name": "read_file", "arguments": {"path": "/d"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "read_file", "arguments": {')  # cut off by max_tokens
+    res = p.extract(text)
+    assert res.content == "Hi"
+    assert [(c.name, c.arguments) for c in res.calls] == [("read_file", '{"path": "/d"}')]
+    only = '<tool_call>\n{"name": "read_file", "arguments": {'
+    assert p.extract(only).calls == [] and p.extract(only).content == only
