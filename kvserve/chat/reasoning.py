@@ -99,11 +99,7 @@ def split_reasoning(text: str, *, start: str = "<think>", end: str = "</think>",
     if style == "deepseek_r1":
         e = text.find(end)
         if e < 0:
-            opened = text.lstrip(_WS).startswith(start)
-            if started_in_prompt or opened:  # cut off while thinking: all of it is reasoning
-                body = text.lstrip(_WS)[len(start):] if opened else text
-                return body.strip(), ""
-            return None, text
+            return None, text  # no end tag: no reasoning, whatever the prompt opened (vLLM)
         head = text[:e]
         s = head.find(start)
         reasoning = head[s + len(start):] if s >= 0 else head
@@ -239,6 +235,9 @@ class ReasoningStreamer:
             if i < 0:
                 self._phase = "content"
             else:
+                head = self._buf[:i].lstrip(_WS)
+                if head.startswith(self.start):
+                    self._buf = head[len(self.start):] + self._buf[i:]
                 self._phase = "reasoning"
                 self.reasoning_tokens += self._pending_count
             self._pending_count = 0
@@ -257,6 +256,11 @@ class ReasoningStreamer:
         return parts
 
     def _decide(self, final: bool) -> None:
+        if self.style == "deepseek_r1":
+            # Only an end tag makes text reasoning (002 Example 12; the prompt is not consulted):
+            # hold the text until "</think>" shows up (reasoning) or the output ends (content).
+            self._phase = "held"
+            return
         vllm = self.style in ("deepseek_r1", "qwen3")
         s = self._buf.lstrip(_WS) if vllm else self._buf
         if s.startswith(self.start):
@@ -264,13 +268,8 @@ class ReasoningStreamer:
             self._phase = "reasoning"
         elif self.start.startswith(s) and not final:
             return
-        elif self.style == "qwen3" or (self.style == "deepseek_r1" and self._started_in_prompt):
+        elif self.style == "qwen3":
             self._phase = "reasoning"
-        elif self.style == "deepseek_r1":
-            # Only an end tag can still make this reasoning (002 Example 12's third case):
-            # hold the text until "</think>" shows up (reasoning) or the output ends (content).
-            self._phase = "held"
-            return
         else:
             self._phase = "content"
         if self._phase == "reasoning":

@@ -4,7 +4,8 @@ template files in tests/templates (written for these tests, not copied).
 Servers:
 - ``hermes``: tests/templates/hermes_tools.jinja, llama-server rules (parser detected from the template);
 - ``vllm``: the same template with ``--tool-call-parser hermes --reasoning-parser deepseek_r1``;
-- ``think``: tests/templates/think.jinja, whose generation prompt ends with ``<think>\\n``.
+- ``think``: tests/templates/think.jinja, whose generation prompt ends with ``<think>\\n``;
+- ``think_vllm``: the same with ``--reasoning-parser deepseek_r1``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def hermes(start_server_module):
 def vllm(start_server_module):
     return start_server_module("--chat-template-file", HERMES, "-np", "2", "-c", "4096",
                                "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1")
+
+
+@pytest.fixture(scope="module")
+def think_vllm(start_server_module):
+    return start_server_module("--chat-template-file", THINK, "-np", "2", "-c", "4096",
+                               "--reasoning-parser", "deepseek_r1")
 
 
 @pytest.fixture(scope="module")
@@ -364,3 +371,32 @@ def test_enable_thinking_false_reaches_the_template(think):
     msg = _post(think, body).json()["choices"][0]["message"]
     assert msg["content"] in ("yes", "no")
     assert "reasoning_content" not in msg
+
+
+def _three_cases(srv):
+    """002 Example 12's three outputs under a template that opens <think>: the model's own text is
+    forced by grammars (after the forced end of thinking, or with thinking turned off)."""
+    no_think = {"chat_template_kwargs": {"enable_thinking": False}}
+    both = {**Q, **no_think, "max_tokens": 40, "grammar": _gbnf_literal(CASES[0][0])}
+    none = {**Q, **no_think, "max_tokens": 40, "grammar": _gbnf_literal(CASES[1][0])}
+    end_only = {**Q, "max_tokens": 40, "thinking_token_budget": 2,
+                "structured_outputs": {"choice": ["Change it."]}}
+    return both, none, end_only
+
+
+def test_three_reasoning_cases_with_a_template_that_opens_think(think_vllm):
+    both, none, end_only = _three_cases(think_vllm)
+    for body, reasoning, content in ((both, CASES[0][1], CASES[0][2]), (none, None, CASES[1][2]),
+                                     (end_only, "<2 tokens>", "Change it.")):
+        r = _post(think_vllm, body)
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        assert msg["content"] == content
+        if reasoning == "<2 tokens>":  # the model's two thinking tokens, then the forced end tag
+            assert msg["reasoning"] and "</think>" not in msg["reasoning"]
+            assert r.json()["usage"]["completion_tokens_details"]["reasoning_tokens"] >= 2
+        else:
+            assert msg.get("reasoning") == reasoning
+        streamed = _rebuild(_stream(think_vllm, body))
+        assert streamed["content"] == msg["content"]
+        assert streamed.get("reasoning") == msg.get("reasoning")

@@ -61,16 +61,16 @@ def test_seed_002_deepseek_r1(text, opened, reasoning, content):
         assert stream(parts, style="deepseek_r1", started_in_prompt=opened)[:2] == (reasoning, content)
 
 
-def test_deepseek_r1_strips_and_unfinished_thinking_is_reasoning():
+def test_deepseek_r1_strips_and_keeps_unfinished_as_content():
     text = "<think>\n  a plan \n</think>\n\nThe answer.\n"
     assert split_reasoning(text) == ("a plan", "The answer.")
     for parts in chunkings(text):
         assert stream(parts)[:2] == ("a plan", "The answer.")
-    # cut off while thinking (opened by the output or the prompt): all reasoning, streamed or not
-    assert split_reasoning("<think>still thinking", started_in_prompt=True) == ("still thinking", "")
-    assert split_reasoning("still thinking", started_in_prompt=True) == ("still thinking", "")
+    # no end tag: no reasoning, whatever opened it (vLLM's deepseek_r1), streamed or not
+    assert split_reasoning("<think>still thinking", started_in_prompt=True) == (None, "<think>still thinking")
+    assert split_reasoning("still thinking", started_in_prompt=True) == (None, "still thinking")
     for parts in chunkings("<think>still thinking"):
-        assert stream(parts)[:2] == ("still thinking", "")
+        assert stream(parts, started_in_prompt=True)[:2] == (None, "<think>still thinking")
     assert split_reasoning("  raw text  ") == (None, "  raw text  ")
     for parts in chunkings("  raw text  "):
         assert stream(parts)[:2] == (None, "  raw text  ")
@@ -135,11 +135,11 @@ def test_qwen3(text, enabled, reasoning, content):
 
 
 def test_partial_tags_are_held_back():
-    s = ReasoningStreamer(style="deepseek_r1")
+    s = ReasoningStreamer(style="deepseek_r1")  # held until the end tag decides
     assert s.feed("<thi") == []
-    assert s.feed("nk>Plan") == [{"reasoning": "Plan"}]
-    assert s.feed(" more </th") == [{"reasoning": " more"}]
-    assert s.feed("ink> Answer") == [{"content": "Answer"}]
+    assert s.feed("nk>Plan") == []
+    assert s.feed(" more </th") == []
+    assert s.feed("ink> Answer") == [{"reasoning": "Plan more"}, {"content": "Answer"}]
     assert s.feed(" </thin") == [{"content": " </thin"}]  # after the end tag nothing is held
     assert s.finish() == []
     s = ReasoningStreamer(style="deepseek_r1")
