@@ -137,8 +137,11 @@ def _normalize_tool_calls(calls: Any, i: int) -> list[dict]:
                 parsed = json.loads(args) if args.strip() else {}
             except ValueError:
                 parsed = None
-            if isinstance(parsed, dict):
-                f["arguments"] = parsed
+            if not isinstance(parsed, dict):
+                # llama.cpp refuses these too: a template would print them as raw text
+                raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments: expected a JSON object "
+                                    f"(as a string or an object), got {args[:80]!r}")
+            f["arguments"] = parsed
         elif args is None:
             f["arguments"] = {}
         out.append({**c, "function": f})
@@ -150,7 +153,8 @@ def continues_final_message(messages: list[dict], continue_final_message: bool |
     (llama-server's default, ``prefill_assistant``) when the final message is the assistant's."""
     if continue_final_message is not None:
         return bool(continue_final_message) and bool(messages)
-    return bool(messages) and messages[-1].get("role") == "assistant"
+    # a final assistant message that carries tool calls is a finished turn: render it whole
+    return bool(messages) and messages[-1].get("role") == "assistant" and not messages[-1].get("tool_calls")
 
 
 @functools.lru_cache(maxsize=8)

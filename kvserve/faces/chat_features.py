@@ -179,6 +179,8 @@ def chat_features(state, body: dict) -> ChatFeatures:
     par = get_bool(body, "parallel_tool_calls", True)
     f.parallel = True if par is None else par
     f.tool_parser = _resolve_parser(state, f.tool_choice, state.template) if tools else None
+    if isinstance(f.tool_choice, dict):
+        f.parallel = False  # a named function is called once (OpenAI, vLLM)
     if tools and not (f.tool_choice == "none" and args.exclude_tools_when_tool_choice_none):
         f.template_tools = tools
     if f.tool_parser is not None and f.tool_choice not in ("none", "auto"):

@@ -85,7 +85,9 @@ class ChoiceOutput:
         if mode.splits_reasoning:
             self._reasoning = self._new_reasoning()
         if mode.tool_parser is not None:
-            self._tools = get_tool_parser(mode.tool_parser).stream()
+            # whole calls only: a call is sent once it closed and parsed, so a stream never
+            # carries a call that the non-streamed answer drops (cut off by max_tokens, broken)
+            self._tools = get_tool_parser(mode.tool_parser).stream(incremental=False)
             if mode.prefill:
                 self._tools.feed(mode.prefill)  # content fragments of the prefill are not new text
 

@@ -40,8 +40,8 @@ from kvserve.faces.chat_features import chat_features, constraint_factory
 from kvserve.faces.chat_output import ChoiceOutput, OutputMode
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import error_response, json_response, read_json
-from kvserve.faces.params import get_bool, get_int, get_str, sampling_params_from_body, type_error
-from kvserve.faces.sse import error_body, sse_response, until_disconnect
+from kvserve.faces.params import get_bool, get_int, get_str, params_to_dict, sampling_params_from_body, type_error
+from kvserve.faces.sse import ClientDisconnected, error_body, sse_response, until_disconnect
 from kvserve.serving.state import ServerState, generate
 
 __all__ = ["build_router", "router"]
@@ -77,6 +77,7 @@ class Plan:
     logprobs: int | None = None  # top candidates to report (chat: top_logprobs; legacy: logprobs)
     echo_texts: list[str] = field(default_factory=list)  # legacy echo: prompt text per choice
     mode: OutputMode = field(default_factory=OutputMode)  # chat: reasoning split and tool-call parsing
+    grammar: str = ""  # the constraint's grammar text, shown in /slots params
 
 
 def _n_choices(body: dict) -> int:
@@ -174,7 +175,11 @@ def chat_plan(state: ServerState, body: dict) -> Plan:
     reqs = _engine_requests(state, body, rid, [ids], params, n, make)
     _validate(state, reqs)
     return Plan("chat", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage,
-                (top or 0) if logprobs else None, mode=mode)
+                (top or 0) if logprobs else None, mode=mode, grammar=_grammar_text(state, spec))
+
+
+def _grammar_text(state: ServerState, spec) -> str:
+    return state.grammars.grammar_text(spec) if spec is not None and state.grammars is not None else ""
 
 
 def _constraint_spec(body: dict):
@@ -248,7 +253,7 @@ def completion_plan(state: ServerState, body: dict) -> Plan:
     _validate(state, reqs)
     echo_texts = [state.tokenizer.decode(r.prompt_token_ids) if echo else "" for r in reqs]
     return Plan("text", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage, logprobs,
-                echo_texts)
+                echo_texts, grammar=_grammar_text(state, spec))
 
 
 # ------------------------------------------------------------------------ running choices
@@ -263,8 +268,9 @@ async def run_choices(state: ServerState, plan: Plan) -> AsyncIterator[tuple[int
     q: asyncio.Queue = asyncio.Queue()
 
     async def produce(i: int, req: Request) -> None:
+        view = params_to_dict(req.params, grammar=plan.grammar) if plan.grammar else None
         try:
-            async for out in generate(state, req):
+            async for out in generate(state, req, view):
                 q.put_nowait((i, out))
         except asyncio.CancelledError:
             raise
@@ -493,6 +499,8 @@ async def _serve(state: ServerState, http: HttpRequest, make_plan) -> Response:
             return await sse_response(stream_events(state, plan), ping_interval=state.args.sse_ping_interval,
                                       done=True, headers={"X-Accel-Buffering": "no"})
         return json_response(await until_disconnect(http, complete(state, plan)))
+    except ClientDisconnected:
+        return Response(status_code=499)
     except Exception as e:  # noqa: BLE001 - every failure answers with the error envelope
         return error_response(ApiError.from_exception(e)) if isinstance(e, ApiError) else \
             json_response(error_body(e), ApiError.from_exception(e).status)

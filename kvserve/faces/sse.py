@@ -120,10 +120,15 @@ async def _aclose(it) -> None:
             pass
 
 
+class ClientDisconnected(Exception):
+    """The client went away before a non-streaming response was ready (answered with an empty
+    499, nginx's "client closed request", and no traceback in the log)."""
+
+
 async def until_disconnect(request: HttpRequest, work: Awaitable, poll_s: float = 0.25):
     """Await ``work``; if the client disconnects first, cancel it (aborting its generation).
 
-    Returns ``work``'s result; raises ``asyncio.CancelledError`` after a disconnect.
+    Returns ``work``'s result; raises :class:`ClientDisconnected` after a disconnect.
     """
     task = asyncio.ensure_future(work)
     try:
@@ -137,7 +142,7 @@ async def until_disconnect(request: HttpRequest, work: Awaitable, poll_s: float 
                     await task
                 except BaseException:  # noqa: BLE001
                     pass
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientDisconnected("client disconnected")
     finally:
         if not task.done():
             task.cancel()

@@ -22,11 +22,13 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HttpRequest
+from starlette.responses import Response
 
-from kvserve.faces.auth import add_security
 from kvserve.engine.request import InvalidRequestError
+from kvserve.faces.auth import add_security
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import json_response
+from kvserve.faces.sse import ClientDisconnected
 from kvserve.serving.args import ServerArgs, parse_args
 from kvserve.serving.state import ServerState
 
@@ -108,6 +110,10 @@ def build_app(state: ServerState) -> FastAPI:
         # a client mistake found by the engine (context size, bad ids): 4xx, no traceback
         err = ApiError.from_exception(e)
         return json_response(err.body(), err.status)
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: HttpRequest, e: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it; the generation was aborted
 
     @app.exception_handler(Exception)
     async def _crash(_: HttpRequest, e: Exception):

@@ -334,6 +334,14 @@ class _Walker:
                             "a required property with different 'const' values)")
 
     def walk_children(self, s: dict, path: str) -> None:
+        for key in ("anyOf", "oneOf", "allOf"):
+            if key in s and (not isinstance(s[key], list) or not s[key]):
+                raise SchemaError(f"'{key}' at {_where(path)} must be a non-empty array (an empty one matches "
+                                  "nothing)")
+        for key in ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"):
+            v = s.get(key)
+            if key in s and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise SchemaError(f"'{key}' at {_where(path)} must be a non-negative integer, got {v!r}")
         for key in ("properties", "patternProperties"):
             d = s.get(key)
             if isinstance(d, dict):

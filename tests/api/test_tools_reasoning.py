@@ -400,3 +400,27 @@ def test_three_reasoning_cases_with_a_template_that_opens_think(think_vllm):
         streamed = _rebuild(_stream(think_vllm, body))
         assert streamed["content"] == msg["content"]
         assert streamed.get("reasoning") == msg.get("reasoning")
+
+
+def test_cut_off_last_call_is_dropped_streamed_or_not(hermes):
+    cut = TWO_CALLS.split("\n<tool_call>")[0] + '\n<tool_call>\n{"name": "list_dir", "arguments": {'
+    body = {**AUTO_TWO, "grammar": _gbnf_literal(cut)}
+    msg = _post(hermes, body).json()["choices"][0]["message"]
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["read_file"]
+    streamed = _rebuild(_stream(hermes, body))
+    assert list(streamed["tool_calls"]) == [0]
+    assert json.loads(streamed["tool_calls"][0]["arguments"]) == {"path": "pom.xml"}
+    assert streamed["content"] == msg["content"] == ""
+
+
+def test_prefilled_partial_call_streams_with_its_header(hermes):
+    prefill = '<tool_call>\n{"name": "read_file", "arguments": {"path": "pom'
+    body = {"messages": [{"role": "user", "content": "Show me pom.xml"}, {"role": "assistant", "content": prefill}],
+            "tools": [READ_FILE], "temperature": 0, "max_tokens": 30,
+            "grammar": _gbnf_literal(prefill + '.xml"}}\n</tool_call>')}  # covers the continued text too
+    msg = _post(hermes, body).json()["choices"][0]["message"]
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"path": "pom.xml"}
+    streamed = _rebuild(_stream(hermes, body))
+    assert streamed["tool_calls"][0]["name"] == "read_file"
+    assert streamed["tool_calls"][0]["id"]
+    assert json.loads(streamed["tool_calls"][0]["arguments"]) == {"path": "pom.xml"}

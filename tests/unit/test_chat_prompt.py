@@ -151,3 +151,24 @@ def test_null_content_with_tool_calls_ok() -> None:
     msgs = normalize_messages([{"role": "assistant", "content": None,
                                 "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}])
     assert msgs[0]["content"] is None and msgs[0]["tool_calls"]
+
+
+def test_tool_call_arguments_must_be_a_json_object():
+    from kvserve.chat.prompt import normalize_messages
+    from kvserve.faces.errors import ApiError
+
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "not json"}}
+    with pytest.raises(ApiError) as e:
+        normalize_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert e.value.status == 400 and "tool_calls[0].function.arguments" in str(e.value)
+    call["function"]["arguments"] = '{"a": 1}'
+    msgs = normalize_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert msgs[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+
+
+def test_final_assistant_turn_with_tool_calls_is_not_continued():
+    from kvserve.chat.prompt import continues_final_message
+
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": {}}}
+    assert not continues_final_message([{"role": "assistant", "content": None, "tool_calls": [call]}], None)
+    assert continues_final_message([{"role": "assistant", "content": "Sure"}], None)

@@ -651,3 +651,17 @@ def test_every_kind_in_one_batch(smol_core):
         name = rid.rsplit("-", 1)[0]
         assert stop == "eos" or (name == "regex" and stop == "limit" and len(toks) == 24), (rid, text)
         assert cases[name][2](text), (rid, text)
+
+
+@pytest.mark.parametrize("schema,msg", [
+    ({"anyOf": []}, "'anyOf' at the root must be a non-empty array"),
+    ({"type": "string", "minLength": -1}, "'minLength' at the root must be a non-negative integer"),
+    ({"type": "array", "maxItems": 2.5}, "'maxItems' at the root must be a non-negative integer"),
+])
+def test_unsatisfiable_or_bad_bounds_are_400(schema, msg):
+    from kvserve.faces.errors import ApiError
+    from kvserve.structured.spec import constraint_from_body
+
+    with pytest.raises(ApiError) as e:
+        constraint_from_body({"json_schema": schema}, "llama")
+    assert e.value.status == 400 and msg in str(e.value)
