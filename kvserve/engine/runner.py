@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvserve.engine.kv_cache import KVCacheManager
@@ -119,15 +120,42 @@ class ModelRunner:
         off = start - (start // bs) * bs
         return rows[off: off + end - start]
 
+    def _decode_index(self, tables: list[list[int]], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cache rows read by B decode queries: ([B, L] long index, [B, 1, 1, L] bool mask or None).
+
+        L = the longest sequence; shorter rows are padded with row 0 (the null
+        block's zero rows, never uninitialized memory) and masked. The mask is
+        None when no row is padded (every row has L tokens). Built with numpy:
+        a handful of array operations per step instead of tensors per sequence.
+        """
+        bs = self.block_size
+        B = len(tables)
+        L = max(lens)
+        nb = -(-L // bs)
+        if B == 1:
+            bt = np.asarray(tables[0][:nb], dtype=np.int64)[None, :]
+        else:
+            bt = np.zeros((B, nb), dtype=np.int64)
+            for i, tb in enumerate(tables):
+                m = min(len(tb), nb)
+                bt[i, :m] = tb[:m]
+        rows = (bt[:, :, None] * bs + np.arange(bs, dtype=np.int64)).reshape(B, -1)[:, :L]
+        if min(lens) == L:
+            return torch.from_numpy(np.ascontiguousarray(rows)).to(self.device), None
+        valid = np.arange(L)[None, :] < np.asarray(lens)[:, None]
+        idx = torch.from_numpy(np.where(valid, rows, 0)).to(self.device)
+        return idx, torch.from_numpy(valid).view(B, 1, 1, L).to(self.device)
+
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager, samplers: dict[str, SequenceSampler]) -> StepResult:
         """Run one step; return the sampled tokens per chunk (see StepResult)."""
         self.shift_rows(sched.kv_shifts)
         self.copy_blocks(sched.kv_copies)
         chunks = sched.chunks
+        bs = self.block_size
         order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new_tokens != 1)  # decodes first
         ids: list[int] = []
-        pos: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        pos: list[int] = []
+        slots: list[int] = []
         n_decode = 0
         dec_tables: list[list[int]] = []
         dec_lens: list[int] = []
@@ -140,15 +168,18 @@ class ModelRunner:
             req = ch.request
             s, n = req.num_computed_tokens, ch.num_new_tokens
             table = kv.block_table(req.request_id)
-            toks = [req.token_at(p) for p in range(s, s + n)]
-            ids.extend(toks)
-            pos.append(torch.arange(s, s + n))
-            slots.append(self._rows(table, s, s + n))
             if n == 1:
+                # a decode: plain ints, no tensor per sequence
+                ids.append(req.token_at(s))
+                pos.append(s)
+                slots.append(table[s // bs] * bs + s % bs)
                 n_decode += 1
                 dec_tables.append(table)
                 dec_lens.append(s + 1)
             else:
+                ids.extend([req.token_at(p) for p in range(s, s + n)])
+                pos.extend(range(s, s + n))
+                slots.extend(self._rows(table, s, s + n).tolist())
                 kv_index = None if s == 0 else self._rows(table, 0, s + n).to(self.device)
                 prefills.append(PrefillGroup(t, t + n, s, kv_index))
             row_of[ci] = t + n - 1
@@ -156,24 +187,13 @@ class ModelRunner:
                 plp_rows[ci] = (t, t + n)
             t += n
         batch = AttentionBatch(
-            positions=torch.cat(pos).to(self.device),
-            slot_mapping=torch.cat(slots).to(self.device),
+            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             n_decode=n_decode,
             prefills=prefills,
         )
         if n_decode:
-            L = max(dec_lens)
-            nb = -(-L // self.block_size)
-            bt = torch.zeros(n_decode, nb, dtype=torch.long)
-            for i, tb in enumerate(dec_tables):
-                m = min(len(tb), nb)
-                bt[i, :m] = torch.tensor(tb[:m])
-            rows = (bt[:, :, None] * self.block_size + torch.arange(self.block_size)).view(n_decode, -1)[:, :L]
-            lens = torch.tensor(dec_lens)
-            valid = torch.arange(L)[None, :] < lens[:, None]
-            # padded positions read the null block's zero rows (row 0), never uninitialized memory
-            batch.decode_kv_index = torch.where(valid, rows, 0).to(self.device)
-            batch.decode_mask = valid.view(n_decode, 1, 1, L).to(self.device)
+            batch.decode_kv_index, batch.decode_mask = self._decode_index(dec_tables, dec_lens)
         # rows that need logits: last row of completing chunks, all rows for prompt logprobs
         need: list[int] = []
         sample_ci = [ci for ci in range(len(chunks)) if chunks[ci].completes]
@@ -184,8 +204,9 @@ class ModelRunner:
             plp_off[ci] = len(need)
             need.extend(range(a, b))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        logits = self.model(input_ids, batch, self.kv_caches,
-                            torch.tensor(need, dtype=torch.long, device=self.device))
+        # every row, in order (a decode-only step): no gather of the hidden states
+        need_t = None if need == list(range(t)) else torch.tensor(need, dtype=torch.long, device=self.device)
+        logits = self.model(input_ids, batch, self.kv_caches, need_t)
         samples: list[SampleResult | None] = [None] * len(chunks)
         if sample_ci:
             reqs = [chunks[ci].request for ci in sample_ci]

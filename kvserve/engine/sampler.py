@@ -325,14 +325,17 @@ class SequenceSampler:
         # Plain greedy: argmax of the raw logits gives exactly the chain's answer.
         # Stages that can move the argmax: penalties, dry, typ_p, xtc; a missing
         # temperature stage means no greedy at all.
-        self._static_plain_greedy = (
+        # Greedy chain: with no EOG ban either, plain greedy; with one (ignore_eos, min_tokens)
+        # the token is the argmax of the logits with the EOG tokens removed.
+        self._greedy_chain = (
             p.temperature <= 0.0
             and "temperature" in self.chain
             and not self._bias
             and p.n_probs == 0
-            and not p.ignore_eos
             and not any(s in ("penalties", "dry", "typ_p", "xtc") for s in self._stages)
         )
+        self._static_plain_greedy = self._greedy_chain and not p.ignore_eos
+        self._eog_index: dict[torch.device, torch.Tensor] = {}
         # First active stage is top_k: the batch can run one topk for all such rows.
         # Leading full-vocabulary stages (penalties, dry) followed by top_k: the batch
         # applies those per row, then runs one topk for all such rows.
@@ -351,6 +354,18 @@ class SequenceSampler:
             and mask is None
             and not (self.eog_token_ids and num_generated < self.params.min_tokens)
         )
+
+    def is_greedy_without_eog(self, num_generated: int, mask: torch.Tensor | None = None) -> bool:
+        """True when the token is the argmax of the raw logits with the EOG tokens removed
+        (greedy under ``ignore_eos`` or ``min_tokens``; a batch fast path)."""
+        return self._greedy_chain and mask is None and self._bans_eog(num_generated)
+
+    def eog_index(self, device: torch.device) -> torch.Tensor:
+        """The EOG token ids as an int64 tensor on ``device`` (cached)."""
+        t = self._eog_index.get(device)
+        if t is None:
+            t = self._eog_index[device] = torch.tensor(sorted(self.eog_token_ids), dtype=torch.long, device=device)
+        return t
 
     def _bans_eog(self, num_generated: int) -> bool:
         return bool(self.eog_token_ids) and (self.params.ignore_eos or num_generated < self.params.min_tokens)
@@ -819,6 +834,36 @@ def _batched_after_top_k(
     return out
 
 
+def _greedy_without_eog(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    rows: list[int],
+    samplers: list[SequenceSampler],
+    results: list[SampleResult | None],
+) -> None:
+    """Greedy rows with an EOG ban: argmax of the logits with the EOG tokens at ``-inf``
+    (what the chain keeps: every stage before ``temperature`` keeps the top token),
+    logprob from the raw softmax. Fills ``results[row]``; a row whose tokens are all
+    EOG, or whose top logit is tied, is left for the full chain (its rules)."""
+    sel = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    work = logits.index_select(0, sel)  # a copy: the EOG ban does not touch the raw logits
+    eogs = {samplers[r].eog_token_ids for r in rows}
+    if len(eogs) == 1:  # the usual case: one vocabulary, one EOG set
+        work.index_fill_(1, samplers[rows[0]].eog_index(logits.device), NEG_INF)
+    else:
+        for j, r in enumerate(rows):
+            work[j].index_fill_(0, samplers[r].eog_index(logits.device), NEG_INF)
+    tok = work.argmax(dim=-1)
+    best = work.gather(1, tok[:, None])
+    # a tie for the top (frequent: logits of the bfloat16 kernels are bfloat16 values) goes
+    # through the chain, whose tie order (top_k's, sort's) is not argmax's first index
+    n_top = (work == best).sum(dim=-1)
+    lp = logits[sel, tok] - lse.index_select(0, sel)
+    for r, t, v, n, l in zip(rows, tok.tolist(), best.squeeze(1).tolist(), n_top.tolist(), lp.tolist()):
+        if v > NEG_INF and n == 1:
+            results[r] = SampleResult(int(t), float(l), None)
+
+
 def sample_batch(
     logits: torch.Tensor,
     samplers: list[SequenceSampler],
@@ -863,6 +908,11 @@ def sample_batch(
         lp = sub.gather(1, tok[:, None]).squeeze(1) - _rows(lse[:, None], greedy_rows).squeeze(1)
         for r, t, l in zip(greedy_rows, tok.tolist(), lp.tolist()):
             results[r] = SampleResult(int(t), float(l), None)
+
+    ban_rows = [i for i in range(bsz)
+                if results[i] is None and samplers[i].is_greedy_without_eog(num_generated[i], masks[i])]
+    if ban_rows:
+        _greedy_without_eog(logits, lse, ban_rows, samplers, results)
 
     rest = [i for i in range(bsz) if results[i] is None]
     topk_rows = [i for i in rest if samplers[i].topk_after_lead]
