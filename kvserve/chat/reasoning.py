@@ -46,6 +46,8 @@ from typing import Protocol
 
 import torch
 
+from kvserve.engine.detokenizer import partial_suffix
+
 __all__ = [
     "REASONING_STYLES",
     "Constraint",
@@ -122,13 +124,6 @@ def split_reasoning(text: str, *, start: str = "<think>", end: str = "</think>",
     if style == "deepseek-legacy":
         return reasoning, (start + prompt_tail if started_in_prompt else "") + text
     return reasoning, after.lstrip(_WS) if found else ""
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 class _Field:
@@ -247,7 +242,7 @@ class ReasoningStreamer:
                 parts.append(("r", self._buf[:i]))
                 self._buf, self._phase = self._buf[i + len(self.end):], "after"
             else:
-                k = 0 if final else _partial_suffix(self._buf, self.end)
+                k = 0 if final else partial_suffix(self._buf, self.end)
                 parts.append(("r", self._buf[:len(self._buf) - k]))
                 self._buf = self._buf[len(self._buf) - k:]
                 return parts

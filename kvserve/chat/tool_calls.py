@@ -56,6 +56,8 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvserve.engine.detokenizer import partial_suffix
+
 __all__ = [
     "TOOL_PARSERS",
     "ExtractedToolCalls",
@@ -158,14 +160,6 @@ def _canonical_args(args: object) -> str:
     if not isinstance(args, _Obj):
         raise _Malformed("arguments are not an object")
     return _dump(args)
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 class _JsonCanon:
@@ -581,14 +575,14 @@ class _HermesRegion(_Region):
             if self._call is None:
                 i = self._buf.find(self.OPEN)
                 if i < 0:  # text between calls is dropped; keep a possible marker prefix
-                    k = _partial_suffix(self._buf, self.OPEN)
+                    k = partial_suffix(self._buf, self.OPEN)
                     self._buf = self._buf[len(self._buf) - k:] if k else ""
                     return events
                 self._buf = self._buf[i + len(self.OPEN):]
                 self._call, self._after = _CallObject(), ""
                 continue
             j = self._buf.find(self.CLOSE)
-            safe = self._buf[:j] if j >= 0 else self._buf[:len(self._buf) - _partial_suffix(self._buf, self.CLOSE)]
+            safe = self._buf[:j] if j >= 0 else self._buf[:len(self._buf) - partial_suffix(self._buf, self.CLOSE)]
             events += self._forward(safe)
             if j < 0:
                 self._buf = self._buf[len(safe):]
@@ -695,7 +689,7 @@ class _MistralRegion(_Region):
             if st == "seek":  # text outside calls is dropped
                 i = self._buf.find(self.MARK)
                 if i < 0:
-                    k = _partial_suffix(self._buf, self.MARK)
+                    k = partial_suffix(self._buf, self.MARK)
                     self._buf = self._buf[len(self._buf) - k:] if k else ""
                     return events
                 self._buf, self._state = self._buf[i + len(self.MARK):], "kind"
@@ -911,7 +905,7 @@ class ToolParser:
             i = text.find(m)
             if i >= 0 and (best < 0 or i < best):
                 best = i
-        hold = len(text) - max((_partial_suffix(text, m) for m in self.anywhere_markers), default=0)
+        hold = len(text) - max((partial_suffix(text, m) for m in self.anywhere_markers), default=0)
         if at_start and self.start_markers:
             s = text.lstrip(" \t\n\r")
             lead = len(text) - len(s)

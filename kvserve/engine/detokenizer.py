@@ -27,7 +27,16 @@ from __future__ import annotations
 import codecs
 from typing import Protocol
 
-__all__ = ["IncrementalDetokenizer"]
+__all__ = ["IncrementalDetokenizer", "partial_suffix"]
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker`` (text to
+    hold back while streaming, because ``marker`` may be completed by what comes next)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
 
 
 class _TokenBytes(Protocol):
@@ -125,14 +134,7 @@ class IncrementalDetokenizer:
 
     def _hold_len(self, s: str) -> int:
         """Length of the longest suffix of ``s`` that is a proper prefix of some stop string."""
-        best = 0
-        n = min(len(s), self._max_hold)
-        for st in self._stops:
-            for k in range(min(n, len(st) - 1), best, -1):
-                if s.endswith(st[:k]):
-                    best = k
-                    break
-        return best
+        return max(partial_suffix(s, st) for st in self._stops)
 
     def flush(self) -> str:
         """End of generation: return the held-back text (a stop-string prefix that never

@@ -80,7 +80,6 @@ class ChoiceOutput:
         self._reasoning = None
         self._tools = None
         self._n_calls = 0
-        self._dropped_call = False
         self._counter = None
         if mode.splits_reasoning:
             self._reasoning = self._new_reasoning()
@@ -142,10 +141,8 @@ class ChoiceOutput:
             if "tool_calls" in f:
                 calls = []
                 for c in f["tool_calls"]:
-                    if c["index"] > 0 and not self.mode.parallel_tool_calls:
-                        self._dropped_call = True
-                        continue
-                    calls.append(c)
+                    if c["index"] == 0 or self.mode.parallel_tool_calls:
+                        calls.append(c)
                 if calls:
                     self.has_tool_calls = True
                     out.append({"tool_calls": calls})
@@ -181,12 +178,7 @@ class ChoiceOutput:
             if res.calls:
                 calls = res.calls if self.mode.parallel_tool_calls else res.calls[:1]
                 self.has_tool_calls = True
-                before = res.content or ""
-                if self.mode.prefill and before.startswith(self.mode.prefill):
-                    before = before[len(self.mode.prefill):]
-                elif self.mode.prefill:
-                    before = before[len(self.mode.prefill):] if len(before) > len(self.mode.prefill) else ""
-                content = before
+                content = (res.content or "")[len(self.mode.prefill):]  # only newly generated text
                 msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments},
                                       "id": c.id} for c in calls]
         msg["content"] = content
