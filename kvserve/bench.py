@@ -94,11 +94,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--cpu-kernel", default="auto", choices=["auto", "int8", "int4", "dense"])
     ap.add_argument("--small-batch-rows", type=int, default=16)
+    ap.add_argument("--large-batch-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("-b", "--batch-size", type=int, default=2048)
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     cfg = EngineConfig(n_ctx=4096, n_parallel=16, kv_unified=True, threads=a.threads, kv_dtype=a.cache_type_k,
-                       dtype=a.dtype, cpu_kernel=a.cpu_kernel, small_batch_rows=a.small_batch_rows, max_num_batched_tokens=a.batch_size)
+                       dtype=a.dtype, cpu_kernel=a.cpu_kernel, small_batch_rows=a.small_batch_rows,
+                       large_batch_dtype=a.large_batch_dtype, max_num_batched_tokens=a.batch_size)
     core = create_engine_core(a.model, cfg)
     load_s = time.perf_counter() - t0
     res = run_bench(core)

@@ -27,23 +27,32 @@ class EngineConfig:
         max_model_len: cap on one sequence's context (vLLM name); 0 = n_ctx_slot.
         dtype: weight/activation dtype: "auto" | "float32" | "bfloat16" | "float16".
             auto on CPU: float32 activations; Q4_0/Q4_1 weights kept packed
-            (int4 kernel for small batches, float32 copy for large ones), every
-            other type dequantized to float32. On CUDA: bfloat16.
+            (int4 kernel for small batches, a dense copy in ``large_batch_dtype``
+            for large ones), every other type dequantized. On CUDA: bfloat16.
         cpu_kernel: dtype auto on CPU: the kernel for steps of at most
             ``small_batch_rows`` rows (decode): "auto" (default: Q4_0/Q4_1
             projections stay packed for torch's int4pack kernel, which
-            represents them exactly; other quantized weights and the output
-            head are requantized per row to int8 for torch's int8pack kernel;
-            float weights stay float32), "int8", "int4" or "dense".
-            Teacher-forced top-1 agreement with llama.cpp on SmolLM2 Q4_1 (352
-            positions): auto 346, int4 everywhere 343, int8 everywhere 340,
-            float32 343. Measured
-            on a 2-core AVX2 machine, per layer of SmolLM2 at 1 / 16 / 32 rows:
-            int8 0.24 / 1.47 / 3.8 ms, int4 0.32 / 1.98 / 4.0 ms, float32
-            0.45 / 1.54 / 2.96 ms; the output head at 1 / 16 rows: int8 4.1 / 20 ms,
-            float32 13.6 / 38 ms.
-        small_batch_rows: steps with more rows than this use float32 GEMM on
-            dequantized weights (default 16; 0 = always ``cpu_kernel``).
+            represents them exactly; other quantized weights are requantized
+            per row to int8 for torch's int8pack kernel; the output head to
+            int8 for the "w8a8" kernel, whose logits are float32; float weights
+            stay float32), "int8", "int4" or "dense". Teacher-forced top-1
+            agreement with llama.cpp on SmolLM2 Q4_1 (352 positions): auto 343,
+            int4 everywhere 343, int8 everywhere 340, float32 343.
+        large_batch_dtype: dtype auto on CPU: the dense copy used by steps of
+            more than ``small_batch_rows`` rows (prefill, many decodes): "auto"
+            (bfloat16 where the CPU computes it natively, AVX512-BF16 or AMX,
+            float32 elsewhere), "bfloat16" or "float32". Measured on a 2-core
+            AVX512-BF16 EPYC, SmolLM2 FFN GEMMs at 512 rows: bfloat16 240 GFLOP/s,
+            float32 90.
+        small_batch_rows: steps with more rows than this use the dense copy
+            (default 16; 0 = always ``cpu_kernel``). Per layer of SmolLM2 on
+            a 2-core AVX2 machine at 1 / 16 / 32 rows: int8 0.24 / 1.47 / 3.8
+            ms, int4 0.32 / 1.98 / 4.0 ms, float32 0.45 / 1.54 / 2.96 ms. With
+            weights already in cache a bfloat16 copy wins from about 8 rows, but
+            a decode step streams every weight from memory, and there the
+            packed int4 weights (a quarter of the bytes) win up to 16 rows and
+            more: 16 streams on the EPYC above, 291 tok/s with int4, 225 with
+            the bfloat16 copy.
         threads: torch intra-op threads (``-t``); 0 = all cores.
         cache_ram: host-tier budget in MiB for unreferenced cached KV blocks
             (llama-server ``--cache-ram``: default 8192, -1 = no limit, 0 = off).
@@ -59,6 +68,7 @@ class EngineConfig:
     max_model_len: int = 0
     dtype: str = "auto"
     cpu_kernel: str = "auto"
+    large_batch_dtype: str = "auto"
     small_batch_rows: int = 16
     threads: int = 0
     device: str = "auto"
@@ -77,6 +87,10 @@ class EngineConfig:
             raise ValueError(f"unsupported cpu_kernel '{self.cpu_kernel}' (auto, int8, int4, dense)")
         if self.cache_ram < -1:
             raise ValueError("cache_ram must be -1 (no limit), 0 (off) or a size in MiB")
+        if self.large_batch_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"unsupported large_batch_dtype '{self.large_batch_dtype}' (auto, float32, bfloat16)")
+        if self.small_batch_rows < 0:
+            raise ValueError("small_batch_rows must be >= 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype '{self.dtype}'")
 

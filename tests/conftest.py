@@ -4,7 +4,9 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads; see kvserve/__init__.py
+# before torch loads (see kvserve/__init__.py): the tests run a client and test servers
+# on the same 2 cores, the contended case where passive waiting is fastest
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 

@@ -859,9 +859,9 @@ def _greedy_without_eog(
     # through the chain, whose tie order (top_k's, sort's) is not argmax's first index
     n_top = (work == best).sum(dim=-1)
     lp = logits[sel, tok] - lse.index_select(0, sel)
-    for r, t, v, n, l in zip(rows, tok.tolist(), best.squeeze(1).tolist(), n_top.tolist(), lp.tolist()):
+    for r, t, v, n, lpv in zip(rows, tok.tolist(), best.squeeze(1).tolist(), n_top.tolist(), lp.tolist()):
         if v > NEG_INF and n == 1:
-            results[r] = SampleResult(int(t), float(l), None)
+            results[r] = SampleResult(int(t), float(lpv), None)
 
 
 def sample_batch(
@@ -906,8 +906,8 @@ def sample_batch(
         sub = _rows(logits, greedy_rows)
         tok = sub.argmax(dim=-1)
         lp = sub.gather(1, tok[:, None]).squeeze(1) - _rows(lse[:, None], greedy_rows).squeeze(1)
-        for r, t, l in zip(greedy_rows, tok.tolist(), lp.tolist()):
-            results[r] = SampleResult(int(t), float(l), None)
+        for r, t, lpv in zip(greedy_rows, tok.tolist(), lp.tolist()):
+            results[r] = SampleResult(int(t), float(lpv), None)
 
     ban_rows = [i for i in range(bsz)
                 if results[i] is None and samplers[i].is_greedy_without_eog(num_generated[i], masks[i])]

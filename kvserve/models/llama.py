@@ -96,19 +96,27 @@ class Linear(nn.Module):
             blocks it represents exactly; int8 for other quantized GGUF types;
             dense for float weights), "int8" (weights requantized per
             output row to int8, bfloat16 scales rounded before quantizing, torch's
-            ``_weight_int8pack_mm`` with bfloat16 activations), "int4" (Q4_0/Q4_1
+            ``_weight_int8pack_mm`` with bfloat16 activations; its output is
+            bfloat16), "w8a8" (the same int8 weights with float32 scales, and
+            activations quantized per row to int8 at run time: torch's
+            ``_int_mm``, int32 accumulation, float32 output; the output head's
+            kernel, where bfloat16 logits would be rounded to steps of 0.125 at
+            magnitude 16-32 and tie), "int4" (Q4_0/Q4_1
             blocks kept packed for ``_weight_int4pack_mm_for_cpu``, group size 32,
             zero = m + 8d; other types fall back to dense) or "dense".
         small_max_rows: batches of at most this many rows use ``kernel``; larger
-            ones use the dense weights (float32 GEMM wins there). 0 = always
+            ones use the dense weights (a dense GEMM wins there). 0 = always
             ``kernel`` and no dense copy is kept.
+        large_dtype: dtype of that dense copy when ``kernel`` is not "dense":
+            bfloat16 on CPUs with native bfloat16 (AVX512-BF16/AMX: 2-2.5x the
+            float32 GEMM rate, half the memory), float32 otherwise.
 
     Input x: [T, in] float32; output [T, out] float32 (the small-batch kernels
-    compute in bfloat16).
+    and a bfloat16 dense copy compute in bfloat16, accumulating in float32).
     """
 
     def __init__(self, weights: list[Weight], bias: list[Weight] | None, dtype, device, kernel: str = "dense",
-                 small_max_rows: int = 0):
+                 small_max_rows: int = 0, large_dtype=torch.float32):
         super().__init__()
         cpu = torch.device(device).type == "cpu"
         packed = all(w.q4 is not None for w in weights)
@@ -134,12 +142,15 @@ class Linear(nn.Module):
             dense = merged.to_dense() if small_max_rows else None
         else:
             dense = _np_cat([w.to_dense() for w in weights])
-            if kernel == "int8":
+            if kernel in ("int8", "w8a8"):
                 self.q8, self.scales = _int8_rows(torch.from_numpy(dense))
+                if kernel == "w8a8":
+                    self.q8 = self.q8.t()  # [K, N] view: _int_mm's right operand
+                    self.scales = self.scales.float()
                 if not small_max_rows:
                     dense = None
         if dense is not None:
-            self.weight = torch.from_numpy(dense).to(device=device, dtype=torch.float32 if kernel != "dense" else dtype)
+            self.weight = torch.from_numpy(dense).to(device=device, dtype=large_dtype if kernel != "dense" else dtype)
         self.bias = None
         if bias is not None:
             self.bias = torch.from_numpy(_np_cat([b.to_dense() for b in bias])).to(device=device, dtype=torch.float32)
@@ -148,7 +159,11 @@ class Linear(nn.Module):
         """[T, in] float32 -> [T, out] float32 (see the class docstring for the kernels)."""
         w = self.weight
         if w is None or (self.kernel != "dense" and x.shape[0] <= self.small_max_rows):
-            if self.kernel == "int8":
+            if self.kernel == "w8a8":
+                # symmetric per-row int8 activations; the int32 dot products times both
+                # scales give float32 logits (llama.cpp also quantizes activations to 8 bits)
+                y = _w8a8_mm(x, self.q8, self.scales)
+            elif self.kernel == "int8":
                 y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q8, self.scales).to(x.dtype)
             elif self.kernel == "int4":
                 y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, 32, self.scales).to(x.dtype)
@@ -162,6 +177,25 @@ class Linear(nn.Module):
 
 
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64", "torch.float32", "torch.float16", "torch.bfloat16"}
+
+
+def _w8a8_mm(x: torch.Tensor, q8t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ int8 weights ([K, N] view, float32 scales [N]) -> [M, N] float32.
+
+    x is written as two int8 limbs per row, x ~ a * s1 + b * s2 (a = round(x / s1),
+    b = round((x - a * s1) / s2), s2 = s1 / 127), so activations keep about 14 bits:
+    one int8 limb alone (per-row scale) moved a near-tie logprob of SmolLM2 by 0.35.
+    Both limbs go through one ``_int_mm`` ([2M, K] rows): a decode step is bound by
+    reading the weights, so the second limb is nearly free. int32 accumulation
+    (|sum| <= K * 127 * 127 fits for K < 133,000).
+    """
+    m = x.shape[0]
+    s1 = x.abs().amax(dim=-1, keepdim=True).clamp_min_(1e-30).div_(127.0)
+    a = torch.round(x / s1)
+    s2 = s1 / 127.0
+    b = torch.round((x - a * s1).div_(s2))
+    y = torch._int_mm(torch.cat([a, b]).to(torch.int8), q8t).float()
+    return (y[:m].mul_(s1).add_(y[m:].mul_(s2))).mul_(scales)
 
 
 def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,13 +262,15 @@ class LlamaModel(nn.Module):
         weights: dict of Weight by GGUF tensor name (Q/K rows in interleaved-pair order).
         dtype: dense weight dtype (torch.float32 / bfloat16 / float16).
         device: torch device.
-        kernel, small_max_rows: small-batch kernel of every projection and of
-            the output head, and the rows up to which it is used (see Linear).
+        kernel, small_max_rows, large_dtype: small-batch kernel of every
+            projection and of the output head, the rows up to which it is used
+            and the dtype of the dense copy used above that (see Linear).
         max_positions: size of the RoPE tables (tokens).
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, Weight], dtype=torch.float32, device="cpu",
-                 kernel: str = "dense", small_max_rows: int = 0, max_positions: int = 8192):
+                 kernel: str = "dense", small_max_rows: int = 0, max_positions: int = 8192,
+                 large_dtype=torch.float32):
         super().__init__()
         self.config = config
         self.device = torch.device(device)
@@ -243,7 +279,7 @@ class LlamaModel(nn.Module):
         emb = weights["token_embd.weight"]
         self.tok_embd = torch.from_numpy(emb.to_dense()).to(device=device, dtype=self.compute_dtype)
         self.layers = nn.ModuleList()
-        lin = dict(dtype=dtype, device=device, kernel=kernel, small_max_rows=small_max_rows)
+        lin = dict(dtype=dtype, device=device, kernel=kernel, small_max_rows=small_max_rows, large_dtype=large_dtype)
         for i in range(c.n_layer):
             p = f"blk.{i}."
             layer = nn.Module()
@@ -260,7 +296,8 @@ class LlamaModel(nn.Module):
         head = weights["token_embd.weight"] if c.tie_embeddings or "output.weight" not in weights \
             else weights["output.weight"]
         self.output = Linear([head], None, dtype=dtype, device=device,
-                             kernel="int8" if kernel == "auto" else kernel, small_max_rows=small_max_rows)
+                             kernel="w8a8" if kernel == "auto" else kernel, small_max_rows=small_max_rows,
+                             large_dtype=large_dtype)
         w = self.output.weight
         if head is weights["token_embd.weight"] and w is not None and w.dtype == self.tok_embd.dtype:
             self.output.weight = self.tok_embd  # tied: one dense copy of the embedding, not two

@@ -41,26 +41,39 @@ def load_files(path: str | os.PathLike) -> LoadedModel:
 def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -> LlamaModel:
     """Instantiate the torch module for ``loaded`` with the numerics of ``config``.
 
-    dtype "auto": on CPU float32 for large batches and ``config.cpu_kernel`` for
-    small ones; bfloat16 on CUDA.
+    dtype "auto": on CPU ``config.cpu_kernel`` for small batches and a dense
+    copy in ``config.large_batch_dtype`` for large ones; bfloat16 on CUDA.
     """
     cls = ARCHITECTURES.get(loaded.config.arch)
     if cls is None:
         raise ModelLoadError(f"unknown model architecture '{loaded.config.arch}'")
     device = config.resolve_device()
+    large = torch.float32
     if config.dtype == "auto":
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         kernel = config.cpu_kernel if device == "cpu" else "dense"
+        if config.large_batch_dtype == "bfloat16" or config.large_batch_dtype == "auto" and cpu_native_bf16():
+            large = torch.bfloat16
     else:
         dtype = _DTYPES[config.dtype]
         kernel = "dense"
     return cls(loaded.config, loaded.weights, dtype=dtype, device=device, kernel=kernel,
-               small_max_rows=config.small_batch_rows, max_positions=max_positions)
+               small_max_rows=config.small_batch_rows, max_positions=max_positions, large_dtype=large)
+
+
+def cpu_native_bf16() -> bool:
+    """True when this CPU computes bfloat16 natively (AVX512-BF16 or AMX tiles)."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # older torch
+        return False
 
 
 def describe_dtypes(model: LlamaModel) -> str:
     """Short text of the weight formats in use, e.g. "int4(q4_1)+float32"."""
     lin = model.layers[0].wqkv
     if lin.kernel != "dense":
-        return f"{lin.kernel}+float32" if lin.weight is not None else lin.kernel
+        if lin.weight is None:
+            return lin.kernel
+        return f"{lin.kernel}+{str(lin.weight.dtype).replace('torch.', '')}"
     return str(lin.weight.dtype).replace("torch.", "")

@@ -649,7 +649,15 @@ def test_every_kind_in_one_batch(smol_core):
     res = _run(core, reqs)
     for rid, (text, stop, toks) in res.items():
         name = rid.rsplit("-", 1)[0]
-        assert stop == "eos" or (name == "regex" and stop == "limit" and len(toks) == 24), (rid, text)
+        if stop == "limit" and name in ("regex", "json_object"):
+            # unbounded grammars: a run of a 135M model may go on until n_predict
+            # (e.g. an object with ever more keys); every token must still be one the
+            # grammar allows, checked on a fresh matcher
+            assert len(toks) == (24 if name == "regex" else 160), (rid, text)
+            fresh = be.constraint(constraint_from_body(cases[name][0], "openai"))
+            assert all(fresh.accept_token(t) for t in toks) and not fresh.is_terminated(), (rid, text)
+            continue
+        assert stop == "eos", (rid, text)
         assert cases[name][2](text), (rid, text)
 
 
