@@ -96,14 +96,26 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--small-batch-rows", type=int, default=16)
     ap.add_argument("--large-batch-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("-b", "--batch-size", type=int, default=2048)
+    ap.add_argument("--compile", action="store_true",
+                    help="measure with the decode step compiled (waits for the compile; reports compile_s)")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     cfg = EngineConfig(n_ctx=4096, n_parallel=16, kv_unified=True, threads=a.threads, kv_dtype=a.cache_type_k,
                        dtype=a.dtype, cpu_kernel=a.cpu_kernel, small_batch_rows=a.small_batch_rows,
-                       large_batch_dtype=a.large_batch_dtype, max_num_batched_tokens=a.batch_size)
+                       large_batch_dtype=a.large_batch_dtype, max_num_batched_tokens=a.batch_size,
+                       compile=a.compile)
     core = create_engine_core(a.model, cfg)
     load_s = time.perf_counter() - t0
-    res = run_bench(core)
+    compile_s = None
+    if a.compile:
+        comp = core.runner.compiled
+        if not comp.wait():
+            print(json.dumps({"error": f"compile failed: {comp.error}"}))
+            return 1
+        compile_s = round(comp.seconds, 1)
+    res = run_bench(core, "compile" if a.compile else "eager")
     res["load_s"] = round(load_s, 2)
+    if compile_s is not None:
+        res["compile_s"] = compile_s
     print(json.dumps(res))
     return 0

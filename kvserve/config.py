@@ -54,6 +54,10 @@ class EngineConfig:
             more: 16 streams on the EPYC above, 291 tok/s with int4, 225 with
             the bfloat16 copy.
         threads: torch intra-op threads (``-t``); 0 = all cores.
+        compile: compile the decode-only step with ``torch.compile`` in a
+            background thread, serving eagerly until it is ready (see
+            ``kvserve.models.llama.CompiledDecode``; ``--compile``). Off by default:
+            the first compile costs about 90 s of CPU on 2 cores.
         cache_ram: host-tier budget in MiB for unreferenced cached KV blocks
             (llama-server ``--cache-ram``: default 8192, -1 = no limit, 0 = off).
         device: "auto" | "cpu" | "cuda".
@@ -71,6 +75,7 @@ class EngineConfig:
     large_batch_dtype: str = "auto"
     small_batch_rows: int = 16
     threads: int = 0
+    compile: bool = False
     device: str = "auto"
     cache_ram: int = 8192
 

@@ -97,6 +97,8 @@ class EngineCore:
         num_blocks = 1 + active + host
         self.kv = KVCacheManager(num_blocks, bs, host_blocks=host)
         self.runner = ModelRunner(self.model, num_blocks, bs, config.kv_dtype, self.device)
+        if config.compile:
+            self.runner.start_compile(self.n_slots)
         self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens)
         self.scheduler.detokenize = self._excerpt
         self.stats = EngineStats()

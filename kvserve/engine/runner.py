@@ -16,7 +16,7 @@ import torch
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.sampler import SampleResult, SequenceSampler, compute_logprobs, sample_batch
 from kvserve.engine.scheduler import SchedulerOutput
-from kvserve.models.llama import AttentionBatch, LlamaModel, PrefillGroup
+from kvserve.models.llama import AttentionBatch, CompiledDecode, LlamaModel, PrefillGroup
 
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -67,6 +67,14 @@ class ModelRunner:
             k[:block_size].zero_()
             v[:block_size].zero_()
         self.kv_bytes = 2 * c.n_layer * rows * c.n_head_kv * c.head_dim * torch.tensor([], dtype=dt).element_size()
+        self.compiled: CompiledDecode | None = None  # set by EngineCore with config.compile
+
+    def start_compile(self, max_rows: int) -> CompiledDecode:
+        """Compile the decode-only step in the background (see CompiledDecode); decode-only
+        steps use it once it is ready, every other step stays eager."""
+        self.compiled = CompiledDecode(self.model, self.kv_caches[0], max_rows)
+        self.compiled.start()
+        return self.compiled
 
     def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
         """Copy the first ``rows`` KV rows of block ``src`` into block ``dst`` in every layer (copy on write)."""
@@ -206,7 +214,17 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         # every row, in order (a decode-only step): no gather of the hidden states
         need_t = None if need == list(range(t)) else torch.tensor(need, dtype=torch.long, device=self.device)
-        logits = self.model(input_ids, batch, self.kv_caches, need_t)
+        comp = self.compiled
+        if comp is not None and comp.ready and n_decode == t and need_t is None:
+            mask = batch.decode_mask
+            if mask is None:
+                mask = torch.ones(n_decode, 1, 1, batch.decode_kv_index.shape[1], dtype=torch.bool, device=self.device)
+            # flat index: a [1, L] slice of a wider array has stride[0] != L, which the
+            # compiled graph's guards would take for a new shape
+            logits = comp(input_ids, batch.positions, batch.slot_mapping, batch.decode_kv_index.reshape(-1), mask,
+                          self.kv_caches)
+        else:
+            logits = self.model(input_ids, batch, self.kv_caches, need_t)
         samples: list[SampleResult | None] = [None] * len(chunks)
         if sample_ci:
             reqs = [chunks[ci].request for ci in sample_ci]

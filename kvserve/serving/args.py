@@ -27,6 +27,7 @@ class ServerArgs:
     ctx_size: int = 0
     parallel: int = -1
     threads: int = 0
+    compile: bool = False
     batch_size: int = 2048
     ubatch_size: int = 512
     n_predict: int = -1
@@ -92,6 +93,7 @@ class ServerArgs:
             max_model_len=self.max_model_len,
             dtype=self.dtype,
             threads=self.threads,
+            compile=self.compile,
             device=self.device,
             cache_ram=self.cache_ram,
         )
@@ -119,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("-np", "--parallel", type=int, default=None, help="slots (-1 = auto: 4, unified KV)")
     a("--max-num-seqs", type=int, default=None, help="slots (vLLM name of -np)")
     a("-t", "--threads", type=int, default=0)
+    a("--compile", action="store_true",
+      help="torch.compile the decode step in the background (serves eagerly until ready; ~90 s of CPU the "
+           "first time, cached in $KVSERVE_HOME/inductor)")
     a("-b", "--batch-size", type=int, default=None, help="tokens per step (= --max-num-batched-tokens)")
     a("-ub", "--ubatch-size", type=int, default=512, help="accepted; one step is one batch here")
     a("--max-num-batched-tokens", type=int, default=None)
@@ -232,6 +237,7 @@ def parse_args(argv: list[str]) -> ServerArgs:
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
         reasoning_format=ns.reasoning_format, reasoning_parser=ns.reasoning_parser,
         reasoning_budget=ns.reasoning_budget, reasoning=ns.reasoning, chat_template_kwargs=tkw,
+        compile=ns.compile,
     )
     try:
         args.default_sampling_params()
