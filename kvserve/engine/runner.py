@@ -215,7 +215,7 @@ class ModelRunner:
         # every row, in order (a decode-only step): no gather of the hidden states
         need_t = None if need == list(range(t)) else torch.tensor(need, dtype=torch.long, device=self.device)
         comp = self.compiled
-        if comp is not None and comp.ready and n_decode == t and need_t is None:
+        if comp is not None and comp.ready and n_decode == t and need_t is None and n_decode <= comp.max_batch:
             mask = batch.decode_mask
             if mask is None:
                 mask = torch.ones(n_decode, 1, 1, batch.decode_kv_index.shape[1], dtype=torch.bool, device=self.device)

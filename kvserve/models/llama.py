@@ -467,6 +467,10 @@ class CompiledDecode:
         self._max_rows = max(1, max_rows)
         self._thread = None
         self.calls = 0  # compiled steps run
+        # Linear picks its kernel by row count, so steps above small_max_rows would trace
+        # (and stall the engine for) a third graph: those stay eager
+        packed = any(lin.kernel != "dense" for lin in (model.layers[0].wqkv, model.output))
+        self.max_batch = model.layers[0].wqkv.small_max_rows if packed else 1 << 30
 
     def start(self) -> None:
         """Compile in a daemon thread; :attr:`ready` turns True when done."""
@@ -507,7 +511,10 @@ class CompiledDecode:
             dummy = [(torch.zeros(rows, *k.shape[1:], dtype=k.dtype, device=k.device),
                       torch.zeros(rows, *v.shape[1:], dtype=v.dtype, device=v.device)) for _ in self.model.layers]
             dev = self.model.device
-            for b in (1, 5) if self._max_rows > 1 else (1,):  # B = 1 is specialized, B >= 2 shares a graph
+            # B = 1 is specialized and B >= 2 shares a dynamic graph; with at most 4 rows,
+            # each B is warmed up (a small B may equal a model dimension and be pinned)
+            cap = min(self._max_rows, self.max_batch)
+            for b in (1, 5) if cap >= 5 else range(1, cap + 1):
                 ids = torch.zeros(b, dtype=torch.long, device=dev)
                 pos = torch.full((b,), L - 1, dtype=torch.long, device=dev)
                 slots = torch.arange(b, device=dev) + 40
