@@ -14,8 +14,11 @@ __version__ = "0.1.0"
 # and costs about 30% under full contention (2 busy processes on 2 cores), where
 # PASSIVE does better: set OMP_WAIT_POLICY=PASSIVE for a shared machine. Applied
 # before torch loads, only when neither variable is set.
+# Intel's OpenMP (some torch builds) ignores GOMP_SPINCOUNT and spins 200 ms by
+# default: KMP_BLOCKTIME=0 keeps it passive there, as before.
 if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     _os.environ["GOMP_SPINCOUNT"] = "3000"
+    _os.environ.setdefault("KMP_BLOCKTIME", "0")
 
 from kvserve.engine.request import SamplingParams  # noqa: E402
 

@@ -98,7 +98,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, bs, host_blocks=host)
         self.runner = ModelRunner(self.model, num_blocks, bs, config.kv_dtype, self.device)
         if config.compile:
-            self.runner.start_compile(self.n_slots)
+            self.runner.start_compile(self.n_slots * ModelRunner.DECODE_LIKE_MAX)
         self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens)
         self.scheduler.detokenize = self._excerpt
         self.stats = EngineStats()

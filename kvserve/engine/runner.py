@@ -238,7 +238,10 @@ class ModelRunner:
         # every row, in order (a decode-only step): no gather of the hidden states
         need_t = None if need == list(range(t)) else torch.tensor(need, dtype=torch.long, device=self.device)
         comp = self.compiled
-        if comp is not None and comp.ready and n_decode == t and n_decode <= comp.max_batch:
+        logits = None
+        # L >= 2: a size of 1 would be a new (specialized) graph
+        if (comp is not None and comp.ready and n_decode == t and n_decode <= comp.max_batch
+                and batch.decode_kv_index.shape[1] >= 2):
             mask = batch.decode_mask
             if mask is None:
                 mask = torch.ones(n_decode, 1, 1, batch.decode_kv_index.shape[1], dtype=torch.bool, device=self.device)
@@ -246,9 +249,9 @@ class ModelRunner:
             # compiled graph's guards would take for a new shape
             logits = comp(input_ids, batch.positions, batch.slot_mapping, batch.decode_kv_index.reshape(-1), mask,
                           self.kv_caches)
-            if need_t is not None:  # the graph computes every row's logits
+            if logits is not None and need_t is not None:  # the graph computes every row's logits
                 logits = logits.index_select(0, need_t)
-        else:
+        if logits is None:
             logits = self.model(input_ids, batch, self.kv_caches, need_t)
         samples: list[SampleResult | None] = [None] * len(chunks)
         if sample_ci:

@@ -295,9 +295,10 @@ class LlamaModel(nn.Module):
         # tied embeddings: the head is token_embd.weight (its own copy, in the head's formats)
         head = weights["token_embd.weight"] if c.tie_embeddings or "output.weight" not in weights \
             else weights["output.weight"]
+        # the head's dense copy stays float32: bfloat16 logits (steps with many logits rows:
+        # prompt logprobs, many sequences finishing a prefill together) would tie
         self.output = Linear([head], None, dtype=dtype, device=device,
-                             kernel="w8a8" if kernel == "auto" else kernel, small_max_rows=small_max_rows,
-                             large_dtype=large_dtype)
+                             kernel="w8a8" if kernel == "auto" else kernel, small_max_rows=small_max_rows)
         w = self.output.weight
         if head is weights["token_embd.weight"] and w is not None and w.dtype == self.tok_embd.dtype:
             self.output.weight = self.tok_embd  # tied: one dense copy of the embedding, not two
@@ -455,7 +456,8 @@ class CompiledDecode:
     Args:
         model: the LlamaModel.
         kv_like: one layer's (k_cache, v_cache), for the dummy caches of the warm-up.
-        max_rows: the largest B warmed up (the engine's sequence cap).
+        max_rows: the most rows of a decode-only step (sequences times the rows a
+            short prompt chunk may add, see ModelRunner.DECODE_LIKE_MAX).
     """
 
     def __init__(self, model: LlamaModel, kv_like: tuple[torch.Tensor, torch.Tensor], max_rows: int):
@@ -467,15 +469,25 @@ class CompiledDecode:
         self._max_rows = max(1, max_rows)
         self._thread = None
         self.calls = 0  # compiled steps run
-        # Linear picks its kernel by row count, so steps above small_max_rows would trace
-        # (and stall the engine for) a third graph: those stay eager
-        packed = any(lin.kernel != "dense" for lin in (model.layers[0].wqkv, model.output))
-        self.max_batch = model.layers[0].wqkv.small_max_rows if packed else 1 << 30
+        self.fallbacks = 0  # steps that would have needed a new graph: run eagerly instead
+        # Linear picks its kernel by row count (a dense copy above small_max_rows), so
+        # larger steps would need another graph: those stay eager
+        linears = [lin for layer in model.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        split = [lin.small_max_rows for lin in [*linears, model.output]
+                 if lin.kernel != "dense" and lin.weight is not None and lin.small_max_rows > 0]
+        self.max_batch = min(split) if split else 1 << 30
 
     def start(self) -> None:
         """Compile in a daemon thread; :attr:`ready` turns True when done."""
+        import os
         import threading
+        import warnings
 
+        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            from kvserve.store.blobs import kvserve_home
+
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(kvserve_home() / "inductor")
+        warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed")  # inductor's codegen note
         self._thread = threading.Thread(target=self._build, name="kvserve-compile", daemon=True)
         self._thread.start()
 
@@ -491,17 +503,11 @@ class CompiledDecode:
 
     def _build(self) -> None:
         import logging
-        import os
         import time
-        import warnings
 
         log = logging.getLogger("kvserve.engine")
         t0 = time.perf_counter()
         try:
-            if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-                from kvserve.store.blobs import kvserve_home
-
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(kvserve_home() / "inductor")
             fn = torch.compile(self.model.decode_step, dynamic=True)
             k, v = self._kv_like
             # warm-up sizes that equal no model dimension (head_dim, n_head_kv...): torch
@@ -511,17 +517,17 @@ class CompiledDecode:
             dummy = [(torch.zeros(rows, *k.shape[1:], dtype=k.dtype, device=k.device),
                       torch.zeros(rows, *v.shape[1:], dtype=v.dtype, device=v.device)) for _ in self.model.layers]
             dev = self.model.device
-            # B = 1 is specialized and B >= 2 shares a dynamic graph; with at most 4 rows,
-            # each B is warmed up (a small B may equal a model dimension and be pinned)
+            # B = 1 is specialized and B >= 2 shares a dynamic graph, warmed up with B = 11
+            # (no model dimension is 11); with fewer rows, each B (a small B may equal a
+            # model dimension and be pinned; the others reuse the dynamic graph)
             cap = min(self._max_rows, self.max_batch)
-            for b in (1, 5) if cap >= 5 else range(1, cap + 1):
+            for b in (1, 11) if cap >= 11 else range(1, cap + 1):
                 ids = torch.zeros(b, dtype=torch.long, device=dev)
                 pos = torch.full((b,), L - 1, dtype=torch.long, device=dev)
                 slots = torch.arange(b, device=dev) + 40
                 idx = torch.arange(L, device=dev).repeat(b)
                 mask = torch.ones(b, 1, 1, L, dtype=torch.bool, device=dev)
-                with torch.inference_mode(), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # inductor's "bf16 and fp16 are mixed" notes
+                with torch.inference_mode():
                     fn(ids, pos, slots, idx, mask, dummy)
             self.seconds = time.perf_counter() - t0
             self.fn = fn
@@ -530,8 +536,15 @@ class CompiledDecode:
             self.error = f"{type(e).__name__}: {e}"
             log.warning("torch.compile of the decode step failed, serving eagerly: %s", self.error)
 
-    def __call__(self, input_ids, positions, slot_mapping, kv_index, kv_mask, kv_caches) -> torch.Tensor:
-        """Run the compiled graph (only once :attr:`ready`)."""
+    def __call__(self, input_ids, positions, slot_mapping, kv_index, kv_mask, kv_caches) -> torch.Tensor | None:
+        """Run the compiled graph (only once :attr:`ready`); None when the inputs match no
+        warmed-up graph: tracing one now would stall the engine for tens of seconds
+        (``fail_on_recompile``), so the caller runs that step eagerly."""
+        try:
+            with torch.inference_mode(), torch.compiler.set_stance("fail_on_recompile"):
+                out = self.fn(input_ids, positions, slot_mapping, kv_index, kv_mask, kv_caches)
+        except Exception:  # noqa: BLE001 - a guard miss (or any graph failure): eager for this step
+            self.fallbacks += 1
+            return None
         self.calls += 1
-        with torch.inference_mode():
-            return self.fn(input_ids, positions, slot_mapping, kv_index, kv_mask, kv_caches)
+        return out

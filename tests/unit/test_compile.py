@@ -1,6 +1,7 @@
 """The decode-only graph (LlamaModel.decode_step) and its torch.compile (CompiledDecode)."""
 
 import pytest
+import torch
 
 import tinymodel
 from kvserve.config import EngineConfig
@@ -67,9 +68,17 @@ def test_compiled_engine_equals_eager(q4_gguf, tmp_path, monkeypatch):
     assert graph.wait(timeout=900), graph.error
     got = _greedy(core, PROMPTS)
     assert graph.calls == 20  # every step after the first (the prefill) is decode-only: 21 tokens for r3
+    assert graph.fallbacks == 0  # 4, 3, 2 and 1 rows: all served by the two warmed-up graphs
     for rid, (toks, lps) in ref.items():
         assert got[rid][0] == toks
         assert got[rid][1] == pytest.approx(lps, abs=1e-3)
+    # inputs no warmed-up graph accepts are refused (None: the runner runs the step eagerly),
+    # never traced while serving
+    b, L = 2, 9
+    ids = torch.zeros(b, dtype=torch.long)
+    assert graph(ids, ids, ids + 40, torch.arange(L).repeat(b).int(), torch.ones(b, 1, 1, L, dtype=torch.bool),
+                 core.runner.kv_caches) is None
+    assert graph.fallbacks == 1
     # a fresh sequence alone (B = 1, the specialized graph) after the batch (B >= 2)
     alone = _greedy(core, [PROMPTS[2]], n=20)["r0"]
     assert alone[0] == _greedy(EngineCore(loaded, EngineConfig(**cfg)), [PROMPTS[2]], n=20)["r0"][0]
