@@ -28,6 +28,7 @@ class ServerArgs:
     parallel: int = -1
     threads: int = 0
     compile: bool = False
+    large_batch_dtype: str = "auto"
     batch_size: int = 2048
     ubatch_size: int = 512
     n_predict: int = -1
@@ -94,6 +95,7 @@ class ServerArgs:
             dtype=self.dtype,
             threads=self.threads,
             compile=self.compile,
+            large_batch_dtype=self.large_batch_dtype,
             device=self.device,
             cache_ram=self.cache_ram,
         )
@@ -121,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("-np", "--parallel", type=int, default=None, help="slots (-1 = auto: 4, unified KV)")
     a("--max-num-seqs", type=int, default=None, help="slots (vLLM name of -np)")
     a("-t", "--threads", type=int, default=0)
+    a("--large-batch-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+      help="dense weight copy for steps above 16 rows (prefill) with --dtype auto on CPU: auto = bfloat16 "
+           "where the CPU has native bf16, else float32")
     a("--compile", action="store_true",
       help="torch.compile the decode step in the background (serves eagerly until ready; ~90 s of CPU the "
            "first time, cached in $KVSERVE_HOME/inductor)")
@@ -237,7 +242,7 @@ def parse_args(argv: list[str]) -> ServerArgs:
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
         reasoning_format=ns.reasoning_format, reasoning_parser=ns.reasoning_parser,
         reasoning_budget=ns.reasoning_budget, reasoning=ns.reasoning, chat_template_kwargs=tkw,
-        compile=ns.compile,
+        compile=ns.compile, large_batch_dtype=ns.large_batch_dtype,
     )
     try:
         args.default_sampling_params()

@@ -25,3 +25,10 @@ def test_llama_and_vllm_names_fill_the_engine_config():
     cfg = a.engine_config()
     assert (cfg.n_ctx, cfg.n_parallel, cfg.kv_dtype, cfg.cache_ram, cfg.max_num_batched_tokens) == \
         (4096, 2, "f32", 0, 512)
+
+
+def test_speed_flags_reach_the_engine_config():
+    cfg = parse_args(["m.gguf"]).engine_config()
+    assert (cfg.compile, cfg.large_batch_dtype) == (False, "auto")
+    cfg = parse_args(["m.gguf", "--compile", "--large-batch-dtype", "float32"]).engine_config()
+    assert (cfg.compile, cfg.large_batch_dtype) == (True, "float32")
