@@ -1,5 +1,8 @@
 """The decode-only graph (LlamaModel.decode_step) and its torch.compile (CompiledDecode)."""
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -56,6 +59,8 @@ def test_decode_step_equals_forward(q4_gguf, dtype):
         assert got[rid][1] == pytest.approx(lps, abs=1e-4)
 
 
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="torch.compile on CPU needs a C++ compiler (g++ or $CXX)")
 def test_compiled_engine_equals_eager(q4_gguf, tmp_path, monkeypatch):
     """torch.compile for real (C++ codegen): compiled in the background, ready, used for
     the decode-only steps, with the same greedy tokens as the eager engine."""
