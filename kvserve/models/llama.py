@@ -442,16 +442,18 @@ class LlamaModel(nn.Module):
 class CompiledDecode:
     """``torch.compile`` of :meth:`LlamaModel.decode_step`, built in a background thread.
 
-    The engine serves eagerly until the graphs are ready, then runs every
-    decode-only step through them: one fused C++ kernel where eager torch runs a
-    dozen small ops (norms, RoPE, residual adds, dtype casts), so less time goes
-    to per-op overhead. Measured on SmolLM2 Q4_1, 2-core EPYC: one stream 53 ->
+    The engine serves eagerly until the graphs are ready, then runs decode-only
+    steps of at most :attr:`max_batch` rows through them: one fused C++ kernel
+    where eager torch runs a dozen small ops (norms, RoPE, residual adds, dtype
+    casts), so less time goes to per-op overhead. A step no warmed-up graph
+    accepts runs eagerly (``fail_on_recompile``: no tracing while serving).
+    Measured on SmolLM2 Q4_1, 2-core EPYC, model step alone: one stream 53 ->
     75 tok/s, 4 streams 159 -> 261, 16 streams 254 -> 404. Compiling costs
     about 90 s of CPU the first time (two graphs: B = 1, which torch specializes,
     and B >= 2 with dynamic shapes); the compiled artifacts are cached on disk
     (``TORCHINDUCTOR_CACHE_DIR``, default ``$KVSERVE_HOME/inductor``), so later
-    starts take about 15 s. Needs a C++ compiler; without one, or on any compile
-    error, the error is logged and the engine stays eager.
+    starts take about 20-25 s. Needs a C++ compiler; without one, or on any
+    compile error, the error is logged and the engine stays eager.
 
     Args:
         model: the LlamaModel.
