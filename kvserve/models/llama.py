@@ -160,9 +160,7 @@ class Linear(nn.Module):
         w = self.weight
         if w is None or (self.kernel != "dense" and x.shape[0] <= self.small_max_rows):
             if self.kernel == "w8a8":
-                # symmetric per-row int8 activations; the int32 dot products times both
-                # scales give float32 logits (llama.cpp also quantizes activations to 8 bits)
-                y = _w8a8_mm(x, self.q8, self.scales)
+                y = _w8a8_mm(x, self.q8, self.scales)  # float32 logits from int8 x int8
             elif self.kernel == "int8":
                 y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q8, self.scales).to(x.dtype)
             elif self.kernel == "int4":
@@ -343,14 +341,17 @@ class LlamaModel(nn.Module):
     def _decode_attention(self, qd, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
         """qd: [B, H, D], the single-token queries -> [B, H, D] over each one's cached rows."""
         idx = batch.decode_kv_index  # [B, L]
-        B, L = idx.shape
+        return self._attend_rows(qd, k_cache, v_cache, idx.view(-1), idx.shape[1], batch.decode_mask)
+
+    def _attend_rows(self, qd, k_cache, v_cache, flat, L: int, mask) -> torch.Tensor:
+        """qd: [B, H, D] single-token queries over cache rows ``flat`` ([B * L] long,
+        each query's L rows in turn; mask [B, 1, 1, L] bool or None) -> [B, H, D]."""
+        B = qd.shape[0]
         # index_select on the flat index: a row copy per index, several times faster on CPU
         # than advanced indexing with a 2-D index (same values)
-        flat = idx.view(-1)
         kd = k_cache.index_select(0, flat).view(B, L, *k_cache.shape[1:]).to(qd.dtype).transpose(1, 2)  # [B, Hkv, L, D]
         vd = v_cache.index_select(0, flat).view(B, L, *v_cache.shape[1:]).to(qd.dtype).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=batch.decode_mask, scale=self.scale,
-                                           enable_gqa=True)
+        o = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.squeeze(2)
 
     # -- forward -------------------------------------------------------------
@@ -419,7 +420,6 @@ class LlamaModel(nn.Module):
         x = self.tok_embd[input_ids]
         cos = self.rope_cos[positions].view(B, 1, hd // 2)
         sin = self.rope_sin[positions].view(B, 1, hd // 2)
-        flat = kv_index
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             qkv = layer.wqkv.forward(layer.attn_norm.forward(x))
             pairs = qkv[:, :nqk].view(B, nq + nkv, hd // 2, 2)
@@ -429,10 +429,7 @@ class LlamaModel(nn.Module):
             v = qkv[:, nqk:].view(B, nkv, hd)
             k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
             v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-            kd = k_cache.index_select(0, flat).view(B, L, nkv, hd).to(x.dtype).transpose(1, 2)
-            vd = v_cache.index_select(0, flat).view(B, L, nkv, hd).to(x.dtype).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=kv_mask, scale=self.scale,
-                                               enable_gqa=True)
+            o = self._attend_rows(q, k_cache, v_cache, kv_index, L, kv_mask)
             x = x + layer.wo.forward(o.reshape(B, nq * hd))
             gate, up = layer.w_gate_up.forward(layer.ffn_norm.forward(x)).chunk(2, dim=-1)
             x = x + layer.w_down.forward(F.silu(gate) * up)
