@@ -145,7 +145,9 @@ class Linear(nn.Module):
             if kernel in ("int8", "w8a8"):
                 self.q8, self.scales = _int8_rows(torch.from_numpy(dense))
                 if kernel == "w8a8":
-                    self.q8 = self.q8.t()  # [K, N] view: _int_mm's right operand
+                    # [K, N], _int_mm's right operand: a contiguous copy reads ~10% faster
+                    # than the transposed view (49152 x 576 head, one row: 2.15 -> 1.92 ms)
+                    self.q8 = self.q8.t().contiguous()
                     self.scales = self.scales.float()
                 if not small_max_rows:
                     dense = None
@@ -178,7 +180,7 @@ _FLOAT_TYPES = {"F32", "F16", "BF16", "F64", "torch.float32", "torch.float16", "
 
 
 def _w8a8_mm(x: torch.Tensor, q8t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 @ int8 weights ([K, N] view, float32 scales [N]) -> [M, N] float32.
+    """x [M, K] float32 @ int8 weights ([K, N], float32 scales [N]) -> [M, N] float32.
 
     x is written as two int8 limbs per row, x ~ a * s1 + b * s2 (a = round(x / s1),
     b = round((x - a * s1) / s2), s2 = s1 / 127), so activations keep about 14 bits:
@@ -354,6 +356,27 @@ class LlamaModel(nn.Module):
         o = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.squeeze(2)
 
+    def _attend_rows_fused(self, qd, k_cache, v_cache, flat, L: int, mask) -> torch.Tensor:
+        """The same as :meth:`_attend_rows`, written as plain reductions for inductor -> [B, H * D].
+
+        Scores are ``sum_d q * K[flat]`` over the cache rows in place (the gather and
+        the float32 cast fuse into the dot product: no [B, Hkv, L, D] float32 copy of K
+        or V), the softmax runs over L, and the output is ``sum_l p * V[flat]``. Eagerly
+        this would materialize [B, L, Hkv, H/Hkv, D] products; compiled it is about 40%
+        faster than SDPA on CPU (SmolLM2 shapes, 2-core EPYC, 30 layers: one query over
+        1,500 rows 12.4 -> 7.5 ms, 16 queries over 150 rows 9.0 -> 5.6 ms), where SDPA's
+        small-M GEMMs run at 10-20 GFLOP/s.
+        """
+        B = qd.shape[0]
+        hkv, hd = k_cache.shape[1], k_cache.shape[2]
+        g = qd.shape[1] // hkv  # query heads per KV head (GQA: head h reads KV head h // g)
+        kd = k_cache[flat].view(B, L, hkv, 1, hd).to(qd.dtype)
+        s = (kd * qd.view(B, 1, hkv, g, hd)).sum(-1) * self.scale  # [B, L, Hkv, G]
+        s = s.masked_fill(~mask.view(B, L, 1, 1), float("-inf"))
+        p = torch.softmax(s, dim=1)
+        vd = v_cache[flat].view(B, L, hkv, 1, hd).to(qd.dtype)
+        return (p.unsqueeze(-1) * vd).sum(1).reshape(B, hkv * g * hd)  # [B, Hkv, G, D] -> [B, H * D]
+
     # -- forward -------------------------------------------------------------
 
     @torch.inference_mode()
@@ -429,8 +452,8 @@ class LlamaModel(nn.Module):
             v = qkv[:, nqk:].view(B, nkv, hd)
             k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
             v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-            o = self._attend_rows(q, k_cache, v_cache, kv_index, L, kv_mask)
-            x = x + layer.wo.forward(o.reshape(B, nq * hd))
+            o = self._attend_rows_fused(q, k_cache, v_cache, kv_index, L, kv_mask)
+            x = x + layer.wo.forward(o)
             gate, up = layer.w_gate_up.forward(layer.ffn_norm.forward(x)).chunk(2, dim=-1)
             x = x + layer.w_down.forward(F.silu(gate) * up)
         return self.output.forward(self.output_norm.forward(x)).float()
