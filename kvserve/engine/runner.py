@@ -159,9 +159,9 @@ class ModelRunner:
 
     def _decode_like(self, ch) -> bool:
         """True for a single-token step, and for a chunk of at most DECODE_LIKE_MAX tokens
-        after at least one cached token (no prompt logprobs): each of its tokens then
-        runs as a decode query over the cache rows up to itself, and a step of only
-        such rows can use the compiled decode graph (``--compile``). Measured on
+        after at least one cached token (no prompt logprobs). In a step of only such
+        chunks that the compiled decode graph (``--compile``) takes, each token of a
+        chunk runs as a decode query over the cache rows up to itself. Measured on
         SmolLM2, a warm prompt with 1,516 cached tokens and 2 new ones, in-engine time
         to first token in alternating runs: compiled 43-45 -> 35-37 ms and 30 -> 24-29
         ms; eager, within run-to-run noise (30-50 ms either way)."""
@@ -178,10 +178,16 @@ class ModelRunner:
         self.copy_blocks(sched.kv_copies)
         chunks = sched.chunks
         bs = self.block_size
-        # decode rows first: single-token steps, and short chunks that continue a cached
-        # prefix (a warm prompt's last tokens, a resumed sequence), each of whose tokens
-        # is a query over the rows before it, like a decode
+        # decode rows first: single-token steps, and, in a step the compiled graph runs,
+        # short chunks that continue a cached prefix (a warm prompt's last tokens, a
+        # resumed sequence), each of whose tokens is then a query over the rows before
+        # it, like a decode. Eagerly such a chunk is faster as a prefill group: its
+        # cache rows are gathered once for all its tokens (LlamaModel._grouped_attention)
         as_decode = [self._decode_like(ch) for ch in chunks]
+        comp = self.compiled
+        if not (comp is not None and comp.ready and all(as_decode)
+                and sum(ch.num_new_tokens for ch in chunks) <= comp.max_batch):
+            as_decode = [d and ch.num_new_tokens == 1 for d, ch in zip(as_decode, chunks)]
         order = sorted(range(len(chunks)), key=lambda i: not as_decode[i])
         ids: list[int] = []
         pos: list[int] = []
@@ -237,7 +243,6 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         # every row, in order (a decode-only step): no gather of the hidden states
         need_t = None if need == list(range(t)) else torch.tensor(need, dtype=torch.long, device=self.device)
-        comp = self.compiled
         logits = None
         # L >= 2: a size of 1 would be a new (specialized) graph
         if (comp is not None and comp.ready and n_decode == t and n_decode <= comp.max_batch

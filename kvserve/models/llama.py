@@ -336,9 +336,33 @@ class LlamaModel(nn.Module):
             else:
                 kp = k_cache.index_select(0, g.kv_index).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
                 vp = v_cache.index_select(0, g.kv_index).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                if g.end - g.start <= self.GROUPED_QUERY_MAX:
+                    out[g.start:g.end] = self._grouped_attention(q[g.start:g.end], kp, vp, g.mask())
+                    continue
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask(), scale=self.scale, enable_gqa=True)
             out[g.start:g.end] = o.squeeze(0).transpose(0, 1)
         return out.reshape(T, -1)
+
+    #: prompt chunks over a cached prefix with at most this many tokens use _grouped_attention
+    GROUPED_QUERY_MAX = 16
+
+    def _grouped_attention(self, q, kp, vp, mask) -> torch.Tensor:
+        """q: [R, H, D] queries of one sequence over its cached rows kp/vp ([1, Hkv, Lk, D],
+        mask [R, Lk] bool) -> [R, H, D].
+
+        The query heads that share a KV head become rows of one SDPA query
+        ([1, Hkv, G * R, D]), so K and V are read once per KV head; SDPA's
+        ``enable_gqa`` on CPU is several times slower for a few queries over many
+        keys. Measured (SmolLM2 shapes, 30 layers, 1,500 cached rows): 3 queries
+        27.9 -> 12.5 ms, 2 queries 22.2 -> 13.8 ms; equal from about 64 queries on.
+        """
+        r, h, d = q.shape
+        hkv = kp.shape[1]
+        g = h // hkv
+        qg = q.view(r, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * r, d)
+        m = mask.unsqueeze(0).expand(g, r, mask.shape[-1]).reshape(1, 1, g * r, mask.shape[-1])
+        o = F.scaled_dot_product_attention(qg, kp, vp, attn_mask=m, scale=self.scale)  # [1, Hkv, G * R, D]
+        return o.view(hkv, g, r, d).permute(2, 0, 1, 3).reshape(r, h, d)
 
     def _decode_attention(self, qd, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
         """qd: [B, H, D], the single-token queries -> [B, H, D] over each one's cached rows."""
