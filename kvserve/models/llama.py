@@ -37,6 +37,7 @@ class PrefillGroup:
     n_past: int
     kv_index: torch.Tensor | None = None
     _mask: torch.Tensor | None = None
+    _grouped: torch.Tensor | None = None
 
     def mask(self) -> torch.Tensor:
         """[Lq, Lk] bool, bottom-right aligned causal: query i sees keys j <= n_past + i.
@@ -45,6 +46,17 @@ class PrefillGroup:
             lq, lk = self.end - self.start, self.kv_index.shape[0]
             self._mask = torch.ones(lq, lk, dtype=torch.bool, device=self.kv_index.device).tril(diagonal=lk - lq)
         return self._mask
+
+    def grouped_mask(self, n_group: int, dtype) -> torch.Tensor:
+        """[1, 1, n_group * Lq, Lk] additive mask (0 / -inf) for LlamaModel._grouped_attention:
+        :meth:`mask` repeated for each of the ``n_group`` query heads of a KV head. Built
+        once per step (SDPA would turn a bool mask into this in every layer)."""
+        if self._grouped is None:
+            m = self.mask()
+            lq, lk = m.shape
+            bias = torch.zeros(lq, lk, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
+            self._grouped = bias.unsqueeze(0).expand(n_group, lq, lk).reshape(1, 1, n_group * lq, lk)
+        return self._grouped
 
 
 @dataclass
@@ -337,7 +349,8 @@ class LlamaModel(nn.Module):
                 kp = k_cache.index_select(0, g.kv_index).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
                 vp = v_cache.index_select(0, g.kv_index).to(q.dtype).transpose(0, 1).unsqueeze(0)
                 if g.end - g.start <= self.GROUPED_QUERY_MAX:
-                    out[g.start:g.end] = self._grouped_attention(q[g.start:g.end], kp, vp, g.mask())
+                    mask = g.grouped_mask(c.n_head // c.n_head_kv, q.dtype)
+                    out[g.start:g.end] = self._grouped_attention(q[g.start:g.end], kp, vp, mask)
                     continue
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=g.mask(), scale=self.scale, enable_gqa=True)
             out[g.start:g.end] = o.squeeze(0).transpose(0, 1)
@@ -348,7 +361,7 @@ class LlamaModel(nn.Module):
 
     def _grouped_attention(self, q, kp, vp, mask) -> torch.Tensor:
         """q: [R, H, D] queries of one sequence over its cached rows kp/vp ([1, Hkv, Lk, D],
-        mask [R, Lk] bool) -> [R, H, D].
+        mask [1, 1, H/Hkv * R, Lk] additive, see PrefillGroup.grouped_mask) -> [R, H, D].
 
         The query heads that share a KV head become rows of one SDPA query
         ([1, Hkv, G * R, D]), so K and V are read once per KV head; SDPA's
@@ -360,8 +373,7 @@ class LlamaModel(nn.Module):
         hkv = kp.shape[1]
         g = h // hkv
         qg = q.view(r, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * r, d)
-        m = mask.unsqueeze(0).expand(g, r, mask.shape[-1]).reshape(1, 1, g * r, mask.shape[-1])
-        o = F.scaled_dot_product_attention(qg, kp, vp, attn_mask=m, scale=self.scale)  # [1, Hkv, G * R, D]
+        o = F.scaled_dot_product_attention(qg, kp, vp, attn_mask=mask, scale=self.scale)  # [1, Hkv, G * R, D]
         return o.view(hkv, g, r, d).permute(2, 0, 1, 3).reshape(r, h, d)
 
     def _decode_attention(self, qd, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:

@@ -46,9 +46,10 @@ def test_grouped_attention_equals_gqa_sdpa():
         lk = n_past + r
         q = torch.randn(r, h, d)
         kp, vp = torch.randn(1, hkv, lk, d), torch.randn(1, hkv, lk, d)
-        mask = PrefillGroup(0, r, n_past, torch.arange(lk)).mask()
+        group = PrefillGroup(0, r, n_past, torch.arange(lk))
+        mask = group.mask()
         host = types.SimpleNamespace(scale=1 / math.sqrt(d))
-        got = LlamaModel._grouped_attention(host, q, kp, vp, mask)
+        got = LlamaModel._grouped_attention(host, q, kp, vp, group.grouped_mask(h // hkv, q.dtype))
         ref = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kp, vp, attn_mask=mask,
                                              scale=host.scale, enable_gqa=True).squeeze(0).transpose(0, 1)
         assert got.shape == (r, h, d)
