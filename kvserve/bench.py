@@ -98,12 +98,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("-b", "--batch-size", type=int, default=2048)
     ap.add_argument("--compile", action="store_true",
                     help="measure with the decode step compiled (waits for the compile; reports compile_s)")
+    ap.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
+                    help="with --compile: keep torch's int4 kernel instead of kvserve's one-row kernel")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     cfg = EngineConfig(n_ctx=4096, n_parallel=16, kv_unified=True, threads=a.threads, kv_dtype=a.cache_type_k,
                        dtype=a.dtype, cpu_kernel=a.cpu_kernel, small_batch_rows=a.small_batch_rows,
                        large_batch_dtype=a.large_batch_dtype, max_num_batched_tokens=a.batch_size,
-                       compile=a.compile)
+                       compile=a.compile, native_kernels=a.native_kernels)
     core = create_engine_core(a.model, cfg)
     load_s = time.perf_counter() - t0
     compile_s = None
@@ -116,6 +118,9 @@ def main(argv: list[str]) -> int:
     res = run_bench(core, "compile" if a.compile else "eager")
     res["load_s"] = round(load_s, 2)
     if compile_s is not None:
+        from kvserve.models import q4_kernel
+
         res["compile_s"] = compile_s
+        res["native_q4_kernel"] = q4_kernel.READY and core.model.layers[0].w_gate_up.q4w is not None
     print(json.dumps(res))
     return 0

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.loaders.weights import ModelConfig, Weight
+from kvserve.models import q4_kernel
 
 
 @dataclass
@@ -122,13 +123,17 @@ class Linear(nn.Module):
         large_dtype: dtype of that dense copy when ``kernel`` is not "dense":
             bfloat16 on CPUs with native bfloat16 (AVX512-BF16/AMX: 2-2.5x the
             float32 GEMM rate, half the memory), float32 otherwise.
+        native_q4: with the "int4" kernel and a multiple of 64 input features, also
+            keep the weights in the layout of kvserve's own kernel
+            (:mod:`kvserve.models.q4_kernel`), used for one-row steps once it is
+            built (``--compile``); 5 more bits per weight of memory.
 
     Input x: [T, in] float32; output [T, out] float32 (the small-batch kernels
     and a bfloat16 dense copy compute in bfloat16, accumulating in float32).
     """
 
     def __init__(self, weights: list[Weight], bias: list[Weight] | None, dtype, device, kernel: str = "dense",
-                 small_max_rows: int = 0, large_dtype=torch.float32):
+                 small_max_rows: int = 0, large_dtype=torch.float32, native_q4: bool = False):
         super().__init__()
         cpu = torch.device(device).type == "cpu"
         packed = all(w.q4 is not None for w in weights)
@@ -143,6 +148,7 @@ class Linear(nn.Module):
         self.out_features = sum(w.shape[0] for w in weights)
         self.in_features = weights[0].shape[1]
         self.packed = self.scales = self.q8 = self.weight = None
+        self.q4w: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if kernel == "int4":
             merged = Weight(
                 (self.out_features, self.in_features),
@@ -151,6 +157,8 @@ class Linear(nn.Module):
                 q4_zero=_np_cat([w.q4_zero for w in weights]),
             )
             self.packed, self.scales = _int4_pack(merged, device)
+            if native_q4 and self.in_features % 64 == 0:
+                self.q4w = q4_kernel.pack(merged.q4, merged.q4_scale, merged.q4_zero)
             dense = merged.to_dense() if small_max_rows else None
         else:
             dense = _np_cat([w.to_dense() for w in weights])
@@ -177,6 +185,8 @@ class Linear(nn.Module):
                 y = _w8a8_mm(x, self.q8, self.scales)  # float32 logits from int8 x int8
             elif self.kernel == "int8":
                 y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q8, self.scales).to(x.dtype)
+            elif self.q4w is not None and x.shape[0] == 1 and q4_kernel.READY:
+                y = q4_kernel.q4_mm(x, *self.q4w)
             elif self.kernel == "int4":
                 y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, 32, self.scales).to(x.dtype)
             else:
@@ -277,12 +287,14 @@ class LlamaModel(nn.Module):
         kernel, small_max_rows, large_dtype: small-batch kernel of every
             projection and of the output head, the rows up to which it is used
             and the dtype of the dense copy used above that (see Linear).
+        native_q4: keep the projections' 4-bit weights for kvserve's own
+            one-row kernel too (see Linear; built by CompiledDecode).
         max_positions: size of the RoPE tables (tokens).
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, Weight], dtype=torch.float32, device="cpu",
                  kernel: str = "dense", small_max_rows: int = 0, max_positions: int = 8192,
-                 large_dtype=torch.float32):
+                 large_dtype=torch.float32, native_q4: bool = False):
         super().__init__()
         self.config = config
         self.device = torch.device(device)
@@ -291,7 +303,8 @@ class LlamaModel(nn.Module):
         emb = weights["token_embd.weight"]
         self.tok_embd = torch.from_numpy(emb.to_dense()).to(device=device, dtype=self.compute_dtype)
         self.layers = nn.ModuleList()
-        lin = dict(dtype=dtype, device=device, kernel=kernel, small_max_rows=small_max_rows, large_dtype=large_dtype)
+        lin = dict(dtype=dtype, device=device, kernel=kernel, small_max_rows=small_max_rows, large_dtype=large_dtype,
+                   native_q4=native_q4)
         for i in range(c.n_layer):
             p = f"blk.{i}."
             layer = nn.Module()
@@ -565,6 +578,7 @@ class CompiledDecode:
 
         log = logging.getLogger("kvserve.engine")
         t0 = time.perf_counter()
+        self._build_q4_kernel(log)
         try:
             fn = torch.compile(self.model.decode_step, dynamic=True)
             k, v = self._kv_like
@@ -593,6 +607,21 @@ class CompiledDecode:
         except Exception as e:  # noqa: BLE001 - any compile failure leaves the engine eager
             self.error = f"{type(e).__name__}: {e}"
             log.warning("torch.compile of the decode step failed, serving eagerly: %s", self.error)
+
+    def _build_q4_kernel(self, log) -> None:
+        """Build kvserve's one-row 4-bit kernel when the model kept weights for it (before
+        tracing, so the graph calls it); on failure, log, drop those weights, stay on torch's."""
+        linears = [lin for layer in self.model.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
+                   if lin.q4w is not None]
+        if not linears:
+            return
+        try:
+            q4_kernel.build()
+            log.info("built the native q4 kernel (one-row steps)")
+        except Exception as e:  # noqa: BLE001 - torch's int4 kernel stays in use
+            log.warning("native q4 kernel not available, using torch's int4 kernel: %s", e)
+            for lin in linears:
+                lin.q4w = None
 
     def __call__(self, input_ids, positions, slot_mapping, kv_index, kv_mask, kv_caches) -> torch.Tensor | None:
         """Run the compiled graph (only once :attr:`ready`); None when the inputs match no

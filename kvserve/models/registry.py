@@ -42,23 +42,31 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
     """Instantiate the torch module for ``loaded`` with the numerics of ``config``.
 
     dtype "auto": on CPU ``config.cpu_kernel`` for small batches and a dense
-    copy in ``config.large_batch_dtype`` for large ones; bfloat16 on CUDA.
+    copy in ``config.large_batch_dtype`` for large ones (and, with
+    ``config.compile`` and ``config.native_kernels``, the 4-bit weights for
+    kvserve's one-row kernel on CPUs it supports); bfloat16 on CUDA.
     """
     cls = ARCHITECTURES.get(loaded.config.arch)
     if cls is None:
         raise ModelLoadError(f"unknown model architecture '{loaded.config.arch}'")
     device = config.resolve_device()
     large = torch.float32
+    native_q4 = False
     if config.dtype == "auto":
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         kernel = config.cpu_kernel if device == "cpu" else "dense"
         if config.large_batch_dtype == "bfloat16" or config.large_batch_dtype == "auto" and cpu_native_bf16():
             large = torch.bfloat16
+        if config.compile and config.native_kernels and device == "cpu":
+            from kvserve.models import q4_kernel
+
+            native_q4 = q4_kernel.cpu_supported()
     else:
         dtype = _DTYPES[config.dtype]
         kernel = "dense"
     return cls(loaded.config, loaded.weights, dtype=dtype, device=device, kernel=kernel,
-               small_max_rows=config.small_batch_rows, max_positions=max_positions, large_dtype=large)
+               small_max_rows=config.small_batch_rows, max_positions=max_positions, large_dtype=large,
+               native_q4=native_q4)
 
 
 def cpu_native_bf16() -> bool:

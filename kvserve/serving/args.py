@@ -28,6 +28,7 @@ class ServerArgs:
     parallel: int = -1
     threads: int = 0
     compile: bool = False
+    native_kernels: bool = True
     large_batch_dtype: str = "auto"
     batch_size: int = 2048
     ubatch_size: int = 512
@@ -95,6 +96,7 @@ class ServerArgs:
             dtype=self.dtype,
             threads=self.threads,
             compile=self.compile,
+            native_kernels=self.native_kernels,
             large_batch_dtype=self.large_batch_dtype,
             device=self.device,
             cache_ram=self.cache_ram,
@@ -128,7 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
            "where the CPU has native bf16, else float32")
     a("--compile", action="store_true",
       help="torch.compile the decode step in the background (serves eagerly until ready; ~90 s of CPU the "
-           "first time, cached in $KVSERVE_HOME/inductor)")
+           "first time, cached in $KVSERVE_HOME/inductor), and build the native one-row 4-bit kernel where the "
+           "CPU has AVX512-VNNI")
+    a("--no-native-kernels", dest="native_kernels", action="store_false",
+      help="with --compile: keep torch's int4 kernel instead of building kvserve's own")
     a("-b", "--batch-size", type=int, default=None, help="tokens per step (= --max-num-batched-tokens)")
     a("-ub", "--ubatch-size", type=int, default=512, help="accepted; one step is one batch here")
     a("--max-num-batched-tokens", type=int, default=None)
@@ -242,7 +247,7 @@ def parse_args(argv: list[str]) -> ServerArgs:
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
         reasoning_format=ns.reasoning_format, reasoning_parser=ns.reasoning_parser,
         reasoning_budget=ns.reasoning_budget, reasoning=ns.reasoning, chat_template_kwargs=tkw,
-        compile=ns.compile, large_batch_dtype=ns.large_batch_dtype,
+        compile=ns.compile, native_kernels=ns.native_kernels, large_batch_dtype=ns.large_batch_dtype,
     )
     try:
         args.default_sampling_params()

@@ -10,6 +10,7 @@ import tinymodel
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.request import Request, SamplingParams
+from kvserve.models import q4_kernel
 from kvserve.models.llama import CompiledDecode
 from kvserve.models.registry import load_files
 
@@ -68,7 +69,8 @@ def test_compiled_engine_equals_eager(q4_gguf, tmp_path, monkeypatch):
     loaded = load_files(q4_gguf)
     cfg = dict(n_ctx=512, n_parallel=4, kv_unified=True)
     ref = _greedy(EngineCore(loaded, EngineConfig(**cfg)), PROMPTS)
-    core = EngineCore(loaded, EngineConfig(**cfg, compile=True))
+    # torch's int4 kernel inside the graph (the native one has int8 activations: see the next test)
+    core = EngineCore(loaded, EngineConfig(**cfg, compile=True, native_kernels=False))
     graph = core.runner.compiled
     assert graph.wait(timeout=900), graph.error
     got = _greedy(core, PROMPTS)
@@ -87,3 +89,31 @@ def test_compiled_engine_equals_eager(q4_gguf, tmp_path, monkeypatch):
     # a fresh sequence alone (B = 1, the specialized graph) after the batch (B >= 2)
     alone = _greedy(core, [PROMPTS[2]], n=20)["r0"]
     assert alone[0] == _greedy(EngineCore(loaded, EngineConfig(**cfg)), [PROMPTS[2]], n=20)["r0"][0]
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None or not q4_kernel.cpu_supported(),
+                    reason="the native q4 kernel needs a C++ compiler and an AVX512-VNNI CPU")
+def test_compiled_engine_with_native_q4_kernel(q4_gguf, tmp_path, monkeypatch):
+    """--compile with the native one-row kernel: built, used inside the B = 1 graph, the same
+    greedy tokens as the eager engine. Logprobs of one-row steps move by up to 2e-2 (int8
+    activations per block of 32, as llama.cpp computes Q4 dot products; measured 7.4e-3 here),
+    multi-row steps keep torch's kernel and the 1e-3 bound."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    loaded = load_files(q4_gguf)
+    cfg = dict(n_ctx=512, n_parallel=4, kv_unified=True)
+    ref = _greedy(EngineCore(loaded, EngineConfig(**cfg)), PROMPTS)
+    core = EngineCore(loaded, EngineConfig(**cfg, compile=True))
+    graph = core.runner.compiled
+    assert graph.wait(timeout=900), graph.error
+    assert q4_kernel.READY
+    assert all(lin.q4w is not None for lin in (core.model.layers[0].wqkv, core.model.layers[1].w_down))
+    got = _greedy(core, PROMPTS)
+    assert graph.calls == 20 and graph.fallbacks == 0
+    for rid, (toks, lps) in ref.items():
+        assert got[rid][0] == toks
+        assert got[rid][1] == pytest.approx(lps, abs=2e-2)
+    # r3 runs alone (one-row steps) for its last 3 tokens: those went through the native kernel
+    one_row = [abs(a - b) for a, b in zip(got["r3"][1][-3:], ref["r3"][1][-3:])]
+    assert max(one_row) > 1e-5
+    # the first 12 tokens of r0 come from steps with 4 rows: torch's kernel, float rounding only
+    assert got["r0"][1][1:12] == pytest.approx(ref["r0"][1][1:12], abs=1e-3)
