@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="measure with the decode step compiled (waits for the compile; reports compile_s)")
     ap.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
-                    help="with --compile: keep torch's int4 kernel instead of kvserve's one-row kernel")
+                    help="with --compile: keep torch's int4 kernel instead of kvserve's native one")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     cfg = EngineConfig(n_ctx=4096, n_parallel=16, kv_unified=True, threads=a.threads, kv_dtype=a.cache_type_k,

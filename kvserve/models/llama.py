@@ -125,8 +125,8 @@ class Linear(nn.Module):
             float32 GEMM rate, half the memory), float32 otherwise.
         native_q4: with the "int4" kernel and a multiple of 64 input features, also
             keep the weights in the layout of kvserve's own kernel
-            (:mod:`kvserve.models.q4_kernel`), used for one-row steps once it is
-            built (``--compile``); 5 more bits per weight of memory.
+            (:mod:`kvserve.models.q4_kernel`), used in place of torch's int4 kernel
+            once it is built (``--compile``); 5 more bits per weight of memory.
 
     Input x: [T, in] float32; output [T, out] float32 (the small-batch kernels
     and a bfloat16 dense copy compute in bfloat16, accumulating in float32).
@@ -185,7 +185,7 @@ class Linear(nn.Module):
                 y = _w8a8_mm(x, self.q8, self.scales)  # float32 logits from int8 x int8
             elif self.kernel == "int8":
                 y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q8, self.scales).to(x.dtype)
-            elif self.q4w is not None and x.shape[0] == 1 and q4_kernel.READY:
+            elif self.q4w is not None and q4_kernel.READY:
                 y = q4_kernel.q4_mm(x, *self.q4w)
             elif self.kernel == "int4":
                 y = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, 32, self.scales).to(x.dtype)
@@ -288,7 +288,7 @@ class LlamaModel(nn.Module):
             projection and of the output head, the rows up to which it is used
             and the dtype of the dense copy used above that (see Linear).
         native_q4: keep the projections' 4-bit weights for kvserve's own
-            one-row kernel too (see Linear; built by CompiledDecode).
+            4-bit kernel too (see Linear; built by CompiledDecode).
         max_positions: size of the RoPE tables (tokens).
     """
 
@@ -609,15 +609,15 @@ class CompiledDecode:
             log.warning("torch.compile of the decode step failed, serving eagerly: %s", self.error)
 
     def _build_q4_kernel(self, log) -> None:
-        """Build kvserve's one-row 4-bit kernel when the model kept weights for it (before
-        tracing, so the graph calls it); on failure, log, drop those weights, stay on torch's."""
+        """Build kvserve's 4-bit kernel when the model kept weights for it (before tracing,
+        so the graph calls it); on failure, log, drop those weights, stay on torch's."""
         linears = [lin for layer in self.model.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
                    if lin.q4w is not None]
         if not linears:
             return
         try:
             q4_kernel.build()
-            log.info("built the native q4 kernel (one-row steps)")
+            log.info("built the native q4 kernel")
         except Exception as e:  # noqa: BLE001 - torch's int4 kernel stays in use
             log.warning("native q4 kernel not available, using torch's int4 kernel: %s", e)
             for lin in linears:

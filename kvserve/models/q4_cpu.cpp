@@ -1,5 +1,5 @@
-// kvserve native CPU kernel: y = x @ W.T for 4-bit GGUF weights (Q4_0 / Q4_1 blocks of 32),
-// one activation row at a time, on x86-64 with AVX512-VNNI. Built at run time by
+// kvserve native CPU kernel: y = x @ W.T for 4-bit GGUF weights (Q4_0 / Q4_1 blocks of 32)
+// and a few activation rows, on x86-64 with AVX512-VNNI. Built at run time by
 // kvserve/models/q4_kernel.py (``kvserve serve --compile``) and registered as the torch op
 // ``kvserve::q4_mm``.
 //
@@ -46,11 +46,16 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* xs, 
   }
 }
 
-inline float row_dot(const uint8_t* wrow, const uint16_t* drow, const uint16_t* mrow, int64_t K,
-                     const int8_t* xq, const float* xs, const float* xsum) {
-  const int64_t P = K / 64;
-  __m512 acc = _mm512_setzero_ps();
-  __m512 accm = _mm512_setzero_ps();
+// MR activation rows against one weight row: each unpacked weight pair is used MR times
+template <int MR>
+inline void rows_dot(const uint8_t* wrow, const uint16_t* drow, const uint16_t* mrow, int64_t K, const int8_t* xq,
+                     const float* xs, const float* xsum, float* out, int64_t ldo) {
+  const int64_t P = K / 64, G = K / 32;
+  __m512 acc[MR], accm[MR];
+  for (int r = 0; r < MR; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    accm[r] = _mm512_setzero_ps();
+  }
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t pr = 0; pr < P; ++pr) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + pr * 32));
@@ -58,22 +63,24 @@ inline float row_dot(const uint8_t* wrow, const uint16_t* drow, const uint16_t* 
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
     const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
     int32_t dpair, mpair;
-    double xspair, xmpair;
     std::memcpy(&dpair, drow + 2 * pr, 4);
     std::memcpy(&mpair, mrow + 2 * pr, 4);
-    std::memcpy(&xspair, xs + 2 * pr, 8);
-    std::memcpy(&xmpair, xsum + 2 * pr, 8);
     const __m512 dw = _mm512_cvtph_ps(_mm256_set1_epi32(dpair));  // d0 d1 d0 d1 ...
     const __m512 mw = _mm512_cvtph_ps(_mm256_set1_epi32(mpair));
-    const __m512i a = _mm512_loadu_si512(xq + pr * 64);
-    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
-    const __m512 xsp = _mm512_castpd_ps(_mm512_set1_pd(xspair));  // dx0 dx1 dx0 dx1 ...
-    const __m512 xmp = _mm512_castpd_ps(_mm512_set1_pd(xmpair));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xsp), acc);
-    accm = _mm512_fmadd_ps(mw, xmp, accm);
+    for (int r = 0; r < MR; ++r) {
+      double xspair, xmpair;
+      std::memcpy(&xspair, xs + r * G + 2 * pr, 8);
+      std::memcpy(&xmpair, xsum + r * G + 2 * pr, 8);
+      const __m512i a = _mm512_loadu_si512(xq + r * K + pr * 64);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+      const __m512 xsp = _mm512_castpd_ps(_mm512_set1_pd(xspair));  // dx0 dx1 dx0 dx1 ...
+      const __m512 xmp = _mm512_castpd_ps(_mm512_set1_pd(xmpair));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xsp), acc[r]);
+      accm[r] = _mm512_fmadd_ps(mw, xmp, accm[r]);
+    }
   }
   // every block's m term sits in 8 lanes
-  return _mm512_reduce_add_ps(acc) + _mm512_reduce_add_ps(accm) * 0.125f;
+  for (int r = 0; r < MR; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(accm[r]) * 0.125f;
 }
 
 // x [M, K] float32 contiguous, wq [N, K/2] uint8, wd/wm [N, K/32] float16 -> [M, N] float32
@@ -99,10 +106,24 @@ at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wd
   const float* XS = xs.data_ptr<float>();
   const float* XM = xsum.data_ptr<float>();
   float* Y = y.data_ptr<float>();
+  // rows are computed in groups of 4 and the result of a row does not depend on its group
+  // (the same operations in the same order), so a sequence's logits do not depend on what
+  // else runs in its step
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t n = n0; n < n1; ++n)
-        Y[r * N + n] = row_dot(W + n * (K / 2), D + n * G, Mn + n * G, K, XQ + r * K, XS + r * G, XM + r * G);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wrow = W + n * (K / 2);
+      const uint16_t* drow = D + n * G;
+      const uint16_t* mrow = Mn + n * G;
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4)
+        rows_dot<4>(wrow, drow, mrow, K, XQ + r * K, XS + r * G, XM + r * G, Y + r * N + n, N);
+      switch (M - r) {
+        case 3: rows_dot<3>(wrow, drow, mrow, K, XQ + r * K, XS + r * G, XM + r * G, Y + r * N + n, N); break;
+        case 2: rows_dot<2>(wrow, drow, mrow, K, XQ + r * K, XS + r * G, XM + r * G, Y + r * N + n, N); break;
+        case 1: rows_dot<1>(wrow, drow, mrow, K, XQ + r * K, XS + r * G, XM + r * G, Y + r * N + n, N); break;
+        default: break;
+      }
+    }
   });
   return y;
 }

@@ -44,7 +44,7 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
     dtype "auto": on CPU ``config.cpu_kernel`` for small batches and a dense
     copy in ``config.large_batch_dtype`` for large ones (and, with
     ``config.compile`` and ``config.native_kernels``, the 4-bit weights for
-    kvserve's one-row kernel on CPUs it supports); bfloat16 on CUDA.
+    kvserve's native 4-bit kernel on CPUs it supports); bfloat16 on CUDA.
     """
     cls = ARCHITECTURES.get(loaded.config.arch)
     if cls is None:

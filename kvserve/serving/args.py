@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
            "where the CPU has native bf16, else float32")
     a("--compile", action="store_true",
       help="torch.compile the decode step in the background (serves eagerly until ready; ~90 s of CPU the "
-           "first time, cached in $KVSERVE_HOME/inductor), and build the native one-row 4-bit kernel where the "
+           "first time, cached in $KVSERVE_HOME/inductor), and build the native 4-bit kernel where the "
            "CPU has AVX512-VNNI")
     a("--no-native-kernels", dest="native_kernels", action="store_false",
       help="with --compile: keep torch's int4 kernel instead of building kvserve's own")

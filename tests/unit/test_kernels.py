@@ -97,7 +97,8 @@ def test_q4_pack_layout_against_dense_weights():
                     reason="the native q4 kernel is built with a C++ compiler")
 def test_native_q4_kernel_matches_its_reference():
     """kvserve::q4_mm (AVX512-VNNI) equals its float64 reference to float32 rounding, for
-    1 and 5 rows, SmolLM2's input widths, zero rows and a zero input."""
+    1 and 5 rows, SmolLM2's input widths, zero rows and a zero input; each row is
+    bit-identical to that row computed alone."""
     from kvserve.models import q4_kernel
 
     if not q4_kernel.cpu_supported():
@@ -113,5 +114,10 @@ def test_native_q4_kernel_matches_its_reference():
             assert got.shape == (rows, n) and got.dtype == torch.float32
             assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
         assert torch.allclose(q4_kernel.q4_mm(torch.eye(k)[:7].contiguous(), *w).double(), dense.t()[:7], atol=1e-6)
+    # a row's result does not depend on the other rows (groups of 4, then 3, 2, 1)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(7))
+    full = q4_kernel.q4_mm(x, *w)
+    for i in range(7):
+        assert torch.equal(q4_kernel.q4_mm(x[i:i + 1].contiguous(), *w)[0], full[i])
     assert q4_kernel.q4_mm(torch.zeros(0, k), *w).shape == (0, n)
     assert torch.equal(q4_kernel.q4_mm(torch.zeros(2, k), *w), torch.zeros(2, n))
