@@ -98,8 +98,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("-b", "--batch-size", type=int, default=2048)
     ap.add_argument("--compile", action="store_true",
                     help="measure with the decode step compiled (waits for the compile; reports compile_s)")
-    ap.add_argument("--no-native-kernels", dest="native_kernels", action="store_false",
-                    help="with --compile: keep torch's int4 kernel instead of kvserve's native one")
+    ap.add_argument("--native-kernels", action="store_true",
+                    help="with --compile: kvserve's own 4-bit kernel in place of torch's int4 kernel")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     cfg = EngineConfig(n_ctx=4096, n_parallel=16, kv_unified=True, threads=a.threads, kv_dtype=a.cache_type_k,

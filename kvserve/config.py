@@ -61,9 +61,10 @@ class EngineConfig:
         native_kernels: with ``compile``, also build kvserve's own kernel for
             Q4_0/Q4_1 weights on CPUs with AVX512-VNNI and use it for every step
             of up to ``small_batch_rows`` rows (``kvserve.models.q4_kernel``: int8
-            activations per block of 32, as llama.cpp computes them; about 25%
-            faster than torch's int4 kernel at one row, 20-25% slower at 4-16).
-            ``--no-native-kernels`` turns it off.
+            activations per block of 32, llama.cpp's rounding; about 25% faster
+            than torch's int4 kernel at one row in isolation, within noise for a
+            whole decode step, 20-25% slower at 4-16 rows). Off by default
+            (``--native-kernels``).
         cache_ram: host-tier budget in MiB for unreferenced cached KV blocks
             (llama-server ``--cache-ram``: default 8192, -1 = no limit, 0 = off).
         device: "auto" | "cpu" | "cuda".
@@ -82,7 +83,7 @@ class EngineConfig:
     small_batch_rows: int = 16
     threads: int = 0
     compile: bool = False
-    native_kernels: bool = True
+    native_kernels: bool = False
     device: str = "auto"
     cache_ram: int = 8192
 

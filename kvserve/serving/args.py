@@ -28,7 +28,7 @@ class ServerArgs:
     parallel: int = -1
     threads: int = 0
     compile: bool = False
-    native_kernels: bool = True
+    native_kernels: bool = False
     large_batch_dtype: str = "auto"
     batch_size: int = 2048
     ubatch_size: int = 512
@@ -130,10 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
            "where the CPU has native bf16, else float32")
     a("--compile", action="store_true",
       help="torch.compile the decode step in the background (serves eagerly until ready; ~90 s of CPU the "
-           "first time, cached in $KVSERVE_HOME/inductor), and build the native 4-bit kernel where the "
-           "CPU has AVX512-VNNI")
-    a("--no-native-kernels", dest="native_kernels", action="store_false",
-      help="with --compile: keep torch's int4 kernel instead of building kvserve's own")
+           "first time, cached in $KVSERVE_HOME/inductor)")
+    a("--native-kernels", action="store_true",
+      help="with --compile on AVX512-VNNI CPUs: kvserve's own 4-bit kernel (llama.cpp's int8 activation "
+           "rounding) in place of torch's int4 kernel for steps of up to 16 rows")
     a("-b", "--batch-size", type=int, default=None, help="tokens per step (= --max-num-batched-tokens)")
     a("-ub", "--ubatch-size", type=int, default=512, help="accepted; one step is one batch here")
     a("--max-num-batched-tokens", type=int, default=None)

@@ -69,8 +69,7 @@ def test_compiled_engine_equals_eager(q4_gguf, tmp_path, monkeypatch):
     loaded = load_files(q4_gguf)
     cfg = dict(n_ctx=512, n_parallel=4, kv_unified=True)
     ref = _greedy(EngineCore(loaded, EngineConfig(**cfg)), PROMPTS)
-    # torch's int4 kernel inside the graph (the native one has int8 activations: see the next test)
-    core = EngineCore(loaded, EngineConfig(**cfg, compile=True, native_kernels=False))
+    core = EngineCore(loaded, EngineConfig(**cfg, compile=True))
     graph = core.runner.compiled
     assert graph.wait(timeout=900), graph.error
     got = _greedy(core, PROMPTS)
@@ -94,7 +93,7 @@ def test_compiled_engine_equals_eager(q4_gguf, tmp_path, monkeypatch):
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None or not q4_kernel.cpu_supported(),
                     reason="the native q4 kernel needs a C++ compiler and an AVX512-VNNI CPU")
 def test_compiled_engine_with_native_q4_kernel(q4_gguf, tmp_path, monkeypatch):
-    """--compile with the native 4-bit kernel: built, used inside the graphs, the same greedy
+    """--compile --native-kernels: the native 4-bit kernel built, used inside the graphs, the same greedy
     tokens as the eager engine (torch's kernel) with logprobs within 2e-2 (int8 activations
     per block of 32, as llama.cpp computes Q4 dot products; measured 7.4e-3 here), and a
     sequence's logprobs do not depend on the other sequences of its steps."""
@@ -102,7 +101,7 @@ def test_compiled_engine_with_native_q4_kernel(q4_gguf, tmp_path, monkeypatch):
     loaded = load_files(q4_gguf)
     cfg = dict(n_ctx=512, n_parallel=4, kv_unified=True)
     ref = _greedy(EngineCore(loaded, EngineConfig(**cfg)), PROMPTS)
-    core = EngineCore(loaded, EngineConfig(**cfg, compile=True))
+    core = EngineCore(loaded, EngineConfig(**cfg, compile=True, native_kernels=True))
     graph = core.runner.compiled
     assert graph.wait(timeout=900), graph.error
     assert q4_kernel.READY

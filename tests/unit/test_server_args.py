@@ -29,8 +29,8 @@ def test_llama_and_vllm_names_fill_the_engine_config():
 
 def test_speed_flags_reach_the_engine_config():
     cfg = parse_args(["m.gguf"]).engine_config()
-    assert (cfg.compile, cfg.native_kernels, cfg.large_batch_dtype) == (False, True, "auto")
+    assert (cfg.compile, cfg.native_kernels, cfg.large_batch_dtype) == (False, False, "auto")
     cfg = parse_args(["m.gguf", "--compile", "--large-batch-dtype", "float32"]).engine_config()
-    assert (cfg.compile, cfg.native_kernels, cfg.large_batch_dtype) == (True, True, "float32")
-    cfg = parse_args(["m.gguf", "--compile", "--no-native-kernels"]).engine_config()
-    assert (cfg.compile, cfg.native_kernels) == (True, False)
+    assert (cfg.compile, cfg.native_kernels, cfg.large_batch_dtype) == (True, False, "float32")
+    cfg = parse_args(["m.gguf", "--compile", "--native-kernels"]).engine_config()
+    assert (cfg.compile, cfg.native_kernels) == (True, True)
