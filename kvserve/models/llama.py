@@ -126,7 +126,8 @@ class Linear(nn.Module):
         native_q4: with the "int4" kernel and a multiple of 64 input features, also
             keep the weights in the layout of kvserve's own kernel
             (:mod:`kvserve.models.q4_kernel`), used in place of torch's int4 kernel
-            once it is built (``--compile``); 5 more bits per weight of memory.
+            once it is built (``--compile --native-kernels``); 5 more bits per weight
+            of memory.
 
     Input x: [T, in] float32; output [T, out] float32 (the small-batch kernels
     and a bfloat16 dense copy compute in bfloat16, accumulating in float32).
@@ -338,6 +339,10 @@ class LlamaModel(nn.Module):
         self.kv_size = c.n_head_kv * c.head_dim
         self.scale = 1.0 / math.sqrt(c.head_dim)
 
+    def projections(self) -> list[Linear]:
+        """Every layer's projections (qkv, output, gate|up, down), in layer order."""
+        return [lin for layer in self.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+
     # -- pieces -------------------------------------------------------------
 
     def _attention(self, q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
@@ -543,8 +548,7 @@ class CompiledDecode:
         self.fallbacks = 0  # steps that would have needed a new graph: run eagerly instead
         # Linear picks its kernel by row count (a dense copy above small_max_rows), so
         # larger steps would need another graph: those stay eager
-        linears = [lin for layer in model.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-        split = [lin.small_max_rows for lin in [*linears, model.output]
+        split = [lin.small_max_rows for lin in [*model.projections(), model.output]
                  if lin.kernel != "dense" and lin.weight is not None and lin.small_max_rows > 0]
         self.max_batch = min(split) if split else 1 << 30
 
@@ -611,8 +615,7 @@ class CompiledDecode:
     def _build_q4_kernel(self, log) -> None:
         """Build kvserve's 4-bit kernel when the model kept weights for it (before tracing,
         so the graph calls it); on failure, log, drop those weights, stay on torch's."""
-        linears = [lin for layer in self.model.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
-                   if lin.q4w is not None]
+        linears = [lin for lin in self.model.projections() if lin.q4w is not None]
         if not linears:
             return
         try:
