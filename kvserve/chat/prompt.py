@@ -42,10 +42,15 @@ from typing import Any
 
 from kvserve.chat.template import ChatTemplate, TemplateError
 from kvserve.faces.errors import ApiError
+from kvserve.faces.params import check_text
 
-__all__ = ["continues_final_message", "normalize_messages", "render_chat"]
+__all__ = ["ROLES", "continues_final_message", "normalize_messages", "render_chat"]
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # Unicode private-use characters delimit sentinels
+
+#: The roles a message may have: OpenAI's (system, developer, user, assistant, tool, and the
+#: deprecated function) and Llama 3.1's ipython. Roles are not validated against the template.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 
 
 def _type_name(v: Any) -> str:
@@ -82,7 +87,8 @@ def _content_text(content: Any, i: int) -> str | None:
 def normalize_messages(messages: Any) -> list[dict]:
     """Validate OpenAI-style chat messages and return copies with string/null content.
 
-    Each message must be an object with a string ``role``; ``content`` may be a string, null
+    Each message must be an object whose ``role`` is one of ``ROLES`` (a template writes the
+    role as markup: any other text could open a new turn); ``content`` may be a string, null
     (e.g. an assistant message with ``tool_calls``) or an array of ``{"type": "text", "text"}``
     parts, which are joined with newlines. Other members (``tool_calls``, ``name``,
     ``tool_call_id``, ``reasoning_content``) are kept for the template.
@@ -96,6 +102,7 @@ def normalize_messages(messages: Any) -> list[dict]:
         raise ApiError(400, f"Expected 'messages' to be an array, got {_type_name(messages)}")
     if not messages:
         raise ApiError(400, "'messages' must not be empty")
+    check_text(messages, "messages")  # a lone surrogate anywhere: 400 naming messages[i]...
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -105,6 +112,8 @@ def normalize_messages(messages: Any) -> list[dict]:
             raise ApiError(400, f"messages[{i}]: missing 'role'")
         if not isinstance(role, str):
             raise ApiError(400, f"messages[{i}].role: expected a string, got {_type_name(role)}")
+        if role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role: unknown role {role[:64]!r}; expected one of {', '.join(ROLES)}")
         if "content" not in m and not m.get("tool_calls"):
             raise ApiError(400, f"messages[{i}]: missing 'content'")
         msg = {**m, "content": _content_text(m.get("content"), i)}
@@ -283,7 +292,7 @@ def _tokenize(tokenizer, segs: list[Segment], force_split: bool = False) -> list
     return ids
 
 
-def render_chat(template: ChatTemplate, tokenizer, messages: Any, *, add_generation_prompt: bool = True,
+def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_generation_prompt: bool = True,
                 tools: list | None = None, continue_final_message: bool | None = False,
                 **template_kwargs: Any) -> tuple[str, list[int]]:
     """Render ``messages`` with ``template`` and tokenize, user content without special tokens.

@@ -24,7 +24,13 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["CHATML_TEMPLATE", "ChatTemplate", "TemplateError"]
+__all__ = ["CHATML_TEMPLATE", "RESERVED_VARIABLES", "ChatTemplate", "TemplateError"]
+
+#: Variables the renderer sets itself (``messages``, ``tools``, ``add_generation_prompt``) or
+#: takes as its own argument (``continue_final_message``, see ``kvserve.chat.prompt.render_chat``):
+#: ``chat_template_kwargs`` may not carry them (a 400 names the key; ``--chat-template-kwargs``
+#: with one is refused at start-up). ``bos_token``/``eos_token`` may be overridden.
+RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message"})
 
 #: Fallback used when a model has no chat template (ChatML, as llama.cpp's default
 #: ``chatml`` template and Ollama's generic template). String content only.
@@ -121,7 +127,7 @@ class ChatTemplate:
             raise TemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from e
         self._caps: dict[str, bool] | None = None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+    def render(self, messages: list[dict], /, add_generation_prompt: bool = True,
                tools: list | None = None, **kwargs: Any) -> str:
         """Render ``messages`` (OpenAI-style dicts: role, content, tool_calls, ...) to a prompt.
 
@@ -130,15 +136,18 @@ class ChatTemplate:
             add_generation_prompt: append the assistant turn header.
             tools: OpenAI tool definitions (list of dicts) or None (template sees ``none``).
             **kwargs: extra template variables (``chat_template_kwargs``); they may override
-                ``bos_token``/``eos_token``.
+                ``bos_token``/``eos_token``, never the names in ``RESERVED_VARIABLES``.
 
         Returns:
             The prompt text (str), BOS text included only if the template writes it.
 
         Raises:
             TemplateError: ``raise_exception`` was called, or Jinja failed (undefined
-                operation, type error, sandbox violation).
+                operation, type error, sandbox violation), or ``kwargs`` holds a reserved name.
         """
+        clash = RESERVED_VARIABLES.intersection(kwargs)
+        if clash:
+            raise TemplateError(f"chat template variable '{min(clash)}' is reserved: it is set by the request")
         ctx: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         ctx.update(kwargs)
         ctx["messages"] = messages

@@ -12,6 +12,7 @@ after being sent).
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,12 @@ DEFAULT_SAMPLERS = (
 
 #: llama.cpp's default DRY sequence breakers.
 DEFAULT_DRY_BREAKERS = ("\n", ":", '"', "*")
+
+
+#: SamplingParams fields that must be finite floats (NaN or inf would reach the sampler and
+#: the JSON of /slots and generation_settings, which cannot carry them).
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
+                 "repeat_penalty", "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base")
 
 
 class InvalidRequestError(ValueError):
@@ -73,8 +80,9 @@ class SamplingParams:
         n_predict: max tokens to generate; -1 = until the context is full.
         temperature: <= 0 means greedy (argmax), as in llama.cpp.
         seed: RNG seed; ``SEED_RANDOM`` (4294967295) picks a random one.
-        logit_bias: token id -> additive bias; ``float('-inf')`` bans the token.
-            Faces resolve string keys / ``false`` before building the request.
+        logit_bias: token id -> additive bias; ``float('-inf')`` bans the token,
+            ``float('inf')`` forces it; NaN is refused. Faces resolve string keys /
+            ``false`` before building the request.
         samplers: order of the sampler chain (names as in ``DEFAULT_SAMPLERS``).
         stop: stop strings; the matched string is not part of the output text.
         ignore_eos: keep generating past end-of-generation tokens (they are
@@ -92,7 +100,8 @@ class SamplingParams:
             moved to its new position when text was removed from the prompt; 0 = off.
 
     Raises:
-        InvalidRequestError: from ``__post_init__`` on out-of-range values.
+        InvalidRequestError: from ``__post_init__`` on out-of-range values, and on a
+            non-finite value (NaN, inf) in any float field.
     """
 
     n_predict: int = -1
@@ -126,6 +135,12 @@ class SamplingParams:
     n_cache_reuse: int = 0
 
     def __post_init__(self) -> None:
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise InvalidRequestError(f"{name} must be a finite number, got {v!r}")
+        if any(math.isnan(b) for b in self.logit_bias.values()):
+            raise InvalidRequestError("logit_bias values must be numbers (-inf bans a token), not NaN")
         if self.n_predict < -1:
             raise InvalidRequestError("n_predict must be >= -1")
         if self.top_k < 0:

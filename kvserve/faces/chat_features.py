@@ -31,9 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.chat.template import RESERVED_VARIABLES
 from kvserve.faces.chat_output import OutputMode
 from kvserve.faces.errors import ApiError
-from kvserve.faces.params import get_bool, get_int, get_str, type_error
+from kvserve.faces.params import check_text, get_bool, get_int, get_str, type_error
 
 __all__ = ["ChatFeatures", "chat_features", "parse_tool_choice", "parse_tools", "template_kwargs"]
 
@@ -41,11 +42,12 @@ _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
 
 def parse_tools(tools: Any) -> list[dict] | None:
-    """Validate ``tools`` (400 naming the bad entry); None/[] -> None."""
+    """Validate ``tools`` (400 naming the bad entry, or a lone surrogate in it); None/[] -> None."""
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise type_error("tools", "array", tools)
+    check_text(tools, "tools")
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
             raise ApiError(400, f"tools[{i}]: expected {{\"type\": \"function\", \"function\": {{...}}}}")
@@ -155,14 +157,26 @@ def _resolve_parser(state, choice: str | dict, template) -> str | None:
 
 def template_kwargs(args, body: dict) -> dict:
     """Extra template variables: ``--chat-template-kwargs``, ``--reasoning on|off``
-    (``enable_thinking``), then the request's ``chat_template_kwargs`` and ``reasoning_effort``."""
-    kwargs: dict = dict(args.chat_template_kwargs)
+    (``enable_thinking``), then the request's ``chat_template_kwargs`` and ``reasoning_effort``.
+
+    Raises:
+        ApiError: 400 when ``chat_template_kwargs`` is not an object or sets a variable the
+            renderer sets itself (``RESERVED_VARIABLES``: messages, tools,
+            add_generation_prompt, continue_final_message; the request has fields for them).
+    """
+    kwargs = {k: v for k, v in args.chat_template_kwargs.items() if k not in RESERVED_VARIABLES}
     if args.reasoning is not None:
         kwargs["enable_thinking"] = args.reasoning == "on"
     req_kwargs = body.get("chat_template_kwargs")
     if req_kwargs is not None:
         if not isinstance(req_kwargs, dict):
             raise type_error("chat_template_kwargs", "object", req_kwargs)
+        clash = RESERVED_VARIABLES.intersection(req_kwargs)
+        if clash:
+            key = min(clash)
+            raise ApiError(400, f"Field 'chat_template_kwargs': key '{key}' is reserved: set it with the "
+                                f"request's own '{key}' field")
+        check_text(req_kwargs, "chat_template_kwargs")
         kwargs.update(req_kwargs)
     effort = get_str(body, "reasoning_effort")
     if effort is not None:

@@ -4,17 +4,38 @@ Every face reads sampling fields through :func:`sampling_params_from_body`, so a
 field means the same thing on ``/completion``, ``/v1/completions`` and
 ``/v1/chat/completions``. Wrong JSON types give 400 naming the field
 (``Field 'temperature': type must be number, but is string``, llama-server's
-wording without nlohmann's exception prefix); out-of-range values give 400.
+wording without nlohmann's exception prefix); out-of-range values give 400:
+a number beyond float range, a non-finite float (NaN, Infinity, 1e400) in any
+float field, an integer outside int64, ``n_probs`` above ``--max-logprobs``
+(vLLM's flag and wording, default 20), more than ``MAX_DRY_BREAKERS`` (256)
+``dry_sequence_breakers``.
+
+Lone surrogates: ``json.loads`` accepts ``"\\ud800"``, a string no UTF-8 encoder
+(tokenizer, hash, log) can write. :func:`check_text` refuses any such string in a
+body (400 naming its path, e.g. ``messages[0].content``); the getters below check
+the strings they return too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 from kvserve.engine.request import SEED_RANDOM, InvalidRequestError, SamplingParams
 from kvserve.faces.errors import ApiError
+
+#: vLLM's ``--max-logprobs`` default: the most top candidates a request may ask for per token.
+DEFAULT_MAX_LOGPROBS = 20
+#: at most this many ``dry_sequence_breakers`` per request (llama-server has no limit; its
+#: sampler truncates each breaker to 40 characters, as kvserve's does).
+MAX_DRY_BREAKERS = 256
+#: integers outside nlohmann::json's int64 are refused (llama-server would overflow them).
+_INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
+#: fields llama-server reads that kvserve accepts but does not implement: checked as finite numbers.
+_UNUSED_NUMBER_FIELDS = ("dynatemp_range", "dynatemp_exponent", "mirostat_tau", "mirostat_eta")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # JSON field -> (SamplingParams attribute, kind)
 _NUMBER_FIELDS = {
@@ -80,24 +101,76 @@ def type_error(field: str, want: str, v: Any) -> ApiError:
     return ApiError(400, f"Field '{field}': type must be {want}, but is {json_type(v)}")
 
 
+def _surrogate_error(path: str, text: str, *, key: bool = False) -> ApiError:
+    ch = _SURROGATE.search(text).group()
+    what = "an object key" if key else "string"
+    return ApiError(400, f"Field '{path}': {what} is not valid Unicode (lone surrogate U+{ord(ch):04X})")
+
+
+def check_text(obj: Any, path: str = "") -> None:
+    """Refuse a lone surrogate in any string or object key of ``obj`` (a parsed JSON body).
+
+    Walks the whole value without recursion (deep nesting is fine), in document order,
+    and names the first offending field by its path: ``cache_salt``, ``messages[0].content``,
+    ``logit_bias`` (for a key). Cost: one C regex scan per string.
+
+    Raises:
+        ApiError: 400 ``Field 'messages[0].content': string is not valid Unicode (lone
+            surrogate U+D800)``.
+    """
+    stack: list[tuple[Any, str]] = [(obj, path)]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                raise _surrogate_error(where or "body", v)
+        elif isinstance(v, dict):
+            children = []
+            for k, x in v.items():
+                if _SURROGATE.search(k):
+                    raise _surrogate_error(where or "body", k, key=True)
+                if isinstance(x, (str, list, dict)):
+                    children.append((x, f"{where}.{k[:64]}" if where else k[:64]))
+            stack.extend(reversed(children))
+        elif isinstance(v, list):
+            for i in range(len(v) - 1, -1, -1):
+                if isinstance(v[i], (str, list, dict)):
+                    stack.append((v[i], f"{where}[{i}]"))
+
+
 def get_number(body: dict, key: str, default: float | None = None) -> float | None:
-    """``body[key]`` as a float (null/absent -> default); 400 on a non-number."""
+    """``body[key]`` as a float (null/absent -> default); 400 on a non-number or an integer
+    beyond float range (``float()`` would raise OverflowError). NaN and infinities pass:
+    callers that need finite values check (SamplingParams does)."""
     v = body.get(key)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise type_error(key, "number", v)
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:
+        raise ApiError(400, f"Field '{key}': number out of range") from None
 
 
 def get_int(body: dict, key: str, default: int | None = None) -> int | None:
-    """``body[key]`` as an int (numbers are truncated, as nlohmann's get<int> does)."""
-    v = get_number(body, key)
+    """``body[key]`` as an int (numbers are truncated, as nlohmann's get<int> does).
+
+    Raises:
+        ApiError: 400 on a non-number, a non-finite float, or a value outside int64.
+    """
+    v = body.get(key)
     if v is None:
         return default
-    if not math.isfinite(v):
-        raise ApiError(400, f"Field '{key}': must be a finite number")
-    return int(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise type_error(key, "number", v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise ApiError(400, f"Field '{key}': must be a finite number")
+        v = int(v)
+    if not _INT_MIN <= v <= _INT_MAX:
+        raise ApiError(400, f"Field '{key}': integer out of range (int64)")
+    return v
 
 
 def get_bool(body: dict, key: str, default: bool | None = None) -> bool | None:
@@ -111,12 +184,14 @@ def get_bool(body: dict, key: str, default: bool | None = None) -> bool | None:
 
 
 def get_str(body: dict, key: str, default: str | None = None) -> str | None:
-    """``body[key]`` as a string; 400 on a non-string."""
+    """``body[key]`` as a string; 400 on a non-string or one with a lone surrogate."""
     v = body.get(key)
     if v is None:
         return default
     if not isinstance(v, str):
         raise type_error(key, "string", v)
+    if _SURROGATE.search(v):
+        raise _surrogate_error(key, v)
     return v
 
 
@@ -133,15 +208,31 @@ def _samplers(v: Any) -> tuple[str, ...]:
         return tuple(_SAMPLER_CHARS[c] for c in v if c in _SAMPLER_CHARS)
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
         return tuple(_SAMPLER_NAMES[s.lower()] for s in v if s.lower() in _SAMPLER_NAMES)
-    raise type_error("samplers", "array or string", v)
+    raise type_error("samplers", "string or array of strings", v)
+
+
+def _dry_breakers(v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise type_error("dry_sequence_breakers", "array of strings", v)
+    if len(v) > MAX_DRY_BREAKERS:
+        raise ApiError(400, f"Field 'dry_sequence_breakers': at most {MAX_DRY_BREAKERS} sequence breakers "
+                            f"are allowed, got {len(v)}")
+    return tuple(v)
 
 
 def _bias_value(field: str, b: Any) -> float:
+    """A bias: a number (-inf bans, +inf forces; 1e400 reads as inf) or false (= -inf), never NaN."""
     if b is False:
         return float("-inf")
     if isinstance(b, bool) or not isinstance(b, (int, float)):
         raise type_error(field, "number or false", b)
-    return float(b)
+    try:
+        b = float(b)
+    except OverflowError:
+        raise ApiError(400, f"Field '{field}': bias out of range") from None
+    if math.isnan(b):
+        raise ApiError(400, f"Field '{field}': bias must be a number or false, not NaN")
+    return b
 
 
 def _token_ids_for(key: Any, tokenizer) -> list[int]:
@@ -184,8 +275,12 @@ def parse_logit_bias(v: Any, tokenizer) -> dict[int, float]:
 
 
 def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *,
-                              max_tokens_keys: tuple[str, ...] = ("n_predict",)) -> SamplingParams:
+                              max_tokens_keys: tuple[str, ...] = ("n_predict",),
+                              max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplingParams:
     """Build SamplingParams from a request body over the server ``defaults``.
+
+    The whole body is checked for lone surrogates first (:func:`check_text`), so a face
+    that builds its sampling parameters before tokenizing never hands such text on.
 
     Args:
         body: the request JSON object.
@@ -194,6 +289,8 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
         max_tokens_keys: fields read as n_predict, first present wins
             (``("n_predict", "max_tokens")`` on ``/completion``,
             ``("max_completion_tokens", "max_tokens")`` on chat...).
+        max_logprobs: ``--max-logprobs``: the largest ``n_probs`` allowed (-1: the
+            vocabulary size, vLLM's "no cap").
 
     Output constraints (``grammar``, ``json_schema``, ``response_format``,
     ``structured_outputs``...) are not sampling parameters: faces read them with
@@ -202,11 +299,18 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
     Raises:
         ApiError: 400 on a wrong type or an out-of-range value.
     """
+    check_text(body)
     kw: dict[str, Any] = {}
     for key, attr in _NUMBER_FIELDS.items():
         v = get_number(body, key)
         if v is not None:
+            if not math.isfinite(v):
+                raise ApiError(400, f"Field '{key}': must be a finite number")
             kw[attr] = v
+    for key in _UNUSED_NUMBER_FIELDS:
+        v = get_number(body, key)
+        if v is not None and not math.isfinite(v):
+            raise ApiError(400, f"Field '{key}': must be a finite number")
     for key, attr in _INT_FIELDS.items():
         v = get_int(body, key)
         if v is not None:
@@ -230,20 +334,33 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
     if body.get("samplers") is not None:
         kw["samplers"] = _samplers(body["samplers"])
     if body.get("dry_sequence_breakers") is not None:
-        br = body["dry_sequence_breakers"]
-        if not isinstance(br, list) or not all(isinstance(s, str) for s in br):
-            raise type_error("dry_sequence_breakers", "array of strings", br)
-        kw["dry_sequence_breakers"] = tuple(br)
+        kw["dry_sequence_breakers"] = _dry_breakers(body["dry_sequence_breakers"])
     lb = body.get("logit_bias")
     if lb is not None:
         kw["logit_bias"] = {**defaults.logit_bias, **parse_logit_bias(lb, tokenizer)}
-    for key in ("temperature", "top_p", "min_p"):
-        if key in kw and not math.isfinite(kw[key]):
-            raise ApiError(400, f"Field '{key}': must be a finite number")
+    if "n_probs" in kw:
+        check_logprobs(kw["n_probs"], max_logprobs, getattr(tokenizer, "n_vocab", None))
     try:
         return dataclasses.replace(defaults, **kw)
     except InvalidRequestError as e:
         raise ApiError(400, str(e)) from e
+
+
+def check_logprobs(n: int, max_logprobs: int, n_vocab: int | None, *, prompt: bool = False) -> None:
+    """Refuse more top candidates per token than ``--max-logprobs`` (vLLM's check and wording).
+
+    Args:
+        n: requested candidates (``n_probs``, ``top_logprobs``, ``logprobs``).
+        max_logprobs: the cap; -1 means the vocabulary size (``n_vocab``; no cap when unknown).
+        prompt: the request's prompt logprobs (vLLM says "prompt logprobs").
+
+    Raises:
+        ApiError: 400 ``Requested sample logprobs of 1000, which is greater than max allowed: 20``.
+    """
+    cap = max_logprobs if max_logprobs >= 0 else n_vocab
+    if cap is not None and n > cap:
+        kind = "prompt" if prompt else "sample"
+        raise ApiError(400, f"Requested {kind} logprobs of {n}, which is greater than max allowed: {cap}")
 
 
 def params_to_dict(p: SamplingParams, *, stream: bool = False, grammar: str = "") -> dict:
@@ -252,7 +369,8 @@ def params_to_dict(p: SamplingParams, *, stream: bool = False, grammar: str = ""
     Args:
         grammar: the request's grammar text (``GrammarBackend.grammar_text``), "" without one.
     """
-    bias = [[tid, (False if math.isinf(b) and b < 0 else b)] for tid, b in sorted(p.logit_bias.items())]
+    # -inf is written false (llama-server's input form); +inf null (what nlohmann writes for it)
+    bias = [[tid, b if math.isfinite(b) else (False if b < 0 else None)] for tid, b in sorted(p.logit_bias.items())]
     return {
         "n_predict": p.n_predict,
         "seed": p.seed,
