@@ -134,7 +134,8 @@ class CompletionHandler:
         if "prompt" not in body or body["prompt"] is None:
             raise ApiError(400, '"prompt" must be provided')
         params = sampling_params_from_body(body, state.default_params, tok,
-                                           max_tokens_keys=("n_predict", "max_tokens"))
+                                           max_tokens_keys=("n_predict", "max_tokens"),
+                                           max_logprobs=state.args.max_logprobs)
         id_slot = get_int(body, "id_slot", -1)
         opts = {
             "stream": bool(get_bool(body, "stream", False)),

@@ -40,7 +40,16 @@ from kvserve.faces.chat_features import chat_features, constraint_factory
 from kvserve.faces.chat_output import ChoiceOutput, OutputMode
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import error_response, json_response, read_json
-from kvserve.faces.params import get_bool, get_int, get_str, params_to_dict, sampling_params_from_body, type_error
+from kvserve.faces.params import (
+    check_logprobs,
+    check_text,
+    get_bool,
+    get_int,
+    get_str,
+    params_to_dict,
+    sampling_params_from_body,
+    type_error,
+)
 from kvserve.faces.sse import ClientDisconnected, error_body, sse_response, until_disconnect
 from kvserve.serving.state import ServerState, generate
 
@@ -78,6 +87,20 @@ class Plan:
     echo_texts: list[str] = field(default_factory=list)  # legacy echo: prompt text per choice
     mode: OutputMode = field(default_factory=OutputMode)  # chat: reasoning split and tool-call parsing
     grammar: str = ""  # the constraint's grammar text, shown in /slots params
+
+
+def _top_n(state: ServerState, body: dict, key: str) -> int | None:
+    """``top_logprobs`` (chat) / ``logprobs`` (legacy): >= 0 and at most ``--max-logprobs``."""
+    n = get_int(body, key)
+    if n is not None:
+        if n < 0:
+            raise ApiError(400, f"Field '{key}': must be >= 0")
+        check_logprobs(n, _max_logprobs(state), state.tokenizer.n_vocab)
+    return n
+
+
+def _max_logprobs(state: ServerState) -> int:
+    return state.args.max_logprobs
 
 
 def _n_choices(body: dict) -> int:
@@ -133,6 +156,7 @@ def _validate(state: ServerState, reqs: list[Request]) -> None:
 def chat_plan(state: ServerState, body: dict) -> Plan:
     """Parse a chat completion request (raises ApiError 400 on bad fields)."""
     state.require_ready()
+    check_text(body)
     if "messages" not in body or body["messages"] is None:
         raise ApiError(400, "'messages' is required")
     if state.template is None:
@@ -140,11 +164,9 @@ def chat_plan(state: ServerState, body: dict) -> Plan:
     stream, include_usage = _stream_flags(body)
     n = _n_choices(body)
     logprobs = get_bool(body, "logprobs", False)
-    top = get_int(body, "top_logprobs")
+    top = _top_n(state, body, "top_logprobs")
     if top is not None and not logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be set to true")
-    if top is not None and not 0 <= top <= 20:
-        raise ApiError(400, "Field 'top_logprobs': must be between 0 and 20")
     feats = chat_features(state, body)
     cont = get_bool(body, "continue_final_message")
     add_gen = get_bool(body, "add_generation_prompt")
@@ -158,7 +180,8 @@ def chat_plan(state: ServerState, body: dict) -> Plan:
     msgs = normalize_messages(body["messages"])
     prefill = (msgs[-1].get("content") or "") if continues_final_message(msgs, cont) else ""
     params = sampling_params_from_body(body, state.default_params, state.tokenizer,
-                                       max_tokens_keys=("max_completion_tokens", "max_tokens", "n_predict"))
+                                       max_tokens_keys=("max_completion_tokens", "max_tokens", "n_predict"),
+                                       max_logprobs=_max_logprobs(state))
     if logprobs:
         params = dataclasses.replace(params, n_probs=max(top or 0, 1))
     spec = _constraint_spec(body)
@@ -228,20 +251,20 @@ def _prompt_list(state: ServerState, prompt) -> list[list[int]]:
 def completion_plan(state: ServerState, body: dict) -> Plan:
     """Parse a legacy completion request (raises ApiError 400 on bad fields)."""
     state.require_ready()
+    check_text(body)
     if get_str(body, "suffix"):
         raise ApiError(400, "'suffix' is not supported")
     stream, include_usage = _stream_flags(body)
     n = _n_choices(body)
     echo = get_bool(body, "echo", False)
-    logprobs = get_int(body, "logprobs")
-    if logprobs is not None and not 0 <= logprobs <= 20:
-        raise ApiError(400, "Field 'logprobs': must be between 0 and 20")
+    logprobs = _top_n(state, body, "logprobs")
     prompts = _prompt_list(state, body.get("prompt"))
     if any(not p for p in prompts):
         raise ApiError(400, "Field 'prompt': the prompt is empty")
     # OpenAI's default max_tokens for completions is 16 (llama-server uses -1).
     defaults = dataclasses.replace(state.default_params, n_predict=16)
-    params = sampling_params_from_body(body, defaults, state.tokenizer, max_tokens_keys=("max_tokens", "n_predict"))
+    params = sampling_params_from_body(body, defaults, state.tokenizer, max_tokens_keys=("max_tokens", "n_predict"),
+                                       max_logprobs=_max_logprobs(state))
     if logprobs is not None:
         params = dataclasses.replace(params, n_probs=max(logprobs, 1))
         if echo:  # prompt logprobs need logits at every prompt position: no prefix reuse

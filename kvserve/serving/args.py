@@ -67,6 +67,7 @@ class ServerArgs:
     reasoning_budget: int = -1
     reasoning: str | None = None  # --reasoning on|off: enable_thinking for every request
     chat_template_kwargs: dict = field(default_factory=dict)
+    max_logprobs: int = 20  # vLLM --max-logprobs: top candidates per token a request may ask for; -1 = vocab size
 
     @property
     def vllm_tools(self) -> bool:
@@ -177,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--reasoning-budget", type=int, default=-1, help="thinking tokens before </think> is forced (-1: no limit)")
     a("--reasoning", default=None, choices=["on", "off"], help="enable_thinking for every request's template")
     a("--chat-template-kwargs", default=None, help="JSON object passed to every chat template render")
+    a("--max-logprobs", type=int, default=20,
+      help="most logprobs (n_probs, top_logprobs, logprobs) per token a request may ask for; -1: vocabulary size")
     return p
 
 
@@ -230,6 +233,12 @@ def parse_args(argv: list[str]) -> ServerArgs:
             p.error(f"invalid --chat-template-kwargs: {e}")
         if not isinstance(tkw, dict):
             p.error("invalid --chat-template-kwargs: expected a JSON object")
+        from kvserve.chat.template import RESERVED_VARIABLES
+
+        if set(tkw) & RESERVED_VARIABLES:
+            p.error(f"invalid --chat-template-kwargs: {sorted(set(tkw) & RESERVED_VARIABLES)} are set by each request")
+    if ns.max_logprobs < -1:
+        p.error(f"invalid --max-logprobs {ns.max_logprobs}: -1 (vocabulary size) or >= 0")
     if parallel == 0 or parallel < -1:
         p.error(f"invalid -np value {parallel}: -1 (auto) or >= 1")
     args = ServerArgs(
@@ -247,6 +256,7 @@ def parse_args(argv: list[str]) -> ServerArgs:
         exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
         reasoning_format=ns.reasoning_format, reasoning_parser=ns.reasoning_parser,
         reasoning_budget=ns.reasoning_budget, reasoning=ns.reasoning, chat_template_kwargs=tkw,
+        max_logprobs=ns.max_logprobs,
         compile=ns.compile, native_kernels=ns.native_kernels, large_batch_dtype=ns.large_batch_dtype,
     )
     try:
