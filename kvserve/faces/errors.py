@@ -3,7 +3,8 @@
 Types and status codes follow llama-server (000_6dcbf6b03a8c9f77.txt Example 17):
 invalid_request_error 400, authentication_error 401, not_found_error 404,
 exceed_context_size_error 400 (+ n_prompt_tokens, n_ctx), not_supported_error
-501, unavailable_error 503, server_error 500.
+501, unavailable_error 503, server_error 500. A body over ``--max-request-bytes``
+is 413 invalid_request_error (llama-server has no such limit).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    413: "invalid_request_error",
     500: "server_error",
     501: "not_supported_error",
     503: "unavailable_error",

@@ -1,7 +1,12 @@
-"""Small HTTP helpers every face uses: reading the JSON body, writing JSON responses."""
+"""Small HTTP helpers every face uses: reading the JSON body, writing JSON responses,
+and the ASGI middlewares that bound a request body (``--max-request-bytes``) and answer
+HEAD as GET.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import json
 
 from starlette.requests import Request as HttpRequest
@@ -25,28 +30,170 @@ def error_response(e: ApiError) -> Response:
     return json_response(e.body(), e.status)
 
 
+#: Bodies (and prompts) above this many bytes are parsed, tokenized and rendered off the event
+#: loop, so that one large request does not stall every other connection.
+LARGE_BODY = 64 * 1024
+
+
 async def read_json(request: HttpRequest, *, required: bool = True) -> dict:
     """The request body as a JSON object, whatever the Content-Type (curl -d sends form type).
 
     Malformed JSON is a 400 ``invalid_request_error``: llama-server answers it with 500
     ``server_error`` (seed Example 17), which makes a client bug look like a server fault.
+    Bodies over :data:`LARGE_BODY` bytes are parsed on a worker thread.
 
     Raises:
-        ApiError: 400 on malformed JSON or a body that is not an object.
+        ApiError: 400 on malformed JSON, an integer literal of more than 4,300 digits
+            (Python's int-string limit), or a body that is not an object; 413 from
+            :class:`BodyLimitMiddleware` when the body exceeds ``--max-request-bytes``.
     """
     raw = await request.body()
     if not raw.strip():
         if required:
             raise ApiError(400, "request body is empty: a JSON object is required")
         return {}
+    body = await asyncio.to_thread(parse_json_body, raw) if len(raw) > LARGE_BODY else parse_json_body(raw)
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
+
+
+def parse_json_body(raw: bytes):
+    """``json.loads`` with every failure as a 400 :class:`ApiError` naming the problem."""
     try:
-        body = json.loads(raw)
+        return json.loads(raw)
     except UnicodeDecodeError as e:
         raise ApiError(400, f"request body is not valid UTF-8: {e}") from e
     except json.JSONDecodeError as e:
         raise ApiError(400, f"invalid JSON: parse error at line {e.lineno}, column {e.colno}: {e.msg}") from e
     except RecursionError:
         raise ApiError(400, "invalid JSON: nesting too deep") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    return body
+    except ValueError as e:  # an integer literal beyond sys.get_int_max_str_digits()
+        raise ApiError(400, _huge_int_message(raw)) from e
+
+
+class _HugeInt:
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+def _huge_int_message(raw: bytes) -> str:
+    """Name the field holding a too-long integer: parse again, keeping such integers as markers."""
+    import sys
+
+    limit = sys.get_int_max_str_digits()
+
+    def parse_int(s: str):
+        return _HugeInt(len(s.lstrip("-"))) if len(s) > limit else int(s)
+
+    where, digits = "", 0
+    try:
+        stack = [("", json.loads(raw, parse_int=parse_int))]
+    except (ValueError, RecursionError):
+        stack = []
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, _HugeInt):
+            where, digits = path, v.digits
+            break
+        if isinstance(v, dict):
+            stack += [(f"{path}.{k}" if path else str(k), x) for k, x in v.items()]
+        elif isinstance(v, list):
+            stack += [(f"{path}[{i}]", x) for i, x in enumerate(v)]
+    field = f"Field '{where}': " if where else ""
+    size = f"{digits} digits" if digits else "too many digits"
+    return f"{field}integer literal has {size}, more than the {limit} digits allowed"
+
+
+# -- ASGI middlewares ----------------------------------------------------------------------
+
+#: A body of at least this many bytes returns its freed memory to the OS when its request ends.
+TRIM_AFTER = 8 * 1024 * 1024
+
+
+def release_memory() -> None:
+    """Give freed heap pages back to the OS (glibc ``malloc_trim(0)``; a no-op elsewhere).
+
+    glibc keeps the arenas a large request freed (a refused 30 MB prompt left GBs of RSS
+    before); trimming after such a request brings RSS back near where it was.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+async def _send_error(send, e: ApiError) -> None:
+    body = dumps(e.body()).encode()
+    await send({"type": "http.response.start", "status": e.status,
+                "headers": [(b"content-type", b"application/json; charset=utf-8"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def too_large(limit: int) -> ApiError:
+    """The 413 for a body over ``--max-request-bytes``."""
+    return ApiError(413, f"request body is larger than {limit} bytes (--max-request-bytes)")
+
+
+class BodyLimitMiddleware:
+    """ASGI middleware: a body over ``max_bytes`` gets 413 in the error envelope.
+
+    A ``Content-Length`` above the limit is answered before any of the body is read; a
+    chunked body is counted as it arrives and reading stops (``receive`` raises the 413
+    :class:`ApiError`, which the handlers answer) as soon as it passes the limit, so at
+    most ``max_bytes`` plus one chunk is ever held. Covers every route. A request whose
+    body was large (>= :data:`TRIM_AFTER`) trims the heap when it ends (:func:`release_memory`).
+    """
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_bytes
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.strip().isdigit() and int(length) > limit:
+            await _send_error(send, too_large(limit))
+            return
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise too_large(limit)
+            return msg
+
+        try:
+            await self.app(scope, counted, send)
+        finally:
+            if seen >= TRIM_AFTER:
+                await asyncio.to_thread(release_memory)
+
+
+class HeadAsGetMiddleware:
+    """ASGI middleware answering ``HEAD`` as ``GET`` without the body (RFC 9110 9.3.2):
+    same status and headers, Content-Length included. FastAPI's routes list no HEAD."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def no_body(msg):
+            if msg["type"] == "http.response.body":
+                msg = {**msg, "body": b""}
+            await send(msg)
+
+        await self.app({**scope, "method": "GET"}, receive, no_body)

@@ -21,6 +21,7 @@ from kvserve.loaders.weights import (
     SUPPORTED_ARCHS,
     ModelLoadError,
     Weight,
+    check_finite,
     check_tensors,
     interleave_qk,
 )
@@ -293,6 +294,7 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
     if "token_embd.weight" in weights:
         config.n_vocab = weights["token_embd.weight"].shape[0]
     check_tensors(config, weights, path)
+    check_finite(weights, path)
     if config.arch == "qwen2":
         # llama.cpp runs qwen2 with NEOX RoPE and does not permute; we use interleaved pairs
         interleave_qk(config, weights)

@@ -19,6 +19,7 @@ from kvserve.loaders.weights import (
     ModelInfo,
     ModelLoadError,
     Weight,
+    check_finite,
     check_tensors,
     interleave_qk,
 )
@@ -139,6 +140,7 @@ def load_hf_dir(path: str | os.PathLike) -> LoadedModel:
     if "output.weight" not in weights:
         config.tie_embeddings = True
     check_tensors(config, weights, str(d))
+    check_finite(weights, str(d))
     interleave_qk(config, weights)
     try:
         tokenizer = Tokenizer.from_hf_dir(d)

@@ -37,8 +37,11 @@ from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers
 
+from kvserve.engine.request import ContextSizeExceededError, InvalidRequestError
+
 __all__ = [
     "Tokenizer",
+    "TooManyTokensError",
     "UnsupportedTokenizerError",
     "read_gguf_metadata",
     "VOCAB_TYPE_SPM",
@@ -66,6 +69,22 @@ TOKEN_TYPE_BYTE = 6
 
 class UnsupportedTokenizerError(ValueError):
     """The GGUF/HF tokenizer kind (model or pre-tokenizer) is not supported."""
+
+
+class TooManyTokensError(ContextSizeExceededError):
+    """A prompt that certainly cannot fit ``n_ctx`` tokens, found from its length alone.
+
+    ``n_prompt_tokens`` is a lower bound of its token count (the prompt was not tokenized);
+    the message says so. Answered like ContextSizeExceededError (exceed_context_size_error).
+    """
+
+    def __init__(self, n_tokens: int, n_ctx: int):
+        self.n_prompt_tokens = n_tokens
+        self.n_ctx = n_ctx
+        self.n_predict = 0
+        InvalidRequestError.__init__(
+            self, f"request (at least {n_tokens} tokens, bounded from its length without tokenizing it) "
+                  f"exceeds the available context size ({n_ctx} tokens), try increasing it")
 
 
 # --------------------------------------------------------------------------------------
@@ -354,6 +373,7 @@ class Tokenizer:
         self.eot_token_id = eot_token_id
         self.eom_token_id = eom_token_id
         self.eog_token_ids: frozenset[int] = self._find_eog(extra_eog_ids)
+        self.max_token_bytes: int | None = self._max_token_bytes()
 
     # ---------------------------------------------------------------- construction
 
@@ -400,6 +420,53 @@ class Tokenizer:
         ):
             eog.discard(text_to_id["<|end|>"])
         return frozenset(eog)
+
+    def _max_token_bytes(self) -> int | None:
+        """The longest piece in bytes, when it bounds how much text one token can cover.
+
+        That holds for GGUF vocabularies (HF tokenizer.json pipelines may normalize or fuse
+        unknown text: None) in which no character can vanish into an unknown token:
+        SentencePiece with all 256 ``<0xXX>`` byte-fallback tokens; byte-level BPE with every
+        continuation byte 0x80-0xBF (then each multi-byte character keeps at least one byte).
+        A byte-level vocabulary may lack some ASCII bytes (SmolLM2 lacks 0x04, 0x06, ...):
+        such characters give no token and are not counted (``_dropped``). Then a text of
+        C counted characters (<= C UTF-8 bytes) has at least C / max_token_bytes tokens.
+        """
+        self._dropped: tuple[str, ...] = ()
+        if self.model == "gpt2":
+            vocab = set(self._tokens)
+            complete = all(_BYTE_TO_CHAR[b] in vocab for b in range(0x80, 0xC0))
+            self._dropped = tuple(chr(b) for b in range(0x80) if _BYTE_TO_CHAR[b] not in vocab)
+        elif self.model == "llama":
+            vocab = {t for t, ty in zip(self._tokens, self._types) if ty == TOKEN_TYPE_BYTE}
+            complete = all(f"<0x{b:02X}>" in vocab for b in range(256))
+        else:
+            complete = False
+        return (max(map(len, self._bytes_special), default=0) or None) if complete else None
+
+    def check_fits(self, prompt: str | list, n_ctx: int) -> None:
+        """Refuse, in O(len) and without tokenizing, a prompt that cannot have fewer than ``n_ctx`` tokens.
+
+        Args:
+            prompt: a text, or a list of texts and token ids (each non-string item counts as
+                one token), as llama-server's mixed prompts.
+            n_ctx: the context size; the engine accepts prompts of at most ``n_ctx - 1`` tokens.
+
+        Raises:
+            TooManyTokensError: the lower bound ``ids + ceil(chars / max_token_bytes)`` is at
+                least ``n_ctx`` (ContextSizeExceededError with the exact count for token ids only). Never raised when ``max_token_bytes`` is None (no bound known);
+                the engine still refuses an overlong prompt after tokenizing.
+        """
+        texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
+        n_ids = 0 if isinstance(prompt, str) else len(prompt) - len(texts)
+        low = n_ids
+        if self.max_token_bytes and n_ids < n_ctx:
+            n_chars = sum(len(t) for t in texts)
+            if n_chars // self.max_token_bytes + n_ids >= n_ctx:  # worth counting what vanishes
+                n_chars -= sum(t.count(c) for t in texts for c in self._dropped)
+            low += -(-n_chars // self.max_token_bytes)
+        if low >= n_ctx:
+            raise TooManyTokensError(low, n_ctx) if texts else ContextSizeExceededError(low, n_ctx)
 
     @classmethod
     def from_gguf_file(cls, path: str | os.PathLike[str]) -> "Tokenizer":

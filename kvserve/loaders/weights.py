@@ -14,6 +14,7 @@ and GGUF qwen2 weights (NEOX layout) are permuted at load by
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -189,3 +190,22 @@ def check_tensors(config: ModelConfig, weights: dict[str, Weight], source: str) 
     for name in needed:
         if name not in weights:
             raise ModelLoadError(f"{source}: missing tensor '{name}'")
+
+
+def check_finite(weights: dict[str, Weight], source: str) -> None:
+    """Raise ModelLoadError naming the first tensor holding NaN or Inf.
+
+    Such a model loads and generates nothing useful (every logit NaN: empty text), so it is
+    refused at load. Cheap: one float32 sum per array (NaN and Inf propagate through it; about
+    40 ms for SmolLM2-360M's 28 M float values and Q4 scales, 1% of its load); only a sum that
+    is not finite is checked element by element (a finite tensor whose sum overflows passes).
+    Packed 4-bit weights are finite by construction except for their scales and zeros.
+    """
+    for name, w in weights.items():
+        for a in (w.dense, w.q4_scale, w.q4_zero):
+            if a is None or math.isfinite(float(a.sum(dtype=np.float32))):
+                continue
+            bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+            if bad:
+                raise ModelLoadError(f"{source}: tensor '{name}' has {bad} NaN/Inf values "
+                                     f"(of {a.size}): the weights are corrupt")

@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -27,7 +28,7 @@ from starlette.responses import Response
 from kvserve.engine.request import InvalidRequestError
 from kvserve.faces.auth import add_security
 from kvserve.faces.errors import ApiError
-from kvserve.faces.http import json_response
+from kvserve.faces.http import BodyLimitMiddleware, HeadAsGetMiddleware, dumps, json_response
 from kvserve.faces.sse import ClientDisconnected
 from kvserve.serving.args import ServerArgs, parse_args
 from kvserve.serving.state import ServerState
@@ -115,15 +116,48 @@ def build_app(state: ServerState) -> FastAPI:
     async def _gone(_: HttpRequest, e: ClientDisconnected):
         return Response(status_code=499)  # nobody reads it; the generation was aborted
 
-    @app.exception_handler(Exception)
-    async def _crash(_: HttpRequest, e: Exception):
-        log.exception("unhandled error", extra={"func": "handle"})
-        return json_response(ApiError.from_exception(e).body(), ApiError.from_exception(e).status)
-
     app.include_router(llama.build_router(state))
     _include_openai(app, state)
+    # innermost first: the crash guard sits right outside the exception handlers above
+    app.add_middleware(CrashGuardMiddleware)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.args.max_request_bytes)
+    app.add_middleware(HeadAsGetMiddleware)
     add_security(app, state.args.api_keys, state.args.cors_origins)
     return app
+
+
+class CrashGuardMiddleware:
+    """ASGI middleware: an exception no handler took is logged once (with its traceback) and
+    answered with the 500 envelope, and the connection stays open for the next request.
+
+    Registering ``Exception`` with ``app.exception_handler`` would not do: Starlette runs such a
+    handler in ServerErrorMiddleware, which re-raises after answering, so uvicorn logs the
+    traceback a second time and closes the keep-alive connection. When the response has
+    already started (a stream), no answer can be sent: the error is logged and uvicorn ends
+    the connection, the only way left to tell the client the response is incomplete.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(msg):
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as e:  # noqa: BLE001 - the last stop before uvicorn
+            log.exception("unhandled error", extra={"func": "handle"})
+            if not started:
+                err = ApiError.from_exception(e)
+                await json_response(err.body(), err.status)(scope, receive, send)
 
 
 def _include_openai(app: FastAPI, state: ServerState) -> None:
@@ -162,9 +196,14 @@ def load_model(state: ServerState, on_fail) -> None:
     from kvserve.models.registry import load_files
     from kvserve.store import resolve_model
 
+    from kvserve.loaders.weights import ModelLoadError
+
     args = state.args
     try:
-        path = str(resolve_model(args.model, pull_missing=True))
+        # an existing file goes to the loader, which names what is wrong with it (e.g. "not a
+        # GGUF file (bad magic ...)"); the store would only say it found no model
+        given = Path(args.model).expanduser()
+        path = str(given) if given.is_file() else str(resolve_model(args.model, pull_missing=True))
         _srv(logging.INFO, "load_model", "loading model '%s'", path)
         cfg = args.engine_config()
         core = EngineCore(load_files(path), cfg)
@@ -172,7 +211,7 @@ def load_model(state: ServerState, on_fail) -> None:
         _srv(logging.INFO, "load_model", "initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = '%s'",
              core.n_slots, core.n_ctx_slot, "true" if cfg.unified else "false")
         if args.log_verbosity >= 4:
-            _srv(logging.INFO, "load_model", "prompt cache is enabled, size limit: %d MiB", args.cache_ram)
+            _srv(logging.INFO, "load_model", "prompt cache is enabled, size limit: %d MiB", core.cache_ram_mib)
         state.set_loaded(AsyncEngine(core), template, path)
         # import xgrammar and build its vocabulary table now, off the request path (~1.5 s),
         # so the first constrained request does not pay for it; the server is ready meanwhile
@@ -180,7 +219,8 @@ def load_model(state: ServerState, on_fail) -> None:
         _srv(logging.INFO, "llama_server", "model loaded")
         _srv(logging.INFO, "llama_server", "listening on http://%s:%d", args.host, args.port)
     except BaseException as e:  # noqa: BLE001 - reported, then the server exits
-        state.load_error = f"{type(e).__name__}: {e}"
+        known = isinstance(e, (ModelLoadError, FileNotFoundError))  # the message says it all
+        state.load_error = str(e) if known else f"{type(e).__name__}: {e}"
         _srv(logging.ERROR, "load_model", "failed to load model '%s': %s", args.model, state.load_error)
         _srv(logging.ERROR, "llama_server", "exiting due to model loading error")
         on_fail()
@@ -191,6 +231,49 @@ def _warm_grammars(state: ServerState) -> None:
         state.grammars._get_compiler()
     except Exception as e:  # noqa: BLE001 - a constrained request reports the real error later
         _srv(logging.WARNING, "load_model", "structured outputs backend failed to start: %s", e)
+
+
+def http_protocol():
+    """uvicorn's HTTP protocol class (httptools when installed, else h11, as ``http="auto"``)
+    with its answer to an unparseable request in the error envelope: uvicorn writes a plain
+    text ``Invalid HTTP request received.`` from ``send_400_response``, which the app never
+    sees; overriding that method (a documented ``Config(http=...)`` class) is the one place."""
+    body = dumps(ApiError(400, "Invalid HTTP request received.").body()).encode()
+    head = [(b"content-type", b"application/json; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        class JsonErrorHttpTools(HttpToolsProtocol):
+            def send_400_response(self, msg: str) -> None:
+                lines = [b"HTTP/1.1 400 Bad Request\r\n"]
+                lines += [n + b": " + v + b"\r\n" for n, v in list(self.server_state.default_headers) + head]
+                self.transport.write(b"".join(lines) + b"\r\n" + body)
+                self.transport.close()
+
+        return JsonErrorHttpTools
+    except ImportError:
+        import h11
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        class JsonErrorH11(H11Protocol):
+            def send_400_response(self, msg: str) -> None:
+                self.transport.write(self.conn.send(h11.Response(status_code=400, headers=head,
+                                                                 reason=b"Bad Request")))
+                self.transport.write(self.conn.send(h11.Data(data=body)))
+                self.transport.close()
+
+        return JsonErrorH11
+
+
+def uvicorn_config(app, **kw):
+    """The uvicorn Config ``kvserve serve`` runs with (``kw`` adds or overrides options)."""
+    import uvicorn
+
+    opts = dict(log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=3,
+                http=http_protocol())
+    opts.update(kw)
+    return uvicorn.Config(app, **opts)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -222,8 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         _srv(logging.ERROR, "llama_server", "couldn't bind HTTP server socket, hostname: %s, port: %d: %s",
              args.host, args.port, e)
         return 1
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
-                                           timeout_graceful_shutdown=3))
+    server = uvicorn.Server(uvicorn_config(app))
     failed = threading.Event()
 
     def on_fail() -> None:
