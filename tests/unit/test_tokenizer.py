@@ -194,3 +194,17 @@ def test_lone_surrogates_become_replacement_characters(smollm2_gguf):
     tok = Tokenizer.from_gguf_file(smollm2_gguf)
     assert tok.encode("a\ud800b") == tok.encode("a\ufffdb")
     assert tok.encode_batch(["\udcff x"]) == [tok.encode("\ufffd x")]
+
+
+def test_long_text_batch_path_gives_the_same_ids(smol: Tokenizer) -> None:
+    """Texts above 64 Ki characters go through the HF batch encoder (it releases the GIL for the
+    whole call; the single encoder holds it while converting offsets): the ids must not change."""
+    from kvserve.loaders import tokenizer as tk
+
+    unit = "def f(x):\n    return x + 1  # wörld 🙂 <|im_start|>user\n\n"
+    text = unit * (tk._LONG_TEXT // len(unit) + 3)
+    assert len(text) > tk._LONG_TEXT
+    direct = smol._hf.encode(text, add_special_tokens=False).ids
+    assert smol.encode(text) == direct
+    assert smol.encode(text + "\ud800") == smol._hf.encode(text + "\ufffd", add_special_tokens=False).ids
+    assert len(direct) == 25805
