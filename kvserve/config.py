@@ -11,6 +11,46 @@ import os
 from dataclasses import dataclass
 
 
+#: llama-server's ``--cache-ram`` default (MiB)
+DEFAULT_CACHE_RAM_MIB = 8192
+#: host-tier budget when the machine's memory cannot be read at all (MiB)
+FALLBACK_CACHE_RAM_MIB = 1024
+
+
+def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where the file or the line is missing."""
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _phys_mem_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def auto_cache_ram_mib(meminfo: str = "/proc/meminfo") -> int:
+    """Host-tier budget when ``--cache-ram`` is not given: min(8192 MiB, MemAvailable / 4).
+
+    Without ``/proc/meminfo`` (not Linux): a quarter of the physical memory, capped
+    the same way; without either, ``FALLBACK_CACHE_RAM_MIB``. So a soak cannot push
+    the process toward 8 GiB on a machine that cannot spare it (issue #11).
+    """
+    avail = mem_available_bytes(meminfo)
+    if avail is None:
+        avail = _phys_mem_bytes()
+    if avail is None:
+        return FALLBACK_CACHE_RAM_MIB
+    return min(DEFAULT_CACHE_RAM_MIB, (avail // 4) >> 20)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Engine sizing and numerics.
@@ -66,7 +106,10 @@ class EngineConfig:
             whole decode step, 20-25% slower at 4-16 rows). Off by default
             (``--native-kernels``).
         cache_ram: host-tier budget in MiB for unreferenced cached KV blocks
-            (llama-server ``--cache-ram``: default 8192, -1 = no limit, 0 = off).
+            (llama-server ``--cache-ram``: -1 = no limit, i.e. half the machine's
+            memory; 0 = off). None (the flag not given) = what the machine can
+            spare: the smaller of llama-server's default 8192 MiB and a quarter of
+            MemAvailable at start-up (:func:`auto_cache_ram_mib`).
         device: "auto" | "cpu" | "cuda".
     """
 
@@ -85,7 +128,7 @@ class EngineConfig:
     compile: bool = False
     native_kernels: bool = False
     device: str = "auto"
-    cache_ram: int = 8192
+    cache_ram: int | None = None
 
     def __post_init__(self) -> None:
         if self.n_ctx < 0:
@@ -98,7 +141,7 @@ class EngineConfig:
             raise ValueError(f"unsupported KV cache type '{self.kv_dtype}' (f16, bf16, f32)")
         if self.cpu_kernel not in ("auto", "int8", "int4", "dense"):
             raise ValueError(f"unsupported cpu_kernel '{self.cpu_kernel}' (auto, int8, int4, dense)")
-        if self.cache_ram < -1:
+        if self.cache_ram is not None and self.cache_ram < -1:
             raise ValueError("cache_ram must be -1 (no limit), 0 (off) or a size in MiB")
         if self.large_batch_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"unsupported large_batch_dtype '{self.large_batch_dtype}' (auto, float32, bfloat16)")
@@ -107,19 +150,19 @@ class EngineConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype '{self.dtype}'")
 
-    def host_tier_blocks(self, block_bytes: int, active_blocks: int) -> int:
-        """Blocks of the host tier for ``cache_ram`` MiB (capped at 65536 blocks and,
-        for -1, at half the machine's memory)."""
-        if self.cache_ram == 0:
-            return 0
+    def cache_ram_mib(self) -> int:
+        """The host-tier budget in MiB that ``cache_ram`` means on this machine (0 = off)."""
+        if self.cache_ram is None:
+            return auto_cache_ram_mib()
         if self.cache_ram < 0:
-            try:
-                budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-            except (ValueError, OSError):
-                budget = 8192 << 20
-        else:
-            budget = self.cache_ram << 20
-        return max(0, min(budget // max(block_bytes, 1), 65536))
+            phys = _phys_mem_bytes()
+            return (phys // 2) >> 20 if phys else DEFAULT_CACHE_RAM_MIB
+        return self.cache_ram
+
+    def host_tier_blocks(self, block_bytes: int, active_blocks: int, mib: int | None = None) -> int:
+        """Blocks of the host tier for ``mib`` MiB (default :meth:`cache_ram_mib`), capped at 65536."""
+        mib = self.cache_ram_mib() if mib is None else mib
+        return max(0, min((mib << 20) // max(block_bytes, 1), 65536))
 
     @property
     def n_slots(self) -> int:

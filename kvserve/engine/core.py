@@ -27,7 +27,7 @@ from kvserve.engine.request import (
 )
 from kvserve.engine.runner import ModelRunner, StepResult
 from kvserve.engine.sampler import SampleResult, SequenceSampler
-from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvserve.engine.slot_file import SlotFileError, SlotHeader, model_fingerprint, read_slot_file, write_slot_file
 from kvserve.loaders.weights import LoadedModel
 from kvserve.models.registry import build_model
@@ -93,7 +93,11 @@ class EngineCore:
         # the pool: n_ctx tokens for running sequences plus one partial block per
         # sequence, the host tier (--cache-ram), and the null block
         active = -(-self.n_ctx // bs) + self.n_slots
-        host = config.host_tier_blocks(self.block_bytes, active)
+        self.cache_ram_mib = config.cache_ram_mib()
+        host = config.host_tier_blocks(self.block_bytes, active, self.cache_ram_mib)
+        log.info("host KV tier (--cache-ram): %d MiB%s, %d blocks of %d KiB", self.cache_ram_mib,
+                 " (flag not given: min(8192 MiB, MemAvailable / 4))" if config.cache_ram is None else "",
+                 host, self.block_bytes >> 10, extra={"func": "load_model"})
         num_blocks = 1 + active + host
         self.kv = KVCacheManager(num_blocks, bs, host_blocks=host)
         self.runner = ModelRunner(self.model, num_blocks, bs, config.kv_dtype, self.device)
@@ -105,6 +109,7 @@ class EngineCore:
         self._states: dict[str, _SeqState] = {}
         self._pending: list[RequestOutput] = []
         self.last_step_chunks: list[tuple[str, int, int]] = []  # (request_id, start, n) of the last step
+        self.consecutive_failed_steps = 0  # steps failed as a whole since the last one that ran
 
     # -- requests ----------------------------------------------------------------
 
@@ -138,9 +143,35 @@ class EngineCore:
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return
+        try:
+            req.stop_type = "abort"
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            out = self._output(req, [], "", None, finished=True)
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            out = self.fail_request(req, e, "abort")
+        self._pending.append(out)
+
+    def fail_request(self, req: Request, exc: BaseException, where: str, *, quiet: bool = False) -> RequestOutput:
+        """End ``req`` because the engine raised ``exc`` while working on it (``where``: "add",
+        "schedule", "execute", "update", "abort"); the other requests go on.
+
+        The request leaves the queues, its blocks are discarded (not parked or kept for
+        reuse), the failure is logged once with its traceback (``quiet``: the caller
+        logged it), and the returned final output carries ``error`` (the faces answer 500).
+        Never raises for a request that already left the engine.
+        """
+        if not quiet:
+            log.error("request %s failed in the engine (%s: %r); the other requests go on",
+                      req.request_id, where, exc, exc_info=exc)
+        self.scheduler.drop(req)
+        self._states.pop(req.request_id, None)
         req.stop_type = "abort"
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
-        self._pending.append(self._output(req, [], "", None, finished=True))
+        req.finish_time = req.finish_time or time.monotonic()
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=[], text="", finished=True, stop_type="abort",
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=len(req.output_token_ids),
+            error=f"the engine failed on this request ({type(exc).__name__}); other requests are not affected")
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
@@ -156,9 +187,21 @@ class EngineCore:
     # -- the step ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine iteration: schedule, execute, update. Returns the outputs it produced."""
+        """One engine iteration: schedule, execute, update. Returns the outputs it produced.
+
+        Never raises for one request's sake: an exception while admitting or updating
+        one request fails that request (:meth:`fail_request`); one in scheduling the
+        running requests or in the model's forward (not attributable to a request)
+        fails every request of the step and counts in ``consecutive_failed_steps``
+        (reset by the next step that runs).
+        """
         outputs, self._pending = self._pending, []
-        sched = self.scheduler.schedule()
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            outputs += self._fail_step(list(self.scheduler.running), e, "schedule")
+            return outputs
+        outputs += [self.fail_request(r, e, "schedule") for r, e in sched.failed]
         self.stats.num_preemptions += len(sched.preempted)
         if not sched.chunks:
             return outputs
@@ -168,10 +211,25 @@ class EngineCore:
                 ch.request.first_scheduled_time = now
         self.last_step_chunks = [(c.request.request_id, c.request.num_computed_tokens, c.num_new_tokens)
                                  for c in sched.chunks]
-        result = self.runner.execute(sched, self.kv, {c.request.request_id: self._states[c.request.request_id].sampler
-                                                      for c in sched.chunks})
+        try:
+            samplers = {c.request.request_id: self._states[c.request.request_id].sampler for c in sched.chunks}
+            result = self.runner.execute(sched, self.kv, samplers)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            outputs += self._fail_step([c.request for c in sched.chunks], e, "execute")
+            return outputs
+        self.consecutive_failed_steps = 0
         outputs.extend(self._update(sched, result))
         return outputs
+
+    def _fail_step(self, reqs: list[Request], exc: Exception, where: str) -> list[RequestOutput]:
+        """A step failed as a whole: fail ``reqs`` (the step's requests), drop queued KV
+        copy/shift jobs, log once with the traceback."""
+        self.consecutive_failed_steps += 1
+        log.error("engine step failed in %s (%r); failing its %d request(s), serving on",
+                  where, exc, len(reqs), exc_info=exc)
+        self.kv.take_copies()
+        self.kv.take_shifts()
+        return [self.fail_request(req, exc, where, quiet=True) for req in reqs]
 
     def _update(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         now = time.monotonic()
@@ -180,28 +238,36 @@ class EngineCore:
         st.n_busy_slots_total += len(sched.chunks)
         outs = []
         for ch, sample, plp in zip(sched.chunks, result.samples, result.prompt_logprobs):
-            req = ch.request
-            start = req.num_computed_tokens
-            self.kv.record_tokens(req.request_id, start,
-                                  [req.token_at(p) for p in range(start, start + ch.num_new_tokens)], req.cache_salt)
-            req.num_computed_tokens += ch.num_new_tokens
-            state = self._states[req.request_id]
-            if plp is not None:
-                state.prompt_logprobs.append(plp)
-            if start < req.num_prompt_tokens and req.num_preemptions == 0:
-                st.prompt_tokens_total += min(ch.num_new_tokens, req.num_prompt_tokens - start)
-            if sample is None:
-                continue
-            if req.first_token_time is None:
-                req.first_token_time = now
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = 0
-                st.prompt_tokens_cached_total += req.num_cached_tokens
-                st.prompt_seconds_total += now - (req.first_scheduled_time or now)
-            out = self._accept(req, state, sample, now)
+            try:
+                out = self._update_one(ch, sample, plp, now)
+            except Exception as e:  # noqa: BLE001 - fails this request only
+                out = self.fail_request(ch.request, e, "update")
             if out is not None:
                 outs.append(out)
         return outs
+
+    def _update_one(self, ch: ScheduledChunk, sample: SampleResult | None, plp, now: float) -> RequestOutput | None:
+        """Apply one chunk's result to its request: record its tokens, count, accept the sample."""
+        st = self.stats
+        req = ch.request
+        start = req.num_computed_tokens
+        self.kv.record_tokens(req.request_id, start,
+                              [req.token_at(p) for p in range(start, start + ch.num_new_tokens)], req.cache_salt)
+        req.num_computed_tokens += ch.num_new_tokens
+        state = self._states[req.request_id]
+        if plp is not None:
+            state.prompt_logprobs.append(plp)
+        if start < req.num_prompt_tokens and req.num_preemptions == 0:
+            st.prompt_tokens_total += min(ch.num_new_tokens, req.num_prompt_tokens - start)
+        if sample is None:
+            return None
+        if req.first_token_time is None:
+            req.first_token_time = now
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = 0
+            st.prompt_tokens_cached_total += req.num_cached_tokens
+            st.prompt_seconds_total += now - (req.first_scheduled_time or now)
+        return self._accept(req, state, sample, now)
 
     def _accept(self, req: Request, state: _SeqState, sample: SampleResult, now: float) -> RequestOutput | None:
         """Apply one sampled token: stop checks, detokenize, build the output event."""
@@ -286,14 +352,21 @@ class EngineCore:
         """Tokens whose KV the idle slot holds (empty when nothing is parked)."""
         return self.kv.parked_tokens(f"slot:{slot_id}")
 
-    def save_slot(self, slot_id: int, path: str) -> dict:
-        """Write the slot's parked tokens and KV rows to ``path`` (format: kvserve.engine.slot_file).
+    def slot_file_spec(self) -> dict:
+        """What a slot file must match to be restored here: ``read_slot_file``'s keyword arguments."""
+        c = self.model_config
+        return {"fingerprint": self.model_fingerprint, "kv_dtype": self.config.kv_dtype, "n_layer": c.n_layer,
+                "n_head_kv": c.n_head_kv, "head_dim": c.head_dim}
+
+    def snapshot_slot(self, slot_id: int) -> tuple[SlotHeader, list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Copy the idle slot's parked tokens and KV rows out of the cache (no file I/O).
 
         Returns:
-            {"n_saved": tokens, "n_written": bytes}.
+            (header, N token ids, per layer (K [N, H, D], V [N, H, D]) CPU tensors): the
+            arguments of ``write_slot_file``, which the caller runs off the engine thread.
 
         Raises:
-            SlotFileError: bad slot id, busy slot, write failure.
+            SlotFileError: bad slot id, busy slot.
         """
         key = self._check_slot(slot_id)
         tokens = self.kv.parked_tokens(key)
@@ -303,33 +376,28 @@ class EngineCore:
         c = self.model_config
         hdr = SlotHeader(self.model_fingerprint, len(tokens), self.config.kv_dtype, c.n_layer, c.n_head_kv,
                          c.head_dim)
-        n = write_slot_file(path, hdr, tokens, layers)
-        return {"n_saved": len(tokens), "n_written": n}
+        return hdr, tokens, layers
 
-    def restore_slot(self, slot_id: int, path: str) -> dict:
-        """Load a slot file into the slot: its tokens become the slot's parked, indexed KV.
+    def load_slot(self, slot_id: int, tokens: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+        """Make ``tokens`` and their KV rows (as ``read_slot_file`` returns them) the idle slot's
+        parked, indexed KV (no file I/O).
 
         The next request on the slot (or any request, through the prefix index)
         reuses them; at least one prompt token is still evaluated. Restored
         blocks are indexed without a cache_salt.
 
         Returns:
-            {"n_restored": tokens, "n_read": bytes, "tokens": the token ids}.
+            {"n_restored": tokens, "tokens": the token ids}.
 
         Raises:
-            FileNotFoundError: no such file.
-            SlotFileError: busy slot, another model's file, corrupt file, too
-                many tokens for the slot's context, no room in the KV pool.
+            SlotFileError: bad slot id, busy slot, too many tokens for the slot's
+                context, a token id out of range, no room in the KV pool.
         """
         key = self._check_slot(slot_id)
-        c = self.model_config
-        _, tokens, layers, n_read = read_slot_file(
-            path, fingerprint=self.model_fingerprint, kv_dtype=self.config.kv_dtype, n_layer=c.n_layer,
-            n_head_kv=c.n_head_kv, head_dim=c.head_dim)
         if len(tokens) >= self.n_ctx_slot:
             raise SlotFileError(f"slot file holds {len(tokens)} tokens, more than the slot's context "
                                 f"({self.n_ctx_slot} tokens)")
-        bad = next((t for t in tokens if not 0 <= t < c.n_vocab), None)
+        bad = next((t for t in tokens if not 0 <= t < self.model_config.n_vocab), None)
         if bad is not None:
             raise SlotFileError(f"slot file is corrupt: token id {bad} is out of range")
         self.kv.release_parked(key)
@@ -342,13 +410,43 @@ class EngineCore:
             self.runner.write_rows(rows, layers)
             self.kv.record_tokens(rid, 0, tokens, None)
         self.kv.park(rid, key, None)
-        return {"n_restored": len(tokens), "n_read": n_read, "tokens": tokens}
+        return {"n_restored": len(tokens), "tokens": tokens}
+
+    def save_slot(self, slot_id: int, path: str) -> dict:
+        """Write the slot's parked tokens and KV rows to ``path`` (format: kvserve.engine.slot_file),
+        all on the calling thread (the server runs :meth:`snapshot_slot` on the engine thread
+        and the file write in a worker thread).
+
+        Returns:
+            {"n_saved": tokens, "n_written": bytes}.
+
+        Raises:
+            SlotFileError: bad slot id, busy slot, write failure, not a regular file.
+        """
+        hdr, tokens, layers = self.snapshot_slot(slot_id)
+        return {"n_saved": len(tokens), "n_written": write_slot_file(path, hdr, tokens, layers)}
+
+    def restore_slot(self, slot_id: int, path: str) -> dict:
+        """Read a slot file and load it into the slot (:meth:`load_slot`), on the calling thread.
+
+        Returns:
+            {"n_restored": tokens, "n_read": bytes, "tokens": the token ids}.
+
+        Raises:
+            FileNotFoundError: no such file.
+            SlotFileError: see :meth:`load_slot` and ``read_slot_file``.
+        """
+        self._check_slot(slot_id)
+        _, tokens, layers, n_read = read_slot_file(path, **self.slot_file_spec())
+        return {**self.load_slot(slot_id, tokens, layers), "n_read": n_read}
 
     def erase_slot(self, slot_id: int) -> dict:
-        """Release the slot's parked KV. Returns {"n_erased": tokens it held}. SlotFileError: busy/bad id."""
+        """Drop the slot's parked KV, from the host tier and the prefix index too (llama-server's
+        erase: the next request reuses none of it). Returns {"n_erased": tokens it held}.
+        SlotFileError: busy/bad id."""
         key = self._check_slot(slot_id)
         n = len(self.kv.parked_tokens(key))
-        self.kv.release_parked(key)
+        self.kv.drop_parked(key)
         return {"n_erased": n}
 
     # -- outputs -----------------------------------------------------------------

@@ -73,8 +73,12 @@ class PrefixHit:
 
 
 def root_key(salt: str | None) -> bytes:
-    """Parent key of a sequence's first block; the salt separates caches."""
-    return hashlib.blake2b(b"kvserve-root\x00" + (salt or "").encode(), digest_size=16).digest()
+    """Parent key of a sequence's first block; the salt separates caches.
+
+    Any Python string hashes, lone surrogates included ("surrogatepass"): a salt
+    the faces did not screen must never raise on the engine thread."""
+    return hashlib.blake2b(b"kvserve-root\x00" + (salt or "").encode("utf-8", "surrogatepass"),
+                           digest_size=16).digest()
 
 
 def chain_key(parent: bytes, tokens: list[int]) -> bytes:
@@ -313,6 +317,21 @@ class KVCacheManager:
         """Drop the sequence's references; unreferenced blocks go to the host tier or the free list."""
         self._release_table(self._tables.pop(request_id, []))
 
+    def discard(self, request_id: str) -> None:
+        """Drop the sequence's references like :meth:`free`, but blocks left unreferenced are
+        unindexed and emptied, never kept in the host tier (a failed step may have left their
+        rows incomplete; an erased slot's text must not be reusable)."""
+        self._drop_table(self._tables.pop(request_id, []))
+
+    def _drop_table(self, table: list[int]) -> None:
+        for bid in reversed(table):
+            b = self.blocks[bid]
+            b.ref_count -= 1
+            if b.ref_count <= 0:
+                b.ref_count = 0
+                self._unindex(b)
+                self._free.append(bid)
+
     def park(self, request_id: str, key: str, salt: str | None = None) -> None:
         """Keep the sequence's blocks referenced under ``key`` (an idle slot); replaces what the key held.
 
@@ -330,6 +349,15 @@ class KVCacheManager:
         self._parked_salt.pop(key, None)
         if table:
             self._release_table(table)
+
+    def drop_parked(self, key: str) -> None:
+        """Drop the blocks parked under ``key`` from the slot, the host tier and the prefix index
+        (a slot ``erase``: llama-server's next request then reuses nothing). Blocks that another
+        sequence or slot still references stay as they are."""
+        table = self._parked.pop(key, None)
+        self._parked_salt.pop(key, None)
+        if table:
+            self._drop_table(table)
 
     def parked_keys(self) -> list[str]:
         """Keys with parked blocks, oldest first."""

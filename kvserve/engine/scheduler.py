@@ -51,12 +51,14 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """The step's chunks, who was preempted, and KV rows to copy first (copy on write:
-    (src block, dst block, rows)); KV shift jobs (src row, dst row, position delta)
+    """The step's chunks, who was preempted, who failed, and KV rows to copy first (copy on
+    write: (src block, dst block, rows)); KV shift jobs (src row, dst row, position delta)
     run before the copies."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    #: waiting requests whose admission raised (already out of the queues, blocks discarded)
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
     kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
     kv_shifts: list[tuple[int, int, int]] = field(default_factory=list)
 
@@ -81,8 +83,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        #: recently finished sequences (token ids as int32 arrays, cache_salt), for cache_miss diagnostics
-        self.recent: deque[tuple[np.ndarray, str | None]] = deque(maxlen=RECENT_SEQUENCES)
+        #: recently finished sequences (token ids as int32 arrays, cache_salt, slot or -1), for cache_miss
+        self.recent: deque[tuple[np.ndarray, str | None, int]] = deque(maxlen=RECENT_SEQUENCES)
         #: token ids -> text, for cache_miss excerpts (set by EngineCore)
         self.detokenize: Callable[[list[int]], str] | None = None
 
@@ -109,11 +111,25 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         n = request.num_computed_tokens
         if n > 0:
-            self.recent.append((np.asarray(request.all_token_ids[:n], dtype=np.int32), request.cache_salt))
+            self.recent.append((np.asarray(request.all_token_ids[:n], dtype=np.int32), request.cache_salt,
+                                request.priority_slot))
         if request.priority_slot >= 0:
             self.kv.park(request.request_id, f"slot:{request.priority_slot}", request.cache_salt)
         else:
             self.kv.free(request.request_id)
+
+    def drop(self, request: Request) -> None:
+        """Remove a request the engine failed on (status FINISHED_ERROR): out of the queues, its
+        blocks discarded (never parked, indexed or kept in the host tier: their rows may be
+        incomplete). Safe to call for a request that already left."""
+        request.status = RequestStatus.FINISHED_ERROR
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if self.requests.get(request.request_id) is request:
+            del self.requests[request.request_id]
+        self.kv.discard(request.request_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -145,7 +161,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens - out.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            if not self._admit(req, budget):
+            marks = len(self.kv.pending_copies), len(self.kv.pending_shifts)
+            try:
+                admitted = self._admit(req, budget)
+            except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
+                del self.kv.pending_copies[marks[0]:], self.kv.pending_shifts[marks[1]:]
+                self.waiting.popleft()
+                self.drop(req)
+                out.failed.append((req, e))
+                continue
+            if not admitted:
                 break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             self.waiting.popleft()
@@ -193,54 +218,55 @@ class Scheduler:
         """Why fewer prompt tokens were reused than a cached candidate offered (or None).
 
         Candidates: every slot's parked sequence (still cached) and the last
-        ``RECENT_SEQUENCES`` finished sequences (maybe evicted since). The best
-        one shares the longest common prefix (LCP) with the prompt. A miss is
-        reported when ``n_reused`` < min(LCP, prompt - 1) (the cache offered
-        more), or when reuse stopped before the prompt's last token because the
-        prompt differs from the candidate at position LCP (the candidate goes on
-        with other tokens there; a candidate that simply ended is no miss).
+        ``RECENT_SEQUENCES`` finished sequences (maybe evicted since), but only
+        those cached under the request's own ``cache_salt``: an entry of another
+        salt is never mentioned, not even by its length (that would tell whether
+        another user's prompt starts like this one). The best candidate shares
+        the longest common prefix (LCP) with the prompt. A miss is reported when
+        ``n_reused`` < min(LCP, prompt - 1) (the cache offered more), or when
+        reuse stopped before the prompt's last token because the prompt differs
+        from the candidate at position LCP (the candidate goes on with other
+        tokens there; a candidate that simply ended is no miss).
 
-        reason: "cache_prompt false" (the request turned reuse off), "cache_salt"
-        (the candidate was cached under another salt), "evicted" (its KV is
-        gone: host tier off/full, erased), "different slot" (it sits in another
-        slot and could not be matched), "prefix differs" (the prompt changed at
-        ``first_diff_pos``).
+        reason: "cache_prompt false" (the request turned reuse off), "evicted"
+        (its KV is gone: host tier off/full, erased), "different slot" (it sits
+        in another slot and could not be matched), "prefix differs" (the prompt
+        changed at ``first_diff_pos``).
+
+        The result holds counts, positions and ``prompt_excerpt`` (the request's
+        own text); ``cached_excerpt`` (the candidate's text around the first
+        difference) only when the candidate is this slot's own history (the same
+        slot and salt), never text from another slot.
         """
         n = req.num_prompt_tokens
         limit = n - 1
         if n_reused >= limit or n == 0:
             return None
         prompt = np.asarray(req.prompt_token_ids, dtype=np.int32)
-        own = f"slot:{req.priority_slot}" if req.priority_slot >= 0 else None
-        best = None  # (lcp, rank, tokens, source, salt_ok, cached)
-        cands: list[tuple[np.ndarray, str, str | None, bool]] = []
+        salt, slot = req.cache_salt, req.priority_slot
+        own = f"slot:{slot}" if slot >= 0 else None
+        cands: list[tuple[np.ndarray, bool, bool]] = []  # (tokens, still cached, this slot's history)
         for key in self.kv.parked_keys():
             toks = self.kv.parked_tokens(key)
-            if toks:
-                cands.append((np.asarray(toks, dtype=np.int32), key, self.kv.parked_salt(key), True))
-        for toks, salt in self.recent:
-            cands.append((toks, "recent", salt, False))
-        for toks, source, salt, cached in cands:
+            if toks and self.kv.parked_salt(key) == salt:
+                cands.append((np.asarray(toks, dtype=np.int32), True, key == own))
+        for toks, s, sl in self.recent:
+            if s == salt:
+                cands.append((toks, False, own is not None and sl == slot))
+        best = None  # (rank, tokens, cached, mine); at equal LCP prefer still cached, then this slot's
+        for toks, cached, mine in cands:
             lcp = _lcp(prompt, toks)
-            if lcp == 0:
-                continue
-            salt_ok = salt == req.cache_salt
-            # prefer, at equal LCP: same salt, still cached, this request's slot
-            rank = (lcp, salt_ok, cached, source == own)
-            if best is None or rank > best[1]:
-                best = (lcp, rank, toks, source, salt_ok, cached)
+            if lcp and (best is None or (lcp, cached, mine) > best[0]):
+                best = ((lcp, cached, mine), toks, cached, mine)
         if best is None:
             return None
-        lcp, _, toks, source, salt_ok, cached = best
-        offer = min(lcp, limit)
-        if n_reused < offer:
+        (lcp, _, _), toks, cached, mine = best
+        if n_reused < min(lcp, limit):
             if not req.params.cache_prompt:
                 reason = "cache_prompt false"
-            elif not salt_ok:
-                reason = "cache_salt"
             elif not cached:
                 reason = "evicted"
-            elif source != own:
+            elif not mine:
                 reason = "different slot"
             else:
                 reason = "prefix differs"
@@ -250,17 +276,18 @@ class Scheduler:
             reason = "prefix differs"
         else:
             return None
-        pos = lcp
-        lo = max(pos - EXCERPT_TOKENS, 0)
+        lo, hi = max(lcp - EXCERPT_TOKENS, 0), lcp + EXCERPT_TOKENS
         detok = self.detokenize or (lambda ids: " ".join(map(str, ids)))
-        return {
+        miss = {
             "n_reused": n_reused,
             "best_candidate_tokens": lcp,
-            "first_diff_pos": pos,
-            "prompt_excerpt": detok([int(t) for t in prompt[lo: pos + EXCERPT_TOKENS]]),
-            "cached_excerpt": detok([int(t) for t in toks[lo: pos + EXCERPT_TOKENS]]),
-            "reason": reason,
+            "first_diff_pos": lcp,
+            "prompt_excerpt": detok([int(t) for t in prompt[lo:hi]]),
         }
+        if mine:
+            miss["cached_excerpt"] = detok([int(t) for t in toks[lo:hi]])
+        miss["reason"] = reason
+        return miss
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

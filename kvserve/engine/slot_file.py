@@ -19,6 +19,12 @@ Format, version 1 (all integers little-endian)::
 So a file is exactly ``40 + 4 N + 2 L N H D sizeof(kv_dtype)`` bytes. K rows
 are stored after RoPE (as the cache holds them), at positions 0..N-1.
 
+Files are opened with ``O_NOFOLLOW`` and ``O_NONBLOCK`` and must be regular
+files (checked with ``fstat`` on the open descriptor): a symlink, FIFO, device
+or directory in the slot folder is refused with a :class:`SlotFileError`, and
+a FIFO cannot block the open. Reading and writing are plain blocking file I/O:
+the server runs them in a worker thread, never on the engine thread.
+
 Restoring checks everything before touching the cache: magic, version, model
 fingerprint (same model: config, tensor data size, file type, a sample of the
 token embedding), dtype and
@@ -30,9 +36,12 @@ message that says what differs; a file is never half-applied.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import os
+import stat
 import struct
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -94,20 +103,61 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _open(path: str, flags: int) -> int:
+    """``os.open`` without following a symlink and without blocking on a FIFO; SlotFileError
+    for a symlink or anything that is not a regular file (FileNotFoundError passes through)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise SlotFileError("slot file is a symbolic link: refused (links are not followed)") from None
+        if e.errno == errno.EISDIR:
+            raise SlotFileError("slot file is a directory, not a regular file: refused") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise SlotFileError(f"slot file is {_kind(mode)}, not a regular file: refused")
+    os.set_blocking(fd, True)
+    return fd
+
+
 def write_slot_file(path: str, header: SlotHeader, token_ids: list[int],
                     layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """Write a slot file atomically (temp file + rename). Returns bytes written.
+    """Write a slot file atomically (a new temp file + rename). Returns bytes written.
+
+    Blocking file I/O: call it off the engine thread.
 
     Args:
         token_ids: N token ids.
         layers: per layer (K [N, H, D], V [N, H, D]) in the header's dtype.
+
+    Raises:
+        SlotFileError: ``path`` exists and is not a regular file (symlink, FIFO,
+            directory...), or the write failed.
     """
     if len(token_ids) != header.n_tokens or len(layers) != header.n_layer:
         raise SlotFileError("slot file: token or layer count does not match the header")
-    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:
+        raise SlotFileError(f"failed to write slot file: {e.strerror or e}") from e
+    if mode is not None and not stat.S_ISREG(mode):
+        raise SlotFileError(f"slot file exists and is {_kind(mode)}, not a regular file: refused")
+    tmp = f"{path}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}"
     n = 0
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(_open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
             for chunk in (header.pack(), struct.pack(f"<{len(token_ids)}i", *token_ids)):
                 f.write(chunk)
                 n += len(chunk)
@@ -130,16 +180,20 @@ def read_slot_file(path: str, *, fingerprint: bytes, kv_dtype: str, n_layer: int
                    head_dim: int) -> tuple[SlotHeader, list[int], list[tuple[torch.Tensor, torch.Tensor]], int]:
     """Read and validate a slot file against the running model.
 
+    Blocking file I/O: call it off the engine thread. The file is opened without
+    following a symlink and must be a regular file.
+
     Returns:
         (header, token ids, per layer (K [N, H, D], V [N, H, D]) CPU tensors in
         ``kv_dtype``, bytes read).
 
     Raises:
         FileNotFoundError: no such file.
-        SlotFileError: anything else wrong (magic, version, model, dtype, dims, size).
+        SlotFileError: anything else wrong (not a regular file, magic, version, model,
+            dtype, dims, size).
     """
-    size = os.path.getsize(path)  # FileNotFoundError passes through
-    with open(path, "rb") as f:
+    with os.fdopen(_open(path, os.O_RDONLY), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(HEADER.size)
         if len(head) < HEADER.size:
             raise SlotFileError(f"not a slot file: {size} bytes is shorter than the {HEADER.size}-byte header")
@@ -160,7 +214,9 @@ def read_slot_file(path: str, *, fingerprint: bytes, kv_dtype: str, n_layer: int
                                 f"the model's ({n_layer}, {n_head_kv}, {head_dim})")
         if size != hdr.file_size():
             raise SlotFileError(f"slot file is corrupt: {size} bytes, expected {hdr.file_size()} for {n_tok} tokens")
-        raw = f.read()
+        raw = f.read(size - HEADER.size)
+        if len(raw) != size - HEADER.size:  # the file changed while being read
+            raise SlotFileError(f"slot file is corrupt: {HEADER.size + len(raw)} bytes, expected {size}")
     tok = list(struct.unpack_from(f"<{n_tok}i", raw, 0))
     dt = TORCH_DTYPES[kv_dtype]
     row = nh * hd * DTYPE_BYTES[kv_dtype]

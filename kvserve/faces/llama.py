@@ -375,20 +375,18 @@ def build_router(state: ServerState) -> APIRouter:
         fail = http.query_params.get("fail_on_no_slot", "")
         if fail not in ("", "0", "false") and not state.slots.has_idle():
             raise ApiError(503, "no slot available")
-        return json_response(state.slots.views())
+        return json_response(state.slots.views(show_text=state.args.slots_text))
 
     @r.post("/slots/{id_slot}")
     async def slot_action(id_slot: str, http: HttpRequest):
         if not state.args.slot_save_path:
             raise ApiError(501, SLOT_ACTIONS_OFF)
         state.require_ready()
-        try:
-            sid = int(id_slot)
-            slot = state.slots.slots[sid]
-            if sid < 0:
-                raise IndexError
-        except (ValueError, IndexError):
-            raise ApiError(400, "Invalid slot ID") from None
+        # ASCII digits only: int() would also take "١" (Arabic-Indic one), " 1" or "1_0"
+        if not (id_slot.isascii() and id_slot.isdigit()) or len(id_slot) > 9 \
+                or int(id_slot) >= len(state.slots.slots):
+            raise ApiError(400, "Invalid slot ID")
+        slot = state.slots.slots[int(id_slot)]
         action = http.query_params.get("action", "")
         if action not in ("save", "restore", "erase"):
             raise ApiError(400, "Invalid action")
@@ -419,6 +417,8 @@ def _slot_filename(state: ServerState, body: dict) -> tuple[str, str]:
     import os
 
     name = body.get("filename")
+    if isinstance(name, str) and any("\ud800" <= ch <= "\udfff" for ch in name):
+        raise ApiError(400, "Invalid filename: 'filename' contains a lone surrogate (not valid Unicode text)")
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or ".." in name \
             or "\x00" in name or name in (".",) or os.path.isabs(name):
         raise ApiError(400, "Invalid filename")
@@ -426,10 +426,15 @@ def _slot_filename(state: ServerState, body: dict) -> tuple[str, str]:
 
 
 async def _slot_file_action(state: ServerState, slot, action: str, http: HttpRequest) -> dict:
-    """POST /slots/{id}?action=save|restore|erase, run on the engine thread (seed Example 11)."""
+    """POST /slots/{id}?action=save|restore|erase (seed Example 11).
+
+    The engine thread only copies KV rows out (save) or in (restore) and erases; reading
+    and writing the file run in a worker thread, so a slow disk or a FIFO in the slot
+    folder cannot stall generation (``kvserve.engine.slot_file`` refuses anything that is
+    not a regular file)."""
     import asyncio
 
-    from kvserve.engine.slot_file import SlotFileError
+    from kvserve.engine.slot_file import SlotFileError, read_slot_file, write_slot_file
 
     sid = slot.id
     engine = state.engine
@@ -440,9 +445,14 @@ async def _slot_file_action(state: ServerState, slot, action: str, http: HttpReq
     t0 = time.perf_counter()
     try:
         if action == "save":
-            res = await asyncio.wrap_future(engine.call(lambda core: core.save_slot(sid, path)))
+            hdr, tokens, layers = await asyncio.wrap_future(engine.call(lambda core: core.snapshot_slot(sid)))
+            n = await asyncio.to_thread(write_slot_file, path, hdr, tokens, layers)
+            res = {"n_saved": len(tokens), "n_written": n}
         elif action == "restore":
-            res = await asyncio.wrap_future(engine.call(lambda core: core.restore_slot(sid, path)))
+            spec = await asyncio.wrap_future(engine.call(lambda core: core.slot_file_spec()))
+            _, tokens, layers, n_read = await asyncio.to_thread(read_slot_file, path, **spec)
+            res = await asyncio.wrap_future(engine.call(lambda core: core.load_slot(sid, tokens, layers)))
+            res["n_read"] = n_read
         else:
             res = await asyncio.wrap_future(engine.call(lambda core: core.erase_slot(sid)))
     except FileNotFoundError:
@@ -456,7 +466,8 @@ async def _slot_file_action(state: ServerState, slot, action: str, http: HttpReq
         return {"id_slot": sid, "filename": filename, "n_saved": res["n_saved"], "n_written": res["n_written"],
                 "timings": {"save_ms": ms}}
     if action == "restore":
-        slot.set_cached(res["tokens"])
+        if not slot.is_processing:  # a request may have taken the slot while the file was read
+            slot.set_cached(res["tokens"])
         return {"id_slot": sid, "filename": filename, "n_restored": res["n_restored"], "n_read": res["n_read"],
                 "timings": {"restore_ms": ms}}
     slot.set_cached([])

@@ -42,9 +42,10 @@ class ServerArgs:
     api_keys: list[str] = field(default_factory=list)
     metrics: bool = False
     slots: bool = True
+    slots_text: bool = False  # --slots given explicitly: GET /slots also shows requests' text params
     props: bool = False
     slot_save_path: str | None = None
-    cache_ram: int = 8192
+    cache_ram: int | None = None  # None: --cache-ram not given (EngineConfig sizes the tier)
     cache_reuse: int = 0
     slot_prompt_similarity: float = 0.10
     jinja: bool = True
@@ -148,11 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--api-key", default=None, help="API key(s), comma-separated")
     a("--api-key-file", default=None, help="file with one API key per line")
     a("--metrics", action="store_true")
-    a("--slots", dest="slots", action="store_true", default=True)
+    a("--slots", dest="slots", action="store_const", const="explicit", default=True)
     a("--no-slots", dest="slots", action="store_false")
     a("--props", action="store_true")
     a("--slot-save-path", default=None, help="existing directory for slot files")
-    a("--cache-ram", type=int, default=8192, help="host prompt cache in MiB")
+    a("--cache-ram", type=int, default=None,
+      help="host prompt cache in MiB (default: min(8192, a quarter of MemAvailable); -1 no limit, 0 off)")
     a("--cache-reuse", type=int, default=0)
     a("--slot-prompt-similarity", "-sps", type=float, default=0.10)
     a("--jinja", dest="jinja", action="store_true", default=True)
@@ -246,7 +248,8 @@ def parse_args(argv: list[str]) -> ServerArgs:
         ctx_size=ns.ctx_size, parallel=parallel, threads=ns.threads, batch_size=batch, ubatch_size=ns.ubatch_size,
         n_predict=ns.n_predict, temp=ns.temp, top_k=ns.top_k, top_p=ns.top_p, min_p=ns.min_p,
         repeat_penalty=ns.repeat_penalty, seed=SEED_RANDOM if ns.seed < 0 else ns.seed & 0xFFFFFFFF,
-        api_keys=keys, metrics=ns.metrics, slots=ns.slots, props=ns.props, slot_save_path=ns.slot_save_path,
+        api_keys=keys, metrics=ns.metrics, slots=bool(ns.slots), slots_text=ns.slots == "explicit",
+        props=ns.props, slot_save_path=ns.slot_save_path,
         cache_ram=ns.cache_ram, cache_reuse=ns.cache_reuse, slot_prompt_similarity=ns.slot_prompt_similarity,
         jinja=ns.jinja, chat_template=ns.chat_template, chat_template_file=ns.chat_template_file,
         cache_type_k=ns.cache_type_k, cache_type_v=ns.cache_type_v, sse_ping_interval=ns.sse_ping_interval,

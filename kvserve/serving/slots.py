@@ -32,6 +32,15 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
+#: ``params`` fields that hold text or tokens of the request (hidden by default in GET /slots)
+TEXT_PARAMS = {"stop": [], "grammar": "", "dry_sequence_breakers": [], "logit_bias": [], "grammar_triggers": [],
+               "preserved_tokens": []}
+
+
+def _without_text(params: dict) -> dict:
+    return {k: (TEXT_PARAMS[k] if k in TEXT_PARAMS else v) for k, v in params.items()}
+
+
 @dataclass
 class Slot:
     """One slot: its remembered tokens and the progress of the request it runs.
@@ -91,8 +100,13 @@ class Slot:
         if out.finished:
             self.has_next_token = False
 
-    def view(self) -> dict:
-        """The ``GET /slots`` entry (llama-server field names)."""
+    def view(self, show_text: bool = False) -> dict:
+        """The ``GET /slots`` entry (llama-server field names).
+
+        Counts and numeric parameters only, unless ``show_text``: the params that carry
+        a request's own text or tokens (``TEXT_PARAMS``: stop strings, grammar, DRY
+        sequence breakers, logit bias) are emptied, so one user cannot read another's
+        (``--slots`` given explicitly shows them, as llama-server does)."""
         n_remain = -1 if self.n_predict < 0 else max(self.n_predict - self.n_decoded, 0)
         return {
             "id": self.id,
@@ -104,7 +118,7 @@ class Slot:
             "n_prompt_tokens": len(self.tokens),
             "n_prompt_tokens_processed": self.n_prompt - self.n_prompt_cache,
             "n_prompt_tokens_cache": self.n_prompt_cache,
-            "params": self.params,
+            "params": self.params if show_text else _without_text(self.params),
             "next_token": [{
                 "has_next_token": self.has_next_token,
                 "has_new_line": self.has_new_line,
@@ -146,9 +160,9 @@ class SlotManager:
         """True when at least one slot is idle."""
         return any(not s.is_processing for s in self.slots)
 
-    def views(self) -> list[dict]:
-        """``GET /slots`` body."""
-        return [s.view() for s in self.slots]
+    def views(self, show_text: bool = False) -> list[dict]:
+        """``GET /slots`` body (``show_text``: see :meth:`Slot.view`)."""
+        return [s.view(show_text) for s in self.slots]
 
     def next_task_id(self) -> int:
         """A new task id (llama-server ``id_task``)."""

@@ -96,11 +96,16 @@ class ServerState:
         return self.engine is not None
 
     def require_ready(self) -> None:
-        """Raise ApiError 503 ``Loading model`` while the model loads."""
+        """Raise ApiError 503 ``Loading model`` while the model loads, 500 when loading failed
+        or the engine died (every route, /health included, then says so at once)."""
         if self.engine is None:
             if self.load_error:
                 raise ApiError(500, f"model failed to load: {self.load_error}")
             raise ApiError(503, "Loading model")
+        err = self.engine.error
+        if err is not None:
+            raise ApiError(500, f"the engine failed ({type(err).__name__}) and serves no more requests: "
+                                "restart the server")
 
 
 async def generate(state: ServerState, request: Request,

@@ -50,8 +50,8 @@ def test_save_erase_restore_round_trip(tiny_gguf, saved):
     assert res["n_saved"] == 28
     assert res["n_written"] == os.path.getsize(path) == 40 + 4 * 28 + 2 * c.n_layer * 28 * c.n_head_kv * c.head_dim * 2
     assert core.erase_slot(0) == {"n_erased": 28}
-    # erase drops the slot's hold; with the host tier on (--cache-ram) the blocks stay indexed there
-    assert run(core, Q)[:2] == (28, 10)
+    # erase drops the slot's blocks from the host tier and the prefix index too (llama-server: nothing reused)
+    assert run(core, Q)[:2] == (0, 38)
     fresh = core_for(tiny_gguf, cache_ram=0)
     ref = run(fresh, Q)
     assert fresh.erase_slot(0)["n_erased"] == 38 + 3  # prompt + generated tokens fed back (the last never is)
