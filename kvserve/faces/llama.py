@@ -417,8 +417,10 @@ def _slot_filename(state: ServerState, body: dict) -> tuple[str, str]:
     import os
 
     name = body.get("filename")
-    if isinstance(name, str) and any("\ud800" <= ch <= "\udfff" for ch in name):
-        raise ApiError(400, "Invalid filename: 'filename' contains a lone surrogate (not valid Unicode text)")
+    if isinstance(name, str):
+        from kvserve.faces.params import check_text
+
+        check_text(name, "filename")  # a lone surrogate: 400 naming the field
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or ".." in name \
             or "\x00" in name or name in (".",) or os.path.isabs(name):
         raise ApiError(400, "Invalid filename")
