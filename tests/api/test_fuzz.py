@@ -15,12 +15,15 @@ running instead (it needs ``--slots --props --metrics --slot-save-path DIR``). P
   lines are strict JSON or ``[DONE]`` and it ends as its dialect ends (``[DONE]``, or
   ``"stop": true`` on /completion), or with a 4xx error event.
 
+GET /slots must answer 200 with strict JSON every 50 requests and after each failure.
 Failures are collected, not raised one at a time, so that one run reports every cause:
-grouped by (route, status, message), each with its shortest body and the traceback the
-server logged for it. A 5xx is followed by a small /completion: if that fails too, the
-request killed the engine and the run stops there. Afterwards /health is 200, a small
-/completion is 200 and every slot is idle. The run is deterministic (``derandomize=True``); a long run:
-``KVSERVE_FUZZ_CASES=10000 python -m pytest -p no:cacheprovider tests/api/test_fuzz.py``.
+grouped by cause (the exception the server logged, else the problem), each with its routes,
+its shortest request and the server's traceback. A 5xx is followed by a small /completion:
+if that fails too, the request killed the engine and the run stops there. Afterwards
+/health is 200, a small /completion is 200 and every slot is idle.
+
+The run is deterministic (``derandomize=True``). A long run (``-s`` prints the figures):
+``KVSERVE_FUZZ_CASES=10000 python -m pytest -s -p no:cacheprovider tests/api/test_fuzz.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import json
 import os
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
@@ -220,9 +224,7 @@ class Run:
         out = [f"{len(self.failures)} of {self.n_sent} requests broke the rules, {len(groups)} causes:"]
         for cause, fs in sorted(groups.items(), key=lambda kv: -len(kv[1])):
             f = min(fs, key=lambda f: len(f.case.body))
-            routes = {}
-            for g in fs:
-                routes[f"{g.case.method} {g.case.route}"] = routes.get(f"{g.case.method} {g.case.route}", 0) + 1
+            routes = dict(Counter(f"{g.case.method} {g.case.route}" for g in fs))
             out.append(f"\n== {len(fs)} x {cause}\n   routes: {routes}, first at request #{fs[0].seq}\n"
                        f"   problem: {f.problem[:300]}\n   shortest: {f.case.describe()}")
             if f.traceback:
@@ -241,8 +243,8 @@ def traceback_summary(text: str) -> list[str]:
             keep.append(line.strip())
             if i + 1 < len(lines):
                 keep.append("    " + lines[i + 1].strip())
-    last = next((ln for ln in reversed(lines) if re.match(r"^[\w.]+(Error|Exception)\b", ln)), lines[-1:] or [""])
-    return keep[-10:] + [last if isinstance(last, str) else last[0]]
+    errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
+    return keep[-10:] + [(errors or lines or [""])[-1]]
 
 
 @dataclass
@@ -283,7 +285,9 @@ def test_fuzz_every_route(fuzz_server):
         t1 = time.monotonic()
         if not run.stopped:
             fuzz()
-        print(f"matrix {t1 - t0:.1f} s, hypothesis {time.monotonic() - t1:.1f} s")
+        print(f"\nfuzz: {run.n_sent} requests ({len(run.failures)} failures), statuses "
+              f"{dict(sorted(run.statuses.items()))}; matrix {t1 - t0:.1f} s, "
+              f"{N_CASES} hypothesis cases {time.monotonic() - t1:.1f} s")
         after = check_alive(client)
     if run.failures or after:
         summary = f"{run.n_sent} sent, statuses {dict(sorted(run.statuses.items()))}"
