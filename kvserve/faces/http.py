@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import json
+import re
 
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
@@ -55,7 +56,16 @@ async def read_json(request: HttpRequest, *, required: bool = True) -> dict:
     body = await asyncio.to_thread(parse_json_body, raw) if len(raw) > LARGE_BODY else parse_json_body(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # only a \uD800-\uDFFF escape can make a lone surrogate
+        from kvserve.faces.params import check_text
+
+        await asyncio.to_thread(check_text, body) if len(raw) > LARGE_BODY else check_text(body)
     return body
+
+
+#: a JSON escape of a UTF-16 surrogate; strict UTF-8 cannot carry one, so without this the
+#: parsed body holds none and the full walk (check_text) is skipped
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def parse_json_body(raw: bytes):

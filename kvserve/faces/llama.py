@@ -13,6 +13,7 @@ own matcher, and ``generation_settings.grammar`` shows the grammar used.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import time
@@ -48,12 +49,15 @@ def _is_token(x) -> bool:
 
 
 def tokenize_mixed(tokenizer, prompt, *, add_special: bool, parse_special: bool = True,
-                   field_name: str = "prompt") -> list[int]:
+                   field_name: str = "prompt", n_ctx: int | None = None) -> list[int]:
     """A prompt as a string, token ids, or a mixed list of ids and strings -> token ids.
 
     Only the first string piece gets the special tokens (BOS per the tokenizer's add_bos),
-    as llama-server's ``tokenize_mixed`` does.
+    as llama-server's ``tokenize_mixed`` does. With ``n_ctx``, a prompt that cannot fit is
+    refused from its length before tokenizing (``Tokenizer.check_fits``: TooManyTokensError).
     """
+    if n_ctx is not None and isinstance(prompt, (str, list)):
+        tokenizer.check_fits(prompt, n_ctx)
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special=add_special, parse_special=parse_special)
     if isinstance(prompt, list):
@@ -147,7 +151,7 @@ class CompletionHandler:
         prompts = split_prompts(body["prompt"])
         tasks = []
         for i, p in enumerate(prompts):
-            ids = tokenize_mixed(tok, p, add_special=True)
+            ids = tokenize_mixed(tok, p, add_special=True, n_ctx=state.engine.n_ctx_slot)
             bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
             if bad is not None:
                 raise ApiError(400, f"Field 'prompt': token id {bad} out of range [0, {tok.n_vocab})")
@@ -200,8 +204,6 @@ class CompletionHandler:
             for c in tasks:
                 c.request.grammar = grammars.constraint(spec)
 
-        import asyncio
-
         await asyncio.to_thread(build)
 
     def _params_view(self, params: SamplingParams, opts: dict) -> dict:
@@ -215,15 +217,13 @@ class CompletionHandler:
     async def __call__(self, http: HttpRequest) -> Response:
         self.state.require_ready()
         body = await read_json(http)
-        tasks, params, opts = self._build(body)
+        tasks, params, opts = await asyncio.to_thread(self._build, body)  # tokenizing: off the loop
         await self._constrain(tasks, opts)
         if opts["stream"]:
             if len(tasks) != 1:
                 raise ApiError(400, "streaming supports one prompt per request")
             return await sse_response(self._stream(tasks[0], params, opts), done=False,
                                       ping_interval=self.state.args.sse_ping_interval)
-        import asyncio
-
         async def run_all():
             await asyncio.gather(*(self.run_one(c, params, opts) for c in tasks))
 
@@ -340,32 +340,40 @@ def build_router(state: ServerState) -> APIRouter:
         state.require_ready()
         body = await read_json(http)
         tok = state.tokenizer
-        ids: list[int] = []
-        if body.get("content") is not None:
-            ids = tokenize_mixed(tok, body["content"], add_special=bool(get_bool(body, "add_special", False)),
-                                 parse_special=bool(get_bool(body, "parse_special", True)), field_name="content")
-        if get_bool(body, "with_pieces", False):
-            return json_response({"tokens": [{"id": t, "piece": tok.piece(t)} for t in ids]})
-        return json_response({"tokens": ids})
+
+        def run() -> Response:  # off the event loop: 30 MB of text takes tens of seconds
+            ids: list[int] = []
+            if body.get("content") is not None:
+                ids = tokenize_mixed(tok, body["content"], add_special=bool(get_bool(body, "add_special", False)),
+                                     parse_special=bool(get_bool(body, "parse_special", True)), field_name="content")
+            if get_bool(body, "with_pieces", False):
+                return json_response({"tokens": [{"id": t, "piece": tok.piece(t)} for t in ids]})
+            return json_response({"tokens": ids})
+
+        return await asyncio.to_thread(run)
 
     @r.post("/detokenize")
     async def detokenize(http: HttpRequest):
         state.require_ready()
         body = await read_json(http)
-        ids = body.get("tokens") or []
-        if not isinstance(ids, list) or not all(_is_token(t) for t in ids):
-            raise type_error("tokens", "array of token ids", ids)
         tok = state.tokenizer
-        bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"token id {bad} is out of range (vocabulary size {tok.n_vocab})")
-        return json_response({"content": tok.decode(ids)})
+
+        def run() -> Response:  # off the event loop: checking 10^7 ids takes a second
+            ids = body.get("tokens") or []
+            if not isinstance(ids, list) or not all(_is_token(t) for t in ids):
+                raise type_error("tokens", "array of token ids", ids)
+            bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"token id {bad} is out of range (vocabulary size {tok.n_vocab})")
+            return json_response({"content": tok.decode(ids)})
+
+        return await asyncio.to_thread(run)
 
     @r.post("/apply-template")
     async def apply_template(http: HttpRequest):
         state.require_ready()
         body = await read_json(http)
-        return json_response({"prompt": render_prompt(state, body)})
+        return json_response({"prompt": await asyncio.to_thread(render_prompt, state, body)})
 
     @r.get("/slots")
     async def slots(http: HttpRequest):

@@ -168,6 +168,7 @@ def chat_plan(state: ServerState, body: dict) -> Plan:
     if top is not None and not logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be set to true")
     feats = chat_features(state, body)
+    _check_chat_fits(state, body)
     cont = get_bool(body, "continue_final_message")
     add_gen = get_bool(body, "add_generation_prompt")
     if cont and add_gen:
@@ -201,6 +202,22 @@ def chat_plan(state: ServerState, body: dict) -> Plan:
                 (top or 0) if logprobs else None, mode=mode, grammar=_grammar_text(state, spec))
 
 
+def _check_chat_fits(state: ServerState, body: dict) -> None:
+    """Refuse before rendering and tokenizing a chat whose text alone cannot fit the context:
+    the strings of ``messages`` and ``tools`` are (nearly all) rendered into the prompt, so
+    their length bounds its token count (``Tokenizer.check_fits``; TooManyTokensError)."""
+    texts, stack = [], [body.get("messages"), body.get("tools")]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            texts.append(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    state.tokenizer.check_fits(texts, state.engine.n_ctx_slot)
+
+
 def _grammar_text(state: ServerState, spec) -> str:
     return state.grammars.grammar_text(spec) if spec is not None and state.grammars is not None else ""
 
@@ -221,6 +238,8 @@ def _prompt_list(state: ServerState, prompt) -> list[list[int]]:
     tok = state.tokenizer
 
     def one(p) -> list[int]:
+        if isinstance(p, (str, list)):
+            tok.check_fits(p, state.engine.n_ctx_slot)  # refuse what cannot fit before tokenizing
         if isinstance(p, str):
             return tok.encode(p, add_special=True, parse_special=True)
         ids: list[int] = []

@@ -69,6 +69,7 @@ class ServerArgs:
     reasoning: str | None = None  # --reasoning on|off: enable_thinking for every request
     chat_template_kwargs: dict = field(default_factory=dict)
     max_logprobs: int = 20  # vLLM --max-logprobs: top candidates per token a request may ask for; -1 = vocab size
+    max_request_bytes: int = 32 * 1024 * 1024  # --max-request-bytes: larger bodies get 413
 
     @property
     def vllm_tools(self) -> bool:
@@ -182,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--chat-template-kwargs", default=None, help="JSON object passed to every chat template render")
     a("--max-logprobs", type=int, default=20,
       help="most logprobs (n_probs, top_logprobs, logprobs) per token a request may ask for; -1: vocabulary size")
+    a("--max-request-bytes", type=int, default=int(os.environ.get("KVSERVE_MAX_REQUEST_BYTES", 32 * 1024 * 1024)),
+      help="largest request body in bytes (413 above it; default 32 MiB, env KVSERVE_MAX_REQUEST_BYTES)")
     return p
 
 
@@ -241,6 +244,8 @@ def parse_args(argv: list[str]) -> ServerArgs:
             p.error(f"invalid --chat-template-kwargs: {sorted(set(tkw) & RESERVED_VARIABLES)} are set by each request")
     if ns.max_logprobs < -1:
         p.error(f"invalid --max-logprobs {ns.max_logprobs}: -1 (vocabulary size) or >= 0")
+    if ns.max_request_bytes < 1:
+        p.error(f"invalid --max-request-bytes {ns.max_request_bytes}: at least 1")
     if parallel == 0 or parallel < -1:
         p.error(f"invalid -np value {parallel}: -1 (auto) or >= 1")
     args = ServerArgs(
@@ -261,6 +266,7 @@ def parse_args(argv: list[str]) -> ServerArgs:
         reasoning_budget=ns.reasoning_budget, reasoning=ns.reasoning, chat_template_kwargs=tkw,
         max_logprobs=ns.max_logprobs,
         compile=ns.compile, native_kernels=ns.native_kernels, large_batch_dtype=ns.large_batch_dtype,
+        max_request_bytes=ns.max_request_bytes,
     )
     try:
         args.default_sampling_params()
