@@ -29,6 +29,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -300,6 +301,20 @@ def _parse_gguf_kv(buf: memoryview) -> dict[str, Any]:
 
 #: characters above which encode() uses the HF library's batch path (see encode)
 _LONG_TEXT = 1 << 16
+#: one long text is encoded at a time per process: the HF library needs about 200 bytes of
+#: working memory per input byte (a 30 MB text peaked near 6 GB), so concurrent long encodes
+#: would multiply that; on a few cores they would not finish sooner either
+_LONG_ENCODE = threading.Lock()
+
+
+def _encode_long(hf: HFTokenizer):
+    """``text -> Encoding`` for long texts: the batch encoder, one long text at a time."""
+
+    def enc(text: str):
+        with _LONG_ENCODE:
+            return hf.encode_batch([text], add_special_tokens=False)[0]
+
+    return enc
 
 
 class Tokenizer:
@@ -669,13 +684,15 @@ class Tokenizer:
 
         Returns:
             list[int] of token ids.
+
+        Texts above 64 Ki characters are encoded one at a time per process (other threads
+        wait), so their working memory (about 200 bytes per input byte) is not multiplied.
         """
         hf = self._hf if parse_special else self._hf_plain
         # A long text goes through encode_batch: the HF library's single encode converts byte
         # offsets to char offsets while holding the GIL (30 MB: 80 s in which no other thread,
         # the server's event loop included, runs) and is 4x slower on non-ASCII text.
-        enc = (lambda t: hf.encode_batch([t], add_special_tokens=False)[0]) if len(text) > _LONG_TEXT \
-            else (lambda t: hf.encode(t, add_special_tokens=False))
+        enc = (lambda t: hf.encode(t, add_special_tokens=False)) if len(text) <= _LONG_TEXT else _encode_long(hf)
         try:
             ids = enc(text).ids if text else []
         except TypeError:  # lone surrogates (JSON "\ud800", undecodable stdin): U+FFFD, as a decoder would

@@ -83,7 +83,9 @@ def test_response_format_json_object(smollm2_server):
     ("guided_json", LOCATION, lambda s: jsonschema.validate(json.loads(s), LOCATION) is None),
 ])
 def test_legacy_guided_fields(smollm2_server, field, value, check):
-    assert check(_content(_chat(smollm2_server, {field: value}, "Answer.")))
+    # a prompt the JSON case can answer: after "Answer." the greedy output under the schema
+    # was a URL of repeated digits past max_tokens on a CPU without AVX-512 (the prefill copy is float32 there)
+    assert check(_content(_chat(smollm2_server, {field: value}, "Extract the file and line from: NPE at Main.java:42")))
 
 
 def test_llama_grammar_field_on_chat(smollm2_server):
