@@ -25,7 +25,7 @@ from kvserve.engine.request import (
     TokenLogprob,
     TopLogprob,
 )
-from kvserve.engine.runner import ModelRunner, StepResult
+from kvserve.engine.runner import ModelRunner, SampleFailure, StepResult
 from kvserve.engine.sampler import SampleResult, SequenceSampler
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvserve.engine.slot_file import SlotFileError, SlotHeader, model_fingerprint, read_slot_file, write_slot_file
@@ -261,6 +261,8 @@ class EngineCore:
             st.prompt_tokens_total += min(ch.num_new_tokens, req.num_prompt_tokens - start)
         if sample is None:
             return None
+        if isinstance(sample, SampleFailure):  # this row's sampler raised: fail this request only
+            raise sample.error
         if req.first_token_time is None:
             req.first_token_time = now
             if req.num_cached_tokens < 0:

@@ -29,7 +29,7 @@ class StepResult:
     for positions start+1 .. start+n (the logprob of token i+1 given tokens
     <= i)."""
 
-    samples: list[SampleResult | None]
+    samples: list[SampleResult | SampleFailure | None]
     prompt_logprobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
 
 
@@ -258,16 +258,16 @@ class ModelRunner:
                 logits = logits.index_select(0, need_t)
         if logits is None:
             logits = self.model(input_ids, batch, self.kv_caches, need_t)
-        samples: list[SampleResult | None] = [None] * len(chunks)
+        samples: list = [None] * len(chunks)
         if sample_ci:
             reqs = [chunks[ci].request for ci in sample_ci]
-            res = sample_batch(
-                logits[: len(sample_ci)],
-                [samplers[r.request_id] for r in reqs],
-                [_History(r) for r in reqs],
-                [len(r.output_token_ids) for r in reqs],
-                [r.grammar.mask() if r.grammar is not None else None for r in reqs],
-            )
+            args = ([samplers[r.request_id] for r in reqs], [_History(r) for r in reqs],
+                    [len(r.output_token_ids) for r in reqs],
+                    [r.grammar.mask() if r.grammar is not None else None for r in reqs])
+            try:
+                res = sample_batch(logits[: len(sample_ci)], *args)
+            except Exception:  # noqa: BLE001 - one row's sampler failed: find it, the others sample
+                res = [_sample_row(logits[i: i + 1], *(a[i: i + 1] for a in args)) for i in range(len(reqs))]
             for ci, r in zip(sample_ci, res):
                 samples[ci] = r
         plps: list = [None] * len(chunks)
@@ -282,6 +282,22 @@ class ModelRunner:
             targets = torch.tensor([req.token_at(p + 1) for p in range(s, s + m)], dtype=torch.long)
             plps[ci] = compute_logprobs(logits[off: off + m].cpu(), targets, max(req.params.prompt_logprobs, 0))
         return StepResult(samples, plps)
+
+
+@dataclass(slots=True)
+class SampleFailure:
+    """A row whose sampler raised (e.g. SamplingError: a grammar mask and bans leave no
+    token): the engine fails that request alone (EngineCore re-raises ``error`` for it)."""
+
+    error: Exception
+
+
+def _sample_row(logits: torch.Tensor, samplers, histories, num_generated, masks) -> SampleResult | SampleFailure:
+    """One row through :func:`sample_batch`; its exception becomes a SampleFailure."""
+    try:
+        return sample_batch(logits, samplers, histories, num_generated, masks)[0]
+    except Exception as e:  # noqa: BLE001 - handed to the engine as this row's failure
+        return SampleFailure(e)
 
 
 class _History:

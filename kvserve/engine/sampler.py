@@ -94,6 +94,10 @@ _CHARS = {
 _UNSUPPORTED = {"infill", "adaptive_p", "adaptive-p", "i", "a"}
 
 
+#: the largest finite float32: a bias beyond it is infinite once added to the logits
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
 class SamplingError(RuntimeError):
     """No token can be sampled: the grammar mask and bans together removed every token.
 
@@ -325,6 +329,10 @@ class SequenceSampler:
 
         p = params
         self._bias = {int(k): float(v) for k, v in p.logit_bias.items() if 0 <= int(k) < n_vocab and v != 0}
+        # a bias is added to float32 logits: -1e39 is -inf there, a ban like -inf or false
+        if sum(1 for v in self._bias.values() if v < -_F32_MAX) >= self.n_vocab:
+            raise InvalidRequestError("Field 'logit_bias': every token of the vocabulary is banned, "
+                                      "so none can be sampled")
         self._penalties_on = (
             p.repeat_last_n != 0
             and not (p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0)

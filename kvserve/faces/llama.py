@@ -30,7 +30,7 @@ from kvserve.faces.http import json_response, read_json
 from kvserve.faces.params import get_bool, get_int, get_str, params_to_dict, sampling_params_from_body, type_error
 from kvserve.faces.sse import sse_response, until_disconnect
 from kvserve.serving import metrics as metrics_mod
-from kvserve.serving.state import ServerState, generate
+from kvserve.serving.state import ServerState, fair_share, generate
 from kvserve.structured.spec import constraint_from_body
 
 EMBEDDINGS_OFF = "This server does not support embeddings. Start it with `--embeddings`"
@@ -224,8 +224,14 @@ class CompletionHandler:
                 raise ApiError(400, "streaming supports one prompt per request")
             return await sse_response(self._stream(tasks[0], params, opts), done=False,
                                       ping_interval=self.state.args.sse_ping_interval)
+        gate = fair_share(self.state)
+
+        async def run_gated(c: _Completion) -> None:
+            async with gate:
+                await self.run_one(c, params, opts)
+
         async def run_all():
-            await asyncio.gather(*(self.run_one(c, params, opts) for c in tasks))
+            await asyncio.gather(*(run_gated(c) for c in tasks))
 
         await until_disconnect(http, run_all())
         results = [self.final_json(c, params, opts, stream=False) for c in tasks]

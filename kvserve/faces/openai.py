@@ -51,7 +51,7 @@ from kvserve.faces.params import (
     type_error,
 )
 from kvserve.faces.sse import ClientDisconnected, error_body, sse_response, until_disconnect
-from kvserve.serving.state import ServerState, generate
+from kvserve.serving.state import ServerState, fair_share, generate
 
 __all__ = ["build_router", "router"]
 
@@ -308,12 +308,14 @@ async def run_choices(state: ServerState, plan: Plan) -> AsyncIterator[tuple[int
     every choice, which aborts them in the engine and frees their slots.
     """
     q: asyncio.Queue = asyncio.Queue()
+    gate = fair_share(state)
 
     async def produce(i: int, req: Request) -> None:
         view = params_to_dict(req.params, grammar=plan.grammar) if plan.grammar else None
         try:
-            async for out in generate(state, req, view):
-                q.put_nowait((i, out))
+            async with gate:
+                async for out in generate(state, req, view):
+                    q.put_nowait((i, out))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - handed to the consumer

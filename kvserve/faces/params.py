@@ -220,6 +220,10 @@ def _dry_breakers(v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
+#: most logit_bias entries when the vocabulary size is not known
+MAX_LOGIT_BIAS = 1 << 18
+
+
 def _bias_value(field: str, b: Any) -> float:
     """A bias: a number (-inf bans, +inf forces; 1e400 reads as inf) or false (= -inf), never NaN."""
     if b is False:
@@ -239,7 +243,11 @@ def _token_ids_for(key: Any, tokenizer) -> list[int]:
     """A logit_bias key: a token id (int, or a string of digits in the object form) or a text."""
     if isinstance(key, bool):
         raise type_error("logit_bias", "number or string", key)
-    if isinstance(key, (int, float)):
+    if isinstance(key, int):
+        return [key]
+    if isinstance(key, float):  # llama-server reads a JSON number as an int: 5.0 is token 5
+        if not key.is_integer():
+            raise ApiError(400, f"Field 'logit_bias': token id must be an integer, got {key!r}")
         return [int(key)]
     if isinstance(key, str):
         try:
@@ -265,6 +273,10 @@ def parse_logit_bias(v: Any, tokenizer) -> dict[int, float]:
             pairs.append((el[0], el[1]))
     else:
         raise type_error("logit_bias", "array or object", v)
+    cap = n_vocab or MAX_LOGIT_BIAS
+    if len(pairs) > cap:
+        raise ApiError(400, f"Field 'logit_bias': at most {cap} entries (one per token of the vocabulary), "
+                            f"got {len(pairs)}")
     out: dict[int, float] = {}
     for key, b in pairs:
         bias = _bias_value("logit_bias", b)

@@ -22,7 +22,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import Response
 
 from kvserve.engine.request import InvalidRequestError
@@ -153,6 +153,9 @@ class CrashGuardMiddleware:
 
         try:
             await self.app(scope, receive, watch)
+        except ClientDisconnect:  # the client left while sending its body: nobody to answer
+            log.info("client disconnected before sending the whole body: %s %s", scope.get("method"),
+                     scope.get("path"), extra={"func": "handle"})
         except Exception as e:  # noqa: BLE001 - the last stop before uvicorn
             log.exception("unhandled error", extra={"func": "handle"})
             if not started:

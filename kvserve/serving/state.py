@@ -10,6 +10,7 @@ and otherwise read and changed only on the server's asyncio loop.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -106,6 +107,14 @@ class ServerState:
         if err is not None:
             raise ApiError(500, f"the engine failed ({type(err).__name__}) and serves no more requests: "
                                 "restart the server")
+
+
+def fair_share(state: ServerState) -> asyncio.Semaphore:
+    """The gate one request's sequences (prompts x ``n``) pass to reach :func:`generate`:
+    at most ``n_slots`` of them wait for or hold a slot at a time. Without it a request of
+    2,000 prompts queued all of them ahead of every later request (a bystander waited 120 s);
+    with it each of its next sequences queues behind the requests that arrived meanwhile."""
+    return asyncio.Semaphore(max(1, state.engine.n_slots if state.engine is not None else 1))
 
 
 async def generate(state: ServerState, request: Request,

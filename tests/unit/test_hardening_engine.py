@@ -346,3 +346,44 @@ def test_snapshot_and_load_split_the_io_from_the_engine(saved_slot, tmp_path):
     assert all(torch.equal(a, b) for (ka, va), (kb, vb) in zip(layers, l2) for a, b in ((ka, kb), (va, vb)))
     assert core.load_slot(1, t2, l2) == {"n_restored": len(tokens), "tokens": tokens}
     assert core.slot_tokens(1) == tokens
+
+
+# -- review finding: a sampler that raises for one row fails that request only -------------------
+
+def test_a_row_whose_sampler_raises_fails_only_its_request(tiny_gguf, reference, monkeypatch):
+    """Before: a SamplingError inside the batch's sampling failed the whole step (a bystander's
+    request died with it) and counted toward engine death."""
+    from kvserve.engine import sampler as smp
+
+    core = core_for(tiny_gguf)
+    real = smp.SequenceSampler._sample
+
+    def broken(self, logits, history, *a, **kw):
+        if len(history) and history[0] == B[0]:
+            raise smp.SamplingError("no token is allowed by the grammar mask")
+        return real(self, logits, history, *a, **kw)
+
+    monkeypatch.setattr(smp.SequenceSampler, "_sample", broken)
+    mk = lambda rid, ids: Request(rid, list(ids), SamplingParams(temperature=0.5, top_k=0, seed=1, n_predict=4,
+                                                              ignore_eos=True))  # noqa: E731 - the per-row chain
+    outs = drive(core, [mk("a", A), mk("b", B), mk("c", C)])
+    assert outs["b"][-1].error == ("the engine failed on this request (SamplingError); "
+                                   "other requests are not affected")
+    assert len(toks(outs["a"])) == 4 and len(toks(outs["c"])) == 4
+    assert all(o.error is None for o in outs["a"] + outs["c"])
+    assert core.consecutive_failed_steps == 0 and all_free(core)
+
+
+def test_logit_bias_that_bans_every_token_is_refused_at_add(tiny_gguf):
+    """Before: five such requests in a row killed the engine (each failed its whole step)."""
+    from kvserve.engine.request import InvalidRequestError
+
+    core = core_for(tiny_gguf)
+    nv = core.model_config.n_vocab
+    for ban in (float("-inf"), -1e39):  # -1e39 is -inf in float32
+        params = SamplingParams(temperature=0, n_predict=2, logit_bias={t: ban for t in range(nv)})
+        with pytest.raises(InvalidRequestError, match="every token of the vocabulary is banned"):
+            core.add_request(Request(f"ban{ban}", A, params))
+    params = SamplingParams(temperature=0, n_predict=2, logit_bias={t: -1e30 for t in range(nv)})
+    assert len(toks(drive(core, [Request("ok", A, params)])["ok"])) == 2  # finite: still samples
+    assert all_free(core)

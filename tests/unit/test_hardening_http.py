@@ -145,6 +145,26 @@ def test_unexpected_500_logged_once_and_connection_kept(caplog):
     assert [rec.name for rec in tracebacks] == ["kvserve.server", "kvserve.server"]
 
 
+def test_client_leaving_mid_body_is_one_quiet_line(caplog):
+    """Review of the fixes: a client that hung up before sending its whole body was logged as
+    an "unhandled error" with a 50-line traceback (starlette's ClientDisconnect)."""
+    state = _state()
+    state.require_ready = lambda: None  # reach read_json
+    with _Live(build_app(state)) as live, caplog.at_level(logging.INFO):
+        s = socket.create_connection(("127.0.0.1", live.port), timeout=10)
+        s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 30\r\n\r\n{\"content\": \"hi")
+        time.sleep(0.3)
+        s.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any("client disconnected" in r.getMessage()
+                                                      for r in caplog.records):
+            time.sleep(0.05)
+    mine = [r for r in caplog.records if r.name == "kvserve.server"]
+    assert [(r.levelname, r.getMessage()) for r in mine] == [
+        ("INFO", "client disconnected before sending the whole body: POST /tokenize")]
+    assert not any(r.exc_info for r in caplog.records)
+
+
 # -- 5. HEAD and malformed HTTP ---------------------------------------------------------------
 
 def test_head_is_get_without_body():
