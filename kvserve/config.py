@@ -74,7 +74,8 @@ class EngineConfig:
             projections stay packed for torch's int4pack kernel, which
             represents them exactly; other quantized weights are requantized
             per row to int8 for torch's int8pack kernel; the output head to
-            int8 for the "w8a8" kernel, whose logits are float32; float weights
+            int8 for the "w8a8" kernel, whose logits are float32, on CPUs with
+            VNNI/AMX int8 dot products, float32 elsewhere; float weights
             stay float32), "int8", "int4" or "dense". Teacher-forced top-1
             agreement with llama.cpp on SmolLM2 Q4_1 (352 positions): auto 343,
             int4 everywhere 343, int8 everywhere 340, float32 343.

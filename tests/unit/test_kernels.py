@@ -121,3 +121,21 @@ def test_native_q4_kernel_matches_its_reference():
         assert torch.equal(q4_kernel.q4_mm(x[i:i + 1].contiguous(), *w)[0], full[i])
     assert q4_kernel.q4_mm(torch.zeros(0, k), *w).shape == (0, n)
     assert torch.equal(q4_kernel.q4_mm(torch.zeros(2, k), *w), torch.zeros(2, n))
+
+
+def test_w8a8_head_only_where_int8_gemm_is_fast(tmp_path):
+    """torch's _int_mm has a fast CPU path only with VNNI/AMX: on an AVX2-only CPU one head row
+    took 180 ms (decode 6 tok/s), so "auto" keeps the head float32 there."""
+    from kvserve.models.llama import auto_head_kernel, int8_gemm_is_fast
+
+    def cpuinfo(flags: str) -> str:
+        p = tmp_path / f"cpuinfo-{len(flags)}"
+        p.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: {flags}\n\n")
+        return str(p)
+
+    assert int8_gemm_is_fast(cpuinfo("fpu sse2 avx2 fma avx512f avx512bw avx512_vnni")) is True
+    assert int8_gemm_is_fast(cpuinfo("fpu sse2 avx2 fma avx_vnni")) is True
+    assert int8_gemm_is_fast(cpuinfo("fpu sse2 avx2 fma amx_int8 amx_tile")) is True
+    assert int8_gemm_is_fast(cpuinfo("fpu sse2 avx2 fma avx512f avx512bw")) is False
+    assert int8_gemm_is_fast(str(tmp_path / "missing")) is False
+    assert auto_head_kernel() == ("w8a8" if int8_gemm_is_fast() else "dense")
