@@ -42,7 +42,6 @@ from kvserve.faces.errors import ApiError
 from kvserve.faces.http import error_response, json_response, read_json
 from kvserve.faces.params import (
     check_logprobs,
-    check_text,
     get_bool,
     get_int,
     get_str,
@@ -156,7 +155,6 @@ def _validate(state: ServerState, reqs: list[Request]) -> None:
 def chat_plan(state: ServerState, body: dict) -> Plan:
     """Parse a chat completion request (raises ApiError 400 on bad fields)."""
     state.require_ready()
-    check_text(body)
     if "messages" not in body or body["messages"] is None:
         raise ApiError(400, "'messages' is required")
     if state.template is None:
@@ -270,7 +268,6 @@ def _prompt_list(state: ServerState, prompt) -> list[list[int]]:
 def completion_plan(state: ServerState, body: dict) -> Plan:
     """Parse a legacy completion request (raises ApiError 400 on bad fields)."""
     state.require_ready()
-    check_text(body)
     if get_str(body, "suffix"):
         raise ApiError(400, "'suffix' is not supported")
     stream, include_usage = _stream_flags(body)
