@@ -15,7 +15,7 @@ import torch
 
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.sampler import SampleResult, SequenceSampler, compute_logprobs, sample_batch
-from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvserve.models.llama import AttentionBatch, CompiledDecode, LlamaModel, PrefillGroup
 
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -173,21 +173,47 @@ class ModelRunner:
                 and req.params.prompt_logprobs is None)
 
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager, samplers: dict[str, SequenceSampler]) -> StepResult:
-        """Run one step; return the sampled tokens per chunk (see StepResult)."""
+        """Run one step; return the sampled tokens per chunk (see StepResult).
+
+        Four steps: KV shift/copy jobs, :meth:`prepare` (the flat batch), :meth:`run`
+        (the forward: compiled decode graph or eager model), :meth:`sample` and
+        :meth:`prompt_logprobs`. ``samplers``: request id -> its SequenceSampler, for
+        every chunk that completes its sequence.
+        """
         self.shift_rows(sched.kv_shifts)
         self.copy_blocks(sched.kv_copies)
-        chunks = sched.chunks
-        bs = self.block_size
-        # decode rows first: single-token steps, and, in a step the compiled graph runs,
-        # short chunks that continue a cached prefix (a warm prompt's last tokens, a
-        # resumed sequence), each of whose tokens is then a query over the rows before
-        # it, like a decode. Eagerly such a chunk is faster as a prefill group: its
-        # cache rows are gathered once for all its tokens (LlamaModel._grouped_attention)
+        batch = self.prepare(sched.chunks, kv)
+        logits = self.run(batch)
+        return StepResult(self.sample(batch, logits, samplers), self.prompt_logprobs(batch, logits))
+
+    # -- prepare ---------------------------------------------------------------------
+
+    def _decode_rows(self, chunks: list[ScheduledChunk]) -> list[bool]:
+        """Per chunk: True when its tokens run as decode rows (queries over cache rows).
+
+        Single-token steps always do. In a step the compiled graph runs (every chunk
+        :meth:`_decode_like`, at most ``max_batch`` rows), short chunks that continue a
+        cached prefix (a warm prompt's last tokens, a resumed sequence) do too, each of
+        their tokens a query over the rows before it, like a decode. Eagerly such a chunk
+        is faster as a prefill group: its cache rows are gathered once for all its tokens
+        (LlamaModel._grouped_attention).
+        """
         as_decode = [self._decode_like(ch) for ch in chunks]
         comp = self.compiled
         if not (comp is not None and comp.ready and all(as_decode)
                 and sum(ch.num_new_tokens for ch in chunks) <= comp.max_batch):
             as_decode = [d and ch.num_new_tokens == 1 for d, ch in zip(as_decode, chunks)]
+        return as_decode
+
+    def prepare(self, chunks: list[ScheduledChunk], kv: KVCacheManager) -> PreparedBatch:
+        """Build the step's flat batch: decode rows first, then one prefill group per chunk.
+
+        Also lists the rows whose logits are needed: the last row of each chunk that
+        completes its sequence (in chunk order, these come first), then every row of
+        the chunks that want prompt logprobs. No forward runs here.
+        """
+        bs = self.block_size
+        as_decode = self._decode_rows(chunks)
         order = sorted(range(len(chunks)), key=lambda i: not as_decode[i])
         ids: list[int] = []
         pos: list[int] = []
@@ -197,7 +223,7 @@ class ModelRunner:
         dec_lens: list[int] = []
         prefills: list[PrefillGroup] = []
         row_of: dict[int, int] = {}  # chunk index -> last row in batch
-        plp_rows: dict[int, tuple[int, int]] = {}
+        plp_rows: dict[int, tuple[int, int]] = {}  # chunk index -> its rows [a, b)
         t = 0
         for ci in order:
             ch = chunks[ci]
@@ -223,55 +249,87 @@ class ModelRunner:
             if req.params.prompt_logprobs is not None and s < req.num_prompt_tokens:
                 plp_rows[ci] = (t, t + n)
             t += n
-        batch = AttentionBatch(
+        attn = AttentionBatch(
             positions=torch.tensor(pos, dtype=torch.long, device=self.device),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             n_decode=n_decode,
             prefills=prefills,
         )
         if n_decode:
-            batch.decode_kv_index, batch.decode_mask = self._decode_index(dec_tables, dec_lens)
+            attn.decode_kv_index, attn.decode_mask = self._decode_index(dec_tables, dec_lens)
         # rows that need logits: last row of completing chunks, all rows for prompt logprobs
-        need: list[int] = []
         sample_ci = [ci for ci in range(len(chunks)) if chunks[ci].completes]
-        for ci in sample_ci:
-            need.append(row_of[ci])
+        need = [row_of[ci] for ci in sample_ci]
         plp_off: dict[int, int] = {}
         for ci, (a, b) in plp_rows.items():
             plp_off[ci] = len(need)
             need.extend(range(a, b))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         # every row, in order (a decode-only step): no gather of the hidden states
         need_t = None if need == list(range(t)) else torch.tensor(need, dtype=torch.long, device=self.device)
-        logits = None
+        return PreparedBatch(chunks, torch.tensor(ids, dtype=torch.long, device=self.device), attn, t, need_t,
+                             sample_ci, plp_off)
+
+    # -- run -------------------------------------------------------------------------
+
+    def run(self, batch: PreparedBatch) -> torch.Tensor:
+        """The forward of a prepared batch: logits [len(need) or T, n_vocab] float32, rows in
+        ``batch.need`` order (every row when ``need`` is None).
+
+        A decode-only step runs through the compiled graph when it is ready and accepts
+        the step (see CompiledDecode); every other step, and one the graph refuses, runs
+        the eager model."""
+        comp = self.compiled
+        attn = batch.attn
+        n_decode = attn.n_decode
         # L >= 2: a size of 1 would be a new (specialized) graph
-        if (comp is not None and comp.ready and n_decode == t and n_decode <= comp.max_batch
-                and batch.decode_kv_index.shape[1] >= 2):
-            mask = batch.decode_mask
+        if (comp is not None and comp.ready and n_decode == batch.n_rows and n_decode <= comp.max_batch
+                and attn.decode_kv_index.shape[1] >= 2):
+            mask = attn.decode_mask
             if mask is None:
-                mask = torch.ones(n_decode, 1, 1, batch.decode_kv_index.shape[1], dtype=torch.bool, device=self.device)
+                mask = torch.ones(n_decode, 1, 1, attn.decode_kv_index.shape[1], dtype=torch.bool, device=self.device)
             # flat index: a [1, L] slice of a wider array has stride[0] != L, which the
             # compiled graph's guards would take for a new shape
-            logits = comp(input_ids, batch.positions, batch.slot_mapping, batch.decode_kv_index.reshape(-1), mask,
+            logits = comp(batch.input_ids, attn.positions, attn.slot_mapping, attn.decode_kv_index.reshape(-1), mask,
                           self.kv_caches)
-            if logits is not None and need_t is not None:  # the graph computes every row's logits
-                logits = logits.index_select(0, need_t)
-        if logits is None:
-            logits = self.model(input_ids, batch, self.kv_caches, need_t)
+            if logits is not None:
+                if batch.need is not None:  # the graph computes every row's logits
+                    logits = logits.index_select(0, batch.need)
+                return logits
+        return self.model(batch.input_ids, attn, self.kv_caches, batch.need)
+
+    # -- sample ----------------------------------------------------------------------
+
+    def sample(self, batch: PreparedBatch, logits: torch.Tensor,
+               samplers: dict[str, SequenceSampler]) -> list[SampleResult | SampleFailure | None]:
+        """Per chunk: the token sampled for each chunk that completes its sequence (logits
+        rows 0 .. len(sample_ci) - 1, one batched call), None for the others. When the
+        batched call raises, the rows are sampled one by one so that only the failing
+        row's request gets a SampleFailure."""
+        chunks = batch.chunks
         samples: list = [None] * len(chunks)
-        if sample_ci:
-            reqs = [chunks[ci].request for ci in sample_ci]
-            args = ([samplers[r.request_id] for r in reqs], [_History(r) for r in reqs],
-                    [len(r.output_token_ids) for r in reqs],
-                    [r.grammar.mask() if r.grammar is not None else None for r in reqs])
-            try:
-                res = sample_batch(logits[: len(sample_ci)], *args)
-            except Exception:  # noqa: BLE001 - one row's sampler failed: find it, the others sample
-                res = [_sample_row(logits[i: i + 1], *(a[i: i + 1] for a in args)) for i in range(len(reqs))]
-            for ci, r in zip(sample_ci, res):
-                samples[ci] = r
+        if not batch.sample_ci:
+            return samples
+        reqs = [chunks[ci].request for ci in batch.sample_ci]
+        args = ([samplers[r.request_id] for r in reqs], [_History(r) for r in reqs],
+                [len(r.output_token_ids) for r in reqs],
+                [r.grammar.mask() if r.grammar is not None else None for r in reqs])
+        try:
+            res = sample_batch(logits[: len(reqs)], *args)
+        except Exception:  # noqa: BLE001 - one row's sampler failed: find it, the others sample
+            res = [_sample_row(logits[i: i + 1], *(a[i: i + 1] for a in args)) for i in range(len(reqs))]
+        for ci, r in zip(batch.sample_ci, res):
+            samples[ci] = r
+        return samples
+
+    # -- prompt logprobs -------------------------------------------------------------
+
+    def prompt_logprobs(self, batch: PreparedBatch,
+                        logits: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+        """Per chunk: prompt logprobs of its tokens (see StepResult), None when it asked for
+        none or holds no prompt token with a successor inside the prompt."""
+        chunks = batch.chunks
         plps: list = [None] * len(chunks)
-        for ci, off in plp_off.items():
+        for ci, off in batch.plp_off.items():
             ch = chunks[ci]
             req = ch.request
             s, n = req.num_computed_tokens, ch.num_new_tokens
@@ -281,7 +339,30 @@ class ModelRunner:
                 continue
             targets = torch.tensor([req.token_at(p + 1) for p in range(s, s + m)], dtype=torch.long)
             plps[ci] = compute_logprobs(logits[off: off + m].cpu(), targets, max(req.params.prompt_logprobs, 0))
-        return StepResult(samples, plps)
+        return plps
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    """One step's flat batch, as :meth:`ModelRunner.prepare` builds it.
+
+    Attributes:
+        chunks: the step's chunks (SchedulerOutput order; results are per chunk in it).
+        input_ids: [T] long token ids, decode rows first.
+        attn: positions, cache rows and attention groups of the T rows.
+        n_rows: T.
+        need: [R] long, rows whose logits the forward computes, in this order; None = every row.
+        sample_ci: indices of the chunks that sample; logits rows 0 .. len - 1 are theirs.
+        plp_off: chunk index -> first logits row of its prompt-logprobs rows.
+    """
+
+    chunks: list[ScheduledChunk]
+    input_ids: torch.Tensor
+    attn: AttentionBatch
+    n_rows: int
+    need: torch.Tensor | None
+    sample_ci: list[int]
+    plp_off: dict[int, int]
 
 
 @dataclass(slots=True)
