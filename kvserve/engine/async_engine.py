@@ -46,13 +46,16 @@ class AsyncEngine:
         core: the EngineCore to drive (moved to the engine thread).
 
     Attributes (read-only from other threads): tokenizer, model_info,
-    n_ctx, n_ctx_slot, n_slots, stats.
+    n_ctx, n_ctx_slot, n_slots, stats. ``core`` and ``tokenizer`` are None after
+    :meth:`shutdown`; the others stay readable.
     """
 
     def __init__(self, core: EngineCore):
-        self.core = core
+        self.core: EngineCore | None = core
         self.tokenizer = core.tokenizer
         self.model_info = core.model_info
+        self._n_ctx, self._n_ctx_slot, self._n_slots = core.n_ctx, core.n_ctx_slot, core.n_slots
+        self._stats = core.stats
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
@@ -66,25 +69,26 @@ class AsyncEngine:
 
     @property
     def n_ctx(self) -> int:
-        return self.core.n_ctx
+        return self._n_ctx
 
     @property
     def n_ctx_slot(self) -> int:
-        return self.core.n_ctx_slot
+        return self._n_ctx_slot
 
     @property
     def n_slots(self) -> int:
-        return self.core.n_slots
+        return self._n_slots
 
     @property
     def stats(self):
-        return self.core.stats
+        return self._stats
 
     # -- API -------------------------------------------------------------------------
 
     def validate(self, request: Request) -> None:
-        """Raise InvalidRequestError/ContextSizeExceededError now (before any streaming starts)."""
-        self.core.validate(request)
+        """Raise InvalidRequestError/ContextSizeExceededError now (before any streaming starts);
+        EngineDeadError after :meth:`shutdown`."""
+        self._core().validate(request)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Submit ``request`` and yield its outputs until the finished one.
@@ -94,7 +98,7 @@ class AsyncEngine:
         thread died. Cancelling the iteration aborts the request.
         """
         self._raise_if_dead()
-        self.core.validate(request)
+        self._core().validate(request)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
@@ -148,10 +152,49 @@ class AsyncEngine:
         if self.error is not None:
             raise self._dead()
 
-    def shutdown(self) -> None:
+    def _core(self) -> EngineCore:
+        core = self.core
+        if core is None:
+            raise self._dead()
+        return core
+
+    def shutdown(self, timeout: float | None = 30.0) -> bool:
+        """Stop the engine thread and let go of the model.
+
+        Open streams and queued calls fail with EngineDeadError. Waits up to ``timeout``
+        seconds for the engine thread to end (it finishes the step it is in). Then the core
+        is closed (:meth:`EngineCore.close`: weights, KV tensors, tokenizer dropped) and this
+        object holds no reference to it, to its tokenizer or to an exception's frames, so
+        the model's memory is freed once the caller drops its own references (and
+        ``gc.collect()`` runs for cycles). Idempotent.
+
+        Returns:
+            True when the thread ended; False when it was still in a step after ``timeout``
+            (it then closes the core itself when the step ends).
+        """
         self._stopped = True
         self._inbox.put(("stop", None))
-        self._thread.join(timeout=10)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout)
+        if self._thread.is_alive():
+            log.warning("engine thread still in a step %.0f s after shutdown; it frees the model when the step ends",
+                        timeout or 0)
+            return False
+        self._release()
+        return True
+
+    def _release(self) -> None:
+        """Drop every reference to the core (closing it), the tokenizer and step listeners;
+        strip tracebacks, whose frames would hold the core. Once the engine thread ended."""
+        with self._lock:
+            core, self.core = self.core, None
+            self.tokenizer = None
+            self.step_listeners = []
+            err = self.error
+        _drop_tracebacks(err)
+        self._drain(self._dead() if err is not None else EngineDeadError("the engine was shut down"))
+        if core is not None:
+            core.close()
 
     # -- engine thread -----------------------------------------------------------------
 
@@ -194,6 +237,8 @@ class AsyncEngine:
             self._die(e)
         else:
             self._die(EngineDeadError("the engine was shut down"))
+        if self._stopped:  # shutdown() gave up waiting for this step, or is about to release
+            self._release()
 
     def _loop(self) -> None:
         core = self.core
@@ -232,6 +277,10 @@ class AsyncEngine:
         err = self._dead()
         for rid in rids:
             self._deliver(rid, err)
+        self._drain(err)
+
+    def _drain(self, err: BaseException) -> None:
+        """Empty the inbox, failing queued calls with ``err`` (adds and aborts are dropped)."""
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
@@ -239,3 +288,13 @@ class AsyncEngine:
                 return
             if kind == "call" and payload[1].set_running_or_notify_cancel():
                 payload[1].set_exception(err)
+
+
+def _drop_tracebacks(exc: BaseException | None) -> None:
+    """Clear the tracebacks of ``exc`` and of its cause/context chain (their frames hold the
+    engine's locals: the core, its model)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__

@@ -6,11 +6,12 @@ caller of ``kvserve.LLM``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
-from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
@@ -26,7 +27,7 @@ from kvserve.engine.request import (
     TopLogprob,
 )
 from kvserve.engine.runner import ModelRunner, SampleFailure, StepResult
-from kvserve.engine.sampler import SampleResult, SequenceSampler
+from kvserve.engine.sampler import BreakerCache, SampleResult, SequenceSampler
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvserve.engine.slot_file import SlotFileError, SlotHeader, model_fingerprint, read_slot_file, write_slot_file
 from kvserve.loaders.weights import LoadedModel
@@ -105,6 +106,9 @@ class EngineCore:
             self.runner.start_compile(self.n_slots * ModelRunner.DECODE_LIKE_MAX)
         self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens)
         self.scheduler.detokenize = self._excerpt
+        # DRY breaker sets shared by this engine's requests; bound to the tokenizer, not to
+        # self, so that nothing outside this engine holds it (see BreakerCache)
+        self.breakers = BreakerCache(functools.partial(_piece_text, self.tokenizer))
         self.stats = EngineStats()
         self._states: dict[str, _SeqState] = {}
         self._pending: list[RequestOutput] = []
@@ -127,14 +131,17 @@ class EngineCore:
             raise ContextSizeExceededError(n, self.n_ctx_slot, max(request.params.n_predict, 0))
 
     def add_request(self, request: Request) -> None:
-        """Validate and queue a request (raises InvalidRequestError subclasses)."""
+        """Validate and queue a request (raises InvalidRequestError subclasses; RuntimeError
+        once the core is closed)."""
+        if self.closed:
+            raise RuntimeError("the engine is closed")
         self.validate(request)
         if request.request_id in self._states:
             raise InvalidRequestError(f"duplicate request id {request.request_id}")
         if not request.eog_token_ids:
             request.eog_token_ids = frozenset(self.tokenizer.eog_token_ids)
         sampler = SequenceSampler(request.params, self.model_config.n_vocab, request.eog_token_ids,
-                                  self._piece_text)
+                                  self.breakers.token_texts, self.breakers)
         self._states[request.request_id] = _SeqState(sampler, IncrementalDetokenizer(self.tokenizer, request.params.stop))
         self.scheduler.add(request)
 
@@ -175,6 +182,33 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self.runner is None
+
+    def close(self) -> None:
+        """Let go of the model: weights, KV tensors, compiled graphs, the tokenizer, queued
+        requests (dropped without outputs). The core serves nothing afterwards
+        (:meth:`add_request` raises RuntimeError, :meth:`has_work` is False); counters,
+        ``model_info`` and context sizes stay readable. Idempotent.
+
+        Run it on the thread that owns the core (AsyncEngine's engine thread does when it
+        stops), never during a step.
+        """
+        sched = self.scheduler
+        sched.waiting.clear()
+        sched.running.clear()
+        sched.requests.clear()
+        sched.detokenize = None
+        self._states.clear()
+        self._pending.clear()
+        if self.runner is not None:
+            self.runner.compiled = None
+        self.runner = self.model = None
+        self.breakers = None
+        self.tokenizer = None
 
     @property
     def num_running(self) -> int:
@@ -458,7 +492,7 @@ class EngineCore:
         return b"".join(self.tokenizer.token_bytes(t) for t in ids).decode("utf-8", errors="replace")
 
     def _piece_text(self, tok: int) -> str:
-        return self.tokenizer.token_bytes(tok).decode("utf-8", errors="replace")
+        return _piece_text(self.tokenizer, tok)
 
     def _token_logprob(self, s: SampleResult) -> TokenLogprob:
         top = [TopLogprob(i, self._piece_text(i), list(self.tokenizer.token_bytes(i)), lp) for i, lp in (s.top or [])]
@@ -513,6 +547,11 @@ class EngineCore:
                 res.append(TokenLogprob(tok, self._piece_text(tok), list(self.tokenizer.token_bytes(tok)),
                                         float(lp[j]), top))
         return res
+
+
+def _piece_text(tokenizer, tok: int) -> str:
+    """The text of one token's piece (invalid UTF-8 replaced)."""
+    return tokenizer.token_bytes(tok).decode("utf-8", errors="replace")
 
 
 def create_engine_core(model: str, config: EngineConfig | None = None) -> EngineCore:

@@ -40,15 +40,16 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
 from kvserve.engine.request import SEED_RANDOM, InvalidRequestError, SamplingParams
 
 __all__ = [
+    "BreakerCache",
     "SampleResult",
     "SamplingError",
     "SequenceSampler",
@@ -182,7 +183,7 @@ class _BreakerTokens:
     matched once, when DRY
     first asks about it (one C regex search over the alternation of all breakers), and
     the answer is kept: a step only pays for the window tokens not seen before, and
-    :func:`_breaker_tokens` shares the answers between requests with the same breakers.
+    a :class:`BreakerCache` shares the answers between requests with the same breakers.
     """
 
     def __init__(self, token_texts: Callable[[int], str] | None, breakers: tuple[str, ...]):
@@ -207,10 +208,37 @@ class _BreakerTokens:
         return hit
 
 
-@lru_cache(maxsize=16)
-def _breaker_tokens(token_texts: Callable[[int], str] | None, breakers: tuple[str, ...]) -> _BreakerTokens:
-    """The shared :class:`_BreakerTokens` of a vocabulary (``token_texts``) and breaker tuple."""
-    return _BreakerTokens(token_texts, breakers)
+class BreakerCache:
+    """The DRY breaker sets (:class:`_BreakerTokens`) of one vocabulary, shared between the
+    requests that use the same breakers; the ``maxsize`` most recently used tuples are kept.
+
+    Owned by whoever owns the vocabulary (``EngineCore.breakers``) and passed to each
+    :class:`SequenceSampler`, so it lives exactly as long as its engine: an unloaded
+    model's tokenizer is not kept alive by it (a module-level ``lru_cache`` keyed by
+    the ``token_texts`` callable was, with its engine).
+
+    Args:
+        token_texts: token id -> piece text (None: DRY has no breakers).
+        maxsize: breaker tuples kept (least recently used dropped first).
+
+    Not thread-safe: the engine thread alone uses it (samplers are built and run there).
+    """
+
+    def __init__(self, token_texts: Callable[[int], str] | None, maxsize: int = 16):
+        self.token_texts = token_texts
+        self.maxsize = maxsize
+        self._sets: OrderedDict[tuple[str, ...], _BreakerTokens] = OrderedDict()
+
+    def get(self, breakers: tuple[str, ...]) -> _BreakerTokens:
+        """The shared breaker set of ``breakers`` (built on first use)."""
+        found = self._sets.get(breakers)
+        if found is None:
+            found = self._sets[breakers] = _BreakerTokens(self.token_texts, breakers)
+            if len(self._sets) > self.maxsize:
+                self._sets.popitem(last=False)
+        else:
+            self._sets.move_to_end(breakers)
+        return found
 
 
 def _suffix_match_lengths(window: Sequence[int]) -> list[int]:
@@ -291,6 +319,9 @@ class SequenceSampler:
             ``min_tokens`` tokens were generated.
         token_texts: token id -> piece text; only used to find DRY sequence
             breakers (without it DRY has no breakers).
+        breakers: the engine's :class:`BreakerCache` (its ``token_texts`` is used then):
+            requests with the same breakers share what was found. None: this sampler
+            keeps its own.
 
     Attributes:
         seed: the seed actually used (random from ``os.urandom`` when
@@ -311,11 +342,13 @@ class SequenceSampler:
         n_vocab: int,
         eog_token_ids: frozenset[int],
         token_texts: Callable[[int], str] | None = None,
+        breakers: BreakerCache | None = None,
     ):
         self.params = params
         self.n_vocab = int(n_vocab)
         self.eog_token_ids = frozenset(int(t) for t in eog_token_ids if 0 <= int(t) < n_vocab)
-        self.token_texts = token_texts
+        self.token_texts = breakers.token_texts if breakers is not None else token_texts
+        self._breaker_cache = breakers
         self.chain = resolve_sampler_names(params.samplers)
         self.seed = (
             int.from_bytes(os.urandom(4), "little") if params.seed == SEED_RANDOM else int(params.seed)
@@ -516,7 +549,9 @@ class SequenceSampler:
         """
         p = self.params
         if self._dry_breakers is None:
-            self._dry_breakers = _breaker_tokens(self.token_texts, tuple(p.dry_sequence_breakers))
+            brk = tuple(p.dry_sequence_breakers)
+            cache = self._breaker_cache
+            self._dry_breakers = cache.get(brk) if cache is not None else _BreakerTokens(self.token_texts, brk)
         n = p.dry_penalty_last_n
         window = list(history if n < 0 or len(history) <= n else history[len(history) - n :])
         size = len(window)

@@ -1,7 +1,11 @@
 """Engine tests on the tiny random model: loading, determinism, batching, chunked prefill, preemption, abort, errors."""
 
 import asyncio
+import gc
+import logging
 import shutil
+import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,7 @@ import tinymodel
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.request import ContextSizeExceededError, InvalidRequestError, Request, SamplingParams
+from kvserve.engine.sampler import SequenceSampler
 from kvserve.llm import LLM
 from kvserve.loaders.weights import ModelLoadError
 from kvserve.models.registry import load_files
@@ -256,6 +261,94 @@ def test_async_engine_generate_and_cancel(tiny_gguf):
         asyncio.run(main())
     finally:
         eng.shutdown()
+
+
+def _model_refs(core: EngineCore) -> list[weakref.ref]:
+    """Weak references to what an unloaded model must not leave behind."""
+    return [weakref.ref(x) for x in (core, core.model, core.runner, core.runner.kv_caches[0][0],
+                                     core.model.tok_embd, core.tokenizer)]
+
+
+DRY = dict(dry_multiplier=0.8, dry_sequence_breakers=("\n", ":", "zz"))
+
+
+def test_breaker_cache_is_shared_while_the_engine_lives_and_dies_with_it(tiny_gguf):
+    """DRY breaker sets are shared by one engine's requests (built once per breaker tuple)
+    but not pinned by a module-level cache: the core, model, KV tensors and tokenizer are
+    freed once the core is dropped (an lru_cache keyed by the core's token-text method
+    held them all)."""
+    core = make_core(tiny_gguf)
+    outs, _ = run_all(core, [Request(f"d{i}", prompt_ids(90 + i), SamplingParams(n_predict=4, **GREEDY, **DRY))
+                             for i in range(2)])
+    assert all(o[-1].finished for o in outs.values())
+    a = SequenceSampler(SamplingParams(**DRY), 10, frozenset(), breakers=core.breakers)
+    b = SequenceSampler(SamplingParams(**DRY), 10, frozenset(), breakers=core.breakers)
+    a._dry_penalties([1, 2, 1, 2]), b._dry_penalties([1, 2, 1, 2])
+    assert a._dry_breakers is b._dry_breakers is core.breakers.get(DRY["dry_sequence_breakers"])
+    refs = _model_refs(core)
+    del core, outs, a, b
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+
+
+def test_async_engine_shutdown_lets_go_of_the_model(tiny_gguf):
+    """After shutdown() (thread joined) and gc.collect(), nothing of the model is reachable from
+    the AsyncEngine or any module: the weights, KV tensors and tokenizer are freed. Counts and
+    sizes stay readable; later requests and calls fail with EngineDeadError."""
+    from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
+
+    core = make_core(tiny_gguf)
+    eng = AsyncEngine(core)
+    refs = _model_refs(core)
+    del core
+
+    async def main():
+        async for out in eng.generate(Request("s1", prompt_ids(85), SamplingParams(n_predict=5, **GREEDY, **DRY))):
+            pass
+        assert out.finished
+        eng.step_listeners.append(lambda core, outs: None)
+        assert eng.call(lambda core: core.num_running).result() == 0
+
+    asyncio.run(main())
+    assert eng.shutdown() is True
+    assert not eng._thread.is_alive()
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+    assert eng.core is None and eng.tokenizer is None and not eng.alive
+    assert (eng.n_ctx, eng.n_slots, eng.stats.requests_finished) == (512, 4, 1)
+    with pytest.raises(EngineDeadError):
+        eng.call(lambda core: 1).result()
+    with pytest.raises(EngineDeadError):
+        eng.validate(Request("s2", [1, 2], SamplingParams()))
+    assert eng.shutdown() is True  # idempotent
+
+
+def test_shutdown_of_a_dead_engine_drops_the_failures_frames(tiny_gguf, monkeypatch):
+    """An engine that died from an exception keeps it in ``error``; its traceback's frames
+    hold the core, so shutdown clears them."""
+    from kvserve.engine.async_engine import AsyncEngine
+
+    # pytest's log capture keeps the logged record, and with it the traceback's frames
+    monkeypatch.setattr(logging.getLogger("kvserve.engine"), "propagate", False)
+    core = make_core(tiny_gguf)
+    eng = AsyncEngine(core)
+    refs = _model_refs(core)
+
+    def boom():
+        raise RuntimeError("step failed")
+
+    core.step = boom  # an exception outside the per-request recovery kills the engine thread
+    del core
+    eng.call(lambda c: c.scheduler.waiting.append(Request("x", [1], SamplingParams())))  # has_work: True
+    for _ in range(200):
+        if not eng.alive:
+            break
+        time.sleep(0.01)
+    assert not eng.alive and eng.error.__traceback__ is not None
+    assert eng.shutdown()
+    gc.collect()
+    assert eng.error.__traceback__ is None
+    assert [r() for r in refs] == [None] * len(refs)
 
 
 def test_prompt_logprobs_cover_every_prompt_token(tiny_gguf):
