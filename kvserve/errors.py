@@ -12,6 +12,10 @@ a :class:`KvserveError` to its dialect's envelope and status through ``kind``
 
 ``message`` is the text a client reads; ``extra`` holds further members of the error object
 (for example ``n_prompt_tokens`` and ``n_ctx`` of a context-size error).
+
+The engine's ``kvserve.engine.request.InvalidRequestError`` is :class:`InvalidInputError`
+under its older name (the same class), so every ``except InvalidRequestError`` also takes the
+chat and structured layers' input errors.
 """
 
 from __future__ import annotations

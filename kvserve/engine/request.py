@@ -16,6 +16,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from kvserve.errors import InvalidInputError
+
 #: llama.cpp's "pick a random seed" value (0xFFFFFFFF).
 SEED_RANDOM = 4294967295
 
@@ -42,8 +44,10 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "typical_p", "top_n_sigma", "x
                  "repeat_penalty", "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base")
 
 
-class InvalidRequestError(ValueError):
-    """A request the engine refuses before scheduling (HTTP 400 in every face)."""
+#: A request the engine refuses before scheduling (HTTP 400 in every face). The engine's name
+#: for :class:`kvserve.errors.InvalidInputError`, the same class: ``except InvalidRequestError``
+#: also catches the chat and structured layers' input errors, and both map to one 400.
+InvalidRequestError = InvalidInputError
 
 
 class ContextSizeExceededError(InvalidRequestError):

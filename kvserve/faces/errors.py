@@ -5,11 +5,16 @@ invalid_request_error 400, authentication_error 401, not_found_error 404,
 exceed_context_size_error 400 (+ n_prompt_tokens, n_ctx), not_supported_error
 501, unavailable_error 503, server_error 500. A body over ``--max-request-bytes``
 is 413 invalid_request_error (llama-server has no such limit).
+
+The layers below the faces raise the domain errors of :mod:`kvserve.errors`, which know no
+HTTP; :meth:`ApiError.from_exception` maps them to a status by their ``kind``
+(:data:`KIND_STATUS`).
 """
 
 from __future__ import annotations
 
-from kvserve.engine.request import ContextSizeExceededError, InvalidRequestError
+from kvserve.engine.request import ContextSizeExceededError
+from kvserve.errors import KvserveError
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -19,6 +24,16 @@ ERROR_TYPES = {
     500: "server_error",
     501: "not_supported_error",
     503: "unavailable_error",
+}
+
+
+#: HTTP status of each domain error kind (``kvserve.errors.KINDS``).
+KIND_STATUS = {
+    "invalid_request": 400,
+    "not_found": 404,
+    "unavailable": 503,
+    "not_supported": 501,
+    "server": 500,
 }
 
 
@@ -46,7 +61,16 @@ class ApiError(Exception):
 
     @classmethod
     def from_exception(cls, e: BaseException) -> "ApiError":
-        """Map engine exceptions to API errors (context size -> exceed_context_size_error)."""
+        """The API error for any exception.
+
+        - an ``ApiError``: itself;
+        - the engine's ``ContextSizeExceededError``: 400 ``exceed_context_size_error`` with
+          ``n_prompt_tokens`` and ``n_ctx`` (and ``n_predict`` when the prompt alone fits);
+        - any other :class:`kvserve.errors.KvserveError` (``InvalidRequestError`` included):
+          the status of its ``kind`` (:data:`KIND_STATUS`), its message, its explicit ``type``
+          if it has one (else the status's), and its ``extra`` members;
+        - anything else: 500 ``server_error`` ``"<ExceptionType>: <text>"``.
+        """
         if isinstance(e, ApiError):
             return e
         if isinstance(e, ContextSizeExceededError):
@@ -54,8 +78,10 @@ class ApiError(Exception):
             if e.n_prompt_tokens < e.n_ctx and e.n_predict:
                 extra["n_predict"] = e.n_predict
             return cls(400, str(e), "exceed_context_size_error", **extra)
-        if isinstance(e, InvalidRequestError):
-            return cls(400, str(e))
+        if isinstance(e, KvserveError):
+            # getattr: a subclass that skips KvserveError.__init__ must not break the last-stop handlers
+            return cls(KIND_STATUS.get(e.kind, 500), getattr(e, "message", str(e)), getattr(e, "type", None),
+                       **getattr(e, "extra", {}))
         return cls(500, f"{type(e).__name__}: {e}")
 
 

@@ -40,13 +40,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvserve.faces.errors import ApiError
+from kvserve.errors import InvalidInputError
+from kvserve.structured.gbnf import GbnfError, gbnf_to_ebnf
+from kvserve.structured.regex import RegexError, check_anchors, python_dots
+from kvserve.structured.schema import SchemaError, check_schema
 from kvserve.structured.spec import ConstraintSpec
+from kvserve.structured.xgrammar_text import clean_error
 
 if TYPE_CHECKING:  # pragma: no cover
     import xgrammar
 
-__all__ = ["MAX_DIGITS", "MAX_WHITESPACE", "CompiledConstraint", "GrammarBackend", "GrammarConstraint", "bound_numbers", "clean_error"]
+__all__ = ["MAX_DIGITS", "MAX_WHITESPACE", "CompiledConstraint", "GrammarBackend", "GrammarConstraint", "bound_numbers",
+           "clean_error"]
 
 log = logging.getLogger("kvserve.structured")
 
@@ -56,7 +61,6 @@ MAX_WHITESPACE = 20
 #: llama.cpp's JSON grammars (``[1-9] [0-9]{0,15}``).
 MAX_DIGITS = 16
 
-_NOISE = re.compile(r"\[\d\d:\d\d:\d\d\] \S+?:\d+: ")
 #: the character class xgrammar gives strings with minLength/maxLength: it lets raw control
 #: characters (a tab, NUL...) into the JSON string, which JSON forbids; replaced by one that
 #: does not (escapes stay unavailable in such strings: valid, a little narrower).
@@ -64,13 +68,6 @@ _LENGTH_CHAR_XGR = r'(([^\"\\\r\n]))'
 _LENGTH_CHAR_JSON = r'(([^\0-\x1f\"\\]))'
 _LABEL = {"grammar": "grammar", "json_schema": "json_schema", "json_object": "json_object", "regex": "regex",
           "choice": "choice"}
-
-
-def clean_error(e: BaseException) -> str:
-    """xgrammar's exception text without the ``[hh:mm:ss] /project/cpp/x.cc:94: `` prefixes, one line."""
-    text = _NOISE.sub("", str(e))
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("Stack trace")]
-    return " ".join(lines) if lines else type(e).__name__
 
 
 #: a string literal, or a character class (scanned past so that its ``\"`` starts no string).
@@ -259,12 +256,8 @@ class GrammarBackend:
     # -- compiling ------------------------------------------------------------------------------
 
     def _grammar(self, spec: ConstraintSpec):
-        """The ``xgrammar.Grammar`` for a spec and the text to report; raises ApiError 400."""
+        """The ``xgrammar.Grammar`` for a spec and the text to report; raises InvalidInputError."""
         import xgrammar as xgr
-
-        from kvserve.structured.gbnf import GbnfError, gbnf_to_ebnf
-        from kvserve.structured.regex import RegexError, check_anchors, python_dots
-        from kvserve.structured.schema import SchemaError, check_schema
 
         kind, value = spec.kind, spec.value
         try:
@@ -288,9 +281,9 @@ class GrammarBackend:
             g = xgr.Grammar.from_ebnf(choice_ebnf(json.loads(value)))
             return g, str(g)
         except (GbnfError, SchemaError, RegexError) as e:
-            raise ApiError(400, f"{_LABEL[kind]}: {e}") from None
+            raise InvalidInputError(f"{_LABEL[kind]}: {e}") from None
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError, ValueError, its own types
-            raise ApiError(400, f"{_LABEL[kind]}: {clean_error(e)}") from None
+            raise InvalidInputError(f"{_LABEL[kind]}: {clean_error(e)}") from None
 
     def compile(self, spec: ConstraintSpec) -> CompiledConstraint:
         """Compile ``spec`` (or take it from the LRU cache).
@@ -299,8 +292,8 @@ class GrammarBackend:
             CompiledConstraint (the xgrammar CompiledGrammar and the grammar text).
 
         Raises:
-            ApiError: 400 ``<kind>: <what is wrong>`` for an invalid grammar, regex or schema
-                (xgrammar's message without its source-file prefix).
+            InvalidInputError: ``<kind>: <what is wrong>`` (a face answers 400) for an invalid
+                grammar, regex or schema (xgrammar's message without its source-file prefix).
         """
         with self._lock:
             hit = self._cache.get(spec)
@@ -314,7 +307,7 @@ class GrammarBackend:
         try:
             compiled = compiler.compile_grammar(grammar)
         except Exception as e:  # noqa: BLE001
-            raise ApiError(400, f"{_LABEL[spec.kind]}: {clean_error(e)}") from None
+            raise InvalidInputError(f"{_LABEL[spec.kind]}: {clean_error(e)}") from None
         entry = CompiledConstraint(compiled, text)
         with self._lock:
             self._cache[spec] = entry
@@ -327,7 +320,7 @@ class GrammarBackend:
         """What ``generation_settings.grammar`` shows: GBNF as given, else xgrammar's EBNF.
 
         Raises:
-            ApiError: 400 as :meth:`compile`.
+            InvalidInputError: as :meth:`compile`.
         """
         return self.compile(spec).text
 
@@ -340,7 +333,7 @@ class GrammarBackend:
                 assistant message); it is fed to the matcher first.
 
         Raises:
-            ApiError: 400 for a spec that does not compile, or a ``prefill`` the constraint
+            InvalidInputError: a spec that does not compile, or a ``prefill`` the constraint
                 does not allow.
         """
         import xgrammar as xgr
@@ -348,8 +341,8 @@ class GrammarBackend:
         entry = self.compile(spec)
         matcher = xgr.GrammarMatcher(entry.compiled)
         if prefill and not matcher.accept_string(prefill):
-            raise ApiError(400, f"the message being continued ({prefill[:40]!r}) does not match the requested "
-                                f"{spec.kind} constraint")
+            raise InvalidInputError(f"the message being continued ({prefill[:40]!r}) does not match the "
+                                    f"requested {spec.kind} constraint")
         return GrammarConstraint(matcher, self.n_vocab, self.vocab_size, self.stop_ids, entry.text)
 
     def cache_info(self) -> dict:

@@ -54,6 +54,9 @@ import json
 import math
 from typing import Any
 
+from kvserve.structured.regex import RegexError, check_json_pattern
+from kvserve.structured.xgrammar_text import clean_error
+
 __all__ = ["FORMATS", "SchemaError", "check_schema"]
 
 #: ``format`` values xgrammar enforces (each checked with a non-matching string).
@@ -367,8 +370,6 @@ def _escape(name: str) -> str:
 def _check_regex(pattern: Any, where: str) -> None:
     if not isinstance(pattern, str):
         raise SchemaError(f"{where} must be a string")
-    from kvserve.structured.regex import RegexError, check_json_pattern
-
     try:
         check_json_pattern(pattern)
     except RegexError as e:
@@ -378,8 +379,6 @@ def _check_regex(pattern: Any, where: str) -> None:
     try:
         xgr.Grammar.from_regex(pattern)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError subclasses
-        from kvserve.structured.backend import clean_error
-
         raise SchemaError(f"{where} is not a valid regular expression ({pattern!r}): {clean_error(e)}") from None
 
 

@@ -12,8 +12,8 @@ Fields read, by face (``constraint_from_body``'s ``face`` argument):
   / ``json_schema`` (llama-server reads those on its OpenAI endpoints too);
 - ``"ollama"``: ``format`` (``"json"`` or a JSON-schema object).
 
-A request may carry one constraint; two (say ``grammar`` and ``response_format``) is a 400,
-as is anything malformed. JSON schemas are checked here with
+A request may carry one constraint; two (say ``grammar`` and ``response_format``) is an
+:class:`kvserve.errors.InvalidInputError` (a 400), as is anything malformed. JSON schemas are checked here with
 :func:`kvserve.structured.schema.check_schema`, so a keyword the backend would ignore is a
 400 naming the field, the keyword and where it is.
 """
@@ -24,7 +24,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.faces.errors import ApiError
+from kvserve.errors import InvalidInputError
+from kvserve.jsonvalues import json_type as _type_name
 from kvserve.structured.schema import SchemaError, check_schema
 
 __all__ = ["KINDS", "VLLM_MULTIPLE", "VLLM_NONE", "ConstraintSpec", "constraint_from_body", "schema_spec"]
@@ -65,14 +66,8 @@ class ConstraintSpec:
             raise ValueError(f"unknown constraint kind {self.kind!r} (one of {', '.join(KINDS)})")
 
 
-def _type_name(v: Any) -> str:
-    from kvserve.faces.params import json_type
-
-    return json_type(v)
-
-
-def _bad(field: str, msg: str) -> ApiError:
-    return ApiError(400, f"Field '{field}': {msg}")
+def _bad(field: str, msg: str) -> InvalidInputError:
+    return InvalidInputError(f"Field '{field}': {msg}")
 
 
 def schema_spec(schema: Any, field: str) -> ConstraintSpec:
@@ -83,7 +78,8 @@ def schema_spec(schema: Any, field: str) -> ConstraintSpec:
         field: the request field, for error messages (``response_format.json_schema.schema``).
 
     Raises:
-        ApiError: 400 ``Field '<field>': ...`` for a non-object or an unsupported keyword.
+        InvalidInputError: ``Field '<field>': ...`` for a non-object or an unsupported keyword
+            (a face answers 400).
     """
     if not isinstance(schema, (dict, bool)):
         raise _bad(field, f"type must be object, but is {_type_name(schema)}")
@@ -163,9 +159,9 @@ def _vllm_group(members: dict[str, Any], names: dict[str, str]) -> ConstraintSpe
     """One of vLLM's StructuredOutputsParams kinds; ``names`` maps kind -> request field name."""
     given = [k for k in _VLLM_KINDS if members.get(k) is not None]
     if len(given) > 1:
-        raise ApiError(400, VLLM_MULTIPLE)
+        raise InvalidInputError(VLLM_MULTIPLE)
     if not given:
-        raise ApiError(400, VLLM_NONE)
+        raise InvalidInputError(VLLM_NONE)
     kind = given[0]
     v, field = members[kind], names[kind]
     if kind == "json":
@@ -233,9 +229,9 @@ def constraint_from_body(body: dict, face: str) -> ConstraintSpec | None:
         ``grammar``, ``structured_outputs.json_object: false``).
 
     Raises:
-        ApiError: 400 for a malformed field, a schema keyword the backend cannot enforce,
-            two constraints in one request, vLLM's "multiple"/"none" cases (its exact
-            texts) and ``structural_tag`` (not supported yet).
+        InvalidInputError: (a face answers 400) a malformed field, a schema keyword the backend
+            cannot enforce, two constraints in one request, vLLM's "multiple"/"none" cases (its
+            exact texts) and ``structural_tag`` (not supported yet).
         ValueError: an unknown ``face``.
     """
     if face not in _SOURCES:
@@ -248,7 +244,7 @@ def constraint_from_body(body: dict, face: str) -> ConstraintSpec | None:
     if len(found) > 1:
         names = [n for n, _ in found]
         if names[:2] == ["grammar", "json_schema"]:
-            raise ApiError(400, LLAMA_BOTH)
-        raise ApiError(400, f"only one output constraint may be given, but the request has both '{names[0]}' and "
-                            f"'{names[1]}'")
+            raise InvalidInputError(LLAMA_BOTH)
+        raise InvalidInputError(f"only one output constraint may be given, but the request has both '{names[0]}' "
+                                f"and '{names[1]}'")
     return found[0][1] if found else None

@@ -15,6 +15,7 @@ import xgrammar as xgr
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.request import Request, SamplingParams
+from kvserve.errors import InvalidInputError
 from kvserve.faces.errors import ApiError
 from kvserve.loaders.tokenizer import Tokenizer
 from kvserve.models.registry import load_files
@@ -61,10 +62,12 @@ def spec_of(body: dict, face: str = "openai") -> ConstraintSpec | None:
 
 
 def api_error(body: dict, face: str = "openai") -> ApiError:
-    with pytest.raises(ApiError) as e:
+    """The error a face answers for ``body``: spec raises a domain error (no HTTP), mapped to a 400."""
+    with pytest.raises(InvalidInputError) as e:
         constraint_from_body(body, face)
-    assert e.value.status == 400
-    return e.value
+    api = ApiError.from_exception(e.value)
+    assert api.status == 400 and api.type == "invalid_request_error"
+    return api
 
 
 # --------------------------------------------------------------------------- request fields
@@ -188,13 +191,29 @@ class _TwoTokens:
 _TINY_BACKEND = GrammarBackend(_TwoTokens(), 2)
 
 
+def test_backend_caches_die_with_the_backend():
+    """Compiled grammars, the TokenizerInfo and the tokenizer go when the runner drops its backend
+    (and the requests' matchers): no module-level cache keeps an unloaded model's vocabulary."""
+    import gc
+    import weakref
+
+    tok = _TwoTokens()
+    be = GrammarBackend(tok, 2)
+    c = be.constraint(ConstraintSpec("regex", "a+"))
+    assert c.accept_token(0) and be.cache_info()["size"] == 1
+    refs = [weakref.ref(tok), weakref.ref(be)]
+    del tok, be, c
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
 def accepts(spec: ConstraintSpec | dict, text: str) -> bool:
     """Does the backend (xgrammar plus kvserve's checks and fixes) accept ``text`` completely?"""
     if isinstance(spec, dict):
         spec = ConstraintSpec("json_schema", json.dumps(spec))
     try:
         return _TINY_BACKEND.constraint(spec, prefill=text).is_completed()
-    except ApiError as e:
+    except InvalidInputError as e:
         assert "does not match" in e.message
         return False
 
@@ -358,7 +377,7 @@ def test_regex_dot_excludes_newline():
     rx = ConstraintSpec("regex", "a.c")
     assert accepts(rx, "abc") and not accepts(rx, "a\nc")
     assert re.fullmatch("a.c", "a\nc") is None
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(InvalidInputError) as e:
         _TINY_BACKEND.constraint(ConstraintSpec("regex", "a$b"))
     assert e.value.message == "regex: '$' at position 1 is only supported at the end of the whole expression"
 
@@ -414,9 +433,9 @@ def test_compile_errors_are_400(backend):
          "json_schema: keyword 'uniqueItems' at the root is not supported: it is ignored by the grammar backend"),
     ]
     for spec, message in cases:
-        with pytest.raises(ApiError) as e:
+        with pytest.raises(InvalidInputError) as e:
             backend.constraint(spec)
-        assert e.value.status == 400
+        assert ApiError.from_exception(e.value).status == 400
         if message is not None:
             assert e.value.message == message
         assert e.value.message.startswith(spec.kind + ": ")
@@ -496,9 +515,9 @@ def test_mask_has_the_logits_width(smol_tok):
 def test_prefill(backend):
     c = backend.constraint(ConstraintSpec("json_schema", json.dumps(FILE_INFO)), prefill='{"file": "ab')
     assert not c.is_completed()
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(InvalidInputError) as e:
         backend.constraint(ConstraintSpec("json_schema", json.dumps(FILE_INFO)), prefill="hello")
-    assert e.value.status == 400 and "does not match" in e.value.message
+    assert ApiError.from_exception(e.value).status == 400 and "does not match" in e.value.message
 
 
 # --------------------------------------------------------------------------- the engine (tiny random model)
@@ -667,9 +686,8 @@ def test_every_kind_in_one_batch(smol_core):
     ({"type": "array", "maxItems": 2.5}, "'maxItems' at the root must be a non-negative integer"),
 ])
 def test_unsatisfiable_or_bad_bounds_are_400(schema, msg):
-    from kvserve.faces.errors import ApiError
     from kvserve.structured.spec import constraint_from_body
 
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(InvalidInputError) as e:
         constraint_from_body({"json_schema": schema}, "llama")
-    assert e.value.status == 400 and msg in str(e.value)
+    assert ApiError.from_exception(e.value).status == 400 and msg in str(e.value)
