@@ -35,14 +35,14 @@ end-of-turn text the template adds after it is dropped and the model continues t
 
 from __future__ import annotations
 
-import functools
 import re
 import secrets
+import weakref
 from typing import Any
 
 from kvserve.chat.template import ChatTemplate, TemplateError
-from kvserve.faces.errors import ApiError
-from kvserve.faces.params import check_text
+from kvserve.errors import InvalidInputError
+from kvserve.jsonvalues import check_text
 
 __all__ = ["ROLES", "continues_final_message", "normalize_messages", "render_chat"]
 
@@ -65,21 +65,21 @@ def _content_text(content: Any, i: int) -> str | None:
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ApiError(400, f"messages[{i}].content: expected a string, null or an array of content "
-                            f"parts, got {_type_name(content)}")
+        raise InvalidInputError(f"messages[{i}].content: expected a string, null or an array of content "
+                                f"parts, got {_type_name(content)}")
     texts = []
     for j, part in enumerate(content):
         where = f"messages[{i}].content[{j}]"
         if not isinstance(part, dict):
-            raise ApiError(400, f"{where}: expected an object, got {_type_name(part)}")
+            raise InvalidInputError(f"{where}: expected an object, got {_type_name(part)}")
         kind = part.get("type")
         if kind is None:
-            raise ApiError(400, f"{where}: missing content part 'type'")
+            raise InvalidInputError(f"{where}: missing content part 'type'")
         if kind != "text":
-            raise ApiError(400, f"{where}: unsupported content part type {kind!r} (only 'text' is supported)")
+            raise InvalidInputError(f"{where}: unsupported content part type {kind!r} (only 'text' is supported)")
         text = part.get("text")
         if not isinstance(text, str):
-            raise ApiError(400, f"{where}.text: expected a string, got {_type_name(text)}")
+            raise InvalidInputError(f"{where}.text: expected a string, got {_type_name(text)}")
         texts.append(text)
     return "\n".join(texts)  # vLLM and llama.cpp join text parts with newlines
 
@@ -94,28 +94,30 @@ def normalize_messages(messages: Any) -> list[dict]:
     ``tool_call_id``, ``reasoning_content``) are kept for the template.
 
     Raises:
-        ApiError: 400 ``'messages' is required`` when None, other 400s naming the field.
+        InvalidInputError: ``'messages' is required`` when None, others naming the field (a face
+            answers 400).
     """
     if messages is None:
-        raise ApiError(400, "'messages' is required")
+        raise InvalidInputError("'messages' is required")
     if not isinstance(messages, list):
-        raise ApiError(400, f"Expected 'messages' to be an array, got {_type_name(messages)}")
+        raise InvalidInputError(f"Expected 'messages' to be an array, got {_type_name(messages)}")
     if not messages:
-        raise ApiError(400, "'messages' must not be empty")
+        raise InvalidInputError("'messages' must not be empty")
     check_text(messages, "messages")  # a lone surrogate anywhere: 400 naming messages[i]...
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise ApiError(400, f"messages[{i}]: expected an object, got {_type_name(m)}")
+            raise InvalidInputError(f"messages[{i}]: expected an object, got {_type_name(m)}")
         role = m.get("role")
         if role is None:
-            raise ApiError(400, f"messages[{i}]: missing 'role'")
+            raise InvalidInputError(f"messages[{i}]: missing 'role'")
         if not isinstance(role, str):
-            raise ApiError(400, f"messages[{i}].role: expected a string, got {_type_name(role)}")
+            raise InvalidInputError(f"messages[{i}].role: expected a string, got {_type_name(role)}")
         if role not in ROLES:
-            raise ApiError(400, f"messages[{i}].role: unknown role {role[:64]!r}; expected one of {', '.join(ROLES)}")
+            raise InvalidInputError(f"messages[{i}].role: unknown role {role[:64]!r}; "
+                                    f"expected one of {', '.join(ROLES)}")
         if "content" not in m and not m.get("tool_calls"):
-            raise ApiError(400, f"messages[{i}]: missing 'content'")
+            raise InvalidInputError(f"messages[{i}]: missing 'content'")
         msg = {**m, "content": _content_text(m.get("content"), i)}
         if m.get("tool_calls") is not None:
             msg["tool_calls"] = _normalize_tool_calls(m["tool_calls"], i)
@@ -132,14 +134,14 @@ def _normalize_tool_calls(calls: Any, i: int) -> list[dict]:
     import json
 
     if not isinstance(calls, list):
-        raise ApiError(400, f"messages[{i}].tool_calls: expected an array, got {_type_name(calls)}")
+        raise InvalidInputError(f"messages[{i}].tool_calls: expected an array, got {_type_name(calls)}")
     out = []
     for j, c in enumerate(calls):
         if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
-            raise ApiError(400, f"messages[{i}].tool_calls[{j}]: expected an object with a 'function' object")
+            raise InvalidInputError(f"messages[{i}].tool_calls[{j}]: expected an object with a 'function' object")
         f = dict(c["function"])
         if not isinstance(f.get("name"), str):
-            raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.name: expected a string")
+            raise InvalidInputError(f"messages[{i}].tool_calls[{j}].function.name: expected a string")
         args = f.get("arguments")
         if isinstance(args, str):
             try:
@@ -148,8 +150,8 @@ def _normalize_tool_calls(calls: Any, i: int) -> list[dict]:
                 parsed = None
             if not isinstance(parsed, dict):
                 # llama.cpp refuses these too: a template would print them as raw text
-                raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments: expected a JSON object "
-                                    f"(as a string or an object), got {args[:80]!r}")
+                raise InvalidInputError(f"messages[{i}].tool_calls[{j}].function.arguments: expected a JSON "
+                                        f"object (as a string or an object), got {args[:80]!r}")
             f["arguments"] = parsed
         elif args is None:
             f["arguments"] = {}
@@ -166,10 +168,30 @@ def continues_final_message(messages: list[dict], continue_final_message: bool |
     return bool(messages) and messages[-1].get("role") == "assistant" and not messages[-1].get("tool_calls")
 
 
-@functools.lru_cache(maxsize=8)
+#: tokenizer -> what :func:`_specials` computed for it. Weak keys: an entry dies with its
+#: tokenizer (when its model is unloaded); the values hold no reference to the tokenizer.
+_SPECIALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _specials(tokenizer) -> tuple[re.Pattern | None, dict[str, int]]:
     """Regex over the texts of the tokens that special parsing turns into one token
-    (control/unknown types), longest first, and text -> id."""
+    (control/unknown types), longest first, and text -> id.
+
+    Computed once per tokenizer (a vocabulary scan) and kept as long as that tokenizer lives;
+    a tokenizer that cannot be weakly referenced is scanned on every call.
+    """
+    try:
+        return _SPECIALS[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referenceable (or unhashable): nothing to cache it by
+        return _scan_specials(tokenizer)
+    found = _scan_specials(tokenizer)
+    _SPECIALS[tokenizer] = found  # two threads may both scan: the results are equal
+    return found
+
+
+def _scan_specials(tokenizer) -> tuple[re.Pattern | None, dict[str, int]]:
     table: dict[str, int] = {}
     for i in range(len(tokenizer)):
         if tokenizer.is_control(i):
@@ -238,7 +260,7 @@ def _segments(template: ChatTemplate, messages: list[dict], gen: bool, tools, kw
             return truth, [(truth, None)] if truth else []
         marked = template.render(marked_msgs, add_generation_prompt=gen, tools=tools, **kwargs)
     except TemplateError as e:
-        raise ApiError(400, str(e)) from e
+        raise InvalidInputError(str(e)) from e
     segs = _split_marked(marked, nonce)
     for variant in (contents, [c.strip() for c in contents]):  # templates often `| trim` content
         filled = _fill(segs, variant)
@@ -312,7 +334,7 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
         (prompt text, prompt token ids). The text is what ``/apply-template`` shows.
 
     Raises:
-        ApiError: 400 for invalid messages or a template error.
+        InvalidInputError: invalid messages or a template error (a face answers 400).
     """
     msgs = normalize_messages(messages)
     if continues_final_message(msgs, continue_final_message):
@@ -325,8 +347,8 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
             truth, segs = _segments(template, msgs, False, tools, template_kwargs)
             ends = [k for k, (_, c) in enumerate(segs) if c == final]
             if not ends:
-                raise ApiError(400, "cannot continue the final message: the chat template does not "
-                                    "render its content")
+                raise InvalidInputError("cannot continue the final message: the chat template does not "
+                                        "render its content")
             segs = segs[: ends[-1] + 1]
             truth = "".join(t for t, _ in segs)
     else:

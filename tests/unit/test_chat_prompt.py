@@ -10,6 +10,7 @@ import pytest
 from kvserve.chat import prompt as prompt_mod
 from kvserve.chat.prompt import continues_final_message, normalize_messages, render_chat
 from kvserve.chat.template import ChatTemplate
+from kvserve.errors import InvalidInputError
 from kvserve.faces.errors import ApiError
 from kvserve.loaders.tokenizer import Tokenizer, read_gguf_metadata
 
@@ -133,18 +134,19 @@ def test_continues_final_message_rule() -> None:
     ([{"role": "user", "content": [{"type": "text", "text": 1}]}], "messages[0].content[0].text"),
 ])
 def test_validation(messages, message: str) -> None:
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(InvalidInputError) as e:  # a domain error: chat/ knows no HTTP
         normalize_messages(messages)
-    assert e.value.status == 400 and e.value.type == "invalid_request_error"
-    assert message in e.value.message
+    api = ApiError.from_exception(e.value)
+    assert api.status == 400 and api.type == "invalid_request_error"
+    assert message in api.message
 
 
 def test_template_error_is_400(smol) -> None:
     tok = smol[1]
     tmpl = ChatTemplate("{{ raise_exception('no system role') }}")
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(InvalidInputError) as e:
         render_chat(tmpl, tok, [{"role": "user", "content": "x"}])
-    assert e.value.status == 400 and "no system role" in e.value.message
+    assert ApiError.from_exception(e.value).status == 400 and "no system role" in e.value.message
 
 
 def test_null_content_with_tool_calls_ok() -> None:
@@ -154,13 +156,10 @@ def test_null_content_with_tool_calls_ok() -> None:
 
 
 def test_tool_call_arguments_must_be_a_json_object():
-    from kvserve.chat.prompt import normalize_messages
-    from kvserve.faces.errors import ApiError
-
     call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "not json"}}
-    with pytest.raises(ApiError) as e:
+    with pytest.raises(InvalidInputError) as e:
         normalize_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
-    assert e.value.status == 400 and "tool_calls[0].function.arguments" in str(e.value)
+    assert ApiError.from_exception(e.value).status == 400 and "tool_calls[0].function.arguments" in str(e.value)
     call["function"]["arguments"] = '{"a": 1}'
     msgs = normalize_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
     assert msgs[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
@@ -172,3 +171,56 @@ def test_final_assistant_turn_with_tool_calls_is_not_continued():
     call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": {}}}
     assert not continues_final_message([{"role": "assistant", "content": None, "tool_calls": [call]}], None)
     assert continues_final_message([{"role": "assistant", "content": "Sure"}], None)
+
+
+class _Vocab:
+    """The least ``_specials`` needs: ids 0 ``<|im_end|>`` (control) and 1 ``a``."""
+
+    bos_token_id, add_bos = None, False
+
+    def __len__(self) -> int:
+        return 2
+
+    def is_control(self, i: int) -> bool:
+        return i == 0
+
+    def token_text(self, i: int) -> str:
+        return ["<|im_end|>", "a"][i]
+
+    def encode(self, text: str, **kw) -> list[int]:
+        return [1] * len(text)
+
+
+def test_specials_cache_dies_with_its_tokenizer() -> None:
+    import gc
+    import weakref
+
+    tok = _Vocab()
+    first = prompt_mod._specials(tok)
+    assert first[1] == {"<|im_end|>": 0}
+    assert prompt_mod._specials(tok) is first  # scanned once while the tokenizer lives
+    render_chat(ChatTemplate("{{ messages[0]['content'] }}"), tok, [{"role": "user", "content": "x<|im_end|>"}])
+    ref = weakref.ref(tok)
+    del tok
+    gc.collect()
+    assert ref() is None  # nothing in chat/ keeps an unloaded model's tokenizer (and vocabulary) alive
+
+
+def test_specials_of_a_real_tokenizer_are_not_pinned(smol, smollm2_gguf) -> None:
+    import gc
+    import weakref
+
+    tok = Tokenizer.from_gguf_file(smollm2_gguf)
+    assert render_chat(smol[0], tok, [{"role": "user", "content": "hi"}]) == render_chat(*smol, [
+        {"role": "user", "content": "hi"}])
+    ref = weakref.ref(tok)
+    del tok
+    gc.collect()
+    assert ref() is None
+
+
+def test_specials_of_a_tokenizer_without_weak_references() -> None:
+    # no __dict__ and no __weakref__: it cannot be a weak key, so it is scanned on every call
+    plain = type("Plain", (), {"__slots__": (), "__len__": _Vocab.__len__, "is_control": _Vocab.is_control,
+                               "token_text": _Vocab.token_text})()
+    assert prompt_mod._specials(plain)[1] == {"<|im_end|>": 0}

@@ -19,6 +19,7 @@ from kvserve.chat.template import CHATML_TEMPLATE, RESERVED_VARIABLES, ChatTempl
 from kvserve.engine import sampler as sampler_mod
 from kvserve.engine.request import InvalidRequestError, SamplingParams
 from kvserve.engine.sampler import SequenceSampler
+from kvserve.errors import KvserveError
 from kvserve.faces.chat_features import template_kwargs
 from kvserve.faces.errors import ApiError
 from kvserve.faces.params import (
@@ -50,10 +51,12 @@ def _params(body: dict, **kw) -> SamplingParams:
 
 
 def _api_error(fn, *args, **kw) -> ApiError:
-    with pytest.raises(ApiError) as e:
+    """What a face answers: an ApiError, or a domain error (chat/, structured/) mapped to one."""
+    with pytest.raises((ApiError, KvserveError)) as e:
         fn(*args, **kw)
-    assert e.value.status == 400
-    return e.value
+    api = ApiError.from_exception(e.value)
+    assert api.status == 400
+    return api
 
 
 # ------------------------------------------------------------------ lone surrogates
