@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -70,13 +71,18 @@ class EngineCore:
     Args:
         loaded: the LoadedModel (weights, tokenizer...).
         config: EngineConfig (n_ctx, slots, KV dtype, ...).
+        make_runner: ``(num_blocks, block_size) -> runner`` in place of building the model
+            and a :class:`ModelRunner` (the weights are then not read): a stand-in with
+            ModelRunner's interface, e.g. :class:`kvserve.engine.fake.FakeRunner` for tests
+            of scheduling without a model (``kvserve.engine.fake.fake_engine_core``).
 
     Attributes:
         n_ctx: total KV context (tokens); n_ctx_slot: one sequence's context.
         tokenizer, model_info, model_config.
     """
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, *,
+                 make_runner: Callable[[int, int], ModelRunner] | None = None):
         self.config = config
         self.threads = config.apply_threads()
         self.tokenizer = loaded.tokenizer
@@ -87,8 +93,8 @@ class EngineCore:
         self.n_ctx_slot = config.n_ctx_slot(loaded.config.n_ctx_train)
         self.n_slots = config.n_slots
         bs = config.block_size
-        self.model = build_model(loaded, config, max_positions=max(self.n_ctx_slot, self.n_ctx) + bs)
-        self.device = self.model.device
+        if make_runner is None:
+            self.model = build_model(loaded, config, max_positions=max(self.n_ctx_slot, self.n_ctx) + bs)
         c = loaded.config
         self.block_bytes = 2 * c.n_layer * bs * c.n_head_kv * c.head_dim * _KV_BYTES[config.kv_dtype]
         # the pool: n_ctx tokens for running sequences plus one partial block per
@@ -101,7 +107,12 @@ class EngineCore:
                  host, self.block_bytes >> 10, extra={"func": "load_model"})
         num_blocks = 1 + active + host
         self.kv = KVCacheManager(num_blocks, bs, host_blocks=host)
-        self.runner = ModelRunner(self.model, num_blocks, bs, config.kv_dtype, self.device)
+        if make_runner is None:
+            self.runner = ModelRunner(self.model, num_blocks, bs, config.kv_dtype, self.model.device)
+        else:
+            self.runner = make_runner(num_blocks, bs)
+            self.model = self.runner.model
+        self.device = self.runner.device
         if config.compile:
             self.runner.start_compile(self.n_slots * ModelRunner.DECODE_LIKE_MAX)
         self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens)
