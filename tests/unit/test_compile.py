@@ -60,6 +60,7 @@ def test_decode_step_equals_forward(q4_gguf, dtype):
         assert got[rid][1] == pytest.approx(lps, abs=1e-4)
 
 
+@pytest.mark.slow  # a real torch.compile: ~40 s of C++ codegen on 2 cores
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
                     reason="torch.compile on CPU needs a C++ compiler (g++ or $CXX)")
 def test_compiled_engine_equals_eager(q4_gguf, tmp_path, monkeypatch):
@@ -90,6 +91,7 @@ def test_compiled_engine_equals_eager(q4_gguf, tmp_path, monkeypatch):
     assert alone[0] == _greedy(EngineCore(loaded, EngineConfig(**cfg)), [PROMPTS[2]], n=20)["r0"][0]
 
 
+@pytest.mark.slow  # a real torch.compile and the native kernel's build
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None or not q4_kernel.cpu_supported(),
                     reason="the native q4 kernel needs a C++ compiler and an AVX512-VNNI CPU")
 def test_compiled_engine_with_native_q4_kernel(q4_gguf, tmp_path, monkeypatch):
