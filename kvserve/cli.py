@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "serve":
-        from kvserve.serving.server import main as serve_main
+        from kvserve.app import main as serve_main
 
         return serve_main(rest)
     if cmd == "bench":

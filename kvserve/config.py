@@ -195,5 +195,6 @@ class EngineConfig:
         import torch
 
         n = self.threads or os.cpu_count() or 1
-        torch.set_num_threads(n)
+        if torch.get_num_threads() != n:  # a process-wide setting: loading another model leaves it
+            torch.set_num_threads(n)
         return n

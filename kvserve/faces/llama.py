@@ -1,10 +1,12 @@
 """llama-server's native endpoints (seed Examples 2, 3, 6, 7, 8, 12, 15, 17).
 
-GET /health /v1/health /v1/models /models /props /slots /metrics; POST /props
+GET /health /v1/health /v1/models /models /v1/models/{id} /props /slots /metrics; POST /props
 /completion /completions /tokenize /detokenize /apply-template /slots/{id};
 /embeddings and /v1/embeddings answer 501 (not implemented).
 
-Each handler only translates: JSON -> engine Request -> JSON/SSE.
+Each handler only translates: JSON -> engine Request -> JSON/SSE. The model is the body's
+``model`` (``?model=`` on GET /props, /slots, /metrics and POST /slots/{id}), resolved by the
+server state (:mod:`kvserve.faces.models`); a request that names none gets the default model.
 
 ``/completion`` reads ``grammar`` (GBNF), ``json_schema`` and ``response_format``
 (:func:`kvserve.structured.spec.constraint_from_body`); each prompt's Request gets its
@@ -27,10 +29,25 @@ from starlette.responses import Response
 from kvserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import json_response, read_json
-from kvserve.faces.params import get_bool, get_int, get_str, params_to_dict, sampling_params_from_body, type_error
+from kvserve.faces.models import (
+    keep_alive_field,
+    model_field,
+    model_json,
+    models_json,
+    serve_model,
+)
+from kvserve.faces.params import (
+    get_bool,
+    get_int,
+    get_str,
+    params_to_dict,
+    sampling_params_from_body,
+    type_error,
+)
 from kvserve.faces.sse import sse_response, until_disconnect
 from kvserve.serving import metrics as metrics_mod
-from kvserve.serving.state import ServerState, fair_share, generate
+from kvserve.serving.runner import Runner, fair_share, generate
+from kvserve.serving.state import ServerState
 from kvserve.structured.spec import constraint_from_body
 
 EMBEDDINGS_OFF = "This server does not support embeddings. Start it with `--embeddings`"
@@ -126,10 +143,22 @@ class _Completion:
         self.last = out
 
 
-class CompletionHandler:
-    """POST /completion: one or more prompts, streaming or not."""
+class CompletionRoute:
+    """POST /completion and /completions: find the model, then :class:`CompletionHandler`."""
 
     def __init__(self, state: ServerState):
+        self.state = state
+
+    async def __call__(self, http: HttpRequest) -> Response:
+        body = await read_json(http)
+        return await serve_model(self.state, model_field(body), keep_alive_field(body),
+                                 lambda runner: CompletionHandler(runner).serve(http, body))
+
+
+class CompletionHandler:
+    """One /completion request on one model's runner: one or more prompts, streaming or not."""
+
+    def __init__(self, state: Runner):
         self.state = state
 
     def _build(self, body: dict) -> tuple[list[_Completion], SamplingParams, dict]:
@@ -214,9 +243,8 @@ class CompletionHandler:
         async for out in generate(self.state, c.request, self._params_view(params, opts)):
             c.add(out, params.post_sampling_probs)
 
-    async def __call__(self, http: HttpRequest) -> Response:
+    async def serve(self, http: HttpRequest, body) -> Response:
         self.state.require_ready()
-        body = await read_json(http)
         tasks, params, opts = await asyncio.to_thread(self._build, body)  # tokenizing: off the loop
         await self._constrain(tasks, opts)
         if opts["stream"]:
@@ -257,35 +285,8 @@ class CompletionHandler:
 
 # -- the router ---------------------------------------------------------------------------
 
-def models_json(state: ServerState) -> dict:
-    """GET /v1/models and /models: Ollama-style ``models`` plus OpenAI ``data`` (Example 3)."""
-    state.require_ready()
-    info = state.engine.model_info
-    name = state.model_alias
-    return {
-        "models": [{
-            "name": name, "model": name, "modified_at": "", "size": "", "digest": "", "type": "model",
-            "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
-            "details": {"parent_model": "", "format": info.format, "family": "", "families": [""],
-                        "parameter_size": "", "quantization_level": info.quantization_level or ""},
-        }],
-        "object": "list",
-        "data": [{
-            "id": name,
-            "aliases": list(state.served_names),
-            "tags": [],
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "llamacpp",
-            "meta": {"vocab_type": info.vocab_type, "n_vocab": info.n_vocab, "n_ctx": state.engine.n_ctx_slot,
-                     "n_ctx_train": info.n_ctx_train, "n_embd": info.n_embd, "n_params": info.n_params,
-                     "size": info.size, "ftype": info.ftype},
-        }],
-    }
-
-
-def props_json(state: ServerState) -> dict:
-    """GET /props (Example 3)."""
+def props_json(state: Runner) -> dict:
+    """GET /props (Example 3) of one model's runner."""
     state.require_ready()
     args, tok, tmpl = state.args, state.tokenizer, state.template
     return {
@@ -313,12 +314,15 @@ def props_json(state: ServerState) -> dict:
 def build_router(state: ServerState) -> APIRouter:
     """The native endpoints bound to ``state``."""
     r = APIRouter()
-    completion = CompletionHandler(state)
+    completion = CompletionRoute(state)
+
+    def query_model(http: HttpRequest) -> str | None:
+        return model_field(dict(http.query_params))
 
     @r.get("/health")
     @r.get("/v1/health")
     async def health():
-        state.require_ready()
+        state.require_up()
         return json_response({"status": "ok"})
 
     @r.get("/v1/models")
@@ -326,15 +330,23 @@ def build_router(state: ServerState) -> APIRouter:
     async def models():
         return json_response(models_json(state))
 
+    @r.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        state.require_up()
+        return json_response(model_json(state, model_id))
+
     @r.get("/props")
-    async def props():
-        return json_response(props_json(state))
+    async def props(http: HttpRequest):
+        async def run(runner: Runner) -> Response:
+            return json_response(props_json(runner))
+
+        return await serve_model(state, query_model(http), None, run)
 
     @r.post("/props")
     async def set_props(http: HttpRequest):
         if not state.args.props:
             raise ApiError(501, PROPS_OFF)
-        state.require_ready()
+        state.require_up()
         await read_json(http, required=False)
         return json_response({"success": True})
 
@@ -343,77 +355,105 @@ def build_router(state: ServerState) -> APIRouter:
 
     @r.post("/tokenize")
     async def tokenize(http: HttpRequest):
-        state.require_ready()
         body = await read_json(http)
-        tok = state.tokenizer
 
-        def run() -> Response:  # off the event loop: 30 MB of text takes tens of seconds
-            ids: list[int] = []
-            if body.get("content") is not None:
-                ids = tokenize_mixed(tok, body["content"], add_special=bool(get_bool(body, "add_special", False)),
-                                     parse_special=bool(get_bool(body, "parse_special", True)), field_name="content")
-            if get_bool(body, "with_pieces", False):
-                return json_response({"tokens": [{"id": t, "piece": tok.piece(t)} for t in ids]})
-            return json_response({"tokens": ids})
+        async def run(runner: Runner) -> Response:
+            runner.require_ready()
+            tok = runner.tokenizer
 
-        return await asyncio.to_thread(run)
+            def work() -> Response:  # off the event loop: 30 MB of text takes tens of seconds
+                ids: list[int] = []
+                if body.get("content") is not None:
+                    ids = tokenize_mixed(tok, body["content"],
+                                         add_special=bool(get_bool(body, "add_special", False)),
+                                         parse_special=bool(get_bool(body, "parse_special", True)),
+                                         field_name="content")
+                if get_bool(body, "with_pieces", False):
+                    return json_response({"tokens": [{"id": t, "piece": tok.piece(t)} for t in ids]})
+                return json_response({"tokens": ids})
+
+            return await asyncio.to_thread(work)
+
+        return await serve_model(state, model_field(body), keep_alive_field(body), run)
 
     @r.post("/detokenize")
     async def detokenize(http: HttpRequest):
-        state.require_ready()
         body = await read_json(http)
-        tok = state.tokenizer
 
-        def run() -> Response:  # off the event loop: checking 10^7 ids takes a second
-            ids = body.get("tokens") or []
-            if not isinstance(ids, list) or not all(_is_token(t) for t in ids):
-                raise type_error("tokens", "array of token ids", ids)
-            bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
-            if bad is not None:
-                raise ApiError(400, f"token id {bad} is out of range (vocabulary size {tok.n_vocab})")
-            return json_response({"content": tok.decode(ids)})
+        async def run(runner: Runner) -> Response:
+            runner.require_ready()
+            tok = runner.tokenizer
 
-        return await asyncio.to_thread(run)
+            def work() -> Response:  # off the event loop: checking 10^7 ids takes a second
+                ids = body.get("tokens") or []
+                if not isinstance(ids, list) or not all(_is_token(t) for t in ids):
+                    raise type_error("tokens", "array of token ids", ids)
+                bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
+                if bad is not None:
+                    raise ApiError(400, f"token id {bad} is out of range (vocabulary size {tok.n_vocab})")
+                return json_response({"content": tok.decode(ids)})
+
+            return await asyncio.to_thread(work)
+
+        return await serve_model(state, model_field(body), keep_alive_field(body), run)
 
     @r.post("/apply-template")
     async def apply_template(http: HttpRequest):
-        state.require_ready()
         body = await read_json(http)
-        return json_response({"prompt": await asyncio.to_thread(render_prompt, state, body)})
+
+        async def run(runner: Runner) -> Response:
+            runner.require_ready()
+            return json_response({"prompt": await asyncio.to_thread(render_prompt, runner, body)})
+
+        return await serve_model(state, model_field(body), keep_alive_field(body), run)
 
     @r.get("/slots")
     async def slots(http: HttpRequest):
         if not state.args.slots:
             raise ApiError(501, SLOTS_OFF)
-        state.require_ready()
+        state.require_up()
+        runner = state.peek(query_model(http))  # a model that is not loaded has no slots
         fail = http.query_params.get("fail_on_no_slot", "")
-        if fail not in ("", "0", "false") and not state.slots.has_idle():
+        if fail not in ("", "0", "false") and (runner is None or not runner.slots.has_idle()):
             raise ApiError(503, "no slot available")
-        return json_response(state.slots.views(show_text=state.args.slots_text))
+        if runner is None:
+            return json_response([])
+        runner.require_ready()
+        return json_response(runner.slots.views(show_text=state.args.slots_text))
 
     @r.post("/slots/{id_slot}")
     async def slot_action(id_slot: str, http: HttpRequest):
         if not state.args.slot_save_path:
             raise ApiError(501, SLOT_ACTIONS_OFF)
-        state.require_ready()
-        # ASCII digits only: int() would also take "١" (Arabic-Indic one), " 1" or "1_0"
-        if not (id_slot.isascii() and id_slot.isdigit()) or len(id_slot) > 9 \
-                or int(id_slot) >= len(state.slots.slots):
-            raise ApiError(400, "Invalid slot ID")
-        slot = state.slots.slots[int(id_slot)]
-        action = http.query_params.get("action", "")
-        if action not in ("save", "restore", "erase"):
-            raise ApiError(400, "Invalid action")
-        if slot.is_processing:
-            raise ApiError(400, "Slot is busy")
-        return json_response(await _slot_file_action(state, slot, action, http))
+
+        async def run(runner: Runner) -> Response:
+            runner.require_ready()
+            # ASCII digits only: int() would also take "١" (Arabic-Indic one), " 1" or "1_0"
+            if not (id_slot.isascii() and id_slot.isdigit()) or len(id_slot) > 9 \
+                    or int(id_slot) >= len(runner.slots.slots):
+                raise ApiError(400, "Invalid slot ID")
+            slot = runner.slots.slots[int(id_slot)]
+            action = http.query_params.get("action", "")
+            if action not in ("save", "restore", "erase"):
+                raise ApiError(400, "Invalid action")
+            if slot.is_processing:
+                raise ApiError(400, "Slot is busy")
+            return json_response(await _slot_file_action(runner, slot, action, http))
+
+        return await serve_model(state, query_model(http), None, run)
 
     @r.get("/metrics")
-    async def metrics():
+    async def metrics(http: HttpRequest):
         if not state.args.metrics:
             raise ApiError(501, METRICS_OFF)
-        state.require_ready()
-        return Response(state.metrics.render(), media_type=metrics_mod.CONTENT_TYPE)
+        state.require_up()
+        name = query_model(http)
+        if name is not None or state.pinned:  # one model: llama-server's exact lines
+            runner = state.peek(name)
+            if runner is None:
+                return Response(metrics_mod.render_empty(), media_type=metrics_mod.CONTENT_TYPE)
+            return Response(runner.metrics.render(), media_type=metrics_mod.CONTENT_TYPE)
+        return Response(metrics_mod.render_models(state.manager), media_type=metrics_mod.CONTENT_TYPE)
 
     async def embeddings(http: HttpRequest):
         if not state.args.embeddings:
@@ -425,7 +465,7 @@ def build_router(state: ServerState) -> APIRouter:
     return r
 
 
-def _slot_filename(state: ServerState, body: dict) -> tuple[str, str]:
+def _slot_filename(state: Runner, body: dict) -> tuple[str, str]:
     """(filename, full path) of a save/restore request; 400 ``Invalid filename`` for anything
     that could leave the save directory."""
     import os
@@ -441,7 +481,7 @@ def _slot_filename(state: ServerState, body: dict) -> tuple[str, str]:
     return name, os.path.join(state.args.slot_save_path, name)
 
 
-async def _slot_file_action(state: ServerState, slot, action: str, http: HttpRequest) -> dict:
+async def _slot_file_action(state: Runner, slot, action: str, http: HttpRequest) -> dict:
     """POST /slots/{id}?action=save|restore|erase (seed Example 11).
 
     The engine thread only copies KV rows out (save) or in (restore) and erases; reading
@@ -490,7 +530,7 @@ async def _slot_file_action(state: ServerState, slot, action: str, http: HttpReq
     return {"id_slot": sid, "n_erased": res["n_erased"]}
 
 
-def render_prompt(state: ServerState, body: dict) -> str:
+def render_prompt(state: Runner, body: dict) -> str:
     """The chat prompt text for ``body["messages"]``, rendered as the chat endpoint does."""
     if state.template is None:
         raise ApiError(500, "the model has no chat template")

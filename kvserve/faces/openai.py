@@ -14,7 +14,11 @@ before the response starts are plain JSON errors; after that, one ``data: {"erro
 event and the stream ends without ``[DONE]``. A client that disconnects cancels its
 generations (the engine aborts them).
 
-Deviations from OpenAI: ``model`` is not checked and the response names the served model;
+``model`` names the model (resolved by the server state: a store name, or with ``-m`` any name,
+which the one pinned model answers, as llama-server does); the response names the model that
+served it. An unknown name is 404 ``model 'x' not found``. Ollama's ``keep_alive`` is accepted.
+
+Deviations from OpenAI:
 ``n`` > 1 runs n independent requests (choice i uses ``seed + i`` when a seed is given);
 ``/v1/completions`` ``suffix`` is refused (400).
 """
@@ -35,11 +39,18 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from kvserve.chat.prompt import continues_final_message, normalize_messages, render_chat
-from kvserve.engine.request import SEED_RANDOM, Request, RequestOutput, SamplingParams, TokenLogprob
+from kvserve.engine.request import (
+    SEED_RANDOM,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from kvserve.faces.chat_features import chat_features, constraint_factory
 from kvserve.faces.chat_output import ChoiceOutput, OutputMode
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import error_response, json_response, read_json
+from kvserve.faces.models import keep_alive_field, model_field, serve_model
 from kvserve.faces.params import (
     check_logprobs,
     get_bool,
@@ -49,8 +60,14 @@ from kvserve.faces.params import (
     sampling_params_from_body,
     type_error,
 )
-from kvserve.faces.sse import ClientDisconnected, error_body, sse_response, until_disconnect
-from kvserve.serving.state import ServerState, fair_share, generate
+from kvserve.faces.sse import (
+    ClientDisconnected,
+    error_body,
+    sse_response,
+    until_disconnect,
+)
+from kvserve.serving.runner import Runner, fair_share, generate
+from kvserve.serving.state import ServerState
 
 __all__ = ["build_router", "router"]
 
@@ -88,7 +105,7 @@ class Plan:
     grammar: str = ""  # the constraint's grammar text, shown in /slots params
 
 
-def _top_n(state: ServerState, body: dict, key: str) -> int | None:
+def _top_n(state: Runner, body: dict, key: str) -> int | None:
     """``top_logprobs`` (chat) / ``logprobs`` (legacy): >= 0 and at most ``--max-logprobs``."""
     n = get_int(body, key)
     if n is not None:
@@ -98,7 +115,7 @@ def _top_n(state: ServerState, body: dict, key: str) -> int | None:
     return n
 
 
-def _max_logprobs(state: ServerState) -> int:
+def _max_logprobs(state: Runner) -> int:
     return state.args.max_logprobs
 
 
@@ -128,7 +145,7 @@ def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
     return dataclasses.replace(params, seed=seed)
 
 
-def _engine_requests(state: ServerState, body: dict, response_id: str, prompts: list[list[int]],
+def _engine_requests(state: Runner, body: dict, response_id: str, prompts: list[list[int]],
                      params: SamplingParams, n: int, make_constraint=None) -> list[Request]:
     id_slot = get_int(body, "id_slot", -1)
     eog = state.tokenizer.eog_token_ids
@@ -143,7 +160,7 @@ def _engine_requests(state: ServerState, body: dict, response_id: str, prompts: 
     return reqs
 
 
-def _validate(state: ServerState, reqs: list[Request]) -> None:
+def _validate(state: Runner, reqs: list[Request]) -> None:
     """Refuse now what the engine would refuse, so a stream never starts for a bad request."""
     engine, slots = state.engine, state.slots
     for r in reqs:
@@ -152,7 +169,7 @@ def _validate(state: ServerState, reqs: list[Request]) -> None:
             raise ApiError(400, f"Invalid id_slot: {r.priority_slot}")
 
 
-def chat_plan(state: ServerState, body: dict) -> Plan:
+def chat_plan(state: Runner, body: dict) -> Plan:
     """Parse a chat completion request (raises ApiError 400 on bad fields)."""
     state.require_ready()
     if "messages" not in body or body["messages"] is None:
@@ -200,7 +217,7 @@ def chat_plan(state: ServerState, body: dict) -> Plan:
                 (top or 0) if logprobs else None, mode=mode, grammar=_grammar_text(state, spec))
 
 
-def _check_chat_fits(state: ServerState, body: dict) -> None:
+def _check_chat_fits(state: Runner, body: dict) -> None:
     """Refuse before rendering and tokenizing a chat whose text alone cannot fit the context:
     the strings of ``messages`` and ``tools`` are (nearly all) rendered into the prompt, so
     their length bounds its token count (``Tokenizer.check_fits``; TooManyTokensError)."""
@@ -216,7 +233,7 @@ def _check_chat_fits(state: ServerState, body: dict) -> None:
     state.tokenizer.check_fits(texts, state.engine.n_ctx_slot)
 
 
-def _grammar_text(state: ServerState, spec) -> str:
+def _grammar_text(state: Runner, spec) -> str:
     return state.grammars.grammar_text(spec) if spec is not None and state.grammars is not None else ""
 
 
@@ -227,7 +244,7 @@ def _constraint_spec(body: dict):
     return constraint_from_body(body, "openai")
 
 
-def _prompt_list(state: ServerState, prompt) -> list[list[int]]:
+def _prompt_list(state: Runner, prompt) -> list[list[int]]:
     """Legacy ``prompt``: a string, token ids, a list of strings, or a list of token-id lists.
 
     Token lists may mix ids and strings (llama-server); strings are tokenized with special
@@ -265,7 +282,7 @@ def _prompt_list(state: ServerState, prompt) -> list[list[int]]:
     return [one(prompt)]  # one prompt of token ids, possibly mixed with strings
 
 
-def completion_plan(state: ServerState, body: dict) -> Plan:
+def completion_plan(state: Runner, body: dict) -> Plan:
     """Parse a legacy completion request (raises ApiError 400 on bad fields)."""
     state.require_ready()
     if get_str(body, "suffix"):
@@ -298,7 +315,7 @@ def completion_plan(state: ServerState, body: dict) -> Plan:
 # ------------------------------------------------------------------------ running choices
 
 
-async def run_choices(state: ServerState, plan: Plan) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def run_choices(state: Runner, plan: Plan) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Run every choice concurrently and yield ``(index, output)`` as outputs come.
 
     A choice's exception is raised here. Closing the iterator (client disconnect) cancels
@@ -308,7 +325,7 @@ async def run_choices(state: ServerState, plan: Plan) -> AsyncIterator[tuple[int
     gate = fair_share(state)
 
     async def produce(i: int, req: Request) -> None:
-        view = params_to_dict(req.params, grammar=plan.grammar) if plan.grammar else None
+        view = params_to_dict(req.params, grammar=plan.grammar)
         try:
             async with gate:
                 async for out in generate(state, req, view):
@@ -384,7 +401,7 @@ class _LegacyLogprobs:
         return d
 
 
-def _add_prompt_logprobs(acc: _LegacyLogprobs, state: ServerState, req: Request, out: RequestOutput) -> None:
+def _add_prompt_logprobs(acc: _LegacyLogprobs, state: Runner, req: Request, out: RequestOutput) -> None:
     plp = out.prompt_logprobs or [None] * len(req.prompt_token_ids)
     for tok, lp in zip(req.prompt_token_ids, plp):
         acc.add(lp, state.tokenizer.token_bytes(tok).decode("utf-8", errors="replace") if lp is None else None)
@@ -408,7 +425,7 @@ def _finish_reason(out: RequestOutput, co: ChoiceOutput | None) -> str:
     return "tool_calls" if co is not None and co.has_tool_calls else out.finish_reason
 
 
-async def complete(state: ServerState, plan: Plan) -> dict:
+async def complete(state: Runner, plan: Plan) -> dict:
     """Run a non-streaming request to the end and build the response object."""
     texts = ["" for _ in plan.requests]
     finals: list[RequestOutput | None] = [None] * len(plan.requests)
@@ -461,7 +478,7 @@ def _reasoning_tokens(plan: Plan, post: list[ChoiceOutput | None]) -> int | None
     return sum(p.reasoning_tokens for p in post if p is not None)
 
 
-async def stream_events(state: ServerState, plan: Plan) -> AsyncIterator[dict]:
+async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
     """The SSE events of a streaming request, as JSON objects (see the module docstring);
     :func:`kvserve.faces.sse.sse_response` writes them, pings, the error event and [DONE]."""
     obj = "chat.completion.chunk" if plan.kind == "chat" else "text_completion"
@@ -534,12 +551,16 @@ async def stream_events(state: ServerState, plan: Plan) -> AsyncIterator[dict]:
 async def _serve(state: ServerState, http: HttpRequest, make_plan) -> Response:
     try:
         body = await read_json(http)
-        # tokenizing, template rendering and grammar compiles are CPU work: off the event loop
-        plan = await asyncio.to_thread(make_plan, state, body)
-        if plan.stream:
-            return await sse_response(stream_events(state, plan), ping_interval=state.args.sse_ping_interval,
-                                      done=True, headers={"X-Accel-Buffering": "no"})
-        return json_response(await until_disconnect(http, complete(state, plan)))
+
+        async def run(runner: Runner) -> Response:
+            # tokenizing, template rendering and grammar compiles are CPU work: off the event loop
+            plan = await asyncio.to_thread(make_plan, runner, body)
+            if plan.stream:
+                return await sse_response(stream_events(runner, plan), ping_interval=state.args.sse_ping_interval,
+                                          done=True, headers={"X-Accel-Buffering": "no"})
+            return json_response(await until_disconnect(http, complete(runner, plan)))
+
+        return await serve_model(state, model_field(body), keep_alive_field(body), run)
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as e:  # noqa: BLE001 - every failure answers with the error envelope

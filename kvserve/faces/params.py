@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any
 
 from kvserve.engine.request import SEED_RANDOM, InvalidRequestError, SamplingParams
 from kvserve.faces.errors import ApiError
+from kvserve.jsonvalues import SURROGATE as _SURROGATE  # noqa: F401 - re-exported
+from kvserve.jsonvalues import check_text, json_type
 
 #: vLLM's ``--max-logprobs`` default: the most top candidates a request may ask for per token.
 DEFAULT_MAX_LOGPROBS = 20
@@ -35,7 +36,6 @@ MAX_DRY_BREAKERS = 256
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 #: fields llama-server reads that kvserve accepts but does not implement: checked as finite numbers.
 _UNUSED_NUMBER_FIELDS = ("dynatemp_range", "dynatemp_exponent", "mirostat_tau", "mirostat_eta")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 # JSON field -> (SamplingParams attribute, kind)
 _NUMBER_FIELDS = {
@@ -79,63 +79,9 @@ _SAMPLER_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k"
                   "m": "min_p", "x": "xtc", "t": "temperature"}
 
 
-def json_type(v: Any) -> str:
-    """nlohmann::json's name of a value's type (null, boolean, number, string, array, object)."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, (int, float)):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    if isinstance(v, list):
-        return "array"
-    if isinstance(v, dict):
-        return "object"
-    return type(v).__name__
-
-
 def type_error(field: str, want: str, v: Any) -> ApiError:
     """400 ``Field 'X': type must be W, but is T``."""
     return ApiError(400, f"Field '{field}': type must be {want}, but is {json_type(v)}")
-
-
-def _surrogate_error(path: str, text: str, *, key: bool = False) -> ApiError:
-    ch = _SURROGATE.search(text).group()
-    what = "an object key" if key else "string"
-    return ApiError(400, f"Field '{path}': {what} is not valid Unicode (lone surrogate U+{ord(ch):04X})")
-
-
-def check_text(obj: Any, path: str = "") -> None:
-    """Refuse a lone surrogate in any string or object key of ``obj`` (a parsed JSON body).
-
-    Walks the whole value without recursion (deep nesting is fine), in document order,
-    and names the first offending field by its path: ``cache_salt``, ``messages[0].content``,
-    ``logit_bias`` (for a key). Cost: one C regex scan per string.
-
-    Raises:
-        ApiError: 400 ``Field 'messages[0].content': string is not valid Unicode (lone
-            surrogate U+D800)``.
-    """
-    stack: list[tuple[Any, str]] = [(obj, path)]
-    while stack:
-        v, where = stack.pop()
-        if isinstance(v, str):
-            if _SURROGATE.search(v):
-                raise _surrogate_error(where or "body", v)
-        elif isinstance(v, dict):
-            children = []
-            for k, x in v.items():
-                if _SURROGATE.search(k):
-                    raise _surrogate_error(where or "body", k, key=True)
-                if isinstance(x, (str, list, dict)):
-                    children.append((x, f"{where}.{k[:64]}" if where else k[:64]))
-            stack.extend(reversed(children))
-        elif isinstance(v, list):
-            for i in range(len(v) - 1, -1, -1):
-                if isinstance(v[i], (str, list, dict)):
-                    stack.append((v[i], f"{where}[{i}]"))
 
 
 def get_number(body: dict, key: str, default: float | None = None) -> float | None:
@@ -191,7 +137,7 @@ def get_str(body: dict, key: str, default: str | None = None) -> str | None:
     if not isinstance(v, str):
         raise type_error(key, "string", v)
     if _SURROGATE.search(v):
-        raise _surrogate_error(key, v)
+        check_text(v, key)  # raises, naming the field
     return v
 
 

@@ -24,6 +24,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import StreamingResponse
 
 from kvserve.engine.request import InvalidRequestError
+from kvserve.errors import KvserveError
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import dumps
 
@@ -40,7 +41,8 @@ def sse_data(obj) -> str:
 
 def error_body(e: BaseException) -> dict:
     """The envelope for any exception (no stack trace: server errors are logged)."""
-    if not isinstance(e, (ApiError, InvalidRequestError)):  # client mistakes are not server faults
+    client = isinstance(e, (ApiError, InvalidRequestError)) or (isinstance(e, KvserveError) and e.kind != "server")
+    if not client:  # client mistakes (and "not now") are not server faults: no traceback
         log.exception("request failed", exc_info=e)
     return ApiError.from_exception(e).body()
 

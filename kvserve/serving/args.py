@@ -70,6 +70,13 @@ class ServerArgs:
     chat_template_kwargs: dict = field(default_factory=dict)
     max_logprobs: int = 20  # vLLM --max-logprobs: top candidates per token a request may ask for; -1 = vocab size
     max_request_bytes: int = 32 * 1024 * 1024  # --max-request-bytes: larger bodies get 413
+    keep_alive: float = 300.0  # --keep-alive seconds (math.inf: forever); Ollama's default 5m
+    max_loaded_models: int = 3  # --max-loaded-models (OLLAMA_MAX_LOADED_MODELS)
+    max_memory: int | None = None  # --max-memory in bytes: cap on all loaded models together
+    max_queue: int = 512  # --max-queue: requests waiting for a model at once (OLLAMA_MAX_QUEUE)
+    preload: bool = True  # --no-preload: start with no model loaded
+    allow_model_paths: bool = False  # --allow-model-paths: requests may name model files on the server
+    cache_ram_share: int | None = None  # set by the server: models sharing the host prompt-cache budget
 
     @property
     def vllm_tools(self) -> bool:
@@ -185,7 +192,50 @@ def build_parser() -> argparse.ArgumentParser:
       help="most logprobs (n_probs, top_logprobs, logprobs) per token a request may ask for; -1: vocabulary size")
     a("--max-request-bytes", type=int, default=int(os.environ.get("KVSERVE_MAX_REQUEST_BYTES", 32 * 1024 * 1024)),
       help="largest request body in bytes (413 above it; default 32 MiB, env KVSERVE_MAX_REQUEST_BYTES)")
+    a("--keep-alive", default=os.environ.get("KVSERVE_KEEP_ALIVE", os.environ.get("OLLAMA_KEEP_ALIVE", "5m")),
+      help="how long an idle model stays loaded: seconds or a duration (5m, 1h30m); negative = forever, "
+           "0 = unload after each request (default 5m; env KVSERVE_KEEP_ALIVE, OLLAMA_KEEP_ALIVE)")
+    a("--max-loaded-models", type=int, default=_env_int("OLLAMA_MAX_LOADED_MODELS", 0),
+      help="most models loaded at once (default 3; env OLLAMA_MAX_LOADED_MODELS, 0 = default)")
+    a("--max-memory", default=os.environ.get("KVSERVE_MAX_MEMORY"),
+      help="cap on the memory of all loaded models together, in MiB or with a unit (8GiB, 4096MiB); "
+           "default: what the machine has available")
+    a("--max-queue", type=int, default=_env_int("OLLAMA_MAX_QUEUE", 512),
+      help="most requests waiting for a model to load or for room at once (503 above; default 512)")
+    a("--no-preload", dest="preload", action="store_false",
+      help="start with no model loaded (the default model loads on its first request)")
+    a("--allow-model-paths", action="store_true",
+      help="let requests name a .gguf file or HF directory on the server as their model (off: only -m "
+           "and the store's names)")
     return p
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+_UNITS = {"": 1 << 20, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40}
+
+
+def parse_memory(text: str) -> int:
+    """``--max-memory``: a number of MiB, or a number with a unit (``8GiB``, ``512MB``) -> bytes.
+
+    Raises:
+        ValueError: not such a size, or not positive.
+    """
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"invalid --max-memory {text!r}: a number of MiB or a size such as 8GiB")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"invalid --max-memory {text!r}: must be positive")
+    return value
 
 
 def _read_keys(path: str) -> list[str]:
@@ -248,6 +298,23 @@ def parse_args(argv: list[str]) -> ServerArgs:
         p.error(f"invalid --max-request-bytes {ns.max_request_bytes}: at least 1")
     if parallel == 0 or parallel < -1:
         p.error(f"invalid -np value {parallel}: -1 (auto) or >= 1")
+    from kvserve.errors import InvalidInputError
+    from kvserve.serving.manager import DEFAULT_MAX_LOADED, parse_keep_alive
+
+    try:
+        keep_alive = parse_keep_alive(ns.keep_alive, "--keep-alive")
+    except InvalidInputError as e:
+        p.error(str(e).replace("Field '--keep-alive'", "invalid --keep-alive"))
+    if ns.max_loaded_models < 0:
+        p.error(f"invalid --max-loaded-models {ns.max_loaded_models}: 0 (default 3) or more")
+    if ns.max_queue < 1:
+        p.error(f"invalid --max-queue {ns.max_queue}: at least 1")
+    max_memory = None
+    if ns.max_memory:
+        try:
+            max_memory = parse_memory(ns.max_memory)
+        except ValueError as e:
+            p.error(str(e))
     args = ServerArgs(
         model=model or DEFAULT_MODEL, model_given=bool(model), alias=alias, host=ns.host, port=ns.port,
         ctx_size=ns.ctx_size, parallel=parallel, threads=ns.threads, batch_size=batch, ubatch_size=ns.ubatch_size,
@@ -266,7 +333,9 @@ def parse_args(argv: list[str]) -> ServerArgs:
         reasoning_budget=ns.reasoning_budget, reasoning=ns.reasoning, chat_template_kwargs=tkw,
         max_logprobs=ns.max_logprobs,
         compile=ns.compile, native_kernels=ns.native_kernels, large_batch_dtype=ns.large_batch_dtype,
-        max_request_bytes=ns.max_request_bytes,
+        max_request_bytes=ns.max_request_bytes, keep_alive=keep_alive,
+        max_loaded_models=ns.max_loaded_models or DEFAULT_MAX_LOADED, max_memory=max_memory,
+        max_queue=ns.max_queue, preload=ns.preload, allow_model_paths=ns.allow_model_paths,
     )
     try:
         args.default_sampling_params()

@@ -267,7 +267,9 @@ class ModelManager:
         max_queue: most requests waiting for room at once; more get UnavailableError
             (Ollama's OLLAMA_MAX_QUEUE, 512).
         clock: ``() -> seconds`` (monotonic).
-        on_event: ``(t, action, name, reason)`` for each load / unload / failure.
+        on_event: ``(t, action, name, reason)``: action ``load`` (a load starts), ``loaded``
+            (reason: its size), ``unload`` (reason: ``keep_alive elapsed``, ``keep_alive 0``,
+            ``make room``, ``reload``, ``requested``, ``shutdown``) or ``fail`` (reason: the error).
     """
 
     def __init__(self, loader: Callable[[ModelSpec], Any], *,
@@ -554,6 +556,7 @@ class ModelManager:
         e.runner = runner
         e.loaded_at = self.clock()
         self.stats.loads += 1
+        self._emit("loaded", e.name, f"{e.size / MIB:.0f} MiB")
         if e.ref_count == 0 and self.loaded.get(e.name) is e:  # preloaded: the timer starts now
             self._idle(e)
         self._notify()

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 from kvserve.engine.request import RequestOutput
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvserve.serving.state import ServerState
+    from kvserve.serving.manager import ModelManager
+    from kvserve.serving.runner import Runner
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -54,13 +55,13 @@ def _fmt(v: float) -> str:
 
 
 class Metrics:
-    """Counters the faces add to, and the scrape window for the gauges.
+    """One model's counters and the scrape window for its gauges.
 
     Args:
-        state: the ServerState (engine stats and slots are read from it).
+        state: the model's Runner (engine stats and slots are read from it).
     """
 
-    def __init__(self, state: "ServerState"):
+    def __init__(self, state: "Runner"):
         self._state = state
         self._lock = threading.Lock()
         self._last = {k: 0.0 for k in _WINDOW_KEYS}
@@ -102,10 +103,49 @@ class Metrics:
         }
 
     def render(self) -> str:
-        """The exposition text; starts a new gauge window."""
+        """The exposition text, llama-server's exact lines; starts a new gauge window."""
         vals = self._values()
         lines = []
         for name, typ, help_ in _METRICS:
             full = f"llamacpp:{name}"
             lines += [f"# HELP {full} {help_}", f"# TYPE {full} {typ}", f"{full} {_fmt(vals[name])}"]
         return "\n".join(lines) + "\n"
+
+
+def render_empty() -> str:
+    """llama-server's families with zero values (a model that is not loaded now)."""
+    lines = []
+    for name, typ, help_ in _METRICS:
+        full = f"llamacpp:{name}"
+        lines += [f"# HELP {full} {help_}", f"# TYPE {full} {typ}", f"{full} 0"]
+    return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def render_models(manager: "ModelManager") -> str:
+    """Several models (no ``-m``): each llama-server family once, one sample per loaded model
+    labelled ``model="<name>"`` (vLLM labels its series by model too), then the manager's own
+    series: models loaded, requests waiting for room, loads and unloads by reason."""
+    runners = [e for e in manager.runners() if e.runner is not None and getattr(e.runner, "metrics", None)]
+    values = [(e.name, e.runner.metrics._values()) for e in runners]
+    lines = []
+    for name, typ, help_ in _METRICS:
+        full = f"llamacpp:{name}"
+        lines += [f"# HELP {full} {help_}", f"# TYPE {full} {typ}"]
+        lines += [f'{full}{{model="{_label(m)}"}} {_fmt(v[name])}' for m, v in values]
+    st = manager.stats
+    lines += ["# HELP kvserve:models_loaded Number of models loaded now.", "# TYPE kvserve:models_loaded gauge",
+              f"kvserve:models_loaded {len(runners)}",
+              "# HELP kvserve:model_requests_waiting Requests waiting for a model to make room.",
+              "# TYPE kvserve:model_requests_waiting gauge", f"kvserve:model_requests_waiting {manager.waiting}",
+              "# HELP kvserve:model_loads_total Models loaded since start.", "# TYPE kvserve:model_loads_total counter",
+              f"kvserve:model_loads_total {st.loads}",
+              "# HELP kvserve:model_load_failures_total Model loads that failed.",
+              "# TYPE kvserve:model_load_failures_total counter", f"kvserve:model_load_failures_total {st.load_failures}",
+              "# HELP kvserve:model_unloads_total Models unloaded, by reason.",
+              "# TYPE kvserve:model_unloads_total counter"]
+    lines += [f'kvserve:model_unloads_total{{reason="{_label(r)}"}} {n}' for r, n in sorted(st.unloads.items())]
+    return "\n".join(lines) + "\n"

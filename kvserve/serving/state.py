@@ -1,31 +1,49 @@
-"""Per-process server state and the one path every face uses to run a request.
+"""Per-process server state: the flags, the model manager, and which names are servable.
 
-``ServerState`` holds what the faces need (engine, tokenizer, chat template,
-slots, metrics, names); ``generate`` places a request in a slot, runs it on the
-engine and keeps the slot's view current.
+``ServerState`` resolves the ``model`` a request names (:meth:`ServerState.resolve`) and hands
+out runners through the :class:`~kvserve.serving.manager.ModelManager`
+(:meth:`ServerState.acquire`). A name resolves, in order:
 
-Thread-safety: the state is written by the loader thread once (``set_loaded``)
-and otherwise read and changed only on the server's asyncio loop.
+1. with ``-m/--model`` (llama-server's single-model mode) every name is that model: the pinned
+   runner, never unloaded, answers any ``model`` (llama-server does the same);
+2. a model in the store (names as ``kvserve list`` shows them, aliases, ``:latest``);
+3. with ``--allow-model-paths``, a path to a ``.gguf`` file or an HF directory on the server
+   (off by default: a remote client must not make the server open its files);
+4. else :class:`~kvserve.errors.NotFoundError` ``model 'x' not found``.
+
+A request that names no model gets the default model (``-m``, else the default store model).
+
+Thread-safety: read and changed only on the server's asyncio loop (the preload runs its file
+work in worker threads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import subprocess
-from collections.abc import AsyncIterator
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvserve.engine.request import Request, RequestOutput, SamplingParams
-from kvserve.faces.errors import ApiError
-from kvserve.serving.metrics import Metrics
-from kvserve.serving.slots import SlotManager
-from kvserve.structured.backend import GrammarBackend
+from kvserve.config import mem_available_bytes
+from kvserve.errors import (
+    InvalidInputError,
+    NotFoundError,
+    ServerFaultError,
+    UnavailableError,
+)
+from kvserve.serving.manager import Lease, ModelManager, ModelSpec, format_keep_alive
+from kvserve.serving.runner import Runner, estimate_runner_memory, load_runner
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvserve.chat.template import ChatTemplate
-    from kvserve.engine.async_engine import AsyncEngine
     from kvserve.serving.args import ServerArgs
+
+log = logging.getLogger("kvserve.server")
+
+MAX_MODEL_NAME = 1024
 
 
 def build_info() -> str:
@@ -46,113 +64,229 @@ def build_info() -> str:
             return "kvserve-0"
 
 
+@dataclass
+class ServableModel:
+    """One row of the catalog (``GET /v1/models``): a model that a request may name."""
+
+    name: str
+    path: str
+    aliases: list[str]
+    runner: Runner | None  # loaded now
+    loading: bool
+    size: int  # bytes of the file(s)
+    modified: float  # seconds since the epoch (file mtime)
+
+
 class ServerState:
     """Everything one server process shares between requests.
 
     Attributes:
         args: the parsed command line (ServerArgs).
-        engine: the AsyncEngine, None while the model loads.
-        tokenizer: the model's Tokenizer (None while loading).
-        template: the ChatTemplate (None while loading or when the model has none).
-        slots: the SlotManager (None while loading).
-        metrics: the Metrics window for ``/metrics``.
+        manager: the ModelManager (which runners are loaded).
         build_info: ``b<N>-<sha7>`` or ``kvserve-<version>``.
-        model_alias: first served name (``-a``/``--served-model-name``, else the model spec).
-        served_names: every name the model answers to.
-        model_path: resolved model file/directory ("" while loading).
-        default_params: server-wide SamplingParams defaults (``--temp``, ``-n``...).
-        load_error: message when loading failed (the server then answers 503/500).
-        grammars: the model's GrammarBackend (structured outputs: compile cache and
-            per-request constraints), None while loading; xgrammar itself loads on the
-            first constrained request.
+        pinned: started with ``-m``: one model, never unloaded, answers every name.
+        default_name: what a request that names no model gets.
+        preloading: True while the start-up model loads (``/health`` answers 503).
+        load_error: message when the start-up model failed to load (the server then exits).
     """
 
-    def __init__(self, args: "ServerArgs"):
+    def __init__(self, args: "ServerArgs", manager: ModelManager | None = None):
         self.args = args
-        self.engine: AsyncEngine | None = None
-        self.tokenizer = None
-        self.template: ChatTemplate | None = None
-        self.slots: SlotManager | None = None
-        self.metrics = Metrics(self)
         self.build_info = build_info()
-        self.served_names: list[str] = list(args.served_names())
-        self.model_alias: str = self.served_names[0]
-        self.model_path: str = ""
-        self.default_params: SamplingParams = args.default_sampling_params()
+        self.pinned = bool(args.model_given)
+        names = list(args.served_names())
+        self.default_name = names[0] if self.pinned else args.model
+        self._pinned_spec: ModelSpec | None = None
+        self.preloading = False
         self.load_error: str | None = None
-        self.grammars: GrammarBackend | None = None
+        if not self.pinned:  # several models share the host tier of the prompt cache
+            args.cache_ram_share = max(1, args.max_loaded_models)
+        self.manager = manager or ModelManager(
+            lambda spec: load_runner(self.args, spec, self.build_info),
+            estimate=lambda spec: estimate_runner_memory(self.args, spec),
+            max_loaded=args.max_loaded_models, default_keep_alive=args.keep_alive,
+            max_memory=args.max_memory, mem_available=mem_available_bytes, max_queue=args.max_queue,
+            on_event=self._log_event)
+        self.started = time.time()
+        self.preload_task: asyncio.Task | None = None
 
-    def set_loaded(self, engine: "AsyncEngine", template: "ChatTemplate | None", model_path: str) -> None:
-        """Publish the loaded engine (called once, by the loader)."""
-        self.tokenizer = engine.tokenizer
-        self.template = template
-        self.model_path = model_path
-        self.slots = SlotManager(engine.n_slots, engine.n_ctx_slot, self.args.slot_prompt_similarity)
-        self.grammars = GrammarBackend(engine.tokenizer, engine.core.model_config.n_vocab)
-        self.engine = engine  # last: require_ready() passes from now on
+    # -- names
 
-    @property
-    def ready(self) -> bool:
-        """True once the model is loaded."""
-        return self.engine is not None
+    def resolve(self, name: str | None) -> ModelSpec:
+        """The ModelSpec a request's ``model`` means (see the module docstring).
 
-    def require_ready(self) -> None:
-        """Raise ApiError 503 ``Loading model`` while the model loads, 500 when loading failed
-        or the engine died (every route, /health included, then says so at once)."""
-        if self.engine is None:
-            if self.load_error:
-                raise ApiError(500, f"model failed to load: {self.load_error}")
-            raise ApiError(503, "Loading model")
-        err = self.engine.error
-        if err is not None:
-            raise ApiError(500, f"the engine failed ({type(err).__name__}) and serves no more requests: "
-                                "restart the server")
+        Raises:
+            NotFoundError: ``model 'x' not found``.
+            InvalidInputError: a name longer than 1,024 characters.
+            UnavailableError: ``Loading model`` while the pinned model's file is being found.
+        """
+        if name is not None and len(name) > MAX_MODEL_NAME:
+            raise InvalidInputError(f"Field 'model': longer than {MAX_MODEL_NAME} characters")
+        if self.pinned:
+            if self._pinned_spec is None:
+                raise UnavailableError("Loading model")
+            return self._pinned_spec
+        if not name:
+            name = self.default_name
+        path = self._store_path(name)
+        if path is not None:
+            from kvserve.store import canonical_name
 
+            return ModelSpec(canonical_name(name), str(path))
+        if self.args.allow_model_paths:
+            spec = self._path_spec(name)
+            if spec is not None:
+                return spec
+        loaded = self.manager.get(name)  # e.g. a path model loaded before its file was removed
+        if loaded is not None:
+            return loaded.spec
+        raise NotFoundError(f"model '{name[:256]}' not found")
 
-def fair_share(state: ServerState) -> asyncio.Semaphore:
-    """The gate one request's sequences (prompts x ``n``) pass to reach :func:`generate`:
-    at most ``n_slots`` of them wait for or hold a slot at a time. Without it a request of
-    2,000 prompts queued all of them ahead of every later request (a bystander waited 120 s);
-    with it each of its next sequences queues behind the requests that arrived meanwhile."""
-    return asyncio.Semaphore(max(1, state.engine.n_slots if state.engine is not None else 1))
+    @staticmethod
+    def _store_path(name: str) -> Path | None:
+        from kvserve.store import canonical_name
+        from kvserve.store.blobs import read_manifest
 
-
-async def generate(state: ServerState, request: Request,
-                   params_view: dict | None = None) -> AsyncIterator[RequestOutput]:
-    """Run ``request`` in a slot and yield its outputs.
-
-    ``request.priority_slot`` is the requested ``id_slot`` (-1 = any); it is set
-    to the slot actually used. Waits (counted as deferred) while every slot is
-    busy. Validation errors (InvalidRequestError, ContextSizeExceededError) and
-    a bad ``id_slot`` (ApiError 400) are raised before the first output. Closing
-    the iterator early (client disconnect) aborts the request in the engine and
-    frees the slot.
-
-    Args:
-        params_view: what ``/slots`` shows as the slot's ``params`` (defaults to
-            the request's sampling parameters).
-    """
-    state.require_ready()
-    engine, slots = state.engine, state.slots
-    assert engine is not None and slots is not None
-    engine.validate(request)
-    if request.priority_slot >= len(slots.slots):
-        raise ApiError(400, f"Invalid id_slot: {request.priority_slot}")
-    slot = await slots.acquire(request.prompt_token_ids, request.priority_slot)
-    try:
-        request.priority_slot = slot.id
-        if params_view is None:
-            from kvserve.faces.params import params_to_dict
-
-            params_view = params_to_dict(request.params)
-        slot.begin(request.prompt_token_ids, slots.next_task_id(), request.params.n_predict, params_view)
-        stream = engine.generate(request)
         try:
-            async for out in stream:
-                slot.update(out)
-                state.metrics.on_output(out)
-                yield out
+            manifest = read_manifest(canonical_name(name))
+        except ValueError:  # not a store name
+            return None
+        if manifest is None:
+            return None
+        blob = manifest.blob_path()
+        return blob if blob.is_file() else None
+
+    @staticmethod
+    def _path_spec(name: str) -> ModelSpec | None:
+        p = Path(name).expanduser()
+        try:
+            if p.is_file():
+                with open(p, "rb") as f:
+                    if f.read(4) != b"GGUF":
+                        return None
+            elif not (p.is_dir() and (p / "config.json").is_file()):
+                return None
+        except OSError:
+            return None
+        full = str(p.resolve())
+        return ModelSpec(full, full)
+
+    def catalog(self) -> list[ServableModel]:
+        """Every model a request may name now: loaded ones and the store's, sorted by name
+        (the pinned model alone with ``-m``)."""
+        out: dict[str, ServableModel] = {}
+        for e in list(self.manager.loaded.values()):
+            out[e.name] = ServableModel(e.name, e.spec.path, e.spec.served_names(), e.runner,
+                                        e.runner is None, *_file_facts(e.spec.path))
+        if self.pinned:
+            if self._pinned_spec is not None and self._pinned_spec.name not in out:
+                s = self._pinned_spec
+                out[s.name] = ServableModel(s.name, s.path, s.served_names(), None, self.preloading,
+                                            *_file_facts(s.path))
+            return list(out.values())
+        from kvserve.store import list_models
+
+        for m in list_models():
+            if m["name"] not in out:
+                out[m["name"]] = ServableModel(m["name"], m["path"], [m["name"]], None, False,
+                                               *_file_facts(m["path"]))
+        return [out[k] for k in sorted(out)]
+
+    # -- runners
+
+    async def acquire(self, name: str | None, keep_alive: float | None = None) -> Lease:
+        """Hold the runner for the model ``name`` for one request (loading it if needed).
+
+        Raises:
+            NotFoundError, UnavailableError, ServerFaultError: see :meth:`resolve` and
+            :meth:`ModelManager.acquire`; ServerFaultError also when the runner's engine died.
+        """
+        self.require_up()
+        spec = self.resolve(name)
+        lease = await self.manager.acquire(spec, keep_alive)
+        try:
+            lease.runner.require_ready()
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    def peek(self, name: str | None) -> Runner | None:
+        """The loaded runner for ``name`` without loading anything (None when not loaded).
+
+        Raises:
+            NotFoundError: an unknown name.
+        """
+        spec = self.resolve(name)
+        e = self.manager.get(spec.name)
+        return e.runner if e is not None else None
+
+    def require_up(self) -> None:
+        """``/health``: 503 ``Loading model`` while the start-up model loads, 500 when it failed
+        or the pinned model's engine died."""
+        if self.load_error:
+            raise ServerFaultError(f"model failed to load: {self.load_error}")
+        if self.preloading:
+            raise UnavailableError("Loading model")
+        if self.pinned:
+            e = self.manager.get(self._pinned_spec.name) if self._pinned_spec is not None else None
+            if e is None or e.runner is None:
+                raise UnavailableError("Loading model")
+            e.runner.require_ready()
+
+    # -- start-up
+
+    def preload_blocking_part(self) -> ModelSpec:
+        """Find (pulling if needed) the start-up model's files: worker-thread work."""
+        from kvserve.store import resolve_model
+
+        given = Path(self.args.model).expanduser()
+        path = str(given) if given.is_file() else str(resolve_model(self.args.model, pull_missing=True))
+        if self.pinned:
+            names = tuple(self.args.served_names())
+            return ModelSpec(names[0], path, pinned=True, names=names)
+        if given.is_file() or given.is_dir():
+            full = str(given.resolve())
+            return ModelSpec(full, full)
+        from kvserve.store import canonical_name
+
+        return ModelSpec(canonical_name(self.args.model), path)
+
+    async def preload(self) -> None:
+        """Load the start-up model: the pinned one, else the default (its keep_alive starts at
+        once). Raises what the load raised (the server reports it and exits)."""
+        self.preloading = True
+        try:
+            spec = await asyncio.to_thread(self.preload_blocking_part)
+            if self.pinned:
+                self._pinned_spec = spec
+            await self.manager.preload(spec)
         finally:
-            await stream.aclose()
-    finally:
-        slots.release(slot)
+            self.preloading = False
+
+    def _log_event(self, t: float, action: str, name: str, reason: str) -> None:
+        m = self.manager
+        if action == "load":
+            log.info("model manager: load '%s' (%d of at most %d loaded)", name, len(m.loaded), m.max_loaded,
+                     extra={"func": "manager"})
+        elif action == "loaded":
+            e = m.loaded.get(name)
+            keep = "forever (pinned)" if e is not None and e.spec.pinned else \
+                format_keep_alive(e.keep_alive if e is not None and e.keep_alive >= 0 else math.inf)
+            log.info("model manager: '%s' loaded, %s, keep_alive %s", name, reason, keep, extra={"func": "manager"})
+        elif action == "unload":
+            log.info("model manager: unload '%s' (%s)", name, reason, extra={"func": "manager"})
+        elif action == "fail":
+            log.error("model manager: '%s' failed to load: %s", name, reason, extra={"func": "manager"})
+
+
+def _file_facts(path: str) -> tuple[int, float]:
+    p = Path(path)
+    try:
+        if p.is_dir():
+            files = [f for f in p.iterdir() if f.is_file()]
+            return sum(f.stat().st_size for f in files), max((f.stat().st_mtime for f in files), default=0.0)
+        st = p.stat()
+        return st.st_size, st.st_mtime
+    except OSError:
+        return 0, 0.0

@@ -74,11 +74,13 @@ class Server:
                 self.proc.wait(timeout=10)
 
 
-def _spawn(model: str, args: tuple[str, ...], logdir: Path) -> Server:
+def _spawn(model: str, args: tuple[str, ...], logdir: Path, env_extra: dict | None = None) -> Server:
+    """Start ``kvserve serve [model] ...``; ``model`` "" starts it with no ``-m`` (several models)."""
     port = free_port()
     log_path = Path(tempfile.mkstemp(prefix="kvserve-", suffix=".log", dir=logdir)[1])
-    cmd = [sys.executable, "-m", "kvserve", "serve", model, "--host", "127.0.0.1", "--port", str(port), *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "kvserve", "serve", *([model] if model else []), "--host", "127.0.0.1",
+           "--port", str(port), *args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     return Server(f"http://127.0.0.1:{port}", proc, log_path, port)
@@ -105,12 +107,13 @@ def smollm2_tokenizer(smollm2_path):
 
 @pytest.fixture
 def start_server(smollm2_path, tmp_path_factory):
-    """Factory: ``start_server(*args, model=None, wait=True) -> Server``; stopped at teardown."""
+    """Factory: ``start_server(*args, model=None, wait=True, env=None) -> Server``; stopped at
+    teardown. ``model=""`` starts with no model given (several models, from ``$KVSERVE_HOME``)."""
     servers: list[Server] = []
     logdir = tmp_path_factory.mktemp("logs")
 
-    def start(*args: str, model: str | None = None, wait: bool = True) -> Server:
-        srv = _spawn(model or smollm2_path, tuple(args), logdir)
+    def start(*args: str, model: str | None = None, wait: bool = True, env: dict | None = None) -> Server:
+        srv = _spawn(smollm2_path if model is None else model, tuple(args), logdir, env)
         servers.append(srv)
         if wait:
             srv.wait_ready()

@@ -60,6 +60,8 @@ class Harness:
         return r
 
     def _event(self, t, action, name, reason):
+        if action == "loaded":
+            return
         if action == "load":
             self.lines.append(f"t={int(t):3d}s load   {name}")
         else:

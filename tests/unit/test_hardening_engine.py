@@ -201,16 +201,17 @@ def test_repeated_step_failures_kill_the_engine_loudly(tiny_gguf, monkeypatch):
         assert not eng.alive
         with pytest.raises(EngineDeadError):  # at once: a call never hangs on a dead engine
             eng.call(lambda core: 1).result(timeout=1)
-        # the server then answers 500 on every route, /health included
+        # the server then answers 500 on every route of that model, /health included
         from kvserve.faces.errors import ApiError
         from kvserve.serving.args import parse_args
-        from kvserve.serving.state import ServerState
+        from kvserve.serving.manager import ModelSpec
+        from kvserve.serving.runner import Runner
 
-        state = ServerState(parse_args(["m.gguf"]))
-        state.engine = eng
-        with pytest.raises(ApiError) as e:
-            state.require_ready()
-        assert (e.value.status, str(e.value.message)) == (
+        runner = Runner(parse_args(["m.gguf"]), ModelSpec("m", "m.gguf", pinned=True), eng, None, "b1-test")
+        with pytest.raises(Exception) as e:
+            runner.require_ready()
+        err = ApiError.from_exception(e.value)
+        assert (err.status, err.message) == (
             500, "the engine failed (EngineDeadError) and serves no more requests: restart the server")
     finally:
         eng.shutdown()

@@ -25,12 +25,15 @@ from kvserve.loaders.tokenizer import Tokenizer, TooManyTokensError
 from kvserve.loaders.weights import ModelLoadError
 from kvserve.engine.request import ContextSizeExceededError
 from kvserve.serving.args import parse_args
-from kvserve.serving.server import build_app, load_model, uvicorn_config
+from kvserve.app import _preload, build_app, uvicorn_config
 from kvserve.serving.state import ServerState
 
 
 def _state(*argv: str) -> ServerState:
-    return ServerState(parse_args(list(argv)))
+    """A state whose model never loads: /health says 503 Loading model."""
+    state = ServerState(parse_args(list(argv)))
+    state.preloading = True
+    return state
 
 
 def _call(app, method: str, path: str, **kw) -> httpx.Response:
@@ -55,7 +58,7 @@ def test_huge_integer_is_400_naming_the_field():
 
 def test_huge_integer_through_the_app_is_400_not_500():
     state = _state()
-    state.require_ready = lambda: None  # the body is read before anything needs the model
+    state.require_up = lambda: None  # the body is read before anything needs the model
     app = build_app(state)
     for path in ("/completion", "/tokenize", "/v1/chat/completions", "/v1/completions"):
         r = _call(app, "POST", path, content=b'{"seed": ' + b"7" * 4400 + b"}")
@@ -77,7 +80,7 @@ def test_max_request_bytes_flag():
 
 def test_body_over_the_limit_is_413_by_length_and_by_chunks():
     state = _state("--max-request-bytes", "100")
-    state.require_ready = lambda: None  # routes check the model before reading the body
+    state.require_up = lambda: None  # routes check the model before reading the body
     app = build_app(state)
     body = json.dumps({"content": "x" * 200}).encode()
     r = _call(app, "POST", "/tokenize", content=body)  # Content-Length: refused before reading
@@ -125,7 +128,7 @@ def test_unexpected_500_logged_once_and_connection_kept(caplog):
     def boom():
         raise RuntimeError("boom")
 
-    state.require_ready = boom
+    state.require_up = boom
     with _Live(build_app(state)) as live, caplog.at_level(logging.INFO):
         conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=10)
         conn.request("GET", "/props")
@@ -149,7 +152,7 @@ def test_client_leaving_mid_body_is_one_quiet_line(caplog):
     """Review of the fixes: a client that hung up before sending its whole body was logged as
     an "unhandled error" with a 50-line traceback (starlette's ClientDisconnect)."""
     state = _state()
-    state.require_ready = lambda: None  # reach read_json
+    state.require_up = lambda: None  # reach read_json
     with _Live(build_app(state)) as live, caplog.at_level(logging.INFO):
         s = socket.create_connection(("127.0.0.1", live.port), timeout=10)
         s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 30\r\n\r\n{\"content\": \"hi")
@@ -261,6 +264,6 @@ def test_bad_magic_says_not_a_gguf_file(tiny_gguf, tmp_path):
     bad.write_bytes(bytes(data))
     state = _state("-m", str(bad))
     failed = []
-    load_model(state, lambda: failed.append(True))
+    asyncio.run(_preload(state, lambda: failed.append(True)))
     assert failed == [True]
     assert state.load_error == f"{bad}: not a GGUF file (bad magic b'GGUX')"

@@ -87,7 +87,6 @@ def test_lower_layers_import_no_faces_and_no_serving():
     assert _offenders(LOWER, HTTP) == []
 
 
-@pytest.mark.xfail(strict=True, reason="lead moves app assembly")
 def test_serving_imports_no_faces():
     assert _offenders(("kvserve.serving",), ("kvserve.faces",)) == []
 

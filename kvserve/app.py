@@ -1,7 +1,13 @@
-"""``kvserve serve``: the HTTP server (FastAPI + uvicorn) around one engine.
+"""``kvserve serve``: the HTTP server (FastAPI + uvicorn): the faces assembled around the
+serving state (:class:`~kvserve.serving.state.ServerState` and its model manager).
 
-Start-up order: the listening socket opens first, then the model loads on a
-background thread while ``/health`` answers 503 ``Loading model``. The log keeps
+This module is the one place that knows both layers: ``kvserve.serving`` never imports
+``kvserve.faces``; here the faces' routers are mounted and domain errors
+(:mod:`kvserve.errors`) become each dialect's envelope.
+
+Start-up order: the listening socket opens first, then the start-up model (``-m``, else the
+default model; none with ``--no-preload``) loads in worker threads while ``/health`` answers
+503 ``Loading model``. The log keeps
 llama-server's line shapes and order (seed Example 1): the security warning,
 ``loading model``, ``initializing, n_slots = ...``, ``model loaded``, then
 ``listening on http://HOST:PORT``. That last line comes after the load, as in
@@ -12,35 +18,38 @@ llama-server; one that polls /health sees the earlier listener.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect, Request as HttpRequest
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from kvserve.engine.request import InvalidRequestError
+from kvserve.errors import KvserveError
 from kvserve.faces.auth import add_security
 from kvserve.faces.errors import ApiError
-from kvserve.faces.http import BodyLimitMiddleware, HeadAsGetMiddleware, dumps, json_response
+from kvserve.faces.http import (
+    BodyLimitMiddleware,
+    HeadAsGetMiddleware,
+    dumps,
+    json_response,
+)
 from kvserve.faces.sse import ClientDisconnected
-from kvserve.serving.args import ServerArgs, parse_args
+from kvserve.serving.args import parse_args
 from kvserve.serving.state import ServerState
 
 log = logging.getLogger("kvserve.server")
 
 _T0 = time.monotonic()
 _LEVELS = {logging.DEBUG: "D", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E", logging.CRITICAL: "E"}
-
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-
 
 class LlamaLogFormatter(logging.Formatter):
     """``0.00.003.284 I srv  llama_server: message`` (minutes.seconds.ms.us since start).
@@ -94,6 +103,10 @@ def build_app(state: ServerState) -> FastAPI:
         if e.status == 503 and e.message == "Loading model":  # the seed's exact member order
             return json_response({"error": {"message": e.message, "type": e.type, "code": 503}}, 503)
         return json_response(e.body(), e.status)
+
+    @app.exception_handler(KvserveError)
+    async def _domain_error(http: HttpRequest, e: KvserveError):
+        return await _api_error(http, ApiError.from_exception(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: HttpRequest, e: StarletteHTTPException):
@@ -175,67 +188,6 @@ def _include_openai(app: FastAPI, state: ServerState) -> None:
         openai_face.register(app, state)
 
 
-# -- loading ------------------------------------------------------------------------------
-
-def make_template(args: ServerArgs, core):
-    """The chat template: --chat-template-file, --chat-template, the model's, else ChatML."""
-    from kvserve.chat.template import ChatTemplate
-
-    tok = core.tokenizer
-    if args.chat_template_file:
-        with open(args.chat_template_file, encoding="utf-8") as f:
-            source = f.read()
-    elif args.chat_template:
-        source = CHATML if args.chat_template == "chatml" else args.chat_template
-    else:
-        source = core.chat_template or getattr(tok, "chat_template", None) or CHATML
-    return ChatTemplate(source, tok.bos_token, tok.eos_token)
-
-
-def load_model(state: ServerState, on_fail) -> None:
-    """Resolve (pull if needed) and load the model, then publish it on ``state``."""
-    from kvserve.engine.async_engine import AsyncEngine
-    from kvserve.engine.core import EngineCore
-    from kvserve.models.registry import load_files
-    from kvserve.store import resolve_model
-
-    from kvserve.loaders.weights import ModelLoadError
-
-    args = state.args
-    try:
-        # an existing file goes to the loader, which names what is wrong with it (e.g. "not a
-        # GGUF file (bad magic ...)"); the store would only say it found no model
-        given = Path(args.model).expanduser()
-        path = str(given) if given.is_file() else str(resolve_model(args.model, pull_missing=True))
-        _srv(logging.INFO, "load_model", "loading model '%s'", path)
-        cfg = args.engine_config()
-        core = EngineCore(load_files(path), cfg)
-        template = make_template(args, core)
-        _srv(logging.INFO, "load_model", "initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = '%s'",
-             core.n_slots, core.n_ctx_slot, "true" if cfg.unified else "false")
-        if args.log_verbosity >= 4:
-            _srv(logging.INFO, "load_model", "prompt cache is enabled, size limit: %d MiB", core.cache_ram_mib)
-        state.set_loaded(AsyncEngine(core), template, path)
-        # import xgrammar and build its vocabulary table now, off the request path (~1.5 s),
-        # so the first constrained request does not pay for it; the server is ready meanwhile
-        threading.Thread(target=_warm_grammars, args=(state,), name="grammar-warmup", daemon=True).start()
-        _srv(logging.INFO, "llama_server", "model loaded")
-        _srv(logging.INFO, "llama_server", "listening on http://%s:%d", args.host, args.port)
-    except BaseException as e:  # noqa: BLE001 - reported, then the server exits
-        known = isinstance(e, (ModelLoadError, FileNotFoundError))  # the message says it all
-        state.load_error = str(e) if known else f"{type(e).__name__}: {e}"
-        _srv(logging.ERROR, "load_model", "failed to load model '%s': %s", args.model, state.load_error)
-        _srv(logging.ERROR, "llama_server", "exiting due to model loading error")
-        on_fail()
-
-
-def _warm_grammars(state: ServerState) -> None:
-    try:
-        state.grammars._get_compiler()
-    except Exception as e:  # noqa: BLE001 - a constrained request reports the real error later
-        _srv(logging.WARNING, "load_model", "structured outputs backend failed to start: %s", e)
-
-
 def http_protocol():
     """uvicorn's HTTP protocol class (httptools when installed, else h11, as ``http="auto"``)
     with its answer to an unparseable request in the error envelope: uvicorn writes a plain
@@ -270,7 +222,10 @@ def http_protocol():
 
 
 def uvicorn_config(app, **kw):
-    """The uvicorn Config ``kvserve serve`` runs with (``kw`` adds or overrides options)."""
+    """The uvicorn Config ``kvserve serve`` runs with (``kw`` adds or overrides options).
+
+    ``lifespan`` is off unless given: :func:`main` turns it on to start the preload; an app
+    built in a test serves with no model loaded until a request names one."""
     import uvicorn
 
     opts = dict(log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=3,
@@ -289,6 +244,43 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def add_startup(app: FastAPI, state: ServerState, on_fail) -> None:
+    """On server start: preload the start-up model (unless ``--no-preload``) and start the
+    keep_alive reaper; on shutdown unload every model. ``on_fail()`` is called when the
+    preload fails (the server then exits, as llama-server does)."""
+
+    async def startup() -> None:
+        state.manager.start_reaper()
+        if state.args.preload or state.pinned:
+            state.preload_task = asyncio.get_running_loop().create_task(_preload(state, on_fail))
+        else:
+            _srv(logging.INFO, "llama_server", "no model preloaded (--no-preload): models load on demand")
+            _srv(logging.INFO, "llama_server", "listening on http://%s:%d", state.args.host, state.args.port)
+
+    async def shutdown() -> None:
+        await state.manager.shutdown()
+
+    app.router.on_startup.append(startup)
+    app.router.on_shutdown.append(shutdown)
+
+
+async def _preload(state: ServerState, on_fail) -> None:
+    from kvserve.loaders.weights import ModelLoadError
+
+    args = state.args
+    try:
+        await state.preload()
+        _srv(logging.INFO, "llama_server", "model loaded")
+        _srv(logging.INFO, "llama_server", "listening on http://%s:%d", args.host, args.port)
+    except BaseException as e:  # noqa: BLE001 - reported, then the server exits
+        cause = e.__cause__ if isinstance(e, KvserveError) and e.__cause__ is not None else e
+        known = isinstance(cause, (ModelLoadError, FileNotFoundError))  # the message says it all
+        state.load_error = str(cause) if known else f"{type(cause).__name__}: {cause}"
+        _srv(logging.ERROR, "load_model", "failed to load model '%s': %s", args.model, state.load_error)
+        _srv(logging.ERROR, "llama_server", "exiting due to model loading error")
+        on_fail()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit status."""
     import uvicorn
@@ -300,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         cors_all = "*" in args.cors_origins
         _srv(logging.WARNING, "llama_server", "security: no API key is set%s",
              " and CORS allows all origins" if cors_all else "")
+    args.engine_config().apply_threads()  # once per process (each model's core finds it set)
     state = ServerState(args)
     app = build_app(state)
     try:
@@ -308,15 +301,13 @@ def main(argv: list[str] | None = None) -> int:
         _srv(logging.ERROR, "llama_server", "couldn't bind HTTP server socket, hostname: %s, port: %d: %s",
              args.host, args.port, e)
         return 1
-    server = uvicorn.Server(uvicorn_config(app))
+    server = uvicorn.Server(uvicorn_config(app, lifespan="on"))
     failed = threading.Event()
 
     def on_fail() -> None:
         failed.set()
         server.should_exit = True
 
-    threading.Thread(target=load_model, args=(state, on_fail), name="kvserve-load", daemon=True).start()
+    add_startup(app, state, on_fail)
     server.run(sockets=[sock])
-    if state.engine is not None:
-        state.engine.shutdown()
     return 1 if failed.is_set() else 0

@@ -1,0 +1,158 @@
+"""How a face finds the model a request names, and the model lists.
+
+Every face resolves ``model`` (a body field, or ``?model=`` on GET routes) through the server
+state's model manager (:meth:`kvserve.serving.state.ServerState.acquire`) and holds the
+runner until its response is sent: :func:`serve_model` for handlers, which releases the hold
+when the last byte of a stream went out (or the client left).
+
+``GET /v1/models`` (and ``/models``) lists every servable model, loaded or not, in llama-server's
+shape (Ollama-style ``models`` plus OpenAI ``data``) with vLLM's ``root`` and ``max_model_len``
+and llama-server router mode's ``status``; ``GET /v1/models/{id}`` answers one model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from starlette.responses import Response, StreamingResponse
+
+from kvserve.errors import NotFoundError
+from kvserve.faces.errors import ApiError
+from kvserve.faces.params import check_text, type_error
+from kvserve.serving.manager import Lease, parse_keep_alive
+from kvserve.serving.runner import Runner
+from kvserve.serving.state import ServableModel, ServerState
+
+
+def model_field(body: dict | None, key: str = "model") -> str | None:
+    """The request's ``model`` (None when absent, null or empty).
+
+    Raises:
+        ApiError 400: not a string.
+    """
+    if not isinstance(body, dict):
+        return None
+    v = body.get(key)
+    if v is None or v == "":
+        return None
+    if not isinstance(v, str):
+        raise type_error(key, "string", v)
+    check_text(v, key)
+    return v
+
+
+def keep_alive_field(body: dict | None) -> float | None:
+    """The request's ``keep_alive`` in seconds (Ollama's forms), None when absent.
+
+    Raises:
+        InvalidInputError: a value :func:`~kvserve.serving.manager.parse_keep_alive` refuses.
+    """
+    if not isinstance(body, dict) or body.get("keep_alive") is None:
+        return None
+    return parse_keep_alive(body["keep_alive"])
+
+
+class LeasedResponse(Response):
+    """A response that holds a model until it is sent: streams keep the runner busy (never
+    evicted, keep_alive not running) until their last byte, or until the client leaves."""
+
+    def __init__(self, inner: Response, lease: Lease):
+        self.inner = inner
+        self.lease = lease
+        self.status_code = inner.status_code
+        self.background = None
+        self.raw_headers = inner.raw_headers
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            self.lease.release()
+
+
+async def serve_model(state: ServerState, name: str | None, keep_alive: float | None,
+                      handler: Callable[[Runner], Awaitable[Response]]) -> Response:
+    """Acquire the runner of ``name``, run ``handler(runner)``, and release it when the response
+    is done: at once for a plain response, after the last byte for a stream.
+
+    Raises:
+        whatever resolving, loading or the handler raises (the hold is released first).
+    """
+    lease = await state.acquire(name, keep_alive)
+    try:
+        response = await handler(lease.runner)
+    except BaseException:
+        lease.release()
+        raise
+    if isinstance(response, StreamingResponse):
+        return LeasedResponse(response, lease)
+    lease.release()
+    return response
+
+
+# -- model lists ------------------------------------------------------------------------
+
+def _status(m: ServableModel) -> str:
+    return "loaded" if m.runner is not None else "loading" if m.loading else "unloaded"
+
+
+def _max_model_len(state: ServerState, m: ServableModel) -> int | None:
+    if m.runner is not None and m.runner.engine is not None:
+        return m.runner.engine.n_ctx_slot
+    try:
+        from kvserve.serving.manager import ModelSpec
+        from kvserve.serving.runner import engine_config, model_shape
+
+        cfg_m, _, _ = model_shape(m.path)
+        return engine_config(state.args, ModelSpec(m.name, m.path)).n_ctx_slot(cfg_m.n_ctx_train)
+    except Exception:  # noqa: BLE001 - a broken file still lists; loading it says what is wrong
+        return None
+
+
+def model_entry(state: ServerState, m: ServableModel, created: int) -> dict:
+    """One ``data`` item: OpenAI's fields, vLLM's ``root``/``max_model_len``, llama-server's
+    ``aliases``/``meta`` (when loaded) and router mode's ``status``."""
+    d = {"id": m.name, "aliases": list(m.aliases), "tags": [], "object": "model", "created": created,
+         "owned_by": "llamacpp", "root": m.path, "parent": None, "max_model_len": _max_model_len(state, m),
+         "status": {"value": _status(m)}}
+    r = m.runner
+    if r is not None and r.engine is not None:
+        info = r.engine.model_info
+        d["meta"] = {"vocab_type": info.vocab_type, "n_vocab": info.n_vocab, "n_ctx": r.engine.n_ctx_slot,
+                     "n_ctx_train": info.n_ctx_train, "n_embd": info.n_embd, "n_params": info.n_params,
+                     "size": info.size, "ftype": info.ftype}
+    return d
+
+
+def _ollama_entry(m: ServableModel) -> dict:
+    r = m.runner
+    info = r.engine.model_info if r is not None and r.engine is not None else None
+    return {
+        "name": m.name, "model": m.name, "modified_at": "", "size": m.size if info is None else info.size,
+        "digest": "", "type": "model", "description": "", "tags": [""], "capabilities": ["completion"],
+        "parameters": "",
+        "details": {"parent_model": "", "format": info.format if info else "", "family": "", "families": [""],
+                    "parameter_size": "", "quantization_level": (info.quantization_level or "") if info else ""},
+    }
+
+
+def models_json(state: ServerState) -> dict:
+    """GET /v1/models and /models: every servable model, loaded or not."""
+    state.require_up()
+    created = int(time.time())
+    cat = state.catalog()
+    return {"models": [_ollama_entry(m) for m in cat], "object": "list",
+            "data": [model_entry(state, m, created) for m in cat]}
+
+
+def model_json(state: ServerState, model_id: str) -> dict:
+    """GET /v1/models/{id}: one model (404 ``model 'x' not found`` otherwise)."""
+    for m in state.catalog():
+        if model_id == m.name or model_id in m.aliases:
+            return model_entry(state, m, int(time.time()))
+    raise NotFoundError(f"model '{model_id[:256]}' not found")
+
+
+__all__ = ["ApiError", "LeasedResponse", "keep_alive_field", "model_entry", "model_field", "model_json",
+           "models_json", "serve_model"]

@@ -1,0 +1,338 @@
+"""One loaded model (a *runner*, in Ollama's terms) and the path every face uses to run a request.
+
+A :class:`Runner` holds what the faces need for one model: its engine (with its own engine
+thread), tokenizer, chat template, slots, grammar backend, metrics window and names. The model
+manager (:mod:`kvserve.serving.manager`) decides when runners are built (:func:`load_runner`)
+and closed (:meth:`Runner.close`); :func:`estimate_runner_memory` is its prediction of a
+runner's size before it loads.
+
+:func:`generate` places a request in one of the runner's slots, runs it on the engine and keeps
+the slot's view current.
+
+Thread-safety: a runner is built on a loader thread, then read and changed only on the
+server's asyncio loop (its engine runs on its own thread behind ``AsyncEngine``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import gc
+import logging
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvserve.engine.request import Request, RequestOutput
+from kvserve.errors import InvalidInputError, ServerFaultError
+from kvserve.serving.manager import MemoryEstimate, ModelSpec, estimate_memory
+from kvserve.serving.metrics import Metrics
+from kvserve.serving.slots import SlotManager
+from kvserve.structured.backend import GrammarBackend
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvserve.chat.template import ChatTemplate
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.serving.args import ServerArgs
+
+log = logging.getLogger("kvserve.server")
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 1}
+
+
+def _srv(level: int, func: str, msg: str, *a) -> None:
+    log.log(level, msg, *a, extra={"func": func})
+
+
+class Runner:
+    """One loaded model: everything a face reads to serve a request for it.
+
+    Attributes:
+        spec: the :class:`ModelSpec` it was loaded for.
+        args: the server's ServerArgs (engine options and defaults come from the flags).
+        engine: the AsyncEngine (its own engine thread).
+        tokenizer: the model's Tokenizer.
+        template: the ChatTemplate (the model's, the flags', else ChatML).
+        slots: the SlotManager for ``/slots`` and slot selection.
+        grammars: the GrammarBackend (structured outputs); xgrammar loads on first use.
+        metrics: this model's Metrics window (``/metrics``).
+        model_alias: the name responses show (``spec.name``).
+        served_names: every name the model answers to.
+        model_path: the resolved file or directory.
+        default_params: server-wide SamplingParams defaults (``--temp``, ``-n``...).
+        build_info: the server's build string.
+        measured_bytes: the process's resident memory growth while it loaded (bytes), or 0.
+    """
+
+    def __init__(self, args: "ServerArgs", spec: ModelSpec, engine: "AsyncEngine",
+                 template: "ChatTemplate | None", build_info: str, measured_bytes: int = 0):
+        self.spec = spec
+        self.args = args
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.template = template
+        self.slots = SlotManager(engine.n_slots, engine.n_ctx_slot, args.slot_prompt_similarity)
+        self.grammars = GrammarBackend(engine.tokenizer, engine.core.model_config.n_vocab)
+        self.metrics = Metrics(self)
+        self.model_alias = spec.name
+        self.served_names = spec.served_names()
+        self.model_path = spec.path
+        self.default_params = args.default_sampling_params()
+        self.build_info = build_info
+        self.measured_bytes = measured_bytes
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def require_ready(self) -> None:
+        """Raise ServerFaultError when this model's engine died (its requests then fail at once)."""
+        engine = self.engine
+        if engine is None:
+            raise ServerFaultError(f"model '{self.model_alias}' was unloaded")
+        err = engine.error
+        if err is not None:
+            raise ServerFaultError(f"the engine failed ({type(err).__name__}) and serves no more requests: "
+                                   "restart the server")
+
+    def needs_reload(self, spec: ModelSpec) -> bool:
+        """A runner whose engine died is replaced by a fresh load once idle (not a pinned one:
+        its requests keep saying what happened, as llama-server does)."""
+        return self.engine is not None and self.engine.error is not None and not self.spec.pinned
+
+    def close(self) -> None:
+        """Stop the engine thread and drop every reference to the model, then hand the freed
+        heap back to the OS (glibc keeps freed arenas otherwise: measured, ~630 MiB of SmolLM2's
+        780 MiB stayed resident after ``gc.collect()`` alone)."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.shutdown()
+        self.tokenizer = self.template = self.slots = self.grammars = None
+        del engine
+        gc.collect()
+        trim_heap()
+
+
+def trim_heap() -> None:
+    """``malloc_trim(0)`` where glibc has it: freed memory goes back to the OS now."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (VmRSS of /proc/self/status), 0 where unknown."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+# -- loading ------------------------------------------------------------------------------
+
+def make_template(args: "ServerArgs", core):
+    """The chat template: --chat-template-file, --chat-template, the model's, else ChatML."""
+    from kvserve.chat.template import ChatTemplate
+
+    tok = core.tokenizer
+    if args.chat_template_file:
+        with open(args.chat_template_file, encoding="utf-8") as f:
+            source = f.read()
+    elif args.chat_template:
+        source = CHATML if args.chat_template == "chatml" else args.chat_template
+    else:
+        source = core.chat_template or getattr(tok, "chat_template", None) or CHATML
+    return ChatTemplate(source, tok.bos_token, tok.eos_token)
+
+
+def engine_config(args: "ServerArgs", spec: ModelSpec):
+    """The EngineConfig of one runner: the server's flags, with the spec's context size."""
+    cfg = args.engine_config()
+    if spec.n_ctx is not None:
+        cfg.n_ctx = spec.n_ctx
+    share = getattr(args, "cache_ram_share", None)
+    if cfg.cache_ram is None and share:  # several models: each gets its share of the host tier
+        cfg.cache_ram = max(0, cfg.cache_ram_mib() // share)
+    return cfg
+
+
+def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
+    """Load ``spec`` (the loader of :class:`~kvserve.serving.manager.ModelManager`).
+
+    Logs llama-server's lines (``loading model``, ``initializing, n_slots = ...``).
+
+    Raises:
+        ModelLoadError / FileNotFoundError / TemplateError: the file or template is bad.
+    """
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.core import EngineCore
+    from kvserve.models.registry import load_files
+
+    before = rss_bytes()
+    _srv(logging.INFO, "load_model", "loading model '%s'", spec.path)
+    cfg = engine_config(args, spec)
+    core = EngineCore(load_files(spec.path), cfg)
+    template = make_template(args, core)
+    _srv(logging.INFO, "load_model", "initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = '%s'",
+         core.n_slots, core.n_ctx_slot, "true" if cfg.unified else "false")
+    if args.log_verbosity >= 4:
+        _srv(logging.INFO, "load_model", "prompt cache is enabled, size limit: %d MiB", core.cache_ram_mib)
+    runner = Runner(args, spec, AsyncEngine(core), template, build_info, max(rss_bytes() - before, 0))
+    # import xgrammar and build its vocabulary table now, off the request path (~1.5 s), so the
+    # first constrained request does not pay for it; the model serves meanwhile
+    threading.Thread(target=_warm_grammars, args=(runner.grammars,), name="grammar-warmup", daemon=True).start()
+    return runner
+
+
+def _warm_grammars(grammars: GrammarBackend) -> None:
+    try:
+        grammars._get_compiler()
+    except Exception as e:  # noqa: BLE001 - a constrained request reports the real error later
+        _srv(logging.WARNING, "load_model", "structured outputs backend failed to start: %s", e)
+
+
+_SHAPES: dict[tuple[str, int, int], tuple] = {}
+
+
+def model_shape(path: str) -> tuple:
+    """(config: ModelConfig, file bytes, parameter count) of a .gguf file or HF directory,
+    from its header only (cached by path, size and mtime)."""
+    p = Path(path)
+    if p.is_dir():
+        import json
+
+        from kvserve.loaders.safetensors import config_from_hf
+
+        st = (p / "config.json").stat()
+        key = (str(p), st.st_size, st.st_mtime_ns)
+        if key not in _SHAPES:
+            cfg = config_from_hf(json.loads((p / "config.json").read_text(encoding="utf-8")), str(p))
+            files = sorted(p.glob("*.safetensors"))
+            size = sum(f.stat().st_size for f in files)
+            n_params = _hf_params(files)
+            _SHAPES[key] = (cfg, size, n_params)
+        return _SHAPES[key]
+    st = p.stat()
+    key = (str(p), st.st_size, st.st_mtime_ns)
+    if key not in _SHAPES:
+        from kvserve.loaders.gguf import config_from_metadata, read_gguf_header
+
+        md, tensors = read_gguf_header(str(p))
+        _SHAPES[key] = (config_from_metadata(md, str(p)), st.st_size, sum(t.n_elements for t in tensors))
+    return _SHAPES[key]
+
+
+def _hf_params(files) -> int:
+    import json
+    import struct
+
+    n = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            (hlen,) = struct.unpack("<Q", fh.read(8))
+            if hlen > 100 << 20:
+                continue
+            header = json.loads(fh.read(hlen))
+        for k, v in header.items():
+            if k != "__metadata__" and isinstance(v, dict):
+                count = 1
+                for d in v.get("shape", []):
+                    count *= int(d)
+                n += count
+    return n
+
+
+def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimate:
+    """Predict one runner's memory before loading it (seed 004 Example 5's formula, for kvserve).
+
+    - weights: the file's bytes (as Ollama counts them) plus the dense copy kvserve keeps for
+      large batches on CPU (parameters x 4 bytes in float32, x 2 in bfloat16), or the
+      parameters in the chosen ``--dtype`` when that replaces the file's format;
+    - kv: 2 x layers x kv_heads x head_dim x n_ctx x bytes per element (``--cache-type-k``);
+    - compute: one batch's activations plus one row of logits per slot, in float32.
+
+    Raises:
+        ModelLoadError / OSError: the file's header cannot be read.
+    """
+    cfg_m, file_bytes, n_params = model_shape(spec.path)
+    cfg = engine_config(args, spec)
+    n_ctx = cfg.resolve_n_ctx(cfg_m.n_ctx_train)
+    dense = {"float32": 4, "bfloat16": 2, "float16": 2}
+    if cfg.dtype == "auto":
+        large = 2 if cfg.large_batch_dtype in ("bfloat16",) else 4
+        weights = file_bytes + n_params * large
+    else:
+        weights = n_params * dense.get(cfg.dtype, 4)
+    n_tok = min(max(cfg.max_num_batched_tokens, 1), n_ctx)
+    compute = 4 * (n_tok * (8 * cfg_m.n_embd + 3 * cfg_m.n_ff) + cfg.n_slots * cfg_m.n_vocab)
+    return estimate_memory(weights, cfg_m.n_layer, cfg_m.n_head_kv, cfg_m.head_dim, n_ctx,
+                           KV_BYTES.get(cfg.kv_dtype, 2), compute)
+
+
+# -- running a request --------------------------------------------------------------------
+
+def fair_share(runner: Runner) -> asyncio.Semaphore:
+    """The gate one request's sequences (prompts x ``n``) pass to reach :func:`generate`:
+    at most ``n_slots`` of them wait for or hold a slot at a time. Without it a request of
+    2,000 prompts queued all of them ahead of every later request (a bystander waited 120 s);
+    with it each of its next sequences queues behind the requests that arrived meanwhile."""
+    return asyncio.Semaphore(max(1, runner.engine.n_slots if runner.engine is not None else 1))
+
+
+async def generate(runner: Runner, request: Request, params_view: dict | None = None) -> AsyncIterator[RequestOutput]:
+    """Run ``request`` in one of ``runner``'s slots and yield its outputs.
+
+    ``request.priority_slot`` is the requested ``id_slot`` (-1 = any); it is set
+    to the slot actually used. Waits (counted as deferred) while every slot is
+    busy. Validation errors (InvalidRequestError, ContextSizeExceededError) and
+    a bad ``id_slot`` (InvalidInputError) are raised before the first output. Closing
+    the iterator early (client disconnect) aborts the request in the engine and
+    frees the slot.
+
+    Args:
+        params_view: what ``/slots`` shows as the slot's ``params`` (the face renders it).
+    """
+    runner.require_ready()
+    engine, slots = runner.engine, runner.slots
+    engine.validate(request)
+    if request.priority_slot >= len(slots.slots):
+        raise InvalidInputError(f"Invalid id_slot: {request.priority_slot}")
+    slot = await slots.acquire(request.prompt_token_ids, request.priority_slot)
+    try:
+        request.priority_slot = slot.id
+        slot.begin(request.prompt_token_ids, slots.next_task_id(), request.params.n_predict, params_view or {})
+        stream = engine.generate(request)
+        try:
+            async for out in stream:
+                slot.update(out)
+                runner.metrics.on_output(out)
+                yield out
+        finally:
+            await stream.aclose()
+    finally:
+        slots.release(slot)
+
+
+def pid_rss_bytes(pid: int) -> int:
+    """VmRSS of process ``pid`` in bytes (tests measure a server's memory with it)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+__all__ = ["CHATML", "Runner", "estimate_runner_memory", "fair_share", "generate", "load_runner",
+           "make_template", "model_shape", "pid_rss_bytes", "rss_bytes", "trim_heap"]

@@ -1,0 +1,129 @@
+"""Several models behind one server (issue #12): a store with the default GGUF and a copy of it
+with other metadata, requests that alternate by ``model``, ``--max-loaded-models 1``,
+``keep_alive: 0``, /v1/models, 404 for unknown names, and memory returned on unload."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvserve.serving.manager import ModelSpec
+from kvserve.serving.runner import estimate_runner_memory, pid_rss_bytes
+from kvserve.store.blobs import Manifest, blob_path, write_manifest
+
+pytestmark = pytest.mark.slow
+
+CHAT = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 6, "temperature": 0}
+
+
+def _add(home: Path, name: str, data_path: Path | None = None, data: bytes | None = None) -> Path:
+    """Put a GGUF into ``home``'s store under ``name`` (hard link when possible)."""
+    if data is None:
+        h = hashlib.sha256()
+        with open(data_path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        digest, size = "sha256:" + h.hexdigest(), os.path.getsize(data_path)
+    else:
+        digest, size = "sha256:" + hashlib.sha256(data).hexdigest(), len(data)
+    dst = blob_path(digest, home)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if not dst.exists():
+        if data is not None:
+            dst.write_bytes(data)
+        else:
+            try:
+                os.link(data_path, dst)
+            except OSError:
+                dst.write_bytes(Path(data_path).read_bytes())
+    write_manifest(Manifest(name=name, digest=digest, filename=f"{name}.gguf", size=size), home)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def two_model_home(smollm2_path, tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("home")
+    _add(home, "smollm2", Path(smollm2_path))
+    data = bytearray(Path(smollm2_path).read_bytes())
+    i = data.index(b"general.name")
+    j = data.index(b"Smollm2", i)  # same length: the header stays valid, the digest changes
+    data[j:j + 7] = b"Smollm9"
+    _add(home, "smol-copy", data=bytes(data))
+    return home
+
+
+def _models(srv) -> dict[str, str]:
+    d = httpx.get(srv.base_url + "/v1/models", timeout=30).json()
+    return {m["id"]: m["status"]["value"] for m in d["data"]}
+
+
+def _chat(srv, model: str, **extra) -> dict:
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json={**CHAT, "model": model, **extra}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_two_models_alternate_and_unload(start_server, two_model_home, smollm2_path):
+    srv = start_server("--max-loaded-models", "1", "-c", "2048", "-np", "1", "--metrics", model="",
+                       env={"KVSERVE_HOME": str(two_model_home)})
+    assert _models(srv) == {"smol-copy": "unloaded", "smollm2": "loaded"}  # the default is preloaded
+    d = httpx.get(srv.base_url + "/v1/models", timeout=30).json()
+    entry = {m["id"]: m for m in d["data"]}["smol-copy"]
+    assert entry["max_model_len"] == 2048 and entry["root"].startswith(str(two_model_home / "blobs"))
+    assert entry["object"] == "model"
+
+    a = _chat(srv, "smollm2")
+    b = _chat(srv, "smol-copy")  # -> unload smollm2 (make room), load smol-copy
+    assert _models(srv) == {"smol-copy": "loaded", "smollm2": "unloaded"}
+    c = _chat(srv, "smollm2")
+    assert (a["model"], b["model"], c["model"]) == ("smollm2", "smol-copy", "smollm2")
+    # the copy has the same weights: greedy text is the same, token for token
+    assert a["choices"][0]["message"] == b["choices"][0]["message"] == c["choices"][0]["message"]
+    assert a["usage"] == b["usage"] == c["usage"]
+    log = srv.log()
+    assert log.count("model manager: unload 'smollm2' (make room)") == 1
+    assert log.count("model manager: unload 'smol-copy' (make room)") == 1
+    assert log.index("unload 'smollm2' (make room)") < log.index("load 'smol-copy'")
+
+    # unknown names: 404 in each dialect's envelope
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json={**CHAT, "model": "nope"}, timeout=30)
+    assert (r.status_code, r.json()) == (404, {"error": {"code": 404, "message": "model 'nope' not found",
+                                                         "type": "not_found_error"}})
+    r = httpx.post(srv.base_url + "/completion", json={"prompt": "x", "model": "nope:7b"}, timeout=30)
+    assert (r.status_code, r.json()["error"]["message"]) == (404, "model 'nope:7b' not found")
+    assert httpx.get(srv.base_url + "/v1/models/smol-copy", timeout=30).json()["id"] == "smol-copy"
+    assert httpx.get(srv.base_url + "/v1/models/nope", timeout=30).status_code == 404
+
+    # keep_alive 0: unloaded as soon as the request ends, and the memory goes back
+    time.sleep(0.5)
+    loaded_rss = pid_rss_bytes(srv.proc.pid)
+    _chat(srv, "smollm2", keep_alive=0)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _models(srv) != {"smol-copy": "unloaded", "smollm2": "unloaded"}:
+        time.sleep(0.1)
+    assert _models(srv) == {"smol-copy": "unloaded", "smollm2": "unloaded"}
+    time.sleep(1.0)  # the engine thread stops and the heap is trimmed in a worker thread
+    after_rss = pid_rss_bytes(srv.proc.pid)
+    from kvserve.serving.args import parse_args
+
+    weights = estimate_runner_memory(parse_args(["-c", "2048", "-np", "1"]),
+                                     ModelSpec("smollm2", smollm2_path)).weights
+    freed = loaded_rss - after_rss
+    print(f"RSS loaded {loaded_rss >> 20} MiB, after unload {after_rss >> 20} MiB, freed {freed >> 20} MiB, "
+          f"weights {weights >> 20} MiB")
+    assert freed >= 0.8 * weights, (loaded_rss, after_rss, weights)
+    assert "model manager: unload 'smollm2' (keep_alive 0)" in srv.log()
+
+    m = httpx.get(srv.base_url + "/metrics", timeout=30).text
+    assert 'kvserve:model_unloads_total{reason="make room"} 2' in m
+    assert 'kvserve:model_unloads_total{reason="keep_alive 0"} 1' in m
+    assert "kvserve:models_loaded 0" in m and "kvserve:model_loads_total 3" in m
+    # the next request loads it again
+    assert _chat(srv, "smol-copy")["choices"][0]["message"] == a["choices"][0]["message"]
+    m = httpx.get(srv.base_url + "/metrics", timeout=30).text
+    assert 'llamacpp:requests_processing{model="smol-copy"} 0' in m
