@@ -152,7 +152,7 @@ class CompletionRoute:
     async def __call__(self, http: HttpRequest) -> Response:
         body = await read_json(http)
         return await serve_model(self.state, model_field(body), keep_alive_field(body),
-                                 lambda runner: CompletionHandler(runner).serve(http, body))
+                                 lambda runner: CompletionHandler(runner).serve(http, body), http)
 
 
 class CompletionHandler:
@@ -340,7 +340,7 @@ def build_router(state: ServerState) -> APIRouter:
         async def run(runner: Runner) -> Response:
             return json_response(props_json(runner))
 
-        return await serve_model(state, query_model(http), None, run)
+        return await serve_model(state, query_model(http), None, run, http)
 
     @r.post("/props")
     async def set_props(http: HttpRequest):
@@ -374,7 +374,7 @@ def build_router(state: ServerState) -> APIRouter:
 
             return await asyncio.to_thread(work)
 
-        return await serve_model(state, model_field(body), keep_alive_field(body), run)
+        return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
 
     @r.post("/detokenize")
     async def detokenize(http: HttpRequest):
@@ -395,7 +395,7 @@ def build_router(state: ServerState) -> APIRouter:
 
             return await asyncio.to_thread(work)
 
-        return await serve_model(state, model_field(body), keep_alive_field(body), run)
+        return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
 
     @r.post("/apply-template")
     async def apply_template(http: HttpRequest):
@@ -405,7 +405,7 @@ def build_router(state: ServerState) -> APIRouter:
             runner.require_ready()
             return json_response({"prompt": await asyncio.to_thread(render_prompt, runner, body)})
 
-        return await serve_model(state, model_field(body), keep_alive_field(body), run)
+        return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
 
     @r.get("/slots")
     async def slots(http: HttpRequest):
@@ -425,6 +425,9 @@ def build_router(state: ServerState) -> APIRouter:
     async def slot_action(id_slot: str, http: HttpRequest):
         if not state.args.slot_save_path:
             raise ApiError(501, SLOT_ACTIONS_OFF)
+        action = http.query_params.get("action", "")
+        # the body is read before waiting for the model: the disconnect watch consumes messages
+        body = (await read_json(http, required=False) or {}) if action in ("save", "restore") else {}
 
         async def run(runner: Runner) -> Response:
             runner.require_ready()
@@ -433,14 +436,13 @@ def build_router(state: ServerState) -> APIRouter:
                     or int(id_slot) >= len(runner.slots.slots):
                 raise ApiError(400, "Invalid slot ID")
             slot = runner.slots.slots[int(id_slot)]
-            action = http.query_params.get("action", "")
             if action not in ("save", "restore", "erase"):
                 raise ApiError(400, "Invalid action")
             if slot.is_processing:
                 raise ApiError(400, "Slot is busy")
-            return json_response(await _slot_file_action(runner, slot, action, http))
+            return json_response(await _slot_file_action(runner, slot, action, body))
 
-        return await serve_model(state, query_model(http), None, run)
+        return await serve_model(state, query_model(http), None, run, http)
 
     @r.get("/metrics")
     async def metrics(http: HttpRequest):
@@ -481,7 +483,7 @@ def _slot_filename(state: Runner, body: dict) -> tuple[str, str]:
     return name, os.path.join(state.args.slot_save_path, name)
 
 
-async def _slot_file_action(state: Runner, slot, action: str, http: HttpRequest) -> dict:
+async def _slot_file_action(state: Runner, slot, action: str, body: dict) -> dict:
     """POST /slots/{id}?action=save|restore|erase (seed Example 11).
 
     The engine thread only copies KV rows out (save) or in (restore) and erases; reading
@@ -496,7 +498,6 @@ async def _slot_file_action(state: Runner, slot, action: str, http: HttpRequest)
     engine = state.engine
     filename, path = "", ""
     if action in ("save", "restore"):
-        body = await read_json(http, required=False) or {}
         filename, path = _slot_filename(state, body)
     t0 = time.perf_counter()
     try:

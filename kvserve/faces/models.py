@@ -15,11 +15,13 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
+from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 
 from kvserve.errors import NotFoundError
 from kvserve.faces.errors import ApiError
 from kvserve.faces.params import check_text, type_error
+from kvserve.faces.sse import until_disconnect
 from kvserve.serving.manager import Lease, parse_keep_alive
 from kvserve.serving.runner import Runner
 from kvserve.serving.state import ServableModel, ServerState
@@ -72,14 +74,21 @@ class LeasedResponse(Response):
 
 
 async def serve_model(state: ServerState, name: str | None, keep_alive: float | None,
-                      handler: Callable[[Runner], Awaitable[Response]]) -> Response:
+                      handler: Callable[[Runner], Awaitable[Response]], http: HttpRequest | None = None) -> Response:
     """Acquire the runner of ``name``, run ``handler(runner)``, and release it when the response
     is done: at once for a plain response, after the last byte for a stream.
 
+    With ``http``, a client that leaves while its model loads or while it waits for room stops
+    waiting (its place in the queue is freed; a shared load goes on for the others).
+
     Raises:
-        whatever resolving, loading or the handler raises (the hold is released first).
+        whatever resolving, loading or the handler raises (the hold is released first);
+        ClientDisconnected when the client left while waiting.
     """
-    lease = await state.acquire(name, keep_alive)
+    if http is None:
+        lease = await state.acquire(name, keep_alive)
+    else:
+        lease = await until_disconnect(http, state.acquire(name, keep_alive))
     try:
         response = await handler(lease.runner)
     except BaseException:

@@ -560,7 +560,7 @@ async def _serve(state: ServerState, http: HttpRequest, make_plan) -> Response:
                                           done=True, headers={"X-Accel-Buffering": "no"})
             return json_response(await until_disconnect(http, complete(runner, plan)))
 
-        return await serve_model(state, model_field(body), keep_alive_field(body), run)
+        return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as e:  # noqa: BLE001 - every failure answers with the error envelope
