@@ -83,6 +83,13 @@ class AsyncEngine:
     def stats(self):
         return self._stats
 
+    @property
+    def slot_cache(self):
+        """Slot id -> tokens the idle slot's KV holds (:attr:`EngineCore.slot_cache`, safe
+        from any thread); empty after :meth:`shutdown`."""
+        core = self.core
+        return core.slot_cache if core is not None else {}
+
     # -- API -------------------------------------------------------------------------
 
     def validate(self, request: Request) -> None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -79,6 +80,11 @@ class EngineCore:
     Attributes:
         n_ctx: total KV context (tokens); n_ctx_slot: one sequence's context.
         tokenizer, model_info, model_config.
+        slot_cache: slot id -> the tokens whose KV the idle slot holds (its parked blocks),
+            as of the end of the last step or slot operation; slots holding nothing are
+            absent. The one source of a slot's cached tokens (the serving layer's
+            SlotManager reads it): a read-only mapping of tuples that is replaced, never
+            changed, so any thread may read it.
     """
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, *,
@@ -125,6 +131,9 @@ class EngineCore:
         self._pending: list[RequestOutput] = []
         self.last_step_chunks: list[tuple[str, int, int]] = []  # (request_id, start, n) of the last step
         self.consecutive_failed_steps = 0  # steps failed as a whole since the last one that ran
+        self.slot_cache: Mapping[int, tuple[int, ...]] = MappingProxyType({})
+        self._slot_tables: dict[int, list[int]] = {}  # slot id -> parked block ids behind slot_cache
+        self._slot_cache_version = self.kv.parked_version
 
     # -- requests ----------------------------------------------------------------
 
@@ -168,6 +177,7 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - fails this request only
             out = self.fail_request(req, e, "abort")
         self._pending.append(out)
+        self._publish_slots()
 
     def fail_request(self, req: Request, exc: BaseException, where: str, *, quiet: bool = False) -> RequestOutput:
         """End ``req`` because the engine raised ``exc`` while working on it (``where``: "add",
@@ -220,6 +230,7 @@ class EngineCore:
         self.runner = self.model = None
         self.breakers = None
         self.tokenizer = None
+        self.slot_cache = MappingProxyType({})
 
     @property
     def num_running(self) -> int:
@@ -238,8 +249,14 @@ class EngineCore:
         one request fails that request (:meth:`fail_request`); one in scheduling the
         running requests or in the model's forward (not attributable to a request)
         fails every request of the step and counts in ``consecutive_failed_steps``
-        (reset by the next step that runs).
+        (reset by the next step that runs). ``slot_cache`` is up to date when it returns.
         """
+        try:
+            return self._step()
+        finally:
+            self._publish_slots()
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         try:
             sched = self.scheduler.schedule()
@@ -449,14 +466,17 @@ class EngineCore:
             raise SlotFileError(f"slot file is corrupt: token id {bad} is out of range")
         self.kv.release_parked(key)
         rid = f"restore:{key}:{time.monotonic_ns()}"
-        if tokens:
-            if not self.kv.allocate(rid, len(tokens)):
-                raise SlotFileError("not enough free KV cache blocks to restore the slot")
-            table = self.kv.block_table(rid)
-            rows = torch.tensor([self.kv.row_of(table, p) for p in range(len(tokens))], dtype=torch.long)
-            self.runner.write_rows(rows, layers)
-            self.kv.record_tokens(rid, 0, tokens, None)
-        self.kv.park(rid, key, None)
+        try:
+            if tokens:
+                if not self.kv.allocate(rid, len(tokens)):
+                    raise SlotFileError("not enough free KV cache blocks to restore the slot")
+                table = self.kv.block_table(rid)
+                rows = torch.tensor([self.kv.row_of(table, p) for p in range(len(tokens))], dtype=torch.long)
+                self.runner.write_rows(rows, layers)
+                self.kv.record_tokens(rid, 0, tokens, None)
+            self.kv.park(rid, key, None)
+        finally:
+            self._publish_slots()
         return {"n_restored": len(tokens), "tokens": tokens}
 
     def save_slot(self, slot_id: int, path: str) -> dict:
@@ -494,7 +514,33 @@ class EngineCore:
         key = self._check_slot(slot_id)
         n = len(self.kv.parked_tokens(key))
         self.kv.drop_parked(key)
+        self._publish_slots()
         return {"n_erased": n}
+
+    def _publish_slots(self) -> None:
+        """Replace ``slot_cache`` when the parked tables changed (a sequence parked, a slot's
+        blocks released, erased or evicted by the pool). A slot whose block ids did not
+        change keeps its tuple (parked blocks never change their tokens), so the cost is
+        the tokens of the slots that changed."""
+        kv = self.kv
+        if kv.parked_version == self._slot_cache_version:
+            return
+        tables: dict[int, list[int]] = {}
+        cache: dict[int, tuple[int, ...]] = {}
+        for key in kv.parked_keys():
+            if not key.startswith("slot:"):
+                continue
+            sid = int(key[5:])
+            table = kv.parked_table(key)
+            if not table:
+                continue
+            prev = self.slot_cache.get(sid)
+            toks = prev if prev is not None and self._slot_tables.get(sid) == table else tuple(kv.parked_tokens(key))
+            if toks:
+                tables[sid], cache[sid] = table, toks
+        self._slot_tables = tables
+        self.slot_cache = MappingProxyType(cache)
+        self._slot_cache_version = kv.parked_version
 
     # -- outputs -----------------------------------------------------------------
 

@@ -116,6 +116,8 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._parked: OrderedDict[str, list[int]] = OrderedDict()
         self._parked_salt: dict[str, str | None] = {}
+        #: bumped by every change of the parked tables (park, release, drop, eviction)
+        self.parked_version = 0
         self.pending_copies: list[tuple[int, int, int]] = []  # (src block, dst block, rows) for the runner
         self.pending_shifts: list[tuple[int, int, int]] = []  # (src row, dst row, position delta) for the runner
 
@@ -190,7 +192,9 @@ class KVCacheManager:
             b = self.blocks[bid]
             self._unindex(b)
         elif self._parked:
-            _, table = self._parked.popitem(last=False)
+            key, table = self._parked.popitem(last=False)
+            self._parked_salt.pop(key, None)
+            self.parked_version += 1
             self._release_table(table)
             return self._take_block()
         else:
@@ -340,6 +344,7 @@ class KVCacheManager:
         old = self._parked.pop(key, None)
         self._parked[key] = table
         self._parked_salt[key] = salt
+        self.parked_version += 1
         if old:
             self._release_table(old)
 
@@ -347,6 +352,7 @@ class KVCacheManager:
         """Drop the blocks parked under ``key`` (when its slot starts a new sequence)."""
         table = self._parked.pop(key, None)
         self._parked_salt.pop(key, None)
+        self.parked_version += table is not None
         if table:
             self._release_table(table)
 
@@ -356,6 +362,7 @@ class KVCacheManager:
         sequence or slot still references stay as they are."""
         table = self._parked.pop(key, None)
         self._parked_salt.pop(key, None)
+        self.parked_version += table is not None
         if table:
             self._drop_table(table)
 

@@ -1,8 +1,13 @@
 """llama-server's slots: N places where a request runs, and the view ``GET /slots`` shows.
 
-A slot is a view over the engine (DESIGN.md "Slots"): it remembers the tokens of
-the last sequence it ran (prompt + output), which request it runs now and its
-progress. The KV blocks themselves belong to the engine's KV cache manager.
+A slot is a view over the engine (DESIGN.md "Slots"): which request it runs now and
+its progress. The KV blocks belong to the engine's KV cache manager, and so does the
+answer to "which tokens does this idle slot hold": the engine publishes it
+(``EngineCore.slot_cache``, read through ``engine.slot_cache``), so a slot whose parked
+blocks the pool evicted, or whose request failed, claims nothing. While a request runs
+the slot shows that request's tokens (prompt + generated so far, as llama-server's
+growing cache list). Without an engine (``SlotManager(..., engine=None)``) a slot
+remembers the last sequence's tokens itself.
 
 Placement (llama-server ``get_available_slot``, seed Example 8): the slot named by
 ``id_slot``; else the idle slot whose remembered tokens share the longest common
@@ -10,7 +15,9 @@ prefix with the new prompt, if that prefix is more than ``--slot-prompt-similari
 of the prompt; else the least recently used idle slot; else the request waits in
 a FIFO queue (counted by ``n_deferred``, the ``requests_deferred`` gauge).
 
-Thread-safety: every method runs on the server's asyncio loop (one thread).
+Thread-safety: every method runs on the server's asyncio loop (one thread); the
+engine's ``slot_cache`` is an immutable snapshot the engine thread replaces, so reading
+it needs no lock.
 """
 
 from __future__ import annotations
@@ -18,12 +25,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvserve.engine.request import RequestOutput
 
 
-def common_prefix_len(a: list[int], b: list[int]) -> int:
+class SlotCacheSource(Protocol):
+    """What a SlotManager reads the slots' cached tokens from (AsyncEngine, EngineCore)."""
+
+    @property
+    def slot_cache(self) -> Mapping[int, Sequence[int]]: ...
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Number of leading tokens ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     i = 0
@@ -48,7 +64,9 @@ class Slot:
     Attributes:
         id: slot index (0-based).
         n_ctx: context of the slot in tokens (n_ctx_slot).
-        tokens: tokens of the last/current sequence (prompt + generated).
+        tokens: tokens of the current (or, without an engine source, the last) sequence:
+            prompt + generated. :meth:`cached_tokens` is what the slot holds.
+        source: where an idle slot's cached tokens come from (the engine), or None.
         is_processing: a request runs in it now.
         id_task: id of the current (or last) task, -1 before the first.
         last_used: placement counter value of the last use (LRU order).
@@ -67,6 +85,15 @@ class Slot:
     has_new_line: bool = False
     has_next_token: bool = False
     params: dict = field(default_factory=dict)
+    source: SlotCacheSource | None = field(default=None, repr=False, compare=False)
+
+    def cached_tokens(self) -> Sequence[int]:
+        """The tokens this slot holds: the running request's (prompt + generated so far) while
+        processing; when idle, what the engine says the slot's parked KV holds (empty once
+        evicted or erased), or the last sequence's tokens without an engine source."""
+        if self.is_processing or self.source is None:
+            return self.tokens
+        return self.source.slot_cache.get(self.id, ())
 
     def begin(self, prompt_tokens: list[int], id_task: int, n_predict: int, params: dict) -> None:
         """Start a request in this slot."""
@@ -82,7 +109,8 @@ class Slot:
         self.params = params
 
     def set_cached(self, tokens: list[int]) -> None:
-        """The idle slot now holds ``tokens`` (after a slot file restore, or [] after erase)."""
+        """The idle slot now holds ``tokens`` (after a slot file restore, or [] after erase; with
+        an engine source the engine's ``slot_cache`` already says so)."""
         self.tokens = list(tokens)
         self.n_prompt = len(tokens)
         self.n_prompt_cache = len(tokens)
@@ -115,7 +143,7 @@ class Slot:
             "is_processing": self.is_processing,
             "id_task": self.id_task,
             # llama-server fills this from the slot's cached token list: it grows while decoding
-            "n_prompt_tokens": len(self.tokens),
+            "n_prompt_tokens": len(self.cached_tokens()),
             "n_prompt_tokens_processed": self.n_prompt - self.n_prompt_cache,
             "n_prompt_tokens_cache": self.n_prompt_cache,
             "params": self.params if show_text else _without_text(self.params),
@@ -135,10 +163,14 @@ class SlotManager:
         n_slots: number of slots (``-np``).
         n_ctx_slot: context of one slot in tokens.
         similarity: ``--slot-prompt-similarity`` (0 disables the prefix rule).
+        engine: the engine whose ``slot_cache`` says which tokens each idle slot holds
+            (AsyncEngine); None: each slot remembers its last sequence itself, which goes
+            stale when the KV pool evicts the slot's blocks.
     """
 
-    def __init__(self, n_slots: int, n_ctx_slot: int, similarity: float = 0.10):
-        self.slots = [Slot(i, n_ctx_slot) for i in range(n_slots)]
+    def __init__(self, n_slots: int, n_ctx_slot: int, similarity: float = 0.10, *,
+                 engine: SlotCacheSource | None = None):
+        self.slots = [Slot(i, n_ctx_slot, source=engine) for i in range(n_slots)]
         self.similarity = similarity
         self._waiters: deque[tuple[list[int], int, asyncio.Future]] = deque()
         self._clock = itertools.count(1)
@@ -181,7 +213,7 @@ class SlotManager:
         if self.similarity > 0 and prompt:
             best, best_len = None, 0
             for s in idle:
-                n = common_prefix_len(s.tokens, prompt)
+                n = common_prefix_len(s.cached_tokens(), prompt)
                 if n > best_len:
                     best, best_len = s, n
             if best is not None and best_len / len(prompt) > self.similarity:
