@@ -123,7 +123,21 @@ def test_two_models_alternate_and_unload(start_server, two_model_home, smollm2_p
     assert 'kvserve:model_unloads_total{reason="make room"} 2' in m
     assert 'kvserve:model_unloads_total{reason="keep_alive 0"} 1' in m
     assert "kvserve:models_loaded 0" in m and "kvserve:model_loads_total 3" in m
-    # the next request loads it again
-    assert _chat(srv, "smol-copy")["choices"][0]["message"] == a["choices"][0]["message"]
+    # the next request loads it again; the event loop serves others meanwhile (the load runs in a
+    # worker thread): /v1/models answers while the log says the load began and before it ended
+    import threading
+
+    done = {}
+    t = threading.Thread(target=lambda: done.setdefault("r", _chat(srv, "smol-copy")))
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and srv.log().count("manager: load 'smol-copy'") < 2:
+        time.sleep(0.02)
+    statuses = _models(srv)
+    loaded_before = srv.log().count("'smol-copy' loaded,")
+    t.join(120)
+    assert loaded_before == 1  # /v1/models answered while the second load of smol-copy ran (~4 s)
+    assert statuses["smol-copy"] == "loading"
+    assert done["r"]["choices"][0]["message"] == a["choices"][0]["message"]
     m = httpx.get(srv.base_url + "/metrics", timeout=30).text
     assert 'llamacpp:requests_processing{model="smol-copy"} 0' in m
