@@ -75,7 +75,7 @@ class Runner:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.template = template
-        self.slots = SlotManager(engine.n_slots, engine.n_ctx_slot, args.slot_prompt_similarity)
+        self.slots = SlotManager(engine.n_slots, engine.n_ctx_slot, args.slot_prompt_similarity, engine=engine)
         self.grammars = GrammarBackend(engine.tokenizer, engine.core.model_config.n_vocab)
         self.metrics = Metrics(self)
         self.model_alias = spec.name
