@@ -273,9 +273,14 @@ async def _preload(state: ServerState, on_fail) -> None:
         _srv(logging.INFO, "llama_server", "model loaded")
         _srv(logging.INFO, "llama_server", "listening on http://%s:%d", args.host, args.port)
     except BaseException as e:  # noqa: BLE001 - reported, then the server exits
-        cause = e.__cause__ if isinstance(e, KvserveError) and e.__cause__ is not None else e
-        known = isinstance(cause, (ModelLoadError, FileNotFoundError))  # the message says it all
-        state.load_error = str(cause) if known else f"{type(cause).__name__}: {cause}"
+        from kvserve.serving.manager import LoadFailedError
+
+        if isinstance(e, LoadFailedError):
+            cause_type, text = e.cause_type, e.detail
+        else:
+            cause_type, text = type(e), str(e)
+        known = issubclass(cause_type, (ModelLoadError, FileNotFoundError, KvserveError))  # the text says it all
+        state.load_error = text if known else f"{cause_type.__name__}: {text}"
         _srv(logging.ERROR, "load_model", "failed to load model '%s': %s", args.model, state.load_error)
         _srv(logging.ERROR, "llama_server", "exiting due to model loading error")
         on_fail()

@@ -4,7 +4,9 @@ GET /health /v1/health /v1/models /models /v1/models/{id} /props /slots /metrics
 /completion /completions /tokenize /detokenize /apply-template /slots/{id};
 /embeddings and /v1/embeddings answer 501 (not implemented).
 
-Each handler only translates: JSON -> engine Request -> JSON/SSE. The model is the body's
+Each handler only translates: request JSON (read by :mod:`kvserve.faces.params` and the getters
+here) -> engine Request -> output -> a wire type of :mod:`kvserve.faces.llama_types`, written
+with ``.wire()`` as JSON or SSE. The model is the body's
 ``model`` (``?model=`` on GET /props, /slots, /metrics and POST /slots/{id}), resolved by the
 server state (:mod:`kvserve.faces.models`); a request that names none gets the default model.
 
@@ -29,6 +31,30 @@ from starlette.responses import Response
 from kvserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import json_response, read_json
+from kvserve.faces.llama_types import (
+    ApplyTemplateResponse,
+    CompletionChunk,
+    CompletionResult,
+    DefaultGenerationSettings,
+    DetokenizeResponse,
+    HealthResponse,
+    Modalities,
+    Props,
+    PropsUpdateResponse,
+    RestoreTimings,
+    SaveTimings,
+    SlotEraseResponse,
+    SlotRestoreResponse,
+    SlotSaveResponse,
+    Timings,
+    TokenizePiecesResponse,
+    TokenizeResponse,
+    TokenLogprobs,
+    TokenPiece,
+    TokenProbs,
+    TopLogprob,
+    TopProb,
+)
 from kvserve.faces.models import (
     keep_alive_field,
     model_field,
@@ -109,15 +135,16 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
-def probs_json(lp: TokenLogprob, post_sampling: bool) -> dict:
-    """One ``completion_probabilities`` entry in llama-server's shape."""
+def token_probs(lp: TokenLogprob, post_sampling: bool) -> TokenLogprobs | TokenProbs:
+    """One ``completion_probabilities`` entry in llama-server's shape: probabilities after the
+    sampler chain with ``post_sampling_probs``, else logprobs."""
     if post_sampling:
-        return {"id": lp.id, "token": lp.token, "bytes": lp.bytes, "prob": math.exp(lp.logprob),
-                "top_probs": [{"id": t.id, "token": t.token, "bytes": t.bytes, "prob": math.exp(t.logprob)}
-                              for t in lp.top_logprobs]}
-    return {"id": lp.id, "token": lp.token, "bytes": lp.bytes, "logprob": _finite(lp.logprob),
-            "top_logprobs": [{"id": t.id, "token": t.token, "bytes": t.bytes, "logprob": _finite(t.logprob)}
-                             for t in lp.top_logprobs]}
+        return TokenProbs(id=lp.id, token=lp.token, bytes=lp.bytes, prob=math.exp(lp.logprob),
+                          top_probs=[TopProb(id=t.id, token=t.token, bytes=t.bytes, prob=math.exp(t.logprob))
+                                     for t in lp.top_logprobs])
+    return TokenLogprobs(id=lp.id, token=lp.token, bytes=lp.bytes, logprob=_finite(lp.logprob),
+                         top_logprobs=[TopLogprob(id=t.id, token=t.token, bytes=t.bytes, logprob=_finite(t.logprob))
+                                       for t in lp.top_logprobs])
 
 
 # -- /completion --------------------------------------------------------------------------
@@ -132,14 +159,14 @@ class _Completion:
     request: Request
     content: str = ""
     tokens: list[int] = field(default_factory=list)
-    probs: list[dict] = field(default_factory=list)
+    probs: list[TokenLogprobs | TokenProbs] = field(default_factory=list)
     last: RequestOutput | None = None
 
     def add(self, out: RequestOutput, post_sampling: bool) -> None:
         self.content += out.text
         self.tokens += out.new_token_ids
         if out.logprobs:
-            self.probs += [probs_json(lp, post_sampling) for lp in out.logprobs]
+            self.probs += [token_probs(lp, post_sampling) for lp in out.logprobs]
         self.last = out
 
 
@@ -190,34 +217,34 @@ class CompletionHandler:
             tasks.append(_Completion(i, text, ids, req))
         return tasks, params, opts
 
-    def final_json(self, c: _Completion, params: SamplingParams, opts: dict, *, stream: bool) -> dict:
+    def final_json(self, c: _Completion, params: SamplingParams, opts: dict, *, stream: bool) -> CompletionResult:
         """The final result object (Example 6 field order)."""
         out = c.last
         assert out is not None
-        n_pred = out.num_output_tokens
-        res = {
-            "index": c.index,
-            "content": "" if stream else c.content,
-            "tokens": [] if stream or not opts["return_tokens"] else c.tokens,
-            "id_slot": c.request.priority_slot,
-            "stop": True,
-            "model": self.state.model_alias,
-            "tokens_predicted": n_pred,
-            "tokens_evaluated": out.num_prompt_tokens,
-            "generation_settings": params_to_dict(params, stream=opts["stream"], grammar=opts["grammar"]),
-            "prompt": c.prompt_text,
-            "has_new_line": "\n" in c.content,
-            "truncated": out.truncated,
-            "stop_type": out.stop_type if out.stop_type != "abort" else "none",
-            "stopping_word": out.stopping_word,
-            # tokens in the slot's KV: the last sampled token is never decoded
-            "tokens_cached": out.num_prompt_tokens + max(n_pred - 1, 0),
-            "timings": out.timings.to_dict(),
-        }
-        if params.n_probs > 0 and not stream:
-            res["completion_probabilities"] = c.probs
         if out.error:
             raise ApiError(500, out.error)
+        n_pred = out.num_output_tokens
+        res = CompletionResult(
+            index=c.index,
+            content="" if stream else c.content,
+            tokens=[] if stream or not opts["return_tokens"] else c.tokens,
+            id_slot=c.request.priority_slot,
+            stop=True,
+            model=self.state.model_alias,
+            tokens_predicted=n_pred,
+            tokens_evaluated=out.num_prompt_tokens,
+            generation_settings=params_to_dict(params, stream=opts["stream"], grammar=opts["grammar"]),
+            prompt=c.prompt_text,
+            has_new_line="\n" in c.content,
+            truncated=out.truncated,
+            stop_type=out.stop_type if out.stop_type != "abort" else "none",
+            stopping_word=out.stopping_word,
+            # tokens in the slot's KV: the last sampled token is never decoded
+            tokens_cached=out.num_prompt_tokens + max(n_pred - 1, 0),
+            timings=Timings.of(out.timings),
+        )
+        if params.n_probs > 0 and not stream:
+            res.completion_probabilities = c.probs
         return res
 
     async def _constrain(self, tasks: list[_Completion], opts: dict) -> None:
@@ -262,53 +289,51 @@ class CompletionHandler:
             await asyncio.gather(*(run_gated(c) for c in tasks))
 
         await until_disconnect(http, run_all())
-        results = [self.final_json(c, params, opts, stream=False) for c in tasks]
+        results = [self.final_json(c, params, opts, stream=False).wire() for c in tasks]
         return json_response(results[0] if len(results) == 1 else results)
 
     async def _stream(self, c: _Completion, params: SamplingParams, opts: dict):
         async for out in generate(self.state, c.request, self._params_view(params, opts)):
             c.add(out, params.post_sampling_probs)
             if out.text or (out.logprobs and params.n_probs > 0):
-                chunk = {"index": c.index, "content": out.text,
-                         "tokens": out.new_token_ids if opts["return_tokens"] else [],
-                         "stop": False, "id_slot": c.request.priority_slot, "stop_type": "none",
-                         "tokens_predicted": out.num_output_tokens, "tokens_evaluated": out.num_prompt_tokens}
+                chunk = CompletionChunk(index=c.index, content=out.text,
+                                        tokens=out.new_token_ids if opts["return_tokens"] else [],
+                                        stop=False, id_slot=c.request.priority_slot, stop_type="none",
+                                        tokens_predicted=out.num_output_tokens,
+                                        tokens_evaluated=out.num_prompt_tokens)
                 if params.n_probs > 0 and out.logprobs:
-                    chunk["completion_probabilities"] = [probs_json(lp, params.post_sampling_probs)
-                                                         for lp in out.logprobs]
-                yield chunk
+                    chunk.completion_probabilities = [token_probs(lp, params.post_sampling_probs)
+                                                      for lp in out.logprobs]
+                yield chunk.wire()
             if out.finished:
-                if out.error:
-                    raise ApiError(500, out.error)
-                yield self.final_json(c, params, opts, stream=True)
+                yield self.final_json(c, params, opts, stream=True).wire()
 
 
 # -- the router ---------------------------------------------------------------------------
 
-def props_json(state: Runner) -> dict:
+def props_json(state: Runner) -> Props:
     """GET /props (Example 3) of one model's runner."""
     state.require_ready()
     args, tok, tmpl = state.args, state.tokenizer, state.template
-    return {
-        "default_generation_settings": {
-            "id": 0, "id_task": -1, "n_ctx": state.engine.n_ctx_slot, "speculative": False,
-            "is_processing": False, "params": params_to_dict(state.default_params),
-        },
-        "total_slots": state.engine.n_slots,
-        "model_alias": state.model_alias,
-        "model_path": state.model_path,
-        "modalities": {"vision": False, "video": False, "audio": False},
-        "endpoint_slots": args.slots,
-        "endpoint_props": args.props,
-        "endpoint_metrics": args.metrics,
-        "webui": False,
-        "chat_template": tmpl.source if tmpl else "",
-        "chat_template_caps": dict(tmpl.caps) if tmpl else {},
-        "bos_token": tok.bos_token,
-        "eos_token": tok.eos_token,
-        "build_info": state.build_info,
-        "is_sleeping": False,
-    }
+    return Props(
+        default_generation_settings=DefaultGenerationSettings(
+            id=0, id_task=-1, n_ctx=state.engine.n_ctx_slot, speculative=False,
+            is_processing=False, params=params_to_dict(state.default_params)),
+        total_slots=state.engine.n_slots,
+        model_alias=state.model_alias,
+        model_path=state.model_path,
+        modalities=Modalities(vision=False, video=False, audio=False),
+        endpoint_slots=args.slots,
+        endpoint_props=args.props,
+        endpoint_metrics=args.metrics,
+        webui=False,
+        chat_template=tmpl.source if tmpl else "",
+        chat_template_caps=dict(tmpl.caps) if tmpl else {},
+        bos_token=tok.bos_token,
+        eos_token=tok.eos_token,
+        build_info=state.build_info,
+        is_sleeping=False,
+    )
 
 
 def build_router(state: ServerState) -> APIRouter:
@@ -323,7 +348,7 @@ def build_router(state: ServerState) -> APIRouter:
     @r.get("/v1/health")
     async def health():
         state.require_up()
-        return json_response({"status": "ok"})
+        return json_response(HealthResponse(status="ok").wire())
 
     @r.get("/v1/models")
     @r.get("/models")
@@ -338,7 +363,7 @@ def build_router(state: ServerState) -> APIRouter:
     @r.get("/props")
     async def props(http: HttpRequest):
         async def run(runner: Runner) -> Response:
-            return json_response(props_json(runner))
+            return json_response(props_json(runner).wire())
 
         return await serve_model(state, query_model(http), None, run, http)
 
@@ -348,7 +373,7 @@ def build_router(state: ServerState) -> APIRouter:
             raise ApiError(501, PROPS_OFF)
         state.require_up()
         await read_json(http, required=False)
-        return json_response({"success": True})
+        return json_response(PropsUpdateResponse(success=True).wire())
 
     r.add_api_route("/completion", completion, methods=["POST"])
     r.add_api_route("/completions", completion, methods=["POST"])
@@ -368,9 +393,12 @@ def build_router(state: ServerState) -> APIRouter:
                                          add_special=bool(get_bool(body, "add_special", False)),
                                          parse_special=bool(get_bool(body, "parse_special", True)),
                                          field_name="content")
+                # built unvalidated (model_construct, TokenPiece entries as dict literals): the ids
+                # come from the tokenizer, and a large text has millions (1e6 pieces: +4% over dumps)
                 if get_bool(body, "with_pieces", False):
-                    return json_response({"tokens": [{"id": t, "piece": tok.piece(t)} for t in ids]})
-                return json_response({"tokens": ids})
+                    pieces: list[TokenPiece] = [{"id": t, "piece": tok.piece(t)} for t in ids]
+                    return json_response(TokenizePiecesResponse.model_construct(tokens=pieces).wire())
+                return json_response(TokenizeResponse.model_construct(tokens=ids).wire())
 
             return await asyncio.to_thread(work)
 
@@ -391,7 +419,7 @@ def build_router(state: ServerState) -> APIRouter:
                 bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
                 if bad is not None:
                     raise ApiError(400, f"token id {bad} is out of range (vocabulary size {tok.n_vocab})")
-                return json_response({"content": tok.decode(ids)})
+                return json_response(DetokenizeResponse(content=tok.decode(ids)).wire())
 
             return await asyncio.to_thread(work)
 
@@ -403,7 +431,8 @@ def build_router(state: ServerState) -> APIRouter:
 
         async def run(runner: Runner) -> Response:
             runner.require_ready()
-            return json_response({"prompt": await asyncio.to_thread(render_prompt, runner, body)})
+            prompt = await asyncio.to_thread(render_prompt, runner, body)
+            return json_response(ApplyTemplateResponse(prompt=prompt).wire())
 
         return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
 
@@ -440,7 +469,7 @@ def build_router(state: ServerState) -> APIRouter:
                 raise ApiError(400, "Invalid action")
             if slot.is_processing:
                 raise ApiError(400, "Slot is busy")
-            return json_response(await _slot_file_action(runner, slot, action, body))
+            return json_response((await _slot_file_action(runner, slot, action, body)).wire())
 
         return await serve_model(state, query_model(http), None, run, http)
 
@@ -483,7 +512,8 @@ def _slot_filename(state: Runner, body: dict) -> tuple[str, str]:
     return name, os.path.join(state.args.slot_save_path, name)
 
 
-async def _slot_file_action(state: Runner, slot, action: str, body: dict) -> dict:
+async def _slot_file_action(state: Runner, slot, action: str, body: dict) \
+        -> SlotSaveResponse | SlotRestoreResponse | SlotEraseResponse:
     """POST /slots/{id}?action=save|restore|erase (seed Example 11).
 
     The engine thread only copies KV rows out (save) or in (restore) and erases; reading
@@ -520,15 +550,15 @@ async def _slot_file_action(state: Runner, slot, action: str, body: dict) -> dic
         raise ApiError(400, f"cannot {action} slot file '{filename[:64]}': {e.strerror}") from None
     ms = (time.perf_counter() - t0) * 1e3
     if action == "save":
-        return {"id_slot": sid, "filename": filename, "n_saved": res["n_saved"], "n_written": res["n_written"],
-                "timings": {"save_ms": ms}}
+        return SlotSaveResponse(id_slot=sid, filename=filename, n_saved=res["n_saved"], n_written=res["n_written"],
+                                timings=SaveTimings(save_ms=ms))
     if action == "restore":
         if not slot.is_processing:  # a request may have taken the slot while the file was read
             slot.set_cached(res["tokens"])
-        return {"id_slot": sid, "filename": filename, "n_restored": res["n_restored"], "n_read": res["n_read"],
-                "timings": {"restore_ms": ms}}
+        return SlotRestoreResponse(id_slot=sid, filename=filename, n_restored=res["n_restored"],
+                                   n_read=res["n_read"], timings=RestoreTimings(restore_ms=ms))
     slot.set_cached([])
-    return {"id_slot": sid, "n_erased": res["n_erased"]}
+    return SlotEraseResponse(id_slot=sid, n_erased=res["n_erased"])
 
 
 def render_prompt(state: Runner, body: dict) -> str:

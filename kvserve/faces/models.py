@@ -12,6 +12,7 @@ and llama-server router mode's ``status``; ``GET /v1/models/{id}`` answers one m
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
@@ -21,7 +22,7 @@ from starlette.responses import Response, StreamingResponse
 from kvserve.errors import NotFoundError
 from kvserve.faces.errors import ApiError
 from kvserve.faces.params import check_text, type_error
-from kvserve.faces.sse import until_disconnect
+from kvserve.faces.sse import ClientDisconnected
 from kvserve.serving.manager import Lease, parse_keep_alive
 from kvserve.serving.runner import Runner
 from kvserve.serving.state import ServableModel, ServerState
@@ -88,7 +89,7 @@ async def serve_model(state: ServerState, name: str | None, keep_alive: float | 
     if http is None:
         lease = await state.acquire(name, keep_alive)
     else:
-        lease = await until_disconnect(http, state.acquire(name, keep_alive))
+        lease = await _acquire_watching(http, state, name, keep_alive)
     try:
         response = await handler(lease.runner)
     except BaseException:
@@ -98,6 +99,32 @@ async def serve_model(state: ServerState, name: str | None, keep_alive: float | 
         return LeasedResponse(response, lease)
     lease.release()
     return response
+
+
+async def _acquire_watching(http: HttpRequest, state: ServerState, name: str | None,
+                            keep_alive: float | None, poll_s: float = 0.25) -> Lease:
+    """``state.acquire`` that gives up when the client disconnects. A lease that arrives while
+    the disconnect is being noticed is released, never dropped (it would pin the model)."""
+    task = asyncio.ensure_future(state.acquire(name, keep_alive))
+
+    def drop_late_lease(t: asyncio.Task) -> None:
+        if not t.cancelled() and t.exception() is None:
+            t.result().release()
+
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                raise ClientDisconnected("client disconnected")
+    except BaseException:
+        if task.done():
+            drop_late_lease(task)
+        else:
+            task.cancel()
+            task.add_done_callback(drop_late_lease)
+        raise
 
 
 # -- model lists ------------------------------------------------------------------------
@@ -156,9 +183,12 @@ def models_json(state: ServerState) -> dict:
 
 
 def model_json(state: ServerState, model_id: str) -> dict:
-    """GET /v1/models/{id}: one model (404 ``model 'x' not found`` otherwise)."""
+    """GET /v1/models/{id}: the model a request naming ``model_id`` gets (the same resolution:
+    store names with or without ``:latest``, aliases; with ``-m`` the pinned model), 404
+    ``model 'x' not found`` otherwise."""
+    spec = state.resolve(model_id)
     for m in state.catalog():
-        if model_id == m.name or model_id in m.aliases:
+        if m.name == spec.name:
             return model_entry(state, m, int(time.time()))
     raise NotFoundError(f"model '{model_id[:256]}' not found")
 

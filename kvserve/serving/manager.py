@@ -35,10 +35,13 @@ Thread-safety: every method is called on one asyncio loop.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import re
 import time
+import traceback
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +55,35 @@ DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's envconfig.KeepAlive default, 5 minutes
 DEFAULT_MAX_LOADED = 3  # Ollama's defaultModelsPerGPU
 DEFAULT_MAX_QUEUE = 512  # Ollama's OLLAMA_MAX_QUEUE
 MAX_KEEP_ALIVE_S = 10.0 ** 9  # ~31 years: a larger value means "forever"
+FAILURE_MEMO_S = 5.0  # a model that failed to load fails requests at once for this long
+
+
+class _KeepCurrent(float):
+    """``keep_alive`` that leaves a loaded runner's keep_alive as it is (read-only routes)."""
+
+
+KEEP_CURRENT = _KeepCurrent(0.0)
+
+
+class LoadFailedError(ServerFaultError):
+    """A model failed to load (a face answers 500 with ``message``).
+
+    Attributes:
+        cause_type: the class of the loader's exception (e.g. ModelLoadError).
+        detail: its one-line text, as the loader wrote it (paths included: for the log).
+    """
+
+    def __init__(self, message: str, cause_type: type = Exception, detail: str = ""):
+        super().__init__(message)
+        self.cause_type = cause_type
+        self.detail = detail or message
+
+    @classmethod
+    def of(cls, spec: "ModelSpec", exc: BaseException) -> "LoadFailedError":
+        """From the loader's exception; the client's text names the model, not the server's path."""
+        detail = _one_line(exc)
+        shown = detail.replace(spec.path, spec.name) if spec.path else detail
+        return cls(f"model '{spec.name}' failed to load: {shown}", type(exc), detail)
 
 # -- keep_alive ---------------------------------------------------------------------------
 
@@ -69,13 +101,16 @@ def parse_keep_alive(value: Any, field_name: str = "keep_alive") -> float:
     loaded forever; 0 unloads it when its last request ends. Values beyond 10^9 s count as
     forever.
 
-    Raises:
-        InvalidInputError: anything else (naming ``field_name``): booleans, NaN, Infinity,
+    Integers beyond float range count as forever. Raises:
+        InvalidInputError: anything else (naming ``field_name``): booleans, NaN, +-Infinity,
             strings that are neither a duration nor a number, other JSON types.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise InvalidInputError(f"Field '{field_name}': expected a number of seconds or a duration "
                                 f"string such as \"5m\", got {type(value).__name__}")
+    if isinstance(value, float) and math.isinf(value):
+        raise InvalidInputError(f"Field '{field_name}': must be a finite number of seconds (-1 keeps the model "
+                                "loaded forever)")
     if isinstance(value, str):
         s = value.strip()
         if len(s) > 64:
@@ -88,7 +123,10 @@ def parse_keep_alive(value: Any, field_name: str = "keep_alive") -> float:
                 raise InvalidInputError(f"Field '{field_name}': invalid duration {value[:64]!r} "
                                         "(expected e.g. \"5m\", \"1h30m\", \"-1\" or a number of seconds)")
     else:
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an integer beyond float range: as long as any, or forever if negative
+            return math.inf
     if math.isnan(seconds):
         raise InvalidInputError(f"Field '{field_name}': must be a number of seconds, not NaN")
     if seconds < 0 or seconds > MAX_KEEP_ALIVE_S:
@@ -137,16 +175,19 @@ class MemoryEstimate:
             the dense copy it keeps for large batches, see :func:`weights_in_memory`).
         kv: bytes of the KV cache, 2 x layers x kv_heads x head_dim x n_ctx x bytes per element.
         compute: bytes of the compute buffers (activations and logits of one batch).
+        cache: bytes the host tier of the prompt cache may grow to (``--cache-ram``), which
+            Ollama's llama-server children do not have.
     """
 
     weights: int
     kv: int
     compute: int = 0
+    cache: int = 0
 
     @property
     def total(self) -> int:
-        """weights + kv + compute."""
-        return self.weights + self.kv + self.compute
+        """weights + kv + compute + cache."""
+        return self.weights + self.kv + self.compute + self.cache
 
     @property
     def total_mib(self) -> float:
@@ -267,6 +308,7 @@ class ModelManager:
         max_queue: most requests waiting for room at once; more get UnavailableError
             (Ollama's OLLAMA_MAX_QUEUE, 512).
         clock: ``() -> seconds`` (monotonic).
+        cleanup: ``() -> None`` run after a failed load (the server trims the heap).
         on_event: ``(t, action, name, reason)``: action ``load`` (a load starts), ``loaded``
             (reason: its size), ``unload`` (reason: ``keep_alive elapsed``, ``keep_alive 0``,
             ``make room``, ``reload``, ``requested``, ``shutdown``) or ``fail`` (reason: the error).
@@ -277,7 +319,8 @@ class ModelManager:
                  max_loaded: int = DEFAULT_MAX_LOADED, default_keep_alive: float = DEFAULT_KEEP_ALIVE_S,
                  max_memory: int | None = None, mem_available: Callable[[], int | None] | None = None,
                  max_queue: int = DEFAULT_MAX_QUEUE, clock: Callable[[], float] = time.monotonic,
-                 on_event: Callable[[float, str, str, str], None] | None = None):
+                 on_event: Callable[[float, str, str, str], None] | None = None,
+                 cleanup: Callable[[], None] | None = None):
         self.loader = loader
         self.estimate = estimate
         self.max_loaded = max(1, max_loaded)
@@ -288,7 +331,9 @@ class ModelManager:
         self.clock = clock
         self.on_event = on_event
         self.loaded: dict[str, Entry] = {}  # insertion order = load order
-        self.waiting = 0  # requests waiting for room
+        self.cleanup = cleanup  # after a failed load, in the loader's thread (e.g. malloc_trim)
+        self._queue: deque[object] = deque()  # tickets of waiting requests, first come first served
+        self._failures: dict[str, tuple[float, LoadFailedError]] = {}
         self.stats = ManagerStats()
         self._changed: asyncio.Condition | None = None
         self._load_lock: asyncio.Lock | None = None
@@ -368,13 +413,22 @@ class ModelManager:
 
     # -- acquiring and releasing
 
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for room (or behind one that does), first come first served."""
+        return len(self._queue)
+
     async def acquire(self, spec: ModelSpec, keep_alive: float | None = None) -> Lease:
         """Hold the runner of ``spec`` for one request, loading it (and making room) if needed.
 
+        Requests that must wait (for room, or for a busy runner to be reloaded) queue first come
+        first served: while any request waits, a newcomer queues behind it even when its own
+        model is loaded, so steady traffic on one model cannot starve a request for another.
+
         Args:
             spec: the resolved model.
-            keep_alive: seconds for this request (None: the manager's default); the latest
-                request's value wins.
+            keep_alive: seconds for this request (None: the manager's default; ``KEEP_CURRENT``:
+                leave a loaded runner's keep_alive as it is); the latest request's value wins.
 
         Returns:
             a :class:`Lease`; call ``release()`` when the request ends (streams: when the last
@@ -382,40 +436,44 @@ class ModelManager:
 
         Raises:
             UnavailableError: the model cannot fit in memory, or too many requests wait.
-            ServerFaultError: the model failed to load (every request sharing the load gets it).
-            InvalidInputError / NotFoundError / other: whatever the loader raised for bad files.
+            LoadFailedError: the model failed to load (every request sharing the load gets it,
+                and so does each request in the next ``FAILURE_MEMO_S`` seconds).
         """
-        keep = self.default_keep_alive if keep_alive is None else keep_alive
         cond = self._cond()
-        waited = False
+        ticket: object | None = None
         try:
             while True:
                 if self._shutdown:
                     raise UnavailableError("the server is shutting down")
                 self.expire()
+                self._check_failure_memo(spec)
+                if self._queue and self._queue[0] is not ticket:  # someone waits ahead of us
+                    ticket = await self._wait(cond, ticket)
+                    continue
                 e = self.get(spec.name)
                 if e is not None and e.runner is not None and self._needs_reload(e, spec):
                     if e.ref_count == 0:
                         self._unload(e, "reload")
                         e = None
                     else:
-                        waited = await self._wait(cond, waited)
+                        ticket = await self._wait(cond, ticket)
                         continue
                 if e is None:
-                    blocked = await self._make_room(spec)
-                    if blocked:
-                        waited = await self._wait(cond, waited)
+                    room = await self._make_room(spec)
+                    if room is None:
+                        ticket = await self._wait(cond, ticket)
                         continue
-                    if self.get(spec.name) is not None:  # another request started it meanwhile
-                        continue
-                    e = self._start_load(spec, keep)
+                    if self.get(spec.name) is not None or (self._queue and self._queue[0] is not ticket):
+                        continue  # the state changed while we measured: look again
+                    e = self._start_load(spec, self._keep(None, keep_alive), room)
                 e.ref_count += 1
-                e.keep_alive = keep  # the latest request's keep_alive wins
+                e.keep_alive = self._keep(e, keep_alive)  # the latest request's keep_alive wins
                 e.expires_at = None
                 break
         finally:
-            if waited:
-                self.waiting -= 1
+            if ticket is not None:
+                self._queue.remove(ticket)
+                self._notify()  # the next in line looks again
         try:
             if e.loading is not None and not e.loading.done():
                 await asyncio.shield(e.loading)
@@ -428,21 +486,44 @@ class ModelManager:
             raise
         return Lease(self, e)
 
-    async def _wait(self, cond: asyncio.Condition, waited: bool) -> bool:
-        """Wait for the next change (a release, unload or finished load); the first wait of a
-        request counts it in ``waiting`` (bounded by ``max_queue``)."""
-        if not waited:
-            if self.waiting >= self.max_queue:
+    def _keep(self, e: Entry | None, keep_alive: float | None) -> float:
+        if keep_alive is KEEP_CURRENT:
+            return e.keep_alive if e is not None else self.default_keep_alive
+        return self.default_keep_alive if keep_alive is None else keep_alive
+
+    async def _wait(self, cond: asyncio.Condition, ticket: object | None) -> object:
+        """Wait for the next change (a release, unload, finished load or a queue move). The
+        first wait of a request takes a place in the queue (at most ``max_queue``)."""
+        new = ticket is None
+        if new:
+            if len(self._queue) >= self.max_queue:
                 raise UnavailableError("server busy, please try again. maximum pending requests exceeded")
-            self.waiting += 1
+            ticket = object()
+            self._queue.append(ticket)
         try:
             async with cond:
                 await cond.wait()
         except BaseException:
-            if not waited:
-                self.waiting -= 1
+            if new:  # the caller never saw this ticket: take it out here
+                self._queue.remove(ticket)
+                self._notify()
             raise
-        return True
+        return ticket
+
+    def _check_failure_memo(self, spec: ModelSpec) -> None:
+        hit = self._failures.get(spec.name)
+        if hit is not None:
+            when, err = hit
+            if self.clock() - when < FAILURE_MEMO_S and self.get(spec.name) is None:
+                raise LoadFailedError(err.message, err.cause_type, err.detail)
+            del self._failures[spec.name]
+
+    def _record_failure(self, spec: ModelSpec, exc: BaseException) -> LoadFailedError:
+        err = exc if isinstance(exc, LoadFailedError) else LoadFailedError.of(spec, exc)
+        self._failures[spec.name] = (self.clock(), err)
+        self.stats.load_failures += 1
+        self._emit("fail", spec.name, err.detail)
+        return err
 
     def _needs_reload(self, e: Entry, spec: ModelSpec) -> bool:
         if spec.n_ctx is not None and spec.n_ctx != e.spec.n_ctx:
@@ -477,24 +558,36 @@ class ModelManager:
                 return e
         return None
 
-    async def _make_room(self, spec: ModelSpec) -> bool:
-        """Unload idle runners until ``spec`` fits by count and memory. Returns True when the
-        request must wait (room will come when a busy runner finishes). From the last check to
-        the return nothing awaits, so the caller's load starts on the state checked."""
-        need = await asyncio.to_thread(self.estimate, spec) if self.estimate is not None else None
+    async def _make_room(self, spec: ModelSpec) -> int | None:
+        """Unload idle runners until ``spec`` fits by count and memory. Returns the predicted
+        size in bytes (0 without an estimator), or None when the request must wait (room will
+        come when a busy runner finishes). From the last check to the return nothing awaits, so
+        the caller's load starts on the state checked; a loading runner counts with its
+        predicted size.
+
+        Raises:
+            UnavailableError: it cannot fit even with every other unpinned runner gone.
+            LoadFailedError: the file's header cannot be read for the estimate.
+        """
+        need = None
+        if self.estimate is not None:
+            try:
+                need = await asyncio.to_thread(self.estimate, spec)
+            except Exception as exc:  # noqa: BLE001 - a bad header is a failed load, said once
+                raise self._record_failure(spec, exc) from None
         while True:
             await self._closed()  # memory of runners being unloaded is back before we measure
             if len(self.loaded) >= self.max_loaded:
                 victim = self._victim()
                 if victim is None:
-                    return True
+                    return None
                 self._unload(victim, "make room")
                 continue
             if need is None:
-                return False
+                return 0
             avail = self._available()
             if avail is None or need.total <= avail:
-                return False
+                return need.total
             victim = self._victim()
             if victim is None:
                 break
@@ -503,12 +596,18 @@ class ModelManager:
         # names what would be free with every unpinned runner gone)
         others = sum(e.size for e in self.loaded.values() if not e.spec.pinned)
         if self.loaded and need.total <= avail + others:
-            return True
-        raise UnavailableError(f"model '{spec.name}' requires more system memory ({need.total / MIB:.0f} MiB) "
-                               f"than is available ({max(avail + others, 0) / MIB:.0f} MiB)")
+            return None
+        msg = (f"model '{spec.name}' requires more system memory ({need.total / MIB:.0f} MiB) "
+               f"than is available ({max(avail + others, 0) / MIB:.0f} MiB)")
+        log.warning("model manager: %s", msg, extra={"func": "manager"})
+        raise UnavailableError(msg)
 
     def _available(self) -> int | None:
+        """Bytes a new runner may take: MemAvailable less what loading runners will take (they
+        have not allocated it yet), capped by ``max_memory`` less every runner's size."""
         free = self.mem_available() if self.mem_available is not None else None
+        if free is not None:
+            free -= sum(e.size for e in self.loaded.values() if e.runner is None)
         if self.max_memory is not None:
             left = self.max_memory - sum(e.size for e in self.loaded.values())
             free = left if free is None else min(free, left)
@@ -520,12 +619,28 @@ class ModelManager:
 
     # -- loading and unloading
 
-    def _start_load(self, spec: ModelSpec, keep: float) -> Entry:
-        e = Entry(spec, keep)
+    def _start_load(self, spec: ModelSpec, keep: float, size: int = 0) -> Entry:
+        e = Entry(spec, keep, size=size)
         self.loaded[spec.name] = e
         self._emit("load", spec.name)
         e.loading = asyncio.get_running_loop().create_task(self._load(e))
         return e
+
+    def _call_loader(self, spec: ModelSpec):
+        """Run the loader (worker thread). A failure leaves nothing behind: its traceback's
+        frames (which hold the half-built model) are cleared, the garbage collected and the
+        heap trimmed, and a plain LoadFailedError carries its text (measured: without this each
+        failed SmolLM2 load kept ~340 MiB resident)."""
+        try:
+            return self.loader(spec)
+        except Exception as exc:  # noqa: BLE001 - turned into LoadFailedError below
+            err = LoadFailedError.of(spec, exc)
+            traceback.clear_frames(exc.__traceback__)
+            del exc
+        gc.collect()
+        if self.cleanup is not None:
+            self.cleanup()
+        raise err
 
     async def _load(self, e: Entry) -> None:
         if self._load_lock is None:
@@ -533,23 +648,15 @@ class ModelManager:
         try:
             async with self._load_lock:
                 await self._closed()
-                if self.estimate is not None:
-                    try:
-                        e.size = (await asyncio.to_thread(self.estimate, e.spec)).total
-                    except Exception:  # noqa: BLE001 - the loader reports a bad file better
-                        e.size = 0
-                runner = await asyncio.to_thread(self.loader, e.spec)
+                runner = await asyncio.to_thread(self._call_loader, e.spec)
         except BaseException as exc:
-            self.stats.load_failures += 1
             if self.loaded.get(e.name) is e:
                 del self.loaded[e.name]
-            self._emit("fail", e.name, _one_line(exc))
+            err = self._record_failure(e.spec, exc) if isinstance(exc, Exception) else None
             self._notify()
-            if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)):
+            if err is None:  # cancelled, KeyboardInterrupt
                 raise
-            if isinstance(exc, (InvalidInputError, UnavailableError, ServerFaultError)):
-                raise
-            raise ServerFaultError(f"model '{e.name}' failed to load: {_one_line(exc)}") from exc
+            raise err from None
         measured = getattr(runner, "measured_bytes", None)
         if measured:
             e.size = int(measured)

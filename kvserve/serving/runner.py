@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import gc
 import logging
 import threading
@@ -161,7 +162,10 @@ def engine_config(args: "ServerArgs", spec: ModelSpec):
         cfg.n_ctx = spec.n_ctx
     share = getattr(args, "cache_ram_share", None)
     if cfg.cache_ram is None and share:  # several models: each gets its share of the host tier
-        cfg.cache_ram = max(0, cfg.cache_ram_mib() // share)
+        budget = cfg.cache_ram_mib() // share
+        if args.max_memory:  # and at most a quarter of its share of --max-memory
+            budget = min(budget, (args.max_memory >> 20) // (4 * share))
+        cfg.cache_ram = max(0, budget)
     return cfg
 
 
@@ -258,7 +262,9 @@ def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimat
       large batches on CPU (parameters x 4 bytes in float32, x 2 in bfloat16), or the
       parameters in the chosen ``--dtype`` when that replaces the file's format;
     - kv: 2 x layers x kv_heads x head_dim x n_ctx x bytes per element (``--cache-type-k``);
-    - compute: one batch's activations plus one row of logits per slot, in float32.
+    - compute: one batch's activations plus one row of logits per slot, in float32;
+    - cache: the host tier of the prompt cache at its limit (``--cache-ram``, or this model's
+      share of the default).
 
     Raises:
         ModelLoadError / OSError: the file's header cannot be read.
@@ -274,8 +280,9 @@ def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimat
         weights = n_params * dense.get(cfg.dtype, 4)
     n_tok = min(max(cfg.max_num_batched_tokens, 1), n_ctx)
     compute = 4 * (n_tok * (8 * cfg_m.n_embd + 3 * cfg_m.n_ff) + cfg.n_slots * cfg_m.n_vocab)
-    return estimate_memory(weights, cfg_m.n_layer, cfg_m.n_head_kv, cfg_m.head_dim, n_ctx,
-                           KV_BYTES.get(cfg.kv_dtype, 2), compute)
+    est = estimate_memory(weights, cfg_m.n_layer, cfg_m.n_head_kv, cfg_m.head_dim, n_ctx,
+                          KV_BYTES.get(cfg.kv_dtype, 2), compute)
+    return dataclasses.replace(est, cache=max(cfg.cache_ram_mib(), 0) << 20)
 
 
 # -- running a request --------------------------------------------------------------------

@@ -36,7 +36,12 @@ from kvserve.errors import (
     UnavailableError,
 )
 from kvserve.serving.manager import Lease, ModelManager, ModelSpec, format_keep_alive
-from kvserve.serving.runner import Runner, estimate_runner_memory, load_runner
+from kvserve.serving.runner import (
+    Runner,
+    estimate_runner_memory,
+    load_runner,
+    trim_heap,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvserve.serving.args import ServerArgs
@@ -101,12 +106,14 @@ class ServerState:
         self.load_error: str | None = None
         if not self.pinned:  # several models share the host tier of the prompt cache
             args.cache_ram_share = max(1, args.max_loaded_models)
+        # with -m (llama-server's mode) the one model loads whatever it takes, unless --max-memory
+        check_memory = not self.pinned or args.max_memory is not None
         self.manager = manager or ModelManager(
             lambda spec: load_runner(self.args, spec, self.build_info),
-            estimate=lambda spec: estimate_runner_memory(self.args, spec),
+            estimate=(lambda spec: estimate_runner_memory(self.args, spec)) if check_memory else None,
             max_loaded=args.max_loaded_models, default_keep_alive=args.keep_alive,
             max_memory=args.max_memory, mem_available=mem_available_bytes, max_queue=args.max_queue,
-            on_event=self._log_event)
+            on_event=self._log_event, cleanup=trim_heap)
         self.started = time.time()
         self.preload_task: asyncio.Task | None = None
 
@@ -169,6 +176,11 @@ class ServerState:
         except OSError:
             return None
         full = str(p.resolve())
+        from kvserve.store import list_models
+
+        for m in list_models():  # a store blob named by its path is that store model (one runner)
+            if str(Path(m["path"]).resolve()) == full:
+                return ModelSpec(m["name"], m["path"])
         return ModelSpec(full, full)
 
     def catalog(self) -> list[ServableModel]:

@@ -307,3 +307,123 @@ def test_format_keep_alive():
     assert format_keep_alive(300) == "5m0s"
     assert format_keep_alive(5400) == "1h30m0s"
     assert format_keep_alive(math.inf) == "forever"
+
+
+# -- from the attacker's review -----------------------------------------------------------------
+
+def test_two_waiting_models_do_not_both_count_on_the_same_free_memory():
+    sizes = {"a": 600 * MIB, "b": 600 * MIB, "c": 600 * MIB}
+
+    async def main():
+        h = Harness(estimate=lambda spec: MemoryEstimate(sizes[spec.name], 0), max_memory=1000 * MIB)
+        await h.start(0, "a", 300)  # busy
+        wb = asyncio.create_task(h.start(1, "b", 300))
+        wc = asyncio.create_task(h.start(1, "c", 300))
+        await asyncio.sleep(0.05)
+        assert h.m.waiting == 2
+        await h.finish(2, "a")  # a idle: it goes, b (first in line) loads; c must not load beside it
+        await asyncio.wait_for(wb, 2)
+        await asyncio.sleep(0.05)
+        assert not wc.done() and h.loaded() == ["b"]
+        assert sum(e.size for e in h.m.loaded.values()) <= 1000 * MIB
+        await h.finish(3, "b")
+        await asyncio.wait_for(wc, 2)
+        assert h.loaded() == ["c"]
+
+    run(main())
+
+
+def test_a_waiting_request_is_not_starved_by_traffic_on_the_busy_model():
+    async def main():
+        h = Harness(max_loaded=1)
+        await h.start(0, "a", 300)
+        wb = asyncio.create_task(h.start(1, "b", 300))
+        await asyncio.sleep(0.02)
+        late_a = asyncio.create_task(h.start(2, "a", 300))  # a is loaded, but b waits ahead of it
+        await asyncio.sleep(0.02)
+        assert not late_a.done() and h.m.waiting == 2
+        await h.finish(3, "a")
+        await asyncio.wait_for(wb, 2)  # b was first in line
+        assert h.loaded() == ["b"] and not late_a.done()
+        await h.finish(4, "b")
+        await asyncio.wait_for(late_a, 2)
+        assert h.loaded() == ["a"] and h.m.waiting == 0
+
+    run(main())
+
+
+class Big:
+    pass
+
+
+def test_a_failed_load_leaves_nothing_behind_and_is_remembered_briefly():
+    import gc
+    import weakref
+
+    refs, calls = [], []
+
+    def loader(spec):
+        calls.append(spec.name)
+        half_built = Big()
+        refs.append(weakref.ref(half_built))
+        raise ValueError(f"{spec.path}: tensor 'x' is corrupt")
+
+    async def main():
+        h = Harness(loader=loader)
+        with pytest.raises(ServerFaultError) as e1:
+            await h.m.acquire(ModelSpec("bad", "/srv/blobs/sha256-1"))
+        assert str(e1.value) == "model 'bad' failed to load: bad: tensor 'x' is corrupt"  # no server path
+        assert e1.value.detail == "/srv/blobs/sha256-1: tensor 'x' is corrupt"
+        gc.collect()
+        assert refs[0]() is None  # the traceback's frames did not keep the half-built model
+        h.now = 3
+        with pytest.raises(ServerFaultError, match="failed to load"):
+            await h.m.acquire(ModelSpec("bad", "/srv/blobs/sha256-1"))
+        assert calls == ["bad"]  # remembered: no second load within 5 s
+        h.now = 6
+        with pytest.raises(ServerFaultError):
+            await h.m.acquire(ModelSpec("bad", "/srv/blobs/sha256-1"))
+        assert calls == ["bad", "bad"]
+        assert h.m.stats.load_failures == 2  # a remembered failure is not another load
+
+    run(main())
+
+
+def test_a_header_that_cannot_be_read_is_a_failed_load():
+    def estimate(spec):
+        raise ValueError("not a GGUF file (bad magic b'NOPE')")
+
+    async def main():
+        h = Harness(estimate=estimate, mem_available=lambda: 10 ** 12)
+        with pytest.raises(ServerFaultError, match="model 'x' failed to load: not a GGUF file"):
+            await h.m.acquire(ModelSpec("x"))
+        assert h.lines == ["t=  0s fail x (not a GGUF file (bad magic b'NOPE'))"]
+        assert h.m.stats.load_failures == 1 and h.m.loaded == {}
+
+    run(main())
+
+
+def test_keep_current_leaves_keep_alive_alone():
+    from kvserve.serving.manager import KEEP_CURRENT
+
+    async def main():
+        h = Harness(default_keep_alive=4)
+        await h.start(0, "a", -1)
+        await h.finish(1, "a")
+        lease = await h.m.acquire(ModelSpec("a"), KEEP_CURRENT)
+        lease.release()
+        assert h.m.get("a").keep_alive == -1 and h.m.get("a").expires_at is None
+        lease = await h.m.acquire(ModelSpec("b"), KEEP_CURRENT)  # not loaded: the default
+        lease.release()
+        assert h.m.get("b").keep_alive == 4
+
+    run(main())
+
+
+def test_keep_alive_edge_values():
+    from kvserve.errors import InvalidInputError
+
+    assert parse_keep_alive(10 ** 400) == math.inf and parse_keep_alive(-(10 ** 400)) == math.inf
+    for v in (float("inf"), float("-inf")):
+        with pytest.raises(InvalidInputError, match="finite"):
+            parse_keep_alive(v)
