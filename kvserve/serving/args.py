@@ -76,6 +76,7 @@ class ServerArgs:
     max_queue: int = 512  # --max-queue: requests waiting for a model at once (OLLAMA_MAX_QUEUE)
     preload: bool = True  # --no-preload: start with no model loaded
     allow_model_paths: bool = False  # --allow-model-paths: requests may name model files on the server
+    models_dir: str | None = None  # --models-dir: the store (Ollama layout); None: $OLLAMA_MODELS, $KVSERVE_HOME/models
     cache_ram_share: int | None = None  # set by the server: models sharing the host prompt-cache budget
 
     @property
@@ -207,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--allow-model-paths", action="store_true",
       help="let requests name a .gguf file or HF directory on the server as their model (off: only -m "
            "and the store's names)")
+    a("--models-dir", default=None,
+      help="model store in Ollama's layout (manifests/ + blobs/), read and written in place: point it at "
+           "~/.ollama/models to serve pulled Ollama models (default: env OLLAMA_MODELS, else "
+           "$KVSERVE_HOME/models)")
     return p
 
 
@@ -336,6 +341,7 @@ def parse_args(argv: list[str]) -> ServerArgs:
         max_request_bytes=ns.max_request_bytes, keep_alive=keep_alive,
         max_loaded_models=ns.max_loaded_models or DEFAULT_MAX_LOADED, max_memory=max_memory,
         max_queue=ns.max_queue, preload=ns.preload, allow_model_paths=ns.allow_model_paths,
+        models_dir=ns.models_dir,
     )
     try:
         args.default_sampling_params()

@@ -135,11 +135,9 @@ class ServerState:
             return self._pinned_spec
         if not name:
             name = self.default_name
-        path = self._store_path(name)
-        if path is not None:
-            from kvserve.store import canonical_name
-
-            return ModelSpec(canonical_name(name), str(path))
+        found = self._store_path(name)
+        if found is not None:
+            return ModelSpec(*found)
         if self.args.allow_model_paths:
             spec = self._path_spec(name)
             if spec is not None:
@@ -149,22 +147,22 @@ class ServerState:
             return loaded.spec
         raise NotFoundError(f"model '{name[:256]}' not found")
 
-    @staticmethod
-    def _store_path(name: str) -> Path | None:
-        from kvserve.store import canonical_name
-        from kvserve.store.blobs import read_manifest
+    def _store_path(self, name: str) -> tuple[str, str] | None:
+        """``(display name, model blob)`` of the store model ``name`` means (any of Ollama's forms:
+        ``smollm2``, ``smollm2:latest``, ``registry.ollama.ai/library/smollm2:latest``, or a
+        registry alias), else None (no such model, no weights blob, or not a valid name)."""
+        from kvserve.store import canonical_name, open_store
 
+        store = open_store(self.args.models_dir)
         try:
-            manifest = read_manifest(canonical_name(name))
-        except ValueError:  # not a store name
+            stored = store.get(canonical_name(name, self.args.models_dir))
+        except ValueError:  # not a valid Ollama name (InvalidModelNameError): maybe a path
             return None
-        if manifest is None:
+        if stored is None or stored.model_path is None:
             return None
-        blob = manifest.blob_path()
-        return blob if blob.is_file() else None
+        return stored.display, str(stored.model_path)
 
-    @staticmethod
-    def _path_spec(name: str) -> ModelSpec | None:
+    def _path_spec(self, name: str) -> ModelSpec | None:
         p = Path(name).expanduser()
         try:
             if p.is_file():
@@ -178,7 +176,7 @@ class ServerState:
         full = str(p.resolve())
         from kvserve.store import list_models
 
-        for m in list_models():  # a store blob named by its path is that store model (one runner)
+        for m in list_models(self.args.models_dir):  # a store blob named by its path is that store model (one runner)
             if str(Path(m["path"]).resolve()) == full:
                 return ModelSpec(m["name"], m["path"])
         return ModelSpec(full, full)
@@ -198,7 +196,7 @@ class ServerState:
             return list(out.values())
         from kvserve.store import list_models
 
-        for m in list_models():
+        for m in list_models(self.args.models_dir):
             if m["name"] not in out:
                 out[m["name"]] = ServableModel(m["name"], m["path"], [m["name"]], None, False,
                                                *_file_facts(m["path"]))
@@ -253,7 +251,8 @@ class ServerState:
         from kvserve.store import resolve_model
 
         given = Path(self.args.model).expanduser()
-        path = str(given) if given.is_file() else str(resolve_model(self.args.model, pull_missing=True))
+        path = str(given) if given.is_file() else str(resolve_model(self.args.model, pull_missing=True,
+                                                                      models_dir=self.args.models_dir))
         if self.pinned:
             names = tuple(self.args.served_names())
             return ModelSpec(names[0], path, pinned=True, names=names)
@@ -262,7 +261,7 @@ class ServerState:
             return ModelSpec(full, full)
         from kvserve.store import canonical_name
 
-        return ModelSpec(canonical_name(self.args.model), path)
+        return ModelSpec(canonical_name(self.args.model, self.args.models_dir), path)
 
     async def preload(self) -> None:
         """Load the start-up model: the pinned one, else the default (its keep_alive starts at

