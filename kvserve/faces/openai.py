@@ -5,6 +5,8 @@ Shapes follow llama-server (000_6dcbf6b03a8c9f77.txt Examples 4, 5, 17): ``chatc
 characters, ``system_fingerprint`` = build string, ``usage.prompt_tokens_details.cached_tokens``
 always present, llama.cpp's ``timings`` on the response / the finish chunk. As in llama-server,
 ``/completions`` without ``/v1`` is the native endpoint (the llama face), not this one.
+Requests are read by :mod:`kvserve.faces.params` and the getters here; responses and chunks are
+the wire types of :mod:`kvserve.faces.openai_types`, written with ``.wire()``.
 
 Streaming (SSE): a role-only first chunk, one chunk per text delta, a finish chunk with an
 empty delta, ``finish_reason`` and ``timings``, with ``stream_options.include_usage`` a chunk
@@ -51,6 +53,25 @@ from kvserve.faces.chat_output import ChoiceOutput, OutputMode
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import error_response, json_response, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
+from kvserve.faces.openai_types import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionTokensDetails,
+    LegacyLogprobs,
+    PromptTokensDetails,
+    TextChoice,
+    TextCompletion,
+    TextCompletionChunk,
+    Timings,
+    Usage,
+)
 from kvserve.faces.params import (
     check_logprobs,
     get_bool,
@@ -359,15 +380,17 @@ def _check_output(out: RequestOutput) -> None:
 # ------------------------------------------------------------------------ logprobs shapes
 
 
-def _chat_logprob(lp: TokenLogprob, top_n: int) -> dict:
+def _chat_logprob(lp: TokenLogprob, top_n: int) -> ChatTokenLogprob:
     top = sorted(lp.top_logprobs, key=lambda t: t.logprob, reverse=True)[:top_n]
-    return {"token": lp.token, "logprob": _lp(lp.logprob), "bytes": list(lp.bytes),
-            "top_logprobs": [{"token": t.token, "logprob": _lp(t.logprob), "bytes": list(t.bytes)} for t in top]}
+    return ChatTokenLogprob(token=lp.token, logprob=_lp(lp.logprob), bytes=list(lp.bytes),
+                            top_logprobs=[ChatTopLogprob(token=t.token, logprob=_lp(t.logprob), bytes=list(t.bytes))
+                                          for t in top])
 
 
 class _LegacyLogprobs:
-    """Accumulates OpenAI's legacy ``logprobs`` object: tokens, token_logprobs, top_logprobs,
-    text_offset (character offsets into the choice's full text, echo included)."""
+    """Accumulates OpenAI's legacy ``logprobs`` object (:class:`LegacyLogprobs`): tokens,
+    token_logprobs, top_logprobs, text_offset (character offsets into the choice's full text,
+    echo included)."""
 
     def __init__(self, top_n: int, offset: int = 0):
         self.top_n = top_n
@@ -390,13 +413,14 @@ class _LegacyLogprobs:
         top = sorted(lp.top_logprobs, key=lambda t: t.logprob, reverse=True)[: self.top_n]
         self.top_logprobs.append({t.token: _lp(t.logprob) for t in top})
 
-    def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
-                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}
+    def result(self) -> LegacyLogprobs:
+        """The entries so far as the wire object."""
+        return LegacyLogprobs(tokens=self.tokens, token_logprobs=self.token_logprobs,
+                              top_logprobs=self.top_logprobs, text_offset=self.text_offset)
 
-    def take(self) -> dict:
+    def take(self) -> LegacyLogprobs:
         """The entries so far (for one stream chunk), then start over at the current offset."""
-        d = self.to_dict()
+        d = self.result()
         self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
         return d
 
@@ -410,14 +434,14 @@ def _add_prompt_logprobs(acc: _LegacyLogprobs, state: Runner, req: Request, out:
 # ------------------------------------------------------------------------ responses
 
 
-def _usage(outs: list[RequestOutput], n_per_prompt: int, reasoning_tokens: int | None = None) -> dict:
+def _usage(outs: list[RequestOutput], n_per_prompt: int, reasoning_tokens: int | None = None) -> Usage:
     prompt = sum(o.num_prompt_tokens for o in outs[::n_per_prompt]) if outs else 0
     completion = sum(o.num_output_tokens for o in outs)
     cached = sum(o.num_cached_tokens for o in outs[::n_per_prompt]) if outs else 0
-    u = {"completion_tokens": completion, "prompt_tokens": prompt, "total_tokens": prompt + completion,
-         "prompt_tokens_details": {"cached_tokens": cached}}
+    u = Usage(completion_tokens=completion, prompt_tokens=prompt, total_tokens=prompt + completion,
+              prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
     if reasoning_tokens is not None:
-        u["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        u.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
     return u
 
 
@@ -425,11 +449,11 @@ def _finish_reason(out: RequestOutput, co: ChoiceOutput | None) -> str:
     return "tool_calls" if co is not None and co.has_tool_calls else out.finish_reason
 
 
-async def complete(state: Runner, plan: Plan) -> dict:
+async def complete(state: Runner, plan: Plan) -> ChatCompletion | TextCompletion:
     """Run a non-streaming request to the end and build the response object."""
     texts = ["" for _ in plan.requests]
     finals: list[RequestOutput | None] = [None] * len(plan.requests)
-    chat_lps: list[list[dict]] = [[] for _ in plan.requests]
+    chat_lps: list[list[ChatTokenLogprob]] = [[] for _ in plan.requests]
     legacy = [_LegacyLogprobs(plan.logprobs or 0, 0) for _ in plan.requests]
     started = [False] * len(plan.requests)
     post = [ChoiceOutput(plan.mode) if plan.kind == "chat" and plan.mode.active else None for _ in plan.requests]
@@ -449,27 +473,23 @@ async def complete(state: Runner, plan: Plan) -> dict:
         if out.finished:
             finals[i] = out
     outs = [f for f in finals if f is not None]
+    envelope = {"created": plan.created, "model": plan.model, "system_fingerprint": state.build_info,
+                "usage": _usage(outs, plan.n, _reasoning_tokens(plan, post)), "id": plan.response_id,
+                "timings": Timings.of(outs[0].timings)}
+    if plan.kind != "chat":
+        return TextCompletion(choices=[
+            TextChoice(finish_reason=out.finish_reason, index=i, text=plan.echo_texts[i] + texts[i],
+                       logprobs=legacy[i].result() if plan.logprobs is not None else None)
+            for i, out in enumerate(outs)], object="text_completion", **envelope)
     choices = []
     for i, out in enumerate(outs):
-        if plan.kind == "chat":
-            msg = post[i].message(texts[i]) if post[i] is not None else {"role": "assistant", "content": texts[i]}
-            c = {"finish_reason": _finish_reason(out, post[i]), "index": i, "message": msg}
-            if plan.logprobs is not None:
-                c["logprobs"] = {"content": chat_lps[i]}
-        else:
-            c = {"finish_reason": out.finish_reason, "index": i, "text": plan.echo_texts[i] + texts[i],
-                 "logprobs": legacy[i].to_dict() if plan.logprobs is not None else None}
+        msg = ChatMessage(**post[i].message(texts[i])) if post[i] is not None else \
+            ChatMessage(role="assistant", content=texts[i])
+        c = ChatChoice(finish_reason=_finish_reason(out, post[i]), index=i, message=msg)
+        if plan.logprobs is not None:
+            c.logprobs = ChatLogprobs(content=chat_lps[i])
         choices.append(c)
-    return {
-        "choices": choices,
-        "created": plan.created,
-        "model": plan.model,
-        "system_fingerprint": state.build_info,
-        "object": "chat.completion" if plan.kind == "chat" else "text_completion",
-        "usage": _usage(outs, plan.n, _reasoning_tokens(plan, post)),
-        "id": plan.response_id,
-        "timings": outs[0].timings.to_dict(),
-    }
+    return ChatCompletion(choices=choices, object="chat.completion", **envelope)
 
 
 def _reasoning_tokens(plan: Plan, post: list[ChoiceOutput | None]) -> int | None:
@@ -479,32 +499,33 @@ def _reasoning_tokens(plan: Plan, post: list[ChoiceOutput | None]) -> int | None
 
 
 async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
-    """The SSE events of a streaming request, as JSON objects (see the module docstring);
+    """The SSE events of a streaming request, as JSON objects (see the module docstring):
+    :class:`ChatCompletionChunk` / :class:`TextCompletionChunk` written with ``.wire()``;
     :func:`kvserve.faces.sse.sse_response` writes them, pings, the error event and [DONE]."""
-    obj = "chat.completion.chunk" if plan.kind == "chat" else "text_completion"
+    chat = plan.kind == "chat"
+    make = ChatCompletionChunk if chat else TextCompletionChunk
+    envelope = {"created": plan.created, "id": plan.response_id, "model": plan.model,
+                "system_fingerprint": state.build_info, "object": "chat.completion.chunk" if chat else "text_completion"}
 
-    def chunk(choices: list[dict], **extra) -> dict:
-        d = {"choices": choices, "created": plan.created, "id": plan.response_id, "model": plan.model,
-             "system_fingerprint": state.build_info, "object": obj}
-        d.update(extra)
-        return d
+    def chunk(choices: list, **extra) -> dict:
+        return make(choices=choices, **envelope, **extra).wire()
 
     n = len(plan.requests)
     finals: list[RequestOutput | None] = [None] * n
     pending_lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
     legacy = [_LegacyLogprobs(plan.logprobs or 0, 0) for _ in range(n)]
     started = [False] * n
-    post = [ChoiceOutput(plan.mode) if plan.kind == "chat" and plan.mode.active else None for _ in range(n)]
-    if plan.kind == "chat":
+    post = [ChoiceOutput(plan.mode) if chat and plan.mode.active else None for _ in range(n)]
+    if chat:
         for i in range(n):
-            yield chunk([{"finish_reason": None, "index": i, "delta": {"role": "assistant", "content": None}}])
+            yield chunk([ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(role="assistant", content=None))])
 
-    def logprobs_of(i: int) -> dict | None:
+    def logprobs_of(i: int) -> ChatLogprobs | LegacyLogprobs | None:
         if plan.logprobs is None:
             return None
         lps, pending_lps[i] = pending_lps[i], []
-        if plan.kind == "chat":
-            return {"content": [_chat_logprob(lp, plan.logprobs) for lp in lps]}
+        if chat:
+            return ChatLogprobs(content=[_chat_logprob(lp, plan.logprobs) for lp in lps])
         for lp in lps:
             legacy[i].add(lp)
         return legacy[i].take()
@@ -514,35 +535,35 @@ async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
         text = out.text
         if not started[i]:
             started[i] = True
-            if plan.kind == "text" and plan.echo_texts[i]:
+            if not chat and plan.echo_texts[i]:
                 if plan.logprobs is not None:
                     _add_prompt_logprobs(legacy[i], state, plan.requests[i], out)
                 text = plan.echo_texts[i] + text
         pending_lps[i].extend(out.logprobs or [])
-        if plan.kind == "chat":
+        if chat:
             deltas = (post[i].feed(text) if post[i] is not None else [{"content": text}]) if text else []
             if out.finished and post[i] is not None:
                 deltas += post[i].finish()
-            for d in deltas:
-                c = {"finish_reason": None, "index": i, "delta": d}
+            for d in deltas:  # ChoiceOutput's delta fragments: one field each
+                c = ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(**d))
                 if plan.logprobs is not None and pending_lps[i]:
-                    c["logprobs"] = logprobs_of(i)
+                    c.logprobs = logprobs_of(i)
                 yield chunk([c])
         elif text:
-            yield chunk([{"finish_reason": None, "index": i, "text": text, "logprobs": logprobs_of(i)}])
+            yield chunk([TextChoice(finish_reason=None, index=i, text=text, logprobs=logprobs_of(i))])
         if out.finished:
             finals[i] = out
-            if plan.kind == "chat":
-                c = {"finish_reason": _finish_reason(out, post[i]), "index": i, "delta": {}}
+            if chat:
+                c = ChatChunkChoice(finish_reason=_finish_reason(out, post[i]), index=i, delta=ChatDelta())
                 if plan.logprobs is not None and pending_lps[i]:
-                    c["logprobs"] = logprobs_of(i)
+                    c.logprobs = logprobs_of(i)
             else:
-                c = {"finish_reason": out.finish_reason, "index": i, "text": "",
-                     "logprobs": logprobs_of(i) if pending_lps[i] else None}
-            yield chunk([c], timings=out.timings.to_dict())
+                c = TextChoice(finish_reason=out.finish_reason, index=i, text="",
+                               logprobs=logprobs_of(i) if pending_lps[i] else None)
+            yield chunk([c], timings=Timings.of(out.timings))
     outs = [f for f in finals if f is not None]
     if plan.include_usage:
-        yield chunk([], usage=_usage(outs, plan.n, _reasoning_tokens(plan, post)), timings=outs[0].timings.to_dict())
+        yield chunk([], usage=_usage(outs, plan.n, _reasoning_tokens(plan, post)), timings=Timings.of(outs[0].timings))
 
 
 # ------------------------------------------------------------------------ routes
@@ -558,7 +579,7 @@ async def _serve(state: ServerState, http: HttpRequest, make_plan) -> Response:
             if plan.stream:
                 return await sse_response(stream_events(runner, plan), ping_interval=state.args.sse_ping_interval,
                                           done=True, headers={"X-Accel-Buffering": "no"})
-            return json_response(await until_disconnect(http, complete(runner, plan)))
+            return json_response((await until_disconnect(http, complete(runner, plan))).wire())
 
         return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
     except ClientDisconnected:

@@ -18,10 +18,12 @@ Entries repeated per token (logprobs, ``/tokenize`` pieces) are TypedDicts with
 :data:`LEAF_CONFIG` instead of models: building one is building a dict, and the enclosing
 model validates them in one call into pydantic-core.
 
-Cost (pydantic 2.14, this repository's CPU): a chat stream chunk costs ~6-8 µs to build and
-dump (a plain dict: ~0.5 µs; writing its JSON text, paid either way: ~8-11 µs). Faces build
-with the validating constructor: ``model_construct`` is pure Python and slower in pydantic 2.x
-(~17-28 µs for the same chunk).
+Cost per stream chunk (pydantic 2.14, timeit on this repository's 2-core CPU, build + ``.wire()``):
+a chat chunk ~8 µs (the plain dict it replaced: ~0.5 µs; its JSON text, paid either way: ~5-7
+µs); a ``/completion`` chunk ~4-7 µs; one with ``n_probs`` 10 ~15-20 µs (~35-50 µs with models
+as leaves). Faces build with the validating constructor: ``model_construct`` is pure Python
+and slower in pydantic 2.x (~15-18 µs for the same chat chunk). Bulk lists whose values come
+straight from the tokenizer (``/tokenize``) are built with ``model_construct``.
 """
 
 from __future__ import annotations
