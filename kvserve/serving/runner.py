@@ -128,14 +128,7 @@ def trim_heap() -> None:
 
 def rss_bytes() -> int:
     """This process's resident set size (VmRSS of /proc/self/status), 0 where unknown."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
+    return pid_rss_bytes("self")
 
 
 # -- loading ------------------------------------------------------------------------------
@@ -329,8 +322,9 @@ async def generate(runner: Runner, request: Request, params_view: dict | None = 
         slots.release(slot)
 
 
-def pid_rss_bytes(pid: int) -> int:
-    """VmRSS of process ``pid`` in bytes (tests measure a server's memory with it)."""
+def pid_rss_bytes(pid: int | str) -> int:
+    """VmRSS of process ``pid`` (or ``"self"``) in bytes, 0 where unknown (tests measure a
+    server's memory with it)."""
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as f:
             for line in f:
