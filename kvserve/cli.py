@@ -70,6 +70,8 @@ def _pull(argv: list[str]) -> int:
                 print(path)
                 continue
             _show_progress(iter_pull(name, insecure=args.insecure, models_dir=args.models_dir))
+        except KeyboardInterrupt:  # the partial download stays; the next pull resumes it
+            return 130
         except PullError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -87,6 +89,8 @@ def _push(argv: list[str]) -> int:
     for name in args.names:
         try:
             _show_progress(iter_push(name, insecure=args.insecure, models_dir=args.models_dir))
+        except KeyboardInterrupt:
+            return 130
         except Exception as e:  # noqa: BLE001 - one line, no traceback, as `ollama push` prints it
             print(f"Error: {error_line(e)}", file=sys.stderr)
             return 1

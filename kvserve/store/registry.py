@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import os
 import re
 import threading
@@ -335,9 +336,16 @@ class RegistrySession:
 
     # the operations
     def get_manifest(self, tag: str) -> bytes:
-        """The manifest's bytes, asked for as a Docker v2 manifest (the seed's Accept header)."""
+        """The manifest's bytes, asked for as a Docker v2 manifest (the seed's Accept header); checked
+        against the registry's ``Docker-Content-Digest`` when it sends one."""
         resp = self.request("GET", self.url("manifests", tag), headers={"Accept": MANIFEST_MEDIA_TYPE})
-        return resp.content
+        data = resp.content
+        sent = resp.headers.get("docker-content-digest", "")
+        if sent.startswith("sha256:"):
+            got = "sha256:" + hashlib.sha256(data).hexdigest()
+            if got != sent.lower():
+                raise RegistryError(f'digest mismatch, expected "{sent}", got "{got}"')
+        return data
 
     def open_blob(self, digest: str, offset: int = 0) -> httpx.Response:
         """A streaming GET of a blob from byte ``offset`` (``Range: bytes=<offset>-`` when > 0; a 416
@@ -460,6 +468,21 @@ def iter_pull(name: str, *, insecure: bool = False, store: Store | None = None,
     if package_index and is_package_index_name(name):
         return (yield from _iter_index_pull(name, target))
     n = parse_name(name)
+    return (yield from _local_errors(_pull_steps(n, target, insecure, timeout, transport, username, password,
+                                                 interval, retries)))
+
+
+def _local_errors(gen: Generator[dict[str, Any], None, Any]) -> Generator[dict[str, Any], None, Any]:
+    """Pass ``gen`` through, raising a local failure (disk full, permissions) as a RegistryError."""
+    try:
+        return (yield from gen)
+    except OSError as e:
+        raise RegistryError(" ".join(str(e).split()) or type(e).__name__) from e
+
+
+def _pull_steps(n: ModelName, target: Store, insecure: bool, timeout: float | httpx.Timeout | None,
+                transport: httpx.BaseTransport | None, username: str | None, password: str | None,
+                interval: float, retries: int) -> Generator[dict[str, Any], None, StoredModel]:
     if n.scheme == "http" and not insecure:
         raise RegistryError(ERR_INSECURE)
     existing = target.get(n)
@@ -471,6 +494,9 @@ def iter_pull(name: str, *, insecure: bool = False, store: Store | None = None,
             manifest = Manifest.from_bytes(data)
         except (RegistryError, InvalidInputError) as e:
             raise RegistryError(f"pull model manifest: {e.message}", getattr(e, "status", None)) from None
+        if not manifest.layers:  # e.g. an OCI index or manifest list: not a model
+            raise RegistryError(f"pull model manifest: {n.display} has no layers (media type "
+                                f"{manifest.media_type_!r}): not a model")
         fresh: list[str] = []
         for layer in manifest.blobs():  # layers, then the config: Ollama's order
             label = f"pulling {_short(layer.digest)}"
@@ -540,6 +566,7 @@ def _download(session: RegistrySession, store: Store, layer: Layer, label: str, 
                 failures += 1
                 time.sleep(min(0.25 * 2 ** failures, 5.0))
                 offset = _partial_size(store, digest)
+        store.partial_path(digest).touch()  # an empty blob has no bytes to fetch
         yield progress_event(label, digest, total, total)
         return True
     finally:
@@ -640,6 +667,13 @@ def iter_push(name: str, *, insecure: bool = False, store: Store | None = None,
         raise InvalidInputError("chunk_size must be positive")
     n = parse_name(name)
     target = store if store is not None else open_store(models_dir)
+    yield from _local_errors(_push_steps(n, name, target, insecure, timeout, transport, username, password, interval,
+                                         chunk_size))
+
+
+def _push_steps(n: ModelName, name: str, target: Store, insecure: bool, timeout: float | httpx.Timeout | None,
+                transport: httpx.BaseTransport | None, username: str | None, password: str | None,
+                interval: float, chunk_size: int) -> Generator[dict[str, Any], None, None]:
     yield progress_event("retrieving manifest")
     if n.scheme == "http" and not insecure:
         raise RegistryError(ERR_INSECURE)

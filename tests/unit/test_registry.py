@@ -154,6 +154,90 @@ def test_invalid_name_before_any_event(store):
         next(gen)
 
 
+def fake_registry(manifest: bytes, blobs: dict[str, bytes], *, honour_range: bool = True,
+                  content_digest: str | None = None, seen: list | None = None) -> httpx.MockTransport:
+    """A stand-in registry for edge cases docker-registry does not produce (it ignores nothing)."""
+    def handle(request: httpx.Request) -> httpx.Response:
+        if seen is not None:
+            seen.append((request.method, request.url.path, request.headers.get("range")))
+        path = request.url.path
+        if "/manifests/" in path:
+            headers = {"Docker-Content-Digest": content_digest} if content_digest else {}
+            return httpx.Response(200, content=manifest, headers=headers)
+        digest = path.rsplit("/", 1)[1]
+        data = blobs[digest]
+        rng = request.headers.get("range")
+        if rng and honour_range:
+            start = int(rng.removeprefix("bytes=").rstrip("-"))
+            return httpx.Response(206, content=data[start:],
+                                  headers={"Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}"})
+        return httpx.Response(200, content=data)
+    return httpx.MockTransport(handle)
+
+
+def _one_blob_manifest(data: bytes) -> tuple[bytes, str, str]:
+    from kvserve.store import CONFIG_MEDIA_TYPE, Layer, Manifest, media_type
+
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    config = b"{}"
+    cdigest = "sha256:" + hashlib.sha256(config).hexdigest()
+    m = Manifest(Layer(CONFIG_MEDIA_TYPE, cdigest, len(config)), [Layer(media_type("model"), digest, len(data))])
+    return m.to_bytes(), digest, cdigest
+
+
+def test_registry_that_ignores_range_restarts_the_blob(store):
+    data = bytes(range(256)) * 2000
+    manifest, digest, cdigest = _one_blob_manifest(data)
+    store.blobs_dir.mkdir(parents=True)
+    store.partial_path(digest).write_bytes(data[:1000])
+    seen = []
+    transport = fake_registry(manifest, {digest: data, cdigest: b"{}"}, honour_range=False, seen=seen)
+    pull_model("example.com/a/b", store=store, transport=transport, interval=float("inf"))
+    assert store.blob_path(digest).read_bytes() == data
+    assert ("GET", f"/v2/a/b/blobs/{digest}", "bytes=1000-") in seen
+
+
+def test_manifest_list_and_bad_manifest_digest_are_refused(store):
+    index = b'{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[]}'
+    with pytest.raises(RegistryError, match="^pull model manifest: example.com/a/b:latest has no layers"):
+        pull_model("example.com/a/b", store=store, transport=fake_registry(index, {}))
+    manifest, _digest, _cdigest = _one_blob_manifest(b"GGUF")
+    transport = fake_registry(manifest, {}, content_digest="sha256:" + "0" * 64)
+    with pytest.raises(RegistryError, match='^pull model manifest: digest mismatch, expected "sha256:0000'):
+        pull_model("example.com/a/b", store=store, transport=transport)
+    assert store.list() == []
+
+
+def test_closed_pull_keeps_the_partial_and_the_next_resumes(store):
+    """A consumer that stops reading (a client that left) closes the generator mid-blob."""
+    data = os.urandom(3 << 20)
+    manifest, digest, cdigest = _one_blob_manifest(data)
+    transport = fake_registry(manifest, {digest: data, cdigest: b"{}"})
+
+    def chunky(request):  # send the blob in 256 KiB pieces, so there is a "midway"
+        resp = transport.handle_request(request)
+        body = resp.read()
+        return httpx.Response(resp.status_code, headers=resp.headers,
+                              content=iter([body[i:i + (256 << 10)] for i in range(0, len(body), 256 << 10)]))
+
+    gen = iter_pull("example.com/a/b", store=store, transport=httpx.MockTransport(chunky), interval=0)
+    for event in gen:
+        if event.get("completed", 0) >= 1 << 20:
+            break
+    gen.close()
+    have = store.partial_path(digest).stat().st_size
+    assert 1 << 20 <= have < len(data) and store.get("example.com/a/b") is None
+    events = list(iter_pull("example.com/a/b", store=store, transport=transport, interval=float("inf")))
+    assert events[1] == {"status": f"pulling {digest[7:19]}", "digest": digest, "total": len(data), "completed": have}
+    assert store.blob_path(digest).read_bytes() == data
+
+
+def test_empty_blob(store):
+    manifest, digest, cdigest = _one_blob_manifest(b"")
+    pull_model("example.com/a/empty", store=store, transport=fake_registry(manifest, {digest: b"", cdigest: b"{}"}))
+    assert store.blob_path(digest).read_bytes() == b""
+
+
 # -- against docker-registry
 
 
