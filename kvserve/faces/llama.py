@@ -72,6 +72,7 @@ from kvserve.faces.params import (
 )
 from kvserve.faces.sse import sse_response, until_disconnect
 from kvserve.serving import metrics as metrics_mod
+from kvserve.serving.manager import KEEP_CURRENT
 from kvserve.serving.runner import Runner, fair_share, generate
 from kvserve.serving.state import ServerState
 from kvserve.structured.spec import constraint_from_body
@@ -365,7 +366,8 @@ def build_router(state: ServerState) -> APIRouter:
         async def run(runner: Runner) -> Response:
             return json_response(props_json(runner).wire())
 
-        return await serve_model(state, query_model(http), None, run, http)
+        # loads the model if needed, but leaves a loaded model's keep_alive as it is
+        return await serve_model(state, query_model(http), KEEP_CURRENT, run, http)
 
     @r.post("/props")
     async def set_props(http: HttpRequest):
@@ -471,7 +473,8 @@ def build_router(state: ServerState) -> APIRouter:
                 raise ApiError(400, "Slot is busy")
             return json_response((await _slot_file_action(runner, slot, action, body)).wire())
 
-        return await serve_model(state, query_model(http), None, run, http)
+        # loads the model if needed, but leaves a loaded model's keep_alive as it is
+        return await serve_model(state, query_model(http), KEEP_CURRENT, run, http)
 
     @r.get("/metrics")
     async def metrics(http: HttpRequest):

@@ -125,3 +125,21 @@ def test_two_models_alternate_and_unload(start_server, two_model_home, smollm2_p
     assert done["r"]["choices"][0]["message"] == a["choices"][0]["message"]
     m = httpx.get(srv.base_url + "/metrics", timeout=30).text
     assert 'llamacpp:requests_processing{model="smol-copy:latest"} 0' in m
+
+
+def test_props_leaves_keep_alive_alone(start_server, two_model_home):
+    """Review finding: GET /props?model= counted as a request with the default keep_alive and
+    undid a client's keep_alive -1."""
+    srv = start_server("--keep-alive", "2s", "--no-preload", "-c", "2048", "-np", "1", model="",
+                       env={"KVSERVE_HOME": str(two_model_home)})
+    assert _models(srv) == {"smol-copy:latest": "unloaded", "smollm2:latest": "unloaded"}
+    _chat(srv, "smol-copy", keep_alive=-1)
+    r = httpx.get(srv.base_url + "/props", params={"model": "smol-copy"}, timeout=30)
+    assert r.status_code == 200 and r.json()["model_alias"] == "smol-copy:latest"
+    time.sleep(3.5)  # past the server's 2 s default
+    assert _models(srv)["smol-copy:latest"] == "loaded"
+    _chat(srv, "smol-copy", keep_alive="1s")  # the latest request's keep_alive wins
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _models(srv)["smol-copy:latest"] != "unloaded":
+        time.sleep(0.2)
+    assert _models(srv)["smol-copy:latest"] == "unloaded"
