@@ -156,14 +156,17 @@ class BodyLimitMiddleware:
     :class:`ApiError`, which the handlers answer) as soon as it passes the limit, so at
     most ``max_bytes`` plus one chunk is ever held. Covers every route. A request whose
     body was large (>= :data:`TRIM_AFTER`) trims the heap when it ends (:func:`release_memory`).
+    Paths starting with one of ``unlimited`` (Ollama's ``/api/blobs/``: model weights, streamed
+    to disk by their handler) have no limit.
     """
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, unlimited: tuple[str, ...] = ()):
         self.app = app
         self.max_bytes = max_bytes
+        self.unlimited = tuple(unlimited)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (self.unlimited and scope.get("path", "").startswith(self.unlimited)):
             await self.app(scope, receive, send)
             return
         limit = self.max_bytes

@@ -1,0 +1,1251 @@
+"""Ollama's face: the ``/api/*`` routes, NDJSON streams and Ollama's JSON shapes (seed 004,
+Examples 1-5; Ollama's ``server/routes.go`` and ``api/types.go`` are the reference).
+
+Routes: ``POST /api/generate``, ``/api/chat``, ``/api/show``, ``/api/copy``, ``/api/embed``,
+``/api/embeddings``, ``/api/pull``, ``/api/push``, ``/api/create``, ``HEAD|POST
+/api/blobs/{digest}``, ``DELETE /api/delete``, ``GET|HEAD /api/tags``, ``GET /api/ps``,
+``GET|HEAD /api/version`` and ``GET /`` (``Ollama is running``, text/plain: tools probe it).
+Responses are the wire types of :mod:`kvserve.faces.ollama_types`, written as Go's
+``encoding/json`` writes them (``<``, ``>``, ``&`` escaped, UTF-8).
+
+Streams: ``stream`` defaults to **true**. A stream is NDJSON (``application/x-ndjson``): one
+object per line, one per piece of text, then a final object with ``done: true``. With
+``"stream": false`` one JSON object holds the whole answer. Every final object carries
+``done_reason`` (``stop``, ``length``, ``load``, ``unload``) and the six metrics, durations in
+nanoseconds: ``total_duration`` (request received to final object), ``load_duration`` (waiting
+for and loading the model), ``prompt_eval_count`` / ``prompt_eval_duration`` (prefill),
+``eval_count`` / ``eval_duration`` (generated tokens). Prompt caching works as on the other
+faces; ``prompt_eval_count`` counts the prompt tokens actually evaluated, as Ollama's
+llama-server children report it (``timings.prompt_n``): tokens reused from the prefix cache
+are not in it, so a repeated prompt shows a small count (at least 1). ``created_at`` is UTC,
+RFC 3339 with nanoseconds. The ``model`` a response shows is the name the request gave.
+
+Errors: ``{"error": "..."}`` with Ollama's status and text: 400 ``missing request body``,
+``model is required``; 404 ``model 'x' not found``; 400 for bad fields (``option "top_k" must
+be of type integer``); 503 when the server cannot take the request now; 500 otherwise. An
+error after a stream started is one last NDJSON line ``{"error": "..."}``.
+
+Loading without generating (ChatHandler/GenerateHandler): an empty ``messages`` (``prompt``)
+loads the model and answers ``done_reason: "load"``; with ``keep_alive: 0`` it unloads it
+instead (``"unload"``, nothing is loaded for it). ``keep_alive`` takes Ollama's forms
+(:func:`kvserve.serving.manager.parse_keep_alive`).
+
+Options (``options`` of the request over the model's ``params`` layer over Ollama's
+``api.DefaultOptions``): see :data:`DEFAULT_OPTIONS` and :func:`ollama_options`. ``num_ctx``
+is the context of one sequence, as in Ollama: a runner loaded with another one is reloaded
+(``ModelSpec(n_ctx=num_ctx x slots)``) once idle; without ``num_ctx`` the server's ``-c``
+applies. Options Ollama knows but kvserve has no use for (``num_batch``, ``num_gpu``,
+``num_thread``, ``use_mmap``, ``main_gpu``, ``draft_num_predict``, ``num_keep``: kvserve does
+no context shift) are accepted; unknown ones are ignored with a warning in the log
+(``invalid option provided``), as Ollama does. Sampling is otherwise llama.cpp's chain.
+
+Chat (``/api/chat``): the model's MESSAGE layer and SYSTEM (unless the request starts with a
+system message) come first, as in Ollama; messages carry ``content``, ``thinking``,
+``tool_calls`` (arguments as objects), ``tool_name``; ``images`` are refused (400 ``vision is
+not supported``). ``tools`` are rendered by the model's chat template and calls are parsed
+from its output (the parser detected from the template, as llama-server does, or
+``--tool-call-parser``); they come back as ``message.tool_calls`` with ``arguments`` objects.
+A forced call: a final assistant message whose content is the opening of a call in the
+template's format (``<tool_call>\\n`` for hermes-style templates) is continued under a grammar
+that only allows a valid call of one of ``tools`` (the OpenAI face's ``tool_choice:
+"required"``). ``format`` is ``"json"`` or a JSON schema (the output is constrained to it).
+``think``: for a model whose template thinks, default on, the thinking goes to
+``message.thinking``; ``false`` turns it off (``enable_thinking``); ``true`` for a model that
+does not think is 400 ``"x" does not support thinking``.
+
+Generate (``/api/generate``): ``prompt`` with ``system`` (else the model's SYSTEM) rendered by
+the chat template, or with ``raw`` as it is; ``template`` renders with a Go template
+(:mod:`kvserve.chat.go_template`, Ollama's TEMPLATE language); ``context`` (deprecated in
+Ollama, still accepted) prepends token ids, and the final object returns ``context`` (prompt
+and response ids) unless ``raw``. ``suffix`` needs a template with ``.Suffix`` (400 ``"x" does
+not support insert`` otherwise). ``images``: 400 ``vision is not supported``.
+
+Not yet: ``/api/embed`` and ``/api/embeddings`` answer 400 ``this model does not support
+embeddings`` (after resolving the model: 404 for an unknown one) until kvserve has an encoder
+path; ``/api/create`` answers 501 until its part lands. ``/api/pull`` and ``/api/push`` stream
+:mod:`kvserve.store.registry`'s progress events (``pulling manifest``, ``pulling <12 hex>`` with
+``total``/``completed``, ``verifying sha256 digest``, ``writing manifest``, ``success``); a failure
+is 500 ``{"error": ...}`` as in Ollama (400 for an invalid name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import queue
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response, StreamingResponse
+
+from kvserve.engine.request import RequestOutput
+from kvserve.errors import InvalidInputError, KvserveError, NotFoundError
+from kvserve.faces.chat_output import ChoiceOutput
+from kvserve.faces.errors import ApiError
+from kvserve.faces.http import parse_json_body
+from kvserve.faces.models import LeasedResponse
+from kvserve.faces.ollama_types import (
+    ChatResponse,
+    ErrorResponse,
+    GenerateResponse,
+    ListModel,
+    ListResponse,
+    Message,
+    ModelDetails,
+    ProcessModel,
+    ProcessResponse,
+    ShowResponse,
+    ToolCall,
+    ToolCallFunction,
+    VersionResponse,
+)
+from kvserve.faces.sse import ClientDisconnected, until_disconnect
+from kvserve.serving.manager import Lease, ModelSpec, parse_keep_alive
+from kvserve.serving.runner import Runner
+from kvserve.serving.state import ServerState
+
+__all__ = ["DEFAULT_OPTIONS", "OLLAMA_VERSION", "build_router", "go_time", "ollama_options"]
+
+log = logging.getLogger("kvserve.server")
+
+#: The Ollama release whose API this face follows (the seed's reference, v0.35.1): what
+#: ``/api/version`` answers, so clients that gate features on the server's version enable them.
+OLLAMA_VERSION = "0.35.1"
+NDJSON = "application/x-ndjson"
+JSON_TYPE = "application/json; charset=utf-8"
+_FOREVER_NS = 2**63 - 1  # Go's maximal time.Duration: "forever" keep_alive shows ~292 years ahead
+
+#: Ollama's ``api.DefaultOptions`` for the options kvserve applies (``repeat_penalty`` 1.0 and
+#: ``min_p`` 0.0 as in Ollama's current source and Modelfile docs; ``num_ctx`` comes from the
+#: server's ``-c`` instead of Ollama's VRAM tiers).
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "num_keep": 4, "seed": -1, "num_predict": -1, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "typical_p": 1.0,
+    "repeat_last_n": 64, "temperature": 0.8, "repeat_penalty": 1.0, "presence_penalty": 0.0,
+    "frequency_penalty": 0.0, "stop": [],
+}
+
+# Ollama's api.Options fields by JSON type (its FromMap checks these types)
+_INT_OPTIONS = ("num_keep", "seed", "num_predict", "top_k", "repeat_last_n", "num_ctx", "num_batch", "num_gpu",
+                "main_gpu", "num_thread", "draft_num_predict")
+_FLOAT_OPTIONS = ("top_p", "min_p", "typical_p", "temperature", "repeat_penalty", "presence_penalty",
+                  "frequency_penalty")
+_BOOL_OPTIONS = ("use_mmap",)
+_LIST_OPTIONS = ("stop",)
+# api.Options -> the OpenAI-shaped body field chat_plan/completion_plan read (same meaning)
+_SAMPLING_FIELDS = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical_p": "typical_p",
+                    "repeat_last_n": "repeat_last_n", "temperature": "temperature", "repeat_penalty": "repeat_penalty",
+                    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                    "seed": "seed", "stop": "stop", "num_predict": "n_predict"}
+
+
+# ------------------------------------------------------------------------ small helpers
+
+
+def go_time(ns: int | None = None) -> str:
+    """``ns`` (nanoseconds since the epoch, default now) as Go marshals a UTC ``time.Time``:
+    RFC 3339 with up to 9 fraction digits, trailing zeros (and a bare dot) dropped, ``Z``."""
+    if ns is None:
+        ns = time.time_ns()
+    sec, frac = divmod(ns, 1_000_000_000)
+    text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
+    digits = f"{frac:09d}".rstrip("0")
+    return text + ("." + digits if digits else "") + "Z"
+
+
+def _go_json(obj: Any) -> bytes:
+    """JSON as Go's ``json.Marshal`` writes it (compact, UTF-8, ``<>&`` escaped), no newline."""
+    from kvserve.store import go_json
+
+    return go_json(obj)[:-1]
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(_go_json(obj), status_code=status, media_type=JSON_TYPE)
+
+
+def _error(status: int, message: str) -> Response:
+    return _json(ErrorResponse(error=message).wire(), status)
+
+
+def _status_message(e: BaseException) -> tuple[int, str]:
+    """Ollama's (status, text) for an exception; server faults are logged with their traceback."""
+    if isinstance(e, (ApiError, KvserveError)):
+        err = ApiError.from_exception(e)
+        if err.status >= 500 and not isinstance(e, ApiError):
+            log.error("request failed: %s", err.message)
+        return err.status, err.message
+    log.exception("request failed", exc_info=e)
+    return 500, f"{type(e).__name__}: {e}"
+
+
+def _error_of(e: BaseException) -> Response:
+    if isinstance(e, ClientDisconnected):
+        return Response(status_code=499)
+    return _error(*_status_message(e))
+
+
+async def _body(http: HttpRequest) -> dict:
+    """The JSON object of the request: 400 ``missing request body`` when there is none."""
+    raw = await http.body()
+    if not raw.strip():
+        raise ApiError(400, "missing request body")
+    body = await asyncio.to_thread(parse_json_body, raw) if len(raw) > 65536 else parse_json_body(raw)
+    if not isinstance(body, dict):
+        raise ApiError(400, "json: cannot unmarshal into Go value: the request body must be a JSON object")
+    from kvserve.jsonvalues import check_text
+
+    check_text(body)
+    return body
+
+
+def _string(body: dict, key: str) -> str:
+    v = body.get(key)
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise ApiError(400, f"json: cannot unmarshal {_go_type(v)} into Go struct field .{key} of type string")
+    return v
+
+
+def _go_type(v: Any) -> str:
+    return {bool: "bool", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(v), "value")
+
+
+def _flag(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(400, f"json: cannot unmarshal {_go_type(v)} into Go struct field .{key} of type bool")
+    return v
+
+
+def _model_name(body: dict, *keys: str) -> str:
+    """The request's model name (``model``, else the deprecated ``name``): 400 ``model is required``."""
+    for k in keys or ("model",):
+        v = _string(body, k)
+        if v:
+            return v
+    raise ApiError(400, "model is required")
+
+
+def _store(state: ServerState):
+    from kvserve.store import open_store
+
+    return open_store(state.args.models_dir)
+
+
+# ------------------------------------------------------------------------ options
+
+
+@dataclass
+class OllamaOptions:
+    """A request's options merged over the model's params layer and Ollama's defaults.
+
+    Attributes:
+        sampling: the fields for the chat/completion plan (``temperature``, ``n_predict``...).
+        num_ctx: tokens of context per sequence, None when neither the request nor the
+            model sets it (the server's ``-c`` applies).
+    """
+
+    sampling: dict[str, Any]
+    num_ctx: int | None = None
+
+
+def _check_option(key: str, v: Any) -> Any:
+    """Ollama's ``Options.FromMap`` type checks (its error texts), returning the value."""
+    if key in _INT_OPTIONS:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
+            raise ApiError(400, f'option "{key}" must be of type integer')
+        return int(v)
+    if key in _FLOAT_OPTIONS:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+            raise ApiError(400, f'option "{key}" must be of type float32')
+        return float(v)
+    if key in _BOOL_OPTIONS:
+        if not isinstance(v, bool):
+            raise ApiError(400, f'option "{key}" must be of type boolean')
+        return v
+    if key in _LIST_OPTIONS:
+        if isinstance(v, str):  # a Modelfile's single PARAMETER stop may be stored as a string
+            return [v]
+        if not isinstance(v, list):
+            raise ApiError(400, f'option "{key}" must be of type array')
+        if not all(isinstance(s, str) for s in v):
+            raise ApiError(400, f'option "{key}" must be of an array of strings')
+        return list(v)
+    return v
+
+
+def ollama_options(model_params: dict | None, request_options: Any) -> OllamaOptions:
+    """Ollama's option layering: :data:`DEFAULT_OPTIONS`, then the model's params layer, then the
+    request's ``options`` (null values are skipped, as Ollama's FromMap does).
+
+    Mapping onto the sampler: ``num_predict`` -> n_predict (-1, and Ollama's -2 "fill the
+    context", generate until the context is full); ``seed`` -1 -> a random seed; the other
+    sampling options keep their names (llama.cpp's). Unknown keys are logged and ignored.
+
+    Raises:
+        ApiError: 400 for an ``options`` that is not an object or a value of the wrong type.
+    """
+    if request_options is not None and not isinstance(request_options, dict):
+        raise ApiError(400, "json: cannot unmarshal into Go struct field .options of type map[string]interface {}")
+    merged: dict[str, Any] = dict(DEFAULT_OPTIONS)
+    num_ctx: int | None = None
+    for layer in (model_params or {}, request_options or {}):
+        for key, v in layer.items():
+            if v is None:
+                continue
+            if key not in _INT_OPTIONS + _FLOAT_OPTIONS + _BOOL_OPTIONS + _LIST_OPTIONS:
+                log.warning('invalid option provided: option "%s" is ignored', key, extra={"func": "ollama"})
+                continue
+            v = _check_option(key, v)
+            if key == "num_ctx":
+                num_ctx = v if v > 0 else None
+            merged[key] = v
+    sampling = {_SAMPLING_FIELDS[k]: merged[k] for k in _SAMPLING_FIELDS}
+    sampling["n_predict"] = max(sampling["n_predict"], -1)
+    return OllamaOptions(sampling, num_ctx)
+
+
+# ------------------------------------------------------------------------ the model's layers
+
+
+@dataclass
+class ModelLayers:
+    """What a store model adds to a request: its params, SYSTEM, MESSAGE and TEMPLATE layers,
+    the stored manifest (None for a model outside the store) and its config details."""
+
+    params: dict = field(default_factory=dict)
+    system: str = ""
+    messages: list = field(default_factory=list)
+    template: str | None = None
+    stored: Any = None
+    details: dict = field(default_factory=dict)
+
+
+def _layers(state: ServerState, spec: ModelSpec) -> ModelLayers:
+    """The layers of the store model ``spec`` names (worker-thread work: reads small blobs)."""
+    store = _store(state)
+    try:
+        stored = store.get(spec.name)
+    except ValueError:  # not a store name (a path, a -m alias)
+        stored = None
+    if stored is None or (spec.path and stored.model_path is not None and str(stored.model_path) != spec.path):
+        return ModelLayers()
+    m = stored.manifest
+    try:
+        return ModelLayers(store.params(m), store.layer_text(m, "system") or "", store.messages(m),
+                           store.layer_text(m, "template"), stored, _config(store, m))
+    except (OSError, KvserveError) as e:
+        log.warning("model '%s': cannot read its layers: %s", spec.name, e)
+        return ModelLayers(stored=stored)
+
+
+def _config(store, manifest) -> dict:
+    try:
+        data = json.loads(store.blob_path(manifest.config.digest).read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _details(config: dict) -> ModelDetails:
+    fams = config.get("model_families")
+    return ModelDetails(parent_model="", format=str(config.get("model_format") or ""),
+                        family=str(config.get("model_family") or ""),
+                        families=[str(f) for f in fams] if isinstance(fams, list) else None,
+                        parameter_size=str(config.get("model_type") or ""),
+                        quantization_level=str(config.get("file_type") or ""))
+
+
+# ------------------------------------------------------------------------ leases
+
+
+def _spec_for(state: ServerState, spec: ModelSpec, num_ctx: int | None) -> ModelSpec:
+    """``spec`` with the context ``num_ctx`` (tokens per sequence) asks for; a loaded runner
+    whose sequences already have it keeps its spec (no reload). Pinned models (``-m``) keep
+    the server's context (logged)."""
+    if num_ctx is None:
+        return spec
+    if spec.pinned:
+        log.warning("num_ctx %d ignored: the model was given with -m (its context is -c)", num_ctx,
+                    extra={"func": "ollama"})
+        return spec
+    e = state.manager.get(spec.name)
+    if e is not None and e.runner is not None and e.runner.engine is not None \
+            and e.runner.engine.n_ctx_slot == num_ctx:
+        return dataclasses.replace(spec, n_ctx=e.spec.n_ctx)
+    cfg = state.args.engine_config()
+    return dataclasses.replace(spec, n_ctx=num_ctx * (1 if cfg.unified else max(cfg.n_slots, 1)))
+
+
+async def _acquire(state: ServerState, spec: ModelSpec, keep_alive: float | None, http: HttpRequest,
+                   poll_s: float = 0.25) -> Lease:
+    """Hold ``spec``'s runner (loading it), giving up when the client leaves meanwhile (a lease
+    that arrives while the disconnect is noticed is released, never dropped)."""
+    state.require_up()
+    task = asyncio.ensure_future(state.manager.acquire(spec, keep_alive))
+
+    def drop_late_lease(t: asyncio.Task) -> None:
+        if not t.cancelled() and t.exception() is None:
+            t.result().release()
+
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                lease = task.result()
+                break
+            if await http.is_disconnected():
+                raise ClientDisconnected("client disconnected")
+    except BaseException:
+        if task.done():
+            drop_late_lease(task)
+        else:
+            task.cancel()
+            task.add_done_callback(drop_late_lease)
+        raise
+    try:
+        lease.runner.require_ready()
+    except BaseException:
+        lease.release()
+        raise
+    return lease
+
+
+# ------------------------------------------------------------------------ chat and generate
+
+
+@dataclass
+class _Call:
+    """One /api/chat or /api/generate request, read and checked before any model is held."""
+
+    kind: str  # "chat" | "generate"
+    model: str  # the name as the request gave it (responses echo it)
+    body: dict
+    stream: bool
+    keep_alive: float | None
+    t0: int  # monotonic ns when the request arrived
+    layers: ModelLayers = field(default_factory=ModelLayers)
+    options: OllamaOptions | None = None
+    t_loaded: int = 0
+
+
+@dataclass
+class _Run:
+    """A planned request: the plan of the OpenAI face's pieces plus what Ollama's output needs."""
+
+    plan: Any  # kvserve.faces.openai.Plan
+    post: ChoiceOutput | None
+    with_context: bool = False  # generate, not raw: return the token ids
+
+
+def _think_value(body: dict) -> bool | str | None:
+    v = body.get("think")
+    if v is None or isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v in ("high", "medium", "low", "max"):
+        return v
+    if isinstance(v, str):
+        raise ApiError(400, f'invalid think value: "{v}" (must be "high", "medium", "low", "max", true, or false)')
+    raise ApiError(400, 'think must be a boolean or string ("high", "medium", "low", "max", true, or false)')
+
+
+def template_source(runner: Runner) -> str:
+    """The chat template text a runner renders with ("" without one)."""
+    t = runner.template
+    return getattr(t, "source", "") or "" if t is not None else ""
+
+
+def capabilities(template: str, tool_parser: str | None = None) -> list[str]:
+    """Ollama's capabilities of a model from its chat template: ``completion``; ``tools`` when
+    a tool-call parser fits the template (or ``--tool-call-parser`` is set); ``thinking`` when
+    the template writes or switches thinking blocks (``<think>``, ``enable_thinking``)."""
+    from kvserve.chat.tool_calls import detect_tool_parser
+
+    caps = ["completion"]
+    if tool_parser or (template and detect_tool_parser(template)):
+        caps.append("tools")
+    if "<think>" in template or "enable_thinking" in template:
+        caps.append("thinking")
+    return caps
+
+
+def _chat_messages(messages: Any) -> list[dict]:
+    """Ollama messages -> the OpenAI-style messages the chat renderer takes: ``thinking`` ->
+    ``reasoning_content``, ``tool_name`` -> ``name``; ``images`` refused (400)."""
+    if not isinstance(messages, list):
+        raise ApiError(400, "json: cannot unmarshal into Go struct field .messages of type []api.Message")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}]: expected an object")
+        if m.get("images"):
+            raise ApiError(400, "vision is not supported")
+        msg = {k: v for k, v in m.items() if k not in ("images", "thinking", "tool_name")}
+        role = msg.get("role")
+        msg["role"] = role.lower() if isinstance(role, str) else role  # Ollama lower-cases roles
+        if msg.get("content") is None:
+            msg["content"] = ""
+        if isinstance(m.get("thinking"), str) and m["thinking"]:
+            msg["reasoning_content"] = m["thinking"]
+        if isinstance(m.get("tool_name"), str) and m["tool_name"] and "name" not in msg:
+            msg["name"] = m["tool_name"]
+        out.append(msg)
+    return out
+
+
+def _with_model_turns(messages: list[dict], layers: ModelLayers) -> list[dict]:
+    """Ollama's ChatHandler order: the model's MESSAGE turns, then the request's, and the
+    model's SYSTEM first unless the request starts with a system message."""
+    msgs = [*layers.messages, *messages]
+    if messages and messages[0].get("role") != "system" and layers.system:
+        msgs = [{"role": "system", "content": layers.system}, *msgs]
+    return msgs
+
+
+def _openai_body(call: _Call, runner: Runner) -> dict:
+    """The OpenAI-shaped body the plans read: sampling fields, ``stream``, ``format`` as a
+    ``response_format``, ``think`` as the template's ``enable_thinking``."""
+    from kvserve.structured.spec import constraint_from_body
+
+    body = call.body
+    out: dict[str, Any] = dict(call.options.sampling)
+    if not out["stop"]:
+        del out["stop"]
+    spec = constraint_from_body({"format": body.get("format")}, "ollama")  # Ollama's field names in errors
+    if spec is not None:
+        f = body["format"]
+        out["response_format"] = {"type": "json_object"} if f == "json" else {"type": "json_object", "schema": f}
+    think = _think_value(body)
+    thinks = "thinking" in capabilities(template_source(runner), runner.args.tool_call_parser)
+    if think not in (None, False) and not thinks:
+        raise ApiError(400, f'"{call.model}" does not support thinking')
+    if thinks:
+        if think is False:
+            out["chat_template_kwargs"] = {"enable_thinking": False}
+            out["reasoning_format"] = "none"
+        elif isinstance(think, str):
+            out["reasoning_effort"] = think
+    else:
+        out["reasoning_format"] = "none"
+    return out
+
+
+def _forced_call(runner: Runner, messages: list[dict], tools: Any) -> bool:
+    """True when ``tools`` are given and the final assistant message is the opening of a call in
+    the template's format (e.g. ``<tool_call>\\n``): that call is then forced by a grammar."""
+    if not tools or not messages or messages[-1].get("role") != "assistant":
+        return False
+    content = messages[-1].get("content")
+    if not isinstance(content, str) or not content.strip():
+        return False
+    from kvserve.chat.tool_calls import detect_tool_parser
+    from kvserve.chat.tool_grammar import TOOL_GRAMMAR_FORMATS, tool_call_prefix
+
+    parser = runner.args.tool_call_parser or detect_tool_parser(template_source(runner))
+    if parser not in TOOL_GRAMMAR_FORMATS:
+        return False
+    return content == tool_call_prefix(parser)
+
+
+def _plan(runner: Runner, call: _Call) -> _Run:
+    """Build the engine requests (worker-thread work: rendering, tokenizing, grammar compiles)."""
+    from kvserve.faces import openai as oai
+
+    body = _openai_body(call, runner)
+    b = call.body
+    if call.kind == "chat":
+        msgs = _with_model_turns(_chat_messages(b.get("messages")), call.layers)
+        body["messages"] = msgs
+        tools = b.get("tools")
+        if tools:
+            body["tools"] = tools
+            if _forced_call(runner, msgs, tools):
+                body["tool_choice"] = "required"
+        plan = oai.chat_plan(runner, body)
+        return _Run(plan, ChoiceOutput(plan.mode) if plan.mode.active else None)
+    return _generate_plan(runner, call, body)
+
+
+def _generate_plan(runner: Runner, call: _Call, body: dict) -> _Run:
+    from kvserve.faces import openai as oai
+
+    b = call.body
+    prompt, suffix, system, template = (_string(b, k) for k in ("prompt", "suffix", "system", "template"))
+    raw = _flag(b, "raw", False)
+    context = b.get("context")
+    if context is not None and (not isinstance(context, list)
+                                or not all(isinstance(t, int) and not isinstance(t, bool) for t in context)):
+        raise ApiError(400, "json: cannot unmarshal into Go struct field .context of type []int")
+    context = context or []
+    if raw and (template or system or context):
+        raise ApiError(400, "raw mode does not support template, system, or context")
+    if suffix and not template:
+        raise ApiError(400, f'"{call.model}" does not support insert')
+    if raw:
+        body["prompt"] = prompt
+        plan = oai.completion_plan(runner, body)
+        return _Run(plan, None)
+    msgs = [{"role": "system", "content": system or call.layers.system}] if system or call.layers.system else []
+    if not context:
+        msgs += call.layers.messages
+    msgs.append({"role": "user", "content": prompt})
+    if template:
+        text = _go_template(template, msgs, _think_value(b), prompt, suffix, call.model)
+        body["prompt"] = [*context, text] if context else text
+        return _Run(oai.completion_plan(runner, body), None, with_context=True)
+    if context:  # Ollama prepends the context's text to the rendered prompt
+        from kvserve.chat.prompt import render_chat
+
+        text, _ = render_chat(runner.template, runner.tokenizer, msgs, **body.get("chat_template_kwargs", {}))
+        body["prompt"] = [*context, text]
+        return _Run(oai.completion_plan(runner, body), None, with_context=True)
+    body["messages"] = msgs
+    plan = oai.chat_plan(runner, body)
+    return _Run(plan, ChoiceOutput(plan.mode) if plan.mode.active else None, with_context=True)
+
+
+def _go_template(template: str, msgs: list[dict], think, prompt: str, suffix: str, model: str) -> str:
+    """Render an Ollama (Go) template given with the request."""
+    try:
+        from kvserve.chat.go_template import OllamaTemplate
+    except ImportError:
+        raise ApiError(501, "templates in Go's template language are not supported yet") from None
+    t = OllamaTemplate(template)
+    if suffix:
+        if "suffix" not in t.vars:
+            raise ApiError(400, f'"{model}" does not support insert')
+        return t.render(think=think, prompt=prompt, suffix=suffix)
+    return t.render(msgs, think=think)
+
+
+# -- output ---------------------------------------------------------------------------------
+
+
+def _tool_calls(calls: list[dict], start: int) -> list[ToolCall]:
+    """OpenAI-style calls (arguments as JSON text) -> Ollama's (arguments as objects)."""
+    out = []
+    for k, c in enumerate(calls):
+        f = c.get("function") or {}
+        try:
+            args = json.loads(f.get("arguments") or "{}")
+        except ValueError:
+            args = {}
+        out.append(ToolCall(id=c.get("id") or "", function=ToolCallFunction(
+            index=start + k, name=f.get("name", ""), arguments=args if isinstance(args, dict) else {})))
+    return out
+
+
+class _Pieces:
+    """Turns the plan's text deltas into Ollama's fields: content, thinking, tool calls."""
+
+    def __init__(self, post: ChoiceOutput | None):
+        self.post = post
+        self.n_calls = 0
+
+    def feed(self, text: str, finished: bool) -> tuple[str, str, list[ToolCall]]:
+        if self.post is None:
+            return text, "", []
+        deltas = self.post.feed(text) if text else []
+        if finished:
+            deltas += self.post.finish()
+        return self._fields(deltas)
+
+    def _fields(self, deltas: list[dict]) -> tuple[str, str, list[ToolCall]]:
+        content, thinking, calls = [], [], []
+        for d in deltas:
+            content.append(d.get("content") or "")
+            thinking.append(d.get("reasoning_content") or d.get("reasoning") or "")
+            if d.get("tool_calls"):
+                new = _tool_calls(d["tool_calls"], self.n_calls)
+                self.n_calls += len(new)
+                calls += new
+        return "".join(content), "".join(thinking), calls
+
+    def whole(self, text: str) -> tuple[str, str, list[ToolCall]]:
+        if self.post is None:
+            return text, "", []
+        msg = self.post.message(text)
+        calls = _tool_calls(msg.get("tool_calls") or [], 0)
+        return msg.get("content") or "", msg.get("reasoning_content") or msg.get("reasoning") or "", calls
+
+
+def _metrics(call: _Call, out: RequestOutput | None) -> dict:
+    now = time.monotonic_ns()
+    m = {"total_duration": now - call.t0, "load_duration": max(call.t_loaded - call.t0, 0),
+         "prompt_eval_count": 0, "prompt_eval_duration": 0, "eval_count": 0, "eval_duration": 0}
+    if out is not None:
+        t = out.timings
+        m.update(prompt_eval_count=t.prompt_n, prompt_eval_duration=int(t.prompt_ms * 1e6),
+                 eval_count=out.num_output_tokens, eval_duration=int(t.predicted_ms * 1e6))
+    return m
+
+
+def _object(call: _Call, content: str, thinking: str = "", calls: list[ToolCall] | None = None, *,
+            done: bool = False, reason: str = "", out: RequestOutput | None = None,
+            context: list[int] | None = None) -> dict:
+    """One response object of ``call``'s kind (a stream line, or the whole answer)."""
+    extra: dict[str, Any] = {}
+    if done:
+        extra.update(done_reason=reason, **_metrics(call, out))
+    if call.kind == "chat":
+        msg = Message(role="assistant", content=content)
+        if thinking:
+            msg.thinking = thinking
+        if calls:
+            msg.tool_calls = calls
+        return ChatResponse(model=call.model, created_at=go_time(), message=msg, done=done, **extra).wire()
+    r = GenerateResponse(model=call.model, created_at=go_time(), response=content, done=done, **extra)
+    if thinking:
+        r.thinking = thinking
+    if context is not None:
+        r.context = context
+    if calls:
+        r.tool_calls = calls
+    return r.wire()
+
+
+async def _outputs(runner: Runner, run: _Run) -> AsyncIterator[RequestOutput]:
+    from kvserve.faces import openai as oai
+
+    async for _, out in oai.run_choices(runner, run.plan):
+        if out.error:
+            raise ApiError(500, out.error)
+        yield out
+
+
+async def _stream_lines(runner: Runner, call: _Call, run: _Run) -> AsyncIterator[bytes]:
+    """The NDJSON lines of a streamed answer."""
+    pieces = _Pieces(run.post)
+    ids: list[int] = []
+    async for out in _outputs(runner, run):
+        ids += out.new_token_ids
+        content, thinking, calls = pieces.feed(out.text, out.finished)
+        if content or thinking or calls:
+            yield _go_json(_object(call, content, thinking, calls)) + b"\n"
+        if out.finished:
+            ctx = [*run.plan.requests[0].prompt_token_ids, *ids] if run.with_context else None
+            yield _go_json(_object(call, "", done=True, reason=out.finish_reason or "stop", out=out,
+                                   context=ctx)) + b"\n"
+
+
+async def _whole(runner: Runner, call: _Call, run: _Run) -> dict:
+    """The one object of a non-streamed answer."""
+    text, ids, final = [], [], None
+    async for out in _outputs(runner, run):
+        text.append(out.text)
+        ids += out.new_token_ids
+        if out.finished:
+            final = out
+    content, thinking, calls = _Pieces(run.post).whole("".join(text))
+    ctx = [*run.plan.requests[0].prompt_token_ids, *ids] if run.with_context else None
+    return _object(call, content, thinking, calls, done=True, reason=(final.finish_reason if final else None) or "stop",
+                   out=final, context=ctx)
+
+
+async def _ndjson(lines: AsyncIterator[bytes]) -> StreamingResponse:
+    """An NDJSON response whose first line exists before the response starts (so an error found
+    by then is a plain JSON error); later errors become one ``{"error": ...}`` line."""
+    it = lines.__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        first = b""
+
+    async def body():
+        try:
+            if first:
+                yield first
+            async for line in it:
+                yield line
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - after the start an error is the last line
+            yield _go_json(ErrorResponse(error=_status_message(e)[1]).wire()) + b"\n"
+        finally:
+            await it.aclose()
+
+    return StreamingResponse(body(), media_type=NDJSON)
+
+
+async def _infer(state: ServerState, http: HttpRequest, kind: str) -> Response:
+    """/api/chat and /api/generate (see the module docstring)."""
+    t0 = time.monotonic_ns()
+    lease: Lease | None = None
+    try:
+        b = await _body(http)
+        model = _model_name(b)
+        keep_alive = parse_keep_alive(b["keep_alive"]) if b.get("keep_alive") is not None else None
+        call = _Call(kind, model, b, _flag(b, "stream", True), keep_alive, t0)
+        if kind == "chat":
+            if b.get("messages") is not None and not isinstance(b["messages"], list):
+                _chat_messages(b["messages"])  # the type error
+            empty = not b.get("messages")
+        else:
+            if b.get("images"):
+                raise ApiError(400, "vision is not supported")
+            empty = not _string(b, "prompt") and not _string(b, "suffix")
+        spec = state.resolve(model)
+        if empty and keep_alive == 0:  # unload: nothing is loaded for it
+            await state.manager.unload(spec.name)
+            call.t_loaded = time.monotonic_ns()
+            return _json(_object(call, "", done=True, reason="unload"))
+        call.layers = await asyncio.to_thread(_layers, state, spec)
+        call.options = ollama_options(call.layers.params, b.get("options"))
+        lease = await _acquire(state, _spec_for(state, spec, call.options.num_ctx), keep_alive, http)
+        call.t_loaded = time.monotonic_ns()
+        if empty:
+            return _json(_object(call, "", done=True, reason="load"))
+        runner = lease.runner
+        run = await asyncio.to_thread(_plan, runner, call)
+        if call.stream:
+            response = await _ndjson(_stream_lines(runner, call, run))
+            held, lease = lease, None
+            return LeasedResponse(response, held)
+        return _json(await until_disconnect(http, _whole(runner, call, run)))
+    except Exception as e:  # noqa: BLE001 - every failure answers {"error": ...}
+        return _error_of(e)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+# ------------------------------------------------------------------------ models
+
+
+def _show(state: ServerState, body: dict) -> dict:
+    """/api/show (worker-thread work: reads the GGUF header)."""
+    from kvserve.loaders.gguf import read_gguf_header
+
+    name = _model_name(body, "model", "name")
+    spec = state.resolve(name)
+    layers = _layers(state, spec)
+    if layers.stored is None and not spec.path:
+        raise NotFoundError(f"model '{name}' not found")
+    md, tensors = read_gguf_header(spec.path) if spec.path else ({}, [])
+    source = _runner_template(state, layers, md)
+    system = _string(body, "system") or layers.system
+    verbose = _flag(body, "verbose", False)
+    info = _model_info(md, tensors, verbose)
+    config = layers.details or _config_from_header(md, tensors)
+    r = ShowResponse(details=_details(config), model_info=info, modified_at=go_time(
+        int((layers.stored.modified if layers.stored else time.time()) * 1e9)))
+    lic = _license(state, layers)
+    if lic:
+        r.license = lic
+    from kvserve.ollama.modelfile import show_modelfile, show_parameters
+
+    r.modelfile = show_modelfile(short_name=layers.stored.display if layers.stored is not None else spec.name,
+                                 model_path=spec.path, template=layers.template, system=system,
+                                 parameters=layers.params, licenses=[lic] if lic else [],
+                                 messages=layers.messages)
+    params = show_parameters(layers.params)
+    if params:
+        r.parameters = params
+    if source:
+        r.template = source
+    if system:
+        r.system = system
+    if layers.messages:
+        r.messages = [{"role": m.get("role", ""), "content": m.get("content", "")} for m in layers.messages]
+    r.capabilities = capabilities(source, state.args.tool_call_parser)
+    return r.wire()
+
+
+def _runner_template(state: ServerState, layers: ModelLayers, md: dict) -> str:
+    """The template a runner of this model renders with, as :func:`make_template` picks it
+    (``--chat-template-file``, ``--chat-template``, the GGUF's), else the TEMPLATE layer."""
+    a = state.args
+    if a.chat_template_file:
+        try:
+            with open(a.chat_template_file, encoding="utf-8") as f:
+                return f.read()
+        except OSError:
+            return ""
+    if a.chat_template:
+        from kvserve.serving.runner import CHATML
+
+        return CHATML if a.chat_template == "chatml" else a.chat_template
+    return str(md.get("tokenizer.chat_template") or layers.template or "")
+
+
+def _license(state: ServerState, layers: ModelLayers) -> str:
+    if layers.stored is None:
+        return ""
+    store = _store(state)
+    texts = []
+    for layer in layers.stored.manifest.layers_of("license"):
+        try:
+            texts.append(store.blob_path(layer.digest).read_text(encoding="utf-8", errors="replace"))
+        except OSError:
+            pass
+    return "\n".join(texts)
+
+
+def _model_info(md: dict, tensors: list, verbose: bool) -> dict:
+    """The GGUF header as Ollama's /api/show writes it: without ``general.name`` and
+    ``tokenizer.chat_template``, arrays of more than 5 items empty unless ``verbose``, and
+    ``general.parameter_count``."""
+    info: dict[str, Any] = {}
+    for k, v in md.items():
+        if k in ("general.name", "tokenizer.chat_template", "GGUF.version"):
+            continue
+        if isinstance(v, (list, tuple)) or hasattr(v, "tolist"):
+            v = list(v.tolist() if hasattr(v, "tolist") else v)
+            if len(v) > 5 and not verbose:
+                v = []
+        if isinstance(v, float) and not math.isfinite(v):
+            v = None
+        info[k] = v
+    info.setdefault("general.parameter_count", sum(t.n_elements for t in tensors))
+    return dict(sorted(info.items()))
+
+
+def _config_from_header(md: dict, tensors: list) -> dict:
+    from kvserve.store.manifest import human_number
+
+    arch = str(md.get("general.architecture") or "")
+
+    return {"model_format": "gguf", "model_family": arch, "model_families": [arch] if arch else None,
+            "model_type": human_number(sum(t.n_elements for t in tensors)) if tensors else "",
+            "file_type": ""}
+
+
+def _tags(state: ServerState) -> dict:
+    store = _store(state)
+    models = []
+    for m in store.list():
+        models.append(ListModel(name=m.display, model=m.display, modified_at=go_time(int(m.modified * 1e9)),
+                                size=m.size, digest=m.digest, details=_details(_config(store, m.manifest))))
+    return ListResponse(models=models).wire()
+
+
+def _ps(state: ServerState) -> dict:
+    """/api/ps: the loaded runners, the longest time left first (Ollama sorts by expires_at,
+    descending, stable)."""
+    mgr = state.manager
+    now_ns, now_clock = time.time_ns(), mgr.clock()
+    store = _store(state)
+    rows = []
+    for e in list(mgr.loaded.values()):
+        r = e.runner
+        if r is None or r.engine is None or e.closing:
+            continue
+        if e.spec.pinned or e.keep_alive < 0 or math.isinf(e.keep_alive):
+            expires = now_ns + _FOREVER_NS
+        elif e.expires_at is not None:
+            expires = now_ns + int((e.expires_at - now_clock) * 1e9)
+        else:  # busy: its timer starts when the last request ends
+            expires = now_ns + int(e.keep_alive * 1e9)
+        try:
+            stored = store.get(e.spec.name)
+        except ValueError:
+            stored = None
+        config = _config(store, stored.manifest) if stored is not None else {}
+        device = str(getattr(r.engine.core, "device", "cpu"))
+        rows.append((expires, ProcessModel(
+            name=e.spec.name, model=e.spec.name, size=int(e.size), digest=stored.digest if stored else "",
+            details=_details(config), expires_at=go_time(min(expires, 2**63 - 1)),
+            size_vram=0 if device.startswith("cpu") else int(e.size), context_length=r.engine.n_ctx_slot)))
+    rows.sort(key=lambda row: -(row[0] // 1_000_000_000))
+    return ProcessResponse(models=[p for _, p in rows]).wire()
+
+
+def _copy(state: ServerState, body: dict) -> None:
+    from kvserve.store import parse_name
+
+    src, dst = _string(body, "source"), _string(body, "destination")
+    for what, n in (("source", src), ("destination", dst)):
+        try:
+            parse_name(n)
+        except ValueError:
+            raise ApiError(400, f'{what} "{n}" is invalid') from None
+    store = _store(state)
+    if store.get(src) is None:
+        raise NotFoundError(f'model "{src}" not found')
+    store.copy(src, dst)
+
+
+def _delete(state: ServerState, body: dict) -> None:
+    from kvserve.store import parse_name
+
+    name = _string(body, "model") or _string(body, "name")
+    try:
+        parse_name(name)
+    except ValueError:
+        raise ApiError(400, f'name "{name}" is invalid') from None
+    store = _store(state)
+    if store.get(name) is None:
+        raise NotFoundError(f"model '{name}' not found")
+    store.delete(name)
+
+
+# ------------------------------------------------------------------------ pull and push
+
+
+def _progress_events(state: ServerState, kind: str, name: str, insecure: bool):
+    """The generator of /api/pull or /api/push progress events (:mod:`kvserve.store.registry`)."""
+    from kvserve.store import registry
+
+    if kind == "pull":
+        return registry.iter_pull(name, insecure=insecure, models_dir=state.args.models_dir)
+    return registry.iter_push(name, insecure=insecure, models_dir=state.args.models_dir)
+
+
+async def _events(gen) -> AsyncIterator[dict]:
+    """Drive a blocking progress generator on a worker thread; closing this iterator (the client
+    left) closes the generator at its next event (a pull keeps its partial download)."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    stop = False
+
+    def drive() -> None:
+        try:
+            for event in gen:
+                loop.call_soon_threadsafe(q.put_nowait, ("event", event))
+                if stop:
+                    break
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            loop.call_soon_threadsafe(q.put_nowait, ("error", e))
+            return
+        finally:
+            gen.close()
+        loop.call_soon_threadsafe(q.put_nowait, ("end", None))
+
+    worker = asyncio.ensure_future(asyncio.to_thread(drive))
+    try:
+        while True:
+            kind, item = await q.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise item
+            yield item
+    finally:
+        stop = True
+        await asyncio.shield(worker)
+
+
+def _registry_status(e: BaseException) -> tuple[int, str]:
+    """Ollama answers a failed pull or push with 500 (400 for an invalid name)."""
+    status, message = _status_message(e)
+    return (400 if status == 400 else 500), message
+
+
+async def _pull_push(state: ServerState, http: HttpRequest, kind: str) -> Response:
+    """/api/pull and /api/push: Ollama's progress statuses as NDJSON (``stream`` default true),
+    or the last status as one object; a failure is ``{"error": ...}`` (a last line once the
+    stream started)."""
+    from kvserve.store import parse_name
+
+    try:
+        b = await _body(http)
+        name = _string(b, "model") or _string(b, "name")
+        if not name:
+            raise ApiError(400, "invalid model name" if kind == "pull" else "model is required")
+        try:
+            parse_name(name)
+        except ValueError:
+            raise ApiError(400, "invalid model name") from None
+        events = _events(_progress_events(state, kind, name, _flag(b, "insecure", False)))
+        if not _flag(b, "stream", True):
+            last: dict = {}
+            async for ev in events:
+                last = ev
+            return _json(last)
+
+        async def lines():
+            async for ev in events:
+                yield _go_json(ev) + b"\n"
+
+        it = lines().__aiter__()
+        first = await it.__anext__()
+
+        async def body():
+            yield first
+            try:
+                async for line in it:
+                    yield line
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the last line
+                yield _go_json(ErrorResponse(error=_registry_status(e)[1]).wire()) + b"\n"
+            finally:
+                await it.aclose()
+
+        return StreamingResponse(body(), media_type=NDJSON)
+    except StopAsyncIteration:
+        return Response(b"", media_type=NDJSON)
+    except Exception as e:  # noqa: BLE001
+        if isinstance(e, ClientDisconnected):
+            return Response(status_code=499)
+        return _error(*_registry_status(e))
+
+
+# ------------------------------------------------------------------------ blobs
+
+
+class _ChunkReader:
+    """A blocking file-like reader over chunks an asyncio task puts in a queue (None ends):
+    :meth:`Store.write_blob` reads an upload on a worker thread as it arrives."""
+
+    def __init__(self):
+        self.q: queue.Queue = queue.Queue(maxsize=64)
+        self.buf = b""
+        self.done = False
+
+    def read(self, n: int = -1) -> bytes:
+        while not self.done and (n < 0 or len(self.buf) < n):
+            chunk = self.q.get()
+            if chunk is None:
+                self.done = True
+                break
+            self.buf += chunk
+        if n < 0:
+            out, self.buf = self.buf, b""
+        else:
+            out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+
+async def _upload_blob(state: ServerState, http: HttpRequest, digest: str) -> Response:
+    """POST /api/blobs/:digest: 200 when present, 201 when written and verified, 400 on a digest
+    mismatch or a malformed digest. The body streams to disk (a temp file renamed when its
+    sha256 matches), never held in memory."""
+    from kvserve.store import normalize_digest
+
+    try:
+        want = normalize_digest(digest)
+        store = _store(state)
+        if store.has_blob(want):
+            return Response(status_code=200)
+        reader = _ChunkReader()
+        work = asyncio.ensure_future(asyncio.to_thread(store.write_blob, reader, want))
+        try:
+            async for chunk in http.stream():
+                if chunk:
+                    await asyncio.to_thread(reader.q.put, chunk)
+                if work.done():
+                    break
+        finally:
+            await asyncio.to_thread(reader.q.put, None)
+        await work
+        return Response(status_code=201)
+    except Exception as e:  # noqa: BLE001
+        return _error_of(e)
+
+
+def _head_blob(state: ServerState, digest: str) -> Response:
+    from kvserve.store import normalize_digest
+
+    try:
+        want = normalize_digest(digest)
+    except InvalidInputError as e:
+        return _error(400, e.message)
+    if not _store(state).has_blob(want):
+        return _error(404, f'blob "{digest}" not found')
+    return Response(status_code=200)
+
+
+# ------------------------------------------------------------------------ routes
+
+
+def build_router(state: ServerState) -> APIRouter:
+    """The Ollama face's routes, bound to ``state``."""
+    r = APIRouter()
+
+    @r.get("/")
+    async def root() -> Response:
+        return Response("Ollama is running", media_type="text/plain; charset=utf-8")
+
+    @r.get("/api/version")
+    async def version() -> Response:
+        return _json(VersionResponse(version=OLLAMA_VERSION).wire())
+
+    @r.post("/api/generate")
+    async def generate(http: HttpRequest) -> Response:
+        return await _infer(state, http, "generate")
+
+    @r.post("/api/chat")
+    async def chat(http: HttpRequest) -> Response:
+        return await _infer(state, http, "chat")
+
+    @r.get("/api/tags")
+    async def tags() -> Response:
+        try:
+            return _json(await asyncio.to_thread(_tags, state))
+        except Exception as e:  # noqa: BLE001
+            return _error_of(e)
+
+    @r.get("/api/ps")
+    async def ps() -> Response:
+        try:
+            return _json(await asyncio.to_thread(_ps, state))
+        except Exception as e:  # noqa: BLE001
+            return _error_of(e)
+
+    @r.post("/api/show")
+    async def show(http: HttpRequest) -> Response:
+        try:
+            body = await _body(http)
+            return _json(await asyncio.to_thread(_show, state, body))
+        except Exception as e:  # noqa: BLE001
+            return _error_of(e)
+
+    @r.post("/api/copy")
+    async def copy(http: HttpRequest) -> Response:
+        try:
+            await asyncio.to_thread(_copy, state, await _body(http))
+            return Response(status_code=200)
+        except Exception as e:  # noqa: BLE001
+            return _error_of(e)
+
+    @r.delete("/api/delete")
+    async def delete(http: HttpRequest) -> Response:
+        try:
+            await asyncio.to_thread(_delete, state, await _body(http))
+            return Response(status_code=200)
+        except Exception as e:  # noqa: BLE001
+            return _error_of(e)
+
+    @r.get("/api/blobs/{digest}")  # HEAD arrives as GET (HeadAsGetMiddleware)
+    async def head_blob(digest: str) -> Response:
+        return await asyncio.to_thread(_head_blob, state, digest)
+
+    @r.post("/api/blobs/{digest}")
+    async def create_blob(digest: str, http: HttpRequest) -> Response:
+        return await _upload_blob(state, http, digest)
+
+    @r.post("/api/embed")
+    @r.post("/api/embeddings")
+    async def embed(http: HttpRequest) -> Response:
+        try:
+            body = await _body(http)
+            state.resolve(_model_name(body))
+            raise ApiError(400, "this model does not support embeddings")
+        except Exception as e:  # noqa: BLE001
+            return _error_of(e)
+
+    @r.post("/api/pull")
+    async def pull(http: HttpRequest) -> Response:
+        return await _pull_push(state, http, "pull")
+
+    @r.post("/api/push")
+    async def push(http: HttpRequest) -> Response:
+        return await _pull_push(state, http, "push")
+
+    @r.post("/api/create")
+    async def create(http: HttpRequest) -> Response:
+        return _error(501, "/api/create is not supported by this server yet")
+
+    return r

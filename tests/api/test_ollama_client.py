@@ -1,0 +1,261 @@
+"""Ollama's /api face through the official ``ollama`` Python client, unchanged (issue #13 item 4):
+list, show, copy, delete, chat and generate (streamed and not: greedy streamed text equals the
+non-streamed text), format json and a pydantic schema, a forced tool call with arguments as an
+object, ps, keep_alive 0 and the load/unload forms, ResponseError 404 for an unknown model.
+
+One server for the module: no ``-m`` (models come from a temporary ``KVSERVE_HOME`` store in
+Ollama's layout, built as tests/api/test_models.py builds one), the hermes tool template
+(tests/templates), 2 slots of 2048 tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ollama = pytest.importorskip("ollama")
+
+from kvserve.store import Layer, Store, media_type
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+HERMES = str(REPO / "tests" / "templates" / "hermes_tools.jinja")
+GREEDY = {"temperature": 0, "num_predict": 12}
+ASK = [{"role": "user", "content": "Name a color."}]
+READ_FILE = {"type": "function", "function": {
+    "name": "read_file", "description": "Read a file from the workspace",
+    "parameters": {"type": "object",
+                   "properties": {"path": {"type": "string", "enum": ["pom.xml", "src/Main.java"]}},
+                   "required": ["path"]}}}
+
+
+def make_home(root: Path, smollm2_path: str, params: dict | None = None, system: str = "") -> Path:
+    """A KVSERVE_HOME whose store (Ollama's layout) holds SmolLM2 as ``smollm2:latest`` (hard
+    link), optionally with a params layer and a SYSTEM layer."""
+    store = Store(root / "models")
+    w = store.import_file(smollm2_path)
+    layers = [Layer(media_type("model"), w.digest, w.size)]
+    if params:
+        from kvserve.store import go_json
+
+        layers.append(store.new_layer(go_json(params), "params"))
+    if system:
+        layers.append(store.new_layer(system.encode(), "system"))
+    store.create("smollm2", layers)
+    return root
+
+
+class Serve:
+    """A ``kvserve serve`` process on a free loopback port (stopped by :meth:`stop`)."""
+
+    def __init__(self, home: Path, *args: str):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="kvserve-ollama-", suffix=".log")[1])
+        env = dict(os.environ, PYTHONUNBUFFERED="1", KVSERVE_HOME=str(home))
+        env.pop("OLLAMA_MODELS", None)
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvserve", "serve", "--host", "127.0.0.1",
+                                          "--port", str(self.port), *args], stdout=out, stderr=subprocess.STDOUT,
+                                         cwd=REPO, env=env)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        pytest.fail(f"server not ready:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def srv(smollm2_path, tmp_path_factory):
+    s = Serve(make_home(tmp_path_factory.mktemp("ohome"), smollm2_path), "--chat-template-file", HERMES,
+              "-c", "4096", "-np", "2")
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(srv):
+    return ollama.Client(host=srv.base_url)
+
+
+def test_list_show(client):
+    models = client.list().models
+    assert [m.model for m in models] == ["smollm2:latest"]
+    m = models[0]
+    assert m.size > 90_000_000 and len(m.digest) == 64
+    assert m.details.format == "gguf" and m.details.family == "llama" and m.details.quantization_level == "Q4_1"
+    show = client.show("smollm2")
+    assert show.modelinfo["general.architecture"] == "llama"
+    assert show.modelinfo["llama.context_length"] == 8192
+    assert "general.name" not in show.modelinfo and "tokenizer.chat_template" not in show.modelinfo
+    assert show.modelinfo["tokenizer.ggml.tokens"] == []  # arrays longer than 5: empty unless verbose
+    assert show.capabilities == ["completion", "tools"]  # the hermes template: tools
+    assert "<tool_call>" in show.template
+    assert show.modelfile.startswith('# Modelfile generated by "ollama show"\n')
+    assert "\nFROM " in show.modelfile and show.details.parameter_size == "134.52M"
+
+
+def test_chat_streamed_equals_whole(client):
+    whole = client.chat(model="smollm2", messages=ASK, options=GREEDY, stream=False)
+    assert whole.model == "smollm2" and whole.done and whole.done_reason == "length"
+    assert whole.message.role == "assistant" and whole.message.content
+    assert whole.eval_count == 12 and whole.prompt_eval_count > 0
+    for k in ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration"):
+        assert getattr(whole, k) > 0, k
+    parts = list(client.chat(model="smollm2:latest", messages=ASK, options=GREEDY, stream=True))
+    assert all(not p.done for p in parts[:-1]) and parts[-1].done
+    assert parts[-1].model == "smollm2:latest"  # the name the request gave
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert parts[-1].message.content == "" and parts[-1].eval_count == 12
+
+
+def test_generate_streamed_equals_whole(client):
+    whole = client.generate(model="smollm2", prompt="The capital of France is", options=GREEDY)
+    assert whole.done_reason in ("stop", "length") and whole.response and 0 < whole.eval_count <= 12
+    assert whole.context and len(whole.context) > whole.eval_count  # prompt + response ids
+    parts = list(client.generate(model="smollm2", prompt="The capital of France is", options=GREEDY, stream=True))
+    assert "".join(p.response for p in parts) == whole.response
+    raw = client.generate(model="smollm2", prompt="The capital of France is", raw=True, options=GREEDY)
+    assert raw.response and raw.context is None
+
+
+def test_format_json_and_schema(client):
+    import json
+
+    from pydantic import BaseModel
+
+    r = client.chat(model="smollm2", messages=[{"role": "user", "content": "Give a JSON object with a key color."}],
+                    format="json", options={"temperature": 0, "num_predict": 60})
+    assert r.done_reason == "stop" and isinstance(json.loads(r.message.content), dict)
+
+    class Pet(BaseModel):
+        name: str
+        age: int
+
+    r = client.chat(model="smollm2", messages=[{"role": "user", "content": "Describe a pet as JSON."}],
+                    format=Pet.model_json_schema(), options={"temperature": 0, "num_predict": 60})
+    assert Pet.model_validate_json(r.message.content)
+    g = client.generate(model="smollm2", prompt="A pet as JSON:", format=Pet.model_json_schema(),
+                        options={"temperature": 0, "num_predict": 60})
+    assert Pet.model_validate_json(g.response)
+
+
+def test_forced_tool_call_has_object_arguments(client):
+    msgs = [{"role": "user", "content": "Show me pom.xml"}, {"role": "assistant", "content": "<tool_call>\n"}]
+    r = client.chat(model="smollm2", messages=msgs, tools=[READ_FILE], options={"temperature": 0, "num_predict": 100})
+    calls = r.message.tool_calls
+    assert calls and r.message.content == ""
+    for c in calls:
+        assert c.function.name == "read_file"
+        assert isinstance(c.function.arguments, dict) and c.function.arguments["path"] in ("pom.xml", "src/Main.java")
+    parts = list(client.chat(model="smollm2", messages=msgs, tools=[READ_FILE],
+                             options={"temperature": 0, "num_predict": 100}, stream=True))
+    streamed = [c for p in parts for c in (p.message.tool_calls or [])]
+    assert [(c.function.name, dict(c.function.arguments)) for c in streamed] == \
+        [(c.function.name, dict(c.function.arguments)) for c in calls]
+    # the calls go back into the conversation with object arguments and a tool result
+    follow = msgs[:1] + [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "read_file", "arguments": {"path": "pom.xml"}}}]},
+        {"role": "tool", "content": "<project/>", "tool_name": "read_file"}]
+    assert client.chat(model="smollm2", messages=follow, tools=[READ_FILE], options=GREEDY).done
+
+
+def test_copy_delete(client, srv):
+    client.copy("smollm2", "mine/smol:v1")
+    names = {m.model for m in client.list().models}
+    assert names == {"smollm2:latest", "mine/smol:v1"}
+    assert client.show("mine/smol:v1").modelinfo["general.architecture"] == "llama"
+    client.delete("mine/smol:v1")
+    assert {m.model for m in client.list().models} == {"smollm2:latest"}
+    assert client.chat(model="smollm2", messages=ASK, options=GREEDY).done  # the shared blob stayed
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete("mine/smol:v1")
+    assert e.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as e:
+        client.copy("nope", "other")
+    assert (e.value.status_code, e.value.error) == (404, 'model "nope" not found')
+
+
+def test_unknown_model_is_404(client):
+    for call in (lambda: client.chat(model="nope", messages=ASK), lambda: client.generate(model="nope", prompt="x"),
+                 lambda: client.show("nope"), lambda: list(client.chat(model="nope", messages=ASK, stream=True))):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert (e.value.status_code, e.value.error) == (404, "model 'nope' not found")
+
+
+def test_ps_keep_alive_load_unload(client):
+    r = client.chat(model="smollm2", messages=[], keep_alive=0)  # unload
+    assert (r.done, r.done_reason, r.message.content) == (True, "unload", "")
+    assert client.ps().models == []
+    r = client.generate(model="smollm2", prompt="", keep_alive="10m")  # load
+    assert (r.done, r.done_reason) == (True, "load") and r.load_duration > 0
+    (m,) = client.ps().models
+    assert (m.name, m.model, m.size_vram, m.context_length) == ("smollm2:latest", "smollm2:latest", 0, 2048)
+    assert m.size > 0 and len(m.digest) == 64 and m.details.family == "llama"
+    left = (m.expires_at.timestamp() - time.time())
+    assert 590 < left <= 600
+    client.chat(model="smollm2", messages=ASK, options=GREEDY, keep_alive=-1)
+    assert client.ps().models[0].expires_at.year > 2200  # forever
+    client.chat(model="smollm2", messages=ASK, options=GREEDY, keep_alive=0)  # unloads after the answer
+    deadline = time.monotonic() + 20
+    while client.ps().models and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert client.ps().models == []
+    r = client.generate(model="smollm2", prompt="", keep_alive=0)
+    assert r.done_reason == "unload"
+
+
+def test_push_pull_real_registry(client, tmp_path):
+    """Push to Debian's docker-registry on loopback, remove the model, pull it back (progress
+    stream), chat with it."""
+    ociregistry = pytest.importorskip("ociregistry")
+    if ociregistry.registry_binary() is None:
+        pytest.skip(ociregistry.MISSING)
+    with ociregistry.running_registry(tmp_path / "registry") as reg:
+        name = f"{reg.url.split('://')[-1]}/library/smol:v1"
+        client.copy("smollm2", name)
+        pushed = list(client.push(name, insecure=True, stream=True))
+        assert pushed[0].status == "retrieving manifest" and pushed[-1].status == "success"
+        assert any(p.status.startswith("pushing ") and p.total for p in pushed)
+        client.delete(name)
+        assert name not in {m.model for m in client.list().models}
+        pulled = list(client.pull(name, insecure=True, stream=True))
+        statuses = [p.status for p in pulled]
+        assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
+        assert "verifying sha256 digest" in statuses and "writing manifest" in statuses
+        assert name in {m.model for m in client.list().models}
+        assert client.chat(model=name, messages=ASK, options=GREEDY).done
+        assert client.pull(name, insecure=True).status == "success"  # not streamed: the last status
+        client.delete(name)
