@@ -248,3 +248,18 @@ def test_think(start_server, smollm2_path, tmp_path):
     assert "thinking" not in off["message"]
     shown = httpx.post(srv.url("/api/show"), json={"model": "smollm2"}, timeout=60).json()
     assert shown["capabilities"] == ["completion", "thinking"]
+
+
+@pytest.mark.slow
+def test_generate_with_a_go_template(srv):
+    base = {"model": "smollm2", "stream": False, "options": {"temperature": 0, "num_predict": 4}}
+    tmpl = "{{ if .System }}{{ .System }}\n{{ end }}User: {{ .Prompt }}\nAssistant:"
+    r = _post(srv, "/api/generate", {**base, "prompt": "Say hi.", "template": tmpl}).json()
+    raw = _post(srv, "/api/generate", {**base, "prompt": "You are terse.\nUser: Say hi.\nAssistant:",
+                                       "raw": True}).json()
+    assert r["response"] == raw["response"] and r["done_reason"] == "length"
+    fim = "<PRE> {{ .Prompt }} <SUF>{{ .Suffix }} <MID>"
+    r = _post(srv, "/api/generate", {**base, "prompt": "def f(", "suffix": "return x", "template": fim})
+    assert r.status_code == 200 and r.json()["done"], r.text
+    r = _post(srv, "/api/generate", {**base, "prompt": "x", "template": "{{ .Nope"})
+    assert r.status_code == 400 and set(r.json()) == {"error"}
