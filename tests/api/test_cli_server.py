@@ -149,3 +149,28 @@ def test_cp_rm_and_create_through_the_server(env, tmp_path, capsys):
     assert brief.manifest.layer("model").digest == env.require("tiny").manifest.layer("model").digest
     assert run(capsys, "show", "brief", "--system")[1] == "Be brief."
     assert run(capsys, "rm", "brief") == (0, "deleted 'brief'\n", "")
+
+
+def test_push_and_pull_through_the_server(env, tmp_path, capsys):
+    import ociregistry
+
+    if ociregistry.registry_binary() is None:
+        pytest.skip(ociregistry.MISSING)
+    with ociregistry.running_registry(tmp_path / "registry") as reg:
+        name = reg.name("cli/tiny:latest")
+        assert run(capsys, "cp", "tiny", name)[0] == 0
+        weights = env.require(name).manifest.layer("model")
+        rc, _, err = run(capsys, "push", name, "--insecure")
+        assert rc == 0, err
+        assert f"pushing {weights.digest[7:19]}" in err and err.rstrip().endswith("success")
+        assert "note:" not in err  # the server pushed, not this process
+        assert run(capsys, "rm", name) == (0, f"deleted '{name}'\n", "")
+        rc, _, err = run(capsys, "pull", name, "--insecure")
+        assert rc == 0, err
+        lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip()]
+        assert lines[0] == "pulling manifest" and lines[-1] == "success" and "note:" not in err
+        assert any(ln.startswith(f"pulling {weights.digest[7:19]}: 100%") for ln in lines)
+        assert env.require(name).manifest.layer("model").digest == weights.digest
+        rc, _, err = run(capsys, "pull", reg.name("cli/absent"), "--insecure")
+        assert (rc, err.splitlines()[-1]) == (1, "Error: pull model manifest: file does not exist")
+        assert run(capsys, "rm", name)[0] == 0
