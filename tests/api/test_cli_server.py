@@ -174,3 +174,22 @@ def test_push_and_pull_through_the_server(env, tmp_path, capsys):
         rc, _, err = run(capsys, "pull", reg.name("cli/absent"), "--insecure")
         assert (rc, err.splitlines()[-1]) == (1, "Error: pull model manifest: file does not exist")
         assert run(capsys, "rm", name)[0] == 0
+
+
+def test_create_from_a_gguf_uploads_its_blob_to_the_server(env, tmp_path, capsys):
+    import tinymodel
+
+    gguf = tinymodel.write_tiny_gguf(tmp_path / "other.gguf", seed=7)
+    digest = f"sha256:{sha256_file(gguf)}"
+    assert not env.has_blob(digest)
+    (tmp_path / "Modelfile").write_text("FROM ./other.gguf\nPARAMETER num_ctx 256\n")
+    rc, out, err = run(capsys, "create", "other", "-f", str(tmp_path / "Modelfile"))
+    assert (rc, out) == (0, ""), err
+    lines = [ln for ln in err.splitlines() if not ln.startswith("note: ")]
+    assert lines[:2] == ["gathering model components", f"copying file {digest} 0%"]
+    assert f"copying file {digest} 100%" in lines and lines[-1] == "success"
+    assert env.has_blob(digest)  # POST /api/blobs/:digest put it in the server's store
+    assert env.require("other").manifest.layer("model").digest == digest
+    assert env.params("other") == {"num_ctx": 256}
+    assert run(capsys, "rm", "other") == (0, "deleted 'other'\n", "")
+    assert not env.has_blob(digest)
