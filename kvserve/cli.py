@@ -514,7 +514,7 @@ def _create(argv: list[str]) -> int:
 
 
 def _run_args(argv: list[str]):
-    p = _parser("run", "chat with a model in the terminal (Ollama's `ollama run`)", store_option=False)
+    p = _parser("run", "chat with a model in the terminal (Ollama's `ollama run`)")
     p.add_argument("model", metavar="MODEL")
     p.add_argument("prompt", nargs="*", metavar="PROMPT")
     p.add_argument("-n", "--n-predict", type=int, default=None, help="tokens to generate at most (default 512 "
@@ -691,7 +691,12 @@ def _run_here(a) -> int:
     from kvserve.engine.core import create_engine_core
     from kvserve.engine.request import InvalidRequestError, Request, SamplingParams
 
-    core = create_engine_core(a.model, EngineConfig(n_ctx=a.ctx_size or 4096, n_parallel=1))
+    model = a.model
+    if a.models_dir is not None and not os.path.exists(model):  # a name in that store
+        from kvserve.store import open_store
+
+        model = str(open_store(a.models_dir).model_path(model))
+    core = create_engine_core(model, EngineConfig(n_ctx=a.ctx_size or 4096, n_parallel=1))
     tok = core.tokenizer
     template = ChatTemplate(core.chat_template or CHATML_TEMPLATE, tok.bos_token or "", tok.eos_token or "")
     messages: list[dict] = []
@@ -735,11 +740,11 @@ def _run_here(a) -> int:
 def _run(argv: list[str]) -> int:
     """``kvserve run MODEL [PROMPT]``: chat, streaming. With a running server through its /api/chat
     (a model it lacks is pulled first); without one, or when MODEL is a file or directory, the
-    model is loaded in this process. Ollama's flags: --keepalive, --format, --think,
+    model is loaded in this process (also with ``--models-dir``). Ollama's flags: --keepalive, --format, --think,
     --hidethinking, --verbose; kvserve's: -n, --temp, --seed, -c, -sys."""
     a = _run_args(argv)
     _think_value(a.think)
-    if not os.path.exists(a.model):
+    if a.models_dir is None and not os.path.exists(a.model):
         api = _server()
         if api is not None:
             return _run_on_server(api, a)

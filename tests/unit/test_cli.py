@@ -306,12 +306,15 @@ def test_ps_and_stop_without_a_server(tiny, capsys):
     assert run(capsys, "stop", "nothere") == (1, "", "Error: couldn't find model \"nothere\" to stop\n")
 
 
-def test_run_one_prompt_in_process(tiny_gguf, capsys):
+def test_run_one_prompt_in_process(tiny_gguf, store, tmp_path, capsys):
     rc, out, err = run(capsys, "run", tiny_gguf, "Hello", "-n", "6")
     assert rc == 0, err
     assert out.endswith("\n") and len(out) > 1
     again = run(capsys, "run", tiny_gguf, "Hello", "-n", "6")[1]
     assert again == out  # greedy by default in-process
+    assert run(capsys, "run", "tiny", "Hello", "-n", "6")[0] == 1  # not stored yet
+    assert run(capsys, "create", "tiny", "-f", write(tmp_path / "Modelfile", f"FROM {tiny_gguf}\n"))[0] == 0
+    assert run(capsys, "run", "tiny", "Hello", "-n", "6", "--models-dir", str(store.root)) == (0, out, "")
     rc, _, err = run(capsys, "run", tiny_gguf, "Hello", "--think=maybe")
     assert rc == 1 and err.startswith('Error: invalid value for --think: "maybe"')
 
