@@ -1,5 +1,9 @@
 """GGUF loader: metadata, tensors and tokenizer through the ``gguf`` package.
 
+Architectures: the llama family (llama, mistral, qwen2) and ``bert`` encoders as llama.cpp's
+converter writes them (:func:`bert_config_from_metadata`; WordPiece vocabulary
+``tokenizer.ggml.model = "bert"``).
+
 Quantized tensors: Q4_0 and Q4_1 are kept packed (converted to torch's int4
 layout by the model); every other type the ``gguf`` package can dequantize
 (F32, F16, BF16, Q8_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ*) becomes float32 at load.
@@ -275,6 +279,8 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model file not found: {path}")
     md, infos = read_gguf_header(path)
+    if md.get("general.architecture") == "bert":
+        return _load_bert_gguf(path, md, infos)
     config = config_from_metadata(md, path)
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     weights: dict[str, Weight] = {}
@@ -321,3 +327,102 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
         metadata={k: v for k, v in md.items() if not k.startswith("tokenizer.ggml.")},
     )
     return LoadedModel(config, info, weights, tokenizer, md.get("tokenizer.chat_template"))
+
+
+# ---------------------------------------------------------------------------------- BERT
+
+#: GGUF ``{arch}.pooling_type`` (llama.cpp ``enum llama_pooling_type``) -> kvserve pooling
+GGUF_POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
+def bert_config_from_metadata(md: dict, path: str, n_labels: int = 0):
+    """A BertConfig from ``bert.*`` GGUF metadata; ModelLoadError on missing keys.
+
+    Keys: block_count, embedding_length, attention.head_count, feed_forward_length,
+    context_length, attention.layer_norm_epsilon, pooling_type (optional),
+    ``tokenizer.ggml.token_type_count`` (optional). The FFN activation is GELU (exact),
+    what BERT checkpoints use; GGUF does not record it.
+    """
+    from kvserve.models.bert import BertConfig
+
+    def get(key, default=None):
+        v = md.get(f"bert.{key}")
+        if v is None:
+            if default is None:
+                raise ModelLoadError(f"{path}: missing GGUF key 'bert.{key}'")
+            return default
+        return v[0] if isinstance(v, list) else v
+
+    if md.get("bert.attention.causal"):
+        raise ModelLoadError(f"{path}: a causal BERT (bert.attention.causal) is not supported")
+    pooling = GGUF_POOLING.get(int(get("pooling_type", -1)))
+    if n_labels:
+        pooling = "rank"
+    elif pooling == "rank":
+        pooling = None
+    return BertConfig(
+        arch="bert",
+        n_layer=int(get("block_count")),
+        n_embd=int(get("embedding_length")),
+        n_head=int(get("attention.head_count")),
+        n_ff=int(get("feed_forward_length")),
+        n_vocab=len(md.get("tokenizer.ggml.tokens") or []),
+        n_ctx_train=int(get("context_length")),
+        n_token_types=int(md.get("tokenizer.ggml.token_type_count", 2) or 0),
+        norm_eps=float(get("attention.layer_norm_epsilon", 1e-12)),
+        n_labels=n_labels,
+        pooling=pooling,
+        pad_token_id=int(md.get("tokenizer.ggml.padding_token_id", 0) or 0),
+    )
+
+
+def _load_bert_gguf(path: str, md: dict, infos: list[TensorInfo]) -> LoadedModel:
+    """load_gguf for ``general.architecture = bert`` (see kvserve.models.bert for the names)."""
+    from kvserve.loaders.tokenizer import Tokenizer
+    from kvserve.models.bert import check_bert_tensors
+
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    weights: dict[str, Weight] = {}
+    size = n_params = 0
+    for t in infos:
+        size += t.n_bytes
+        n_params += t.n_elements
+        try:
+            w = _tensor_to_weight(t, raw)
+        except ValueError as e:
+            if isinstance(e, ModelLoadError):
+                raise
+            raise ModelLoadError(f"{path}: tensor '{t.name}' is truncated or malformed: {e}") from e
+        weights[t.name] = Weight(w.shape, dense=w.to_dense(), source_type=w.source_type)  # float32: no 4-bit path
+    head = weights.get("cls.output.weight")
+    config = bert_config_from_metadata(md, path, n_labels=head.shape[0] if head is not None and len(head.shape) == 2
+                                       else (1 if head is not None else 0))
+    if "token_embd.weight" in weights:
+        config.n_vocab = weights["token_embd.weight"].shape[0]
+    if "token_types.weight" not in weights:
+        config.n_token_types = 0
+    check_bert_tensors(config, weights, path)
+    check_finite(weights, path)
+    try:
+        tokenizer = Tokenizer.from_gguf(md)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot build tokenizer: {e}") from e
+    ftype = _FTYPE_NAMES.get(int(md.get("general.file_type", -1) or -1), "unknown")
+    if md.get("general.file_type") is None:
+        ftype = "unknown"
+    info = ModelInfo(
+        path=path,
+        name=str(md.get("general.name") or Path(path).stem),
+        format="gguf",
+        arch="bert",
+        ftype=ftype,
+        n_params=n_params,
+        size=size,
+        n_vocab=config.n_vocab,
+        n_ctx_train=config.n_ctx_train,
+        n_embd=config.n_embd,
+        vocab_type=getattr(tokenizer, "vocab_type", 3),
+        quantization_level=ftype.split(" ")[0] if ftype != "all F32" else "F32",
+        metadata={k: v for k, v in md.items() if not k.startswith("tokenizer.ggml.")},
+    )
+    return LoadedModel(config, info, weights, tokenizer, None)

@@ -47,6 +47,7 @@ __all__ = [
     "read_gguf_metadata",
     "VOCAB_TYPE_SPM",
     "VOCAB_TYPE_BPE",
+    "VOCAB_TYPE_WPM",
     "TOKEN_TYPE_NORMAL",
     "TOKEN_TYPE_UNKNOWN",
     "TOKEN_TYPE_CONTROL",
@@ -58,6 +59,7 @@ __all__ = [
 #: llama.cpp ``enum llama_vocab_type`` values.
 VOCAB_TYPE_SPM = 1
 VOCAB_TYPE_BPE = 2
+VOCAB_TYPE_WPM = 3
 
 #: GGUF ``tokenizer.ggml.token_type`` values (llama.cpp ``llama_token_type``).
 TOKEN_TYPE_NORMAL = 1
@@ -570,9 +572,26 @@ class Tokenizer:
                 add_eos=add_eos, extra_eog_ids=extra_eog, chat_template=template,
                 vocab_type=VOCAB_TYPE_SPM, pre="", model=model, eot_token_id=eot, eom_token_id=eom,
             )
+        if model == "bert":
+            # WordPiece (llama.cpp's WPM): [CLS] text [SEP]; CLS is the BOS, SEP ends the input
+            def named(text: str) -> int | None:
+                return next((i for i, t in enumerate(tokens) if t == text), None)
+
+            cls_id = bos if bos is not None else opt_id("tokenizer.ggml.cls_token_id")
+            sep_id = opt_id("tokenizer.ggml.seperator_token_id")
+            cls_id = cls_id if cls_id is not None else named("[CLS]")
+            sep_id = sep_id if sep_id is not None else (eos if eos is not None else named("[SEP]"))
+            unk = opt_id("tokenizer.ggml.unknown_token_id")
+            hf, piece_bytes = _build_wpm(tokens, types, unk if unk is not None else named("[UNK]"))
+            return cls(
+                hf, tokens, types, piece_bytes, bos_token_id=cls_id, eos_token_id=sep_id,
+                add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", True)),
+                add_eos=bool(fields.get("tokenizer.ggml.add_sep_token", fields.get("tokenizer.ggml.add_eos_token", True))),
+                extra_eog_ids=extra_eog, chat_template=template, vocab_type=VOCAB_TYPE_WPM, pre="", model=model,
+            )
         raise UnsupportedTokenizerError(
             f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: 'gpt2' "
-            "(byte-level BPE) and 'llama' (SentencePiece)"
+            "(byte-level BPE), 'llama' (SentencePiece) and 'bert' (WordPiece)"
         )
 
     @classmethod
@@ -638,6 +657,19 @@ class Tokenizer:
 
         bos = tok_id(cfg.get("bos_token"))
         eos = tok_id(cfg.get("eos_token"))
+        wordpiece = (spec.get("model") or {}).get("type") == "WordPiece"
+        if wordpiece:
+            # BERT: [CLS] text [SEP] (tokenizer_config's cls_token / sep_token), as HF's
+            # post-processor and llama.cpp's WPM vocabulary (CLS as BOS, SEP added) do
+            if bos is None:
+                bos = tok_id(cfg.get("cls_token") or "[CLS]")
+            if eos is None:
+                eos = tok_id(cfg.get("sep_token") or "[SEP]")
+            cfg.setdefault("add_bos_token", bos is not None)
+            cfg.setdefault("add_eos_token", eos is not None)
+            for i, t in enumerate(tokens):
+                if types[i] == TOKEN_TYPE_NORMAL:
+                    piece_bytes[i] = t[2:].encode("utf-8") if t.startswith("##") else (" " + t).encode("utf-8")
         extra: list[int] = []
         g = gen.get("eos_token_id")
         if isinstance(g, int):
@@ -667,7 +699,8 @@ class Tokenizer:
         return cls(
             hf, tokens, types, piece_bytes, bos_token_id=bos, eos_token_id=eos, add_bos=bool(add_bos),
             add_eos=bool(add_eos), extra_eog_ids=extra, chat_template=template,
-            vocab_type=VOCAB_TYPE_BPE if byte_level else VOCAB_TYPE_SPM, pre="", model="hf",
+            vocab_type=VOCAB_TYPE_WPM if wordpiece else VOCAB_TYPE_BPE if byte_level else VOCAB_TYPE_SPM, pre="",
+            model="hf",
         )
 
     # ---------------------------------------------------------------- API
@@ -832,6 +865,39 @@ def _build_bpe(
         else (b"" if ty in (TOKEN_TYPE_UNUSED, TOKEN_TYPE_BYTE) else _byte_level_decode(t))
         for t, ty in zip(tokens, types)
     ]
+    return hf, piece_bytes
+
+
+def _build_wpm(tokens: list[str], types: list[int], unk: int | None) -> tuple[HFTokenizer, list[bytes]]:
+    """A GGUF WordPiece vocabulary (llama.cpp's WPM) as an HF WordPiece tokenizer.
+
+    llama.cpp's converter stores a word-initial piece with the U+2581 phantom space
+    (``"\u2581hello"``) and a continuation without it (``"ing"`` for HF's ``"##ing"``); the
+    HF vocabulary is rebuilt from that. Text is lowercased and split on whitespace and
+    punctuation (BertNormalizer + BertPreTokenizer), as llama.cpp's WPM preprocessing does.
+    Pieces: a word-initial token renders with a leading space, a continuation without.
+    """
+    vocab: dict[str, int] = {}
+    piece_bytes: list[bytes] = []
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_USER_DEFINED) or (t.startswith("[") and t.endswith("]")):
+            key, piece = t, t.encode("utf-8")
+        elif t.startswith("\u2581"):
+            key, piece = t[1:], (" " + t[1:]).encode("utf-8")
+        else:
+            key, piece = "##" + t, t.encode("utf-8")
+        if key:
+            vocab.setdefault(key, i)
+        piece_bytes.append(b"" if ty == TOKEN_TYPE_UNUSED else piece)
+    unk_text = tokens[unk] if unk is not None else "[UNK]"
+    hf = HFTokenizer(models.WordPiece(vocab=vocab, unk_token=unk_text, max_input_chars_per_word=100))
+    hf.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                               lowercase=True)
+    hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    hf.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    added = _added_tokens(tokens, types)
+    if added:
+        hf.add_tokens(added)
     return hf, piece_bytes
 
 

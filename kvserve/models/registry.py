@@ -18,6 +18,19 @@ ARCHITECTURES = {
     "qwen2": LlamaModel,
 }
 
+#: what each architecture does: "generate" (the KV engine), "embed" (vectors) or "score"
+#: (a cross-encoder; an encoder whose HF directory or GGUF carries a classifier head).
+#: A generative architecture may embed too (EmbeddingEngine over its final hidden states).
+ARCH_TASKS = {
+    "llama": "generate",
+    "mistral": "generate",
+    "qwen2": "generate",
+    "bert": "embed",
+}
+
+#: architectures whose module is an encoder (kvserve.models.bert)
+ENCODER_ARCHS = ("bert",)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -85,3 +98,48 @@ def describe_dtypes(model: LlamaModel) -> str:
             return lin.kernel
         return f"{lin.kernel}+{str(lin.weight.dtype).replace('torch.', '')}"
     return str(lin.weight.dtype).replace("torch.", "")
+
+
+def model_task(loaded: LoadedModel) -> str:
+    """"generate", "embed" or "score" for a loaded model (see :data:`ARCH_TASKS`).
+
+    A BERT with a classifier head (``BertForSequenceClassification``, GGUF ``cls.output``)
+    scores; one without embeds.
+    """
+    task = getattr(loaded.config, "task", None)
+    return task or ARCH_TASKS.get(loaded.config.arch, "generate")
+
+
+def probe_task(path: str | os.PathLike) -> str:
+    """The task of the model at ``path`` from its header alone (config.json or GGUF metadata).
+
+    Cheap (no tensor is read), for a model manager choosing the engine before loading.
+
+    Raises:
+        FileNotFoundError: no such file; ModelLoadError: unreadable header.
+    """
+    p = Path(path)
+    if p.is_dir():
+        from kvserve.loaders.safetensors import hf_task
+
+        return hf_task(p)
+    if not p.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    from kvserve.loaders.gguf import read_gguf_header
+
+    md, infos = read_gguf_header(str(p))
+    arch = md.get("general.architecture")
+    if arch in ENCODER_ARCHS:
+        return "score" if any(t.name == "cls.output.weight" for t in infos) else "embed"
+    return ARCH_TASKS.get(arch, "generate")
+
+
+def build_embedding_model(loaded: LoadedModel, config: EngineConfig, max_positions: int):
+    """The module EmbeddingEngine runs: a BertModel (float32) for encoders, else the decoder's
+    LlamaModel (:func:`build_model`; its final hidden states are the embeddings)."""
+    from kvserve.models.bert import BertConfig, BertModel
+
+    if isinstance(loaded.config, BertConfig):
+        device = config.resolve_device()
+        return BertModel(loaded.config, loaded.weights, device=device)
+    return build_model(loaded, config, max_positions)

@@ -1,0 +1,241 @@
+"""BERT-family encoders (bidirectional, absolute positions, post-norm): embeddings and cross-encoder scores.
+
+One module covers what differs only in config: with or without token type embeddings, GELU
+(exact or tanh), ReLU or SiLU in the FFN, any hidden size and head count, an optional classifier
+head (``BertForSequenceClassification``: the pooler's dense + tanh, then the classifier). Weights
+arrive under llama.cpp's GGUF names, whichever loader read them:
+
+=====================================  ====================================================
+``token_embd.weight`` [V, E]            ``embeddings.word_embeddings``
+``token_types.weight`` [n_types, E]     ``embeddings.token_type_embeddings`` (optional)
+``position_embd.weight`` [P, E]         ``embeddings.position_embeddings``
+``token_embd_norm.{weight,bias}``       ``embeddings.LayerNorm``
+``blk.N.attn_{q,k,v}.{weight,bias}``    ``encoder.layer.N.attention.self.{query,key,value}``
+``blk.N.attn_qkv.{weight,bias}``        the three fused (some GGUF files)
+``blk.N.attn_output.{weight,bias}``     ``...attention.output.dense``
+``blk.N.attn_output_norm.*``            ``...attention.output.LayerNorm``
+``blk.N.ffn_up.*`` / ``ffn_down.*``     ``...intermediate.dense`` / ``...output.dense``
+``blk.N.layer_output_norm.*``           ``...output.LayerNorm``
+``cls.{weight,bias}``                   ``pooler.dense`` (applied with tanh; optional)
+``cls.output.{weight,bias}``            ``classifier`` (``[n_labels, E]``; optional)
+=====================================  ====================================================
+
+The score head follows llama.cpp's rank pooling: the first token's hidden state, through
+``tanh(cls)`` when present, then ``cls.output``. llama.cpp's converter drops the pooler, so a
+GGUF reranker converted by it has ``cls.output`` only; an HF directory keeps the pooler and
+scores as transformers does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.loaders.weights import ModelLoadError, Weight
+
+#: activations of the FFN by HF ``hidden_act`` name
+ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_python": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+#: pooling modes an encoder's own config may name (see kvserve.engine.pooling)
+POOLING_MODES = ("none", "mean", "cls", "last", "rank")
+
+
+@dataclass(slots=True)
+class BertConfig:
+    """Hyper-parameters of one BERT-family encoder.
+
+    Attributes:
+        arch: "bert".
+        n_layer, n_embd, n_head, n_ff, n_vocab: sizes (counts).
+        n_ctx_train: position embeddings (tokens): the longest input.
+        n_token_types: rows of ``token_types.weight`` (0: the model has none).
+        norm_eps: LayerNorm epsilon.
+        activation: FFN activation, a key of :data:`ACTIVATIONS`.
+        n_labels: classifier outputs (0: an embedding model; >0: a cross-encoder, task "score").
+        pooling: the model's own pooling ("mean", "cls", "last", "none", "rank") from
+            sentence-transformers' 1_Pooling or GGUF ``bert.pooling_type``; None when it says none.
+        normalize: the model's own ``--embd-normalize`` value (2 with a sentence-transformers
+            Normalize module, -1 with a modules.json without one); None when it says nothing.
+        pad_token_id: id of ``[PAD]`` (padding only; masked out).
+    """
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    n_token_types: int = 2
+    norm_eps: float = 1e-12
+    activation: str = "gelu"
+    n_labels: int = 0
+    pooling: str | None = None
+    normalize: int | None = None
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.arch != "bert":
+            raise ModelLoadError(f"unknown encoder architecture '{self.arch}' (supported: bert)")
+        if self.n_head <= 0 or self.n_embd % self.n_head:
+            raise ModelLoadError(f"bad head count: n_embd={self.n_embd}, n_head={self.n_head}")
+        if self.activation not in ACTIVATIONS:
+            raise ModelLoadError(f"unsupported hidden_act '{self.activation}' (supported: {', '.join(ACTIVATIONS)})")
+        if self.pooling is not None and self.pooling not in POOLING_MODES:
+            raise ModelLoadError(f"unsupported pooling '{self.pooling}' (supported: {', '.join(POOLING_MODES)})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def task(self) -> str:
+        """"score" for a cross-encoder (classifier head), else "embed"."""
+        return "score" if self.n_labels > 0 else "embed"
+
+
+LAYER_TENSORS = (
+    "attn_output.weight", "attn_output.bias", "attn_output_norm.weight", "attn_output_norm.bias",
+    "ffn_up.weight", "ffn_up.bias", "ffn_down.weight", "ffn_down.bias",
+    "layer_output_norm.weight", "layer_output_norm.bias",
+)
+
+
+def check_bert_tensors(config: BertConfig, weights: dict[str, Weight], source: str) -> None:
+    """Raise ModelLoadError naming the first tensor a BERT of ``config`` needs and lacks."""
+    needed = ["token_embd.weight", "position_embd.weight", "token_embd_norm.weight", "token_embd_norm.bias"]
+    if config.n_token_types:
+        needed.append("token_types.weight")
+    for i in range(config.n_layer):
+        p = f"blk.{i}."
+        if p + "attn_qkv.weight" not in weights:
+            needed += [p + f"attn_{x}.{y}" for x in "qkv" for y in ("weight", "bias")]
+        needed += [p + n for n in LAYER_TENSORS]
+    if config.n_labels:
+        needed += ["cls.output.weight"]
+    for name in needed:
+        if name not in weights:
+            raise ModelLoadError(f"{source}: missing tensor '{name}'")
+
+
+def _t(w: Weight | None, device) -> torch.Tensor | None:
+    return None if w is None else torch.from_numpy(np.ascontiguousarray(w.to_dense(), dtype=np.float32)).to(device)
+
+
+class BertModel(nn.Module):
+    """A BERT encoder in float32.
+
+    Args:
+        config: BertConfig.
+        weights: Weight by GGUF tensor name (see the module docstring).
+        device: torch device.
+
+    Attention is bidirectional over each input's own tokens: a padded batch carries a key mask,
+    so an input's vectors do not depend on what else is in the batch (beyond float rounding of
+    different matrix shapes).
+    """
+
+    def __init__(self, config: BertConfig, weights: dict[str, Weight], device="cpu"):
+        super().__init__()
+        self.config = config
+        self.device = torch.device(device)
+        c = config
+        dev = self.device
+        self.tok_embd = _t(weights["token_embd.weight"], dev)  # [V, E]
+        self.pos_embd = _t(weights["position_embd.weight"], dev)  # [P, E]
+        self.type_embd = _t(weights.get("token_types.weight"), dev) if c.n_token_types else None  # [n_types, E]
+        self.embd_norm = (_t(weights["token_embd_norm.weight"], dev), _t(weights["token_embd_norm.bias"], dev))
+        self.layers = []
+        for i in range(c.n_layer):
+            p = f"blk.{i}."
+            if p + "attn_qkv.weight" in weights:
+                wqkv = _t(weights[p + "attn_qkv.weight"], dev)
+                bqkv = _t(weights.get(p + "attn_qkv.bias"), dev)
+            else:
+                wqkv = torch.cat([_t(weights[p + f"attn_{x}.weight"], dev) for x in "qkv"])  # [3E, E]
+                bqkv = torch.cat([_t(weights[p + f"attn_{x}.bias"], dev) for x in "qkv"])
+            self.layers.append((
+                wqkv, bqkv,
+                _t(weights[p + "attn_output.weight"], dev), _t(weights[p + "attn_output.bias"], dev),
+                _t(weights[p + "attn_output_norm.weight"], dev), _t(weights[p + "attn_output_norm.bias"], dev),
+                _t(weights[p + "ffn_up.weight"], dev), _t(weights[p + "ffn_up.bias"], dev),
+                _t(weights[p + "ffn_down.weight"], dev), _t(weights[p + "ffn_down.bias"], dev),
+                _t(weights[p + "layer_output_norm.weight"], dev), _t(weights[p + "layer_output_norm.bias"], dev),
+            ))
+        self.cls = (_t(weights["cls.weight"], dev), _t(weights.get("cls.bias"), dev)) if "cls.weight" in weights else None
+        self.cls_out = ((_t(weights["cls.output.weight"], dev), _t(weights.get("cls.output.bias"), dev))
+                        if "cls.output.weight" in weights else None)
+        self.act = ACTIVATIONS[c.activation]
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+
+    @property
+    def n_params(self) -> int:
+        """Parameters held (counts)."""
+        ts = [self.tok_embd, self.pos_embd, self.type_embd, *self.embd_norm]
+        ts += [t for layer in self.layers for t in layer]
+        for head in (self.cls, self.cls_out):
+            if head:
+                ts += list(head)
+        return sum(t.numel() for t in ts if t is not None)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states of a padded batch.
+
+        Args:
+            input_ids: [B, L] long (padding: any valid id, e.g. ``pad_token_id``).
+            token_types: [B, L] long segment ids, or None (all 0).
+            mask: [B, L] bool, True for real tokens; None when nothing is padded.
+
+        Returns:
+            [B, L, E] float32 (rows of padding positions hold no meaning).
+        """
+        c = self.config
+        B, L = input_ids.shape
+        if L > c.n_ctx_train:
+            raise ValueError(f"input of {L} tokens exceeds the {c.n_ctx_train} positions of the model")
+        x = self.tok_embd[input_ids] + self.pos_embd[:L]  # [B, L, E]
+        if self.type_embd is not None:
+            x = x + (self.type_embd[token_types] if token_types is not None else self.type_embd[0])
+        x = F.layer_norm(x, (c.n_embd,), *self.embd_norm, eps=c.norm_eps)
+        attn_mask = None if mask is None or bool(mask.all()) else mask[:, None, None, :]  # [B, 1, 1, L]
+        H, D = c.n_head, c.head_dim
+        for wqkv, bqkv, wo, bo, n1w, n1b, wup, bup, wdown, bdown, n2w, n2b in self.layers:
+            qkv = F.linear(x, wqkv, bqkv).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)  # [3, B, H, L, D]
+            o = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=attn_mask, scale=self.scale)
+            o = o.transpose(1, 2).reshape(B, L, c.n_embd)  # [B, L, E]
+            x = F.layer_norm(x + F.linear(o, wo, bo), (c.n_embd,), n1w, n1b, eps=c.norm_eps)  # post-norm
+            h = F.linear(self.act(F.linear(x, wup, bup)), wdown, bdown)
+            x = F.layer_norm(x + h, (c.n_embd,), n2w, n2b, eps=c.norm_eps)
+        return x
+
+    @torch.inference_mode()
+    def classify(self, first: torch.Tensor) -> torch.Tensor:
+        """Score head: [B, E] first-token hidden states -> [B, n_labels] float32 logits.
+
+        ``tanh(cls)`` (the HF pooler) when the model has it, then ``cls.output`` (the classifier).
+
+        Raises:
+            ValueError: the model has no classifier (an embedding model).
+        """
+        if self.cls_out is None:
+            raise ValueError("the model has no classifier head")
+        x = first
+        if self.cls is not None:
+            x = torch.tanh(F.linear(x, *self.cls))
+        return F.linear(x, *self.cls_out)
