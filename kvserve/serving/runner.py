@@ -57,7 +57,8 @@ class Runner:
         args: the server's ServerArgs (engine options and defaults come from the flags).
         engine: the AsyncEngine (its own engine thread).
         tokenizer: the model's Tokenizer.
-        template: the ChatTemplate (the model's, the flags', else ChatML).
+        template: the ChatTemplate (see :func:`make_template`: a store model's TEMPLATE layer, the
+            flags', the model's, else ChatML).
         slots: the SlotManager for ``/slots`` and slot selection.
         grammars: the GrammarBackend (structured outputs); xgrammar loads on first use.
         metrics: this model's Metrics window (``/metrics``).
@@ -133,11 +134,44 @@ def rss_bytes() -> int:
 
 # -- loading ------------------------------------------------------------------------------
 
-def make_template(args: "ServerArgs", core):
-    """The chat template: --chat-template-file, --chat-template, the model's, else ChatML."""
-    from kvserve.chat.template import ChatTemplate
+def make_template(args: "ServerArgs", core, spec: ModelSpec | None = None):
+    """The runner's chat template.
+
+    Which one (the first that applies):
+
+    1. the store model's TEMPLATE layer (``spec.name`` in the store, its weights ``spec.path``):
+       a Go template rendered as Ollama renders it
+       (:class:`~kvserve.chat.go_chat_template.GoChatTemplate`); one that kvserve's Go renderer
+       cannot parse is logged and skipped;
+    2. ``--chat-template-file``, then ``--chat-template`` (``chatml`` or Jinja text);
+    3. the model's own Jinja template (GGUF ``tokenizer.chat_template`` or the HF tokenizer's);
+    4. ChatML.
+
+    The model's SYSTEM layer, when it has one, is the default system message of every chat
+    rendered with it (:func:`~kvserve.chat.go_chat_template.with_default_system`). A model
+    outside the store (a path, a ``-m`` alias) gets 2-4 with no default system, as before.
+
+    Raises:
+        OSError: ``--chat-template-file`` cannot be read. TemplateError: a Jinja template that
+            does not compile.
+    """
+    from kvserve.chat.go_chat_template import (
+        GoChatTemplate,
+        SystemChatTemplate,
+        store_layers,
+    )
+    from kvserve.chat.template import ChatTemplate, TemplateError
 
     tok = core.tokenizer
+    go_text, system = None, ""
+    if spec is not None and spec.name:
+        go_text, system = store_layers(getattr(args, "models_dir", None), spec.name, spec.path)
+    if go_text is not None:
+        try:
+            return GoChatTemplate(go_text, tok.bos_token, tok.eos_token, system=system)
+        except TemplateError as e:
+            _srv(logging.WARNING, "load_model", "model '%s': its TEMPLATE layer is not used (%s); rendering "
+                 "with the chat template of the flags or the model file instead", spec.name, e)
     if args.chat_template_file:
         with open(args.chat_template_file, encoding="utf-8") as f:
             source = f.read()
@@ -145,6 +179,8 @@ def make_template(args: "ServerArgs", core):
         source = CHATML if args.chat_template == "chatml" else args.chat_template
     else:
         source = core.chat_template or getattr(tok, "chat_template", None) or CHATML
+    if system:
+        return SystemChatTemplate(source, tok.bos_token, tok.eos_token, system=system)
     return ChatTemplate(source, tok.bos_token, tok.eos_token)
 
 
@@ -178,7 +214,7 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
     _srv(logging.INFO, "load_model", "loading model '%s'", spec.path)
     cfg = engine_config(args, spec)
     core = EngineCore(load_files(spec.path), cfg)
-    template = make_template(args, core)
+    template = make_template(args, core, spec)
     _srv(logging.INFO, "load_model", "initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = '%s'",
          core.n_slots, core.n_ctx_slot, "true" if cfg.unified else "false")
     if args.log_verbosity >= 4:
