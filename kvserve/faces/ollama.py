@@ -62,7 +62,14 @@ not support insert`` otherwise). ``images``: 400 ``vision is not supported``.
 
 Not yet: ``/api/embed`` and ``/api/embeddings`` answer 400 ``this model does not support
 embeddings`` (after resolving the model: 404 for an unknown one) until kvserve has an encoder
-path; ``/api/create`` answers 501 until its part lands. ``/api/pull`` and ``/api/push`` stream
+path.
+
+Create (``/api/create``): :func:`kvserve.ollama.create.iter_create` on the server's store (from a
+stored model, pulled first when missing, as Ollama does; from GGUF blobs uploaded with POST
+/api/blobs; TEMPLATE, SYSTEM, parameters, messages, licenses), its statuses streamed as NDJSON
+(``parsing GGUF``, ``using existing layer sha256:…``, ``creating new layer sha256:…``, ``writing
+manifest``, ``success``). A runner loaded under the created name is unloaded (once idle), so the
+next request renders with the new TEMPLATE and SYSTEM. ``/api/pull`` and ``/api/push`` stream
 :mod:`kvserve.store.registry`'s progress events (``pulling manifest``, ``pulling <12 hex>`` with
 ``total``/``completed``, ``verifying sha256 digest``, ``writing manifest``, ``success``); a failure
 is 500 ``{"error": ...}`` as in Ollama (400 for an invalid name).
@@ -863,8 +870,10 @@ def _show(state: ServerState, body: dict) -> dict:
 
 
 def _runner_template(state: ServerState, layers: ModelLayers, md: dict) -> str:
-    """The template a runner of this model renders with, as :func:`make_template` picks it
-    (``--chat-template-file``, ``--chat-template``, the GGUF's), else the TEMPLATE layer."""
+    """The template a runner of this model renders with, as :func:`make_template` picks it: the
+    TEMPLATE layer, else ``--chat-template-file``, ``--chat-template``, the GGUF's."""
+    if layers.template:
+        return layers.template
     a = state.args
     if a.chat_template_file:
         try:
@@ -876,7 +885,7 @@ def _runner_template(state: ServerState, layers: ModelLayers, md: dict) -> str:
         from kvserve.serving.runner import CHATML
 
         return CHATML if a.chat_template == "chatml" else a.chat_template
-    return str(md.get("tokenizer.chat_template") or layers.template or "")
+    return str(md.get("tokenizer.chat_template") or "")
 
 
 def _license(state: ServerState, layers: ModelLayers) -> str:
@@ -1092,6 +1101,59 @@ async def _pull_push(state: ServerState, http: HttpRequest, kind: str) -> Respon
         return _error(*_registry_status(e))
 
 
+# ------------------------------------------------------------------------ create
+
+
+def _create_events(state: ServerState, body: dict):
+    """The blocking generator of /api/create's statuses (:func:`kvserve.ollama.create.iter_create`
+    on the server's store); a base model the store lacks is pulled first, as Ollama does."""
+    from kvserve.ollama.create import iter_create
+    from kvserve.store import registry
+
+    store = _store(state)
+    return iter_create(store, body, pull=lambda name: registry.iter_pull(name, store=store))
+
+
+async def _created(state: ServerState, name: str) -> None:
+    """After a create: a runner loaded under that name was built from the old layers (its
+    template, its default system): it is unloaded now if idle, else when its last request
+    ends, so the next request loads the new model."""
+    try:
+        spec = state.resolve(name)
+    except Exception:  # noqa: BLE001 - nothing loaded under a name that does not resolve
+        return
+    if state.manager.get(spec.name) is not None:
+        await state.manager.unload(spec.name, "re-created")
+
+
+async def _create(state: ServerState, http: HttpRequest) -> Response:
+    """POST /api/create: Ollama's create statuses as NDJSON (``stream`` default true), or the last
+    one as a JSON object; an error before the first status is a plain ``{"error": ...}`` with
+    its status (400 bad request, 404 missing blob or model, 501 not supported yet, 500), after it
+    the stream's last line."""
+    try:
+        b = await _body(http)
+        stream = _flag(b, "stream", True)
+        name = _string(b, "model") or _string(b, "name")
+        events = _events(_create_events(state, b))
+        if not stream:
+            last: dict = {}
+            async for ev in events:
+                last = ev
+            await _created(state, name)
+            return _json(last)
+
+        async def lines():
+            async for ev in events:
+                if ev.get("status") == "success":
+                    await _created(state, name)
+                yield _go_json(ev) + b"\n"
+
+        return await _ndjson(lines())
+    except Exception as e:  # noqa: BLE001
+        return _error_of(e)
+
+
 # ------------------------------------------------------------------------ blobs
 
 
@@ -1246,6 +1308,6 @@ def build_router(state: ServerState) -> APIRouter:
 
     @r.post("/api/create")
     async def create(http: HttpRequest) -> Response:
-        return _error(501, "/api/create is not supported by this server yet")
+        return await _create(state, http)
 
     return r
