@@ -16,14 +16,8 @@ names and return shapes, when one does). Shapes are Ollama's ``api/types.go`` JS
   generator of its progress objects (``parsing GGUF``, ``using existing layer sha256:…``,
   ``creating new layer sha256:…``, ``writing manifest``, ``success``).
 
-Create follows Ollama's ``server/create.go``: ``from`` (a stored model: its layers are reused,
-so a derived model costs only its new small layers) or ``files`` (file name -> digest of a blob
-already in the store: GGUF only); TEMPLATE (checked by the Go template parser), SYSTEM and the
-params and messages layers replace the base's, licenses add to them, parameters merge over the
-base's (a new ``stop`` replaces the old list); the config is derived from the weights' GGUF
-header; the manifest is written last, then blobs only the old manifest of that name used are
-removed. ``quantize``, ``adapters`` and draft files are refused (:class:`NotSupportedError`,
-``... is not supported yet``).
+Create is :mod:`kvserve.ollama.create` (Ollama's ``server/create.go`` rules), the same executor
+the /api face runs.
 
 Errors are domain errors (:mod:`kvserve.errors`) with Ollama's texts: ``model 'x' not found``,
 ``model "x" not found`` (copy's source), ``invalid model name``, ``name "x" is invalid``,
@@ -33,24 +27,17 @@ in GGUF format``, ``template error: ...``.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import re
 import time
 from collections.abc import Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from kvserve.chat.go_template import go_quote
-from kvserve.errors import InvalidInputError, NotFoundError, NotSupportedError
+from kvserve.errors import InvalidInputError, NotFoundError
 from kvserve.store import (
-    Layer,
     Store,
     StoredModel,
-    config_json,
-    gguf_config,
-    media_type,
-    normalize_digest,
     parse_name,
 )
 
@@ -274,212 +261,9 @@ class LocalApi:
         return iter_create(self.store, body)
 
 
-# ---------------------------------------------------------------------------------- create
-
-_HEX_DIGEST = re.compile(r"sha256[:-][0-9a-fA-F]{64}")
-
-
-def _refuse_unsupported(body: dict) -> None:
-    if body.get("quantize") or body.get("quantization"):
-        raise NotSupportedError("quantize is not supported yet: kvserve serves a GGUF's weights as they are "
-                                "(quantize it with llama.cpp's llama-quantize first)")
-    if body.get("adapters"):
-        raise NotSupportedError("ADAPTER is not supported yet: kvserve has no LoRA adapters")
-    if body.get("draft_files") or body.get("draft_quantize"):
-        raise NotSupportedError("DRAFT is not supported yet: kvserve has no speculative decoding")
-
-
-def _from_model(store: Store, source: str) -> tuple[list[Layer], dict, Path | None]:
-    """The layers of a stored base model (reused as they are), its config and weights file."""
-    try:
-        base = store.get(source)
-    except InvalidInputError:
-        raise InvalidInputError("invalid model name") from None
-    if base is None:
-        raise NotFoundError(f"model '{source}' not found")
-    layers = [Layer(x.media_type, x.digest, x.size, base.display, x.name) for x in base.manifest.layers]
-    for x in layers:
-        if not store.has_blob(x.digest):
-            raise NotFoundError(f'blob "{x.digest}" not found')
-    return layers, _config(store, base), base.model_path
-
-
-def _gguf_kind(path: Path) -> str:
-    """``model``, ``projector`` or ``adapter`` from a GGUF's ``general.type`` (Ollama's checks)."""
-    md, _ = _header(path)
-    kind = str(md.get("general.type") or "")
-    if kind == "adapter":
-        return "adapter"
-    if kind in ("projector", "mmproj"):
-        return "projector"
-    return "model"
-
-
-def _from_files(store: Store, files: dict) -> Iterator[dict | tuple[list[Layer], Path | None]]:
-    """Layers for ``files`` (name -> digest of a blob in the store); yields ``parsing GGUF``
-    per file, then one tuple (layers, weights path)."""
-    layers: list[Layer] = []
-    weights = None
-    for fname, digest in files.items():
-        p = PurePosixPath(str(fname))
-        if p.is_absolute() or ".." in p.parts or not str(fname):
-            raise InvalidInputError("file path must be relative")
-        if not isinstance(digest, str) or not _HEX_DIGEST.fullmatch(digest.strip()):
-            raise InvalidInputError("invalid digest format")
-        digest = normalize_digest(digest)
-        if str(fname).endswith((".safetensors", ".bin", ".pth")):
-            raise NotSupportedError("creating a model from safetensors or torch files is not supported yet: "
-                                    "kvserve stores GGUF models (convert it with llama.cpp's convert_hf_to_gguf.py)")
-        if str(fname).endswith((".json", ".model", ".txt", ".jinja")):
-            continue  # tokenizer and config files beside weights: a GGUF carries its own
-        yield {"status": "parsing GGUF"}
-        path = store.blob_path(digest)
-        try:
-            with open(path, "rb") as f:
-                magic = f.read(4)
-        except FileNotFoundError:
-            raise NotFoundError(f'blob "{digest}" not found') from None
-        if magic != b"GGUF":
-            raise InvalidInputError("supplied file was not in GGUF format")
-        kind = _gguf_kind(path)
-        if kind == "adapter":
-            raise NotSupportedError("ADAPTER is not supported yet: kvserve has no LoRA adapters")
-        layers.append(store.layer_for_blob(digest, kind))
-        if kind == "model" and weights is None:
-            weights = path
-    if not layers:
-        raise InvalidInputError("no files provided to convert")
-    yield layers, weights
-
-
-def _replace(layers: list[Layer], kind: str, new: Layer | None) -> list[Layer]:
-    kept = [x for x in layers if x.media_type != media_type(kind)]
-    return kept + ([new] if new is not None else [])
-
-
-def _new_layer(store: Store, data: bytes, kind: str, status: dict[str, str]) -> Layer:
-    w = store.write_blob_bytes(data)
-    status[w.digest] = "using existing layer" if w.existed else "creating new layer"
-    return Layer(media_type(kind), w.digest, w.size)
-
-
-def _base_params(store: Store, layers: list[Layer]) -> dict:
-    merged: dict = {}
-    for x in layers:
-        if x.media_type == media_type("params"):
-            with contextlib.suppress(OSError, ValueError):
-                value = json.loads(store.blob_path(x.digest).read_bytes())
-                if isinstance(value, dict):
-                    merged = {**value, **merged}
-    return merged
-
-
-def _licenses(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value] if value else []
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise InvalidInputError(f"unknown license type: {type(value).__name__}")
-
-
-def _config_for(weights: Path | None, base: dict, body: dict) -> bytes:
-    """The new config blob: model fields from the weights' GGUF header, renderer, parser,
-    requires and capabilities from the request, else from the base model's config."""
-    d = json.loads(gguf_config(weights)) if weights is not None else json.loads(config_json("gguf"))
-    optional = {k: d[k] for k in d if k not in ("model_format", "model_family", "model_families", "model_type",
-                                                 "file_type")}
-    for key in ("renderer", "parser", "requires"):
-        value = body.get(key) or base.get(key)
-        if value:
-            optional[key] = str(value)
-    info = body.get("info") if isinstance(body.get("info"), dict) else {}
-    caps = [c for c in (info.get("capabilities") or []) if isinstance(c, str)]
-    caps = caps or [c for c in base.get("capabilities") or [] if isinstance(c, str)]
-    if caps:
-        optional["capabilities"] = caps
-    return config_json(d.get("model_format") or "gguf", d.get("model_family") or "", d.get("model_families"),
-                       d.get("model_type") or "", d.get("file_type") or "", **optional)
-
-
 def iter_create(store: Store, body: dict) -> Iterator[dict]:
-    """Ollama's /api/create on ``store``: yields its progress objects, the last ``success``.
+    """POST /api/create in-process: :func:`kvserve.ollama.create.iter_create` (the one create
+    executor, shared with the /api face), without pulling a missing base model."""
+    from kvserve.ollama.create import iter_create as create
 
-    Args:
-        body: the request JSON: ``model`` (or ``name``), ``from`` (a stored model, or a blob digest
-            ``sha256:<hex>``) or ``files`` (name -> digest; the blobs must be in the store: POST
-            /api/blobs or :meth:`LocalApi.upload_blob` first), ``template``, ``system``,
-            ``license`` (a string or a list), ``parameters`` (an object), ``messages``,
-            ``renderer``, ``parser``, ``requires``, ``info.capabilities``.
-
-    Raises (before or while yielding): InvalidInputError (``invalid model name``, ``neither
-    'from' or 'files' was specified``, ``template error: ...``, ``supplied file was not in GGUF
-    format``), NotFoundError (``model 'x' not found`` for ``from``), NotSupportedError (quantize,
-    adapters, draft models, safetensors files).
-    """
-    from kvserve.ollama.modelfile import messages_layer, params_layer
-
-    name = body.get("model") or body.get("name") or ""
-    try:
-        target = parse_name(str(name))
-    except InvalidInputError:
-        raise InvalidInputError("invalid model name") from None
-    _refuse_unsupported(body)
-    old = store.get(target)
-    source, files = body.get("from") or "", body.get("files") or {}
-    if isinstance(source, str) and _HEX_DIGEST.fullmatch(source.strip().lstrip("@")):
-        files, source = {"model.gguf": source.strip().lstrip("@")}, ""
-    status: dict[str, str] = {}
-    if source:
-        layers, base_config, weights = _from_model(store, str(source))
-    elif files:
-        if not isinstance(files, dict):
-            raise InvalidInputError("files must be an object of file names and digests")
-        base_config, result = {}, None
-        for item in _from_files(store, files):
-            if isinstance(item, dict):
-                yield item
-            else:
-                result = item
-        layers, weights = result
-    else:
-        raise InvalidInputError("neither 'from' or 'files' was specified")
-
-    template = body.get("template")
-    if template:
-        from kvserve.chat.go_template import GoTemplateError, OllamaTemplate
-
-        try:
-            OllamaTemplate(str(template))
-        except GoTemplateError as e:
-            raise InvalidInputError(f"template error: {e}") from None
-        layers = _replace(layers, "template", _new_layer(store, str(template).encode(), "template", status))
-    if body.get("system"):
-        layers = _replace(layers, "system", _new_layer(store, str(body["system"]).encode(), "system", status))
-    for text in _licenses(body.get("license")):
-        layers.append(_new_layer(store, text.encode(), "license", status))
-    params = body.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise InvalidInputError("parameters must be an object")
-    data = params_layer(params, _base_params(store, layers))
-    if data is not None:
-        layers = _replace(layers, "params", _new_layer(store, data, "params", status))
-    messages = body.get("messages") or []
-    if messages:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise InvalidInputError("messages must be a list of objects")
-        data = messages_layer([{"role": str(m.get("role", "")), "content": str(m.get("content", ""))}
-                               for m in messages])
-        layers = _replace(layers, "messages", _new_layer(store, data, "messages", status))
-
-    config = _config_for(weights, base_config, body)
-    for x in layers:
-        yield {"status": f"{status.get(x.digest, 'using existing layer')} {x.digest}"}
-    yield {"status": "writing manifest"}
-    store.create(target, layers, config=config)
-    if old is not None:  # blobs only the replaced manifest used (Ollama's RemoveLayers)
-        for digest in sorted(old.manifest.digests() - store.referenced_digests()):
-            with contextlib.suppress(FileNotFoundError):
-                store.blob_path(digest).unlink()
-    yield {"status": "success"}
+    return create(store, body)
