@@ -92,7 +92,7 @@ def _srv(level: int, func: str, msg: str, *a) -> None:
 
 def build_app(state: ServerState) -> FastAPI:
     """The ASGI app: native and OpenAI faces, error envelopes, API keys, CORS."""
-    from kvserve.faces import llama, ollama
+    from kvserve.faces import embeddings, llama, ollama
 
     # no slash redirects: llama-server answers /health/ with 404, not 307
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
@@ -130,6 +130,7 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(status_code=499)  # nobody reads it; the generation was aborted
 
     app.include_router(llama.build_router(state))
+    app.include_router(embeddings.build_router(state))
     app.include_router(ollama.build_router(state))
     _include_openai(app, state)
     # innermost first: the crash guard sits right outside the exception handlers above

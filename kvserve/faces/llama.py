@@ -2,7 +2,7 @@
 
 GET /health /v1/health /v1/models /models /v1/models/{id} /props /slots /metrics; POST /props
 /completion /completions /tokenize /detokenize /apply-template /slots/{id};
-/embeddings and /v1/embeddings answer 501 (not implemented).
+/embedding(s), /v1/embeddings and /rerank are in :mod:`kvserve.faces.embeddings`.
 
 Each handler only translates: request JSON (read by :mod:`kvserve.faces.params` and the getters
 here) -> engine Request -> output -> a wire type of :mod:`kvserve.faces.llama_types`, written
@@ -489,13 +489,6 @@ def build_router(state: ServerState) -> APIRouter:
             return Response(runner.metrics.render(), media_type=metrics_mod.CONTENT_TYPE)
         return Response(metrics_mod.render_models(state.manager), media_type=metrics_mod.CONTENT_TYPE)
 
-    async def embeddings(http: HttpRequest):
-        if not state.args.embeddings:
-            raise ApiError(501, EMBEDDINGS_OFF)
-        raise ApiError(501, "embeddings are not implemented yet")
-
-    for path in ("/embedding", "/embeddings", "/v1/embeddings"):
-        r.add_api_route(path, embeddings, methods=["POST"])
     return r
 
 

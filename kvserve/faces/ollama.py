@@ -60,9 +60,14 @@ Ollama, still accepted) prepends token ids, and the final object returns ``conte
 and response ids) unless ``raw``. ``suffix`` needs a template with ``.Suffix`` (400 ``"x" does
 not support insert`` otherwise). ``images``: 400 ``vision is not supported``.
 
-Not yet: ``/api/embed`` and ``/api/embeddings`` answer 400 ``this model does not support
-embeddings`` (after resolving the model: 404 for an unknown one) until kvserve has an encoder
-path.
+Embeddings (``/api/embed``, the older ``/api/embeddings``): an embedding model (or any model
+with ``--embeddings``) answers; a generative model is 400 ``this model does not support
+embeddings`` (after resolving the model: 404 for an unknown one) before anything loads.
+``/api/embed`` takes ``input`` (a string or a list of strings), ``truncate`` (default true),
+``dimensions``, ``options`` (``num_ctx`` lowers the context) and ``keep_alive``, and answers
+L2-normalized ``embeddings`` with ``total_duration``, ``load_duration`` and
+``prompt_eval_count``; ``/api/embeddings`` takes ``prompt`` and answers ``embedding`` as the
+model gives it. No input loads the model (``embeddings: []``, ``embedding: []``).
 
 Create (``/api/create``): :func:`kvserve.ollama.create.iter_create` on the server's store (from a
 stored model, pulled first when missing, as Ollama does; from GGUF blobs uploaded with POST
@@ -1222,6 +1227,127 @@ def _head_blob(state: ServerState, digest: str) -> Response:
 # ------------------------------------------------------------------------ routes
 
 
+# ------------------------------------------------------------------------ embeddings
+
+NO_EMBEDDINGS = "this model does not support embeddings"
+TOO_LONG = "the input length exceeds the context length"
+
+
+def _embed_inputs(value: Any) -> list[str]:
+    """EmbedHandler's ``input``: a string (empty: none) or a list of strings; else 400
+    ``invalid input type``."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value] if value else []
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ApiError(400, "invalid input type")
+
+
+def _int_field(body: dict, key: str) -> int:
+    v = body.get(key)
+    if v is None:
+        return 0
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"json: cannot unmarshal {_go_type(v)} into Go struct field .{key} of type int")
+    return v
+
+
+async def _embed_lease(state: ServerState, http: HttpRequest, body: dict):
+    """Hold the runner of the request's model for an embedding; 400 ``this model does not
+    support embeddings`` for a generative model (without ``--embeddings``), before it loads."""
+    from kvserve.faces.embeddings import serves_embeddings
+    from kvserve.serving.embed_runner import EmbeddingRunner
+
+    name = _model_name(body)
+    keep_alive = parse_keep_alive(body["keep_alive"]) if body.get("keep_alive") is not None else None
+    spec = state.resolve(name)
+    if not await serves_embeddings(state, name):
+        raise ApiError(400, NO_EMBEDDINGS)
+    lease = await _acquire(state, spec, keep_alive, http)
+    if not isinstance(lease.runner, EmbeddingRunner):
+        lease.release()
+        raise ApiError(400, NO_EMBEDDINGS)
+    return lease
+
+
+async def _embed(state: ServerState, http: HttpRequest) -> Response:
+    """POST /api/embed (Ollama's EmbedHandler): ``input`` a string or a list of strings,
+    ``truncate`` (default true: cut to the context, special tokens kept; false: 400 ``the
+    input length exceeds the context length``), ``dimensions`` (cut, normalized again),
+    ``options.num_ctx`` (a smaller context), ``keep_alive``. Vectors are L2-normalized, as
+    Ollama normalizes them; no input loads the model and answers ``embeddings: []``."""
+    t0 = time.monotonic_ns()
+    try:
+        body = await _body(http)
+        inputs = _embed_inputs(body.get("input"))
+        truncate, dims = _flag(body, "truncate", True), _int_field(body, "dimensions")
+        num_ctx = ollama_options(None, body.get("options")).num_ctx
+        lease = await _embed_lease(state, http, body)
+        try:
+            t_loaded = time.monotonic_ns()
+            if not inputs:
+                return _json({"model": body["model"], "embeddings": []})
+            runner = lease.runner
+            limit = min(num_ctx or runner.n_ctx, runner.n_ctx)
+            ids = await asyncio.to_thread(_fit_inputs, runner, inputs, limit, truncate)
+            res = await runner.embed_ids(ids, normalize=2)
+        finally:
+            lease.release()
+        from kvserve.faces.embeddings import dumps_json
+        from kvserve.serving.embed_runner import cut_dimensions
+
+        vectors = cut_dimensions(res.vectors, dims if 0 < dims < runner.dim else None)
+        out = {"model": body["model"], "embeddings": vectors, "total_duration": time.monotonic_ns() - t0,
+               "load_duration": t_loaded - t0}
+        if res.total_tokens:
+            out["prompt_eval_count"] = res.total_tokens
+        return Response(dumps_json(out), media_type=JSON_TYPE)
+    except Exception as e:  # noqa: BLE001
+        return _error_of(e)
+
+
+def _fit_inputs(runner, inputs: list[str], limit: int, truncate: bool) -> list[list[int]]:
+    """Token ids of ``inputs`` within ``limit`` tokens: cut when ``truncate``, else 400."""
+    from kvserve.serving.embed_runner import InputTooLongError
+
+    try:
+        ids = runner.tokenize(inputs, truncate=limit if truncate else None)
+    except InputTooLongError:
+        raise ApiError(400, TOO_LONG) from None
+    if any(len(x) > limit for x in ids):
+        raise ApiError(400, TOO_LONG)
+    return ids
+
+
+async def _embeddings(state: ServerState, http: HttpRequest) -> Response:
+    """POST /api/embeddings (Ollama's older EmbeddingsHandler): ``prompt`` -> ``{"embedding":
+    [...]}`` as the model gives it (its own pooling and normalization); an empty prompt loads
+    the model and answers ``embedding: []``."""
+    try:
+        body = await _body(http)
+        prompt = _string(body, "prompt")
+        ollama_options(None, body.get("options"))  # type-checked as Ollama does; nothing applies
+        lease = await _embed_lease(state, http, body)
+        try:
+            if not prompt:
+                return _json({"embedding": []})
+            try:
+                res = await lease.runner.embed([prompt])
+            except KvserveError as e:
+                if getattr(e, "type", None) == "exceed_context_size_error":
+                    raise ApiError(400, TOO_LONG) from None
+                raise
+        finally:
+            lease.release()
+        from kvserve.faces.embeddings import dumps_json
+
+        return Response(dumps_json({"embedding": res.vectors[0].astype("float64")}), media_type=JSON_TYPE)
+    except Exception as e:  # noqa: BLE001
+        return _error_of(e)
+
+
 def build_router(state: ServerState) -> APIRouter:
     """The Ollama face's routes, bound to ``state``."""
     r = APIRouter()
@@ -1289,14 +1415,12 @@ def build_router(state: ServerState) -> APIRouter:
         return await _upload_blob(state, http, digest)
 
     @r.post("/api/embed")
-    @r.post("/api/embeddings")
     async def embed(http: HttpRequest) -> Response:
-        try:
-            body = await _body(http)
-            state.resolve(_model_name(body))
-            raise ApiError(400, "this model does not support embeddings")
-        except Exception as e:  # noqa: BLE001
-            return _error_of(e)
+        return await _embed(state, http)
+
+    @r.post("/api/embeddings")
+    async def embeddings(http: HttpRequest) -> Response:
+        return await _embeddings(state, http)
 
     @r.post("/api/pull")
     async def pull(http: HttpRequest) -> Response:

@@ -201,6 +201,9 @@ def engine_config(args: "ServerArgs", spec: ModelSpec):
 def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
     """Load ``spec`` (the loader of :class:`~kvserve.serving.manager.ModelManager`).
 
+    An encoder (the registry's task ``embed`` or ``score``), and every model with
+    ``--embeddings``, loads as an :class:`~kvserve.serving.embed_runner.EmbeddingRunner`.
+
     Logs llama-server's lines (``loading model``, ``initializing, n_slots = ...``).
 
     Raises:
@@ -209,7 +212,10 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.core import EngineCore
     from kvserve.models.registry import load_files
+    from kvserve.serving.embed_runner import load_embedding_runner, model_task
 
+    if args.embeddings or model_task(spec.path) != "generate":  # an encoder, or llama-server's --embeddings
+        return load_embedding_runner(args, spec, build_info)
     before = rss_bytes()
     _srv(logging.INFO, "load_model", "loading model '%s'", spec.path)
     cfg = engine_config(args, spec)
@@ -295,9 +301,16 @@ def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimat
     - cache: the host tier of the prompt cache at its limit (``--cache-ram``, or this model's
       share of the default).
 
+    An encoder (embedding or reranking model) has no KV cache:
+    :func:`~kvserve.serving.embed_runner.estimate_encoder_memory`.
+
     Raises:
         ModelLoadError / OSError: the file's header cannot be read.
     """
+    from kvserve.serving.embed_runner import estimate_encoder_memory, model_task
+
+    if model_task(spec.path) != "generate":
+        return estimate_encoder_memory(args, spec)
     cfg_m, file_bytes, n_params = model_shape(spec.path)
     cfg = engine_config(args, spec)
     n_ctx = cfg.resolve_n_ctx(cfg_m.n_ctx_train)

@@ -84,7 +84,9 @@ class StoredModel:
             first 12 characters are ``ollama list``'s ID).
         modified: the manifest file's mtime, seconds since the epoch.
         manifest_path: the manifest file.
-        model_path: the ``model`` layer's blob when the manifest has one and the blob is present.
+        model_path: the ``model`` layer's blob when the manifest has one and the blob is present;
+            for an HF directory stored file by file, the directory view of its blobs
+            (:func:`kvserve.store.hf_dir.model_dir`).
     """
 
     name: ModelName
@@ -111,10 +113,12 @@ class StoredModel:
 
     def as_dict(self) -> dict[str, Any]:
         """``{"name", "model", "size", "digest", "modified", "path", "format", "filename"}`` (``name``
-        and ``model`` the display name, ``path`` the model blob, ``format`` ``gguf``)."""
+        and ``model`` the display name, ``path`` the model blob or HF directory, ``format`` ``gguf``
+        or ``safetensors``)."""
         return {"name": self.display, "model": self.display, "size": self.size, "digest": self.digest,
                 "modified": self.modified_at, "path": str(self.model_path) if self.model_path else "",
-                "format": "gguf", "filename": self.model_path.name if self.model_path else ""}
+                "format": "safetensors" if self.model_path is not None and self.model_path.is_dir() else "gguf",
+                "filename": self.model_path.name if self.model_path else ""}
 
 
 def default_models_dir() -> Path:
@@ -393,6 +397,13 @@ class Store:
         if layer is not None:
             p = self.blob_path(layer.digest)
             model_path = p if p.is_file() else None
+        else:  # an HF directory stored file by file: the loaders get a directory of links to its blobs
+            from kvserve.store.hf_dir import model_dir
+
+            try:
+                model_path = model_dir(self, manifest)
+            except InvalidInputError as e:
+                log.warning("manifest %s: %s", path, e)
         return StoredModel(n, manifest, hashlib.sha256(data).hexdigest(), st.st_mtime, path, model_path)
 
     def write_manifest(self, name: str | ModelName, manifest: Manifest | bytes) -> StoredModel:
@@ -468,7 +479,8 @@ class Store:
         return out
 
     def model_path(self, name: str | ModelName) -> Path:
-        """The ``model`` layer's blob (the GGUF the loaders read), always inside ``blobs/``.
+        """The ``model`` layer's blob (the GGUF the loaders read), always inside ``blobs/``; for an
+        HF directory stored file by file, its directory view (links into ``blobs/``).
 
         Raises:
             NotFoundError: no such model, no model layer, or its blob is missing.

