@@ -36,10 +36,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-WORDS = ("the a server model vector cache request token prompt slot batch query document search index "
-         "python java rust function class return value error retry timeout network memory thread queue "
-         "apple river mountain city music garden window coffee morning evening quickly slowly green blue "
-         "def fn main() {} [] => == != import from public static void int str list dict len map").split()
+WORDS = [
+    "the", "a", "server", "model", "vector", "cache", "request", "token", "prompt", "slot", "batch", "query",
+    "document", "search", "index", "python", "java", "rust", "function", "class", "return", "value", "error",
+    "retry", "timeout", "network", "memory", "thread", "queue", "apple", "river", "mountain", "city",
+    "music", "garden", "window", "coffee", "morning", "evening", "quickly", "slowly", "green", "blue", "def",
+    "fn", "main()", "{}", "[]", "=>", "==", "!=", "import", "from", "public", "static", "void", "int", "str",
+    "list", "dict", "len", "map",
+]
 
 
 def sentences(n: int, seed: int = 14) -> list[str]:

@@ -76,7 +76,12 @@ from kvserve.faces.errors import ApiError
 from kvserve.faces.http import read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
 from kvserve.faces.params import get_int, get_str, type_error
-from kvserve.serving.embed_runner import EmbeddingRunner, cut_dimensions, model_task
+from kvserve.serving.embed_runner import (
+    EmbeddingRunner,
+    cached_task,
+    cut_dimensions,
+    model_task,
+)
 from kvserve.serving.state import ServerState
 
 __all__ = ["EMBEDDINGS_OFF", "RERANK_OFF", "build_router", "dumps_json", "embedding_inputs",
@@ -165,7 +170,8 @@ async def serves_embeddings(state: ServerState, name: str | None) -> bool:
     spec = state.resolve(name)
     if state.args.embeddings:
         return True
-    return await asyncio.to_thread(model_task, spec.path) != "generate"
+    task = cached_task(spec.path) or await asyncio.to_thread(model_task, spec.path)
+    return task != "generate"
 
 
 def require_embedder(runner: Any, message: str = EMBEDDINGS_OFF) -> EmbeddingRunner:

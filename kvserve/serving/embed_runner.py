@@ -209,7 +209,7 @@ class EmbeddingRunner:
 
     generates = False
 
-    def __init__(self, args: "ServerArgs", spec: "ModelSpec", embedder: Any, build_info: str,
+    def __init__(self, args: ServerArgs, spec: ModelSpec, embedder: Any, build_info: str,
                  measured_bytes: int = 0):
         from kvserve.chat.template import ChatTemplate
         from kvserve.serving.metrics import Metrics
@@ -258,7 +258,7 @@ class EmbeddingRunner:
             raise ServerFaultError(f"the embedding engine failed ({type(err).__name__}) and serves no more "
                                    "requests: restart the server")
 
-    def needs_reload(self, spec: "ModelSpec") -> bool:
+    def needs_reload(self, spec: ModelSpec) -> bool:
         """A runner whose engine failed is replaced by a fresh load once idle (unless pinned)."""
         return self.engine is not None and self.engine.error is not None and not self.spec.pinned
 
@@ -527,13 +527,44 @@ def architectures(path: str) -> list[str]:
     return [str(arch)] if arch else []
 
 
+_TASKS: dict[tuple[str, int, int], str] = {}
+
+
+def _task_key(path: str) -> tuple[str, int, int] | None:
+    p = Path(path)
+    try:
+        st = (p / "config.json").stat() if p.is_dir() else p.stat()
+    except OSError:
+        return None
+    return (path, st.st_mtime_ns, st.st_size)
+
+
+def cached_task(path: str) -> str | None:
+    """:func:`model_task`'s answer for ``path`` when it is known for the file as it is now (a
+    stat, no read: cheap enough for the event loop), else None."""
+    key = _task_key(path) if path else None
+    return _TASKS.get(key) if key is not None else None
+
+
 def model_task(path: str) -> str:
     """``generate``, ``embed`` or ``score`` for the model at ``path``, from its header only: the
     model registry's answer (``kvserve.models.registry.probe_task``), else
     :data:`ENCODER_TASKS` over :func:`architectures`, else ``generate`` (a file that cannot be
-    read is left for the loader to report)."""
+    read is left for the loader to report). Remembered per file (path, mtime, size)."""
     if not path:
         return "generate"
+    key = _task_key(path)
+    if key is not None and key in _TASKS:
+        return _TASKS[key]
+    task = _probe(path)
+    if key is not None:
+        if len(_TASKS) > 1024:
+            _TASKS.clear()
+        _TASKS[key] = task
+    return task
+
+
+def _probe(path: str) -> str:
     try:
         from kvserve.models.registry import probe_task
     except ImportError:
@@ -558,7 +589,7 @@ def is_embedding_runner(runner: Any) -> bool:
 
 # -- loading and sizing --------------------------------------------------------------------------
 
-def load_embedding_runner(args: "ServerArgs", spec: "ModelSpec", build_info: str) -> EmbeddingRunner:
+def load_embedding_runner(args: ServerArgs, spec: ModelSpec, build_info: str) -> EmbeddingRunner:
     """Load ``spec`` as an encoder (the model manager's loader for embed/score models, and for
     every model with ``--embeddings``). Logs llama-server's ``loading model`` line.
 
@@ -580,7 +611,7 @@ def load_embedding_runner(args: "ServerArgs", spec: "ModelSpec", build_info: str
     return EmbeddingRunner(args, spec, embedder, build_info, max(rss_bytes() - before, 0))
 
 
-def estimate_encoder_memory(args: "ServerArgs", spec: "ModelSpec") -> "MemoryEstimate":
+def estimate_encoder_memory(args: ServerArgs, spec: ModelSpec) -> MemoryEstimate:
     """Predict an encoder's memory before it loads: the weights as they will be held (float32
     from the file's parameters: safetensors tensors or GGUF elements, x 4 bytes) plus one
     batch's activations (``--max-num-batched-tokens`` tokens, float32, with the attention
@@ -634,5 +665,5 @@ def _safetensors_params(path: Path) -> int:
 
 
 __all__ = ["ENCODER_TASKS", "EmbedResult", "EmbeddingRunner", "EncoderFacts", "EncoderStats", "InputTooLongError",
-           "ScoreResult", "architectures", "cut_dimensions", "estimate_encoder_memory", "is_embedding_runner",
+           "ScoreResult", "architectures", "cached_task", "cut_dimensions", "estimate_encoder_memory", "is_embedding_runner",
            "load_embedding_runner", "matryoshka_dimensions", "model_task", "not_generative"]

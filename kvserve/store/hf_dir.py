@@ -55,7 +55,7 @@ def check_file_name(name: str) -> str:
     return str(p)
 
 
-def hf_files(manifest: "Manifest") -> list[tuple[str, str]]:
+def hf_files(manifest: Manifest) -> list[tuple[str, str]]:
     """(relative path, digest) of each HF file layer of ``manifest``, in order ([] for a GGUF model).
 
     Raises:
@@ -71,7 +71,7 @@ def _key(files: list[tuple[str, str]]) -> str:
     return h.hexdigest()
 
 
-def _intact(view: Path, files: list[tuple[str, str]], store: "Store") -> bool:
+def _intact(view: Path, files: list[tuple[str, str]], store: Store) -> bool:
     for name, digest in files:
         link = view / name
         try:
@@ -82,7 +82,7 @@ def _intact(view: Path, files: list[tuple[str, str]], store: "Store") -> bool:
     return True
 
 
-def model_dir(store: "Store", manifest: "Manifest") -> Path | None:
+def model_dir(store: Store, manifest: Manifest) -> Path | None:
     """The directory the loaders read for ``manifest``'s HF files (laid out on first use), or
     None when it has none, a blob is missing, or the view cannot be written.
 
@@ -101,7 +101,7 @@ def model_dir(store: "Store", manifest: "Manifest") -> Path | None:
         return None
 
 
-def _lay_out(store: "Store", view: Path, files: list[tuple[str, str]]) -> Path:
+def _lay_out(store: Store, view: Path, files: list[tuple[str, str]]) -> Path:
     view.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=view.parent))
     try:

@@ -21,7 +21,12 @@ from starlette.testclient import TestClient
 from kvserve.app import build_app
 from kvserve.errors import InvalidInputError
 from kvserve.serving.args import parse_args
-from kvserve.serving.embed_runner import EmbeddingRunner, InputTooLongError, cut_dimensions, model_task
+from kvserve.serving.embed_runner import (
+    EmbeddingRunner,
+    InputTooLongError,
+    cut_dimensions,
+    model_task,
+)
 from kvserve.serving.manager import ModelManager
 from kvserve.serving.state import ServerState
 
@@ -138,7 +143,7 @@ def post(client, path, body):
 # -- /v1/embeddings ---------------------------------------------------------------------------
 
 def test_v1_embeddings_input_forms(env):
-    client, state, _ = env
+    client, *_ = env
     r = post(client, "/v1/embeddings", {"model": "enc", "input": "hello world"})
     assert r.status_code == 200, r.text
     d = r.json()

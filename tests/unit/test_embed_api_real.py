@@ -9,16 +9,15 @@ import math
 
 import numpy as np
 import pytest
-from starlette.testclient import TestClient
-
 from embed_conftest import write_tiny_bert
+from starlette.testclient import TestClient
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency ([test] extra)")
 
-from kvserve.app import build_app  # noqa: E402
-from kvserve.serving.args import parse_args  # noqa: E402
-from kvserve.serving.state import ServerState  # noqa: E402
+from kvserve.app import build_app
+from kvserve.serving.args import parse_args
+from kvserve.serving.state import ServerState
 
 PAIRS_QUERY = "where is the cat"
 DOCS = ["the cat sat on the mat .", "rain falls in spain", "the blue sea and the green sun", "a dog", "the cat"]

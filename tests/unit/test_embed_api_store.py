@@ -12,17 +12,24 @@ from pathlib import Path
 import pytest
 
 from kvserve.errors import InvalidInputError
-from kvserve.store import PullError, list_models, open_store, pull, remove, resolve_model
+from kvserve.store import (
+    PullError,
+    list_models,
+    open_store,
+    pull,
+    remove,
+    resolve_model,
+)
 from kvserve.store.hf_dir import HF_FILE_MEDIA_TYPE, VIEWS_DIR, check_file_name
 
 pull_mod = importlib.import_module("kvserve.store.pull")
 
+_HEADER = json.dumps({"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}).encode()
 FILES = {
     "config.json": json.dumps({"architectures": ["BertModel"], "model_type": "bert"}).encode(),
     "modules.json": b"[]",
     "1_Pooling/config.json": b'{"pooling_mode_mean_tokens": true}',
-    "model.safetensors": (lambda h: len(h).to_bytes(8, "little") + h)(
-        json.dumps({"w": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}).encode()) + bytes(24),
+    "model.safetensors": len(_HEADER).to_bytes(8, "little") + _HEADER + bytes(24),
 }
 PREFIX = "tiny_enc/model/"
 
