@@ -87,6 +87,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import queue
 import time
 from collections.abc import AsyncIterator
@@ -844,7 +845,12 @@ def _show(state: ServerState, body: dict) -> dict:
     layers = _layers(state, spec)
     if layers.stored is None and not spec.path:
         raise NotFoundError(f"model '{name}' not found")
-    md, tensors = read_gguf_header(spec.path) if spec.path else ({}, [])
+    from kvserve.serving.embed_runner import hf_header, model_task
+
+    if spec.path and os.path.isdir(spec.path):  # an HF directory (all-minilm): its config.json's facts
+        md, tensors = hf_header(spec.path), []
+    else:
+        md, tensors = read_gguf_header(spec.path) if spec.path else ({}, [])
     source = _runner_template(state, layers, md)
     system = _string(body, "system") or layers.system
     verbose = _flag(body, "verbose", False)
@@ -870,7 +876,8 @@ def _show(state: ServerState, body: dict) -> dict:
         r.system = system
     if layers.messages:
         r.messages = [{"role": m.get("role", ""), "content": m.get("content", "")} for m in layers.messages]
-    r.capabilities = capabilities(source, state.args.tool_call_parser)
+    r.capabilities = capabilities(source, state.args.tool_call_parser) if model_task(spec.path) == "generate" \
+        else ["embedding"]
     return r.wire()
 
 

@@ -582,6 +582,23 @@ def _probe(path: str) -> str:
     return "generate"
 
 
+def hf_header(path: str) -> dict[str, Any]:
+    """An HF directory's config.json as the GGUF-style keys Ollama's /api/show lists
+    (``general.architecture``, ``<arch>.block_count``, ``.context_length``, ``.embedding_length``,
+    ``.feed_forward_length``, ``.attention.head_count``, ``general.parameter_count`` from the
+    safetensors headers); keys the config lacks are left out."""
+    cfg = _hf_config(path)
+    arch = str(cfg.get("model_type") or "")
+    md: dict[str, Any] = {"general.architecture": arch} if arch else {}
+    for key, name in (("num_hidden_layers", "block_count"), ("max_position_embeddings", "context_length"),
+                      ("hidden_size", "embedding_length"), ("intermediate_size", "feed_forward_length"),
+                      ("num_attention_heads", "attention.head_count")):
+        if isinstance(cfg.get(key), int) and arch:
+            md[f"{arch}.{name}"] = cfg[key]
+    md["general.parameter_count"] = sum(_safetensors_params(f) for f in sorted(Path(path).glob("*.safetensors")))
+    return md
+
+
 def is_embedding_runner(runner: Any) -> bool:
     """True for a runner that embeds (an :class:`EmbeddingRunner`)."""
     return isinstance(runner, EmbeddingRunner)
@@ -664,6 +681,22 @@ def _safetensors_params(path: Path) -> int:
     return n
 
 
-__all__ = ["ENCODER_TASKS", "EmbedResult", "EmbeddingRunner", "EncoderFacts", "EncoderStats", "InputTooLongError",
-           "ScoreResult", "architectures", "cached_task", "cut_dimensions", "estimate_encoder_memory", "is_embedding_runner",
-           "load_embedding_runner", "matryoshka_dimensions", "model_task", "not_generative"]
+__all__ = [
+    "ENCODER_TASKS",
+    "EmbedResult",
+    "EmbeddingRunner",
+    "EncoderFacts",
+    "EncoderStats",
+    "InputTooLongError",
+    "ScoreResult",
+    "architectures",
+    "cached_task",
+    "cut_dimensions",
+    "estimate_encoder_memory",
+    "hf_header",
+    "is_embedding_runner",
+    "load_embedding_runner",
+    "matryoshka_dimensions",
+    "model_task",
+    "not_generative",
+]

@@ -433,3 +433,13 @@ def test_runner_truncation_rules():
             r.tokenize(["a"], truncate=bad)
     r.close()
     assert r.engine is None and r.embedder is None
+
+
+def test_api_show_of_an_hf_directory_model(env):
+    client, *_ = env
+    r = client.post("/api/show", json={"model": "enc"})
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert d["capabilities"] == ["embedding"] and d["details"]["format"] == "safetensors"
+    assert d["model_info"]["general.architecture"] == "bert" and d["model_info"]["bert.embedding_length"] == DIM
+    assert client.post("/api/show", json={"model": "gen"}).json()["capabilities"] == ["completion"]
