@@ -278,7 +278,7 @@ class Store:
         Raises:
             FileNotFoundError: no such file. DigestMismatchError: ``digest`` is not the file's.
         """
-        path = Path(path)
+        path = Path(path).resolve()  # a symlink's target: a hard link to the link itself would dangle
         want = normalize_digest(digest) if digest else f"sha256:{sha256_file(path)}"
         target = self.blob_path(want)
         if target.is_file():

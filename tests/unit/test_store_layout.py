@@ -400,3 +400,17 @@ def test_old_layout_moves_in_without_copy(env, tiny_gguf):
     assert path.exists()
     store.delete("tiny-b")
     assert not path.exists()
+
+
+def test_import_file_through_a_symlink_stores_the_content(tmp_path):
+    """Review finding: a symlink given to import_file was hard-linked as the link itself (a
+    relative link then dangles inside blobs/)."""
+    import os
+
+    from kvserve.store import open_store
+
+    (tmp_path / "real.bin").write_bytes(b"weights" * 100)
+    os.symlink("real.bin", tmp_path / "link.bin")
+    st = open_store(tmp_path / "models")
+    blob = st.blob_path(st.import_file(tmp_path / "link.bin").digest)
+    assert not blob.is_symlink() and blob.read_bytes() == b"weights" * 100
