@@ -456,40 +456,73 @@ def go_sprint_value(v: Any, depth: int = 0) -> str:
     raise TypeError(f"unsupported template value of type {type(v).__name__}")
 
 
-def go_sprint(*args: Any) -> str:
-    """Go's ``fmt.Sprint``: operands' ``%v`` with a space between two that are not strings."""
+class OutputTooLongError(ValueError):
+    """A formatting function's result would pass its ``max_chars`` bound (raised before the
+    whole result is built, so a small format cannot allocate a huge string)."""
+
+
+def _check_size(size: int, max_chars: int | None) -> None:
+    if max_chars is not None and size > max_chars:
+        raise OutputTooLongError(f"result longer than {max_chars} characters")
+
+
+def go_sprint(*args: Any, max_chars: int | None = None) -> str:
+    """Go's ``fmt.Sprint``: operands' ``%v`` with a space between two that are not strings.
+    Raises OutputTooLongError as soon as the result passes ``max_chars`` (None: no bound)."""
     out: list[str] = []
+    size = 0
     prev_string = False
     for i, a in enumerate(args):
         is_string = isinstance(a, str)
         if i > 0 and not is_string and not prev_string:
             out.append(" ")
-        out.append(go_sprint_value(a))
+            size += 1
+        text = go_sprint_value(a)
+        size += len(text)
+        _check_size(size, max_chars)
+        out.append(text)
         prev_string = is_string
     return "".join(out)
 
 
-def go_sprintln(*args: Any) -> str:
-    """Go's ``fmt.Sprintln``: operands' ``%v`` separated by spaces, then a newline."""
-    return " ".join(go_sprint_value(a) for a in args) + "\n"
+def go_sprintln(*args: Any, max_chars: int | None = None) -> str:
+    """Go's ``fmt.Sprintln``: operands' ``%v`` separated by spaces, then a newline. Raises
+    OutputTooLongError as soon as the result passes ``max_chars`` (None: no bound)."""
+    out: list[str] = []
+    size = 1
+    for a in args:
+        text = go_sprint_value(a)
+        size += len(text) + (1 if out else 0)
+        _check_size(size, max_chars)
+        out.append(text)
+    return " ".join(out) + "\n"
 
+
+#: Largest width or precision ``printf`` takes: Go's fmt prints ``%!(BADWIDTH)`` /
+#: ``%!(BADPREC)`` above 1e6 (its ``tooLarge``); here it is an error, checked before formatting.
+MAX_PRINTF_WIDTH = 1_000_000
 
 _VERB = re.compile(r"%([-+# 0]*)(\*|\d+)?(?:\.(\*|\d*))?([a-zA-Z%])")
 
 
-def go_sprintf(fmt: str, *args: Any) -> str:
+def go_sprintf(fmt: str, *args: Any, max_chars: int | None = None) -> str:
     """Go's ``fmt.Sprintf`` for the verbs templates use: ``%v %s %q %d %t %f %F %e %E %g %G
     %x %X %c %%`` with flags ``-+# 0``, width and precision. Raises TypeError where Go would
-    print ``%!verb(...)`` (a verb that does not fit its argument, a missing or extra argument)."""
+    print ``%!verb(...)`` (a verb that does not fit its argument, a missing or extra argument,
+    a width or precision above :data:`MAX_PRINTF_WIDTH`, a ``*`` width or precision), and
+    OutputTooLongError as soon as the result passes ``max_chars`` (None: no bound)."""
     out: list[str] = []
+    size = 0
     argi = 0
     pos = 0
     while True:
         i = fmt.find("%", pos)
         if i < 0:
             out.append(fmt[pos:])
+            _check_size(size + len(out[-1]), max_chars)
             break
         out.append(fmt[pos:i])
+        size += i - pos
         m = _VERB.match(fmt, i)
         if not m:
             raise TypeError(f"printf: bad verb in format {fmt[i:i + 10]!r}")
@@ -497,15 +530,22 @@ def go_sprintf(fmt: str, *args: Any) -> str:
         pos = m.end()
         if verb == "%":
             out.append("%")
+            size += 1
             continue
         if width == "*" or prec == "*":
             raise TypeError("printf: '*' width or precision is not supported")
+        for what, num in (("width", width), ("precision", prec)):
+            if num and int(num) > MAX_PRINTF_WIDTH:
+                raise TypeError(f"printf: {what} {int(num)} is larger than {MAX_PRINTF_WIDTH}")
         if argi >= len(args):
             raise TypeError(f"printf: missing argument for %{verb}")
         arg = args[argi]
         argi += 1
         text = _format_verb(verb, flags, None if prec is None else int(prec or 0), arg)
-        out.append(_pad(text, flags, int(width) if width else 0, verb, arg))
+        _check_size(size + max(len(text), int(width) if width else 0), max_chars)
+        text = _pad(text, flags, int(width) if width else 0, verb, arg)
+        size += len(text)
+        out.append(text)
     if argi < len(args):
         raise TypeError(f"printf: {len(args) - argi} extra argument(s) for format {fmt!r}")
     return "".join(out)
@@ -547,8 +587,8 @@ def _format_verb(verb: str, flags: str, prec: int | None, arg: Any) -> str:
     if verb == "t" and t is bool:
         return "true" if arg else "false"
     if verb in "dxXc" and t is int:
-        if verb == "c":
-            return chr(arg)
+        if verb == "c":  # Go writes U+FFFD for a value that is not a Unicode scalar
+            return chr(arg) if 0 <= arg <= 0x10FFFF and not 0xD800 <= arg <= 0xDFFF else "\ufffd"
         body = str(abs(arg)) if verb == "d" else format(abs(arg), verb)
         if verb != "d" and "#" in flags:
             body = "0" + verb + body
@@ -1597,10 +1637,18 @@ class _State:
             want = (f"{min_args}" if min_args == max_args else f"at least {min_args}" if max_args is None
                     else f"{min_args} to {max_args}")
             self.error(f"wrong number of args for {name}: want {want} got {n_args}", where)
+        limit = self.limits.max_output_chars
         try:
-            return fn(*args)
+            result = fn(*args, max_chars=limit) if name in _SIZED_BUILTINS else fn(*args)
+        except OutputTooLongError:
+            result = _MISSING
         except (_FuncError, TypeError) as e:
             self.error(f"error calling {name}: {e}", where)
+        if result is _MISSING or isinstance(result, str) and len(result) > limit:
+            # a function's result is bounded like the output (a variable could double it)
+            self.t.exec_error(f"output longer than {limit} characters", where,
+                              cls=GoTemplateLimitError)
+        return result
 
     # printing ------------------------------------------------------------------------------
     def print_value(self, value: Any, node: _Action) -> None:
@@ -1751,28 +1799,28 @@ def _fn_ge(a: Any, b: Any) -> bool:
     return not _fn_lt(a, b)
 
 
-def _fn_printf(fmt: Any, *args: Any) -> str:
+def _fn_printf(fmt: Any, *args: Any, max_chars: int | None = None) -> str:
     if not isinstance(fmt, str):
         raise _FuncError(f"wrong type for value; expected string; got {_type_name(fmt)}")
-    return go_sprintf(fmt, *args)
+    return go_sprintf(fmt, *args, max_chars=max_chars)
 
 
-def _eval_args(args: tuple) -> str:
+def _eval_args(args: tuple, max_chars: int | None = None) -> str:
     if len(args) == 1 and isinstance(args[0], str):
         return args[0]
-    return go_sprint(*args)
+    return go_sprint(*args, max_chars=max_chars)
 
 
 _HTML = {'"': "&#34;", "'": "&#39;", "&": "&amp;", "<": "&lt;", ">": "&gt;", "\0": "\ufffd"}
 
 
-def _fn_html(*args: Any) -> str:
-    return "".join(_HTML.get(ch, ch) for ch in _eval_args(args))
+def _fn_html(*args: Any, max_chars: int | None = None) -> str:
+    return "".join(_HTML.get(ch, ch) for ch in _eval_args(args, max_chars))
 
 
-def _fn_js(*args: Any) -> str:
+def _fn_js(*args: Any, max_chars: int | None = None) -> str:
     out = []
-    for ch in _eval_args(args):
+    for ch in _eval_args(args, max_chars):
         if ch == "\\":
             out.append("\\\\")
         elif ch in "'\"":
@@ -1786,8 +1834,8 @@ def _fn_js(*args: Any) -> str:
     return "".join(out)
 
 
-def _fn_urlquery(*args: Any) -> str:
-    return urllib.parse.quote_plus(_eval_args(args), safe="~")
+def _fn_urlquery(*args: Any, max_chars: int | None = None) -> str:
+    return urllib.parse.quote_plus(_eval_args(args, max_chars), safe="~")
 
 
 def _fn_json(v: Any) -> str:
@@ -1815,6 +1863,9 @@ def _fn_ts_type(v: Any) -> str:
         return v.ts_type
     return "any"
 
+
+#: Builtins that take ``max_chars``: they stop building a result that passes the output limit.
+_SIZED_BUILTINS = frozenset({"printf", "print", "println", "html", "js", "urlquery"})
 
 #: name -> (function, least arguments, most arguments or None)
 _BUILTINS: dict[str, tuple[Callable[..., Any], int, int | None]] = {

@@ -563,3 +563,69 @@ def test_template_is_reusable_and_output_is_deterministic():
     t = OllamaTemplate(COMMAND_R)
     assert t.render(TOOL_CALL, TOOLS) == t.render(TOOL_CALL, TOOLS)
     assert json.loads(render("{{ json .Messages }}", TWO_TURNS))[1]["Content"] == "Hello!"
+
+
+def _bounded(fn):
+    """Run fn; assert it took under a second and allocated little (tracemalloc peak)."""
+    import time
+    import tracemalloc
+    tracemalloc.start()
+    t0 = time.monotonic()
+    try:
+        fn()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert time.monotonic() - t0 < 1.0
+    assert peak < 64 << 20, peak
+
+
+@pytest.mark.parametrize("template", [
+    '{{printf "%09999999999d" 1}}',
+    '{{printf "%.9999999999f" 1.5}}',
+    '{{printf "%9999999999s" "a"}}',
+    '{{printf "%.1000001e" 1.5}}',
+])
+def test_printf_huge_width_or_precision_fails_before_formatting(template):
+    def go():
+        with pytest.raises(GoTemplateExecError, match=r"^template: :1:3: executing .* error calling printf: "
+                                                      r"printf: (width|precision) \d+ is larger than 1000000"):
+            ex(template)
+    _bounded(go)
+
+
+def test_printf_star_width_is_refused():
+    with pytest.raises(GoTemplateExecError, match=r"'\*' width or precision is not supported"):
+        ex('{{printf "%*d" 999999999 1}}')
+    with pytest.raises(GoTemplateExecError, match=r"'\*' width or precision is not supported"):
+        ex('{{printf "%.*f" 999999999 1.5}}')
+
+
+def test_printf_width_up_to_go_cap_still_works():
+    assert ex('{{printf "%05d|%.3f|%-3s|" 7 1.5 "a"}}') == "00007|1.500|a  |"
+    assert len(ex('{{printf "%01000000d" 1}}')) == 1_000_000
+
+
+def test_printf_many_wide_verbs_stop_at_the_output_limit():
+    tpl = "{{printf \"" + "%0999999d" * 1000 + "\"" + " 1" * 1000 + "}}"
+
+    def go():
+        with pytest.raises(GoTemplateLimitError, match="output longer than 1000 characters"):
+            GoTemplate(tpl).execute({}, RenderLimits(max_output_chars=1000))
+    _bounded(go)
+
+
+@pytest.mark.parametrize("fn", ["printf \"%s%s%s%s\"", "print", "println", "html", "js", "urlquery"])
+def test_variables_cannot_double_past_the_output_limit(fn):
+    # each step quadruples the string held in a variable; nothing is written until the end
+    step = "{{ $a = " + fn + " $a $a $a $a }}"
+    tpl = '{{ $a := "0123456789" }}' + step * 30 + "{{ $a }}"
+
+    def go():
+        with pytest.raises(GoTemplateLimitError, match="output longer than 100000 characters"):
+            GoTemplate(tpl).execute({}, RenderLimits(max_output_chars=100_000))
+    _bounded(go)
+
+
+def test_printf_c_of_an_invalid_rune_is_replacement_character():
+    assert ex('{{printf "%c|%c|%c" 65 99999999999 55296}}') == "A|\ufffd|\ufffd"
