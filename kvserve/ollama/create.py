@@ -554,6 +554,28 @@ def _weights_files(source) -> list[str]:
     return found
 
 
+def _file_is_gguf(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _check_local_ggufs(names: dict[str, str]) -> None:
+    """Refuse FROM files that are not GGUF before any is put into the store, with the error
+    :func:`iter_create` would give for them once stored (``unknown type`` when none looks like
+    a GGUF, else ``supplied file was not in GGUF format``); safetensors names are left to it."""
+    if any(n.endswith(".safetensors") for n in names.values()):
+        return
+    magic = {p: _file_is_gguf(p) for p in names}
+    if all(magic.values()):
+        return
+    if not any(ok or names[p].endswith(".gguf") for p, ok in magic.items()):
+        raise InvalidInputError("unknown type")
+    raise InvalidInputError("supplied file was not in GGUF format")
+
+
 def iter_create_modelfile(store: Store, name: str, modelfile: Any, base_dir: str | os.PathLike | None = None, *,
                           pull: Pull | None = None) -> Iterator[dict]:
     """``ollama create NAME -f Modelfile`` in this process: what Ollama's client does (parse,
@@ -588,6 +610,7 @@ def iter_create_modelfile(store: Store, name: str, modelfile: Any, base_dir: str
     req = mf.create_request(base_dir if base_dir is not None else os.getcwd())
     paths = [p for s in req.sources if s.kind in ("gguf", "directory") for p in _weights_files(s)]
     names = request_file_names(paths)
+    _check_local_ggufs(names)
     files: dict[str, str] = {}
     for path in paths:
         w = store.import_file(path)

@@ -325,3 +325,23 @@ def test_make_template_picks_the_template_layer(store, weights, tmp_path, caplog
     with caplog.at_level("WARNING", logger="kvserve.server"):
         t = pick("badgo:latest")
     assert type(t) is ChatTemplate and "its TEMPLATE layer is not used" in caplog.text
+
+
+def test_modelfile_from_a_file_that_is_not_gguf_stores_nothing(store, tiny_gguf, tmp_path):
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    secret = tmp_path / "passwd"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    (work / "fake.gguf").write_bytes(b"NOTGGUF" * 10)
+
+    def blobs() -> list[str]:
+        return sorted(p.name for p in store.blobs_dir.iterdir()) if store.blobs_dir.exists() else []
+
+    before = blobs()
+    with pytest.raises(InvalidInputError, match="^unknown type$"):
+        list(iter_create_modelfile(store, "x", "FROM ../../passwd\n", work))
+    with pytest.raises(InvalidInputError, match="^supplied file was not in GGUF format$"):
+        list(iter_create_modelfile(store, "x", "FROM ./fake.gguf\n", work))
+    with pytest.raises(InvalidInputError, match="^supplied file was not in GGUF format$"):
+        list(iter_create_modelfile(store, "x", "FROM .\n", work))  # a directory's .gguf files
+    assert blobs() == before and store.get("x") is None
