@@ -34,7 +34,7 @@ from starlette.responses import Response
 
 from kvserve.engine.request import InvalidRequestError
 from kvserve.errors import KvserveError
-from kvserve.faces.auth import add_security
+from kvserve.faces.auth import add_api_guard, add_security
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import (
     BodyLimitMiddleware,
@@ -138,6 +138,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.args.max_request_bytes, unlimited=("/api/blobs/",))
     app.add_middleware(HeadAsGetMiddleware)
     add_security(app, state.args.api_keys, state.args.cors_origins)
+    add_api_guard(app, state.args.host)  # Ollama's routes: local origins and hosts only
     return app
 
 

@@ -83,12 +83,13 @@ is 500 ``{"error": ...}`` as in Ollama (400 for an invalid name).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import logging
 import math
 import os
-import queue
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -1014,18 +1015,33 @@ def _delete(state: ServerState, body: dict) -> None:
 # ------------------------------------------------------------------------ pull and push
 
 
-def _progress_events(state: ServerState, kind: str, name: str, insecure: bool):
-    """The generator of /api/pull or /api/push progress events (:mod:`kvserve.store.registry`)."""
+#: Blob uploads, pulls, pushes and creates run on these threads, never on the default executor
+#: that tokenizing and model loads use: six stalled transfers once took all of that one (its size
+#: is min(32, cores + 4)) and every route that needs a worker thread hung.
+IO_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvserve-io")
+MAX_UPLOADS = 4  # concurrent POST /api/blobs; more get 503
+UPLOAD_IDLE_S = 60.0  # an upload that sends nothing for this long is cut (408)
+DISK_RESERVE = 512 << 20  # an upload stops when the store's file system has less free space left
+_uploads_running = 0
+
+
+def _progress_events(state: ServerState, kind: str, name: str, insecure: bool,
+                     cancel: threading.Event | None = None):
+    """The generator of /api/pull or /api/push progress events (:mod:`kvserve.store.registry`);
+    ``cancel`` stops the transfer at its next chunk (the client left)."""
+    import inspect
+
     from kvserve.store import registry
 
-    if kind == "pull":
-        return registry.iter_pull(name, insecure=insecure, models_dir=state.args.models_dir)
-    return registry.iter_push(name, insecure=insecure, models_dir=state.args.models_dir)
+    fn = registry.iter_pull if kind == "pull" else registry.iter_push
+    kw = {"cancel": cancel} if cancel is not None and "cancel" in inspect.signature(fn).parameters else {}
+    return fn(name, insecure=insecure, models_dir=state.args.models_dir, **kw)
 
 
-async def _events(gen) -> AsyncIterator[dict]:
-    """Drive a blocking progress generator on a worker thread; closing this iterator (the client
-    left) closes the generator at its next event (a pull keeps its partial download)."""
+async def _events(gen, cancel: threading.Event | None = None) -> AsyncIterator[dict]:
+    """Drive a blocking progress generator on an :data:`IO_POOL` thread; closing this iterator
+    (the client left) sets ``cancel`` and closes the generator at its next event (a pull keeps
+    its partial download)."""
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
     stop = False
@@ -1043,7 +1059,7 @@ async def _events(gen) -> AsyncIterator[dict]:
             gen.close()
         loop.call_soon_threadsafe(q.put_nowait, ("end", None))
 
-    worker = asyncio.ensure_future(asyncio.to_thread(drive))
+    worker = loop.run_in_executor(IO_POOL, drive)
     try:
         while True:
             kind, item = await q.get()
@@ -1054,6 +1070,8 @@ async def _events(gen) -> AsyncIterator[dict]:
             yield item
     finally:
         stop = True
+        if cancel is not None:
+            cancel.set()
         await asyncio.shield(worker)
 
 
@@ -1078,12 +1096,17 @@ async def _pull_push(state: ServerState, http: HttpRequest, kind: str) -> Respon
             parse_name(name)
         except ValueError:
             raise ApiError(400, "invalid model name") from None
-        events = _events(_progress_events(state, kind, name, _flag(b, "insecure", False)))
+        cancel = threading.Event()
+        events = _events(_progress_events(state, kind, name, _flag(b, "insecure", False), cancel), cancel)
         if not _flag(b, "stream", True):
-            last: dict = {}
-            async for ev in events:
-                last = ev
-            return _json(last)
+            async def last_event() -> dict:
+                last: dict = {}
+                async for ev in events:
+                    last = ev
+                return last
+
+            # a client that leaves stops the transfer (it held a thread for as long as the registry trickled)
+            return _json(await until_disconnect(http, last_event()))
 
         async def lines():
             async for ev in events:
@@ -1169,54 +1192,85 @@ async def _create(state: ServerState, http: HttpRequest) -> Response:
 # ------------------------------------------------------------------------ blobs
 
 
-class _ChunkReader:
-    """A blocking file-like reader over chunks an asyncio task puts in a queue (None ends):
-    :meth:`Store.write_blob` reads an upload on a worker thread as it arrives."""
-
-    def __init__(self):
-        self.q: queue.Queue = queue.Queue(maxsize=64)
-        self.buf = b""
-        self.done = False
-
-    def read(self, n: int = -1) -> bytes:
-        while not self.done and (n < 0 or len(self.buf) < n):
-            chunk = self.q.get()
-            if chunk is None:
-                self.done = True
-                break
-            self.buf += chunk
-        if n < 0:
-            out, self.buf = self.buf, b""
-        else:
-            out, self.buf = self.buf[:n], self.buf[n:]
-        return out
-
-
 async def _upload_blob(state: ServerState, http: HttpRequest, digest: str) -> Response:
     """POST /api/blobs/:digest: 200 when present, 201 when written and verified, 400 on a digest
-    mismatch or a malformed digest. The body streams to disk (a temp file renamed when its
-    sha256 matches), never held in memory."""
+    mismatch or a malformed digest. The body streams to a temp file in the store's blob folder
+    (hashed and written on an :data:`IO_POOL` thread, never held in memory), renamed when its
+    sha256 matches. Bounded: at most :data:`MAX_UPLOADS` at once (503), 408 after
+    :data:`UPLOAD_IDLE_S` without data, 507 when the disk would keep less than
+    :data:`DISK_RESERVE` free. A client that leaves mid-body leaves no file behind."""
+    global _uploads_running
+    import hashlib
+    import shutil
+    import tempfile
+
+    from starlette.requests import ClientDisconnect
+
     from kvserve.store import normalize_digest
+    from kvserve.store.layout import DigestMismatchError
 
     try:
         want = normalize_digest(digest)
         store = _store(state)
         if store.has_blob(want):
             return Response(status_code=200)
-        reader = _ChunkReader()
-        work = asyncio.ensure_future(asyncio.to_thread(store.write_blob, reader, want))
-        try:
-            async for chunk in http.stream():
-                if chunk:
-                    await asyncio.to_thread(reader.q.put, chunk)
-                if work.done():
-                    break
-        finally:
-            await asyncio.to_thread(reader.q.put, None)
-        await work
-        return Response(status_code=201)
     except Exception as e:  # noqa: BLE001
         return _error_of(e)
+    if _uploads_running >= MAX_UPLOADS:
+        return _error(503, f"too many blob uploads in progress (at most {MAX_UPLOADS}); try again")
+    _uploads_running += 1
+    loop = asyncio.get_running_loop()
+    tmp = None
+    f = None
+    try:
+        store.blobs_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=store.blobs_dir, prefix=".upload-")
+        f = os.fdopen(fd, "wb")
+        h = hashlib.sha256()
+        written = 0
+        checked = 0
+
+        def write(chunk: bytes) -> None:
+            h.update(chunk)
+            f.write(chunk)
+
+        it = http.stream().__aiter__()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(it.__anext__(), UPLOAD_IDLE_S)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                return _error(408, f"upload sent no data for {UPLOAD_IDLE_S:.0f} s")
+            if not chunk:
+                continue
+            await loop.run_in_executor(IO_POOL, write, chunk)
+            written += len(chunk)
+            if written - checked >= 64 << 20:  # every 64 MiB: is there room left?
+                checked = written
+                if shutil.disk_usage(store.blobs_dir).free < DISK_RESERVE:
+                    return _error(507, "not enough disk space for this blob")
+        await loop.run_in_executor(IO_POOL, f.close)
+        got = "sha256:" + h.hexdigest()
+        if got != want:
+            return _error_of(DigestMismatchError(want, got))
+        os.replace(tmp, store.blob_path(want))
+        tmp = None
+        return Response(status_code=201)
+    except ClientDisconnect:
+        log.info("client disconnected during a blob upload (%s)", digest[:80], extra={"func": "api_blobs"})
+        return Response(status_code=499)
+    except Exception as e:  # noqa: BLE001
+        return _error_of(e)
+    finally:
+        _uploads_running -= 1
+        if f is not None and not f.closed:
+            f.close()
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
 
 
 def _head_blob(state: ServerState, digest: str) -> Response:

@@ -526,7 +526,7 @@ class ModelManager:
         return err
 
     def _needs_reload(self, e: Entry, spec: ModelSpec) -> bool:
-        if spec.n_ctx is not None and spec.n_ctx != e.spec.n_ctx:
+        if spec.n_ctx != e.spec.n_ctx:  # None is the server's default: one client's num_ctx does not stick
             return True
         check = getattr(e.runner, "needs_reload", None)
         return bool(check(spec)) if check is not None else False

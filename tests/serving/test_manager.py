@@ -220,6 +220,12 @@ def test_reload_for_another_context_size_waits_for_idle():
         new = await asyncio.wait_for(other, 2)
         assert new.runner is not lease.runner and h.m.get("m").spec.n_ctx == 4096
         assert h.lines[-2:] == ["t=  0s unload m (reload)", "t=  0s load   m"]
+        new.release()
+        # a request that names no context gets the server's default again (review: one client's
+        # num_ctx stuck for every later client)
+        back = await h.m.acquire(ModelSpec("m"))
+        assert h.m.get("m").spec.n_ctx is None and h.lines[-2:] == ["t=  0s unload m (reload)", "t=  0s load   m"]
+        back.release()
 
     run(main())
 
