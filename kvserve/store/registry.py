@@ -64,6 +64,26 @@ Every network wait is bounded (:data:`DEFAULT_TIMEOUT`): an offline machine or a
 one line (``pull model manifest: Get "https://registry.ollama.ai/v2/...": ...``), no hang. A dropped
 blob download is retried ``retries`` times, resuming with ``Range``.
 
+Against a hostile or broken registry (each a one-line :class:`RegistryError`):
+
+- a response read whole (a manifest, a token, an error body) must arrive within
+  :data:`RESPONSE_DEADLINE` seconds in all (a registry trickling a byte every 20 s would pass every
+  per-read timeout); a blob download must bring :data:`BLOB_MIN_BYTES` bytes in every
+  :data:`BLOB_STALL_WINDOW` seconds (``download stalled``; not retried within the pull). Checked
+  between reads, so a limit is noticed up to one read timeout late.
+- a manifest over :data:`MANIFEST_MAX_BYTES` bytes or with more than :data:`MAX_LAYERS` layers, and
+  one that is not JSON or nested too deeply to parse, is refused before anything is written.
+- of an error body at most :data:`ERROR_BODY_MAX_BYTES` bytes are read and
+  :data:`ERROR_MESSAGE_MAX_CHARS` characters go into the message.
+- redirects are followed only for blobs (``GET``/``HEAD .../blobs/<digest>``: registries send them to
+  storage); a redirect answering a manifest, upload or token request is refused
+  (``307: redirect to <host> not followed``), and an error status reached through a redirect is reported
+  without its body (another host's page is not echoed into our error or log).
+
+``cancel``: a :class:`threading.Event` that, once set, stops a pull or push before its next request
+or between two chunks (``context canceled``, :class:`CanceledError`; a partial download is kept for
+the next pull to resume). A blocked read notices it within one read timeout.
+
 Thread-safety: downloads of one digest are serialized within the process (a second pull of the same
 blob waits, reporting the first one's progress, then uses its bytes); separate processes pulling the
 same blob at once are not coordinated.
@@ -74,6 +94,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import json
 import os
 import re
 import threading
@@ -97,10 +118,19 @@ from kvserve.store.manifest import MANIFEST_MEDIA_TYPE, Layer, Manifest
 from kvserve.store.names import ModelName, parse_name
 
 __all__ = [
+    "BLOB_MIN_BYTES",
+    "BLOB_STALL_WINDOW",
     "DEFAULT_TIMEOUT",
+    "ERROR_BODY_MAX_BYTES",
+    "ERROR_MESSAGE_MAX_CHARS",
+    "ERR_CANCELED",
     "ERR_INSECURE",
     "ERR_NOT_EXIST",
     "ERR_UNAUTHORIZED",
+    "MANIFEST_MAX_BYTES",
+    "MAX_LAYERS",
+    "RESPONSE_DEADLINE",
+    "CanceledError",
     "Challenge",
     "RegistryError",
     "RegistrySession",
@@ -123,6 +153,16 @@ UPLOAD_CHUNK = 64 << 20  # bytes per PATCH; blobs up to this size go in one PUT
 ERR_NOT_EXIST = "file does not exist"  # Go's os.ErrNotExist: what Ollama says for a registry 404
 ERR_UNAUTHORIZED = "unauthorized: access denied"  # Ollama's errUnauthorized
 ERR_INSECURE = "insecure protocol http"  # Ollama's errInsecureProtocol
+ERR_CANCELED = "context canceled"  # Go's context.Canceled: what Ollama says for a pull its client left
+
+# Limits against a hostile registry (module docstring); tests lower them.
+RESPONSE_DEADLINE = 60.0  # seconds for the whole body of a response read whole (manifest, token, error)
+BLOB_MIN_BYTES = 16 << 10  # a blob download brings at least this many bytes ...
+BLOB_STALL_WINDOW = 60.0  # ... in every window of this many seconds, or it is aborted
+MANIFEST_MAX_BYTES = 4 << 20  # Ollama's manifests are a few KB
+MAX_LAYERS = 512  # layers of one manifest
+ERROR_BODY_MAX_BYTES = 64 << 10  # bytes read of an error response's body
+ERROR_MESSAGE_MAX_CHARS = 512  # characters of that body put into the error message
 
 
 class RegistryError(ServerFaultError):
@@ -134,9 +174,35 @@ class RegistryError(ServerFaultError):
             connection) or the failure was local (a digest mismatch).
     """
 
+    retryable = True  # a download that fails with status None is resumed within the pull
+
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status
+
+
+class _FinalError(RegistryError):
+    """A transfer failure that retrying within the pull would not help (a stalled download)."""
+
+    retryable = False
+
+
+class CanceledError(_FinalError):
+    """The ``cancel`` event was set: ``context canceled`` (Go's context.Canceled, as Ollama says)."""
+
+    def __init__(self) -> None:
+        super().__init__(ERR_CANCELED)
+
+
+def _check(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise CanceledError()
+
+
+def _one_line(text: str, limit: int | None = None) -> str:
+    text = " ".join(text.split())
+    limit = ERROR_MESSAGE_MAX_CHARS if limit is None else limit
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def progress_event(status: str, digest: str = "", total: int = 0, completed: int = 0) -> dict[str, Any]:
@@ -192,6 +258,12 @@ def parse_challenge(header: str) -> Challenge | None:
 # -- one session with a registry
 
 
+def _redirect_refused(resp: httpx.Response) -> str:
+    location = urljoin(str(resp.url), resp.headers.get("location", ""))
+    host = urlsplit(location).hostname or "?"
+    return f"{resp.status_code}: redirect to {host} not followed (only blob downloads follow redirects)"
+
+
 def _reason(exc: Exception, timeout: httpx.Timeout) -> str:
     """A one-line reason for a transport failure (Go's ``dial tcp ...`` in spirit)."""
     text = " ".join(str(exc).split())
@@ -215,12 +287,14 @@ class RegistrySession:
     ``insecure`` sends every request over plain http (Ollama's makeRequest does the same). Errors
     are :class:`RegistryError`: ``file does not exist`` for a 404, ``<status>: <body>`` for another
     error status, ``unauthorized: access denied`` when a token did not help, and for a transport
-    failure ``<Method> "<url>": <reason>`` (as Go's url.Error reads). Use as a context manager.
+    failure ``<Method> "<url>": <reason>`` (as Go's url.Error reads); ``context canceled``
+    (:class:`CanceledError`) once ``cancel`` is set, checked before each request. Redirects are
+    followed only by :meth:`open_blob` and :meth:`has_blob`. Use as a context manager.
     """
 
     def __init__(self, name: ModelName, insecure: bool = False, *, timeout: float | httpx.Timeout | None = None,
                  transport: httpx.BaseTransport | None = None, username: str | None = None,
-                 password: str | None = None):
+                 password: str | None = None, cancel: threading.Event | None = None):
         from kvserve import __version__
 
         self.name = name
@@ -230,7 +304,8 @@ class RegistrySession:
             DEFAULT_TIMEOUT if timeout is None else httpx.Timeout(timeout))
         self._basic = (username, password) if username and password else None
         self._authorization: str | None = None
-        self._client = httpx.Client(timeout=self.timeout, transport=transport, follow_redirects=True,
+        self.cancel = cancel
+        self._client = httpx.Client(timeout=self.timeout, transport=transport, follow_redirects=False,
                                     headers={"User-Agent": f"kvserve/{__version__}"})
 
     def __enter__(self) -> Self:
@@ -256,46 +331,85 @@ class RegistrySession:
 
     # the request loop: one retry after answering a challenge
     def request(self, method: str, url: str, *, headers: dict[str, str] | None = None, content: bytes | None = None,
-                stream: bool = False, ok_statuses: tuple[int, ...] = ()) -> httpx.Response:
+                stream: bool = False, ok_statuses: tuple[int, ...] = (),
+                follow_redirects: bool = False) -> httpx.Response:
         """Send a request, answering one authentication challenge; return the response (a streaming one
-        with ``stream``; the caller closes it).
+        with ``stream``; the caller closes it). Without ``follow_redirects`` a 3xx answer is an error.
 
         Raises:
             RegistryError: see the class docstring. Statuses in ``ok_statuses`` are returned, not raised.
         """
         for attempt in range(2):
-            resp = self._send(method, url, headers, content, stream)
+            _check(self.cancel)
+            resp = self._send(method, url, headers, content, stream, follow_redirects)
             if resp.status_code == 401 and attempt == 0:
                 challenge = parse_challenge(resp.headers.get("www-authenticate", ""))
                 resp.close()
                 if challenge is None or not self._authorize(challenge, url):
                     break
                 continue
-            if resp.status_code in ok_statuses or resp.status_code < 400:
+            if resp.status_code in ok_statuses or resp.status_code < 300:
                 return resp
+            if resp.status_code < 400:
+                resp.close()
+                raise RegistryError(_redirect_refused(resp), resp.status_code)
             if resp.status_code == 401:
                 resp.close()
                 break
             if resp.status_code == 404:
                 resp.close()
                 raise RegistryError(ERR_NOT_EXIST, 404)
-            try:
-                body = resp.read().decode("utf-8", "replace")
-            except httpx.HTTPError:
-                body = ""
-            finally:
-                resp.close()
-            raise RegistryError(f"{resp.status_code}: {' '.join(body.split())}".rstrip(": "), resp.status_code)
+            raise RegistryError(self._error_text(resp), resp.status_code)
         raise RegistryError(ERR_UNAUTHORIZED, 401)
 
+    def _error_text(self, resp: httpx.Response) -> str:
+        """``<status>: <body>`` with at most ERROR_BODY_MAX_BYTES read and ERROR_MESSAGE_MAX_CHARS kept;
+        no body after a redirect (another host's page). Closes ``resp``."""
+        try:
+            if resp.history:
+                return f"{resp.status_code}: error from {resp.url.host} after a redirect (body not shown)"
+            try:
+                body = self.read_body(resp, ERROR_BODY_MAX_BYTES, truncate=True).decode("utf-8", "replace")
+            except RegistryError:
+                body = ""
+            return f"{resp.status_code}: {_one_line(body)}".rstrip(": ")
+        finally:
+            resp.close()
+
+    def read_body(self, resp: httpx.Response, limit: int, *, truncate: bool = False, what: str = "response") -> bytes:
+        """Read ``resp``'s body (a streaming response) within :data:`RESPONSE_DEADLINE` seconds and
+        ``limit`` bytes; with ``truncate`` the bytes read by then, else RegistryError past either
+        limit (or once ``cancel`` is set). Does not close ``resp``."""
+        deadline = time.monotonic() + RESPONSE_DEADLINE
+        parts: list[bytes] = []
+        size = 0
+        url = resp.request.url
+        try:
+            for chunk in resp.iter_bytes():
+                _check(self.cancel)
+                parts.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    if truncate:
+                        return b"".join(parts)[:limit]
+                    raise RegistryError(f'Get "{url}": the {what} is larger than {limit} bytes')
+                if time.monotonic() > deadline:
+                    if truncate:
+                        break
+                    raise RegistryError(f'Get "{url}": the {what} did not arrive within {RESPONSE_DEADLINE:g} s')
+        except httpx.HTTPError as e:
+            if not truncate:
+                raise RegistryError(f'Get "{url}": {_reason(e, self.timeout)}') from None
+        return b"".join(parts)
+
     def _send(self, method: str, url: str, headers: dict[str, str] | None, content: bytes | None,
-              stream: bool) -> httpx.Response:
+              stream: bool, follow_redirects: bool = False) -> httpx.Response:
         h = dict(headers or {})
         if self._authorization:
             h["Authorization"] = self._authorization
         try:
             req = self._client.build_request(method, url, headers=h, content=content)
-            return self._client.send(req, stream=stream)
+            return self._client.send(req, stream=stream, follow_redirects=follow_redirects)
         except httpx.HTTPError as e:
             raise RegistryError(f'{method.title()} "{url}": {_reason(e, self.timeout)}') from None
 
@@ -317,16 +431,23 @@ class RegistrySession:
             params.append(("service", challenge.service))
         params += [("scope", s) for s in challenge.scope.split(" ") if s]
         token_url = urlunsplit((realm.scheme, realm.netloc, realm.path, urlencode(params), ""))
+        _check(self.cancel)
         try:
-            resp = self._client.get(token_url, auth=self._basic)
+            resp = self._client.send(self._client.build_request("GET", token_url), auth=self._basic, stream=True)
         except httpx.HTTPError as e:
             raise RegistryError(f'Get "{token_url}": {_reason(e, self.timeout)}') from None
+        if 300 <= resp.status_code < 400:
+            resp.close()
+            raise RegistryError(_redirect_refused(resp), resp.status_code)
         if resp.status_code >= 400:
-            body = " ".join(resp.text.split())
-            raise RegistryError(f"{resp.status_code}: {body}".rstrip(": "), resp.status_code)
+            raise RegistryError(self._error_text(resp), resp.status_code)
         try:
-            answer = resp.json()
-        except ValueError:
+            raw = self.read_body(resp, MANIFEST_MAX_BYTES, what="token answer")
+        finally:
+            resp.close()
+        try:
+            answer = json.loads(raw)
+        except (ValueError, RecursionError):
             answer = None
         token = (answer.get("token") or answer.get("access_token")) if isinstance(answer, dict) else None
         if not isinstance(token, str) or not token:
@@ -338,8 +459,11 @@ class RegistrySession:
     def get_manifest(self, tag: str) -> bytes:
         """The manifest's bytes, asked for as a Docker v2 manifest (the seed's Accept header); checked
         against the registry's ``Docker-Content-Digest`` when it sends one."""
-        resp = self.request("GET", self.url("manifests", tag), headers={"Accept": MANIFEST_MEDIA_TYPE})
-        data = resp.content
+        resp = self.request("GET", self.url("manifests", tag), headers={"Accept": MANIFEST_MEDIA_TYPE}, stream=True)
+        try:
+            data = self.read_body(resp, MANIFEST_MAX_BYTES, what="manifest")
+        finally:
+            resp.close()
         sent = resp.headers.get("docker-content-digest", "")
         if sent.startswith("sha256:"):
             got = "sha256:" + hashlib.sha256(data).hexdigest()
@@ -351,12 +475,13 @@ class RegistrySession:
         """A streaming GET of a blob from byte ``offset`` (``Range: bytes=<offset>-`` when > 0; a 416
         is returned, not raised). The caller closes it."""
         headers = {"Range": f"bytes={offset}-"} if offset else {}
-        return self.request("GET", self.url("blobs", digest), headers=headers, stream=True, ok_statuses=(416,))
+        return self.request("GET", self.url("blobs", digest), headers=headers, stream=True, ok_statuses=(416,),
+                            follow_redirects=True)
 
     def has_blob(self, digest: str) -> bool:
         """Whether the repository has the blob (HEAD; 404 -> False)."""
         try:
-            self.request("HEAD", self.url("blobs", digest)).close()
+            self.request("HEAD", self.url("blobs", digest), follow_redirects=True).close()
         except RegistryError as e:
             if e.status == 404:
                 return False
@@ -428,12 +553,14 @@ def _drive(gen: Generator[dict[str, Any], None, Any], progress: Callable[[dict[s
 
 
 def pull_model(name: str, *, progress: Callable[[dict[str, Any]], Any] | None = None, **options: Any) -> StoredModel:
-    """:func:`iter_pull`, calling ``progress(event)`` for each event; returns the stored model."""
+    """:func:`iter_pull`, calling ``progress(event)`` for each event; returns the stored model.
+    ``options`` are iter_pull's (``cancel=threading.Event()`` included)."""
     return _drive(iter_pull(name, **options), progress)
 
 
 def push_model(name: str, *, progress: Callable[[dict[str, Any]], Any] | None = None, **options: Any) -> None:
-    """:func:`iter_push`, calling ``progress(event)`` for each event."""
+    """:func:`iter_push`, calling ``progress(event)`` for each event; ``options`` are iter_push's
+    (``cancel`` included)."""
     _drive(iter_push(name, **options), progress)
 
 
@@ -441,7 +568,8 @@ def iter_pull(name: str, *, insecure: bool = False, store: Store | None = None,
               models_dir: str | os.PathLike | None = None, package_index: bool = True,
               timeout: float | httpx.Timeout | None = None, transport: httpx.BaseTransport | None = None,
               username: str | None = None, password: str | None = None, interval: float = PROGRESS_INTERVAL,
-              retries: int = DOWNLOAD_RETRIES) -> Generator[dict[str, Any], None, StoredModel]:
+              retries: int = DOWNLOAD_RETRIES,
+              cancel: threading.Event | None = None) -> Generator[dict[str, Any], None, StoredModel]:
     """Pull ``name`` into the store, yielding Ollama's /api/pull progress events (module docstring);
     the generator's return value is the :class:`~kvserve.store.layout.StoredModel`.
 
@@ -455,6 +583,8 @@ def iter_pull(name: str, *, insecure: bool = False, store: Store | None = None,
         transport: an httpx transport (tests). username / password: for a token realm or basic auth.
         interval: seconds between intermediate progress events of a blob (0: one per chunk read).
         retries: resumptions of a dropped blob download within this pull.
+        cancel: once set, the pull stops before its next request or chunk with :class:`CanceledError`
+            (``context canceled``), keeping a partial download for the next pull to resume.
 
     Raises:
         InvalidModelNameError: an invalid name (before any event).
@@ -462,14 +592,16 @@ def iter_pull(name: str, *, insecure: bool = False, store: Store | None = None,
             ``pull model manifest: <Method> "<url>": <reason>`` (offline, refused, timed out),
             ``digest mismatch, file must be downloaded again: want sha256:…, got sha256:…``,
             ``insecure protocol http`` (an ``http://`` name without ``insecure``), ``file does not
-            exist`` (a blob the registry lacks), ... Nothing is written under the model's name on failure.
+            exist`` (a blob the registry lacks), ``pull model manifest: invalid manifest: ...`` (not
+            JSON, too deep, over :data:`MAX_LAYERS` layers), ``... download stalled ...``, ``context
+            canceled``, ... Nothing is written under the model's name on failure.
     """
     target = store if store is not None else open_store(models_dir)
     if package_index and is_package_index_name(name):
         return (yield from _iter_index_pull(name, target))
     n = parse_name(name)
     return (yield from _local_errors(_pull_steps(n, target, insecure, timeout, transport, username, password,
-                                                 interval, retries)))
+                                                 interval, retries, cancel)))
 
 
 def _local_errors(gen: Generator[dict[str, Any], None, Any]) -> Generator[dict[str, Any], None, Any]:
@@ -482,16 +614,19 @@ def _local_errors(gen: Generator[dict[str, Any], None, Any]) -> Generator[dict[s
 
 def _pull_steps(n: ModelName, target: Store, insecure: bool, timeout: float | httpx.Timeout | None,
                 transport: httpx.BaseTransport | None, username: str | None, password: str | None,
-                interval: float, retries: int) -> Generator[dict[str, Any], None, StoredModel]:
+                interval: float, retries: int,
+                cancel: threading.Event | None) -> Generator[dict[str, Any], None, StoredModel]:
     if n.scheme == "http" and not insecure:
         raise RegistryError(ERR_INSECURE)
     existing = target.get(n)
     yield progress_event("pulling manifest")
     with RegistrySession(n, insecure, timeout=timeout, transport=transport, username=username,
-                         password=password) as session:
+                         password=password, cancel=cancel) as session:
         try:
             data = session.get_manifest(n.tag)
-            manifest = Manifest.from_bytes(data)
+            manifest = _parse_manifest(data)
+        except CanceledError:
+            raise
         except (RegistryError, InvalidInputError) as e:
             raise RegistryError(f"pull model manifest: {e.message}", getattr(e, "status", None)) from None
         if not manifest.layers:  # e.g. an OCI index or manifest list: not a model
@@ -505,6 +640,7 @@ def _pull_steps(n: ModelName, target: Store, insecure: bool, timeout: float | ht
                 yield progress_event(label, layer.digest, size, size)
                 continue
             downloaded = yield from _download(session, target, layer, label, interval, retries)
+            _check(cancel)
             if downloaded:
                 fresh.append(layer.digest)
     yield progress_event("verifying sha256 digest")
@@ -521,6 +657,22 @@ def _pull_steps(n: ModelName, target: Store, insecure: bool, timeout: float | ht
                     target.blob_path(digest).unlink()
     yield progress_event("success")
     return stored
+
+
+def _parse_manifest(data: bytes) -> Manifest:
+    """Parse a registry's manifest; InvalidInputError for anything that is not a sane one (bad or too
+    deeply nested JSON, wrong field types, more than :data:`MAX_LAYERS` layers)."""
+    try:
+        manifest = Manifest.from_bytes(data)
+    except InvalidInputError:
+        raise
+    except RecursionError:
+        raise InvalidInputError("invalid manifest: JSON nested too deeply") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise InvalidInputError(f"invalid manifest: {_one_line(str(e), 200) or type(e).__name__}") from None
+    if len(manifest.layers) > MAX_LAYERS:
+        raise InvalidInputError(f"invalid manifest: {len(manifest.layers)} layers, more than {MAX_LAYERS}")
+    return manifest
 
 
 def _present(store: Store, layer: Layer) -> bool:
@@ -545,6 +697,7 @@ def _download(session: RegistrySession, store: Store, layer: Layer, label: str, 
     digest, total = layer.digest, layer.size
     lock = _lock_for(digest)
     while not lock.acquire(timeout=min(max(interval, 0.05), 1.0)):  # another pull has it: show its progress
+        _check(session.cancel)
         yield progress_event(label, digest, total, _partial_size(store, digest))
     try:
         if _present(store, layer):
@@ -561,10 +714,14 @@ def _download(session: RegistrySession, store: Store, layer: Layer, label: str, 
             try:
                 offset = yield from _fetch(session, store, layer, offset, label, interval)
             except RegistryError as e:
-                if e.status is not None or failures >= retries:
+                if e.status is not None or not e.retryable or failures >= retries:
                     raise
                 failures += 1
-                time.sleep(min(0.25 * 2 ** failures, 5.0))
+                pause = min(0.25 * 2 ** failures, 5.0)
+                if session.cancel is not None:
+                    session.cancel.wait(pause)
+                else:
+                    time.sleep(pause)
                 offset = _partial_size(store, digest)
         store.partial_path(digest).touch()  # an empty blob has no bytes to fetch
         yield progress_event(label, digest, total, total)
@@ -587,15 +744,23 @@ def _fetch(session: RegistrySession, store: Store, layer: Layer, offset: int, la
         resumed = resp.status_code == 206 and resp.headers.get("content-range", "").startswith(f"bytes {offset}-")
         if offset and not resumed:  # the registry ignored Range (or answered another): take it from the start
             offset = 0
-        last = time.monotonic()
+        last = window_start = time.monotonic()
+        window_from = offset
         with open(part, "ab" if offset else "wb", buffering=0) as f:
             try:
                 for chunk in resp.iter_bytes():
+                    _check(session.cancel)
                     if offset + len(chunk) > total:
                         raise RegistryError(f"blob {digest} is larger than the {total} bytes its manifest gives")
                     f.write(chunk)
                     offset += len(chunk)
                     now = time.monotonic()
+                    if now - window_start >= BLOB_STALL_WINDOW:
+                        if offset - window_from < BLOB_MIN_BYTES:
+                            raise _FinalError(f'Get "{resp.request.url}": download stalled: {offset - window_from} '
+                                              f"bytes in {now - window_start:.0f} s (want {BLOB_MIN_BYTES} bytes "
+                                              f"per {BLOB_STALL_WINDOW:g} s)")
+                        window_start, window_from = now, offset
                     if now - last >= interval and offset < total:
                         last = now
                         yield progress_event(label, digest, total, offset)
@@ -650,11 +815,12 @@ def iter_push(name: str, *, insecure: bool = False, store: Store | None = None,
               models_dir: str | os.PathLike | None = None, timeout: float | httpx.Timeout | None = None,
               transport: httpx.BaseTransport | None = None, username: str | None = None,
               password: str | None = None, interval: float = PROGRESS_INTERVAL,
-              chunk_size: int = UPLOAD_CHUNK) -> Generator[dict[str, Any], None, None]:
+              chunk_size: int = UPLOAD_CHUNK, cancel: threading.Event | None = None) -> Generator[dict[str, Any], None, None]:
     """Push the stored model ``name`` to its registry, yielding Ollama's /api/push progress events.
 
     Arguments as :func:`iter_pull`; ``chunk_size``: bytes per PATCH (a blob up to this size goes in
     one PUT). The manifest is pushed byte for byte as stored, so its digest is the same there.
+    ``cancel``: once set, the push stops before its next request or chunk (``context canceled``).
 
     Raises:
         InvalidModelNameError: an invalid name (before any event).
@@ -668,12 +834,13 @@ def iter_push(name: str, *, insecure: bool = False, store: Store | None = None,
     n = parse_name(name)
     target = store if store is not None else open_store(models_dir)
     yield from _local_errors(_push_steps(n, name, target, insecure, timeout, transport, username, password, interval,
-                                         chunk_size))
+                                         chunk_size, cancel))
 
 
 def _push_steps(n: ModelName, name: str, target: Store, insecure: bool, timeout: float | httpx.Timeout | None,
                 transport: httpx.BaseTransport | None, username: str | None, password: str | None,
-                interval: float, chunk_size: int) -> Generator[dict[str, Any], None, None]:
+                interval: float, chunk_size: int,
+                cancel: threading.Event | None) -> Generator[dict[str, Any], None, None]:
     yield progress_event("retrieving manifest")
     if n.scheme == "http" and not insecure:
         raise RegistryError(ERR_INSECURE)
@@ -683,7 +850,7 @@ def _push_steps(n: ModelName, name: str, target: Store, insecure: bool, timeout:
         raise NotFoundError(f"model '{str(name)[:256]}' not found")
     data = stored.manifest_path.read_bytes()
     with RegistrySession(n, insecure, timeout=timeout, transport=transport, username=username,
-                         password=password) as session:
+                         password=password, cancel=cancel) as session:
         for layer in stored.manifest.blobs():
             yield from _upload(session, target, layer, interval, chunk_size)
         yield progress_event("pushing manifest")
@@ -709,6 +876,7 @@ def _upload(session: RegistrySession, store: Store, layer: Layer, interval: floa
         else:
             sent, last = 0, time.monotonic()
             while chunk := f.read(chunk_size):
+                _check(session.cancel)
                 location = session.upload_chunk(location, chunk, sent)
                 sent += len(chunk)
                 now = time.monotonic()

@@ -9,8 +9,11 @@ Nothing here reaches the internet: the public registries are answered by a mock 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import http.server
 import importlib
+import json
 import os
 import signal
 import socket
@@ -25,6 +28,7 @@ import ociregistry
 import pytest
 
 from kvserve.store import Store, go_json, parse_name
+from kvserve.store import registry as registry_mod
 from kvserve.store.registry import (
     ERR_INSECURE,
     RegistryError,
@@ -478,7 +482,9 @@ def test_token_auth_against_the_real_registry(tmp_path, tiny_gguf_path):
             model = make_model(src, name, tiny_gguf_path)
             assert list(iter_push(name, store=src, **QUIET))[-1] == {"status": "success"}
             scopes = [q["scope"] for q in realm.requests]
-            assert scopes[:2] == [["repository:secure/tiny:pull"], ["repository:secure/tiny:pull,push"]]
+            assert scopes[0] == ["repository:secure/tiny:pull"]  # then pull,push (the registry orders them at random)
+            assert [s.rpartition(":")[0] for s in scopes[1]] == ["repository:secure/tiny"]
+            assert sorted(scopes[1][0].rpartition(":")[2].split(",")) == ["pull", "push"]
             assert all(q["service"] == [realm.service] for q in realm.requests)
             stored = pull_model(name, store=dst, **QUIET)
             assert stored.digest == model.digest
@@ -599,3 +605,191 @@ def test_smollm2_push_pull_roundtrip(registry, tmp_path, smollm2_gguf):
     stored = store.require(name)
     assert stored.digest == model.digest
     assert load_files(stored.model_path).config.arch == "llama"
+
+
+# -- a hostile registry (an in-process http.server on 127.0.0.1)
+
+EVIL_BLOB = b"GGUF" + bytes(range(256)) * 400
+EVIL_DIGEST = "sha256:" + hashlib.sha256(EVIL_BLOB).hexdigest()
+EVIL_CFG = b"{}"
+EVIL_CDIGEST = "sha256:" + hashlib.sha256(EVIL_CFG).hexdigest()
+
+
+def _evil_manifest(n_layers: int = 1) -> bytes:
+    layer = {"mediaType": "application/vnd.ollama.image.model", "digest": EVIL_DIGEST, "size": len(EVIL_BLOB)}
+    return json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+                       "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
+                                  "digest": EVIL_CDIGEST, "size": len(EVIL_CFG)},
+                       "layers": [layer] * n_layers}).encode()
+
+
+@pytest.fixture
+def evil():
+    """``127.0.0.1:<port>``; the model name ``<host>/evil/<mode>`` picks the misbehaviour."""
+    stop = threading.Event()
+    seen: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def send(self, code, body=b"", headers=()):
+            self.send_response(code)
+            for k, v in headers:
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def trickle(self, length):
+            self.send_response(200)
+            self.send_header("Content-Length", str(length))
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(length):
+                    if stop.wait(0.05):
+                        return
+                    self.wfile.write(b"{")
+                    self.wfile.flush()
+
+        def do_HEAD(self):
+            self.do_GET()
+
+        def do_GET(self):
+            seen.append(self.path)
+            host = f"127.0.0.1:{self.server.server_address[1]}"
+            if self.path == "/secret":
+                return self.send(500, b"INTERNAL-SECRET-TOKEN=hunter2")
+            if self.path == "/storage":
+                return self.send(200, EVIL_BLOB)
+            p = self.path.split("/")  # /v2/evil/<mode>/<kind>/<ref>
+            mode, kind, ref = p[3], p[4], p[5]
+            if kind == "manifests":
+                if mode == "trickleman":
+                    return self.trickle(10_000)
+                if mode == "hugemanifest":  # no Content-Length, far more than the cap
+                    self.send_response(200)
+                    self.end_headers()
+                    self.close_connection = True
+                    with contextlib.suppress(OSError):
+                        self.wfile.write(b'{"schemaVersion":2,"pad":"' + b"A" * (4 << 20) + b'"}')
+                    return
+                if mode == "manylayers":
+                    return self.send(200, _evil_manifest(5))
+                if mode == "deep":
+                    return self.send(200, b'{"schemaVersion":2,"x":' + b"[" * 100000 + b"]" * 100000 + b"}")
+                if mode == "errbody":
+                    return self.send(500, b"E" * (1 << 20))
+                if mode == "redirectman":
+                    return self.send(307, headers=[("Location", f"http://{host}/secret")])
+                return self.send(200, _evil_manifest())
+            if ref == EVIL_CDIGEST:
+                return self.send(200, EVIL_CFG)
+            if mode in ("trickleblob", "cancel"):
+                return self.trickle(len(EVIL_BLOB))
+            if mode == "redirectblob":
+                return self.send(302, headers=[("Location", f"http://{host}/secret")])
+            if mode == "storageblob":
+                return self.send(302, headers=[("Location", f"http://{host}/storage")])
+            return self.send(200, EVIL_BLOB)
+
+    class Server(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+
+        def handle_error(self, request, client_address):  # the client hung up mid-body: expected here
+            pass
+
+    server = Server(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def _evil_pull(store, evil, mode, **kw):
+    host, _ = evil
+    with pytest.raises(RegistryError) as e:
+        pull_model(f"{host}/evil/{mode}", store=store, insecure=True, interval=0, **kw)
+    assert "\n" not in e.value.message
+    assert store.list() == []
+    return e.value
+
+
+def test_trickled_manifest_hits_the_response_deadline(store, evil, monkeypatch):
+    monkeypatch.setattr(registry_mod, "RESPONSE_DEADLINE", 0.5)
+    t0 = time.monotonic()
+    err = _evil_pull(store, evil, "trickleman")
+    assert time.monotonic() - t0 < 5
+    assert err.message.startswith('pull model manifest: Get "http://') and err.message.endswith(
+        "the manifest did not arrive within 0.5 s")
+
+
+def test_trickled_blob_is_aborted_as_stalled_and_not_retried(store, evil, monkeypatch):
+    monkeypatch.setattr(registry_mod, "BLOB_STALL_WINDOW", 0.5)
+    t0 = time.monotonic()
+    err = _evil_pull(store, evil, "trickleblob")
+    assert time.monotonic() - t0 < 5
+    assert "download stalled" in err.message and "want 16384 bytes per 0.5 s" in err.message
+    assert sum("/blobs/sha256:" + EVIL_DIGEST[7:] in p for p in evil[1]) == 1  # not retried
+    assert 0 < store.partial_path(EVIL_DIGEST).stat().st_size < len(EVIL_BLOB)  # kept for a resume
+
+
+def test_cancel_stops_a_blob_download_and_keeps_the_partial(store, evil):
+    cancel = threading.Event()
+    threading.Timer(0.5, cancel.set).start()
+    t0 = time.monotonic()
+    err = _evil_pull(store, evil, "cancel", cancel=cancel)
+    assert time.monotonic() - t0 < 3
+    assert isinstance(err, registry_mod.CanceledError) and err.message == "context canceled"
+    assert 0 < store.partial_path(EVIL_DIGEST).stat().st_size < len(EVIL_BLOB)
+
+
+def test_cancel_set_before_the_pull_or_push_sends_nothing(store, evil, tiny_gguf_path):
+    cancel = threading.Event()
+    cancel.set()
+    assert _evil_pull(store, evil, "ok", cancel=cancel).message == "context canceled"
+    name = f"{evil[0]}/evil/ok"
+    make_model(store, name, tiny_gguf_path)
+    with pytest.raises(registry_mod.CanceledError):
+        push_model(name, store=store, insecure=True, cancel=cancel)
+    assert evil[1] == []
+
+
+def test_huge_manifest_and_too_many_layers_are_refused(store, evil, monkeypatch):
+    err = _evil_pull(store, evil, "hugemanifest")
+    assert err.message.endswith(f"the manifest is larger than {4 << 20} bytes")
+    monkeypatch.setattr(registry_mod, "MAX_LAYERS", 4)
+    err = _evil_pull(store, evil, "manylayers")
+    assert err.message == "pull model manifest: invalid manifest: 5 layers, more than 4"
+
+
+def test_deeply_nested_manifest_is_a_clear_error(store, evil):
+    err = _evil_pull(store, evil, "deep")
+    assert err.message == "pull model manifest: invalid manifest: JSON nested too deeply"
+
+
+def test_error_body_is_capped(store, evil):
+    err = _evil_pull(store, evil, "errbody")
+    assert err.status == 500
+    assert err.message == "pull model manifest: 500: " + "E" * 512 + "…"
+
+
+def test_redirects_followed_only_for_blobs_and_never_echo_the_target(store, evil):
+    err = _evil_pull(store, evil, "redirectman")
+    assert err.status == 307 and "hunter2" not in err.message
+    assert err.message == ("pull model manifest: 307: redirect to 127.0.0.1 not followed "
+                           "(only blob downloads follow redirects)")
+    err = _evil_pull(store, evil, "redirectblob")
+    assert err.status == 500 and "hunter2" not in err.message
+    assert err.message == "500: error from 127.0.0.1 after a redirect (body not shown)"
+    host, seen = evil
+    pull_model(f"{host}/evil/storageblob", store=store, insecure=True)  # a blob in storage elsewhere
+    assert store.blob_path(EVIL_DIGEST).read_bytes() == EVIL_BLOB and "/storage" in seen
