@@ -335,21 +335,24 @@ class Store:
         exact = self.manifests_dir.joinpath(*n.parts)
         if exact.is_file():
             return n
-        parts: list[str] = []
-        d = self.manifests_dir
-        for i, part in enumerate(n.parts):
+        def walk(d: Path, rest: tuple[str, ...], got: tuple[str, ...]) -> tuple[str, ...] | None:
+            # every case-insensitive match at each level: REGISTRY.OLLAMA.AI/... and
+            # registry.ollama.ai/... may both exist (a copy onto a differently cased name)
+            if not rest:
+                return got if d.is_file() else None
             try:
-                entries = os.listdir(d)
+                entries = sorted(os.listdir(d))
             except OSError:
                 return None
-            match = next((e for e in entries if e.lower() == part.lower()), None)
-            if match is None:
-                return None
-            parts.append(match)
-            d = d / match
-        if not d.is_file():
+            for e in entries:
+                if e.lower() == rest[0].lower():
+                    hit = walk(d / e, rest[1:], got + (e,))
+                    if hit is not None:
+                        return hit
             return None
-        return n.with_parts(*parts)
+
+        parts = walk(self.manifests_dir, tuple(n.parts), ())
+        return n.with_parts(*parts) if parts is not None else None
 
     def manifest_path(self, name: str | ModelName) -> Path:
         """Where ``name``'s manifest is (or would be written): the stored spelling when it exists."""

@@ -414,3 +414,18 @@ def test_import_file_through_a_symlink_stores_the_content(tmp_path):
     st = open_store(tmp_path / "models")
     blob = st.blob_path(st.import_file(tmp_path / "link.bin").digest)
     assert not blob.is_symlink() and blob.read_bytes() == b"weights" * 100
+
+
+def test_find_tries_every_case_insensitive_match(tmp_path, tiny_gguf):
+    """Review finding: a copy onto REGISTRY.OLLAMA.AI/LIBRARY/newone:Latest made a second tree that
+    list showed but show/delete could not find (the walk took the first matching folder only)."""
+    from kvserve.store import open_store
+
+    st = open_store(tmp_path / "models")
+    w = st.import_file(tiny_gguf)
+    st.create("base", [st.layer_for_blob(w.digest, "model")])
+    st.copy("base", "REGISTRY.OLLAMA.AI/LIBRARY/newone:Latest")
+    found = st.find("newone")
+    assert found is not None and st.get("newone:latest") is not None
+    st.delete("newone")
+    assert st.find("newone") is None and st.get("base") is not None
