@@ -161,12 +161,23 @@ def model_entry(state: ServerState, m: ServableModel, created: int) -> dict:
     return d
 
 
+def _capabilities(m: ServableModel) -> list[str]:
+    """``["embedding"]`` for an encoder (loaded, or known from its file without reading it),
+    else ``["completion"]``."""
+    task = getattr(m.runner, "task", None) if m.runner is not None else None
+    if task is None and m.path:
+        from kvserve.serving.embed_runner import cached_task
+
+        task = cached_task(m.path)
+    return ["embedding"] if task in ("embed", "score") else ["completion"]
+
+
 def _ollama_entry(m: ServableModel) -> dict:
     r = m.runner
     info = r.engine.model_info if r is not None and r.engine is not None else None
     return {
         "name": m.name, "model": m.name, "modified_at": "", "size": m.size if info is None else info.size,
-        "digest": "", "type": "model", "description": "", "tags": [""], "capabilities": ["completion"],
+        "digest": "", "type": "model", "description": "", "tags": [""], "capabilities": _capabilities(m),
         "parameters": "",
         "details": {"parent_model": "", "format": info.format if info else "", "family": "", "families": [""],
                     "parameter_size": "", "quantization_level": (info.quantization_level or "") if info else ""},

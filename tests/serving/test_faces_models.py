@@ -63,3 +63,18 @@ def test_a_lease_that_arrives_while_the_disconnect_is_noticed_is_released():
         assert m.get("m") is None  # keep_alive 0 and no hold left: unloaded
 
     asyncio.run(main())
+
+
+def test_encoders_list_the_embedding_capability():
+    from kvserve.faces.models import _capabilities
+    from kvserve.serving.state import ServableModel
+
+    class Encoder:
+        task = "embed"
+
+    class Chat:
+        pass
+
+    assert _capabilities(ServableModel("e", "", [], Encoder(), False, 0, 0.0)) == ["embedding"]
+    assert _capabilities(ServableModel("c", "", [], Chat(), False, 0, 0.0)) == ["completion"]
+    assert _capabilities(ServableModel("u", "/no/such/file", [], None, False, 0, 0.0)) == ["completion"]
