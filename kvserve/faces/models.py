@@ -103,9 +103,15 @@ async def serve_model(state: ServerState, name: str | None, keep_alive: float | 
 
 async def _acquire_watching(http: HttpRequest, state: ServerState, name: str | None,
                             keep_alive: float | None, poll_s: float = 0.25) -> Lease:
-    """``state.acquire`` that gives up when the client disconnects. A lease that arrives while
-    the disconnect is being noticed is released, never dropped (it would pin the model)."""
-    task = asyncio.ensure_future(state.acquire(name, keep_alive))
+    """``state.acquire`` that gives up when the client disconnects (:func:`watch_acquire`)."""
+    return await watch_acquire(http, state.acquire(name, keep_alive), poll_s)
+
+
+async def watch_acquire(http: HttpRequest, acquiring: Awaitable[Lease], poll_s: float = 0.25) -> Lease:
+    """Await a lease, giving up (ClientDisconnected) when the client disconnects meanwhile. A
+    lease that arrives while the disconnect is being noticed is released, never dropped (it would
+    pin the model)."""
+    task = asyncio.ensure_future(acquiring)
 
     def drop_late_lease(t: asyncio.Task) -> None:
         if not t.cancelled() and t.exception() is None:

@@ -104,7 +104,7 @@ from kvserve.errors import InvalidInputError, KvserveError, NotFoundError
 from kvserve.faces.chat_output import ChoiceOutput
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import parse_json_body
-from kvserve.faces.models import LeasedResponse
+from kvserve.faces.models import LeasedResponse, watch_acquire
 from kvserve.faces.ollama_types import (
     ChatResponse,
     ErrorResponse,
@@ -404,30 +404,10 @@ def _spec_for(state: ServerState, spec: ModelSpec, num_ctx: int | None) -> Model
 
 async def _acquire(state: ServerState, spec: ModelSpec, keep_alive: float | None, http: HttpRequest,
                    poll_s: float = 0.25) -> Lease:
-    """Hold ``spec``'s runner (loading it), giving up when the client leaves meanwhile (a lease
-    that arrives while the disconnect is noticed is released, never dropped)."""
+    """Hold ``spec``'s runner (loading it), giving up when the client leaves meanwhile
+    (:func:`kvserve.faces.models.watch_acquire`)."""
     state.require_up()
-    task = asyncio.ensure_future(state.manager.acquire(spec, keep_alive))
-
-    def drop_late_lease(t: asyncio.Task) -> None:
-        if not t.cancelled() and t.exception() is None:
-            t.result().release()
-
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                lease = task.result()
-                break
-            if await http.is_disconnected():
-                raise ClientDisconnected("client disconnected")
-    except BaseException:
-        if task.done():
-            drop_late_lease(task)
-        else:
-            task.cancel()
-            task.add_done_callback(drop_late_lease)
-        raise
+    lease = await watch_acquire(http, state.manager.acquire(spec, keep_alive), poll_s)
     try:
         lease.runner.require_ready()
     except BaseException:

@@ -207,9 +207,12 @@ def test_num_ctx_reloads_the_runner(srv):
     assert r.status_code == 200 and ctx() == 1024
     _post(srv, "/api/generate", {"model": "smollm2", "prompt": "hi", "stream": False,
                                  "options": {"num_predict": 1, "num_ctx": 1024}})
+    assert srv.log().count("unload 'smollm2:latest' (reload)") == 1  # the same num_ctx again: no reload
     _post(srv, "/api/generate", {"model": "smollm2", "prompt": "hi", "stream": False, "options": {"num_predict": 1}})
-    assert ctx() == 1024  # silent requests keep what is loaded
-    assert srv.log().count("unload 'smollm2:latest' (reload)") == 1
+    # a request that names no num_ctx gets the server's context again, as Ollama reloads to its default
+    # (review finding: one client's num_ctx stuck for every later client)
+    assert ctx() == 2048
+    assert srv.log().count("unload 'smollm2:latest' (reload)") == 2
 
 
 @pytest.mark.slow
