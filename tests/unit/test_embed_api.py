@@ -132,7 +132,7 @@ def env(tmp_path, tiny_gguf):
 
     state = ServerState(args, manager=ModelManager(loader))
     state.loaded_names = loaded
-    with TestClient(build_app(state)) as client:
+    with TestClient(build_app(state), base_url="http://127.0.0.1") as client:  # /api answers loopback hosts
         yield client, state, store
 
 

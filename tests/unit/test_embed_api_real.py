@@ -24,7 +24,8 @@ DOCS = ["the cat sat on the mat .", "rain falls in spain", "the blue sea and the
 
 
 def client_for(*flags: str) -> TestClient:
-    return TestClient(build_app(ServerState(parse_args(["--no-preload", "--allow-model-paths", *flags]))))
+    return TestClient(build_app(ServerState(parse_args(["--no-preload", "--allow-model-paths", *flags]))),
+                      base_url="http://127.0.0.1")  # /api answers loopback Host names only
 
 
 def test_rerank_scores_equal_transformers(tmp_path):
