@@ -273,7 +273,6 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
         ModelLoadError: not a GGUF / truncated, unknown architecture, missing
             tensor or key, unsupported quantization or tokenizer.
     """
-    from kvserve.loaders.tokenizer import Tokenizer
 
     path = str(path)
     if not os.path.isfile(path):
@@ -304,6 +303,19 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
     if config.arch == "qwen2":
         # llama.cpp runs qwen2 with NEOX RoPE and does not permute; we use interleaved pairs
         interleave_qk(config, weights)
+    tokenizer, info = _tokenizer_and_info(md, path, config, config.arch, n_params, size, 2)
+    return LoadedModel(config, info, weights, tokenizer, md.get("tokenizer.chat_template"))
+
+
+def _tokenizer_and_info(md: dict, path: str, config, arch: str, n_params: int, size: int,
+                        default_vocab_type: int) -> tuple:
+    """The tokenizer and ModelInfo of a GGUF file (llama and BERT loaders alike).
+
+    Raises:
+        ModelLoadError: the tokenizer cannot be built from the metadata.
+    """
+    from kvserve.loaders.tokenizer import Tokenizer
+
     try:
         tokenizer = Tokenizer.from_gguf(md)
     except Exception as e:
@@ -315,18 +327,18 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
         path=path,
         name=str(md.get("general.name") or Path(path).stem),
         format="gguf",
-        arch=config.arch,
+        arch=arch,
         ftype=ftype,
         n_params=n_params,
         size=size,
         n_vocab=config.n_vocab,
         n_ctx_train=config.n_ctx_train,
         n_embd=config.n_embd,
-        vocab_type=getattr(tokenizer, "vocab_type", 2),
+        vocab_type=getattr(tokenizer, "vocab_type", default_vocab_type),
         quantization_level=ftype.split(" ")[0] if ftype != "all F32" else "F32",
         metadata={k: v for k, v in md.items() if not k.startswith("tokenizer.ggml.")},
     )
-    return LoadedModel(config, info, weights, tokenizer, md.get("tokenizer.chat_template"))
+    return tokenizer, info
 
 
 # ---------------------------------------------------------------------------------- BERT
@@ -378,7 +390,6 @@ def bert_config_from_metadata(md: dict, path: str, n_labels: int = 0):
 
 def _load_bert_gguf(path: str, md: dict, infos: list[TensorInfo]) -> LoadedModel:
     """load_gguf for ``general.architecture = bert`` (see kvserve.models.bert for the names)."""
-    from kvserve.loaders.tokenizer import Tokenizer
     from kvserve.models.bert import check_bert_tensors
 
     raw = np.memmap(path, dtype=np.uint8, mode="r")
@@ -403,26 +414,5 @@ def _load_bert_gguf(path: str, md: dict, infos: list[TensorInfo]) -> LoadedModel
         config.n_token_types = 0
     check_bert_tensors(config, weights, path)
     check_finite(weights, path)
-    try:
-        tokenizer = Tokenizer.from_gguf(md)
-    except Exception as e:
-        raise ModelLoadError(f"{path}: cannot build tokenizer: {e}") from e
-    ftype = _FTYPE_NAMES.get(int(md.get("general.file_type", -1) or -1), "unknown")
-    if md.get("general.file_type") is None:
-        ftype = "unknown"
-    info = ModelInfo(
-        path=path,
-        name=str(md.get("general.name") or Path(path).stem),
-        format="gguf",
-        arch="bert",
-        ftype=ftype,
-        n_params=n_params,
-        size=size,
-        n_vocab=config.n_vocab,
-        n_ctx_train=config.n_ctx_train,
-        n_embd=config.n_embd,
-        vocab_type=getattr(tokenizer, "vocab_type", 3),
-        quantization_level=ftype.split(" ")[0] if ftype != "all F32" else "F32",
-        metadata={k: v for k, v in md.items() if not k.startswith("tokenizer.ggml.")},
-    )
+    tokenizer, info = _tokenizer_and_info(md, path, config, "bert", n_params, size, 3)
     return LoadedModel(config, info, weights, tokenizer, None)
