@@ -92,7 +92,7 @@ def _srv(level: int, func: str, msg: str, *a) -> None:
 
 def build_app(state: ServerState) -> FastAPI:
     """The ASGI app: native and OpenAI faces, error envelopes, API keys, CORS."""
-    from kvserve.faces import embeddings, llama, ollama
+    from kvserve.faces import anthropic, embeddings, llama, ollama, responses, webui
 
     # no slash redirects: llama-server answers /health/ with 404, not 307
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
@@ -133,6 +133,9 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(embeddings.build_router(state))
     app.include_router(ollama.build_router(state))
     _include_openai(app, state)
+    app.include_router(responses.build_router(state))
+    app.include_router(anthropic.build_router(state))
+    app.include_router(webui.build_router(state))
     # innermost first: the crash guard sits right outside the exception handlers above
     app.add_middleware(CrashGuardMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.args.max_request_bytes, unlimited=("/api/blobs/",))

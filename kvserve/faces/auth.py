@@ -1,7 +1,8 @@
 """API keys and CORS for every face.
 
-With ``--api-key``/``--api-key-file`` every route except ``/health`` and
-``/v1/health`` needs ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``; keys are
+With ``--api-key``/``--api-key-file`` every route except ``/health``,
+``/v1/health`` and the web page (``/`` and its assets under ``/webui/``: the page asks
+the person for the key, as llama-server's static files are public) needs ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``; keys are
 compared in constant time (``hmac.compare_digest``) against each configured key.
 Unlike vLLM (which leaves /metrics and others open), nothing else is public.
 CORS preflight (``OPTIONS``) is answered by Starlette's CORSMiddleware, which runs
@@ -15,7 +16,9 @@ import json
 
 from starlette.middleware.cors import CORSMiddleware
 
-PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
+PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/"})
+#: path prefixes served without a key: the web page's static assets
+PUBLIC_PREFIXES = ("/webui/",)
 
 _INVALID = json.dumps({"error": {"message": "Invalid API Key", "type": "authentication_error",
                                  "code": 401}}, separators=(",", ":")).encode()
@@ -52,7 +55,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS \
-                or scope.get("method") == "OPTIONS":
+                or scope["path"].startswith(PUBLIC_PREFIXES) or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])

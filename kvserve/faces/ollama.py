@@ -4,7 +4,7 @@ Examples 1-5; Ollama's ``server/routes.go`` and ``api/types.go`` are the referen
 Routes: ``POST /api/generate``, ``/api/chat``, ``/api/show``, ``/api/copy``, ``/api/embed``,
 ``/api/embeddings``, ``/api/pull``, ``/api/push``, ``/api/create``, ``HEAD|POST
 /api/blobs/{digest}``, ``DELETE /api/delete``, ``GET|HEAD /api/tags``, ``GET /api/ps``,
-``GET|HEAD /api/version`` and ``GET /`` (``Ollama is running``, text/plain: tools probe it).
+``GET|HEAD /api/version``; ``GET /`` (``Ollama is running``) is in :mod:`kvserve.faces.webui`.
 Responses are the wire types of :mod:`kvserve.faces.ollama_types`, written as Go's
 ``encoding/json`` writes them (``<``, ``>``, ``&`` escaped, UTF-8).
 
@@ -1392,10 +1392,6 @@ async def _embeddings(state: ServerState, http: HttpRequest) -> Response:
 def build_router(state: ServerState) -> APIRouter:
     """The Ollama face's routes, bound to ``state``."""
     r = APIRouter()
-
-    @r.get("/")
-    async def root() -> Response:
-        return Response("Ollama is running", media_type="text/plain; charset=utf-8")
 
     @r.get("/api/version")
     async def version() -> Response:

@@ -78,6 +78,7 @@ class ServerArgs:
     allow_model_paths: bool = False  # --allow-model-paths: requests may name model files on the server
     models_dir: str | None = None  # --models-dir: the store (Ollama layout); None: $OLLAMA_MODELS, $KVSERVE_HOME/models
     cache_ram_share: int | None = None  # set by the server: models sharing the host prompt-cache budget
+    webui: bool = True  # --no-webui/--no-ui: GET / answers "Ollama is running" to browsers too
 
     @property
     def vllm_tools(self) -> bool:
@@ -212,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="model store in Ollama's layout (manifests/ + blobs/), read and written in place: point it at "
            "~/.ollama/models to serve pulled Ollama models (default: env OLLAMA_MODELS, else "
            "$KVSERVE_HOME/models)")
+    a("--webui", dest="webui", action="store_true", default=True,
+      help="serve the web chat page at / to browsers (default on)")
+    a("--no-webui", "--no-ui", dest="webui", action="store_false", help="no web chat page (llama-server)")
     return p
 
 
@@ -341,7 +345,7 @@ def parse_args(argv: list[str]) -> ServerArgs:
         max_request_bytes=ns.max_request_bytes, keep_alive=keep_alive,
         max_loaded_models=ns.max_loaded_models or DEFAULT_MAX_LOADED, max_memory=max_memory,
         max_queue=ns.max_queue, preload=ns.preload, allow_model_paths=ns.allow_model_paths,
-        models_dir=ns.models_dir,
+        models_dir=ns.models_dir, webui=ns.webui,
     )
     try:
         args.default_sampling_params()
