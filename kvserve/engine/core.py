@@ -198,7 +198,7 @@ class EngineCore:
         return RequestOutput(
             request_id=req.request_id, new_token_ids=[], text="", finished=True, stop_type="abort",
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=len(req.output_token_ids),
+            num_output_tokens=len(req.output_token_ids), arrival_time=req.arrival_time,
             error=f"the engine failed on this request ({type(exc).__name__}); other requests are not affected")
 
     def has_work(self) -> bool:
@@ -587,6 +587,7 @@ class EngineCore:
             num_output_tokens=len(req.output_token_ids),
             timings=self._timings(req),
             truncated=finished and req.stop_type == "limit" and req.num_tokens >= self.n_ctx_slot,
+            arrival_time=req.arrival_time,
         )
         if finished:
             self._states.pop(req.request_id, None)

@@ -353,6 +353,8 @@ class RequestOutput:
         timings: llama-server timings so far.
         truncated: prompt plus output hit the context limit.
         error: message when the engine failed this request (finished is True).
+        arrival_time: the request's ``arrival_time`` (``time.monotonic()`` seconds), for
+            latency metrics measured from arrival (vLLM's time to first token, e2e latency).
     """
 
     request_id: str
@@ -369,6 +371,7 @@ class RequestOutput:
     timings: Timings = field(default_factory=Timings)
     truncated: bool = False
     error: str | None = None
+    arrival_time: float = 0.0
 
     @property
     def cache_miss(self) -> dict | None:
