@@ -1,12 +1,717 @@
-"""Anthropic's Messages API: ``POST /v1/messages`` (being built)."""
+"""Anthropic's Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+The face translates only. A Messages request becomes the chat-completions body the OpenAI face
+reads (:func:`chat_body`), which :func:`kvserve.faces.openai.chat_plan` turns into the one
+internal request, with its tools, tool_choice grammar, reasoning split and thinking budget
+(:mod:`kvserve.faces.chat_features`); the engine's outputs go through the same
+:class:`~kvserve.faces.chat_output.ChoiceOutput` and come back as Anthropic's message object or
+its SSE events (:mod:`kvserve.faces.anthropic_types`).
+
+Request fields:
+
+- ``system``: a string or text blocks -> the system message;
+- ``messages``: ``user`` / ``assistant`` turns, content a string or blocks: ``text``;
+  ``tool_use`` (assistant) -> ``tool_calls``; ``tool_result`` (user; content a string or text
+  blocks) -> a ``tool`` message; ``thinking`` / ``redacted_thinking`` are dropped (Anthropic
+  drops earlier turns' thinking from the context too); images and documents are refused (400).
+  A final assistant turn is continued (Anthropic's prefill);
+- ``tools`` (custom tools: ``name``, ``description``, ``input_schema``) -> function tools;
+  server tools (``web_search_...``, ``bash_...``) are refused with 400 naming their type;
+- ``tool_choice``: ``auto`` / ``any`` / ``tool`` (name) / ``none`` -> ``auto`` / ``required`` /
+  the named function / ``none``; ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``;
+- ``max_tokens`` (required, >= 1, as Anthropic requires), ``stop_sequences``, ``temperature``,
+  ``top_p``, ``top_k``; ``thinking``: ``{"type": "enabled", "budget_tokens": N}`` -> the thinking
+  budget (N must be below ``max_tokens``, as Anthropic checks; Anthropic's minimum of 1024 is
+  not enforced: small local models think briefly), ``enabled``/``adaptive``/``between_tools`` set the template's
+  ``enable_thinking``, ``disabled`` clears it (``display`` is ignored: thinking is shown);
+- ``output_config``: ``format`` ``{"type": "json_schema", "schema"}`` -> structured output (the
+  schema constrains the text); ``effort`` -> the template's ``reasoning_effort``. ``temperature``,
+  ``top_p`` and ``top_k`` are read although the newest client no longer lists them (send them
+  with ``extra_body``);
+- ``metadata``, ``service_tier``, ``container``, ``mcp_servers`` and other fields are accepted
+  and ignored; of llama-server's extensions ``seed``, ``cache_prompt``, ``id_slot``,
+  ``cache_salt``, ``min_p``, ``repeat_penalty`` and Ollama's ``keep_alive`` are passed on.
+
+Headers: ``x-api-key`` (or ``Authorization: Bearer``) under ``--api-key``
+(:mod:`kvserve.faces.auth` answers a wrong key with Anthropic's 401 envelope here);
+``anthropic-version`` and ``anthropic-beta`` are accepted and ignored.
+
+Answers: ``stop_reason`` ``end_turn`` (end of generation), ``max_tokens``, ``stop_sequence``
+(with ``stop_sequence`` the matched string), ``tool_use`` (the answer calls tools),
+``model_context_window_exceeded`` (the context filled up first). ``usage``: see
+:mod:`kvserve.faces.anthropic_types` (``cache_read_input_tokens`` = the prompt tokens reused
+from the prefix cache). An answer with no text, thinking or call holds one empty text block.
+
+Streaming (``stream: true``): ``event: <type>`` + ``data: {json}`` per event, in Anthropic's
+order: ``message_start`` (sent once the prompt is processed, with its usage), then per block
+``content_block_start``, deltas (``thinking_delta`` + an empty ``signature_delta``,
+``text_delta``, or one ``input_json_delta`` holding a whole call's arguments: calls are sent
+once they closed and parsed), ``content_block_stop``; one ``ping`` after the first block starts
+and every ``--sse-ping-interval`` seconds of silence; ``message_delta`` (stop reason, usage),
+``message_stop``. An error before the first event is a plain HTTP error; after it, one
+``event: error`` and the stream ends.
+
+Errors, every one in ``{"type": "error", "error": {"type", "message"}}``: 400
+invalid_request_error (malformed JSON, bad fields, a prompt over the context; also what other
+faces answer 501 for, a feature this server or model lacks), 401 authentication_error, 404
+not_found_error (unknown model, unknown route under ``/v1/messages``), 413 request_too_large,
+503 overloaded_error (loading, no room: retryable, as the client treats it), 500 api_error.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import string
+from collections.abc import AsyncIterator
+from typing import Any
 
+from fastapi import APIRouter
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response, StreamingResponse
+
+from kvserve.engine.request import InvalidRequestError, RequestOutput
+from kvserve.errors import KvserveError
+from kvserve.faces import anthropic_types as at
+from kvserve.faces.chat_output import ChoiceOutput
+from kvserve.faces.errors import ApiError
+from kvserve.faces.http import dumps, json_response, read_json
+from kvserve.faces.models import keep_alive_field, model_field, serve_model
+from kvserve.faces.openai import Plan, chat_plan, run_choices
+from kvserve.faces.sse import ClientDisconnected, until_disconnect
+from kvserve.serving.runner import Runner
 from kvserve.serving.state import ServerState
+
+__all__ = ["build_router", "chat_body", "error_envelope"]
+
+log = logging.getLogger("kvserve.server")
+
+_ALNUM = string.ascii_letters + string.digits
+#: Bounds on what one request may list (the body itself is bounded by --max-request-bytes).
+MAX_MESSAGES = 100_000  # Anthropic's own limit per request
+MAX_BLOCKS = 10_000  # content blocks per message
+MAX_TOOLS = 512
+MAX_STOP_SEQUENCES = 64
+MAX_STOP_SEQUENCE_CHARS = 1_000
+#: llama-server / Ollama extensions passed on to the chat request as they are
+_PASSTHROUGH = ("seed", "cache_prompt", "id_slot", "cache_salt", "min_p", "repeat_penalty")
+#: Anthropic's error type for each status kvserve answers
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def _rand_id(prefix: str) -> str:
+    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(24))
+
+
+def _bad(message: str) -> ApiError:
+    return ApiError(400, message)
+
+
+def _kind(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+            int: "a number", float: "a number"}.get(type(v), type(v).__name__)
+
+
+# ------------------------------------------------------------------------ request -> chat body
+
+
+def chat_body(body: dict, *, counting: bool = False) -> dict:
+    """A Messages request -> the chat-completions body :func:`kvserve.faces.openai.chat_plan`
+    reads (see the module docstring for each field).
+
+    Args:
+        body: the request JSON object.
+        counting: a ``count_tokens`` request (no ``max_tokens``; sampling fields ignored).
+
+    Raises:
+        ApiError: 400 naming the field as Anthropic does (``messages.0.content.1.type: ...``),
+            e.g. ``max_tokens: Field required``.
+    """
+    chat: dict[str, Any] = {"messages": _system(body.get("system")) + _messages(body.get("messages"))}
+    tools = _tools(body.get("tools"))
+    if tools is not None:
+        chat["tools"] = tools
+    _tool_choice(body.get("tool_choice"), chat)
+    if counting:
+        chat["max_tokens"] = 1
+    else:
+        chat["max_tokens"] = _max_tokens(body)
+        for key in ("temperature", "top_p", "top_k", *_PASSTHROUGH):
+            if body.get(key) is not None:
+                chat[key] = body[key]
+        stops = _stop_sequences(body.get("stop_sequences"))
+        if stops:
+            chat["stop"] = stops
+    _thinking(body.get("thinking"), chat, None if counting else chat["max_tokens"])
+    _output_config(body.get("output_config"), chat)
+    return chat
+
+
+def _output_config(oc: Any, chat: dict) -> None:
+    """``output_config``: ``format`` (``json_schema``) -> the structured-output path;
+    ``effort`` -> the template's ``reasoning_effort``."""
+    if oc is None:
+        return
+    if not isinstance(oc, dict):
+        raise _bad(f"output_config: Input should be an object, got {_kind(oc)}")
+    fmt = oc.get("format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+            raise _bad("output_config.format.type: Input should be 'json_schema'")
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise _bad("output_config.format.schema: Field required" if schema is None else
+                       f"output_config.format.schema: Input should be an object, got {_kind(schema)}")
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    effort = oc.get("effort")
+    if effort is not None:
+        if effort not in ("low", "medium", "high", "xhigh", "max"):
+            raise _bad("output_config.effort: Input should be 'low', 'medium', 'high', 'xhigh' or 'max'")
+        chat["reasoning_effort"] = effort
+
+
+def _max_tokens(body: dict) -> int:
+    v = body.get("max_tokens")
+    if v is None:
+        raise _bad("max_tokens: Field required")
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(f"max_tokens: Input should be a valid integer, got {_kind(v)}")
+    if v < 1:
+        raise _bad("max_tokens: Input should be greater than or equal to 1")
+    return v
+
+
+def _text_of(blocks: Any, where: str, *, allow_string: bool = True) -> str:
+    """A string, or a list of text blocks joined with newlines."""
+    if isinstance(blocks, str) and allow_string:
+        return blocks
+    if not isinstance(blocks, list):
+        raise _bad(f"{where}: Input should be a string or a list of text blocks, got {_kind(blocks)}")
+    if len(blocks) > MAX_BLOCKS:
+        raise _bad(f"{where}: at most {MAX_BLOCKS} blocks")
+    parts = []
+    for j, b in enumerate(blocks):
+        if not isinstance(b, dict) or b.get("type") != "text":
+            kind = b.get("type") if isinstance(b, dict) else None
+            raise _bad(f"{where}.{j}: only text blocks are supported here, got "
+                       f"{repr(kind)[:64] if isinstance(kind, str) else _kind(b)}")
+        parts.append(_str_field(b, "text", f"{where}.{j}"))
+    return "\n".join(parts)
+
+
+def _str_field(obj: dict, key: str, where: str) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str):
+        raise _bad(f"{where}.{key}: Field required" if v is None else
+                   f"{where}.{key}: Input should be a valid string, got {_kind(v)}")
+    return v
+
+
+def _system(system: Any) -> list[dict]:
+    if system is None:
+        return []
+    text = _text_of(system, "system")
+    return [{"role": "system", "content": text}]
+
+
+def _messages(messages: Any) -> list[dict]:
+    if messages is None:
+        raise _bad("messages: Field required")
+    if not isinstance(messages, list):
+        raise _bad(f"messages: Input should be a valid list, got {_kind(messages)}")
+    if not messages:
+        raise _bad("messages: at least one message is required")
+    if len(messages) > MAX_MESSAGES:
+        raise _bad(f"messages: at most {MAX_MESSAGES} messages")
+    out: list[dict] = []
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict):
+            raise _bad(f"{where}: Input should be an object, got {_kind(m)}")
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise _bad(f"{where}.role: Input should be 'user' or 'assistant'")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+        elif isinstance(content, list):
+            if len(content) > MAX_BLOCKS:
+                raise _bad(f"{where}.content: at most {MAX_BLOCKS} blocks")
+            out += _user_blocks(content, where) if role == "user" else _assistant_blocks(content, where)
+        else:
+            raise _bad(f"{where}.content: Field required" if content is None else
+                       f"{where}.content: Input should be a string or a list of content blocks, got {_kind(content)}")
+    return out
+
+
+def _block_type(b: Any, where: str) -> str:
+    if not isinstance(b, dict):
+        raise _bad(f"{where}: Input should be a content block object, got {_kind(b)}")
+    t = b.get("type")
+    if not isinstance(t, str):
+        raise _bad(f"{where}.type: Field required")
+    return t
+
+
+def _unsupported(t: str, where: str) -> ApiError:
+    if t in ("image", "document"):
+        return _bad(f"{where}: {t} blocks are not supported by this server (text-only models)")
+    return _bad(f"{where}: content block type {t[:64]!r} is not supported here")
+
+
+def _user_blocks(blocks: list, where: str) -> list[dict]:
+    """A user turn's blocks -> user messages (text, in order) and tool messages (tool_result)."""
+    out: list[dict] = []
+    texts: list[str] = []
+
+    def flush() -> None:
+        if texts:
+            out.append({"role": "user", "content": "\n".join(texts)})
+            texts.clear()
+
+    for j, b in enumerate(blocks):
+        w = f"{where}.content.{j}"
+        t = _block_type(b, w)
+        if t == "text":
+            texts.append(_str_field(b, "text", w))
+        elif t == "tool_result":
+            flush()
+            tid = _str_field(b, "tool_use_id", w)
+            c = b.get("content")
+            text = "" if c is None else _text_of(c, f"{w}.content")
+            out.append({"role": "tool", "tool_call_id": tid, "content": text})
+        else:
+            raise _unsupported(t, w)
+    flush()
+    return out
+
+
+def _assistant_blocks(blocks: list, where: str) -> list[dict]:
+    """An assistant turn's blocks -> one assistant message (text joined, tool_use as tool_calls)."""
+    texts: list[str] = []
+    calls: list[dict] = []
+    for j, b in enumerate(blocks):
+        w = f"{where}.content.{j}"
+        t = _block_type(b, w)
+        if t == "text":
+            texts.append(_str_field(b, "text", w))
+        elif t == "tool_use":
+            args = b.get("input", {})
+            if not isinstance(args, dict):
+                raise _bad(f"{w}.input: Input should be an object, got {_kind(args)}")
+            calls.append({"id": _str_field(b, "id", w), "type": "function",
+                          "function": {"name": _str_field(b, "name", w), "arguments": args}})
+        elif t in ("thinking", "redacted_thinking"):
+            continue
+        else:
+            raise _unsupported(t, w)
+    msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if calls:
+        msg["tool_calls"] = calls
+    return [msg]
+
+
+def _tools(tools: Any) -> list[dict] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad(f"tools: Input should be a valid list, got {_kind(tools)}")
+    if len(tools) > MAX_TOOLS:
+        raise _bad(f"tools: at most {MAX_TOOLS} tools")
+    out = []
+    for j, t in enumerate(tools):
+        w = f"tools.{j}"
+        if not isinstance(t, dict):
+            raise _bad(f"{w}: Input should be an object, got {_kind(t)}")
+        typ = t.get("type")
+        if typ not in (None, "custom"):
+            shown = repr(typ)[:80] if isinstance(typ, str) else _kind(typ)
+            raise _bad(f"{w}: tool type {shown} is not supported by this server (only custom tools with an "
+                       f"input_schema)")
+        schema = t.get("input_schema")
+        if not isinstance(schema, dict):
+            raise _bad(f"{w}.input_schema: Field required" if schema is None else
+                       f"{w}.input_schema: Input should be an object, got {_kind(schema)}")
+        fn: dict[str, Any] = {"name": _str_field(t, "name", w)}
+        if t.get("description") is not None:
+            fn["description"] = _str_field(t, "description", w)
+        fn["parameters"] = schema
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def _tool_choice(tc: Any, chat: dict) -> None:
+    if tc is None:
+        return
+    if not isinstance(tc, dict):
+        raise _bad(f"tool_choice: Input should be an object, got {_kind(tc)}")
+    typ = tc.get("type")
+    if typ == "auto":
+        chat["tool_choice"] = "auto"
+    elif typ == "any":
+        chat["tool_choice"] = "required"
+    elif typ == "none":
+        chat["tool_choice"] = "none"
+    elif typ == "tool":
+        chat["tool_choice"] = {"type": "function", "function": {"name": _str_field(tc, "name", "tool_choice")}}
+    else:
+        raise _bad("tool_choice.type: Input should be 'auto', 'any', 'tool' or 'none'")
+    off = tc.get("disable_parallel_tool_use")
+    if off is not None:
+        if not isinstance(off, bool):
+            raise _bad(f"tool_choice.disable_parallel_tool_use: Input should be a valid boolean, got {_kind(off)}")
+        chat["parallel_tool_calls"] = not off
+
+
+def _stop_sequences(v: Any) -> list[str]:
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise _bad(f"stop_sequences: Input should be a valid list, got {_kind(v)}")
+    if len(v) > MAX_STOP_SEQUENCES:
+        raise _bad(f"stop_sequences: at most {MAX_STOP_SEQUENCES} sequences")
+    for j, s in enumerate(v):
+        if not isinstance(s, str) or not s:
+            raise _bad(f"stop_sequences.{j}: Input should be a non-empty string")
+        if len(s) > MAX_STOP_SEQUENCE_CHARS:
+            raise _bad(f"stop_sequences.{j}: at most {MAX_STOP_SEQUENCE_CHARS} characters")
+    return list(v)
+
+
+def _thinking(th: Any, chat: dict, max_tokens: int | None) -> None:
+    if th is None:
+        return
+    if not isinstance(th, dict):
+        raise _bad(f"thinking: Input should be an object, got {_kind(th)}")
+    typ = th.get("type")
+    if typ == "disabled":
+        chat["chat_template_kwargs"] = {"enable_thinking": False}
+        return
+    if typ not in ("enabled", "adaptive", "between_tools"):
+        raise _bad("thinking.type: Input should be 'enabled', 'adaptive', 'between_tools' or 'disabled'")
+    chat["chat_template_kwargs"] = {"enable_thinking": True}
+    if typ != "enabled":
+        return
+    budget = th.get("budget_tokens")
+    if budget is None:
+        raise _bad("thinking.enabled.budget_tokens: Field required")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise _bad("thinking.enabled.budget_tokens: Input should be an integer >= 0")
+    if max_tokens is not None and budget >= max_tokens:
+        raise _bad("`max_tokens` must be greater than `thinking.budget_tokens`")
+    chat["thinking_token_budget"] = budget
+
+
+# ------------------------------------------------------------------------ plan and output
+
+
+class _Plan:
+    """One Messages request: the chat plan, the stop sequences asked for, streaming or not."""
+
+    def __init__(self, plan: Plan, stops: list[str], stream: bool):
+        self.plan = plan
+        self.stops = stops
+        self.stream = stream
+        self.id = _rand_id("msg_")
+
+
+def _messages_plan(runner: Runner, body: dict) -> _Plan:
+    """Parse and plan a Messages request (raises ApiError 400 on bad fields)."""
+    chat = chat_body(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad(f"stream: Input should be a valid boolean, got {_kind(stream)}")
+    return _Plan(chat_plan(runner, chat), chat.get("stop", []), stream)
+
+
+def _count_tokens(runner: Runner, body: dict) -> at.CountTokens:
+    """The token count of the prompt the same request to /v1/messages would run (the same
+    rendering and tokenization). A prompt that cannot fit the model's context is a 400."""
+    plan = chat_plan(runner, chat_body(body, counting=True))
+    return at.CountTokens(input_tokens=len(plan.requests[0].prompt_token_ids))
+
+
+def _usage(out: RequestOutput, output_tokens: int | None = None) -> at.Usage:
+    cached = out.num_cached_tokens
+    return at.Usage(input_tokens=out.num_prompt_tokens - cached, cache_creation_input_tokens=0,
+                    cache_read_input_tokens=cached,
+                    output_tokens=out.num_output_tokens if output_tokens is None else output_tokens)
+
+
+def _stop(out: RequestOutput, calls: bool, stops: list[str]) -> tuple[str, str | None]:
+    """``(stop_reason, stop_sequence)`` of a finished output."""
+    if calls:
+        return "tool_use", None
+    if out.stop_type == "word" and out.stopping_word in stops:
+        return "stop_sequence", out.stopping_word
+    if out.truncated:
+        return "model_context_window_exceeded", None
+    if out.finish_reason == "length":
+        return "max_tokens", None
+    return "end_turn", None
+
+
+def _check(out: RequestOutput) -> None:
+    if out.error:
+        raise ApiError(500, out.error)
+
+
+def _tool_input(arguments: str) -> dict:
+    try:
+        v = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return {}
+    return v if isinstance(v, dict) else {}
+
+
+async def _complete(runner: Runner, mp: _Plan) -> at.Message:
+    """Run a non-streaming request to the end and build the message object."""
+    plan = mp.plan
+    text, final = "", None
+    post = ChoiceOutput(plan.mode) if plan.mode.active else None
+    async for _, out in run_choices(runner, plan):
+        _check(out)
+        text += out.text
+        if out.finished:
+            final = out
+    assert final is not None
+    msg = post.message(text) if post is not None else {"content": text}
+    blocks: list = []
+    thinking = msg.get(plan.mode.reasoning_field)
+    if thinking:
+        blocks.append(at.ThinkingBlock(type="thinking", thinking=thinking, signature=""))
+    if msg.get("content"):
+        blocks.append(at.TextBlock(type="text", text=msg["content"]))
+    for c in msg.get("tool_calls") or []:
+        blocks.append(at.ToolUseBlock(type="tool_use", id=_rand_id("toolu_"), name=c["function"]["name"],
+                                      input=_tool_input(c["function"]["arguments"])))
+    if not blocks:
+        blocks.append(at.TextBlock(type="text", text=""))
+    reason, seq = _stop(final, bool(msg.get("tool_calls")), mp.stops)
+    return at.Message(id=mp.id, type="message", role="assistant", model=plan.model, content=blocks,
+                      stop_reason=reason, stop_sequence=seq, usage=_usage(final))
+
+
+class _Blocks:
+    """Turns ChoiceOutput's delta fragments into content block events: a block opens when the
+    kind of output changes (thinking, text, a tool call) and closes when the next one opens."""
+
+    def __init__(self, reasoning_field: str):
+        self.reasoning_field = reasoning_field
+        self.index = -1
+        self.open: str | None = None
+        self.pinged = False
+
+    def _start(self, kind: str, block) -> list[dict]:
+        evs = self.close()
+        self.index += 1
+        self.open = kind
+        evs.append(at.ContentBlockStart(type="content_block_start", index=self.index, content_block=block).wire())
+        if not self.pinged:
+            self.pinged = True
+            evs.append(at.Ping(type="ping").wire())
+        return evs
+
+    def _delta(self, delta) -> dict:
+        return at.ContentBlockDelta(type="content_block_delta", index=self.index, delta=delta).wire()
+
+    def feed(self, frag: dict) -> list[dict]:
+        """Events for one fragment (``{"content"}``, ``{<reasoning field>}`` or ``{"tool_calls"}``)."""
+        evs: list[dict] = []
+        if frag.get(self.reasoning_field):
+            if self.open != "thinking":
+                evs += self._start("thinking", at.ThinkingBlock(type="thinking", thinking="", signature=""))
+            evs.append(self._delta(at.ThinkingDelta(type="thinking_delta", thinking=frag[self.reasoning_field])))
+        if frag.get("content"):
+            if self.open != "text":
+                evs += self._start("text", at.TextBlock(type="text", text=""))
+            evs.append(self._delta(at.TextDelta(type="text_delta", text=frag["content"])))
+        for c in frag.get("tool_calls") or []:
+            fn = c["function"]
+            evs += self._start("tool_use", at.ToolUseBlock(type="tool_use", id=_rand_id("toolu_"),
+                                                           name=fn["name"], input={}))
+            args = fn.get("arguments") or ""
+            if args:
+                evs.append(self._delta(at.InputJsonDelta(type="input_json_delta", partial_json=args)))
+        return evs
+
+    def close(self) -> list[dict]:
+        """Events that close the open block (a thinking block gets its empty signature first)."""
+        if self.open is None:
+            return []
+        evs = []
+        if self.open == "thinking":
+            evs.append(self._delta(at.SignatureDelta(type="signature_delta", signature="")))
+        evs.append(at.ContentBlockStop(type="content_block_stop", index=self.index).wire())
+        self.open = None
+        return evs
+
+    def finish(self) -> list[dict]:
+        """Close the last block; with no block at all, one empty text block."""
+        if self.index < 0:
+            return self._start("text", at.TextBlock(type="text", text="")) + self.close()
+        return self.close()
+
+
+async def _stream_events(runner: Runner, mp: _Plan) -> AsyncIterator[dict]:
+    """The stream's events as JSON objects (see the module docstring), ``message_start`` once
+    the first output arrived (the prompt is processed: its usage is known)."""
+    plan = mp.plan
+    post = ChoiceOutput(plan.mode) if plan.mode.active else None
+    blocks = _Blocks(plan.mode.reasoning_field)
+    final, started = None, False
+    async for _, out in run_choices(runner, plan):
+        _check(out)
+        if not started:
+            started = True
+            start = at.Message(id=mp.id, type="message", role="assistant", model=plan.model, content=[],
+                               stop_reason=None, stop_sequence=None, usage=_usage(out, 0))
+            yield at.MessageStart(type="message_start", message=start).wire()
+        frags = (post.feed(out.text) if post is not None else [{"content": out.text}]) if out.text else []
+        if out.finished and post is not None:
+            frags += post.finish()
+        for f in frags:
+            for ev in blocks.feed(f):
+                yield ev
+        if out.finished:
+            final = out
+    assert final is not None
+    for ev in blocks.finish():
+        yield ev
+    reason, seq = _stop(final, post is not None and post.has_tool_calls, mp.stops)
+    yield at.MessageDelta(type="message_delta", delta=at.MessageDeltaBody(stop_reason=reason, stop_sequence=seq),
+                          usage=_usage(final)).wire()
+    yield at.MessageStop(type="message_stop").wire()
+
+
+# ------------------------------------------------------------------------ SSE and errors
+
+
+def _status_and_type(e: BaseException) -> tuple[int, str, str]:
+    api = ApiError.from_exception(e)
+    status = 400 if api.status == 501 else api.status  # Anthropic has no 501: a feature this model lacks
+    etype = _ERROR_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
+    return status, etype, api.message
+
+
+def _log_server_fault(e: BaseException) -> None:
+    client = isinstance(e, (ApiError, InvalidRequestError)) or (isinstance(e, KvserveError) and e.kind != "server")
+    if not client or (isinstance(e, ApiError) and e.status >= 500):
+        log.error("request failed: %s", ApiError.from_exception(e).message,
+                  exc_info=None if isinstance(e, ApiError) else e, extra={"func": "messages"})
+
+
+def error_envelope(e: BaseException) -> tuple[int, dict]:
+    """``(status, {"type": "error", "error": {"type", "message"}})`` for any exception, with
+    Anthropic's error type for the status (see the module docstring). Server faults are logged."""
+    _log_server_fault(e)
+    status, etype, message = _status_and_type(e)
+    return status, at.AnthropicError(type="error", error=at.ErrorDetail(type=etype, message=message)).wire()
+
+
+def _error_response(e: BaseException) -> Response:
+    status, body = error_envelope(e)
+    return json_response(body, status)
+
+
+def _event(ev: dict) -> str:
+    return f"event: {ev['type']}\ndata: {dumps(ev)}\n\n"
+
+
+_PING = _event({"type": "ping"})
+
+
+async def _sse(events: AsyncIterator[dict], ping_interval: float) -> StreamingResponse:
+    """Stream ``events`` as Anthropic's SSE, starting once the first event exists (an error
+    before it is raised here, for a plain HTTP error); ``event: ping`` while idle for
+    ``ping_interval`` seconds (<= 0: never); an error after the start is one ``event: error``."""
+    it = events.__aiter__()
+    timeout = ping_interval if ping_interval > 0 else None
+    first: asyncio.Future = asyncio.ensure_future(it.__anext__())
+    try:
+        await asyncio.wait({first}, timeout=timeout)
+    except BaseException:
+        first.cancel()
+        await it.aclose()
+        raise
+    if first.done() and first.exception() is not None and not isinstance(first.exception(), StopAsyncIteration):
+        await it.aclose()
+        raise first.exception()
+
+    async def body():
+        nxt: asyncio.Future | None = first
+        try:
+            while True:
+                while not (await asyncio.wait({nxt}, timeout=timeout))[0]:
+                    yield _PING
+                try:
+                    ev = nxt.result()
+                except StopAsyncIteration:
+                    nxt = None
+                    break
+                nxt = None
+                yield _event(ev)
+                nxt = asyncio.ensure_future(it.__anext__())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - after the start an error is one event
+            nxt = None
+            yield _event(error_envelope(e)[1])
+        finally:
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
+                with contextlib.suppress(BaseException):  # the iterator is being torn down
+                    await nxt
+            with contextlib.suppress(Exception):  # closing after an error
+                await it.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ------------------------------------------------------------------------ routes
+
+
+async def _serve(state: ServerState, http: HttpRequest, counting: bool) -> Response:
+    try:
+        body = await read_json(http)
+
+        async def run(runner: Runner) -> Response:
+            if counting:
+                return json_response((await asyncio.to_thread(_count_tokens, runner, body)).wire())
+            # tokenizing, template rendering and grammar compiles are CPU work: off the event loop
+            mp = await asyncio.to_thread(_messages_plan, runner, body)
+            if mp.stream:
+                return await _sse(_stream_events(runner, mp), state.args.sse_ping_interval)
+            return json_response((await until_disconnect(http, _complete(runner, mp))).wire())
+
+        return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except Exception as e:  # noqa: BLE001 - every failure answers with Anthropic's envelope
+        return _error_response(e)
 
 
 def build_router(state: ServerState) -> APIRouter:
     """The Messages API's routes, bound to ``state``."""
-    return APIRouter()
+    r = APIRouter()
+
+    @r.post("/v1/messages")
+    async def messages(http: HttpRequest) -> Response:
+        return await _serve(state, http, counting=False)
+
+    @r.post("/v1/messages/count_tokens")
+    async def count_tokens(http: HttpRequest) -> Response:
+        return await _serve(state, http, counting=True)
+
+    @r.api_route("/v1/messages", methods=["GET", "PUT", "PATCH", "DELETE"])
+    @r.api_route("/v1/messages/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def not_found(http: HttpRequest) -> Response:
+        return _error_response(ApiError(404, f"{http.method} {http.url.path[:256]} not found"))
+
+    return r

@@ -22,6 +22,11 @@ PUBLIC_PREFIXES = ("/webui/",)
 
 _INVALID = json.dumps({"error": {"message": "Invalid API Key", "type": "authentication_error",
                                  "code": 401}}, separators=(",", ":")).encode()
+#: the same refusal in Anthropic's envelope, for its routes (``/v1/messages...``)
+_INVALID_ANTHROPIC = json.dumps({"type": "error", "error": {"type": "authentication_error",
+                                                            "message": "Invalid API Key"}},
+                                separators=(",", ":")).encode()
+_ANTHROPIC_PATH = "/v1/messages"
 
 
 def key_matches(given: str, keys: list[str]) -> bool:
@@ -42,7 +47,9 @@ def request_key(headers: dict[bytes, bytes]) -> str:
 
 
 class ApiKeyMiddleware:
-    """ASGI middleware answering 401 ``Invalid API Key`` to requests without a valid key.
+    """ASGI middleware answering 401 ``Invalid API Key`` to requests without a valid key
+    (in Anthropic's envelope ``{"type": "error", "error": {...}}`` on ``/v1/messages`` and
+    below, in llama-server's everywhere else).
 
     Args:
         app: the wrapped ASGI app.
@@ -62,10 +69,13 @@ class ApiKeyMiddleware:
         if key_matches(request_key(headers), self.keys):
             await self.app(scope, receive, send)
             return
+        path = scope["path"]
+        anthropic = path == _ANTHROPIC_PATH or path.startswith(_ANTHROPIC_PATH + "/")
+        body = _INVALID_ANTHROPIC if anthropic else _INVALID
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json; charset=utf-8"),
-                                (b"content-length", str(len(_INVALID)).encode())]})
-        await send({"type": "http.response.body", "body": _INVALID})
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 def add_security(app, api_keys: list[str], cors_origins: list[str]) -> None:
