@@ -1,12 +1,843 @@
-"""OpenAI's Responses API: ``POST /v1/responses`` (being built)."""
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET /v1/responses/{id}``,
+``DELETE /v1/responses/{id}``.
+
+The face translates only: a Responses request becomes the chat-completions body the OpenAI
+face reads (:func:`kvserve.faces.openai.chat_plan`), so tools, ``tool_choice``, structured
+output and reasoning go through the same chat features, and the chat chunk stream
+(:func:`kvserve.faces.openai.stream_events`) becomes the response object and its typed events.
+
+Request -> chat body:
+
+- ``instructions`` -> a first ``system`` message (not carried over by ``previous_response_id``,
+  as OpenAI documents);
+- ``input``: a string (one user message) or items: messages (``user``, ``assistant``,
+  ``system``; ``developer`` becomes ``system``) with ``input_text``/``output_text`` parts,
+  ``function_call`` items -> an assistant message's ``tool_calls`` (consecutive calls join one
+  message), ``function_call_output`` -> a ``tool`` message, ``reasoning`` items -> the next
+  assistant message's ``reasoning_content``. Images, files, audio and ``item_reference`` are 400;
+- ``tools``: function tools (flat Responses shape) -> chat tools; any other tool type
+  (``web_search``, ``file_search``, ``code_interpreter``, ``computer_use_preview``, ``mcp``...)
+  is 400 naming them. ``tool_choice``: ``none``/``auto``/``required``, ``{"type": "function",
+  "name"}``, ``{"type": "allowed_tools", "mode", "tools"}`` (only those tools are offered);
+- ``text.format``: ``json_schema``/``json_object`` -> ``response_format`` (the structured-output
+  grammar); ``max_output_tokens`` -> ``max_tokens``; ``temperature``, ``top_p``,
+  ``parallel_tool_calls`` as they are;
+- ``reasoning.effort`` -> the template's ``reasoning_effort`` and a thinking budget
+  (:data:`EFFORT_BUDGET`; ``none`` also sets ``enable_thinking: false``), never above
+  ``--reasoning-budget``; ``reasoning.summary`` is echoed, no summary is written (the thinking
+  itself is the reasoning item's ``reasoning_text``);
+- kvserve's sampling extensions (``top_k``, ``min_p``, ``seed``, ``stop``...) pass through.
+
+``store`` (default true) keeps the response in memory (:class:`ResponseStore`, bounded by
+count and bytes, LRU) for GET/DELETE and ``previous_response_id``, which continues the stored
+conversation: its earlier input and output come before the new input. A missing id is 404.
+``background``, ``conversation``, ``prompt`` and ``top_logprobs`` are refused (400).
+
+Streaming: ``event: <type>`` + ``data: {...}`` per event, ``sequence_number`` from 0:
+response.created, response.in_progress, then per output item output_item.added,
+(content_part.added, output_text.delta..., output_text.done, content_part.done) or
+(function_call_arguments.delta, function_call_arguments.done) or (content_part.added,
+reasoning_text.delta..., reasoning_text.done, content_part.done), output_item.done; last
+response.completed (response.incomplete when max_output_tokens cut it, response.failed on an
+engine error). No ``[DONE]``. Errors found before the first event are plain JSON errors.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
 
+from fastapi import APIRouter
+from starlette.requests import Request as HttpRequest
+from starlette.responses import Response, StreamingResponse
+
+from kvserve.faces.errors import ApiError
+from kvserve.faces.http import error_response, json_response, read_json
+from kvserve.faces.models import keep_alive_field, model_field, serve_model
+from kvserve.faces.params import get_bool, get_int, get_str, type_error
+from kvserve.faces.responses_types import (
+    ContentPartAdded,
+    ContentPartDone,
+    DeletedResponse,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    FunctionCallItem,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputMessage,
+    OutputText,
+    OutputTextDelta,
+    OutputTextDone,
+    OutputTokensDetails,
+    ReasoningItem,
+    ReasoningText,
+    ReasoningTextDelta,
+    ReasoningTextDone,
+    ResponseError,
+    ResponseLifecycle,
+    ResponseUsage,
+)
+from kvserve.faces.responses_types import Response as ResponseObject
+from kvserve.faces.sse import (
+    ClientDisconnected,
+    error_body,
+    sse_response,
+    until_disconnect,
+)
+from kvserve.serving.response_store import ResponseStore
+from kvserve.serving.runner import Runner
 from kvserve.serving.state import ServerState
 
+__all__ = ["EFFORT_BUDGET", "MAX_INPUT_ITEMS", "build_router", "chat_body"]
 
-def build_router(state: ServerState) -> APIRouter:
-    """The Responses API's routes, bound to ``state``."""
-    return APIRouter()
+#: at most this many ``input`` items per request
+MAX_INPUT_ITEMS = 4096
+#: ``reasoning.effort`` -> thinking tokens before ``</think>`` is forced (-1: no limit)
+EFFORT_BUDGET = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": -1, "xhigh": -1}
+#: OpenAI's metadata bounds: 16 pairs, keys up to 64 characters, values up to 512
+_META_PAIRS, _META_KEY, _META_VALUE = 16, 64, 512
+#: kvserve's own request fields that pass through to the chat plan unchanged
+_PASSTHROUGH = ("top_k", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                "frequency_penalty", "seed", "stop", "logit_bias", "cache_salt", "id_slot",
+                "thinking_token_budget", "reasoning_format", "include_reasoning")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _rand_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(24)
+
+
+def _bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param) if param else ApiError(400, message)
+
+
+# ------------------------------------------------------------------------ request -> chat body
+
+
+@dataclass
+class Turn:
+    """One Responses request, translated.
+
+    Attributes:
+        chat: the chat-completions body for :func:`kvserve.faces.openai.chat_plan`.
+        history: the conversation to store after this turn's output (earlier turns and this
+            input, instructions left out), as chat messages.
+        echo: the request's settings as the response object writes them (instructions,
+            max_output_tokens, previous_response_id, reasoning, store, text, tool_choice,
+            tools, truncation, user, metadata, parallel_tool_calls).
+        stream: the request asked for SSE.
+        store: keep the response in the store.
+    """
+
+    chat: dict
+    history: list[dict]
+    echo: dict
+    stream: bool = False
+    store: bool = True
+
+
+def _obj(v: Any, where: str) -> dict:
+    if not isinstance(v, dict):
+        raise type_error(where, "object", v)
+    return v
+
+
+def _str_field(d: dict, key: str, where: str, *, required: bool = True) -> str | None:
+    v = d.get(key)
+    if v is None:
+        if required:
+            raise _bad(f"Missing required parameter: '{where}.{key}'.", f"{where}.{key}")
+        return None
+    if not isinstance(v, str):
+        raise type_error(f"{where}.{key}", "string", v)
+    return v
+
+
+def _parts_text(content: Any, where: str, allowed: tuple[str, ...]) -> str:
+    """A message's (or tool output's) content as text: a string, or text parts joined with
+    newlines; images, files and audio are 400."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise type_error(where, "string or array", content)
+    texts = []
+    for j, part in enumerate(content):
+        p = _obj(part, f"{where}[{j}]")
+        kind = p.get("type")
+        if kind == "refusal" and "refusal" in allowed:
+            texts.append(_str_field(p, "refusal", f"{where}[{j}]") or "")
+        elif kind in allowed and kind != "refusal":
+            texts.append(_str_field(p, "text", f"{where}[{j}]") or "")
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise _bad(f"{where}[{j}]: content type '{kind}' is not supported: kvserve's models read text only",
+                       f"{where}[{j}].type")
+        else:
+            raise _bad(f"{where}[{j}]: unknown content type {kind!r}", f"{where}[{j}].type")
+    return "\n".join(texts)
+
+
+def _json_object_text(v: Any, where: str) -> str:
+    if not isinstance(v, str):
+        raise type_error(where, "string", v)
+    try:
+        parsed = json.loads(v) if v.strip() else {}
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise _bad(f"{where}: expected a JSON object as text, got {v[:80]!r}", where)
+    return v
+
+
+class _Conversation:
+    """Builds chat messages from Responses input items, in order."""
+
+    def __init__(self, history: list[dict]):
+        self.messages: list[dict] = []
+        self.pending_reasoning: str | None = None
+        self.call_names = {c.get("id"): c["function"]["name"] for m in history for c in m.get("tool_calls") or []}
+
+    def add(self, item: Any, where: str) -> None:
+        it = _obj(item, where)
+        kind = it.get("type", "message" if "role" in it else None)
+        if kind == "message":
+            self._message(it, where)
+        elif kind == "function_call":
+            self._call(it, where)
+        elif kind == "function_call_output":
+            self._output(it, where)
+        elif kind == "reasoning":
+            self._reasoning(it, where)
+        elif kind == "item_reference":
+            raise _bad(f"{where}: 'item_reference' is not supported: send the item itself or use "
+                       f"previous_response_id", f"{where}.type")
+        elif kind is None:
+            raise _bad(f"Missing required parameter: '{where}.type'.", f"{where}.type")
+        else:
+            raise _bad(f"{where}: item type {str(kind)[:64]!r} is not supported", f"{where}.type")
+
+    def _message(self, it: dict, where: str) -> None:
+        role = it.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise _bad(f"{where}.role: expected 'user', 'assistant', 'system' or 'developer', got {role!r}",
+                       f"{where}.role")
+        allowed = _TEXT_PARTS + ("refusal",) if role == "assistant" else _TEXT_PARTS
+        if "content" not in it:
+            raise _bad(f"Missing required parameter: '{where}.content'.", f"{where}.content")
+        text = _parts_text(it["content"], f"{where}.content", allowed)
+        msg = {"role": "system" if role == "developer" else role, "content": text}
+        if role == "assistant" and self.pending_reasoning is not None:
+            msg["reasoning_content"] = self.pending_reasoning
+        self.pending_reasoning = None
+        self.messages.append(msg)
+
+    def _call(self, it: dict, where: str) -> None:
+        call_id = _str_field(it, "call_id", where)
+        name = _str_field(it, "name", where)
+        if not name:
+            raise _bad(f"{where}.name: expected a non-empty string", f"{where}.name")
+        args = _json_object_text(it.get("arguments", "{}"), f"{where}.arguments")
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+        self.call_names[call_id] = name
+        last = self.messages[-1] if self.messages else None
+        if last is not None and last["role"] == "assistant" and self.pending_reasoning is None:
+            last.setdefault("tool_calls", []).append(call)
+            return
+        msg = {"role": "assistant", "content": "", "tool_calls": [call]}
+        if self.pending_reasoning is not None:
+            msg["reasoning_content"] = self.pending_reasoning
+            self.pending_reasoning = None
+        self.messages.append(msg)
+
+    def _output(self, it: dict, where: str) -> None:
+        call_id = _str_field(it, "call_id", where)
+        if "output" not in it:
+            raise _bad(f"Missing required parameter: '{where}.output'.", f"{where}.output")
+        text = _parts_text(it["output"], f"{where}.output", _TEXT_PARTS)
+        msg = {"role": "tool", "tool_call_id": call_id, "content": text}
+        if call_id in self.call_names:
+            msg["name"] = self.call_names[call_id]
+        self.messages.append(msg)
+
+    def _reasoning(self, it: dict, where: str) -> None:
+        texts = []
+        for key in ("content", "summary"):
+            parts = it.get(key)
+            if parts is None:
+                continue
+            if not isinstance(parts, list):
+                raise type_error(f"{where}.{key}", "array", parts)
+            for j, p in enumerate(parts):
+                texts.append(_str_field(_obj(p, f"{where}.{key}[{j}]"), "text", f"{where}.{key}[{j}]") or "")
+            if texts:
+                break  # the raw thinking when given, else its summary
+        self.pending_reasoning = "\n".join(texts)
+
+
+def input_messages(inp: Any, history: list[dict]) -> list[dict]:
+    """``input`` (a string or a list of items) as chat messages (400 naming ``input[i]...``)."""
+    if inp is None:
+        return []
+    if isinstance(inp, str):
+        return [{"role": "user", "content": inp}]
+    if not isinstance(inp, list):
+        raise type_error("input", "string or array", inp)
+    if len(inp) > MAX_INPUT_ITEMS:
+        raise _bad(f"Field 'input': at most {MAX_INPUT_ITEMS} items, got {len(inp)}", "input")
+    conv = _Conversation(history)
+    for i, item in enumerate(inp):
+        conv.add(item, f"input[{i}]")
+    return conv.messages
+
+
+_BUILTIN_HINT = "kvserve runs function tools only; built-in tools run on OpenAI's servers"
+
+
+def _tools(body: dict) -> tuple[list[dict], list[dict]]:
+    """``tools`` -> (chat tools, the tools echoed in the response)."""
+    tools = body.get("tools")
+    if tools is None:
+        return [], []
+    if not isinstance(tools, list):
+        raise type_error("tools", "array", tools)
+    others = []
+    for i, t in enumerate(tools):
+        kind = _obj(t, f"tools[{i}]").get("type")
+        if kind != "function":
+            others.append(str(kind)[:64])
+    if others:
+        raise _bad(f"tools: tool type(s) {', '.join(repr(k) for k in others)} not supported: {_BUILTIN_HINT}",
+                   "tools")
+    chat, echo = [], []
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        name = _str_field(t, "name", where)
+        if not name:
+            raise _bad(f"{where}.name: expected a non-empty string", f"{where}.name")
+        desc = _str_field(t, "description", where, required=False)
+        params = t.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise type_error(f"{where}.parameters", "object", params)
+        strict = t.get("strict", True)
+        if not isinstance(strict, bool):
+            raise type_error(f"{where}.strict", "boolean", strict)
+        fn: dict = {"name": name}
+        if desc is not None:
+            fn["description"] = desc
+        if params is not None:
+            fn["parameters"] = params
+        chat.append({"type": "function", "function": fn})
+        echo.append({"type": "function", "name": name, "description": desc, "parameters": params, "strict": strict})
+    return chat, echo
+
+
+def _tool_choice(body: dict, chat_tools: list[dict]) -> tuple[Any, Any, list[dict]]:
+    """``tool_choice`` -> (chat tool_choice or None, the echoed value, the tools offered)."""
+    tc = body.get("tool_choice")
+    if tc is None:
+        return None, "auto", chat_tools
+    if isinstance(tc, str):
+        if tc not in ("none", "auto", "required"):
+            raise _bad(f"Field 'tool_choice': expected 'none', 'auto', 'required' or an object, got {tc[:64]!r}",
+                       "tool_choice")
+        return tc, tc, chat_tools
+    d = _obj(tc, "tool_choice")
+    kind = d.get("type")
+    if kind == "function":
+        name = _str_field(d, "name", "tool_choice")
+        return {"type": "function", "function": {"name": name}}, {"type": "function", "name": name}, chat_tools
+    if kind == "allowed_tools":
+        mode = d.get("mode", "auto")
+        if mode not in ("auto", "required"):
+            raise _bad(f"Field 'tool_choice.mode': expected 'auto' or 'required', got {mode!r}", "tool_choice.mode")
+        allowed = d.get("tools")
+        if not isinstance(allowed, list):
+            raise type_error("tool_choice.tools", "array", allowed)
+        names = []
+        for j, a in enumerate(allowed):
+            a = _obj(a, f"tool_choice.tools[{j}]")
+            if a.get("type") != "function":
+                raise _bad(f"tool_choice.tools[{j}]: tool type {a.get('type')!r} not supported: {_BUILTIN_HINT}",
+                           f"tool_choice.tools[{j}].type")
+            names.append(_str_field(a, "name", f"tool_choice.tools[{j}]"))
+        offered = [t for t in chat_tools if t["function"]["name"] in names]
+        return mode, d, offered
+    raise _bad(f"Field 'tool_choice': type {str(kind)[:64]!r} not supported: {_BUILTIN_HINT}", "tool_choice.type")
+
+
+def _text_format(body: dict) -> tuple[dict | None, dict]:
+    """``text`` -> (chat response_format or None, the echoed ``text``)."""
+    text = body.get("text")
+    if text is None:
+        return None, {"format": {"type": "text"}}
+    text = _obj(text, "text")
+    verbosity = text.get("verbosity")
+    if verbosity is not None and verbosity not in ("low", "medium", "high"):
+        raise _bad(f"Field 'text.verbosity': expected 'low', 'medium' or 'high', got {verbosity!r}", "text.verbosity")
+    fmt = text.get("format")
+    echo = dict(text)
+    if fmt is None:
+        echo["format"] = {"type": "text"}
+        return None, echo
+    fmt = _obj(fmt, "text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None, echo
+    if kind == "json_object":
+        return {"type": "json_object"}, echo
+    if kind == "json_schema":
+        name = _str_field(fmt, "name", "text.format")
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise _bad("Missing required parameter: 'text.format.schema'." if schema is None else
+                       "Field 'text.format.schema': expected a JSON schema object", "text.format.schema")
+        strict = fmt.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise type_error("text.format.strict", "boolean", strict)
+        js: dict = {"name": name, "schema": schema}
+        if strict is not None:
+            js["strict"] = strict
+        return {"type": "json_schema", "json_schema": js}, echo
+    raise _bad(f"Field 'text.format.type': expected 'text', 'json_object' or 'json_schema', got {kind!r}",
+               "text.format.type")
+
+
+def _reasoning(body: dict, chat: dict, server_budget: int) -> dict:
+    """``reasoning`` -> template variables and a thinking budget in ``chat``; returns the echo."""
+    r = body.get("reasoning")
+    if r is None:
+        return {"effort": None, "summary": None}
+    r = _obj(r, "reasoning")
+    effort = r.get("effort")
+    summary = r.get("summary", r.get("generate_summary"))
+    if effort is not None and effort not in EFFORT_BUDGET:
+        raise _bad(f"Field 'reasoning.effort': expected one of {', '.join(EFFORT_BUDGET)}, got {effort!r}",
+                   "reasoning.effort")
+    if summary is not None and summary not in ("auto", "concise", "detailed"):
+        raise _bad(f"Field 'reasoning.summary': expected 'auto', 'concise' or 'detailed', got {summary!r}",
+                   "reasoning.summary")
+    if effort is not None:
+        chat["reasoning_effort"] = effort
+        if effort == "none":
+            kwargs = dict(chat.get("chat_template_kwargs") or {})
+            kwargs.setdefault("enable_thinking", False)
+            chat["chat_template_kwargs"] = kwargs
+        if "thinking_token_budget" not in chat:
+            budget = EFFORT_BUDGET[effort]
+            if server_budget >= 0:
+                budget = server_budget if budget < 0 else min(budget, server_budget)
+            chat["thinking_token_budget"] = budget
+    return {"effort": effort, "summary": summary}
+
+
+def _metadata(body: dict) -> dict[str, str]:
+    meta = body.get("metadata")
+    if meta is None:
+        return {}
+    meta = _obj(meta, "metadata")
+    if len(meta) > _META_PAIRS:
+        raise _bad(f"Field 'metadata': at most {_META_PAIRS} pairs", "metadata")
+    for k, v in meta.items():
+        if len(k) > _META_KEY:
+            raise _bad(f"Field 'metadata': keys are at most {_META_KEY} characters", "metadata")
+        if not isinstance(v, str):
+            raise type_error(f"metadata.{k[:_META_KEY]}", "string", v)
+        if len(v) > _META_VALUE:
+            raise _bad(f"Field 'metadata.{k}': values are at most {_META_VALUE} characters", "metadata")
+    return dict(meta)
+
+
+def _refuse(body: dict) -> None:
+    if get_bool(body, "background", False):
+        raise _bad("'background' is not supported: kvserve answers while the request is open", "background")
+    if body.get("conversation") is not None:
+        raise _bad("'conversation' is not supported: use previous_response_id", "conversation")
+    if body.get("prompt") is not None:
+        raise _bad("'prompt' (stored prompt templates) is not supported", "prompt")
+    top = get_int(body, "top_logprobs")
+    if top:
+        raise _bad("'top_logprobs' is not supported on /v1/responses (use /v1/chat/completions)", "top_logprobs")
+
+
+def chat_body(body: dict, store: ResponseStore, server_budget: int = -1) -> Turn:
+    """Translate a Responses request into the chat-completions body of the same request.
+
+    Args:
+        body: the request JSON object.
+        store: where ``previous_response_id`` is looked up.
+        server_budget: ``--reasoning-budget`` (-1: none), the cap of an effort's budget.
+
+    Raises:
+        ApiError: 400 naming a bad or unsupported field; 404 for a ``previous_response_id``
+            that is not stored (never stored, deleted, or evicted).
+    """
+    _refuse(body)
+    stream = bool(get_bool(body, "stream", False))
+    keep = get_bool(body, "store", True)
+    prev_id = get_str(body, "previous_response_id")
+    history: list[dict] = []
+    if prev_id is not None:
+        entry = store.get(prev_id)
+        if entry is None:
+            raise ApiError(404, f"Previous response with id '{prev_id[:128]}' not found.",
+                           param="previous_response_id")
+        history = [dict(m) for m in entry.history]
+    instructions = get_str(body, "instructions")
+    new = input_messages(body.get("input"), history)
+    if not new and not history:
+        raise _bad("Missing required parameter: 'input'.", "input")
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    chat: dict = {"messages": system + history + new, "stream": True, "stream_options": {"include_usage": True},
+                  "continue_final_message": False}
+    for key in _PASSTHROUGH:
+        if body.get(key) is not None:
+            chat[key] = body[key]
+    if body.get("chat_template_kwargs") is not None:
+        chat["chat_template_kwargs"] = body["chat_template_kwargs"]
+    for key in ("temperature", "top_p"):
+        if body.get(key) is not None:
+            chat[key] = body[key]
+    max_out = get_int(body, "max_output_tokens")
+    if max_out is not None:
+        if max_out < 1:
+            raise _bad("Field 'max_output_tokens': must be >= 1", "max_output_tokens")
+        chat["max_tokens"] = max_out
+    chat_tools, echo_tools = _tools(body)
+    choice, echo_choice, offered = _tool_choice(body, chat_tools)
+    if offered:
+        chat["tools"] = offered
+    if choice is not None:
+        chat["tool_choice"] = choice
+    parallel = get_bool(body, "parallel_tool_calls", True)
+    chat["parallel_tool_calls"] = parallel
+    fmt, echo_text = _text_format(body)
+    if fmt is not None:
+        chat["response_format"] = fmt
+    echo_reasoning = _reasoning(body, chat, server_budget)
+    truncation = get_str(body, "truncation", "disabled")
+    if truncation not in ("auto", "disabled"):
+        raise _bad(f"Field 'truncation': expected 'auto' or 'disabled', got {truncation[:64]!r}", "truncation")
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(x, str) for x in include)):
+        raise type_error("include", "array of strings", include)
+    echo = {"instructions": instructions, "max_output_tokens": max_out, "parallel_tool_calls": parallel,
+            "previous_response_id": prev_id, "reasoning": echo_reasoning, "store": keep, "text": echo_text,
+            "tool_choice": echo_choice, "tools": echo_tools, "truncation": truncation,
+            "user": get_str(body, "user"), "metadata": _metadata(body)}
+    return Turn(chat, history + new, echo, stream, keep)
+
+
+# ------------------------------------------------------------------------ chat chunks -> response
+
+
+@dataclass
+class _Open:
+    """The output item being streamed."""
+
+    kind: str  # "message" | "reasoning"
+    index: int
+    id: str
+    text: str = ""
+
+
+@dataclass
+class _Run:
+    """One response being produced: turns chat chunks into events and the response object."""
+
+    runner: Runner
+    plan: Any
+    turn: Turn
+    store: ResponseStore
+    response_id: str = field(default_factory=lambda: _rand_id("resp_"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    seq: int = 0
+    output: list = field(default_factory=list)
+    open: _Open | None = None
+    pending: str = ""  # whitespace not yet in a message (between tool calls it is dropped)
+    finish: str | None = None
+    usage: dict | None = None
+    status: str = "in_progress"
+    error: ResponseError | None = None
+    final: dict | None = None
+
+    # -- events ------------------------------------------------------------------------
+
+    def _ev(self, cls, **fields) -> dict:
+        ev = cls(sequence_number=self.seq, **fields).wire()
+        self.seq += 1
+        return ev
+
+    def response(self) -> ResponseObject:
+        """The response object as it is now."""
+        e = self.turn.echo
+        params = self.plan.requests[0].params
+        incomplete = IncompleteDetails(reason="max_output_tokens") if self.status == "incomplete" else None
+        return ResponseObject(
+            id=self.response_id, object="response", created_at=self.created_at, status=self.status,
+            error=self.error, incomplete_details=incomplete, instructions=e["instructions"],
+            max_output_tokens=e["max_output_tokens"], model=self.plan.model, output=list(self.output),
+            parallel_tool_calls=e["parallel_tool_calls"], previous_response_id=e["previous_response_id"],
+            reasoning=e["reasoning"], store=e["store"], temperature=float(params.temperature), text=e["text"],
+            tool_choice=e["tool_choice"], tools=e["tools"], top_p=float(params.top_p), truncation=e["truncation"],
+            usage=self._usage(), user=e["user"], metadata=e["metadata"])
+
+    def _life(self, kind: str) -> dict:
+        return self._ev(ResponseLifecycle, type=kind, response=self.response())
+
+    def _usage(self) -> ResponseUsage | None:
+        u = self.usage
+        if u is None:
+            return None
+        reasoning = (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+        return ResponseUsage(input_tokens=u["prompt_tokens"],
+                             input_tokens_details=InputTokensDetails(cached_tokens=u["prompt_tokens_details"]
+                                                                     ["cached_tokens"]),
+                             output_tokens=u["completion_tokens"],
+                             output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
+                             total_tokens=u["total_tokens"])
+
+    async def events(self) -> AsyncIterator[dict]:
+        """Every event of the response, in order (the last one holds the final response)."""
+        from kvserve.faces.openai import stream_events
+
+        yield self._life("response.created")
+        yield self._life("response.in_progress")
+        try:
+            async for chunk in stream_events(self.runner, self.plan):
+                if chunk.get("usage") is not None:
+                    self.usage = chunk["usage"]
+                for ch in chunk["choices"]:
+                    if ch.get("finish_reason"):
+                        self.finish = ch["finish_reason"]
+                    for ev in self._delta(ch["delta"]):
+                        yield ev
+            for ev in self._finish():
+                yield ev
+            self.status = "incomplete" if self.finish == "length" else "completed"
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an engine error ends the response as failed
+            err = ApiError.from_exception(e)
+            error_body(e)  # logs server faults (with their traceback)
+            self.open = None
+            self.status = "failed"
+            self.error = ResponseError(code=err.type, message=err.message)
+        last = self._life("response." + self.status)
+        self.final = last["response"]
+        self._save()
+        yield last
+
+    def _save(self) -> None:
+        if self.turn.store:
+            self.store.put(self.response_id, self.final, self.turn.history + [self._assistant_message()])
+
+    def _assistant_message(self) -> dict:
+        """This turn's output as one chat message (for a later previous_response_id)."""
+        texts, reasoning, calls = [], [], []
+        for item in self.output:
+            if isinstance(item, OutputMessage):
+                texts.append("".join(p.text for p in item.content))
+            elif isinstance(item, ReasoningItem):
+                reasoning.append("".join(p.text for p in item.content))
+            else:
+                calls.append({"id": item.call_id, "type": "function",
+                              "function": {"name": item.name, "arguments": item.arguments}})
+        msg: dict = {"role": "assistant", "content": "".join(texts)}
+        if reasoning:
+            msg["reasoning_content"] = "".join(reasoning)
+        if calls:
+            msg["tool_calls"] = calls
+        return msg
+
+    # -- chat deltas -> items ----------------------------------------------------------
+
+    def _delta(self, d: dict) -> list[dict]:
+        evs: list[dict] = []
+        thought = d.get("reasoning_content") or d.get("reasoning")
+        if thought:
+            evs += self._text("reasoning", thought)
+        if d.get("content"):
+            evs += self._text("message", d["content"])
+        for call in d.get("tool_calls") or []:
+            evs += self._call(call)
+        return evs
+
+    def _text(self, kind: str, text: str) -> list[dict]:
+        evs: list[dict] = []
+        if self.open is not None and self.open.kind != kind:
+            evs += self._close("completed")
+        if self.open is None:
+            if kind == "message" and not text.strip():
+                self.pending += text
+                return evs
+            evs += self._start(kind)
+            if kind == "message":
+                text, self.pending = self.pending + text, ""
+        o = self.open
+        o.text += text
+        cls = OutputTextDelta if kind == "message" else ReasoningTextDelta
+        extra = {"logprobs": []} if kind == "message" else {}
+        evs.append(self._ev(cls, type=f"response.{'output' if kind == 'message' else 'reasoning'}_text.delta",
+                            item_id=o.id, output_index=o.index, content_index=0, delta=text, **extra))
+        return evs
+
+    def _start(self, kind: str) -> list[dict]:
+        index = len(self.output)
+        if kind == "message":
+            o = _Open(kind, index, _rand_id("msg_"))
+            item = OutputMessage(type="message", id=o.id, status="in_progress", role="assistant", content=[])
+            part = OutputText(type="output_text", text="", annotations=[])
+        else:
+            self.pending = ""
+            o = _Open(kind, index, _rand_id("rs_"))
+            item = ReasoningItem(type="reasoning", id=o.id, summary=[], content=[], status="in_progress")
+            part = ReasoningText(type="reasoning_text", text="")
+        self.open = o
+        self.output.append(item)
+        return [self._ev(OutputItemAdded, type="response.output_item.added", output_index=index, item=item),
+                self._ev(ContentPartAdded, type="response.content_part.added", item_id=o.id, output_index=index,
+                         content_index=0, part=part)]
+
+    def _close(self, status: str) -> list[dict]:
+        o, self.open = self.open, None
+        if o.kind == "message":
+            part = OutputText(type="output_text", text=o.text, annotations=[])
+            item = OutputMessage(type="message", id=o.id, status=status, role="assistant", content=[part])
+            done = self._ev(OutputTextDone, type="response.output_text.done", item_id=o.id, output_index=o.index,
+                            content_index=0, text=o.text, logprobs=[])
+        else:
+            part = ReasoningText(type="reasoning_text", text=o.text)
+            item = ReasoningItem(type="reasoning", id=o.id, summary=[], content=[part], status=status)
+            done = self._ev(ReasoningTextDone, type="response.reasoning_text.done", item_id=o.id,
+                            output_index=o.index, content_index=0, text=o.text)
+        self.output[o.index] = item
+        return [done,
+                self._ev(ContentPartDone, type="response.content_part.done", item_id=o.id, output_index=o.index,
+                         content_index=0, part=part),
+                self._ev(OutputItemDone, type="response.output_item.done", output_index=o.index, item=item)]
+
+    def _call(self, call: dict) -> list[dict]:
+        evs = self._close("completed") if self.open is not None else []
+        self.pending = ""
+        fn = call.get("function") or {}
+        index, item_id, args = len(self.output), _rand_id("fc_"), fn.get("arguments") or ""
+        item = FunctionCallItem(type="function_call", id=item_id, call_id=call.get("id") or _rand_id("call_"),
+                                name=fn.get("name") or "", arguments="", status="in_progress")
+        self.output.append(item)
+        evs.append(self._ev(OutputItemAdded, type="response.output_item.added", output_index=index, item=item))
+        evs.append(self._ev(FunctionCallArgumentsDelta, type="response.function_call_arguments.delta",
+                            item_id=item_id, output_index=index, delta=args))
+        evs.append(self._ev(FunctionCallArgumentsDone, type="response.function_call_arguments.done",
+                            item_id=item_id, output_index=index, arguments=args))
+        item = item.model_copy(update={"arguments": args, "status": "completed"})
+        self.output[index] = item
+        evs.append(self._ev(OutputItemDone, type="response.output_item.done", output_index=index, item=item))
+        return evs
+
+    def _finish(self) -> list[dict]:
+        """Close the open item; an answer with no message and no call gets its (blank) text as
+        a message, so that every finished response has something to read."""
+        status = "incomplete" if self.finish == "length" else "completed"
+        evs = self._close(status) if self.open is not None else []
+        has_text_or_call = any(isinstance(i, (OutputMessage, FunctionCallItem)) for i in self.output)
+        if not has_text_or_call:
+            evs += self._start("message")
+            self.open.text = self.pending
+            self.pending = ""
+            if self.open.text:
+                evs.append(self._ev(OutputTextDelta, type="response.output_text.delta", item_id=self.open.id,
+                                    output_index=self.open.index, content_index=0, delta=self.open.text,
+                                    logprobs=[]))
+            evs += self._close(status)
+        return evs
+
+
+# ------------------------------------------------------------------------ routes
+
+
+def _named_events(resp: StreamingResponse) -> StreamingResponse:
+    """Add ``event: <type>`` before each ``data:`` line of an SSE response whose events carry
+    ``type`` as their first key (OpenAI's typed events; :func:`sse_response` writes data only)."""
+    inner = resp.body_iterator
+    prefix = 'data: {"type":"'
+
+    async def named():
+        try:
+            async for chunk in inner:
+                if isinstance(chunk, str) and chunk.startswith(prefix):
+                    end = chunk.find('"', len(prefix))
+                    if end > 0:
+                        chunk = f"event: {chunk[len(prefix):end]}\n{chunk}"
+                yield chunk
+        finally:
+            await inner.aclose()
+
+    resp.body_iterator = named()
+    return resp
+
+
+async def _create(state: ServerState, store: ResponseStore, http: HttpRequest) -> Response:
+    from kvserve.faces.openai import chat_plan
+
+    try:
+        body = await read_json(http)
+        turn = chat_body(body, store, state.args.reasoning_budget)
+
+        async def run(runner: Runner) -> Response:
+            # rendering, tokenizing and grammar compiles are CPU work: off the event loop
+            plan = await asyncio.to_thread(chat_plan, runner, turn.chat)
+            job = _Run(runner, plan, turn, store)
+            if turn.stream:
+                resp = await sse_response(job.events(), ping_interval=state.args.sse_ping_interval, done=False,
+                                          headers={"X-Accel-Buffering": "no"})
+                return _named_events(resp)
+
+            async def whole() -> dict:
+                async for _ in job.events():
+                    pass
+                return job.final
+
+            return json_response(await until_disconnect(http, whole()))
+
+        return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except Exception as e:  # noqa: BLE001 - every failure answers with the error envelope
+        return error_response(ApiError.from_exception(e)) if isinstance(e, ApiError) else \
+            json_response(error_body(e), ApiError.from_exception(e).status)
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id[:128]}' not found.")
+
+
+def build_router(state: ServerState, store: ResponseStore | None = None) -> APIRouter:
+    """The Responses API's routes, bound to ``state``, with their own store of responses
+    (``store``: default a :class:`ResponseStore` with the default limits)."""
+    r = APIRouter()
+    kept = store if store is not None else ResponseStore()
+
+    @r.post("/v1/responses")
+    async def create(http: HttpRequest) -> Response:
+        return await _create(state, kept, http)
+
+    @r.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> Response:
+        entry = kept.get(response_id)
+        if entry is None:
+            return error_response(_not_found(response_id))
+        return json_response(entry.response)
+
+    @r.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> Response:
+        if not kept.delete(response_id):
+            return error_response(_not_found(response_id))
+        return json_response(DeletedResponse(id=response_id, object="response", deleted=True).wire())
+
+    return r

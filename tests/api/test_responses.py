@@ -1,0 +1,336 @@
+"""OpenAI's Responses API (/v1/responses) against real ``kvserve serve`` processes running the
+tiny random-weight model, through the official ``openai`` client, openai-agents' default model
+path and pydantic-ai's ``Agent("openai:...")``.
+
+The tiny model's text is random, so exact expectations come from the chat face: the same
+request through /v1/chat/completions must give the same text and token counts (both run
+greedy). Tool calls and JSON output are grammar-constrained, so they are valid whatever the
+weights. Servers: ``hermes`` (tests/templates/hermes_tools.jinja: tools) and ``think``
+(tests/templates/think.jinja: the generation prompt opens a thinking block).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+        "required": ["city"], "additionalProperties": False}
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city", "parameters": CITY}
+ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}, "city": {"type": "string",
+                                                                                 "enum": ["Paris", "Oslo"]}},
+          "required": ["ok", "city"], "additionalProperties": False}
+MODEL = "tiny"
+G = {"temperature": 0}  # greedy: the same request gives the same text
+
+
+@pytest.fixture(scope="module")
+def hermes(start_server_module, tiny_gguf):
+    return start_server_module("--chat-template-file", str(TEMPLATES / "hermes_tools.jinja"), "-np", "2",
+                               "-c", "2048", model=tiny_gguf)
+
+
+@pytest.fixture(scope="module")
+def think(start_server_module, tiny_gguf):
+    return start_server_module("--chat-template-file", str(TEMPLATES / "think.jinja"), "-np", "1", "-c", "1024",
+                               model=tiny_gguf)
+
+
+@pytest.fixture(scope="module")
+def client(hermes) -> openai.OpenAI:
+    return openai.OpenAI(base_url=hermes.url("/v1"), api_key="x", max_retries=0, timeout=120)
+
+
+def _chat(srv, messages: list[dict], **kw) -> dict:
+    r = httpx.post(srv.url("/v1/chat/completions"), json={"messages": messages, **G, **kw}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _prompt_tokens(srv, messages: list[dict], **kw) -> int:
+    return _chat(srv, messages, max_tokens=1, **kw)["usage"]["prompt_tokens"]
+
+
+# -- the openai client ------------------------------------------------------------------------
+
+def test_create_text_matches_the_chat_face(client, hermes):
+    chat = _chat(hermes, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+                 max_tokens=6)
+    r = client.responses.create(model=MODEL, input="Hello there", instructions="Be brief.", max_output_tokens=6, **G)
+    ch = chat["choices"][0]
+    assert r.id.startswith("resp_") and r.object == "response"
+    assert [o.type for o in r.output] == ["message"] and r.output[0].role == "assistant"
+    assert r.output_text == ch["message"]["content"]
+    assert (r.status, r.incomplete_details and r.incomplete_details.reason) == (
+        ("incomplete", "max_output_tokens") if ch["finish_reason"] == "length" else ("completed", None))
+    assert r.output[0].status == r.status
+    u = r.usage
+    assert (u.input_tokens, u.output_tokens, u.total_tokens) == (
+        chat["usage"]["prompt_tokens"], chat["usage"]["completion_tokens"], chat["usage"]["total_tokens"])
+    assert u.output_tokens == 6 and u.output_tokens_details.reasoning_tokens == 0
+    # the chat request computed the same prompt: all of it but the one token always evaluated is reused
+    assert u.input_tokens_details.cached_tokens == u.input_tokens - 1
+    assert (r.instructions, r.max_output_tokens, r.temperature, r.tool_choice, r.tools, r.store) == (
+        "Be brief.", 6, 0.0, "auto", [], True)
+
+
+def test_forced_tool_call_and_function_call_output_round_trip(client, hermes):
+    r = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
+                                parallel_tool_calls=False, max_output_tokens=128, **G)
+    assert r.status == "completed" and [o.type for o in r.output] == ["function_call"]
+    call = r.output[0]
+    assert call.name == "get_weather" and call.status == "completed" and call.id.startswith("fc_")
+    jsonschema.validate(json.loads(call.arguments), CITY)
+    assert r.tools[0].name == "get_weather" and r.tool_choice == "required" and r.parallel_tool_calls is False
+
+    # stateless round trip, as agent loops send it: the call item back, then its output
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+    r2 = client.responses.create(model=MODEL, input=items, tools=[WEATHER], store=False, max_output_tokens=3, **G)
+    chat_msgs = [{"role": "user", "content": "Weather in Paris?"},
+                 {"role": "assistant", "content": "", "tool_calls": [
+                     {"id": call.call_id, "type": "function",
+                      "function": {"name": call.name, "arguments": call.arguments}}]},
+                 {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
+    chat_tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                                    "parameters": CITY}}]
+    expected = _prompt_tokens(hermes, chat_msgs, tools=chat_tools)
+    assert r2.usage.input_tokens == expected
+    # the same through previous_response_id: the stored turn stands in for the first two items
+    r3 = client.responses.create(model=MODEL, previous_response_id=r.id, tools=[WEATHER], max_output_tokens=3,
+                                 input=[{"type": "function_call_output", "call_id": call.call_id,
+                                         "output": "sunny, 21 C"}], **G)
+    assert r3.usage.input_tokens == expected and r3.previous_response_id == r.id
+    assert r3.output_text == r2.output_text
+
+
+def test_named_tool_choice(client):
+    other = {**WEATHER, "name": "get_time", "description": "Local time of a city"}
+    r = client.responses.create(model=MODEL, input="x", tools=[WEATHER, other], max_output_tokens=128,
+                                tool_choice={"type": "function", "name": "get_time"}, **G)
+    assert [(o.type, o.name) for o in r.output] == [("function_call", "get_time")]
+    assert r.tool_choice.type == "function" and r.tool_choice.name == "get_time"
+
+
+def test_json_schema_format_gives_valid_json(client):
+    r = client.responses.create(model=MODEL, input="Answer in JSON.", max_output_tokens=96, **G,
+                                text={"format": {"type": "json_schema", "name": "answer", "schema": ANSWER,
+                                                 "strict": True}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), ANSWER)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "answer"
+
+
+def test_previous_response_id_includes_the_earlier_turn(client, hermes):
+    r1 = client.responses.create(model=MODEL, input="My name is Ada.", instructions="Remember names.",
+                                 max_output_tokens=4, **G)
+    r2 = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=r1.id,
+                                 max_output_tokens=4, **G)
+    # instructions are not carried over; the earlier input and output are
+    with_history = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": r1.output_text},
+                    {"role": "user", "content": "What is my name?"}]
+    assert r2.usage.input_tokens == _prompt_tokens(hermes, with_history)
+    alone = client.responses.create(model=MODEL, input="What is my name?", max_output_tokens=1, **G)
+    assert alone.usage.input_tokens == _prompt_tokens(hermes, with_history[2:])
+    assert r2.usage.input_tokens > alone.usage.input_tokens
+    # a third turn chains through both
+    r3 = client.responses.create(model=MODEL, input="Again?", previous_response_id=r2.id, max_output_tokens=1, **G)
+    assert r3.usage.input_tokens == _prompt_tokens(
+        hermes, with_history + [{"role": "assistant", "content": r2.output_text}, {"role": "user", "content": "Again?"}])
+
+
+def test_retrieve_delete_and_missing_ids(client):
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, **G)
+    got = client.responses.retrieve(r.id)
+    assert got.model_dump() == r.model_dump()
+    assert client.responses.delete(r.id) is None
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.retrieve(r.id)
+    assert e.value.status_code == 404 and e.value.body["message"] == f"Response with id '{r.id}' not found."
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=MODEL, input="x", previous_response_id=r.id)
+    assert e.value.body["message"] == f"Previous response with id '{r.id}' not found."
+    unstored = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, store=False, **G)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_stream_text_events_in_order(client):
+    with client.responses.stream(model=MODEL, input="Answer in JSON.", max_output_tokens=96, **G,
+                                 text={"format": {"type": "json_schema", "name": "answer", "schema": ANSWER}}) as s:
+        events = list(s)
+        final = s.get_final_response()
+    types = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * len(deltas),
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert len(deltas) == final.usage.output_tokens - 1  # one event per token; the end-of-turn token has no text
+    assert "".join(deltas) == final.output_text == events[-2].item.content[0].text == events[-4].text
+    jsonschema.validate(json.loads(final.output_text), ANSWER)
+    assert events[0].response.status == "in_progress" and events[0].response.usage is None
+    assert events[-1].response.status == "completed" and events[-1].response.id == events[0].response.id
+    # the streamed response was stored like any other
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+
+
+def test_stream_function_call_events(client):
+    with client.responses.stream(model=MODEL, input="Weather?", tools=[WEATHER], tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=128, **G) as s:
+        events = list(s)
+        final = s.get_final_response()
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    call = final.output[0]
+    assert events[2].item.arguments == "" and events[2].item.status == "in_progress"
+    assert events[3].delta == events[4].arguments == call.arguments
+    jsonschema.validate(json.loads(call.arguments), CITY)
+
+
+def test_wire_format_and_errors(hermes):
+    with httpx.stream("POST", hermes.url("/v1/responses"), timeout=120,
+                      json={"input": "Hi", "max_output_tokens": 1, "stream": True, **G}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        text = r.read().decode()
+    blocks = [b for b in text.split("\n\n") if b.strip()]
+    assert all(b.startswith("event: ") for b in blocks) and "[DONE]" not in text
+    first_event, first_data = blocks[0].split("\n")
+    assert first_event == "event: response.created" and json.loads(first_data[6:])["type"] == "response.created"
+    assert blocks[-1].startswith("event: response.incomplete\n")
+    # OpenAI's error envelope, 400 naming the refused tool types
+    r = httpx.post(hermes.url("/v1/responses"), json={"input": "x", "tools": [{"type": "web_search"}]}, timeout=60)
+    assert r.status_code == 400
+    assert r.json() == {"error": {"code": 400, "type": "invalid_request_error", "param": "tools", "message":
+                                  "tools: tool type(s) 'web_search' not supported: kvserve runs function tools "
+                                  "only; built-in tools run on OpenAI's servers"}}
+    r = httpx.get(hermes.url("/v1/responses/resp_nope"), timeout=60)
+    assert (r.status_code, r.json()["error"]["type"]) == (404, "not_found_error")
+    r = httpx.post(hermes.url("/v1/responses"), content=b"{", timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("invalid JSON")
+
+
+def test_builtin_tools_through_the_client(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="x", tools=[{"type": "file_search", "vector_store_ids": ["v"]}])
+    assert "'file_search' not supported" in e.value.message
+
+
+# -- reasoning ---------------------------------------------------------------------------------
+
+def test_reasoning_item_then_message(think):
+    c = openai.OpenAI(base_url=think.url("/v1"), api_key="x", max_retries=0, timeout=120)
+    body = dict(model=MODEL, input="Hi", max_output_tokens=24, extra_body={"thinking_token_budget": 4}, **G)
+    r = c.responses.create(**body)
+    chat = _chat(think, [{"role": "user", "content": "Hi"}], max_tokens=24, thinking_token_budget=4)
+    msg = chat["choices"][0]["message"]
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == msg["reasoning_content"] and r.output[0].summary == []
+    assert r.output_text == msg["content"]
+    assert r.usage.output_tokens_details.reasoning_tokens == chat["usage"]["completion_tokens_details"][
+        "reasoning_tokens"] > 0
+    with c.responses.stream(**body) as s:
+        types = [e.type for e in s]
+    n_think = types.count("response.reasoning_text.delta")
+    n_text = types.count("response.output_text.delta")
+    assert n_think >= 1 and n_text >= 1
+    assert types == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added",
+                     *["response.reasoning_text.delta"] * n_think, "response.reasoning_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     "response.output_item.added", "response.content_part.added",
+                     *["response.output_text.delta"] * n_text, "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done", r.status and "response." + r.status]
+
+
+def test_reasoning_effort_none_turns_thinking_off(think):
+    c = openai.OpenAI(base_url=think.url("/v1"), api_key="x", max_retries=0, timeout=120)
+    r = c.responses.create(model=MODEL, input="Hi", max_output_tokens=8, reasoning={"effort": "none"}, **G)
+    assert [o.type for o in r.output] == ["message"]
+    assert r.usage.output_tokens_details.reasoning_tokens == 0 and r.reasoning.effort == "none"
+    chat = _chat(think, [{"role": "user", "content": "Hi"}], max_tokens=8,
+                 chat_template_kwargs={"enable_thinking": False})
+    assert r.output_text == chat["choices"][0]["message"]["content"]
+    assert r.usage.input_tokens == chat["usage"]["prompt_tokens"]
+
+
+# -- agent frameworks --------------------------------------------------------------------------
+
+def test_openai_agents_default_model_path(hermes, client):
+    from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
+    from agents.models.openai_provider import OpenAIProvider
+    from agents.models.openai_responses import OpenAIResponsesModel
+
+    calls = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Oslo"]) -> str:
+        """Weather of a city."""
+        calls.append(city)
+        return f"sunny in {city}"
+
+    provider = OpenAIProvider(openai_client=openai.AsyncOpenAI(base_url=hermes.url("/v1"), api_key="x",
+                                                               max_retries=0, timeout=120))
+    assert isinstance(provider.get_model(MODEL), OpenAIResponsesModel)  # the default API is Responses
+    agent = Agent(name="weather", instructions="Use the tool.", model=MODEL, tools=[get_weather],
+                  tool_use_behavior="stop_on_first_tool",
+                  model_settings=ModelSettings(tool_choice="get_weather", parallel_tool_calls=False, max_tokens=128,
+                                               temperature=0))
+    result = asyncio.run(Runner.run(agent, "Weather in Paris?",
+                                    run_config=RunConfig(model_provider=provider, tracing_disabled=True)))
+    assert len(calls) == 1 and result.final_output == f"sunny in {calls[0]}"
+    assert [type(i).__name__ for i in result.new_items] == ["ToolCallItem", "ToolCallOutputItem"]
+    # the model call went to /v1/responses: the response it got is stored there
+    stored = client.responses.retrieve(result.raw_responses[0].response_id)
+    assert stored.instructions == "Use the tool." and [(o.type, o.name) for o in stored.output] == [
+        ("function_call", "get_weather")]
+
+
+class _City(pydantic.BaseModel):
+    city: Literal["Paris", "Oslo"]
+
+
+_PAI_SETTINGS = {"temperature": 0, "max_tokens": 128, "parallel_tool_calls": False}
+
+
+def test_pydantic_ai_default_openai_model(hermes, monkeypatch):
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIResponsesModel
+
+    monkeypatch.setenv("OPENAI_BASE_URL", hermes.url("/v1"))
+    monkeypatch.setenv("OPENAI_API_KEY", "x")
+    agent = Agent(f"openai:{MODEL}", output_type=_City, model_settings=_PAI_SETTINGS)
+    assert isinstance(agent.model, OpenAIResponsesModel)  # "openai:" is the Responses API in this version
+    result = agent.run_sync("Which city?")
+    assert result.output.city in ("Paris", "Oslo")
+    assert result.usage.requests == 1 and result.usage.input_tokens > 0
+
+
+def test_pydantic_ai_responses_model_with_a_provider(hermes, client):
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIResponsesModel(MODEL, provider=OpenAIProvider(base_url=hermes.url("/v1"), api_key="x"))
+    result = Agent(model, output_type=_City, model_settings=_PAI_SETTINGS).run_sync("Which city?")
+    assert result.output.city in ("Paris", "Oslo")
+    # the answer came from /v1/responses: kvserve stored it under the id pydantic-ai saw
+    stored = client.responses.retrieve(result.response.provider_response_id)
+    assert [(o.type, o.name, json.loads(o.arguments)) for o in stored.output] == [
+        ("function_call", "final_result", {"city": result.output.city})]
