@@ -132,15 +132,14 @@ def chat_body(body: dict, *, counting: bool = False) -> dict:
         ApiError: 400 naming the field as Anthropic does (``messages.0.content.1.type: ...``),
             e.g. ``max_tokens: Field required``.
     """
+    max_tokens = 1 if counting else _max_tokens(body)  # checked first: the field clients forget
     chat: dict[str, Any] = {"messages": _system(body.get("system")) + _messages(body.get("messages"))}
     tools = _tools(body.get("tools"))
     if tools is not None:
         chat["tools"] = tools
     _tool_choice(body.get("tool_choice"), chat)
-    if counting:
-        chat["max_tokens"] = 1
-    else:
-        chat["max_tokens"] = _max_tokens(body)
+    chat["max_tokens"] = max_tokens
+    if not counting:
         for key in ("temperature", "top_p", "top_k", *_PASSTHROUGH):
             if body.get(key) is not None:
                 chat[key] = body[key]

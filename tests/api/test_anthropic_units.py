@@ -1,0 +1,150 @@
+"""The Anthropic face without a model: the request translation (:func:`chat_body`), the error
+envelope for model-manager errors, and the stream writer's error event."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from starlette.testclient import TestClient
+
+from kvserve.app import build_app
+from kvserve.errors import NotFoundError, UnavailableError
+from kvserve.faces.anthropic import _sse, chat_body, error_envelope
+from kvserve.faces.errors import ApiError
+from kvserve.serving.args import parse_args
+from kvserve.serving.state import ServerState
+
+
+def test_chat_body_translates_every_block_kind():
+    body = {
+        "model": "m", "max_tokens": 50, "system": [{"type": "text", "text": "S1"}, {"type": "text", "text": "S2"}],
+        "messages": [
+            {"role": "user", "content": "Read it."},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "hmm", "signature": "x"},
+                {"type": "text", "text": "Reading."},
+                {"type": "tool_use", "id": "toolu_1", "name": "read", "input": {"path": "a"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "A"},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": "B"}],
+                 "is_error": True},
+                {"type": "text", "text": "Now?", "cache_control": {"type": "ephemeral"}}]}],
+        "tools": [{"name": "read", "description": "Read a file", "input_schema": {"type": "object"}},
+                  {"type": "custom", "name": "ls", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "tool", "name": "read", "disable_parallel_tool_use": True},
+        "stop_sequences": ["END"], "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3,
+        "thinking": {"type": "enabled", "budget_tokens": 20}, "metadata": {"user_id": "u"},
+        "output_config": {"effort": "low"},
+    }
+    assert chat_body(body) == {
+        "messages": [
+            {"role": "system", "content": "S1\nS2"},
+            {"role": "user", "content": "Read it."},
+            {"role": "assistant", "content": "Reading.", "tool_calls": [
+                {"id": "toolu_1", "type": "function", "function": {"name": "read", "arguments": {"path": "a"}}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "A"},
+            {"role": "tool", "tool_call_id": "toolu_2", "content": "B"},
+            {"role": "user", "content": "Now?"}],
+        "tools": [{"type": "function", "function": {"name": "read", "description": "Read a file",
+                                                    "parameters": {"type": "object"}}},
+                  {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "read"}}, "parallel_tool_calls": False,
+        "max_tokens": 50, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3, "stop": ["END"],
+        "chat_template_kwargs": {"enable_thinking": True}, "thinking_token_budget": 20, "reasoning_effort": "low",
+    }
+
+
+@pytest.mark.parametrize(("choice", "expected"), [
+    ({"type": "auto"}, "auto"), ({"type": "any"}, "required"), ({"type": "none"}, "none"),
+])
+def test_tool_choice_names(choice, expected):
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": choice}
+    assert chat_body(body)["tool_choice"] == expected
+
+
+def test_count_tokens_body_needs_no_max_tokens_and_drops_sampling():
+    body = {"messages": [{"role": "user", "content": "x"}], "temperature": 1, "stop_sequences": ["a"],
+            "thinking": {"type": "disabled"}, "output_config": {"format": {"type": "json_schema",
+                                                                          "schema": {"type": "object"}}}}
+    assert chat_body(body, counting=True) == {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}}}}
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"messages": []}, "max_tokens: Field required"),
+    ({"max_tokens": True, "messages": []}, "max_tokens: Input should be a valid integer, got a boolean"),
+    ({"max_tokens": 5, "messages": []}, "messages: at least one message is required"),
+    ({"max_tokens": 5, "messages": [{"role": "user"}]}, "messages.0.content: Field required"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content.0.text: Field required"),
+    ({"max_tokens": 5, "messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
+     "messages.0.content.0: content block type 'tool_result' is not supported here"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                                  "content": [{"type": "image"}]}]}]},
+     "messages.0.content.0.content.0: only text blocks are supported here, got 'image'"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "t"}]},
+     "tools.0.input_schema: Field required"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"}},
+     "thinking.enabled.budget_tokens: Field required"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "stop_sequences": [""]},
+     "stop_sequences.0: Input should be a non-empty string"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "stop_sequences": ["s"] * 65},
+     "stop_sequences: at most 64 sequences"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [{}] * 513},
+     "tools: at most 512 tools"),
+])
+def test_bad_fields_name_the_field(body, message):
+    with pytest.raises(ApiError) as e:
+        chat_body(body)
+    assert (e.value.status, e.value.message) == (400, message)
+
+
+@pytest.mark.parametrize(("exc", "status", "etype"), [
+    (NotFoundError("model 'x' not found"), 404, "not_found_error"),
+    (UnavailableError("Loading model"), 503, "overloaded_error"),
+    (ApiError(501, "no chat here"), 400, "invalid_request_error"),
+    (ApiError(413, "too big"), 413, "request_too_large"),
+    (RuntimeError("boom"), 500, "api_error"),
+])
+def test_error_envelope_types(exc, status, etype):
+    s, body = error_envelope(exc)
+    assert s == status and body["type"] == "error" and body["error"]["type"] == etype
+    assert set(body["error"]) == {"type", "message"}
+
+
+def test_unknown_model_is_not_found_error(tmp_path):
+    state = ServerState(parse_args(["--no-preload", "--models-dir", str(tmp_path / "models")]))
+    with TestClient(build_app(state), base_url="http://127.0.0.1") as client:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = client.post(path, json={"model": "no-such-model", "max_tokens": 4,
+                                        "messages": [{"role": "user", "content": "hi"}]},
+                            headers={"anthropic-version": "2023-06-01"})
+            assert r.status_code == 404
+            assert r.json() == {"type": "error", "error": {"type": "not_found_error",
+                                                           "message": "model 'no-such-model' not found"}}
+
+
+def test_stream_error_after_start_is_one_error_event():
+    async def events():
+        yield {"type": "message_start"}
+        raise ApiError(500, "engine died")
+
+    async def run() -> str:
+        resp = await _sse(events(), ping_interval=0)
+        return "".join([chunk async for chunk in resp.body_iterator])
+
+    out = asyncio.run(run())
+    assert out == ('event: message_start\ndata: {"type":"message_start"}\n\n'
+                   'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"engine died"}}\n\n')
+
+
+def test_stream_error_before_start_is_raised():
+    async def events():
+        raise ApiError(400, "bad")
+        yield {}  # pragma: no cover - makes this an async generator
+
+    with pytest.raises(ApiError):
+        asyncio.run(_sse(events(), ping_interval=0))
