@@ -142,12 +142,18 @@
   // ------------------------------------------------------------------ models
 
   async function loadModels() {
-    let list = [];
+    let list = [], loaded = [];
     try {
       const r = await api("v1/models");
       if (!r.ok) throw new Error(await errorText(r));
       const body = await r.json();
-      list = (body.data || []).map((m) => m.id);
+      // Ollama's listing beside OpenAI's says which models embed only: those cannot chat
+      const caps = {};
+      for (const m of body.models || []) caps[m.model || m.name] = m.capabilities || [];
+      const chat = (id) => !(caps[id] && caps[id].includes("embedding") && !caps[id].includes("completion"));
+      const models = (body.data || []).filter((m) => chat(m.id));
+      list = models.map((m) => m.id);
+      loaded = models.filter((m) => m.status && m.status.value === "loaded").map((m) => m.id);
     } catch (e) {
       ui.note.textContent = "Could not list models: " + e.message;
     }
@@ -156,12 +162,20 @@
     for (const id of list) {
       const o = document.createElement("option");
       o.value = id;
-      o.textContent = id;
+      o.textContent = shortName(id);
+      o.title = id;
       ui.model.appendChild(o);
     }
+    // the last one chosen here, else one the server has loaded (its default), else the first
     if (wanted && list.includes(wanted)) ui.model.value = wanted;
+    else if (loaded.length) ui.model.value = loaded[0];
     ui.model.disabled = list.length === 0;
     document.body.dataset.models = String(list.length);
+  }
+
+  /** A model id as shown: a file path by its file name (the id itself is sent). */
+  function shortName(id) {
+    return /[\\/]/.test(id) ? id.split(/[\\/]/).pop() : id;
   }
 
   ui.model.addEventListener("change", () => save(STORE_MODEL, ui.model.value));
@@ -238,7 +252,7 @@
     wrap.className = "msg " + m.role;
     const who = document.createElement("div");
     who.className = "who";
-    who.textContent = m.role === "user" ? "You" : (m.model || "assistant");
+    who.textContent = m.role === "user" ? "You" : (m.model ? shortName(m.model) : "assistant");
     wrap.appendChild(who);
     if (m.role === "assistant") {
       const d = document.createElement("details");
@@ -299,10 +313,12 @@
     if (status === "streaming") add("status", "streaming", "streaming\u2026");
     else if (status === "stopped") add("status", "stopped", "stopped", "stopped by you; the server cancelled the request");
     else if (status === "error") add("status", "error", "error");
-    else if (st.finish_reason) add("finish", st.finish_reason, st.finish_reason === "length" ? "max tokens reached" : st.finish_reason,
-                                   "finish_reason");
+    else if (st.finish_reason) add("finish", st.finish_reason, FINISH[st.finish_reason] || st.finish_reason,
+                                   "finish_reason: " + st.finish_reason);
     return line;
   }
+
+  const FINISH = { stop: "complete", length: "max tokens reached", tool_calls: "tool call" };
 
   function fmtTime(ms) {
     return ms < 1000 ? Math.round(ms) + " ms" : (ms / 1000).toFixed(2) + " s";
@@ -488,7 +504,7 @@
     if (state.busy) state.busy.controller.abort();
   });
 
-  ui.newChat.addEventListener("click", () => {
+  const startNewChat = () => {
     if (state.busy) return;
     const c = currentConv();
     if (c && !c.messages.length) return; // already on an empty one
@@ -496,7 +512,9 @@
     saveConvs();
     renderAll();
     ui.input.focus();
-  });
+  };
+  ui.newChat.addEventListener("click", startNewChat);
+  $("new-chat-top").addEventListener("click", startNewChat);
 
   // A conversation left "streaming" by a closed tab is shown as stopped.
   for (const c of state.convs) {

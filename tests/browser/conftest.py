@@ -4,7 +4,7 @@ given), and kvserve servers on the tiny random-weight model (fast streaming, no 
 
 ``browser`` is one headless chromium for the module; ``tiny_server(*args)`` starts
 ``kvserve serve <tiny.gguf> --host 127.0.0.1 --port <free> ...`` for the module and waits for
-/health. Every process is stopped at teardown. Without the chromium or chromedriver binaries
+/health (or not, to start several at once). Every process is stopped at teardown. Without the chromium or chromedriver binaries
 the tests skip, saying which one is missing.
 """
 
@@ -45,6 +45,20 @@ class TinyServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def wait_ready(self, timeout: float = 120.0) -> TinyServer:
+        """Poll /health until 200; fail with the log when the process exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url("/health"), timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        pytest.fail(f"server not ready after {timeout} s:\n{self.log()}")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -65,11 +79,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_gguf, tmp_path_factory):
-    """Factory ``tiny_server(*args) -> TinyServer``: servers live for the module."""
+    """Factory ``tiny_server(*args, wait=True) -> TinyServer``: servers live for the module;
+    ``wait=False`` returns at once (start several, then call ``wait_ready()`` on each)."""
     servers: list[TinyServer] = []
     logdir = tmp_path_factory.mktemp("browser-logs")
 
-    def start(*args: str) -> TinyServer:
+    def start(*args: str, wait: bool = True) -> TinyServer:
         port = _free_port()
         log_path = Path(tempfile.mkstemp(prefix="kvserve-", suffix=".log", dir=logdir)[1])
         cmd = [sys.executable, "-m", "kvserve", "serve", tiny_gguf, "--host", "127.0.0.1", "--port", str(port), *args]
@@ -78,17 +93,7 @@ def tiny_server(tiny_gguf, tmp_path_factory):
                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
         srv = TinyServer(f"http://127.0.0.1:{port}", proc, log_path)
         servers.append(srv)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{srv.log()}")
-            try:
-                if httpx.get(srv.url("/health"), timeout=2).status_code == 200:
-                    return srv
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        pytest.fail(f"server not ready:\n{srv.log()}")
+        return srv.wait_ready() if wait else srv
 
     yield start
     for srv in servers:

@@ -16,14 +16,22 @@ QUESTION = "What is a KV cache?"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_server):
-    # one slot, room for a long answer (the stop test asks for 3000 tokens)
-    return tiny_server("-np", "1", "-c", "4096", "--slots")
+def servers(browser, tiny_server):  # browser first: without one, skip before starting servers
+    """Both servers, started at once: one slot with room for a long answer (the stop test asks
+    for 3000 tokens), and one with --api-key."""
+    plain = tiny_server("-np", "1", "-c", "4096", "--slots", wait=False)
+    keyed = tiny_server("-np", "1", "-c", "1024", "--api-key", "sekrit-key", wait=False)
+    return plain.wait_ready(), keyed.wait_ready()
 
 
 @pytest.fixture(scope="module")
-def key_server(tiny_server):
-    return tiny_server("-np", "1", "-c", "1024", "--api-key", "sekrit-key")
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def key_server(servers):
+    return servers[1]
 
 
 def wait_for(cond, timeout=20.0, what="condition"):
