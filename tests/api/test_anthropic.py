@@ -379,3 +379,22 @@ def test_unknown_routes_and_context_overflow(srv):
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         r = post(srv, {"model": MODEL, "max_tokens": 4, "messages": huge}, path=path)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_stream_disconnect_frees_the_slot(srv):
+    import time
+
+    body = {"model": MODEL, "max_tokens": 1900, "messages": [{"role": "user", "content": "Go on."}],
+            "stream": True, "temperature": 0}
+    with httpx.stream("POST", srv.url("/v1/messages"), json=body, headers={"x-api-key": KEY}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content_block_delta"' in line:
+                break
+    deadline = time.monotonic() + 10
+    while True:
+        (slot,) = httpx.get(srv.url("/slots"), headers={"x-api-key": KEY}, timeout=10).json()
+        if not slot["is_processing"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not slot["is_processing"]
+    assert 0 < slot["next_token"][0]["n_decoded"] < 1900  # aborted, not run to max_tokens
