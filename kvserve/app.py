@@ -227,17 +227,44 @@ def http_protocol():
         return JsonErrorH11
 
 
-def uvicorn_config(app, **kw):
+def uvicorn_config(app, args=None, **kw):
     """The uvicorn Config ``kvserve serve`` runs with (``kw`` adds or overrides options).
 
     ``lifespan`` is off unless given: :func:`main` turns it on to start the preload; an app
-    built in a test serves with no model loaded until a request names one."""
+    built in a test serves with no model loaded until a request names one.
+
+    ``args`` (a :class:`~kvserve.serving.args.ServerArgs`) adds what its flags ask of uvicorn:
+    TLS (``--ssl-key-file``/``--ssl-cert-file``, vLLM's ``--ssl-keyfile``/``--ssl-certfile``,
+    ``--ssl-ca-certs``, ``--ssl-cert-reqs``, ``--ssl-ciphers``), ``--root-path``/``--api-prefix``,
+    ``-to/--timeout`` as the keep-alive timeout of an idle connection (seconds) and
+    ``--uvicorn-log-level``."""
     import uvicorn
 
     opts = dict(log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=3,
                 http=http_protocol())
+    if args is not None:
+        if args.ssl_key_file and args.ssl_cert_file:
+            opts.update(ssl_keyfile=args.ssl_key_file, ssl_certfile=args.ssl_cert_file,
+                        ssl_cert_reqs=args.ssl_cert_reqs)
+            if args.ssl_ca_certs:
+                opts["ssl_ca_certs"] = args.ssl_ca_certs
+            if args.ssl_ciphers:
+                opts["ssl_ciphers"] = args.ssl_ciphers
+        if args.root_path:
+            opts["root_path"] = args.root_path
+        if args.timeout is not None:
+            opts["timeout_keep_alive"] = args.timeout
+        if args.uvicorn_log_level:
+            opts["log_level"] = args.uvicorn_log_level
     opts.update(kw)
     return uvicorn.Config(app, **opts)
+
+
+def _log_to_file(path: str) -> None:
+    """``--log-file``: every kvserve log line also goes to ``path`` (appended)."""
+    h = logging.FileHandler(path, encoding="utf-8")
+    h.setFormatter(LlamaLogFormatter())
+    logging.getLogger("kvserve").addHandler(h)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -298,7 +325,18 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     setup_logging(args.log_verbosity)
+    if args.log_disable:  # llama-server's --log-disable: nothing on stderr (--log-file still writes)
+        logging.getLogger("kvserve").handlers[:] = []
+        logging.getLogger("kvserve").addHandler(logging.NullHandler())
+    if args.log_file:
+        try:
+            _log_to_file(args.log_file)
+        except OSError as e:
+            sys.stderr.write(f'error while handling argument "--log-file": {e}\n')
+            return 2
     _srv(logging.INFO, "llama_server", "initializing ...")
+    for level, text in args.flag_notes:  # flags accepted without effect, or not available
+        _srv(level, "llama_server", "%s", text)
     if not args.api_keys:
         cors_all = "*" in args.cors_origins
         _srv(logging.WARNING, "llama_server", "security: no API key is set%s",
@@ -312,7 +350,14 @@ def main(argv: list[str] | None = None) -> int:
         _srv(logging.ERROR, "llama_server", "couldn't bind HTTP server socket, hostname: %s, port: %d: %s",
              args.host, args.port, e)
         return 1
-    server = uvicorn.Server(uvicorn_config(app, lifespan="on"))
+    try:
+        config = uvicorn_config(app, args, lifespan="on")
+        config.load()  # TLS files are read here: a bad key or certificate fails before serving
+    except (OSError, ValueError) as e:
+        _srv(logging.ERROR, "llama_server", "couldn't start the HTTP server: %s", e)
+        sock.close()
+        return 1
+    server = uvicorn.Server(config)
     failed = threading.Event()
 
     def on_fail() -> None:

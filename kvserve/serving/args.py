@@ -1,13 +1,22 @@
 """``kvserve serve`` command line: llama-server's flag names (short and long) and vLLM's.
 
-An unknown flag is an error (exit 2), abbreviations are not accepted.
+Every flag, its spellings, environment variables and what kvserve does with it is one row of
+:data:`kvserve.serving.flags.FLAGS`; this module turns a command line (and the environment)
+into :class:`ServerArgs`. An unknown flag is an error (exit 2), abbreviations are not accepted,
+and llama-server's short flags (``-ngl``, ``-md``, ``-tb``, ``-cb``...) are never split.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
+import math
 import os
+import re
+import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.engine.request import SEED_RANDOM, InvalidRequestError, SamplingParams
@@ -79,6 +88,45 @@ class ServerArgs:
     models_dir: str | None = None  # --models-dir: the store (Ollama layout); None: $OLLAMA_MODELS, $KVSERVE_HOME/models
     cache_ram_share: int | None = None  # set by the server: models sharing the host prompt-cache budget
     webui: bool = True  # --no-webui/--no-ui: GET / answers "Ollama is running" to browsers too
+    # -- added with the flag table (kvserve/serving/flags.py)
+    path: str | None = None  # --path: directory of static files served at / (llama-server)
+    offline: bool = False  # --offline / HF_HUB_OFFLINE: nothing is pulled at start-up
+    kv_unified: bool | None = None  # -kvu/--no-kv-unified (None: on with -np auto)
+    block_size: int = 16  # --block-size: tokens per KV block (vLLM)
+    sampling: dict = field(default_factory=dict)  # other SamplingParams defaults (--presence-penalty, ...)
+    chat_template_content_format: str = "auto"  # vLLM: auto | string | openai
+    ssl_key_file: str | None = None  # --ssl-key-file/--ssl-keyfile: HTTPS through uvicorn
+    ssl_cert_file: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    ssl_ciphers: str | None = None
+    root_path: str = ""  # --root-path / --api-prefix: uvicorn's root_path
+    timeout: float | None = None  # -to/--timeout: keep-alive timeout of an idle connection (s)
+    uvicorn_log_level: str | None = None  # --uvicorn-log-level (None: warning)
+    log_file: str | None = None  # --log-file: the log also goes to this file
+    log_disable: bool = False  # --log-disable: no log output
+    sleep_idle_seconds: float = -1.0  # --sleep-idle-seconds: unload the -m model after N idle s (-1 never)
+    tags: list[str] = field(default_factory=list)  # --tags (llama-server; informational)
+    # vLLM flags kept for the parts of #15 that use them (start-up checks, KV dtype, generation config)
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+    generation_config: str = "auto"
+    override_generation_config: dict = field(default_factory=dict)
+    quantization: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    disable_log_stats: bool = False
+    enable_log_requests: bool = False
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    enable_force_include_usage: bool = False
+    enable_prompt_tokens_details: bool = False
+    # what parsing found: log lines for flags without effect or not available ((logging level, text)),
+    # and how each flag was given (dest -> "--flag" or "ENV_NAME")
+    flag_notes: list = field(default_factory=list)
+    flags_given: dict = field(default_factory=dict)
 
     @property
     def vllm_tools(self) -> bool:
@@ -93,9 +141,10 @@ class ServerArgs:
 
     def default_sampling_params(self) -> SamplingParams:
         """Server-wide sampling defaults from ``--temp``, ``--top-k``, ``-n``..."""
-        return SamplingParams(n_predict=self.n_predict, temperature=self.temp, top_k=max(self.top_k, 0),
-                              top_p=self.top_p, min_p=self.min_p, repeat_penalty=self.repeat_penalty,
-                              seed=self.seed, n_cache_reuse=max(self.cache_reuse, 0))
+        sp = SamplingParams(n_predict=self.n_predict, temperature=self.temp, top_k=max(self.top_k, 0),
+                            top_p=self.top_p, min_p=self.min_p, repeat_penalty=self.repeat_penalty,
+                            seed=self.seed, n_cache_reuse=max(self.cache_reuse, 0))
+        return dataclasses.replace(sp, **self.sampling) if self.sampling else sp
 
     def engine_config(self) -> EngineConfig:
         """The EngineConfig these flags describe."""
@@ -112,118 +161,17 @@ class ServerArgs:
             large_batch_dtype=self.large_batch_dtype,
             device=self.device,
             cache_ram=self.cache_ram,
+            kv_unified=self.kv_unified,
+            block_size=self.block_size,
         )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # noqa: D401 - argparse hook
-        self.print_usage()
-        self.exit(2, f"error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of ``kvserve serve``."""
-    p = _Parser(prog="kvserve serve", allow_abbrev=False,
-                description="Serve a model over HTTP (llama-server and OpenAI APIs).")
-    a = p.add_argument
-    a("model_pos", nargs="?", metavar="MODEL", help=f"model name, .gguf path or HF dir (default {DEFAULT_MODEL})")
-    a("-m", "--model", help="model name, .gguf path or HF directory")
-    a("-a", "--alias", help="model name for the API (comma-separated for several)")
-    a("--served-model-name", nargs="+", help="model name(s) for the API (vLLM)")
-    a("--host", default="127.0.0.1")
-    a("--port", type=int, default=8080)
-    a("-c", "--ctx-size", type=int, default=0, help="total context in tokens (0 = the model's)")
-    a("--max-model-len", type=int, default=0, help="max context of one sequence (vLLM)")
-    a("-np", "--parallel", type=int, default=None, help="slots (-1 = auto: 4, unified KV)")
-    a("--max-num-seqs", type=int, default=None, help="slots (vLLM name of -np)")
-    a("-t", "--threads", type=int, default=0)
-    a("--large-batch-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-      help="dense weight copy for steps above 16 rows (prefill) with --dtype auto on CPU: auto = bfloat16 "
-           "where the CPU has native bf16, else float32")
-    a("--compile", action="store_true",
-      help="torch.compile the decode step in the background (serves eagerly until ready; ~90 s of CPU the "
-           "first time, cached in $KVSERVE_HOME/inductor)")
-    a("--native-kernels", action="store_true",
-      help="with --compile on AVX512-VNNI CPUs: kvserve's own 4-bit kernel (llama.cpp's int8 activation "
-           "rounding) in place of torch's int4 kernel for steps of up to 16 rows")
-    a("-b", "--batch-size", type=int, default=None, help="tokens per step (= --max-num-batched-tokens)")
-    a("-ub", "--ubatch-size", type=int, default=512, help="accepted; one step is one batch here")
-    a("--max-num-batched-tokens", type=int, default=None)
-    a("-n", "--n-predict", type=int, default=-1)
-    a("--temp", type=float, default=0.8)
-    a("--top-k", type=int, default=40)
-    a("--top-p", type=float, default=0.95)
-    a("--min-p", type=float, default=0.05)
-    a("--repeat-penalty", type=float, default=1.0)
-    a("-s", "--seed", type=int, default=-1)
-    a("--api-key", default=None, help="API key(s), comma-separated")
-    a("--api-key-file", default=None, help="file with one API key per line")
-    a("--metrics", action="store_true")
-    a("--slots", dest="slots", action="store_const", const="explicit", default=True)
-    a("--no-slots", dest="slots", action="store_false")
-    a("--props", action="store_true")
-    a("--slot-save-path", default=None, help="existing directory for slot files")
-    a("--cache-ram", type=int, default=None,
-      help="host prompt cache in MiB (default: min(8192, a quarter of MemAvailable); -1 no limit, 0 off)")
-    a("--cache-reuse", type=int, default=0)
-    a("--slot-prompt-similarity", "-sps", type=float, default=0.10)
-    a("--jinja", dest="jinja", action="store_true", default=True)
-    a("--no-jinja", dest="jinja", action="store_false")
-    a("--chat-template", default=None)
-    a("--chat-template-file", default=None)
-    a("-ctk", "--cache-type-k", default="f16", choices=["f16", "f32", "bf16"])
-    a("-ctv", "--cache-type-v", default="f16", choices=["f16", "f32", "bf16"])
-    a("--sse-ping-interval", type=float, default=30.0, help="seconds between SSE comment pings")
-    a("--cors-origins", default="*", help="comma-separated origins, * for all")
-    a("-lv", "--log-verbosity", "--verbosity", type=int, default=3)
-    a("--embeddings", action="store_true")
-    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    a("--device", default="auto")
-    a("--tool-call-parser", default=None, help="tool-call parser (vLLM names: hermes, llama3_json, mistral, pythonic)")
-    a("--enable-auto-tool-choice", action="store_true", help='allow tool_choice "auto" (vLLM)')
-    a("--exclude-tools-when-tool-choice-none", action="store_true",
-      help='leave tool definitions out of the prompt when tool_choice is "none" (vLLM)')
-    a("--reasoning-format", default="auto", choices=["auto", "none", "deepseek", "deepseek-legacy"],
-      help="where thinking goes in chat responses (llama-server): reasoning_content unless none")
-    a("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
-      help="split thinking into the 'reasoning' field (vLLM)")
-    a("--reasoning-budget", type=int, default=-1, help="thinking tokens before </think> is forced (-1: no limit)")
-    a("--reasoning", default=None, choices=["on", "off"], help="enable_thinking for every request's template")
-    a("--chat-template-kwargs", default=None, help="JSON object passed to every chat template render")
-    a("--max-logprobs", type=int, default=20,
-      help="most logprobs (n_probs, top_logprobs, logprobs) per token a request may ask for; -1: vocabulary size")
-    a("--max-request-bytes", type=int, default=int(os.environ.get("KVSERVE_MAX_REQUEST_BYTES", 32 * 1024 * 1024)),
-      help="largest request body in bytes (413 above it; default 32 MiB, env KVSERVE_MAX_REQUEST_BYTES)")
-    a("--keep-alive", default=os.environ.get("KVSERVE_KEEP_ALIVE", os.environ.get("OLLAMA_KEEP_ALIVE", "5m")),
-      help="how long an idle model stays loaded: seconds or a duration (5m, 1h30m); negative = forever, "
-           "0 = unload after each request (default 5m; env KVSERVE_KEEP_ALIVE, OLLAMA_KEEP_ALIVE)")
-    a("--max-loaded-models", type=int, default=_env_int("OLLAMA_MAX_LOADED_MODELS", 0),
-      help="most models loaded at once (default 3; env OLLAMA_MAX_LOADED_MODELS, 0 = default)")
-    a("--max-memory", default=os.environ.get("KVSERVE_MAX_MEMORY"),
-      help="cap on the memory of all loaded models together, in MiB or with a unit (8GiB, 4096MiB); "
-           "default: what the machine has available")
-    a("--max-queue", type=int, default=_env_int("OLLAMA_MAX_QUEUE", 512),
-      help="most requests waiting for a model to load or for room at once (503 above; default 512)")
-    a("--no-preload", dest="preload", action="store_false",
-      help="start with no model loaded (the default model loads on its first request)")
-    a("--allow-model-paths", action="store_true",
-      help="let requests name a .gguf file or HF directory on the server as their model (off: only -m "
-           "and the store's names)")
-    a("--models-dir", default=None,
-      help="model store in Ollama's layout (manifests/ + blobs/), read and written in place: point it at "
-           "~/.ollama/models to serve pulled Ollama models (default: env OLLAMA_MODELS, else "
-           "$KVSERVE_HOME/models)")
-    a("--webui", dest="webui", action="store_true", default=True,
-      help="serve the web chat page at / to browsers (default on)")
-    a("--no-webui", "--no-ui", dest="webui", action="store_false", help="no web chat page (llama-server)")
-    return p
+    """The argparse parser of ``kvserve serve`` (generated from the flag table; see
+    :func:`kvserve.serving.flags.build_parser`)."""
+    from kvserve.serving.flags import build_parser as from_table
 
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
+    return from_table()
 
 
 _UNITS = {"": 1 << 20, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6,
@@ -236,8 +184,6 @@ def parse_memory(text: str) -> int:
     Raises:
         ValueError: not such a size, or not positive.
     """
-    import re
-
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if m is None or m.group(2).lower() not in _UNITS:
         raise ValueError(f"invalid --max-memory {text!r}: a number of MiB or a size such as 8GiB")
@@ -249,107 +195,410 @@ def parse_memory(text: str) -> int:
 
 def _read_keys(path: str) -> list[str]:
     with open(path, encoding="utf-8") as f:
-        return [ln.strip() for ln in f if ln.strip()]
+        return [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
 
 
-def parse_args(argv: list[str]) -> ServerArgs:
-    """Parse ``kvserve serve`` arguments; exits 2 on an unknown flag or a bad value."""
-    p = build_parser()
-    ns = p.parse_args(argv)
-    if ns.model and ns.model_pos and ns.model != ns.model_pos:
-        p.error("give the model once: positional MODEL or -m/--model")
-    model = ns.model or ns.model_pos
-    if ns.slot_save_path is not None and not os.path.isdir(ns.slot_save_path):
-        # llama-server's wording (seed Example 1); it exits at once
-        p.exit(2, f'error while handling argument "--slot-save-path": not a directory: {ns.slot_save_path}\n')
-    keys: list[str] = []
-    if ns.api_key:
-        keys += [k.strip() for k in ns.api_key.split(",") if k.strip()]
-    if ns.api_key_file:
+class _Exit(Exception):
+    """Internal: a usage error (message, exit status 2)."""
+
+
+def _env_value(flag, text: str) -> Any:
+    """An environment variable's text as the flag's value (llama-server's rules for booleans)."""
+    if flag.kind == "opt":
+        low = text.strip().lower()
+        if low in ("1", "true", "enabled"):
+            low = str(flag.const)
+        elif low in ("0", "false", "disabled"):
+            low = "off"
+        if flag.choices is not None and low not in flag.choices:
+            raise ValueError(f"expected one of {', '.join(flag.choices)}, got {text!r}")
+        return low
+    if flag.kind == "list":
+        return [v.strip() for v in text.split(",") if v.strip()]
+    if flag.kind == "append":
+        return [text]
+    value = flag.to_value(text)
+    if flag.choices is not None and value not in flag.choices:
+        raise ValueError(f"expected one of {', '.join(flag.choices)}, got {text!r}")
+    return value
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+_SAMPLER_NAMES = {"typical_p": "typ_p", "typical": "typ_p", "temp": "temperature", "nucleus": "top_p",
+                  "top-k": "top_k", "top-p": "top_p", "min-p": "min_p", "top-n-sigma": "top_n_sigma"}
+
+
+def _samplers(text: str) -> tuple[str, ...]:
+    from kvserve.engine.request import DEFAULT_SAMPLERS
+
+    names = tuple(_SAMPLER_NAMES.get(n.strip(), n.strip()) for n in re.split(r"[;,]", text) if n.strip())
+    bad = [n for n in names if n not in DEFAULT_SAMPLERS]
+    if bad:
+        raise _Exit(f"invalid --samplers {text!r}: unknown sampler(s) {', '.join(bad)}; "
+                    f"known: {';'.join(DEFAULT_SAMPLERS)}")
+    return names
+
+
+def _logit_bias(items: list[str]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for item in items:
+        for part in item.split(","):
+            m = re.fullmatch(r"\s*(\d+)\s*([+-]\s*(?:inf|\d+(?:\.\d+)?))\s*", part, re.IGNORECASE)
+            if m is None:
+                raise _Exit(f"invalid --logit-bias {part!r}: TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 2-inf")
+            out[int(m.group(1))] = float(m.group(2).replace(" ", ""))
+    return out
+
+
+#: --override-generation-config keys (vLLM / HF generation_config names) -> ServerArgs fields
+_GEN_KEYS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+             "repetition_penalty": "repeat_penalty", "max_new_tokens": "n_predict", "max_tokens": "n_predict"}
+_GEN_SAMPLING = {"presence_penalty", "frequency_penalty"}
+
+
+def _device(text: str) -> str:
+    """``--device``: kvserve's auto/cpu/cuda[:N]; llama-server's ``none`` and ``CUDA0[,CUDA1]``."""
+    first = text.split(",")[0].strip()
+    if first.lower() == "none":
+        return "cpu"
+    m = re.fullmatch(r"(?i)cuda(\d+)", first)
+    return f"cuda:{m.group(1)}" if m else first
+
+
+def _hf_model(repo: str) -> str:
+    """``-hf user/model[:quant]`` -> the store name ``hf.co/user/model[:quant]``."""
+    repo = re.sub(r"^(https?://)?(huggingface\.co|hf\.co)/", "", repo.strip())
+    return f"hf.co/{repo}"
+
+
+def parse_args(argv: list[str], environ: dict | None = None) -> ServerArgs:
+    """Parse ``kvserve serve`` arguments (and the environment variables the flag table names).
+
+    ``-h``/``--help`` prints every flag and exits 0; ``--version`` and ``--list-devices`` print
+    and exit 0. A usage error (an unknown flag, a bad value, a refused flag) prints the usage and
+    an ``error:`` line to stderr and exits 2.
+
+    Args:
+        argv: the words after ``kvserve serve``.
+        environ: the environment (default ``os.environ``).
+    """
+    from kvserve.serving import flags as ft
+
+    env = os.environ if environ is None else environ
+    p = ft.build_parser()
+    argv = list(argv)
+    try:
+        argv = _with_config(argv, ft)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    ns = p.parse_args(ft.fill_optional_values(argv))
+    if ns.help:
+        sys.stdout.write(ft.help_text())
+        p.exit(0)
+    given: dict[str, str] = dict(getattr(ns, "_given", {}))
+    v: dict[str, Any] = {}
+    how: dict[str, str] = {}  # dest -> how it was given, for messages ("-ngl 99", "LLAMA_ARG_X=1")
+    negative: dict[str, bool] = {}
+    v["model_pos"] = getattr(ns, "model_pos", None)
+    for f in ft.FLAGS:
+        if hasattr(ns, f.dest):
+            v[f.dest] = getattr(ns, f.dest)
+            opt = given[f.dest]
+            negative[f.dest] = opt in f.neg
+            how[f.dest] = opt if f.kind == "bool" else f"{opt} {_shown(v[f.dest])}"
+            continue
+        name = next((n for n in f.env if env.get(n, "") != ""), None)
+        if name is None:
+            v[f.dest] = f.default
+            continue
         try:
-            keys += _read_keys(ns.api_key_file)
+            v[f.dest] = _env_value(f, env[name])
+        except ValueError as e:
+            if name in ft.LENIENT_ENV:
+                v[f.dest] = f.default
+                continue
+            p.exit(2, f'error while handling environment variable "{name}": {e}\n')
+        given[f.dest] = name
+        negative[f.dest] = f.kind == "bool" and v[f.dest] is False and bool(f.neg)
+        how[f.dest] = f"{name}={env[name]}"
+    try:
+        return _build(p, ft, v, given, how, negative, env)
+    except _Exit as e:
+        p.error(str(e))
+
+
+def _with_config(argv: list[str], ft) -> list[str]:
+    """vLLM's ``--config FILE``: its flags first, so the command line overrides them."""
+    if "--config" not in argv:
+        return argv
+    i = argv.index("--config")
+    if i + 1 >= len(argv):
+        raise ValueError("argument --config: expected one argument")
+    rest = argv[:i] + argv[i + 2:]
+    words = ft.config_file_argv(argv[i + 1])
+    if words and not words[0].startswith("-") and any(not w.startswith("-") for w in rest[:1]):
+        words = words[1:]  # the command line's positional MODEL wins over the file's model
+    return words + rest
+
+
+def _notes_for_given(p, ft, v, given, how, negative) -> list[tuple[int, str]]:
+    """The log lines of given flags without effect or not available; refused flags exit 2."""
+    notes: list[tuple[int, str]] = []
+    for dest in given:
+        f = ft.BY_DEST[dest]
+        effect, why = f.effect_for(negative.get(dest, False))
+        if f.check is not None and v[dest] is not None:
+            problem = f.check(v[dest])
+            if problem:
+                raise _Exit(problem)
+        if effect == ft.REFUSE:
+            raise _Exit(f"{how[dest]}: not supported by kvserve: {why}")
+        if dest == "gpu_layers" and str(v[dest]) == "0":
+            continue  # -ngl 0: the CPU (applied in _build)
+        if effect == ft.NONE:
+            notes.append((logging.INFO, f"flag {how[dest]}: no effect here: {why}"))
+        elif effect == ft.WARN:
+            notes.append((logging.WARNING, f"flag {how[dest]}: ignored, not available in kvserve: {why}"))
+    return notes
+
+
+def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> ServerArgs:
+    """ServerArgs from the flags' final values ``v`` (dest -> value)."""
+    if v["version"]:
+        from kvserve.serving.state import build_info
+
+        sys.stdout.write(f"kvserve {build_info()}\n")
+        p.exit(0)
+    if v["list_devices"]:
+        _print_devices()
+        p.exit(0)
+    notes = _notes_for_given(p, ft, v, given, how, negative)
+    model = v["model"]
+    if model and v["model_pos"] and model != v["model_pos"]:
+        raise _Exit("give the model once: positional MODEL or -m/--model")
+    model = model or v["model_pos"]
+    if v["hf_repo"]:
+        if model:
+            raise _Exit("give the model once: -hf/--hf-repo or MODEL/-m")
+        model = _hf_model(v["hf_repo"])
+    if v["slot_save_path"] is not None and not os.path.isdir(v["slot_save_path"]):
+        # llama-server's wording (seed Example 1); it exits at once
+        p.exit(2, f'error while handling argument "--slot-save-path": not a directory: {v["slot_save_path"]}\n')
+    keys: list[str] = []
+    for item in v["api_key"] or []:
+        keys += [k.strip() for k in item.split(",") if k.strip()]
+    if v["api_key_file"]:
+        try:
+            keys += _read_keys(v["api_key_file"])
         except OSError as e:
-            p.error(f'error while handling argument "--api-key-file": {e}')
-    alias = list(ns.served_model_name or [])
-    if ns.alias:
-        alias = [x.strip() for x in ns.alias.split(",") if x.strip()] + alias
-    parallel = ns.parallel if ns.parallel is not None else (ns.max_num_seqs if ns.max_num_seqs is not None else -1)
-    batch = ns.batch_size or ns.max_num_batched_tokens or 2048
-    if not 0 <= ns.port <= 65535:
-        p.error(f"invalid --port value {ns.port}: 0-65535")
-    if ns.enable_auto_tool_choice and not ns.tool_call_parser:
+            raise _Exit(f'error while handling argument "--api-key-file": {e}') from None
+    alias = list(v["served_model_name"] or [])
+    if v["alias"]:
+        alias = [x.strip() for x in v["alias"].split(",") if x.strip()] + alias
+    parallel = v["parallel"] if v["parallel"] is not None else (
+        v["max_num_seqs"] if v["max_num_seqs"] is not None else -1)
+    batch = v["batch_size"] or v["max_num_batched_tokens"] or 2048
+    if not 0 <= v["port"] <= 65535:
+        raise _Exit(f"invalid --port value {v['port']}: 0-65535")
+    if v["enable_auto_tool_choice"] and not v["tool_call_parser"]:
         # vLLM's startup check (validate_parsed_serve_args)
         p.exit(2, "error: --enable-auto-tool-choice requires --tool-call-parser\n")
-    if ns.tool_call_parser:
+    if v["tool_call_parser"]:
         from kvserve.chat.tool_calls import TOOL_PARSERS
 
-        if ns.tool_call_parser not in TOOL_PARSERS:
-            p.error(f"invalid --tool-call-parser {ns.tool_call_parser!r}: choose from {', '.join(sorted(TOOL_PARSERS))}")
-    if ns.reasoning_budget < -1:
-        p.error(f"invalid --reasoning-budget {ns.reasoning_budget}: -1 (no limit) or >= 0")
-    tkw: dict = {}
-    if ns.chat_template_kwargs:
-        import json
-
-        try:
-            tkw = json.loads(ns.chat_template_kwargs)
-        except ValueError as e:
-            p.error(f"invalid --chat-template-kwargs: {e}")
-        if not isinstance(tkw, dict):
-            p.error("invalid --chat-template-kwargs: expected a JSON object")
-        from kvserve.chat.template import RESERVED_VARIABLES
-
-        if set(tkw) & RESERVED_VARIABLES:
-            p.error(f"invalid --chat-template-kwargs: {sorted(set(tkw) & RESERVED_VARIABLES)} are set by each request")
-    if ns.max_logprobs < -1:
-        p.error(f"invalid --max-logprobs {ns.max_logprobs}: -1 (vocabulary size) or >= 0")
-    if ns.max_request_bytes < 1:
-        p.error(f"invalid --max-request-bytes {ns.max_request_bytes}: at least 1")
+        if v["tool_call_parser"] not in TOOL_PARSERS:
+            raise _Exit(f"invalid --tool-call-parser {v['tool_call_parser']!r}: choose from "
+                        f"{', '.join(sorted(TOOL_PARSERS))}")
+    if v["reasoning_budget"] < -1:
+        raise _Exit(f"invalid --reasoning-budget {v['reasoning_budget']}: -1 (no limit) or >= 0")
+    tkw = _template_kwargs(v)
+    _check_chat_template(v)
+    if v["max_logprobs"] < -1:
+        raise _Exit(f"invalid --max-logprobs {v['max_logprobs']}: -1 (vocabulary size) or >= 0")
+    if v["max_request_bytes"] < 1:
+        raise _Exit(f"invalid --max-request-bytes {v['max_request_bytes']}: at least 1")
     if parallel == 0 or parallel < -1:
-        p.error(f"invalid -np value {parallel}: -1 (auto) or >= 1")
+        raise _Exit(f"invalid -np value {parallel}: -1 (auto) or >= 1")
     from kvserve.errors import InvalidInputError
     from kvserve.serving.manager import DEFAULT_MAX_LOADED, parse_keep_alive
 
     try:
-        keep_alive = parse_keep_alive(ns.keep_alive, "--keep-alive")
+        keep_alive = parse_keep_alive(v["keep_alive"], "--keep-alive")
     except InvalidInputError as e:
-        p.error(str(e).replace("Field '--keep-alive'", "invalid --keep-alive"))
-    if ns.max_loaded_models < 0:
-        p.error(f"invalid --max-loaded-models {ns.max_loaded_models}: 0 (default 3) or more")
-    if ns.max_queue < 1:
-        p.error(f"invalid --max-queue {ns.max_queue}: at least 1")
+        raise _Exit(str(e).replace("Field '--keep-alive'", "invalid --keep-alive")) from None
+    max_loaded = v["max_loaded_models"]
+    if max_loaded < 0:
+        raise _Exit(f"invalid --max-loaded-models {max_loaded}: 0 (default 3) or more")
+    if "max_loaded_models" not in given and v["models_max"] is not None:
+        if v["models_max"] < 0:
+            raise _Exit(f"invalid --models-max {v['models_max']}: 0 (no limit) or more")
+        max_loaded = v["models_max"] or 1 << 20  # llama-server: 0 = no limit
+    if v["max_queue"] < 1:
+        raise _Exit(f"invalid --max-queue {v['max_queue']}: at least 1")
     max_memory = None
-    if ns.max_memory:
+    if v["max_memory"]:
         try:
-            max_memory = parse_memory(ns.max_memory)
+            max_memory = parse_memory(v["max_memory"])
         except ValueError as e:
-            p.error(str(e))
+            raise _Exit(str(e)) from None
+    device = _device(v["device"])
+    if str(v["gpu_layers"]) == "0" and "device" not in given:
+        device = "cpu"
+        notes.append((logging.INFO, f"flag {how['gpu_layers']}: the model runs on the CPU (as --device cpu)"))
+    dtype = {"half": "float16", "float": "float32"}.get(v["dtype"], v["dtype"])
+    embeddings = v["embedding"] or v["task"] in ("embed", "embedding") or v["runner"] == "pooling" \
+        or v["convert"] == "embed"
+    log_verbosity = v["log_verbosity"]
+    if v["verbose"]:
+        log_verbosity = max(log_verbosity, 5)
+    reasoning = None if v["reasoning"] in (None, "auto") else v["reasoning"]
+    cors = v["cors_origins"]
+    cors_origins = [o.strip() for o in cors.split(",") if o.strip()]
+    if "cors_origins" not in given and v["allowed_origins"] is not None:
+        cors_origins = list(v["allowed_origins"])
+    ssl_key, ssl_cert = v["ssl_key_file"], v["ssl_cert_file"]
+    for flag, path in (("--ssl-key-file", ssl_key), ("--ssl-cert-file", ssl_cert), ("--ssl-ca-certs",
+                                                                                   v["ssl_ca_certs"])):
+        if path is not None and not os.path.isfile(path):
+            raise _Exit(f'error while handling argument "{flag}": no such file: {path}')
+    if (ssl_key is None) != (ssl_cert is None):
+        raise _Exit("--ssl-key-file and --ssl-cert-file go together: give both for HTTPS")
+    if v["sleep_idle_seconds"] < 0 and v["sleep_idle_seconds"] != -1:
+        raise _Exit(f"invalid --sleep-idle-seconds {v['sleep_idle_seconds']}: -1 (never) or >= 0")
+    if v["timeout"] is not None and v["timeout"] <= 0:
+        raise _Exit(f"invalid --timeout {v['timeout']}: seconds, > 0")
+    sampling, gen = _sampling(v, given, notes)
     args = ServerArgs(
-        model=model or DEFAULT_MODEL, model_given=bool(model), alias=alias, host=ns.host, port=ns.port,
-        ctx_size=ns.ctx_size, parallel=parallel, threads=ns.threads, batch_size=batch, ubatch_size=ns.ubatch_size,
-        n_predict=ns.n_predict, temp=ns.temp, top_k=ns.top_k, top_p=ns.top_p, min_p=ns.min_p,
-        repeat_penalty=ns.repeat_penalty, seed=SEED_RANDOM if ns.seed < 0 else ns.seed & 0xFFFFFFFF,
-        api_keys=keys, metrics=ns.metrics, slots=bool(ns.slots), slots_text=ns.slots == "explicit",
-        props=ns.props, slot_save_path=ns.slot_save_path,
-        cache_ram=ns.cache_ram, cache_reuse=ns.cache_reuse, slot_prompt_similarity=ns.slot_prompt_similarity,
-        jinja=ns.jinja, chat_template=ns.chat_template, chat_template_file=ns.chat_template_file,
-        cache_type_k=ns.cache_type_k, cache_type_v=ns.cache_type_v, sse_ping_interval=ns.sse_ping_interval,
-        cors_origins=[o.strip() for o in ns.cors_origins.split(",") if o.strip()], log_verbosity=ns.log_verbosity,
-        embeddings=ns.embeddings, dtype=ns.dtype, device=ns.device, max_model_len=ns.max_model_len,
-        tool_call_parser=ns.tool_call_parser, enable_auto_tool_choice=ns.enable_auto_tool_choice,
-        exclude_tools_when_tool_choice_none=ns.exclude_tools_when_tool_choice_none,
-        reasoning_format=ns.reasoning_format, reasoning_parser=ns.reasoning_parser,
-        reasoning_budget=ns.reasoning_budget, reasoning=ns.reasoning, chat_template_kwargs=tkw,
-        max_logprobs=ns.max_logprobs,
-        compile=ns.compile, native_kernels=ns.native_kernels, large_batch_dtype=ns.large_batch_dtype,
-        max_request_bytes=ns.max_request_bytes, keep_alive=keep_alive,
-        max_loaded_models=ns.max_loaded_models or DEFAULT_MAX_LOADED, max_memory=max_memory,
-        max_queue=ns.max_queue, preload=ns.preload, allow_model_paths=ns.allow_model_paths,
-        models_dir=ns.models_dir, webui=ns.webui,
+        model=model or DEFAULT_MODEL, model_given=bool(model), alias=alias, host=v["host"], port=v["port"],
+        ctx_size=v["ctx_size"], parallel=parallel, threads=v["threads"], batch_size=batch,
+        ubatch_size=v["ubatch_size"], n_predict=gen.get("n_predict", v["predict"]), temp=gen.get("temp", v["temp"]),
+        top_k=gen.get("top_k", v["top_k"]), top_p=gen.get("top_p", v["top_p"]), min_p=gen.get("min_p", v["min_p"]),
+        repeat_penalty=gen.get("repeat_penalty", v["repeat_penalty"]),
+        seed=SEED_RANDOM if v["seed"] < 0 else v["seed"] & 0xFFFFFFFF,
+        api_keys=keys, metrics=v["metrics"], slots=bool(v["slots"]),
+        slots_text=given.get("slots") == "--slots", props=v["props"], slot_save_path=v["slot_save_path"],
+        cache_ram=v["cache_ram"], cache_reuse=v["cache_reuse"], slot_prompt_similarity=v["slot_prompt_similarity"],
+        jinja=v["jinja"], chat_template=v["chat_template"], chat_template_file=v["chat_template_file"],
+        cache_type_k=v["cache_type_k"], cache_type_v=v["cache_type_v"], sse_ping_interval=v["sse_ping_interval"],
+        cors_origins=cors_origins, log_verbosity=log_verbosity,
+        embeddings=embeddings, dtype=dtype, device=device, max_model_len=v["max_model_len"],
+        tool_call_parser=v["tool_call_parser"], enable_auto_tool_choice=v["enable_auto_tool_choice"],
+        exclude_tools_when_tool_choice_none=v["exclude_tools_when_tool_choice_none"],
+        reasoning_format=v["reasoning_format"], reasoning_parser=v["reasoning_parser"],
+        reasoning_budget=v["reasoning_budget"], reasoning=reasoning, chat_template_kwargs=tkw,
+        max_logprobs=v["max_logprobs"],
+        compile=v["compile"] and not v["enforce_eager"], native_kernels=v["native_kernels"],
+        large_batch_dtype=v["large_batch_dtype"],
+        max_request_bytes=v["max_request_bytes"], keep_alive=keep_alive,
+        max_loaded_models=max_loaded or DEFAULT_MAX_LOADED, max_memory=max_memory,
+        max_queue=v["max_queue"], preload=v["preload"], allow_model_paths=v["allow_model_paths"],
+        models_dir=v["models_dir"], webui=v["webui"],
+        path=v["path"], offline=v["offline"], kv_unified=v["kv_unified"], block_size=v["block_size"],
+        sampling=sampling, chat_template_content_format=v["chat_template_content_format"],
+        ssl_key_file=ssl_key, ssl_cert_file=ssl_cert, ssl_ca_certs=v["ssl_ca_certs"],
+        ssl_cert_reqs=v["ssl_cert_reqs"], ssl_ciphers=v["ssl_ciphers"],
+        root_path=(v["root_path"] or v["api_prefix"] or "").rstrip("/"), timeout=v["timeout"],
+        uvicorn_log_level=v["uvicorn_log_level"], log_file=v["log_file"], log_disable=v["log_disable"],
+        sleep_idle_seconds=v["sleep_idle_seconds"],
+        tags=[t.strip() for t in (v["tags"] or "").split(",") if t.strip()],
+        gpu_memory_utilization=v["gpu_memory_utilization"], kv_cache_memory_bytes=v["kv_cache_memory_bytes"],
+        kv_cache_dtype=v["kv_cache_dtype"], generation_config=v["generation_config"],
+        override_generation_config=dict(v["override_generation_config"] or {}), quantization=v["quantization"],
+        tensor_parallel_size=v["tensor_parallel_size"], pipeline_parallel_size=v["pipeline_parallel_size"],
+        data_parallel_size=v["data_parallel_size"], disable_log_stats=v["disable_log_stats"],
+        enable_log_requests=v["enable_log_requests"], response_role=v["response_role"],
+        return_tokens_as_token_ids=v["return_tokens_as_token_ids"],
+        enable_force_include_usage=v["enable_force_include_usage"],
+        enable_prompt_tokens_details=v["enable_prompt_tokens_details"],
+        flag_notes=notes, flags_given=given,
     )
     try:
         args.default_sampling_params()
         args.engine_config()
     except (InvalidRequestError, ValueError) as e:
-        p.error(str(e))
+        raise _Exit(str(e)) from None
     return args
+
+
+def _template_kwargs(v: dict) -> dict:
+    """``--default-chat-template-kwargs`` (vLLM) under ``--chat-template-kwargs`` (llama-server)."""
+    from kvserve.chat.template import RESERVED_VARIABLES
+
+    tkw = {**(v["default_chat_template_kwargs"] or {}), **(v["chat_template_kwargs"] or {})}
+    if set(tkw) & RESERVED_VARIABLES:
+        raise _Exit(f"invalid --chat-template-kwargs: {sorted(set(tkw) & RESERVED_VARIABLES)} are set by each "
+                    "request")
+    return tkw
+
+
+def _check_chat_template(v: dict) -> None:
+    """``--chat-template`` must be a file, a built-in name or Jinja text that compiles."""
+    if v["chat_template"] is None:
+        return
+    from kvserve.chat.builtin_templates import (
+        ChatTemplateChoiceError,
+        resolve_chat_template,
+    )
+    from kvserve.chat.template import ChatTemplate, TemplateError
+
+    try:
+        _, source = resolve_chat_template(v["chat_template"])
+        ChatTemplate(source)
+    except ChatTemplateChoiceError as e:
+        raise _Exit(str(e)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise _Exit(f'error while handling argument "--chat-template": {e}') from None
+    except TemplateError as e:
+        raise _Exit(f"invalid --chat-template: {e}") from None
+
+
+def _sampling(v: dict, given: dict, notes: list) -> tuple[dict, dict]:
+    """``(SamplingParams defaults beyond temp/top-k/..., ServerArgs sampling fields from
+    --override-generation-config)``."""
+    s: dict[str, Any] = {}
+    for dest, name in (("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
+                       ("repeat_last_n", "repeat_last_n"), ("typical", "typical_p"), ("top_nsigma", "top_n_sigma"),
+                       ("xtc_probability", "xtc_probability"), ("xtc_threshold", "xtc_threshold"),
+                       ("dry_multiplier", "dry_multiplier"), ("dry_base", "dry_base"),
+                       ("dry_allowed_length", "dry_allowed_length"), ("dry_penalty_last_n", "dry_penalty_last_n")):
+        if v[dest] is not None:
+            s[name] = v[dest]
+    if v["dry_sequence_breaker"]:
+        s["dry_sequence_breakers"] = () if v["dry_sequence_breaker"] == ["none"] else tuple(v["dry_sequence_breaker"])
+    if v["samplers"]:
+        s["samplers"] = _samplers(v["samplers"])
+    if v["ignore_eos"]:
+        s["ignore_eos"] = True
+    if v["logit_bias"]:
+        s["logit_bias"] = _logit_bias(v["logit_bias"])
+    if not v["cache_prompt"] or not v["enable_prefix_caching"]:
+        s["cache_prompt"] = False
+    gen: dict[str, Any] = {}
+    for key, value in (v["override_generation_config"] or {}).items():
+        if key in _GEN_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool):
+            field_name = _GEN_KEYS[key]
+            gen[field_name] = int(value) if field_name in ("top_k", "n_predict") else float(value)
+        elif key in _GEN_SAMPLING and isinstance(value, (int, float)):
+            s[key] = float(value)
+        else:
+            notes.append((logging.WARNING, f"flag --override-generation-config: key {key!r} ignored: kvserve takes "
+                          f"{', '.join(sorted(set(_GEN_KEYS) | _GEN_SAMPLING))} (numbers)"))
+    if not math.isfinite(gen.get("temp", 0.0)):
+        raise _Exit("invalid --override-generation-config: temperature must be finite")
+    return s, gen
+
+
+def _print_devices() -> None:
+    """``--list-devices``: the devices kvserve can run on."""
+    import torch
+
+    print("Available devices:")
+    print("  cpu")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            print(f"  cuda:{i}: {torch.cuda.get_device_name(i)}")

@@ -220,6 +220,8 @@ class ModelSpec:
         n_ctx: the context size this runner must have (None: the server's flags); a loaded
             runner with another size is reloaded.
         names: every name the runner answers to (defaults to ``[name]``).
+        sleep_s: a pinned runner is unloaded after this many idle seconds and loads again on
+            the next request (llama-server's ``--sleep-idle-seconds``); None: never.
     """
 
     name: str
@@ -227,6 +229,7 @@ class ModelSpec:
     pinned: bool = False
     n_ctx: int | None = None
     names: tuple[str, ...] = ()
+    sleep_s: float | None = None
 
     def served_names(self) -> list[str]:
         return list(self.names) if self.names else [self.name]
@@ -387,8 +390,8 @@ class ModelManager:
         """Unload every idle runner whose keep_alive elapsed by ``now``."""
         now = self.clock() if now is None else now
         for e in list(self.loaded.values()):
-            if e.idle and not e.spec.pinned and e.expires_at is not None and e.expires_at <= now:
-                self._unload(e, "keep_alive elapsed")
+            if e.idle and e.expires_at is not None and e.expires_at <= now:
+                self._unload(e, "idle for --sleep-idle-seconds" if e.spec.pinned else "keep_alive elapsed")
 
     def next_expiry(self) -> float | None:
         times = [e.expires_at for e in self.loaded.values() if e.idle and e.expires_at is not None]
@@ -540,6 +543,9 @@ class ModelManager:
     def _idle(self, e: Entry) -> None:
         """The count reached zero: start the keep_alive timer (or unload at once for 0)."""
         if e.closing or e.spec.pinned:
+            if not e.closing and e.spec.sleep_s is not None:  # --sleep-idle-seconds
+                e.expires_at = self.clock() + e.spec.sleep_s
+                self._notify()
             return
         if e.keep_alive == 0:
             self._unload(e, "keep_alive 0")

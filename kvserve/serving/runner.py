@@ -143,7 +143,8 @@ def make_template(args: "ServerArgs", core, spec: ModelSpec | None = None):
        a Go template rendered as Ollama renders it
        (:class:`~kvserve.chat.go_chat_template.GoChatTemplate`); one that kvserve's Go renderer
        cannot parse is logged and skipped;
-    2. ``--chat-template-file``, then ``--chat-template`` (``chatml`` or Jinja text);
+    2. ``--chat-template-file``, then ``--chat-template``: a file's path (vLLM), one of
+       llama-server's built-in names (:mod:`kvserve.chat.builtin_templates`) or Jinja text;
     3. the model's own Jinja template (GGUF ``tokenizer.chat_template`` or the HF tokenizer's);
     4. ChatML.
 
@@ -151,10 +152,18 @@ def make_template(args: "ServerArgs", core, spec: ModelSpec | None = None):
     rendered with it (:func:`~kvserve.chat.go_chat_template.with_default_system`). A model
     outside the store (a path, a ``-m`` alias) gets 2-4 with no default system, as before.
 
+    A Jinja template renders message content as ``--chat-template-content-format`` says
+    (:func:`~kvserve.chat.builtin_templates.with_content_format`).
+
     Raises:
-        OSError: ``--chat-template-file`` cannot be read. TemplateError: a Jinja template that
-            does not compile.
+        OSError: ``--chat-template-file`` (or a ``--chat-template`` file) cannot be read.
+            TemplateError: a Jinja template that does not compile. ChatTemplateChoiceError: a
+            ``--chat-template`` value that is none of the three (parse_args refuses it first).
     """
+    from kvserve.chat.builtin_templates import (
+        resolve_chat_template,
+        with_content_format,
+    )
     from kvserve.chat.go_chat_template import (
         GoChatTemplate,
         SystemChatTemplate,
@@ -176,12 +185,14 @@ def make_template(args: "ServerArgs", core, spec: ModelSpec | None = None):
         with open(args.chat_template_file, encoding="utf-8") as f:
             source = f.read()
     elif args.chat_template:
-        source = CHATML if args.chat_template == "chatml" else args.chat_template
+        source = resolve_chat_template(args.chat_template)[1]
     else:
         source = core.chat_template or getattr(tok, "chat_template", None) or CHATML
+    content_format = getattr(args, "chat_template_content_format", "auto")
     if system:
-        return SystemChatTemplate(source, tok.bos_token, tok.eos_token, system=system)
-    return ChatTemplate(source, tok.bos_token, tok.eos_token)
+        return with_content_format(SystemChatTemplate, content_format)(source, tok.bos_token, tok.eos_token,
+                                                                       system=system)
+    return with_content_format(ChatTemplate, content_format)(source, tok.bos_token, tok.eos_token)
 
 
 def engine_config(args: "ServerArgs", spec: ModelSpec):

@@ -241,6 +241,8 @@ class ServerState:
         if self.pinned:
             e = self.manager.get(self._pinned_spec.name) if self._pinned_spec is not None else None
             if e is None or e.runner is None:
+                if self._pinned_spec is not None and self._pinned_spec.sleep_s is not None:
+                    return  # asleep (--sleep-idle-seconds): the request loads it again
                 raise UnavailableError("Loading model")
             e.runner.require_ready()
 
@@ -251,11 +253,12 @@ class ServerState:
         from kvserve.store import resolve_model
 
         given = Path(self.args.model).expanduser()
-        path = str(given) if given.is_file() else str(resolve_model(self.args.model, pull_missing=True,
+        path = str(given) if given.is_file() else str(resolve_model(self.args.model, pull_missing=not getattr(self.args, "offline", False),
                                                                       models_dir=self.args.models_dir))
         if self.pinned:
             names = tuple(self.args.served_names())
-            return ModelSpec(names[0], path, pinned=True, names=names)
+            sleep = getattr(self.args, "sleep_idle_seconds", -1)
+            return ModelSpec(names[0], path, pinned=True, names=names, sleep_s=sleep if sleep >= 0 else None)
         if given.is_file() or given.is_dir():
             full = str(given.resolve())
             return ModelSpec(full, full)

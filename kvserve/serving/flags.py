@@ -1,0 +1,949 @@
+"""The one table of ``kvserve serve`` flags: every flag, its spellings (llama-server's short and
+long names, vLLM's names), type, default, environment variables, help, the tool it comes from,
+and what kvserve does with it. The parser (:mod:`kvserve.serving.args`), ``--help`` and the
+README table (``python -m kvserve.serving.flags --markdown``) are generated from it.
+
+What kvserve does with a flag (:attr:`Flag.effect`):
+
+* ``real``: it does what the flag says (:attr:`Flag.why` says how, where kvserve differs);
+* ``no effect``: accepted; when given, one INFO log line names the flag and why it means
+  nothing here (a GPU layer count on a CPU, continuous batching that is always on, ...);
+* ``not available``: accepted; when given, one WARNING names the flag and what is missing
+  (a feature kvserve does not have yet, such as a draft model); the server starts without it;
+* ``refused``: the server does not start: exit status 2 and a message saying why.
+
+A flag may also refuse some values only (:attr:`Flag.check`: ``-tp 2``, ``-ctk q8_0``).
+
+Short flags parse as llama-server parses them: ``-ngl 99`` is ``-ngl``, never ``-n gl``
+(argparse's single-dash clustering and prefix matching are off: an unknown ``-xyz`` is an
+unknown flag). Environment variables (llama-server's ``LLAMA_ARG_*``, vLLM's ``VLLM_*`` where
+they set a serving option, Ollama's and kvserve's own) apply when the command line does not
+give the flag; booleans take llama-server's ``true/1/on/enabled`` and ``false/0/off/disabled``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+REAL, NONE, WARN, REFUSE = "real", "no effect", "not available", "refused"
+LLAMA, VLLM, BOTH, KV, OLLAMA = "llama-server", "vLLM", "llama-server, vLLM", "kvserve", "Ollama"
+
+_TRUE = {"1", "true", "on", "enabled", "yes"}
+_FALSE = {"0", "false", "off", "disabled", "no"}
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """One flag of ``kvserve serve``.
+
+    Attributes:
+        names: its spellings, e.g. ``("-ngl", "--n-gpu-layers", "--gpu-layers")``.
+        dest: the parsed value's key (the :class:`~kvserve.serving.args.ServerArgs` attribute
+            for real flags, where one exists).
+        kind: ``str`` | ``int`` | ``float`` | ``bool`` (no value: True; ``neg`` names give
+            False) | ``opt`` (an optional value, ``const`` when absent, e.g. ``-fa [on|off]``) |
+            ``list`` (one or more values) | ``append`` (repeatable).
+        default: the value when neither the command line nor the environment gives one.
+        help: one line for ``--help``.
+        source: the tool whose flag this is (:data:`LLAMA`, :data:`VLLM`, :data:`BOTH`,
+            :data:`KV`, :data:`OLLAMA`).
+        effect / why: what kvserve does (module docstring) and the reason the log line gives.
+        env: environment variables naming this flag (the first set one wins).
+        neg / neg_effect / neg_why: the negative spellings of a ``bool`` flag and their effect
+            (default: the flag's own).
+        choices: the values accepted (None: any).
+        const: the value of an ``opt`` flag given without one.
+        metavar: the value's name in ``--help``.
+        check: ``value -> error text or None``: values refused although the flag is accepted.
+        convert: ``text -> value`` in place of the kind's conversion (raises ValueError).
+    """
+
+    names: tuple[str, ...]
+    dest: str
+    kind: str = "str"
+    default: Any = None
+    help: str = ""
+    source: str = LLAMA
+    effect: str = REAL
+    why: str = ""
+    env: tuple[str, ...] = ()
+    neg: tuple[str, ...] = ()
+    neg_effect: str | None = None
+    neg_why: str = ""
+    choices: tuple[str, ...] | None = None
+    const: Any = None
+    metavar: str | None = None
+    check: Callable[[Any], str | None] | None = None
+    convert: Callable[[str], Any] | None = None
+
+    @property
+    def spelled(self) -> str:
+        """Every spelling, negatives included, comma-separated (``-cb, --cont-batching, -nocb, ...``)."""
+        return ", ".join(self.names + self.neg)
+
+    def effect_for(self, negative: bool) -> tuple[str, str]:
+        """``(effect, why)`` of the positive or the negative spelling."""
+        if negative and self.neg_effect is not None:
+            return self.neg_effect, self.neg_why or self.why
+        return self.effect, self.why
+
+    def to_value(self, text: str) -> Any:
+        """Convert one command-line or environment text. Raises ValueError."""
+        if self.convert is not None:
+            return self.convert(text)
+        if self.kind == "int":
+            return int(text)
+        if self.kind == "float":
+            return float(text)
+        if self.kind == "bool":
+            low = text.strip().lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError(f"expected one of {sorted(_TRUE | _FALSE)}, got {text!r}")
+        return text
+
+
+# -- value forms ----------------------------------------------------------------------------
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)\s*")
+
+
+def human_int(text: str) -> int:
+    """vLLM's human-readable integers: ``32768``, ``32k`` (32,000), ``32K`` (32,768), ``1m``
+    (10**6), ``1M`` (2**20), ``25.6k``; lower-case suffixes are decimal, upper-case binary.
+
+    Raises:
+        ValueError: not such a number (an upper-case suffix takes a whole number).
+    """
+    m = _SIZE.fullmatch(text)
+    if m is None:
+        raise ValueError(f"invalid number {text!r}: an integer, optionally with k/m/g/t (decimal) or K/M/G/T "
+                         "(binary)")
+    num, unit = m.groups()
+    if unit and unit.isupper():
+        if "." in num:
+            raise ValueError(f"invalid number {text!r}: a binary suffix ({unit}) takes a whole number")
+        return int(num) << (10 * "KMGT".index(unit) + 10)
+    mult = 10 ** (3 * ("kmgt".index(unit) + 1)) if unit else 1
+    return int(float(num) * mult) if unit else int(num)
+
+
+def max_model_len(text: str) -> int:
+    """``--max-model-len``: a human-readable integer, or ``auto``/``-1`` (the model's own: 0)."""
+    if text.strip().lower() == "auto" or text.strip() == "-1":
+        return 0
+    return human_int(text)
+
+
+def json_object(text: str) -> dict:
+    """A JSON object given as text. Raises ValueError."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")  # noqa: TRY004 - argparse converters raise ValueError
+    return value
+
+
+def string_list(text: str) -> list[str]:
+    """A JSON list of strings (vLLM's ``--allowed-origins '["*"]'``) or a comma-separated list."""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        value = json.loads(stripped)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError("expected a JSON list of strings")
+        return value
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _parallel_check(what: str, flag: str) -> Callable[[Any], str | None]:
+    def check(n: int) -> str | None:
+        if n < 1:
+            return f"{flag} must be at least 1, got {n}"
+        if n > 1:
+            return (f"{flag} {n}: {what} needs several worker processes, which kvserve does not have yet; "
+                    f"kvserve serves the whole model in one process (use {flag} 1)")
+        return None
+    return check
+
+
+_KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def _kv_type_check(flag: str) -> Callable[[Any], str | None]:
+    def check(v: str) -> str | None:
+        if v in ("f16", "bf16", "f32"):
+            return None
+        return f"{flag} {v}: quantized KV cache types are not available yet; kvserve stores K and V as f16, bf16 or f32"
+    return check
+
+
+def _kv_dtype_check(v: str) -> str | None:
+    if v == "auto":
+        return None
+    return (f"--kv-cache-dtype {v}: float8 KV storage is not available yet; use auto (the KV cache is stored as "
+            "-ctk/-ctv: f16, bf16 or f32)")
+
+
+def _ngl_value(text: str) -> str:
+    if text in ("auto", "all") or text.lstrip("-").isdigit():
+        return text
+    raise ValueError(f"expected a number, 'auto' or 'all', got {text!r}")
+
+
+# -- the table ------------------------------------------------------------------------------
+
+def _dest(names: tuple[str, ...]) -> str:
+    longs = [n for n in names if n.startswith("--")]
+    return (longs[0] if longs else names[0]).lstrip("-").replace("-", "_")
+
+
+def F(names: str, kind: str = "str", default: Any = None, help: str = "", source: str = LLAMA,
+      effect: str = REAL, why: str = "", env: str = "", neg: str = "", dest: str | None = None, **kw) -> Flag:
+    """A table row: ``names``, ``env`` and ``neg`` are space-separated spellings."""
+    t = tuple(names.split())
+    return Flag(t, dest or _dest(t), kind, default, help, source, effect, why, tuple(env.split()),
+                tuple(neg.split()), **kw)
+
+
+_NO_GPU_LAYERS = "every layer runs on the one device kvserve uses (--device); -ngl 0 means the CPU"
+_CPU_AFFINITY = "torch picks its threads' CPUs; -t sets how many"
+_DRAFT = "speculative decoding with a draft model is not available: the server runs without a draft"
+_ROPE = "the model file's RoPE parameters are used"
+_NO_MM = "kvserve serves text only: requests with image or audio parts are refused"
+_LOG_SHAPE = "kvserve logs in llama-server's line shape to stderr (--log-file adds a file)"
+
+#: every flag of ``kvserve serve``, in ``--help`` order within each source
+FLAGS: tuple[Flag, ...] = (
+    # -- the model
+    F("-m --model", help="model name, .gguf path or HF directory", source=BOTH, env="LLAMA_ARG_MODEL",
+      why="a store name (kvserve pull), a .gguf file or an HF directory; vLLM's positional MODEL too"),
+    F("-a --alias", help="model name(s) for the API, comma-separated", env="LLAMA_ARG_ALIAS"),
+    F("--served-model-name", "list", help="model name(s) for the API", source=VLLM),
+    F("-hf -hfr --hf-repo", help="<user>/<model>[:quant]: the store model hf.co/<user>/<model>[:quant]",
+      env="LLAMA_ARG_HF_REPO", metavar="REPO",
+      why="served from the store as hf.co/<user>/<model>[:quant]; pull it first with kvserve pull"),
+    F("-hff --hf-file", help="file of the -hf repository", env="LLAMA_ARG_HF_FILE", effect=WARN,
+      why="the store picks the file by the repository's quant tag (-hf user/model:Q4_K_M)"),
+    F("-hft --hf-token", help="Hugging Face token", env="HF_TOKEN", effect=NONE,
+      why="kvserve downloads nothing at start-up but the known default models"),
+    F("-mu --model-url", help="model download URL", env="LLAMA_ARG_MODEL_URL", effect=REFUSE,
+      why="kvserve does not download from URLs: kvserve pull NAME, or -m with a .gguf file"),
+    F("-dr --docker-repo", help="Docker Hub model", env="LLAMA_ARG_DOCKER_REPO", effect=REFUSE,
+      why="kvserve does not pull from Docker Hub: kvserve pull NAME, or -m with a .gguf file"),
+    F("--offline", "bool", False, "never download: a model missing from the store is an error",
+      env="LLAMA_ARG_OFFLINE HF_HUB_OFFLINE", why="no pull at start-up (the default model must be in the store)"),
+    F("--models-dir", help="model store in Ollama's layout (manifests/ + blobs/)", source=BOTH,
+      env="LLAMA_ARG_MODELS_DIR", why="kvserve's store (default $OLLAMA_MODELS, else $KVSERVE_HOME/models); "
+      "llama-server's router reads .gguf files from it"),
+    F("--models-max", "int", help="most models loaded at once (0: no limit)", env="LLAMA_ARG_MODELS_MAX",
+      why="as --max-loaded-models"),
+    F("--models-preset", help="INI model presets", env="LLAMA_ARG_MODELS_PRESET", effect=WARN,
+      why="model presets are not read; every store model loads with the server's flags"),
+    F("--models-autoload", "bool", help="load models on demand", neg="--no-models-autoload",
+      env="LLAMA_ARG_MODELS_AUTOLOAD", effect=NONE, why="models always load on demand",
+      neg_effect=WARN, neg_why="models always load on their first request"),
+    F("--tokenizer", help="tokenizer name or path", source=VLLM, effect=WARN,
+      why="the model's own tokenizer (GGUF or tokenizer.json) is used"),
+    F("--tokenizer-mode", help="tokenizer mode", source=VLLM, effect=NONE, why="one tokenizer implementation"),
+    F("--revision", help="model revision", source=VLLM, effect=NONE, why="models are files or store names"),
+    F("--code-revision", source=VLLM, effect=NONE, why="kvserve runs no model code from the hub"),
+    F("--tokenizer-revision", source=VLLM, effect=NONE, why="models are files or store names"),
+    F("--download-dir", help="download directory", source=VLLM, effect=NONE,
+      why="downloads go to the store (--models-dir)"),
+    F("--load-format", help="weights format", source=VLLM, effect=NONE,
+      why="the format is read from the model (GGUF or safetensors)"),
+    F("--trust-remote-code", "bool", False, source=VLLM, effect=NONE,
+      why="kvserve runs no model code from the hub"),
+    F("--hf-overrides", source=VLLM, effect=WARN, why="the model's config is used as stored"),
+    F("--hf-config-path", source=VLLM, effect=NONE, why="the config is read next to the weights"),
+    F("--config", help="YAML file of flags (vLLM); the command line overrides it", source=VLLM,
+      why="its keys are long flag names without the dashes"),
+    F("--override-kv", help="override model metadata", effect=WARN, why="model metadata is read as stored"),
+    F("--check-tensors", "bool", False, effect=NONE, why="tensors are checked as they are read"),
+    # -- context, slots, batching
+    F("-c --ctx-size", "int", 0, "total context in tokens (0 = the model's)", env="LLAMA_ARG_CTX_SIZE"),
+    F("--max-model-len", "int", 0, "max context of one sequence: 32768, 32k, 32K, auto", source=VLLM,
+      convert=max_model_len, why="caps one sequence's context; auto and -1: the model's"),
+    F("-np --parallel", "int", None, "slots (-1 = auto: 4, unified KV)", env="LLAMA_ARG_N_PARALLEL"),
+    F("--max-num-seqs", "int", None, "slots (vLLM name of -np)", source=VLLM),
+    F("-b --batch-size", "int", None, "tokens per step (= --max-num-batched-tokens)", env="LLAMA_ARG_BATCH"),
+    F("--max-num-batched-tokens", "int", None, "tokens per step", source=VLLM, convert=human_int),
+    F("-ub --ubatch-size", "int", 512, "physical batch size", env="LLAMA_ARG_UBATCH", effect=NONE,
+      why="one step is one batch here (-b)"),
+    F("-kvu --kv-unified", "bool", None, "one KV pool shared by every slot", neg="-no-kvu --no-kv-unified",
+      env="LLAMA_ARG_KV_UNIFIED", why="every sequence may use the whole -c context (default: on with -np auto)"),
+    F("--kv-unified-per-slot", "int", help="context limit per slot", env="LLAMA_ARG_KV_UNIFIED_PER_SLOT",
+      effect=WARN, why="not available: use --max-model-len to cap one sequence"),
+    F("-cb --cont-batching", "bool", True, "continuous batching", neg="-nocb --no-cont-batching",
+      env="LLAMA_ARG_CONT_BATCHING", effect=NONE, why="continuous batching is always on",
+      neg_effect=WARN, neg_why="continuous batching cannot be turned off"),
+    F("--enable-chunked-prefill", "bool", True, "chunked prefill", neg="--no-enable-chunked-prefill",
+      source=VLLM, effect=NONE, why="prefill is always chunked by --max-num-batched-tokens",
+      neg_effect=WARN, neg_why="prefill is always chunked by --max-num-batched-tokens"),
+    F("--max-num-partial-prefills", "int", source=VLLM, effect=NONE, why="the scheduler fills each step's budget"),
+    F("--max-long-partial-prefills", "int", source=VLLM, effect=NONE, why="the scheduler fills each step's budget"),
+    F("--long-prefill-token-threshold", "int", source=VLLM, effect=NONE,
+      why="the scheduler fills each step's budget"),
+    F("--scheduling-policy", source=VLLM, choices=("fcfs", "priority"), effect=NONE,
+      why="requests run first come, first served", check=lambda v: None),
+    F("--async-scheduling", "bool", False, source=VLLM, effect=NONE, why="one engine thread schedules and runs"),
+    F("--block-size", "int", 16, "tokens per KV block", source=VLLM, why="the KV cache's block size",
+      check=lambda n: None if 1 <= n <= 1024 else f"--block-size must be between 1 and 1024, got {n}"),
+    F("--enable-prefix-caching", "bool", True, "reuse cached prompt prefixes", neg="--no-enable-prefix-caching",
+      source=VLLM, effect=NONE, why="prefix caching is always on",
+      neg_effect=REAL, neg_why="requests reuse no cached prefix (a llama-server request may still ask "
+      "cache_prompt: true)"),
+    F("--prefix-caching-hash-algo", source=VLLM, effect=NONE, why="kvserve's block hash chain is fixed"),
+    F("--cache-prompt", "bool", True, "reuse the KV of cached prompts", neg="--no-cache-prompt",
+      env="LLAMA_ARG_CACHE_PROMPT", why="the default of each request's cache_prompt"),
+    F("-cram --cache-ram", "int", None, "host prompt cache in MiB (-1 no limit, 0 off)", env="LLAMA_ARG_CACHE_RAM",
+      why="default: min(8192, a quarter of MemAvailable)"),
+    F("--cache-reuse", "int", 0, "min chunk size to reuse from the cache by KV shifting",
+      env="LLAMA_ARG_CACHE_REUSE"),
+    F("--cache-idle-slots", "bool", True, "keep idle slots' KV in the prompt cache", neg="--no-cache-idle-slots",
+      env="LLAMA_ARG_CACHE_IDLE_SLOTS", effect=NONE,
+      why="an idle slot's KV stays cached and moves to the host tier when its blocks are needed"),
+    F("-sps --slot-prompt-similarity", "float", 0.10, "prompt similarity for slot reuse"),
+    F("-ctxcp --ctx-checkpoints --swa-checkpoints", "int", env="LLAMA_ARG_CTX_CHECKPOINTS", effect=NONE,
+      why="the paged KV cache keeps every block; no checkpoints are needed"),
+    F("-cms --checkpoint-min-step", "int", env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", effect=NONE,
+      why="the paged KV cache keeps every block; no checkpoints are needed"),
+    F("--swa-full", "bool", False, env="LLAMA_ARG_SWA_FULL", effect=NONE, why="the KV cache is always full-size"),
+    F("--context-shift", "bool", False, "shift the context when it fills", neg="--no-context-shift",
+      env="LLAMA_ARG_CONTEXT_SHIFT", effect=WARN,
+      why="context shift is not available: a sequence that fills its context stops (finish_reason length)",
+      neg_effect=NONE, neg_why="kvserve never shifts the context"),
+    F("--keep", "int", help="tokens kept by context shift", effect=NONE, why="kvserve never shifts the context"),
+    F("-dt --defrag-thold", "float", env="LLAMA_ARG_DEFRAG_THOLD", effect=NONE, why="a paged KV cache needs no defrag"),
+    F("--swap-space", "float", source=VLLM, effect=NONE, why="unreferenced KV blocks go to the host tier (--cache-ram)"),
+    F("--cpu-offload-gb", "float", source=VLLM, effect=NONE, why="weights stay on the one device"),
+    F("--gpu-memory-utilization", "float", 0.9, "share of device memory for weights and KV", source=VLLM,
+      effect=NONE, why="the KV pool is sized by -c/--max-model-len and -np",
+      check=lambda v: None if 0 < v <= 1 else f"--gpu-memory-utilization must be in (0, 1], got {v}"),
+    F("--kv-cache-memory-bytes", "int", None, "KV cache size in bytes (4G, 4GiB)", source=VLLM, convert=human_int,
+      effect=NONE, why="the KV pool is sized by -c/--max-model-len and -np"),
+    F("--num-gpu-blocks-override", "int", source=VLLM, effect=NONE, why="the KV pool is sized by -c and -np"),
+    # -- KV and weight types
+    F("-ctk --cache-type-k", default="f16", help="KV cache type of K", env="LLAMA_ARG_CACHE_TYPE_K",
+      choices=_KV_TYPES, check=_kv_type_check("-ctk")),
+    F("-ctv --cache-type-v", default="f16", help="KV cache type of V", env="LLAMA_ARG_CACHE_TYPE_V",
+      choices=_KV_TYPES, check=_kv_type_check("-ctv"), why="kvserve stores V as -ctk gives for K"),
+    F("--kv-cache-dtype", default="auto", help="KV cache dtype", source=VLLM,
+      choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla"), check=_kv_dtype_check,
+      why="auto: the -ctk type"),
+    F("--calculate-kv-scales", "bool", False, source=VLLM, effect=NONE, why="no fp8 KV cache"),
+    F("--dtype", default="auto", help="weight/activation dtype", source=VLLM,
+      choices=("auto", "float32", "bfloat16", "float16", "half", "float"), why="half = float16, float = float32"),
+    F("-q --quantization", help="quantization method", source=VLLM, effect=NONE,
+      why="the weights' quantization is read from the model file"),
+    F("--large-batch-dtype", default="auto", source=KV, choices=("auto", "bfloat16", "float32"),
+      help="dense weight copy for steps above 16 rows (prefill) with --dtype auto on CPU: auto = bfloat16 "
+           "where the CPU has native bf16, else float32"),
+    # -- device and threads
+    F("--device -dev", default="auto", help="auto, cpu, cuda (llama-server: none = cpu, CUDA0 = cuda:0)",
+      source=BOTH, env="LLAMA_ARG_DEVICE"),
+    F("--list-devices", "bool", False, "print the devices and exit"),
+    F("-ngl --gpu-layers --n-gpu-layers", help="layers on the GPU (N, auto, all)", env="LLAMA_ARG_N_GPU_LAYERS",
+      convert=_ngl_value, effect=NONE, why=_NO_GPU_LAYERS),
+    F("-sm --split-mode", env="LLAMA_ARG_SPLIT_MODE", effect=NONE, why="one device"),
+    F("-ts --tensor-split", env="LLAMA_ARG_TENSOR_SPLIT", effect=NONE, why="one device"),
+    F("-mg --main-gpu", "int", env="LLAMA_ARG_MAIN_GPU", effect=NONE, why="one device (--device cuda:N)"),
+    F("-fit --fit", "opt", const="on", choices=("on", "off"), env="LLAMA_ARG_FIT", effect=NONE,
+      why="the flags size the KV pool"),
+    F("-fitt --fit-target", env="LLAMA_ARG_FIT_TARGET", effect=NONE, why="the flags size the KV pool"),
+    F("-fitc --fit-ctx", "int", env="LLAMA_ARG_FIT_CTX", effect=NONE, why="the flags size the KV pool"),
+    F("-ot --override-tensor", env="LLAMA_ARG_OVERRIDE_TENSOR", effect=NONE, why="every tensor is on the one device"),
+    F("-cmoe --cpu-moe", "bool", False, env="LLAMA_ARG_CPU_MOE", effect=NONE, why="every tensor is on the one device"),
+    F("-ncmoe --n-cpu-moe", "int", env="LLAMA_ARG_N_CPU_MOE", effect=NONE, why="every tensor is on the one device"),
+    F("--moe-cache-mib", "int", env="LLAMA_ARG_MOE_CACHE_MIB", effect=NONE, why="every tensor is on the one device"),
+    F("-ncffn --n-cpu-ffn", "int", env="LLAMA_ARG_N_CPU_FFN", effect=NONE, why="every tensor is on the one device"),
+    F("--op-offload", "bool", True, neg="--no-op-offload", effect=NONE, why="every op runs on the one device"),
+    F("-kvo --kv-offload", "bool", True, neg="-nkvo --no-kv-offload", env="LLAMA_ARG_KV_OFFLOAD", effect=NONE,
+      why="the KV cache lives on the model's device"),
+    F("--repack", "bool", True, neg="-nr --no-repack", env="LLAMA_ARG_REPACK", effect=NONE,
+      why="kvserve packs weights for its own kernels"),
+    F("--no-host", "bool", False, env="LLAMA_ARG_NO_HOST", effect=NONE, why="no ggml host buffers"),
+    F("-fa --flash-attn", "opt", const="on", choices=("on", "off", "auto"), env="LLAMA_ARG_FLASH_ATTN", effect=NONE,
+      why="attention is torch's scaled_dot_product_attention on the paged cache"),
+    F("--mlock", "bool", False, effect=NONE, why="weights are read into memory, not mapped"),
+    F("--mmap", "bool", True, neg="--no-mmap", effect=NONE, why="weights are read into memory, not mapped"),
+    F("-lm --load-mode", env="LLAMA_ARG_LOAD_MODE", effect=NONE, why="weights are read into memory, not mapped"),
+    F("-lzm --lazy-mode", env="LLAMA_ARG_LAZY_MODE", effect=NONE, why="weights are read into memory, not mapped"),
+    F("--numa", env="LLAMA_ARG_NUMA", effect=NONE, why=_CPU_AFFINITY),
+    F("--rpc", env="LLAMA_ARG_RPC", effect=REFUSE, why="kvserve has no RPC backend: the model runs in this process"),
+    F("-t --threads", "int", 0, "CPU threads (0 = all cores)", env="LLAMA_ARG_THREADS"),
+    F("-tb --threads-batch", "int", help="threads for prompt processing", effect=NONE,
+      why="one torch thread pool (-t) runs prefill and decode"),
+    F("-C --cpu-mask", effect=NONE, why=_CPU_AFFINITY),
+    F("-Cr --cpu-range", effect=NONE, why=_CPU_AFFINITY),
+    F("--cpu-strict", effect=NONE, why=_CPU_AFFINITY),
+    F("--prio", effect=NONE, why=_CPU_AFFINITY),
+    F("--poll", effect=NONE, why=_CPU_AFFINITY),
+    F("-Cb --cpu-mask-batch", effect=NONE, why=_CPU_AFFINITY),
+    F("-Crb --cpu-range-batch", effect=NONE, why=_CPU_AFFINITY),
+    F("--cpu-strict-batch", effect=NONE, why=_CPU_AFFINITY),
+    F("--prio-batch", effect=NONE, why=_CPU_AFFINITY),
+    F("--poll-batch", effect=NONE, why=_CPU_AFFINITY),
+    F("--compile", "bool", False, source=KV,
+      help="torch.compile the decode step in the background (serves eagerly until ready; ~90 s of CPU the "
+           "first time, cached in $KVSERVE_HOME/inductor)"),
+    F("--native-kernels", "bool", False, source=KV,
+      help="with --compile on AVX512-VNNI CPUs: kvserve's own 4-bit kernel (llama.cpp's int8 activation "
+           "rounding) in place of torch's int4 kernel for steps of up to 16 rows"),
+    F("--enforce-eager", "bool", False, "no compiled or captured graphs", source=VLLM,
+      why="turns --compile off"),
+    F("-O --compilation-config", source=VLLM, effect=NONE, why="kvserve compiles only with --compile"),
+    F("--max-seq-len-to-capture", "int", source=VLLM, effect=NONE, why="no CUDA graphs"),
+    F("--cuda-graph-sizes", "list", source=VLLM, effect=NONE, why="no CUDA graphs"),
+    F("--max-cudagraph-capture-size", "int", source=VLLM, effect=NONE, why="no CUDA graphs"),
+    F("--model-impl", source=VLLM, effect=NONE, why="kvserve's own model code"),
+    F("--disable-sliding-window", "bool", False, source=VLLM, effect=NONE, why="attention covers the whole context"),
+    F("--disable-cascade-attn", "bool", False, source=VLLM, effect=NONE, why="no cascade attention"),
+    F("--enable-sleep-mode", "bool", False, source=VLLM, effect=NONE,
+      why="see --sleep-idle-seconds and --keep-alive"),
+    F("--max-parallel-loading-workers", "int", source=VLLM, effect=NONE, why="one loader"),
+    F("--rope-scaling", help="llama-server: none/linear/yarn; vLLM: JSON", source=BOTH,
+      env="LLAMA_ARG_ROPE_SCALING_TYPE", effect=WARN, why=_ROPE),
+    F("--rope-scale", "float", env="LLAMA_ARG_ROPE_SCALE", effect=WARN, why=_ROPE),
+    F("--rope-freq-base", "float", env="LLAMA_ARG_ROPE_FREQ_BASE", effect=WARN, why=_ROPE),
+    F("--rope-freq-scale", "float", env="LLAMA_ARG_ROPE_FREQ_SCALE", effect=WARN, why=_ROPE),
+    F("--rope-theta", "float", source=VLLM, effect=WARN, why=_ROPE),
+    F("--yarn-orig-ctx", "int", env="LLAMA_ARG_YARN_ORIG_CTX", effect=WARN, why=_ROPE),
+    F("--yarn-ext-factor", "float", env="LLAMA_ARG_YARN_EXT_FACTOR", effect=WARN, why=_ROPE),
+    F("--yarn-attn-factor", "float", env="LLAMA_ARG_YARN_ATTN_FACTOR", effect=WARN, why=_ROPE),
+    F("--yarn-beta-slow", "float", env="LLAMA_ARG_YARN_BETA_SLOW", effect=WARN, why=_ROPE),
+    F("--yarn-beta-fast", "float", env="LLAMA_ARG_YARN_BETA_FAST", effect=WARN, why=_ROPE),
+    F("--warmup", "bool", True, neg="--no-warmup", effect=NONE, why="kvserve runs no warm-up pass"),
+    F("--perf", "bool", False, neg="--no-perf", env="LLAMA_ARG_PERF", effect=NONE,
+      why="timings are in every response"),
+    F("-e --escape", "bool", True, neg="--no-escape", effect=NONE, why="prompts come from requests"),
+    # -- parallelism (vLLM)
+    F("-tp --tensor-parallel-size", "int", 1, "tensor-parallel workers", source=VLLM, effect=NONE,
+      why="one process", check=_parallel_check("tensor parallelism", "--tensor-parallel-size")),
+    F("-pp --pipeline-parallel-size", "int", 1, "pipeline stages", source=VLLM, effect=NONE, why="one process",
+      check=_parallel_check("pipeline parallelism", "--pipeline-parallel-size")),
+    F("-dp --data-parallel-size", "int", 1, "data-parallel replicas", source=VLLM, effect=NONE, why="one process",
+      check=_parallel_check("data parallelism", "--data-parallel-size")),
+    F("-ep --enable-expert-parallel", "bool", False, source=VLLM, effect=NONE, why="one process"),
+    F("--distributed-executor-backend", source=VLLM, effect=NONE, why="one process"),
+    F("--disable-custom-all-reduce", "bool", False, source=VLLM, effect=NONE, why="one process"),
+    F("--headless", "bool", False, source=VLLM, effect=REFUSE, why="kvserve always serves HTTP"),
+    F("--api-server-count", "int", source=VLLM, effect=NONE, why="one HTTP server process"),
+    # -- sampling defaults
+    F("-n --predict --n-predict", "int", -1, "tokens to predict (-1 = until stop)", env="LLAMA_ARG_N_PREDICT"),
+    F("--temp --temperature", "float", 0.8, "temperature", env="LLAMA_ARG_TEMPERATURE"),
+    F("--top-k", "int", 40, "top-k (0 = off)", env="LLAMA_ARG_TOP_K"),
+    F("--top-p", "float", 0.95, "top-p (1.0 = off)", env="LLAMA_ARG_TOP_P"),
+    F("--min-p", "float", 0.05, "min-p (0.0 = off)", env="LLAMA_ARG_MIN_P"),
+    F("--repeat-penalty", "float", 1.0, "repeat penalty (1.0 = off)", env="LLAMA_ARG_REPEAT_PENALTY"),
+    F("--repeat-last-n", "int", help="tokens the penalties look back (default 64)", why="request default"),
+    F("--presence-penalty", "float", help="presence penalty (default 0)", env="LLAMA_ARG_PRESENCE_PENALTY",
+      why="request default"),
+    F("--frequency-penalty", "float", help="frequency penalty (default 0)", env="LLAMA_ARG_FREQUENCY_PENALTY",
+      why="request default"),
+    F("--typical --typical-p", "float", help="locally typical p (default 1.0 = off)", why="request default"),
+    F("--top-nsigma --top-n-sigma", "float", help="top-n-sigma (default -1 = off)", why="request default"),
+    F("--xtc-probability", "float", help="XTC probability (default 0)", why="request default"),
+    F("--xtc-threshold", "float", help="XTC threshold (default 0.1)", why="request default"),
+    F("--dry-multiplier", "float", help="DRY multiplier (default 0 = off)", why="request default"),
+    F("--dry-base", "float", help="DRY base (default 1.75)", why="request default"),
+    F("--dry-allowed-length", "int", help="DRY allowed length (default 2)", why="request default"),
+    F("--dry-penalty-last-n", "int", help="DRY look-back (default -1 = context)", why="request default"),
+    F("--dry-sequence-breaker", "append", help="DRY sequence breaker (repeatable; none = no breakers)",
+      why="request default"),
+    F("--samplers", help="sampler order, ';'-separated", why="request default"),
+    F("--ignore-eos", "bool", False, "keep generating after end of text", why="request default"),
+    F("-l --logit-bias", "append", help="TOKEN_ID(+/-)BIAS, e.g. 15043+1 (repeatable)", why="request default"),
+    F("-s --seed", "int", -1, "RNG seed (-1 = random)", source=BOTH),
+    F("--sampling-seq --sampler-seq", effect=WARN, why="use --samplers with full names"),
+    F("--mirostat", "int", effect=WARN, why="mirostat is not available: the sampler chain is used"),
+    F("--mirostat-lr", "float", effect=WARN, why="mirostat is not available"),
+    F("--mirostat-ent", "float", effect=WARN, why="mirostat is not available"),
+    F("--dynatemp-range", "float", effect=WARN, why="dynamic temperature is not available"),
+    F("--dynatemp-exp", "float", effect=WARN, why="dynamic temperature is not available"),
+    F("--adaptive-target", "float", effect=WARN, why="adaptive-p is not available"),
+    F("--adaptive-decay", "float", effect=WARN, why="adaptive-p is not available"),
+    F("--grammar", effect=WARN, why="a server-wide grammar is not applied: send grammar or json_schema per request"),
+    F("--grammar-file", effect=WARN,
+      why="a server-wide grammar is not applied: send grammar or json_schema per request"),
+    F("-j --json-schema", effect=WARN, why="a server-wide schema is not applied: send json_schema per request"),
+    F("-jf --json-schema-file", effect=WARN, why="a server-wide schema is not applied: send json_schema per request"),
+    F("-bs --backend-sampling", "bool", False, env="LLAMA_ARG_BACKEND_SAMPLING", effect=NONE,
+      why="sampling runs beside the model"),
+    F("-r --reverse-prompt", effect=NONE, why="interactive mode only"),
+    F("-sp --special", "bool", False, "show special tokens in output", effect=WARN,
+      why="special tokens are not shown as text in responses"),
+    F("--override-generation-config", help="JSON sampling defaults (temperature, top_p, top_k, min_p, "
+      "repetition_penalty, presence_penalty, frequency_penalty, max_new_tokens)", source=VLLM, convert=json_object,
+      why="the keys become the server's sampling defaults"),
+    F("--generation-config", default="auto", help="auto, vllm or a directory", source=VLLM, effect=NONE,
+      why="the model's generation_config.json is not read yet: kvserve's defaults apply (vllm's meaning)"),
+    F("--max-logprobs", "int", 20, "most logprobs per token a request may ask for (-1: vocabulary size)",
+      source=VLLM),
+    F("--logprobs-mode", source=VLLM, effect=NONE, why="logprobs are of the processed distribution"),
+    # -- chat templates, tools, reasoning
+    F("--jinja", "bool", True, "use the Jinja chat template", neg="--no-jinja", env="LLAMA_ARG_JINJA"),
+    F("--chat-template", help="a file (vLLM), a built-in name (chatml, llama3, ...) or Jinja text", source=BOTH,
+      env="LLAMA_ARG_CHAT_TEMPLATE", metavar="TEMPLATE",
+      why="a file's path, one of llama-server's built-in names, or inline Jinja (contains {{ or {%)"),
+    F("--chat-template-file", help="file with a Jinja chat template", env="LLAMA_ARG_CHAT_TEMPLATE_FILE"),
+    F("--chat-template-content-format", default="auto", help="message content as string or openai parts",
+      source=VLLM, choices=("auto", "string", "openai"),
+      why="string: content is a string; openai: a list of {type: text} parts; auto: a string"),
+    F("--chat-template-kwargs", help="JSON object passed to every chat template render", source=LLAMA,
+      env="LLAMA_ARG_CHAT_TEMPLATE_KWARGS", convert=json_object),
+    F("--default-chat-template-kwargs", help="JSON object of template variables; a request's own win",
+      source=VLLM, convert=json_object, why="merged with --chat-template-kwargs (this one first)"),
+    F("--trust-request-chat-template", "bool", False, source=VLLM, effect=NONE,
+      why="request chat templates are not accepted"),
+    F("--tool-call-parser", help="tool-call parser (vLLM names: hermes, llama3_json, mistral, pythonic)",
+      source=VLLM),
+    F("--enable-auto-tool-choice", "bool", False, 'allow tool_choice "auto"', source=VLLM),
+    F("--exclude-tools-when-tool-choice-none", "bool", False,
+      'leave tool definitions out of the prompt when tool_choice is "none"', source=VLLM),
+    F("--tool-parser-plugin", source=VLLM, effect=REFUSE, why="kvserve loads no parser plugins"),
+    F("--tool-server", source=VLLM, effect=WARN, why="no built-in tool servers"),
+    F("--reasoning-format", default="auto", choices=("auto", "none", "deepseek", "deepseek-legacy"),
+      help="where thinking goes in chat responses: reasoning_content unless none", env="LLAMA_ARG_THINK"),
+    F("--reasoning-parser", help="split thinking into the 'reasoning' field", source=VLLM,
+      choices=("deepseek_r1", "qwen3")),
+    F("--reasoning-budget", "int", -1, "thinking tokens before </think> is forced (-1: no limit)",
+      env="LLAMA_ARG_THINK_BUDGET"),
+    F("-rea --reasoning", "opt", None, "enable_thinking for every request's template (on, off, auto)",
+      const="on", choices=("on", "off", "auto"), env="LLAMA_ARG_REASONING"),
+    F("--reasoning-effort", env="LLAMA_ARG_REASONING_EFFORT", effect=WARN,
+      why="send reasoning_effort per request"),
+    F("--reasoning-budget-message", env="LLAMA_ARG_THINK_BUDGET_MESSAGE", effect=WARN,
+      why="no message is injected when the budget ends"),
+    F("--reasoning-preserve", "bool", True, neg="--no-reasoning-preserve", env="LLAMA_ARG_REASONING_PRESERVE",
+      effect=NONE, why="the template decides which reasoning it renders"),
+    F("--skip-chat-parsing", "bool", False, neg="--no-skip-chat-parsing", env="LLAMA_ARG_SKIP_CHAT_PARSING",
+      effect=WARN, why="tool calls and reasoning are still parsed"),
+    F("--prefill-assistant", "bool", True, neg="--no-prefill-assistant", env="LLAMA_ARG_PREFILL_ASSISTANT",
+      effect=NONE, why="a final assistant message is continued", neg_effect=WARN,
+      neg_why="a final assistant message is still continued"),
+    F("--response-role", default="assistant", source=VLLM, effect=NONE,
+      why="responses carry role assistant"),
+    F("--tools", help="built-in server tools", env="LLAMA_ARG_TOOLS", effect=WARN,
+      why="kvserve has no built-in server tools (file and shell access): none are offered"),
+    F("--tools-runtime", env="LLAMA_ARG_TOOLS_RUNTIME", effect=WARN, why="kvserve has no built-in server tools"),
+    F("--mcp-servers-config", env="LLAMA_ARG_MCP_SERVERS_CONFIG", effect=WARN, why="kvserve runs no MCP servers"),
+    F("--mcp-servers-json", env="LLAMA_ARG_MCP_SERVERS_JSON", effect=WARN, why="kvserve runs no MCP servers"),
+    F("-ag --agent", "bool", False, neg="-no-ag --no-agent", env="LLAMA_ARG_AGENT", effect=WARN,
+      why="kvserve has no built-in server tools"),
+    # -- features kvserve does not have
+    F("--lora", effect=REFUSE, why="LoRA adapters are not available: the base model would answer"),
+    F("--lora-scaled", effect=REFUSE, why="LoRA adapters are not available: the base model would answer"),
+    F("--lora-init-without-apply", "bool", False, effect=NONE, why="no LoRA adapters"),
+    F("--lora-modules", "list", source=VLLM, effect=REFUSE,
+      why="LoRA adapters are not available: the base model would answer"),
+    F("--enable-lora", "bool", False, source=VLLM, effect=NONE, why="no LoRA adapters (--lora-modules is refused)"),
+    F("--max-loras", "int", source=VLLM, effect=NONE, why="no LoRA adapters"),
+    F("--max-lora-rank", "int", source=VLLM, effect=NONE, why="no LoRA adapters"),
+    F("--max-cpu-loras", "int", source=VLLM, effect=NONE, why="no LoRA adapters"),
+    F("--control-vector", effect=REFUSE, why="control vectors are not available: the model would answer unsteered"),
+    F("--control-vector-scaled", effect=REFUSE, why="control vectors are not available"),
+    F("--control-vector-layer-range", "list", effect=REFUSE, why="control vectors are not available"),
+    F("-md --model-draft --spec-draft-model", help="draft model", env="LLAMA_ARG_SPEC_DRAFT_MODEL LLAMA_ARG_MODEL_DRAFT",
+      effect=WARN, why=_DRAFT),
+    F("-hfd -hfrd --hf-repo-draft --spec-draft-hf", env="LLAMA_ARG_SPEC_DRAFT_HF_REPO", effect=WARN, why=_DRAFT),
+    F("--spec-type", env="LLAMA_ARG_SPEC_TYPE", effect=WARN, why="speculative decoding is not available"),
+    F("--spec-default", "bool", False, effect=WARN, why="speculative decoding is not available"),
+    F("--speculative-config", source=VLLM, effect=WARN, why="speculative decoding is not available"),
+    F("-ngld --gpu-layers-draft --n-gpu-layers-draft --spec-draft-ngl", env="LLAMA_ARG_N_GPU_LAYERS_DRAFT",
+      effect=NONE, why="no draft model"),
+    F("-td --threads-draft --spec-draft-threads", "int", effect=NONE, why="no draft model"),
+    F("-tbd --threads-batch-draft --spec-draft-threads-batch", "int", effect=NONE, why="no draft model"),
+    F("-devd --device-draft --spec-draft-device", effect=NONE, why="no draft model"),
+    F("-cd --ctx-size-draft", "int", effect=NONE, why="no draft model"),
+    F("-ctkd --cache-type-k-draft --spec-draft-type-k", effect=NONE, why="no draft model"),
+    F("-ctvd --cache-type-v-draft --spec-draft-type-v", effect=NONE, why="no draft model"),
+    F("--draft --draft-n --draft-max --spec-draft-n-max", "int", env="LLAMA_ARG_DRAFT_MAX", effect=NONE,
+      why="no draft model"),
+    F("--draft-min --draft-n-min --spec-draft-n-min", "int", env="LLAMA_ARG_DRAFT_MIN", effect=NONE,
+      why="no draft model"),
+    F("--draft-p-min --spec-draft-p-min", "float", effect=NONE, why="no draft model"),
+    F("--draft-p-split --spec-draft-p-split", "float", effect=NONE, why="no draft model"),
+    F("-lcs --lookup-cache-static", effect=NONE, why="no lookup decoding"),
+    F("-lcd --lookup-cache-dynamic", effect=NONE, why="no lookup decoding"),
+    F("-mm --mmproj", env="LLAMA_ARG_MMPROJ", effect=WARN, why=_NO_MM),
+    F("-mmu --mmproj-url", env="LLAMA_ARG_MMPROJ_URL", effect=WARN, why=_NO_MM),
+    F("--mmproj-auto", "bool", True, neg="--no-mmproj --no-mmproj-auto", env="LLAMA_ARG_MMPROJ_AUTO", effect=NONE,
+      why="text only"),
+    F("--mmproj-offload", "bool", True, neg="--no-mmproj-offload", env="LLAMA_ARG_MMPROJ_OFFLOAD", effect=NONE,
+      why="text only"),
+    F("--image-min-tokens", "int", effect=NONE, why="text only"),
+    F("--image-max-tokens", "int", effect=NONE, why="text only"),
+    F("--limit-mm-per-prompt", source=VLLM, effect=NONE, why="text only"),
+    F("--mm-processor-kwargs", source=VLLM, effect=NONE, why="text only"),
+    F("--media-path", effect=NONE, why="text only"),
+    F("--enable-prompt-embeds", "bool", False, source=VLLM, effect=WARN,
+      why="prompt embeddings in requests are not accepted"),
+    F("--skip-tokenizer-init", "bool", False, source=VLLM, effect=REFUSE,
+      why="kvserve needs the tokenizer: requests and responses carry text"),
+    F("--embd-gemma-default --fim-qwen-1.5b-default --fim-qwen-3b-default --fim-qwen-7b-default "
+      "--fim-qwen-7b-spec --fim-qwen-14b-spec --fim-qwen-30b-default --gpt-oss-20b-default --gpt-oss-120b-default "
+      "--vision-gemma-4b-default --vision-gemma-12b-default", "bool", False, dest="preset_model", effect=REFUSE,
+      why="preset models download from Hugging Face: kvserve pull NAME, then -m NAME"),
+    F("-cl --cache-list", "bool", False, effect=REFUSE, why="list the store with kvserve list"),
+    F("--completion-bash", "bool", False, effect=REFUSE, why="no bash completion script"),
+    # -- embeddings
+    F("--embedding --embeddings", "bool", False, "serve a generative model as an embedding model",
+      env="LLAMA_ARG_EMBEDDINGS"),
+    F("--rerank --reranking", "bool", False, env="LLAMA_ARG_RERANKING", effect=NONE,
+      why="/rerank is always on; it needs a cross-encoder or an embedding model"),
+    F("--pooling", env="LLAMA_ARG_POOLING", choices=("none", "mean", "cls", "last", "rank"), effect=WARN,
+      why="the model's own pooling is used"),
+    F("--embd-normalize", "int", effect=WARN, why="send embd_normalize per request"),
+    F("--task", source=VLLM, why="embed/embedding: as --embeddings; generate/auto: nothing to do",
+      check=lambda v: None if v in ("auto", "generate", "embed", "embedding") else
+      f"--task {v}: kvserve serves generate and embed models (encoders are detected from their config)"),
+    F("--runner", source=VLLM, why="pooling: as --embeddings; generate/auto: nothing to do",
+      check=lambda v: None if v in ("auto", "generate", "pooling") else
+      f"--runner {v}: kvserve runs generate and pooling models"),
+    F("--convert", source=VLLM, why="embed: as --embeddings; auto/none: nothing to do",
+      check=lambda v: None if v in ("auto", "none", "embed") else
+      f"--convert {v}: kvserve converts generative models to embed only (--embeddings)"),
+    F("--pooler-config --override-pooler-config", source=VLLM, effect=WARN, why="the model's own pooling is used"),
+    # -- HTTP server
+    F("--host", default="127.0.0.1", help="address to listen on", source=BOTH, env="LLAMA_ARG_HOST"),
+    F("--port", "int", 8080, "port to listen on", source=BOTH, env="LLAMA_ARG_PORT"),
+    F("--uds", source=VLLM, effect=REFUSE, why="kvserve listens on TCP (--host, --port)"),
+    F("--reuse-port", "bool", False, env="LLAMA_ARG_REUSE_PORT", effect=NONE, why="one listening socket"),
+    F("--path", help="directory of static files served at /", env="LLAMA_ARG_STATIC_PATH",
+      why="the web UI serves its files from it"),
+    F("--api-prefix", help="path prefix the server serves from", env="LLAMA_ARG_API_PREFIX",
+      why="as --root-path: routes answer with and without the prefix"),
+    F("--root-path", help="path prefix behind a proxy", source=VLLM, why="uvicorn's root_path"),
+    F("--webui --ui", "bool", True, "serve the web chat page at / to browsers", neg="--no-webui --no-ui",
+      env="LLAMA_ARG_UI LLAMA_ARG_WEBUI"),
+    F("--ui-config --webui-config", env="LLAMA_ARG_UI_CONFIG", effect=NONE, why="the page's settings are its own"),
+    F("--ui-config-file --webui-config-file", env="LLAMA_ARG_UI_CONFIG_FILE", effect=NONE,
+      why="the page's settings are its own"),
+    F("--ui-mcp-proxy --webui-mcp-proxy", "bool", False, neg="--no-ui-mcp-proxy --no-webui-mcp-proxy",
+      env="LLAMA_ARG_UI_MCP_PROXY", effect=NONE, why="no MCP proxy"),
+    F("--api-key", "append", help="API key(s), comma-separated or repeated", source=BOTH,
+      env="LLAMA_API_KEY VLLM_API_KEY"),
+    F("--api-key-file", help="file with one API key per line", env="LLAMA_ARG_API_KEY_FILE"),
+    F("--ssl-key-file --ssl-keyfile", help="PEM private key (TLS)", source=BOTH, env="LLAMA_ARG_SSL_KEY_FILE",
+      why="uvicorn serves HTTPS with it (needs --ssl-cert-file)"),
+    F("--ssl-cert-file --ssl-certfile", help="PEM certificate (TLS)", source=BOTH, env="LLAMA_ARG_SSL_CERT_FILE",
+      why="uvicorn serves HTTPS with it (needs --ssl-key-file)"),
+    F("--ssl-ca-certs", help="CA certificates file", source=VLLM, why="uvicorn's ssl_ca_certs"),
+    F("--ssl-cert-reqs", "int", 0, "client certificate: 0 none, 1 optional, 2 required", source=VLLM,
+      why="uvicorn's ssl_cert_reqs"),
+    F("--ssl-ciphers", source=VLLM, why="uvicorn's ssl_ciphers"),
+    F("--enable-ssl-refresh", "bool", False, source=VLLM, effect=NONE, why="restart to load new certificates"),
+    F("--cors-origins", default="*", help="comma-separated origins, * for all", env="LLAMA_ARG_CORS_ORIGINS"),
+    F("--allowed-origins", help='allowed origins: JSON list (["*"]) or comma-separated', source=VLLM,
+      convert=string_list, why="as --cors-origins"),
+    F("--cors-methods", env="LLAMA_ARG_CORS_METHODS", effect=NONE, why="CORS answers every method kvserve routes"),
+    F("--cors-headers", env="LLAMA_ARG_CORS_HEADERS", effect=NONE, why="CORS allows any request header"),
+    F("--cors-credentials", "bool", True, neg="--no-cors-credentials", env="LLAMA_ARG_CORS_CREDENTIALS",
+      effect=NONE, why="CORS answers as kvserve's security middleware does"),
+    F("--allow-credentials", "bool", False, source=VLLM, effect=NONE,
+      why="CORS answers as kvserve's security middleware does"),
+    F("--allowed-methods", source=VLLM, effect=NONE, why="CORS answers every method kvserve routes"),
+    F("--allowed-headers", source=VLLM, effect=NONE, why="CORS allows any request header"),
+    F("-to --timeout", "float", help="seconds an idle keep-alive connection stays open",
+      env="LLAMA_ARG_TIMEOUT VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+      why="uvicorn's keep-alive timeout (uvicorn has no read/write timeout)"),
+    F("--threads-http", "int", env="LLAMA_ARG_THREADS_HTTP", effect=NONE,
+      why="HTTP requests are served by one asyncio event loop"),
+    F("--sse-ping-interval", "float", 30.0, "seconds between SSE comment pings", env="LLAMA_ARG_SSE_PING_INTERVAL"),
+    F("--max-request-bytes", "int", 32 * 1024 * 1024, "largest request body in bytes (413 above it)", source=KV,
+      env="KVSERVE_MAX_REQUEST_BYTES"),
+    F("--middleware", "append", source=VLLM, effect=REFUSE, why="kvserve imports no middleware"),
+    F("--enable-request-id-headers", "bool", False, source=VLLM, effect=NONE, why="no X-Request-Id header"),
+    F("--disable-fastapi-docs", "bool", False, source=VLLM, effect=NONE, why="kvserve serves no API docs"),
+    F("--disable-uvicorn-access-log", "bool", False, source=VLLM, effect=NONE, why="the access log is off"),
+    F("--uvicorn-log-level", source=VLLM, choices=("critical", "error", "warning", "info", "debug", "trace"),
+      help="uvicorn's log level (default warning)", why="uvicorn's log level"),
+    F("--h11-max-incomplete-event-size", "int", source=VLLM, effect=NONE,
+      why="bodies are bounded by --max-request-bytes"),
+    F("--h11-max-header-count", "int", source=VLLM, effect=NONE, why="uvicorn's own limits apply"),
+    # -- endpoints and responses
+    F("--metrics", "bool", False, "enable /metrics", env="LLAMA_ARG_ENDPOINT_METRICS"),
+    F("--props", "bool", False, "enable POST /props", env="LLAMA_ARG_ENDPOINT_PROPS"),
+    F("--slots", "bool", True, "GET /slots (given: with requests' text)", neg="--no-slots",
+      env="LLAMA_ARG_ENDPOINT_SLOTS"),
+    F("--slot-save-path", help="existing directory for slot files", env="LLAMA_ARG_SLOT_SAVE_PATH"),
+    F("--tags", help="model tags, comma-separated", env="LLAMA_ARG_TAGS", effect=WARN,
+      why="kept as ServerArgs.tags; /v1/models does not show them yet"),
+    F("--return-tokens-as-token-ids", "bool", False, source=VLLM, effect=WARN,
+      why="logprobs tokens are shown as text"),
+    F("--enable-prompt-tokens-details", "bool", False, source=VLLM, effect=NONE,
+      why="usage.prompt_tokens_details is always included"),
+    F("--enable-force-include-usage", "bool", False, source=VLLM, effect=WARN,
+      why="streams carry usage when a request asks (stream_options.include_usage)"),
+    F("--enable-tokenizer-info-endpoint", "bool", False, source=VLLM, effect=NONE, why="no /tokenizer_info"),
+    F("--enable-server-load-tracking", "bool", False, source=VLLM, effect=NONE, why="no load tracking"),
+    F("--spm-infill", "bool", False, effect=NONE, why="infill uses the model's FIM tokens in their own order"),
+    # -- logging
+    F("-v --verbose --log-verbose", "bool", False, "log everything (debug lines)", why="as -lv 5"),
+    F("-lv --log-verbosity --verbosity", "int", 3, "log verbosity (>= 4: debug lines)",
+      env="LLAMA_ARG_LOG_VERBOSITY"),
+    F("--log-disable", "bool", False, "no log output"),
+    F("--log-file", help="also log to this file", env="LLAMA_ARG_LOG_FILE"),
+    F("--log-colors", "opt", const="on", choices=("on", "off", "auto"), env="LLAMA_ARG_LOG_COLORS", effect=NONE,
+      why=_LOG_SHAPE),
+    F("--log-prefix", "bool", True, neg="--no-log-prefix", env="LLAMA_ARG_LOG_PREFIX", effect=NONE, why=_LOG_SHAPE),
+    F("--log-timestamps", "bool", True, neg="--no-log-timestamps", env="LLAMA_ARG_LOG_TIMESTAMPS", effect=NONE,
+      why=_LOG_SHAPE),
+    F("--log-jsonl", "bool", False, neg="--no-log-jsonl", env="LLAMA_ARG_LOG_JSONL", effect=NONE, why=_LOG_SHAPE),
+    F("--log-prompts-dir", effect=WARN, why="prompts are not logged to files"),
+    F("--disable-log-stats", "bool", False, "no periodic stats log line", source=VLLM, effect=NONE,
+      why="kvserve writes no periodic stats line"),
+    F("--disable-log-requests", "bool", False, source=VLLM, effect=NONE, why="requests are not logged by default"),
+    F("--enable-log-requests", "bool", False, source=VLLM, effect=NONE, why="request logging is -v"),
+    F("--enable-log-outputs", "bool", False, source=VLLM, effect=NONE, why="request logging is -v"),
+    F("--max-log-len", "int", source=VLLM, effect=NONE, why="prompts are not logged"),
+    F("--log-config-file", source=VLLM, effect=NONE, why=_LOG_SHAPE),
+    F("--log-error-stack", "bool", False, source=VLLM, effect=NONE, why="unhandled errors log their traceback"),
+    # -- model manager (Ollama) and lifetime
+    F("--keep-alive", default="5m", help="how long an idle model stays loaded: seconds or a duration (5m, 1h30m); "
+      "negative = forever, 0 = unload after each request", source=OLLAMA, env="KVSERVE_KEEP_ALIVE OLLAMA_KEEP_ALIVE"),
+    F("--sleep-idle-seconds", "float", -1.0, "unload the -m model after this many idle seconds (-1: never); it "
+      "loads again on the next request", why="the -m model is unloaded when idle and reloaded on demand"),
+    F("--max-loaded-models", "int", 0, "most models loaded at once (0 = default 3)", source=OLLAMA,
+      env="OLLAMA_MAX_LOADED_MODELS"),
+    F("--max-memory", help="cap on the memory of all loaded models together (MiB, or 8GiB)", source=KV,
+      env="KVSERVE_MAX_MEMORY"),
+    F("--max-queue", "int", 512, "most requests waiting for a model at once (503 above)", source=OLLAMA,
+      env="OLLAMA_MAX_QUEUE"),
+    F("--preload", "bool", True, neg="--no-preload", source=KV,
+      help="load the start-up model at once (--no-preload: on its first request)"),
+    F("--allow-model-paths", "bool", False, "requests may name .gguf files or HF directories on the server",
+      source=KV),
+    F("--version", "bool", False, "print the version and exit", source=BOTH),
+)
+
+#: llama-server and vLLM take ``-h``/``--help``; llama-server also ``--usage``
+HELP_NAMES = ("-h", "--help", "--usage")
+#: environment variables whose bad value is ignored (as before: Ollama's own parsing is lenient)
+LENIENT_ENV = frozenset({"OLLAMA_MAX_LOADED_MODELS", "OLLAMA_MAX_QUEUE"})
+
+BY_DEST: dict[str, Flag] = {}
+BY_NAME: dict[str, Flag] = {}
+for _flag in FLAGS:
+    if _flag.dest in BY_DEST:
+        raise RuntimeError(f"flag table: dest {_flag.dest} twice")
+    BY_DEST[_flag.dest] = _flag
+    for _n in _flag.names + _flag.neg:
+        if _n in BY_NAME or _n in HELP_NAMES:
+            raise RuntimeError(f"flag table: {_n} twice")
+        BY_NAME[_n] = _flag
+
+
+# -- the parser -----------------------------------------------------------------------------
+
+class _Given(argparse.Action):
+    """Stores a flag's value and records the spelling that gave it (``namespace._given``)."""
+
+    def __init__(self, option_strings, dest, flag: Flag, negative: bool = False, **kw):
+        self.flag, self.negative = flag, negative
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        f = self.flag
+        if f.kind == "bool":
+            value = not self.negative
+        elif f.kind == "append":
+            value = list(getattr(namespace, self.dest, None) or []) + [values]
+        else:
+            value = values
+            if f.convert is not None and isinstance(values, str):
+                try:
+                    value = f.convert(values)
+                except ValueError as e:
+                    raise argparse.ArgumentError(self, f"invalid value {values!r}: {e}") from None
+        setattr(namespace, self.dest, value)
+        given = dict(getattr(namespace, "_given", {}))
+        given[self.dest] = option_string
+        namespace._given = given
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse without single-dash clustering and prefix matching: ``-ngl`` is one flag, an
+    unknown ``-xyz`` an error, never ``-x yz``. Errors print usage and exit 2."""
+
+    def _get_option_tuples(self, option_string):
+        return []
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"error: {message}\n")
+
+    def format_help(self) -> str:
+        return help_text()
+
+
+def build_parser() -> FlagParser:
+    """The argparse parser of every flag in :data:`FLAGS`. A flag not given is absent from the
+    namespace (``argument_default=SUPPRESS``); ``namespace._given`` maps each given dest to the
+    spelling used."""
+    p = FlagParser(prog="kvserve serve", allow_abbrev=False, add_help=False, argument_default=argparse.SUPPRESS,
+                   description="Serve a model over HTTP (llama-server, vLLM, OpenAI and Ollama APIs).")
+    p.add_argument("model_pos", nargs="?", metavar="MODEL",
+                   help="model name, .gguf path or HF dir (vLLM's positional MODEL)")
+    p.add_argument(*HELP_NAMES, dest="help", action="store_true", default=False)
+    types = {"int": int, "float": float}
+    for f in FLAGS:
+        kw: dict[str, Any] = {"flag": f, "dest": f.dest}
+        if f.kind == "bool":
+            kw["nargs"] = 0
+        elif f.kind == "opt":
+            kw.update(nargs="?", const=f.const)
+        elif f.kind == "list":
+            kw["nargs"] = "+"
+        if f.kind in types and f.convert is None:
+            kw["type"] = types[f.kind]
+        if f.choices is not None and f.kind != "opt":
+            kw["choices"] = f.choices
+        if f.metavar:
+            kw["metavar"] = f.metavar
+        p.add_argument(*f.names, action=_Given, **kw)
+        if f.neg:
+            p.add_argument(*f.neg, action=_Given, negative=True, **{**kw, "nargs": 0})
+    return p
+
+
+def fill_optional_values(argv: list[str]) -> list[str]:
+    """Give each ``opt`` flag (``-fa``, ``-rea``, ...) its value explicitly: the next word when
+    it is one of the flag's values, else the flag's ``const``. llama-server's ``-fa`` before a
+    positional MODEL then never takes the model as its value."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        f = BY_NAME.get(word)
+        if f is not None and f.kind == "opt" and word in f.names:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if nxt is not None and f.choices is not None and nxt in f.choices:
+                out += [word, nxt]
+                i += 2
+                continue
+            out += [word, str(f.const)]
+        else:
+            out.append(word)
+        i += 1
+    return out
+
+
+def config_file_argv(path: str) -> list[str]:
+    """vLLM's ``--config FILE``: a YAML mapping of long flag names (without dashes; ``_`` or
+    ``-``) to values, as command-line words. ``true`` gives the bare flag, ``false`` its
+    negative spelling (or nothing), a list repeats the values after one flag.
+
+    Raises:
+        ValueError: the file is not such a mapping or names an unknown flag. OSError: unreadable.
+    """
+    import yaml
+
+    with open(path, encoding="utf-8") as fh:
+        data = yaml.safe_load(fh) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")  # noqa: TRY004
+    out: list[str] = []
+    for key, value in data.items():
+        name = "--" + str(key).replace("_", "-")
+        if key == "model":
+            out += [str(value)]
+            continue
+        f = BY_NAME.get(name)
+        if f is None:
+            raise ValueError(f"--config {path}: unknown flag {key!r}")
+        if f.kind == "bool":
+            if value is True:
+                out.append(name)
+            elif value is False and f.neg:
+                out.append(f.neg[-1])
+        elif isinstance(value, list):
+            out += [name, *map(str, value)] if f.kind == "list" else [w for v in value for w in (name, str(v))]
+        elif isinstance(value, dict):
+            out += [name, json.dumps(value)]
+        else:
+            out += [name, str(value)]
+    return out
+
+
+# -- help and the README table --------------------------------------------------------------
+
+def _describe(f: Flag) -> str:
+    parts = []
+    for negative in (False, True) if f.neg else (False,):
+        effect, why = f.effect_for(negative)
+        label = "" if not f.neg else ("no- forms: " if negative else "")
+        if negative and (effect, why) == f.effect_for(False):
+            continue
+        text = {REAL: why, NONE: f"no effect: {why}", WARN: f"not available: {why}", REFUSE: f"refused: {why}"}[effect]
+        if text:
+            parts.append(label + text)
+    return "; ".join(parts)
+
+
+def _value_name(f: Flag) -> str:
+    if f.kind == "bool":
+        return ""
+    if f.metavar:
+        return f" {f.metavar}"
+    if f.choices:
+        return " {" + ",".join(f.choices) + "}" + ("?" if f.kind == "opt" else "")
+    return {"int": " N", "float": " X", "list": " VALUE..."}.get(f.kind, " VALUE")
+
+
+def help_text() -> str:
+    """``kvserve serve --help``: every flag with its spellings, source tool, environment
+    variables, default and what kvserve does with it, grouped by source."""
+    lines = ["usage: kvserve serve [MODEL] [flags]", "",
+             "Serve a model over HTTP: llama-server's and vLLM's flags are accepted. Each flag says the tool it",
+             "comes from and what kvserve does with it (no effect / not available: accepted and logged; refused:",
+             "the server does not start).", "", "  -h, --help, --usage  print this help and exit"]
+    for source in (KV, LLAMA, BOTH, VLLM, OLLAMA):
+        rows = [f for f in FLAGS if f.source == source]
+        lines += ["", f"[{source}]"]
+        for f in rows:
+            head = f"  {f.spelled}{_value_name(f)}"
+            detail = [f.help] if f.help else []
+            desc = _describe(f)
+            if desc and desc != f.help:
+                detail.append(f"kvserve: {desc}" if f.effect != REAL else desc)
+            if f.default not in (None, False, "") and f.kind != "bool":
+                detail.append(f"default: {f.default}")
+            if f.env:
+                detail.append("env: " + ", ".join(f.env))
+            detail.append(f"({source})")
+            lines.append(head)
+            lines.append("      " + ". ".join(detail))
+    return "\n".join(lines) + "\n"
+
+
+def markdown_table() -> str:
+    """The README's flag table (``python -m kvserve.serving.flags --markdown``)."""
+    out = ["| Flag | From | Environment | kvserve |", "| --- | --- | --- | --- |"]
+    for f in FLAGS:
+        what = _describe(f) or f.help
+        if f.effect == REAL and not f.neg:
+            what = "yes" + (f": {what}" if what else "")
+        spelled = ", ".join(f"`{n}`" for n in f.names + f.neg)
+        env = ", ".join(f"`{e}`" for e in f.env)
+        out.append(f"| {spelled} | {f.source} | {env} | {what.replace('|', '/')} |")
+    counts = {e: sum(1 for f in FLAGS if f.effect == e) for e in (REAL, NONE, WARN, REFUSE)}
+    out += ["", (f"{len(FLAGS)} flags: {counts[REAL]} with effect, {counts[NONE]} accepted without effect, "
+                f"{counts[WARN]} accepted with a warning (not available), {counts[REFUSE]} refused "
+                "(some flags refuse single values: -tp/-pp/-dp above 1, quantized -ctk/-ctv, fp8 --kv-cache-dtype).")]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    if "--markdown" in sys.argv[1:]:
+        sys.stdout.write(markdown_table())
+    else:
+        sys.stdout.write(help_text())
