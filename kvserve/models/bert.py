@@ -207,7 +207,9 @@ class BertModel(nn.Module):
             [B, L, E] float32; rows of padding positions are 0.
 
         Only the real tokens go through the projections, norms and FFN (packed as [T, E]:
-        the work follows the tokens, not B * L); attention alone runs padded, with a key mask.
+        the work follows the tokens, not B * L). Attention runs per group of inputs of similar
+        length (:func:`attention_groups`), each padded only to its own longest input, with a key
+        mask where lengths differ.
         """
         c = self.config
         B, L = input_ids.shape
@@ -215,12 +217,12 @@ class BertModel(nn.Module):
             raise ValueError(f"input of {L} tokens exceeds the {c.n_ctx_train} positions of the model")
         dev = input_ids.device
         if mask is None or bool(mask.all()):
-            rows, attn_mask = None, None
+            rows, groups = None, None
             pos = torch.arange(L, device=dev).repeat(B)
         else:
             rows = mask.reshape(-1).nonzero().squeeze(1)  # [T] flat positions of the real tokens
-            attn_mask = mask[:, None, None, :]  # [B, 1, 1, L]
             pos = rows % L
+            groups = _packed_groups(mask.sum(1).tolist(), dev)
         ids = input_ids.reshape(-1) if rows is None else input_ids.reshape(-1)[rows]  # [T]
         x = self.tok_embd[ids] + self.pos_embd[pos]  # [T, E]
         if self.type_embd is not None:
@@ -233,19 +235,25 @@ class BertModel(nn.Module):
         x = F.layer_norm(x, (E,), *self.embd_norm, eps=c.norm_eps)
         for wqkv, bqkv, wo, bo, n1w, n1b, wup, bup, wdown, bdown, n2w, n2b in self.layers:
             qkv = F.linear(x, wqkv, bqkv)  # [T, 3E]
-            if rows is not None:
-                qkv = x.new_zeros(B * L, 3 * E).index_copy_(0, rows, qkv)  # padded for attention
-            qkv = qkv.view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)  # [3, B, H, L, D]
-            o = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=attn_mask, scale=self.scale)
-            o = o.transpose(1, 2).reshape(B * L, E)  # [B * L, E]
-            if rows is not None:
-                o = o.index_select(0, rows)  # [T, E]
+            if groups is None:
+                o = self._attend(qkv.view(B, L, 3, H, D), None).reshape(B * L, E)
+            else:
+                o = x.new_empty(x.shape[0], E)
+                for g in groups:  # each group padded to its own longest input only
+                    og = self._attend(qkv.index_select(0, g.gather).view(g.n, g.length, 3, H, D), g.mask)
+                    og = og.reshape(g.n * g.length, E)
+                    o.index_copy_(0, g.dst, og if g.src is None else og.index_select(0, g.src))
             x = F.layer_norm(x + F.linear(o, wo, bo), (E,), n1w, n1b, eps=c.norm_eps)  # post-norm
             h = F.linear(self.act(F.linear(x, wup, bup)), wdown, bdown)
             x = F.layer_norm(x + h, (E,), n2w, n2b, eps=c.norm_eps)
         if rows is None:
             return x.view(B, L, E)
         return x.new_zeros(B * L, E).index_copy_(0, rows, x).view(B, L, E)
+
+    def _attend(self, qkv: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """[n, l, 3, H, D] projections -> [n, l, H, D] attention outputs (``mask``: [n, 1, 1, l] keys)."""
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # 3 x [n, H, l, D]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale).transpose(1, 2)
 
     @torch.inference_mode()
     def classify(self, first: torch.Tensor) -> torch.Tensor:
@@ -262,3 +270,71 @@ class BertModel(nn.Module):
         if self.cls is not None:
             x = torch.tanh(F.linear(x, *self.cls))
         return F.linear(x, *self.cls_out)
+
+
+#: an attention group may pad its inputs up to this factor of its shortest one's length
+GROUP_PAD_RATIO = 1.25
+
+
+def attention_groups(lengths: list[int], ratio: float = GROUP_PAD_RATIO) -> list[list[int]]:
+    """Inputs of a batch cut into runs of similar length for attention.
+
+    Args:
+        lengths: token counts of the B inputs (each >= 1), in batch order.
+        ratio: the longest input of a group is at most ``ratio`` x its shortest (and every
+            group has at least one input).
+
+    Returns:
+        Groups of batch indices, each in ascending length, covering every input once. One
+        group with all inputs when the whole batch pads by no more than ``ratio``.
+
+    Attention costs each group ``n x longest^2``: padding 60-token inputs with 8-token ones,
+    as one padded batch of random lengths does, spends most of it on masked keys.
+    """
+    order = sorted(range(len(lengths)), key=lambda b: lengths[b])
+    groups: list[list[int]] = []
+    for b in order:
+        if groups and lengths[b] <= ratio * lengths[groups[-1][0]]:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return groups
+
+
+@dataclass(slots=True)
+class _Group:
+    """One attention group over the packed [T, ...] rows of a batch.
+
+    ``gather``: [n * length] packed row of each padded position (a padding position repeats a
+    real row of its input: its key is masked and its output dropped); ``mask``: [n, 1, 1,
+    length] bool, None when every input of the group has ``length`` tokens; ``src``: padded
+    positions of the real tokens (None: all); ``dst``: their packed rows.
+    """
+
+    n: int
+    length: int
+    gather: torch.Tensor
+    mask: torch.Tensor | None
+    src: torch.Tensor | None
+    dst: torch.Tensor
+
+
+def _packed_groups(lengths: list[int], device) -> list[_Group]:
+    """The :class:`_Group` index tensors of a right-padded batch packed row-major (input b's
+    tokens at packed rows ``offset[b] .. offset[b] + lengths[b] - 1``)."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    out = []
+    for g in attention_groups(lengths):
+        n, length = len(g), max(lengths[b] for b in g)
+        lens = np.asarray([lengths[b] for b in g], dtype=np.int64)
+        j = np.arange(length, dtype=np.int64)[None, :]
+        real = j < lens[:, None]  # [n, length]
+        gather = offsets[g][:, None] + np.minimum(j, lens[:, None] - 1)
+        uniform = bool(real.all())
+        dst = gather[real]
+        out.append(_Group(
+            n=n, length=length, gather=torch.from_numpy(gather.reshape(-1)).to(device),
+            mask=None if uniform else torch.from_numpy(real[:, None, None, :]).to(device),
+            src=None if uniform else torch.from_numpy(np.flatnonzero(real.reshape(-1))).to(device),
+            dst=torch.from_numpy(dst).to(device)))
+    return out

@@ -72,6 +72,33 @@ def test_hf_dir_matches_transformers_padded_batch(tiny_dir):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
 
 
+def test_attention_groups_cut_by_length_ratio():
+    from kvserve.models.bert import attention_groups
+
+    # sorted by length; a group's longest is at most 1.25 x its shortest
+    assert attention_groups([10, 3, 12, 4, 40, 13, 50, 5]) == [[1], [3, 7], [0, 2], [5], [4, 6]]
+    assert attention_groups([7, 7, 8]) == [[0, 1, 2]]  # 8 <= 8.75: one group, no extra call
+    assert attention_groups([1]) == [[0]]
+    assert attention_groups([5, 1, 5], ratio=1.0) == [[1], [0, 2]]
+
+
+def test_grouped_attention_batch_equals_each_input_alone(tiny_dir):
+    """A padded batch of very different lengths (several attention groups, some with a key mask,
+    unsorted rows) gives each input the vectors it gets alone, and transformers' (2e-5)."""
+    loaded = load_files(tiny_dir)
+    model = BertModel(loaded.config, loaded.weights)
+    rng = np.random.default_rng(3)
+    lens = [40, 3, 9, 10, 3, 25, 11, 60, 4]
+    ids = [[2] + rng.integers(5, loaded.config.n_vocab, n - 2).tolist() + [3] for n in lens]
+    batch = ours_hidden(model, ids)
+    ref = hf_hidden(tiny_dir, ids)
+    for x, b, r in zip(ids, batch, ref):
+        alone = ours_hidden(model, [x])[0]
+        assert b.shape == (len(x), 32)
+        np.testing.assert_allclose(b, alone, atol=2e-6, rtol=0)
+        np.testing.assert_allclose(b, r, atol=2e-5, rtol=0)
+
+
 def test_bert_prefix_and_old_layernorm_names(tiny_dir, tmp_path):
     """Weights saved as 'bert.embeddings...' with LayerNorm gamma/beta load as the plain ones."""
     from safetensors.torch import load_file, save_file
