@@ -126,6 +126,8 @@ def build_router(state: ServerState) -> APIRouter:
                 return _plain()
             return FileResponse(page, media_type="text/html; charset=utf-8",
                                 headers={"Cache-Control": "no-cache", "Vary": "Accept"})
+        if "index.html" not in assets:  # an install without the package data
+            return _plain()
         body, ctype = assets["index.html"]
         return Response(body, media_type=ctype, headers=_PAGE_HEADERS)
 
