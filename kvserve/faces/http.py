@@ -135,8 +135,17 @@ def release_memory() -> None:
         pass
 
 
-async def _send_error(send, e: ApiError) -> None:
-    body = dumps(e.body()).encode()
+def _anthropic_path(path: str) -> bool:
+    """Anthropic's routes (``/v1/messages...``) answer in Anthropic's envelope."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+async def _send_error(send, e: ApiError, path: str = "") -> None:
+    if _anthropic_path(path):
+        body = dumps({"type": "error", "error": {"type": "request_too_large" if e.status == 413 else
+                                                 "invalid_request_error", "message": e.message}}).encode()
+    else:
+        body = dumps(e.body()).encode()
     await send({"type": "http.response.start", "status": e.status,
                 "headers": [(b"content-type", b"application/json; charset=utf-8"),
                             (b"content-length", str(len(body)).encode())]})
@@ -149,7 +158,8 @@ def too_large(limit: int) -> ApiError:
 
 
 class BodyLimitMiddleware:
-    """ASGI middleware: a body over ``max_bytes`` gets 413 in the error envelope.
+    """ASGI middleware: a body over ``max_bytes`` gets 413 in the error envelope (Anthropic's
+    ``request_too_large`` on ``/v1/messages...``).
 
     A ``Content-Length`` above the limit is answered before any of the body is read; a
     chunked body is counted as it arrives and reading stops (``receive`` raises the 413
@@ -172,7 +182,7 @@ class BodyLimitMiddleware:
         limit = self.max_bytes
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.strip().isdigit() and int(length) > limit:
-            await _send_error(send, too_large(limit))
+            await _send_error(send, too_large(limit), scope.get("path", ""))
             return
         seen = 0
 

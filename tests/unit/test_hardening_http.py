@@ -97,6 +97,20 @@ def test_body_over_the_limit_is_413_by_length_and_by_chunks():
     assert (r.status_code, r.json()["error"]["message"]) == (400, "request body is empty: a JSON object is required")
 
 
+def test_body_over_the_limit_on_anthropic_routes_is_anthropics_envelope():
+    state = _state("--max-request-bytes", "100")
+    state.require_up = lambda: None
+    app = build_app(state)
+    body = json.dumps({"max_tokens": 1, "messages": [{"role": "user", "content": "x" * 200}]}).encode()
+    want = {"type": "error", "error": {"type": "request_too_large",
+                                       "message": "request body is larger than 100 bytes (--max-request-bytes)"}}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = _call(app, "POST", path, content=body)  # by Content-Length, before any route runs
+        assert (r.status_code, r.json()) == (413, want), path
+    r = _call(app, "POST", "/v1/messagesX", content=body)  # not an Anthropic route: the usual envelope
+    assert (r.status_code, r.json()) == (413, TOO_LARGE)
+
+
 # -- 4. one traceback per 500, and the connection survives -----------------------------------
 
 class _Live:
