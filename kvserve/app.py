@@ -344,18 +344,23 @@ def main(argv: list[str] | None = None) -> int:
     args.engine_config().apply_threads()  # once per process (each model's core finds it set)
     state = ServerState(args)
     app = build_app(state)
-    try:
-        sock = _listen(args.host, args.port)
-    except OSError as e:
-        _srv(logging.ERROR, "llama_server", "couldn't bind HTTP server socket, hostname: %s, port: %d: %s",
-             args.host, args.port, e)
-        return 1
+    socks: list[socket.socket] = []
+    for host in args.hosts or [args.host]:  # llama-server: --host takes a comma-separated list
+        try:
+            socks.append(_listen(host, args.port))
+        except OSError as e:
+            _srv(logging.ERROR, "llama_server", "couldn't bind HTTP server socket, hostname: %s, port: %d: %s",
+                 host, args.port, e)
+            for s in socks:
+                s.close()
+            return 1
     try:
         config = uvicorn_config(app, args, lifespan="on")
         config.load()  # TLS files are read here: a bad key or certificate fails before serving
     except (OSError, ValueError) as e:
         _srv(logging.ERROR, "llama_server", "couldn't start the HTTP server: %s", e)
-        sock.close()
+        for s in socks:
+            s.close()
         return 1
     server = uvicorn.Server(config)
     failed = threading.Event()
@@ -365,5 +370,5 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
 
     add_startup(app, state, on_fail)
-    server.run(sockets=[sock])
+    server.run(sockets=socks)
     return 1 if failed.is_set() else 0

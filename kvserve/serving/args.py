@@ -107,6 +107,7 @@ class ServerArgs:
     log_disable: bool = False  # --log-disable: no log output
     sleep_idle_seconds: float = -1.0  # --sleep-idle-seconds: unload the -m model after N idle s (-1 never)
     tags: list[str] = field(default_factory=list)  # --tags (llama-server; informational)
+    hosts: list[str] = field(default_factory=list)  # --host a,b: every address listened on (host: the first)
     # vLLM flags kept for the parts of #15 that use them (start-up checks, KV dtype, generation config)
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
@@ -472,9 +473,15 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         raise _Exit(f"invalid --sleep-idle-seconds {v['sleep_idle_seconds']}: -1 (never) or >= 0")
     if v["timeout"] is not None and v["timeout"] <= 0:
         raise _Exit(f"invalid --timeout {v['timeout']}: seconds, > 0")
+    hosts = [h.strip() for h in v["host"].split(",") if h.strip()]
+    if not hosts:
+        raise _Exit("invalid --host: no address given")
+    sock_paths = [h for h in hosts if h.endswith(".sock") or "/" in h]
+    if sock_paths:
+        raise _Exit(f"--host {sock_paths[0]}: UNIX sockets are not supported: kvserve listens on TCP addresses")
     sampling, gen = _sampling(v, given, notes)
     args = ServerArgs(
-        model=model or DEFAULT_MODEL, model_given=bool(model), alias=alias, host=v["host"], port=v["port"],
+        model=model or DEFAULT_MODEL, model_given=bool(model), alias=alias, host=hosts[0], port=v["port"],
         ctx_size=v["ctx_size"], parallel=parallel, threads=v["threads"], batch_size=batch,
         ubatch_size=v["ubatch_size"], n_predict=gen.get("n_predict", v["predict"]), temp=gen.get("temp", v["temp"]),
         top_k=gen.get("top_k", v["top_k"]), top_p=gen.get("top_p", v["top_p"]), min_p=gen.get("min_p", v["min_p"]),
@@ -515,7 +522,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         return_tokens_as_token_ids=v["return_tokens_as_token_ids"],
         enable_force_include_usage=v["enable_force_include_usage"],
         enable_prompt_tokens_details=v["enable_prompt_tokens_details"],
-        flag_notes=notes, flags_given=given,
+        flag_notes=notes, flags_given=given, hosts=hosts,
     )
     try:
         args.default_sampling_params()

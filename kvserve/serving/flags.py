@@ -613,7 +613,8 @@ FLAGS: tuple[Flag, ...] = (
       f"--convert {v}: kvserve converts generative models to embed only (--embeddings)"),
     F("--pooler-config --override-pooler-config", source=VLLM, effect=WARN, why="the model's own pooling is used"),
     # -- HTTP server
-    F("--host", default="127.0.0.1", help="address to listen on", source=BOTH, env="LLAMA_ARG_HOST"),
+    F("--host", default="127.0.0.1", help="address(es) to listen on, comma-separated", source=BOTH,
+      env="LLAMA_ARG_HOST", why="every address gets a socket; the first is the one logged and guarded (/api)"),
     F("--port", "int", 8080, "port to listen on", source=BOTH, env="LLAMA_ARG_PORT"),
     F("--uds", source=VLLM, effect=REFUSE, why="kvserve listens on TCP (--host, --port)"),
     F("--reuse-port", "bool", False, env="LLAMA_ARG_REUSE_PORT", effect=NONE, why="one listening socket"),
@@ -818,11 +819,15 @@ def build_parser() -> FlagParser:
 def fill_optional_values(argv: list[str]) -> list[str]:
     """Give each ``opt`` flag (``-fa``, ``-rea``, ...) its value explicitly: the next word when
     it is one of the flag's values, else the flag's ``const``. llama-server's ``-fa`` before a
-    positional MODEL then never takes the model as its value."""
+    positional MODEL then never takes the model as its value. vLLM's ``-O3`` becomes ``-O 3``."""
     out: list[str] = []
     i = 0
     while i < len(argv):
         word = argv[i]
+        if re.fullmatch(r"-O\d", word):  # vLLM's -O3: the compilation level attached
+            out += ["-O", word[2:]]
+            i += 1
+            continue
         f = BY_NAME.get(word)
         if f is not None and f.kind == "opt" and word in f.names:
             nxt = argv[i + 1] if i + 1 < len(argv) else None

@@ -264,3 +264,13 @@ def test_default_chat_template_kwargs_merge():
     a = parse_args(["--default-chat-template-kwargs", '{"enable_thinking": false, "x": 1}',
                     "--chat-template-kwargs", '{"x": 2}'], environ={})
     assert a.chat_template_kwargs == {"enable_thinking": False, "x": 2}
+
+
+def test_several_hosts(capsys):
+    a = parse_args(["--host", "127.0.0.1,::1"], environ={})
+    assert (a.host, a.hosts) == ("127.0.0.1", ["127.0.0.1", "::1"])
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--host", "/tmp/kv.sock"], environ={})
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: --host /tmp/kv.sock: UNIX sockets are not supported: kvserve listens on TCP addresses")
