@@ -224,6 +224,10 @@ def _env_value(flag, text: str) -> Any:
     return value
 
 
+#: flags whose values never appear in messages or log lines
+_SECRET = frozenset({"api_key", "hf_token"})
+
+
 def _shown(value: Any) -> str:
     if isinstance(value, list):
         return " ".join(map(str, value))
@@ -311,7 +315,7 @@ def parse_args(argv: list[str], environ: dict | None = None) -> ServerArgs:
             v[f.dest] = getattr(ns, f.dest)
             opt = given[f.dest]
             negative[f.dest] = opt in f.neg
-            how[f.dest] = opt if f.kind == "bool" else f"{opt} {_shown(v[f.dest])}"
+            how[f.dest] = opt if f.kind == "bool" else f"{opt} {'***' if f.dest in _SECRET else _shown(v[f.dest])}"
             continue
         name = next((n for n in f.env if env.get(n, "") != ""), None)
         if name is None:
@@ -326,7 +330,7 @@ def parse_args(argv: list[str], environ: dict | None = None) -> ServerArgs:
             p.exit(2, f'error while handling environment variable "{name}": {e}\n')
         given[f.dest] = name
         negative[f.dest] = f.kind == "bool" and v[f.dest] is False and bool(f.neg)
-        how[f.dest] = f"{name}={env[name]}"
+        how[f.dest] = f"{name}={'***' if f.dest in _SECRET else env[name]}"
     try:
         return _build(p, ft, v, given, how, negative, env)
     except _Exit as e:

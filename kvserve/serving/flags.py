@@ -231,7 +231,7 @@ FLAGS: tuple[Flag, ...] = (
       why="served from the store as hf.co/<user>/<model>[:quant]; pull it first with kvserve pull"),
     F("-hff --hf-file", help="file of the -hf repository", env="LLAMA_ARG_HF_FILE", effect=WARN,
       why="the store picks the file by the repository's quant tag (-hf user/model:Q4_K_M)"),
-    F("-hft --hf-token", help="Hugging Face token", env="HF_TOKEN", effect=NONE,
+    F("-hft --hf-token", help="Hugging Face token", effect=NONE,
       why="kvserve downloads nothing at start-up but the known default models"),
     F("-mu --model-url", help="model download URL", env="LLAMA_ARG_MODEL_URL", effect=REFUSE,
       why="kvserve does not download from URLs: kvserve pull NAME, or -m with a .gguf file"),

@@ -274,3 +274,9 @@ def test_several_hosts(capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: --host /tmp/kv.sock: UNIX sockets are not supported: kvserve listens on TCP addresses")
+
+
+def test_secrets_stay_out_of_log_lines():
+    a = parse_args(["-hft", "hf_secret"], environ={"HF_TOKEN": "hf_other"})
+    assert a.flag_notes == [(logging.INFO, "flag -hft ***: no effect here: kvserve downloads nothing at start-up "
+                                           "but the known default models")]
