@@ -45,6 +45,7 @@ engine error). No ``[DONE]``. Errors found before the first event are plain JSON
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -59,6 +60,7 @@ from starlette.responses import Response, StreamingResponse
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import error_response, json_response, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
+from kvserve.faces.openai import chat_plan, stream_events
 from kvserve.faces.params import get_bool, get_int, get_str, type_error
 from kvserve.faces.responses_types import (
     ContentPartAdded,
@@ -416,7 +418,7 @@ def _reasoning(body: dict, chat: dict, server_budget: int) -> dict:
     r = _obj(r, "reasoning")
     effort = r.get("effort")
     summary = r.get("summary", r.get("generate_summary"))
-    if effort is not None and effort not in EFFORT_BUDGET:
+    if effort is not None and (not isinstance(effort, str) or effort not in EFFORT_BUDGET):
         raise _bad(f"Field 'reasoning.effort': expected one of {', '.join(EFFORT_BUDGET)}, got {effort!r}",
                    "reasoning.effort")
     if summary is not None and summary not in ("auto", "concise", "detailed"):
@@ -604,19 +606,19 @@ class _Run:
 
     async def events(self) -> AsyncIterator[dict]:
         """Every event of the response, in order (the last one holds the final response)."""
-        from kvserve.faces.openai import stream_events
-
         yield self._life("response.created")
         yield self._life("response.in_progress")
         try:
-            async for chunk in stream_events(self.runner, self.plan):
-                if chunk.get("usage") is not None:
-                    self.usage = chunk["usage"]
-                for ch in chunk["choices"]:
-                    if ch.get("finish_reason"):
-                        self.finish = ch["finish_reason"]
-                    for ev in self._delta(ch["delta"]):
-                        yield ev
+            # closed with this generator (a client that leaves): its generations are aborted
+            async with contextlib.aclosing(stream_events(self.runner, self.plan)) as chunks:
+                async for chunk in chunks:
+                    if chunk.get("usage") is not None:
+                        self.usage = chunk["usage"]
+                    for ch in chunk["choices"]:
+                        if ch.get("finish_reason"):
+                            self.finish = ch["finish_reason"]
+                        for ev in self._delta(ch["delta"]):
+                            yield ev
             for ev in self._finish():
                 yield ev
             self.status = "incomplete" if self.finish == "length" else "completed"
@@ -625,7 +627,9 @@ class _Run:
         except Exception as e:  # noqa: BLE001 - an engine error ends the response as failed
             err = ApiError.from_exception(e)
             error_body(e)  # logs server faults (with their traceback)
-            self.open = None
+            if self.open is not None:  # the item cut short is kept, with what it had
+                self._finished_item(self.open, "incomplete")
+                self.open = None
             self.status = "failed"
             self.error = ResponseError(code=err.type, message=err.message)
         last = self._life("response." + self.status)
@@ -704,19 +708,26 @@ class _Run:
                 self._ev(ContentPartAdded, type="response.content_part.added", item_id=o.id, output_index=index,
                          content_index=0, part=part)]
 
-    def _close(self, status: str) -> list[dict]:
-        o, self.open = self.open, None
+    def _finished_item(self, o: _Open, status: str):
+        """The item ``o`` with its whole text and ``status``, put in its place in the output."""
         if o.kind == "message":
             part = OutputText(type="output_text", text=o.text, annotations=[])
             item = OutputMessage(type="message", id=o.id, status=status, role="assistant", content=[part])
-            done = self._ev(OutputTextDone, type="response.output_text.done", item_id=o.id, output_index=o.index,
-                            content_index=0, text=o.text, logprobs=[])
         else:
             part = ReasoningText(type="reasoning_text", text=o.text)
             item = ReasoningItem(type="reasoning", id=o.id, summary=[], content=[part], status=status)
+        self.output[o.index] = item
+        return item, part
+
+    def _close(self, status: str) -> list[dict]:
+        o, self.open = self.open, None
+        item, part = self._finished_item(o, status)
+        if o.kind == "message":
+            done = self._ev(OutputTextDone, type="response.output_text.done", item_id=o.id, output_index=o.index,
+                            content_index=0, text=o.text, logprobs=[])
+        else:
             done = self._ev(ReasoningTextDone, type="response.reasoning_text.done", item_id=o.id,
                             output_index=o.index, content_index=0, text=o.text)
-        self.output[o.index] = item
         return [done,
                 self._ev(ContentPartDone, type="response.content_part.done", item_id=o.id, output_index=o.index,
                          content_index=0, part=part),
@@ -783,8 +794,6 @@ def _named_events(resp: StreamingResponse) -> StreamingResponse:
 
 
 async def _create(state: ServerState, store: ResponseStore, http: HttpRequest) -> Response:
-    from kvserve.faces.openai import chat_plan
-
     try:
         body = await read_json(http)
         turn = chat_body(body, store, state.args.reasoning_budget)

@@ -204,6 +204,25 @@ def test_stream_function_call_events(client):
     jsonschema.validate(json.loads(call.arguments), CITY)
 
 
+def test_a_client_that_leaves_aborts_the_generation(hermes):
+    import time
+
+    with httpx.stream("POST", hermes.url("/v1/responses"), timeout=120,
+                      json={"input": "Hi", "max_output_tokens": 900, "stream": True, "store": False, **G}) as r:
+        for line in r.iter_lines():
+            if line == "event: response.output_text.delta":
+                break  # leave after the first token
+    deadline = time.monotonic() + 10
+    while True:
+        slots = httpx.get(hermes.url("/slots"), timeout=30).json()
+        if not any(s["is_processing"] for s in slots) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    latest = max(slots, key=lambda s: s["id_task"])
+    assert not latest["is_processing"]
+    assert latest["next_token"][0]["n_decoded"] < 900  # aborted, not run to max_output_tokens
+
+
 def test_wire_format_and_errors(hermes):
     with httpx.stream("POST", hermes.url("/v1/responses"), timeout=120,
                       json={"input": "Hi", "max_output_tokens": 1, "stream": True, **G}) as r:

@@ -172,3 +172,153 @@ def test_previous_response_id_continues_the_stored_history():
 def test_bad_requests_are_400_naming_the_field(body, message):
     e = _err(body)
     assert (e.status, e.message) == (400, message)
+
+
+HOSTILE = [None, 0, -1, 1.5, 1e308, True, "", "x", [], [None], {}, {"type": "x"}, [{}], [{"type": None}], [[]],
+           {"a": {"b": []}}]
+FIELDS = ["input", "instructions", "tools", "tool_choice", "text", "reasoning", "max_output_tokens",
+          "previous_response_id", "store", "stream", "metadata", "parallel_tool_calls", "include", "truncation",
+          "user", "top_logprobs", "background", "conversation", "prompt"]
+
+
+def _translates_or_400(body: dict) -> None:
+    try:
+        chat_body(body, ResponseStore())
+    except ApiError as e:
+        assert 400 <= e.status < 500, (body, e.status, e.message)
+
+
+@pytest.mark.parametrize("key", FIELDS)
+def test_hostile_values_are_translated_or_refused_with_a_4xx(key):
+    for v in HOSTILE:
+        _translates_or_400({"input": "hi", key: v})
+        # the same value one level down, where the nested objects are read
+        for outer, inner in [("reasoning", "effort"), ("reasoning", "summary"), ("text", "format"),
+                             ("text", "verbosity"), ("tool_choice", "name"), ("tool_choice", "tools")]:
+            body = {"input": "hi", outer: {"type": "function" if outer == "tool_choice" else "x", inner: v},
+                    "tools": [TOOL]}
+            _translates_or_400(body)
+        for item in [{"type": "message", "role": "user", "content": v}, {"role": v, "content": "x"},
+                     {"type": "function_call", "call_id": v, "name": "f", "arguments": "{}"},
+                     {"type": "function_call", "call_id": "c", "name": "f", "arguments": v},
+                     {"type": "function_call_output", "call_id": "c", "output": v},
+                     {"type": "reasoning", "content": v}, {"type": "reasoning", "summary": [v]}, {"type": v}]:
+            _translates_or_400({"input": [item]})
+        for tool in [{"type": "function", "name": v}, {"type": "function", "name": "f", "parameters": v},
+                     {"type": "function", "name": "f", "strict": v}, {"type": "function", "name": "f",
+                                                                        "description": v}]:
+            _translates_or_400({"input": "hi", "tools": [tool]})
+        _translates_or_400({"input": "hi", "text": {"format": {"type": "json_schema", "name": "n", "schema": v}}})
+
+
+# -- chat chunks -> items and events (a fake chat stream, no engine) ---------------------------
+
+def _chunks(*deltas: dict, finish: str = "stop", usage: dict | None = None) -> list[dict]:
+    out = [{"choices": [{"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}]}]
+    out += [{"choices": [{"finish_reason": None, "index": 0, "delta": d}]} for d in deltas]
+    out.append({"choices": [{"finish_reason": finish, "index": 0, "delta": {}}]})
+    out.append({"choices": [], "usage": usage or {"completion_tokens": 5, "prompt_tokens": 9, "total_tokens": 14,
+                                                  "prompt_tokens_details": {"cached_tokens": 4},
+                                                  "completion_tokens_details": {"reasoning_tokens": 2}}})
+    return out
+
+
+def _run(monkeypatch, chunks: list, body: dict | None = None, fail: Exception | None = None):
+    import asyncio
+    from types import SimpleNamespace
+
+    import kvserve.faces.responses as face
+
+    async def fake_stream(runner, plan):
+        for c in chunks:
+            yield c
+        if fail is not None:
+            raise fail
+
+    monkeypatch.setattr(face, "stream_events", fake_stream)
+    store = ResponseStore()
+    turn = chat_body(body or {"input": "hi"}, store)
+    plan = SimpleNamespace(model="m", requests=[SimpleNamespace(params=SimpleNamespace(temperature=0.8, top_p=0.95))])
+    job = face._Run(None, plan, turn, store)
+
+    async def collect():
+        return [e async for e in job.events()]
+
+    return asyncio.run(collect()), job, store
+
+
+def test_reasoning_text_and_calls_become_items_in_order(monkeypatch):
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    events, _, store = _run(monkeypatch, _chunks({"reasoning_content": "think"}, {"reasoning_content": "ing"},
+                                                   {"content": "\n"}, {"content": "Hello"}, {"content": " you"},
+                                                   {"content": "\n\n"}, {"tool_calls": [call]}, {"content": "\n"},
+                                                   finish="tool_calls"))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    # the blank line before the text joins it; the blank lines after the last text stay in the message
+    assert events[11]["delta"] == "\nHello" and events[14]["text"] == "\nHello you\n\n"
+    final = events[-1]["response"]
+    assert [(i["type"], i["status"]) for i in final["output"]] == [
+        ("reasoning", "completed"), ("message", "completed"), ("function_call", "completed")]
+    assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "thinking"}]
+    assert final["output"][2]["call_id"] == "call_1" and final["output"][2]["arguments"] == '{"a": 1}'
+    assert final["usage"] == {"input_tokens": 9, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 5,
+                              "output_tokens_details": {"reasoning_tokens": 2}, "total_tokens": 14}
+    assert (final["temperature"], final["top_p"], final["model"]) == (0.8, 0.95, "m")
+    stored = store.get(final["id"])
+    assert stored.response == final
+    assert stored.history == ({"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": "\nHello you\n\n", "reasoning_content": "thinking",
+                               "tool_calls": [{"id": "call_1", "type": "function",
+                                               "function": {"name": "f", "arguments": '{"a": 1}'}}]})
+
+
+def test_blank_text_between_calls_is_dropped(monkeypatch):
+    c = [{"index": i, "id": f"call_{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+         for i in range(2)]
+    events, _, _ = _run(monkeypatch, _chunks({"content": "\n"}, {"tool_calls": [c[0]]}, {"content": "\n"},
+                                             {"tool_calls": [c[1]]}, {"content": " "}, finish="tool_calls"))
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["function_call", "function_call"]
+
+
+def test_an_empty_answer_is_an_empty_message_and_length_is_incomplete(monkeypatch):
+    events, _, _ = _run(monkeypatch, _chunks(finish="stop"))
+    assert [e["type"] for e in events[2:]] == ["response.output_item.added", "response.content_part.added",
+                                               "response.output_text.done", "response.content_part.done",
+                                               "response.output_item.done", "response.completed"]
+    assert events[-1]["response"]["output"][0]["content"] == [{"type": "output_text", "text": "",
+                                                               "annotations": []}]
+    events, _, _ = _run(monkeypatch, _chunks({"content": "cut"}, finish="length"))
+    final = events[-1]
+    assert final["type"] == "response.incomplete" and final["response"]["status"] == "incomplete"
+    assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert final["response"]["output"][0]["status"] == "incomplete"
+
+
+def test_an_engine_error_fails_the_response(monkeypatch):
+    from kvserve.errors import InvalidInputError
+
+    events, _, store = _run(monkeypatch, [_chunks({"content": "a"})[1]], body={"input": "hi", "store": True},
+                            fail=InvalidInputError("bad thing"))
+    final = events[-1]
+    assert final["type"] == "response.failed" and final["response"]["status"] == "failed"
+    assert final["response"]["error"] == {"code": "invalid_request_error", "message": "bad thing"}
+    assert final["response"]["usage"] is None
+    assert [(i["type"], i["status"], i["content"][0]["text"]) for i in final["response"]["output"]] == [
+        ("message", "incomplete", "a")]
+    assert store.get(final["response"]["id"]).response["status"] == "failed"
+
+
+def test_store_false_keeps_nothing(monkeypatch):
+    events, _, store = _run(monkeypatch, _chunks({"content": "a"}), body={"input": "hi", "store": False})
+    assert events[-1]["response"]["store"] is False and len(store) == 0
