@@ -597,8 +597,8 @@ def _sampling(v: dict, given: dict, notes: list) -> tuple[dict, dict]:
         elif key in _GEN_SAMPLING and isinstance(value, (int, float)):
             s[key] = float(value)
         else:
-            notes.append((logging.WARNING, f"flag --override-generation-config: key {key!r} ignored: kvserve takes "
-                          f"{', '.join(sorted(set(_GEN_KEYS) | _GEN_SAMPLING))} (numbers)"))
+            notes.append((logging.WARNING, (f"flag --override-generation-config: key {key!r} ignored: kvserve takes "
+                          f"{', '.join(sorted(set(_GEN_KEYS) | _GEN_SAMPLING))} (numbers)")))
     if not math.isfinite(gen.get("temp", 0.0)):
         raise _Exit("invalid --override-generation-config: temperature must be finite")
     return s, gen

@@ -278,5 +278,5 @@ def test_several_hosts(capsys):
 
 def test_secrets_stay_out_of_log_lines():
     a = parse_args(["-hft", "hf_secret"], environ={"HF_TOKEN": "hf_other"})
-    assert a.flag_notes == [(logging.INFO, "flag -hft ***: no effect here: kvserve downloads nothing at start-up "
-                                           "but the known default models")]
+    assert a.flag_notes == [(logging.INFO, ("flag -hft ***: no effect here: kvserve downloads nothing at start-up "
+                                           "but the known default models"))]
