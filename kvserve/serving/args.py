@@ -483,6 +483,10 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
     sock_paths = [h for h in hosts if h.endswith(".sock") or "/" in h]
     if sock_paths:
         raise _Exit(f"--host {sock_paths[0]}: UNIX sockets are not supported: kvserve listens on TCP addresses")
+    kv_k, kv_v = v["cache_type_k"], v["cache_type_v"]
+    if v["kv_cache_dtype"] == "bfloat16":  # vLLM's name for the bf16 KV type
+        kv_k = kv_k if "cache_type_k" in given else "bf16"
+        kv_v = kv_v if "cache_type_v" in given else "bf16"
     sampling, gen = _sampling(v, given, notes)
     args = ServerArgs(
         model=model or DEFAULT_MODEL, model_given=bool(model), alias=alias, host=hosts[0], port=v["port"],
@@ -495,7 +499,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         slots_text=given.get("slots") == "--slots", props=v["props"], slot_save_path=v["slot_save_path"],
         cache_ram=v["cache_ram"], cache_reuse=v["cache_reuse"], slot_prompt_similarity=v["slot_prompt_similarity"],
         jinja=v["jinja"], chat_template=v["chat_template"], chat_template_file=v["chat_template_file"],
-        cache_type_k=v["cache_type_k"], cache_type_v=v["cache_type_v"], sse_ping_interval=v["sse_ping_interval"],
+        cache_type_k=kv_k, cache_type_v=kv_v, sse_ping_interval=v["sse_ping_interval"],
         cors_origins=cors_origins, log_verbosity=log_verbosity,
         embeddings=embeddings, dtype=dtype, device=device, max_model_len=v["max_model_len"],
         tool_call_parser=v["tool_call_parser"], enable_auto_tool_choice=v["enable_auto_tool_choice"],

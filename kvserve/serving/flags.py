@@ -185,7 +185,7 @@ def _kv_type_check(flag: str) -> Callable[[Any], str | None]:
 
 
 def _kv_dtype_check(v: str) -> str | None:
-    if v == "auto":
+    if v in ("auto", "bfloat16"):
         return None
     return (f"--kv-cache-dtype {v}: float8 KV storage is not available yet; use auto (the KV cache is stored as "
             "-ctk/-ctv: f16, bf16 or f32)")
@@ -337,7 +337,7 @@ FLAGS: tuple[Flag, ...] = (
       choices=_KV_TYPES, check=_kv_type_check("-ctv"), why="kvserve stores V as -ctk gives for K"),
     F("--kv-cache-dtype", default="auto", help="KV cache dtype", source=VLLM,
       choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla"), check=_kv_dtype_check,
-      why="auto: the -ctk type"),
+      why="auto: the -ctk type; bfloat16: as -ctk bf16 -ctv bf16"),
     F("--calculate-kv-scales", "bool", False, source=VLLM, effect=NONE, why="no fp8 KV cache"),
     F("--dtype", default="auto", help="weight/activation dtype", source=VLLM,
       choices=("auto", "float32", "bfloat16", "float16", "half", "float"), why="half = float16, float = float32"),

@@ -280,3 +280,9 @@ def test_secrets_stay_out_of_log_lines():
     a = parse_args(["-hft", "hf_secret"], environ={"HF_TOKEN": "hf_other"})
     assert a.flag_notes == [(logging.INFO, ("flag -hft ***: no effect here: kvserve downloads nothing at start-up "
                                            "but the known default models"))]
+
+
+def test_kv_cache_dtype_bfloat16_is_bf16():
+    a = parse_args(["--kv-cache-dtype", "bfloat16"], environ={})
+    assert (a.cache_type_k, a.cache_type_v, a.engine_config().kv_dtype) == ("bf16", "bf16", "bf16")
+    assert parse_args(["--kv-cache-dtype", "bfloat16", "-ctk", "f32"], environ={}).cache_type_k == "f32"
