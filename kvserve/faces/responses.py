@@ -39,7 +39,9 @@ response.created, response.in_progress, then per output item output_item.added,
 (function_call_arguments.delta, function_call_arguments.done) or (content_part.added,
 reasoning_text.delta..., reasoning_text.done, content_part.done), output_item.done; last
 response.completed (response.incomplete when max_output_tokens cut it, response.failed on an
-engine error). No ``[DONE]``. Errors found before the first event are plain JSON errors.
+engine error). No ``[DONE]``. Errors found before the first event are plain JSON errors; without
+``stream`` an engine error is the HTTP error the chat route would answer (the failed response is
+still stored).
 """
 
 from __future__ import annotations
@@ -566,6 +568,7 @@ class _Run:
     usage: dict | None = None
     status: str = "in_progress"
     error: ResponseError | None = None
+    failure: Exception | None = None  # what failed the response (a non-streamed answer raises it)
     final: dict | None = None
 
     # -- events ------------------------------------------------------------------------
@@ -627,6 +630,7 @@ class _Run:
         except Exception as e:  # noqa: BLE001 - an engine error ends the response as failed
             err = ApiError.from_exception(e)
             error_body(e)  # logs server faults (with their traceback)
+            self.failure = e
             if self.open is not None:  # the item cut short is kept, with what it had
                 self._finished_item(self.open, "incomplete")
                 self.open = None
@@ -810,6 +814,8 @@ async def _create(state: ServerState, store: ResponseStore, http: HttpRequest) -
             async def whole() -> dict:
                 async for _ in job.events():
                     pass
+                if job.failure is not None:  # an HTTP error, as the chat route answers it (logged once)
+                    raise ApiError.from_exception(job.failure)
                 return job.final
 
             return json_response(await until_disconnect(http, whole()))
