@@ -286,3 +286,12 @@ def test_kv_cache_dtype_bfloat16_is_bf16():
     a = parse_args(["--kv-cache-dtype", "bfloat16"], environ={})
     assert (a.cache_type_k, a.cache_type_v, a.engine_config().kv_dtype) == ("bf16", "bf16", "bf16")
     assert parse_args(["--kv-cache-dtype", "bfloat16", "-ctk", "f32"], environ={}).cache_type_k == "f32"
+
+
+def test_docs_flags_md_is_the_generated_table():
+    """docs/flags.md is the table's output (regenerate it with ``python -m kvserve.serving.flags --markdown``)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "flags.md").read_text(encoding="utf-8")
+    table = doc[doc.index("| Flag | From |"):]
+    assert table.strip() == ft.markdown_table().strip()
