@@ -194,6 +194,11 @@ def _include_openai(app: FastAPI, state: ServerState) -> None:
         openai_face.register(app, state)
 
 
+def _scheme(args) -> str:
+    """``https`` when the server has a TLS key and certificate, else ``http``."""
+    return "https" if getattr(args, "ssl_key_file", None) and getattr(args, "ssl_cert_file", None) else "http"
+
+
 def http_protocol():
     """uvicorn's HTTP protocol class (httptools when installed, else h11, as ``http="auto"``)
     with its answer to an unparseable request in the error envelope: uvicorn writes a plain
@@ -288,7 +293,8 @@ def add_startup(app: FastAPI, state: ServerState, on_fail) -> None:
             state.preload_task = asyncio.get_running_loop().create_task(_preload(state, on_fail))
         else:
             _srv(logging.INFO, "llama_server", "no model preloaded (--no-preload): models load on demand")
-            _srv(logging.INFO, "llama_server", "listening on http://%s:%d", state.args.host, state.args.port)
+            _srv(logging.INFO, "llama_server", "listening on %s://%s:%d", _scheme(state.args), state.args.host,
+                 state.args.port)
 
     async def shutdown() -> None:
         await state.manager.shutdown()
@@ -304,7 +310,7 @@ async def _preload(state: ServerState, on_fail) -> None:
     try:
         await state.preload()
         _srv(logging.INFO, "llama_server", "model loaded")
-        _srv(logging.INFO, "llama_server", "listening on http://%s:%d", args.host, args.port)
+        _srv(logging.INFO, "llama_server", "listening on %s://%s:%d", _scheme(args), args.host, args.port)
     except BaseException as e:  # noqa: BLE001 - reported, then the server exits
         from kvserve.serving.manager import LoadFailedError
 

@@ -99,6 +99,7 @@ def test_llama_server_command_line(tiny_gguf, tmp_path):
         assert "flag -fa on: no effect here" in text
         assert "flag -cb: no effect here: continuous batching is always on" in text
         assert text.count("model manager: load 'tiny'") == 2
+        assert f"listening on https://127.0.0.1:{port}" in text
         with pytest.raises(httpx.HTTPError):  # TLS only: plain HTTP gets no answer
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
     finally:
