@@ -10,12 +10,50 @@ The text is written here, not with prometheus-client: its Counter type appends
 ``_total`` (and ``_created`` samples) to names and would turn llama-server's
 ``llamacpp:n_tokens_max`` counter into ``llamacpp:n_tokens_max_total``; the
 seed's names are the contract. The format is the 0.0.4 text exposition format.
+
+vLLM's ``vllm:`` metrics follow, on the same page (seed 002 Example 13; names, HELP texts,
+types and buckets of vLLM's ``PrometheusStatLogger``, vllm/v1/metrics/loggers.py), written by
+prometheus-client from one registry per model (so counters are ``*_total`` with ``*_created``
+beside them, exactly as vLLM's page shows): every series has the labels ``model_name`` (the
+served model name) and ``engine`` (``"0"``). The gauges are read when the page is scraped; the
+counters and histograms are counted per request output as it reaches a face
+(:meth:`Metrics.on_output`, called by :func:`kvserve.serving.runner.generate` before the face
+sees the output, so a response a client holds is always counted):
+
+- ``vllm:prompt_tokens`` (the whole prompt, cached tokens included, once per request at its
+  first token), ``vllm:generation_tokens``, ``vllm:request_success{finished_reason}`` (stop,
+  length, abort, error, repetition), ``vllm:num_preemptions`` (the engine's count);
+- ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``: prompt tokens looked up / found
+  in the prefix cache, once per request (vLLM counts again when a preempted request is
+  rescheduled; kvserve does not);
+- histograms: ``time_to_first_token_seconds`` (arrival to the first token),
+  ``inter_token_latency_seconds`` (between a request's successive outputs with tokens: one
+  observation per output after the first), ``e2e_request_latency_seconds`` (arrival to the
+  final output), ``request_prompt_tokens`` and ``request_generation_tokens`` (per finished
+  request; buckets 1-2-5 up to ``max_model_len``).
+
+The periodic stats line of vLLM's ``LoggingStatLogger`` (``Engine 000: Avg prompt throughput:
+...``) is logged every ``VLLM_LOG_STATS_INTERVAL`` seconds (default 10) while the model is busy
+and once after it goes idle (debug otherwise); ``--disable-log-stats`` turns it off.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
+import time
+import weakref
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from kvserve.engine.request import RequestOutput
 
@@ -55,19 +93,34 @@ def _fmt(v: float) -> str:
 
 
 class Metrics:
-    """One model's counters and the scrape window for its gauges.
+    """One model's counters and the scrape window for its gauges: llama-server's ``llamacpp:``
+    families and vLLM's ``vllm:`` ones (:class:`VllmMetrics`, made on first use).
 
     Args:
         state: the model's Runner (engine stats and slots are read from it).
+
+    Thread-safety: :meth:`on_output` and :meth:`render` run on the server's loop; the stats
+    line is logged from a daemon thread (started with the first output unless
+    ``--disable-log-stats``), which reads the vLLM counters under their lock.
     """
 
-    def __init__(self, state: "Runner"):
+    def __init__(self, state: Runner):
         self._state = state
         self._lock = threading.Lock()
         self._last = {k: 0.0 for k in _WINDOW_KEYS}
+        self._vllm: VllmMetrics | None = None
+
+    @property
+    def vllm(self) -> VllmMetrics:
+        """This model's vLLM metrics (built on first use: the served name is known by then)."""
+        if self._vllm is None:
+            self._vllm = VllmMetrics(self._state)
+        return self._vllm
 
     def on_output(self, out: RequestOutput) -> None:
-        """Hook for per-output accounting (the engine's counters are the source of truth)."""
+        """Count one request output (the engine's counters stay the source of the llamacpp:
+        families; the vLLM ones are counted here, see the module docstring)."""
+        self.vllm.on_output(out)
 
     def _values(self) -> dict[str, float]:
         state = self._state
@@ -103,13 +156,14 @@ class Metrics:
         }
 
     def render(self) -> str:
-        """The exposition text, llama-server's exact lines; starts a new gauge window."""
+        """The exposition text: llama-server's exact lines, then vLLM's families; starts a new
+        gauge window."""
         vals = self._values()
         lines = []
         for name, typ, help_ in _METRICS:
             full = f"llamacpp:{name}"
             lines += [f"# HELP {full} {help_}", f"# TYPE {full} {typ}", f"{full} {_fmt(vals[name])}"]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + self.vllm.render()
 
 
 def render_empty() -> str:
@@ -125,7 +179,7 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def render_models(manager: "ModelManager") -> str:
+def render_models(manager: ModelManager) -> str:
     """Several models (no ``-m``): each llama-server family once, one sample per loaded model
     labelled ``model="<name>"`` (vLLM labels its series by model too), then the manager's own
     series: models loaded, requests waiting for room, loads and unloads by reason."""
@@ -148,4 +202,278 @@ def render_models(manager: "ModelManager") -> str:
               "# HELP kvserve:model_unloads_total Models unloaded, by reason.",
               "# TYPE kvserve:model_unloads_total counter"]
     lines += [f'kvserve:model_unloads_total{{reason="{_label(r)}"}} {n}' for r, n in sorted(st.unloads.items())]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + render_vllm([e.runner.metrics.vllm for e in runners])
+
+
+# -- vLLM's metrics ---------------------------------------------------------------------------
+
+log = logging.getLogger("kvserve.server")
+
+#: vLLM's FinishReason values (vllm/v1/engine/__init__.py), each a pre-made series
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+LABELS = ("model_name", "engine")
+#: requests in flight whose latency state is kept; beyond it the oldest are forgotten (a client
+#: that disconnects leaves its request's entry behind: its final output never reaches a face)
+MAX_TRACKED = 4096
+#: vLLM's PrefixCachingMetrics window: the hit rate of the stats line covers the last N requests
+HIT_RATE_REQUESTS = 1000
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's bucket rule for token counts)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exp
+            if v > max_value:
+                return out
+            out.append(v)
+        exp += 1
+
+
+def _finish_reason(out: RequestOutput) -> str:
+    if out.error:
+        return "error"
+    if out.stop_type == "limit":
+        return "length"
+    if out.stop_type == "abort":
+        return "abort"
+    return "stop"
+
+
+def log_interval_s() -> float:
+    """``VLLM_LOG_STATS_INTERVAL`` seconds (default 10, as vLLM); at least 0.1."""
+    try:
+        return max(0.1, float(os.environ.get("VLLM_LOG_STATS_INTERVAL", "10")))
+    except ValueError:
+        return 10.0
+
+
+class _Tracked:
+    """One request in flight: whether its first token came, when its last output came."""
+
+    __slots__ = ("first", "last")
+
+    def __init__(self) -> None:
+        self.first = False
+        self.last = 0.0
+
+
+class VllmMetrics:
+    """One model's ``vllm:`` families (see the module docstring) and its stats-line window.
+
+    Args:
+        state: the model's Runner (served name, engine, slots, args).
+    """
+
+    def __init__(self, state: Runner):
+        self._state = state
+        engine = state.engine
+        self.model_name = str(getattr(state, "model_alias", "") or getattr(getattr(state, "spec", None), "name", ""))
+        self.max_model_len = int(getattr(engine, "n_ctx_slot", 0) or 0) if engine is not None else 0
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._lock = threading.Lock()
+        self._tracked: OrderedDict[str, _Tracked] = OrderedDict()
+        r, lv = self.registry, (self.model_name, "0")
+
+        def gauge(name: str, doc: str):
+            return Gauge(name, doc, LABELS, registry=r).labels(*lv)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, LABELS, registry=r).labels(*lv)
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=r).labels(*lv)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          LABELS + ("finished_reason",), registry=r)
+        self.success = {k: success.labels(*lv, k) for k in FINISH_REASONS}
+        lens = build_1_2_5_buckets(max(self.max_model_len, 1))
+        self.req_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", lens)
+        self.req_generation_tokens = histogram("vllm:request_generation_tokens",
+                                               "Number of generation tokens processed.", lens)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        self._preempted_seen = 0
+        # the stats line: tokens since the last line, the hit rate over the last requests
+        self._win_prompt = self._win_gen = 0
+        self._win_start = time.monotonic()
+        self._last_tp = (0.0, 0.0)
+        self._recent: deque[tuple[int, int]] = deque(maxlen=HIT_RATE_REQUESTS)
+        self._recent_q = self._recent_h = 0
+        self._logger_started = False
+
+    # -- counting ---------------------------------------------------------------------------
+
+    def on_output(self, out: RequestOutput) -> None:
+        """Count one output of a request (see the module docstring for what each family counts)."""
+        now = time.monotonic()
+        arrival = out.arrival_time or now
+        with self._lock:
+            t = self._tracked.get(out.request_id)
+            if t is None:
+                t = self._tracked[out.request_id] = _Tracked()
+                while len(self._tracked) > MAX_TRACKED:
+                    self._tracked.popitem(last=False)
+            n_new = len(out.new_token_ids)
+            first_now = not t.first and (n_new > 0 or (out.finished and out.timings.prompt_ms > 0))
+            if first_now:  # the prompt was processed: its tokens and cache lookups count once
+                t.first = True
+                self.ttft.observe(max(0.0, now - arrival))
+                self.prompt_tokens.inc(out.num_prompt_tokens)
+                self.prefix_queries.inc(out.num_prompt_tokens)
+                self.prefix_hits.inc(out.num_cached_tokens)
+                self._win_prompt += out.num_prompt_tokens
+                self._hit_rate_add(out.num_prompt_tokens, out.num_cached_tokens)
+            elif n_new > 0:
+                self.itl.observe(max(0.0, now - t.last))
+            if n_new:
+                self.generation_tokens.inc(n_new)
+                self._win_gen += n_new
+                t.last = now
+            if out.finished:
+                self._tracked.pop(out.request_id, None)
+                self.success[_finish_reason(out)].inc()
+                self.e2e.observe(max(0.0, now - arrival))
+                self.req_prompt_tokens.observe(out.num_prompt_tokens)
+                self.req_generation_tokens.observe(out.num_output_tokens)
+        if not self._logger_started:
+            self._start_logger()
+
+    def _hit_rate_add(self, queries: int, hits: int) -> None:
+        if len(self._recent) == self._recent.maxlen:
+            q, h = self._recent[0]
+            self._recent_q -= q
+            self._recent_h -= h
+        self._recent.append((queries, hits))
+        self._recent_q += queries
+        self._recent_h += hits
+
+    # -- gauges and the page ----------------------------------------------------------------
+
+    def scheduler_state(self) -> tuple[int, int, float]:
+        """``(running, waiting, kv usage 0..1)`` now: requests in the engine's batch; requests
+        in its queue plus those waiting for a slot (llama-server's deferred ones); the
+        fraction of KV blocks held by sequences and idle slots."""
+        state = self._state
+        engine = state.engine
+        core = getattr(engine, "core", None)
+        slots = getattr(state, "slots", None)
+        deferred = slots.n_deferred if slots is not None else 0
+        try:  # plain reads of the engine thread's containers: racy, harmless
+            sched = core.scheduler
+            return len(sched.running), len(sched.waiting) + deferred, float(core.kv.usage)
+        except Exception:  # noqa: BLE001 - no core (unloaded), an encoder's (refuses), a closing engine
+            return 0, deferred, 0.0
+
+    def _refresh(self) -> None:
+        running, waiting, usage = self.scheduler_state()
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(usage)
+        engine = self._state.engine
+        st = getattr(engine, "stats", None)
+        n = int(getattr(st, "num_preemptions", 0) or 0)
+        with self._lock:
+            if n > self._preempted_seen:
+                self.preemptions.inc(n - self._preempted_seen)
+                self._preempted_seen = n
+
+    def render(self) -> str:
+        """This model's ``vllm:`` families in the text format (gauges read now)."""
+        self._refresh()
+        return generate_latest(self.registry).decode("utf-8")
+
+    # -- the stats line -----------------------------------------------------------------------
+
+    def stats_line(self) -> tuple[str, bool]:
+        """vLLM's ``LoggingStatLogger`` line over the window since the previous call, and
+        whether it is worth INFO (some throughput now or in the previous window); starts a
+        new window."""
+        now = time.monotonic()
+        running, waiting, usage = self.scheduler_state()
+        with self._lock:
+            dt = now - self._win_start
+            prompt_tp = self._win_prompt / dt if dt > 0 else 0.0
+            gen_tp = self._win_gen / dt if dt > 0 else 0.0
+            self._win_prompt = self._win_gen = 0
+            self._win_start = now
+            hit = self._recent_h / self._recent_q if self._recent_q else 0.0
+            busy = any((prompt_tp, gen_tp) + self._last_tp)
+            self._last_tp = (prompt_tp, gen_tp)
+        line = (f"Engine 000: Avg prompt throughput: {prompt_tp:.1f} tokens/s, Avg generation throughput: "
+                f"{gen_tp:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, GPU KV cache usage: "
+                f"{usage * 100:.1f}%, Prefix cache hit rate: {hit * 100:.1f}%")
+        return line, busy
+
+    def log_stats(self) -> None:
+        """Log :meth:`stats_line` (INFO while busy, DEBUG when idle, as vLLM)."""
+        line, busy = self.stats_line()
+        log.log(logging.INFO if busy else logging.DEBUG, "%s", line, extra={"func": "loggers.py"})
+
+    def _start_logger(self) -> None:
+        self._logger_started = True
+        if getattr(getattr(self._state, "args", None), "disable_log_stats", False):
+            return
+        threading.Thread(target=_log_loop, args=(weakref.ref(self), log_interval_s()),
+                         name="kvserve-stats-log", daemon=True).start()
+
+
+def _log_loop(ref: weakref.ref[VllmMetrics], interval: float) -> None:
+    """Log the stats line every ``interval`` seconds until the model is unloaded."""
+    while True:
+        time.sleep(interval)
+        m = ref()
+        if m is None or m._state.engine is None:
+            return
+        try:
+            m.log_stats()
+        except Exception:
+            log.exception("stats log line failed", extra={"func": "loggers.py"})
+        del m
+
+
+class _Merged:
+    """Several models' registries as one collector: each family once, every model's samples."""
+
+    def __init__(self, registries):
+        self._registries = registries
+
+    def collect(self):
+        fams: dict[str, object] = {}
+        for reg in self._registries:
+            for f in reg.collect():
+                if f.name in fams:
+                    fams[f.name].samples.extend(f.samples)
+                else:
+                    fams[f.name] = f
+        return list(fams.values())
+
+
+def render_vllm(models: list[VllmMetrics]) -> str:
+    """The ``vllm:`` families of several models (no ``-m``): each family once, one series per
+    model (its ``model_name`` label), as one vLLM page lists several engines."""
+    for m in models:
+        m._refresh()
+    if not models:
+        return ""
+    return generate_latest(_Merged([m.registry for m in models])).decode("utf-8")

@@ -365,7 +365,9 @@ def test_metrics(smollm2_server):
         elif ln and not ln.startswith("#"):
             name, v = ln.rsplit(" ", 1)
             vals[name] = float(v)
-    assert list(vals) == [f"llamacpp:{n}" for n in METRIC_NAMES]
+    # llama-server's families first, in its order (vLLM's vllm: families follow on the same page)
+    assert [k for k in vals if k.startswith("llamacpp:")] == [f"llamacpp:{n}" for n in METRIC_NAMES]
+    assert next(iter(vals)) == "llamacpp:prompt_tokens_total" and "vllm:" in r.text
     assert all(f"# HELP llamacpp:{n} " in r.text for n in METRIC_NAMES)
     for n in METRIC_NAMES:
         want = "gauge" if n.endswith("_seconds") or n.startswith(("requests_", "n_busy")) else "counter"
