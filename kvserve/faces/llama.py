@@ -1,8 +1,17 @@
 """llama-server's native endpoints (seed Examples 2, 3, 6, 7, 8, 12, 15, 17).
 
 GET /health /v1/health /v1/models /models /v1/models/{id} /props /slots /metrics; POST /props
-/completion /completions /tokenize /detokenize /apply-template /slots/{id};
+/completion /completions /infill /tokenize /detokenize /apply-template /slots/{id};
 /embedding(s), /v1/embeddings and /rerank are in :mod:`kvserve.faces.embeddings`.
+vLLM's ``GET /version`` and ``GET|POST /ping`` live here too, and ``/tokenize`` also takes vLLM's
+request shape (``prompt`` or ``messages``, ``add_special_tokens``, ``return_token_strs``) and then
+answers vLLM's ``count``, ``max_model_len``, ``tokens``, ``token_strs``; ``/detokenize`` answers
+llama-server's ``content`` and vLLM's ``prompt``.
+
+``/infill`` is llama-server's: ``input_prefix``, ``input_suffix``, ``input_extra``
+(``[{"filename", "text"}]``) and ``prompt`` laid out with the model's FIM tokens
+(:mod:`kvserve.faces.fim`), then run as ``/completion`` (same fields, same answer); a vocabulary
+without them is 501 ``Infill is not supported by this model: prefix token is missing. ...``.
 
 Each handler only translates: request JSON (read by :mod:`kvserve.faces.params` and the getters
 here) -> engine Request -> output -> a wire type of :mod:`kvserve.faces.llama_types`, written
@@ -54,6 +63,8 @@ from kvserve.faces.llama_types import (
     TokenProbs,
     TopLogprob,
     TopProb,
+    VersionResponse,
+    VllmTokenizeResponse,
 )
 from kvserve.faces.models import (
     keep_alive_field,
@@ -310,6 +321,93 @@ class CompletionHandler:
                 yield self.final_json(c, params, opts, stream=True).wire()
 
 
+class InfillRoute:
+    """POST /infill: llama-server's checks and texts, the FIM prompt, then /completion."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    async def __call__(self, http: HttpRequest) -> Response:
+        body = await read_json(http)
+
+        async def run(runner: Runner) -> Response:
+            runner.require_ready()
+            ids = await asyncio.to_thread(infill_prompt, runner, body)
+            return await CompletionHandler(runner).serve(http, {**body, "prompt": ids})
+
+        return await serve_model(self.state, model_field(body), keep_alive_field(body), run, http)
+
+
+def infill_prompt(state: Runner, body: dict) -> list[int]:
+    """The token ids of an ``/infill`` request (llama-server's ``handle_infill`` checks, in its
+    order and with its texts; the layout of :func:`kvserve.faces.fim.fim_prompt`).
+
+    Raises:
+        ApiError: 501 when the vocabulary has no FIM tokens; 400 for a bad field.
+    """
+    from kvserve.faces.fim import fim_prompt, fim_tokens, missing_text
+
+    tok = state.tokenizer
+    fim = fim_tokens(tok)
+    if fim.missing:
+        raise ApiError(501, f"Infill is not supported by this model: {missing_text(fim)}")
+    if "prompt" in body and not isinstance(body["prompt"], str):
+        raise ApiError(400, '"prompt" must be a string')
+    for key in ("input_prefix", "input_suffix"):
+        if key not in body:
+            raise ApiError(400, f'"{key}" is required')
+    extra = body.get("input_extra", [])
+    if not isinstance(extra, list):
+        raise ApiError(400, '"input_extra" must be an array of {"filename": string, "text": string}')
+    chunks = []
+    for c in extra:
+        if not isinstance(c, dict) or not isinstance(c.get("text"), str):
+            raise ApiError(400, 'extra_context chunk must contain a "text" field with a string value')
+        if "filename" in c and not isinstance(c["filename"], str):
+            raise ApiError(400, 'extra_context chunk\'s "filename" field must be a string')
+        chunks.append((c.get("filename", "tmp"), c["text"]))
+    n_ctx = state.engine.n_ctx_slot
+    prefix = tokenize_mixed(tok, body["input_prefix"], add_special=False, parse_special=False,
+                            field_name="input_prefix")
+    suffix = tokenize_mixed(tok, body["input_suffix"], add_special=False, parse_special=False,
+                            field_name="input_suffix")
+    prompt = tok.encode(body.get("prompt") or "", add_special=False, parse_special=True)
+    args = state.args
+    return fim_prompt(tok, fim, prefix, suffix, prompt=prompt, extra=chunks, n_batch=getattr(args, "batch_size", 2048),
+                      n_predict=getattr(args, "n_predict", -1), n_ctx=n_ctx,
+                      spm_infill=bool(getattr(args, "spm_infill", False)))
+
+
+def vllm_tokenize(state: Runner, body: dict) -> VllmTokenizeResponse:
+    """``/tokenize`` in vLLM's shape (its ``TokenizeCompletionRequest`` / ``TokenizeChatRequest``):
+    ``prompt`` tokenized with ``add_special_tokens`` (default true), or ``messages`` rendered
+    with the chat template (``add_generation_prompt`` default true, ``continue_final_message``,
+    ``tools``, ``chat_template_kwargs``) and tokenized with ``add_special_tokens`` (default
+    false: the template writes its own BOS)."""
+    tok = state.tokenizer
+    n_ctx = state.engine.n_ctx_slot
+    if "messages" in body and body.get("prompt") is None:
+        if state.template is None:
+            raise ApiError(500, "the model has no chat template")
+        from kvserve.chat.prompt import render_chat
+        from kvserve.faces.chat_features import parse_tools, template_kwargs
+
+        text, ids = render_chat(state.template, tok, body["messages"],
+                                add_generation_prompt=get_bool(body, "add_generation_prompt", True),
+                                tools=parse_tools(body.get("tools")),
+                                continue_final_message=bool(get_bool(body, "continue_final_message", False)),
+                                **template_kwargs(state.args, body))
+        if get_bool(body, "add_special_tokens", False):
+            ids = tok.encode(text, add_special=True, parse_special=True)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise type_error("prompt", "string", prompt)
+        ids = tok.encode(prompt, add_special=bool(get_bool(body, "add_special_tokens", True)), parse_special=True)
+    strs = [tok.token_text(t) for t in ids] if get_bool(body, "return_token_strs", False) else None
+    return VllmTokenizeResponse(count=len(ids), max_model_len=n_ctx, tokens=ids, token_strs=strs)
+
+
 # -- the router ---------------------------------------------------------------------------
 
 def props_json(state: Runner) -> Props:
@@ -379,6 +477,19 @@ def build_router(state: ServerState) -> APIRouter:
 
     r.add_api_route("/completion", completion, methods=["POST"])
     r.add_api_route("/completions", completion, methods=["POST"])
+    r.add_api_route("/infill", InfillRoute(state), methods=["POST"])
+
+    @r.get("/version")
+    async def version():
+        from kvserve import __version__
+
+        return json_response(VersionResponse(version=__version__).wire())
+
+    @r.get("/ping")
+    @r.post("/ping")
+    async def ping():
+        state.require_up()  # as /health: 503 while the start-up model loads
+        return Response(status_code=200)  # vLLM answers an empty 200
 
     @r.post("/tokenize")
     async def tokenize(http: HttpRequest):
@@ -389,6 +500,8 @@ def build_router(state: ServerState) -> APIRouter:
             tok = runner.tokenizer
 
             def work() -> Response:  # off the event loop: 30 MB of text takes tens of seconds
+                if body.get("content") is None and ("prompt" in body or "messages" in body):
+                    return json_response(vllm_tokenize(runner, body).wire())
                 ids: list[int] = []
                 if body.get("content") is not None:
                     ids = tokenize_mixed(tok, body["content"],
@@ -421,7 +534,8 @@ def build_router(state: ServerState) -> APIRouter:
                 bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
                 if bad is not None:
                     raise ApiError(400, f"token id {bad} is out of range (vocabulary size {tok.n_vocab})")
-                return json_response(DetokenizeResponse(content=tok.decode(ids)).wire())
+                text = tok.decode(ids)
+                return json_response(DetokenizeResponse(content=text, prompt=text).wire())
 
             return await asyncio.to_thread(work)
 

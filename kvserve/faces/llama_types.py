@@ -53,6 +53,8 @@ __all__ = [
     "TokenizeResponse",
     "TopLogprob",
     "TopProb",
+    "VersionResponse",
+    "VllmTokenizeResponse",
 ]
 
 
@@ -199,10 +201,29 @@ class TokenizePiecesResponse(WireModel):
     tokens: list[TokenPiece]
 
 
+class VllmTokenizeResponse(WireModel):
+    """``/tokenize`` asked in vLLM's shape (``prompt`` or ``messages``): vLLM's
+    ``TokenizeResponse``: ``count``, ``max_model_len``, ``tokens`` and ``token_strs`` (the
+    vocabulary's texts of the tokens with ``return_token_strs``, else null)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
 class DetokenizeResponse(WireModel):
-    """``/detokenize``: ``{"content": text}``."""
+    """``/detokenize``: ``{"content": text}`` (llama-server), with ``prompt`` (vLLM's name for
+    the same text) beside it when the face sets it."""
 
     content: str
+    prompt: str | None = None
+
+
+class VersionResponse(WireModel):
+    """vLLM's ``GET /version``: ``{"version": the server's version}``."""
+
+    version: str
 
 
 class ApplyTemplateResponse(WireModel):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request as HttpRequest
@@ -152,12 +153,21 @@ def _max_model_len(state: ServerState, m: ServableModel) -> int | None:
         return None
 
 
+def _permission(created: int) -> list[dict]:
+    """vLLM's ``ModelCard.permission``: one ``model_permission`` object with its defaults."""
+    return [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+             "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+             "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+             "organization": "*", "group": None, "is_blocking": False}]
+
+
 def model_entry(state: ServerState, m: ServableModel, created: int) -> dict:
-    """One ``data`` item: OpenAI's fields, vLLM's ``root``/``max_model_len``, llama-server's
-    ``aliases``/``meta`` (when loaded) and router mode's ``status``."""
+    """One ``data`` item: OpenAI's fields, vLLM's ``root`` (the model's file or directory),
+    ``parent`` (null: no adapters), ``max_model_len`` (one sequence's context, tokens) and
+    ``permission``, llama-server's ``aliases``/``meta`` (when loaded) and router mode's ``status``."""
     d = {"id": m.name, "aliases": list(m.aliases), "tags": [], "object": "model", "created": created,
          "owned_by": "llamacpp", "root": m.path, "parent": None, "max_model_len": _max_model_len(state, m),
-         "status": {"value": _status(m)}}
+         "permission": _permission(created), "status": {"value": _status(m)}}
     r = m.runner
     if r is not None and r.engine is not None:
         info = r.engine.model_info

@@ -21,8 +21,18 @@ which the one pinned model answers, as llama-server does); the response names th
 served it. An unknown name is 404 ``model 'x' not found``. Ollama's ``keep_alive`` is accepted.
 
 Deviations from OpenAI:
-``n`` > 1 runs n independent requests (choice i uses ``seed + i`` when a seed is given);
-``/v1/completions`` ``suffix`` is refused (400).
+``n`` > 1 runs n independent requests (choice i uses ``seed + i`` when a seed is given).
+
+vLLM's request details (its ``protocol.py``): ``prompt_logprobs`` k (or -1: the whole
+vocabulary) on both endpoints answers, per prompt token, the token's own logprob and ``rank``
+plus the k most likely tokens (``{"<id>": {"logprob", "rank", "decoded_token"}}``, null for the
+first token), on each legacy choice and at the top of a chat completion; refused with a stream
+(400, vLLM's text) unless 0; it needs logits at every prompt position, so the prompt is not
+reused from the cache. ``rank`` is null for a token outside the reported candidates (the engine
+reports the top k, not the rank of the rest). ``truncate_prompt_tokens`` k keeps the last k
+prompt tokens (-1: ``max_model_len``; above it: 400 with vLLM's text). ``suffix`` on
+``/v1/completions`` is fill-in-the-middle with the model's FIM tokens (:mod:`kvserve.faces.fim`,
+llama-server's ``/infill`` layout); a vocabulary without them is 400 naming the missing tokens.
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ from kvserve.faces.openai_types import (
     ChatTopLogprob,
     CompletionTokensDetails,
     LegacyLogprobs,
+    PromptLogprob,
     PromptTokensDetails,
     TextChoice,
     TextCompletion,
@@ -124,6 +135,7 @@ class Plan:
     echo_texts: list[str] = field(default_factory=list)  # legacy echo: prompt text per choice
     mode: OutputMode = field(default_factory=OutputMode)  # chat: reasoning split and tool-call parsing
     grammar: str = ""  # the constraint's grammar text, shown in /slots params
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: candidates per prompt token to report
 
 
 def _top_n(state: Runner, body: dict, key: str) -> int | None:
@@ -156,6 +168,51 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
             raise type_error("stream_options", "object", opts)
         include_usage = bool(get_bool(opts, "include_usage", False))
     return stream, include_usage
+
+
+def _prompt_logprobs_field(state: Runner, body: dict, stream: bool) -> int | None:
+    """vLLM's ``prompt_logprobs``: None (not asked, or 0 with a stream: nothing is sent), else
+    the candidates per prompt token (-1 = the vocabulary); vLLM's checks and texts."""
+    if body.get("prompt_logprobs") is None:
+        return None
+    n = get_int(body, "prompt_logprobs")
+    if stream and (n > 0 or n == -1):
+        raise ApiError(400, "`prompt_logprobs` are not available when `stream=True`.")
+    if n < 0 and n != -1:
+        raise ApiError(400, "`prompt_logprobs` must be a positive value or -1.")
+    if stream:
+        return None
+    n = state.tokenizer.n_vocab if n == -1 else n
+    check_logprobs(n, _max_logprobs(state), state.tokenizer.n_vocab, prompt=True)
+    return n
+
+
+def _with_prompt_logprobs(params: SamplingParams, k: int | None) -> SamplingParams:
+    """Ask the engine for prompt logprobs (at least the top one, which gives rank 1) and for
+    logits at every prompt position (no prefix reuse)."""
+    if k is None:
+        return params
+    return dataclasses.replace(params, prompt_logprobs=max(k, params.prompt_logprobs or 0, 1), cache_prompt=False)
+
+
+def _truncate_field(state: Runner, body: dict) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: keep the last k prompt tokens (-1: ``max_model_len``)."""
+    k = get_int(body, "truncate_prompt_tokens")
+    if k is None:
+        return None
+    max_len = state.engine.n_ctx_slot
+    if k < -1:
+        raise ApiError(400, "Field 'truncate_prompt_tokens': must be >= -1")
+    if k <= -1:
+        k = max_len
+    if k > max_len:
+        raise ApiError(400, f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_len}). "
+                            "Please, select a smaller truncation size.")
+    return k
+
+
+def _truncate(ids: list[int], k: int | None) -> list[int]:
+    return ids[len(ids) - k:] if k is not None and len(ids) > k else ids
 
 
 def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
@@ -204,7 +261,10 @@ def chat_plan(state: Runner, body: dict) -> Plan:
     if top is not None and not logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be set to true")
     feats = chat_features(state, body)
-    _check_chat_fits(state, body)
+    truncate = _truncate_field(state, body)
+    plp = _prompt_logprobs_field(state, body, stream)
+    if truncate is None:  # a prompt to be truncated may be longer than the context
+        _check_chat_fits(state, body)
     cont = get_bool(body, "continue_final_message")
     add_gen = get_bool(body, "add_generation_prompt")
     if cont and add_gen:
@@ -214,6 +274,7 @@ def chat_plan(state: Runner, body: dict) -> Plan:
     text, ids = render_chat(state.template, state.tokenizer, body["messages"],
                             add_generation_prompt=add_gen is not False, tools=feats.template_tools,
                             continue_final_message=cont, **feats.template_kwargs)
+    ids = _truncate(ids, truncate)
     msgs = normalize_messages(body["messages"])
     prefill = (msgs[-1].get("content") or "") if continues_final_message(msgs, cont) else ""
     params = sampling_params_from_body(body, state.default_params, state.tokenizer,
@@ -221,6 +282,7 @@ def chat_plan(state: Runner, body: dict) -> Plan:
                                        max_logprobs=_max_logprobs(state))
     if logprobs:
         params = dataclasses.replace(params, n_probs=max(top or 0, 1))
+    params = _with_prompt_logprobs(params, plp)
     spec = _constraint_spec(body)
     if feats.tool_grammar is not None:
         if spec is not None:
@@ -235,7 +297,7 @@ def chat_plan(state: Runner, body: dict) -> Plan:
     reqs = _engine_requests(state, body, rid, [ids], params, n, make)
     _validate(state, reqs)
     return Plan("chat", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage,
-                (top or 0) if logprobs else None, mode=mode, grammar=_grammar_text(state, spec))
+                (top or 0) if logprobs else None, mode=mode, grammar=_grammar_text(state, spec), prompt_logprobs=plp)
 
 
 def _check_chat_fits(state: Runner, body: dict) -> None:
@@ -265,7 +327,8 @@ def _constraint_spec(body: dict):
     return constraint_from_body(body, "openai")
 
 
-def _prompt_list(state: Runner, prompt) -> list[list[int]]:
+def _prompt_list(state: Runner, prompt, *, check_fits: bool = True, add_special: bool = True,
+                 parse_special: bool = True) -> list[list[int]]:
     """Legacy ``prompt``: a string, token ids, a list of strings, or a list of token-id lists.
 
     Token lists may mix ids and strings (llama-server); strings are tokenized with special
@@ -274,16 +337,16 @@ def _prompt_list(state: Runner, prompt) -> list[list[int]]:
     tok = state.tokenizer
 
     def one(p) -> list[int]:
-        if isinstance(p, (str, list)):
+        if check_fits and isinstance(p, (str, list)):
             tok.check_fits(p, state.engine.n_ctx_slot)  # refuse what cannot fit before tokenizing
         if isinstance(p, str):
-            return tok.encode(p, add_special=True, parse_special=True)
+            return tok.encode(p, add_special=add_special, parse_special=parse_special)
         ids: list[int] = []
         for k, el in enumerate(p):
             if isinstance(el, bool) or not isinstance(el, (int, str)):
                 raise ApiError(400, "Field 'prompt': elements must be token ids or strings")
             if isinstance(el, str):
-                ids.extend(tok.encode(el, add_special=(k == 0), parse_special=True))
+                ids.extend(tok.encode(el, add_special=add_special and k == 0, parse_special=parse_special))
             elif not 0 <= el < tok.n_vocab:
                 raise ApiError(400, f"Field 'prompt': token id {el} out of range [0, {tok.n_vocab})")
             else:
@@ -306,15 +369,20 @@ def _prompt_list(state: Runner, prompt) -> list[list[int]]:
 def completion_plan(state: Runner, body: dict) -> Plan:
     """Parse a legacy completion request (raises ApiError 400 on bad fields)."""
     state.require_ready()
-    if get_str(body, "suffix"):
-        raise ApiError(400, "'suffix' is not supported")
+    suffix = get_str(body, "suffix")
     stream, include_usage = _stream_flags(body)
     n = _n_choices(body)
     echo = get_bool(body, "echo", False)
     logprobs = _top_n(state, body, "logprobs")
-    prompts = _prompt_list(state, body.get("prompt"))
-    if any(not p for p in prompts):
-        raise ApiError(400, "Field 'prompt': the prompt is empty")
+    truncate = _truncate_field(state, body)
+    plp = _prompt_logprobs_field(state, body, stream)
+    if suffix:
+        prompts = _fim_prompts(state, body, suffix)
+    else:
+        prompts = _prompt_list(state, body.get("prompt"), check_fits=truncate is None)
+        if any(not p for p in prompts):
+            raise ApiError(400, "Field 'prompt': the prompt is empty")
+    prompts = [_truncate(p, truncate) for p in prompts]
     # OpenAI's default max_tokens for completions is 16 (llama-server uses -1).
     defaults = dataclasses.replace(state.default_params, n_predict=16)
     params = sampling_params_from_body(body, defaults, state.tokenizer, max_tokens_keys=("max_tokens", "n_predict"),
@@ -323,6 +391,7 @@ def completion_plan(state: Runner, body: dict) -> Plan:
         params = dataclasses.replace(params, n_probs=max(logprobs, 1))
         if echo:  # prompt logprobs need logits at every prompt position: no prefix reuse
             params = dataclasses.replace(params, prompt_logprobs=max(logprobs, 1), cache_prompt=False)
+    params = _with_prompt_logprobs(params, plp)
     rid = _rand_id("cmpl-")
     spec = _constraint_spec(body)
     make = constraint_factory(state, spec, "", OutputMode(), -1) if spec is not None else None
@@ -330,7 +399,26 @@ def completion_plan(state: Runner, body: dict) -> Plan:
     _validate(state, reqs)
     echo_texts = [state.tokenizer.decode(r.prompt_token_ids) if echo else "" for r in reqs]
     return Plan("text", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage, logprobs,
-                echo_texts, grammar=_grammar_text(state, spec))
+                echo_texts, grammar=_grammar_text(state, spec), prompt_logprobs=plp)
+
+
+def _fim_prompts(state: Runner, body: dict, suffix: str) -> list[list[int]]:
+    """``prompt`` + ``suffix``: one fill-in-the-middle prompt per prompt (the code before the
+    hole) with the model's FIM tokens, laid out as llama-server's ``/infill``; 400 naming the
+    missing tokens when the vocabulary has none."""
+    from kvserve.faces.fim import fim_prompt, fim_tokens, missing_text
+
+    tok = state.tokenizer
+    fim = fim_tokens(tok)
+    if fim.missing:
+        raise ApiError(400, f"'suffix' is not supported by this model: {missing_text(fim)}".rstrip())
+    args = state.args
+    suffix_ids = tok.encode(suffix, add_special=False, parse_special=False)
+    prefixes = _prompt_list(state, body.get("prompt", ""), check_fits=False, add_special=False,
+                            parse_special=False) if body.get("prompt") not in (None, "") else [[]]
+    return [fim_prompt(tok, fim, p, suffix_ids, n_batch=getattr(args, "batch_size", 2048),
+                       n_predict=getattr(args, "n_predict", -1), n_ctx=state.engine.n_ctx_slot,
+                       spm_infill=bool(getattr(args, "spm_infill", False))) for p in prefixes]
 
 
 # ------------------------------------------------------------------------ running choices
@@ -425,6 +513,26 @@ class _LegacyLogprobs:
         return d
 
 
+def vllm_prompt_logprobs(plp: list[TokenLogprob | None], k: int) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs`` list: per prompt token (null for the first) a dict keyed by
+    token id (a string in JSON): the prompt token itself first, with its rank (1 = the most
+    likely; null when outside the candidates the engine reported), then the ``k`` most likely
+    tokens with ranks 1..k (a token both the prompt's and a candidate appears once)."""
+    res: list[dict[str, PromptLogprob] | None] = []
+    for lp in plp:
+        if lp is None:
+            res.append(None)
+            continue
+        top = lp.top_logprobs  # the engine's order: most likely first
+        rank = next((i + 1 for i, t in enumerate(top) if t.id == lp.id), None)
+        d: dict[str, PromptLogprob] = {str(lp.id): {"logprob": _lp(lp.logprob), "rank": rank,
+                                                    "decoded_token": lp.token}}
+        for i, t in enumerate(top[:k]):
+            d[str(t.id)] = {"logprob": _lp(t.logprob), "rank": i + 1, "decoded_token": t.token}
+        res.append(d)
+    return res
+
+
 def _add_prompt_logprobs(acc: _LegacyLogprobs, state: Runner, req: Request, out: RequestOutput) -> None:
     plp = out.prompt_logprobs or [None] * len(req.prompt_token_ids)
     for tok, lp in zip(req.prompt_token_ids, plp):
@@ -457,8 +565,11 @@ async def complete(state: Runner, plan: Plan) -> ChatCompletion | TextCompletion
     legacy = [_LegacyLogprobs(plan.logprobs or 0, 0) for _ in plan.requests]
     started = [False] * len(plan.requests)
     post = [ChoiceOutput(plan.mode) if plan.kind == "chat" and plan.mode.active else None for _ in plan.requests]
+    prompt_lps: list[list | None] = [None] * len(plan.requests)
     async for i, out in run_choices(state, plan):
         _check_output(out)
+        if plan.prompt_logprobs is not None and out.prompt_logprobs is not None and prompt_lps[i] is None:
+            prompt_lps[i] = vllm_prompt_logprobs(out.prompt_logprobs, plan.prompt_logprobs)
         if plan.kind == "text" and plan.logprobs is not None and not started[i] and plan.echo_texts[i]:
             _add_prompt_logprobs(legacy[i], state, plan.requests[i], out)
         started[i] = True
@@ -477,10 +588,14 @@ async def complete(state: Runner, plan: Plan) -> ChatCompletion | TextCompletion
                 "usage": _usage(outs, plan.n, _reasoning_tokens(plan, post)), "id": plan.response_id,
                 "timings": Timings.of(outs[0].timings)}
     if plan.kind != "chat":
-        return TextCompletion(choices=[
-            TextChoice(finish_reason=out.finish_reason, index=i, text=plan.echo_texts[i] + texts[i],
-                       logprobs=legacy[i].result() if plan.logprobs is not None else None)
-            for i, out in enumerate(outs)], object="text_completion", **envelope)
+        tchoices = []
+        for i, out in enumerate(outs):
+            tc = TextChoice(finish_reason=out.finish_reason, index=i, text=plan.echo_texts[i] + texts[i],
+                            logprobs=legacy[i].result() if plan.logprobs is not None else None)
+            if plan.prompt_logprobs is not None:
+                tc.prompt_logprobs = prompt_lps[i]
+            tchoices.append(tc)
+        return TextCompletion(choices=tchoices, object="text_completion", **envelope)
     choices = []
     for i, out in enumerate(outs):
         msg = ChatMessage(**post[i].message(texts[i])) if post[i] is not None else \
@@ -489,7 +604,10 @@ async def complete(state: Runner, plan: Plan) -> ChatCompletion | TextCompletion
         if plan.logprobs is not None:
             c.logprobs = ChatLogprobs(content=chat_lps[i])
         choices.append(c)
-    return ChatCompletion(choices=choices, object="chat.completion", **envelope)
+    resp = ChatCompletion(choices=choices, object="chat.completion", **envelope)
+    if plan.prompt_logprobs is not None:
+        resp.prompt_logprobs = prompt_lps[0] if prompt_lps else None
+    return resp
 
 
 def _reasoning_tokens(plan: Plan, post: list[ChoiceOutput | None]) -> int | None:

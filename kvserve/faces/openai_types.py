@@ -45,6 +45,7 @@ __all__ = [
     "FunctionCall",
     "FunctionCallDelta",
     "LegacyLogprobs",
+    "PromptLogprob",
     "PromptTokensDetails",
     "TextChoice",
     "TextCompletion",
@@ -126,6 +127,20 @@ class LegacyLogprobs(WireModel):
     text_offset: list[int]
 
 
+@with_config(LEAF_CONFIG)
+class PromptLogprob(TypedDict):
+    """One candidate of a vLLM ``prompt_logprobs`` entry: natural log (-inf written -9999.0),
+    ``rank`` (1 = the most likely; null when unknown) and the token's text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+#: vLLM's ``prompt_logprobs``: per prompt token, token id (as a string) -> candidate; null first
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 # -- tool calls -----------------------------------------------------------------------------
 
 class FunctionCall(WireModel):
@@ -195,6 +210,7 @@ class ChatCompletion(WireModel):
     usage: Usage
     id: str
     timings: Timings
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when the request asked for them
 
 
 class ChatDelta(WireModel):
@@ -244,6 +260,7 @@ class TextChoice(WireModel):
     index: int
     text: str
     logprobs: LegacyLogprobs | None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when the request asked for them
 
 
 class TextCompletion(WireModel):
