@@ -1,5 +1,5 @@
 """OpenAI's Responses API: ``POST /v1/responses``, ``GET /v1/responses/{id}``,
-``DELETE /v1/responses/{id}``.
+``GET /v1/responses/{id}/input_items``, ``DELETE /v1/responses/{id}``.
 
 The face translates only: a Responses request becomes the chat-completions body the OpenAI
 face reads (:func:`kvserve.faces.openai.chat_plan`), so tools, ``tool_choice``, structured
@@ -29,7 +29,7 @@ Request -> chat body:
 - kvserve's sampling extensions (``top_k``, ``min_p``, ``seed``, ``stop``...) pass through.
 
 ``store`` (default true) keeps the response in memory (:class:`ResponseStore`, bounded by
-count and bytes, LRU) for GET/DELETE and ``previous_response_id``, which continues the stored
+count and bytes, LRU) for GET/DELETE, the input-items list and ``previous_response_id``, which continues the stored
 conversation: its earlier input and output come before the new input. A missing id is 404.
 ``background``, ``conversation``, ``prompt`` and ``top_logprobs`` are refused (400).
 
@@ -138,6 +138,7 @@ class Turn:
             tools, truncation, user, metadata, parallel_tool_calls).
         stream: the request asked for SSE.
         store: keep the response in the store.
+        input_items: the request's ``input`` as ``GET /v1/responses/{id}/input_items`` lists it.
     """
 
     chat: dict
@@ -145,6 +146,7 @@ class Turn:
     echo: dict
     stream: bool = False
     store: bool = True
+    input_items: list[dict] = field(default_factory=list)
 
 
 def _obj(v: Any, where: str) -> dict:
@@ -298,6 +300,32 @@ def input_messages(inp: Any, history: list[dict]) -> list[dict]:
     for i, item in enumerate(inp):
         conv.add(item, f"input[{i}]")
     return conv.messages
+
+
+_ITEM_ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
+
+
+def listed_input_items(inp: Any) -> list[dict]:
+    """A (valid, see :func:`input_messages`) ``input`` as the input-items list writes it: each
+    item with an ``id`` first (the client's, else a new one), its ``type``, message text as
+    ``input_text`` (``output_text`` for the assistant) parts and ``status`` completed."""
+    if inp is None:
+        return []
+    if isinstance(inp, str):
+        inp = [{"type": "message", "role": "user", "content": inp}]
+    out = []
+    for it in inp:
+        d = dict(it)
+        kind = d.setdefault("type", "message")
+        if kind == "message" and isinstance(d.get("content"), str):
+            part = {"type": "output_text", "text": d["content"], "annotations": []} if d.get("role") == "assistant" \
+                else {"type": "input_text", "text": d["content"]}
+            d["content"] = [part]
+        if kind != "reasoning":
+            d.setdefault("status", "completed")
+        item_id = d.pop("id", None) or _rand_id(_ITEM_ID_PREFIX.get(kind, "item_"))
+        out.append({"id": item_id, **d})
+    return out
 
 
 _BUILTIN_HINT = "kvserve runs function tools only; built-in tools run on OpenAI's servers"
@@ -534,7 +562,7 @@ def chat_body(body: dict, store: ResponseStore, server_budget: int = -1) -> Turn
             "previous_response_id": prev_id, "reasoning": echo_reasoning, "store": keep, "text": echo_text,
             "tool_choice": echo_choice, "tools": echo_tools, "truncation": truncation,
             "user": get_str(body, "user"), "metadata": _metadata(body)}
-    return Turn(chat, history + new, echo, stream, keep)
+    return Turn(chat, history + new, echo, stream, keep, listed_input_items(body.get("input")) if keep else [])
 
 
 # ------------------------------------------------------------------------ chat chunks -> response
@@ -643,7 +671,8 @@ class _Run:
 
     def _save(self) -> None:
         if self.turn.store:
-            self.store.put(self.response_id, self.final, self.turn.history + [self._assistant_message()])
+            self.store.put(self.response_id, self.final, self.turn.history + [self._assistant_message()],
+                           self.turn.input_items)
 
     def _assistant_message(self) -> dict:
         """This turn's output as one chat message (for a later previous_response_id)."""
@@ -828,13 +857,38 @@ async def _create(state: ServerState, store: ResponseStore, http: HttpRequest) -
             json_response(error_body(e), ApiError.from_exception(e).status)
 
 
+def _items_page(items: list[dict], query) -> dict:
+    """One page of input items, OpenAI's cursor list: ``order`` (``desc``, the default, or
+    ``asc``), ``limit`` (1-100, default 20), ``after`` (an item id; the page starts after it)."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise _bad(f"Field 'order': expected 'asc' or 'desc', got {order[:64]!r}", "order")
+    raw = query.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        raise _bad(f"Field 'limit': expected an integer from 1 to 100, got {raw[:64]!r}", "limit")
+    limit = int(raw)
+    if order == "desc":
+        items = items[::-1]
+    start = 0
+    after = query.get("after")
+    if after is not None:
+        ids = [i["id"] for i in items]
+        if after not in ids:
+            raise _bad(f"Field 'after': no input item with id '{after[:128]}' in this response", "after")
+        start = ids.index(after) + 1
+    page = items[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+
+
 def _not_found(response_id: str) -> ApiError:
     return ApiError(404, f"Response with id '{response_id[:128]}' not found.")
 
 
 def build_router(state: ServerState, store: ResponseStore | None = None) -> APIRouter:
-    """The Responses API's routes, bound to ``state``, with their own store of responses
-    (``store``: default a :class:`ResponseStore` with the default limits)."""
+    """The Responses API's routes (create, retrieve, input items, delete), bound to ``state``, with
+    their own store of responses (``store``: default a :class:`ResponseStore` with its default
+    limits)."""
     r = APIRouter()
     kept = store if store is not None else ResponseStore()
 
@@ -848,6 +902,16 @@ def build_router(state: ServerState, store: ResponseStore | None = None) -> APIR
         if entry is None:
             return error_response(_not_found(response_id))
         return json_response(entry.response)
+
+    @r.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, http: HttpRequest) -> Response:
+        entry = kept.get(response_id)
+        if entry is None:
+            return error_response(_not_found(response_id))
+        try:
+            return json_response(_items_page(list(entry.input_items), http.query_params))
+        except ApiError as e:
+            return error_response(e)
 
     @r.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> Response:

@@ -1,13 +1,15 @@
 """The in-memory store of OpenAI Responses API responses (``store: true``), for
 ``GET``/``DELETE /v1/responses/{id}`` and ``previous_response_id``.
 
-Each entry holds a response object (the JSON-able dict the face wrote) and the conversation
-that a follow-up request continues: the chat messages of every earlier turn, this turn's
+Each entry holds a response object (the JSON-able dict the face wrote), the input items of its
+request (for ``GET /v1/responses/{id}/input_items``) and the conversation that a follow-up
+request continues: the chat messages of every earlier turn, this turn's
 input and its output, without ``instructions`` (OpenAI does not carry them over to the next
 response). An entry holds its whole history rather than a link to its parent, so evicting an
 old response never breaks a newer one that continued it.
 
-Bounded by count and by bytes (the size of the entry's JSON text, history included; a history
+Bounded by count and by bytes (the size of the entry's JSON text, input items and history
+included; a history
 shared with the parent entry is counted again, so the bound is never below the memory held).
 The least recently used entries go first; reading an entry (``get``) makes it the most recent.
 An entry larger than the whole byte budget is not stored (:meth:`ResponseStore.put` returns
@@ -41,16 +43,21 @@ class StoredResponse:
         history: the chat messages (OpenAI chat format) a request with this response as
             ``previous_response_id`` starts from; do not mutate.
         nbytes: the bytes this entry counts against the store's budget.
+        input_items: the request's input items as the Responses API lists them; do not mutate.
     """
 
     response: dict
     history: tuple[dict, ...]
     nbytes: int
+    input_items: tuple[dict, ...] = ()
 
 
-def entry_bytes(response: dict, history: tuple[dict, ...] | list[dict]) -> int:
-    """The bytes an entry counts: the length of its compact JSON text (response + history)."""
-    dump = json.dumps([response, list(history)], ensure_ascii=False, separators=(",", ":"))
+def entry_bytes(response: dict, history: tuple[dict, ...] | list[dict],
+                input_items: tuple[dict, ...] | list[dict] = ()) -> int:
+    """The bytes an entry counts: the UTF-8 length of its compact JSON text (response, history,
+    then input items when there are any)."""
+    parts = [response, list(history)] + ([list(input_items)] if input_items else [])
+    dump = json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
     return len(dump.encode("utf-8", errors="surrogatepass"))
 
 
@@ -84,15 +91,16 @@ class ResponseStore:
         with self._lock:
             return self._bytes
 
-    def put(self, response_id: str, response: dict, history: list[dict] | tuple[dict, ...]) -> bool:
+    def put(self, response_id: str, response: dict, history: list[dict] | tuple[dict, ...],
+            input_items: list[dict] | tuple[dict, ...] = ()) -> bool:
         """Store (or replace) ``response_id``, evicting least recently used entries to make room.
 
         Returns:
             True when stored; False when the entry alone exceeds ``max_bytes`` (nothing is
             stored or evicted then, and an older entry under that id is removed).
         """
-        hist = tuple(history)
-        entry = StoredResponse(response, hist, entry_bytes(response, hist))
+        hist, items = tuple(history), tuple(input_items)
+        entry = StoredResponse(response, hist, entry_bytes(response, hist, items), items)
         with self._lock:
             self._drop(response_id)
             if entry.nbytes > self.max_bytes:

@@ -112,6 +112,10 @@ def test_forced_tool_call_and_function_call_output_round_trip(client, hermes):
                                          "output": "sunny, 21 C"}], **G)
     assert r3.usage.input_tokens == expected and r3.previous_response_id == r.id
     assert r3.output_text == r2.output_text
+    # its input items: this request's only
+    assert [i.type for i in client.responses.input_items.list(r3.id)] == ["function_call_output"]
+    with pytest.raises(openai.NotFoundError):  # r2 was not stored
+        client.responses.input_items.list(r2.id)
 
 
 def test_named_tool_choice(client):
@@ -153,6 +157,8 @@ def test_retrieve_delete_and_missing_ids(client):
     r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, **G)
     got = client.responses.retrieve(r.id)
     assert got.model_dump() == r.model_dump()
+    assert [(i.type, i.role, i.content[0].text) for i in client.responses.input_items.list(r.id)] == [
+        ("message", "user", "Hi")]
     assert client.responses.delete(r.id) is None
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.retrieve(r.id)
@@ -166,6 +172,20 @@ def test_retrieve_delete_and_missing_ids(client):
     assert unstored.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
+
+
+def test_input_items_pages(client, hermes):
+    texts = ["one", "two", "three"]
+    r = client.responses.create(model=MODEL, max_output_tokens=1, **G, input=[
+        {"role": "user" if i != 1 else "assistant", "content": t} for i, t in enumerate(texts)])
+    page = client.responses.input_items.list(r.id, limit=1)
+    assert [i.content[0].text for i in page.data] == ["three"] and page.has_more
+    assert [i.content[0].text for i in page] == ["three", "two", "one"]  # the client follows after=<last_id>
+    assert [i.content[0].text for i in client.responses.input_items.list(r.id, order="asc")] == texts
+    assert client.responses.input_items.list(r.id, order="asc").data[1].content[0].type == "output_text"
+    bad = httpx.get(hermes.url(f"/v1/responses/{r.id}/input_items?limit=0"), timeout=30)
+    assert (bad.status_code, bad.json()["error"]["message"]) == (
+        400, "Field 'limit': expected an integer from 1 to 100, got '0'")
 
 
 def test_stream_text_events_in_order(client):

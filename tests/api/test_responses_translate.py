@@ -322,3 +322,18 @@ def test_an_engine_error_fails_the_response(monkeypatch):
 def test_store_false_keeps_nothing(monkeypatch):
     events, _, store = _run(monkeypatch, _chunks({"content": "a"}), body={"input": "hi", "store": False})
     assert events[-1]["response"]["store"] is False and len(store) == 0
+
+
+def test_input_items_as_listed():
+    turn = chat_body({"input": [{"role": "user", "content": "hi"},
+                                {"type": "message", "role": "assistant", "id": "msg_mine",
+                                 "content": [{"type": "output_text", "text": "yo", "annotations": []}]},
+                                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                                {"type": "function_call_output", "call_id": "c1", "output": "1"}]}, ResponseStore())
+    items = turn.input_items
+    assert [i["id"].split("_")[0] for i in items] == ["msg", "msg", "fc", "fco"] and items[1]["id"] == "msg_mine"
+    assert items[0] == {"id": items[0]["id"], "role": "user", "content": [{"type": "input_text", "text": "hi"}],
+                        "type": "message", "status": "completed"}
+    assert items[3] == {"id": items[3]["id"], "type": "function_call_output", "call_id": "c1", "output": "1",
+                        "status": "completed"}
+    assert chat_body({"input": "x", "store": False}, ResponseStore()).input_items == []

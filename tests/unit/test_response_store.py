@@ -79,3 +79,12 @@ def test_non_ascii_is_counted_in_utf8_bytes():
 def test_limits_must_be_positive(kw):
     with pytest.raises(ValueError):
         ResponseStore(**kw)
+
+
+def test_input_items_are_kept_and_counted():
+    items = [{"id": "msg_1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    s = ResponseStore()
+    s.put("a", _resp("a"), _hist(), items)
+    e = s.get("a")
+    assert e.input_items == tuple(items)
+    assert e.nbytes == entry_bytes(_resp("a"), _hist(), items) > entry_bytes(_resp("a"), _hist())
