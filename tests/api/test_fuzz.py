@@ -9,7 +9,8 @@ bytes. ``KVSERVE_FUZZ_URL`` (and ``KVSERVE_FUZZ_LOG``, its log) fuzzes a server 
 running instead (it needs ``--slots --props --metrics --slot-save-path DIR``). Per request:
 
 * the status is below 500, except 501 from the embedding and rerank routes (a generative model
-  without ``--embeddings``) and 503
+  without ``--embeddings``), 501 from ``/infill`` (a vocabulary without FIM tokens, as
+  llama-server answers) and 503
   from ``GET /slots?fail_on_no_slot=1`` (both deliberate answers in the envelope);
 * every error body is ``{"error": {"code": <the status>, "message": str, "type": str}}``;
 * a 2xx JSON body parses as strict JSON (no NaN/Infinity); a 2xx event stream's ``data:``
@@ -105,7 +106,7 @@ def stream_problem(route: str, text: str) -> str | None:
 
 
 def allowed_5xx(case: Case, status: int) -> bool:
-    return (status == 501 and case.route in (*EMBEDDINGS, "/rerank")) or \
+    return (status == 501 and case.route in (*EMBEDDINGS, "/rerank", "/infill")) or \
         (status == 503 and case.route == "/slots" and "fail_on_no_slot" in case.path)
 
 
