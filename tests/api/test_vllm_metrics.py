@@ -178,3 +178,24 @@ def test_stats_line_every_interval_while_busy_and_disable_log_stats(disable, cap
     # the next window saw no tokens but the previous one did: still INFO once, then DEBUG (idle)
     assert lines[1].levelno == logging.INFO and "Avg prompt throughput: 0.0 tokens/s" in lines[1].getMessage()
     assert all(r.levelno == logging.DEBUG for r in lines[2:])
+
+
+@pytest.mark.parametrize("flags", [(), ("--disable-log-stats",)])
+def test_a_server_logs_the_stats_line_unless_disable_log_stats(flags, tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "0.1")
+    path = tinymodel.write_tiny_gguf(tmp_path / "tiny.gguf")
+    state = ServerState(parse_args(["-m", str(path), "-a", "tiny", "-c", "256", "-np", "1",
+                                    "--models-dir", str(tmp_path / "models"), *flags]))
+    with caplog.at_level(logging.INFO, logger="kvserve.server"), \
+            TestClient(build_app(state), base_url="http://127.0.0.1") as c:
+        c.portal.call(state.preload)
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
+        deadline = time.monotonic() + (0.6 if flags else 5)
+        while time.monotonic() < deadline and not any(
+                r.getMessage().startswith("Engine 000:") for r in caplog.records):
+            time.sleep(0.05)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Engine 000:")]
+    if flags:
+        assert lines == []
+    else:
+        assert LINE.match(lines[0]) and "Avg generation throughput: 0.0 tokens/s" not in lines[0]
