@@ -22,7 +22,9 @@ sees the output, so a response a client holds is always counted):
 
 - ``vllm:prompt_tokens`` (the whole prompt, cached tokens included, once per request at its
   first token), ``vllm:generation_tokens``, ``vllm:request_success{finished_reason}`` (stop,
-  length, abort, error, repetition), ``vllm:num_preemptions`` (the engine's count);
+  length, error, repetition; ``abort``, a request whose client left, is counted by an engine
+  step listener, since its last output reaches no face), ``vllm:num_preemptions`` (the
+  engine's count);
 - ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``: prompt tokens looked up / found
   in the prefix cache, once per request (vLLM counts again when a preempted request is
   rescheduled; kvserve does not);
@@ -109,13 +111,25 @@ class Metrics:
         self._lock = threading.Lock()
         self._last = {k: 0.0 for k in _WINDOW_KEYS}
         self._vllm: VllmMetrics | None = None
+        listeners = getattr(state.engine, "step_listeners", None)
+        if isinstance(listeners, list):  # a generative engine: aborted requests are seen there
+            listeners.append(self._on_step)
 
     @property
     def vllm(self) -> VllmMetrics:
         """This model's vLLM metrics (built on first use: the served name is known by then)."""
         if self._vllm is None:
-            self._vllm = VllmMetrics(self._state)
+            with self._lock:
+                if self._vllm is None:
+                    self._vllm = VllmMetrics(self._state)
         return self._vllm
+
+    def _on_step(self, core, outputs: list[RequestOutput]) -> None:
+        """Engine-thread step listener: a request aborted because its client left ends with an
+        output no face receives; count it here (``request_success{finished_reason="abort"}``)."""
+        for out in outputs:
+            if out.finished and out.stop_type == "abort" and not out.error:
+                self.vllm.on_abort(out)
 
     def on_output(self, out: RequestOutput) -> None:
         """Count one request output (the engine's counters stay the source of the llamacpp:
@@ -326,6 +340,8 @@ class VllmMetrics:
 
     def on_output(self, out: RequestOutput) -> None:
         """Count one output of a request (see the module docstring for what each family counts)."""
+        if out.finished and out.stop_type == "abort" and not out.error:
+            return  # counted by the engine's step listener (:meth:`on_abort`)
         now = time.monotonic()
         arrival = out.arrival_time or now
         with self._lock:
@@ -358,6 +374,13 @@ class VllmMetrics:
                 self.req_generation_tokens.observe(out.num_output_tokens)
         if not self._logger_started:
             self._start_logger()
+
+    def on_abort(self, out: RequestOutput) -> None:
+        """An aborted request's final output, from the engine thread: ``abort`` once, its
+        latency state dropped (whether or not a face also sees the output)."""
+        with self._lock:
+            self._tracked.pop(out.request_id, None)
+            self.success["abort"].inc()
 
     def _hit_rate_add(self, queries: int, hits: int) -> None:
         if len(self._recent) == self._recent.maxlen:
@@ -435,7 +458,7 @@ class VllmMetrics:
         if getattr(getattr(self._state, "args", None), "disable_log_stats", False):
             return
         threading.Thread(target=_log_loop, args=(weakref.ref(self), log_interval_s()),
-                         name="kvserve-stats-log", daemon=True).start()
+                         name=f"kvserve-stats-log:{self.model_name}", daemon=True).start()
 
 
 def _log_loop(ref: weakref.ref[VllmMetrics], interval: float) -> None:

@@ -26,6 +26,7 @@ def _client(path, d, *flags):
     c = TestClient(build_app(state), base_url="http://127.0.0.1")
     c.__enter__()
     c.portal.call(state.preload)
+    c.state = state
     return c
 
 
@@ -36,6 +37,7 @@ def tiny(tmp_path_factory):
     c = _client(path, d)
     c.model_path = str(path)
     yield c
+    c.portal.call(c.state.manager.shutdown)
     c.__exit__(None, None, None)
 
 
@@ -51,6 +53,7 @@ def fim(tmp_path_factory):
         mp.undo()
     c = _client(path, d, "-b", "64")  # llama-server's FIM budgets follow the batch size
     yield c
+    c.portal.call(c.state.manager.shutdown)
     c.__exit__(None, None, None)
 
 

@@ -41,6 +41,7 @@ def client(tmp_path_factory):
     with TestClient(build_app(state), base_url="http://127.0.0.1") as c:
         c.portal.call(state.preload)
         yield c
+        c.portal.call(state.manager.shutdown)
 
 
 def scrape(client) -> dict:
@@ -184,18 +185,49 @@ def test_stats_line_every_interval_while_busy_and_disable_log_stats(disable, cap
 def test_a_server_logs_the_stats_line_unless_disable_log_stats(flags, tmp_path, caplog, monkeypatch):
     monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "0.1")
     path = tinymodel.write_tiny_gguf(tmp_path / "tiny.gguf")
-    state = ServerState(parse_args(["-m", str(path), "-a", "tiny", "-c", "256", "-np", "1",
+    name = f"tiny-{len(flags)}"  # the logging thread is named after the model: other tests' lines are not ours
+
+    def ours():
+        return [r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("Engine 000:") and r.threadName == f"kvserve-stats-log:{name}"]
+
+    state = ServerState(parse_args(["-m", str(path), "-a", name, "-c", "256", "-np", "1",
                                     "--models-dir", str(tmp_path / "models"), *flags]))
     with caplog.at_level(logging.INFO, logger="kvserve.server"), \
             TestClient(build_app(state), base_url="http://127.0.0.1") as c:
         c.portal.call(state.preload)
         assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}).status_code == 200
         deadline = time.monotonic() + (0.6 if flags else 5)
-        while time.monotonic() < deadline and not any(
-                r.getMessage().startswith("Engine 000:") for r in caplog.records):
+        while time.monotonic() < deadline and not ours():
             time.sleep(0.05)
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Engine 000:")]
+        c.portal.call(state.manager.shutdown)  # the model unloads: its logging thread ends
+    lines = ours()
     if flags:
         assert lines == []
     else:
         assert LINE.match(lines[0]) and "Avg generation throughput: 0.0 tokens/s" not in lines[0]
+
+
+def test_a_client_that_leaves_counts_as_abort(start_server, tiny_gguf):
+    """The aborted request's last output reaches no face: the engine's step listener counts it."""
+    import httpx
+
+    srv = start_server("-np", "1", "-c", "512", "--metrics", "-a", "tiny", model=tiny_gguf)
+
+    def aborted() -> float:
+        fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url("/metrics")).text)}
+        return value(fams, "vllm:request_success", "vllm:request_success_total", finished_reason="abort")
+
+    assert aborted() == 0
+    with httpx.stream("POST", srv.url("/v1/completions"), timeout=60,
+                      json={"prompt": "count", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()  # keep a reference: a dropped iterator closes the connection
+        while not next(lines).startswith("data: "):
+            pass
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and aborted() == 0:
+        time.sleep(0.1)
+    assert aborted() == 1
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url("/metrics")).text)}
+    assert value(fams, "vllm:request_success", "vllm:request_success_total", finished_reason="length") == 0
+    assert value(fams, "vllm:num_requests_running", "vllm:num_requests_running") == 0
