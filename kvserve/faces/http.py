@@ -8,12 +8,16 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import json
+import logging
 import re
 
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from kvserve.faces.errors import ApiError
+
+_log = logging.getLogger("kvserve.server")
 
 
 def dumps(obj) -> str:
@@ -47,8 +51,19 @@ async def read_json(request: HttpRequest, *, required: bool = True) -> dict:
         ApiError: 400 on malformed JSON, an integer literal of more than 4,300 digits
             (Python's int-string limit), or a body that is not an object; 413 from
             :class:`BodyLimitMiddleware` when the body exceeds ``--max-request-bytes``.
+        ClientDisconnected: the client closed the connection before sending the whole body
+            (Starlette's ``ClientDisconnect``): logged as one INFO line, the line
+            :class:`kvserve.app.CrashGuardMiddleware` writes for it, with no traceback; the
+            app (and each face) answers it with a 499 nobody reads.
     """
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        from kvserve.faces.sse import ClientDisconnected  # sse imports this module
+
+        _log.info("client disconnected before sending the whole body: %s %s", request.method, request.url.path,
+                  extra={"func": "handle"})
+        raise ClientDisconnected("client disconnected while sending the request body") from None
     if not raw.strip():
         if required:
             raise ApiError(400, "request body is empty: a JSON object is required")

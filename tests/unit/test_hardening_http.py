@@ -182,6 +182,65 @@ def test_client_leaving_mid_body_is_one_quiet_line(caplog):
     assert not any(r.exc_info for r in caplog.records)
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens", "/v1/chat/completions",
+                                  "/v1/responses"])
+def test_client_leaving_mid_body_is_quiet_on_every_face(caplog, path):
+    """Review #16: on the faces' own routes, a body cut short (Content-Length above what was
+    sent, then close) was logged as ``E srv messages: request failed: ClientDisconnect:`` with
+    a traceback: the face's catch-all took Starlette's ClientDisconnect for a server fault.
+    read_json now raises kvserve's ClientDisconnected (a 499 nobody reads)."""
+    state = _state()
+    with _Live(build_app(state)) as live, caplog.at_level(logging.INFO):
+        s = socket.create_connection(("127.0.0.1", live.port), timeout=10)
+        s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 200\r\n\r\n{\"model\": \"m\", \"max_tokens\": 5")
+        time.sleep(0.3)
+        s.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any("client disconnected" in r.getMessage()
+                                                      for r in caplog.records):
+            time.sleep(0.05)
+        time.sleep(0.2)  # a face's error line would follow the INFO line
+    mine = [r for r in caplog.records if r.name == "kvserve.server"]
+    assert [(r.levelname, r.getMessage()) for r in mine] == [
+        ("INFO", f"client disconnected before sending the whole body: POST {path}")]
+    assert not any(r.exc_info for r in caplog.records)
+
+
+def test_read_json_turns_client_disconnect_into_client_disconnected():
+    """At the ASGI level: the body's first part, then ``http.disconnect``; the face answers 499."""
+    from starlette.requests import Request
+
+    from kvserve.faces.http import read_json
+    from kvserve.faces.sse import ClientDisconnected
+
+    msgs = [{"type": "http.request", "body": b'{"a": ', "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return msgs.pop(0)
+
+    req = Request({"type": "http", "method": "POST", "path": "/v1/messages", "headers": [], "query_string": b""},
+                  receive)
+    with pytest.raises(ClientDisconnected):
+        asyncio.run(read_json(req))
+
+    sent = []
+
+    async def go():
+        msgs[:] = [{"type": "http.request", "body": b'{"a": ', "more_body": True}, {"type": "http.disconnect"}]
+
+        async def send(m):
+            sent.append(m)
+
+        await build_app(_state())({"type": "http", "method": "POST", "path": "/v1/messages", "raw_path": b"/v1/messages",
+                                   "headers": [(b"host", b"127.0.0.1"), (b"content-length", b"100")],
+                                   "query_string": b"", "http_version": "1.1", "scheme": "http",
+                                   "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5)}, receive, send)
+
+    asyncio.run(go())
+    assert sent[0]["status"] == 499
+
+
 # -- 5. HEAD and malformed HTTP ---------------------------------------------------------------
 
 def test_head_is_get_without_body():
