@@ -8,8 +8,9 @@ flags (``-c``, ``-np``, ``-ctk``...) or vLLM names (``--max-model-len``,
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvserve.engine.spec_decode import SpecConfig
 
 #: llama-server's ``--cache-ram`` default (MiB)
 DEFAULT_CACHE_RAM_MIB = 8192
@@ -112,6 +113,10 @@ class EngineConfig:
             spare: the smaller of llama-server's default 8192 MiB and a quarter of
             MemAvailable at start-up (:func:`auto_cache_ram_mib`).
         device: "auto" | "cpu" | "cuda".
+        spec: speculative decoding (``--spec-type ngram`` / ``--speculative-config``, see
+            :class:`kvserve.engine.spec_decode.SpecConfig`); off by default. On the CPU a
+            step's draft tokens fill at most ``small_batch_rows`` rows in all, so that
+            verification runs the small-batch kernels a plain decode runs.
     """
 
     n_ctx: int = 0
@@ -130,6 +135,7 @@ class EngineConfig:
     native_kernels: bool = False
     device: str = "auto"
     cache_ram: int | None = None
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         if self.n_ctx < 0:

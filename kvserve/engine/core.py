@@ -32,6 +32,7 @@ from kvserve.engine.runner import ModelRunner, SampleFailure, StepResult
 from kvserve.engine.sampler import BreakerCache, SampleResult, SequenceSampler
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvserve.engine.slot_file import SlotFileError, SlotHeader, model_fingerprint, read_slot_file, write_slot_file
+from kvserve.engine.spec_decode import SpecDecoder, accepted_prefix
 from kvserve.loaders.weights import LoadedModel
 from kvserve.models.registry import build_model
 
@@ -64,6 +65,12 @@ class EngineStats:
     n_tokens_max: int = 0
     requests_finished: int = 0
     num_preemptions: int = 0
+    # speculative decoding (vLLM's spec_decode counters): verification chunks run, draft
+    # tokens proposed, draft tokens accepted, accepted tokens by draft position (0-based)
+    spec_drafts_total: int = 0
+    spec_draft_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class EngineCore:
@@ -121,8 +128,16 @@ class EngineCore:
         self.device = self.runner.device
         if config.compile:
             self.runner.start_compile(self.n_slots * ModelRunner.DECODE_LIKE_MAX)
-        self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens, self.n_ctx_slot)
         self.scheduler.detokenize = self._excerpt
+        #: speculative decoding policy (None: off)
+        self.spec = SpecDecoder(config.spec) if config.spec.enabled else None
+        if self.spec is not None:
+            self.scheduler.spec = self.spec
+            if self.device.type == "cpu" and config.small_batch_rows > 0:
+                # verification steps stay within the small-batch kernel's rows: the drafts'
+                # logits then come from the kernels a plain decode step uses
+                self.scheduler.spec_max_rows = config.small_batch_rows
         # DRY breaker sets shared by this engine's requests; bound to the tokenizer, not to
         # self, so that nothing outside this engine holds it (see BreakerCache)
         self.breakers = BreakerCache(functools.partial(_piece_text, self.tokenizer))
@@ -163,6 +178,8 @@ class EngineCore:
         sampler = SequenceSampler(request.params, self.model_config.n_vocab, request.eog_token_ids,
                                   self.breakers.token_texts, self.breakers)
         self._states[request.request_id] = _SeqState(sampler, IncrementalDetokenizer(self.tokenizer, request.params.stop))
+        if self.spec is not None:
+            self.spec.register(request, sampler.is_plain_greedy(0))
         self.scheduler.add(request)
 
     def abort_request(self, request_id: str) -> None:
@@ -193,6 +210,8 @@ class EngineCore:
                       req.request_id, where, exc, exc_info=exc)
         self.scheduler.drop(req)
         self._states.pop(req.request_id, None)
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
         req.stop_type = "abort"
         req.finish_time = req.finish_time or time.monotonic()
         return RequestOutput(
@@ -299,9 +318,13 @@ class EngineCore:
         st.n_decode_total += 1
         st.n_busy_slots_total += len(sched.chunks)
         outs = []
-        for ch, sample, plp in zip(sched.chunks, result.samples, result.prompt_logprobs):
+        verified = result.verified or [None] * len(sched.chunks)
+        for ch, sample, plp, target in zip(sched.chunks, result.samples, result.prompt_logprobs, verified):
             try:
-                out = self._update_one(ch, sample, plp, now)
+                if ch.spec_token_ids:
+                    out = self._update_spec(ch, target, now)
+                else:
+                    out = self._update_one(ch, sample, plp, now)
             except Exception as e:  # noqa: BLE001 - fails this request only
                 out = self.fail_request(ch.request, e, "update")
             if out is not None:
@@ -327,11 +350,51 @@ class EngineCore:
             raise sample.error
         if req.first_token_time is None:
             req.first_token_time = now
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = 0
+            req.num_cached_tokens = max(req.num_cached_tokens, 0)
             st.prompt_tokens_cached_total += req.num_cached_tokens
             st.prompt_seconds_total += now - (req.first_scheduled_time or now)
         return self._accept(req, state, sample, now)
+
+    def _update_spec(self, ch: ScheduledChunk, target: list[int], now: float) -> RequestOutput:
+        """Apply a verification chunk: accept the longest prefix of the draft that matches the
+        target's greedy tokens, then the target's next token (the bonus), one token at a time
+        through :meth:`_accept`, so that EOS, stop strings, n_predict and the context cut
+        exactly where plain decoding cuts (tokens after the cut are dropped). Only the KV of
+        kept positions is recorded (indexed); blocks holding only rejected positions are
+        freed. One output carries every token of the step."""
+        req = ch.request
+        state = self._states[req.request_id]
+        draft = ch.spec_token_ids
+        a = accepted_prefix(draft, target)
+        st = self.stats
+        st.spec_drafts_total += 1
+        st.spec_draft_tokens_total += len(draft)
+        st.spec_accepted_tokens_total += a
+        if len(st.spec_accepted_per_pos) < a:
+            st.spec_accepted_per_pos.extend([0] * (a - len(st.spec_accepted_per_pos)))
+        for i in range(a):
+            st.spec_accepted_per_pos[i] += 1
+        req.num_draft_tokens += len(draft)
+        req.num_draft_accepted += a
+        start = req.num_computed_tokens
+        toks: list[int] = []
+        text = ""
+        out = None
+        for i, tok in enumerate(target[: a + 1]):
+            pos = start + i
+            # the KV at ``pos`` (the previous token) is now part of the sequence
+            self.kv.record_tokens(req.request_id, pos, [req.token_at(pos)], req.cache_salt)
+            req.num_computed_tokens = pos + 1
+            out = self._accept(req, state, SampleResult(tok, 0.0, None), now)
+            toks += out.new_token_ids
+            text += out.text
+            if out.finished:
+                break
+        if not out.finished:
+            self.kv.truncate(req.request_id, req.num_computed_tokens)
+        out.new_token_ids = toks
+        out.text = text
+        return out
 
     def _accept(self, req: Request, state: _SeqState, sample: SampleResult, now: float) -> RequestOutput | None:
         """Apply one sampled token: stop checks, detokenize, build the output event."""
@@ -384,6 +447,11 @@ class EngineCore:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.finish_time = time.monotonic()
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
+            if req.num_draft_tokens:
+                # blocks past the kept tokens hold only rejected draft positions
+                self.kv.truncate(req.request_id, req.num_computed_tokens)
         st = self.stats
         st.n_tokens_max = max(st.n_tokens_max, req.num_tokens)
         st.requests_finished += 1
@@ -559,7 +627,8 @@ class EngineCore:
     def _timings(self, req: Request) -> Timings:
         cached = max(req.num_cached_tokens, 0)
         t = Timings(cache_n=cached, prompt_n=req.num_prompt_tokens - cached, predicted_n=len(req.output_token_ids),
-                    cache_miss=req.cache_miss)
+                    cache_miss=req.cache_miss, draft_n=req.num_draft_tokens,
+                    draft_n_accepted=req.num_draft_accepted)
         if req.first_scheduled_time is not None and req.first_token_time is not None:
             t.prompt_ms = (req.first_token_time - req.first_scheduled_time) * 1e3
             end = req.finish_time or time.monotonic()

@@ -245,16 +245,22 @@ class KVCacheManager:
             table.append(dst.block_id)
         return True
 
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, evict: bool = True) -> bool:
         """Make the sequence's table cover ``num_tokens`` tokens.
 
         Evicts host-tier blocks (LRU) and parked slot blocks when the pool has
-        no empty block. Returns False (and changes nothing) when still short.
+        no empty block (``evict`` False: takes empty blocks only, as for draft
+        tokens, which must not cost anyone's cached prefix). Returns False (and
+        changes nothing) when still short.
         """
         table = self._tables.setdefault(request_id, [])
         need = self.blocks_needed(num_tokens) - len(table)
         if need <= 0:
             return True
+        if not evict and need > len(self._free):
+            if not table:
+                del self._tables[request_id]
+            return False
         parked = sum(len(t) for t in self._parked.values())
         if need > len(self._free) + len(self._lru) + parked:
             if not table:
@@ -295,6 +301,23 @@ class KVCacheManager:
                 blk.hash = key
                 self._by_hash.setdefault(key, blk.block_id)
             pos += 1
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Shrink the sequence's table to the blocks covering its first ``num_tokens`` tokens
+        (speculative decoding: the blocks past them hold only rejected draft positions).
+
+        The released blocks must hold no recorded token (``record_tokens`` was never called
+        for their positions): they are emptied and go back to the free list, never to the
+        host tier or the prefix index. Tokens recorded in the kept blocks stay as they are.
+        """
+        table = self._tables.get(request_id)
+        if not table:
+            return
+        keep = self.blocks_needed(num_tokens)
+        while len(table) > keep:
+            b = self.blocks[table.pop()]
+            assert not b.token_ids and b.hash is None, "truncate would drop recorded tokens"
+            self._drop_table([b.block_id])
 
     def _unref(self, b: Block) -> None:
         b.ref_count -= 1

@@ -102,6 +102,11 @@ class SamplingParams:
         n_cache_reuse: KV shifting (llama-server ``n_cache_reuse`` / ``--cache-reuse``):
             minimum run of tokens [tokens] of the slot's cached sequence that is
             moved to its new position when text was removed from the prompt; 0 = off.
+        spec_n_max: llama-server ``speculative.n_max``: most draft tokens per step for this
+            request [tokens]; None = the server's (``--draft-max``); 0 = no speculation.
+            Lowers the server's value, never raises it; a negative value is 0 (llama-server clamps).
+        spec_n_min: llama-server ``speculative.n_min``: shorter drafts are dropped [tokens];
+            negative is 0.
 
     Raises:
         InvalidRequestError: from ``__post_init__`` on out-of-range values, and on a
@@ -137,6 +142,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     cache_prompt: bool = True
     n_cache_reuse: int = 0
+    spec_n_max: int | None = None
+    spec_n_min: int = 0
 
     def __post_init__(self) -> None:
         for name in _FLOAT_FIELDS:
@@ -159,6 +166,10 @@ class SamplingParams:
             raise InvalidRequestError("n_cache_reuse must be >= 0")
         if self.min_tokens < 0:
             raise InvalidRequestError("min_tokens must be >= 0")
+        # llama-server clamps the draft sizes (params_from_json_cmpl): negative means 0
+        if self.spec_n_max is not None and self.spec_n_max < 0:
+            self.spec_n_max = 0
+        self.spec_n_min = max(self.spec_n_min, 0)
         if self.repeat_last_n < -1:
             raise InvalidRequestError("repeat_last_n must be >= -1")
         if not 0 <= self.seed <= SEED_RANDOM:
@@ -222,6 +233,10 @@ class Timings:
     one): the first token comes from the prefill logits (llama-server's
     ``n_gen_steps``).
 
+    ``draft_n`` / ``draft_n_accepted``: speculative decoding, tokens proposed and tokens of
+    those the target model accepted (llama-server's fields; ``to_dict`` includes them only
+    when something was proposed, as llama-server does).
+
     ``cache_miss`` (kvserve): why fewer prompt tokens were reused than a cached
     candidate offered (see ``Scheduler._diagnose``); None when nothing was
     missed. ``to_dict`` includes it only when present.
@@ -233,6 +248,8 @@ class Timings:
     predicted_n: int = 0
     predicted_ms: float = 0.0
     cache_miss: dict | None = None
+    draft_n: int = 0
+    draft_n_accepted: int = 0
 
     def to_dict(self) -> dict:
         """The JSON shape llama-server returns (per-token and per-second rates derived)."""
@@ -249,6 +266,9 @@ class Timings:
             "predicted_per_token_ms": self.predicted_ms / steps,
             "predicted_per_second": (1e3 * steps / self.predicted_ms) if self.predicted_ms > 0 else 0.0,
         }
+        if self.draft_n > 0:
+            d["draft_n"] = self.draft_n
+            d["draft_n_accepted"] = self.draft_n_accepted
         if self.cache_miss is not None:
             d["cache_miss"] = dict(self.cache_miss)
         return d
@@ -287,6 +307,8 @@ class Request:
         priority_slot: llama-server ``id_slot`` (-1 = any); used by the serving layer.
         cache_salt: extra key for the prefix cache (vLLM ``cache_salt``).
         cache_miss: set by the scheduler at admission (cache_miss diagnostics dict or None).
+        num_draft_tokens, num_draft_accepted: speculative decoding counters (tokens proposed,
+            tokens of those accepted), llama-server's ``draft_n`` / ``draft_n_accepted``.
     """
 
     request_id: str
@@ -309,6 +331,8 @@ class Request:
     stop_type: str = "none"
     stopping_word: str = ""
     cache_miss: dict | None = None
+    num_draft_tokens: int = 0
+    num_draft_accepted: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,7 +8,7 @@ after this step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,6 +31,10 @@ class StepResult:
 
     samples: list[SampleResult | SampleFailure | None]
     prompt_logprobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]
+    #: per chunk: for a verification chunk (speculative decoding) the target's greedy token
+    #: at each of its positions (1 + drafts: argmax of the raw logits, the token plain
+    #: greedy sampling would pick there), else None
+    verified: list[list[int] | None] | None = None
 
 
 class ModelRunner:
@@ -184,7 +188,8 @@ class ModelRunner:
         self.copy_blocks(sched.kv_copies)
         batch = self.prepare(sched.chunks, kv)
         logits = self.run(batch)
-        return StepResult(self.sample(batch, logits, samplers), self.prompt_logprobs(batch, logits))
+        return StepResult(self.sample(batch, logits, samplers), self.prompt_logprobs(batch, logits),
+                          self.verify(batch, logits))
 
     # -- prepare ---------------------------------------------------------------------
 
@@ -233,14 +238,14 @@ class ModelRunner:
             if as_decode[ci]:
                 # decode rows: plain ints, no tensor per sequence
                 for p in range(s, s + n):
-                    ids.append(req.token_at(p))
+                    ids.append(ch.token_at(p))
                     pos.append(p)
                     slots.append(table[p // bs] * bs + p % bs)
                     dec_tables.append(table)
                     dec_lens.append(p + 1)
                 n_decode += n
             else:
-                ids.extend([req.token_at(p) for p in range(s, s + n)])
+                ids.extend([ch.token_at(p) for p in range(s, s + n)])
                 pos.extend(range(s, s + n))
                 slots.extend(self._rows(table, s, s + n).tolist())
                 kv_index = None if s == 0 else self._rows(table, 0, s + n).to(self.device)
@@ -257,17 +262,24 @@ class ModelRunner:
         )
         if n_decode:
             attn.decode_kv_index, attn.decode_mask = self._decode_index(dec_tables, dec_lens)
-        # rows that need logits: last row of completing chunks, all rows for prompt logprobs
-        sample_ci = [ci for ci in range(len(chunks)) if chunks[ci].completes]
+        # rows that need logits: last row of completing chunks, all rows for prompt logprobs,
+        # every row of a verification chunk (speculative decoding)
+        sample_ci = [ci for ci in range(len(chunks)) if chunks[ci].completes and not chunks[ci].spec_token_ids]
         need = [row_of[ci] for ci in sample_ci]
         plp_off: dict[int, int] = {}
         for ci, (a, b) in plp_rows.items():
             plp_off[ci] = len(need)
             need.extend(range(a, b))
+        spec_off: dict[int, int] = {}
+        for ci, ch in enumerate(chunks):
+            if ch.spec_token_ids:
+                spec_off[ci] = len(need)
+                last = row_of[ci]
+                need.extend(range(last + 1 - ch.num_new_tokens, last + 1))
         # every row, in order (a decode-only step): no gather of the hidden states
         need_t = None if need == list(range(t)) else torch.tensor(need, dtype=torch.long, device=self.device)
         return PreparedBatch(chunks, torch.tensor(ids, dtype=torch.long, device=self.device), attn, t, need_t,
-                             sample_ci, plp_off)
+                             sample_ci, plp_off, spec_off)
 
     # -- run -------------------------------------------------------------------------
 
@@ -321,6 +333,26 @@ class ModelRunner:
             samples[ci] = r
         return samples
 
+    # -- verification (speculative decoding) ------------------------------------------
+
+    def verify(self, batch: PreparedBatch, logits: torch.Tensor) -> list[list[int] | None]:
+        """Per chunk: the target's greedy token at every position of a verification chunk
+        (one argmax over all such rows, the first index on ties as plain greedy sampling
+        picks), None for the other chunks."""
+        chunks = batch.chunks
+        out: list = [None] * len(chunks)
+        if not batch.spec_off:
+            return out
+        rows = [r for ci, off in batch.spec_off.items() for r in range(off, off + chunks[ci].num_new_tokens)]
+        sel = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        tok = logits.index_select(0, sel).to(torch.float32).argmax(dim=-1).tolist()
+        i = 0
+        for ci in batch.spec_off:
+            n = chunks[ci].num_new_tokens
+            out[ci] = tok[i: i + n]
+            i += n
+        return out
+
     # -- prompt logprobs -------------------------------------------------------------
 
     def prompt_logprobs(self, batch: PreparedBatch,
@@ -354,6 +386,7 @@ class PreparedBatch:
         need: [R] long, rows whose logits the forward computes, in this order; None = every row.
         sample_ci: indices of the chunks that sample; logits rows 0 .. len - 1 are theirs.
         plp_off: chunk index -> first logits row of its prompt-logprobs rows.
+        spec_off: chunk index -> first logits row of a verification chunk's rows (all of them).
     """
 
     chunks: list[ScheduledChunk]
@@ -363,6 +396,7 @@ class PreparedBatch:
     need: torch.Tensor | None
     sample_ci: list[int]
     plp_off: dict[int, int]
+    spec_off: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

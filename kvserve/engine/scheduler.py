@@ -19,7 +19,7 @@ import numpy as np
 
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.request import Request, RequestStatus
-
+from kvserve.engine.spec_decode import SpecDecoder
 
 #: finished sequences remembered for cache_miss diagnostics
 RECENT_SEQUENCES = 8
@@ -38,15 +38,27 @@ def _lcp(a: np.ndarray, b: np.ndarray) -> int:
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """``num_new_tokens`` tokens of ``request`` starting at ``request.num_computed_tokens``."""
+    """``num_new_tokens`` tokens of ``request`` starting at ``request.num_computed_tokens``.
+
+    A verification chunk (speculative decoding) is a decode whose last
+    ``len(spec_token_ids)`` positions hold draft tokens, not yet the request's: its
+    ``num_new_tokens`` is 1 + len(spec_token_ids), and every position gets logits.
+    """
 
     request: Request
     num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def completes(self) -> bool:
         """After this chunk every known token is in the cache: the step samples a token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return (self.request.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
+                == self.request.num_tokens)
+
+    def token_at(self, pos: int) -> int:
+        """Token id at position ``pos`` of the chunk's sequence, draft tokens included."""
+        n = self.request.num_tokens
+        return self.request.token_at(pos) if pos < n else self.spec_token_ids[pos - n]
 
 
 @dataclass(slots=True)
@@ -74,10 +86,12 @@ class Scheduler:
         kv: the KV cache manager (asked for blocks, never modified directly).
         max_num_seqs: sequences per step (llama-server slots).
         max_num_batched_tokens: token budget per step.
+        n_ctx_slot: one sequence's context (tokens): draft tokens never reach past it.
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, n_ctx_slot: int = 1 << 30):
         self.kv = kv
+        self.n_ctx_slot = n_ctx_slot
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -87,6 +101,11 @@ class Scheduler:
         self.recent: deque[tuple[np.ndarray, str | None, int]] = deque(maxlen=RECENT_SEQUENCES)
         #: token ids -> text, for cache_miss excerpts (set by EngineCore)
         self.detokenize: Callable[[list[int]], str] | None = None
+        #: speculative decoding policy (set by EngineCore when --spec-type is on)
+        self.spec: SpecDecoder | None = None
+        #: most rows of a step that draft tokens may fill (the small-batch kernel's rows, so a
+        #: verification step computes with the same kernels as a plain decode step)
+        self.spec_max_rows = max_num_batched_tokens
 
     # -- queue changes -----------------------------------------------------------
 
@@ -178,9 +197,36 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, n))
             budget -= n
+        if self.spec is not None and not out.preempted:
+            self._add_drafts(out)
         out.kv_copies = self.kv.take_copies()
         out.kv_shifts = self.kv.take_shifts()
         return out
+
+    def _add_drafts(self, out: SchedulerOutput) -> None:
+        """Speculative decoding: extend decode chunks by draft tokens, in chunk order, with
+        what is left of the step's token budget and of ``spec_max_rows``. Drafts never
+        preempt: a chunk whose extra blocks are not free runs as a plain decode. A draft is
+        cut so that the tokens it may add stay within the request's n_predict and context."""
+        room = min(self.max_num_batched_tokens, self.spec_max_rows) - out.num_tokens
+        for ch in out.chunks:
+            if room <= 0:
+                break
+            req = ch.request
+            if ch.num_new_tokens != 1 or not ch.completes or not req.output_token_ids:
+                continue
+            p = req.params
+            limit = self.n_ctx_slot - req.num_tokens - 1  # accepted + bonus tokens stay in context
+            if p.n_predict > 0:
+                limit = min(limit, p.n_predict - len(req.output_token_ids) - 1)
+            draft = self.spec.propose(req, min(room, limit))
+            if not draft:
+                continue
+            if not self.kv.allocate(req.request_id, req.num_computed_tokens + 1 + len(draft), evict=False):
+                continue
+            ch.spec_token_ids = draft
+            ch.num_new_tokens += len(draft)
+            room -= len(draft)
 
     def _admit(self, req: Request, budget: int) -> bool:
         """Reuse the longest cached prefix (then, with ``n_cache_reuse``, shifted chunks

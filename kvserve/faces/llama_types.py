@@ -76,6 +76,8 @@ class Timings(WireModel):
     predicted_ms: float
     predicted_per_token_ms: float
     predicted_per_second: float
+    draft_n: int | None = None  # speculative decoding (llama-server): only when something was drafted
+    draft_n_accepted: int | None = None
     cache_miss: dict[str, Any] | None = None
 
     @classmethod

@@ -60,6 +60,8 @@ _INT_FIELDS = {
     "min_tokens": "min_tokens",
     "n_probs": "n_probs",
     "n_cache_reuse": "n_cache_reuse",
+    "speculative.n_max": "spec_n_max",  # llama-server's flat dotted keys
+    "speculative.n_min": "spec_n_min",
 }
 _BOOL_FIELDS = {
     "ignore_eos": "ignore_eos",
@@ -373,8 +375,8 @@ def params_to_dict(p: SamplingParams, *, stream: bool = False, grammar: str = ""
         "reasoning_in_content": False,
         "thinking_forced_open": False,
         "samplers": list(p.samplers),
-        "speculative.n_max": 16,
-        "speculative.n_min": 0,
+        "speculative.n_max": 16 if p.spec_n_max is None else p.spec_n_max,
+        "speculative.n_min": p.spec_n_min,
         "speculative.p_min": 0.75,
         "timings_per_token": False,
         "post_sampling_probs": p.post_sampling_probs,

@@ -20,6 +20,12 @@ from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.engine.request import SEED_RANDOM, InvalidRequestError, SamplingParams
+from kvserve.engine.spec_decode import (
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    DEFAULT_PROMPT_LOOKUP_MAX,
+    DEFAULT_PROMPT_LOOKUP_MIN,
+    SpecConfig,
+)
 
 DEFAULT_MODEL = "smollm2"
 
@@ -124,6 +130,8 @@ class ServerArgs:
     return_tokens_as_token_ids: bool = False
     enable_force_include_usage: bool = False
     enable_prompt_tokens_details: bool = False
+    # speculative decoding (--spec-type ngram, --draft-max/--draft-min, --speculative-config)
+    spec: SpecConfig = field(default_factory=SpecConfig)
     # what parsing found: log lines for flags without effect or not available ((logging level, text)),
     # and how each flag was given (dest -> "--flag" or "ENV_NAME")
     flag_notes: list = field(default_factory=list)
@@ -164,6 +172,7 @@ class ServerArgs:
             cache_ram=self.cache_ram,
             kv_unified=self.kv_unified,
             block_size=self.block_size,
+            spec=self.spec,
         )
 
 
@@ -488,6 +497,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         kv_k = kv_k if "cache_type_k" in given else "bf16"
         kv_v = kv_v if "cache_type_v" in given else "bf16"
     sampling, gen = _sampling(v, given, notes)
+    spec = _spec_config(v, given, how, notes)
     args = ServerArgs(
         model=model or DEFAULT_MODEL, model_given=bool(model), alias=alias, host=hosts[0], port=v["port"],
         ctx_size=v["ctx_size"], parallel=parallel, threads=v["threads"], batch_size=batch,
@@ -530,7 +540,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         return_tokens_as_token_ids=v["return_tokens_as_token_ids"],
         enable_force_include_usage=v["enable_force_include_usage"],
         enable_prompt_tokens_details=v["enable_prompt_tokens_details"],
-        flag_notes=notes, flags_given=given, hosts=hosts,
+        flag_notes=notes, flags_given=given, hosts=hosts, spec=spec,
     )
     try:
         args.default_sampling_params()
@@ -538,6 +548,34 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
     except (InvalidRequestError, ValueError) as e:
         raise _Exit(str(e)) from None
     return args
+
+
+def _spec_config(v: dict, given: dict, how: dict, notes: list) -> SpecConfig:
+    """Speculative decoding from vLLM's ``--speculative-config`` (method ngram; vLLM's defaults:
+    prompt_lookup_min/max 5 when neither is given, the other one's value when one is) or
+    llama-server's ``--spec-type ngram`` (K = ``--draft-max``, else ``--spec-ngram-size-m``,
+    else 16; n-gram length ``--spec-ngram-size-n`` exactly, else kvserve's 4 down to 2).
+    ``--draft-min`` applies to both. Off otherwise (the draft-size flags then log that they
+    do nothing)."""
+    cfg = v["speculative_config"]
+    n_min = v["draft_min"] or 0
+    if cfg is not None:
+        lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        return SpecConfig("ngram", cfg["num_speculative_tokens"], n_min, hi, lo)
+    if v["spec_type"] in ("ngram", "ngram-simple"):
+        k = v["draft"] if v["draft"] is not None else (v["spec_ngram_size_m"] or DEFAULT_NUM_SPECULATIVE_TOKENS)
+        n = v["spec_ngram_size_n"]
+        hi, lo = (n, n) if n else (DEFAULT_PROMPT_LOOKUP_MAX, DEFAULT_PROMPT_LOOKUP_MIN)
+        return SpecConfig("ngram", k, n_min, hi, lo)
+    for dest in ("draft", "draft_min", "spec_ngram_size_n", "spec_ngram_size_m"):
+        if dest in given:
+            notes.append((logging.INFO, (f"flag {how[dest]}: no effect here: speculative decoding is off "
+                                         "(--spec-type ngram turns it on)")))
+    return SpecConfig()
 
 
 def _template_kwargs(v: dict) -> dict:

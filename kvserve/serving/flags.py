@@ -191,6 +191,49 @@ def _kv_dtype_check(v: str) -> str | None:
             "-ctk/-ctv: f16, bf16 or f32)")
 
 
+#: --spec-type values: kvserve's prompt lookup under its names, and off
+SPEC_TYPES = ("ngram", "ngram-simple", "none")
+
+
+def _spec_type_check(v: str) -> str | None:
+    if v in SPEC_TYPES:
+        return None
+    return (f"--spec-type {v}: not available; kvserve has ngram (prompt lookup, llama-server's ngram-simple) "
+            "and none")
+
+
+_SPEC_CONFIG_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+
+
+def _spec_config_check(cfg: dict) -> str | None:
+    method = cfg.get("method")
+    if method != "ngram" or "model" in cfg:
+        what = f"method {method!r}" if method != "ngram" else "a draft model"
+        return (f"--speculative-config: {what} is not available; kvserve has method ngram (prompt lookup) "
+                "only")
+    extra = sorted(set(cfg) - _SPEC_CONFIG_KEYS)
+    if extra:
+        return f"--speculative-config: unsupported key(s) {', '.join(extra)} for method ngram"
+    for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            return f"--speculative-config: {key} must be a positive integer, got {v!r}"
+    if cfg.get("num_speculative_tokens") is None:
+        return "--speculative-config: num_speculative_tokens is required for method ngram"
+    lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
+    if lo is not None and hi is not None and lo > hi:
+        return f"--speculative-config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+    return None
+
+
+def _positive(flag: str) -> Callable[[Any], str | None]:
+    return lambda n: None if n >= 1 else f"{flag} must be at least 1, got {n}"
+
+
+def _non_negative(flag: str) -> Callable[[Any], str | None]:
+    return lambda n: None if n >= 0 else f"{flag} must be >= 0, got {n}"
+
+
 def _ngl_value(text: str) -> str:
     if text in ("auto", "all") or text.lstrip("-").isdigit():
         return text
@@ -557,9 +600,19 @@ FLAGS: tuple[Flag, ...] = (
     F("-md --model-draft --spec-draft-model", help="draft model", env="LLAMA_ARG_SPEC_DRAFT_MODEL LLAMA_ARG_MODEL_DRAFT",
       effect=WARN, why=_DRAFT),
     F("-hfd -hfrd --hf-repo-draft --spec-draft-hf", env="LLAMA_ARG_SPEC_DRAFT_HF_REPO", effect=WARN, why=_DRAFT),
-    F("--spec-type", env="LLAMA_ARG_SPEC_TYPE", effect=WARN, why="speculative decoding is not available"),
-    F("--spec-default", "bool", False, effect=WARN, why="speculative decoding is not available"),
-    F("--speculative-config", source=VLLM, effect=WARN, why="speculative decoding is not available"),
+    F("--spec-type", help="speculative decoding: ngram (prompt lookup; llama-server's ngram-simple) or none",
+      env="LLAMA_ARG_SPEC_TYPE", check=_spec_type_check, metavar="TYPE",
+      why="ngram: the last n-gram of the sequence is looked up in its prompt and output and the tokens that "
+      "followed are verified in one step (greedy requests; output token-identical)"),
+    F("--spec-default", "bool", False, effect=WARN, why="kvserve has no default speculative settings: use "
+      "--spec-type ngram"),
+    F("--speculative-config", help="vLLM's speculative config (JSON): method ngram, num_speculative_tokens, "
+      "prompt_lookup_max, prompt_lookup_min", source=VLLM, convert=json_object, check=_spec_config_check,
+      metavar="JSON", why="method ngram only (a draft model, EAGLE, MTP are refused)"),
+    F("--spec-ngram-size-n", "int", help="ngram: length of the looked-up n-gram (tokens)", metavar="N",
+      why="sets prompt_lookup_max and prompt_lookup_min to N", check=_positive("--spec-ngram-size-n")),
+    F("--spec-ngram-size-m", "int", help="ngram: most draft tokens per step when --draft-max is not given",
+      metavar="M", why="as --draft-max", check=_positive("--spec-ngram-size-m")),
     F("-ngld --gpu-layers-draft --n-gpu-layers-draft --spec-draft-ngl", env="LLAMA_ARG_N_GPU_LAYERS_DRAFT",
       effect=NONE, why="no draft model"),
     F("-td --threads-draft --spec-draft-threads", "int", effect=NONE, why="no draft model"),
@@ -568,10 +621,12 @@ FLAGS: tuple[Flag, ...] = (
     F("-cd --ctx-size-draft", "int", effect=NONE, why="no draft model"),
     F("-ctkd --cache-type-k-draft --spec-draft-type-k", effect=NONE, why="no draft model"),
     F("-ctvd --cache-type-v-draft --spec-draft-type-v", effect=NONE, why="no draft model"),
-    F("--draft --draft-n --draft-max --spec-draft-n-max", "int", env="LLAMA_ARG_DRAFT_MAX", effect=NONE,
-      why="no draft model"),
-    F("--draft-min --draft-n-min --spec-draft-n-min", "int", env="LLAMA_ARG_DRAFT_MIN", effect=NONE,
-      why="no draft model"),
+    F("--draft --draft-n --draft-max --spec-draft-n-max", "int", help="most draft tokens per step (default 16)",
+      env="LLAMA_ARG_DRAFT_MAX", why="with --spec-type ngram: most tokens proposed per sequence and step",
+      check=_non_negative("--draft-max")),
+    F("--draft-min --draft-n-min --spec-draft-n-min", "int", help="shorter drafts are dropped (default 0)",
+      env="LLAMA_ARG_DRAFT_MIN", why="with --spec-type ngram: drafts shorter than this are not verified",
+      check=_non_negative("--draft-min")),
     F("--draft-p-min --spec-draft-p-min", "float", effect=NONE, why="no draft model"),
     F("--draft-p-split --spec-draft-p-split", "float", effect=NONE, why="no draft model"),
     F("-lcs --lookup-cache-static", effect=NONE, why="no lookup decoding"),

@@ -1,0 +1,100 @@
+"""``--spec-type ngram`` through the faces: the same greedy content as a server without it,
+llama-server's ``draft_n`` / ``draft_n_accepted`` in ``timings``, per-request
+``speculative.n_max`` / ``n_min`` (parsed, echoed in generation_settings, 0 turns it off),
+streaming with several tokens per step. A tiny random-weight model served in process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import tinymodel  # tests/ is on sys.path (tests/conftest.py)
+import torch
+from starlette.testclient import TestClient
+
+from kvserve.app import build_app
+from kvserve.serving.args import parse_args
+from kvserve.serving.state import ServerState
+
+
+def _client(d, path, *extra):
+    state = ServerState(parse_args(["-m", str(path), "-a", "tiny", "-c", "1024", "-np", "2", "--models-dir",
+                                    str(d / "models"), *extra]))
+    return state, TestClient(build_app(state), base_url="http://127.0.0.1")
+
+
+@pytest.fixture(scope="module")
+def clients(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec_api")
+    path = tinymodel.write_tiny_gguf(d / "tiny.gguf", seed=3)
+    s1, plain = _client(d, path)
+    s2, spec = _client(d, path, "--spec-type", "ngram", "--draft-max", "8", "--spec-ngram-size-n", "2")
+    with plain, spec:
+        plain.portal.call(s1.preload)
+        spec.portal.call(s2.preload)
+        yield plain, spec
+        plain.portal.call(s1.manager.shutdown)
+        spec.portal.call(s2.manager.shutdown)
+
+
+def _prompt(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 300, (12,), generator=g).tolist() * 4
+
+
+def _complete(c, **body):
+    r = c.post("/completion", json={"prompt": _prompt(), "n_predict": 48, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_completion_same_content_and_draft_counters(clients):
+    plain, spec = clients
+    a, b = _complete(plain, return_tokens=True), _complete(spec, return_tokens=True)
+    assert b["content"] == a["content"] and b["tokens"] == a["tokens"] and len(b["tokens"]) == 48
+    t = b["timings"]
+    assert t["draft_n"] > 0 and 0 < t["draft_n_accepted"] <= t["draft_n"]
+    keys = list(t)
+    assert keys.index("draft_n") == keys.index("predicted_per_second") + 1
+    assert keys[keys.index("draft_n") + 1] == "draft_n_accepted"
+    assert "draft_n" not in a["timings"] and "draft_n_accepted" not in a["timings"]
+    gs = b["generation_settings"]
+    assert (gs["speculative.n_max"], gs["speculative.n_min"]) == (16, 0)
+
+
+def test_per_request_n_max_zero_turns_it_off_and_is_echoed(clients):
+    plain, spec = clients
+    off = _complete(spec, **{"speculative.n_max": 0})
+    assert "draft_n" not in off["timings"]
+    assert off["content"] == _complete(plain)["content"]
+    assert off["generation_settings"]["speculative.n_max"] == 0
+    lim = _complete(spec, **{"speculative.n_max": 2, "speculative.n_min": 1})
+    assert lim["generation_settings"]["speculative.n_max"] == 2
+    assert lim["generation_settings"]["speculative.n_min"] == 1
+    assert 0 < lim["timings"]["draft_n"]
+    clamp = _complete(spec, **{"speculative.n_max": -5})  # llama-server clamps to 0
+    assert clamp["generation_settings"]["speculative.n_max"] == 0 and "draft_n" not in clamp["timings"]
+    bad = spec.post("/completion", json={"prompt": _prompt(), "speculative.n_max": "x"})
+    assert bad.status_code == 400
+
+
+def test_stream_emits_every_token(clients):
+    plain, spec = clients
+    ref = _complete(plain, return_tokens=True)
+    with spec.stream("POST", "/completion", json={"prompt": _prompt(), "n_predict": 48, "temperature": 0,
+                                                   "stream": True, "return_tokens": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    toks = [t for e in events for t in e.get("tokens", [])]
+    assert toks == ref["tokens"]
+    assert "".join(e["content"] for e in events) == ref["content"]
+    assert max(len(e.get("tokens", [])) for e in events) > 1
+    assert events[-1]["stop"] is True and events[-1]["timings"]["draft_n_accepted"] > 0
+
+
+def test_openai_completions_same_text(clients):
+    plain, spec = clients
+    body = {"model": "tiny", "prompt": _prompt(), "max_tokens": 40, "temperature": 0}
+    a = plain.post("/v1/completions", json=body).json()
+    b = spec.post("/v1/completions", json=body).json()
+    assert b["choices"][0]["text"] == a["choices"][0]["text"]
+    assert b["usage"] == a["usage"]
