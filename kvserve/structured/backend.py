@@ -135,6 +135,11 @@ class CompiledConstraint:
     compiled: Any
     text: str
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the entry holds (bytes): xgrammar's compiled size plus the text."""
+        return int(getattr(self.compiled, "memory_size_bytes", 0)) + len(self.text)
+
 
 class GrammarConstraint:
     """One request's constraint: the engine hook ``Request.grammar``.
@@ -206,6 +211,15 @@ class GrammarConstraint:
         return bool(self._matcher.is_completed())
 
 
+#: the largest grammar compiled, in characters of xgrammar's EBNF text (1 MiB): larger ones are a
+#: 400. Real tool sets stay well below it (150 tools of 8 typed arguments: ~620 KiB, ~2 s to
+#: compile here); what takes long is a huge alternation (a 20,000-string enum: ~700 KiB, ~27 s,
+#: ~180 MiB), so the cap bounds one request's compile to about a minute of a compiler thread
+MAX_GRAMMAR_CHARS = 1024 * 1024
+#: default byte budget of one backend's compile cache (xgrammar's ``memory_size_bytes`` + text)
+CACHE_BYTES = 256 * 1024 * 1024
+
+
 class GrammarBackend:
     """xgrammar for one tokenizer: compile cache plus matcher factory.
 
@@ -214,7 +228,11 @@ class GrammarBackend:
             for control tokens, ``eog_token_ids``, ``__len__``).
         n_vocab: width of the model's logits (tokens); may exceed ``len(tokenizer)``.
         cache_size: compiled grammars kept (least recently used dropped first).
+        cache_bytes: and at most this many bytes of them (each entry's xgrammar
+            ``memory_size_bytes`` plus its text); an entry larger than the budget is used by
+            its request and not kept.
         max_threads: xgrammar compiler threads.
+        max_grammar_chars: the largest grammar compiled (:data:`MAX_GRAMMAR_CHARS`).
 
     Attributes:
         cache_hits, cache_misses: compile-cache counters since creation.
@@ -223,13 +241,17 @@ class GrammarBackend:
     Thread-safe: faces call ``constraint`` from the server loop or worker threads.
     """
 
-    def __init__(self, tokenizer, n_vocab: int, *, cache_size: int = 64, max_threads: int = 2):
+    def __init__(self, tokenizer, n_vocab: int, *, cache_size: int = 64, cache_bytes: int = CACHE_BYTES,
+                 max_threads: int = 2, max_grammar_chars: int = MAX_GRAMMAR_CHARS):
         self.tokenizer = tokenizer
         self.n_vocab = int(n_vocab)
         self.vocab_size = max(self.n_vocab, len(tokenizer))
         self.stop_ids = sorted(int(t) for t in tokenizer.eog_token_ids)
         self.cache_size = int(cache_size)
+        self.cache_bytes = int(cache_bytes)
+        self.max_grammar_chars = int(max_grammar_chars)
         self.max_threads = int(max_threads)
+        self._bytes = 0  # of the cached entries
         self.cache_hits = 0
         self.cache_misses = 0
         self._cache: OrderedDict[ConstraintSpec, CompiledConstraint] = OrderedDict()
@@ -304,16 +326,26 @@ class GrammarBackend:
             self.cache_misses += 1
         compiler = self._get_compiler()
         grammar, text = self._grammar(spec)
+        size = len(str(grammar)) if spec.kind == "grammar" else len(text)
+        if size > self.max_grammar_chars:
+            raise InvalidInputError(f"{_LABEL[spec.kind]}: the grammar is too large ({size} characters of EBNF; "
+                                    f"at most {self.max_grammar_chars})")
         try:
             compiled = compiler.compile_grammar(grammar)
         except Exception as e:  # noqa: BLE001
             raise InvalidInputError(f"{_LABEL[spec.kind]}: {clean_error(e)}") from None
         entry = CompiledConstraint(compiled, text)
+        if entry.nbytes > self.cache_bytes:
+            return entry  # used by this request only
         with self._lock:
+            old = self._cache.pop(spec, None)
+            if old is not None:
+                self._bytes -= old.nbytes
             self._cache[spec] = entry
-            self._cache.move_to_end(spec)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._bytes += entry.nbytes
+            while len(self._cache) > self.cache_size or self._bytes > self.cache_bytes:
+                _, dropped = self._cache.popitem(last=False)
+                self._bytes -= dropped.nbytes
         return entry
 
     def grammar_text(self, spec: ConstraintSpec) -> str:
@@ -346,7 +378,7 @@ class GrammarBackend:
         return GrammarConstraint(matcher, self.n_vocab, self.vocab_size, self.stop_ids, entry.text)
 
     def cache_info(self) -> dict:
-        """``{"size", "capacity", "hits", "misses"}`` of the compile cache."""
+        """``{"size", "capacity", "hits", "misses", "bytes", "capacity_bytes"}`` of the compile cache."""
         with self._lock:
             return {"size": len(self._cache), "capacity": self.cache_size, "hits": self.cache_hits,
-                    "misses": self.cache_misses}
+                    "misses": self.cache_misses, "bytes": self._bytes, "capacity_bytes": self.cache_bytes}

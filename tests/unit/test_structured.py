@@ -451,8 +451,42 @@ def test_cache_counts_hits_and_misses(smol_tok):
     be.constraint(b)
     be.constraint(c)  # evicts a (least recently used)
     be.constraint(a)
-    assert be.cache_info() == {"size": 2, "capacity": 2, "hits": 1, "misses": 4}
+    held = be.compile(c).nbytes + be.compile(a).nbytes
+    assert be.cache_info() == {"size": 2, "capacity": 2, "hits": 3, "misses": 4, "bytes": held,
+                               "capacity_bytes": 256 * 1024 * 1024}
     assert be.compile(c) is be.compile(c)
+
+
+def test_cache_is_bounded_by_bytes_and_huge_grammars_are_refused(smol_tok):
+    """The compile cache holds at most cache_bytes (xgrammar's memory_size_bytes + text): a
+    client sending many big distinct schemas cannot grow it past that; a grammar over
+    max_grammar_chars is a 400 before xgrammar spends minutes compiling it."""
+    def enum(n: int, tag: str) -> ConstraintSpec:
+        return ConstraintSpec("json_schema", json.dumps({"enum": [f"{tag} value {i}" for i in range(n)]}))
+
+    probe = GrammarBackend(smol_tok, smol_tok.n_vocab)
+    one = probe.compile(enum(300, "a")).nbytes
+    assert one > 10_000
+    be = GrammarBackend(smol_tok, smol_tok.n_vocab, cache_bytes=int(2.5 * one))
+    for tag in "abcd":
+        be.compile(enum(300, tag))
+        info = be.cache_info()
+        assert info["bytes"] <= 2.5 * one
+    assert info["size"] == 2  # c and d: a and b were dropped for bytes, not for count
+    assert be.compile(enum(300, "d")) is be.compile(enum(300, "d"))
+    small = GrammarBackend(smol_tok, smol_tok.n_vocab, cache_bytes=one // 2)
+    e = small.compile(enum(300, "a"))  # larger than the whole budget: used, not kept
+    assert small.cache_info()["size"] == 0 and small.cache_info()["bytes"] == 0
+    assert "a value 299" in e.text
+
+    tight = GrammarBackend(smol_tok, smol_tok.n_vocab, max_grammar_chars=2000)
+    with pytest.raises(InvalidInputError) as err:
+        tight.compile(enum(300, "a"))
+    n = len(probe.compile(enum(300, "a")).text)
+    assert str(err.value) == f"json_schema: the grammar is too large ({n} characters of EBNF; at most 2000)"
+    with pytest.raises(InvalidInputError) as err:
+        tight.compile(ConstraintSpec("grammar", "root ::= " + " | ".join(f'"w{i}"' for i in range(400))))
+    assert str(err.value).startswith("grammar: the grammar is too large (")
 
 
 def test_grammar_text(backend):
