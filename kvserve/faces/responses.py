@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import secrets
 import time
@@ -59,8 +60,9 @@ from fastapi import APIRouter
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 
+from kvserve.faces.auth import request_key
 from kvserve.faces.errors import ApiError
-from kvserve.faces.http import error_response, json_response, read_json
+from kvserve.faces.http import dumps, error_response, json_response, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
 from kvserve.faces.openai import chat_plan, stream_events
 from kvserve.faces.params import get_bool, get_int, get_str, type_error
@@ -99,10 +101,14 @@ from kvserve.serving.response_store import ResponseStore
 from kvserve.serving.runner import Runner
 from kvserve.serving.state import ServerState
 
-__all__ = ["EFFORT_BUDGET", "MAX_INPUT_ITEMS", "build_router", "chat_body"]
+__all__ = ["EFFORT_BUDGET", "MAX_ECHO_DEPTH", "MAX_INPUT_ITEMS", "build_router", "chat_body", "owner_of"]
 
 #: at most this many ``input`` items per request
 MAX_INPUT_ITEMS = 4096
+#: deepest nesting (arrays and objects) of a client value the response echoes (``tools[i].parameters``,
+#: ``text.format.schema``) or parses (a ``function_call``'s ``arguments``): far above any real schema, far
+#: below the ~1000 levels where Python's JSON encoder (and recursive schema walkers) fail
+MAX_ECHO_DEPTH = 128
 #: ``reasoning.effort`` -> thinking tokens before ``</think>`` is forced (-1: no limit)
 EFFORT_BUDGET = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": -1, "xhigh": -1}
 #: OpenAI's metadata bounds: 16 pairs, keys up to 64 characters, values up to 512
@@ -139,6 +145,7 @@ class Turn:
         stream: the request asked for SSE.
         store: keep the response in the store.
         input_items: the request's ``input`` as ``GET /v1/responses/{id}/input_items`` lists it.
+        owner: who created it (:func:`owner_of`); only they see the stored response.
     """
 
     chat: dict
@@ -147,6 +154,7 @@ class Turn:
     stream: bool = False
     store: bool = True
     input_items: list[dict] = field(default_factory=list)
+    owner: str = ""
 
 
 def _obj(v: Any, where: str) -> dict:
@@ -189,15 +197,45 @@ def _parts_text(content: Any, where: str, allowed: tuple[str, ...]) -> str:
     return "\n".join(texts)
 
 
+def _depth(v: Any) -> int:
+    """The nesting depth of a JSON value (a scalar 0, ``{}`` or ``[]`` 1), walked without recursion."""
+    deepest, stack = 0, [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, dict):
+            x = x.values()
+        elif not isinstance(x, list):
+            continue
+        deepest = max(deepest, d)
+        if d <= MAX_ECHO_DEPTH:  # deeper than the limit is refused: no need to walk further
+            stack.extend((y, d + 1) for y in x if isinstance(y, (dict, list)))
+    return deepest
+
+
+def _check_depth(v: Any, where: str) -> None:
+    """400 naming ``where`` when ``v`` nests deeper than :data:`MAX_ECHO_DEPTH`."""
+    if _depth(v) > MAX_ECHO_DEPTH:
+        raise _bad(f"Field '{where}': nested deeper than {MAX_ECHO_DEPTH} levels", where)
+
+
+def _no_constant(name: str):
+    raise ValueError(name)
+
+
 def _json_object_text(v: Any, where: str) -> str:
+    """``v`` when it is a JSON object's text (RFC 8259: no NaN or Infinity; blank counts as ``{}``),
+    nested at most :data:`MAX_ECHO_DEPTH` deep; else 400 naming ``where``."""
     if not isinstance(v, str):
         raise type_error(where, "string", v)
     try:
-        parsed = json.loads(v) if v.strip() else {}
+        parsed = json.loads(v, parse_constant=_no_constant) if v.strip() else {}
+    except RecursionError:
+        raise _bad(f"Field '{where}': nested deeper than {MAX_ECHO_DEPTH} levels", where) from None
     except ValueError:
         parsed = None
     if not isinstance(parsed, dict):
         raise _bad(f"{where}: expected a JSON object as text, got {v[:80]!r}", where)
+    _check_depth(parsed, where)
     return v
 
 
@@ -303,29 +341,85 @@ def input_messages(inp: Any, history: list[dict]) -> list[dict]:
 
 
 _ITEM_ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}
+_STATUSES = ("in_progress", "completed", "incomplete")
+
+
+def check_item_ids(inp: Any) -> None:
+    """Item ids, where given, are strings and unique in the request (as OpenAI: 400
+    ``Duplicate item found with id ...``), so that the input-items list pages by id.
+
+    Raises:
+        ApiError: 400 naming ``input[i].id`` (not a string) or ``input`` (a duplicate).
+    """
+    if not isinstance(inp, list):
+        return
+    seen: set[str] = set()
+    for i, it in enumerate(inp):
+        item_id = it.get("id") if isinstance(it, dict) else None
+        if item_id is None:
+            continue
+        if not isinstance(item_id, str):
+            raise type_error(f"input[{i}].id", "string", item_id)
+        if item_id in seen:
+            raise _bad(f"Duplicate item found with id {item_id[:128]}. Remove duplicate items from your input and "
+                       f"try again.", "input")
+        seen.add(item_id)
+
+
+def _listed_parts(content: Any, role: str | None) -> list[dict]:
+    """Content (a string or text parts, already checked) as listed parts, known fields only."""
+    if isinstance(content, str):
+        return [{"type": "output_text", "text": content, "annotations": []} if role == "assistant"
+                else {"type": "input_text", "text": content}]
+    parts = []
+    for p in content:
+        kind = p["type"]
+        if kind == "refusal":
+            parts.append({"type": "refusal", "refusal": p.get("refusal") or ""})
+        elif kind == "output_text":
+            parts.append({"type": "output_text", "text": p.get("text") or "", "annotations": []})
+        else:
+            parts.append({"type": kind, "text": p.get("text") or ""})
+    return parts
+
+
+def _listed_item(it: dict) -> dict:
+    """One (checked) input item as listed: its known fields only, normalized (unknown keys are
+    dropped: a stored item costs only what the list shows)."""
+    kind = it.get("type") or "message"
+    item_id = it.get("id") or _rand_id(_ITEM_ID_PREFIX.get(kind, "item_"))
+    status = it.get("status") if it.get("status") in _STATUSES else "completed"
+    if kind == "message":
+        return {"id": item_id, "type": "message", "role": it["role"],
+                "content": _listed_parts(it["content"], it["role"]), "status": status}
+    if kind == "function_call":
+        return {"id": item_id, "type": "function_call", "call_id": it["call_id"], "name": it["name"],
+                "arguments": it.get("arguments", "{}"), "status": status}
+    if kind == "function_call_output":
+        out = it["output"]
+        return {"id": item_id, "type": "function_call_output", "call_id": it["call_id"],
+                "output": out if isinstance(out, str) else _listed_parts(out, None), "status": status}
+    d: dict = {"id": item_id, "type": "reasoning"}  # reasoning: no status, as OpenAI lists it
+    for key in ("summary", "content"):
+        if it.get(key) is not None:
+            kind = "summary_text" if key == "summary" else "reasoning_text"
+            d[key] = [{"type": kind, "text": p.get("text") or ""} for p in it[key]]
+    d.setdefault("summary", [])
+    if isinstance(it.get("encrypted_content"), str):
+        d["encrypted_content"] = it["encrypted_content"]
+    return d
 
 
 def listed_input_items(inp: Any) -> list[dict]:
     """A (valid, see :func:`input_messages`) ``input`` as the input-items list writes it: each
     item with an ``id`` first (the client's, else a new one), its ``type``, message text as
-    ``input_text`` (``output_text`` for the assistant) parts and ``status`` completed."""
+    ``input_text`` (``output_text`` for the assistant) parts and ``status`` (completed unless
+    the client gave one); only the fields the Responses API defines for the item are kept."""
     if inp is None:
         return []
     if isinstance(inp, str):
         inp = [{"type": "message", "role": "user", "content": inp}]
-    out = []
-    for it in inp:
-        d = dict(it)
-        kind = d.setdefault("type", "message")
-        if kind == "message" and isinstance(d.get("content"), str):
-            part = {"type": "output_text", "text": d["content"], "annotations": []} if d.get("role") == "assistant" \
-                else {"type": "input_text", "text": d["content"]}
-            d["content"] = [part]
-        if kind != "reasoning":
-            d.setdefault("status", "completed")
-        item_id = d.pop("id", None) or _rand_id(_ITEM_ID_PREFIX.get(kind, "item_"))
-        out.append({"id": item_id, **d})
-    return out
+    return [_listed_item(it) for it in inp]
 
 
 _BUILTIN_HINT = "kvserve runs function tools only; built-in tools run on OpenAI's servers"
@@ -356,6 +450,7 @@ def _tools(body: dict) -> tuple[list[dict], list[dict]]:
         params = t.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise type_error(f"{where}.parameters", "object", params)
+        _check_depth(params, f"{where}.parameters")
         strict = t.get("strict", True)
         if not isinstance(strict, bool):
             raise type_error(f"{where}.strict", "boolean", strict)
@@ -391,15 +486,17 @@ def _tool_choice(body: dict, chat_tools: list[dict]) -> tuple[Any, Any, list[dic
         allowed = d.get("tools")
         if not isinstance(allowed, list):
             raise type_error("tool_choice.tools", "array", allowed)
-        names = []
+        names: list[str] = []
         for j, a in enumerate(allowed):
             a = _obj(a, f"tool_choice.tools[{j}]")
             if a.get("type") != "function":
                 raise _bad(f"tool_choice.tools[{j}]: tool type {a.get('type')!r} not supported: {_BUILTIN_HINT}",
                            f"tool_choice.tools[{j}].type")
             names.append(_str_field(a, "name", f"tool_choice.tools[{j}]"))
-        offered = [t for t in chat_tools if t["function"]["name"] in names]
-        return mode, d, offered
+        wanted = set(names)  # a set: 20,000 tools against 20,000 names must not be N x M
+        offered = [t for t in chat_tools if t["function"]["name"] in wanted]
+        echo = {"type": "allowed_tools", "mode": mode, "tools": [{"type": "function", "name": n} for n in names]}
+        return mode, echo, offered
     raise _bad(f"Field 'tool_choice': type {str(kind)[:64]!r} not supported: {_BUILTIN_HINT}", "tool_choice.type")
 
 
@@ -413,15 +510,18 @@ def _text_format(body: dict) -> tuple[dict | None, dict]:
     if verbosity is not None and verbosity not in ("low", "medium", "high"):
         raise _bad(f"Field 'text.verbosity': expected 'low', 'medium' or 'high', got {verbosity!r}", "text.verbosity")
     fmt = text.get("format")
-    echo = dict(text)
+    # the echo holds the known fields only (a client's extra keys are not written back)
+    echo: dict = {"format": {"type": "text"}}
+    if verbosity is not None:
+        echo["verbosity"] = verbosity
     if fmt is None:
-        echo["format"] = {"type": "text"}
         return None, echo
     fmt = _obj(fmt, "text.format")
     kind = fmt.get("type")
     if kind == "text":
         return None, echo
     if kind == "json_object":
+        echo["format"] = {"type": "json_object"}
         return {"type": "json_object"}, echo
     if kind == "json_schema":
         name = _str_field(fmt, "name", "text.format")
@@ -429,12 +529,19 @@ def _text_format(body: dict) -> tuple[dict | None, dict]:
         if not isinstance(schema, dict):
             raise _bad("Missing required parameter: 'text.format.schema'." if schema is None else
                        "Field 'text.format.schema': expected a JSON schema object", "text.format.schema")
+        _check_depth(schema, "text.format.schema")
         strict = fmt.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise type_error("text.format.strict", "boolean", strict)
+        desc = _str_field(fmt, "description", "text.format", required=False)
         js: dict = {"name": name, "schema": schema}
         if strict is not None:
             js["strict"] = strict
+        echo["format"] = {"type": "json_schema", "name": name, "schema": schema}
+        if desc is not None:
+            echo["format"]["description"] = desc
+        if strict is not None:
+            echo["format"]["strict"] = strict
         return {"type": "json_schema", "json_schema": js}, echo
     raise _bad(f"Field 'text.format.type': expected 'text', 'json_object' or 'json_schema', got {kind!r}",
                "text.format.type")
@@ -497,13 +604,26 @@ def _refuse(body: dict) -> None:
         raise _bad("'top_logprobs' is not supported on /v1/responses (use /v1/chat/completions)", "top_logprobs")
 
 
-def chat_body(body: dict, store: ResponseStore, server_budget: int = -1) -> Turn:
+def _max_output_tokens(body: dict) -> int | None:
+    v = body.get("max_output_tokens")
+    if isinstance(v, float) and v.is_integer() is False:
+        raise _bad(f"Field 'max_output_tokens': expected an integer, got {v!r}", "max_output_tokens")
+    n = get_int(body, "max_output_tokens")
+    if n is not None and n < 1:
+        raise _bad("Field 'max_output_tokens': must be >= 1", "max_output_tokens")
+    return n
+
+
+def chat_body(body: dict, store: ResponseStore, server_budget: int = -1, owner: str = "") -> Turn:
     """Translate a Responses request into the chat-completions body of the same request.
+
+    CPU work linear in the body's size (the face runs it on a worker thread).
 
     Args:
         body: the request JSON object.
         store: where ``previous_response_id`` is looked up.
         server_budget: ``--reasoning-budget`` (-1: none), the cap of an effort's budget.
+        owner: who asks (:func:`owner_of`): another owner's response is not found.
 
     Raises:
         ApiError: 400 naming a bad or unsupported field; 404 for a ``previous_response_id``
@@ -515,12 +635,13 @@ def chat_body(body: dict, store: ResponseStore, server_budget: int = -1) -> Turn
     prev_id = get_str(body, "previous_response_id")
     history: list[dict] = []
     if prev_id is not None:
-        entry = store.get(prev_id)
+        entry = store.get(prev_id, owner)
         if entry is None:
             raise ApiError(404, f"Previous response with id '{prev_id[:128]}' not found.",
                            param="previous_response_id")
         history = [dict(m) for m in entry.history]
     instructions = get_str(body, "instructions")
+    check_item_ids(body.get("input"))
     new = input_messages(body.get("input"), history)
     if not new and not history:
         raise _bad("Missing required parameter: 'input'.", "input")
@@ -535,10 +656,8 @@ def chat_body(body: dict, store: ResponseStore, server_budget: int = -1) -> Turn
     for key in ("temperature", "top_p"):
         if body.get(key) is not None:
             chat[key] = body[key]
-    max_out = get_int(body, "max_output_tokens")
+    max_out = _max_output_tokens(body)
     if max_out is not None:
-        if max_out < 1:
-            raise _bad("Field 'max_output_tokens': must be >= 1", "max_output_tokens")
         chat["max_tokens"] = max_out
     chat_tools, echo_tools = _tools(body)
     choice, echo_choice, offered = _tool_choice(body, chat_tools)
@@ -562,7 +681,8 @@ def chat_body(body: dict, store: ResponseStore, server_budget: int = -1) -> Turn
             "previous_response_id": prev_id, "reasoning": echo_reasoning, "store": keep, "text": echo_text,
             "tool_choice": echo_choice, "tools": echo_tools, "truncation": truncation,
             "user": get_str(body, "user"), "metadata": _metadata(body)}
-    return Turn(chat, history + new, echo, stream, keep, listed_input_items(body.get("input")) if keep else [])
+    return Turn(chat, history + new, echo, stream, keep, listed_input_items(body.get("input")) if keep else [],
+                owner)
 
 
 # ------------------------------------------------------------------------ chat chunks -> response
@@ -630,15 +750,16 @@ class _Run:
         reasoning = (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
         return ResponseUsage(input_tokens=u["prompt_tokens"],
                              input_tokens_details=InputTokensDetails(cached_tokens=u["prompt_tokens_details"]
-                                                                     ["cached_tokens"]),
+                                                                     ["cached_tokens"], cache_write_tokens=0),
                              output_tokens=u["completion_tokens"],
                              output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
                              total_tokens=u["total_tokens"])
 
     async def events(self) -> AsyncIterator[dict]:
         """Every event of the response, in order (the last one holds the final response)."""
-        yield self._life("response.created")
-        yield self._life("response.in_progress")
+        # the whole response (echoing maybe 20,000 tools) is built on a worker thread
+        yield await asyncio.to_thread(self._life, "response.created")
+        yield await asyncio.to_thread(self._life, "response.in_progress")
         try:
             # closed with this generator (a client that leaves): its generations are aborted
             async with contextlib.aclosing(stream_events(self.runner, self.plan)) as chunks:
@@ -664,15 +785,15 @@ class _Run:
                 self.open = None
             self.status = "failed"
             self.error = ResponseError(code=err.type, message=err.message)
-        last = self._life("response." + self.status)
+        last = await asyncio.to_thread(self._life, "response." + self.status)
         self.final = last["response"]
-        self._save()
+        if self.turn.store:  # serializing a large entry is CPU work: off the event loop
+            await asyncio.to_thread(self._save)
         yield last
 
     def _save(self) -> None:
-        if self.turn.store:
-            self.store.put(self.response_id, self.final, self.turn.history + [self._assistant_message()],
-                           self.turn.input_items)
+        self.store.put(self.response_id, self.final, self.turn.history + [self._assistant_message()],
+                       self.turn.input_items, self.turn.owner)
 
     def _assistant_message(self) -> dict:
         """This turn's output as one chat message (for a later previous_response_id)."""
@@ -826,10 +947,21 @@ def _named_events(resp: StreamingResponse) -> StreamingResponse:
     return resp
 
 
+def owner_of(state: ServerState, http: HttpRequest) -> str:
+    """Who a request is, for the store: a hash of its API key when the server has keys (the key
+    middleware let only valid ones through), else ``""`` (one shared owner). A response is
+    visible (GET, input items, DELETE, ``previous_response_id``) to the key that created it only."""
+    if not state.args.api_keys:
+        return ""
+    key = request_key(dict(http.scope.get("headers") or []))
+    return hashlib.sha256(key.encode("utf-8", errors="surrogatepass")).hexdigest()
+
+
 async def _create(state: ServerState, store: ResponseStore, http: HttpRequest) -> Response:
     try:
         body = await read_json(http)
-        turn = chat_body(body, store, state.args.reasoning_budget)
+        # translation is linear in the body, but a large body is still seconds of CPU: off the loop
+        turn = await asyncio.to_thread(chat_body, body, store, state.args.reasoning_budget, owner_of(state, http))
 
         async def run(runner: Runner) -> Response:
             # rendering, tokenizing and grammar compiles are CPU work: off the event loop
@@ -847,7 +979,9 @@ async def _create(state: ServerState, store: ResponseStore, http: HttpRequest) -
                     raise ApiError.from_exception(job.failure)
                 return job.final
 
-            return json_response(await until_disconnect(http, whole()))
+            final = await until_disconnect(http, whole())
+            text = await asyncio.to_thread(dumps, final)  # a response echoing 20,000 tools is megabytes
+            return Response(text, media_type="application/json; charset=utf-8")
 
         return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
     except ClientDisconnected:
@@ -857,28 +991,41 @@ async def _create(state: ServerState, store: ResponseStore, http: HttpRequest) -
             json_response(error_body(e), ApiError.from_exception(e).status)
 
 
+def _query_limit(query) -> int:
+    """``limit``: ASCII digits only (``str.isdigit`` also takes ``²`` and other Unicode digits), 1-100."""
+    raw = query.get("limit", "20")
+    if not (0 < len(raw) <= 3 and raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 100:
+        raise _bad(f"Field 'limit': expected an integer from 1 to 100, got {raw[:64]!r}", "limit")
+    return int(raw)
+
+
 def _items_page(items: list[dict], query) -> dict:
     """One page of input items, OpenAI's cursor list: ``order`` (``desc``, the default, or
-    ``asc``), ``limit`` (1-100, default 20), ``after`` (an item id; the page starts after it)."""
+    ``asc``), ``limit`` (1-100, default 20), ``after`` (an item id; the page starts after it;
+    ids are unique in a request, see :func:`check_item_ids`)."""
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise _bad(f"Field 'order': expected 'asc' or 'desc', got {order[:64]!r}", "order")
-    raw = query.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
-        raise _bad(f"Field 'limit': expected an integer from 1 to 100, got {raw[:64]!r}", "limit")
-    limit = int(raw)
+    limit = _query_limit(query)
     if order == "desc":
         items = items[::-1]
     start = 0
     after = query.get("after")
     if after is not None:
-        ids = [i["id"] for i in items]
-        if after not in ids:
+        start = next((k + 1 for k, it in enumerate(items) if it["id"] == after), -1)
+        if start < 0:
             raise _bad(f"Field 'after': no input item with id '{after[:128]}' in this response", "after")
-        start = ids.index(after) + 1
     page = items[start:start + limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+
+
+def _items_page_json(entry, query) -> str:
+    """:func:`_items_page` of a stored entry, as JSON text (parsing and writing: a worker thread's job)."""
+    return dumps(_items_page(list(entry.input_items), query))
+
+
+_JSON = "application/json; charset=utf-8"
 
 
 def _not_found(response_id: str) -> ApiError:
@@ -897,25 +1044,29 @@ def build_router(state: ServerState, store: ResponseStore | None = None) -> APIR
         return await _create(state, kept, http)
 
     @r.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str) -> Response:
-        entry = kept.get(response_id)
+    async def retrieve(response_id: str, http: HttpRequest) -> Response:
+        entry = kept.get(response_id, owner_of(state, http))
         if entry is None:
             return error_response(_not_found(response_id))
-        return json_response(entry.response)
+        if http.query_params.get("stream", "false").lower() != "false":
+            return error_response(_bad("Streaming a stored response is not supported: GET it without 'stream'",
+                                       "stream"))
+        return Response(entry.response_json, media_type=_JSON)  # stored as the JSON text the client got
 
     @r.get("/v1/responses/{response_id}/input_items")
     async def input_items(response_id: str, http: HttpRequest) -> Response:
-        entry = kept.get(response_id)
+        entry = kept.get(response_id, owner_of(state, http))
         if entry is None:
             return error_response(_not_found(response_id))
         try:
-            return json_response(_items_page(list(entry.input_items), http.query_params))
+            text = await asyncio.to_thread(_items_page_json, entry, http.query_params)
         except ApiError as e:
             return error_response(e)
+        return Response(text, media_type=_JSON)
 
     @r.delete("/v1/responses/{response_id}")
-    async def delete(response_id: str) -> Response:
-        if not kept.delete(response_id):
+    async def delete(response_id: str, http: HttpRequest) -> Response:
+        if not kept.delete(response_id, owner_of(state, http)):
             return error_response(_not_found(response_id))
         return json_response(DeletedResponse(id=response_id, object="response", deleted=True).wire())
 

@@ -48,9 +48,12 @@ ItemStatus = Literal["in_progress", "completed", "incomplete"]
 # -- usage ----------------------------------------------------------------------------------
 
 class InputTokensDetails(WireModel):
-    """``usage.input_tokens_details``: input tokens served from the prefix cache."""
+    """``usage.input_tokens_details``: input tokens served from the prefix cache
+    (``cached_tokens``) and written to a cache (``cache_write_tokens``: always 0, kvserve
+    caches every prompt without charging for it; the ``openai`` client's type requires the field)."""
 
     cached_tokens: int
+    cache_write_tokens: int
 
 
 class OutputTokensDetails(WireModel):

@@ -8,15 +8,21 @@ input and its output, without ``instructions`` (OpenAI does not carry them over 
 response). An entry holds its whole history rather than a link to its parent, so evicting an
 old response never breaks a newer one that continued it.
 
-Bounded by count and by bytes (the size of the entry's JSON text, input items and history
-included; a history
-shared with the parent entry is counted again, so the bound is never below the memory held).
-The least recently used entries go first; reading an entry (``get``) makes it the most recent.
-An entry larger than the whole byte budget is not stored (:meth:`ResponseStore.put` returns
-False). Nothing here knows HTTP: a missing id is ``None`` / ``False``, the face answers 404.
+An entry is kept as three compact JSON texts (UTF-8 bytes, non-ASCII escaped: the response
+text is what ``GET`` answers, byte for byte) and parsed again on read, so the bytes counted
+against the budget ARE the memory held (a parsed Python object costs many times its JSON: an
+``{}`` is 2 bytes of text but ~64 bytes of dict). Bounded by count and by those bytes; a history
+shared with the parent entry is counted (and held) again. The least recently used entries go
+first; reading an entry (``get``) makes it the most recent. An entry larger than the whole byte
+budget is not stored (:meth:`ResponseStore.put` returns False).
 
-Thread-safe: one lock guards the table (the face reads it on the event loop and may build
-plans in worker threads).
+Each entry has an owner (an opaque string: the face passes a hash of the API key that created
+it, or ``""`` when the server has no keys); ``get`` and ``delete`` with another owner see
+nothing, as if the id were not stored. Nothing here knows HTTP: a missing id is ``None`` /
+``False``, the face answers 404.
+
+Thread-safe: one lock guards the table (the face serializes and parses in worker threads).
+``put`` serializes outside the lock; callers with large entries call it off the event loop.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_RESPONSES", "ResponseStore", "StoredResponse"]
+__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MAX_RESPONSES", "ResponseStore", "StoredResponse", "entry_bytes"]
 
 #: at most this many responses are kept (then the least recently used is dropped)
 DEFAULT_MAX_RESPONSES = 4096
@@ -34,35 +40,59 @@ DEFAULT_MAX_RESPONSES = 4096
 DEFAULT_MAX_BYTES = 128 * 1024 * 1024
 
 
+def _dump(obj) -> bytes:
+    """Compact JSON, non-ASCII escaped (as the faces write it), as bytes."""
+    return json.dumps(obj, ensure_ascii=True, separators=(",", ":"), allow_nan=False).encode("ascii")
+
+
 @dataclass(frozen=True)
 class StoredResponse:
-    """One stored response.
+    """One stored response: its three parts as compact JSON bytes, parsed on each read.
 
     Attributes:
-        response: the response object as written to the client (JSON-able dict); do not mutate.
-        history: the chat messages (OpenAI chat format) a request with this response as
-            ``previous_response_id`` starts from; do not mutate.
-        nbytes: the bytes this entry counts against the store's budget.
-        input_items: the request's input items as the Responses API lists them; do not mutate.
+        response_json: the response object as the client got it (compact JSON, ASCII).
+        history_json: the chat messages (a JSON array, OpenAI chat format) a request with this
+            response as ``previous_response_id`` starts from.
+        input_items_json: the request's input items (a JSON array) as the Responses API lists them.
+        owner: who may read or delete it (see :class:`ResponseStore`).
     """
 
-    response: dict
-    history: tuple[dict, ...]
-    nbytes: int
-    input_items: tuple[dict, ...] = ()
+    response_json: bytes
+    history_json: bytes
+    input_items_json: bytes = b"[]"
+    owner: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes this entry counts against the store's budget: its three JSON texts."""
+        return len(self.response_json) + len(self.history_json) + len(self.input_items_json)
+
+    @property
+    def response(self) -> dict:
+        """The response object (a new dict on each read)."""
+        return json.loads(self.response_json)
+
+    @property
+    def history(self) -> tuple[dict, ...]:
+        """The conversation's chat messages (new dicts on each read)."""
+        return tuple(json.loads(self.history_json))
+
+    @property
+    def input_items(self) -> tuple[dict, ...]:
+        """The request's input items (new dicts on each read)."""
+        return tuple(json.loads(self.input_items_json))
 
 
 def entry_bytes(response: dict, history: tuple[dict, ...] | list[dict],
                 input_items: tuple[dict, ...] | list[dict] = ()) -> int:
-    """The bytes an entry counts: the UTF-8 length of its compact JSON text (response, history,
-    then input items when there are any)."""
-    parts = [response, list(history)] + ([list(input_items)] if input_items else [])
-    dump = json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
-    return len(dump.encode("utf-8", errors="surrogatepass"))
+    """The bytes an entry counts: the lengths of its three compact JSON texts (non-ASCII
+    escaped), response, history and input items."""
+    return len(_dump(response)) + len(_dump(list(history))) + len(_dump(list(input_items)))
 
 
 class ResponseStore:
-    """Responses by id, bounded by count and bytes, least recently used evicted first.
+    """Responses by id, bounded by count and bytes, least recently used evicted first, each
+    visible to its owner only.
 
     Args:
         max_responses: most entries kept (>= 1).
@@ -92,15 +122,18 @@ class ResponseStore:
             return self._bytes
 
     def put(self, response_id: str, response: dict, history: list[dict] | tuple[dict, ...],
-            input_items: list[dict] | tuple[dict, ...] = ()) -> bool:
-        """Store (or replace) ``response_id``, evicting least recently used entries to make room.
+            input_items: list[dict] | tuple[dict, ...] = (), owner: str = "") -> bool:
+        """Store (or replace) ``response_id`` for ``owner``, evicting least recently used entries
+        to make room. Serializes the entry (CPU work proportional to its size).
 
         Returns:
             True when stored; False when the entry alone exceeds ``max_bytes`` (nothing is
             stored or evicted then, and an older entry under that id is removed).
+
+        Raises:
+            ValueError: a value JSON cannot write (NaN, infinity) or nested too deep.
         """
-        hist, items = tuple(history), tuple(input_items)
-        entry = StoredResponse(response, hist, entry_bytes(response, hist, items), items)
+        entry = StoredResponse(_dump(response), _dump(list(history)), _dump(list(input_items)), owner)
         with self._lock:
             self._drop(response_id)
             if entry.nbytes > self.max_bytes:
@@ -113,17 +146,22 @@ class ResponseStore:
             self._bytes += entry.nbytes
             return True
 
-    def get(self, response_id: str) -> StoredResponse | None:
-        """The entry (now the most recently used), or None when absent or evicted."""
+    def get(self, response_id: str, owner: str = "") -> StoredResponse | None:
+        """The entry (now the most recently used), or None when absent, evicted or another
+        owner's."""
         with self._lock:
             entry = self._entries.get(response_id)
-            if entry is not None:
-                self._entries.move_to_end(response_id)
+            if entry is None or entry.owner != owner:
+                return None
+            self._entries.move_to_end(response_id)
             return entry
 
-    def delete(self, response_id: str) -> bool:
-        """Remove an entry; False when there was none."""
+    def delete(self, response_id: str, owner: str = "") -> bool:
+        """Remove an entry; False when there was none (or it is another owner's)."""
         with self._lock:
+            entry = self._entries.get(response_id)
+            if entry is None or entry.owner != owner:
+                return False
             return self._drop(response_id)
 
     def _drop(self, response_id: str) -> bool:

@@ -373,3 +373,101 @@ def test_pydantic_ai_responses_model_with_a_provider(hermes, client):
     stored = client.responses.retrieve(result.response.provider_response_id)
     assert [(o.type, o.name, json.loads(o.arguments)) for o in stored.output] == [
         ("function_call", "final_result", {"city": result.output.city})]
+
+
+# -- in process: API keys, query parsing, work off the event loop (the reviewer's findings) --------
+
+@pytest.fixture(scope="module")
+def keyed(tiny_gguf, tmp_path_factory):
+    from starlette.testclient import TestClient
+
+    from kvserve.app import build_app
+    from kvserve.serving.args import parse_args
+    from kvserve.serving.state import ServerState
+
+    d = tmp_path_factory.mktemp("resp_keys")
+    state = ServerState(parse_args(["-m", tiny_gguf, "-a", MODEL, "-c", "1024", "-np", "1", "--models-dir",
+                                    str(d / "models"), "--api-key", "keyA", "--api-key", "keyB"]))
+    with TestClient(build_app(state), base_url="http://127.0.0.1") as c:
+        c.portal.call(state.preload)
+        yield c
+        c.portal.call(state.manager.shutdown)
+
+
+KEY_A, KEY_B = {"Authorization": "Bearer keyA"}, {"X-Api-Key": "keyB"}
+
+
+def test_a_stored_response_is_seen_by_the_key_that_created_it_only(keyed):
+    r = keyed.post("/v1/responses", headers=KEY_A, json={"input": "Hi", "max_output_tokens": 2, **G})
+    assert r.status_code == 200, r.text
+    rid = r.json()["id"]
+    missing = {"error": {"code": 404, "message": f"Response with id '{rid}' not found.", "type": "not_found_error"}}
+    for method, path in [("GET", f"/v1/responses/{rid}"), ("GET", f"/v1/responses/{rid}/input_items"),
+                         ("DELETE", f"/v1/responses/{rid}")]:
+        other = keyed.request(method, path, headers=KEY_B)
+        assert (other.status_code, other.json()) == (404, missing), (method, path)
+    cont = keyed.post("/v1/responses", headers=KEY_B, json={"input": "x", "previous_response_id": rid})
+    assert (cont.status_code, cont.json()["error"]["message"]) == (404, f"Previous response with id '{rid}' not found.")
+    # the owner still has all of it
+    got = keyed.get(f"/v1/responses/{rid}", headers={"X-Api-Key": "keyA"})
+    assert got.status_code == 200 and got.content == r.content
+    assert [i["content"] for i in keyed.get(f"/v1/responses/{rid}/input_items", headers=KEY_A).json()["data"]] == [
+        [{"type": "input_text", "text": "Hi"}]]
+    cont = keyed.post("/v1/responses", headers=KEY_A, json={"input": "x", "previous_response_id": rid,
+                                                            "max_output_tokens": 1, **G})
+    assert cont.status_code == 200 and cont.json()["previous_response_id"] == rid
+    assert keyed.delete(f"/v1/responses/{rid}", headers=KEY_A).json() == {"id": rid, "object": "response",
+                                                                           "deleted": True}
+
+
+def test_queries_are_ascii_and_stored_responses_do_not_stream(keyed):
+    rid = keyed.post("/v1/responses", headers=KEY_A, json={"input": "Hi", "max_output_tokens": 1, **G}).json()["id"]
+    for q, shown in [("limit=%C2%B2", "\u00b2"), ("limit=%D9%A3", "\u0663"), ("limit=" + "0" * 5000, "0" * 64),
+                     ("limit=%2B5", "+5"), ("limit=", "")]:
+        r = keyed.get(f"/v1/responses/{rid}/input_items?{q}", headers=KEY_A)
+        assert (r.status_code, r.json()["error"]["message"]) == (
+            400, f"Field 'limit': expected an integer from 1 to 100, got {shown!r}".replace("\\\\", "\\")), q
+    assert keyed.get(f"/v1/responses/{rid}/input_items?limit=007", headers=KEY_A).status_code == 200
+    r = keyed.get(f"/v1/responses/{rid}?stream=true", headers=KEY_A)
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        400, "Streaming a stored response is not supported: GET it without 'stream'")
+    assert keyed.get(f"/v1/responses/{rid}?stream=false", headers=KEY_A).status_code == 200
+
+
+def test_translation_store_writes_and_listings_run_off_the_event_loop(keyed, monkeypatch):
+    import threading
+
+    import kvserve.faces.responses as face
+    from kvserve.serving.response_store import ResponseStore
+
+    seen: dict[str, list] = {"chat_body": [], "put": [], "list": [], "loop": []}
+
+    def spy(name, fn):
+        def wrapped(*a, **kw):
+            seen[name].append(threading.current_thread())
+            return fn(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(face, "chat_body", spy("chat_body", face.chat_body))
+    monkeypatch.setattr(face, "_items_page_json", spy("list", face._items_page_json))
+    monkeypatch.setattr(ResponseStore, "put", spy("put", ResponseStore.put))
+
+    async def loop_thread():
+        seen["loop"].append(threading.current_thread())
+
+    keyed.portal.call(loop_thread)
+    rid = keyed.post("/v1/responses", headers=KEY_A, json={"input": "Hi", "max_output_tokens": 1, **G}).json()["id"]
+    assert keyed.get(f"/v1/responses/{rid}/input_items", headers=KEY_A).status_code == 200
+    assert [len(seen[k]) for k in ("chat_body", "put", "list")] == [1, 1, 1]
+    assert all(seen[k][0] is not seen["loop"][0] for k in ("chat_body", "put", "list"))
+    # a refused request (an echoed value nested too deep) is never stored
+    deep = "[" * 900 + "]" * 900  # the reviewer: the answer failed to encode from ~952 levels
+    for body, where in [('"tools":[{"type":"function","name":"f","parameters":{"x":D}}]', "tools[0].parameters"),
+                        ('"text":{"format":{"type":"json_schema","name":"n","schema":{"x":D}}}',
+                         "text.format.schema")]:
+        for stream in ("false", "true"):
+            raw = f'{{"input":"hi","max_output_tokens":2,"stream":{stream},{body.replace("D", deep)}}}'
+            r = keyed.post("/v1/responses", headers=KEY_A, content=raw)
+            assert (r.status_code, r.json()["error"]["message"]) == (
+                400, f"Field '{where}': nested deeper than 128 levels")
+    assert len(seen["put"]) == 1

@@ -168,6 +168,18 @@ def test_previous_response_id_continues_the_stored_history():
      "Field 'tool_choice': expected 'none', 'auto', 'required' or an object, got 'sometimes'"),
     ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "Field 'metadata': at most 16 pairs"),
     ({"input": ["x"] * (MAX_INPUT_ITEMS + 1)}, f"Field 'input': at most {MAX_INPUT_ITEMS} items, got 4097"),
+    ({"input": "x", "max_output_tokens": 3.5}, "Field 'max_output_tokens': expected an integer, got 3.5"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"a": NaN}'}]},
+     "input[0].arguments: expected a JSON object as text, got '{\"a\": NaN}'"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"a":' + "[" * 100_000}]},
+     "Field 'input[0].arguments': nested deeper than 128 levels"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                 "arguments": '{"a":' + "[" * 128 + "]" * 128 + "}"}]},
+     "Field 'input[0].arguments': nested deeper than 128 levels"),
+    ({"input": [{"id": {"evil": [1, 2]}, "role": "user", "content": "x"}]},
+     "Field 'input[0].id': type must be string, but is object"),
+    ({"input": [{"id": i, "role": "user", "content": "x"} for i in ["msg_Y", "msg_A", "msg_X", "msg_A"]]},
+     "Duplicate item found with id msg_A. Remove duplicate items from your input and try again."),
 ])
 def test_bad_requests_are_400_naming_the_field(body, message):
     e = _err(body)
@@ -272,7 +284,8 @@ def test_reasoning_text_and_calls_become_items_in_order(monkeypatch):
         ("reasoning", "completed"), ("message", "completed"), ("function_call", "completed")]
     assert final["output"][0]["content"] == [{"type": "reasoning_text", "text": "thinking"}]
     assert final["output"][2]["call_id"] == "call_1" and final["output"][2]["arguments"] == '{"a": 1}'
-    assert final["usage"] == {"input_tokens": 9, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 5,
+    assert final["usage"] == {"input_tokens": 9, "input_tokens_details": {"cached_tokens": 4, "cache_write_tokens": 0},
+                              "output_tokens": 5,
                               "output_tokens_details": {"reasoning_tokens": 2}, "total_tokens": 14}
     assert (final["temperature"], final["top_p"], final["model"]) == (0.8, 0.95, "m")
     stored = store.get(final["id"])
@@ -337,3 +350,146 @@ def test_input_items_as_listed():
     assert items[3] == {"id": items[3]["id"], "type": "function_call_output", "call_id": "c1", "output": "1",
                         "status": "completed"}
     assert chat_body({"input": "x", "store": False}, ResponseStore()).input_items == []
+
+
+# -- the reviewer's findings (attack 16r) --------------------------------------------------------
+
+def _nest(depth: int):
+    v: list = []
+    for _ in range(depth - 1):
+        v = [v]
+    return v
+
+
+def test_allowed_tools_matches_names_in_linear_time_and_echoes_known_fields():
+    import time
+
+    tools = [{"type": "function", "name": f"f{i}"} for i in range(20_000)]
+    t = time.perf_counter()
+    c = _chat({"input": "x", "tools": tools, "tool_choice": {"type": "allowed_tools", "mode": "auto",
+                                                             "tools": tools}})
+    took = time.perf_counter() - t
+    assert len(c["tools"]) == 20_000 and c["tool_choice"] == "auto"
+    assert took < 2.0  # a list lookup per tool took ~8 s (20,000 x 20,000 string compares)
+    turn = chat_body({"input": "x", "tools": [TOOL], "tool_choice": {
+        "type": "allowed_tools", "mode": "required", "x": _nest(900),
+        "tools": [{"type": "function", "name": "get_weather", "junk": {"a": 1}}]}}, ResponseStore())
+    assert turn.echo["tool_choice"] == {"type": "allowed_tools", "mode": "required",
+                                        "tools": [{"type": "function", "name": "get_weather"}]}
+
+
+def test_echoed_values_nested_too_deep_are_400_naming_the_field():
+    deep, ok = {"type": "object", "x": _nest(128)}, {"type": "object", "x": _nest(127)}  # 129 and 128 levels
+    for body, where in [({"input": "x", "tools": [{**TOOL, "parameters": deep}]}, "tools[0].parameters"),
+                        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": deep}}},
+                         "text.format.schema")]:
+        e = _err(body)
+        assert (e.status, e.message, e.body()["error"]["param"]) == (
+            400, f"Field '{where}': nested deeper than 128 levels", where)
+    assert _chat({"input": "x", "tools": [{**TOOL, "parameters": ok}]})["tools"][0]["function"]["parameters"] == ok
+    # a client's extra keys in text are not echoed (they were, at any depth, and failed the encoder)
+    turn = chat_body({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": ok,
+                                                        "strict": True, "y": _nest(950)},
+                                             "verbosity": "low", "x": _nest(950)}}, ResponseStore())
+    assert turn.echo["text"] == {"format": {"type": "json_schema", "name": "n", "schema": ok, "strict": True},
+                                 "verbosity": "low"}
+    assert chat_body({"input": "x", "text": {"x": 1}}, ResponseStore()).echo["text"] == {"format": {"type": "text"}}
+
+
+def test_input_items_are_stored_with_known_fields_only(monkeypatch):
+    items = [{"role": "user", "content": "hi", "x": [{}] * 1000},
+             {"type": "message", "role": "assistant", "id": "msg_a", "status": "incomplete", "junk": 1,
+              "content": [{"type": "output_text", "text": "yo", "annotations": [{"evil": 1}], "z": 2},
+                          {"type": "refusal", "refusal": "no", "z": 3}]},
+             {"type": "function_call", "id": "fc_a", "call_id": "c1", "name": "f", "arguments": "{}", "q": {}},
+             {"type": "function_call_output", "id": "fco_a", "call_id": "c1", "status": "bogus", "q": [],
+              "output": [{"type": "input_text", "text": "1", "q": 1}]},
+             {"type": "reasoning", "id": "rs_a", "summary": [{"type": "summary_text", "text": "s", "q": 1}],
+              "encrypted_content": "e", "q": 1}]
+    events, _, store = _run(monkeypatch, _chunks({"content": "ok"}), body={"input": items})
+    listed = store.get(events[-1]["response"]["id"]).input_items
+    assert listed[1:] == (
+        {"id": "msg_a", "type": "message", "role": "assistant", "status": "incomplete",
+         "content": [{"type": "output_text", "text": "yo", "annotations": []}, {"type": "refusal", "refusal": "no"}]},
+        {"id": "fc_a", "type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}",
+         "status": "completed"},
+        {"id": "fco_a", "type": "function_call_output", "call_id": "c1",
+         "output": [{"type": "input_text", "text": "1"}], "status": "completed"},
+        {"id": "rs_a", "type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}],
+         "encrypted_content": "e"})
+    assert listed[0] == {"id": listed[0]["id"], "type": "message", "role": "user",
+                         "content": [{"type": "input_text", "text": "hi"}], "status": "completed"}
+    # the store counts exactly the bytes it holds: the entry's compact JSON texts
+    e = store.get(events[-1]["response"]["id"])
+    assert store.nbytes == e.nbytes == len(e.response_json) + len(e.history_json) + len(e.input_items_json)
+    assert b'"x"' not in e.input_items_json and b"junk" not in e.input_items_json and len(e.input_items_json) < 700
+
+
+def test_every_response_and_event_validates_with_the_openai_client_types(monkeypatch):
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    events_type = TypeAdapter(ResponseStreamEvent)
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                                          "arguments": '{"city": "Paris"}'}}
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}}
+    cases = {
+        "text": (_chunks({"content": "Hello"}), {"input": "hi"}),
+        "tools": (_chunks({"tool_calls": [call]}, finish="tool_calls"),
+                  {"input": "hi", "tools": [TOOL], "tool_choice": {"type": "allowed_tools", "mode": "auto",
+                                                                   "tools": [{"type": "function",
+                                                                              "name": "get_weather"}]}}),
+        "json_schema": (_chunks({"content": '{"a": true}'}),
+                        {"input": "hi", "text": {"format": {"type": "json_schema", "name": "s", "schema": schema,
+                                                            "strict": True}}}),
+        "reasoning": (_chunks({"reasoning_content": "hm"}, {"content": "ok"}),
+                      {"input": "hi", "reasoning": {"effort": "low", "summary": "auto"}}),
+        "incomplete": (_chunks({"content": "cut"}, finish="length"), {"input": "hi", "max_output_tokens": 1}),
+    }
+    for name, (chunks, body) in cases.items():
+        events, _, store = _run(monkeypatch, chunks, body=body)
+        for ev in events:
+            assert events_type.validate_python(ev).type == ev["type"], name
+        final = Response.model_validate(events[-1]["response"])
+        assert final.usage.input_tokens_details.cache_write_tokens == 0, name
+        assert Response.model_validate(store.get(final.id).response).id == final.id
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+
+
+def test_the_stored_entry_is_written_off_the_event_loop_for_its_owner(monkeypatch):
+    import threading
+
+    threads = []
+    real_put = ResponseStore.put
+
+    def put(self, *a, **kw):
+        threads.append(threading.current_thread())
+        return real_put(self, *a, **kw)
+
+    monkeypatch.setattr(ResponseStore, "put", put)
+    import asyncio
+    from types import SimpleNamespace
+
+    import kvserve.faces.responses as face
+
+    async def fake_stream(runner, plan):
+        for c in _chunks({"content": "a"}):
+            yield c
+
+    monkeypatch.setattr(face, "stream_events", fake_stream)
+    store = ResponseStore()
+    turn = chat_body({"input": "hi"}, store, owner="k1")
+    plan = SimpleNamespace(model="m", requests=[SimpleNamespace(params=SimpleNamespace(temperature=0.8, top_p=0.95))])
+    job = face._Run(None, plan, turn, store)
+
+    async def collect():
+        return [e async for e in job.events()], threading.current_thread()
+
+    events, loop_thread = asyncio.run(collect())
+    assert len(threads) == 1 and threads[0] is not loop_thread
+    rid = events[-1]["response"]["id"]
+    assert store.get(rid) is None and store.get(rid, "k1").response == events[-1]["response"]
+    e = _err({"input": "x", "previous_response_id": rid}, store)
+    assert (e.status, e.message) == (404, f"Previous response with id '{rid}' not found.")
+    assert chat_body({"input": "x", "previous_response_id": rid}, store, owner="k1").history[0] == {
+        "role": "user", "content": "hi"}

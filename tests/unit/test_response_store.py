@@ -21,8 +21,8 @@ def test_put_get_delete():
     assert s.put("a", _resp("a"), _hist())
     e = s.get("a")
     assert e.response == _resp("a") and e.history == ({"role": "user", "content": "hi"},)
-    assert e.nbytes == entry_bytes(_resp("a"), _hist()) == len('[{"id":"a","object":"response","output_text":""},'
-                                                                 '[{"role":"user","content":"hi"}]]')
+    assert e.nbytes == entry_bytes(_resp("a"), _hist()) == len('{"id":"a","object":"response","output_text":""}'
+                                                                 '[{"role":"user","content":"hi"}]' '[]')
     assert len(s) == 1 and s.nbytes == e.nbytes
     assert s.delete("a") is True
     assert s.get("a") is None and s.delete("a") is False
@@ -71,8 +71,34 @@ def test_replacing_an_id_counts_it_once():
     assert small.get("a") is None and small.nbytes == 0
 
 
-def test_non_ascii_is_counted_in_utf8_bytes():
-    assert entry_bytes({"t": "\u00e9"}, []) == len('[{"t":"\u00e9"},[]]'.encode())  # 2 bytes for é
+def test_non_ascii_is_counted_as_the_escaped_text_held():
+    assert entry_bytes({"t": "\u00e9"}, []) == len('{"t":"\\u00e9"}[][]')  # é is held as 6 ASCII bytes
+    s = ResponseStore()
+    s.put("a", {"t": "\u00e9\U0001F600"}, [])
+    assert s.get("a").response_json == b'{"t":"\\u00e9\\ud83d\\ude00"}' and s.get("a").response == {"t": "\u00e9\U0001F600"}
+
+
+def test_counted_bytes_are_the_memory_held():
+    # each part is held as its compact JSON bytes: the count is their length, whatever the
+    # objects would cost parsed (an {} is 2 bytes here, ~64 as a dict)
+    items = [{"id": "msg_1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    s = ResponseStore()
+    s.put("a", _resp("a"), [{}] * 1000, items)
+    e = s.get("a")
+    parts = (e.response_json, e.history_json, e.input_items_json)
+    assert all(isinstance(p, bytes) for p in parts)
+    assert e.nbytes == s.nbytes == sum(len(p) for p in parts) == 47 + (2 * 1000 + 999 + 2) + len(
+        '[{"id":"msg_1","type":"message","role":"user","content":[{"type":"input_text","text":"hi"}]}]')
+    assert e.history == ({},) * 1000 and e.input_items == tuple(items)
+    assert e.history is not s.get("a").history  # parsed anew on each read: a caller cannot change the entry
+
+
+def test_entries_are_visible_to_their_owner_only():
+    s = ResponseStore()
+    s.put("a", _resp("a"), _hist(), owner="k1")
+    assert s.get("a") is None and s.get("a", "k2") is None and s.get("a", "k1").response == _resp("a")
+    assert s.delete("a", "k2") is False and s.delete("a") is False and len(s) == 1
+    assert s.delete("a", "k1") is True and len(s) == 0 and s.nbytes == 0
 
 
 @pytest.mark.parametrize("kw", [{"max_responses": 0}, {"max_bytes": 0}])
