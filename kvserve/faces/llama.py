@@ -452,7 +452,7 @@ def build_router(state: ServerState) -> APIRouter:
     @r.get("/v1/models")
     @r.get("/models")
     async def models():
-        return json_response(models_json(state))
+        return json_response(await asyncio.to_thread(models_json, state))
 
     @r.get("/v1/models/{model_id:path}")
     async def model(model_id: str):

@@ -178,13 +178,13 @@ def model_entry(state: ServerState, m: ServableModel, created: int) -> dict:
 
 
 def _capabilities(m: ServableModel) -> list[str]:
-    """``["embedding"]`` for an encoder (loaded, or known from its file without reading it),
-    else ``["completion"]``."""
+    """``["embedding"]`` for an encoder (loaded, or known from its file's header: read once per
+    file, then remembered), else ``["completion"]``. Reads files: call off the event loop."""
     task = getattr(m.runner, "task", None) if m.runner is not None else None
     if task is None and m.path:
-        from kvserve.serving.embed_runner import cached_task
+        from kvserve.serving.embed_runner import model_task
 
-        task = cached_task(m.path)
+        task = model_task(m.path)
     return ["embedding"] if task in ("embed", "score") else ["completion"]
 
 
@@ -201,7 +201,8 @@ def _ollama_entry(m: ServableModel) -> dict:
 
 
 def models_json(state: ServerState) -> dict:
-    """GET /v1/models and /models: every servable model, loaded or not."""
+    """GET /v1/models and /models: every servable model, loaded or not (reads the store and
+    model headers: call it off the event loop)."""
     state.require_up()
     created = int(time.time())
     cat = state.catalog()

@@ -443,3 +443,14 @@ def test_api_show_of_an_hf_directory_model(env):
     assert d["capabilities"] == ["embedding"] and d["details"]["format"] == "safetensors"
     assert d["model_info"]["general.architecture"] == "bert" and d["model_info"]["bert.embedding_length"] == DIM
     assert client.post("/api/show", json={"model": "gen"}).json()["capabilities"] == ["completion"]
+
+
+def test_v1_models_lists_an_unloaded_encoder_as_embedding(env):
+    """Before any request loads them, /v1/models' Ollama-style list marks the store's encoders
+    ``embedding`` (from their config.json) and the GGUF ``completion``: the web page's picker
+    leaves encoders out (it offered all-minilm, and every question then failed)."""
+    client, state, _ = env
+    assert state.loaded_names == []
+    caps = {m["name"]: m["capabilities"] for m in client.get("/v1/models").json()["models"]}
+    assert caps == {"enc:latest": ["embedding"], "gen:latest": ["completion"], "rr:latest": ["embedding"]}
+    assert state.loaded_names == []  # listing read headers, loaded nothing
