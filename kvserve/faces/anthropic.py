@@ -12,15 +12,17 @@ Request fields:
 - ``system``: a string or text blocks -> the system message;
 - ``messages``: ``user`` / ``assistant`` turns, content a string or blocks: ``text``;
   ``tool_use`` (assistant) -> ``tool_calls``; ``tool_result`` (user; content a string or text
-  blocks) -> a ``tool`` message; ``thinking`` / ``redacted_thinking`` are dropped (Anthropic
+  blocks; its ``tool_use_id`` must name an earlier ``tool_use``, else 400) -> a ``tool`` message; ``thinking`` / ``redacted_thinking`` are dropped (Anthropic
   drops earlier turns' thinking from the context too); images and documents are refused (400).
   A final assistant turn is continued (Anthropic's prefill);
 - ``tools`` (custom tools: ``name``, ``description``, ``input_schema``) -> function tools;
   server tools (``web_search_...``, ``bash_...``) are refused with 400 naming their type;
 - ``tool_choice``: ``auto`` / ``any`` / ``tool`` (name) / ``none`` -> ``auto`` / ``required`` /
   the named function / ``none``; ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``;
-- ``max_tokens`` (required, >= 1, as Anthropic requires), ``stop_sequences``, ``temperature``,
-  ``top_p``, ``top_k``; ``thinking``: ``{"type": "enabled", "budget_tokens": N}`` -> the thinking
+- ``max_tokens`` (required, >= 1, as Anthropic requires) is a cap: the generation stops at
+  ``max_tokens`` or when the slot's context is full, whichever comes first (a prompt that does
+  not fit the context itself is a 400); ``stop_sequences``; ``temperature`` and ``top_p`` (0..1),
+  ``top_k`` (an integer >= 0); ``thinking``: ``{"type": "enabled", "budget_tokens": N}`` -> the thinking
   budget (N must be below ``max_tokens``, as Anthropic checks; Anthropic's minimum of 1024 is
   not enforced: small local models think briefly), ``enabled``/``adaptive``/``between_tools`` set the template's
   ``enable_thinking``, ``disabled`` clears it (``display`` is ignored: thinking is shown);
@@ -38,7 +40,8 @@ Headers: ``x-api-key`` (or ``Authorization: Bearer``) under ``--api-key``
 
 Answers: ``stop_reason`` ``end_turn`` (end of generation), ``max_tokens``, ``stop_sequence``
 (with ``stop_sequence`` the matched string), ``tool_use`` (the answer calls tools),
-``model_context_window_exceeded`` (the context filled up first). ``usage``: see
+``model_context_window_exceeded`` (the context filled up before ``max_tokens`` was reached; when
+``max_tokens`` is exactly the room the prompt leaves, ``max_tokens``). ``usage``: see
 :mod:`kvserve.faces.anthropic_types` (``cache_read_input_tokens`` = the prompt tokens reused
 from the prefix cache). An answer with no text, thinking or call holds one empty text block.
 
@@ -47,7 +50,8 @@ order: ``message_start`` (sent once the prompt is processed, with its usage), th
 ``content_block_start``, deltas (``thinking_delta`` + an empty ``signature_delta``,
 ``text_delta``, or one ``input_json_delta`` holding a whole call's arguments: calls are sent
 once they closed and parsed), ``content_block_stop``; one ``ping`` after the first block starts
-and every ``--sse-ping-interval`` seconds of silence; ``message_delta`` (stop reason, usage),
+and every ``--sse-ping-interval`` seconds of silence after ``message_start`` (none before it:
+a request waiting for a slot sends nothing until its prompt is processed); ``message_delta`` (stop reason, usage),
 ``message_stop``. An error before the first event is a plain HTTP error; after it, one
 ``event: error`` and the stream ends.
 
@@ -62,8 +66,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
+import math
 import secrets
 import string
 from collections.abc import AsyncIterator
@@ -140,7 +146,8 @@ def chat_body(body: dict, *, counting: bool = False) -> dict:
     _tool_choice(body.get("tool_choice"), chat)
     chat["max_tokens"] = max_tokens
     if not counting:
-        for key in ("temperature", "top_p", "top_k", *_PASSTHROUGH):
+        _sampling(body, chat)
+        for key in _PASSTHROUGH:
             if body.get(key) is not None:
                 chat[key] = body[key]
         stops = _stop_sequences(body.get("stop_sequences"))
@@ -149,6 +156,44 @@ def chat_body(body: dict, *, counting: bool = False) -> dict:
     _thinking(body.get("thinking"), chat, None if counting else chat["max_tokens"])
     _output_config(body.get("output_config"), chat)
     return chat
+
+
+#: top_k and thinking budgets above this are the same as this (no vocabulary or generation is
+#: that large); passed on so, they stay within the int64 the chat parser reads
+_INT_CAP = 2**31 - 1
+
+
+def _number(v: Any, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _bad(f"{where}: Input should be a valid number, got {_kind(v)}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise _bad(f"{where}: Input should be a finite number")
+    return v
+
+
+def _sampling(body: dict, chat: dict) -> None:
+    """``temperature`` and ``top_p`` in 0..1, ``top_k`` an integer >= 0, checked as Anthropic
+    checks them (400 naming the field); then passed on to the chat body."""
+    for key in ("temperature", "top_p"):
+        v = body.get(key)
+        if v is None:
+            continue
+        v = _number(v, key)
+        if v < 0:
+            raise _bad(f"{key}: Input should be greater than or equal to 0")
+        if v > 1:
+            raise _bad(f"{key}: Input should be less than or equal to 1")
+        chat[key] = v
+    k = body.get("top_k")
+    if k is not None:
+        k = _number(k, "top_k")
+        if isinstance(k, float):
+            if not k.is_integer():
+                raise _bad("top_k: Input should be a valid integer, got a number with a fractional part")
+            k = int(k)
+        if k < 0:
+            raise _bad("top_k: Input should be greater than or equal to 0")
+        chat["top_k"] = min(k, _INT_CAP)
 
 
 def _output_config(oc: Any, chat: dict) -> None:
@@ -228,6 +273,7 @@ def _messages(messages: Any) -> list[dict]:
     if len(messages) > MAX_MESSAGES:
         raise _bad(f"messages: at most {MAX_MESSAGES} messages")
     out: list[dict] = []
+    tool_ids: set[str] = set()  # ids of the tool_use blocks so far: a tool_result must answer one
     for i, m in enumerate(messages):
         where = f"messages.{i}"
         if not isinstance(m, dict):
@@ -239,9 +285,17 @@ def _messages(messages: Any) -> list[dict]:
         if isinstance(content, str):
             out.append({"role": role, "content": content})
         elif isinstance(content, list):
+            if not content and not (role == "assistant" and i == len(messages) - 1):
+                raise _bad(f"{where}: all messages must have non-empty content except for the optional final "
+                           f"assistant message")
             if len(content) > MAX_BLOCKS:
                 raise _bad(f"{where}.content: at most {MAX_BLOCKS} blocks")
-            out += _user_blocks(content, where) if role == "user" else _assistant_blocks(content, where)
+            if role == "user":
+                out += _user_blocks(content, where, tool_ids)
+            else:
+                msg = _assistant_blocks(content, where)
+                tool_ids.update(c["id"] for c in msg[0].get("tool_calls", ()))
+                out += msg
         else:
             raise _bad(f"{where}.content: Field required" if content is None else
                        f"{where}.content: Input should be a string or a list of content blocks, got {_kind(content)}")
@@ -263,8 +317,10 @@ def _unsupported(t: str, where: str) -> ApiError:
     return _bad(f"{where}: content block type {t[:64]!r} is not supported here")
 
 
-def _user_blocks(blocks: list, where: str) -> list[dict]:
-    """A user turn's blocks -> user messages (text, in order) and tool messages (tool_result)."""
+def _user_blocks(blocks: list, where: str, tool_ids: set[str]) -> list[dict]:
+    """A user turn's blocks -> user messages (text, in order) and tool messages (tool_result).
+    A tool_result whose ``tool_use_id`` is none of ``tool_ids`` (the earlier tool_use blocks) is
+    a 400, as Anthropic answers it."""
     out: list[dict] = []
     texts: list[str] = []
 
@@ -283,6 +339,9 @@ def _user_blocks(blocks: list, where: str) -> list[dict]:
             tid = _str_field(b, "tool_use_id", w)
             c = b.get("content")
             text = "" if c is None else _text_of(c, f"{w}.content")
+            if tid not in tool_ids:  # checked after the block's shape, as Anthropic orders its errors
+                raise _bad(f"{w}: unexpected `tool_use_id` found in `tool_result` blocks: {tid[:128]}. Each "
+                           f"`tool_result` block must have a corresponding `tool_use` block in an earlier message.")
             out.append({"role": "tool", "tool_call_id": tid, "content": text})
         else:
             raise _unsupported(t, w)
@@ -403,29 +462,47 @@ def _thinking(th: Any, chat: dict, max_tokens: int | None) -> None:
         raise _bad("thinking.enabled.budget_tokens: Input should be an integer >= 0")
     if max_tokens is not None and budget >= max_tokens:
         raise _bad("`max_tokens` must be greater than `thinking.budget_tokens`")
-    chat["thinking_token_budget"] = budget
+    chat["thinking_token_budget"] = min(budget, _INT_CAP)  # max_tokens is a cap: any budget below it is valid
 
 
 # ------------------------------------------------------------------------ plan and output
 
 
 class _Plan:
-    """One Messages request: the chat plan, the stop sequences asked for, streaming or not."""
+    """One Messages request: the chat plan, the stop sequences asked for, streaming or not,
+    and whether the context (not ``max_tokens``) bounds the generation (``by_context``)."""
 
-    def __init__(self, plan: Plan, stops: list[str], stream: bool):
+    def __init__(self, plan: Plan, stops: list[str], stream: bool, by_context: bool = False):
         self.plan = plan
         self.stops = stops
         self.stream = stream
+        self.by_context = by_context
         self.id = _rand_id("msg_")
 
 
 def _messages_plan(runner: Runner, body: dict) -> _Plan:
-    """Parse and plan a Messages request (raises ApiError 400 on bad fields)."""
+    """Parse and plan a Messages request (raises ApiError 400 on bad fields).
+
+    ``max_tokens`` is a cap, as Anthropic's clients use it (Claude-style agents send 32000-64000
+    on every request): the generation stops at ``min(max_tokens, n_ctx_slot - prompt tokens)``,
+    so a large ``max_tokens`` is never refused for the context; a prompt that does not itself
+    fit the slot's context is still a 400. (The OpenAI face refuses prompt + max_tokens over
+    the context, as llama-server does.)
+    """
     chat = chat_body(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad(f"stream: Input should be a valid boolean, got {_kind(stream)}")
-    return _Plan(chat_plan(runner, chat), chat.get("stop", []), stream)
+    cap = chat["max_tokens"]
+    # planned without a length (-1: until the context is full), so that only the prompt is checked
+    plan = chat_plan(runner, {**chat, "max_tokens": -1})
+    n_ctx = runner.engine.n_ctx_slot
+    by_context = False
+    for r in plan.requests:
+        free = n_ctx - len(r.prompt_token_ids)  # >= 1: the engine refused a prompt that fills the context
+        by_context = by_context or cap > free
+        r.params = dataclasses.replace(r.params, n_predict=min(cap, free))
+    return _Plan(plan, chat.get("stop", []), stream, by_context)
 
 
 def _count_tokens(runner: Runner, body: dict) -> at.CountTokens:
@@ -442,16 +519,17 @@ def _usage(out: RequestOutput, output_tokens: int | None = None) -> at.Usage:
                     output_tokens=out.num_output_tokens if output_tokens is None else output_tokens)
 
 
-def _stop(out: RequestOutput, calls: bool, stops: list[str]) -> tuple[str, str | None]:
-    """``(stop_reason, stop_sequence)`` of a finished output."""
+def _stop(out: RequestOutput, calls: bool, stops: list[str], by_context: bool = False) -> tuple[str, str | None]:
+    """``(stop_reason, stop_sequence)`` of a finished output. A length stop is
+    ``model_context_window_exceeded`` only when the context was smaller than ``max_tokens``
+    asked for (``by_context``, see :func:`_messages_plan`); when ``max_tokens`` is exactly the
+    room left, it is ``max_tokens`` (the limit the client set ended it)."""
     if calls:
         return "tool_use", None
     if out.stop_type == "word" and out.stopping_word in stops:
         return "stop_sequence", out.stopping_word
-    if out.truncated:
-        return "model_context_window_exceeded", None
     if out.finish_reason == "length":
-        return "max_tokens", None
+        return ("model_context_window_exceeded", None) if by_context and out.truncated else ("max_tokens", None)
     return "end_turn", None
 
 
@@ -491,7 +569,7 @@ async def _complete(runner: Runner, mp: _Plan) -> at.Message:
                                       input=_tool_input(c["function"]["arguments"])))
     if not blocks:
         blocks.append(at.TextBlock(type="text", text=""))
-    reason, seq = _stop(final, bool(msg.get("tool_calls")), mp.stops)
+    reason, seq = _stop(final, bool(msg.get("tool_calls")), mp.stops, mp.by_context)
     return at.Message(id=mp.id, type="message", role="assistant", model=plan.model, content=blocks,
                       stop_reason=reason, stop_sequence=seq, usage=_usage(final))
 
@@ -582,7 +660,7 @@ async def _stream_events(runner: Runner, mp: _Plan) -> AsyncIterator[dict]:
     assert final is not None
     for ev in blocks.finish():
         yield ev
-    reason, seq = _stop(final, post is not None and post.has_tool_calls, mp.stops)
+    reason, seq = _stop(final, post is not None and post.has_tool_calls, mp.stops, mp.by_context)
     yield at.MessageDelta(type="message_delta", delta=at.MessageDeltaBody(stop_reason=reason, stop_sequence=seq),
                           usage=_usage(final)).wire()
     yield at.MessageStop(type="message_stop").wire()
@@ -628,7 +706,9 @@ _PING = _event({"type": "ping"})
 async def _sse(events: AsyncIterator[dict], ping_interval: float) -> StreamingResponse:
     """Stream ``events`` as Anthropic's SSE, starting once the first event exists (an error
     before it is raised here, for a plain HTTP error); ``event: ping`` while idle for
-    ``ping_interval`` seconds (<= 0: never); an error after the start is one ``event: error``."""
+    ``ping_interval`` seconds (<= 0: never) once the first event (``message_start``) was sent,
+    never before it (a request queued behind busy slots waits silently); an error after the
+    start is one ``event: error``."""
     it = events.__aiter__()
     timeout = ping_interval if ping_interval > 0 else None
     first: asyncio.Future = asyncio.ensure_future(it.__anext__())
@@ -644,10 +724,12 @@ async def _sse(events: AsyncIterator[dict], ping_interval: float) -> StreamingRe
 
     async def body():
         nxt: asyncio.Future | None = first
+        started = False  # Anthropic's stream opens with message_start: no ping before it
         try:
             while True:
                 while not (await asyncio.wait({nxt}, timeout=timeout))[0]:
-                    yield _PING
+                    if started:
+                        yield _PING
                 try:
                     ev = nxt.result()
                 except StopAsyncIteration:
@@ -655,6 +737,7 @@ async def _sse(events: AsyncIterator[dict], ping_interval: float) -> StreamingRe
                     break
                 nxt = None
                 yield _event(ev)
+                started = True
                 nxt = asyncio.ensure_future(it.__anext__())
         except asyncio.CancelledError:
             raise

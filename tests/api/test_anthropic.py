@@ -398,3 +398,69 @@ def test_stream_disconnect_frees_the_slot(srv):
         time.sleep(0.05)
     assert not slot["is_processing"]
     assert 0 < slot["next_token"][0]["n_decoded"] < 1900  # aborted, not run to max_tokens
+
+
+# ------------------------------------------------------------------------ max_tokens is a cap (review #16)
+
+SMALL_CTX = 128
+
+
+@pytest.fixture(scope="module")
+def small(start_server_module, tiny_gguf):
+    """A 128-token context: a generation runs into it quickly."""
+    return start_server_module("--chat-template-file", str(HERMES), "-np", "1", "-c", str(SMALL_CTX), "-a", MODEL,
+                               model=tiny_gguf)
+
+
+def _small_post(small, body: dict, path: str = "/v1/messages") -> httpx.Response:
+    return httpx.post(small.url(path), json={"model": MODEL, **GREEDY, **body}, timeout=60)
+
+
+def test_max_tokens_above_the_context_is_a_cap(small):
+    """Claude-style agents send max_tokens 32000-64000 on every request: that was a 400
+    (``request (N prompt tokens + 32000 requested tokens ...) exceeds the available context
+    size``); now the generation stops when the context is full, with Anthropic's
+    ``model_context_window_exceeded``, streamed or not. max_tokens exactly the room the prompt
+    leaves ends with ``max_tokens`` (it said model_context_window_exceeded)."""
+    msgs = [{"role": "user", "content": "Tell me a long story."}]
+    n = _small_post(small, {"messages": msgs}, "/v1/messages/count_tokens").json()["input_tokens"]
+    room = SMALL_CTX - n
+    r = _small_post(small, {"max_tokens": 32000, "messages": msgs})
+    assert r.status_code == 200, r.text
+    m = r.json()
+    assert (m["stop_reason"], m["usage"]["input_tokens"], m["usage"]["output_tokens"]) == \
+        ("model_context_window_exceeded", n, room)
+    evs = [ev for ev in _small_events(small, {"max_tokens": 64000, "messages": msgs}) if ev["type"] == "message_delta"]
+    assert [(ev["delta"]["stop_reason"], ev["usage"]["output_tokens"]) for ev in evs] == \
+        [("model_context_window_exceeded", room)]
+    m = _small_post(small, {"max_tokens": room, "messages": msgs}).json()
+    assert (m["stop_reason"], m["usage"]["output_tokens"]) == ("max_tokens", room)
+    m = _small_post(small, {"max_tokens": room - 1, "messages": msgs}).json()
+    assert (m["stop_reason"], m["usage"]["output_tokens"]) == ("max_tokens", room - 1)
+    # the OpenAI face keeps llama-server's refusal of prompt + max_tokens over the context
+    r = httpx.post(small.url("/v1/chat/completions"), json={"model": MODEL, "messages": msgs, "max_tokens": 32000},
+                   timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        f"request ({n} prompt tokens + 32000 requested tokens = {n + 32000} tokens) exceeds the available context "
+        f"size ({SMALL_CTX} tokens), try lowering n_predict/max_tokens or increasing the context")
+
+
+def test_prompt_over_the_context_stays_a_400(small):
+    msgs = [{"role": "user", "content": "word " * 200}]
+    r = _small_post(small, {"max_tokens": 32000, "messages": msgs})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["message"].endswith(f"exceeds the available context size ({SMALL_CTX} tokens), try increasing it")
+
+
+def _small_events(small, body: dict) -> list[dict]:
+    out = []
+    with httpx.stream("POST", small.url("/v1/messages"), json={"model": MODEL, **GREEDY, **body, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append(json.loads(line[6:]))
+    return out

@@ -24,7 +24,8 @@ def test_chat_body_translates_every_block_kind():
             {"role": "assistant", "content": [
                 {"type": "thinking", "thinking": "hmm", "signature": "x"},
                 {"type": "text", "text": "Reading."},
-                {"type": "tool_use", "id": "toolu_1", "name": "read", "input": {"path": "a"}}]},
+                {"type": "tool_use", "id": "toolu_1", "name": "read", "input": {"path": "a"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "ls", "input": {}}]},
             {"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": "toolu_1", "content": "A"},
                 {"type": "tool_result", "tool_use_id": "toolu_2", "content": [{"type": "text", "text": "B"}],
@@ -42,7 +43,8 @@ def test_chat_body_translates_every_block_kind():
             {"role": "system", "content": "S1\nS2"},
             {"role": "user", "content": "Read it."},
             {"role": "assistant", "content": "Reading.", "tool_calls": [
-                {"id": "toolu_1", "type": "function", "function": {"name": "read", "arguments": {"path": "a"}}}]},
+                {"id": "toolu_1", "type": "function", "function": {"name": "read", "arguments": {"path": "a"}}},
+                {"id": "toolu_2", "type": "function", "function": {"name": "ls", "arguments": {}}}]},
             {"role": "tool", "tool_call_id": "toolu_1", "content": "A"},
             {"role": "tool", "tool_call_id": "toolu_2", "content": "B"},
             {"role": "user", "content": "Now?"}],
@@ -95,6 +97,36 @@ def test_count_tokens_body_needs_no_max_tokens_and_drops_sampling():
      "stop_sequences: at most 64 sequences"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [{}] * 513},
      "tools: at most 512 tools"),
+    # review #16: what was accepted, or named an internal field
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope",
+                                                                  "content": "x"}]}]},
+     "messages.0.content.0: unexpected `tool_use_id` found in `tool_result` blocks: nope. Each `tool_result` "
+     "block must have a corresponding `tool_use` block in an earlier message."),
+    ({"max_tokens": 5, "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a", "content": "1"},
+                                     {"type": "tool_result", "tool_use_id": "b", "content": "2"}]}]},
+     "messages.2.content.1: unexpected `tool_use_id` found in `tool_result` blocks: b. Each `tool_result` "
+     "block must have a corresponding `tool_use` block in an earlier message."),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "temperature": -5},
+     "temperature: Input should be greater than or equal to 0"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "temperature": 1e308},
+     "temperature: Input should be less than or equal to 1"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+     "temperature: Input should be a valid number, got a string"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "temperature": float("nan")},
+     "temperature: Input should be a finite number"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "top_p": 1.5},
+     "top_p: Input should be less than or equal to 1"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "top_k": -7},
+     "top_k: Input should be greater than or equal to 0"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "top_k": 2.5},
+     "top_k: Input should be a valid integer, got a number with a fractional part"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": []}]},
+     "messages.0: all messages must have non-empty content except for the optional final assistant message"),
+    ({"max_tokens": 5, "messages": [{"role": "assistant", "content": []}, {"role": "user", "content": "x"}]},
+     "messages.0: all messages must have non-empty content except for the optional final assistant message"),
 ])
 def test_bad_fields_name_the_field(body, message):
     with pytest.raises(ApiError) as e:
@@ -148,3 +180,57 @@ def test_stream_error_before_start_is_raised():
 
     with pytest.raises(ApiError):
         asyncio.run(_sse(events(), ping_interval=0))
+
+
+def test_sampling_fields_in_range_pass_on():
+    """temperature 0 and 1, top_k 0, an integral float top_k, a top_k beyond int64 (as large as
+    any vocabulary), a huge thinking budget under a huge max_tokens (max_tokens is a cap): no
+    error naming an internal field (``thinking_token_budget: integer out of range`` before)."""
+    base = {"messages": [{"role": "user", "content": "x"}]}
+    c = chat_body({**base, "max_tokens": 10**30, "temperature": 1, "top_p": 0, "top_k": 10**20,
+                   "thinking": {"type": "enabled", "budget_tokens": 10**29}})
+    assert (c["temperature"], c["top_p"], c["top_k"], c["thinking_token_budget"], c["max_tokens"]) == \
+        (1, 0, 2**31 - 1, 2**31 - 1, 10**30)
+    c = chat_body({**base, "max_tokens": 5, "temperature": 0, "top_k": 3.0})
+    assert (c["temperature"], c["top_k"]) == (0, 3) and type(c["top_k"]) is int
+    # an empty final assistant turn is allowed (Anthropic: "except for the optional final assistant message")
+    c = chat_body({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": []}]})
+    assert c["messages"] == [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]
+
+
+def test_no_ping_before_message_start():
+    """Review #16: with both slots busy, the first output took longer than --sse-ping-interval
+    and ``event: ping`` arrived before ``message_start``; pings now wait for the first event."""
+    async def events():
+        await asyncio.sleep(0.35)  # queued behind busy slots
+        yield {"type": "message_start"}
+        await asyncio.sleep(0.25)
+        yield {"type": "message_stop"}
+
+    async def run() -> list[str]:
+        resp = await _sse(events(), ping_interval=0.1)
+        return [chunk async for chunk in resp.body_iterator]
+
+    chunks = asyncio.run(run())
+    assert chunks[0] == 'event: message_start\ndata: {"type":"message_start"}\n\n'
+    assert chunks[-1] == 'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+    assert set(chunks[1:-1]) == {'event: ping\ndata: {"type":"ping"}\n\n'} and 1 <= len(chunks) - 2 <= 3
+
+
+def _out(**kw):
+    from kvserve.engine.request import RequestOutput
+
+    return RequestOutput(request_id="r", new_token_ids=[], text="", **kw)
+
+
+@pytest.mark.parametrize(("stop_type", "truncated", "by_context", "reason"), [
+    ("limit", True, True, "model_context_window_exceeded"),  # max_tokens above the room: the context ended it
+    ("limit", True, False, "max_tokens"),  # max_tokens exactly the room left (was model_context_window_exceeded)
+    ("limit", False, False, "max_tokens"),
+    ("eos", False, True, "end_turn"),
+])
+def test_stop_reason_names_what_ended_the_generation(stop_type, truncated, by_context, reason):
+    from kvserve.faces.anthropic import _stop
+
+    out = _out(finished=True, stop_type=stop_type, truncated=truncated)
+    assert _stop(out, False, [], by_context) == (reason, None)
