@@ -758,8 +758,8 @@ FLAGS: tuple[Flag, ...] = (
       why=_LOG_SHAPE),
     F("--log-jsonl", "bool", False, neg="--no-log-jsonl", env="LLAMA_ARG_LOG_JSONL", effect=NONE, why=_LOG_SHAPE),
     F("--log-prompts-dir", effect=WARN, why="prompts are not logged to files"),
-    F("--disable-log-stats", "bool", False, "no periodic stats log line", source=VLLM, effect=NONE,
-      why="kvserve writes no periodic stats line"),
+    F("--disable-log-stats", "bool", False, "no periodic 'Engine 000: Avg prompt throughput ...' stats log line "
+      "(written every VLLM_LOG_STATS_INTERVAL s, default 10, while a model is busy)", source=VLLM),
     F("--disable-log-requests", "bool", False, source=VLLM, effect=NONE, why="requests are not logged by default"),
     F("--enable-log-requests", "bool", False, source=VLLM, effect=NONE, why="request logging is -v"),
     F("--enable-log-outputs", "bool", False, source=VLLM, effect=NONE, why="request logging is -v"),
