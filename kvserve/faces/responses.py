@@ -30,7 +30,12 @@ Request -> chat body:
 
 ``store`` (default true) keeps the response in memory (:class:`ResponseStore`, bounded by
 count and bytes, LRU) for GET/DELETE, the input-items list and ``previous_response_id``, which continues the stored
-conversation: its earlier input and output come before the new input. A missing id is 404.
+conversation: its earlier input and output come before the new input. A missing id is 404, and so
+is another API key's response (:func:`owner_of`: each entry belongs to the key that created it).
+Input items are stored with their known fields only; their ids must be unique strings. A client
+value the response echoes (``tools[i].parameters``, ``text.format.schema``) nesting deeper than
+:data:`MAX_ECHO_DEPTH` is 400, so no answer can fail to encode. ``GET`` does not stream
+(``?stream=true`` is 400).
 ``background``, ``conversation``, ``prompt`` and ``top_logprobs`` are refused (400).
 
 Streaming: ``event: <type>`` + ``data: {...}`` per event, ``sequence_number`` from 0:
