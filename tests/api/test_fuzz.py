@@ -3,19 +3,31 @@ break the error envelope or kill the engine.
 
 One server with the tiny random model (``-np 2 -c 512``, every optional endpoint on) gets a
 fixed matrix (``fuzz_bodies.matrix_cases``: each generation dialect x each fragile field x its
-worst values, ~1,000 requests) and then ``KVSERVE_FUZZ_CASES`` requests (default 500) drawn by
-hypothesis from ``tests/fuzz_bodies.py``, one at a time on one keep-alive connection, as raw
-bytes. ``KVSERVE_FUZZ_URL`` (and ``KVSERVE_FUZZ_LOG``, its log) fuzzes a server already
+worst values, the Responses and Messages fields and members deep in their bodies, ~1,400
+requests) and then ``KVSERVE_FUZZ_CASES`` requests (default 500) drawn by hypothesis from
+``tests/fuzz_bodies.py``, one at a time on one keep-alive connection, as raw bytes. ``KVSERVE_FUZZ_URL`` (and ``KVSERVE_FUZZ_LOG``, its log) fuzzes a server already
 running instead (it needs ``--slots --props --metrics --slot-save-path DIR``). Per request:
 
 * the status is below 500, except 501 from the embedding and rerank routes (a generative model
   without ``--embeddings``), 501 from ``/infill`` (a vocabulary without FIM tokens, as
   llama-server answers) and 503
   from ``GET /slots?fail_on_no_slot=1`` (both deliberate answers in the envelope);
-* every error body is ``{"error": {"code": <the status>, "message": str, "type": str}}``;
-* a 2xx JSON body parses as strict JSON (no NaN/Infinity); a 2xx event stream's ``data:``
-  lines are strict JSON or ``[DONE]`` and it ends as its dialect ends (``[DONE]``, or
-  ``"stop": true`` on /completion), or with a 4xx error event.
+* every error body is ``{"error": {"code": <the status>, "message": str, "type": str}}``, on
+  ``/v1/messages...`` Anthropic's ``{"type": "error", "error": {"type": <the status's>,
+  "message": str}}`` (no ``code``);
+* a 2xx JSON body parses as strict JSON (no NaN/Infinity) and, on the Responses and Messages
+  routes, is their object (a response completed or incomplete, a message, ``{"input_tokens"}``);
+  a 2xx event stream's ``data:`` lines are strict JSON or ``[DONE]`` and it ends as its dialect
+  ends (``[DONE]``, or ``"stop": true`` on /completion), or with a 4xx error event. A Responses
+  stream: ``event:`` names matching each ``type``, ``sequence_number`` from 0, response.created
+  first and one of response.completed / .incomplete / .failed last (not a server fault), no
+  ``[DONE]``; a Messages stream: message_start first, content blocks opened, fed and closed in
+  index order, one message_delta, message_stop last (or an ``error`` event that is not
+  ``api_error``);
+* ``GET /`` is 200: the page (text/html) when Accept names text/html, else ``Ollama is running``.
+
+A case whose path or body holds ``fuzz_bodies.REAL_ID`` gets the id of a response the run stored
+(the last 8 POST /v1/responses answers with ``store``; a deleted one is forgotten).
 
 GET /slots must answer 200 with strict JSON every 50 requests and after each failure.
 Failures are collected, not raised one at a time, so that one run reports every cause:
@@ -35,14 +47,14 @@ import os
 import re
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 import fuzz_bodies
-from fuzz_bodies import EMBEDDINGS, LLAMA_GEN, Case
+from fuzz_bodies import EMBEDDINGS, LLAMA_GEN, REAL_ID, RESPONSES, Case, dialect
 
 N_CASES = int(os.environ.get("KVSERVE_FUZZ_CASES", "500"))
 TIMEOUT_S = 30.0  # per request: far above any answer of the tiny model; beyond it the case "hung"
@@ -59,12 +71,37 @@ def strict_json(text: str):
     return json.loads(text, parse_constant=_no_constants)
 
 
-def envelope_problem(status: int, text: str) -> str | None:
-    """Why ``text`` is not the error envelope for ``status`` (None when it is)."""
+#: Anthropic's error type for each status (kvserve/faces/anthropic.py's table, Anthropic's docs)
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_problem(body, status: int | None) -> str | None:
+    """Why ``body`` is not ``{"type": "error", "error": {"type": <the status's>, "message": str}}``
+    (no ``code``); ``status`` None (an error event in a stream): any type but ``api_error``."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(body, dict) or body.get("type") != "error" or not isinstance(err, dict):
+        return "not Anthropic's error envelope"
+    if not isinstance(err.get("message"), str) or "code" in err or not isinstance(err.get("type"), str):
+        return "Anthropic's error object malformed"
+    if status is not None and err["type"] != ANTHROPIC_ERROR_TYPES.get(status, err["type"]):
+        return f"error type {err['type']!r} for status {status}"
+    if status is None and err["type"] == "api_error":
+        return "a server fault (api_error)"
+    return None
+
+
+def envelope_problem(status: int, text: str, dialect: str = "openai") -> str | None:
+    """Why ``text`` is not the error envelope for ``status`` in ``dialect`` (None when it is):
+    Anthropic's on /v1/messages..., ``{"error": {"code": <status>, ...}}`` everywhere else."""
     try:
         body = strict_json(text)
     except ValueError as e:
         return f"error body is not JSON ({e}): {text[:200]!r}"
+    if dialect == "anthropic":
+        problem = anthropic_error_problem(body, status)
+        return f"{problem} for status {status}: {text[:200]!r}" if problem else None
     err = body.get("error") if isinstance(body, dict) else None
     if not isinstance(err, dict):
         return f"error body has no 'error' object: {text[:200]!r}"
@@ -74,8 +111,114 @@ def envelope_problem(status: int, text: str) -> str | None:
     return None
 
 
+def named_events(text: str) -> list[tuple[str | None, str]]:
+    """``(event name or None, data)`` per SSE block (comments and pings without data left out)."""
+    out = []
+    for block in text.split("\n\n"):
+        name, data = None, None
+        for line in block.split("\n"):
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = line[6:] if data is None else data + "\n" + line[6:]
+        if data is not None:
+            out.append((name, data))
+    return out
+
+
+def typed_events(text: str) -> tuple[list[dict], str | None]:
+    """The data objects of a stream whose events carry ``event: <type>`` and a JSON object with that
+    ``type`` (Anthropic's, OpenAI's Responses), or the first problem."""
+    out = []
+    for name, data in named_events(text):
+        if data == "[DONE]":
+            return out, "[DONE] in a stream whose dialect sends none"
+        try:
+            ev = strict_json(data)
+        except ValueError as e:
+            return out, f"stream event is not JSON ({e}): {data[:200]!r}"
+        if not isinstance(ev, dict) or not isinstance(ev.get("type"), str) or ev["type"] != name:
+            return out, f"event {name!r} with data {data[:200]!r}"
+        out.append(ev)
+    if not out:
+        return out, "stream without data events"
+    return out, None
+
+
+RESPONSES_END = {"response.completed": "completed", "response.incomplete": "incomplete",
+                 "response.failed": "failed"}
+
+
+def responses_stream_problem(text: str) -> str | None:
+    """A Responses stream: typed events numbered from 0, response.created first, nothing after the
+    last, which is response.completed / .incomplete / .failed holding the response in that
+    status (a failure that is not a server fault), no ``[DONE]``."""
+    evs, problem = typed_events(text)
+    if problem:
+        return problem
+    for i, ev in enumerate(evs):
+        if ev.get("sequence_number") != i:
+            return f"event #{i} has sequence_number {ev.get('sequence_number')!r}: {json.dumps(ev)[:200]}"
+    if evs[0]["type"] != "response.created":
+        return f"stream starts with {evs[0]['type']!r}"
+    last, ends = evs[-1], [ev for ev in evs if ev["type"] in RESPONSES_END]
+    if last["type"] not in RESPONSES_END or len(ends) != 1:
+        return f"stream ended without its final event: {json.dumps(last)[:200]}"
+    resp = last.get("response")
+    if not isinstance(resp, dict) or resp.get("status") != RESPONSES_END[last["type"]]:
+        return f"{last['type']} holds {json.dumps(resp)[:200]}"
+    if last["type"] == "response.failed":
+        err = resp.get("error")
+        if not isinstance(err, dict) or err.get("code") in (None, "server_error"):
+            return f"response.failed with a server fault: {json.dumps(err)[:300]}"
+    return None
+
+
+def anthropic_stream_problem(text: str) -> str | None:
+    """A Messages stream: typed events, message_start first (pings aside), content blocks opened
+    from index 0 up, each delta in the open block, each closed; one message_delta; message_stop
+    last, or an ``error`` event (not a server fault) ending it. No ``[DONE]``."""
+    evs, problem = typed_events(text)
+    if problem:
+        return problem
+    evs = [ev for ev in evs if ev["type"] != "ping"]
+    if not evs or evs[0]["type"] != "message_start":
+        return f"stream starts with {evs[0]['type'] if evs else None!r}"
+    open_index, next_index, deltas = None, 0, 0
+    for ev in evs[1:]:
+        t = ev["type"]
+        if t == "error":
+            if ev is not evs[-1]:
+                return "events after the error event"
+            problem = anthropic_error_problem(ev, None)
+            return f"error event: {problem}: {json.dumps(ev)[:300]}" if problem else None
+        if t == "content_block_start":
+            if open_index is not None or ev.get("index") != next_index:
+                return f"content_block_start {ev.get('index')!r} (open {open_index}, next {next_index})"
+            open_index, next_index = next_index, next_index + 1
+        elif t in ("content_block_delta", "content_block_stop"):
+            if open_index is None or ev.get("index") != open_index:
+                return f"{t} {ev.get('index')!r} while block {open_index} is open"
+            if t == "content_block_stop":
+                open_index = None
+        elif t == "message_delta":
+            deltas += 1
+            if open_index is not None:
+                return f"message_delta while block {open_index} is open"
+        elif t != "message_stop":
+            return f"unknown event {t!r}"
+    if evs[-1]["type"] != "message_stop" or deltas != 1:
+        return f"stream ended without its final event ({deltas} message_delta): {json.dumps(evs[-1])[:200]}"
+    return None
+
+
 def stream_problem(route: str, text: str) -> str | None:
-    """Why an event stream is broken or incomplete (None when it is whole)."""
+    """Why an event stream is broken or incomplete (None when it is whole), as ``route``'s
+    dialect streams."""
+    if dialect(route) == "responses":
+        return responses_stream_problem(text)
+    if dialect(route) == "anthropic":
+        return anthropic_stream_problem(text)
     events = []
     for block in text.split("\n\n"):
         for line in block.split("\n"):
@@ -118,14 +261,46 @@ def check_response(case: Case, r: httpx.Response) -> str | None:
     if case.method == "HEAD":
         return None
     if status >= 400:
-        return envelope_problem(status, r.text)
+        return envelope_problem(status, r.text, dialect(case.route))
     if "text/event-stream" in ctype:
         return stream_problem(case.route, r.text)
+    if case.route == "/":
+        return page_problem(case, r)
     if "json" in ctype:
         try:
-            strict_json(r.text)
+            body = strict_json(r.text)
         except ValueError as e:
             return f"2xx body is not JSON ({e}): {r.text[:200]!r}"
+        return body_problem(case, body)
+    return None
+
+
+def body_problem(case: Case, body) -> str | None:
+    """The shape of a 2xx JSON answer where the dialect fixes it (None elsewhere)."""
+    want = None
+    if case.route == fuzz_bodies.RESPONSES and case.method == "POST":
+        ok = isinstance(body, dict) and body.get("object") == "response" and \
+            body.get("status") in ("completed", "incomplete")
+        want = "a completed or incomplete response object"
+    elif case.route == fuzz_bodies.MESSAGES:
+        ok = isinstance(body, dict) and body.get("type") == "message" and isinstance(body.get("content"), list)
+        want = "a message object"
+    elif case.route == fuzz_bodies.COUNT_TOKENS:
+        ok = isinstance(body, dict) and list(body) == ["input_tokens"] and type(body["input_tokens"]) is int
+        want = '{"input_tokens": int}'
+    else:
+        return None
+    return None if ok else f"2xx body is not {want}: {json.dumps(body)[:200]}"
+
+
+def page_problem(case: Case, r: httpx.Response) -> str | None:
+    """GET /: the page (text/html) for an Accept naming text/html, else ``Ollama is running``."""
+    want = {tuple(h.items()): w for h, w in fuzz_bodies.ACCEPTS}.get(tuple(case.headers.items()))
+    html = r.headers.get("content-type", "").startswith("text/html")
+    if r.status_code != 200 or (not html and r.text != "Ollama is running"):
+        return f"GET / answered {r.status_code} {r.headers.get('content-type')}: {r.text[:100]!r}"
+    if want is not None and html != (want == "html"):
+        return f"GET / with {case.headers} answered {r.headers.get('content-type')} (want {want})"
     return None
 
 
@@ -148,10 +323,39 @@ class Run:
     n_hung: int = 0
     statuses: dict = field(default_factory=dict)
     stopped: str = ""
+    response_ids: list[str] = field(default_factory=list)  # stored responses seen, newest last (<= 8)
+
+    def with_real_id(self, case: Case) -> Case:
+        """``case`` with :data:`fuzz_bodies.REAL_ID` (in its path and body) replaced by the id of a
+        response stored earlier in the run (as it is while none is)."""
+        if not self.response_ids or (REAL_ID not in case.path and REAL_ID.encode() not in case.body):
+            return case
+        rid = self.response_ids[self.n_sent % len(self.response_ids)]
+        return replace(case, path=case.path.replace(REAL_ID, rid),
+                       body=case.body.replace(REAL_ID.encode(), rid.encode()))
+
+    def note_ids(self, case: Case, r: httpx.Response) -> None:
+        """Keep the id of a stored response (from a 2xx POST /v1/responses, streamed or not);
+        forget one that was deleted."""
+        if case.route == "/v1/responses/{id}" and case.method == "DELETE" and r.status_code == 200:
+            gone = case.path.rsplit("/", 1)[-1]
+            self.response_ids = [i for i in self.response_ids if i != gone]
+        if case.route != RESPONSES or r.status_code != 200:
+            return
+        try:
+            if "text/event-stream" in r.headers.get("content-type", ""):
+                resp = strict_json(named_events(r.text)[0][1])["response"]
+            else:
+                resp = strict_json(r.text)
+            if resp.get("store") and isinstance(resp.get("id"), str):
+                self.response_ids = (self.response_ids + [resp["id"]])[-8:]
+        except (ValueError, LookupError, TypeError, AttributeError):
+            pass  # a broken answer is reported by check_response
 
     def send(self, case: Case) -> None:
         if self.stopped or self.n_hung >= MAX_HANGS:
             return
+        case = self.with_real_id(case)
         log_at = os.path.getsize(self.log_path) if self.log_path else 0
         self.n_sent += 1
         try:
@@ -166,6 +370,7 @@ class Run:
             return
         self.statuses[r.status_code] = self.statuses.get(r.status_code, 0) + 1
         problem = check_response(case, r)
+        self.note_ids(case, r)
         if problem:
             self._fail(case, problem, self._log(log_at) if r.status_code >= 500 else "")
             if r.status_code >= 500:
@@ -318,3 +523,66 @@ def check_alive(client: httpx.Client) -> str:
     except httpx.HTTPError as e:
         problems.append(f"after the run the server does not answer: {type(e).__name__}: {e}")
     return "\n".join(problems)
+
+
+def _sse(*events: dict, named: bool = True) -> str:
+    return "".join((f"event: {ev['type']}\n" if named else "") + f"data: {json.dumps(ev)}\n\n" for ev in events)
+
+
+def test_dialect_checks_catch_broken_answers():
+    """The Responses and Messages checks pass whole answers and name what breaks the others."""
+    created = {"type": "response.created", "sequence_number": 0, "response": {"status": "in_progress"}}
+    done = {"type": "response.completed", "sequence_number": 1, "response": {"status": "completed"}}
+    assert responses_stream_problem(_sse(created, done)) is None
+    failed = {**done, "type": "response.failed", "response": {"status": "failed",
+                                                               "error": {"code": "server_error", "message": "x"}}}
+    assert "server fault" in responses_stream_problem(_sse(created, failed))
+    assert responses_stream_problem(_sse(created, {**failed, "response": {
+        "status": "failed", "error": {"code": "invalid_request_error", "message": "x"}}})) is None
+    assert "final event" in responses_stream_problem(_sse(created))
+    assert "[DONE]" in responses_stream_problem(_sse(created, done) + "data: [DONE]\n\n")
+    assert "sequence_number" in responses_stream_problem(_sse(created, {**done, "sequence_number": 2}))
+    assert "event None" in responses_stream_problem(_sse(created, done, named=False))
+    assert "holds" in responses_stream_problem(_sse(created, {**done, "response": {"status": "failed"}}))
+
+    start, stop = {"type": "message_start", "message": {}}, {"type": "message_stop"}
+    block = [{"type": "content_block_start", "index": 0}, {"type": "ping"},
+             {"type": "content_block_delta", "index": 0}, {"type": "content_block_stop", "index": 0}]
+    delta = {"type": "message_delta", "delta": {}}
+    assert anthropic_stream_problem(_sse(start, *block, delta, stop)) is None
+    assert "final event" in anthropic_stream_problem(_sse(start, *block, delta))
+    assert "final event" in anthropic_stream_problem(_sse(start, *block, stop))
+    assert "is open" in anthropic_stream_problem(_sse(start, *block[:3], delta, stop))
+    assert "content_block_start 1" in anthropic_stream_problem(_sse(start, {**block[0], "index": 1}))
+    fault = {"type": "error", "error": {"type": "api_error", "message": "x"}}
+    assert "api_error" in anthropic_stream_problem(_sse(start, fault))
+    assert anthropic_stream_problem(_sse(start, {**fault, "error": {"type": "overloaded_error",
+                                                                    "message": "x"}})) is None
+    assert "starts with" in anthropic_stream_problem(_sse(*block, delta, stop))
+
+    bad = '{"type":"error","error":{"type":"invalid_request_error","message":"m"}}'
+    assert envelope_problem(400, bad, "anthropic") is None
+    assert "for status 404" in envelope_problem(404, bad, "anthropic")
+    assert envelope_problem(400, '{"error":{"code":400,"message":"m","type":"t"}}', "anthropic")
+    assert envelope_problem(400, bad, "openai")
+    assert "malformed" in envelope_problem(400, bad.replace('"m"}', '"m","code":400}'), "anthropic")
+
+    messages = Case("POST", fuzz_bodies.MESSAGES, fuzz_bodies.MESSAGES)
+    assert body_problem(messages, {"type": "message", "content": []}) is None
+    assert body_problem(messages, {"type": "error"})
+    count = Case("POST", fuzz_bodies.COUNT_TOKENS, fuzz_bodies.COUNT_TOKENS)
+    assert body_problem(count, {"input_tokens": 3}) is None
+    assert body_problem(count, {"input_tokens": 3.0})
+    resp = Case("POST", RESPONSES, RESPONSES)
+    assert body_problem(resp, {"object": "response", "status": "incomplete"}) is None
+    assert body_problem(resp, {"object": "response", "status": "failed"})
+
+    def page(ctype: str, text: str, accept: dict) -> str | None:
+        r = httpx.Response(200, text=text, headers={"content-type": ctype})
+        return page_problem(Case("GET", "/", "/", headers=accept), r)
+
+    assert page("text/html; charset=utf-8", "<html>", {"Accept": "text/html"}) is None
+    assert page("text/plain; charset=utf-8", "Ollama is running", {"Accept": "*/*"}) is None
+    assert "want html" in page("text/plain; charset=utf-8", "Ollama is running", {"Accept": "text/html"})
+    assert "want plain" in page("text/html; charset=utf-8", "<html>", {})
+    assert page("text/plain", "nope", {})
