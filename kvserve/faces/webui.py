@@ -10,8 +10,15 @@ With llama-server's ``--path DIR`` (``state.args.path``) the files of ``DIR`` re
 page: ``DIR/index.html`` at ``/`` for browsers, ``/webui/<file>`` and, as llama-server serves its
 static directory at the root, any other ``GET /<file>`` that no route took. Names are resolved
 inside ``DIR`` (``..``, absolute paths, symlinks leading out of it and dot-files are 404), and a
-missing file is llama-server's 404 ``File Not Found``. Only ``/`` and ``/webui/...`` are public
-under ``--api-key`` (:mod:`kvserve.faces.auth`); other files of ``DIR`` need the key.
+missing file is llama-server's 404 ``File Not Found``.
+
+Under ``--api-key`` (:mod:`kvserve.faces.auth`) ``/`` and every path under ``/webui/`` are public,
+so a browser can load the page and its assets before it has the key. With ``--path DIR`` that
+makes *every* file of ``DIR`` readable without the key as ``/webui/<file>``, while the same file
+as ``/<file>`` needs the key: put in ``DIR`` only what may be public, and have the page load its
+assets as ``webui/<file>``. (llama-server checks the key before its static files: under
+``--api-key`` only ``/`` of its ``--path`` directory is public there, and the page's own
+assets then fail to load.)
 
 The built-in page sends a Content-Security-Policy that allows only its own scripts, styles and
 same-origin requests: model text is rendered through text nodes (never ``innerHTML``), and the

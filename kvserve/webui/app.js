@@ -19,6 +19,7 @@
   const STORE_KEY = "kvserve.apiKey";
   const MAX_CONVERSATIONS = 50;
   const MAX_INPUT_CHARS = 200000;
+  const PAINT_MS = 100; // while streaming, the answer is rendered at most once per this many ms
 
   const $ = (id) => document.getElementById(id);
   const ui = {
@@ -246,6 +247,19 @@
     renderMessages();
   }
 
+  /** Render `text` as Markdown into `container`; should the renderer fail on it (a bug, or a
+   *  browser limit), the text is shown as plain text: one bad message never stops the page. */
+  function renderContent(text, container) {
+    try {
+      window.kvMarkdown.render(text, container);
+      container.classList.remove("plain");
+    } catch (e) {
+      console.error("markdown rendering failed; showing plain text", e);
+      container.classList.add("plain");
+      container.textContent = String(text);
+    }
+  }
+
   /** The element of one message; assistant text as Markdown, user text as plain text. */
   function messageNode(m) {
     const wrap = document.createElement("div");
@@ -270,7 +284,7 @@
     const body = document.createElement("div");
     body.className = "content";
     if (m.role === "user") body.textContent = m.content;
-    else window.kvMarkdown.render(m.content, body);
+    else renderContent(m.content, body);
     wrap.appendChild(body);
     if (m.error) {
       const e = document.createElement("div");
@@ -393,19 +407,27 @@
     state.busy = { controller, conv, msg };
     setBusy(true);
 
-    let chunks = 0, firstAt = null, painted = false;
+    let chunks = 0, firstAt = null, painted = false, lastPaint = 0;
     const t0 = performance.now();
     const reasoning = node.querySelector(".reasoning");
     const paint = () => {
       painted = false;
-      window.kvMarkdown.render(msg.content, content);
+      lastPaint = performance.now();
+      renderContent(msg.content, content);
       reasoning.hidden = !msg.reasoning;
       reasoning.querySelector(".reasoning-text").textContent = msg.reasoning;
       node.dataset.chunks = String(chunks);
       node.querySelector(".stats").replaceWith(statsNode(msg.stats, msg.status));
       scrollDown(false);
     };
-    const schedule = () => { if (!painted) { painted = true; requestAnimationFrame(paint); } };
+    // the whole answer is rendered again on each paint: at most one paint per PAINT_MS, so a long
+    // answer costs O(length) per PAINT_MS, not per animation frame
+    const schedule = () => {
+      if (painted) return;
+      painted = true;
+      const wait = Math.max(0, lastPaint + PAINT_MS - performance.now());
+      setTimeout(() => requestAnimationFrame(paint), wait);
+    };
 
     try {
       const r = await api("v1/chat/completions", {
@@ -521,8 +543,9 @@
     for (const m of c.messages || []) if (m.status === "streaming") m.status = "stopped";
   }
 
-  fillSettings();
-  renderAll();
+  // nothing stored may stop the page: the model picker loads whatever the conversations hold
+  try { fillSettings(); } catch (e) { console.error("settings", e); }
+  try { renderAll(); } catch (e) { console.error("conversations", e); }
   loadModels().then(() => { document.body.dataset.ready = "1"; });
   ui.input.focus();
 })();

@@ -9,11 +9,19 @@
 // fence, as while streaming, renders what has arrived), ATX headings, lists (nested by
 // indentation), block quotes, pipe tables, horizontal rules, inline code, bold, italics,
 // strikethrough, links. Paragraph line breaks are kept (as chat UIs do).
+//
+// Bounded work on any text: quotes and lists nest at most MAX_BLOCK_DEPTH levels (deeper
+// markers stay text), emphasis, links and strikethrough at most MAX_INLINE_DEPTH, and the inline
+// scanner is linear (the closer of each construct is looked up in tables built once per run of
+// text, never searched for again from each opener), so an answer of 6,000 `>` or 20,000 `*a `
+// renders in milliseconds instead of throwing RangeError or hanging the tab.
 (function () {
   "use strict";
 
+  const MAX_BLOCK_DEPTH = 16;
+  const MAX_INLINE_DEPTH = 8;
   const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([^\s`]*)/;
-  const HEADING = /^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
+  const HEADING_START = /^ {0,3}(#{1,6})\s+/;
   const HR = /^ {0,3}([-*_])(?:\s*\1){2,}\s*$/;
   const QUOTE = /^ {0,3}>\s?/;
   const ITEM = /^( *)([-*+]|\d{1,9}[.)])\s+(.*)$/;
@@ -26,8 +34,20 @@
     return e;
   }
 
+  // An ATX heading: [level, text] or null (the closing #s and spaces dropped, without a
+  // backtracking regex: `(.*?)\s*#*\s*$` is cubic on a long run of spaces).
+  function heading(line) {
+    const m = HEADING_START.exec(line);
+    if (!m) return null;
+    let text = line.slice(m[0].length).trimEnd();
+    let end = text.length;
+    while (end > 0 && text[end - 1] === "#") end--;
+    if (end === 0 || /\s/.test(text[end - 1])) text = text.slice(0, end).trimEnd();
+    return [m[1].length, text];
+  }
+
   function isBlockStart(line, next) {
-    return FENCE.test(line) || HEADING.test(line) || HR.test(line) || QUOTE.test(line) ||
+    return FENCE.test(line) || HEADING_START.test(line) || HR.test(line) || QUOTE.test(line) ||
       ITEM.test(line) || (line.includes("|") && next !== undefined && TABLE_SEP.test(next));
   }
 
@@ -39,7 +59,9 @@
   }
 
   // Block level: append the blocks of `lines` to `parent`.
-  function blocks(lines, parent) {
+  function blocks(lines, parent, depth) {
+    depth = depth || 0;
+    const nest = depth < MAX_BLOCK_DEPTH; // deeper quotes and lists stay paragraph text
     let i = 0;
     while (i < lines.length) {
       const line = lines[i];
@@ -58,26 +80,26 @@
         parent.appendChild(codeBlock(body.join("\n"), lang));
         continue;
       }
-      if ((m = HEADING.exec(line))) {
-        const h = el("h" + m[1].length);
-        inline(m[2], h);
+      if ((m = heading(line))) {
+        const h = el("h" + m[0]);
+        inline(m[1], h);
         parent.appendChild(h);
         i++;
         continue;
       }
       if (HR.test(line)) { parent.appendChild(el("hr")); i++; continue; }
-      if (QUOTE.test(line)) {
+      if (nest && QUOTE.test(line)) {
         const inner = [];
         while (i < lines.length && lines[i].trim() && QUOTE.test(lines[i])) {
           inner.push(lines[i].replace(QUOTE, ""));
           i++;
         }
         const q = el("blockquote");
-        blocks(inner, q);
+        blocks(inner, q, depth + 1);
         parent.appendChild(q);
         continue;
       }
-      if (ITEM.test(line)) { i = list(lines, i, parent); continue; }
+      if (nest && ITEM.test(line)) { i = list(lines, i, parent, depth); continue; }
       if (line.includes("|") && i + 1 < lines.length && TABLE_SEP.test(lines[i + 1])) {
         i = table(lines, i, parent);
         continue;
@@ -96,7 +118,7 @@
     }
   }
 
-  function list(lines, i, parent) {
+  function list(lines, i, parent, depth) {
     const first = ITEM.exec(lines[i]);
     const indent = first[1].length;
     const ordered = /\d/.test(first[2]);
@@ -121,7 +143,7 @@
         break;
       }
       const li = el("li");
-      if (body.length === 1) inline(body[0], li); else blocks(body, li);
+      if (body.length === 1) inline(body[0], li); else blocks(body, li, depth + 1);
       l.appendChild(li);
       while (i < lines.length && !lines[i].trim()) {
         const next = lines[i + 1];
@@ -202,56 +224,202 @@
     ta.remove();
   }
 
-  // Inline level: code spans first (their content is literal), then emphasis and links.
-  const INLINE = new RegExp([
-    "(`+)([\\s\\S]*?[^`])\\1(?!`)",              // 1,2 code span
-    "\\*\\*(?=\\S)([\\s\\S]*?\\S)\\*\\*",         // 3 strong
-    "__(?=\\S)([\\s\\S]*?\\S)__(?!\\w)",          // 4 strong
-    "~~(?=\\S)([\\s\\S]*?\\S)~~",                 // 5 del
-    "\\*(?=[^\\s*])([\\s\\S]*?[^\\s*])\\*",       // 6 em
-    "(?<![\\w\\\\])_(?=[^\\s_])([\\s\\S]*?[^\\s_])_(?!\\w)", // 7 em, not inside snake_case
-    "\\[([^\\]\\n]+)\\]\\(\\s*<?([^)\\s>]+)>?(?:\\s+\"[^\"]*\")?\\s*\\)", // 8,9 link
-    "<(https?:\\/\\/[^\\s>]+)>",                  // 10 autolink
-  ].join("|"));
+  // Inline level, one left-to-right scan. At each position the first construct that matches
+  // wins, in this order: code span (a run of n backticks up to the next run of exactly n; its
+  // content is literal), **strong**, __strong__ (not followed by a word character), ~~del~~,
+  // *em*, _em_ (not inside snake_case), [label](url "title"), <http(s)://autolink>. Emphasis and
+  // strikethrough close at the nearest valid closer (their content starts and ends with a
+  // non-space). Each "nearest closer at or after k" comes from a table built right to left once
+  // per call, so the scan is linear in the text; the content of a construct is scanned again one
+  // level down (at most MAX_INLINE_DEPTH levels).
+  const WORD = /\w/;
+  const SPACE = /\s/;
 
-  function inline(text, parent) {
-    let rest = text;
-    while (rest) {
-      const m = INLINE.exec(rest);
-      if (!m) { parent.appendChild(document.createTextNode(unescape(rest))); return; }
-      if (m.index) parent.appendChild(document.createTextNode(unescape(rest.slice(0, m.index))));
-      if (m[2] !== undefined) {
-        const c = el("code");
-        c.textContent = m[2].length > 2 && m[2].startsWith(" ") && m[2].endsWith(" ") ? m[2].slice(1, -1) : m[2];
-        parent.appendChild(c);
-      } else if (m[3] !== undefined || m[4] !== undefined) {
-        const s = el("strong");
-        inline(m[3] !== undefined ? m[3] : m[4], s);
-        parent.appendChild(s);
-      } else if (m[5] !== undefined) {
-        const d = el("del");
-        inline(m[5], d);
-        parent.appendChild(d);
-      } else if (m[6] !== undefined || m[7] !== undefined) {
-        const e = el("em");
-        inline(m[6] !== undefined ? m[6] : m[7], e);
-        parent.appendChild(e);
-      } else if (m[8] !== undefined) {
-        parent.appendChild(link(m[9], m[8], m[0]));
-      } else {
-        parent.appendChild(link(m[10], m[10], m[0]));
-      }
-      rest = rest.slice(m.index + m[0].length);
-    }
+  // next[k] = the smallest j >= k with ok(j), or n
+  function nextTable(n, ok) {
+    const t = new Int32Array(n + 2).fill(n);
+    for (let j = n - 1; j >= 0; j--) t[j] = ok(j) ? j : t[j + 1];
+    return t;
   }
 
-  function link(url, label, raw) {
+  // end[k] = the end of the run of characters from k for which ok holds
+  function runTable(s, ok) {
+    const n = s.length;
+    const t = new Int32Array(n + 1);
+    t[n] = n;
+    for (let j = n - 1; j >= 0; j--) t[j] = ok(s[j]) ? t[j + 1] : j;
+    return t;
+  }
+
+  function tables(s) {
+    const n = s.length;
+    const sp = (j) => j >= 0 && j < n && SPACE.test(s[j]);
+    const word = (j) => j >= 0 && j < n && WORD.test(s[j]);
+    const pair = (j, c) => s[j] === c && s[j + 1] === c;
+    return {
+      // closers: the character before is a non-space (and for single delimiters, not the delimiter)
+      strong: nextTable(n, (j) => pair(j, "*") && j > 0 && !sp(j - 1)),
+      under2: nextTable(n, (j) => pair(j, "_") && j > 0 && !sp(j - 1) && !word(j + 2)),
+      del: nextTable(n, (j) => pair(j, "~") && j > 0 && !sp(j - 1)),
+      em: nextTable(n, (j) => s[j] === "*" && j > 0 && !sp(j - 1) && s[j - 1] !== "*"),
+      under: nextTable(n, (j) => s[j] === "_" && j > 0 && !sp(j - 1) && s[j - 1] !== "_" && !word(j + 1)),
+      bracket: nextTable(n, (j) => s[j] === "]"),
+      newline: nextTable(n, (j) => s[j] === "\n"),
+      quote: nextTable(n, (j) => s[j] === '"'),
+      ticks: runTable(s, (c) => c === "`"),
+      spaces: runTable(s, (c) => SPACE.test(c)),
+      url: runTable(s, (c) => c !== ")" && c !== ">" && !SPACE.test(c)),
+      auto: runTable(s, (c) => c !== ">" && !SPACE.test(c)),
+      tickRuns: null, // run length -> sorted start positions of maximal backtick runs, built on first use
+    };
+  }
+
+  function tickRuns(s, t) {
+    if (t.tickRuns) return t.tickRuns;
+    const runs = new Map();
+    for (let j = 0; j < s.length;) {
+      if (s[j] !== "`") { j++; continue; }
+      const e = t.ticks[j];
+      const len = e - j;
+      if (!runs.has(len)) runs.set(len, { starts: [], at: 0 });
+      runs.get(len).starts.push(j);
+      j = e;
+    }
+    t.tickRuns = runs;
+    return runs;
+  }
+
+  // A code span opening at i: [content, end] or null.
+  function codeSpan(s, i, t) {
+    if (i > 0 && s[i - 1] === "`") return null; // inside a run that did not open a span
+    const e = t.ticks[i];
+    const r = tickRuns(s, t).get(e - i);
+    // the positions are visited left to right, so each list's cursor only moves forward
+    while (r.at < r.starts.length && r.starts[r.at] <= e) r.at++;
+    if (r.at >= r.starts.length) return null;
+    const close = r.starts[r.at];
+    return [s.slice(e, close), close + (e - i)];
+  }
+
+  // A link opening at i ("["): [label, url, end] or null.
+  function linkAt(s, i, t) {
+    const close = t.bracket[i + 1];
+    if (close >= s.length || close === i + 1 || t.newline[i + 1] < close || s[close + 1] !== "(") return null;
+    const label = s.slice(i + 1, close);
+    let j = t.spaces[close + 2];
+    const tries = s[j] === "<" ? [[j + 1, t.url], [j, t.url]] : [[j, t.url]];
+    for (const [u, run] of tries) {
+      const ue = run[u];
+      if (ue === u) continue;
+      let k = ue;
+      if (s[k] === ">") k++;
+      const afterSpaces = t.spaces[k];
+      if (afterSpaces > k && s[afterSpaces] === '"') { // a title
+        const q = t.quote[afterSpaces + 1];
+        if (q < s.length) {
+          const e = t.spaces[q + 1];
+          if (s[e] === ")") return [label, s.slice(u, ue), e + 1];
+        }
+      }
+      if (s[afterSpaces] === ")") return [label, s.slice(u, ue), afterSpaces + 1];
+    }
+    return null;
+  }
+
+  // A delimited construct at i: [kind, content, end] or null.
+  function delimited(s, i, t) {
+    const n = s.length;
+    const c = s[i];
+    const open = (w) => i + w < n && !SPACE.test(s[i + w]);
+    if (c === "*" && s[i + 1] === "*" && open(2)) {
+      const k = t.strong[i + 3];
+      if (k < n) return ["strong", s.slice(i + 2, k), k + 2];
+    }
+    if (c === "_" && s[i + 1] === "_" && open(2)) {
+      const k = t.under2[i + 3];
+      if (k < n) return ["strong", s.slice(i + 2, k), k + 2];
+    }
+    if (c === "~" && s[i + 1] === "~" && open(2)) {
+      const k = t.del[i + 3];
+      if (k < n) return ["del", s.slice(i + 2, k), k + 2];
+    }
+    if (c === "*" && open(1) && s[i + 1] !== "*") {
+      const k = t.em[i + 2];
+      if (k < n) return ["em", s.slice(i + 1, k), k + 1];
+    }
+    if (c === "_" && open(1) && s[i + 1] !== "_" && !(i > 0 && (WORD.test(s[i - 1]) || s[i - 1] === "\\"))) {
+      const k = t.under[i + 2];
+      if (k < n) return ["em", s.slice(i + 1, k), k + 1];
+    }
+    return null;
+  }
+
+  function inline(text, parent, depth) {
+    depth = depth || 0;
+    const s = text;
+    if (depth >= MAX_INLINE_DEPTH) { parent.appendChild(document.createTextNode(unescape(s))); return; }
+    const t = tables(s);
+    let from = 0; // start of the text not yet emitted
+    const flush = (to) => {
+      if (to > from) parent.appendChild(document.createTextNode(unescape(s.slice(from, to))));
+    };
+    for (let i = 0; i < s.length;) {
+      const c = s[i];
+      let m = null;
+      if (c === "`") {
+        m = codeSpan(s, i, t);
+        if (m) {
+          flush(i);
+          const code = el("code");
+          const v = m[0];
+          code.textContent = v.length > 2 && v.startsWith(" ") && v.endsWith(" ") ? v.slice(1, -1) : v;
+          parent.appendChild(code);
+          i = from = m[1];
+          continue;
+        }
+        i = t.ticks[i]; // the whole run is text
+        continue;
+      }
+      if (c === "*" || c === "_" || c === "~") {
+        m = delimited(s, i, t);
+        if (m) {
+          flush(i);
+          const e = el(m[0]);
+          inline(m[1], e, depth + 1);
+          parent.appendChild(e);
+          i = from = m[2];
+          continue;
+        }
+      } else if (c === "[") {
+        m = linkAt(s, i, t);
+        if (m) {
+          flush(i);
+          parent.appendChild(link(m[1], m[0], s.slice(i, m[2]), depth));
+          i = from = m[2];
+          continue;
+        }
+      } else if (c === "<" && /^<https?:\/\//.test(s.slice(i, i + 9))) {
+        const e = t.auto[i + 1];
+        if (s[e] === ">" && /^https?:\/\/./.test(s.slice(i + 1, e))) {
+          flush(i);
+          const url = s.slice(i + 1, e);
+          parent.appendChild(link(url, url, s.slice(i, e + 1), depth));
+          i = from = e + 1;
+          continue;
+        }
+      }
+      i++;
+    }
+    flush(s.length);
+  }
+
+  function link(url, label, raw, depth) {
     if (!SAFE_URL.test(url)) return document.createTextNode(raw);
     const a = el("a");
     a.href = url;
     a.rel = "noopener noreferrer nofollow";
     a.target = "_blank";
-    inline(label, a);
+    inline(label, a, (depth || 0) + 1);
     return a;
   }
 

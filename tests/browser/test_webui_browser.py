@@ -272,3 +272,59 @@ def test_markdown_renderer_builds_only_its_own_elements(server, browser):
     assert '<img src=x onerror="window.pwned=1">' in got["text"] and "[bad](javascript:window.pwned=3)" in got["text"]
     assert "snake_case_name" in got["text"] and got["inlineCode"] == "code <b>"
     assert got["nested"] and got["ol"] == 2 and got["right"] == "right"
+
+
+HOSTILE_ANSWERS = [">" * 6000, "*a " * 20000, "[a](" * 20000, "_a " * 20000, "``a` " * 10000,
+                   "\n".join(" " * (2 * i) + "- x" for i in range(300))]
+
+
+def test_a_hostile_stored_answer_never_breaks_the_page(server, browser, tmp_path):
+    """Review #16: one answer of 6,000 `>` made markdown.js recurse once per quote level
+    (RangeError); saved in localStorage, it threw inside renderAll() on every load, before
+    loadModels(): an empty picker, a dead page. Such answers now render (bounded nesting, a
+    linear inline scanner) in well under a second each, and a renderer failure shows the text
+    plain instead of stopping the page."""
+    from selenium.webdriver.common.by import By
+
+    open_fresh(browser, server)
+    wait_ready(browser)
+    msgs = []
+    for text in HOSTILE_ANSWERS:
+        msgs += [{"role": "user", "content": "q"}, {"role": "assistant", "content": text, "status": "done", "stats": {}}]
+    conv = {"id": "bad", "title": "bad", "messages": msgs, "updated": 1}
+    js(browser, "localStorage.setItem('kvserve.conversations', arguments[0]);"
+                "localStorage.setItem('kvserve.current', JSON.stringify('bad'));", json.dumps([conv]))
+    t0 = time.monotonic()
+    browser.refresh()
+    wait_ready(browser)
+    assert time.monotonic() - t0 < 15
+    models = [o.get_attribute("value") for o in browser.find_elements(By.CSS_SELECTOR, "#model option")]
+    assert models == [m["id"] for m in httpx.get(server.url("/v1/models")).json()["data"]]
+    got = js(browser, """
+        const a = [...document.querySelectorAll('.msg.assistant .content')];
+        return {n: a.length, depth: a[0].querySelectorAll('blockquote').length,
+                first: a[0].textContent.length, plain: a.filter(c => c.classList.contains('plain')).length,
+                star: a[1].textContent === arguments[0], link: a[2].textContent === arguments[1],
+                ems: a[1].querySelectorAll('em').length};""", HOSTILE_ANSWERS[1].strip(), HOSTILE_ANSWERS[2])
+    # 16 quote levels (MAX_BLOCK_DEPTH), the other 5,984 `>` are the innermost paragraph's text
+    assert got == {"n": 6, "depth": 16, "first": 6000 - 16, "plain": 0, "star": True, "link": True, "ems": 0}
+    # each renders fast (the inline scanner is linear; this was quadratic, and the quotes threw)
+    times = js(browser, """
+        return arguments[0].map(t => { const d = document.createElement('div'); const t0 = performance.now();
+                                       window.kvMarkdown.render(t, d); return performance.now() - t0; });""",
+               HOSTILE_ANSWERS)
+    assert max(times) < 1000, times
+
+    # a renderer that throws: the message is shown as plain text, the page goes on
+    js(browser, "window.kvMarkdown.render = () => { throw new RangeError('boom'); };")
+    browser.find_element(By.ID, "new-chat").click()
+    browser.find_element(By.CSS_SELECTOR, ".conv:not(.active) .conv-open").click()  # back to the stored chat
+    plain = wait_for(lambda: js(browser, "return [...document.querySelectorAll('.msg.assistant .content.plain')]"
+                                         ".map(c => c.textContent)"), what="plain-text messages")
+    assert plain == HOSTILE_ANSWERS
+    browser.save_screenshot(str(tmp_path / "hostile.png"))
+    browser.find_element(By.ID, "new-chat").click()
+    set_settings(browser, temperature=0, max_tokens=8)
+    ask(browser, "still alive?")  # the page still sends, streams and shows an answer (as plain text now)
+    a = wait_answer(browser)
+    assert a["text"].strip() and a["chunks"] >= 1
