@@ -28,6 +28,7 @@ Strings are written with ``ensure_ascii``, so a lone surrogate goes out as the e
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass, field
@@ -575,6 +576,7 @@ def mutated_body(draw, route: str):
     elif where == "message" and route in (MESSAGES, COUNT_TOKENS):
         body["messages"] = draw(anthropic_messages(odd=True))
     elif where == "nested" and node_paths(body):  # one member deep inside (an item's, a tool's, a block's)
+        body = copy.deepcopy(body)  # its members may be the module's constants (TOOLS...): never change those
         path = draw(st.sampled_from(node_paths(body)))
         name = next((k for k in reversed(path) if isinstance(k, str)), "")
         set_path(body, path, draw(st.one_of(hostile_for(name), hostile_for(name), deep_values)))
@@ -757,8 +759,6 @@ def dialect_matrix_cases() -> list[Case]:
     """Each of /v1/responses, /v1/messages, /v1/messages/count_tokens x each of its fields (on a
     plain body) and each member of its rich body x the worst values of its kind; every other
     row of the generating routes streams."""
-    import copy
-
     out = []
     for route, (plain, fields, rich, paths) in DIALECT_MATRIX.items():
         rows = [(plain, (f,)) for f in fields] + [(rich, _path(p)) for p in paths]
