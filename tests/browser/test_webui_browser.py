@@ -322,9 +322,30 @@ def test_a_hostile_stored_answer_never_breaks_the_page(server, browser, tmp_path
     plain = wait_for(lambda: js(browser, "return [...document.querySelectorAll('.msg.assistant .content.plain')]"
                                          ".map(c => c.textContent)"), what="plain-text messages")
     assert plain == HOSTILE_ANSWERS
+    assert js(browser, "return getComputedStyle(document.querySelector('.content.plain')).whiteSpace") == "pre-wrap"
     browser.save_screenshot(str(tmp_path / "hostile.png"))
     browser.find_element(By.ID, "new-chat").click()
     set_settings(browser, temperature=0, max_tokens=8)
     ask(browser, "still alive?")  # the page still sends, streams and shows an answer (as plain text now)
     a = wait_answer(browser)
     assert a["text"].strip() and a["chunks"] >= 1
+
+
+def test_streaming_renders_at_most_every_100_ms(server, browser):
+    """Review #16: the whole answer was rendered again on every animation frame (O(length) per
+    frame, quadratic over a long answer); now at most once per PAINT_MS (100 ms), plus the
+    final render."""
+    open_fresh(browser, server)
+    wait_ready(browser)
+    set_settings(browser, temperature=0, max_tokens=300)
+    js(browser, """
+        window.renders = [];
+        const orig = window.kvMarkdown.render;
+        window.kvMarkdown.render = (t, c) => { window.renders.push(performance.now()); return orig(t, c); };""")
+    ask(browser, QUESTION)
+    a = wait_answer(browser, timeout=60)
+    times = js(browser, "return window.renders")
+    paints = times[1:-1]  # the first render is the empty message's, the last the finished message's
+    gaps = [q - p for p, q in zip(paints, paints[1:])]
+    assert a["chunks"] > len(times) and len(paints) >= 3, (a["chunks"], len(times))
+    assert min(gaps) >= 95, gaps
