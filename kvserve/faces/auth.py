@@ -1,8 +1,9 @@
 """API keys and CORS for every face.
 
 With ``--api-key``/``--api-key-file`` every route except ``/health``,
-``/v1/health`` and the web page (``/`` and its assets under ``/webui/``: the page asks
-the person for the key, as llama-server's static files are public) needs ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``; keys are
+``/v1/health`` and the web page (``/`` and its assets under ``/webui/``, so that a browser
+can load the page before it asks the person for the key; llama-server makes only ``/``
+public) needs ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``; keys are
 compared in constant time (``hmac.compare_digest``) against each configured key.
 Unlike vLLM (which leaves /metrics and others open), nothing else is public.
 CORS preflight (``OPTIONS``) is answered by Starlette's CORSMiddleware, which runs
