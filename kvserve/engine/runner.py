@@ -172,6 +172,8 @@ class ModelRunner:
         n = ch.num_new_tokens
         if n == 1:
             return True
+        if ch.spec_token_ids:  # verification: eager, each query as a decode (PrefillGroup.per_row)
+            return False
         req = ch.request
         return (n <= self.DECODE_LIKE_MAX and req.num_computed_tokens > 0
                 and req.params.prompt_logprobs is None)
@@ -249,7 +251,8 @@ class ModelRunner:
                 pos.extend(range(s, s + n))
                 slots.extend(self._rows(table, s, s + n).tolist())
                 kv_index = None if s == 0 else self._rows(table, 0, s + n).to(self.device)
-                prefills.append(PrefillGroup(t, t + n, s, kv_index))
+                # a verification chunk: every query exactly as a decode step computes it
+                prefills.append(PrefillGroup(t, t + n, s, kv_index, per_row=bool(ch.spec_token_ids)))
             row_of[ci] = t + n - 1
             if req.params.prompt_logprobs is not None and s < req.num_prompt_tokens:
                 plp_rows[ci] = (t, t + n)

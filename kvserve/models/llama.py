@@ -33,12 +33,19 @@ class PrefillGroup:
     including the chunk (None when the chunk starts at position 0: attention
     then uses the chunk's own K/V with a causal mask); ``n_past`` is the
     number of tokens before the chunk.
+
+    ``per_row`` (a speculative-decoding verification chunk, with ``kv_index``):
+    each query attends exactly as a one-sequence decode step would (one SDPA
+    call over its own ``n_past + i + 1`` rows, no mask), so the verified logits
+    and the K/V they leave behind are bit for bit those of plain decoding; the
+    rows are gathered once for the whole chunk.
     """
 
     start: int
     end: int
     n_past: int
     kv_index: torch.Tensor | None = None
+    per_row: bool = False
     _mask: torch.Tensor | None = None
     _grouped: torch.Tensor | None = None
 
@@ -389,6 +396,9 @@ class LlamaModel(nn.Module):
                 kp = k[g.start:g.end].to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lq, D]
                 vp = v[g.start:g.end].to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=True)
+            elif g.per_row:
+                out[g.start:g.end] = self._per_row_attention(q[g.start:g.end], k_cache, v_cache, g)
+                continue
             else:
                 kp = k_cache.index_select(0, g.kv_index).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
                 vp = v_cache.index_select(0, g.kv_index).to(q.dtype).transpose(0, 1).unsqueeze(0)
@@ -419,6 +429,23 @@ class LlamaModel(nn.Module):
         qg = q.view(r, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * r, d)
         o = F.scaled_dot_product_attention(qg, kp, vp, attn_mask=mask, scale=self.scale)  # [1, Hkv, G * R, D]
         return o.view(hkv, g, r, d).permute(2, 0, 1, 3).reshape(r, h, d)
+
+    def _per_row_attention(self, q, k_cache, v_cache, g: PrefillGroup) -> torch.Tensor:
+        """q: [R, H, D], the queries of a verification chunk (see PrefillGroup.per_row) -> [R, H, D].
+
+        Query i reads rows [0, n_past + i + 1): the same tensors (values, shapes and
+        strides) and the same SDPA call as :meth:`_attend_rows` for one decode query, so
+        the result does not depend on how many positions were verified together."""
+        kp = k_cache.index_select(0, g.kv_index).to(q.dtype)  # [Lk, Hkv, D], contiguous
+        vp = v_cache.index_select(0, g.kv_index).to(q.dtype)
+        out = torch.empty_like(q)
+        for i in range(q.shape[0]):
+            n = g.n_past + i + 1
+            kd = kp[:n].unsqueeze(0).transpose(1, 2)  # [1, Hkv, n, D]
+            vd = vp[:n].unsqueeze(0).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q[i: i + 1].unsqueeze(2), kd, vd, scale=self.scale, enable_gqa=True)
+            out[i] = o[0, :, 0]
+        return out
 
     def _decode_attention(self, qd, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
         """qd: [B, H, D], the single-token queries -> [B, H, D] over each one's cached rows."""

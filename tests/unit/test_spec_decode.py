@@ -439,3 +439,24 @@ def test_flags_refused_values(argv, text, capsys):
         parse_args(argv, environ={})
     assert e.value.code == 2
     assert text in capsys.readouterr().err
+
+
+def test_verification_attention_is_bit_identical_to_decode_attention(cores):
+    """Each query of a verification chunk computes exactly what a one-sequence decode step
+    computes over the same rows (not merely close: greedy ties must break the same way)."""
+    from kvserve.models.llama import PrefillGroup
+
+    model = cores[0].model
+    torch.manual_seed(0)
+    rows, hkv, d, h = 300, model.config.n_head_kv, model.config.head_dim, model.config.n_head
+    k_cache = torch.randn(rows, hkv, d).half()
+    v_cache = torch.randn(rows, hkv, d).half()
+    index = torch.randperm(rows)[:120]
+    n_past, r = 112, 8
+    q = torch.randn(r, h, d)
+    g = PrefillGroup(0, r, n_past, index, per_row=True)
+    got = model._per_row_attention(q, k_cache, v_cache, g)
+    for i in range(r):
+        n = n_past + i + 1
+        want = model._attend_rows(q[i: i + 1], k_cache, v_cache, index[:n], n, None)
+        assert torch.equal(got[i: i + 1], want), i
