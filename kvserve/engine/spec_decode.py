@@ -29,6 +29,10 @@ from dataclasses import dataclass, field
 DEFAULT_NUM_SPECULATIVE_TOKENS = 16
 DEFAULT_PROMPT_LOOKUP_MAX = 4
 DEFAULT_PROMPT_LOOKUP_MIN = 2
+#: tokens indexed per sequence and step at most (a long prompt is indexed over several steps,
+#: about 20 ms each on a 2-core machine, instead of stalling one step for the whole of it;
+#: the sequence speculates once its index has caught up)
+INDEX_TOKENS_PER_STEP = 8192
 
 
 class NgramIndex:
@@ -136,8 +140,8 @@ class SpecDecoder:
 
     ``register`` a request when it is added (with whether its sampler picks the plain
     argmax), ``propose`` before each step, ``forget`` when it finishes. The indexes are
-    built lazily on a request's first proposal and kept across preemption (the token
-    sequence does not change).
+    built lazily from a request's first proposal on, at most ``INDEX_TOKENS_PER_STEP``
+    tokens per step, and kept across preemption (the token sequence does not change).
     """
 
     config: SpecConfig
@@ -172,8 +176,11 @@ class SpecDecoder:
             return []
         n = request.num_tokens
         if s.fed < n:
-            s.index.extend([request.token_at(i) for i in range(s.fed, n)])
-            s.fed = n
+            upto = min(n, s.fed + INDEX_TOKENS_PER_STEP)
+            s.index.extend([request.token_at(i) for i in range(s.fed, upto)])
+            s.fed = upto
+            if upto < n:
+                return []
         draft = s.index.propose(k)
         if len(draft) < max(s.n_min, 1):
             return []

@@ -148,6 +148,31 @@ def test_policy_per_request_limits():
     assert dec.propose(R("a", toks), 16) == []
 
 
+def test_a_long_prompt_is_indexed_over_several_steps(monkeypatch):
+    from kvserve.engine import spec_decode
+
+    class R:
+        def __init__(self, toks):
+            self.request_id, self.toks, self.grammar = "long", toks, None
+            self.params = SamplingParams(temperature=0.0)
+
+        @property
+        def num_tokens(self):
+            return len(self.toks)
+
+        def token_at(self, i):
+            return self.toks[i]
+
+    monkeypatch.setattr(spec_decode, "INDEX_TOKENS_PER_STEP", 10)
+    dec = SpecDecoder(SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=2))
+    toks = [7, 8, 9, 1, 2, 3, 4, 5, 6, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 7, 8]
+    r = R(toks)
+    dec.register(r, plain_greedy=True)
+    assert [dec.propose(r, 16) for _ in range(3)] == [[], [], [9, 1, 2]]  # 10 + 10 + 6 tokens indexed
+    r.toks = [*toks, 9, 1]
+    assert dec.propose(r, 16) == [2, 3, 4]
+
+
 # -- the engine ----------------------------------------------------------------------------------
 
 SPEC = SpecConfig(method="ngram", num_speculative_tokens=8, prompt_lookup_min=1, prompt_lookup_max=3)
