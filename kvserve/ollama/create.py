@@ -94,7 +94,7 @@ _DIGEST = re.compile(r"@?sha256[:-][0-9a-fA-F]{64}")
 QUANTIZE_UNSUPPORTED = ("quantize is not supported yet: kvserve serves a GGUF's weights as they are "
                         "(quantize it with llama.cpp's llama-quantize first)")
 ADAPTER_UNSUPPORTED = "ADAPTER is not supported yet: kvserve has no LoRA adapters"
-DRAFT_UNSUPPORTED = "DRAFT is not supported yet: kvserve has no speculative decoding"
+DRAFT_UNSUPPORTED = "DRAFT is not supported yet: kvserve has no draft-model speculative decoding (prompt lookup: kvserve serve --spec-type ngram)"
 SAFETENSORS_UNSUPPORTED = ("creating a model from safetensors weights is not supported yet: kvserve's store "
                            "holds GGUF weights (convert them with llama.cpp's convert_hf_to_gguf.py, then "
                            "FROM the .gguf file)")

@@ -280,7 +280,7 @@ class Modelfile:
                     f"(line {cmd.line}): ADAPTER is not supported yet: kvserve has no LoRA adapters")
             if cmd.name == "draft":
                 raise NotSupportedError(
-                    f"(line {cmd.line}): DRAFT is not supported yet: kvserve has no speculative decoding")
+                    f"(line {cmd.line}): DRAFT is not supported yet: kvserve has no draft-model speculative decoding (prompt lookup: kvserve serve --spec-type ngram)")
 
     def create_request(self, base_dir: str | os.PathLike | None = None, *,
                        check_template: bool = True) -> CreateRequest:

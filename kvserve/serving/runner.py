@@ -77,7 +77,9 @@ class Runner:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.template = template
-        self.slots = SlotManager(engine.n_slots, engine.n_ctx_slot, args.slot_prompt_similarity, engine=engine)
+        spec_cfg = getattr(getattr(engine.core, "config", None), "spec", None)
+        self.slots = SlotManager(engine.n_slots, engine.n_ctx_slot, args.slot_prompt_similarity, engine=engine,
+                                 speculative=getattr(spec_cfg, "method", None) is not None)
         self.grammars = GrammarBackend(engine.tokenizer, engine.core.model_config.n_vocab)
         self.metrics = Metrics(self)
         self.model_alias = spec.name

@@ -86,6 +86,7 @@ class Slot:
     has_next_token: bool = False
     params: dict = field(default_factory=dict)
     source: SlotCacheSource | None = field(default=None, repr=False, compare=False)
+    speculative: bool = False  # the engine speculates (--spec-type ngram): llama-server's slot field
 
     def cached_tokens(self) -> Sequence[int]:
         """The tokens this slot holds: the running request's (prompt + generated so far) while
@@ -139,7 +140,7 @@ class Slot:
         return {
             "id": self.id,
             "n_ctx": self.n_ctx,
-            "speculative": False,
+            "speculative": self.speculative,
             "is_processing": self.is_processing,
             "id_task": self.id_task,
             # llama-server fills this from the slot's cached token list: it grows while decoding
@@ -166,11 +167,12 @@ class SlotManager:
         engine: the engine whose ``slot_cache`` says which tokens each idle slot holds
             (AsyncEngine); None: each slot remembers its last sequence itself, which goes
             stale when the KV pool evicts the slot's blocks.
+        speculative: the engine runs speculative decoding (``GET /slots`` ``speculative``).
     """
 
     def __init__(self, n_slots: int, n_ctx_slot: int, similarity: float = 0.10, *,
-                 engine: SlotCacheSource | None = None):
-        self.slots = [Slot(i, n_ctx_slot, source=engine) for i in range(n_slots)]
+                 engine: SlotCacheSource | None = None, speculative: bool = False):
+        self.slots = [Slot(i, n_ctx_slot, source=engine, speculative=speculative) for i in range(n_slots)]
         self.similarity = similarity
         self._waiters: deque[tuple[list[int], int, asyncio.Future]] = deque()
         self._clock = itertools.count(1)

@@ -98,3 +98,9 @@ def test_openai_completions_same_text(clients):
     b = spec.post("/v1/completions", json=body).json()
     assert b["choices"][0]["text"] == a["choices"][0]["text"]
     assert b["usage"] == a["usage"]
+
+
+def test_slots_say_speculative(clients):
+    plain, spec = clients
+    assert [s["speculative"] for s in plain.get("/slots").json()] == [False, False]
+    assert [s["speculative"] for s in spec.get("/slots").json()] == [True, True]
