@@ -25,6 +25,10 @@ sees the output, so a response a client holds is always counted):
   length, error, repetition; ``abort``, a request whose client left, is counted by an engine
   step listener, since its last output reaches no face), ``vllm:num_preemptions`` (the
   engine's count);
+- with ``--spec-type ngram``, vLLM's speculative-decoding counters from the engine's totals:
+  ``vllm:spec_decode_num_drafts`` (verification runs), ``..._num_draft_tokens`` (proposed),
+  ``..._num_accepted_tokens`` (accepted, the bonus token not counted) and
+  ``..._num_accepted_tokens_per_pos{position}`` (0-based draft position);
 - ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``: prompt tokens looked up / found
   in the prefix cache, once per request (vLLM counts again when a preempted request is
   rescheduled; kvserve does not);
@@ -328,6 +332,22 @@ class VllmMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              REQUEST_LATENCY_BUCKETS)
         self._preempted_seen = 0
+        # speculative decoding (vLLM's SpecDecodingProm): only on an engine that speculates
+        core = getattr(engine, "core", None) if engine is not None else None
+        spec_on = getattr(getattr(getattr(core, "config", None), "spec", None), "method", None) is not None
+        self.spec = None
+        if spec_on:
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                              "Accepted tokens per draft position.", LABELS + ("position",), registry=r)
+            self.spec = {
+                "spec_drafts_total": counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                "spec_draft_tokens_total": counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                "spec_accepted_tokens_total": counter("vllm:spec_decode_num_accepted_tokens",
+                                                      "Number of accepted tokens."),
+            }
+            self._spec_per_pos = per_pos
+            self._spec_seen: dict[str, int] = dict.fromkeys(self.spec, 0)
+            self._spec_pos_seen: list[int] = []
         # the stats line: tokens since the last line, the hit rate over the last requests
         self._win_prompt = self._win_gen = 0
         self._win_start = time.monotonic()
@@ -420,6 +440,18 @@ class VllmMetrics:
             if n > self._preempted_seen:
                 self.preemptions.inc(n - self._preempted_seen)
                 self._preempted_seen = n
+            if self.spec is not None and st is not None:  # the engine's totals -> counter increments
+                for key, c in self.spec.items():
+                    v = int(getattr(st, key, 0) or 0)
+                    if v > self._spec_seen[key]:
+                        c.inc(v - self._spec_seen[key])
+                        self._spec_seen[key] = v
+                per_pos = list(getattr(st, "spec_accepted_per_pos", ()) or ())
+                for i, v in enumerate(per_pos):
+                    seen = self._spec_pos_seen[i] if i < len(self._spec_pos_seen) else 0
+                    if v > seen:
+                        self._spec_per_pos.labels(self.model_name, "0", str(i)).inc(v - seen)
+                self._spec_pos_seen = per_pos
 
     def render(self) -> str:
         """This model's ``vllm:`` families in the text format (gauges read now)."""

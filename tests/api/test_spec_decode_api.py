@@ -104,3 +104,36 @@ def test_slots_say_speculative(clients):
     plain, spec = clients
     assert [s["speculative"] for s in plain.get("/slots").json()] == [False, False]
     assert [s["speculative"] for s in spec.get("/slots").json()] == [True, True]
+
+
+def test_vllm_spec_decode_counters(tmp_path):
+    """vLLM's spec_decode counters equal the request's draft_n / draft_n_accepted; a server
+    without speculation has none of the families."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    path = tinymodel.write_tiny_gguf(tmp_path / "tiny.gguf", seed=3)
+    state, c = _client(tmp_path, path, "--metrics", "--spec-type", "ngram", "--draft-max", "8",
+                       "--spec-ngram-size-n", "2")
+    with c:
+        c.portal.call(state.preload)
+        t = _complete(c)["timings"]
+        fams = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+
+        def total(name: str) -> float:
+            return sum(s.value for s in fams[name].samples if s.name == name + "_total")
+
+        assert total("vllm:spec_decode_num_draft_tokens") == t["draft_n"] > 0
+        assert total("vllm:spec_decode_num_accepted_tokens") == t["draft_n_accepted"] > 0
+        assert total("vllm:spec_decode_num_accepted_tokens_per_pos") == t["draft_n_accepted"]
+        assert 0 < total("vllm:spec_decode_num_drafts") <= t["draft_n"]
+        pos = sorted(int(s.labels["position"]) for s in fams["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+                     if s.name.endswith("_total"))
+        assert pos == list(range(len(pos))) and all(
+            s.labels["model_name"] == "tiny" for s in fams["vllm:spec_decode_num_drafts"].samples)
+        c.portal.call(state.manager.shutdown)
+    plain_state, plain = _client(tmp_path, path, "--metrics")
+    with plain:
+        plain.portal.call(plain_state.preload)
+        _complete(plain)
+        assert "vllm:spec_decode" not in plain.get("/metrics").text
+        plain.portal.call(plain_state.manager.shutdown)
