@@ -312,7 +312,9 @@ def test_make_template_picks_the_template_layer(store, weights, tmp_path, caplog
     flags = SimpleNamespace(models_dir=str(store.root), chat_template_file=None, chat_template="chatml")
     assert isinstance(pick("go:latest", flags), GoChatTemplate)  # the model's TEMPLATE beats the flags
     assert type(pick("plain:latest")) is ChatTemplate and pick("plain:latest").source == "{{ 'gguf' }}"
-    assert pick("plain:latest", flags).source == CHATML
+    from kvserve.chat.builtin_templates import resolve_chat_template
+
+    assert pick("plain:latest", flags).source == resolve_chat_template("chatml")[1]  # llama-server's built-in
     s = pick("sys:latest")
     assert isinstance(s, SystemChatTemplate) and s.system == "S" and s.source == "{{ 'gguf' }}"
     assert type(pick("go:latest", p=str(tmp_path / "other.gguf"))) is ChatTemplate  # other weights: not that model
