@@ -333,8 +333,11 @@ class VllmMetrics:
                              REQUEST_LATENCY_BUCKETS)
         self._preempted_seen = 0
         # speculative decoding (vLLM's SpecDecodingProm): only on an engine that speculates
-        core = getattr(engine, "core", None) if engine is not None else None
-        spec_on = getattr(getattr(getattr(core, "config", None), "spec", None), "method", None) is not None
+        try:  # an encoder's engine refuses generative attributes (NotSupportedError, not AttributeError)
+            core = engine.core if engine is not None else None
+            spec_on = getattr(getattr(getattr(core, "config", None), "spec", None), "method", None) is not None
+        except Exception:  # noqa: BLE001
+            spec_on = False
         self.spec = None
         if spec_on:
             per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",

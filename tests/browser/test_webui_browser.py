@@ -348,4 +348,7 @@ def test_streaming_renders_at_most_every_100_ms(server, browser):
     paints = times[1:-1]  # the first render is the empty message's, the last the finished message's
     gaps = [q - p for p, q in zip(paints, paints[1:])]
     assert a["chunks"] > len(times) and len(paints) >= 3, (a["chunks"], len(times))
-    assert min(gaps) >= 95, gaps
+    # throttled: about one paint per 100 ms (at most one shorter gap: a render when the stream ends
+    # can follow a paint sooner; under CI load one came 70 ms after), never one per animation frame
+    assert len([g for g in gaps if g < 95]) <= 1, gaps
+    assert len(paints) <= (paints[-1] - paints[0]) / 95 + 2, (len(paints), paints[-1] - paints[0])
