@@ -65,7 +65,6 @@ not_found_error (unknown model, unknown route under ``/v1/messages``), 413 reque
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -84,10 +83,15 @@ from kvserve.errors import KvserveError
 from kvserve.faces import anthropic_types as at
 from kvserve.faces.chat_output import ChoiceOutput
 from kvserve.faces.errors import ApiError
-from kvserve.faces.http import dumps, json_response, read_json
+from kvserve.faces.http import json_response, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
 from kvserve.faces.openai import Plan, chat_plan, run_choices
-from kvserve.faces.sse import ClientDisconnected, until_disconnect
+from kvserve.faces.sse import (
+    ClientDisconnected,
+    sse_named,
+    sse_response,
+    until_disconnect,
+)
 from kvserve.serving.runner import Runner
 from kvserve.serving.state import ServerState
 
@@ -696,64 +700,18 @@ def _error_response(e: BaseException) -> Response:
     return json_response(body, status)
 
 
-def _event(ev: dict) -> str:
-    return f"event: {ev['type']}\ndata: {dumps(ev)}\n\n"
-
-
-_PING = _event({"type": "ping"})
+_PING = sse_named({"type": "ping"})
 
 
 async def _sse(events: AsyncIterator[dict], ping_interval: float) -> StreamingResponse:
-    """Stream ``events`` as Anthropic's SSE, starting once the first event exists (an error
-    before it is raised here, for a plain HTTP error); ``event: ping`` while idle for
-    ``ping_interval`` seconds (<= 0: never) once the first event (``message_start``) was sent,
-    never before it (a request queued behind busy slots waits silently); an error after the
-    start is one ``event: error``."""
-    it = events.__aiter__()
-    timeout = ping_interval if ping_interval > 0 else None
-    first: asyncio.Future = asyncio.ensure_future(it.__anext__())
-    try:
-        await asyncio.wait({first}, timeout=timeout)
-    except BaseException:
-        first.cancel()
-        await it.aclose()
-        raise
-    if first.done() and first.exception() is not None and not isinstance(first.exception(), StopAsyncIteration):
-        await it.aclose()
-        raise first.exception()
-
-    async def body():
-        nxt: asyncio.Future | None = first
-        started = False  # Anthropic's stream opens with message_start: no ping before it
-        try:
-            while True:
-                while not (await asyncio.wait({nxt}, timeout=timeout))[0]:
-                    if started:
-                        yield _PING
-                try:
-                    ev = nxt.result()
-                except StopAsyncIteration:
-                    nxt = None
-                    break
-                nxt = None
-                yield _event(ev)
-                started = True
-                nxt = asyncio.ensure_future(it.__anext__())
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - after the start an error is one event
-            nxt = None
-            yield _event(error_envelope(e)[1])
-        finally:
-            if nxt is not None and not nxt.done():
-                nxt.cancel()
-                with contextlib.suppress(BaseException):  # the iterator is being torn down
-                    await nxt
-            with contextlib.suppress(Exception):  # closing after an error
-                await it.aclose()
-
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    """Stream ``events`` as Anthropic's SSE (:func:`~kvserve.faces.sse.sse_response`, starting
+    once the first event exists: an error before it is raised, for a plain HTTP error):
+    ``event: <type>`` lines, ``event: ping`` while idle for ``ping_interval`` seconds (<= 0:
+    never) once ``message_start`` was sent, never before it (a request queued behind busy slots
+    waits silently); an error after the start is one ``event: error``."""
+    return await sse_response(events, ping_interval=ping_interval, done=False, encode=sse_named, ping=_PING,
+                        ping_before_first=False, error_event=lambda e: error_envelope(e)[1],
+                        headers={"X-Accel-Buffering": "no"})
 
 
 # ------------------------------------------------------------------------ routes

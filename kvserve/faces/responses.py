@@ -63,7 +63,7 @@ from typing import Any
 
 from fastapi import APIRouter
 from starlette.requests import Request as HttpRequest
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from kvserve.faces.auth import request_key
 from kvserve.faces.errors import ApiError
@@ -99,6 +99,7 @@ from kvserve.faces.responses_types import Response as ResponseObject
 from kvserve.faces.sse import (
     ClientDisconnected,
     error_body,
+    sse_named,
     sse_response,
     until_disconnect,
 )
@@ -931,27 +932,6 @@ class _Run:
 # ------------------------------------------------------------------------ routes
 
 
-def _named_events(resp: StreamingResponse) -> StreamingResponse:
-    """Add ``event: <type>`` before each ``data:`` line of an SSE response whose events carry
-    ``type`` as their first key (OpenAI's typed events; :func:`sse_response` writes data only)."""
-    inner = resp.body_iterator
-    prefix = 'data: {"type":"'
-
-    async def named():
-        try:
-            async for chunk in inner:
-                if isinstance(chunk, str) and chunk.startswith(prefix):
-                    end = chunk.find('"', len(prefix))
-                    if end > 0:
-                        chunk = f"event: {chunk[len(prefix):end]}\n{chunk}"
-                yield chunk
-        finally:
-            await inner.aclose()
-
-    resp.body_iterator = named()
-    return resp
-
-
 def owner_of(state: ServerState, http: HttpRequest) -> str:
     """Who a request is, for the store: a hash of its API key when the server has keys (the key
     middleware let only valid ones through), else ``""`` (one shared owner). A response is
@@ -973,9 +953,8 @@ async def _create(state: ServerState, store: ResponseStore, http: HttpRequest) -
             plan = await asyncio.to_thread(chat_plan, runner, turn.chat)
             job = _Run(runner, plan, turn, store)
             if turn.stream:
-                resp = await sse_response(job.events(), ping_interval=state.args.sse_ping_interval, done=False,
-                                          headers={"X-Accel-Buffering": "no"})
-                return _named_events(resp)
+                return await sse_response(job.events(), ping_interval=state.args.sse_ping_interval, done=False,
+                                          encode=sse_named, headers={"X-Accel-Buffering": "no"})
 
             async def whole() -> dict:
                 async for _ in job.events():

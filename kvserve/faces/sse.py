@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request as HttpRequest
 from starlette.responses import StreamingResponse
@@ -47,15 +47,31 @@ def error_body(e: BaseException) -> dict:
     return ApiError.from_exception(e).body()
 
 
+def sse_named(obj: dict) -> str:
+    """One ``event: <type>`` + ``data: {json}`` event (OpenAI's typed Responses events and
+    Anthropic's events name themselves by their ``type``; an object without one is data only)."""
+    name = obj.get("type")
+    return f"event: {name}\n{sse_data(obj)}" if isinstance(name, str) else sse_data(obj)
+
+
 async def sse_response(events: AsyncIterator[dict], *, ping_interval: float = 30.0,
-                       done: bool = True, headers: dict | None = None) -> StreamingResponse:
+                       done: bool = True, headers: dict | None = None,
+                       encode: Callable[[dict], str] = sse_data, ping: str = PING,
+                       ping_before_first: bool = True,
+                       error_event: Callable[[BaseException], dict] | None = None) -> StreamingResponse:
     """Stream ``events`` as SSE; start once the first exists or one ping interval passed.
 
     Args:
         events: async iterator of JSON-able dicts (closed when the client leaves).
-        ping_interval: seconds between ``:`` comment pings while idle (<= 0: never).
+        ping_interval: seconds between pings while idle (<= 0: never).
         done: end a successful stream with ``data: [DONE]`` (OpenAI endpoints;
             llama-server's ``/completion`` sends none).
+        headers: extra response headers.
+        encode: one event's text (:func:`sse_data`, or :func:`sse_named` for ``event:`` lines).
+        ping: the idle text (the ``:`` comment; Anthropic's ``event: ping``).
+        ping_before_first: ping while the first event is awaited (False: Anthropic's stream
+            opens with ``message_start``, so a request queued behind busy slots waits silently).
+        error_event: the event for an error after the start (default :func:`error_body`).
 
     Raises:
         whatever ``events`` raises before its first event (the caller answers it
@@ -76,22 +92,27 @@ async def sse_response(events: AsyncIterator[dict], *, ping_interval: float = 30
         await _aclose(it)
         raise first.exception()
 
+    on_error = error_event or error_body
+
     async def body():
         nxt: asyncio.Future | None = first
+        started = False
         try:
             while True:
                 while True:
                     finished, _ = await asyncio.wait({nxt}, timeout=ping_interval if ping_interval > 0 else None)
                     if finished:
                         break
-                    yield PING
+                    if started or ping_before_first:
+                        yield ping
                 try:
                     ev = nxt.result()
                 except StopAsyncIteration:
                     nxt = None
                     break
                 nxt = None
-                yield sse_data(ev)
+                yield encode(ev)
+                started = True
                 nxt = asyncio.ensure_future(it.__anext__())
             if done:
                 yield DONE
@@ -99,7 +120,7 @@ async def sse_response(events: AsyncIterator[dict], *, ping_interval: float = 30
             raise
         except Exception as e:  # noqa: BLE001 - after the start an error is one event
             nxt = None
-            yield sse_data(error_body(e))
+            yield encode(on_error(e))
         finally:
             if nxt is not None and not nxt.done():
                 nxt.cancel()
