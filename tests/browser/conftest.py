@@ -12,17 +12,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
-import time
-from dataclasses import dataclass
-from pathlib import Path
 
-import httpx
 import pytest
+from servers import Server, spawn
 
-REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("KVSERVE_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("KVSERVE_CHROMEDRIVER", "/usr/bin/chromedriver")
 
@@ -31,69 +24,19 @@ def _binary(path: str) -> str | None:
     return path if os.path.isfile(path) and os.access(path, os.X_OK) else shutil.which(os.path.basename(path))
 
 
-@dataclass
-class TinyServer:
-    """A running ``kvserve serve`` on the tiny model."""
-
-    base_url: str
-    proc: subprocess.Popen
-    log_path: Path
-
-    def url(self, path: str) -> str:
-        return self.base_url + path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 120.0) -> TinyServer:
-        """Poll /health until 200; fail with the log when the process exits or time runs out."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url("/health"), timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        pytest.fail(f"server not ready after {timeout} s:\n{self.log()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tiny_server(tiny_gguf, tmp_path_factory):
-    """Factory ``tiny_server(*args, wait=True) -> TinyServer``: servers live for the module;
+    """Factory ``tiny_server(*args, wait=True) -> Server``: servers live for the module;
     ``wait=False`` returns at once (start several, then call ``wait_ready()`` on each)."""
-    servers: list[TinyServer] = []
+    servers: list[Server] = []
     logdir = tmp_path_factory.mktemp("browser-logs")
 
-    def start(*args: str, wait: bool = True) -> TinyServer:
-        port = _free_port()
-        log_path = Path(tempfile.mkstemp(prefix="kvserve-", suffix=".log", dir=logdir)[1])
-        cmd = [sys.executable, "-m", "kvserve", "serve", tiny_gguf, "--host", "127.0.0.1", "--port", str(port), *args]
-        with open(log_path, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                    env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        srv = TinyServer(f"http://127.0.0.1:{port}", proc, log_path)
+    def start(*args: str, wait: bool = True) -> Server:
+        srv = spawn(tiny_gguf, args, logdir)
         servers.append(srv)
-        return srv.wait_ready() if wait else srv
+        if wait:
+            srv.wait_ready()
+        return srv
 
     yield start
     for srv in servers:
