@@ -684,27 +684,80 @@ def _run_on_server(api, a) -> int:
     return 0
 
 
+def _stored_layers(models_dir: str | None, name: str):
+    """``(template, system, messages, params)`` of the store model ``name`` (Modelfile TEMPLATE,
+    SYSTEM, MESSAGE and PARAMETER layers), or None when ``name`` is not a store model (a path)."""
+    from kvserve.store import open_store
+
+    if os.path.exists(name):
+        return None
+    try:
+        store = open_store(models_dir)
+        stored = store.get(name)
+    except (ValueError, OSError):  # not an Ollama name, or no readable store
+        return None
+    if stored is None:
+        return None
+    m = stored.manifest
+    return (store.layer_text(m, "template") or None, store.layer_text(m, "system") or "", store.messages(m),
+            store.params(m))
+
+
+def _run_params(a, model_params: dict):
+    """The in-process SamplingParams: kvserve's in-process defaults (512 tokens, greedy), then the
+    model's PARAMETER layer, then the flags (-n, --temp, --seed), Ollama's option layering
+    (:func:`~kvserve.faces.ollama.ollama_options`) for a store model; returns (params, num_ctx)."""
+    from kvserve.engine.request import SEED_RANDOM, SamplingParams
+
+    if not model_params:  # a file or directory, or a store model without PARAMETER lines
+        return SamplingParams(n_predict=512 if a.n_predict is None else a.n_predict,
+                              temperature=0.0 if a.temp is None else a.temp,
+                              seed=SEED_RANDOM if a.seed is None else a.seed), None
+    from kvserve.faces.ollama import ollama_options
+
+    flags = {k: v for k, v in (("num_predict", a.n_predict), ("temperature", a.temp), ("seed", a.seed))
+             if v is not None}
+    opts = ollama_options({"num_predict": 512, "temperature": 0.0, **model_params}, flags)
+    fields = dict(opts.sampling)
+    fields["stop"] = tuple(fields.get("stop") or ())
+    if fields["seed"] < 0:  # Ollama's -1: a random seed
+        fields["seed"] = SEED_RANDOM
+    return SamplingParams(**fields), opts.num_ctx
+
+
 def _run_here(a) -> int:
-    """Load the model in this process and chat with it, streaming tokens as they come."""
+    """Load the model in this process and chat with it, streaming tokens as they come. A store
+    model's Modelfile layers apply as they do through a server's /api/chat: its TEMPLATE, its
+    SYSTEM message (``-sys`` replaces it), its MESSAGE turns before the conversation and its
+    PARAMETERs (num_ctx included) under the flags."""
+    from kvserve.chat.go_chat_template import GoChatTemplate
     from kvserve.chat.template import CHATML_TEMPLATE, ChatTemplate
     from kvserve.config import EngineConfig
     from kvserve.engine.core import create_engine_core
-    from kvserve.engine.request import InvalidRequestError, Request, SamplingParams
+    from kvserve.engine.request import InvalidRequestError, Request
 
     model = a.model
+    layers = _stored_layers(a.models_dir, model)
     if a.models_dir is not None and not os.path.exists(model):  # a name in that store
         from kvserve.store import open_store
 
         model = str(open_store(a.models_dir).model_path(model))
-    core = create_engine_core(model, EngineConfig(n_ctx=a.ctx_size or 4096, n_parallel=1))
+    go_template, system, turns, model_params = layers or (None, "", [], {})
+    params, num_ctx = _run_params(a, model_params)
+    core = create_engine_core(model, EngineConfig(n_ctx=a.ctx_size or num_ctx or 4096, n_parallel=1))
     tok = core.tokenizer
-    template = ChatTemplate(core.chat_template or CHATML_TEMPLATE, tok.bos_token or "", tok.eos_token or "")
+    template = None
+    if go_template is not None:
+        try:
+            template = GoChatTemplate(go_template, tok.bos_token or "", tok.eos_token or "")
+        except Exception as e:  # noqa: BLE001 - as the server: a TEMPLATE kvserve cannot parse is skipped
+            _err(f"warning: the model's TEMPLATE layer is not used ({e})")
+    if template is None:
+        template = ChatTemplate(core.chat_template or CHATML_TEMPLATE, tok.bos_token or "", tok.eos_token or "")
     messages: list[dict] = []
-    if a.system_prompt:
-        messages.append({"role": "system", "content": a.system_prompt})
-    params = SamplingParams(n_predict=512 if a.n_predict is None else a.n_predict,
-                            temperature=0.0 if a.temp is None else a.temp,
-                            seed=4294967295 if a.seed is None else a.seed)
+    if a.system_prompt or system:
+        messages.append({"role": "system", "content": a.system_prompt or system})
+    messages += [dict(t) for t in turns]
 
     def answer(user_text: str, turn: int) -> None:
         from kvserve.chat.prompt import render_chat

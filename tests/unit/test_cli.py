@@ -398,3 +398,49 @@ def test_show_info_of_a_served_model_without_model_info():
                                "    completion    \n"
                                "    tools         \n"
                                "\n")
+
+
+def test_run_in_process_applies_the_modelfile_layers(tiny_gguf, store, tmp_path, capsys, monkeypatch):
+    """In-process ``kvserve run`` renders and samples as a server's /api/chat would: the
+    model's SYSTEM, MESSAGE turns, TEMPLATE and PARAMETERs apply, the flags over them."""
+    from kvserve.chat import prompt
+    from kvserve.engine import request
+
+    seen: list = []
+    real_render, real_request = prompt.render_chat, request.Request
+
+    def render(template, tok, messages, *args, **kwargs):
+        text, ids = real_render(template, tok, messages, *args, **kwargs)
+        seen.append(("render", type(template).__name__, [dict(m) for m in messages], text))
+        return text, ids
+
+    def make_request(rid, ids, params, *args, **kwargs):
+        seen.append(("params", params.n_predict, params.temperature, params.top_k, params.stop))
+        return real_request(rid, ids, params, *args, **kwargs)
+
+    monkeypatch.setattr(prompt, "render_chat", render)
+    monkeypatch.setattr(request, "Request", make_request)
+    mf = write(tmp_path / "Modelfile", f'FROM {tiny_gguf}\nSYSTEM "You are terse."\nPARAMETER num_predict 3\n'
+               "PARAMETER top_k 7\nPARAMETER stop <end>\nMESSAGE user hi\nMESSAGE assistant yo\n")
+    assert run(capsys, "create", "layered", "-f", mf, "--models-dir", str(store.root))[0] == 0
+    rc, _, err = run(capsys, "run", "layered", "Hello", "--models-dir", str(store.root))
+    assert rc == 0, err
+    assert seen[0][:3] == ("render", "ChatTemplate", [
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"}, {"role": "user", "content": "Hello"}])
+    assert seen[1] == ("params", 3, 0.0, 7, ("<end>",))  # greedy in-process unless the Modelfile says
+    seen.clear()
+    # the flags win over the layers; -sys replaces the SYSTEM layer
+    rc, _, err = run(capsys, "run", "layered", "Hello", "-n", "2", "--temp", "0.5", "-sys", "Be kind.",
+                     "--models-dir", str(store.root))
+    assert rc == 0, err
+    assert seen[0][2][0] == {"role": "system", "content": "Be kind."}
+    assert seen[1] == ("params", 2, 0.5, 7, ("<end>",))
+    seen.clear()
+    # a TEMPLATE layer renders as Ollama's Go template
+    mf = write(tmp_path / "Modelfile2", f'FROM {tiny_gguf}\nTEMPLATE "{{{{ .System }}}}|{{{{ .Prompt }}}}"\n'
+               'SYSTEM "S"\n')
+    assert run(capsys, "create", "templated", "-f", mf, "--models-dir", str(store.root))[0] == 0
+    rc, _, err = run(capsys, "run", "templated", "Hello", "-n", "1", "--models-dir", str(store.root))
+    assert rc == 0, err
+    assert seen[0][1] == "GoChatTemplate" and seen[0][3] == "S|Hello"
