@@ -159,6 +159,15 @@ def _normalize_tool_calls(calls: Any, i: int) -> list[dict]:
     return out
 
 
+def _as_template_input(messages: list[dict]) -> list[dict]:
+    """The messages as vLLM hands a request's messages to transformers' ``apply_chat_template``:
+    a null ``content`` (an assistant turn with only tool calls) becomes ``""`` (vLLM's string
+    content format joins no parts), so vendor templates that concatenate or test
+    ``message.content`` render it instead of failing on an absent member (transformers drops
+    null members, :func:`~kvserve.chat.template.template_messages`)."""
+    return [{**m, "content": ""} if m.get("content") is None else m for m in messages]
+
+
 def continues_final_message(messages: list[dict], continue_final_message: bool | None) -> bool:
     """Whether the final message is continued: forced by True, never by False, and with None
     (llama-server's default, ``prefill_assistant``) when the final message is the assistant's."""
@@ -336,7 +345,7 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
     Raises:
         InvalidInputError: invalid messages or a template error (a face answers 400).
     """
-    msgs = normalize_messages(messages)
+    msgs = _as_template_input(normalize_messages(messages))
     if continues_final_message(msgs, continue_final_message):
         final = _final_content_index(msgs)
         if final is None:

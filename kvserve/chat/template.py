@@ -1,13 +1,23 @@
 """Chat templates: render HF/GGUF Jinja chat templates into a prompt string.
 
-Rendering follows HF ``transformers`` (``apply_chat_template``): a
+Rendering follows HF ``transformers`` (``PreTrainedTokenizerBase.apply_chat_template`` and
+``transformers.utils.chat_template_utils.render_jinja_template``, version 5): a
 ``jinja2.sandbox.ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``,
-the ``loopcontrols`` extension, a ``tojson`` filter that does not escape HTML or non-ASCII
-(``ensure_ascii=False``, ``indent``/``separators``/``sort_keys`` supported), the globals
-``raise_exception`` and ``strftime_now``, and the variables ``messages``, ``tools``,
-``add_generation_prompt``, ``bos_token``, ``eos_token`` plus any extra keyword arguments
-(OpenAI-compatible ``chat_template_kwargs``, e.g. ``enable_thinking``). ``{% generation %}``
-blocks (HF assistant masks) render their body.
+the ``loopcontrols`` extension (``{% break %}``, ``{% continue %}``; not ``do``, which
+transformers does not enable either), a ``tojson`` filter that does not escape HTML or
+non-ASCII (``ensure_ascii=False``, ``indent``/``separators``/``sort_keys`` supported), the
+globals ``raise_exception``, ``strftime_now`` (local time, as transformers), a ``namespace``
+that refuses underscore-prefixed attribute names and a ``dict`` callable, and the variables
+``messages``, ``tools`` (the JSON schemas as given), ``documents``, ``add_generation_prompt``,
+``bos_token``, ``eos_token`` plus any extra keyword arguments (OpenAI-compatible
+``chat_template_kwargs``, e.g. ``enable_thinking``). ``{% generation %}`` blocks (HF
+assistant masks) render their body.
+
+Messages are prepared as transformers prepares them: keys whose value is null are dropped
+(``content: null`` of an assistant turn with tool calls becomes an absent ``content``), and a
+message's reasoning given as ``reasoning_content``, ``thinking`` or ``reasoning`` is passed as
+both ``reasoning_content`` and ``thinking``. Tests: tests/unit/test_template_parity.py renders
+templates with kvserve and with transformers and asserts equal text.
 
 Capability detection (:attr:`ChatTemplate.caps`) renders small probe conversations and looks
 for needles in the output, like llama.cpp's minja ``chat_template`` caps detection.
@@ -20,16 +30,19 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
+import jinja2.exceptions
+import jinja2.utils
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["CHATML_TEMPLATE", "RESERVED_VARIABLES", "ChatTemplate", "TemplateError"]
+__all__ = ["CHATML_TEMPLATE", "RESERVED_VARIABLES", "ChatTemplate", "TemplateError", "template_messages"]
 
 #: Variables the renderer sets itself (``messages``, ``tools``, ``add_generation_prompt``) or
 #: takes as its own argument (``continue_final_message``, see ``kvserve.chat.prompt.render_chat``):
 #: ``chat_template_kwargs`` may not carry them (a 400 names the key; ``--chat-template-kwargs``
-#: with one is refused at start-up). ``bos_token``/``eos_token`` may be overridden.
+#: with one is refused at start-up). ``bos_token``/``eos_token`` may be overridden, and
+#: ``documents`` may come from ``chat_template_kwargs`` (as vLLM merges them).
 RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message"})
 
 #: Fallback used when a model has no chat template (ChatML, as llama.cpp's default
@@ -62,7 +75,62 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 
 def _strftime_now(fmt: str) -> str:
+    # transformers: the local time, formatted by the template's own format string
     return datetime.now().strftime(fmt)
+
+
+class _TemplateDict:
+    """The template's ``dict``: builds plain dicts (``dict(a=1)``, ``dict.fromkeys(keys)``)
+    without exposing the ``dict`` type itself (transformers' ``TemplateDict``)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+def _check_namespace_name(name: Any) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(
+            f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. "
+            "Please rename the attribute.")
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """The template's ``namespace(...)``: Jinja's, refusing names that start with ``_``
+    (``{% set ns._x = 1 %}`` or ``namespace(_x=1)``), as transformers' ``TemplateNamespace``."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Jinja's signature trick (namespace(self=...))
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _check_namespace_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _check_namespace_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+
+#: Names a message's reasoning may come under, in the order transformers looks for them.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The messages as transformers hands them to a template (``apply_chat_template``): members
+    whose value is None are dropped, and the first non-null of ``reasoning_content``,
+    ``thinking``, ``reasoning`` is also set as ``thinking`` (unless present) and as
+    ``reasoning_content``. Returns new dicts; non-dict entries are passed through."""
+    out = []
+    for m in messages:
+        if isinstance(m, dict):
+            m = {k: v for k, v in m.items() if v is not None}
+            reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+            if reasoning is not None:
+                m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
 
 
 class _GenerationTag(Extension):
@@ -82,6 +150,8 @@ def _make_env() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
     return env
 
 
@@ -128,13 +198,17 @@ class ChatTemplate:
         self._caps: dict[str, bool] | None = None
 
     def render(self, messages: list[dict], /, add_generation_prompt: bool = True,
-               tools: list | None = None, **kwargs: Any) -> str:
+               tools: list | None = None, documents: list | None = None, **kwargs: Any) -> str:
         """Render ``messages`` (OpenAI-style dicts: role, content, tool_calls, ...) to a prompt.
 
         Args:
-            messages: conversation; passed to the template unchanged.
+            messages: conversation; prepared as transformers does (:func:`template_messages`:
+                null members dropped, reasoning aliased), otherwise unchanged.
             add_generation_prompt: append the assistant turn header.
-            tools: OpenAI tool definitions (list of dicts) or None (template sees ``none``).
+            tools: OpenAI tool definitions (list of JSON-schema dicts, passed as given) or None
+                (template sees ``none``).
+            documents: RAG documents (list of dicts, e.g. ``title``/``text``) or None, as
+                transformers' ``documents`` argument (Command-R, Granite templates read it).
             **kwargs: extra template variables (``chat_template_kwargs``); they may override
                 ``bos_token``/``eos_token``, never the names in ``RESERVED_VARIABLES``.
 
@@ -150,8 +224,9 @@ class ChatTemplate:
             raise TemplateError(f"chat template variable '{min(clash)}' is reserved: it is set by the request")
         ctx: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         ctx.update(kwargs)
-        ctx["messages"] = messages
+        ctx["messages"] = template_messages(messages)
         ctx["tools"] = tools
+        ctx["documents"] = documents
         ctx["add_generation_prompt"] = add_generation_prompt
         try:
             return self._tmpl.render(**ctx)
