@@ -10,6 +10,25 @@ Styles of :func:`split_reasoning` and :class:`ReasoningStreamer`:
     A ``<think>`` in the output is skipped. With an end tag: split as above (stripped). Without
     one the output was cut while thinking, so it is all reasoning and content is ``""``;
     with ``thinking_enabled=False`` (``chat_template_kwargs.enable_thinking``) it is all content.
+``kimi_k2`` (vLLM)
+    ``deepseek_r1`` under Kimi's name (vLLM registers ``DeepSeekR1ReasoningParser`` for it).
+``deepseek_v3`` (vLLM ``DeepSeekV3ReasoningParser``)
+    ``deepseek_r1`` when thinking is on, else no split (all content, reasoning ``None``). vLLM
+    turns thinking on only with ``chat_template_kwargs`` ``thinking``/``enable_thinking`` true;
+    here thinking is on unless the request turned ``enable_thinking`` off (the V3.1 templates
+    close the block in the prompt when it is off, so the output has no ``</think>`` to split).
+``glm45`` (vLLM ``Glm4MoeModelReasoningParser``) and ``granite`` (``GraniteReasoningParser``)
+    Thinking only when the output opens (after whitespace) with the start marker (``<think>``;
+    ``Here is my thought process:`` / ``Here's my thought process:``) and is closed by the end
+    marker (``</think>``; ``Here is my response:`` / ``Here's my response:``); both parts are
+    stripped. Without both markers all text is content and reasoning is ``None`` (vLLM); a
+    start marker that never closes streams as reasoning. vLLM also drops text before a start
+    marker found later in the text; here such text is content.
+``openai_gptoss`` (vLLM's gpt-oss harmony path)
+    ``analysis`` messages are reasoning (several joined by ``"\n"``), ``final`` and
+    recipient-less ``commentary`` messages are content, a ``functions.NAME`` message stays in
+    the content as its harmony text for ``--tool-call-parser openai``
+    (:mod:`kvserve.chat.harmony`). Stream and split agree (the split joins the stream).
 ``deepseek`` (llama-server ``--reasoning-format deepseek``/``auto``, seed 000 Example 14)
     Thinking is open when the prompt ended inside ``<think>`` (``started_in_prompt``; the
     prompt's text after that tag, ``prompt_tail``, belongs to the reasoning, as llama-server
@@ -49,24 +68,64 @@ import torch
 from kvserve.engine.detokenizer import partial_suffix
 
 __all__ = [
+    "REASONING_PARSERS",
     "REASONING_STYLES",
+    "VLLM_REASONING_PARSERS",
     "Constraint",
     "ReasoningStreamer",
     "ThinkingBudget",
     "prompt_thinking_tail",
+    "reasoning_parser_error",
     "split_reasoning",
 ]
 
+#: vLLM ``--reasoning-parser`` names kvserve implements (each a ``style`` below).
+REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "glm45", "granite", "kimi_k2", "openai_gptoss", "qwen3")
+
+#: Every ``--reasoning-parser`` name vLLM registers (vllm/reasoning/__init__.py, recent releases
+#: together); those not in :data:`REASONING_PARSERS` are refused at start-up.
+VLLM_REASONING_PARSERS = (
+    "deepseek_r1", "deepseek_v3", "ernie45", "gemma4", "glm45", "granite", "holo2", "hunyuan_a13b", "kimi_k2",
+    "minimax_m2", "minimax_m2_append_think", "mistral", "olmo3", "openai_gptoss", "qwen3", "seed_oss", "step3",
+    "step3p5",
+)
+
 #: Accepted ``style`` values ("auto" is llama-server's default and means "deepseek").
-REASONING_STYLES = ("deepseek_r1", "qwen3", "deepseek", "deepseek-legacy", "none", "auto")
+REASONING_STYLES = (*REASONING_PARSERS, "deepseek", "deepseek-legacy", "none", "auto")
 
 _WS = " \t\n\r"
 
+#: (start markers, end markers) of the marker styles (vLLM's texts)
+_MARKERS = {
+    "glm45": (("<think>",), ("</think>",)),
+    "granite": (("Here is my thought process:", "Here's my thought process:"),
+                ("Here is my response:", "Here's my response:")),
+}
 
-def _style(style: str) -> str:
+
+def reasoning_parser_error(name: str) -> str | None:
+    """The start-up error for ``--reasoning-parser name``, or None when kvserve implements it
+    (a vLLM name kvserve lacks and an unknown name both list the implemented ones)."""
+    if name in REASONING_PARSERS:
+        return None
+    names = ", ".join(REASONING_PARSERS)
+    if name in VLLM_REASONING_PARSERS:
+        return (f"--reasoning-parser {name!r} is a vLLM parser that kvserve does not implement; "
+                f"implemented: {names}")
+    return f"invalid --reasoning-parser {name!r}: choose from {names}"
+
+
+def _style(style: str, thinking_enabled: bool = True) -> tuple[str, bool]:
+    """(base style, thinking_enabled) for a style name; aliases resolved."""
     if style not in REASONING_STYLES:
         raise ValueError(f"unknown reasoning style {style!r}; valid: {', '.join(REASONING_STYLES)}")
-    return "deepseek" if style == "auto" else style
+    if style == "auto":
+        return "deepseek", thinking_enabled
+    if style == "kimi_k2":  # vLLM registers DeepSeekR1ReasoningParser under this name
+        return "deepseek_r1", thinking_enabled
+    if style == "deepseek_v3":  # R1's split when thinking, else none (identity: all content)
+        return ("deepseek_r1", True) if thinking_enabled else ("qwen3", False)
+    return style, thinking_enabled
 
 
 def prompt_thinking_tail(prompt: str, start: str = "<think>", end: str = "</think>") -> str | None:
@@ -95,7 +154,9 @@ def split_reasoning(text: str, *, start: str = "<think>", end: str = "</think>",
     Raises:
         ValueError: unknown style.
     """
-    style = _style(style)
+    style, thinking_enabled = _style(style, thinking_enabled)
+    if style in _MARKERS or style == "openai_gptoss":
+        return _split_by_streamer(text, style)
     if style == "none":
         return None, (start + prompt_tail if started_in_prompt else "") + text
     if style == "deepseek_r1":
@@ -170,9 +231,14 @@ class ReasoningStreamer:
 
     def __init__(self, *, style: str = "deepseek_r1", start: str = "<think>", end: str = "</think>",
                  started_in_prompt: bool = False, prompt_tail: str = "", thinking_enabled: bool = True) -> None:
-        self.style = _style(style)
+        self.style, thinking_enabled = _style(style, thinking_enabled)
         self.start, self.end = start, end
         self.reasoning_tokens = 0
+        self._impl: _MarkerStreamer | _HarmonyStreamer | None = None
+        if self.style in _MARKERS:
+            self._impl = _MarkerStreamer(*_MARKERS[self.style])
+        elif self.style == "openai_gptoss":
+            self._impl = _HarmonyStreamer()
         self._pending_count = 0
         self._buf = ""
         self._prefix_done = False
@@ -191,11 +257,17 @@ class ReasoningStreamer:
     @property
     def in_reasoning(self) -> bool:
         """Thinking is (or may still be) open: no answer text has been produced yet."""
+        if self._impl is not None:
+            return self._impl.in_reasoning
         return self._phase in ("undecided", "held", "reasoning")
 
     def feed(self, delta: str) -> list[dict]:
         if not delta:
             return []
+        if self._impl is not None:
+            out = self._impl.feed(delta)
+            self.reasoning_tokens = self._impl.reasoning_tokens
+            return _merge(out)
         if self.style != "none":
             if self._phase == "reasoning":
                 self.reasoning_tokens += 1
@@ -204,6 +276,8 @@ class ReasoningStreamer:
         return self._emit(self._scan(delta, final=False), delta)
 
     def finish(self) -> list[dict]:
+        if self._impl is not None:
+            return _merge(self._impl.finish())
         parts = self._scan("", final=True)
         out = self._emit(parts, "", force_prefix=True)
         tail = self._reasoning.end()
@@ -300,6 +374,164 @@ class ReasoningStreamer:
         if self.style == "deepseek-legacy" and raw:
             out.append({"content": raw})
         return _merge(out)
+
+
+class _MarkerStreamer:
+    """``glm45`` / ``granite``: thinking only when the output opens with a start marker (after
+    whitespace) and until an end marker; both parts stripped. vLLM's non-streaming split needs
+    both markers (else all is content): a start marker never closed streams as reasoning but
+    splits as content."""
+
+    def __init__(self, starts: tuple[str, ...], ends: tuple[str, ...]) -> None:
+        self.starts, self.ends = starts, ends
+        self.reasoning_tokens = 0
+        self._phase = "undecided"  # undecided | reasoning | after | content
+        self._buf = ""
+        self._reasoning = _Field(lstrip=True, rstrip=True)
+        self._after = _Field(lstrip=True, rstrip=True)
+        self._sent_reasoning = False
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._phase in ("undecided", "reasoning")
+
+    def feed(self, delta: str) -> list[dict]:
+        was = self._phase
+        out = self._scan(delta, final=False)
+        if self._phase == "reasoning" or (was == "reasoning" and self._phase == "after"):
+            self.reasoning_tokens += 1
+        return out
+
+    def finish(self) -> list[dict]:
+        out = self._scan("", final=True)
+        tail = self._reasoning.end()
+        if tail:
+            out.append({"reasoning": tail})
+        tail = self._after.end()
+        if tail:
+            out.append({"content": tail})
+        return out
+
+    def _scan(self, delta: str, final: bool) -> list[dict]:
+        self._buf += delta
+        out: list[dict] = []
+        if self._phase == "undecided":
+            s = self._buf.lstrip(_WS)
+            m = next((m for m in self.starts if s.startswith(m)), None)
+            if m is not None:
+                self._buf, self._phase = s[len(m):], "reasoning"
+            elif s and not final and any(x.startswith(s) for x in self.starts):
+                return out
+            elif not s and not final:
+                return out
+            else:
+                self._phase = "content"
+        if self._phase == "reasoning":
+            best, blen = -1, 0
+            for m in self.ends:
+                i = self._buf.find(m)
+                if i >= 0 and (best < 0 or i < best):
+                    best, blen = i, len(m)
+            if best < 0:
+                k = 0 if final else max(partial_suffix(self._buf, m) for m in self.ends)
+                piece = self._reasoning.push(self._buf[:len(self._buf) - k])
+                self._buf = self._buf[len(self._buf) - k:]
+                if piece:
+                    out.append({"reasoning": piece})
+                return out
+            piece = self._reasoning.push(self._buf[:best])
+            if piece:
+                out.append({"reasoning": piece})
+            tail = self._reasoning.end()
+            if tail:
+                out.append({"reasoning": tail})
+            self._buf, self._phase = self._buf[best + blen:], "after"
+        if self._phase == "after":
+            piece = self._after.push(self._buf)
+            self._buf = ""
+            if piece:
+                out.append({"content": piece})
+            return out
+        if self._buf:
+            out.append({"content": self._buf})
+            self._buf = ""
+        return out
+
+
+class _HarmonyStreamer:
+    """``openai_gptoss``: gpt-oss harmony channels (:mod:`kvserve.chat.harmony`). ``analysis``
+    messages (and those to a built-in tool such as ``browser``) are reasoning, joined by
+    ``"\n"`` as vLLM joins them; ``final`` and recipient-less ``commentary`` (preambles) are
+    content; a message to ``functions.NAME`` is passed on whole as its harmony text (the
+    ``openai`` tool parser makes the call of it). Output without harmony markers is content."""
+
+    def __init__(self) -> None:
+        from kvserve.chat.harmony import HarmonyParser
+
+        self._p = HarmonyParser()
+        self.reasoning_tokens = 0
+        self.saw_reasoning = False
+        self._n_reasoning_msgs = 0
+
+    @property
+    def in_reasoning(self) -> bool:
+        m = self._p._msg
+        return m is None and not self._p.messages or m is not None and self._is_reasoning(m)
+
+    @staticmethod
+    def _is_reasoning(m) -> bool:
+        if m.recipient:
+            return not m.recipient.startswith("functions.")
+        return m.channel not in ("final", "commentary")
+
+    def feed(self, delta: str) -> list[dict]:
+        out = self._events(self._p.feed(delta))
+        if any("reasoning" in f for f in out):
+            self.reasoning_tokens += 1
+        return out
+
+    def finish(self) -> list[dict]:
+        return self._events(self._p.finish())
+
+    def _events(self, events) -> list[dict]:
+        from kvserve.chat.harmony import encode_call_message
+
+        out: list[dict] = []
+        for ev in events:
+            m = ev.message
+            if ev.kind == "plain":
+                out.append({"content": ev.text})
+            elif ev.kind == "begin" and self._is_reasoning(m):
+                self._n_reasoning_msgs += 1
+                self.saw_reasoning = True
+            elif ev.kind == "text" and self._is_reasoning(m):
+                if self._n_reasoning_msgs > 1 and m.content == ev.text:  # first piece of a later message
+                    out.append({"reasoning": "\n"})
+                out.append({"reasoning": ev.text})
+            elif ev.kind == "text" and not m.recipient:
+                out.append({"content": ev.text})
+            elif ev.kind == "end" and m.recipient and m.recipient.startswith("functions."):
+                out.append({"content": encode_call_message(m)})
+        return out
+
+
+def _split_by_streamer(text: str, style: str) -> tuple[str | None, str]:
+    """The finished split of the streamed styles: the streamer's fragments joined (so stream
+    and split agree), reasoning None when there was no thinking (vLLM: both markers needed)."""
+    if style == "openai_gptoss":
+        h = _HarmonyStreamer()
+        frags = h.feed(text) + h.finish()
+        reasoning = "".join(f.get("reasoning", "") for f in frags)
+        return (reasoning if h.saw_reasoning else None), "".join(f.get("content", "") for f in frags)
+    starts, ends = _MARKERS[style]
+    s = text.lstrip(_WS)
+    m = next((m for m in starts if s.startswith(m)), None)
+    if m is None or not any(e in s[len(m):] for e in ends):
+        return None, text
+    ms = _MarkerStreamer(starts, ends)
+    frags = ms.feed(text) + ms.finish()
+    return ("".join(f.get("reasoning", "") for f in frags),
+            "".join(f.get("content", "") for f in frags))
 
 
 def _merge(frags: list[dict]) -> list[dict]:

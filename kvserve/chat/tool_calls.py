@@ -60,6 +60,7 @@ from kvserve.engine.detokenizer import partial_suffix
 
 __all__ = [
     "TOOL_PARSERS",
+    "VLLM_TOOL_PARSERS",
     "ExtractedToolCalls",
     "HermesToolParser",
     "Llama3JsonToolParser",
@@ -71,6 +72,7 @@ __all__ = [
     "detect_tool_parser",
     "get_tool_parser",
     "make_call_id",
+    "tool_parser_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -392,6 +394,7 @@ class _JsonSkipper:
 class _Start:
     name: str
     args: str
+    id: str | None = None  # the model's own call id (kimi_k2), else a fresh one is made
 
 
 @dataclass(slots=True)
@@ -854,9 +857,13 @@ class ToolParser:
     start_markers: tuple[str, ...] = ()
     #: text that closes one call (hermes); lets :meth:`extract` tell a cut-off last call
     close_marker: str = ""
+    #: marker texts that are added/control tokens in the model family's vocabulary: the
+    #: detokenizer must render them for this parser to see the calls
+    marker_texts: tuple[str, ...] = ()
 
-    def __init__(self, make_id: Callable[[], str] | None = None) -> None:
+    def __init__(self, make_id: Callable[[], str] | None = None, tools: list[dict] | None = None) -> None:
         self.make_id = make_id or make_call_id
+        self.tools = tools or []
 
     def _region(self) -> _Region:
         raise NotImplementedError
@@ -947,8 +954,8 @@ class MistralToolParser(ToolParser):
     name = "mistral"
     anywhere_markers = ("[TOOL_CALLS]",)
 
-    def __init__(self, make_id: Callable[[], str] | None = None) -> None:
-        super().__init__(make_id or (lambda: make_call_id(9, "")))
+    def __init__(self, make_id: Callable[[], str] | None = None, tools: list[dict] | None = None) -> None:
+        super().__init__(make_id or (lambda: make_call_id(9, "")), tools)
 
     def _region(self) -> _Region:
         return _MistralRegion()
@@ -1048,7 +1055,7 @@ class ToolCallStreamer:
         for ev in events:
             if not self._incremental:
                 if isinstance(ev, _Start):
-                    self._held = [ev.name, ev.args]
+                    self._held = [ev.name, ev.args, ev.id]
                 elif isinstance(ev, _Args):
                     assert self._held is not None
                     self._held[1] += ev.args
@@ -1057,14 +1064,14 @@ class ToolCallStreamer:
                     out.append(self._first(*self._held))
                     self._held = None
             elif isinstance(ev, _Start):
-                out.append(self._first(ev.name, ev.args))
+                out.append(self._first(ev.name, ev.args, ev.id))
             elif isinstance(ev, _Args) and ev.args:
                 out.append({"tool_calls": [{"index": self._n - 1, "function": {"arguments": ev.args}}]})
         return out
 
-    def _first(self, name: str, args: str) -> dict:
+    def _first(self, name: str, args: str, call_id: str | None = None) -> dict:
         self._n += 1
-        return {"tool_calls": [{"index": self._n - 1, "id": self._parser.make_id(), "type": "function",
+        return {"tool_calls": [{"index": self._n - 1, "id": call_id or self._parser.make_id(), "type": "function",
                                 "function": {"name": name, "arguments": args}}]}
 
     def finish(self) -> list[dict]:
@@ -1089,23 +1096,75 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
 }
 
+from kvserve.chat.tool_formats import NEW_TOOL_PARSERS  # noqa: E402  (it imports this module's helpers)
 
-def get_tool_parser(name: str, make_id: Callable[[], str] | None = None) -> ToolParser:
-    """The parser registered as ``name``; ValueError lists the valid names."""
+TOOL_PARSERS.update((p.name, p) for p in NEW_TOOL_PARSERS)
+TOOL_PARSERS = dict(sorted(TOOL_PARSERS.items()))
+
+#: Every ``--tool-call-parser`` name vLLM registers (vllm/tool_parsers/__init__.py, recent
+#: releases together); those not in :data:`TOOL_PARSERS` are refused at start-up.
+VLLM_TOOL_PARSERS: tuple[str, ...] = (
+    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4",
+    "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45", "glm47", "granite", "granite-20b-fc", "granite4",
+    "hermes", "hunyuan_a13b", "hy_v3", "internlm", "jamba", "kimi_k2", "lfm2", "llama3_json", "llama4_json",
+    "llama4_pythonic", "longcat", "mimo", "minicpm5", "minimax", "minimax_m2", "minimax_m3", "mistral", "olmo3",
+    "openai", "phi4_mini_json", "poolside_v1", "pythonic", "qwen3_coder", "qwen3_xml", "seed_oss", "step3",
+    "step3p5", "xlam", "zaya_xml",
+)
+
+
+def tool_parser_error(name: str) -> str | None:
+    """The start-up error for ``--tool-call-parser name``, or None when kvserve implements it.
+
+    A name vLLM registers but kvserve does not implement and an unknown name both list the
+    implemented names.
+    """
+    if name in TOOL_PARSERS:
+        return None
+    names = ", ".join(TOOL_PARSERS)
+    if name in VLLM_TOOL_PARSERS:
+        return (f"--tool-call-parser {name!r} is a vLLM parser that kvserve does not implement; "
+                f"implemented: {names}")
+    return f"invalid --tool-call-parser {name!r}: choose from {names}"
+
+
+def get_tool_parser(name: str, make_id: Callable[[], str] | None = None,
+                    tools: list[dict] | None = None) -> ToolParser:
+    """The parser registered as ``name``; ``tools`` (the request's OpenAI ``tools``) give the
+    parameter types the XML formats (``qwen3_coder``, ``glm45``) convert values by.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid names).
+    """
     cls = TOOL_PARSERS.get(name)
     if cls is None:
         raise ValueError(f"unknown tool call parser {name!r}; valid names: {', '.join(sorted(TOOL_PARSERS))}")
-    return cls(make_id)
+    return cls(make_id, tools)
 
 
 def detect_tool_parser(template_source: str) -> str | None:
     """Pick a parser from a chat template's source text (llama-server-like detection).
 
-    ``<tool_call>`` -> hermes; ``[TOOL_CALLS]`` -> mistral; ``<|python_start|>`` or a pythonic
+    harmony (``<|channel|>`` and ``<|message|>``) -> openai; ``<|tool_calls_section_begin|>`` ->
+    kimi_k2; ``<｜tool▁calls▁begin｜>`` -> deepseek_v3 (deepseek_v31 when the template has no
+    fenced JSON); ``<arg_key>`` -> glm45; ``<function=`` and ``<parameter=`` -> qwen3_coder;
+    ``<|tool_call|>`` -> granite; ``<tool_call>`` -> hermes; ``[TOOL_CALLS]`` -> mistral; ``<|python_start|>`` or a pythonic
     call example (``[func_name1(``) -> pythonic; ``<|python_tag|>`` or the Llama 3 ``ipython``
     role -> llama3_json; otherwise None.
     """
     src = template_source or ""
+    if "<|channel|>" in src and "<|message|>" in src:
+        return "openai"
+    if "<|tool_calls_section_begin|>" in src:
+        return "kimi_k2"
+    if "<｜tool▁calls▁begin｜>" in src:
+        return "deepseek_v31" if "<｜tool▁sep｜>" in src and "```json" not in src else "deepseek_v3"
+    if "<arg_key>" in src:
+        return "glm45"
+    if "<function=" in src and "<parameter=" in src:
+        return "qwen3_coder"
+    if "<|tool_call|>" in src:
+        return "granite"
     if "<tool_call>" in src:
         return "hermes"
     if "[TOOL_CALLS]" in src:

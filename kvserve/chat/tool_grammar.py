@@ -15,6 +15,11 @@ without parameters takes exactly ``{}``):
   calls separated by ``"\\n"``.
 * ``llama3_json``: ``{"name": "NAME", "parameters": ARGS}``, separated by ``"; "``.
 * ``mistral``: ``[TOOL_CALLS][{"name": "NAME", "arguments": ARGS}, ...]``.
+* ``granite``: ``[{"name": "NAME", "arguments": ARGS}, ...]``.
+* ``llama4_json`` and ``llama4_pythonic``: as ``llama3_json`` and ``pythonic``.
+
+The other parsers (the XML, sectioned and harmony formats) have no grammar: ``tool_choice``
+``required`` or a named function answers 400 with them.
 * ``pythonic``: ``[NAME(key=value, ...), ...]`` with Python literals (``True``/``None``), one
   keyword per schema property in schema order (optional ones may be left out).
 
@@ -40,14 +45,19 @@ _JSON_FORMATS: dict[str, tuple[str, str, str, str, str, str]] = {
     "hermes": ("", '<tool_call>\n{"name": ', "arguments", "}\n</tool_call>", "\n", ""),
     "llama3_json": ("", '{"name": ', "parameters", "}", "; ", ""),
     "mistral": ("[TOOL_CALLS][", '{"name": ', "arguments", "}", ", ", "]"),
+    "granite": ("[", '{"name": ', "arguments", "}", ", ", "]"),
 }
 
+#: parsers whose calls are another parser's format (vLLM registers the same class)
+_SAME_FORMAT = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic"}
+
 #: Parser names :func:`tool_call_grammar` supports.
-TOOL_GRAMMAR_FORMATS = (*_JSON_FORMATS, "pythonic")
+TOOL_GRAMMAR_FORMATS = (*_JSON_FORMATS, "pythonic", *_SAME_FORMAT)
 
 
 def tool_call_prefix(parser_name: str) -> str:
     """Text every forced call starts with (a safe assistant prefill), e.g. ``"<tool_call>\\n"``."""
+    parser_name = _SAME_FORMAT.get(parser_name, parser_name)
     if parser_name == "pythonic":
         return "["
     if parser_name not in _JSON_FORMATS:
@@ -91,6 +101,7 @@ def tool_call_grammar(parser_name: str, tools: list[dict], *, required_name: str
 
     if parser_name not in TOOL_GRAMMAR_FORMATS:
         raise ValueError(_unknown(parser_name))
+    parser_name = _SAME_FORMAT.get(parser_name, parser_name)
     funcs = tool_functions(tools)
     if required_name is not None:
         funcs = [f for f in funcs if f[0] == required_name][:1]

@@ -114,7 +114,7 @@ class ChatFeatures:
         from kvserve.chat.reasoning import prompt_thinking_tail
 
         tail = prompt_thinking_tail(prompt_text) if thinking_opened(prompt_text, prefill) else None
-        return OutputMode(tool_parser=self.tool_parser, parallel_tool_calls=self.parallel,
+        return OutputMode(tool_parser=self.tool_parser, parallel_tool_calls=self.parallel, tools=self.template_tools,
                           reasoning_style=self.reasoning_style, reasoning_field=self.reasoning_field,
                           include_reasoning=self.include_reasoning, started_in_prompt=tail is not None,
                           prompt_tail=tail or "", thinking_enabled=self.template_kwargs.get("enable_thinking") is not False,

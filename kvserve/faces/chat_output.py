@@ -16,7 +16,7 @@ as llama-server does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.chat.reasoning import ReasoningStreamer, split_reasoning
 from kvserve.chat.tool_calls import get_tool_parser
@@ -39,6 +39,8 @@ class OutputMode:
         prompt_tail: the prompt's text after that ``<think>`` (llama-server parses it with the output).
         thinking_enabled: False when the request turned thinking off (``enable_thinking``).
         prefill: the continued final assistant message's content ("" when not continuing).
+        tools: the request's OpenAI ``tools`` (the XML tool formats convert values by their
+            parameter types).
     """
 
     tool_parser: str | None = None
@@ -50,6 +52,7 @@ class OutputMode:
     prompt_tail: str = ""
     thinking_enabled: bool = True
     prefill: str = ""
+    tools: list | None = field(default=None, compare=False)
 
     @property
     def splits_reasoning(self) -> bool:
@@ -86,7 +89,7 @@ class ChoiceOutput:
         if mode.tool_parser is not None:
             # whole calls only: a call is sent once it closed and parsed, so a stream never
             # carries a call that the non-streamed answer drops (cut off by max_tokens, broken)
-            self._tools = get_tool_parser(mode.tool_parser).stream(incremental=False)
+            self._tools = get_tool_parser(mode.tool_parser, tools=mode.tools).stream(incremental=False)
             if mode.prefill:
                 self._tools.feed(mode.prefill)  # content fragments of the prefill are not new text
 
@@ -172,7 +175,7 @@ class ChoiceOutput:
             if reasoning is not None and self.mode.include_reasoning:
                 msg[self.mode.reasoning_field] = reasoning
         if self.mode.tool_parser is not None:
-            parser = get_tool_parser(self.mode.tool_parser)
+            parser = get_tool_parser(self.mode.tool_parser, tools=self.mode.tools)
             full = self.mode.prefill + content
             res = parser.extract(full)
             if res.calls:

@@ -66,10 +66,13 @@ class ServerArgs:
     jinja: bool = True
     chat_template: str | None = None
     chat_template_file: str | None = None
-    cache_type_k: str = "f16"
-    cache_type_v: str = "f16"
+    cache_type_k: str = "f16"  # K's KV cache type (-ctk, or --kv-cache-dtype fp8 -> fp8_e4m3)
+    cache_type_v: str = "f16"  # V's own type (-ctv; llama-server's default f16 whatever -ctk is)
     sse_ping_interval: float = 30.0
     cors_origins: list[str] = field(default_factory=lambda: ["*"])
+    cors_methods: str = "GET, POST, DELETE, OPTIONS"  # --cors-methods / vLLM --allowed-methods
+    cors_headers: str = "*"  # --cors-headers / vLLM --allowed-headers
+    cors_credentials: bool = True  # --cors-credentials (llama-server's default) / vLLM --allow-credentials
     log_verbosity: int = 3
     embeddings: bool = False
     dtype: str = "auto"
@@ -115,8 +118,12 @@ class ServerArgs:
     tags: list[str] = field(default_factory=list)  # --tags (llama-server; informational)
     hosts: list[str] = field(default_factory=list)  # --host a,b: every address listened on (host: the first)
     # vLLM flags kept for the parts of #15 that use them (start-up checks, KV dtype, generation config)
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None  # --gpu-memory-utilization when given (CUDA's KV budget)
+    kv_cache_memory_bytes: int | None = None  # --kv-cache-memory-bytes (bytes)
+    num_gpu_blocks_override: int | None = None  # --num-gpu-blocks-override (KV pool blocks)
+    cpu_kvcache_space_bytes: int | None = None  # VLLM_CPU_KVCACHE_SPACE (GiB) in bytes: the CPU's KV budget
+    allow_long_max_model_len: bool = False  # VLLM_ALLOW_LONG_MAX_MODEL_LEN=1: --max-model-len may exceed the model's
+    vllm_batch_limits: bool = False  # --max-num-seqs/--max-num-batched-tokens given: vLLM's checks apply
     kv_cache_dtype: str = "auto"
     generation_config: str = "auto"
     override_generation_config: dict = field(default_factory=dict)
@@ -161,6 +168,7 @@ class ServerArgs:
             n_ctx=self.ctx_size,
             n_parallel=self.parallel,
             kv_dtype=self.cache_type_k,
+            kv_dtype_v=self.cache_type_v,
             max_num_batched_tokens=self.batch_size,
             max_model_len=self.max_model_len,
             dtype=self.dtype,
@@ -173,6 +181,10 @@ class ServerArgs:
             kv_unified=self.kv_unified,
             block_size=self.block_size,
             spec=self.spec,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            cpu_kv_cache_memory_bytes=self.cpu_kvcache_space_bytes,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
         )
 
 
@@ -423,11 +435,17 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         # vLLM's startup check (validate_parsed_serve_args)
         p.exit(2, "error: --enable-auto-tool-choice requires --tool-call-parser\n")
     if v["tool_call_parser"]:
-        from kvserve.chat.tool_calls import TOOL_PARSERS
+        from kvserve.chat.tool_calls import tool_parser_error
 
-        if v["tool_call_parser"] not in TOOL_PARSERS:
-            raise _Exit(f"invalid --tool-call-parser {v['tool_call_parser']!r}: choose from "
-                        f"{', '.join(sorted(TOOL_PARSERS))}")
+        err = tool_parser_error(v["tool_call_parser"])
+        if err:
+            raise _Exit(err)
+    if v["reasoning_parser"]:
+        from kvserve.chat.reasoning import reasoning_parser_error
+
+        err = reasoning_parser_error(v["reasoning_parser"])
+        if err:
+            raise _Exit(err)
     if v["reasoning_budget"] < -1:
         raise _Exit(f"invalid --reasoning-budget {v['reasoning_budget']}: -1 (no limit) or >= 0")
     tkw = _template_kwargs(v)
@@ -438,6 +456,15 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         raise _Exit(f"invalid --max-request-bytes {v['max_request_bytes']}: at least 1")
     if parallel == 0 or parallel < -1:
         raise _Exit(f"invalid -np value {parallel}: -1 (auto) or >= 1")
+    vllm_batch = "max_num_seqs" in given or "max_num_batched_tokens" in given
+    if vllm_batch:  # vLLM's SchedulerConfig check (002 Example 4)
+        from kvserve.serving.startup_checks import batch_error
+
+        problem = batch_error(batch, 4 if parallel == -1 else parallel)
+        if problem:
+            raise _Exit(problem)
+    cpu_kv_bytes = _cpu_kvcache_space(p, env)
+    allow_long = env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
     from kvserve.errors import InvalidInputError
     from kvserve.serving.manager import DEFAULT_MAX_LOADED, parse_keep_alive
 
@@ -471,10 +498,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
     if v["verbose"]:
         log_verbosity = max(log_verbosity, 5)
     reasoning = None if v["reasoning"] in (None, "auto") else v["reasoning"]
-    cors = v["cors_origins"]
-    cors_origins = [o.strip() for o in cors.split(",") if o.strip()]
-    if "cors_origins" not in given and v["allowed_origins"] is not None:
-        cors_origins = list(v["allowed_origins"])
+    cors_origins, cors_methods, cors_headers, cors_credentials = _cors(v, given, notes)
     ssl_key, ssl_cert = v["ssl_key_file"], v["ssl_cert_file"]
     for flag, path in (("--ssl-key-file", ssl_key), ("--ssl-cert-file", ssl_cert), ("--ssl-ca-certs",
                                                                                    v["ssl_ca_certs"])):
@@ -492,10 +516,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
     sock_paths = [h for h in hosts if h.endswith(".sock") or "/" in h]
     if sock_paths:
         raise _Exit(f"--host {sock_paths[0]}: UNIX sockets are not supported: kvserve listens on TCP addresses")
-    kv_k, kv_v = v["cache_type_k"], v["cache_type_v"]
-    if v["kv_cache_dtype"] == "bfloat16":  # vLLM's name for the bf16 KV type
-        kv_k = kv_k if "cache_type_k" in given else "bf16"
-        kv_v = kv_v if "cache_type_v" in given else "bf16"
+    kv_k, kv_v = _kv_types(v, given)
     sampling, gen = _sampling(v, given, notes)
     spec = _spec_config(v, given, how, notes)
     args = ServerArgs(
@@ -510,7 +531,8 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         cache_ram=v["cache_ram"], cache_reuse=v["cache_reuse"], slot_prompt_similarity=v["slot_prompt_similarity"],
         jinja=v["jinja"], chat_template=v["chat_template"], chat_template_file=v["chat_template_file"],
         cache_type_k=kv_k, cache_type_v=kv_v, sse_ping_interval=v["sse_ping_interval"],
-        cors_origins=cors_origins, log_verbosity=log_verbosity,
+        cors_origins=cors_origins, cors_methods=cors_methods, cors_headers=cors_headers,
+        cors_credentials=cors_credentials, log_verbosity=log_verbosity,
         embeddings=embeddings, dtype=dtype, device=device, max_model_len=v["max_model_len"],
         tool_call_parser=v["tool_call_parser"], enable_auto_tool_choice=v["enable_auto_tool_choice"],
         exclude_tools_when_tool_choice_none=v["exclude_tools_when_tool_choice_none"],
@@ -531,7 +553,9 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         uvicorn_log_level=v["uvicorn_log_level"], log_file=v["log_file"], log_disable=v["log_disable"],
         sleep_idle_seconds=v["sleep_idle_seconds"],
         tags=[t.strip() for t in (v["tags"] or "").split(",") if t.strip()],
-        gpu_memory_utilization=v["gpu_memory_utilization"], kv_cache_memory_bytes=v["kv_cache_memory_bytes"],
+        gpu_memory_utilization=v["gpu_memory_utilization"] if "gpu_memory_utilization" in given else None,
+        kv_cache_memory_bytes=v["kv_cache_memory_bytes"], num_gpu_blocks_override=v["num_gpu_blocks_override"],
+        cpu_kvcache_space_bytes=cpu_kv_bytes, allow_long_max_model_len=allow_long, vllm_batch_limits=vllm_batch,
         kv_cache_dtype=v["kv_cache_dtype"], generation_config=v["generation_config"],
         override_generation_config=dict(v["override_generation_config"] or {}), quantization=v["quantization"],
         tensor_parallel_size=v["tensor_parallel_size"], pipeline_parallel_size=v["pipeline_parallel_size"],
@@ -548,6 +572,61 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
     except (InvalidRequestError, ValueError) as e:
         raise _Exit(str(e)) from None
     return args
+
+
+def _cors(v: dict, given: dict, notes: list) -> tuple[list[str], str, str, bool]:
+    """``(origins, methods, headers, credentials)`` of the CORS answers (:mod:`kvserve.faces.auth`).
+
+    llama-server's ``--cors-*`` flags win; vLLM's ``--allowed-origins/--allowed-methods/
+    --allowed-headers/--allow-credentials`` apply when their llama-server twin is not given.
+    As llama-server, ``--tools`` without an explicit origin list limits CORS to ``localhost``
+    (kvserve offers no built-in tools, but a command line copied with ``--tools`` keeps the
+    protection it had)."""
+    origins = [o.strip() for o in v["cors_origins"].split(",") if o.strip()]
+    if "cors_origins" not in given:
+        if v["allowed_origins"] is not None:
+            origins = list(v["allowed_origins"])
+        elif v.get("tools"):
+            origins = ["localhost"]
+            notes.append((logging.WARNING, "server tools are enabled (--tools): CORS is limited to localhost "
+                                           "origins; use --cors-origins to change it"))
+    methods, headers = v["cors_methods"], v["cors_headers"]
+    if "cors_methods" not in given and v["allowed_methods"]:
+        methods = ", ".join(v["allowed_methods"])
+    if "cors_headers" not in given and v["allowed_headers"]:
+        headers = ", ".join(v["allowed_headers"])
+    credentials = bool(v["cors_credentials"])
+    if "cors_credentials" not in given and v["allow_credentials"]:
+        credentials = True
+    return origins or ["*"], methods, headers, credentials
+
+
+def _cpu_kvcache_space(p, env) -> int | None:
+    """vLLM's ``VLLM_CPU_KVCACHE_SPACE``: the CPU's KV cache budget in GiB (a number; unset, empty
+    or 0: none) -> bytes. A bad value exits 2 as a bad environment variable does."""
+    text = env.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if not text:
+        return None
+    try:
+        gib = float(text)
+        if not math.isfinite(gib) or gib < 0:
+            raise ValueError
+    except ValueError:
+        p.exit(2, f'error while handling environment variable "VLLM_CPU_KVCACHE_SPACE": expected a number of GiB, '
+                  f'got {text!r}\n')
+    return int(gib * (1 << 30)) or None
+
+
+def _kv_types(v: dict, given: dict) -> tuple[str, str]:
+    """(K, V) cache types from -ctk/-ctv and vLLM's --kv-cache-dtype: bfloat16 -> bf16, fp8 ->
+    fp8_e4m3, fp8_e5m2 for both halves, except a half whose -ctk/-ctv is given (it wins)."""
+    kv_k, kv_v = v["cache_type_k"], v["cache_type_v"]
+    vllm = {"bfloat16": "bf16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+    t = vllm.get(v["kv_cache_dtype"])
+    if t is not None:
+        kv_k = kv_k if "cache_type_k" in given else t
+        kv_v = kv_v if "cache_type_v" in given else t
+    return kv_k, kv_v
 
 
 def _spec_config(v: dict, given: dict, how: dict, notes: list) -> SpecConfig:

@@ -136,6 +136,23 @@ def human_int(text: str) -> int:
     return int(float(num) * mult) if unit else int(num)
 
 
+def memory_bytes(text: str) -> int:
+    """``--kv-cache-memory-bytes``: a human-readable integer (:func:`human_int`: ``4G`` = 4 GiB,
+    ``4g`` = 4 * 10**9) or a size with a unit: ``4GiB`` (binary), ``4GB`` (decimal), ``512MiB``.
+
+    Raises:
+        ValueError: not such a size.
+    """
+    t = text.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kKmMgGtT])(i?)[bB]", t)
+    if m is not None:
+        num, unit, binary = m.groups()
+        if binary:
+            return int(float(num) * (1 << (10 * "KMGT".index(unit.upper()) + 10)))
+        return int(float(num) * 10 ** (3 * ("KMGT".index(unit.upper()) + 1)))
+    return human_int(t)
+
+
 def max_model_len(text: str) -> int:
     """``--max-model-len``: a human-readable integer, or ``auto``/``-1`` (the model's own: 0)."""
     if text.strip().lower() == "auto" or text.strip() == "-1":
@@ -176,19 +193,26 @@ def _parallel_check(what: str, flag: str) -> Callable[[Any], str | None]:
 _KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
 
+#: the -ctk/-ctv types kvserve stores (kvserve.engine.kv_quant)
+_KV_TYPES_REAL = ("f32", "f16", "bf16", "q8_0", "q4_0")
+
+
 def _kv_type_check(flag: str) -> Callable[[Any], str | None]:
     def check(v: str) -> str | None:
-        if v in ("f16", "bf16", "f32"):
+        if v in _KV_TYPES_REAL:
             return None
-        return f"{flag} {v}: quantized KV cache types are not available yet; kvserve stores K and V as f16, bf16 or f32"
+        return (f"{flag} {v}: KV cache type {v} is not available; kvserve stores K and V as "
+                f"{', '.join(_KV_TYPES_REAL)} (or float8 with --kv-cache-dtype fp8)")
     return check
 
 
 def _kv_dtype_check(v: str) -> str | None:
-    if v in ("auto", "bfloat16"):
+    if v in ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"):
         return None
-    return (f"--kv-cache-dtype {v}: float8 KV storage is not available yet; use auto (the KV cache is stored as "
-            "-ctk/-ctv: f16, bf16 or f32)")
+    what = {"fp8_inc": "Intel Gaudi's float8 KV cache (fp8_inc, via Intel Neural Compressor)",
+            "fp8_ds_mla": "DeepSeek's MLA float8 layout (fp8_ds_mla)"}.get(v, v)
+    return (f"--kv-cache-dtype {v}: {what} is not available in kvserve; use auto, bfloat16, fp8, fp8_e4m3 or "
+            "fp8_e5m2")
 
 
 #: --spec-type values: kvserve's prompt lookup under its names, and off
@@ -224,6 +248,18 @@ def _spec_config_check(cfg: dict) -> str | None:
     if lo is not None and hi is not None and lo > hi:
         return f"--speculative-config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
     return None
+
+
+def _generation_config_check(v: str) -> str | None:
+    from kvserve.serving.generation_config import check_generation_config
+
+    return check_generation_config(v)
+
+
+def _quantization_check(v: str) -> str | None:
+    from kvserve.serving.startup_checks import quantization_name_error
+
+    return quantization_name_error(v)
 
 
 def _positive(flag: str) -> Callable[[Any], str | None]:
@@ -312,12 +348,19 @@ FLAGS: tuple[Flag, ...] = (
     F("--check-tensors", "bool", False, effect=NONE, why="tensors are checked as they are read"),
     # -- context, slots, batching
     F("-c --ctx-size", "int", 0, "total context in tokens (0 = the model's)", env="LLAMA_ARG_CTX_SIZE"),
-    F("--max-model-len", "int", 0, "max context of one sequence: 32768, 32k, 32K, auto", source=VLLM,
-      convert=max_model_len, why="caps one sequence's context; auto and -1: the model's"),
+    F("--max-model-len", "int", 0, "max context of one sequence: 32768, 32k, 32K, 1m, auto, -1", source=VLLM,
+      convert=max_model_len,
+      why="caps one sequence's context (auto and -1: the model's); above the model's max_position_embeddings "
+      "(GGUF context_length) the server does not start (vLLM's error) unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "
+      "(vLLM's warning; the context grows to it); -c may exceed it with llama-server's warning"),
     F("-np --parallel", "int", None, "slots (-1 = auto: 4, unified KV)", env="LLAMA_ARG_N_PARALLEL"),
-    F("--max-num-seqs", "int", None, "slots (vLLM name of -np)", source=VLLM),
+    F("--max-num-seqs", "int", None, "slots (vLLM name of -np)", source=VLLM,
+      why="slots (-np wins); given, vLLM's checks apply: max_num_batched_tokens >= max_num_seqs (else the server "
+      "does not start) and a warning when it exceeds max_num_seqs * max_model_len", check=_positive("--max-num-seqs")),
     F("-b --batch-size", "int", None, "tokens per step (= --max-num-batched-tokens)", env="LLAMA_ARG_BATCH"),
-    F("--max-num-batched-tokens", "int", None, "tokens per step", source=VLLM, convert=human_int),
+    F("--max-num-batched-tokens", "int", None, "tokens per step", source=VLLM, convert=human_int,
+      why="each step's token budget (-b wins); given, vLLM's checks apply as for --max-num-seqs",
+      check=_positive("--max-num-batched-tokens")),
     F("-ub --ubatch-size", "int", 512, "physical batch size", env="LLAMA_ARG_UBATCH", effect=NONE,
       why="one step is one batch here (-b)"),
     F("-kvu --kv-unified", "bool", None, "one KV pool shared by every slot", neg="-no-kvu --no-kv-unified",
@@ -367,26 +410,44 @@ FLAGS: tuple[Flag, ...] = (
     F("-dt --defrag-thold", "float", env="LLAMA_ARG_DEFRAG_THOLD", effect=NONE, why="a paged KV cache needs no defrag"),
     F("--swap-space", "float", source=VLLM, effect=NONE, why="unreferenced KV blocks go to the host tier (--cache-ram)"),
     F("--cpu-offload-gb", "float", source=VLLM, effect=NONE, why="weights stay on the one device"),
-    F("--gpu-memory-utilization", "float", 0.9, "share of device memory for weights and KV", source=VLLM,
-      effect=NONE, why="the KV pool is sized by -c/--max-model-len and -np",
+    F("--gpu-memory-utilization", "float", 0.92, "share of device memory for weights, activations and KV",
+      source=VLLM, why="given, on CUDA: the KV pool gets this share of the device's memory less what is in use "
+      "after loading the weights and an activation estimate (too little for one max_model_len request: vLLM's "
+      "error); no effect on the CPU (there: --kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE); not given: the "
+      "pool is -c x -np",
       check=lambda v: None if 0 < v <= 1 else f"--gpu-memory-utilization must be in (0, 1], got {v}"),
-    F("--kv-cache-memory-bytes", "int", None, "KV cache size in bytes (4G, 4GiB)", source=VLLM, convert=human_int,
-      effect=NONE, why="the KV pool is sized by -c/--max-model-len and -np"),
-    F("--num-gpu-blocks-override", "int", source=VLLM, effect=NONE, why="the KV pool is sized by -c and -np"),
+    F("--kv-cache-memory-bytes", "int", None, "KV cache size in bytes (4G, 4GiB, 4GB, 4294967296)", source=VLLM,
+      convert=memory_bytes, check=_positive("--kv-cache-memory-bytes"),
+      why="the KV pool for running sequences holds this many bytes of blocks, on any device (over -c x -np and "
+      "--gpu-memory-utilization); too little for one max_model_len request: vLLM's error with the longest length "
+      "that fits"),
+    F("--num-gpu-blocks-override", "int", source=VLLM, check=_positive("--num-gpu-blocks-override"),
+      why="the KV pool for running sequences holds this many blocks (--block-size tokens each), on any device"),
     # -- KV and weight types
     F("-ctk --cache-type-k", default="f16", help="KV cache type of K", env="LLAMA_ARG_CACHE_TYPE_K",
-      choices=_KV_TYPES, check=_kv_type_check("-ctk"), why="f16, bf16, f32; quantized types are refused"),
+      choices=_KV_TYPES, check=_kv_type_check("-ctk"),
+      why="f16, bf16, f32, q8_0 (53% of f16's bytes), q4_0 (28%); the pool stores the quantized blocks "
+          "(head_dim a multiple of 32); q4_1, iq4_nl, q5_0, q5_1 are refused"),
     F("-ctv --cache-type-v", default="f16", help="KV cache type of V", env="LLAMA_ARG_CACHE_TYPE_V",
       choices=_KV_TYPES, check=_kv_type_check("-ctv"),
-      why="kvserve stores V in the type -ctk gives for K; quantized types are refused"),
+      why="V's own type, as -ctk: f16, bf16, f32, q8_0, q4_0; q4_1, iq4_nl, q5_0, q5_1 are refused"),
     F("--kv-cache-dtype", default="auto", help="KV cache dtype", source=VLLM,
       choices=("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla"), check=_kv_dtype_check,
-      why="auto: the -ctk type; bfloat16: as -ctk bf16 -ctv bf16; fp8 types are refused"),
-    F("--calculate-kv-scales", "bool", False, source=VLLM, effect=NONE, why="no fp8 KV cache"),
+      why="auto: the -ctk/-ctv types; bfloat16: as -ctk bf16 -ctv bf16; fp8 (= fp8_e4m3), fp8_e5m2: float8 "
+          "K and V (50% of f16's bytes, scale 1.0); -ctk/-ctv given beside it win for their half; "
+          "fp8_inc, fp8_ds_mla are refused"),
+    F("--calculate-kv-scales", "bool", False, source=VLLM, effect=NONE,
+      why="the fp8 KV cache uses scale 1.0 (vLLM's default without calibrated scales)"),
     F("--dtype", default="auto", help="weight/activation dtype", source=VLLM,
-      choices=("auto", "float32", "bfloat16", "float16", "half", "float"), why="half = float16, float = float32"),
-    F("-q --quantization", help="quantization method", source=VLLM, effect=NONE,
-      why="the weights' quantization is read from the model file"),
+      choices=("auto", "float32", "bfloat16", "float16", "half", "float"),
+      why="half = float16, float = float32; auto on CUDA: vLLM's rule (float16 for float32 and float16 "
+      "checkpoints, bfloat16 for bfloat16; GGUF bfloat16); auto on the CPU: float32 (bfloat16 copies for large "
+      "batches where the CPU has native bfloat16), logged as vLLM's Upcasting line"),
+    F("-q --quantization", help="quantization method (vLLM's names)", source=VLLM, check=_quantization_check,
+      why="checked against the model: a quantized config.json or GGUF file (method gguf) naming another method is "
+      "vLLM's mismatch error; a config.json quantization_config (awq, gptq, fp8...) is refused (kvserve runs float "
+      "safetensors and GGUF); online methods (fp8, fp8_per_tensor, bitsandbytes, ...) on float weights: a "
+      "warning, the weights are served as stored"),
     F("--large-batch-dtype", default="auto", source=KV, choices=("auto", "bfloat16", "float32"),
       help="dense weight copy for steps above 16 rows (prefill) with --dtype auto on CPU: auto = bfloat16 "
            "where the CPU has native bf16, else float32"),
@@ -528,9 +589,13 @@ FLAGS: tuple[Flag, ...] = (
       why="special tokens are not shown as text in responses"),
     F("--override-generation-config", help="JSON sampling defaults (temperature, top_p, top_k, min_p, "
       "repetition_penalty, presence_penalty, frequency_penalty, max_new_tokens)", source=VLLM, convert=json_object,
-      why="the keys become the server's sampling defaults"),
-    F("--generation-config", default="auto", help="auto, vllm or a directory", source=VLLM, effect=NONE,
-      why="the model's generation_config.json is not read yet: kvserve's defaults apply (vllm's meaning)"),
+      why="the keys become every model's sampling defaults, over its generation_config.json and the sampling "
+      "flags (a request's own fields win)"),
+    F("--generation-config", default="auto", help="auto (the model's generation_config.json, or a GGUF's "
+      "general.sampling.* keys), vllm (none) or a directory holding a generation_config.json", source=VLLM,
+      check=lambda v: _generation_config_check(v),
+      why="the model's sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; "
+      "a GGUF's general.sampling.*) apply to requests that leave them out; a sampling flag given wins over them"),
     F("--max-logprobs", "int", 20, "most logprobs per token a request may ask for (-1: vocabulary size)",
       source=VLLM),
     F("--logprobs-mode", source=VLLM, effect=NONE, why="logprobs are of the processed distribution"),
@@ -549,8 +614,9 @@ FLAGS: tuple[Flag, ...] = (
       source=VLLM, convert=json_object, why="merged with --chat-template-kwargs (this one first)"),
     F("--trust-request-chat-template", "bool", False, source=VLLM, effect=NONE,
       why="request chat templates are not accepted"),
-    F("--tool-call-parser", help="tool-call parser (vLLM names: hermes, llama3_json, mistral, pythonic)",
-      source=VLLM),
+    F("--tool-call-parser", help="tool-call parser, a vLLM name: deepseek_v3, deepseek_v31, glm45, glm47, granite, "
+      "hermes, kimi_k2, llama3_json, llama4_json, llama4_pythonic, mistral, openai, pythonic, qwen3_coder, "
+      "qwen3_xml (other vLLM names: start-up error)", source=VLLM),
     F("--enable-auto-tool-choice", "bool", False, 'allow tool_choice "auto"', source=VLLM),
     F("--exclude-tools-when-tool-choice-none", "bool", False,
       'leave tool definitions out of the prompt when tool_choice is "none"', source=VLLM),
@@ -558,8 +624,9 @@ FLAGS: tuple[Flag, ...] = (
     F("--tool-server", source=VLLM, effect=WARN, why="no built-in tool servers"),
     F("--reasoning-format", default="auto", choices=("auto", "none", "deepseek", "deepseek-legacy"),
       help="where thinking goes in chat responses: reasoning_content unless none", env="LLAMA_ARG_THINK"),
-    F("--reasoning-parser", help="split thinking into the 'reasoning' field", source=VLLM,
-      choices=("deepseek_r1", "qwen3")),
+    F("--reasoning-parser", help="split thinking into the 'reasoning' field, a vLLM name: deepseek_r1, "
+      "deepseek_v3, glm45, granite, kimi_k2, openai_gptoss, qwen3 (other vLLM names: start-up error)",
+      source=VLLM),
     F("--reasoning-budget", "int", -1, "thinking tokens before </think> is forced (-1: no limit)",
       env="LLAMA_ARG_THINK_BUDGET"),
     F("-rea --reasoning", "opt", None, "enable_thinking for every request's template (on, off, auto)",
@@ -575,8 +642,9 @@ FLAGS: tuple[Flag, ...] = (
     F("--prefill-assistant", "bool", True, neg="--no-prefill-assistant", env="LLAMA_ARG_PREFILL_ASSISTANT",
       effect=NONE, why="a final assistant message is continued", neg_effect=WARN,
       neg_why="a final assistant message is still continued"),
-    F("--response-role", default="assistant", source=VLLM, effect=NONE,
-      why="responses carry role assistant"),
+    F("--response-role", default="assistant", help="role of chat completion answers", source=VLLM,
+      why="message.role and the first stream delta's role when add_generation_prompt (vLLM's); else the last "
+          "message's role"),
     F("--tools", help="built-in server tools", env="LLAMA_ARG_TOOLS", effect=WARN,
       why="kvserve has no built-in server tools (file and shell access): none are offered"),
     F("--tools-runtime", env="LLAMA_ARG_TOOLS_RUNTIME", effect=WARN, why="kvserve has no built-in server tools"),
@@ -700,17 +768,21 @@ FLAGS: tuple[Flag, ...] = (
       why="uvicorn's ssl_cert_reqs"),
     F("--ssl-ciphers", source=VLLM, why="uvicorn's ssl_ciphers"),
     F("--enable-ssl-refresh", "bool", False, source=VLLM, effect=NONE, why="restart to load new certificates"),
-    F("--cors-origins", default="*", help="comma-separated origins, * for all", env="LLAMA_ARG_CORS_ORIGINS"),
+    F("--cors-origins", default="*", help="comma-separated allowed origins, * for all, localhost for local pages",
+      env="LLAMA_ARG_CORS_ORIGINS",
+      why="an allowed Origin is reflected (Vary: Origin); localhost allows http(s)://localhost, 127.0.0.1, [::1] "
+          "at any port; with --tools the default is localhost, as llama-server"),
     F("--allowed-origins", help='allowed origins: JSON list (["*"]) or comma-separated', source=VLLM,
-      convert=string_list, why="as --cors-origins"),
-    F("--cors-methods", env="LLAMA_ARG_CORS_METHODS", effect=NONE, why="CORS answers every method kvserve routes"),
-    F("--cors-headers", env="LLAMA_ARG_CORS_HEADERS", effect=NONE, why="CORS allows any request header"),
-    F("--cors-credentials", "bool", True, neg="--no-cors-credentials", env="LLAMA_ARG_CORS_CREDENTIALS",
-      effect=NONE, why="CORS answers as kvserve's security middleware does"),
-    F("--allow-credentials", "bool", False, source=VLLM, effect=NONE,
-      why="CORS answers as kvserve's security middleware does"),
-    F("--allowed-methods", source=VLLM, effect=NONE, why="CORS answers every method kvserve routes"),
-    F("--allowed-headers", source=VLLM, effect=NONE, why="CORS allows any request header"),
+      convert=string_list, why="as --cors-origins (which wins when both are given)"),
+    F("--cors-methods", default="GET, POST, DELETE, OPTIONS", help="Access-Control-Allow-Methods of a preflight",
+      env="LLAMA_ARG_CORS_METHODS", why="sent as given on preflight answers"),
+    F("--cors-headers", default="*", help="Access-Control-Allow-Headers of a preflight", env="LLAMA_ARG_CORS_HEADERS",
+      why="sent as given on preflight answers"),
+    F("--cors-credentials", "bool", True, "send Access-Control-Allow-Credentials: true", neg="--no-cors-credentials",
+      env="LLAMA_ARG_CORS_CREDENTIALS", why="with origins *, credentials reflect the Origin instead of *"),
+    F("--allow-credentials", "bool", False, source=VLLM, why="as --cors-credentials (on by default, llama-server's)"),
+    F("--allowed-methods", source=VLLM, convert=string_list, why="as --cors-methods (JSON list or comma-separated)"),
+    F("--allowed-headers", source=VLLM, convert=string_list, why="as --cors-headers (JSON list or comma-separated)"),
     F("-to --timeout", "float", help="seconds an idle keep-alive connection stays open",
       env="LLAMA_ARG_TIMEOUT VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
       why="uvicorn's keep-alive timeout (uvicorn has no read/write timeout)"),
@@ -734,14 +806,14 @@ FLAGS: tuple[Flag, ...] = (
     F("--slots", "bool", True, "GET /slots (given: with requests' text)", neg="--no-slots",
       env="LLAMA_ARG_ENDPOINT_SLOTS"),
     F("--slot-save-path", help="existing directory for slot files", env="LLAMA_ARG_SLOT_SAVE_PATH"),
-    F("--tags", help="model tags, comma-separated", env="LLAMA_ARG_TAGS", effect=WARN,
-      why="kept as ServerArgs.tags; /v1/models does not show them yet"),
-    F("--return-tokens-as-token-ids", "bool", False, source=VLLM, effect=WARN,
-      why="logprobs tokens are shown as text"),
+    F("--tags", help="model tags, comma-separated (informational)", env="LLAMA_ARG_TAGS",
+      why="/v1/models data[].tags: sorted, each once (llama-server's)"),
+    F("--return-tokens-as-token-ids", "bool", False, "logprobs tokens as token_id:N", source=VLLM,
+      why="OpenAI logprobs tokens (and top_logprobs) read token_id:N, their bytes those of the token's text"),
     F("--enable-prompt-tokens-details", "bool", False, source=VLLM, effect=NONE,
       why="usage.prompt_tokens_details is always included"),
-    F("--enable-force-include-usage", "bool", False, source=VLLM, effect=WARN,
-      why="streams carry usage when a request asks (stream_options.include_usage)"),
+    F("--enable-force-include-usage", "bool", False, "every OpenAI stream ends with a usage chunk", source=VLLM,
+      why="as stream_options.include_usage on every stream (continuous_usage_stats still per request)"),
     F("--enable-tokenizer-info-endpoint", "bool", False, source=VLLM, effect=NONE, why="no /tokenizer_info"),
     F("--enable-server-load-tracking", "bool", False, source=VLLM, effect=NONE, why="no load tracking"),
     F("--spm-infill", "bool", False, effect=NONE, why="infill uses the model's FIM tokens in their own order"),
@@ -1001,7 +1073,8 @@ def markdown_table() -> str:
     counts = {e: sum(1 for f in FLAGS if f.effect == e) for e in (REAL, NONE, WARN, REFUSE)}
     out += ["", (f"{len(FLAGS)} flags: {counts[REAL]} with effect, {counts[NONE]} accepted without effect, "
                 f"{counts[WARN]} accepted with a warning (not available), {counts[REFUSE]} refused "
-                "(some flags refuse single values: -tp/-pp/-dp above 1, quantized -ctk/-ctv, fp8 --kv-cache-dtype).")]
+                "(some flags refuse single values: -tp/-pp/-dp above 1, -ctk/-ctv q4_1/iq4_nl/q5_0/q5_1, "
+                "--kv-cache-dtype fp8_inc/fp8_ds_mla).")]
     return "\n".join(out) + "\n"
 
 

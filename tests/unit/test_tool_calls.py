@@ -434,10 +434,14 @@ def test_pythonic_non_calls_are_content(text):
 
 
 def test_registry_and_errors():
-    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic"]
+    assert sorted(TOOL_PARSERS) == ["deepseek_v3", "deepseek_v31", "glm45", "glm47", "granite", "hermes", "kimi_k2",
+                                    "llama3_json", "llama4_json", "llama4_pythonic", "mistral", "openai", "pythonic",
+                                    "qwen3_coder", "qwen3_xml"]
     with pytest.raises(ValueError) as e:
-        get_tool_parser("qwen3_coder")
-    assert str(e.value) == "unknown tool call parser 'qwen3_coder'; valid names: hermes, llama3_json, mistral, pythonic"
+        get_tool_parser("jamba")
+    assert str(e.value) == ("unknown tool call parser 'jamba'; valid names: deepseek_v3, deepseek_v31, glm45, glm47, "
+                            "granite, hermes, kimi_k2, llama3_json, llama4_json, llama4_pythonic, mistral, openai, "
+                            "pythonic, qwen3_coder, qwen3_xml")
 
 
 @pytest.mark.parametrize("source,expected", [

@@ -66,14 +66,18 @@ VALID = {
                 '[TOOL_CALLS][{"name": "now", "arguments": {}}]'],
     "pythonic": ['[read_file(path="pom.xml")]', '[list_dir(path="src", depth=-3)]', "[now()]",
                  '[list_dir(path="a\\"b\\u00e9")]'],
+    "granite": ['[{"name": "read_file", "arguments": {"path": "pom.xml"}}]', '[{"name": "now", "arguments": {}}]'],
 }
+VALID["llama4_json"], VALID["llama4_pythonic"] = VALID["llama3_json"], VALID["pythonic"]
 PARALLEL = {
     "hermes": H_READ + "\n" + H_NOW,
     "llama3_json": '{"name": "read_file", "parameters": {"path": "pom.xml"}}; {"name": "now", "parameters": {}}',
     "mistral": '[TOOL_CALLS][{"name": "read_file", "arguments": {"path": "pom.xml"}}, '
                '{"name": "now", "arguments": {}}]',
     "pythonic": '[read_file(path="pom.xml"), now()]',
+    "granite": '[{"name": "read_file", "arguments": {"path": "pom.xml"}}, {"name": "now", "arguments": {}}]',
 }
+PARALLEL["llama4_json"], PARALLEL["llama4_pythonic"] = PARALLEL["llama3_json"], PARALLEL["pythonic"]
 INVALID = {
     "hermes": [
         "Hello " + H_READ,  # free text first
@@ -92,7 +96,9 @@ INVALID = {
     "mistral": ['[TOOL_CALLS]{"name": "now", "arguments": {}}', '[{"name": "now", "arguments": {}}]'],
     "pythonic": ['[read_file(path="other")]', "[read_file()]", "[now(x=1)]", '[read_file(path="pom.xml"), now()]',
                  '[list_dir(depth=1, path="a")]', "read_file(path='pom.xml')"],
+    "granite": ['[TOOL_CALLS][{"name": "now", "arguments": {}}]', '{"name": "now", "arguments": {}}'],
 }
+INVALID["llama4_json"], INVALID["llama4_pythonic"] = INVALID["llama3_json"], INVALID["pythonic"]
 
 
 @pytest.mark.parametrize("fmt", TOOL_GRAMMAR_FORMATS)
@@ -156,7 +162,8 @@ def test_prefill_is_a_valid_prefix(compiler, fmt):
 
 
 def test_tool_call_prefix_values():
-    assert [tool_call_prefix(f) for f in TOOL_GRAMMAR_FORMATS] == ["<tool_call>\n", "{", "[TOOL_CALLS][{", "["]
+    assert [tool_call_prefix(f) for f in TOOL_GRAMMAR_FORMATS] == ["<tool_call>\n", "{", "[TOOL_CALLS][{", "[{", "[",
+                                                                         "{", "["]
 
 
 def test_named_function(compiler):
@@ -199,8 +206,8 @@ def test_nested_schema_and_flat_tool_form(compiler):
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="no tool call grammar for parser 'granite'"):
-        tool_call_grammar("granite", TOOLS)
+    with pytest.raises(ValueError, match="no tool call grammar for parser 'qwen3_coder'"):
+        tool_call_grammar("qwen3_coder", TOOLS)
     with pytest.raises(ValueError, match="'missing', which is not in tools"):
         tool_call_grammar("hermes", TOOLS, required_name="missing")
     with pytest.raises(ValueError, match="at least one tool"):
@@ -213,4 +220,4 @@ def test_errors():
         tool_call_grammar("pythonic", [{"name": "f", "parameters": {"type": "object",
                                                                      "properties": {"class": {"type": "string"}}}}])
     with pytest.raises(ValueError):
-        tool_call_prefix("granite")
+        tool_call_prefix("qwen3_coder")
