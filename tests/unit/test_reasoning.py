@@ -185,6 +185,76 @@ def test_unknown_style():
         ReasoningStreamer(style="r1")
 
 
+# ------------------------------------------------------------- vLLM parsers of other model families
+
+GPT_OSS = ("<|channel|>analysis<|message|>The user wants 2+2.<|end|>"
+           "<|start|>assistant<|channel|>analysis<|message|>Simple.<|end|>"
+           "<|start|>assistant<|channel|>final<|message|>4<|return|>")
+GPT_OSS_CALL = ("<|channel|>analysis<|message|>Need the file.<|end|>"
+                "<|start|>assistant<|channel|>commentary to=functions.read_file <|constrain|>json<|message|>"
+                '{"path":"a"}')
+
+
+@pytest.mark.parametrize("style,text,kw,reasoning,content", [
+    ("glm45", "<think>Check the loop.</think>\nChange `<=` to `<`.", {}, "Check the loop.", "Change `<=` to `<`."),
+    ("glm45", "\n<think>\nA</think>", {}, "A", ""),
+    ("glm45", "No thinking here.", {}, None, "No thinking here."),
+    ("glm45", "The model closed it: A</think>B", {}, None, "The model closed it: A</think>B"),  # both markers needed
+    ("granite", "Here is my thought process:\nThe loop runs n+1 times.\nHere is my response:\nUse `<`.", {},
+     "The loop runs n+1 times.", "Use `<`."),
+    ("granite", "Here's my thought process: short. Here's my response: ok", {}, "short.", "ok"),
+    ("granite", "Here is the answer: 4", {}, None, "Here is the answer: 4"),
+    ("kimi_k2", "<think>r</think>a", {}, "r", "a"),
+    ("kimi_k2", "opened in the prompt</think>a", {}, "opened in the prompt", "a"),
+    ("deepseek_v3", "reason</think>answer", {}, "reason", "answer"),
+    ("deepseek_v3", "reason</think>answer", {"thinking_enabled": False}, None, "reason</think>answer"),
+    ("openai_gptoss", GPT_OSS, {}, "The user wants 2+2.\nSimple.", "4"),
+    ("openai_gptoss", GPT_OSS_CALL, {}, "Need the file.",
+     '<|channel|>commentary to=functions.read_file <|constrain|>json<|message|>{"path":"a"}<|call|>'),
+    ("openai_gptoss", "<|channel|>analysis<|message|>cut off whi", {}, "cut off whi", ""),
+    ("openai_gptoss", "plain text, no harmony", {}, None, "plain text, no harmony"),
+])
+def test_vllm_family_parsers(style, text, kw, reasoning, content):
+    assert split_reasoning(text, style=style, **kw) == (reasoning, content)
+    for parts in chunkings(text):
+        got_r, got_c, _ = stream(parts, style=style, **kw)
+        if reasoning is not None or style == "openai_gptoss":
+            assert (got_r, got_c) == (reasoning, content), parts
+
+
+def test_marker_style_unclosed_streams_as_reasoning():
+    """vLLM's streaming parsers send thinking before the end marker is seen; the finished
+    split (both markers needed) makes it content."""
+    assert split_reasoning("<think>never closed", style="glm45") == (None, "<think>never closed")
+    assert stream(list("<think>never closed"), style="glm45")[:2] == ("never closed", "")
+
+
+def test_vllm_family_reasoning_tokens():
+    s = ReasoningStreamer(style="openai_gptoss")
+    pieces = ["<|channel|>analysis<|message|>", "A", "B", "<|end|><|start|>assistant<|channel|>final<|message|>",
+              "C"]
+    for p in pieces:
+        s.feed(p)
+    s.finish()
+    assert s.reasoning_tokens == 2
+    s = ReasoningStreamer(style="glm45")
+    for p in ["<think>", "a", "b", "</think>", "c"]:
+        s.feed(p)
+    assert s.reasoning_tokens == 4
+
+
+def test_parser_names():
+    from kvserve.chat.reasoning import REASONING_PARSERS, VLLM_REASONING_PARSERS, reasoning_parser_error
+
+    assert REASONING_PARSERS == ("deepseek_r1", "deepseek_v3", "glm45", "granite", "kimi_k2", "openai_gptoss",
+                                 "qwen3")
+    assert set(REASONING_PARSERS) <= set(VLLM_REASONING_PARSERS)
+    assert reasoning_parser_error("qwen3") is None
+    assert reasoning_parser_error("olmo3") == (
+        "--reasoning-parser 'olmo3' is a vLLM parser that kvserve does not implement; implemented: deepseek_r1, "
+        "deepseek_v3, glm45, granite, kimi_k2, openai_gptoss, qwen3")
+
+
 # ------------------------------------------------------------------------- thinking budget
 
 # fake vocabulary
