@@ -62,7 +62,10 @@ class EngineConfig:
         kv_unified: every sequence may use the whole n_ctx (llama-server's
             ``kv_unified``); None = True for auto n_parallel, False otherwise.
         block_size: tokens per KV block.
-        kv_dtype: "f16" (llama-server's default), "bf16" or "f32".
+        kv_dtype: K's cache type (``-ctk``): "f16" (llama-server's default), "bf16",
+            "f32", "q8_0", "q4_0" (llama.cpp's block types), "fp8_e4m3" or "fp8_e5m2"
+            (vLLM's ``--kv-cache-dtype``; "fp8" = "fp8_e4m3"); see kvserve.engine.kv_quant.
+        kv_dtype_v: V's cache type (``-ctv``), the same names; None = K's type.
         max_num_batched_tokens: token budget of one step (vLLM name; llama-server
             ``-b``); default 2048.
         max_model_len: cap on one sequence's context (vLLM name); 0 = n_ctx_slot.
@@ -124,6 +127,7 @@ class EngineConfig:
     kv_unified: bool | None = None
     block_size: int = 16
     kv_dtype: str = "f16"
+    kv_dtype_v: str | None = None
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0
     dtype: str = "auto"
@@ -144,8 +148,10 @@ class EngineConfig:
             raise ValueError("n_parallel must be -1 (auto) or >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.kv_dtype not in ("f16", "bf16", "f32"):
-            raise ValueError(f"unsupported KV cache type '{self.kv_dtype}' (f16, bf16, f32)")
+        from kvserve.engine.kv_quant import canonical_kv_type
+
+        self.kv_dtype = canonical_kv_type(self.kv_dtype)  # ValueError names the types
+        self.kv_dtype_v = canonical_kv_type(self.kv_dtype_v or self.kv_dtype)
         if self.cpu_kernel not in ("auto", "int8", "int4", "dense"):
             raise ValueError(f"unsupported cpu_kernel '{self.cpu_kernel}' (auto, int8, int4, dense)")
         if self.cache_ram is not None and self.cache_ram < -1:

@@ -28,6 +28,7 @@ from kvserve.engine.request import (
     TokenLogprob,
     TopLogprob,
 )
+from kvserve.engine.kv_quant import kv_bytes_per_token
 from kvserve.engine.runner import ModelRunner, SampleFailure, StepResult
 from kvserve.engine.sampler import BreakerCache, SampleResult, SequenceSampler
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -37,9 +38,6 @@ from kvserve.loaders.weights import LoadedModel
 from kvserve.models.registry import build_model
 
 log = logging.getLogger("kvserve.engine")
-
-_KV_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
-
 
 @dataclass
 class _SeqState:
@@ -109,7 +107,8 @@ class EngineCore:
         if make_runner is None:
             self.model = build_model(loaded, config, max_positions=max(self.n_ctx_slot, self.n_ctx) + bs)
         c = loaded.config
-        self.block_bytes = 2 * c.n_layer * bs * c.n_head_kv * c.head_dim * _KV_BYTES[config.kv_dtype]
+        self.block_bytes = bs * kv_bytes_per_token(c.n_layer, c.n_head_kv, c.head_dim, config.kv_dtype,
+                                                   config.kv_dtype_v)
         # the pool: n_ctx tokens for running sequences plus one partial block per
         # sequence, the host tier (--cache-ram), and the null block
         active = -(-self.n_ctx // bs) + self.n_slots
@@ -121,7 +120,8 @@ class EngineCore:
         num_blocks = 1 + active + host
         self.kv = KVCacheManager(num_blocks, bs, host_blocks=host)
         if make_runner is None:
-            self.runner = ModelRunner(self.model, num_blocks, bs, config.kv_dtype, self.model.device)
+            self.runner = ModelRunner(self.model, num_blocks, bs, config.kv_dtype, self.model.device,
+                                      kv_dtype_v=config.kv_dtype_v)
         else:
             self.runner = make_runner(num_blocks, bs)
             self.model = self.runner.model
@@ -488,7 +488,7 @@ class EngineCore:
         """What a slot file must match to be restored here: ``read_slot_file``'s keyword arguments."""
         c = self.model_config
         return {"fingerprint": self.model_fingerprint, "kv_dtype": self.config.kv_dtype, "n_layer": c.n_layer,
-                "n_head_kv": c.n_head_kv, "head_dim": c.head_dim}
+                "n_head_kv": c.n_head_kv, "head_dim": c.head_dim, "kv_dtype_v": self.config.kv_dtype_v}
 
     def snapshot_slot(self, slot_id: int) -> tuple[SlotHeader, list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
         """Copy the idle slot's parked tokens and KV rows out of the cache (no file I/O).
@@ -507,7 +507,7 @@ class EngineCore:
         layers = self.runner.read_rows(rows)
         c = self.model_config
         hdr = SlotHeader(self.model_fingerprint, len(tokens), self.config.kv_dtype, c.n_layer, c.n_head_kv,
-                         c.head_dim)
+                         c.head_dim, kv_dtype_v=self.config.kv_dtype_v)
         return hdr, tokens, layers
 
     def load_slot(self, slot_id: int, tokens: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:

@@ -8,16 +8,25 @@ after this step.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.kv_quant import canonical_kv_type, head_dim_error, kv_data, kv_gather, kv_write, new_kv_cache
 from kvserve.engine.sampler import SampleResult, SequenceSampler, compute_logprobs, sample_batch
 from kvserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvserve.models.llama import AttentionBatch, CompiledDecode, LlamaModel, PrefillGroup
 
+log = logging.getLogger("kvserve.engine")
+
+#: vLLM's start-up line for a float8 KV cache (CacheConfig._verify_cache_dtype), logged as vLLM logs it
+FP8_KV_LOG = ("Using fp8 data type to store kv cache. It reduces the GPU memory footprint and boosts the "
+              "performance. Meanwhile, it may cause accuracy drop without a proper scaling factor")
+
+#: the float KV types, stored as plain tensors of these dtypes (the others: kvserve.engine.kv_quant)
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -43,34 +52,47 @@ class ModelRunner:
     Args:
         model: LlamaModel.
         num_blocks, block_size: KV pool geometry (blocks, tokens per block).
-        kv_dtype: "f32" | "f16" | "bf16" (llama-server ``-ctk``/``-ctv`` names).
+        kv_dtype: K's cache type, llama-server's ``-ctk`` name: "f32" | "f16" | "bf16" |
+            "q8_0" | "q4_0", or a float8 type ("fp8" = "fp8_e4m3", "fp8_e5m2"; vLLM's
+            ``--kv-cache-dtype``); see :mod:`kvserve.engine.kv_quant`.
         device: torch device of the model.
+        kv_dtype_v: V's cache type (``-ctv``); None = the same as K's.
 
-    Memory: 2 * n_layer * num_blocks * block_size * n_head_kv * head_dim *
-    sizeof(kv_dtype) bytes.
+    Memory: ``num_blocks * block_size * kv_bytes_per_token(n_layer, n_head_kv, head_dim,
+    kv_dtype, kv_dtype_v)`` bytes (:attr:`kv_bytes`, the tensors' own nbytes): f16 2
+    bytes per value, q8_0 34/32, q4_0 18/32, fp8 1.
+
+    Raises:
+        ValueError: an unknown type, or q8_0/q4_0 with a head_dim that is not a multiple of 32.
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: str = "f16",
-                 device: str | torch.device = "cpu"):
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"unsupported KV cache type '{kv_dtype}' (use one of {', '.join(KV_DTYPES)})")
+                 device: str | torch.device = "cpu", kv_dtype_v: str | None = None):
+        self.kv_types = (canonical_kv_type(kv_dtype), canonical_kv_type(kv_dtype_v or kv_dtype))
+        c = model.config
+        for t in self.kv_types:
+            err = head_dim_error(t, c.head_dim)
+            if err:
+                raise ValueError(err)
+        if any(t.startswith("fp8") for t in self.kv_types):
+            log.info(FP8_KV_LOG)
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
-        c = model.config
         rows = num_blocks * block_size
-        dt = KV_DTYPES[kv_dtype]
+        tk, tv = self.kv_types
         # torch.empty: pages of the host tier cost memory only once written; block 0
-        # (the null block, never allocated) is zeroed because padding reads it
+        # (the null block, never allocated) is zeroed because padding reads it (all-zero
+        # bytes are 0.0 in every stored type: a zero q8_0/q4_0 scale, fp8 +0)
         self.kv_caches = [
-            (torch.empty(rows, c.n_head_kv, c.head_dim, dtype=dt, device=self.device),
-             torch.empty(rows, c.n_head_kv, c.head_dim, dtype=dt, device=self.device))
+            (new_kv_cache(tk, rows, c.n_head_kv, c.head_dim, self.device),
+             new_kv_cache(tv, rows, c.n_head_kv, c.head_dim, self.device))
             for _ in range(c.n_layer)
         ]
         for k, v in self.kv_caches:
-            k[:block_size].zero_()
-            v[:block_size].zero_()
-        self.kv_bytes = 2 * c.n_layer * rows * c.n_head_kv * c.head_dim * torch.tensor([], dtype=dt).element_size()
+            kv_data(k)[:block_size].zero_()
+            kv_data(v)[:block_size].zero_()
+        self.kv_bytes = sum(kv_data(k).nbytes + kv_data(v).nbytes for k, v in self.kv_caches)
         self.compiled: CompiledDecode | None = None  # set by EngineCore with config.compile
 
     def start_compile(self, max_rows: int) -> CompiledDecode:
@@ -81,10 +103,12 @@ class ModelRunner:
         return self.compiled
 
     def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
-        """Copy the first ``rows`` KV rows of block ``src`` into block ``dst`` in every layer (copy on write)."""
+        """Copy the first ``rows`` KV rows of block ``src`` into block ``dst`` in every layer (copy on write;
+        quantized rows are copied in their stored form)."""
         bs = self.block_size
         for src, dst, n in copies:
-            for k, v in self.kv_caches:
+            for kc, vc in self.kv_caches:
+                k, v = kv_data(kc), kv_data(vc)
                 k[dst * bs: dst * bs + n] = k[src * bs: src * bs + n]
                 v[dst * bs: dst * bs + n] = v[src * bs: src * bs + n]
 
@@ -95,7 +119,9 @@ class ModelRunner:
         ``rope_cis[pos]``), so moving a key from position p to p + delta is one more
         multiply by e^(i delta theta): ``rope_cis[delta]``, or its conjugate for a
         negative delta. Rows are rotated in float32 and stored back in the cache
-        dtype; V rows are copied unchanged. All rows are read before any is written.
+        type (a quantized K is dequantized, rotated and quantized again, as llama.cpp's
+        K shift does); V rows are copied unchanged (quantized V: its stored bytes).
+        All rows are read before any is written.
 
         Args:
             jobs: (src row, dst row, delta in positions); |delta| < the RoPE table size.
@@ -108,19 +134,27 @@ class ModelRunner:
         cis = torch.where((delta < 0).to(cis.device)[:, None], cis.conj(), cis).to(self.device)
         for k, v in self.kv_caches:
             J, H, D = len(jobs), k.shape[1], k.shape[2]
-            ks = torch.view_as_complex(k[src].float().reshape(J, H, D // 2, 2).contiguous())
-            k[dst] = torch.view_as_real(ks * cis[:, None, :]).reshape(J, H, D).to(k.dtype)
-            v[dst] = v[src]
+            if isinstance(k, torch.Tensor):
+                ks = torch.view_as_complex(k[src].float().reshape(J, H, D // 2, 2).contiguous())
+                k[dst] = torch.view_as_real(ks * cis[:, None, :]).reshape(J, H, D).to(k.dtype)
+            else:
+                ks = torch.view_as_complex(kv_gather(k, src, torch.float32).reshape(J, H, D // 2, 2))
+                kv_write(k, dst, torch.view_as_real(ks * cis[:, None, :]).reshape(J, H, D))
+            vd = kv_data(v)
+            vd[dst] = vd[src]
 
     def read_rows(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (K, V) of cache ``rows`` ([N] long): CPU tensors [N, n_head_kv, head_dim], cache dtype."""
+        """Per layer (K, V) of cache ``rows`` ([N] long) in their stored form: CPU tensors [N, n_head_kv,
+        head_dim] of a float type, uint8 [N, n_head_kv, row bytes] of a quantized one (kv_quant.kv_data)."""
         idx = rows.to(self.device)
-        return [(k[idx].cpu(), v[idx].cpu()) for k, v in self.kv_caches]
+        return [(kv_data(k)[idx].cpu(), kv_data(v)[idx].cpu()) for k, v in self.kv_caches]
 
     def write_rows(self, rows: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write per-layer (K, V) [N, n_head_kv, head_dim] into cache ``rows`` ([N] long)."""
+        """Write per-layer (K, V) in their stored form (as :meth:`read_rows` returns them) into cache
+        ``rows`` ([N] long)."""
         idx = rows.to(self.device)
-        for (k, v), (ks, vs) in zip(self.kv_caches, layers):
+        for (kc, vc), (ks, vs) in zip(self.kv_caches, layers):
+            k, v = kv_data(kc), kv_data(vc)
             k[idx] = ks.to(device=self.device, dtype=k.dtype)
             v[idx] = vs.to(device=self.device, dtype=v.dtype)
 

@@ -1,23 +1,30 @@
 """Slot files: one slot's tokens and KV rows on disk (``/slots/{id}?action=save|restore``).
 
-Format, version 1 (all integers little-endian)::
+Format, version 2 (all integers little-endian)::
 
     offset  size  field
     0       6     magic            b"KVSLOT"
-    6       2     version          u16, 1
+    6       2     version          u16, 2
     8       16    model            blake2b-128 fingerprint of the model (see ``model_fingerprint``)
     24      4     n_tokens         u32, tokens saved (N)
-    28      1     kv_dtype         u8: 0 = f32, 1 = f16, 2 = bf16 (the cache's dtype, stored as is)
-    29      1     reserved         0
+    28      1     kv_dtype         u8, K's cache type: 0 = f32, 1 = f16, 2 = bf16, 3 = q8_0,
+                                   4 = q4_0, 5 = fp8_e4m3, 6 = fp8_e5m2
+    29      1     kv_dtype_v       u8, V's cache type (same codes)
     30      2     n_layer          u16 (L)
     32      2     n_head_kv        u16 (H)
     34      2     head_dim         u16 (D)
     36      4     reserved         0
     40      4*N   token ids        int32[N], position order
-    ...           per layer l = 0..L-1: K rows [N, H, D] then V rows [N, H, D] in kv_dtype
+    ...           per layer l = 0..L-1: K rows then V rows, each N rows of H heads in the
+                  cache's stored form: D values of a float type, or a quantized type's bytes
+                  (q8_0: D/32 blocks of 34 bytes, q4_0: 18 bytes, llama.cpp's block layout;
+                  fp8: D bytes); see kvserve.engine.kv_quant
 
-So a file is exactly ``40 + 4 N + 2 L N H D sizeof(kv_dtype)`` bytes. K rows
-are stored after RoPE (as the cache holds them), at positions 0..N-1.
+So a file is exactly ``40 + 4 N + L N H (row(K) + row(V))`` bytes, with row(t) =
+D * (4 | 2 | 34/32 | 18/32 | 1) bytes for f32 | f16/bf16 | q8_0 | q4_0 | fp8: the
+quantized form is saved as the cache holds it and restored bit for bit. K rows
+are stored after RoPE (as the cache holds them), at positions 0..N-1. Version 1
+files (byte 29 reserved, V in K's type) are still read.
 
 Files are opened with ``O_NOFOLLOW`` and ``O_NONBLOCK`` and must be regular
 files (checked with ``fstat`` on the open descriptor): a symlink, FIFO, device
@@ -27,8 +34,9 @@ the server runs them in a worker thread, never on the engine thread.
 
 Restoring checks everything before touching the cache: magic, version, model
 fingerprint (same model: config, tensor data size, file type, a sample of the
-token embedding), dtype and
-dimensions, and the exact file size. Any mismatch raises
+token embedding), the K and V cache types (a file saved with another
+``-ctk``/``-ctv`` is refused: its rows are another encoding), dimensions, and the
+exact file size. Any mismatch raises
 :class:`SlotFileError` (a ``ValueError``: HTTP 400 in the faces) with a
 message that says what differs; a file is never half-applied.
 """
@@ -46,15 +54,17 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.engine.kv_quant import canonical_kv_type, kv_row_bytes, stored_row_shape
+
 MAGIC = b"KVSLOT"
-VERSION = 1
+VERSION = 2
+#: versions this code reads (1: V in K's type, byte 29 reserved)
+READ_VERSIONS = (1, 2)
 HEADER = struct.Struct("<6sH16sIBBHHHI")  # 40 bytes
 assert HEADER.size == 40
 
-DTYPE_CODES = {"f32": 0, "f16": 1, "bf16": 2}
+DTYPE_CODES = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "fp8_e4m3": 5, "fp8_e5m2": 6}
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
-TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 
 
 class SlotFileError(ValueError):
@@ -79,7 +89,10 @@ def model_fingerprint(config, info, weight_sample: bytes = b"") -> bytes:
 
 @dataclass(slots=True)
 class SlotHeader:
-    """The decoded header of a slot file."""
+    """The decoded header of a slot file.
+
+    ``kv_dtype`` / ``kv_dtype_v``: K's and V's cache types (kvserve.engine.kv_quant names;
+    ``kv_dtype_v`` None = K's type). Names are canonicalized ("fp8" -> "fp8_e4m3")."""
 
     fingerprint: bytes
     n_tokens: int
@@ -88,15 +101,24 @@ class SlotHeader:
     n_head_kv: int
     head_dim: int
     version: int = VERSION
+    kv_dtype_v: str | None = None
+
+    def __post_init__(self) -> None:
+        self.kv_dtype = canonical_kv_type(self.kv_dtype)
+        self.kv_dtype_v = canonical_kv_type(self.kv_dtype_v or self.kv_dtype)
 
     def pack(self) -> bytes:
-        return HEADER.pack(MAGIC, self.version, self.fingerprint, self.n_tokens, DTYPE_CODES[self.kv_dtype], 0,
-                           self.n_layer, self.n_head_kv, self.head_dim, 0)
+        return HEADER.pack(MAGIC, self.version, self.fingerprint, self.n_tokens, DTYPE_CODES[self.kv_dtype],
+                           DTYPE_CODES[self.kv_dtype_v], self.n_layer, self.n_head_kv, self.head_dim, 0)
+
+    def row_bytes(self) -> tuple[int, int]:
+        """Bytes of one token's K row and V row in one layer (H heads of D values, stored form)."""
+        n = self.n_head_kv * self.head_dim
+        return kv_row_bytes(n, self.kv_dtype), kv_row_bytes(n, self.kv_dtype_v)
 
     def file_size(self) -> int:
         """Expected total file size in bytes."""
-        row = self.n_head_kv * self.head_dim * DTYPE_BYTES[self.kv_dtype]
-        return HEADER.size + 4 * self.n_tokens + 2 * self.n_layer * self.n_tokens * row
+        return HEADER.size + 4 * self.n_tokens + self.n_layer * self.n_tokens * sum(self.row_bytes())
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -138,7 +160,8 @@ def write_slot_file(path: str, header: SlotHeader, token_ids: list[int],
 
     Args:
         token_ids: N token ids.
-        layers: per layer (K [N, H, D], V [N, H, D]) in the header's dtype.
+        layers: per layer (K, V) N rows each in the header's types' stored form (ModelRunner.read_rows:
+            [N, H, D] of a float type, uint8 [N, H, row bytes] of a quantized one).
 
     Raises:
         SlotFileError: ``path`` exists and is not a regular file (symlink, FIFO,
@@ -177,15 +200,20 @@ def write_slot_file(path: str, header: SlotHeader, token_ids: list[int],
 
 
 def read_slot_file(path: str, *, fingerprint: bytes, kv_dtype: str, n_layer: int, n_head_kv: int,
-                   head_dim: int) -> tuple[SlotHeader, list[int], list[tuple[torch.Tensor, torch.Tensor]], int]:
+                   head_dim: int, kv_dtype_v: str | None = None,
+                   ) -> tuple[SlotHeader, list[int], list[tuple[torch.Tensor, torch.Tensor]], int]:
     """Read and validate a slot file against the running model.
 
     Blocking file I/O: call it off the engine thread. The file is opened without
     following a symlink and must be a regular file.
 
+    Args:
+        kv_dtype, kv_dtype_v: the cache's K and V types (V None = K's); the file's must equal them.
+
     Returns:
-        (header, token ids, per layer (K [N, H, D], V [N, H, D]) CPU tensors in
-        ``kv_dtype``, bytes read).
+        (header, token ids, per layer (K, V) CPU tensors in their stored form (as
+        ModelRunner.write_rows takes them: [N, H, D] of a float type, uint8 [N, H, row bytes]
+        of a quantized one), bytes read).
 
     Raises:
         FileNotFoundError: no such file.
@@ -197,18 +225,24 @@ def read_slot_file(path: str, *, fingerprint: bytes, kv_dtype: str, n_layer: int
         head = f.read(HEADER.size)
         if len(head) < HEADER.size:
             raise SlotFileError(f"not a slot file: {size} bytes is shorter than the {HEADER.size}-byte header")
-        magic, version, fp, n_tok, code, _, nl, nh, hd, _ = HEADER.unpack(head)
+        magic, version, fp, n_tok, code, code_v, nl, nh, hd, _ = HEADER.unpack(head)
         if magic != MAGIC:
             raise SlotFileError("not a slot file (bad magic)")
-        if version != VERSION:
-            raise SlotFileError(f"unsupported slot file version {version} (this server reads version {VERSION})")
+        if version not in READ_VERSIONS:
+            raise SlotFileError(f"unsupported slot file version {version} (this server reads versions "
+                                f"{', '.join(map(str, READ_VERSIONS))})")
         if fp != fingerprint:
             raise SlotFileError("slot file was saved with a different model")
-        if code not in DTYPE_NAMES:
-            raise SlotFileError(f"slot file has an unknown KV dtype code {code}")
-        hdr = SlotHeader(fp, n_tok, DTYPE_NAMES[code], nl, nh, hd, version)
-        if hdr.kv_dtype != kv_dtype:
-            raise SlotFileError(f"slot file KV dtype {hdr.kv_dtype} differs from the cache's {kv_dtype}")
+        code_v = code if version == 1 else code_v
+        for c in (code, code_v):
+            if c not in DTYPE_NAMES:
+                raise SlotFileError(f"slot file has an unknown KV dtype code {c}")
+        hdr = SlotHeader(fp, n_tok, DTYPE_NAMES[code], nl, nh, hd, version, DTYPE_NAMES[code_v])
+        want = (canonical_kv_type(kv_dtype), canonical_kv_type(kv_dtype_v or kv_dtype))
+        if (hdr.kv_dtype, hdr.kv_dtype_v) != want:
+            raise SlotFileError(f"slot file KV dtype (K {hdr.kv_dtype}, V {hdr.kv_dtype_v}) differs from the "
+                                f"cache's (K {want[0]}, V {want[1]}): restore it into a server started with "
+                                f"-ctk {hdr.kv_dtype} -ctv {hdr.kv_dtype_v}")
         if (nl, nh, hd) != (n_layer, n_head_kv, head_dim):
             raise SlotFileError(f"slot file KV shape (n_layer {nl}, n_head_kv {nh}, head_dim {hd}) differs from "
                                 f"the model's ({n_layer}, {n_head_kv}, {head_dim})")
@@ -218,16 +252,15 @@ def read_slot_file(path: str, *, fingerprint: bytes, kv_dtype: str, n_layer: int
         if len(raw) != size - HEADER.size:  # the file changed while being read
             raise SlotFileError(f"slot file is corrupt: {HEADER.size + len(raw)} bytes, expected {size}")
     tok = list(struct.unpack_from(f"<{n_tok}i", raw, 0))
-    dt = TORCH_DTYPES[kv_dtype]
-    row = nh * hd * DTYPE_BYTES[kv_dtype]
+    forms = [stored_row_shape(t, nh, hd) for t in (hdr.kv_dtype, hdr.kv_dtype_v)]
     off = 4 * n_tok
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     layers = []
     for _ in range(nl):
         kv = []
-        for _ in range(2):
+        for (dt, shape), row in zip(forms, hdr.row_bytes()):
             nb = n_tok * row
-            kv.append(buf[off: off + nb].view(dt).view(n_tok, nh, hd))
+            kv.append(buf[off: off + nb].view(dt).view(n_tok, *shape))
             off += nb
         layers.append((kv[0], kv[1]))
     return hdr, tok, layers, size

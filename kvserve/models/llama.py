@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.engine.kv_quant import QuantKV, kv_gather, kv_round, kv_write
 from kvserve.loaders.weights import ModelConfig, Weight
 from kvserve.models import q4_kernel
 
@@ -393,15 +394,15 @@ class LlamaModel(nn.Module):
             if g.kv_index is None:
                 # the chunk's own K/V, rounded like the cache stores them, so results do
                 # not depend on whether a prefix came from the cache or from this chunk
-                kp = k[g.start:g.end].to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lq, D]
-                vp = v[g.start:g.end].to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                kp = kv_round(k_cache, k[g.start:g.end], q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lq, D]
+                vp = kv_round(v_cache, v[g.start:g.end], q.dtype).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=True)
             elif g.per_row:
                 out[g.start:g.end] = self._per_row_attention(q[g.start:g.end], k_cache, v_cache, g)
                 continue
             else:
-                kp = k_cache.index_select(0, g.kv_index).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
-                vp = v_cache.index_select(0, g.kv_index).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                kp = kv_gather(k_cache, g.kv_index, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
+                vp = kv_gather(v_cache, g.kv_index, q.dtype).transpose(0, 1).unsqueeze(0)
                 if g.end - g.start <= self.GROUPED_QUERY_MAX:
                     mask = g.grouped_mask(c.n_head // c.n_head_kv, q.dtype)
                     out[g.start:g.end] = self._grouped_attention(q[g.start:g.end], kp, vp, mask)
@@ -436,8 +437,8 @@ class LlamaModel(nn.Module):
         Query i reads rows [0, n_past + i + 1): the same tensors (values, shapes and
         strides) and the same SDPA call as :meth:`_attend_rows` for one decode query, so
         the result does not depend on how many positions were verified together."""
-        kp = k_cache.index_select(0, g.kv_index).to(q.dtype)  # [Lk, Hkv, D], contiguous
-        vp = v_cache.index_select(0, g.kv_index).to(q.dtype)
+        kp = kv_gather(k_cache, g.kv_index, q.dtype)  # [Lk, Hkv, D], contiguous
+        vp = kv_gather(v_cache, g.kv_index, q.dtype)
         out = torch.empty_like(q)
         for i in range(q.shape[0]):
             n = g.n_past + i + 1
@@ -458,8 +459,8 @@ class LlamaModel(nn.Module):
         B = qd.shape[0]
         # index_select on the flat index: a row copy per index, several times faster on CPU
         # than advanced indexing with a 2-D index (same values)
-        kd = k_cache.index_select(0, flat).view(B, L, *k_cache.shape[1:]).to(qd.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-        vd = v_cache.index_select(0, flat).view(B, L, *v_cache.shape[1:]).to(qd.dtype).transpose(1, 2)
+        kd = kv_gather(k_cache, flat, qd.dtype).view(B, L, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = kv_gather(v_cache, flat, qd.dtype).view(B, L, *v_cache.shape[1:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd.unsqueeze(2), kd, vd, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.squeeze(2)
 
@@ -477,11 +478,11 @@ class LlamaModel(nn.Module):
         B = qd.shape[0]
         hkv, hd = k_cache.shape[1], k_cache.shape[2]
         g = qd.shape[1] // hkv  # query heads per KV head (GQA: head h reads KV head h // g)
-        kd = k_cache[flat].view(B, L, hkv, 1, hd).to(qd.dtype)
+        kd = _rows_fused(k_cache, flat, (B, L, hkv, 1, hd), qd.dtype)
         s = (kd * qd.view(B, 1, hkv, g, hd)).sum(-1) * self.scale  # [B, L, Hkv, G]
         s = s.masked_fill(~mask.view(B, L, 1, 1), float("-inf"))
         p = torch.softmax(s, dim=1)
-        vd = v_cache[flat].view(B, L, hkv, 1, hd).to(qd.dtype)
+        vd = _rows_fused(v_cache, flat, (B, L, hkv, 1, hd), qd.dtype)
         return (p.unsqueeze(-1) * vd).sum(1).reshape(B, hkv * g * hd)  # [B, Hkv, G, D] -> [B, H * D]
 
     # -- forward -------------------------------------------------------------
@@ -492,8 +493,10 @@ class LlamaModel(nn.Module):
         """Run the flat batch; return float32 logits [len(logits_indices), n_vocab].
 
         input_ids: [T] long; kv_caches: per layer (k_cache, v_cache), each
-        [n_cache_rows, n_head_kv, head_dim]; logits_indices: rows of the batch
-        that need logits (None = all rows).
+        [n_cache_rows, n_head_kv, head_dim]: a float tensor, or a quantized
+        ``kv_quant.QuantKV`` (written with kv_write, read back dequantized to the
+        activations' dtype); logits_indices: rows of the batch that need logits
+        (None = all rows).
 
         The layer loop calls the submodules' ``forward`` directly (no nn.Module
         hooks: at one token per step the Python per call is a visible share of
@@ -515,8 +518,8 @@ class LlamaModel(nn.Module):
             q = qkv[:, :qs].view(T, nq, hd)
             k = qkv[:, qs:qks].view(T, nkv, hd)
             v = qkv[:, qks:].view(T, nkv, hd)
-            k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+            kv_write(k_cache, slots, k)
+            kv_write(v_cache, slots, v)
             x.add_(layer.wo.forward(attention(q, k, v, k_cache, v_cache, batch)))
             gate, up = layer.w_gate_up.forward(layer.ffn_norm.forward(x)).chunk(2, dim=-1)
             x.add_(layer.w_down.forward(F.silu(gate).mul_(up)))
@@ -557,13 +560,29 @@ class LlamaModel(nn.Module):
             qk = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).view(B, nq + nkv, hd)
             q, k = qk[:, :nq], qk[:, nq:]
             v = qkv[:, nqk:].view(B, nkv, hd)
-            k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+            kv_write(k_cache, slot_mapping, k)
+            kv_write(v_cache, slot_mapping, v)
             o = self._attend_rows_fused(q, k_cache, v_cache, kv_index, L, kv_mask)
             x = x + layer.wo.forward(o)
             gate, up = layer.w_gate_up.forward(layer.ffn_norm.forward(x)).chunk(2, dim=-1)
             x = x + layer.w_down.forward(F.silu(gate) * up)
         return self.output.forward(self.output_norm.forward(x)).float()
+
+
+def _rows_fused(cache, flat: torch.Tensor, shape: tuple[int, ...], dtype) -> torch.Tensor:
+    """Cache rows ``flat`` viewed as ``shape``, in ``dtype``, for the compiled graph: a float cache by
+    advanced indexing (the gather and cast fuse into the consumer), a quantized one dequantized
+    (kv_quant.QuantKV.gather)."""
+    if isinstance(cache, QuantKV):
+        return cache.gather(flat, dtype).view(shape)
+    return cache[flat].view(shape).to(dtype)
+
+
+def _dummy_cache(like, rows: int):
+    """A zeroed cache of ``like``'s type and heads with ``rows`` rows (the compile warm-up's)."""
+    if isinstance(like, QuantKV):
+        return like.empty_like(rows)
+    return torch.zeros(rows, *like.shape[1:], dtype=like.dtype, device=like.device)
 
 
 class CompiledDecode:
@@ -643,8 +662,7 @@ class CompiledDecode:
             # gives equal sizes one symbol, which would pin the cache rows or L to a constant
             # and recompile on the first real step
             rows, L = 97, 7
-            dummy = [(torch.zeros(rows, *k.shape[1:], dtype=k.dtype, device=k.device),
-                      torch.zeros(rows, *v.shape[1:], dtype=v.dtype, device=v.device)) for _ in self.model.layers]
+            dummy = [(_dummy_cache(k, rows), _dummy_cache(v, rows)) for _ in self.model.layers]
             dev = self.model.device
             # B = 1 is specialized and B >= 2 shares a dynamic graph, warmed up with B = 11
             # (no model dimension is 11); with fewer rows, each B (a small B may equal a

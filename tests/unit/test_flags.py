@@ -163,10 +163,15 @@ def test_bad_environment_value(capsys):
     (["-pp", "0"], "--pipeline-parallel-size must be at least 1, got 0"),
     (["--lora", "a.gguf"], ("--lora a.gguf: not supported by kvserve: LoRA adapters are not available: the base "
                            "model would answer")),
-    (["-ctk", "q8_0"], ("-ctk q8_0: quantized KV cache types are not available yet; kvserve stores K and V as f16, "
-                       "bf16 or f32")),
-    (["--kv-cache-dtype", "fp8"], ("--kv-cache-dtype fp8: float8 KV storage is not available yet; use auto (the KV "
-                                  "cache is stored as -ctk/-ctv: f16, bf16 or f32)")),
+    (["-ctk", "q4_1"], ("-ctk q4_1: KV cache type q4_1 is not available; kvserve stores K and V as f32, f16, bf16, "
+                       "q8_0, q4_0 (or float8 with --kv-cache-dtype fp8)")),
+    (["-ctv", "iq4_nl"], ("-ctv iq4_nl: KV cache type iq4_nl is not available; kvserve stores K and V as f32, f16, "
+                         "bf16, q8_0, q4_0 (or float8 with --kv-cache-dtype fp8)")),
+    (["--kv-cache-dtype", "fp8_inc"], ("--kv-cache-dtype fp8_inc: Intel Gaudi's float8 KV cache (fp8_inc, via Intel "
+                                      "Neural Compressor) is not available in kvserve; use auto, bfloat16, fp8, "
+                                      "fp8_e4m3 or fp8_e5m2")),
+    (["--kv-cache-dtype", "fp8_ds_mla"], ("--kv-cache-dtype fp8_ds_mla: DeepSeek's MLA float8 layout (fp8_ds_mla) is "
+                                         "not available in kvserve; use auto, bfloat16, fp8, fp8_e4m3 or fp8_e5m2")),
     (["-mu", "http://x/m.gguf"], ("-mu http://x/m.gguf: not supported by kvserve: kvserve does not download from "
                                  "URLs: kvserve pull NAME, or -m with a .gguf file")),
     (["--ssl-key-file", "/nonexistent.pem"], ('error while handling argument "--ssl-key-file": no such file: '
@@ -286,6 +291,20 @@ def test_kv_cache_dtype_bfloat16_is_bf16():
     a = parse_args(["--kv-cache-dtype", "bfloat16"], environ={})
     assert (a.cache_type_k, a.cache_type_v, a.engine_config().kv_dtype) == ("bf16", "bf16", "bf16")
     assert parse_args(["--kv-cache-dtype", "bfloat16", "-ctk", "f32"], environ={}).cache_type_k == "f32"
+
+
+@pytest.mark.parametrize("words,kv", [
+    (["-ctk", "q8_0", "-ctv", "q4_0"], ("q8_0", "q4_0")),
+    (["-ctk", "q8_0"], ("q8_0", "f16")),  # llama-server: -ctv keeps its own default
+    (["--kv-cache-dtype", "fp8"], ("fp8_e4m3", "fp8_e4m3")),
+    (["--kv-cache-dtype", "fp8_e4m3"], ("fp8_e4m3", "fp8_e4m3")),
+    (["--kv-cache-dtype", "fp8_e5m2", "-ctv", "q8_0"], ("fp8_e5m2", "q8_0")),
+    (["--kv-cache-dtype", "auto", "-ctv", "bf16"], ("f16", "bf16")),
+])
+def test_kv_cache_types_reach_the_engine(words, kv):
+    a = parse_args(words, environ={})
+    c = a.engine_config()
+    assert (a.cache_type_k, a.cache_type_v) == kv == (c.kv_dtype, c.kv_dtype_v)
 
 
 def test_docs_flags_md_is_the_generated_table():
