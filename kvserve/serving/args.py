@@ -169,7 +169,6 @@ class ServerArgs:
             n_parallel=self.parallel,
             kv_dtype=self.cache_type_k,
             kv_dtype_v=self.cache_type_v,
-            kv_dtype_v=self.cache_type_v,
             max_num_batched_tokens=self.batch_size,
             max_model_len=self.max_model_len,
             dtype=self.dtype,
@@ -616,18 +615,6 @@ def _cpu_kvcache_space(p, env) -> int | None:
         p.exit(2, f'error while handling environment variable "VLLM_CPU_KVCACHE_SPACE": expected a number of GiB, '
                   f'got {text!r}\n')
     return int(gib * (1 << 30)) or None
-
-
-def _kv_types(v: dict, given: dict) -> tuple[str, str]:
-    """(K, V) cache types from -ctk/-ctv and vLLM's --kv-cache-dtype: bfloat16 -> bf16, fp8 ->
-    fp8_e4m3, fp8_e5m2 for both halves, except a half whose -ctk/-ctv is given (it wins)."""
-    kv_k, kv_v = v["cache_type_k"], v["cache_type_v"]
-    vllm = {"bfloat16": "bf16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
-    t = vllm.get(v["kv_cache_dtype"])
-    if t is not None:
-        kv_k = kv_k if "cache_type_k" in given else t
-        kv_v = kv_v if "cache_type_v" in given else t
-    return kv_k, kv_v
 
 
 def _kv_types(v: dict, given: dict) -> tuple[str, str]:
