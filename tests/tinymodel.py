@@ -355,13 +355,16 @@ def write_tiny_gguf(path: str | Path, *, arch: str = "llama", n_layer: int = 2, 
                     n_head: int = 4, n_head_kv: int = 2, n_ff: int = 128, ctx: int = 512, seed: int = 0,
                     qtype: str = "F32", tie_embeddings: bool = False, rope_freq_base: float = 10000.0,
                     rms_eps: float = 1e-5, embd_qtype: str | None = None, bos_token_id: int = 0,
-                    eos_token_id: int = 0, chat_template: str | None = CHATML_TEMPLATE) -> Path:
+                    eos_token_id: int = 0, chat_template: str | None = CHATML_TEMPLATE,
+                    metadata: dict | None = None) -> Path:
     """Write a tiny random-weight GGUF model and return its path.
 
     ``qtype`` (one of :data:`QTYPES`) applies to every 2-D weight;
     ``embd_qtype`` overrides it for ``token_embd.weight`` (default: same).
     Norms and biases stay F32. ``output.weight`` is omitted when
-    ``tie_embeddings``. See the module docstring for layout and tokenizer.
+    ``tie_embeddings``. ``metadata``: further keys (e.g. ``general.sampling.temp``), an int
+    written as uint32 (int32 when negative), a float as float32, a str as a string. See the
+    module docstring for layout and tokenizer.
     """
     import gguf
 
@@ -405,6 +408,13 @@ def write_tiny_gguf(path: str | Path, *, arch: str = "llama", n_layer: int = 2, 
     w.add_add_space_prefix(False)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            (w.add_uint32 if value >= 0 else w.add_int32)(key, int(value))
 
     for hf_name, value in weights.items():
         name = _gguf_name(hf_name)

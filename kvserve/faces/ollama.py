@@ -38,6 +38,8 @@ applies. Options Ollama knows but kvserve has no use for (``num_batch``, ``num_g
 ``num_thread``, ``use_mmap``, ``main_gpu``, ``draft_num_predict``, ``num_keep``: kvserve does
 no context shift) are accepted; unknown ones are ignored with a warning in the log
 (``invalid option provided``), as Ollama does. Sampling is otherwise llama.cpp's chain.
+The model file's own sampling defaults (``generation_config.json``, GGUF ``general.sampling.*``:
+:func:`kvserve.serving.generation_config.ollama_layer`) sit under the params layer (kvserve's).
 
 Chat (``/api/chat``): the model's MESSAGE layer and SYSTEM (unless the request starts with a
 system message) come first, as in Ollama; messages carry ``content``, ``thinking``,
@@ -121,6 +123,7 @@ from kvserve.faces.ollama_types import (
     VersionResponse,
 )
 from kvserve.faces.sse import ClientDisconnected, until_disconnect
+from kvserve.serving.generation_config import ollama_layer
 from kvserve.serving.manager import Lease, ModelSpec, parse_keep_alive
 from kvserve.serving.runner import Runner
 from kvserve.serving.state import ServerState
@@ -801,6 +804,9 @@ async def _infer(state: ServerState, http: HttpRequest, kind: str) -> Response:
         if empty:
             return _json(_object(call, "", done=True, reason="load"))
         runner = lease.runner
+        # the model's own defaults (generation_config.json, general.sampling.*) under its params layer
+        call.options = ollama_options({**ollama_layer(getattr(runner, "generation", None)),
+                                       **(call.layers.params or {})}, b.get("options"))
         run = await asyncio.to_thread(_plan, runner, call)
         if call.stream:
             response = await _ndjson(_stream_lines(runner, call, run))

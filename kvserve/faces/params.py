@@ -47,6 +47,7 @@ _NUMBER_FIELDS = {
     "xtc_probability": "xtc_probability",
     "xtc_threshold": "xtc_threshold",
     "repeat_penalty": "repeat_penalty",
+    "repetition_penalty": "repeat_penalty",  # vLLM's name (its sampling extra), as generation_config.json's
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
     "dry_multiplier": "dry_multiplier",

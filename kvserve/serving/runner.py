@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.engine.request import Request, RequestOutput
 from kvserve.errors import InvalidInputError, ServerFaultError
+from kvserve.serving.generation_config import model_defaults
 from kvserve.serving.manager import MemoryEstimate, ModelSpec, estimate_memory
 from kvserve.serving.metrics import Metrics
 from kvserve.serving.slots import SlotManager
@@ -65,7 +66,11 @@ class Runner:
         model_alias: the name responses show (``spec.name``).
         served_names: every name the model answers to.
         model_path: the resolved file or directory.
-        default_params: server-wide SamplingParams defaults (``--temp``, ``-n``...).
+        default_params: this model's SamplingParams defaults: the flags' (``--temp``, ``-n``...)
+            with the model's own (generation_config.json, GGUF ``general.sampling.*``) merged by
+            :func:`kvserve.serving.generation_config.model_defaults`.
+        generation: that merge's :class:`~kvserve.serving.generation_config.ModelDefaults`
+            (where each default came from; the Ollama face layers its file values).
         build_info: the server's build string.
         measured_bytes: the process's resident memory growth while it loaded (bytes), or 0.
     """
@@ -85,7 +90,9 @@ class Runner:
         self.model_alias = spec.name
         self.served_names = spec.served_names()
         self.model_path = spec.path
-        self.default_params = args.default_sampling_params()
+        self.generation = model_defaults(args, spec.path,
+                                         getattr(getattr(engine.core, "model_info", None), "metadata", None))
+        self.default_params = self.generation.params
         self.build_info = build_info
         self.measured_bytes = measured_bytes
 
@@ -239,6 +246,10 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
     if args.log_verbosity >= 4:
         _srv(logging.INFO, "load_model", "prompt cache is enabled, size limit: %d MiB", core.cache_ram_mib)
     runner = Runner(args, spec, AsyncEngine(core), template, build_info, max(rss_bytes() - before, 0))
+    for level, text in runner.generation.notes:
+        _srv(level, "load_model", "%s", text)
+    if runner.generation.log_line():
+        _srv(logging.WARNING, "load_model", "%s", runner.generation.log_line())
     # import xgrammar and build its vocabulary table now, off the request path (~1.5 s), so the
     # first constrained request does not pay for it; the model serves meanwhile
     threading.Thread(target=_warm_grammars, args=(runner.grammars,), name="grammar-warmup", daemon=True).start()
