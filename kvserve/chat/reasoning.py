@@ -24,6 +24,13 @@ Styles of :func:`split_reasoning` and :class:`ReasoningStreamer`:
     stripped. Without both markers all text is content and reasoning is ``None`` (vLLM); a
     start marker that never closes streams as reasoning. vLLM also drops text before a start
     marker found later in the text; here such text is content.
+``mistral`` (vLLM ``MistralReasoningParser``)
+    ``[THINK]...[/THINK]`` at the start, split as ``glm45``; an unclosed ``[THINK]`` is all
+    reasoning (vLLM too). vLLM also takes a ``[THINK]`` after some text (that text is content);
+    here only a leading one opens thinking.
+``minimax_m2``, ``step3``, ``seed_oss`` (vLLM ``BaseThinkingReasoningParser`` family)
+    ``qwen3``'s split (no end tag: all reasoning), with ``<seed:think>``/``</seed:think>`` for
+    ``seed_oss``. ``minimax_m2_append_think``: no split; content is ``"<think>"`` + the output.
 ``openai_gptoss`` (vLLM's gpt-oss harmony path)
     ``analysis`` messages are reasoning (several joined by ``"\n"``), ``final`` and
     recipient-less ``commentary`` messages are content, a ``functions.NAME`` message stays in
@@ -80,7 +87,8 @@ __all__ = [
 ]
 
 #: vLLM ``--reasoning-parser`` names kvserve implements (each a ``style`` below).
-REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "glm45", "granite", "kimi_k2", "openai_gptoss", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "glm45", "granite", "kimi_k2", "minimax_m2",
+                     "minimax_m2_append_think", "mistral", "openai_gptoss", "qwen3", "seed_oss", "step3")
 
 #: Every ``--reasoning-parser`` name vLLM registers (vllm/reasoning/__init__.py, recent releases
 #: together); those not in :data:`REASONING_PARSERS` are refused at start-up.
@@ -100,7 +108,12 @@ _MARKERS = {
     "glm45": (("<think>",), ("</think>",)),
     "granite": (("Here is my thought process:", "Here's my thought process:"),
                 ("Here is my response:", "Here's my response:")),
+    "mistral": (("[THINK]",), ("[/THINK]",)),
 }
+
+#: styles that are ``qwen3``'s split with other tags: (start, end)
+_QWEN3_LIKE = {"minimax_m2": ("<think>", "</think>"), "step3": ("<think>", "</think>"),
+               "seed_oss": ("<seed:think>", "</seed:think>")}
 
 
 def reasoning_parser_error(name: str) -> str | None:
@@ -115,10 +128,16 @@ def reasoning_parser_error(name: str) -> str | None:
     return f"invalid --reasoning-parser {name!r}: choose from {names}"
 
 
+def _tags(style: str, start: str, end: str) -> tuple[str, str]:
+    return _QWEN3_LIKE.get(style, (start, end))
+
+
 def _style(style: str, thinking_enabled: bool = True) -> tuple[str, bool]:
     """(base style, thinking_enabled) for a style name; aliases resolved."""
     if style not in REASONING_STYLES:
         raise ValueError(f"unknown reasoning style {style!r}; valid: {', '.join(REASONING_STYLES)}")
+    if style in _QWEN3_LIKE:
+        return "qwen3", thinking_enabled
     if style == "auto":
         return "deepseek", thinking_enabled
     if style == "kimi_k2":  # vLLM registers DeepSeekR1ReasoningParser under this name
@@ -154,6 +173,9 @@ def split_reasoning(text: str, *, start: str = "<think>", end: str = "</think>",
     Raises:
         ValueError: unknown style.
     """
+    start, end = _tags(style, start, end)
+    if style == "minimax_m2_append_think":
+        return None, "<think>" + text
     style, thinking_enabled = _style(style, thinking_enabled)
     if style in _MARKERS or style == "openai_gptoss":
         return _split_by_streamer(text, style)
@@ -231,18 +253,23 @@ class ReasoningStreamer:
 
     def __init__(self, *, style: str = "deepseek_r1", start: str = "<think>", end: str = "</think>",
                  started_in_prompt: bool = False, prompt_tail: str = "", thinking_enabled: bool = True) -> None:
+        start, end = _tags(style, start, end)
+        self._append_think = style == "minimax_m2_append_think"
+        self._think_sent = False
+        if self._append_think:
+            style = "none"
         self.style, thinking_enabled = _style(style, thinking_enabled)
         self.start, self.end = start, end
         self.reasoning_tokens = 0
         self._impl: _MarkerStreamer | _HarmonyStreamer | None = None
         if self.style in _MARKERS:
-            self._impl = _MarkerStreamer(*_MARKERS[self.style])
+            self._impl = _MarkerStreamer(*_MARKERS[self.style], unclosed_is_reasoning=self.style == "mistral")
         elif self.style == "openai_gptoss":
             self._impl = _HarmonyStreamer()
         self._pending_count = 0
         self._buf = ""
         self._prefix_done = False
-        self._started_in_prompt = started_in_prompt
+        self._started_in_prompt = started_in_prompt and not self._append_think
         self._prompt_tail = prompt_tail
         vllm = self.style in ("deepseek_r1", "qwen3")
         self._reasoning = _Field(lstrip=vllm, rstrip=vllm)
@@ -356,6 +383,9 @@ class ReasoningStreamer:
                     out.append({"reasoning": self._prompt_tail})
         if self.style == "none":
             if raw:
+                if self._append_think and not self._think_sent:
+                    self._think_sent = True
+                    raw = "<think>" + raw
                 out.append({"content": raw})
             return _merge(out)
         for kind, text in parts:
@@ -382,8 +412,9 @@ class _MarkerStreamer:
     both markers (else all is content): a start marker never closed streams as reasoning but
     splits as content."""
 
-    def __init__(self, starts: tuple[str, ...], ends: tuple[str, ...]) -> None:
+    def __init__(self, starts: tuple[str, ...], ends: tuple[str, ...], unclosed_is_reasoning: bool = False) -> None:
         self.starts, self.ends = starts, ends
+        self.unclosed_is_reasoning = unclosed_is_reasoning
         self.reasoning_tokens = 0
         self._phase = "undecided"  # undecided | reasoning | after | content
         self._buf = ""
@@ -526,9 +557,10 @@ def _split_by_streamer(text: str, style: str) -> tuple[str | None, str]:
     starts, ends = _MARKERS[style]
     s = text.lstrip(_WS)
     m = next((m for m in starts if s.startswith(m)), None)
-    if m is None or not any(e in s[len(m):] for e in ends):
+    unclosed_ok = style == "mistral"
+    if m is None or not (unclosed_ok or any(e in s[len(m):] for e in ends)):
         return None, text
-    ms = _MarkerStreamer(starts, ends)
+    ms = _MarkerStreamer(starts, ends, unclosed_is_reasoning=unclosed_ok)
     frags = ms.feed(text) + ms.finish()
     return ("".join(f.get("reasoning", "") for f in frags),
             "".join(f.get("content", "") for f in frags))

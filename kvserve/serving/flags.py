@@ -625,7 +625,8 @@ FLAGS: tuple[Flag, ...] = (
     F("--reasoning-format", default="auto", choices=("auto", "none", "deepseek", "deepseek-legacy"),
       help="where thinking goes in chat responses: reasoning_content unless none", env="LLAMA_ARG_THINK"),
     F("--reasoning-parser", help="split thinking into the 'reasoning' field, a vLLM name: deepseek_r1, "
-      "deepseek_v3, glm45, granite, kimi_k2, openai_gptoss, qwen3 (other vLLM names: start-up error)",
+      "deepseek_v3, glm45, granite, kimi_k2, minimax_m2, minimax_m2_append_think, mistral, openai_gptoss, qwen3, "
+      "seed_oss, step3 (other vLLM names: start-up error)",
       source=VLLM),
     F("--reasoning-budget", "int", -1, "thinking tokens before </think> is forced (-1: no limit)",
       env="LLAMA_ARG_THINK_BUDGET"),

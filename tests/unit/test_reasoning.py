@@ -208,6 +208,15 @@ GPT_OSS_CALL = ("<|channel|>analysis<|message|>Need the file.<|end|>"
     ("kimi_k2", "opened in the prompt</think>a", {}, "opened in the prompt", "a"),
     ("deepseek_v3", "reason</think>answer", {}, "reason", "answer"),
     ("deepseek_v3", "reason</think>answer", {"thinking_enabled": False}, None, "reason</think>answer"),
+    ("mistral", "[THINK]Check it.[/THINK]Use `<`.", {}, "Check it.", "Use `<`."),
+    ("mistral", "[THINK]cut off", {}, "cut off", ""),
+    ("mistral", "Plain.", {}, None, "Plain."),
+    ("seed_oss", "<seed:think>Hmm.</seed:think>Yes.", {}, "Hmm.", "Yes."),
+    ("seed_oss", "The prompt opened it.</seed:think>Yes.", {}, "The prompt opened it.", "Yes."),
+    ("minimax_m2", "<think>a</think>b", {}, "a", "b"),
+    ("minimax_m2", "still thinking", {}, "still thinking", ""),
+    ("step3", "why</think>because", {}, "why", "because"),
+    ("minimax_m2_append_think", "a</think>b", {}, None, "<think>a</think>b"),
     ("openai_gptoss", GPT_OSS, {}, "The user wants 2+2.\nSimple.", "4"),
     ("openai_gptoss", GPT_OSS_CALL, {}, "Need the file.",
      '<|channel|>commentary to=functions.read_file <|constrain|>json<|message|>{"path":"a"}<|call|>'),
@@ -218,7 +227,7 @@ def test_vllm_family_parsers(style, text, kw, reasoning, content):
     assert split_reasoning(text, style=style, **kw) == (reasoning, content)
     for parts in chunkings(text):
         got_r, got_c, _ = stream(parts, style=style, **kw)
-        if reasoning is not None or style == "openai_gptoss":
+        if reasoning is not None or style in ("openai_gptoss", "minimax_m2_append_think", "mistral"):
             assert (got_r, got_c) == (reasoning, content), parts
 
 
@@ -246,13 +255,14 @@ def test_vllm_family_reasoning_tokens():
 def test_parser_names():
     from kvserve.chat.reasoning import REASONING_PARSERS, VLLM_REASONING_PARSERS, reasoning_parser_error
 
-    assert REASONING_PARSERS == ("deepseek_r1", "deepseek_v3", "glm45", "granite", "kimi_k2", "openai_gptoss",
-                                 "qwen3")
+    assert REASONING_PARSERS == ("deepseek_r1", "deepseek_v3", "glm45", "granite", "kimi_k2", "minimax_m2",
+                                 "minimax_m2_append_think", "mistral", "openai_gptoss", "qwen3", "seed_oss", "step3")
     assert set(REASONING_PARSERS) <= set(VLLM_REASONING_PARSERS)
     assert reasoning_parser_error("qwen3") is None
     assert reasoning_parser_error("olmo3") == (
         "--reasoning-parser 'olmo3' is a vLLM parser that kvserve does not implement; implemented: deepseek_r1, "
-        "deepseek_v3, glm45, granite, kimi_k2, openai_gptoss, qwen3")
+        "deepseek_v3, glm45, granite, kimi_k2, minimax_m2, minimax_m2_append_think, mistral, openai_gptoss, qwen3, "
+        "seed_oss, step3")
 
 
 # ------------------------------------------------------------------------- thinking budget

@@ -303,7 +303,8 @@ def test_detect_new_formats(source, expected):
 
 IMPLEMENTED_TOOLS = ("deepseek_v3, deepseek_v31, glm45, glm47, granite, hermes, kimi_k2, llama3_json, llama4_json, "
                      "llama4_pythonic, mistral, openai, pythonic, qwen3_coder, qwen3_xml")
-IMPLEMENTED_REASONING = "deepseek_r1, deepseek_v3, glm45, granite, kimi_k2, openai_gptoss, qwen3"
+IMPLEMENTED_REASONING = ("deepseek_r1, deepseek_v3, glm45, granite, kimi_k2, minimax_m2, minimax_m2_append_think, "
+                         "mistral, openai_gptoss, qwen3, seed_oss, step3")
 
 
 @pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
@@ -311,8 +312,8 @@ def test_implemented_tool_parsers_start(name):
     assert parse_args(["m.gguf", "--enable-auto-tool-choice", "--tool-call-parser", name]).tool_call_parser == name
 
 
-@pytest.mark.parametrize("name", ["deepseek_r1", "deepseek_v3", "glm45", "granite", "kimi_k2", "openai_gptoss",
-                                  "qwen3"])
+@pytest.mark.parametrize("name", ["deepseek_r1", "deepseek_v3", "glm45", "granite", "kimi_k2", "minimax_m2",
+                                  "minimax_m2_append_think", "mistral", "openai_gptoss", "qwen3", "seed_oss", "step3"])
 def test_implemented_reasoning_parsers_start(name):
     assert parse_args(["m.gguf", "--reasoning-parser", name]).reasoning_parser == name
 
@@ -328,8 +329,8 @@ def test_every_implemented_tool_parser_is_a_vllm_name():
      "--tool-call-parser 'minimax_m2' is a vLLM parser that kvserve does not implement; implemented: "
      f"{IMPLEMENTED_TOOLS}"),
     ("--tool-call-parser", "qwen9", f"invalid --tool-call-parser 'qwen9': choose from {IMPLEMENTED_TOOLS}"),
-    ("--reasoning-parser", "mistral",
-     "--reasoning-parser 'mistral' is a vLLM parser that kvserve does not implement; implemented: "
+    ("--reasoning-parser", "olmo3",
+     "--reasoning-parser 'olmo3' is a vLLM parser that kvserve does not implement; implemented: "
      f"{IMPLEMENTED_REASONING}"),
     ("--reasoning-parser", "gpt_oss", f"invalid --reasoning-parser 'gpt_oss': choose from {IMPLEMENTED_REASONING}"),
 ])
