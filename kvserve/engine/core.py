@@ -29,6 +29,7 @@ from kvserve.engine.request import (
     TopLogprob,
 )
 from kvserve.engine.kv_quant import kv_bytes_per_token
+from kvserve.engine.kv_budget import plan_engine_pool
 from kvserve.engine.runner import ModelRunner, SampleFailure, StepResult
 from kvserve.engine.sampler import BreakerCache, SampleResult, SequenceSampler
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -38,6 +39,7 @@ from kvserve.loaders.weights import LoadedModel
 from kvserve.models.registry import build_model
 
 log = logging.getLogger("kvserve.engine")
+
 
 @dataclass
 class _SeqState:
@@ -109,9 +111,16 @@ class EngineCore:
         c = loaded.config
         self.block_bytes = bs * kv_bytes_per_token(c.n_layer, c.n_head_kv, c.head_dim, config.kv_dtype,
                                                    config.kv_dtype_v)
-        # the pool: n_ctx tokens for running sequences plus one partial block per
-        # sequence, the host tier (--cache-ram), and the null block
-        active = -(-self.n_ctx // bs) + self.n_slots
+        # the pool: blocks for running sequences (n_ctx tokens plus one partial block per
+        # sequence, or a vLLM memory budget: see kv_budget), the host tier (--cache-ram), and
+        # the null block
+        dev_type = self.model.device.type if make_runner is None else torch.device(config.resolve_device()).type
+        self.pool = plan_engine_pool(config, loaded.config, n_ctx=self.n_ctx, n_ctx_slot=self.n_ctx_slot,
+                                     n_slots=self.n_slots, block_bytes=self.block_bytes, device_type=dev_type,
+                                     note=lambda level, text: log.log(level, "%s", text, extra={"func": "load_model"}))
+        for line in self.pool.lines(dev_type):
+            log.info("%s", line, extra={"func": "load_model"})
+        active = self.pool.active_blocks
         self.cache_ram_mib = config.cache_ram_mib()
         host = config.host_tier_blocks(self.block_bytes, active, self.cache_ram_mib)
         log.info("host KV tier (--cache-ram): %d MiB%s, %d blocks of %d KiB", self.cache_ram_mib,
@@ -147,6 +156,11 @@ class EngineCore:
         self.last_step_chunks: list[tuple[str, int, int]] = []  # (request_id, start, n) of the last step
         self.consecutive_failed_steps = 0  # steps failed as a whole since the last one that ran
         self.slot_cache: Mapping[int, tuple[int, ...]] = MappingProxyType({})
+        #: structured output: compute the step's grammar masks in one batch before the forward
+        #: (``grammar_batch``), in a worker thread beside it (``grammar_overlap``); off = each
+        #: row's ``mask()`` after the forward, one by one (the way before; same tokens either way)
+        self.grammar_batch = True
+        self.grammar_overlap = True
         self._slot_tables: dict[int, list[int]] = {}  # slot id -> parked block ids behind slot_cache
         self._slot_cache_version = self.kv.parked_version
 
@@ -292,15 +306,45 @@ class EngineCore:
                 ch.request.first_scheduled_time = now
         self.last_step_chunks = [(c.request.request_id, c.request.num_computed_tokens, c.num_new_tokens)
                                  for c in sched.chunks]
+        masks = self._prefetch_masks(sched) if self.grammar_batch else []
         try:
             samplers = {c.request.request_id: self._states[c.request.request_id].sampler for c in sched.chunks}
             result = self.runner.execute(sched, self.kv, samplers)
         except Exception as e:  # noqa: BLE001 - see the docstring
             outputs += self._fail_step([c.request for c in sched.chunks], e, "execute")
             return outputs
+        finally:
+            for batch in masks:
+                batch.release()
         self.consecutive_failed_steps = 0
         outputs.extend(self._update(sched, result))
         return outputs
+
+    def _prefetch_masks(self, sched: SchedulerOutput) -> list:
+        """Start the next-token masks of the step's constrained rows (the chunks that sample) in
+        one batch per constraint type that offers ``prefetch_masks`` (``GrammarConstraint``:
+        xgrammar's batch matcher, in a worker thread while the forward runs, see
+        :mod:`kvserve.structured.batch`); other constraints compute theirs in ``mask()`` as
+        before. The masks are the same bits, so no token changes. Returns the batches to
+        release after the step; a failure here only means the rows compute their own masks."""
+        groups: dict[type, list] = {}
+        for ch in sched.chunks:
+            g = ch.request.grammar
+            if g is not None and ch.completes and not ch.spec_token_ids:
+                groups.setdefault(type(g), []).append(g)
+        batches = []
+        for kind, gs in groups.items():
+            hook = getattr(kind, "prefetch_masks", None)
+            if hook is None:
+                continue
+            try:
+                b = hook(gs, self.grammar_overlap)
+            except Exception as e:  # noqa: BLE001 - mask() computes each row's own mask instead
+                log.warning("batched grammar masks failed (%r); computing them one by one", e)
+                continue
+            if b is not None:
+                batches.append(b)
+        return batches
 
     def _fail_step(self, reqs: list[Request], exc: Exception, where: str) -> list[RequestOutput]:
         """A step failed as a whole: fail ``reqs`` (the step's requests), drop queued KV

@@ -164,7 +164,7 @@ class GrammarConstraint:
         text: the grammar text (what ``generation_settings.grammar`` reports).
     """
 
-    __slots__ = ("_bitmask", "_matcher", "_n_vocab", "_stop_ids", "text")
+    __slots__ = ("_bitmask", "_matcher", "_n_vocab", "_pending", "_stop_ids", "_vocab_size", "text")
 
     def __init__(self, matcher: xgrammar.GrammarMatcher, n_vocab: int, vocab_size: int, stop_ids: list[int],
                  text: str):
@@ -173,15 +173,35 @@ class GrammarConstraint:
         self._matcher = matcher
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # int32 [1, ceil(vocab_size / 32)]
         self._n_vocab = int(n_vocab)
+        self._vocab_size = int(vocab_size)
         self._stop_ids = [t for t in stop_ids if 0 <= t < n_vocab]
+        self._pending = None  # (MaskBatch, row) while a batch computes this constraint's mask
         self.text = text
+
+    @staticmethod
+    def prefetch_masks(constraints: list[GrammarConstraint], background: bool = True):
+        """The engine's batch hook: start filling the next-token masks of ``constraints`` (the
+        step's constrained rows) in one xgrammar batch call, in a worker thread while the
+        forward runs (``background``); each one's next :meth:`mask` returns its row.
+
+        Returns a handle whose ``release()`` the engine calls once the step sampled, or None
+        (see :func:`kvserve.structured.batch.prefetch_masks`)."""
+        from kvserve.structured.batch import prefetch_masks
+
+        return prefetch_masks(constraints, background)
 
     def mask(self) -> torch.Tensor:
         """Allowed next tokens: bool [n_vocab] (CPU), True = allowed; never all False.
 
         ~10-50 us for a 49k vocabulary: xgrammar fills a packed int32 bitmask, which
-        ``np.unpackbits`` expands (bit j of word i is token 32 * i + j).
+        ``np.unpackbits`` expands (bit j of word i is token 32 * i + j). After
+        :meth:`prefetch_masks` it is the row the batch computed (the same bits; a view of
+        the batch's [B, n_vocab] tensor, not to be written to).
         """
+        pending = self._pending
+        if pending is not None:
+            self._pending = None
+            return pending[0].rows()[pending[1]]
         if self._matcher.is_terminated():
             m = torch.zeros(self._n_vocab, dtype=torch.bool)
             m[self._stop_ids] = True
@@ -197,6 +217,9 @@ class GrammarConstraint:
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by ``token_id``; False (nothing changes) when the grammar does not allow it."""
+        if self._pending is not None:  # a prefetched mask is for the state before this token
+            batch, self._pending = self._pending[0], None
+            batch.rows()  # the worker is done with the matcher before it changes
         try:
             return bool(self._matcher.accept_token(int(token_id)))
         except Exception:  # noqa: BLE001 - ids outside the vocabulary raise in xgrammar
