@@ -120,6 +120,16 @@ class EngineConfig:
             :class:`kvserve.engine.spec_decode.SpecConfig`); off by default. On the CPU a
             step's draft tokens fill at most ``small_batch_rows`` rows in all, so that
             verification runs the small-batch kernels a plain decode runs.
+        kv_cache_memory_bytes: vLLM's ``--kv-cache-memory-bytes``: the pool for running
+            sequences holds this many bytes of blocks (any device); None = not given.
+        gpu_memory_utilization: vLLM's ``--gpu-memory-utilization`` when given: on CUDA the
+            pool gets that share of the device's memory less what is in use after loading
+            (see :mod:`kvserve.engine.kv_budget`); ignored on the CPU.
+        cpu_kv_cache_memory_bytes: the CPU's budget in bytes (vLLM's ``VLLM_CPU_KVCACHE_SPACE``
+            GiB); used on the CPU only, under ``kv_cache_memory_bytes``.
+        num_gpu_blocks_override: vLLM's ``--num-gpu-blocks-override``: the pool's block count.
+            With none of these four the pool is llama-server's: ``n_ctx`` tokens plus a block per
+            slot.
     """
 
     n_ctx: int = 0
@@ -140,6 +150,10 @@ class EngineConfig:
     device: str = "auto"
     cache_ram: int | None = None
     spec: SpecConfig = field(default_factory=SpecConfig)
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    cpu_kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
 
     def __post_init__(self) -> None:
         if self.n_ctx < 0:

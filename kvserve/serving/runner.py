@@ -233,12 +233,15 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
     from kvserve.engine.core import EngineCore
     from kvserve.models.registry import load_files
     from kvserve.serving.embed_runner import load_embedding_runner, model_task
+    from kvserve.serving.startup_checks import run_startup_checks
 
     if args.embeddings or model_task(spec.path) != "generate":  # an encoder, or llama-server's --embeddings
         return load_embedding_runner(args, spec, build_info)
     before = rss_bytes()
     _srv(logging.INFO, "load_model", "loading model '%s'", spec.path)
     cfg = engine_config(args, spec)
+    for level, text in run_startup_checks(args, spec.path, cfg):  # vLLM's checks, before reading the weights
+        _srv(level, "load_model", "%s", text)
     core = EngineCore(load_files(spec.path), cfg)
     template = make_template(args, core, spec)
     _srv(logging.INFO, "load_model", "initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = '%s'",

@@ -1,0 +1,243 @@
+"""How many KV blocks the pool holds: llama-server's sizing (``-c`` x ``-np``) or a vLLM memory
+budget (``--kv-cache-memory-bytes``, ``--gpu-memory-utilization`` on CUDA,
+``VLLM_CPU_KVCACHE_SPACE`` on the CPU, ``--num-gpu-blocks-override``), with vLLM's start-up check
+that one request of the longest allowed length fits, and vLLM's log lines.
+
+vLLM's rules, as its ``vllm/v1/core/kv_cache_utils.py`` and ``gpu_worker.py`` apply them:
+
+* with a budget of B bytes the pool holds ``B // block_bytes`` blocks (``block_bytes`` = all
+  layers' K and V of one block of ``block_size`` tokens);
+* one request of ``max_model_len`` tokens needs ``cdiv(max_model_len, block_size)`` blocks; a
+  budget smaller than that refuses to start (:class:`KVCacheMemoryError`, vLLM's text), and the
+  message names the longest length that fits: the largest L <= max_model_len with
+  ``cdiv(L, block_size) * block_bytes <= B`` (vLLM finds it by binary search; it is a multiple
+  of the block size), i.e. ``(B // block_bytes) * block_size``;
+* ``--num-gpu-blocks-override N`` replaces the computed count (vLLM logs
+  ``Overriding num_gpu_blocks=... with num_gpu_blocks_override=...``); kvserve also refuses an
+  override too small for one request (vLLM does not check it and fails later);
+* the log: ``Available KV cache memory: 5.26 GiB`` (with a budget) and ``GPU KV cache size:
+  43,056 tokens, Maximum concurrency for 32,768 tokens per request: 1.31x`` where the tokens are
+  ``int(concurrency * max_model_len)`` and the concurrency ``num_blocks / cdiv(max_model_len,
+  block_size)``. kvserve says ``CPU KV cache size`` on the CPU (vLLM's CPU backend prints
+  ``GPU`` there too).
+
+Without a budget kvserve sizes the pool as llama-server does: ``cdiv(n_ctx, block_size)`` blocks
+plus one partial block per slot (``-c`` is the total context of all slots).
+
+Lower layer: no HTTP, no environment; the serving layer turns flags and ``VLLM_*`` variables
+into :class:`~kvserve.config.EngineConfig` fields.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvserve.engine.kv_quant import kv_bytes_per_token
+from kvserve.loaders.weights import ModelLoadError
+
+GIB = 1 << 30
+
+log = logging.getLogger("kvserve.engine")
+
+
+class KVCacheMemoryError(ModelLoadError):
+    """The KV budget cannot hold one request of the longest allowed length (vLLM's start-up
+    ValueError; the message is vLLM's text)."""
+
+
+def format_gib(n_bytes: int) -> str:
+    """vLLM's ``format_gib``: ``str(round(n_bytes / 2**30, 2))`` (16.0, 5.26)."""
+    return str(round(n_bytes / GIB, 2))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def estimate_max_model_len(available_bytes: int, max_model_len: int, block_size: int, block_bytes: int) -> int:
+    """The longest request (tokens, <= ``max_model_len``) whose blocks fit in ``available_bytes``;
+    0 when not even one token fits (vLLM's ``estimate_max_model_len``, in closed form)."""
+    blocks = max(available_bytes, 0) // block_bytes
+    return min(blocks * block_size, max_model_len)
+
+
+def not_enough_memory_text(max_model_len: int, needed_bytes: int, available_bytes: int, estimated: int,
+                           fix: str) -> str:
+    """vLLM's message for a KV budget below one request of ``max_model_len`` tokens.
+
+    ``fix`` names the settings to change (vLLM: "increasing `gpu_memory_utilization` or
+    decreasing `max_model_len`")."""
+    estimated_msg = ""
+    if estimated > 0:
+        estimated_msg = f"Based on the available memory, the estimated maximum model length is {estimated}. "
+    return (f"To serve at least one request with the model's max seq len ({max_model_len}), "
+            f"({format_gib(needed_bytes)} GiB KV cache is needed, which is larger than the available KV cache "
+            f"memory ({format_gib(available_bytes)} GiB). {estimated_msg}Try {fix} when initializing the engine.")
+
+
+NO_MEMORY_TEXT = ("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+                  "initializing the engine.")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    """The KV pool's size for running sequences (the null block and the host tier come on top).
+
+    Attributes:
+        active_blocks: blocks for running sequences.
+        budget_bytes: the memory budget it came from (bytes), None when sized by ``-c``/``-np``.
+        source: what set it: ``--kv-cache-memory-bytes``, ``--gpu-memory-utilization``,
+            ``VLLM_CPU_KVCACHE_SPACE``, ``--num-gpu-blocks-override`` or ``-c/-np``.
+        tokens: vLLM's "KV cache size" figure: ``int(concurrency * max_model_len)``.
+        concurrency: requests of ``max_model_len`` tokens that fit at once.
+        max_model_len: the longest sequence (tokens) the figures are for.
+    """
+
+    active_blocks: int
+    budget_bytes: int | None
+    source: str
+    tokens: int
+    concurrency: float
+    max_model_len: int
+
+    def lines(self, device_type: str) -> list[str]:
+        """vLLM's start-up log lines for this pool (``GPU`` on CUDA, ``CPU`` on the CPU)."""
+        out = []
+        if self.budget_bytes is not None:
+            out.append(f"Available KV cache memory: {format_gib(self.budget_bytes)} GiB")
+        where = "CPU" if device_type == "cpu" else "GPU"
+        out.append(f"{where} KV cache size: {self.tokens:,} tokens, Maximum concurrency for "
+                   f"{self.max_model_len:,} tokens per request: {self.concurrency:.2f}x")
+        return out
+
+
+def budget_source(kv_cache_memory_bytes: int | None, gpu_memory_utilization: float | None,
+                  cpu_kv_cache_memory_bytes: int | None, device_type: str) -> str | None:
+    """Which budget applies on ``device_type`` ("cpu" | "cuda"): ``--kv-cache-memory-bytes``
+    first (vLLM: it overrides the utilization), then ``--gpu-memory-utilization`` on CUDA, then
+    ``VLLM_CPU_KVCACHE_SPACE`` on the CPU; None: llama-server's sizing."""
+    if kv_cache_memory_bytes is not None:
+        return "--kv-cache-memory-bytes"
+    if gpu_memory_utilization is not None and device_type != "cpu":
+        return "--gpu-memory-utilization"
+    if cpu_kv_cache_memory_bytes is not None and device_type == "cpu":
+        return "VLLM_CPU_KVCACHE_SPACE"
+    return None
+
+
+_FIX = {"--kv-cache-memory-bytes": "increasing `kv_cache_memory_bytes` or decreasing `max_model_len`",
+        "--gpu-memory-utilization": "increasing `gpu_memory_utilization` or decreasing `max_model_len`",
+        "VLLM_CPU_KVCACHE_SPACE": "increasing VLLM_CPU_KVCACHE_SPACE or decreasing `max_model_len`",
+        "--num-gpu-blocks-override": "increasing `num_gpu_blocks_override` or decreasing `max_model_len`"}
+
+
+def plan_pool(*, n_ctx: int, n_ctx_slot: int, n_slots: int, block_size: int, block_bytes: int,
+              budget_bytes: int | None = None, source: str | None = None,
+              num_blocks_override: int | None = None,
+              note: Callable[[int, str], None] | None = None) -> PoolPlan:
+    """The pool for running sequences.
+
+    Args:
+        n_ctx: total context (tokens, ``-c`` or the model's); n_ctx_slot: one sequence's
+            context (tokens; vLLM's max_model_len); n_slots: sequences at once.
+        block_size: tokens per block; block_bytes: KV bytes of one block, all layers.
+        budget_bytes / source: a memory budget (bytes) and what gave it (see
+            :func:`budget_source`); None: llama-server's sizing.
+        num_blocks_override: ``--num-gpu-blocks-override``.
+        note: ``(logging level, text)`` sink for vLLM's override line.
+
+    Raises:
+        KVCacheMemoryError: the budget (or the override) holds less than one request of
+            ``n_ctx_slot`` tokens; or a budget of 0 bytes or less. vLLM's texts.
+    """
+    per_request = cdiv(n_ctx_slot, block_size)
+    if budget_bytes is not None:
+        if budget_bytes <= 0:
+            raise KVCacheMemoryError(NO_MEMORY_TEXT)
+        _check_fits(budget_bytes, per_request * block_bytes, n_ctx_slot, block_size, block_bytes, source or "")
+        active = budget_bytes // block_bytes
+    else:
+        active = cdiv(n_ctx, block_size) + n_slots
+        source = "-c/-np"
+    if num_blocks_override is not None:
+        if note is not None:
+            note(logging.INFO, f"Overriding num_gpu_blocks={active} with num_gpu_blocks_override={num_blocks_override}")
+        _check_fits(num_blocks_override * block_bytes, per_request * block_bytes, n_ctx_slot, block_size,
+                    block_bytes, "--num-gpu-blocks-override")
+        active, source = num_blocks_override, "--num-gpu-blocks-override"
+    concurrency = active / per_request
+    return PoolPlan(active, budget_bytes, source or "", int(concurrency * n_ctx_slot), concurrency, n_ctx_slot)
+
+
+def _check_fits(available: int, needed: int, max_model_len: int, block_size: int, block_bytes: int,
+                source: str) -> None:
+    if needed > available:
+        est = estimate_max_model_len(available, max_model_len, block_size, block_bytes)
+        raise KVCacheMemoryError(not_enough_memory_text(max_model_len, needed, available, est,
+                                                        _FIX.get(source, _FIX["--kv-cache-memory-bytes"])))
+
+
+def cuda_budget_bytes(utilization: float, total_bytes: int, free_bytes: int, activation_bytes: int) -> int:
+    """``--gpu-memory-utilization`` on CUDA, measured after the weights are on the device:
+    ``total x utilization`` less everything on the device now (this process's weights and CUDA
+    context, other processes) and the estimated activation peak of one step (bytes; may be
+    negative, which :func:`plan_pool` refuses with vLLM's "No available memory" text).
+
+    vLLM profiles a forward pass for the peak and counts only its own process; kvserve
+    estimates the peak and counts other processes' memory against the share, which errs on the
+    safe side on a shared GPU."""
+    return int(total_bytes * utilization) - (total_bytes - free_bytes) - activation_bytes
+
+
+def activation_bytes(max_num_batched_tokens: int, n_ctx_slot: int, n_slots: int, n_embd: int, n_ff: int,
+                     n_vocab: int) -> int:
+    """Estimated activation peak of one step (bytes, float32): one batch's hidden states and
+    MLP intermediates plus a row of logits per sequence (the serving layer's memory estimate)."""
+    n_tok = min(max(max_num_batched_tokens, 1), max(n_ctx_slot, 1))
+    return 4 * (n_tok * (8 * n_embd + 3 * n_ff) + n_slots * n_vocab)
+
+
+def plan_engine_pool(config, model_config, *, n_ctx: int, n_ctx_slot: int, n_slots: int, block_bytes: int,
+                     device_type: str, mem_get_info: Callable[[], tuple[int, int]] | None = None,
+                     note: Callable[[int, str], None] | None = None) -> PoolPlan:
+    """:func:`plan_pool` for an engine: the budget from ``config``
+    (:class:`~kvserve.config.EngineConfig`: ``kv_cache_memory_bytes``,
+    ``gpu_memory_utilization`` on CUDA, ``cpu_kv_cache_memory_bytes`` on the CPU,
+    ``num_gpu_blocks_override``); ``model_config`` gives the sizes of the activation estimate.
+    Called once the weights are on the device, so that CUDA's free memory counts them.
+
+    Args:
+        mem_get_info: ``() -> (free, total)`` device bytes (default ``torch.cuda.mem_get_info``).
+        note: ``(level, text)`` sink for log lines (the override line).
+
+    Raises:
+        KVCacheMemoryError: see :func:`plan_pool`.
+    """
+    bs = config.block_size
+    source = budget_source(config.kv_cache_memory_bytes, config.gpu_memory_utilization,
+                           config.cpu_kv_cache_memory_bytes, device_type)
+    budget = None
+    if source == "--kv-cache-memory-bytes":
+        budget = config.kv_cache_memory_bytes
+    elif source == "VLLM_CPU_KVCACHE_SPACE":
+        budget = config.cpu_kv_cache_memory_bytes
+    elif source == "--gpu-memory-utilization":
+        if mem_get_info is None:
+            import torch
+
+            mem_get_info = torch.cuda.mem_get_info
+        free, total = mem_get_info()
+        c = model_config
+        budget = cuda_budget_bytes(config.gpu_memory_utilization, total, free,
+                                   activation_bytes(config.max_num_batched_tokens, n_ctx_slot, n_slots, c.n_embd,
+                                                    c.n_ff, c.n_vocab))
+    return plan_pool(n_ctx=n_ctx, n_ctx_slot=n_ctx_slot, n_slots=n_slots, block_size=bs, block_bytes=block_bytes,
+                     budget_bytes=budget, source=source, num_blocks_override=config.num_gpu_blocks_override,
+                     note=note)
+
+
+__all__ = ["activation_bytes", "plan_engine_pool", "GIB", "KVCacheMemoryError", "NO_MEMORY_TEXT", "PoolPlan", "budget_source", "cdiv",
+           "cuda_budget_bytes", "estimate_max_model_len", "format_gib", "kv_bytes_per_token",
+           "not_enough_memory_text", "plan_pool"]

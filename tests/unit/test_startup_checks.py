@@ -1,0 +1,474 @@
+"""vLLM's start-up checks and messages (002 Examples 2, 3, 4 and 6; issue #15 item 4).
+
+Models: a header-only HF directory with Llama 3.1 8B's config (32 layers, 8 KV heads of 128,
+max_position_embeddings 131072, 128 KiB of f16 KV per token: the examples' exact numbers; the
+checks refuse it before any weight is read), tiny random models for starts that succeed
+(2 layers, 2 KV heads of 16: 256 bytes per token, so the examples' budgets divided by 512 give
+the examples' token counts and concurrency), and HF directories with a quantization_config.
+
+The start-up path is run in process (``load_runner`` with ``parse_args``' ServerArgs), and for
+one case of each example as a ``kvserve serve`` process (its exit status and log).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvserve.engine.kv_budget import KVCacheMemoryError, cuda_budget_bytes, plan_engine_pool, plan_pool
+from kvserve.serving.args import parse_args
+from kvserve.serving.manager import ModelSpec
+from kvserve.serving.runner import load_runner
+from kvserve.serving.startup_checks import (
+    LONG_MAX_MODEL_LEN_WARNING,
+    StartupCheckError,
+    batch_warning,
+    read_header,
+    resolve_dtype,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+MIB, GIB = 1 << 20, 1 << 30
+
+EX2_LEN_ERROR = ("User-specified max_model_len (200000) is greater than the derived max_model_len "
+                 "(max_position_embeddings=131072 or model_max_length=None in model's config.json). To allow "
+                 "overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. "
+                 "VLLM_ALLOW_LONG_MAX_MODEL_LEN must be used with extreme caution. If the model uses relative "
+                 "position encoding (RoPE), positions exceeding derived_max_model_len lead to nan. If the model uses "
+                 "absolute position encoding, positions exceeding derived_max_model_len will cause a CUDA array "
+                 "out-of-bounds error.")
+EX2_KV_ERROR = ("To serve at least one request with the model's max seq len (131072), (16.0 GiB KV cache is needed, "
+                "which is larger than the available KV cache memory (5.26 GiB). Based on the available memory, the "
+                "estimated maximum model length is 43056.")
+EX4_ERROR = "max_num_batched_tokens (256) must be greater than or equal to max_num_seqs (512)."
+EX4_WARNING = ("max_num_batched_tokens (8192) exceeds max_num_seqs * max_model_len (4096). This may lead to "
+               "unexpected behavior.")
+EX6_MISMATCH = ("Quantization method specified in the model config (awq) does not match the quantization method "
+                "specified in the `quantization` argument (gptq).")
+EX3_DEFAULT = "KV cache size: 43,056 tokens, Maximum concurrency for 32,768 tokens per request: 1.31x"
+
+#: Example 2/3's budget at --gpu-memory-utilization 0.92 and 0.80 (24,564 MiB card; 15,316 MiB of
+#: weights + 400 MiB other in use, 1,500 MiB activation peak)
+EX3_AT_92 = int(24_564 * MIB * 0.92) - 17_216 * MIB
+EX3_AT_80 = int(24_564 * MIB * 0.80) - 17_216 * MIB
+#: the tiny models' KV bytes per token (2 layers x 2 KV heads x 16 x (K+V) x 2 bytes) over Llama 3.1 8B's
+SCALE = 131072 // 256
+
+
+def _llama8b_config() -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072, "vocab_size": 128256,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+            "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+
+
+@pytest.fixture(scope="module")
+def llama8b_dir(tmp_path_factory) -> str:
+    """config.json of Llama 3.1 8B and no weights: a start that passes every check would fail reading them."""
+    d = tmp_path_factory.mktemp("llama8b")
+    (d / "config.json").write_text(json.dumps(_llama8b_config()))
+    return str(d)
+
+
+def _quant_dir(root: Path, name: str, quant: dict | None, torch_dtype: str = "float16") -> str:
+    cfg = dict(_llama8b_config(), torch_dtype=torch_dtype)
+    if quant is not None:
+        cfg["quantization_config"] = quant
+    d = root / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def tiny_long_gguf(tmp_path_factory) -> str:
+    """The tiny random GGUF with a 131072-token training context (256 bytes of f16 KV per token)."""
+    import tinymodel
+
+    return str(tinymodel.write_tiny_gguf(tmp_path_factory.mktemp("tinylong") / "tiny.gguf", ctx=131072))
+
+
+def _start(argv: list[str], path: str, env: dict | None = None):
+    """The start-up path in process: parse_args, then load_runner (a Runner; close it)."""
+    args = parse_args(["-m", path, "--device", "cpu", "--cache-ram", "0", *argv], environ=env or {})
+    return load_runner(args, ModelSpec("m", path), "test")
+
+
+def _messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records]
+
+
+# -- Example 2: --max-model-len against the model, and the KV memory check ---------------------
+
+def test_max_model_len_above_the_model_is_vllms_error(llama8b_dir):
+    with pytest.raises(StartupCheckError) as e:
+        _start(["--max-model-len", "200000"], llama8b_dir)
+    assert str(e.value) == EX2_LEN_ERROR
+
+
+def test_max_model_len_forms_parse():
+    got = [parse_args(["--max-model-len", v], environ={}).max_model_len
+           for v in ("32768", "32k", "32K", "1m", "auto", "-1")]
+    assert got == [32768, 32000, 32768, 1000000, 0, 0]
+
+
+def test_allow_long_max_model_len_warns_and_grows_the_context(tiny_gguf, caplog):
+    caplog.set_level(logging.INFO)
+    runner = _start(["--max-model-len", "1024"], tiny_gguf, env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
+    try:
+        assert runner.engine.n_ctx_slot == 1024
+    finally:
+        runner.close()
+    assert ("User-specified max_model_len (1024) is greater than the derived max_model_len "
+            f"(llama.context_length=512 in the model's GGUF metadata). {LONG_MAX_MODEL_LEN_WARNING}") in _messages(caplog)
+
+
+def test_gguf_max_model_len_error_names_context_length(tiny_gguf):
+    with pytest.raises(StartupCheckError) as e:
+        _start(["--max-model-len", "1024"], tiny_gguf)
+    assert str(e.value).startswith("User-specified max_model_len (1024) is greater than the derived max_model_len "
+                                   "(llama.context_length=512 in the model's GGUF metadata). To allow overriding "
+                                   "this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.")
+
+
+def test_ctx_size_above_the_model_keeps_llama_servers_warning(tiny_gguf, caplog):
+    caplog.set_level(logging.INFO)
+    runner = _start(["-c", "1024", "-np", "1"], tiny_gguf)
+    try:
+        assert runner.engine.n_ctx_slot == 1024
+    finally:
+        runner.close()
+    assert "n_ctx_seq (1024) > n_ctx_train (512) -- possible training context overflow" in _messages(caplog)
+
+
+def test_kv_budget_below_one_request_is_vllms_error(llama8b_dir):
+    with pytest.raises(KVCacheMemoryError) as e:  # the default max_model_len: the model's 131072
+        _start(["--kv-cache-memory-bytes", "5383M"], llama8b_dir)
+    assert str(e.value) == (EX2_KV_ERROR + " Try increasing `kv_cache_memory_bytes` or decreasing `max_model_len` "
+                            "when initializing the engine.")
+
+
+def test_example2_arithmetic_at_gpu_memory_utilization_092():
+    # the 24 GB card of Example 2: 2 MiB per 16-token block, the CUDA budget rule
+    budget = cuda_budget_bytes(0.92, 24_564 * MIB, 24_564 * MIB - 15_716 * MIB, 1_500 * MIB)
+    assert budget == EX3_AT_92
+    with pytest.raises(KVCacheMemoryError) as e:
+        plan_pool(n_ctx=131072, n_ctx_slot=131072, n_slots=4, block_size=16, block_bytes=2 * MIB,
+                  budget_bytes=budget, source="--gpu-memory-utilization")
+    assert str(e.value) == (EX2_KV_ERROR + " Try increasing `gpu_memory_utilization` or decreasing `max_model_len` "
+                            "when initializing the engine.")
+
+
+# -- Example 3: the KV budget and its log lines ---------------------------------------------------
+
+def test_example3_lines_for_the_three_settings():
+    def plan(budget):
+        return plan_pool(n_ctx=131072, n_ctx_slot=32768, n_slots=4, block_size=16, block_bytes=2 * MIB,
+                         budget_bytes=budget, source="--kv-cache-memory-bytes")
+
+    assert plan(EX3_AT_92).lines("cuda") == [
+        "Available KV cache memory: 5.26 GiB",
+        "GPU KV cache size: 43,056 tokens, Maximum concurrency for 32,768 tokens per request: 1.31x"]
+    assert plan(4 * GIB).lines("cuda") == [
+        "Available KV cache memory: 4.0 GiB",
+        "GPU KV cache size: 32,768 tokens, Maximum concurrency for 32,768 tokens per request: 1.00x"]
+    with pytest.raises(KVCacheMemoryError) as e:  # 0.80: 19,472 tokens, 0.59x: vLLM refuses to start
+        plan(EX3_AT_80)
+    assert str(e.value).startswith(
+        "To serve at least one request with the model's max seq len (32768), (4.0 GiB KV cache is needed, which is "
+        "larger than the available KV cache memory (2.38 GiB). Based on the available memory, the estimated maximum "
+        "model length is 19472.")
+
+
+def test_example3_at_080_refuses_the_8b_model_at_32k(llama8b_dir):
+    with pytest.raises(KVCacheMemoryError) as e:
+        _start(["--kv-cache-memory-bytes", str(EX3_AT_80), "--max-model-len", "32768"], llama8b_dir)
+    assert "(4.0 GiB KV cache is needed, which is larger than the available KV cache memory (2.38 GiB). Based on " \
+           "the available memory, the estimated maximum model length is 19472." in str(e.value)
+
+
+def test_kv_cache_memory_bytes_sizes_the_pool(tiny_long_gguf, caplog):
+    caplog.set_level(logging.INFO)
+    runner = _start(["--kv-cache-memory-bytes", str(EX3_AT_92 // SCALE), "--max-model-len", "32768"], tiny_long_gguf)
+    try:
+        core = runner.engine.core
+        assert core.pool.active_blocks == 2691
+        assert core.kv.num_blocks == 1 + 2691  # the null block; no host tier (--cache-ram 0)
+        assert core.n_ctx_slot == 32768
+    finally:
+        runner.close()
+    msgs = _messages(caplog)
+    assert "Available KV cache memory: 0.01 GiB" in msgs
+    assert "CPU " + EX3_DEFAULT in msgs
+
+
+def test_kv_cache_memory_bytes_4g_scaled_is_one_full_request(tiny_long_gguf, caplog):
+    caplog.set_level(logging.INFO)
+    runner = _start(["--kv-cache-memory-bytes", "8MiB", "--max-model-len", "32K"], tiny_long_gguf)
+    runner.close()
+    assert "CPU KV cache size: 32,768 tokens, Maximum concurrency for 32,768 tokens per request: 1.00x" in \
+        _messages(caplog)
+
+
+def test_vllm_cpu_kvcache_space_is_the_cpu_budget(tiny_long_gguf, caplog):
+    caplog.set_level(logging.INFO)
+    runner = _start(["--max-model-len", "32768"], tiny_long_gguf, env={"VLLM_CPU_KVCACHE_SPACE": "0.01"})
+    try:
+        assert runner.engine.core.pool.active_blocks == int(0.01 * GIB) // 4096 == 2621
+    finally:
+        runner.close()
+    assert "CPU KV cache size: 41,936 tokens, Maximum concurrency for 32,768 tokens per request: 1.28x" in \
+        _messages(caplog)
+
+
+def test_vllm_cpu_kvcache_space_bad_value_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args([], environ={"VLLM_CPU_KVCACHE_SPACE": "lots"})
+    assert e.value.code == 2
+    assert 'error while handling environment variable "VLLM_CPU_KVCACHE_SPACE"' in capsys.readouterr().err
+
+
+def test_without_a_budget_the_pool_is_llama_servers_and_logged(tiny_gguf, caplog):
+    caplog.set_level(logging.INFO)
+    runner = _start(["-c", "512", "-np", "2"], tiny_gguf)  # 512 tokens in 32 blocks + one per slot
+    try:
+        assert runner.engine.core.pool.active_blocks == 32 + 2
+        assert runner.engine.core.pool.budget_bytes is None
+    finally:
+        runner.close()
+    msgs = _messages(caplog)
+    assert "CPU KV cache size: 544 tokens, Maximum concurrency for 256 tokens per request: 2.12x" in msgs
+    assert not any(m.startswith("Available KV cache memory") for m in msgs)
+
+
+def test_num_gpu_blocks_override_sets_the_pool(tiny_gguf, caplog):
+    caplog.set_level(logging.INFO)
+    runner = _start(["--num-gpu-blocks-override", "100"], tiny_gguf)
+    try:
+        assert runner.engine.core.kv.num_blocks == 1 + 100
+    finally:
+        runner.close()
+    msgs = _messages(caplog)
+    assert "Overriding num_gpu_blocks=36 with num_gpu_blocks_override=100" in msgs
+    assert "CPU KV cache size: 1,600 tokens, Maximum concurrency for 512 tokens per request: 3.12x" in msgs
+
+
+def test_num_gpu_blocks_override_below_one_request_is_refused(tiny_gguf):
+    with pytest.raises(KVCacheMemoryError) as e:
+        _start(["--num-gpu-blocks-override", "10"], tiny_gguf)
+    assert str(e.value) == ("To serve at least one request with the model's max seq len (512), (0.0 GiB KV cache is "
+                            "needed, which is larger than the available KV cache memory (0.0 GiB). Based on the "
+                            "available memory, the estimated maximum model length is 160. Try increasing "
+                            "`num_gpu_blocks_override` or decreasing `max_model_len` when initializing the engine.")
+
+
+def test_gpu_memory_utilization_budget_on_cuda_from_free_memory():
+    from kvserve.config import EngineConfig
+    from kvserve.loaders.weights import ModelConfig
+
+    cfg = EngineConfig(gpu_memory_utilization=0.92, max_num_batched_tokens=2048, n_parallel=1)
+    mc = ModelConfig("llama", 32, 4096, 32, 8, 14336, 128256, 128, 131072)
+    activation = 4 * (2048 * (8 * 4096 + 3 * 14336) + 128256)
+    used = 15_716 * MIB
+    plan = plan_engine_pool(cfg, mc, n_ctx=131072, n_ctx_slot=32768, n_slots=1, block_bytes=2 * MIB,
+                            device_type="cuda", mem_get_info=lambda: (24_564 * MIB - used, 24_564 * MIB))
+    assert plan.budget_bytes == int(24_564 * MIB * 0.92) - used - activation
+    assert plan.active_blocks == plan.budget_bytes // (2 * MIB)
+    assert plan.source == "--gpu-memory-utilization"
+    cpu = plan_engine_pool(cfg, mc, n_ctx=131072, n_ctx_slot=32768, n_slots=1, block_bytes=2 * MIB,
+                           device_type="cpu")  # no effect on the CPU: llama-server's sizing
+    assert (cpu.budget_bytes, cpu.active_blocks) == (None, 8192 + 1)
+
+
+def test_gpu_memory_utilization_on_cpu_says_it_has_no_effect(tiny_gguf, caplog):
+    caplog.set_level(logging.INFO)
+    _start(["--gpu-memory-utilization", "0.5"], tiny_gguf).close()
+    assert ("flag --gpu-memory-utilization: no effect on the CPU: the KV budget there is --kv-cache-memory-bytes or "
+            "VLLM_CPU_KVCACHE_SPACE (GiB)") in _messages(caplog)
+
+
+def test_kv_cache_memory_bytes_forms():
+    got = [parse_args(["--kv-cache-memory-bytes", v], environ={}).kv_cache_memory_bytes
+           for v in ("4G", "4GiB", "4GB", "4g", "512MiB", "4294967296")]
+    assert got == [4 * GIB, 4 * GIB, 4 * 10**9, 4 * 10**9, 512 * MIB, 4 * GIB]
+
+
+# -- Example 4: --max-num-seqs and --max-num-batched-tokens ---------------------------------------
+
+def test_batched_tokens_below_seqs_is_vllms_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--max-num-batched-tokens", "256", "--max-num-seqs", "512"], environ={})
+    assert e.value.code == 2
+    assert capsys.readouterr().err.endswith(f"error: {EX4_ERROR}\n")
+
+
+def test_batched_tokens_above_seqs_times_len_warns(tiny_long_gguf, caplog):
+    caplog.set_level(logging.INFO)
+    runner = _start(["--max-model-len", "4096", "--max-num-seqs", "1", "--max-num-batched-tokens", "8192"],
+                    tiny_long_gguf)
+    runner.close()
+    assert EX4_WARNING in _messages(caplog)
+
+
+def test_batch_warning_default_pair_passes():
+    assert batch_warning(2048, 256, 32768) is None
+    assert batch_warning(8192, 1, 4096) == EX4_WARNING
+
+
+def test_llama_server_batch_flags_are_not_checked():
+    args = parse_args(["-b", "2", "-np", "4"], environ={})  # llama-server's -b below -np: as before
+    assert (args.batch_size, args.parallel, args.vllm_batch_limits) == (2, 4, False)
+
+
+# -- Example 6: quantization_config, -q and --dtype ------------------------------------------------
+
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+
+
+def test_quantization_mismatch_is_vllms_error(tmp_path):
+    path = _quant_dir(tmp_path, "awq", AWQ)
+    with pytest.raises(StartupCheckError) as e:
+        _start(["-q", "gptq"], path)
+    assert str(e.value) == EX6_MISMATCH
+
+
+def test_quantized_checkpoint_kvserve_cannot_run_is_named(tmp_path):
+    path = _quant_dir(tmp_path, "awq", AWQ)
+    for argv in ([], ["-q", "awq"], ["-q", "awq_marlin"]):
+        with pytest.raises(StartupCheckError) as e:
+            _start(argv, path)
+        assert str(e.value) == (
+            f"{path}: the model's config.json has a quantization_config (quant_method 'awq'), which kvserve cannot "
+            "run: kvserve loads safetensors weights in float32, float16 or bfloat16, and GGUF files (llama.cpp's "
+            "quantized types); serve the unquantized checkpoint or a GGUF file of this model")
+
+
+def test_gguf_is_method_gguf(tiny_gguf):
+    with pytest.raises(StartupCheckError) as e:
+        _start(["-q", "awq"], tiny_gguf)
+    assert str(e.value) == ("Quantization method specified in the model config (gguf) does not match the "
+                            "quantization method specified in the `quantization` argument (awq).")
+    _start(["-q", "gguf"], tiny_gguf).close()
+
+
+def test_online_quantization_warns_and_serves_as_stored(tmp_path, caplog):
+    import tinymodel
+
+    path = str(tinymodel.write_tiny_hf_dir(tmp_path / "bf16", torch_dtype="bfloat16"))
+    caplog.set_level(logging.INFO)
+    _start(["-q", "fp8"], path).close()
+    msgs = _messages(caplog)
+    assert ("flag -q fp8: ignored, not available in kvserve: weights are not quantized while loading; they are "
+            "served as stored (bfloat16 safetensors)") in msgs
+    assert "Upcasting torch.bfloat16 to torch.float32." in msgs  # --dtype auto on the CPU computes in float32
+    with pytest.raises(StartupCheckError) as e:
+        _start(["-q", "awq"], path)
+    assert str(e.value).startswith("-q awq: the model's config.json has no quantization_config: its weights are not "
+                                   "awq-quantized")
+
+
+def test_unknown_quantization_name_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["-q", "int3"], environ={})
+    assert e.value.code == 2
+    assert "Unknown quantization method: int3. Must be one of ['awq', " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("torch_dtype", "device", "expected"), [
+    ("float16", "cuda", ("float16", [])),
+    ("float32", "cuda", ("float16", [(logging.INFO, "Downcasting torch.float32 to torch.float16.")])),
+    ("bfloat16", "cuda", ("bfloat16", [])),
+    ("bfloat16", "cpu", ("auto", [(logging.INFO, "Upcasting torch.bfloat16 to torch.float32.")])),
+    ("float32", "cpu", ("auto", [])),
+])
+def test_dtype_auto_rule(tmp_path, torch_dtype, device, expected):
+    h = read_header(_quant_dir(tmp_path, torch_dtype, None, torch_dtype))
+    assert resolve_dtype("auto", h, device) == expected
+
+
+def test_explicit_dtype_gets_vllms_casting_line(tmp_path, tiny_gguf):
+    h = read_header(_quant_dir(tmp_path, "bf", None, "bfloat16"))
+    assert resolve_dtype("float16", h, "cuda") == ("float16", [(logging.WARNING, "Casting torch.bfloat16 to "
+                                                                                 "torch.float16.")])
+    assert resolve_dtype("auto", read_header(tiny_gguf), "cuda") == ("auto", [])  # GGUF: kvserve's bfloat16
+
+
+# -- the server process: one case per example ------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(argv: list[str], env_extra: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``kvserve serve`` that must exit by itself (a failed start-up); its output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "VLLM_"))}
+    env.update(PYTHONUNBUFFERED="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "kvserve", "serve", "--port", str(_free_port()), "--device", "cpu",
+                           *argv], capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
+
+
+def test_server_refuses_example2_and_6(llama8b_dir, tmp_path):
+    r = _serve(["-m", llama8b_dir, "--max-model-len", "200000"])
+    assert r.returncode == 1
+    assert EX2_LEN_ERROR in r.stderr and "Traceback" not in r.stderr
+    r = _serve(["-m", llama8b_dir, "--kv-cache-memory-bytes", "5383M"])
+    assert r.returncode == 1
+    assert EX2_KV_ERROR in r.stderr and "Traceback" not in r.stderr
+    r = _serve(["-m", _quant_dir(tmp_path, "awq", AWQ), "-q", "gptq"])
+    assert r.returncode == 1
+    assert EX6_MISMATCH in r.stderr and "Traceback" not in r.stderr
+
+
+def test_server_refuses_example4():
+    r = _serve(["--max-num-batched-tokens", "256", "--max-num-seqs", "512"])
+    assert r.returncode == 2
+    assert r.stderr.endswith(f"error: {EX4_ERROR}\n")
+
+
+def test_server_serves_with_example3s_budget(tiny_long_gguf, tmp_path):
+    import httpx
+
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "VLLM_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    log = tmp_path / "out.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve", "serve", tiny_long_gguf, "--port", str(port),
+                                 "--device", "cpu", "--cache-ram", "0", "--max-model-len", "32768",
+                                 "--kv-cache-memory-bytes", str(EX3_AT_92 // SCALE)],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    try:
+        import time
+
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text(errors="replace")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text(errors="replace")
+            time.sleep(0.1)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"prompt": "hello", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+        text = log.read_text(errors="replace")
+        assert "Available KV cache memory: 0.01 GiB" in text
+        assert "CPU " + EX3_DEFAULT in text
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, 15)
+            proc.wait(timeout=30)
