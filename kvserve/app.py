@@ -34,7 +34,7 @@ from starlette.responses import Response
 
 from kvserve.engine.request import InvalidRequestError
 from kvserve.errors import KvserveError
-from kvserve.faces.auth import add_api_guard, add_security
+from kvserve.faces.auth import add_api_guard, add_security, cors_policy
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import (
     BodyLimitMiddleware,
@@ -140,7 +140,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(CrashGuardMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.args.max_request_bytes, unlimited=("/api/blobs/",))
     app.add_middleware(HeadAsGetMiddleware)
-    add_security(app, state.args.api_keys, state.args.cors_origins)
+    add_security(app, state.args.api_keys, cors_policy(state.args))
     add_api_guard(app, state.args.host)  # Ollama's routes: local origins and hosts only
     return app
 
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.api_keys:
         cors_all = "*" in args.cors_origins
         _srv(logging.WARNING, "llama_server", "security: no API key is set%s",
-             " and CORS allows all origins" if cors_all else "")
+             " and CORS allows all origins (see https://github.com/ggml-org/llama.cpp/pull/25655)" if cors_all else "")
     args.engine_config().apply_threads()  # once per process (each model's core finds it set)
     state = ServerState(args)
     app = build_app(state)

@@ -6,16 +6,33 @@ can load the page before it asks the person for the key; llama-server makes only
 public) needs ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``; keys are
 compared in constant time (``hmac.compare_digest``) against each configured key.
 Unlike vLLM (which leaves /metrics and others open), nothing else is public.
-CORS preflight (``OPTIONS``) is answered by Starlette's CORSMiddleware, which runs
-outside the key check, as browsers send preflights without credentials.
+CORS follows llama-server's ``--cors-origins/--cors-methods/--cors-headers/--cors-credentials``
+(llama.cpp PR #25655; vLLM's ``--allowed-*``/``--allow-credentials`` map onto them, see
+:func:`kvserve.serving.args._cors`), answered by :class:`CorsMiddleware` outside the key check, as
+browsers send preflights without credentials:
+
+* every ``OPTIONS`` request is a preflight, answered ``200`` with an empty body (llama-server
+  answers them before routing); an allowed ``Origin`` gets ``Access-Control-Allow-Origin`` (the
+  origin itself), ``Access-Control-Allow-Credentials: true`` (unless ``--no-cors-credentials``),
+  ``Access-Control-Allow-Methods`` (``--cors-methods``, default ``GET, POST, DELETE, OPTIONS``),
+  ``Access-Control-Allow-Headers`` (``--cors-headers``, default ``*``) and ``Vary: Origin``;
+* other responses to an allowed ``Origin`` carry ``Access-Control-Allow-Origin``, the credentials
+  header and ``Vary: Origin``;
+* an origin that is not allowed gets no ``Access-Control-*`` header at all (the browser then
+  refuses to hand the answer to the page); a request without ``Origin`` gets none either.
+
+Origins: ``*`` allows every origin (reflected while credentials are on, since browsers refuse
+``*`` with credentials; ``*`` itself with ``--no-cors-credentials``); ``localhost`` allows pages
+served from ``localhost``, ``127.0.0.1`` or ``[::1]`` at any scheme and port; anything else is
+compared with the ``Origin`` exactly (case-insensitively). Unlike llama-server, which writes a
+comma list into the header verbatim (llama.cpp issue #26988; browsers reject such a header),
+kvserve answers with the one origin of the list that matched.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
-
-from starlette.middleware.cors import CORSMiddleware
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/"})
 #: path prefixes served without a key: the web page's static assets
@@ -79,11 +96,112 @@ class ApiKeyMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
-def add_security(app, api_keys: list[str], cors_origins: list[str]) -> None:
-    """Wrap ``app`` with the key check and, outside it, CORS (``--cors-origins``)."""
+class CorsPolicy:
+    """Which origins may read answers and what a preflight says (module docstring).
+
+    Args:
+        origins: ``--cors-origins`` entries (``*``, ``localhost`` or exact origins).
+        methods: ``Access-Control-Allow-Methods`` of preflights.
+        headers: ``Access-Control-Allow-Headers`` of preflights.
+        credentials: send ``Access-Control-Allow-Credentials: true``.
+    """
+
+    def __init__(self, origins: list[str], methods: str = "GET, POST, DELETE, OPTIONS", headers: str = "*",
+                 credentials: bool = True):
+        self.any = "*" in origins
+        self.local = any(o.lower() == "localhost" for o in origins)
+        self.exact = frozenset(o.strip().rstrip("/").lower() for o in origins if o not in ("*",)
+                               and o.lower() != "localhost")
+        self.methods = methods.encode("latin-1", "replace")
+        self.headers = headers.encode("latin-1", "replace")
+        self.credentials = credentials
+
+    def allow_origin(self, origin: str) -> str | None:
+        """The ``Access-Control-Allow-Origin`` value for a request from ``origin``, or None."""
+        if not origin:
+            return None
+        if self.any:
+            return origin if self.credentials else "*"
+        low = origin.strip().lower()
+        if low in self.exact:
+            return origin
+        if self.local and _is_local_origin(low):
+            return origin
+        return None
+
+
+def _is_local_origin(origin: str) -> bool:
+    """``http(s)://localhost|127.0.0.1|[::1][:port]`` (lower case)."""
+    import re
+
+    return re.fullmatch(r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?", origin) is not None
+
+
+class CorsMiddleware:
+    """ASGI middleware answering CORS as llama-server does (module docstring).
+
+    Args:
+        app: the wrapped ASGI app.
+        policy: the :class:`CorsPolicy`.
+    """
+
+    def __init__(self, app, policy: CorsPolicy):
+        self.app = app
+        self.policy = policy
+
+    def _headers(self, allowed: str) -> list[tuple[bytes, bytes]]:
+        out = [(b"access-control-allow-origin", allowed.encode("latin-1", "replace"))]
+        if self.policy.credentials:
+            out.append((b"access-control-allow-credentials", b"true"))
+        if allowed != "*":
+            out.append((b"vary", b"Origin"))
+        return out
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        origin = b""
+        for k, val in scope.get("headers") or ():
+            if k == b"origin":
+                origin = val
+                break
+        allowed = self.policy.allow_origin(origin.decode("latin-1"))
+        if scope.get("method") == "OPTIONS":  # llama-server: every OPTIONS is a preflight, answered at once
+            head = [(b"content-type", b"text/html"), (b"content-length", b"0")]
+            if allowed is not None:
+                head += self._headers(allowed) + [(b"access-control-allow-methods", self.policy.methods),
+                                                  (b"access-control-allow-headers", self.policy.headers)]
+            await send({"type": "http.response.start", "status": 200, "headers": head})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if allowed is None:
+            await self.app(scope, receive, send)
+            return
+        extra = self._headers(allowed)
+
+        async def with_cors(msg):
+            if msg["type"] == "http.response.start":
+                msg = dict(msg)
+                names = {n for n, _ in extra}
+                msg["headers"] = [(n, v) for n, v in msg.get("headers", []) if n.lower() not in names] + extra
+            await send(msg)
+
+        await self.app(scope, receive, with_cors)
+
+
+def add_security(app, api_keys: list[str], cors: CorsPolicy | list[str]) -> None:
+    """Wrap ``app`` with the key check and, outside it, CORS (a :class:`CorsPolicy`, or a list of
+    origins with llama-server's defaults for the rest)."""
+    policy = cors if isinstance(cors, CorsPolicy) else CorsPolicy(list(cors) or ["*"])
     app.add_middleware(ApiKeyMiddleware, keys=api_keys)
-    app.add_middleware(CORSMiddleware, allow_origins=cors_origins or ["*"], allow_methods=["*"],
-                       allow_headers=["*"], allow_credentials=False)
+    app.add_middleware(CorsMiddleware, policy=policy)
+
+
+def cors_policy(args) -> CorsPolicy:
+    """The :class:`CorsPolicy` of a :class:`~kvserve.serving.args.ServerArgs`."""
+    return CorsPolicy(list(args.cors_origins) or ["*"], getattr(args, "cors_methods", "GET, POST, DELETE, OPTIONS"),
+                      getattr(args, "cors_headers", "*"), bool(getattr(args, "cors_credentials", True)))
 
 
 # -- Ollama's routes: local origins and hosts only, as Ollama allows by default ---------------

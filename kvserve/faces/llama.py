@@ -410,14 +410,17 @@ def vllm_tokenize(state: Runner, body: dict) -> VllmTokenizeResponse:
 
 # -- the router ---------------------------------------------------------------------------
 
-def props_json(state: Runner) -> Props:
-    """GET /props (Example 3) of one model's runner."""
+def props_json(state: Runner, *, is_sleeping: bool = False) -> Props:
+    """GET /props (llama-server's ``get_props``, seed 000 Example 3) of one model's runner; the
+    flag-driven fields from its ServerArgs (see :class:`~kvserve.faces.llama_types.Props`)."""
+    from kvserve.serving.slots import metrics_params
+
     state.require_ready()
     args, tok, tmpl = state.args, state.tokenizer, state.template
+    webui = bool(getattr(args, "webui", True))
     return Props(
         default_generation_settings=DefaultGenerationSettings(
-            id=0, id_task=-1, n_ctx=state.engine.n_ctx_slot, speculative=False,
-            is_processing=False, params=params_to_dict(state.default_params)),
+            params=metrics_params(params_to_dict(state.default_params)), n_ctx=state.engine.n_ctx_slot),
         total_slots=state.engine.n_slots,
         model_alias=state.model_alias,
         model_path=state.model_path,
@@ -425,14 +428,36 @@ def props_json(state: Runner) -> Props:
         endpoint_slots=args.slots,
         endpoint_props=args.props,
         endpoint_metrics=args.metrics,
-        webui=False,
+        ui=webui,
+        ui_settings={},
+        webui=webui,
+        webui_settings={},
         chat_template=tmpl.source if tmpl else "",
         chat_template_caps=dict(tmpl.caps) if tmpl else {},
         bos_token=tok.bos_token,
         eos_token=tok.eos_token,
         build_info=state.build_info,
-        is_sleeping=False,
+        is_sleeping=is_sleeping,
+        cors_proxy_enabled=False,
     )
+
+
+def _asleep(state: ServerState) -> bool:
+    """The ``-m`` model was unloaded by ``--sleep-idle-seconds`` (a request loads it again)."""
+    if not state.pinned or getattr(state.args, "sleep_idle_seconds", -1) < 0 or state.preloading:
+        return False
+    try:
+        return state.peek(None) is None
+    except Exception:  # noqa: BLE001 - not resolvable yet: not asleep
+        return False
+
+
+def slots_debug() -> bool:
+    """llama-server's ``LLAMA_SERVER_SLOTS_DEBUG`` (any value but "" and "0"): ``GET /slots``
+    shows full ``params`` and the last request's ``prompt`` and ``generated`` texts."""
+    import os
+
+    return os.environ.get("LLAMA_SERVER_SLOTS_DEBUG", "") not in ("", "0")
 
 
 def build_router(state: ServerState) -> APIRouter:
@@ -459,10 +484,20 @@ def build_router(state: ServerState) -> APIRouter:
         state.require_up()
         return json_response(model_json(state, model_id))
 
+    last_props: dict[str, dict] = {}  # the pinned model's last /props, answered while it sleeps
+
     @r.get("/props")
     async def props(http: HttpRequest):
+        # llama-server answers /props without waking a sleeping server (is_sleeping: true)
+        if query_model(http) is None and _asleep(state) and "pinned" in last_props:
+            state.require_up()
+            return json_response({**last_props["pinned"], "is_sleeping": True})
+
         async def run(runner: Runner) -> Response:
-            return json_response(props_json(runner).wire())
+            body = props_json(runner).wire()
+            if state.pinned:
+                last_props["pinned"] = body
+            return json_response(body)
 
         # loads the model if needed, but leaves a loaded model's keep_alive as it is
         return await serve_model(state, query_model(http), KEEP_CURRENT, run, http)
@@ -564,7 +599,9 @@ def build_router(state: ServerState) -> APIRouter:
         if runner is None:
             return json_response([])
         runner.require_ready()
-        return json_response(runner.slots.views(show_text=state.args.slots_text))
+        debug = slots_debug()
+        detok = runner.tokenizer.decode if debug else None
+        return json_response(runner.slots.views(show_text=state.args.slots_text or debug, detokenize=detok))
 
     @r.post("/slots/{id_slot}")
     async def slot_action(id_slot: str, http: HttpRequest):
@@ -599,9 +636,9 @@ def build_router(state: ServerState) -> APIRouter:
         if name is not None or state.pinned:  # one model: llama-server's exact lines
             runner = state.peek(name)
             if runner is None:
-                return Response(metrics_mod.render_empty(), media_type=metrics_mod.CONTENT_TYPE)
-            return Response(runner.metrics.render(), media_type=metrics_mod.CONTENT_TYPE)
-        return Response(metrics_mod.render_models(state.manager), media_type=metrics_mod.CONTENT_TYPE)
+                return Response(metrics_mod.render_empty(), headers=metrics_mod.response_headers())
+            return Response(runner.metrics.render(), headers=metrics_mod.response_headers())
+        return Response(metrics_mod.render_models(state.manager), headers=metrics_mod.response_headers())
 
     return r
 

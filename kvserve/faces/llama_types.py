@@ -243,15 +243,13 @@ class HealthResponse(WireModel):
 # -- /props ---------------------------------------------------------------------------------
 
 class DefaultGenerationSettings(WireModel):
-    """``/props`` ``default_generation_settings``: a slot's view with the server's sampling
-    defaults (``params``: :func:`kvserve.faces.params.params_to_dict`)."""
+    """``/props`` ``default_generation_settings`` (llama-server's ``get_props``): the server's
+    sampling defaults (``params``: :func:`kvserve.faces.params.params_to_dict` without the
+    fields llama-server leaves out of its metrics view, :data:`kvserve.serving.slots.TEXT_PARAMS`)
+    and one slot's context ``n_ctx``, in that order (seed 000 Example 3)."""
 
-    id: int
-    id_task: int
-    n_ctx: int
-    speculative: bool
-    is_processing: bool
     params: dict[str, Any]
+    n_ctx: int
 
 
 class Modalities(WireModel):
@@ -263,7 +261,15 @@ class Modalities(WireModel):
 
 
 class Props(WireModel):
-    """GET ``/props`` (seed 000 Example 3 field order). ``n_ctx`` is one slot's context."""
+    """GET ``/props``: llama-server's ``get_props`` fields in its order (seed 000 Example 3).
+
+    ``n_ctx`` is one slot's context. The flag-driven fields come from the command line:
+    ``endpoint_slots`` (``--slots``/``--no-slots``), ``endpoint_props`` (``--props``),
+    ``endpoint_metrics`` (``--metrics``), ``ui``/``webui`` (``--webui``/``--no-webui``), ``ui_settings``/
+    ``webui_settings`` ({}: ``--ui-config`` has no effect here), ``cors_proxy_enabled`` (false: no MCP
+    proxy), ``is_sleeping`` (``--sleep-idle-seconds`` unloaded the model). llama-server's
+    ``media_marker`` is left out: kvserve takes no media.
+    """
 
     default_generation_settings: DefaultGenerationSettings
     total_slots: int
@@ -273,13 +279,17 @@ class Props(WireModel):
     endpoint_slots: bool
     endpoint_props: bool
     endpoint_metrics: bool
+    ui: bool
+    ui_settings: dict[str, Any]
     webui: bool
+    webui_settings: dict[str, Any]
     chat_template: str
     chat_template_caps: dict[str, bool]
     bos_token: str | None
     eos_token: str | None
     build_info: str
     is_sleeping: bool
+    cors_proxy_enabled: bool
 
 
 class PropsUpdateResponse(WireModel):

@@ -164,8 +164,11 @@ def _permission(created: int) -> list[dict]:
 def model_entry(state: ServerState, m: ServableModel, created: int) -> dict:
     """One ``data`` item: OpenAI's fields, vLLM's ``root`` (the model's file or directory),
     ``parent`` (null: no adapters), ``max_model_len`` (one sequence's context, tokens) and
-    ``permission``, llama-server's ``aliases``/``meta`` (when loaded) and router mode's ``status``."""
-    d = {"id": m.name, "aliases": list(m.aliases), "tags": [], "object": "model", "created": created,
+    ``permission``, llama-server's ``aliases``/``tags`` (``--tags``)/``meta`` (when loaded) and router
+    mode's ``status``."""
+    # --tags: llama-server's model_tags, a std::set (sorted, each once), on every model served
+    d = {"id": m.name, "aliases": list(m.aliases), "tags": sorted(set(getattr(state.args, "tags", ()) or ())),
+         "object": "model", "created": created,
          "owned_by": "llamacpp", "root": m.path, "parent": None, "max_model_len": _max_model_len(state, m),
          "permission": _permission(created), "status": {"value": _status(m)}}
     r = m.runner

@@ -33,6 +33,15 @@ reports the top k, not the rank of the rest). ``truncate_prompt_tokens`` k keeps
 prompt tokens (-1: ``max_model_len``; above it: 400 with vLLM's text). ``suffix`` on
 ``/v1/completions`` is fill-in-the-middle with the model's FIM tokens (:mod:`kvserve.faces.fim`,
 llama-server's ``/infill`` layout); a vocabulary without them is 400 naming the missing tokens.
+
+vLLM's server flags: ``--return-tokens-as-token-ids`` (or the request's
+``return_tokens_as_token_ids``) writes every logprobs token as ``token_id:N`` (chat: the sampled
+token's ``bytes`` stay its text's, each top candidate's are its ``token_id:N`` string's, as vLLM's
+``_create_chat_logprobs``; legacy: ``tokens``, ``top_logprobs`` keys and ``text_offset`` count the
+``token_id:N`` strings); ``--enable-force-include-usage`` ends every stream with the usage chunk
+whatever ``stream_options`` says; ``--response-role`` is the answer's role (``message.role`` and the
+first chunk's ``delta.role``) when the prompt ends with the generation prompt, else the role of the
+message being continued (vLLM's ``get_chat_request_role``).
 """
 
 from __future__ import annotations
@@ -136,6 +145,8 @@ class Plan:
     mode: OutputMode = field(default_factory=OutputMode)  # chat: reasoning split and tool-call parsing
     grammar: str = ""  # the constraint's grammar text, shown in /slots params
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: candidates per prompt token to report
+    role: str = "assistant"  # chat: the answer's role (vLLM's --response-role rule, :func:`_response_role`)
+    token_ids: bool = False  # logprobs tokens as "token_id:N" (vLLM's --return-tokens-as-token-ids)
 
 
 def _top_n(state: Runner, body: dict, key: str) -> int | None:
@@ -159,7 +170,10 @@ def _n_choices(body: dict) -> int:
     return n
 
 
-def _stream_flags(body: dict) -> tuple[bool, bool]:
+def _stream_flags(body: dict, force_usage: bool = False) -> tuple[bool, bool]:
+    """``(stream, include_usage)``; ``force_usage`` is vLLM's ``--enable-force-include-usage``
+    (its ``should_include_usage``: a stream ends with the usage chunk whatever
+    ``stream_options`` says)."""
     stream = get_bool(body, "stream", False)
     opts = body.get("stream_options")
     include_usage = False
@@ -167,7 +181,28 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
         if not isinstance(opts, dict):
             raise type_error("stream_options", "object", opts)
         include_usage = bool(get_bool(opts, "include_usage", False))
-    return stream, include_usage
+    return stream, include_usage or force_usage
+
+
+def _token_ids_field(state: Runner, body: dict) -> bool:
+    """vLLM's ``return_tokens_as_token_ids``: the request's field, else the server's
+    ``--return-tokens-as-token-ids``."""
+    v = get_bool(body, "return_tokens_as_token_ids")
+    return bool(getattr(state.args, "return_tokens_as_token_ids", False) if v is None else v)
+
+
+def _response_role(state: Runner, msgs: list[dict], add_generation_prompt: bool) -> str:
+    """vLLM's ``get_chat_request_role``: ``--response-role`` (default ``assistant``) when the
+    prompt ends with the generation prompt, else the role of the last message (the one being
+    continued)."""
+    if add_generation_prompt or not msgs:
+        return str(getattr(state.args, "response_role", "assistant") or "assistant")
+    return str(msgs[-1].get("role") or "assistant")
+
+
+def token_id_text(token_id: int) -> str:
+    """vLLM's ``format_token_id_placeholder``: ``token_id:N``."""
+    return f"token_id:{token_id}"
 
 
 def _prompt_logprobs_field(state: Runner, body: dict, stream: bool) -> int | None:
@@ -254,7 +289,7 @@ def chat_plan(state: Runner, body: dict) -> Plan:
         raise ApiError(400, "'messages' is required")
     if state.template is None:
         raise ApiError(500, "this model has no chat template; use /v1/completions")
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage = _stream_flags(body, bool(getattr(state.args, "enable_force_include_usage", False)))
     n = _n_choices(body)
     logprobs = get_bool(body, "logprobs", False)
     top = _top_n(state, body, "top_logprobs")
@@ -297,7 +332,9 @@ def chat_plan(state: Runner, body: dict) -> Plan:
     reqs = _engine_requests(state, body, rid, [ids], params, n, make)
     _validate(state, reqs)
     return Plan("chat", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage,
-                (top or 0) if logprobs else None, mode=mode, grammar=_grammar_text(state, spec), prompt_logprobs=plp)
+                (top or 0) if logprobs else None, mode=mode, grammar=_grammar_text(state, spec), prompt_logprobs=plp,
+                role=_response_role(state, msgs, add_gen is not False and not continues_final_message(msgs, cont)),
+                token_ids=_token_ids_field(state, body))
 
 
 def _check_chat_fits(state: Runner, body: dict) -> None:
@@ -370,7 +407,7 @@ def completion_plan(state: Runner, body: dict) -> Plan:
     """Parse a legacy completion request (raises ApiError 400 on bad fields)."""
     state.require_ready()
     suffix = get_str(body, "suffix")
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage = _stream_flags(body, bool(getattr(state.args, "enable_force_include_usage", False)))
     n = _n_choices(body)
     echo = get_bool(body, "echo", False)
     logprobs = _top_n(state, body, "logprobs")
@@ -399,7 +436,8 @@ def completion_plan(state: Runner, body: dict) -> Plan:
     _validate(state, reqs)
     echo_texts = [state.tokenizer.decode(r.prompt_token_ids) if echo else "" for r in reqs]
     return Plan("text", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage, logprobs,
-                echo_texts, grammar=_grammar_text(state, spec), prompt_logprobs=plp)
+                echo_texts, grammar=_grammar_text(state, spec), prompt_logprobs=plp,
+                token_ids=_token_ids_field(state, body))
 
 
 def _fim_prompts(state: Runner, body: dict, suffix: str) -> list[list[int]]:
@@ -468,8 +506,17 @@ def _check_output(out: RequestOutput) -> None:
 # ------------------------------------------------------------------------ logprobs shapes
 
 
-def _chat_logprob(lp: TokenLogprob, top_n: int) -> ChatTokenLogprob:
+def _chat_logprob(lp: TokenLogprob, top_n: int, token_ids: bool = False) -> ChatTokenLogprob:
+    """One chat ``logprobs.content`` entry. With ``token_ids`` (vLLM's
+    ``--return-tokens-as-token-ids``) every ``token`` reads ``token_id:N``; as in vLLM's
+    ``_create_chat_logprobs``, the sampled token's ``bytes`` stay those of its text while each
+    top candidate's ``bytes`` are those of its ``token_id:N`` string."""
     top = sorted(lp.top_logprobs, key=lambda t: t.logprob, reverse=True)[:top_n]
+    if token_ids:
+        tops = [ChatTopLogprob(token=(tt := token_id_text(t.id)), logprob=_lp(t.logprob), bytes=list(tt.encode()))
+                for t in top]
+        return ChatTokenLogprob(token=token_id_text(lp.id), logprob=_lp(lp.logprob), bytes=list(lp.bytes),
+                                top_logprobs=tops)
     return ChatTokenLogprob(token=lp.token, logprob=_lp(lp.logprob), bytes=list(lp.bytes),
                             top_logprobs=[ChatTopLogprob(token=t.token, logprob=_lp(t.logprob), bytes=list(t.bytes))
                                           for t in top])
@@ -480,16 +527,19 @@ class _LegacyLogprobs:
     token_logprobs, top_logprobs, text_offset (character offsets into the choice's full text,
     echo included)."""
 
-    def __init__(self, top_n: int, offset: int = 0):
+    def __init__(self, top_n: int, offset: int = 0, token_ids: bool = False):
         self.top_n = top_n
         self.offset = offset
+        self.token_ids = token_ids  # vLLM's --return-tokens-as-token-ids: "token_id:N" (offsets count them)
         self.tokens: list[str] = []
         self.token_logprobs: list[float | None] = []
         self.top_logprobs: list[dict | None] = []
         self.text_offset: list[int] = []
 
-    def add(self, lp: TokenLogprob | None, token_text: str | None = None) -> None:
+    def add(self, lp: TokenLogprob | None, token_text: str | None = None, token_id: int | None = None) -> None:
         text = lp.token if lp is not None else (token_text or "")
+        if self.token_ids and (lp is not None or token_id is not None):
+            text = token_id_text(lp.id if lp is not None else token_id)
         self.tokens.append(text)
         self.text_offset.append(self.offset)
         self.offset += len(text)
@@ -499,7 +549,7 @@ class _LegacyLogprobs:
             return
         self.token_logprobs.append(_lp(lp.logprob))
         top = sorted(lp.top_logprobs, key=lambda t: t.logprob, reverse=True)[: self.top_n]
-        self.top_logprobs.append({t.token: _lp(t.logprob) for t in top})
+        self.top_logprobs.append({(token_id_text(t.id) if self.token_ids else t.token): _lp(t.logprob) for t in top})
 
     def result(self) -> LegacyLogprobs:
         """The entries so far as the wire object."""
@@ -536,7 +586,8 @@ def vllm_prompt_logprobs(plp: list[TokenLogprob | None], k: int) -> list[dict[st
 def _add_prompt_logprobs(acc: _LegacyLogprobs, state: Runner, req: Request, out: RequestOutput) -> None:
     plp = out.prompt_logprobs or [None] * len(req.prompt_token_ids)
     for tok, lp in zip(req.prompt_token_ids, plp):
-        acc.add(lp, state.tokenizer.token_bytes(tok).decode("utf-8", errors="replace") if lp is None else None)
+        acc.add(lp, state.tokenizer.token_bytes(tok).decode("utf-8", errors="replace") if lp is None else None,
+                token_id=tok)
 
 
 # ------------------------------------------------------------------------ responses
@@ -562,7 +613,7 @@ async def complete(state: Runner, plan: Plan) -> ChatCompletion | TextCompletion
     texts = ["" for _ in plan.requests]
     finals: list[RequestOutput | None] = [None] * len(plan.requests)
     chat_lps: list[list[ChatTokenLogprob]] = [[] for _ in plan.requests]
-    legacy = [_LegacyLogprobs(plan.logprobs or 0, 0) for _ in plan.requests]
+    legacy = [_LegacyLogprobs(plan.logprobs or 0, 0, plan.token_ids) for _ in plan.requests]
     started = [False] * len(plan.requests)
     post = [ChoiceOutput(plan.mode) if plan.kind == "chat" and plan.mode.active else None for _ in plan.requests]
     prompt_lps: list[list | None] = [None] * len(plan.requests)
@@ -578,7 +629,7 @@ async def complete(state: Runner, plan: Plan) -> ChatCompletion | TextCompletion
             post[i].count(out.text)
         for lp in out.logprobs or []:
             if plan.kind == "chat":
-                chat_lps[i].append(_chat_logprob(lp, plan.logprobs or 0))
+                chat_lps[i].append(_chat_logprob(lp, plan.logprobs or 0, plan.token_ids))
             else:
                 legacy[i].add(lp)
         if out.finished:
@@ -598,8 +649,8 @@ async def complete(state: Runner, plan: Plan) -> ChatCompletion | TextCompletion
         return TextCompletion(choices=tchoices, object="text_completion", **envelope)
     choices = []
     for i, out in enumerate(outs):
-        msg = ChatMessage(**post[i].message(texts[i])) if post[i] is not None else \
-            ChatMessage(role="assistant", content=texts[i])
+        fields = post[i].message(texts[i]) if post[i] is not None else {"content": texts[i]}
+        msg = ChatMessage(**{**fields, "role": plan.role})
         c = ChatChoice(finish_reason=_finish_reason(out, post[i]), index=i, message=msg)
         if plan.logprobs is not None:
             c.logprobs = ChatLogprobs(content=chat_lps[i])
@@ -631,19 +682,19 @@ async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
     n = len(plan.requests)
     finals: list[RequestOutput | None] = [None] * n
     pending_lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
-    legacy = [_LegacyLogprobs(plan.logprobs or 0, 0) for _ in range(n)]
+    legacy = [_LegacyLogprobs(plan.logprobs or 0, 0, plan.token_ids) for _ in range(n)]
     started = [False] * n
     post = [ChoiceOutput(plan.mode) if chat and plan.mode.active else None for _ in range(n)]
     if chat:
         for i in range(n):
-            yield chunk([ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(role="assistant", content=None))])
+            yield chunk([ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(role=plan.role, content=None))])
 
     def logprobs_of(i: int) -> ChatLogprobs | LegacyLogprobs | None:
         if plan.logprobs is None:
             return None
         lps, pending_lps[i] = pending_lps[i], []
         if chat:
-            return ChatLogprobs(content=[_chat_logprob(lp, plan.logprobs) for lp in lps])
+            return ChatLogprobs(content=[_chat_logprob(lp, plan.logprobs, plan.token_ids) for lp in lps])
         for lp in lps:
             legacy[i].add(lp)
         return legacy[i].take()

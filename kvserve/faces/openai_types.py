@@ -182,7 +182,7 @@ class ChatMessage(WireModel):
     """The assistant ``message`` of a whole chat choice. At most one of ``reasoning_content``
     (llama-server) and ``reasoning`` (vLLM) is written, and only when the reasoning is split."""
 
-    role: Literal["assistant"]
+    role: str  # "assistant", or vLLM's --response-role / the last message's role (kvserve.faces.openai)
     reasoning_content: str | None = None
     reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -218,7 +218,7 @@ class ChatDelta(WireModel):
     null}``, each later one carries one field (``content``, the reasoning field or
     ``tool_calls``), the finish chunk none (``{}``)."""
 
-    role: Literal["assistant"] | None = None
+    role: str | None = None  # the first chunk's: see ChatMessage.role
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None

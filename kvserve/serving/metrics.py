@@ -67,7 +67,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvserve.serving.manager import ModelManager
     from kvserve.serving.runner import Runner
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: llama-server's exact ``Content-Type`` of ``/metrics`` (no charset; the text is ASCII but for labels)
+CONTENT_TYPE = "text/plain; version=0.0.4"
+#: the process start, Unix seconds: llama-server's ``Process-Start-Time-Unix`` response header
+#: (llama-server writes its monotonic start in µs there; kvserve writes what the name says)
+PROCESS_START_UNIX = int(time.time())
+
+
+def response_headers() -> dict[str, str]:
+    """The headers of a ``/metrics`` answer (llama-server's): ``Content-Type`` and
+    ``Process-Start-Time-Unix``."""
+    return {"Content-Type": CONTENT_TYPE, "Process-Start-Time-Unix": str(PROCESS_START_UNIX)}
+
 
 # (name, type, help) in llama-server's order
 _METRICS = (
@@ -160,9 +171,10 @@ class Metrics:
             "tokens_predicted_seconds_total": cur["tokens_predicted_seconds_total"],
             "n_decode_total": cur["n_decode_total"],
             "n_tokens_max": float(getattr(st, "n_tokens_max", 0) or 0),
-            "spec_decode_num_draft_tokens_total": 0,
-            "spec_decode_num_accepted_tokens_total": 0,
-            "spec_decode_num_drafts_total": 0,
+            # speculative decoding (--spec-type ngram): the engine's totals, 0 without it
+            "spec_decode_num_draft_tokens_total": float(getattr(st, "spec_draft_tokens_total", 0) or 0),
+            "spec_decode_num_accepted_tokens_total": float(getattr(st, "spec_accepted_tokens_total", 0) or 0),
+            "spec_decode_num_drafts_total": float(getattr(st, "spec_drafts_total", 0) or 0),
             "prompt_tokens_seconds": (d["prompt_tokens_total"] / d["prompt_seconds_total"]
                                       if d["prompt_seconds_total"] > 0 else 0.0),
             "predicted_tokens_seconds": (d["tokens_predicted_total"] / d["tokens_predicted_seconds_total"]
@@ -173,15 +185,36 @@ class Metrics:
                                         if d["n_decode_total"] > 0 else 0.0),
         }
 
+    def accepted_per_pos(self) -> list[int]:
+        """Draft tokens accepted at each draft position (0-based), from the engine; [] without
+        speculative decoding."""
+        engine = self._state.engine
+        st = engine.stats if engine is not None else None
+        return [int(v) for v in (getattr(st, "spec_accepted_per_pos", ()) or ())]
+
     def render(self) -> str:
         """The exposition text: llama-server's exact lines, then vLLM's families; starts a new
-        gauge window."""
+        gauge window. With speculative decoding, llama-server's per-position counter
+        ``llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="i"}`` (exact integers)
+        ends the llamacpp block (omitted while empty, as llama-server does; the HELP text is
+        kvserve's)."""
         vals = self._values()
         lines = []
         for name, typ, help_ in _METRICS:
             full = f"llamacpp:{name}"
             lines += [f"# HELP {full} {help_}", f"# TYPE {full} {typ}", f"{full} {_fmt(vals[name])}"]
+        lines += _per_pos_lines(self.accepted_per_pos())
         return "\n".join(lines) + "\n" + self.vllm.render()
+
+
+_PER_POS = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def _per_pos_lines(per_pos: list[int]) -> list[str]:
+    if not per_pos:
+        return []
+    return ([f"# HELP {_PER_POS} Number of draft tokens accepted at each draft position",
+             f"# TYPE {_PER_POS} counter"] + [f'{_PER_POS}{{position="{i}"}} {n}' for i, n in enumerate(per_pos)])
 
 
 def render_empty() -> str:

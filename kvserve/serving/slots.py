@@ -48,13 +48,17 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-#: ``params`` fields that hold text or tokens of the request (hidden by default in GET /slots)
-TEXT_PARAMS = {"stop": [], "grammar": "", "dry_sequence_breakers": [], "logit_bias": [], "grammar_triggers": [],
-               "preserved_tokens": []}
+#: ``params`` fields llama-server leaves out of its metrics view (``task_params::to_json(true)``,
+#: used by ``GET /props`` and ``GET /slots``): the request's text or tokens (stop strings, grammar,
+#: DRY sequence breakers, logit bias, grammar triggers, preserved tokens)
+TEXT_PARAMS = frozenset({"dry_sequence_breakers", "stop", "logit_bias", "grammar", "grammar_lazy",
+                         "grammar_triggers", "preserved_tokens"})
 
 
-def _without_text(params: dict) -> dict:
-    return {k: (TEXT_PARAMS[k] if k in TEXT_PARAMS else v) for k, v in params.items()}
+def metrics_params(params: dict) -> dict:
+    """``params`` without :data:`TEXT_PARAMS` (llama-server's ``only_metrics`` view), order kept."""
+    return {k: v for k, v in params.items() if k not in TEXT_PARAMS}
+
 
 
 @dataclass
@@ -129,32 +133,37 @@ class Slot:
         if out.finished:
             self.has_next_token = False
 
-    def view(self, show_text: bool = False) -> dict:
-        """The ``GET /slots`` entry (llama-server field names).
+    def view(self, show_text: bool = False, detokenize=None) -> dict:
+        """The ``GET /slots`` entry (llama-server's ``server_slot::to_json``: its fields, its order).
 
-        Counts and numeric parameters only, unless ``show_text``: the params that carry
-        a request's own text or tokens (``TEXT_PARAMS``: stop strings, grammar, DRY
-        sequence breakers, logit bias) are emptied, so one user cannot read another's
-        (``--slots`` given explicitly shows them, as llama-server does)."""
+        A slot that never ran a task has only ``id``, ``n_ctx``, ``speculative`` and
+        ``is_processing``, as in llama-server. ``params`` is llama-server's metrics view (no
+        :data:`TEXT_PARAMS`, so one user cannot read another's stop strings or grammar) unless
+        ``show_text`` (``--slots`` given explicitly, or ``LLAMA_SERVER_SLOTS_DEBUG``).
+        ``detokenize`` (ids -> text; llama-server's ``LLAMA_SERVER_SLOTS_DEBUG``) adds ``prompt``
+        and ``generated``, the last request's texts."""
+        d = {"id": self.id, "n_ctx": self.n_ctx, "speculative": self.speculative, "is_processing": self.is_processing}
+        if self.id_task < 0:
+            return d
         n_remain = -1 if self.n_predict < 0 else max(self.n_predict - self.n_decoded, 0)
-        return {
-            "id": self.id,
-            "n_ctx": self.n_ctx,
-            "speculative": self.speculative,
-            "is_processing": self.is_processing,
+        d.update({
             "id_task": self.id_task,
             # llama-server fills this from the slot's cached token list: it grows while decoding
             "n_prompt_tokens": len(self.cached_tokens()),
             "n_prompt_tokens_processed": self.n_prompt - self.n_prompt_cache,
             "n_prompt_tokens_cache": self.n_prompt_cache,
-            "params": self.params if show_text else _without_text(self.params),
+            "params": self.params if show_text else metrics_params(self.params),
             "next_token": [{
                 "has_next_token": self.has_next_token,
                 "has_new_line": self.has_new_line,
                 "n_remain": n_remain,
                 "n_decoded": self.n_decoded,
             }],
-        }
+        })
+        if detokenize is not None:
+            d["prompt"] = detokenize(list(self.tokens[:self.n_prompt]))
+            d["generated"] = detokenize(list(self.tokens[self.n_prompt:]))
+        return d
 
 
 class SlotManager:
@@ -194,9 +203,9 @@ class SlotManager:
         """True when at least one slot is idle."""
         return any(not s.is_processing for s in self.slots)
 
-    def views(self, show_text: bool = False) -> list[dict]:
-        """``GET /slots`` body (``show_text``: see :meth:`Slot.view`)."""
-        return [s.view(show_text) for s in self.slots]
+    def views(self, show_text: bool = False, detokenize=None) -> list[dict]:
+        """``GET /slots`` body (``show_text``, ``detokenize``: see :meth:`Slot.view`)."""
+        return [s.view(show_text, detokenize) for s in self.slots]
 
     def next_task_id(self) -> int:
         """A new task id (llama-server ``id_task``)."""

@@ -72,8 +72,8 @@ def test_slots_view_hides_request_text_unless_slots_is_given(srv, start_server):
             "dry_sequence_breakers": ["swordfish"], "grammar": 'root ::= "hunter2" | [a-z]+'}
     post(srv, "/completion", body)
     r = httpx.get(srv.url("/slots"), timeout=10)
-    p = r.json()[0]["params"]
-    assert (p["stop"], p["grammar"], p["dry_sequence_breakers"], p["n_predict"]) == ([], "", [], 2)
+    p = r.json()[0]["params"]  # llama-server's metrics view: the text fields are left out
+    assert not {"stop", "grammar", "dry_sequence_breakers"} & set(p) and p["n_predict"] == 2
     assert "hunter2" not in r.text and "swordfish" not in r.text
     explicit = start_server("-np", "1", "--slots")
     post(explicit, "/completion", body)

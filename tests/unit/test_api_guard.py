@@ -37,9 +37,9 @@ def test_foreign_origin_is_refused_on_api_routes_preflight_included():
     for origin in ("http://localhost:3000", "http://127.0.0.1", "app://ollama", "vscode-webview://x"):
         r = _call(app, "GET", "/api/version", {"Origin": origin})
         assert r.status_code == 200, origin
-    # the OpenAI and llama-server routes keep --cors-origins (default *)
+    # the OpenAI and llama-server routes keep --cors-origins (default *: the origin reflected, as llama-server)
     r = _call(app, "GET", "/health", {"Origin": "https://evil.example"})
-    assert r.status_code == 503 and r.headers["access-control-allow-origin"] == "*"
+    assert r.status_code == 503 and r.headers["access-control-allow-origin"] == "https://evil.example"
 
 
 def test_ollama_origins_env_adds_patterns(monkeypatch):

@@ -206,14 +206,14 @@ def test_completion_probabilities_and_stream_chunks():
 
 
 def test_props_and_cache_miss_timings():
-    d = roundtrip(lt.Props, """{"default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": 2048,
-        "speculative": false, "is_processing": false, "params": {"n_predict": -1, "seed": 4294967295}},
-        "total_slots": 2, "model_alias": "tiny", "model_path": "/m.gguf",
+    d = roundtrip(lt.Props, """{"default_generation_settings": {"params": {"n_predict": -1, "seed": 4294967295},
+        "n_ctx": 2048}, "total_slots": 2, "model_alias": "tiny", "model_path": "/m.gguf",
         "modalities": {"vision": false, "video": false, "audio": false}, "endpoint_slots": true,
-        "endpoint_props": false, "endpoint_metrics": true, "webui": false, "chat_template": "",
+        "endpoint_props": false, "endpoint_metrics": true, "ui": true, "ui_settings": {}, "webui": true,
+        "webui_settings": {}, "chat_template": "",
         "chat_template_caps": {"supports_tools": false}, "bos_token": "<s>", "eos_token": "</s>",
-        "build_info": "b1-test", "is_sleeping": false}""")
-    assert list(d)[-3:] == ["eos_token", "build_info", "is_sleeping"]
+        "build_info": "b1-test", "is_sleeping": false, "cors_proxy_enabled": false}""")
+    assert list(d)[-4:] == ["eos_token", "build_info", "is_sleeping", "cors_proxy_enabled"]
     roundtrip(lt.Timings, TIMINGS_6_2[:-1] + ', "cache_miss": {"reason": "evicted", "n": 3}}')
 
 

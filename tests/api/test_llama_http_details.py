@@ -1,0 +1,266 @@
+"""llama-server's HTTP details its users rely on (issue #15 item 11): CORS answers
+(``--cors-origins/--cors-methods/--cors-headers/--cors-credentials``, vLLM's ``--allowed-*``,
+``--tools`` -> localhost), ``/props`` fields, ``--tags`` in ``/v1/models``, ``/slots`` keys and
+``params``, ``/metrics`` names, types and headers, ``return_progress`` in ``/completion``
+streams, several ``--host`` addresses and ``--verbose`` request logging.
+
+Tiny random-weight models served in process (Starlette's TestClient); the ``--host`` test starts
+a real server process on two loopback addresses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import tinymodel  # tests/ is on sys.path (tests/conftest.py)
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from kvserve.app import build_app
+from kvserve.serving.args import parse_args
+from kvserve.serving.state import ServerState
+
+PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+
+
+def _bare_app(*argv):
+    """The app with no model loaded (CORS answers need none)."""
+    st = ServerState(parse_args(list(argv)))
+    st.preloading = True
+    return build_app(st)
+
+
+def _call(app, method, path, headers=None):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1:8080") as c:
+            return await c.request(method, path, headers=headers or {})
+
+    return asyncio.run(go())
+
+
+def _cors(r) -> dict:
+    return {k: v for k, v in r.headers.items() if k.startswith("access-control-") or k == "vary"}
+
+
+def _client(path, d, *flags):
+    state = ServerState(parse_args(["-m", str(path), "-a", "tiny", "-c", "512", "-np", "2",
+                                    "--models-dir", str(d / "models"), *flags]))
+    c = TestClient(build_app(state), base_url="http://127.0.0.1")
+    c.__enter__()
+    c.portal.call(state.preload)
+    c.state = state
+    return c
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama_http")
+    return tinymodel.write_tiny_gguf(d / "tiny.gguf"), d
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    path, d = tiny_path
+    c = _client(path, d, "--metrics", "--tags", "coder,b-tag,coder", "-b", "16")
+    yield c
+    c.portal.call(c.state.manager.shutdown)
+    c.__exit__(None, None, None)
+
+
+# -- CORS -----------------------------------------------------------------------------------------
+
+def test_default_cors_reflects_any_origin_with_credentials_as_llama_server():
+    app = _bare_app()
+    r = _call(app, "OPTIONS", "/v1/chat/completions", {"Origin": "http://page.example", **PREFLIGHT})
+    assert (r.status_code, r.content, r.headers["content-type"]) == (200, b"", "text/html")
+    assert _cors(r) == {"access-control-allow-origin": "http://page.example",
+                        "access-control-allow-credentials": "true", "vary": "Origin",
+                        "access-control-allow-methods": "GET, POST, DELETE, OPTIONS",
+                        "access-control-allow-headers": "*"}
+    # a preflight needs no API key (browsers send none)
+    app = _bare_app("--api-key", "k1")
+    r = _call(app, "OPTIONS", "/completion", {"Origin": "http://page.example", **PREFLIGHT})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://page.example"
+    # an answer (here the 401) carries the origin and credentials too
+    r = _call(app, "POST", "/completion", {"Origin": "http://page.example"})
+    assert r.status_code == 401
+    assert _cors(r) == {"access-control-allow-origin": "http://page.example",
+                        "access-control-allow-credentials": "true", "vary": "Origin"}
+    # no Origin: no CORS headers
+    assert _cors(_call(app, "OPTIONS", "/completion", PREFLIGHT)) == {}
+
+
+def test_cors_origin_list_methods_headers_and_no_credentials():
+    app = _bare_app("--cors-origins", "http://a.example, https://b.example:8443", "--cors-methods", "GET, POST",
+                    "--cors-headers", "Authorization, Content-Type", "--no-cors-credentials")
+    r = _call(app, "OPTIONS", "/v1/completions", {"Origin": "https://b.example:8443", **PREFLIGHT})
+    # the matching origin alone (llama-server writes the whole list, which browsers reject: #26988)
+    assert _cors(r) == {"access-control-allow-origin": "https://b.example:8443", "vary": "Origin",
+                        "access-control-allow-methods": "GET, POST",
+                        "access-control-allow-headers": "Authorization, Content-Type"}
+    for origin in ("http://evil.example", "http://a.example.evil", "http://localhost:3000"):
+        r = _call(app, "OPTIONS", "/v1/completions", {"Origin": origin, **PREFLIGHT})
+        assert (r.status_code, _cors(r)) == (200, {}), origin
+        assert _cors(_call(app, "GET", "/health", {"Origin": origin})) == {}
+    r = _call(app, "GET", "/health", {"Origin": "http://a.example"})
+    assert _cors(r) == {"access-control-allow-origin": "http://a.example", "vary": "Origin"}
+    # * without credentials: the literal *
+    r = _call(_bare_app("--no-cors-credentials"), "GET", "/health", {"Origin": "http://x.example"})
+    assert _cors(r) == {"access-control-allow-origin": "*"}
+
+
+def test_cors_localhost_value_and_tools_default():
+    for argv in (("--cors-origins", "localhost"), ("--tools", "all")):
+        app = _bare_app(*argv)
+        for origin in ("http://localhost", "http://localhost:5173", "https://127.0.0.1:8443", "http://[::1]:3000"):
+            r = _call(app, "OPTIONS", "/v1/chat/completions", {"Origin": origin, **PREFLIGHT})
+            assert r.headers.get("access-control-allow-origin") == origin, (argv, origin)
+        for origin in ("http://localhost.evil.example", "http://127.0.0.2", "http://evil.example"):
+            r = _call(app, "OPTIONS", "/v1/chat/completions", {"Origin": origin, **PREFLIGHT})
+            assert _cors(r) == {}, (argv, origin)
+    args = parse_args(["--tools", "all"])
+    assert args.cors_origins == ["localhost"]
+    assert (30, "server tools are enabled (--tools): CORS is limited to localhost origins; use --cors-origins "
+                "to change it") in args.flag_notes
+    # an explicit list wins over the --tools default
+    assert parse_args(["--tools", "all", "--cors-origins", "*"]).cors_origins == ["*"]
+
+
+def test_vllm_cors_flags_map_onto_the_same_answers():
+    a = parse_args(["--allowed-origins", '["http://v.example"]', "--allowed-methods", '["GET", "POST"]',
+                    "--allowed-headers", "X-Api-Key,Content-Type", "--allow-credentials"])
+    assert (a.cors_origins, a.cors_methods, a.cors_headers, a.cors_credentials) == \
+        (["http://v.example"], "GET, POST", "X-Api-Key, Content-Type", True)
+    r = _call(build_app(_state(a)), "OPTIONS", "/v1/models", {"Origin": "http://v.example", **PREFLIGHT})
+    assert _cors(r) == {"access-control-allow-origin": "http://v.example", "access-control-allow-credentials": "true",
+                        "vary": "Origin", "access-control-allow-methods": "GET, POST",
+                        "access-control-allow-headers": "X-Api-Key, Content-Type"}
+    # llama-server's flags win when both are given
+    b = parse_args(["--allowed-origins", "http://v.example", "--cors-origins", "http://l.example",
+                    "--allowed-methods", "GET", "--cors-methods", "POST"])
+    assert (b.cors_origins, b.cors_methods) == (["http://l.example"], "POST")
+
+
+def _state(args):
+    st = ServerState(args)
+    st.preloading = True
+    return st
+
+
+# -- /props, /v1/models tags, /slots ------------------------------------------------------------
+
+PROPS_KEYS = ["default_generation_settings", "total_slots", "model_alias", "model_path", "modalities", "endpoint_slots",
+              "endpoint_props", "endpoint_metrics", "ui", "ui_settings", "webui", "webui_settings", "chat_template",
+              "chat_template_caps", "bos_token", "eos_token", "build_info", "is_sleeping", "cors_proxy_enabled"]
+TEXT_KEYS = {"stop", "grammar", "grammar_lazy", "grammar_triggers", "preserved_tokens", "logit_bias",
+             "dry_sequence_breakers"}
+
+
+def test_props_fields_in_llama_server_order(tiny, tiny_path):
+    d = tiny.get("/props").json()
+    assert list(d) == PROPS_KEYS
+    assert list(d["default_generation_settings"]) == ["params", "n_ctx"]
+    params = d["default_generation_settings"]["params"]
+    assert not TEXT_KEYS & set(params) and params["n_predict"] == -1 and params["seed"] == 4294967295
+    assert (d["total_slots"], d["model_alias"], d["model_path"]) == (2, "tiny", str(tiny_path[0]))
+    assert (d["endpoint_slots"], d["endpoint_props"], d["endpoint_metrics"]) == (True, False, True)
+    assert (d["ui"], d["webui"], d["ui_settings"], d["webui_settings"]) == (True, True, {}, {})
+    assert (d["is_sleeping"], d["cors_proxy_enabled"]) == (False, False)
+
+
+def test_props_flags_no_webui_and_props(tiny_path):
+    path, d = tiny_path
+    c = _client(path, d, "--no-webui", "--props", "--no-slots")
+    try:
+        p = c.get("/props").json()
+        assert (p["ui"], p["webui"], p["endpoint_props"], p["endpoint_slots"], p["endpoint_metrics"]) == \
+            (False, False, True, False, False)
+        assert c.post("/props", json={}).json() == {"success": True}
+    finally:
+        c.portal.call(c.state.manager.shutdown)
+        c.__exit__(None, None, None)
+
+
+def test_tags_in_v1_models(tiny):
+    d = tiny.get("/v1/models").json()
+    assert d["data"][0]["tags"] == ["b-tag", "coder"]  # llama-server's std::set: sorted, each once
+    assert tiny.get("/v1/models/tiny").json()["tags"] == ["b-tag", "coder"]
+    assert d["models"][0]["tags"] == [""]  # the Ollama-style list keeps llama-server's dummy
+
+
+def test_slots_keys_as_llama_server(tiny_path, monkeypatch):
+    path, d = tiny_path
+    c = _client(path, d)
+    try:
+        fresh = c.get("/slots").json()
+        assert fresh == [{"id": 0, "n_ctx": 256, "speculative": False, "is_processing": False},
+                         {"id": 1, "n_ctx": 256, "speculative": False, "is_processing": False}]
+        body = {"prompt": "hello world", "n_predict": 3, "temperature": 0, "stop": ["hunter2"], "id_slot": 0,
+                "grammar": 'root ::= [a-z ]+'}
+        r = c.post("/completion", json=body).json()
+        s0, s1 = c.get("/slots").json()
+        assert list(s0) == ["id", "n_ctx", "speculative", "is_processing", "id_task", "n_prompt_tokens",
+                            "n_prompt_tokens_processed", "n_prompt_tokens_cache", "params", "next_token"]
+        assert not TEXT_KEYS & set(s0["params"]) and s0["params"]["n_predict"] == 3
+        assert "hunter2" not in json.dumps(s0)
+        assert s0["n_prompt_tokens"] == r["tokens_evaluated"] + r["tokens_predicted"] - 1
+        assert s0["next_token"] == [{"has_next_token": False, "has_new_line": "\n" in r["content"],
+                                     "n_remain": 3 - r["tokens_predicted"], "n_decoded": r["tokens_predicted"]}]
+        assert list(s1) == ["id", "n_ctx", "speculative", "is_processing"]
+        # llama-server's LLAMA_SERVER_SLOTS_DEBUG: full params, the prompt and the generated text
+        monkeypatch.setenv("LLAMA_SERVER_SLOTS_DEBUG", "1")
+        s0 = c.get("/slots").json()[0]
+        assert s0["params"]["stop"] == ["hunter2"] and "[a-z ]" in s0["params"]["grammar"]
+        assert (s0["prompt"], s0["generated"]) == (r["prompt"], r["content"])
+    finally:
+        c.portal.call(c.state.manager.shutdown)
+        c.__exit__(None, None, None)
+
+
+# -- /metrics -------------------------------------------------------------------------------------
+
+LLAMACPP = [("prompt_tokens_total", "counter"), ("prompt_tokens_cached_total", "counter"),
+            ("prompt_seconds_total", "counter"), ("tokens_predicted_total", "counter"),
+            ("tokens_predicted_seconds_total", "counter"), ("n_decode_total", "counter"),
+            ("n_tokens_max", "counter"), ("spec_decode_num_draft_tokens_total", "counter"),
+            ("spec_decode_num_accepted_tokens_total", "counter"), ("spec_decode_num_drafts_total", "counter"),
+            ("prompt_tokens_seconds", "gauge"), ("predicted_tokens_seconds", "gauge"),
+            ("requests_processing", "gauge"), ("requests_deferred", "gauge"), ("n_busy_slots_per_decode", "gauge")]
+
+
+def test_metrics_every_llamacpp_family_and_the_headers(tiny):
+    from kvserve.serving.metrics import PROCESS_START_UNIX
+
+    prompt_ids = tiny.post("/tokenize", json={"content": "one two three four five", "add_special": True}).json()["tokens"]
+    r = tiny.post("/completion", json={"prompt": "one two three four five", "n_predict": 4, "temperature": 0,
+                                       "ignore_eos": True})
+    assert r.status_code == 200
+    m = tiny.get("/metrics")
+    assert m.status_code == 200
+    assert m.headers["content-type"] == "text/plain; version=0.0.4"
+    assert m.headers["process-start-time-unix"] == str(PROCESS_START_UNIX)
+    text = m.text
+    llama_lines = [ln for ln in text.splitlines() if "llamacpp:" in ln]
+    # HELP, TYPE, value for each family in llama-server's order
+    assert [ln.split()[2] for ln in llama_lines if ln.startswith("# TYPE")] == [f"llamacpp:{n}" for n, _ in LLAMACPP]
+    # each value line carries llama-server's exact name
+    assert [ln.split()[0] for ln in llama_lines if not ln.startswith("#")] == [f"llamacpp:{n}" for n, _ in LLAMACPP]
+    # prometheus_client parses every family with its type (its parser files a counter under the name without
+    # _total, and names n_tokens_max's sample n_tokens_max_total)
+    fams = {f.name: f for f in text_string_to_metric_families(text) if f.name.startswith("llamacpp:")}
+    for name, typ in LLAMACPP:
+        base = f"llamacpp:{name}"
+        fam = fams[base.removesuffix("_total") if typ == "counter" else base]
+        assert fam.type == typ, name
+        assert [s.name for s in fam.samples] == [base if typ == "gauge" or base.endswith("_total") else
+                                                 base + "_total"]
+    vals = {ln.split()[0]: float(ln.split()[1]) for ln in llama_lines if not ln.startswith("#")}
+    assert vals["llamacpp:prompt_tokens_total"] == len(prompt_ids)
+    assert vals["llamacpp:tokens_predicted_total"] == 4
+    assert vals["llamacpp:n_decode_total"] == 4  # one prefill step (16 >= 7 tokens) + 3 decode steps
+    assert vals["llamacpp:n_tokens_max"] == len(prompt_ids) + 4  # prompt + generated (seed: 2 + 1500 = 1502)
+    assert vals["llamacpp:spec_decode_num_drafts_total"] == 0
+    assert "spec_decode_num_accepted_tokens_per_pos" not in text  # omitted without speculation
+    assert (vals["llamacpp:requests_processing"], vals["llamacpp:requests_deferred"]) == (0, 0)
