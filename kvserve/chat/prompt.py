@@ -84,14 +84,16 @@ def _content_text(content: Any, i: int) -> str | None:
     return "\n".join(texts)  # vLLM and llama.cpp join text parts with newlines
 
 
-def normalize_messages(messages: Any) -> list[dict]:
+def normalize_messages(messages: Any, *, parse_arguments: bool = True) -> list[dict]:
     """Validate OpenAI-style chat messages and return copies with string/null content.
 
     Each message must be an object whose ``role`` is one of ``ROLES`` (a template writes the
     role as markup: any other text could open a new turn); ``content`` may be a string, null
     (e.g. an assistant message with ``tool_calls``) or an array of ``{"type": "text", "text"}``
     parts, which are joined with newlines. Other members (``tool_calls``, ``name``,
-    ``tool_call_id``, ``reasoning_content``) are kept for the template.
+    ``tool_call_id``, ``reasoning_content``) are kept for the template. Tool-call ``arguments``
+    given as a JSON string become the object it encodes (vLLM, llama.cpp) unless
+    ``parse_arguments`` is False (then the string is checked and kept).
 
     Raises:
         InvalidInputError: ``'messages' is required`` when None, others naming the field (a face
@@ -120,17 +122,18 @@ def normalize_messages(messages: Any) -> list[dict]:
             raise InvalidInputError(f"messages[{i}]: missing 'content'")
         msg = {**m, "content": _content_text(m.get("content"), i)}
         if m.get("tool_calls") is not None:
-            msg["tool_calls"] = _normalize_tool_calls(m["tool_calls"], i)
+            msg["tool_calls"] = _normalize_tool_calls(m["tool_calls"], i, parse_arguments)
         if "reasoning" in m and "reasoning_content" not in m:
             msg["reasoning_content"] = m["reasoning"]  # vLLM's name; templates read reasoning_content
         out.append(msg)
     return out
 
 
-def _normalize_tool_calls(calls: Any, i: int) -> list[dict]:
+def _normalize_tool_calls(calls: Any, i: int, parse_arguments: bool = True) -> list[dict]:
     """Assistant ``tool_calls`` for the template: ``function.arguments`` given as a JSON string
-    (what OpenAI clients send back) becomes the object it encodes, as llama.cpp does, so a
-    template's ``arguments | tojson`` renders an object, not a quoted string."""
+    (what OpenAI clients send back) becomes the object it encodes, as llama.cpp and vLLM do, so
+    a template's ``arguments | tojson`` renders an object, not a quoted string (with
+    ``parse_arguments`` False the string is only checked, and kept)."""
     import json
 
     if not isinstance(calls, list):
@@ -152,7 +155,8 @@ def _normalize_tool_calls(calls: Any, i: int) -> list[dict]:
                 # llama.cpp refuses these too: a template would print them as raw text
                 raise InvalidInputError(f"messages[{i}].tool_calls[{j}].function.arguments: expected a JSON "
                                         f"object (as a string or an object), got {args[:80]!r}")
-            f["arguments"] = parsed
+            if parse_arguments:
+                f["arguments"] = parsed
         elif args is None:
             f["arguments"] = {}
         out.append({**c, "function": f})
@@ -331,7 +335,10 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
     Args:
         template: the model's ChatTemplate.
         tokenizer: the model's Tokenizer.
-        messages: OpenAI-style messages (validated by :func:`normalize_messages`).
+        messages: OpenAI-style messages (validated by :func:`normalize_messages`). Tool-call
+            arguments sent as JSON strings reach the template as objects (vLLM); when the
+            template fails on that, it is rendered once more with the strings as sent
+            (transformers renders what it is given).
         add_generation_prompt: append the assistant turn header (ignored when continuing).
         tools: OpenAI tool definitions for the template, or None.
         continue_final_message: True continues the final message (no generation prompt, no
@@ -346,6 +353,33 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
         InvalidInputError: invalid messages or a template error (a face answers 400).
     """
     msgs = _as_template_input(normalize_messages(messages))
+    try:
+        return _render_segments(template, tokenizer, msgs, add_generation_prompt, tools, continue_final_message,
+                                template_kwargs)
+    except InvalidInputError as first:
+        if not _has_string_arguments(messages):
+            raise
+        # A template that concatenates tool-call arguments as text (DeepSeek-V3.1,
+        # firefunction-v2) fails on the parsed objects: render the client's JSON strings as
+        # given, as transformers renders what it is given. If that fails too, the first error.
+        raw = _as_template_input(normalize_messages(messages, parse_arguments=False))
+        try:
+            return _render_segments(template, tokenizer, raw, add_generation_prompt, tools,
+                                    continue_final_message, template_kwargs)
+        except InvalidInputError:
+            raise first from None
+
+
+def _has_string_arguments(messages: list[dict]) -> bool:
+    return any(isinstance(c, dict) and isinstance(c.get("function"), dict)
+               and isinstance(c["function"].get("arguments"), str)
+               for m in messages for c in (m.get("tool_calls") or []))
+
+
+def _render_segments(template: ChatTemplate, tokenizer, msgs: list[dict], add_generation_prompt: bool,
+                     tools: list | None, continue_final_message: bool | None,
+                     template_kwargs: dict) -> tuple[str, list[int]]:
+    """:func:`render_chat` on validated messages."""
     if continues_final_message(msgs, continue_final_message):
         final = _final_content_index(msgs)
         if final is None:
