@@ -65,8 +65,7 @@ class HarmonyEvent:
 def parse_header(header: str) -> HarmonyMessage:
     """A message header (the text before ``<|message|>``) -> an empty :class:`HarmonyMessage`."""
     h = header.strip(_WS)
-    if h.startswith(START):
-        h = h[len(START):]
+    h = h.removeprefix(START)
     recipient = None
     m = _RECIPIENT.search(h)
     if m:

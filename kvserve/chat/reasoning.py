@@ -451,9 +451,7 @@ class _MarkerStreamer:
             m = next((m for m in self.starts if s.startswith(m)), None)
             if m is not None:
                 self._buf, self._phase = s[len(m):], "reasoning"
-            elif s and not final and any(x.startswith(s) for x in self.starts):
-                return out
-            elif not s and not final:
+            elif s and not final and any(x.startswith(s) for x in self.starts) or not s and not final:
                 return out
             else:
                 self._phase = "content"

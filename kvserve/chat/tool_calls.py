@@ -1096,7 +1096,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
 }
 
-from kvserve.chat.tool_formats import NEW_TOOL_PARSERS  # noqa: E402  (it imports this module's helpers)
+# imported here, not at the top: that module imports the helpers above
+from kvserve.chat.tool_formats import NEW_TOOL_PARSERS
 
 TOOL_PARSERS.update((p.name, p) for p in NEW_TOOL_PARSERS)
 TOOL_PARSERS = dict(sorted(TOOL_PARSERS.items()))

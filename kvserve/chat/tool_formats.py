@@ -33,6 +33,17 @@ modes), so a stream's calls equal :meth:`ToolParser.extract`'s.
     ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``.
 ``deepseek_v31`` (DeepSeek V3.1)
     ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...``.
+``seed_oss`` (Seed-OSS)
+    ``qwen3_coder``'s format inside ``<seed:tool_call>`` ... ``</seed:tool_call>``.
+``minimax_m2`` (MiniMax-M2)
+    ``<minimax:tool_call><invoke name="NAME"><parameter name="K">V</parameter></invoke>...</minimax:tool_call>``
+    (several invokes per block; names may be quoted with ``"`` or ``'``); values stripped and
+    converted as vLLM: ``null``/``none``/``nil`` -> null, then the first schema type that converts
+    in the order integer, number, boolean (``true/1/yes/on`` / ``false/0/no/off``), object/array
+    (JSON), string; a parameter not in the schema stays text. An ``<invoke>`` without
+    ``</invoke>`` is dropped.
+``longcat`` (LongCat-Flash)
+    ``hermes`` in ``<longcat_tool_call>`` ... ``</longcat_tool_call>`` tags.
 ``granite`` (Granite 3.x)
     The whole output (after whitespace) is ``[{"name": ..., "arguments": {...}}, ...]``, optionally
     after ``<|tool_call|>`` (3.0) or ``<tool_call>`` (3.1); content is then ``None``. Text after
@@ -67,6 +78,7 @@ from kvserve.chat.harmony import HarmonyParser
 from kvserve.chat.tool_calls import (
     _MALFORMED_MSG,
     ExtractedToolCalls,
+    HermesToolParser,
     Llama3JsonToolParser,
     PythonicToolParser,
     ToolCall,
@@ -76,6 +88,7 @@ from kvserve.chat.tool_calls import (
     _dump,
     _End,
     _Event,
+    _HermesRegion,
     _jsonable,
     _loads,
     _Malformed,
@@ -86,6 +99,7 @@ from kvserve.chat.tool_calls import (
 from kvserve.engine.detokenizer import partial_suffix
 
 __all__ = [
+    "NEW_TOOL_PARSERS",
     "DeepSeekV3ToolParser",
     "DeepSeekV31ToolParser",
     "Glm45ToolParser",
@@ -94,9 +108,12 @@ __all__ = [
     "KimiK2ToolParser",
     "Llama4JsonToolParser",
     "Llama4PythonicToolParser",
-    "NEW_TOOL_PARSERS",
+    "LongcatToolParser",
+    "MinimaxM2ToolParser",
     "Qwen3CoderToolParser",
+    "SeedOssToolParser",
     "convert_param_value",
+    "minimax_value",
     "tool_properties",
 ]
 
@@ -400,10 +417,8 @@ def _qwen3_call(tools: list[dict]) -> Callable[[str], list[_Event]]:
                 n = _next_param(value, 1, names, lead=False)
                 text, nxt = (value[:n], e + 1 + n) if n >= 0 else (value, len(fbody))
             seen.add(pname)
-            if text.startswith("\n"):
-                text = text[1:]
-            if text.endswith("\n"):
-                text = text[:-1]
+            text = text.removeprefix("\n")
+            text = text.removesuffix("\n")
             params[pname] = convert_param_value(text, pname, props)
             pos = _next_param(fbody, nxt)
             if pos < 0 and fbody[nxt:].strip(_WS):
@@ -489,6 +504,117 @@ def _dsv31_call(body: str) -> list[_Event]:
     return [_Start(name, _json_args(args)), _End()]
 
 
+class _SeedRegion(_Qwen3Region):
+    OPEN, CLOSE = ("<seed:tool_call>",), "</seed:tool_call>"
+
+
+class _LongcatRegion(_HermesRegion):
+    OPEN, CLOSE = "<longcat_tool_call>", "</longcat_tool_call>"
+
+
+_INVOKE = re.compile(r"<invoke name=(.*?)</invoke>", re.DOTALL)
+_MM_PARAM = re.compile(r"<parameter name=(.*?)</parameter>", re.DOTALL)
+
+
+def _unquote(text: str) -> str:
+    t = text.strip()
+    if len(t) >= 2 and t[0] == t[-1] and t[0] in "\"'":
+        return t[1:-1]
+    return t
+
+
+def _schema_types(schema: object) -> list[str]:
+    """Every type a property schema allows (``type``, ``enum`` values, ``anyOf``/``oneOf``/``allOf``)."""
+    if not isinstance(schema, dict):
+        return ["string"]
+    types: list[str] = []
+
+    def add(t: str) -> None:
+        if t not in types:
+            types.append(t)
+
+    t = schema.get("type")
+    for x in (t if isinstance(t, list) else [t] if isinstance(t, str) else []):
+        if isinstance(x, str):
+            add(x)
+    for v in schema.get("enum") or [] if isinstance(schema.get("enum"), list) else []:
+        add("null" if v is None else "boolean" if isinstance(v, bool) else "integer" if isinstance(v, int) else
+            "number" if isinstance(v, float) else "string" if isinstance(v, str) else
+            "array" if isinstance(v, list) else "object")
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list):
+            for sub in schema[key]:
+                for x in _schema_types(sub):
+                    add(x)
+    return types or ["string"]
+
+
+def minimax_value(value: str, types: list[str]) -> object:
+    """A ``minimax_m2`` parameter's text -> JSON value (vLLM ``MinimaxM2ToolParser``'s rules):
+    ``null``/``none``/``nil`` -> null; then the first of integer, number, boolean
+    (``true/1/yes/on``, ``false/0/no/off``), object/array (JSON), string the schema allows that
+    converts; else JSON, else text."""
+    if value.lower() in ("null", "none", "nil"):
+        return None
+    low = [t.lower() for t in types]
+    for t in ("integer", "int", "number", "float", "boolean", "bool", "object", "array", "string", "str", "text"):
+        if t not in low:
+            continue
+        if t in ("string", "str", "text"):
+            return value
+        if t in ("integer", "int"):
+            try:
+                return int(value)
+            except ValueError:
+                continue
+        if t in ("number", "float"):
+            try:
+                f = float(value)
+                return int(f) if f.is_integer() else f
+            except (ValueError, OverflowError):
+                continue
+        if t in ("boolean", "bool"):
+            v = value.lower().strip()
+            if v in ("true", "1", "yes", "on"):
+                return True
+            if v in ("false", "0", "no", "off"):
+                return False
+            continue
+        try:
+            return json.loads(value)
+        except ValueError:
+            continue
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _minimax_calls(tools: list[dict]) -> Callable[[str], list[_Event]]:
+    def parse(body: str) -> list[_Event]:
+        events: list[_Event] = []
+        for inv in _INVOKE.findall(body):
+            head, sep, rest = inv.partition(">")
+            name = _unquote(head)
+            if not sep or not _good_name(name):
+                raise _Malformed(f"bad invoke name {head!r}")
+            props = tool_properties(tools, name)
+            params: dict = {}
+            for p in _MM_PARAM.findall(rest):
+                pname, psep, value = p.partition(">")
+                if not psep:
+                    raise _Malformed("bad <parameter name=")
+                pname = _unquote(pname)
+                value = value.strip()
+                params[pname] = minimax_value(value, _schema_types(props[pname]) if pname in props else ["string"])
+            events += [_Start(name, _args_json(params)), _End()]
+        if not events:
+            raise _Malformed("no <invoke> in <minimax:tool_call>")
+        return events
+
+    return parse
+
+
 class _GraniteRegion(_Region):
     """``[<|tool_call|>][<tool_call>][{...}, ...]`` and nothing after it."""
 
@@ -570,6 +696,39 @@ class Qwen3XmlToolParser(Qwen3CoderToolParser):
     """``qwen3_xml`` (vLLM ``Qwen3XMLToolParser``): the same format as ``qwen3_coder``."""
 
     name = "qwen3_xml"
+
+
+class SeedOssToolParser(Qwen3CoderToolParser):
+    """``seed_oss`` (vLLM ``SeedOssToolParser``): ``qwen3_coder``'s calls in ``<seed:tool_call>``."""
+
+    name = "seed_oss"
+    anywhere_markers = ("<seed:tool_call>",)
+    close_marker = "</seed:tool_call>"
+
+    def _region(self) -> _Region:
+        return _SeedRegion(_qwen3_call(self.tools))
+
+
+class LongcatToolParser(HermesToolParser):
+    """``longcat`` (vLLM ``LongcatFlashToolParser``): ``hermes`` in ``<longcat_tool_call>`` tags."""
+
+    name = "longcat"
+    anywhere_markers = ("<longcat_tool_call>",)
+    close_marker = "</longcat_tool_call>"
+
+    def _region(self) -> _Region:
+        return _LongcatRegion()
+
+
+class MinimaxM2ToolParser(ToolParser):
+    """``minimax_m2`` (vLLM ``MinimaxM2ToolParser``): ``<invoke name=...>`` in ``<minimax:tool_call>``."""
+
+    name = "minimax_m2"
+    anywhere_markers = ("<minimax:tool_call>",)
+    close_marker = "</minimax:tool_call>"
+
+    def _region(self) -> _Region:
+        return _TagRegion(("<minimax:tool_call>",), "</minimax:tool_call>", _minimax_calls(self.tools))
 
 
 class Glm45ToolParser(ToolParser):
@@ -765,5 +924,5 @@ class HarmonyToolParser(ToolParser):
 NEW_TOOL_PARSERS: tuple[type[ToolParser], ...] = (
     Qwen3CoderToolParser, Qwen3XmlToolParser, Glm45ToolParser, Glm47ToolParser, KimiK2ToolParser,
     DeepSeekV3ToolParser, DeepSeekV31ToolParser, GraniteToolParser, Llama4PythonicToolParser,
-    Llama4JsonToolParser, HarmonyToolParser,
+    Llama4JsonToolParser, HarmonyToolParser, SeedOssToolParser, LongcatToolParser, MinimaxM2ToolParser,
 )

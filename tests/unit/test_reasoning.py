@@ -253,7 +253,11 @@ def test_vllm_family_reasoning_tokens():
 
 
 def test_parser_names():
-    from kvserve.chat.reasoning import REASONING_PARSERS, VLLM_REASONING_PARSERS, reasoning_parser_error
+    from kvserve.chat.reasoning import (
+        REASONING_PARSERS,
+        VLLM_REASONING_PARSERS,
+        reasoning_parser_error,
+    )
 
     assert REASONING_PARSERS == ("deepseek_r1", "deepseek_v3", "glm45", "granite", "kimi_k2", "minimax_m2",
                                  "minimax_m2_append_think", "mistral", "openai_gptoss", "qwen3", "seed_oss", "step3")

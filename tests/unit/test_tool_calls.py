@@ -435,13 +435,13 @@ def test_pythonic_non_calls_are_content(text):
 
 def test_registry_and_errors():
     assert sorted(TOOL_PARSERS) == ["deepseek_v3", "deepseek_v31", "glm45", "glm47", "granite", "hermes", "kimi_k2",
-                                    "llama3_json", "llama4_json", "llama4_pythonic", "mistral", "openai", "pythonic",
-                                    "qwen3_coder", "qwen3_xml"]
+                                    "llama3_json", "llama4_json", "llama4_pythonic", "longcat", "minimax_m2", "mistral",
+                                    "openai", "pythonic", "qwen3_coder", "qwen3_xml", "seed_oss"]
     with pytest.raises(ValueError) as e:
         get_tool_parser("jamba")
     assert str(e.value) == ("unknown tool call parser 'jamba'; valid names: deepseek_v3, deepseek_v31, glm45, glm47, "
-                            "granite, hermes, kimi_k2, llama3_json, llama4_json, llama4_pythonic, mistral, openai, "
-                            "pythonic, qwen3_coder, qwen3_xml")
+                            "granite, hermes, kimi_k2, llama3_json, llama4_json, llama4_pythonic, longcat, minimax_m2, "
+                            "mistral, openai, pythonic, qwen3_coder, qwen3_xml, seed_oss")
 
 
 @pytest.mark.parametrize("source,expected", [

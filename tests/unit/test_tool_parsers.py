@@ -11,7 +11,12 @@ import json
 import pytest
 
 from kvserve.chat.harmony import HarmonyParser, parse_header
-from kvserve.chat.tool_calls import TOOL_PARSERS, VLLM_TOOL_PARSERS, detect_tool_parser, get_tool_parser
+from kvserve.chat.tool_calls import (
+    TOOL_PARSERS,
+    VLLM_TOOL_PARSERS,
+    detect_tool_parser,
+    get_tool_parser,
+)
 from kvserve.chat.tool_formats import convert_param_value
 from kvserve.faces.chat_output import ChoiceOutput, OutputMode
 from kvserve.serving.args import parse_args
@@ -123,6 +128,19 @@ HARMONY_CALLS = (
     "<|start|>assistant to=functions.list_dir<|channel|>commentary json<|message|>{\"path\": \"src\"}"
 )
 
+SEED_OSS = QWEN3_CODER.replace("<tool_call>", "<seed:tool_call>").replace("</tool_call>", "</seed:tool_call>")
+
+MINIMAX_M2 = (
+    "Reading.\n<minimax:tool_call>\n<invoke name=\"read_file\">\n"
+    "<parameter name=\"path\">src/Main.java</parameter>\n<parameter name=\"limit\">40</parameter>\n"
+    "<parameter name=\"force\">yes</parameter>\n<parameter name=\"note\">nil</parameter>\n</invoke>\n"
+    "<invoke name='list_dir'>\n<parameter name='path'>\nsrc\n</parameter>\n</invoke>\n</minimax:tool_call>"
+)
+
+LONGCAT = ("Sure.\n<longcat_tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"path\": \"src/Main.java\"}}\n"
+           "</longcat_tool_call>\n<longcat_tool_call>{\"name\": \"list_dir\", \"arguments\": {\"path\": \"src\"}}"
+           "</longcat_tool_call>")
+
 MAIN = '{"path": "src/Main.java"}'
 SRC = '{"path": "src"}'
 
@@ -136,6 +154,14 @@ SRC = '{"path": "src"}'
         call(0, "read_file", '{"path": "src/Main.java", "limit": 40, "flags": ["a", 1], "ratio": 2.5, '
                              '"force": true, "note": null}'),
         call(1, "list_dir", SRC)]),
+    ("seed_oss", SEED_OSS, "I will read the file first.", [
+        call(0, "read_file", '{"path": "src/Main.java", "limit": 40, "flags": ["a", 1], "ratio": 2.5, '
+                             '"force": true, "note": null}'),
+        call(1, "list_dir", SRC)]),
+    ("minimax_m2", MINIMAX_M2, "Reading.", [
+        call(0, "read_file", '{"path": "src/Main.java", "limit": 40, "force": true, "note": null}'),
+        call(1, "list_dir", SRC)]),
+    ("longcat", LONGCAT, "Sure.", [call(0, "read_file", MAIN), call(1, "list_dir", SRC)]),
     # list_dir's path is a string in its schema: "123" stays text
     ("glm45", GLM45, "Let me look.", [call(0, "read_file", '{"path": "src/Main.java", "limit": 40}'),
                                       call(1, "list_dir", '{"path": "123"}')]),
@@ -228,15 +254,19 @@ def test_qwen3_coder_schema_conversion(value, name, expected):
     ("qwen3_coder", "Try:\n<tool_call>\n<function={{ tc.name }}>\n</function>\n</tool_call>"),
     ("qwen3_coder", "Try:\n<tool_call>\nnot a function\n</tool_call>"),
     ("glm45", "Try:\n<tool_call>two words\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>"),
-    ("kimi_k2", "x<|tool_calls_section_begin|><|tool_call_begin|>functions.read_file:0"
-                "<|tool_call_argument_begin|>{bad<|tool_call_end|><|tool_calls_section_end|>"),
-    ("kimi_k2", "x<|tool_calls_section_begin|><|tool_call_begin|>read_file<|tool_call_argument_begin|>{}"
-                "<|tool_call_end|>"),
+    ("kimi_k2", ("x<|tool_calls_section_begin|><|tool_call_begin|>functions.read_file:0"
+                "<|tool_call_argument_begin|>{bad<|tool_call_end|><|tool_calls_section_end|>")),
+    ("kimi_k2", ("x<|tool_calls_section_begin|><|tool_call_begin|>read_file<|tool_call_argument_begin|>{}"
+                "<|tool_call_end|>")),
     ("deepseek_v3", "x<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>read_file\n{}<｜tool▁call▁end｜>"),
     ("deepseek_v31", "x<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>read_file<｜tool▁sep｜>[1]<｜tool▁call▁end｜>"),
     ("granite", "[1] is the first reference."),
     ("granite", '[{"name": "list_dir", "arguments": {"path": "src"}}] and more text'),
     ("llama4_pythonic", "[not a call]"),
+    ("minimax_m2", "x<minimax:tool_call><invoke name=\"a b\"></invoke></minimax:tool_call>"),
+    ("minimax_m2", "x<minimax:tool_call>nothing here</minimax:tool_call>"),
+    ("seed_oss", "x<seed:tool_call>\nno function\n</seed:tool_call>"),
+    ("longcat", "x<longcat_tool_call>{\"name\": }</longcat_tool_call>"),
 ])
 def test_malformed_output_is_content(name, text, caplog):
     want = {"role": "assistant", "content": text, "tool_calls": []}
@@ -302,7 +332,7 @@ def test_detect_new_formats(source, expected):
 # ------------------------------------------------------------------------------------------ start-up
 
 IMPLEMENTED_TOOLS = ("deepseek_v3, deepseek_v31, glm45, glm47, granite, hermes, kimi_k2, llama3_json, llama4_json, "
-                     "llama4_pythonic, mistral, openai, pythonic, qwen3_coder, qwen3_xml")
+                     "llama4_pythonic, longcat, minimax_m2, mistral, openai, pythonic, qwen3_coder, qwen3_xml, seed_oss")
 IMPLEMENTED_REASONING = ("deepseek_r1, deepseek_v3, glm45, granite, kimi_k2, minimax_m2, minimax_m2_append_think, "
                          "mistral, openai_gptoss, qwen3, seed_oss, step3")
 
@@ -322,16 +352,25 @@ def test_every_implemented_tool_parser_is_a_vllm_name():
     assert set(TOOL_PARSERS) <= set(VLLM_TOOL_PARSERS)
 
 
+def test_flag_help_names_the_implemented_parsers():
+    from kvserve.chat.reasoning import REASONING_PARSERS
+    from kvserve.serving.flags import help_text
+
+    text = " ".join(help_text().split())
+    assert f"a vLLM name: {', '.join(TOOL_PARSERS)} (other vLLM names: start-up error)" in text
+    assert f"a vLLM name: {', '.join(REASONING_PARSERS)} (other vLLM names: start-up error)" in text
+
+
 @pytest.mark.parametrize("flag,name,message", [
     ("--tool-call-parser", "jamba",
      f"--tool-call-parser 'jamba' is a vLLM parser that kvserve does not implement; implemented: {IMPLEMENTED_TOOLS}"),
-    ("--tool-call-parser", "minimax_m2",
-     "--tool-call-parser 'minimax_m2' is a vLLM parser that kvserve does not implement; implemented: "
-     f"{IMPLEMENTED_TOOLS}"),
+    ("--tool-call-parser", "phi4_mini_json",
+     ("--tool-call-parser 'phi4_mini_json' is a vLLM parser that kvserve does not implement; implemented: "
+     f"{IMPLEMENTED_TOOLS}")),
     ("--tool-call-parser", "qwen9", f"invalid --tool-call-parser 'qwen9': choose from {IMPLEMENTED_TOOLS}"),
     ("--reasoning-parser", "olmo3",
-     "--reasoning-parser 'olmo3' is a vLLM parser that kvserve does not implement; implemented: "
-     f"{IMPLEMENTED_REASONING}"),
+     ("--reasoning-parser 'olmo3' is a vLLM parser that kvserve does not implement; implemented: "
+     f"{IMPLEMENTED_REASONING}")),
     ("--reasoning-parser", "gpt_oss", f"invalid --reasoning-parser 'gpt_oss': choose from {IMPLEMENTED_REASONING}"),
 ])
 def test_parser_names_kvserve_lacks_are_start_up_errors(flag, name, message, capsys):
