@@ -351,6 +351,11 @@ def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimat
     compute = 4 * (n_tok * (8 * cfg_m.n_embd + 3 * cfg_m.n_ff) + cfg.n_slots * cfg_m.n_vocab)
     est = estimate_memory(weights, cfg_m.n_layer, cfg_m.n_head_kv, cfg_m.head_dim, n_ctx,
                           KV_BYTES.get(cfg.kv_dtype, 2), compute)
+    from kvserve.serving.startup_checks import known_kv_budget
+
+    budget = known_kv_budget(cfg, cfg_m)  # a vLLM KV budget sizes the pool instead of n_ctx
+    if budget is not None:
+        est = dataclasses.replace(est, kv=budget)
     return dataclasses.replace(est, cache=max(cfg.cache_ram_mib(), 0) << 20)
 
 

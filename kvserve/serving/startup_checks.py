@@ -316,6 +316,27 @@ def resolve_dtype(dtype: str, h: ModelHeader, device_type: str) -> tuple[str, li
     return out, [(logging.WARNING, f"Casting {src} to {dst}.")]
 
 
+def known_kv_budget(cfg, model_config: ModelConfig) -> int | None:
+    """The KV pool's bytes for running sequences that ``cfg`` fixes before loading (for the model
+    manager's memory estimate): ``num_gpu_blocks_override`` blocks, ``kv_cache_memory_bytes``,
+    or on the CPU ``cpu_kv_cache_memory_bytes``; None when the pool follows ``n_ctx`` or is
+    measured on CUDA (``gpu_memory_utilization``)."""
+    import torch
+
+    from kvserve.engine.kv_budget import kv_bytes_per_token
+
+    c = model_config
+    block_bytes = cfg.block_size * kv_bytes_per_token(c.n_layer, c.n_head_kv, c.head_dim, cfg.kv_dtype,
+                                                      getattr(cfg, "kv_dtype_v", None) or cfg.kv_dtype)
+    if cfg.num_gpu_blocks_override is not None:
+        return cfg.num_gpu_blocks_override * block_bytes
+    if cfg.kv_cache_memory_bytes is not None:
+        return cfg.kv_cache_memory_bytes // block_bytes * block_bytes
+    if cfg.cpu_kv_cache_memory_bytes is not None and torch.device(cfg.resolve_device()).type == "cpu":
+        return cfg.cpu_kv_cache_memory_bytes // block_bytes * block_bytes
+    return None
+
+
 # -- all of them ------------------------------------------------------------------------------
 
 def run_startup_checks(args, path: str, cfg) -> list[tuple[int, str]]:
@@ -374,5 +395,5 @@ def run_startup_checks(args, path: str, cfg) -> list[tuple[int, str]]:
 
 __all__ = ["LONG_MAX_MODEL_LEN_WARNING", "MAX_LEN_KEYS", "ModelHeader", "ONLINE_QUANT_METHODS", "QUANT_METHODS",
            "StartupCheckError", "VLLM_QUANT_METHODS", "batch_error", "batch_warning", "check_max_model_len",
-           "check_quantization", "derived_max_model_len", "quantization_name_error", "read_header",
+           "check_quantization", "derived_max_model_len", "known_kv_budget", "quantization_name_error", "read_header",
            "resolve_dtype", "run_startup_checks"]

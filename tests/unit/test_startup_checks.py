@@ -472,3 +472,15 @@ def test_server_serves_with_example3s_budget(tiny_long_gguf, tmp_path):
         if proc.poll() is None:
             os.kill(proc.pid, 15)
             proc.wait(timeout=30)
+
+
+def test_memory_estimate_counts_the_kv_budget(tiny_long_gguf):
+    from kvserve.serving.runner import estimate_runner_memory
+
+    spec = ModelSpec("m", tiny_long_gguf)
+    plain = estimate_runner_memory(parse_args(["-m", tiny_long_gguf, "--device", "cpu"], environ={}), spec)
+    assert plain.kv == 131072 * 256  # n_ctx tokens of 256 bytes
+    args = parse_args(["-m", tiny_long_gguf, "--device", "cpu", "--kv-cache-memory-bytes", "8MiB"], environ={})
+    assert estimate_runner_memory(args, spec).kv == 8 * MIB
+    args = parse_args(["-m", tiny_long_gguf, "--num-gpu-blocks-override", "100"], environ={})
+    assert estimate_runner_memory(args, spec).kv == 100 * 4096
