@@ -21,6 +21,7 @@ from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.request import (
     ContextSizeExceededError,
     InvalidRequestError,
+    PromptProgress,
     Request,
     RequestOutput,
     RequestStatus,
@@ -389,6 +390,8 @@ class EngineCore:
         if start < req.num_prompt_tokens and req.num_preemptions == 0:
             st.prompt_tokens_total += min(ch.num_new_tokens, req.num_prompt_tokens - start)
         if sample is None:
+            if req.return_progress and req.num_preemptions == 0 and start < req.num_prompt_tokens:
+                return self._progress_output(req, now)
             return None
         if isinstance(sample, SampleFailure):  # this row's sampler raised: fail this request only
             raise sample.error
@@ -398,6 +401,16 @@ class EngineCore:
             st.prompt_tokens_cached_total += req.num_cached_tokens
             st.prompt_seconds_total += now - (req.first_scheduled_time or now)
         return self._accept(req, state, sample, now)
+
+    @staticmethod
+    def _progress_output(req: Request, now: float) -> RequestOutput:
+        """A prompt chunk's output for a ``return_progress`` request: no tokens, its progress."""
+        cached = max(req.num_cached_tokens, 0)
+        ms = int((now - (req.first_scheduled_time or now)) * 1000)
+        return RequestOutput(request_id=req.request_id, new_token_ids=[], text="",
+                             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=cached,
+                             arrival_time=req.arrival_time,
+                             prompt_progress=PromptProgress(req.num_prompt_tokens, cached, req.num_computed_tokens, ms))
 
     def _update_spec(self, ch: ScheduledChunk, target: list[int], now: float) -> RequestOutput:
         """Apply a verification chunk: accept the longest prefix of the draft that matches the

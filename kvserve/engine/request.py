@@ -319,6 +319,7 @@ class Request:
     priority_slot: int = -1
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    return_progress: bool = False  # llama-server's return_progress: each prompt chunk yields a progress output
     # --- engine-owned state below ---
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -356,6 +357,24 @@ class Request:
         return self.status.is_finished
 
 
+@dataclass(frozen=True, slots=True)
+class PromptProgress:
+    """Prompt processing so far (llama-server's ``prompt_progress``), on the output of a prompt
+    chunk that sampled nothing, for a request with ``return_progress``.
+
+    Attributes:
+        total: prompt tokens.
+        cache: prompt tokens reused from the KV cache.
+        processed: prompt tokens in the KV now (cached ones included).
+        time_ms: ms since the request's first chunk was scheduled (whole ms, as llama-server).
+    """
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """One event of a request's output stream (one per engine step that produced something).
@@ -379,6 +398,8 @@ class RequestOutput:
         error: message when the engine failed this request (finished is True).
         arrival_time: the request's ``arrival_time`` (``time.monotonic()`` seconds), for
             latency metrics measured from arrival (vLLM's time to first token, e2e latency).
+        prompt_progress: set (and nothing else new) on a prompt chunk's output for a request
+            with ``return_progress``; None otherwise.
     """
 
     request_id: str
@@ -396,6 +417,7 @@ class RequestOutput:
     truncated: bool = False
     error: str | None = None
     arrival_time: float = 0.0
+    prompt_progress: PromptProgress | None = None
 
     @property
     def cache_miss(self) -> dict | None:

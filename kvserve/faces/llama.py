@@ -48,6 +48,7 @@ from kvserve.faces.llama_types import (
     DetokenizeResponse,
     HealthResponse,
     Modalities,
+    PromptProgress,
     Props,
     PropsUpdateResponse,
     RestoreTimings,
@@ -216,6 +217,8 @@ class CompletionHandler:
             "constraint": constraint_from_body(body, "llama"),
             "grammar": "",
         }
+        # llama-server's return_progress: prompt_progress events, in streams only
+        opts["return_progress"] = opts["stream"] and bool(get_bool(body, "return_progress", False))
         prompts = split_prompts(body["prompt"])
         tasks = []
         for i, p in enumerate(prompts):
@@ -225,7 +228,7 @@ class CompletionHandler:
                 raise ApiError(400, f"Field 'prompt': token id {bad} out of range [0, {tok.n_vocab})")
             text = p if isinstance(p, str) else tok.decode(ids)
             req = Request(f"cmpl-{uuid.uuid4().hex}", ids, params, priority_slot=opts["id_slot"],
-                          cache_salt=get_str(body, "cache_salt") or None)
+                          cache_salt=get_str(body, "cache_salt") or None, return_progress=opts["return_progress"])
             tasks.append(_Completion(i, text, ids, req))
         return tasks, params, opts
 
@@ -304,8 +307,34 @@ class CompletionHandler:
         results = [self.final_json(c, params, opts, stream=False).wire() for c in tasks]
         return json_response(results[0] if len(results) == 1 else results)
 
+    def _progress_chunk(self, c: _Completion, total: int, cache: int, processed: int, time_ms: int) -> dict:
+        return CompletionChunk(index=c.index, content="", tokens=[], stop=False, id_slot=c.request.priority_slot,
+                               stop_type="none", tokens_predicted=0, tokens_evaluated=total,
+                               prompt_progress=PromptProgress(total=total, cache=cache, processed=processed,
+                                                              time_ms=time_ms)).wire()
+
     async def _stream(self, c: _Completion, params: SamplingParams, opts: dict):
+        """The stream's events. With ``return_progress`` (llama-server's): before the first token,
+        one event at 0% (``processed`` = ``cache``), one per prompt chunk the engine ran, and one
+        at 100% (``processed`` = ``total``)."""
+        progress = opts["return_progress"]
+        shown = started = False  # the 0% event was sent; the first token was
         async for out in generate(self.state, c.request, self._params_view(params, opts)):
+            p = out.prompt_progress
+            if p is not None:  # a prompt chunk (return_progress only)
+                if progress and not started:
+                    if not shown:
+                        shown = True
+                        yield self._progress_chunk(c, p.total, p.cache, p.cache, 0)
+                    yield self._progress_chunk(c, p.total, p.cache, p.processed, p.time_ms)
+                continue
+            if progress and not started:
+                started = True
+                total, cache = out.num_prompt_tokens, out.num_cached_tokens
+                if not shown:
+                    shown = True
+                    yield self._progress_chunk(c, total, cache, cache, 0)
+                yield self._progress_chunk(c, total, cache, total, int(out.timings.prompt_ms))
             c.add(out, params.post_sampling_probs)
             if out.text or (out.logprobs and params.n_probs > 0):
                 chunk = CompletionChunk(index=c.index, content=out.text,

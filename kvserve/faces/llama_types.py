@@ -38,6 +38,7 @@ __all__ = [
     "DetokenizeResponse",
     "HealthResponse",
     "Modalities",
+    "PromptProgress",
     "Props",
     "PropsUpdateResponse",
     "RestoreTimings",
@@ -136,9 +137,21 @@ class TokenProbs(TypedDict):
 
 # -- /completion ----------------------------------------------------------------------------
 
+class PromptProgress(WireModel):
+    """llama-server's ``prompt_progress`` (``return_progress`` in a stream): prompt tokens in
+    all, reused from the cache, in the KV so far (cached ones included), and ms since prompt
+    processing started."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int
+
+
 class CompletionChunk(WireModel):
     """One streamed ``/completion`` event before the last (``stop`` false, ``stop_type``
-    ``none``): the new text (and ids with ``return_tokens``)."""
+    ``none``): the new text (and ids with ``return_tokens``); with ``return_progress``, the
+    events before the first token carry ``prompt_progress`` and no text."""
 
     index: int
     content: str
@@ -148,6 +161,7 @@ class CompletionChunk(WireModel):
     stop_type: str
     tokens_predicted: int
     tokens_evaluated: int
+    prompt_progress: PromptProgress | None = None
     completion_probabilities: list[TokenLogprobs | TokenProbs] | None = None
 
 

@@ -264,3 +264,40 @@ def test_metrics_every_llamacpp_family_and_the_headers(tiny):
     assert vals["llamacpp:spec_decode_num_drafts_total"] == 0
     assert "spec_decode_num_accepted_tokens_per_pos" not in text  # omitted without speculation
     assert (vals["llamacpp:requests_processing"], vals["llamacpp:requests_deferred"]) == (0, 0)
+
+
+# -- return_progress ------------------------------------------------------------------------------
+
+def _sse(r) -> list[dict]:
+    assert r.status_code == 200, r.text
+    return [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: ")]
+
+
+def test_return_progress_objects_for_a_known_prompt(tiny):
+    prompt = list(range(40, 80))  # 40 token ids; -b 16: the engine runs chunks of 16, 16 and 8 tokens
+    body = {"prompt": prompt, "n_predict": 2, "temperature": 0, "stream": True, "return_progress": True,
+            "ignore_eos": True, "cache_prompt": False}
+    ev = _sse(tiny.post("/completion", json=body))
+    prog = [e["prompt_progress"] for e in ev if "prompt_progress" in e]
+    assert [(p["total"], p["cache"], p["processed"]) for p in prog] == [(40, 0, 0), (40, 0, 16), (40, 0, 32),
+                                                                          (40, 0, 40)]
+    assert prog[0]["time_ms"] == 0 and all(isinstance(p["time_ms"], int) and p["time_ms"] >= 0 for p in prog)
+    assert [p["time_ms"] for p in prog] == sorted(p["time_ms"] for p in prog)
+    first = next(e for e in ev if "prompt_progress" in e)
+    assert list(first) == ["index", "content", "tokens", "stop", "id_slot", "stop_type", "tokens_predicted",
+                           "tokens_evaluated", "prompt_progress"]
+    assert (first["content"], first["tokens"], first["tokens_predicted"], first["tokens_evaluated"]) == ("", [], 0, 40)
+    # every progress event comes before the first token's; the text is the same as without progress
+    n_prog = len(prog)
+    assert all("prompt_progress" in e for e in ev[:n_prog]) and all("prompt_progress" not in e for e in ev[n_prog:])
+    plain = _sse(tiny.post("/completion", json={**body, "return_progress": False}))
+    assert all("prompt_progress" not in e for e in plain)
+    assert "".join(e["content"] for e in ev) == "".join(e["content"] for e in plain)
+    # a cached prompt: 39 tokens reused, one evaluated
+    ev = _sse(tiny.post("/completion", json={**body, "cache_prompt": True, "id_slot": 0}))
+    ev = _sse(tiny.post("/completion", json={**body, "cache_prompt": True, "id_slot": 0}))
+    prog = [e["prompt_progress"] for e in ev if "prompt_progress" in e]
+    assert [(p["total"], p["cache"], p["processed"]) for p in prog] == [(40, 39, 39), (40, 39, 40)]
+    # not streaming: no progress objects (llama-server sends them in streams only)
+    r = tiny.post("/completion", json={**body, "stream": False}).json()
+    assert "prompt_progress" not in r
