@@ -227,7 +227,8 @@ def plan_engine_pool(config, model_config, *, n_ctx: int, n_ctx_slot: int, n_slo
         if mem_get_info is None:
             import torch
 
-            mem_get_info = torch.cuda.mem_get_info
+            device = torch.device(config.resolve_device())
+            mem_get_info = lambda: torch.cuda.mem_get_info(device)
         free, total = mem_get_info()
         c = model_config
         budget = cuda_budget_bytes(config.gpu_memory_utilization, total, free,
@@ -238,6 +239,19 @@ def plan_engine_pool(config, model_config, *, n_ctx: int, n_ctx_slot: int, n_slo
                      note=note)
 
 
-__all__ = ["activation_bytes", "plan_engine_pool", "GIB", "KVCacheMemoryError", "NO_MEMORY_TEXT", "PoolPlan", "budget_source", "cdiv",
-           "cuda_budget_bytes", "estimate_max_model_len", "format_gib", "kv_bytes_per_token",
-           "not_enough_memory_text", "plan_pool"]
+__all__ = [
+    "GIB",
+    "NO_MEMORY_TEXT",
+    "KVCacheMemoryError",
+    "PoolPlan",
+    "activation_bytes",
+    "budget_source",
+    "cdiv",
+    "cuda_budget_bytes",
+    "estimate_max_model_len",
+    "format_gib",
+    "kv_bytes_per_token",
+    "not_enough_memory_text",
+    "plan_engine_pool",
+    "plan_pool",
+]

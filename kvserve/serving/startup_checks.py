@@ -276,8 +276,8 @@ def check_quantization(flag: str | None, h: ModelHeader, how: str = "-q") -> lis
     if flag is None or model_method == "gguf":
         return []
     if flag in ONLINE_QUANT_METHODS:
-        return [(logging.WARNING, f"flag {how} {flag}: ignored, not available in kvserve: weights are not quantized "
-                 f"while loading; they are served as stored ({h.torch_dtype or 'float32'} safetensors)")]
+        return [(logging.WARNING, (f"flag {how} {flag}: ignored, not available in kvserve: weights are not quantized "
+                 f"while loading; they are served as stored ({h.torch_dtype or 'float32'} safetensors)"))]
     raise StartupCheckError(
         f"{how} {flag}: the model's config.json has no quantization_config: its weights are not {flag}-quantized "
         f"(online quantization methods: {', '.join(sorted(ONLINE_QUANT_METHODS))})")
@@ -368,8 +368,8 @@ def run_startup_checks(args, path: str, cfg) -> list[tuple[int, str]]:
     elif cfg.n_ctx > n_ctx_train:  # llama-server's -c above the training context: its warning
         n_ctx_seq = cfg.n_ctx_slot(n_ctx_train)
         if n_ctx_seq > n_ctx_train:
-            notes.append((logging.WARNING, f"n_ctx_seq ({n_ctx_seq}) > n_ctx_train ({n_ctx_train}) -- possible "
-                          "training context overflow"))
+            notes.append((logging.WARNING, (f"n_ctx_seq ({n_ctx_seq}) > n_ctx_train ({n_ctx_train}) -- possible "
+                          "training context overflow")))
     n_ctx_slot = cfg.n_ctx_slot(n_ctx_train)
     if getattr(args, "vllm_batch_limits", False):
         warning = batch_warning(cfg.max_num_batched_tokens, cfg.n_slots, n_ctx_slot)
@@ -377,8 +377,8 @@ def run_startup_checks(args, path: str, cfg) -> list[tuple[int, str]]:
             notes.append((logging.WARNING, warning))
     if device_type == "cpu" and getattr(args, "gpu_memory_utilization", None) is not None \
             and cfg.kv_cache_memory_bytes is None:
-        notes.append((logging.INFO, "flag --gpu-memory-utilization: no effect on the CPU: the KV budget there is "
-                      "--kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE (GiB)"))
+        notes.append((logging.INFO, ("flag --gpu-memory-utilization: no effect on the CPU: the KV budget there is "
+                      "--kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE (GiB)")))
     pre = (cfg.kv_cache_memory_bytes is not None or cfg.num_gpu_blocks_override is not None
            or (device_type == "cpu" and cfg.cpu_kv_cache_memory_bytes is not None))
     if pre:  # a budget known before loading: refuse now, not after reading the weights
@@ -393,7 +393,22 @@ def run_startup_checks(args, path: str, cfg) -> list[tuple[int, str]]:
     return notes
 
 
-__all__ = ["LONG_MAX_MODEL_LEN_WARNING", "MAX_LEN_KEYS", "ModelHeader", "ONLINE_QUANT_METHODS", "QUANT_METHODS",
-           "StartupCheckError", "VLLM_QUANT_METHODS", "batch_error", "batch_warning", "check_max_model_len",
-           "check_quantization", "derived_max_model_len", "known_kv_budget", "quantization_name_error", "read_header",
-           "resolve_dtype", "run_startup_checks"]
+__all__ = [
+    "LONG_MAX_MODEL_LEN_WARNING",
+    "MAX_LEN_KEYS",
+    "ONLINE_QUANT_METHODS",
+    "QUANT_METHODS",
+    "VLLM_QUANT_METHODS",
+    "ModelHeader",
+    "StartupCheckError",
+    "batch_error",
+    "batch_warning",
+    "check_max_model_len",
+    "check_quantization",
+    "derived_max_model_len",
+    "known_kv_budget",
+    "quantization_name_error",
+    "read_header",
+    "resolve_dtype",
+    "run_startup_checks",
+]
