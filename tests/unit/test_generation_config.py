@@ -185,15 +185,13 @@ def test_generation_config_dir(serve, hf14, tmp_path):
     assert any("`{'temperature': 0.5, 'max_tokens': 7}`" in line for line in s.log)
 
 
-@pytest.mark.parametrize("value,want", [
-    ("/no/such/dir", "invalid --generation-config '/no/such/dir': 'auto', 'vllm' or a directory holding "
-                     "generation_config.json (FileNotFoundError: No such file or directory)"),
-])
-def test_generation_config_dir_must_hold_the_file(value, want, capsys):
+def test_generation_config_dir_must_hold_the_file(capsys):
     with pytest.raises(SystemExit) as e:
-        parse_args(["--generation-config", value], environ={})
+        parse_args(["--generation-config", "/no/such/dir"], environ={})
     assert e.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {want}")
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: invalid --generation-config '/no/such/dir': 'auto', 'vllm' or a directory holding "
+        "generation_config.json (FileNotFoundError: No such file or directory)")
 
 
 def test_generation_config_dir_not_an_object(tmp_path, capsys):
@@ -328,7 +326,7 @@ def test_ollama_layers_the_file_under_the_params_layer(gguf_sampled):
     layer = ollama_layer(md)
     assert layer == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0, "repeat_penalty": 1.05,
                      "repeat_last_n": 128}  # the server's --temp does not reach the Ollama face
-    got = ollama_options({**layer, **{"temperature": 0.3}}, {"top_k": 2}).sampling
+    got = ollama_options({**layer, "temperature": 0.3}, {"top_k": 2}).sampling
     assert (got["temperature"], got["top_k"], got["top_p"], got["repeat_last_n"]) == (0.3, 2, 0.95, 128)
     plain = ollama_options({}, None).sampling
     assert (plain["temperature"], plain["top_k"], plain["top_p"]) == (0.8, 40, 0.9)  # Ollama's own defaults
