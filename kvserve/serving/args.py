@@ -464,6 +464,9 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         if problem:
             raise _Exit(problem)
     cpu_kv_bytes = _cpu_kvcache_space(p, env)
+    kv_unified = v["kv_unified"]
+    if kv_unified is None and "max_num_seqs" in given and v["parallel"] is None:
+        kv_unified = True  # vLLM's sequences share one pool and each may use max_model_len
     allow_long = env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
     from kvserve.errors import InvalidInputError
     from kvserve.serving.manager import DEFAULT_MAX_LOADED, parse_keep_alive
@@ -545,7 +548,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         max_loaded_models=max_loaded or DEFAULT_MAX_LOADED, max_memory=max_memory,
         max_queue=v["max_queue"], preload=v["preload"], allow_model_paths=v["allow_model_paths"],
         models_dir=v["models_dir"], webui=v["webui"],
-        path=v["path"], offline=v["offline"], kv_unified=v["kv_unified"], block_size=v["block_size"],
+        path=v["path"], offline=v["offline"], kv_unified=kv_unified, block_size=v["block_size"],
         sampling=sampling, chat_template_content_format=v["chat_template_content_format"],
         ssl_key_file=ssl_key, ssl_cert_file=ssl_cert, ssl_ca_certs=v["ssl_ca_certs"],
         ssl_cert_reqs=v["ssl_cert_reqs"], ssl_ciphers=v["ssl_ciphers"],

@@ -355,7 +355,8 @@ FLAGS: tuple[Flag, ...] = (
       "(vLLM's warning; the context grows to it); -c may exceed it with llama-server's warning"),
     F("-np --parallel", "int", None, "slots (-1 = auto: 4, unified KV)", env="LLAMA_ARG_N_PARALLEL"),
     F("--max-num-seqs", "int", None, "slots (vLLM name of -np)", source=VLLM,
-      why="slots (-np wins); given, vLLM's checks apply: max_num_batched_tokens >= max_num_seqs (else the server "
+      why="slots (-np wins) sharing one KV pool, each up to max_model_len (as -kvu; -np splits -c among slots); "
+      "given, vLLM's checks apply: max_num_batched_tokens >= max_num_seqs (else the server "
       "does not start) and a warning when it exceeds max_num_seqs * max_model_len", check=_positive("--max-num-seqs")),
     F("-b --batch-size", "int", None, "tokens per step (= --max-num-batched-tokens)", env="LLAMA_ARG_BATCH"),
     F("--max-num-batched-tokens", "int", None, "tokens per step", source=VLLM, convert=human_int,

@@ -490,3 +490,12 @@ def test_memory_estimate_counts_the_kv_budget(tiny_long_gguf):
     assert estimate_runner_memory(args, spec).kv == 8 * MIB
     args = parse_args(["-m", tiny_long_gguf, "--num-gpu-blocks-override", "100"], environ={})
     assert estimate_runner_memory(args, spec).kv == 100 * 4096
+
+
+def test_max_num_seqs_shares_one_pool_as_vllm():
+    cfg = parse_args(["--max-num-seqs", "4"], environ={}).engine_config()
+    assert (cfg.n_slots, cfg.unified, cfg.n_ctx_slot(131072)) == (4, True, 131072)
+    cfg = parse_args(["-np", "4"], environ={}).engine_config()  # llama-server's -np splits -c
+    assert (cfg.n_slots, cfg.unified, cfg.n_ctx_slot(131072)) == (4, False, 32768)
+    cfg = parse_args(["--max-num-seqs", "4", "--no-kv-unified"], environ={}).engine_config()
+    assert cfg.unified is False
