@@ -93,6 +93,7 @@ def _srv(level: int, func: str, msg: str, *a) -> None:
 def build_app(state: ServerState) -> FastAPI:
     """The ASGI app: native and OpenAI faces, error envelopes, API keys, CORS."""
     from kvserve.faces import anthropic, embeddings, llama, ollama, responses, webui
+    from kvserve.faces import router as router_face  # what vllm-router reads from a worker
 
     # no slash redirects: llama-server answers /health/ with 404, not 307
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
@@ -135,6 +136,7 @@ def build_app(state: ServerState) -> FastAPI:
     _include_openai(app, state)
     app.include_router(responses.build_router(state))
     app.include_router(anthropic.build_router(state))
+    app.include_router(router_face.build_router(state))
     app.include_router(webui.build_router(state))
     # innermost first: the crash guard sits right outside the exception handlers above
     app.add_middleware(CrashGuardMiddleware)
@@ -142,6 +144,10 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(HeadAsGetMiddleware)
     add_security(app, state.args.api_keys, cors_policy(state.args))
     add_api_guard(app, state.args.host)  # Ollama's routes: local origins and hosts only
+    if state.args.log_verbosity >= 4:  # -v / -lv 4: llama-server's request and response debug lines
+        from kvserve.faces.http import RequestLogMiddleware
+
+        app.add_middleware(RequestLogMiddleware, secrets=tuple(state.args.api_keys))
     return app
 
 
@@ -282,6 +288,13 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _log_listening(args) -> None:
+    """``listening on http://HOST:PORT``, one line per ``--host`` address (llama-server #28690)."""
+    for host in args.hosts or [args.host]:
+        shown = f"[{host}]" if ":" in host else host
+        _srv(logging.INFO, "llama_server", "listening on %s://%s:%d", _scheme(args), shown, args.port)
+
+
 def add_startup(app: FastAPI, state: ServerState, on_fail) -> None:
     """On server start: preload the start-up model (unless ``--no-preload``) and start the
     keep_alive reaper; on shutdown unload every model. ``on_fail()`` is called when the
@@ -293,8 +306,7 @@ def add_startup(app: FastAPI, state: ServerState, on_fail) -> None:
             state.preload_task = asyncio.get_running_loop().create_task(_preload(state, on_fail))
         else:
             _srv(logging.INFO, "llama_server", "no model preloaded (--no-preload): models load on demand")
-            _srv(logging.INFO, "llama_server", "listening on %s://%s:%d", _scheme(state.args), state.args.host,
-                 state.args.port)
+            _log_listening(state.args)
 
     async def shutdown() -> None:
         await state.manager.shutdown()
@@ -310,7 +322,7 @@ async def _preload(state: ServerState, on_fail) -> None:
     try:
         await state.preload()
         _srv(logging.INFO, "llama_server", "model loaded")
-        _srv(logging.INFO, "llama_server", "listening on %s://%s:%d", _scheme(args), args.host, args.port)
+        _log_listening(args)
     except BaseException as e:  # noqa: BLE001 - reported, then the server exits
         from kvserve.serving.manager import LoadFailedError
 
@@ -351,9 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     state = ServerState(args)
     app = build_app(state)
     socks: list[socket.socket] = []
-    for host in args.hosts or [args.host]:  # llama-server: --host takes a comma-separated list
+    for host in args.hosts or [args.host]:  # llama-server: --host takes a comma-separated list (or repeated)
         try:
             socks.append(_listen(host, args.port))
+            if args.port == 0:  # --port 0: the first address picks a free port, the others use it
+                args.port = socks[0].getsockname()[1]
         except OSError as e:
             _srv(logging.ERROR, "llama_server", "couldn't bind HTTP server socket, hostname: %s, port: %d: %s",
                  host, args.port, e)

@@ -1,6 +1,6 @@
 """Small HTTP helpers every face uses: reading the JSON body, writing JSON responses,
-and the ASGI middlewares that bound a request body (``--max-request-bytes``) and answer
-HEAD as GET.
+and the ASGI middlewares that bound a request body (``--max-request-bytes``), answer
+HEAD as GET and, with ``-v``, log requests (:class:`RequestLogMiddleware`).
 """
 
 from __future__ import annotations
@@ -235,3 +235,85 @@ class HeadAsGetMiddleware:
             await send(msg)
 
         await self.app({**scope, "method": "GET"}, receive, no_body)
+
+
+# -- --verbose request logging ----------------------------------------------------------------
+
+#: paths llama-server's request logger skips (polled often: health checks, model lists, props, metrics)
+QUIET_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/props", "/metrics"})
+#: at most this many bytes of a request or response body are logged
+LOG_BODY_BYTES = 2048
+
+
+class _Capture:
+    """The first ``limit`` bytes of a body and how many more there were."""
+
+    __slots__ = ("data", "extra", "limit")
+
+    def __init__(self, limit: int):
+        self.data = bytearray()
+        self.extra = 0
+        self.limit = limit
+
+    def add(self, chunk: bytes) -> None:
+        room = self.limit - len(self.data)
+        if room > 0:
+            self.data += chunk[:room]
+        self.extra += max(0, len(chunk) - max(room, 0))
+
+    def text(self, secrets: tuple[str, ...]) -> str:
+        s = self.data.decode("utf-8", errors="replace")
+        for k in secrets:
+            s = s.replace(k, "***")
+        return s + (f" ... ({self.extra} more bytes)" if self.extra else "")
+
+
+class RequestLogMiddleware:
+    """ASGI middleware for ``-v``/``--verbose`` (``-lv`` 4 and up): after each request, the debug
+    lines llama-server's ``log_server_request`` writes: ``done request: METHOD PATH CLIENT STATUS``,
+    then ``request:  BODY`` and ``response: BODY``. Bounded: at most :data:`LOG_BODY_BYTES` of each
+    body (the rest counted, ``... (N more bytes)``); streamed responses are captured up to the same
+    bound. Never logs a header (so never an ``Authorization`` or ``X-Api-Key``), nor the query
+    string, and every configured API key that appears in a body is written ``***``. Skips
+    :data:`QUIET_PATHS`, as llama-server does.
+
+    Args:
+        app: the wrapped ASGI app.
+        secrets: API keys to hide.
+        limit: bytes of each body to log.
+    """
+
+    def __init__(self, app, secrets: tuple[str, ...] = (), limit: int = LOG_BODY_BYTES):
+        self.app = app
+        self.secrets = tuple(k for k in secrets if k)
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") in QUIET_PATHS:
+            await self.app(scope, receive, send)
+            return
+        req, res = _Capture(self.limit), _Capture(self.limit)
+        status = [0]
+
+        async def recv():
+            msg = await receive()
+            if msg["type"] == "http.request":
+                req.add(msg.get("body", b""))
+            return msg
+
+        async def snd(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            elif msg["type"] == "http.response.body":
+                res.add(msg.get("body", b""))
+            await send(msg)
+
+        try:
+            await self.app(scope, recv, snd)
+        finally:
+            client = (scope.get("client") or ("-", 0))[0]
+            extra = {"func": "log_server_r"}
+            _log.debug("done request: %s %s %s %d", scope.get("method"), scope.get("path"), client, status[0],
+                       extra=extra)
+            _log.debug("request:  %s", req.text(self.secrets), extra=extra)
+            _log.debug("response: %s", res.text(self.secrets), extra=extra)

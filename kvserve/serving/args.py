@@ -513,7 +513,8 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         raise _Exit(f"invalid --sleep-idle-seconds {v['sleep_idle_seconds']}: -1 (never) or >= 0")
     if v["timeout"] is not None and v["timeout"] <= 0:
         raise _Exit(f"invalid --timeout {v['timeout']}: seconds, > 0")
-    hosts = [h.strip() for h in v["host"].split(",") if h.strip()]
+    host_items = v["host"] if isinstance(v["host"], list) else [v["host"]]  # repeated --host (llama-server)
+    hosts = list(dict.fromkeys(h.strip() for item in host_items for h in item.split(",") if h.strip()))
     if not hosts:
         raise _Exit("invalid --host: no address given")
     sock_paths = [h for h in hosts if h.endswith(".sock") or "/" in h]

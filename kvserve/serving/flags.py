@@ -741,8 +741,9 @@ FLAGS: tuple[Flag, ...] = (
       f"--convert {v}: kvserve converts generative models to embed only (--embeddings)"),
     F("--pooler-config --override-pooler-config", source=VLLM, effect=WARN, why="the model's own pooling is used"),
     # -- HTTP server
-    F("--host", default="127.0.0.1", help="address(es) to listen on, comma-separated", source=BOTH,
-      env="LLAMA_ARG_HOST", why="every address gets a socket; the first is the one logged and guarded (/api)"),
+    F("--host", "append", "127.0.0.1", help="address(es) to listen on: comma-separated or repeated", source=BOTH,
+      env="LLAMA_ARG_HOST", why="every address gets a socket on --port (llama-server #28690: comma list or "
+                                "repeated, all must bind; each listening URL logged); the first one guards /api"),
     F("--port", "int", 8080, "port to listen on", source=BOTH, env="LLAMA_ARG_PORT"),
     F("--uds", source=VLLM, effect=REFUSE, why="kvserve listens on TCP (--host, --port)"),
     F("--reuse-port", "bool", False, env="LLAMA_ARG_REUSE_PORT", effect=NONE, why="one listening socket"),
@@ -820,7 +821,9 @@ FLAGS: tuple[Flag, ...] = (
     F("--enable-server-load-tracking", "bool", False, source=VLLM, effect=NONE, why="no load tracking"),
     F("--spm-infill", "bool", False, effect=NONE, why="infill uses the model's FIM tokens in their own order"),
     # -- logging
-    F("-v --verbose --log-verbose", "bool", False, "log everything (debug lines)", why="as -lv 5"),
+    F("-v --verbose --log-verbose", "bool", False, "log everything (debug lines, requests and responses)",
+      why="as -lv 5: debug lines and, per request, llama-server's done request/request/response lines (bodies "
+          "cut at 2048 bytes, API keys written ***)"),
     F("-lv --log-verbosity --verbosity", "int", 3, "log verbosity (>= 4: debug lines)",
       env="LLAMA_ARG_LOG_VERBOSITY"),
     F("--log-disable", "bool", False, "no log output"),

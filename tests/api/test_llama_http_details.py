@@ -301,3 +301,59 @@ def test_return_progress_objects_for_a_known_prompt(tiny):
     # not streaming: no progress objects (llama-server sends them in streams only)
     r = tiny.post("/completion", json={**body, "stream": False}).json()
     assert "prompt_progress" not in r
+
+
+# -- --verbose request logging, several --host addresses ------------------------------------------
+
+def test_verbose_logs_requests_bounded_without_keys(tiny_path, caplog):
+    import logging
+
+    path, d = tiny_path
+    key = "sk-very-secret-123"
+    c = _client(path, d, "-v", "--api-key", key)
+    try:
+        caplog.set_level(logging.DEBUG, logger="kvserve.server")
+        auth = {"Authorization": f"Bearer {key}"}
+        sent = {"prompt": "hi", "n_predict": 1, "temperature": 0, "note": key + " " + "x" * 5000}  # 5 kB body
+        r = c.post("/completion", headers=auth, json=sent)
+        assert r.status_code == 200
+        c.get("/health", headers=auth)  # quiet paths are not logged, as llama-server
+        lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvserve.server"]
+        done = [ln for ln in lines if ln.startswith("done request:")]
+        assert done == ["done request: POST /completion testclient 200"]
+        req = next(ln for ln in lines if ln.startswith("request:  "))
+        body = json.dumps(sent, separators=(",", ":"))
+        assert req.startswith("request:  " + body[:80].replace(key, "***"))
+        assert req.endswith(f" ... ({len(body.encode()) - 2048} more bytes)")
+        resp = next(ln for ln in lines if ln.startswith("response: "))
+        assert resp.startswith('response: {"index":0,"content":')
+        assert all(key not in ln for ln in lines)
+        # without -v: no request lines
+        caplog.clear()
+        c2 = _client(path, d)
+        try:
+            c2.post("/completion", json={"prompt": "hi", "n_predict": 1})
+            assert not [r for r in caplog.records if r.getMessage().startswith("done request:")]
+        finally:
+            c2.portal.call(c2.state.manager.shutdown)
+            c2.__exit__(None, None, None)
+    finally:
+        c.portal.call(c.state.manager.shutdown)
+        c.__exit__(None, None, None)
+
+
+def test_several_host_addresses(tiny_path, tmp_path):
+    from servers import spawn
+
+    path, d = tiny_path
+    srv = spawn(str(path), ("--host", "127.0.0.1", "--host", "127.0.0.2", "-c", "256", "--models-dir",
+                            str(d / "models")), tmp_path)
+    try:
+        srv.wait_ready()
+        for host in ("127.0.0.1", "127.0.0.2"):
+            r = httpx.get(f"http://{host}:{srv.port}/health", timeout=10)
+            assert (r.status_code, r.json()) == (200, {"status": "ok"}), host
+        log = srv.log()
+        assert f"listening on http://127.0.0.1:{srv.port}" in log and f"listening on http://127.0.0.2:{srv.port}" in log
+    finally:
+        srv.stop()
