@@ -343,12 +343,14 @@ def _good_name(name: str) -> bool:
 
 def _next_param(text: str, pos: int, names: set[str] | None = None, lead: bool = True) -> int:
     """Index of the next ``<parameter=`` at a line start from ``pos`` (or -1): at 0, after a
-    newline, or (``lead``) after whitespace only. With ``names``, only those parameters count."""
+    newline, or (``lead``) after only whitespace from ``pos``. With ``names``, only those
+    parameters count."""
+    start = pos
     while True:
         i = text.find(_P_OPEN, pos)
         if i < 0:
             return -1
-        if i == 0 or text[i - 1] == "\n" or (lead and not text[:i].strip(_WS)):
+        if i == 0 or text[i - 1] == "\n" or (lead and not text[start:i].strip(_WS)):
             if names is None:
                 return i
             e = text.find(">", i + len(_P_OPEN))

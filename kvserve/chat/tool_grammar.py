@@ -18,8 +18,14 @@ without parameters takes exactly ``{}``):
 * ``granite``: ``[{"name": "NAME", "arguments": ARGS}, ...]``.
 * ``llama4_json`` and ``llama4_pythonic``: as ``llama3_json`` and ``pythonic``.
 
-The other parsers (the XML, sectioned and harmony formats) have no grammar: ``tool_choice``
-``required`` or a named function answers 400 with them.
+* ``qwen3_coder``/``qwen3_xml``, ``seed_oss``, ``glm45``/``glm47``, ``minimax_m2``: the call's
+  opening (``<tool_call>\\n<function=NAME>\\n``, ``<tool_call>NAME\\n``,
+  ``<minimax:tool_call>\\n<invoke name="NAME">\\n``...), then the parameters as xgrammar's
+  ``qwen_xml`` / ``glm_xml`` / ``minimax_xml`` JSON-schema styles write them (string values as
+  text, others as JSON), then the closing; parallel calls separated by ``"\\n"``.
+
+The other parsers (``kimi_k2``, ``deepseek_v3``/``v31``, ``longcat``, ``openai``) have no
+grammar: ``tool_choice`` ``required`` or a named function answers 400 with them.
 * ``pythonic``: ``[NAME(key=value, ...), ...]`` with Python literals (``True``/``None``), one
   keyword per schema property in schema order (optional ones may be left out).
 
@@ -49,10 +55,21 @@ _JSON_FORMATS: dict[str, tuple[str, str, str, str, str, str]] = {
 }
 
 #: parsers whose calls are another parser's format (vLLM registers the same class)
-_SAME_FORMAT = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic"}
+_SAME_FORMAT = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic", "qwen3_xml": "qwen3_coder",
+                "glm47": "glm45"}
+
+#: XML formats: parser name -> (xgrammar JSONSchemaFormat style, text before the parameters
+#: ({name} is the function), text after them, separator between parallel calls)
+_XML_FORMATS: dict[str, tuple[str, str, str, str]] = {
+    "qwen3_coder": ("qwen_xml", "<tool_call>\n<function={name}>\n", "\n</function>\n</tool_call>", "\n"),
+    "seed_oss": ("qwen_xml", "<seed:tool_call>\n<function={name}>\n", "\n</function>\n</seed:tool_call>", "\n"),
+    "glm45": ("glm_xml", "<tool_call>{name}\n", "\n</tool_call>", "\n"),
+    "minimax_m2": ("minimax_xml", '<minimax:tool_call>\n<invoke name="{name}">\n', "\n</invoke>\n</minimax:tool_call>",
+                   "\n"),
+}
 
 #: Parser names :func:`tool_call_grammar` supports.
-TOOL_GRAMMAR_FORMATS = (*_JSON_FORMATS, "pythonic", *_SAME_FORMAT)
+TOOL_GRAMMAR_FORMATS = (*_JSON_FORMATS, "pythonic", *_SAME_FORMAT, *_XML_FORMATS)
 
 
 def tool_call_prefix(parser_name: str) -> str:
@@ -60,6 +77,8 @@ def tool_call_prefix(parser_name: str) -> str:
     parser_name = _SAME_FORMAT.get(parser_name, parser_name)
     if parser_name == "pythonic":
         return "["
+    if parser_name in _XML_FORMATS:
+        return _XML_FORMATS[parser_name][1].split("{name}", 1)[0]
     if parser_name not in _JSON_FORMATS:
         raise ValueError(_unknown(parser_name))
     before, head, *_ = _JSON_FORMATS[parser_name]
@@ -116,6 +135,13 @@ def tool_call_grammar(parser_name: str, tools: list[dict], *, required_name: str
             st.GrammarFormat(grammar=_PyKwargs(params).ebnf()),
             st.ConstStringFormat(value=")")]) for name, params in funcs]
         before, sep, after = "[", ", ", "]"
+    elif parser_name in _XML_FORMATS:
+        style, head, tail, sep = _XML_FORMATS[parser_name]
+        calls = [st.SequenceFormat(elements=[
+            st.ConstStringFormat(value=head.format(name=_xml_name(name))),
+            *([] if _no_params(params) else [_xml_params(st, name, params, style)]),
+            st.ConstStringFormat(value=tail)]) for name, params in funcs]
+        before = after = ""
     else:
         before, head, key, tail, sep, after = _JSON_FORMATS[parser_name]
         calls = [st.SequenceFormat(elements=[
@@ -134,6 +160,19 @@ def tool_call_grammar(parser_name: str, tools: list[dict], *, required_name: str
         return str(xgr.Grammar.from_structural_tag(st.StructuralTag(format=fmt)))
     except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses
         raise ValueError(f"cannot build the tool call grammar: {e}") from e
+
+
+def _xml_name(name: str) -> str:
+    if not name or any(c in name for c in "{}<>\"' \t\n\r"):
+        raise ValueError(f"tool name {name!r} cannot be written in an XML tool call")
+    return name
+
+
+def _xml_params(st: Any, name: str, params: dict, style: str) -> Any:
+    try:
+        return st.JSONSchemaFormat(json_schema=params, style=style)
+    except Exception as e:  # pydantic validation: an xgrammar without this style
+        raise ValueError(f"tool {name!r}: parameters cannot be forced in the {style} format: {e}") from e
 
 
 def _unknown(parser_name: str) -> str:

@@ -69,6 +69,36 @@ VALID = {
     "granite": ['[{"name": "read_file", "arguments": {"path": "pom.xml"}}]', '[{"name": "now", "arguments": {}}]'],
 }
 VALID["llama4_json"], VALID["llama4_pythonic"] = VALID["llama3_json"], VALID["pythonic"]
+
+
+def xml_calls(fmt: str) -> dict[str, str]:
+    """read_file(path="pom.xml"), list_dir(path="a b", depth=2) and now() in an XML format."""
+    if fmt in ("qwen3_coder", "qwen3_xml", "seed_oss"):
+        o, c = ("<seed:tool_call>", "</seed:tool_call>") if fmt == "seed_oss" else ("<tool_call>", "</tool_call>")
+        return {"read": f"{o}\n<function=read_file>\n<parameter=path>pom.xml</parameter>\n</function>\n{c}",
+                "list": f"{o}\n<function=list_dir>\n<parameter=path>a b</parameter>\n<parameter=depth>2</parameter>"
+                        f"\n</function>\n{c}",
+                "now": f"{o}\n<function=now>\n\n</function>\n{c}",
+                "bad_enum": f"{o}\n<function=read_file>\n<parameter=path>other</parameter>\n</function>\n{c}"}
+    if fmt in ("glm45", "glm47"):
+        return {"read": "<tool_call>read_file\n<arg_key>path</arg_key><arg_value>pom.xml</arg_value>\n</tool_call>",
+                "list": "<tool_call>list_dir\n<arg_key>path</arg_key><arg_value>a b</arg_value>\n"
+                        "<arg_key>depth</arg_key><arg_value>2</arg_value>\n</tool_call>",
+                "now": "<tool_call>now\n\n</tool_call>",
+                "bad_enum": "<tool_call>read_file\n<arg_key>path</arg_key><arg_value>x</arg_value>\n</tool_call>"}
+    return {"read": '<minimax:tool_call>\n<invoke name="read_file">\n<parameter name="path">pom.xml</parameter>\n'
+                    "</invoke>\n</minimax:tool_call>",
+            "list": '<minimax:tool_call>\n<invoke name="list_dir">\n<parameter name="path">a b</parameter>\n'
+                    '<parameter name="depth">2</parameter>\n</invoke>\n</minimax:tool_call>',
+            "now": '<minimax:tool_call>\n<invoke name="now">\n\n</invoke>\n</minimax:tool_call>',
+            "bad_enum": '<minimax:tool_call>\n<invoke name="read_file">\n<parameter name="path">x</parameter>\n'
+                        "</invoke>\n</minimax:tool_call>"}
+
+
+XML_FORMATS = ("qwen3_coder", "qwen3_xml", "seed_oss", "glm45", "glm47", "minimax_m2")
+for _f in XML_FORMATS:
+    _x = xml_calls(_f)
+    VALID[_f] = [_x["read"], _x["list"], _x["now"]]
 PARALLEL = {
     "hermes": H_READ + "\n" + H_NOW,
     "llama3_json": '{"name": "read_file", "parameters": {"path": "pom.xml"}}; {"name": "now", "parameters": {}}',
@@ -78,6 +108,8 @@ PARALLEL = {
     "granite": '[{"name": "read_file", "arguments": {"path": "pom.xml"}}, {"name": "now", "arguments": {}}]',
 }
 PARALLEL["llama4_json"], PARALLEL["llama4_pythonic"] = PARALLEL["llama3_json"], PARALLEL["pythonic"]
+for _f in XML_FORMATS:
+    PARALLEL[_f] = xml_calls(_f)["read"] + "\n" + xml_calls(_f)["now"]
 INVALID = {
     "hermes": [
         "Hello " + H_READ,  # free text first
@@ -99,6 +131,10 @@ INVALID = {
     "granite": ['[TOOL_CALLS][{"name": "now", "arguments": {}}]', '{"name": "now", "arguments": {}}'],
 }
 INVALID["llama4_json"], INVALID["llama4_pythonic"] = INVALID["llama3_json"], INVALID["pythonic"]
+for _f in XML_FORMATS:
+    _x = xml_calls(_f)
+    INVALID[_f] = [_x["bad_enum"], "Hello " + _x["read"], _x["read"].replace("read_file", "write_file"),
+                   _x["read"] + "\n" + _x["now"], ""]
 
 
 @pytest.mark.parametrize("fmt", TOOL_GRAMMAR_FORMATS)
@@ -162,8 +198,9 @@ def test_prefill_is_a_valid_prefix(compiler, fmt):
 
 
 def test_tool_call_prefix_values():
-    assert [tool_call_prefix(f) for f in TOOL_GRAMMAR_FORMATS] == ["<tool_call>\n", "{", "[TOOL_CALLS][{", "[{", "[",
-                                                                         "{", "["]
+    assert [tool_call_prefix(f) for f in TOOL_GRAMMAR_FORMATS] == [
+        "<tool_call>\n", "{", "[TOOL_CALLS][{", "[{", "[", "{", "[", "<tool_call>\n<function=", "<tool_call>",
+        "<tool_call>\n<function=", "<seed:tool_call>\n<function=", "<tool_call>", '<minimax:tool_call>\n<invoke name="']
 
 
 def test_named_function(compiler):
@@ -206,8 +243,8 @@ def test_nested_schema_and_flat_tool_form(compiler):
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="no tool call grammar for parser 'qwen3_coder'"):
-        tool_call_grammar("qwen3_coder", TOOLS)
+    with pytest.raises(ValueError, match="no tool call grammar for parser 'kimi_k2'"):
+        tool_call_grammar("kimi_k2", TOOLS)
     with pytest.raises(ValueError, match="'missing', which is not in tools"):
         tool_call_grammar("hermes", TOOLS, required_name="missing")
     with pytest.raises(ValueError, match="at least one tool"):
@@ -220,4 +257,12 @@ def test_errors():
         tool_call_grammar("pythonic", [{"name": "f", "parameters": {"type": "object",
                                                                      "properties": {"class": {"type": "string"}}}}])
     with pytest.raises(ValueError):
-        tool_call_prefix("qwen3_coder")
+        tool_call_prefix("kimi_k2")
+
+
+@pytest.mark.parametrize("fmt", XML_FORMATS)
+def test_xml_forced_values_parse_with_their_types(compiler, fmt):
+    text = xml_calls(fmt)["list"]
+    assert complete(compiler, tool_call_grammar(fmt, TOOLS), text)
+    got = get_tool_parser(fmt, tools=TOOLS).extract(text)
+    assert [(c.name, c.arguments) for c in got.calls] == [("list_dir", '{"path": "a b", "depth": 2}')]
