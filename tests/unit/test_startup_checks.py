@@ -499,3 +499,26 @@ def test_max_num_seqs_shares_one_pool_as_vllm():
     assert (cfg.n_slots, cfg.unified, cfg.n_ctx_slot(131072)) == (4, False, 32768)
     cfg = parse_args(["--max-num-seqs", "4", "--no-kv-unified"], environ={}).engine_config()
     assert cfg.unified is False
+
+
+def test_engine_core_sizes_its_pool_from_cuda_free_memory(monkeypatch, caplog):
+    """The engine's wiring of --gpu-memory-utilization (no GPU here: the device's memory is faked)."""
+    import torch
+
+    from kvserve.engine.fake import fake_engine_core
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 * MIB, 100 * MIB))
+    caplog.set_level(logging.INFO)
+    core = fake_engine_core(n_ctx=256, n_parallel=2, device="cuda", gpu_memory_utilization=0.5)
+    mc = core.model_config  # the activation estimate: 128 rows (n_ctx_slot) and a row of logits per slot
+    act = 4 * (128 * (8 * mc.n_embd + 3 * mc.n_ff) + 2 * mc.n_vocab)
+    budget = 50 * MIB - 40 * MIB - act
+    assert core.pool.budget_bytes == budget
+    assert core.kv.num_blocks == 1 + budget // core.block_bytes
+    assert f"Available KV cache memory: {round(budget / GIB, 2)} GiB" in _messages(caplog)
+    assert any(m.startswith("GPU KV cache size: ") for m in _messages(caplog))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * MIB, 100 * MIB))
+    with pytest.raises(KVCacheMemoryError) as e:  # nothing left: vLLM's other message
+        fake_engine_core(n_ctx=256, n_parallel=2, device="cuda", gpu_memory_utilization=0.5)
+    assert str(e.value) == ("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
+                            "initializing the engine.")
