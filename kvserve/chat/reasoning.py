@@ -22,7 +22,8 @@ Styles of :func:`split_reasoning` and :class:`ReasoningStreamer`:
     ``Here is my thought process:`` / ``Here's my thought process:``) and is closed by the end
     marker (``</think>``; ``Here is my response:`` / ``Here's my response:``); both parts are
     stripped. Without both markers all text is content and reasoning is ``None`` (vLLM); a
-    start marker that never closes streams as reasoning. vLLM also drops text before a start
+    start marker that never closes streams as reasoning. ``glm45`` when the prompt opened
+    ``<think>`` (templates that end the generation prompt with it): ``deepseek_r1``'s split. vLLM also drops text before a start
     marker found later in the text; here such text is content.
 ``mistral`` (vLLM ``MistralReasoningParser``)
     ``[THINK]...[/THINK]`` at the start, split as ``glm45``; an unclosed ``[THINK]`` is all
@@ -176,6 +177,8 @@ def split_reasoning(text: str, *, start: str = "<think>", end: str = "</think>",
     start, end = _tags(style, start, end)
     if style == "minimax_m2_append_think":
         return None, "<think>" + text
+    if style == "glm45" and started_in_prompt:
+        style = "deepseek_r1"  # the template opened <think>: only </think> is in the output
     style, thinking_enabled = _style(style, thinking_enabled)
     if style in _MARKERS or style == "openai_gptoss":
         return _split_by_streamer(text, style)
@@ -258,6 +261,8 @@ class ReasoningStreamer:
         self._think_sent = False
         if self._append_think:
             style = "none"
+        if style == "glm45" and started_in_prompt:
+            style = "deepseek_r1"  # the template opened <think>: only </think> is in the output
         self.style, thinking_enabled = _style(style, thinking_enabled)
         self.start, self.end = start, end
         self.reasoning_tokens = 0

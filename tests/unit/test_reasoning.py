@@ -231,6 +231,13 @@ def test_vllm_family_parsers(style, text, kw, reasoning, content):
             assert (got_r, got_c) == (reasoning, content), parts
 
 
+def test_glm45_after_a_prompt_that_opened_thinking():
+    text = "\nThe user asks.</think>\nHello."
+    assert split_reasoning(text, style="glm45", started_in_prompt=True) == ("The user asks.", "Hello.")
+    for parts in chunkings(text):
+        assert stream(parts, style="glm45", started_in_prompt=True)[:2] == ("The user asks.", "Hello.")
+
+
 def test_marker_style_unclosed_streams_as_reasoning():
     """vLLM's streaming parsers send thinking before the end marker is seen; the finished
     split (both markers needed) makes it content."""
