@@ -357,3 +357,30 @@ def test_several_host_addresses(tiny_path, tmp_path):
         assert f"listening on http://127.0.0.1:{srv.port}" in log and f"listening on http://127.0.0.2:{srv.port}" in log
     finally:
         srv.stop()
+
+
+def test_props_while_sleeping_does_not_wake_the_model(tiny_path, tmp_path):
+    """llama-server answers /props without waking a sleeping server, with is_sleeping true."""
+    import time
+
+    from servers import spawn
+
+    path, d = tiny_path
+    srv = spawn(str(path), ("-c", "256", "--sleep-idle-seconds", "1", "--models-dir", str(d / "models")), tmp_path)
+    try:
+        srv.wait_ready()
+        awake = httpx.get(srv.url("/props"), timeout=30).json()
+        assert awake["is_sleeping"] is False
+        deadline = time.monotonic() + 30
+        while httpx.get(srv.url("/slots"), timeout=10).json() != [] and time.monotonic() < deadline:
+            time.sleep(0.2)  # /slots lists no slot once the model is unloaded
+        assert httpx.get(srv.url("/slots"), timeout=10).json() == []
+        asleep = httpx.get(srv.url("/props"), timeout=30).json()
+        assert asleep == {**awake, "is_sleeping": True}
+        assert httpx.get(srv.url("/slots"), timeout=10).json() == []  # still asleep: /props did not load it
+        # a generation wakes it; /props then answers from the loaded model again
+        r = httpx.post(srv.url("/completion"), json={"prompt": "hi", "n_predict": 1}, timeout=60)
+        assert r.status_code == 200
+        assert httpx.get(srv.url("/props"), timeout=30).json()["is_sleeping"] is False
+    finally:
+        srv.stop()
