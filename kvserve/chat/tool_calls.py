@@ -407,7 +407,14 @@ class _End:
     """The current call is complete and checked."""
 
 
-_Event = _Start | _Args | _End
+@dataclass(slots=True)
+class _Text:
+    """Content text from inside the call region (formats that keep text between calls)."""
+
+    text: str
+
+
+_Event = _Start | _Args | _End | _Text
 
 
 def _scan_string(text: str, i: int) -> tuple[str, int] | None:
@@ -565,11 +572,23 @@ class _Region:
 
 class _HermesRegion(_Region):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    #: keep text between and after calls as content (granite4), else it is dropped (hermes)
+    KEEP_TEXT = False
 
     def __init__(self) -> None:
         self._buf = ""
         self._call: _CallObject | None = None
         self._after = ""  # text after the object, before </tool_call>
+        self._outside = ""  # KEEP_TEXT: text since the last call, sent when the next starts or at the end
+
+    def _text_events(self, text: str, final: bool) -> list[_Event]:
+        if not self.KEEP_TEXT:
+            return []
+        self._outside += text
+        if not final and not self._outside.strip():
+            return []
+        out, self._outside = self._outside, ""
+        return [_Text(out)] if out.strip() else []
 
     def feed(self, text: str) -> list[_Event]:
         self._buf += text
@@ -579,8 +598,11 @@ class _HermesRegion(_Region):
                 i = self._buf.find(self.OPEN)
                 if i < 0:  # text between calls is dropped; keep a possible marker prefix
                     k = partial_suffix(self._buf, self.OPEN)
+                    if self.KEEP_TEXT:
+                        self._outside += self._buf[:len(self._buf) - k]
                     self._buf = self._buf[len(self._buf) - k:] if k else ""
                     return events
+                events += self._text_events(self._buf[:i], final=True)
                 self._buf = self._buf[i + len(self.OPEN):]
                 self._call, self._after = _CallObject(), ""
                 continue
@@ -613,7 +635,8 @@ class _HermesRegion(_Region):
 
     def finish(self) -> list[_Event]:
         if self._call is None:
-            return []
+            text, self._buf = self._buf, ""
+            return self._text_events(text, final=True)
         events = self._forward(self._buf)  # unterminated last call: parse what is there
         self._buf = ""
         return events + self._end_call()
@@ -1050,7 +1073,7 @@ class ToolCallStreamer:
         self._mode = "passthrough"
         return self._content(self._held_ws + "".join(self._region_text))
 
-    def _fragments(self, events: list[_Event]) -> list[dict]:
+    def _call_fragments(self, events: list[_Event]) -> list[dict]:
         out: list[dict] = []
         for ev in events:
             if not self._incremental:
@@ -1067,6 +1090,15 @@ class ToolCallStreamer:
                 out.append(self._first(ev.name, ev.args, ev.id))
             elif isinstance(ev, _Args) and ev.args:
                 out.append({"tool_calls": [{"index": self._n - 1, "function": {"arguments": ev.args}}]})
+        return out
+
+    def _fragments(self, events: list[_Event]) -> list[dict]:
+        out: list[dict] = []
+        for ev in events:
+            if isinstance(ev, _Text):
+                out += self._content(ev.text)
+            else:
+                out += self._call_fragments([ev])
         return out
 
     def _first(self, name: str, args: str, call_id: str | None = None) -> dict:

@@ -42,6 +42,14 @@ modes), so a stream's calls equal :meth:`ToolParser.extract`'s.
     in the order integer, number, boolean (``true/1/yes/on`` / ``false/0/no/off``), object/array
     (JSON), string; a parameter not in the schema stays text. An ``<invoke>`` without
     ``</invoke>`` is dropped.
+``mimo`` (MiMo)
+    ``qwen3_coder``'s format (vLLM registers the same parser).
+``granite4`` (Granite 4.0)
+    ``hermes``'s ``<tool_call>{...}</tool_call>``; the text before, between and after the calls
+    is the content (vLLM joins it; here whitespace-only pieces are dropped).
+``phi4_mini_json`` (Phi-4-mini)
+    ``functools[{"name": ..., "arguments"|"parameters": {...}}, ...]``; text after the array is
+    dropped. vLLM returns no content at all; here the text before ``functools[`` is content.
 ``longcat`` (LongCat-Flash)
     ``hermes`` in ``<longcat_tool_call>`` ... ``</longcat_tool_call>`` tags.
 ``granite`` (Granite 3.x)
@@ -103,13 +111,16 @@ __all__ = [
     "DeepSeekV3ToolParser",
     "DeepSeekV31ToolParser",
     "Glm45ToolParser",
+    "Granite4ToolParser",
     "GraniteToolParser",
     "HarmonyToolParser",
     "KimiK2ToolParser",
     "Llama4JsonToolParser",
     "Llama4PythonicToolParser",
     "LongcatToolParser",
+    "MimoToolParser",
     "MinimaxM2ToolParser",
+    "Phi4MiniJsonToolParser",
     "Qwen3CoderToolParser",
     "SeedOssToolParser",
     "convert_param_value",
@@ -510,6 +521,23 @@ class _SeedRegion(_Qwen3Region):
     OPEN, CLOSE = ("<seed:tool_call>",), "</seed:tool_call>"
 
 
+class _Granite4Region(_HermesRegion):
+    KEEP_TEXT = True
+
+
+class _Phi4Region(_Region):
+    """``functools[{...}, ...]``: the array of call objects after the marker; text after it dropped."""
+
+    def __init__(self) -> None:
+        self._inner = _GraniteRegion(prefixes=("functools",))
+
+    def feed(self, text: str) -> list[_Event]:
+        return self._inner.feed(text)
+
+    def finish(self) -> list[_Event]:
+        return self._inner.finish()
+
+
 class _LongcatRegion(_HermesRegion):
     OPEN, CLOSE = "<longcat_tool_call>", "</longcat_tool_call>"
 
@@ -618,9 +646,12 @@ def _minimax_calls(tools: list[dict]) -> Callable[[str], list[_Event]]:
 
 
 class _GraniteRegion(_Region):
-    """``[<|tool_call|>][<tool_call>][{...}, ...]`` and nothing after it."""
+    """``[<|tool_call|>][<tool_call>][{...}, ...]`` and nothing after it (``trailing``: text after
+    the array is dropped instead)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefixes: tuple[str, ...] = ("<|tool_call|>", "<tool_call>"), trailing: bool = False) -> None:
+        self._prefixes = prefixes
+        self._trailing = trailing or prefixes == ("functools",)
         self._buf = ""
         self._state = "prefix"  # prefix | array | done
         self._call: _CallObject | None = None
@@ -632,16 +663,16 @@ class _GraniteRegion(_Region):
         events: list[_Event] = []
         while True:
             if self._state == "done":
-                if self._buf.strip(_WS):
+                if self._buf.strip(_WS) and not self._trailing:
                     raise _Malformed("text after the granite tool-call array")
                 self._buf = ""
                 return events
             if self._state == "prefix":
                 s = self._buf.lstrip(_WS)
-                for m in ("<|tool_call|>", "<tool_call>"):
+                for m in self._prefixes:
                     if s.startswith(m):
                         s = s[len(m):].lstrip(_WS)
-                if not s or any(m.startswith(s) for m in ("<|tool_call|>", "<tool_call>")):
+                if not s or any(m.startswith(s) for m in self._prefixes):
                     return events
                 if s[0] != "[":
                     raise _Malformed("granite tool calls are not a JSON array")
@@ -709,6 +740,32 @@ class SeedOssToolParser(Qwen3CoderToolParser):
 
     def _region(self) -> _Region:
         return _SeedRegion(_qwen3_call(self.tools))
+
+
+class MimoToolParser(Qwen3CoderToolParser):
+    """``mimo`` (MiMo): vLLM registers ``qwen3_coder``'s parser under this name too."""
+
+    name = "mimo"
+
+
+class Granite4ToolParser(HermesToolParser):
+    """``granite4`` (vLLM ``Granite4ToolParser``): ``hermes`` calls; text before, between and
+    after them is the content."""
+
+    name = "granite4"
+
+    def _region(self) -> _Region:
+        return _Granite4Region()
+
+
+class Phi4MiniJsonToolParser(ToolParser):
+    """``phi4_mini_json`` (vLLM ``Phi4MiniJsonToolParser``): ``functools[{"name", "arguments"}, ...]``."""
+
+    name = "phi4_mini_json"
+    anywhere_markers = ("functools[",)
+
+    def _region(self) -> _Region:
+        return _Phi4Region()
 
 
 class LongcatToolParser(HermesToolParser):
@@ -927,4 +984,5 @@ NEW_TOOL_PARSERS: tuple[type[ToolParser], ...] = (
     Qwen3CoderToolParser, Qwen3XmlToolParser, Glm45ToolParser, Glm47ToolParser, KimiK2ToolParser,
     DeepSeekV3ToolParser, DeepSeekV31ToolParser, GraniteToolParser, Llama4PythonicToolParser,
     Llama4JsonToolParser, HarmonyToolParser, SeedOssToolParser, LongcatToolParser, MinimaxM2ToolParser,
+    MimoToolParser, Granite4ToolParser, Phi4MiniJsonToolParser,
 )

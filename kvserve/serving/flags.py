@@ -616,8 +616,9 @@ FLAGS: tuple[Flag, ...] = (
     F("--trust-request-chat-template", "bool", False, source=VLLM, effect=NONE,
       why="request chat templates are not accepted"),
     F("--tool-call-parser", help="tool-call parser, a vLLM name: deepseek_v3, deepseek_v31, glm45, glm47, granite, "
-      "hermes, kimi_k2, llama3_json, llama4_json, llama4_pythonic, longcat, minimax_m2, mistral, openai, pythonic, "
-      "qwen3_coder, qwen3_xml, seed_oss (other vLLM names: start-up error)", source=VLLM),
+      "granite4, hermes, kimi_k2, llama3_json, llama4_json, llama4_pythonic, longcat, mimo, minimax_m2, mistral, "
+      "openai, phi4_mini_json, pythonic, qwen3_coder, qwen3_xml, seed_oss (other vLLM names: start-up error)",
+      source=VLLM),
     F("--enable-auto-tool-choice", "bool", False, 'allow tool_choice "auto"', source=VLLM),
     F("--exclude-tools-when-tool-choice-none", "bool", False,
       'leave tool definitions out of the prompt when tool_choice is "none"', source=VLLM),

@@ -434,14 +434,16 @@ def test_pythonic_non_calls_are_content(text):
 
 
 def test_registry_and_errors():
-    assert sorted(TOOL_PARSERS) == ["deepseek_v3", "deepseek_v31", "glm45", "glm47", "granite", "hermes", "kimi_k2",
-                                    "llama3_json", "llama4_json", "llama4_pythonic", "longcat", "minimax_m2", "mistral",
-                                    "openai", "pythonic", "qwen3_coder", "qwen3_xml", "seed_oss"]
+    assert sorted(TOOL_PARSERS) == ["deepseek_v3", "deepseek_v31", "glm45", "glm47", "granite", "granite4", "hermes",
+                                    "kimi_k2", "llama3_json", "llama4_json", "llama4_pythonic", "longcat", "mimo",
+                                    "minimax_m2", "mistral", "openai", "phi4_mini_json", "pythonic", "qwen3_coder",
+                                    "qwen3_xml", "seed_oss"]
     with pytest.raises(ValueError) as e:
         get_tool_parser("jamba")
     assert str(e.value) == ("unknown tool call parser 'jamba'; valid names: deepseek_v3, deepseek_v31, glm45, glm47, "
-                            "granite, hermes, kimi_k2, llama3_json, llama4_json, llama4_pythonic, longcat, minimax_m2, "
-                            "mistral, openai, pythonic, qwen3_coder, qwen3_xml, seed_oss")
+                            "granite, granite4, hermes, kimi_k2, llama3_json, llama4_json, llama4_pythonic, longcat, "
+                            "mimo, minimax_m2, mistral, openai, phi4_mini_json, pythonic, qwen3_coder, qwen3_xml, "
+                            "seed_oss")
 
 
 @pytest.mark.parametrize("source,expected", [

@@ -162,6 +162,14 @@ SRC = '{"path": "src"}'
         call(0, "read_file", '{"path": "src/Main.java", "limit": 40, "force": true, "note": null}'),
         call(1, "list_dir", SRC)]),
     ("longcat", LONGCAT, "Sure.", [call(0, "read_file", MAIN), call(1, "list_dir", SRC)]),
+    ("mimo", QWEN3_CODER.split("<tool_call>", 2)[0] + "<tool_call>" + QWEN3_CODER.split("<tool_call>", 2)[2],
+     "I will read the file first.", [call(0, "list_dir", SRC)]),
+    ("granite4", "Reading.\n<tool_call>\n" + '{"name": "read_file", "arguments": {"path": "src/Main.java"}}'
+     "\n</tool_call>\n<tool_call>" + '{"name": "list_dir", "arguments": {"path": "src"}}' + "</tool_call>\nDone.",
+     "Reading.\nDone.", [call(0, "read_file", MAIN), call(1, "list_dir", SRC)]),
+    ("phi4_mini_json", ('functools[{"name": "read_file", "arguments": {"path": "src/Main.java"}}, '
+     '{"name": "list_dir", "parameters": {"path": "src"}}]'), None,
+     [call(0, "read_file", MAIN), call(1, "list_dir", SRC)]),
     # list_dir's path is a string in its schema: "123" stays text
     ("glm45", GLM45, "Let me look.", [call(0, "read_file", '{"path": "src/Main.java", "limit": 40}'),
                                       call(1, "list_dir", '{"path": "123"}')]),
@@ -267,6 +275,8 @@ def test_qwen3_coder_schema_conversion(value, name, expected):
     ("minimax_m2", "x<minimax:tool_call>nothing here</minimax:tool_call>"),
     ("seed_oss", "x<seed:tool_call>\nno function\n</seed:tool_call>"),
     ("longcat", "x<longcat_tool_call>{\"name\": }</longcat_tool_call>"),
+    ("granite4", "x<tool_call>{bad}</tool_call> y"),
+    ("phi4_mini_json", "functools[{bad}]"),
 ])
 def test_malformed_output_is_content(name, text, caplog):
     want = {"role": "assistant", "content": text, "tool_calls": []}
@@ -331,8 +341,9 @@ def test_detect_new_formats(source, expected):
 
 # ------------------------------------------------------------------------------------------ start-up
 
-IMPLEMENTED_TOOLS = ("deepseek_v3, deepseek_v31, glm45, glm47, granite, hermes, kimi_k2, llama3_json, llama4_json, "
-                     "llama4_pythonic, longcat, minimax_m2, mistral, openai, pythonic, qwen3_coder, qwen3_xml, seed_oss")
+IMPLEMENTED_TOOLS = ("deepseek_v3, deepseek_v31, glm45, glm47, granite, granite4, hermes, kimi_k2, llama3_json, "
+                     "llama4_json, llama4_pythonic, longcat, mimo, minimax_m2, mistral, openai, phi4_mini_json, "
+                     "pythonic, qwen3_coder, qwen3_xml, seed_oss")
 IMPLEMENTED_REASONING = ("deepseek_r1, deepseek_v3, glm45, granite, kimi_k2, minimax_m2, minimax_m2_append_think, "
                          "mistral, openai_gptoss, qwen3, seed_oss, step3")
 
@@ -364,8 +375,8 @@ def test_flag_help_names_the_implemented_parsers():
 @pytest.mark.parametrize("flag,name,message", [
     ("--tool-call-parser", "jamba",
      f"--tool-call-parser 'jamba' is a vLLM parser that kvserve does not implement; implemented: {IMPLEMENTED_TOOLS}"),
-    ("--tool-call-parser", "phi4_mini_json",
-     ("--tool-call-parser 'phi4_mini_json' is a vLLM parser that kvserve does not implement; implemented: "
+    ("--tool-call-parser", "xlam",
+     ("--tool-call-parser 'xlam' is a vLLM parser that kvserve does not implement; implemented: "
      f"{IMPLEMENTED_TOOLS}")),
     ("--tool-call-parser", "qwen9", f"invalid --tool-call-parser 'qwen9': choose from {IMPLEMENTED_TOOLS}"),
     ("--reasoning-parser", "olmo3",
