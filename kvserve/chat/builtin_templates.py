@@ -245,18 +245,28 @@ def _as_parts(messages: list[dict]) -> list[dict]:
 def with_content_format(template_cls: type, content_format: str) -> type:
     """The template class that renders message content as ``--chat-template-content-format``
     says (vLLM): ``openai`` gives the template each content as a list of text parts;
-    ``string`` and ``auto`` give strings (kvserve's auto: every template kvserve renders takes
-    strings; vLLM's auto inspects the template).
+    ``string`` gives strings (text parts joined with newlines); ``auto`` inspects the template
+    as vLLM does (:attr:`~kvserve.chat.template.ChatTemplate.content_format`: parts as sent for a
+    template that loops over content, else strings).
 
     Args:
         template_cls: :class:`~kvserve.chat.template.ChatTemplate` or a subclass.
         content_format: ``auto`` | ``string`` | ``openai``.
     """
-    if content_format != "openai":
+    if content_format == "auto":
         return template_cls
+    if content_format == "string":
+        class StringContent(template_cls):  # type: ignore[misc, valid-type]
+            """``template_cls`` given string content whatever the template reads."""
+
+            content_format = "string"
+
+        return StringContent
 
     class OpenAIContent(template_cls):  # type: ignore[misc, valid-type]
         """``template_cls`` rendering message content as OpenAI parts."""
+
+        content_format = "openai"  # an array content reaches it as the parts sent
 
         def render(self, messages, /, add_generation_prompt=True, tools=None, **kwargs):
             return super().render(_as_parts(messages), add_generation_prompt=add_generation_prompt, tools=tools,
@@ -267,6 +277,8 @@ def with_content_format(template_cls: type, content_format: str) -> type:
     if issubclass(template_cls, SystemChatTemplate):  # the SYSTEM layer's message gets parts too
         class SystemOpenAIContent(template_cls):  # type: ignore[misc, valid-type]
             """``template_cls`` (a default system message) rendering content as OpenAI parts."""
+
+            content_format = "openai"
 
             def render(self, messages, /, add_generation_prompt=True, tools=None, **kwargs):
                 from kvserve.chat.go_chat_template import with_default_system

@@ -84,7 +84,7 @@ def _content_text(content: Any, i: int) -> str | None:
     return "\n".join(texts)  # vLLM and llama.cpp join text parts with newlines
 
 
-def normalize_messages(messages: Any, *, parse_arguments: bool = True) -> list[dict]:
+def normalize_messages(messages: Any, *, parse_arguments: bool = True, keep_parts: bool = False) -> list[dict]:
     """Validate OpenAI-style chat messages and return copies with string/null content.
 
     Each message must be an object whose ``role`` is one of ``ROLES`` (a template writes the
@@ -93,7 +93,9 @@ def normalize_messages(messages: Any, *, parse_arguments: bool = True) -> list[d
     parts, which are joined with newlines. Other members (``tool_calls``, ``name``,
     ``tool_call_id``, ``reasoning_content``) are kept for the template. Tool-call ``arguments``
     given as a JSON string become the object it encodes (vLLM, llama.cpp) unless
-    ``parse_arguments`` is False (then the string is checked and kept).
+    ``parse_arguments`` is False (then the string is checked and kept). With ``keep_parts``
+    an array content stays an array of ``{"type": "text", "text"}`` parts (for templates that
+    loop over content, see :attr:`~kvserve.chat.template.ChatTemplate.content_format`).
 
     Raises:
         InvalidInputError: ``'messages' is required`` when None, others naming the field (a face
@@ -121,6 +123,8 @@ def normalize_messages(messages: Any, *, parse_arguments: bool = True) -> list[d
         if "content" not in m and not m.get("tool_calls"):
             raise InvalidInputError(f"messages[{i}]: missing 'content'")
         msg = {**m, "content": _content_text(m.get("content"), i)}
+        if keep_parts and isinstance(m.get("content"), list):  # validated by _content_text
+            msg["content"] = [{"type": "text", "text": part["text"]} for part in m["content"]]
         if m.get("tool_calls") is not None:
             msg["tool_calls"] = _normalize_tool_calls(m["tool_calls"], i, parse_arguments)
         if "reasoning" in m and "reasoning_content" not in m:
@@ -256,16 +260,33 @@ def _locate_contents(truth: str, contents: list[str]) -> list[Segment]:
     return segs
 
 
+def _texts(m: dict) -> list[str]:
+    """A message's non-empty content texts, in order: the string, or each text part's text."""
+    c = m.get("content")
+    if isinstance(c, str):
+        return [c] if c else []
+    if isinstance(c, list):
+        return [p["text"] for p in c if isinstance(p, dict) and isinstance(p.get("text"), str) and p["text"]]
+    return []
+
+
 def _segments(template: ChatTemplate, messages: list[dict], gen: bool, tools, kwargs) -> tuple[str, list[Segment]]:
-    """Render and split into markup/content segments (see module docstring)."""
+    """Render and split into markup/content segments (see module docstring). Content is a
+    string or a list of text parts; each non-empty text is a content segment."""
     nonce = secrets.token_hex(6)
     contents: list[str] = []
+
+    def mark(text: str) -> str:
+        contents.append(text)
+        return f"{_OPEN}{nonce}{len(contents) - 1}{_CLOSE}"
+
     marked_msgs = []
     for m in messages:
         c = m.get("content")
         if isinstance(c, str) and c:
-            m = {**m, "content": f"{_OPEN}{nonce}{len(contents)}{_CLOSE}"}
-            contents.append(c)
+            m = {**m, "content": mark(c)}
+        elif isinstance(c, list):
+            m = {**m, "content": [{**p, "text": mark(p["text"])} if p.get("text") else p for p in c]}
         marked_msgs.append(m)
     try:
         truth = template.render(messages, add_generation_prompt=gen, tools=tools, **kwargs)
@@ -283,11 +304,11 @@ def _segments(template: ChatTemplate, messages: list[dict], gen: bool, tools, kw
 
 
 def _final_content_index(messages: list[dict]) -> int | None:
-    """Index (among non-empty string contents) of the final message's content, or None."""
-    c = messages[-1].get("content")
-    if not (isinstance(c, str) and c):
+    """Index (among the non-empty content texts, :func:`_texts`) of the final message's last
+    text, or None when it has none."""
+    if not _texts(messages[-1]):
         return None
-    return sum(1 for m in messages if isinstance(m.get("content"), str) and m.get("content")) - 1
+    return sum(len(_texts(m)) for m in messages) - 1
 
 
 def _tokenize(tokenizer, segs: list[Segment], force_split: bool = False) -> list[int]:
@@ -335,7 +356,9 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
     Args:
         template: the model's ChatTemplate.
         tokenizer: the model's Tokenizer.
-        messages: OpenAI-style messages (validated by :func:`normalize_messages`). Tool-call
+        messages: OpenAI-style messages (validated by :func:`normalize_messages`). Text parts
+            are joined with newlines, or stay parts for a template whose ``content_format`` is
+            ``openai`` (it loops over content: vLLM's auto rule). Tool-call
             arguments sent as JSON strings reach the template as objects (vLLM); when the
             template fails on that, it is rendered once more with the strings as sent
             (transformers renders what it is given).
@@ -352,7 +375,8 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
     Raises:
         InvalidInputError: invalid messages or a template error (a face answers 400).
     """
-    msgs = _as_template_input(normalize_messages(messages))
+    parts = getattr(template, "content_format", "string") == "openai"
+    msgs = _as_template_input(normalize_messages(messages, keep_parts=parts))
     try:
         return _render_segments(template, tokenizer, msgs, add_generation_prompt, tools, continue_final_message,
                                 template_kwargs)
@@ -362,7 +386,7 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
         # A template that concatenates tool-call arguments as text (DeepSeek-V3.1,
         # firefunction-v2) fails on the parsed objects: render the client's JSON strings as
         # given, as transformers renders what it is given. If that fails too, the first error.
-        raw = _as_template_input(normalize_messages(messages, parse_arguments=False))
+        raw = _as_template_input(normalize_messages(messages, parse_arguments=False, keep_parts=parts))
         try:
             return _render_segments(template, tokenizer, raw, add_generation_prompt, tools,
                                     continue_final_message, template_kwargs)

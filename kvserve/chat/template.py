@@ -14,10 +14,14 @@ that refuses underscore-prefixed attribute names and a ``dict`` callable, and th
 assistant masks) render their body.
 
 Messages are prepared as transformers prepares them: keys whose value is null are dropped
-(``content: null`` of an assistant turn with tool calls becomes an absent ``content``), and a
+(a request's ``content: null`` never gets here: ``kvserve.chat.prompt.render_chat`` makes it
+``""`` first, as vLLM does), and a
 message's reasoning given as ``reasoning_content``, ``thinking`` or ``reasoning`` is passed as
-both ``reasoning_content`` and ``thinking``. Tests: tests/unit/test_template_parity.py renders
-templates with kvserve and with transformers and asserts equal text.
+both ``reasoning_content`` and ``thinking``. :attr:`ChatTemplate.content_format` tells whether
+the template loops over message content (then it is given OpenAI's list of text parts as sent,
+else strings: vLLM's ``--chat-template-content-format auto``). Tests:
+tests/unit/test_template_parity.py renders templates with kvserve and with transformers and
+asserts equal text.
 
 Capability detection (:attr:`ChatTemplate.caps`) renders small probe conversations and looks
 for needles in the output, like llama.cpp's minja ``chat_template`` caps detection.
@@ -36,7 +40,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["CHATML_TEMPLATE", "RESERVED_VARIABLES", "ChatTemplate", "TemplateError", "template_messages"]
+__all__ = ["CHATML_TEMPLATE", "RESERVED_VARIABLES", "ChatTemplate", "TemplateError", "detect_content_format",
+           "template_messages"]
 
 #: Variables the renderer sets itself (``messages``, ``tools``, ``add_generation_prompt``) or
 #: takes as its own argument (``continue_final_message``, see ``kvserve.chat.prompt.render_chat``):
@@ -175,6 +180,42 @@ def _probe_call(name: str, args: Any, call_id: str) -> dict:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
+def _reads(node: nodes.Node, names: set[str], key: str | None = None) -> bool:
+    """Whether ``node`` is one of ``names`` (or its ``[key]`` / ``.key`` member when ``key``),
+    through filters, tests and slices (``messages[1:]``, ``message['content'] | list``)."""
+    while True:
+        if isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None:
+            node = node.node
+        elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+            node = node.node
+        else:
+            break
+    if key is None:
+        return isinstance(node, nodes.Name) and node.name in names
+    if isinstance(node, nodes.Getitem):
+        return (isinstance(node.node, nodes.Name) and node.node.name in names
+                and isinstance(node.arg, nodes.Const) and node.arg.value == key)
+    if isinstance(node, nodes.Getattr):
+        return isinstance(node.node, nodes.Name) and node.node.name in names and node.attr == key
+    return False
+
+
+def detect_content_format(ast: nodes.Template) -> str:
+    """``openai`` when the template loops over a message's content (``{% for part in
+    message['content'] %}``, so it takes OpenAI's list of parts), else ``string``: vLLM's
+    ``--chat-template-content-format auto`` rule. Messages are ``messages``, any variable set
+    from it (``{% set loop_messages = messages[1:] %}``), and the loop variables over those."""
+    lists = {"messages"}
+    for assign in ast.find_all(nodes.Assign):
+        if isinstance(assign.target, nodes.Name) and _reads(assign.node, lists):
+            lists.add(assign.target.name)
+    items = {loop.target.name for loop in ast.find_all(nodes.For)
+             if isinstance(loop.target, nodes.Name) and _reads(loop.iter, lists)}
+    if any(_reads(loop.iter, items, "content") for loop in ast.find_all(nodes.For)):
+        return "openai"
+    return "string"
+
+
 class ChatTemplate:
     """A compiled chat template.
 
@@ -196,6 +237,7 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from e
         self._caps: dict[str, bool] | None = None
+        self._content_format: str | None = None
 
     def render(self, messages: list[dict], /, add_generation_prompt: bool = True,
                tools: list | None = None, documents: list | None = None, **kwargs: Any) -> str:
@@ -236,6 +278,15 @@ class ChatTemplate:
             raise TemplateError(f"chat template error: {type(e).__name__}: {e}") from e
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
             raise TemplateError(f"chat template error: {type(e).__name__}: {e}") from e
+
+    @property
+    def content_format(self) -> str:
+        """How message content reaches the template: ``openai`` (a list of ``{"type": "text",
+        "text"}`` parts) when the template loops over content, else ``string`` (text parts
+        joined with newlines) - vLLM's ``auto`` (:func:`detect_content_format`). Computed once."""
+        if self._content_format is None:
+            self._content_format = detect_content_format(_ENV.parse(self.source))
+        return self._content_format
 
     def _try(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False) -> str:
         try:

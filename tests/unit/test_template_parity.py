@@ -78,15 +78,15 @@ def _hf_tokenizer(bos: str, eos: str):
     return _HF_TOKS[key]
 
 
-def _as_vllm_gives(messages: list[dict], parse_arguments: bool = True) -> list[dict]:
+def _as_vllm_gives(messages: list[dict], parse_arguments: bool = True, join_parts: bool = True) -> list[dict]:
     """Messages as vLLM hands them to transformers: tool-call arguments strings parsed into
-    objects (unless ``parse_arguments`` is False), text parts joined with newlines, a null
-    content as ``""``."""
+    objects (unless ``parse_arguments`` is False), text parts joined with newlines (unless
+    ``join_parts`` is False: a template that loops over content), a null content as ``""``."""
     out = copy.deepcopy(messages)
     for m in out:
         if m.get("content") is None:
             m["content"] = ""
-        elif isinstance(m.get("content"), list):
+        elif isinstance(m.get("content"), list) and join_parts:
             m["content"] = "\n".join(p["text"] for p in m["content"])
         for call in m.get("tool_calls") or []:
             args = call["function"].get("arguments")
@@ -99,10 +99,10 @@ def _as_vllm_gives(messages: list[dict], parse_arguments: bool = True) -> list[d
 
 def hf_render(source: str, messages: list[dict], *, bos: str = "<s>", eos: str = "</s>", tools=None,
               documents=None, add_generation_prompt: bool = True, continue_final_message: bool = False,
-              parse_arguments: bool = True, **kwargs) -> str:
+              parse_arguments: bool = True, join_parts: bool = True, **kwargs) -> str:
     """transformers' text for this template and conversation."""
     tok = _hf_tokenizer(bos, eos)
-    return tok.apply_chat_template(_as_vllm_gives(messages, parse_arguments), chat_template=source, tools=copy.deepcopy(tools),
+    return tok.apply_chat_template(_as_vllm_gives(messages, parse_arguments, join_parts), chat_template=source, tools=copy.deepcopy(tools),
                                    documents=copy.deepcopy(documents),
                                    add_generation_prompt=add_generation_prompt and not continue_final_message,
                                    continue_final_message=continue_final_message, tokenize=False, **kwargs)
@@ -110,18 +110,18 @@ def hf_render(source: str, messages: list[dict], *, bos: str = "<s>", eos: str =
 
 def kv_render(tok: Tokenizer, source: str, messages: list[dict], *, bos: str = "<s>", eos: str = "</s>",
               tools=None, documents=None, add_generation_prompt: bool = True,
-              continue_final_message: bool = False, **kwargs) -> str:
+              continue_final_message: bool = False, template_cls: type = ChatTemplate, **kwargs) -> str:
     """kvserve's text: the path a chat request takes (render_chat)."""
     if documents is not None:
         kwargs["documents"] = copy.deepcopy(documents)
-    text, _ = render_chat(ChatTemplate(source, bos_token=bos, eos_token=eos), tok, copy.deepcopy(messages),
+    text, _ = render_chat(template_cls(source, bos_token=bos, eos_token=eos), tok, copy.deepcopy(messages),
                           add_generation_prompt=add_generation_prompt, tools=copy.deepcopy(tools),
                           continue_final_message=continue_final_message, **kwargs)
     return text
 
 
-def assert_parity(tok: Tokenizer, source: str, messages: list[dict], **kw) -> str:
-    want = hf_render(source, messages, **kw)
+def assert_parity(tok: Tokenizer, source: str, messages: list[dict], *, join_parts: bool = True, **kw) -> str:
+    want = hf_render(source, messages, join_parts=join_parts, **kw)
     got = kv_render(tok, source, messages, **kw)
     assert got == want
     return got
@@ -305,10 +305,51 @@ def test_reasoning_aliases(kv_tok) -> None:
         assert assert_parity(kv_tok, src, msgs) == "user: Hello there!assistant: 4 [rc=2+2] [th=2+2]"
 
 
-def test_content_parts_join_as_vllm(kv_tok) -> None:
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]}]
-    for src in (FEATURES["reasoning_fields"], (VENDOR / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()):
-        assert assert_parity(kv_tok, src, msgs)
+PARTS_USER = {"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]}
+LOOPS_OVER_CONTENT = (
+    "{% for m in messages %}{{ m.role }}:{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for part in m.content %}[{{ part.text }}]{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}")
+
+
+def test_content_parts_join_for_string_templates(kv_tok) -> None:
+    """A template that does not loop over content gets text parts joined with newlines
+    (vLLM's string format; transformers would fail concatenating a list)."""
+    for src in (FEATURES["reasoning_fields"], _vendor("Qwen-Qwen2.5-7B-Instruct")):
+        assert ChatTemplate(src).content_format == "string"
+        assert "first\nsecond" in assert_parity(kv_tok, src, [PARTS_USER])
+
+
+def test_content_parts_kept_for_templates_that_loop_over_content(kv_tok) -> None:
+    """A template that loops over content (vLLM's auto: openai) gets the parts as sent;
+    string contents stay strings, as transformers passes what it is given."""
+    msgs = [SYS, PARTS_USER, A1, {"role": "user", "content": [{"type": "text", "text": "only"}]}]
+    assert ChatTemplate(LOOPS_OVER_CONTENT).content_format == "openai"
+    assert assert_parity(kv_tok, LOOPS_OVER_CONTENT, msgs, join_parts=False) == (
+        "system:You are terse. Ünïcode ok.\nuser:[first][second]\nassistant:Hi. What do you need?\nuser:[only]\n")
+    mistral = _vendor("Mistral-Small-3.2-24B-Instruct-2506")
+    assert assert_parity(kv_tok, mistral, [SYS, PARTS_USER, A1, PARTS_USER], bos="<s>", eos="</s>",
+                         join_parts=False).endswith("[INST]firstsecond[/INST]")
+    # continuing a final message given as parts continues its last text part (transformers)
+    partial = {"role": "assistant", "content": [{"type": "text", "text": "The"}, {"type": "text", "text": " answer"}]}
+    assert assert_parity(kv_tok, LOOPS_OVER_CONTENT, [PARTS_USER, partial], join_parts=False,
+                         continue_final_message=True) == "user:[first][second]\nassistant:[The][ answer"
+
+
+def test_content_format_flag_overrides_detection(kv_tok) -> None:
+    """``--chat-template-content-format string`` joins the parts even for a template that
+    loops over content; ``openai`` gives parts to any template."""
+    from kvserve.chat.builtin_templates import with_content_format
+
+    joined = kv_render(kv_tok, LOOPS_OVER_CONTENT, [PARTS_USER], template_cls=with_content_format(ChatTemplate, "string"))
+    assert joined == hf_render(LOOPS_OVER_CONTENT, [PARTS_USER]) == "user:first\nsecond\n"
+    as_parts = kv_render(kv_tok, LOOPS_OVER_CONTENT, [U1, PARTS_USER],
+                         template_cls=with_content_format(ChatTemplate, "openai"))
+    assert as_parts == "user:[Hello there!]\nuser:[first][second]\n"
+
+
+def test_content_format_detection_of_vendor_templates() -> None:
+    got = {name for name in VENDORS if ChatTemplate(_vendor(name)).content_format == "openai"}
+    assert got == {"Mistral-Small-3.2-24B-Instruct-2506", "moonshotai-Kimi-K2"}
 
 
 def test_continue_final_message_with_trimmed_content(kv_tok) -> None:
