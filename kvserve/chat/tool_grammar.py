@@ -15,7 +15,9 @@ without parameters takes exactly ``{}``):
   calls separated by ``"\\n"``.
 * ``llama3_json``: ``{"name": "NAME", "parameters": ARGS}``, separated by ``"; "``.
 * ``mistral``: ``[TOOL_CALLS][{"name": "NAME", "arguments": ARGS}, ...]``.
-* ``granite``: ``[{"name": "NAME", "arguments": ARGS}, ...]``.
+* ``granite``: ``[{"name": "NAME", "arguments": ARGS}, ...]``; ``phi4_mini_json`` the same after
+  ``functools``; ``longcat``: ``hermes``'s under ``<longcat_tool_call>``; ``granite4`` as ``hermes``,
+  ``mimo`` as ``qwen3_coder``.
 * ``llama4_json`` and ``llama4_pythonic``: as ``llama3_json`` and ``pythonic``.
 
 * ``qwen3_coder``/``qwen3_xml``, ``seed_oss``, ``glm45``/``glm47``, ``minimax_m2``: the call's
@@ -24,7 +26,7 @@ without parameters takes exactly ``{}``):
   ``qwen_xml`` / ``glm_xml`` / ``minimax_xml`` JSON-schema styles write them (string values as
   text, others as JSON), then the closing; parallel calls separated by ``"\\n"``.
 
-The other parsers (``kimi_k2``, ``deepseek_v3``/``v31``, ``longcat``, ``openai``) have no
+The other parsers (``kimi_k2``, ``deepseek_v3``/``v31``, ``openai``) have no
 grammar: ``tool_choice`` ``required`` or a named function answers 400 with them.
 * ``pythonic``: ``[NAME(key=value, ...), ...]`` with Python literals (``True``/``None``), one
   keyword per schema property in schema order (optional ones may be left out).
@@ -52,11 +54,13 @@ _JSON_FORMATS: dict[str, tuple[str, str, str, str, str, str]] = {
     "llama3_json": ("", '{"name": ', "parameters", "}", "; ", ""),
     "mistral": ("[TOOL_CALLS][", '{"name": ', "arguments", "}", ", ", "]"),
     "granite": ("[", '{"name": ', "arguments", "}", ", ", "]"),
+    "phi4_mini_json": ("functools[", '{"name": ', "arguments", "}", ", ", "]"),
+    "longcat": ("", '<longcat_tool_call>\n{"name": ', "arguments", "}\n</longcat_tool_call>", "\n", ""),
 }
 
 #: parsers whose calls are another parser's format (vLLM registers the same class)
 _SAME_FORMAT = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic", "qwen3_xml": "qwen3_coder",
-                "glm47": "glm45"}
+                "glm47": "glm45", "granite4": "hermes", "mimo": "qwen3_coder"}
 
 #: XML formats: parser name -> (xgrammar JSONSchemaFormat style, text before the parameters
 #: ({name} is the function), text after them, separator between parallel calls)
@@ -82,7 +86,7 @@ def tool_call_prefix(parser_name: str) -> str:
     if parser_name not in _JSON_FORMATS:
         raise ValueError(_unknown(parser_name))
     before, head, *_ = _JSON_FORMATS[parser_name]
-    return before + head.split("{", 1)[0] if parser_name == "hermes" else before + "{"
+    return before + head.split("{", 1)[0] if not head.startswith("{") else before + "{"
 
 
 def tool_functions(tools: list[dict]) -> list[tuple[str, dict | None]]:

@@ -99,6 +99,9 @@ XML_FORMATS = ("qwen3_coder", "qwen3_xml", "seed_oss", "glm45", "glm47", "minima
 for _f in XML_FORMATS:
     _x = xml_calls(_f)
     VALID[_f] = [_x["read"], _x["list"], _x["now"]]
+VALID["granite4"], VALID["mimo"] = VALID["hermes"], VALID["qwen3_coder"]
+VALID["phi4_mini_json"] = ["functools" + t for t in VALID["granite"]]
+VALID["longcat"] = [t.replace("tool_call>", "longcat_tool_call>") for t in VALID["hermes"]]
 PARALLEL = {
     "hermes": H_READ + "\n" + H_NOW,
     "llama3_json": '{"name": "read_file", "parameters": {"path": "pom.xml"}}; {"name": "now", "parameters": {}}',
@@ -110,6 +113,9 @@ PARALLEL = {
 PARALLEL["llama4_json"], PARALLEL["llama4_pythonic"] = PARALLEL["llama3_json"], PARALLEL["pythonic"]
 for _f in XML_FORMATS:
     PARALLEL[_f] = xml_calls(_f)["read"] + "\n" + xml_calls(_f)["now"]
+PARALLEL["granite4"], PARALLEL["mimo"] = PARALLEL["hermes"], PARALLEL["qwen3_coder"]
+PARALLEL["phi4_mini_json"] = "functools" + PARALLEL["granite"]
+PARALLEL["longcat"] = PARALLEL["hermes"].replace("tool_call>", "longcat_tool_call>")
 INVALID = {
     "hermes": [
         "Hello " + H_READ,  # free text first
@@ -135,6 +141,9 @@ for _f in XML_FORMATS:
     _x = xml_calls(_f)
     INVALID[_f] = [_x["bad_enum"], "Hello " + _x["read"], _x["read"].replace("read_file", "write_file"),
                    _x["read"] + "\n" + _x["now"], ""]
+INVALID["granite4"], INVALID["mimo"] = INVALID["hermes"], INVALID["qwen3_coder"]
+INVALID["phi4_mini_json"] = INVALID["granite"] + VALID["granite"]
+INVALID["longcat"] = VALID["hermes"] + ["Hello " + VALID["longcat"][0], ""]
 
 
 @pytest.mark.parametrize("fmt", TOOL_GRAMMAR_FORMATS)
@@ -198,9 +207,13 @@ def test_prefill_is_a_valid_prefix(compiler, fmt):
 
 
 def test_tool_call_prefix_values():
-    assert [tool_call_prefix(f) for f in TOOL_GRAMMAR_FORMATS] == [
-        "<tool_call>\n", "{", "[TOOL_CALLS][{", "[{", "[", "{", "[", "<tool_call>\n<function=", "<tool_call>",
-        "<tool_call>\n<function=", "<seed:tool_call>\n<function=", "<tool_call>", '<minimax:tool_call>\n<invoke name="']
+    assert {f: tool_call_prefix(f) for f in TOOL_GRAMMAR_FORMATS} == {
+        "hermes": "<tool_call>\n", "llama3_json": "{", "mistral": "[TOOL_CALLS][{", "granite": "[{",
+        "phi4_mini_json": "functools[{", "longcat": "<longcat_tool_call>\n", "pythonic": "[", "llama4_json": "{",
+        "llama4_pythonic": "[", "qwen3_xml": "<tool_call>\n<function=", "glm47": "<tool_call>",
+        "granite4": "<tool_call>\n", "mimo": "<tool_call>\n<function=", "qwen3_coder": "<tool_call>\n<function=",
+        "seed_oss": "<seed:tool_call>\n<function=", "glm45": "<tool_call>",
+        "minimax_m2": '<minimax:tool_call>\n<invoke name="'}
 
 
 def test_named_function(compiler):
