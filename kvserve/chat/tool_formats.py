@@ -12,8 +12,10 @@ modes), so a stream's calls equal :meth:`ToolParser.extract`'s.
     One newline after ``>`` and one before ``</parameter>`` are removed from VALUE. A
     ``</parameter>`` ends the value only when what follows (after whitespace) is another
     ``<parameter=``, ``</function>``, ``</tool_call>`` or the end, so values may contain the
-    tag; a missing ``</parameter>`` ends at the next ``<parameter=`` on a new line or at
-    ``</function>``. Values are converted by the tool's JSON schema type (vLLM's
+    tag (a ``<parameter=`` on a new line before it opens a nested literal pair); a missing
+    ``</parameter>`` ends at the next ``<parameter=`` on a new line naming another schema
+    parameter (any name when the tool has no schema) or at ``</function>``. Parameters need no
+    newline between them. Values are converted by the tool's JSON schema type (vLLM's
     ``_convert_param_value``): ``string`` (and unknown parameters) stay text; ``integer`` ->
     int, ``number`` -> int when integral else float, ``boolean`` -> ``value.lower() ==
     "true"``, ``object``/``array`` -> JSON (else a Python literal), other types a Python literal;
@@ -29,6 +31,8 @@ modes), so a stream's calls equal :meth:`ToolParser.extract`'s.
     ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>``
     (also the singular ``<|tool_call_section_begin|>``). The call id is the model's
     ``functions.NAME:0`` (vLLM does the same); NAME is the part before ``:`` after the last ``.``.
+    vLLM passes the argument text on as the model wrote it; here it must be a JSON object and
+    is re-serialized (the shared rule), as for ``deepseek_v3``/``deepseek_v31``.
 ``deepseek_v3`` (DeepSeek V3 / R1)
     ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``.
 ``deepseek_v31`` (DeepSeek V3.1)
