@@ -157,7 +157,8 @@ def _resolve_parser(state, choice: str | dict, template) -> str | None:
 
 def template_kwargs(args, body: dict) -> dict:
     """Extra template variables: ``--chat-template-kwargs``, ``--reasoning on|off``
-    (``enable_thinking``), then the request's ``chat_template_kwargs`` and ``reasoning_effort``.
+    (``enable_thinking``), the request's ``documents`` (vLLM), then its ``chat_template_kwargs``
+    (which may set ``documents`` too, as vLLM merges them) and ``reasoning_effort``.
 
     Raises:
         ApiError: 400 when ``chat_template_kwargs`` is not an object or sets a variable the
@@ -167,6 +168,15 @@ def template_kwargs(args, body: dict) -> dict:
     kwargs = {k: v for k, v in args.chat_template_kwargs.items() if k not in RESERVED_VARIABLES}
     if args.reasoning is not None:
         kwargs["enable_thinking"] = args.reasoning == "on"
+    docs = body.get("documents")  # vLLM's RAG documents for the template (Command-R, Granite)
+    if docs is not None:
+        if not isinstance(docs, list):
+            raise type_error("documents", "array", docs)
+        for i, d in enumerate(docs):
+            if not isinstance(d, dict):
+                raise type_error(f"documents[{i}]", "object", d)
+        check_text(docs, "documents")
+        kwargs["documents"] = docs
     req_kwargs = body.get("chat_template_kwargs")
     if req_kwargs is not None:
         if not isinstance(req_kwargs, dict):

@@ -534,3 +534,29 @@ def test_kvserve_never_imports_transformers() -> None:
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             found += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] == "transformers"]
     assert found == []
+
+
+def test_request_documents_field(kv_tok) -> None:
+    """A chat request's ``documents`` (vLLM's field) reach the template; ``chat_template_kwargs``
+    may set them too and wins, as vLLM merges them; a bad value is a 400 naming the field."""
+    from types import SimpleNamespace
+
+    from kvserve.faces.chat_features import template_kwargs
+    from kvserve.faces.errors import ApiError
+
+    args = SimpleNamespace(chat_template_kwargs={}, reasoning=None)
+    kw = template_kwargs(args, {"documents": DOCS})
+    assert kw == {"documents": DOCS}
+    src = FEATURES["documents"]
+    assert kv_render(kv_tok, src, [U1], **kw) == hf_render(src, [U1], documents=DOCS) == (
+        '<doc id=0 title="Tides">High tide at 06:12 and 18:40.</doc>\n'
+        '<doc id=1 title="Moon">The moon is waxing <gibbous> — 82% lit.</doc>\nuser: Hello there!\n')
+    other = [{"title": "T", "text": "x"}]
+    assert template_kwargs(args, {"documents": DOCS, "chat_template_kwargs": {"documents": other}}) == {
+        "documents": other}
+    with pytest.raises(ApiError) as e:
+        template_kwargs(args, {"documents": {"title": "T"}})
+    assert (e.value.status, e.value.message) == (400, "Field 'documents': type must be array, but is object")
+    with pytest.raises(ApiError) as e:
+        template_kwargs(args, {"documents": [{"title": "T"}, "text"]})
+    assert (e.value.status, e.value.message) == (400, "Field 'documents[1]': type must be object, but is string")
