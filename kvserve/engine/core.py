@@ -35,7 +35,7 @@ from kvserve.engine.runner import ModelRunner, SampleFailure, StepResult
 from kvserve.engine.sampler import BreakerCache, SampleResult, SequenceSampler
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvserve.engine.slot_file import SlotFileError, SlotHeader, model_fingerprint, read_slot_file, write_slot_file
-from kvserve.engine.spec_decode import SpecDecoder, accepted_prefix
+from kvserve.engine.spec_decode import STEP_BASE_ROWS_GPU, SpecDecoder, accepted_prefix
 from kvserve.loaders.weights import LoadedModel
 from kvserve.models.registry import build_model
 
@@ -144,6 +144,8 @@ class EngineCore:
         self.spec = SpecDecoder(config.spec) if config.spec.enabled else None
         if self.spec is not None:
             self.scheduler.spec = self.spec
+            if self.device.type != "cpu":
+                self.spec.base_rows = STEP_BASE_ROWS_GPU
             if self.device.type == "cpu" and config.small_batch_rows > 0:
                 # verification steps stay within the small-batch kernel's rows: the drafts'
                 # logits then come from the kernels a plain decode step uses
@@ -433,6 +435,7 @@ class EngineCore:
             st.spec_accepted_per_pos[i] += 1
         req.num_draft_tokens += len(draft)
         req.num_draft_accepted += a
+        self.spec.observe(req.request_id, len(draft), a)
         start = req.num_computed_tokens
         toks: list[int] = []
         text = ""

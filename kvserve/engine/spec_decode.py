@@ -18,6 +18,45 @@ Verification (:mod:`kvserve.engine.core`): the proposal of K tokens runs as K+1 
 the sequence in one forward step; the longest prefix of the proposal agreeing with the
 target's own greedy choice at each position is accepted, plus the target's next token (the
 "bonus" token). Greedy output is therefore the same token sequence as without speculation.
+
+The draft-length policy (batching and speculation together, issue #17 item 3)
+----------------------------------------------------------------------------------
+
+A draft token costs one more row of the step; it pays only when it is likely enough to be
+accepted for what a row costs in that step. The policy decides per step and per sequence how
+many of the proposed tokens to verify (the proposal is cut, never changed, so greedy output
+stays token-identical whatever it decides):
+
+* **Cost model**: a step of R rows costs ``base_rows + R`` row-units: a fixed part (reading
+  the weights, the step's host work) worth ``base_rows`` rows, then one unit a row.
+  ``base_rows`` is :data:`STEP_BASE_ROWS_CPU` (4) on the CPU, from this machine's decode steps
+  (SmolLM2-135M Q4_1, 2 cores: ~12.8 ms for 1 row, ~46-54 ms for 16, i.e. ~10 ms fixed and
+  ~2.5 ms a row) and :data:`STEP_BASE_ROWS_GPU` (64) on a GPU, where a few hundred rows of a
+  small model cost about what one does.
+* **Acceptance estimate** per sequence: ``alpha = accepted / (accepted + rejections)`` over
+  its verifications, each older one weighted by :data:`HISTORY_DECAY` (0.5) per newer one,
+  starting from a prior of :data:`PRIOR_ACCEPTED` accepted tokens and :data:`PRIOR_REJECTED`
+  rejection (alpha 0.8). A rejection is a verification that stopped before the draft's end.
+  That is the estimate of a geometric model: the i-th draft token is accepted with
+  probability ``alpha ** i``.
+* **Marginal rule**: the scheduler offers each decode row its proposal in chunk order
+  (``begin_step`` gives the step's rows before drafts, B). The policy keeps the step's
+  expected tokens ``B + G`` and its row-units ``base_rows + B + D`` (G: expected accepted
+  draft tokens so far, D: draft rows so far) and takes the next draft token, worth
+  ``alpha ** i``, only while that exceeds the step's tokens per row-unit ``(B + G) / (base_rows
+  + B + D)``: a row that yields fewer tokens than the step's average lowers throughput. So at
+  one stream on the CPU a fresh sequence drafts 4 tokens (alpha 0.8) and one that has been
+  copying (alpha 0.97) 14, at 4 streams 2 and 11; at 16 streams a draft needs alpha > 0.8 for its first token, and
+  the CPU's row cap (``small_batch_rows``, 16, the rows the int4 decode kernels take: the
+  scheduler's ``spec_max_rows``) leaves no room anyway: the batch is compute-bound and the step
+  is a plain decode.
+* **Misses and probes**: four verifications in a row that accept nothing bring alpha from the
+  prior to ~0.11, below what even a one-stream step pays (its first token needs alpha > 1/5),
+  so the sequence stops drafting (K = 0). After :data:`PROBE_TOKENS` (16) tokens without a
+  verification its estimate is reset to the prior, so it probes again in the next step that
+  can afford it.
+* Per-request limits (``speculative.n_max``/``n_min``) and the step's row room still cap the
+  result; a cut draft shorter than ``n_min`` is dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +72,17 @@ DEFAULT_PROMPT_LOOKUP_MIN = 2
 #: about 20 ms each on a 2-core machine, instead of stalling one step for the whole of it;
 #: the sequence speculates once its index has caught up)
 INDEX_TOKENS_PER_STEP = 8192
+
+#: a step's fixed cost in rows (see the module docstring's cost model): CPU, GPU
+STEP_BASE_ROWS_CPU = 4.0
+STEP_BASE_ROWS_GPU = 64.0
+#: prior of a sequence's acceptance estimate: accepted tokens, rejections (alpha 0.8)
+PRIOR_ACCEPTED = 4.0
+PRIOR_REJECTED = 1.0
+#: weight of the estimate's history per newer verification
+HISTORY_DECAY = 0.5
+#: tokens without a verification after which a sequence's estimate goes back to the prior
+PROBE_TOKENS = 16
 
 
 class NgramIndex:
@@ -132,6 +182,42 @@ class _Seq:
     n_max: int
     n_min: int
     fed: int = 0  # tokens of the request already in the index
+    accepted: float = PRIOR_ACCEPTED  # decayed accepted draft tokens
+    rejected: float = PRIOR_REJECTED  # decayed rejections
+    verified_at: int = 0  # the sequence's length at its last verification (or probe reset)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+def draft_length(alpha: float, k_max: int, rows: int, base_rows: float, gain: float = 0.0,
+                 drafted: int = 0) -> int:
+    """How many draft tokens (at most ``k_max``) one sequence verifies under the marginal rule.
+
+    Args:
+        alpha: the sequence's acceptance estimate (the i-th draft token is accepted with
+            probability ``alpha ** i``), 0..1.
+        k_max: tokens proposed (after the per-request and row caps).
+        rows: the step's rows before drafts (B).
+        base_rows: the step's fixed cost in rows.
+        gain, drafted: expected accepted tokens and rows of the drafts already in the step.
+
+    Returns:
+        The largest k such that each of the first k tokens' acceptance probability exceeds
+        the step's expected tokens per row-unit at the time it is added (see the module
+        docstring); 0 when even the first does not.
+    """
+    k = 0
+    p = 1.0
+    while k < k_max:
+        p *= alpha
+        if p <= (rows + gain) / (base_rows + rows + drafted):
+            break
+        k += 1
+        gain += p
+        drafted += 1
+    return k
 
 
 @dataclass
@@ -145,7 +231,36 @@ class SpecDecoder:
     """
 
     config: SpecConfig
+    #: a step's fixed cost in rows (STEP_BASE_ROWS_CPU / _GPU; EngineCore sets it per device)
+    base_rows: float = STEP_BASE_ROWS_CPU
+    #: the draft-length policy on (False: every proposal verified whole, as before it existed)
+    adaptive: bool = True
     _seqs: dict[str, _Seq] = field(default_factory=dict)
+    # the step being scheduled: rows before drafts, expected accepted draft tokens, draft rows
+    _rows: int = 1
+    _gain: float = 0.0
+    _drafted: int = 0
+
+    def begin_step(self, rows: int) -> None:
+        """A step's drafting starts: ``rows`` = its rows before drafts (the scheduler calls it
+        before offering the step's decode rows their proposals)."""
+        self._rows = max(int(rows), 1)
+        self._gain = 0.0
+        self._drafted = 0
+
+    def observe(self, request_id: str, proposed: int, accepted: int) -> None:
+        """A verification of ``proposed`` draft tokens accepted the first ``accepted``: update the
+        sequence's estimate (a rejection when ``accepted < proposed``)."""
+        s = self._seqs.get(request_id)
+        if s is None or proposed <= 0:
+            return
+        s.accepted = HISTORY_DECAY * s.accepted + accepted
+        s.rejected = HISTORY_DECAY * s.rejected + (1.0 if accepted < proposed else 0.0)
+
+    def alpha(self, request_id: str) -> float | None:
+        """The sequence's acceptance estimate (None: it does not speculate)."""
+        s = self._seqs.get(request_id)
+        return None if s is None else s.alpha
 
     def register(self, request, plain_greedy: bool) -> None:
         """Note a new request. ``plain_greedy``: its every next token is the argmax of the raw
@@ -184,6 +299,21 @@ class SpecDecoder:
         draft = s.index.propose(k)
         if len(draft) < max(s.n_min, 1):
             return []
+        if self.adaptive:
+            if n - s.verified_at >= PROBE_TOKENS and s.alpha < PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED):
+                s.accepted, s.rejected = PRIOR_ACCEPTED, PRIOR_REJECTED  # probe again
+                s.verified_at = n
+            alpha = s.alpha
+            k = draft_length(alpha, len(draft), self._rows, self.base_rows, self._gain, self._drafted)
+            if k < max(s.n_min, 1):
+                return []
+            draft = draft[:k]
+            p = 1.0
+            for _ in range(k):
+                p *= alpha
+                self._gain += p
+            self._drafted += k
+            s.verified_at = n
         return draft
 
 

@@ -136,6 +136,7 @@ def test_policy_per_request_limits():
             return self.toks[i]
 
     dec = SpecDecoder(SpecConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=2))
+    dec.adaptive = False  # the proposals whole (the draft-length policy: test_spec_policy.py)
     toks = [1, 2, 3, 4, 5, 6, 7, 1, 2]
     for rid, kw in (("a", {}), ("b", {"spec_n_max": 2}), ("c", {"spec_n_max": 0}), ("d", {"spec_n_min": 9}),
                     ("e", {"spec_n_max": 99})):
@@ -165,6 +166,7 @@ def test_a_long_prompt_is_indexed_over_several_steps(monkeypatch):
 
     monkeypatch.setattr(spec_decode, "INDEX_TOKENS_PER_STEP", 10)
     dec = SpecDecoder(SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=2))
+    dec.adaptive = False
     toks = [7, 8, 9, 1, 2, 3, 4, 5, 6, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 7, 8]
     r = R(toks)
     dec.register(r, plain_greedy=True)
@@ -373,6 +375,9 @@ class _FixedProposer:
 
     def __init__(self, inner, oracle=None, junk=None, shift=0):
         self.inner, self.oracle, self.junk, self.shift = inner, oracle, junk, shift
+
+    def begin_step(self, rows):
+        pass
 
     def propose(self, req, max_tokens):
         k = min(8, max_tokens)
