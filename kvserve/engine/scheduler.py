@@ -209,6 +209,7 @@ class Scheduler:
         preempt: a chunk whose extra blocks are not free runs as a plain decode. A draft is
         cut so that the tokens it may add stay within the request's n_predict and context."""
         room = min(self.max_num_batched_tokens, self.spec_max_rows) - out.num_tokens
+        self.spec.begin_step(out.num_tokens)  # the draft-length policy's step (spec_decode)
         for ch in out.chunks:
             if room <= 0:
                 break
