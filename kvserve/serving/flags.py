@@ -190,6 +190,19 @@ def _parallel_check(what: str, flag: str) -> Callable[[Any], str | None]:
     return check
 
 
+def _dp_check(n: int) -> str | None:
+    """``-dp N``: kvserve does not start replicas itself; N ``kvserve serve`` processes behind
+    the vLLM project's router are the way (kvserve.faces.router, README "Replicas")."""
+    if n < 1:
+        return f"--data-parallel-size must be at least 1, got {n}"
+    if n > 1:
+        return (f"--data-parallel-size {n}: kvserve does not start replicas itself; start {n} `kvserve serve` "
+                f"processes on ports of their own and put vllm-router in front: vllm-router --worker-urls "
+                f"http://127.0.0.1:PORT1 http://127.0.0.1:PORT2 ... --policy cache_aware --cb-failure-threshold 1 "
+                f"(README: Replicas behind vLLM's router)")
+    return None
+
+
 _KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 
 
@@ -537,8 +550,8 @@ FLAGS: tuple[Flag, ...] = (
       why="one process (values above 1 are refused)",
       check=_parallel_check("pipeline parallelism", "--pipeline-parallel-size")),
     F("-dp --data-parallel-size", "int", 1, "data-parallel replicas", source=VLLM, effect=NONE,
-      why="one process (values above 1 are refused)",
-      check=_parallel_check("data parallelism", "--data-parallel-size")),
+      why="one process; replicas are N kvserve serve behind vllm-router (values above 1 are refused, "
+          "naming the recipe)", check=_dp_check),
     F("-ep --enable-expert-parallel", "bool", False, source=VLLM, effect=NONE, why="one process"),
     F("--distributed-executor-backend", source=VLLM, effect=NONE, why="one process"),
     F("--disable-custom-all-reduce", "bool", False, source=VLLM, effect=NONE, why="one process"),

@@ -15,7 +15,8 @@ cache_aware``): two ``kvserve serve`` processes of the tiny random model and the
 
 Which replica served a request: each runs with its own ``-a`` alias, which the response's
 ``model`` names (a request's model name is answered by the one pinned model, as llama-server).
-Skipped when the ``vllm-router`` executable is absent (it is in the ``test`` extra).
+The tests that need the router are skipped when the ``vllm-router`` executable is absent (it is
+in the ``test`` extra). ``-dp N`` above 1 is refused with the recipe (kvserve starts no replicas).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def _router_exe() -> str | None:
 
 
 ROUTER_EXE = _router_exe()
-pytestmark = pytest.mark.skipif(ROUTER_EXE is None, reason="the vllm-router executable is not installed "
-                                "(pip install vllm-router==0.1.17; it is in kvserve's test extra)")
+needs_router = pytest.mark.skipif(ROUTER_EXE is None, reason="the vllm-router executable is not installed "
+                                  "(pip install vllm-router==0.1.17; it is in kvserve's test extra)")
 
 ALIASES = ("rep-a", "rep-b")
 AGENTS = ("Ada", "Bo", "Cy", "Di")
@@ -140,6 +141,20 @@ def chat(client: httpx.Client, base: str, msgs: list[dict], **extra) -> dict:
     return r.json()
 
 
+def test_dp_above_one_is_refused_with_the_recipe(capsys):
+    from kvserve.serving.args import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["m.gguf", "-dp", "2"], environ={})
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: --data-parallel-size 2: kvserve does not start replicas itself; start 2 `kvserve serve` processes "
+        "on ports of their own and put vllm-router in front: vllm-router --worker-urls http://127.0.0.1:PORT1 "
+        "http://127.0.0.1:PORT2 ... --policy cache_aware --cb-failure-threshold 1 (README: Replicas behind "
+        "vLLM's router)")
+    assert parse_args(["m.gguf", "--data-parallel-size", "1"], environ={}).data_parallel_size == 1
+
+
 def test_worker_endpoints_the_router_reads(replicas):
     w = replicas[0].base_url
     msgs = messages("Gus", 1)  # not an agent of the routing tests: their first requests find no cache
@@ -182,12 +197,14 @@ def test_worker_endpoints_the_router_reads(replicas):
     assert httpx.get(w + "/get_load").json() == {"load": 0}
 
 
+@needs_router
 def test_router_reads_loads(router, replicas):
     loads = httpx.get(router.base_url + "/get_loads").json()
     assert sorted(x["worker"] for x in loads["workers"]) == sorted(s.base_url for s in replicas)
     assert [x["load"] for x in loads["workers"]] == [0, 0]  # -1 would mean "no /get_load"
 
 
+@needs_router
 def test_agents_land_where_their_prefix_is_cached(router, replicas):
     tok_client = httpx.Client()
     ids = {(a, k): tok_client.post(replicas[0].base_url + "/tokenize", json={"messages": messages(a, k)}).json()
@@ -234,6 +251,7 @@ def test_agents_land_where_their_prefix_is_cached(router, replicas):
             assert r["timings"]["prompt_n"] == len(ids[(a, k)]) - want
 
 
+@needs_router
 def test_stream_passes_through(router):
     msgs = messages("Eve", 1)
     plain = chat(httpx.Client(), router.base_url, msgs, max_tokens=12)
@@ -252,6 +270,7 @@ def test_stream_passes_through(router):
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1  # all but one
 
 
+@needs_router
 def test_stopping_a_replica_moves_its_traffic(router, replicas):
     """Last in the module: it stops a replica."""
     c = httpx.Client()
