@@ -307,34 +307,22 @@ class CompletionHandler:
         results = [self.final_json(c, params, opts, stream=False).wire() for c in tasks]
         return json_response(results[0] if len(results) == 1 else results)
 
-    def _progress_chunk(self, c: _Completion, total: int, cache: int, processed: int, time_ms: int) -> dict:
+    def _progress_chunk(self, c: _Completion, prog: PromptProgress) -> dict:
         return CompletionChunk(index=c.index, content="", tokens=[], stop=False, id_slot=c.request.priority_slot,
-                               stop_type="none", tokens_predicted=0, tokens_evaluated=total,
-                               prompt_progress=PromptProgress(total=total, cache=cache, processed=processed,
-                                                              time_ms=time_ms)).wire()
+                               stop_type="none", tokens_predicted=0, tokens_evaluated=prog.total,
+                               prompt_progress=prog).wire()
 
     async def _stream(self, c: _Completion, params: SamplingParams, opts: dict):
         """The stream's events. With ``return_progress`` (llama-server's): before the first token,
         one event at 0% (``processed`` = ``cache``), one per prompt chunk the engine ran, and one
         at 100% (``processed`` = ``total``)."""
-        progress = opts["return_progress"]
-        shown = started = False  # the 0% event was sent; the first token was
+        progress = ProgressEvents() if opts["return_progress"] else None
         async for out in generate(self.state, c.request, self._params_view(params, opts)):
-            p = out.prompt_progress
-            if p is not None:  # a prompt chunk (return_progress only)
-                if progress and not started:
-                    if not shown:
-                        shown = True
-                        yield self._progress_chunk(c, p.total, p.cache, p.cache, 0)
-                    yield self._progress_chunk(c, p.total, p.cache, p.processed, p.time_ms)
+            if progress is not None:
+                for prog in progress.feed(out):
+                    yield self._progress_chunk(c, prog)
+            if out.prompt_progress is not None:
                 continue
-            if progress and not started:
-                started = True
-                total, cache = out.num_prompt_tokens, out.num_cached_tokens
-                if not shown:
-                    shown = True
-                    yield self._progress_chunk(c, total, cache, cache, 0)
-                yield self._progress_chunk(c, total, cache, total, int(out.timings.prompt_ms))
             c.add(out, params.post_sampling_probs)
             if out.text or (out.logprobs and params.n_probs > 0):
                 chunk = CompletionChunk(index=c.index, content=out.text,
@@ -348,6 +336,36 @@ class CompletionHandler:
                 yield chunk.wire()
             if out.finished:
                 yield self.final_json(c, params, opts, stream=True).wire()
+
+
+class ProgressEvents:
+    """llama-server's ``prompt_progress`` events of one sequence (``return_progress`` in a stream),
+    from its engine outputs: before the first token, one at 0% (``processed`` = ``cache``,
+    ``time_ms`` 0), one per prompt chunk the engine ran (the engine's token-less outputs with
+    ``prompt_progress``), and one at 100% (``processed`` = ``total``) when the first token comes.
+    Nothing after the first token. Used by this face and the OpenAI face."""
+
+    def __init__(self) -> None:
+        self.shown = False  # the 0% event was sent
+        self.done = False  # the first token came
+
+    def feed(self, out: RequestOutput) -> list[PromptProgress]:
+        """The progress objects to send before ``out``'s own event (if any)."""
+        if self.done:
+            return []
+        p = out.prompt_progress
+        if p is not None:
+            total, cache, processed, ms = p.total, p.cache, p.processed, p.time_ms
+        else:
+            self.done = True
+            total, cache = out.num_prompt_tokens, out.num_cached_tokens
+            processed, ms = total, int(out.timings.prompt_ms)
+        events = []
+        if not self.shown:
+            self.shown = True
+            events.append(PromptProgress(total=total, cache=cache, processed=cache, time_ms=0))
+        events.append(PromptProgress(total=total, cache=cache, processed=processed, time_ms=ms))
+        return events
 
 
 class InfillRoute:

@@ -71,6 +71,7 @@ from kvserve.faces.chat_features import chat_features, constraint_factory
 from kvserve.faces.chat_output import ChoiceOutput, OutputMode
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import error_response, json_response, read_json
+from kvserve.faces.llama import ProgressEvents
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
 from kvserve.faces.openai_types import (
     ChatChoice,
@@ -269,8 +270,15 @@ def _engine_requests(state: Runner, body: dict, response_id: str, prompts: list[
             reqs.append(Request(f"{response_id}-{k}", list(ids), _choice_params(params, k), eog_token_ids=eog,
                                 priority_slot=id_slot if id_slot is not None else -1,
                                 cache_salt=get_str(body, "cache_salt") or None,
-                                grammar=make_constraint() if make_constraint is not None else None))
+                                grammar=make_constraint() if make_constraint is not None else None,
+                                return_progress=_return_progress(body)))
     return reqs
+
+
+def _return_progress(body: dict) -> bool:
+    """llama-server's ``return_progress``: ``prompt_progress`` chunks before the first token, in
+    streams only."""
+    return bool(get_bool(body, "stream", False)) and bool(get_bool(body, "return_progress", False))
 
 
 def _validate(state: Runner, reqs: list[Request]) -> None:
@@ -685,6 +693,7 @@ async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
     legacy = [_LegacyLogprobs(plan.logprobs or 0, 0, plan.token_ids) for _ in range(n)]
     started = [False] * n
     post = [ChoiceOutput(plan.mode) if chat and plan.mode.active else None for _ in range(n)]
+    progress = [ProgressEvents() if getattr(r, "return_progress", False) else None for r in plan.requests]
     if chat:
         for i in range(n):
             yield chunk([ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(role=plan.role, content=None))])
@@ -701,6 +710,13 @@ async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
 
     async for i, out in run_choices(state, plan):
         _check_output(out)
+        if progress[i] is not None:  # llama-server's progress chunks: a role delta (chat) or empty text
+            for prog in progress[i].feed(out):
+                c = ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(role=plan.role, content=None)) \
+                    if chat else TextChoice(finish_reason=None, index=i, text="", logprobs=None)
+                yield chunk([c], prompt_progress=prog)
+        if out.prompt_progress is not None:
+            continue
         text = out.text
         if not started[i]:
             started[i] = True

@@ -28,7 +28,7 @@ from typing import Literal
 from pydantic import with_config
 from typing_extensions import TypedDict
 
-from kvserve.faces.llama_types import Timings
+from kvserve.faces.llama_types import PromptProgress, Timings
 from kvserve.faces.wire import LEAF_CONFIG, WireModel
 
 __all__ = [
@@ -248,6 +248,7 @@ class ChatCompletionChunk(WireModel):
     object: Literal["chat.completion.chunk"]
     usage: Usage | None = None
     timings: Timings | None = None
+    prompt_progress: PromptProgress | None = None  # llama-server's return_progress (before the first token)
 
 
 # -- legacy completions ---------------------------------------------------------------------
@@ -288,3 +289,4 @@ class TextCompletionChunk(WireModel):
     object: Literal["text_completion"]
     usage: Usage | None = None
     timings: Timings | None = None
+    prompt_progress: PromptProgress | None = None  # llama-server's return_progress (before the first token)

@@ -270,7 +270,7 @@ def test_metrics_every_llamacpp_family_and_the_headers(tiny):
 
 def _sse(r) -> list[dict]:
     assert r.status_code == 200, r.text
-    return [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: ")]
+    return [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: ") and ln != "data: [DONE]"]
 
 
 def test_return_progress_objects_for_a_known_prompt(tiny):
@@ -384,3 +384,25 @@ def test_props_while_sleeping_does_not_wake_the_model(tiny_path, tmp_path):
         assert httpx.get(srv.url("/props"), timeout=30).json()["is_sleeping"] is False
     finally:
         srv.stop()
+
+
+def test_return_progress_in_openai_streams(tiny):
+    prompt = list(range(40, 80))
+    ev = _sse(tiny.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True,
+                                                 "return_progress": True, "cache_prompt": False}))
+    prog = [e for e in ev if "prompt_progress" in e]
+    assert [(e["prompt_progress"]["cache"], e["prompt_progress"]["processed"]) for e in prog] == \
+        [(0, 0), (0, 16), (0, 32), (0, 40)]
+    assert all(e["choices"] == [{"text": "", "index": 0, "logprobs": None, "finish_reason": None}] for e in prog)
+    assert ev.index(prog[-1]) == len(prog) - 1  # before every text chunk
+    # chat: each progress chunk is a role delta, as llama-server's
+    msgs = [{"role": "user", "content": "x" * 30}]
+    ev = _sse(tiny.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "temperature": 0,
+                                                      "stream": True, "return_progress": True,
+                                                      "cache_prompt": False}))
+    prog = [e for e in ev if "prompt_progress" in e]
+    total = prog[0]["prompt_progress"]["total"]
+    assert [e["prompt_progress"]["processed"] for e in prog] == [0] + list(range(16, total, 16)) + [total]
+    assert all(e["choices"][0]["delta"] == {"role": "assistant", "content": None} for e in prog)
+    without = _sse(tiny.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "stream": True}))
+    assert all("prompt_progress" not in e for e in without)
