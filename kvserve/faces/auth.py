@@ -184,7 +184,20 @@ class CorsMiddleware:
             if msg["type"] == "http.response.start":
                 msg = dict(msg)
                 names = {n for n, _ in extra}
-                msg["headers"] = [(n, v) for n, v in msg.get("headers", []) if n.lower() not in names] + extra
+                kept, vary = [], None
+                for n, v in msg.get("headers", []):
+                    if n.lower() == b"vary":
+                        vary = v  # merged below: the app's Vary stays
+                    elif n.lower() not in names:
+                        kept.append((n, v))
+                if vary is None:
+                    extra_now = extra
+                elif any(n == b"vary" for n, _ in extra):  # the app's Vary plus Origin (once)
+                    merged = vary if b"origin" in vary.lower() else vary + b", Origin"
+                    extra_now = [(n, merged if n == b"vary" else v) for n, v in extra]
+                else:
+                    extra_now = extra + [(b"vary", vary)]
+                msg["headers"] = kept + extra_now
             await send(msg)
 
         await self.app(scope, receive, with_cors)

@@ -406,3 +406,19 @@ def test_return_progress_in_openai_streams(tiny):
     assert all(e["choices"][0]["delta"] == {"role": "assistant", "content": None} for e in prog)
     without = _sse(tiny.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "stream": True}))
     assert all("prompt_progress" not in e for e in without)
+
+
+def test_cors_keeps_the_apps_vary_header():
+    from kvserve.faces.auth import CorsMiddleware, CorsPolicy
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"vary", b"Accept-Encoding"), (b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    r = _call(CorsMiddleware(app, CorsPolicy(["*"])), "GET", "/x", {"Origin": "http://a.example"})
+    assert r.headers["vary"] == "Accept-Encoding, Origin"
+    r = _call(CorsMiddleware(app, CorsPolicy(["*"], credentials=False)), "GET", "/x", {"Origin": "http://a.example"})
+    assert (r.headers["vary"], r.headers["access-control-allow-origin"]) == ("Accept-Encoding", "*")
+    r = _call(CorsMiddleware(app, CorsPolicy(["http://b.example"])), "GET", "/x", {"Origin": "http://a.example"})
+    assert r.headers["vary"] == "Accept-Encoding" and "access-control-allow-origin" not in r.headers
