@@ -16,7 +16,8 @@ modes), so a stream's calls equal :meth:`ToolParser.extract`'s.
     ``</parameter>`` ends at the next ``<parameter=`` on a new line naming another schema
     parameter (any name when the tool has no schema) or at ``</function>``. Parameters need no
     newline between them. Values are converted by the tool's JSON schema type (vLLM's
-    ``_convert_param_value``): ``string`` (and unknown parameters) stay text; ``integer`` ->
+    ``_convert_param_value``): ``string`` (and unknown parameters) stay text (an ``enum`` value
+    with whitespace around it loses the whitespace: kvserve's rule); ``integer`` ->
     int, ``number`` -> int when integral else float, ``boolean`` -> ``value.lower() ==
     "true"``, ``object``/``array`` -> JSON (else a Python literal), other types a Python literal;
     ``null``/``None`` -> null for non-string types and for nullable ones; a value that does not
@@ -192,6 +193,11 @@ def convert_param_value(value: str, name: str, props: dict) -> object:
     if nullable and low in ("null", "none"):
         return None
     if ptype in ("string", "str", "text", "varchar", "char", "enum"):
+        schema = props[name]
+        if isinstance(schema, dict) and ("enum" in schema or "const" in schema) and value.strip() != value:
+            allowed = schema.get("enum") or [schema.get("const")]
+            if value not in allowed and value.strip() in allowed:
+                return value.strip()  # whitespace around an enum value (a forced call may write it)
         return value
     if low in ("null", "none"):
         return None

@@ -174,7 +174,9 @@ def _xml_name(name: str) -> str:
 
 def _xml_params(st: Any, name: str, params: dict, style: str) -> Any:
     try:
-        return st.JSONSchemaFormat(json_schema=params, style=style)
+        # at most one whitespace character around values and between parameters: a weak model
+        # cannot wander off, and the parsers' one-newline strip gives back the exact value
+        return st.JSONSchemaFormat(json_schema=params, style=style, max_whitespace_cnt=1)
     except Exception as e:  # pydantic validation: an xgrammar without this style
         raise ValueError(f"tool {name!r}: parameters cannot be forced in the {style} format: {e}") from e
 

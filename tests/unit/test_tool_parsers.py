@@ -24,7 +24,8 @@ from kvserve.serving.args import parse_args
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {
         "path": {"type": "string"}, "limit": {"type": "integer"}, "flags": {"type": "array"},
-        "ratio": {"type": "number"}, "force": {"type": "boolean"}, "note": {"type": ["string", "null"]}}}}},
+        "ratio": {"type": "number"}, "force": {"type": "boolean"}, "note": {"type": ["string", "null"]},
+        "mode": {"type": "string", "enum": ["a", "b"]}}}}},
     {"type": "function", "function": {"name": "list_dir", "parameters": {"type": "object", "properties": {
         "path": {"type": "string"}}}}},
 ]
@@ -249,7 +250,7 @@ def test_qwen3_coder_text_after_the_calls_is_dropped():
     ("40", "limit", 40), ("4x", "limit", "4x"), ("2.0", "ratio", 2), ("2.5", "ratio", 2.5), ("nope", "ratio", "nope"),
     ("TRUE", "force", True), ("yes", "force", False), ('["a"]', "flags", ["a"]), ("['a']", "flags", ["a"]),
     ("null", "limit", None), ("None", "note", None), ("null", "path", "null"), ("40", "path", "40"),
-    ("40", "unknown", "40"),
+    ("40", "unknown", "40"), (" a ", "mode", "a"), (" x ", "mode", " x "), (" a ", "path", " a "),
 ])
 def test_qwen3_coder_schema_conversion(value, name, expected):
     props = TOOLS[0]["function"]["parameters"]["properties"]
