@@ -19,6 +19,12 @@ returns OpenAI-shaped calls. Parsers are chosen by vLLM's ``--tool-call-parser``
     (optionally inside ``<|python_start|>``/``<|python_end|>``); keyword arguments with literal
     values only (``ast.literal_eval``), as vLLM's ``pythonic`` parser.
 
+More formats (``qwen3_coder``, ``glm45``, ``kimi_k2``, ``deepseek_v3``, ``granite``, ``openai``
+(gpt-oss harmony), ...) live in :mod:`kvserve.chat.tool_formats` and are registered here too;
+:data:`VLLM_TOOL_PARSERS` lists every name vLLM registers, and :func:`tool_parser_error` gives the
+start-up error for one kvserve lacks. Parsers take the request's ``tools`` (the XML formats
+convert values by their schema types).
+
 Results (all parsers):
 
 * ``content`` is the text before the first call marker with trailing whitespace stripped
