@@ -12,9 +12,13 @@ behind a logging proxy, in regular (non-PD) mode:
 * Per ``/v1/chat/completions`` and ``/v1/completions`` request, with ``cache_aware``, the router
   asks EVERY worker for the prompt's token ids: ``POST /v1/chat/completions/render`` (resp.
   ``/v1/completions/render``) with the request body, and when that is 404, ``POST /tokenize``
-  with the ``messages`` (or ``prompt``). Its prefix tree is over those token ids: two
-  prompts share a route when their TOKENS share a prefix (a fake worker that renders every
-  text to the same ids gets every request). The request then goes to the chosen worker,
+  with the ``messages`` (or ``prompt``); it waits about 1 s for these, and past that routes the
+  request without its prefix decision. Its prefix tree is over those token ids (a fake worker
+  that renders two different texts to the same ids gets ``match_rate=1.0`` for the second): a
+  request goes to the worker whose history shares more than ``--cache-threshold`` (0.3) of its
+  tokens, else to the worker with the fewest requests in flight (the router's own count; ties:
+  the first listed), so concurrent traffic is what spreads new prefixes. The request then goes
+  to the chosen worker,
   re-serialized with vLLM/SGLang defaults added (``skip_special_tokens``, ``ignore_eos``,
   ``no_stop_trim``, ``separate_reasoning`` ...) and unknown fields (``cache_prompt``,
   ``id_slot``, ``cache_salt``) kept. Streams are passed through byte for byte.
