@@ -2,7 +2,7 @@
 source file of 300-600 tokens and asks for the whole file back with one small change, greedy, one stream.
 
     python benchmarks/agent_edit.py [--model smollm2] [--max-tokens 400] [--runs 2] [--draft-max 15]
-                                    [--lookup-max 4] [--lookup-min 2] [--threads 0]
+                                    [--lookup-max 4] [--lookup-min 2] [--threads 0] [--streams 1]
 
 Runs in process (``EngineCore``, no HTTP): the same prompt decoded without speculation and with
 ``--spec-type ngram``, alternating ``--runs`` times so machine load hits both alike; the best run
@@ -13,6 +13,15 @@ prefix cache is cleared between runs (``cache_prompt`` off) so each run does the
 The prompt is SmolLM2's ChatML: a system line asking for the complete edited file only, the
 file and the request; the assistant turn starts with the code fence and the file's first line
 (``--no-prefix``: empty).
+
+``--streams N``: N requests of the same prompt run together (one engine step decodes all of
+them; speculative decoding's verification rows batched with them, issue #17 item 3), stream j
+generating up to ``max_tokens - j * (max_tokens // 2N)`` tokens so that they end at different
+times. Three engines (plain, ``ngram`` with the draft-length policy, ``ngram_fixed`` verifying
+every proposal whole) hold the prompt cached (so the figure is decode) and are stepped in turn,
+one step each, every step timed: a mode's aggregate tokens/s = its output tokens / the sum of
+its steps' seconds, so load from other processes that comes and goes hits all modes alike. The
+JSON gives every round's figures, the median per mode and the ratios to plain.
 
 Prints one JSON object: tokens/s of each mode, their ratio, the acceptance rate (accepted /
 proposed draft tokens), tokens per verification step, and whether the outputs were
@@ -95,11 +104,11 @@ ASK = ("Here is a Python file:\n\n```python\n" + SOURCE + "```\n\nRename the met
        "and print the whole file again, unchanged otherwise.")
 
 
-def _run(core, prompt: list[int], max_tokens: int, rid: str):
+def _run(core, prompt: list[int], max_tokens: int, rid: str, cache_prompt: bool = False):
     from kvserve.engine.request import Request, SamplingParams
 
     core.add_request(Request(rid, list(prompt), SamplingParams(n_predict=max_tokens, temperature=0.0,
-                                                               cache_prompt=False)))
+                                                               cache_prompt=cache_prompt)))
     toks: list[int] = []
     last = None
     while core.has_work():
@@ -112,6 +121,84 @@ def _run(core, prompt: list[int], max_tokens: int, rid: str):
                   "draft_n": t.draft_n, "draft_n_accepted": t.draft_n_accepted}
 
 
+def _lengths(max_tokens: int, streams: int) -> list[int]:
+    """Each stream's n_predict: from max_tokens down to about half of it, so that streams finish
+    at different times and the batch's tail is smaller (as agents' requests are)."""
+    return [max_tokens - i * (max_tokens // (2 * streams)) for i in range(streams)]
+
+
+def _main_streams(a, cores, prompt: list[int]) -> None:
+    """--streams N: every mode's N streams run together, the modes' engines stepped in turn (one
+    step of each, the order rotating), each step timed; a mode's aggregate tokens/s = its output
+    tokens / the sum of its steps' seconds, so machine load that comes and goes hits every mode
+    alike. Prints JSON."""
+    import statistics
+
+    from kvserve.engine.request import Request, SamplingParams
+
+    for mode, core in cores.items():  # the prompt's KV cached in each engine (not measured)
+        _run(core, prompt, 1, f"warm-{mode}", cache_prompt=True)
+    lengths = _lengths(a.max_tokens, a.streams)
+    rounds: list[dict] = []
+    outputs: dict[str, list[list[int]]] = {}
+    modes = list(cores)
+    for i in range(a.runs):
+        toks = {m: {f"{m}{i}-{j}": [] for j in range(a.streams)} for m in modes}
+        for m, core in cores.items():
+            st = core.stats
+            st0 = (st.spec_draft_tokens_total, st.spec_accepted_tokens_total, st.spec_drafts_total)
+            toks[m]["_st0"] = st0
+            for j in range(a.streams):
+                core.add_request(Request(f"{m}{i}-{j}", list(prompt),
+                                         SamplingParams(n_predict=lengths[j], temperature=0.0)))
+        secs = dict.fromkeys(modes, 0.0)
+        steps = dict.fromkeys(modes, 0)
+        k = 0
+        while any(c.has_work() for c in cores.values()):
+            for m in modes[k % len(modes):] + modes[: k % len(modes)]:
+                core = cores[m]
+                if not core.has_work():
+                    continue
+                t = time.perf_counter()
+                outs = core.step()
+                secs[m] += time.perf_counter() - t
+                steps[m] += 1
+                for o in outs:
+                    toks[m][o.request_id] += o.new_token_ids
+            k += 1
+        rnd = {}
+        for m, core in cores.items():
+            st0 = toks[m].pop("_st0")
+            st = core.stats
+            n = sum(len(t) for t in toks[m].values())
+            dn, da = st.spec_draft_tokens_total - st0[0], st.spec_accepted_tokens_total - st0[1]
+            rnd[m] = {"tokens": n, "tok_s": round(n / secs[m], 1), "seconds": round(secs[m], 2), "steps": steps[m],
+                      "verify_chunks": st.spec_drafts_total - st0[2], "draft_n": dn, "draft_n_accepted": da}
+            outputs.setdefault(m, [toks[m][f"{m}{i}-{j}"] for j in range(a.streams)])
+        for m in modes[1:]:
+            rnd[f"ratio_{m}"] = round(rnd[m]["tok_s"] / rnd["plain"]["tok_s"], 3)
+        rounds.append(rnd)
+    med = {m: statistics.median(r[m]["tok_s"] for r in rounds) for m in modes}
+    print(json.dumps({
+        "benchmark": "agent_edit",
+        "model": a.model,
+        "machine": platform.processor() or platform.machine(),
+        "threads": cores["plain"].threads,
+        "streams": a.streams,
+        "stream_max_tokens": lengths,
+        "prompt_tokens": len(prompt),
+        "runs": a.runs,
+        "spec": {"draft_max": a.draft_max, "prompt_lookup_max": a.lookup_max, "prompt_lookup_min": a.lookup_min},
+        "modes": {"plain": "no speculation", "ngram": "--spec-type ngram (the draft-length policy on)",
+                  "ngram_fixed": "--spec-type ngram, every proposal verified whole (the policy off)"},
+        "rounds": rounds,
+        "tok_s_median": {m: round(v, 1) for m, v in med.items()},
+        "ratio_of_medians": {m: round(med[m] / med["plain"], 3) for m in modes[1:]},
+        "identical": all(outputs[m] == outputs["plain"] for m in modes),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
@@ -121,6 +208,9 @@ def main() -> None:
     ap.add_argument("--lookup-max", type=int, default=4)
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--streams", type=int, default=0,
+                    help="N requests decoded together, the modes' engines stepped in turn (plain, ngram with "
+                         "the draft-length policy, ngram without it); aggregate tokens/s per round")
     ap.add_argument("--no-prefix", action="store_true",
                     help="the assistant turn starts empty (default: with the code fence and the file's first line, "
                          "as an editing agent's reply begins; SmolLM2-135M otherwise explains instead of quoting)")
@@ -133,15 +223,22 @@ def main() -> None:
     from kvserve.store import resolve_model
 
     loaded = load_files(resolve_model(a.model, pull_missing=True))
-    base = {"n_ctx": 4096, "n_parallel": 1, "threads": a.threads, "cache_ram": 0}
+    streams = max(a.streams, 1)
+    base = {"n_ctx": 4096 * streams, "n_parallel": streams, "threads": a.threads, "cache_ram": 0}
     spec_cfg = SpecConfig(method="ngram", num_speculative_tokens=a.draft_max, prompt_lookup_max=a.lookup_max,
                           prompt_lookup_min=a.lookup_min)
     cores = {"plain": EngineCore(loaded, EngineConfig(**base)),
              "ngram": EngineCore(loaded, EngineConfig(**base, spec=spec_cfg))}
+    if a.streams:
+        cores["ngram_fixed"] = EngineCore(loaded, EngineConfig(**base, spec=spec_cfg))
+        cores["ngram_fixed"].spec.adaptive = False
     tok = cores["plain"].tokenizer
     prefix = "" if a.no_prefix else "```python\n" + SOURCE.split("\n")[0] + "\n"
     text = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{ASK}<|im_end|>\n<|im_start|>assistant\n{prefix}"
     prompt = tok.encode(text, add_special=False)
+    if a.streams:
+        _main_streams(a, cores, prompt)
+        return
     best: dict[str, dict] = {}
     outputs: dict[str, list[int]] = {}
     for i in range(a.runs):

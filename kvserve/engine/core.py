@@ -17,7 +17,9 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.kv_budget import plan_engine_pool
 from kvserve.engine.kv_cache import KVCacheManager
+from kvserve.engine.kv_quant import kv_bytes_per_token
 from kvserve.engine.request import (
     ContextSizeExceededError,
     InvalidRequestError,
@@ -29,13 +31,17 @@ from kvserve.engine.request import (
     TokenLogprob,
     TopLogprob,
 )
-from kvserve.engine.kv_quant import kv_bytes_per_token
-from kvserve.engine.kv_budget import plan_engine_pool
 from kvserve.engine.runner import ModelRunner, SampleFailure, StepResult
 from kvserve.engine.sampler import BreakerCache, SampleResult, SequenceSampler
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from kvserve.engine.slot_file import SlotFileError, SlotHeader, model_fingerprint, read_slot_file, write_slot_file
-from kvserve.engine.spec_decode import STEP_BASE_ROWS_GPU, SpecDecoder, accepted_prefix
+from kvserve.engine.slot_file import (
+    SlotFileError,
+    SlotHeader,
+    model_fingerprint,
+    read_slot_file,
+    write_slot_file,
+)
+from kvserve.engine.spec_decode import CHUNK_ROWS_GPU, STEP_BASE_ROWS_GPU, SpecDecoder, accepted_prefix
 from kvserve.loaders.weights import LoadedModel
 from kvserve.models.registry import build_model
 
@@ -145,7 +151,7 @@ class EngineCore:
         if self.spec is not None:
             self.scheduler.spec = self.spec
             if self.device.type != "cpu":
-                self.spec.base_rows = STEP_BASE_ROWS_GPU
+                self.spec.base_rows, self.spec.chunk_rows = STEP_BASE_ROWS_GPU, CHUNK_ROWS_GPU
             if self.device.type == "cpu" and config.small_batch_rows > 0:
                 # verification steps stay within the small-batch kernel's rows: the drafts'
                 # logits then come from the kernels a plain decode step uses

@@ -28,31 +28,39 @@ many of the proposed tokens to verify (the proposal is cut, never changed, so gr
 stays token-identical whatever it decides):
 
 * **Cost model**: a step of R rows costs ``base_rows + R`` row-units: a fixed part (reading
-  the weights, the step's host work) worth ``base_rows`` rows, then one unit a row.
-  ``base_rows`` is :data:`STEP_BASE_ROWS_CPU` (4) on the CPU, from this machine's decode steps
+  the weights, the step's host work) worth ``base_rows`` rows, then one unit a row; a
+  verification chunk costs ``chunk_rows`` more (its cached rows gathered and each position
+  attended on its own, outside the step's batched decode attention). On the CPU
+  ``base_rows`` is :data:`STEP_BASE_ROWS_CPU` (4), from this machine's decode steps
   (SmolLM2-135M Q4_1, 2 cores: ~12.8 ms for 1 row, ~46-54 ms for 16, i.e. ~10 ms fixed and
-  ~2.5 ms a row) and :data:`STEP_BASE_ROWS_GPU` (64) on a GPU, where a few hundred rows of a
-  small model cost about what one does.
+  ~2.5 ms a row), and ``chunk_rows`` :data:`CHUNK_ROWS_CPU` (4), from 16 streams of the
+  agent-edit workload (``benchmarks/agent_edit.py --streams 16``: verifying every proposal,
+  84 steps instead of 96 and 45 verification chunks took 3-12% longer than plain decoding,
+  which a chunk worth ~4 rows explains). On a GPU, where a few hundred rows of a small model
+  cost about what one does, :data:`STEP_BASE_ROWS_GPU` (64) and :data:`CHUNK_ROWS_GPU` (8;
+  both guesses, not measured yet).
 * **Acceptance estimate** per sequence: ``alpha = accepted / (accepted + rejections)`` over
   its verifications, each older one weighted by :data:`HISTORY_DECAY` (0.5) per newer one,
   starting from a prior of :data:`PRIOR_ACCEPTED` accepted tokens and :data:`PRIOR_REJECTED`
   rejection (alpha 0.8). A rejection is a verification that stopped before the draft's end.
   That is the estimate of a geometric model: the i-th draft token is accepted with
   probability ``alpha ** i``.
-* **Marginal rule**: the scheduler offers each decode row its proposal in chunk order
-  (``begin_step`` gives the step's rows before drafts, B). The policy keeps the step's
+* **Rule** (:func:`draft_length`): the scheduler offers each decode row its proposal in chunk
+  order (``begin_step`` gives the step's rows before drafts, B). The policy keeps the step's
   expected tokens ``B + G`` and its row-units ``base_rows + B + D`` (G: expected accepted
-  draft tokens so far, D: draft rows so far) and takes the next draft token, worth
-  ``alpha ** i``, only while that exceeds the step's tokens per row-unit ``(B + G) / (base_rows
-  + B + D)``: a row that yields fewer tokens than the step's average lowers throughput. So at
-  one stream on the CPU a fresh sequence drafts 4 tokens (alpha 0.8) and one that has been
-  copying (alpha 0.97) 14, at 4 streams 2 and 11; at 16 streams a draft needs alpha > 0.8 for its first token, and
-  the CPU's row cap (``small_batch_rows``, 16, the rows the int4 decode kernels take: the
-  scheduler's ``spec_max_rows``) leaves no room anyway: the batch is compute-bound and the step
-  is a plain decode.
-* **Misses and probes**: four verifications in a row that accept nothing bring alpha from the
-  prior to ~0.11, below what even a one-stream step pays (its first token needs alpha > 1/5),
-  so the sequence stops drafting (K = 0). After :data:`PROBE_TOKENS` (16) tokens without a
+  draft tokens so far, D: row-units of the drafts so far) and verifies the k tokens of the
+  proposal (0..K) that maximize the step's expected tokens per row-unit; k = 0, a plain
+  decode row, when no draft raises it. Without the chunk cost that is the marginal rule: take
+  the next token while its ``alpha ** i`` exceeds the step's tokens per row-unit. On the CPU
+  a fresh sequence (alpha 0.8) drafts 5 tokens at one stream and none from two streams on; a
+  sequence that has been copying (alpha 0.97) 16 up to 4 streams, none from 8 on (a draft row
+  there yields fewer tokens than the step's average): the batch is compute-bound and the step
+  is a plain decode. At 16 streams the CPU's row cap (``small_batch_rows``, 16, the rows the
+  int4 decode kernels take: the scheduler's ``spec_max_rows``) leaves no room anyway.
+* **Misses and probes**: verifications that accept nothing bring alpha down (from the prior:
+  0.57, 0.36, 0.21, 0.11), and the sequence stops drafting (K = 0) once no draft pays: on the
+  CPU at one stream below alpha ~0.67 (from the prior one miss does it, from a copying
+  sequence's 0.99 three). After :data:`PROBE_TOKENS` (16) tokens without a
   verification its estimate is reset to the prior, so it probes again in the next step that
   can afford it.
 * Per-request limits (``speculative.n_max``/``n_min``) and the step's row room still cap the
@@ -76,6 +84,10 @@ INDEX_TOKENS_PER_STEP = 8192
 #: a step's fixed cost in rows (see the module docstring's cost model): CPU, GPU
 STEP_BASE_ROWS_CPU = 4.0
 STEP_BASE_ROWS_GPU = 64.0
+#: what a verification chunk costs beyond its draft rows, in rows: CPU, GPU (a guess: not
+#: measured on a GPU yet)
+CHUNK_ROWS_CPU = 4.0
+CHUNK_ROWS_GPU = 8.0
 #: prior of a sequence's acceptance estimate: accepted tokens, rejections (alpha 0.8)
 PRIOR_ACCEPTED = 4.0
 PRIOR_REJECTED = 1.0
@@ -192,8 +204,9 @@ class _Seq:
 
 
 def draft_length(alpha: float, k_max: int, rows: int, base_rows: float, gain: float = 0.0,
-                 drafted: int = 0) -> int:
-    """How many draft tokens (at most ``k_max``) one sequence verifies under the marginal rule.
+                 drafted: float = 0.0, chunk_rows: float = 0.0) -> int:
+    """How many draft tokens (at most ``k_max``) one sequence verifies: the k that maximizes the
+    step's expected tokens per row-unit, 0 when no k raises it.
 
     Args:
         alpha: the sequence's acceptance estimate (the i-th draft token is accepted with
@@ -201,23 +214,27 @@ def draft_length(alpha: float, k_max: int, rows: int, base_rows: float, gain: fl
         k_max: tokens proposed (after the per-request and row caps).
         rows: the step's rows before drafts (B).
         base_rows: the step's fixed cost in rows.
-        gain, drafted: expected accepted tokens and rows of the drafts already in the step.
+        gain, drafted: expected accepted tokens and row-units of the drafts already in the step.
+        chunk_rows: what turning a decode row into a verification chunk costs beyond its
+            draft rows, in rows (see the module docstring).
 
     Returns:
-        The largest k such that each of the first k tokens' acceptance probability exceeds
-        the step's expected tokens per row-unit at the time it is added (see the module
-        docstring); 0 when even the first does not.
+        argmax over k in 0..k_max of ``(rows + gain + sum_{i<=k} alpha**i) / (base_rows + rows +
+        drafted + k + (chunk_rows if k else 0))`` (the smallest such k on ties). With
+        ``chunk_rows`` 0 that is the marginal rule: take the next token while its ``alpha**i``
+        exceeds the step's current tokens per row-unit.
     """
-    k = 0
+    best_k = 0
+    best = (rows + gain) / (base_rows + rows + drafted)
+    g = rows + gain
     p = 1.0
-    while k < k_max:
+    for k in range(1, k_max + 1):
         p *= alpha
-        if p <= (rows + gain) / (base_rows + rows + drafted):
-            break
-        k += 1
-        gain += p
-        drafted += 1
-    return k
+        g += p
+        r = g / (base_rows + rows + drafted + k + chunk_rows)
+        if r > best:
+            best_k, best = k, r
+    return best_k
 
 
 @dataclass
@@ -233,20 +250,22 @@ class SpecDecoder:
     config: SpecConfig
     #: a step's fixed cost in rows (STEP_BASE_ROWS_CPU / _GPU; EngineCore sets it per device)
     base_rows: float = STEP_BASE_ROWS_CPU
+    #: a verification chunk's cost beyond its draft rows (CHUNK_ROWS_CPU / _GPU)
+    chunk_rows: float = CHUNK_ROWS_CPU
     #: the draft-length policy on (False: every proposal verified whole, as before it existed)
     adaptive: bool = True
     _seqs: dict[str, _Seq] = field(default_factory=dict)
     # the step being scheduled: rows before drafts, expected accepted draft tokens, draft rows
     _rows: int = 1
     _gain: float = 0.0
-    _drafted: int = 0
+    _drafted: float = 0.0
 
     def begin_step(self, rows: int) -> None:
         """A step's drafting starts: ``rows`` = its rows before drafts (the scheduler calls it
         before offering the step's decode rows their proposals)."""
         self._rows = max(int(rows), 1)
         self._gain = 0.0
-        self._drafted = 0
+        self._drafted = 0.0
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         """A verification of ``proposed`` draft tokens accepted the first ``accepted``: update the
@@ -304,7 +323,8 @@ class SpecDecoder:
                 s.accepted, s.rejected = PRIOR_ACCEPTED, PRIOR_REJECTED  # probe again
                 s.verified_at = n
             alpha = s.alpha
-            k = draft_length(alpha, len(draft), self._rows, self.base_rows, self._gain, self._drafted)
+            k = draft_length(alpha, len(draft), self._rows, self.base_rows, self._gain, self._drafted,
+                             self.chunk_rows)
             if k < max(s.n_min, 1):
                 return []
             draft = draft[:k]
@@ -312,7 +332,7 @@ class SpecDecoder:
             for _ in range(k):
                 p *= alpha
                 self._gain += p
-            self._drafted += k
+            self._drafted += k + self.chunk_rows
             s.verified_at = n
         return draft
 

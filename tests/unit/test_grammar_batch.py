@@ -10,11 +10,11 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.request import Request, SamplingParams
+from kvserve.loaders.tokenizer import Tokenizer
 from kvserve.models.registry import load_files
 from kvserve.structured import batch as mask_batch
 from kvserve.structured.backend import ConstraintSpec, GrammarBackend, GrammarConstraint
 from kvserve.structured.spec import schema_spec
-from kvserve.loaders.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "n": {"type": "integer"}, "tags": {"type": "array",

@@ -19,6 +19,7 @@ GPU = spec_decode.STEP_BASE_ROWS_GPU
 
 def test_constants():
     assert (CPU, GPU) == (4.0, 64.0)
+    assert (spec_decode.CHUNK_ROWS_CPU, spec_decode.CHUNK_ROWS_GPU) == (4.0, 8.0)
     assert (spec_decode.PRIOR_ACCEPTED, spec_decode.PRIOR_REJECTED, spec_decode.HISTORY_DECAY,
             spec_decode.PROBE_TOKENS) == (4.0, 1.0, 0.5, 16)
 
@@ -66,8 +67,11 @@ class _Req:
             self.toks.append(self.toks[-40])
 
 
-def _decoder():
+def _decoder(chunk_rows=0.0):
+    """chunk_rows 0: the marginal rule alone (the CPU's default chunk cost: test_chunk_cost_*)."""
     dec = SpecDecoder(SpecConfig(method="ngram", num_speculative_tokens=16, prompt_lookup_min=2, prompt_lookup_max=4))
+    assert (dec.base_rows, dec.chunk_rows) == (CPU, spec_decode.CHUNK_ROWS_CPU)
+    dec.chunk_rows = chunk_rows
     return dec
 
 
@@ -121,9 +125,42 @@ def test_one_step_shares_its_rows_by_the_marginal_rule():
     assert [len(dec.propose(r, 16)) for r in reqs] == [16, 16, 16, 16]
 
 
+@pytest.mark.parametrize("alpha, ks", [
+    (0.99, [16, 16, 16, 16, 0, 0]),
+    (0.97, [16, 16, 16, 0, 0, 0]),
+    (0.9, [9, 8, 0, 0, 0, 0]),
+    (0.8, [5, 0, 0, 0, 0, 0]),
+    (0.5, [0, 0, 0, 0, 0, 0]),
+])
+def test_chunk_cost_k_by_acceptance_and_batch_rows_cpu(alpha, ks):
+    """With the CPU's verification-chunk cost (4 rows) a draft must pay for its chunk too: longer
+    drafts or none, and none from 8 rows on unless the sequence copies near-perfectly."""
+    assert [draft_length(alpha, 16, rows, CPU, chunk_rows=4.0) for rows in (1, 2, 4, 8, 12, 16)] == ks
+
+
+def test_chunk_cost_history_and_step():
+    dec = _decoder(spec_decode.CHUNK_ROWS_CPU)
+    r = _Req("a")
+    dec.register(r, plain_greedy=True)
+    ks = []
+    for proposed, accepted in [(None, None), (5, 5), (16, 16), (16, 3), (9, 0), (9, 0)]:
+        if proposed:
+            dec.observe("a", proposed, accepted)
+            r.grow(1)
+        dec.begin_step(1)
+        ks.append(len(dec.propose(r, 16)))
+    assert ks == [5, 12, 16, 11, 6, 0]
+    reqs = [_Req(c) for c in "bc"]
+    for q in reqs:
+        dec.register(q, plain_greedy=True)
+    dec.begin_step(2)
+    assert [len(dec.propose(q, 16)) for q in reqs] == [0, 0]  # 0.8 pays at one row, not at two
+
+
 def test_n_min_drops_a_cut_draft():
     dec = SpecDecoder(SpecConfig(method="ngram", num_speculative_tokens=16, min_tokens=5, prompt_lookup_min=2,
                                  prompt_lookup_max=4))
+    dec.chunk_rows = 0.0
     r = _Req("a")
     dec.register(r, plain_greedy=True)
     dec.begin_step(1)
