@@ -41,7 +41,12 @@ from kvserve.engine.slot_file import (
     read_slot_file,
     write_slot_file,
 )
-from kvserve.engine.spec_decode import CHUNK_ROWS_GPU, STEP_BASE_ROWS_GPU, SpecDecoder, accepted_prefix
+from kvserve.engine.spec_decode import (
+    CHUNK_ROWS_GPU,
+    STEP_BASE_ROWS_GPU,
+    SpecDecoder,
+    accepted_prefix,
+)
 from kvserve.loaders.weights import LoadedModel
 from kvserve.models.registry import build_model
 
