@@ -889,6 +889,8 @@ class ToolParser:
     #: marker texts that are added/control tokens in the model family's vocabulary: the
     #: detokenizer must render them for this parser to see the calls
     marker_texts: tuple[str, ...] = ()
+    #: :meth:`extract`'s content is not the raw text even without calls (harmony messages)
+    rewrites_content: bool = False
 
     def __init__(self, make_id: Callable[[], str] | None = None, tools: list[dict] | None = None) -> None:
         self.make_id = make_id or make_call_id

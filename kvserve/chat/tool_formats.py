@@ -969,6 +969,7 @@ class HarmonyToolParser(ToolParser):
     """``openai`` (vLLM ``OpenAIToolParser``): gpt-oss harmony messages with a ``functions.`` recipient."""
 
     name = "openai"
+    rewrites_content = True
     marker_texts = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>",
                     "<|return|>")
 

@@ -184,6 +184,8 @@ class ChoiceOutput:
                 content = (res.content or "")[len(self.mode.prefill):]  # only newly generated text
                 msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments},
                                       "id": c.id} for c in calls]
+            elif parser.rewrites_content and not self.mode.prefill:
+                content = res.content or ""  # harmony: the messages' text, as the stream sends it
         msg["content"] = content
         return msg
 

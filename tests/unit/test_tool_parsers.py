@@ -317,6 +317,16 @@ def test_choice_output_gpt_oss_both_parsers():
         assert out.has_tool_calls
 
 
+def test_choice_output_harmony_without_a_reasoning_parser():
+    """--tool-call-parser openai alone: analysis is left out of the content, whole and streamed."""
+    text = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Four."
+    mode = OutputMode(tool_parser="openai")
+    assert ChoiceOutput(mode).message(text) == {"role": "assistant", "content": "Four."}
+    out = ChoiceOutput(mode)
+    deltas = [d for ch in text for d in out.feed(ch)] + out.finish()
+    assert "".join(d.get("content", "") for d in deltas) == "Four."
+
+
 def test_choice_output_passes_the_tools_to_qwen3_coder():
     mode = OutputMode(tool_parser="qwen3_coder", tools=TOOLS)
     text = "<tool_call>\n<function=read_file>\n<parameter=limit>\n40\n</parameter>\n</function>\n</tool_call>"
