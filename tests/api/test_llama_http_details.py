@@ -122,8 +122,8 @@ def test_cors_localhost_value_and_tools_default():
             assert _cors(r) == {}, (argv, origin)
     args = parse_args(["--tools", "all"])
     assert args.cors_origins == ["localhost"]
-    assert (30, "server tools are enabled (--tools): CORS is limited to localhost origins; use --cors-origins "
-                "to change it") in args.flag_notes
+    note = "server tools are enabled (--tools): CORS is limited to localhost origins; use --cors-origins to change it"
+    assert (30, note) in args.flag_notes
     # an explicit list wins over the --tools default
     assert parse_args(["--tools", "all", "--cors-origins", "*"]).cors_origins == ["*"]
 

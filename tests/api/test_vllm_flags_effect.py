@@ -90,8 +90,9 @@ def test_chat_logprobs_tokens_are_the_real_ids(plain, flagged):
     # the request field turns it off (and on) per request
     off = flagged.post("/v1/chat/completions", json={**body, "return_tokens_as_token_ids": False}).json()
     # (a cached prompt's logprobs differ in the last float bits: compare the tokens and bytes)
-    shape = lambda lps: [(e["token"], e["bytes"], [(t["token"], t["bytes"]) for t in e["top_logprobs"]])  # noqa: E731
-                         for e in lps["content"]]
+    def shape(lps):
+        return [(e["token"], e["bytes"], [(t["token"], t["bytes"]) for t in e["top_logprobs"]]) for e in lps["content"]]
+
     assert shape(off["choices"][0]["logprobs"]) == shape(base["logprobs"])
     on = plain.post("/v1/chat/completions", json={**body, "return_tokens_as_token_ids": True}).json()
     assert on["choices"][0]["logprobs"]["content"][0]["token"] == ids[0]
