@@ -6,6 +6,7 @@ caller of ``kvserve.LLM``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -181,7 +182,11 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------
 
     def validate(self, request: Request) -> None:
-        """Raise InvalidRequestError / ContextSizeExceededError before scheduling."""
+        """Raise InvalidRequestError / ContextSizeExceededError before scheduling.
+
+        A server-default ``n_predict`` (``params.n_predict_default``) larger than the room left
+        in the context is capped to that room here (``request.params`` is replaced), as vLLM's
+        ``get_max_tokens`` does; a request's own ``n_predict`` is refused instead."""
         n = len(request.prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty: at least one token is required")
@@ -189,6 +194,9 @@ class EngineCore:
         bad = next((t for t in request.prompt_token_ids if not 0 <= t < nv), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is out of range (vocabulary size {nv})")
+        p = request.params
+        if p.n_predict_default and p.n_predict > 0 and n < self.n_ctx_slot and n + p.n_predict > self.n_ctx_slot:
+            request.params = dataclasses.replace(p, n_predict=self.n_ctx_slot - n)
         need = n + max(request.params.n_predict, 0)
         if n >= self.n_ctx_slot or need > self.n_ctx_slot:
             raise ContextSizeExceededError(n, self.n_ctx_slot, max(request.params.n_predict, 0))

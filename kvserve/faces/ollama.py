@@ -122,6 +122,7 @@ from kvserve.faces.ollama_types import (
     ToolCallFunction,
     VersionResponse,
 )
+from kvserve.faces.params import DEFAULT_N_PREDICT_KEY
 from kvserve.faces.sse import ClientDisconnected, until_disconnect
 from kvserve.serving.generation_config import ollama_layer
 from kvserve.serving.manager import Lease, ModelSpec, parse_keep_alive
@@ -517,6 +518,9 @@ def _openai_body(call: _Call, runner: Runner) -> dict:
 
     body = call.body
     out: dict[str, Any] = dict(call.options.sampling)
+    opts = body.get("options")
+    if out["n_predict"] > 0 and not (isinstance(opts, dict) and opts.get("num_predict") is not None):
+        out[DEFAULT_N_PREDICT_KEY] = True  # a default: capped to the context's room, never refused
     if not out["stop"]:
         del out["stop"]
     spec = constraint_from_body({"format": body.get("format")}, "ollama")  # Ollama's field names in errors

@@ -235,6 +235,12 @@ def parse_logit_bias(v: Any, tokenizer) -> dict[int, float]:
     return out
 
 
+#: a key the Ollama face sets in the body it hands on when its ``n_predict`` is a default (the
+#: model's file or the store model's params), not the request's ``options``: the engine then caps
+#: it to the room left in the context (``SamplingParams.n_predict_default``)
+DEFAULT_N_PREDICT_KEY = "_kvserve_n_predict_is_default"
+
+
 def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *,
                               max_tokens_keys: tuple[str, ...] = ("n_predict",),
                               max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplingParams:
@@ -286,6 +292,9 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
         v = get_int(body, key)
         if v is not None:
             kw["n_predict"] = v
+            # the request's own length is checked against the context; a default is capped to it.
+            # DEFAULT_N_PREDICT_KEY: a face that passes a default on in the body (Ollama's layers)
+            kw["n_predict_default"] = body.get(DEFAULT_N_PREDICT_KEY) is True
             break
     seed = get_int(body, "seed")
     if seed is not None:

@@ -41,7 +41,10 @@ kvserve with `--generation-config vllm`.``
 Differences from vLLM, on purpose: a ``generation_config.json`` key is kept when present
 (vLLM's ``to_diff_dict`` drops values equal to transformers' defaults of the installed
 version); ``max_new_tokens`` is a default that a request's ``max_tokens`` replaces (vLLM takes
-the smaller of the two); ``--generation-config DIR`` without a readable ``generation_config.json``
+the smaller of the two); a default length (``max_new_tokens``, the override's, ``-n``) larger
+than the room left in the context is capped to that room (``SamplingParams.n_predict_default``,
+vLLM's ``get_max_tokens``: ``min(default, max_model_len - prompt_len)``), never refused, while
+a request's own ``max_tokens`` over the context is still a 400; ``--generation-config DIR`` without a readable ``generation_config.json``
 is a start-up error (vLLM ignores it).
 """
 
@@ -311,9 +314,10 @@ def model_defaults(args: ServerArgs, model_path: str | None = None, metadata: di
     try:
         source, path, raw = _model_file(args, model_path, metadata)
     except GenerationConfigError as e:
-        return ModelDefaults(base, notes=[(logging.WARNING, f"the model's sampling defaults are not used: {e}")])
+        return ModelDefaults(_default_length(base),
+                             notes=[(logging.WARNING, f"the model's sampling defaults are not used: {e}")])
     if not raw:
-        return ModelDefaults(base)
+        return ModelDefaults(_default_length(base))
     out = ModelDefaults(base, source, path)
     # (SamplingParams field, the file's key or None for a value kvserve fills in, value), in the
     # order they apply: a file's value that is refused leaves the one before it
@@ -351,8 +355,14 @@ def model_defaults(args: ServerArgs, model_path: str | None = None, metadata: di
         params = dataclasses.replace(params, **{name: value})
         if key is not None:
             out.applied[name] = value
-    out.params = params
+    out.params = _default_length(params)
     return out
+
+
+def _default_length(params: SamplingParams) -> SamplingParams:
+    """Mark a default ``n_predict`` (``-n``, the override, the file's ``max_new_tokens``) as one:
+    the engine caps it to the room left in the context, as vLLM's ``get_max_tokens`` does."""
+    return dataclasses.replace(params, n_predict_default=params.n_predict > 0)
 
 
 def ollama_layer(defaults: ModelDefaults | None) -> dict:

@@ -355,3 +355,40 @@ def test_every_model_has_its_own_defaults_and_ollama_sees_them(serve, tmp_path, 
     assert picked(s.props(str(hf14))) == MODEL_14
     r = c.post("/v1/completions", json={"model": str(hf14), "prompt": "hi", "max_tokens": 1})
     assert r.status_code == 200, r.text
+
+
+# -- a default length is capped to the context's room (vLLM's get_max_tokens) -------------------------
+
+def test_a_default_max_new_tokens_is_capped_to_the_room_left_never_refused(serve, tmp_path):
+    path = hf_model(tmp_path / "m", {"max_new_tokens": 1000})
+    s = serve("-m", str(path), "-c", "64")  # 2 slots of 32 tokens
+    c = s.client
+    r = c.post("/completion", json={"prompt": "hi", "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    n = r.json()["tokens_evaluated"]
+    assert r.json()["tokens_predicted"] == 32 - n
+    chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    r = c.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    u = r.json()["usage"]
+    assert (u["prompt_tokens"] + u["completion_tokens"], r.json()["choices"][0]["finish_reason"]) == (32, "length")
+    r = c.post("/v1/responses", json={"input": "hi"})
+    assert r.status_code == 200, r.text
+    r = c.post("/api/generate", json={"model": "x", "prompt": "hi", "stream": False})
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_eval_count"] + r.json()["eval_count"] <= 32
+    r = c.post("/api/chat", json={"model": "x", "messages": [{"role": "user", "content": "hi"}], "stream": False})
+    assert r.status_code == 200, r.text
+    # a request's own length keeps the check
+    r = c.post("/v1/chat/completions", json={**chat, "max_tokens": 1000})
+    assert r.status_code == 400 and "exceeds the available context size" in r.text
+    r = c.post("/api/generate", json={"model": "x", "prompt": "hi", "stream": False, "options": {"num_predict": 1000}})
+    assert r.status_code == 400, r.text
+
+
+def test_a_default_n_predict_flag_is_capped_too(serve, hf14):
+    s = serve("-m", str(hf14), "-c", "64", "-n", "100")
+    r = s.client.post("/completion", json={"prompt": "hi", "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens_evaluated"] + r.json()["tokens_predicted"] == 32
+    assert s.client.post("/completion", json={"prompt": "hi", "n_predict": 100}).status_code == 400
