@@ -124,10 +124,14 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // QK, QK)
 
 
+#: the float32 just below 0.5: trunc(x + copysign(_HALF_DOWN, x)) is roundf(x) for every float32
+#: (with 0.5 itself, 0.49999997 + 0.5 would round up to 1.0)
+_HALF_DOWN = 0.49999997
+
+
 def _roundf(x: torch.Tensor) -> torch.Tensor:
     """C's roundf: to nearest, halves away from zero (torch.round rounds halves to even)."""
-    t = torch.trunc(x)
-    return t + torch.where((x - t).abs() >= 0.5, torch.sign(x), torch.zeros_like(x))
+    return torch.trunc(x + torch.copysign(torch.tensor(_HALF_DOWN, dtype=x.dtype, device=x.device), x))
 
 
 def _scale_bytes(d: torch.Tensor) -> torch.Tensor:
@@ -139,7 +143,7 @@ def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
     """[..., D] floats (D a multiple of 32) -> uint8 [..., D / 32 * 34], llama.cpp's block_q8_0 layout."""
     b = _blocks(x)
     d = b.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    inv = torch.where(d != 0, 1.0 / d, 0.0)
     q = _roundf(b * inv).to(torch.int8).view(torch.uint8)
     return torch.cat([_scale_bytes(d), q], -1).reshape(*x.shape[:-1], -1)
 
@@ -157,7 +161,7 @@ def quantize_q4_0(x: torch.Tensor) -> torch.Tensor:
     b = _blocks(x)
     m = b.gather(-1, b.abs().argmax(-1, keepdim=True))  # the first value of largest magnitude
     d = m / -8
-    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    inv = torch.where(d != 0, 1.0 / d, 0.0)
     q = torch.trunc(b * inv + 8.5).clamp_(0, 15).to(torch.uint8)  # [..., nb, 32]
     packed = q[..., :16] | (q[..., 16:] << 4)
     return torch.cat([_scale_bytes(d), packed], -1).reshape(*x.shape[:-1], -1)
@@ -167,9 +171,10 @@ def dequantize_q4_0(b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     """uint8 [..., nb * 18] (block_q4_0) -> [..., nb * 32] in ``dtype`` ((q - 8) * d in float32, then cast)."""
     blk = b.view(*b.shape[:-1], b.shape[-1] // 18, 18)
     d = blk[..., :2].view(torch.float16).to(torch.float32)
-    qs = blk[..., 2:]
-    q = torch.cat([qs & 0x0F, qs >> 4], -1).to(torch.float32) - 8
-    return (q * d).to(dtype).reshape(*b.shape[:-1], -1)
+    qs = blk[..., 2:].contiguous()  # [..., nb, 16]: the nibble ops run ~1.5x faster on contiguous bytes
+    # low nibbles are values 0..15, high nibbles 16..31; q - 8 in int8 before the float cast
+    q = torch.stack([qs & 0x0F, qs >> 4], -2).view(torch.int8).sub_(8).view(*qs.shape[:-1], QK)
+    return (q.to(torch.float32) * d).to(dtype).reshape(*b.shape[:-1], -1)
 
 
 def quantize_fp8(x: torch.Tensor, kv_type: str = "fp8_e4m3") -> torch.Tensor:
@@ -179,9 +184,29 @@ def quantize_fp8(x: torch.Tensor, kv_type: str = "fp8_e4m3") -> torch.Tensor:
     return x.to(torch.float32).clamp(-lim, lim).to(dt).view(torch.uint8)
 
 
+_E4M3_TABLE: dict[torch.device, torch.Tensor] = {}
+
+
+def _e4m3_table(device: torch.device) -> torch.Tensor:
+    """float32 [256]: the value of every float8_e4m3fn byte (NaN for 0x7F / 0xFF)."""
+    t = _E4M3_TABLE.get(device)
+    if t is None:
+        t = _E4M3_TABLE[device] = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(
+            torch.float32).to(device)
+    return t
+
+
 def dequantize_fp8(b: torch.Tensor, dtype: torch.dtype = torch.float32, kv_type: str = "fp8_e4m3") -> torch.Tensor:
-    """uint8 [..., D] float8 bytes -> [..., D] in ``dtype``."""
-    return b.view(_FP8[kv_type]).to(dtype)
+    """uint8 [..., D] float8 bytes -> [..., D] in ``dtype`` (exact).
+
+    On the CPU, torch's float8 -> float cast is scalar code (measured 18x an f16 gather of the
+    same rows), so e5m2 bytes become float16 by a shift (e5m2 is float16's top byte) and e4m3
+    bytes are looked up in a 256-entry table (4-5x faster than the cast)."""
+    if b.device.type != "cpu":
+        return b.view(_FP8[kv_type]).to(dtype)
+    if kv_type == "fp8_e5m2":
+        return (b.to(torch.int16) << 8).view(torch.float16).to(dtype)
+    return _e4m3_table(b.device).index_select(0, b.reshape(-1).to(torch.int32)).view(b.shape).to(dtype)
 
 
 def quantize(x: torch.Tensor, kv_type: str) -> torch.Tensor:
