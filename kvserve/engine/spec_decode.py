@@ -29,40 +29,37 @@ stays token-identical whatever it decides):
 
 * **Cost model**: a step of R rows costs ``base_rows + R`` row-units: a fixed part (reading
   the weights, the step's host work) worth ``base_rows`` rows, then one unit a row; a
-  verification chunk costs ``chunk_rows`` more (its cached rows gathered and each position
-  attended on its own, outside the step's batched decode attention). On the CPU
-  ``base_rows`` is :data:`STEP_BASE_ROWS_CPU` (4), from this machine's decode steps
-  (SmolLM2-135M Q4_1, 2 cores: ~12.8 ms for 1 row, ~46-54 ms for 16, i.e. ~10 ms fixed and
-  ~2.5 ms a row), and ``chunk_rows`` :data:`CHUNK_ROWS_CPU` (4), from 16 streams of the
-  agent-edit workload (``benchmarks/agent_edit.py --streams 16``: verifying every proposal,
-  84 steps instead of 96 and 45 verification chunks took 3-12% longer than plain decoding,
-  which a chunk worth ~4 rows explains). On a GPU, where a few hundred rows of a small model
-  cost about what one does, :data:`STEP_BASE_ROWS_GPU` (64) and :data:`CHUNK_ROWS_GPU` (8;
-  both guesses, not measured yet).
-* **Acceptance estimate** per sequence: ``alpha = accepted / (accepted + rejections)`` over
-  its verifications, each older one weighted by :data:`HISTORY_DECAY` (0.5) per newer one,
-  starting from a prior of :data:`PRIOR_ACCEPTED` accepted tokens and :data:`PRIOR_REJECTED`
-  rejection (alpha 0.8). A rejection is a verification that stopped before the draft's end.
-  That is the estimate of a geometric model: the i-th draft token is accepted with
-  probability ``alpha ** i``.
+  verification chunk costs ``chunk_rows`` more (its cached rows gathered, each position
+  attended on its own). On the CPU :data:`STEP_BASE_ROWS_CPU` (8) and :data:`CHUNK_ROWS_CPU`
+  (1), from the agent-edit workload on the 2-core machine (``benchmarks/agent_edit.py``, SmolLM2
+  Q4_1): at one stream a verification step of ~15 rows took ~2.5 times a 1-row decode step
+  (the int4 kernels read the weights once for all rows), and at 16 streams the chunk's own cost
+  could not be told from the machine's noise (verifying every proposal: 0.91-1.14 times plain
+  over 4 rounds). On a GPU :data:`STEP_BASE_ROWS_GPU` (64) and :data:`CHUNK_ROWS_GPU` (8):
+  guesses, not measured yet.
+* **Hit estimate** per sequence: ``alpha = hits / (hits + misses)`` over its verifications (a
+  hit accepted at least one draft token, a miss none), each older one weighted by
+  :data:`HISTORY_DECAY` (0.5) per newer one, from a prior of :data:`PRIOR_HITS` hits and
+  :data:`PRIOR_MISSES` miss (alpha 0.8). Prompt lookup's drafts are right or wrong as a copy:
+  once the first token is accepted each next one is taken to be with :data:`RUN_CONTINUES`
+  (0.95), so draft token i is accepted with probability ``alpha * 0.95 ** (i - 1)``. (A
+  geometric ``alpha ** i`` fitted to all tokens cut one-stream drafts to ~5 tokens and lost a
+  fifth of the speed-up there: copies run long.)
 * **Rule** (:func:`draft_length`): the scheduler offers each decode row its proposal in chunk
   order (``begin_step`` gives the step's rows before drafts, B). The policy keeps the step's
   expected tokens ``B + G`` and its row-units ``base_rows + B + D`` (G: expected accepted
   draft tokens so far, D: row-units of the drafts so far) and verifies the k tokens of the
   proposal (0..K) that maximize the step's expected tokens per row-unit; k = 0, a plain
-  decode row, when no draft raises it. Without the chunk cost that is the marginal rule: take
-  the next token while its ``alpha ** i`` exceeds the step's tokens per row-unit. On the CPU
-  a fresh sequence (alpha 0.8) drafts 5 tokens at one stream and none from two streams on; a
-  sequence that has been copying (alpha 0.97) 16 up to 4 streams, none from 8 on (a draft row
-  there yields fewer tokens than the step's average): the batch is compute-bound and the step
-  is a plain decode. At 16 streams the CPU's row cap (``small_batch_rows``, 16, the rows the
-  int4 decode kernels take: the scheduler's ``spec_max_rows``) leaves no room anyway.
+  decode row, when no draft raises it. On the CPU, for alpha 0.8 (a fresh sequence): 15 tokens
+  at one stream, 12 at 4, 8 at 8, 6 at 12 and none at 16; for alpha 0.4: 13 at one stream,
+  none from 4 on. The fuller the batch (the more compute-bound the step), the more a draft
+  must be worth. At 16 streams the CPU's row cap (``small_batch_rows``, 16, the rows the int4
+  decode kernels take: the scheduler's ``spec_max_rows``) leaves no room anyway.
 * **Misses and probes**: verifications that accept nothing bring alpha down (from the prior:
-  0.57, 0.36, 0.21, 0.11), and the sequence stops drafting (K = 0) once no draft pays: on the
-  CPU at one stream below alpha ~0.67 (from the prior one miss does it, from a copying
-  sequence's 0.99 three). After :data:`PROBE_TOKENS` (16) tokens without a
-  verification its estimate is reset to the prior, so it probes again in the next step that
-  can afford it.
+  0.57, 0.36, 0.21, 0.11, 0.06) until no draft pays, K = 0 (on the CPU at one stream below
+  alpha ~0.14, four misses in a row from the prior; at 4 streams below ~0.45). After
+  :data:`PROBE_TOKENS` (16) tokens without a verification the estimate goes back to the prior,
+  so the sequence probes again in the next step that can afford it.
 * Per-request limits (``speculative.n_max``/``n_min``) and the step's row room still cap the
   result; a cut draft shorter than ``n_min`` is dropped.
 """
@@ -82,17 +79,19 @@ DEFAULT_PROMPT_LOOKUP_MIN = 2
 INDEX_TOKENS_PER_STEP = 8192
 
 #: a step's fixed cost in rows (see the module docstring's cost model): CPU, GPU
-STEP_BASE_ROWS_CPU = 4.0
+STEP_BASE_ROWS_CPU = 8.0
 STEP_BASE_ROWS_GPU = 64.0
-#: what a verification chunk costs beyond its draft rows, in rows: CPU, GPU (a guess: not
-#: measured on a GPU yet)
-CHUNK_ROWS_CPU = 4.0
+#: what a verification chunk costs beyond its draft rows, in rows: CPU, GPU (the GPU's figures
+#: are guesses: not measured yet)
+CHUNK_ROWS_CPU = 1.0
 CHUNK_ROWS_GPU = 8.0
-#: prior of a sequence's acceptance estimate: accepted tokens, rejections (alpha 0.8)
-PRIOR_ACCEPTED = 4.0
-PRIOR_REJECTED = 1.0
+#: prior of a sequence's hit estimate: verifications that accepted something, that accepted nothing
+PRIOR_HITS = 4.0
+PRIOR_MISSES = 1.0
 #: weight of the estimate's history per newer verification
 HISTORY_DECAY = 0.5
+#: once a draft's first token is right, the chance that each next one is (a copy goes on)
+RUN_CONTINUES = 0.95
 #: tokens without a verification after which a sequence's estimate goes back to the prior
 PROBE_TOKENS = 16
 
@@ -194,46 +193,46 @@ class _Seq:
     n_max: int
     n_min: int
     fed: int = 0  # tokens of the request already in the index
-    accepted: float = PRIOR_ACCEPTED  # decayed accepted draft tokens
-    rejected: float = PRIOR_REJECTED  # decayed rejections
+    hits: float = PRIOR_HITS  # decayed verifications that accepted at least one token
+    misses: float = PRIOR_MISSES  # decayed verifications that accepted none
     verified_at: int = 0  # the sequence's length at its last verification (or probe reset)
 
     @property
     def alpha(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+        return self.hits / (self.hits + self.misses)
 
 
 def draft_length(alpha: float, k_max: int, rows: int, base_rows: float, gain: float = 0.0,
-                 drafted: float = 0.0, chunk_rows: float = 0.0) -> int:
+                 drafted: float = 0.0, chunk_rows: float = 0.0, run: float = RUN_CONTINUES) -> int:
     """How many draft tokens (at most ``k_max``) one sequence verifies: the k that maximizes the
     step's expected tokens per row-unit, 0 when no k raises it.
 
     Args:
-        alpha: the sequence's acceptance estimate (the i-th draft token is accepted with
-            probability ``alpha ** i``), 0..1.
+        alpha: the sequence's hit estimate: the chance that a draft's first token is accepted.
         k_max: tokens proposed (after the per-request and row caps).
         rows: the step's rows before drafts (B).
         base_rows: the step's fixed cost in rows.
         gain, drafted: expected accepted tokens and row-units of the drafts already in the step.
         chunk_rows: what turning a decode row into a verification chunk costs beyond its
             draft rows, in rows (see the module docstring).
+        run: the chance that each further token is accepted once the previous one was; token i
+            is accepted with probability ``alpha * run ** (i - 1)``.
 
     Returns:
-        argmax over k in 0..k_max of ``(rows + gain + sum_{i<=k} alpha**i) / (base_rows + rows +
-        drafted + k + (chunk_rows if k else 0))`` (the smallest such k on ties). With
-        ``chunk_rows`` 0 that is the marginal rule: take the next token while its ``alpha**i``
-        exceeds the step's current tokens per row-unit.
+        argmax over k in 0..k_max of ``(rows + gain + sum_{i<=k} alpha * run**(i-1)) /
+        (base_rows + rows + drafted + k + (chunk_rows if k else 0))`` (the smallest such k on
+        ties).
     """
     best_k = 0
     best = (rows + gain) / (base_rows + rows + drafted)
     g = rows + gain
-    p = 1.0
+    p = alpha
     for k in range(1, k_max + 1):
-        p *= alpha
         g += p
         r = g / (base_rows + rows + drafted + k + chunk_rows)
         if r > best:
             best_k, best = k, r
+        p *= run
     return best_k
 
 
@@ -269,15 +268,15 @@ class SpecDecoder:
 
     def observe(self, request_id: str, proposed: int, accepted: int) -> None:
         """A verification of ``proposed`` draft tokens accepted the first ``accepted``: update the
-        sequence's estimate (a rejection when ``accepted < proposed``)."""
+        sequence's hit estimate (a hit when ``accepted >= 1``, else a miss)."""
         s = self._seqs.get(request_id)
         if s is None or proposed <= 0:
             return
-        s.accepted = HISTORY_DECAY * s.accepted + accepted
-        s.rejected = HISTORY_DECAY * s.rejected + (1.0 if accepted < proposed else 0.0)
+        s.hits = HISTORY_DECAY * s.hits + (1.0 if accepted > 0 else 0.0)
+        s.misses = HISTORY_DECAY * s.misses + (0.0 if accepted > 0 else 1.0)
 
     def alpha(self, request_id: str) -> float | None:
-        """The sequence's acceptance estimate (None: it does not speculate)."""
+        """The sequence's hit estimate (None: it does not speculate)."""
         s = self._seqs.get(request_id)
         return None if s is None else s.alpha
 
@@ -319,8 +318,8 @@ class SpecDecoder:
         if len(draft) < max(s.n_min, 1):
             return []
         if self.adaptive:
-            if n - s.verified_at >= PROBE_TOKENS and s.alpha < PRIOR_ACCEPTED / (PRIOR_ACCEPTED + PRIOR_REJECTED):
-                s.accepted, s.rejected = PRIOR_ACCEPTED, PRIOR_REJECTED  # probe again
+            if n - s.verified_at >= PROBE_TOKENS and s.alpha < PRIOR_HITS / (PRIOR_HITS + PRIOR_MISSES):
+                s.hits, s.misses = PRIOR_HITS, PRIOR_MISSES  # probe again
                 s.verified_at = n
             alpha = s.alpha
             k = draft_length(alpha, len(draft), self._rows, self.base_rows, self._gain, self._drafted,
@@ -328,10 +327,10 @@ class SpecDecoder:
             if k < max(s.n_min, 1):
                 return []
             draft = draft[:k]
-            p = 1.0
+            p = alpha
             for _ in range(k):
-                p *= alpha
                 self._gain += p
+                p *= RUN_CONTINUES
             self._drafted += k + self.chunk_rows
             s.verified_at = n
         return draft

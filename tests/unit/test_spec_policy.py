@@ -18,33 +18,39 @@ GPU = spec_decode.STEP_BASE_ROWS_GPU
 
 
 def test_constants():
-    assert (CPU, GPU) == (4.0, 64.0)
-    assert (spec_decode.CHUNK_ROWS_CPU, spec_decode.CHUNK_ROWS_GPU) == (4.0, 8.0)
-    assert (spec_decode.PRIOR_ACCEPTED, spec_decode.PRIOR_REJECTED, spec_decode.HISTORY_DECAY,
-            spec_decode.PROBE_TOKENS) == (4.0, 1.0, 0.5, 16)
+    assert (CPU, GPU) == (8.0, 64.0)
+    assert (spec_decode.CHUNK_ROWS_CPU, spec_decode.CHUNK_ROWS_GPU) == (1.0, 8.0)
+    assert (spec_decode.PRIOR_HITS, spec_decode.PRIOR_MISSES, spec_decode.HISTORY_DECAY,
+            spec_decode.RUN_CONTINUES, spec_decode.PROBE_TOKENS) == (4.0, 1.0, 0.5, 0.95, 16)
 
 
 @pytest.mark.parametrize("alpha, ks", [
-    (0.99, [16, 16, 16, 16, 16, 15]),
-    (0.97, [14, 13, 11, 9, 7, 6]),
-    (0.9, [7, 6, 4, 3, 2, 2]),
-    (0.8, [4, 3, 2, 1, 1, 0]),
-    (0.5, [1, 1, 0, 0, 0, 0]),
-    (0.2, [0, 0, 0, 0, 0, 0]),  # the first token's 0.2 does not exceed a 1-row step's 1 / (4 + 1)
+    (0.99, [15, 14, 13, 11, 9, 8]),
+    (0.9, [15, 14, 12, 10, 8, 6]),
+    (0.8, [15, 14, 12, 8, 6, 0]),
+    (0.6, [14, 12, 9, 0, 0, 0]),
+    (0.4, [13, 10, 0, 0, 0, 0]),
+    (0.2, [9, 0, 0, 0, 0, 0]),
+    (0.1, [0, 0, 0, 0, 0, 0]),
 ])
-def test_k_by_acceptance_and_batch_rows_cpu(alpha, ks):
-    assert [draft_length(alpha, 16, rows, CPU) for rows in (1, 2, 4, 8, 12, 16)] == ks
+def test_k_by_hit_rate_and_batch_rows_cpu(alpha, ks):
+    """Rows 1, 2, 4, 8, 12, 16 before drafts, the CPU's costs: long drafts at a few streams,
+    shorter ones or none as the batch fills (compute-bound)."""
+    assert [draft_length(alpha, 16, rows, CPU, chunk_rows=1.0) for rows in (1, 2, 4, 8, 12, 16)] == ks
 
 
 def test_k_on_a_gpu_and_caps():
-    assert [draft_length(0.8, 16, rows, GPU) for rows in (1, 16, 64)] == [12, 6, 3]
-    assert [draft_length(0.5, 16, rows, GPU) for rows in (1, 16, 64)] == [5, 2, 0]
-    assert draft_length(0.99, 5, 1, CPU) == 5  # never more than proposed
-    assert draft_length(1.0, 16, 16, CPU) == 16 and draft_length(0.0, 16, 1, CPU) == 0
+    assert [draft_length(0.8, 16, rows, GPU, chunk_rows=8.0) for rows in (1, 16, 64)] == [16, 16, 0]
+    assert [draft_length(0.4, 16, rows, GPU, chunk_rows=8.0) for rows in (1, 16, 64)] == [16, 0, 0]
+    assert draft_length(0.99, 5, 1, CPU, chunk_rows=1.0) == 5  # never more than proposed
+    assert draft_length(1.0, 16, 16, CPU, chunk_rows=1.0) == 8  # later tokens' 0.95 ** i
+    assert draft_length(0.0, 16, 1, CPU, chunk_rows=1.0) == 0
     # drafts already in the step raise the bar for the next sequence
-    assert draft_length(0.97, 16, 2, CPU) == 13
-    gain = sum(0.97 ** i for i in range(1, 14))
-    assert draft_length(0.97, 16, 2, CPU, gain=gain, drafted=13) == 10
+    assert draft_length(0.9, 16, 4, CPU, chunk_rows=1.0) == 12
+    gain = sum(0.9 * 0.95 ** i for i in range(12))
+    assert draft_length(0.9, 16, 4, CPU, gain=gain, drafted=13.0, chunk_rows=1.0) == 10
+    # no chunk cost and no run discount: the marginal rule with a geometric alpha ** i
+    assert [draft_length(0.8, 16, rows, 4.0, run=0.8) for rows in (1, 2, 4, 8, 12, 16)] == [4, 3, 2, 1, 1, 0]
 
 
 class _Req:
@@ -67,108 +73,64 @@ class _Req:
             self.toks.append(self.toks[-40])
 
 
-def _decoder(chunk_rows=0.0):
-    """chunk_rows 0: the marginal rule alone (the CPU's default chunk cost: test_chunk_cost_*)."""
+def _decoder():
     dec = SpecDecoder(SpecConfig(method="ngram", num_speculative_tokens=16, prompt_lookup_min=2, prompt_lookup_max=4))
-    assert (dec.base_rows, dec.chunk_rows) == (CPU, spec_decode.CHUNK_ROWS_CPU)
-    dec.chunk_rows = chunk_rows
+    assert (dec.base_rows, dec.chunk_rows, dec.adaptive) == (CPU, spec_decode.CHUNK_ROWS_CPU, True)
     return dec
 
 
-def test_k_follows_the_acceptance_history_down_to_zero_and_probes_again():
+def test_k_follows_the_hit_history_down_to_zero_and_probes_again():
     dec = _decoder()
     r = _Req("a")
     dec.register(r, plain_greedy=True)
-    history = [(16, 16), (16, 16), (16, 3), (8, 0), (8, 0), (8, 0), (8, 0)]
     ks, alphas = [], []
     dec.begin_step(1)
-    ks.append(len(dec.propose(r, 16)))  # the prior: alpha 0.8
-    for proposed, accepted in history:
-        dec.observe("a", proposed, accepted)
+    ks.append(len(dec.propose(r, 16)))  # the prior: 0.8
+    for proposed, accepted in [(16, 16), (16, 3), (15, 0), (15, 0), (15, 0), (15, 0), (15, 0)]:
+        dec.observe("a", proposed, accepted)  # a partial acceptance is a hit too
         alphas.append(round(dec.alpha("a"), 4))
         r.grow(1)
         dec.begin_step(1)
         ks.append(len(dec.propose(r, 16)))
-    assert alphas == [0.973, 0.9901, 0.9323, 0.8322, 0.6851, 0.5061, 0.3324]
-    assert ks == [4, 15, 16, 9, 5, 3, 2, 1]
-    for _ in range(3):  # misses go on: 0.19, then 0.10 and 0.05
-        dec.observe("a", 1, 0)
-        r.grow(1)
-        dec.begin_step(1)
-        ks.append(len(dec.propose(r, 16)))
-    assert ks[-3:] == [0, 0, 0] and dec.alpha("a") < 0.06
+    assert alphas == [0.8571, 0.9091, 0.5263, 0.2857, 0.1493, 0.0763, 0.0386]
+    assert ks == [15, 15, 15, 14, 11, 6, 0, 0]
     # no verification for PROBE_TOKENS tokens: the estimate goes back to the prior and it probes
-    r.grow(spec_decode.PROBE_TOKENS - 4)  # 15 tokens after its last verification (the 1-token draft)
+    r.grow(spec_decode.PROBE_TOKENS - 3)  # 15 tokens after its last verification (the 6-token draft)
     dec.begin_step(1)
-    assert dec.propose(r, 16) == [] and dec.alpha("a") < 0.06
+    assert dec.propose(r, 16) == [] and dec.alpha("a") < 0.04
     r.grow(1)
     dec.begin_step(1)
-    assert len(dec.propose(r, 16)) == 4 and dec.alpha("a") == 0.8
+    assert len(dec.propose(r, 16)) == 15 and dec.alpha("a") == 0.8
 
 
-def test_one_step_shares_its_rows_by_the_marginal_rule():
+def test_one_step_shares_its_rows():
     dec = _decoder()
     reqs = [_Req(c) for c in "abcd"]
     for r in reqs:
         dec.register(r, plain_greedy=True)
     for _ in range(3):
-        dec.observe("a", 16, 16)  # "a" has been copying: alpha 0.9956
+        dec.observe("a", 16, 16)  # "a" keeps hitting: 0.9474
+    assert round(dec.alpha("a"), 4) == 0.9474
     dec.begin_step(4)
-    assert [len(dec.propose(r, 16)) for r in reqs] == [16, 0, 0, 0]  # the others' 0.8 no longer pays
-    dec.begin_step(4)
-    assert [len(dec.propose(r, 16)) for r in reqs[1:]] == [2, 2, 2]
-    dec.begin_step(16)  # 16 rows: compute-bound, a fresh sequence does not draft
-    assert [len(dec.propose(r, 16)) for r in reqs[1:]] == [0, 0, 0]
-    assert len(dec.propose(reqs[0], 16)) == 16  # but a copying one still does
+    assert [len(dec.propose(r, 16)) for r in reqs] == [13, 8, 8, 8]
+    dec.begin_step(12)
+    assert [len(dec.propose(r, 16)) for r in reqs] == [8, 0, 0, 0]
+    dec.begin_step(16)  # 16 rows: compute-bound; only the sequence that keeps hitting drafts
+    assert [len(dec.propose(r, 16)) for r in reqs] == [7, 0, 0, 0]
     dec.adaptive = False  # the policy off: whole proposals
     dec.begin_step(16)
     assert [len(dec.propose(r, 16)) for r in reqs] == [16, 16, 16, 16]
 
 
-@pytest.mark.parametrize("alpha, ks", [
-    (0.99, [16, 16, 16, 16, 0, 0]),
-    (0.97, [16, 16, 16, 0, 0, 0]),
-    (0.9, [9, 8, 0, 0, 0, 0]),
-    (0.8, [5, 0, 0, 0, 0, 0]),
-    (0.5, [0, 0, 0, 0, 0, 0]),
-])
-def test_chunk_cost_k_by_acceptance_and_batch_rows_cpu(alpha, ks):
-    """With the CPU's verification-chunk cost (4 rows) a draft must pay for its chunk too: longer
-    drafts or none, and none from 8 rows on unless the sequence copies near-perfectly."""
-    assert [draft_length(alpha, 16, rows, CPU, chunk_rows=4.0) for rows in (1, 2, 4, 8, 12, 16)] == ks
-
-
-def test_chunk_cost_history_and_step():
-    dec = _decoder(spec_decode.CHUNK_ROWS_CPU)
-    r = _Req("a")
-    dec.register(r, plain_greedy=True)
-    ks = []
-    for proposed, accepted in [(None, None), (5, 5), (16, 16), (16, 3), (9, 0), (9, 0)]:
-        if proposed:
-            dec.observe("a", proposed, accepted)
-            r.grow(1)
-        dec.begin_step(1)
-        ks.append(len(dec.propose(r, 16)))
-    assert ks == [5, 12, 16, 11, 6, 0]
-    reqs = [_Req(c) for c in "bc"]
-    for q in reqs:
-        dec.register(q, plain_greedy=True)
-    dec.begin_step(2)
-    assert [len(dec.propose(q, 16)) for q in reqs] == [0, 0]  # 0.8 pays at one row, not at two
-
-
 def test_n_min_drops_a_cut_draft():
-    dec = SpecDecoder(SpecConfig(method="ngram", num_speculative_tokens=16, min_tokens=5, prompt_lookup_min=2,
+    dec = SpecDecoder(SpecConfig(method="ngram", num_speculative_tokens=16, min_tokens=9, prompt_lookup_min=2,
                                  prompt_lookup_max=4))
-    dec.chunk_rows = 0.0
     r = _Req("a")
     dec.register(r, plain_greedy=True)
-    dec.begin_step(1)
-    assert dec.propose(r, 16) == []  # the policy's 4 < --draft-min 5
-    for _ in range(2):
-        dec.observe("a", 16, 16)
-    dec.begin_step(1)
-    assert len(dec.propose(r, 16)) == 16
+    dec.begin_step(8)
+    assert dec.propose(r, 16) == []  # the policy's 8 < --draft-min 9
+    dec.begin_step(4)
+    assert len(dec.propose(r, 16)) == 12
 
 
 # -- the engine ----------------------------------------------------------------------------------
