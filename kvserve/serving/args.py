@@ -715,10 +715,19 @@ def _sampling(v: dict, given: dict, notes: list) -> tuple[dict, dict]:
     if not v["cache_prompt"] or not v["enable_prefix_caching"]:
         s["cache_prompt"] = False
     gen: dict[str, Any] = {}
+    from kvserve.serving.generation_config import check_value
+
     for key, value in (v["override_generation_config"] or {}).items():
         if key in _GEN_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool):
             field_name = _GEN_KEYS[key]
-            gen[field_name] = int(value) if field_name in ("top_k", "n_predict") else float(value)
+            try:  # the checks the model's file gets; refused here, since the user typed it
+                gen[field_name] = check_value({"temp": "temperature"}.get(field_name, field_name), value)
+            except ValueError as e:
+                raise _Exit(f"invalid --override-generation-config: {key} = {value!r}: {e}") from None
+            dest = {"n_predict": "predict"}.get(field_name, field_name)
+            if dest in given:
+                notes.append((logging.INFO, f"flag --override-generation-config: {key} = {gen[field_name]!r} wins "
+                                            f"over {given[dest]} {v[dest]!r}"))
         elif key in _GEN_SAMPLING and isinstance(value, (int, float)):
             s[key] = float(value)
         else:

@@ -249,10 +249,47 @@ def _explicit(args: ServerArgs) -> dict[str, str]:
     (``--temperature``, ``LLAMA_ARG_TOP_K``), or ``""`` for ``--override-generation-config``."""
     given = getattr(args, "flags_given", {}) or {}
     out = {name: given[dest] for name, dest in _FLAG_OF.items() if dest in given}
-    for key in (getattr(args, "override_generation_config", None) or {}):
-        if key in _OVERRIDE_FIELDS:
-            out[_OVERRIDE_FIELDS[key]] = ""
+    for key in override_values(getattr(args, "override_generation_config", None)):
+        out[_OVERRIDE_FIELDS[key]] = ""
     return out
+
+
+def override_values(override: dict | None) -> dict[str, Any]:
+    """The ``--override-generation-config`` keys kvserve uses (vLLM names, as given): a number
+    (not a boolean) for one of ``temperature``, ``top_p``, ``top_k``, ``min_p``,
+    ``repetition_penalty``, ``max_new_tokens``, ``max_tokens``. Every other key or value (a
+    string, null, true) is logged as ignored by the flag parser and leaves the model's file value
+    in place. (Their ranges are checked by :func:`check_value` when the flags are parsed.)"""
+    return {k: v for k, v in (override or {}).items()
+            if k in _OVERRIDE_FIELDS and isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+#: the largest finite float32: a float default must fit it (Ollama's options are float32, and
+#: so are the sampler's tensors)
+_FLOAT32_MAX = 3.4028234663852886e38
+#: integer defaults are llama.cpp's int32 parameters
+_INT_MAX = 2**31 - 1
+
+
+def check_value(name: str, value: Any) -> Any:
+    """A sampling default (the model's file or ``--override-generation-config``) as the
+    SamplingParams field ``name``'s type, refused when a request's own field would be refused.
+
+    Rules: a number (not a boolean), finite, within float32 (|v| <= 3.4e38); ``top_k``,
+    ``n_predict`` (``max_new_tokens``) and ``repeat_last_n`` integral and below 2**31;
+    ``top_k`` -1 is 0 (vLLM's and llama.cpp's "off"; below -1 is refused, as vLLM does); ``n_predict`` >= 1; ``temperature``
+    >= 0 (vLLM's rule); ``repeat_penalty`` > 0 (vLLM's); ``top_p``, ``min_p`` in [0, 1] and the
+    rest as :class:`SamplingParams` checks them. ``samplers``: a ``;``-separated list of names.
+
+    Raises:
+        ValueError: the reason, written for the "is not used" warning / the start-up error.
+    """
+    value = _coerce(name, value)
+    try:
+        SamplingParams(**{name: value})
+    except InvalidRequestError as e:
+        raise ValueError(str(e)) from None
+    return value
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -267,18 +304,31 @@ def _coerce(name: str, value: Any) -> Any:
             return resolve_sampler_names([n.strip() for n in names if isinstance(n, str) and n.strip()])
         except InvalidRequestError as e:
             raise ValueError(str(e)) from None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError("a number expected")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("a finite number expected")
     if name in _INT_FIELDS:
         if value != int(value):
             raise ValueError("an integer expected")
         value = int(value)
+        if value > _INT_MAX:
+            raise ValueError(f"at most {_INT_MAX} expected")
+        if name == "top_k" and value < -1:
+            raise ValueError("-1 or 0 (off) or at least 1 expected")  # vLLM's rule
         if name == "top_k" and value < 0:
             return 0  # vLLM's and llama.cpp's "off"
         if name == "n_predict" and value < 1:
             raise ValueError("at least 1 expected")
         return value
-    return float(value)
+    if abs(value) > _FLOAT32_MAX:
+        raise ValueError("out of range (float32)")
+    value = float(value)
+    if name == "temperature" and value < 0:
+        raise ValueError("at least 0 expected")
+    if name == "repeat_penalty" and value <= 0:
+        raise ValueError("above 0 expected")
+    return value
 
 
 def _model_file(args: ServerArgs, model_path: str | None, metadata: dict | None) -> tuple[str, str | None, dict]:
@@ -322,30 +372,33 @@ def model_defaults(args: ServerArgs, model_path: str | None = None, metadata: di
     # (SamplingParams field, the file's key or None for a value kvserve fills in, value), in the
     # order they apply: a file's value that is refused leaves the one before it
     wanted: list[tuple[str, str | None, Any]] = []
+    # the file's values kvserve can use (refused ones are warned about here and left out of
+    # everything after: the neutral base, the start-up line, the defaults)
     if source == "gguf":
-        out.diff = dict(raw)
         for key, value in raw.items():
             full = "general.sampling." + key
             if full in GGUF_IGNORED:
+                out.diff[key] = value
                 out.notes.append((logging.INFO, f"model's {full} = {value!r} is ignored: kvserve has no mirostat"))
-            else:
-                wanted.append((GGUF_KEYS[full], full, value))
+            elif (v := _checked(out, GGUF_KEYS[full], full, value)) is not None:
+                out.diff[key] = value
+                wanted.append((GGUF_KEYS[full], full, v))
     else:
-        out.diff = diff_sampling_params(raw, getattr(args, "override_generation_config", None))
-        if any(raw.get(k) is not None for k in VLLM_NEUTRAL):  # the recipe's other fields: vLLM's neutral ones
+        usable = {}
+        for name, value in diff_sampling_params(raw).items():
+            if (v := _checked(out, _HF_FIELDS[name], name, value)) is not None:
+                usable[name] = v
+        override = override_values(getattr(args, "override_generation_config", None))
+        out.diff = diff_sampling_params({("max_new_tokens" if k == "max_tokens" else k): v
+                                         for k, v in usable.items()}, override)
+        if any(k in usable for k in VLLM_NEUTRAL):  # the recipe's other fields: vLLM's neutral ones
             wanted += [(_HF_FIELDS[name], None, value) for name, value in VLLM_NEUTRAL.items()]
-        if raw.get("repetition_penalty") is not None:  # vLLM penalizes every prompt and output token
+        if "repetition_penalty" in usable:  # vLLM penalizes every prompt and output token
             wanted.append(("repeat_last_n", None, -1))
-        wanted += [(_HF_FIELDS[name], name, value) for name, value in diff_sampling_params(raw).items()]
+        wanted += [(_HF_FIELDS[name], name, value) for name, value in usable.items()]
     explicit = _explicit(args)
     params = base
     for name, key, value in wanted:
-        try:
-            value = _coerce(name, value)
-            dataclasses.replace(params, **{name: value})  # in range?
-        except (ValueError, InvalidRequestError) as e:
-            out.notes.append((logging.WARNING, f"the model's {key} = {value!r} is not used: {e}"))
-            continue
         if key is not None:
             out.file_values[name] = value
         if name in explicit:
@@ -363,6 +416,16 @@ def _default_length(params: SamplingParams) -> SamplingParams:
     """Mark a default ``n_predict`` (``-n``, the override, the file's ``max_new_tokens``) as one:
     the engine caps it to the room left in the context, as vLLM's ``get_max_tokens`` does."""
     return dataclasses.replace(params, n_predict_default=params.n_predict > 0)
+
+
+def _checked(out: ModelDefaults, name: str, key: str, value: Any) -> Any:
+    """:func:`check_value` of one value of the model's file, or None (and a warning in
+    ``out.notes``) when it is refused."""
+    try:
+        return check_value(name, value)
+    except ValueError as e:
+        out.notes.append((logging.WARNING, f"the model's {key} = {value!r} is not used: {e}"))
+        return None
 
 
 def ollama_layer(defaults: ModelDefaults | None) -> dict:
@@ -384,10 +447,12 @@ __all__ = [
     "GenerationConfigError",
     "ModelDefaults",
     "check_generation_config",
+    "check_value",
     "diff_sampling_params",
     "gguf_sampling",
     "model_defaults",
     "ollama_layer",
     "overridden_line",
+    "override_values",
     "read_generation_config",
 ]

@@ -314,3 +314,23 @@ def test_docs_flags_md_is_the_generated_table():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "flags.md").read_text(encoding="utf-8")
     table = doc[doc.index("| Flag | From |"):]
     assert table.strip() == ft.markdown_table().strip()
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ('{"max_new_tokens": 0}', "invalid --override-generation-config: max_new_tokens = 0: at least 1 expected"),
+    ('{"top_k": 2.7}', "invalid --override-generation-config: top_k = 2.7: an integer expected"),
+    ('{"top_k": -5}', "invalid --override-generation-config: top_k = -5: -1 or 0 (off) or at least 1 expected"),
+    ('{"temperature": 1e308}', "invalid --override-generation-config: temperature = 1e+308: out of range (float32)"),
+    ('{"repetition_penalty": 0}', "invalid --override-generation-config: repetition_penalty = 0: above 0 expected"),
+])
+def test_override_generation_config_values_are_checked_as_the_models_file(override, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--override-generation-config", override], environ={})
+    assert e.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith("error: " + message)
+
+
+def test_the_override_logs_that_it_wins_over_a_flag():
+    a = parse_args(["--temp", "0.9", "--override-generation-config", '{"temperature": 0.3}'], environ={})
+    assert a.temp == 0.3
+    assert (logging.INFO, "flag --override-generation-config: temperature = 0.3 wins over --temp 0.9") in a.flag_notes

@@ -392,3 +392,51 @@ def test_a_default_n_predict_flag_is_capped_too(serve, hf14):
     assert r.status_code == 200, r.text
     assert r.json()["tokens_evaluated"] + r.json()["tokens_predicted"] == 32
     assert s.client.post("/completion", json={"prompt": "hi", "n_predict": 100}).status_code == 400
+
+
+# -- what is refused, and what an ignored or refused value leaves in place -------------------------
+
+@pytest.mark.parametrize("override", ['{"top_p": "0.5"}', '{"top_p": null}', '{"top_p": true}'])
+def test_an_ignored_override_key_leaves_the_files_value(hf14, override):
+    args = parse_args(["-m", str(hf14), "--override-generation-config", override], environ={})
+    md = model_defaults(args, str(hf14))
+    assert md.params.top_p == 0.8
+    assert md.applied["top_p"] == 0.8
+    assert md.diff == {"repetition_penalty": 1.05, "temperature": 0.7, "top_k": 20, "top_p": 0.8}
+
+
+def test_out_of_range_values_in_the_file_are_refused(tmp_path):
+    path = hf_model(tmp_path / "m", {"temperature": 1e308, "top_k": 10**26, "repetition_penalty": 0,
+                                     "max_new_tokens": 1e12, "top_p": 0.5})
+    md = model_defaults(parse_args(["-m", str(path)], environ={}), str(path))
+    assert [t for _, t in md.notes] == [
+        "the model's repetition_penalty = 0 is not used: above 0 expected",
+        "the model's temperature = 1e+308 is not used: out of range (float32)",
+        "the model's top_k = 100000000000000000000000000 is not used: at most 2147483647 expected",
+        "the model's max_tokens = 1000000000000.0 is not used: at most 2147483647 expected"]
+    p = md.params
+    assert (p.temperature, p.top_k, p.top_p, p.repeat_penalty, p.repeat_last_n, p.n_predict) == \
+        (1.0, 0, 0.5, 1.0, 64, -1)
+    assert md.diff == {"top_p": 0.5}
+    assert ollama_layer(md) == {"top_p": 0.5}  # nothing the Ollama face would blame on the client
+    path = hf_model(tmp_path / "n", {"temperature": -1, "repetition_penalty": -1, "max_new_tokens": 10**20,
+                                     "top_k": -5})
+    md = model_defaults(parse_args(["-m", str(path)], environ={}), str(path))
+    assert [t for _, t in md.notes] == [
+        "the model's repetition_penalty = -1 is not used: above 0 expected",
+        "the model's temperature = -1 is not used: at least 0 expected",
+        "the model's top_k = -5 is not used: -1 or 0 (off) or at least 1 expected",
+        "the model's max_tokens = 100000000000000000000 is not used: at most 2147483647 expected"]
+    assert (md.params, md.diff, md.log_line()) == (parse_args([], environ={}).default_sampling_params(), {}, None)
+
+
+def test_a_file_of_refused_values_keeps_llama_servers_defaults_and_prints_nothing(serve, tmp_path):
+    path = hf_model(tmp_path / "m", {"temperature": "hot", "top_k": {"a": 1}, "top_p": float("nan")})
+    md = model_defaults(parse_args(["-m", str(path)], environ={}), str(path))
+    assert md.params == parse_args([], environ={}).default_sampling_params()
+    assert (md.diff, md.log_line()) == ({}, None)
+    path = hf_model(tmp_path / "n", {"temperature": "hot", "top_k": 5})
+    md = model_defaults(parse_args(["-m", str(path)], environ={}), str(path))
+    assert md.log_line() == ("Default kvserve sampling parameters have been overridden by the model's "
+                             "`generation_config.json`: `{'top_k': 5}`. If this is not intended, please relaunch "
+                             "kvserve with `--generation-config vllm`.")
