@@ -26,8 +26,13 @@ Where a request's sampling field comes from, first that applies (:func:`model_de
      xtc_probability, xtc_threshold, temp, penalty_last_n, penalty_repeat}`` over llama-server's
      defaults, as llama.cpp's ``common_init_sampler_from_model`` applies them (``mirostat``,
      ``mirostat_tau`` and ``mirostat_eta`` are logged and ignored: kvserve has no mirostat);
-   * ``--generation-config vllm``: nothing;
-4. kvserve's defaults (llama-server's: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05...).
+   * ``--generation-config vllm``, given on the command line (or ``LLAMA_ARG_``/env): no file,
+     and vLLM's neutral values (temperature 1.0, top_p 1.0, top_k 0, min_p 0.0,
+     repetition_penalty 1.0) in place of llama-server's, as seed 002 Example 14 says vLLM runs
+     then: the user typed a vLLM flag;
+4. kvserve's defaults (llama-server's: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05...):
+   kvserve serves llama-server's users too, whose default is no flag at all, so ``auto`` with no
+   model file (a GGUF without ``general.sampling.*``) keeps them.
 
 The Ollama face layers Ollama's own way (:func:`ollama_layer`): Ollama's defaults, then the
 model's file, then the store model's params layer (its Modelfile ``PARAMETER`` lines), then the
@@ -367,6 +372,12 @@ def model_defaults(args: ServerArgs, model_path: str | None = None, metadata: di
         return ModelDefaults(_default_length(base),
                              notes=[(logging.WARNING, f"the model's sampling defaults are not used: {e}")])
     if not raw:
+        if (getattr(args, "generation_config", "auto") == "vllm"
+                and "generation_config" in (getattr(args, "flags_given", None) or {})):
+            # `--generation-config vllm` typed: vLLM's neutral values (a flag or the override keeps its own)
+            explicit = _explicit(args)
+            base = dataclasses.replace(base, **{_HF_FIELDS[k]: v for k, v in VLLM_NEUTRAL.items()
+                                                if _HF_FIELDS[k] not in explicit})
         return ModelDefaults(_default_length(base))
     out = ModelDefaults(base, source, path)
     # (SamplingParams field, the file's key or None for a value kvserve fills in, value), in the

@@ -52,6 +52,8 @@ LINE_GGUF = ("Default kvserve sampling parameters have been overridden by the mo
 KEYS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "n_predict")
 LLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
                   "repeat_last_n": 64, "n_predict": -1}
+#: ``--generation-config vllm`` typed: vLLM's neutral values (seed 002 Example 14)
+VLLM_NEUTRAL_PICKED = {**LLAMA_DEFAULTS, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 MODEL_14 = {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "min_p": 0.0, "repeat_penalty": 1.05,
             "repeat_last_n": -1, "n_predict": -1}
 
@@ -167,7 +169,7 @@ def test_example_14_on_the_server(serve, hf14):
 
     vllm = serve("-m", str(hf14), "--generation-config", "vllm")
     assert not any("have been overridden" in line for line in vllm.log)
-    assert picked(vllm.props()) == LLAMA_DEFAULTS
+    assert picked(vllm.props()) == VLLM_NEUTRAL_PICKED  # the vLLM flag typed: vLLM's neutral values
 
     over = serve("-m", str(hf14), "--override-generation-config", '{"top_p": 0.95}')
     assert LINE_AUTO.replace("'top_p': 0.8", "'top_p': 0.95") in over.log
@@ -284,7 +286,7 @@ def test_gguf_sampling_keys(serve, gguf_sampled):
     r = s.client.post("/completion", json={"prompt": "hi", "n_predict": 1, "temperature": 0.2})
     assert r.json()["generation_settings"]["temperature"] == 0.2
     off = serve("-m", str(gguf_sampled), "--generation-config", "vllm", "--top-k", "7")
-    assert picked(off.props()) == {**LLAMA_DEFAULTS, "top_k": 7}
+    assert picked(off.props()) == {**VLLM_NEUTRAL_PICKED, "top_k": 7}
     assert not any("have been overridden" in line for line in off.log)
 
 
@@ -440,3 +442,17 @@ def test_a_file_of_refused_values_keeps_llama_servers_defaults_and_prints_nothin
     assert md.log_line() == ("Default kvserve sampling parameters have been overridden by the model's "
                              "`generation_config.json`: `{'top_k': 5}`. If this is not intended, please relaunch "
                              "kvserve with `--generation-config vllm`.")
+
+
+def test_generation_config_vllm_given_runs_with_vllms_neutral_values(hf14, tiny_gguf):
+    neutral = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0}
+
+    def five(p):
+        return {k: getattr(p, k) for k in neutral}
+    md = model_defaults(parse_args(["-m", str(hf14), "--generation-config", "vllm"], environ={}), str(hf14))
+    assert (five(md.params), md.diff, md.log_line()) == (neutral, {}, None)
+    md = model_defaults(parse_args(["--generation-config", "vllm", "--top-k", "7"], environ={}), str(tiny_gguf))
+    assert five(md.params) == {**neutral, "top_k": 7}  # a flag given keeps its value
+    # the default (auto, a model without a file): llama-server's, as before
+    md = model_defaults(parse_args([], environ={}), str(tiny_gguf))
+    assert five(md.params) == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
