@@ -15,7 +15,12 @@ generated token id; it returns the text that is safe to send now:
   several stop strings match, the one starting earliest wins; on a tie, the first listed
   (llama-server ``find_stopping_strings``).
 * Control tokens (``<|im_end|>``...) contribute no text, as in llama-server's output;
-  user-defined tokens contribute their text.
+  user-defined tokens contribute their text. Two exceptions: ``include_control`` renders every
+  control token (vLLM ``skip_special_tokens=False``, llama-server ``--special``), and
+  ``preserved`` ids are rendered while the others stay hidden (llama-server's "preserved
+  tokens": the chat format's markers, e.g. Kimi K2's ``<|tool_call_begin|>`` or gpt-oss's
+  ``<|channel|>``, reach the tool-call / reasoning parser). A rendered control token goes
+  through the stop-string check like any text.
 
 End of generation: :meth:`flush` returns the held-back partial stop text. If generation ended
 in the middle of a character, the incomplete trailing bytes are dropped (not emitted as
@@ -52,6 +57,9 @@ class IncrementalDetokenizer:
         stop: stop strings (empty strings are ignored).
         include_control: render control tokens' text (default False: they add no text,
             as in llama-server's generated content).
+        preserved: token ids rendered with their text even when ``include_control`` is False
+            (llama-server ``preserved_tokens``); ids that are not control tokens are
+            rendered anyway.
 
     Attributes:
         stop_string: the stop string that matched, or None.
@@ -59,19 +67,29 @@ class IncrementalDetokenizer:
             :meth:`add` calls return ``("", None)``.
     """
 
-    __slots__ = ("_tok", "_stops", "_max_hold", "_special", "_decoder", "_held", "_parts",
+    __slots__ = ("_tok", "_stops", "_max_hold", "_special", "_preserved", "_decoder", "_held", "_parts",
                  "stop_string", "finished")
 
-    def __init__(self, tokenizer: _TokenBytes, stop: tuple[str, ...] = (), include_control: bool = False):
+    def __init__(self, tokenizer: _TokenBytes, stop: tuple[str, ...] = (), include_control: bool = False,
+                 preserved: frozenset[int] = frozenset()):
         self._tok = tokenizer
         self._stops: tuple[str, ...] = tuple(s for s in stop if s)
         self._max_hold = max((len(s) for s in self._stops), default=1) - 1
         self._special = include_control
+        self._preserved = frozenset(preserved)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""  # decoded text not emitted yet (a possible stop-string prefix)
         self._parts: list[str] = []
         self.stop_string: str | None = None
         self.finished = False
+
+    @classmethod
+    def for_params(cls, tokenizer: _TokenBytes, params) -> IncrementalDetokenizer:
+        """The detokenizer of one request: ``params`` is its
+        :class:`~kvserve.engine.request.SamplingParams` (``stop``, ``skip_special_tokens``,
+        ``preserved_token_ids``)."""
+        return cls(tokenizer, params.stop, include_control=not getattr(params, "skip_special_tokens", True),
+                   preserved=getattr(params, "preserved_token_ids", frozenset()))
 
     @property
     def text(self) -> str:
@@ -98,7 +116,7 @@ class IncrementalDetokenizer:
         """
         if self.finished:
             return "", None
-        piece = self._tok.token_bytes(token_id, self._special)
+        piece = self._tok.token_bytes(token_id, self._special or token_id in self._preserved)
         if not piece:
             return "", None
         new = self._decoder.decode(piece)

@@ -111,6 +111,14 @@ class SamplingParams:
             Lowers the server's value, never raises it; a negative value is 0 (llama-server clamps).
         spec_n_min: llama-server ``speculative.n_min``: shorter drafts are dropped [tokens];
             negative is 0.
+        skip_special_tokens: vLLM's field (default True): control tokens add no text to the
+            output; False renders every control token's text (llama-server ``--special``).
+        spaces_between_special_tokens: vLLM's field, accepted for compatibility; it has no
+            effect (as in vLLM's fast-tokenizer detokenizer, which ignores it).
+        preserved_token_ids: control tokens rendered as their text although
+            ``skip_special_tokens`` hides the others (llama-server's
+            ``common_params_sampling.preserved_tokens``): the chat face fills it with the
+            single-token markers of the request's tool-call / reasoning parser.
 
     Raises:
         InvalidRequestError: from ``__post_init__`` on out-of-range values, and on a
@@ -148,6 +156,9 @@ class SamplingParams:
     cache_prompt: bool = True
     n_cache_reuse: int = 0
     spec_n_max: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    preserved_token_ids: frozenset[int] = frozenset()
     spec_n_min: int = 0
 
     def __post_init__(self) -> None:
