@@ -213,7 +213,7 @@ class EngineCore:
             request.eog_token_ids = frozenset(self.tokenizer.eog_token_ids)
         sampler = SequenceSampler(request.params, self.model_config.n_vocab, request.eog_token_ids,
                                   self.breakers.token_texts, self.breakers)
-        self._states[request.request_id] = _SeqState(sampler, IncrementalDetokenizer(self.tokenizer, request.params.stop))
+        self._states[request.request_id] = _SeqState(sampler, IncrementalDetokenizer.for_params(self.tokenizer, request.params))
         if self.spec is not None:
             self.spec.register(request, sampler.is_plain_greedy(0))
         self.scheduler.add(request)
