@@ -467,8 +467,9 @@ def test_smollm2_greedy_agreement_with_f16(smollm2):
 @pytest.mark.slow  # a real torch.compile: C++ codegen on 2 cores
 @pytest.mark.skipif(__import__("shutil").which(os.environ.get("CXX", "g++")) is None,
                     reason="torch.compile on CPU needs a C++ compiler (g++ or $CXX)")
-def test_compiled_decode_reads_quantized_kv(head32, tmp_path, monkeypatch):
-    """--compile with -ctk q8_0 -ctv q4_0: the graphs take the QuantKV caches (dequantization inside
+@pytest.mark.parametrize("k,v", [("q8_0", "q4_0"), ("fp8_e4m3", "fp8_e5m2")])
+def test_compiled_decode_reads_quantized_kv(head32, tmp_path, monkeypatch, k, v):
+    """--compile with quantized caches: the graphs take the QuantKV caches (dequantization inside
     the graph), serve every decode-only step, and give the eager engine's greedy tokens."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     prompts = [[1, 5, 9, 200, 31], [7, 7, 7], list(range(100, 118)), [2]]
@@ -485,8 +486,8 @@ def test_compiled_decode_reads_quantized_kv(head32, tmp_path, monkeypatch):
         return out
 
     cfg = dict(n_parallel=4, kv_unified=True)
-    ref = greedy(core_for(head32, "q8_0", "q4_0", **cfg))
-    core = core_for(head32, "q8_0", "q4_0", compile=True, **cfg)
+    ref = greedy(core_for(head32, k, v, **cfg))
+    core = core_for(head32, k, v, compile=True, **cfg)
     graph = core.runner.compiled
     assert graph.wait(timeout=900), graph.error
     assert greedy(core) == ref
