@@ -356,7 +356,7 @@ def write_tiny_gguf(path: str | Path, *, arch: str = "llama", n_layer: int = 2, 
                     qtype: str = "F32", tie_embeddings: bool = False, rope_freq_base: float = 10000.0,
                     rms_eps: float = 1e-5, embd_qtype: str | None = None, bos_token_id: int = 0,
                     eos_token_id: int = 0, chat_template: str | None = CHATML_TEMPLATE,
-                    metadata: dict | None = None) -> Path:
+                    metadata: dict | None = None, extra_control_tokens: tuple[str, ...] = ()) -> Path:
     """Write a tiny random-weight GGUF model and return its path.
 
     ``qtype`` (one of :data:`QTYPES`) applies to every 2-D weight;
@@ -364,7 +364,8 @@ def write_tiny_gguf(path: str | Path, *, arch: str = "llama", n_layer: int = 2, 
     Norms and biases stay F32. ``output.weight`` is omitted when
     ``tie_embeddings``. ``metadata``: further keys (e.g. ``general.sampling.temp``), an int
     written as uint32 (int32 when negative), a float as float32, a str as a string. See the
-    module docstring for layout and tokenizer.
+    module docstring for layout and tokenizer. ``extra_control_tokens``: texts appended to the
+    vocabulary as control tokens (token type 3), ids ``len(tiny_vocab()[0])`` onwards.
     """
     import gguf
 
@@ -376,6 +377,7 @@ def write_tiny_gguf(path: str | Path, *, arch: str = "llama", n_layer: int = 2, 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tokens, types, merges = tiny_vocab()
+    tokens, types = tokens + list(extra_control_tokens), types + [3] * len(extra_control_tokens)
     weights = tiny_weights(arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
                            n_ff=n_ff, seed=seed, tie_embeddings=tie_embeddings, n_vocab=len(tokens))
     head_dim = n_embd // n_head

@@ -83,6 +83,7 @@ __all__ = [
     "ReasoningStreamer",
     "ThinkingBudget",
     "prompt_thinking_tail",
+    "reasoning_marker_texts",
     "reasoning_parser_error",
     "split_reasoning",
 ]
@@ -115,6 +116,29 @@ _MARKERS = {
 #: styles that are ``qwen3``'s split with other tags: (start, end)
 _QWEN3_LIKE = {"minimax_m2": ("<think>", "</think>"), "step3": ("<think>", "</think>"),
                "seed_oss": ("<seed:think>", "</seed:think>")}
+
+
+#: gpt-oss harmony markers (control tokens of its vocabulary)
+_HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
+
+
+def reasoning_marker_texts(style: str | None) -> tuple[str, ...]:
+    """Marker texts a reasoning style parses (``<think>``/``</think>``, ``[THINK]``/``[/THINK]``,
+    the harmony markers...): the chat face asks the detokenizer to render those that are one
+    control token of the vocabulary (llama-server's ``preserved_tokens``). ``granite``'s markers
+    are plain text: none. ``None`` (no split) gives ``()``; ``none`` and ``deepseek-legacy``
+    keep the tags in the content, so they are rendered too (llama-server's formats preserve
+    them whatever the reasoning format)."""
+    if style is None:
+        return ()
+    if style == "openai_gptoss":
+        return _HARMONY_MARKERS
+    if style in _MARKERS:
+        start, end = _MARKERS[style]
+        return () if style == "granite" else (*start, *end)
+    if style in _QWEN3_LIKE:
+        return _QWEN3_LIKE[style]
+    return ("<think>", "</think>")
 
 
 def reasoning_parser_error(name: str) -> str | None:

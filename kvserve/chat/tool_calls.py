@@ -887,7 +887,9 @@ class ToolParser:
     #: text that closes one call (hermes); lets :meth:`extract` tell a cut-off last call
     close_marker: str = ""
     #: marker texts that are added/control tokens in the model family's vocabulary: the
-    #: detokenizer must render them for this parser to see the calls
+    #: detokenizer must render them for this parser to see the calls (the chat face preserves
+    #: these, ``anywhere_markers``, ``start_markers`` and ``close_marker`` when each is one
+    #: control token of the loaded vocabulary; llama-server's ``preserved_tokens``)
     marker_texts: tuple[str, ...] = ()
     #: :meth:`extract`'s content is not the raw text even without calls (harmony messages)
     rewrites_content: bool = False
@@ -963,6 +965,7 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     anywhere_markers = ("<tool_call>",)
     close_marker = "</tool_call>"
+    marker_texts = ("<tool_call>", "</tool_call>")
 
     def _region(self) -> _Region:
         return _HermesRegion()
@@ -974,6 +977,7 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     anywhere_markers = ("<|python_tag|>",)
     start_markers = ("{",)
+    marker_texts = ("<|python_tag|>",)
 
     def _region(self) -> _Region:
         return _Llama3Region()
@@ -984,6 +988,7 @@ class MistralToolParser(ToolParser):
 
     name = "mistral"
     anywhere_markers = ("[TOOL_CALLS]",)
+    marker_texts = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
 
     def __init__(self, make_id: Callable[[], str] | None = None, tools: list[dict] | None = None) -> None:
         super().__init__(make_id or (lambda: make_call_id(9, "")), tools)
@@ -997,6 +1002,7 @@ class PythonicToolParser(ToolParser):
 
     name = "pythonic"
     start_markers = ("[", "<|python_start|>")
+    marker_texts = ("<|python_start|>", "<|python_end|>")
 
     def _region(self) -> _Region:
         return _PythonicRegion()

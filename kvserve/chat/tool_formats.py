@@ -730,6 +730,7 @@ class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
     anywhere_markers = ("<tool_call>",)
     close_marker = "</tool_call>"
+    marker_texts = ("<tool_call>", "</tool_call>")
 
     def _region(self) -> _Region:
         return _Qwen3Region(_qwen3_call(self.tools))
@@ -747,6 +748,7 @@ class SeedOssToolParser(Qwen3CoderToolParser):
     name = "seed_oss"
     anywhere_markers = ("<seed:tool_call>",)
     close_marker = "</seed:tool_call>"
+    marker_texts = ("<seed:tool_call>", "</seed:tool_call>")
 
     def _region(self) -> _Region:
         return _SeedRegion(_qwen3_call(self.tools))
@@ -784,6 +786,7 @@ class LongcatToolParser(HermesToolParser):
     name = "longcat"
     anywhere_markers = ("<longcat_tool_call>",)
     close_marker = "</longcat_tool_call>"
+    marker_texts = ("<longcat_tool_call>", "</longcat_tool_call>")
 
     def _region(self) -> _Region:
         return _LongcatRegion()
@@ -795,6 +798,7 @@ class MinimaxM2ToolParser(ToolParser):
     name = "minimax_m2"
     anywhere_markers = ("<minimax:tool_call>",)
     close_marker = "</minimax:tool_call>"
+    marker_texts = ("<minimax:tool_call>", "</minimax:tool_call>")
 
     def _region(self) -> _Region:
         return _TagRegion(("<minimax:tool_call>",), "</minimax:tool_call>", _minimax_calls(self.tools))
@@ -806,6 +810,7 @@ class Glm45ToolParser(ToolParser):
     name = "glm45"
     anywhere_markers = ("<tool_call>",)
     close_marker = "</tool_call>"
+    marker_texts = ("<tool_call>", "</tool_call>")
 
     def _region(self) -> _Region:
         return _TagRegion(("<tool_call>",), "</tool_call>", _glm_call(self.tools))
@@ -855,6 +860,7 @@ class GraniteToolParser(ToolParser):
 
     name = "granite"
     start_markers = ("<|tool_call|>", "<tool_call>", "[")
+    marker_texts = ("<|tool_call|>", "<tool_call>")
 
     def _region(self) -> _Region:
         return _GraniteRegion()

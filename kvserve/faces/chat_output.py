@@ -12,16 +12,24 @@ The text goes through two stages:
 A continued assistant message (``prefill``, e.g. ``"<tool_call>\\n"`` in seed 000 Example 13)
 is part of the text the parsers see, but only newly generated text is returned as content,
 as llama-server does.
+
+Preserved tokens (:func:`preserved_token_ids`): the markers the active parsers read
+(``ToolParser.marker_texts``, :func:`kvserve.chat.reasoning.reasoning_marker_texts`) that are one
+control token of the vocabulary are rendered as text by the detokenizer while other control
+tokens stay hidden (llama-server's ``preserved_tokens``). The parsers consume them; a marker no
+parser consumes (malformed or unexpected output) stays in ``content`` as its text, as in
+llama-server and in vLLM with ``skip_special_tokens=False``.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from kvserve.chat.reasoning import ReasoningStreamer, split_reasoning
 from kvserve.chat.tool_calls import get_tool_parser
 
-__all__ = ["ChoiceOutput", "OutputMode"]
+__all__ = ["ChoiceOutput", "OutputMode", "marker_texts", "preserved_token_ids"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,43 @@ class OutputMode:
     def active(self) -> bool:
         """False when the text is returned as it is (plain content)."""
         return self.tool_parser is not None or self.splits_reasoning
+
+
+def marker_texts(mode: OutputMode) -> tuple[str, ...]:
+    """The marker texts the mode's tool-call and reasoning parsers read (sorted, unique)."""
+    from kvserve.chat.reasoning import reasoning_marker_texts
+    from kvserve.chat.tool_calls import TOOL_PARSERS
+
+    texts: set[str] = set(reasoning_marker_texts(mode.reasoning_style))
+    cls = TOOL_PARSERS.get(mode.tool_parser) if mode.tool_parser is not None else None
+    if cls is not None:
+        texts.update(cls.marker_texts, cls.anywhere_markers, cls.start_markers)
+        if cls.close_marker:
+            texts.add(cls.close_marker)
+    return tuple(sorted(texts))
+
+
+@functools.lru_cache(maxsize=256)
+def _control_ids(tokenizer, texts: tuple[str, ...]) -> frozenset[int]:
+    out = set()
+    for t in texts:
+        ids = tokenizer.encode(t, add_special=False, parse_special=True)
+        if len(ids) == 1 and tokenizer.is_control(ids[0]):
+            out.add(ids[0])
+    return frozenset(out)
+
+
+def preserved_token_ids(tokenizer, mode: OutputMode) -> frozenset[int]:
+    """Token ids the detokenizer renders for this mode although they are control tokens.
+
+    A marker counts when it tokenizes (special tokens parsed) to exactly one token and that
+    token is a control token; markers of several tokens or of user-defined/normal tokens are
+    rendered anyway (llama-server ``params_from_json_cmpl``: ``preserved_tokens`` with one
+    token only). Empty when the mode parses nothing. Cached per (tokenizer, marker set).
+    """
+    if not mode.active:
+        return frozenset()
+    return _control_ids(tokenizer, marker_texts(mode))
 
 
 class ChoiceOutput:

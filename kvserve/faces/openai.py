@@ -68,7 +68,7 @@ from kvserve.engine.request import (
     TokenLogprob,
 )
 from kvserve.faces.chat_features import chat_features, constraint_factory
-from kvserve.faces.chat_output import ChoiceOutput, OutputMode
+from kvserve.faces.chat_output import ChoiceOutput, OutputMode, preserved_token_ids
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import error_response, json_response, read_json
 from kvserve.faces.llama import ProgressEvents
@@ -335,6 +335,7 @@ def chat_plan(state: Runner, body: dict) -> Plan:
 
         spec = ConstraintSpec("grammar", feats.tool_grammar)
     mode = feats.output_mode(text, prefill)
+    params = _special_tokens(body, params, preserved_token_ids(state.tokenizer, mode))
     make = constraint_factory(state, spec, prefill, mode, feats.thinking_budget)
     rid = _rand_id("chatcmpl-")
     reqs = _engine_requests(state, body, rid, [ids], params, n, make)
@@ -343,6 +344,19 @@ def chat_plan(state: Runner, body: dict) -> Plan:
                 (top or 0) if logprobs else None, mode=mode, grammar=_grammar_text(state, spec), prompt_logprobs=plp,
                 role=_response_role(state, msgs, add_gen is not False and not continues_final_message(msgs, cont)),
                 token_ids=_token_ids_field(state, body))
+
+
+def _special_tokens(body: dict, params: SamplingParams, preserved: frozenset[int] = frozenset()) -> SamplingParams:
+    """vLLM's ``skip_special_tokens`` (default true; false renders every control token) and
+    ``spaces_between_special_tokens`` (accepted, no effect) fields, and the chat parsers'
+    preserved control tokens (:func:`kvserve.faces.chat_output.preserved_token_ids`); 400 on a
+    non-boolean."""
+    skip = get_bool(body, "skip_special_tokens", True)
+    spaces = get_bool(body, "spaces_between_special_tokens", True)
+    if skip and spaces and not preserved:
+        return params
+    return dataclasses.replace(params, skip_special_tokens=skip, spaces_between_special_tokens=spaces,
+                               preserved_token_ids=preserved)
 
 
 def _check_chat_fits(state: Runner, body: dict) -> None:
@@ -437,6 +451,7 @@ def completion_plan(state: Runner, body: dict) -> Plan:
         if echo:  # prompt logprobs need logits at every prompt position: no prefix reuse
             params = dataclasses.replace(params, prompt_logprobs=max(logprobs, 1), cache_prompt=False)
     params = _with_prompt_logprobs(params, plp)
+    params = _special_tokens(body, params)
     rid = _rand_id("cmpl-")
     spec = _constraint_spec(body)
     make = constraint_factory(state, spec, "", OutputMode(), -1) if spec is not None else None
