@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 
-from kvserve.errors import NotFoundError
+from kvserve.errors import NotFoundError, UnavailableError
 from kvserve.faces.errors import ApiError
 from kvserve.faces.params import check_text, type_error
 from kvserve.faces.sse import ClientDisconnected
@@ -100,6 +100,65 @@ async def serve_model(state: ServerState, name: str | None, keep_alive: float | 
         return LeasedResponse(response, lease)
     lease.release()
     return response
+
+
+class _RenderLease:
+    """A hold on a runner that is already loaded, taken without the manager's queue, keep_alive
+    or expiry: the runner is not evicted while held, and on release its expiry is the one it
+    had (idle before), or the timer its other requests' end starts (busy before)."""
+
+    def __init__(self, manager, entry):
+        self._manager = manager
+        self._entry = entry
+        self._expires_at = entry.expires_at
+        self._was_busy = entry.ref_count > 0
+        entry.ref_count += 1
+        entry.expires_at = None  # not expired by the reaper while held
+        self.runner = entry.runner
+        self._released = False
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        e = self._entry
+        e.ref_count -= 1
+        if e.ref_count == 0:
+            if self._was_busy:  # the requests it overlapped ended meanwhile: their timer starts now
+                self._manager._idle(e)
+                return
+            e.expires_at = self._expires_at  # as before: the render did not count as use
+        self._manager._notify()
+
+
+async def serve_loaded(state: ServerState, name: str | None,
+                       handler: Callable[[Runner], Awaitable[Response]]) -> Response:
+    """Run ``handler(runner)`` on the runner of ``name`` only when it is loaded already: never
+    loads, unloads or wakes a model, takes no place in the manager's queue, and leaves the
+    runner's keep_alive and expiry as they were (the render endpoints that ``vllm-router`` calls
+    on every replica for every request; a body's ``keep_alive`` is not read). ``handler`` must
+    answer a plain (non-streaming) response.
+
+    Raises:
+        NotFoundError: an unknown name (``model 'x' not found``).
+        UnavailableError 503: ``Loading model`` while it loads; ``model 'x' is not loaded`` when
+            it is not loaded (also a ``-m`` model asleep by ``--sleep-idle-seconds``).
+        whatever the handler raises (the hold is released first).
+    """
+    state.require_up()
+    spec = state.resolve(name)
+    manager = state.manager
+    e = manager.get(spec.name)
+    if e is not None and e.runner is None and not e.closing:
+        raise UnavailableError("Loading model")
+    if e is None or e.closing:
+        raise UnavailableError(f"model '{spec.name[:256]}' is not loaded")
+    lease = _RenderLease(manager, e)
+    try:
+        lease.runner.require_ready()
+        return await handler(lease.runner)
+    finally:
+        lease.release()
 
 
 async def _acquire_watching(http: HttpRequest, state: ServerState, name: str | None,
@@ -225,4 +284,4 @@ def model_json(state: ServerState, model_id: str) -> dict:
 
 
 __all__ = ["ApiError", "LeasedResponse", "keep_alive_field", "model_entry", "model_field", "model_json",
-           "models_json", "serve_model"]
+           "models_json", "serve_loaded", "serve_model"]

@@ -39,7 +39,11 @@ This module answers the two the router asks that no other face has:
   chat template, ``truncate_prompt_tokens``, FIM ``suffix``), so the router's tree and each
   replica's prefix cache agree. Errors are the OpenAI face's (same checks, same texts).
   Answering render saves the router one round trip per worker and request (the 404, then
-  ``/tokenize``).
+  ``/tokenize``). Since the router sends every client body to every worker, a render never
+  loads, unloads or wakes a model and ignores ``keep_alive`` (the runner's expiry stays as it
+  was): a model that is not loaded answers 503 ``model 'x' is not loaded`` at once (503 rather
+  than 404, which would send the router to ``/tokenize``, which loads), and the router routes
+  that request without this worker's prefix decision (:func:`kvserve.faces.models.serve_loaded`).
 * ``GET /get_load`` (``{"load": N}``, SGLang's shape as the router reads it) and vLLM's
   ``GET /load`` (``{"server_load": N}``, vLLM's ``--enable-server-load-tracking`` shape, here
   always on): N = requests in the engines (running, queued, waiting for a slot) plus requests
@@ -61,7 +65,7 @@ from starlette.responses import Response
 
 from kvserve.engine.request import SEED_RANDOM, Request, SamplingParams
 from kvserve.faces.http import json_response, read_json
-from kvserve.faces.models import keep_alive_field, model_field, serve_model
+from kvserve.faces.models import model_field, serve_loaded
 from kvserve.serving.runner import Runner
 from kvserve.serving.state import ServerState
 
@@ -153,7 +157,7 @@ async def _render(state: ServerState, http: HttpRequest, chat: bool) -> Response
         out = [generate_request(r, plan.model, body) for r in firsts]
         return json_response(out[0] if chat else out)
 
-    return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
+    return await serve_loaded(state, model_field(body), run)
 
 
 def build_router(state: ServerState) -> APIRouter:

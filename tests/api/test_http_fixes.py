@@ -1,0 +1,72 @@
+"""Review fixes of the HTTP features (session 22, "fixhttp"): the render endpoints never load,
+unload or touch a model's keep_alive; render / completions bounds; -v request-log escaping and
+key masking; ``return_progress`` sends the chat role once; ``--cors-origins ''``,
+``--response-role ''``, ``Vary: Origin``; ``/slots`` while the model sleeps.
+
+Servers: the tiny random model (tests/tinymodel.py), 127.0.0.1, free ports, stopped by pid."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import httpx
+import pytest
+import tinymodel
+from servers import spawn
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+    """A server with no ``-m``: two tiny GGUF files named by path (``--allow-model-paths``)."""
+    d = tmp_path_factory.mktemp("fixhttp")
+    a = str(tinymodel.write_tiny_gguf(d / "a.gguf"))
+    b = str(tinymodel.write_tiny_gguf(d / "b.gguf"))
+    home = d / "home"
+    home.mkdir()
+    srv = spawn("", ("--allow-model-paths", "-t", "1", "-c", "512"), d, {"KVSERVE_HOME": str(home)})
+    try:
+        srv.wait_ready()
+        yield srv, a, b
+    finally:
+        srv.stop()
+
+
+def _ps(base: str) -> dict[str, str]:
+    return {m["name"]: m["expires_at"] for m in httpx.get(base + "/api/ps").json()["models"]}
+
+
+def _t(go_time: str) -> float:
+    """Seconds of a Go time (``2026-12-01T23:02:10.534410389Z``; nanoseconds cut to micro)."""
+    head, _, frac = go_time.rstrip("Z").partition(".")
+    return datetime.datetime.fromisoformat(head + "+00:00").timestamp() + float("0." + (frac or "0"))
+
+
+def test_render_never_loads_unloads_or_changes_keep_alive(multi):
+    srv, a, b = multi
+    base = srv.base_url
+    msgs = [{"role": "user", "content": "hi"}]
+    # b is not loaded: 503 at once, and it stays unloaded
+    t0 = time.monotonic()
+    r = httpx.post(base + "/v1/chat/completions/render", json={"model": b, "messages": msgs}, timeout=30)
+    assert time.monotonic() - t0 < 2.0
+    assert r.status_code == 503
+    assert r.json()["error"]["message"] == f"model '{b}' is not loaded"
+    r = httpx.post(base + "/v1/completions/render", json={"model": b, "prompt": "ab"}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["message"] == f"model '{b}' is not loaded"
+    assert b not in _ps(base)
+    # a loaded for 10 minutes: a render with keep_alive 0 or 1h neither unloads it nor moves its expiry
+    r = httpx.post(base + "/v1/completions", json={"model": a, "prompt": "ab", "max_tokens": 1, "keep_alive": "10m"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    before = _t(_ps(base)[a])
+    for ka in (0, "1h"):
+        r = httpx.post(base + "/v1/completions/render", json={"model": a, "prompt": "ab", "keep_alive": ka}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert [x["token_ids"] for x in r.json()] == [[100, 101]]
+        r = httpx.post(base + "/v1/chat/completions/render", json={"model": a, "messages": msgs, "keep_alive": ka},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+    ps = _ps(base)
+    assert a in ps and b not in ps
+    assert abs(_t(ps[a]) - before) < 1.0
