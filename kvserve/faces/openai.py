@@ -115,6 +115,10 @@ __all__ = ["build_router", "router"]
 
 _ALNUM = string.ascii_letters + string.digits
 _MAX_N = 128
+# prompts x n of one completions request (and of its render): each is an engine request. OpenAI's
+# legacy completions take at most 2,048 prompts (as its embeddings' inputs); vLLM and llama-server
+# set no bound, so 200,000 one-token prompts ran for minutes. Split larger batches.
+MAX_ENGINE_REQUESTS = 2048
 _LOGPROB_FLOOR = -9999.0  # OpenAI/vLLM's stand-in for -inf (JSON has no infinities)
 
 
@@ -425,12 +429,36 @@ def _prompt_list(state: Runner, prompt, *, check_fits: bool = True, add_special:
     return [one(prompt)]  # one prompt of token ids, possibly mixed with strings
 
 
-def completion_plan(state: Runner, body: dict) -> Plan:
-    """Parse a legacy completion request (raises ApiError 400 on bad fields)."""
+def _prompt_count(prompt) -> int:
+    """How many prompts ``prompt`` holds (as :func:`_prompt_list` splits it), before tokenizing."""
+    if isinstance(prompt, list) and (any(isinstance(p, list) for p in prompt) or all(isinstance(p, str) for p in prompt)):
+        return len(prompt)
+    return 1
+
+
+def check_request_count(n_prompts: int, n: int) -> None:
+    """Refuse more than :data:`MAX_ENGINE_REQUESTS` prompts x ``n`` in one request.
+
+    Raises:
+        ApiError 400: ``Field 'prompt': 5000 prompts x n 128 = 640000 completions, more than 2048
+            per request (split the request)``.
+    """
+    if n_prompts * n > MAX_ENGINE_REQUESTS:
+        raise ApiError(400, f"Field 'prompt': {n_prompts} prompts x n {n} = {n_prompts * n} completions, "
+                            f"more than {MAX_ENGINE_REQUESTS} per request (split the request)")
+
+
+def completion_plan(state: Runner, body: dict, *, render: bool = False) -> Plan:
+    """Parse a legacy completion request (raises ApiError 400 on bad fields). ``render``: plan one
+    request per prompt (``/v1/completions/render``: ``n`` does not change the ids; the bound of
+    :func:`check_request_count` still counts it)."""
     state.require_ready()
     suffix = get_str(body, "suffix")
     stream, include_usage = _stream_flags(body, bool(getattr(state.args, "enable_force_include_usage", False)))
     n = _n_choices(body)
+    check_request_count(_prompt_count(body.get("prompt")), n)
+    if render:
+        n = 1
     echo = get_bool(body, "echo", False)
     logprobs = _top_n(state, body, "logprobs")
     truncate = _truncate_field(state, body)

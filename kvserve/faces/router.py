@@ -152,7 +152,11 @@ async def _render(state: ServerState, http: HttpRequest, chat: bool) -> Response
     async def run(runner: Runner) -> Response:
         # the same plan the OpenAI face runs: the same ids, checks and error texts (raised to
         # the app's handlers, which write the envelope)
-        plan = await asyncio.to_thread(chat_plan if chat else completion_plan, runner, body)
+        # (completions: one request per prompt whatever n is, n still counted in the bound)
+        if chat:
+            plan = await asyncio.to_thread(chat_plan, runner, body)
+        else:
+            plan = await asyncio.to_thread(completion_plan, runner, body, render=True)
         firsts = plan.requests[::plan.n]  # prompt-major: one per prompt
         out = [generate_request(r, plan.model, body) for r in firsts]
         return json_response(out[0] if chat else out)

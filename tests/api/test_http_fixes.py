@@ -70,3 +70,24 @@ def test_render_never_loads_unloads_or_changes_keep_alive(multi):
     ps = _ps(base)
     assert a in ps and b not in ps
     assert abs(_t(ps[a]) - before) < 1.0
+
+
+def test_completion_request_count_bound(multi):
+    srv, a, _ = multi
+    base = srv.base_url
+    httpx.post(base + "/v1/completions", json={"model": a, "prompt": "ab", "max_tokens": 1}, timeout=60)
+    msg = ("Field 'prompt': 5000 prompts x n 128 = 640000 completions, more than 2048 per request "
+           "(split the request)")
+    for path in ("/v1/completions/render", "/v1/completions"):
+        t0 = time.monotonic()
+        r = httpx.post(base + path, json={"model": a, "prompt": ["x"] * 5000, "n": 128, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"] == msg
+        r = httpx.post(base + path, json={"model": a, "prompt": [[5]] * 200000, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == ("Field 'prompt': 200000 prompts x n 1 = 200000 completions, "
+                                                "more than 2048 per request (split the request)")
+        assert time.monotonic() - t0 < 5.0
+    # at the bound: render plans one request per prompt (n does not change the ids)
+    r = httpx.post(base + "/v1/completions/render", json={"model": a, "prompt": ["ab"] * 16, "n": 128}, timeout=60)
+    assert r.status_code == 200
+    assert [x["token_ids"] for x in r.json()] == [[100, 101]] * 16
