@@ -153,7 +153,9 @@ def _normalize_tool_calls(calls: Any, i: int, parse_arguments: bool = True) -> l
         if isinstance(args, str):
             try:
                 parsed = json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):
+                # RecursionError: nesting deeper than the interpreter's stack (e.g. "["*3000);
+                # ValueError also covers integers over Python's 4300-digit conversion limit
                 parsed = None
             if not isinstance(parsed, dict):
                 # llama.cpp refuses these too: a template would print them as raw text

@@ -165,6 +165,19 @@ def test_tool_call_arguments_must_be_a_json_object():
     assert msgs[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
 
 
+@pytest.mark.parametrize("args", ["[" * 3000 + "]" * 3000, '{"a": ' + "[" * 3000 + "]" * 3000 + "}",
+                                  '{"a": ' + "1" * 5000 + "}"])
+def test_tool_call_arguments_too_deep_or_too_long_are_a_400(args):
+    # nesting past the interpreter's stack (RecursionError) and a >4300-digit integer (ValueError)
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": args}}
+    with pytest.raises(InvalidInputError) as e:
+        normalize_messages([{"role": "user", "content": "x"},
+                            {"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert ApiError.from_exception(e.value).status == 400
+    assert str(e.value) == ("messages[1].tool_calls[0].function.arguments: expected a JSON object "
+                            f"(as a string or an object), got {args[:80]!r}")
+
+
 def test_final_assistant_turn_with_tool_calls_is_not_continued():
     from kvserve.chat.prompt import continues_final_message
 
