@@ -17,9 +17,19 @@ vLLM's rules, as its ``vllm/v1/core/kv_cache_utils.py`` and ``gpu_worker.py`` ap
   override too small for one request (vLLM does not check it and fails later);
 * the log: ``Available KV cache memory: 5.26 GiB`` (with a budget) and ``GPU KV cache size:
   43,056 tokens, Maximum concurrency for 32,768 tokens per request: 1.31x`` where the tokens are
-  ``int(concurrency * max_model_len)`` and the concurrency ``num_blocks / cdiv(max_model_len,
-  block_size)``. kvserve says ``CPU KV cache size`` on the CPU (vLLM's CPU backend prints
-  ``GPU`` there too).
+  ``num_blocks * block_size`` and the concurrency ``tokens / max_model_len`` (seed 002 Example
+  3). kvserve says ``CPU KV cache size`` on the CPU (vLLM's CPU backend prints ``GPU`` there too).
+
+kvserve's own limits on a budget (not vLLM's):
+
+* the pool never holds more blocks than the server can use at once: ``n_slots`` (``-np`` /
+  ``--max-num-seqs``) sequences of ``cdiv(max_model_len, block_size)`` blocks. A larger budget
+  is capped to that (one log line says so and why; vLLM's lines then give the capped pool):
+  every block costs bookkeeping (about 220 bytes of host memory each) and start-up time, so
+  ``--kv-cache-memory-bytes 20G`` on a tiny model took 21 s and 1.48 GB before the cap;
+* on the CPU a budget above the machine's ``MemAvailable`` is a start-up error
+  (:class:`KVCacheMemoryError`): the pool is host memory there (vLLM refuses too little, kvserve
+  also refuses too much on the CPU).
 
 Without a budget kvserve sizes the pool as llama-server does: ``cdiv(n_ctx, block_size)`` blocks
 plus one partial block per slot (``-c`` is the total context of all slots).
@@ -90,9 +100,12 @@ class PoolPlan:
         budget_bytes: the memory budget it came from (bytes), None when sized by ``-c``/``-np``.
         source: what set it: ``--kv-cache-memory-bytes``, ``--gpu-memory-utilization``,
             ``VLLM_CPU_KVCACHE_SPACE``, ``--num-gpu-blocks-override`` or ``-c/-np``.
-        tokens: vLLM's "KV cache size" figure: ``int(concurrency * max_model_len)``.
-        concurrency: requests of ``max_model_len`` tokens that fit at once.
+        tokens: vLLM's "KV cache size" figure: ``active_blocks * block_size``.
+        concurrency: ``tokens / max_model_len``: requests of ``max_model_len`` tokens that fit at once.
         max_model_len: the longest sequence (tokens) the figures are for.
+        capped_from: the blocks the budget held before the cap to what ``n_slots`` sequences
+            can use at once (see the module docstring), None when not capped.
+        n_slots: sequences at once (the cap's figure).
     """
 
     active_blocks: int
@@ -101,10 +114,18 @@ class PoolPlan:
     tokens: int
     concurrency: float
     max_model_len: int
+    capped_from: int | None = None
+    n_slots: int = 1
 
     def lines(self, device_type: str) -> list[str]:
-        """vLLM's start-up log lines for this pool (``GPU`` on CUDA, ``CPU`` on the CPU)."""
+        """vLLM's start-up log lines for this pool (``GPU`` on CUDA, ``CPU`` on the CPU), after
+        kvserve's line when the budget was capped."""
         out = []
+        if self.capped_from is not None:
+            out.append(f"{self.source}: the budget holds {self.capped_from:,} blocks; the KV cache is capped at "
+                       f"{self.active_blocks:,} blocks ({self.n_slots} sequences of {self.max_model_len:,} tokens, "
+                       f"the most the server runs at once; more blocks would cost memory and start-up time "
+                       f"and never be used)")
         if self.budget_bytes is not None:
             out.append(f"Available KV cache memory: {format_gib(self.budget_bytes)} GiB")
         where = "CPU" if device_type == "cpu" else "GPU"
@@ -136,7 +157,8 @@ _FIX = {"--kv-cache-memory-bytes": "increasing `kv_cache_memory_bytes` or decrea
 def plan_pool(*, n_ctx: int, n_ctx_slot: int, n_slots: int, block_size: int, block_bytes: int,
               budget_bytes: int | None = None, source: str | None = None,
               num_blocks_override: int | None = None,
-              note: Callable[[int, str], None] | None = None) -> PoolPlan:
+              note: Callable[[int, str], None] | None = None,
+              mem_available: int | None = None) -> PoolPlan:
     """The pool for running sequences.
 
     Args:
@@ -147,17 +169,30 @@ def plan_pool(*, n_ctx: int, n_ctx_slot: int, n_slots: int, block_size: int, blo
             :func:`budget_source`); None: llama-server's sizing.
         num_blocks_override: ``--num-gpu-blocks-override``.
         note: ``(logging level, text)`` sink for vLLM's override line.
+        mem_available: the host's ``MemAvailable`` (bytes) where the pool is host memory (the
+            CPU); a budget above it is refused. None: not checked.
 
     Raises:
         KVCacheMemoryError: the budget (or the override) holds less than one request of
-            ``n_ctx_slot`` tokens; or a budget of 0 bytes or less. vLLM's texts.
+            ``n_ctx_slot`` tokens; or a budget of 0 bytes or less (vLLM's texts); a budget above
+            ``mem_available`` (kvserve's).
     """
     per_request = cdiv(n_ctx_slot, block_size)
+    capped_from = None
     if budget_bytes is not None:
         if budget_bytes <= 0:
             raise KVCacheMemoryError(NO_MEMORY_TEXT)
         _check_fits(budget_bytes, per_request * block_bytes, n_ctx_slot, block_size, block_bytes, source or "")
+        if mem_available is not None and budget_bytes > mem_available:
+            raise KVCacheMemoryError(
+                f"{source}: the KV cache budget ({format_gib(budget_bytes)} GiB) is larger than the memory available "
+                f"on this machine ({format_gib(mem_available)} GiB MemAvailable); on the CPU the KV cache is host "
+                f"memory. Try decreasing it (one request of {n_ctx_slot} tokens needs "
+                f"{format_gib(per_request * block_bytes)} GiB).")
         active = budget_bytes // block_bytes
+        usable = max(n_slots, 1) * per_request
+        if active > usable:
+            capped_from, active = active, usable
     else:
         active = cdiv(n_ctx, block_size) + n_slots
         source = "-c/-np"
@@ -167,8 +202,9 @@ def plan_pool(*, n_ctx: int, n_ctx_slot: int, n_slots: int, block_size: int, blo
         _check_fits(num_blocks_override * block_bytes, per_request * block_bytes, n_ctx_slot, block_size,
                     block_bytes, "--num-gpu-blocks-override")
         active, source = num_blocks_override, "--num-gpu-blocks-override"
-    concurrency = active / per_request
-    return PoolPlan(active, budget_bytes, source or "", int(concurrency * n_ctx_slot), concurrency, n_ctx_slot)
+    tokens = active * block_size
+    return PoolPlan(active, budget_bytes, source or "", tokens, tokens / n_ctx_slot, n_ctx_slot, capped_from,
+                    max(n_slots, 1))
 
 
 def _check_fits(available: int, needed: int, max_model_len: int, block_size: int, block_bytes: int,
@@ -201,7 +237,8 @@ def activation_bytes(max_num_batched_tokens: int, n_ctx_slot: int, n_slots: int,
 
 def plan_engine_pool(config, model_config, *, n_ctx: int, n_ctx_slot: int, n_slots: int, block_bytes: int,
                      device_type: str, mem_get_info: Callable[[], tuple[int, int]] | None = None,
-                     note: Callable[[int, str], None] | None = None) -> PoolPlan:
+                     note: Callable[[int, str], None] | None = None,
+                     mem_available: Callable[[], int | None] | None = None) -> PoolPlan:
     """:func:`plan_pool` for an engine: the budget from ``config``
     (:class:`~kvserve.config.EngineConfig`: ``kv_cache_memory_bytes``,
     ``gpu_memory_utilization`` on CUDA, ``cpu_kv_cache_memory_bytes`` on the CPU,
@@ -211,6 +248,8 @@ def plan_engine_pool(config, model_config, *, n_ctx: int, n_ctx_slot: int, n_slo
     Args:
         mem_get_info: ``() -> (free, total)`` device bytes (default ``torch.cuda.mem_get_info``).
         note: ``(level, text)`` sink for log lines (the override line).
+        mem_available: ``() -> bytes or None``, the host's MemAvailable (default: /proc/meminfo),
+            read on the CPU with a budget.
 
     Raises:
         KVCacheMemoryError: see :func:`plan_pool`.
@@ -234,9 +273,14 @@ def plan_engine_pool(config, model_config, *, n_ctx: int, n_ctx_slot: int, n_slo
         budget = cuda_budget_bytes(config.gpu_memory_utilization, total, free,
                                    activation_bytes(config.max_num_batched_tokens, n_ctx_slot, n_slots, c.n_embd,
                                                     c.n_ff, c.n_vocab))
+    host = None
+    if device_type == "cpu" and budget is not None:
+        if mem_available is None:
+            from kvserve.config import mem_available_bytes as mem_available
+        host = mem_available()
     return plan_pool(n_ctx=n_ctx, n_ctx_slot=n_ctx_slot, n_slots=n_slots, block_size=bs, block_bytes=block_bytes,
                      budget_bytes=budget, source=source, num_blocks_override=config.num_gpu_blocks_override,
-                     note=note)
+                     note=note, mem_available=host)
 
 
 __all__ = [

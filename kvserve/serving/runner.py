@@ -72,7 +72,8 @@ class Runner:
         generation: that merge's :class:`~kvserve.serving.generation_config.ModelDefaults`
             (where each default came from; the Ollama face layers its file values).
         build_info: the server's build string.
-        measured_bytes: the process's resident memory growth while it loaded (bytes), or 0.
+        measured_bytes: the process's resident memory growth while it loaded (bytes), plus on
+            the CPU the KV pool for running sequences (allocated, not yet written), or 0.
     """
 
     def __init__(self, args: "ServerArgs", spec: ModelSpec, engine: "AsyncEngine",
@@ -248,7 +249,10 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
          core.n_slots, core.n_ctx_slot, "true" if cfg.unified else "false")
     if args.log_verbosity >= 4:
         _srv(logging.INFO, "load_model", "prompt cache is enabled, size limit: %d MiB", core.cache_ram_mib)
-    runner = Runner(args, spec, AsyncEngine(core), template, build_info, max(rss_bytes() - before, 0))
+    grown = max(rss_bytes() - before, 0)
+    if core.device.type == "cpu":  # the KV pool is torch.empty host memory: resident only once written
+        grown += core.pool.active_blocks * core.block_bytes
+    runner = Runner(args, spec, AsyncEngine(core), template, build_info, grown)
     for level, text in runner.generation.notes:
         _srv(level, "load_model", "%s", text)
     if runner.generation.log_line():

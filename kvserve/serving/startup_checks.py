@@ -320,21 +320,26 @@ def known_kv_budget(cfg, model_config: ModelConfig) -> int | None:
     """The KV pool's bytes for running sequences that ``cfg`` fixes before loading (for the model
     manager's memory estimate): ``num_gpu_blocks_override`` blocks, ``kv_cache_memory_bytes``,
     or on the CPU ``cpu_kv_cache_memory_bytes``; None when the pool follows ``n_ctx`` or is
-    measured on CUDA (``gpu_memory_utilization``)."""
+    measured on CUDA (``gpu_memory_utilization``). A budget is capped as the pool is: to what
+    ``n_slots`` sequences of ``n_ctx_slot`` tokens use at once (:mod:`kvserve.engine.kv_budget`)."""
     import torch
 
-    from kvserve.engine.kv_budget import kv_bytes_per_token
+    from kvserve.engine.kv_budget import cdiv, kv_bytes_per_token
 
     c = model_config
     block_bytes = cfg.block_size * kv_bytes_per_token(c.n_layer, c.n_head_kv, c.head_dim, cfg.kv_dtype,
                                                       getattr(cfg, "kv_dtype_v", None) or cfg.kv_dtype)
     if cfg.num_gpu_blocks_override is not None:
         return cfg.num_gpu_blocks_override * block_bytes
+    budget = None
     if cfg.kv_cache_memory_bytes is not None:
-        return cfg.kv_cache_memory_bytes // block_bytes * block_bytes
-    if cfg.cpu_kv_cache_memory_bytes is not None and torch.device(cfg.resolve_device()).type == "cpu":
-        return cfg.cpu_kv_cache_memory_bytes // block_bytes * block_bytes
-    return None
+        budget = cfg.kv_cache_memory_bytes
+    elif cfg.cpu_kv_cache_memory_bytes is not None and torch.device(cfg.resolve_device()).type == "cpu":
+        budget = cfg.cpu_kv_cache_memory_bytes
+    if budget is None:
+        return None
+    usable = max(cfg.n_slots, 1) * cdiv(cfg.n_ctx_slot(c.n_ctx_train), cfg.block_size)
+    return min(budget // block_bytes, usable) * block_bytes
 
 
 # -- all of them ------------------------------------------------------------------------------

@@ -280,14 +280,18 @@ def test_gpu_memory_utilization_budget_on_cuda_from_free_memory():
     from kvserve.config import EngineConfig
     from kvserve.loaders.weights import ModelConfig
 
-    cfg = EngineConfig(gpu_memory_utilization=0.92, max_num_batched_tokens=2048, n_parallel=1)
+    cfg = EngineConfig(gpu_memory_utilization=0.92, max_num_batched_tokens=2048, n_parallel=4)
     mc = ModelConfig("llama", 32, 4096, 32, 8, 14336, 128256, 128, 131072)
-    activation = 4 * (2048 * (8 * 4096 + 3 * 14336) + 128256)
+    activation = 4 * (2048 * (8 * 4096 + 3 * 14336) + 4 * 128256)
     used = 15_716 * MIB
-    plan = plan_engine_pool(cfg, mc, n_ctx=131072, n_ctx_slot=32768, n_slots=1, block_bytes=2 * MIB,
+    plan = plan_engine_pool(cfg, mc, n_ctx=131072, n_ctx_slot=32768, n_slots=4, block_bytes=2 * MIB,
                             device_type="cuda", mem_get_info=lambda: (24_564 * MIB - used, 24_564 * MIB))
     assert plan.budget_bytes == int(24_564 * MIB * 0.92) - used - activation
-    assert plan.active_blocks == plan.budget_bytes // (2 * MIB)
+    assert plan.active_blocks == plan.budget_bytes // (2 * MIB) == 3144  # below 4 x 2048: not capped
+    assert plan.capped_from is None
+    one = plan_engine_pool(cfg, mc, n_ctx=131072, n_ctx_slot=32768, n_slots=1, block_bytes=2 * MIB,
+                           device_type="cuda", mem_get_info=lambda: (24_564 * MIB - used, 24_564 * MIB))
+    assert (one.active_blocks, one.capped_from) == (2048, 3145)  # one sequence uses 2048 blocks at most
     assert plan.source == "--gpu-memory-utilization"
     cpu = plan_engine_pool(cfg, mc, n_ctx=131072, n_ctx_slot=32768, n_slots=1, block_bytes=2 * MIB,
                            device_type="cpu")  # no effect on the CPU: llama-server's sizing
@@ -514,11 +518,85 @@ def test_engine_core_sizes_its_pool_from_cuda_free_memory(monkeypatch, caplog):
     act = 4 * (128 * (8 * mc.n_embd + 3 * mc.n_ff) + 2 * mc.n_vocab)
     budget = 50 * MIB - 40 * MIB - act
     assert core.pool.budget_bytes == budget
-    assert core.kv.num_blocks == 1 + budget // core.block_bytes
+    assert budget // core.block_bytes == 20391
+    assert core.kv.num_blocks == 1 + 2 * 8  # capped: 2 sequences of 128 tokens (8 blocks each)
     assert f"Available KV cache memory: {round(budget / GIB, 2)} GiB" in _messages(caplog)
-    assert any(m.startswith("GPU KV cache size: ") for m in _messages(caplog))
+    assert ("--gpu-memory-utilization: the budget holds 20,391 blocks; the KV cache is capped at 16 blocks "
+            "(2 sequences of 128 tokens, the most the server runs at once; more blocks would cost memory and "
+            "start-up time and never be used)") in _messages(caplog)
+    assert "GPU KV cache size: 256 tokens, Maximum concurrency for 128 tokens per request: 2.00x" in _messages(caplog)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * MIB, 100 * MIB))
     with pytest.raises(KVCacheMemoryError) as e:  # nothing left: vLLM's other message
         fake_engine_core(n_ctx=256, n_parallel=2, device="cuda", gpu_memory_utilization=0.5)
     assert str(e.value) == ("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
                             "initializing the engine.")
+
+
+# -- kvserve's limits on a budget: the cap to what the slots use, MemAvailable on the CPU ------------
+
+def test_kv_cache_size_is_blocks_times_block_size():
+    """Example 3's figures: tokens = blocks x block_size, concurrency = tokens / max_model_len (also
+    when max_model_len is not a multiple of the block size)."""
+    plan = plan_pool(n_ctx=1, n_ctx_slot=1, n_slots=64, block_size=16, block_bytes=1024, budget_bytes=36 * 1024,
+                     source="--kv-cache-memory-bytes")
+    assert (plan.active_blocks, plan.tokens, plan.concurrency) == (36, 576, 576.0)
+    assert plan.lines("cpu")[-1] == "CPU KV cache size: 576 tokens, Maximum concurrency for 1 tokens per request: 576.00x"
+    plan = plan_pool(n_ctx=1000, n_ctx_slot=1000, n_slots=4, block_size=16, block_bytes=1024,
+                     budget_bytes=100 * 1024, source="--kv-cache-memory-bytes")
+    assert plan.lines("cuda")[-1] == ("GPU KV cache size: 1,600 tokens, Maximum concurrency for 1,000 tokens per "
+                                      "request: 1.60x")
+
+
+def test_a_budget_larger_than_the_slots_use_is_capped():
+    plan = plan_pool(n_ctx=512, n_ctx_slot=256, n_slots=2, block_size=16, block_bytes=4096,
+                     budget_bytes=20 * GIB, source="--kv-cache-memory-bytes")
+    assert (plan.active_blocks, plan.capped_from, plan.tokens) == (32, 5242880, 512)
+    assert plan.lines("cpu") == [
+        "--kv-cache-memory-bytes: the budget holds 5,242,880 blocks; the KV cache is capped at 32 blocks (2 sequences "
+        "of 256 tokens, the most the server runs at once; more blocks would cost memory and start-up time and never "
+        "be used)",
+        "Available KV cache memory: 20.0 GiB",
+        "CPU KV cache size: 512 tokens, Maximum concurrency for 256 tokens per request: 2.00x"]
+
+
+def test_a_cpu_budget_above_mem_available_is_refused():
+    from kvserve.config import EngineConfig
+    from kvserve.loaders.weights import ModelConfig
+
+    mc = ModelConfig("llama", 2, 64, 4, 2, 128, 301, 16, 512)
+    cfg = EngineConfig(kv_cache_memory_bytes=20 * GIB, n_parallel=2, n_ctx=512)
+    with pytest.raises(KVCacheMemoryError) as e:
+        plan_engine_pool(cfg, mc, n_ctx=512, n_ctx_slot=256, n_slots=2, block_bytes=4096, device_type="cpu",
+                         mem_available=lambda: 8 * GIB)
+    assert str(e.value) == ("--kv-cache-memory-bytes: the KV cache budget (20.0 GiB) is larger than the memory "
+                            "available on this machine (8.0 GiB MemAvailable); on the CPU the KV cache is host "
+                            "memory. Try decreasing it (one request of 256 tokens needs 0.0 GiB).")
+    # on CUDA the device's memory is not MemAvailable's
+    plan = plan_engine_pool(cfg, mc, n_ctx=512, n_ctx_slot=256, n_slots=2, block_bytes=4096, device_type="cuda",
+                            mem_available=lambda: 8 * GIB)
+    assert plan.active_blocks == 32
+
+
+def test_a_huge_budget_on_the_tiny_model_starts_capped_and_counts_the_pool(tiny_gguf, caplog):
+    caplog.set_level(logging.INFO)
+    runner = _start(["-c", "512", "-np", "2", "--kv-cache-memory-bytes", "1G"], tiny_gguf)
+    try:
+        core = runner.engine.core
+        assert (core.pool.active_blocks, core.kv.num_blocks) == (32, 1 + 32)
+        assert runner.measured_bytes >= 32 * core.block_bytes
+    finally:
+        runner.close()
+    msgs = _messages(caplog)
+    assert any(m.startswith("--kv-cache-memory-bytes: the budget holds ") and "capped at 32 blocks" in m for m in msgs)
+    assert "CPU KV cache size: 512 tokens, Maximum concurrency for 256 tokens per request: 2.00x" in msgs
+
+
+def test_known_kv_budget_is_capped_as_the_pool_is(tiny_gguf):
+    from kvserve.serving.runner import model_shape
+    from kvserve.serving.startup_checks import known_kv_budget
+
+    cfg = parse_args(["-c", "512", "-np", "2", "--kv-cache-memory-bytes", "1G"], environ={}).engine_config()
+    mc = model_shape(tiny_gguf)[0]
+    block_bytes = 16 * 2 * mc.n_layer * mc.n_head_kv * mc.head_dim * 2  # f16 K and V
+    assert known_kv_budget(cfg, mc) == 32 * block_bytes
+
