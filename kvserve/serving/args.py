@@ -124,6 +124,7 @@ class ServerArgs:
     cpu_kvcache_space_bytes: int | None = None  # VLLM_CPU_KVCACHE_SPACE (GiB) in bytes: the CPU's KV budget
     allow_long_max_model_len: bool = False  # VLLM_ALLOW_LONG_MAX_MODEL_LEN=1: --max-model-len may exceed the model's
     vllm_batch_limits: bool = False  # --max-num-seqs/--max-num-batched-tokens given: vLLM's checks apply
+    max_num_seqs: int | None = None  # --max-num-seqs as typed (vLLM's checks name it; -np wins for the slots)
     kv_cache_dtype: str = "auto"
     generation_config: str = "auto"
     override_generation_config: dict = field(default_factory=dict)
@@ -460,7 +461,8 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
     if vllm_batch:  # vLLM's SchedulerConfig check (002 Example 4)
         from kvserve.serving.startup_checks import batch_error
 
-        problem = batch_error(batch, 4 if parallel == -1 else parallel)
+        seqs = v["max_num_seqs"] if "max_num_seqs" in given else parallel  # the value the user typed
+        problem = batch_error(batch, 4 if seqs == -1 else seqs)
         if problem:
             raise _Exit(problem)
     cpu_kv_bytes = _cpu_kvcache_space(p, env)
@@ -560,6 +562,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         gpu_memory_utilization=v["gpu_memory_utilization"] if "gpu_memory_utilization" in given else None,
         kv_cache_memory_bytes=v["kv_cache_memory_bytes"], num_gpu_blocks_override=v["num_gpu_blocks_override"],
         cpu_kvcache_space_bytes=cpu_kv_bytes, allow_long_max_model_len=allow_long, vllm_batch_limits=vllm_batch,
+        max_num_seqs=v["max_num_seqs"] if "max_num_seqs" in given else None,
         kv_cache_dtype=v["kv_cache_dtype"], generation_config=v["generation_config"],
         override_generation_config=dict(v["override_generation_config"] or {}), quantization=v["quantization"],
         tensor_parallel_size=v["tensor_parallel_size"], pipeline_parallel_size=v["pipeline_parallel_size"],

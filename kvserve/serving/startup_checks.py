@@ -377,7 +377,8 @@ def run_startup_checks(args, path: str, cfg) -> list[tuple[int, str]]:
                           "training context overflow")))
     n_ctx_slot = cfg.n_ctx_slot(n_ctx_train)
     if getattr(args, "vllm_batch_limits", False):
-        warning = batch_warning(cfg.max_num_batched_tokens, cfg.n_slots, n_ctx_slot)
+        seqs = getattr(args, "max_num_seqs", None) or cfg.n_slots  # the value the user typed, when typed
+        warning = batch_warning(cfg.max_num_batched_tokens, seqs, n_ctx_slot)
         if warning:
             notes.append((logging.WARNING, warning))
     if device_type == "cpu" and getattr(args, "gpu_memory_utilization", None) is not None \

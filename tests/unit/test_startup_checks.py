@@ -600,3 +600,11 @@ def test_known_kv_budget_is_capped_as_the_pool_is(tiny_gguf):
     block_bytes = 16 * 2 * mc.n_layer * mc.n_head_kv * mc.head_dim * 2  # f16 K and V
     assert known_kv_budget(cfg, mc) == 32 * block_bytes
 
+
+def test_the_batch_warning_names_the_max_num_seqs_typed(tiny_long_gguf, caplog):
+    caplog.set_level(logging.INFO)
+    runner = _start(["-np", "1", "--max-model-len", "4096", "--max-num-seqs", "3",
+                     "--max-num-batched-tokens", "16384"], tiny_long_gguf)
+    runner.close()
+    assert ("max_num_batched_tokens (16384) exceeds max_num_seqs * max_model_len (12288). This may lead to "
+            "unexpected behavior.") in _messages(caplog)
