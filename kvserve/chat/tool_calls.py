@@ -127,15 +127,38 @@ class _Obj(list):
 
 
 def _loads(text: str) -> object:
-    return json.loads(text, object_pairs_hook=_Obj)
+    """``json.loads`` with objects as :class:`_Obj`; raises ValueError on anything it rejects,
+    also on nesting deeper than the interpreter's stack (RecursionError there) and on integers
+    over Python's 4300-digit conversion limit (a ValueError already)."""
+    try:
+        return json.loads(text, object_pairs_hook=_Obj)
+    except RecursionError as e:
+        raise ValueError("JSON nested too deeply") from e
+
+
+def _json_loads(text: str) -> object:
+    """Plain ``json.loads``; raises ValueError on anything it rejects, also on nesting deeper than
+    the interpreter's stack (a RecursionError there)."""
+    try:
+        return json.loads(text)
+    except RecursionError as e:
+        raise ValueError("JSON nested too deeply") from e
 
 
 def _dump(value: object) -> str:
-    """Serialize a :func:`_loads` value exactly as ``json.dumps(v, ensure_ascii=False)`` would."""
+    """Serialize a :func:`_loads` value exactly as ``json.dumps(v, ensure_ascii=False)`` would;
+    raises _Malformed when it is nested deeper than the interpreter's stack allows."""
+    try:
+        return _dump_value(value)
+    except RecursionError as e:
+        raise _Malformed("JSON nested too deeply") from e
+
+
+def _dump_value(value: object) -> str:
     if isinstance(value, _Obj):
-        return "{" + ", ".join(json.dumps(k, ensure_ascii=False) + ": " + _dump(v) for k, v in value) + "}"
+        return "{" + ", ".join(json.dumps(k, ensure_ascii=False) + ": " + _dump_value(v) for k, v in value) + "}"
     if isinstance(value, list):
-        return "[" + ", ".join(_dump(v) for v in value) + "]"
+        return "[" + ", ".join(_dump_value(v) for v in value) + "]"
     return json.dumps(value, ensure_ascii=False)
 
 
@@ -1075,7 +1098,7 @@ class ToolCallStreamer:
         self._region_text.append(text)
         try:
             return self._fragments(self._region.feed(text))
-        except _Malformed:
+        except (_Malformed, RecursionError):  # RecursionError: a value nested past the stack
             return self._fail()
 
     def _fail(self) -> list[dict]:
@@ -1131,7 +1154,7 @@ class ToolCallStreamer:
         assert self._region is not None
         try:
             return self._fragments(self._region.finish())
-        except _Malformed:
+        except (_Malformed, RecursionError):
             self._mode = "region"
             out = self._fail()
             self._mode = "done"

@@ -103,6 +103,7 @@ from kvserve.chat.tool_calls import (
     _Event,
     _HermesRegion,
     _jsonable,
+    _json_loads,
     _loads,
     _Malformed,
     _Obj,
@@ -217,7 +218,7 @@ def convert_param_value(value: str, name: str, props: dict) -> object:
     container = ptype in ("object", "array", "arr") or ptype.startswith(("dict", "list"))
     if container:
         try:
-            v = json.loads(value)
+            v = _json_loads(value)
         except ValueError:
             pass
         else:
@@ -458,7 +459,7 @@ def _glm_value(value: str, string: bool) -> object:
     if string:
         return value
     try:
-        return json.loads(value)
+        return _json_loads(value)
     except ValueError:
         pass
     ok, v = _literal(value)
@@ -621,11 +622,11 @@ def minimax_value(value: str, types: list[str]) -> object:
                 return False
             continue
         try:
-            return json.loads(value)
+            return _json_loads(value)
         except ValueError:
             continue
     try:
-        return json.loads(value)
+        return _json_loads(value)
     except ValueError:
         return value
 

@@ -1,0 +1,75 @@
+"""Parser and template hardening (review findings): deeply nested JSON in model output takes the
+parser's malformed path, streamed and whole results agree, streams stay linear."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+
+from kvserve.chat.tool_calls import get_tool_parser
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "arr": {"type": "array"}}}}}]
+
+DEEP = "[" * 5000 + "]" * 5000
+
+
+def _ids():
+    c = itertools.count()
+    return lambda: f"call_{next(c)}"
+
+
+def _extract(name: str, text: str):
+    r = get_tool_parser(name, _ids(), TOOLS).extract(text)
+    return r.content, [(c.name, c.arguments) for c in r.calls]
+
+
+def _stream(name: str, text: str, chunk: int = 50):
+    s = get_tool_parser(name, _ids(), TOOLS).stream()
+    frags = [f for i in range(0, len(text), chunk) for f in s.feed(text[i:i + chunk])] + s.finish()
+    content = "".join(f.get("content", "") for f in frags)
+    calls: list[list[str]] = []
+    for f in frags:
+        for tc in f.get("tool_calls", []):
+            if "id" in tc:
+                calls.append([tc["function"]["name"], tc["function"]["arguments"]])
+            else:
+                calls[tc["index"]][1] += tc["function"]["arguments"]
+    return content or None, [tuple(c) for c in calls]
+
+
+@pytest.mark.parametrize("name,text", [
+    ("hermes", '<tool_call>{"name":"get_weather","arguments":{"x":' + DEEP + '}}</tool_call>'),
+    ("llama3_json", '{"name":"get_weather","parameters":{"x":' + DEEP + '}}'),
+    ("granite", '<|tool_call|>[{"name":"get_weather","arguments":{"x":' + DEEP + '}}]'),
+    ("hermes", '<tool_call>{"name":"get_weather","arguments":{"x":' + "[" * 600 + "]" * 600 + '}}</tool_call>'),
+    ("hermes", '<tool_call>{"name":"get_weather","arguments":{"x":' + "1" * 5000 + '}}</tool_call>'),
+])
+def test_deeply_nested_json_call_is_content(name, text, caplog):
+    # RecursionError (json.loads, or re-serializing 600 levels) and a >4300-digit integer: vLLM's
+    # try/except around its json.loads makes the whole text content
+    with caplog.at_level(logging.WARNING):
+        assert _extract(name, text) == (text, [])
+    assert "Error in extracting tool call from response." in caplog.text
+
+
+@pytest.mark.parametrize("name,text", [
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=arr>\n" + DEEP
+     + "\n</parameter>\n</function>\n</tool_call>"),
+    ("minimax_m2", '<minimax:tool_call><invoke name="get_weather"><parameter name="arr">' + DEEP
+     + "</parameter></invoke></minimax:tool_call>"),
+])
+def test_deeply_nested_typed_parameter_stays_text(name, text):
+    # vLLM: a value json.loads / literal_eval cannot take stays the parameter's text
+    want = (None, [("get_weather", '{"arr": "' + DEEP + '"}')])
+    assert _extract(name, text) == want
+    assert _stream(name, text) == want
+
+
+def test_deeply_nested_harmony_call_passes_as_text():
+    # vLLM's openai parser: arguments that are not JSON are sent as the text ("Error decoding JSON")
+    text = "<|channel|>commentary to=functions.get_weather<|message|>" + DEEP + "<|call|>"
+    assert _extract("openai", text) == (None, [("get_weather", DEEP)])
+    assert _stream("openai", text) == (None, [("get_weather", DEEP)])
