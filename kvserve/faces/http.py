@@ -245,27 +245,92 @@ QUIET_PATHS = frozenset({"/health", "/v1/health", "/models", "/v1/models", "/pro
 LOG_BODY_BYTES = 2048
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def log_safe(s: str) -> str:
+    """``s`` with control characters (C0, DEL, C1, U+2028/2029) escaped (``\\n``, ``\\x1b``,
+    ``\\u2028``): a decoded path such as ``/v1/models%0aFAKE``
+    cannot start a log line of its own."""
+    def esc(m: re.Match) -> str:
+        c = m.group()
+        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c) or (
+            f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+    return _CONTROL.sub(esc, s)
+
+
+#: JSON string values of these body fields are logged ``***`` (cache_salt isolates tenants' prefix caches)
+SECRET_FIELDS = ("cache_salt",)
+
+
+def _json_char(c: str) -> str:
+    """A regex matching ``c`` as JSON may write it: itself or ``\\uXXXX`` (any hex case), ``\\/``."""
+    alts = [re.escape(c)]
+    if ord(c) < 0x10000:
+        alts.append("\\\\u" + "".join(f"[{h.lower()}{h.upper()}]" if h.isalpha() else h for h in f"{ord(c):04x}"))
+    if c == "/":
+        alts.append("\\\\/")
+    return "(?:" + "|".join(alts) + ")"
+
+
+def secret_pattern(secrets: tuple[str, ...]) -> re.Pattern | None:
+    """One regex for every key in ``secrets``, literal or JSON-escaped character by character, and
+    for the string values of :data:`SECRET_FIELDS` (to the end of the text when cut inside)."""
+    parts = ["".join(_json_char(c) for c in k) for k in sorted(set(secrets), key=len, reverse=True) if k]
+    fields = "|".join(re.escape(f) for f in SECRET_FIELDS)
+    parts.append(f'(?<=")(?:{fields})"\\s*:\\s*"(?:[^"\\\\]|\\\\.)*(?:"|\\\\?$)')
+    return re.compile("|".join(f"({p})" for p in parts), re.S)
+
+
+def _masked(m: re.Match) -> str:
+    t = m.group()
+    for f in SECRET_FIELDS:
+        if t.startswith(f + '"'):
+            return t[:t.index('"', len(f) + 1) + 1] + '***"'
+    return "***"
+
+
+def mask_secrets(s: str, pattern: re.Pattern | None, cut: int | None = None) -> str:
+    """``s`` with every match of :func:`secret_pattern` written ``***`` (a field keeps its name),
+    then cut at character ``cut`` of ``s`` (a match that starts before the cut is written whole)."""
+    cut = len(s) if cut is None else cut
+    if pattern is None:
+        return s[:cut]
+    out, pos = [], 0
+    for m in pattern.finditer(s):
+        if m.start() >= cut:
+            break
+        out += (s[pos:m.start()], _masked(m))
+        pos = m.end()
+    if pos < cut:
+        out.append(s[pos:cut])
+    return "".join(out)
+
+
 class _Capture:
-    """The first ``limit`` bytes of a body and how many more there were."""
+    """The first ``limit`` bytes of a body (kept with ``margin`` more, so that a secret crossing
+    the cut is masked whole before the cut) and how many more there were."""
 
-    __slots__ = ("data", "extra", "limit")
+    __slots__ = ("data", "total", "limit", "keep")
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, margin: int = 0):
         self.data = bytearray()
-        self.extra = 0
+        self.total = 0
         self.limit = limit
+        self.keep = limit + margin
 
     def add(self, chunk: bytes) -> None:
-        room = self.limit - len(self.data)
+        room = self.keep - len(self.data)
         if room > 0:
             self.data += chunk[:room]
-        self.extra += max(0, len(chunk) - max(room, 0))
+        self.total += len(chunk)
 
-    def text(self, secrets: tuple[str, ...]) -> str:
-        s = self.data.decode("utf-8", errors="replace")
-        for k in secrets:
-            s = s.replace(k, "***")
-        return s + (f" ... ({self.extra} more bytes)" if self.extra else "")
+    def text(self, pattern: re.Pattern | None) -> str:
+        """The logged text: decoded, masked (:func:`mask_secrets`), cut at ``limit`` bytes."""
+        full = self.data.decode("utf-8", errors="replace")
+        cut = len(bytes(self.data[:self.limit]).decode("utf-8", errors="ignore"))
+        extra = self.total - min(self.total, self.limit)
+        return mask_secrets(full, pattern, cut) + (f" ... ({extra} more bytes)" if extra else "")
 
 
 class RequestLogMiddleware:
@@ -274,7 +339,10 @@ class RequestLogMiddleware:
     then ``request:  BODY`` and ``response: BODY``. Bounded: at most :data:`LOG_BODY_BYTES` of each
     body (the rest counted, ``... (N more bytes)``); streamed responses are captured up to the same
     bound. Never logs a header (so never an ``Authorization`` or ``X-Api-Key``), nor the query
-    string, and every configured API key that appears in a body is written ``***``. Skips
+    string, and every configured API key that appears in a body, literally or JSON-escaped
+    (``\\u0073ekret``), is written ``***``, as are ``cache_salt`` values (masked before the cut, so
+    a key crossing it is hidden whole); control characters of the path, client and bodies are
+    escaped (:func:`log_safe`: no forged log lines). Skips
     :data:`QUIET_PATHS`, as llama-server does.
 
     Args:
@@ -287,12 +355,15 @@ class RequestLogMiddleware:
         self.app = app
         self.secrets = tuple(k for k in secrets if k)
         self.limit = limit
+        self.pattern = secret_pattern(self.secrets)
+        # a JSON-escaped key is at most 6 bytes a character
+        self.margin = 6 * max((len(k) for k in self.secrets), default=0) + 16
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("path") in QUIET_PATHS:
             await self.app(scope, receive, send)
             return
-        req, res = _Capture(self.limit), _Capture(self.limit)
+        req, res = _Capture(self.limit, self.margin), _Capture(self.limit, self.margin)
         status = [0]
 
         async def recv():
@@ -311,9 +382,9 @@ class RequestLogMiddleware:
         try:
             await self.app(scope, recv, snd)
         finally:
-            client = (scope.get("client") or ("-", 0))[0]
+            client = str((scope.get("client") or ("-", 0))[0])
             extra = {"func": "log_server_r"}
-            _log.debug("done request: %s %s %s %d", scope.get("method"), scope.get("path"), client, status[0],
-                       extra=extra)
-            _log.debug("request:  %s", req.text(self.secrets), extra=extra)
-            _log.debug("response: %s", res.text(self.secrets), extra=extra)
+            _log.debug("done request: %s %s %s %d", log_safe(str(scope.get("method"))),
+                       log_safe(str(scope.get("path"))), log_safe(client), status[0], extra=extra)
+            _log.debug("request:  %s", log_safe(req.text(self.pattern)), extra=extra)
+            _log.debug("response: %s", log_safe(res.text(self.pattern)), extra=extra)

@@ -91,3 +91,48 @@ def test_completion_request_count_bound(multi):
     r = httpx.post(base + "/v1/completions/render", json={"model": a, "prompt": ["ab"] * 16, "n": 128}, timeout=60)
     assert r.status_code == 200
     assert [x["token_ids"] for x in r.json()] == [[100, 101]] * 16
+
+
+# -- -v request log: escaping and masking (the middleware on a small ASGI app) ----------------
+
+def _log_lines(caplog, path: str, body: bytes, secrets=("sekret",), client=("127.0.0.1", 5), answer=b"{}"):
+    import asyncio
+    import logging
+
+    from kvserve.faces.http import RequestLogMiddleware
+
+    async def app(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": answer})
+
+    sent = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return sent.pop(0) if sent else {"type": "http.disconnect"}
+
+    async def send(msg):
+        pass
+
+    scope = {"type": "http", "method": "POST", "path": path, "client": client, "headers": []}
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(RequestLogMiddleware(app, secrets)(scope, receive, send))
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(("done request", "request:", "response:"))]
+
+
+def test_request_log_escapes_control_characters(caplog):
+    lines = _log_lines(caplog, "/v1/models\nFAKE LINE\r\x1b[31m", b'{"a":1}', client=("1.2.3.4\nX", 9))
+    assert lines == ["done request: POST /v1/models\\nFAKE LINE\\r\\x1b[31m 1.2.3.4\\nX 200",
+                     'request:  {"a":1}', "response: {}"]
+
+
+def test_request_log_masks_keys_across_the_cut_escaped_and_cache_salt(caplog):
+    body = b"x" * 2045 + b"sekret tail"  # the key crosses the 2048-byte cut
+    assert _log_lines(caplog, "/v1/completions", body)[1] == "request:  " + "x" * 2045 + "*** ... (8 more bytes)"
+    body = b'{"prompt":"\\u0073ekret \\u0073EKRET","api":"s\\u0065kret","cache_salt":"tenant-a\\"b"}'
+    assert _log_lines(caplog, "/v1/completions", body)[1] == (
+        'request:  {"prompt":"*** \\u0073EKRET","api":"***","cache_salt":"***"}')
+    body = b'{"cache_salt": "' + b"t" * 3000 + b'"}'  # cut inside the salt: nothing of it shown
+    assert _log_lines(caplog, "/v1/completions", body)[1] == 'request:  {"cache_salt": "***" ... (970 more bytes)'
