@@ -34,8 +34,9 @@ kvserve's own limits on a budget (not vLLM's):
 Without a budget kvserve sizes the pool as llama-server does: ``cdiv(n_ctx, block_size)`` blocks
 plus one partial block per slot (``-c`` is the total context of all slots).
 
-Lower layer: no HTTP, no environment; the serving layer turns flags and ``VLLM_*`` variables
-into :class:`~kvserve.config.EngineConfig` fields.
+Lower layer: no HTTP, no environment variables (the serving layer turns flags and ``VLLM_*``
+variables into :class:`~kvserve.config.EngineConfig` fields); :func:`plan_engine_pool` reads the
+host's ``MemAvailable`` (``/proc/meminfo``) on the CPU unless given a reader.
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def plan_pool(*, n_ctx: int, n_ctx_slot: int, n_slots: int, block_size: int, blo
                 f"{source}: the KV cache budget ({format_gib(budget_bytes)} GiB) is larger than the memory available "
                 f"on this machine ({format_gib(mem_available)} GiB MemAvailable); on the CPU the KV cache is host "
                 f"memory. Try decreasing it (one request of {n_ctx_slot} tokens needs "
-                f"{format_gib(per_request * block_bytes)} GiB).")
+                f"{per_request * block_bytes / (1 << 20):.2f} MiB).")
         active = budget_bytes // block_bytes
         usable = max(n_slots, 1) * per_request
         if active > usable:

@@ -17,9 +17,12 @@ answers its request with the text.
 * **KV budget** (:mod:`kvserve.engine.kv_budget`): with ``--kv-cache-memory-bytes``,
   ``VLLM_CPU_KVCACHE_SPACE`` (CPU) or ``--num-gpu-blocks-override`` the check that one request of
   max_model_len fits runs here, before loading; ``--gpu-memory-utilization`` (CUDA) is checked by
-  the engine once the weights are on the device.
+  the engine once the weights are on the device. kvserve's own limits (the module docstring of
+  ``kv_budget``): a budget is capped to what the slots use at once, and on the CPU a budget above
+  ``MemAvailable`` is refused, here, before loading.
 * **Batch limits** (vLLM's SchedulerConfig, when ``--max-num-seqs`` or
-  ``--max-num-batched-tokens`` is given): a token budget below the sequence count is an error at
+  ``--max-num-batched-tokens`` is given; the sequence count is the ``--max-num-seqs`` typed, even
+  when ``-np`` sets the slots): a token budget below the sequence count is an error at
   parse time (:func:`batch_error`, exit 2); one above ``max_num_seqs * max_model_len`` a warning
   here (:func:`batch_warning`).
 * **Quantization and dtype** (vLLM's ``_verify_quantization`` and ``--dtype auto``): see

@@ -570,7 +570,7 @@ def test_a_cpu_budget_above_mem_available_is_refused():
                          mem_available=lambda: 8 * GIB)
     assert str(e.value) == ("--kv-cache-memory-bytes: the KV cache budget (20.0 GiB) is larger than the memory "
                             "available on this machine (8.0 GiB MemAvailable); on the CPU the KV cache is host "
-                            "memory. Try decreasing it (one request of 256 tokens needs 0.0 GiB).")
+                            "memory. Try decreasing it (one request of 256 tokens needs 0.06 MiB).")
     # on CUDA the device's memory is not MemAvailable's
     plan = plan_engine_pool(cfg, mc, n_ctx=512, n_ctx_slot=256, n_slots=2, block_bytes=4096, device_type="cuda",
                             mem_available=lambda: 8 * GIB)
