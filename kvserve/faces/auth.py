@@ -19,7 +19,13 @@ browsers send preflights without credentials:
 * other responses to an allowed ``Origin`` carry ``Access-Control-Allow-Origin``, the credentials
   header and ``Vary: Origin``;
 * an origin that is not allowed gets no ``Access-Control-*`` header at all (the browser then
-  refuses to hand the answer to the page); a request without ``Origin`` gets none either.
+  refuses to hand the answer to the page); a request without ``Origin`` gets none either;
+* ``Vary: Origin`` is on every answer (allowed origin, other origin or none: caches must not
+  hand one origin's answer to another, Fetch spec) unless the answer cannot depend on the
+  origin: a plain ``*`` without credentials, or no origin allowed;
+* an explicitly empty list (``--cors-origins ''``) allows no cross-origin page: no CORS header
+  at all. CORS only hides answers from pages: a cross-origin "simple" POST still runs, so use
+  ``--api-key`` when a hostile page may run in a browser that can reach the server.
 
 Origins: ``*`` allows every origin (reflected while credentials are on, since browsers refuse
 ``*`` with credentials; ``*`` itself with ``--no-cors-credentials``); ``localhost`` allows pages
@@ -115,6 +121,9 @@ class CorsPolicy:
         self.methods = methods.encode("latin-1", "replace")
         self.headers = headers.encode("latin-1", "replace")
         self.credentials = credentials
+        # answers depend on Origin (Fetch: Vary: Origin on every answer, allowed or not) unless
+        # every origin gets the same plain "*", or none gets any CORS header
+        self.varies = (self.any or self.local or bool(self.exact)) and not (self.any and not credentials)
 
     def allow_origin(self, origin: str) -> str | None:
         """The ``Access-Control-Allow-Origin`` value for a request from ``origin``, or None."""
@@ -153,7 +162,7 @@ class CorsMiddleware:
         out = [(b"access-control-allow-origin", allowed.encode("latin-1", "replace"))]
         if self.policy.credentials:
             out.append((b"access-control-allow-credentials", b"true"))
-        if allowed != "*":
+        if self.policy.varies:
             out.append((b"vary", b"Origin"))
         return out
 
@@ -172,13 +181,15 @@ class CorsMiddleware:
             if allowed is not None:
                 head += self._headers(allowed) + [(b"access-control-allow-methods", self.policy.methods),
                                                   (b"access-control-allow-headers", self.policy.headers)]
+            elif self.policy.varies:
+                head.append((b"vary", b"Origin"))
             await send({"type": "http.response.start", "status": 200, "headers": head})
             await send({"type": "http.response.body", "body": b""})
             return
-        if allowed is None:
+        if allowed is None and not self.policy.varies:
             await self.app(scope, receive, send)
             return
-        extra = self._headers(allowed)
+        extra = self._headers(allowed) if allowed is not None else [(b"vary", b"Origin")]
 
         async def with_cors(msg):
             if msg["type"] == "http.response.start":
@@ -213,7 +224,7 @@ def add_security(app, api_keys: list[str], cors: CorsPolicy | list[str]) -> None
 
 def cors_policy(args) -> CorsPolicy:
     """The :class:`CorsPolicy` of a :class:`~kvserve.serving.args.ServerArgs`."""
-    return CorsPolicy(list(args.cors_origins) or ["*"], getattr(args, "cors_methods", "GET, POST, DELETE, OPTIONS"),
+    return CorsPolicy(list(args.cors_origins), getattr(args, "cors_methods", "GET, POST, DELETE, OPTIONS"),
                       getattr(args, "cors_headers", "*"), bool(getattr(args, "cors_credentials", True)))
 
 

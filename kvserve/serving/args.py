@@ -504,6 +504,8 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         log_verbosity = max(log_verbosity, 5)
     reasoning = None if v["reasoning"] in (None, "auto") else v["reasoning"]
     cors_origins, cors_methods, cors_headers, cors_credentials = _cors(v, given, notes)
+    if not str(v["response_role"]).strip():
+        raise _Exit("--response-role: the role must not be empty (e.g. --response-role assistant)")
     ssl_key, ssl_cert = v["ssl_key_file"], v["ssl_cert_file"]
     for flag, path in (("--ssl-key-file", ssl_key), ("--ssl-cert-file", ssl_cert), ("--ssl-ca-certs",
                                                                                    v["ssl_ca_certs"])):
@@ -588,11 +590,14 @@ def _cors(v: dict, given: dict, notes: list) -> tuple[list[str], str, str, bool]
     --allowed-headers/--allow-credentials`` apply when their llama-server twin is not given.
     As llama-server, ``--tools`` without an explicit origin list limits CORS to ``localhost``
     (kvserve offers no built-in tools, but a command line copied with ``--tools`` keeps the
-    protection it had)."""
+    protection it had). An explicitly empty list (``--cors-origins ''``, ``--allowed-origins '[]'``)
+    allows no origin: no CORS headers are sent (vLLM's CORSMiddleware with no origins)."""
     origins = [o.strip() for o in v["cors_origins"].split(",") if o.strip()]
+    explicit = "cors_origins" in given  # an explicitly empty list allows no cross-origin page
     if "cors_origins" not in given:
         if v["allowed_origins"] is not None:
-            origins = list(v["allowed_origins"])
+            origins = [o.strip() for o in v["allowed_origins"] if str(o).strip()]
+            explicit = True
         elif v.get("tools"):
             origins = ["localhost"]
             notes.append((logging.WARNING, "server tools are enabled (--tools): CORS is limited to localhost "
@@ -605,7 +610,7 @@ def _cors(v: dict, given: dict, notes: list) -> tuple[list[str], str, str, bool]
     credentials = bool(v["cors_credentials"])
     if "cors_credentials" not in given and v["allow_credentials"]:
         credentials = True
-    return origins or ["*"], methods, headers, credentials
+    return origins if origins or explicit else ["*"], methods, headers, credentials
 
 
 def _cpu_kvcache_space(p, env) -> int | None:

@@ -660,7 +660,7 @@ FLAGS: tuple[Flag, ...] = (
       neg_why="a final assistant message is still continued"),
     F("--response-role", default="assistant", help="role of chat completion answers", source=VLLM,
       why="message.role and the first stream delta's role when add_generation_prompt (vLLM's); else the last "
-          "message's role"),
+          "message's role; an empty role is refused at start-up (exit 2)"),
     F("--tools", help="built-in server tools", env="LLAMA_ARG_TOOLS", effect=WARN,
       why="kvserve has no built-in server tools (file and shell access): none are offered"),
     F("--tools-runtime", env="LLAMA_ARG_TOOLS_RUNTIME", effect=WARN, why="kvserve has no built-in server tools"),
@@ -788,7 +788,8 @@ FLAGS: tuple[Flag, ...] = (
     F("--cors-origins", default="*", help="comma-separated allowed origins, * for all, localhost for local pages",
       env="LLAMA_ARG_CORS_ORIGINS",
       why="an allowed Origin is reflected (Vary: Origin); localhost allows http(s)://localhost, 127.0.0.1, [::1] "
-          "at any port; with --tools the default is localhost, as llama-server"),
+          "at any port; with --tools the default is localhost, as llama-server; '' allows no origin (no CORS headers); "
+          "Vary: Origin on every answer unless plain * without credentials"),
     F("--allowed-origins", help='allowed origins: JSON list (["*"]) or comma-separated', source=VLLM,
       convert=string_list, why="as --cors-origins (which wins when both are given)"),
     F("--cors-methods", default="GET, POST, DELETE, OPTIONS", help="Access-Control-Allow-Methods of a preflight",

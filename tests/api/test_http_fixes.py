@@ -136,3 +136,68 @@ def test_request_log_masks_keys_across_the_cut_escaped_and_cache_salt(caplog):
         'request:  {"prompt":"*** \\u0073EKRET","api":"***","cache_salt":"***"}')
     body = b'{"cache_salt": "' + b"t" * 3000 + b'"}'  # cut inside the salt: nothing of it shown
     assert _log_lines(caplog, "/v1/completions", body)[1] == 'request:  {"cache_salt": "***" ... (970 more bytes)'
+
+
+# -- --cors-origins '', --response-role '', Vary: Origin --------------------------------------
+
+def _cors_answer(policy, origin: str | None, method: str = "GET") -> dict[str, str]:
+    import asyncio
+
+    from kvserve.faces.auth import CorsMiddleware
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    got = {}
+
+    async def send(msg):
+        if msg["type"] == "http.response.start":
+            got.update((k.decode(), v.decode()) for k, v in msg["headers"])
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    headers = [(b"origin", origin.encode())] if origin is not None else []
+    asyncio.run(CorsMiddleware(app, policy)({"type": "http", "method": method, "path": "/v1/models",
+                                             "headers": headers}, receive, send))
+    got.pop("content-type", None)
+    got.pop("content-length", None)
+    return got
+
+
+def test_empty_cors_origins_allows_no_origin():
+    from kvserve.faces.auth import cors_policy
+    from kvserve.serving.args import parse_args
+
+    args = parse_args(["m.gguf", "--cors-origins", ""], environ={})
+    assert args.cors_origins == []
+    assert _cors_answer(cors_policy(args), "http://evil.example") == {}
+    assert _cors_answer(cors_policy(args), "http://evil.example", "OPTIONS") == {}
+    assert parse_args(["m.gguf", "--allowed-origins", "[]"], environ={}).cors_origins == []
+    assert parse_args(["m.gguf"], environ={}).cors_origins == ["*"]
+
+
+def test_empty_response_role_is_refused(capsys):
+    from kvserve.serving.args import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["m.gguf", "--response-role", ""], environ={})
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: --response-role: the role must not be empty (e.g. --response-role assistant)")
+
+
+def test_vary_origin_on_every_answer_that_depends_on_it():
+    from kvserve.faces.auth import CorsPolicy
+
+    listed = CorsPolicy(["http://a.example"])
+    assert _cors_answer(listed, "http://b.example") == {"vary": "Origin"}
+    assert _cors_answer(listed, None) == {"vary": "Origin"}
+    assert _cors_answer(listed, "http://b.example", "OPTIONS") == {"vary": "Origin"}
+    assert _cors_answer(listed, "http://a.example") == {"access-control-allow-origin": "http://a.example",
+                                                        "access-control-allow-credentials": "true", "vary": "Origin"}
+    assert _cors_answer(CorsPolicy(["*"]), None) == {"vary": "Origin"}  # reflected while credentials are on
+    assert _cors_answer(CorsPolicy(["*"], credentials=False), "http://b.example") == {
+        "access-control-allow-origin": "*"}
+    assert _cors_answer(CorsPolicy(["*"], credentials=False), None) == {}
