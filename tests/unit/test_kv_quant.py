@@ -492,3 +492,22 @@ def test_compiled_decode_reads_quantized_kv(head32, tmp_path, monkeypatch, k, v)
     assert graph.wait(timeout=900), graph.error
     assert greedy(core) == ref
     assert graph.calls == 20 and graph.fallbacks == 0
+
+
+def test_version_1_slot_files_still_restore(head32, tmp_path):
+    """A version-1 file (byte 29 reserved, V in K's type) restores into a cache of that type for K and V."""
+    import struct
+
+    core = core_for(head32)
+    run(core, PRE, n_predict=0)
+    path = tmp_path / "s.bin"
+    core.save_slot(0, str(path))
+    data = bytearray(path.read_bytes())
+    assert struct.unpack_from("<H", data, 6)[0] == 2 and data[28:30] == bytes([1, 1])  # f16, f16
+    data[6:8] = struct.pack("<H", 1)
+    data[29] = 0
+    old = tmp_path / "v1.bin"
+    old.write_bytes(bytes(data))
+    fresh = core_for(head32)
+    assert fresh.restore_slot(0, str(old))["n_restored"] == 40
+    assert run(fresh, Q)[:2] == (40, 5)
