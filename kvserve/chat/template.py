@@ -25,13 +25,25 @@ asserts equal text.
 
 Capability detection (:attr:`ChatTemplate.caps`) renders small probe conversations and looks
 for needles in the output, like llama.cpp's minja ``chat_template`` caps detection.
+
+Rendering is bounded (kvserve's own limits; transformers and vLLM have none): at most
+:data:`MAX_RENDER_STEPS` loop iterations plus sandboxed calls/lookups, :data:`MAX_RENDER_SECONDS`
+of wall time, no string/list/integer built over :data:`MAX_RENDER_CHARS` (``*``, ``**``, ``+``,
+``%``, ``~``, ``center``/``indent``/``join``/``replace``/``format`` and the widening ``str``
+methods are checked before they run) and no output over it; recursion past the stack and
+MemoryError end in a :class:`TemplateError` too (a 400). The capability probes run under a small
+budget and stop after the first probe that goes over it.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
+import operator
+import re
+import time
 from datetime import datetime
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import jinja2
 import jinja2.exceptions
@@ -148,10 +160,211 @@ class _GenerationTag(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# Rendering budget: a template is code from the model (or a request); one render may not loop,
+# build text or recurse without bound (kvserve's own limits; transformers and vLLM have none).
+# ---------------------------------------------------------------------------------------------
+
+#: Loop iterations (all ``{% for %}`` loops together) plus sandboxed calls/attribute lookups one
+#: render may make; a nested ``range(100000)`` pair (10^10) stops here.
+MAX_RENDER_STEPS = 10_000_000
+#: Characters one string (or items one list) built by the template may have, and the most the
+#: rendered prompt may be (16 Mi).
+MAX_RENDER_CHARS = 16 * 2**20
+#: Wall-clock seconds one render may take.
+MAX_RENDER_SECONDS = 10.0
+#: The capability probes (:attr:`ChatTemplate.caps`) run under this smaller budget.
+_PROBE_STEPS, _PROBE_SECONDS = 200_000, 1.0
+
+
+class _BudgetExceeded(Exception):
+    """Internal: a render went over its :class:`_Budget`."""
+
+
+class _Budget:
+    """Steps and a deadline for one render (:data:`MAX_RENDER_STEPS`, :data:`MAX_RENDER_SECONDS`)."""
+
+    __slots__ = ("left", "deadline", "_n")
+
+    def __init__(self, steps: int, seconds: float) -> None:
+        self.left = steps
+        self.deadline = time.monotonic() + seconds
+        self._n = 0
+
+    def tick(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise _BudgetExceeded("it took too many steps (loop iterations, calls)")
+        self._n += 1
+        if self._n >= 4096:
+            self._n = 0
+            if time.monotonic() > self.deadline:
+                raise _BudgetExceeded("it took too long")
+
+
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("kvserve_template_budget", default=None)
+
+
+def _tick() -> None:
+    b = _BUDGET.get()
+    if b is not None:
+        b.tick()
+
+
+def _check_size(n: int) -> None:
+    if n > MAX_RENDER_CHARS:
+        raise _BudgetExceeded(f"it built a value of {n} characters or items (the limit is {MAX_RENDER_CHARS})")
+
+
+def _sized(x: Any) -> int:
+    return len(x) if isinstance(x, (str, list, tuple)) else 0
+
+
+def _check_int_bits(bits: float) -> None:
+    if bits > MAX_RENDER_CHARS:
+        raise _BudgetExceeded(f"it built an integer of about {int(bits)} bits (the limit is {MAX_RENDER_CHARS})")
+
+
+_WIDTH = re.compile(r"\d{7,}")  # a format width / precision of a million or more
+
+
+def _check_format(spec: Any) -> None:
+    if isinstance(spec, str) and (_WIDTH.search(spec) or "*" in spec and "%" in spec):
+        raise _BudgetExceeded("its format string asks for a width of a million characters or more")
+
+
+class _BudgetExtension(Extension):
+    """Wraps every ``{% for %}`` iterable and every ``~`` concatenation of a compiled template in
+    budget-counting calls (:class:`_BoundedEnvironment` rewrites the tree before compiling)."""
+
+    def iterate(self, iterable: Iterable) -> Iterator:
+        b = _BUDGET.get()
+        for x in iterable:
+            if b is not None:
+                b.tick()
+            yield x
+
+    def concat(self, items: list) -> str:
+        parts = [str(x) for x in items]
+        _check_size(sum(map(len, parts)))
+        return "".join(parts)
+
+
+_STR_WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill"})
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with every render under a :class:`_Budget`: loops and calls count steps,
+    ``*``/``**``/``+``/``%`` and ``~`` refuse results over :data:`MAX_RENDER_CHARS`, as do the
+    text-widening string methods and filters."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
+        _tick()
+        if op == "*":
+            if isinstance(left, int) and not isinstance(left, bool) and _sized(right):
+                _check_size(left * _sized(right))
+            elif isinstance(right, int) and not isinstance(right, bool) and _sized(left):
+                _check_size(right * _sized(left))
+            elif isinstance(left, int) and isinstance(right, int):
+                _check_int_bits(left.bit_length() + right.bit_length())
+        elif op == "**":
+            if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
+                _check_int_bits(right * abs(left).bit_length())
+        elif op == "+":
+            if _sized(left) and _sized(right):
+                _check_size(len(left) + len(right))
+        elif op == "%" and isinstance(left, str):
+            _check_format(left)
+        return self.binop_table[op](left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805, B902
+        _tick()
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, str):
+            name = getattr(__obj, "__name__", "")
+            if name in _STR_WIDTH_METHODS and args and isinstance(args[0], int):
+                _check_size(args[0])
+            elif name in ("format", "format_map"):
+                _check_format(owner)
+            elif name == "join" and args:
+                items = list(args[0])
+                _check_size(sum(len(x) for x in items if isinstance(x, str)) + len(owner) * len(items))
+                args = (items,) + args[1:]
+            elif name == "replace" and len(args) >= 2 and isinstance(args[1], str):
+                _check_size(len(owner) + (owner.count(args[0]) if isinstance(args[0], str) else 0) * len(args[1]))
+            elif name == "expandtabs":
+                _check_size(len(owner) * (args[0] if args and isinstance(args[0], int) else 8))
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        _tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        _tick()
+        return super().getitem(obj, argument)
+
+    def _generate(self, source: nodes.Template, name: Any, filename: Any, defer_init: bool = False) -> str:
+        ext = _BudgetExtension.identifier
+        for loop in source.find_all(nodes.For):
+            loop.iter = nodes.Call(nodes.ExtensionAttribute(ext, "iterate"), [loop.iter], [], None, None,
+                                   lineno=loop.lineno)
+        for cat in list(source.find_all(nodes.Concat)):
+            cat.nodes = [nodes.Call(nodes.ExtensionAttribute(ext, "concat"), [nodes.List(cat.nodes)], [], None, None,
+                                    lineno=cat.lineno)]
+        return super()._generate(source, name, filename, defer_init)
+
+
+def _bounded_filter(name: str, check: Any) -> Any:
+    """Jinja's filter ``name`` with a size pre-check; ``pass_context`` also keeps Jinja from
+    running it at compile time on constant arguments (constant folding)."""
+    inner = jinja2.filters.FILTERS[name]
+
+    @jinja2.pass_context
+    def f(_ctx: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        _tick()
+        check(value, *args, **kwargs)
+        if getattr(inner, "jinja_pass_arg", None) is jinja2.utils._PassArg.eval_context:
+            return inner(_ctx.eval_ctx, value, *args, **kwargs)
+        if getattr(inner, "jinja_pass_arg", None) is jinja2.utils._PassArg.environment:
+            return inner(_ctx.environment, value, *args, **kwargs)
+        return inner(value, *args, **kwargs)
+
+    return f
+
+
+def _width_check(value: Any, width: Any = 80, *args: Any, **kwargs: Any) -> None:
+    n = kwargs.get("width", width)
+    if isinstance(n, int):
+        lines = str(value).count("\n") + 1 if not isinstance(value, jinja2.Undefined) else 1
+        _check_size(n * lines)
+
+
+def _join_check(value: Any, d: Any = "", *args: Any, **kwargs: Any) -> None:
+    if isinstance(value, (list, tuple, str, range, dict)):
+        d = kwargs.get("d", d)
+        _check_size(len(value) * (len(d) if isinstance(d, str) else 1)
+                    + sum(len(x) for x in value if isinstance(x, str)))
+
+
+def _replace_check(value: Any, old: Any = "", new: Any = "", *args: Any, **kwargs: Any) -> None:
+    if isinstance(value, str) and isinstance(old, str) and isinstance(new, str):
+        _check_size(len(value) + (value.count(old) if old else len(value) + 1) * len(new))
+
+
+def _format_check(value: Any, *args: Any, **kwargs: Any) -> None:
+    _check_format(value)
+
+
 def _make_env() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag]
+    env = _BoundedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationTag, _BudgetExtension]
     )
+    for name, check in (("center", _width_check), ("indent", _width_check), ("join", _join_check),
+                        ("replace", _replace_check), ("format", _format_check)):
+        env.filters[name] = _bounded_filter(name, check)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -236,8 +449,11 @@ class ChatTemplate:
             self._tmpl = _ENV.from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from e
+        except (RecursionError, MemoryError) as e:  # nesting past the parser's / compiler's stack
+            raise TemplateError(f"chat template error: the template is nested too deeply ({type(e).__name__})") from None
         self._caps: dict[str, bool] | None = None
         self._content_format: str | None = None
+        self._probe_over = False
 
     def render(self, messages: list[dict], /, add_generation_prompt: bool = True,
                tools: list | None = None, documents: list | None = None, **kwargs: Any) -> str:
@@ -261,6 +477,11 @@ class ChatTemplate:
             TemplateError: ``raise_exception`` was called, or Jinja failed (undefined
                 operation, type error, sandbox violation), or ``kwargs`` holds a reserved name.
         """
+        return self._render((MAX_RENDER_STEPS, MAX_RENDER_SECONDS), messages, add_generation_prompt, tools,
+                            documents, kwargs)
+
+    def _render(self, limits: tuple[int, float], messages: list[dict], add_generation_prompt: bool,
+                tools: list | None, documents: list | None, kwargs: dict) -> str:
         clash = RESERVED_VARIABLES.intersection(kwargs)
         if clash:
             raise TemplateError(f"chat template variable '{min(clash)}' is reserved: it is set by the request")
@@ -270,14 +491,32 @@ class ChatTemplate:
         ctx["tools"] = tools
         ctx["documents"] = documents
         ctx["add_generation_prompt"] = add_generation_prompt
+        token = _BUDGET.set(_Budget(*limits))
         try:
-            return self._tmpl.render(**ctx)
+            out: list[str] = []
+            size = 0
+            for chunk in self._tmpl.generate(**ctx):
+                size += len(chunk)
+                _check_size(size)
+                out.append(chunk)
+            return "".join(out)
+        except _BudgetExceeded as e:
+            raise TemplateError(f"chat template error: the template went over kvserve's rendering limits: {e}") from None
+        except RecursionError:
+            raise TemplateError("chat template error: recursion too deep (a macro or recursive loop calls "
+                                "itself without end)") from None
+        except MemoryError:
+            raise TemplateError("chat template error: out of memory while rendering") from None
+        except OverflowError as e:  # range() over the sandbox's MAX_RANGE, huge float results
+            raise TemplateError(f"chat template error: OverflowError: {e}") from None
         except _TemplateRaised as e:
             raise TemplateError(f"chat template error: {e}") from e
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template error: {type(e).__name__}: {e}") from e
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
             raise TemplateError(f"chat template error: {type(e).__name__}: {e}") from e
+        finally:
+            _BUDGET.reset(token)
 
     @property
     def content_format(self) -> str:
@@ -289,9 +528,13 @@ class ChatTemplate:
         return self._content_format
 
     def _try(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False) -> str:
+        if self._probe_over:
+            return ""
         try:
-            return self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
-        except TemplateError:
+            return self._render((_PROBE_STEPS, _PROBE_SECONDS), messages, add_generation_prompt, tools, None, {})
+        except TemplateError as e:
+            # a template that goes over the (small) probe budget once is not probed again
+            self._probe_over = "rendering limits" in str(e)
             return ""
 
     @property
@@ -308,6 +551,7 @@ class ChatTemplate:
         """
         if self._caps is not None:
             return self._caps
+        self._probe_over = False
         user = {"role": "user", "content": "Hey"}
         sys_needle = "<System Needle>"
         out_sys = self._try([{"role": "system", "content": sys_needle}, user])
