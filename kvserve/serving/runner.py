@@ -327,7 +327,9 @@ def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimat
     - weights: the file's bytes (as Ollama counts them) plus the dense copy kvserve keeps for
       large batches on CPU (parameters x 4 bytes in float32, x 2 in bfloat16), or the
       parameters in the chosen ``--dtype`` when that replaces the file's format;
-    - kv: 2 x layers x kv_heads x head_dim x n_ctx x bytes per element (``--cache-type-k``);
+    - kv: n_ctx x the pool's bytes per token for ``-ctk``/``-ctv``
+      (:func:`~kvserve.engine.kv_quant.kv_bytes_per_token`: 2 bytes a value for f16, 34/32 for
+      q8_0, 18/32 for q4_0, 1 for fp8);
     - compute: one batch's activations plus one row of logits per slot, in float32;
     - cache: the host tier of the prompt cache at its limit (``--cache-ram``, or this model's
       share of the default).
@@ -355,6 +357,14 @@ def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimat
     compute = 4 * (n_tok * (8 * cfg_m.n_embd + 3 * cfg_m.n_ff) + cfg.n_slots * cfg_m.n_vocab)
     est = estimate_memory(weights, cfg_m.n_layer, cfg_m.n_head_kv, cfg_m.head_dim, n_ctx,
                           KV_BYTES.get(cfg.kv_dtype, 2), compute)
+    try:  # the pool's own bytes for the K and V types (q4_0: 18/32 bytes a value, fp8: 1)
+        from kvserve.engine.kv_quant import kv_bytes_per_token
+
+        per_token = kv_bytes_per_token(cfg_m.n_layer, cfg_m.n_head_kv, cfg_m.head_dim, cfg.kv_dtype,
+                                       getattr(cfg, "kv_dtype_v", None) or cfg.kv_dtype)
+        est = dataclasses.replace(est, kv=per_token * n_ctx)
+    except ValueError:  # a type or head_dim the load refuses with its own message
+        pass
     from kvserve.serving.startup_checks import known_kv_budget
 
     budget = known_kv_budget(cfg, cfg_m)  # a vLLM KV budget sizes the pool instead of n_ctx

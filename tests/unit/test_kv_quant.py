@@ -511,3 +511,20 @@ def test_version_1_slot_files_still_restore(head32, tmp_path):
     fresh = core_for(head32)
     assert fresh.restore_slot(0, str(old))["n_restored"] == 40
     assert run(fresh, Q)[:2] == (40, 5)
+
+
+@pytest.mark.parametrize(("flags", "per_token"), [
+    ([], 2 * 2 * 32 * 2 * 2),                                  # f16 K and V: 2 layers x 2 KV heads x 32 x 2 bytes
+    (["-ctk", "q8_0", "-ctv", "q8_0"], 2 * 2 * 34 * 2),        # 34 bytes per 32 values
+    (["-ctk", "q8_0", "-ctv", "q4_0"], 2 * 2 * (34 + 18)),
+    (["--kv-cache-dtype", "fp8"], 2 * 2 * 32 * 2),
+])
+def test_memory_estimate_counts_the_pools_bytes_per_token(head32, flags, per_token):
+    """The model manager's prediction (what decides eviction and refusals) uses the pool's own
+    bytes for -ctk/-ctv, not 2 bytes a value for every type."""
+    from kvserve.serving.args import parse_args
+    from kvserve.serving.manager import ModelSpec
+    from kvserve.serving.runner import estimate_runner_memory
+
+    args = parse_args(["-m", head32, "-c", "512", *flags], environ={})
+    assert estimate_runner_memory(args, ModelSpec("m", head32)).kv == 512 * per_token
