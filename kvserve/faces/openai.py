@@ -753,9 +753,11 @@ async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
 
     async for i, out in run_choices(state, plan):
         _check_output(out)
-        if progress[i] is not None:  # llama-server's progress chunks: a role delta (chat) or empty text
+        if progress[i] is not None:  # llama-server's progress chunks: an empty delta (chat) or empty text
             for prog in progress[i].feed(out):
-                c = ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(role=plan.role, content=None)) \
+                # the role went in the stream's first chunk: sent again, openai-python's stream
+                # helper would concatenate it ('assistantassistant...')
+                c = ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta()) \
                     if chat else TextChoice(finish_reason=None, index=i, text="", logprobs=None)
                 yield chunk([c], prompt_progress=prog)
         if out.prompt_progress is not None:

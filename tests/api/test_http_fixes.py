@@ -201,3 +201,22 @@ def test_vary_origin_on_every_answer_that_depends_on_it():
     assert _cors_answer(CorsPolicy(["*"], credentials=False), "http://b.example") == {
         "access-control-allow-origin": "*"}
     assert _cors_answer(CorsPolicy(["*"], credentials=False), None) == {}
+
+
+def test_return_progress_chat_stream_role_once_with_the_openai_stream_helper(multi):
+    openai = pytest.importorskip("openai")
+    srv, a, _ = multi
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+    roles = []
+    with client.chat.completions.stream(model=a, messages=[{"role": "user", "content": "x" * 30}], max_tokens=2,
+                                        temperature=0, extra_body={"return_progress": True,
+                                                                   "cache_prompt": False}) as s:
+        n_progress = 0
+        for ev in s:
+            if ev.type == "chunk":
+                n_progress += "prompt_progress" in (ev.chunk.model_extra or {})
+                roles += [c.delta.role for c in ev.chunk.choices if c.delta.role is not None]
+        snapshot = s.current_completion_snapshot  # (get_final_completion refuses a length finish)
+    assert n_progress >= 2
+    assert roles == ["assistant"]
+    assert snapshot.choices[0].message.role == "assistant"

@@ -395,7 +395,7 @@ def test_return_progress_in_openai_streams(tiny):
         [(0, 0), (0, 16), (0, 32), (0, 40)]
     assert all(e["choices"] == [{"text": "", "index": 0, "logprobs": None, "finish_reason": None}] for e in prog)
     assert ev.index(prog[-1]) == len(prog) - 1  # before every text chunk
-    # chat: each progress chunk is a role delta, as llama-server's
+    # chat: the role once, in the first chunk; progress chunks carry an empty delta
     msgs = [{"role": "user", "content": "x" * 30}]
     ev = _sse(tiny.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "temperature": 0,
                                                       "stream": True, "return_progress": True,
@@ -403,7 +403,9 @@ def test_return_progress_in_openai_streams(tiny):
     prog = [e for e in ev if "prompt_progress" in e]
     total = prog[0]["prompt_progress"]["total"]
     assert [e["prompt_progress"]["processed"] for e in prog] == [0] + list(range(16, total, 16)) + [total]
-    assert all(e["choices"][0]["delta"] == {"role": "assistant", "content": None} for e in prog)
+    assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": None} and "prompt_progress" not in ev[0]
+    assert all(e["choices"][0]["delta"] == {} for e in prog)
+    assert sum("role" in e["choices"][0]["delta"] for e in ev if e["choices"]) == 1
     without = _sse(tiny.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "stream": True}))
     assert all("prompt_progress" not in e for e in without)
 
