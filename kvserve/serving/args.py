@@ -734,8 +734,8 @@ def _sampling(v: dict, given: dict, notes: list) -> tuple[dict, dict]:
                 raise _Exit(f"invalid --override-generation-config: {key} = {value!r}: {e}") from None
             dest = {"n_predict": "predict"}.get(field_name, field_name)
             if dest in given:
-                notes.append((logging.INFO, f"flag --override-generation-config: {key} = {gen[field_name]!r} wins "
-                                            f"over {given[dest]} {v[dest]!r}"))
+                notes.append((logging.INFO, (f"flag --override-generation-config: {key} = {gen[field_name]!r} "
+                                             f"wins over {given[dest]} {v[dest]!r}")))
         elif key in _GEN_SAMPLING and isinstance(value, (int, float)):
             s[key] = float(value)
         else:

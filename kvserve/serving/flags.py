@@ -606,7 +606,8 @@ FLAGS: tuple[Flag, ...] = (
       why="the keys become every model's sampling defaults, over its generation_config.json and the sampling "
       "flags (a request's own fields win)"),
     F("--generation-config", default="auto", help="auto (the model's generation_config.json, or a GGUF's "
-      "general.sampling.* keys), vllm (none) or a directory holding a generation_config.json", source=VLLM,
+      "general.sampling.* keys), vllm (no file; vLLM's neutral sampling values) or a directory holding a "
+      "generation_config.json", source=VLLM,
       check=lambda v: _generation_config_check(v),
       why="the model's sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; "
       "a GGUF's general.sampling.*) apply to requests that leave them out; a sampling flag given wins over them"),

@@ -552,9 +552,9 @@ def test_a_budget_larger_than_the_slots_use_is_capped():
                      budget_bytes=20 * GIB, source="--kv-cache-memory-bytes")
     assert (plan.active_blocks, plan.capped_from, plan.tokens) == (32, 5242880, 512)
     assert plan.lines("cpu") == [
-        "--kv-cache-memory-bytes: the budget holds 5,242,880 blocks; the KV cache is capped at 32 blocks (2 sequences "
-        "of 256 tokens, the most the server runs at once; more blocks would cost memory and start-up time and never "
-        "be used)",
+        ("--kv-cache-memory-bytes: the budget holds 5,242,880 blocks; the KV cache is capped at 32 blocks "
+         "(2 sequences of 256 tokens, the most the server runs at once; more blocks would cost memory and start-up "
+         "time and never be used)"),
         "Available KV cache memory: 20.0 GiB",
         "CPU KV cache size: 512 tokens, Maximum concurrency for 256 tokens per request: 2.00x"]
 
