@@ -639,6 +639,14 @@ def build_router(state: ServerState) -> APIRouter:
         if not state.args.slots:
             raise ApiError(501, SLOTS_OFF)
         state.require_up()
+        if query_model(http) is None and _asleep(state):
+            # llama-server: every route but /health and /props wakes a sleeping server
+            # (llama.cpp PR #18228), /slots too: load the -m model, then answer its slots
+            async def woken(runner: Runner) -> Response:
+                return json_response(runner.slots.views(show_text=state.args.slots_text or slots_debug(),
+                                                        detokenize=runner.tokenizer.decode if slots_debug() else None))
+
+            return await serve_model(state, None, KEEP_CURRENT, woken, http)
         runner = state.peek(query_model(http))  # a model that is not loaded has no slots
         fail = http.query_params.get("fail_on_no_slot", "")
         if fail not in ("", "0", "false") and (runner is None or not runner.slots.has_idle()):

@@ -372,12 +372,20 @@ def test_props_while_sleeping_does_not_wake_the_model(tiny_path, tmp_path):
         awake = httpx.get(srv.url("/props"), timeout=30).json()
         assert awake["is_sleeping"] is False
         deadline = time.monotonic() + 30
-        while httpx.get(srv.url("/slots"), timeout=10).json() != [] and time.monotonic() < deadline:
-            time.sleep(0.2)  # /slots lists no slot once the model is unloaded
-        assert httpx.get(srv.url("/slots"), timeout=10).json() == []
+        while httpx.get(srv.url("/api/ps"), timeout=10).json()["models"] != [] and time.monotonic() < deadline:
+            time.sleep(0.2)  # /api/ps lists no model once it is unloaded (and does not wake it)
+        assert httpx.get(srv.url("/api/ps"), timeout=10).json()["models"] == []
         asleep = httpx.get(srv.url("/props"), timeout=30).json()
         assert asleep == {**awake, "is_sleeping": True}
-        assert httpx.get(srv.url("/slots"), timeout=10).json() == []  # still asleep: /props did not load it
+        assert httpx.get(srv.url("/api/ps"), timeout=10).json()["models"] == []  # still asleep: /props did not load it
+        # /slots wakes it, as llama-server (every route but /health and /props): the slots, idle
+        slots = httpx.get(srv.url("/slots"), timeout=60).json()
+        assert [(s["id"], s["is_processing"]) for s in slots] == [(i, False) for i in range(len(slots))] and slots
+        assert len(httpx.get(srv.url("/api/ps"), timeout=10).json()["models"]) == 1
+        assert httpx.get(srv.url("/props"), timeout=30).json()["is_sleeping"] is False
+        deadline = time.monotonic() + 30
+        while httpx.get(srv.url("/api/ps"), timeout=10).json()["models"] != [] and time.monotonic() < deadline:
+            time.sleep(0.2)
         # a generation wakes it; /props then answers from the loaded model again
         r = httpx.post(srv.url("/completion"), json={"prompt": "hi", "n_predict": 1}, timeout=60)
         assert r.status_code == 200
