@@ -203,6 +203,9 @@ class _Budget:
 
 
 _BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("kvserve_template_budget", default=None)
+#: the (steps, seconds) limits :meth:`ChatTemplate.render` applies: the capability probes lower them
+_LIMITS: contextvars.ContextVar[tuple[int, float] | None] = contextvars.ContextVar(
+    "kvserve_template_limits", default=None)
 
 
 def _tick() -> None:
@@ -477,8 +480,8 @@ class ChatTemplate:
             TemplateError: ``raise_exception`` was called, or Jinja failed (undefined
                 operation, type error, sandbox violation), or ``kwargs`` holds a reserved name.
         """
-        return self._render((MAX_RENDER_STEPS, MAX_RENDER_SECONDS), messages, add_generation_prompt, tools,
-                            documents, kwargs)
+        limits = _LIMITS.get() or (MAX_RENDER_STEPS, MAX_RENDER_SECONDS)
+        return self._render(limits, messages, add_generation_prompt, tools, documents, kwargs)
 
     def _render(self, limits: tuple[int, float], messages: list[dict], add_generation_prompt: bool,
                 tools: list | None, documents: list | None, kwargs: dict) -> str:
@@ -528,14 +531,17 @@ class ChatTemplate:
         return self._content_format
 
     def _try(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False) -> str:
-        if self._probe_over:
+        if getattr(self, "_probe_over", False):
             return ""
-        try:
-            return self._render((_PROBE_STEPS, _PROBE_SECONDS), messages, add_generation_prompt, tools, None, {})
+        token = _LIMITS.set((_PROBE_STEPS, _PROBE_SECONDS))
+        try:  # through render(): subclasses (SYSTEM layer, Go templates) probe what they render
+            return self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         except TemplateError as e:
             # a template that goes over the (small) probe budget once is not probed again
             self._probe_over = "rendering limits" in str(e)
             return ""
+        finally:
+            _LIMITS.reset(token)
 
     @property
     def caps(self) -> dict[str, bool]:
