@@ -136,6 +136,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 _WS = " \t\n\r"
+_NON_WS = re.compile(r"[^ \t\n\r]")
 
 
 def tool_properties(tools: list[dict], name: str) -> dict:
@@ -265,12 +266,21 @@ class _BlockRegion(_Region):
         self._buf = ""
         self._in = False
         self._calls = 0
+        #: where the search for the close marker resumes in ``_buf`` (earlier text was scanned
+        #: already): each character is looked at a bounded number of times, a stream stays linear
+        self._scan = 0
 
     def _find_close(self, buf: str) -> int:
-        return buf.find(self.CLOSE)
+        j = buf.find(self.CLOSE, self._scan)
+        if j < 0:
+            self._scan = max(0, len(buf) - len(self.CLOSE) + 1)
+        return j
 
     def feed(self, text: str) -> list[_Event]:
-        self._buf += text
+        buf, self._buf = self._buf, ""
+        buf += text  # a local with one reference: CPython grows it in place (no copy per delta)
+        self._buf = buf
+        del buf
         events: list[_Event] = []
         while True:
             if not self._in:
@@ -283,11 +293,11 @@ class _BlockRegion(_Region):
                     k = max(partial_suffix(self._buf, m) for m in self.OPEN)
                     self._buf = self._buf[len(self._buf) - k:] if k else ""
                     return events
-                self._buf, self._in = self._buf[best + mlen:], True
+                self._buf, self._in, self._scan = self._buf[best + mlen:], True, 0
             j = self._find_close(self._buf)
             if j < 0:
                 return events
-            body, self._buf, self._in = self._buf[:j], self._buf[j + len(self.CLOSE):], False
+            body, self._buf, self._in, self._scan = self._buf[:j], self._buf[j + len(self.CLOSE):], False, 0
             events += self._one(body)
 
     def _one(self, body: str) -> list[_Event]:
@@ -323,16 +333,21 @@ class _Qwen3Region(_BlockRegion):
         self._final = False
 
     def _find_close(self, buf: str) -> int:
-        pos = 0
+        # resumes at self._scan: a close followed by other text was decided (not structural) and
+        # is not looked at again, so a value full of literal </tool_call> streams in linear time
+        pos, opener = self._scan, self.OPEN[0]
         while True:
             j = buf.find(self.CLOSE, pos)
             if j < 0:
+                self._scan = max(pos, len(buf) - len(self.CLOSE) + 1)
                 # at the end, the last close stands when none is structural (text after the calls)
                 return buf.rfind(self.CLOSE) if self._final else -1
-            after = buf[j + len(self.CLOSE):].lstrip(_WS)
-            if after.startswith(self.OPEN[0]):
+            m = _NON_WS.search(buf, j + len(self.CLOSE))
+            k = m.start() if m else len(buf)
+            if buf.startswith(opener, k):
                 return j
-            if not after or self.OPEN[0].startswith(after):
+            if k == len(buf) or (len(buf) - k < len(opener) and opener.startswith(buf[k:])):
+                self._scan = j
                 if self._final:
                     return j
                 return -1  # undecided until more text (or the end) comes
@@ -345,7 +360,7 @@ class _Qwen3Region(_BlockRegion):
             j = self._find_close(self._buf)
             if j < 0:
                 break
-            body, self._buf, self._in = self._buf[:j], self._buf[j + len(self.CLOSE):], False
+            body, self._buf, self._in, self._scan = self._buf[:j], self._buf[j + len(self.CLOSE):], False, 0
             events += self._one(body)
             events += self.feed("")  # a next <tool_call> in the rest
         return events + super().finish()

@@ -4,6 +4,7 @@ parser's malformed path, streamed and whole results agree, streams stay linear."
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 
 import pytest
@@ -73,3 +74,19 @@ def test_deeply_nested_harmony_call_passes_as_text():
     text = "<|channel|>commentary to=functions.get_weather<|message|>" + DEEP + "<|call|>"
     assert _extract("openai", text) == (None, [("get_weather", DEEP)])
     assert _stream("openai", text) == (None, [("get_weather", DEEP)])
+
+
+@pytest.mark.parametrize("name", ["qwen3_coder", "qwen3_xml", "mimo"])
+def test_literal_close_markers_in_a_value_stream_in_linear_time(name):
+    # each 4-character delta used to rescan (and copy) the buffer after every literal </tool_call>:
+    # 16 KB took 2.4 s, 64 KB minutes; now 64 KB is well under a second
+    import time
+
+    val = "lorem ipsum </tool_call> dolor " * (64_000 // 31)
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n" + val
+            + "\n</parameter>\n</function>\n</tool_call>")
+    t0 = time.monotonic()
+    got = _stream(name, text, 4)
+    assert time.monotonic() - t0 < 3
+    assert got == _extract(name, text)
+    assert got[1] == [("get_weather", json.dumps({"city": val}, ensure_ascii=False))] and got[0] is None
