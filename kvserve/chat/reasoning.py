@@ -297,6 +297,7 @@ class ReasoningStreamer:
             self._impl = _HarmonyStreamer()
         self._pending_count = 0
         self._buf = ""
+        self._held_from = 0
         self._prefix_done = False
         self._started_in_prompt = started_in_prompt and not self._append_think
         self._prompt_tail = prompt_tail
@@ -348,14 +349,19 @@ class ReasoningStreamer:
 
     def _scan(self, delta: str, final: bool) -> list[tuple[str, str]]:
         parts: list[tuple[str, str]] = []
-        self._buf += delta
+        buf, self._buf = self._buf, ""
+        buf += delta  # a local with one reference: CPython grows it in place (no copy per delta)
+        self._buf = buf
+        del buf
         if self._phase == "undecided":
             self._decide(final)
             if self._phase == "undecided":
                 return parts
         if self._phase == "held":
-            i = self._buf.find(self.end)
+            # the held text was searched up to _held_from already: a stream stays linear
+            i = self._buf.find(self.end, self._held_from)
             if i < 0 and not final:
+                self._held_from = max(0, len(self._buf) - len(self.end) + 1)
                 return parts
             if i < 0:
                 self._phase = "content"

@@ -90,3 +90,43 @@ def test_literal_close_markers_in_a_value_stream_in_linear_time(name):
     assert time.monotonic() - t0 < 3
     assert got == _extract(name, text)
     assert got[1] == [("get_weather", json.dumps({"city": val}, ensure_ascii=False))] and got[0] is None
+
+
+_FILLER = "abc def " * 50_000  # 400 KB
+
+
+@pytest.mark.parametrize("name,text", [
+    ("seed_oss", "<seed:tool_call>\n<function=get_weather>\n<parameter=city>\n" + _FILLER
+     + "\n</parameter>\n</function>\n</seed:tool_call>"),
+    ("minimax_m2", '<minimax:tool_call><invoke name="get_weather"><parameter name="city">' + _FILLER
+     + "</parameter></invoke></minimax:tool_call>"),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+     '{"city":"' + _FILLER + '"}<|tool_call_end|><|tool_calls_section_end|>'),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+     '{"city":"' + _FILLER + '"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+])
+def test_block_parsers_stream_400kb_in_linear_time(name, text):
+    # each delta used to search the whole call from its start (and copy the buffer): 400 KB ~30 s
+    import time
+
+    t0 = time.monotonic()
+    got = _stream(name, text, 4)
+    assert time.monotonic() - t0 < 3
+    city = _FILLER.strip() if name == "minimax_m2" else _FILLER  # minimax_m2 strips values (vLLM)
+    assert got == (None, [("get_weather", json.dumps({"city": city}))])
+
+
+@pytest.mark.parametrize("style", ["deepseek_v3", "kimi_k2", "deepseek_r1"])
+def test_held_reasoning_streams_400kb_in_linear_time(style):
+    # deepseek_r1's split holds the text until </think>; each delta searched it all again
+    import time
+
+    from kvserve.chat.reasoning import ReasoningStreamer
+
+    text = "<think>" + _FILLER + "</think>" + "xyz " * 1000
+    s = ReasoningStreamer(style=style)
+    t0 = time.monotonic()
+    frags = [f for i in range(0, len(text), 4) for f in s.feed(text[i:i + 4])] + s.finish()
+    assert time.monotonic() - t0 < 3
+    assert "".join(f.get("reasoning", "") for f in frags) == _FILLER.strip()
+    assert "".join(f.get("content", "") for f in frags) == ("xyz " * 1000).rstrip()
