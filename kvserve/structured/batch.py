@@ -32,6 +32,7 @@ seconds the engine thread spent handing work over and waiting for it.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -79,6 +80,12 @@ class MaskStats:
 #: the counters of this process (read by benchmarks/grammar_batch.py)
 STATS = MaskStats()
 
+#: fewer constrained rows than this in a step compute their masks themselves, as before: at one
+#: row the hand-over to the worker cost more than the fill it hid (measured on the loaded 2-core
+#: machine: ~0.3 ms serial vs ~0.8 ms of engine-thread wall time per token, the worker waking and
+#: the GIL passing back and forth), while at 16 rows it paid (84 -> 55 us a token)
+MIN_ROWS = 2
+
 
 class _Worker:
     """One engine thread's bitmask buffer and worker thread.
@@ -107,7 +114,9 @@ class _Worker:
     def submit(self, batch: MaskBatch, args: tuple) -> None:
         if self.jobs is None:
             self.jobs = queue.SimpleQueue()
-            threading.Thread(target=_serve, args=(self.jobs,), name="kvserve-masks", daemon=True).start()
+            t = threading.Thread(target=_serve, args=(self.jobs,), name="kvserve-masks", daemon=True)
+            t.start()
+            _threads[t] = self.jobs
             weakref.finalize(self, self.jobs.put, None)  # the engine thread gone: the worker ends
         batch._done.acquire()
         self.jobs.put((batch, args))
@@ -138,6 +147,16 @@ def _batch_threads() -> int:
 
 
 _local = threading.local()
+#: live worker threads -> their job queues, stopped at interpreter exit (a daemon thread still
+#: inside xgrammar's C++ code while the interpreter finalizes can abort the process)
+_threads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    for t, jobs in list(_threads.items()):
+        jobs.put(None)
+        t.join(timeout=2.0)
 
 
 def _worker() -> _Worker:
@@ -237,7 +256,7 @@ def prefetch_masks(constraints: list, background: bool = True) -> MaskBatch | No
 
     Returns:
         The MaskBatch (call ``release()`` once the step sampled), or None when nothing was
-        batched (nothing to do, or a single row and no ``background``). Errors of the fill surface in ``mask()`` (the row's request fails alone)."""
+        batched (fewer than :data:`MIN_ROWS` rows to do). Errors of the fill surface in ``mask()`` (the row's request fails alone)."""
     t = time.perf_counter()
     seen: set[int] = set()
     todo = []
@@ -251,8 +270,8 @@ def prefetch_masks(constraints: list, background: bool = True) -> MaskBatch | No
             continue
         seen.add(id(c))
         todo.append(c)
-    if not todo or (len(todo) == 1 and not background):
-        return None  # one row on this thread: its own mask() is the same work with less around it
+    if len(todo) < MIN_ROWS:
+        return None  # its own mask() is the same work with less around it
     w = _worker()
     first = todo[0]
     bits = w.buffer(len(todo), first._vocab_size)

@@ -47,7 +47,7 @@ def _walk(backend, n_rows: int, steps: int, background: bool, seed: int = 3) -> 
         if not live:
             break
         batch = GrammarConstraint.prefetch_masks([b for b, _ in live], background)
-        assert (batch is None) == (len(live) == 1 and not background)
+        assert (batch is None) == (len(live) < mask_batch.MIN_ROWS)
         for b, a in live:
             got, want = b.mask(), a.mask()
             assert got.dtype == torch.bool and got.shape == (backend.n_vocab,)
@@ -72,12 +72,15 @@ def test_batched_masks_equal_single_masks_bit_for_bit(backend, background):
     assert mask_batch.STATS.rows == n and mask_batch.STATS.batches >= 20
 
 
-def test_one_row_on_the_engine_thread_is_not_batched(backend):
+def test_one_row_is_not_batched(backend):
+    assert mask_batch.MIN_ROWS == 2
     c = backend.constraint(SPECS[0])
-    assert GrammarConstraint.prefetch_masks([c], False) is None and c._pending is None
+    for background in (False, True):
+        assert GrammarConstraint.prefetch_masks([c], background) is None and c._pending is None
 
 
-def test_one_row_batch(backend):
+def test_one_row_batch(backend, monkeypatch):
+    monkeypatch.setattr(mask_batch, "MIN_ROWS", 1)
     assert _walk(backend, 1, 30, True, seed=9) > 10
 
 
@@ -89,18 +92,19 @@ def test_terminated_repeated_and_released(backend):
     assert done.accept_token(eos) and done.is_terminated()
     live = backend.constraint(SPECS[0])
     ref = backend.constraint(SPECS[0])
-    b = GrammarConstraint.prefetch_masks([done, live, live], True)
-    assert b is not None and b.constraints == [live]  # the terminated one and the repeat left out
+    live2 = backend.constraint(SPECS[1])
+    b = GrammarConstraint.prefetch_masks([done, live, live, live2], True)
+    assert b is not None and b.constraints == [live, live2]  # the terminated one and the repeat left out
     assert done._pending is None
     assert torch.equal(done.mask(), _only(backend, backend.stop_ids))
     b.release()  # the step did not sample this row: its mask() computes afresh
     assert live._pending is None and torch.equal(live.mask(), ref.mask())
     # accepting a token while a prefetched mask is pending drops that mask
-    GrammarConstraint.prefetch_masks([live], True)
+    GrammarConstraint.prefetch_masks([live, live2], True)
     tok = backend.tokenizer.encode("{", add_special=False)[0]
     assert live.accept_token(tok) and ref.accept_token(tok)
     assert live._pending is None and torch.equal(live.mask(), ref.mask())
-    assert GrammarConstraint.prefetch_masks([done], True) is None
+    assert GrammarConstraint.prefetch_masks([done, done], True) is None
 
 
 def _only(backend, ids):
