@@ -600,6 +600,11 @@ class _Region:
 
 
 class _HermesRegion(_Region):
+    """``<tool_call>`` JSON ``</tool_call>`` blocks. A call is sent whole once its close marker
+    came and its JSON parsed (the events are held until then): a ``</tool_call>`` inside a
+    JSON string, or a value JSON rejects, makes the call malformed in a stream exactly as in
+    the finished text (vLLM's non-streaming regex + ``json.loads``), never half-sent arguments."""
+
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     #: keep text between and after calls as content (granite4), else it is dropped (hermes)
     KEEP_TEXT = False
@@ -607,6 +612,7 @@ class _HermesRegion(_Region):
     def __init__(self) -> None:
         self._buf = ""
         self._call: _CallObject | None = None
+        self._held: list[_Event] = []  # the open call's events, sent at its close
         self._after = ""  # text after the object, before </tool_call>
         self._outside = ""  # KEEP_TEXT: text since the last call, sent when the next starts or at the end
 
@@ -653,14 +659,18 @@ class _HermesRegion(_Region):
         if rest is not None:
             self._after += rest
         # the call is complete only at </tool_call>, once the text after the object is checked
-        return [ev for ev in events if not isinstance(ev, _End)]
+        self._held += [ev for ev in events if not isinstance(ev, _End)]
+        return []
 
     def _end_call(self) -> list[_Event]:
         assert self._call is not None
         if not self._call.closed or self._after.strip():
             raise _Malformed("bad text inside <tool_call>")
         self._call = None
-        return [_End()]
+        held, self._held = self._held, []
+        start = next(ev for ev in held if isinstance(ev, _Start))
+        args = start.args + "".join(ev.args for ev in held if isinstance(ev, _Args))
+        return [_Start(start.name, args, start.id), _End()]
 
     def finish(self) -> list[_Event]:
         if self._call is None:

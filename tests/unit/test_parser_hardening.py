@@ -130,3 +130,27 @@ def test_held_reasoning_streams_400kb_in_linear_time(style):
     assert time.monotonic() - t0 < 3
     assert "".join(f.get("reasoning", "") for f in frags) == _FILLER.strip()
     assert "".join(f.get("content", "") for f in frags) == ("xyz " * 1000).rstrip()
+
+
+@pytest.mark.parametrize("name,deltas", [
+    ("hermes", ['<tool_call>', '{"name":"get_weather","arguments":{"city":"a', '</tool_call>', 'b"}}', '</tool_call>']),
+    ("hermes", ['<tool_call>', '{"name":"get_weather","arguments":{"x":', '1' * 5000, '}}', '</tool_call>']),
+    ("granite4", ['<tool_call>', '{"name":"get_weather","arguments":{"city":"a', '</tool_call>', 'b"}}', '</tool_call>']),
+])
+def test_hermes_stream_agrees_with_the_whole_text(name, deltas, caplog):
+    # a </tool_call> inside a JSON string (or a >4300-digit integer) makes the call malformed:
+    # the stream used to have sent '{"city": "a' already; now both give all of it as content
+    text = "".join(deltas)
+    s = get_tool_parser(name, _ids(), TOOLS).stream()
+    frags = [f for d in deltas for f in s.feed(d)] + s.finish()
+    assert "".join(f["content"] for f in frags) == text and not s.saw_calls
+    assert all(set(f) == {"content"} for f in frags)
+    assert _extract(name, text) == (text, [])
+
+
+def test_hermes_stream_sends_a_good_call_whole_at_its_close():
+    deltas = ['<tool_call>', '{"name":"get_weather",', '"arguments":{"city":"a</tool_callb"}}', '</tool_call>']
+    s = get_tool_parser("hermes", _ids(), TOOLS).stream()
+    got = [s.feed(d) for d in deltas] + [s.finish()]
+    assert got == [[], [], [], [{"tool_calls": [{"index": 0, "id": "call_0", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "a</tool_callb"}'}}]}], []]

@@ -112,14 +112,16 @@ def test_seed_example_11_streaming_many_chunkings():
         assert s.saw_calls and not s.malformed
 
 
-def test_hermes_streams_arguments_in_pieces():
+def test_hermes_streams_each_call_whole_at_its_close():
+    # a call is sent once its </tool_call> came and its JSON parsed (stream == non-stream)
     parser = get_tool_parser("hermes", counter_ids())
     _, frags = run_stream(parser, list(SEED_OUTPUT))
     calls = [f["tool_calls"][0] for f in frags if "tool_calls" in f]
-    assert calls[0] == {"index": 0, "id": "call_0", "type": "function",
-                        "function": {"name": "read_file", "arguments": "{"}}
-    assert calls[1] == {"index": 0, "function": {"arguments": '"'}}
-    assert len([c for c in calls if c["index"] == 0]) > 5
+    assert calls == [
+        {"index": 0, "id": "call_0", "type": "function",
+         "function": {"name": "read_file", "arguments": '{"path": "src/Main.java"}'}},
+        {"index": 1, "id": "call_1", "type": "function", "function": {"name": "list_dir", "arguments": '{"path": "src"}'}},
+    ]
     # content streams before the call, never after it
     first_call = next(i for i, f in enumerate(frags) if "tool_calls" in f)
     assert all("content" in f for f in frags[:first_call])
@@ -210,10 +212,9 @@ def test_malformed_call_is_content(text, caplog):
 
 def test_malformed_after_the_name_was_streamed():
     text = 'Let me see.\n<tool_call>\n{"name": "read_file", "arguments": {"path": }}\n</tool_call> bye'
-    # incremental streaming already sent the name and "{": the rest is dropped (vLLM-like)
+    # nothing of a call is sent before its close: streamed char by char it is content too
     s, frags = run_stream(get_tool_parser("hermes", counter_ids()), list(text))
-    assert rebuild(frags) == ("Let me see.", [(0, "call_0", "read_file", '{"path": ')])
-    assert s.saw_calls and s.malformed
+    assert rebuild(frags) == (text, []) and not s.saw_calls and s.malformed
     # found within one delta, before anything of the call was sent: all of it is content
     s, frags = run_stream(get_tool_parser("hermes"), [text])
     assert rebuild(frags) == (text, []) and not s.saw_calls and s.malformed
