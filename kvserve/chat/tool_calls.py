@@ -599,6 +599,20 @@ class _Region:
         raise NotImplementedError
 
 
+def _whole(events: list[_Event]) -> list[_Event]:
+    """``events`` with each call's ``_Start`` and ``_Args`` merged into one ``_Start`` (a call
+    held back and sent whole)."""
+    out: list[_Event] = []
+    for ev in events:
+        if isinstance(ev, _Args):
+            start = out[-1]
+            assert isinstance(start, _Start)
+            out[-1] = _Start(start.name, start.args + ev.args, start.id)
+        else:
+            out.append(ev)
+    return out
+
+
 class _HermesRegion(_Region):
     """``<tool_call>`` JSON ``</tool_call>`` blocks. A call is sent whole once its close marker
     came and its JSON parsed (the events are held until then): a ``</tool_call>`` inside a
@@ -668,9 +682,7 @@ class _HermesRegion(_Region):
             raise _Malformed("bad text inside <tool_call>")
         self._call = None
         held, self._held = self._held, []
-        start = next(ev for ev in held if isinstance(ev, _Start))
-        args = start.args + "".join(ev.args for ev in held if isinstance(ev, _Args))
-        return [_Start(start.name, args, start.id), _End()]
+        return _whole(held + [_End()])
 
     def finish(self) -> list[_Event]:
         if self._call is None:
@@ -824,6 +836,10 @@ class _MistralRegion(_Region):
 
 
 class _PythonicRegion(_Region):
+    """The output as one Python list of calls, parsed at the end: text after the list makes all
+    of it content (vLLM's non-streaming ``ast.parse`` of the whole output), so the calls are
+    sent at :meth:`finish`, never before the stream knows nothing follows them."""
+
     START, END = "<|python_start|>", "<|python_end|>"
 
     def __init__(self) -> None:
@@ -831,18 +847,10 @@ class _PythonicRegion(_Region):
         self._done = False
 
     def feed(self, text: str) -> list[_Event]:
-        if self._done:
-            return []
-        self._buf += text
-        body = self._body()
-        if not body.endswith("]"):
-            return []
-        try:
-            calls = _parse_pythonic(body)
-        except _Malformed:
-            return []  # not closed yet (or never): decided at finish
-        self._done = True
-        return _whole_calls(calls)
+        buf, self._buf = self._buf, ""
+        buf += text  # grows in place: linear however many deltas come
+        self._buf = buf
+        return []
 
     def _body(self) -> str:
         s = self._buf.strip()

@@ -102,6 +102,7 @@ from kvserve.chat.tool_calls import (
     _End,
     _Event,
     _HermesRegion,
+    _whole,
     _jsonable,
     _json_loads,
     _loads,
@@ -871,15 +872,35 @@ class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
         return _TagRegion(("<｜tool▁call▁begin｜>",), "<｜tool▁call▁end｜>", _dsv31_call)
 
 
+class _HeldRegion(_Region):
+    """Another region whose calls are all sent at :meth:`finish` (each whole): for formats where
+    text after the calls makes the whole output content, so nothing may be sent before the end."""
+
+    def __init__(self, inner: _Region) -> None:
+        self._inner = inner
+        self._held: list[_Event] = []
+
+    def feed(self, text: str) -> list[_Event]:
+        self._held += self._inner.feed(text)
+        return []
+
+    def finish(self) -> list[_Event]:
+        events = self._held + self._inner.finish()
+        self._held = []
+        return _whole(events)
+
+
 class GraniteToolParser(ToolParser):
-    """``granite`` (vLLM ``GraniteToolParser``): the output is a JSON array of calls."""
+    """``granite`` (vLLM ``GraniteToolParser``): the output is a JSON array of calls. Text after
+    the array makes all of it content (vLLM's non-streaming ``json.loads`` of the whole), so a
+    stream sends the calls at the end."""
 
     name = "granite"
     start_markers = ("<|tool_call|>", "<tool_call>", "[")
     marker_texts = ("<|tool_call|>", "<tool_call>")
 
     def _region(self) -> _Region:
-        return _GraniteRegion()
+        return _HeldRegion(_GraniteRegion())
 
 
 class Llama4PythonicToolParser(PythonicToolParser):

@@ -154,3 +154,28 @@ def test_hermes_stream_sends_a_good_call_whole_at_its_close():
     got = [s.feed(d) for d in deltas] + [s.finish()]
     assert got == [[], [], [], [{"tool_calls": [{"index": 0, "id": "call_0", "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "a</tool_callb"}'}}]}], []]
+
+
+@pytest.mark.parametrize("name,text", [
+    ("pythonic", "[get_weather(city='a')] and then some"),
+    ("llama4_pythonic", "[get_weather(city='a')]\nbye"),
+    ("granite", '<|tool_call|>[{"name":"get_weather","arguments":{"city":"a"}}] bye'),
+])
+def test_text_after_the_call_list_is_content_in_a_stream_too(name, text):
+    # vLLM's non-streaming parse of the whole output fails on the trailing text: all content;
+    # the stream used to send the call at "]" and drop the rest
+    assert _extract(name, text) == (text, [])
+    for chunk in (1, 5, len(text)):
+        assert _stream(name, text, chunk) == (text, [])
+
+
+@pytest.mark.parametrize("name,text", [
+    ("pythonic", "[get_weather(city='a'), get_weather(city='b')]\n"),
+    ("granite", '<|tool_call|>[{"name":"get_weather","arguments":{"city":"a"}}]'),
+])
+def test_call_lists_are_sent_whole_at_the_end(name, text):
+    s = get_tool_parser(name, _ids(), TOOLS).stream()
+    assert [f for c in text for f in s.feed(c)] == []
+    calls = [("get_weather", '{"city": "a"}')] + ([("get_weather", '{"city": "b"}')] if "'b'" in text else [])
+    assert s.finish() == [{"tool_calls": [{"index": i, "id": f"call_{i}", "type": "function", "function": {
+        "name": n, "arguments": a}}]} for i, (n, a) in enumerate(calls)]
