@@ -920,6 +920,7 @@ class Llama4JsonToolParser(Llama3JsonToolParser):
 # ---------------------------------------------------------------------------------------------
 
 _HARMONY_MARKS = ("<|channel|>", "<|start|>")
+_H_CHANNEL, _H_CONSTRAIN, _H_MESSAGE = "<|channel|>", "<|constrain|>", "<|message|>"
 
 
 class _HarmonyToolStreamer:
@@ -996,10 +997,13 @@ class _HarmonyToolStreamer:
             try:
                 args = _json_args(text)
             except _Malformed:
-                if msg.terminator == "":  # cut off: not a complete call
+                if msg.terminator == "":  # cut off (max_tokens): not a complete call
                     logger.warning(_MALFORMED_MSG)
                     self.malformed = True
-                    return None
+                    # the text that was there becomes content (as the other parsers give a cut
+                    # call's text), in harmony's canonical header form
+                    ct = f" {_H_CONSTRAIN}{msg.content_type}" if msg.content_type else ""
+                    return {"content": f"{_H_CHANNEL}{msg.channel} to={msg.recipient}{ct}{_H_MESSAGE}{text}"}
                 logger.warning("Error decoding JSON tool call from response.")
         if not name:
             return None

@@ -179,3 +179,19 @@ def test_call_lists_are_sent_whole_at_the_end(name, text):
     calls = [("get_weather", '{"city": "a"}')] + ([("get_weather", '{"city": "b"}')] if "'b'" in text else [])
     assert s.finish() == [{"tool_calls": [{"index": i, "id": f"call_{i}", "type": "function", "function": {
         "name": n, "arguments": a}}]} for i, (n, a) in enumerate(calls)]
+
+
+@pytest.mark.parametrize("text,content", [
+    ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Par',
+     '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Par'),
+    ('<|channel|>commentary<|message|>preamble<|end|><|start|>assistant<|channel|>commentary '
+     'to=functions.get_weather json<|message|>{"city":"Par',
+     'preamble<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Par'),
+])
+def test_harmony_call_cut_by_max_tokens_is_content(text, content, caplog):
+    # used to be content None and no calls: everything lost
+    with caplog.at_level(logging.WARNING):
+        assert _extract("openai", text) == (content, [])
+    assert "Error in extracting tool call from response." in caplog.text
+    for chunk in (1, 7):
+        assert _stream("openai", text, chunk) == (content, [])
