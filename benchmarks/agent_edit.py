@@ -20,7 +20,9 @@ generating up to ``max_tokens - j * (max_tokens // 2N)`` tokens so that they end
 times. Three engines (plain, ``ngram`` with the draft-length policy, ``ngram_fixed`` verifying
 every proposal whole) hold the prompt cached (so the figure is decode) and are stepped in turn,
 one step each, every step timed: a mode's aggregate tokens/s = its output tokens / the sum of
-its steps' seconds, so load from other processes that comes and goes hits all modes alike. The
+its steps' seconds, so load from other processes that comes and goes hits all modes alike;
+``cpu_ratio`` is the same comparison in the process's CPU seconds over its steps
+(``time.process_time``, all threads), which other processes' preemption inflates less. The
 JSON gives every round's figures, the median per mode and the ratios to plain.
 
 Prints one JSON object: tokens/s of each mode, their ratio, the acceptance rate (accepted /
@@ -152,6 +154,7 @@ def _main_streams(a, cores, prompt: list[int]) -> None:
                 core.add_request(Request(f"{m}{i}-{j}", list(prompt),
                                          SamplingParams(n_predict=lengths[j], temperature=0.0)))
         secs = dict.fromkeys(modes, 0.0)
+        cpu = dict.fromkeys(modes, 0.0)
         steps = dict.fromkeys(modes, 0)
         k = 0
         while any(c.has_work() for c in cores.values()):
@@ -159,9 +162,10 @@ def _main_streams(a, cores, prompt: list[int]) -> None:
                 core = cores[m]
                 if not core.has_work():
                     continue
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 outs = core.step()
                 secs[m] += time.perf_counter() - t
+                cpu[m] += time.process_time() - c
                 steps[m] += 1
                 for o in outs:
                     toks[m][o.request_id] += o.new_token_ids
@@ -172,11 +176,13 @@ def _main_streams(a, cores, prompt: list[int]) -> None:
             st = core.stats
             n = sum(len(t) for t in toks[m].values())
             dn, da = st.spec_draft_tokens_total - st0[0], st.spec_accepted_tokens_total - st0[1]
-            rnd[m] = {"tokens": n, "tok_s": round(n / secs[m], 1), "seconds": round(secs[m], 2), "steps": steps[m],
+            rnd[m] = {"tokens": n, "tok_s": round(n / secs[m], 1), "seconds": round(secs[m], 2),
+                      "cpu_seconds": round(cpu[m], 2), "steps": steps[m],
                       "verify_chunks": st.spec_drafts_total - st0[2], "draft_n": dn, "draft_n_accepted": da}
             outputs.setdefault(m, [toks[m][f"{m}{i}-{j}"] for j in range(a.streams)])
         for m in modes[1:]:
             rnd[f"ratio_{m}"] = round(rnd[m]["tok_s"] / rnd["plain"]["tok_s"], 3)
+            rnd[f"cpu_ratio_{m}"] = round(rnd["plain"]["cpu_seconds"] / rnd[m]["cpu_seconds"], 3)
         rounds.append(rnd)
     med = {m: statistics.median(r[m]["tok_s"] for r in rounds) for m in modes}
     print(json.dumps({
@@ -194,6 +200,7 @@ def _main_streams(a, cores, prompt: list[int]) -> None:
         "rounds": rounds,
         "tok_s_median": {m: round(v, 1) for m, v in med.items()},
         "ratio_of_medians": {m: round(med[m] / med["plain"], 3) for m in modes[1:]},
+        "cpu_ratio_median": {m: statistics.median(r[f"cpu_ratio_{m}"] for r in rounds) for m in modes[1:]},
         "identical": all(outputs[m] == outputs["plain"] for m in modes),
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }, indent=2))
