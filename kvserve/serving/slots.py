@@ -136,14 +136,15 @@ class Slot:
     def view(self, show_text: bool = False, detokenize=None) -> dict:
         """The ``GET /slots`` entry (llama-server's ``server_slot::to_json``: its fields, its order).
 
-        A slot that never ran a task has only ``id``, ``n_ctx``, ``speculative`` and
-        ``is_processing``, as in llama-server. ``params`` is llama-server's metrics view (no
+        A slot that never ran a task and holds no tokens has only ``id``, ``n_ctx``,
+        ``speculative`` and ``is_processing``, as in llama-server (one restored from a slot file
+        shows its tokens). ``params`` is llama-server's metrics view (no
         :data:`TEXT_PARAMS`, so one user cannot read another's stop strings or grammar) unless
         ``show_text`` (``--slots`` given explicitly, or ``LLAMA_SERVER_SLOTS_DEBUG``).
         ``detokenize`` (ids -> text; llama-server's ``LLAMA_SERVER_SLOTS_DEBUG``) adds ``prompt``
         and ``generated``, the last request's texts."""
         d = {"id": self.id, "n_ctx": self.n_ctx, "speculative": self.speculative, "is_processing": self.is_processing}
-        if self.id_task < 0:
+        if self.id_task < 0 and not self.cached_tokens():  # a restored slot file shows its tokens
             return d
         n_remain = -1 if self.n_predict < 0 else max(self.n_predict - self.n_decoded, 0)
         d.update({
