@@ -20,9 +20,9 @@ returns OpenAI-shaped calls. Parsers are chosen by vLLM's ``--tool-call-parser``
     values only (``ast.literal_eval``), as vLLM's ``pythonic`` parser.
 
 More formats (``qwen3_coder``, ``glm45``, ``kimi_k2``, ``deepseek_v3``, ``granite``, ``openai``
-(gpt-oss harmony), ...) live in :mod:`kvserve.chat.tool_formats` and are registered here too;
-:data:`VLLM_TOOL_PARSERS` lists every name vLLM registers, and :func:`tool_parser_error` gives the
-start-up error for one kvserve lacks. Parsers take the request's ``tools`` (the XML formats
+(gpt-oss harmony), ...) live in :mod:`kvserve.chat.tool_formats`; all are registered by name in
+:mod:`kvserve.chat.tool_parsers` (``TOOL_PARSERS``, ``get_tool_parser``), with ``VLLM_TOOL_PARSERS``,
+every name vLLM registers, and ``tool_parser_error``, the start-up error for one kvserve lacks. Parsers take the request's ``tools`` (the XML formats
 convert values by their schema types).
 
 Results (all parsers):
@@ -65,8 +65,6 @@ from dataclasses import dataclass, field
 from kvserve.engine.detokenizer import partial_suffix
 
 __all__ = [
-    "TOOL_PARSERS",
-    "VLLM_TOOL_PARSERS",
     "ExtractedToolCalls",
     "HermesToolParser",
     "Llama3JsonToolParser",
@@ -76,9 +74,7 @@ __all__ = [
     "ToolCallStreamer",
     "ToolParser",
     "detect_tool_parser",
-    "get_tool_parser",
     "make_call_id",
-    "tool_parser_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -1177,57 +1173,6 @@ class ToolCallStreamer:
             out = self._fail()
             self._mode = "done"
             return out
-
-
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
-}
-
-# imported here, not at the top: that module imports the helpers above
-from kvserve.chat.tool_formats import NEW_TOOL_PARSERS
-
-TOOL_PARSERS.update((p.name, p) for p in NEW_TOOL_PARSERS)
-TOOL_PARSERS = dict(sorted(TOOL_PARSERS.items()))
-
-#: Every ``--tool-call-parser`` name vLLM registers (vllm/tool_parsers/__init__.py, recent
-#: releases together); those not in :data:`TOOL_PARSERS` are refused at start-up.
-VLLM_TOOL_PARSERS: tuple[str, ...] = (
-    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4",
-    "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45", "glm47", "granite", "granite-20b-fc", "granite4",
-    "hermes", "hunyuan_a13b", "hy_v3", "internlm", "jamba", "kimi_k2", "lfm2", "llama3_json", "llama4_json",
-    "llama4_pythonic", "longcat", "mimo", "minicpm5", "minimax", "minimax_m2", "minimax_m3", "mistral", "olmo3",
-    "openai", "phi4_mini_json", "poolside_v1", "pythonic", "qwen3_coder", "qwen3_xml", "seed_oss", "step3",
-    "step3p5", "xlam", "zaya_xml",
-)
-
-
-def tool_parser_error(name: str) -> str | None:
-    """The start-up error for ``--tool-call-parser name``, or None when kvserve implements it.
-
-    A name vLLM registers but kvserve does not implement and an unknown name both list the
-    implemented names.
-    """
-    if name in TOOL_PARSERS:
-        return None
-    names = ", ".join(TOOL_PARSERS)
-    if name in VLLM_TOOL_PARSERS:
-        return (f"--tool-call-parser {name!r} is a vLLM parser that kvserve does not implement; "
-                f"implemented: {names}")
-    return f"invalid --tool-call-parser {name!r}: choose from {names}"
-
-
-def get_tool_parser(name: str, make_id: Callable[[], str] | None = None,
-                    tools: list[dict] | None = None) -> ToolParser:
-    """The parser registered as ``name``; ``tools`` (the request's OpenAI ``tools``) give the
-    parameter types the XML formats (``qwen3_coder``, ``glm45``) convert values by.
-
-    Raises:
-        ValueError: unknown name (the message lists the valid names).
-    """
-    cls = TOOL_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"unknown tool call parser {name!r}; valid names: {', '.join(sorted(TOOL_PARSERS))}")
-    return cls(make_id, tools)
 
 
 def detect_tool_parser(template_source: str) -> str | None:

@@ -27,7 +27,7 @@ import functools
 from dataclasses import dataclass, field
 
 from kvserve.chat.reasoning import ReasoningStreamer, split_reasoning
-from kvserve.chat.tool_calls import get_tool_parser
+from kvserve.chat.tool_parsers import get_tool_parser
 
 __all__ = ["ChoiceOutput", "OutputMode", "marker_texts", "preserved_token_ids"]
 
@@ -77,7 +77,7 @@ class OutputMode:
 def marker_texts(mode: OutputMode) -> tuple[str, ...]:
     """The marker texts the mode's tool-call and reasoning parsers read (sorted, unique)."""
     from kvserve.chat.reasoning import reasoning_marker_texts
-    from kvserve.chat.tool_calls import TOOL_PARSERS
+    from kvserve.chat.tool_parsers import TOOL_PARSERS
 
     texts: set[str] = set(reasoning_marker_texts(mode.reasoning_style))
     cls = TOOL_PARSERS.get(mode.tool_parser) if mode.tool_parser is not None else None

@@ -436,7 +436,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         # vLLM's startup check (validate_parsed_serve_args)
         p.exit(2, "error: --enable-auto-tool-choice requires --tool-call-parser\n")
     if v["tool_call_parser"]:
-        from kvserve.chat.tool_calls import tool_parser_error
+        from kvserve.chat.tool_parsers import tool_parser_error
 
         err = tool_parser_error(v["tool_call_parser"])
         if err:

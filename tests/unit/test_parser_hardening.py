@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from kvserve.chat.tool_calls import get_tool_parser
+from kvserve.chat.tool_parsers import get_tool_parser
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "arr": {"type": "array"}}}}}]

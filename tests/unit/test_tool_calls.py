@@ -9,13 +9,8 @@ import random
 
 import pytest
 
-from kvserve.chat.tool_calls import (
-    TOOL_PARSERS,
-    ExtractedToolCalls,
-    ToolCall,
-    detect_tool_parser,
-    get_tool_parser,
-)
+from kvserve.chat.tool_calls import ExtractedToolCalls, ToolCall, detect_tool_parser
+from kvserve.chat.tool_parsers import TOOL_PARSERS, get_tool_parser
 
 # seed 002 Example 11
 SEED_OUTPUT = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.chat.tool_calls import get_tool_parser
+from kvserve.chat.tool_parsers import get_tool_parser
 from kvserve.chat.tool_grammar import (
     TOOL_GRAMMAR_FORMATS,
     tool_call_grammar,
