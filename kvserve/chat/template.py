@@ -506,8 +506,8 @@ class ChatTemplate:
         except _BudgetExceeded as e:
             raise TemplateError(f"chat template error: the template went over kvserve's rendering limits: {e}") from None
         except RecursionError:
-            raise TemplateError("chat template error: recursion too deep (a macro or recursive loop calls "
-                                "itself without end)") from None
+            raise TemplateError("chat template error: recursion too deep (a macro or recursive loop that calls "
+                                "itself without end, or data nested too deeply)") from None
         except MemoryError:
             raise TemplateError("chat template error: out of memory while rendering") from None
         except OverflowError as e:  # range() over the sandbox's MAX_RANGE, huge float results

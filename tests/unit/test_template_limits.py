@@ -28,7 +28,8 @@ BIG = f"it built a value of 10000000000 characters or items (the limit is {MAX_R
     ("{{ '%10000000000s' % 'x' }}", LIMIT + "its format string asks for a width of a million characters or more"),
     ("{{ 2 ** 10000000000 }}", LIMIT + f"it built an integer of about 20000000000 bits (the limit is {MAX_RENDER_CHARS})"),
     ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
-     "chat template error: recursion too deep (a macro or recursive loop calls itself without end)"),
+     "chat template error: recursion too deep (a macro or recursive loop that calls itself without end, "
+     "or data nested too deeply)"),
     ("{{ range(1000000)|list }}", "chat template error: OverflowError: Range too big. The sandbox blocks ranges "
      "larger than MAX_RANGE (100000)."),
 ])
@@ -78,3 +79,19 @@ def test_capability_probe_of_a_hanging_template_is_quick():
     t0 = time.monotonic()
     assert not any(t.caps.values())
     assert time.monotonic() - t0 < 2
+
+
+def test_deeply_nested_tool_call_arguments_object_is_a_template_error():
+    # arguments given as an object (not a string) reach tojson as is: 3000 levels -> RecursionError
+    args: dict = {}
+    cur = args
+    for _ in range(3000):
+        cur["a"] = {}
+        cur = cur["a"]
+    t = ChatTemplate("{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}"
+                     "{% endfor %}{% endfor %}")
+    with pytest.raises(TemplateError) as e:
+        t.render([{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": args}}]}])
+    assert str(e.value) == ("chat template error: recursion too deep (a macro or recursive loop that calls itself "
+                            "without end, or data nested too deeply)")
