@@ -2215,7 +2215,7 @@ def _tool_calls(calls: Any) -> list[dict]:
         if isinstance(args, str):
             try:
                 args = _json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than the stack
                 raise InvalidInputError("invalid tool call arguments") from None
         if args is None:
             args = {}

@@ -376,6 +376,9 @@ def test_content_parts_and_numbers_like_go():
     ({"role": "assistant", "content": None}, "invalid message content type: <nil>"),
     ({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]},
      "invalid tool call arguments"),
+    ({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f",
+                                                                        "arguments": "[" * 5000 + "]" * 5000}}]},
+     "invalid tool call arguments"),  # deeper than the stack: a 400, not a RecursionError (500)
 ])
 def test_messages_refused(msg, error):
     with pytest.raises(InvalidInputError, match=error):
