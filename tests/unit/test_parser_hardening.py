@@ -45,12 +45,12 @@ def _stream(name: str, text: str, chunk: int = 50):
     ("hermes", '<tool_call>{"name":"get_weather","arguments":{"x":' + DEEP + '}}</tool_call>'),
     ("llama3_json", '{"name":"get_weather","parameters":{"x":' + DEEP + '}}'),
     ("granite", '<|tool_call|>[{"name":"get_weather","arguments":{"x":' + DEEP + '}}]'),
-    ("hermes", '<tool_call>{"name":"get_weather","arguments":{"x":' + "[" * 600 + "]" * 600 + '}}</tool_call>'),
     ("hermes", '<tool_call>{"name":"get_weather","arguments":{"x":' + "1" * 5000 + '}}</tool_call>'),
 ])
 def test_deeply_nested_json_call_is_content(name, text, caplog):
-    # RecursionError (json.loads, or re-serializing 600 levels) and a >4300-digit integer: vLLM's
-    # try/except around its json.loads makes the whole text content
+    # RecursionError (json.loads 5,000 levels deep: over any recursion limit in use; torch's
+    # inductor raises it to 2,000, so a case of a few hundred levels would depend on the tests run
+    # before) and a >4300-digit integer: vLLM's try/except around its json.loads makes it content
     with caplog.at_level(logging.WARNING):
         assert _extract(name, text) == (text, [])
     assert "Error in extracting tool call from response." in caplog.text
