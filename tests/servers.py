@@ -82,3 +82,22 @@ def spawn(model: str, args: tuple[str, ...], logdir: Path, env_extra: dict | Non
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     return Server(f"http://127.0.0.1:{port}", proc, log_path, port)
+
+
+def app_client(path, d, *flags):
+    """An in-process server: ``kvserve serve -m PATH -a tiny -c 512 -np 2 --models-dir D/models
+    FLAGS`` behind starlette's TestClient, its model preloaded; ``.state`` is its ServerState (the
+    caller shuts its manager down)."""
+    from starlette.testclient import TestClient
+
+    from kvserve.app import build_app
+    from kvserve.serving.args import parse_args
+    from kvserve.serving.state import ServerState
+
+    state = ServerState(parse_args(["-m", str(path), "-a", "tiny", "-c", "512", "-np", "2",
+                                    "--models-dir", str(d / "models"), *flags]))
+    c = TestClient(build_app(state), base_url="http://127.0.0.1")
+    c.__enter__()
+    c.portal.call(state.preload)
+    c.state = state
+    return c

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import tinymodel  # tests/ is on sys.path (tests/conftest.py)
 from prometheus_client.parser import text_string_to_metric_families
-from starlette.testclient import TestClient
+from servers import app_client
 
 from kvserve.app import build_app
 from kvserve.serving.args import parse_args
@@ -44,14 +44,7 @@ def _cors(r) -> dict:
     return {k: v for k, v in r.headers.items() if k.startswith("access-control-") or k == "vary"}
 
 
-def _client(path, d, *flags):
-    state = ServerState(parse_args(["-m", str(path), "-a", "tiny", "-c", "512", "-np", "2",
-                                    "--models-dir", str(d / "models"), *flags]))
-    c = TestClient(build_app(state), base_url="http://127.0.0.1")
-    c.__enter__()
-    c.portal.call(state.preload)
-    c.state = state
-    return c
+_client = app_client
 
 
 @pytest.fixture(scope="module")

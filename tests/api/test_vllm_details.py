@@ -9,25 +9,15 @@ from __future__ import annotations
 
 import pytest
 import tinymodel  # tests/ is on sys.path (tests/conftest.py)
-from starlette.testclient import TestClient
+from servers import app_client
 
 import kvserve
-from kvserve.app import build_app
-from kvserve.serving.args import parse_args
-from kvserve.serving.state import ServerState
 
 QWEN_FIM = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
 NO_FIM = "prefix token is missing. suffix token is missing. middle token is missing. "
 
 
-def _client(path, d, *flags):
-    state = ServerState(parse_args(["-m", str(path), "-a", "tiny", "-c", "512", "-np", "2",
-                                    "--models-dir", str(d / "models"), *flags]))
-    c = TestClient(build_app(state), base_url="http://127.0.0.1")
-    c.__enter__()
-    c.portal.call(state.preload)
-    c.state = state
-    return c
+_client = app_client
 
 
 @pytest.fixture(scope="module")
