@@ -130,6 +130,8 @@ class EngineConfig:
         num_gpu_blocks_override: vLLM's ``--num-gpu-blocks-override``: the pool's block count.
             With none of these four the pool is llama-server's: ``n_ctx`` tokens plus a block per
             slot.
+        tensor_parallel_size, pipeline_parallel_size: vLLM's ``-tp`` / ``-pp``: the model split over
+            that many ranks (processes; kvserve.engine.parallel); 1 and 1 = one process.
     """
 
     n_ctx: int = 0
@@ -154,6 +156,8 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     cpu_kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.n_ctx < 0:
@@ -176,6 +180,8 @@ class EngineConfig:
             raise ValueError("small_batch_rows must be >= 0")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype '{self.dtype}'")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
 
     def cache_ram_mib(self) -> int:
         """The host-tier budget in MiB that ``cache_ram`` means on this machine (0 = off)."""

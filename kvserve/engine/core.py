@@ -119,6 +119,11 @@ class EngineCore:
         self.n_ctx_slot = config.n_ctx_slot(loaded.config.n_ctx_train)
         self.n_slots = config.n_slots
         bs = config.block_size
+        if make_runner is None and config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            from kvserve.engine.parallel import ParallelRunner  # tp/pp: the model is split over ranks
+
+            max_pos = max(self.n_ctx_slot, self.n_ctx) + bs
+            make_runner = lambda nb, b: ParallelRunner(loaded, config, nb, b, max_pos)  # noqa: E731
         if make_runner is None:
             self.model = build_model(loaded, config, max_positions=max(self.n_ctx_slot, self.n_ctx) + bs)
         c = loaded.config
@@ -282,6 +287,8 @@ class EngineCore:
         self._pending.clear()
         if self.runner is not None:
             self.runner.compiled = None
+            if hasattr(self.runner, "close"):  # a parallel runner stops its worker processes
+                self.runner.close()
         self.runner = self.model = None
         self.breakers = None
         self.tokenizer = None

@@ -489,7 +489,8 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                logits_indices: torch.Tensor | None, return_hidden: bool = False) -> torch.Tensor:
+                logits_indices: torch.Tensor | None, return_hidden: bool = False,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run the flat batch; return float32 logits [len(logits_indices), n_vocab].
 
         input_ids: [T] long; kv_caches: per layer (k_cache, v_cache), each
@@ -501,10 +502,14 @@ class LlamaModel(nn.Module):
         The layer loop calls the submodules' ``forward`` directly (no nn.Module
         hooks: at one token per step the Python per call is a visible share of
         the step) and rotates q/k in place inside the fused qkv output.
+
+        Pipeline stages (kvserve.engine.parallel): ``hidden`` ([T, E], the previous stage's
+        output) replaces the embedding lookup; a model without ``output_norm`` (a stage that
+        is not the last) returns its layers' output [T, E] for every row.
         """
         c = self.config
         T = input_ids.shape[0]
-        x = self.tok_embd[input_ids]  # [T, E], a fresh tensor: the residual adds below are in place
+        x = self.tok_embd[input_ids] if hidden is None else hidden  # [T, E]: the residual adds below are in place
         cis = self.rope_cis[batch.positions].unsqueeze(1)  # [T, 1, D/2]
         slots = batch.slot_mapping
         nq, nkv, hd = c.n_head, c.n_head_kv, c.head_dim
@@ -523,6 +528,8 @@ class LlamaModel(nn.Module):
             x.add_(layer.wo.forward(attention(q, k, v, k_cache, v_cache, batch)))
             gate, up = layer.w_gate_up.forward(layer.ffn_norm.forward(x)).chunk(2, dim=-1)
             x.add_(layer.w_down.forward(F.silu(gate).mul_(up)))
+        if self.output_norm is None:
+            return x
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.output_norm.forward(x)
