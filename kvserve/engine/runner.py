@@ -18,6 +18,7 @@ from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.kv_quant import canonical_kv_type, head_dim_error, kv_data, kv_gather, kv_write, new_kv_cache
 from kvserve.engine.sampler import SampleResult, SequenceSampler, compute_logprobs, sample_batch
 from kvserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvserve.models.decode_native import NativeDecode
 from kvserve.models.llama import AttentionBatch, CompiledDecode, LlamaModel, PrefillGroup
 
 log = logging.getLogger("kvserve.engine")
@@ -94,6 +95,11 @@ class ModelRunner:
             kv_data(v)[:block_size].zero_()
         self.kv_bytes = sum(kv_data(k).nbytes + kv_data(v).nbytes for k, v in self.kv_caches)
         self.compiled: CompiledDecode | None = None  # set by EngineCore with config.compile
+        #: the native decode step (kvserve.models.decode_native), when the model asked for it
+        self.native: NativeDecode | None = None
+        if getattr(model, "native_decode", False):
+            self.native = NativeDecode(model, self.kv_caches, model.output.small_max_rows)
+            self.native.start()
 
     def start_compile(self, max_rows: int) -> CompiledDecode:
         """Compile the decode-only step in the background (see CompiledDecode); decode-only
@@ -299,6 +305,7 @@ class ModelRunner:
         )
         if n_decode:
             attn.decode_kv_index, attn.decode_mask = self._decode_index(dec_tables, dec_lens)
+            attn.decode_lens = torch.tensor(dec_lens, dtype=torch.long)
         # rows that need logits: last row of completing chunks, all rows for prompt logprobs,
         # every row of a verification chunk (speculative decoding)
         sample_ci = [ci for ci in range(len(chunks)) if chunks[ci].completes and not chunks[ci].spec_token_ids]
@@ -324,12 +331,18 @@ class ModelRunner:
         """The forward of a prepared batch: logits [len(need) or T, n_vocab] float32, rows in
         ``batch.need`` order (every row when ``need`` is None).
 
-        A decode-only step runs through the compiled graph when it is ready and accepts
-        the step (see CompiledDecode); every other step, and one the graph refuses, runs
-        the eager model."""
+        A decode-only step of at most ``native.max_batch`` rows runs through the native decode
+        step once it is loaded (see kvserve.models.decode_native), else through the compiled
+        graph when it is ready and accepts the step (see CompiledDecode); every other step,
+        and one the graph refuses, runs the eager model."""
         comp = self.compiled
         attn = batch.attn
         n_decode = attn.n_decode
+        nat = self.native
+        if nat is not None and nat.ready and n_decode == batch.n_rows and n_decode <= nat.max_batch:
+            logits = nat(batch.input_ids, attn.positions, attn.slot_mapping, attn.decode_kv_index, attn.decode_lens,
+                         self.kv_caches)
+            return logits if batch.need is None else logits.index_select(0, batch.need)
         # L >= 2: a size of 1 would be a new (specialized) graph
         if (comp is not None and comp.ready and n_decode == batch.n_rows and n_decode <= comp.max_batch
                 and attn.decode_kv_index.shape[1] >= 2):

@@ -85,6 +85,8 @@ class AttentionBatch:
             (padded with row 0).
         decode_mask: [n_decode, 1, 1, L] bool, True where a row is valid; None when
             no row is padded (every decode query reads L rows).
+        decode_lens: [n_decode] long, the valid rows of each decode query (the native
+            decode step's form of the mask).
         prefills: prompt chunks (see PrefillGroup).
     """
 
@@ -93,6 +95,7 @@ class AttentionBatch:
     n_decode: int = 0
     decode_kv_index: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
     prefills: list[PrefillGroup] = field(default_factory=list)
 
 

@@ -57,29 +57,38 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
     dtype "auto": on CPU ``config.cpu_kernel`` for small batches and a dense
     copy in ``config.large_batch_dtype`` for large ones (and, with
     ``config.compile`` and ``config.native_kernels``, the 4-bit weights for
-    kvserve's native 4-bit kernel on CPUs it supports); bfloat16 on CUDA.
+    kvserve's native 4-bit kernel on CPUs it supports; by default, on those CPUs, they are
+    kept for the native decode step, ``model.native_decode``: see
+    :mod:`kvserve.models.decode_native`); bfloat16 on CUDA.
     """
     cls = ARCHITECTURES.get(loaded.config.arch)
     if cls is None:
         raise ModelLoadError(f"unknown model architecture '{loaded.config.arch}'")
     device = config.resolve_device()
     large = torch.float32
-    native_q4 = False
+    native_q4 = native_decode = False
     if config.dtype == "auto":
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         kernel = config.cpu_kernel if device == "cpu" else "dense"
         if config.large_batch_dtype == "bfloat16" or config.large_batch_dtype == "auto" and cpu_native_bf16():
             large = torch.bfloat16
-        if config.compile and config.native_kernels and device == "cpu":
+        # the native decode step (kvserve.models.decode_native) is the default decode path on CPUs
+        # with AVX512-VNNI: not with --compile (the compiled graph takes the decode steps) nor
+        # with speculative decoding (its verification rows run eagerly); KVSERVE_NATIVE_DECODE=0 off
+        native_decode = (device == "cpu" and not config.compile and not config.spec.enabled
+                         and os.environ.get("KVSERVE_NATIVE_DECODE", "1") != "0")
+        if (config.compile and config.native_kernels or native_decode) and device == "cpu":
             from kvserve.models import q4_kernel
 
             native_q4 = q4_kernel.cpu_supported()
     else:
         dtype = _DTYPES[config.dtype]
         kernel = "dense"
-    return cls(loaded.config, loaded.weights, dtype=dtype, device=device, kernel=kernel,
-               small_max_rows=config.small_batch_rows, max_positions=max_positions, large_dtype=large,
-               native_q4=native_q4)
+    model = cls(loaded.config, loaded.weights, dtype=dtype, device=device, kernel=kernel,
+                small_max_rows=config.small_batch_rows, max_positions=max_positions, large_dtype=large,
+                native_q4=native_q4)
+    model.native_decode = native_decode and native_q4 and isinstance(model, LlamaModel)  # ModelRunner starts it (see NativeDecode)
+    return model
 
 
 def cpu_native_bf16() -> bool:

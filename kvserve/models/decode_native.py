@@ -1,0 +1,288 @@
+"""The native decode step: every layer of a decode-only step in one C++ call (``decode_cpu.cpp``).
+
+At one token per step, eager torch spends most of a SmolLM2 step outside the weights: about
+20 small ops per layer (norms, RoPE, casts, the KV write, attention, residuals), each a few
+microseconds of Python and dispatch, 30 layers deep. The native step runs a layer's RMSNorm,
+q|k|v projection, RoPE, KV write, attention, output projection, SwiGLU MLP and residuals for
+the B rows of a decode-only step in C++, with kvserve's AVX512-VNNI 4-bit kernel
+(:mod:`kvserve.models.q4_kernel`'s arithmetic: activations quantized to int8 per block of 32,
+as llama.cpp's Q4_0/Q4_1 dot products do). The output norm and head stay in torch (the
+w8a8 head of :class:`~kvserve.models.llama.Linear`).
+
+Numerics: llama.cpp-style q4 x q8 rounding instead of torch's bfloat16 int4 kernel, so logits
+differ from the eager path by that rounding (prefill stays eager). Every row is computed with
+the same operations whatever else runs in its step: a sequence's tokens do not depend on its
+batch (for decode-only steps; a step mixed with a prompt chunk runs eagerly, as before).
+
+When it is used (the default): ``dtype`` auto on an x86-64 CPU with AVX512F/BW/VL and
+AVX512-VNNI, Q4_0/Q4_1 projections whose input sizes are multiples of 64, head_dim a multiple
+of 32, a float KV cache (f32/f16/bf16), no ``--compile`` (the compiled graph takes those steps)
+and no speculative decoding (its verification rows run eagerly, and greedy output must equal
+plain decoding's token for token). ``KVSERVE_NATIVE_DECODE=0`` turns it off.
+
+How it is built: with torch's C++ extension tooling (g++ and ninja) in a child process under
+``nice -n 19`` started when the engine loads, so start-up does not wait and serving keeps its
+cores (about 40-60 s of one core the first time); the shared object is cached under
+``$KVSERVE_HOME/extensions/decode_cpu_<key>``, the key a hash of the sources, torch's version
+and the CPU's flags, and reused by later starts and by every model (it holds no model
+shapes). Until it is loaded, and wherever it cannot be (no compiler, other CPUs, a failed
+build: logged once), decode steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from kvserve.models import q4_kernel
+
+log = logging.getLogger("kvserve.engine")
+
+NAME = "kvserve_decode_cpu"
+_DIR = Path(__file__).resolve().parent
+SOURCES = ("decode_cpu.cpp", "q4_core.h")
+_lock = threading.Lock()
+_module = None  # the loaded extension
+_build_error: str | None = None
+_build_thread: threading.Thread | None = None
+
+
+def build_key() -> str:
+    """Hash of the sources, torch's and Python's versions and this CPU's model and flags (16 hex)."""
+    h = hashlib.sha256()
+    for s in SOURCES:
+        h.update((_DIR / s).read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(sys.version.encode())
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "model name")):
+                h.update(line.encode())
+                if line.startswith("flags"):
+                    break
+    except OSError:
+        pass
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """Where the extension is built and cached: ``$KVSERVE_HOME/extensions/decode_cpu_<build_key>``."""
+    from kvserve.store.blobs import kvserve_home
+
+    return kvserve_home() / "extensions" / f"decode_cpu_{build_key()}"
+
+
+def unavailable_reason() -> str | None:
+    """Why the extension cannot be built here (None when it can): CPU or compiler missing."""
+    if not q4_kernel.cpu_supported():
+        return "the CPU lacks AVX512F/BW/VL and AVX512-VNNI (or is not x86-64)"
+    if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
+        return "no C++ compiler (g++)"
+    if shutil.which("ninja") is None and not _ninja_module():
+        return "no ninja (torch's extension builds need it)"
+    return None
+
+
+def _ninja_module() -> bool:
+    return importlib.util.find_spec("ninja") is not None
+
+
+def load_cached():
+    """The extension module if a build of these sources is cached (loads it once), else None."""
+    global _module
+    with _lock:
+        if _module is not None:
+            return _module
+        so = build_dir() / f"{NAME}.so"
+        if not so.exists():
+            return None
+        loader = importlib.machinery.ExtensionFileLoader(NAME, str(so))
+        spec = importlib.util.spec_from_file_location(NAME, str(so), loader=loader)
+        mod = importlib.util.module_from_spec(spec)
+        loader.exec_module(mod)
+        _module = mod
+        return mod
+
+
+def build_now() -> None:
+    """Build the extension in this process (``python -m kvserve.models.decode_native --build``)."""
+    from torch.utils.cpp_extension import load
+
+    d = build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    load(name=NAME, sources=[str(_DIR / "decode_cpu.cpp")], extra_cflags=["-O3", "-march=native"],
+         build_directory=str(d), is_python_module=True, verbose=False)
+
+
+def build_in_child(nice: int = 19, timeout: float = 900.0) -> str | None:
+    """Build in a child process under ``nice`` (one compile job); None on success, else the
+    error text (the last lines of its output)."""
+    env = dict(os.environ, MAX_JOBS="1")
+    cmd = [sys.executable, "-m", "kvserve.models.decode_native", "--build"]
+    if shutil.which("nice"):
+        cmd = ["nice", "-n", str(nice), *cmd]
+    try:
+        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
+                           stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{type(e).__name__}: {e}"
+    if p.returncode != 0:
+        tail = p.stdout.decode(errors="replace").strip().splitlines()[-6:]
+        return f"build exited {p.returncode}: " + " | ".join(tail)
+    return None
+
+
+def ensure_started(on_ready) -> None:
+    """Load the cached build now, or start one background build (once per process) that calls
+    ``on_ready(module)`` when loaded, or ``on_ready(None)`` after logging why it failed."""
+    global _build_thread, _build_error
+    mod = load_cached()
+    if mod is not None:
+        on_ready(mod)
+        return
+    if _build_error is not None:
+        on_ready(None)
+        return
+    with _lock:
+        waiters.append(on_ready)
+        if _build_thread is not None:
+            return
+
+        def work():
+            global _build_error
+            t0 = time.perf_counter()
+            err = build_in_child()
+            mod = None
+            if err is None:
+                try:
+                    mod = load_cached()
+                except Exception as e:  # noqa: BLE001 - a broken build: eager
+                    err = f"{type(e).__name__}: {e}"
+            if mod is None:
+                _build_error = err or "the build left no module"
+                log.warning("native decode step not available, decoding eagerly: %s", _build_error)
+            else:
+                log.info("built the native decode step in %.1f s (%s)", time.perf_counter() - t0, build_dir())
+            with _lock:
+                fns = list(waiters)
+                waiters.clear()
+            for fn in fns:
+                fn(mod)
+
+        _build_thread = threading.Thread(target=work, name="kvserve-native-build", daemon=True)
+        _build_thread.start()
+
+
+waiters: list = []
+
+
+def wait_build(timeout: float | None = None) -> bool:
+    """Block until a background build started by :func:`ensure_started` ended; True when loaded."""
+    t = _build_thread
+    if t is not None:
+        t.join(timeout)
+    return _module is not None
+
+
+def model_reason(model) -> str | None:
+    """Why ``model`` cannot use the native step (None when it can): weights or shapes."""
+    c = model.config
+    if model.device.type != "cpu":
+        return "not a CPU model"
+    lins = model.projections()
+    if not lins or any(lin.q4w is None for lin in lins):
+        return "the projections are not Q4_0/Q4_1 kept for the native kernel"
+    if c.head_dim % 32 or c.n_head % c.n_head_kv:
+        return f"head_dim {c.head_dim} is not a multiple of 32"
+    if getattr(model, "stage_layers", None) is not None:
+        return "a pipeline stage"
+    return None
+
+
+class NativeDecode:
+    """The native decode step for one model and its KV caches.
+
+    Args:
+        model: the LlamaModel (its projections keep the native kernel's weights, Linear.q4w).
+        kv_caches: the runner's per-layer (k_cache, v_cache).
+        max_batch: the most rows of a step it runs (Linear.small_max_rows: larger steps use the
+            dense copy eagerly; 0 = any).
+
+    :attr:`reason` says why it will not run (None when it may); :attr:`ready` turns True once the
+    extension is loaded (at once when a build is cached, else after the background build).
+    """
+
+    def __init__(self, model, kv_caches, max_batch: int = 0):
+        self.model = model
+        self.max_batch = max_batch if max_batch > 0 else 1 << 30
+        self.decoder = None
+        self.calls = 0
+        self.reason = unavailable_reason() or model_reason(model)
+        if self.reason is None and any(not isinstance(t, torch.Tensor) or t.dtype not in
+                                       (torch.float32, torch.float16, torch.bfloat16) for kv in kv_caches for t in kv):
+            self.reason = "a quantized KV cache type"
+
+    def start(self) -> None:
+        """Load or build the extension (see :func:`ensure_started`); logs why when it cannot run."""
+        if self.reason is not None:
+            log.info("native decode step off: %s; decoding eagerly", self.reason)
+            return
+        ensure_started(self._loaded)
+
+    def _loaded(self, mod) -> None:
+        if mod is None:
+            self.reason = _build_error or "build failed"
+            return
+        m, c = self.model, self.model.config
+        empty = torch.empty(0)
+        layers = []
+        for layer in m.layers:
+            t = [layer.attn_norm.weight.contiguous(), layer.ffn_norm.weight.contiguous()]
+            for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
+                t.extend(x.contiguous() for x in lin.q4w)
+            t.append(layer.wqkv.bias.contiguous() if layer.wqkv.bias is not None else empty)
+            layers.append(t)
+        self.decoder = mod.Decoder(layers, c.n_head, c.n_head_kv, c.head_dim, float(c.rms_eps))
+
+    @property
+    def ready(self) -> bool:
+        return self.decoder is not None
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_index: torch.Tensor, lens: torch.Tensor, kv_caches) -> torch.Tensor:
+        """One decode-only step: input_ids, positions, slot_mapping, lens [B] long, kv_index [B, L]
+        long (each query's cache rows, valid up to lens[b]) -> float32 logits [B, n_vocab]."""
+        m = self.model
+        x = m.tok_embd.index_select(0, input_ids)  # [B, E] float32, contiguous
+        cos = m.rope_cos.index_select(0, positions)
+        sin = m.rope_sin.index_select(0, positions)
+        ks = [k for k, _ in kv_caches]
+        vs = [v for _, v in kv_caches]
+        x = self.decoder.step(x, cos, sin, slot_mapping, kv_index.contiguous(), lens, ks, vs)
+        self.calls += 1
+        return m.output.forward(m.output_norm.forward(x)).float()
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--build"]:
+        build_now()
+        print(build_dir())
+        return 0
+    print("usage: python -m kvserve.models.decode_native --build", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
