@@ -186,6 +186,8 @@ class ServerArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             cpu_kv_cache_memory_bytes=self.cpu_kvcache_space_bytes,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )
 
 

@@ -180,12 +180,11 @@ def string_list(text: str) -> list[str]:
 
 
 def _parallel_check(what: str, flag: str) -> Callable[[Any], str | None]:
+    """``-tp N`` / ``-pp N``: at least 1 (the model's head and layer checks run at start-up,
+    kvserve.serving.startup_checks; the ranks: kvserve.engine.parallel)."""
     def check(n: int) -> str | None:
         if n < 1:
             return f"{flag} must be at least 1, got {n}"
-        if n > 1:
-            return (f"{flag} {n}: {what} needs several worker processes, which kvserve does not have yet; "
-                    f"kvserve serves the whole model in one process (use {flag} 1)")
         return None
     return check
 
@@ -544,10 +543,12 @@ FLAGS: tuple[Flag, ...] = (
       why="timings are in every response"),
     F("-e --escape", "bool", True, neg="--no-escape", effect=NONE, why="prompts come from requests"),
     # -- parallelism (vLLM)
-    F("-tp --tensor-parallel-size", "int", 1, "tensor-parallel workers", source=VLLM, effect=NONE,
-      why="one process (values above 1 are refused)", check=_parallel_check("tensor parallelism", "--tensor-parallel-size")),
-    F("-pp --pipeline-parallel-size", "int", 1, "pipeline stages", source=VLLM, effect=NONE,
-      why="one process (values above 1 are refused)",
+    F("-tp --tensor-parallel-size", "int", 1, "tensor-parallel ranks", source=VLLM,
+      why="the model split over N processes on torch.distributed (heads, FFN rows, vocabulary; all-reduce "
+          "per layer); docs/parallel.md", check=_parallel_check("tensor parallelism", "--tensor-parallel-size")),
+    F("-pp --pipeline-parallel-size", "int", 1, "pipeline stages", source=VLLM,
+      why="contiguous layer ranges in N processes, activations sent stage to stage, micro-batches in flight; "
+          "docs/parallel.md",
       check=_parallel_check("pipeline parallelism", "--pipeline-parallel-size")),
     F("-dp --data-parallel-size", "int", 1, "data-parallel replicas", source=VLLM, effect=NONE,
       why="one process; replicas are N kvserve serve behind vllm-router (values above 1 are refused, "

@@ -27,6 +27,10 @@ answers its request with the text.
   here (:func:`batch_warning`).
 * **Quantization and dtype** (vLLM's ``_verify_quantization`` and ``--dtype auto``): see
   :func:`check_quantization` and :func:`resolve_dtype`.
+* **Parallel layout** (002 Example 5, vLLM's ``ModelConfig.verify_with_parallel_config``):
+  ``-tp`` must divide the attention heads ("Total number of attention heads (9) must be divisible
+  by tensor parallel size (2)." for SmolLM2), divide the KV heads or be a multiple of them, and
+  ``-pp`` must not exceed the layers (:func:`kvserve.engine.parallel.parallel_error`).
 """
 
 from __future__ import annotations
@@ -364,6 +368,13 @@ def run_startup_checks(args, path: str, cfg) -> list[tuple[int, str]]:
 
     h = read_header(path)
     notes: list[tuple[int, str]] = []
+    tp, pp = getattr(cfg, "tensor_parallel_size", 1), getattr(cfg, "pipeline_parallel_size", 1)
+    if tp * pp > 1:
+        from kvserve.engine.parallel import parallel_error
+
+        err = parallel_error(h.config, tp, pp)
+        if err:
+            raise StartupCheckError(err)
     notes += check_quantization(getattr(args, "quantization", None), h,
                                 getattr(args, "flags_given", {}).get("quantization", "-q"))
     device_type = torch.device(cfg.resolve_device()).type

@@ -158,8 +158,7 @@ def test_bad_environment_value(capsys):
 
 
 @pytest.mark.parametrize("words,message", [
-    (["-tp", "2"], ("--tensor-parallel-size 2: tensor parallelism needs several worker processes, which kvserve "
-                   "does not have yet; kvserve serves the whole model in one process (use --tensor-parallel-size 1)")),
+    (["-tp", "0"], "--tensor-parallel-size must be at least 1, got 0"),
     (["-pp", "0"], "--pipeline-parallel-size must be at least 1, got 0"),
     (["--lora", "a.gguf"], ("--lora a.gguf: not supported by kvserve: LoRA adapters are not available: the base "
                            "model would answer")),
