@@ -153,6 +153,13 @@ class EngineCore:
             self.runner = make_runner(num_blocks, bs)
             self.model = self.runner.model
         self.device = self.runner.device
+        #: speculative decoding's draft model (method "draft_model"; kvserve.engine.draft), or None
+        self.draft = None
+        if config.spec.enabled and config.spec.method == "draft_model" and make_runner is None:
+            from kvserve.engine.draft import DraftModel
+
+            self.draft = DraftModel.load(config.spec.draft_model, loaded, config, num_blocks, bs,
+                                         max(self.n_ctx_slot, self.n_ctx) + bs)
         if config.compile:
             self.runner.start_compile(self.n_slots * ModelRunner.DECODE_LIKE_MAX)
         self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens, self.n_ctx_slot)
@@ -220,7 +227,7 @@ class EngineCore:
                                   self.breakers.token_texts, self.breakers)
         self._states[request.request_id] = _SeqState(sampler, IncrementalDetokenizer.for_params(self.tokenizer, request.params))
         if self.spec is not None:
-            self.spec.register(request, sampler.is_plain_greedy(0))
+            self.spec.register(request, sampler.is_plain_greedy(0), sampler.speculates_sampled)
         self.scheduler.add(request)
 
     def abort_request(self, request_id: str) -> None:
@@ -253,6 +260,8 @@ class EngineCore:
         self._states.pop(req.request_id, None)
         if self.spec is not None:
             self.spec.forget(req.request_id)
+        if self.draft is not None:
+            self.draft.forget(req.request_id)
         req.stop_type = "abort"
         req.finish_time = req.finish_time or time.monotonic()
         return RequestOutput(
@@ -338,7 +347,11 @@ class EngineCore:
         masks = self._prefetch_masks(sched) if self.grammar_batch else []
         try:
             samplers = {c.request.request_id: self._states[c.request.request_id].sampler for c in sched.chunks}
+            if self.draft is not None:
+                self.draft.propose(sched, self.kv, samplers)
             result = self.runner.execute(sched, self.kv, samplers)
+            if self.draft is not None:
+                self.draft.after_verify(sched, result.verified, self.kv)
         except Exception as e:  # noqa: BLE001 - see the docstring
             outputs += self._fail_step([c.request for c in sched.chunks], e, "execute")
             return outputs
@@ -533,9 +546,11 @@ class EngineCore:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.finish_time = time.monotonic()
+        if self.draft is not None:
+            self.draft.forget(req.request_id)
         if self.spec is not None:
             self.spec.forget(req.request_id)
-            if req.num_draft_tokens:
+            if req.num_draft_tokens or self.draft is not None:
                 # blocks past the kept tokens hold only rejected draft positions
                 self.kv.truncate(req.request_id, req.num_computed_tokens)
         st = self.stats
@@ -627,6 +642,8 @@ class EngineCore:
                 table = self.kv.block_table(rid)
                 rows = torch.tensor([self.kv.row_of(table, p) for p in range(len(tokens))], dtype=torch.long)
                 self.runner.write_rows(rows, layers)
+                if self.draft is not None:  # slot files hold the target's rows: the draft's are recomputed
+                    self.draft.fill(tokens, table)
                 self.kv.record_tokens(rid, 0, tokens, None)
             self.kv.park(rid, key, None)
         finally:

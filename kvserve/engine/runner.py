@@ -18,6 +18,7 @@ from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.kv_quant import canonical_kv_type, head_dim_error, kv_data, kv_gather, kv_write, new_kv_cache
 from kvserve.engine.sampler import SampleResult, SequenceSampler, compute_logprobs, sample_batch
 from kvserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from kvserve.engine.spec_decode import speculative_accept
 from kvserve.models.decode_native import NativeDecode
 from kvserve.models.llama import AttentionBatch, CompiledDecode, LlamaModel, PrefillGroup
 
@@ -231,7 +232,7 @@ class ModelRunner:
         batch = self.prepare(sched.chunks, kv)
         logits = self.run(batch)
         return StepResult(self.sample(batch, logits, samplers), self.prompt_logprobs(batch, logits),
-                          self.verify(batch, logits))
+                          self.verify(batch, logits, samplers))
 
     # -- prepare ---------------------------------------------------------------------
 
@@ -385,22 +386,41 @@ class ModelRunner:
 
     # -- verification (speculative decoding) ------------------------------------------
 
-    def verify(self, batch: PreparedBatch, logits: torch.Tensor) -> list[list[int] | None]:
-        """Per chunk: the target's greedy token at every position of a verification chunk
-        (one argmax over all such rows, the first index on ties as plain greedy sampling
-        picks), None for the other chunks."""
+    def verify(self, batch: PreparedBatch, logits: torch.Tensor,
+               samplers: dict[str, SequenceSampler] | None = None) -> list[list[int] | None]:
+        """Per chunk: for a verification chunk of a greedy request, the target's greedy token at
+        every position (one argmax over all such rows, the first index on ties as plain
+        greedy sampling picks); of a sampling request (``samplers`` says which: not
+        ``is_plain_greedy``), the tokens the rejection rule keeps (accepted drafts and one
+        more: :func:`kvserve.engine.spec_decode.speculative_accept` on the chain's
+        distributions, ``ch.spec_probs`` the draft's); None for the other chunks."""
         chunks = batch.chunks
         out: list = [None] * len(chunks)
         if not batch.spec_off:
             return out
-        rows = [r for ci, off in batch.spec_off.items() for r in range(off, off + chunks[ci].num_new_tokens)]
-        sel = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        tok = logits.index_select(0, sel).to(torch.float32).argmax(dim=-1).tolist()
-        i = 0
+        greedy, sampled = [], []
         for ci in batch.spec_off:
-            n = chunks[ci].num_new_tokens
-            out[ci] = tok[i: i + n]
-            i += n
+            smp = None if samplers is None else samplers.get(chunks[ci].request.request_id)
+            req = chunks[ci].request
+            if smp is None or smp.is_plain_greedy(len(req.output_token_ids)):
+                greedy.append(ci)
+            else:
+                sampled.append((ci, smp))
+        if greedy:
+            rows = [r for ci in greedy for r in range(batch.spec_off[ci], batch.spec_off[ci] + chunks[ci].num_new_tokens)]
+            sel = torch.tensor(rows, dtype=torch.long, device=logits.device)
+            tok = logits.index_select(0, sel).to(torch.float32).argmax(dim=-1).tolist()
+            i = 0
+            for ci in greedy:
+                n = chunks[ci].num_new_tokens
+                out[ci] = tok[i: i + n]
+                i += n
+        for ci, smp in sampled:
+            ch = chunks[ci]
+            off, n = batch.spec_off[ci], ch.num_new_tokens
+            n_gen = len(ch.request.output_token_ids)
+            p_rows = torch.stack([smp.probs(logits[off + i], n_gen + i) for i in range(n)])
+            out[ci] = speculative_accept(p_rows, ch.spec_token_ids, ch.spec_probs, smp.rng)
         return out
 
     # -- prompt logprobs -------------------------------------------------------------

@@ -702,6 +702,55 @@ class SequenceSampler:
         i = cand.vals.argmax().reshape(1)
         cand.keep(i, sorted_=True)
 
+    # ------------------------------------------------------- speculative decoding
+
+    @property
+    def speculates_sampled(self) -> bool:
+        """True when speculative decoding may verify this request's drafts by the rejection rule
+        (:func:`kvserve.engine.spec_decode.speculative_accept`): it samples (temperature > 0) and
+        its chain depends on neither the token history (penalties, DRY) nor an RNG of its own
+        (xtc), so :meth:`probs` at a draft position is the distribution plain sampling would
+        draw from there; no logprobs are asked for."""
+        p = self.params
+        return (p.temperature > 0.0 and "temperature" in self.chain and p.n_probs == 0
+                and not any(s in ("penalties", "dry", "xtc") for s in self._stages))
+
+    def probs(self, logits: torch.Tensor, num_generated: int) -> torch.Tensor:
+        """The distribution this request's chain draws its next token from: float32 [n_vocab]
+        on the logits' device, zero outside the candidates left by logit_bias, the EOG ban
+        (``num_generated`` < min_tokens), and every stage (top_k, top_p, min_p, typ_p,
+        top_n_sigma, temperature). No RNG is consumed. Only for :attr:`speculates_sampled`
+        requests (no history-dependent or random stage).
+
+        Raises:
+            SamplingError: logit_bias leaves no token.
+        """
+        cand = _Cand(self._prepare(logits, num_generated, None), None, False)
+        for name in self._stages:
+            if name == "top_n_sigma":
+                self._apply_top_n_sigma(cand)
+            elif name == "top_k":
+                self._apply_top_k(cand)
+            elif name == "typ_p":
+                self._apply_typical(cand)
+            elif name == "top_p":
+                self._apply_top_p(cand)
+            elif name == "min_p":
+                self._apply_min_p(cand)
+            elif name == "temperature":
+                self._apply_temperature(cand)
+            else:
+                raise ValueError(f"probs(): stage {name} depends on history or an RNG")
+        pr = torch.softmax(cand.vals, dim=0)
+        out = torch.zeros(self.n_vocab, dtype=torch.float32, device=logits.device)
+        out.index_copy_(0, cand.id_tensor(), pr.to(torch.float32))
+        return out
+
+    @property
+    def rng(self) -> torch.Generator:
+        """The request's ``dist`` RNG (CPU torch.Generator seeded with :attr:`seed`)."""
+        return self._rng
+
     # ------------------------------------------------------------------ public
 
     def sample(

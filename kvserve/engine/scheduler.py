@@ -48,6 +48,12 @@ class ScheduledChunk:
     request: Request
     num_new_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)
+    #: a draft model's distributions its draft tokens were drawn from (float32 [k, n_vocab]),
+    #: for the rejection rule of a sampling request; None: prompt lookup, or greedy
+    spec_probs: object = None
+    #: draft model: the tokens the draft-length policy lets this decode row draft this step
+    #: (the draft model fills ``spec_token_ids`` before the forward; 0: none)
+    draft_k: int = 0
 
     @property
     def completes(self) -> bool:
@@ -220,6 +226,13 @@ class Scheduler:
             limit = self.n_ctx_slot - req.num_tokens - 1  # accepted + bonus tokens stay in context
             if p.n_predict > 0:
                 limit = min(limit, p.n_predict - len(req.output_token_ids) - 1)
+            if getattr(self.spec, "uses_draft_model", False):
+                # the draft model drafts after scheduling (kvserve.engine.draft): room for k now
+                k = self.spec.plan(req, min(room, limit))
+                if k and self.kv.allocate(req.request_id, req.num_computed_tokens + 1 + k, evict=False):
+                    ch.draft_k = k
+                    room -= k
+                continue
             draft = self.spec.propose(req, min(room, limit))
             if not draft:
                 continue

@@ -69,6 +69,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 #: kvserve's defaults when neither --speculative-config nor the llama-server flags set them
 DEFAULT_NUM_SPECULATIVE_TOKENS = 16
 DEFAULT_PROMPT_LOOKUP_MAX = 4
@@ -158,11 +160,19 @@ class SpecConfig:
     """Speculative decoding settings of one engine.
 
     Attributes:
-        method: "ngram" (prompt lookup) or None (off).
+        method: "ngram" (prompt lookup), "draft_model" (a draft model: :mod:`kvserve.engine.draft`)
+            or None (off).
         num_speculative_tokens: most tokens proposed per sequence and step (K; llama-server
             ``--draft-max``, vLLM ``num_speculative_tokens``).
         min_tokens: a proposal shorter than this is dropped (llama-server ``--draft-min``).
         prompt_lookup_max, prompt_lookup_min: n-gram lengths looked up (vLLM's names).
+        draft_model: the draft model for method "draft_model": a GGUF path, an HF directory or
+            a store name (as ``-m`` resolves it; llama-server ``-md``, vLLM ``"model"``).
+        draft_p_min: a draft model stops drafting for a sequence when its top token's
+            probability falls below this (llama-server ``--draft-p-min``; its default 0.0 in
+            the llama.cpp this project compares with: never stop early).
+        sampled: sampling requests speculate too, verified by the rejection rule
+            (:func:`speculative_accept`); False: only greedy ones (as before it existed).
     """
 
     method: str | None = None
@@ -170,10 +180,18 @@ class SpecConfig:
     min_tokens: int = 0
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+    draft_model: str | None = None
+    draft_p_min: float = 0.0
+    sampled: bool = True
 
     def __post_init__(self) -> None:
-        if self.method not in (None, "ngram"):
-            raise ValueError(f"unsupported speculative method {self.method!r} (only 'ngram': prompt lookup)")
+        if self.method not in (None, "ngram", "draft_model"):
+            raise ValueError(f"unsupported speculative method {self.method!r} (kvserve has 'ngram': prompt "
+                             "lookup, and 'draft_model')")
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("speculative method 'draft_model' needs a draft model (-md / \"model\")")
+        if not 0.0 <= self.draft_p_min <= 1.0:
+            raise ValueError(f"the draft's minimum probability must be in [0, 1], got {self.draft_p_min}")
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
         if self.min_tokens < 0:
@@ -280,20 +298,55 @@ class SpecDecoder:
         s = self._seqs.get(request_id)
         return None if s is None else s.alpha
 
-    def register(self, request, plain_greedy: bool) -> None:
+    def register(self, request, plain_greedy: bool, sampled: bool = False) -> None:
         """Note a new request. ``plain_greedy``: its every next token is the argmax of the raw
-        logits (see ``SequenceSampler.is_plain_greedy``). Per-request ``spec_n_max`` (None:
-        the engine's K; 0 disables) lowers K, never raises it; ``spec_n_min`` raises the
-        minimum draft size."""
+        logits (see ``SequenceSampler.is_plain_greedy``); ``sampled``: it samples with a chain
+        the rejection rule can verify (``SequenceSampler.speculates_sampled``; only with
+        ``config.sampled``). Per-request ``spec_n_max`` (None: the engine's K; 0 disables)
+        lowers K, never raises it; ``spec_n_min`` raises the minimum draft size. Requests
+        with a grammar, logprobs or prompt logprobs never speculate."""
         c = self.config
         p = request.params
         n_max = c.num_speculative_tokens if p.spec_n_max is None else min(p.spec_n_max, c.num_speculative_tokens)
         n_min = max(c.min_tokens, p.spec_n_min)
-        eligible = (c.enabled and plain_greedy and request.grammar is None and n_max > 0
-                    and p.n_probs == 0 and p.prompt_logprobs is None)
+        eligible = (c.enabled and (plain_greedy or (sampled and c.sampled)) and request.grammar is None
+                    and n_max > 0 and p.n_probs == 0 and p.prompt_logprobs is None)
         if eligible:
             self._seqs[request.request_id] = _Seq(NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max), n_max,
                                                   n_min)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """True for method "draft_model": :meth:`plan` gives draft lengths, the draft model
+        (:class:`kvserve.engine.draft.DraftModel`) the tokens."""
+        return self.config.method == "draft_model"
+
+    def plan(self, request, max_tokens: int) -> int:
+        """Draft model: how many tokens ``request`` drafts this step (0: none): ``min(K,
+        max_tokens)`` cut by the draft-length policy as for prompt lookup (the whole K
+        offered, alpha from the sequence's verifications), and dropped below ``n_min``."""
+        s = self._seqs.get(request.request_id)
+        if s is None:
+            return 0
+        k = min(s.n_max, max_tokens)
+        if k <= 0 or k < s.n_min:
+            return 0
+        if self.adaptive:
+            n = request.num_tokens
+            if n - s.verified_at >= PROBE_TOKENS and s.alpha < PRIOR_HITS / (PRIOR_HITS + PRIOR_MISSES):
+                s.hits, s.misses = PRIOR_HITS, PRIOR_MISSES
+                s.verified_at = n
+            alpha = s.alpha
+            k = draft_length(alpha, k, self._rows, self.base_rows, self._gain, self._drafted, self.chunk_rows)
+            if k < max(s.n_min, 1):
+                return 0
+            p = alpha
+            for _ in range(k):
+                self._gain += p
+                p *= RUN_CONTINUES
+            self._drafted += k + self.chunk_rows
+            s.verified_at = n
+        return k
 
     def forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
@@ -345,3 +398,64 @@ def accepted_prefix(draft: Sequence[int], target: Sequence[int]) -> int:
             break
         a += 1
     return a
+
+
+def draw(probs, u: float) -> int:
+    """Inverse-CDF draw from ``probs`` (float [V], not necessarily normalized, >= 0) with a
+    uniform ``u`` in [0, 1): the first index whose running sum exceeds ``u * total``, never a
+    zero-probability index."""
+    cum = torch.cumsum(probs.to(torch.float64), dim=0)
+    pos = int(torch.searchsorted(cum, cum[-1:] * u, right=True).clamp_(max=cum.shape[0] - 1).item())
+    if float(probs[pos]) <= 0.0:  # u * total rounded up to the total: the last index with mass
+        pos = int(torch.nonzero(probs > 0).flatten()[-1].item())
+    return pos
+
+
+def speculative_accept(p_rows, draft: Sequence[int], q_rows, rng) -> list[int]:
+    """The standard rejection rule of speculative sampling (Leviathan et al. 2023, Chen et al.
+    2023; vLLM's rejection sampler): the output tokens of one verification, whose
+    distribution is exactly the target's sampling distribution at every position.
+
+    Args:
+        p_rows: float32 [k + 1, V], the target's distribution after the request's whole
+            sampler chain at each verified position (``SequenceSampler.probs``).
+        draft: the k draft tokens.
+        q_rows: float32 [k, V], the draft model's distribution each draft token was drawn
+            from; None for prompt lookup (a point mass on each draft token: q(x) = 1).
+        rng: the request's torch.Generator (CPU); one uniform per accept test, one per draw,
+            in order, so a fixed seed gives the same tokens.
+
+    Returns:
+        the accepted prefix of ``draft`` and one more token: on the first rejection (draft
+        token x at position i accepted with probability min(1, p_i(x) / q_i(x))) a token
+        drawn from norm(max(0, p_i - q_i)); after k acceptances the bonus token drawn from
+        p_k. The last token never equals the rejected draft token, so the accepted count is
+        ``accepted_prefix(draft, result)``.
+    """
+    out: list[int] = []
+    for i, x in enumerate(draft):
+        p = p_rows[i]
+        px = float(p[x])
+        qx = 1.0 if q_rows is None else float(q_rows[i][x])
+        u = float(torch.rand((), generator=rng, dtype=torch.float64))
+        if px > 0.0 and u * qx < px:
+            out.append(int(x))
+            continue
+        if q_rows is None:
+            res = p.clone()
+            res[x] = 0.0
+        else:
+            res = (p - q_rows[i].to(p.dtype)).clamp_(min=0.0)
+            res[x] = 0.0  # p(x) < q(x) here: exactly zero, never a rounding remainder
+        if not bool((res > 0).any()):
+            # p - q has no positive part left (p and q equal up to rounding): p without x,
+            # or x itself when p has no other token
+            res = p.clone()
+            res[x] = 0.0
+            if not bool((res > 0).any()):
+                out.append(int(x))
+                return out
+        out.append(draw(res, float(torch.rand((), generator=rng, dtype=torch.float64))))
+        return out
+    out.append(draw(p_rows[len(draft)], float(torch.rand((), generator=rng, dtype=torch.float64))))
+    return out

@@ -4,6 +4,7 @@ random model (1 and 4 streams, prefix-cache hits, stop strings, n_predict, conte
 EOS), a sampled and a grammar request in the same batch unchanged, and the prefix cache's
 block hashes the same after a speculative run as after a plain one."""
 
+import dataclasses
 import random
 import time
 
@@ -104,8 +105,13 @@ def test_a_64k_token_context_costs_no_scan_per_step():
 
 
 def test_spec_config_checks():
-    with pytest.raises(ValueError, match="only 'ngram'"):
+    with pytest.raises(ValueError, match="unsupported speculative method 'eagle' \\(kvserve has 'ngram': prompt "
+                                         "lookup, and 'draft_model'\\)"):
         SpecConfig(method="eagle")
+    with pytest.raises(ValueError, match="needs a draft model"):
+        SpecConfig(method="draft_model")
+    with pytest.raises(ValueError, match=r"minimum probability must be in \[0, 1\], got 1.5"):
+        SpecConfig(method="draft_model", draft_model="x.gguf", draft_p_min=1.5)
     with pytest.raises(ValueError, match="1 <= min <= max"):
         SpecConfig(method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
     with pytest.raises(ValueError):
@@ -326,11 +332,26 @@ def test_sampled_and_grammar_requests_in_the_same_batch_unchanged(tiny_gguf):
                     grammar=be.constraint(g)),
         ]
     a, b = run(plain, mk()), run(spec, mk())
-    _same(a, b)
+    for rid in ("greedy", "penalty", "grammar"):
+        assert a[rid][:3] == b[rid][:3], rid
     assert b["greedy"][3].timings.draft_n_accepted > 0
-    for rid in ("sampled", "penalty", "grammar"):
+    for rid in ("penalty", "grammar"):  # a history-dependent chain, a grammar: no speculation
         assert b[rid][3].timings.draft_n == 0, rid
     assert a["grammar"][2] == "eos"
+    # a sampling request speculates (the rejection rule: same distribution, other draws than
+    # plain sampling's), and its seed gives the same tokens again
+    assert b["sampled"][3].timings.draft_n > 0 and len(b["sampled"][0]) == 40
+    c = run(spec, mk())
+    assert c["sampled"][:3] == b["sampled"][:3]
+    # sampled speculation off (SpecConfig.sampled False): the sampled request is plain again
+    off = make_core(tiny_gguf, False)
+    off_spec = EngineCore(load_files(tiny_gguf), EngineConfig(spec=dataclasses.replace(SPEC, sampled=False),
+                                                              n_ctx=1024, dtype="float32", n_parallel=4,
+                                                              kv_unified=True))
+    off_spec.spec.adaptive = False
+    d, e = run(off, mk()), run(off_spec, mk())
+    _same(d, e)
+    assert e["sampled"][3].timings.draft_n == 0
 
 
 def test_speculative_n_max_zero_disables_it_for_the_request(cores):
