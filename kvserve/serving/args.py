@@ -648,10 +648,21 @@ def _spec_config(v: dict, given: dict, how: dict, notes: list) -> SpecConfig:
     prompt_lookup_min/max 5 when neither is given, the other one's value when one is) or
     llama-server's ``--spec-type ngram`` (K = ``--draft-max``, else ``--spec-ngram-size-m``,
     else 16; n-gram length ``--spec-ngram-size-n`` exactly, else kvserve's 4 down to 2).
-    ``--draft-min`` applies to both. Off otherwise (the draft-size flags then log that they
+    ``--draft-min`` applies to both. A draft model: ``-md`` (K = ``--draft-max``, else 16) or
+    vLLM's ``{"model": X, "num_speculative_tokens": K}`` (method "draft_model" or none), with
+    ``--draft-p-min`` (default 0.0). Off otherwise (the draft-size flags then log that they
     do nothing)."""
     cfg = v["speculative_config"]
     n_min = v["draft_min"] or 0
+    p_min = v["draft_p_min"] if v.get("draft_p_min") is not None else 0.0
+    if cfg is not None and (cfg.get("method") == "draft_model" or (cfg.get("method") is None and "model" in cfg)):
+        return SpecConfig("draft_model", cfg["num_speculative_tokens"], n_min, draft_model=cfg["model"],
+                          draft_p_min=p_min)
+    if v.get("model_draft"):
+        if v["spec_type"] in ("ngram", "ngram-simple"):
+            notes.append((logging.INFO, f"flag {how['spec_type']}: the draft model (-md) is used for speculation"))
+        k = v["draft"] if v["draft"] is not None else DEFAULT_NUM_SPECULATIVE_TOKENS
+        return SpecConfig("draft_model", k, n_min, draft_model=v["model_draft"], draft_p_min=p_min)
     if cfg is not None:
         lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
         if lo is None and hi is None:
@@ -664,10 +675,10 @@ def _spec_config(v: dict, given: dict, how: dict, notes: list) -> SpecConfig:
         n = v["spec_ngram_size_n"]
         hi, lo = (n, n) if n else (DEFAULT_PROMPT_LOOKUP_MAX, DEFAULT_PROMPT_LOOKUP_MIN)
         return SpecConfig("ngram", k, n_min, hi, lo)
-    for dest in ("draft", "draft_min", "spec_ngram_size_n", "spec_ngram_size_m"):
+    for dest in ("draft", "draft_min", "draft_p_min", "spec_ngram_size_n", "spec_ngram_size_m"):
         if dest in given:
             notes.append((logging.INFO, (f"flag {how[dest]}: no effect here: speculative decoding is off "
-                                         "(--spec-type ngram turns it on)")))
+                                         "(--spec-type ngram or -md turns it on)")))
     return SpecConfig()
 
 

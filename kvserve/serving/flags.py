@@ -239,14 +239,28 @@ def _spec_type_check(v: str) -> str | None:
 
 
 _SPEC_CONFIG_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+#: vLLM's keys kvserve takes for a draft model (method "draft_model", or a "model" without a method)
+_SPEC_DRAFT_KEYS = {"method", "model", "num_speculative_tokens"}
 
 
 def _spec_config_check(cfg: dict) -> str | None:
     method = cfg.get("method")
+    if method == "draft_model" or (method is None and "model" in cfg):
+        extra = sorted(set(cfg) - _SPEC_DRAFT_KEYS)
+        if extra:
+            return f"--speculative-config: unsupported key(s) {', '.join(extra)} for a draft model"
+        if not isinstance(cfg.get("model"), str) or not cfg["model"]:
+            return "--speculative-config: a draft model needs \"model\" (a .gguf path, HF directory or store name)"
+        v = cfg.get("num_speculative_tokens")
+        if v is None:
+            return "--speculative-config: num_speculative_tokens is required for a draft model"
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            return f"--speculative-config: num_speculative_tokens must be a positive integer, got {v!r}"
+        return None
     if method != "ngram" or "model" in cfg:
-        what = f"method {method!r}" if method != "ngram" else "a draft model"
-        return (f"--speculative-config: {what} is not available; kvserve has method ngram (prompt lookup) "
-                "only")
+        what = f"method {method!r}" if method != "ngram" else "a draft model with method ngram"
+        return (f"--speculative-config: {what} is not available; kvserve has methods ngram (prompt lookup) "
+                "and draft_model")
     extra = sorted(set(cfg) - _SPEC_CONFIG_KEYS)
     if extra:
         return f"--speculative-config: unsupported key(s) {', '.join(extra)} for method ngram"
@@ -305,7 +319,8 @@ def F(names: str, kind: str = "str", default: Any = None, help: str = "", source
 
 _NO_GPU_LAYERS = "every layer runs on the one device kvserve uses (--device); -ngl 0 means the CPU"
 _CPU_AFFINITY = "torch picks its threads' CPUs; -t sets how many"
-_DRAFT = "speculative decoding with a draft model is not available: the server runs without a draft"
+_DRAFT = ("a draft model from the hub is not fetched at start: kvserve pull it and pass -md NAME; the server "
+          "runs without a draft")
 _ROPE = "the model file's RoPE parameters are used"
 _NO_MM = "kvserve serves text only: requests with image or audio parts are refused"
 _LOG_SHAPE = "kvserve logs in llama-server's line shape to stderr (--log-file adds a file)"
@@ -683,8 +698,11 @@ FLAGS: tuple[Flag, ...] = (
     F("--control-vector", effect=REFUSE, why="control vectors are not available: the model would answer unsteered"),
     F("--control-vector-scaled", effect=REFUSE, why="control vectors are not available"),
     F("--control-vector-layer-range", "list", effect=REFUSE, why="control vectors are not available"),
-    F("-md --model-draft --spec-draft-model", help="draft model", env="LLAMA_ARG_SPEC_DRAFT_MODEL LLAMA_ARG_MODEL_DRAFT",
-      effect=WARN, why=_DRAFT),
+    F("-md --model-draft --spec-draft-model", help="draft model for speculative decoding (.gguf path, HF directory "
+      "or store name)", env="LLAMA_ARG_SPEC_DRAFT_MODEL LLAMA_ARG_MODEL_DRAFT", metavar="FNAME",
+      why="the draft runs beside the target on the target's KV block ids and drafts up to --draft-max tokens "
+      "per sequence and step, verified by the target (greedy: token-identical; sampling: the rejection rule); "
+      "its vocabulary must be the target's (else the server does not start)"),
     F("-hfd -hfrd --hf-repo-draft --spec-draft-hf", env="LLAMA_ARG_SPEC_DRAFT_HF_REPO", effect=WARN, why=_DRAFT),
     F("--spec-type", help="speculative decoding: ngram (prompt lookup; llama-server's ngram-simple) or none",
       env="LLAMA_ARG_SPEC_TYPE", check=_spec_type_check, metavar="TYPE",
@@ -694,26 +712,32 @@ FLAGS: tuple[Flag, ...] = (
       "--spec-type ngram"),
     F("--speculative-config", help="vLLM's speculative config (JSON): method ngram, num_speculative_tokens, "
       "prompt_lookup_max, prompt_lookup_min", source=VLLM, convert=json_object, check=_spec_config_check,
-      metavar="JSON", why="method ngram only (a draft model, EAGLE, MTP are refused)"),
+      metavar="JSON", why="method ngram (prompt_lookup_max/min) or a draft model (\"model\", method draft_model); "
+      "EAGLE, MTP and other methods are refused"),
     F("--spec-ngram-size-n", "int", help="ngram: length of the looked-up n-gram (tokens)", metavar="N",
       why="sets prompt_lookup_max and prompt_lookup_min to N", check=_positive("--spec-ngram-size-n")),
     F("--spec-ngram-size-m", "int", help="ngram: most draft tokens per step when --draft-max is not given",
       metavar="M", why="as --draft-max", check=_positive("--spec-ngram-size-m")),
     F("-ngld --gpu-layers-draft --n-gpu-layers-draft --spec-draft-ngl", env="LLAMA_ARG_N_GPU_LAYERS_DRAFT",
-      effect=NONE, why="no draft model"),
-    F("-td --threads-draft --spec-draft-threads", "int", effect=NONE, why="no draft model"),
-    F("-tbd --threads-batch-draft --spec-draft-threads-batch", "int", effect=NONE, why="no draft model"),
-    F("-devd --device-draft --spec-draft-device", effect=NONE, why="no draft model"),
-    F("-cd --ctx-size-draft", "int", effect=NONE, why="no draft model"),
-    F("-ctkd --cache-type-k-draft --spec-draft-type-k", effect=NONE, why="no draft model"),
-    F("-ctvd --cache-type-v-draft --spec-draft-type-v", effect=NONE, why="no draft model"),
+      effect=NONE, why="the draft runs on the target's device"),
+    F("-td --threads-draft --spec-draft-threads", "int", effect=NONE, why="the draft uses the target's threads"),
+    F("-tbd --threads-batch-draft --spec-draft-threads-batch", "int", effect=NONE,
+      why="the draft uses the target's threads"),
+    F("-devd --device-draft --spec-draft-device", effect=NONE, why="the draft runs on the target's device"),
+    F("-cd --ctx-size-draft", "int", effect=NONE,
+      why="the draft's KV pool has the target's blocks (the same block ids), so its context is the target's"),
+    F("-ctkd --cache-type-k-draft --spec-draft-type-k", effect=NONE, why="the draft's KV cache has the target's types"),
+    F("-ctvd --cache-type-v-draft --spec-draft-type-v", effect=NONE, why="the draft's KV cache has the target's types"),
     F("--draft --draft-n --draft-max --spec-draft-n-max", "int", help="most draft tokens per step (default 16)",
-      env="LLAMA_ARG_DRAFT_MAX", why="with --spec-type ngram: most tokens proposed per sequence and step",
+      env="LLAMA_ARG_DRAFT_MAX", why="with --spec-type ngram or -md: most tokens proposed per sequence and step",
       check=_non_negative("--draft-max")),
     F("--draft-min --draft-n-min --spec-draft-n-min", "int", help="shorter drafts are dropped (default 0)",
-      env="LLAMA_ARG_DRAFT_MIN", why="with --spec-type ngram: drafts shorter than this are not verified",
+      env="LLAMA_ARG_DRAFT_MIN", why="with --spec-type ngram or -md: drafts shorter than this are not verified",
       check=_non_negative("--draft-min")),
-    F("--draft-p-min --spec-draft-p-min", "float", effect=NONE, why="no draft model"),
+    F("--draft-p-min --spec-draft-p-min", "float", help="minimum speculative decoding probability (greedy) "
+      "(default 0.00)", env="LLAMA_ARG_SPEC_DRAFT_P_MIN", metavar="P",
+      why="with -md: a sequence stops drafting when the draft's top token is less likely than P (that token is "
+      "not drafted)", check=lambda p: None if 0.0 <= p <= 1.0 else f"--draft-p-min must be in [0, 1], got {p}"),
     F("--draft-p-split --spec-draft-p-split", "float", effect=NONE, why="no draft model"),
     F("-lcs --lookup-cache-static", effect=NONE, why="no lookup decoding"),
     F("-lcd --lookup-cache-dynamic", effect=NONE, why="no lookup decoding"),

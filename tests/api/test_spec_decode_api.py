@@ -137,3 +137,47 @@ def test_vllm_spec_decode_counters(tmp_path):
         _complete(plain)
         assert "vllm:spec_decode" not in plain.get("/metrics").text
         plain.portal.call(plain_state.manager.shutdown)
+
+
+def test_draft_model_same_content_counters_and_metrics(tmp_path):
+    """``-md`` (the tiny model as its own draft: every draft accepted) through /completion and
+    /metrics; a sampled request speculates too."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    path = tinymodel.write_tiny_gguf(tmp_path / "tiny.gguf", seed=3)
+    plain_state, plain = _client(tmp_path, path)
+    with plain:
+        plain.portal.call(plain_state.preload)
+        ref = _complete(plain, return_tokens=True)
+        plain.portal.call(plain_state.manager.shutdown)
+    state, c = _client(tmp_path, path, "--metrics", "-md", str(path), "--draft-max", "4")
+    with c:
+        c.portal.call(state.preload)
+        b = _complete(c, return_tokens=True)
+        assert b["tokens"] == ref["tokens"] and b["content"] == ref["content"]
+        t = b["timings"]
+        assert t["draft_n"] > 0 and t["draft_n_accepted"] == t["draft_n"]
+        fams = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+
+        def total(name: str) -> float:
+            return sum(s.value for s in fams[name].samples if s.name == name + "_total")
+
+        assert total("vllm:spec_decode_num_draft_tokens") == t["draft_n"]
+        assert total("vllm:spec_decode_num_accepted_tokens") == t["draft_n_accepted"]
+        s = _complete(c, temperature=0.8, top_k=20, seed=5)
+        assert s["timings"]["draft_n"] > 0 and s["timings"]["predicted_n"] == 48
+        assert _complete(c, temperature=0.8, top_k=20, seed=5)["content"] == s["content"]
+        c.portal.call(state.manager.shutdown)
+
+
+def test_draft_model_vocab_mismatch_is_a_startup_error(tmp_path):
+    from kvserve.serving.manager import LoadFailedError
+
+    path = tinymodel.write_tiny_gguf(tmp_path / "tiny.gguf", seed=3)
+    other = tinymodel.write_tiny_gguf(tmp_path / "other.gguf", extra_control_tokens=("<x>",))
+    state, c = _client(tmp_path, path, "-md", str(other))
+    with c:
+        with pytest.raises(LoadFailedError, match=r"model 'tiny' failed to load: the target and draft vocabs are not "
+                                                  r"compatible: target vocab size 301 does not match draft vocab "
+                                                  r"size 302 \(kvserve needs the same vocabulary\)"):
+            c.portal.call(state.preload)

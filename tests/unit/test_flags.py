@@ -65,11 +65,10 @@ def test_short_flags_parse_as_llama_server():
     a = parse_args(["-m", "m.gguf", "-ngl", "99", "-md", "d.gguf", "-tb", "2", "-cb", "-c", "512", "-np", "2",
                     "-t", "1", "-n", "7"], environ={})
     assert (a.model, a.ctx_size, a.parallel, a.threads, a.n_predict) == ("m.gguf", 512, 2, 1, 7)
+    assert (a.spec.method, a.spec.draft_model, a.spec.num_speculative_tokens) == ("draft_model", "d.gguf", 16)
     assert _notes(a) == [
         (logging.INFO, ("flag -ngl 99: no effect here: every layer runs on the one device kvserve uses (--device); "
                        "-ngl 0 means the CPU")),
-        (logging.WARNING, ("flag -md d.gguf: ignored, not available in kvserve: speculative decoding with a draft "
-                          "model is not available: the server runs without a draft")),
         (logging.INFO, "flag -tb 2: no effect here: one torch thread pool (-t) runs prefill and decode"),
         (logging.INFO, "flag -cb: no effect here: continuous batching is always on"),
     ]

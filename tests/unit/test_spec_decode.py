@@ -478,16 +478,33 @@ def test_flags_llama_server_and_vllm_spellings():
     assert _spec_of(["--speculative-config", cfg])[0] == SpecConfig("ngram", 3, 0, 5, 5)  # vLLM's 5 and 5
     spec, notes = _spec_of(["--draft-max", "3"])
     assert spec == SpecConfig() and notes == [
-        (20, "flag --draft-max 3: no effect here: speculative decoding is off (--spec-type ngram turns it on)")]
+        (20, "flag --draft-max 3: no effect here: speculative decoding is off (--spec-type ngram or -md turns it on)")]
+    # a draft model: llama-server's -md (K --draft-max, else 16; --draft-p-min) and vLLM's "model" form
+    assert _spec_of(["-md", "d.gguf"])[0] == SpecConfig("draft_model", 16, 0, draft_model="d.gguf")
+    assert _spec_of(["-md", "d.gguf", "--draft-max", "5", "--draft-min", "2", "--draft-p-min", "0.75"])[0] == \
+        SpecConfig("draft_model", 5, 2, draft_model="d.gguf", draft_p_min=0.75)
+    spec, notes = _spec_of(["-md", "d.gguf", "--spec-type", "ngram"])
+    assert spec.method == "draft_model" and notes == [
+        (20, "flag --spec-type ngram: the draft model (-md) is used for speculation")]
+    for cfg in ('{"model": "d.gguf", "num_speculative_tokens": 4}',
+                '{"method": "draft_model", "model": "d.gguf", "num_speculative_tokens": 4}'):
+        assert _spec_of(["--speculative-config", cfg])[0] == SpecConfig("draft_model", 4, 0, draft_model="d.gguf")
 
 
 @pytest.mark.parametrize(("argv", "text"), [
     (["--spec-type", "ngram-mod"], ("--spec-type ngram-mod: not available; kvserve has ngram (prompt lookup, "
                                    "llama-server's ngram-simple) and none")),
     (["--speculative-config", '{"method": "eagle", "model": "x"}'],
-     "--speculative-config: method 'eagle' is not available; kvserve has method ngram (prompt lookup) only"),
+     ("--speculative-config: method 'eagle' is not available; kvserve has methods ngram (prompt lookup) and "
+      "draft_model")),
     (["--speculative-config", '{"method": "ngram", "model": "x", "num_speculative_tokens": 2}'],
-     "--speculative-config: a draft model is not available"),
+     "--speculative-config: a draft model with method ngram is not available"),
+    (["--speculative-config", '{"model": "x"}'], "num_speculative_tokens is required for a draft model"),
+    (["--speculative-config", '{"model": "x", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}'],
+     "--speculative-config: unsupported key(s) draft_tensor_parallel_size for a draft model"),
+    (["--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 2}'],
+     "--speculative-config: a draft model needs \"model\""),
+    (["-md", "d.gguf", "--draft-p-min", "1.5"], "--draft-p-min must be in [0, 1], got 1.5"),
     (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens is required for method ngram"),
     (["--speculative-config", ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
                               '"prompt_lookup_max": 2}')], "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
