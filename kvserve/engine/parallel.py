@@ -361,6 +361,7 @@ class CommStats:
         steps: steps broadcast; bcast_s: time in the step broadcasts; bcast_bytes: their payload.
         allreduce_calls / allreduce_s: tensor-parallel all-reduces; gather_calls / gather_s: logits gathers.
         p2p_s: pipeline sends/receives waited for on rank 0 (the last stage's logits included).
+        micro_batches: pipeline micro-batches run (more than ``steps`` when steps were split).
     """
 
     steps: int = 0
@@ -371,6 +372,7 @@ class CommStats:
     gather_calls: int = 0
     gather_s: float = 0.0
     p2p_s: float = 0.0
+    micro_batches: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -694,6 +696,7 @@ class ParallelRunner(ModelRunner):
         chunks = sched.chunks
         groups = split_micro_batches(chunks, self.micro_batches)
         batches = [self.prepare([chunks[i] for i in g], kv) for g in groups]
+        self.stats.micro_batches += len(batches)
         payload = _encode_step(sched.kv_shifts, sched.kv_copies, batches)
         with self._comm.lock:
             self._comm.check()
