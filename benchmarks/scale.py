@@ -17,7 +17,12 @@ replicas (``-t`` ``--threads`` each, ``-np`` = agents) and ``vllm-router --polic
   ``--requests`` requests one after another, all agents at once, through the router to 1 and
   to 2 replicas: wall time, requests/s, median latency, the fraction of prompt tokens reused,
   and how the agents were spread.
-* ``not_measured``: tensor/pipeline parallelism (issue #18 items 1-2) is not measured here.
+* ``parallel`` (``--part parallel``; issue #18 items 1-2): in-process engines (EngineCore, the
+  server's numerics) of one process (``-t 2``), ``-tp 2`` and ``-pp 2`` (one thread per rank):
+  prefill tok/s (a fresh ~``--prefill``-token prompt), decode tok/s at 1 and 4 streams, and the
+  communication per step from rank 0's counters (the step broadcast, all-reduce count x mean
+  time, the logits gather, pipeline sends/receives). tp=1 and each parallel layout alternate
+  in rounds in one process (``--rounds``); the ratios are of medians measured side by side.
 
 On a 2-core machine two replicas share the cores one replica had: the point is correctness
 (the prefix stays where it is cached) and the router's overhead, not a speed-up.
@@ -219,6 +224,121 @@ def agent_workload(router: Proc, agents: int, requests: int, n_words: int) -> di
             "agents_per_replica": dict(sorted(per_replica.items()))}
 
 
+def _engine(model: str, tp: int, pp: int, ctx: int):
+    from kvserve.config import EngineConfig
+    from kvserve.engine.core import EngineCore
+    from kvserve.models.registry import load_files
+
+    return EngineCore(load_files(model), EngineConfig(n_ctx=4 * ctx, n_parallel=4, tensor_parallel_size=tp,
+                                                      pipeline_parallel_size=pp, threads=2 if tp * pp == 1 else 1))
+
+
+def _gen(core, prompts: list[list[int]], n: int) -> tuple[float, float, int, int]:
+    """Run prompts to n tokens each: (seconds to every first token, seconds of the decode steps after,
+    decode tokens, decode steps)."""
+    from kvserve.engine.request import Request, SamplingParams
+
+    for i, ids in enumerate(prompts):
+        core.add_request(Request(f"b{time.monotonic_ns()}-{i}", ids, SamplingParams(temperature=0.0, n_predict=n,
+                                                                                    ignore_eos=True)))
+    t0 = time.perf_counter()
+    first = None
+    toks = steps = 0
+    seen: set = set()
+    while core.has_work():
+        outs = core.step()
+        for o in outs:
+            if o.request_id not in seen and o.new_token_ids:
+                seen.add(o.request_id)
+            elif o.new_token_ids:
+                toks += len(o.new_token_ids)
+        if first is None and len(seen) == len(prompts):
+            first = time.perf_counter()
+        elif first is not None:
+            steps += 1
+    end = time.perf_counter()
+    return first - t0, end - first, toks, steps
+
+
+def _comm_delta(a: dict, b: dict) -> dict:
+    return {k: b[k] - a[k] for k in a}
+
+
+def _measure(core, tp: int, pp: int, words: int, rnd: random.Random) -> dict:
+    import torch
+
+    torch.set_num_threads(2 if tp * pp == 1 else 1)  # process-wide: a parallel runner set 1 for rank 0
+    tok = core.tokenizer
+    runner = core.runner
+    stats = getattr(runner, "stats", None)
+    out = {}
+
+    def prompt(n_words):
+        return tok.encode(" ".join(rnd.choice(WORDS) for _ in range(n_words)), add_special=True)
+
+    for label, n_streams, n_words, n_out in (("prefill", 1, words, 1), ("decode_1", 1, 8, 33),
+                                             ("decode_4", 4, 8, 33)):
+        ps = [prompt(n_words) for _ in range(n_streams)]
+        before = stats.as_dict() if stats else None
+        t_first, t_dec, toks, steps = _gen(core, ps, n_out)
+        if label == "prefill":
+            out[label] = {"tokens": len(ps[0]), "tok_s": len(ps[0]) / t_first}
+        else:
+            out[label] = {"tok_s": toks / t_dec if t_dec else None, "steps": steps}
+        if stats:
+            d = _comm_delta(before, stats.as_dict())
+            n = max(d["steps"], 1)
+            out[label]["comm_per_step"] = {
+                "broadcast_ms": 1e3 * d["bcast_s"] / n, "broadcast_bytes": d["bcast_bytes"] / n,
+                "allreduce_count": d["allreduce_calls"] / n,
+                "allreduce_ms_each": 1e3 * d["allreduce_s"] / max(d["allreduce_calls"], 1),
+                "allreduce_ms": 1e3 * d["allreduce_s"] / n,
+                "gather_ms": 1e3 * d["gather_s"] / n, "p2p_wait_ms": 1e3 * d["p2p_s"] / n,
+                "micro_batches": d["micro_batches"] / n}
+    return out
+
+
+def _median_of(runs: list[dict], path: tuple[str, ...]):
+    vals = []
+    for r in runs:
+        v = r
+        for k in path:
+            v = v[k]
+        vals.append(v)
+    return statistics.median(vals)
+
+
+def parallel_bench(model: str, rounds: int, words: int, ctx: int) -> dict:
+    """tp=1 vs tp=2 and tp=1 vs pp=2, alternating in rounds (see the module docstring)."""
+    rnd = random.Random(0)
+    one = _engine(model, 1, 1, ctx)
+    result: dict = {"flags": "tp=1: -t 2; tp=2 / pp=2: one thread per rank (-t 1 each), 2 ranks on 2 cores",
+                    "rounds": rounds}
+    try:
+        for tp, pp in ((2, 1), (1, 2)):
+            par = _engine(model, tp, pp, ctx)
+            a, b = [], []
+            try:
+                for _ in range(rounds):
+                    a.append(_measure(one, 1, 1, words, rnd))
+                    b.append(_measure(par, tp, pp, words, rnd))
+            finally:
+                par.close()
+            key = f"tp{tp}" if tp > 1 else f"pp{pp}"
+            row = {}
+            for label, metric in (("prefill", "tok_s"), ("decode_1", "tok_s"), ("decode_4", "tok_s")):
+                m1, m2 = _median_of(a, (label, metric)), _median_of(b, (label, metric))
+                row[label] = {"tp1_tok_s": round(m1, 1), f"{key}_tok_s": round(m2, 1), "ratio": round(m2 / m1, 3)}
+                comm = {k: round(_median_of(b, (label, "comm_per_step", k)), 4)
+                        for k in b[0][label]["comm_per_step"]}
+                row[label]["comm_per_step"] = comm
+            row["prefill"]["tokens"] = b[0]["prefill"]["tokens"]
+            result[key] = row
+    finally:
+        one.close()
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="tiny (the tests' random model), smollm2, or a GGUF path")
@@ -229,7 +349,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="-t of each replica")
     ap.add_argument("--ctx", type=int, default=2048, help="context per slot (tokens)")
     ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--part", choices=("replicas", "parallel", "all"), default="replicas",
+                    help="replicas behind vllm-router, tensor/pipeline parallelism, or both")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds in the parallel part")
+    ap.add_argument("--prefill", type=int, default=100, help="prefill prompt words in the parallel part")
     args = ap.parse_args()
+    if args.part == "parallel":
+        workdir = Path(tempfile.mkdtemp(prefix="kvserve-scale-"))
+        model = resolve_model(args.model, workdir)
+        result = {"benchmark": "scale", "model": args.model, "machine": {"cpus": os.cpu_count(),
+                  "python": platform.python_version()},
+                  "parallel": parallel_bench(model, args.rounds, args.prefill, args.ctx)}
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return
     exe = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
     if not os.path.exists(exe):
         sys.exit("vllm-router is not installed (pip install vllm-router==0.1.17)")
@@ -258,8 +393,10 @@ def main() -> None:
         procs.append(r2)
         result["replicas"]["2"] = agent_workload(r2, args.agents, args.requests, args.words)
         result["overhead"]["router_over_2_replicas"] = overhead(reps[0], r2, args.runs, args.words)
-        result["not_measured"] = {"tp": "tensor parallelism (-tp, issue #18 item 1) is not measured here",
-                                  "pp": "pipeline parallelism (-pp, issue #18 item 2) is not measured here"}
+        if args.part == "all":
+            for p in procs:
+                p.stop()
+            result["parallel"] = parallel_bench(model, args.rounds, args.prefill, args.ctx)
     finally:
         for p in procs:
             p.stop()

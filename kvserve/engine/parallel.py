@@ -17,8 +17,9 @@ runs the scheduler and the samplers and holds shard (or stage) 0; ranks 1 .. N-1
   stage to stage with ``isend``/``irecv``, and a step's chunks are split into up to ``pp``
   micro-batches so that stage s works on micro-batch m while stage s-1 works on m+1.
 * **Step messages**: each step rank 0 broadcasts one int64 tensor (token ids, positions,
-  cache rows, decode index and lengths, prefill groups, logits rows, KV shift and copy jobs):
-  two broadcasts (a 2-value header, then the payload), no pickles.
+  cache rows, decode index and lengths, prefill groups, logits rows, KV shift and copy jobs), no
+  pickles: one broadcast of :data:`HEADER` values when it fits (a decode step of a few streams),
+  else that header and then the payload.
 * **Start**: on one machine rank 0 starts the N-1 workers itself (``python -m
   kvserve.engine.parallel``, MASTER_ADDR 127.0.0.1, a free MASTER_PORT); with RANK /
   WORLD_SIZE / MASTER_ADDR / MASTER_PORT already set (torchrun) it joins that group instead.
@@ -64,6 +65,8 @@ log = logging.getLogger("kvserve.engine")
 #: heartbeat every quarter of it so that waiting workers never time out
 TIMEOUT_S = float(os.environ.get("KVSERVE_PARALLEL_TIMEOUT", "120"))
 
+#: int64 values of the fixed first broadcast of every message: [op, payload length, payload if it fits]
+HEADER = 512
 # step-message op codes
 _NOP, _STEP, _READ, _WRITE, _STOP = 0, 1, 2, 3, 4
 
@@ -526,17 +529,22 @@ class _Comm:
             raise ParallelWorkerLost(self.lost)
 
     def send(self, op: int, payload: np.ndarray | None, stats: CommStats | None = None) -> None:
-        """Broadcast a header [op, n] and the int64 payload from rank 0."""
+        """Broadcast the message from rank 0: one int64 tensor of HEADER values [op, n, payload...]
+        when the payload fits (a decode step of a few streams), else the header and then the payload."""
         t0 = time.perf_counter()
         n = 0 if payload is None else payload.shape[0]
-        dist.broadcast(torch.tensor([op, n], dtype=torch.long, device=self.device), src=0)
-        if n:
+        head = np.zeros(HEADER, np.int64)
+        head[0], head[1] = op, n
+        if 0 < n <= HEADER - 2:
+            head[2: 2 + n] = payload
+        dist.broadcast(torch.from_numpy(head).to(self.device), src=0)
+        if n > HEADER - 2:
             dist.broadcast(torch.from_numpy(payload).to(self.device), src=0)
         self.last_send = time.monotonic()
         if stats is not None:
             stats.steps += 1
             stats.bcast_s += time.perf_counter() - t0
-            stats.bcast_bytes += 16 + 8 * n
+            stats.bcast_bytes += 8 * HEADER + (8 * n if n > HEADER - 2 else 0)
 
     def fail(self, e: BaseException) -> ParallelWorkerLost:
         """The error to raise after a collective failed: a dead worker named when one is (waiting
@@ -934,14 +942,17 @@ def worker_main(model_path: str | None = None) -> int:
 def _serve(runner: ModelRunner, plan: RankPlan, full_config: ModelConfig, dev) -> None:
     """The worker loop: one step message at a time (see ParallelRunner)."""
     model = runner.model
-    hdr = torch.empty(2, dtype=torch.long, device=dev)
+    hdr = torch.empty(HEADER, dtype=torch.long, device=dev)
     while True:
         dist.broadcast(hdr, src=0)
-        op, n = int(hdr[0]), int(hdr[1])
+        head = hdr.cpu().numpy()
+        op, n = int(head[0]), int(head[1])
         if op == _STOP:
             return
         data = None
-        if n:
+        if 0 < n <= HEADER - 2:
+            data = head[2: 2 + n].copy()
+        elif n:
             buf = torch.empty(n, dtype=torch.long, device=dev)
             dist.broadcast(buf, src=0)
             data = buf.cpu().numpy()
