@@ -651,8 +651,8 @@ class ParallelRunner(ModelRunner):
                     [sys.executable, "-m", "kvserve.engine.parallel"], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                     stdin=subprocess.DEVNULL))
             init = f"tcp://127.0.0.1:{port}"
-        else:
-            init = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        else:  # torchrun (its agent's store) or MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE by hand
+            init = "env://"
             if int(os.environ.get("WORLD_SIZE", "0")) != self.world:
                 raise RuntimeError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} but tp x pp = {self.world}")
         self._finalizer = weakref.finalize(self, _shutdown, self._comm)
@@ -901,8 +901,7 @@ def worker_main(model_path: str | None = None) -> int:
     backend = os.environ.get("KVSERVE_PARALLEL_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    init = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))
     box = [None]
     dist.broadcast_object_list(box, src=0)
