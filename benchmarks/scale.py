@@ -18,7 +18,8 @@ replicas (``-t`` ``--threads`` each, ``-np`` = agents) and ``vllm-router --polic
   to 2 replicas: wall time, requests/s, median latency, the fraction of prompt tokens reused,
   and how the agents were spread.
 * ``parallel`` (``--part parallel``; issue #18 items 1-2): in-process engines (EngineCore, the
-  server's numerics) of one process (``-t 2``), ``-tp 2`` and ``-pp 2`` (one thread per rank):
+  server's numerics) of one process (``-t 2``), ``-tp 2`` (SmolLM2: ``-tp 3``, its 9 heads allow
+  no 2) and ``-pp 2`` (one thread per rank):
   prefill tok/s (a fresh ~``--prefill``-token prompt), decode tok/s at 1 and 4 streams, and the
   communication per step from rank 0's counters (the step broadcast, all-reduce count x mean
   time, the logits gather, pipeline sends/receives). tp=1 and each parallel layout alternate
@@ -308,14 +309,23 @@ def _median_of(runs: list[dict], path: tuple[str, ...]):
     return statistics.median(vals)
 
 
-def parallel_bench(model: str, rounds: int, words: int, ctx: int) -> dict:
-    """tp=1 vs tp=2 and tp=1 vs pp=2, alternating in rounds (see the module docstring)."""
+def parallel_bench(model: str, rounds: int, words: int, ctx: int, tp: int = 0) -> dict:
+    """tp=1 vs tp=N and tp=1 vs pp=2, alternating in rounds (see the module docstring). ``tp`` 0: 2
+    when the model's heads allow it, else the smallest size they allow (SmolLM2's 9 heads: 3)."""
+    from kvserve.engine.parallel import parallel_error
+    from kvserve.serving.startup_checks import read_header
+
+    cfg = read_header(model).config
+    if not tp:
+        tp = next(n for n in range(2, cfg.n_head + 1) if parallel_error(cfg, n, 1) is None)
     rnd = random.Random(0)
     one = _engine(model, 1, 1, ctx)
-    result: dict = {"flags": "tp=1: -t 2; tp=2 / pp=2: one thread per rank (-t 1 each), 2 ranks on 2 cores",
-                    "rounds": rounds}
+    result: dict = {"flags": f"tp=1: -t 2; tp={tp} / pp=2: one thread per rank (-t 1 each), on "
+                             f"{os.cpu_count()} cores", "rounds": rounds,
+                    "tp_note": f"{cfg.n_head} heads, {cfg.n_head_kv} KV heads: tp={tp} is the smallest size "
+                               "above 1 they allow" if tp != 2 else ""}
     try:
-        for tp, pp in ((2, 1), (1, 2)):
+        for tp, pp in ((tp, 1), (1, 2)):
             par = _engine(model, tp, pp, ctx)
             a, b = [], []
             try:
@@ -353,13 +363,15 @@ def main() -> None:
                     help="replicas behind vllm-router, tensor/pipeline parallelism, or both")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds in the parallel part")
     ap.add_argument("--prefill", type=int, default=100, help="prefill prompt words in the parallel part")
+    ap.add_argument("--tp", type=int, default=0, help="tensor-parallel size to compare (0: 2, or the smallest the "
+                    "model's heads allow)")
     args = ap.parse_args()
     if args.part == "parallel":
         workdir = Path(tempfile.mkdtemp(prefix="kvserve-scale-"))
         model = resolve_model(args.model, workdir)
         result = {"benchmark": "scale", "model": args.model, "machine": {"cpus": os.cpu_count(),
                   "python": platform.python_version()},
-                  "parallel": parallel_bench(model, args.rounds, args.prefill, args.ctx)}
+                  "parallel": parallel_bench(model, args.rounds, args.prefill, args.ctx, args.tp)}
         text = json.dumps(result, indent=2)
         print(text)
         if args.out:
@@ -396,7 +408,7 @@ def main() -> None:
         if args.part == "all":
             for p in procs:
                 p.stop()
-            result["parallel"] = parallel_bench(model, args.rounds, args.prefill, args.ctx)
+            result["parallel"] = parallel_bench(model, args.rounds, args.prefill, args.ctx, args.tp)
     finally:
         for p in procs:
             p.stop()
