@@ -62,6 +62,63 @@ inline void rms_norm(const float* x, const float* w, float* out, int64_t n, floa
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), rv), _mm512_loadu_ps(w + i)));
 }
 
+// The output head: int8 weights per block of 32 (GGUF Q8_0's form, w = d * q), stored in the q4
+// kernel's pair order (each 32-bit lane 4 weights of one block, blocks alternating lane by lane)
+// and offset to unsigned (q + 128) for vpdpbusd (u8 x s8); activations quantized per block of 32
+// as for the q4 kernel. Per pair of blocks: dot(q + 128, xq) - 128 * sum(xq), lane by lane, exact.
+template <int MR>
+inline void q8_rows_dot(const uint8_t* wrow, const uint16_t* drow, int64_t K, const int8_t* xq, const __m512i* corr,
+                        const __m512* xsp, float* out, int64_t ldo) {
+  const int64_t P = K / 64;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t pr = 0; pr < P; ++pr) {
+    const __m512i w = _mm512_loadu_si512(wrow + pr * 64);
+    int32_t dpair;
+    std::memcpy(&dpair, drow + 2 * pr, 4);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_set1_epi32(dpair));  // d0 d1 d0 d1 ...
+    for (int r = 0; r < MR; ++r) {
+      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(xq + r * K + pr * 64));
+      dot = _mm512_sub_epi32(dot, corr[r * P + pr]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xsp[r * P + pr]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// y [M, N] = x [M, K] @ head.T with the q8 weights above
+void q8_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_t* D, int64_t N, float* Y) {
+  const int64_t G = K / 32, P = K / 64;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * G), xm(M * G);
+  kvserve_q4::quantize_rows(x, M, K, xq.data(), xs.data(), xm.data());
+  std::vector<__m512i> corr(M * P);
+  std::vector<__m512> xsp(M * P);
+  const __m512i k128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t pr = 0; pr < P; ++pr) {
+      corr[r * P + pr] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, _mm512_loadu_si512(xq.data() + r * K + pr * 64));
+      double pair;
+      std::memcpy(&pair, xs.data() + r * G + 2 * pr, 8);
+      xsp[r * P + pr] = _mm512_castpd_ps(_mm512_set1_pd(pair));  // dx0 dx1 dx0 dx1 ...
+    }
+  const int8_t* XQ = xq.data();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wrow = W + n * K;
+      const uint16_t* drow = D + n * G;
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) q8_rows_dot<4>(wrow, drow, K, XQ + r * K, &corr[r * P], &xsp[r * P], Y + r * N + n, N);
+      switch (M - r) {
+        case 3: q8_rows_dot<3>(wrow, drow, K, XQ + r * K, &corr[r * P], &xsp[r * P], Y + r * N + n, N); break;
+        case 2: q8_rows_dot<2>(wrow, drow, K, XQ + r * K, &corr[r * P], &xsp[r * P], Y + r * N + n, N); break;
+        case 1: q8_rows_dot<1>(wrow, drow, K, XQ + r * K, &corr[r * P], &xsp[r * P], Y + r * N + n, N); break;
+        default: break;
+      }
+    }
+  });
+}
+
 struct Proj {
   const uint8_t* q;
   const uint16_t* d;
@@ -118,6 +175,29 @@ class Decoder {
     }
   }
 
+  // the output norm [E] float32 and head: q [V, E] uint8 (see q8_rows_dot), d [V, E/32] float16
+  void set_head(const at::Tensor& norm, const at::Tensor& q, const at::Tensor& d) {
+    TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.numel() == E_ && q.scalar_type() == at::kByte &&
+                    q.dim() == 2 && q.size(1) == E_ && d.scalar_type() == at::kHalf && d.size(0) == q.size(0) &&
+                    d.size(1) == E_ / 32 && q.is_contiguous() && d.is_contiguous() && norm.is_contiguous(),
+                "decode_cpu: bad head");
+    head_ = {norm, q, d};
+  }
+
+  // x [B, E] hidden states -> logits [B, V] float32 (output norm, then the q8 head)
+  at::Tensor logits(const at::Tensor& x) {
+    TORCH_CHECK(head_.size() == 3, "decode_cpu: no head set");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == E_,
+                "decode_cpu: x must be a contiguous float32 [B, n_embd]");
+    const int64_t B = x.size(0), V = head_[1].size(0);
+    std::vector<float> h(B * E_);
+    for (int64_t b = 0; b < B; ++b) rms_norm(x.data_ptr<float>() + b * E_, head_[0].data_ptr<float>(), h.data() + b * E_, E_, eps_);
+    at::Tensor y = at::empty({B, V}, x.options());
+    q8_mm(h.data(), B, E_, head_[1].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(head_[2].data_ptr<at::Half>()),
+          V, y.data_ptr<float>());
+    return y;
+  }
+
   // x [B, E] float32 (the token embeddings; overwritten with the last layer's hidden states and
   // returned), cos/sin [B, D/2] float32, slots [B] long (cache row of each query's K/V),
   // kv_index [B, L] long (the rows each query reads, valid up to lens[b]), lens [B] long,
@@ -142,7 +222,12 @@ class Decoder {
     const int64_t* slot = slots.data_ptr<int64_t>();
     const int64_t* idx = kv_index.data_ptr<int64_t>();
     const int64_t* len = lens.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(len[b] >= 1 && len[b] <= L, "decode_cpu: lens out of range");
+    const int64_t rows = k_caches.empty() ? 0 : k_caches[0].size(0);
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(len[b] >= 1 && len[b] <= L, "decode_cpu: lens out of range");
+      for (int64_t j = 0; j < len[b]; ++j)
+        TORCH_CHECK(idx[b * L + j] >= 0 && idx[b * L + j] < rows, "decode_cpu: cache row out of range");
+    }
     auto mm = [&](const Proj& p, const float* in, float* o) {
       kvserve_q4::q4_mm_raw(in, B, p.k, p.q, p.d, p.m, p.n, o, xq.data(), xs.data(), xm.data());
       if (p.bias)
@@ -169,7 +254,7 @@ class Decoder {
       const at::Tensor& kc = k_caches[li];
       const at::Tensor& vc = v_caches[li];
       TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && kc.is_contiguous() && vc.is_contiguous() &&
-                      kc.size(1) == HKV && kc.size(2) == D && vc.size(0) == kc.size(0),
+                      kc.size(0) == rows && kc.size(1) == HKV && kc.size(2) == D && vc.size(0) == rows,
                   "decode_cpu: caches must be contiguous [rows, n_head_kv, head_dim] of one float type");
       switch (kc.scalar_type()) {
         case at::kFloat: attend<float>(kc, vc, qkv.data(), att.data(), B, L, slot, idx, len); break;
@@ -261,6 +346,7 @@ class Decoder {
     });
   }
 
+  std::vector<at::Tensor> head_;
   std::vector<std::vector<at::Tensor>> keep_;  // owns the weights the raw pointers read
   std::vector<Layer> layers_;
   int64_t nh_, nkv_, hd_, E_ = 0, F_ = 0;
@@ -272,5 +358,7 @@ class Decoder {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, int64_t, int64_t, int64_t, double>())
-      .def("step", &Decoder::step, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("step", &Decoder::step, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("set_head", &Decoder::set_head)
+      .def("logits", &Decoder::logits, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -16,9 +16,10 @@ batch (for decode-only steps; a step mixed with a prompt chunk runs eagerly, as 
 
 When it is used (the default): ``dtype`` auto on an x86-64 CPU with AVX512F/BW/VL and
 AVX512-VNNI, Q4_0/Q4_1 projections whose input sizes are multiples of 64, head_dim a multiple
-of 32, a float KV cache (f32/f16/bf16), no ``--compile`` (the compiled graph takes those steps)
-and no speculative decoding (its verification rows run eagerly, and greedy output must equal
-plain decoding's token for token). ``KVSERVE_NATIVE_DECODE=0`` turns it off.
+of 32, a float KV cache (f32/f16/bf16) and no ``--compile`` (the compiled graph takes those
+steps); speculative decoding's verification rows run through it as decode rows (see
+ModelRunner._decode_rows), so verified tokens equal plain decoding's. ``KVSERVE_NATIVE_DECODE=0``
+turns it off.
 
 How it is built: with torch's C++ extension tooling (g++ and ninja) in a child process under
 ``nice -n 19`` started when the engine loads, so start-up does not wait and serving keeps its
@@ -56,6 +57,7 @@ _lock = threading.Lock()
 _module = None  # the loaded extension
 _build_error: str | None = None
 _build_thread: threading.Thread | None = None
+waiters: list = []  # callbacks of ensure_started waiting for the background build
 
 
 def build_key() -> str:
@@ -184,9 +186,6 @@ def ensure_started(on_ready) -> None:
         _build_thread.start()
 
 
-waiters: list = []
-
-
 def wait_build(timeout: float | None = None) -> bool:
     """Block until a background build started by :func:`ensure_started` ended; True when loaded."""
     t = _build_thread
@@ -227,6 +226,7 @@ class NativeDecode:
         self.model = model
         self.max_batch = max_batch if max_batch > 0 else 1 << 30
         self.decoder = None
+        self.native_head = False  # the output head in C++ too (else the model's Linear)
         self.calls = 0
         self.reason = unavailable_reason() or model_reason(model)
         if self.reason is None and any(not isinstance(t, torch.Tensor) or t.dtype not in
@@ -253,7 +253,12 @@ class NativeDecode:
                 t.extend(x.contiguous() for x in lin.q4w)
             t.append(layer.wqkv.bias.contiguous() if layer.wqkv.bias is not None else empty)
             layers.append(t)
-        self.decoder = mod.Decoder(layers, c.n_head, c.n_head_kv, c.head_dim, float(c.rms_eps))
+        dec = mod.Decoder(layers, c.n_head, c.n_head_kv, c.head_dim, float(c.rms_eps))
+        head = m.output.weight if m.output.weight is not None else None
+        if head is not None and head.shape[1] % 64 == 0:
+            dec.set_head(m.output_norm.weight.contiguous(), *pack_q8(head))
+            self.native_head = True
+        self.decoder = dec
 
     @property
     def ready(self) -> bool:
@@ -272,7 +277,25 @@ class NativeDecode:
         vs = [v for _, v in kv_caches]
         x = self.decoder.step(x, cos, sin, slot_mapping, kv_index.contiguous(), lens, ks, vs)
         self.calls += 1
+        if self.native_head:
+            return self.decoder.logits(x)
         return m.output.forward(m.output_norm.forward(x)).float()
+
+
+def pack_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native head's weights from a dense [N, K] head (K a multiple of 64): int8 per block of
+    32 with a float16 scale d = max|w| / 127 (GGUF Q8_0's rule, so a Q8_0 head is reproduced
+    exactly), values in the q4 kernel's pair order plus 128 -> (uint8 [N, K], float16 [N, K/32])."""
+    n, k = w.shape
+    wb = w.float().reshape(n, k // 32, 32)
+    d = (wb.abs().amax(-1) / 127.0).to(torch.float16)
+    df = d.float().unsqueeze(-1)
+    q = torch.where(df > 0, torch.round(wb / df.clamp_min(1e-30)), 0.0).clamp_(-127, 127).to(torch.int16)
+    p = torch.arange(64)
+    lane = p // 4
+    blk, idx = lane % 2, 4 * (lane // 2) + p % 4
+    u = q.view(n, k // 64, 2, 32)[:, :, blk, idx]  # [N, pairs, 64] in lane order
+    return (u + 128).to(torch.uint8).reshape(n, k).contiguous(), d.contiguous()
 
 
 def main(argv: list[str]) -> int:

@@ -87,7 +87,9 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
     model = cls(loaded.config, loaded.weights, dtype=dtype, device=device, kernel=kernel,
                 small_max_rows=config.small_batch_rows, max_positions=max_positions, large_dtype=large,
                 native_q4=native_q4)
-    model.native_decode = native_decode and native_q4 and isinstance(model, LlamaModel)  # ModelRunner starts it (see NativeDecode)
+    # ModelRunner starts it (see NativeDecode): Q4_0/Q4_1 projections kept for the native kernel
+    model.native_decode = (native_decode and native_q4 and isinstance(model, LlamaModel)
+                           and all(lin.q4w is not None for lin in model.projections()))
     return model
 
 

@@ -1,0 +1,252 @@
+"""The native decode step (kvserve.models.decode_native): agreement with the eager model, batch
+invariance, the default switch and the fallbacks. The tests that need the C++ build share one
+build per session under a temporary KVSERVE_HOME (about 40 s of one core: marked slow)."""
+
+import logging
+import os
+
+import pytest
+import torch
+
+import tinymodel
+from kvserve.config import EngineConfig
+from kvserve.engine.core import EngineCore
+from kvserve.engine.request import Request, SamplingParams
+from kvserve.models import decode_native
+from kvserve.models.llama import AttentionBatch
+from kvserve.models.registry import build_model, load_files
+
+NEEDS = decode_native.unavailable_reason()
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tmp_path_factory):
+    """Q4_1 projections, a Q8_0 head: head_dim 64, sizes multiples of 64 (the native step's shapes)."""
+    return str(tinymodel.write_tiny_gguf(tmp_path_factory.mktemp("nat") / "q4.gguf", n_embd=256, n_ff=512, n_head=4,
+                                         n_head_kv=2, qtype="Q4_1", embd_qtype="Q8_0", seed=13))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The extension, built once in a child process under a temporary KVSERVE_HOME, and loaded."""
+    if NEEDS:
+        pytest.skip(NEEDS)
+    old = os.environ.get("KVSERVE_HOME")
+    os.environ["KVSERVE_HOME"] = str(tmp_path_factory.mktemp("home"))
+    try:
+        err = decode_native.build_in_child()
+        assert err is None
+        assert decode_native.build_dir().is_relative_to(os.environ["KVSERVE_HOME"])
+        assert decode_native.load_cached() is not None
+        yield decode_native
+    finally:
+        if old is None:
+            os.environ.pop("KVSERVE_HOME", None)
+        else:
+            os.environ["KVSERVE_HOME"] = old
+
+
+def _core(path, **cfg) -> EngineCore:
+    return EngineCore(load_files(path), EngineConfig(n_ctx=1024, n_parallel=8, kv_unified=True, **cfg))
+
+
+def _prefill_caches(model, prompts, rows_per_seq=128):
+    """Fresh f16 caches holding each prompt's K/V (eager prefill; sequence s at rows s*128..);
+    returns (caches, the greedy next token of each prompt)."""
+    c = model.config
+    caches = [(torch.zeros(rows_per_seq * (len(prompts) + 1), c.n_head_kv, c.head_dim, dtype=torch.float16),
+               torch.zeros(rows_per_seq * (len(prompts) + 1), c.n_head_kv, c.head_dim, dtype=torch.float16))
+              for _ in range(c.n_layer)]
+    nxt = []
+    for s, p in enumerate(prompts):
+        n = len(p)
+        base = rows_per_seq * (s + 1)
+        attn = AttentionBatch(positions=torch.arange(n), slot_mapping=torch.arange(n) + base)
+        from kvserve.models.llama import PrefillGroup
+
+        attn.prefills = [PrefillGroup(0, n, 0)]
+        logits = model(torch.tensor(p), attn, caches, torch.tensor([n - 1]))
+        nxt.append(int(logits.argmax(-1)))
+    return caches, nxt
+
+
+def _decode_batch(seqs, rows_per_seq=128):
+    """seqs: (sequence index, token, position) -> (ids, positions, slots, kv_index [B, L], lens, mask)."""
+    L = max(p for _, _, p in seqs) + 1
+    ids = torch.tensor([t for _, t, _ in seqs])
+    pos = torch.tensor([p for _, _, p in seqs])
+    base = torch.tensor([rows_per_seq * (s + 1) for s, _, _ in seqs])
+    lens = pos + 1
+    idx = base[:, None] + torch.arange(L)[None]
+    valid = torch.arange(L)[None] < lens[:, None]
+    idx = torch.where(valid, idx, 0)
+    return ids, pos, base + pos, idx, lens, valid.view(len(seqs), 1, 1, L)
+
+
+def _clone(caches):
+    return [(k.clone(), v.clone()) for k, v in caches]
+
+
+PROMPTS = [[5, 17, 200, 31, 8, 99, 4], [7, 7, 7], [100, 3, 40, 41, 42, 43, 44, 45, 46, 47, 48], [2, 250]]
+
+
+@pytest.mark.slow
+def test_native_step_agrees_with_eager(built, q4_gguf):
+    """Greedy chains of 8 decode steps, 4 sequences per step: the same token ids as the eager
+    model, logits within 2% of their range (int8 activations per block of 32 vs bfloat16)."""
+    model = build_model(load_files(q4_gguf), EngineConfig(n_ctx=1024), 1024)
+    assert model.native_decode
+    caches, nxt = _prefill_caches(model, PROMPTS)
+    eager_caches = _clone(caches)
+    nat = decode_native.NativeDecode(model, caches, 16)
+    nat.start()
+    assert nat.ready and nat.native_head and nat.reason is None
+    toks_n, toks_e, pos = list(nxt), list(nxt), [len(p) for p in PROMPTS]
+    chain_n, chain_e, worst = [], [], 0.0
+    for _ in range(8):
+        ids, p, slots, idx, lens, mask = _decode_batch([(s, toks_n[s], pos[s]) for s in range(4)])
+        ln = nat(ids, p, slots, idx, lens, caches)
+        ids_e = torch.tensor(toks_e)
+        attn = AttentionBatch(positions=p, slot_mapping=slots, n_decode=4, decode_kv_index=idx, decode_mask=mask)
+        le = model(ids_e, attn, eager_caches, None)
+        worst = max(worst, ((ln - le).abs().max() / (le.max() - le.min())).item())
+        toks_n, toks_e = ln.argmax(-1).tolist(), le.argmax(-1).tolist()
+        chain_n.append(toks_n)
+        chain_e.append(toks_e)
+        pos = [q + 1 for q in pos]
+    assert chain_n == chain_e
+    assert worst < 0.02
+    assert nat.calls == 8
+
+
+@pytest.mark.slow
+def test_native_step_batch_invariant(built, q4_gguf):
+    """A row's logits alone and in a step of 5 rows (of other sequences) are identical."""
+    model = build_model(load_files(q4_gguf), EngineConfig(n_ctx=1024), 1024)
+    prompts = PROMPTS + [[9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13]]
+    caches, nxt = _prefill_caches(model, prompts)
+    nat = decode_native.NativeDecode(model, caches, 16)
+    nat.start()
+    together = _clone(caches)
+    alone = nat(*_decode_batch([(2, nxt[2], len(prompts[2]))])[:5], caches)
+    batch = nat(*_decode_batch([(s, nxt[s], len(prompts[s])) for s in range(5)])[:5], together)
+    assert alone.shape == (1, model.config.n_vocab) and batch.shape == (5, model.config.n_vocab)
+    assert torch.equal(alone[0], batch[2])
+    # and the K/V each row left in the cache
+    row = 128 * 3 + len(prompts[2])
+    assert all(torch.equal(a[0][row], b[0][row]) and torch.equal(a[1][row], b[1][row]) for a, b in zip(caches, together))
+
+
+@pytest.mark.slow
+def test_engine_uses_native_step_by_default(built, q4_gguf):
+    """An engine on a Q4 model decodes through the native step (loaded from the cache at start);
+    a sequence's greedy tokens alone equal its tokens while 4 other sequences decode beside it
+    (they are prefilled first: a prompt's own K/V depend on the size of its prefill step, as before)."""
+    p = SamplingParams(temperature=0, n_predict=10, ignore_eos=True)
+
+    def run(core, first, others):
+        reqs = [Request(f"o{i}", q, SamplingParams(temperature=0, n_predict=40, ignore_eos=True))
+                for i, q in enumerate(others)]
+        for r in reqs:
+            core.add_request(r)
+        if reqs:
+            core.step()
+        target = Request("t", first, p)
+        core.add_request(target)
+        out = []
+        while len(out) < 10:
+            for o in core.step():
+                if o.request_id == "t":
+                    out.extend(o.new_token_ids)
+        return out
+
+    core = _core(q4_gguf)
+    nat = core.runner.native
+    assert nat is not None and nat.ready
+    alone = run(core, PROMPTS[0], [])
+    assert nat.calls == 9  # the first token comes from the prefill
+    together = run(_core(q4_gguf), PROMPTS[0], PROMPTS[1:] + [[3, 1, 4, 1, 5]])
+    assert together == alone
+
+
+def test_default_switch(q4_gguf, monkeypatch, tmp_path):
+    """On by default for Q4 weights with dtype auto; off with --dtype float32, --compile,
+    KVSERVE_NATIVE_DECODE=0 and float weights."""
+    loaded = load_files(q4_gguf)
+
+    def on(**cfg):
+        m = build_model(loaded, EngineConfig(n_ctx=1024, **cfg), 1024)
+        return m.native_decode
+
+    if not decode_native.q4_kernel.cpu_supported():
+        assert on() is False
+        return
+    assert on() is True
+    assert on(dtype="float32") is False
+    assert on(compile=True) is False
+    monkeypatch.setenv("KVSERVE_NATIVE_DECODE", "0")
+    assert on() is False
+    fp32 = str(tinymodel.write_tiny_gguf(tmp_path / "f.gguf", n_embd=256, n_ff=512, n_head=4, n_head_kv=2))
+    monkeypatch.delenv("KVSERVE_NATIVE_DECODE")
+    assert build_model(load_files(fp32), EngineConfig(n_ctx=1024), 1024).native_decode is False  # float weights
+
+
+def test_fallback_without_compiler(q4_gguf, monkeypatch, caplog):
+    """No compiler (simulated): the reason is logged once, nothing is built, and decoding is eager:
+    the same tokens as with the native step turned off."""
+    monkeypatch.setattr(decode_native, "unavailable_reason", lambda: "no C++ compiler (g++)")
+    monkeypatch.setattr(decode_native, "ensure_started", lambda cb: pytest.fail("no build without a compiler"))
+    p = SamplingParams(temperature=0, n_predict=6, ignore_eos=True)
+    from kvserve.llm import LLM
+
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        core = _core(q4_gguf)
+    nat = core.runner.native
+    if nat is None:  # a CPU without AVX512-VNNI: the model never asked for it
+        assert not decode_native.q4_kernel.cpu_supported()
+        return
+    assert (nat.ready, nat.reason) == (False, "no C++ compiler (g++)")
+    assert "native decode step off: no C++ compiler (g++); decoding eagerly" in caplog.text
+    got = LLM(core).generate([PROMPTS[0], PROMPTS[2]], p)
+    monkeypatch.setenv("KVSERVE_NATIVE_DECODE", "0")
+    ref = LLM(_core(q4_gguf)).generate([PROMPTS[0], PROMPTS[2]], p)
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    assert nat.calls == 0
+
+
+def test_failed_build_logs_and_stays_eager(monkeypatch, caplog):
+    """A build that fails (simulated) calls back with None and logs why; later engines do not retry."""
+    monkeypatch.setattr(decode_native, "_module", None)
+    monkeypatch.setattr(decode_native, "_build_thread", None)
+    monkeypatch.setattr(decode_native, "_build_error", None)
+    monkeypatch.setattr(decode_native, "waiters", [])
+    monkeypatch.setattr(decode_native, "load_cached", lambda: None)
+    monkeypatch.setattr(decode_native, "build_in_child", lambda: "build exited 1: error: no such file")
+    got = []
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
+        decode_native.ensure_started(got.append)
+        assert decode_native.wait_build(30) is False
+    assert got == [None]
+    assert "native decode step not available, decoding eagerly: build exited 1: error: no such file" in caplog.text
+    decode_native.ensure_started(got.append)  # no second build
+    assert got == [None, None]
+
+
+def test_pack_q8_reproduces_q8_0_blocks():
+    """A Q8_0 head (w = d * q, d float16, max |q| = 127 per block) is packed exactly: unpacking the
+    pair order and the +128 offset gives back q and d."""
+    g = torch.Generator().manual_seed(0)
+    n, k = 8, 128
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g)
+    q[:, :, 5] = 127
+    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).to(torch.float16)
+    w = (d.float().unsqueeze(-1) * q.float()).reshape(n, k)
+    wq, wd = decode_native.pack_q8(w)
+    assert (wq.dtype, wq.shape, wd.dtype, wd.shape) == (torch.uint8, (n, k), torch.float16, (n, k // 32))
+    assert torch.equal(wd, d)
+    p = torch.arange(64)
+    lane = p // 4
+    blk, idx = lane % 2, 4 * (lane // 2) + p % 4
+    back = torch.empty(n, k // 64, 2, 32, dtype=torch.long)
+    back[:, :, blk, idx] = wq.view(n, k // 64, 64).long() - 128
+    assert torch.equal(back.view(n, k // 32, 32), q)
