@@ -3,6 +3,7 @@ source file of 300-600 tokens and asks for the whole file back with one small ch
 
     python benchmarks/agent_edit.py [--model smollm2] [--max-tokens 400] [--runs 2] [--draft-max 15]
                                     [--lookup-max 4] [--lookup-min 2] [--threads 0] [--streams 1]
+                                    [--draft-model smollm2 [--draft-model-max K] [--draft-p-min P]]
 
 Runs in process (``EngineCore``, no HTTP): the same prompt decoded without speculation and with
 ``--spec-type ngram``, alternating ``--runs`` times so machine load hits both alike; the best run
@@ -25,9 +26,14 @@ its steps' seconds, so load from other processes that comes and goes hits all mo
 (``time.process_time``, all threads), which other processes' preemption inflates less. The
 JSON gives every round's figures, the median per mode and the ratios to plain.
 
+``--draft-model NAME`` (one stream): a third mode, speculative decoding with that draft model
+(``-md``), reported under ``"draft"`` (tokens/s, ratio to plain, acceptance, the draft's forwards
+and memory).
+
 Prints one JSON object: tokens/s of each mode, their ratio, the acceptance rate (accepted /
-proposed draft tokens), tokens per verification step, and whether the outputs were
-token-identical (they must be).
+proposed draft tokens), tokens per verification step, a step profile per mode (plain decode
+steps and verification steps after the first token: how many, ms each, tokens per verification
+step), and whether the outputs were token-identical (they must be).
 """
 
 from __future__ import annotations
@@ -113,14 +119,36 @@ def _run(core, prompt: list[int], max_tokens: int, rid: str, cache_prompt: bool 
                                                                cache_prompt=cache_prompt)))
     toks: list[int] = []
     last = None
+    st = core.stats
+    # step profile after the first token: plain decode steps and verification steps, their seconds
+    prof = {"decode_steps": 0, "decode_s": 0.0, "verify_steps": 0, "verify_s": 0.0, "verify_tokens": 0}
     while core.has_work():
-        for o in core.step():
+        d0, n0 = st.spec_drafts_total, len(toks)
+        t0 = time.perf_counter()
+        outs = core.step()
+        dt = time.perf_counter() - t0
+        for o in outs:
             toks += o.new_token_ids
             last = o
+        if n0 == 0:
+            continue  # the prefill step
+        if st.spec_drafts_total > d0:
+            prof["verify_steps"] += 1
+            prof["verify_s"] += dt
+            prof["verify_tokens"] += len(toks) - n0
+        else:
+            prof["decode_steps"] += 1
+            prof["decode_s"] += dt
     t = last.timings
     steps = max(len(toks) - 1, 1)
+    profile = {
+        "decode_steps": prof["decode_steps"], "verify_steps": prof["verify_steps"],
+        "decode_ms_per_step": round(1e3 * prof["decode_s"] / prof["decode_steps"], 2) if prof["decode_steps"] else None,
+        "verify_ms_per_step": round(1e3 * prof["verify_s"] / prof["verify_steps"], 2) if prof["verify_steps"] else None,
+        "tokens_per_verify_step": round(prof["verify_tokens"] / prof["verify_steps"], 2) if prof["verify_steps"] else None,
+    }
     return toks, {"tokens": len(toks), "tok_s": 1e3 * steps / t.predicted_ms if t.predicted_ms > 0 else 0.0,
-                  "draft_n": t.draft_n, "draft_n_accepted": t.draft_n_accepted}
+                  "draft_n": t.draft_n, "draft_n_accepted": t.draft_n_accepted, "profile": profile}
 
 
 def _lengths(max_tokens: int, streams: int) -> list[int]:
@@ -218,6 +246,12 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=0,
                     help="N requests decoded together, the modes' engines stepped in turn (plain, ngram with "
                          "the draft-length policy, ngram without it); aggregate tokens/s per round")
+    ap.add_argument("--draft-model", default=None,
+                    help="also run speculative decoding with this draft model (-md: a .gguf path or store name; "
+                         "SmolLM2 as its own draft is a smoke test: acceptance ~100%%)")
+    ap.add_argument("--draft-model-max", type=int, default=None,
+                    help="--draft-max of the draft-model mode (default: --draft-max)")
+    ap.add_argument("--draft-p-min", type=float, default=0.0, help="--draft-p-min of the draft-model mode")
     ap.add_argument("--no-prefix", action="store_true",
                     help="the assistant turn starts empty (default: with the code fence and the file's first line, "
                          "as an editing agent's reply begins; SmolLM2-135M otherwise explains instead of quoting)")
@@ -239,6 +273,11 @@ def main() -> None:
     if a.streams:
         cores["ngram_fixed"] = EngineCore(loaded, EngineConfig(**base, spec=spec_cfg))
         cores["ngram_fixed"].spec.adaptive = False
+    if a.draft_model:
+        draft_cfg = SpecConfig(method="draft_model", draft_model=a.draft_model,
+                               num_speculative_tokens=a.draft_model_max or a.draft_max, draft_p_min=a.draft_p_min)
+        cores["draft"] = EngineCore(loaded, EngineConfig(**base, spec=draft_cfg))
+    _wait_native(cores)
     tok = cores["plain"].tokenizer
     prefix = "" if a.no_prefix else "```python\n" + SOURCE.split("\n")[0] + "\n"
     text = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{ASK}<|im_end|>\n<|im_start|>assistant\n{prefix}"
@@ -276,10 +315,42 @@ def main() -> None:
         "acceptance_rate": round(ng["draft_n_accepted"] / ng["draft_n"], 3) if ng["draft_n"] else 0.0,
         "verify_steps_per_run": verify_steps,
         "tokens_per_decode_step": round(steps / max(steps - ng["draft_n_accepted"], 1), 2),
+        "native_decode": {m: bool(getattr(c.runner, "native", None) is not None and c.runner.native.ready)
+                          for m, c in cores.items()},
+        "profile": {m: best[m]["profile"] for m in best},
+        **({"draft": _draft_report(a, best, cores)} if "draft" in best else {}),
         "output_tokens": {m: len(t) for m, t in outputs.items()},
-        "identical": outputs["plain"] == outputs["ngram"],
+        "identical": all(t == outputs["plain"] for t in outputs.values()),
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }, indent=2))
+
+
+def _wait_native(cores: dict, timeout: float = 300.0) -> None:
+    """Wait until every engine's native decode step (kvserve.models.decode_native) is loaded, where it
+    may run, so that no mode is measured on the eager path while another runs natively."""
+    def runners():
+        for c in cores.values():
+            yield c.runner
+            if getattr(c, "draft", None) is not None:
+                yield c.draft.runner
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if all(getattr(r, "native", None) is None or r.native.reason is not None or r.native.ready for r in runners()):
+            return
+        time.sleep(0.5)
+
+
+def _draft_report(a, best: dict, cores: dict) -> dict:
+    """The draft-model mode's figures (one stream)."""
+    d = best["draft"]
+    dm = cores["draft"].draft
+    return {"model": a.draft_model, "draft_max": a.draft_model_max or a.draft_max, "draft_p_min": a.draft_p_min,
+            "tok_s": round(d["tok_s"], 1),
+            "ratio": round(d["tok_s"] / best["plain"]["tok_s"], 2) if best["plain"]["tok_s"] else None,
+            "draft_n": d["draft_n"], "draft_n_accepted": d["draft_n_accepted"],
+            "acceptance_rate": round(d["draft_n_accepted"] / d["draft_n"], 3) if d["draft_n"] else 0.0,
+            "draft_forwards_total": dm.forwards, "draft_rows_total": dm.rows,
+            "draft_weights_mib": round(dm.weight_bytes / 2**20, 1), "draft_kv_mib": round(dm.kv_bytes / 2**20, 1)}
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ from kvserve.engine.slot_file import (
 )
 from kvserve.engine.spec_decode import (
     CHUNK_ROWS_GPU,
+    CHUNK_ROWS_NATIVE,
     STEP_BASE_ROWS_GPU,
+    STEP_BASE_ROWS_NATIVE,
     SpecDecoder,
     accepted_prefix,
 )
@@ -166,6 +168,8 @@ class EngineCore:
         self.scheduler.detokenize = self._excerpt
         #: speculative decoding policy (None: off)
         self.spec = SpecDecoder(config.spec) if config.spec.enabled else None
+        #: the policy takes the native decode step's costs once it is loaded (see _step)
+        self._spec_native_pending = self.spec is not None and getattr(self.runner, "native", None) is not None
         if self.spec is not None:
             self.scheduler.spec = self.spec
             if self.device.type != "cpu":
@@ -329,6 +333,13 @@ class EngineCore:
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self._spec_native_pending:
+            nat = getattr(self.runner, "native", None)
+            if nat is None or nat.reason is not None:
+                self._spec_native_pending = False
+            elif nat.ready:  # verification runs in the native decode step from now on: its costs
+                self.spec.base_rows, self.spec.chunk_rows = STEP_BASE_ROWS_NATIVE, CHUNK_ROWS_NATIVE
+                self._spec_native_pending = False
         try:
             sched = self.scheduler.schedule()
         except Exception as e:  # noqa: BLE001 - see the docstring

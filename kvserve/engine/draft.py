@@ -235,7 +235,14 @@ class DraftModel:
         want = [i for i in range(len(items)) if items[i][3] and i in last_row]
         need_rows = [last_row[i] for i in want] or [t - 1]
         need = torch.tensor(need_rows, dtype=torch.long, device=self.device)
-        logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), attn, r.kv_caches, need)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        nat = r.native
+        if nat is not None and nat.ready and n_decode == t and t <= nat.max_batch:
+            # the drafting steps (one row per sequence) in the native decode step
+            logits = nat(input_ids, attn.positions, attn.slot_mapping, attn.decode_kv_index,
+                         torch.tensor(dec_lens, dtype=torch.long), r.kv_caches).index_select(0, need)
+        else:
+            logits = self.model(input_ids, attn, r.kv_caches, need)
         self.forwards += 1
         self.rows += t
         return {i: logits[j].to(torch.float32) for j, i in enumerate(want)}

@@ -239,13 +239,24 @@ class ModelRunner:
     def _decode_rows(self, chunks: list[ScheduledChunk]) -> list[bool]:
         """Per chunk: True when its tokens run as decode rows (queries over cache rows).
 
-        Single-token steps always do. In a step the compiled graph runs (every chunk
+        Single-token steps always do, and so do verification chunks in a step the native
+        decode step takes (only decode rows and verification chunks, at most its
+        ``max_batch`` rows). In a step the compiled graph runs (every chunk
         :meth:`_decode_like`, at most ``max_batch`` rows), short chunks that continue a
         cached prefix (a warm prompt's last tokens, a resumed sequence) do too, each of
         their tokens a query over the rows before it, like a decode. Eagerly such a chunk
         is faster as a prefill group: its cache rows are gathered once for all its tokens
         (LlamaModel._grouped_attention).
         """
+        nat = self.native
+        if (nat is not None and nat.ready and any(ch.spec_token_ids for ch in chunks)
+                and all(ch.num_new_tokens == 1 or ch.spec_token_ids for ch in chunks)
+                and sum(ch.num_new_tokens for ch in chunks) <= nat.max_batch):
+            # speculative decoding: a step of decode rows and verification chunks runs as one
+            # native decode step, each verified position a decode row over the cache rows up to
+            # itself. The native step computes every row alone and writes all rows' K/V before
+            # any row attends, so each position's logits are those of plain (native) decoding
+            return [True] * len(chunks)
         as_decode = [self._decode_like(ch) for ch in chunks]
         comp = self.compiled
         if not (comp is not None and comp.ready and all(as_decode)

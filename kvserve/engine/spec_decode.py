@@ -35,7 +35,10 @@ stays token-identical whatever it decides):
   Q4_1): at one stream a verification step of ~15 rows took ~2.5 times a 1-row decode step
   (the int4 kernels read the weights once for all rows), and at 16 streams the chunk's own cost
   could not be told from the machine's noise (verifying every proposal: 0.91-1.14 times plain
-  over 4 rounds). On a GPU :data:`STEP_BASE_ROWS_GPU` (64) and :data:`CHUNK_ROWS_GPU` (8):
+  over 4 rounds). Once the native decode step (:mod:`kvserve.models.decode_native`) runs the
+  engine's decode steps, verification chunks run in it as decode rows and the constants become
+  :data:`STEP_BASE_ROWS_NATIVE` (2) and :data:`CHUNK_ROWS_NATIVE` (0): its 4-bit kernel's cost
+  grows with every row (a 16-row step ~6 times a 1-row one), so drafts must be likelier to pay. On a GPU :data:`STEP_BASE_ROWS_GPU` (64) and :data:`CHUNK_ROWS_GPU` (8):
   guesses, not measured yet.
 * **Hit estimate** per sequence: ``alpha = hits / (hits + misses)`` over its verifications (a
   hit accepted at least one draft token, a miss none), each older one weighted by
@@ -83,6 +86,12 @@ INDEX_TOKENS_PER_STEP = 8192
 #: a step's fixed cost in rows (see the module docstring's cost model): CPU, GPU
 STEP_BASE_ROWS_CPU = 8.0
 STEP_BASE_ROWS_GPU = 64.0
+#: a step's fixed cost in rows when the native decode step runs it (kvserve.models.decode_native:
+#: its 4-bit kernel's cost grows with every row; SmolLM2 Q4_1, 2 threads, 600 cached tokens, one
+#: step of B rows: 10.8, 13.7, 29.3, 51, 85 ms for B = 1, 2, 4, 8, 16, about (2 + B) / 3 times
+#: the 1-row step); a verification chunk then costs nothing beyond its rows (they are decode rows)
+STEP_BASE_ROWS_NATIVE = 2.0
+CHUNK_ROWS_NATIVE = 0.0
 #: what a verification chunk costs beyond its draft rows, in rows: CPU, GPU (the GPU's figures
 #: are guesses: not measured yet)
 CHUNK_ROWS_CPU = 1.0

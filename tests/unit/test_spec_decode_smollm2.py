@@ -86,3 +86,31 @@ def test_smollm2_greedy_identical_with_prompt_lookup(smollm2_gguf):
     assert spec.kv.num_blocks == plain.kv.num_blocks
     assert spec.kv.num_free_blocks == plain.kv.num_free_blocks and not spec.kv._tables
     assert set(spec.kv._by_hash) == set(plain.kv._by_hash)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_identical_with_itself_as_draft_model_and_native_verification(smollm2_gguf):
+    """-md with SmolLM2 as its own draft: every draft token accepted, output token-identical; where
+    the native decode step runs (AVX512-VNNI CPUs) the verification rows ran in it."""
+    import time
+
+    loaded = load_files(smollm2_gguf)
+    base = {"n_ctx": 2048, "n_parallel": 2, "kv_unified": True, "threads": 2, "cache_ram": 0}
+    plain = EngineCore(loaded, EngineConfig(**base))
+    spec = EngineCore(loaded, EngineConfig(**base, spec=SpecConfig(method="draft_model", draft_model=smollm2_gguf,
+                                                                   num_speculative_tokens=4)))
+    for r in (plain.runner, spec.runner, spec.draft.runner):  # the native steps loaded, if they can be
+        t0 = time.monotonic()
+        while r.native is not None and r.native.reason is None and not r.native.ready and time.monotonic() - t0 < 300:
+            time.sleep(0.5)
+    tok = plain.tokenizer
+    prompt = tok.encode("<|im_start|>user\nHere is a Python file:\n\n" + SOURCE + "\nRepeat it exactly.<|im_end|>\n"
+                        "<|im_start|>assistant\n", add_special=False)
+    a = _run(plain, [Request("p", list(prompt), SamplingParams(n_predict=40, temperature=0))])["p"]
+    b = _run(spec, [Request("s", list(prompt), SamplingParams(n_predict=40, temperature=0))])["s"]
+    assert a[:3] == b[:3] and len(b[0]) == 40
+    t = b[3].timings
+    assert t.draft_n > 0 and t.draft_n_accepted == t.draft_n
+    nat = spec.runner.native
+    if nat is not None and nat.ready:
+        assert nat.calls > 0 and spec.spec.base_rows == 2.0
