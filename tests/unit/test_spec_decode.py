@@ -538,3 +538,41 @@ def test_verification_attention_is_bit_identical_to_decode_attention(cores):
         n = n_past + i + 1
         want = model._attend_rows(q[i: i + 1], k_cache, v_cache, index[:n], n, None)
         assert torch.equal(got[i: i + 1], want), i
+
+
+@pytest.mark.slow
+def test_verification_in_the_native_decode_step_is_token_identical(tmp_path_factory):
+    """With the native decode step (Q4_1 weights, AVX512-VNNI), a step of decode rows and
+    verification chunks runs in it, each verified position a decode row: greedy output equals plain
+    (native) decoding token for token at 1 and 3 streams, and no verification step ran eagerly."""
+    import tinymodel
+    from kvserve.models import decode_native
+
+    if decode_native.unavailable_reason():
+        pytest.skip(decode_native.unavailable_reason())
+    assert decode_native.load_cached() is not None or decode_native.build_in_child() is None
+    path = str(tinymodel.write_tiny_gguf(tmp_path_factory.mktemp("natspec") / "q4.gguf", n_embd=256, n_ff=512,
+                                         n_head=4, n_head_kv=2, qtype="Q4_1", embd_qtype="Q8_0", seed=13))
+    cfg = {"n_ctx": 1024, "n_parallel": 4, "kv_unified": True}
+    plain = EngineCore(load_files(path), EngineConfig(**cfg))
+    spec = EngineCore(load_files(path), EngineConfig(spec=SPEC, **cfg))
+    spec.spec.adaptive = False
+    for core in (plain, spec):
+        t0 = time.monotonic()
+        while not core.runner.native.ready and time.monotonic() - t0 < 300:
+            time.sleep(0.2)
+        assert core.runner.native.ready
+    eager = []
+    fwd = spec.runner.model.forward
+    spec.runner.model.forward = lambda *a, **k: eager.append((a[1].n_decode, [(g.start, g.end, g.n_past, g.per_row) for g in a[1].prefills])) or fwd(*a, **k)
+    for n in (1, 3):
+        mk = lambda tag: [Request(f"{tag}{i}", repeated_prompt(i, n=10 + i, times=3),
+                                  SamplingParams(n_predict=40 + 5 * i, **GREEDY)) for i in range(n)]
+        a, b = run(plain, mk("p")), run(spec, mk("s"))
+        for i in range(n):
+            assert a[f"p{i}"][:3] == b[f"s{i}"][:3], (n, i)
+        assert sum(b[f"s{i}"][3].timings.draft_n_accepted for i in range(n)) > 0
+    assert spec.stats.spec_drafts_total > 0 and spec.runner.native.calls > 0
+    # eager forwards ran prompt chunks (and the decode rows of steps mixed with them), never a verification
+    assert eager and not any(per_row for _, groups in eager for *_, per_row in groups), eager
+    assert spec.spec.base_rows == 2.0 and spec.spec.chunk_rows == 0.0  # the native step's costs
