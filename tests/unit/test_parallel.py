@@ -326,3 +326,20 @@ def test_smollm2_parallel_is_token_identical(smollm2_gguf, tp, pp):
         finally:
             core.close()
     assert outs[1] == outs[0]
+
+
+def test_idle_group_outlives_the_collective_timeout(tiny, monkeypatch):
+    """An idle engine's heartbeat keeps waiting workers from timing out (timeout 2 s, idle 5 s)."""
+    import kvserve.engine.parallel as par
+
+    monkeypatch.setattr(par, "TIMEOUT_S", 2.0)
+    monkeypatch.setenv("KVSERVE_PARALLEL_TIMEOUT", "2")  # the workers' (read at their import)
+    core = _core(tiny["f32"], 2, 1)
+    try:
+        first, _ = _run(core, _prompts()[:1], n=3)
+        time.sleep(5)
+        assert core.runner.worker_pids and all(_alive(p) for p in core.runner.worker_pids)
+        again, _ = _run(core, [list(range(40, 60))], n=3)
+        assert len(again[0]) == 3
+    finally:
+        core.close()
