@@ -30,7 +30,8 @@ runs the scheduler and the samplers and holds shard (or stage) 0; ranks 1 .. N-1
   :class:`ParallelWorkerLost`, which the engine thread does not retry: the engine is dead,
   every request in flight gets the engine-dead error and ``/health`` answers 500.
 
-Backends: gloo on the CPU, NCCL on CUDA. Only one of tp and pp may be above 1 for now.
+Backends: gloo on the CPU, NCCL on CUDA. tp and pp together: rank = stage * tp + tensor rank,
+a tensor-parallel group per stage, hidden states from (stage, t) to (stage + 1, t).
 """
 
 from __future__ import annotations
@@ -90,8 +91,7 @@ def parallel_error(config: ModelConfig, tp: int, pp: int) -> str | None:
       size (2).";
     * KV heads: tp must divide them or be a multiple of them (vLLM's QKVParallelLinear: a KV head
       is replicated on tp / kv_heads ranks);
-    * pp above the layer count (a stage without layers);
-    * tp and pp both above 1: not supported by kvserve yet.
+    * pp above the layer count (a stage without layers).
     """
     if tp < 1 or pp < 1:
         return f"tensor and pipeline parallel sizes must be at least 1, got tp={tp} pp={pp}"
@@ -105,8 +105,6 @@ def parallel_error(config: ModelConfig, tp: int, pp: int) -> str | None:
     if pp > config.n_layer:
         return (f"Pipeline parallel size ({pp}) must not exceed the number of hidden layers "
                 f"({config.n_layer}).")
-    if tp > 1 and pp > 1:
-        return f"tensor and pipeline parallelism together (tp={tp} pp={pp}) are not supported yet: use one of them"
     return None
 
 
@@ -273,30 +271,34 @@ class RowParallel(nn.Module):
     (``all_reduce``). [T, in / tp] float32 -> [T, out] float32. Counts calls and their seconds in
     ``stats``."""
 
-    def __init__(self, inner: nn.Module, stats: "CommStats"):
+    def __init__(self, inner: nn.Module, stats: "CommStats", group=None):
         super().__init__()
         self.inner = inner
         self.stats = stats
+        self.group = group  # the stage's tensor-parallel group (None: every rank)
         self.kernel, self.weight, self.small_max_rows, self.q4w = inner.kernel, inner.weight, inner.small_max_rows, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner.forward(x)
         t0 = time.perf_counter()
-        dist.all_reduce(y)
+        dist.all_reduce(y, group=self.group)
         self.stats.allreduce_calls += 1
         self.stats.allreduce_s += time.perf_counter() - t0
         return y
 
 
 class VocabParallelHead(nn.Module):
-    """The output head split by vocabulary rows: this rank's logits, gathered to rank 0.
+    """The output head split by vocabulary rows: this rank's logits, gathered to the first rank of its
+    tensor-parallel group (global rank ``dst``: rank 0, or the last pipeline stage's first rank).
 
-    [R, E] -> rank 0: [R, n_vocab] float32 (the ranks' slices in order, padding dropped); other
-    ranks: their own [R, ceil(n_vocab / tp)] slice."""
+    [R, E] -> that rank: [R, n_vocab] float32 (the ranks' slices in order, padding dropped); the
+    others: their own [R, ceil(n_vocab / tp)] slice."""
 
-    def __init__(self, inner: nn.Module, n_vocab: int, tp: int, rank: int, stats: "CommStats"):
+    def __init__(self, inner: nn.Module, n_vocab: int, tp: int, rank: int, stats: "CommStats", dst: int = 0,
+                 group=None):
         super().__init__()
         self.inner, self.n_vocab, self.tp, self.rank, self.stats = inner, n_vocab, tp, rank, stats
+        self.dst, self.group = dst, group
         self.per = -(-n_vocab // tp)
         self.kernel, self.weight, self.small_max_rows, self.q4w = inner.kernel, inner.weight, inner.small_max_rows, None
 
@@ -306,29 +308,39 @@ class VocabParallelHead(nn.Module):
             y = torch.nn.functional.pad(y, (0, self.per - y.shape[1]))
         y = y.contiguous()
         t0 = time.perf_counter()
-        if self.rank == 0:
+        if self.rank == self.dst:
             parts = [torch.empty_like(y) for _ in range(self.tp)]
-            dist.gather(y, parts, dst=0)
+            dist.gather(y, parts, dst=self.dst, group=self.group)
             y = torch.cat(parts, dim=1)[:, : self.n_vocab]
         else:
-            dist.gather(y, None, dst=0)
+            dist.gather(y, None, dst=self.dst, group=self.group)
         self.stats.gather_calls += 1
         self.stats.gather_s += time.perf_counter() - t0
         return y
 
 
+def tp_groups(tp: int, pp: int) -> list:
+    """The tensor-parallel group of each pipeline stage (ranks s*tp .. s*tp + tp - 1), created on every
+    rank in the same order (torch.distributed.new_group's rule); [None] (the default group) without pp."""
+    if tp == 1 or pp == 1:
+        return [None] * pp
+    return [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+
+
 def build_shard(loaded_config: ModelConfig, weights: dict[str, Weight], plan: RankPlan, build, stats: "CommStats",
-                ) -> tuple[LlamaModel, list[str]]:
+                group=None) -> tuple[LlamaModel, list[str]]:
     """One rank's LlamaModel: ``build(config, weights)`` (kvserve.models.registry's numerics) of
     :func:`shard_weights`, with RowParallel after attn_output / ffn_down and a VocabParallelHead
-    under tp, and no final norm / head on a pipeline stage that is not the last."""
+    under tp (over ``group``, the stage's tensor-parallel group), and no final norm / head on a
+    pipeline stage that is not the last."""
     shard_cfg, shard_w, notes = shard_weights(loaded_config, weights, plan)
     model = build(shard_cfg, shard_w)
     if plan.tp > 1:
         for layer in model.layers:
-            layer.wo = RowParallel(layer.wo, stats)
-            layer.w_down = RowParallel(layer.w_down, stats)
-        model.output = VocabParallelHead(model.output, loaded_config.n_vocab, plan.tp, plan.rank, stats)
+            layer.wo = RowParallel(layer.wo, stats, group)
+            layer.w_down = RowParallel(layer.w_down, stats, group)
+        first = plan.rank - plan.rank % plan.tp
+        model.output = VocabParallelHead(model.output, loaded_config.n_vocab, plan.tp, plan.rank, stats, first, group)
     if not plan.last:
         model.output = model.output_norm = None
     return model, notes
@@ -662,7 +674,9 @@ class ParallelRunner(ModelRunner):
             dist.broadcast_object_list([{
                 "model": str(loaded.info.path), "config": _engine_config_dict(config), "num_blocks": num_blocks,
                 "block_size": block_size, "max_positions": max_positions, "threads": threads}], src=0)
-            model, notes = build_shard(c, loaded.weights, self.plans[0], _build_fn(config, max_positions), self.stats)
+            groups = tp_groups(self.tp, self.pp)
+            model, notes = build_shard(c, loaded.weights, self.plans[0], _build_fn(config, max_positions), self.stats,
+                                       groups[0])
             status = [None] * self.world
             dist.gather_object({"ok": True, "bytes": model_bytes(model), "notes": notes, "pid": os.getpid()},
                                status, dst=0)
@@ -745,7 +759,7 @@ class ParallelRunner(ModelRunner):
     def _pipeline(self, batches: list[PreparedBatch]) -> list[torch.Tensor]:
         """Stage 0's part of a pipelined step: each micro-batch's layers, sent on at once (isend),
         while the later stages work; then the logits of every micro-batch from the last stage."""
-        last = self.world - 1
+        last = (self.pp - 1) * self.tp  # the last stage's first rank holds the gathered logits
         V = self.full_config.n_vocab
         recvs = []
         for m, b in enumerate(batches):
@@ -755,7 +769,7 @@ class ParallelRunner(ModelRunner):
         sends = []
         for m, b in enumerate(batches):
             h = self.model(b.input_ids, b.attn, self.kv_caches, None).contiguous()
-            sends.append((h, dist.isend(h, dst=1, tag=m)))
+            sends.append((h, dist.isend(h, dst=self.tp, tag=m)))  # the next stage's first rank
         t0 = time.perf_counter()
         for _, w in sends:
             w.wait()
@@ -915,7 +929,9 @@ def worker_main(model_path: str | None = None) -> int:
 
         loaded = load_files(model_path or msg["model"])
         plan = rank_plan(loaded.config, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, rank)
-        model, notes = build_shard(loaded.config, loaded.weights, plan, _build_fn(cfg, msg["max_positions"]), stats)
+        groups = tp_groups(plan.tp, plan.pp)
+        model, notes = build_shard(loaded.config, loaded.weights, plan, _build_fn(cfg, msg["max_positions"]), stats,
+                                   groups[plan.rank // plan.tp])
         full_config = loaded.config
         del loaded
         runner = ModelRunner(model, msg["num_blocks"], msg["block_size"], cfg.kv_dtype, dev, kv_dtype_v=cfg.kv_dtype_v)
@@ -967,16 +983,23 @@ def _serve(runner: ModelRunner, plan: RankPlan, full_config: ModelConfig, dev) -
                 ids, attn, need, _ = batches[0]
                 model(ids, attn, runner.kv_caches, need)
                 continue
+            # stage s, tensor rank t: hidden states from (s-1, t), to (s+1, t); the last stage's first
+            # rank sends the gathered logits to rank 0
             sends = []
+            tp, t = plan.tp, plan.rank % plan.tp
             for m, (ids, attn, need, rows) in enumerate(batches):
-                h = torch.empty(ids.shape[0], full_config.n_embd, dtype=model.compute_dtype, device=dev)
-                dist.recv(h, src=plan.rank - 1, tag=m)
+                h = None
+                if not plan.first:
+                    h = torch.empty(ids.shape[0], full_config.n_embd, dtype=model.compute_dtype, device=dev)
+                    dist.recv(h, src=plan.rank - tp, tag=m)
                 if plan.last:
-                    out = model(ids, attn, runner.kv_caches, need, hidden=h).contiguous()
-                    sends.append((out, dist.isend(out, dst=0, tag=1000 + m)))
+                    out = model(ids, attn, runner.kv_caches, need, hidden=h)
+                    if t == 0:
+                        out = out.contiguous()
+                        sends.append((out, dist.isend(out, dst=0, tag=1000 + m)))
                 else:
                     out = model(ids, attn, runner.kv_caches, None, hidden=h).contiguous()
-                    sends.append((out, dist.isend(out, dst=plan.rank + 1, tag=m)))
+                    sends.append((out, dist.isend(out, dst=plan.rank + tp, tag=m)))
             for _, w in sends:
                 w.wait()
         elif op == _READ:
