@@ -49,8 +49,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = ("alpha beta gamma delta kernel buffer tensor cache block slot router replica token prefix module "
-         "parser").split()
+WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "buffer", "tensor", "cache", "block", "slot", "router", "replica", "token", "prefix", "module", "parser"]
 
 
 def free_port() -> int:
@@ -325,16 +324,16 @@ def parallel_bench(model: str, rounds: int, words: int, ctx: int, tp: int = 0) -
                     "tp_note": f"{cfg.n_head} heads, {cfg.n_head_kv} KV heads: tp={tp} is the smallest size "
                                "above 1 they allow" if tp != 2 else ""}
     try:
-        for tp, pp in ((tp, 1), (1, 2)):
-            par = _engine(model, tp, pp, ctx)
+        for t, pp in ((tp, 1), (1, 2)):
+            par = _engine(model, t, pp, ctx)
             a, b = [], []
             try:
                 for _ in range(rounds):
                     a.append(_measure(one, 1, 1, words, rnd))
-                    b.append(_measure(par, tp, pp, words, rnd))
+                    b.append(_measure(par, t, pp, words, rnd))
             finally:
                 par.close()
-            key = f"tp{tp}" if tp > 1 else f"pp{pp}"
+            key = f"tp{t}" if t > 1 else f"pp{pp}"
             row = {}
             for label, metric in (("prefill", "tok_s"), ("decode_1", "tok_s"), ("decode_4", "tok_s")):
                 m1, m2 = _median_of(a, (label, metric)), _median_of(b, (label, metric))

@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import numpy as np
@@ -72,7 +72,7 @@ HEADER = 512
 _NOP, _STEP, _READ, _WRITE, _STOP = 0, 1, 2, 3, 4
 
 
-class ParallelWorkerLost(BaseException):  # noqa: N818 - a state, not a request's error
+class ParallelWorkerLost(BaseException):
     """A worker process of a tensor/pipeline-parallel group died or stopped answering.
 
     A BaseException on purpose: EngineCore retries a step that raised an Exception (and
@@ -271,7 +271,7 @@ class RowParallel(nn.Module):
     (``all_reduce``). [T, in / tp] float32 -> [T, out] float32. Counts calls and their seconds in
     ``stats``."""
 
-    def __init__(self, inner: nn.Module, stats: "CommStats", group=None):
+    def __init__(self, inner: nn.Module, stats: CommStats, group=None):
         super().__init__()
         self.inner = inner
         self.stats = stats
@@ -294,7 +294,7 @@ class VocabParallelHead(nn.Module):
     [R, E] -> that rank: [R, n_vocab] float32 (the ranks' slices in order, padding dropped); the
     others: their own [R, ceil(n_vocab / tp)] slice."""
 
-    def __init__(self, inner: nn.Module, n_vocab: int, tp: int, rank: int, stats: "CommStats", dst: int = 0,
+    def __init__(self, inner: nn.Module, n_vocab: int, tp: int, rank: int, stats: CommStats, dst: int = 0,
                  group=None):
         super().__init__()
         self.inner, self.n_vocab, self.tp, self.rank, self.stats = inner, n_vocab, tp, rank, stats
@@ -327,7 +327,7 @@ def tp_groups(tp: int, pp: int) -> list:
     return [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
 
 
-def build_shard(loaded_config: ModelConfig, weights: dict[str, Weight], plan: RankPlan, build, stats: "CommStats",
+def build_shard(loaded_config: ModelConfig, weights: dict[str, Weight], plan: RankPlan, build, stats: CommStats,
                 group=None) -> tuple[LlamaModel, list[str]]:
     """One rank's LlamaModel: ``build(config, weights)`` (kvserve.models.registry's numerics) of
     :func:`shard_weights`, with RowParallel after attn_output / ffn_down and a VocabParallelHead
@@ -705,7 +705,7 @@ class ParallelRunner(ModelRunner):
 
     def start_compile(self, max_rows: int):
         """No compiled graph with tp/pp > 1: the engine stays eager (logged at start-up)."""
-        return None
+        return
 
     def execute(self, sched, kv, samplers) -> StepResult:
         """One step over the group (see ModelRunner.execute); raises ParallelWorkerLost when the group
@@ -729,7 +729,7 @@ class ParallelRunner(ModelRunner):
                 logits_list = self._pipeline(batches)
             except ParallelWorkerLost:
                 raise
-            except Exception as e:  # noqa: BLE001 - a collective failed: the group is gone
+            except Exception as e:
                 raise self._comm.fail(e) from e
         n = len(chunks)
         samples, plps, verified = [None] * n, [None] * n, [None] * n
@@ -753,7 +753,7 @@ class ParallelRunner(ModelRunner):
                 return self.model(batch.input_ids, batch.attn, self.kv_caches, batch.need)
             except ParallelWorkerLost:
                 raise
-            except Exception as e:  # noqa: BLE001 - a collective failed: the group is gone
+            except Exception as e:
                 raise comm.fail(e) from e
 
     def _pipeline(self, batches: list[PreparedBatch]) -> list[torch.Tensor]:
@@ -801,13 +801,13 @@ class ParallelRunner(ModelRunner):
                     else:
                         parts = self._recv_rows(r, plan, N, k0, v0)
                     for j, (ks, vs) in enumerate(parts):
-                        l = plan.layers[0] + j  # noqa: E741
+                        l = plan.layers[0] + j
                         h0, h1 = plan.kv_heads
                         full[l][0][:, h0:h1] = ks
                         full[l][1][:, h0:h1] = vs
             except ParallelWorkerLost:
                 raise
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise comm.fail(e) from e
         return full
 
@@ -839,7 +839,7 @@ class ParallelRunner(ModelRunner):
             try:
                 comm.send(_WRITE, np.concatenate([[N, blob.numel()], rows.numpy()]).astype(np.int64))
                 dist.broadcast(blob.to(self.device), src=0)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise comm.fail(e) from e
         super().write_rows(rows, _my_layers(self.plans[0], layers))
 
@@ -864,8 +864,8 @@ def _shutdown(comm: _Comm) -> None:
         if comm.lost is None and dist.is_initialized():
             try:
                 comm.send(_STOP, None)
-            except Exception:  # noqa: BLE001 - the processes are killed below
-                pass
+            except Exception as e:  # noqa: BLE001 - the processes are killed below
+                log.debug("parallel stop message not sent: %s", e)
     finally:
         if got:
             comm.lock.release()
@@ -873,8 +873,8 @@ def _shutdown(comm: _Comm) -> None:
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+        except Exception as e:  # noqa: BLE001 - leaving a broken group
+            log.debug("destroy_process_group: %s", e)
 
 
 # -- the worker -------------------------------------------------------------------------
@@ -949,8 +949,8 @@ def worker_main(model_path: str | None = None) -> int:
     finally:
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+        except Exception as e:  # noqa: BLE001 - leaving a broken group
+            log.debug("destroy_process_group: %s", e)
     return 0
 
 
