@@ -24,6 +24,8 @@ replicas (``-t`` ``--threads`` each, ``-np`` = agents) and ``vllm-router --polic
   communication per step from rank 0's counters (the step broadcast, all-reduce count x mean
   time, the logits gather, pipeline sends/receives). tp=1 and each parallel layout alternate
   in rounds in one process (``--rounds``); the ratios are of medians measured side by side.
+  ``collectives_alone``: a gloo all-reduce of one [1, n_embd] row and a step header between
+  processes that do nothing else (microseconds per call): communication without compute waits.
 
 On a 2-core machine two replicas share the cores one replica had: the point is correctness
 (the prefix stays where it is cached) and the router's overhead, not a speed-up.
@@ -308,6 +310,47 @@ def _median_of(runs: list[dict], path: tuple[str, ...]):
     return statistics.median(vals)
 
 
+def _collective_worker(rank: int, world: int, port: int, n_embd: int, iters: int, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    x = torch.zeros(1, n_embd)
+    h = torch.zeros(512, dtype=torch.long)
+    out = {}
+    for name, fn in (("allreduce_1row_us", lambda: dist.all_reduce(x)), ("broadcast_header_us",
+                                                                          lambda: dist.broadcast(h, src=0))):
+        for _ in range(20):
+            fn()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        out[name] = 1e6 * (time.perf_counter() - t0) / iters
+    if rank == 0:
+        q.put(out)
+    dist.destroy_process_group()
+
+
+def collective_micro(world: int, n_embd: int, iters: int = 500) -> dict:
+    """gloo on loopback between ``world`` processes with nothing else to do: one all-reduce of a
+    [1, n_embd] float32 row (a decode step's per-layer message) and one 512-value step header, mean
+    microseconds per call; what a step pays for communication alone, without waiting for compute."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    ps = [ctx.Process(target=_collective_worker, args=(r, world, port, n_embd, iters, q)) for r in range(world)]
+    for p in ps:
+        p.start()
+    out = q.get(timeout=300)
+    for p in ps:
+        p.join(30)
+    return {"world": world, "n_embd": n_embd, "iters": iters, **{k: round(v, 1) for k, v in out.items()}}
+
+
 def parallel_bench(model: str, rounds: int, words: int, ctx: int, tp: int = 0) -> dict:
     """tp=1 vs tp=N and tp=1 vs pp=2, alternating in rounds (see the module docstring). ``tp`` 0: 2
     when the model's heads allow it, else the smallest size they allow (SmolLM2's 9 heads: 3)."""
@@ -318,8 +361,9 @@ def parallel_bench(model: str, rounds: int, words: int, ctx: int, tp: int = 0) -
     if not tp:
         tp = next(n for n in range(2, cfg.n_head + 1) if parallel_error(cfg, n, 1) is None)
     rnd = random.Random(0)
+    micro = [collective_micro(w, cfg.n_embd) for w in sorted({2, tp})]
     one = _engine(model, 1, 1, ctx)
-    result: dict = {"flags": f"tp=1: -t 2; tp={tp} / pp=2: one thread per rank (-t 1 each), on "
+    result: dict = {"collectives_alone": micro, "flags": f"tp=1: -t 2; tp={tp} / pp=2: one thread per rank (-t 1 each), on "
                              f"{os.cpu_count()} cores", "rounds": rounds,
                     "tp_note": f"{cfg.n_head} heads, {cfg.n_head_kv} KV heads: tp={tp} is the smallest size "
                                "above 1 they allow" if tp != 2 else ""}
