@@ -222,3 +222,43 @@ def test_check_vocab_token_text_and_type():
         check_vocab(a, T([str(i) for i in range(7)] + ["y", "8", "9"]), 10, 10)
     with pytest.raises(DraftVocabError, match="vocab_type_dft = spm while vocab_type_tgt = gpt2"):
         check_vocab(a, T([str(i) for i in range(10)], "spm"), 10, 10)
+
+
+def test_cache_reuse_shifts_apply_to_the_draft_too(tiny_gguf):
+    """--cache-reuse: the shifted chunk's rows move in the draft's pool as in the target's (its own
+    RoPE), so the target as its own draft still accepts everything, and the tokens are plain's."""
+    header, pre = [3, 4, 5, 6, 7], list(range(20, 53)) + [60, 61, 62, 63, 64]
+
+    def go(core):
+        out = []
+        for rid, ids in (("a", header + pre), ("b", pre)):
+            r = Request(rid, list(ids), SamplingParams(temperature=0, n_predict=24, n_cache_reuse=8),
+                        priority_slot=0)
+            out.append(run(core, [r])[rid])
+        return out
+
+    plain = make_core(tiny_gguf, n_parallel=1, cache_ram=0)
+    spec = make_core(tiny_gguf, tiny_gguf, n_parallel=1, cache_ram=0)
+    a, b = go(plain), go(spec)
+    assert [x[0] for x in a] == [x[0] for x in b]
+    assert b[1][3].num_cached_tokens == a[1][3].num_cached_tokens == 37  # the shifted chunk reused
+    t = b[1][3].timings
+    assert t.draft_n > 0 and t.draft_n_accepted == t.draft_n
+
+
+def test_a_full_accept_at_the_end_leaves_valid_draft_rows_for_a_prefix_hit(tiny_gguf):
+    """The last verification of a request cut by n_predict accepts its whole draft; the draft's row
+    of that last draft token is computed after the target's step (after_verify), so a later request
+    hitting the whole cached sequence finds valid draft rows: the self-draft accepts everything."""
+    spec = make_core(tiny_gguf, tiny_gguf, k=4, n_parallel=1)
+    assert spec.kv.block_size == 16
+    # 38 + 11 tokens: 1 + 5 + 5 generated (two verifications of 4 accepted + the bonus), the last
+    # draft token at position 47, the end of the third block (cached whole)
+    p = prompt(21, 38)
+    first = run(spec, [Request("f", p, SamplingParams(n_predict=11, **GREEDY))])["f"]
+    assert len(first[0]) == 11 and first[3].timings.draft_n == first[3].timings.draft_n_accepted == 8
+    seq = p + first[0]
+    second = run(spec, [Request("g", seq + [5], SamplingParams(n_predict=30, **GREEDY))])["g"]
+    assert second[3].num_cached_tokens == 48
+    t = second[3].timings
+    assert t.draft_n > 0 and t.draft_n_accepted == t.draft_n
