@@ -27,8 +27,9 @@ its steps' seconds, so load from other processes that comes and goes hits all mo
 JSON gives every round's figures, the median per mode and the ratios to plain.
 
 ``--draft-model NAME`` (one stream): a third mode, speculative decoding with that draft model
-(``-md``), reported under ``"draft"`` (tokens/s, ratio to plain, acceptance, the draft's forwards
-and memory).
+(``-md``), every draft verified whole (``--draft-policy``: the draft-length policy, which charges
+each drafted token a draft step), reported under ``"draft"`` (tokens/s, ratio to plain,
+acceptance, the draft's forwards and memory).
 
 Prints one JSON object: tokens/s of each mode, their ratio, the acceptance rate (accepted /
 proposed draft tokens), tokens per verification step, a step profile per mode (plain decode
@@ -252,6 +253,8 @@ def main() -> None:
     ap.add_argument("--draft-model-max", type=int, default=None,
                     help="--draft-max of the draft-model mode (default: --draft-max)")
     ap.add_argument("--draft-p-min", type=float, default=0.0, help="--draft-p-min of the draft-model mode")
+    ap.add_argument("--draft-policy", action="store_true",
+                    help="the draft-model mode with the draft-length policy (default: every draft verified whole)")
     ap.add_argument("--no-prefix", action="store_true",
                     help="the assistant turn starts empty (default: with the code fence and the file's first line, "
                          "as an editing agent's reply begins; SmolLM2-135M otherwise explains instead of quoting)")
@@ -277,6 +280,9 @@ def main() -> None:
         draft_cfg = SpecConfig(method="draft_model", draft_model=a.draft_model,
                                num_speculative_tokens=a.draft_model_max or a.draft_max, draft_p_min=a.draft_p_min)
         cores["draft"] = EngineCore(loaded, EngineConfig(**base, spec=draft_cfg))
+        # every draft verified whole unless --draft-policy: the draft-length policy charges each
+        # drafted token a draft step, so a draft as large as the target (the smoke test) never drafts
+        cores["draft"].spec.adaptive = a.draft_policy
     _wait_native(cores)
     tok = cores["plain"].tokenizer
     prefix = "" if a.no_prefix else "```python\n" + SOURCE.split("\n")[0] + "\n"
@@ -345,6 +351,7 @@ def _draft_report(a, best: dict, cores: dict) -> dict:
     d = best["draft"]
     dm = cores["draft"].draft
     return {"model": a.draft_model, "draft_max": a.draft_model_max or a.draft_max, "draft_p_min": a.draft_p_min,
+            "policy": a.draft_policy, "draft_cost": round(cores["draft"].spec.draft_cost, 3),
             "tok_s": round(d["tok_s"], 1),
             "ratio": round(d["tok_s"] / best["plain"]["tok_s"], 2) if best["plain"]["tok_s"] else None,
             "draft_n": d["draft_n"], "draft_n_accepted": d["draft_n_accepted"],

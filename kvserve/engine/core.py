@@ -162,6 +162,7 @@ class EngineCore:
 
             self.draft = DraftModel.load(config.spec.draft_model, loaded, config, num_blocks, bs,
                                          max(self.n_ctx_slot, self.n_ctx) + bs)
+            self._draft_cost = self.draft.weight_bytes / max(DraftModel.bytes_of(self.model), 1)
         if config.compile:
             self.runner.start_compile(self.n_slots * ModelRunner.DECODE_LIKE_MAX)
         self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens, self.n_ctx_slot)
@@ -172,6 +173,8 @@ class EngineCore:
         self._spec_native_pending = self.spec is not None and getattr(self.runner, "native", None) is not None
         if self.spec is not None:
             self.scheduler.spec = self.spec
+            if self.draft is not None:  # the policy charges each drafted token a draft step
+                self.spec.draft_cost = self._draft_cost
             if self.device.type != "cpu":
                 self.spec.base_rows, self.spec.chunk_rows = STEP_BASE_ROWS_GPU, CHUNK_ROWS_GPU
             if self.device.type == "cpu" and config.small_batch_rows > 0:

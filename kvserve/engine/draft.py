@@ -174,6 +174,11 @@ class DraftModel:
                  config.spec.num_speculative_tokens, config.spec.min_tokens, d.p_min, extra={"func": "load_model"})
         return d
 
+    @staticmethod
+    def bytes_of(model) -> int:
+        """Bytes of a model's weights (every distinct tensor it holds)."""
+        return _tensor_bytes(model)
+
     # -- bookkeeping -------------------------------------------------------------------
 
     def forget(self, request_id: str) -> None:

@@ -230,7 +230,8 @@ class _Seq:
 
 
 def draft_length(alpha: float, k_max: int, rows: int, base_rows: float, gain: float = 0.0,
-                 drafted: float = 0.0, chunk_rows: float = 0.0, run: float = RUN_CONTINUES) -> int:
+                 drafted: float = 0.0, chunk_rows: float = 0.0, run: float = RUN_CONTINUES,
+                 token_rows: float = 0.0) -> int:
     """How many draft tokens (at most ``k_max``) one sequence verifies: the k that maximizes the
     step's expected tokens per row-unit, 0 when no k raises it.
 
@@ -240,6 +241,8 @@ def draft_length(alpha: float, k_max: int, rows: int, base_rows: float, gain: fl
         rows: the step's rows before drafts (B).
         base_rows: the step's fixed cost in rows.
         gain, drafted: expected accepted tokens and row-units of the drafts already in the step.
+        token_rows: what producing each draft token costs beyond its row (a draft model's step,
+            in row-units; 0 for prompt lookup).
         chunk_rows: what turning a decode row into a verification chunk costs beyond its
             draft rows, in rows (see the module docstring).
         run: the chance that each further token is accepted once the previous one was; token i
@@ -247,7 +250,7 @@ def draft_length(alpha: float, k_max: int, rows: int, base_rows: float, gain: fl
 
     Returns:
         argmax over k in 0..k_max of ``(rows + gain + sum_{i<=k} alpha * run**(i-1)) /
-        (base_rows + rows + drafted + k + (chunk_rows if k else 0))`` (the smallest such k on
+        (base_rows + rows + drafted + k * (1 + token_rows) + (chunk_rows if k else 0))`` (the smallest such k on
         ties).
     """
     best_k = 0
@@ -256,7 +259,7 @@ def draft_length(alpha: float, k_max: int, rows: int, base_rows: float, gain: fl
     p = alpha
     for k in range(1, k_max + 1):
         g += p
-        r = g / (base_rows + rows + drafted + k + chunk_rows)
+        r = g / (base_rows + rows + drafted + k * (1.0 + token_rows) + chunk_rows)
         if r > best:
             best_k, best = k, r
         p *= run
@@ -280,6 +283,10 @@ class SpecDecoder:
     chunk_rows: float = CHUNK_ROWS_CPU
     #: the draft-length policy on (False: every proposal verified whole, as before it existed)
     adaptive: bool = True
+    #: draft model: one draft step's cost as a fraction of a one-row target step (the weights'
+    #: bytes ratio; EngineCore sets it): each drafted token is charged ``draft_cost * (base_rows
+    #: + 1)`` row-units more, so a draft as large as the target never pays (0: prompt lookup)
+    draft_cost: float = 0.0
     _seqs: dict[str, _Seq] = field(default_factory=dict)
     # the step being scheduled: rows before drafts, expected accepted draft tokens, draft rows
     _rows: int = 1
@@ -346,14 +353,16 @@ class SpecDecoder:
                 s.hits, s.misses = PRIOR_HITS, PRIOR_MISSES
                 s.verified_at = n
             alpha = s.alpha
-            k = draft_length(alpha, k, self._rows, self.base_rows, self._gain, self._drafted, self.chunk_rows)
+            tr = self.draft_cost * (self.base_rows + 1.0)  # a draft model step per drafted token
+            k = draft_length(alpha, k, self._rows, self.base_rows, self._gain, self._drafted, self.chunk_rows,
+                             token_rows=tr)
             if k < max(s.n_min, 1):
                 return 0
             p = alpha
             for _ in range(k):
                 self._gain += p
                 p *= RUN_CONTINUES
-            self._drafted += k + self.chunk_rows
+            self._drafted += k * (1.0 + tr) + self.chunk_rows
             s.verified_at = n
         return k
 

@@ -140,23 +140,24 @@ def test_vllm_spec_decode_counters(tmp_path):
 
 
 def test_draft_model_same_content_counters_and_metrics(tmp_path):
-    """``-md`` (the tiny model as its own draft: every draft accepted) through /completion and
-    /metrics; a sampled request speculates too."""
+    """``-md`` through /completion and /metrics: an 8-layer target and a one-layer draft (cheap
+    enough for the draft-length policy to draft); a sampled request speculates too."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    path = tinymodel.write_tiny_gguf(tmp_path / "tiny.gguf", seed=3)
+    path = tinymodel.write_tiny_gguf(tmp_path / "tiny.gguf", seed=3, n_layer=8)
+    draft = tinymodel.write_tiny_gguf(tmp_path / "draft.gguf", seed=3, n_layer=1)
     plain_state, plain = _client(tmp_path, path)
     with plain:
         plain.portal.call(plain_state.preload)
         ref = _complete(plain, return_tokens=True)
         plain.portal.call(plain_state.manager.shutdown)
-    state, c = _client(tmp_path, path, "--metrics", "-md", str(path), "--draft-max", "4")
+    state, c = _client(tmp_path, path, "--metrics", "-md", str(draft), "--draft-max", "4")
     with c:
         c.portal.call(state.preload)
         b = _complete(c, return_tokens=True)
         assert b["tokens"] == ref["tokens"] and b["content"] == ref["content"]
         t = b["timings"]
-        assert t["draft_n"] > 0 and t["draft_n_accepted"] == t["draft_n"]
+        assert t["draft_n"] > 0 and 0 <= t["draft_n_accepted"] <= t["draft_n"]
         fams = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
 
         def total(name: str) -> float:

@@ -262,3 +262,22 @@ def test_a_full_accept_at_the_end_leaves_valid_draft_rows_for_a_prefix_hit(tiny_
     assert second[3].num_cached_tokens == 48
     t = second[3].timings
     assert t.draft_n > 0 and t.draft_n_accepted == t.draft_n
+
+
+def test_policy_charges_a_draft_step_per_drafted_token(tiny_gguf, other_gguf):
+    from kvserve.engine.spec_decode import SpecDecoder, draft_length
+
+    # one stream, alpha 0.8, the native step's costs (base 2 rows): a draft 10x cheaper than the target
+    # pays, one as large as the target does not
+    assert draft_length(0.8, 8, 1, 2.0, token_rows=0.0) == 7
+    assert draft_length(0.8, 8, 1, 2.0, token_rows=0.3) == 5
+    assert draft_length(0.8, 8, 1, 2.0, token_rows=3.0) == 0
+    selfd = make_core(tiny_gguf, tiny_gguf, adaptive=True)
+    other = make_core(tiny_gguf, other_gguf, adaptive=True)
+    assert selfd.spec.draft_cost == pytest.approx(1.0)
+    assert other.spec.draft_cost == pytest.approx(0.7464, abs=1e-4)  # one layer of two, the same embeddings and head
+    assert isinstance(selfd.spec, SpecDecoder)
+    plain = make_core(tiny_gguf)
+    a = run(plain, [Request("a", prompt(30), SamplingParams(n_predict=20, **GREEDY))])["a"]
+    b = run(selfd, [Request("b", prompt(30), SamplingParams(n_predict=20, **GREEDY))])["b"]
+    assert a[:3] == b[:3] and b[3].timings.draft_n == 0  # the self-draft never pays: plain decoding
