@@ -38,36 +38,34 @@ template <int MR>
 inline void rows_dot(const uint8_t* wrow, const uint16_t* drow, const uint16_t* mrow, int64_t K, const int8_t* xq,
                      const float* xs, const float* xsum, float* out, int64_t ldo) {
   const int64_t P = K / 64, G = K / 32;
-  __m512 acc[MR], accm[MR];
-  for (int r = 0; r < MR; ++r) {
-    acc[r] = _mm512_setzero_ps();
-    accm[r] = _mm512_setzero_ps();
-  }
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int64_t pr = 0; pr < P; ++pr) {
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + pr * 32));
     const __m256i lo = _mm256_and_si256(b, low4);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
     const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    int32_t dpair, mpair;
+    int32_t dpair;
     std::memcpy(&dpair, drow + 2 * pr, 4);
-    std::memcpy(&mpair, mrow + 2 * pr, 4);
     const __m512 dw = _mm512_cvtph_ps(_mm256_set1_epi32(dpair));  // d0 d1 d0 d1 ...
-    const __m512 mw = _mm512_cvtph_ps(_mm256_set1_epi32(mpair));
     for (int r = 0; r < MR; ++r) {
-      double xspair, xmpair;
+      double xspair;
       std::memcpy(&xspair, xs + r * G + 2 * pr, 8);
-      std::memcpy(&xmpair, xsum + r * G + 2 * pr, 8);
       const __m512i a = _mm512_loadu_si512(xq + r * K + pr * 64);
       const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
       const __m512 xsp = _mm512_castpd_ps(_mm512_set1_pd(xspair));  // dx0 dx1 dx0 dx1 ...
-      const __m512 xmp = _mm512_castpd_ps(_mm512_set1_pd(xmpair));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xsp), acc[r]);
-      accm[r] = _mm512_fmadd_ps(mw, xmp, accm[r]);
     }
   }
-  // every block's m term sits in 8 lanes
-  for (int r = 0; r < MR; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(accm[r]) * 0.125f;
+  // the m terms, sum_g m_g * (dx_g * sum xq_g): 16 blocks per vector, not one FMA per pair and row
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {
+    const int64_t left = G - g0 < 16 ? G - g0 : 16;
+    const __mmask16 mk = static_cast<__mmask16>((1u << left) - 1u);
+    const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, mrow + g0));
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, xsum + r * G + g0), acc[r]);
+  }
+  for (int r = 0; r < MR; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
 }
 
 
