@@ -561,6 +561,7 @@ class EngineCore:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.finish_time = time.monotonic()
         if self.draft is not None:
+            self.draft.settle(req, self.kv)
             self.draft.forget(req.request_id)
         if self.spec is not None:
             self.spec.forget(req.request_id)

@@ -12,10 +12,12 @@ draft's own RoPE table), the host tier (the same block ids), parked slots.
 Per engine step (:meth:`DraftModel.propose`, after scheduling, before the target's forward):
 
 1. the step's KV shift and copy jobs run on the draft's pool too;
-2. *catch-up*: one batched forward of the draft over every chunk of the step (prompt
-   chunks and decode rows, the same positions and cache rows as the target's), starting
-   where the draft's rows of that sequence stop being valid (``_valid``, normally the
-   chunk's own start), with logits only for the rows that draft;
+2. *catch-up*: one batched forward of the draft over the step's prompt chunks and the
+   decode rows that draft (the same positions and cache rows as the target's), each starting
+   where the draft's rows of that sequence stop being valid (``_valid``): decode rows that
+   do not draft are skipped and caught up in one chunk when the sequence drafts again or
+   finishes (:meth:`DraftModel.settle`), so a step whose drafts the policy declines costs no
+   draft forward; logits only for the rows that draft;
 3. *drafting*: for the decode rows the scheduler gave a draft length (``ScheduledChunk.draft_k``,
    from the draft-length policy of :mod:`kvserve.engine.spec_decode`), K batched
    one-row-per-sequence steps: each picks the next draft token (greedy requests: the argmax
@@ -27,9 +29,11 @@ Per engine step (:meth:`DraftModel.propose`, after scheduling, before the target
 The target then verifies the chunk as for prompt lookup (greedy: longest agreeing prefix
 plus the bonus token; sampling: the rejection rule with the draft's ``q``). After the
 target's forward (:meth:`DraftModel.after_verify`), a sequence that accepted its whole draft
-has its last draft token fed to the draft (its row was never computed), so that the draft's
-rows are valid for every token the target's cache holds at the end of every step: a block
-that is parked, indexed or kept in the host tier is valid for both models.
+has its last draft token fed to the draft (its row was never computed), and a finishing
+request's skipped rows are computed (:meth:`DraftModel.settle`), so that a block that is
+parked, indexed or kept in the host tier is valid for both models. (A preempted sequence's
+blocks may be indexed with draft rows missing: that lowers the draft's acceptance on a later
+hit of them, never changes a token, since the target verifies every draft.)
 
 Slot files hold the target's rows only; :meth:`DraftModel.fill` recomputes the draft's rows
 of a restored slot (one prefill of the draft over the restored tokens).
@@ -266,10 +270,12 @@ class DraftModel:
             req = ch.request
             rid = req.request_id
             s = req.num_computed_tokens
+            want = ch.draft_k > 0
+            if not want and ch.num_new_tokens == 1 and req.output_token_ids:
+                continue  # a decode row that does not draft: caught up when it drafts or finishes
             start = min(self._valid.get(rid, s), s)
             end = s + ch.num_new_tokens
             table = kv.block_table(rid)
-            want = ch.draft_k > 0
             if want:
                 drafting.append((len(items), ch))
             items.append((table, start, [req.token_at(p) for p in range(start, end)], want))
@@ -345,6 +351,21 @@ class DraftModel:
             self._valid[req.request_id] = p + 1
         if items:
             self._forward(items)
+
+    def settle(self, req, kv: KVCacheManager) -> None:
+        """A request is finishing (its blocks about to be parked or freed, their tokens indexed):
+        compute the draft's rows it skipped (decode rows that did not draft), in one chunk, so
+        that a later prefix hit on its blocks finds valid draft rows."""
+        rid = req.request_id
+        n = req.num_computed_tokens
+        start = self._valid.get(rid)
+        if start is None or start >= n:
+            return
+        self._valid[rid] = n
+        table = kv.block_table(rid)
+        for a in range(start, n, FILL_CHUNK_TOKENS):
+            b = min(a + FILL_CHUNK_TOKENS, n)
+            self._forward([(table, a, [req.token_at(p) for p in range(a, b)], False)])
 
     def fill(self, tokens: list[int], table: list[int]) -> None:
         """Compute the draft's rows of ``tokens`` (positions 0..N-1) into the blocks of
