@@ -281,3 +281,5 @@ def test_policy_charges_a_draft_step_per_drafted_token(tiny_gguf, other_gguf):
     a = run(plain, [Request("a", prompt(30), SamplingParams(n_predict=20, **GREEDY))])["a"]
     b = run(selfd, [Request("b", prompt(30), SamplingParams(n_predict=20, **GREEDY))])["b"]
     assert a[:3] == b[:3] and b[3].timings.draft_n == 0  # the self-draft never pays: plain decoding
+    # and costs two draft forwards, not one a step: the prompt, then the skipped rows at the finish
+    assert (selfd.draft.forwards, selfd.draft.rows) == (2, len(prompt(30)) + 19)
