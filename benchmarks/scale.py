@@ -318,9 +318,19 @@ def _collective_worker(rank: int, world: int, port: int, n_embd: int, iters: int
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     x = torch.zeros(1, n_embd)
     h = torch.zeros(512, dtype=torch.long)
+    # a 4-stream decode step as Python objects, for broadcast_object_list (pickle + 2 broadcasts)
+    step = {"shifts": [], "copies": [], "ids": [5, 6, 7, 8], "pos": [40, 41, 42, 43], "slots": [40, 57, 74, 91],
+            "kv_index": [list(range(i * 16, i * 16 + 44)) for i in range(4)], "lens": [41, 42, 43, 44],
+            "prefills": [], "need": None}
+
+    def pickled():
+        box = [step if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+
     out = {}
     for name, fn in (("allreduce_1row_us", lambda: dist.all_reduce(x)), ("broadcast_header_us",
-                                                                          lambda: dist.broadcast(h, src=0))):
+                                                                          lambda: dist.broadcast(h, src=0)),
+                     ("broadcast_pickled_step_us", pickled)):
         for _ in range(20):
             fn()
         dist.barrier()
@@ -336,7 +346,9 @@ def _collective_worker(rank: int, world: int, port: int, n_embd: int, iters: int
 def collective_micro(world: int, n_embd: int, iters: int = 500) -> dict:
     """gloo on loopback between ``world`` processes with nothing else to do: one all-reduce of a
     [1, n_embd] float32 row (a decode step's per-layer message) and one 512-value step header, mean
-    microseconds per call; what a step pays for communication alone, without waiting for compute."""
+    microseconds per call; what a step pays for communication alone, without waiting for compute. And
+    the same 4-stream decode step sent as a pickled object (``broadcast_object_list``), against
+    kvserve's one int64 tensor (the header)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
