@@ -375,6 +375,9 @@ def run_startup_checks(args, path: str, cfg) -> list[tuple[int, str]]:
         err = parallel_error(h.config, tp, pp)
         if err:
             raise StartupCheckError(err)
+        if getattr(getattr(cfg, "spec", None), "method", None) == "draft_model":
+            raise StartupCheckError(f"a draft model (-md, --speculative-config model) is not supported with tensor or "
+                                    f"pipeline parallelism (tp={tp} pp={pp}) yet; prompt lookup (--spec-type ngram) is")
     notes += check_quantization(getattr(args, "quantization", None), h,
                                 getattr(args, "flags_given", {}).get("quantization", "-q"))
     device_type = torch.device(cfg.resolve_device()).type

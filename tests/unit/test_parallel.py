@@ -346,3 +346,13 @@ def test_idle_group_outlives_the_collective_timeout(tiny, monkeypatch):
         assert len(again[0]) == 3
     finally:
         core.close()
+
+
+def test_a_draft_model_with_tp_is_refused_at_start_up(tiny):
+    from kvserve.serving.startup_checks import StartupCheckError, run_startup_checks
+
+    cfg = EngineConfig(tensor_parallel_size=2, spec=SpecConfig(method="draft_model", draft_model=tiny["f32"]))
+    with pytest.raises(StartupCheckError) as e:
+        run_startup_checks(object(), tiny["f32"], cfg)
+    assert str(e.value) == ("a draft model (-md, --speculative-config model) is not supported with tensor or "
+                            "pipeline parallelism (tp=2 pp=1) yet; prompt lookup (--spec-type ngram) is")
