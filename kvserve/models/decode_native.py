@@ -146,12 +146,14 @@ def build_in_child(nice: int = 19, timeout: float = 900.0) -> str | None:
 
 
 def ensure_started(on_ready) -> None:
-    """Load the cached build now, or start one background build (once per process) that calls
-    ``on_ready(module)`` when loaded, or ``on_ready(None)`` after logging why it failed."""
+    """Load the cached build now and call ``on_ready(module)`` in a thread (it packs the weights), or
+    start one background build (once per process) that calls ``on_ready(module)`` when loaded, or
+    ``on_ready(None)`` after logging why it failed."""
     global _build_thread, _build_error
     mod = load_cached()
     if mod is not None:
-        on_ready(mod)
+        # packing the weights takes ~2 s for SmolLM2: off the start-up path too
+        threading.Thread(target=on_ready, args=(mod,), name="kvserve-native-pack", daemon=True).start()
         return
     if _build_error is not None:
         on_ready(None)
@@ -200,7 +202,7 @@ def model_reason(model) -> str | None:
     if model.device.type != "cpu":
         return "not a CPU model"
     lins = model.projections()
-    if not lins or any(lin.q4w is None for lin in lins):
+    if not lins or any(not lin.has_native_weights for lin in lins):
         return "the projections are not Q4_0/Q4_1 kept for the native kernel"
     if c.head_dim % 32 or c.n_head % c.n_head_kv:
         return f"head_dim {c.head_dim} is not a multiple of 32"
@@ -226,6 +228,7 @@ class NativeDecode:
         self.model = model
         self.max_batch = max_batch if max_batch > 0 else 1 << 30
         self.decoder = None
+        self._done = threading.Event()
         self.native_head = False  # the output head in C++ too (else the model's Linear)
         self.calls = 0
         self.reason = unavailable_reason() or model_reason(model)
@@ -237,10 +240,25 @@ class NativeDecode:
         """Load or build the extension (see :func:`ensure_started`); logs why when it cannot run."""
         if self.reason is not None:
             log.info("native decode step off: %s; decoding eagerly", self.reason)
+            self._done.set()
             return
         ensure_started(self._loaded)
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the step is ready or failed (at most ``timeout`` s); True when ready."""
+        self._done.wait(timeout)
+        return self.ready
+
     def _loaded(self, mod) -> None:
+        try:
+            self._load(mod)
+        except Exception as e:  # noqa: BLE001 - a layout the extension refuses: eager
+            self.reason = f"{type(e).__name__}: {e}"
+            log.warning("native decode step not used: %s", self.reason)
+        finally:
+            self._done.set()
+
+    def _load(self, mod) -> None:
         if mod is None:
             self.reason = _build_error or "build failed"
             return
@@ -250,7 +268,7 @@ class NativeDecode:
         for layer in m.layers:
             t = [layer.attn_norm.weight.contiguous(), layer.ffn_norm.weight.contiguous()]
             for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
-                t.extend(x.contiguous() for x in lin.q4w)
+                t.extend(x.contiguous() for x in lin.native_weights())
             t.append(layer.wqkv.bias.contiguous() if layer.wqkv.bias is not None else empty)
             layers.append(t)
         dec = mod.Decoder(layers, c.n_head, c.n_head_kv, c.head_dim, float(c.rms_eps))
@@ -259,6 +277,7 @@ class NativeDecode:
             dec.set_head(m.output_norm.weight.contiguous(), *pack_q8(head))
             self.native_head = True
         self.decoder = dec
+        log.info("native decode step ready (%s head)", "native" if self.native_head else "torch")
 
     @property
     def ready(self) -> bool:

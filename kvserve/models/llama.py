@@ -140,14 +140,16 @@ class Linear(nn.Module):
             keep the weights in the layout of kvserve's own kernel
             (:mod:`kvserve.models.q4_kernel`), used in place of torch's int4 kernel
             once it is built (``--compile --native-kernels``); 5 more bits per weight
-            of memory.
+            of memory. "decode": the same layout for the native decode step only
+            (:mod:`kvserve.models.decode_native`), packed when it first asks
+            (:meth:`native_weights`, off the start-up path) and never used by ``forward``.
 
     Input x: [T, in] float32; output [T, out] float32 (the small-batch kernels
     and a bfloat16 dense copy compute in bfloat16, accumulating in float32).
     """
 
     def __init__(self, weights: list[Weight], bias: list[Weight] | None, dtype, device, kernel: str = "dense",
-                 small_max_rows: int = 0, large_dtype=torch.float32, native_q4: bool = False):
+                 small_max_rows: int = 0, large_dtype=torch.float32, native_q4: bool | str = False):
         super().__init__()
         cpu = torch.device(device).type == "cpu"
         packed = all(w.q4 is not None for w in weights)
@@ -163,6 +165,8 @@ class Linear(nn.Module):
         self.in_features = weights[0].shape[1]
         self.packed = self.scales = self.q8 = self.weight = None
         self.q4w: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._q4_src: Weight | None = None  # native_q4 "decode": packed by native_weights()
+        self._q4_native: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if kernel == "int4":
             merged = Weight(
                 (self.out_features, self.in_features),
@@ -171,7 +175,9 @@ class Linear(nn.Module):
                 q4_zero=_np_cat([w.q4_zero for w in weights]),
             )
             self.packed, self.scales = _int4_pack(merged, device)
-            if native_q4 and self.in_features % 64 == 0:
+            if native_q4 == "decode" and self.in_features % 64 == 0:
+                self._q4_src = merged
+            elif native_q4 and self.in_features % 64 == 0:
                 self.q4w = q4_kernel.pack(merged.q4, merged.q4_scale, merged.q4_zero)
             dense = merged.to_dense() if small_max_rows else None
         else:
@@ -190,6 +196,23 @@ class Linear(nn.Module):
         self.bias = None
         if bias is not None:
             self.bias = torch.from_numpy(_np_cat([b.to_dense() for b in bias])).to(device=device, dtype=torch.float32)
+
+    @property
+    def has_native_weights(self) -> bool:
+        """True when the native q4 layout is kept (packed or still to pack)."""
+        return self.q4w is not None or self._q4_src is not None or self._q4_native is not None
+
+    def native_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The weights in the native kernel's layout (see q4_kernel.pack), packing them on the first
+        call under native_q4 "decode" (about 20 ms for a 1536 x 576 projection); None without them."""
+        if self.q4w is not None:
+            return self.q4w
+        if self._q4_native is None and self._q4_src is not None:
+            w = self._q4_src
+            # not q4w: forward keeps torch's int4 kernel (its numerics do not change mid-run)
+            self._q4_native = q4_kernel.pack(w.q4, w.q4_scale, w.q4_zero)
+            self._q4_src = None
+        return self._q4_native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] float32 -> [T, out] float32 (see the class docstring for the kernels)."""
@@ -326,13 +349,14 @@ class LlamaModel(nn.Module):
             projection and of the output head, the rows up to which it is used
             and the dtype of the dense copy used above that (see Linear).
         native_q4: keep the projections' 4-bit weights for kvserve's own
-            4-bit kernel too (see Linear; built by CompiledDecode).
+            4-bit kernel too (see Linear; built by CompiledDecode); "decode": for the
+            native decode step only, packed when it asks (Linear.native_weights).
         max_positions: size of the RoPE tables (tokens).
     """
 
     def __init__(self, config: ModelConfig, weights: dict[str, Weight], dtype=torch.float32, device="cpu",
                  kernel: str = "dense", small_max_rows: int = 0, max_positions: int = 8192,
-                 large_dtype=torch.float32, native_q4: bool = False):
+                 large_dtype=torch.float32, native_q4: bool | str = False):
         super().__init__()
         self.config = config
         self.device = torch.device(device)

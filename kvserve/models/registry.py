@@ -82,6 +82,8 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
             from kvserve.models import q4_kernel
 
             native_q4 = q4_kernel.cpu_supported()
+            if native_q4 and not (config.compile and config.native_kernels):
+                native_q4 = "decode"  # packed off the start-up path, for the native step only
     else:
         dtype = _DTYPES[config.dtype]
         kernel = "dense"
@@ -90,7 +92,7 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
                 native_q4=native_q4)
     # ModelRunner starts it (see NativeDecode): Q4_0/Q4_1 projections kept for the native kernel
     model.native_decode = (native_decode and native_q4 and isinstance(model, LlamaModel)
-                           and all(lin.q4w is not None for lin in model.projections()))
+                           and all(lin.has_native_weights for lin in model.projections()))
     return model
 
 

@@ -100,7 +100,7 @@ def test_native_step_agrees_with_eager(built, q4_gguf):
     eager_caches = _clone(caches)
     nat = decode_native.NativeDecode(model, caches, 16)
     nat.start()
-    assert nat.ready and nat.native_head and nat.reason is None
+    assert nat.wait(120) and nat.native_head and nat.reason is None
     toks_n, toks_e, pos = list(nxt), list(nxt), [len(p) for p in PROMPTS]
     chain_n, chain_e, worst = [], [], 0.0
     for _ in range(8):
@@ -127,6 +127,7 @@ def test_native_step_batch_invariant(built, q4_gguf):
     caches, nxt = _prefill_caches(model, prompts)
     nat = decode_native.NativeDecode(model, caches, 16)
     nat.start()
+    assert nat.wait(120)
     together = _clone(caches)
     alone = nat(*_decode_batch([(2, nxt[2], len(prompts[2]))])[:5], caches)
     batch = nat(*_decode_batch([(s, nxt[s], len(prompts[s])) for s in range(5)])[:5], together)
@@ -162,7 +163,7 @@ def test_engine_uses_native_step_by_default(built, q4_gguf):
 
     core = _core(q4_gguf)
     nat = core.runner.native
-    assert nat is not None and nat.ready
+    assert nat is not None and nat.wait(120)  # cached: ready once the weights are packed
     alone = run(core, PROMPTS[0], [])
     assert nat.calls == 9  # the first token comes from the prefill
     together = run(_core(q4_gguf), PROMPTS[0], PROMPTS[1:] + [[3, 1, 4, 1, 5]])
