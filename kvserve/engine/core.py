@@ -162,7 +162,7 @@ class EngineCore:
 
             self.draft = DraftModel.load(config.spec.draft_model, loaded, config, num_blocks, bs,
                                          max(self.n_ctx_slot, self.n_ctx) + bs)
-            self._draft_cost = self.draft.weight_bytes / max(DraftModel.bytes_of(self.model), 1)
+            self._draft_cost = self.draft.cost_ratio
         if config.compile:
             self.runner.start_compile(self.n_slots * ModelRunner.DECODE_LIKE_MAX)
         self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens, self.n_ctx_slot)

@@ -171,6 +171,8 @@ class DraftModel:
         check_vocab(target_loaded.tokenizer, loaded.tokenizer, target_loaded.config.n_vocab, loaded.config.n_vocab)
         model = build_model(loaded, config, max_positions=max_positions)
         d = cls(model, num_blocks, block_size, config.kv_dtype, config.kv_dtype_v, config.spec.draft_p_min)
+        #: one draft step's cost as a fraction of a one-row target step (weights read per step)
+        d.cost_ratio = cls.step_params(loaded.config) / max(cls.step_params(target_loaded.config), 1)
         log.info("draft model %s: %s, %d layers; weights %.1f MiB, KV pool %.1f MiB (%d blocks of %d tokens, "
                  "the target's block ids); draft-max %d, draft-min %d, draft-p-min %.2f", spec,
                  loaded.info.name if hasattr(loaded.info, "name") else loaded.config.arch, loaded.config.n_layer,
@@ -179,9 +181,12 @@ class DraftModel:
         return d
 
     @staticmethod
-    def bytes_of(model) -> int:
-        """Bytes of a model's weights (every distinct tensor it holds)."""
-        return _tensor_bytes(model)
+    def step_params(config) -> int:
+        """Weights one decode step reads (a ModelConfig): every layer's projections and the output
+        head (the token embedding is only indexed). The draft-length policy's cost ratio."""
+        e, hd = config.n_embd, config.head_dim
+        layer = e * config.n_head * hd * 2 + 2 * e * config.n_head_kv * hd + 3 * e * config.n_ff
+        return config.n_layer * layer + config.n_vocab * e
 
     # -- bookkeeping -------------------------------------------------------------------
 

@@ -37,8 +37,8 @@ stays token-identical whatever it decides):
   could not be told from the machine's noise (verifying every proposal: 0.91-1.14 times plain
   over 4 rounds). Once the native decode step (:mod:`kvserve.models.decode_native`) runs the
   engine's decode steps, verification chunks run in it as decode rows and the constants become
-  :data:`STEP_BASE_ROWS_NATIVE` (2) and :data:`CHUNK_ROWS_NATIVE` (0): its 4-bit kernel's cost
-  grows with every row (a 16-row step ~6 times a 1-row one), so drafts must be likelier to pay. On a GPU :data:`STEP_BASE_ROWS_GPU` (64) and :data:`CHUNK_ROWS_GPU` (8):
+  :data:`STEP_BASE_ROWS_NATIVE` (1.5) and :data:`CHUNK_ROWS_NATIVE` (0): its 4-bit kernel's cost
+  grows with every row (a 16-row step ~7.5 times a 1-row one), so drafts must be likelier to pay. On a GPU :data:`STEP_BASE_ROWS_GPU` (64) and :data:`CHUNK_ROWS_GPU` (8):
   guesses, not measured yet.
 * **Hit estimate** per sequence: ``alpha = hits / (hits + misses)`` over its verifications (a
   hit accepted at least one draft token, a miss none), each older one weighted by
@@ -88,9 +88,10 @@ STEP_BASE_ROWS_CPU = 8.0
 STEP_BASE_ROWS_GPU = 64.0
 #: a step's fixed cost in rows when the native decode step runs it (kvserve.models.decode_native:
 #: its 4-bit kernel's cost grows with every row; SmolLM2 Q4_1, 2 threads, 600 cached tokens, one
-#: step of B rows: 10.8, 13.7, 29.3, 51, 85 ms for B = 1, 2, 4, 8, 16, about (2 + B) / 3 times
-#: the 1-row step); a verification chunk then costs nothing beyond its rows (they are decode rows)
-STEP_BASE_ROWS_NATIVE = 2.0
+#: step of B rows after the kernel's Q4_1 change of 4ae6d28: 9.4, 12.8, 21.3, 36.5, 54.3, 70.8 ms
+#: for B = 1, 2, 4, 8, 12, 16, about (1.5 + B) / 2.5 times the 1-row step; before it 10.8, 13.7,
+#: 29.3, 51, -, 85); a verification chunk then costs nothing beyond its rows (they are decode rows)
+STEP_BASE_ROWS_NATIVE = 1.5
 CHUNK_ROWS_NATIVE = 0.0
 #: what a verification chunk costs beyond its draft rows, in rows: CPU, GPU (the GPU's figures
 #: are guesses: not measured yet)
@@ -283,8 +284,8 @@ class SpecDecoder:
     chunk_rows: float = CHUNK_ROWS_CPU
     #: the draft-length policy on (False: every proposal verified whole, as before it existed)
     adaptive: bool = True
-    #: draft model: one draft step's cost as a fraction of a one-row target step (the weights'
-    #: bytes ratio; EngineCore sets it): each drafted token is charged ``draft_cost * (base_rows
+    #: draft model: one draft step's cost as a fraction of a one-row target step (the ratio of the
+    #: weights a decode step reads, DraftModel.step_params; EngineCore sets it): each drafted token is charged ``draft_cost * (base_rows
     #: + 1)`` row-units more, so a draft as large as the target never pays (0: prompt lookup)
     draft_cost: float = 0.0
     _seqs: dict[str, _Seq] = field(default_factory=dict)

@@ -575,4 +575,4 @@ def test_verification_in_the_native_decode_step_is_token_identical(tmp_path_fact
     assert spec.stats.spec_drafts_total > 0 and spec.runner.native.calls > 0
     # eager forwards ran prompt chunks (and the decode rows of steps mixed with them), never a verification
     assert eager and not any(per_row for _, groups in eager for *_, per_row in groups), eager
-    assert spec.spec.base_rows == 2.0 and spec.spec.chunk_rows == 0.0  # the native step's costs
+    assert spec.spec.base_rows == 1.5 and spec.spec.chunk_rows == 0.0  # the native step's costs
