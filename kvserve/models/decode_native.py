@@ -250,6 +250,11 @@ class NativeDecode:
         return self.ready
 
     def _loaded(self, mod) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            try:  # the packing thread yields the CPU to the server's start-up and serving
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except (OSError, AttributeError):
+                pass
         try:
             self._load(mod)
         except Exception as e:  # noqa: BLE001 - a layout the extension refuses: eager

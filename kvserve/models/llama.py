@@ -210,7 +210,7 @@ class Linear(nn.Module):
         if self._q4_native is None and self._q4_src is not None:
             w = self._q4_src
             # not q4w: forward keeps torch's int4 kernel (its numerics do not change mid-run)
-            self._q4_native = q4_kernel.pack(w.q4, w.q4_scale, w.q4_zero)
+            self._q4_native = q4_kernel.pack_torch(w.q4, w.q4_scale, w.q4_zero)
             self._q4_src = None
         return self._q4_native
 

@@ -108,6 +108,21 @@ def pack(q4: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> tuple[torch.Ten
     return torch.from_numpy(np.ascontiguousarray(wq)), torch.from_numpy(d), torch.from_numpy(m)
 
 
+def pack_torch(q4: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`pack` with torch ops (they release the GIL: the native decode step packs in a
+    background thread while the server starts); the same tensors."""
+    n, k = q4.shape
+    if k % 64:
+        raise ValueError(f"the q4 kernel needs a multiple of 64 input features, got {k}")
+    p = torch.arange(64)
+    lane = p // 4
+    blk, idx = lane % 2, 4 * (lane // 2) + p % 4
+    u = torch.from_numpy(q4).view(n, k // 64, 2, 32)[:, :, blk, idx]  # [N, pairs, 64] in lane order
+    wq = (u[..., :32] | (u[..., 32:] << 4)).reshape(n, k // 2).contiguous()
+    s, z = torch.from_numpy(scale), torch.from_numpy(zero)
+    return wq, s.to(torch.float16), (z - 8.0 * s).to(torch.float16)
+
+
 def q4_mm(x: torch.Tensor, wq: torch.Tensor, wd: torch.Tensor, wm: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 @ packed weights (see :func:`pack`) -> [M, N] float32. Needs :data:`READY`."""
     return torch.ops.kvserve.q4_mm(x, wq, wd, wm)

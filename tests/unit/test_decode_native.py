@@ -251,3 +251,17 @@ def test_pack_q8_reproduces_q8_0_blocks():
     back = torch.empty(n, k // 64, 2, 32, dtype=torch.long)
     back[:, :, blk, idx] = wq.view(n, k // 64, 64).long() - 128
     assert torch.equal(back.view(n, k // 32, 32), q)
+
+
+def test_pack_torch_equals_pack():
+    """The torch packing the native step uses (GIL released) gives q4_kernel.pack's tensors."""
+    import numpy as np
+
+    from kvserve.models import q4_kernel
+
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 16, (48, 128)).astype(np.uint8)
+    s = rng.random((48, 4)).astype(np.float32)
+    z = rng.random((48, 4)).astype(np.float32)
+    for a, b in zip(q4_kernel.pack(q, s, z), q4_kernel.pack_torch(q, s, z)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
