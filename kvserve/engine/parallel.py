@@ -528,6 +528,7 @@ class _Comm:
         self.lost: str | None = None
         self.closed = False
         self.last_send = time.monotonic()
+        self.joiner: threading.Thread | None = None  # the start-up join (ParallelRunner.__init__)
 
     def check(self) -> None:
         """Raise ParallelWorkerLost when a worker is known to be gone."""
@@ -612,6 +613,29 @@ def _watch(ref, interval: float) -> None:
         del runner
 
 
+def _await_join(joiner: threading.Thread, comm: _Comm, interval: float = 0.1) -> None:
+    """Wait for the start-up join (``joiner``: rendezvous, settings broadcast, shard status gather)
+    while watching what the collectives cannot: a spawned worker that exits (ModelLoadError naming
+    it, at once, instead of gloo's wait for the whole timeout) and a server that is shutting down
+    (the main thread ended, e.g. SIGTERM during start-up: ModelLoadError). Waiting in short slices
+    also lets SIGINT / SIGTERM handlers run when this is the main thread. The caller then stops
+    the workers (reaped) and leaves the group."""
+    from kvserve.loaders.weights import ModelLoadError
+
+    main = threading.main_thread()
+    while True:
+        joiner.join(interval)
+        if not joiner.is_alive():
+            return
+        try:
+            comm.check()
+        except ParallelWorkerLost as e:
+            raise ModelLoadError(f"{e} while the parallel group formed") from None
+        if threading.current_thread() is not main and not main.is_alive():
+            comm.lost = "the server shut down while the parallel group formed"
+            raise ModelLoadError(comm.lost)
+
+
 class ParallelRunner(ModelRunner):
     """ModelRunner over a tensor- or pipeline-parallel group; this process is rank 0.
 
@@ -668,21 +692,35 @@ class ParallelRunner(ModelRunner):
             if int(os.environ.get("WORLD_SIZE", "0")) != self.world:
                 raise RuntimeError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} but tp x pp = {self.world}")
         self._finalizer = weakref.finalize(self, _shutdown, self._comm)
+        status = [None] * self.world
+        joined: dict = {}
+
+        def join() -> None:  # the rendezvous and the first collectives: a thread, watched below
+            try:
+                dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=self.world,
+                                        timeout=timedelta(seconds=TIMEOUT_S))
+                dist.broadcast_object_list([{
+                    "model": str(loaded.info.path), "config": _engine_config_dict(config), "num_blocks": num_blocks,
+                    "block_size": block_size, "max_positions": max_positions, "threads": threads}], src=0)
+                groups = tp_groups(self.tp, self.pp)
+                joined["model"], joined["notes"] = build_shard(c, loaded.weights, self.plans[0],
+                                                               _build_fn(config, max_positions), self.stats, groups[0])
+                dist.gather_object({"ok": True, "bytes": model_bytes(joined["model"]), "notes": joined["notes"],
+                                    "pid": os.getpid()}, status, dst=0)
+            except BaseException as e:  # noqa: BLE001 - raised again by the waiting thread
+                joined["error"] = e
+
+        joiner = threading.Thread(target=join, name="kvserve-parallel-join", daemon=True)
+        self._comm.joiner = joiner
         try:
-            dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=self.world,
-                                    timeout=timedelta(seconds=TIMEOUT_S))
-            dist.broadcast_object_list([{
-                "model": str(loaded.info.path), "config": _engine_config_dict(config), "num_blocks": num_blocks,
-                "block_size": block_size, "max_positions": max_positions, "threads": threads}], src=0)
-            groups = tp_groups(self.tp, self.pp)
-            model, notes = build_shard(c, loaded.weights, self.plans[0], _build_fn(config, max_positions), self.stats,
-                                       groups[0])
-            status = [None] * self.world
-            dist.gather_object({"ok": True, "bytes": model_bytes(model), "notes": notes, "pid": os.getpid()},
-                               status, dst=0)
+            joiner.start()
+            _await_join(joiner, self._comm)
+            if "error" in joined:
+                raise joined["error"]
         except BaseException:
             self._finalizer()
             raise
+        model, notes = joined.pop("model"), joined.pop("notes")
         bad = [s for s in status if not s.get("ok")]
         if bad:
             self._finalizer()
@@ -870,6 +908,11 @@ def _shutdown(comm: _Comm) -> None:
         if got:
             comm.lock.release()
     comm.kill()
+    if comm.joiner is not None:  # an abandoned join ends once its peers are gone (or at its timeout)
+        comm.joiner.join(2.0)
+        if comm.joiner.is_alive():
+            log.debug("parallel start-up join still waiting: the group is not left")
+            return
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -146,3 +146,49 @@ def test_smollm2_tp2_exits_with_the_seeds_error(smollm2_path):
     out = p.stdout + p.stderr
     assert "Total number of attention heads (9) must be divisible by tensor parallel size (2)." in out
     assert "Traceback" not in out
+
+
+def _first_worker(srv, timeout: float = 60.0) -> int:
+    """The worker's pid as soon as the server spawned it (start-up still under way)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in children(srv.proc.pid):
+            try:
+                if b"kvserve.engine.parallel" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+            except OSError:
+                pass
+        assert srv.proc.poll() is None, srv.log()
+        time.sleep(0.02)
+    raise AssertionError("no worker spawned")
+
+
+def test_worker_killed_during_start_up_exits_at_once_naming_it(tiny, tmp_path):
+    """Issue 23 item 1 repro A: /health said "Loading model" for ~121 s, then gloo's DistStoreError."""
+    srv = spawn(tiny, FLAGS + ("-pp", "2"), tmp_path)
+    try:
+        worker = _first_worker(srv)
+        os.kill(worker, signal.SIGKILL)
+        assert srv.proc.wait(timeout=30) == 1
+        log = srv.log()
+        assert (f"failed to load model '{tiny}': parallel worker rank 1 (pid {worker}) exited (signal SIGKILL) "
+                "while the parallel group formed") in log
+        assert "Traceback" not in log
+    finally:
+        srv.stop()
+
+
+def test_group_sigterm_during_start_up_exits_within_seconds(tiny, tmp_path):
+    """Issue 23 item 1 repro B: ``kill -TERM -- -<pgid>`` during start-up (timeout, systemd) reaches the
+    server and its worker; the server used to ignore it for the whole collective timeout."""
+    srv = spawn(tiny, FLAGS + ("-tp", "2"), tmp_path)
+    try:
+        worker = _first_worker(srv)
+        t0 = time.monotonic()
+        os.kill(worker, signal.SIGTERM)
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(timeout=30)
+        assert time.monotonic() - t0 < 20
+        assert not alive(worker)
+    finally:
+        srv.stop()

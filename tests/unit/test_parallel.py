@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -356,3 +357,48 @@ def test_a_draft_model_with_tp_is_refused_at_start_up(tiny):
         run_startup_checks(object(), tiny["f32"], cfg)
     assert str(e.value) == ("a draft model (-md, --speculative-config model) is not supported with tensor or "
                             "pipeline parallelism (tp=2 pp=1) yet; prompt lookup (--spec-type ngram) is")
+
+
+def _worker_children() -> list[int]:
+    """Pids of this process's ``python -m kvserve.engine.parallel`` children (from /proc)."""
+    out = []
+    for task in os.scandir(f"/proc/{os.getpid()}/task"):
+        try:
+            with open(f"{task.path}/children") as f:
+                pids = [int(x) for x in f.read().split()]
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"kvserve.engine.parallel" in f.read():
+                        out.append(pid)
+            except OSError:
+                pass
+    return out
+
+
+def test_a_worker_lost_during_start_up_fails_at_once_and_is_reaped(tiny):
+    """Issue 23 item 1: rank 0 used to wait in gloo's rendezvous for the whole timeout (121 s)."""
+    from kvserve.loaders.weights import ModelLoadError
+
+    killed = []
+
+    def kill_first_worker():
+        deadline = time.monotonic() + 60
+        while not killed and time.monotonic() < deadline:
+            for pid in _worker_children():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.02)
+
+    t = threading.Thread(target=kill_first_worker, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises(ModelLoadError) as e:
+        _core(tiny["f32"], 1, 2)
+    assert time.monotonic() - t0 < 20
+    t.join()
+    (pid,) = killed
+    assert str(e.value) == f"parallel worker rank 1 (pid {pid}) exited (signal SIGKILL) while the parallel group formed"
+    assert not os.path.exists(f"/proc/{pid}")  # reaped, no zombie
