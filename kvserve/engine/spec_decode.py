@@ -78,6 +78,17 @@ import torch
 DEFAULT_NUM_SPECULATIVE_TOKENS = 16
 DEFAULT_PROMPT_LOOKUP_MAX = 4
 DEFAULT_PROMPT_LOOKUP_MIN = 2
+#: longest n-gram looked up (``prompt_lookup_max``, ``--spec-ngram-size-n``; larger values are
+#: refused at start-up). vLLM checks only ``>= 1``; kvserve bounds it because the index keeps
+#: one dict per n in ``[min, max]`` and a tuple of n tokens per position and n: at 16 (min 1) a
+#: token costs ~2 KB of index and 136 tuple elements of work (at 100000 an 800-token prompt
+#: took 6.1 s and 550 MiB)
+MAX_PROMPT_LOOKUP = 16
+#: most draft tokens per step (``num_speculative_tokens``, ``--draft-max``; larger values are
+#: refused). What a step verifies is capped lower anyway: by the step's rows
+#: (``min(max_num_batched_tokens, spec_max_rows)`` minus its other rows: 15 draft tokens at one
+#: stream on the CPU, whose ``small_batch_rows`` is 16)
+MAX_NUM_SPECULATIVE_TOKENS = 1024
 #: tokens indexed per sequence and step at most (a long prompt is indexed over several steps,
 #: about 20 ms each on a 2-core machine, instead of stalling one step for the whole of it;
 #: the sequence speculates once its index has caught up)
@@ -202,13 +213,16 @@ class SpecConfig:
             raise ValueError("speculative method 'draft_model' needs a draft model (-md / \"model\")")
         if not 0.0 <= self.draft_p_min <= 1.0:
             raise ValueError(f"the draft's minimum probability must be in [0, 1], got {self.draft_p_min}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError("num_speculative_tokens must be >= 0")
+        if not 0 <= self.num_speculative_tokens <= MAX_NUM_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [0, {MAX_NUM_SPECULATIVE_TOKENS}], got "
+                             f"{self.num_speculative_tokens}")
         if self.min_tokens < 0:
             raise ValueError("the minimum draft size must be >= 0")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) and prompt_lookup_max "
                              f"({self.prompt_lookup_max}) must satisfy 1 <= min <= max")
+        if self.prompt_lookup_max > MAX_PROMPT_LOOKUP:
+            raise ValueError(f"prompt_lookup_max must be at most {MAX_PROMPT_LOOKUP}, got {self.prompt_lookup_max}")
 
     @property
     def enabled(self) -> bool:

@@ -244,7 +244,19 @@ _SPEC_DRAFT_KEYS = {"method", "model", "num_speculative_tokens"}
 
 
 def _spec_config_check(cfg: dict) -> str | None:
+    from kvserve.engine.spec_decode import MAX_NUM_SPECULATIVE_TOKENS, MAX_PROMPT_LOOKUP
+
     method = cfg.get("method")
+    if method is None and "model" not in cfg:
+        # vLLM's SpeculativeConfig: "num_speculative_tokens was provided but without speculative model."
+        what = ("num_speculative_tokens was provided but without speculative model"
+                if "num_speculative_tokens" in cfg else "no speculative method or model")
+        return (f"--speculative-config: {what}: give \"method\" (ngram: prompt lookup, or draft_model) or "
+                "\"model\" (a draft model)")
+    v = cfg.get("num_speculative_tokens")
+    if isinstance(v, int) and not isinstance(v, bool) and v > MAX_NUM_SPECULATIVE_TOKENS:
+        return (f"--speculative-config: num_speculative_tokens must be at most {MAX_NUM_SPECULATIVE_TOKENS}, "
+                f"got {v} (a step verifies fewer anyway: its rows cap the draft)")
     if method == "draft_model" or (method is None and "model" in cfg):
         extra = sorted(set(cfg) - _SPEC_DRAFT_KEYS)
         if extra:
@@ -273,6 +285,25 @@ def _spec_config_check(cfg: dict) -> str | None:
     lo, hi = cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max")
     if lo is not None and hi is not None and lo > hi:
         return f"--speculative-config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+    for key in ("prompt_lookup_max", "prompt_lookup_min"):
+        if cfg.get(key) is not None and cfg[key] > MAX_PROMPT_LOOKUP:
+            return (f"--speculative-config: {key} must be at most {MAX_PROMPT_LOOKUP} (tokens), got {cfg[key]} "
+                    "(the n-gram index holds a tuple of n tokens per position and n)")
+    return None
+
+
+def _at_most_lookup(n: int) -> str | None:
+    from kvserve.engine.spec_decode import MAX_PROMPT_LOOKUP
+
+    return None if n <= MAX_PROMPT_LOOKUP else f"--spec-ngram-size-n must be at most {MAX_PROMPT_LOOKUP}, got {n}"
+
+
+def _draft_max_check(n: int, flag: str = "--draft-max") -> str | None:
+    from kvserve.engine.spec_decode import MAX_NUM_SPECULATIVE_TOKENS
+
+    if not 0 <= n <= MAX_NUM_SPECULATIVE_TOKENS:
+        return (f"{flag} must be in [0, {MAX_NUM_SPECULATIVE_TOKENS}], got {n} (a step verifies fewer "
+                "anyway: its rows cap the draft)")
     return None
 
 
@@ -715,9 +746,10 @@ FLAGS: tuple[Flag, ...] = (
       metavar="JSON", why="method ngram (prompt_lookup_max/min) or a draft model (\"model\", method draft_model); "
       "EAGLE, MTP and other methods are refused"),
     F("--spec-ngram-size-n", "int", help="ngram: length of the looked-up n-gram (tokens)", metavar="N",
-      why="sets prompt_lookup_max and prompt_lookup_min to N", check=_positive("--spec-ngram-size-n")),
+      why="sets prompt_lookup_max and prompt_lookup_min to N", check=lambda n: _positive("--spec-ngram-size-n")(n) or _at_most_lookup(n)),
     F("--spec-ngram-size-m", "int", help="ngram: most draft tokens per step when --draft-max is not given",
-      metavar="M", why="as --draft-max", check=_positive("--spec-ngram-size-m")),
+      metavar="M", why="as --draft-max",
+      check=lambda n: _positive("--spec-ngram-size-m")(n) or _draft_max_check(n, "--spec-ngram-size-m")),
     F("-ngld --gpu-layers-draft --n-gpu-layers-draft --spec-draft-ngl", env="LLAMA_ARG_N_GPU_LAYERS_DRAFT",
       effect=NONE, why="the draft runs on the target's device"),
     F("-td --threads-draft --spec-draft-threads", "int", effect=NONE, why="the draft uses the target's threads"),
@@ -730,7 +762,7 @@ FLAGS: tuple[Flag, ...] = (
     F("-ctvd --cache-type-v-draft --spec-draft-type-v", effect=NONE, why="the draft's KV cache has the target's types"),
     F("--draft --draft-n --draft-max --spec-draft-n-max", "int", help="most draft tokens per step (default 16)",
       env="LLAMA_ARG_DRAFT_MAX", why="with --spec-type ngram or -md: most tokens proposed per sequence and step",
-      check=_non_negative("--draft-max")),
+      check=_draft_max_check),
     F("--draft-min --draft-n-min --spec-draft-n-min", "int", help="shorter drafts are dropped (default 0)",
       env="LLAMA_ARG_DRAFT_MIN", why="with --spec-type ngram or -md: drafts shorter than this are not verified",
       check=_non_negative("--draft-min")),

@@ -508,7 +508,27 @@ def test_flags_llama_server_and_vllm_spellings():
     (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens is required for method ngram"),
     (["--speculative-config", ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
                               '"prompt_lookup_max": 2}')], "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
-    (["--draft-max", "-1"], "--draft-max must be >= 0, got -1"),
+    (["--draft-max", "-1"], "--draft-max must be in [0, 1024], got -1"),
+    # bounds (review item 1): an unbounded prompt_lookup_max cost 6.1 s and 550 MiB on an 800-token prompt
+    (["--speculative-config", ('{"method": "ngram", "num_speculative_tokens": 100000000, '
+                              '"prompt_lookup_max": 100000, "prompt_lookup_min": 1}')],
+     ("error: --speculative-config: num_speculative_tokens must be at most 1024, got 100000000 (a step verifies "
+      "fewer anyway: its rows cap the draft)\n")),
+    (["--speculative-config", ('{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 100000, '
+                              '"prompt_lookup_min": 1}')],
+     ("error: --speculative-config: prompt_lookup_max must be at most 16 (tokens), got 100000 (the n-gram index "
+      "holds a tuple of n tokens per position and n)\n")),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 17}'],
+     "error: --speculative-config: prompt_lookup_min must be at most 16 (tokens), got 17"),
+    (["--spec-type", "ngram", "--spec-ngram-size-n", "17"], "error: --spec-ngram-size-n must be at most 16, got 17\n"),
+    (["--spec-type", "ngram", "--spec-ngram-size-m", "1025"],
+     "error: --spec-ngram-size-m must be in [0, 1024], got 1025"),
+    (["-md", "d.gguf", "--draft-max", "1025"], "error: --draft-max must be in [0, 1024], got 1025"),
+    # review item 5: vLLM's text for a config with neither method nor model
+    (["--speculative-config", '{"num_speculative_tokens": 3}'],
+     ("error: --speculative-config: num_speculative_tokens was provided but without speculative model: give "
+      "\"method\" (ngram: prompt lookup, or draft_model) or \"model\" (a draft model)\n")),
+    (["--speculative-config", '{}'], "error: --speculative-config: no speculative method or model: give"),
 ])
 def test_flags_refused_values(argv, text, capsys):
     from kvserve.serving.args import parse_args
@@ -517,6 +537,15 @@ def test_flags_refused_values(argv, text, capsys):
         parse_args(argv, environ={})
     assert e.value.code == 2
     assert text in capsys.readouterr().err
+
+
+def test_flags_largest_bounds_are_taken():
+    cfg = '{"method": "ngram", "num_speculative_tokens": 1024, "prompt_lookup_max": 16, "prompt_lookup_min": 1}'
+    assert _spec_of(["--speculative-config", cfg])[0] == SpecConfig("ngram", 1024, 0, 16, 1)
+    with pytest.raises(ValueError, match=r"^prompt_lookup_max must be at most 16, got 17$"):
+        SpecConfig("ngram", 4, 0, 17, 1)
+    with pytest.raises(ValueError, match=r"^num_speculative_tokens must be in \[0, 1024\], got 1025$"):
+        SpecConfig("ngram", 1025)
 
 
 def test_verification_attention_is_bit_identical_to_decode_attention(cores):
