@@ -34,3 +34,31 @@ def tiny_gguf(tmp_path_factory) -> str:
     import tinymodel
 
     return str(tinymodel.write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_decode_build():
+    """The native decode step's extension, built once (blocking) into the user's cache
+    (``$KVSERVE_EXTENSIONS_DIR``, else ``$KVSERVE_HOME/extensions`` as set before any test
+    changes it: ~/.cache/kvserve/extensions), which KVSERVE_EXTENSIONS_DIR then names for every
+    test and test server: no server of a temporary KVSERVE_HOME starts a build of its own.
+    Cheap when cached (no child process); where it cannot be built (no AVX512-VNNI, no g++) or
+    the build fails, nothing is set and decode steps run eagerly as before."""
+    from kvserve.models import decode_native
+
+    if os.environ.get("KVSERVE_NATIVE_DECODE", "1") == "0" or decode_native.unavailable_reason():
+        yield None
+        return
+    old = os.environ.get("KVSERVE_EXTENSIONS_DIR")
+    ext = decode_native.extensions_dir()
+    so = decode_native.build_dir() / f"{decode_native.NAME}.so"
+    err = None if so.exists() else decode_native.build_in_child(nice=0)
+    if err is None:
+        os.environ["KVSERVE_EXTENSIONS_DIR"] = str(ext)
+    else:
+        print(f"native decode step not built ({err}): tests decode eagerly", file=sys.stderr)
+    yield ext if err is None else None
+    if old is None:
+        os.environ.pop("KVSERVE_EXTENSIONS_DIR", None)
+    else:
+        os.environ["KVSERVE_EXTENSIONS_DIR"] = old

@@ -334,8 +334,21 @@ class EngineCore:
         finally:
             self._publish_slots()
 
+    def _switch_native(self) -> None:
+        """Switch the native decode step on where it is loaded (decode_native.NativeDecode.activate):
+        a cached build at the first step, a late one only while no request runs."""
+        nats = [getattr(r, "native", None) for r in (self.runner, getattr(self.draft, "runner", None))]
+        if not any(n is not None and n.pending for n in nats):
+            return
+        sch = self.scheduler
+        idle = not sch.running and not any(r.output_token_ids for r in sch.waiting)
+        for n in nats:
+            if n is not None and n.pending:
+                n.activate(idle)
+
     def _step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        self._switch_native()
         if self._spec_native_pending:
             nat = getattr(self.runner, "native", None)
             if nat is None or nat.reason is not None:

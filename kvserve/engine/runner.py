@@ -98,6 +98,8 @@ class ModelRunner:
         self.compiled: CompiledDecode | None = None  # set by EngineCore with config.compile
         #: the native decode step (kvserve.models.decode_native), when the model asked for it
         self.native: NativeDecode | None = None
+        #: decode-only steps run by the eager model or the compiled graph (not the native step)
+        self.eager_decode_steps = 0
         if getattr(model, "native_decode", False):
             self.native = NativeDecode(model, self.kv_caches, model.output.small_max_rows)
             self.native.start()
@@ -351,6 +353,8 @@ class ModelRunner:
         attn = batch.attn
         n_decode = attn.n_decode
         nat = self.native
+        if nat is not None and nat.cached and nat.pending:
+            nat.activate(idle=False)  # a cached build: waits for the packing (see NativeDecode.activate)
         if nat is not None and nat.ready and n_decode == batch.n_rows and n_decode <= nat.max_batch:
             logits = nat(batch.input_ids, attn.positions, attn.slot_mapping, attn.decode_kv_index, attn.decode_lens,
                          self.kv_caches)
@@ -369,6 +373,8 @@ class ModelRunner:
                 if batch.need is not None:  # the graph computes every row's logits
                     logits = logits.index_select(0, batch.need)
                 return logits
+        if n_decode == batch.n_rows:
+            self.eager_decode_steps += 1
         return self.model(batch.input_ids, attn, self.kv_caches, batch.need)
 
     # -- sample ----------------------------------------------------------------------

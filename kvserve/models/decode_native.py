@@ -24,20 +24,32 @@ turns it off.
 How it is built: with torch's C++ extension tooling (g++ and ninja) in a child process under
 ``nice -n 19`` started when the engine loads, so start-up does not wait and serving keeps its
 cores (about 40-60 s of one core the first time); the shared object is cached under
-``$KVSERVE_HOME/extensions/decode_cpu_<key>``, the key a hash of the sources, torch's version
-and the CPU's flags, and reused by later starts and by every model (it holds no model
-shapes). Until it is loaded, and wherever it cannot be (no compiler, other CPUs, a failed
+``$KVSERVE_EXTENSIONS_DIR/decode_cpu_<key>`` (default ``$KVSERVE_HOME/extensions``), the key a
+hash of the sources, torch's version and the CPU's flags, and reused by later starts and by
+every model (it holds no model shapes). The child runs in its own process group and kills it
+(the compiler included) when its parent dies; builders of one directory take turns under a
+file lock (``<dir>.lock``, flock: released by the kernel when a builder dies).
+
+One path per process (a greedy request gives the same tokens whenever it is sent): with a
+cached build, the weights are packed in a thread while the server starts, and the engine's
+first step waits for that packing (:meth:`NativeDecode.activate`), so every decode step runs
+natively. Without one, decode steps run eagerly until the background build is loaded, and
+the engine switches to the native step only at a step where no request is running (an idle
+engine), logging it once. Wherever it cannot be used (no compiler, other CPUs, a failed
 build: logged once), decode steps run eagerly.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
 import hashlib
 import importlib.machinery
 import importlib.util
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -78,11 +90,19 @@ def build_key() -> str:
     return h.hexdigest()[:16]
 
 
-def build_dir() -> Path:
-    """Where the extension is built and cached: ``$KVSERVE_HOME/extensions/decode_cpu_<build_key>``."""
+def extensions_dir() -> Path:
+    """The build cache: ``$KVSERVE_EXTENSIONS_DIR``, else ``$KVSERVE_HOME/extensions`` (read on every call)."""
+    env = os.environ.get("KVSERVE_EXTENSIONS_DIR")
+    if env:
+        return Path(env).expanduser()
     from kvserve.store.blobs import kvserve_home
 
-    return kvserve_home() / "extensions" / f"decode_cpu_{build_key()}"
+    return kvserve_home() / "extensions"
+
+
+def build_dir() -> Path:
+    """Where the extension is built and cached: ``extensions_dir() / decode_cpu_<build_key>``."""
+    return extensions_dir() / f"decode_cpu_{build_key()}"
 
 
 def unavailable_reason() -> str | None:
@@ -118,46 +138,101 @@ def load_cached():
 
 
 def build_now() -> None:
-    """Build the extension in this process (``python -m kvserve.models.decode_native --build``)."""
+    """Build the extension in this process (``python -m kvserve.models.decode_native --build``).
+
+    Holds an exclusive flock on ``<build dir>.lock`` meanwhile, so builders of one directory (two
+    servers started at once, the test session's build and a server's) take turns: the later one
+    finds the build done (ninja's no-op). torch's own lock file (``<build dir>/lock``), left
+    behind by a builder that was killed, would make later builds wait forever: under the flock
+    no other builder runs, so one found there is stale and removed."""
     from torch.utils.cpp_extension import load
 
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
-    load(name=NAME, sources=[str(_DIR / "decode_cpu.cpp")], extra_cflags=["-O3", "-march=native"],
-         build_directory=str(d), is_python_module=True, verbose=False)
+    with open(str(d) + ".lock", "a+") as lk:
+        fcntl.flock(lk, fcntl.LOCK_EX)
+        try:
+            (d / "lock").unlink(missing_ok=True)
+            load(name=NAME, sources=[str(_DIR / "decode_cpu.cpp")], extra_cflags=["-O3", "-march=native"],
+                 build_directory=str(d), is_python_module=True, verbose=False)
+        finally:
+            fcntl.flock(lk, fcntl.LOCK_UN)
 
 
-def build_in_child(nice: int = 19, timeout: float = 900.0) -> str | None:
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup() -> None:  # in the forked child, before exec
+    os.setpgid(0, 0)  # its own group: the compiler it starts is killed with it
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def _die_with_parent(ppid: int) -> None:
+    """In the build child: on SIGTERM (the parent-death signal) or once the parent is gone
+    (reparented), kill the whole process group (ninja and the compiler with it)."""
+    def kill_group(*_):
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    if os.getpgid(0) == os.getpid():  # only when the parent gave it its own group
+        signal.signal(signal.SIGTERM, kill_group)
+
+        def watch():
+            while os.getppid() == ppid:
+                time.sleep(0.5)
+            kill_group()
+
+        threading.Thread(target=watch, daemon=True).start()
+
+
+def build_in_child(nice: int = 19, timeout: float = 900.0, cmd: list[str] | None = None) -> str | None:
     """Build in a child process under ``nice`` (one compile job); None on success, else the
-    error text (the last lines of its output)."""
-    env = dict(os.environ, MAX_JOBS="1")
-    cmd = [sys.executable, "-m", "kvserve.models.decode_native", "--build"]
+    error text (the last lines of its output).
+
+    The child is in its own process group and dies with this process (its thread, exactly:
+    PR_SET_PDEATHSIG, and a watch on its parent id), killing the compiler it started; a timeout
+    kills the group too. ``cmd``: the child's command instead of the build (tests)."""
+    env = dict(os.environ, MAX_JOBS="1", KVSERVE_BUILD_PARENT=str(os.getpid()))
+    cmd = cmd or [sys.executable, "-m", "kvserve.models.decode_native", "--build"]
     if shutil.which("nice"):
         cmd = ["nice", "-n", str(nice), *cmd]
     try:
-        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, preexec_fn=_child_setup)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        p.communicate()
         return f"{type(e).__name__}: {e}"
     if p.returncode != 0:
-        tail = p.stdout.decode(errors="replace").strip().splitlines()[-6:]
+        tail = out.decode(errors="replace").strip().splitlines()[-6:]
         return f"build exited {p.returncode}: " + " | ".join(tail)
     return None
 
 
-def ensure_started(on_ready) -> None:
+def ensure_started(on_ready) -> bool:
     """Load the cached build now and call ``on_ready(module)`` in a thread (it packs the weights), or
     start one background build (once per process) that calls ``on_ready(module)`` when loaded, or
-    ``on_ready(None)`` after logging why it failed."""
+    ``on_ready(None)`` after logging why it failed. True when the build was cached (or this
+    process had already loaded it)."""
     global _build_thread, _build_error
     mod = load_cached()
     if mod is not None:
-        # packing the weights takes ~2 s for SmolLM2: off the start-up path too
+        # packing the weights takes ~2 s for SmolLM2: off the start-up path (the engine's
+        # first step waits for it, NativeDecode.activate)
         threading.Thread(target=on_ready, args=(mod,), name="kvserve-native-pack", daemon=True).start()
-        return
+        return True
     if _build_error is not None:
         on_ready(None)
-        return
+        return False
     with _lock:
         waiters.append(on_ready)
         if _build_thread is not None:
@@ -186,6 +261,7 @@ def ensure_started(on_ready) -> None:
 
         _build_thread = threading.Thread(target=work, name="kvserve-native-build", daemon=True)
         _build_thread.start()
+    return False
 
 
 def wait_build(timeout: float | None = None) -> bool:
@@ -221,13 +297,17 @@ class NativeDecode:
             dense copy eagerly; 0 = any).
 
     :attr:`reason` says why it will not run (None when it may); :attr:`ready` turns True once the
-    extension is loaded (at once when a build is cached, else after the background build).
+    step is switched on by :meth:`activate` (the engine calls it before every step) or :meth:`wait`:
+    with a cached build at the first step (which waits for the weights' packing), else at the
+    first idle step after the background build loaded. :attr:`cached` says which.
     """
 
     def __init__(self, model, kv_caches, max_batch: int = 0):
         self.model = model
         self.max_batch = max_batch if max_batch > 0 else 1 << 30
         self.decoder = None
+        self._staged = None  # the loaded decoder, not yet switched on
+        self.cached = False  # the build was cached when the step started (see activate)
         self._done = threading.Event()
         self.native_head = False  # the output head in C++ too (else the model's Linear)
         self.calls = 0
@@ -242,11 +322,40 @@ class NativeDecode:
             log.info("native decode step off: %s; decoding eagerly", self.reason)
             self._done.set()
             return
-        ensure_started(self._loaded)
+        self.cached = ensure_started(self._loaded)
+
+    @property
+    def pending(self) -> bool:
+        """True while the step may still be switched on (not ready, not refused)."""
+        return self.decoder is None and self.reason is None
+
+    def activate(self, idle: bool) -> bool:
+        """Switch the loaded step on, before an engine step; True when it is on.
+
+        With a cached build this waits for the weights' packing (started with the engine, ~2 s
+        for SmolLM2, so only a first step that comes early waits): every decode step of the
+        process runs natively. After a background build the step goes on only when ``idle``
+        (no request running, none preempted with tokens), so no request's tokens come from
+        both paths; the switch is logged once (INFO)."""
+        if self.decoder is not None:
+            return True
+        if self.reason is not None:
+            return False
+        if self.cached:
+            self._done.wait()
+        elif not idle or not self._done.is_set():
+            return False
+        if self._staged is not None:
+            self.decoder, self._staged = self._staged, None
+            if not self.cached:
+                log.info("decode moved to the native step (built while serving; the engine was idle)")
+        return self.decoder is not None
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the step is ready or failed (at most ``timeout`` s); True when ready."""
-        self._done.wait(timeout)
+        """Block until the step is loaded or failed (at most ``timeout`` s) and switch it on (the
+        caller knows no request runs: benchmarks, tests); True when ready."""
+        if self._done.wait(timeout):
+            self.activate(idle=True)
         return self.ready
 
     def _loaded(self, mod) -> None:
@@ -281,8 +390,8 @@ class NativeDecode:
         if head is not None and head.shape[1] % 64 == 0:
             dec.set_head(m.output_norm.weight.contiguous(), *pack_q8(head))
             self.native_head = True
-        self.decoder = dec
-        log.info("native decode step ready (%s head)", "native" if self.native_head else "torch")
+        self._staged = dec
+        log.info("native decode step loaded (%s head)", "native" if self.native_head else "torch")
 
     @property
     def ready(self) -> bool:
@@ -324,6 +433,9 @@ def pack_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--build"]:
+        parent = os.environ.get("KVSERVE_BUILD_PARENT")
+        if parent and parent.isdigit():
+            _die_with_parent(int(parent))
         build_now()
         print(build_dir())
         return 0

@@ -1,6 +1,7 @@
 """The native decode step (kvserve.models.decode_native): agreement with the eager model, batch
 invariance, the default switch and the fallbacks. The tests that need the C++ build share one
-build per session under a temporary KVSERVE_HOME (about 40 s of one core: marked slow)."""
+build per session (tests/conftest.py's native_decode_build, into the user's cache: about 40 s of
+one core when not cached yet)."""
 
 import logging
 import os
@@ -27,23 +28,14 @@ def q4_gguf(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """The extension, built once in a child process under a temporary KVSERVE_HOME, and loaded."""
+def built(native_decode_build):
+    """The extension, built once per session by tests/conftest.py (into KVSERVE_EXTENSIONS_DIR), and loaded."""
     if NEEDS:
         pytest.skip(NEEDS)
-    old = os.environ.get("KVSERVE_HOME")
-    os.environ["KVSERVE_HOME"] = str(tmp_path_factory.mktemp("home"))
-    try:
-        err = decode_native.build_in_child()
-        assert err is None
-        assert decode_native.build_dir().is_relative_to(os.environ["KVSERVE_HOME"])
-        assert decode_native.load_cached() is not None
-        yield decode_native
-    finally:
-        if old is None:
-            os.environ.pop("KVSERVE_HOME", None)
-        else:
-            os.environ["KVSERVE_HOME"] = old
+    assert native_decode_build is not None
+    assert decode_native.build_dir().is_relative_to(os.environ["KVSERVE_EXTENSIONS_DIR"])
+    assert decode_native.load_cached() is not None
+    return decode_native
 
 
 def _core(path, **cfg) -> EngineCore:
@@ -265,3 +257,134 @@ def test_pack_torch_equals_pack():
     z = rng.random((48, 4)).astype(np.float32)
     for a, b in zip(q4_kernel.pack(q, s, z), q4_kernel.pack_torch(q, s, z)):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _greedy(core, rid, prompt, n=8):
+    """Step ``core`` until request ``rid`` (greedy, ``n`` tokens) finished; its token ids."""
+    core.add_request(Request(rid, prompt, SamplingParams(temperature=0, n_predict=n, ignore_eos=True)))
+    out = []
+    while len(out) < n:
+        for o in core.step():
+            if o.request_id == rid:
+                out.extend(o.new_token_ids)
+    return out
+
+
+def test_cached_build_decodes_natively_from_the_first_step(built, q4_gguf):
+    """With a cached build the engine's first step waits for the weights' packing: no decode step
+    runs eagerly, even one taken at once after engine creation (a server's first request)."""
+    core = _core(q4_gguf)
+    nat, runner = core.runner.native, core.runner
+    assert (nat.cached, nat.reason) == (True, None)
+    toks = _greedy(core, "a", PROMPTS[0], 8)
+    assert (runner.eager_decode_steps, nat.calls) == (0, 7)  # the first token comes from the prefill
+    assert _greedy(_core(q4_gguf), "a", PROMPTS[0], 8) == toks  # the same answer from a new engine
+
+
+def test_late_build_switches_only_when_idle(built, q4_gguf, monkeypatch, caplog):
+    """A build that finishes while a request decodes (simulated: a monkeypatched loader) is
+    switched on only at the next step with no request running, logged once; the request that was
+    running keeps the eager path to its end (its tokens are eager decoding's), the next one runs
+    natively from its first decode step (its tokens are a cached build's)."""
+    import threading
+
+    real = decode_native.load_cached()
+    release = threading.Event()
+    monkeypatch.setattr(decode_native, "_module", None)
+    monkeypatch.setattr(decode_native, "_build_thread", None)
+    monkeypatch.setattr(decode_native, "_build_error", None)
+    monkeypatch.setattr(decode_native, "waiters", [])
+    monkeypatch.setattr(decode_native, "load_cached", lambda: real if release.is_set() else None)
+    monkeypatch.setattr(decode_native, "build_in_child", lambda: None if release.wait(60) else "timeout")
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        core = _core(q4_gguf)
+        nat, runner = core.runner.native, core.runner
+        assert (nat.cached, nat.ready) == (False, False)
+        core.add_request(Request("a", PROMPTS[0], SamplingParams(temperature=0, n_predict=12, ignore_eos=True)))
+        a = []
+        for _ in range(4):
+            a += [t for o in core.step() for t in o.new_token_ids]
+        assert len(a) == 4 and runner.eager_decode_steps == 3
+        release.set()
+        assert nat._done.wait(30) and nat.reason is None  # loaded, not switched on
+        while len(a) < 12:
+            a += [t for o in core.step() for t in o.new_token_ids]
+        assert (runner.eager_decode_steps, nat.calls, nat.ready) == (11, 0, False)  # "a" stayed eager
+        b = _greedy(core, "b", PROMPTS[2], 8)  # its first step finds the engine idle
+    assert (runner.eager_decode_steps, nat.calls, nat.ready) == (11, 7, True)
+    assert caplog.text.count("decode moved to the native step") == 1
+    monkeypatch.setenv("KVSERVE_NATIVE_DECODE", "0")
+    assert a == _greedy(_core(q4_gguf), "a", PROMPTS[0], 12)
+    monkeypatch.delenv("KVSERVE_NATIVE_DECODE")
+    monkeypatch.setattr(decode_native, "load_cached", lambda: real)
+    assert b == _greedy(_core(q4_gguf), "b", PROMPTS[2], 8)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)  # a zombie: dead
+    except FileNotFoundError:
+        return True
+
+
+def test_build_child_dies_with_its_parent(tmp_path):
+    """A server killed (SIGKILL) while its build runs takes the build with it: the child and
+    what it started (the compiler; here a sleep) are gone within seconds, no orphan compiles on."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pids = tmp_path / "pids"
+    child = ("import os, subprocess, sys; from kvserve.models import decode_native as d; "
+             "d._die_with_parent(int(os.environ['KVSERVE_BUILD_PARENT'])); "
+             "p = subprocess.Popen(['sleep', '120']); "
+             f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{p.pid}}'); p.wait()")
+    parent = ("import sys; from kvserve.models import decode_native as d; "
+              f"d.build_in_child(cmd=[sys.executable, '-c', {child!r}])")
+    srv = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        t0 = time.monotonic()
+        while not (pids.exists() and len(pids.read_text().split()) == 2) and time.monotonic() - t0 < 60:
+            time.sleep(0.1)
+        kids = [int(x) for x in pids.read_text().split()]
+        assert not any(_gone(k) for k in kids)
+    finally:
+        srv.send_signal(signal.SIGKILL)
+        srv.wait()
+    t0 = time.monotonic()
+    while not all(_gone(k) for k in kids) and time.monotonic() - t0 < 10:
+        time.sleep(0.1)
+    assert [_gone(k) for k in kids] == [True, True]
+
+
+def test_builders_take_turns(monkeypatch, tmp_path):
+    """build_now holds an exclusive flock on <build dir>.lock around torch's build (a second
+    builder of the directory waits) and removes a stale torch lock file (a killed builder's)."""
+    import fcntl
+
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setenv("KVSERVE_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    d = decode_native.build_dir()
+    assert d.parent == tmp_path / "ext"
+    d.mkdir(parents=True)
+    (d / "lock").write_text("")  # left by a builder that was killed
+    seen = []
+
+    def fake_load(**kw):
+        with open(str(d) + ".lock") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                seen.append("free")
+            except BlockingIOError:
+                seen.append("held")
+        seen.append((d / "lock").exists())
+        seen.append(kw["build_directory"])
+
+    monkeypatch.setattr(cpp, "load", fake_load)
+    decode_native.build_now()
+    assert seen == ["held", False, str(d)]
+    with open(str(d) + ".lock") as other:  # released after the build
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
