@@ -294,23 +294,24 @@ class DraftModel:
             req = ch.request
             smp = samplers.get(req.request_id)
             greedy = smp is None or smp.is_plain_greedy(len(req.output_token_ids))
+            p_min = self.p_min if req.params.spec_p_min is None else req.params.spec_p_min
             active.append([ch, items[i][0], req.num_computed_tokens + 1, [], [], None if greedy else smp,
-                           logits[i]])
+                           logits[i], p_min])
         done = []
         while active:
             feed = []
             for st in active:
-                ch, table, p, toks, qs, smp, lg = st
+                ch, table, p, toks, qs, smp, lg, p_min = st
                 req = ch.request
                 if smp is None:
                     x = int(lg.argmax())
-                    top = float(torch.softmax(lg, dim=0)[x]) if self.p_min > 0.0 else 1.0
+                    top = float(torch.softmax(lg, dim=0)[x]) if p_min > 0.0 else 1.0
                     q = None
                 else:
                     q = smp.probs(lg, len(req.output_token_ids) + len(toks))
                     x = draw(q, float(torch.rand((), generator=self._rng(req.request_id, smp), dtype=torch.float64)))
                     top = float(q.max())
-                if top < self.p_min:
+                if top < p_min:
                     done.append(st)
                     continue
                 toks.append(x)
@@ -328,7 +329,7 @@ class DraftModel:
                 st[2] += 1
                 st[6] = out[j]
             active = feed
-        for ch, _, _, toks, qs, smp, _ in done:
+        for ch, _, _, toks, qs, smp, _, _ in done:
             if not toks:
                 continue
             ch.spec_token_ids = toks

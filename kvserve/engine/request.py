@@ -111,6 +111,9 @@ class SamplingParams:
             Lowers the server's value, never raises it; a negative value is 0 (llama-server clamps).
         spec_n_min: llama-server ``speculative.n_min``: shorter drafts are dropped [tokens];
             negative is 0.
+        spec_p_min: llama-server ``speculative.p_min``: a draft model stops drafting for this
+            request when its top token is less likely than this; None = the server's
+            (``--draft-p-min``). Must be in [0, 1].
         skip_special_tokens: vLLM's field (default True): control tokens add no text to the
             output; False renders every control token's text (llama-server ``--special``).
         spaces_between_special_tokens: vLLM's field, accepted for compatibility; it has no
@@ -160,6 +163,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     preserved_token_ids: frozenset[int] = frozenset()
     spec_n_min: int = 0
+    spec_p_min: float | None = None
 
     def __post_init__(self) -> None:
         for name in _FLOAT_FIELDS:
@@ -186,6 +190,8 @@ class SamplingParams:
         if self.spec_n_max is not None and self.spec_n_max < 0:
             self.spec_n_max = 0
         self.spec_n_min = max(self.spec_n_min, 0)
+        if self.spec_p_min is not None and not 0.0 <= self.spec_p_min <= 1.0:
+            raise InvalidRequestError(f"speculative.p_min must be in [0, 1], got {self.spec_p_min:g}")
         if self.repeat_last_n < -1:
             raise InvalidRequestError("repeat_last_n must be >= -1")
         if not 0 <= self.seed <= SEED_RANDOM:

@@ -52,6 +52,7 @@ _NUMBER_FIELDS = {
     "frequency_penalty": "frequency_penalty",
     "dry_multiplier": "dry_multiplier",
     "dry_base": "dry_base",
+    "speculative.p_min": "spec_p_min",  # llama-server's flat dotted key; range-checked by SamplingParams
 }
 _INT_FIELDS = {
     "top_k": "top_k",
@@ -308,6 +309,8 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
     lb = body.get("logit_bias")
     if lb is not None:
         kw["logit_bias"] = {**defaults.logit_bias, **parse_logit_bias(lb, tokenizer)}
+    if kw.get("spec_n_max") is not None and defaults.spec_n_max is not None:
+        kw["spec_n_max"] = max(min(kw["spec_n_max"], defaults.spec_n_max), 0)  # lowers the server's, never raises
     if "n_probs" in kw:
         check_logprobs(kw["n_probs"], max_logprobs, getattr(tokenizer, "n_vocab", None))
     try:
@@ -385,9 +388,11 @@ def params_to_dict(p: SamplingParams, *, stream: bool = False, grammar: str = ""
         "reasoning_in_content": False,
         "thinking_forced_open": False,
         "samplers": list(p.samplers),
+        # the values in effect: the server's (--draft-max, --draft-p-min: SamplingParams defaults from
+        # ServerArgs.default_sampling_params) unless the request lowered them
         "speculative.n_max": 16 if p.spec_n_max is None else p.spec_n_max,
         "speculative.n_min": p.spec_n_min,
-        "speculative.p_min": 0.75,
+        "speculative.p_min": 0.0 if p.spec_p_min is None else p.spec_p_min,
         "timings_per_token": False,
         "post_sampling_probs": p.post_sampling_probs,
         "cache_prompt": p.cache_prompt,

@@ -160,7 +160,10 @@ class ServerArgs:
         """Server-wide sampling defaults from ``--temp``, ``--top-k``, ``-n``..."""
         sp = SamplingParams(n_predict=self.n_predict, temperature=self.temp, top_k=max(self.top_k, 0),
                             top_p=self.top_p, min_p=self.min_p, repeat_penalty=self.repeat_penalty,
-                            seed=self.seed, n_cache_reuse=max(self.cache_reuse, 0))
+                            seed=self.seed, n_cache_reuse=max(self.cache_reuse, 0),
+                            spec_n_max=self.spec.num_speculative_tokens if self.spec.enabled else None,
+                            spec_n_min=self.spec.min_tokens if self.spec.enabled else 0,
+                            spec_p_min=self.spec.draft_p_min)
         return dataclasses.replace(sp, **self.sampling) if self.sampling else sp
 
     def engine_config(self) -> EngineConfig:

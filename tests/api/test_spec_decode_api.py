@@ -58,8 +58,38 @@ def test_completion_same_content_and_draft_counters(clients):
     assert keys.index("draft_n") == keys.index("predicted_per_second") + 1
     assert keys[keys.index("draft_n") + 1] == "draft_n_accepted"
     assert "draft_n" not in a["timings"] and "draft_n_accepted" not in a["timings"]
-    gs = b["generation_settings"]
-    assert (gs["speculative.n_max"], gs["speculative.n_min"]) == (16, 0)
+    gs = b["generation_settings"]  # the server's settings in effect (--draft-max 8), not llama-server's 16
+    assert (gs["speculative.n_max"], gs["speculative.n_min"], gs["speculative.p_min"]) == (8, 0, 0.0)
+    ga = a["generation_settings"]
+    assert (ga["speculative.n_max"], ga["speculative.n_min"], ga["speculative.p_min"]) == (16, 0, 0.0)
+
+
+def test_generation_settings_echo_the_draft_settings_in_effect(tmp_path):
+    """Review item 2: the server's -md/--draft-max/--draft-min/--draft-p-min are echoed (were 16 and
+    0.75), a request's n_max is capped to the server's, its p_min is taken (range [0, 1])."""
+    path = tinymodel.write_tiny_gguf(tmp_path / "tiny.gguf", seed=3, n_layer=2)
+    state, c = _client(tmp_path, path, "-md", str(path), "--draft-max", "4", "--draft-min", "1",
+                       "--draft-p-min", "0.25")
+    with c:
+        c.portal.call(state.preload)
+
+        def spec_of(gs):
+            return gs["speculative.n_max"], gs["speculative.n_min"], gs["speculative.p_min"]
+
+        props = c.get("/props").json()["default_generation_settings"]["params"]
+        assert spec_of(props) == (4, 1, 0.25)
+        body = {"prompt": _prompt(), "n_predict": 4, "temperature": 0}
+        assert spec_of(_complete(c, n_predict=4)["generation_settings"]) == (4, 1, 0.25)
+        assert spec_of(_complete(c, n_predict=4, **{"speculative.n_max": 1})["generation_settings"]) == (1, 1, 0.25)
+        assert spec_of(_complete(c, n_predict=4, **{"speculative.n_max": 1e9})["generation_settings"]) == (4, 1, 0.25)
+        assert spec_of(_complete(c, n_predict=4, **{"speculative.p_min": 0.5})["generation_settings"]) == (4, 1, 0.5)
+        for bad in (2.0, -1):
+            r = c.post("/completion", json={**body, "speculative.p_min": bad})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["message"] == f"speculative.p_min must be in [0, 1], got {bad:g}"
+        r = c.post("/completion", json={**body, "speculative.p_min": "x"})
+        assert r.status_code == 400
+        c.portal.call(state.manager.shutdown)
 
 
 def test_per_request_n_max_zero_turns_it_off_and_is_echoed(clients):
@@ -182,3 +212,4 @@ def test_draft_model_vocab_mismatch_is_a_startup_error(tmp_path):
                                                   r"compatible: target vocab size 301 does not match draft vocab "
                                                   r"size 302 \(kvserve needs the same vocabulary\)"):
             c.portal.call(state.preload)
+

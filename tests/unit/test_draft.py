@@ -155,6 +155,17 @@ def test_p_min_stops_drafting(tiny_gguf):
     assert a[:3] == b[:3] and b[3].timings.draft_n == 0
 
 
+def test_per_request_p_min_is_applied(cores):
+    """llama-server's per-request ``speculative.p_min`` (review item 2: it was ignored): 0.99 on a
+    server without a minimum drafts nothing, output unchanged; 0.0 on a 0.99 server drafts."""
+    plain, selfd, _ = cores
+    a = run(plain, [Request("pa", prompt(8), SamplingParams(n_predict=20, **GREEDY))])["pa"]
+    b = run(selfd, [Request("pb", prompt(8), SamplingParams(n_predict=20, spec_p_min=0.99, **GREEDY))])["pb"]
+    assert a[:3] == b[:3] and b[3].timings.draft_n == 0
+    c = run(selfd, [Request("pc", prompt(8), SamplingParams(n_predict=20, **GREEDY))])["pc"]
+    assert c[3].timings.draft_n > 0
+
+
 def test_slot_save_restore_recomputes_the_draft_rows(tiny_gguf, tmp_path):
     spec = make_core(tiny_gguf, tiny_gguf, n_parallel=2)
     p = prompt(9, 40)
