@@ -160,8 +160,16 @@ class EngineCore:
         if config.spec.enabled and config.spec.method == "draft_model" and make_runner is None:
             from kvserve.engine.draft import DraftModel
 
-            self.draft = DraftModel.load(config.spec.draft_model, loaded, config, num_blocks, bs,
-                                         max(self.n_ctx_slot, self.n_ctx) + bs)
+            try:
+                self.draft = DraftModel.load(config.spec.draft_model, loaded, config, num_blocks, bs,
+                                             max(self.n_ctx_slot, self.n_ctx) + bs)
+            except BaseException:
+                # the target's native step packs its weights in a daemon thread (torch ops): let it end
+                # first, else a start-up error that exits the process aborts it in that thread (SIGABRT)
+                nat = getattr(self.runner, "native", None)
+                if nat is not None:
+                    nat.wait(timeout=120.0)
+                raise
             self._draft_cost = self.draft.cost_ratio
         if config.compile:
             self.runner.start_compile(self.n_slots * ModelRunner.DECODE_LIKE_MAX)

@@ -213,3 +213,18 @@ def test_draft_model_vocab_mismatch_is_a_startup_error(tmp_path):
                                                   r"size 302 \(kvserve needs the same vocabulary\)"):
             c.portal.call(state.preload)
 
+
+@pytest.mark.slow
+def test_failed_draft_load_exits_1_not_sigabrt(smollm2_path, tmp_path):
+    """Review item 4: a draft with another vocabulary stops ``kvserve serve`` with exit status 1
+    (was SIGABRT, rc 134: the target's native step was packing weights in a daemon thread at exit)."""
+    import subprocess
+    import sys
+
+    other = tinymodel.write_tiny_gguf(tmp_path / "other.gguf", extra_control_tokens=("<x>",))
+    p = subprocess.run([sys.executable, "-m", "kvserve", "serve", smollm2_path, "-md", str(other), "--port", "0",
+                        "--models-dir", str(tmp_path / "models")], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert "terminate called" not in p.stderr
+    assert "the target and draft vocabs are not compatible: draft model special tokens must match target model" in \
+        p.stderr
