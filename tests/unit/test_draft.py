@@ -130,6 +130,21 @@ def test_stop_strings_and_n_predict_cut_as_plain(cores):
     assert selfd.kv.num_free_blocks == plain.kv.num_free_blocks
 
 
+def test_draft_n_accepted_counts_tokens_a_stop_string_cut(cores):
+    """llama-server counts a verification's accepted draft tokens when it verifies
+    (server-context.cpp: ``n_draft_accepted += ids.size() - 1``, before the tokens go through the
+    stop checks), so tokens accepted and then cut by a stop string count: kvserve does the same
+    (review item 3, docs/speculative-decoding.md)."""
+    plain, selfd, _ = cores
+    p = prompt(4)
+    text = run(plain, [Request("ref3", p, SamplingParams(n_predict=60, **GREEDY))])["ref3"][1]
+    stop = text[6: 9]  # early: inside the first verified draft
+    b = run(selfd, [Request("cut3", p, SamplingParams(n_predict=60, stop=(stop,), **GREEDY))])["cut3"]
+    t = b[3].timings
+    # 9 tokens kept, 12 drafted and accepted by two verifications of 6: the stop string cut accepted ones
+    assert b[2] == "word" and (len(b[0]), t.draft_n, t.draft_n_accepted) == (9, 12, 12)
+
+
 def test_grammar_request_does_not_speculate_and_is_unchanged(cores):
     plain, selfd, _ = cores
     tok, nv = plain.tokenizer, plain.model_config.n_vocab
