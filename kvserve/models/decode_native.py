@@ -359,8 +359,11 @@ class NativeDecode:
         return self.ready
 
     def _loaded(self, mod) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            try:  # the packing thread yields the CPU to the server's start-up and serving
+        if threading.current_thread().name == "kvserve-native-build":
+            # after a late build the packing yields the CPU to serving; a cached build's packing
+            # keeps its priority (the engine's first step waits for it: at nice 19 on a loaded
+            # machine that wait was 30 s and more)
+            try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             except (OSError, AttributeError):
                 pass

@@ -388,3 +388,16 @@ def test_builders_take_turns(monkeypatch, tmp_path):
     assert seen == ["held", False, str(d)]
     with open(str(d) + ".lock") as other:  # released after the build
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_warm_prompt_first_token_stays_eager(built, q4_gguf):
+    """A prompt sent again (all but its last token cached) recomputes that token eagerly, as
+    its first sending's prefill did, not in the native step: the same answer warm and cold
+    (llama-server's cache_prompt promise; found as stream != non-stream at temperature 0.7)."""
+    core = _core(q4_gguf)
+    nat, runner = core.runner.native, core.runner
+    cold = _greedy(core, "a", PROMPTS[2], 8)
+    assert (runner.eager_decode_steps, nat.calls) == (0, 7)
+    warm = _greedy(core, "b", PROMPTS[2], 8)
+    assert warm == cold
+    assert (runner.eager_decode_steps, nat.calls) == (1, 14)  # the warm prompt's last token: eager
