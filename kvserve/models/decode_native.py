@@ -398,6 +398,11 @@ class NativeDecode:
 
     @property
     def ready(self) -> bool:
+        """True when decode steps run natively. A cached build's step is switched on here as
+        soon as it is packed (every step of the engine waits for it anyway), so callers that
+        poll this see it; a late build's only by :meth:`activate` at an idle step or :meth:`wait`."""
+        if self.decoder is None and self.cached and self._done.is_set():
+            self.activate(idle=False)
         return self.decoder is not None
 
     @torch.inference_mode()
