@@ -23,6 +23,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator
 
 from kvserve.engine.core import EngineCore
@@ -63,6 +64,9 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.step_listeners: list = []  # callables(core, outputs) run on the engine thread after each step
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        listeners = getattr(core.runner, "lost_listeners", None)  # a runner that learns of its own death
+        if listeners is not None:                                    # (a parallel worker lost while idle)
+            listeners.append(_weak_call(self.fail))
         self._thread.start()
 
     # -- facts for faces -----------------------------------------------------------
@@ -159,6 +163,13 @@ class AsyncEngine:
         if self.error is not None:
             raise self._dead()
 
+    def fail(self, error: BaseException) -> None:
+        """Mark the engine dead from any thread (the runner knows it cannot run another step, e.g.
+        a tensor-parallel worker died while the server was idle): the engine thread raises
+        ``error`` as if a step had, so ``error`` is set, every open stream and later request gets
+        EngineDeadError and ``/health`` answers 500, without running a step."""
+        self._inbox.put(("fail", error))
+
     def _core(self) -> EngineCore:
         core = self.core
         if core is None:
@@ -227,6 +238,8 @@ class AsyncEngine:
                 self._deliver(payload.request_id, core.fail_request(payload, e, "add"))
         elif kind == "abort":
             core.abort_request(payload)
+        elif kind == "fail":  # fail(): the engine dies here
+            raise payload
         elif kind == "call":
             fn, fut = payload
             if not fut.set_running_or_notify_cancel():
@@ -295,6 +308,18 @@ class AsyncEngine:
                 return
             if kind == "call" and payload[1].set_running_or_notify_cancel():
                 payload[1].set_exception(err)
+
+
+def _weak_call(method):
+    """``method`` called through a weak reference (a no-op once its object is gone): a runner's
+    listener must not keep the AsyncEngine (and so the core) alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        m = ref()
+        if m is not None:
+            m(*args)
+    return call
 
 
 def _drop_tracebacks(exc: BaseException | None) -> None:

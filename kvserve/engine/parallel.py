@@ -26,9 +26,11 @@ runs the scheduler and the samplers and holds shard (or stage) 0; ranks 1 .. N-1
   Rank 0 sends every worker the model path and the engine settings; each worker reads the
   model file itself and builds its shard.
 * **Lifetime**: workers die with the server (PR_SET_PDEATHSIG, a parent-pid watch, a broken
-  group); rank 0 polls its children, and a lost worker makes the next step raise
-  :class:`ParallelWorkerLost`, which the engine thread does not retry: the engine is dead,
-  every request in flight gets the engine-dead error and ``/health`` answers 500.
+  group); rank 0 polls its children (also during the start-up join: a worker that exits fails the
+  load at once, and a server shutting down abandons it), and a lost worker makes the next step
+  raise :class:`ParallelWorkerLost`, which the engine thread does not retry; the watch thread also
+  tells :attr:`ParallelRunner.lost_listeners` at once (AsyncEngine.fail), so an idle server's
+  engine is dead within ~0.2 s: every request gets the engine-dead error and ``/health`` answers 500.
 
 Backends: gloo on the CPU, NCCL on CUDA. tp and pp together: rank = stage * tp + tensor rank,
 a tensor-parallel group per stage, hidden states from (stage, t) to (stage + 1, t).
@@ -599,8 +601,13 @@ def _watch(ref, interval: float) -> None:
             return
         try:
             comm.check()
-        except ParallelWorkerLost:
-            log.error("%s: the engine fails its next step", comm.lost)
+        except ParallelWorkerLost as lost:
+            log.error("%s: the engine is dead", comm.lost)
+            for fn in list(runner.lost_listeners):
+                try:
+                    fn(lost)
+                except Exception:  # noqa: BLE001 - the next step still raises it
+                    log.exception("parallel lost-worker listener %r failed", fn)
             return
         if time.monotonic() - comm.last_send > TIMEOUT_S / 4 and comm.lock.acquire(blocking=False):
             try:
@@ -611,6 +618,44 @@ def _watch(ref, interval: float) -> None:
             finally:
                 comm.lock.release()
         del runner
+
+
+#: a start-up join given up on (its rendezvous waits out TIMEOUT_S): torch.distributed cannot form
+#: another group in this process until it ends
+_abandoned_join: threading.Thread | None = None
+
+
+def _refuse_while_abandoned() -> None:
+    """ModelLoadError while an abandoned start-up join of this process still waits."""
+    from kvserve.loaders.weights import ModelLoadError
+
+    j = _abandoned_join
+    if j is not None and j.is_alive():
+        raise ModelLoadError(f"an earlier parallel start-up in this process is still waiting for its group "
+                             f"(up to KVSERVE_PARALLEL_TIMEOUT={TIMEOUT_S:g} s): try again later")
+
+
+def _await_check_in(store, comm: _Comm, interval: float = 0.05) -> None:
+    """Wait until every spawned worker has set its ``kvserve/ready/<rank>`` key in rank 0's store
+    (before any collective), watching the processes and the server as :func:`_await_join` does; a
+    worker that never checks in fails at TIMEOUT_S (ModelLoadError)."""
+    from kvserve.loaders.weights import ModelLoadError
+
+    keys = [f"kvserve/ready/{r}" for r in range(1, comm.world)]
+    deadline = time.monotonic() + TIMEOUT_S
+    main = threading.main_thread()
+    while not store.check(keys):
+        try:
+            comm.check()
+        except ParallelWorkerLost as e:
+            raise ModelLoadError(f"{e} while the parallel group formed") from None
+        if threading.current_thread() is not main and not main.is_alive():
+            comm.lost = "the server shut down while the parallel group formed"
+            raise ModelLoadError(comm.lost)
+        if time.monotonic() > deadline:
+            comm.lost = f"parallel workers did not start within {TIMEOUT_S:g} s (KVSERVE_PARALLEL_TIMEOUT)"
+            raise ModelLoadError(comm.lost)
+        time.sleep(interval)
 
 
 def _await_join(joiner: threading.Thread, comm: _Comm, interval: float = 0.1) -> None:
@@ -653,6 +698,8 @@ class ParallelRunner(ModelRunner):
     Attributes:
         stats: :class:`CommStats` of rank 0. plans: every rank's :class:`RankPlan`.
         world, tp, pp: sizes. micro_batches: micro-batches per pipeline step (default pp).
+        lost_listeners: callables ``(ParallelWorkerLost) -> None`` the watch thread calls once when a
+            worker is lost (AsyncEngine registers its ``fail``: the engine dies without a step).
     """
 
     def __init__(self, loaded, config, num_blocks: int, block_size: int, max_positions: int):
@@ -661,6 +708,7 @@ class ParallelRunner(ModelRunner):
         err = parallel_error(c, self.tp, self.pp)
         if err:
             raise ValueError(err)
+        _refuse_while_abandoned()
         self.world = self.tp * self.pp
         self.full_config = c
         self.plans = [rank_plan(c, self.tp, self.pp, r) for r in range(self.world)]
@@ -679,16 +727,21 @@ class ParallelRunner(ModelRunner):
             port = _free_port()
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(self.world),
                        KVSERVE_PARALLEL_BACKEND=_backend(device),
-                       OMP_NUM_THREADS=str(threads), KVSERVE_PARALLEL_PARENT=str(os.getpid()))
+                       OMP_NUM_THREADS=str(threads), KVSERVE_PARALLEL_PARENT=str(os.getpid()),
+                       KVSERVE_PARALLEL_CHECK_IN="1")
             if threading.current_thread() is threading.main_thread():
                 env["KVSERVE_PARALLEL_PDEATHSIG"] = "1"  # PDEATHSIG follows the spawning thread
             for r in range(1, self.world):
                 self._comm.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "kvserve.engine.parallel"], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                     stdin=subprocess.DEVNULL))
-            init = f"tcp://127.0.0.1:{port}"
+            # our own store, not waiting for its clients: the workers check in (a key each) and the
+            # rendezvous starts once all have, so a worker lost before that leaves no half-made group
+            store = dist.TCPStore("127.0.0.1", port, self.world, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=TIMEOUT_S))
+            init = None
         else:  # torchrun (its agent's store) or MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE by hand
-            init = "env://"
+            init, store = "env://", None
             if int(os.environ.get("WORLD_SIZE", "0")) != self.world:
                 raise RuntimeError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} but tp x pp = {self.world}")
         self._finalizer = weakref.finalize(self, _shutdown, self._comm)
@@ -697,8 +750,8 @@ class ParallelRunner(ModelRunner):
 
         def join() -> None:  # the rendezvous and the first collectives: a thread, watched below
             try:
-                dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=self.world,
-                                        timeout=timedelta(seconds=TIMEOUT_S))
+                dist.init_process_group(_backend(device), init_method=init, store=store, rank=0,
+                                        world_size=self.world, timeout=timedelta(seconds=TIMEOUT_S))
                 dist.broadcast_object_list([{
                     "model": str(loaded.info.path), "config": _engine_config_dict(config), "num_blocks": num_blocks,
                     "block_size": block_size, "max_positions": max_positions, "threads": threads}], src=0)
@@ -711,9 +764,11 @@ class ParallelRunner(ModelRunner):
                 joined["error"] = e
 
         joiner = threading.Thread(target=join, name="kvserve-parallel-join", daemon=True)
-        self._comm.joiner = joiner
         try:
+            if store is not None:
+                _await_check_in(store, self._comm)
             joiner.start()
+            self._comm.joiner = joiner
             _await_join(joiner, self._comm)
             if "error" in joined:
                 raise joined["error"]
@@ -735,6 +790,7 @@ class ParallelRunner(ModelRunner):
             log.info("%s", line, extra={"func": "load_model"})
         for note in notes:
             log.info("tensor parallel: %s", note, extra={"func": "load_model"})
+        self.lost_listeners: list = []  # callables(ParallelWorkerLost), from the watch thread (AsyncEngine.fail)
         self._watch = threading.Thread(target=_watch, args=(weakref.ref(self), 0.2), name="kvserve-parallel-watch",
                                        daemon=True)
         self._watch.start()
@@ -911,6 +967,8 @@ def _shutdown(comm: _Comm) -> None:
     if comm.joiner is not None:  # an abandoned join ends once its peers are gone (or at its timeout)
         comm.joiner.join(2.0)
         if comm.joiner.is_alive():
+            global _abandoned_join
+            _abandoned_join = comm.joiner
             log.debug("parallel start-up join still waiting: the group is not left")
             return
     if dist.is_initialized():
@@ -958,8 +1016,15 @@ def worker_main(model_path: str | None = None) -> int:
     backend = os.environ.get("KVSERVE_PARALLEL_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=TIMEOUT_S))
+    if os.environ.get("KVSERVE_PARALLEL_CHECK_IN") == "1":  # spawned by rank 0: its store, check in first
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=timedelta(seconds=TIMEOUT_S))
+        store.set(f"kvserve/ready/{rank}", "1")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=TIMEOUT_S))
+    else:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=TIMEOUT_S))
     box = [None]
     dist.broadcast_object_list(box, src=0)
     msg = box[0]

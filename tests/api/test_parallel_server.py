@@ -2,8 +2,9 @@
 
 The tiny model under ``--dtype float32``: the same tokens as a one-process server, with
 prefix-cache hits (``cache_n``) and chunked prefill (``-b 16``), a grammar; SIGTERM leaves no
-worker process; a worker killed with SIGKILL turns the next request into the engine-dead
-error within seconds and ``/health`` into 500. Slow: SmolLM2 ``-tp 2`` exits with the seed's
+worker process; a worker killed with SIGKILL (idle server) turns ``/health`` into 500 and the
+next request into the engine-dead error within a second; a worker lost during start-up, or a
+SIGTERM then, ends the server within seconds (not gloo's 121 s rendezvous wait). Slow: SmolLM2 ``-tp 2`` exits with the seed's
 error before reading weights.
 """
 
@@ -33,6 +34,18 @@ def children(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             out += [int(x) for x in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def workers_of(pid: int) -> list[int]:
+    """The ``python -m kvserve.engine.parallel`` children of ``pid`` (a server has other children too)."""
+    out = []
+    for c in children(pid):
+        try:
+            if b"kvserve.engine.parallel" in Path(f"/proc/{c}/cmdline").read_bytes():
+                out.append(c)
         except OSError:
             pass
     return out
@@ -101,7 +114,7 @@ def test_sigterm_leaves_no_worker(tiny, tmp_path):
     srv = spawn(tiny, FLAGS + ("-tp", "2"), tmp_path)
     try:
         srv.wait_ready()
-        workers = children(srv.proc.pid)
+        workers = workers_of(srv.proc.pid)
         assert len(workers) == 1
         srv.proc.send_signal(signal.SIGTERM)
         srv.proc.wait(timeout=20)
@@ -118,15 +131,16 @@ def test_killed_worker_is_a_clear_error_not_a_hang(tiny, tmp_path):
     try:
         srv.wait_ready()
         _complete(srv, PROMPTS[0])
-        (worker,) = children(srv.proc.pid)
+        (worker,) = workers_of(srv.proc.pid)
         os.kill(worker, signal.SIGKILL)
         time.sleep(0.5)
         t0 = time.monotonic()
         r = httpx.post(srv.url("/completion"), timeout=30, json={"prompt": "hello", "n_predict": 4})
         assert time.monotonic() - t0 < 10
         assert r.status_code == 500
-        assert r.json() == {"error": {"code": 500, "type": "server_error", "message": (
-            f"EngineDeadError: engine failed: parallel worker rank 1 (pid {worker}) exited (signal SIGKILL)")}}
+        assert r.json() == {"error": {"code": 500, "type": "server_error", "message": (  # dead before it came
+            "the engine failed (ParallelWorkerLost) and serves no more requests: restart the server")}}
+        assert f"parallel worker rank 1 (pid {worker}) exited (signal SIGKILL): the engine is dead" in srv.log()
         h = httpx.get(srv.url("/health"), timeout=10)
         assert h.status_code == 500
         assert h.json()["error"]["message"] == ("the engine failed (ParallelWorkerLost) and serves no more "
@@ -152,12 +166,8 @@ def _first_worker(srv, timeout: float = 60.0) -> int:
     """The worker's pid as soon as the server spawned it (start-up still under way)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for pid in children(srv.proc.pid):
-            try:
-                if b"kvserve.engine.parallel" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    return pid
-            except OSError:
-                pass
+        for pid in workers_of(srv.proc.pid):
+            return pid
         assert srv.proc.poll() is None, srv.log()
         time.sleep(0.02)
     raise AssertionError("no worker spawned")
@@ -190,5 +200,29 @@ def test_group_sigterm_during_start_up_exits_within_seconds(tiny, tmp_path):
         srv.proc.wait(timeout=30)
         assert time.monotonic() - t0 < 20
         assert not alive(worker)
+    finally:
+        srv.stop()
+
+
+def test_worker_killed_while_idle_turns_health_500_at_once(tiny, tmp_path):
+    """Issue 23 item 2: /health said ok until a request failed."""
+    srv = spawn(tiny, FLAGS + ("-pp", "2"), tmp_path)
+    try:
+        srv.wait_ready()
+        (worker,) = workers_of(srv.proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        h = httpx.get(srv.url("/health"), timeout=10)
+        while h.status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            h = httpx.get(srv.url("/health"), timeout=10)
+        assert h.status_code == 500
+        assert h.json() == {"error": {"code": 500, "type": "server_error", "message": (
+            "the engine failed (ParallelWorkerLost) and serves no more requests: restart the server")}}
+        r = httpx.post(srv.url("/completion"), timeout=30, json={"prompt": "hello", "n_predict": 4})
+        assert r.status_code == 500
+        assert r.json()["error"]["message"] == h.json()["error"]["message"]
+        assert f"parallel worker rank 1 (pid {worker}) exited (signal SIGKILL): the engine is dead" in srv.log()
+        assert srv.proc.poll() is None
     finally:
         srv.stop()

@@ -9,6 +9,7 @@ error).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -402,3 +403,34 @@ def test_a_worker_lost_during_start_up_fails_at_once_and_is_reaped(tiny):
     (pid,) = killed
     assert str(e.value) == f"parallel worker rank 1 (pid {pid}) exited (signal SIGKILL) while the parallel group formed"
     assert not os.path.exists(f"/proc/{pid}")  # reaped, no zombie
+    # lost before it checked in: no half-made group is left behind, the next one forms
+    core = _core(tiny["f32"], 2, 1)
+    try:
+        assert len(core.runner.worker_pids) == 1
+    finally:
+        core.close()
+
+
+def test_a_worker_lost_while_idle_kills_the_async_engine_at_once(tiny):
+    """Issue 23 item 2: the watch thread marks the engine dead (no request, no step needed)."""
+    from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
+
+    engine = AsyncEngine(_core(tiny["f32"], 2, 1))
+    try:
+        pid = engine.core.runner.worker_pids[0]
+        steps = engine.stats.n_decode_total
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while engine.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert isinstance(engine.error, ParallelWorkerLost)
+        assert str(engine.error) == f"parallel worker rank 1 (pid {pid}) exited (signal SIGKILL)"
+        assert engine.stats.n_decode_total == steps  # no step ran
+        async def late():
+            async for _ in engine.generate(Request("late", _prompts()[0], SamplingParams(n_predict=2))):
+                pass
+        with pytest.raises(EngineDeadError) as e:
+            asyncio.run(late())
+        assert str(e.value) == f"engine failed: parallel worker rank 1 (pid {pid}) exited (signal SIGKILL)"
+    finally:
+        engine.shutdown()
