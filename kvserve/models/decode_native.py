@@ -170,10 +170,35 @@ def _child_setup() -> None:  # in the forked child, before exec
         pass
 
 
+def _descendants(pid: int) -> list[int]:
+    """The process ids below ``pid`` (children first), from /proc."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.append(k)
+            todo.append(k)
+    return out
+
+
 def _die_with_parent(ppid: int) -> None:
     """In the build child: on SIGTERM (the parent-death signal) or once the parent is gone
-    (reparented), kill the whole process group (ninja and the compiler with it)."""
+    (reparented), kill every process below it (ninja, and the compiler jobs ninja starts in
+    process groups of their own) and then its own group."""
     def kill_group(*_):
+        for k in _descendants(os.getpid()):
+            try:
+                os.kill(k, signal.SIGKILL)
+            except OSError:
+                pass
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
     if os.getpgid(0) == os.getpid():  # only when the parent gave it its own group

@@ -330,7 +330,8 @@ def _gone(pid: int) -> bool:
 
 def test_build_child_dies_with_its_parent(tmp_path):
     """A server killed (SIGKILL) while its build runs takes the build with it: the child and
-    what it started (the compiler; here a sleep) are gone within seconds, no orphan compiles on."""
+    what it started (the compiler, which ninja starts in a process group of its own; here a sleep
+    in a new session) are gone within seconds, no orphan compiles on."""
     import signal
     import subprocess
     import sys
@@ -339,7 +340,7 @@ def test_build_child_dies_with_its_parent(tmp_path):
     pids = tmp_path / "pids"
     child = ("import os, subprocess, sys; from kvserve.models import decode_native as d; "
              "d._die_with_parent(int(os.environ['KVSERVE_BUILD_PARENT'])); "
-             "p = subprocess.Popen(['sleep', '120']); "
+             "p = subprocess.Popen(['sleep', '120'], start_new_session=True); "
              f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{p.pid}}'); p.wait()")
     parent = ("import sys; from kvserve.models import decode_native as d; "
               f"d.build_in_child(cmd=[sys.executable, '-c', {child!r}])")
