@@ -21,8 +21,9 @@ runs the scheduler and the samplers and holds shard (or stage) 0; ranks 1 .. N-1
   pickles: one broadcast of :data:`HEADER` values when it fits (a decode step of a few streams),
   else that header and then the payload.
 * **Start**: on one machine rank 0 starts the N-1 workers itself (``python -m
-  kvserve.engine.parallel``, MASTER_ADDR 127.0.0.1, a free MASTER_PORT); with RANK /
-  WORLD_SIZE / MASTER_ADDR / MASTER_PORT already set (torchrun) it joins that group instead.
+  kvserve.engine.parallel``, MASTER_ADDR 127.0.0.1, a free MASTER_PORT; they check in to its
+  TCPStore before the rendezvous); with RANK set (torchrun: RANK / WORLD_SIZE / MASTER_ADDR /
+  MASTER_PORT) it joins that group instead (:func:`environment_error`: RANK 0, WORLD_SIZE = tp x pp).
   Rank 0 sends every worker the model path and the engine settings; each worker reads the
   model file itself and builds its shard.
 * **Lifetime**: workers die with the server (PR_SET_PDEATHSIG, a parent-pid watch, a broken
@@ -107,6 +108,31 @@ def parallel_error(config: ModelConfig, tp: int, pp: int) -> str | None:
     if pp > config.n_layer:
         return (f"Pipeline parallel size ({pp}) must not exceed the number of hidden layers "
                 f"({config.n_layer}).")
+    return None
+
+
+def environment_error(tp: int, pp: int, environ=None) -> str | None:
+    """Start-up check of a torch.distributed group in the environment against ``-tp`` x ``-pp``,
+    or None when they agree.
+
+    kvserve joins an existing group exactly when ``RANK`` is set (torchrun sets RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT; MASTER_* are read by env:// when it joins); without RANK it starts its
+    own workers and ignores (overrides) WORLD_SIZE / MASTER_*. So with RANK set: it must be 0 (the
+    server; other ranks run ``python -m kvserve.engine.parallel``) and WORLD_SIZE must equal
+    tp x pp, also for tp x pp = 1 (a one-process server would leave the group's other ranks waiting
+    out their timeout); ``RANK=0 WORLD_SIZE=1`` is one process."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env:
+        return None
+    world = tp * pp
+    if env["RANK"] != "0":
+        return (f"RANK={env['RANK']} in the environment: kvserve serve is rank 0 of a parallel group; other ranks run "
+                f"python -m kvserve.engine.parallel")
+    ws = env.get("WORLD_SIZE")
+    if ws != str(world):
+        return (f"RANK=0 WORLD_SIZE={ws} in the environment (a torch.distributed group to join) but tp x pp = "
+                f"{world} (tp={tp} pp={pp}): give -tp/-pp for the group's size, or unset RANK to start "
+                f"{'one process' if world == 1 else 'the workers here'}")
     return None
 
 
@@ -716,13 +742,19 @@ class ParallelRunner(ModelRunner):
         self.stats = CommStats()
         device = torch.device(config.resolve_device())
         self._comm = _Comm(self.world, device)
-        threads = config.threads or max(1, (os.cpu_count() or 1) // self.world)
+        cores = os.cpu_count() or 1
+        threads = config.threads or max(1, cores // self.world)
+        if self.world > cores:
+            log.warning("%d ranks on %d CPU cores: less than one core per rank, the ranks share cores (each runs "
+                        "%d thread%s)", self.world, cores, threads, "" if threads == 1 else "s",
+                        extra={"func": "load_model"})
         torch.set_num_threads(threads)
         if config.compile:
             log.info("--compile with tensor/pipeline parallelism: the engine runs eagerly")
         spawned = "RANK" not in os.environ
-        if not spawned and int(os.environ["RANK"]) != 0:
-            raise RuntimeError("ParallelRunner runs on rank 0; other ranks run python -m kvserve.engine.parallel")
+        env_err = environment_error(self.tp, self.pp)
+        if env_err:
+            raise RuntimeError(env_err)
         if spawned:
             port = _free_port()
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(self.world),
@@ -742,8 +774,6 @@ class ParallelRunner(ModelRunner):
             init = None
         else:  # torchrun (its agent's store) or MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE by hand
             init, store = "env://", None
-            if int(os.environ.get("WORLD_SIZE", "0")) != self.world:
-                raise RuntimeError(f"WORLD_SIZE={os.environ.get('WORLD_SIZE')} but tp x pp = {self.world}")
         self._finalizer = weakref.finalize(self, _shutdown, self._comm)
         status = [None] * self.world
         joined: dict = {}

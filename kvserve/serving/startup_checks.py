@@ -369,6 +369,11 @@ def run_startup_checks(args, path: str, cfg) -> list[tuple[int, str]]:
     h = read_header(path)
     notes: list[tuple[int, str]] = []
     tp, pp = getattr(cfg, "tensor_parallel_size", 1), getattr(cfg, "pipeline_parallel_size", 1)
+    from kvserve.engine.parallel import environment_error
+
+    env_err = environment_error(tp, pp)  # RANK / WORLD_SIZE of a group to join, also with tp x pp = 1
+    if env_err:
+        raise StartupCheckError(env_err)
     if tp * pp > 1:
         from kvserve.engine.parallel import parallel_error
 

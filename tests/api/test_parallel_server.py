@@ -226,3 +226,16 @@ def test_worker_killed_while_idle_turns_health_500_at_once(tiny, tmp_path):
         assert srv.proc.poll() is None
     finally:
         srv.stop()
+
+
+def test_a_torchrun_environment_without_tp_pp_is_refused(tiny):
+    """Issue 23 item 3: RANK/WORLD_SIZE of a group with no -tp/-pp used to start one process silently."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    p = subprocess.run([sys.executable, "-m", "kvserve", "serve", tiny, "--host", "127.0.0.1", "--port",
+                        str(free_port()), *FLAGS], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert p.returncode == 1
+    out = p.stdout + p.stderr
+    assert ("RANK=0 WORLD_SIZE=2 in the environment (a torch.distributed group to join) but tp x pp = 1 (tp=1 "
+            "pp=1): give -tp/-pp for the group's size, or unset RANK to start one process") in out
+    assert "Traceback" not in out

@@ -434,3 +434,40 @@ def test_a_worker_lost_while_idle_kills_the_async_engine_at_once(tiny):
         assert str(e.value) == f"engine failed: parallel worker rank 1 (pid {pid}) exited (signal SIGKILL)"
     finally:
         engine.shutdown()
+
+
+def test_an_environment_group_must_match_tp_x_pp(tiny, monkeypatch):
+    """Issue 23 item 3: RANK=0 WORLD_SIZE=2 without -tp/-pp used to start one process silently."""
+    from kvserve.engine.parallel import environment_error
+    from kvserve.serving.startup_checks import StartupCheckError, run_startup_checks
+
+    assert environment_error(2, 1, {}) is None
+    assert environment_error(1, 2, {"WORLD_SIZE": "2"}) is None  # no RANK: kvserve starts its own workers
+    assert environment_error(1, 1, {"RANK": "0", "WORLD_SIZE": "1"}) is None
+    assert environment_error(2, 1, {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}) is None
+    assert environment_error(1, 1, {"RANK": "0", "WORLD_SIZE": "2"}) == (
+        "RANK=0 WORLD_SIZE=2 in the environment (a torch.distributed group to join) but tp x pp = 1 (tp=1 pp=1): "
+        "give -tp/-pp for the group's size, or unset RANK to start one process")
+    assert environment_error(1, 2, {"RANK": "0"}) == (
+        "RANK=0 WORLD_SIZE=None in the environment (a torch.distributed group to join) but tp x pp = 2 (tp=1 pp=2): "
+        "give -tp/-pp for the group's size, or unset RANK to start the workers here")
+    assert environment_error(2, 1, {"RANK": "1", "WORLD_SIZE": "2"}) == (
+        "RANK=1 in the environment: kvserve serve is rank 0 of a parallel group; other ranks run "
+        "python -m kvserve.engine.parallel")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(StartupCheckError) as e:
+        run_startup_checks(object(), tiny["f32"], EngineConfig(dtype="float32"))
+    assert str(e.value).startswith("RANK=0 WORLD_SIZE=2 in the environment")
+
+
+def test_more_ranks_than_cores_is_a_warning(tiny, monkeypatch, caplog):
+    """Issue 23 item 4: -tp larger than the CPU cores was accepted silently."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    with caplog.at_level("WARNING", logger="kvserve.engine"):
+        core = _core(tiny["f32"], 2, 1)
+    try:
+        assert ("2 ranks on 1 CPU cores: less than one core per rank, the ranks share cores (each runs 1 thread)"
+                in caplog.text)
+    finally:
+        core.close()
