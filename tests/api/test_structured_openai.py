@@ -66,14 +66,17 @@ def test_structured_outputs_grammar(smollm2_server):
 
 
 def test_structured_outputs_json_object(smollm2_server):
-    out = _content(_chat(smollm2_server, {"structured_outputs": {"json_object": True}}, "A JSON object, please.",
-                         max_tokens=200))
+    # cache_prompt off: the shared server's earlier requests leave this prompt's prefix cached or not, and
+    # a warm prompt's recomputed tail rounds unlike a cold prefill (docs/performance.md); and an open-ended
+    # "A JSON object, please." ran past max_tokens (an address book) on the native decode path
+    out = _content(_chat(smollm2_server, {"structured_outputs": {"json_object": True}}, max_tokens=200,
+                         cache_prompt=False))
     assert isinstance(json.loads(out), dict)
 
 
 def test_response_format_json_object(smollm2_server):
-    out = _content(_chat(smollm2_server, {"response_format": {"type": "json_object"}}, "A JSON object.",
-                         max_tokens=200))
+    out = _content(_chat(smollm2_server, {"response_format": {"type": "json_object"}}, max_tokens=200,
+                         cache_prompt=False))
     assert isinstance(json.loads(out), dict)
 
 
