@@ -770,7 +770,7 @@ FLAGS: tuple[Flag, ...] = (
       "(default 0.00)", env="LLAMA_ARG_SPEC_DRAFT_P_MIN", metavar="P",
       why="with -md: a sequence stops drafting when the draft's top token is less likely than P (that token is "
       "not drafted)", check=lambda p: None if 0.0 <= p <= 1.0 else f"--draft-p-min must be in [0, 1], got {p}"),
-    F("--draft-p-split --spec-draft-p-split", "float", effect=NONE, why="no draft model"),
+    F("--draft-p-split --spec-draft-p-split", "float", effect=NONE, why="kvserve drafts one sequence of tokens per request (no split into a tree of drafts)"),
     F("-lcs --lookup-cache-static", effect=NONE, why="no lookup decoding"),
     F("-lcd --lookup-cache-dynamic", effect=NONE, why="no lookup decoding"),
     F("-mm --mmproj", env="LLAMA_ARG_MMPROJ", effect=WARN, why=_NO_MM),
