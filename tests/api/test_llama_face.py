@@ -309,7 +309,10 @@ def test_two_slots_at_once_third_waits(smollm2_server):
     def run(name, body):
         results[name] = post(srv, "/completion", body)
 
-    long = {"n_predict": 24, "ignore_eos": True, "temperature": 0}
+    # long enough that both stay busy while the test polls /slots and /metrics: at 24 tokens "a" could
+    # finish before "b" started once decoding got faster (the native decode step)
+    n = 200
+    long = {"n_predict": n, "ignore_eos": True, "temperature": 0}
     threads = [threading.Thread(target=run, args=("a", {"prompt": "first request", "id_slot": 0, **long})),
                threading.Thread(target=run, args=("b", {"prompt": "second request here", **long}))]
     # "a" first: were "b" placed first, it could take slot 0 (the LRU one) and "a" would wait for it
@@ -323,9 +326,9 @@ def test_two_slots_at_once_third_waits(smollm2_server):
     slots = poll(both_busy, timeout=60)
     assert [s["id"] for s in slots] == [0, 1]
     for s in slots:
-        assert s["n_ctx"] == 2048 and s["speculative"] is False and s["params"]["n_predict"] == 24
+        assert s["n_ctx"] == 2048 and s["speculative"] is False and s["params"]["n_predict"] == n
         nt = s["next_token"][0]
-        assert nt["has_next_token"] is True and nt["n_remain"] == 24 - nt["n_decoded"]
+        assert nt["has_next_token"] is True and nt["n_remain"] == n - nt["n_decoded"]
     r = get(srv, "/slots?fail_on_no_slot=1")
     assert r.status_code == 503
     assert r.json() == {"error": {"code": 503, "message": "no slot available", "type": "unavailable_error"}}
@@ -340,7 +343,7 @@ def test_two_slots_at_once_third_waits(smollm2_server):
         t.join(timeout=120)
     assert {k: v.status_code for k, v in results.items()} == {"a": 200, "b": 200, "c": 200}
     assert results["a"].json()["id_slot"] == 0 and results["b"].json()["id_slot"] == 1
-    assert results["a"].json()["tokens_predicted"] == 24
+    assert results["a"].json()["tokens_predicted"] == n
     m = get(srv, "/metrics").text
     busy = float(re.search(r"^llamacpp:n_busy_slots_per_decode (\S+)$", m, re.M).group(1))
     assert busy > 1.0  # the two slots decoded together in one batch
