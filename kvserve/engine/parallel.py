@@ -669,19 +669,27 @@ def _await_check_in(store, comm: _Comm, interval: float = 0.05) -> None:
 
     keys = [f"kvserve/ready/{r}" for r in range(1, comm.world)]
     deadline = time.monotonic() + TIMEOUT_S
-    main = threading.main_thread()
     while not store.check(keys):
-        try:
-            comm.check()
-        except ParallelWorkerLost as e:
-            raise ModelLoadError(f"{e} while the parallel group formed") from None
-        if threading.current_thread() is not main and not main.is_alive():
-            comm.lost = "the server shut down while the parallel group formed"
-            raise ModelLoadError(comm.lost)
+        _check_forming(comm)
         if time.monotonic() > deadline:
             comm.lost = f"parallel workers did not start within {TIMEOUT_S:g} s (KVSERVE_PARALLEL_TIMEOUT)"
             raise ModelLoadError(comm.lost)
         time.sleep(interval)
+
+
+def _check_forming(comm: _Comm) -> None:
+    """While the group forms: ModelLoadError when a spawned worker exited (naming it) or the server
+    is shutting down (the main thread ended while another thread loads)."""
+    from kvserve.loaders.weights import ModelLoadError
+
+    try:
+        comm.check()
+    except ParallelWorkerLost as e:
+        raise ModelLoadError(f"{e} while the parallel group formed") from None
+    main = threading.main_thread()
+    if threading.current_thread() is not main and not main.is_alive():
+        comm.lost = "the server shut down while the parallel group formed"
+        raise ModelLoadError(comm.lost)
 
 
 def _await_join(joiner: threading.Thread, comm: _Comm, interval: float = 0.1) -> None:
@@ -691,20 +699,11 @@ def _await_join(joiner: threading.Thread, comm: _Comm, interval: float = 0.1) ->
     (the main thread ended, e.g. SIGTERM during start-up: ModelLoadError). Waiting in short slices
     also lets SIGINT / SIGTERM handlers run when this is the main thread. The caller then stops
     the workers (reaped) and leaves the group."""
-    from kvserve.loaders.weights import ModelLoadError
-
-    main = threading.main_thread()
     while True:
         joiner.join(interval)
         if not joiner.is_alive():
             return
-        try:
-            comm.check()
-        except ParallelWorkerLost as e:
-            raise ModelLoadError(f"{e} while the parallel group formed") from None
-        if threading.current_thread() is not main and not main.is_alive():
-            comm.lost = "the server shut down while the parallel group formed"
-            raise ModelLoadError(comm.lost)
+        _check_forming(comm)
 
 
 class ParallelRunner(ModelRunner):

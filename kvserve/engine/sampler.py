@@ -727,20 +727,10 @@ class SequenceSampler:
         """
         cand = _Cand(self._prepare(logits, num_generated, None), None, False)
         for name in self._stages:
-            if name == "top_n_sigma":
-                self._apply_top_n_sigma(cand)
-            elif name == "top_k":
-                self._apply_top_k(cand)
-            elif name == "typ_p":
-                self._apply_typical(cand)
-            elif name == "top_p":
-                self._apply_top_p(cand)
-            elif name == "min_p":
-                self._apply_min_p(cand)
-            elif name == "temperature":
-                self._apply_temperature(cand)
-            else:
+            stage = _PLAIN_STAGES.get(name)
+            if stage is None:
                 raise ValueError(f"probs(): stage {name} depends on history or an RNG")
+            stage(self, cand)
         pr = torch.softmax(cand.vals, dim=0)
         out = torch.zeros(self.n_vocab, dtype=torch.float32, device=logits.device)
         out.index_copy_(0, cand.id_tensor(), pr.to(torch.float32))
@@ -804,20 +794,10 @@ class SequenceSampler:
                 self._apply_penalties(cand, history)
             elif name == "dry":
                 self._apply_dry(cand, history)
-            elif name == "top_n_sigma":
-                self._apply_top_n_sigma(cand)
-            elif name == "top_k":
-                self._apply_top_k(cand)
-            elif name == "typ_p":
-                self._apply_typical(cand)
-            elif name == "top_p":
-                self._apply_top_p(cand)
-            elif name == "min_p":
-                self._apply_min_p(cand)
             elif name == "xtc":
                 self._apply_xtc(cand)
-            else:  # temperature
-                self._apply_temperature(cand)
+            else:  # the stages that read neither history nor the RNG (anything else: temperature)
+                _PLAIN_STAGES.get(name, SequenceSampler._apply_temperature)(self, cand)
         return self._draw(cand, logits, lse)
 
     def _draw(self, cand: _Cand, raw: torch.Tensor, lse: torch.Tensor) -> SampleResult:
@@ -850,6 +830,18 @@ class SequenceSampler:
             tv, ti = torch.topk(raw32, min(p.n_probs, raw32.shape[0]))
             top = list(zip(ti.tolist(), (tv - lse).tolist()))
         return SampleResult(int(tok_t.item()), float(lp_t.item()), top)
+
+
+#: stages that read neither the sequence's history nor the RNG, by name (the sampler chain's
+#: dispatch for them, shared by SequenceSampler.sample and .probs)
+_PLAIN_STAGES = {
+    "top_n_sigma": SequenceSampler._apply_top_n_sigma,
+    "top_k": SequenceSampler._apply_top_k,
+    "typ_p": SequenceSampler._apply_typical,
+    "top_p": SequenceSampler._apply_top_p,
+    "min_p": SequenceSampler._apply_min_p,
+    "temperature": SequenceSampler._apply_temperature,
+}
 
 
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
