@@ -1,4 +1,4 @@
-// kvserve's native decode step (CPU, x86-64 AVX512-VNNI): one call runs every layer of a llama-family
+// kvserve's native decode step (CPU, x86-64 with AVX512-VNNI or AVX2 + FMA + F16C): one call runs every layer of a llama-family
 // model for B single-token queries over the paged KV cache. Built at run time by
 // kvserve/models/decode_native.py (torch's C++ extension tooling, in a background process) and
 // used by ModelRunner for decode-only steps once built.
@@ -14,15 +14,30 @@
 #include <immintrin.h>
 #include <c10/util/Half.h>
 #include <c10/util/BFloat16.h>
+#include <type_traits>
 #include <vector>
 #include "q4_core.h"
 
 namespace {
 
-inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+// The vector layer: 16 float lanes (AVX512) or 8 (AVX2 + FMA + F16C), picked by q4_core.h from
+// the compiler's target (-march=native). The same operations in the same order per row either way.
+#ifdef KVSERVE_AVX512
+using vf = __m512;
+constexpr int64_t W = 16;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset1(float a) { return _mm512_set1_ps(a); }
+inline vf vld(const float* p) { return _mm512_loadu_ps(p); }
+inline void vst(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
 
 // e^x, Cephes' single-precision polynomial (relative error ~2e-7), scaled by 2^n with vscalefps
-inline __m512 exp512(__m512 x) {
+inline vf vexp(vf x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.9f)), _mm512_set1_ps(88.72f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -38,34 +53,96 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// 16 cache values as float32
-template <typename T> inline __m512 load16(const T* p);
-template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <> inline __m512 load16<c10::Half>(const c10::Half* p) {
+// W cache values as float32
+template <typename T> inline vf vload(const T* p);
+template <> inline vf vload<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline vf vload<c10::Half>(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-template <> inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+template <> inline vf vload<c10::BFloat16>(const c10::BFloat16* p) {
   const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
 }
 
+// p[0:k] = e^(p[0:k] - mx) for the last k < W scores; returns their sum as a vector (0 elsewhere)
+inline vf exp_tail(float* p, int64_t k, vf mv) {
+  const __mmask16 mk = static_cast<__mmask16>((1u << k) - 1);
+  const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, p), mv));
+  _mm512_mask_storeu_ps(p, mk, e);
+  return _mm512_maskz_mov_ps(mk, e);
+}
+#else
+using vf = __m256;
+constexpr int64_t W = 8;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset1(float a) { return _mm256_set1_ps(a); }
+inline vf vld(const float* p) { return _mm256_loadu_ps(p); }
+inline void vst(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float hsum(vf v) { return kvserve_q4::hsum256(v); }
+
+// e^x as above; 2^n built in the exponent bits, so x is clamped to [-87, 88] (normal results)
+inline vf vexp(vf x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+template <typename T> inline vf vload(const T* p);
+template <> inline vf vload<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <> inline vf vload<c10::Half>(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <> inline vf vload<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+
+inline vf exp_tail(float* p, int64_t k, vf mv) {
+  alignas(32) float buf[8];
+  for (int64_t i = 0; i < 8; ++i) buf[i] = i < k ? p[i] : 0.f;
+  const __m256 e = vexp(_mm256_sub_ps(_mm256_load_ps(buf), mv));
+  _mm256_store_ps(buf, e);
+  for (int64_t i = 0; i < 8; ++i) {
+    if (i < k) p[i] = buf[i];
+    else buf[i] = 0.f;
+  }
+  return _mm256_load_ps(buf);
+}
+#endif
+
 // x [n] -> out [n] = x * rsqrt(mean(x^2) + eps) * w  (n a multiple of 16)
 inline void rms_norm(const float* x, const float* w, float* out, int64_t n, float eps) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+  vf acc = vzero();
+  for (int64_t i = 0; i < n; i += W) {
+    const vf v = vld(x + i);
+    acc = vfma(v, v, acc);
   }
   const float r = 1.f / std::sqrt(hsum(acc) / static_cast<float>(n) + eps);
-  const __m512 rv = _mm512_set1_ps(r);
-  for (int64_t i = 0; i < n; i += 16)
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), rv), _mm512_loadu_ps(w + i)));
+  const vf rv = vset1(r);
+  for (int64_t i = 0; i < n; i += W) vst(out + i, vmul(vmul(vld(x + i), rv), vld(w + i)));
 }
 
 // The output head: int8 weights per block of 32 (GGUF Q8_0's form, w = d * q), stored in the q4
 // kernel's pair order (each 32-bit lane 4 weights of one block, blocks alternating lane by lane)
-// and offset to unsigned (q + 128) for vpdpbusd (u8 x s8); activations quantized per block of 32
-// as for the q4 kernel. Per pair of blocks: dot(q + 128, xq) - 128 * sum(xq), lane by lane, exact.
+// and offset to unsigned (q + 128); activations quantized per block of 32 as for the q4 kernel.
+#ifdef KVSERVE_AVX512
+// Per pair of blocks (vpdpbusd, u8 x s8): dot(q + 128, xq) - 128 * sum(xq), lane by lane, exact.
 template <int MR>
 inline void q8_rows_dot(const uint8_t* wrow, const uint16_t* drow, int64_t K, const int8_t* xq, const __m512i* corr,
                         const __m512* xsp, float* out, int64_t ldo) {
@@ -118,6 +195,63 @@ void q8_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_
     }
   });
 }
+#else
+// Per pair of blocks (vpmaddubsw, u8 x s8, on |q| and xq * sign(q): |127 * 127 * 2| fits int16),
+// the two halves summed in int32: exact.
+template <int MR>
+inline void q8_rows_dot(const uint8_t* wrow, const uint16_t* drow, int64_t K, const int8_t* xq, const float* xs,
+                        float* out, int64_t ldo) {
+  const int64_t P = K / 64, G = K / 32;
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i k128 = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t pr = 0; pr < P; ++pr) {
+    _mm_prefetch(reinterpret_cast<const char*>(wrow + pr * 64 + 2048), _MM_HINT_T0);  // streams from memory
+    const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + pr * 64)), k128);
+    const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + pr * 64 + 32)), k128);
+    const __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);
+    int32_t dpair;
+    std::memcpy(&dpair, drow + 2 * pr, 4);
+    const __m256 dw = _mm256_cvtph_ps(_mm_set1_epi32(dpair));  // d0 d1 d0 d1 ...
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* a = xq + r * K + pr * 64;
+      const __m256i a0 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)), w0);
+      const __m256i a1 = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32)), w1);
+      const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u0, a0), ones),
+                                           _mm256_madd_epi16(_mm256_maddubs_epi16(u1, a1), ones));
+      double xspair;
+      std::memcpy(&xspair, xs + r * G + 2 * pr, 8);
+      const __m256 xsp = _mm256_castpd_ps(_mm256_set1_pd(xspair));  // dx0 dx1 dx0 dx1 ...
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, xsp), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) out[r * ldo] = hsum(acc[r]);
+}
+
+void q8_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_t* D, int64_t N, float* Y) {
+  const int64_t G = K / 32;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * G), xm(M * G);
+  kvserve_q4::quantize_rows(x, M, K, xq.data(), xs.data(), xm.data());
+  const int8_t* XQ = xq.data();
+  const float* XS = xs.data();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wrow = W + n * K;
+      const uint16_t* drow = D + n * G;
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) q8_rows_dot<4>(wrow, drow, K, XQ + r * K, XS + r * G, Y + r * N + n, N);
+      switch (M - r) {
+        case 3: q8_rows_dot<3>(wrow, drow, K, XQ + r * K, XS + r * G, Y + r * N + n, N); break;
+        case 2: q8_rows_dot<2>(wrow, drow, K, XQ + r * K, XS + r * G, Y + r * N + n, N); break;
+        case 1: q8_rows_dot<1>(wrow, drow, K, XQ + r * K, XS + r * G, Y + r * N + n, N); break;
+        default: break;
+      }
+    }
+  });
+}
+#endif
 
 struct Proj {
   const uint8_t* q;
@@ -269,10 +403,10 @@ class Decoder {
       for (int64_t b = 0; b < B; ++b) {
         const float* g = gu.data() + b * 2 * F_;
         float* a = act.data() + b * F_;
-        for (int64_t j = 0; j < F_; j += 16) {
-          const __m512 gv = _mm512_loadu_ps(g + j);
-          const __m512 sg = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-          _mm512_storeu_ps(a + j, _mm512_mul_ps(sg, _mm512_loadu_ps(g + F_ + j)));
+        for (int64_t j = 0; j < F_; j += W) {
+          const vf gv = vld(g + j);
+          const vf sg = vdiv(gv, vadd(vset1(1.f), vexp(vsub(vzero(), gv))));
+          vst(a + j, vmul(sg, vld(g + F_ + j)));
         }
       }
       mm(l.down, act.data(), out.data());
@@ -306,42 +440,60 @@ class Decoder {
         const float* q = qkv + b * QKV + hh * D;
         const int64_t* rix = idx + b * L;
         p.resize(n);
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t row = rix[j];
-          const T* kr = K + (row * HKV + kvh) * D;
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(kr + d), acc);
-          p[j] = hsum(acc) * scale;
-          mx = std::max(mx, p[j]);
-        }
-        const __m512 mv = _mm512_set1_ps(mx);
-        __m512 sv = _mm512_setzero_ps();
+        // scores q.k / sqrt(D): four keys at a time (independent chains; each key's sum is
+        // computed exactly as for a key alone), then the rest one by one
         int64_t j = 0;
-        for (; j + 16 <= n; j += 16) {
-          const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(p.data() + j), mv));
-          _mm512_storeu_ps(p.data() + j, e);
-          sv = _mm512_add_ps(sv, e);
+        for (; j + 4 <= n; j += 4) {
+          const T* k0 = K + (rix[j] * HKV + kvh) * D;
+          const T* k1 = K + (rix[j + 1] * HKV + kvh) * D;
+          const T* k2 = K + (rix[j + 2] * HKV + kvh) * D;
+          const T* k3 = K + (rix[j + 3] * HKV + kvh) * D;
+          vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+          for (int64_t d = 0; d < D; d += W) {
+            const vf qd = vld(q + d);
+            a0 = vfma(qd, vload(k0 + d), a0);
+            a1 = vfma(qd, vload(k1 + d), a1);
+            a2 = vfma(qd, vload(k2 + d), a2);
+            a3 = vfma(qd, vload(k3 + d), a3);
+          }
+          p[j] = hsum(a0) * scale;
+          p[j + 1] = hsum(a1) * scale;
+          p[j + 2] = hsum(a2) * scale;
+          p[j + 3] = hsum(a3) * scale;
         }
-        if (j < n) {
-          const __mmask16 mk = static_cast<__mmask16>((1u << (n - j)) - 1);
-          const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, p.data() + j), mv));
-          _mm512_mask_storeu_ps(p.data() + j, mk, e);
-          sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(mk, e));
+        for (; j < n; ++j) {
+          const T* kr = K + (rix[j] * HKV + kvh) * D;
+          vf acc = vzero();
+          for (int64_t d = 0; d < D; d += W) acc = vfma(vld(q + d), vload(kr + d), acc);
+          p[j] = hsum(acc) * scale;
         }
+        float mx = -INFINITY;
+        for (j = 0; j < n; ++j) mx = std::max(mx, p[j]);
+        const vf mv = vset1(mx);
+        vf sv = vzero();
+        for (j = 0; j + W <= n; j += W) {
+          const vf e = vexp(vsub(vld(p.data() + j), mv));
+          vst(p.data() + j, e);
+          sv = vadd(sv, e);
+        }
+        if (j < n) sv = vadd(sv, exp_tail(p.data() + j, n - j, mv));
         const float inv = 1.f / hsum(sv);
         float* o = att + (b * H + hh) * D;
-        for (int64_t d0 = 0; d0 < D; d0 += 32) {
-          __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        // the weighted sum of the values, 64 (or the last 32) output values per pass over the rows
+        auto pass = [&](auto nv_tag, int64_t d0) {
+          constexpr int64_t NV = decltype(nv_tag)::value;
+          vf a[NV];
+          for (int64_t u = 0; u < NV; ++u) a[u] = vzero();
           for (int64_t jj = 0; jj < n; ++jj) {
             const T* vr = V + (rix[jj] * HKV + kvh) * D + d0;
-            const __m512 w = _mm512_set1_ps(p[jj]);
-            a0 = _mm512_fmadd_ps(w, load16(vr), a0);
-            a1 = _mm512_fmadd_ps(w, load16(vr + 16), a1);
+            const vf w = vset1(p[jj]);
+            for (int64_t u = 0; u < NV; ++u) a[u] = vfma(w, vload(vr + u * W), a[u]);
           }
-          _mm512_storeu_ps(o + d0, _mm512_mul_ps(a0, _mm512_set1_ps(inv)));
-          _mm512_storeu_ps(o + d0 + 16, _mm512_mul_ps(a1, _mm512_set1_ps(inv)));
-        }
+          for (int64_t u = 0; u < NV; ++u) vst(o + d0 + u * W, vmul(a[u], vset1(inv)));
+        };
+        int64_t d0 = 0;
+        for (; d0 + 64 <= D; d0 += 64) pass(std::integral_constant<int64_t, 64 / W>{}, d0);
+        if (d0 < D) pass(std::integral_constant<int64_t, 32 / W>{}, d0);  // D is a multiple of 32
       }
     });
   }
@@ -353,9 +505,24 @@ class Decoder {
   float eps_;
 };
 
+// x [M, K] float32 (K a multiple of 64) -> (xq [M, K] int8 in the pair order, xs, xsum [M, K/32]):
+// the activations' quantization every projection runs, vectorized or (scalar) the reference (tests)
+std::vector<at::Tensor> quantize(const at::Tensor& x, bool scalar) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 64 == 0,
+              "decode_cpu: x must be a contiguous float32 [M, K], K a multiple of 64");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor xs = at::empty({M, K / 32}, x.options()), xm = at::empty({M, K / 32}, x.options());
+  (scalar ? kvserve_q4::quantize_rows_scalar : kvserve_q4::quantize_rows)(
+      x.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xm.data_ptr<float>());
+  return {xq, xs, xm};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize", &quantize);
+  m.attr("ISA") = W == 16 ? "avx512" : "avx2";
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, int64_t, int64_t, int64_t, double>())
       .def("step", &Decoder::step, pybind11::call_guard<pybind11::gil_scoped_release>())

@@ -105,10 +105,29 @@ def build_dir() -> Path:
     return extensions_dir() / f"decode_cpu_{build_key()}"
 
 
+_AVX2_FLAGS = ("avx2", "fma", "f16c")
+
+
+def cpu_isa() -> str | None:
+    """The instruction set the step is built for here: "avx512" (AVX512F/BW/VL + AVX512-VNNI),
+    "avx2" (AVX2 + FMA + F16C: x86-64 CPUs since 2013-2015, AMD Zen 1-3 included), or None."""
+    if q4_kernel.cpu_supported():
+        return "avx512"
+    flags = q4_kernel.cpu_flags()
+    if flags and all(f in flags for f in _AVX2_FLAGS):
+        return "avx2"
+    return None
+
+
+def cpu_supported() -> bool:
+    """True on x86-64 CPUs the native decode step builds for (see :func:`cpu_isa`)."""
+    return cpu_isa() is not None
+
+
 def unavailable_reason() -> str | None:
     """Why the extension cannot be built here (None when it can): CPU or compiler missing."""
-    if not q4_kernel.cpu_supported():
-        return "the CPU lacks AVX512F/BW/VL and AVX512-VNNI (or is not x86-64)"
+    if not cpu_supported():
+        return "the CPU lacks AVX2/FMA/F16C and AVX512-VNNI (or is not x86-64)"
     if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
         return "no C++ compiler (g++)"
     if shutil.which("ninja") is None and not _ninja_module():

@@ -39,16 +39,21 @@ _lock = threading.Lock()
 _REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 
 
-def cpu_supported() -> bool:
-    """True on x86-64 Linux CPUs with AVX512F, AVX512BW, AVX512VL and AVX512-VNNI."""
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags from /proc/cpuinfo on x86-64 Linux (empty elsewhere)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return []
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return all(f in flags for f in _REQUIRED_FLAGS)
+        return []
+    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+
+
+def cpu_supported() -> bool:
+    """True on x86-64 Linux CPUs with AVX512F, AVX512BW, AVX512VL and AVX512-VNNI."""
+    flags = cpu_flags()
+    return bool(flags) and all(f in flags for f in _REQUIRED_FLAGS)
 
 
 def build() -> None:

@@ -73,7 +73,7 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
         if config.large_batch_dtype == "bfloat16" or config.large_batch_dtype == "auto" and cpu_native_bf16():
             large = torch.bfloat16
         # the native decode step (kvserve.models.decode_native) is the default decode path on CPUs
-        # with AVX512-VNNI: not with --compile (the compiled graph takes the decode steps); with
+        # with AVX512-VNNI or AVX2 + FMA + F16C: not with --compile (the compiled graph takes the decode steps); with
         # speculative decoding its verification rows run in it too (ModelRunner._decode_rows);
         # KVSERVE_NATIVE_DECODE=0 off
         native_decode = (device == "cpu" and not config.compile
@@ -81,8 +81,11 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
         if (config.compile and config.native_kernels or native_decode) and device == "cpu":
             from kvserve.models import q4_kernel
 
-            native_q4 = q4_kernel.cpu_supported()
-            if native_q4 and not (config.compile and config.native_kernels):
+            from kvserve.models import decode_native
+
+            if config.compile and config.native_kernels:
+                native_q4 = q4_kernel.cpu_supported()  # the q4_mm op: AVX512-VNNI only
+            elif decode_native.cpu_supported():
                 native_q4 = "decode"  # packed off the start-up path, for the native step only
     else:
         dtype = _DTYPES[config.dtype]

@@ -84,8 +84,11 @@ PROMPTS = [[5, 17, 200, 31, 8, 99, 4], [7, 7, 7], [100, 3, 40, 41, 42, 43, 44, 4
 
 @pytest.mark.slow
 def test_native_step_agrees_with_eager(built, q4_gguf):
-    """Greedy chains of 8 decode steps, 4 sequences per step: the same token ids as the eager
-    model, logits within 2% of their range (int8 activations per block of 32 vs bfloat16)."""
+    """8 decode steps, 4 sequences per step, both paths fed the eager path's greedy tokens: logits
+    within 2% of their range (int8 activations per block of 32 vs bfloat16), and the same greedy
+    token wherever the eager top two are further apart than the paths' difference could bridge
+    (a near tie may flip either way; on the AVX2 build one row of SmolLM2's tiny stand-in has its
+    top two 0.004 apart)."""
     model = build_model(load_files(q4_gguf), EngineConfig(n_ctx=1024), 1024)
     assert model.native_decode
     caches, nxt = _prefill_caches(model, PROMPTS)
@@ -93,21 +96,24 @@ def test_native_step_agrees_with_eager(built, q4_gguf):
     nat = decode_native.NativeDecode(model, caches, 16)
     nat.start()
     assert nat.wait(120) and nat.native_head and nat.reason is None
-    toks_n, toks_e, pos = list(nxt), list(nxt), [len(p) for p in PROMPTS]
-    chain_n, chain_e, worst = [], [], 0.0
+    toks, pos = list(nxt), [len(p) for p in PROMPTS]
+    worst, checked, agreed = 0.0, 0, 0
     for _ in range(8):
-        ids, p, slots, idx, lens, mask = _decode_batch([(s, toks_n[s], pos[s]) for s in range(4)])
+        ids, p, slots, idx, lens, mask = _decode_batch([(s, toks[s], pos[s]) for s in range(4)])
         ln = nat(ids, p, slots, idx, lens, caches)
-        ids_e = torch.tensor(toks_e)
         attn = AttentionBatch(positions=p, slot_mapping=slots, n_decode=4, decode_kv_index=idx, decode_mask=mask)
-        le = model(ids_e, attn, eager_caches, None)
+        le = model(ids, attn, eager_caches, None)
+        diff = (ln - le).abs().max(-1).values
         worst = max(worst, ((ln - le).abs().max() / (le.max() - le.min())).item())
-        toks_n, toks_e = ln.argmax(-1).tolist(), le.argmax(-1).tolist()
-        chain_n.append(toks_n)
-        chain_e.append(toks_e)
+        top = le.topk(2, -1).values
+        for r in range(4):
+            if top[r, 0] - top[r, 1] > 2 * diff[r]:  # no rounding of this size can swap them
+                checked += 1
+                agreed += int(ln[r].argmax() == le[r].argmax())
+        toks = le.argmax(-1).tolist()
         pos = [q + 1 for q in pos]
-    assert chain_n == chain_e
     assert worst < 0.02
+    assert checked >= 16 and agreed == checked  # 22 of 32 rows here
     assert nat.calls == 8
 
 
@@ -171,7 +177,7 @@ def test_default_switch(q4_gguf, monkeypatch, tmp_path):
         m = build_model(loaded, EngineConfig(n_ctx=1024, **cfg), 1024)
         return m.native_decode
 
-    if not decode_native.q4_kernel.cpu_supported():
+    if not decode_native.cpu_supported():
         assert on() is False
         return
     assert on() is True
@@ -195,8 +201,8 @@ def test_fallback_without_compiler(q4_gguf, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="kvserve.engine"):
         core = _core(q4_gguf)
     nat = core.runner.native
-    if nat is None:  # a CPU without AVX512-VNNI: the model never asked for it
-        assert not decode_native.q4_kernel.cpu_supported()
+    if nat is None:  # a CPU the step is not built for: the model never asked for it
+        assert not decode_native.cpu_supported()
         return
     assert (nat.ready, nat.reason) == (False, "no C++ compiler (g++)")
     assert "native decode step off: no C++ compiler (g++); decoding eagerly" in caplog.text
@@ -402,3 +408,28 @@ def test_warm_prompt_first_token_stays_eager(built, q4_gguf):
     warm = _greedy(core, "b", PROMPTS[2], 8)
     assert warm == cold
     assert (runner.eager_decode_steps, nat.calls) == (1, 14)  # the warm prompt's last token: eager
+
+
+def test_quantize_vectorized_equals_scalar_and_reference(built):
+    """The activations' int8 quantization (AVX2, run before every projection) gives the same bytes
+    and scales as the scalar loop it replaced and as a torch reference of the rule: d = max|x| / 127
+    per block of 32, q = round half to even of x * (1 / d), 32-bit words of the two blocks of a
+    pair alternating; xsum = d * sum(q). Zero blocks, tiny values and exact halves included."""
+    mod = built.load_cached()
+    assert mod.ISA in ("avx2", "avx512")
+    g = torch.Generator().manual_seed(5)
+    for m, k in ((1, 64), (3, 576), (16, 1536), (2, 128)):
+        x = torch.randn(m, k, generator=g) * 3
+        x[0, :32] = 0.0  # an all-zero block: d = 0, q = 0
+        x[-1, 32:64] *= 1e-30
+        x[:, 64::7] = torch.round(x[:, 64::7]) + 0.5
+        vec, ref = mod.quantize(x, False), mod.quantize(x, True)
+        assert all(torch.equal(a, b) for a, b in zip(vec, ref))
+        xb = x.view(m, k // 32, 32)
+        d = xb.abs().amax(-1) / 127.0
+        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+        q = torch.round(xb * inv.unsqueeze(-1)).to(torch.int8)  # [m, blocks, 32]
+        words = q.view(m, k // 64, 2, 8, 4).transpose(2, 3).reshape(m, k)  # block 0 and 1 word by word
+        assert torch.equal(vec[0], words)
+        assert torch.equal(vec[1], d)
+        assert torch.equal(vec[2], d * q.sum(-1).float())
