@@ -65,6 +65,11 @@ log = logging.getLogger("kvserve.engine")
 NAME = "kvserve_decode_cpu"
 _DIR = Path(__file__).resolve().parent
 SOURCES = ("decode_cpu.cpp", "q4_core.h")
+#: -fopenmp: at::parallel_for runs its loop in one thread when the extension is compiled without
+#: it (ATen/ParallelOpenMP.h is behind _OPENMP); with it, the step's projections, attention and
+#: head use torch's OpenMP threads (the same libgomp.so.1 torch loaded)
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _module = None  # the loaded extension
 _build_error: str | None = None
@@ -73,10 +78,12 @@ waiters: list = []  # callbacks of ensure_started waiting for the background bui
 
 
 def build_key() -> str:
-    """Hash of the sources, torch's and Python's versions and this CPU's model and flags (16 hex)."""
+    """Hash of the sources, the compiler flags, torch's and Python's versions and this CPU's model
+    and flags (16 hex)."""
     h = hashlib.sha256()
     for s in SOURCES:
         h.update((_DIR / s).read_bytes())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
     try:
@@ -172,7 +179,7 @@ def build_now() -> None:
         fcntl.flock(lk, fcntl.LOCK_EX)
         try:
             (d / "lock").unlink(missing_ok=True)
-            load(name=NAME, sources=[str(_DIR / "decode_cpu.cpp")], extra_cflags=["-O3", "-march=native"],
+            load(name=NAME, sources=[str(_DIR / "decode_cpu.cpp")], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                  build_directory=str(d), is_python_module=True, verbose=False)
         finally:
             fcntl.flock(lk, fcntl.LOCK_UN)
