@@ -433,3 +433,33 @@ def test_quantize_vectorized_equals_scalar_and_reference(built):
         assert torch.equal(vec[0], words)
         assert torch.equal(vec[1], d)
         assert torch.equal(vec[2], d * q.sum(-1).float())
+
+
+def test_greedy_stats_match_torch(built):
+    """The sampler's one-pass greedy statistics (decode_cpu.cpp greedy_stats): the first maximum's
+    index as torch.argmax gives it (ties included), with banned ids excluded, the number of entries
+    equal to the maximum, -1 for a row with a NaN, and logsumexp within float rounding."""
+    mod = built.load_cached()
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 49157, generator=g) * 4
+    x[1, [7, 900, 40000]] = 50.0  # a three-way tie: the first index wins
+    x[2, 3] = 60.0  # banned below: the pick is the best of the rest
+    x[3, :] = -float("inf")
+    x[3, 11] = 0.0
+    x[4, 100] = float("nan")
+    ban = torch.tensor([3, 5, 49156])
+    tok, best, lse, ties = mod.greedy_stats(x, torch.empty(0, dtype=torch.long))
+    assert tok.tolist()[:4] == x[:4].argmax(-1).tolist() and tok[5] == x[5].argmax()
+    assert tok[1] == 7 and ties.tolist()[:4] == [1, 3, 1, 1] and ties[4] == -1 and ties[5] == 1
+    assert torch.equal(best[[0, 1, 2, 3, 5]], x[[0, 1, 2, 3, 5]].amax(-1))
+    ref = torch.logsumexp(x, -1)
+    keep = [0, 1, 2, 3, 5]
+    assert torch.allclose(lse[keep], ref[keep], rtol=1e-6, atol=1e-6)
+    banned = x.clone()
+    banned[:, ban] = -float("inf")
+    tok_b, best_b, lse_b, ties_b = mod.greedy_stats(x, ban)
+    assert tok_b[keep].tolist() == banned[keep].argmax(-1).tolist() and tok_b[2] != 3
+    assert torch.equal(best_b[keep], banned[keep].amax(-1)) and torch.equal(lse_b[keep], lse[keep])
+    assert lse[4].isnan() and lse_b[4].isnan()  # as torch's logsumexp of a row with a NaN
+    with pytest.raises(RuntimeError, match="ban id out of range"):
+        mod.greedy_stats(x, torch.tensor([49157]))
