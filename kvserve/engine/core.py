@@ -364,6 +364,9 @@ class EngineCore:
             elif nat.ready:  # verification runs in the native decode step from now on: its costs
                 self.spec.base_rows, self.spec.chunk_rows = STEP_BASE_ROWS_NATIVE, CHUNK_ROWS_NATIVE
                 self._spec_native_pending = False
+        nat = getattr(self.runner, "native", None)
+        # (a cached build's step is on from the first run, which waits for the weights' packing)
+        self.scheduler.split_last_token = nat is not None and (nat.ready or (nat.cached and nat.pending))
         try:
             sched = self.scheduler.schedule()
         except Exception as e:  # noqa: BLE001 - see the docstring

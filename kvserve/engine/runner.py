@@ -355,11 +355,11 @@ class ModelRunner:
         nat = self.native
         if nat is not None and nat.cached and nat.pending:
             nat.activate(idle=False)  # a cached build: waits for the packing (see NativeDecode.activate)
-        if (nat is not None and nat.ready and n_decode == batch.n_rows and n_decode <= nat.max_batch
-                and all(ch.request.num_computed_tokens >= ch.request.num_prompt_tokens for ch in batch.chunks)):
-            # generated tokens only: a prompt's last token (a warm prompt whose other tokens are
-            # cached, a resumed sequence) stays eager, so a prompt's first token is the same
-            # whether its prefix was cached or not
+        if nat is not None and nat.ready and n_decode == batch.n_rows and n_decode <= nat.max_batch:
+            # decode rows, a prompt's last token among them: while the native step runs, the
+            # scheduler gives every prompt's last token a step of its own (Scheduler.split_last_token),
+            # cold or warm, so a prompt's first token is computed here whether its prefix was
+            # cached or not (the rest of a cold prompt is prefilled eagerly)
             logits = nat(batch.input_ids, attn.positions, attn.slot_mapping, attn.decode_kv_index, attn.decode_lens,
                          self.kv_caches)
             return logits if batch.need is None else logits.index_select(0, batch.need)

@@ -112,6 +112,11 @@ class Scheduler:
         #: most rows of a step that draft tokens may fill (the small-batch kernel's rows, so a
         #: verification step computes with the same kernels as a plain decode step)
         self.spec_max_rows = max_num_batched_tokens
+        #: the last token of a chunk that would complete a sequence's known tokens (a prompt's last
+        #: token, a resumed sequence's) goes to the next step on its own, as a decode row: set by
+        #: EngineCore while the native decode step runs, so that a prompt's first token is computed
+        #: the same way whether its prefix was cached (a one-token warm recompute) or not
+        self.split_last_token = False
 
     # -- queue changes -----------------------------------------------------------
 
@@ -168,7 +173,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk_len(req, budget)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -197,7 +202,7 @@ class Scheduler:
                 continue
             if not admitted:
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk_len(req, budget)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -208,6 +213,16 @@ class Scheduler:
         out.kv_copies = self.kv.take_copies()
         out.kv_shifts = self.kv.take_shifts()
         return out
+
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        """Tokens of ``req`` to compute this step: what is left, at most ``budget``; under
+        :attr:`split_last_token` a chunk of several tokens that would reach the last known token
+        stops one short of it (that token runs alone in the next step)."""
+        left = req.num_tokens - req.num_computed_tokens
+        n = min(left, budget)
+        if self.split_last_token and n == left and n > 1:
+            n -= 1
+        return n
 
     def _add_drafts(self, out: SchedulerOutput) -> None:
         """Speculative decoding: extend decode chunks by draft tokens, in chunk order, with

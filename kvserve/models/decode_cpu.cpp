@@ -215,7 +215,7 @@ inline void q8_rows_dot(const uint8_t* wrow, const uint16_t* drow, int64_t K, co
   const __m256i k128 = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t pr = 0; pr < P; ++pr) {
-    _mm_prefetch(reinterpret_cast<const char*>(wrow + pr * 64 + 2048), _MM_HINT_T0);  // streams from memory
+    _mm_prefetch(reinterpret_cast<const char*>(wrow + pr * 64 + 4096), _MM_HINT_T0);  // streams from memory
     const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + pr * 64)), k128);
     const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + pr * 64 + 32)), k128);
     const __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);

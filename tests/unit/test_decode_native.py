@@ -163,7 +163,7 @@ def test_engine_uses_native_step_by_default(built, q4_gguf):
     nat = core.runner.native
     assert nat is not None and nat.wait(120)  # cached: ready once the weights are packed
     alone = run(core, PROMPTS[0], [])
-    assert nat.calls == 9  # the first token comes from the prefill
+    assert nat.calls == 10  # the prompt's last token runs natively too (Scheduler.split_last_token)
     together = run(_core(q4_gguf), PROMPTS[0], PROMPTS[1:] + [[3, 1, 4, 1, 5]])
     assert together == alone
 
@@ -283,7 +283,7 @@ def test_cached_build_decodes_natively_from_the_first_step(built, q4_gguf):
     nat, runner = core.runner.native, core.runner
     assert (nat.cached, nat.reason) == (True, None)
     toks = _greedy(core, "a", PROMPTS[0], 8)
-    assert (runner.eager_decode_steps, nat.calls) == (0, 7)  # the first token comes from the prefill
+    assert (runner.eager_decode_steps, nat.calls) == (0, 8)  # the prompt's last token and 7 decodes
     assert _greedy(_core(q4_gguf), "a", PROMPTS[0], 8) == toks  # the same answer from a new engine
 
 
@@ -317,7 +317,7 @@ def test_late_build_switches_only_when_idle(built, q4_gguf, monkeypatch, caplog)
             a += [t for o in core.step() for t in o.new_token_ids]
         assert (runner.eager_decode_steps, nat.calls, nat.ready) == (11, 0, False)  # "a" stayed eager
         b = _greedy(core, "b", PROMPTS[2], 8)  # its first step finds the engine idle
-    assert (runner.eager_decode_steps, nat.calls, nat.ready) == (11, 7, True)
+    assert (runner.eager_decode_steps, nat.calls, nat.ready) == (11, 8, True)  # b's last prompt token too
     assert caplog.text.count("decode moved to the native step") == 1
     monkeypatch.setenv("KVSERVE_NATIVE_DECODE", "0")
     assert a == _greedy(_core(q4_gguf), "a", PROMPTS[0], 12)
@@ -397,17 +397,26 @@ def test_builders_take_turns(monkeypatch, tmp_path):
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
-def test_warm_prompt_first_token_stays_eager(built, q4_gguf):
-    """A prompt sent again (all but its last token cached) recomputes that token eagerly, as
-    its first sending's prefill did, not in the native step: the same answer warm and cold
-    (llama-server's cache_prompt promise; found as stream != non-stream at temperature 0.7)."""
+def test_prompt_last_token_runs_natively_cold_and_warm(built, q4_gguf):
+    """While the native step runs, a prompt's last token gets a step of its own in that step,
+    cold (the rest prefilled eagerly) and warm (all but the last token cached): the same first
+    token and logprobs either way (llama-server's cache_prompt promise; found as stream !=
+    non-stream at temperature 0.7 when only the warm one ran natively), and a warm prompt's time to
+    first token is one native step, not an eager forward."""
     core = _core(q4_gguf)
     nat, runner = core.runner.native, core.runner
-    cold = _greedy(core, "a", PROMPTS[2], 8)
-    assert (runner.eager_decode_steps, nat.calls) == (0, 7)
-    warm = _greedy(core, "b", PROMPTS[2], 8)
-    assert warm == cold
-    assert (runner.eager_decode_steps, nat.calls) == (1, 14)  # the warm prompt's last token: eager
+    p = SamplingParams(temperature=0, n_predict=8, ignore_eos=True, n_probs=3)
+    from kvserve.llm import LLM
+
+    llm = LLM(core)
+    cold = llm.generate([PROMPTS[2]], p)[0]
+    assert (runner.eager_decode_steps, nat.calls) == (0, 8)  # the prompt's last token and 7 decodes
+    cached = core.stats.prompt_tokens_cached_total
+    warm = llm.generate([PROMPTS[2]], p)[0]
+    assert core.stats.prompt_tokens_cached_total - cached == len(PROMPTS[2]) - 1  # all but the last token
+    assert warm.token_ids == cold.token_ids
+    assert warm.logprobs == cold.logprobs
+    assert (runner.eager_decode_steps, nat.calls) == (0, 16)
 
 
 def test_quantize_vectorized_equals_scalar_and_reference(built):
