@@ -4,18 +4,19 @@ At one token per step, eager torch spends most of a SmolLM2 step outside the wei
 20 small ops per layer (norms, RoPE, casts, the KV write, attention, residuals), each a few
 microseconds of Python and dispatch, 30 layers deep. The native step runs a layer's RMSNorm,
 q|k|v projection, RoPE, KV write, attention, output projection, SwiGLU MLP and residuals for
-the B rows of a decode-only step in C++, with kvserve's AVX512-VNNI 4-bit kernel
-(:mod:`kvserve.models.q4_kernel`'s arithmetic: activations quantized to int8 per block of 32,
-as llama.cpp's Q4_0/Q4_1 dot products do). The output norm and head stay in torch (the
-w8a8 head of :class:`~kvserve.models.llama.Linear`).
+the B rows of a decode-only step in C++, with kvserve's 4-bit kernel (``q4_core.h``: AVX512-VNNI,
+or AVX2 + FMA + F16C, picked by ``-march=native``; activations quantized to int8 per block of 32,
+as llama.cpp's Q4_0/Q4_1 dot products do), then the output norm and a Q8_0 head
+(:func:`pack_q8`), on torch's OpenMP threads.
 
 Numerics: llama.cpp-style q4 x q8 rounding instead of torch's bfloat16 int4 kernel, so logits
-differ from the eager path by that rounding (prefill stays eager). Every row is computed with
+differ from the eager path by that rounding (prefill stays eager, but a prompt's last token runs
+here, in a step of its own: ``Scheduler.split_last_token``). Every row is computed with
 the same operations whatever else runs in its step: a sequence's tokens do not depend on its
 batch (for decode-only steps; a step mixed with a prompt chunk runs eagerly, as before).
 
 When it is used (the default): ``dtype`` auto on an x86-64 CPU with AVX512F/BW/VL and
-AVX512-VNNI, Q4_0/Q4_1 projections whose input sizes are multiples of 64, head_dim a multiple
+AVX512-VNNI or with AVX2, FMA and F16C (:func:`cpu_isa`), Q4_0/Q4_1 projections whose input sizes are multiples of 64, head_dim a multiple
 of 32, a float KV cache (f32/f16/bf16) and no ``--compile`` (the compiled graph takes those
 steps); speculative decoding's verification rows run through it as decode rows (see
 ModelRunner._decode_rows), so verified tokens equal plain decoding's. ``KVSERVE_NATIVE_DECODE=0``

@@ -73,9 +73,9 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
         if config.large_batch_dtype == "bfloat16" or config.large_batch_dtype == "auto" and cpu_native_bf16():
             large = torch.bfloat16
         # the native decode step (kvserve.models.decode_native) is the default decode path on CPUs
-        # with AVX512-VNNI or AVX2 + FMA + F16C: not with --compile (the compiled graph takes the decode steps); with
-        # speculative decoding its verification rows run in it too (ModelRunner._decode_rows);
-        # KVSERVE_NATIVE_DECODE=0 off
+        # with AVX512-VNNI or AVX2 + FMA + F16C: not with --compile (the compiled graph takes the
+        # decode steps); with speculative decoding its verification rows run in it too
+        # (ModelRunner._decode_rows); KVSERVE_NATIVE_DECODE=0 off
         native_decode = (device == "cpu" and not config.compile
                          and os.environ.get("KVSERVE_NATIVE_DECODE", "1") != "0")
         if (config.compile and config.native_kernels or native_decode) and device == "cpu":
