@@ -38,22 +38,11 @@ inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline float hmax(vf v) { return _mm512_reduce_max_ps(v); }
 
-// e^x, Cephes' single-precision polynomial (relative error ~2e-7), scaled by 2^n with vscalefps
-inline vf vexp(vf x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.9f)), _mm512_set1_ps(88.72f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
+inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+// exp's range reduction: x clamped to [-103.9, 88.72], n = round(x / ln 2); 2^n by vscalefps
+inline vf exp_clamp(vf x) { return _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.9f)), _mm512_set1_ps(88.72f)); }
+inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vscale2n(vf y, vf n) { return _mm512_scalef_ps(y, n); }
 
 // W cache values as float32
 template <typename T> inline vf vload(const T* p);
@@ -67,6 +56,7 @@ template <> inline vf vload<c10::BFloat16>(const c10::BFloat16* p) {
 }
 
 // p[0:k] = e^(p[0:k] - mx) for the last k < W scores; returns their sum as a vector (0 elsewhere)
+inline vf vexp(vf x);  // below, shared by both builds
 inline vf exp_tail(float* p, int64_t k, vf mv) {
   const __mmask16 mk = static_cast<__mmask16>((1u << k) - 1);
   const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, p), mv));
@@ -93,20 +83,11 @@ inline float hmax(vf v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// e^x as above; 2^n built in the exponent bits, so x is clamped to [-87, 88] (normal results)
-inline vf vexp(vf x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
+// 2^n built in the exponent bits, so x is clamped to [-87, 88] (normal results)
+inline vf exp_clamp(vf x) { return _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f)); }
+inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vscale2n(vf y, vf n) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
@@ -121,6 +102,7 @@ template <> inline vf vload<c10::BFloat16>(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
 }
 
+inline vf vexp(vf x);  // below, shared by both builds
 inline vf exp_tail(float* p, int64_t k, vf mv) {
   alignas(32) float buf[8];
   for (int64_t i = 0; i < 8; ++i) buf[i] = i < k ? p[i] : 0.f;
@@ -133,6 +115,22 @@ inline vf exp_tail(float* p, int64_t k, vf mv) {
   return _mm256_load_ps(buf);
 }
 #endif
+
+// e^x, Cephes' single-precision polynomial (relative error ~2e-7), scaled by 2^n (vscale2n)
+inline vf vexp(vf x) {
+  x = exp_clamp(x);
+  const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+  vf r = vfnma(n, vset1(0.693359375f), x);
+  r = vfnma(n, vset1(-2.12194440e-4f), r);
+  vf y = vset1(1.9875691500e-4f);
+  y = vfma(y, r, vset1(1.3981999507e-3f));
+  y = vfma(y, r, vset1(8.3334519073e-3f));
+  y = vfma(y, r, vset1(4.1665795894e-2f));
+  y = vfma(y, r, vset1(1.6666665459e-1f));
+  y = vfma(y, r, vset1(5.0000001201e-1f));
+  y = vfma(y, vmul(r, r), vadd(r, vset1(1.f)));
+  return vscale2n(y, n);
+}
 
 // x [n] -> out [n] = x * rsqrt(mean(x^2) + eps) * w  (n a multiple of 16)
 inline void rms_norm(const float* x, const float* w, float* out, int64_t n, float eps) {
