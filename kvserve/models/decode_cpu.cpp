@@ -116,6 +116,36 @@ inline vf exp_tail(float* p, int64_t k, vf mv) {
 }
 #endif
 
+// lane k of the result = the sum of v[k]'s W lanes, for W vectors at once (attention's scores, W
+// keys a call). Every k gets the same pairing tree: lanes l and l + W/2, then l and l + W/4, ...,
+// so a key's score does not depend on where it falls in a block, or on the other keys (zero
+// vectors may pad a block).
+#ifdef KVSERVE_AVX512
+inline vf hsum_w(const vf* v) {
+  __m512 u[8], w[4], x[2];
+  for (int i = 0; i < 8; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44), _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
+  // y's lane 4 c + r holds key c + 4 r
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), y);
+}
+#else
+inline vf hsum_w(const vf* v) {
+  __m256 u[4], w[2];
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20), _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  const __m256 y = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], 0x88), _mm256_shuffle_ps(w[0], w[1], 0xDD));
+  // y holds keys 0 2 4 6 1 3 5 7
+  return _mm256_permutevar8x32_ps(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
 // e^x, Cephes' single-precision polynomial (relative error ~2e-7), scaled by 2^n (vscale2n)
 inline vf vexp(vf x) {
   x = exp_clamp(x);
@@ -148,14 +178,144 @@ inline void rms_norm(const float* x, const float* w, float* out, int64_t n, floa
 // kernel's pair order (each 32-bit lane 4 weights of one block, blocks alternating lane by lane)
 // and offset to unsigned (q + 128); activations quantized per block of 32 as for the q4 kernel.
 #ifdef KVSERVE_AVX512
-// Per pair of blocks (vpdpbusd, u8 x s8): dot(q + 128, xq) - 128 * sum(xq), lane by lane, exact.
+// The AVX512 build's group layout (LAYOUT "group16"; decode_native.py packs the weights in it).
+// The pair order spends a float conversion, a scale product and an FMA on every 64 weights and
+// row: 4 of the 4.5 vector ALU operations per 64 MACs, on the two ports 512-bit work has. Here a
+// segment of 16 blocks (512 values) is laid out so that lane i of every 64-byte vector belongs to
+// block i of the segment: the 8 vpdpbusd of a segment sum each block whole in its own int32 lane
+// (exact), then one conversion, product and FMA serve 16 blocks. A row's blocks after its last
+// whole segment (K % 512 / 32 of them, an even number) keep the pair order.
+//   int8 (activations, the q8 head): segment j = bytes [512 j, 512 j + 512); step s (0..7) at
+//     64 s, lane i (4 bytes) = values 4 s .. 4 s + 3 of block 16 j + i; taken from the pair order's
+//     32-bit word 2 s + i % 2 of pair 8 j + i / 2.
+//   4-bit weights: segment j = bytes [256 j, 256 j + 256); chunk t (0..3) at 64 t, lane i: the low
+//     nibbles are values 4 t .. 4 t + 3 of block 16 j + i (they meet activation step t), the high
+//     nibbles values 16 + 4 t .. 16 + 4 t + 3 (step t + 4); taken from the pair order's packed
+//     word 2 t + i % 2 of pair 8 j + i / 2.
+// Every row is computed with the same operations in the same order whatever M is (batch invariance).
+constexpr const char* LAYOUT = "group16";
+
+// one row's int8 values [K] from the pair order (src) into the group layout (dst)
+inline void int8_to_groups(const int8_t* src, int8_t* dst, int64_t K) {
+  const int64_t NG = K / 512;
+  for (int64_t j = 0; j < NG; ++j) {
+    const int8_t* s = src + 512 * j;
+    int8_t* d = dst + 512 * j;
+    for (int st = 0; st < 8; ++st)
+      for (int i = 0; i < 16; ++i) std::memcpy(d + 64 * st + 4 * i, s + 64 * (i / 2) + 4 * (2 * st + i % 2), 4);
+  }
+  std::memcpy(dst + 512 * NG, src + 512 * NG, K - 512 * NG);
+}
+
+// MR activation rows (group layout) against one 4-bit weight row (group layout): see above
 template <int MR>
-inline void q8_rows_dot(const uint8_t* wrow, const uint16_t* drow, int64_t K, const int8_t* xq, const __m512i* corr,
-                        const __m512* xsp, float* out, int64_t ldo) {
-  const int64_t P = K / 64;
+inline void q4_rows_dot_g(const uint8_t* wrow, const uint16_t* drow, const uint16_t* mrow, int64_t K,
+                          const int8_t* xq, const float* xs, const float* xsum, float* out, int64_t ldo) {
+  const int64_t G = K / 32, NG = G / 16, P = K / 64;
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t pr = 0; pr < P; ++pr) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t j = 0; j < NG; ++j) {
+    const uint8_t* ws = wrow + 256 * j;
+    __m512i ia[MR], ib[MR];
+    for (int r = 0; r < MR; ++r) ia[r] = ib[r] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {
+      const __m512i b = _mm512_loadu_si512(ws + 64 * t);
+      const __m512i lo = _mm512_and_si512(b, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xr = xq + r * K + 512 * j;
+        ia[r] = _mm512_dpbusd_epi32(ia[r], lo, _mm512_loadu_si512(xr + 64 * t));
+        ib[r] = _mm512_dpbusd_epi32(ib[r], hi, _mm512_loadu_si512(xr + 64 * (t + 4)));
+      }
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(drow + 16 * j)));
+    for (int r = 0; r < MR; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia[r], ib[r])),
+                               _mm512_mul_ps(dw, _mm512_loadu_ps(xs + r * G + 16 * j)), acc[r]);
+  }
+  // the pairs after the last whole segment, in the pair order (as kvserve_q4::rows_dot)
+  const __m256i low4h = _mm256_set1_epi8(0x0F);
+  for (int64_t pr = 8 * NG; pr < P; ++pr) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + pr * 32));
+    const __m256i lo = _mm256_and_si256(b, low4h);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4h);
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    int32_t dpair;
+    std::memcpy(&dpair, drow + 2 * pr, 4);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_set1_epi32(dpair));  // d0 d1 d0 d1 ...
+    for (int r = 0; r < MR; ++r) {
+      double xspair;
+      std::memcpy(&xspair, xs + r * G + 2 * pr, 8);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(xq + r * K + pr * 64));
+      const __m512 xsp = _mm512_castpd_ps(_mm512_set1_pd(xspair));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xsp), acc[r]);
+    }
+  }
+  // the m terms, sum_g m_g * (dx_g * sum xq_g), 16 blocks per vector
+  for (int64_t g0 = 0; g0 < G; g0 += 16) {
+    const int64_t left = G - g0 < 16 ? G - g0 : 16;
+    const __mmask16 mk = static_cast<__mmask16>((1u << left) - 1u);
+    const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, mrow + g0));
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, xsum + r * G + g0), acc[r]);
+  }
+  for (int r = 0; r < MR; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// y [M, N] = x [M, K] float32 @ W.T, W 4-bit in the group layout; scratch xq, xg [M * K] int8,
+// xs, xsum [M * K / 32] float32
+inline void q4_mm_g(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_t* D, const uint16_t* Mn,
+                    int64_t N, float* Y, int8_t* XQ, int8_t* XG, float* XS, float* XM) {
+  const int64_t G = K / 32;
+  kvserve_q4::quantize_rows(x, M, K, XQ, XS, XM);
+  for (int64_t r = 0; r < M; ++r) int8_to_groups(XQ + r * K, XG + r * K, K);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wrow = W + n * (K / 2);
+      const uint16_t* drow = D + n * G;
+      const uint16_t* mrow = Mn + n * G;
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4)
+        q4_rows_dot_g<4>(wrow, drow, mrow, K, XG + r * K, XS + r * G, XM + r * G, Y + r * N + n, N);
+      switch (M - r) {
+        case 3: q4_rows_dot_g<3>(wrow, drow, mrow, K, XG + r * K, XS + r * G, XM + r * G, Y + r * N + n, N); break;
+        case 2: q4_rows_dot_g<2>(wrow, drow, mrow, K, XG + r * K, XS + r * G, XM + r * G, Y + r * N + n, N); break;
+        case 1: q4_rows_dot_g<1>(wrow, drow, mrow, K, XG + r * K, XS + r * G, XM + r * G, Y + r * N + n, N); break;
+        default: break;
+      }
+    }
+  });
+}
+
+// The head in the group layout (see above): per segment, block i's sum of (q + 128) * xq in lane i
+// (8 vpdpbusd, exact), minus 128 * sum(xq) of the block (cs), then one conversion and FMA per 16
+// blocks; the pairs after the last whole segment as dot(q + 128, xq) - 128 * sum(xq) lane by lane.
+template <int MR>
+inline void q8_rows_dot(const uint8_t* wrow, const uint16_t* drow, int64_t K, const int8_t* xq, const int32_t* cs,
+                        const float* xs, const __m512i* corr, const __m512* xsp, float* out, int64_t ldo) {
+  const int64_t G = K / 32, NG = G / 16, P = K / 64;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < NG; ++j) {
+    const uint8_t* ws = wrow + 512 * j;
+    __m512i ia[MR], ib[MR];
+    for (int r = 0; r < MR; ++r) ia[r] = ib[r] = _mm512_setzero_si512();
+    for (int st = 0; st < 8; st += 2) {
+      const __m512i wa = _mm512_loadu_si512(ws + 64 * st);
+      const __m512i wb = _mm512_loadu_si512(ws + 64 * st + 64);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xr = xq + r * K + 512 * j + 64 * st;
+        ia[r] = _mm512_dpbusd_epi32(ia[r], wa, _mm512_loadu_si512(xr));
+        ib[r] = _mm512_dpbusd_epi32(ib[r], wb, _mm512_loadu_si512(xr + 64));
+      }
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(drow + 16 * j)));
+    for (int r = 0; r < MR; ++r) {
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(ia[r], ib[r]), _mm512_loadu_si512(cs + r * G + 16 * j));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_loadu_ps(xs + r * G + 16 * j)), acc[r]);
+    }
+  }
+  for (int64_t pr = 8 * NG; pr < P; ++pr) {
     const __m512i w = _mm512_loadu_si512(wrow + pr * 64);
     int32_t dpair;
     std::memcpy(&dpair, drow + 2 * pr, 4);
@@ -169,39 +329,54 @@ inline void q8_rows_dot(const uint8_t* wrow, const uint16_t* drow, int64_t K, co
   for (int r = 0; r < MR; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
 }
 
-// y [M, N] = x [M, K] @ head.T with the q8 weights above
+// y [M, N] = x [M, K] @ head.T with the q8 weights above (group layout)
 void q8_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_t* D, int64_t N, float* Y) {
   const int64_t G = K / 32, P = K / 64;
-  std::vector<int8_t> xq(M * K);
+  std::vector<int8_t> xp(M * K), xq(M * K);
   std::vector<float> xs(M * G), xm(M * G);
-  kvserve_q4::quantize_rows(x, M, K, xq.data(), xs.data(), xm.data());
+  kvserve_q4::quantize_rows(x, M, K, xp.data(), xs.data(), xm.data());
+  std::vector<int32_t> cs(M * G);
   std::vector<__m512i> corr(M * P);
   std::vector<__m512> xsp(M * P);
   const __m512i k128 = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t r = 0; r < M; ++r)
+  for (int64_t r = 0; r < M; ++r) {
+    int8_to_groups(xp.data() + r * K, xq.data() + r * K, K);
+    for (int64_t g = 0; g < G; ++g) {  // block g: the words g % 2, g % 2 + 2, ... of pair g / 2
+      const int8_t* pb = xp.data() + r * K + (g / 2) * 64 + 4 * (g % 2);
+      int32_t sum = 0;
+      for (int w = 0; w < 8; ++w)
+        for (int b = 0; b < 4; ++b) sum += pb[8 * w + b];
+      cs[r * G + g] = 128 * sum;
+    }
     for (int64_t pr = 0; pr < P; ++pr) {
-      corr[r * P + pr] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, _mm512_loadu_si512(xq.data() + r * K + pr * 64));
+      corr[r * P + pr] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, _mm512_loadu_si512(xp.data() + r * K + pr * 64));
       double pair;
       std::memcpy(&pair, xs.data() + r * G + 2 * pr, 8);
       xsp[r * P + pr] = _mm512_castpd_ps(_mm512_set1_pd(pair));  // dx0 dx1 dx0 dx1 ...
     }
+  }
   const int8_t* XQ = xq.data();
+  const int32_t* CS = cs.data();
+  const float* XS = xs.data();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wrow = W + n * K;
       const uint16_t* drow = D + n * G;
       int64_t r = 0;
-      for (; r + 4 <= M; r += 4) q8_rows_dot<4>(wrow, drow, K, XQ + r * K, &corr[r * P], &xsp[r * P], Y + r * N + n, N);
+      for (; r + 4 <= M; r += 4)
+        q8_rows_dot<4>(wrow, drow, K, XQ + r * K, CS + r * G, XS + r * G, &corr[r * P], &xsp[r * P], Y + r * N + n, N);
       switch (M - r) {
-        case 3: q8_rows_dot<3>(wrow, drow, K, XQ + r * K, &corr[r * P], &xsp[r * P], Y + r * N + n, N); break;
-        case 2: q8_rows_dot<2>(wrow, drow, K, XQ + r * K, &corr[r * P], &xsp[r * P], Y + r * N + n, N); break;
-        case 1: q8_rows_dot<1>(wrow, drow, K, XQ + r * K, &corr[r * P], &xsp[r * P], Y + r * N + n, N); break;
+        case 3: q8_rows_dot<3>(wrow, drow, K, XQ + r * K, CS + r * G, XS + r * G, &corr[r * P], &xsp[r * P], Y + r * N + n, N); break;
+        case 2: q8_rows_dot<2>(wrow, drow, K, XQ + r * K, CS + r * G, XS + r * G, &corr[r * P], &xsp[r * P], Y + r * N + n, N); break;
+        case 1: q8_rows_dot<1>(wrow, drow, K, XQ + r * K, CS + r * G, XS + r * G, &corr[r * P], &xsp[r * P], Y + r * N + n, N); break;
         default: break;
       }
     }
   });
 }
 #else
+constexpr const char* LAYOUT = "pair";  // the AVX2 build keeps the pair order everywhere
+
 // Per pair of blocks (vpmaddubsw, u8 x s8, on |q| and xq * sign(q): |127 * 127 * 2| fits int16),
 // the two halves summed in int32: exact.
 template <int MR>
@@ -354,7 +529,7 @@ class Decoder {
     const int64_t B = x.size(0), L = kv_index.size(1), D = hd_, H = nh_, HKV = nkv_;
     const int64_t QKV = (H + 2 * HKV) * D, KMAX = std::max(E_, F_);
     std::vector<float> h(B * E_), qkv(B * QKV), att(B * H * D), gu(B * 2 * F_), act(B * F_), out(B * E_);
-    std::vector<int8_t> xq(B * KMAX);
+    std::vector<int8_t> xq(B * KMAX), xg(B * KMAX);
     std::vector<float> xs(B * KMAX / 32), xm(B * KMAX / 32);
     float* X = x.data_ptr<float>();
     const float* C = cos.data_ptr<float>();
@@ -368,8 +543,19 @@ class Decoder {
       for (int64_t j = 0; j < len[b]; ++j)
         TORCH_CHECK(idx[b * L + j] >= 0 && idx[b * L + j] < rows, "decode_cpu: cache row out of range");
     }
+    // row groups for attention (see attend): row b joins b - 1's when its cache rows begin with all of b - 1's
+    std::vector<int64_t> gb{0};
+    for (int64_t b = 1; b < B; ++b)
+      if (!(len[b] >= len[b - 1] &&
+            std::memcmp(idx + b * L, idx + (b - 1) * L, static_cast<size_t>(len[b - 1]) * sizeof(int64_t)) == 0))
+        gb.push_back(b);
+    gb.push_back(B);
     auto mm = [&](const Proj& p, const float* in, float* o) {
+#ifdef KVSERVE_AVX512
+      q4_mm_g(in, B, p.k, p.q, p.d, p.m, p.n, o, xq.data(), xg.data(), xs.data(), xm.data());
+#else
       kvserve_q4::q4_mm_raw(in, B, p.k, p.q, p.d, p.m, p.n, o, xq.data(), xs.data(), xm.data());
+#endif
       if (p.bias)
         for (int64_t b = 0; b < B; ++b)
           for (int64_t j = 0; j < p.n; ++j) o[b * p.n + j] += p.bias[j];
@@ -397,9 +583,9 @@ class Decoder {
                       kc.size(0) == rows && kc.size(1) == HKV && kc.size(2) == D && vc.size(0) == rows,
                   "decode_cpu: caches must be contiguous [rows, n_head_kv, head_dim] of one float type");
       switch (kc.scalar_type()) {
-        case at::kFloat: attend<float>(kc, vc, qkv.data(), att.data(), B, L, slot, idx, len); break;
-        case at::kHalf: attend<c10::Half>(kc, vc, qkv.data(), att.data(), B, L, slot, idx, len); break;
-        case at::kBFloat16: attend<c10::BFloat16>(kc, vc, qkv.data(), att.data(), B, L, slot, idx, len); break;
+        case at::kFloat: attend<float>(kc, vc, qkv.data(), att.data(), B, L, slot, idx, len, gb); break;
+        case at::kHalf: attend<c10::Half>(kc, vc, qkv.data(), att.data(), B, L, slot, idx, len, gb); break;
+        case at::kBFloat16: attend<c10::BFloat16>(kc, vc, qkv.data(), att.data(), B, L, slot, idx, len, gb); break;
         default: TORCH_CHECK(false, "decode_cpu: cache type");
       }
       mm(l.wo, att.data(), out.data());
@@ -422,10 +608,20 @@ class Decoder {
   }
 
  private:
-  // write each row's k/v (after RoPE) into the cache, then attention of every query head
+  // keys per attention task: a query's keys are cut at the multiples of CHUNK of their position (not
+  // of the batch), each piece's softmax sum and weighted values computed on their own and merged in
+  // order, so a row's result is the same in any step; the pieces let 2 threads share one sequence
+  static constexpr int64_t CHUNK = 256;
+  // query heads of one row handled together (their keys and values loaded once: GQA)
+  static constexpr int QB = W == 16 ? 4 : 2;
+
+  // write each row's k/v (after RoPE) into the cache, then attention of every query head.
+  // gb: the step's row groups [gb[i], gb[i+1]) (rows whose cache rows begin with all of the previous
+  // row's: a verification chunk's positions of one sequence), so a group's keys and values are read
+  // once for all its rows and heads; the arithmetic of a row does not depend on its group.
   template <typename T>
   void attend(const at::Tensor& kc, const at::Tensor& vc, const float* qkv, float* att, int64_t B, int64_t L,
-              const int64_t* slot, const int64_t* idx, const int64_t* len) {
+              const int64_t* slot, const int64_t* idx, const int64_t* len, const std::vector<int64_t>& gb) {
     const int64_t D = hd_, H = nh_, HKV = nkv_, G = H / HKV, QKV = (H + 2 * HKV) * D, rows = kc.size(0);
     T* K = kc.data_ptr<T>();
     T* V = vc.data_ptr<T>();
@@ -439,71 +635,141 @@ class Decoder {
       }
     }
     const float scale = 1.f / std::sqrt(static_cast<float>(D));
-    at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> p;
+    const int64_t NC = (L + CHUNK - 1) / CHUNK;
+    // per (query, chunk): the chunk's max score, sum of e^(score - max), and unnormalized output [D]
+    pm_.resize(B * H * NC);
+    ps_.resize(B * H * NC);
+    po_.resize(B * H * NC * D);
+    struct Task { int64_t g, kvh, c; };
+    std::vector<Task> tasks;
+    for (int64_t g = 0; g + 1 < static_cast<int64_t>(gb.size()); ++g) {
+      const int64_t lg = len[gb[g + 1] - 1];
+      for (int64_t kvh = 0; kvh < HKV; ++kvh)
+        for (int64_t c = 0; c * CHUNK < lg; ++c) tasks.push_back({g, kvh, c});
+    }
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> kf((CHUNK + W) * D), vfl(CHUNK * D), sc(QB * (CHUNK + W));
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t b = t / H, hh = t % H, kvh = hh / G, n = len[b];
-        const float* q = qkv + b * QKV + hh * D;
-        const int64_t* rix = idx + b * L;
-        p.resize(n);
-        // scores q.k / sqrt(D): four keys at a time (independent chains; each key's sum is
-        // computed exactly as for a key alone), then the rest one by one
-        int64_t j = 0;
-        for (; j + 4 <= n; j += 4) {
-          const T* k0 = K + (rix[j] * HKV + kvh) * D;
-          const T* k1 = K + (rix[j + 1] * HKV + kvh) * D;
-          const T* k2 = K + (rix[j + 2] * HKV + kvh) * D;
-          const T* k3 = K + (rix[j + 3] * HKV + kvh) * D;
-          vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+        const Task tk = tasks[t];
+        const int64_t blast = gb[tk.g + 1] - 1, j0 = tk.c * CHUNK;
+        const int64_t j1 = std::min(j0 + CHUNK, len[blast]), n = j1 - j0;
+        const int64_t* rix = idx + blast * L + j0;
+        for (int64_t j = 0; j < n; ++j) {
+          const T* kr = K + (rix[j] * HKV + tk.kvh) * D;
+          const T* vr = V + (rix[j] * HKV + tk.kvh) * D;
           for (int64_t d = 0; d < D; d += W) {
-            const vf qd = vld(q + d);
-            a0 = vfma(qd, vload(k0 + d), a0);
-            a1 = vfma(qd, vload(k1 + d), a1);
-            a2 = vfma(qd, vload(k2 + d), a2);
-            a3 = vfma(qd, vload(k3 + d), a3);
+            vst(kf.data() + j * D + d, vload(kr + d));
+            vst(vfl.data() + j * D + d, vload(vr + d));
           }
-          p[j] = hsum(a0) * scale;
-          p[j + 1] = hsum(a1) * scale;
-          p[j + 2] = hsum(a2) * scale;
-          p[j + 3] = hsum(a3) * scale;
         }
-        for (; j < n; ++j) {
-          const T* kr = K + (rix[j] * HKV + kvh) * D;
-          vf acc = vzero();
-          for (int64_t d = 0; d < D; d += W) acc = vfma(vld(q + d), vload(kr + d), acc);
-          p[j] = hsum(acc) * scale;
+        std::fill(kf.begin() + n * D, kf.begin() + ((n + W - 1) / W * W) * D, 0.f);
+        for (int64_t b = gb[tk.g]; b <= blast; ++b) {
+          const int64_t nb = std::min(j1, len[b]) - j0;
+          if (nb <= 0) continue;
+          for (int64_t h0 = tk.kvh * G; h0 < (tk.kvh + 1) * G; h0 += QB) {
+            const int qn = static_cast<int>(std::min<int64_t>(QB, (tk.kvh + 1) * G - h0));
+            switch (qn) {
+              case 1: heads<1>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC); break;
+              case 2: heads<2>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC); break;
+              case 3: heads<3>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC); break;
+              default: heads<4>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC); break;
+            }
+          }
+        }
+      }
+    });
+    // merge each query's chunks in order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c
+    at::parallel_for(0, B * H, 4, [&](int64_t q0, int64_t q1) {
+      for (int64_t qi = q0; qi < q1; ++qi) {
+        const int64_t nc = (len[qi / H] + CHUNK - 1) / CHUNK;
+        float* o = att + qi * D;
+        const float* pm = pm_.data() + qi * NC;
+        const float* ps = ps_.data() + qi * NC;
+        const float* po = po_.data() + qi * NC * D;
+        if (nc == 1) {
+          const float inv = 1.f / ps[0];
+          for (int64_t d = 0; d < D; d += W) vst(o + d, vmul(vld(po + d), vset1(inv)));
+          continue;
         }
         float mx = -INFINITY;
-        for (j = 0; j < n; ++j) mx = std::max(mx, p[j]);
-        const vf mv = vset1(mx);
-        vf sv = vzero();
-        for (j = 0; j + W <= n; j += W) {
-          const vf e = vexp(vsub(vld(p.data() + j), mv));
-          vst(p.data() + j, e);
-          sv = vadd(sv, e);
+        for (int64_t c = 0; c < nc; ++c) mx = std::max(mx, pm[c]);
+        float sum = 0.f;
+        for (int64_t d = 0; d < D; d += W) vst(o + d, vzero());
+        for (int64_t c = 0; c < nc; ++c) {
+          const float w = std::exp(pm[c] - mx);
+          sum += w * ps[c];
+          for (int64_t d = 0; d < D; d += W) vst(o + d, vfma(vset1(w), vld(po + c * D + d), vld(o + d)));
         }
-        if (j < n) sv = vadd(sv, exp_tail(p.data() + j, n - j, mv));
-        const float inv = 1.f / hsum(sv);
-        float* o = att + (b * H + hh) * D;
-        // the weighted sum of the values, 64 (or the last 32) output values per pass over the rows
-        auto pass = [&](auto nv_tag, int64_t d0) {
-          constexpr int64_t NV = decltype(nv_tag)::value;
-          vf a[NV];
-          for (int64_t u = 0; u < NV; ++u) a[u] = vzero();
-          for (int64_t jj = 0; jj < n; ++jj) {
-            const T* vr = V + (rix[jj] * HKV + kvh) * D + d0;
-            const vf w = vset1(p[jj]);
-            for (int64_t u = 0; u < NV; ++u) a[u] = vfma(w, vload(vr + u * W), a[u]);
-          }
-          for (int64_t u = 0; u < NV; ++u) vst(o + d0 + u * W, vmul(a[u], vset1(inv)));
-        };
-        int64_t d0 = 0;
-        for (; d0 + 64 <= D; d0 += 64) pass(std::integral_constant<int64_t, 64 / W>{}, d0);
-        if (d0 < D) pass(std::integral_constant<int64_t, 32 / W>{}, d0);  // D is a multiple of 32
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < D; d += W) vst(o + d, vmul(vld(o + d), vset1(inv)));
       }
     });
   }
 
+  // QN query heads (q: QN consecutive heads of one row, [QN, D]) over nb keys of one chunk, kf/vf
+  // [nb, D] float32: scores (hsum_w), the chunk's softmax pieces and weighted values -> pm_, ps_, po_
+  // at query qi0 + i, chunk c
+  template <int QN>
+  void heads(const float* q, const float* kf, const float* vfl, int64_t nb, float scale, float* sc, int64_t qi0,
+             int64_t c, int64_t NC) {
+    const int64_t D = hd_, S = CHUNK + W;
+    const vf vs = vset1(scale);
+    // W keys at a time (kf is zero past the chunk's keys, so a block never reads garbage), each key's
+    // sum over d in order, then hsum_w
+    for (int64_t jb = 0; jb < nb; jb += W) {
+      for (int i = 0; i < QN; ++i) {
+        vf acc[W];
+        for (int64_t k = 0; k < W; ++k) acc[k] = vzero();
+        for (int64_t d = 0; d < D; d += W) {
+          const vf qd = vld(q + i * D + d);
+          const float* kb = kf + jb * D + d;
+          for (int64_t k = 0; k < W; ++k) acc[k] = vfma(qd, vld(kb + k * D), acc[k]);
+        }
+        vst(sc + i * S + jb, vmul(hsum_w(acc), vs));
+      }
+    }
+    for (int i = 0; i < QN; ++i) {
+      float* p = sc + i * S;
+      vf mv = vset1(-INFINITY);
+      int64_t j = 0;
+      for (; j + W <= nb; j += W) mv = vmax(mv, vld(p + j));
+      float mx = hmax(mv);
+      for (; j < nb; ++j) mx = std::max(mx, p[j]);
+      mv = vset1(mx);
+      vf sv = vzero();
+      for (j = 0; j + W <= nb; j += W) {
+        const vf e = vexp(vsub(vld(p + j), mv));
+        vst(p + j, e);
+        sv = vadd(sv, e);
+      }
+      if (j < nb) sv = vadd(sv, exp_tail(p + j, nb - j, mv));
+      pm_[(qi0 + i) * NC + c] = mx;
+      ps_[(qi0 + i) * NC + c] = hsum(sv);
+    }
+    // the weighted sum of the values, 64 (or the last 32) output values per pass over the keys
+    auto pass = [&](auto nv_tag, int64_t d0) {
+      constexpr int64_t NV = decltype(nv_tag)::value;
+      vf a[QN][NV];
+      for (int i = 0; i < QN; ++i)
+        for (int64_t u = 0; u < NV; ++u) a[i][u] = vzero();
+      for (int64_t j = 0; j < nb; ++j) {
+        const float* vr = vfl + j * D + d0;
+        vf v[NV];
+        for (int64_t u = 0; u < NV; ++u) v[u] = vld(vr + u * W);
+        for (int i = 0; i < QN; ++i) {
+          const vf w = vset1(sc[i * S + j]);
+          for (int64_t u = 0; u < NV; ++u) a[i][u] = vfma(w, v[u], a[i][u]);
+        }
+      }
+      for (int i = 0; i < QN; ++i)
+        for (int64_t u = 0; u < NV; ++u) vst(po_.data() + ((qi0 + i) * NC + c) * D + d0 + u * W, a[i][u]);
+    };
+    int64_t d0 = 0;
+    for (; d0 + 64 <= D; d0 += 64) pass(std::integral_constant<int64_t, 64 / W>{}, d0);
+    if (d0 < D) pass(std::integral_constant<int64_t, 32 / W>{}, d0);  // D is a multiple of 32
+  }
+
+  std::vector<float> pm_, ps_, po_;  // attend's per-chunk pieces (reused across layers and steps)
   std::vector<at::Tensor> head_;
   std::vector<std::vector<at::Tensor>> keep_;  // owns the weights the raw pointers read
   std::vector<Layer> layers_;
@@ -596,6 +862,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_stats", &greedy_stats, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quantize", &quantize);
   m.attr("ISA") = W == 16 ? "avx512" : "avx2";
+  m.attr("LAYOUT") = LAYOUT;  // the weights' layout the step reads: "group16" (AVX512) or "pair"
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, int64_t, int64_t, int64_t, double>())
       .def("step", &Decoder::step, pybind11::call_guard<pybind11::gil_scoped_release>())

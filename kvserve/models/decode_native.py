@@ -432,18 +432,19 @@ class NativeDecode:
             self.reason = _build_error or "build failed"
             return
         m, c = self.model, self.model.config
+        layout = getattr(mod, "LAYOUT", "pair")  # "group16" on the AVX512 build (decode_cpu.cpp)
         empty = torch.empty(0)
         layers = []
         for layer in m.layers:
             t = [layer.attn_norm.weight.contiguous(), layer.ffn_norm.weight.contiguous()]
             for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
-                t.extend(x.contiguous() for x in lin.native_weights())
+                t.extend(x.contiguous() for x in lin.native_weights(layout))
             t.append(layer.wqkv.bias.contiguous() if layer.wqkv.bias is not None else empty)
             layers.append(t)
         dec = mod.Decoder(layers, c.n_head, c.n_head_kv, c.head_dim, float(c.rms_eps))
         head = m.output.weight if m.output.weight is not None else None
         if head is not None and head.shape[1] % 64 == 0:
-            dec.set_head(m.output_norm.weight.contiguous(), *pack_q8(head))
+            dec.set_head(m.output_norm.weight.contiguous(), *pack_q8(head, layout))
             self.native_head = True
         self._staged = dec
         log.info("native decode step loaded (%s head)", "native" if self.native_head else "torch")
@@ -475,10 +476,11 @@ class NativeDecode:
         return m.output.forward(m.output_norm.forward(x)).float()
 
 
-def pack_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_q8(w: torch.Tensor, layout: str = "pair") -> tuple[torch.Tensor, torch.Tensor]:
     """The native head's weights from a dense [N, K] head (K a multiple of 64): int8 per block of
     32 with a float16 scale d = max|w| / 127 (GGUF Q8_0's rule, so a Q8_0 head is reproduced
-    exactly), values in the q4 kernel's pair order plus 128 -> (uint8 [N, K], float16 [N, K/32])."""
+    exactly), values plus 128 in the q4 kernel's pair order (``layout`` "pair") or the AVX512
+    step's group layout ("group16", q4_kernel.to_groups) -> (uint8 [N, K], float16 [N, K/32])."""
     n, k = w.shape
     wb = w.float().reshape(n, k // 32, 32)
     d = (wb.abs().amax(-1) / 127.0).to(torch.float16)
@@ -488,7 +490,10 @@ def pack_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lane = p // 4
     blk, idx = lane % 2, 4 * (lane // 2) + p % 4
     u = q.view(n, k // 64, 2, 32)[:, :, blk, idx]  # [N, pairs, 64] in lane order
-    return (u + 128).to(torch.uint8).reshape(n, k).contiguous(), d.contiguous()
+    q8 = (u + 128).to(torch.uint8).reshape(n, k).contiguous()
+    if layout == "group16":
+        q8 = q4_kernel.to_groups(q8, "int8")
+    return q8, d.contiguous()
 
 
 def main(argv: list[str]) -> int:

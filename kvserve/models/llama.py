@@ -166,7 +166,8 @@ class Linear(nn.Module):
         self.packed = self.scales = self.q8 = self.weight = None
         self.q4w: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._q4_src: Weight | None = None  # native_q4 "decode": packed by native_weights()
-        self._q4_native: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        #: native_q4 "decode": the packed weights by layout ("pair", "group16"; see native_weights)
+        self._q4_native: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         if kernel == "int4":
             merged = Weight(
                 (self.out_features, self.in_features),
@@ -200,19 +201,31 @@ class Linear(nn.Module):
     @property
     def has_native_weights(self) -> bool:
         """True when the native q4 layout is kept (packed or still to pack)."""
-        return self.q4w is not None or self._q4_src is not None or self._q4_native is not None
+        return self.q4w is not None or self._q4_src is not None or bool(self._q4_native)
 
-    def native_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The weights in the native kernel's layout (see q4_kernel.pack), packing them on the first
-        call under native_q4 "decode" (about 20 ms for a 1536 x 576 projection); None without them."""
-        if self.q4w is not None:
+    def native_weights(self, layout: str = "pair") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The weights in the native kernel's layout: "pair" (q4_kernel.pack) or "group16" (the AVX512
+        native step's, q4_kernel.to_groups), packing them on the first call under native_q4 "decode"
+        (about 20 ms for a 1536 x 576 projection) and keeping only the layouts asked for; None
+        without them."""
+        if layout == "pair" and self.q4w is not None:
             return self.q4w
-        if self._q4_native is None and self._q4_src is not None:
+        if layout in self._q4_native:
+            return self._q4_native[layout]
+        base = self.q4w if self.q4w is not None else self._q4_native.get("pair")
+        if base is None and self._q4_src is not None:
             w = self._q4_src
             # not q4w: forward keeps torch's int4 kernel (its numerics do not change mid-run)
-            self._q4_native = q4_kernel.pack_torch(w.q4, w.q4_scale, w.q4_zero)
+            base = q4_kernel.pack_torch(w.q4, w.q4_scale, w.q4_zero)
             self._q4_src = None
-        return self._q4_native
+        if base is None and "group16" in self._q4_native:  # a pair copy asked for after the group one
+            g = self._q4_native["group16"]
+            base = (q4_kernel.to_groups(g[0], "q4", inverse=True), g[1], g[2])
+        if base is None:
+            return None
+        out = base if layout == "pair" else (q4_kernel.to_groups(base[0], "q4"), base[1], base[2])
+        self._q4_native[layout] = out
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] float32 -> [T, out] float32 (see the class docstring for the kernels)."""

@@ -128,6 +128,36 @@ def pack_torch(q4: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> tuple[tor
     return wq, s.to(torch.float16), (z - 8.0 * s).to(torch.float16)
 
 
+def _group_perm(kind: str) -> torch.Tensor:
+    """Source word of each 32-bit word of one segment of the AVX512 native step's group layout
+    (decode_cpu.cpp, LAYOUT "group16"): "q4" 64 words (256 bytes, 16 blocks of 4-bit values),
+    "int8" 128 words (512 bytes, 16 blocks of int8 values)."""
+    i = torch.arange(16)
+    if kind == "q4":  # chunk t lane i <- packed word 2 t + i % 2 of pair i / 2 (8 words a pair)
+        return torch.cat([8 * (i // 2) + 2 * t + i % 2 for t in range(4)])
+    return torch.cat([16 * (i // 2) + 2 * s + i % 2 for s in range(8)])  # step s lane i
+
+
+def to_groups(t: torch.Tensor, kind: str, inverse: bool = False) -> torch.Tensor:
+    """Rows in the pair order (uint8/int8 [N, bytes]: :func:`pack`'s wq for kind "q4", the native
+    head's q8 bytes for "int8") -> the same rows in the AVX512 native step's group layout (a new
+    tensor): each whole segment of 16 blocks permuted word by word (see decode_cpu.cpp), the bytes
+    after the last whole segment unchanged. ``inverse``: group layout -> pair order."""
+    seg = 64 if kind == "q4" else 128
+    n, nbytes = t.shape
+    if nbytes % 4:
+        raise ValueError(f"rows of {nbytes} bytes are not whole 32-bit words")
+    words = t.contiguous().view(torch.int32)
+    whole = words.shape[1] // seg * seg
+    perm = _group_perm(kind)
+    if inverse:
+        perm = torch.argsort(perm)
+    out = words.clone()
+    if whole:
+        out[:, :whole] = words[:, :whole].reshape(n, -1, seg)[:, :, perm].reshape(n, whole)
+    return out.view(t.dtype)
+
+
 def q4_mm(x: torch.Tensor, wq: torch.Tensor, wd: torch.Tensor, wm: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 @ packed weights (see :func:`pack`) -> [M, N] float32. Needs :data:`READY`."""
     return torch.ops.kvserve.q4_mm(x, wq, wd, wm)

@@ -268,6 +268,84 @@ def test_pack_torch_equals_pack():
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+def test_group_layout_puts_block_i_in_lane_i():
+    """The AVX512 step's group layout (q4_kernel.to_groups): in segment j, 4-bit chunk t lane i holds
+    values 4t..4t+3 of block 16j+i in its low nibbles and 16+4t..16+4t+3 in its high ones; int8 step
+    s lane i holds values 4s..4s+3 of block 16j+i; the pairs after the last whole segment keep the
+    pair order; inverse=True undoes it."""
+    import numpy as np
+
+    from kvserve.models import q4_kernel
+
+    rng = np.random.default_rng(1)
+    n, k = 3, 1088  # two whole segments of 16 blocks and a pair left over
+    q = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    s = rng.random((n, k // 32)).astype(np.float32)
+    wq, _, _ = q4_kernel.pack(q, s, s)
+    g = q4_kernel.to_groups(wq, "q4")
+    assert g.dtype == torch.uint8 and g.shape == wq.shape
+    gb = g.numpy()
+    for row in range(n):
+        for j in range(2):
+            for t in range(4):
+                for i in range(16):
+                    word = gb[row, 256 * j + 64 * t + 4 * i: 256 * j + 64 * t + 4 * i + 4]
+                    blk = q[row, 32 * (16 * j + i): 32 * (16 * j + i) + 32]
+                    assert list(word & 15) == list(blk[4 * t: 4 * t + 4])
+                    assert list(word >> 4) == list(blk[16 + 4 * t: 20 + 4 * t])
+    assert torch.equal(g[:, 512:], wq[:, 512:])
+    assert torch.equal(q4_kernel.to_groups(g, "q4", inverse=True), wq)
+    w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32))
+    q8, d8 = decode_native.pack_q8(w)
+    g8, gd8 = decode_native.pack_q8(w, "group16")
+    assert torch.equal(gd8, d8) and torch.equal(g8[:, 1024:], q8[:, 1024:])
+    # the pair order's values per block (as test_pack_q8_reproduces_q8_0_blocks unpacks them)
+    p = torch.arange(64)
+    lane = p // 4
+    blk, idx = lane % 2, 4 * (lane // 2) + p % 4
+    vals = torch.empty(n, k // 64, 2, 32, dtype=torch.long)
+    vals[:, :, blk, idx] = q8.view(n, k // 64, 64).long()
+    vals = vals.view(n, k // 32, 32)
+    for j in range(2):
+        for st in range(8):
+            for i in range(16):
+                off = 512 * j + 64 * st + 4 * i
+                assert torch.equal(g8[:, off: off + 4].long(), vals[:, 16 * j + i, 4 * st: 4 * st + 4])
+    assert torch.equal(q4_kernel.to_groups(g8, "int8", inverse=True), q8)
+
+
+@pytest.mark.slow
+def test_verification_rows_equal_rows_decoded_one_by_one(built, q4_gguf):
+    """Speculative decoding's verification chunk (5 positions of one sequence in one step, their cache
+    rows shared: attention reads them once for all rows) gives each position the same logits, bit for
+    bit, as decoding the positions one step at a time; at 300+ cached tokens, so a query's keys span
+    two attention chunks (merged in order)."""
+    model = build_model(load_files(q4_gguf), EngineConfig(n_ctx=1024), 1024)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 250, (300,), generator=g).tolist()
+    other = [7, 8, 9, 10, 11]
+    caches, nxt = _prefill_caches(model, [prompt, other], rows_per_seq=512)
+    nat = decode_native.NativeDecode(model, caches, 16)
+    nat.start()
+    assert nat.wait(120)
+    toks = [nxt[0], 17, 99, 4, 250]
+    one_by_one, beside, eager = _clone(caches), _clone(caches), _clone(caches)
+    rows = [(0, t, len(prompt) + i) for i, t in enumerate(toks)]
+    chunk = nat(*_decode_batch(rows, rows_per_seq=512)[:5], caches)
+    alone = torch.cat([nat(*_decode_batch([r], rows_per_seq=512)[:5], one_by_one) for r in rows])
+    assert chunk.shape == alone.shape == (5, model.config.n_vocab)
+    assert torch.equal(chunk, alone)
+    # the chunk between another sequence's decode rows (groups of their own)
+    mixed = nat(*_decode_batch([(1, nxt[1], 5)] + rows + [(1, nxt[1], 5)], rows_per_seq=512)[:5], beside)
+    assert torch.equal(mixed[1:6], alone) and torch.equal(mixed[0], mixed[6])
+    # the merged chunks agree with the eager path (as test_native_step_agrees_with_eager: 2% of the range)
+    for i, r in enumerate(rows):
+        ids, p, slots, idx, lens, mask = _decode_batch([r], rows_per_seq=512)
+        le = model(ids, AttentionBatch(positions=p, slot_mapping=slots, n_decode=1, decode_kv_index=idx,
+                                       decode_mask=mask), eager, None)
+        assert ((alone[i] - le[0]).abs().max() / (le.max() - le.min())).item() < 0.02
+
+
 def _greedy(core, rid, prompt, n=8):
     """Step ``core`` until request ``rid`` (greedy, ``n`` tokens) finished; its token ids."""
     core.add_request(Request(rid, prompt, SamplingParams(temperature=0, n_predict=n, ignore_eos=True)))
