@@ -362,7 +362,8 @@ class EngineCore:
             if nat is None or nat.reason is not None:
                 self._spec_native_pending = False
             elif nat.ready:  # verification runs in the native decode step from now on: its costs
-                self.spec.base_rows, self.spec.chunk_rows = STEP_BASE_ROWS_NATIVE, CHUNK_ROWS_NATIVE
+                self.spec.base_rows = STEP_BASE_ROWS_NATIVE.get(nat.isa, STEP_BASE_ROWS_NATIVE["avx2"])
+                self.spec.chunk_rows = CHUNK_ROWS_NATIVE
                 self._spec_native_pending = False
         nat = getattr(self.runner, "native", None)
         # (a cached build's step is on from the first run, which waits for the weights' packing)

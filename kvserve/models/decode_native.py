@@ -71,6 +71,14 @@ SOURCES = ("decode_cpu.cpp", "q4_core.h")
 #: head use torch's OpenMP threads (the same libgomp.so.1 torch loaded)
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+
+
+def cflags() -> list[str]:
+    """:data:`CFLAGS`, with ``-march=$KVSERVE_NATIVE_MARCH`` when that is set (for example
+    ``haswell``: the AVX2 build on an AVX512 machine, to test it or to run the same rounding as an
+    AVX2 fleet; part of the build key)."""
+    march = os.environ.get("KVSERVE_NATIVE_MARCH", "").strip()
+    return [f"-march={march}" if f == "-march=native" and march else f for f in CFLAGS]
 _lock = threading.Lock()
 _module = None  # the loaded extension
 _build_error: str | None = None
@@ -84,7 +92,7 @@ def build_key() -> str:
     h = hashlib.sha256()
     for s in SOURCES:
         h.update((_DIR / s).read_bytes())
-    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    h.update(" ".join(cflags() + LDFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
     try:
@@ -180,7 +188,7 @@ def build_now() -> None:
         fcntl.flock(lk, fcntl.LOCK_EX)
         try:
             (d / "lock").unlink(missing_ok=True)
-            load(name=NAME, sources=[str(_DIR / "decode_cpu.cpp")], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+            load(name=NAME, sources=[str(_DIR / "decode_cpu.cpp")], extra_cflags=cflags(), extra_ldflags=LDFLAGS,
                  build_directory=str(d), is_python_module=True, verbose=False)
         finally:
             fcntl.flock(lk, fcntl.LOCK_UN)
@@ -362,6 +370,7 @@ class NativeDecode:
         self.cached = False  # the build was cached when the step started (see activate)
         self._done = threading.Event()
         self.native_head = False  # the output head in C++ too (else the model's Linear)
+        self.isa: str | None = None  # the loaded build's instruction set ("avx512", "avx2")
         self.calls = 0
         self.reason = unavailable_reason() or model_reason(model)
         if self.reason is None and any(not isinstance(t, torch.Tensor) or t.dtype not in
@@ -433,6 +442,7 @@ class NativeDecode:
             return
         m, c = self.model, self.model.config
         layout = getattr(mod, "LAYOUT", "pair")  # "group16" on the AVX512 build (decode_cpu.cpp)
+        self.isa = getattr(mod, "ISA", None)
         empty = torch.empty(0)
         layers = []
         for layer in m.layers:

@@ -5,6 +5,8 @@ one core when not cached yet)."""
 
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -553,3 +555,21 @@ def test_greedy_stats_match_torch(built):
     assert lse[4].isnan() and lse_b[4].isnan()  # as torch's logsumexp of a row with a NaN
     with pytest.raises(RuntimeError, match="ban id out of range"):
         mod.greedy_stats(x, torch.tensor([49157]))
+
+
+@pytest.mark.slow
+def test_avx2_build_passes_these_tests_on_an_avx512_cpu(built):
+    """Where CI runs on an AVX512 CPU, the AVX2 build (``KVSERVE_NATIVE_MARCH=haswell``: the code an
+    AVX2-only CPU such as AMD Zen 1-3 runs: pair layout, vpmaddubsw, 8-lane attention) is built too
+    and this file's other tests run on it in a child process, so both builds are tested here."""
+    if built.load_cached().ISA != "avx512":
+        pytest.skip("this CPU runs the AVX2 build itself")
+    env = dict(os.environ, KVSERVE_NATIVE_MARCH="haswell")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-x", __file__,
+                        "-k", "not avx2_build"], env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " skipped" not in r.stdout, r.stdout[-2000:]
+    isa = subprocess.run([sys.executable, "-c", "from kvserve.models import decode_native as d; "
+                          "m = d.load_cached(); print(m.ISA, m.LAYOUT)"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert isa.stdout.split() == ["avx2", "pair"], isa.stdout + isa.stderr

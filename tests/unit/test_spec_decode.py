@@ -14,6 +14,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.request import Request, SamplingParams
+from kvserve.engine import spec_decode
 from kvserve.engine.spec_decode import (
     NgramIndex,
     SpecConfig,
@@ -604,4 +605,4 @@ def test_verification_in_the_native_decode_step_is_token_identical(tmp_path_fact
     assert spec.stats.spec_drafts_total > 0 and spec.runner.native.calls > 0
     # eager forwards ran prompt chunks (and the decode rows of steps mixed with them), never a verification
     assert eager and not any(per_row for _, groups in eager for *_, per_row in groups), eager
-    assert spec.spec.base_rows == 1.5 and spec.spec.chunk_rows == 0.0  # the native step's costs
+    assert spec.spec.base_rows == spec_decode.STEP_BASE_ROWS_NATIVE[spec.runner.native.isa] and spec.spec.chunk_rows == 0.0  # the native step's costs

@@ -7,6 +7,7 @@ import pytest
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.request import Request, SamplingParams
+from kvserve.engine import spec_decode
 from kvserve.engine.spec_decode import SpecConfig
 from kvserve.models.registry import load_files
 
@@ -116,5 +117,5 @@ def test_smollm2_greedy_identical_with_itself_as_draft_model_and_native_verifica
     assert t.draft_n > 0 and t.draft_n_accepted == t.draft_n
     nat = spec.runner.native
     if nat is not None and nat.ready:
-        assert nat.calls > 0 and spec.spec.base_rows == 1.5
+        assert nat.calls > 0 and spec.spec.base_rows == spec_decode.STEP_BASE_ROWS_NATIVE[nat.isa]
     assert spec.spec.draft_cost == pytest.approx(1.0)
