@@ -17,8 +17,14 @@
 #include <type_traits>
 #include <vector>
 #include "q4_core.h"
+#include "thread_pool.h"
 
 namespace {
+
+struct PoolFor {  // kvserve_pool::parallel_for as a callable (q4_core.h's q4_mm_raw)
+  template <typename F>
+  void operator()(int64_t b, int64_t e, int64_t grain, const F& f) const { kvserve_pool::parallel_for(b, e, grain, f); }
+};
 
 // The vector layer: 16 float lanes (AVX512) or 8 (AVX2 + FMA + F16C), picked by q4_core.h from
 // the compiler's target (-march=native). The same operations in the same order per row either way.
@@ -269,7 +275,7 @@ inline void q4_mm_g(const float* x, int64_t M, int64_t K, const uint8_t* W, cons
   const int64_t G = K / 32;
   kvserve_q4::quantize_rows(x, M, K, XQ, XS, XM);
   for (int64_t r = 0; r < M; ++r) int8_to_groups(XQ + r * K, XG + r * K, K);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  kvserve_pool::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wrow = W + n * (K / 2);
       const uint16_t* drow = D + n * G;
@@ -358,7 +364,7 @@ void q8_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_
   const int8_t* XQ = xq.data();
   const int32_t* CS = cs.data();
   const float* XS = xs.data();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  kvserve_pool::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wrow = W + n * K;
       const uint16_t* drow = D + n * G;
@@ -417,7 +423,7 @@ void q8_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_
   kvserve_q4::quantize_rows(x, M, K, xq.data(), xs.data(), xm.data());
   const int8_t* XQ = xq.data();
   const float* XS = xs.data();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  kvserve_pool::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wrow = W + n * K;
       const uint16_t* drow = D + n * G;
@@ -464,6 +470,11 @@ Proj proj_of(const std::vector<at::Tensor>& t, size_t i, const at::Tensor& bias)
   }
   return p;
 }
+
+// attention's per (query, chunk) pieces: max score, sum of e^(score - max), unnormalized output [D]
+struct Pieces {
+  std::vector<float> m, s, o;
+};
 
 class Decoder {
  public:
@@ -530,6 +541,7 @@ class Decoder {
     const int64_t QKV = (H + 2 * HKV) * D, KMAX = std::max(E_, F_);
     std::vector<float> h(B * E_), qkv(B * QKV), att(B * H * D), gu(B * 2 * F_), act(B * F_), out(B * E_);
     std::vector<int8_t> xq(B * KMAX), xg(B * KMAX);
+    Pieces pieces;  // attention's per-chunk pieces, reused across layers (per call: the step is reentrant)
     std::vector<float> xs(B * KMAX / 32), xm(B * KMAX / 32);
     float* X = x.data_ptr<float>();
     const float* C = cos.data_ptr<float>();
@@ -554,7 +566,7 @@ class Decoder {
 #ifdef KVSERVE_AVX512
       q4_mm_g(in, B, p.k, p.q, p.d, p.m, p.n, o, xq.data(), xg.data(), xs.data(), xm.data());
 #else
-      kvserve_q4::q4_mm_raw(in, B, p.k, p.q, p.d, p.m, p.n, o, xq.data(), xs.data(), xm.data());
+      kvserve_q4::q4_mm_raw(in, B, p.k, p.q, p.d, p.m, p.n, o, xq.data(), xs.data(), xm.data(), PoolFor());
 #endif
       if (p.bias)
         for (int64_t b = 0; b < B; ++b)
@@ -583,9 +595,9 @@ class Decoder {
                       kc.size(0) == rows && kc.size(1) == HKV && kc.size(2) == D && vc.size(0) == rows,
                   "decode_cpu: caches must be contiguous [rows, n_head_kv, head_dim] of one float type");
       switch (kc.scalar_type()) {
-        case at::kFloat: attend<float>(kc, vc, qkv.data(), att.data(), B, L, slot, idx, len, gb); break;
-        case at::kHalf: attend<c10::Half>(kc, vc, qkv.data(), att.data(), B, L, slot, idx, len, gb); break;
-        case at::kBFloat16: attend<c10::BFloat16>(kc, vc, qkv.data(), att.data(), B, L, slot, idx, len, gb); break;
+        case at::kFloat: attend<float>(kc, vc, qkv.data(), att.data(), B, L, slot, idx, len, gb, pieces); break;
+        case at::kHalf: attend<c10::Half>(kc, vc, qkv.data(), att.data(), B, L, slot, idx, len, gb, pieces); break;
+        case at::kBFloat16: attend<c10::BFloat16>(kc, vc, qkv.data(), att.data(), B, L, slot, idx, len, gb, pieces); break;
         default: TORCH_CHECK(false, "decode_cpu: cache type");
       }
       mm(l.wo, att.data(), out.data());
@@ -621,7 +633,8 @@ class Decoder {
   // once for all its rows and heads; the arithmetic of a row does not depend on its group.
   template <typename T>
   void attend(const at::Tensor& kc, const at::Tensor& vc, const float* qkv, float* att, int64_t B, int64_t L,
-              const int64_t* slot, const int64_t* idx, const int64_t* len, const std::vector<int64_t>& gb) {
+              const int64_t* slot, const int64_t* idx, const int64_t* len, const std::vector<int64_t>& gb,
+              Pieces& pc) {
     const int64_t D = hd_, H = nh_, HKV = nkv_, G = H / HKV, QKV = (H + 2 * HKV) * D, rows = kc.size(0);
     T* K = kc.data_ptr<T>();
     T* V = vc.data_ptr<T>();
@@ -637,9 +650,9 @@ class Decoder {
     const float scale = 1.f / std::sqrt(static_cast<float>(D));
     const int64_t NC = (L + CHUNK - 1) / CHUNK;
     // per (query, chunk): the chunk's max score, sum of e^(score - max), and unnormalized output [D]
-    pm_.resize(B * H * NC);
-    ps_.resize(B * H * NC);
-    po_.resize(B * H * NC * D);
+    pc.m.resize(B * H * NC);
+    pc.s.resize(B * H * NC);
+    pc.o.resize(B * H * NC * D);
     struct Task { int64_t g, kvh, c; };
     std::vector<Task> tasks;
     for (int64_t g = 0; g + 1 < static_cast<int64_t>(gb.size()); ++g) {
@@ -647,7 +660,7 @@ class Decoder {
       for (int64_t kvh = 0; kvh < HKV; ++kvh)
         for (int64_t c = 0; c * CHUNK < lg; ++c) tasks.push_back({g, kvh, c});
     }
-    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    kvserve_pool::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> kf((CHUNK + W) * D), vfl(CHUNK * D), sc(QB * (CHUNK + W));
       for (int64_t t = t0; t < t1; ++t) {
         const Task tk = tasks[t];
@@ -669,23 +682,23 @@ class Decoder {
           for (int64_t h0 = tk.kvh * G; h0 < (tk.kvh + 1) * G; h0 += QB) {
             const int qn = static_cast<int>(std::min<int64_t>(QB, (tk.kvh + 1) * G - h0));
             switch (qn) {
-              case 1: heads<1>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC); break;
-              case 2: heads<2>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC); break;
-              case 3: heads<3>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC); break;
-              default: heads<4>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC); break;
+              case 1: heads<1>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC, pc); break;
+              case 2: heads<2>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC, pc); break;
+              case 3: heads<3>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC, pc); break;
+              default: heads<4>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC, pc); break;
             }
           }
         }
       }
     });
     // merge each query's chunks in order: out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) s_c
-    at::parallel_for(0, B * H, 4, [&](int64_t q0, int64_t q1) {
+    kvserve_pool::parallel_for(0, B * H, 4, [&](int64_t q0, int64_t q1) {
       for (int64_t qi = q0; qi < q1; ++qi) {
         const int64_t nc = (len[qi / H] + CHUNK - 1) / CHUNK;
         float* o = att + qi * D;
-        const float* pm = pm_.data() + qi * NC;
-        const float* ps = ps_.data() + qi * NC;
-        const float* po = po_.data() + qi * NC * D;
+        const float* pm = pc.m.data() + qi * NC;
+        const float* ps = pc.s.data() + qi * NC;
+        const float* po = pc.o.data() + qi * NC * D;
         if (nc == 1) {
           const float inv = 1.f / ps[0];
           for (int64_t d = 0; d < D; d += W) vst(o + d, vmul(vld(po + d), vset1(inv)));
@@ -707,11 +720,11 @@ class Decoder {
   }
 
   // QN query heads (q: QN consecutive heads of one row, [QN, D]) over nb keys of one chunk, kf/vf
-  // [nb, D] float32: scores (hsum_w), the chunk's softmax pieces and weighted values -> pm_, ps_, po_
+  // [nb, D] float32: scores (hsum_w), the chunk's softmax pieces and weighted values -> pc (m, s, o)
   // at query qi0 + i, chunk c
   template <int QN>
   void heads(const float* q, const float* kf, const float* vfl, int64_t nb, float scale, float* sc, int64_t qi0,
-             int64_t c, int64_t NC) {
+             int64_t c, int64_t NC, Pieces& pc) {
     const int64_t D = hd_, S = CHUNK + W;
     const vf vs = vset1(scale);
     // W keys at a time (kf is zero past the chunk's keys, so a block never reads garbage), each key's
@@ -743,8 +756,8 @@ class Decoder {
         sv = vadd(sv, e);
       }
       if (j < nb) sv = vadd(sv, exp_tail(p + j, nb - j, mv));
-      pm_[(qi0 + i) * NC + c] = mx;
-      ps_[(qi0 + i) * NC + c] = hsum(sv);
+      pc.m[(qi0 + i) * NC + c] = mx;
+      pc.s[(qi0 + i) * NC + c] = hsum(sv);
     }
     // the weighted sum of the values, 64 (or the last 32) output values per pass over the keys
     auto pass = [&](auto nv_tag, int64_t d0) {
@@ -762,14 +775,13 @@ class Decoder {
         }
       }
       for (int i = 0; i < QN; ++i)
-        for (int64_t u = 0; u < NV; ++u) vst(po_.data() + ((qi0 + i) * NC + c) * D + d0 + u * W, a[i][u]);
+        for (int64_t u = 0; u < NV; ++u) vst(pc.o.data() + ((qi0 + i) * NC + c) * D + d0 + u * W, a[i][u]);
     };
     int64_t d0 = 0;
     for (; d0 + 64 <= D; d0 += 64) pass(std::integral_constant<int64_t, 64 / W>{}, d0);
     if (d0 < D) pass(std::integral_constant<int64_t, 32 / W>{}, d0);  // D is a multiple of 32
   }
 
-  std::vector<float> pm_, ps_, po_;  // attend's per-chunk pieces (reused across layers and steps)
   std::vector<at::Tensor> head_;
   std::vector<std::vector<at::Tensor>> keep_;  // owns the weights the raw pointers read
   std::vector<Layer> layers_;
@@ -811,7 +823,7 @@ std::vector<at::Tensor> greedy_stats(const at::Tensor& logits, const at::Tensor&
   int64_t* C = ties.data_ptr<int64_t>();
   float* Bv = best.data_ptr<float>();
   float* S = lse.data_ptr<float>();
-  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+  kvserve_pool::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> row;
     for (int64_t b = b0; b < b1; ++b) {
       const float* x = L + b * V;

@@ -65,7 +65,7 @@ log = logging.getLogger("kvserve.engine")
 
 NAME = "kvserve_decode_cpu"
 _DIR = Path(__file__).resolve().parent
-SOURCES = ("decode_cpu.cpp", "q4_core.h")
+SOURCES = ("decode_cpu.cpp", "q4_core.h", "thread_pool.h")
 #: -fopenmp: at::parallel_for runs its loop in one thread when the extension is compiled without
 #: it (ATen/ParallelOpenMP.h is behind _OPENMP); with it, the step's projections, attention and
 #: head use torch's OpenMP threads (the same libgomp.so.1 torch loaded)

@@ -192,13 +192,20 @@ inline void rows_dot(const uint8_t* wrow, const uint16_t* drow, const uint16_t* 
 
 #endif
 
+// at::parallel_for as a callable (q4_mm_raw's default: the q4_mm op; the native step passes its pool's)
+struct AtParallelFor {
+  template <typename F>
+  void operator()(int64_t b, int64_t e, int64_t grain, const F& f) const { at::parallel_for(b, e, grain, f); }
+};
+
 // y [M, N] = x [M, K] (float32, contiguous) @ W.T; scratch: xq [M * K] int8, xs, xsum [M * K / 32].
 // A row's result does not depend on M or on the other rows (groups of 4, the same operations).
+template <typename PFor = AtParallelFor>
 inline void q4_mm_raw(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_t* D, const uint16_t* Mn,
-                      int64_t N, float* Y, int8_t* XQ, float* XS, float* XM) {
+                      int64_t N, float* Y, int8_t* XQ, float* XS, float* XM, const PFor& pfor = PFor()) {
   const int64_t G = K / 32;
   quantize_rows(x, M, K, XQ, XS, XM);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  pfor(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wrow = W + n * (K / 2);
       const uint16_t* drow = D + n * G;

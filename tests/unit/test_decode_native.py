@@ -573,3 +573,32 @@ def test_avx2_build_passes_these_tests_on_an_avx512_cpu(built):
                           "m = d.load_cached(); print(m.ISA, m.LAYOUT)"], env=env, capture_output=True, text=True,
                          timeout=120)
     assert isa.stdout.split() == ["avx2", "pair"], isa.stdout + isa.stderr
+
+
+@pytest.mark.slow
+def test_native_step_from_two_threads_at_once(built, q4_gguf):
+    """The step's own worker threads (thread_pool.h: one pool per calling thread, as two engines in one
+    process have): two threads stepping at once, 20 steps each, get exactly the logits of the same
+    steps run one after the other on the main thread."""
+    import threading
+
+    model = build_model(load_files(q4_gguf), EngineConfig(n_ctx=1024), 1024)
+    caches, nxt = _prefill_caches(model, PROMPTS)
+    nat = decode_native.NativeDecode(model, caches, 16)
+    nat.start()
+    assert nat.wait(120)
+
+    def steps(cache, out):
+        for i in range(20):
+            out.append(nat(*_decode_batch([(s, (nxt[s] + i) % 200, len(PROMPTS[s]) + i) for s in range(4)])[:5], cache))
+
+    ref = []
+    steps(_clone(caches), ref)
+    got = [[], []]
+    threads = [threading.Thread(target=steps, args=(_clone(caches), got[i])) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(len(g) == 20 for g in got)
+    assert all(torch.equal(a, b) for g in got for a, b in zip(g, ref))
