@@ -39,6 +39,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -172,11 +173,14 @@ def main() -> None:
     procs: dict[str, subprocess.Popen] = {}
     urls: dict[str, str] = {}
     out: dict = {"model": gguf, "flags": " ".join(common), "rounds": a.rounds, "cpu": _cpu()}
+    logs = tempfile.mkdtemp(prefix="vs_llama_server_")  # each server's output (named in the JSON)
+    out["logs"] = logs
     try:
         for name, cmd in specs.items():
             port = free_port()
-            procs[name] = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.DEVNULL,
-                                           stderr=subprocess.DEVNULL, start_new_session=True)
+            log = open(os.path.join(logs, f"{name}.log"), "wb")
+            procs[name] = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
             urls[name] = f"http://127.0.0.1:{port}"
             secs = wait_health(urls[name], procs[name])
             if name == "kvserve":
@@ -223,6 +227,11 @@ def main() -> None:
             out["agent_identical"] = agent_texts.get("kvserve") == agent_texts.get("kvserve-ngram")
             out["agent_identical_llama_server"] = agent_texts.get("kvserve") == agent_texts.get("llama-server")
         out["ratios_kvserve_over_llama_server"] = ratios
+    except Exception:
+        for name, p in procs.items():
+            if p.poll() is not None:
+                print(f"{name} exited with {p.returncode}; its log: {logs}/{name}.log", file=sys.stderr)
+        raise
     finally:
         for p in procs.values():
             if p.poll() is None:
