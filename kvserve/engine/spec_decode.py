@@ -45,8 +45,9 @@ stays token-identical whatever it decides):
   hit accepted at least one draft token, a miss none), each older one weighted by
   :data:`HISTORY_DECAY` (0.5) per newer one, from a prior of :data:`PRIOR_HITS` hits and
   :data:`PRIOR_MISSES` miss (alpha 0.8). Prompt lookup's drafts are right or wrong as a copy:
-  once the first token is accepted each next one is taken to be with :data:`RUN_CONTINUES`
-  (0.95), so draft token i is accepted with probability ``alpha * 0.95 ** (i - 1)``. (A
+  once the first token is accepted each next one is taken to be with the sequence's run estimate
+  (:data:`RUN_CONTINUES`, 0.95, at first; then from its verifications, see :data:`RUN_PRIOR_CONT`),
+  so draft token i is accepted with probability ``alpha * run ** (i - 1)``. (A
   geometric ``alpha ** i`` fitted to all tokens cut one-stream drafts to ~5 tokens and lost a
   fifth of the speed-up there: copies run long.)
 * **Rule** (:func:`draft_length`): the scheduler offers each decode row its proposal in chunk
@@ -119,6 +120,15 @@ PRIOR_MISSES = 1.0
 HISTORY_DECAY = 0.5
 #: once a draft's first token is right, the chance that each next one is (a copy goes on)
 RUN_CONTINUES = 0.95
+#: the per-sequence estimate of that chance (_Seq.run): prior continuations and stops worth
+#: RUN_CONTINUES, then each verification's continuations (tokens accepted after its first) and
+#: stop (a rejection after at least one accepted token), the history weighted by RUN_DECAY per
+#: newer verification. A copy that runs on (agent edits quoting a file, a loop) lengthens its
+#: drafts: on benchmarks/agent_edit.py a run of whole 7-token drafts takes it to ~0.98, and the
+#: policy then verifies 15 at a time
+RUN_PRIOR_CONT = 19.0
+RUN_PRIOR_STOPS = 1.0
+RUN_DECAY = 0.8
 #: tokens without a verification after which a sequence's estimate goes back to the prior
 PROBE_TOKENS = 16
 
@@ -242,10 +252,17 @@ class _Seq:
     hits: float = PRIOR_HITS  # decayed verifications that accepted at least one token
     misses: float = PRIOR_MISSES  # decayed verifications that accepted none
     verified_at: int = 0  # the sequence's length at its last verification (or probe reset)
+    cont: float = 0.0  # decayed tokens accepted after a verification's first (see RUN_PRIOR_CONT)
+    stops: float = 0.0  # decayed verifications rejecting a token after accepting one
 
     @property
     def alpha(self) -> float:
         return self.hits / (self.hits + self.misses)
+
+    @property
+    def run(self) -> float:
+        """The chance that a draft token is accepted once the one before it was."""
+        return (self.cont + RUN_PRIOR_CONT) / (self.cont + self.stops + RUN_PRIOR_CONT + RUN_PRIOR_STOPS)
 
 
 def draft_length(alpha: float, k_max: int, rows: int, base_rows: float, gain: float = 0.0,
@@ -327,6 +344,9 @@ class SpecDecoder:
             return
         s.hits = HISTORY_DECAY * s.hits + (1.0 if accepted > 0 else 0.0)
         s.misses = HISTORY_DECAY * s.misses + (0.0 if accepted > 0 else 1.0)
+        if accepted > 0:
+            s.cont = RUN_DECAY * s.cont + (accepted - 1)
+            s.stops = RUN_DECAY * s.stops + (1.0 if accepted < proposed else 0.0)
 
     def alpha(self, request_id: str) -> float | None:
         """The sequence's hit estimate (None: it does not speculate)."""
@@ -373,14 +393,15 @@ class SpecDecoder:
                 s.verified_at = n
             alpha = s.alpha
             tr = self.draft_cost * (self.base_rows + 1.0)  # a draft model step per drafted token
+            run = s.run
             k = draft_length(alpha, k, self._rows, self.base_rows, self._gain, self._drafted, self.chunk_rows,
-                             token_rows=tr)
+                             run=run, token_rows=tr)
             if k < max(s.n_min, 1):
                 return 0
             p = alpha
             for _ in range(k):
                 self._gain += p
-                p *= RUN_CONTINUES
+                p *= run
             self._drafted += k * (1.0 + tr) + self.chunk_rows
             s.verified_at = n
         return k
@@ -412,15 +433,16 @@ class SpecDecoder:
                 s.hits, s.misses = PRIOR_HITS, PRIOR_MISSES  # probe again
                 s.verified_at = n
             alpha = s.alpha
+            run = s.run
             k = draft_length(alpha, len(draft), self._rows, self.base_rows, self._gain, self._drafted,
-                             self.chunk_rows)
+                             self.chunk_rows, run=run)
             if k < max(s.n_min, 1):
                 return []
             draft = draft[:k]
             p = alpha
             for _ in range(k):
                 self._gain += p
-                p *= RUN_CONTINUES
+                p *= run
             self._drafted += k + self.chunk_rows
             s.verified_at = n
         return draft
