@@ -73,7 +73,17 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float = 600) -> float
 
 def completion(client: httpx.Client, url: str, body: dict) -> dict:
     """One streamed /completion: {"ttft": s, "end": perf_counter at the end, "first": perf_counter of
-    the first token, "content": text, "timings": the final chunk's timings}."""
+    the first token, "content": text, "timings": the final chunk's timings}. A kept-alive connection
+    the server closed before answering (llama-server's HTTP library closes idle or much-used ones; the
+    client finds out only on its next request) is retried once on a new one."""
+    try:
+        return _completion(client, url, body)
+    except httpx.RemoteProtocolError:
+        with httpx.Client(timeout=client.timeout) as fresh:
+            return _completion(fresh, url, body)
+
+
+def _completion(client: httpx.Client, url: str, body: dict) -> dict:
     body = {"temperature": 0, "cache_prompt": True, **body, "stream": True}
     t0 = time.perf_counter()
     first = None
