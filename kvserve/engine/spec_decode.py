@@ -122,10 +122,9 @@ HISTORY_DECAY = 0.5
 RUN_CONTINUES = 0.95
 #: the per-sequence estimate of that chance (_Seq.run): prior continuations and stops worth
 #: RUN_CONTINUES, then each verification's continuations (tokens accepted after its first) and
-#: stop (a rejection after at least one accepted token), the history weighted by RUN_DECAY per
-#: newer verification. A copy that runs on (agent edits quoting a file, a loop) lengthens its
-#: drafts: on benchmarks/agent_edit.py a run of whole 7-token drafts takes it to ~0.98, and the
-#: policy then verifies 15 at a time
+#: stop (a rejection after at least one accepted token), the history (the prior included) weighted
+#: by RUN_DECAY per newer verification, so the estimate follows the sequence (a copy whose drafts
+#: stop after 2 tokens comes down to ~0.5, one whose whole drafts keep passing goes up to ~1)
 RUN_PRIOR_CONT = 19.0
 RUN_PRIOR_STOPS = 1.0
 RUN_DECAY = 0.8
@@ -252,8 +251,8 @@ class _Seq:
     hits: float = PRIOR_HITS  # decayed verifications that accepted at least one token
     misses: float = PRIOR_MISSES  # decayed verifications that accepted none
     verified_at: int = 0  # the sequence's length at its last verification (or probe reset)
-    cont: float = 0.0  # decayed tokens accepted after a verification's first (see RUN_PRIOR_CONT)
-    stops: float = 0.0  # decayed verifications rejecting a token after accepting one
+    cont: float = RUN_PRIOR_CONT  # decayed tokens accepted after a verification's first (and the prior)
+    stops: float = RUN_PRIOR_STOPS  # decayed verifications rejecting a token after accepting one
 
     @property
     def alpha(self) -> float:
@@ -262,7 +261,13 @@ class _Seq:
     @property
     def run(self) -> float:
         """The chance that a draft token is accepted once the one before it was."""
-        return (self.cont + RUN_PRIOR_CONT) / (self.cont + self.stops + RUN_PRIOR_CONT + RUN_PRIOR_STOPS)
+        total = self.cont + self.stops
+        return self.cont / total if total > 1e-9 else RUN_CONTINUES
+
+    def reset(self) -> None:
+        """Back to the priors (a probe after PROBE_TOKENS tokens without a verification)."""
+        self.hits, self.misses = PRIOR_HITS, PRIOR_MISSES
+        self.cont, self.stops = RUN_PRIOR_CONT, RUN_PRIOR_STOPS
 
 
 def draft_length(alpha: float, k_max: int, rows: int, base_rows: float, gain: float = 0.0,
@@ -389,7 +394,7 @@ class SpecDecoder:
         if self.adaptive:
             n = request.num_tokens
             if n - s.verified_at >= PROBE_TOKENS and s.alpha < PRIOR_HITS / (PRIOR_HITS + PRIOR_MISSES):
-                s.hits, s.misses = PRIOR_HITS, PRIOR_MISSES
+                s.reset()
                 s.verified_at = n
             alpha = s.alpha
             tr = self.draft_cost * (self.base_rows + 1.0)  # a draft model step per drafted token
@@ -430,7 +435,7 @@ class SpecDecoder:
             return []
         if self.adaptive:
             if n - s.verified_at >= PROBE_TOKENS and s.alpha < PRIOR_HITS / (PRIOR_HITS + PRIOR_MISSES):
-                s.hits, s.misses = PRIOR_HITS, PRIOR_MISSES  # probe again
+                s.reset()  # probe again
                 s.verified_at = n
             alpha = s.alpha
             run = s.run
