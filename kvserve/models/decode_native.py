@@ -7,7 +7,7 @@ q|k|v projection, RoPE, KV write, attention, output projection, SwiGLU MLP and r
 the B rows of a decode-only step in C++, with kvserve's 4-bit kernel (``q4_core.h``: AVX512-VNNI,
 or AVX2 + FMA + F16C, picked by ``-march=native``; activations quantized to int8 per block of 32,
 as llama.cpp's Q4_0/Q4_1 dot products do), then the output norm and a Q8_0 head
-(:func:`pack_q8`), on torch's OpenMP threads.
+(:func:`pack_q8`), on the step's own worker threads (``thread_pool.h``, as many as torch's).
 
 Numerics: llama.cpp-style q4 x q8 rounding instead of torch's bfloat16 int4 kernel, so logits
 differ from the eager path by that rounding (prefill stays eager, but a prompt's last token runs
@@ -66,9 +66,10 @@ log = logging.getLogger("kvserve.engine")
 NAME = "kvserve_decode_cpu"
 _DIR = Path(__file__).resolve().parent
 SOURCES = ("decode_cpu.cpp", "q4_core.h", "thread_pool.h")
-#: -fopenmp: at::parallel_for runs its loop in one thread when the extension is compiled without
-#: it (ATen/ParallelOpenMP.h is behind _OPENMP); with it, the step's projections, attention and
-#: head use torch's OpenMP threads (the same libgomp.so.1 torch loaded)
+#: -fopenmp: at::parallel_for runs its loop in one thread when an extension is compiled without it
+#: (ATen/ParallelOpenMP.h is behind _OPENMP). The step itself now runs on its own worker threads
+#: (thread_pool.h: libgomp throttled its team's spin in a server, see docs/performance.md); the
+#: flag stays for the headers' parallel code it still includes
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 
