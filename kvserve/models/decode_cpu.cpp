@@ -280,15 +280,9 @@ inline void q4_mm_g(const float* x, int64_t M, int64_t K, const uint8_t* W, cons
       const uint8_t* wrow = W + n * (K / 2);
       const uint16_t* drow = D + n * G;
       const uint16_t* mrow = Mn + n * G;
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4)
-        q4_rows_dot_g<4>(wrow, drow, mrow, K, XG + r * K, XS + r * G, XM + r * G, Y + r * N + n, N);
-      switch (M - r) {
-        case 3: q4_rows_dot_g<3>(wrow, drow, mrow, K, XG + r * K, XS + r * G, XM + r * G, Y + r * N + n, N); break;
-        case 2: q4_rows_dot_g<2>(wrow, drow, mrow, K, XG + r * K, XS + r * G, XM + r * G, Y + r * N + n, N); break;
-        case 1: q4_rows_dot_g<1>(wrow, drow, mrow, K, XG + r * K, XS + r * G, XM + r * G, Y + r * N + n, N); break;
-        default: break;
-      }
+      kvserve_q4::for_row_blocks(M, [&](auto mr, int64_t r) {
+        q4_rows_dot_g<decltype(mr)::value>(wrow, drow, mrow, K, XG + r * K, XS + r * G, XM + r * G, Y + r * N + n, N);
+      });
     }
   });
 }
@@ -368,15 +362,10 @@ void q8_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wrow = W + n * K;
       const uint16_t* drow = D + n * G;
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4)
-        q8_rows_dot<4>(wrow, drow, K, XQ + r * K, CS + r * G, XS + r * G, &corr[r * P], &xsp[r * P], Y + r * N + n, N);
-      switch (M - r) {
-        case 3: q8_rows_dot<3>(wrow, drow, K, XQ + r * K, CS + r * G, XS + r * G, &corr[r * P], &xsp[r * P], Y + r * N + n, N); break;
-        case 2: q8_rows_dot<2>(wrow, drow, K, XQ + r * K, CS + r * G, XS + r * G, &corr[r * P], &xsp[r * P], Y + r * N + n, N); break;
-        case 1: q8_rows_dot<1>(wrow, drow, K, XQ + r * K, CS + r * G, XS + r * G, &corr[r * P], &xsp[r * P], Y + r * N + n, N); break;
-        default: break;
-      }
+      kvserve_q4::for_row_blocks(M, [&](auto mr, int64_t r) {
+        q8_rows_dot<decltype(mr)::value>(wrow, drow, K, XQ + r * K, CS + r * G, XS + r * G, &corr[r * P], &xsp[r * P],
+                                         Y + r * N + n, N);
+      });
     }
   });
 }
@@ -427,14 +416,9 @@ void q8_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* wrow = W + n * K;
       const uint16_t* drow = D + n * G;
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4) q8_rows_dot<4>(wrow, drow, K, XQ + r * K, XS + r * G, Y + r * N + n, N);
-      switch (M - r) {
-        case 3: q8_rows_dot<3>(wrow, drow, K, XQ + r * K, XS + r * G, Y + r * N + n, N); break;
-        case 2: q8_rows_dot<2>(wrow, drow, K, XQ + r * K, XS + r * G, Y + r * N + n, N); break;
-        case 1: q8_rows_dot<1>(wrow, drow, K, XQ + r * K, XS + r * G, Y + r * N + n, N); break;
-        default: break;
-      }
+      kvserve_q4::for_row_blocks(M, [&](auto mr, int64_t r) {
+        q8_rows_dot<decltype(mr)::value>(wrow, drow, K, XQ + r * K, XS + r * G, Y + r * N + n, N);
+      });
     }
   });
 }

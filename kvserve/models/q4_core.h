@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <type_traits>
 
 namespace kvserve_q4 {
 
@@ -192,6 +193,21 @@ inline void rows_dot(const uint8_t* wrow, const uint16_t* drow, const uint16_t* 
 
 #endif
 
+// Row blocks of an M-row product: f(std::integral_constant<int, R>{}, r) for r = 0, 4, 8, ... with R = 4,
+// then once with R = M % 4 (3, 2 or 1) for the rest. Every kernel that takes MR rows at once (q4 and q8,
+// both layouts) is called through this, so a row's block size, and with it its rounding, follows M alone.
+template <typename F>
+inline void for_row_blocks(int64_t M, const F& f) {
+  int64_t r = 0;
+  for (; r + 4 <= M; r += 4) f(std::integral_constant<int, 4>{}, r);
+  switch (M - r) {
+    case 3: f(std::integral_constant<int, 3>{}, r); break;
+    case 2: f(std::integral_constant<int, 2>{}, r); break;
+    case 1: f(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+
 // at::parallel_for as a callable (q4_mm_raw's default: the q4_mm op; the native step passes its pool's)
 struct AtParallelFor {
   template <typename F>
@@ -210,15 +226,9 @@ inline void q4_mm_raw(const float* x, int64_t M, int64_t K, const uint8_t* W, co
       const uint8_t* wrow = W + n * (K / 2);
       const uint16_t* drow = D + n * G;
       const uint16_t* mrow = Mn + n * G;
-      int64_t r = 0;
-      for (; r + 4 <= M; r += 4)
-        rows_dot<4>(wrow, drow, mrow, K, XQ + r * K, XS + r * G, XM + r * G, Y + r * N + n, N);
-      switch (M - r) {
-        case 3: rows_dot<3>(wrow, drow, mrow, K, XQ + r * K, XS + r * G, XM + r * G, Y + r * N + n, N); break;
-        case 2: rows_dot<2>(wrow, drow, mrow, K, XQ + r * K, XS + r * G, XM + r * G, Y + r * N + n, N); break;
-        case 1: rows_dot<1>(wrow, drow, mrow, K, XQ + r * K, XS + r * G, XM + r * G, Y + r * N + n, N); break;
-        default: break;
-      }
+      for_row_blocks(M, [&](auto mr, int64_t r) {
+        rows_dot<decltype(mr)::value>(wrow, drow, mrow, K, XQ + r * K, XS + r * G, XM + r * G, Y + r * N + n, N);
+      });
     }
   });
 }
