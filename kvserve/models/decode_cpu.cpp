@@ -122,33 +122,60 @@ inline vf exp_tail(float* p, int64_t k, vf mv) {
 }
 #endif
 
-// lane k of the result = the sum of v[k]'s W lanes, for W vectors at once (attention's scores, W
-// keys a call). Every k gets the same pairing tree: lanes l and l + W/2, then l and l + W/4, ...,
-// so a key's score does not depend on where it falls in a block, or on the other keys (zero
-// vectors may pad a block).
+// v, kept in a register: the compiler otherwise folds a load that several FMAs share into each of
+// them as a memory operand (one load per FMA: attention's loops were bound by loads, not FMAs)
+inline vf in_reg(vf v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+// r[0..W-1] (W rows of W floats) transposed in place: r[i] lane j = the old r[j] lane i. Attention
+// stores a chunk's keys this way (W keys side by side per dimension), so a score is one FMA chain
+// over the dimensions and needs no horizontal sum.
 #ifdef KVSERVE_AVX512
-inline vf hsum_w(const vf* v) {
-  __m512 u[8], w[4], x[2];
-  for (int i = 0; i < 8; ++i)
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44), _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
-  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
-  // y's lane 4 c + r holds key c + 4 r
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), y);
+inline void transpose_w(vf* r) {
+  __m512 a[16], b[16];
+  for (int k = 0; k < 8; ++k) {
+    a[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    a[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  // b[4 k + c], 128-bit lane l: rows 4 k .. 4 k + 3 of column 4 l + c
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a0 = _mm512_castps_pd(a[4 * k]), a1 = _mm512_castps_pd(a[4 * k + 1]);
+    const __m512d a2 = _mm512_castps_pd(a[4 * k + 2]), a3 = _mm512_castps_pd(a[4 * k + 3]);
+    b[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
+    b[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
+    b[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
+    b[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 e0 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0x88), e1 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0xDD);
+    const __m512 e2 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0x88), e3 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_f32x4(e0, e2, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(e1, e3, 0x88);
+    r[8 + c] = _mm512_shuffle_f32x4(e0, e2, 0xDD);
+    r[12 + c] = _mm512_shuffle_f32x4(e1, e3, 0xDD);
+  }
 }
 #else
-inline vf hsum_w(const vf* v) {
-  __m256 u[4], w[2];
-  for (int i = 0; i < 4; ++i)
-    u[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20), _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
-  for (int i = 0; i < 2; ++i)
-    w[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
-  const __m256 y = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], 0x88), _mm256_shuffle_ps(w[0], w[1], 0xDD));
-  // y holds keys 0 2 4 6 1 3 5 7
-  return _mm256_permutevar8x32_ps(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+inline void transpose_w(vf* r) {
+  __m256 a[8], b[8];
+  for (int k = 0; k < 4; ++k) {
+    a[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    a[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 2; ++k) {
+    const __m256d a0 = _mm256_castps_pd(a[4 * k]), a1 = _mm256_castps_pd(a[4 * k + 1]);
+    const __m256d a2 = _mm256_castps_pd(a[4 * k + 2]), a3 = _mm256_castps_pd(a[4 * k + 3]);
+    b[4 * k] = _mm256_castpd_ps(_mm256_unpacklo_pd(a0, a2));
+    b[4 * k + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a0, a2));
+    b[4 * k + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(a1, a3));
+    b[4 * k + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(a1, a3));
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(b[c], b[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(b[c], b[4 + c], 0x31);
+  }
 }
 #endif
 
@@ -213,10 +240,26 @@ inline void int8_to_groups(const int8_t* src, int8_t* dst, int64_t K) {
   std::memcpy(dst + 512 * NG, src + 512 * NG, K - 512 * NG);
 }
 
+// lane k of the result = the sum of v[k]'s 16 lanes, for 16 vectors at once. Each lane's tree is
+// _mm512_reduce_add_ps's: lanes l + (l + 8), then + 4, + 2, + 1 (IEEE addition commutes, so the
+// value is the same bit for bit as reducing each vector alone).
+inline __m512 hsum16(const __m512* v) {
+  __m512 u[8], w[4], x[2];
+  for (int i = 0; i < 8; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44), _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
+  // y's lane 4 c + r holds vector c + 4 r
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), y);
+}
+
 // MR activation rows (group layout) against one 4-bit weight row (group layout): see above
 template <int MR>
 inline void q4_rows_dot_g(const uint8_t* wrow, const uint16_t* drow, const uint16_t* mrow, int64_t K,
-                          const int8_t* xq, const float* xs, const float* xsum, float* out, int64_t ldo) {
+                          const int8_t* xq, const float* xs, const float* xsum, __m512* vout) {
   const int64_t G = K / 32, NG = G / 16, P = K / 64;
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
@@ -265,7 +308,27 @@ inline void q4_rows_dot_g(const uint8_t* wrow, const uint16_t* drow, const uint1
     const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, mrow + g0));
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, xsum + r * G + g0), acc[r]);
   }
-  for (int r = 0; r < MR; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < MR; ++r) vout[r * 16] = acc[r];  // summed by the caller, 16 weight rows at once
+}
+
+// The rows [n0, n1) of a product in tiles of 16 weight rows: dot(n, mr, r, vout) leaves the MR
+// activation rows' lane sums of weight row n in vout[0], vout[16], ...; each row's 16 vectors are
+// then summed at once (hsum16: the tree of _mm512_reduce_add_ps, so the same value as one by one)
+// and stored to Y [M, N]. A tile's missing rows are zero vectors, their sums not stored.
+template <typename Dot>
+inline void tiled_rows(int64_t n0, int64_t n1, int64_t M, int64_t N, float* Y, const Dot& dot) {
+  for (int64_t nt = n0; nt < n1; nt += 16) {
+    const int64_t nn = std::min<int64_t>(16, n1 - nt);
+    const __mmask16 mk = static_cast<__mmask16>((1u << nn) - 1u);
+    kvserve_q4::for_row_blocks(M, [&](auto mr, int64_t r) {
+      constexpr int MR = decltype(mr)::value;
+      __m512 av[MR * 16];
+      for (int64_t j = 0; j < nn; ++j) dot(nt + j, mr, r, av + j);
+      for (int64_t j = nn; j < 16; ++j)
+        for (int q = 0; q < MR; ++q) av[q * 16 + j] = _mm512_setzero_ps();
+      for (int q = 0; q < MR; ++q) _mm512_mask_storeu_ps(Y + (r + q) * N + nt, mk, hsum16(av + q * 16));
+    });
+  }
 }
 
 // y [M, N] = x [M, K] float32 @ W.T, W 4-bit in the group layout; scratch xq, xg [M * K] int8,
@@ -276,14 +339,10 @@ inline void q4_mm_g(const float* x, int64_t M, int64_t K, const uint8_t* W, cons
   kvserve_q4::quantize_rows(x, M, K, XQ, XS, XM);
   for (int64_t r = 0; r < M; ++r) int8_to_groups(XQ + r * K, XG + r * K, K);
   kvserve_pool::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wrow = W + n * (K / 2);
-      const uint16_t* drow = D + n * G;
-      const uint16_t* mrow = Mn + n * G;
-      kvserve_q4::for_row_blocks(M, [&](auto mr, int64_t r) {
-        q4_rows_dot_g<decltype(mr)::value>(wrow, drow, mrow, K, XG + r * K, XS + r * G, XM + r * G, Y + r * N + n, N);
-      });
-    }
+    tiled_rows(n0, n1, M, N, Y, [&](int64_t n, auto mr, int64_t r, __m512* vout) {
+      q4_rows_dot_g<decltype(mr)::value>(W + n * (K / 2), D + n * G, Mn + n * G, K, XG + r * K, XS + r * G, XM + r * G,
+                                         vout);
+    });
   });
 }
 
@@ -292,7 +351,7 @@ inline void q4_mm_g(const float* x, int64_t M, int64_t K, const uint8_t* W, cons
 // blocks; the pairs after the last whole segment as dot(q + 128, xq) - 128 * sum(xq) lane by lane.
 template <int MR>
 inline void q8_rows_dot(const uint8_t* wrow, const uint16_t* drow, int64_t K, const int8_t* xq, const int32_t* cs,
-                        const float* xs, const __m512i* corr, const __m512* xsp, float* out, int64_t ldo) {
+                        const float* xs, const __m512i* corr, const __m512* xsp, __m512* vout) {
   const int64_t G = K / 32, NG = G / 16, P = K / 64;
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
@@ -326,7 +385,7 @@ inline void q8_rows_dot(const uint8_t* wrow, const uint16_t* drow, int64_t K, co
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xsp[r * P + pr]), acc[r]);
     }
   }
-  for (int r = 0; r < MR; ++r) out[r * ldo] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < MR; ++r) vout[r * 16] = acc[r];  // summed by tiled_rows
 }
 
 // y [M, N] = x [M, K] @ head.T with the q8 weights above (group layout)
@@ -359,14 +418,10 @@ void q8_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_
   const int32_t* CS = cs.data();
   const float* XS = xs.data();
   kvserve_pool::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wrow = W + n * K;
-      const uint16_t* drow = D + n * G;
-      kvserve_q4::for_row_blocks(M, [&](auto mr, int64_t r) {
-        q8_rows_dot<decltype(mr)::value>(wrow, drow, K, XQ + r * K, CS + r * G, XS + r * G, &corr[r * P], &xsp[r * P],
-                                         Y + r * N + n, N);
-      });
-    }
+    tiled_rows(n0, n1, M, N, Y, [&](int64_t n, auto mr, int64_t r, __m512* vout) {
+      q8_rows_dot<decltype(mr)::value>(W + n * K, D + n * G, K, XQ + r * K, CS + r * G, XS + r * G, &corr[r * P],
+                                       &xsp[r * P], vout);
+    });
   });
 }
 #else
@@ -610,6 +665,9 @@ class Decoder {
   static constexpr int64_t CHUNK = 256;
   // query heads of one row handled together (their keys and values loaded once: GQA)
   static constexpr int QB = W == 16 ? 4 : 2;
+  // key blocks (of W) scored at once per head (attention's heads: QB x KT accumulators)
+  static constexpr int64_t KT = 4;
+  static_assert(CHUNK % (W * KT) == 0, "a chunk is whole tiles of KT key blocks");
 
   // write each row's k/v (after RoPE) into the cache, then attention of every query head.
   // gb: the step's row groups [gb[i], gb[i+1]) (rows whose cache rows begin with all of the previous
@@ -645,31 +703,41 @@ class Decoder {
         for (int64_t c = 0; c * CHUNK < lg; ++c) tasks.push_back({g, kvh, c});
     }
     kvserve_pool::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> kf((CHUNK + W) * D), vfl(CHUNK * D), sc(QB * (CHUNK + W));
+      // kt: the chunk's keys as float32 in blocks of W keys, [block][d][W] (zero past the chunk's keys, up
+      // to a whole tile of KT blocks); vfl: its values [key][d]
+      std::vector<float> kt(CHUNK * D), vfl(CHUNK * D), sc(QB * (CHUNK + W));
       for (int64_t t = t0; t < t1; ++t) {
         const Task tk = tasks[t];
         const int64_t blast = gb[tk.g + 1] - 1, j0 = tk.c * CHUNK;
         const int64_t j1 = std::min(j0 + CHUNK, len[blast]), n = j1 - j0;
         const int64_t* rix = idx + blast * L + j0;
-        for (int64_t j = 0; j < n; ++j) {
-          const T* kr = K + (rix[j] * HKV + tk.kvh) * D;
-          const T* vr = V + (rix[j] * HKV + tk.kvh) * D;
+        const int64_t nblk = (n + W - 1) / W, nblk_t = (nblk + KT - 1) / KT * KT;
+        for (int64_t kb = 0; kb < nblk; ++kb) {
+          const T* kr[W];
+          for (int64_t u = 0; u < W; ++u)
+            kr[u] = kb * W + u < n ? K + (rix[kb * W + u] * HKV + tk.kvh) * D : nullptr;
           for (int64_t d = 0; d < D; d += W) {
-            vst(kf.data() + j * D + d, vload(kr + d));
-            vst(vfl.data() + j * D + d, vload(vr + d));
+            vf r[W];
+            for (int64_t u = 0; u < W; ++u) r[u] = kr[u] ? vload(kr[u] + d) : vzero();
+            transpose_w(r);
+            for (int64_t u = 0; u < W; ++u) vst(kt.data() + (kb * D + d + u) * W, r[u]);
           }
         }
-        std::fill(kf.begin() + n * D, kf.begin() + ((n + W - 1) / W * W) * D, 0.f);
+        std::fill(kt.begin() + nblk * D * W, kt.begin() + nblk_t * D * W, 0.f);
+        for (int64_t j = 0; j < n; ++j) {
+          const T* vr = V + (rix[j] * HKV + tk.kvh) * D;
+          for (int64_t d = 0; d < D; d += W) vst(vfl.data() + j * D + d, vload(vr + d));
+        }
         for (int64_t b = gb[tk.g]; b <= blast; ++b) {
           const int64_t nb = std::min(j1, len[b]) - j0;
           if (nb <= 0) continue;
           for (int64_t h0 = tk.kvh * G; h0 < (tk.kvh + 1) * G; h0 += QB) {
             const int qn = static_cast<int>(std::min<int64_t>(QB, (tk.kvh + 1) * G - h0));
             switch (qn) {
-              case 1: heads<1>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC, pc); break;
-              case 2: heads<2>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC, pc); break;
-              case 3: heads<3>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC, pc); break;
-              default: heads<4>(qkv + b * QKV + h0 * D, kf.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC, pc); break;
+              case 1: heads<1>(qkv + b * QKV + h0 * D, kt.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC, pc); break;
+              case 2: heads<2>(qkv + b * QKV + h0 * D, kt.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC, pc); break;
+              case 3: heads<3>(qkv + b * QKV + h0 * D, kt.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC, pc); break;
+              default: heads<4>(qkv + b * QKV + h0 * D, kt.data(), vfl.data(), nb, scale, sc.data(), b * H + h0, tk.c, NC, pc); break;
             }
           }
         }
@@ -703,27 +771,33 @@ class Decoder {
     });
   }
 
-  // QN query heads (q: QN consecutive heads of one row, [QN, D]) over nb keys of one chunk, kf/vf
-  // [nb, D] float32: scores (hsum_w), the chunk's softmax pieces and weighted values -> pc (m, s, o)
-  // at query qi0 + i, chunk c
+  // QN query heads (q: QN consecutive heads of one row, [QN, D]) over nb keys of one chunk (kt: the
+  // keys [block][d][W], zero past them; vfl [nb, D]), float32: scores, the chunk's softmax pieces and
+  // weighted values -> pc (m, s, o) at query qi0 + i, chunk c
   template <int QN>
-  void heads(const float* q, const float* kf, const float* vfl, int64_t nb, float scale, float* sc, int64_t qi0,
+  void heads(const float* q, const float* kt, const float* vfl, int64_t nb, float scale, float* sc, int64_t qi0,
              int64_t c, int64_t NC, Pieces& pc) {
     const int64_t D = hd_, S = CHUNK + W;
     const vf vs = vset1(scale);
-    // W keys at a time (kf is zero past the chunk's keys, so a block never reads garbage), each key's
-    // sum over d in order, then hsum_w
-    for (int64_t jb = 0; jb < nb; jb += W) {
-      for (int i = 0; i < QN; ++i) {
-        vf acc[W];
-        for (int64_t k = 0; k < W; ++k) acc[k] = vzero();
-        for (int64_t d = 0; d < D; d += W) {
-          const vf qd = vld(q + i * D + d);
-          const float* kb = kf + jb * D + d;
-          for (int64_t k = 0; k < W; ++k) acc[k] = vfma(qd, vld(kb + k * D), acc[k]);
+    // scores KT blocks of W keys at a time: lane u of acc[i][k] is key (b0 + k) W + u's score for head i,
+    // one FMA per dimension in order (a key's score depends on nothing else: not its block, the other
+    // keys, heads or rows); blocks past nb's are zero keys, their scores ignored
+    const int64_t nblk = (nb + W - 1) / W;
+    for (int64_t b0 = 0; b0 < nblk; b0 += KT) {
+      vf acc[QN][KT];
+      for (int i = 0; i < QN; ++i)
+        for (int k = 0; k < KT; ++k) acc[i][k] = vzero();
+      const float* kb = kt + b0 * D * W;
+      for (int64_t d = 0; d < D; ++d) {
+        vf kv[KT];
+        for (int k = 0; k < KT; ++k) kv[k] = in_reg(vld(kb + (k * D + d) * W));
+        for (int i = 0; i < QN; ++i) {
+          const vf qd = vset1(q[i * D + d]);
+          for (int k = 0; k < KT; ++k) acc[i][k] = vfma(qd, kv[k], acc[i][k]);
         }
-        vst(sc + i * S + jb, vmul(hsum_w(acc), vs));
       }
+      for (int i = 0; i < QN; ++i)
+        for (int k = 0; k < KT; ++k) vst(sc + i * S + (b0 + k) * W, vmul(acc[i][k], vs));
     }
     for (int i = 0; i < QN; ++i) {
       float* p = sc + i * S;
@@ -752,7 +826,7 @@ class Decoder {
       for (int64_t j = 0; j < nb; ++j) {
         const float* vr = vfl + j * D + d0;
         vf v[NV];
-        for (int64_t u = 0; u < NV; ++u) v[u] = vld(vr + u * W);
+        for (int64_t u = 0; u < NV; ++u) v[u] = in_reg(vld(vr + u * W));
         for (int i = 0; i < QN; ++i) {
           const vf w = vset1(sc[i * S + j]);
           for (int64_t u = 0; u < NV; ++u) a[i][u] = vfma(w, v[u], a[i][u]);
