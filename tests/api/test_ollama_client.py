@@ -132,16 +132,21 @@ def test_chat_streamed_equals_whole(client):
     # kernel) may round apart and take different greedy paths
     client.chat(model="smollm2", messages=ASK, options={**GREEDY, "num_predict": 1}, stream=False)
     whole = client.chat(model="smollm2", messages=ASK, options=GREEDY, stream=False)
-    assert whole.model == "smollm2" and whole.done and whole.done_reason == "length"
+    # where the answer ends is the model's (and the CPU's rounding's) choice: SmolLM2 stopped after
+    # "A color is a color." on a Zen 4 (CI) and runs on to num_predict on a Xeon; either way the
+    # accounting must say which, and the streamed answer must end the same way
+    assert whole.model == "smollm2" and whole.done and whole.done_reason in ("stop", "length")
     assert whole.message.role == "assistant" and whole.message.content
-    assert whole.eval_count == 12 and whole.prompt_eval_count > 0
+    assert (whole.eval_count == 12) if whole.done_reason == "length" else (0 < whole.eval_count <= 12)
+    assert whole.prompt_eval_count > 0
     for k in ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration"):
         assert getattr(whole, k) > 0, k
     parts = list(client.chat(model="smollm2:latest", messages=ASK, options=GREEDY, stream=True))
     assert all(not p.done for p in parts[:-1]) and parts[-1].done
     assert parts[-1].model == "smollm2:latest"  # the name the request gave
     assert "".join(p.message.content for p in parts) == whole.message.content
-    assert parts[-1].message.content == "" and parts[-1].eval_count == 12
+    assert parts[-1].message.content == "" and parts[-1].eval_count == whole.eval_count
+    assert parts[-1].done_reason == whole.done_reason
 
 
 def test_generate_streamed_equals_whole(client):
