@@ -139,3 +139,51 @@ def test_w8a8_head_only_where_int8_gemm_is_fast(tmp_path):
     assert int8_gemm_is_fast(cpuinfo("fpu sse2 avx2 fma avx512f avx512bw")) is False
     assert int8_gemm_is_fast(str(tmp_path / "missing")) is False
     assert auto_head_kernel() == ("w8a8" if int8_gemm_is_fast() else "dense")
+
+
+def test_q4_dense_copy_equals_to_dense_bit_for_bit():
+    """The large-batch dense copy (_q4_dense, chunked torch ops) holds the same values as
+    Weight.to_dense (numpy), in float32 and after rounding to bfloat16; odd row counts cross
+    the chunk boundary."""
+    import numpy as np
+
+    from kvserve.loaders.weights import Weight
+    from kvserve.models.llama import _int4_pack, _q4_dense
+
+    rng = np.random.default_rng(7)
+    for rows, cols in ((5, 64), (1000, 576), (4099, 96), (1536, 576)):
+        q = rng.integers(0, 16, size=(rows, cols), dtype=np.uint8)
+        d = rng.standard_normal((rows, cols // 32)).astype(np.float16).astype(np.float32) / 50
+        m = rng.standard_normal((rows, cols // 32)).astype(np.float16).astype(np.float32) / 10
+        w = Weight((rows, cols), q4=q, q4_scale=d, q4_zero=m + 8 * d, source_type="Q4_1")
+        ref = torch.from_numpy(w.to_dense())
+        got = _q4_dense(w, torch.float32)
+        assert got.shape == (rows, cols) and torch.equal(got.view(torch.int32), ref.view(torch.int32))
+        got16 = _q4_dense(w, torch.bfloat16)
+        assert torch.equal(got16.view(torch.int16), ref.to(torch.bfloat16).view(torch.int16))
+        if rows % 16 == 0:  # _int4_pack converts 256 rows at a time: the whole matrix's bytes
+            whole = torch._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype("int32")), 1)
+            assert torch.equal(_int4_pack(w, "cpu")[0], whole)
+
+
+def test_q8_0_loader_equals_gguf_dequantize(tmp_path):
+    """GGUF Q8_0 tensors load through kvserve's one-buffer routine with gguf's values bit for
+    bit (the tiny model's Q8_0 file; the embedding and every projection)."""
+    import gguf
+    import numpy as np
+    import tinymodel as tm  # tests/ is on sys.path (conftest.py)
+
+    from kvserve.loaders.gguf import load_gguf
+
+    p = tm.write_tiny_gguf(tmp_path / "q8.gguf", qtype="Q8_0")
+    loaded = load_gguf(p)
+    checked = 0
+    for t in gguf.GGUFReader(p).tensors:
+        if t.tensor_type.name != "Q8_0":
+            continue
+        ref = gguf.quants.dequantize(np.array(t.data), t.tensor_type)
+        got = loaded.weights[t.name].dense
+        assert got.dtype == np.float32 and got.shape == tuple(int(x) for x in reversed(t.shape))
+        assert np.array_equal(got.reshape(-1).view(np.uint32), ref.reshape(-1).view(np.uint32)), t.name
+        checked += 1
+    assert checked >= 8
