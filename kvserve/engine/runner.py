@@ -429,8 +429,16 @@ class ModelRunner:
                 sampled.append((ci, smp))
         if greedy:
             rows = [r for ci in greedy for r in range(batch.spec_off[ci], batch.spec_off[ci] + chunks[ci].num_new_tokens)]
-            sel = torch.tensor(rows, dtype=torch.long, device=logits.device)
-            tok = logits.index_select(0, sel).to(torch.float32).argmax(dim=-1).tolist()
+            if logits.device.type == "cpu" and logits.dtype == torch.float32:
+                # numpy's argmax in this thread (the first index of the maximum, as torch's): torch's
+                # parallel argmax woke its OpenMP team, ~2.6 ms a verification step in a server
+                # (libgomp's throttled spin, see docs/performance.md) against ~0.2 ms here
+                a = logits.numpy()
+                sub = a[rows[0]: rows[-1] + 1] if rows[-1] - rows[0] + 1 == len(rows) else a[rows]
+                tok = sub.argmax(axis=-1).tolist()
+            else:
+                sel = torch.tensor(rows, dtype=torch.long, device=logits.device)
+                tok = logits.index_select(0, sel).to(torch.float32).argmax(dim=-1).tolist()
             i = 0
             for ci in greedy:
                 n = chunks[ci].num_new_tokens
