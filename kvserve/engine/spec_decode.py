@@ -37,7 +37,7 @@ stays token-identical whatever it decides):
   could not be told from the machine's noise (verifying every proposal: 0.91-1.14 times plain
   over 4 rounds). Once the native decode step (:mod:`kvserve.models.decode_native`) runs the
   engine's decode steps, verification chunks run in it as decode rows and the constants become
-  :data:`STEP_BASE_ROWS_NATIVE` (3.5 on the AVX512 build, 2.0 on the AVX2 one) and
+  :data:`STEP_BASE_ROWS_NATIVE` (5.0 on the AVX512 build, 2.0 on the AVX2 one) and
   :data:`CHUNK_ROWS_NATIVE` (0): its kernels' cost grows with every row (a 16-row step ~4.4 times a
   1-row one on the AVX512 build, ~7.5 on the Zen 3's AVX2 one), so drafts must be likelier to pay. On a GPU :data:`STEP_BASE_ROWS_GPU` (64) and :data:`CHUNK_ROWS_GPU` (8):
   guesses, not measured yet.
@@ -103,11 +103,15 @@ STEP_BASE_ROWS_GPU = 64.0
 #: by the build's instruction set: its kernels' cost grows with every row. SmolLM2 Q4_1, 2 threads,
 #: 800 cached tokens, one step of B = 1, 2, 4, 6, 8, 12, 16 rows of one sequence (a verification
 #: chunk): AVX512 group kernel on the 2-core Xeon, 5.8, 6.9, 9.3, 12.1, 14.7, 19.5, 25.3 ms, about
-#: (3.5 + B) / 4.5 times the 1-row step; the AVX2 build on the same machine 6.0, 7.6, 11.0, 15.0,
+#: (3.5 + B) / 4.5 times the 1-row step; after the transposed keys and 16-row sums (2026-12-05,
+#: ``benchmarks/step_cost.py``) 8.0, 8.8, 11.1, 14.9, 16.5, 23.4, 30.5 ms: a line through B <= 8
+#: gives 5.1 (through 1-16 3.4, the cost growing faster past 8 rows), and a step's host work
+#: (~1.5 ms) adds to its fixed part: 5.0 (agent_edit in process, best of three: 2.67x plain
+#: against 2.42x at 3.5, 2.48x at 4.5, 2.59x at 6; the same tokens); the AVX2 build on the same machine 6.0, 7.6, 11.0, 15.0,
 #: 18.1, -, 33.2 ms (about 2.3); the AVX2 build on the 2-core Zen 3 before attention read a
 #: chunk's keys once, 9.4, 12.8, 21.3, -, 36.5, 54.3, 70.8 ms (1.5). A verification chunk then
 #: costs nothing beyond its rows (they are decode rows)
-STEP_BASE_ROWS_NATIVE = {"avx512": 3.5, "avx2": 2.0}
+STEP_BASE_ROWS_NATIVE = {"avx512": 5.0, "avx2": 2.0}
 CHUNK_ROWS_NATIVE = 0.0
 #: what a verification chunk costs beyond its draft rows, in rows: CPU, GPU (the GPU's figures
 #: are guesses: not measured yet)
