@@ -110,9 +110,10 @@ class _Cursor:
         return self.scalar(vtype)
 
 
-#: the last header read: ((path, size, mtime_ns), metadata, tensors). A model load reads its file's
-#: header several times (the model manager's task probe, vLLM's start-up checks, the loader); on
-#: SmolLM2 a read is 0.1-0.2 s of start-up, most of it the 49k vocabulary strings
+#: the last header read: ((path, device, inode, size, mtime_ns, ctime_ns), metadata, tensors). A
+#: model load reads its file's header several times (the model manager's task probe, vLLM's
+#: start-up checks, the loader); on SmolLM2 a read is 0.1-0.2 s of start-up, most of it the 49k
+#: vocabulary strings
 _LAST_HEADER: tuple | None = None
 _HEADER_LOCK = threading.Lock()
 
@@ -131,7 +132,9 @@ def read_gguf_header(path: str) -> tuple[dict, list[TensorInfo]]:
     """
     global _LAST_HEADER
     st = os.stat(path)
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    # the inode, device and change time too: a same-size copy that kept the modification time
+    # (cp -p, rsync -a, tar) or a coarse file-system clock must not hand out the old header
+    key = (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     with _HEADER_LOCK:
         last = _LAST_HEADER
     if last is not None and last[0] == key:
@@ -286,7 +289,7 @@ def _tensor_to_weight(t: TensorInfo, raw: np.ndarray) -> Weight:
     data = raw[t.offset: t.offset + t.n_bytes]
     if qtype.name in ("Q4_0", "Q4_1") and len(shape) == 2:
         return _q4_blocks(data, shape[0], shape[1], qtype.name)
-    if qtype == gguf.GGMLQuantizationType.Q8_0 and shape[-1] % 32 == 0:
+    if qtype == gguf.GGMLQuantizationType.Q8_0 and shape and shape[-1] % 32 == 0:
         return Weight(shape, dense=_q8_0_dense(data, shape), source_type=qtype.name)
     if qtype == gguf.GGMLQuantizationType.F32:
         arr = data.view(np.float32).copy()  # writable: torch refuses read-only memory

@@ -212,3 +212,27 @@ def test_kvserve_gguf_tokenizer_matches_hf(tiny_gguf: Path, tmp_path: Path) -> N
     ours = mod.Tokenizer.from_gguf_file(tiny_gguf)
     for text in (SAMPLE, "the theory of everything", "1234567 x", "don't  stop\n\nnow"):
         assert list(ours.encode(text)) == hf.encode(text).ids, text
+
+
+def test_header_cache_sees_a_replaced_file(tmp_path: Path) -> None:
+    """read_gguf_header remembers the last file's header: a caller's changes to what it got do not
+    reach the next caller, and a same-size file put in its place with the old modification time
+    (cp -p, rsync -a) is read anew (the key holds the inode and change time)."""
+    import os
+
+    from kvserve.loaders.gguf import load_gguf, read_gguf_header
+
+    p = tm.write_tiny_gguf(tmp_path / "m.gguf", ctx=512)
+    md, infos = read_gguf_header(str(p))
+    assert md["llama.context_length"] == 512
+    md["llama.context_length"] = 7
+    infos.clear()
+    md2, infos2 = read_gguf_header(str(p))
+    assert md2["llama.context_length"] == 512 and len(infos2) > 0
+    st = os.stat(p)
+    new = tm.write_tiny_gguf(tmp_path / "new.gguf", ctx=2048)
+    assert os.path.getsize(new) == st.st_size
+    os.replace(new, p)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert read_gguf_header(str(p))[0]["llama.context_length"] == 2048
+    assert load_gguf(p).config.n_ctx_train == 2048
