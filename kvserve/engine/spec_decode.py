@@ -106,8 +106,9 @@ STEP_BASE_ROWS_GPU = 64.0
 #: (3.5 + B) / 4.5 times the 1-row step; after the transposed keys and 16-row sums (2026-12-05,
 #: ``benchmarks/step_cost.py``) 8.0, 8.8, 11.1, 14.9, 16.5, 23.4, 30.5 ms: a line through B <= 8
 #: gives 5.1 (through 1-16 3.4, the cost growing faster past 8 rows), and a step's host work
-#: (~1.5 ms) adds to its fixed part: 5.0 (agent_edit in process, best of three: 2.67x plain
-#: against 2.42x at 3.5, 2.48x at 4.5, 2.59x at 6; the same tokens); the AVX2 build on the same machine 6.0, 7.6, 11.0, 15.0,
+#: (~1.5 ms) adds to its fixed part: 5.0 (agent_edit in process, median of six alternating
+#: rounds: 2.67x plain against 2.54x at 3.5; the same tokens; the Zen 4's figures of 2026-12-02
+#: fit ~2.5, not re-measured); the AVX2 build on the same machine 6.0, 7.6, 11.0, 15.0,
 #: 18.1, -, 33.2 ms (about 2.3); the AVX2 build on the 2-core Zen 3 before attention read a
 #: chunk's keys once, 9.4, 12.8, 21.3, -, 36.5, 54.3, 70.8 ms (1.5). A verification chunk then
 #: costs nothing beyond its rows (they are decode rows)

@@ -124,8 +124,8 @@ def read_gguf_header(path: str) -> tuple[dict, list[TensorInfo]]:
     We parse the header ourselves because gguf.GGUFReader builds a numpy view
     per vocabulary string and takes ~5 s on a 49k-token vocabulary; tensor
     data is still decoded with the ``gguf`` package. The last file's header is
-    remembered by path, size and modification time: a caller gets its own dict
-    and list (shared values: treat them as read-only).
+    remembered by path, device, inode, size, modification and change time: a
+    caller gets its own dict and list (shared values: treat them as read-only).
 
     Returns (metadata: key -> Python value, tensors). Raises ModelLoadError on a
     bad magic, unsupported version or a truncated file.
