@@ -15,6 +15,7 @@
 #include <c10/util/Half.h>
 #include <c10/util/BFloat16.h>
 #include <type_traits>
+#include <string>
 #include <vector>
 #include "q4_core.h"
 #include "thread_pool.h"
@@ -211,216 +212,156 @@ inline void rms_norm(const float* x, const float* w, float* out, int64_t n, floa
 // kernel's pair order (each 32-bit lane 4 weights of one block, blocks alternating lane by lane)
 // and offset to unsigned (q + 128); activations quantized per block of 32 as for the q4 kernel.
 #ifdef KVSERVE_AVX512
-// The AVX512 build's group layout (LAYOUT "group16"; decode_native.py packs the weights in it).
-// The pair order spends a float conversion, a scale product and an FMA on every 64 weights and
-// row: 4 of the 4.5 vector ALU operations per 64 MACs, on the two ports 512-bit work has. Here a
-// segment of 16 blocks (512 values) is laid out so that lane i of every 64-byte vector belongs to
-// block i of the segment: the 8 vpdpbusd of a segment sum each block whole in its own int32 lane
-// (exact), then one conversion, product and FMA serve 16 blocks. A row's blocks after its last
-// whole segment (K % 512 / 32 of them, an even number) keep the pair order.
-//   int8 (activations, the q8 head): segment j = bytes [512 j, 512 j + 512); step s (0..7) at
-//     64 s, lane i (4 bytes) = values 4 s .. 4 s + 3 of block 16 j + i; taken from the pair order's
-//     32-bit word 2 s + i % 2 of pair 8 j + i / 2.
-//   4-bit weights: segment j = bytes [256 j, 256 j + 256); chunk t (0..3) at 64 t, lane i: the low
-//     nibbles are values 4 t .. 4 t + 3 of block 16 j + i (they meet activation step t), the high
-//     nibbles values 16 + 4 t .. 16 + 4 t + 3 (step t + 4); taken from the pair order's packed
-//     word 2 t + i % 2 of pair 8 j + i / 2.
-// Every row is computed with the same operations in the same order whatever M is (batch invariance).
-constexpr const char* LAYOUT = "group16";
+// The AVX512 build's tile layout (LAYOUT "tile16"; decode_native.py packs the weights in it, from
+// the pair order with q4_kernel.to_tiles). Output rows go in tiles of 16, lane i of every 64-byte
+// weight vector belonging to row 16 T + i of tile T, and each vpdpbusd takes 4 activation bytes
+// broadcast to all lanes ({1to16}: a load, not an ALU operation). So the int32 lanes hold the
+// 16 rows' dot products of one block of 32 (exact), one conversion, scale product and FMA per block
+// serve 16 rows, the 16 lanes are stored as they are (no horizontal sums) and K need not be a
+// multiple of 512. The weights of a tile are unpacked once for every MR activation rows. On the
+// 2-core Xeon this did 2x the multiply-adds per cycle of the earlier group layout (which summed
+// blocks within a row's lanes: a tail of pairs and a tree of shuffles per output).
+//   tile T = bytes [T 16 (K / 2), (T + 1) 16 (K / 2)) (4-bit) or [T 16 K, (T + 1) 16 K) (int8);
+//   block b of the tile at 256 b (4-bit) or 512 b (int8), in it vector t at 64 t, lane i (4 bytes):
+//     4-bit: low nibbles values 4 t .. 4 t + 3 of row 16 T + i's block b, high nibbles values
+//       16 + 4 t .. 16 + 4 t + 3 (t = 0..3);
+//     int8: values 4 t .. 4 t + 3 (t = 0..7), plus 128;
+//   scales d (and m) [T][G][16]: block b of row 16 T + i at (T G + b) 16 + i.
+// The activations stay in the pair order (quantize_rows): values 4 t .. 4 t + 3 of block b are
+// its pair's 32-bit word 2 t + b % 2, word (b / 2) 16 + 2 t + b % 2 of the row.
+// Every output is computed with the same operations in the same order whatever M, the row block
+// or the tile's other rows are (batch invariance).
+constexpr const char* LAYOUT = "tile16";
 
-// one row's int8 values [K] from the pair order (src) into the group layout (dst)
-inline void int8_to_groups(const int8_t* src, int8_t* dst, int64_t K) {
-  const int64_t NG = K / 512;
-  for (int64_t j = 0; j < NG; ++j) {
-    const int8_t* s = src + 512 * j;
-    int8_t* d = dst + 512 * j;
-    for (int st = 0; st < 8; ++st)
-      for (int i = 0; i < 16; ++i) std::memcpy(d + 64 * st + 4 * i, s + 64 * (i / 2) + 4 * (2 * st + i % 2), 4);
-  }
-  std::memcpy(dst + 512 * NG, src + 512 * NG, K - 512 * NG);
-}
-
-// lane k of the result = the sum of v[k]'s 16 lanes, for 16 vectors at once. Each lane's tree is
-// _mm512_reduce_add_ps's: lanes l + (l + 8), then + 4, + 2, + 1 (IEEE addition commutes, so the
-// value is the same bit for bit as reducing each vector alone).
-inline __m512 hsum16(const __m512* v) {
-  __m512 u[8], w[4], x[2];
-  for (int i = 0; i < 8; ++i)
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44), _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
-  const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
-  // y's lane 4 c + r holds vector c + 4 r
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), y);
-}
-
-// MR activation rows (group layout) against one 4-bit weight row (group layout): see above
+// MR activation rows (xw: int32 words of the pair order, row stride xstride words) against tile
+// wt of 4-bit weights: out[r] lane i = row 16 T + i's dot product with activation row r
 template <int MR>
-inline void q4_rows_dot_g(const uint8_t* wrow, const uint16_t* drow, const uint16_t* mrow, int64_t K,
-                          const int8_t* xq, const float* xs, const float* xsum, __m512* vout) {
-  const int64_t G = K / 32, NG = G / 16, P = K / 64;
+inline void q4_tile(const uint8_t* wt, const uint16_t* dt, const uint16_t* mt, int64_t G, const int32_t* xw,
+                    int64_t xstride, const float* xs, const float* xsum, __m512* out) {
+  __m512 acc[MR], accm[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < G; ++b) {
+    const uint8_t* w = wt + b * 256;
+    __m512i lo[4], hi[4];
+    for (int t = 0; t < 4; ++t) {
+      const __m512i v = _mm512_loadu_si512(w + 64 * t);
+      lo[t] = _mm512_and_si512(v, low4);
+      hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    const int32_t* xb = xw + (b / 2) * 16 + (b % 2);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dt + 16 * b)));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mt + 16 * b)));
+    for (int r = 0; r < MR; ++r) {
+      const int32_t* xr = xb + r * xstride;
+      __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();
+      for (int t = 0; t < 4; ++t) {
+        ia = _mm512_dpbusd_epi32(ia, lo[t], _mm512_set1_epi32(xr[2 * t]));
+        ib = _mm512_dpbusd_epi32(ib, hi[t], _mm512_set1_epi32(xr[2 * t + 8]));
+      }
+      // w = q d + m: d dx sum(q xq) + m (dx sum(xq)), the m terms in their own sum
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia, ib)),
+                               _mm512_mul_ps(dw, _mm512_set1_ps(xs[r * G + b])), acc[r]);
+      accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xsum[r * G + b]), accm[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) out[r] = _mm512_add_ps(acc[r], accm[r]);
+}
+
+// the head's int8 tile (values + 128): per block the dot product minus 128 sum(xq) (cs), then d dx
+template <int MR>
+inline void q8_tile(const uint8_t* wt, const uint16_t* dt, int64_t G, const int32_t* xw, int64_t xstride,
+                    const float* xs, const int32_t* cs, __m512* out) {
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t j = 0; j < NG; ++j) {
-    const uint8_t* ws = wrow + 256 * j;
-    __m512i ia[MR], ib[MR];
-    for (int r = 0; r < MR; ++r) ia[r] = ib[r] = _mm512_setzero_si512();
-    for (int t = 0; t < 4; ++t) {
-      const __m512i b = _mm512_loadu_si512(ws + 64 * t);
-      const __m512i lo = _mm512_and_si512(b, low4);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xr = xq + r * K + 512 * j;
-        ia[r] = _mm512_dpbusd_epi32(ia[r], lo, _mm512_loadu_si512(xr + 64 * t));
-        ib[r] = _mm512_dpbusd_epi32(ib[r], hi, _mm512_loadu_si512(xr + 64 * (t + 4)));
-      }
-    }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(drow + 16 * j)));
-    for (int r = 0; r < MR; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia[r], ib[r])),
-                               _mm512_mul_ps(dw, _mm512_loadu_ps(xs + r * G + 16 * j)), acc[r]);
-  }
-  // the pairs after the last whole segment, in the pair order (as kvserve_q4::rows_dot)
-  const __m256i low4h = _mm256_set1_epi8(0x0F);
-  for (int64_t pr = 8 * NG; pr < P; ++pr) {
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + pr * 32));
-    const __m256i lo = _mm256_and_si256(b, low4h);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4h);
-    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    int32_t dpair;
-    std::memcpy(&dpair, drow + 2 * pr, 4);
-    const __m512 dw = _mm512_cvtph_ps(_mm256_set1_epi32(dpair));  // d0 d1 d0 d1 ...
+  for (int64_t b = 0; b < G; ++b) {
+    const uint8_t* w = wt + b * 512;
+    __m512i wv[8];
+    for (int t = 0; t < 8; ++t) wv[t] = _mm512_loadu_si512(w + 64 * t);
+    const int32_t* xb = xw + (b / 2) * 16 + (b % 2);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dt + 16 * b)));
     for (int r = 0; r < MR; ++r) {
-      double xspair;
-      std::memcpy(&xspair, xs + r * G + 2 * pr, 8);
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(xq + r * K + pr * 64));
-      const __m512 xsp = _mm512_castpd_ps(_mm512_set1_pd(xspair));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xsp), acc[r]);
+      const int32_t* xr = xb + r * xstride;
+      __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();
+      for (int t = 0; t < 8; t += 2) {
+        ia = _mm512_dpbusd_epi32(ia, wv[t], _mm512_set1_epi32(xr[2 * t]));
+        ib = _mm512_dpbusd_epi32(ib, wv[t + 1], _mm512_set1_epi32(xr[2 * t + 2]));
+      }
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(ia, ib), _mm512_set1_epi32(cs[r * G + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xs[r * G + b])), acc[r]);
     }
   }
-  // the m terms, sum_g m_g * (dx_g * sum xq_g), 16 blocks per vector
-  for (int64_t g0 = 0; g0 < G; g0 += 16) {
-    const int64_t left = G - g0 < 16 ? G - g0 : 16;
-    const __mmask16 mk = static_cast<__mmask16>((1u << left) - 1u);
-    const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, mrow + g0));
-    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, xsum + r * G + g0), acc[r]);
-  }
-  for (int r = 0; r < MR; ++r) vout[r * 16] = acc[r];  // summed by the caller, 16 weight rows at once
+  for (int r = 0; r < MR; ++r) out[r] = acc[r];
 }
 
-// The rows [n0, n1) of a product in tiles of 16 weight rows: dot(n, mr, r, vout) leaves the MR
-// activation rows' lane sums of weight row n in vout[0], vout[16], ...; each row's 16 vectors are
-// then summed at once (hsum16: the tree of _mm512_reduce_add_ps, so the same value as one by one)
-// and stored to Y [M, N]. A tile's missing rows are zero vectors, their sums not stored.
-template <typename Dot>
-inline void tiled_rows(int64_t n0, int64_t n1, int64_t M, int64_t N, float* Y, const Dot& dot) {
-  for (int64_t nt = n0; nt < n1; nt += 16) {
-    const int64_t nn = std::min<int64_t>(16, n1 - nt);
+// row blocks of 8, then one of 4, 3, 2 or 1 (the tile kernels' MR)
+template <typename F>
+inline void for_row_blocks8(int64_t M, const F& f) {
+  int64_t r = 0;
+  for (; r + 8 <= M; r += 8) f(std::integral_constant<int, 8>{}, r);
+  if (r + 4 <= M) {
+    f(std::integral_constant<int, 4>{}, r);
+    r += 4;
+  }
+  switch (M - r) {
+    case 3: f(std::integral_constant<int, 3>{}, r); break;
+    case 2: f(std::integral_constant<int, 2>{}, r); break;
+    case 1: f(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+
+// the tiles [t0, t1) of Y [M, N] (row stride N, N up to a multiple of 16: the last tile's missing
+// outputs are not stored): tile(T, mr, r, out) leaves rows r .. r + MR - 1's 16 outputs in out
+template <typename Tile>
+inline void store_tiles(int64_t t0, int64_t t1, int64_t M, int64_t N, float* Y, const Tile& tile) {
+  for (int64_t T = t0; T < t1; ++T) {
+    const int64_t nn = std::min<int64_t>(16, N - 16 * T);
     const __mmask16 mk = static_cast<__mmask16>((1u << nn) - 1u);
-    kvserve_q4::for_row_blocks(M, [&](auto mr, int64_t r) {
+    for_row_blocks8(M, [&](auto mr, int64_t r) {
       constexpr int MR = decltype(mr)::value;
-      __m512 av[MR * 16];
-      for (int64_t j = 0; j < nn; ++j) dot(nt + j, mr, r, av + j);
-      for (int64_t j = nn; j < 16; ++j)
-        for (int q = 0; q < MR; ++q) av[q * 16 + j] = _mm512_setzero_ps();
-      for (int q = 0; q < MR; ++q) _mm512_mask_storeu_ps(Y + (r + q) * N + nt, mk, hsum16(av + q * 16));
+      __m512 o[MR];
+      tile(T, mr, r, o);
+      for (int q = 0; q < MR; ++q) _mm512_mask_storeu_ps(Y + (r + q) * N + 16 * T, mk, o[q]);
     });
   }
 }
 
-// y [M, N] = x [M, K] float32 @ W.T, W 4-bit in the group layout; scratch xq, xg [M * K] int8,
-// xs, xsum [M * K / 32] float32
-inline void q4_mm_g(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_t* D, const uint16_t* Mn,
-                    int64_t N, float* Y, int8_t* XQ, int8_t* XG, float* XS, float* XM) {
+// y [M, N] = x [M, K] float32 @ W.T, W 4-bit in tiles (N up to a multiple of 16 rows packed);
+// scratch xq [M * K] int8, xs, xsum [M * K / 32] float32
+inline void q4_mm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_t* D, const uint16_t* Mn,
+                    int64_t N, float* Y, int8_t* XQ, float* XS, float* XM) {
   const int64_t G = K / 32;
   kvserve_q4::quantize_rows(x, M, K, XQ, XS, XM);
-  for (int64_t r = 0; r < M; ++r) int8_to_groups(XQ + r * K, XG + r * K, K);
-  kvserve_pool::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    tiled_rows(n0, n1, M, N, Y, [&](int64_t n, auto mr, int64_t r, __m512* vout) {
-      q4_rows_dot_g<decltype(mr)::value>(W + n * (K / 2), D + n * G, Mn + n * G, K, XG + r * K, XS + r * G, XM + r * G,
-                                         vout);
+  const int32_t* xw = reinterpret_cast<const int32_t*>(XQ);
+  kvserve_pool::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
+    store_tiles(t0, t1, M, N, Y, [&](int64_t T, auto mr, int64_t r, __m512* o) {
+      q4_tile<decltype(mr)::value>(W + T * 16 * (K / 2), D + T * 16 * G, Mn + T * 16 * G, G, xw + r * (K / 4), K / 4,
+                                   XS + r * G, XM + r * G, o);
     });
   });
 }
 
-// The head in the group layout (see above): per segment, block i's sum of (q + 128) * xq in lane i
-// (8 vpdpbusd, exact), minus 128 * sum(xq) of the block (cs), then one conversion and FMA per 16
-// blocks; the pairs after the last whole segment as dot(q + 128, xq) - 128 * sum(xq) lane by lane.
-template <int MR>
-inline void q8_rows_dot(const uint8_t* wrow, const uint16_t* drow, int64_t K, const int8_t* xq, const int32_t* cs,
-                        const float* xs, const __m512i* corr, const __m512* xsp, __m512* vout) {
-  const int64_t G = K / 32, NG = G / 16, P = K / 64;
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < NG; ++j) {
-    const uint8_t* ws = wrow + 512 * j;
-    __m512i ia[MR], ib[MR];
-    for (int r = 0; r < MR; ++r) ia[r] = ib[r] = _mm512_setzero_si512();
-    for (int st = 0; st < 8; st += 2) {
-      const __m512i wa = _mm512_loadu_si512(ws + 64 * st);
-      const __m512i wb = _mm512_loadu_si512(ws + 64 * st + 64);
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xr = xq + r * K + 512 * j + 64 * st;
-        ia[r] = _mm512_dpbusd_epi32(ia[r], wa, _mm512_loadu_si512(xr));
-        ib[r] = _mm512_dpbusd_epi32(ib[r], wb, _mm512_loadu_si512(xr + 64));
-      }
-    }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(drow + 16 * j)));
-    for (int r = 0; r < MR; ++r) {
-      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(ia[r], ib[r]), _mm512_loadu_si512(cs + r * G + 16 * j));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_loadu_ps(xs + r * G + 16 * j)), acc[r]);
-    }
-  }
-  for (int64_t pr = 8 * NG; pr < P; ++pr) {
-    const __m512i w = _mm512_loadu_si512(wrow + pr * 64);
-    int32_t dpair;
-    std::memcpy(&dpair, drow + 2 * pr, 4);
-    const __m512 dw = _mm512_cvtph_ps(_mm256_set1_epi32(dpair));  // d0 d1 d0 d1 ...
-    for (int r = 0; r < MR; ++r) {
-      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(xq + r * K + pr * 64));
-      dot = _mm512_sub_epi32(dot, corr[r * P + pr]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, xsp[r * P + pr]), acc[r]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) vout[r * 16] = acc[r];  // summed by tiled_rows
-}
-
-// y [M, N] = x [M, K] @ head.T with the q8 weights above (group layout)
+// y [M, N] = x [M, K] @ head.T with the q8 weights in tiles (see above)
 void q8_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_t* D, int64_t N, float* Y) {
-  const int64_t G = K / 32, P = K / 64;
-  std::vector<int8_t> xp(M * K), xq(M * K);
+  const int64_t G = K / 32;
+  std::vector<int8_t> xq(M * K);
   std::vector<float> xs(M * G), xm(M * G);
-  kvserve_q4::quantize_rows(x, M, K, xp.data(), xs.data(), xm.data());
+  kvserve_q4::quantize_rows(x, M, K, xq.data(), xs.data(), xm.data());
   std::vector<int32_t> cs(M * G);
-  std::vector<__m512i> corr(M * P);
-  std::vector<__m512> xsp(M * P);
-  const __m512i k128 = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t r = 0; r < M; ++r) {
-    int8_to_groups(xp.data() + r * K, xq.data() + r * K, K);
+  for (int64_t r = 0; r < M; ++r)
     for (int64_t g = 0; g < G; ++g) {  // block g: the words g % 2, g % 2 + 2, ... of pair g / 2
-      const int8_t* pb = xp.data() + r * K + (g / 2) * 64 + 4 * (g % 2);
+      const int8_t* pb = xq.data() + r * K + (g / 2) * 64 + 4 * (g % 2);
       int32_t sum = 0;
       for (int w = 0; w < 8; ++w)
         for (int b = 0; b < 4; ++b) sum += pb[8 * w + b];
       cs[r * G + g] = 128 * sum;
     }
-    for (int64_t pr = 0; pr < P; ++pr) {
-      corr[r * P + pr] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, _mm512_loadu_si512(xp.data() + r * K + pr * 64));
-      double pair;
-      std::memcpy(&pair, xs.data() + r * G + 2 * pr, 8);
-      xsp[r * P + pr] = _mm512_castpd_ps(_mm512_set1_pd(pair));  // dx0 dx1 dx0 dx1 ...
-    }
-  }
-  const int8_t* XQ = xq.data();
-  const int32_t* CS = cs.data();
-  const float* XS = xs.data();
-  kvserve_pool::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    tiled_rows(n0, n1, M, N, Y, [&](int64_t n, auto mr, int64_t r, __m512* vout) {
-      q8_rows_dot<decltype(mr)::value>(W + n * K, D + n * G, K, XQ + r * K, CS + r * G, XS + r * G, &corr[r * P],
-                                       &xsp[r * P], vout);
+  const int32_t* xw = reinterpret_cast<const int32_t*>(xq.data());
+  kvserve_pool::parallel_for(0, (N + 15) / 16, 4, [&](int64_t t0, int64_t t1) {
+    store_tiles(t0, t1, M, N, Y, [&](int64_t T, auto mr, int64_t r, __m512* o) {
+      q8_tile<decltype(mr)::value>(W + T * 16 * K, D + T * 16 * G, G, xw + r * (K / 4), K / 4, xs.data() + r * G,
+                                   cs.data() + r * G, o);
     });
   });
 }
@@ -540,13 +481,17 @@ class Decoder {
     }
   }
 
-  // the output norm [E] float32 and head: q [V, E] uint8 (see q8_rows_dot), d [V, E/32] float16
-  void set_head(const at::Tensor& norm, const at::Tensor& q, const at::Tensor& d) {
+  // the output norm [E] float32 and head: q [Vp, E] uint8 (see q8_mm), d [Vp, E/32] float16, Vp the
+  // vocabulary V rounded up to the layout's row multiple (16 in tiles, 1 in the pair order)
+  void set_head(const at::Tensor& norm, const at::Tensor& q, const at::Tensor& d, int64_t n_vocab) {
     TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.numel() == E_ && q.scalar_type() == at::kByte &&
                     q.dim() == 2 && q.size(1) == E_ && d.scalar_type() == at::kHalf && d.size(0) == q.size(0) &&
                     d.size(1) == E_ / 32 && q.is_contiguous() && d.is_contiguous() && norm.is_contiguous(),
                 "decode_cpu: bad head");
+    TORCH_CHECK(n_vocab >= 1 && q.size(0) == (std::string(LAYOUT) == "tile16" ? (n_vocab + 15) / 16 * 16 : n_vocab),
+                "decode_cpu: head rows do not match the vocabulary");
     head_ = {norm, q, d};
+    n_vocab_ = n_vocab;
   }
 
   // x [B, E] hidden states -> logits [B, V] float32 (output norm, then the q8 head)
@@ -554,7 +499,7 @@ class Decoder {
     TORCH_CHECK(head_.size() == 3, "decode_cpu: no head set");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == E_,
                 "decode_cpu: x must be a contiguous float32 [B, n_embd]");
-    const int64_t B = x.size(0), V = head_[1].size(0);
+    const int64_t B = x.size(0), V = n_vocab_;
     std::vector<float> h(B * E_);
     for (int64_t b = 0; b < B; ++b) rms_norm(x.data_ptr<float>() + b * E_, head_[0].data_ptr<float>(), h.data() + b * E_, E_, eps_);
     at::Tensor y = at::empty({B, V}, x.options());
@@ -579,7 +524,7 @@ class Decoder {
     const int64_t B = x.size(0), L = kv_index.size(1), D = hd_, H = nh_, HKV = nkv_;
     const int64_t QKV = (H + 2 * HKV) * D, KMAX = std::max(E_, F_);
     std::vector<float> h(B * E_), qkv(B * QKV), att(B * H * D), gu(B * 2 * F_), act(B * F_), out(B * E_);
-    std::vector<int8_t> xq(B * KMAX), xg(B * KMAX);
+    std::vector<int8_t> xq(B * KMAX);
     Pieces pieces;  // attention's per-chunk pieces, reused across layers (per call: the step is reentrant)
     std::vector<float> xs(B * KMAX / 32), xm(B * KMAX / 32);
     float* X = x.data_ptr<float>();
@@ -603,7 +548,7 @@ class Decoder {
     gb.push_back(B);
     auto mm = [&](const Proj& p, const float* in, float* o) {
 #ifdef KVSERVE_AVX512
-      q4_mm_g(in, B, p.k, p.q, p.d, p.m, p.n, o, xq.data(), xg.data(), xs.data(), xm.data());
+      q4_mm_t(in, B, p.k, p.q, p.d, p.m, p.n, o, xq.data(), xs.data(), xm.data());
 #else
       kvserve_q4::q4_mm_raw(in, B, p.k, p.q, p.d, p.m, p.n, o, xq.data(), xs.data(), xm.data(), PoolFor());
 #endif
@@ -843,7 +788,7 @@ class Decoder {
   std::vector<at::Tensor> head_;
   std::vector<std::vector<at::Tensor>> keep_;  // owns the weights the raw pointers read
   std::vector<Layer> layers_;
-  int64_t nh_, nkv_, hd_, E_ = 0, F_ = 0;
+  int64_t nh_, nkv_, hd_, E_ = 0, F_ = 0, n_vocab_ = 0;
   float eps_;
 };
 
@@ -932,7 +877,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_stats", &greedy_stats, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quantize", &quantize);
   m.attr("ISA") = W == 16 ? "avx512" : "avx2";
-  m.attr("LAYOUT") = LAYOUT;  // the weights' layout the step reads: "group16" (AVX512) or "pair"
+  m.attr("LAYOUT") = LAYOUT;  // the weights' layout the step reads: "tile16" (AVX512) or "pair"
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, int64_t, int64_t, int64_t, double>())
       .def("step", &Decoder::step, pybind11::call_guard<pybind11::gil_scoped_release>())

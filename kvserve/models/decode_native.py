@@ -442,7 +442,7 @@ class NativeDecode:
             self.reason = _build_error or "build failed"
             return
         m, c = self.model, self.model.config
-        layout = getattr(mod, "LAYOUT", "pair")  # "group16" on the AVX512 build (decode_cpu.cpp)
+        layout = getattr(mod, "LAYOUT", "pair")  # "tile16" on the AVX512 build (decode_cpu.cpp)
         self.isa = getattr(mod, "ISA", None)
         empty = torch.empty(0)
         layers = []
@@ -455,7 +455,7 @@ class NativeDecode:
         dec = mod.Decoder(layers, c.n_head, c.n_head_kv, c.head_dim, float(c.rms_eps))
         head = m.output.weight if m.output.weight is not None else None
         if head is not None and head.shape[1] % 64 == 0:
-            dec.set_head(m.output_norm.weight.contiguous(), *pack_q8(head, layout))
+            dec.set_head(m.output_norm.weight.contiguous(), *pack_q8(head, layout), head.shape[0])
             self.native_head = True
         self._staged = dec
         log.info("native decode step loaded (%s head)", "native" if self.native_head else "torch")
@@ -490,8 +490,9 @@ class NativeDecode:
 def pack_q8(w: torch.Tensor, layout: str = "pair") -> tuple[torch.Tensor, torch.Tensor]:
     """The native head's weights from a dense [N, K] head (K a multiple of 64): int8 per block of
     32 with a float16 scale d = max|w| / 127 (GGUF Q8_0's rule, so a Q8_0 head is reproduced
-    exactly), values plus 128 in the q4 kernel's pair order (``layout`` "pair") or the AVX512
-    step's group layout ("group16", q4_kernel.to_groups) -> (uint8 [N, K], float16 [N, K/32])."""
+    exactly), values plus 128 in the q4 kernel's pair order (``layout`` "pair": (uint8 [N, K],
+    float16 [N, K/32])) or the AVX512 step's tile layout ("tile16", q4_kernel.to_tiles: the rows
+    padded to a multiple of 16 with zero weights, [Np, K] and [Np, K/32])."""
     n, k = w.shape
     wb = w.float().reshape(n, k // 32, 32)
     d = (wb.abs().amax(-1) / 127.0).to(torch.float16)
@@ -502,9 +503,11 @@ def pack_q8(w: torch.Tensor, layout: str = "pair") -> tuple[torch.Tensor, torch.
     blk, idx = lane % 2, 4 * (lane // 2) + p % 4
     u = q.view(n, k // 64, 2, 32)[:, :, blk, idx]  # [N, pairs, 64] in lane order
     q8 = (u + 128).to(torch.uint8).reshape(n, k).contiguous()
-    if layout == "group16":
-        q8 = q4_kernel.to_groups(q8, "int8")
-    return q8, d.contiguous()
+    d = d.contiguous()
+    if layout == "tile16":
+        q8 = q4_kernel.to_tiles(q4_kernel.pad_rows(q8, 16, 128), "int8")
+        d = q4_kernel.scales_to_tiles(q4_kernel.pad_rows(d, 16))
+    return q8, d
 
 
 def main(argv: list[str]) -> int:

@@ -171,7 +171,7 @@ class Linear(nn.Module):
         self.packed = self.scales = self.q8 = self.weight = None
         self.q4w: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._q4_src: Weight | None = None  # native_q4 "decode": packed by native_weights()
-        #: native_q4 "decode": the packed weights by layout ("pair", "group16"; see native_weights)
+        #: native_q4 "decode": the packed weights by layout ("pair", "tile16"; see native_weights)
         self._q4_native: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         if kernel == "int4":
             merged = Weight(
@@ -211,10 +211,11 @@ class Linear(nn.Module):
         return self.q4w is not None or self._q4_src is not None or bool(self._q4_native)
 
     def native_weights(self, layout: str = "pair") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The weights in the native kernel's layout: "pair" (q4_kernel.pack) or "group16" (the AVX512
-        native step's, q4_kernel.to_groups), packing them on the first call under native_q4 "decode"
-        (about 20 ms for a 1536 x 576 projection) and keeping only the layouts asked for; None
-        without them."""
+        """The weights in the native kernel's layout: "pair" (q4_kernel.pack) or "tile16" (the AVX512
+        native step's, q4_kernel.to_tiles: wq, d and m in tiles of 16 rows; out_features is a
+        multiple of 16 wherever these weights are kept), packing them on the first call under
+        native_q4 "decode" (about 20 ms for a 1536 x 576 projection) and keeping only the layouts
+        asked for; None without them."""
         if layout == "pair" and self.q4w is not None:
             return self.q4w
         if layout in self._q4_native:
@@ -225,12 +226,17 @@ class Linear(nn.Module):
             # not q4w: forward keeps torch's int4 kernel (its numerics do not change mid-run)
             base = q4_kernel.pack_torch(w.q4, w.q4_scale, w.q4_zero)
             self._q4_src = None
-        if base is None and "group16" in self._q4_native:  # a pair copy asked for after the group one
-            g = self._q4_native["group16"]
-            base = (q4_kernel.to_groups(g[0], "q4", inverse=True), g[1], g[2])
+        if base is None and "tile16" in self._q4_native:  # a pair copy asked for after the tile one
+            g = self._q4_native["tile16"]
+            base = (q4_kernel.to_tiles(g[0], "q4", inverse=True), q4_kernel.scales_to_tiles(g[1], inverse=True),
+                    q4_kernel.scales_to_tiles(g[2], inverse=True))
         if base is None:
             return None
-        out = base if layout == "pair" else (q4_kernel.to_groups(base[0], "q4"), base[1], base[2])
+        if layout == "pair":
+            out = base
+        else:
+            out = (q4_kernel.to_tiles(base[0], "q4"), q4_kernel.scales_to_tiles(base[1]),
+                   q4_kernel.scales_to_tiles(base[2]))
         self._q4_native[layout] = out
         return out
 

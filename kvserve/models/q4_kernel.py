@@ -128,34 +128,46 @@ def pack_torch(q4: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> tuple[tor
     return wq, s.to(torch.float16), (z - 8.0 * s).to(torch.float16)
 
 
-def _group_perm(kind: str) -> torch.Tensor:
-    """Source word of each 32-bit word of one segment of the AVX512 native step's group layout
-    (decode_cpu.cpp, LAYOUT "group16"): "q4" 64 words (256 bytes, 16 blocks of 4-bit values),
-    "int8" 128 words (512 bytes, 16 blocks of int8 values)."""
-    i = torch.arange(16)
-    if kind == "q4":  # chunk t lane i <- packed word 2 t + i % 2 of pair i / 2 (8 words a pair)
-        return torch.cat([8 * (i // 2) + 2 * t + i % 2 for t in range(4)])
-    return torch.cat([16 * (i // 2) + 2 * s + i % 2 for s in range(8)])  # step s lane i
+def to_tiles(t: torch.Tensor, kind: str, inverse: bool = False) -> torch.Tensor:
+    """Rows in the pair order (uint8 [N, bytes], N a multiple of 16: :func:`pack`'s wq for kind
+    "q4", the native head's q8 bytes for "int8") -> the AVX512 native step's tile layout (decode_cpu.cpp,
+    LAYOUT "tile16"; a new tensor of the same shape): per tile of 16 rows and block of 32 values,
+    4 ("q4") or 8 ("int8") vectors of 16 lanes, lane i the 32-bit word of row i that meets
+    activation step t (the pair order's word 2 t + block % 2 of the block's pair). ``inverse``:
+    tile layout -> pair order.
 
-
-def to_groups(t: torch.Tensor, kind: str, inverse: bool = False) -> torch.Tensor:
-    """Rows in the pair order (uint8/int8 [N, bytes]: :func:`pack`'s wq for kind "q4", the native
-    head's q8 bytes for "int8") -> the same rows in the AVX512 native step's group layout (a new
-    tensor): each whole segment of 16 blocks permuted word by word (see decode_cpu.cpp), the bytes
-    after the last whole segment unchanged. ``inverse``: group layout -> pair order."""
-    seg = 64 if kind == "q4" else 128
+    Raises:
+        ValueError: N not a multiple of 16, or rows that are not whole pairs of blocks.
+    """
+    steps = 4 if kind == "q4" else 8
     n, nbytes = t.shape
-    if nbytes % 4:
-        raise ValueError(f"rows of {nbytes} bytes are not whole 32-bit words")
+    if n % 16 or nbytes % (8 * steps):
+        raise ValueError(f"tiles need rows in 16s and whole pairs of blocks, got {n} x {nbytes} bytes")
     words = t.contiguous().view(torch.int32)
-    whole = words.shape[1] // seg * seg
-    perm = _group_perm(kind)
+    pairs = words.shape[1] // (2 * steps)
+    if inverse:  # [tile, pair, block, step, row] -> [tile, row, pair, step, block]
+        out = words.view(n // 16, pairs, 2, steps, 16).permute(0, 4, 1, 3, 2)
+    else:
+        out = words.view(n // 16, 16, pairs, steps, 2).permute(0, 2, 4, 3, 1)
+    return out.contiguous().view(n, -1).view(t.dtype)
+
+
+def scales_to_tiles(s: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Per-block scales [N, G] (N a multiple of 16) -> the tile layout's [N / 16, G, 16], flattened
+    back to [N, G] (a new tensor); ``inverse``: back to rows."""
+    n, g = s.shape
     if inverse:
-        perm = torch.argsort(perm)
-    out = words.clone()
-    if whole:
-        out[:, :whole] = words[:, :whole].reshape(n, -1, seg)[:, :, perm].reshape(n, whole)
-    return out.view(t.dtype)
+        return s.view(n // 16, g, 16).transpose(1, 2).contiguous().view(n, g)
+    return s.view(n // 16, 16, g).transpose(1, 2).contiguous().view(n, g)
+
+
+def pad_rows(t: torch.Tensor, multiple: int, value: int = 0) -> torch.Tensor:
+    """t [N, ...] with rows of ``value`` appended up to a multiple of ``multiple`` (t itself when N is one)."""
+    n = t.shape[0]
+    extra = -n % multiple
+    if not extra:
+        return t
+    return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
 
 
 def q4_mm(x: torch.Tensor, wq: torch.Tensor, wd: torch.Tensor, wm: torch.Tensor) -> torch.Tensor:

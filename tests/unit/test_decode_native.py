@@ -270,50 +270,61 @@ def test_pack_torch_equals_pack():
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_group_layout_puts_block_i_in_lane_i():
-    """The AVX512 step's group layout (q4_kernel.to_groups): in segment j, 4-bit chunk t lane i holds
-    values 4t..4t+3 of block 16j+i in its low nibbles and 16+4t..16+4t+3 in its high ones; int8 step
-    s lane i holds values 4s..4s+3 of block 16j+i; the pairs after the last whole segment keep the
-    pair order; inverse=True undoes it."""
+def test_tile_layout_puts_row_i_in_lane_i():
+    """The AVX512 step's tile layout (q4_kernel.to_tiles): in tile T, block b, 4-bit vector t lane i
+    holds values 4t..4t+3 of row 16T+i's block b in its low nibbles and 16+4t..16+4t+3 in its high
+    ones; int8 vector t lane i holds values 4t..4t+3 (plus 128); the scales go [T][block][16];
+    the head is padded to 16 rows with zero weights; inverse=True undoes each."""
     import numpy as np
 
     from kvserve.models import q4_kernel
 
     rng = np.random.default_rng(1)
-    n, k = 3, 1088  # two whole segments of 16 blocks and a pair left over
+    n, k = 32, 576  # two tiles; 18 blocks (not a multiple of 16 blocks)
     q = rng.integers(0, 16, (n, k)).astype(np.uint8)
     s = rng.random((n, k // 32)).astype(np.float32)
-    wq, _, _ = q4_kernel.pack(q, s, s)
-    g = q4_kernel.to_groups(wq, "q4")
+    wq, wd, _ = q4_kernel.pack(q, s, s)
+    g = q4_kernel.to_tiles(wq, "q4")
     assert g.dtype == torch.uint8 and g.shape == wq.shape
-    gb = g.numpy()
-    for row in range(n):
-        for j in range(2):
+    gb = g.numpy().reshape(-1)
+    for tile in range(2):
+        for b in (0, 1, 7, 17):
             for t in range(4):
-                for i in range(16):
-                    word = gb[row, 256 * j + 64 * t + 4 * i: 256 * j + 64 * t + 4 * i + 4]
-                    blk = q[row, 32 * (16 * j + i): 32 * (16 * j + i) + 32]
+                for i in (0, 5, 15):
+                    off = tile * 16 * (k // 2) + 256 * b + 64 * t + 4 * i
+                    word = gb[off: off + 4]
+                    blk = q[16 * tile + i, 32 * b: 32 * b + 32]
                     assert list(word & 15) == list(blk[4 * t: 4 * t + 4])
                     assert list(word >> 4) == list(blk[16 + 4 * t: 20 + 4 * t])
-    assert torch.equal(g[:, 512:], wq[:, 512:])
-    assert torch.equal(q4_kernel.to_groups(g, "q4", inverse=True), wq)
-    w = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32))
+    assert torch.equal(q4_kernel.to_tiles(g, "q4", inverse=True), wq)
+    td = q4_kernel.scales_to_tiles(wd)
+    assert td.view(-1)[(1 * (k // 32) + 3) * 16 + 7] == wd[16 + 7, 3]
+    assert torch.equal(q4_kernel.scales_to_tiles(td, inverse=True), wd)
+    with pytest.raises(ValueError, match="rows in 16s"):
+        q4_kernel.to_tiles(wq[:8], "q4")
+    nh = 21  # a vocabulary that is not a multiple of 16
+    w = torch.from_numpy(rng.standard_normal((nh, k)).astype(np.float32))
     q8, d8 = decode_native.pack_q8(w)
-    g8, gd8 = decode_native.pack_q8(w, "group16")
-    assert torch.equal(gd8, d8) and torch.equal(g8[:, 1024:], q8[:, 1024:])
+    t8, td8 = decode_native.pack_q8(w, "tile16")
+    assert t8.shape == (32, k) and td8.shape == (32, k // 32)
+    back = q4_kernel.to_tiles(t8, "int8", inverse=True)
+    assert torch.equal(back[:nh], q8) and bool((back[nh:] == 128).all())
+    dback = q4_kernel.scales_to_tiles(td8, inverse=True)
+    assert torch.equal(dback[:nh], d8) and bool((dback[nh:] == 0).all())
     # the pair order's values per block (as test_pack_q8_reproduces_q8_0_blocks unpacks them)
     p = torch.arange(64)
     lane = p // 4
     blk, idx = lane % 2, 4 * (lane // 2) + p % 4
-    vals = torch.empty(n, k // 64, 2, 32, dtype=torch.long)
-    vals[:, :, blk, idx] = q8.view(n, k // 64, 64).long()
-    vals = vals.view(n, k // 32, 32)
-    for j in range(2):
-        for st in range(8):
-            for i in range(16):
-                off = 512 * j + 64 * st + 4 * i
-                assert torch.equal(g8[:, off: off + 4].long(), vals[:, 16 * j + i, 4 * st: 4 * st + 4])
-    assert torch.equal(q4_kernel.to_groups(g8, "int8", inverse=True), q8)
+    vals = torch.empty(nh, k // 64, 2, 32, dtype=torch.long)
+    vals[:, :, blk, idx] = q8.view(nh, k // 64, 64).long()
+    vals = vals.view(nh, k // 32, 32)
+    flat = t8.view(-1)
+    for row in (0, 9, 16, 20):
+        tile, i = divmod(row, 16)
+        for b in (0, 3, 17):
+            for t in range(8):
+                off = tile * 16 * k + 512 * b + 64 * t + 4 * i
+                assert torch.equal(flat[off: off + 4].long(), vals[row, b, 4 * t: 4 * t + 4])
 
 
 @pytest.mark.slow
