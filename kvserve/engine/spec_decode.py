@@ -37,8 +37,8 @@ stays token-identical whatever it decides):
   could not be told from the machine's noise (verifying every proposal: 0.91-1.14 times plain
   over 4 rounds). Once the native decode step (:mod:`kvserve.models.decode_native`) runs the
   engine's decode steps, verification chunks run in it as decode rows and the constants become
-  :data:`STEP_BASE_ROWS_NATIVE` (7.0 on the AVX512 build, 2.0 on the AVX2 one) and
-  :data:`CHUNK_ROWS_NATIVE` (0): its kernels' cost grows with every row (a 16-row step ~2.9 times a
+  :data:`STEP_BASE_ROWS_NATIVE` (5.0 on the AVX512 build, 2.0 on the AVX2 one) and
+  :data:`CHUNK_ROWS_NATIVE` (0): its kernels' cost grows with every row (a 16-row step ~3.2 times a
   1-row one on the AVX512 build, ~7.5 on the Zen 3's AVX2 one), so drafts must be likelier to pay. On a GPU :data:`STEP_BASE_ROWS_GPU` (64) and :data:`CHUNK_ROWS_GPU` (8):
   guesses, not measured yet.
 * **Hit estimate** per sequence: ``alpha = hits / (hits + misses)`` over its verifications (a
@@ -109,12 +109,13 @@ STEP_BASE_ROWS_GPU = 64.0
 #: (~1.5 ms) adds to its fixed part: 5.0 (agent_edit in process, median of six alternating
 #: rounds: 2.67x plain against 2.54x at 3.5; the same tokens; the Zen 4's figures of 2026-12-02
 #: fit ~2.5, not re-measured); after the tile layout (2026-12-05) 6.95, 7.73, 10.06, 11.78,
-#: 12.87, 16.52, 20.14 ms, a line through B <= 8 (and 1-16) giving 6.9 (7.05): 7.0 (agent_edit
-#: 3.17x and 2.95x against 3.01x and 3.11x at 5.0 in alternating runs: within noise); the AVX2 build on the same machine 6.0, 7.6, 11.0, 15.0,
+#: 12.87, 16.52, 20.14 ms, a line through B <= 8 (and 1-16) giving 6.9 (7.05); with the weights
+#: prefetched 4 KiB ahead 6.03, 6.28, 8.04, 10.24, 11.87, 15.39, 19.39 ms: 5.1 (5.0), so 5.0 again
+#: (agent_edit in alternating runs 3.02x and 2.85x at 5.0, 2.95x at 7.0: within noise); the AVX2 build on the same machine 6.0, 7.6, 11.0, 15.0,
 #: 18.1, -, 33.2 ms (about 2.3); the AVX2 build on the 2-core Zen 3 before attention read a
 #: chunk's keys once, 9.4, 12.8, 21.3, -, 36.5, 54.3, 70.8 ms (1.5). A verification chunk then
 #: costs nothing beyond its rows (they are decode rows)
-STEP_BASE_ROWS_NATIVE = {"avx512": 7.0, "avx2": 2.0}
+STEP_BASE_ROWS_NATIVE = {"avx512": 5.0, "avx2": 2.0}
 CHUNK_ROWS_NATIVE = 0.0
 #: what a verification chunk costs beyond its draft rows, in rows: CPU, GPU (the GPU's figures
 #: are guesses: not measured yet)

@@ -232,6 +232,10 @@ inline void rms_norm(const float* x, const float* w, float* out, int64_t n, floa
 // Every output is computed with the same operations in the same order whatever M, the row block
 // or the tile's other rows are (batch invariance).
 constexpr const char* LAYOUT = "tile16";
+// the weights stream from memory (each thread's tiles are contiguous): a software prefetch this far
+// ahead of the block being read. A one-row pass over 53 MB of 4-bit weights (2 threads, harness):
+// 20 GB/s without, 24-25 with 1-2 KiB, 27-28.5 with 4 KiB, 25-29 with 8 KiB; 8 rows 5.0 -> 3.8-4.0 ms
+constexpr int64_t PREFETCH = 4096;
 
 // MR activation rows (xw: int32 words of the pair order, row stride xstride words) against tile
 // wt of 4-bit weights: out[r] lane i = row 16 T + i's dot product with activation row r
@@ -243,6 +247,7 @@ inline void q4_tile(const uint8_t* wt, const uint16_t* dt, const uint16_t* mt, i
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < G; ++b) {
     const uint8_t* w = wt + b * 256;
+    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + 64 * c), _MM_HINT_T0);
     __m512i lo[4], hi[4];
     for (int t = 0; t < 4; ++t) {
       const __m512i v = _mm512_loadu_si512(w + 64 * t);
@@ -276,6 +281,7 @@ inline void q8_tile(const uint8_t* wt, const uint16_t* dt, int64_t G, const int3
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < G; ++b) {
     const uint8_t* w = wt + b * 512;
+    for (int c = 0; c < 8; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + 64 * c), _MM_HINT_T0);
     __m512i wv[8];
     for (int t = 0; t < 8; ++t) wv[t] = _mm512_loadu_si512(w + 64 * t);
     const int32_t* xb = xw + (b / 2) * 16 + (b % 2);
