@@ -798,6 +798,41 @@ class Decoder {
   float eps_;
 };
 
+// The step's kernels alone (tests): x [M, K] float32 @ the 4-bit weights q, d, m in LAYOUT
+// ([N, K/2] uint8, [N, K/32] float16 twice) -> [M, N]; and @ the head's int8 weights q, d in LAYOUT
+// ([Np, K] uint8, [Np, K/32] float16, Np the n outputs rounded up as set_head takes them) -> [M, n]
+at::Tensor proj_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 64 == 0,
+              "decode_cpu: x must be a contiguous float32 [M, K], K a multiple of 64");
+  const Proj p = proj_of({q, d, m}, 0, at::Tensor());
+  TORCH_CHECK(p.k == x.size(1), "decode_cpu: weights do not match x");
+  const int64_t M = x.size(0), K = p.k;
+  at::Tensor y = at::empty({M, p.n}, x.options());
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * K / 32), xm(M * K / 32);
+#ifdef KVSERVE_AVX512
+  q4_mm_t(x.data_ptr<float>(), M, K, p.q, p.d, p.m, p.n, y.data_ptr<float>(), xq.data(), xs.data(), xm.data());
+#else
+  kvserve_q4::q4_mm_raw(x.data_ptr<float>(), M, K, p.q, p.d, p.m, p.n, y.data_ptr<float>(), xq.data(), xs.data(),
+                        xm.data(), PoolFor());
+#endif
+  return y;
+}
+
+at::Tensor head_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % 64 == 0,
+              "decode_cpu: x must be a contiguous float32 [M, K], K a multiple of 64");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.size(1) == K && q.is_contiguous() &&
+                  d.scalar_type() == at::kHalf && d.is_contiguous() && d.size(0) == q.size(0) && d.size(1) == K / 32 &&
+                  n >= 1 && q.size(0) == (std::string(LAYOUT) == "tile16" ? (n + 15) / 16 * 16 : n),
+              "decode_cpu: bad head weights");
+  at::Tensor y = at::empty({M, n}, x.options());
+  q8_mm(x.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), n,
+        y.data_ptr<float>());
+  return y;
+}
+
 // x [M, K] float32 (K a multiple of 64) -> (xq [M, K] int8 in the pair order, xs, xsum [M, K/32]):
 // the activations' quantization every projection runs, vectorized or (scalar) the reference (tests)
 std::vector<at::Tensor> quantize(const at::Tensor& x, bool scalar) {
@@ -882,6 +917,8 @@ std::vector<at::Tensor> greedy_stats(const at::Tensor& logits, const at::Tensor&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_stats", &greedy_stats, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quantize", &quantize);
+  m.def("proj_mm", &proj_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("head_mm", &head_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.attr("ISA") = W == 16 ? "avx512" : "avx2";
   m.attr("LAYOUT") = LAYOUT;  // the weights' layout the step reads: "tile16" (AVX512) or "pair"
   pybind11::class_<Decoder>(m, "Decoder")

@@ -538,6 +538,59 @@ def test_quantize_vectorized_equals_scalar_and_reference(built):
         assert torch.equal(vec[2], d * q.sum(-1).float())
 
 
+def test_step_kernels_match_float64_references(built):
+    """The step's 4-bit projection and int8 head kernels in the build's layout (tiles of 16 rows on
+    AVX512, the pair order on AVX2) against float64 references of the same arithmetic (int8
+    activations per block of 32, exact integer dot products): within float32 rounding for 1-17 rows,
+    K 576 (18 blocks: not whole segments of 16) and 128, a head of 21 rows (padded to 32 in tiles,
+    the padding never returned); and each row's outputs are the same bits whatever M is."""
+    import numpy as np
+
+    from kvserve.models import q4_kernel
+
+    mod = built.load_cached()
+    layout = mod.LAYOUT
+    rng = np.random.default_rng(7)
+    g = torch.Generator().manual_seed(7)
+    for n, k in ((48, 576), (32, 128)):
+        q = rng.integers(0, 16, (n, k)).astype(np.uint8)
+        sc = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float32)
+        zr = (rng.random((n, k // 32)) * 0.1 - 0.05).astype(np.float32)
+        wq, wd, wm = q4_kernel.pack(q, sc, zr)
+        packed = (wq, wd, wm) if layout == "pair" else (q4_kernel.to_tiles(wq, "q4"), q4_kernel.scales_to_tiles(wd),
+                                                        q4_kernel.scales_to_tiles(wm))
+        x = torch.randn(17, k, generator=g) * 2
+        full = mod.proj_mm(x, *packed)
+        ref = q4_kernel.reference_q4_mm(x, wq, wd, wm)
+        assert full.shape == (17, n)
+        assert (full.double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+        for m_rows in (1, 3, 8, 9):
+            assert torch.equal(mod.proj_mm(x[:m_rows].contiguous(), *packed), full[:m_rows])
+        assert torch.equal(mod.proj_mm(x[9:].contiguous(), *packed), full[9:])
+    nh, k = 21, 576
+    w = torch.randn(nh, k, generator=g) * 0.05
+    q8, d8 = decode_native.pack_q8(w)  # pair order: the reference's values
+    hq, hd = decode_native.pack_q8(w, layout)
+    x = torch.randn(17, k, generator=g)
+    got = mod.head_mm(x, hq, hd, nh)
+    assert got.shape == (17, nh)
+    p = torch.arange(64)
+    lane = p // 4
+    blk, idx = lane % 2, 4 * (lane // 2) + p % 4
+    wv = torch.empty(nh, k // 64, 2, 32, dtype=torch.float64)
+    wv[:, :, blk, idx] = q8.view(nh, k // 64, 64).double() - 128
+    wv = wv.view(nh, k // 32, 32)
+    xq, xs, _ = mod.quantize(x, True)
+    xv = torch.empty(17, k // 64, 2, 32, dtype=torch.float64)
+    xv[:, :, blk, idx] = xq.view(17, k // 64, 64).double()
+    xv = xv.view(17, k // 32, 32)
+    dots = torch.einsum("rgj,ngj->rng", xv, wv)  # exact integers
+    ref = (dots * xs.double()[:, None, :] * d8.double()[None]).sum(-1)
+    assert (got.double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+    for m_rows in (1, 4, 9):
+        assert torch.equal(mod.head_mm(x[:m_rows].contiguous(), hq, hd, nh), got[:m_rows])
+
+
 def test_greedy_stats_match_torch(built):
     """The sampler's one-pass greedy statistics (decode_cpu.cpp greedy_stats): the first maximum's
     index as torch.argmax gives it (ties included), with banned ids excluded, the number of entries
