@@ -237,10 +237,17 @@ constexpr const char* LAYOUT = "tile16";
 // 20 GB/s without, 24-25 with 1-2 KiB, 27-28.5 with 4 KiB, 25-29 with 8 KiB; 8 rows 5.0 -> 3.8-4.0 ms
 constexpr int64_t PREFETCH = 4096;
 
-// MR activation rows (xw: int32 words of the pair order, row stride xstride words) against tile
+// 4 activation bytes as one 32-bit word in every lane (memcpy: the bytes are int8_t storage)
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// MR activation rows (xq: int8 in the pair order, row stride xstride bytes) against tile
 // wt of 4-bit weights: out[r] lane i = row 16 T + i's dot product with activation row r
 template <int MR>
-inline void q4_tile(const uint8_t* wt, const uint16_t* dt, const uint16_t* mt, int64_t G, const int32_t* xw,
+inline void q4_tile(const uint8_t* wt, const uint16_t* dt, const uint16_t* mt, int64_t G, const int8_t* xq,
                     int64_t xstride, const float* xs, const float* xsum, __m512* out) {
   __m512 acc[MR], accm[MR];
   for (int r = 0; r < MR; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
@@ -254,15 +261,15 @@ inline void q4_tile(const uint8_t* wt, const uint16_t* dt, const uint16_t* mt, i
       lo[t] = _mm512_and_si512(v, low4);
       hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
-    const int32_t* xb = xw + (b / 2) * 16 + (b % 2);
+    const int8_t* xb = xq + 64 * (b / 2) + 4 * (b % 2);  // word 2 t + b % 2 of the pair at 8 t
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dt + 16 * b)));
     const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mt + 16 * b)));
     for (int r = 0; r < MR; ++r) {
-      const int32_t* xr = xb + r * xstride;
+      const int8_t* xr = xb + r * xstride;
       __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();
       for (int t = 0; t < 4; ++t) {
-        ia = _mm512_dpbusd_epi32(ia, lo[t], _mm512_set1_epi32(xr[2 * t]));
-        ib = _mm512_dpbusd_epi32(ib, hi[t], _mm512_set1_epi32(xr[2 * t + 8]));
+        ia = _mm512_dpbusd_epi32(ia, lo[t], bcast4(xr + 8 * t));
+        ib = _mm512_dpbusd_epi32(ib, hi[t], bcast4(xr + 8 * t + 32));
       }
       // w = q d + m: d dx sum(q xq) + m (dx sum(xq)), the m terms in their own sum
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia, ib)),
@@ -275,7 +282,7 @@ inline void q4_tile(const uint8_t* wt, const uint16_t* dt, const uint16_t* mt, i
 
 // the head's int8 tile (values + 128): per block the dot product minus 128 sum(xq) (cs), then d dx
 template <int MR>
-inline void q8_tile(const uint8_t* wt, const uint16_t* dt, int64_t G, const int32_t* xw, int64_t xstride,
+inline void q8_tile(const uint8_t* wt, const uint16_t* dt, int64_t G, const int8_t* xq, int64_t xstride,
                     const float* xs, const int32_t* cs, __m512* out) {
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
@@ -284,14 +291,14 @@ inline void q8_tile(const uint8_t* wt, const uint16_t* dt, int64_t G, const int3
     for (int c = 0; c < 8; ++c) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + 64 * c), _MM_HINT_T0);
     __m512i wv[8];
     for (int t = 0; t < 8; ++t) wv[t] = _mm512_loadu_si512(w + 64 * t);
-    const int32_t* xb = xw + (b / 2) * 16 + (b % 2);
+    const int8_t* xb = xq + 64 * (b / 2) + 4 * (b % 2);
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dt + 16 * b)));
     for (int r = 0; r < MR; ++r) {
-      const int32_t* xr = xb + r * xstride;
+      const int8_t* xr = xb + r * xstride;
       __m512i ia = _mm512_setzero_si512(), ib = _mm512_setzero_si512();
       for (int t = 0; t < 8; t += 2) {
-        ia = _mm512_dpbusd_epi32(ia, wv[t], _mm512_set1_epi32(xr[2 * t]));
-        ib = _mm512_dpbusd_epi32(ib, wv[t + 1], _mm512_set1_epi32(xr[2 * t + 2]));
+        ia = _mm512_dpbusd_epi32(ia, wv[t], bcast4(xr + 8 * t));
+        ib = _mm512_dpbusd_epi32(ib, wv[t + 1], bcast4(xr + 8 * t + 8));
       }
       const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(ia, ib), _mm512_set1_epi32(cs[r * G + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xs[r * G + b])), acc[r]);
@@ -339,10 +346,9 @@ inline void q4_mm_t(const float* x, int64_t M, int64_t K, const uint8_t* W, cons
                     int64_t N, float* Y, int8_t* XQ, float* XS, float* XM) {
   const int64_t G = K / 32;
   kvserve_q4::quantize_rows(x, M, K, XQ, XS, XM);
-  const int32_t* xw = reinterpret_cast<const int32_t*>(XQ);
   kvserve_pool::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
     store_tiles(t0, t1, M, N, Y, [&](int64_t T, auto mr, int64_t r, __m512* o) {
-      q4_tile<decltype(mr)::value>(W + T * 16 * (K / 2), D + T * 16 * G, Mn + T * 16 * G, G, xw + r * (K / 4), K / 4,
+      q4_tile<decltype(mr)::value>(W + T * 16 * (K / 2), D + T * 16 * G, Mn + T * 16 * G, G, XQ + r * K, K,
                                    XS + r * G, XM + r * G, o);
     });
   });
@@ -363,10 +369,9 @@ void q8_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_
         for (int b = 0; b < 4; ++b) sum += pb[8 * w + b];
       cs[r * G + g] = 128 * sum;
     }
-  const int32_t* xw = reinterpret_cast<const int32_t*>(xq.data());
   kvserve_pool::parallel_for(0, (N + 15) / 16, 4, [&](int64_t t0, int64_t t1) {
     store_tiles(t0, t1, M, N, Y, [&](int64_t T, auto mr, int64_t r, __m512* o) {
-      q8_tile<decltype(mr)::value>(W + T * 16 * K, D + T * 16 * G, G, xw + r * (K / 4), K / 4, xs.data() + r * G,
+      q8_tile<decltype(mr)::value>(W + T * 16 * K, D + T * 16 * G, G, xq.data() + r * K, K, xs.data() + r * G,
                                    cs.data() + r * G, o);
     });
   });
