@@ -128,6 +128,28 @@ def pack_torch(q4: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> tuple[tor
     return wq, s.to(torch.float16), (z - 8.0 * s).to(torch.float16)
 
 
+def pack_tiles(q4: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weights straight in the AVX512 native step's tile layout: the same tensors as
+    ``to_tiles(pack_torch(...)[0], "q4")`` and :func:`scales_to_tiles` of its scales, without the
+    pair order's gather in between (torch ops: the GIL is released while the server starts).
+
+    Args:
+        q4: uint8 [N, K] values 0..15, N a multiple of 16, K of 64; scale, zero: float32 [N, K/32]
+            (w = (q - 8) * scale + zero).
+
+    Raises:
+        ValueError: N not a multiple of 16 or K not of 64.
+    """
+    n, k = q4.shape
+    if n % 16 or k % 64:
+        raise ValueError(f"tiles need rows in 16s and a multiple of 64 input features, got {n} x {k}")
+    q = torch.from_numpy(q4).view(n // 16, 16, k // 32, 2, 4, 4)  # [tile, row, block, half, step, byte]
+    packed = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # low nibbles values 4 t + j, high 16 + 4 t + j
+    wq = packed.permute(0, 2, 3, 1, 4).contiguous().view(n, k // 2)  # [tile, block, step, row, byte]
+    s, z = torch.from_numpy(scale), torch.from_numpy(zero)
+    return wq, scales_to_tiles(s.to(torch.float16)), scales_to_tiles((z - 8.0 * s).to(torch.float16))
+
+
 def to_tiles(t: torch.Tensor, kind: str, inverse: bool = False) -> torch.Tensor:
     """Rows in the pair order (uint8 [N, bytes], N a multiple of 16: :func:`pack`'s wq for kind
     "q4", the native head's q8 bytes for "int8") -> the AVX512 native step's tile layout (decode_cpu.cpp,

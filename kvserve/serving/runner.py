@@ -259,11 +259,19 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
         _srv(logging.WARNING, "load_model", "%s", runner.generation.log_line())
     # import xgrammar and build its vocabulary table now, off the request path (~1.5 s), so the
     # first constrained request does not pay for it; the model serves meanwhile
-    threading.Thread(target=_warm_grammars, args=(runner.grammars,), name="grammar-warmup", daemon=True).start()
+    native = getattr(core.runner, "native", None)
+    threading.Thread(target=_warm_grammars, args=(runner.grammars, native), name="grammar-warmup",
+                     daemon=True).start()
     return runner
 
 
-def _warm_grammars(grammars: GrammarBackend) -> None:
+def _warm_grammars(grammars: GrammarBackend, native=None) -> None:
+    """Build the structured-output compiler. With a cached native decode step (``native``, a
+    NativeDecode) it first waits, up to 30 s, for the step's weights to be packed: the engine's
+    first step waits for that packing, and on 2 cores the warm-up beside it had made the first
+    request after /health wait ~1.3-2 s instead of ~0.2 s."""
+    if native is not None and native.cached:
+        native.packed(30.0)
     try:
         grammars._get_compiler()
     except Exception as e:  # noqa: BLE001 - a constrained request reports the real error later

@@ -327,6 +327,66 @@ def test_tile_layout_puts_row_i_in_lane_i():
                 assert torch.equal(flat[off: off + 4].long(), vals[row, b, 4 * t: 4 * t + 4])
 
 
+def test_direct_tile_packing_equals_the_pair_route(monkeypatch):
+    """q4_kernel.pack_tiles (start-up's route) gives exactly to_tiles of pack_torch's pair order and
+    scales_to_tiles of its scales; pack_q8 in tiles, quantizing a few rows at a time (chunks of 32
+    here, 69 rows: two whole chunks and a partial tile), gives to_tiles of its pair order padded."""
+    import numpy as np
+
+    from kvserve.models import q4_kernel
+
+    rng = np.random.default_rng(3)
+    for n, k in ((48, 576), (16, 64), (32, 1536)):
+        q = rng.integers(0, 16, (n, k)).astype(np.uint8)
+        sc = rng.random((n, k // 32)).astype(np.float32)
+        zr = rng.random((n, k // 32)).astype(np.float32)
+        direct = q4_kernel.pack_tiles(q, sc, zr)
+        wq, wd, wm = q4_kernel.pack_torch(q, sc, zr)
+        assert torch.equal(direct[0], q4_kernel.to_tiles(wq, "q4"))
+        assert torch.equal(direct[1], q4_kernel.scales_to_tiles(wd))
+        assert torch.equal(direct[2], q4_kernel.scales_to_tiles(wm))
+    with pytest.raises(ValueError, match="rows in 16s"):
+        q4_kernel.pack_tiles(q[:8], sc[:8], zr[:8])
+    monkeypatch.setattr(decode_native, "PACK_Q8_ROWS", 32)
+    w = torch.from_numpy(rng.standard_normal((69, 128)).astype(np.float32))
+    w[5, :32] = 0.0  # an all-zero block: d = 0, q = 0
+    q8, d8 = decode_native.pack_q8(w)
+    t8, td8 = decode_native.pack_q8(w, "tile16")
+    assert torch.equal(t8, q4_kernel.to_tiles(q4_kernel.pad_rows(q8, 16, 128), "int8"))
+    assert torch.equal(td8, q4_kernel.scales_to_tiles(q4_kernel.pad_rows(d8, 16)))
+    monkeypatch.setattr(decode_native, "PACK_Q8_ROWS", 4096)
+    assert all(torch.equal(a, b) for a, b in zip(decode_native.pack_q8(w), (q8, d8)))
+
+
+def test_grammar_warmup_waits_for_a_cached_steps_packing():
+    """Start-up: with a cached native step the structured-output warm-up (xgrammar's import and
+    vocabulary table) starts only once the step's weights are packed (the engine's first step
+    waits for that packing; both at once on 2 cores made the first request wait ~1.3-2 s), at
+    most 30 s; without a cached step it starts at once."""
+    from kvserve.serving.runner import _warm_grammars
+
+    order = []
+
+    class Native:
+        def __init__(self, cached):
+            self.cached = cached
+
+        def packed(self, timeout):
+            order.append(("packed", timeout))
+            return True
+
+    class Grammars:
+        def _get_compiler(self):
+            order.append("compiler")
+
+    _warm_grammars(Grammars(), Native(True))
+    assert order == [("packed", 30.0), "compiler"]
+    order.clear()
+    _warm_grammars(Grammars(), Native(False))
+    _warm_grammars(Grammars(), None)
+    assert order == ["compiler", "compiler"]
+
+
 @pytest.mark.slow
 def test_verification_rows_equal_rows_decoded_one_by_one(built, q4_gguf):
     """Speculative decoding's verification chunk (5 positions of one sequence in one step, their cache
