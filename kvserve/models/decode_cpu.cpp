@@ -15,7 +15,6 @@
 #include <c10/util/Half.h>
 #include <c10/util/BFloat16.h>
 #include <type_traits>
-#include <string>
 #include <vector>
 #include "q4_core.h"
 #include "thread_pool.h"
@@ -232,6 +231,7 @@ inline void rms_norm(const float* x, const float* w, float* out, int64_t n, floa
 // Every output is computed with the same operations in the same order whatever M, the row block
 // or the tile's other rows are (batch invariance).
 constexpr const char* LAYOUT = "tile16";
+constexpr int64_t ROW_MULTIPLE = 16;  // the head's rows are packed up to a multiple of this (whole tiles)
 // the weights stream from memory (each thread's tiles are contiguous): a software prefetch this far
 // ahead of the block being read. A one-row pass over 53 MB of 4-bit weights (2 threads, harness):
 // 20 GB/s without, 24-25 with 1-2 KiB, 27-28.5 with 4 KiB, 25-29 with 8 KiB; 8 rows 5.0 -> 3.8-4.0 ms
@@ -378,6 +378,7 @@ void q8_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_
 }
 #else
 constexpr const char* LAYOUT = "pair";  // the AVX2 build keeps the pair order everywhere
+constexpr int64_t ROW_MULTIPLE = 1;
 
 // Per pair of blocks (vpmaddubsw, u8 x s8, on |q| and xq * sign(q): |127 * 127 * 2| fits int16),
 // the two halves summed in int32: exact.
@@ -499,7 +500,7 @@ class Decoder {
                     q.dim() == 2 && q.size(1) == E_ && d.scalar_type() == at::kHalf && d.size(0) == q.size(0) &&
                     d.size(1) == E_ / 32 && q.is_contiguous() && d.is_contiguous() && norm.is_contiguous(),
                 "decode_cpu: bad head");
-    TORCH_CHECK(n_vocab >= 1 && q.size(0) == (std::string(LAYOUT) == "tile16" ? (n_vocab + 15) / 16 * 16 : n_vocab),
+    TORCH_CHECK(n_vocab >= 1 && q.size(0) == (n_vocab + ROW_MULTIPLE - 1) / ROW_MULTIPLE * ROW_MULTIPLE,
                 "decode_cpu: head rows do not match the vocabulary");
     head_ = {norm, q, d};
     n_vocab_ = n_vocab;
@@ -830,7 +831,7 @@ at::Tensor head_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.size(1) == K && q.is_contiguous() &&
                   d.scalar_type() == at::kHalf && d.is_contiguous() && d.size(0) == q.size(0) && d.size(1) == K / 32 &&
-                  n >= 1 && q.size(0) == (std::string(LAYOUT) == "tile16" ? (n + 15) / 16 * 16 : n),
+                  n >= 1 && q.size(0) == (n + ROW_MULTIPLE - 1) / ROW_MULTIPLE * ROW_MULTIPLE,
               "decode_cpu: bad head weights");
   at::Tensor y = at::empty({M, n}, x.options());
   q8_mm(x.data_ptr<float>(), M, K, q.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), n,

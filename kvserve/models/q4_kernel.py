@@ -183,15 +183,6 @@ def scales_to_tiles(s: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     return s.view(n // 16, 16, g).transpose(1, 2).contiguous().view(n, g)
 
 
-def pad_rows(t: torch.Tensor, multiple: int, value: int = 0) -> torch.Tensor:
-    """t [N, ...] with rows of ``value`` appended up to a multiple of ``multiple`` (t itself when N is one)."""
-    n = t.shape[0]
-    extra = -n % multiple
-    if not extra:
-        return t
-    return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
-
-
 def q4_mm(x: torch.Tensor, wq: torch.Tensor, wd: torch.Tensor, wm: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 @ packed weights (see :func:`pack`) -> [M, N] float32. Needs :data:`READY`."""
     return torch.ops.kvserve.q4_mm(x, wq, wd, wm)

@@ -270,6 +270,12 @@ def test_pack_torch_equals_pack():
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+def _pad_rows(t: torch.Tensor, multiple: int, value: int = 0) -> torch.Tensor:
+    """t [N, ...] with rows of ``value`` appended up to a multiple of ``multiple``."""
+    extra = -t.shape[0] % multiple
+    return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)]) if extra else t
+
+
 def test_tile_layout_puts_row_i_in_lane_i():
     """The AVX512 step's tile layout (q4_kernel.to_tiles): in tile T, block b, 4-bit vector t lane i
     holds values 4t..4t+3 of row 16T+i's block b in its low nibbles and 16+4t..16+4t+3 in its high
@@ -352,8 +358,8 @@ def test_direct_tile_packing_equals_the_pair_route(monkeypatch):
     w[5, :32] = 0.0  # an all-zero block: d = 0, q = 0
     q8, d8 = decode_native.pack_q8(w)
     t8, td8 = decode_native.pack_q8(w, "tile16")
-    assert torch.equal(t8, q4_kernel.to_tiles(q4_kernel.pad_rows(q8, 16, 128), "int8"))
-    assert torch.equal(td8, q4_kernel.scales_to_tiles(q4_kernel.pad_rows(d8, 16)))
+    assert torch.equal(t8, q4_kernel.to_tiles(_pad_rows(q8, 16, 128), "int8"))
+    assert torch.equal(td8, q4_kernel.scales_to_tiles(_pad_rows(d8, 16)))
     monkeypatch.setattr(decode_native, "PACK_Q8_ROWS", 4096)
     assert all(torch.equal(a, b) for a, b in zip(decode_native.pack_q8(w), (q8, d8)))
 
