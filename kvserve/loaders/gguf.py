@@ -1,8 +1,8 @@
 """GGUF loader: metadata, tensors and tokenizer through the ``gguf`` package.
 
-Architectures: the llama family (llama, mistral, qwen2) and ``bert`` encoders as llama.cpp's
-converter writes them (:func:`bert_config_from_metadata`; WordPiece vocabulary
-``tokenizer.ggml.model = "bert"``).
+The file's ``general.architecture`` names its family (kvserve.models.family): the family reads
+the config from the metadata, names the tensors it requires and turns the weights into its
+module's layout; this module only reads the file.
 
 Quantized tensors: Q4_0 and Q4_1 are kept packed (converted to torch's int4
 layout by the model); every other type the ``gguf`` package can dequantize
@@ -21,14 +21,11 @@ import numpy as np
 
 from kvserve.loaders.weights import (
     LoadedModel,
-    ModelConfig,
     ModelInfo,
-    SUPPORTED_ARCHS,
     ModelLoadError,
     Weight,
     check_finite,
     check_tensors,
-    interleave_qk,
 )
 
 # llama.cpp's llama_model_ftype_name texts, by general.file_type.
@@ -194,55 +191,9 @@ def _read_gguf_header(path: str) -> tuple[dict, list[TensorInfo]]:
     return md, infos
 
 
-def config_from_metadata(md: dict, path: str) -> ModelConfig:
-    """Build a ModelConfig from GGUF metadata; ModelLoadError on missing keys."""
-    arch = md.get("general.architecture")
-    if arch is None:
-        raise ModelLoadError(f"{path}: GGUF has no general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(f"{path}: unknown model architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHS)})")
-
-    def get(key, default=None, required=True):
-        full = f"{arch}.{key}"
-        if full in md and md[full] is not None:
-            return md[full]
-        if required and default is None:
-            raise ModelLoadError(f"{path}: missing GGUF key '{full}'")
-        return default
-
-    tokens = md.get("tokenizer.ggml.tokens") or []
-    n_embd = int(get("embedding_length"))
-    n_head = int(get("attention.head_count"))
-    n_head_kv = get("attention.head_count_kv", n_head, required=False)
-    if isinstance(n_head_kv, list):
-        n_head_kv = n_head_kv[0]
-    head_dim = int(get("attention.key_length", n_embd // n_head, required=False))
-    scaling = None
-    stype = get("rope.scaling.type", "", required=False)
-    if stype and stype != "none":
-        scaling = {
-            "type": stype,
-            "factor": float(get("rope.scaling.factor", 1.0, required=False)),
-            "original_context_length": int(get("rope.scaling.original_context_length", 0, required=False)),
-        }
-    ff = get("feed_forward_length")
-    if isinstance(ff, list):
-        ff = ff[0]
-    return ModelConfig(
-        arch=arch,
-        n_layer=int(get("block_count")),
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=int(n_head_kv),
-        n_ff=int(ff),
-        n_vocab=int(get("vocab_size", len(tokens), required=False) or len(tokens)),
-        head_dim=head_dim,
-        n_ctx_train=int(get("context_length")),
-        rope_freq_base=float(get("rope.freq_base", 10000.0, required=False)),
-        rope_scaling=scaling,
-        rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
-        qkv_bias=arch == "qwen2",
-    )
+def tensor_shapes(infos: list[TensorInfo]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> torch shape (GGUF lists the innermost dimension first)."""
+    return {t.name: tuple(int(x) for x in reversed(t.shape)) for t in infos}
 
 
 def _q4_blocks(raw: np.ndarray, rows: int, cols: int, kind: str) -> Weight:
@@ -305,24 +256,24 @@ def _tensor_to_weight(t: TensorInfo, raw: np.ndarray) -> Weight:
 
 
 def load_gguf(path: str | os.PathLike) -> LoadedModel:
-    """Load a GGUF model file (llama family).
+    """Load a GGUF model file of any family kvserve knows (kvserve.models.family).
 
-    Returns a LoadedModel whose weights use GGUF tensor names with Q/K rows in
-    interleaved-pair RoPE order (see kvserve.loaders.weights).
+    Returns a LoadedModel whose weights use GGUF tensor names, in the layout the family's
+    module takes (llama: Q/K rows in interleaved-pair RoPE order, see kvserve.loaders.weights).
 
     Raises:
         FileNotFoundError: no such file.
         ModelLoadError: not a GGUF / truncated, unknown architecture, missing
             tensor or key, unsupported quantization or tokenizer.
     """
+    from kvserve.models.family import gguf_family
 
     path = str(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model file not found: {path}")
     md, infos = read_gguf_header(path)
-    if md.get("general.architecture") == "bert":
-        return _load_bert_gguf(path, md, infos)
-    config = config_from_metadata(md, path)
+    family = gguf_family(md, path)
+    config = family.config_from_gguf(md, path, tensor_shapes(infos))
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     weights: dict[str, Weight] = {}
     size = 0
@@ -331,22 +282,20 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
         size += t.n_bytes
         n_params += t.n_elements
         try:
-            weights[t.name] = _tensor_to_weight(t, raw)
+            w = _tensor_to_weight(t, raw)
         except ValueError as e:
             if isinstance(e, ModelLoadError):
                 raise
             raise ModelLoadError(f"{path}: tensor '{t.name}' is truncated or malformed: {e}") from e
-    if "output.weight" not in weights:
-        config.tie_embeddings = True
-    if "token_embd.weight" in weights:
-        config.n_vocab = weights["token_embd.weight"].shape[0]
-    check_tensors(config, weights, path)
+        if not family.packed_weights:  # float32 for a module without a 4-bit path
+            w = Weight(w.shape, dense=w.to_dense(), source_type=w.source_type)
+        weights[t.name] = w
+    check_tensors(family.required_tensors(config, weights), weights, path)
     check_finite(weights, path)
-    if config.arch == "qwen2":
-        # llama.cpp runs qwen2 with NEOX RoPE and does not permute; we use interleaved pairs
-        interleave_qk(config, weights)
+    family.prepare(config, weights, "gguf")
     tokenizer, info = _tokenizer_and_info(md, path, config, config.arch, n_params, size, 2)
-    return LoadedModel(config, info, weights, tokenizer, md.get("tokenizer.chat_template"))
+    template = md.get("tokenizer.chat_template") if family.task == "generate" else None
+    return LoadedModel(config, info, weights, tokenizer, template)
 
 
 def _tokenizer_and_info(md: dict, path: str, config, arch: str, n_params: int, size: int,
@@ -381,80 +330,3 @@ def _tokenizer_and_info(md: dict, path: str, config, arch: str, n_params: int, s
         metadata={k: v for k, v in md.items() if not k.startswith("tokenizer.ggml.")},
     )
     return tokenizer, info
-
-
-# ---------------------------------------------------------------------------------- BERT
-
-#: GGUF ``{arch}.pooling_type`` (llama.cpp ``enum llama_pooling_type``) -> kvserve pooling
-GGUF_POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
-
-
-def bert_config_from_metadata(md: dict, path: str, n_labels: int = 0):
-    """A BertConfig from ``bert.*`` GGUF metadata; ModelLoadError on missing keys.
-
-    Keys: block_count, embedding_length, attention.head_count, feed_forward_length,
-    context_length, attention.layer_norm_epsilon, pooling_type (optional),
-    ``tokenizer.ggml.token_type_count`` (optional). The FFN activation is GELU (exact),
-    what BERT checkpoints use; GGUF does not record it.
-    """
-    from kvserve.models.bert import BertConfig
-
-    def get(key, default=None):
-        v = md.get(f"bert.{key}")
-        if v is None:
-            if default is None:
-                raise ModelLoadError(f"{path}: missing GGUF key 'bert.{key}'")
-            return default
-        return v[0] if isinstance(v, list) else v
-
-    if md.get("bert.attention.causal"):
-        raise ModelLoadError(f"{path}: a causal BERT (bert.attention.causal) is not supported")
-    pooling = GGUF_POOLING.get(int(get("pooling_type", -1)))
-    if n_labels:
-        pooling = "rank"
-    elif pooling == "rank":
-        pooling = None
-    return BertConfig(
-        arch="bert",
-        n_layer=int(get("block_count")),
-        n_embd=int(get("embedding_length")),
-        n_head=int(get("attention.head_count")),
-        n_ff=int(get("feed_forward_length")),
-        n_vocab=len(md.get("tokenizer.ggml.tokens") or []),
-        n_ctx_train=int(get("context_length")),
-        n_token_types=int(md.get("tokenizer.ggml.token_type_count", 2) or 0),
-        norm_eps=float(get("attention.layer_norm_epsilon", 1e-12)),
-        n_labels=n_labels,
-        pooling=pooling,
-        pad_token_id=int(md.get("tokenizer.ggml.padding_token_id", 0) or 0),
-    )
-
-
-def _load_bert_gguf(path: str, md: dict, infos: list[TensorInfo]) -> LoadedModel:
-    """load_gguf for ``general.architecture = bert`` (see kvserve.models.bert for the names)."""
-    from kvserve.models.bert import check_bert_tensors
-
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    weights: dict[str, Weight] = {}
-    size = n_params = 0
-    for t in infos:
-        size += t.n_bytes
-        n_params += t.n_elements
-        try:
-            w = _tensor_to_weight(t, raw)
-        except ValueError as e:
-            if isinstance(e, ModelLoadError):
-                raise
-            raise ModelLoadError(f"{path}: tensor '{t.name}' is truncated or malformed: {e}") from e
-        weights[t.name] = Weight(w.shape, dense=w.to_dense(), source_type=w.source_type)  # float32: no 4-bit path
-    head = weights.get("cls.output.weight")
-    config = bert_config_from_metadata(md, path, n_labels=head.shape[0] if head is not None and len(head.shape) == 2
-                                       else (1 if head is not None else 0))
-    if "token_embd.weight" in weights:
-        config.n_vocab = weights["token_embd.weight"].shape[0]
-    if "token_types.weight" not in weights:
-        config.n_token_types = 0
-    check_bert_tensors(config, weights, path)
-    check_finite(weights, path)
-    tokenizer, info = _tokenizer_and_info(md, path, config, "bert", n_params, size, 3)
-    return LoadedModel(config, info, weights, tokenizer, None)

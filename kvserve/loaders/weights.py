@@ -24,16 +24,14 @@ class ModelLoadError(ValueError):
     """A model file or directory that cannot be loaded; the message names the problem."""
 
 
-#: Architectures of the llama family kvserve runs (GGUF ``general.architecture``).
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
-
-
 @dataclass(slots=True)
 class ModelConfig:
-    """Hyper-parameters of one llama-family model.
+    """Hyper-parameters of one decoder-only model (the families of :mod:`kvserve.models.family`
+    that build on the llama block).
 
     Attributes:
-        arch: "llama" | "mistral" | "qwen2".
+        arch: the GGUF ``general.architecture`` name ("llama", "mistral", "qwen2", ...); its family
+            (kvserve.models.family.family_of) says what it means.
         n_layer, n_embd, n_head, n_head_kv, n_ff, n_vocab: sizes (counts).
         head_dim: per-head size (n_embd // n_head unless the file says otherwise).
         n_ctx_train: training context (tokens).
@@ -60,10 +58,6 @@ class ModelConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ModelLoadError(
-                f"unknown model architecture '{self.arch}' (supported: {', '.join(SUPPORTED_ARCHS)})"
-            )
         if self.n_head <= 0 or self.n_head_kv <= 0 or self.n_head % self.n_head_kv:
             raise ModelLoadError(f"bad head counts: n_head={self.n_head}, n_head_kv={self.n_head_kv}")
 
@@ -167,27 +161,10 @@ class LoadedModel:
     generation_defaults: dict = field(default_factory=dict)
 
 
-REQUIRED_LAYER_TENSORS = (
-    "attn_norm.weight",
-    "attn_q.weight",
-    "attn_k.weight",
-    "attn_v.weight",
-    "attn_output.weight",
-    "ffn_norm.weight",
-    "ffn_gate.weight",
-    "ffn_up.weight",
-    "ffn_down.weight",
-)
-
-
-def check_tensors(config: ModelConfig, weights: dict[str, Weight], source: str) -> None:
-    """Raise ModelLoadError naming the first missing tensor."""
-    needed = ["token_embd.weight", "output_norm.weight"]
-    for i in range(config.n_layer):
-        needed += [f"blk.{i}.{n}" for n in REQUIRED_LAYER_TENSORS]
-        if config.qkv_bias:
-            needed += [f"blk.{i}.attn_{x}.bias" for x in "qkv"]
-    for name in needed:
+def check_tensors(required: list[str], weights: dict[str, Weight], source: str) -> None:
+    """Raise ModelLoadError naming the first tensor of ``required`` (a family's list, see
+    kvserve.models.family.Family.required_tensors) that ``weights`` lacks."""
+    for name in required:
         if name not in weights:
             raise ModelLoadError(f"{source}: missing tensor '{name}'")
 

@@ -36,7 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.loaders.weights import ModelLoadError, Weight
+from kvserve.loaders.weights import Weight
+from kvserve.models.bert_config import (  # noqa: F401 - BertConfig, the module reads; the rest re-exported
+    LAYER_TENSORS,
+    POOLING_MODES,
+    BertConfig,
+)
 
 #: activations of the FFN by HF ``hidden_act`` name
 ACTIVATIONS = {
@@ -49,87 +54,6 @@ ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
 }
-
-#: pooling modes an encoder's own config may name (see kvserve.engine.pooling)
-POOLING_MODES = ("none", "mean", "cls", "last", "rank")
-
-
-@dataclass(slots=True)
-class BertConfig:
-    """Hyper-parameters of one BERT-family encoder.
-
-    Attributes:
-        arch: "bert".
-        n_layer, n_embd, n_head, n_ff, n_vocab: sizes (counts).
-        n_ctx_train: position embeddings (tokens): the longest input.
-        n_token_types: rows of ``token_types.weight`` (0: the model has none).
-        norm_eps: LayerNorm epsilon.
-        activation: FFN activation, a key of :data:`ACTIVATIONS`.
-        n_labels: classifier outputs (0: an embedding model; >0: a cross-encoder, task "score").
-        pooling: the model's own pooling ("mean", "cls", "last", "none", "rank") from
-            sentence-transformers' 1_Pooling or GGUF ``bert.pooling_type``; None when it says none.
-        normalize: the model's own ``--embd-normalize`` value (2 with a sentence-transformers
-            Normalize module, -1 with a modules.json without one); None when it says nothing.
-        pad_token_id: id of ``[PAD]`` (padding only; masked out).
-    """
-
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_ff: int
-    n_vocab: int
-    n_ctx_train: int
-    n_token_types: int = 2
-    norm_eps: float = 1e-12
-    activation: str = "gelu"
-    n_labels: int = 0
-    pooling: str | None = None
-    normalize: int | None = None
-    pad_token_id: int = 0
-
-    def __post_init__(self) -> None:
-        if self.arch != "bert":
-            raise ModelLoadError(f"unknown encoder architecture '{self.arch}' (supported: bert)")
-        if self.n_head <= 0 or self.n_embd % self.n_head:
-            raise ModelLoadError(f"bad head count: n_embd={self.n_embd}, n_head={self.n_head}")
-        if self.activation not in ACTIVATIONS:
-            raise ModelLoadError(f"unsupported hidden_act '{self.activation}' (supported: {', '.join(ACTIVATIONS)})")
-        if self.pooling is not None and self.pooling not in POOLING_MODES:
-            raise ModelLoadError(f"unsupported pooling '{self.pooling}' (supported: {', '.join(POOLING_MODES)})")
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def task(self) -> str:
-        """"score" for a cross-encoder (classifier head), else "embed"."""
-        return "score" if self.n_labels > 0 else "embed"
-
-
-LAYER_TENSORS = (
-    "attn_output.weight", "attn_output.bias", "attn_output_norm.weight", "attn_output_norm.bias",
-    "ffn_up.weight", "ffn_up.bias", "ffn_down.weight", "ffn_down.bias",
-    "layer_output_norm.weight", "layer_output_norm.bias",
-)
-
-
-def check_bert_tensors(config: BertConfig, weights: dict[str, Weight], source: str) -> None:
-    """Raise ModelLoadError naming the first tensor a BERT of ``config`` needs and lacks."""
-    needed = ["token_embd.weight", "position_embd.weight", "token_embd_norm.weight", "token_embd_norm.bias"]
-    if config.n_token_types:
-        needed.append("token_types.weight")
-    for i in range(config.n_layer):
-        p = f"blk.{i}."
-        if p + "attn_qkv.weight" not in weights:
-            needed += [p + f"attn_{x}.{y}" for x in "qkv" for y in ("weight", "bias")]
-        needed += [p + n for n in LAYER_TENSORS]
-    if config.n_labels:
-        needed += ["cls.output.weight"]
-    for name in needed:
-        if name not in weights:
-            raise ModelLoadError(f"{source}: missing tensor '{name}'")
 
 
 def _t(w: Weight | None, device) -> torch.Tensor | None:

@@ -9,27 +9,11 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.loaders.weights import LoadedModel, ModelLoadError
+from kvserve.models.family import family_of, gguf_task
 from kvserve.models.llama import LlamaModel
 
-#: GGUF general.architecture / HF architectures -> module class.
-ARCHITECTURES = {
-    "llama": LlamaModel,
-    "mistral": LlamaModel,
-    "qwen2": LlamaModel,
-}
-
-#: what each architecture does: "generate" (the KV engine), "embed" (vectors) or "score"
-#: (a cross-encoder; an encoder whose HF directory or GGUF carries a classifier head).
-#: A generative architecture may embed too (EmbeddingEngine over its final hidden states).
-ARCH_TASKS = {
-    "llama": "generate",
-    "mistral": "generate",
-    "qwen2": "generate",
-    "bert": "embed",
-}
-
-#: architectures whose module is an encoder (kvserve.models.bert)
-ENCODER_ARCHS = ("bert",)
+#: The architecture tables (which names load, as what module, for which task) live in
+#: kvserve.models.family: one record per family.
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,9 +45,11 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
     kept for the native decode step, ``model.native_decode``: see
     :mod:`kvserve.models.decode_native`); bfloat16 on CUDA.
     """
-    cls = ARCHITECTURES.get(loaded.config.arch)
-    if cls is None:
-        raise ModelLoadError(f"unknown model architecture '{loaded.config.arch}'")
+    family = family_of(loaded.config.arch)
+    if family.task != "generate":
+        raise ModelLoadError(f"model architecture '{loaded.config.arch}' is an encoder ({family.task}): "
+                             "it has no generative module")
+    cls = family.module_class()
     device = config.resolve_device()
     large = torch.float32
     native_q4 = native_decode = False
@@ -94,7 +80,7 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
                 small_max_rows=config.small_batch_rows, max_positions=max_positions, large_dtype=large,
                 native_q4=native_q4)
     # ModelRunner starts it (see NativeDecode): Q4_0/Q4_1 projections kept for the native kernel
-    model.native_decode = (native_decode and native_q4 and isinstance(model, LlamaModel)
+    model.native_decode = (native_decode and native_q4 and family.native_decode(loaded.config)
                            and all(lin.has_native_weights for lin in model.projections()))
     return model
 
@@ -118,13 +104,13 @@ def describe_dtypes(model: LlamaModel) -> str:
 
 
 def model_task(loaded: LoadedModel) -> str:
-    """"generate", "embed" or "score" for a loaded model (see :data:`ARCH_TASKS`).
+    """"generate", "embed" or "score" for a loaded model (its family's, kvserve.models.family).
 
     A BERT with a classifier head (``BertForSequenceClassification``, GGUF ``cls.output``)
     scores; one without embeds.
     """
     task = getattr(loaded.config, "task", None)
-    return task or ARCH_TASKS.get(loaded.config.arch, "generate")
+    return task or family_of(loaded.config.arch).task
 
 
 def probe_task(path: str | os.PathLike) -> str:
@@ -137,26 +123,22 @@ def probe_task(path: str | os.PathLike) -> str:
     """
     p = Path(path)
     if p.is_dir():
-        from kvserve.loaders.safetensors import hf_task
+        from kvserve.loaders.safetensors import read_config
+        from kvserve.models.family import hf_task
 
-        return hf_task(p)
+        return hf_task(read_config(p), str(p))
     if not p.exists():
         raise FileNotFoundError(f"model not found: {path}")
     from kvserve.loaders.gguf import read_gguf_header
 
     md, infos = read_gguf_header(str(p))
-    arch = md.get("general.architecture")
-    if arch in ENCODER_ARCHS:
-        return "score" if any(t.name == "cls.output.weight" for t in infos) else "embed"
-    return ARCH_TASKS.get(arch, "generate")
+    return gguf_task(md, (t.name for t in infos), str(p))
 
 
 def build_embedding_model(loaded: LoadedModel, config: EngineConfig, max_positions: int):
-    """The module EmbeddingEngine runs: a BertModel (float32) for encoders, else the decoder's
-    LlamaModel (:func:`build_model`; its final hidden states are the embeddings)."""
-    from kvserve.models.bert import BertConfig, BertModel
-
-    if isinstance(loaded.config, BertConfig):
-        device = config.resolve_device()
-        return BertModel(loaded.config, loaded.weights, device=device)
+    """The module EmbeddingEngine runs: an encoder family's module (BertModel, float32), else the
+    decoder's module (:func:`build_model`; its final hidden states are the embeddings)."""
+    family = family_of(loaded.config.arch)
+    if family.task != "generate":
+        return family.module_class()(loaded.config, loaded.weights, device=config.resolve_device())
     return build_model(loaded, config, max_positions)

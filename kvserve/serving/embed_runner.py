@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvserve.errors import InvalidInputError, NotSupportedError, ServerFaultError
+from kvserve.models.family import ENCODER_TASKS as FAMILY_ENCODER_TASKS
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvserve.serving.args import ServerArgs
@@ -48,13 +49,9 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("kvserve.server")
 
 #: HF ``architectures`` / GGUF ``general.architecture`` -> task, used when the model registry
-#: does not say (it is the authority once it knows the architecture).
-ENCODER_TASKS = {
-    "bert": "embed", "BertModel": "embed", "BertForMaskedLM": "embed",
-    "nomic-bert": "embed", "NomicBertModel": "embed",
-    "BertForSequenceClassification": "score", "XLMRobertaForSequenceClassification": "score",
-    "RobertaModel": "embed", "XLMRobertaModel": "embed",
-}
+#: does not say (it is the authority once it knows the architecture): the encoder families' names
+#: and the encoders kvserve has no family for yet (kvserve.models.family).
+ENCODER_TASKS = FAMILY_ENCODER_TASKS
 
 
 class InputTooLongError(InvalidInputError):

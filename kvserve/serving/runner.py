@@ -288,12 +288,12 @@ def model_shape(path: str) -> tuple:
     if p.is_dir():
         import json
 
-        from kvserve.loaders.safetensors import config_from_hf
+        from kvserve.models.family import read_hf_config
 
         st = (p / "config.json").stat()
         key = (str(p), st.st_size, st.st_mtime_ns)
         if key not in _SHAPES:
-            cfg = config_from_hf(json.loads((p / "config.json").read_text(encoding="utf-8")), str(p))
+            cfg = read_hf_config(json.loads((p / "config.json").read_text(encoding="utf-8")), str(p))
             files = sorted(p.glob("*.safetensors"))
             size = sum(f.stat().st_size for f in files)
             n_params = _hf_params(files)
@@ -302,10 +302,11 @@ def model_shape(path: str) -> tuple:
     st = p.stat()
     key = (str(p), st.st_size, st.st_mtime_ns)
     if key not in _SHAPES:
-        from kvserve.loaders.gguf import config_from_metadata, read_gguf_header
+        from kvserve.loaders.gguf import read_gguf_header
+        from kvserve.models.family import read_gguf_config
 
         md, tensors = read_gguf_header(str(p))
-        _SHAPES[key] = (config_from_metadata(md, str(p)), st.st_size, sum(t.n_elements for t in tensors))
+        _SHAPES[key] = (read_gguf_config(md, str(p)), st.st_size, sum(t.n_elements for t in tensors))
     return _SHAPES[key]
 
 

@@ -132,7 +132,7 @@ def read_header(path: str) -> ModelHeader:
     """
     p = Path(path)
     if p.is_dir():
-        from kvserve.loaders.safetensors import config_from_hf
+        from kvserve.models.family import read_hf_config
 
         try:
             hf = json.loads((p / "config.json").read_text(encoding="utf-8"))
@@ -146,11 +146,12 @@ def read_header(path: str) -> ModelHeader:
                 tok = json.loads((p / "tokenizer_config.json").read_text(encoding="utf-8"))
             except (OSError, json.JSONDecodeError):
                 tok = {}
-        return ModelHeader(str(p), "hf", config_from_hf(hf, str(p)), hf, tok if isinstance(tok, dict) else {})
-    from kvserve.loaders.gguf import config_from_metadata, read_gguf_header
+        return ModelHeader(str(p), "hf", read_hf_config(hf, str(p)), hf, tok if isinstance(tok, dict) else {})
+    from kvserve.loaders.gguf import read_gguf_header
+    from kvserve.models.family import read_gguf_config
 
     md, _ = read_gguf_header(str(p))
-    return ModelHeader(str(p), "gguf", config_from_metadata(md, str(p)), arch=str(md.get("general.architecture")))
+    return ModelHeader(str(p), "gguf", read_gguf_config(md, str(p)), arch=str(md.get("general.architecture")))
 
 
 # -- max_model_len ------------------------------------------------------------------------

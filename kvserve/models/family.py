@@ -1,0 +1,479 @@
+"""Model families: one record per family, and every architecture table derived from them.
+
+A :class:`Family` says everything kvserve knows about a family of checkpoints: its GGUF
+``general.architecture`` names (with the older names Ollama's store keeps) and HF
+``architectures`` names, how to read its config from GGUF metadata and from ``config.json``, how
+its HF tensors are named in kvserve's (llama.cpp's GGUF) names and which tensors it requires, the
+module class that runs it, its KV layout per layer (:class:`KVSpec`), whether kvserve's native
+decode step (kvserve.models.decode_native, a llama layer in C++) applies, and its task
+("generate", "embed" or "score"). The loaders read files and ask this module what the file is;
+the registry, the model manager, the start-up checks and the embedding runner ask it too.
+
+Adding a family:
+
+1. write its module (``kvserve/models/<name>.py``) composing the shared pieces of
+   :mod:`kvserve.models.llama` (Linear, RMSNorm, RoPE, attention over the paged cache), with a
+   config reader for GGUF metadata (``(metadata, path, shapes) -> config``) and one for config.json
+   (``(config_json, path) -> config``) and the list of tensors it requires;
+2. add one :class:`Family` record to :data:`FAMILIES` below. Nothing else names architectures.
+
+An option a family cannot run (a rope scaling type it lacks, a missing tensor) is refused at load
+with a :class:`~kvserve.loaders.weights.ModelLoadError` naming the key or the tensor.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvserve.loaders.weights import ModelConfig, ModelLoadError, Weight, interleave_qk
+
+TASKS = ("generate", "embed", "score")
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """The KV cache one layer keeps (vLLM's FullAttentionSpec / SlidingWindowSpec).
+
+    Attributes:
+        kind: "full" (every earlier token), "sliding" (the last ``window`` tokens) or "none"
+            (an encoder: no cache).
+        window: tokens a query sees, itself included ("sliding" only).
+    """
+
+    kind: str
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("full", "sliding", "none"):
+            raise ValueError(f"unknown KV spec kind {self.kind!r}")
+        if (self.kind == "sliding") != (self.window > 0):
+            raise ValueError(f"KV spec {self.kind!r} with window {self.window}")
+
+
+FULL = KVSpec("full")
+NO_KV = KVSpec("none")
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One model family (see the module docstring).
+
+    Attributes:
+        name: the family's name ("llama", "bert").
+        gguf_archs: GGUF ``general.architecture`` values it reads (older names Ollama's store
+            keeps included).
+        hf_archs: HF ``architectures`` values -> the task of that class ("generate", "embed",
+            "score").
+        task: the family's task when nothing more specific says otherwise.
+        module: "package.module:Class" of the torch module (imported when first built).
+        config_from_gguf: ``(metadata, path, shapes | None) -> config``; ``shapes`` maps tensor
+            names to torch shapes when the tensor table is at hand (sizes the file decides).
+        config_from_hf: ``(config_json, path) -> config``.
+        hf_tensor_name: ``(hf_name, config) -> kvserve name | None`` (None: a tensor not used).
+        required_tensors: ``(config, weights) -> names`` the module needs, in order.
+        kv_spec: ``config -> per-layer KVSpec`` (tuple, one per layer).
+        native_decode: ``config -> bool``: kvserve's native decode step (a llama layer in C++,
+            kvserve.models.decode_native) computes this model exactly (it has no other
+            operations); False for every model of a family it does not implement.
+        hf_model_types: config.json ``model_type`` values that name the family when
+            ``architectures`` is absent.
+        finish_hf: ``(config, shapes) -> None``: sizes an HF directory's tensors decide.
+        prepare: ``(config, weights, fmt) -> None``: turns the weights as read ("gguf" / "hf")
+            into the module's layout, in place.
+        packed_weights: the module takes 4-bit packed weights (else the loader hands it float32).
+        score_tensor: a GGUF tensor whose presence makes the model a cross-encoder ("score").
+    """
+
+    name: str
+    gguf_archs: tuple[str, ...]
+    hf_archs: dict[str, str]
+    task: str
+    module: str
+    config_from_gguf: Callable[[dict, str, dict | None], Any]
+    config_from_hf: Callable[[dict, str], Any]
+    hf_tensor_name: Callable[[str, Any], str | None]
+    required_tensors: Callable[[Any, dict], list[str]]
+    kv_spec: Callable[[Any], tuple[KVSpec, ...]]
+    native_decode: Callable[[Any], bool] = field(default=lambda config: False)
+    hf_model_types: tuple[str, ...] = ()
+    finish_hf: Callable[[Any, dict], None] = field(default=lambda config, shapes: None)
+    prepare: Callable[[Any, dict, str], None] = field(default=lambda config, weights, fmt: None)
+    packed_weights: bool = True
+    score_tensor: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS or any(t not in TASKS for t in self.hf_archs.values()):
+            raise ValueError(f"family {self.name}: unknown task")
+
+    def module_class(self) -> type:
+        """The torch module class (imported now)."""
+        mod, _, cls = self.module.partition(":")
+        return getattr(importlib.import_module(mod), cls)
+
+
+# -- the llama block: llama, mistral, qwen2 --------------------------------------------------------
+
+#: the llama block's per-layer tensors (kvserve / llama.cpp names), all required
+LLAMA_LAYER_TENSORS = (
+    "attn_norm.weight",
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_norm.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+)
+
+#: HF (transformers) per-layer names of the llama block -> kvserve's
+LLAMA_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+#: GGUF architectures of the llama block whose Q/K rows are in the NEOX (half-split) layout:
+#: llama.cpp's converter permutes llama's and mistral's to interleaved pairs, not qwen2's
+LLAMA_NEOX_GGUF = ("qwen2",)
+
+#: GGUF architectures of the llama block with q/k/v biases
+LLAMA_QKV_BIAS = ("qwen2",)
+
+
+def llama_hf_tensor_name(name: str, config: Any = None, layer_names: dict = LLAMA_HF_LAYER_NAMES) -> str | None:
+    """Map an HF tensor name of a llama-block model to kvserve's (GGUF) name; None for tensors
+    not used."""
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    if name == "lm_head.weight":
+        return "output.weight"
+    if name.startswith("model.layers."):
+        idx, _, sub = name[len("model.layers."):].partition(".")
+        if sub in layer_names:
+            return f"blk.{idx}.{layer_names[sub]}"
+    return None
+
+
+def llama_config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> ModelConfig:
+    """A ModelConfig from ``{arch}.*`` GGUF metadata (llama.cpp's keys); ModelLoadError naming a
+    missing key. ``shapes`` (tensor name -> torch shape): no ``output.weight`` means tied
+    embeddings, and ``token_embd.weight``'s rows are the vocabulary."""
+    arch = md.get("general.architecture")
+
+    def get(key, default=None, required=True):
+        full = f"{arch}.{key}"
+        if full in md and md[full] is not None:
+            return md[full]
+        if required and default is None:
+            raise ModelLoadError(f"{path}: missing GGUF key '{full}'")
+        return default
+
+    tokens = md.get("tokenizer.ggml.tokens") or []
+    n_embd = int(get("embedding_length"))
+    n_head = int(get("attention.head_count"))
+    n_head_kv = get("attention.head_count_kv", n_head, required=False)
+    if isinstance(n_head_kv, list):
+        n_head_kv = n_head_kv[0]
+    head_dim = int(get("attention.key_length", n_embd // n_head, required=False))
+    scaling = None
+    stype = get("rope.scaling.type", "", required=False)
+    if stype and stype != "none":
+        scaling = {
+            "type": stype,
+            "factor": float(get("rope.scaling.factor", 1.0, required=False)),
+            "original_context_length": int(get("rope.scaling.original_context_length", 0, required=False)),
+        }
+    ff = get("feed_forward_length")
+    if isinstance(ff, list):
+        ff = ff[0]
+    config = ModelConfig(
+        arch=arch,
+        n_layer=int(get("block_count")),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=int(n_head_kv),
+        n_ff=int(ff),
+        n_vocab=int(get("vocab_size", len(tokens), required=False) or len(tokens)),
+        head_dim=head_dim,
+        n_ctx_train=int(get("context_length")),
+        rope_freq_base=float(get("rope.freq_base", 10000.0, required=False)),
+        rope_scaling=scaling,
+        rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
+        qkv_bias=arch in LLAMA_QKV_BIAS,
+    )
+    if shapes is not None:
+        if "output.weight" not in shapes:
+            config.tie_embeddings = True
+        if "token_embd.weight" in shapes:
+            config.n_vocab = shapes["token_embd.weight"][0]
+    return config
+
+
+def llama_config_from_hf(cfg: dict, path: str, arch: str | None = None) -> ModelConfig:
+    """A ModelConfig from a llama-block config.json (transformers' keys); ModelLoadError naming a
+    missing key. ``arch``: the GGUF name to record (default: from ``architectures``)."""
+    if arch is None:
+        arch = _HF_GGUF_NAMES.get(next((a for a in cfg.get("architectures") or [] if a in _HF_GGUF_NAMES), ""),
+                                  "llama")
+    try:
+        n_embd = int(cfg["hidden_size"])
+        n_head = int(cfg["num_attention_heads"])
+        scaling = cfg.get("rope_scaling")
+        if scaling:
+            scaling = dict(scaling)
+            scaling["type"] = scaling.get("rope_type", scaling.get("type"))
+            if "original_max_position_embeddings" in scaling:
+                scaling["original_context_length"] = scaling["original_max_position_embeddings"]
+        return ModelConfig(
+            arch=arch,
+            n_layer=int(cfg["num_hidden_layers"]),
+            n_embd=n_embd,
+            n_head=n_head,
+            n_head_kv=int(cfg.get("num_key_value_heads", n_head)),
+            n_ff=int(cfg["intermediate_size"]),
+            n_vocab=int(cfg["vocab_size"]),
+            head_dim=int(cfg.get("head_dim") or n_embd // n_head),
+            n_ctx_train=int(cfg.get("max_position_embeddings", 2048)),
+            rope_freq_base=float(cfg.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            qkv_bias=arch in LLAMA_QKV_BIAS,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: config.json lacks {e.args[0]!r}") from None
+
+
+#: HF class -> the GGUF name a llama-block config records (MistralForCausalLM runs as llama)
+_HF_GGUF_NAMES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+
+def llama_required_tensors(config: ModelConfig, weights: dict | None = None) -> list[str]:
+    """The tensors a llama-block model of ``config`` needs, in order (q/k/v biases when
+    ``config.qkv_bias``); ``output.weight`` is optional (tied embeddings without it)."""
+    needed = ["token_embd.weight", "output_norm.weight"]
+    for i in range(config.n_layer):
+        needed += [f"blk.{i}.{n}" for n in LLAMA_LAYER_TENSORS]
+        if config.qkv_bias:
+            needed += [f"blk.{i}.attn_{x}.bias" for x in "qkv"]
+    return needed
+
+
+def llama_finish_hf(config: ModelConfig, shapes: dict) -> None:
+    """No ``lm_head.weight`` in the directory: the head is the embedding (tied)."""
+    if "output.weight" not in shapes:
+        config.tie_embeddings = True
+
+
+def llama_prepare(config: ModelConfig, weights: dict[str, Weight], fmt: str) -> None:
+    """Q/K rows to interleaved pairs (the model's RoPE layout) where the file has them half-split:
+    every HF directory, and GGUF architectures of :data:`LLAMA_NEOX_GGUF`."""
+    if fmt == "hf" or config.arch in LLAMA_NEOX_GGUF:
+        interleave_qk(config, weights)
+
+
+def all_full(config: Any) -> tuple[KVSpec, ...]:
+    """Every layer keeps full-attention KV."""
+    return (FULL,) * config.n_layer
+
+
+def no_kv(config: Any) -> tuple[KVSpec, ...]:
+    """An encoder: no layer keeps KV."""
+    return (NO_KV,) * config.n_layer
+
+
+# -- BERT ------------------------------------------------------------------------------------------
+
+def _bert(name: str) -> Callable:
+    """A function of kvserve.models.bert_config, imported when first called."""
+    def call(*args):
+        return getattr(importlib.import_module("kvserve.models.bert_config"), name)(*args)
+    call.__name__ = name
+    return call
+
+
+# -- the records -----------------------------------------------------------------------------------
+
+LLAMA = Family(
+    name="llama",
+    gguf_archs=("llama", "mistral", "qwen2"),
+    hf_archs={"LlamaForCausalLM": "generate", "MistralForCausalLM": "generate", "Qwen2ForCausalLM": "generate"},
+    task="generate",
+    module="kvserve.models.llama:LlamaModel",
+    config_from_gguf=llama_config_from_gguf,
+    config_from_hf=llama_config_from_hf,
+    hf_tensor_name=llama_hf_tensor_name,
+    required_tensors=llama_required_tensors,
+    kv_spec=all_full,
+    native_decode=lambda config: True,
+    finish_hf=llama_finish_hf,
+    prepare=llama_prepare,
+)
+
+BERT = Family(
+    name="bert",
+    gguf_archs=("bert",),
+    hf_archs={"BertModel": "embed", "BertForMaskedLM": "embed", "BertForPreTraining": "embed",
+              "BertForSequenceClassification": "score"},
+    task="embed",
+    module="kvserve.models.bert:BertModel",
+    config_from_gguf=_bert("config_from_gguf"),
+    config_from_hf=_bert("config_from_hf"),
+    hf_tensor_name=_bert("hf_tensor_name"),
+    required_tensors=_bert("required_tensors"),
+    kv_spec=no_kv,
+    hf_model_types=("bert",),
+    finish_hf=_bert("finish"),
+    packed_weights=False,
+    score_tensor="cls.output.weight",
+)
+
+#: every family kvserve runs, in the order error messages list them
+FAMILIES: tuple[Family, ...] = (LLAMA, BERT)
+
+#: architecture names of encoders kvserve has no family for yet, with the task they would have:
+#: the model manager sends them to the embedding runner, which reports them as unsupported
+#: there (not as a generative model that fails to load)
+KNOWN_ENCODERS_WITHOUT_FAMILY = {
+    "nomic-bert": "embed", "NomicBertModel": "embed",
+    "XLMRobertaForSequenceClassification": "score",
+    "RobertaModel": "embed", "XLMRobertaModel": "embed",
+}
+
+
+# -- derived tables --------------------------------------------------------------------------------
+
+def _gguf_table() -> dict[str, Family]:
+    out: dict[str, Family] = {}
+    for fam in FAMILIES:
+        for a in fam.gguf_archs:
+            assert a not in out, f"GGUF architecture {a} in two families"
+            out[a] = fam
+    return out
+
+
+def _hf_table() -> dict[str, Family]:
+    out: dict[str, Family] = {}
+    for fam in FAMILIES:
+        for a in fam.hf_archs:
+            assert a not in out, f"HF architecture {a} in two families"
+            out[a] = fam
+    return out
+
+
+#: GGUF ``general.architecture`` -> Family
+GGUF_ARCHS: dict[str, Family] = _gguf_table()
+#: HF ``architectures`` -> Family
+HF_ARCHS: dict[str, Family] = _hf_table()
+#: every architecture name (GGUF and HF) -> its task
+ARCH_TASKS: dict[str, str] = {**{a: f.task for a, f in GGUF_ARCHS.items()},
+                              **{a: t for f in FAMILIES for a, t in f.hf_archs.items()}}
+#: every encoder name -> task: the families' and :data:`KNOWN_ENCODERS_WITHOUT_FAMILY`
+ENCODER_TASKS: dict[str, str] = {**{a: t for a, t in ARCH_TASKS.items() if t != "generate"},
+                                 **KNOWN_ENCODERS_WITHOUT_FAMILY}
+
+
+def known_families(hf: bool = False) -> str:
+    """The families kvserve runs with their architecture names, for error messages:
+    "llama (llama, mistral, qwen2), bert (bert)"; ``hf``: with the HF class names instead."""
+    return ", ".join(f"{f.name} ({', '.join(f.hf_archs if hf else f.gguf_archs)})" for f in FAMILIES)
+
+
+def family_of(arch: str) -> Family:
+    """The family of a loaded config's ``arch`` (a GGUF architecture name).
+
+    Raises:
+        ModelLoadError: an architecture no family reads.
+    """
+    fam = GGUF_ARCHS.get(arch)
+    if fam is None:
+        raise ModelLoadError(f"unknown model architecture '{arch}' (kvserve knows the families {known_families()})")
+    return fam
+
+
+def gguf_family(md: dict, path: str) -> Family:
+    """The family of a GGUF file from its metadata.
+
+    Raises:
+        ModelLoadError: no ``general.architecture``, or one no family reads (the message names
+            the families kvserve knows).
+    """
+    arch = md.get("general.architecture")
+    if arch is None:
+        raise ModelLoadError(f"{path}: GGUF has no general.architecture")
+    fam = GGUF_ARCHS.get(arch)
+    if fam is None:
+        raise ModelLoadError(f"{path}: unknown model architecture '{arch}' "
+                             f"(kvserve knows the families {known_families()})")
+    return fam
+
+
+def hf_family(cfg: dict, path: str) -> Family:
+    """The family of an HF directory from its config.json (``architectures``, else ``model_type``).
+
+    Raises:
+        ModelLoadError: an architecture no family reads (the message names the HF classes kvserve
+            knows).
+    """
+    archs = cfg.get("architectures") or []
+    for a in archs:
+        if a in HF_ARCHS:
+            return HF_ARCHS[a]
+    if not archs:
+        for fam in FAMILIES:
+            if cfg.get("model_type") in fam.hf_model_types:
+                return fam
+    raise ModelLoadError(
+        f"{path}: unknown model architecture {archs or cfg.get('model_type')!r} "
+        f"(kvserve knows the families {known_families(hf=True)})"
+    )
+
+
+def hf_task(cfg: dict, path: str) -> str:
+    """The task of an HF directory's config.json (its class's, else its family's).
+
+    Raises ModelLoadError: an architecture no family reads."""
+    fam = hf_family(cfg, path)
+    for a in cfg.get("architectures") or []:
+        if a in fam.hf_archs:
+            return fam.hf_archs[a]
+    return fam.task
+
+
+def gguf_task(md: dict, tensor_names, path: str) -> str:
+    """The task of a GGUF file from its metadata and tensor names; "generate" for an
+    architecture no family reads (the loader reports it)."""
+    fam = GGUF_ARCHS.get(md.get("general.architecture"))
+    if fam is None:
+        return "generate"
+    if fam.score_tensor is not None and fam.score_tensor in set(tensor_names):
+        return "score"
+    return fam.task
+
+
+def read_gguf_config(md: dict, path: str, shapes: dict | None = None):
+    """The config of a GGUF file from its metadata (and tensor shapes, when given), by its family.
+
+    Raises ModelLoadError: unknown architecture, missing key, an option the family lacks."""
+    return gguf_family(md, path).config_from_gguf(md, path, shapes)
+
+
+def read_hf_config(cfg: dict, path: str):
+    """The config of an HF directory from its config.json, by its family.
+
+    Raises ModelLoadError: unknown architecture, missing key, an option the family lacks."""
+    return hf_family(cfg, path).config_from_hf(cfg, path)
