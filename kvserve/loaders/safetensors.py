@@ -11,6 +11,7 @@ This module only reads the files.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -71,6 +72,7 @@ def load_hf_dir(path: str | os.PathLike) -> LoadedModel:
     """
     import torch
 
+    from kvserve.loaders.hf_quant import QuantAssembler, read_scheme
     from kvserve.loaders.tokenizer import Tokenizer
     from kvserve.models.family import hf_family
 
@@ -78,17 +80,27 @@ def load_hf_dir(path: str | os.PathLike) -> LoadedModel:
     cfg = read_config(d)
     family = hf_family(cfg, str(d))
     config = family.config_from_hf(cfg, str(d))
+    scheme = read_scheme(cfg, str(d))  # AWQ, GPTQ, compressed-tensors, FP8 (kvserve.loaders.hf_quant)
+    quant = QuantAssembler(scheme, str(d)) if scheme is not None else None
     weights: dict[str, Weight] = {}
     size = n_params = 0
     for name, t in _read_tensors(d):
         if not name.endswith("position_ids"):  # a buffer, not a parameter
             size += t.numel() * t.element_size()
+        if quant is not None and quant.take(name, t):
+            continue  # counted in parameters once its layer is built
+        if not name.endswith("position_ids"):
             n_params += t.numel()
         g = family.hf_tensor_name(name, config)
         if g is None:
             continue
         arr = t.to(torch.float32).numpy()
         weights[g] = Weight(tuple(arr.shape), dense=np.ascontiguousarray(arr), source_type=str(t.dtype))
+    for name, w in quant.finish() if quant is not None else ():
+        n_params += math.prod(w.shape)
+        g = family.hf_tensor_name(name, config)
+        if g is not None:
+            weights[g] = w if family.packed_weights else Weight(w.shape, dense=w.to_dense(), source_type=w.source_type)
     family.finish_hf(config, {k: w.shape for k, w in weights.items()})
     check_tensors(family.required_tensors(config, weights), weights, str(d))
     check_finite(weights, str(d))
@@ -103,6 +115,8 @@ def load_hf_dir(path: str | os.PathLike) -> LoadedModel:
         gen = json.loads((d / "generation_config.json").read_text())
     dtype = str(cfg.get("torch_dtype", "float32"))
     ftype = {"float32": "all F32", "float16": "F16", "bfloat16": "BF16"}.get(dtype, dtype)
+    if scheme is not None:
+        ftype = scheme.label
     info = ModelInfo(
         path=str(d),
         name=cfg.get("_name_or_path") or d.name,

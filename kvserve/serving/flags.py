@@ -504,8 +504,9 @@ FLAGS: tuple[Flag, ...] = (
       "batches where the CPU has native bfloat16), logged as vLLM's Upcasting line"),
     F("-q --quantization", help="quantization method (vLLM's names)", source=VLLM, check=_quantization_check,
       why="checked against the model: a quantized config.json or GGUF file (method gguf) naming another method is "
-      "vLLM's mismatch error; a config.json quantization_config (awq, gptq, fp8...) is refused (kvserve runs float "
-      "safetensors and GGUF); online methods (fp8, fp8_per_tensor, bitsandbytes, ...) on float weights: a "
+      "vLLM's mismatch error; a config.json quantization_config is loaded without a flag (awq, gptq, "
+      "compressed-tensors int4 groups stay 4-bit; int8 and fp8 are dequantized), another method is refused naming "
+      "it; online methods (fp8, fp8_per_tensor, bitsandbytes, ...) on float weights: a "
       "warning, the weights are served as stored"),
     F("--large-batch-dtype", default="auto", source=KV, choices=("auto", "bfloat16", "float32"),
       help="dense weight copy for steps above 16 rows (prefill) with --dtype auto on CPU: auto = bfloat16 "

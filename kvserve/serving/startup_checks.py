@@ -107,11 +107,9 @@ class ModelHeader:
         lower-cased, ``""`` when the object has none; None when unquantized."""
         if self.format == "gguf":
             return "gguf"
-        qc = self.hf.get("quantization_config")
-        if qc is None:
-            qc = self.hf.get("compression_config")
-        if qc is None and isinstance(self.hf.get("text_config"), dict):
-            qc = self.hf["text_config"].get("quantization_config")
+        from kvserve.loaders.hf_quant import quantization_config
+
+        qc = quantization_config(self.hf)
         if qc is None:
             return None
         method = str(qc.get("quant_method", "") if isinstance(qc, dict) else "").lower()
@@ -258,8 +256,9 @@ def check_quantization(flag: str | None, h: ModelHeader, how: str = "-q") -> lis
     * a quantized checkpoint (config.json's ``quantization_config``, or a GGUF file, whose
       method is ``gguf``) and a ``-q`` naming another method: vLLM's mismatch error (kernel
       variants such as ``awq_marlin`` match their base method);
-    * an HF checkpoint with a ``quantization_config``: kvserve cannot run it (it loads float
-      safetensors and GGUF files): an error naming the method;
+    * an HF checkpoint with a ``quantization_config``: loaded as kvserve.loaders.hf_quant reads
+      it (AWQ, GPTQ, compressed-tensors, FP8; an INFO line); a method or variant it cannot run:
+      an error naming it;
     * an unquantized checkpoint and an online method (``fp8``, ``fp8_per_tensor``,
       ``bitsandbytes``, ...): a warning; the weights are served as stored (kvserve does not
       quantize while loading); any other method (``awq``, ``gptq``, ``gguf``...): an error, the
@@ -276,11 +275,13 @@ def check_quantization(flag: str | None, h: ModelHeader, how: str = "-q") -> lis
             f"Quantization method specified in the model config ({model_method}) does not match the quantization "
             f"method specified in the `quantization` argument ({flag}).")
     if h.format == "hf" and model_method is not None:
-        named = f"quant_method '{model_method}'" if model_method else "no quant_method"
-        raise StartupCheckError(
-            f"{h.path}: the model's config.json has a quantization_config ({named}), which kvserve cannot run: kvserve "
-            "loads safetensors weights in float32, float16 or bfloat16, and GGUF files (llama.cpp's quantized "
-            "types); serve the unquantized checkpoint or a GGUF file of this model")
+        from kvserve.loaders.hf_quant import read_scheme
+
+        try:
+            scheme = read_scheme(h.hf, h.path)  # the loader's judgement: a variant it cannot run is named
+        except ModelLoadError as e:
+            raise StartupCheckError(str(e)) from None
+        return [(logging.INFO, f"quantization: {model_method} (from config.json), weights {scheme.label}")]
     if flag is None or model_method == "gguf":
         return []
     if flag in ONLINE_QUANT_METHODS:

@@ -28,6 +28,7 @@ from kvserve.engine.kv_budget import (
     plan_engine_pool,
     plan_pool,
 )
+from kvserve.loaders.weights import ModelLoadError
 from kvserve.serving.args import parse_args
 from kvserve.serving.manager import ModelSpec
 from kvserve.serving.runner import load_runner
@@ -351,14 +352,29 @@ def test_quantization_mismatch_is_vllms_error(tmp_path):
 
 
 def test_quantized_checkpoint_kvserve_cannot_run_is_named(tmp_path):
-    path = _quant_dir(tmp_path, "awq", AWQ)
-    for argv in ([], ["-q", "awq"], ["-q", "awq_marlin"]):
+    cases = [({"quant_method": "bitsandbytes", "load_in_4bit": True},
+              "the model's config.json has a quantization_config (quant_method 'bitsandbytes'), which kvserve cannot "
+              "run (it runs awq, gptq, compressed-tensors, fp8 checkpoints and GGUF files)"),
+             (dict(AWQ, version="gemv"), "AWQ checkpoint with version 'gemv' (gemm) is not supported"),
+             ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ checkpoint with bits 3 (4 or 8) is not "
+              "supported")]
+    for i, (quant, text) in enumerate(cases):
+        path = _quant_dir(tmp_path, f"q{i}", quant)
         with pytest.raises(StartupCheckError) as e:
+            _start([], path)
+        assert str(e.value) == f"{path}: {text}"
+
+
+def test_quantized_checkpoint_kvserve_runs_passes_the_checks(tmp_path, caplog):
+    """An AWQ config passes the quantization check (with -q awq and its kernel variant too) and
+    start-up goes on to read the weights, which this directory lacks."""
+    path = _quant_dir(tmp_path, "awq", AWQ)
+    caplog.set_level(logging.INFO)
+    for argv in ([], ["-q", "awq"], ["-q", "awq_marlin"]):
+        with pytest.raises(ModelLoadError) as e:
             _start(argv, path)
-        assert str(e.value) == (
-            f"{path}: the model's config.json has a quantization_config (quant_method 'awq'), which kvserve cannot "
-            "run: kvserve loads safetensors weights in float32, float16 or bfloat16, and GGUF files (llama.cpp's "
-            "quantized types); serve the unquantized checkpoint or a GGUF file of this model")
+        assert not isinstance(e.value, StartupCheckError)
+        assert "quantization: awq (from config.json), weights AWQ-INT4" in _messages(caplog)
 
 
 def test_gguf_is_method_gguf(tiny_gguf):
