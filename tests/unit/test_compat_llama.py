@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import socket
+from pathlib import Path
 
 import pytest
+from servers import app_client
 
 from kvserve.faces.head_case import HeadCaseTransport, title_case_head, title_case_name
 
@@ -79,3 +82,80 @@ def test_live_server_writes_llama_server_header_names():
     pre_names = [ln.partition(b":")[0] for ln in pre.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]]
     assert {b"Access-Control-Allow-Origin", b"Access-Control-Allow-Methods", b"Access-Control-Allow-Headers",
             b"Vary"} <= set(pre_names), pre_names
+
+
+# -- the template context llama-server gives (enable_thinking, Llama 3.x, firefunction) -------
+
+VENDOR = Path(__file__).resolve().parents[1] / "templates" / "vendor"
+SHOW_THINKING = ("{%- for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor -%}"
+                 "{%- if add_generation_prompt %}[assistant]{% endif -%}"
+                 "|enable_thinking={{ enable_thinking if enable_thinking is defined else 'undefined' }}")
+ASK = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def served(tiny_gguf, tmp_path):
+    """``served(template_text, *flags)``: an in-process server of the tiny model with that template."""
+    clients = []
+
+    def start(template: str, *flags: str):
+        path = tmp_path / f"t{len(clients)}.jinja"
+        path.write_text(template)
+        c = app_client(tiny_gguf, tmp_path, "--chat-template-file", str(path), *flags)
+        clients.append(c)
+        return c
+
+    yield start
+    for c in clients:
+        c.portal.call(c.state.manager.shutdown)
+        c.__exit__(None, None, None)
+
+
+def _prompt(client, **body) -> str:
+    r = client.post("/apply-template", json={"messages": ASK, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["prompt"]
+
+
+def test_reasoning_auto_passes_enable_thinking_true(served):
+    auto = served(SHOW_THINKING)
+    assert _prompt(auto) == "[user]hi[assistant]|enable_thinking=True"
+    assert _prompt(auto, chat_template_kwargs={"enable_thinking": False}).endswith("|enable_thinking=False")
+    assert _prompt(served(SHOW_THINKING, "--reasoning", "off")).endswith("|enable_thinking=False")
+    assert _prompt(served(SHOW_THINKING, "--reasoning-budget", "0")).endswith("|enable_thinking=False")
+
+
+def test_apply_template_honours_add_generation_prompt_false(served):
+    c = served(SHOW_THINKING)
+    assert _prompt(c, add_generation_prompt=False) == "[user]hi|enable_thinking=True"
+    assert _prompt(c, add_generation_prompt=True) == "[user]hi[assistant]|enable_thinking=True"
+
+
+def test_llama3_date_string_is_today(served):
+    from datetime import datetime
+
+    c = served((VENDOR / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text())
+    before = datetime.now().strftime("%d %b %Y")
+    prompt = _prompt(c)
+    after = datetime.now().strftime("%d %b %Y")
+    assert f"Today Date: {before}\n" in prompt or f"Today Date: {after}\n" in prompt, prompt
+    assert "26 Jul 2024" not in prompt
+    fixed = _prompt(c, chat_template_kwargs={"date_string": "1 Jan 2026"})  # the request still wins
+    assert "Today Date: 1 Jan 2026\n" in fixed
+
+
+def test_firefunction_gets_functions_and_datetime(served):
+    from kvserve.chat.llama_context import family_context
+
+    c = served((VENDOR / "fireworks-ai-llama-3-firefunction-v2.jinja").read_text())
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"path": {"type": "string"}}}}}]
+    prompt = _prompt(c, tools=tools)
+    assert json.dumps(tools, indent=2) in prompt and "Today is " in prompt and " GMT." in prompt
+    assert "Available functions as JSON spec:\n\nToday is " in _prompt(c)  # no tools: functions is ""
+    from datetime import datetime
+
+    ctx = family_context(" functools[", None, now=datetime(2026, 1, 2, 3, 4, 5))
+    assert ctx == {"functions": "", "datetime": "Jan 02 2026 03:04:05 GMT"}
+    assert family_context("plain", None) == {}
