@@ -735,3 +735,22 @@ def test_unsatisfiable_or_bad_bounds_are_400(schema, msg):
     with pytest.raises(InvalidInputError) as e:
         constraint_from_body({"json_schema": schema}, "llama")
     assert ApiError.from_exception(e.value).status == 400 and msg in str(e.value)
+
+
+def test_constrained_output_check(smol_core):
+    """tests/constrained.py, which API tests use on unbounded constraints, can fail."""
+    from constrained import accepts_prefix, check_constrained
+
+    tok = smol_core.tokenizer
+    body = {"structured_outputs": {"json": LOCATION}}
+    valid = lambda s: jsonschema.validate(json.loads(s), LOCATION) is None  # noqa: E731
+    assert accepts_prefix(tok, body, "openai", '{"file": "Main.ja') and accepts_prefix(tok, body, "openai", "")
+    assert not accepts_prefix(tok, body, "openai", "Main.java") and not accepts_prefix(tok, body, "openai", '{"x"')
+    check_constrained(tok, body, "openai", '{"file": "Main.ja', "length", 120, 120, valid)
+    check_constrained(tok, body, "openai", '{"file": "Main.java", "line": 42}', "stop", 14, 120, valid)
+    for text, finish, n in [('{"file": "Main.ja', "length", 119),  # cut before the limit
+                            ('{"file": "Main.ja', "stop", 9),  # ended, but incomplete
+                            ("Main.java", "length", 120),  # not what the grammar allows
+                            ('{"file": "Main.java", "line": 42}', "stop", 121)]:  # over the limit
+        with pytest.raises((AssertionError, ValueError)):
+            check_constrained(tok, body, "openai", text, finish, n, 120, valid)
