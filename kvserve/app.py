@@ -209,17 +209,22 @@ def http_protocol():
     """uvicorn's HTTP protocol class (httptools when installed, else h11, as ``http="auto"``)
     with its answer to an unparseable request in the error envelope: uvicorn writes a plain
     text ``Invalid HTTP request received.`` from ``send_400_response``, which the app never
-    sees; overriding that method (a documented ``Config(http=...)`` class) is the one place."""
+    sees; overriding that method (a documented ``Config(http=...)`` class) is the one place.
+    With httptools, response header names go out as llama-server writes them (Title-Case, see
+    :mod:`kvserve.faces.head_case`); h11 writes them as Starlette gives them (lower-case)."""
     body = dumps(ApiError(400, "Invalid HTTP request received.").body()).encode()
-    head = [(b"content-type", b"application/json; charset=utf-8"),
-            (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+    head = [(b"Content-Type", b"application/json; charset=utf-8"),
+            (b"Content-Length", str(len(body)).encode()), (b"Connection", b"close")]
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-        class JsonErrorHttpTools(HttpToolsProtocol):
+        from kvserve.faces.head_case import TitleCaseHeads, title_case_name
+
+        class JsonErrorHttpTools(TitleCaseHeads, HttpToolsProtocol):
             def send_400_response(self, msg: str) -> None:
                 lines = [b"HTTP/1.1 400 Bad Request\r\n"]
-                lines += [n + b": " + v + b"\r\n" for n, v in list(self.server_state.default_headers) + head]
+                lines += [title_case_name(n) + b": " + v + b"\r\n"
+                          for n, v in list(self.server_state.default_headers) + head]
                 self.transport.write(b"".join(lines) + b"\r\n" + body)
                 self.transport.close()
 

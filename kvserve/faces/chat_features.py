@@ -155,9 +155,10 @@ def _resolve_parser(state, choice: str | dict, template) -> str | None:
     return parser
 
 
-def template_kwargs(args, body: dict) -> dict:
+def template_kwargs(args, body: dict, template=None, tools: list | None = None) -> dict:
     """Extra template variables: ``--chat-template-kwargs``, ``--reasoning on|off``
-    (``enable_thinking``), the request's ``documents`` (vLLM), then its ``chat_template_kwargs``
+    (``enable_thinking``), the variables llama-server gives a Jinja ``template``
+    (:func:`server_context`), the request's ``documents`` (vLLM), then its ``chat_template_kwargs``
     (which may set ``documents`` too, as vLLM merges them) and ``reasoning_effort``.
 
     Raises:
@@ -168,6 +169,9 @@ def template_kwargs(args, body: dict) -> dict:
     kwargs = {k: v for k, v in args.chat_template_kwargs.items() if k not in RESERVED_VARIABLES}
     if args.reasoning is not None:
         kwargs["enable_thinking"] = args.reasoning == "on"
+    if template is not None:
+        for k, v in server_context(args, template, tools).items():
+            kwargs.setdefault(k, v)
     docs = body.get("documents")  # vLLM's RAG documents for the template (Command-R, Granite)
     if docs is not None:
         if not isinstance(docs, list):
@@ -194,6 +198,19 @@ def template_kwargs(args, body: dict) -> dict:
     return kwargs
 
 
+def server_context(args, template, tools: list | None) -> dict:
+    """What llama-server adds to a Jinja template's context (``common/chat.cpp``): ``enable_thinking``
+    always defined (``--reasoning auto``, the default: true unless ``--reasoning-budget 0``) and the
+    Llama 3.x / firefunction variables of :func:`kvserve.chat.llama_context.family_context`. None
+    for an Ollama Go template, which has its own ``think`` rule."""
+    from kvserve.chat.go_chat_template import GoChatTemplate
+    from kvserve.chat.llama_context import family_context
+
+    if isinstance(template, GoChatTemplate):
+        return {}
+    return {"enable_thinking": args.reasoning_budget != 0, **family_context(template.source, tools)}
+
+
 def chat_features(state, body: dict) -> ChatFeatures:
     """Read the tool, reasoning and template fields of a chat request (400 on bad values)."""
     args = state.args
@@ -216,7 +233,7 @@ def chat_features(state, body: dict) -> ChatFeatures:
         except ValueError as e:
             raise ApiError(400, f"tools: {e}") from None
 
-    f.template_kwargs = template_kwargs(args, body)
+    f.template_kwargs = template_kwargs(args, body, state.template, tools)
 
     if args.reasoning_parser:
         f.reasoning_style, f.reasoning_field = args.reasoning_parser, "reasoning"

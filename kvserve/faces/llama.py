@@ -439,11 +439,12 @@ def vllm_tokenize(state: Runner, body: dict) -> VllmTokenizeResponse:
         from kvserve.chat.prompt import render_chat
         from kvserve.faces.chat_features import parse_tools, template_kwargs
 
+        tools = parse_tools(body.get("tools"))
         text, ids = render_chat(state.template, tok, body["messages"],
                                 add_generation_prompt=get_bool(body, "add_generation_prompt", True),
-                                tools=parse_tools(body.get("tools")),
+                                tools=tools,
                                 continue_final_message=bool(get_bool(body, "continue_final_message", False)),
-                                **template_kwargs(state.args, body))
+                                **template_kwargs(state.args, body, state.template, tools))
         if get_bool(body, "add_special_tokens", False):
             ids = tok.encode(text, add_special=True, parse_special=True)
     else:
@@ -772,8 +773,9 @@ def render_prompt(state: Runner, body: dict) -> str:
     from kvserve.chat.prompt import render_chat
     from kvserve.faces.chat_features import parse_tools, template_kwargs
 
-    text, _ = render_chat(state.template, state.tokenizer, body["messages"], add_generation_prompt=True,
-                          tools=parse_tools(body.get("tools")),
-                          continue_final_message=body.get("continue_final_message"),
-                          **template_kwargs(state.args, body))  # as the chat endpoint renders
+    tools = parse_tools(body.get("tools"))
+    add = get_bool(body, "add_generation_prompt", True)  # llama-server honours false (no assistant header)
+    text, _ = render_chat(state.template, state.tokenizer, body["messages"], add_generation_prompt=add is not False,
+                          tools=tools, continue_final_message=body.get("continue_final_message"),
+                          **template_kwargs(state.args, body, state.template, tools))  # as the chat endpoint renders
     return text

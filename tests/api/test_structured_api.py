@@ -9,6 +9,7 @@ import json
 import httpx
 import jsonschema
 import pytest
+from constrained import check_constrained  # tests/ is on sys.path
 
 YES_NO = 'root ::= ("yes" | "no") "\\n"'
 FILE_INFO = {
@@ -47,15 +48,17 @@ def test_json_schema_field(smollm2_server):
     assert grammar.startswith("whitespace ::= ")
 
 
-def test_response_format_and_several_prompts(smollm2_server):
+def test_response_format_and_several_prompts(smollm2_server, smollm2_tokenizer):
     res = _ok(_completion(smollm2_server, {"prompt": ["Answer:", "Is it safe? Reply:"], "n_predict": 20,
                                            "temperature": 1.0, "seed": 3, "grammar": YES_NO}))
     assert [r["index"] for r in res] == [0, 1]
     for r in res:  # each prompt has its own matcher
         assert r["content"] in ("yes\n", "no\n") and r["stop_type"] == "eos"
-    res = _ok(_completion(smollm2_server, {"prompt": "A JSON object:", "n_predict": 200, "temperature": 0,
-                                           "response_format": {"type": "json_object"}}))
-    assert res["stop_type"] == "eos" and isinstance(json.loads(res["content"]), dict)
+    fmt = {"response_format": {"type": "json_object"}}
+    res = _ok(_completion(smollm2_server, {"prompt": "A JSON object:", "n_predict": 200, "temperature": 0, **fmt}))
+    # any object is allowed, so the model may still be writing one at n_predict on some CPUs
+    check_constrained(smollm2_tokenizer, fmt, "llama", res["content"], res["stop_type"], res["tokens_predicted"],
+                      200, lambda s: isinstance(json.loads(s), dict))
 
 
 def test_streamed_grammar_output_is_the_same(smollm2_server):

@@ -10,6 +10,7 @@ import re
 import httpx
 import jsonschema
 import pytest
+from constrained import check_constrained  # tests/ is on sys.path
 
 FILE_INFO = {
     "type": "object",
@@ -33,16 +34,26 @@ def _content(r: httpx.Response, finish: tuple[str, ...] = ("stop",)) -> str:
     return ch["message"]["content"]
 
 
+def _check(tok, r: httpx.Response, extra: dict, max_tokens: int, valid) -> None:
+    """An unbounded constraint's output: valid when the model ended it, else a prefix the grammar
+    accepts cut at max_tokens (tests/constrained.py: which one depends on the CPU's numerics)."""
+    assert r.status_code == 200, r.text
+    d = r.json()
+    ch = d["choices"][0]
+    check_constrained(tok, extra, "openai", ch["message"]["content"], ch["finish_reason"],
+                      d["usage"]["completion_tokens"], max_tokens, valid)
+
+
 def test_response_format_json_schema_seed12(smollm2_server):
     out = _content(_chat(smollm2_server, {"response_format": {"type": "json_schema", "json_schema": {
         "name": "file_info", "schema": FILE_INFO}}}, max_tokens=400))
     jsonschema.validate(json.loads(out), FILE_INFO)
 
 
-def test_structured_outputs_json(smollm2_server):
-    out = _content(_chat(smollm2_server, {"structured_outputs": {"json": LOCATION}},
-                         "Extract the file and line from: NPE at Main.java:42"))
-    jsonschema.validate(json.loads(out), LOCATION)
+def test_structured_outputs_json(smollm2_server, smollm2_tokenizer):
+    extra = {"structured_outputs": {"json": LOCATION}}
+    _check(smollm2_tokenizer, _chat(smollm2_server, extra, "Extract the file and line from: NPE at Main.java:42"),
+           extra, 120, lambda s: jsonschema.validate(json.loads(s), LOCATION) is None)
 
 
 def test_structured_outputs_regex(smollm2_server):
@@ -65,19 +76,19 @@ def test_structured_outputs_grammar(smollm2_server):
     assert re.fullmatch(r"v[0-9]\.[0-9]\n", out), out
 
 
-def test_structured_outputs_json_object(smollm2_server):
+def test_structured_outputs_json_object(smollm2_server, smollm2_tokenizer):
     # cache_prompt off: the shared server's earlier requests leave this prompt's prefix cached or not, and
     # a warm prompt's recomputed tail rounds unlike a cold prefill (docs/performance.md); and an open-ended
     # "A JSON object, please." ran past max_tokens (an address book) on the native decode path
-    out = _content(_chat(smollm2_server, {"structured_outputs": {"json_object": True}}, max_tokens=200,
-                         cache_prompt=False))
-    assert isinstance(json.loads(out), dict)
+    extra = {"structured_outputs": {"json_object": True}}
+    _check(smollm2_tokenizer, _chat(smollm2_server, extra, max_tokens=200, cache_prompt=False), extra, 200,
+           lambda s: isinstance(json.loads(s), dict))
 
 
-def test_response_format_json_object(smollm2_server):
-    out = _content(_chat(smollm2_server, {"response_format": {"type": "json_object"}}, max_tokens=200,
-                         cache_prompt=False))
-    assert isinstance(json.loads(out), dict)
+def test_response_format_json_object(smollm2_server, smollm2_tokenizer):
+    extra = {"response_format": {"type": "json_object"}}
+    _check(smollm2_tokenizer, _chat(smollm2_server, extra, max_tokens=200, cache_prompt=False), extra, 200,
+           lambda s: isinstance(json.loads(s), dict))
 
 
 @pytest.mark.parametrize("field,value,check", [
@@ -85,10 +96,14 @@ def test_response_format_json_object(smollm2_server):
     ("guided_regex", "[a-c]{3}", lambda s: re.fullmatch("[a-c]{3}", s)),
     ("guided_json", LOCATION, lambda s: jsonschema.validate(json.loads(s), LOCATION) is None),
 ])
-def test_legacy_guided_fields(smollm2_server, field, value, check):
-    # a prompt the JSON case can answer: after "Answer." the greedy output under the schema
-    # was a URL of repeated digits past max_tokens on a CPU without AVX-512 (the prefill copy is float32 there)
-    assert check(_content(_chat(smollm2_server, {field: value}, "Extract the file and line from: NPE at Main.java:42")))
+def test_legacy_guided_fields(smollm2_server, smollm2_tokenizer, field, value, check):
+    # guided_json's schema is unbounded: after "Answer." the greedy output under it was a URL of
+    # repeated digits past max_tokens on a CPU without AVX-512 (the prefill copy is float32 there)
+    extra = {field: value}
+    r = _chat(smollm2_server, extra, "Extract the file and line from: NPE at Main.java:42")
+    _check(smollm2_tokenizer, r, extra, 120, check)
+    if field != "guided_json":  # bounded: a few tokens at most, so the model must end it
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
 
 
 def test_llama_grammar_field_on_chat(smollm2_server):
@@ -117,14 +132,17 @@ def test_legacy_completions_response_format(smollm2_server):
     assert r.json()["choices"][0]["text"] in ("yes", "no")
 
 
-def test_openai_client_response_format(smollm2_server):
+def test_openai_client_response_format(smollm2_server, smollm2_tokenizer):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=smollm2_server.url("/v1"), api_key="none")
     resp = client.chat.completions.create(
         model="x", messages=[{"role": "user", "content": "NPE at Main.java:42"}], temperature=0, max_tokens=120,
         response_format={"type": "json_schema", "json_schema": {"name": "location", "schema": LOCATION,
                                                                 "strict": True}})
-    jsonschema.validate(json.loads(resp.choices[0].message.content), LOCATION)
+    fmt = {"response_format": {"type": "json_schema", "json_schema": {"name": "location", "schema": LOCATION}}}
+    check_constrained(smollm2_tokenizer, fmt, "openai", resp.choices[0].message.content,
+                      resp.choices[0].finish_reason, resp.usage.completion_tokens, 120,
+                      lambda s: jsonschema.validate(json.loads(s), LOCATION) is None)
 
 
 @pytest.mark.parametrize("extra,message", [

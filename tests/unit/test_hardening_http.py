@@ -262,7 +262,7 @@ def test_malformed_http_gets_the_json_envelope():
         s.close()
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 ")
-    assert b"content-type: application/json; charset=utf-8" in head
+    assert b"\r\nContent-Type: application/json; charset=utf-8" in head  # as llama-server writes it
     assert json.loads(body) == {"error": {"code": 400, "message": "Invalid HTTP request received.",
                                           "type": "invalid_request_error"}}
 

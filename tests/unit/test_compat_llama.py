@@ -1,0 +1,161 @@
+"""llama-server compatibility details found by running llama.cpp's own server tests (issue 32, build 1)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from servers import app_client
+
+from kvserve.faces.head_case import HeadCaseTransport, title_case_head, title_case_name
+
+
+def _raw(port: int, request: bytes) -> bytes:
+    """One HTTP/1.1 exchange on a fresh connection (the server closes it: Connection: close)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(request)
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    return data
+
+
+# -- header names as llama-server writes them -------------------------------------------------
+
+@pytest.mark.parametrize("name,want", [
+    (b"content-type", b"Content-Type"), (b"access-control-allow-origin", b"Access-Control-Allow-Origin"),
+    (b"vary", b"Vary"), (b"process-start-time-unix", b"Process-Start-Time-Unix"),
+    (b"x-request-id", b"X-Request-Id"), (b"www-authenticate", b"WWW-Authenticate"), (b"etag", b"ETag"),
+    (b"Content-Length", b"Content-Length"),
+])
+def test_title_case_name(name, want):
+    assert title_case_name(name) == want
+
+
+def test_title_case_head_touches_names_only():
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain; charset=utf-8\r\nvary: origin\r\n\r\nbody: x\r\n"
+    assert title_case_head(head) == \
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; charset=utf-8\r\nVary: origin\r\n\r\nbody: x\r\n"
+
+
+class _Sink:
+    def __init__(self):
+        self.out: list[bytes] = []
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+def test_transport_recases_the_response_head_only():
+    sink = _Sink()
+    t = HeadCaseTransport(sink)
+    t.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    t.write(b"HTTP/1.1 200 OK\r\ncontent-length: 27\r\n\r\n")
+    t.write(b"HTTP/1.1 200 OK\r\nx-body: 1\r\n")  # a body that looks like a head is left alone
+    assert sink.out == [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 200 OK\r\nContent-Length: 27\r\n\r\n",
+                        b"HTTP/1.1 200 OK\r\nx-body: 1\r\n"]
+    assert t.is_closing() is False  # everything else is the wrapped transport's
+
+
+def test_live_server_writes_llama_server_header_names():
+    from test_hardening_http import _Live, _state
+
+    from kvserve.app import build_app
+
+    with _Live(build_app(_state())) as live:
+        data = _raw(live.port, b"GET /health HTTP/1.1\r\nHost: x\r\nOrigin: http://localhost:8080\r\n"
+                               b"Connection: close\r\n\r\n")
+        pre = _raw(live.port, b"OPTIONS /completion HTTP/1.1\r\nHost: x\r\nOrigin: http://localhost:8080\r\n"
+                              b"Access-Control-Request-Method: POST\r\nConnection: close\r\n\r\n")
+    head = data.partition(b"\r\n\r\n")[0].split(b"\r\n")
+    names = [ln.partition(b":")[0] for ln in head[1:]]
+    assert head[0] == b"HTTP/1.1 503 Service Unavailable"  # the model never loads in this state
+    assert {b"Content-Type", b"Content-Length", b"Access-Control-Allow-Origin", b"Vary"} <= set(names), names
+    assert all(n == title_case_name(n) for n in names), names
+    pre_names = [ln.partition(b":")[0] for ln in pre.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]]
+    assert {b"Access-Control-Allow-Origin", b"Access-Control-Allow-Methods", b"Access-Control-Allow-Headers",
+            b"Vary"} <= set(pre_names), pre_names
+
+
+# -- the template context llama-server gives (enable_thinking, Llama 3.x, firefunction) -------
+
+VENDOR = Path(__file__).resolve().parents[1] / "templates" / "vendor"
+SHOW_THINKING = ("{%- for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor -%}"
+                 "{%- if add_generation_prompt %}[assistant]{% endif -%}"
+                 "|enable_thinking={{ enable_thinking if enable_thinking is defined else 'undefined' }}")
+ASK = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def served(tiny_gguf, tmp_path):
+    """``served(template_text, *flags)``: an in-process server of the tiny model with that template."""
+    clients = []
+
+    def start(template: str, *flags: str):
+        path = tmp_path / f"t{len(clients)}.jinja"
+        path.write_text(template)
+        c = app_client(tiny_gguf, tmp_path, "--chat-template-file", str(path), *flags)
+        clients.append(c)
+        return c
+
+    yield start
+    for c in clients:
+        c.portal.call(c.state.manager.shutdown)
+        c.__exit__(None, None, None)
+
+
+def _prompt(client, **body) -> str:
+    r = client.post("/apply-template", json={"messages": ASK, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["prompt"]
+
+
+def test_reasoning_auto_passes_enable_thinking_true(served):
+    auto = served(SHOW_THINKING)
+    assert _prompt(auto) == "[user]hi[assistant]|enable_thinking=True"
+    assert _prompt(auto, chat_template_kwargs={"enable_thinking": False}).endswith("|enable_thinking=False")
+    assert _prompt(served(SHOW_THINKING, "--reasoning", "off")).endswith("|enable_thinking=False")
+    assert _prompt(served(SHOW_THINKING, "--reasoning-budget", "0")).endswith("|enable_thinking=False")
+
+
+def test_apply_template_honours_add_generation_prompt_false(served):
+    c = served(SHOW_THINKING)
+    assert _prompt(c, add_generation_prompt=False) == "[user]hi|enable_thinking=True"
+    assert _prompt(c, add_generation_prompt=True) == "[user]hi[assistant]|enable_thinking=True"
+
+
+def test_llama3_date_string_is_today(served):
+    from datetime import datetime
+
+    c = served((VENDOR / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text())
+    before = datetime.now().strftime("%d %b %Y")
+    prompt = _prompt(c)
+    after = datetime.now().strftime("%d %b %Y")
+    assert f"Today Date: {before}\n" in prompt or f"Today Date: {after}\n" in prompt, prompt
+    assert "26 Jul 2024" not in prompt
+    fixed = _prompt(c, chat_template_kwargs={"date_string": "1 Jan 2026"})  # the request still wins
+    assert "Today Date: 1 Jan 2026\n" in fixed
+
+
+def test_firefunction_gets_functions_and_datetime(served):
+    from kvserve.chat.llama_context import family_context
+
+    c = served((VENDOR / "fireworks-ai-llama-3-firefunction-v2.jinja").read_text())
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"path": {"type": "string"}}}}}]
+    prompt = _prompt(c, tools=tools)
+    assert json.dumps(tools, indent=2) in prompt and "Today is " in prompt and " GMT." in prompt
+    assert "Available functions as JSON spec:\n\nToday is " in _prompt(c)  # no tools: functions is ""
+    from datetime import datetime
+
+    ctx = family_context(" functools[", None, now=datetime(2026, 1, 2, 3, 4, 5))
+    assert ctx == {"functions": "", "datetime": "Jan 02 2026 03:04:05 GMT"}
+    assert family_context("plain", None) == {}
