@@ -301,11 +301,12 @@ def _log_listening(args) -> None:
 
 
 def add_startup(app: FastAPI, state: ServerState, on_fail) -> None:
-    """On server start: preload the start-up model (unless ``--no-preload``) and start the
-    keep_alive reaper; on shutdown unload every model. ``on_fail()`` is called when the
+    """On server start: remove the store's crash leftovers, preload the start-up model (unless
+    ``--no-preload``) and start the keep_alive reaper; on shutdown unload every model. ``on_fail()`` is called when the
     preload fails (the server then exits, as llama-server does)."""
 
     async def startup() -> None:
+        _clean_store(state)
         state.manager.start_reaper()
         if state.args.preload or state.pinned:
             state.preload_task = asyncio.get_running_loop().create_task(_preload(state, on_fail))
@@ -318,6 +319,16 @@ def add_startup(app: FastAPI, state: ServerState, on_fail) -> None:
 
     app.router.on_startup.append(startup)
     app.router.on_shutdown.append(shutdown)
+
+
+def _clean_store(state: ServerState) -> None:
+    """Remove the store's crash leftovers (old temp and partial files: Store.clean_temp_files)."""
+    from kvserve.store import open_store
+
+    try:
+        open_store(state.args.models_dir).clean_temp_files()
+    except OSError as e:  # a read-only or missing store is not a reason to refuse to start
+        _srv(logging.WARNING, "llama_server", f"store clean-up skipped: {e.strerror or e}")
 
 
 async def _preload(state: ServerState, on_fail) -> None:

@@ -116,6 +116,7 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._parked: OrderedDict[str, list[int]] = OrderedDict()
         self._parked_salt: dict[str, str | None] = {}
+        self._parked_owner: dict[str, str | None] = {}
         #: bumped by every change of the parked tables (park, release, drop, eviction)
         self.parked_version = 0
         self.pending_copies: list[tuple[int, int, int]] = []  # (src block, dst block, rows) for the runner
@@ -194,6 +195,7 @@ class KVCacheManager:
         elif self._parked:
             key, table = self._parked.popitem(last=False)
             self._parked_salt.pop(key, None)
+            self._parked_owner.pop(key, None)
             self.parked_version += 1
             self._release_table(table)
             return self._take_block()
@@ -359,14 +361,16 @@ class KVCacheManager:
                 self._unindex(b)
                 self._free.append(bid)
 
-    def park(self, request_id: str, key: str, salt: str | None = None) -> None:
+    def park(self, request_id: str, key: str, salt: str | None = None, owner: str | None = None) -> None:
         """Keep the sequence's blocks referenced under ``key`` (an idle slot); replaces what the key held.
 
-        ``salt`` is the sequence's cache_salt (KV shifting only reuses parked rows of the same salt)."""
+        ``salt`` is the sequence's cache_salt (KV shifting only reuses parked rows of the same salt);
+        ``owner`` the request's :attr:`~kvserve.engine.request.Request.owner` (see :meth:`parked_owner`)."""
         table = self._tables.pop(request_id, [])
         old = self._parked.pop(key, None)
         self._parked[key] = table
         self._parked_salt[key] = salt
+        self._parked_owner[key] = owner
         self.parked_version += 1
         if old:
             self._release_table(old)
@@ -375,6 +379,7 @@ class KVCacheManager:
         """Drop the blocks parked under ``key`` (when its slot starts a new sequence)."""
         table = self._parked.pop(key, None)
         self._parked_salt.pop(key, None)
+        self._parked_owner.pop(key, None)
         self.parked_version += table is not None
         if table:
             self._release_table(table)
@@ -385,6 +390,7 @@ class KVCacheManager:
         sequence or slot still references stay as they are."""
         table = self._parked.pop(key, None)
         self._parked_salt.pop(key, None)
+        self._parked_owner.pop(key, None)
         self.parked_version += table is not None
         if table:
             self._drop_table(table)
@@ -400,6 +406,11 @@ class KVCacheManager:
     def parked_salt(self, key: str) -> str | None:
         """cache_salt of the sequence parked under ``key`` (None: unsalted or nothing parked)."""
         return self._parked_salt.get(key)
+
+    def parked_owner(self, key: str) -> str | None:
+        """Owner of the request whose sequence is parked under ``key`` (None: unknown, e.g. a slot
+        restored from a file, or sent without an API key)."""
+        return self._parked_owner.get(key)
 
     def row_of(self, table: list[int], pos: int) -> int:
         """KV cache row of position ``pos`` (tokens) of a block table."""

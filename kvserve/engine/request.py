@@ -328,6 +328,8 @@ class Request:
             then only lets it through when nothing else is allowed).
         priority_slot: llama-server ``id_slot`` (-1 = any); used by the serving layer.
         cache_salt: extra key for the prefix cache (vLLM ``cache_salt``).
+        owner: an opaque id of who sent the request (the faces: a digest of its API key; None: no
+            key), used only to decide whose cached text ``cache_miss`` may show; not a cache key.
         cache_miss: set by the scheduler at admission (cache_miss diagnostics dict or None).
         num_draft_tokens, num_draft_accepted: speculative decoding counters (tokens proposed,
             tokens of those accepted), llama-server's ``draft_n`` / ``draft_n_accepted``.
@@ -340,6 +342,7 @@ class Request:
     grammar: object | None = None
     priority_slot: int = -1
     cache_salt: str | None = None
+    owner: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     return_progress: bool = False  # llama-server's return_progress: each prompt chunk yields a progress output
     # --- engine-owned state below ---

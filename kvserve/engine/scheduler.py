@@ -103,8 +103,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        #: recently finished sequences (token ids as int32 arrays, cache_salt, slot or -1), for cache_miss
-        self.recent: deque[tuple[np.ndarray, str | None, int]] = deque(maxlen=RECENT_SEQUENCES)
+        #: recently finished sequences (token ids as int32 arrays, cache_salt, slot or -1, owner), for cache_miss
+        self.recent: deque[tuple[np.ndarray, str | None, int, str | None]] = deque(maxlen=RECENT_SEQUENCES)
         #: token ids -> text, for cache_miss excerpts (set by EngineCore)
         self.detokenize: Callable[[list[int]], str] | None = None
         #: speculative decoding policy (set by EngineCore when --spec-type is on)
@@ -142,9 +142,9 @@ class Scheduler:
         n = request.num_computed_tokens
         if n > 0:
             self.recent.append((np.asarray(request.all_token_ids[:n], dtype=np.int32), request.cache_salt,
-                                request.priority_slot))
+                                request.priority_slot, request.owner))
         if request.priority_slot >= 0:
-            self.kv.park(request.request_id, f"slot:{request.priority_slot}", request.cache_salt)
+            self.kv.park(request.request_id, f"slot:{request.priority_slot}", request.cache_salt, request.owner)
         else:
             self.kv.free(request.request_id)
 
@@ -310,8 +310,11 @@ class Scheduler:
 
         The result holds counts, positions and ``prompt_excerpt`` (the request's
         own text); ``cached_excerpt`` (the candidate's text around the first
-        difference) only when the candidate is this slot's own history (the same
-        slot and salt), never text from another slot.
+        difference) only when the candidate is this slot's history (the same slot
+        and salt) and the caller's own: a non-empty ``cache_salt``, or the same
+        :attr:`~kvserve.engine.request.Request.owner` (API key). With neither,
+        counts and the reason only: an unsalted caller without a key never sees
+        text that another request left in the slot.
         """
         n = req.num_prompt_tokens
         limit = n - 1
@@ -320,22 +323,30 @@ class Scheduler:
         prompt = np.asarray(req.prompt_token_ids, dtype=np.int32)
         salt, slot = req.cache_salt, req.priority_slot
         own = f"slot:{slot}" if slot >= 0 else None
-        cands: list[tuple[np.ndarray, bool, bool]] = []  # (tokens, still cached, this slot's history)
+
+        def callers(owner: str | None) -> bool:  # whether the candidate's text is the caller's own
+            return salt is not None or (req.owner is not None and owner == req.owner)
+
+        # (tokens, still cached, this slot's history, its text may be shown)
+        cands: list[tuple[np.ndarray, bool, bool, bool]] = []
         for key in self.kv.parked_keys():
             toks = self.kv.parked_tokens(key)
             if toks and self.kv.parked_salt(key) == salt:
-                cands.append((np.asarray(toks, dtype=np.int32), True, key == own))
-        for toks, s, sl in self.recent:
+                mine = key == own
+                cands.append((np.asarray(toks, dtype=np.int32), True, mine,
+                              mine and callers(self.kv.parked_owner(key))))
+        for toks, s, sl, owner in self.recent:
             if s == salt:
-                cands.append((toks, False, own is not None and sl == slot))
-        best = None  # (rank, tokens, cached, mine); at equal LCP prefer still cached, then this slot's
-        for toks, cached, mine in cands:
+                mine = own is not None and sl == slot
+                cands.append((toks, False, mine, mine and callers(owner)))
+        best = None  # (rank, tokens, cached, mine, shown); at equal LCP prefer still cached, then this slot's
+        for toks, cached, mine, shown in cands:
             lcp = _lcp(prompt, toks)
             if lcp and (best is None or (lcp, cached, mine) > best[0]):
-                best = ((lcp, cached, mine), toks, cached, mine)
+                best = ((lcp, cached, mine), toks, cached, mine, shown)
         if best is None:
             return None
-        (lcp, _, _), toks, cached, mine = best
+        (lcp, _, _), toks, cached, mine, shown = best
         if n_reused < min(lcp, limit):
             if not req.params.cache_prompt:
                 reason = "cache_prompt false"
@@ -359,7 +370,7 @@ class Scheduler:
             "first_diff_pos": lcp,
             "prompt_excerpt": detok([int(t) for t in prompt[lo:hi]]),
         }
-        if mine:
+        if shown:
             miss["cached_excerpt"] = detok([int(t) for t in toks[lo:hi]])
         miss["reason"] = reason
         return miss

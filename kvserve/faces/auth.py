@@ -37,6 +37,8 @@ kvserve answers with the one origin of the list that matched.
 
 from __future__ import annotations
 
+import contextvars
+import hashlib
 import hmac
 import json
 
@@ -51,6 +53,17 @@ _INVALID_ANTHROPIC = json.dumps({"type": "error", "error": {"type": "authenticat
                                                             "message": "Invalid API Key"}},
                                 separators=(",", ":")).encode()
 _ANTHROPIC_PATH = "/v1/messages"
+
+#: who sent the request being handled: a digest of its API key (None: no key configured or given);
+#: set by :class:`ApiKeyMiddleware` for the request's task (and the threads it hands work to)
+_CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvserve_caller", default=None)
+
+
+def caller() -> str | None:
+    """The current request's caller id (:attr:`kvserve.engine.request.Request.owner`): the first 16
+    hex digits of sha256 of the API key it carried, None without ``--api-key``. Used only to decide
+    whose cached text ``cache_miss`` may show the caller."""
+    return _CALLER.get()
 
 
 def key_matches(given: str, keys: list[str]) -> bool:
@@ -90,8 +103,13 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if key_matches(request_key(headers), self.keys):
-            await self.app(scope, receive, send)
+        key = request_key(headers)
+        if key_matches(key, self.keys):
+            token = _CALLER.set(hashlib.sha256(key.encode()).hexdigest()[:16])
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                _CALLER.reset(token)
             return
         path = scope["path"]
         anthropic = path == _ANTHROPIC_PATH or path.startswith(_ANTHROPIC_PATH + "/")

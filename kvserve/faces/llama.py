@@ -38,6 +38,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from kvserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
+from kvserve.faces.auth import caller
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import json_response, read_json
 from kvserve.faces.llama_types import (
@@ -228,7 +229,8 @@ class CompletionHandler:
                 raise ApiError(400, f"Field 'prompt': token id {bad} out of range [0, {tok.n_vocab})")
             text = p if isinstance(p, str) else tok.decode(ids)
             req = Request(f"cmpl-{uuid.uuid4().hex}", ids, params, priority_slot=opts["id_slot"],
-                          cache_salt=get_str(body, "cache_salt") or None, return_progress=opts["return_progress"])
+                          cache_salt=get_str(body, "cache_salt") or None, owner=caller(),
+                          return_progress=opts["return_progress"])
             tasks.append(_Completion(i, text, ids, req))
         return tasks, params, opts
 

@@ -1025,6 +1025,8 @@ def _progress_events(state: ServerState, kind: str, name: str, insecure: bool,
 
     fn = registry.iter_pull if kind == "pull" else registry.iter_push
     kw = {"cancel": cancel} if cancel is not None and "cancel" in inspect.signature(fn).parameters else {}
+    if kind == "pull":  # --pull-timeout, --pull-max-blob-size (0: none)
+        kw.update(deadline=state.args.pull_timeout, max_blob_bytes=state.args.pull_max_blob_size)
     return fn(name, insecure=insecure, models_dir=state.args.models_dir, **kw)
 
 

@@ -69,6 +69,7 @@ from kvserve.engine.request import (
 )
 from kvserve.faces.chat_features import chat_features, constraint_factory
 from kvserve.faces.chat_output import ChoiceOutput, OutputMode, preserved_token_ids
+from kvserve.faces.auth import caller
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import error_response, json_response, read_json
 from kvserve.faces.llama import ProgressEvents
@@ -273,7 +274,7 @@ def _engine_requests(state: Runner, body: dict, response_id: str, prompts: list[
             k = p * n + i
             reqs.append(Request(f"{response_id}-{k}", list(ids), _choice_params(params, k), eog_token_ids=eog,
                                 priority_slot=id_slot if id_slot is not None else -1,
-                                cache_salt=get_str(body, "cache_salt") or None,
+                                cache_salt=get_str(body, "cache_salt") or None, owner=caller(),
                                 grammar=make_constraint() if make_constraint is not None else None,
                                 return_progress=_return_progress(body)))
     return reqs

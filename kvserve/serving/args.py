@@ -88,6 +88,8 @@ class ServerArgs:
     chat_template_kwargs: dict = field(default_factory=dict)
     max_logprobs: int = 20  # vLLM --max-logprobs: top candidates per token a request may ask for; -1 = vocab size
     max_request_bytes: int = 32 * 1024 * 1024  # --max-request-bytes: larger bodies get 413
+    pull_max_blob_size: int = 0  # --pull-max-blob-size: bytes a pulled blob may declare (0: free disk space only)
+    pull_timeout: float = 12 * 3600.0  # --pull-timeout: seconds a whole /api/pull may take (0: none)
     keep_alive: float = 300.0  # --keep-alive seconds (math.inf: forever); Ollama's default 5m
     max_loaded_models: int = 3  # --max-loaded-models (OLLAMA_MAX_LOADED_MODELS)
     max_memory: int | None = None  # --max-memory in bytes: cap on all loaded models together
@@ -555,6 +557,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         compile=v["compile"] and not v["enforce_eager"], native_kernels=v["native_kernels"],
         large_batch_dtype=v["large_batch_dtype"],
         max_request_bytes=v["max_request_bytes"], keep_alive=keep_alive,
+        pull_max_blob_size=max(v["pull_max_blob_size"], 0), pull_timeout=max(v["pull_timeout"], 0.0),
         max_loaded_models=max_loaded or DEFAULT_MAX_LOADED, max_memory=max_memory,
         max_queue=v["max_queue"], preload=v["preload"], allow_model_paths=v["allow_model_paths"],
         models_dir=v["models_dir"], webui=v["webui"],

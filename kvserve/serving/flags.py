@@ -868,6 +868,11 @@ FLAGS: tuple[Flag, ...] = (
     F("--sse-ping-interval", "float", 30.0, "seconds between SSE comment pings", env="LLAMA_ARG_SSE_PING_INTERVAL"),
     F("--max-request-bytes", "int", 32 * 1024 * 1024, "largest request body in bytes (413 above it)", source=KV,
       env="KVSERVE_MAX_REQUEST_BYTES"),
+    F("--pull-max-blob-size", "int", 0, "largest blob a pulled manifest may declare, bytes or 10G (0: no cap but "
+      "free disk space, which every pull checks)", source=KV, env="KVSERVE_PULL_MAX_BLOB_SIZE", convert=human_int,
+      metavar="BYTES"),
+    F("--pull-timeout", "float", 12 * 3600.0, "seconds one /api/pull may take in all (0: no limit)", source=KV,
+      env="KVSERVE_PULL_TIMEOUT"),
     F("--middleware", "append", source=VLLM, effect=REFUSE, why="kvserve imports no middleware"),
     F("--enable-request-id-headers", "bool", False, source=VLLM, effect=NONE, why="no X-Request-Id header"),
     F("--disable-fastapi-docs", "bool", False, source=VLLM, effect=NONE, why="kvserve serves no API docs"),

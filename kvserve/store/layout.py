@@ -6,6 +6,11 @@
     <root>/blobs/sha256-<64 hex>                        a blob, shared by every manifest that lists it
     <root>/blobs/sha256-<64 hex>-partial                a download in progress (resumable)
     <root>/blobs/.tmp-XXXX                              a blob being written (renamed when verified)
+    <root>/blobs/.upload-XXXX                           a POST /api/blobs body being received
+
+Temp files (``.tmp-*``, ``.upload-*``) untouched for :data:`TEMP_MAX_AGE` seconds and partial downloads
+untouched for :data:`PARTIAL_MAX_AGE` seconds are crash leftovers: :meth:`Store.clean_temp_files`
+removes them (the server runs it at start).
 
 The root is, in order: ``models_dir`` given by the caller (the server's ``--models-dir``),
 ``$OLLAMA_MODELS`` (an existing Ollama store, read and written in place: a user's pulled models
@@ -23,6 +28,7 @@ import datetime as _dt
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +57,9 @@ __all__ = ["BlobWrite", "DigestMismatchError", "Store", "StoredModel", "default_
            "open_store"]
 
 log = logging.getLogger("kvserve.store")
+
+TEMP_MAX_AGE = 600.0  # seconds: a live writer touches its temp file far more often (uploads idle out at 60 s)
+PARTIAL_MAX_AGE = 7 * 86400.0  # seconds: a partial download older than this is not resumed but removed
 
 
 class DigestMismatchError(InvalidInputError):
@@ -200,6 +209,33 @@ class Store:
         return self.root / "blobs"
 
     # -- blobs
+
+    def clean_temp_files(self, temp_max_age: float = TEMP_MAX_AGE,
+                         partial_max_age: float = PARTIAL_MAX_AGE) -> list[str]:
+        """Remove crash leftovers in ``blobs/``: ``.tmp-*`` and ``.upload-*`` files not modified for
+        ``temp_max_age`` seconds, ``*-partial`` downloads not modified for ``partial_max_age`` seconds
+        (younger ones may belong to a writer in another process, or be resumed). Returns the names
+        removed; a file that cannot be removed is skipped."""
+        now = time.time()
+        removed = []
+        try:
+            entries = list(os.scandir(self.blobs_dir))
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            if entry.name.startswith((".tmp-", ".upload-")):
+                max_age = temp_max_age
+            elif entry.name.startswith("sha256-") and entry.name.endswith("-partial"):
+                max_age = partial_max_age
+            else:
+                continue
+            with contextlib.suppress(OSError):
+                if entry.is_file(follow_symlinks=False) and now - entry.stat().st_mtime >= max_age:
+                    os.unlink(entry.path)
+                    removed.append(entry.name)
+        if removed:
+            log.info("removed %d leftover temp/partial file(s) in %s", len(removed), self.blobs_dir)
+        return sorted(removed)
 
     def blob_path(self, digest: str) -> Path:
         """``<root>/blobs/sha256-<hex>`` for a ``sha256:<hex>``/``sha256-<hex>`` digest (present or not)."""

@@ -60,6 +60,14 @@ the registry (Docker Hub's is): kvserve sends the realm no credentials but the o
 sends a signature made with the user's key, hence its same-host rule). A ``Basic`` challenge is answered
 with ``username``/``password`` when given. Still unauthorized: ``unauthorized: access denied``.
 
+Where a pull may go (a registry chooses the token realm and the blob redirects, so it must not be able
+to point kvserve at the machine's or its network's internal services): the registry host that was named;
+another host only over ``https`` and only when that host is not a loopback, private, link-local or
+otherwise internal address (a name is resolved and each address checked) -- unless the registry itself
+is on such an address and ``insecure`` was given (a registry on the LAN or in a test may then name its
+neighbours, over http too when on the registry's own host name). Anything else is refused before it is
+asked: ``token realm <host> refused: ...`` / ``redirect to <host> refused: ...``.
+
 Every network wait is bounded (:data:`DEFAULT_TIMEOUT`): an offline machine or a silent registry gives
 one line (``pull model manifest: Get "https://registry.ollama.ai/v2/...": ...``), no hang. A dropped
 blob download is retried ``retries`` times, resuming with ``Range``.
@@ -73,12 +81,20 @@ Against a hostile or broken registry (each a one-line :class:`RegistryError`):
   between reads, so a limit is noticed up to one read timeout late.
 - a manifest over :data:`MANIFEST_MAX_BYTES` bytes or with more than :data:`MAX_LAYERS` layers, and
   one that is not JSON or nested too deeply to parse, is refused before anything is written.
-- of an error body at most :data:`ERROR_BODY_MAX_BYTES` bytes are read and
-  :data:`ERROR_MESSAGE_MAX_CHARS` characters go into the message.
+- an error answer becomes its status line (``403: Forbidden``), with the distribution spec's error code
+  when the body names one of :data:`OCI_ERROR_CODES` (``404: Not Found (MANIFEST_UNKNOWN)``); nothing
+  else of the body is read into a message or a log (at most :data:`ERROR_BODY_MAX_BYTES` bytes are
+  read to find the code).
 - redirects are followed only for blobs (``GET``/``HEAD .../blobs/<digest>``: registries send them to
-  storage); a redirect answering a manifest, upload or token request is refused
-  (``307: redirect to <host> not followed``), and an error status reached through a redirect is reported
-  without its body (another host's page is not echoed into our error or log).
+  storage), at most :data:`MAX_REDIRECTS` hops, each checked as above; a redirect answering a manifest,
+  upload or token request is refused (``307: redirect to <host> not followed``).
+- before a blob is written: its declared size must be at most ``max_blob_bytes`` (``--pull-max-blob-size``)
+  and, with what the pull still has to fetch, leave :data:`DISK_MARGIN_BYTES` free on the store's file
+  system (``not enough disk space ...``); the whole pull is checked before its first blob, and each blob
+  again before it starts. A local write failure (``No space left on device``) removes that blob's partial
+  file; a dropped, stalled or canceled download keeps it for the next pull to resume.
+  :meth:`Store.clean_temp_files <kvserve.store.layout.Store.clean_temp_files>` (run at server start)
+  removes crash leftovers.
 
 ``cancel``: a :class:`threading.Event` that, once set, stops a pull or push before its next request
 or between two chunks (``context canceled``, :class:`CanceledError`; a partial download is kept for
@@ -94,11 +110,15 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import ipaddress
 import json
 import os
 import re
+import shutil
+import socket
 import threading
 import time
+from http import HTTPStatus
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Self
@@ -157,12 +177,22 @@ ERR_CANCELED = "context canceled"  # Go's context.Canceled: what Ollama says for
 
 # Limits against a hostile registry (module docstring); tests lower them.
 RESPONSE_DEADLINE = 60.0  # seconds for the whole body of a response read whole (manifest, token, error)
-BLOB_MIN_BYTES = 16 << 10  # a blob download brings at least this many bytes ...
+BLOB_MIN_BYTES = 512 << 10  # a blob download brings at least this many bytes (about 8.7 KB/s) ...
 BLOB_STALL_WINDOW = 60.0  # ... in every window of this many seconds, or it is aborted
+PULL_DEADLINE = 12 * 3600.0  # seconds a whole pull may take (iter_pull's deadline; $KVSERVE_PULL_TIMEOUT)
+DISK_MARGIN_BYTES = 512 << 20  # a blob is not started unless the store keeps this much free space after it
+MAX_REDIRECTS = 5  # hops of one blob download's redirect chain
 MANIFEST_MAX_BYTES = 4 << 20  # Ollama's manifests are a few KB
 MAX_LAYERS = 512  # layers of one manifest
 ERROR_BODY_MAX_BYTES = 64 << 10  # bytes read of an error response's body
 ERROR_MESSAGE_MAX_CHARS = 512  # characters of that body put into the error message
+
+
+OCI_ERROR_CODES = frozenset({
+    "BLOB_UNKNOWN", "BLOB_UPLOAD_INVALID", "BLOB_UPLOAD_UNKNOWN", "DIGEST_INVALID", "MANIFEST_BLOB_UNKNOWN",
+    "MANIFEST_INVALID", "MANIFEST_UNKNOWN", "NAME_INVALID", "NAME_UNKNOWN", "SIZE_INVALID", "UNAUTHORIZED",
+    "DENIED", "UNSUPPORTED", "TOOMANYREQUESTS"})
+"""The distribution spec's error codes: the only words of an error body that go into a message."""
 
 
 class RegistryError(ServerFaultError):
@@ -185,6 +215,10 @@ class _FinalError(RegistryError):
     """A transfer failure that retrying within the pull would not help (a stalled download)."""
 
     retryable = False
+
+
+class _BadBlobError(_FinalError):
+    """The registry sent bytes its manifest does not allow: the partial file is worthless."""
 
 
 class CanceledError(_FinalError):
@@ -280,21 +314,70 @@ def _reason(exc: Exception, timeout: httpx.Timeout) -> str:
     return text or type(exc).__name__
 
 
+def _resolve(host: str) -> list[str]:
+    """The addresses ``host`` resolves to (empty when it does not resolve). Tests replace it."""
+    try:
+        return [info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)]
+    except (OSError, UnicodeError):
+        return []
+
+
+def is_internal_host(host: str) -> bool:
+    """Whether ``host`` (a name or an IP literal, IPv6 with or without brackets) is, or resolves to, an
+    address that is not public: loopback, private, link-local, shared (CGNAT), reserved, multicast or
+    unspecified (``127.0.0.1``, ``10.0.0.5``, ``169.254.169.254``, ``[::1]``, ``localhost``...)."""
+    host = host.strip("[]").rstrip(".").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        addresses = [ipaddress.ip_address(host.split("%")[0])]
+    except ValueError:
+        addresses = []
+        for a in _resolve(host):
+            with contextlib.suppress(ValueError):
+                addresses.append(ipaddress.ip_address(a.split("%")[0]))
+    for a in addresses:
+        if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
+            a = a.ipv4_mapped
+        if not a.is_global or a.is_multicast:
+            return True
+    return False
+
+
+def _status_line(resp: httpx.Response, body: bytes = b"") -> str:
+    """``<status>: <reason phrase>``, plus the distribution spec's error code when ``body`` (JSON
+    ``{"errors": [{"code": ...}]}``) names one of :data:`OCI_ERROR_CODES`; no other text of the body."""
+    try:
+        phrase = HTTPStatus(resp.status_code).phrase
+    except ValueError:
+        phrase = "error"
+    line = f"{resp.status_code}: {phrase}"
+    try:
+        errors = json.loads(body).get("errors") if body else None
+        code = errors[0].get("code") if isinstance(errors, list) and errors else None
+    except (ValueError, RecursionError, AttributeError, TypeError):
+        code = None
+    return f"{line} ({code})" if isinstance(code, str) and code in OCI_ERROR_CODES else line
+
+
 class RegistrySession:
     """Requests to one registry for one repository (``name``'s ``<namespace>/<model>``), holding the
     bearer token the challenge flow gave.
 
     ``insecure`` sends every request over plain http (Ollama's makeRequest does the same). Errors
-    are :class:`RegistryError`: ``file does not exist`` for a 404, ``<status>: <body>`` for another
-    error status, ``unauthorized: access denied`` when a token did not help, and for a transport
-    failure ``<Method> "<url>": <reason>`` (as Go's url.Error reads); ``context canceled``
-    (:class:`CanceledError`) once ``cancel`` is set, checked before each request. Redirects are
-    followed only by :meth:`open_blob` and :meth:`has_blob`. Use as a context manager.
+    are :class:`RegistryError`: ``file does not exist`` for a 404, ``<status>: <reason>`` for another
+    error status (:func:`_status_line`: never the body's text), ``unauthorized: access denied`` when a
+    token did not help, and for a transport failure ``<Method> "<url>": <reason>`` (as Go's url.Error
+    reads); ``context canceled`` (:class:`CanceledError`) once ``cancel`` is set, and ``pull did not
+    finish within <deadline> s`` once ``deadline`` seconds (from the session's start) have passed, both
+    checked before each request and between reads. Redirects are followed only by :meth:`open_blob`
+    and :meth:`has_blob`, each hop checked by :meth:`check_target`. Use as a context manager.
     """
 
     def __init__(self, name: ModelName, insecure: bool = False, *, timeout: float | httpx.Timeout | None = None,
                  transport: httpx.BaseTransport | None = None, username: str | None = None,
-                 password: str | None = None, cancel: threading.Event | None = None):
+                 password: str | None = None, cancel: threading.Event | None = None,
+                 deadline: float | None = None):
         from kvserve import __version__
 
         self.name = name
@@ -305,6 +388,9 @@ class RegistrySession:
         self._basic = (username, password) if username and password else None
         self._authorization: str | None = None
         self.cancel = cancel
+        self.deadline = deadline
+        self._deadline_at = None if deadline is None else time.monotonic() + deadline
+        self._internal_registry: bool | None = None
         self._client = httpx.Client(timeout=self.timeout, transport=transport, follow_redirects=False,
                                     headers={"User-Agent": f"kvserve/{__version__}"})
 
@@ -317,6 +403,32 @@ class RegistrySession:
     def close(self) -> None:
         """Close the connections."""
         self._client.close()
+
+    def alive(self) -> None:
+        """Raise :class:`CanceledError` once ``cancel`` is set, a :class:`RegistryError` (not retried)
+        once the deadline has passed."""
+        _check(self.cancel)
+        if self._deadline_at is not None and time.monotonic() > self._deadline_at:
+            raise _FinalError(f"pull did not finish within {self.deadline:g} s")
+
+    def check_target(self, url: str, what: str) -> None:
+        """Refuse (RegistryError ``<what> <host> refused: <why>``) a URL the registry chose (a token
+        realm, a redirect) that kvserve must not reach: see the module docstring."""
+        parts = urlsplit(url)
+        own = urlsplit(self.base)
+        host = parts.hostname or ""
+        if parts.scheme not in ("http", "https") or not host:
+            raise RegistryError(f"{what} refused: not an http(s) URL")
+        if parts.netloc.lower() == own.netloc.lower():
+            return  # the registry that was named
+        if self._internal_registry is None:
+            self._internal_registry = is_internal_host(own.hostname or "")
+        lan = self.insecure and self._internal_registry
+        if parts.scheme != "https" and not (lan and host == (own.hostname or "").lower()):
+            raise RegistryError(f"{what} {parts.netloc} refused: another host than the registry's must use https")
+        if not lan and is_internal_host(host):
+            raise RegistryError(f"{what} {parts.netloc} refused: an internal address (loopback, private or "
+                                "link-local) is reached only from a registry on one, with --insecure")
 
     # URLs
     def url(self, *path: str) -> str:
@@ -340,7 +452,7 @@ class RegistrySession:
             RegistryError: see the class docstring. Statuses in ``ok_statuses`` are returned, not raised.
         """
         for attempt in range(2):
-            _check(self.cancel)
+            self.alive()
             resp = self._send(method, url, headers, content, stream, follow_redirects)
             if resp.status_code == 401 and attempt == 0:
                 challenge = parse_challenge(resp.headers.get("www-authenticate", ""))
@@ -363,16 +475,16 @@ class RegistrySession:
         raise RegistryError(ERR_UNAUTHORIZED, 401)
 
     def _error_text(self, resp: httpx.Response) -> str:
-        """``<status>: <body>`` with at most ERROR_BODY_MAX_BYTES read and ERROR_MESSAGE_MAX_CHARS kept;
-        no body after a redirect (another host's page). Closes ``resp``."""
+        """:func:`_status_line` of an error answer (at most ERROR_BODY_MAX_BYTES read, for its error
+        code); after a redirect also the host that answered. Closes ``resp``."""
         try:
             if resp.history:
-                return f"{resp.status_code}: error from {resp.url.host} after a redirect (body not shown)"
+                return f"{_status_line(resp)} (from {resp.url.host} after a redirect)"
             try:
-                body = self.read_body(resp, ERROR_BODY_MAX_BYTES, truncate=True).decode("utf-8", "replace")
+                body = self.read_body(resp, ERROR_BODY_MAX_BYTES, truncate=True)
             except RegistryError:
-                body = ""
-            return f"{resp.status_code}: {_one_line(body)}".rstrip(": ")
+                body = b""
+            return _status_line(resp, body)
         finally:
             resp.close()
 
@@ -386,7 +498,7 @@ class RegistrySession:
         url = resp.request.url
         try:
             for chunk in resp.iter_bytes():
-                _check(self.cancel)
+                self.alive()
                 parts.append(chunk)
                 size += len(chunk)
                 if size > limit:
@@ -407,9 +519,22 @@ class RegistrySession:
         h = dict(headers or {})
         if self._authorization:
             h["Authorization"] = self._authorization
+        history: list[httpx.Response] = []
         try:
-            req = self._client.build_request(method, url, headers=h, content=content)
-            return self._client.send(req, stream=stream, follow_redirects=follow_redirects)
+            while True:
+                req = self._client.build_request(method, url, headers=h, content=content)
+                resp = self._client.send(req, stream=stream)
+                if not (follow_redirects and resp.is_redirect) or len(history) >= MAX_REDIRECTS:
+                    resp.history = history
+                    return resp
+                resp.close()
+                history.append(resp)
+                target = urljoin(url, resp.headers["location"])
+                self.check_target(target, "redirect to")
+                if urlsplit(target).netloc != urlsplit(url).netloc:
+                    h.pop("Authorization", None)  # the registry's token is not another host's business
+                url = target
+                self.alive()
         except httpx.HTTPError as e:
             raise RegistryError(f'{method.title()} "{url}": {_reason(e, self.timeout)}') from None
 
@@ -425,13 +550,14 @@ class RegistrySession:
             return False
         realm = urlsplit(challenge.realm)
         if realm.scheme not in ("http", "https") or not realm.netloc:
-            raise RegistryError(f"invalid token realm {challenge.realm!r}")
+            raise RegistryError("invalid token realm (not an http(s) URL)")
+        self.check_target(challenge.realm, "token realm")
         params = [(k, v) for k, v in parse_qsl(realm.query)]
         if challenge.service:
             params.append(("service", challenge.service))
         params += [("scope", s) for s in challenge.scope.split(" ") if s]
         token_url = urlunsplit((realm.scheme, realm.netloc, realm.path, urlencode(params), ""))
-        _check(self.cancel)
+        self.alive()
         try:
             resp = self._client.send(self._client.build_request("GET", token_url), auth=self._basic, stream=True)
         except httpx.HTTPError as e:
@@ -451,7 +577,7 @@ class RegistrySession:
             answer = None
         token = (answer.get("token") or answer.get("access_token")) if isinstance(answer, dict) else None
         if not isinstance(token, str) or not token:
-            raise RegistryError(f"the token realm {challenge.realm} answered without a token")
+            raise RegistryError(f"the token realm {realm.netloc} answered without a token")
         self._authorization = f"Bearer {token}"
         return True
 
@@ -568,8 +694,9 @@ def iter_pull(name: str, *, insecure: bool = False, store: Store | None = None,
               models_dir: str | os.PathLike | None = None, package_index: bool = True,
               timeout: float | httpx.Timeout | None = None, transport: httpx.BaseTransport | None = None,
               username: str | None = None, password: str | None = None, interval: float = PROGRESS_INTERVAL,
-              retries: int = DOWNLOAD_RETRIES,
-              cancel: threading.Event | None = None) -> Generator[dict[str, Any], None, StoredModel]:
+              retries: int = DOWNLOAD_RETRIES, cancel: threading.Event | None = None,
+              deadline: float | None = None,
+              max_blob_bytes: int | None = None) -> Generator[dict[str, Any], None, StoredModel]:
     """Pull ``name`` into the store, yielding Ollama's /api/pull progress events (module docstring);
     the generator's return value is the :class:`~kvserve.store.layout.StoredModel`.
 
@@ -585,6 +712,10 @@ def iter_pull(name: str, *, insecure: bool = False, store: Store | None = None,
         retries: resumptions of a dropped blob download within this pull.
         cancel: once set, the pull stops before its next request or chunk with :class:`CanceledError`
             (``context canceled``), keeping a partial download for the next pull to resume.
+        deadline: seconds the whole pull may take (None: ``$KVSERVE_PULL_TIMEOUT``, else
+            :data:`PULL_DEADLINE`; 0 or less: none).
+        max_blob_bytes: the largest blob a manifest may declare (None: ``$KVSERVE_PULL_MAX_BLOB_SIZE``,
+            else no cap but the disk's free space; 0 or less: no cap).
 
     Raises:
         InvalidModelNameError: an invalid name (before any event).
@@ -594,14 +725,75 @@ def iter_pull(name: str, *, insecure: bool = False, store: Store | None = None,
             ``insecure protocol http`` (an ``http://`` name without ``insecure``), ``file does not
             exist`` (a blob the registry lacks), ``pull model manifest: invalid manifest: ...`` (not
             JSON, too deep, over :data:`MAX_LAYERS` layers), ``... download stalled ...``, ``context
-            canceled``, ... Nothing is written under the model's name on failure.
+            canceled``, ``token realm <host> refused: ...``, ``redirect to <host> refused: ...``,
+            ``not enough disk space ...``, ``blob ... is larger than the ... bytes allowed``, ``pull did
+            not finish within N s``, ... Nothing is written under the model's name on failure.
     """
     target = store if store is not None else open_store(models_dir)
     if package_index and is_package_index_name(name):
         return (yield from _iter_index_pull(name, target))
     n = parse_name(name)
+    limits = _Limits(_setting(deadline, "KVSERVE_PULL_TIMEOUT", PULL_DEADLINE),
+                     _setting(max_blob_bytes, "KVSERVE_PULL_MAX_BLOB_SIZE", None))
     return (yield from _local_errors(_pull_steps(n, target, insecure, timeout, transport, username, password,
-                                                 interval, retries, cancel)))
+                                                 interval, retries, cancel, limits)))
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """A pull's deadline (seconds) and blob size cap (bytes); None: none."""
+
+    deadline: float | None
+    max_blob_bytes: int | None
+
+
+def _setting(given: float | None, env: str, default: float | None) -> Any:
+    """``given``, else the environment variable ``env`` (a number; sizes may say 10G), else ``default``;
+    a value of 0 or less means none (None)."""
+    value: Any = given
+    if value is None:
+        text = os.environ.get(env, "").strip()
+        if text:
+            try:
+                value = float(text) if env.endswith("TIMEOUT") else _size(text)
+            except ValueError:
+                raise InvalidInputError(f"invalid ${env}: {text!r}") from None
+        else:
+            value = default
+    return value if value is not None and value > 0 else None
+
+
+def _size(text: str) -> int:
+    """Bytes as ``--pull-max-blob-size`` reads them (vLLM's human-readable integers): ``1000``, ``10G``
+    (binary: 10 GiB), ``10g`` (decimal: 10**10). Raises ValueError."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kmgtKMGT]?)\s*", text)
+    if m is None:
+        raise ValueError(text)
+    n, unit = int(m.group(1)), m.group(2)
+    if not unit:
+        return n
+    if unit.isupper():
+        return n << (10 * ("KMGT".index(unit) + 1))
+    return n * 10 ** (3 * ("kmgt".index(unit) + 1))
+
+
+def _disk_check(store: Store, layers: list[Layer], cap: int | None) -> None:
+    """Refuse (RegistryError) before anything is written: a layer over ``cap`` bytes, or layers
+    whose missing bytes would leave less than :data:`DISK_MARGIN_BYTES` free in the store."""
+    need = 0
+    for layer in layers:
+        if cap is not None and layer.size > cap:
+            raise _FinalError(f"blob {layer.digest} is larger than the {cap} bytes allowed "
+                              f"({layer.size} bytes; --pull-max-blob-size raises the cap)")
+        if not _present(store, layer):
+            need += max(layer.size - _partial_size(store, layer.digest), 0)
+    if not need:
+        return
+    store.blobs_dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(store.blobs_dir).free
+    if need + DISK_MARGIN_BYTES > free:
+        raise _FinalError(f"not enough disk space: the model needs {need} more bytes and {DISK_MARGIN_BYTES} "
+                          f"must stay free, {free} bytes are free in {store.root}")
 
 
 def _local_errors(gen: Generator[dict[str, Any], None, Any]) -> Generator[dict[str, Any], None, Any]:
@@ -614,14 +806,14 @@ def _local_errors(gen: Generator[dict[str, Any], None, Any]) -> Generator[dict[s
 
 def _pull_steps(n: ModelName, target: Store, insecure: bool, timeout: float | httpx.Timeout | None,
                 transport: httpx.BaseTransport | None, username: str | None, password: str | None,
-                interval: float, retries: int,
-                cancel: threading.Event | None) -> Generator[dict[str, Any], None, StoredModel]:
+                interval: float, retries: int, cancel: threading.Event | None,
+                limits: _Limits) -> Generator[dict[str, Any], None, StoredModel]:
     if n.scheme == "http" and not insecure:
         raise RegistryError(ERR_INSECURE)
     existing = target.get(n)
     yield progress_event("pulling manifest")
     with RegistrySession(n, insecure, timeout=timeout, transport=transport, username=username,
-                         password=password, cancel=cancel) as session:
+                         password=password, cancel=cancel, deadline=limits.deadline) as session:
         try:
             data = session.get_manifest(n.tag)
             manifest = _parse_manifest(data)
@@ -632,6 +824,7 @@ def _pull_steps(n: ModelName, target: Store, insecure: bool, timeout: float | ht
         if not manifest.layers:  # e.g. an OCI index or manifest list: not a model
             raise RegistryError(f"pull model manifest: {n.display} has no layers (media type "
                                 f"{manifest.media_type_!r}): not a model")
+        _disk_check(target, manifest.blobs(), limits.max_blob_bytes)
         fresh: list[str] = []
         for layer in manifest.blobs():  # layers, then the config: Ollama's order
             label = f"pulling {_short(layer.digest)}"
@@ -639,8 +832,9 @@ def _pull_steps(n: ModelName, target: Store, insecure: bool, timeout: float | ht
                 size = layer.size if layer.digest in fresh else target.blob_path(layer.digest).stat().st_size
                 yield progress_event(label, layer.digest, size, size)
                 continue
+            _disk_check(target, [layer], limits.max_blob_bytes)  # other writers may have used the space
             downloaded = yield from _download(session, target, layer, label, interval, retries)
-            _check(cancel)
+            session.alive()
             if downloaded:
                 fresh.append(layer.digest)
     yield progress_event("verifying sha256 digest")
@@ -697,7 +891,7 @@ def _download(session: RegistrySession, store: Store, layer: Layer, label: str, 
     digest, total = layer.digest, layer.size
     lock = _lock_for(digest)
     while not lock.acquire(timeout=min(max(interval, 0.05), 1.0)):  # another pull has it: show its progress
-        _check(session.cancel)
+        session.alive()
         yield progress_event(label, digest, total, _partial_size(store, digest))
     try:
         if _present(store, layer):
@@ -709,25 +903,44 @@ def _download(session: RegistrySession, store: Store, layer: Layer, label: str, 
             store.partial_path(digest).unlink()
             offset = 0
         yield progress_event(label, digest, total, offset)
-        failures = 0
-        while offset < total:
-            try:
-                offset = yield from _fetch(session, store, layer, offset, label, interval)
-            except RegistryError as e:
-                if e.status is not None or not e.retryable or failures >= retries:
-                    raise
-                failures += 1
-                pause = min(0.25 * 2 ** failures, 5.0)
-                if session.cancel is not None:
-                    session.cancel.wait(pause)
-                else:
-                    time.sleep(pause)
-                offset = _partial_size(store, digest)
+        yield from _download_loop(session, store, layer, label, interval, retries, offset)
         store.partial_path(digest).touch()  # an empty blob has no bytes to fetch
         yield progress_event(label, digest, total, total)
         return True
     finally:
         lock.release()
+
+
+def _download_loop(session: RegistrySession, store: Store, layer: Layer, label: str, interval: float,
+                   retries: int, offset: int) -> Generator[dict[str, Any], None, None]:
+    """Fetch (resuming) until the partial file has the blob's size. A failure that a later pull could
+    not resume from (a local write error, a blob larger than declared, an error status) removes the
+    partial file; a dropped, stalled, canceled or timed-out download keeps it."""
+    try:
+        yield from _fetch_with_retries(session, store, layer, label, interval, retries, offset)
+    except (RegistryError, OSError) as e:
+        resumable = isinstance(e, RegistryError) and e.status is None and not isinstance(e, _BadBlobError)
+        if not resumable:
+            store.partial_path(layer.digest).unlink(missing_ok=True)
+        raise
+
+
+def _fetch_with_retries(session: RegistrySession, store: Store, layer: Layer, label: str, interval: float,
+                        retries: int, offset: int) -> Generator[dict[str, Any], None, None]:
+    failures = 0
+    while offset < layer.size:
+        try:
+            offset = yield from _fetch(session, store, layer, offset, label, interval)
+        except RegistryError as e:
+            if e.status is not None or not e.retryable or failures >= retries:
+                raise
+            failures += 1
+            pause = min(0.25 * 2 ** failures, 5.0)
+            if session.cancel is not None:
+                session.cancel.wait(pause)
+            else:
+                time.sleep(pause)
+            offset = _partial_size(store, layer.digest)
 
 
 def _fetch(session: RegistrySession, store: Store, layer: Layer, offset: int, label: str,
@@ -749,9 +962,9 @@ def _fetch(session: RegistrySession, store: Store, layer: Layer, offset: int, la
         with open(part, "ab" if offset else "wb", buffering=0) as f:
             try:
                 for chunk in resp.iter_bytes():
-                    _check(session.cancel)
+                    session.alive()
                     if offset + len(chunk) > total:
-                        raise RegistryError(f"blob {digest} is larger than the {total} bytes its manifest gives")
+                        raise _BadBlobError(f"blob {digest} is larger than the {total} bytes its manifest gives")
                     f.write(chunk)
                     offset += len(chunk)
                     now = time.monotonic()

@@ -128,3 +128,28 @@ def test_fifo_and_symlink_in_the_slot_folder_are_refused_without_stalling(srv, s
     s = post(srv, "/slots/1?action=save", {"filename": "ok.bin"}).json()
     r = post(srv, "/slots/1?action=restore", {"filename": "ok.bin"}).json()
     assert (r["n_restored"], r["n_read"]) == (s["n_saved"], s["n_written"])
+
+
+def test_cache_miss_text_only_for_the_same_key_or_salt(srv, start_server):
+    """Issue 31: an unsalted caller landing on a slot saw the text the previous request left there. No key
+    and no salt: counts only; with --api-key, a caller sees the cached text of its own key's requests."""
+    secret, probe = "The vault code is hunter2, written down in the blue notebook.", \
+        "The vault code is unknown to me, so please tell me."
+    complete(srv, secret, id_slot=0)
+    m = complete(srv, probe, id_slot=0).json()["timings"]["cache_miss"]
+    assert m["reason"] == "prefix differs" and "cached_excerpt" not in m and "hunter2" not in str(m)
+    keyed = start_server("-np", "1", "--api-key", "key-one,key-two")
+
+    def ask(prompt, key):
+        r = httpx.post(keyed.url("/completion"), json={"prompt": prompt, "n_predict": 2, "temperature": 0,
+                                                        "ignore_eos": True, "id_slot": 0},
+                       headers={"Authorization": f"Bearer {key}"}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        return r.json()["timings"].get("cache_miss")
+
+    ask(secret, "key-one")
+    m = ask(probe, "key-two")
+    assert m["reason"] == "prefix differs" and "cached_excerpt" not in m
+    ask(secret, "key-one")
+    m = ask(probe.replace("unknown", "not known"), "key-one")
+    assert "hunter2" in m["cached_excerpt"]

@@ -74,7 +74,7 @@ def test_seed_example_9(start_server, smollm2_tokenizer, cache_ram):
     assert "cache_miss" not in lines[0]["timings"]
     m = lines[1]["timings"]["cache_miss"]
     assert (m["reason"], m["first_diff_pos"], m["n_reused"]) == ("prefix differs", 30, 30)
-    assert "int" in m["cached_excerpt"] and "String" in m["prompt_excerpt"]
+    assert "String" in m["prompt_excerpt"] and "cached_excerpt" not in m  # no key, no salt: no cached text
     assert lines[2]["timings"]["cache_miss"]["reason"] == "cache_prompt false"
     assert "cache_miss" not in lines[3]["timings"]
     if cache_ram == "0":

@@ -22,10 +22,10 @@ def core_for(path, **kw) -> EngineCore:
     return EngineCore(load_files(path), EngineConfig(**kw))
 
 
-def run(core, ids, slot=0, n_predict=4, reuse=0, cache_prompt=True, salt=None):
+def run(core, ids, slot=0, n_predict=4, reuse=0, cache_prompt=True, salt=None, owner=None):
     r = Request(f"r-{torch.randint(0, 1 << 30, (1,)).item()}", list(ids),
                 SamplingParams(temperature=0, n_predict=n_predict, ignore_eos=True, n_cache_reuse=reuse,
-                               cache_prompt=cache_prompt), priority_slot=slot, cache_salt=salt)
+                               cache_prompt=cache_prompt), priority_slot=slot, cache_salt=salt, owner=owner)
     core.add_request(r)
     outs = []
     while not outs or not outs[-1].finished:
@@ -125,13 +125,14 @@ PASTA = list(range(70, 77))
 
 def test_cache_miss_reasons_follow_example_9(tiny_gguf):
     core = core_for(tiny_gguf, cache_ram=0)
-    t, _ = run(core, Q1)
+    t, _ = run(core, Q1, owner="key-1")
     assert t.cache_miss is None  # nothing cached yet
-    t, _ = run(core, Q2)
+    t, _ = run(core, Q2, owner="key-1")  # the same API key: its own earlier text is shown
     m = t.cache_miss
     assert (t.cache_n, m["reason"], m["first_diff_pos"], m["n_reused"], m["best_candidate_tokens"]) == \
         (30, "prefix differs", 30, 30, 30)
-    assert m["prompt_excerpt"] != m["cached_excerpt"]
+    assert m["prompt_excerpt"] == core.scheduler.detokenize(Q2[22:38])
+    assert m["cached_excerpt"] == core.scheduler.detokenize(Q1[22:38]) != m["prompt_excerpt"]
     t, _ = run(core, Q2, cache_prompt=False)
     assert t.cache_miss["reason"] == "cache_prompt false" and t.cache_miss["best_candidate_tokens"] == 38
     t, _ = run(core, PASTA)

@@ -28,9 +28,9 @@ def core_for(path, **kw) -> EngineCore:
     return EngineCore(load_files(path), EngineConfig(**kw))
 
 
-def req(rid, ids, n=4, slot=-1, salt=None):
+def req(rid, ids, n=4, slot=-1, salt=None, owner=None):
     return Request(rid, list(ids), SamplingParams(temperature=0, n_predict=n, ignore_eos=True),
-                   priority_slot=slot, cache_salt=salt)
+                   priority_slot=slot, cache_salt=salt, owner=owner)
 
 
 def drive(core, reqs, max_steps=500):
@@ -247,6 +247,30 @@ def test_cache_miss_never_shows_another_salts_or_slots_text(tiny_gguf):
     drive(core, [req("me1", secret, slot=0, salt="me")])
     mine = drive(core, [req("me2", probe, slot=0, salt="me")])["me2"][-1].timings.cache_miss
     assert "hunter2" in mine["cached_excerpt"] and "guess" in mine["prompt_excerpt"]
+
+
+def test_cache_miss_shows_the_slots_text_only_to_its_owner(tiny_gguf):
+    """Issue 31's repro: an unsalted caller landing on a slot saw the text the previous (unsalted) request
+    left there. Now: no key and no salt, counts and the reason only; the same API key (owner), the text."""
+    core = core_for(tiny_gguf)
+    enc = lambda s: core.tokenizer.encode(s, add_special=False)  # noqa: E731
+    keys = ["n_reused", "best_candidate_tokens", "first_diff_pos", "prompt_excerpt", "reason"]
+
+    def pair(word: str, owner_a: str | None, owner_b: str | None) -> dict:
+        secret = enc(f"the {word} password is hunter2 and more")
+        probe = enc(f"the {word} password is guess and more")
+        n_common = next(i for i, (x, y) in enumerate(zip(secret, probe)) if x != y)
+        drive(core, [req(f"{word}-a", secret, slot=0, owner=owner_a)])
+        m = drive(core, [req(f"{word}-b", probe, slot=0, owner=owner_b)])[f"{word}-b"][-1].timings.cache_miss
+        assert (m["reason"], m["n_reused"], m["first_diff_pos"]) == ("prefix differs", n_common, n_common)
+        return m
+
+    m = pair("first", None, None)  # no key, no salt: the repro
+    assert list(m) == keys and "hunter" not in str(m)
+    m = pair("second", "key-a", "key-b")  # another key's text
+    assert list(m) == keys and "hunter" not in str(m)
+    m = pair("third", "key-a", "key-a")  # the caller's own earlier request
+    assert "hunter2" in m["cached_excerpt"] and "guess" in m["prompt_excerpt"]
 
 
 # -- host tier: sized to the machine, erased with its slot -----------------------------------------

@@ -520,7 +520,7 @@ def test_unauthorized_when_the_realm_refuses(tmp_path):
     try:
         with pytest.raises(RegistryError) as e:
             pull_model(f"127.0.0.1:{server.server_address[1]}/a/b", store=Store(tmp_path), insecure=True)
-        assert e.value.message == 'pull model manifest: 401: {"details":"access denied"}'
+        assert e.value.message == "pull model manifest: 401: Unauthorized"  # the body is not echoed
     finally:
         server.shutdown()
         server.server_close()
@@ -661,7 +661,7 @@ def evil():
         def do_GET(self):
             seen.append(self.path)
             host = f"127.0.0.1:{self.server.server_address[1]}"
-            if self.path == "/secret":
+            if self.path.split("?")[0] == "/secret":
                 return self.send(500, b"INTERNAL-SECRET-TOKEN=hunter2")
             if self.path == "/storage":
                 return self.send(200, EVIL_BLOB)
@@ -683,6 +683,25 @@ def evil():
                     return self.send(200, b'{"schemaVersion":2,"x":' + b"[" * 100000 + b"]" * 100000 + b"}")
                 if mode == "errbody":
                     return self.send(500, b"E" * (1 << 20))
+                if mode == "secret403":
+                    return self.send(403, b"INTERNAL-SECRET-DATA: hunter2")
+                if mode == "ocierror":
+                    return self.send(429, json.dumps({"errors": [{"code": "TOOMANYREQUESTS", "message": "hunter2"},
+                                                                 ]}).encode())
+                if mode in ("realmother", "realmsame"):
+                    if self.headers.get("Authorization") == "Bearer t0k":
+                        return self.send(200, _evil_manifest())
+                    realm = (f"http://localhost:{self.server.server_address[1]}/token" if mode == "realmother"
+                             else f"http://{host}/secret")
+                    return self.send(401, headers=[("WWW-Authenticate", f'Bearer realm="{realm}",service="s"')])
+                if mode == "huge":
+                    m = json.loads(_evil_manifest())
+                    m["layers"][0]["size"] = 10 ** 12
+                    return self.send(200, json.dumps(m).encode())
+                if mode == "longblob":
+                    m = json.loads(_evil_manifest())
+                    m["layers"][0]["size"] = 1000
+                    return self.send(200, json.dumps(m).encode())
                 if mode == "redirectman":
                     return self.send(307, headers=[("Location", f"http://{host}/secret")])
                 return self.send(200, _evil_manifest())
@@ -694,6 +713,8 @@ def evil():
                 return self.send(302, headers=[("Location", f"http://{host}/secret")])
             if mode == "storageblob":
                 return self.send(302, headers=[("Location", f"http://{host}/storage")])
+            if mode == "redirectother":  # another name for this machine, another port
+                return self.send(302, headers=[("Location", f"http://localhost:{self.server.server_address[1]}/storage")])
             return self.send(200, EVIL_BLOB)
 
     class Server(http.server.ThreadingHTTPServer):
@@ -737,7 +758,7 @@ def test_trickled_blob_is_aborted_as_stalled_and_not_retried(store, evil, monkey
     t0 = time.monotonic()
     err = _evil_pull(store, evil, "trickleblob")
     assert time.monotonic() - t0 < 5
-    assert "download stalled" in err.message and "want 16384 bytes per 0.5 s" in err.message
+    assert "download stalled" in err.message and "want 524288 bytes per 0.5 s" in err.message
     assert sum("/blobs/sha256:" + EVIL_DIGEST[7:] in p for p in evil[1]) == 1  # not retried
     assert 0 < store.partial_path(EVIL_DIGEST).stat().st_size < len(EVIL_BLOB)  # kept for a resume
 
@@ -776,10 +797,14 @@ def test_deeply_nested_manifest_is_a_clear_error(store, evil):
     assert err.message == "pull model manifest: invalid manifest: JSON nested too deeply"
 
 
-def test_error_body_is_capped(store, evil):
+def test_error_body_is_never_echoed(store, evil):
     err = _evil_pull(store, evil, "errbody")
     assert err.status == 500
-    assert err.message == "pull model manifest: 500: " + "E" * 512 + "…"
+    assert err.message == "pull model manifest: 500: Internal Server Error"
+    err = _evil_pull(store, evil, "secret403")  # the attack run's repro: a 403 whose body is a secret
+    assert (err.status, err.message) == (403, "pull model manifest: 403: Forbidden")
+    err = _evil_pull(store, evil, "ocierror")  # only a code of the distribution spec is named
+    assert err.message == "pull model manifest: 429: Too Many Requests (TOOMANYREQUESTS)"
 
 
 def test_redirects_followed_only_for_blobs_and_never_echo_the_target(store, evil):
@@ -789,7 +814,225 @@ def test_redirects_followed_only_for_blobs_and_never_echo_the_target(store, evil
                            "(only blob downloads follow redirects)")
     err = _evil_pull(store, evil, "redirectblob")
     assert err.status == 500 and "hunter2" not in err.message
-    assert err.message == "500: error from 127.0.0.1 after a redirect (body not shown)"
+    assert err.message == "500: Internal Server Error (from 127.0.0.1 after a redirect)"
     host, seen = evil
     pull_model(f"{host}/evil/storageblob", store=store, insecure=True)  # a blob in storage elsewhere
     assert store.blob_path(EVIL_DIGEST).read_bytes() == EVIL_BLOB and "/storage" in seen
+
+
+# -- where a pull may go, what it may write (issue 31: the attack run's repros)
+
+
+def test_token_realm_on_another_host_over_http_is_refused(store, evil):
+    """The registry names a realm on another host (localhost: another name, over http): refused before asked."""
+    host, seen = evil
+    err = _evil_pull(store, evil, "realmother")
+    port = host.split(":")[1]
+    assert err.message == (f"pull model manifest: token realm localhost:{port} refused: another host than the "
+                           "registry's must use https")
+    assert [p for p in seen if p.startswith("/token")] == []
+
+
+def test_token_realm_answer_is_never_echoed(store, evil):
+    """A realm on the registry's own host (a loopback registry pulled with --insecure) may be asked, but
+    what it answers with an error is only a status line."""
+    host, seen = evil
+    err = _evil_pull(store, evil, "realmsame")
+    assert "/secret?service=s" in seen
+    assert (err.status, err.message) == (500, "pull model manifest: 500: Internal Server Error")
+
+
+def _public_registry(realm: str | None = None, location: str | None = None, seen: list | None = None):
+    """A registry at https://example.com (mock transport) that challenges with ``realm`` and/or redirects
+    its blob downloads to ``location``; every request lands in ``seen`` as (url, Authorization)."""
+    manifest, digest, cdigest = _one_blob_manifest(EVIL_BLOB)
+    blobs = {digest: EVIL_BLOB, cdigest: b"{}"}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if seen is not None:
+            seen.append((str(request.url), request.headers.get("authorization")))
+        if request.url.host != "example.com":
+            if request.url.path == "/token":
+                return httpx.Response(200, json={"token": "t0k"})
+            return httpx.Response(200, content=EVIL_BLOB)
+        if realm and request.headers.get("authorization") != "Bearer t0k":
+            return httpx.Response(401, headers={"WWW-Authenticate": f'Bearer realm="{realm}",service="s"'})
+        if "/manifests/" in request.url.path:
+            return httpx.Response(200, content=manifest)
+        if location and request.url.path.endswith(digest):
+            return httpx.Response(307, headers={"Location": location})
+        return httpx.Response(200, content=blobs[request.url.path.rsplit("/", 1)[1]])
+    return httpx.MockTransport(handle), digest
+
+
+@pytest.fixture
+def dns(monkeypatch):
+    """Names resolve from this table (no DNS in tests): public ones, and one that points inside."""
+    table = {"auth.example.org": ["93.184.216.34"], "cdn.example.net": ["93.184.216.35"],
+             "example.com": ["93.184.216.36"], "sneaky.example.org": ["10.0.0.5"]}
+    monkeypatch.setattr(registry_mod, "_resolve", lambda host: table.get(host, []))
+
+
+@pytest.mark.parametrize("realm,why", [
+    ("http://127.0.0.1:6379/token", "127.0.0.1:6379 refused: another host than the registry's must use https"),
+    ("https://169.254.169.254/latest/meta-data", "169.254.169.254 refused: an internal address"),
+    ("https://[::1]:8080/token", "[::1]:8080 refused: an internal address"),
+    ("https://sneaky.example.org/token", "sneaky.example.org refused: an internal address"),
+    ("https://localhost/token", "localhost refused: an internal address"),
+])
+def test_public_registry_cannot_point_the_realm_inside(store, dns, realm, why):
+    seen: list = []
+    transport, _ = _public_registry(realm=realm, seen=seen)
+    with pytest.raises(RegistryError) as e:
+        pull_model("example.com/a/b", store=store, transport=transport)
+    assert e.value.message.startswith(f"pull model manifest: token realm {why}")
+    assert [u for u, _ in seen] == ["https://example.com/v2/a/b/manifests/latest"]  # the realm was never asked
+
+
+def test_public_realm_over_https_is_used(store, dns):
+    seen: list = []
+    transport, digest = _public_registry(realm="https://auth.example.org/token", seen=seen)
+    pull_model("example.com/a/b", store=store, transport=transport)
+    assert store.blob_path(digest).read_bytes() == EVIL_BLOB
+    assert seen[1] == ("https://auth.example.org/token?service=s", None)
+
+
+INSIDE = "an internal address (loopback, private or link-local) is reached only from a registry on one, with --insecure"
+
+
+@pytest.mark.parametrize("location,why", [
+    ("http://cdn.example.net/blob", "cdn.example.net refused: another host than the registry's must use https"),
+    ("https://10.1.2.3/blob", f"10.1.2.3 refused: {INSIDE}"),
+    ("https://sneaky.example.org/blob", f"sneaky.example.org refused: {INSIDE}"),
+])
+def test_blob_redirect_only_to_https_outside(store, dns, location, why):
+    seen: list = []
+    transport, _ = _public_registry(location=location, seen=seen)
+    with pytest.raises(RegistryError) as e:
+        pull_model("example.com/a/b", store=store, transport=transport)
+    assert e.value.message == f"redirect to {why}"
+    assert {httpx.URL(u).host for u, _ in seen} == {"example.com"}
+
+
+def test_blob_redirect_to_https_storage_drops_the_token(store, dns):
+    seen: list = []
+    transport, digest = _public_registry(realm="https://auth.example.org/token",
+                                         location="https://cdn.example.net/blob", seen=seen)
+    pull_model("example.com/a/b", store=store, transport=transport)
+    assert store.blob_path(digest).read_bytes() == EVIL_BLOB
+    assert ("https://cdn.example.net/blob", None) in seen  # followed, without the registry's bearer token
+
+
+def test_loopback_redirect_to_another_port_is_refused(store, evil):
+    host, seen = evil
+    err = _evil_pull(store, evil, "redirectother")
+    port = host.split(":")[1]
+    assert err.message == f"redirect to localhost:{port} refused: another host than the registry's must use https"
+    assert "/storage" not in seen
+
+
+def test_huge_declared_blob_is_refused_before_anything_is_written(store, evil):
+    """The attack run's 10**12-byte blob filled a 300 MB disk in 1.4 s and left the partial file."""
+    host, seen = evil
+    err = _evil_pull(store, evil, "huge")
+    assert err.message.startswith(f"not enough disk space: the model needs {10 ** 12 + len(EVIL_CFG)} more bytes "
+                                  f"and {512 << 20} must stay free, ")
+    assert [p for p in seen if "/blobs/" in p] == []
+    assert list(store.blobs_dir.iterdir()) == []
+
+
+def test_blob_size_cap(store, evil, monkeypatch):
+    err = _evil_pull(store, evil, "ok", max_blob_bytes=len(EVIL_BLOB) - 1)
+    assert err.message == (f"blob {EVIL_DIGEST} is larger than the {len(EVIL_BLOB) - 1} bytes allowed "
+                           f"({len(EVIL_BLOB)} bytes; --pull-max-blob-size raises the cap)")
+    monkeypatch.setenv("KVSERVE_PULL_MAX_BLOB_SIZE", "1K")
+    assert "larger than the 1024 bytes allowed" in _evil_pull(store, evil, "ok").message
+    monkeypatch.setenv("KVSERVE_PULL_MAX_BLOB_SIZE", "0")  # no cap
+    pull_model(f"{evil[0]}/evil/ok", store=store, insecure=True)
+    assert store.blob_path(EVIL_DIGEST).read_bytes() == EVIL_BLOB
+
+
+def test_overall_deadline_ends_a_trickled_pull(store, evil):
+    """A trickle fast enough for the minimum rate still ends at the pull's deadline."""
+    t0 = time.monotonic()
+    err = _evil_pull(store, evil, "trickleblob", deadline=0.6)
+    assert time.monotonic() - t0 < 5
+    assert err.message == "pull did not finish within 0.6 s"
+    assert store.partial_path(EVIL_DIGEST).is_file()  # resumable: kept
+
+
+def test_blob_longer_than_declared_leaves_no_partial(store, evil):
+    err = _evil_pull(store, evil, "longblob")
+    assert err.message == f"blob {EVIL_DIGEST} is larger than the 1000 bytes its manifest gives"
+    assert not store.partial_path(EVIL_DIGEST).exists()
+
+
+def test_disk_full_mid_blob_removes_the_partial(store, evil, monkeypatch):
+    real_open = open
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[:10])
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(registry_mod, "open", lambda p, *a, **k: Full(real_open(p, *a, **k)), raising=False)
+    err = _evil_pull(store, evil, "ok")
+    assert err.message == "[Errno 28] No space left on device"
+    assert not store.partial_path(EVIL_DIGEST).exists()
+
+
+def test_clean_temp_files_removes_old_leftovers_only(store):
+    store.blobs_dir.mkdir(parents=True)
+    old = time.time() - 8 * 86400
+    names = {".upload-abc": old, ".tmp-def": old, ".upload-new": None, "sha256-" + "a" * 64 + "-partial": old,
+             "sha256-" + "b" * 64 + "-partial": time.time() - 3600, "sha256-" + "c" * 64: old}
+    for name, mtime in names.items():
+        (store.blobs_dir / name).write_bytes(b"x")
+        if mtime is not None:
+            os.utime(store.blobs_dir / name, (mtime, mtime))
+    assert store.clean_temp_files() == [".tmp-def", ".upload-abc", "sha256-" + "a" * 64 + "-partial"]
+    assert sorted(p.name for p in store.blobs_dir.iterdir()) == [
+        ".upload-new", "sha256-" + "b" * 64 + "-partial", "sha256-" + "c" * 64]
+    assert Store(store.root / "nothing").clean_temp_files() == []
+
+
+def test_server_start_cleans_the_store(tmp_path):
+    from types import SimpleNamespace
+
+    from kvserve.app import _clean_store
+
+    store = Store(tmp_path / "models")
+    store.blobs_dir.mkdir(parents=True)
+    leftover = store.blobs_dir / ".upload-x"
+    leftover.write_bytes(b"x" * 100)
+    os.utime(leftover, (1, 1))
+    _clean_store(SimpleNamespace(args=SimpleNamespace(models_dir=str(store.root))))
+    assert not leftover.exists()
+
+
+def test_is_internal_host(dns):
+    assert [registry_mod.is_internal_host(h) for h in (
+        "127.0.0.1", "10.0.0.5", "192.168.1.1", "172.16.0.1", "169.254.169.254", "[::1]", "::ffff:127.0.0.1",
+        "fd00::1", "0.0.0.0", "100.64.0.1", "localhost", "a.localhost", "sneaky.example.org",
+        "auth.example.org", "93.184.216.34", "2606:4700::1111")] == [True] * 13 + [False] * 3
+
+
+def test_api_pull_passes_the_server_limits(tmp_path, evil):
+    """/api/pull's generator carries --pull-max-blob-size and --pull-timeout (0: none) to the pull."""
+    from types import SimpleNamespace
+
+    from kvserve.faces.ollama import _progress_events
+
+    args = SimpleNamespace(models_dir=str(tmp_path / "models"), pull_timeout=0.0, pull_max_blob_size=5)
+    gen = _progress_events(SimpleNamespace(args=args), "pull", f"{evil[0]}/evil/ok", True)
+    with pytest.raises(RegistryError, match="is larger than the 5 bytes allowed"):
+        list(gen)
