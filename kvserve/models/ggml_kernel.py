@@ -110,7 +110,7 @@ def build_now() -> None:
         try:
             (d / "lock").unlink(missing_ok=True)
             load(name=NAME, sources=[str(_DIR / "ggml_cpu.cpp")], extra_cflags=decode_native.cflags(),
-                 extra_ldflags=decode_native.LDFLAGS, build_directory=str(d), is_python_module=True, verbose=False)
+                 extra_ldflags=list(decode_native.LDFLAGS), build_directory=str(d), is_python_module=True, verbose=False)
         finally:
             fcntl.flock(lk, fcntl.LOCK_UN)
 
