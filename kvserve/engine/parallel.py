@@ -222,6 +222,8 @@ def layout_lines(config: ModelConfig, tp: int, pp: int, kv_type: str, kv_type_v:
 
 def _slice_rows(w: Weight, a: int, b: int) -> Weight:
     """Output features [a, b) of a matrix (whole rows: packed 4-bit blocks stay packed), or of a vector."""
+    if w.raw is not None:  # GGUF block rows: a view of them
+        return Weight((b - a, w.shape[1]), raw=w.raw[a:b], source_type=w.source_type)
     if w.dense is not None:
         return Weight((b - a, *w.shape[1:]), dense=np.ascontiguousarray(w.dense[a:b]), source_type=w.source_type)
     return Weight((b - a, w.shape[1]), q4=np.ascontiguousarray(w.q4[a:b]),
@@ -233,6 +235,8 @@ def _slice_cols(w: Weight, a: int, b: int, notes: set[str], name: str) -> Weight
     """Input features [a, b) of a matrix: packed 4-bit blocks stay packed when a and b are multiples
     of the 32-value block, else the slice is dequantized (noted in ``notes``)."""
     out = w.shape[0]
+    if w.raw is not None:  # GGUF blocks other than Q4_0/Q4_1: cut from their float32 values
+        w = Weight(w.shape, dense=w.to_dense(), source_type=w.source_type)
     if w.dense is not None:
         return Weight((out, b - a), dense=np.ascontiguousarray(w.dense[:, a:b]), source_type=w.source_type)
     if a % 32 == 0 and b % 32 == 0:

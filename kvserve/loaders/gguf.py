@@ -5,8 +5,10 @@ the config from the metadata, names the tensors it requires and turns the weight
 module's layout; this module only reads the file.
 
 Quantized tensors: Q4_0 and Q4_1 are kept packed (converted to torch's int4
-layout by the model); every other type the ``gguf`` package can dequantize
-(F32, F16, BF16, Q8_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ*) becomes float32 at load.
+layout by the model); matrices of the types the GGUF block kernels multiply
+(F16, BF16, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS, MXFP4: :data:`RAW_TYPES`)
+keep the file's bytes (``Weight.raw``, a view of the mapping); every other type
+the ``gguf`` package can dequantize becomes float32 at load.
 """
 
 from __future__ import annotations
@@ -232,14 +234,30 @@ def _q8_0_dense(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return w.reshape(shape)
 
 
+#: matrices of these ggml types stay as the file stores them (Weight.raw, a view of the mapping)
+#: for the block kernels (kvserve.models.ggml_kernel.TYPES less Q4_0/Q4_1, which keep their own path)
+RAW_TYPES = frozenset({"F16", "BF16", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                       "IQ4_XS", "MXFP4"})
+
+
 def _tensor_to_weight(t: TensorInfo, raw: np.ndarray) -> Weight:
+    """One tensor's Weight: Q4_0/Q4_1 matrices unpacked to nibbles and scales, matrices of
+    :data:`RAW_TYPES` kept as their bytes in the file (``Weight.raw``, no copy), anything else
+    float32. Raises ModelLoadError naming the tensor and type when its byte size disagrees with
+    its type and shape (rows that are not whole blocks) or the type cannot be read."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType(t.ggml_type)
     shape = tuple(int(x) for x in reversed(t.shape))  # torch layout
     data = raw[t.offset: t.offset + t.n_bytes]
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if shape and shape[-1] % block or len(data) != t.n_elements // block * type_size:
+        raise ModelLoadError(f"tensor '{t.name}' of type {qtype.name}: shape {list(t.shape)} is not whole "
+                             f"{block}-value blocks of {type_size} bytes ({len(data)} bytes in the file)")
     if qtype.name in ("Q4_0", "Q4_1") and len(shape) == 2:
         return _q4_blocks(data, shape[0], shape[1], qtype.name)
+    if qtype.name in RAW_TYPES and len(shape) == 2:
+        return Weight(shape, raw=data.reshape(shape[0], shape[1] // block * type_size), source_type=qtype.name)
     if qtype == gguf.GGMLQuantizationType.Q8_0 and shape and shape[-1] % 32 == 0:
         return Weight(shape, dense=_q8_0_dense(data, shape), source_type=qtype.name)
     if qtype == gguf.GGMLQuantizationType.F32:

@@ -93,7 +93,10 @@ class Weight:
     ``q4`` (uint8 [out, in] values 0..15) with ``q4_scale`` and ``q4_zero``
     (float32 [out, in // 32]) such that ``w = (q - 8) * scale + zero``
     (torch's int4pack convention; for GGUF Q4_1 ``scale = d``, ``zero = m + 8d``;
-    for Q4_0 ``scale = d``, ``zero = 0``).
+    for Q4_0 ``scale = d``, ``zero = 0``), or ``raw``: a matrix's GGUF bytes as the
+    file stores them (uint8 [out, bytes per row], usually a view of the file's
+    np.memmap: no copy), of ggml type ``source_type`` (the block kernels of
+    :mod:`kvserve.models.ggml_kernel` multiply with it; :meth:`to_dense` dequantizes).
     """
 
     shape: tuple[int, ...]
@@ -102,11 +105,22 @@ class Weight:
     q4_scale: np.ndarray | None = None
     q4_zero: np.ndarray | None = None
     source_type: str = "F32"
+    raw: np.ndarray | None = None
 
     def to_dense(self) -> np.ndarray:
-        """float32 array of ``shape`` (dequantized when packed)."""
+        """float32 array of ``shape`` (dequantized when packed; a new array each call for ``raw``)."""
         if self.dense is not None:
             return self.dense
+        if self.raw is not None:
+            if self.source_type == "Q8_0":  # gguf's values bit for bit, in one float32 buffer (~4x faster)
+                blocks = np.asarray(self.raw).reshape(-1, 34)
+                w = blocks[:, 2:].view(np.int8).astype(np.float32)
+                w *= blocks[:, :2].copy().view(np.float16).astype(np.float32)
+                return w.reshape(self.shape)
+            import gguf
+
+            arr = gguf.quants.dequantize(np.asarray(self.raw), gguf.GGMLQuantizationType[self.source_type])
+            return np.ascontiguousarray(arr.reshape(self.shape), dtype=np.float32)
         out, inp = self.shape
         q = self.q4.astype(np.float32).reshape(out, inp // 32, 32)
         w = (q - 8.0) * self.q4_scale[:, :, None] + self.q4_zero[:, :, None]
@@ -116,6 +130,8 @@ class Weight:
         """The same weight with rows (output features) reordered by ``order``."""
         if self.dense is not None:
             return Weight(self.shape, dense=np.ascontiguousarray(self.dense[order]), source_type=self.source_type)
+        if self.raw is not None:  # whole rows of blocks: a copy in the new order (no longer the file's pages)
+            return Weight(self.shape, raw=np.ascontiguousarray(self.raw[order]), source_type=self.source_type)
         return Weight(
             self.shape,
             q4=np.ascontiguousarray(self.q4[order]),
@@ -169,6 +185,28 @@ def check_tensors(required: list[str], weights: dict[str, Weight], source: str) 
             raise ModelLoadError(f"{source}: missing tensor '{name}'")
 
 
+#: byte offsets of the float16 scales in a block of each ggml type (F16 / BF16: the values themselves)
+_RAW_SCALES = {"Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)), "Q5_1": (24, (0, 2)),
+               "Q8_0": (34, (0,)), "IQ4_NL": (18, (0,)), "Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)),
+               "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "IQ4_XS": (136, (0,))}
+
+
+def raw_scales(w: Weight) -> np.ndarray | None:
+    """float32 copy of the scales of a ``raw`` GGUF weight's blocks (None for other weights or
+    types whose scales cannot be NaN: MXFP4's are powers of two), for :func:`check_finite`."""
+    if w.raw is None:
+        return None
+    if w.source_type == "F16":
+        return np.asarray(w.raw).view(np.float16)
+    if w.source_type == "BF16":
+        return (np.asarray(w.raw).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if w.source_type not in _RAW_SCALES:
+        return None
+    size, offsets = _RAW_SCALES[w.source_type]
+    blocks = np.asarray(w.raw).reshape(-1, size)
+    return np.concatenate([blocks[:, o:o + 2].copy().view(np.float16)[:, 0].astype(np.float32) for o in offsets])
+
+
 def check_finite(weights: dict[str, Weight], source: str) -> None:
     """Raise ModelLoadError naming the first tensor holding NaN or Inf.
 
@@ -176,10 +214,11 @@ def check_finite(weights: dict[str, Weight], source: str) -> None:
     refused at load. Cheap: one float32 sum per array (NaN and Inf propagate through it; about
     40 ms for SmolLM2-360M's 28 M float values and Q4 scales, 1% of its load); only a sum that
     is not finite is checked element by element (a finite tensor whose sum overflows passes).
-    Packed 4-bit weights are finite by construction except for their scales and zeros.
+    Packed 4-bit weights are finite by construction except for their scales and zeros; of ``raw``
+    GGUF blocks the float16 scales are checked (:func:`raw_scales`).
     """
     for name, w in weights.items():
-        for a in (w.dense, w.q4_scale, w.q4_zero):
+        for a in (w.dense, w.q4_scale, w.q4_zero, raw_scales(w)):
             if a is None or math.isfinite(float(a.sum(dtype=np.float32))):
                 continue
             bad = int(a.size - np.count_nonzero(np.isfinite(a)))

@@ -135,6 +135,11 @@ class Linear(nn.Module):
             magnitude 16-32 and tie), "int4" (Q4_0/Q4_1
             blocks kept packed for ``_weight_int4pack_mm_for_cpu``, group size 32,
             zero = m + 8d; other types fall back to dense) or "dense".
+            Under "auto" (and "w8a8", the head's auto choice), weights that keep their GGUF bytes
+            (``Weight.raw``: every type of :mod:`kvserve.models.ggml_kernel` but Q4_0/Q4_1) are
+            multiplied by the GGUF block kernels at every row count, with no dense copy
+            (``kernel`` becomes "gguf"; ``small_max_rows`` and ``large_dtype`` do not apply);
+            where those kernels cannot be built they are dequantized as other types are.
         small_max_rows: batches of at most this many rows use ``kernel``; larger
             ones use the dense weights (a dense GEMM wins there). 0 = always
             ``kernel`` and no dense copy is kept.
@@ -157,6 +162,11 @@ class Linear(nn.Module):
                  small_max_rows: int = 0, large_dtype=torch.float32, native_q4: bool | str = False):
         super().__init__()
         cpu = torch.device(device).type == "cpu"
+        self.blocks = None  # the GGUF block kernels' matrix (kernel "gguf")
+        if cpu and kernel in ("auto", "w8a8") and all(w.raw is not None for w in weights):
+            self.blocks = _block_matrix(weights)
+            if self.blocks is not None:
+                kernel = "gguf"
         packed = all(w.q4 is not None for w in weights)
         if kernel == "auto":
             quantized = all(w.source_type not in _FLOAT_TYPES for w in weights)
@@ -173,7 +183,9 @@ class Linear(nn.Module):
         self._q4_src: Weight | None = None  # native_q4 "decode": packed by native_weights()
         #: native_q4 "decode": the packed weights by layout ("pair", "tile16"; see native_weights)
         self._q4_native: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        if kernel == "int4":
+        if kernel == "gguf":
+            dense = None
+        elif kernel == "int4":
             merged = Weight(
                 (self.out_features, self.in_features),
                 q4=_np_cat([w.q4 for w in weights]),
@@ -246,7 +258,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] float32 -> [T, out] float32 (see the class docstring for the kernels)."""
         w = self.weight
-        if w is None or (self.kernel != "dense" and x.shape[0] <= self.small_max_rows):
+        if self.blocks is not None:
+            y = self.blocks.mm(x)
+        elif w is None or (self.kernel != "dense" and x.shape[0] <= self.small_max_rows):
             if self.kernel == "w8a8":
                 y = _w8a8_mm(x, self.q8, self.scales)  # float32 logits from int8 x int8
             elif self.kernel == "int8":
@@ -262,6 +276,21 @@ class Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def _block_matrix(weights: list[Weight]):
+    """The GGUF block kernels' matrix over ``weights`` (raw GGUF rows, stacked along the output
+    dimension, the bytes not copied), or None where the kernels cannot be used (not built here,
+    ``KVSERVE_GGML_KERNELS=0``, a type or row length they lack)."""
+    from kvserve.models import ggml_kernel
+
+    mod = ggml_kernel.ensure_built()
+    if mod is None:
+        return None
+    try:
+        return ggml_kernel.BlockMatrix(mod, [(w.raw, w.source_type) for w in weights], weights[0].shape[1])
+    except ValueError:
+        return None
 
 
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64", "torch.float32", "torch.float16", "torch.bfloat16"}

@@ -1,0 +1,711 @@
+// Products with GGUF weights kept as the file stores them: y[M, N] = x[M, K] @ W[N, K]^T, W's rows
+// in their ggml block format (ggml_kernel.py has the Python side and the list of types).
+//
+// Activations are quantized as llama.cpp quantizes them for each weight type:
+//   * 32-value blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4): int8 per block of 32, d = max|x| / 127
+//     rounded to float16, q = round half to even (x * 127 / max|x|) (llama.cpp's AVX quantize_row_q8_0);
+//     for the types with a minimum (Q4_1, Q5_1) also s = d * sum(q) per block (float32 here; llama.cpp's
+//     q8_1 rounds it to float16).
+//   * 256-value blocks (Q2_K .. Q6_K, IQ4_XS): llama.cpp's q8_K: the value of largest magnitude `max`,
+//     q = min(127, round half to even (-127 / max * x)), d = 1 / (-127 / max) as float32, and the sum of
+//     every 16 q (bsums).
+//   * F16 / BF16 weights: float32 activations, the weights widened to float32 (fused multiply-adds).
+// Every integer dot product of a block is exact; the float sums follow one fixed order per output
+// value (8 lanes, then a fixed horizontal sum), the same whatever the other rows of the product are:
+// row i of an M-row product equals the one-row product bit for bit.
+//
+// Two builds, picked by -march: AVX512-VNNI (the u8 x s8 block dot products with vpdpbusd on 256-bit
+// vectors) or AVX2 + FMA + F16C (vpmaddubsw + vpmaddwd, llama.cpp's AVX2 route). The integer results
+// are the same; only the speed differs. Work is split over output rows on kvserve's pool
+// (thread_pool.h, torch's thread count).
+#include <torch/extension.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "thread_pool.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define GG_VNNI 1
+#elif !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#error "ggml_cpu.cpp needs AVX512F/BW/VL + AVX512-VNNI, or AVX2 + FMA + F16C"
+#endif
+
+namespace {
+
+// ggml type ids (gguf.GGMLQuantizationType)
+enum : int {
+  T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
+  T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30, T_MXFP4 = 39
+};
+
+inline float h2f(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline float round_f16(float v) { return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT)); }
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// 32 unsigned bytes (each <= 128) times 32 signed bytes: int32 lane i = sum of bytes 4i..4i+3
+inline __m256i dot_us(__m256i u, __m256i s) {
+#ifdef GG_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// dot_us with lanes 0-3 (bytes 0-15) times sa and lanes 4-7 (bytes 16-31) times sb (|u * s| pairs
+// within int16: u <= 63 or a sign-split |w| <= 128 with |s| <= 127)
+inline __m256i dot_us_scaled(__m256i u, __m256i s, int sa, int sb) {
+#ifdef GG_VNNI
+  return _mm256_mullo_epi32(dot_us(u, s), _mm256_setr_epi32(sa, sa, sa, sa, sb, sb, sb, sb));
+#else
+  const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(sb)), _mm_set1_epi16(static_cast<int16_t>(sa)));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc);
+#endif
+}
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 16 bytes of nibbles -> 32 values: low nibbles first (values 0-15), then the high ones (16-31)
+inline __m256i nibbles(const uint8_t* p) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+}
+
+// byte i = 0xFF where bit i of v is set
+inline __m256i bits32(uint32_t v) {
+  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+  const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(v)), shuf), bit);
+  return _mm256_cmpeq_epi8(b, bit);
+}
+
+inline __m256i table16(const int8_t* t) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t));
+  return _mm256_set_m128i(v, v);
+}
+
+const int8_t kIQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+const int8_t kMXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? (0x00200000u << e) : (static_cast<uint32_t>(e - 1) << 23);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// ---------------------------------------------------------------- activations
+
+// q8_0 rows: q int8 [M, K], d float [M, K/32] (float16 values), s float [M, K/32] = d * sum(q)
+struct Act32 {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t K;
+};
+
+// q8_K rows: q int8 [M, K], d float [M, K/256], bs int16 [M, K/16]
+struct ActK {
+  const int8_t* q;
+  const float* d;
+  const int16_t* bs;
+  int64_t K;
+};
+
+void quantize_q8_0_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + b * 32;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float id = amax != 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int v = static_cast<int>(std::nearbyint(xb[j] * id));
+      q[b * 32 + j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = round_f16(amax / 127.f);
+    s[b] = d[b] * static_cast<float>(sum);
+  }
+}
+
+void quantize_q8_K_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs) {
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const float* xb = x + b * 256;
+    float amax = 0.f, mx = 0.f;
+    for (int j = 0; j < 256; ++j) {
+      const float a = std::fabs(xb[j]);
+      if (a > amax) {
+        amax = a;
+        mx = xb[j];
+      }
+    }
+    int8_t* qb = q + b * 256;
+    if (amax == 0.f) {
+      std::memset(qb, 0, 256);
+      std::memset(bs + b * 16, 0, 32);
+      d[b] = 0.f;
+      continue;
+    }
+    const float iscale = -127.f / mx;
+    for (int j = 0; j < 256; ++j) qb[j] = static_cast<int8_t>(std::min(127, static_cast<int>(std::nearbyint(iscale * xb[j]))));
+    for (int g = 0; g < 16; ++g) {
+      int sum = 0;
+      for (int j = 0; j < 16; ++j) sum += qb[g * 16 + j];
+      bs[b * 16 + g] = static_cast<int16_t>(sum);
+    }
+    d[b] = 1.f / iscale;
+  }
+}
+
+// ---------------------------------------------------------------- 32-value block types
+// Each: BYTES per block; SIGNED (values in int8, multiplied through the sign split) or unsigned
+// values with an optional float minimum m per block (w = d * u + m).
+
+struct BQ8_0 {
+  static constexpr int BYTES = 34;
+  static constexpr bool SIGNED = true, MIN = false;
+  static inline __m256i vals(const uint8_t* b, float& d, float&) { d = h2f(b); return load32(b + 2); }
+};
+struct BQ4_0 {
+  static constexpr int BYTES = 18;
+  static constexpr bool SIGNED = true, MIN = false;
+  static inline __m256i vals(const uint8_t* b, float& d, float&) {
+    d = h2f(b);
+    return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
+  }
+};
+struct BQ4_1 {
+  static constexpr int BYTES = 20;
+  static constexpr bool SIGNED = false, MIN = true;
+  static inline __m256i vals(const uint8_t* b, float& d, float& m) {
+    d = h2f(b);
+    m = h2f(b + 2);
+    return nibbles(b + 4);
+  }
+};
+struct BQ5_0 {
+  static constexpr int BYTES = 22;
+  static constexpr bool SIGNED = true, MIN = false;
+  static inline __m256i vals(const uint8_t* b, float& d, float&) {
+    d = h2f(b);
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const __m256i u = _mm256_or_si256(nibbles(b + 6), _mm256_and_si256(bits32(qh), _mm256_set1_epi8(16)));
+    return _mm256_sub_epi8(u, _mm256_set1_epi8(16));
+  }
+};
+struct BQ5_1 {
+  static constexpr int BYTES = 24;
+  static constexpr bool SIGNED = false, MIN = true;
+  static inline __m256i vals(const uint8_t* b, float& d, float& m) {
+    d = h2f(b);
+    m = h2f(b + 2);
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    return _mm256_or_si256(nibbles(b + 8), _mm256_and_si256(bits32(qh), _mm256_set1_epi8(16)));
+  }
+};
+struct BIQ4_NL {
+  static constexpr int BYTES = 18;
+  static constexpr bool SIGNED = true, MIN = false;
+  static inline __m256i vals(const uint8_t* b, float& d, float&) {
+    d = h2f(b);
+    return _mm256_shuffle_epi8(table16(kIQ4NL), nibbles(b + 2));
+  }
+};
+struct BMXFP4 {
+  static constexpr int BYTES = 17;
+  static constexpr bool SIGNED = true, MIN = false;
+  static inline __m256i vals(const uint8_t* b, float& d, float&) {
+    d = e8m0_half(b[0]);
+    return _mm256_shuffle_epi8(table16(kMXFP4), nibbles(b + 1));
+  }
+};
+
+// MR activation rows (r .. r + MR - 1) against one weight row of nb blocks
+template <class T, int MR>
+void dot32(const uint8_t* w, int64_t nb, const Act32& a, int64_t r, float* out, int64_t ldo) {
+  const int64_t K = a.K, G = K / 32;
+  __m256 acc[MR];
+  float accm[MR];
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    accm[i] = 0.f;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * T::BYTES;
+    if ((b & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + 1024), _MM_HINT_T0);
+    float d, m = 0.f;
+    const __m256i v = T::vals(blk, d, m);
+    const __m256i u = T::SIGNED ? _mm256_sign_epi8(v, v) : v;
+    for (int i = 0; i < MR; ++i) {
+      const int64_t row = r + i;
+      __m256i xq = load32(a.q + row * K + b * 32);
+      if (T::SIGNED) xq = _mm256_sign_epi8(xq, v);
+      const __m256 p = _mm256_cvtepi32_ps(dot_us(u, xq));
+      acc[i] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * a.d[row * G + b]), acc[i]);
+      if (T::MIN) accm[i] += m * a.s[row * G + b];
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i * ldo] = hsum(acc[i]) + accm[i];
+}
+
+// ---------------------------------------------------------------- 256-value block types (q8_K)
+
+// Q4_K / Q5_K 6-bit scale and min of sub-block j (llama.cpp's get_scale_min_k4)
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    mn = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+template <int MR, bool FIVE>
+void dot_q45k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out, int64_t ldo) {
+  constexpr int BYTES = FIVE ? 176 : 144;
+  const int64_t K = a.K, NB = K / 256;
+  __m256 acc[MR];
+  float accm[MR];
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    accm[i] = 0.f;
+  }
+  const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * BYTES;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 1024), _MM_HINT_T0);
+    const float d = h2f(blk), dmin = h2f(blk + 2);
+    const uint8_t* sc12 = blk + 4;
+    const uint8_t* qs = blk + (FIVE ? 48 : 16);
+    int sc[8], mn[8];
+    for (int j = 0; j < 8; ++j) scale_min_k4(j, sc12, sc[j], mn[j]);
+    __m256i u[8];
+    const __m256i qh = FIVE ? load32(blk + 16) : _mm256_setzero_si256();
+    for (int p = 0; p < 4; ++p) {
+      const __m256i q = load32(qs + 32 * p);
+      u[2 * p] = _mm256_and_si256(q, m4);
+      u[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+      if (FIVE) {
+        u[2 * p] = _mm256_or_si256(u[2 * p], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one), 4));
+        u[2 * p + 1] = _mm256_or_si256(u[2 * p + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one), 4));
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      const int64_t row = r + i;
+      const int8_t* xq = a.q + row * K + b * 256;
+      const int16_t* bs = a.bs + row * (K / 16) + b * 16;
+      __m256i sumi = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) sumi = _mm256_add_epi32(sumi, dot_us_scaled(u[j], load32(xq + 32 * j), sc[j], sc[j]));
+      int msum = 0;
+      for (int j = 0; j < 8; ++j) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+      const float dx = a.d[row * NB + b];
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * dx), acc[i]);
+      accm[i] += dmin * dx * static_cast<float>(msum);
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i * ldo] = hsum(acc[i]) - accm[i];
+}
+
+template <int MR>
+void dot_q6k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out, int64_t ldo) {
+  const int64_t K = a.K, NB = K / 256;
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 210;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 1024), _MM_HINT_T0);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = h2f(blk + 208);
+    __m256i u[8];  // values 0..63 of elements 32 k .. 32 k + 31
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = load32(blk + 64 * h), l1 = load32(blk + 64 * h + 32), qh = load32(blk + 128 + 32 * h);
+      u[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4));
+      u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4));
+      u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4));
+      u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4));
+    }
+    for (int i = 0; i < MR; ++i) {
+      const int64_t row = r + i;
+      const int8_t* xq = a.q + row * K + b * 256;
+      const int16_t* bs = a.bs + row * (K / 16) + b * 16;
+      __m256i sumi = _mm256_setzero_si256();
+      for (int k = 0; k < 8; ++k) sumi = _mm256_add_epi32(sumi, dot_us_scaled(u[k], load32(xq + 32 * k), sc[2 * k], sc[2 * k + 1]));
+      int off = 0;  // the -32 of every value
+      for (int g = 0; g < 16; ++g) off += sc[g] * bs[g];
+      const __m256i tot = _mm256_sub_epi32(sumi, _mm256_setr_epi32(32 * off, 0, 0, 0, 0, 0, 0, 0));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(d * a.d[row * NB + b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i * ldo] = hsum(acc[i]);
+}
+
+template <int MR>
+void dot_q2k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out, int64_t ldo) {
+  const int64_t K = a.K, NB = K / 256;
+  __m256 acc[MR];
+  float accm[MR];
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    accm[i] = 0.f;
+  }
+  const __m256i m2 = _mm256_set1_epi8(3);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 84;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 1024), _MM_HINT_T0);
+    const uint8_t* scales = blk;
+    const float d = h2f(blk + 80), dmin = h2f(blk + 82);
+    __m256i u[8];
+    for (int n = 0; n < 2; ++n) {
+      const __m256i q = load32(blk + 16 + 32 * n);
+      for (int j = 0; j < 4; ++j) u[4 * n + j] = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m2);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const int64_t row = r + i;
+      const int8_t* xq = a.q + row * K + b * 256;
+      const int16_t* bs = a.bs + row * (K / 16) + b * 16;
+      __m256i sumi = _mm256_setzero_si256();
+      for (int k = 0; k < 8; ++k)
+        sumi = _mm256_add_epi32(sumi, dot_us_scaled(u[k], load32(xq + 32 * k), scales[2 * k] & 0xF, scales[2 * k + 1] & 0xF));
+      int msum = 0;
+      for (int g = 0; g < 16; ++g) msum += (scales[g] >> 4) * bs[g];
+      const float dx = a.d[row * NB + b];
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * dx), acc[i]);
+      accm[i] += dmin * dx * static_cast<float>(msum);
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i * ldo] = hsum(acc[i]) - accm[i];
+}
+
+template <int MR>
+void dot_q3k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out, int64_t ldo) {
+  const int64_t K = a.K, NB = K / 256;
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 110;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 1024), _MM_HINT_T0);
+    const uint8_t* s = blk + 96;
+    const float d = h2f(blk + 108);
+    int sc[16];
+    for (int g = 0; g < 16; ++g) {
+      const int low = g < 8 ? (s[g] & 0xF) : (s[g - 8] >> 4);
+      const int high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+      sc[g] = (low | (high << 4)) - 32;
+    }
+    const __m256i hm = load32(blk);
+    __m256i u[8];  // values 0..7 (w = u - 4)
+    for (int n = 0; n < 2; ++n) {
+      const __m256i q = load32(blk + 32 + 32 * n);
+      for (int j = 0; j < 4; ++j) {
+        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * n + j), one);
+        u[4 * n + j] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m2), _mm256_slli_epi16(hb, 2));
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      const int64_t row = r + i;
+      const int8_t* xq = a.q + row * K + b * 256;
+      const int16_t* bs = a.bs + row * (K / 16) + b * 16;
+      __m256i sumi = _mm256_setzero_si256();
+      for (int k = 0; k < 8; ++k) sumi = _mm256_add_epi32(sumi, dot_us_scaled(u[k], load32(xq + 32 * k), sc[2 * k], sc[2 * k + 1]));
+      int off = 0;  // the -4 of every value
+      for (int g = 0; g < 16; ++g) off += sc[g] * bs[g];
+      const __m256i tot = _mm256_sub_epi32(sumi, _mm256_setr_epi32(4 * off, 0, 0, 0, 0, 0, 0, 0));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(d * a.d[row * NB + b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i * ldo] = hsum(acc[i]);
+}
+
+template <int MR>
+void dot_iq4xs(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out, int64_t ldo) {
+  const int64_t K = a.K, NB = K / 256;
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  const __m256i tab = table16(kIQ4NL);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 136;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + 1024), _MM_HINT_T0);
+    const float d = h2f(blk);
+    uint16_t sh;
+    std::memcpy(&sh, blk + 2, 2);
+    int sc[8];
+    __m256i v[8], u[8];
+    for (int j = 0; j < 8; ++j) {
+      sc[j] = (((blk[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+      v[j] = _mm256_shuffle_epi8(tab, nibbles(blk + 8 + 16 * j));
+      u[j] = _mm256_sign_epi8(v[j], v[j]);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const int64_t row = r + i;
+      const int8_t* xq = a.q + row * K + b * 256;
+      __m256i sumi = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j)
+        sumi = _mm256_add_epi32(sumi, dot_us_scaled(u[j], _mm256_sign_epi8(load32(xq + 32 * j), v[j]), sc[j], sc[j]));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * a.d[row * NB + b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i * ldo] = hsum(acc[i]);
+}
+
+// ---------------------------------------------------------------- float16 / bfloat16 rows
+
+inline __m256 widen(const uint8_t* p, bool bf16) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+template <int MR, bool BF>
+void dot_half(const uint8_t* w, int64_t K, const float* x, int64_t r, float* out, int64_t ldo) {
+  __m256 acc[MR];
+  float tail[MR];
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    tail[i] = 0.f;
+  }
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wv = widen(w + 2 * k, BF);
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (r + i) * K + k), acc[i]);
+  }
+  for (; k < K; ++k) {
+    uint16_t h;
+    std::memcpy(&h, w + 2 * k, 2);
+    float wf;
+    if (BF) {
+      const uint32_t bits = static_cast<uint32_t>(h) << 16;
+      std::memcpy(&wf, &bits, 4);
+    } else {
+      wf = _cvtsh_ss(h);
+    }
+    for (int i = 0; i < MR; ++i) tail[i] = std::fma(wf, x[(r + i) * K + k], tail[i]);
+  }
+  for (int i = 0; i < MR; ++i) out[i * ldo] = hsum(acc[i]) + tail[i];
+}
+
+// ---------------------------------------------------------------- the product
+
+enum class ActKind { F32, Q8_0, Q8_K };
+
+struct TypeInfo {
+  int block;   // values per block
+  int bytes;   // bytes per block
+  ActKind act;
+};
+
+TypeInfo type_info(int t) {
+  switch (t) {
+    case T_F16: return {1, 2, ActKind::F32};
+    case T_BF16: return {1, 2, ActKind::F32};
+    case T_Q4_0: return {32, 18, ActKind::Q8_0};
+    case T_Q4_1: return {32, 20, ActKind::Q8_0};
+    case T_Q5_0: return {32, 22, ActKind::Q8_0};
+    case T_Q5_1: return {32, 24, ActKind::Q8_0};
+    case T_Q8_0: return {32, 34, ActKind::Q8_0};
+    case T_IQ4_NL: return {32, 18, ActKind::Q8_0};
+    case T_MXFP4: return {32, 17, ActKind::Q8_0};
+    case T_Q2_K: return {256, 84, ActKind::Q8_K};
+    case T_Q3_K: return {256, 110, ActKind::Q8_K};
+    case T_Q4_K: return {256, 144, ActKind::Q8_K};
+    case T_Q5_K: return {256, 176, ActKind::Q8_K};
+    case T_Q6_K: return {256, 210, ActKind::Q8_K};
+    case T_IQ4_XS: return {256, 136, ActKind::Q8_K};
+    default: return {0, 0, ActKind::F32};
+  }
+}
+
+struct Acts {
+  const float* x;
+  Act32 a32;
+  ActK ak;
+};
+
+// MR rows r.. of the product with weight row w (type t, K values)
+template <int MR>
+void dot_rows(int t, const uint8_t* w, const Acts& A, int64_t K, int64_t r, float* out, int64_t ldo) {
+  const int64_t nb32 = K / 32, nbk = K / 256;
+  switch (t) {
+    case T_F16: return dot_half<MR, false>(w, K, A.x, r, out, ldo);
+    case T_BF16: return dot_half<MR, true>(w, K, A.x, r, out, ldo);
+    case T_Q4_0: return dot32<BQ4_0, MR>(w, nb32, A.a32, r, out, ldo);
+    case T_Q4_1: return dot32<BQ4_1, MR>(w, nb32, A.a32, r, out, ldo);
+    case T_Q5_0: return dot32<BQ5_0, MR>(w, nb32, A.a32, r, out, ldo);
+    case T_Q5_1: return dot32<BQ5_1, MR>(w, nb32, A.a32, r, out, ldo);
+    case T_Q8_0: return dot32<BQ8_0, MR>(w, nb32, A.a32, r, out, ldo);
+    case T_IQ4_NL: return dot32<BIQ4_NL, MR>(w, nb32, A.a32, r, out, ldo);
+    case T_MXFP4: return dot32<BMXFP4, MR>(w, nb32, A.a32, r, out, ldo);
+    case T_Q2_K: return dot_q2k<MR>(w, nbk, A.ak, r, out, ldo);
+    case T_Q3_K: return dot_q3k<MR>(w, nbk, A.ak, r, out, ldo);
+    case T_Q4_K: return dot_q45k<MR, false>(w, nbk, A.ak, r, out, ldo);
+    case T_Q5_K: return dot_q45k<MR, true>(w, nbk, A.ak, r, out, ldo);
+    case T_Q6_K: return dot_q6k<MR>(w, nbk, A.ak, r, out, ldo);
+    case T_IQ4_XS: return dot_iq4xs<MR>(w, nbk, A.ak, r, out, ldo);
+    default: throw std::runtime_error("ggml_cpu: no kernel for ggml type " + std::to_string(t));
+  }
+}
+
+// A weight matrix made of row blocks (a fused q|k|v or gate|up may mix types), each part's bytes
+// owned by the caller (a view of the GGUF file's mapping) and alive while this object is used.
+class Matrix {
+ public:
+  Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vector<int64_t> rows, int64_t K) : K_(K) {
+    if (ptrs.size() != types.size() || ptrs.size() != rows.size() || ptrs.empty())
+      throw std::invalid_argument("ggml_cpu.Matrix: ptrs, types and rows must have one entry per part");
+    int64_t n = 0;
+    for (size_t i = 0; i < ptrs.size(); ++i) {
+      const TypeInfo ti = type_info(static_cast<int>(types[i]));
+      if (ti.block == 0) throw std::invalid_argument("ggml_cpu.Matrix: no kernel for ggml type " + std::to_string(types[i]));
+      if (K % ti.block) throw std::invalid_argument("ggml_cpu.Matrix: K is not a multiple of the type's block");
+      Part p{reinterpret_cast<const uint8_t*>(ptrs[i]), static_cast<int>(types[i]), n, rows[i],
+             K / ti.block * ti.bytes, ti.act};
+      if (ti.act == ActKind::Q8_0) q8_0_ = true;
+      if (ti.act == ActKind::Q8_K) q8_k_ = true;
+      parts_.push_back(p);
+      n += rows[i];
+    }
+    N_ = n;
+  }
+
+  int64_t rows() const { return N_; }
+  int64_t cols() const { return K_; }
+
+  // x [M, K] float32 -> [M, N] float32
+  at::Tensor mm(const at::Tensor& x_in) const {
+    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K_, "ggml_cpu.Matrix.mm: x must be [M, ", K_, "]");
+    const at::Tensor x = x_in.to(at::kFloat).contiguous();
+    const int64_t M = x.size(0), K = K_;
+    at::Tensor y = at::empty({M, N_}, x.options());
+    if (M == 0) return y;
+    std::vector<int8_t> q((q8_0_ || q8_k_) ? M * K : 0), qk;
+    std::vector<float> d0, s0, dk;
+    std::vector<int16_t> bs;
+    Acts A{x.data_ptr<float>(), {nullptr, nullptr, nullptr, K}, {nullptr, nullptr, nullptr, K}};
+    const float* xp = A.x;
+    if (q8_0_) {
+      d0.resize(M * (K / 32));
+      s0.resize(M * (K / 32));
+      kvserve_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m)
+          quantize_q8_0_row(xp + m * K, K, q.data() + m * K, d0.data() + m * (K / 32), s0.data() + m * (K / 32));
+      });
+      A.a32 = {q.data(), d0.data(), s0.data(), K};
+    }
+    if (q8_k_) {
+      qk.resize(M * K);
+      dk.resize(M * (K / 256));
+      bs.resize(M * (K / 16));
+      kvserve_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+        for (int64_t m = m0; m < m1; ++m)
+          quantize_q8_K_row(xp + m * K, K, qk.data() + m * K, dk.data() + m * (K / 256), bs.data() + m * (K / 16));
+      });
+      A.ak = {qk.data(), dk.data(), bs.data(), K};
+    }
+    float* Y = y.data_ptr<float>();
+    const int64_t N = N_;
+    // rows of activations at a time: a chunk of quantized rows stays in the core's L2 while every
+    // weight row of the thread's range passes by
+    const int64_t MC = 64;
+    kvserve_pool::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+      for (int64_t mc = 0; mc < M; mc += MC) {
+        const int64_t me = std::min(M, mc + MC);
+        size_t pi = 0;
+        for (int64_t n = n0; n < n1; ++n) {
+          while (n >= parts_[pi].first + parts_[pi].rows) ++pi;
+          const Part& p = parts_[pi];
+          const uint8_t* w = p.data + (n - p.first) * p.row_bytes;
+          int64_t r = mc;
+          for (; r + 4 <= me; r += 4) dot_rows<4>(p.type, w, A, K, r, Y + r * N + n, N);
+          switch (me - r) {
+            case 3: dot_rows<3>(p.type, w, A, K, r, Y + r * N + n, N); break;
+            case 2: dot_rows<2>(p.type, w, A, K, r, Y + r * N + n, N); break;
+            case 1: dot_rows<1>(p.type, w, A, K, r, Y + r * N + n, N); break;
+            default: break;
+          }
+        }
+      }
+    });
+    return y;
+  }
+
+ private:
+  struct Part {
+    const uint8_t* data;
+    int type;
+    int64_t first, rows, row_bytes;
+    ActKind act;
+  };
+  std::vector<Part> parts_;
+  int64_t N_ = 0, K_ = 0;
+  bool q8_0_ = false, q8_k_ = false;
+};
+
+// the activations' quantization alone (tests compare it with a numpy emulation):
+// x [M, K] -> (q int8 [M, K], d float [M, K/32], s float [M, K/32]) for "q8_0", or
+// (q int8 [M, K], d float [M, K/256], bsums int16 [M, K/16]) for "q8_K"
+std::vector<at::Tensor> quantize(const at::Tensor& x_in, const std::string& kind) {
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(x.dim() == 2, "quantize: x must be [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor q = at::empty({M, K}, at::kChar);
+  if (kind == "q8_0") {
+    TORCH_CHECK(K % 32 == 0, "quantize: K must be a multiple of 32");
+    at::Tensor d = at::empty({M, K / 32}, at::kFloat), s = at::empty({M, K / 32}, at::kFloat);
+    for (int64_t m = 0; m < M; ++m)
+      quantize_q8_0_row(x.data_ptr<float>() + m * K, K, q.data_ptr<int8_t>() + m * K, d.data_ptr<float>() + m * (K / 32),
+                        s.data_ptr<float>() + m * (K / 32));
+    return {q, d, s};
+  }
+  TORCH_CHECK(kind == "q8_K" && K % 256 == 0, "quantize: kind q8_0 or q8_K (K a multiple of 256)");
+  at::Tensor d = at::empty({M, K / 256}, at::kFloat), bs = at::empty({M, K / 16}, at::kShort);
+  for (int64_t m = 0; m < M; ++m)
+    quantize_q8_K_row(x.data_ptr<float>() + m * K, K, q.data_ptr<int8_t>() + m * K, d.data_ptr<float>() + m * (K / 256),
+                      bs.data_ptr<int16_t>() + m * (K / 16));
+  return {q, d, bs};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("ISA") =
+#ifdef GG_VNNI
+      "avx512";
+#else
+      "avx2";
+#endif
+  m.attr("TYPES") = std::vector<int>{T_F16, T_BF16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_IQ4_NL, T_MXFP4,
+                                     T_Q2_K, T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_IQ4_XS};
+  m.def("quantize", &quantize);
+  pybind11::class_<Matrix>(m, "Matrix")
+      .def(pybind11::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t>())
+      .def_property_readonly("rows", &Matrix::rows)
+      .def_property_readonly("cols", &Matrix::cols)
+      .def("mm", &Matrix::mm, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,182 @@
+"""The GGUF block kernels (kvserve.models.ggml_kernel, ggml_cpu.cpp) against float64 references:
+weights dequantized by ``gguf.quants.dequantize``, activations quantized as llama.cpp does (q8_0 per
+block of 32, q8_K per block of 256) emulated in numpy. Random blocks of every type, batch
+invariance, odd row counts, K not a multiple of 256; the AVX2 build runs this file in a child."""
+
+import os
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.models import ggml_kernel
+
+gguf = pytest.importorskip("gguf")
+QT = gguf.GGMLQuantizationType
+
+#: byte offsets of each type's float16 scales inside a block (set to sane values in random blocks)
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
+              "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+Q8_K_TYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
+
+
+@pytest.fixture(scope="module")
+def mod():
+    m = ggml_kernel.ensure_built()
+    if m is None:
+        pytest.skip("the GGUF block kernels cannot be built here")
+    return m
+
+
+def random_rows(name: str, n: int, k: int, rng) -> np.ndarray:
+    """uint8 [n, row bytes]: random blocks of type ``name`` with finite, moderate scales."""
+    qt = QT[name]
+    block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+    if name in ("F16", "BF16"):
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        if name == "F16":
+            return w.astype(np.float16).view(np.uint8).reshape(n, 2 * k)
+        return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(n, 2 * k)
+    raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+    if name == "MXFP4":
+        raw[:, :, 0] = rng.integers(118, 126, size=(n, k // block))
+    for off in F16_FIELDS.get(name, ()):
+        scale = (rng.random((n, k // block)) * 0.02 + 0.001).astype(np.float16)
+        raw[:, :, off:off + 2] = scale.view(np.uint8).reshape(n, k // block, 2)
+    return raw.reshape(n, -1)
+
+
+def q8_0_emulated(x: np.ndarray):
+    """llama.cpp's q8_0 activations (its AVX route): per block of 32, d = float16(max|x| / 127),
+    q = round half to even (x * (127 / max|x|)); s = d * sum(q) in float32."""
+    m, k = x.shape
+    xb = x.astype(np.float32).reshape(m, k // 32, 32)
+    amax = np.abs(xb).max(-1)
+    with np.errstate(divide="ignore"):
+        idv = np.where(amax != 0, np.float32(127.0) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * idv[..., None]).astype(np.int8)
+    d = (amax / np.float32(127.0)).astype(np.float16).astype(np.float32)
+    s = (d * q.astype(np.int32).sum(-1).astype(np.float32)).astype(np.float32)
+    return q.reshape(m, k), d, s
+
+
+def q8_K_emulated(x: np.ndarray):
+    """llama.cpp's q8_K (quantize_row_q8_K_ref): per block of 256, ``max`` the first value of largest
+    magnitude, q = min(127, round half to even (-127 / max * x)), d = 1 / (-127 / max); sums of 16."""
+    m, k = x.shape
+    xb = x.astype(np.float32).reshape(m, k // 256, 256)
+    idx = np.abs(xb).argmax(-1)
+    mx = np.take_along_axis(xb, idx[..., None], -1)[..., 0]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(mx != 0, np.float32(-127.0) / mx, np.float32(0)).astype(np.float32)
+    q = np.minimum(127, np.rint(xb * iscale[..., None])).astype(np.int8)
+    with np.errstate(divide="ignore"):
+        d = np.where(mx != 0, np.float32(1.0) / iscale, np.float32(0)).astype(np.float32)
+    bs = q.reshape(m, k // 16, 16).astype(np.int32).sum(-1).astype(np.int16)
+    return q.reshape(m, k), d, bs
+
+
+def reference(x: np.ndarray, raw: np.ndarray, name: str):
+    """(float64 product of the quantized activations and the dequantized weights, float64 bound
+    sum |x_i w_i| for the tolerance)."""
+    w = np.asarray(gguf.quants.dequantize(raw, QT[name]), dtype=np.float64).reshape(raw.shape[0], -1)
+    if name in ("F16", "BF16"):
+        xd = x.astype(np.float64)
+    elif name in Q8_K_TYPES:
+        q, d, _ = q8_K_emulated(x)
+        xd = (q.reshape(x.shape[0], -1, 256).astype(np.float64) * d[..., None]).reshape(x.shape)
+    else:
+        q, d, _ = q8_0_emulated(x)
+        xd = (q.reshape(x.shape[0], -1, 32).astype(np.float64) * d[..., None]).reshape(x.shape)
+    return xd @ w.T, np.abs(xd) @ np.abs(w).T
+
+
+def product(mod, parts, k, x):
+    return ggml_kernel.BlockMatrix(mod, parts, k).mm(torch.from_numpy(x)).numpy()
+
+
+@pytest.mark.parametrize("name", ggml_kernel.TYPES)
+def test_each_type_matches_the_float64_reference(mod, name):
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    k = 512 if name in Q8_K_TYPES else 352  # 11 blocks of 32: not a multiple of 256
+    n, m = 37, 5  # odd rows
+    raw = random_rows(name, n, k, rng)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = product(mod, [(raw, name)], k, x)
+    ref, bound = reference(x, raw, name)
+    assert y.shape == (m, n) and y.dtype == np.float32
+    err = np.abs(y - ref)
+    assert (err <= 2e-6 * bound + 1e-30).all(), (name, float((err / bound).max()))
+    assert np.abs(ref).max() > 0
+
+
+def test_activation_quantization_matches_llama_cpp_emulation(mod):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    x[1, :256] = 0.0  # an all-zero block: d = 0, q = 0
+    x[2, 7] = 40.0  # a positive extreme: q8_K maps it to -127 with a negative scale
+    q, d, s = mod.quantize(torch.from_numpy(x), "q8_0")
+    eq, ed, es = q8_0_emulated(x)
+    assert np.array_equal(q.numpy(), eq) and np.array_equal(d.numpy(), ed) and np.array_equal(s.numpy(), es)
+    q, d, bs = mod.quantize(torch.from_numpy(x), "q8_K")
+    eq, ed, ebs = q8_K_emulated(x)
+    assert np.array_equal(q.numpy(), eq) and np.array_equal(d.numpy(), ed) and np.array_equal(bs.numpy(), ebs)
+    assert d.numpy()[1, 0] == 0.0 and d.numpy()[2, 0] < 0 and q.numpy()[2, 7] == -127
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q2_K", "F16"])
+def test_rows_do_not_depend_on_the_batch(mod, name):
+    """Row i of an M-row product equals the one-row product bit for bit (M = 7, and 70: past the
+    64-row activation chunks)."""
+    rng = np.random.default_rng(11)
+    k = 512
+    raw = random_rows(name, 21, k, rng)
+    mat = ggml_kernel.BlockMatrix(mod, [(raw, name)], k)
+    for m in (7, 70):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+        y = mat.mm(x)
+        for i in (0, 3, m - 1):
+            assert torch.equal(y[i], mat.mm(x[i:i + 1])[0]), (name, m, i)
+
+
+def test_fused_parts_of_different_types(mod):
+    """q|k|v as a Q4_K_M file holds them (two Q4_K parts, a Q6_K one): the parts' products side by side."""
+    rng = np.random.default_rng(3)
+    k = 256
+    parts = [(random_rows("Q4_K", 16, k, rng), "Q4_K"), (random_rows("Q4_K", 8, k, rng), "Q4_K"),
+             (random_rows("Q6_K", 8, k, rng), "Q6_K")]
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    y = product(mod, parts, k, x)
+    assert y.shape == (3, 32)
+    col = 0
+    for raw, name in parts:
+        assert np.array_equal(y[:, col:col + raw.shape[0]], product(mod, [(raw, name)], k, x))
+        col += raw.shape[0]
+
+
+def test_bad_parts_are_refused(mod):
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="no GGUF block kernel for Q4_K rows of 352"):
+        ggml_kernel.BlockMatrix(mod, [(random_rows("Q8_0", 2, 352, rng), "Q4_K")], 352)
+    with pytest.raises(ValueError, match=r"Q8_0 rows of 64 values take 68 bytes"):
+        ggml_kernel.BlockMatrix(mod, [(np.zeros((2, 70), np.uint8), "Q8_0")], 64)
+    with pytest.raises(ValueError, match="no GGUF block kernel for IQ2_XXS"):
+        ggml_kernel.BlockMatrix(mod, [(np.zeros((2, 66), np.uint8), "IQ2_XXS")], 256)
+
+
+def test_avx2_build_passes_these_tests_on_an_avx512_cpu(mod):
+    """On an AVX512 CPU the AVX2 build (``KVSERVE_NATIVE_MARCH=haswell``: vpmaddubsw instead of
+    vpdpbusd) is built too and this file's other tests run on it in a child process."""
+    if mod.ISA != "avx512":
+        pytest.skip("this CPU runs the AVX2 build itself")
+    env = dict(os.environ, KVSERVE_NATIVE_MARCH="haswell")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-x", __file__,
+                        "-k", "not avx2_build"], env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " skipped" not in r.stdout, r.stdout[-2000:]
+    isa = subprocess.run([sys.executable, "-c", "from kvserve.models import ggml_kernel as g; print(g.ensure_built().ISA)"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert isa.stdout.split() == ["avx2"], isa.stdout + isa.stderr
