@@ -22,7 +22,15 @@ way (``prompt_per_second``, ``predicted_per_second``), or from the client's cloc
 - ``agent_tok_s``: ``benchmarks/agent_edit.py``'s prompt (a 500-token source file to be printed
   back with one rename), 400 tokens greedy, on llama-server, kvserve plain and kvserve ngram;
   ``agent_identical``: kvserve's two outputs are the same text (they must be).
-- ``startup_s``: seconds from ``kvserve serve`` to ``/health`` 200 (model file already in the store).
+- ``startup_s``: seconds from each server's start to ``/health`` 200 (model file already in the
+  store; the page cache warm).
+- ``rss_mib`` / ``peak_rss_mib``: each server's resident memory after the rounds (``VmRSS`` of its
+  process tree, file pages mapped and touched included, as ``ps`` shows them) and its peak
+  (``VmHWM``), read from /proc.
+- ``decode_1_read_gb_s``: the weight bytes one decode step reads (the file's tensor bytes less the
+  token embedding, which a step gathers one row of) x ``decode_1_tok_s``: the effective read
+  bandwidth, to set beside the machine's (``--measure-bandwidth``: numpy sums over 2 GiB, the
+  threads the servers use).
 
 Prints one JSON object: each figure's per-round values and median per server, and the ratios
 kvserve / llama-server of the medians.
@@ -173,6 +181,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-agent", action="store_true")
     ap.add_argument("--kvserve-args", default="", help="extra kvserve serve flags (default: none)")
+    ap.add_argument("--skip-ttft", action="store_true", help="no cold/warm TTFT figures (1,500-token prompts)")
+    ap.add_argument("--measure-bandwidth", action="store_true", help="also the machine's read bandwidth")
     a = ap.parse_args()
 
     from kvserve.store import resolve_model
@@ -196,6 +206,7 @@ def main() -> None:
                                            start_new_session=True)
             urls[name] = f"http://127.0.0.1:{port}"
             secs = wait_health(urls[name], procs[name])
+            out.setdefault("startup_s", {})[name] = round(secs, 2)
             if name == "kvserve":
                 out["kvserve_startup_s"] = round(secs, 2)
         rng = random.Random(1234)
@@ -218,15 +229,27 @@ def main() -> None:
                     d, w = fig_decode_n(client, u, rng, a.parallel)
                     add(f"decode_{a.parallel}_tok_s", name, d)
                     add(f"decode_{a.parallel}_wall_tok_s", name, w)
-                    c, wm, cn = fig_ttft(client, u, rng)
-                    add("ttft_cold_s", name, c)
-                    add("ttft_warm_s", name, wm)
-                    add("ttft_warm_cache_n", name, cn)
+                    if not a.skip_ttft:
+                        c, wm, cn = fig_ttft(client, u, rng)
+                        add("ttft_cold_s", name, c)
+                        add("ttft_warm_s", name, wm)
+                        add("ttft_warm_cache_n", name, cn)
                 if not a.skip_agent:
                     for name in (order + ["kvserve-ngram"]):
                         v, text = fig_agent(client, urls[name])
                         add("agent_tok_s", name, v)
                         agent_texts.setdefault(name, text)
+        for name in main_servers:
+            rss, peak = tree_memory_mib(procs[name].pid)
+            add("rss_mib", name, rss)
+            add("peak_rss_mib", name, peak)
+        step_bytes = decode_weight_bytes(gguf)
+        for name in main_servers:
+            for v in figs["decode_1_tok_s"][name]:
+                add("decode_1_read_gb_s", name, step_bytes * v / 1e9)
+        out["decode_step_weight_bytes"] = step_bytes
+        if a.measure_bandwidth:
+            out["machine_read_gb_s"] = read_bandwidth_gb_s(a.threads)
         out["figures"] = {f: {n: {"runs": v, "median": statistics.median(v)} for n, v in per.items()}
                           for f, per in figs.items()}
         ratios = {}
@@ -255,6 +278,63 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
     print(json.dumps(out, indent=1))
+
+
+def tree_memory_mib(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) in MiB summed over ``pid`` and its descendants (kvserve's native build runs
+    in a child; llama-server is one process)."""
+    def status(p: int) -> dict:
+        try:
+            return {k: v for k, _, v in (ln.partition(":") for ln in Path(f"/proc/{p}/status").read_text().splitlines())}
+        except OSError:
+            return {}
+
+    def children(p: int) -> list[int]:
+        try:
+            return [int(c) for t in os.listdir(f"/proc/{p}/task")
+                    for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+        except OSError:
+            return []
+
+    rss = peak = 0.0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        st = status(p)
+        rss += int(st.get("VmRSS", "0 kB").split()[0]) / 1024
+        peak += int(st.get("VmHWM", "0 kB").split()[0]) / 1024
+        todo += children(p)
+    return round(rss, 1), round(peak, 1)
+
+
+def decode_weight_bytes(path: str) -> int:
+    """Bytes of the tensors one decode step reads: every tensor of the GGUF but the token
+    embedding (a step gathers one of its rows), or the embedding too where it is also the output
+    head (tied: no ``output.weight``)."""
+    from kvserve.loaders.gguf import read_gguf_header
+
+    _, infos = read_gguf_header(path)
+    names = {t.name for t in infos}
+    return sum(t.n_bytes for t in infos if t.name != "token_embd.weight" or "output.weight" not in names)
+
+
+def read_bandwidth_gb_s(threads: int) -> float:
+    """The machine's read bandwidth: ``threads`` threads each summing its share of a 2 GiB
+    buffer (numpy releases the GIL), best of three passes, GB/s."""
+    import numpy as np
+
+    buf = np.ones(1 << 28, dtype=np.float64)  # 2 GiB
+    parts = np.array_split(buf, threads)
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        best = max(best, buf.nbytes / (time.perf_counter() - t0) / 1e9)
+    return round(best, 1)
 
 
 def _cpu() -> str:
