@@ -323,7 +323,7 @@ def parse_args(argv: list[str], environ: dict | None = None) -> ServerArgs:
 
     env = os.environ if environ is None else environ
     p = ft.build_parser()
-    argv = list(argv)
+    argv = ft.dashed_names(list(argv))
     try:
         argv = _with_config(argv, ft)
     except (OSError, ValueError) as e:

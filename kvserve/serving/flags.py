@@ -1024,6 +1024,21 @@ def build_parser() -> FlagParser:
     return p
 
 
+def dashed_names(argv: list[str]) -> list[str]:
+    """``--flag_with_underscores`` -> ``--flag-with-underscores`` when that is a known flag (a
+    value after ``=`` is kept as given), as llama-server's argument parser and vLLM's
+    ``FlexibleArgumentParser`` accept both spellings. Words after a bare ``--`` are untouched."""
+    out: list[str] = []
+    for i, word in enumerate(argv):
+        if word == "--":
+            return out + argv[i:]
+        name, eq, value = word.partition("=")
+        if name.startswith("--") and "_" in name and name.replace("_", "-") in BY_NAME:
+            word = name.replace("_", "-") + eq + value
+        out.append(word)
+    return out
+
+
 def fill_optional_values(argv: list[str]) -> list[str]:
     """Give each ``opt`` flag (``-fa``, ``-rea``, ...) its value explicitly: the next word when
     it is one of the flag's values, else the flag's ``const``. llama-server's ``-fa`` before a

@@ -233,3 +233,18 @@ def test_idle_slot_next_token(tiny):
                                    "n_remain": -1, "n_decoded": 0}]
     # the tokens of the finished task are still counted: prompt + generated (the last not in the KV)
     assert slot["n_prompt_tokens"] == done["tokens_evaluated"] + done["tokens_predicted"] - 1
+
+
+def test_flag_names_with_underscores():
+    from kvserve.serving.args import parse_args
+    from kvserve.serving.flags import dashed_names
+
+    dashed = parse_args(["-m", "x.gguf", "--ctx-size", "256", "--reasoning-budget=0", "--no-cors-credentials",
+                         "--max-num-seqs", "3"], environ={})
+    under = parse_args(["-m", "x.gguf", "--ctx_size", "256", "--reasoning_budget=0", "--no_cors_credentials",
+                        "--max_num_seqs", "3"], environ={})
+    assert (under.ctx_size, under.reasoning_budget, under.max_num_seqs, under.cors_credentials) == (256, 0, 3, False)
+    assert under == dashed
+    # only known flags are respelled; values and words after "--" stay as given
+    assert dashed_names(["--alias", "--my_alias", "--chat_template_kwargs={\"a_b\": 1}", "--", "--ctx_size"]) == \
+        ["--alias", "--my_alias", "--chat-template-kwargs={\"a_b\": 1}", "--", "--ctx_size"]
