@@ -532,7 +532,8 @@ def _run_args(argv: list[str]):
     p.add_argument("--verbose", action="store_true", help="show timings for the response")
     p.add_argument("--nowordwrap", action="store_true", help="accepted for Ollama's sake (kvserve never wraps)")
     p.add_argument("--insecure", action="store_true", help="use plain http when the model must be pulled")
-    return p.parse_args(argv)
+    # flags anywhere, as Ollama's (cobra) parser takes them: `run MODEL --verbose "prompt"`
+    return p.parse_intermixed_args(argv)
 
 
 def _think_value(text: str | None):
@@ -742,9 +743,12 @@ def _run_here(a) -> int:
         from kvserve.store import open_store
 
         model = str(open_store(a.models_dir).model_path(model))
+    _refuse_non_generative(a.model, model, a.models_dir)
     go_template, system, turns, model_params = layers or (None, "", [], {})
     params, num_ctx = _run_params(a, model_params)
+    t_load = time.monotonic_ns()
     core = create_engine_core(model, EngineConfig(n_ctx=a.ctx_size or num_ctx or 4096, n_parallel=1))
+    load_ns = time.monotonic_ns() - t_load
     tok = core.tokenizer
     template = None
     if go_template is not None:
@@ -772,15 +776,21 @@ def _run_here(a) -> int:
             messages.pop()
             return
         text = []
-        done = False
+        done, t0, last = False, time.monotonic_ns(), None
         while not done:
             for out in core.step():
                 sys.stdout.write(out.text)
                 sys.stdout.flush()
                 text.append(out.text)
-                done = done or out.finished
+                done, last = done or out.finished, out
         sys.stdout.write("\n")
         messages.append({"role": "assistant", "content": "".join(text)})
+        if a.verbose and last is not None:  # Ollama's --verbose timings, as through a server
+            t = last.timings
+            _summary({"total_duration": time.monotonic_ns() - t0 + (load_ns if turn == 0 else 0),
+                      "load_duration": load_ns if turn == 0 else 0, "prompt_eval_count": t.prompt_n,
+                      "prompt_eval_duration": int(t.prompt_ms * 1e6), "eval_count": t.predicted_n,
+                      "eval_duration": int(t.predicted_ms * 1e6)})
 
     prompt = _prompt(a)
     if prompt is None:
@@ -788,6 +798,30 @@ def _run_here(a) -> int:
     if prompt:
         answer(prompt, 0)
     return 0
+
+
+def _refuse_non_generative(name: str, model: str, models_dir: str | None) -> None:
+    """Ollama's ``"NAME" does not support generate`` for an embedding or reranking model, with
+    what it is and how to use it, before anything loads (a path or store name that cannot be
+    resolved is left for the loader to report).
+
+    Raises:
+        InvalidInputError: the model does not generate text.
+    """
+    from kvserve.errors import InvalidInputError
+    from kvserve.serving.embed_runner import model_task
+    from kvserve.store import resolve_model
+
+    try:
+        path = str(resolve_model(model, pull_missing=False, progress=False, models_dir=models_dir))
+    except Exception:  # noqa: BLE001 - unknown or unreadable: the loader says why
+        return
+    task = model_task(path)
+    if task != "generate":
+        what = "an embedding model" if task == "embed" else "a reranking (scoring) model"
+        use = "/api/embed or /v1/embeddings" if task == "embed" else "/v1/rerank"
+        raise InvalidInputError(f'"{name}" does not support generate: it is {what}; serve it with '
+                                f'`kvserve serve` and use {use}')
 
 
 def _run(argv: list[str]) -> int:

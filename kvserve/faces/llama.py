@@ -110,9 +110,12 @@ def tokenize_mixed(tokenizer, prompt, *, add_special: bool, parse_special: bool 
     """A prompt as a string, token ids, or a mixed list of ids and strings -> token ids.
 
     Only the first string piece gets the special tokens (BOS per the tokenizer's add_bos),
-    as llama-server's ``tokenize_mixed`` does. With ``n_ctx``, a prompt that cannot fit is
+    as llama-server's ``tokenize_mixed`` does. A prompt object ``{"prompt_string": ...}`` is its
+    string (:func:`prompt_object_text`). With ``n_ctx``, a prompt that cannot fit is
     refused from its length before tokenizing (``Tokenizer.check_fits``: TooManyTokensError).
     """
+    if isinstance(prompt, dict):
+        prompt = prompt_object_text(prompt, field_name)
     if n_ctx is not None and isinstance(prompt, (str, list)):
         tokenizer.check_fits(prompt, n_ctx)
     if isinstance(prompt, str):
@@ -130,8 +133,25 @@ def tokenize_mixed(tokenizer, prompt, *, add_special: bool, parse_special: bool 
     raise type_error(field_name, "string or array", prompt)
 
 
+def prompt_object_text(obj: dict, field_name: str = "prompt") -> str:
+    """llama-server's prompt object ``{"prompt_string": str, "multimodal_data": [base64...]}``
+    -> its string. kvserve serves text-only models, so non-empty ``multimodal_data`` is a 400
+    (llama-server answers a server without ``--mmproj`` the same way).
+
+    Raises:
+        ApiError: 400 without a ``prompt_string`` string, or with multimodal data.
+    """
+    text = obj.get("prompt_string")
+    if not isinstance(text, str):
+        raise ApiError(400, f"Field '{field_name}': a prompt object needs a \"prompt_string\" string")
+    if obj.get("multimodal_data"):
+        raise ApiError(400, "multimodal_data: image input is not supported by this model")
+    return text
+
+
 def split_prompts(prompt) -> list:
-    """llama-server's rule: a string, ids or a mixed list is one prompt; another array is several."""
+    """llama-server's rule: a string, ids, a mixed list or a prompt object is one prompt; another
+    array (of those) is several."""
     if isinstance(prompt, list) and prompt:
         if all(_is_token(p) for p in prompt):
             return [prompt]
@@ -227,7 +247,7 @@ class CompletionHandler:
             bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
             if bad is not None:
                 raise ApiError(400, f"Field 'prompt': token id {bad} out of range [0, {tok.n_vocab})")
-            text = p if isinstance(p, str) else tok.decode(ids)
+            text = p if isinstance(p, str) else p["prompt_string"] if isinstance(p, dict) else tok.decode(ids)
             req = Request(f"cmpl-{uuid.uuid4().hex}", ids, params, priority_slot=opts["id_slot"],
                           cache_salt=get_str(body, "cache_salt") or None, owner=caller(),
                           return_progress=opts["return_progress"])

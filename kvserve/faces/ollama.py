@@ -38,6 +38,11 @@ applies. Options Ollama knows but kvserve has no use for (``num_batch``, ``num_g
 ``num_thread``, ``use_mmap``, ``main_gpu``, ``draft_num_predict``, ``num_keep``: kvserve does
 no context shift) are accepted; unknown ones are ignored with a warning in the log
 (``invalid option provided``), as Ollama does. Sampling is otherwise llama.cpp's chain.
+``num_predict`` -1 or -2 (unlimited, Ollama's default) stops when the sequence's context is full,
+as Ollama stops at ``num_ctx``; when neither ``num_ctx`` nor the server's ``-c`` (or
+``OLLAMA_CONTEXT_LENGTH``) sets that context, so that it is the model's own (8192 tokens for
+SmolLM2, 128k for many models), it stops after :data:`UNLIMITED_N_PREDICT` tokens, Ollama's default
+context length, with ``done_reason: "length"``: a model that loops does not run for many minutes.
 The model file's own sampling defaults (``generation_config.json``, GGUF ``general.sampling.*``:
 :func:`kvserve.serving.generation_config.ollama_layer`) sit under the params layer (kvserve's).
 
@@ -148,6 +153,10 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "repeat_last_n": 64, "temperature": 0.8, "repeat_penalty": 1.0, "presence_penalty": 0.0,
     "frequency_penalty": 0.0, "stop": [],
 }
+
+#: where an unlimited ``num_predict`` stops when the context is the model's own (tokens): Ollama's
+#: default context length (``envconfig.ContextLength``), where Ollama itself would stop
+UNLIMITED_N_PREDICT = 4096
 
 # Ollama's api.Options fields by JSON type (its FromMap checks these types)
 _INT_OPTIONS = ("num_keep", "seed", "num_predict", "top_k", "repeat_last_n", "num_ctx", "num_batch", "num_gpu",
@@ -519,6 +528,9 @@ def _openai_body(call: _Call, runner: Runner) -> dict:
     body = call.body
     out: dict[str, Any] = dict(call.options.sampling)
     opts = body.get("options")
+    if out["n_predict"] < 0 and call.options.num_ctx is None and not runner.args.ctx_size:
+        out["n_predict"] = UNLIMITED_N_PREDICT  # unlimited, on the model's own context: Ollama's 4096
+        out[DEFAULT_N_PREDICT_KEY] = True
     if out["n_predict"] > 0 and not (isinstance(opts, dict) and opts.get("num_predict") is not None):
         out[DEFAULT_N_PREDICT_KEY] = True  # a default: capped to the context's room, never refused
     if not out["stop"]:

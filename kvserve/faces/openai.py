@@ -85,6 +85,7 @@ from kvserve.faces.openai_types import (
     ChatTokenLogprob,
     ChatTopLogprob,
     CompletionTokensDetails,
+    InputTokens,
     LegacyLogprobs,
     PromptLogprob,
     PromptTokensDetails,
@@ -820,6 +821,26 @@ async def _serve(state: ServerState, http: HttpRequest, make_plan) -> Response:
             json_response(error_body(e), ApiError.from_exception(e).status)
 
 
+def input_tokens_plan(state: Runner, body: dict) -> InputTokens:
+    """llama-server's ``/v1/chat/completions/input_tokens``: the request is read as a chat
+    completion (the same checks, rendering and tokenization; a prompt that cannot fit the context
+    is a 400) and nothing runs."""
+    plan = chat_plan(state, {**body, "stream": False})
+    return InputTokens(input_tokens=len(plan.requests[0].prompt_token_ids))
+
+
+async def _count(state: ServerState, http: HttpRequest) -> Response:
+    async def run(runner: Runner) -> Response:
+        return json_response((await asyncio.to_thread(input_tokens_plan, runner, body)).wire())
+
+    try:
+        body = await read_json(http)
+        return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
+    except Exception as e:  # noqa: BLE001 - every failure answers with the error envelope
+        return error_response(ApiError.from_exception(e)) if isinstance(e, ApiError) else \
+            json_response(error_body(e), ApiError.from_exception(e).status)
+
+
 def build_router(state: ServerState) -> APIRouter:
     """The OpenAI face's routes, bound to ``state``."""
     r = APIRouter()
@@ -832,6 +853,11 @@ def build_router(state: ServerState) -> APIRouter:
     @r.post("/v1/completions")
     async def completions(http: HttpRequest) -> Response:
         return await _serve(state, http, completion_plan)
+
+    @r.post("/v1/chat/completions/input_tokens")
+    @r.post("/chat/completions/input_tokens")
+    async def chat_input_tokens(http: HttpRequest) -> Response:
+        return await _count(state, http)
 
     return r
 

@@ -44,6 +44,7 @@ __all__ = [
     "CompletionTokensDetails",
     "FunctionCall",
     "FunctionCallDelta",
+    "InputTokens",
     "LegacyLogprobs",
     "PromptLogprob",
     "PromptTokensDetails",
@@ -58,6 +59,13 @@ __all__ = [
 
 
 # -- usage ----------------------------------------------------------------------------------
+
+class InputTokens(WireModel):
+    """``POST /v1/chat/completions/input_tokens`` (llama-server's token counting route): the
+    length in tokens of the prompt the same request to ``/v1/chat/completions`` would run."""
+
+    input_tokens: int
+
 
 class PromptTokensDetails(WireModel):
     """``usage.prompt_tokens_details``: prompt tokens served from the KV cache (always written,

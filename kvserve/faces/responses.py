@@ -1,5 +1,6 @@
 """OpenAI's Responses API: ``POST /v1/responses``, ``GET /v1/responses/{id}``,
-``GET /v1/responses/{id}/input_items``, ``DELETE /v1/responses/{id}``.
+``GET /v1/responses/{id}/input_items``, ``DELETE /v1/responses/{id}`` (``POST /responses`` too, as
+llama-server serves it).
 
 The face translates only: a Responses request becomes the chat-completions body the OpenAI
 face reads (:func:`kvserve.faces.openai.chat_plan`), so tools, ``tool_choice``, structured
@@ -1024,6 +1025,7 @@ def build_router(state: ServerState, store: ResponseStore | None = None) -> APIR
     kept = store if store is not None else ResponseStore()
 
     @r.post("/v1/responses")
+    @r.post("/responses")  # llama-server serves it without /v1 too
     async def create(http: HttpRequest) -> Response:
         return await _create(state, kept, http)
 

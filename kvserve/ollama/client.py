@@ -58,14 +58,9 @@ def _split_host_port(hostport: str) -> tuple[str, str] | None:
     return host, port
 
 
-def parse_host(value: str, default_port: int) -> str:
-    """A host setting in Ollama's forms -> a base URL (``http://127.0.0.1:11434``).
-
-    Follows ``envconfig.Host``: the scheme defaults to ``http`` (an explicit ``http://`` makes
-    the default port 80, ``https://`` 443); a bare host takes ``default_port``; an empty host is
-    127.0.0.1; a path after the host is kept; a port that is not a number in 0..65535 falls back
-    to the default. ``0.0.0.0`` and ``::`` become loopback addresses.
-    """
+def _host_port(value: str, default_port: int) -> tuple[str, str, str, str]:
+    """``(scheme, host, port, path)`` of a host setting in Ollama's forms (see :func:`parse_host`);
+    the host as written (``0.0.0.0`` stays; ``""`` for ``:PORT``)."""
     s = value.strip()
     scheme, sep, hostport = s.partition("://")
     port_default = str(default_port)
@@ -89,12 +84,33 @@ def parse_host(value: str, default_port: int) -> str:
         host, port = split
     if not (port.isdigit() and 0 <= int(port) <= 65535):
         port = port_default
+    return scheme, host, port, path
+
+
+def parse_host(value: str, default_port: int) -> str:
+    """A host setting in Ollama's forms -> a base URL (``http://127.0.0.1:11434``).
+
+    Follows ``envconfig.Host``: the scheme defaults to ``http`` (an explicit ``http://`` makes
+    the default port 80, ``https://`` 443); a bare host takes ``default_port``; an empty host is
+    127.0.0.1; a path after the host is kept; a port that is not a number in 0..65535 falls back
+    to the default. ``0.0.0.0`` and ``::`` become loopback addresses.
+    """
+    scheme, host, port, path = _host_port(value, default_port)
     if host in ("", "0.0.0.0"):
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"
     netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return f"{scheme}://{netloc}" + (f"/{path}" if path else "")
+
+
+def listen_address(value: str, default_port: int) -> tuple[str, int]:
+    """``(host, port)`` a server listens on for a host setting in Ollama's forms (``OLLAMA_HOST``
+    as Ollama's server reads it: ``0.0.0.0:11434``, ``:8080``, ``[::]``...); unlike
+    :func:`parse_host`, unspecified addresses stay as given (``:PORT``, with no host, listens on
+    every interface, as Go's listener does for Ollama)."""
+    _, host, port, _ = _host_port(value, default_port)
+    return host or "0.0.0.0", int(port)
 
 
 def server_url(environ: Mapping[str, str] | None = None) -> str:

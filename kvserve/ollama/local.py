@@ -54,12 +54,23 @@ def go_time(seconds: float) -> str:
     return text + ("." + digits if digits else "") + "Z"
 
 
-def capabilities_of(template: str, config: dict | None = None) -> list[str]:
-    """Ollama's capabilities of a model: ``completion``; ``tools`` when a tool-call parser fits the
-    chat template; ``insert`` when the template uses ``.Suffix``; ``thinking`` when it writes or
-    switches thinking blocks; then those the config lists (CAPABILITY lines), each once."""
+def _task(path: Path | None) -> str:
+    """``generate``, ``embed`` or ``score`` for a stored model's weights (``generate`` without them)."""
+    from kvserve.serving.embed_runner import model_task
+
+    return model_task(str(path)) if path is not None else "generate"
+
+
+def capabilities_of(template: str, config: dict | None = None, task: str = "generate") -> list[str]:
+    """Ollama's capabilities of a model: ``embedding`` alone for an embedding model (``task``
+    ``embed``, or a reranker: ``score``, as the server answers), else ``completion``; ``tools`` when a
+    tool-call parser fits the chat template; ``insert`` when the template uses ``.Suffix``;
+    ``thinking`` when it writes or switches thinking blocks; then those the config lists
+    (CAPABILITY lines), each once."""
     from kvserve.chat.tool_calls import detect_tool_parser
 
+    if task != "generate":
+        return ["embedding"]
     caps = ["completion"]
     if template and detect_tool_parser(template):
         caps.append("tools")
@@ -217,7 +228,7 @@ class LocalApi:
         if verbose:
             resp["tensors"] = [{"name": t.name, "type": _tensor_type(t.ggml_type), "shape": list(t.shape)}
                                for t in tensors]
-        resp["capabilities"] = capabilities_of(template, config)
+        resp["capabilities"] = capabilities_of(template, config, _task(stored.model_path))
         resp["modified_at"] = go_time(stored.modified)
         return resp
 

@@ -325,7 +325,7 @@ def parse_args(argv: list[str], environ: dict | None = None) -> ServerArgs:
 
     env = os.environ if environ is None else environ
     p = ft.build_parser()
-    argv = list(argv)
+    argv = ft.dashed_names(list(argv))
     try:
         argv = _with_config(argv, ft)
     except (OSError, ValueError) as e:
@@ -401,6 +401,25 @@ def _notes_for_given(p, ft, v, given, how, negative) -> list[tuple[int, str]]:
     return notes
 
 
+def _env_address(v: dict, given: dict, notes: list, env) -> None:
+    """The listening address from ``$KVSERVE_HOST``, else ``$OLLAMA_HOST`` (Ollama's forms; a port
+    left out is 8080, resp. Ollama's 11434), the variables ``kvserve``'s other commands find the
+    server by, when neither ``--host`` nor ``--port`` (nor ``LLAMA_ARG_HOST``/``LLAMA_ARG_PORT``)
+    is given. Precedence: flag, then llama-server's variable, then these."""
+    from kvserve.ollama.client import KVSERVE_DEFAULT_PORT, OLLAMA_DEFAULT_PORT, listen_address
+
+    if "host" in given or "port" in given:
+        return
+    for name, port in (("KVSERVE_HOST", KVSERVE_DEFAULT_PORT), ("OLLAMA_HOST", OLLAMA_DEFAULT_PORT)):
+        text = env.get(name, "").strip()
+        if text:
+            host, v["port"] = listen_address(text, port)
+            v["host"] = [host]
+            given["host"] = given["port"] = name
+            notes.append((logging.INFO, f"listening address from {name}={text}"))
+            return
+
+
 def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> ServerArgs:
     """ServerArgs from the flags' final values ``v`` (dest -> value)."""
     if v["version"]:
@@ -437,6 +456,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
     parallel = v["parallel"] if v["parallel"] is not None else (
         v["max_num_seqs"] if v["max_num_seqs"] is not None else -1)
     batch = v["batch_size"] or v["max_num_batched_tokens"] or 2048
+    _env_address(v, given, notes, env)
     if not 0 <= v["port"] <= 65535:
         raise _Exit(f"invalid --port value {v['port']}: 0-65535")
     if v["enable_auto_tool_choice"] and not v["tool_call_parser"]:

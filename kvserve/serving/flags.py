@@ -405,13 +405,15 @@ FLAGS: tuple[Flag, ...] = (
     F("--override-kv", help="override model metadata", effect=WARN, why="model metadata is read as stored"),
     F("--check-tensors", "bool", False, effect=NONE, why="tensors are checked as they are read"),
     # -- context, slots, batching
-    F("-c --ctx-size", "int", 0, "total context in tokens (0 = the model's)", env="LLAMA_ARG_CTX_SIZE"),
+    F("-c --ctx-size", "int", 0, "total context in tokens (0 = the model's)",
+      env="LLAMA_ARG_CTX_SIZE OLLAMA_CONTEXT_LENGTH"),
     F("--max-model-len", "int", 0, "max context of one sequence: 32768, 32k, 32K, 1m, auto, -1", source=VLLM,
       convert=max_model_len,
       why="caps one sequence's context (auto and -1: the model's); above the model's max_position_embeddings "
       "(GGUF context_length) the server does not start (vLLM's error) unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "
       "(vLLM's warning; the context grows to it); -c may exceed it with llama-server's warning"),
-    F("-np --parallel", "int", None, "slots (-1 = auto: 4, unified KV)", env="LLAMA_ARG_N_PARALLEL"),
+    F("-np --parallel", "int", None, "slots (-1 = auto: 4, unified KV)",
+      env="LLAMA_ARG_N_PARALLEL OLLAMA_NUM_PARALLEL"),
     F("--max-num-seqs", "int", None, "slots (vLLM name of -np)", source=VLLM,
       why="slots (-np wins) sharing one KV pool, each up to max_model_len (as -kvu; -np splits -c among slots); "
       "given, vLLM's checks apply: max_num_batched_tokens >= max_num_seqs (else the server "
@@ -483,11 +485,13 @@ FLAGS: tuple[Flag, ...] = (
     F("--num-gpu-blocks-override", "int", source=VLLM, check=_positive("--num-gpu-blocks-override"),
       why="the KV pool for running sequences holds this many blocks (--block-size tokens each), on any device"),
     # -- KV and weight types
-    F("-ctk --cache-type-k", default="f16", help="KV cache type of K", env="LLAMA_ARG_CACHE_TYPE_K",
+    F("-ctk --cache-type-k", default="f16", help="KV cache type of K",
+      env="LLAMA_ARG_CACHE_TYPE_K OLLAMA_KV_CACHE_TYPE",
       choices=_KV_TYPES, check=_kv_type_check("-ctk"),
       why="f16, bf16, f32, q8_0 (53% of f16's bytes), q4_0 (28%); the pool stores the quantized blocks "
           "(head_dim a multiple of 32); q4_1, iq4_nl, q5_0, q5_1 are refused"),
-    F("-ctv --cache-type-v", default="f16", help="KV cache type of V", env="LLAMA_ARG_CACHE_TYPE_V",
+    F("-ctv --cache-type-v", default="f16", help="KV cache type of V",
+      env="LLAMA_ARG_CACHE_TYPE_V OLLAMA_KV_CACHE_TYPE",
       choices=_KV_TYPES, check=_kv_type_check("-ctv"),
       why="V's own type, as -ctk: f16, bf16, f32, q8_0, q4_0; q4_1, iq4_nl, q5_0, q5_1 are refused"),
     F("--kv-cache-dtype", default="auto", help="KV cache dtype", source=VLLM,
@@ -535,7 +539,8 @@ FLAGS: tuple[Flag, ...] = (
     F("--repack", "bool", True, neg="-nr --no-repack", env="LLAMA_ARG_REPACK", effect=NONE,
       why="kvserve packs weights for its own kernels"),
     F("--no-host", "bool", False, env="LLAMA_ARG_NO_HOST", effect=NONE, why="no ggml host buffers"),
-    F("-fa --flash-attn", "opt", const="on", choices=("on", "off", "auto"), env="LLAMA_ARG_FLASH_ATTN", effect=NONE,
+    F("-fa --flash-attn", "opt", const="on", choices=("on", "off", "auto"),
+      env="LLAMA_ARG_FLASH_ATTN OLLAMA_FLASH_ATTENTION", effect=NONE,
       why="attention is torch's scaled_dot_product_attention on the paged cache"),
     F("--mlock", "bool", False, effect=NONE, why="weights are read into memory, not mapped"),
     F("--mmap", "bool", True, neg="--no-mmap", effect=NONE, why="weights are read into memory, not mapped"),
@@ -1028,6 +1033,21 @@ def build_parser() -> FlagParser:
         if f.neg:
             p.add_argument(*f.neg, action=_Given, negative=True, **{**kw, "nargs": 0})
     return p
+
+
+def dashed_names(argv: list[str]) -> list[str]:
+    """``--flag_with_underscores`` -> ``--flag-with-underscores`` when that is a known flag (a
+    value after ``=`` is kept as given), as llama-server's argument parser and vLLM's
+    ``FlexibleArgumentParser`` accept both spellings. Words after a bare ``--`` are untouched."""
+    out: list[str] = []
+    for i, word in enumerate(argv):
+        if word == "--":
+            return out + argv[i:]
+        name, eq, value = word.partition("=")
+        if name.startswith("--") and "_" in name and name.replace("_", "-") in BY_NAME:
+            word = name.replace("_", "-") + eq + value
+        out.append(word)
+    return out
 
 
 def fill_optional_values(argv: list[str]) -> list[str]:

@@ -142,11 +142,14 @@ class Slot:
         :data:`TEXT_PARAMS`, so one user cannot read another's stop strings or grammar) unless
         ``show_text`` (``--slots`` given explicitly, or ``LLAMA_SERVER_SLOTS_DEBUG``).
         ``detokenize`` (ids -> text; llama-server's ``LLAMA_SERVER_SLOTS_DEBUG``) adds ``prompt``
-        and ``generated``, the last request's texts."""
+        and ``generated``, the last request's texts. An idle slot's ``next_token`` has ``n_remain``
+        -1 and ``n_decoded`` 0 (llama-server: the finished task's budget does not stay on the slot;
+        its tokens are still counted in ``n_prompt_tokens``)."""
         d = {"id": self.id, "n_ctx": self.n_ctx, "speculative": self.speculative, "is_processing": self.is_processing}
         if self.id_task < 0 and not self.cached_tokens():  # a restored slot file shows its tokens
             return d
-        n_remain = -1 if self.n_predict < 0 else max(self.n_predict - self.n_decoded, 0)
+        busy = self.is_processing
+        n_remain = -1 if not busy or self.n_predict < 0 else max(self.n_predict - self.n_decoded, 0)
         d.update({
             "id_task": self.id_task,
             # llama-server fills this from the slot's cached token list: it grows while decoding
@@ -158,7 +161,7 @@ class Slot:
                 "has_next_token": self.has_next_token,
                 "has_new_line": self.has_new_line,
                 "n_remain": n_remain,
-                "n_decoded": self.n_decoded,
+                "n_decoded": self.n_decoded if busy else 0,
             }],
         })
         if detokenize is not None:

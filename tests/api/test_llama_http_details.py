@@ -199,8 +199,9 @@ def test_slots_keys_as_llama_server(tiny_path, monkeypatch):
         assert not TEXT_KEYS & set(s0["params"]) and s0["params"]["n_predict"] == 3
         assert "hunter2" not in json.dumps(s0)
         assert s0["n_prompt_tokens"] == r["tokens_evaluated"] + r["tokens_predicted"] - 1
+        # idle: llama-server's n_remain -1 and n_decoded 0 (the finished task's budget does not stay)
         assert s0["next_token"] == [{"has_next_token": False, "has_new_line": "\n" in r["content"],
-                                     "n_remain": 3 - r["tokens_predicted"], "n_decoded": r["tokens_predicted"]}]
+                                     "n_remain": -1, "n_decoded": 0}]
         assert list(s1) == ["id", "n_ctx", "speculative", "is_processing"]
         # llama-server's LLAMA_SERVER_SLOTS_DEBUG: full params, the prompt and the generated text
         monkeypatch.setenv("LLAMA_SERVER_SLOTS_DEBUG", "1")

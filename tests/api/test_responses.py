@@ -240,7 +240,9 @@ def test_a_client_that_leaves_aborts_the_generation(hermes):
         time.sleep(0.05)
     latest = max(slots, key=lambda s: s["id_task"])
     assert not latest["is_processing"]
-    assert latest["next_token"][0]["n_decoded"] < 900  # aborted, not run to max_output_tokens
+    # aborted, not run to max_output_tokens (the idle slot holds the prompt and what was generated)
+    generated = latest["n_prompt_tokens"] - latest["n_prompt_tokens_processed"] - latest["n_prompt_tokens_cache"] + 1
+    assert 0 < generated < 900 and latest["next_token"][0]["n_decoded"] == 0
 
 
 def test_wire_format_and_errors(hermes):

@@ -176,7 +176,8 @@ def test_stop_cancels_the_request_on_the_server(server, browser, tmp_path):
     # the server cancelled it: the slot is idle long before 3000 tokens
     slot = wait_for(lambda: (s := _slot(server)) and not s["is_processing"] and s, timeout=5,
                     what="the slot to go idle")
-    assert 0 < slot["next_token"][0]["n_decoded"] < 3000
+    generated = slot["n_prompt_tokens"] - slot["n_prompt_tokens_processed"] - slot["n_prompt_tokens_cache"] + 1
+    assert 0 < generated < 3000 and slot["next_token"][0]["n_decoded"] == 0
     text = last_answer(browser)["text"]
     time.sleep(0.5)
     assert last_answer(browser)["text"] == text  # nothing more arrives

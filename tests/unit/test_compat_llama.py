@@ -159,3 +159,92 @@ def test_firefunction_gets_functions_and_datetime(served):
     ctx = family_context(" functools[", None, now=datetime(2026, 1, 2, 3, 4, 5))
     assert ctx == {"functions": "", "datetime": "Jan 02 2026 03:04:05 GMT"}
     assert family_context("plain", None) == {}
+
+
+# -- routes and shapes llama-server accepts ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tiny_gguf, tmp_path_factory):
+    """One in-process server of the tiny model (ChatML template), shared by the tests below."""
+    d = tmp_path_factory.mktemp("compat")
+    tmpl = Path(__file__).resolve().parents[1] / "templates" / "hermes_tools.jinja"
+    c = app_client(tiny_gguf, d, "--chat-template-file", str(tmpl))
+    yield c
+    c.portal.call(c.state.manager.shutdown)
+    c.__exit__(None, None, None)
+
+
+def _completion(c, **body):
+    r = c.post("/completion", json={"n_predict": 3, "temperature": 0, "return_tokens": True, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_prompt_objects_on_completion(tiny):
+    plain = _completion(tiny, prompt="the cat sat")
+    obj = _completion(tiny, prompt={"prompt_string": "the cat sat"})
+    assert (obj["content"], obj["tokens"], obj["tokens_evaluated"]) == \
+        (plain["content"], plain["tokens"], plain["tokens_evaluated"])
+    several = _completion(tiny, prompt=[{"prompt_string": "the cat sat"}, "a dog", {"prompt_string": "a dog"}])
+    assert [r["index"] for r in several] == [0, 1, 2]
+    assert several[0]["tokens"] == plain["tokens"] and several[1]["tokens"] == several[2]["tokens"]
+    for bad, msg in [({"prompt_string": 3}, 'a prompt object needs a "prompt_string" string'),
+                     ({"multimodal_data": ["aGk="]}, 'a prompt object needs a "prompt_string" string'),
+                     ({"prompt_string": "x", "multimodal_data": ["aGk="]}, "image input is not supported")]:
+        r = tiny.post("/completion", json={"prompt": bad, "n_predict": 1})
+        assert r.status_code == 400 and msg in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"])
+def test_chat_input_tokens(tiny, path):
+    msgs = [{"role": "user", "content": "How many tokens is this?"}]
+    r = tiny.post(path, json={"messages": msgs})
+    assert r.status_code == 200, r.text
+    ran = tiny.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()
+    assert r.json() == {"input_tokens": ran["usage"]["prompt_tokens"]}
+    prompt = tiny.post("/apply-template", json={"messages": msgs}).json()["prompt"]
+    ids = tiny.post("/tokenize", json={"content": prompt, "add_special": False, "parse_special": True}).json()
+    assert r.json()["input_tokens"] == len(ids["tokens"])
+    bad = tiny.post(path, json={"messages": "nope"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", bad.text
+
+
+def test_responses_without_v1(tiny):
+    body = {"input": "hi", "max_output_tokens": 2, "temperature": 0, "store": False, "cache_prompt": False}
+    r, v1 = tiny.post("/responses", json=body), tiny.post("/v1/responses", json=body)
+    assert r.status_code == v1.status_code == 200, r.text
+    d, e = r.json(), v1.json()
+
+    def content(x):
+        return [c for item in x["output"] for c in item.get("content", [])]
+
+    assert d["object"] == "response" and d["id"] != e["id"]
+    assert content(d) == content(e) and d["status"] == e["status"]
+    counts = ("input_tokens", "output_tokens")  # cached_tokens differ: the second found the first's prefix
+    assert [d["usage"][k] for k in counts] == [e["usage"][k] for k in counts]
+    assert d["usage"]["output_tokens"] <= 2
+
+
+def test_idle_slot_next_token(tiny):
+    done = _completion(tiny, prompt="the cat", id_slot=1)
+    slot = tiny.get("/slots").json()[1]
+    assert slot["is_processing"] is False and slot["id_task"] >= 0
+    assert slot["next_token"] == [{"has_next_token": False, "has_new_line": "\n" in done["content"],
+                                   "n_remain": -1, "n_decoded": 0}]
+    # the tokens of the finished task are still counted: prompt + generated (the last not in the KV)
+    assert slot["n_prompt_tokens"] == done["tokens_evaluated"] + done["tokens_predicted"] - 1
+
+
+def test_flag_names_with_underscores():
+    from kvserve.serving.args import parse_args
+    from kvserve.serving.flags import dashed_names
+
+    dashed = parse_args(["-m", "x.gguf", "--ctx-size", "256", "--reasoning-budget=0", "--no-cors-credentials",
+                         "--max-num-seqs", "3"], environ={})
+    under = parse_args(["-m", "x.gguf", "--ctx_size", "256", "--reasoning_budget=0", "--no_cors_credentials",
+                        "--max_num_seqs", "3"], environ={})
+    assert (under.ctx_size, under.reasoning_budget, under.max_num_seqs, under.cors_credentials) == (256, 0, 3, False)
+    assert under == dashed
+    # only known flags are respelled; values and words after "--" stay as given
+    assert dashed_names(["--alias", "--my_alias", "--chat_template_kwargs={\"a_b\": 1}", "--", "--ctx_size"]) == \
+        ["--alias", "--my_alias", "--chat-template-kwargs={\"a_b\": 1}", "--", "--ctx_size"]

@@ -1,0 +1,82 @@
+"""Ollama's environment on ``kvserve serve`` and the unlimited ``num_predict`` guard (issue 32, build 3)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from servers import app_client
+
+from kvserve.serving.args import parse_args
+
+OLLAMA_ENV = {"OLLAMA_HOST": "0.0.0.0:11500", "OLLAMA_NUM_PARALLEL": "3", "OLLAMA_CONTEXT_LENGTH": "2048",
+              "OLLAMA_KV_CACHE_TYPE": "q8_0", "OLLAMA_FLASH_ATTENTION": "1"}
+
+
+def test_serve_reads_ollamas_environment():
+    a = parse_args(["-m", "x.gguf"], environ=OLLAMA_ENV)
+    assert (a.host, a.hosts, a.port) == ("0.0.0.0", ["0.0.0.0"], 11500)
+    assert (a.parallel, a.ctx_size, a.cache_type_k, a.cache_type_v) == (3, 2048, "q8_0", "q8_0")
+    notes = [text for _, text in a.flag_notes]
+    assert "listening address from OLLAMA_HOST=0.0.0.0:11500" in notes
+    assert any(t.startswith("flag OLLAMA_FLASH_ATTENTION=1: no effect here: ") for t in notes), notes
+    assert (logging.INFO, "listening address from OLLAMA_HOST=0.0.0.0:11500") in a.flag_notes
+
+
+@pytest.mark.parametrize("value,host,port", [
+    ("127.0.0.1", "127.0.0.1", 11434), (":9000", "0.0.0.0", 9000), ("http://[::1]:7000", "::1", 7000),
+    ("example.internal:8081", "example.internal", 8081),
+])
+def test_ollama_host_forms(value, host, port):
+    a = parse_args(["-m", "x.gguf"], environ={"OLLAMA_HOST": value})
+    assert (a.host, a.port) == (host, port)
+
+
+def test_precedence_flag_then_llama_arg_then_kvserve_then_ollama():
+    env = {**OLLAMA_ENV, "LLAMA_ARG_N_PARALLEL": "2", "KVSERVE_HOST": "127.0.0.2"}
+    a = parse_args(["-m", "x.gguf", "-c", "1024", "-ctk", "f16"], environ=env)
+    assert (a.ctx_size, a.parallel, a.cache_type_k, a.cache_type_v) == (1024, 2, "f16", "q8_0")
+    assert (a.host, a.port) == ("127.0.0.2", 8080)  # KVSERVE_HOST first; its port defaults to kvserve's
+    b = parse_args(["-m", "x.gguf", "--port", "9001"], environ=OLLAMA_ENV)
+    assert (b.host, b.port) == ("127.0.0.1", 9001)  # --host/--port given: the variables are not read
+    c = parse_args(["-m", "x.gguf"], environ={**OLLAMA_ENV, "LLAMA_ARG_HOST": "127.0.0.3"})
+    assert (c.host, c.port) == ("127.0.0.3", 8080)
+    d = parse_args(["-m", "x.gguf"], environ={})
+    assert (d.host, d.port, d.ctx_size, d.parallel) == ("127.0.0.1", 8080, 0, -1)
+
+
+def _generate(client, num_predict, **options) -> tuple[dict, int]:
+    """The answer and the n_predict the engine ran it with (the slot's params: exact on any CPU,
+    unlike where a random model stops)."""
+    r = client.post("/api/generate", json={"model": "tiny", "prompt": "the cat", "stream": False,
+                                           "options": {"num_predict": num_predict, "temperature": 0, **options}})
+    assert r.status_code == 200, r.text
+    (slot,) = [s for s in client.get("/slots").json() if "params" in s]
+    return r.json(), slot["params"]["n_predict"]
+
+
+def _stopped(d: dict, limit: int) -> bool:
+    """Ended by the model, or cut exactly at ``limit`` tokens."""
+    return (d["done_reason"], d["eval_count"]) == ("length", limit) or \
+        (d["done_reason"] == "stop" and 0 < d["eval_count"] <= limit)
+
+
+def test_unlimited_num_predict_stops(tiny_gguf, tmp_path, monkeypatch):
+    from kvserve.faces import ollama
+
+    monkeypatch.setattr(ollama, "UNLIMITED_N_PREDICT", 40)  # the tiny model's context is small
+    given = app_client(tiny_gguf, tmp_path / "a", "-np", "1")  # -c 512: 512 tokens a sequence
+    own = app_client(tiny_gguf, tmp_path / "b", "-np", "1")
+    own.state.args.ctx_size = 0  # as when neither -c nor OLLAMA_CONTEXT_LENGTH is given
+    try:
+        for n in (-1, -2):
+            full, n_predict = _generate(given, n)  # a context was given: stop when it is full, as Ollama does
+            assert n_predict == -1 and _stopped(full, 512 - len(full["context"]) + full["eval_count"]), full
+            capped, n_predict = _generate(own, n)  # the model's own context: Ollama's default context length
+            assert n_predict == 40 and _stopped(capped, 40), capped
+        assert _generate(own, 10)[1] == 10  # a limit the request gives is its own
+        assert _generate(given, 10)[1] == 10
+    finally:
+        for c in (given, own):
+            c.portal.call(c.state.manager.shutdown)
+            c.__exit__(None, None, None)
