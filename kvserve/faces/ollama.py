@@ -105,6 +105,7 @@ from kvserve.engine.request import RequestOutput
 from kvserve.errors import InvalidInputError, KvserveError, NotFoundError
 from kvserve.faces.chat_output import ChoiceOutput
 from kvserve.faces.errors import ApiError
+from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
 from kvserve.faces.http import parse_json_body
 from kvserve.faces.models import LeasedResponse, watch_acquire
 from kvserve.faces.ollama_types import (
@@ -1286,14 +1287,17 @@ NO_EMBEDDINGS = "this model does not support embeddings"
 TOO_LONG = "the input length exceeds the context length"
 
 
-def _embed_inputs(value: Any) -> list[str]:
+def _embed_inputs(value: Any, args: Any = None) -> list[str]:
     """EmbedHandler's ``input``: a string (empty: none) or a list of strings; else 400
-    ``invalid input type``."""
+    ``invalid input type``; 400 past ``--max-batch-inputs`` inputs or ``--max-input-bytes`` of text."""
     if value is None:
         return []
     if isinstance(value, str):
+        check_input_bytes("input", (value,), input_bytes_cap(args))
         return [value] if value else []
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        check_count("input", len(value), batch_cap(args), "inputs", "--max-batch-inputs")
+        check_input_bytes("input", value, input_bytes_cap(args))
         return list(value)
     raise ApiError(400, "invalid input type")
 
@@ -1334,7 +1338,7 @@ async def _embed(state: ServerState, http: HttpRequest) -> Response:
     t0 = time.monotonic_ns()
     try:
         body = await _body(http)
-        inputs = _embed_inputs(body.get("input"))
+        inputs = _embed_inputs(body.get("input"), state.args)
         truncate, dims = _flag(body, "truncate", True), _int_field(body, "dimensions")
         num_ctx = ollama_options(None, body.get("options")).num_ctx
         lease = await _embed_lease(state, http, body)
@@ -1381,6 +1385,7 @@ async def _embeddings(state: ServerState, http: HttpRequest) -> Response:
     try:
         body = await _body(http)
         prompt = _string(body, "prompt")
+        check_input_bytes("prompt", (prompt,), input_bytes_cap(state.args))
         ollama_options(None, body.get("options"))  # type-checked as Ollama does; nothing applies
         lease = await _embed_lease(state, http, body)
         try:

@@ -88,6 +88,8 @@ class ServerArgs:
     chat_template_kwargs: dict = field(default_factory=dict)
     max_logprobs: int = 20  # vLLM --max-logprobs: top candidates per token a request may ask for; -1 = vocab size
     max_request_bytes: int = 32 * 1024 * 1024  # --max-request-bytes: larger bodies get 413
+    max_batch_inputs: int = 2048  # --max-batch-inputs: items of one embedding/rerank/score/completion batch
+    max_input_bytes: int = 2 << 20  # --max-input-bytes: text of one embedding/rerank/score/tokenize request
     pull_max_blob_size: int = 0  # --pull-max-blob-size: bytes a pulled blob may declare (0: free disk space only)
     pull_timeout: float = 12 * 3600.0  # --pull-timeout: seconds a whole /api/pull may take (0: none)
     keep_alive: float = 300.0  # --keep-alive seconds (math.inf: forever); Ollama's default 5m
@@ -462,6 +464,9 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         raise _Exit(f"invalid --max-logprobs {v['max_logprobs']}: -1 (vocabulary size) or >= 0")
     if v["max_request_bytes"] < 1:
         raise _Exit(f"invalid --max-request-bytes {v['max_request_bytes']}: at least 1")
+    for flag in ("max_batch_inputs", "max_input_bytes"):
+        if v[flag] < 1:
+            raise _Exit(f"invalid --{flag.replace('_', '-')} {v[flag]}: at least 1")
     if parallel == 0 or parallel < -1:
         raise _Exit(f"invalid -np value {parallel}: -1 (auto) or >= 1")
     vllm_batch = "max_num_seqs" in given or "max_num_batched_tokens" in given
@@ -557,6 +562,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         compile=v["compile"] and not v["enforce_eager"], native_kernels=v["native_kernels"],
         large_batch_dtype=v["large_batch_dtype"],
         max_request_bytes=v["max_request_bytes"], keep_alive=keep_alive,
+        max_batch_inputs=v["max_batch_inputs"], max_input_bytes=v["max_input_bytes"],
         pull_max_blob_size=max(v["pull_max_blob_size"], 0), pull_timeout=max(v["pull_timeout"], 0.0),
         max_loaded_models=max_loaded or DEFAULT_MAX_LOADED, max_memory=max_memory,
         max_queue=v["max_queue"], preload=v["preload"], allow_model_paths=v["allow_model_paths"],

@@ -867,6 +867,11 @@ FLAGS: tuple[Flag, ...] = (
     F("--sse-ping-interval", "float", 30.0, "seconds between SSE comment pings", env="LLAMA_ARG_SSE_PING_INTERVAL"),
     F("--max-request-bytes", "int", 32 * 1024 * 1024, "largest request body in bytes (413 above it)", source=KV,
       env="KVSERVE_MAX_REQUEST_BYTES"),
+    F("--max-batch-inputs", "int", 2048, "most embedding inputs, rerank documents, score pairs or completion "
+      "prompts in one request (400 above)", source=KV, env="KVSERVE_MAX_BATCH_INPUTS"),
+    F("--max-input-bytes", "int", 2 << 20, "most text bytes one embedding, rerank, score or /tokenize request "
+      "may send (400 above; generation routes check prompts against the context)", source=KV,
+      env="KVSERVE_MAX_INPUT_BYTES", convert=human_int, metavar="BYTES"),
     F("--pull-max-blob-size", "int", 0, "largest blob a pulled manifest may declare, bytes or 10G (0: no cap but "
       "free disk space, which every pull checks)", source=KV, env="KVSERVE_PULL_MAX_BLOB_SIZE", convert=human_int,
       metavar="BYTES"),
