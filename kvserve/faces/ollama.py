@@ -104,7 +104,7 @@ from starlette.responses import Response, StreamingResponse
 from kvserve.engine.request import RequestOutput
 from kvserve.errors import InvalidInputError, KvserveError, NotFoundError
 from kvserve.faces.chat_output import ChoiceOutput
-from kvserve.faces.errors import ApiError
+from kvserve.faces.errors import INTERNAL_ERROR, ApiError
 from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
 from kvserve.faces.http import parse_json_body
 from kvserve.faces.models import LeasedResponse, watch_acquire
@@ -201,7 +201,7 @@ def _status_message(e: BaseException) -> tuple[int, str]:
             log.error("request failed: %s", err.message)
         return err.status, err.message
     log.exception("request failed", exc_info=e)
-    return 500, f"{type(e).__name__}: {e}"
+    return 500, INTERNAL_ERROR
 
 
 def _error_of(e: BaseException) -> Response:
@@ -281,12 +281,14 @@ class OllamaOptions:
 
 def _check_option(key: str, v: Any) -> Any:
     """Ollama's ``Options.FromMap`` type checks (its error texts), returning the value."""
-    if key in _INT_OPTIONS:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
+    if key in _INT_OPTIONS:  # Go's int is 64 bits: a larger number does not decode into it
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)) \
+                or not -(2 ** 63) <= v < 2 ** 63:
             raise ApiError(400, f'option "{key}" must be of type integer')
         return int(v)
-    if key in _FLOAT_OPTIONS:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+    if key in _FLOAT_OPTIONS:  # an integer beyond float range is no float32 either
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, int) and abs(v) > 2 ** 128) \
+                or not math.isfinite(float(v)):
             raise ApiError(400, f'option "{key}" must be of type float32')
         return float(v)
     if key in _BOOL_OPTIONS:
