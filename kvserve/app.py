@@ -36,6 +36,7 @@ from kvserve.engine.request import InvalidRequestError
 from kvserve.errors import KvserveError
 from kvserve.faces.auth import add_api_guard, add_security, cors_policy
 from kvserve.faces.envelopes import DialectErrorMiddleware
+from kvserve.faces.paths import ApiPrefixMiddleware
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import (
     BodyLimitMiddleware,
@@ -145,7 +146,9 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(HeadAsGetMiddleware)
     add_security(app, state.args.api_keys, cors_policy(state.args))
     add_api_guard(app, state.args.host)  # Ollama's routes: local origins and hosts only
-    app.add_middleware(DialectErrorMiddleware)  # outermost: every error on /api and /v1/messages in its dialect
+    app.add_middleware(DialectErrorMiddleware)  # every error on /api and /v1/messages in its dialect
+    if getattr(state.args, "api_prefix", ""):  # outermost: every guard then sees the path below the prefix
+        app.add_middleware(ApiPrefixMiddleware, prefix=state.args.api_prefix)
     if state.args.log_verbosity >= 4:  # -v / -lv 4: llama-server's request and response debug lines
         from kvserve.faces.http import RequestLogMiddleware
 

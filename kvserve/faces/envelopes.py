@@ -22,6 +22,8 @@ import json
 from http import HTTPStatus
 from typing import Any
 
+from kvserve.faces.paths import route_path
+
 __all__ = ["ANTHROPIC_ERROR_TYPES", "DialectErrorMiddleware", "dialect_error_body", "dialect_of"]
 
 MAX_REWRITE_BYTES = 64 << 10  # error bodies are small; a larger one is passed through as it is
@@ -93,10 +95,7 @@ class DialectErrorMiddleware:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        path = scope.get("path", "") if scope["type"] == "http" else ""
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):]
+        path = route_path(scope) if scope["type"] == "http" else ""
         dialect = dialect_of(path) if path and scope.get("method") != "HEAD" else None
         if dialect is None:
             await self.app(scope, receive, send)

@@ -113,7 +113,8 @@ class ServerArgs:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     ssl_ciphers: str | None = None
-    root_path: str = ""  # --root-path / --api-prefix: uvicorn's root_path
+    root_path: str = ""  # --root-path (vLLM): uvicorn's root_path (a proxy strips it)
+    api_prefix: str = ""  # --api-prefix (llama-server): routes served under it too (kvserve.faces.paths)
     timeout: float | None = None  # -to/--timeout: keep-alive timeout of an idle connection (s)
     uvicorn_log_level: str | None = None  # --uvicorn-log-level (None: warning)
     log_file: str | None = None  # --log-file: the log also goes to this file
@@ -571,7 +572,8 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         sampling=sampling, chat_template_content_format=v["chat_template_content_format"],
         ssl_key_file=ssl_key, ssl_cert_file=ssl_cert, ssl_ca_certs=v["ssl_ca_certs"],
         ssl_cert_reqs=v["ssl_cert_reqs"], ssl_ciphers=v["ssl_ciphers"],
-        root_path=(v["root_path"] or v["api_prefix"] or "").rstrip("/"), timeout=v["timeout"],
+        root_path=(v["root_path"] or "").rstrip("/"), api_prefix=_prefix(v["api_prefix"]),
+        timeout=v["timeout"],
         uvicorn_log_level=v["uvicorn_log_level"], log_file=v["log_file"], log_disable=v["log_disable"],
         sleep_idle_seconds=v["sleep_idle_seconds"],
         tags=[t.strip() for t in (v["tags"] or "").split(",") if t.strip()],
@@ -595,6 +597,12 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
     except (InvalidRequestError, ValueError) as e:
         raise _Exit(str(e)) from None
     return args
+
+
+def _prefix(text: str | None) -> str:
+    """``--api-prefix``: ``/pfx`` for ``pfx``, ``/pfx/`` or ``/pfx``; ``""`` for none or ``/``."""
+    p = (text or "").strip().strip("/")
+    return f"/{p}" if p else ""
 
 
 def _cors(v: dict, given: dict, notes: list) -> tuple[list[str], str, str, bool]:

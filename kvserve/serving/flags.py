@@ -822,7 +822,7 @@ FLAGS: tuple[Flag, ...] = (
     F("--path", help="directory of static files served at /", env="LLAMA_ARG_STATIC_PATH",
       why="the web UI serves its files from it"),
     F("--api-prefix", help="path prefix the server serves from", env="LLAMA_ARG_API_PREFIX",
-      why="as --root-path: routes answer with and without the prefix"),
+      why="routes answer under the prefix and without it; every guard reads the path below it"),
     F("--root-path", help="path prefix behind a proxy", source=VLLM, why="uvicorn's root_path"),
     F("--webui --ui", "bool", True, "serve the web chat page at / to browsers", neg="--no-webui --no-ui",
       env="LLAMA_ARG_UI LLAMA_ARG_WEBUI"),
