@@ -35,6 +35,8 @@ from starlette.responses import Response
 from kvserve.engine.request import InvalidRequestError
 from kvserve.errors import KvserveError
 from kvserve.faces.auth import add_api_guard, add_security, cors_policy
+from kvserve.faces.envelopes import DialectErrorMiddleware
+from kvserve.faces.paths import ApiPrefixMiddleware
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import (
     BodyLimitMiddleware,
@@ -144,6 +146,9 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(HeadAsGetMiddleware)
     add_security(app, state.args.api_keys, cors_policy(state.args))
     add_api_guard(app, state.args.host)  # Ollama's routes: local origins and hosts only
+    app.add_middleware(DialectErrorMiddleware)  # every error on /api and /v1/messages in its dialect
+    if getattr(state.args, "api_prefix", ""):  # outermost: every guard then sees the path below the prefix
+        app.add_middleware(ApiPrefixMiddleware, prefix=state.args.api_prefix)
     if state.args.log_verbosity >= 4:  # -v / -lv 4: llama-server's request and response debug lines
         from kvserve.faces.http import RequestLogMiddleware
 
@@ -209,12 +214,23 @@ def http_protocol():
     """uvicorn's HTTP protocol class (httptools when installed, else h11, as ``http="auto"``)
     with its answer to an unparseable request in the error envelope: uvicorn writes a plain
     text ``Invalid HTTP request received.`` from ``send_400_response``, which the app never
-    sees; overriding that method (a documented ``Config(http=...)`` class) is the one place.
-    With httptools, response header names go out as llama-server writes them (Title-Case, see
+    sees; overriding that method (a documented ``Config(http=...)`` class) is the one place. When
+    the request's path was read before the error, the answer is in that route's dialect (Ollama's
+    on ``/api``, Anthropic's on ``/v1/messages``: :mod:`kvserve.faces.envelopes`). With httptools,
+    response header names go out as llama-server writes them (Title-Case, see
     :mod:`kvserve.faces.head_case`); h11 writes them as Starlette gives them (lower-case)."""
-    body = dumps(ApiError(400, "Invalid HTTP request received.").body()).encode()
-    head = [(b"Content-Type", b"application/json; charset=utf-8"),
-            (b"Content-Length", str(len(body)).encode()), (b"Connection", b"close")]
+    from kvserve.faces.envelopes import dialect_error_body, dialect_of
+
+    text = "Invalid HTTP request received."
+
+    def answer(url: bytes | None) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        path = (url or b"").split(b"?", 1)[0].decode("latin-1")
+        dialect = dialect_of(path)
+        obj = dialect_error_body(dialect, 400, text) if dialect else ApiError(400, text).body()
+        body = dumps(obj).encode()
+        return body, [(b"Content-Type", b"application/json; charset=utf-8"),
+                      (b"Content-Length", str(len(body)).encode()), (b"Connection", b"close")]
+
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -222,6 +238,7 @@ def http_protocol():
 
         class JsonErrorHttpTools(TitleCaseHeads, HttpToolsProtocol):
             def send_400_response(self, msg: str) -> None:
+                body, head = answer(getattr(self, "url", None))
                 lines = [b"HTTP/1.1 400 Bad Request\r\n"]
                 lines += [title_case_name(n) + b": " + v + b"\r\n"
                           for n, v in list(self.server_state.default_headers) + head]
@@ -235,6 +252,7 @@ def http_protocol():
 
         class JsonErrorH11(H11Protocol):
             def send_400_response(self, msg: str) -> None:
+                body, head = answer(None)
                 self.transport.write(self.conn.send(h11.Response(status_code=400, headers=head,
                                                                  reason=b"Bad Request")))
                 self.transport.write(self.conn.send(h11.Data(data=body)))

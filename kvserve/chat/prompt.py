@@ -64,6 +64,9 @@ def _content_text(content: Any, i: int) -> str | None:
     """A message's content as a string: string, null, or a list of ``{"type": "text"}`` parts."""
     if content is None or isinstance(content, str):
         return content
+    if isinstance(content, list) and len(content) > MAX_CONTENT_PARTS:
+        raise InvalidInputError(f"messages[{i}].content: at most {MAX_CONTENT_PARTS} parts per message, "
+                                f"got {len(content)}")
     if not isinstance(content, list):
         raise InvalidInputError(f"messages[{i}].content: expected a string, null or an array of content "
                                 f"parts, got {_type_name(content)}")
@@ -84,6 +87,10 @@ def _content_text(content: Any, i: int) -> str | None:
     return "\n".join(texts)  # vLLM and llama.cpp join text parts with newlines
 
 
+MAX_MESSAGES = 100_000  # messages of one request (Anthropic's own limit)
+MAX_CONTENT_PARTS = 10_000  # content parts of one message (Anthropic's content blocks: the same)
+
+
 def normalize_messages(messages: Any, *, parse_arguments: bool = True, keep_parts: bool = False) -> list[dict]:
     """Validate OpenAI-style chat messages and return copies with string/null content.
 
@@ -98,7 +105,8 @@ def normalize_messages(messages: Any, *, parse_arguments: bool = True, keep_part
     loop over content, see :attr:`~kvserve.chat.template.ChatTemplate.content_format`).
 
     Raises:
-        InvalidInputError: ``'messages' is required`` when None, others naming the field (a face
+        InvalidInputError: ``'messages' is required`` when None, more than :data:`MAX_MESSAGES`
+            messages or :data:`MAX_CONTENT_PARTS` parts in one, others naming the field (a face
             answers 400).
     """
     if messages is None:
@@ -107,6 +115,8 @@ def normalize_messages(messages: Any, *, parse_arguments: bool = True, keep_part
         raise InvalidInputError(f"Expected 'messages' to be an array, got {_type_name(messages)}")
     if not messages:
         raise InvalidInputError("'messages' must not be empty")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidInputError(f"'messages': at most {MAX_MESSAGES} messages per request, got {len(messages)}")
     check_text(messages, "messages")  # a lone surrogate anywhere: 400 naming messages[i]...
     out = []
     for i, m in enumerate(messages):

@@ -42,6 +42,8 @@ import hashlib
 import hmac
 import json
 
+from kvserve.faces.paths import route_path
+
 PUBLIC_PATHS = frozenset({"/health", "/v1/health", "/"})
 #: path prefixes served without a key: the web page's static assets
 PUBLIC_PREFIXES = ("/webui/",)
@@ -98,8 +100,9 @@ class ApiKeyMiddleware:
         self.keys = list(keys)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS \
-                or scope["path"].startswith(PUBLIC_PREFIXES) or scope.get("method") == "OPTIONS":
+        path = route_path(scope)
+        if scope["type"] != "http" or not self.keys or path in PUBLIC_PATHS \
+                or path.startswith(PUBLIC_PREFIXES) or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
@@ -111,7 +114,6 @@ class ApiKeyMiddleware:
             finally:
                 _CALLER.reset(token)
             return
-        path = scope["path"]
         anthropic = path == _ANTHROPIC_PATH or path.startswith(_ANTHROPIC_PATH + "/")
         body = _INVALID_ANTHROPIC if anthropic else _INVALID
         await send({"type": "http.response.start", "status": 401,
@@ -313,7 +315,7 @@ class ApiOriginGuard:
         return any(fnmatch.fnmatchcase(o, p.lower()) for p in self.origins)
 
     async def __call__(self, scope, receive, send):
-        path = scope.get("path", "") if scope["type"] == "http" else ""
+        path = route_path(scope) if scope["type"] == "http" else ""
         if path == "/api" or path.startswith("/api/"):
             headers = {k.lower(): v for k, v in scope.get("headers", [])}
             origin = headers.get(b"origin")

@@ -34,6 +34,7 @@ from typing import Any
 from kvserve.chat.template import RESERVED_VARIABLES
 from kvserve.faces.chat_output import OutputMode
 from kvserve.faces.errors import ApiError
+from kvserve.faces.limits import MAX_TOOLS, check_count
 from kvserve.faces.params import check_text, get_bool, get_int, get_str, type_error
 
 __all__ = ["ChatFeatures", "chat_features", "parse_tool_choice", "parse_tools", "template_kwargs"]
@@ -47,6 +48,7 @@ def parse_tools(tools: Any) -> list[dict] | None:
         return None
     if not isinstance(tools, list):
         raise type_error("tools", "array", tools)
+    check_count("tools", len(tools), MAX_TOOLS, "tools")
     check_text(tools, "tools")
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):

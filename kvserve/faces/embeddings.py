@@ -73,6 +73,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from kvserve.faces.errors import ApiError
+from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
 from kvserve.faces.http import read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
 from kvserve.faces.params import get_int, get_str, type_error
@@ -121,17 +122,20 @@ def _is_id(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def embedding_inputs(value: Any, field: str = "input") -> Inputs:
+def embedding_inputs(value: Any, field: str = "input", args: Any = None) -> Inputs:
     """A request's input -> texts and token-id lists (llama-server's ``tokenize_input_prompts``
     rule: a list of numbers is one input, any other list is one input per element).
 
     Raises:
-        ApiError: 400 for a missing input, an empty list, or an element that is neither a
-            string nor a list of token ids.
+        ApiError: 400 for a missing input, an empty list, an element that is neither a string
+            nor a list of token ids, more than ``--max-batch-inputs`` inputs or more than
+            ``--max-input-bytes`` of text (``args``: the server's; None: the defaults,
+            :mod:`kvserve.faces.limits`).
     """
     if value is None:
         raise ApiError(400, f'"{field}" must be provided')
     if isinstance(value, str):
+        check_input_bytes(field, (value,), input_bytes_cap(args))
         return [value]
     if not isinstance(value, list):
         raise type_error(field, "string or array", value)
@@ -139,6 +143,8 @@ def embedding_inputs(value: Any, field: str = "input") -> Inputs:
         raise ApiError(400, f"Field '{field}': must not be an empty array")
     if all(_is_id(x) for x in value):
         return [list(value)]
+    check_count(field, len(value), batch_cap(args), "inputs", "--max-batch-inputs")
+    check_input_bytes(field, value, input_bytes_cap(args))
     out: Inputs = []
     for i, x in enumerate(value):
         if isinstance(x, str):
@@ -239,7 +245,7 @@ async def oai_embeddings(state: ServerState, http: HttpRequest) -> Response:
     fmt = get_str(body, "encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise ApiError(400, BAD_FORMAT)
-    inputs = embedding_inputs(body.get("input"))
+    inputs = embedding_inputs(body.get("input"), args=state.args)
 
     async def run(runner: EmbeddingRunner) -> Response:
         res, vectors = await _embed(runner, body, inputs, oai=True)
@@ -255,7 +261,7 @@ async def native_embeddings(state: ServerState, http: HttpRequest, body: dict | 
     key = "input" if body.get("input") is not None else "content"
     if body.get(key) is None:
         raise ApiError(400, '"input" or "content" must be provided')
-    inputs = embedding_inputs(body.get(key), key)
+    inputs = embedding_inputs(body.get(key), key, state.args)
 
     async def run(runner: EmbeddingRunner) -> Response:
         _, vectors = await _embed(runner, body, inputs, oai=False)
@@ -303,6 +309,9 @@ async def rerank(state: ServerState, http: HttpRequest) -> Response:
     docs = _string_list(body, "documents") or _string_list(body, "texts") or []
     if not docs:
         raise ApiError(400, '"documents" must be a non-empty string array')
+    field = "texts" if tei else "documents"
+    check_count(field, len(docs), batch_cap(state.args), "documents", "--max-batch-inputs")
+    check_input_bytes(field, [query, *docs], input_bytes_cap(state.args))
     top_n = get_int(body, "top_n", len(docs))
 
     async def run(runner: EmbeddingRunner) -> Response:
@@ -357,6 +366,8 @@ async def score(state: ServerState, http: HttpRequest) -> Response:
     """POST /v1/score and /score."""
     body = await read_json(http)
     pairs = score_pairs(body)
+    check_count("text_2", len(pairs), batch_cap(state.args), "pairs", "--max-batch-inputs")
+    check_input_bytes("text_1", (t for pair in pairs for t in pair), input_bytes_cap(state.args))
 
     async def run(runner: EmbeddingRunner) -> Response:
         res = await runner.score(pairs, truncate=_truncate(body))

@@ -37,6 +37,10 @@ KIND_STATUS = {
 }
 
 
+INTERNAL_ERROR = "internal server error (the server log has the details)"
+"""The message of an unexpected 500: never the exception's own text."""
+
+
 class ApiError(Exception):
     """An error to answer with the envelope.
 
@@ -69,7 +73,8 @@ class ApiError(Exception):
         - any other :class:`kvserve.errors.KvserveError` (``InvalidRequestError`` included):
           the status of its ``kind`` (:data:`KIND_STATUS`), its message, its explicit ``type``
           if it has one (else the status's), and its ``extra`` members;
-        - anything else: 500 ``server_error`` ``"<ExceptionType>: <text>"``.
+        - anything else: 500 ``server_error`` :data:`INTERNAL_ERROR` (the exception's text and
+          traceback go to the log only: they may name server paths and internals).
         """
         if isinstance(e, ApiError):
             return e
@@ -82,7 +87,7 @@ class ApiError(Exception):
             # getattr: a subclass that skips KvserveError.__init__ must not break the last-stop handlers
             return cls(KIND_STATUS.get(e.kind, 500), getattr(e, "message", str(e)), getattr(e, "type", None),
                        **getattr(e, "extra", {}))
-        return cls(500, f"{type(e).__name__}: {e}")
+        return cls(500, INTERNAL_ERROR)
 
 
 def bad_request(message: str) -> ApiError:

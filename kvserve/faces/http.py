@@ -16,6 +16,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from kvserve.faces.errors import ApiError
+from kvserve.faces.paths import route_path
 
 _log = logging.getLogger("kvserve.server")
 
@@ -191,13 +192,13 @@ class BodyLimitMiddleware:
         self.unlimited = tuple(unlimited)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or (self.unlimited and scope.get("path", "").startswith(self.unlimited)):
+        if scope["type"] != "http" or (self.unlimited and route_path(scope).startswith(self.unlimited)):
             await self.app(scope, receive, send)
             return
         limit = self.max_bytes
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.strip().isdigit() and int(length) > limit:
-            await _send_error(send, too_large(limit), scope.get("path", ""))
+            await _send_error(send, too_large(limit), route_path(scope))
             return
         seen = 0
 
@@ -360,7 +361,7 @@ class RequestLogMiddleware:
         self.margin = 6 * max((len(k) for k in self.secrets), default=0) + 16
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("path") in QUIET_PATHS:
+        if scope["type"] != "http" or route_path(scope) in QUIET_PATHS:
             await self.app(scope, receive, send)
             return
         req, res = _Capture(self.limit, self.margin), _Capture(self.limit, self.margin)

@@ -40,6 +40,7 @@ from starlette.responses import Response
 from kvserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from kvserve.faces.auth import caller
 from kvserve.faces.errors import ApiError
+from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
 from kvserve.faces.http import json_response, read_json
 from kvserve.faces.llama_types import (
     ApplyTemplateResponse,
@@ -241,6 +242,7 @@ class CompletionHandler:
         # llama-server's return_progress: prompt_progress events, in streams only
         opts["return_progress"] = opts["stream"] and bool(get_bool(body, "return_progress", False))
         prompts = split_prompts(body["prompt"])
+        check_count("prompt", len(prompts), batch_cap(state.args), "prompts", "--max-batch-inputs")
         tasks = []
         for i, p in enumerate(prompts):
             ids = tokenize_mixed(tok, p, add_special=True, n_ctx=state.engine.n_ctx_slot)
@@ -599,12 +601,15 @@ def build_router(state: ServerState) -> APIRouter:
     @r.post("/tokenize")
     async def tokenize(http: HttpRequest):
         body = await read_json(http)
+        field = "content" if body.get("content") is not None else "prompt"
+        texts = body.get(field)  # refused before any model is asked: a 30 MB text took 21 s and +4 GB
+        check_input_bytes(field, texts if isinstance(texts, list) else (texts,), input_bytes_cap(state.args))
 
         async def run(runner: Runner) -> Response:
             runner.require_ready()
             tok = runner.tokenizer
 
-            def work() -> Response:  # off the event loop: 30 MB of text takes tens of seconds
+            def work() -> Response:  # off the event loop: 2 MiB of text takes about a second
                 if body.get("content") is None and ("prompt" in body or "messages" in body):
                     return json_response(vllm_tokenize(runner, body).wire())
                 ids: list[int] = []

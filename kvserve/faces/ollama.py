@@ -109,7 +109,8 @@ from starlette.responses import Response, StreamingResponse
 from kvserve.engine.request import RequestOutput
 from kvserve.errors import InvalidInputError, KvserveError, NotFoundError
 from kvserve.faces.chat_output import ChoiceOutput
-from kvserve.faces.errors import ApiError
+from kvserve.faces.errors import INTERNAL_ERROR, ApiError
+from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
 from kvserve.faces.http import parse_json_body
 from kvserve.faces.models import LeasedResponse, watch_acquire
 from kvserve.faces.ollama_types import (
@@ -209,7 +210,7 @@ def _status_message(e: BaseException) -> tuple[int, str]:
             log.error("request failed: %s", err.message)
         return err.status, err.message
     log.exception("request failed", exc_info=e)
-    return 500, f"{type(e).__name__}: {e}"
+    return 500, INTERNAL_ERROR
 
 
 def _error_of(e: BaseException) -> Response:
@@ -289,12 +290,14 @@ class OllamaOptions:
 
 def _check_option(key: str, v: Any) -> Any:
     """Ollama's ``Options.FromMap`` type checks (its error texts), returning the value."""
-    if key in _INT_OPTIONS:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
+    if key in _INT_OPTIONS:  # Go's int is 64 bits: a larger number does not decode into it
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)) \
+                or not -(2 ** 63) <= v < 2 ** 63:
             raise ApiError(400, f'option "{key}" must be of type integer')
         return int(v)
-    if key in _FLOAT_OPTIONS:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+    if key in _FLOAT_OPTIONS:  # an integer beyond float range is no float32 either
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, int) and abs(v) > 2 ** 128) \
+                or not math.isfinite(float(v)):
             raise ApiError(400, f'option "{key}" must be of type float32')
         return float(v)
     if key in _BOOL_OPTIONS:
@@ -1298,14 +1301,17 @@ NO_EMBEDDINGS = "this model does not support embeddings"
 TOO_LONG = "the input length exceeds the context length"
 
 
-def _embed_inputs(value: Any) -> list[str]:
+def _embed_inputs(value: Any, args: Any = None) -> list[str]:
     """EmbedHandler's ``input``: a string (empty: none) or a list of strings; else 400
-    ``invalid input type``."""
+    ``invalid input type``; 400 past ``--max-batch-inputs`` inputs or ``--max-input-bytes`` of text."""
     if value is None:
         return []
     if isinstance(value, str):
+        check_input_bytes("input", (value,), input_bytes_cap(args))
         return [value] if value else []
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        check_count("input", len(value), batch_cap(args), "inputs", "--max-batch-inputs")
+        check_input_bytes("input", value, input_bytes_cap(args))
         return list(value)
     raise ApiError(400, "invalid input type")
 
@@ -1346,7 +1352,7 @@ async def _embed(state: ServerState, http: HttpRequest) -> Response:
     t0 = time.monotonic_ns()
     try:
         body = await _body(http)
-        inputs = _embed_inputs(body.get("input"))
+        inputs = _embed_inputs(body.get("input"), state.args)
         truncate, dims = _flag(body, "truncate", True), _int_field(body, "dimensions")
         num_ctx = ollama_options(None, body.get("options")).num_ctx
         lease = await _embed_lease(state, http, body)
@@ -1393,6 +1399,7 @@ async def _embeddings(state: ServerState, http: HttpRequest) -> Response:
     try:
         body = await _body(http)
         prompt = _string(body, "prompt")
+        check_input_bytes("prompt", (prompt,), input_bytes_cap(state.args))
         ollama_options(None, body.get("options"))  # type-checked as Ollama does; nothing applies
         lease = await _embed_lease(state, http, body)
         try:

@@ -24,6 +24,7 @@ from typing import Any
 
 from kvserve.engine.request import SEED_RANDOM, InvalidRequestError, SamplingParams
 from kvserve.faces.errors import ApiError
+from kvserve.faces.limits import MAX_SAMPLERS, MAX_STOP, MAX_STOP_CHARS, check_count
 from kvserve.jsonvalues import SURROGATE as _SURROGATE  # noqa: F401 - re-exported
 from kvserve.jsonvalues import check_text, json_type
 
@@ -147,13 +148,18 @@ def get_str(body: dict, key: str, default: str | None = None) -> str | None:
 
 def _stop(v: Any) -> tuple[str, ...]:
     if isinstance(v, str):
-        return (v,)
+        v = [v]
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        check_count("stop", len(v), MAX_STOP, "stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in v):
+            raise ApiError(400, f"Field 'stop': each stop string has at most {MAX_STOP_CHARS} characters")
         return tuple(v)
     raise type_error("stop", "string or array of strings", v)
 
 
 def _samplers(v: Any) -> tuple[str, ...]:
+    if isinstance(v, (str, list)):
+        check_count("samplers", len(v), MAX_SAMPLERS, "samplers")
     if isinstance(v, str):
         return tuple(_SAMPLER_CHARS[c] for c in v if c in _SAMPLER_CHARS)
     if isinstance(v, list) and all(isinstance(s, str) for s in v):

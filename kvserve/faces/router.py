@@ -105,6 +105,14 @@ def vllm_sampling_params(p: SamplingParams) -> dict:
     }
 
 
+def _stream_options(v: object) -> dict | None:
+    """vLLM's ``StreamOptions`` fields of the body's ``stream_options`` (``include_usage``,
+    ``continuous_usage_stats``, booleans); other members are not echoed (vLLM ignores them too)."""
+    if not isinstance(v, dict):
+        return None
+    return {k: v[k] for k in ("include_usage", "continuous_usage_stats") if isinstance(v.get(k), bool)}
+
+
 def generate_request(req: Request, model: str, body: dict) -> dict:
     """One engine request as vLLM's token-in ``GenerateRequest`` (its ``disagg/protocol.py``):
     ``token_ids`` are the prompt's ids (list[int]); ``stream``, ``stream_options`` and
@@ -116,7 +124,7 @@ def generate_request(req: Request, model: str, body: dict) -> dict:
         "sampling_params": vllm_sampling_params(req.params),
         "model": model,
         "stream": bool(body.get("stream") or False),
-        "stream_options": body.get("stream_options") if isinstance(body.get("stream_options"), dict) else None,
+        "stream_options": _stream_options(body.get("stream_options")),
         "cache_salt": req.cache_salt,
         "priority": 0,
         "kv_transfer_params": None,

@@ -364,7 +364,11 @@ def _params(layers: _Layers, parameters: Any) -> None:
             raise InvalidInputError(f"the base model's params layer {x.digest} cannot be read: {e}") from None
         if isinstance(existing, dict):
             merged = {**existing, **merged}
-    data = params_layer(dict(parameters), merged)
+    try:
+        data = params_layer(dict(parameters), merged)
+    except (ValueError, TypeError, RecursionError) as e:  # NaN, nested too deep: Go's encoder refuses them too
+        raise InvalidInputError(f"invalid parameters: {e}" if isinstance(e, ValueError) else
+                                "invalid parameters: not JSON data") from None
     if data is not None:
         layers.replace("params", data)
 

@@ -88,6 +88,8 @@ class ServerArgs:
     chat_template_kwargs: dict = field(default_factory=dict)
     max_logprobs: int = 20  # vLLM --max-logprobs: top candidates per token a request may ask for; -1 = vocab size
     max_request_bytes: int = 32 * 1024 * 1024  # --max-request-bytes: larger bodies get 413
+    max_batch_inputs: int = 2048  # --max-batch-inputs: items of one embedding/rerank/score/completion batch
+    max_input_bytes: int = 2 << 20  # --max-input-bytes: text of one embedding/rerank/score/tokenize request
     pull_max_blob_size: int = 0  # --pull-max-blob-size: bytes a pulled blob may declare (0: free disk space only)
     pull_timeout: float = 12 * 3600.0  # --pull-timeout: seconds a whole /api/pull may take (0: none)
     keep_alive: float = 300.0  # --keep-alive seconds (math.inf: forever); Ollama's default 5m
@@ -111,7 +113,8 @@ class ServerArgs:
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
     ssl_ciphers: str | None = None
-    root_path: str = ""  # --root-path / --api-prefix: uvicorn's root_path
+    root_path: str = ""  # --root-path (vLLM): uvicorn's root_path (a proxy strips it)
+    api_prefix: str = ""  # --api-prefix (llama-server): routes served under it too (kvserve.faces.paths)
     timeout: float | None = None  # -to/--timeout: keep-alive timeout of an idle connection (s)
     uvicorn_log_level: str | None = None  # --uvicorn-log-level (None: warning)
     log_file: str | None = None  # --log-file: the log also goes to this file
@@ -482,6 +485,9 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         raise _Exit(f"invalid --max-logprobs {v['max_logprobs']}: -1 (vocabulary size) or >= 0")
     if v["max_request_bytes"] < 1:
         raise _Exit(f"invalid --max-request-bytes {v['max_request_bytes']}: at least 1")
+    for flag in ("max_batch_inputs", "max_input_bytes"):
+        if v[flag] < 1:
+            raise _Exit(f"invalid --{flag.replace('_', '-')} {v[flag]}: at least 1")
     if parallel == 0 or parallel < -1:
         raise _Exit(f"invalid -np value {parallel}: -1 (auto) or >= 1")
     vllm_batch = "max_num_seqs" in given or "max_num_batched_tokens" in given
@@ -577,6 +583,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         compile=v["compile"] and not v["enforce_eager"], native_kernels=v["native_kernels"],
         large_batch_dtype=v["large_batch_dtype"],
         max_request_bytes=v["max_request_bytes"], keep_alive=keep_alive,
+        max_batch_inputs=v["max_batch_inputs"], max_input_bytes=v["max_input_bytes"],
         pull_max_blob_size=max(v["pull_max_blob_size"], 0), pull_timeout=max(v["pull_timeout"], 0.0),
         max_loaded_models=max_loaded or DEFAULT_MAX_LOADED, max_memory=max_memory,
         max_queue=v["max_queue"], preload=v["preload"], allow_model_paths=v["allow_model_paths"],
@@ -585,7 +592,8 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         sampling=sampling, chat_template_content_format=v["chat_template_content_format"],
         ssl_key_file=ssl_key, ssl_cert_file=ssl_cert, ssl_ca_certs=v["ssl_ca_certs"],
         ssl_cert_reqs=v["ssl_cert_reqs"], ssl_ciphers=v["ssl_ciphers"],
-        root_path=(v["root_path"] or v["api_prefix"] or "").rstrip("/"), timeout=v["timeout"],
+        root_path=(v["root_path"] or "").rstrip("/"), api_prefix=_prefix(v["api_prefix"]),
+        timeout=v["timeout"],
         uvicorn_log_level=v["uvicorn_log_level"], log_file=v["log_file"], log_disable=v["log_disable"],
         sleep_idle_seconds=v["sleep_idle_seconds"],
         tags=[t.strip() for t in (v["tags"] or "").split(",") if t.strip()],
@@ -609,6 +617,12 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
     except (InvalidRequestError, ValueError) as e:
         raise _Exit(str(e)) from None
     return args
+
+
+def _prefix(text: str | None) -> str:
+    """``--api-prefix``: ``/pfx`` for ``pfx``, ``/pfx/`` or ``/pfx``; ``""`` for none or ``/``."""
+    p = (text or "").strip().strip("/")
+    return f"/{p}" if p else ""
 
 
 def _cors(v: dict, given: dict, notes: list) -> tuple[list[str], str, str, bool]:

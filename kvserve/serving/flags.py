@@ -828,7 +828,7 @@ FLAGS: tuple[Flag, ...] = (
     F("--path", help="directory of static files served at /", env="LLAMA_ARG_STATIC_PATH",
       why="the web UI serves its files from it"),
     F("--api-prefix", help="path prefix the server serves from", env="LLAMA_ARG_API_PREFIX",
-      why="as --root-path: routes answer with and without the prefix"),
+      why="routes answer under the prefix and without it; every guard reads the path below it"),
     F("--root-path", help="path prefix behind a proxy", source=VLLM, why="uvicorn's root_path"),
     F("--webui --ui", "bool", True, "serve the web chat page at / to browsers", neg="--no-webui --no-ui",
       env="LLAMA_ARG_UI LLAMA_ARG_WEBUI"),
@@ -873,6 +873,11 @@ FLAGS: tuple[Flag, ...] = (
     F("--sse-ping-interval", "float", 30.0, "seconds between SSE comment pings", env="LLAMA_ARG_SSE_PING_INTERVAL"),
     F("--max-request-bytes", "int", 32 * 1024 * 1024, "largest request body in bytes (413 above it)", source=KV,
       env="KVSERVE_MAX_REQUEST_BYTES"),
+    F("--max-batch-inputs", "int", 2048, "most embedding inputs, rerank documents, score pairs or completion "
+      "prompts in one request (400 above)", source=KV, env="KVSERVE_MAX_BATCH_INPUTS"),
+    F("--max-input-bytes", "int", 2 << 20, "most text bytes one embedding, rerank, score or /tokenize request "
+      "may send (400 above; generation routes check prompts against the context)", source=KV,
+      env="KVSERVE_MAX_INPUT_BYTES", convert=human_int, metavar="BYTES"),
     F("--pull-max-blob-size", "int", 0, "largest blob a pulled manifest may declare, bytes or 10G (0: no cap but "
       "free disk space, which every pull checks)", source=KV, env="KVSERVE_PULL_MAX_BLOB_SIZE", convert=human_int,
       metavar="BYTES"),

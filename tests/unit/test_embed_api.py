@@ -454,3 +454,74 @@ def test_v1_models_lists_an_unloaded_encoder_as_embedding(env):
     caps = {m["name"]: m["capabilities"] for m in client.get("/v1/models").json()["models"]}
     assert caps == {"enc:latest": ["embedding"], "gen:latest": ["completion"], "rr:latest": ["embedding"]}
     assert state.loaded_names == []  # listing read headers, loaded nothing
+
+
+# -- caps on lists and texts (issue 31: 10**6 rerank documents, 10**5 inputs, a 30 MB input) -----------
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+CAP = "(--max-batch-inputs raises the cap)"
+
+
+def test_batch_caps_on_every_embedding_route(env):
+    client, state, _ = env
+    many = ["w"] * 2049
+    cases = (("/v1/embeddings", {"model": "enc", "input": many}, "input", "inputs"),
+             ("/embedding", {"model": "enc", "content": many}, "content", "inputs"),
+             ("/rerank", {"model": "rr", "query": "q", "documents": many}, "documents", "documents"),
+             ("/rerank", {"model": "rr", "query": "q", "texts": many}, "texts", "documents"),
+             ("/v1/score", {"model": "rr", "text_1": "q", "text_2": many}, "text_2", "pairs"))
+    for path, body, field, what in cases:
+        r = post(client, path, body)
+        assert (r.status_code, r.json()["error"]["message"]) == (
+            400, f"Field '{field}': at most 2048 {what} per request, got 2049 {CAP}"), path
+    r = post(client, "/api/embed", {"model": "enc", "input": many})
+    assert (r.status_code, r.json()) == (400, {"error": f"Field 'input': at most 2048 inputs per request, got 2049 "
+                                                         f"{CAP}"})
+    state.args.max_batch_inputs = 4096  # the flag raises it
+    r = post(client, "/v1/embeddings", {"model": "enc", "input": many})
+    assert r.status_code == 200 and len(r.json()["data"]) == 2049
+
+
+def test_a_million_rerank_documents_are_refused_at_once(env):
+    """The attack run's repro: 10**6 documents (a 6 MB body) ran for minutes at 5.6 GB RSS."""
+    import time
+
+    client, *_ = env
+    t0 = time.monotonic()
+    r = post(client, "/v1/rerank", {"model": "rr", "query": "q", "documents": ["doc"] * 10 ** 6})
+    assert time.monotonic() - t0 < 5
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        400, f"Field 'documents': at most 2048 documents per request, got 1000000 {CAP}")
+
+
+def test_a_30_mb_text_is_refused_fast_and_small(env):
+    import time
+
+    client, state, _ = env
+    text = "word " * (6 << 20)  # 30 MiB
+    big = _peak_rss_mib()
+    bodies = (("/v1/embeddings", {"model": "enc", "input": text}, "input"),
+              ("/v1/embeddings", {"model": "enc", "input": ["x", text]}, "input"),
+              ("/embedding", {"model": "enc", "content": text}, "content"),
+              ("/rerank", {"model": "rr", "query": text, "documents": ["x"]}, "documents"),
+              ("/v1/score", {"model": "rr", "text_1": "q", "text_2": text}, "text_1"))
+    for path, body, field in bodies:
+        t0 = time.monotonic()
+        r = post(client, path, body)
+        assert time.monotonic() - t0 < 2, path
+        assert (r.status_code, r.json()["error"]["message"]) == (
+            400, f"Field '{field}': the text is larger than {2 << 20} bytes (--max-input-bytes raises the cap)"), path
+    for path, field in (("/api/embed", "input"), ("/api/embeddings", "prompt")):
+        r = post(client, path, {"model": "enc", field: text})
+        assert r.status_code == 400 and r.json() == {
+            "error": f"Field '{field}': the text is larger than {2 << 20} bytes (--max-input-bytes raises the cap)"}
+    assert _peak_rss_mib() - big < 500
+    # multi-byte text counts bytes, not characters: 1 MiB of 3-byte characters is 3 MiB
+    r = post(client, "/v1/embeddings", {"model": "enc", "input": "€" * (1 << 20)})
+    assert r.status_code == 400 and "larger than" in r.json()["error"]["message"]
+    assert post(client, "/v1/embeddings", {"model": "enc", "input": "€" * 1000}).status_code == 200
