@@ -25,6 +25,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
 from kvserve.models import ggml_kernel  # noqa: E402
 
 
+def _time(fn, x, reps: int, nbytes: int) -> dict:
+    """Median ms of ``fn(x)`` over ``reps`` runs after 3 warm-ups, and ``nbytes`` / that time in GB/s."""
+    for _ in range(3):
+        fn(x)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t0)
+    ms = statistics.median(times) * 1e3
+    return {"ms": round(ms, 3), "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=2048)
@@ -42,22 +55,18 @@ def main() -> int:
 
     rng = np.random.default_rng(0)
     out = {"n": a.n, "k": a.k, "threads": a.threads, "isa": mod.ISA, "types": {}}
+    # the same machine's read rate in this run: torch's float32 matrix-vector product (4 bytes a weight)
+    w32 = torch.from_numpy(rng.standard_normal((a.n, a.k)).astype(np.float32))
+    out["torch_f32_m1"] = _time(lambda x: torch.nn.functional.linear(x, w32), torch.ones(1, a.k), a.reps, w32.numel() * 4)
+    del w32
     for name in a.types.split(","):
         raw = random_rows(name, a.n, a.k, rng)
         mat = ggml_kernel.BlockMatrix(mod, [(raw, name)], a.k)
         res = {"bytes": int(raw.nbytes)}
         for m in (1, 16):
             x = torch.from_numpy(rng.standard_normal((m, a.k)).astype(np.float32))
-            for _ in range(3):
-                mat.mm(x)
-            times = []
-            for _ in range(a.reps):
-                t0 = time.perf_counter()
-                mat.mm(x)
-                times.append(time.perf_counter() - t0)
-            ms = statistics.median(times) * 1e3
-            res[f"ms_m{m}"] = round(ms, 3)
-            res[f"gbps_m{m}"] = round(raw.nbytes / (ms * 1e-3) / 1e9, 1)
+            r = _time(mat.mm, x, a.reps, raw.nbytes)
+            res[f"ms_m{m}"], res[f"gbps_m{m}"] = r["ms"], r["gbps"]
         out["types"][name] = res
     print(json.dumps(out, indent=1))
     return 0

@@ -38,7 +38,7 @@ def tiny_gguf(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def native_decode_build():
-    """The native decode step's extension, built once (blocking) into the user's cache
+    """The native decode step's extension (and the GGUF block kernels), built once (blocking) into the user's cache
     (``$KVSERVE_EXTENSIONS_DIR``, else ``$KVSERVE_HOME/extensions`` as set before any test
     changes it: ~/.cache/kvserve/extensions), which KVSERVE_EXTENSIONS_DIR then names for every
     test and test server: no server of a temporary KVSERVE_HOME starts a build of its own.
@@ -55,6 +55,11 @@ def native_decode_build():
     err = None if so.exists() else decode_native.build_in_child(nice=0)
     if err is None:
         os.environ["KVSERVE_EXTENSIONS_DIR"] = str(ext)
+        from kvserve.models import ggml_kernel
+
+        # the GGUF block kernels too (a model with Q8_0/K-quant matrices builds them at load): test
+        # servers then find them cached instead of building for a minute at start-up
+        ggml_kernel.ensure_built()
     else:
         print(f"native decode step not built ({err}): tests decode eagerly", file=sys.stderr)
     yield ext if err is None else None

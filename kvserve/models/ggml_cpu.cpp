@@ -272,15 +272,35 @@ void dot32(const uint8_t* w, int64_t nb, const Act32& a, int64_t r, float* out, 
 
 // ---------------------------------------------------------------- 256-value block types (q8_K)
 
-// Q4_K / Q5_K 6-bit scale and min of sub-block j (llama.cpp's get_scale_min_k4)
-inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    mn = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
+inline int hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// sum over the 16 groups of 16 of c[g] * bs[g]: c 16 int8 (signed), bs the row's 16 int16 sums
+inline int dot_bsums_i8(const int8_t* c, const int16_t* bs) {
+  const __m256i c16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+  return hsum_i32(_mm256_madd_epi16(c16, load32(bs)));
+}
+
+// sum over the 8 sub-blocks of 32 of c[j] * (bs[2 j] + bs[2 j + 1]): c 8 uint8
+inline int dot_bsums_pairs_u8(const uint8_t* c, const int16_t* bs) {
+  const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+  const __m256i c16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(c8, c8));  // c0 c0 c1 c1 ...
+  return hsum_i32(_mm256_madd_epi16(c16, load32(bs)));
+}
+
+// Q4_K / Q5_K's 12 bytes of 6-bit scales and mins -> sc[0..7], mn[0..7] (bytes): llama.cpp's
+// get_scale_min_k4 for all eight sub-blocks at once, on 32-bit words
+inline void scales_mins_k4(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
+  uint32_t u[3];
+  std::memcpy(u, q, 12);
+  const uint32_t s[2] = {u[0] & 0x3f3f3f3fu, (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)};
+  const uint32_t m[2] = {u[1] & 0x3f3f3f3fu, ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)};
+  std::memcpy(sc, s, 8);
+  std::memcpy(mn, m, 8);
 }
 
 template <int MR, bool FIVE>
@@ -298,10 +318,9 @@ void dot_q45k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out
     const uint8_t* blk = w + b * BYTES;
     _mm_prefetch(reinterpret_cast<const char*>(blk + 1024), _MM_HINT_T0);
     const float d = h2f(blk), dmin = h2f(blk + 2);
-    const uint8_t* sc12 = blk + 4;
     const uint8_t* qs = blk + (FIVE ? 48 : 16);
-    int sc[8], mn[8];
-    for (int j = 0; j < 8; ++j) scale_min_k4(j, sc12, sc[j], mn[j]);
+    uint8_t sc[8], mn[8];
+    scales_mins_k4(blk + 4, sc, mn);
     __m256i u[8];
     const __m256i qh = FIVE ? load32(blk + 16) : _mm256_setzero_si256();
     for (int p = 0; p < 4; ++p) {
@@ -319,8 +338,7 @@ void dot_q45k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out
       const int16_t* bs = a.bs + row * (K / 16) + b * 16;
       __m256i sumi = _mm256_setzero_si256();
       for (int j = 0; j < 8; ++j) sumi = _mm256_add_epi32(sumi, dot_us_scaled(u[j], load32(xq + 32 * j), sc[j], sc[j]));
-      int msum = 0;
-      for (int j = 0; j < 8; ++j) msum += mn[j] * (bs[2 * j] + bs[2 * j + 1]);
+      const int msum = dot_bsums_pairs_u8(mn, bs);
       const float dx = a.d[row * NB + b];
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * dx), acc[i]);
       accm[i] += dmin * dx * static_cast<float>(msum);
@@ -357,8 +375,7 @@ void dot_q6k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
       const int16_t* bs = a.bs + row * (K / 16) + b * 16;
       __m256i sumi = _mm256_setzero_si256();
       for (int k = 0; k < 8; ++k) sumi = _mm256_add_epi32(sumi, dot_us_scaled(u[k], load32(xq + 32 * k), sc[2 * k], sc[2 * k + 1]));
-      int off = 0;  // the -32 of every value
-      for (int g = 0; g < 16; ++g) off += sc[g] * bs[g];
+      const int off = dot_bsums_i8(sc, bs);  // the -32 of every value
       const __m256i tot = _mm256_sub_epi32(sumi, _mm256_setr_epi32(32 * off, 0, 0, 0, 0, 0, 0, 0));
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(d * a.d[row * NB + b]), acc[i]);
     }
@@ -381,6 +398,8 @@ void dot_q2k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
     _mm_prefetch(reinterpret_cast<const char*>(blk + 1024), _MM_HINT_T0);
     const uint8_t* scales = blk;
     const float d = h2f(blk + 80), dmin = h2f(blk + 82);
+    int8_t mins[16];  // 0..15: int8 for dot_bsums_i8
+    for (int g = 0; g < 16; ++g) mins[g] = static_cast<int8_t>(scales[g] >> 4);
     __m256i u[8];
     for (int n = 0; n < 2; ++n) {
       const __m256i q = load32(blk + 16 + 32 * n);
@@ -393,8 +412,7 @@ void dot_q2k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
       __m256i sumi = _mm256_setzero_si256();
       for (int k = 0; k < 8; ++k)
         sumi = _mm256_add_epi32(sumi, dot_us_scaled(u[k], load32(xq + 32 * k), scales[2 * k] & 0xF, scales[2 * k + 1] & 0xF));
-      int msum = 0;
-      for (int g = 0; g < 16; ++g) msum += (scales[g] >> 4) * bs[g];
+      const int msum = dot_bsums_i8(mins, bs);
       const float dx = a.d[row * NB + b];
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(d * dx), acc[i]);
       accm[i] += dmin * dx * static_cast<float>(msum);
@@ -414,11 +432,11 @@ void dot_q3k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
     _mm_prefetch(reinterpret_cast<const char*>(blk + 1024), _MM_HINT_T0);
     const uint8_t* s = blk + 96;
     const float d = h2f(blk + 108);
-    int sc[16];
+    int8_t sc[16];
     for (int g = 0; g < 16; ++g) {
       const int low = g < 8 ? (s[g] & 0xF) : (s[g - 8] >> 4);
       const int high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
-      sc[g] = (low | (high << 4)) - 32;
+      sc[g] = static_cast<int8_t>((low | (high << 4)) - 32);
     }
     const __m256i hm = load32(blk);
     __m256i u[8];  // values 0..7 (w = u - 4)
@@ -435,8 +453,7 @@ void dot_q3k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
       const int16_t* bs = a.bs + row * (K / 16) + b * 16;
       __m256i sumi = _mm256_setzero_si256();
       for (int k = 0; k < 8; ++k) sumi = _mm256_add_epi32(sumi, dot_us_scaled(u[k], load32(xq + 32 * k), sc[2 * k], sc[2 * k + 1]));
-      int off = 0;  // the -4 of every value
-      for (int g = 0; g < 16; ++g) off += sc[g] * bs[g];
+      const int off = dot_bsums_i8(sc, bs);  // the -4 of every value
       const __m256i tot = _mm256_sub_epi32(sumi, _mm256_setr_epi32(4 * off, 0, 0, 0, 0, 0, 0, 0));
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_set1_ps(d * a.d[row * NB + b]), acc[i]);
     }
