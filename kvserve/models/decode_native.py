@@ -459,7 +459,12 @@ class NativeDecode:
             t.append(layer.wqkv.bias.contiguous() if layer.wqkv.bias is not None else empty)
             layers.append(t)
         dec = mod.Decoder(layers, c.n_head, c.n_head_kv, c.head_dim, float(c.rms_eps))
-        head = m.output.weight if m.output.weight is not None else None
+        head = m.output.weight
+        if head is None and getattr(m.output, "blocks", None) is not None and m.output.blocks.types == ["Q8_0"]:
+            # a Q8_0 head kept as the file's blocks (SmolLM2's tied embedding): the step requantizes
+            # it into its own tiles, as it did when the loader dequantized it (the float copy is
+            # transient); the step's head is one call, not a second thread pool after the step
+            head = m.output.blocks.dequantize()
         if head is not None and head.shape[1] % 64 == 0:
             dec.set_head(m.output_norm.weight.contiguous(), *pack_q8(head, layout), head.shape[0])
             self.native_head = True

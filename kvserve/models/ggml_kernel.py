@@ -157,6 +157,7 @@ class BlockMatrix:
         import gguf
 
         self.parts = [np.ascontiguousarray(r) for r, _ in parts]  # views stay views when already contiguous
+        self.types = [name for _, name in parts]
         types, rows = [], []
         for raw, name in parts:
             qt = gguf.GGMLQuantizationType[name]
@@ -174,6 +175,15 @@ class BlockMatrix:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> [M, N] float32 (see the module docstring for the arithmetic)."""
         return self._m.mm(x)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: the blocks' values (gguf's dequantization), a new tensor; for callers
+        that repack the weights into a layout of their own (the native decode step's head)."""
+        from kvserve.loaders.weights import Weight
+
+        k = self.shape[1]
+        return torch.from_numpy(np.concatenate(
+            [Weight((p.shape[0], k), raw=p, source_type=t).to_dense() for p, t in zip(self.parts, self.types)]))
 
 
 def main(argv: list[str]) -> int:
