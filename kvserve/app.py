@@ -144,7 +144,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(CrashGuardMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.args.max_request_bytes, unlimited=("/api/blobs/",))
     app.add_middleware(HeadAsGetMiddleware)
-    add_security(app, state.args.api_keys, cors_policy(state.args))
+    add_security(app, state.args.api_keys, cors_policy(state.args), public_assets=not state.args.path)
     add_api_guard(app, state.args.host)  # Ollama's routes: local origins and hosts only
     app.add_middleware(DialectErrorMiddleware)  # every error on /api and /v1/messages in its dialect
     if getattr(state.args, "api_prefix", ""):  # outermost: every guard then sees the path below the prefix

@@ -90,24 +90,32 @@ class ApiKeyMiddleware:
     (in Anthropic's envelope ``{"type": "error", "error": {...}}`` on ``/v1/messages`` and
     below, in llama-server's everywhere else).
 
+    A request with more than one ``Authorization`` or ``X-Api-Key`` header is refused the same
+    way (which one counts would depend on the proxy in front).
+
     Args:
         app: the wrapped ASGI app.
         keys: accepted keys; empty disables the check.
+        public_prefixes: path prefixes served without a key (:data:`PUBLIC_PREFIXES`, the built-in
+            page's assets; none with ``--path``, whose files need the key as llama-server's do).
     """
 
-    def __init__(self, app, keys: list[str]):
+    def __init__(self, app, keys: list[str], public_prefixes: tuple[str, ...] = PUBLIC_PREFIXES):
         self.app = app
         self.keys = list(keys)
+        self.public_prefixes = tuple(public_prefixes)
 
     async def __call__(self, scope, receive, send):
         path = route_path(scope)
-        if scope["type"] != "http" or not self.keys or path in PUBLIC_PATHS \
-                or path.startswith(PUBLIC_PREFIXES) or scope.get("method") == "OPTIONS":
+        public = path in PUBLIC_PATHS or bool(self.public_prefixes and path.startswith(self.public_prefixes))
+        if scope["type"] != "http" or not self.keys or public or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
+        raw = scope.get("headers") or []
+        headers = dict(raw)
         key = request_key(headers)
-        if key_matches(key, self.keys):
+        single = sum(n.lower() in (b"authorization", b"x-api-key") for n, _ in raw) <= 1
+        if single and key_matches(key, self.keys):
             token = _CALLER.set(hashlib.sha256(key.encode()).hexdigest()[:16])
             try:
                 await self.app(scope, receive, send)
@@ -234,11 +242,12 @@ class CorsMiddleware:
         await self.app(scope, receive, with_cors)
 
 
-def add_security(app, api_keys: list[str], cors: CorsPolicy | list[str]) -> None:
+def add_security(app, api_keys: list[str], cors: CorsPolicy | list[str], public_assets: bool = True) -> None:
     """Wrap ``app`` with the key check and, outside it, CORS (a :class:`CorsPolicy`, or a list of
-    origins with llama-server's defaults for the rest)."""
+    origins with llama-server's defaults for the rest). ``public_assets`` False (``--path``): files
+    under ``/webui/`` need the key too."""
     policy = cors if isinstance(cors, CorsPolicy) else CorsPolicy(list(cors) or ["*"])
-    app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+    app.add_middleware(ApiKeyMiddleware, keys=api_keys, public_prefixes=PUBLIC_PREFIXES if public_assets else ())
     app.add_middleware(CorsMiddleware, policy=policy)
 
 
@@ -311,8 +320,8 @@ class ApiOriginGuard:
     def _origin_ok(self, origin: str) -> bool:
         import fnmatch
 
-        o = origin.strip().lower()
-        return any(fnmatch.fnmatchcase(o, p.lower()) for p in self.origins)
+        o = origin.strip().lower()  # "[" of an IPv6 origin is literal, not a character class
+        return any(fnmatch.fnmatchcase(o, p.lower().replace("[", "[[]")) for p in self.origins)
 
     async def __call__(self, scope, receive, send):
         path = route_path(scope) if scope["type"] == "http" else ""
