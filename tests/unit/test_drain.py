@@ -99,3 +99,74 @@ def test_a_request_that_finishes_within_the_grace_ends_as_usual():
 def test_a_request_arriving_while_draining_is_refused():
     sent = _run(_quick_after(0.0), "/api/tags", before=True, begin_after=0.0)
     assert sent[0]["status"] == 503 and json.loads(_body(sent)) == {"error": SHUTTING_DOWN}
+
+
+# -- idle and slow connections (slowloris) ----------------------------------------------------------
+
+def _live(monkeypatch, **consts):
+    import kvserve.app as app_mod
+    import kvserve.faces.http as http_mod
+    from test_hardening_http import _Live, _state
+
+    for name, value in consts.items():
+        monkeypatch.setattr(http_mod if name == "BODY_IDLE_S" else app_mod, name, value)
+    return _Live(app_mod.build_app(_state()))
+
+
+def _closed_within(sock, seconds: float) -> bytes:
+    import time
+
+    sock.settimeout(seconds)
+    data = b""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    raise AssertionError("still open")
+
+
+def test_half_open_and_slow_header_connections_are_closed(monkeypatch):
+    import socket
+
+    with _live(monkeypatch, HEADER_TIMEOUT_S=0.5) as live:
+        idle = socket.create_connection(("127.0.0.1", live.port))
+        slow = socket.create_connection(("127.0.0.1", live.port))
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finishes its head
+        assert _closed_within(idle, 5) == b"" and _closed_within(slow, 5) == b""
+        ok = socket.create_connection(("127.0.0.1", live.port))  # a whole head in time is served
+        ok.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        ok.settimeout(5)
+        assert ok.recv(65536).startswith(b"HTTP/1.1 503 ")  # the model is loading
+        for s in (idle, slow, ok):
+            s.close()
+
+
+def test_connections_beyond_the_cap_are_closed(monkeypatch):
+    import socket
+
+    with _live(monkeypatch, MAX_CONNECTIONS=3) as live:
+        socks = [socket.create_connection(("127.0.0.1", live.port)) for _ in range(3)]
+        extra = socket.create_connection(("127.0.0.1", live.port))
+        assert _closed_within(extra, 5) == b""
+        socks[0].sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # the first three are served
+        socks[0].settimeout(5)
+        assert socks[0].recv(65536).startswith(b"HTTP/1.1 503 ")
+        for s in (*socks, extra):
+            s.close()
+
+
+def test_a_body_that_stops_arriving_is_408(monkeypatch):
+    import socket
+
+    with _live(monkeypatch, BODY_IDLE_S=0.5) as live:
+        s = socket.create_connection(("127.0.0.1", live.port))
+        s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"content\": ")
+        s.settimeout(10)
+        data = s.recv(65536)
+        s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ")
+    assert json.loads(body)["error"]["message"] == "the request body sent nothing for 0.5 s"
