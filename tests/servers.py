@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]  # the repository root (this file is tests/servers.py)
 HEALTH_TIMEOUT_S = 120.0
 
 
