@@ -146,7 +146,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.args.max_request_bytes, unlimited=("/api/blobs/",))
     app.add_middleware(HeadAsGetMiddleware)
     add_security(app, state.args.api_keys, cors_policy(state.args), public_assets=not state.args.path)
-    add_api_guard(app, state.args.host)  # Ollama's routes: local origins and hosts only
+    add_api_guard(app, state.args.host, keyed=bool(state.args.api_keys))  # /api: local origins and hosts only
     app.add_middleware(DialectErrorMiddleware)  # every error on /api and /v1/messages in its dialect
     app.state.drain = Drain(getattr(state.args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT))
     app.add_middleware(DrainMiddleware, drain=app.state.drain)  # SIGTERM: finish or end each request

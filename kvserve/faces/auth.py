@@ -267,6 +267,8 @@ LOCAL_ORIGINS = tuple(f"{scheme}://{host}{port}" for scheme in ("http", "https")
 
 _FORBIDDEN = json.dumps({"error": "origin not allowed"}, separators=(",", ":")).encode()
 _BAD_HOST = json.dumps({"error": "host not allowed"}, separators=(",", ":")).encode()
+_BAD_HOST_LLAMA = json.dumps({"error": {"message": "host not allowed", "type": "permission_error", "code": 403}},
+                             separators=(",", ":")).encode()
 
 
 def _host_of(value: str) -> str:
@@ -300,18 +302,23 @@ class ApiOriginGuard:
     models): a browser request whose ``Origin`` is not local (Ollama's defaults, plus
     ``OLLAMA_ORIGINS``) gets 403, preflights included; and when the server listens on loopback, a
     ``Host`` that is not a loopback name gets 403 (DNS rebinding), as Ollama does. The other faces
-    keep llama-server's CORS rules (``--cors-origins``, default ``*``).
+    keep llama-server's CORS rules (``--cors-origins``, default ``*``), with one check more (issue
+    31): on a loopback listener without ``--api-key``, a browser request (one with an ``Origin``)
+    whose ``Host`` is not a loopback name gets 403 ``host not allowed`` in llama-server's envelope,
+    so a DNS-rebinding page cannot use the server. Programs send no ``Origin`` and are not affected;
+    with a key the key is the fence.
 
     Args:
         bind_host: the address the server listens on (``--host``).
         extra_origins: more allowed origin patterns (``OLLAMA_ORIGINS``, comma-separated).
     """
 
-    def __init__(self, app, bind_host: str = "127.0.0.1", extra_origins: tuple[str, ...] = ()):
+    def __init__(self, app, bind_host: str = "127.0.0.1", extra_origins: tuple[str, ...] = (), keyed: bool = False):
         import ipaddress
 
         self.app = app
         self.origins = LOCAL_ORIGINS + tuple(extra_origins)
+        self.keyed = keyed
         try:
             self.check_host = ipaddress.ip_address(bind_host.strip("[]")).is_loopback
         except ValueError:
@@ -333,6 +340,11 @@ class ApiOriginGuard:
             host = headers.get(b"host")
             if self.check_host and host is not None and not local_host(_host_of(host.decode("latin-1"))):
                 return await _plain(send, 403, _BAD_HOST)
+        elif path and self.check_host and not self.keyed:
+            headers = {k.lower(): v for k, v in scope.get("headers", [])}
+            host = headers.get(b"host")
+            if b"origin" in headers and host is not None and not local_host(_host_of(host.decode("latin-1"))):
+                return await _plain(send, 403, _BAD_HOST_LLAMA)
         await self.app(scope, receive, send)
 
 
@@ -343,9 +355,9 @@ async def _plain(send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def add_api_guard(app, bind_host: str) -> None:
+def add_api_guard(app, bind_host: str, keyed: bool = False) -> None:
     """Mount :class:`ApiOriginGuard` outermost (call after :func:`add_security`)."""
     import os
 
     extra = tuple(o.strip() for o in os.environ.get("OLLAMA_ORIGINS", "").split(",") if o.strip())
-    app.add_middleware(ApiOriginGuard, bind_host=bind_host, extra_origins=extra)
+    app.add_middleware(ApiOriginGuard, bind_host=bind_host, extra_origins=extra, keyed=keyed)
