@@ -35,6 +35,7 @@ from starlette.responses import Response
 from kvserve.engine.request import InvalidRequestError
 from kvserve.errors import KvserveError
 from kvserve.faces.auth import add_api_guard, add_security, cors_policy
+from kvserve.faces.connections import guarded_protocol
 from kvserve.faces.drain import Drain, DrainMiddleware
 from kvserve.faces.envelopes import DialectErrorMiddleware
 from kvserve.faces.paths import ApiPrefixMiddleware
@@ -213,73 +214,19 @@ def _scheme(args) -> str:
     return "https" if getattr(args, "ssl_key_file", None) and getattr(args, "ssl_cert_file", None) else "http"
 
 
-HEADER_TIMEOUT_S = 30.0  # seconds a connection has to send a whole request head (slowloris, half-open)
-MAX_CONNECTIONS = 4096  # open connections at most; a newer one is closed at once
-
-
 def http_protocol():
     """uvicorn's HTTP protocol class (httptools when installed, else h11, as ``http="auto"``)
     with its answer to an unparseable request in the error envelope: uvicorn writes a plain
     text ``Invalid HTTP request received.`` from ``send_400_response``, which the app never
-    sees; overriding that method (a documented ``Config(http=...)`` class) is the one place. The
-    httptools class also closes a connection that sends no complete request head within
-    :data:`HEADER_TIMEOUT_S` seconds (after it opens, and after each response: slowloris and
-    half-open sockets), and one beyond :data:`MAX_CONNECTIONS` open ones. When
-    the request's path was read before the error, the answer is in that route's dialect (Ollama's
-    on ``/api``, Anthropic's on ``/v1/messages``: :mod:`kvserve.faces.envelopes`)."""
-    from kvserve.faces.envelopes import dialect_error_body, dialect_of
-
-    text = "Invalid HTTP request received."
-
-    def answer(url: bytes | None) -> tuple[bytes, list[tuple[bytes, bytes]]]:
-        path = (url or b"").split(b"?", 1)[0].decode("latin-1")
-        dialect = dialect_of(path)
-        obj = dialect_error_body(dialect, 400, text) if dialect else ApiError(400, text).body()
-        body = dumps(obj).encode()
-        return body, [(b"content-type", b"application/json; charset=utf-8"),
-                      (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
-
+    sees; overriding that method (a documented ``Config(http=...)`` class) is the one place."""
+    body = dumps(ApiError(400, "Invalid HTTP request received.").body()).encode()
+    head = [(b"content-type", b"application/json; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
         class JsonErrorHttpTools(HttpToolsProtocol):
-            _header_timer = None
-
-            def connection_made(self, transport) -> None:  # type: ignore[override]
-                super().connection_made(transport)
-                if len(self.connections) > MAX_CONNECTIONS:  # a flood of idle sockets: refuse the newest
-                    transport.close()
-                    return
-                self._arm_header_timer()
-
-            def _arm_header_timer(self) -> None:
-                self._header_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._header_timeout)
-
-            def _header_timeout(self) -> None:  # no complete request head in time (slowloris, half-open)
-                if not self.transport.is_closing():
-                    self.transport.close()
-
-            def _cancel_header_timer(self) -> None:
-                if self._header_timer is not None:
-                    self._header_timer.cancel()
-                    self._header_timer = None
-
-            def on_headers_complete(self) -> None:
-                self._cancel_header_timer()
-                super().on_headers_complete()
-
-            def on_response_complete(self) -> None:
-                super().on_response_complete()
-                if not self.transport.is_closing():  # the next request's head has the same bound
-                    self._cancel_header_timer()
-                    self._arm_header_timer()
-
-            def connection_lost(self, exc) -> None:
-                self._cancel_header_timer()
-                super().connection_lost(exc)
-
             def send_400_response(self, msg: str) -> None:
-                body, head = answer(getattr(self, "url", None))
                 lines = [b"HTTP/1.1 400 Bad Request\r\n"]
                 lines += [n + b": " + v + b"\r\n" for n, v in list(self.server_state.default_headers) + head]
                 self.transport.write(b"".join(lines) + b"\r\n" + body)
@@ -292,7 +239,6 @@ def http_protocol():
 
         class JsonErrorH11(H11Protocol):
             def send_400_response(self, msg: str) -> None:
-                body, head = answer(None)
                 self.transport.write(self.conn.send(h11.Response(status_code=400, headers=head,
                                                                  reason=b"Bad Request")))
                 self.transport.write(self.conn.send(h11.Data(data=body)))
@@ -317,7 +263,7 @@ def uvicorn_config(app, args=None, **kw):
     grace = getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT) if args is not None else 0.0
     # uvicorn's own deadline comes after DrainMiddleware's (--shutdown-timeout), which ends requests in their dialect
     opts = dict(log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=grace + 3,
-                http=http_protocol())
+                http=guarded_protocol(http_protocol()))
     if args is not None:
         if args.ssl_key_file and args.ssl_cert_file:
             opts.update(ssl_keyfile=args.ssl_key_file, ssl_certfile=args.ssl_cert_file,

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]  # the repository root (this file is tests/servers.py)
+REPO = Path(__file__).resolve().parents[1]  # the checkout this file is in: its servers run its code
 HEALTH_TIMEOUT_S = 120.0
 
 

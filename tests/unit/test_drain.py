@@ -105,11 +105,12 @@ def test_a_request_arriving_while_draining_is_refused():
 
 def _live(monkeypatch, **consts):
     import kvserve.app as app_mod
+    import kvserve.faces.connections as conn_mod
     import kvserve.faces.http as http_mod
     from test_hardening_http import _Live, _state
 
     for name, value in consts.items():
-        monkeypatch.setattr(http_mod if name == "BODY_IDLE_S" else app_mod, name, value)
+        monkeypatch.setattr(http_mod if name == "BODY_IDLE_S" else conn_mod, name, value)
     return _Live(app_mod.build_app(_state()))
 
 
