@@ -218,15 +218,27 @@ def http_protocol():
     """uvicorn's HTTP protocol class (httptools when installed, else h11, as ``http="auto"``)
     with its answer to an unparseable request in the error envelope: uvicorn writes a plain
     text ``Invalid HTTP request received.`` from ``send_400_response``, which the app never
-    sees; overriding that method (a documented ``Config(http=...)`` class) is the one place."""
-    body = dumps(ApiError(400, "Invalid HTTP request received.").body()).encode()
-    head = [(b"content-type", b"application/json; charset=utf-8"),
-            (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+    sees; overriding that method (a documented ``Config(http=...)`` class) is the one place. When
+    the request's path was read before the error, the answer is in that route's dialect (Ollama's
+    on ``/api``, Anthropic's on ``/v1/messages``: :mod:`kvserve.faces.envelopes`)."""
+    from kvserve.faces.envelopes import dialect_error_body, dialect_of
+
+    text = "Invalid HTTP request received."
+
+    def answer(url: bytes | None) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+        path = (url or b"").split(b"?", 1)[0].decode("latin-1")
+        dialect = dialect_of(path)
+        obj = dialect_error_body(dialect, 400, text) if dialect else ApiError(400, text).body()
+        body = dumps(obj).encode()
+        return body, [(b"content-type", b"application/json; charset=utf-8"),
+                      (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
         class JsonErrorHttpTools(HttpToolsProtocol):
             def send_400_response(self, msg: str) -> None:
+                body, head = answer(getattr(self, "url", None))
                 lines = [b"HTTP/1.1 400 Bad Request\r\n"]
                 lines += [n + b": " + v + b"\r\n" for n, v in list(self.server_state.default_headers) + head]
                 self.transport.write(b"".join(lines) + b"\r\n" + body)
@@ -239,6 +251,7 @@ def http_protocol():
 
         class JsonErrorH11(H11Protocol):
             def send_400_response(self, msg: str) -> None:
+                body, head = answer(None)
                 self.transport.write(self.conn.send(h11.Response(status_code=400, headers=head,
                                                                  reason=b"Bad Request")))
                 self.transport.write(self.conn.send(h11.Data(data=body)))

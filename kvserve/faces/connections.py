@@ -1,4 +1,4 @@
-"""Bounds on connections, below the app (issue 31, Build 8 and 7).
+"""Bounds on connections, below the app (issue 31, Build 8).
 
 :func:`guarded_protocol` wraps uvicorn's httptools protocol class (the one
 :func:`kvserve.app.http_protocol` gives) so that:
@@ -7,10 +7,7 @@
   opens and after each response, is closed (slowloris headers, half-open sockets: the attack run held
   5,000 open and nothing closed them); uvicorn's keep-alive timeout still closes idle connections
   sooner;
-* a connection beyond :data:`MAX_CONNECTIONS` open ones is closed at once;
-* uvicorn's ``Invalid HTTP request received.`` 400, when the request's path was read before the error,
-  is in that route's dialect (Ollama's on ``/api``, Anthropic's on ``/v1/messages``:
-  :mod:`kvserve.faces.envelopes`); other paths keep the class's own answer.
+* a connection beyond :data:`MAX_CONNECTIONS` open ones is closed at once.
 
 The h11 class (used when httptools is missing) is returned unchanged. Slow bodies are bounded in
 :class:`kvserve.faces.http.BodyLimitMiddleware` (``BODY_IDLE_S``).
@@ -18,15 +15,10 @@ The h11 class (used when httptools is missing) is returned unchanged. Slow bodie
 
 from __future__ import annotations
 
-import json
-
-from kvserve.faces.envelopes import dialect_error_body, dialect_of
-
 __all__ = ["HEADER_TIMEOUT_S", "MAX_CONNECTIONS", "guarded_protocol"]
 
 HEADER_TIMEOUT_S = 30.0  # seconds a connection has to send a whole request head
 MAX_CONNECTIONS = 4096  # open connections at most; a newer one is closed at once
-_INVALID = "Invalid HTTP request received."
 
 
 def guarded_protocol(cls: type) -> type:
@@ -74,20 +66,6 @@ def guarded_protocol(cls: type) -> type:
         def connection_lost(self, exc) -> None:
             self._cancel_header_timer()
             super().connection_lost(exc)
-
-        def send_400_response(self, msg: str) -> None:
-            path = (getattr(self, "url", None) or b"").split(b"?", 1)[0].decode("latin-1")
-            dialect = dialect_of(path)
-            if dialect is None:
-                super().send_400_response(msg)
-                return
-            body = json.dumps(dialect_error_body(dialect, 400, _INVALID), separators=(",", ":")).encode()
-            head = [(b"Content-Type", b"application/json; charset=utf-8"),
-                    (b"Content-Length", str(len(body)).encode()), (b"Connection", b"close")]
-            lines = [b"HTTP/1.1 400 Bad Request\r\n"]
-            lines += [n + b": " + v + b"\r\n" for n, v in list(self.server_state.default_headers) + head]
-            self.transport.write(b"".join(lines) + b"\r\n" + body)
-            self.transport.close()
 
     Guarded.__name__ = Guarded.__qualname__ = f"Guarded{cls.__name__}"
     return Guarded
