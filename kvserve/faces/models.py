@@ -248,7 +248,8 @@ def model_entry(state: ServerState, m: ServableModel, created: int) -> dict:
     # --tags: llama-server's model_tags, a std::set (sorted, each once), on every model served
     d = {"id": m.name, "aliases": list(m.aliases), "tags": sorted(set(getattr(state.args, "tags", ()) or ())),
          "object": "model", "created": created,
-         "owned_by": "llamacpp", "root": shown_path(state.args, m.path, m.name), "parent": None, "max_model_len": _max_model_len(state, m),
+         "owned_by": "llamacpp", "root": shown_path(state.args, m.path, m.name), "parent": None,
+         "max_model_len": _max_model_len(state, m),
          "permission": _permission(created), "status": {"value": _status(m)}}
     r = m.runner
     if r is not None and r.engine is not None:
