@@ -35,6 +35,8 @@ from starlette.responses import Response
 from kvserve.engine.request import InvalidRequestError
 from kvserve.errors import KvserveError
 from kvserve.faces.auth import add_api_guard, add_security, cors_policy
+from kvserve.faces.connections import guarded_protocol
+from kvserve.faces.drain import Drain, DrainMiddleware
 from kvserve.faces.envelopes import DialectErrorMiddleware
 from kvserve.faces.paths import ApiPrefixMiddleware
 from kvserve.faces.errors import ApiError
@@ -144,9 +146,11 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(CrashGuardMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.args.max_request_bytes, unlimited=("/api/blobs/",))
     app.add_middleware(HeadAsGetMiddleware)
-    add_security(app, state.args.api_keys, cors_policy(state.args))
-    add_api_guard(app, state.args.host)  # Ollama's routes: local origins and hosts only
+    add_security(app, state.args.api_keys, cors_policy(state.args), public_assets=not state.args.path)
+    add_api_guard(app, state.args.host, keyed=bool(state.args.api_keys))  # /api: local origins and hosts only
     app.add_middleware(DialectErrorMiddleware)  # every error on /api and /v1/messages in its dialect
+    app.state.drain = Drain(getattr(state.args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT))
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)  # SIGTERM: finish or end each request
     if getattr(state.args, "api_prefix", ""):  # outermost: every guard then sees the path below the prefix
         app.add_middleware(ApiPrefixMiddleware, prefix=state.args.api_prefix)
     if state.args.log_verbosity >= 4:  # -v / -lv 4: llama-server's request and response debug lines
@@ -274,8 +278,10 @@ def uvicorn_config(app, args=None, **kw):
     ``--uvicorn-log-level``."""
     import uvicorn
 
-    opts = dict(log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=3,
-                http=http_protocol())
+    grace = getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT) if args is not None else 0.0
+    # uvicorn's own deadline comes after DrainMiddleware's (--shutdown-timeout), which ends requests in their dialect
+    opts = dict(log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=grace + 3,
+                http=guarded_protocol(http_protocol()))
     if args is not None:
         if args.ssl_key_file and args.ssl_cert_file:
             opts.update(ssl_keyfile=args.ssl_key_file, ssl_certfile=args.ssl_cert_file,
@@ -371,6 +377,31 @@ async def _preload(state: ServerState, on_fail) -> None:
         on_fail()
 
 
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds (--shutdown-timeout)
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server that starts the app's :class:`~kvserve.faces.drain.Drain` on SIGTERM/SIGINT."""
+
+        def __init__(self, config, drain: Drain):
+            super().__init__(config)
+            self.drain = drain
+
+        def handle_exit(self, sig, frame) -> None:
+            self.drain.begin()
+            super().handle_exit(sig, frame)
+
+    return DrainingServer
+
+
+def _draining_server(config, drain: Drain):
+    """A uvicorn server for ``config`` that begins ``drain`` when it is told to exit."""
+    return _draining_server_class()(config, drain)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit status."""
     import uvicorn
@@ -416,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in socks:
             s.close()
         return 1
-    server = uvicorn.Server(config)
+    server = _draining_server(config, app.state.drain)
     failed = threading.Event()
 
     def on_fail() -> None:

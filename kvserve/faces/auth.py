@@ -90,24 +90,32 @@ class ApiKeyMiddleware:
     (in Anthropic's envelope ``{"type": "error", "error": {...}}`` on ``/v1/messages`` and
     below, in llama-server's everywhere else).
 
+    A request with more than one ``Authorization`` or ``X-Api-Key`` header is refused the same
+    way (which one counts would depend on the proxy in front).
+
     Args:
         app: the wrapped ASGI app.
         keys: accepted keys; empty disables the check.
+        public_prefixes: path prefixes served without a key (:data:`PUBLIC_PREFIXES`, the built-in
+            page's assets; none with ``--path``, whose files need the key as llama-server's do).
     """
 
-    def __init__(self, app, keys: list[str]):
+    def __init__(self, app, keys: list[str], public_prefixes: tuple[str, ...] = PUBLIC_PREFIXES):
         self.app = app
         self.keys = list(keys)
+        self.public_prefixes = tuple(public_prefixes)
 
     async def __call__(self, scope, receive, send):
         path = route_path(scope)
-        if scope["type"] != "http" or not self.keys or path in PUBLIC_PATHS \
-                or path.startswith(PUBLIC_PREFIXES) or scope.get("method") == "OPTIONS":
+        public = path in PUBLIC_PATHS or bool(self.public_prefixes and path.startswith(self.public_prefixes))
+        if scope["type"] != "http" or not self.keys or public or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
+        raw = scope.get("headers") or []
+        headers = dict(raw)
         key = request_key(headers)
-        if key_matches(key, self.keys):
+        single = sum(n.lower() in (b"authorization", b"x-api-key") for n, _ in raw) <= 1
+        if single and key_matches(key, self.keys):
             token = _CALLER.set(hashlib.sha256(key.encode()).hexdigest()[:16])
             try:
                 await self.app(scope, receive, send)
@@ -234,11 +242,12 @@ class CorsMiddleware:
         await self.app(scope, receive, with_cors)
 
 
-def add_security(app, api_keys: list[str], cors: CorsPolicy | list[str]) -> None:
+def add_security(app, api_keys: list[str], cors: CorsPolicy | list[str], public_assets: bool = True) -> None:
     """Wrap ``app`` with the key check and, outside it, CORS (a :class:`CorsPolicy`, or a list of
-    origins with llama-server's defaults for the rest)."""
+    origins with llama-server's defaults for the rest). ``public_assets`` False (``--path``): files
+    under ``/webui/`` need the key too."""
     policy = cors if isinstance(cors, CorsPolicy) else CorsPolicy(list(cors) or ["*"])
-    app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+    app.add_middleware(ApiKeyMiddleware, keys=api_keys, public_prefixes=PUBLIC_PREFIXES if public_assets else ())
     app.add_middleware(CorsMiddleware, policy=policy)
 
 
@@ -258,6 +267,8 @@ LOCAL_ORIGINS = tuple(f"{scheme}://{host}{port}" for scheme in ("http", "https")
 
 _FORBIDDEN = json.dumps({"error": "origin not allowed"}, separators=(",", ":")).encode()
 _BAD_HOST = json.dumps({"error": "host not allowed"}, separators=(",", ":")).encode()
+_BAD_HOST_LLAMA = json.dumps({"error": {"message": "host not allowed", "type": "permission_error", "code": 403}},
+                             separators=(",", ":")).encode()
 
 
 def _host_of(value: str) -> str:
@@ -291,18 +302,23 @@ class ApiOriginGuard:
     models): a browser request whose ``Origin`` is not local (Ollama's defaults, plus
     ``OLLAMA_ORIGINS``) gets 403, preflights included; and when the server listens on loopback, a
     ``Host`` that is not a loopback name gets 403 (DNS rebinding), as Ollama does. The other faces
-    keep llama-server's CORS rules (``--cors-origins``, default ``*``).
+    keep llama-server's CORS rules (``--cors-origins``, default ``*``), with one check more (issue
+    31): on a loopback listener without ``--api-key``, a browser request (one with an ``Origin``)
+    whose ``Host`` is not a loopback name gets 403 ``host not allowed`` in llama-server's envelope,
+    so a DNS-rebinding page cannot use the server. Programs send no ``Origin`` and are not affected;
+    with a key the key is the fence.
 
     Args:
         bind_host: the address the server listens on (``--host``).
         extra_origins: more allowed origin patterns (``OLLAMA_ORIGINS``, comma-separated).
     """
 
-    def __init__(self, app, bind_host: str = "127.0.0.1", extra_origins: tuple[str, ...] = ()):
+    def __init__(self, app, bind_host: str = "127.0.0.1", extra_origins: tuple[str, ...] = (), keyed: bool = False):
         import ipaddress
 
         self.app = app
         self.origins = LOCAL_ORIGINS + tuple(extra_origins)
+        self.keyed = keyed
         try:
             self.check_host = ipaddress.ip_address(bind_host.strip("[]")).is_loopback
         except ValueError:
@@ -311,8 +327,8 @@ class ApiOriginGuard:
     def _origin_ok(self, origin: str) -> bool:
         import fnmatch
 
-        o = origin.strip().lower()
-        return any(fnmatch.fnmatchcase(o, p.lower()) for p in self.origins)
+        o = origin.strip().lower()  # "[" of an IPv6 origin is literal, not a character class
+        return any(fnmatch.fnmatchcase(o, p.lower().replace("[", "[[]")) for p in self.origins)
 
     async def __call__(self, scope, receive, send):
         path = route_path(scope) if scope["type"] == "http" else ""
@@ -324,6 +340,11 @@ class ApiOriginGuard:
             host = headers.get(b"host")
             if self.check_host and host is not None and not local_host(_host_of(host.decode("latin-1"))):
                 return await _plain(send, 403, _BAD_HOST)
+        elif path and self.check_host and not self.keyed:
+            headers = {k.lower(): v for k, v in scope.get("headers", [])}
+            host = headers.get(b"host")
+            if b"origin" in headers and host is not None and not local_host(_host_of(host.decode("latin-1"))):
+                return await _plain(send, 403, _BAD_HOST_LLAMA)
         await self.app(scope, receive, send)
 
 
@@ -334,9 +355,9 @@ async def _plain(send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def add_api_guard(app, bind_host: str) -> None:
+def add_api_guard(app, bind_host: str, keyed: bool = False) -> None:
     """Mount :class:`ApiOriginGuard` outermost (call after :func:`add_security`)."""
     import os
 
     extra = tuple(o.strip() for o in os.environ.get("OLLAMA_ORIGINS", "").split(",") if o.strip())
-    app.add_middleware(ApiOriginGuard, bind_host=bind_host, extra_origins=extra)
+    app.add_middleware(ApiOriginGuard, bind_host=bind_host, extra_origins=extra, keyed=keyed)

@@ -173,6 +173,9 @@ def too_large(limit: int) -> ApiError:
     return ApiError(413, f"request body is larger than {limit} bytes (--max-request-bytes)")
 
 
+BODY_IDLE_S = 60.0  # seconds a request body may send nothing before it is refused (408)
+
+
 class BodyLimitMiddleware:
     """ASGI middleware: a body over ``max_bytes`` gets 413 in the error envelope (Anthropic's
     ``request_too_large`` on ``/v1/messages...``).
@@ -183,7 +186,8 @@ class BodyLimitMiddleware:
     most ``max_bytes`` plus one chunk is ever held. Covers every route. A request whose
     body was large (>= :data:`TRIM_AFTER`) trims the heap when it ends (:func:`release_memory`).
     Paths starting with one of ``unlimited`` (Ollama's ``/api/blobs/``: model weights, streamed
-    to disk by their handler) have no limit.
+    to disk by their handler) have no limit. A body that sends nothing for :data:`BODY_IDLE_S`
+    seconds is refused with 408 (a slow-body client holds no handler forever).
     """
 
     def __init__(self, app, max_bytes: int, unlimited: tuple[str, ...] = ()):
@@ -202,9 +206,17 @@ class BodyLimitMiddleware:
             return
         seen = 0
 
+        body_done = False
+
         async def counted():
-            nonlocal seen
-            msg = await receive()
+            nonlocal seen, body_done
+            if body_done:  # the body is read: what remains is the wait for a disconnect
+                return await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), BODY_IDLE_S)
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the request body sent nothing for {BODY_IDLE_S:g} s") from None
+            body_done = msg["type"] != "http.request" or not msg.get("more_body")
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > limit:

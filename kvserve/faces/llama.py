@@ -75,6 +75,7 @@ from kvserve.faces.models import (
     model_json,
     models_json,
     serve_model,
+    shown_path,
 )
 from kvserve.faces.params import (
     get_bool,
@@ -495,7 +496,7 @@ def props_json(state: Runner, *, is_sleeping: bool = False) -> Props:
             params=metrics_params(params_to_dict(state.default_params)), n_ctx=state.engine.n_ctx_slot),
         total_slots=state.engine.n_slots,
         model_alias=state.model_alias,
-        model_path=state.model_path,
+        model_path=shown_path(args, state.model_path, state.model_alias),
         modalities=Modalities(vision=False, video=False, audio=False),
         endpoint_slots=args.slots,
         endpoint_props=args.props,

@@ -220,6 +220,26 @@ def _permission(created: int) -> list[dict]:
              "organization": "*", "group": None, "is_blocking": False}]
 
 
+def shown_path(args, path: str | None, name: str) -> str | None:
+    """A model's file as ``/props`` (``model_path``) and ``/v1/models`` (``root``) show it (issue 31):
+    the path itself under ``--api-key`` (every caller of those routes then holds a key) or when the
+    model was named by a path outside the store; a file inside the store (``.../models/blobs/
+    sha256-...``: the server's home directory) is shown to a server without a key as the model's
+    ``name`` only."""
+    if not path or getattr(args, "api_keys", None):
+        return path
+    from pathlib import Path
+
+    from kvserve.store import open_store
+
+    try:
+        root = open_store(getattr(args, "models_dir", None)).root.resolve()
+        inside = Path(path).resolve().is_relative_to(root)
+    except (OSError, ValueError):
+        inside = True  # unsure: say less
+    return name if inside else path
+
+
 def model_entry(state: ServerState, m: ServableModel, created: int) -> dict:
     """One ``data`` item: OpenAI's fields, vLLM's ``root`` (the model's file or directory),
     ``parent`` (null: no adapters), ``max_model_len`` (one sequence's context, tokens) and
@@ -228,7 +248,8 @@ def model_entry(state: ServerState, m: ServableModel, created: int) -> dict:
     # --tags: llama-server's model_tags, a std::set (sorted, each once), on every model served
     d = {"id": m.name, "aliases": list(m.aliases), "tags": sorted(set(getattr(state.args, "tags", ()) or ())),
          "object": "model", "created": created,
-         "owned_by": "llamacpp", "root": m.path, "parent": None, "max_model_len": _max_model_len(state, m),
+         "owned_by": "llamacpp", "root": shown_path(state.args, m.path, m.name), "parent": None,
+         "max_model_len": _max_model_len(state, m),
          "permission": _permission(created), "status": {"value": _status(m)}}
     r = m.runner
     if r is not None and r.engine is not None:

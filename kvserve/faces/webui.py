@@ -12,13 +12,11 @@ static directory at the root, any other ``GET /<file>`` that no route took. Name
 inside ``DIR`` (``..``, absolute paths, symlinks leading out of it and dot-files are 404), and a
 missing file is llama-server's 404 ``File Not Found``.
 
-Under ``--api-key`` (:mod:`kvserve.faces.auth`) ``/`` and every path under ``/webui/`` are public,
-so a browser can load the page and its assets before it has the key. With ``--path DIR`` that
-makes *every* file of ``DIR`` readable without the key as ``/webui/<file>``, while the same file
-as ``/<file>`` needs the key: put in ``DIR`` only what may be public, and have the page load its
-assets as ``webui/<file>``. (llama-server checks the key before its static files: under
-``--api-key`` only ``/`` of its ``--path`` directory is public there, and the page's own
-assets then fail to load.)
+Under ``--api-key`` (:mod:`kvserve.faces.auth`) ``/`` and the built-in page's assets under
+``/webui/`` are public, so a browser can load the page before it has the key. With ``--path DIR``
+only ``/`` (``DIR/index.html``) is public, as in llama-server, which checks the key before its
+static files: every other file of ``DIR``, as ``/webui/<file>`` or ``/<file>``, needs the key
+(issue 31: ``/webui/<file>`` once served all of ``DIR`` without it).
 
 The built-in page sends a Content-Security-Policy that allows only its own scripts, styles and
 same-origin requests: model text is rendered through text nodes (never ``innerHTML``), and the

@@ -878,6 +878,8 @@ FLAGS: tuple[Flag, ...] = (
     F("--max-input-bytes", "int", 2 << 20, "most text bytes one embedding, rerank, score or /tokenize request "
       "may send (400 above; generation routes check prompts against the context)", source=KV,
       env="KVSERVE_MAX_INPUT_BYTES", convert=human_int, metavar="BYTES"),
+    F("--shutdown-timeout", "float", 5.0, "seconds requests in flight may go on after SIGTERM; then each ends "
+      "with a 503 or a last error event", source=KV, env="KVSERVE_SHUTDOWN_TIMEOUT"),
     F("--pull-max-blob-size", "int", 0, "largest blob a pulled manifest may declare, bytes or 10G (0: no cap but "
       "free disk space, which every pull checks)", source=KV, env="KVSERVE_PULL_MAX_BLOB_SIZE", convert=human_int,
       metavar="BYTES"),

@@ -111,10 +111,10 @@ def test_path_serves_a_static_directory_safely(tmp_path):
     assert _call(app, "GET", "/health").json() == {"status": "ok"}  # --no-preload: ready at once
 
 
-def test_path_under_api_key_every_file_is_public_under_webui_only(tmp_path):
-    """Review #16: what is public with ``--path DIR --api-key K``, as the docstring now says:
-    ``/`` (DIR/index.html) and every file of DIR as ``/webui/<file>``; the same files as
-    ``/<file>`` need the key; the API needs it as ever."""
+def test_path_under_api_key_only_the_page_is_public(tmp_path):
+    """Issue 31 (it replaces review #16's rule): with ``--path DIR --api-key K`` only ``/``
+    (DIR/index.html) is public, as in llama-server; every file of DIR, as ``/webui/<file>`` or
+    ``/<file>``, needs the key (``/webui/<file>`` once served all of DIR without it)."""
     site = tmp_path / "site"
     (site / "sub").mkdir(parents=True)
     (site / "index.html").write_text("<!doctype html><p>custom</p>")
@@ -123,17 +123,14 @@ def test_path_under_api_key_every_file_is_public_under_webui_only(tmp_path):
     app = _app("--api-key", "sekrit", path=site)
     r = _call(app, "GET", "/", {"Accept": BROWSER})
     assert (r.status_code, r.text) == (200, "<!doctype html><p>custom</p>")
-    for url, text in (("/webui/notes.txt", "private?"), ("/webui/sub/a.js", "console.log(1)"),
-                      ("/webui/index.html", "<!doctype html><p>custom</p>")):
-        r = _call(app, "GET", url)
-        assert (r.status_code, r.text) == (200, text), url
-    for url in ("/notes.txt", "/sub/a.js", "/index.html", "/v1/models"):
+    for url in ("/webui/notes.txt", "/webui/sub/a.js", "/webui/index.html", "/notes.txt", "/sub/a.js",
+                "/index.html", "/v1/models"):
         r = _call(app, "GET", url)
         assert (r.status_code, r.json()["error"]["message"]) == (401, "Invalid API Key"), url
         r = _call(app, "GET", url, {"Authorization": "Bearer sekrit"})
         assert r.status_code == 200, url
     assert _call(app, "GET", "/notes.txt", {"Authorization": "Bearer sekrit"}).text == "private?"
-    assert _call(app, "GET", "/webui/.hidden").status_code == 404
+    assert _call(app, "GET", "/webui/.hidden", {"Authorization": "Bearer sekrit"}).status_code == 404
 
 
 def test_safe_file_refuses_names_that_leave_the_root(tmp_path):

@@ -58,3 +58,22 @@ def test_foreign_host_is_refused_when_listening_on_loopback():
     # listening on all interfaces: any Host (a LAN name or address)
     app = _app("--host", "0.0.0.0")
     assert _call(app, "GET", "/api/version", base="http://192.168.1.20:8080").status_code == 200
+
+
+def test_dns_rebinding_page_is_refused_outside_api_without_a_key():
+    """Issue 31: outside /api every Origin was reflected and no Host checked, so a page whose name was
+    rebound to 127.0.0.1 could use a server without a key. A browser request (it has an Origin) with a
+    foreign Host is now 403 on a loopback listener; programs (no Origin), local names, a key, or a
+    server on all interfaces are unaffected."""
+    evil = {"Origin": "http://rebind.example:8080"}
+    app = _app()
+    r = _call(app, "POST", "/completion", evil, base="http://rebind.example:8080")
+    assert (r.status_code, r.json()) == (403, {"error": {"message": "host not allowed", "type": "permission_error",
+                                                         "code": 403}})
+    assert _call(app, "GET", "/health", base="http://rebind.example:8080").status_code == 503  # no Origin
+    r = _call(app, "GET", "/health", {"Origin": "https://evil.example"})  # a cross-origin page on localhost
+    assert r.status_code == 503 and r.headers["access-control-allow-origin"] == "https://evil.example"
+    assert _call(_app("--api-key", "k"), "POST", "/completion", evil, base="http://rebind.example:8080"
+                 ).status_code == 401
+    assert _call(_app("--host", "0.0.0.0"), "GET", "/health", evil, base="http://rebind.example:8080"
+                 ).status_code == 503

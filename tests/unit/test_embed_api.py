@@ -525,3 +525,19 @@ def test_a_30_mb_text_is_refused_fast_and_small(env):
     r = post(client, "/v1/embeddings", {"model": "enc", "input": "€" * (1 << 20)})
     assert r.status_code == 400 and "larger than" in r.json()["error"]["message"]
     assert post(client, "/v1/embeddings", {"model": "enc", "input": "€" * 1000}).status_code == 200
+
+
+def test_store_paths_are_shown_only_to_key_holders(env, tmp_path):
+    """Issue 31: /v1/models' root named the server's store (its home directory) to anyone; without
+    --api-key a store model's root is its name, a model named by path keeps its path."""
+    from kvserve.faces.models import shown_path
+
+    client, state, store = env
+    roots = {m["id"]: m["root"] for m in client.get("/v1/models").json()["data"]}
+    assert roots == {"enc:latest": "enc:latest", "gen:latest": "gen:latest", "rr:latest": "rr:latest"}
+    inside = str(store.blob_path("sha256:" + "a" * 64))
+    outside = str(tmp_path / "elsewhere" / "m.gguf")
+    assert shown_path(state.args, inside, "m:latest") == "m:latest"
+    assert shown_path(state.args, outside, "m") == outside
+    keyed = parse_args(["--models-dir", str(store.root), "--api-key", "k"])
+    assert shown_path(keyed, inside, "m:latest") == inside

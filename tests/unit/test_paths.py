@@ -131,3 +131,54 @@ def test_route_path():
     assert route_path({"type": "http", "path": "/pfxapi/tags", "root_path": "/pfx"}) == "/pfxapi/tags"
     assert route_path({"type": "http", "path": "/api/tags", "root_path": ""}) == "/api/tags"
     assert route_path({"type": "lifespan"}) == ""
+
+
+# -- Build 9: the smaller findings ---------------------------------------------------------------------
+
+def _app(*argv: str):
+    state = ServerState(parse_args([*argv, "--no-preload"], environ={}))
+    state.preloading = True
+    return build_app(state)
+
+
+def _call(app, method: str, path: str, **kw) -> httpx.Response:
+    import asyncio
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as c:
+            return await c.request(method, path, **kw)
+
+    return asyncio.run(go())
+
+
+def test_ipv6_loopback_origin_is_accepted_on_api():
+    app = _app()
+    for origin in ("http://[::1]", "http://[::1]:8080", "http://localhost:3000"):
+        assert _call(app, "GET", "/api/version", headers={"Origin": origin}).status_code == 200, origin
+    r = _call(app, "GET", "/api/version", headers={"Origin": "http://[::2]"})
+    assert (r.status_code, r.json()) == (403, {"error": "origin not allowed"})
+
+
+def test_two_authorization_headers_are_refused():
+    app = _app("--api-key", KEY)
+    ok = _call(app, "GET", "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code != 401
+    for headers in ([("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {KEY}")],
+                    [("Authorization", f"Bearer {KEY}"), ("Authorization", f"Bearer {KEY}")],
+                    [("Authorization", f"Bearer {KEY}"), ("X-Api-Key", KEY)]):
+        r = _call(app, "GET", "/v1/models", headers=headers)
+        assert (r.status_code, r.json()["error"]["message"]) == (401, "Invalid API Key"), headers
+
+
+def test_path_files_need_the_key(tmp_path):
+    (tmp_path / "index.html").write_text("<p>page</p>")
+    (tmp_path / "secret.txt").write_text("hunter2")
+    app = _app("--api-key", KEY, "--path", str(tmp_path))
+    page = _call(app, "GET", "/", headers={"Accept": "text/html"})
+    assert (page.status_code, page.text) == (200, "<p>page</p>")  # public, as llama-server's page
+    for url in ("/webui/secret.txt", "/secret.txt"):
+        assert _call(app, "GET", url).status_code == 401, url
+        r = _call(app, "GET", url, headers={"Authorization": f"Bearer {KEY}"})
+        assert (r.status_code, r.text) == (200, "hunter2"), url
+    builtin = _app("--api-key", KEY)  # the built-in page's assets stay public
+    assert _call(builtin, "GET", "/webui/app.js").status_code == 200
