@@ -63,7 +63,8 @@ class BertConfig:
         if self.n_head <= 0 or self.n_embd % self.n_head:
             raise ModelLoadError(f"bad head count: n_embd={self.n_embd}, n_head={self.n_head}")
         if self.activation not in ACTIVATION_NAMES:
-            raise ModelLoadError(f"unsupported hidden_act '{self.activation}' (supported: {', '.join(ACTIVATION_NAMES)})")
+            raise ModelLoadError(f"unsupported hidden_act '{self.activation}' "
+                                 f"(supported: {', '.join(ACTIVATION_NAMES)})")
         if self.pooling is not None and self.pooling not in POOLING_MODES:
             raise ModelLoadError(f"unsupported pooling '{self.pooling}' (supported: {', '.join(POOLING_MODES)})")
 
