@@ -242,6 +242,6 @@ def test_gguf_options_kvserve_lacks_are_refused_naming_the_key(tmp_path):
         read_gguf_config(md, "g.gguf")
     cfg = read_gguf_config({**md, "gemma3.attention.sliding_window": 512}, "g.gguf")
     assert cfg.layer_windows == (512, 512) and cfg.rope_local_base == 10000.0 and cfg.qk_norm
-    md = {k.replace("gemma3", "qwen3moe"): v for k, v in md.items()}
+    md = {**{k.replace("gemma3", "qwen3moe"): v for k, v in md.items()}, "general.architecture": "qwen3moe"}
     with pytest.raises(ModelLoadError, match="^q.gguf: missing GGUF key 'qwen3moe.expert_count'$"):
         read_gguf_config(md, "q.gguf")
