@@ -248,6 +248,10 @@ def llama_config_from_gguf(md: dict, path: str, shapes: dict | None = None, **ex
             config.tie_embeddings = True
         if "token_embd.weight" in shapes:
             config.n_vocab = shapes["token_embd.weight"][0]
+        factors = shapes.get("rope_freqs.weight")
+        if factors is not None and tuple(factors) != (head_dim // 2,):
+            raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' has shape {list(factors)}, expected "
+                                 f"[{head_dim // 2}] (head_dim / 2)")
         config.qkv_bias = config.qkv_bias or "blk.0.attn_q.bias" in shapes
         config.attn_bias = "blk.0.attn_output.bias" in shapes
         config.mlp_bias = "blk.0.ffn_up.bias" in shapes

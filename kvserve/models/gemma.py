@@ -61,7 +61,13 @@ def _gguf_windows(md: dict, arch: str, n_layer: int, path: str) -> tuple[int, ..
     window = int(md.get(f"{arch}.attention.sliding_window") or 0)
     if not window:
         raise ModelLoadError(f"{path}: missing GGUF key '{arch}.attention.sliding_window'")
-    pattern = int(md.get(f"{arch}.attention.sliding_window_pattern") or (2 if arch == "gemma2" else 6))
+    pattern = md.get(f"{arch}.attention.sliding_window_pattern") or (2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):  # one bool per layer (Ollama's converter): True slides
+        if len(pattern) != n_layer:
+            raise ModelLoadError(f"{path}: GGUF key '{arch}.attention.sliding_window_pattern' has {len(pattern)} "
+                                 f"values for {n_layer} layers")
+        return tuple(window if bool(x) else 0 for x in pattern)
+    pattern = int(pattern)
     # llama.cpp's set_swa_pattern(n): layer il slides when il % n < n - 1
     return tuple(window if il % pattern < pattern - 1 else 0 for il in range(n_layer))
 
@@ -78,6 +84,14 @@ def config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> GemmaCo
         raise ModelLoadError(f"{path}: {arch} with projection biases is not supported")
     kw = {f: getattr(base, f) for f in ModelConfig.__slots__}
     kw["qk_norm"] = arch == "gemma3"
+    # Ollama's converter names the two RoPE bases rope.global / rope.local.freq_base and a linear
+    # scaling rope.freq_scale (1 / factor); llama.cpp's: rope.freq_base, 10,000 local, rope.scaling.*
+    if md.get(f"{arch}.rope.global.freq_base"):
+        kw["rope_freq_base"] = float(md[f"{arch}.rope.global.freq_base"])
+    local = md.get(f"{arch}.rope.local.freq_base")
+    scale = float(md.get(f"{arch}.rope.freq_scale") or 1.0)
+    if scale != 1.0 and kw["rope_scaling"] is None:
+        kw["rope_scaling"] = {"type": "linear", "factor": 1.0 / scale, "original_context_length": 0}
     big = (arch == "gemma2" and base.n_layer == 46) or (arch == "gemma3" and base.n_layer == 62)  # the 27Bs
     return GemmaConfig(
         **kw,
@@ -85,7 +99,7 @@ def config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> GemmaCo
         attn_softcap=float(md.get(f"{arch}.attn_logit_softcapping") or 0.0) if arch == "gemma2" else 0.0,
         final_softcap=float(md.get(f"{arch}.final_logit_softcapping") or 0.0),
         query_scale=1.0 / math.sqrt(base.n_embd / base.n_head if big else base.head_dim),
-        rope_local_base=10000.0 if arch == "gemma3" else None,
+        rope_local_base=float(local) if local else 10000.0 if arch == "gemma3" else None,
     )
 
 

@@ -236,12 +236,23 @@ def test_gguf_options_kvserve_lacks_are_refused_naming_the_key(tmp_path):
     with pytest.raises(ModelLoadError) as e:
         load_files(p)
     assert str(e.value) == f"{p}: GGUF key 'llama.rope.scaling.type' is 'yarn': kvserve computes linear, llama3 (or none)"
+    llama = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
+             "llama.block_count": 2, "llama.feed_forward_length": 128, "llama.context_length": 512}
+    with pytest.raises(ModelLoadError, match=r"^l.gguf: tensor 'rope_freqs.weight' has shape \[16\], expected \[8\]"):
+        read_gguf_config(llama, "l.gguf", {"rope_freqs.weight": (16,)})
     md = {"general.architecture": "gemma3", "gemma3.embedding_length": 64, "gemma3.attention.head_count": 4,
           "gemma3.block_count": 2, "gemma3.feed_forward_length": 128, "gemma3.context_length": 512}
     with pytest.raises(ModelLoadError, match="^g.gguf: missing GGUF key 'gemma3.attention.sliding_window'$"):
         read_gguf_config(md, "g.gguf")
     cfg = read_gguf_config({**md, "gemma3.attention.sliding_window": 512}, "g.gguf")
     assert cfg.layer_windows == (512, 512) and cfg.rope_local_base == 10000.0 and cfg.qk_norm
+    assert cfg.rope_freq_base == 10000.0 and cfg.rope_scaling is None
+    # Ollama's converter: two named bases, a linear scale, a per-layer bool pattern
+    cfg = read_gguf_config({**md, "gemma3.attention.sliding_window": 512, "gemma3.rope.global.freq_base": 1e6,
+                            "gemma3.rope.local.freq_base": 5e3, "gemma3.rope.freq_scale": 0.125,
+                            "gemma3.attention.sliding_window_pattern": [False, True]}, "g.gguf")
+    assert cfg.layer_windows == (0, 512) and (cfg.rope_freq_base, cfg.rope_local_base) == (1e6, 5e3)
+    assert cfg.rope_scaling["type"] == "linear" and cfg.rope_scaling["factor"] == 8.0
     md = {**{k.replace("gemma3", "qwen3moe"): v for k, v in md.items()}, "general.architecture": "qwen3moe"}
     with pytest.raises(ModelLoadError, match="^q.gguf: missing GGUF key 'qwen3moe.expert_count'$"):
         read_gguf_config(md, "q.gguf")
