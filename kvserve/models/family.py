@@ -11,8 +11,9 @@ the registry, the model manager, the start-up checks and the embedding runner as
 
 The families: ``llama`` (llama, mistral, qwen2; llama 3's RoPE factors, tied embeddings, optional
 biases), ``qwen3`` (kvserve.models.qwen3: q/k norm), ``qwen3moe`` (kvserve.models.moe: experts),
-``gemma2`` / ``gemma3`` (kvserve.models.gemma: their own block, sliding-window layers) and ``bert``
-(kvserve.models.bert_config / bert: an encoder).
+``gemma2`` / ``gemma3`` (kvserve.models.gemma: their own block, sliding-window layers), ``bert``
+(kvserve.models.bert_config / bert: an encoder) and ``nomic-bert`` (kvserve.models.nomic_bert: the
+BERT encoder with rotary positions and a SwiGLU FFN).
 
 Adding a family:
 
@@ -481,14 +482,34 @@ BERT = Family(
     score_tensor="cls.output.weight",
 )
 
+def _nomic(name: str) -> Callable:
+    """A function of kvserve.models.nomic_bert, imported when first called."""
+    return _lazy("kvserve.models.nomic_bert", name)
+
+
+NOMIC_BERT = Family(
+    name="nomic-bert",
+    gguf_archs=("nomic-bert",),
+    hf_archs={"NomicBertModel": "embed"},
+    task="embed",
+    module="kvserve.models.bert:BertModel",
+    config_from_gguf=_nomic("config_from_gguf"),
+    config_from_hf=_nomic("config_from_hf"),
+    hf_tensor_name=_nomic("hf_tensor_name"),
+    required_tensors=_nomic("required_tensors"),
+    kv_spec=no_kv,
+    hf_model_types=("nomic_bert",),
+    finish_hf=_nomic("finish"),
+    packed_weights=False,
+)
+
 #: every family kvserve runs, in the order error messages list them
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, QWEN3MOE, GEMMA2, GEMMA3, BERT)
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, QWEN3MOE, GEMMA2, GEMMA3, BERT, NOMIC_BERT)
 
 #: architecture names of encoders kvserve has no family for yet, with the task they would have:
 #: the model manager sends them to the embedding runner, which reports them as unsupported
 #: there (not as a generative model that fails to load)
 KNOWN_ENCODERS_WITHOUT_FAMILY = {
-    "nomic-bert": "embed", "NomicBertModel": "embed",
     "XLMRobertaForSequenceClassification": "score",
     "RobertaModel": "embed", "XLMRobertaModel": "embed",
 }
