@@ -94,10 +94,15 @@ def parallel_error(config: ModelConfig, tp: int, pp: int) -> str | None:
       size (2).";
     * KV heads: tp must divide them or be a multiple of them (vLLM's QKVParallelLinear: a KV head
       is replicated on tp / kv_heads ranks);
-    * pp above the layer count (a stage without layers).
+    * pp above the layer count (a stage without layers);
+    * a model with pieces the shards do not cut yet (q/k norm, output or MLP biases).
     """
     if tp < 1 or pp < 1:
         return f"tensor and pipeline parallel sizes must be at least 1, got tp={tp} pp={pp}"
+    extras = [n for n in ("qk_norm", "attn_bias", "mlp_bias", "layer_windows", "n_expert") if getattr(config, n, False)]
+    if extras and tp * pp > 1:
+        return (f"tensor and pipeline parallelism run the plain llama block only; this model has "
+                f"{', '.join(extras)} ({config.arch})")
     if config.n_head % tp:
         return (f"Total number of attention heads ({config.n_head}) must be divisible by tensor parallel "
                 f"size ({tp}).")

@@ -139,9 +139,14 @@ class ModelRunner:
             return
         t = torch.tensor(jobs, dtype=torch.long)
         src, dst, delta = t[:, 0].to(self.device), t[:, 1].to(self.device), t[:, 2]
-        cis = self.model.rope_cis[delta.abs().to(self.model.rope_cis.device)]  # [J, D/2] complex64
-        cis = torch.where((delta < 0).to(cis.device)[:, None], cis.conj(), cis).to(self.device)
-        for k, v in self.kv_caches:
+        tables = getattr(self.model, "layer_rope_cis", None) or [self.model.rope_cis] * len(self.kv_caches)
+        rotations = {}
+        for (k, v), table in zip(self.kv_caches, tables):
+            cis = rotations.get(id(table))
+            if cis is None:  # a layer's own RoPE table (gemma3's sliding layers have another base)
+                cis = table[delta.abs().to(table.device)]  # [J, D/2] complex64
+                cis = rotations[id(table)] = torch.where((delta < 0).to(cis.device)[:, None], cis.conj(),
+                                                         cis).to(self.device)
             J, H, D = len(jobs), k.shape[1], k.shape[2]
             if isinstance(k, torch.Tensor):
                 ks = torch.view_as_complex(k[src].float().reshape(J, H, D // 2, 2).contiguous())

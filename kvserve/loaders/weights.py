@@ -36,10 +36,14 @@ class ModelConfig:
         head_dim: per-head size (n_embd // n_head unless the file says otherwise).
         n_ctx_train: training context (tokens).
         rope_freq_base: RoPE theta.
-        rope_scaling: None or dict(type="linear"|"llama3"|"yarn", factor=..., ...).
+        rope_scaling: None or dict(type="linear"|"llama3", factor=..., ...) (the readers refuse
+            other types).
         rms_eps: RMSNorm epsilon.
-        qkv_bias: q/k/v projections carry biases (qwen2).
+        qkv_bias: q/k/v projections carry biases (qwen2; HF ``attention_bias``).
         tie_embeddings: output head shares token_embd.weight.
+        attn_bias: the attention output projection carries a bias (HF ``attention_bias``).
+        mlp_bias: the gate, up and down projections carry biases (HF ``mlp_bias``).
+        qk_norm: per-head RMSNorm of q and k before RoPE (qwen3: ``attn_q_norm``/``attn_k_norm``).
     """
 
     arch: str
@@ -56,6 +60,9 @@ class ModelConfig:
     rms_eps: float = 1e-5
     qkv_bias: bool = False
     tie_embeddings: bool = False
+    attn_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.n_head <= 0 or self.n_head_kv <= 0 or self.n_head % self.n_head_kv:
@@ -154,8 +161,15 @@ def interleave_order(n_rows: int, n_head: int) -> np.ndarray:
 
 
 def interleave_qk(config: "ModelConfig", weights: dict) -> None:
-    """Permute every layer's Q/K weights (and biases) from half-split to interleaved, in place."""
+    """Permute every layer's Q/K weights (and biases, and per-head q/k norm weights) from
+    half-split to interleaved, in place."""
+    norm_order = interleave_order(config.head_dim, 1)
     for i in range(config.n_layer):
+        for name in ("attn_q_norm", "attn_k_norm"):
+            w = weights.get(f"blk.{i}.{name}.weight")
+            if w is not None:
+                weights[f"blk.{i}.{name}.weight"] = Weight(w.shape,
+                                                           dense=np.ascontiguousarray(w.to_dense()[norm_order]))
         for name, heads in (("attn_q", config.n_head), ("attn_k", config.n_head_kv)):
             w = weights[f"blk.{i}.{name}.weight"]
             order = interleave_order(w.shape[0], heads)

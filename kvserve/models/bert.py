@@ -20,6 +20,10 @@ arrive under llama.cpp's GGUF names, whichever loader read them:
 ``cls.output.{weight,bias}``            ``classifier`` (``[n_labels, E]``; optional)
 =====================================  ====================================================
 
+nomic-bert (kvserve.models.nomic_bert) runs here too: no ``position_embd`` but rotary positions
+on q and k (NEOX half-split, ``BertConfig.rope_base``), a gated FFN (``ffn_gate``: ``down(silu(gate(x))
+* up(x))``, ``BertConfig.gated_ffn``) and no projection biases (every bias is optional).
+
 The score head follows llama.cpp's rank pooling: the first token's hidden state, through
 ``tanh(cls)`` when present, then ``cls.output``. llama.cpp's converter drops the pooler, so a
 GGUF reranker converted by it has ``cls.output`` only; an HF directory keeps the pooler and
@@ -80,31 +84,35 @@ class BertModel(nn.Module):
         c = config
         dev = self.device
         self.tok_embd = _t(weights["token_embd.weight"], dev)  # [V, E]
-        self.pos_embd = _t(weights["position_embd.weight"], dev)  # [P, E]
+        # [P, E] learned positions; None with rotary ones (nomic-bert)
+        self.pos_embd = None if c.rope_base else _t(weights["position_embd.weight"], dev)
         self.type_embd = _t(weights.get("token_types.weight"), dev) if c.n_token_types else None  # [n_types, E]
         self.embd_norm = (_t(weights["token_embd_norm.weight"], dev), _t(weights["token_embd_norm.bias"], dev))
-        self.layers = []
-        for i in range(c.n_layer):
-            p = f"blk.{i}."
-            if p + "attn_qkv.weight" in weights:
-                wqkv = _t(weights[p + "attn_qkv.weight"], dev)
-                bqkv = _t(weights.get(p + "attn_qkv.bias"), dev)
-            else:
-                wqkv = torch.cat([_t(weights[p + f"attn_{x}.weight"], dev) for x in "qkv"])  # [3E, E]
-                bqkv = torch.cat([_t(weights[p + f"attn_{x}.bias"], dev) for x in "qkv"])
-            self.layers.append((
-                wqkv, bqkv,
-                _t(weights[p + "attn_output.weight"], dev), _t(weights[p + "attn_output.bias"], dev),
-                _t(weights[p + "attn_output_norm.weight"], dev), _t(weights[p + "attn_output_norm.bias"], dev),
-                _t(weights[p + "ffn_up.weight"], dev), _t(weights[p + "ffn_up.bias"], dev),
-                _t(weights[p + "ffn_down.weight"], dev), _t(weights[p + "ffn_down.bias"], dev),
-                _t(weights[p + "layer_output_norm.weight"], dev), _t(weights[p + "layer_output_norm.bias"], dev),
-            ))
+        self.layers = [self._layer(weights, f"blk.{i}.", dev) for i in range(c.n_layer)]
+        self.inv_freq = None  # [D/2] rotary frequencies (nomic-bert)
+        if c.rope_base:
+            self.inv_freq = 1.0 / (c.rope_base ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64, device=dev)
+                                                   / c.head_dim))
         self.cls = (_t(weights["cls.weight"], dev), _t(weights.get("cls.bias"), dev)) if "cls.weight" in weights else None
         self.cls_out = ((_t(weights["cls.output.weight"], dev), _t(weights.get("cls.output.bias"), dev))
                         if "cls.output.weight" in weights else None)
         self.act = ACTIVATIONS[c.activation]
         self.scale = 1.0 / math.sqrt(c.head_dim)
+
+    def _layer(self, weights: dict[str, Weight], p: str, dev) -> tuple:
+        """One layer's tensors: (wqkv, bqkv, wo, bo, norm1 w/b, up w/b, down w/b, norm2 w/b, gate w/b);
+        biases a file lacks are None (nomic-bert has none), the gate None without a gated FFN."""
+        def get(name):
+            return _t(weights.get(p + name), dev)
+
+        if p + "attn_qkv.weight" in weights:
+            wqkv, bqkv = get("attn_qkv.weight"), get("attn_qkv.bias")
+        else:
+            wqkv = torch.cat([get(f"attn_{x}.weight") for x in "qkv"])  # [3E, E]
+            biases = [get(f"attn_{x}.bias") for x in "qkv"]
+            bqkv = None if any(b is None for b in biases) else torch.cat(biases)
+        return (wqkv, bqkv, *(get(f"{n}.{w}") for n in ("attn_output", "attn_output_norm", "ffn_up", "ffn_down",
+                                                        "layer_output_norm", "ffn_gate") for w in ("weight", "bias")))
 
     @property
     def n_params(self) -> int:
@@ -148,7 +156,9 @@ class BertModel(nn.Module):
             pos = rows % L
             groups = _packed_groups(mask.sum(1).tolist(), dev)
         ids = input_ids.reshape(-1) if rows is None else input_ids.reshape(-1)[rows]  # [T]
-        x = self.tok_embd[ids] + self.pos_embd[pos]  # [T, E]
+        x = self.tok_embd[ids]  # [T, E]
+        if self.pos_embd is not None:
+            x = x + self.pos_embd[pos]
         if self.type_embd is not None:
             if token_types is None:
                 x = x + self.type_embd[0]
@@ -157,8 +167,11 @@ class BertModel(nn.Module):
                 x = x + self.type_embd[tt if rows is None else tt[rows]]
         E, H, D = c.n_embd, c.n_head, c.head_dim
         x = F.layer_norm(x, (E,), *self.embd_norm, eps=c.norm_eps)
-        for wqkv, bqkv, wo, bo, n1w, n1b, wup, bup, wdown, bdown, n2w, n2b in self.layers:
+        rot = None if self.inv_freq is None else _rotary(pos, self.inv_freq)
+        for wqkv, bqkv, wo, bo, n1w, n1b, wup, bup, wdown, bdown, n2w, n2b, wgate, bgate in self.layers:
             qkv = F.linear(x, wqkv, bqkv)  # [T, 3E]
+            if rot is not None:
+                qkv = _rotate_qk(qkv.view(-1, 3, H, D), *rot).view(-1, 3 * E)
             if groups is None:
                 o = self._attend(qkv.view(B, L, 3, H, D), None).reshape(B * L, E)
             else:
@@ -168,7 +181,10 @@ class BertModel(nn.Module):
                     og = og.reshape(g.n * g.length, E)
                     o.index_copy_(0, g.dst, og if g.src is None else og.index_select(0, g.src))
             x = F.layer_norm(x + F.linear(o, wo, bo), (E,), n1w, n1b, eps=c.norm_eps)  # post-norm
-            h = F.linear(self.act(F.linear(x, wup, bup)), wdown, bdown)
+            if wgate is None:
+                h = F.linear(self.act(F.linear(x, wup, bup)), wdown, bdown)
+            else:  # nomic-bert's SwiGLU
+                h = F.linear(self.act(F.linear(x, wgate, bgate)) * F.linear(x, wup, bup), wdown, bdown)
             x = F.layer_norm(x + h, (E,), n2w, n2b, eps=c.norm_eps)
         if rows is None:
             return x.view(B, L, E)
@@ -194,6 +210,24 @@ class BertModel(nn.Module):
         if self.cls is not None:
             x = torch.tanh(F.linear(x, *self.cls))
         return F.linear(x, *self.cls_out)
+
+
+def _rotary(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, 1, D] float32 of the NEOX half-split rotary at positions ``pos`` [T]."""
+    ang = pos.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, D/2]
+    ang = torch.cat([ang, ang], dim=-1)[:, None, :]
+    return ang.cos().float(), ang.sin().float()
+
+
+def _rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[T, 3, H, D] projections with q and k rotated (half-split pairs ``i``, ``i + D/2``)."""
+    q, k, v = qkv.unbind(1)
+    half = q.shape[-1] // 2
+
+    def rot(x):
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    return torch.stack([rot(q), rot(k), v], dim=1)
 
 
 #: an attention group may pad its inputs up to this factor of its shortest one's length

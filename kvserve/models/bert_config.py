@@ -19,6 +19,9 @@ ACTIVATION_NAMES = ("gelu", "gelu_python", "gelu_new", "gelu_pytorch_tanh", "gel
 #: pooling modes an encoder's own config may name (see kvserve.engine.pooling)
 POOLING_MODES = ("none", "mean", "cls", "last", "rank")
 
+#: the architectures :class:`BertConfig` describes (kvserve.models.bert runs both)
+ENCODER_ARCHS = ("bert", "nomic-bert")
+
 #: GGUF ``{arch}.pooling_type`` (llama.cpp ``enum llama_pooling_type``) -> kvserve pooling
 GGUF_POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
@@ -40,6 +43,10 @@ class BertConfig:
         normalize: the model's own ``--embd-normalize`` value (2 with a sentence-transformers
             Normalize module, -1 with a modules.json without one); None when it says nothing.
         pad_token_id: id of ``[PAD]`` (padding only; masked out).
+        rope_base: rotary position base (nomic-bert: NEOX half-split rotary on q and k, no
+            ``position_embd``); 0.0: learned absolute positions (BERT).
+        gated_ffn: the FFN is ``down(act(gate(x)) * up(x))`` (nomic-bert's SwiGLU), not
+            ``down(act(up(x)))``.
     """
 
     arch: str
@@ -56,14 +63,17 @@ class BertConfig:
     pooling: str | None = None
     normalize: int | None = None
     pad_token_id: int = 0
+    rope_base: float = 0.0
+    gated_ffn: bool = False
 
     def __post_init__(self) -> None:
-        if self.arch != "bert":
-            raise ModelLoadError(f"unknown encoder architecture '{self.arch}' (supported: bert)")
+        if self.arch not in ENCODER_ARCHS:
+            raise ModelLoadError(f"unknown encoder architecture '{self.arch}' (supported: {', '.join(ENCODER_ARCHS)})")
         if self.n_head <= 0 or self.n_embd % self.n_head:
             raise ModelLoadError(f"bad head count: n_embd={self.n_embd}, n_head={self.n_head}")
         if self.activation not in ACTIVATION_NAMES:
-            raise ModelLoadError(f"unsupported hidden_act '{self.activation}' (supported: {', '.join(ACTIVATION_NAMES)})")
+            raise ModelLoadError(f"unsupported hidden_act '{self.activation}' "
+                                 f"(supported: {', '.join(ACTIVATION_NAMES)})")
         if self.pooling is not None and self.pooling not in POOLING_MODES:
             raise ModelLoadError(f"unsupported pooling '{self.pooling}' (supported: {', '.join(POOLING_MODES)})")
 

@@ -9,13 +9,24 @@ decode step (kvserve.models.decode_native, a llama layer in C++) applies, and it
 ("generate", "embed" or "score"). The loaders read files and ask this module what the file is;
 the registry, the model manager, the start-up checks and the embedding runner ask it too.
 
+The families: ``llama`` (llama, mistral, qwen2; llama 3's RoPE factors, tied embeddings, optional
+biases), ``qwen3`` (kvserve.models.qwen3: q/k norm), ``qwen3moe`` (kvserve.models.moe: experts),
+``gemma2`` / ``gemma3`` (kvserve.models.gemma: their own block, sliding-window layers), ``bert``
+(kvserve.models.bert_config / bert: an encoder) and ``nomic-bert`` (kvserve.models.nomic_bert: the
+BERT encoder with rotary positions and a SwiGLU FFN).
+
 Adding a family:
 
-1. write its module (``kvserve/models/<name>.py``) composing the shared pieces of
-   :mod:`kvserve.models.llama` (Linear, RMSNorm, RoPE, attention over the paged cache), with a
-   config reader for GGUF metadata (``(metadata, path, shapes) -> config``) and one for config.json
-   (``(config_json, path) -> config``) and the list of tensors it requires;
-2. add one :class:`Family` record to :data:`FAMILIES` below. Nothing else names architectures.
+1. write its module (``kvserve/models/<name>.py``): a config reader for GGUF metadata
+   (``(metadata, path, shapes) -> config``; :func:`llama_config_from_gguf` reads llama.cpp's common
+   keys) and one for config.json (``(config_json, path) -> config``; :func:`llama_config_from_hf`),
+   the HF tensor names, the tensors it requires, a ``prepare`` turning the file's layout into the
+   module's, and, where the llama block (kvserve.models.llama) cannot be switched to it by config
+   flags (q/k norm, biases, experts), a module composing the shared pieces (Linear, RMSNorm, RoPE
+   tables, the KV cache reads), as kvserve.models.gemma does;
+2. add one :class:`Family` record to :data:`FAMILIES` below, with its KV spec per layer and whether
+   the native decode step applies (only for exactly the plain llama block). Nothing else names
+   architectures; tests/unit/test_families.py compares each family with transformers.
 
 An option a family cannot run (a rope scaling type it lacks, a missing tensor) is refused at load
 with a :class:`~kvserve.loaders.weights.ModelLoadError` naming the key or the tensor.
@@ -138,10 +149,16 @@ LLAMA_HF_LAYER_NAMES = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate_proj.bias": "ffn_gate.bias",
+    "mlp.up_proj.bias": "ffn_up.bias",
+    "mlp.down_proj.bias": "ffn_down.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 
 #: GGUF architectures of the llama block whose Q/K rows are in the NEOX (half-split) layout:
@@ -168,10 +185,18 @@ def llama_hf_tensor_name(name: str, config: Any = None, layer_names: dict = LLAM
     return None
 
 
-def llama_config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> ModelConfig:
+#: RoPE scaling types the llama block computes (kvserve.models.llama.rope_inv_freq); "none" /
+#: "default" mean none
+ROPE_SCALING_TYPES = ("linear", "llama3")
+
+
+def llama_config_from_gguf(md: dict, path: str, shapes: dict | None = None, **extra) -> ModelConfig:
     """A ModelConfig from ``{arch}.*`` GGUF metadata (llama.cpp's keys); ModelLoadError naming a
-    missing key. ``shapes`` (tensor name -> torch shape): no ``output.weight`` means tied
-    embeddings, and ``token_embd.weight``'s rows are the vocabulary."""
+    missing key or a RoPE scaling type kvserve does not compute. ``shapes`` (tensor name -> torch
+    shape): no ``output.weight`` means tied embeddings, ``token_embd.weight``'s rows are the
+    vocabulary, and the biases llama.cpp loads when present (``attn_{q,k,v,output}.bias``,
+    ``ffn_{gate,up,down}.bias``) are switched on by the first layer's. ``extra``: ModelConfig
+    fields a family sets (qwen3: ``qk_norm=True``)."""
     arch = md.get("general.architecture")
 
     def get(key, default=None, required=True):
@@ -192,6 +217,9 @@ def llama_config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> M
     scaling = None
     stype = get("rope.scaling.type", "", required=False)
     if stype and stype != "none":
+        if stype not in ROPE_SCALING_TYPES:
+            raise ModelLoadError(f"{path}: GGUF key '{arch}.rope.scaling.type' is {stype!r}: kvserve computes "
+                                 f"{', '.join(ROPE_SCALING_TYPES)} (or none)")
         scaling = {
             "type": stype,
             "factor": float(get("rope.scaling.factor", 1.0, required=False)),
@@ -214,45 +242,74 @@ def llama_config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> M
         rope_scaling=scaling,
         rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
         qkv_bias=arch in LLAMA_QKV_BIAS,
+        **extra,
     )
     if shapes is not None:
         if "output.weight" not in shapes:
             config.tie_embeddings = True
         if "token_embd.weight" in shapes:
             config.n_vocab = shapes["token_embd.weight"][0]
+        factors = shapes.get("rope_freqs.weight")
+        if factors is not None and tuple(factors) != (head_dim // 2,):
+            raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' has shape {list(factors)}, expected "
+                                 f"[{head_dim // 2}] (head_dim / 2)")
+        config.qkv_bias = config.qkv_bias or "blk.0.attn_q.bias" in shapes
+        config.attn_bias = "blk.0.attn_output.bias" in shapes
+        config.mlp_bias = "blk.0.ffn_up.bias" in shapes
     return config
 
 
-def llama_config_from_hf(cfg: dict, path: str, arch: str | None = None) -> ModelConfig:
+def hf_rope(cfg: dict, path: str) -> tuple[float, dict | None]:
+    """(RoPE theta, scaling dict or None) of a config.json: ``rope_theta`` and ``rope_scaling``, or
+    transformers 5's ``rope_parameters`` (which holds both).
+
+    Raises ModelLoadError: a scaling type kvserve does not compute (the key is named)."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rope = dict(cfg.get("rope_scaling") or params)
+    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    stype = rope.get("rope_type", rope.get("type"))
+    if stype in (None, "default", "none") or not rope:
+        return theta, None
+    if stype not in ROPE_SCALING_TYPES:
+        raise ModelLoadError(f"{path}: config.json {key}.rope_type is {stype!r}: kvserve computes "
+                             f"{', '.join(ROPE_SCALING_TYPES)} (or default)")
+    rope["type"] = stype
+    if "original_max_position_embeddings" in rope:
+        rope["original_context_length"] = rope["original_max_position_embeddings"]
+    return theta, rope
+
+
+def llama_config_from_hf(cfg: dict, path: str, arch: str | None = None, **extra) -> ModelConfig:
     """A ModelConfig from a llama-block config.json (transformers' keys); ModelLoadError naming a
-    missing key. ``arch``: the GGUF name to record (default: from ``architectures``)."""
+    missing key or a RoPE scaling type kvserve does not compute. ``arch``: the GGUF name to record
+    (default: from ``architectures``); ``extra``: ModelConfig fields a family sets."""
     if arch is None:
         arch = _HF_GGUF_NAMES.get(next((a for a in cfg.get("architectures") or [] if a in _HF_GGUF_NAMES), ""),
                                   "llama")
     try:
         n_embd = int(cfg["hidden_size"])
         n_head = int(cfg["num_attention_heads"])
-        scaling = cfg.get("rope_scaling")
-        if scaling:
-            scaling = dict(scaling)
-            scaling["type"] = scaling.get("rope_type", scaling.get("type"))
-            if "original_max_position_embeddings" in scaling:
-                scaling["original_context_length"] = scaling["original_max_position_embeddings"]
+        theta, scaling = hf_rope(cfg, path)
+        attention_bias = bool(cfg.get("attention_bias", False))
         return ModelConfig(
             arch=arch,
             n_layer=int(cfg["num_hidden_layers"]),
             n_embd=n_embd,
             n_head=n_head,
-            n_head_kv=int(cfg.get("num_key_value_heads", n_head)),
+            n_head_kv=int(cfg.get("num_key_value_heads") or n_head),
             n_ff=int(cfg["intermediate_size"]),
             n_vocab=int(cfg["vocab_size"]),
             head_dim=int(cfg.get("head_dim") or n_embd // n_head),
             n_ctx_train=int(cfg.get("max_position_embeddings", 2048)),
-            rope_freq_base=float(cfg.get("rope_theta", 10000.0)),
+            rope_freq_base=theta,
             rope_scaling=scaling,
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            qkv_bias=arch in LLAMA_QKV_BIAS,
+            qkv_bias=arch in LLAMA_QKV_BIAS or attention_bias,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attn_bias=attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            **extra,
         )
     except KeyError as e:
         raise ModelLoadError(f"{path}: config.json lacks {e.args[0]!r}") from None
@@ -263,13 +320,20 @@ _HF_GGUF_NAMES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Q
 
 
 def llama_required_tensors(config: ModelConfig, weights: dict | None = None) -> list[str]:
-    """The tensors a llama-block model of ``config`` needs, in order (q/k/v biases when
-    ``config.qkv_bias``); ``output.weight`` is optional (tied embeddings without it)."""
+    """The tensors a llama-block model of ``config`` needs, in order (the biases and q/k norms its
+    flags switch on); ``output.weight`` is optional (tied embeddings without it), and so is
+    ``rope_freqs.weight`` (llama 3's per-dimension RoPE factors)."""
     needed = ["token_embd.weight", "output_norm.weight"]
     for i in range(config.n_layer):
         needed += [f"blk.{i}.{n}" for n in LLAMA_LAYER_TENSORS]
         if config.qkv_bias:
             needed += [f"blk.{i}.attn_{x}.bias" for x in "qkv"]
+        if config.attn_bias:
+            needed.append(f"blk.{i}.attn_output.bias")
+        if config.mlp_bias:
+            needed += [f"blk.{i}.ffn_{x}.bias" for x in ("gate", "up", "down")]
+        if config.qk_norm:
+            needed += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
     return needed
 
 
@@ -296,14 +360,19 @@ def no_kv(config: Any) -> tuple[KVSpec, ...]:
     return (NO_KV,) * config.n_layer
 
 
+def _lazy(module: str, name: str) -> Callable:
+    """``module.name``, imported when first called (a family module may import this one)."""
+    def call(*args):
+        return getattr(importlib.import_module(module), name)(*args)
+    call.__name__ = name
+    return call
+
+
 # -- BERT ------------------------------------------------------------------------------------------
 
 def _bert(name: str) -> Callable:
     """A function of kvserve.models.bert_config, imported when first called."""
-    def call(*args):
-        return getattr(importlib.import_module("kvserve.models.bert_config"), name)(*args)
-    call.__name__ = name
-    return call
+    return _lazy("kvserve.models.bert_config", name)
 
 
 # -- the records -----------------------------------------------------------------------------------
@@ -319,9 +388,80 @@ LLAMA = Family(
     hf_tensor_name=llama_hf_tensor_name,
     required_tensors=llama_required_tensors,
     kv_spec=all_full,
-    native_decode=lambda config: True,
+    native_decode=lambda config: not (config.attn_bias or config.mlp_bias or config.qk_norm),
     finish_hf=llama_finish_hf,
     prepare=llama_prepare,
+)
+
+QWEN3 = Family(
+    name="qwen3",
+    gguf_archs=("qwen3",),
+    hf_archs={"Qwen3ForCausalLM": "generate"},
+    task="generate",
+    module="kvserve.models.llama:LlamaModel",
+    config_from_gguf=_lazy("kvserve.models.qwen3", "config_from_gguf"),
+    config_from_hf=_lazy("kvserve.models.qwen3", "config_from_hf"),
+    hf_tensor_name=llama_hf_tensor_name,
+    required_tensors=llama_required_tensors,
+    kv_spec=all_full,
+    native_decode=lambda config: False,  # the native step has no q/k norm
+    finish_hf=llama_finish_hf,
+    prepare=_lazy("kvserve.models.qwen3", "prepare"),
+)
+
+QWEN3MOE = Family(
+    name="qwen3moe",
+    gguf_archs=("qwen3moe",),
+    hf_archs={"Qwen3MoeForCausalLM": "generate"},
+    task="generate",
+    module="kvserve.models.llama:LlamaModel",
+    config_from_gguf=_lazy("kvserve.models.moe", "config_from_gguf"),
+    config_from_hf=_lazy("kvserve.models.moe", "config_from_hf"),
+    hf_tensor_name=_lazy("kvserve.models.moe", "hf_tensor_name"),
+    required_tensors=_lazy("kvserve.models.moe", "required_tensors"),
+    kv_spec=all_full,
+    native_decode=lambda config: False,  # the native step has no q/k norm and no experts
+    finish_hf=llama_finish_hf,
+    prepare=_lazy("kvserve.models.moe", "prepare"),
+)
+
+
+def _gemma(name: str) -> Callable:
+    """A function of kvserve.models.gemma, imported when first called."""
+    return _lazy("kvserve.models.gemma", name)
+
+
+GEMMA2 = Family(
+    name="gemma2",
+    gguf_archs=("gemma2",),
+    hf_archs={"Gemma2ForCausalLM": "generate"},
+    task="generate",
+    module="kvserve.models.gemma:GemmaModel",
+    config_from_gguf=_gemma("config_from_gguf"),
+    config_from_hf=_gemma("config_from_hf"),
+    hf_tensor_name=_gemma("hf_tensor_name"),
+    required_tensors=_gemma("required_tensors"),
+    kv_spec=_gemma("kv_spec"),
+    native_decode=lambda config: False,  # the native step is a llama layer
+    finish_hf=llama_finish_hf,
+    prepare=_gemma("prepare"),
+)
+
+GEMMA3 = Family(
+    name="gemma3",
+    gguf_archs=("gemma3",),
+    hf_archs={"Gemma3ForCausalLM": "generate"},
+    task="generate",
+    module="kvserve.models.gemma:GemmaModel",
+    config_from_gguf=_gemma("config_from_gguf"),
+    config_from_hf=_gemma("config_from_hf"),
+    hf_tensor_name=_gemma("hf_tensor_name"),
+    required_tensors=_gemma("required_tensors"),
+    kv_spec=_gemma("kv_spec"),
+    native_decode=lambda config: False,
+    hf_model_types=("gemma3_text",),
+    finish_hf=llama_finish_hf,
+    prepare=_gemma("prepare"),
 )
 
 BERT = Family(
@@ -342,14 +482,34 @@ BERT = Family(
     score_tensor="cls.output.weight",
 )
 
+def _nomic(name: str) -> Callable:
+    """A function of kvserve.models.nomic_bert, imported when first called."""
+    return _lazy("kvserve.models.nomic_bert", name)
+
+
+NOMIC_BERT = Family(
+    name="nomic-bert",
+    gguf_archs=("nomic-bert",),
+    hf_archs={"NomicBertModel": "embed"},
+    task="embed",
+    module="kvserve.models.bert:BertModel",
+    config_from_gguf=_nomic("config_from_gguf"),
+    config_from_hf=_nomic("config_from_hf"),
+    hf_tensor_name=_nomic("hf_tensor_name"),
+    required_tensors=_nomic("required_tensors"),
+    kv_spec=no_kv,
+    hf_model_types=("nomic_bert",),
+    finish_hf=_nomic("finish"),
+    packed_weights=False,
+)
+
 #: every family kvserve runs, in the order error messages list them
-FAMILIES: tuple[Family, ...] = (LLAMA, BERT)
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, QWEN3MOE, GEMMA2, GEMMA3, BERT, NOMIC_BERT)
 
 #: architecture names of encoders kvserve has no family for yet, with the task they would have:
 #: the model manager sends them to the embedding runner, which reports them as unsupported
 #: there (not as a generative model that fails to load)
 KNOWN_ENCODERS_WITHOUT_FAMILY = {
-    "nomic-bert": "embed", "NomicBertModel": "embed",
     "XLMRobertaForSequenceClassification": "score",
     "RobertaModel": "embed", "XLMRobertaModel": "embed",
 }

@@ -1,4 +1,7 @@
-"""The llama family in torch: llama, SmolLM, Mistral-style and qwen2 (q/k/v biases).
+"""The llama block in torch: llama, SmolLM, Mistral-style, qwen2 (q/k/v biases), qwen3 (per-head
+q/k RMSNorm), qwen3moe (a mixture-of-experts FFN, kvserve.models.moe), with optional
+attention-output and MLP biases and llama 3's per-dimension RoPE factors (``rope_freqs.weight``).
+The families that run it are records of kvserve.models.family.
 
 One forward pass takes a flat batch of tokens from several sequences (decodes
 and prompt chunks mixed, continuous batching) and reads/writes a paged KV cache
@@ -372,6 +375,12 @@ def _q4_dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     return res
 
 
+def _biases(weights: dict[str, Weight], prefix: str, on: bool, *names: str) -> list[Weight] | None:
+    """The ``prefix + name + ".bias"`` tensors of a projection (concatenated like its weights), or
+    None when the config's flag ``on`` is off."""
+    return [weights[f"{prefix}{n}.bias"] for n in names] if on else None
+
+
 def _np_cat(arrays):
     import numpy as np
 
@@ -397,10 +406,22 @@ class RMSNorm(nn.Module):
         return (x * r).mul_(self.weight)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim/2] float32 inverse frequencies, with linear or llama3 scaling."""
+def rope_inv_freq(config: ModelConfig, factors: Weight | None = None) -> torch.Tensor:
+    """[head_dim/2] float32 inverse frequencies, with linear or llama3 scaling.
+
+    ``factors``: llama.cpp's ``rope_freqs.weight`` ([head_dim/2] float32, what its converter writes
+    for llama 3's scaling): each frequency is divided by its factor, as llama.cpp's ``freq_factors``.
+
+    Raises:
+        ValueError: factors of another length than head_dim/2.
+    """
     d = config.head_dim
     inv = 1.0 / (config.rope_freq_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if factors is not None:
+        f = torch.from_numpy(factors.to_dense()).reshape(-1).double()
+        if f.shape[0] != d // 2:
+            raise ValueError(f"rope_freqs.weight has {f.shape[0]} factors, head_dim/2 is {d // 2}")
+        inv = inv / f
     sc = config.rope_scaling
     if sc and sc.get("type") == "linear" and sc.get("factor", 1.0) != 1.0:
         inv = inv / sc["factor"]
@@ -452,10 +473,22 @@ class LlamaModel(nn.Module):
             layer.attn_norm = RMSNorm(weights[p + "attn_norm.weight"], c.rms_eps, device)
             bias = [weights[p + f"attn_{x}.bias"] for x in "qkv"] if c.qkv_bias else None
             layer.wqkv = Linear([weights[p + f"attn_{x}.weight"] for x in "qkv"], bias, **lin)
-            layer.wo = Linear([weights[p + "attn_output.weight"]], None, **lin)
+            # qwen3: per-head RMSNorm of q and k before RoPE (weights [head_dim], pair order)
+            layer.q_norm = RMSNorm(weights[p + "attn_q_norm.weight"], c.rms_eps, device) if c.qk_norm else None
+            layer.k_norm = RMSNorm(weights[p + "attn_k_norm.weight"], c.rms_eps, device) if c.qk_norm else None
+            layer.wo = Linear([weights[p + "attn_output.weight"]], _biases(weights, p, c.attn_bias, "attn_output"),
+                              **lin)
             layer.ffn_norm = RMSNorm(weights[p + "ffn_norm.weight"], c.rms_eps, device)
-            layer.w_gate_up = Linear([weights[p + "ffn_gate.weight"], weights[p + "ffn_up.weight"]], None, **lin)
-            layer.w_down = Linear([weights[p + "ffn_down.weight"]], None, **lin)
+            layer.moe = layer.w_gate_up = layer.w_down = None
+            if getattr(c, "is_moe", None) is not None and c.is_moe(i):  # a mixture of experts (kvserve.models.moe)
+                from kvserve.models.moe import build_moe
+
+                layer.moe = build_moe(c, weights, i, device)
+            else:
+                layer.w_gate_up = Linear([weights[p + "ffn_gate.weight"], weights[p + "ffn_up.weight"]],
+                                         _biases(weights, p, c.mlp_bias, "ffn_gate", "ffn_up"), **lin)
+                layer.w_down = Linear([weights[p + "ffn_down.weight"]], _biases(weights, p, c.mlp_bias, "ffn_down"),
+                                      **lin)
             self.layers.append(layer)
         self.output_norm = RMSNorm(weights["output_norm.weight"], c.rms_eps, device)
         # tied embeddings: the head is token_embd.weight (its own copy, in the head's formats)
@@ -468,7 +501,7 @@ class LlamaModel(nn.Module):
         w = self.output.weight
         if head is weights["token_embd.weight"] and w is not None and w.dtype == self.tok_embd.dtype:
             self.output.weight = self.tok_embd  # tied: one dense copy of the embedding, not two
-        inv = rope_inv_freq(c)
+        inv = rope_inv_freq(c, weights.get("rope_freqs.weight"))
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv.double())  # [P, D/2]
         self.rope_cis = torch.polar(torch.ones_like(freqs), freqs).to(torch.complex64).to(device)  # [P, D/2]
@@ -481,7 +514,8 @@ class LlamaModel(nn.Module):
 
     def projections(self) -> list[Linear]:
         """Every layer's projections (qkv, output, gate|up, down), in layer order."""
-        return [lin for layer in self.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        return [lin for layer in self.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
+                if lin is not None]
 
     # -- pieces -------------------------------------------------------------
 
@@ -624,6 +658,9 @@ class LlamaModel(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = layer.attn_norm.forward(x)
             qkv = layer.wqkv.forward(h)  # [T, (H + 2 Hkv) D], a fresh tensor
+            if layer.q_norm is not None:  # per-head RMSNorm of q and k, before RoPE
+                qkv[:, :qs] = layer.q_norm.forward(qkv[:, :qs].view(T, nq, hd)).view(T, qs)
+                qkv[:, qs:qks] = layer.k_norm.forward(qkv[:, qs:qks].view(T, nkv, hd)).view(T, qks - qs)
             # RoPE on the q|k part, in place: pairs (2i, 2i+1) as complex numbers times cis
             torch.view_as_complex(qkv[:, :qks].view(T, nq + nkv, hd // 2, 2)).mul_(cis)
             q = qkv[:, :qs].view(T, nq, hd)
@@ -632,6 +669,9 @@ class LlamaModel(nn.Module):
             kv_write(k_cache, slots, k)
             kv_write(v_cache, slots, v)
             x.add_(layer.wo.forward(attention(q, k, v, k_cache, v_cache, batch)))
+            if layer.moe is not None:
+                x.add_(layer.moe.forward(layer.ffn_norm.forward(x)))
+                continue
             gate, up = layer.w_gate_up.forward(layer.ffn_norm.forward(x)).chunk(2, dim=-1)
             x.add_(layer.w_down.forward(F.silu(gate).mul_(up)))
         if self.output_norm is None:
@@ -668,6 +708,10 @@ class LlamaModel(nn.Module):
         sin = self.rope_sin[positions].view(B, 1, hd // 2)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             qkv = layer.wqkv.forward(layer.attn_norm.forward(x))
+            if layer.q_norm is not None:
+                qkv = torch.cat([layer.q_norm.forward(qkv[:, :nq * hd].view(B, nq, hd)).view(B, -1),
+                                 layer.k_norm.forward(qkv[:, nq * hd:nqk].view(B, nkv, hd)).view(B, -1),
+                                 qkv[:, nqk:]], dim=-1)
             pairs = qkv[:, :nqk].view(B, nq + nkv, hd // 2, 2)
             a, b = pairs[..., 0], pairs[..., 1]
             qk = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).view(B, nq + nkv, hd)
@@ -677,6 +721,9 @@ class LlamaModel(nn.Module):
             kv_write(v_cache, slot_mapping, v)
             o = self._attend_rows_fused(q, k_cache, v_cache, kv_index, L, kv_mask)
             x = x + layer.wo.forward(o)
+            if layer.moe is not None:
+                x = x + layer.moe.forward(layer.ffn_norm.forward(x))
+                continue
             gate, up = layer.w_gate_up.forward(layer.ffn_norm.forward(x)).chunk(2, dim=-1)
             x = x + layer.w_down.forward(F.silu(gate) * up)
         return self.output.forward(self.output_norm.forward(x)).float()

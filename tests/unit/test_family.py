@@ -13,13 +13,15 @@ from kvserve.models.registry import load_files, probe_task
 
 
 def test_tables_derive_from_the_records():
-    assert [f.name for f in fm.FAMILIES] == ["llama", "bert"]
+    assert [f.name for f in fm.FAMILIES] == ["llama", "qwen3", "qwen3moe", "gemma2", "gemma3", "bert", "nomic-bert"]
     assert {a: f.name for a, f in fm.GGUF_ARCHS.items()} == {
-        "llama": "llama", "mistral": "llama", "qwen2": "llama", "bert": "bert"}
+        "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3moe",
+        "gemma2": "gemma2", "gemma3": "gemma3", "bert": "bert", "nomic-bert": "nomic-bert"}
     assert {a: f.name for a, f in fm.HF_ARCHS.items()} == {
         "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
-        "BertModel": "bert", "BertForMaskedLM": "bert", "BertForPreTraining": "bert",
-        "BertForSequenceClassification": "bert"}
+        "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Gemma2ForCausalLM": "gemma2",
+        "Gemma3ForCausalLM": "gemma3", "BertModel": "bert", "BertForMaskedLM": "bert", "BertForPreTraining": "bert",
+        "BertForSequenceClassification": "bert", "NomicBertModel": "nomic-bert"}
     assert fm.ARCH_TASKS["qwen2"] == "generate" and fm.ARCH_TASKS["BertForSequenceClassification"] == "score"
     assert fm.ENCODER_TASKS["bert"] == "embed" and fm.ENCODER_TASKS["nomic-bert"] == "embed"
     assert "llama" not in fm.ENCODER_TASKS
@@ -33,10 +35,12 @@ def test_module_kv_spec_and_native_step_per_family(tmp_path):
     from kvserve.models.llama import LlamaModel
 
     assert fm.LLAMA.module_class() is LlamaModel and fm.BERT.module_class() is BertModel
+    assert fm.QWEN3.module_class() is LlamaModel  # the llama block with its q/k norm piece
     cfg = load_files(tinymodel.write_tiny_gguf(tmp_path / "t.gguf")).config
     assert fm.family_of(cfg.arch) is fm.LLAMA
     assert fm.LLAMA.kv_spec(cfg) == (fm.KVSpec("full"),) * cfg.n_layer
     assert fm.LLAMA.native_decode(cfg) is True and fm.BERT.native_decode(cfg) is False
+    assert fm.QWEN3.native_decode(cfg) is False
     assert fm.BERT.kv_spec(cfg) == (fm.KVSpec("none"),) * cfg.n_layer
     assert fm.KVSpec("sliding", 512).window == 512
     with pytest.raises(ValueError):
@@ -57,7 +61,8 @@ def test_unknown_architecture_names_the_families(tmp_path):
     with pytest.raises(ModelLoadError) as e:
         load_files(tmp_path / "x.gguf")
     assert str(e.value) == (f"{tmp_path / 'x.gguf'}: unknown model architecture 'gptj' (kvserve knows the "
-                            "families llama (llama, mistral, qwen2), bert (bert))")
+                            "families llama (llama, mistral, qwen2), qwen3 (qwen3), qwen3moe (qwen3moe), "
+                            "gemma2 (gemma2), gemma3 (gemma3), bert (bert), nomic-bert (nomic-bert))")
     assert probe_task(tmp_path / "x.gguf") == "generate"  # left for the loader to report
     hf = tinymodel.write_tiny_hf_dir(tmp_path / "hf")
     cfg = json.loads((hf / "config.json").read_text())
@@ -67,8 +72,9 @@ def test_unknown_architecture_names_the_families(tmp_path):
         load_files(hf)
     assert str(e.value) == (
         f"{hf}: unknown model architecture ['GPTNeoXForCausalLM'] (kvserve knows the families llama "
-        "(LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM), bert (BertModel, BertForMaskedLM, "
-        "BertForPreTraining, BertForSequenceClassification))")
+        "(LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3moe "
+        "(Qwen3MoeForCausalLM), gemma2 (Gemma2ForCausalLM), gemma3 (Gemma3ForCausalLM), bert (BertModel, "
+        "BertForMaskedLM, BertForPreTraining, BertForSequenceClassification), nomic-bert (NomicBertModel))")
     with pytest.raises(ModelLoadError, match="unknown model architecture 'gptj'"):
         fm.family_of("gptj")
 

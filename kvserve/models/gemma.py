@@ -1,0 +1,372 @@
+"""The gemma2 and gemma3 families (text): gemma's block over the paged KV cache.
+
+What differs from the llama block (kvserve.models.llama, whose Linear, RMSNorm, RoPE tables and
+cache reads it composes):
+
+* embeddings times sqrt(n_embd) (the tied head reads them unscaled);
+* four RMSNorms per layer (before and after attention, before and after the MLP), gemma's
+  ``x * (1 + w)``: llama.cpp's converter stores ``1 + w`` in the GGUF, and the HF loader adds the 1;
+* a GELU-tanh gated MLP;
+* queries scaled by ``query_pre_attn_scalar ** -0.5`` (HF; GGUF: ``1/sqrt(head_dim)``, or
+  ``1/sqrt(n_embd / n_head)`` for the 27B shapes, as llama.cpp);
+* gemma2: attention logit soft-cap and final logit soft-cap (``cap * tanh(x / cap)``);
+* gemma3: per-head q/k RMSNorm before RoPE, a separate RoPE base on sliding layers (10,000) and
+  the file's linear scaling on global ones;
+* sliding-window layers (gemma2: every other layer, gemma3: 5 of every 6): a query at position p
+  sees keys at positions p - window < j <= p. For now such a layer keeps all its KV blocks and masks
+  by the window exactly (freeing the blocks the window left is a later step).
+
+Attention is computed directly (scores, soft-cap, mask, softmax in float32): SDPA has no soft-cap.
+kvserve's native decode step and the compiled decode graph do not implement this block: the family
+record turns the native step off, and :meth:`GemmaModel.decode_step` refuses (the engine stays eager).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.engine.kv_quant import kv_gather, kv_round, kv_write
+from kvserve.loaders.weights import ModelConfig, ModelLoadError, Weight, interleave_qk
+from kvserve.models.llama import AttentionBatch, Linear, RMSNorm, auto_head_kernel, rope_inv_freq
+
+
+@dataclass(slots=True)
+class GemmaConfig(ModelConfig):
+    """A ModelConfig with gemma's options.
+
+    Attributes:
+        layer_windows: per layer, the sliding window in tokens (0: full attention).
+        attn_softcap: attention logit soft-cap (0: none).
+        final_softcap: final logit soft-cap (0: none).
+        query_scale: the factor of q.k (replaces 1/sqrt(head_dim)).
+        rope_local_base: RoPE theta of sliding-window layers (None: ``rope_freq_base``, and the
+            file's scaling too; gemma3: 10,000 without scaling).
+    """
+
+    layer_windows: tuple[int, ...] = ()
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    query_scale: float = 0.0
+    rope_local_base: float | None = None
+
+
+# -- config readers ---------------------------------------------------------------------------------
+
+def _gguf_windows(md: dict, arch: str, n_layer: int, path: str) -> tuple[int, ...]:
+    window = int(md.get(f"{arch}.attention.sliding_window") or 0)
+    if not window:
+        raise ModelLoadError(f"{path}: missing GGUF key '{arch}.attention.sliding_window'")
+    pattern = md.get(f"{arch}.attention.sliding_window_pattern") or (2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):  # one bool per layer (Ollama's converter): True slides
+        if len(pattern) != n_layer:
+            raise ModelLoadError(f"{path}: GGUF key '{arch}.attention.sliding_window_pattern' has {len(pattern)} "
+                                 f"values for {n_layer} layers")
+        return tuple(window if bool(x) else 0 for x in pattern)
+    pattern = int(pattern)
+    # llama.cpp's set_swa_pattern(n): layer il slides when il % n < n - 1
+    return tuple(window if il % pattern < pattern - 1 else 0 for il in range(n_layer))
+
+
+def config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> GemmaConfig:
+    """A GemmaConfig from ``gemma2.*`` / ``gemma3.*`` GGUF metadata (llama.cpp's keys).
+
+    Raises ModelLoadError naming a missing key or an option kvserve lacks."""
+    from kvserve.models.family import llama_config_from_gguf
+
+    arch = md.get("general.architecture")
+    base = llama_config_from_gguf(md, path, shapes)
+    if base.qkv_bias or base.attn_bias or base.mlp_bias:
+        raise ModelLoadError(f"{path}: {arch} with projection biases is not supported")
+    kw = {f: getattr(base, f) for f in ModelConfig.__slots__}
+    kw["qk_norm"] = arch == "gemma3"
+    # Ollama's converter names the two RoPE bases rope.global / rope.local.freq_base and a linear
+    # scaling rope.freq_scale (1 / factor); llama.cpp's: rope.freq_base, 10,000 local, rope.scaling.*
+    if md.get(f"{arch}.rope.global.freq_base"):
+        kw["rope_freq_base"] = float(md[f"{arch}.rope.global.freq_base"])
+    local = md.get(f"{arch}.rope.local.freq_base")
+    scale = float(md.get(f"{arch}.rope.freq_scale") or 1.0)
+    if scale != 1.0 and kw["rope_scaling"] is None:
+        kw["rope_scaling"] = {"type": "linear", "factor": 1.0 / scale, "original_context_length": 0}
+    big = (arch == "gemma2" and base.n_layer == 46) or (arch == "gemma3" and base.n_layer == 62)  # the 27Bs
+    return GemmaConfig(
+        **kw,
+        layer_windows=_gguf_windows(md, arch, base.n_layer, path),
+        attn_softcap=float(md.get(f"{arch}.attn_logit_softcapping") or 0.0) if arch == "gemma2" else 0.0,
+        final_softcap=float(md.get(f"{arch}.final_logit_softcapping") or 0.0),
+        query_scale=1.0 / math.sqrt(base.n_embd / base.n_head if big else base.head_dim),
+        rope_local_base=float(local) if local else 10000.0 if arch == "gemma3" else None,
+    )
+
+
+def _hf_windows(cfg: dict, n_layer: int, path: str) -> tuple[int, ...]:
+    window = int(cfg.get("sliding_window") or 0)
+    types = cfg.get("layer_types")
+    if types is None:  # transformers 4: gemma2 alternates, gemma3 has sliding_window_pattern
+        pattern = int(cfg.get("sliding_window_pattern") or (6 if cfg.get("model_type") == "gemma3_text" else 2))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer)]
+    if len(types) != n_layer or set(types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"{path}: config.json layer_types {types!r}: kvserve runs sliding_attention and "
+                             f"full_attention layers, one per layer")
+    if "sliding_attention" in types and not window:
+        raise ModelLoadError(f"{path}: config.json lacks 'sliding_window'")
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def config_from_hf(cfg: dict, path: str) -> GemmaConfig:
+    """A GemmaConfig from config.json (transformers' Gemma2Config / Gemma3TextConfig).
+
+    Raises ModelLoadError naming a missing key or an option kvserve lacks (a RoPE scaling other
+    than linear on global layers, an activation other than GELU-tanh)."""
+    from kvserve.models.family import hf_rope, llama_config_from_hf
+
+    gemma3 = cfg.get("model_type") == "gemma3_text" or "Gemma3ForCausalLM" in (cfg.get("architectures") or [])
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast"):
+        raise ModelLoadError(f"{path}: config.json hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    rp = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    local_base = None
+    flat = dict(cfg)
+    if "full_attention" in rp:  # transformers 5: one RoPE per layer type
+        flat["rope_parameters"] = rp["full_attention"]
+        local = rp.get("sliding_attention") or {}
+        theta, sc = hf_rope({"rope_parameters": local}, path)
+        if sc is not None:
+            raise ModelLoadError(f"{path}: config.json rope_parameters.sliding_attention.rope_type "
+                                 f"{sc['type']!r} is not supported on sliding layers")
+        local_base = theta
+    elif gemma3:
+        local_base = float(cfg.get("rope_local_base_freq") or 10000.0)
+    base = llama_config_from_hf(flat, path, arch="gemma3" if gemma3 else "gemma2", qk_norm=gemma3)
+    if base.qkv_bias or base.attn_bias or base.mlp_bias:
+        raise ModelLoadError(f"{path}: config.json attention_bias: gemma with projection biases is not supported")
+    kw = {f: getattr(base, f) for f in ModelConfig.__slots__}
+    kw["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", True))
+    try:
+        scalar = float(cfg["query_pre_attn_scalar"])
+    except KeyError:
+        raise ModelLoadError(f"{path}: config.json lacks 'query_pre_attn_scalar'") from None
+    return GemmaConfig(
+        **kw,
+        layer_windows=_hf_windows(cfg, base.n_layer, path),
+        attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+        final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+        query_scale=scalar ** -0.5,
+        rope_local_base=local_base,
+    )
+
+
+# -- tensors ----------------------------------------------------------------------------------------
+
+#: HF per-layer names -> kvserve's (llama.cpp's gemma2/gemma3 names)
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                 "post_attention_norm.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+                 "ffn_down.weight", "post_ffw_norm.weight")
+
+
+def hf_tensor_name(name: str, config=None) -> str | None:
+    """kvserve's name of an HF gemma tensor; None for tensors not used."""
+    from kvserve.models.family import llama_hf_tensor_name
+
+    return llama_hf_tensor_name(name, config, HF_LAYER_NAMES)
+
+
+def required_tensors(config: GemmaConfig, weights: dict | None = None) -> list[str]:
+    """The tensors a gemma model of ``config`` needs, in order (the q/k norms for gemma3)."""
+    needed = ["token_embd.weight", "output_norm.weight"]
+    for i in range(config.n_layer):
+        needed += [f"blk.{i}.{n}" for n in LAYER_TENSORS]
+        if config.qk_norm:
+            needed += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
+    return needed
+
+
+def prepare(config: GemmaConfig, weights: dict[str, Weight], fmt: str) -> None:
+    """HF norm weights to ``1 + w`` (what llama.cpp's GGUF stores and RMSNorm multiplies by), then
+    Q/K rows and q/k norm weights from NEOX half-split to interleaved pairs (both formats)."""
+    if fmt == "hf":
+        for name, w in list(weights.items()):
+            if name.endswith("norm.weight"):
+                weights[name] = Weight(w.shape, dense=w.to_dense() + 1.0, source_type=w.source_type)
+    interleave_qk(config, weights)
+
+
+def kv_spec(config: GemmaConfig):
+    """Per layer: a sliding window of the layer's tokens, or full attention."""
+    from kvserve.models.family import FULL, KVSpec
+
+    return tuple(KVSpec("sliding", w) if w else FULL for w in config.layer_windows)
+
+
+# -- the module -------------------------------------------------------------------------------------
+
+def attend(q, k, v, q_pos, k_pos, valid, scale: float, window: int, softcap: float) -> torch.Tensor:
+    """q: [B, Lq, H, D], k/v: [B, Lk, Hkv, D], q_pos [B, Lq], k_pos [B, Lk] long, valid [B, Lk] bool
+    or None -> [B, Lq, H, D]. Key j is seen by query i when k_pos <= q_pos, within ``window``
+    tokens (q_pos - k_pos < window; 0: no window) and valid; scores soft-capped by ``softcap``."""
+    g = q.shape[2] // k.shape[2]
+    if g > 1:
+        k = k.repeat_interleave(g, dim=2)
+        v = v.repeat_interleave(g, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # [B, H, Lq, Lk]
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    seen = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, Lq, Lk]
+    if window:
+        seen &= k_pos[:, None, :] > q_pos[:, :, None] - window
+    if valid is not None:
+        seen &= valid[:, None, :]
+    s = s.masked_fill(~seen[:, None], float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v)
+
+
+class GemmaModel(nn.Module):
+    """gemma2 / gemma3 decoder over a paged KV cache (see the module docstring).
+
+    Args: those of :class:`kvserve.models.llama.LlamaModel` (the same numerics options).
+    """
+
+    native_decode = False
+
+    def __init__(self, config: GemmaConfig, weights: dict[str, Weight], dtype=torch.float32, device="cpu",
+                 kernel: str = "dense", small_max_rows: int = 0, max_positions: int = 8192,
+                 large_dtype=torch.float32, native_q4: bool | str = False):
+        super().__init__()
+        c = self.config = config
+        self.device = torch.device(device)
+        self.compute_dtype = torch.float32 if self.device.type == "cpu" else dtype
+        emb = weights["token_embd.weight"]
+        self.tok_embd = torch.from_numpy(emb.to_dense()).to(device=device, dtype=self.compute_dtype)
+        self.embed_scale = torch.tensor(math.sqrt(c.n_embd), dtype=self.compute_dtype).item()
+        lin = dict(dtype=dtype, device=device, kernel=kernel, small_max_rows=small_max_rows, large_dtype=large_dtype)
+        self.layers = nn.ModuleList()
+        for i in range(c.n_layer):
+            p = f"blk.{i}."
+            layer = nn.Module()
+            for name in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+                setattr(layer, name, RMSNorm(weights[p + name + ".weight"], c.rms_eps, device))
+            layer.q_norm = RMSNorm(weights[p + "attn_q_norm.weight"], c.rms_eps, device) if c.qk_norm else None
+            layer.k_norm = RMSNorm(weights[p + "attn_k_norm.weight"], c.rms_eps, device) if c.qk_norm else None
+            layer.wqkv = Linear([weights[p + f"attn_{x}.weight"] for x in "qkv"], None, **lin)
+            layer.wo = Linear([weights[p + "attn_output.weight"]], None, **lin)
+            layer.w_gate_up = Linear([weights[p + "ffn_gate.weight"], weights[p + "ffn_up.weight"]], None, **lin)
+            layer.w_down = Linear([weights[p + "ffn_down.weight"]], None, **lin)
+            self.layers.append(layer)
+        self.output_norm = RMSNorm(weights["output_norm.weight"], c.rms_eps, device)
+        head = weights.get("output.weight", emb)
+        self.output = Linear([head], None, dtype=dtype, device=device,
+                             kernel=auto_head_kernel() if kernel == "auto" else kernel, small_max_rows=small_max_rows)
+        self.rope_cis = _cis(rope_inv_freq(c, weights.get("rope_freqs.weight")), max_positions, device)
+        local = self.rope_cis
+        if c.rope_local_base is not None:
+            d = c.head_dim
+            inv = 1.0 / (c.rope_local_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+            local = _cis(inv.float(), max_positions, device)
+        #: per layer, the RoPE table its keys were rotated with (ModelRunner.shift_rows reads it)
+        self.layer_rope_cis = [local if w else self.rope_cis for w in c.layer_windows]
+        self.q_size = c.n_head * c.head_dim
+        self.kv_size = c.n_head_kv * c.head_dim
+
+    def projections(self) -> list[Linear]:
+        """Every layer's projections (qkv, output, gate|up, down), in layer order."""
+        return [lin for layer in self.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+
+    def decode_step(self, *args, **kwargs):
+        """Not written for torch.compile yet: CompiledDecode logs this and the engine stays eager."""
+        raise NotImplementedError("the compiled decode step does not implement the gemma block")
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_caches, logits_indices,
+                return_hidden: bool = False, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The flat batch -> float32 logits [len(logits_indices), n_vocab] (soft-capped); the same
+        contract as LlamaModel.forward (no pipeline stages: ``hidden`` is refused)."""
+        if hidden is not None:
+            raise NotImplementedError("pipeline stages do not implement the gemma block")
+        c = self.config
+        T = input_ids.shape[0]
+        x = self.tok_embd[input_ids] * self.embed_scale  # [T, E]
+        nq, nkv, hd = c.n_head, c.n_head_kv, c.head_dim
+        qs, qks = self.q_size, self.q_size + self.kv_size
+        cis_by_table = {}
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            table = self.layer_rope_cis[i]
+            cis = cis_by_table.get(id(table))
+            if cis is None:
+                cis = cis_by_table[id(table)] = table[batch.positions].unsqueeze(1)  # [T, 1, D/2]
+            qkv = layer.wqkv.forward(layer.attn_norm.forward(x))
+            if layer.q_norm is not None:
+                qkv[:, :qs] = layer.q_norm.forward(qkv[:, :qs].view(T, nq, hd)).view(T, qs)
+                qkv[:, qs:qks] = layer.k_norm.forward(qkv[:, qs:qks].view(T, nkv, hd)).view(T, qks - qs)
+            torch.view_as_complex(qkv[:, :qks].view(T, nq + nkv, hd // 2, 2)).mul_(cis)
+            q, k, v = qkv[:, :qs].view(T, nq, hd), qkv[:, qs:qks].view(T, nkv, hd), qkv[:, qks:].view(T, nkv, hd)
+            kv_write(k_cache, batch.slot_mapping, k)
+            kv_write(v_cache, batch.slot_mapping, v)
+            o = self._attention(q, k, v, k_cache, v_cache, batch, c.layer_windows[i])
+            x = x + layer.post_attention_norm.forward(layer.wo.forward(o))
+            gate, up = layer.w_gate_up.forward(layer.ffn_norm.forward(x)).chunk(2, dim=-1)
+            x = x + layer.post_ffw_norm.forward(layer.w_down.forward(F.gelu(gate, approximate="tanh") * up))
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = self.output_norm.forward(x)
+        if return_hidden:
+            return x
+        logits = self.output.forward(x).float()
+        if c.final_softcap:
+            logits = torch.tanh(logits / c.final_softcap) * c.final_softcap
+        return logits
+
+    def _attention(self, q, k, v, k_cache, v_cache, batch: AttentionBatch, window: int) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] (already in the cache) -> [T, H * D]."""
+        c = self.config
+        T, nd = q.shape[0], batch.n_decode
+        out = torch.empty(T, c.n_head, c.head_dim, dtype=q.dtype, device=q.device)
+        args = (self.config.query_scale, window, c.attn_softcap)
+        if nd:
+            idx = batch.decode_kv_index  # [B, L]
+            B, L = idx.shape
+            kd = kv_gather(k_cache, idx.reshape(-1), q.dtype).view(B, L, *k_cache.shape[1:])
+            vd = kv_gather(v_cache, idx.reshape(-1), q.dtype).view(B, L, *v_cache.shape[1:])
+            k_pos = torch.arange(L, device=q.device).expand(B, L)
+            valid = batch.decode_mask.view(B, L) if batch.decode_mask is not None else None
+            out[:nd] = attend(q[:nd].unsqueeze(1), kd, vd, batch.positions[:nd].unsqueeze(1), k_pos, valid,
+                              *args).squeeze(1)
+        for g in batch.prefills:
+            lq = g.end - g.start
+            q_pos = (g.n_past + torch.arange(lq, device=q.device)).unsqueeze(0)
+            if g.kv_index is None:  # the chunk's own K/V, rounded like the cache stores them
+                kp = kv_round(k_cache, k[g.start:g.end], q.dtype)
+                vp = kv_round(v_cache, v[g.start:g.end], q.dtype)
+                k_pos = q_pos
+            else:
+                kp = kv_gather(k_cache, g.kv_index, q.dtype)
+                vp = kv_gather(v_cache, g.kv_index, q.dtype)
+                k_pos = torch.arange(kp.shape[0], device=q.device).unsqueeze(0)
+            out[g.start:g.end] = attend(q[g.start:g.end].unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), q_pos,
+                                        k_pos, None, *args)[0]
+        return out.reshape(T, -1)
+
+
+def _cis(inv: torch.Tensor, max_positions: int, device) -> torch.Tensor:
+    """[P, D/2] complex64 rotations e^(i p inv) for positions 0..P-1."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv.double())
+    return torch.polar(torch.ones_like(freqs), freqs).to(torch.complex64).to(device)

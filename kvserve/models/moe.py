@@ -1,0 +1,187 @@
+"""Mixture-of-experts FFN (a shared piece) and the qwen3moe family built on it.
+
+:class:`MoE`: a softmax router over ``n_expert`` experts, the top ``n_expert_used`` per token,
+their weights renormalised to sum to 1 (``norm_topk_prob``; llama.cpp always does for qwen3moe),
+each expert a SiLU-gated MLP of width ``n_ff_expert``. A step's rows are grouped by expert and
+experts no row chose are not read (vLLM's fused MoE, llama.cpp's ``mul_mat_id`` do the same).
+Expert weights are kept as float32 [E, out, in] tensors for now (packed experts are the weights
+issue's).
+
+qwen3moe = qwen3's attention (per-head q/k norm, NEOX RoPE) + this FFN, on layers the config
+names (transformers' ``mlp_only_layers`` / ``decoder_sparse_step``; every layer in a GGUF).
+Tensors: GGUF ``blk.N.ffn_gate_inp.weight`` [E, n_embd] (router), ``ffn_{gate,up}_exps.weight``
+[E, n_ff_expert, n_embd], ``ffn_down_exps.weight`` [E, n_embd, n_ff_expert]; HF per-expert
+``mlp.experts.J.{gate,up,down}_proj.weight`` and ``mlp.gate.weight`` (stacked at load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.loaders.weights import ModelConfig, ModelLoadError, Weight, interleave_qk
+
+
+@dataclass(slots=True)
+class MoeConfig(ModelConfig):
+    """A ModelConfig whose FFN is a mixture of experts on some layers.
+
+    Attributes:
+        n_expert: experts per MoE layer; n_expert_used: experts each token runs (top-k).
+        n_ff_expert: one expert's MLP width.
+        expert_weights_norm: renormalise the top-k router weights to sum to 1.
+        dense_layers: layers with a plain (dense) MLP of ``n_ff`` instead.
+    """
+
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_expert: int = 0
+    expert_weights_norm: bool = True
+    dense_layers: tuple[int, ...] = ()
+
+    def is_moe(self, layer: int) -> bool:
+        return self.n_expert > 0 and layer not in self.dense_layers
+
+
+class MoE(nn.Module):
+    """x [T, n_embd] float32 -> [T, n_embd]: the top-k experts' SiLU-gated MLPs, weighted.
+
+    Args:
+        router: [E, n_embd]; gate, up: [E, n_ff_expert, n_embd]; down: [E, n_embd, n_ff_expert]
+            (Weight objects, read dense).
+        top_k: experts per token; norm: renormalise their weights.
+    """
+
+    def __init__(self, router: Weight, gate: Weight, up: Weight, down: Weight, top_k: int, norm: bool, device):
+        super().__init__()
+        def t(w: Weight) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(w.to_dense(), dtype=np.float32)).to(device)
+        self.router, self.gate, self.up, self.down = t(router), t(gate), t(up), t(down)
+        self.top_k, self.norm = top_k, norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)  # [T, E]
+        w, idx = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm:
+            w = w / w.sum(dim=-1, keepdim=True)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = torch.arange(T, device=x.device).repeat_interleave(self.top_k)[order]
+        weights = w.reshape(-1)[order].to(x.dtype)
+        counts = torch.bincount(flat, minlength=self.router.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):  # experts no row chose are skipped (not read)
+            if not n:
+                continue
+            r = rows[start:start + n]
+            h = x.index_select(0, r)
+            y = F.linear(F.silu(F.linear(h, self.gate[e])) * F.linear(h, self.up[e]), self.down[e])
+            out.index_add_(0, r, y * weights[start:start + n, None])
+            start += n
+        return out
+
+
+# -- the qwen3moe family --------------------------------------------------------------------------------
+
+def config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> MoeConfig:
+    """A MoeConfig from ``qwen3moe.*`` GGUF metadata (llama.cpp's keys: expert_count,
+    expert_used_count, expert_feed_forward_length); every layer is a MoE layer."""
+    from kvserve.models.family import llama_config_from_gguf
+
+    arch = md.get("general.architecture")
+    base = llama_config_from_gguf(md, path, shapes, qk_norm=True)
+
+    def get(key):
+        v = md.get(f"{arch}.{key}")
+        if v is None:
+            raise ModelLoadError(f"{path}: missing GGUF key '{arch}.{key}'")
+        return int(v)
+
+    kw = {f: getattr(base, f) for f in ModelConfig.__slots__}
+    return MoeConfig(**kw, n_expert=get("expert_count"), n_expert_used=get("expert_used_count"),
+                     n_ff_expert=get("expert_feed_forward_length"))
+
+
+def config_from_hf(cfg: dict, path: str) -> MoeConfig:
+    """A MoeConfig from config.json (transformers' Qwen3MoeConfig: ``num_experts`` or
+    ``num_local_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``,
+    ``mlp_only_layers``, ``decoder_sparse_step``)."""
+    from kvserve.models.family import llama_config_from_hf
+
+    base = llama_config_from_hf(cfg, path, arch="qwen3moe", qk_norm=True)
+    n_expert = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    try:
+        top_k, width = int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"])
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: config.json lacks {e.args[0]!r}") from None
+    if not n_expert:
+        raise ModelLoadError(f"{path}: config.json lacks 'num_experts'")
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only = set(cfg.get("mlp_only_layers") or [])
+    dense = tuple(i for i in range(base.n_layer) if i in only or (i + 1) % step)
+    kw = {f: getattr(base, f) for f in ModelConfig.__slots__}
+    return MoeConfig(**kw, n_expert=n_expert, n_expert_used=top_k, n_ff_expert=width,
+                     expert_weights_norm=bool(cfg.get("norm_topk_prob", True)), dense_layers=dense)
+
+
+def hf_tensor_name(name: str, config=None) -> str | None:
+    """kvserve's name of an HF qwen3moe tensor (per-expert ones as ``blk.N.ffn_X_exps.J.weight``,
+    stacked by :func:`prepare`); None for tensors not used."""
+    from kvserve.models.family import llama_hf_tensor_name
+
+    if name.startswith("model.layers.") and ".mlp." in name:
+        idx, _, sub = name[len("model.layers."):].partition(".")
+        if sub == "mlp.gate.weight":
+            return f"blk.{idx}.ffn_gate_inp.weight"
+        if sub.startswith("mlp.experts."):
+            j, _, rest = sub[len("mlp.experts."):].partition(".")
+            kind = {"gate_proj.weight": "gate", "up_proj.weight": "up", "down_proj.weight": "down"}.get(rest)
+            return f"blk.{idx}.ffn_{kind}_exps.{j}.weight" if kind and j.isdigit() else None
+    return llama_hf_tensor_name(name, config)
+
+
+def required_tensors(config: MoeConfig, weights: dict) -> list[str]:
+    """Attention as qwen3's; per MoE layer the router and the experts (stacked, or per expert as an HF
+    directory has them); a dense MLP on the others."""
+    from kvserve.models.family import llama_required_tensors
+
+    ffn = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+    needed = []
+    for name in llama_required_tensors(config):
+        i = int(name.split(".")[1]) if name.startswith("blk.") else -1
+        if i >= 0 and config.is_moe(i) and name.split(".", 2)[2] in ffn:
+            kind = name.split(".", 2)[2].split(".")[0]  # ffn_gate / ffn_up / ffn_down
+            stacked = f"blk.{i}.{kind}_exps.weight"
+            needed += [stacked] if stacked in weights else [f"blk.{i}.{kind}_exps.{j}.weight"
+                                                            for j in range(config.n_expert)]
+            if kind == "ffn_gate":
+                needed.append(f"blk.{i}.ffn_gate_inp.weight")
+            continue
+        needed.append(name)
+    return needed
+
+
+def prepare(config: MoeConfig, weights: dict[str, Weight], fmt: str) -> None:
+    """HF per-expert tensors stacked into [E, out, in]; Q/K rows and q/k norms to interleaved pairs."""
+    for i in range(config.n_layer):
+        for kind in ("gate", "up", "down"):
+            parts = [weights.pop(f"blk.{i}.ffn_{kind}_exps.{j}.weight", None) for j in range(config.n_expert)]
+            if parts[0] is not None:
+                arr = np.stack([p.to_dense() for p in parts])
+                weights[f"blk.{i}.ffn_{kind}_exps.weight"] = Weight(arr.shape, dense=arr,
+                                                                    source_type=parts[0].source_type)
+    interleave_qk(config, weights)
+
+
+def build_moe(config: MoeConfig, weights: dict[str, Weight], layer: int, device) -> MoE:
+    """Layer ``layer``'s MoE FFN."""
+    p = f"blk.{layer}."
+    return MoE(weights[p + "ffn_gate_inp.weight"], weights[p + "ffn_gate_exps.weight"],
+               weights[p + "ffn_up_exps.weight"], weights[p + "ffn_down_exps.weight"],
+               config.n_expert_used, config.expert_weights_norm, device)

@@ -1,0 +1,216 @@
+"""Tiny random models of the families kvserve runs, built with transformers (the reference forward)
+and written twice: as an HF directory (``save_pretrained``) and as a GGUF with llama.cpp's names and
+keys (the ``gguf`` package), the same weights in both.
+
+The GGUF follows llama.cpp's ``convert_hf_to_gguf.py``: llama's q/k rows permuted to interleaved
+RoPE pairs (``LlamaModel.permute``), qwen2/qwen3 left in the NEOX layout; llama 3's RoPE scaling
+written as the ``rope_freqs.weight`` factors (``LlamaModel.generate_extra_tensors``) and not as a
+``rope.scaling.type`` key. The tokenizer is tests/tinymodel.py's byte-level BPE (ids 0..300).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import tinymodel
+
+#: HF per-layer names -> llama.cpp's (the llama block and its variants)
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.gate_proj.bias": "ffn_gate.bias",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.up_proj.bias": "ffn_up.bias",
+    "mlp.down_proj.weight": "ffn_down.weight", "mlp.down_proj.bias": "ffn_down.bias",
+}
+
+#: gemma's per-layer norm names (the 4 norms of its block)
+GEMMA_NAMES = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+N_VOCAB = len(tinymodel.tiny_vocab()[0])
+
+
+def gguf_name(hf: str, arch: str = "llama") -> str:
+    """llama.cpp's tensor name of an HF name in a GGUF of ``arch``."""
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    idx, _, sub = hf[len("model.layers."):].partition(".")
+    names = {**LAYER_NAMES, **GEMMA_NAMES} if arch.startswith("gemma") else LAYER_NAMES
+    return f"blk.{idx}.{names[sub]}"
+
+
+def build(model_type: str, seed: int = 0, **cfg):
+    """A float32 transformers model of ``model_type`` ("llama", "qwen3", ...) with ``cfg`` over small
+    defaults, weights drawn from ``seed``: matrices N(0, 0.2), embeddings N(0, 0.05), norms
+    1 + N(0, 0.1), biases N(0, 0.05): the layers, not the (tied) embedding, decide the next token, so
+    32 greedy tokens are varied (25-30 distinct ids) and no top-2 logit gap is below 1e-3."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = dict(vocab_size=N_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    base.update(copy.deepcopy(cfg))  # transformers writes into the dicts it is given
+    config = AutoConfig.for_model(model_type, **base)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and model_type.startswith("gemma"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))  # gemma's norms multiply by (1 + w)
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def save_hf(model, path: Path) -> Path:
+    """``save_pretrained`` plus the tiny tokenizer (tokenizer.json, tokenizer_config.json)."""
+    path = Path(path)
+    model.save_pretrained(str(path))
+    tinymodel.hf_tokenizer().save(str(path / "tokenizer.json"))
+    tokens = tinymodel.tiny_vocab()[0]
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GPT2Tokenizer", "bos_token": tokens[0], "eos_token": tokens[0], "unk_token": tokens[0],
+        "pad_token": tokens[0], "add_bos_token": False, "add_eos_token": False, "model_max_length": 512,
+        "chat_template": tinymodel.CHATML_TEMPLATE}))
+    return path
+
+
+def llama3_rope_factors(config) -> np.ndarray:
+    """llama.cpp's converter's ``rope_freqs`` for a llama3 ``rope_parameters`` ([head_dim/2] float32)."""
+    rp = config.rope_parameters
+    base, dim = rp["rope_theta"], config.head_dim
+    factor, low, high = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
+    old = rp["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def save_gguf(model, path: Path, arch: str) -> Path:
+    """The same model as a GGUF of ``general.architecture = arch`` (F32 tensors, llama.cpp's names)."""
+    import gguf
+
+    c = model.config
+    path = Path(path)
+    tokens, types, merges = tinymodel.tiny_vocab()
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("kvserve family test model")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    rp = c.rope_parameters.get("full_attention", c.rope_parameters)  # gemma3: one RoPE per layer type
+    w.add_rope_freq_base(float(rp["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_file_type(0)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(tinymodel.CHATML_TEMPLATE)
+    if arch.startswith("gemma"):
+        w.add_sliding_window(c.sliding_window)
+        if getattr(c, "attn_logit_softcapping", None):
+            w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        if getattr(c, "final_logit_softcapping", None):
+            w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if rp.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(c))
+    elif rp.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rp["factor"]))
+    if getattr(c, "num_experts_per_tok", None):
+        w.add_expert_count(c.num_local_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        data = t.detach().float().numpy().copy()
+        if name.endswith("mlp.experts.gate_up_proj"):  # transformers 5's fused experts [E, 2I, H]
+            p = name[:-len("mlp.experts.gate_up_proj")].replace("model.layers.", "blk.")
+            half = data.shape[1] // 2
+            w.add_tensor(p + "ffn_gate_exps.weight", np.ascontiguousarray(data[:, :half]))
+            w.add_tensor(p + "ffn_up_exps.weight", np.ascontiguousarray(data[:, half:]))
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            w.add_tensor(name[:-len("mlp.experts.down_proj")].replace("model.layers.", "blk.") + "ffn_down_exps.weight",
+                         np.ascontiguousarray(data))
+            continue
+        if name.endswith("mlp.gate.weight"):
+            w.add_tensor(name[:-len("mlp.gate.weight")].replace("model.layers.", "blk.") + "ffn_gate_inp.weight", data)
+            continue
+        g = gguf_name(name, arch)
+        if arch.startswith("gemma") and g.endswith("norm.weight"):
+            data = data + 1.0  # llama.cpp's converter stores gemma's (1 + w)
+        if arch in ("llama", "mistral") and g.endswith(("attn_q.weight", "attn_q.bias")):
+            data = tinymodel.permute_qk(data, c.num_attention_heads)
+        elif arch in ("llama", "mistral") and g.endswith(("attn_k.weight", "attn_k.bias")):
+            data = tinymodel.permute_qk(data, c.num_key_value_heads)
+        w.add_tensor(g, np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits [len(ids), vocab] for one sequence."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def reference_greedy(model, ids: list[int], n: int, banned=()) -> list[int]:
+    """transformers' greedy continuation of ``ids``: ``n`` token ids, never one of ``banned`` (the
+    end-of-generation ids ``ignore_eos`` bans, as llama-server does); each step runs the whole
+    sequence again: the reference needs no cache."""
+    seq = list(ids)
+    for _ in range(n):
+        logits = reference_logits(model, seq)[-1]
+        logits[list(banned)] = float("-inf")
+        seq.append(int(logits.argmax()))
+    return seq[len(ids):]

@@ -1,0 +1,258 @@
+"""Each family against transformers' reference forward (float32), loaded from an HF directory
+(``save_pretrained``) and from a GGUF with llama.cpp's names (tests/family_models.py): logits over a
+prompt within 1e-4 of the logit scale, and 32 greedy tokens identical alone, batched with another
+sequence, cold and with a prefix-cache hit."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers", reason="transformers is a test-only dependency ([test] extra)")
+
+import family_models as fmod  # noqa: E402
+from kvserve.config import EngineConfig  # noqa: E402
+from kvserve.engine.core import EngineCore  # noqa: E402
+from kvserve.engine.request import Request, SamplingParams  # noqa: E402
+from kvserve.loaders.weights import ModelLoadError  # noqa: E402
+from kvserve.models.registry import build_model, load_files  # noqa: E402
+
+PROMPT = [5, 77, 120, 33, 250, 9, 18, 260, 41, 199, 7, 88, 150, 290, 61, 12, 3, 222, 140, 55]
+OTHER = [100, 4, 37, 299, 11, 76, 180, 23, 9]
+N_GREEDY = 32
+
+#: family -> (model_type, GGUF arch, transformers config options with the family's features on)
+CASES = {
+    "qwen3": ("qwen3", "qwen3", dict(head_dim=32, rope_theta=1e6, tie_word_embeddings=True)),
+    "qwen3-bias": ("qwen3", "qwen3", dict(attention_bias=True, tie_word_embeddings=False)),
+    "llama3-rope": ("llama", "llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                          "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 16},
+                                            rope_theta=10000.0, tie_word_embeddings=True)),
+    "llama-bias": ("llama", "llama", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=False)),
+    # 8 experts, 2 per token, renormalised (Qwen3-30B-A3B: 128 / 8); every layer a MoE layer
+    "qwen3moe": ("qwen3_moe", "qwen3moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])),
+    # windows of 8 tokens: PROMPT (20) and the 32 greedy tokens run far past them
+    "gemma2": ("gemma2", "gemma2", dict(num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=16,
+                                        attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3": ("gemma3_text", "gemma3", dict(num_hidden_layers=7, sliding_window=8, query_pre_attn_scalar=16,
+                                             rope_parameters={"full_attention": {"rope_type": "linear",
+                                                                                 "factor": 4.0, "rope_theta": 1e6},
+                                                              "sliding_attention": {"rope_type": "default",
+                                                                                    "rope_theta": 10000.0}})),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    """The case's transformers model, its HF directory and GGUF, the reference logits over PROMPT,
+    and the reference greedy tokens of PROMPT and OTHER (end-of-generation ids banned)."""
+    model_type, arch, cfg = CASES[request.param]
+    model = fmod.build(model_type, seed=11, **cfg)
+    d = tmp_path_factory.mktemp(request.param)
+    hf = fmod.save_hf(model, d / "hf")
+    gg = fmod.save_gguf(model, d / "m.gguf", arch)
+    eog = sorted(load_files(str(gg)).tokenizer.eog_token_ids)
+    assert eog == sorted(load_files(str(hf)).tokenizer.eog_token_ids)
+    return dict(name=request.param, model=model, paths={"hf": str(hf), "gguf": str(gg)}, eog=eog,
+                ref=fmod.reference_logits(model, PROMPT),
+                greedy=fmod.reference_greedy(model, PROMPT, N_GREEDY, eog),
+                greedy_other=fmod.reference_greedy(model, OTHER, N_GREEDY, eog))
+
+
+def _core(path: str, **cfg) -> EngineCore:
+    cfg.setdefault("n_ctx", 512)
+    cfg.setdefault("dtype", "float32")
+    cfg.setdefault("kv_dtype", "f32")  # the comparison is in float32 end to end (f16 KV moves near-ties)
+    return EngineCore(load_files(path), EngineConfig(**cfg))
+
+
+def _logits(core: EngineCore, ids: list[int]) -> torch.Tensor:
+    from kvserve.models.llama import AttentionBatch, PrefillGroup
+
+    c = core.model_config
+    T = len(ids)
+    kv = [(torch.zeros(T, c.n_head_kv, c.head_dim), torch.zeros(T, c.n_head_kv, c.head_dim)) for _ in range(c.n_layer)]
+    b = AttentionBatch(positions=torch.arange(T), slot_mapping=torch.arange(T), prefills=[PrefillGroup(0, T, 0, None)])
+    return core.model(torch.tensor(ids), b, kv, None)
+
+
+def _run(core: EngineCore, reqs: list[Request]) -> dict[str, list]:
+    outs: dict[str, list] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        core.add_request(r)
+    steps = 0
+    while any(not o or not o[-1].finished for o in outs.values()):
+        for out in core.step():
+            outs[out.request_id].append(out)
+        steps += 1
+        assert steps < 1000
+    return outs
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(n_predict=N_GREEDY, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_logits_match_transformers(case, fmt):
+    ref = case["ref"]
+    got = _logits(_core(case["paths"][fmt]), PROMPT)
+    assert got.shape == ref.shape
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item(), case["name"]
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_greedy_alone_batched_and_with_a_prefix_hit(case, fmt):
+    core = _core(case["paths"][fmt])
+    alone = _run(core, [Request("a", PROMPT, _greedy())])["a"]
+    assert [t for o in alone for t in o.new_token_ids] == case["greedy"], case["name"]
+    assert alone[-1].num_cached_tokens == 0
+    # batched with another sequence; PROMPT's blocks are cached from the first run (a hit)
+    longer = PROMPT + case["greedy"][:8]
+    outs = _run(core, [Request("b", longer, _greedy()), Request("c", OTHER, _greedy())])
+    assert outs["b"][-1].num_cached_tokens >= 16 and outs["c"][-1].num_cached_tokens == 0
+    ref_b = fmod.reference_greedy(case["model"], longer, N_GREEDY, case["eog"])
+    assert [t for o in outs["b"] for t in o.new_token_ids] == ref_b, case["name"]
+    assert [t for o in outs["c"] for t in o.new_token_ids] == case["greedy_other"], case["name"]
+
+
+def test_native_step_and_parallel_only_where_they_apply(case):
+    name, paths = case["name"], case["paths"]
+    from kvserve.engine.parallel import parallel_error
+    from kvserve.models.family import family_of
+
+    loaded = load_files(paths["gguf"])
+    fam = family_of(loaded.config.arch)
+    model = build_model(loaded, EngineConfig(dtype="auto", n_ctx=512), 512)
+    if name == "llama3-rope":  # the plain llama block: RoPE tables come from Python, the C++ step applies
+        assert "rope_freqs.weight" in loaded.weights and fam.native_decode(loaded.config) is True
+        assert parallel_error(loaded.config, 2, 1) is None
+        return
+    assert fam.native_decode(loaded.config) is False  # q/k norms, biases, experts, gemma: not in the C++ step
+    assert model.native_decode is False
+    from kvserve.models.family import FULL, KVSpec
+
+    swa = KVSpec("sliding", 8)
+    assert fam.kv_spec(loaded.config) == {"gemma2": (swa, FULL, swa),
+                                          "gemma3": (swa,) * 5 + (FULL, swa)}.get(name, (FULL,) * loaded.config.n_layer)
+    assert parallel_error(loaded.config, 2, 1).startswith("tensor and pipeline parallelism run the plain llama")
+
+
+def test_rope_factors_change_the_logits(case):
+    """The llama3 case is sensitive to its per-dimension factors: without them the logits differ."""
+    name, paths, ref = case["name"], case["paths"], case["ref"]
+    if name != "llama3-rope":
+        pytest.skip("the llama3 RoPE case only")
+    loaded = load_files(paths["gguf"])
+    del loaded.weights["rope_freqs.weight"]
+    core = EngineCore(loaded, EngineConfig(n_ctx=512, dtype="float32"))
+    assert (_logits(core, PROMPT) - ref).abs().max().item() > 1e-2 * ref.abs().max().item()
+
+
+def test_unknown_rope_scaling_is_refused_naming_the_key(tmp_path):
+    model = fmod.build("llama", seed=1)
+    hf = fmod.save_hf(model, tmp_path / "hf")
+    import json
+
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError) as e:
+        load_files(hf)
+    assert str(e.value) == (f"{hf}: config.json rope_parameters.rope_type is 'yarn': kvserve computes linear, "
+                            "llama3 (or default)")
+
+
+def test_missing_qk_norm_is_refused_naming_the_tensor(tmp_path):
+    import gguf
+    import numpy as np
+
+    model = fmod.build("qwen3", seed=2)
+    src = fmod.save_gguf(model, tmp_path / "m.gguf", "qwen3")
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(tmp_path / "cut.gguf"), "qwen3")
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY
+                        else None)
+    for t in r.tensors:
+        if t.name != "blk.1.attn_k_norm.weight":
+            w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError) as e:
+        load_files(tmp_path / "cut.gguf")
+    assert str(e.value) == f"{tmp_path / 'cut.gguf'}: missing tensor 'blk.1.attn_k_norm.weight'"
+
+
+def test_compiled_decode_graph_matches_forward(case):
+    """LlamaModel.decode_step (the graph --compile traces; run eagerly here) computes the same
+    q/k norms, biases and RoPE factors as forward: one decode after PROMPT."""
+    core = _core(case["paths"]["gguf"])
+    m, c = core.model, core.model_config
+    if case["name"].startswith("gemma"):  # not written for the compiled graph: CompiledDecode stays eager
+        with pytest.raises(NotImplementedError, match="does not implement the gemma block"):
+            m.decode_step()
+        return
+    T = len(PROMPT)
+    nxt = case["greedy"][0]
+    full = _logits(core, PROMPT + [nxt])[-1]
+    kv = [(torch.zeros(T + 1, c.n_head_kv, c.head_dim), torch.zeros(T + 1, c.n_head_kv, c.head_dim))
+          for _ in range(c.n_layer)]
+    from kvserve.models.llama import AttentionBatch, PrefillGroup
+
+    b = AttentionBatch(positions=torch.arange(T), slot_mapping=torch.arange(T), prefills=[PrefillGroup(0, T, 0, None)])
+    m(torch.tensor(PROMPT), b, kv, None)
+    with torch.inference_mode():
+        got = m.decode_step(torch.tensor([nxt]), torch.tensor([T]), torch.tensor([T]), torch.arange(T + 1),
+                            torch.ones(1, 1, 1, T + 1, dtype=torch.bool), kv)[0]
+    assert (got - full).abs().max().item() <= 1e-4 * full.abs().max().item(), case["name"]
+
+
+def test_qwen3moe_dense_layers_and_router_from_hf(tmp_path):
+    """mlp_only_layers: layer 1 keeps a dense MLP (HF only: llama.cpp's qwen3moe has none); the router
+    picks 2 of 8 experts per token and rows are grouped by expert."""
+    model = fmod.build("qwen3_moe", seed=5, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       norm_topk_prob=True, mlp_only_layers=[1])
+    hf = fmod.save_hf(model, tmp_path / "hf")
+    loaded = load_files(str(hf))
+    assert (loaded.config.n_expert, loaded.config.n_expert_used, loaded.config.dense_layers) == (8, 2, (1,))
+    assert loaded.weights["blk.0.ffn_gate_exps.weight"].shape == (8, 32, 64)
+    ref = fmod.reference_logits(model, PROMPT)
+    got = _logits(EngineCore(loaded, EngineConfig(n_ctx=512, dtype="float32", kv_dtype="f32")), PROMPT)
+    assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_gguf_options_kvserve_lacks_are_refused_naming_the_key(tmp_path):
+    import tinymodel
+    from kvserve.models.family import read_gguf_config
+
+    p = tinymodel.write_tiny_gguf(tmp_path / "y.gguf", metadata={"llama.rope.scaling.type": "yarn"})
+    with pytest.raises(ModelLoadError) as e:
+        load_files(p)
+    assert str(e.value) == f"{p}: GGUF key 'llama.rope.scaling.type' is 'yarn': kvserve computes linear, llama3 (or none)"
+    llama = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
+             "llama.block_count": 2, "llama.feed_forward_length": 128, "llama.context_length": 512}
+    with pytest.raises(ModelLoadError, match=r"^l.gguf: tensor 'rope_freqs.weight' has shape \[16\], expected \[8\]"):
+        read_gguf_config(llama, "l.gguf", {"rope_freqs.weight": (16,)})
+    md = {"general.architecture": "gemma3", "gemma3.embedding_length": 64, "gemma3.attention.head_count": 4,
+          "gemma3.block_count": 2, "gemma3.feed_forward_length": 128, "gemma3.context_length": 512}
+    with pytest.raises(ModelLoadError, match="^g.gguf: missing GGUF key 'gemma3.attention.sliding_window'$"):
+        read_gguf_config(md, "g.gguf")
+    cfg = read_gguf_config({**md, "gemma3.attention.sliding_window": 512}, "g.gguf")
+    assert cfg.layer_windows == (512, 512) and cfg.rope_local_base == 10000.0 and cfg.qk_norm
+    assert cfg.rope_freq_base == 10000.0 and cfg.rope_scaling is None
+    # Ollama's converter: two named bases, a linear scale, a per-layer bool pattern
+    cfg = read_gguf_config({**md, "gemma3.attention.sliding_window": 512, "gemma3.rope.global.freq_base": 1e6,
+                            "gemma3.rope.local.freq_base": 5e3, "gemma3.rope.freq_scale": 0.125,
+                            "gemma3.attention.sliding_window_pattern": [False, True]}, "g.gguf")
+    assert cfg.layer_windows == (0, 512) and (cfg.rope_freq_base, cfg.rope_local_base) == (1e6, 5e3)
+    assert cfg.rope_scaling["type"] == "linear" and cfg.rope_scaling["factor"] == 8.0
+    md = {**{k.replace("gemma3", "qwen3moe"): v for k, v in md.items()}, "general.architecture": "qwen3moe"}
+    with pytest.raises(ModelLoadError, match="^q.gguf: missing GGUF key 'qwen3moe.expert_count'$"):
+        read_gguf_config(md, "q.gguf")

@@ -1,0 +1,200 @@
+"""nomic-bert (nomic-embed-text) against transformers' NomicBertModel (float32, the reference forward:
+rotary positions, post-norm LayerNorm, SwiGLU FFN), loaded from its HF directory (``save_pretrained``:
+nomic's original names, fused ``Wqkv``) and from a GGUF as llama.cpp's converter writes nomic-bert
+(gguf-py's own name map, ``nomic-bert.rope.freq_base``, mean pooling); vectors through the embedding engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from embed_conftest import TINY_WORDS, bert_tokenizer_json
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency ([test] extra)")
+
+from kvserve.config import EngineConfig  # noqa: E402
+from kvserve.engine.embedder import EmbeddingEngine  # noqa: E402
+from kvserve.loaders.weights import ModelLoadError  # noqa: E402
+from kvserve.models.bert import BertConfig, BertModel  # noqa: E402
+from kvserve.models.registry import load_files, probe_task  # noqa: E402
+
+SENTENCES = ["search_query: the cat sat on the mat.", "what is the red sky?",
+             "search_document: rain falls mainly in spain, on the plain! the dog runs and the cat jumps on the mat",
+             "dog runs", "the blue sea and the green sun, the moon ... jumping cats"]
+
+
+def write_tiny_nomic(path: Path, seed: int = 0) -> Path:
+    """A random-weight 2-layer transformers NomicBertModel (rope base 1000 as nomic-embed-text) saved
+    with the tiny WordPiece tokenizer; weights widened so outputs are far from the init's."""
+    from transformers import NomicBertConfig, NomicBertModel
+
+    torch.manual_seed(seed)
+    cfg = NomicBertConfig(vocab_size=5 + len(TINY_WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=64, max_position_embeddings=128, type_vocab_size=2, pad_token_id=0,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    model = NomicBertModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.05 if "norm" in name.lower() or "embed" in name else 0.3))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    (path / "tokenizer.json").write_text(json.dumps(bert_tokenizer_json(list(TINY_WORDS))))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",
+        "mask_token": "[MASK]", "do_lower_case": True, "tokenizer_class": "BertTokenizer"}))
+    return path
+
+
+def write_nomic_gguf(src: Path, out: Path) -> Path:
+    """The tiny model as llama.cpp's converter writes a nomic-bert: gguf-py's NOMIC_BERT name map over
+    the directory's names (transformers 5 saves nomic's original ones: ``encoder.layers.N.attn.Wqkv``,
+    ``mlp.fc11``...), mean pooling, rope base, the WordPiece vocabulary with the U+2581 phantom space."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((src / "config.json").read_text())
+    vocab = json.loads((src / "tokenizer.json").read_text())["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    types = [3 if t.startswith("[") and t.endswith("]") else 1 for t in tokens]
+    tokens = [t if t.startswith("[") and t.endswith("]") else t[2:] if t.startswith("##") else "\u2581" + t
+              for t in tokens]
+    n_layer = cfg["num_hidden_layers"]
+    w = gguf.GGUFWriter(str(out), "nomic-bert")
+    w.add_block_count(n_layer)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_layer_norm_eps(cfg["layer_norm_eps"])
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType.MEAN)
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_file_type(0)
+    w.add_token_type_count(cfg["type_vocab_size"])
+    w.add_tokenizer_model("bert")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_bos_token_id(vocab["[CLS]"])
+    w.add_sep_token_id(vocab["[SEP]"])
+    w.add_pad_token_id(vocab["[PAD]"])
+    w.add_unk_token_id(vocab["[UNK]"])
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.NOMIC_BERT, n_layer)
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert new is not None, name
+        w.add_tensor(new, t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("nomic")
+    hf = write_tiny_nomic(d / "hf", seed=3)
+    return {"hf": hf, "gguf": write_nomic_gguf(hf, d / "nomic.gguf")}
+
+
+def reference(path: Path, ids: list[list[int]]) -> list[np.ndarray]:
+    """transformers' last_hidden_state per input, one at a time (no padding involved)."""
+    m = transformers.NomicBertModel.from_pretrained(str(path)).eval()
+    with torch.no_grad():
+        return [m(torch.tensor([x])).last_hidden_state[0].numpy() for x in ids]
+
+
+def ours(model: BertModel, ids: list[list[int]]) -> list[np.ndarray]:
+    """Our hidden states for one right-padded batch of ``ids``."""
+    L = max(map(len, ids))
+    x = torch.zeros(len(ids), L, dtype=torch.long)
+    mask = torch.zeros(len(ids), L, dtype=torch.bool)
+    for b, s in enumerate(ids):
+        x[b, :len(s)] = torch.tensor(s)
+        mask[b, :len(s)] = True
+    h = model.forward(x, None, mask)
+    return [h[b, :len(s)].numpy() for b, s in enumerate(ids)]
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_hidden_states_match_transformers_padded_batch(files, fmt):
+    loaded = load_files(files[fmt])
+    c = loaded.config
+    assert isinstance(c, BertConfig) and loaded.info.arch == "nomic-bert"
+    assert (c.n_layer, c.n_embd, c.n_head, c.n_ff, c.rope_base, c.gated_ffn) == (2, 32, 4, 64, 1000.0, True)
+    assert "position_embd.weight" not in loaded.weights
+    assert "blk.0.attn_qkv.weight" in loaded.weights and "blk.0.ffn_gate.weight" in loaded.weights
+    assert probe_task(files[fmt]) == "embed"
+    ids = [loaded.tokenizer.encode(s, add_special=True) for s in SENTENCES]
+    assert ids == [load_files(files["hf"]).tokenizer.encode(s, add_special=True) for s in SENTENCES]
+    assert max(map(len, ids)) == 28 and min(map(len, ids)) == 5  # padding within the batch
+    ref = reference(files["hf"], ids)
+    scale = max(np.abs(r).max() for r in ref)
+    for a, b in zip(ours(BertModel(c, loaded.weights), ids), ref):
+        assert np.abs(a - b).max() <= 1e-4 * scale
+
+
+def test_rotary_positions_matter(files):
+    """The same token at another position gets another vector (rotary applied; no position table)."""
+    loaded = load_files(files["gguf"])
+    (h,) = ours(BertModel(loaded.config, loaded.weights), [[2, 7, 7, 7, 3]])
+    assert np.abs(h[1] - h[2]).max() > 1e-2
+    ref = reference(files["hf"], [[2, 7, 7, 7, 3]])[0]
+    assert np.abs(h - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_mean_pooled_vectors_through_the_engine(files, fmt):
+    """EmbeddingEngine: mean pooling (GGUF pooling_type 1; the encoder default for HF), normalized."""
+    e = EmbeddingEngine(load_files(files[fmt]), EngineConfig(threads=1))
+    try:
+        assert (e.task, e.pooling, e.normalize, e.dim, e.n_ctx) == ("embed", "mean", 2, 32, 128)
+        ids = [e.tokenizer.encode(s, add_special=True) for s in SENTENCES]
+        got = asyncio.run(e.embed(ids))
+    finally:
+        e.shutdown()
+    for v, r in zip(got, reference(files["hf"], ids)):
+        m = r.mean(0)
+        np.testing.assert_allclose(v, m / np.linalg.norm(m), atol=1e-5)
+
+
+def test_nomic_original_checkpoint_names_and_refused_options(files, tmp_path):
+    """nomic's remote-code checkpoint names and GPT-2 style keys load; options kvserve does not
+    compute are refused naming the key."""
+    from kvserve.models.family import read_gguf_config, read_hf_config
+    from kvserve.models.nomic_bert import hf_tensor_name
+
+    assert hf_tensor_name("encoder.layers.3.attn.Wqkv.weight") == "blk.3.attn_qkv.weight"
+    assert hf_tensor_name("encoder.layers.0.mlp.fc12.weight") == "blk.0.ffn_gate.weight"
+    assert hf_tensor_name("emb_ln.bias") == "token_embd_norm.bias"
+    assert hf_tensor_name("layers.1.post_mlp_layernorm.weight") == "blk.1.layer_output_norm.weight"
+    assert hf_tensor_name("lm_head.weight") is None
+    orig = {"architectures": ["NomicBertModel"], "model_type": "nomic_bert", "n_embd": 768, "n_head": 12,
+            "n_layer": 12, "n_inner": 3072, "n_positions": 8192, "vocab_size": 30528, "rotary_emb_base": 1000,
+            "rotary_emb_fraction": 1.0, "activation_function": "swiglu", "layer_norm_epsilon": 1e-12,
+            "prenorm": False, "rotary_emb_interleaved": False, "rotary_scaling_factor": None}
+    c = read_hf_config(orig, str(tmp_path))
+    assert (c.arch, c.n_embd, c.n_ff, c.n_ctx_train, c.rope_base, c.activation) == \
+        ("nomic-bert", 768, 3072, 8192, 1000.0, "silu")
+    for key, value, msg in [
+        ("rotary_emb_fraction", 0.5, "kvserve rotates whole heads (1.0)"),
+        ("prenorm", True, "kvserve runs nomic-bert's post-norm block (false)"),
+        ("rotary_scaling_factor", 2.0, "kvserve computes unscaled rotary (null)"),
+        ("activation_function", "relu", "kvserve's gated FFN runs geglu, gelu, silu, swiglu, swish"),
+    ]:
+        with pytest.raises(ModelLoadError) as e:
+            read_hf_config({**orig, key: value}, str(tmp_path))
+        assert str(e.value) == f"{tmp_path}: config.json {key} is {value!r}: {msg}"
+    md = {"general.architecture": "nomic-bert", "nomic-bert.block_count": 2, "nomic-bert.embedding_length": 32,
+          "nomic-bert.attention.head_count": 4, "nomic-bert.feed_forward_length": 64}
+    with pytest.raises(ModelLoadError, match="^n.gguf: missing GGUF key 'nomic-bert.context_length'$"):
+        read_gguf_config(md, "n.gguf")
+    with pytest.raises(ModelLoadError, match="^n.gguf: GGUF key 'nomic-bert.expert_count' is 8: kvserve runs"):
+        read_gguf_config({**md, "nomic-bert.context_length": 2048, "nomic-bert.expert_count": 8}, "n.gguf")
+    c = read_gguf_config({**md, "nomic-bert.context_length": 2048}, "n.gguf")
+    assert (c.rope_base, c.gated_ffn, c.pooling) == (1000.0, True, None)
