@@ -238,12 +238,15 @@ class Linear(nn.Module):
         base = self.q4w if self.q4w is not None else self._q4_native.get("pair")
         if base is None and self._q4_src is not None:
             w = self._q4_src
-            self._q4_src = None
-            # not q4w: forward keeps torch's int4 kernel (its numerics do not change mid-run)
+            # not q4w: forward keeps torch's int4 kernel (its numerics do not change mid-run); the
+            # source is dropped only once packed, so has_native_weights never reads False meanwhile
+            # (the packing runs on a background thread while others may ask)
             if layout == "tile16":  # straight to tiles (the pair order is made only if asked for later)
                 self._q4_native[layout] = q4_kernel.pack_tiles(w.q4, w.q4_scale, w.q4_zero)
+                self._q4_src = None
                 return self._q4_native[layout]
             base = q4_kernel.pack_torch(w.q4, w.q4_scale, w.q4_zero)
+            self._q4_src = None
         if base is None and "tile16" in self._q4_native:  # a pair copy asked for after the tile one
             g = self._q4_native["tile16"]
             base = (q4_kernel.to_tiles(g[0], "q4", inverse=True), q4_kernel.scales_to_tiles(g[1], inverse=True),
