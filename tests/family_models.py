@@ -32,6 +32,7 @@ LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.gate_proj.bias": "ffn_gate.bias",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.up_proj.bias": "ffn_up.bias",
     "mlp.down_proj.weight": "ffn_down.weight", "mlp.down_proj.bias": "ffn_down.bias",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight",  # phi3 (fused)
 }
 
 #: gemma's per-layer norm names (the 4 norms of its block)
@@ -136,8 +137,8 @@ def save_gguf(model, path: Path, arch: str) -> Path:
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_rope_dimension_count(c.head_dim)
     rp = c.rope_parameters.get("full_attention", c.rope_parameters)  # gemma3: one RoPE per layer type
+    w.add_rope_dimension_count(int(c.head_dim * rp.get("partial_rotary_factor", 1.0)))
     w.add_rope_freq_base(float(rp["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_file_type(0)
@@ -159,6 +160,23 @@ def save_gguf(model, path: Path, arch: str) -> Path:
             w.add_final_logit_softcapping(c.final_logit_softcapping)
     if rp.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(c))
+    elif rp.get("rope_type") == "yarn":  # llama.cpp's converter: the type, factor, original context, betas
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rp["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rp["original_max_position_embeddings"]))
+        if rp.get("beta_fast"):
+            w.add_rope_scaling_yarn_beta_fast(float(rp["beta_fast"]))
+        if rp.get("beta_slow"):
+            w.add_rope_scaling_yarn_beta_slow(float(rp["beta_slow"]))
+        if rp.get("llama_4_scaling_beta"):  # mistral3's query temperature
+            w.add_attn_temperature_scale(float(rp["llama_4_scaling_beta"]))
+    elif rp.get("rope_type") == "longrope":  # llama.cpp's Phi3MiniModel: factor tensors, attn_factor key
+        orig = rp.get("original_max_position_embeddings") or c.original_max_position_embeddings
+        scale = c.max_position_embeddings / orig
+        w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], dtype=np.float32))
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0)
+        w.add_rope_scaling_orig_ctx_len(orig)
     elif rp.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rp["factor"]))
@@ -186,9 +204,9 @@ def save_gguf(model, path: Path, arch: str) -> Path:
         g = gguf_name(name, arch)
         if arch.startswith("gemma") and g.endswith("norm.weight"):
             data = data + 1.0  # llama.cpp's converter stores gemma's (1 + w)
-        if arch in ("llama", "mistral") and g.endswith(("attn_q.weight", "attn_q.bias")):
+        if arch in ("llama", "mistral", "mistral3") and g.endswith(("attn_q.weight", "attn_q.bias")):
             data = tinymodel.permute_qk(data, c.num_attention_heads)
-        elif arch in ("llama", "mistral") and g.endswith(("attn_k.weight", "attn_k.bias")):
+        elif arch in ("llama", "mistral", "mistral3") and g.endswith(("attn_k.weight", "attn_k.bias")):
             data = tinymodel.permute_qk(data, c.num_key_value_heads)
         w.add_tensor(g, np.ascontiguousarray(data))
     w.write_header_to_file()

@@ -95,11 +95,13 @@ def parallel_error(config: ModelConfig, tp: int, pp: int) -> str | None:
     * KV heads: tp must divide them or be a multiple of them (vLLM's QKVParallelLinear: a KV head
       is replicated on tp / kv_heads ranks);
     * pp above the layer count (a stage without layers);
-    * a model with pieces the shards do not cut yet (q/k norm, output or MLP biases).
+    * a model with pieces the shards do not cut yet (q/k norm, output or MLP biases, windows,
+      experts, phi3's RoPE, mistral3's query temperature).
     """
     if tp < 1 or pp < 1:
         return f"tensor and pipeline parallel sizes must be at least 1, got tp={tp} pp={pp}"
-    extras = [n for n in ("qk_norm", "attn_bias", "mlp_bias", "layer_windows", "n_expert") if getattr(config, n, False)]
+    extras = [n for n in ("qk_norm", "attn_bias", "mlp_bias", "layer_windows", "n_expert", "rope_dim",
+                          "attn_temp_beta") if getattr(config, n, False)]
     if extras and tp * pp > 1:
         return (f"tensor and pipeline parallelism run the plain llama block only; this model has "
                 f"{', '.join(extras)} ({config.arch})")

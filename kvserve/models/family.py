@@ -11,7 +11,9 @@ the registry, the model manager, the start-up checks and the embedding runner as
 
 The families: ``llama`` (llama, mistral, qwen2; llama 3's RoPE factors, tied embeddings, optional
 biases), ``qwen3`` (kvserve.models.qwen3: q/k norm), ``qwen3moe`` (kvserve.models.moe: experts),
-``gemma2`` / ``gemma3`` (kvserve.models.gemma: their own block, sliding-window layers), ``bert``
+``gemma2`` / ``gemma3`` (kvserve.models.gemma: their own block, sliding-window layers), ``phi3``
+(kvserve.models.phi3: fused tensors cut at load, LongRoPE, partial rotary), ``mistral3``
+(kvserve.models.mistral3: YaRN and a query temperature), ``bert``
 (kvserve.models.bert_config / bert: an encoder) and ``nomic-bert`` (kvserve.models.nomic_bert: the
 BERT encoder with rotary positions and a SwiGLU FFN).
 
@@ -35,6 +37,7 @@ with a :class:`~kvserve.loaders.weights.ModelLoadError` naming the key or the te
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -185,9 +188,33 @@ def llama_hf_tensor_name(name: str, config: Any = None, layer_names: dict = LLAM
     return None
 
 
-#: RoPE scaling types the llama block computes (kvserve.models.llama.rope_inv_freq); "none" /
-#: "default" mean none
-ROPE_SCALING_TYPES = ("linear", "llama3")
+#: RoPE scaling types the llama block computes (kvserve.models.llama.rope_inv_freq and
+#: rope_attention_factor); "none" / "default" mean none
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+
+
+def gguf_yarn(get: Callable, arch: str, path: str) -> dict:
+    """YaRN's scaling dict from llama.cpp's ``{arch}.rope.scaling.*`` keys (``get(key, default,
+    required=False)``): ``yarn_beta_fast`` / ``yarn_beta_slow`` (32 / 1), ``attn_factor`` (times
+    YaRN's 0.1 ln(factor) + 1, as llama.cpp's ``rope_yarn``).
+
+    Raises ModelLoadError: ``yarn_log_multiplier`` (DeepSeek's mscale_all_dim), which kvserve does
+    not compute, or no ``original_context_length``."""
+    log_mul = float(get("rope.scaling.yarn_log_multiplier", 0.0, required=False) or 0.0)
+    if log_mul:
+        raise ModelLoadError(f"{path}: GGUF key '{arch}.rope.scaling.yarn_log_multiplier' is {log_mul}: kvserve "
+                             "computes YaRN without it")
+    orig = int(get("rope.scaling.original_context_length", 0, required=False) or 0)
+    if not orig:
+        raise ModelLoadError(f"{path}: missing GGUF key '{arch}.rope.scaling.original_context_length' (YaRN)")
+    factor = float(get("rope.scaling.factor", 1.0, required=False))
+    sc = {"type": "yarn", "factor": factor, "original_context_length": orig,
+          "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0, required=False)),
+          "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0, required=False))}
+    attn = float(get("rope.scaling.attn_factor", 1.0, required=False) or 1.0)
+    if attn != 1.0:
+        sc["attention_factor"] = attn * (1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0)
+    return sc
 
 
 def llama_config_from_gguf(md: dict, path: str, shapes: dict | None = None, **extra) -> ModelConfig:
@@ -220,7 +247,7 @@ def llama_config_from_gguf(md: dict, path: str, shapes: dict | None = None, **ex
         if stype not in ROPE_SCALING_TYPES:
             raise ModelLoadError(f"{path}: GGUF key '{arch}.rope.scaling.type' is {stype!r}: kvserve computes "
                                  f"{', '.join(ROPE_SCALING_TYPES)} (or none)")
-        scaling = {
+        scaling = gguf_yarn(get, arch, path) if stype == "yarn" else {
             "type": stype,
             "factor": float(get("rope.scaling.factor", 1.0, required=False)),
             "original_context_length": int(get("rope.scaling.original_context_length", 0, required=False)),
@@ -275,8 +302,16 @@ def hf_rope(cfg: dict, path: str) -> tuple[float, dict | None]:
         raise ModelLoadError(f"{path}: config.json {key}.rope_type is {stype!r}: kvserve computes "
                              f"{', '.join(ROPE_SCALING_TYPES)} (or default)")
     rope["type"] = stype
-    if "original_max_position_embeddings" in rope:
-        rope["original_context_length"] = rope["original_max_position_embeddings"]
+    # transformers gives a top-level original_max_position_embeddings priority, else max_position_embeddings
+    orig = cfg.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+    if orig:
+        rope["original_context_length"] = orig
+    if stype == "yarn":
+        rope["original_context_length"] = int(orig or cfg.get("max_position_embeddings") or 0)
+        if not rope["original_context_length"]:
+            raise ModelLoadError(f"{path}: config.json {key} (yarn) needs original_max_position_embeddings")
+        if rope.get("factor") is None:
+            rope["factor"] = float(cfg["max_position_embeddings"]) / rope["original_context_length"]
     return theta, rope
 
 
@@ -388,7 +423,8 @@ LLAMA = Family(
     hf_tensor_name=llama_hf_tensor_name,
     required_tensors=llama_required_tensors,
     kv_spec=all_full,
-    native_decode=lambda config: not (config.attn_bias or config.mlp_bias or config.qk_norm),
+    native_decode=lambda config: not (config.attn_bias or config.mlp_bias or config.qk_norm
+                                      or (config.rope_scaling or {}).get("type") == "yarn"),
     finish_hf=llama_finish_hf,
     prepare=llama_prepare,
 )
@@ -482,6 +518,51 @@ BERT = Family(
     score_tensor="cls.output.weight",
 )
 
+def _phi3(name: str) -> Callable:
+    """A function of kvserve.models.phi3, imported when first called."""
+    return _lazy("kvserve.models.phi3", name)
+
+
+PHI3 = Family(
+    name="phi3",
+    gguf_archs=("phi3",),
+    hf_archs={"Phi3ForCausalLM": "generate"},
+    task="generate",
+    module="kvserve.models.phi3:Phi3Model",
+    config_from_gguf=_phi3("config_from_gguf"),
+    config_from_hf=_phi3("config_from_hf"),
+    hf_tensor_name=_phi3("hf_tensor_name"),
+    required_tensors=_phi3("required_tensors"),
+    kv_spec=all_full,
+    native_decode=lambda config: False,  # the native step has no partial rotary / LongRoPE magnitude
+    finish_hf=llama_finish_hf,
+    prepare=_phi3("prepare"),
+)
+
+
+def _mistral3(name: str) -> Callable:
+    """A function of kvserve.models.mistral3, imported when first called."""
+    return _lazy("kvserve.models.mistral3", name)
+
+
+MISTRAL3 = Family(
+    name="mistral3",
+    gguf_archs=("mistral3",),
+    hf_archs={"Ministral3ForCausalLM": "generate"},
+    task="generate",
+    module="kvserve.models.mistral3:Mistral3Model",
+    config_from_gguf=_mistral3("config_from_gguf"),
+    config_from_hf=_mistral3("config_from_hf"),
+    hf_tensor_name=llama_hf_tensor_name,
+    required_tensors=llama_required_tensors,
+    kv_spec=all_full,
+    native_decode=lambda config: False,  # the native step has no query temperature
+    hf_model_types=("ministral3",),
+    finish_hf=llama_finish_hf,
+    prepare=llama_prepare,
+)
+
+
 def _nomic(name: str) -> Callable:
     """A function of kvserve.models.nomic_bert, imported when first called."""
     return _lazy("kvserve.models.nomic_bert", name)
@@ -504,7 +585,8 @@ NOMIC_BERT = Family(
 )
 
 #: every family kvserve runs, in the order error messages list them
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, QWEN3MOE, GEMMA2, GEMMA3, BERT, NOMIC_BERT)
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, QWEN3MOE, GEMMA2, GEMMA3, PHI3, MISTRAL3, BERT,
+                                   NOMIC_BERT)
 
 #: architecture names of encoders kvserve has no family for yet, with the task they would have:
 #: the model manager sends them to the embedding runner, which reports them as unsupported

@@ -32,7 +32,14 @@ from torch import nn
 
 from kvserve.engine.kv_quant import kv_gather, kv_round, kv_write
 from kvserve.loaders.weights import ModelConfig, ModelLoadError, Weight, interleave_qk
-from kvserve.models.llama import AttentionBatch, Linear, RMSNorm, auto_head_kernel, rope_inv_freq
+from kvserve.models.llama import (
+    AttentionBatch,
+    Linear,
+    RMSNorm,
+    auto_head_kernel,
+    rope_attention_factor,
+    rope_inv_freq,
+)
 
 
 @dataclass(slots=True)
@@ -276,7 +283,9 @@ class GemmaModel(nn.Module):
         head = weights.get("output.weight", emb)
         self.output = Linear([head], None, dtype=dtype, device=device,
                              kernel=auto_head_kernel() if kernel == "auto" else kernel, small_max_rows=small_max_rows)
-        self.rope_cis = _cis(rope_inv_freq(c, weights.get("rope_freqs.weight")), max_positions, device)
+        # YaRN's attention factor scales cos/sin (1.0 for every other RoPE)
+        self.rope_cis = _cis(rope_inv_freq(c, weights.get("rope_freqs.weight")), max_positions, device) \
+            * rope_attention_factor(c)
         local = self.rope_cis
         if c.rope_local_base is not None:
             d = c.head_dim

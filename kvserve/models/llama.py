@@ -410,7 +410,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig, factors: Weight | None = None) -> torch.Tensor:
-    """[head_dim/2] float32 inverse frequencies, with linear or llama3 scaling.
+    """[head_dim/2] float32 inverse frequencies, with linear, llama3 or yarn scaling.
 
     ``factors``: llama.cpp's ``rope_freqs.weight`` ([head_dim/2] float32, what its converter writes
     for llama 3's scaling): each frequency is divided by its factor, as llama.cpp's ``freq_factors``.
@@ -437,7 +437,54 @@ def rope_inv_freq(config: ModelConfig, factors: Weight | None = None) -> torch.T
         scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
         mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif sc and sc.get("type") == "yarn":
+        inv = yarn_inv_freq(inv, sc, d, config.rope_freq_base)
     return inv.to(torch.float32)
+
+
+def yarn_inv_freq(inv: torch.Tensor, sc: dict, dim: int, base: float) -> torch.Tensor:
+    """YaRN's frequencies (transformers' ``_compute_yarn_parameters``, llama.cpp's
+    ``rope_yarn``): dims that turn fewer than ``beta_slow`` times over the original context are
+    interpolated (divided by ``factor``), those turning more than ``beta_fast`` times kept, a
+    linear ramp between (bounds floored / ceiled unless ``truncate`` is False).
+
+    ``inv``: [dim/2] the unscaled inverse frequencies; ``sc``: the scaling dict (``factor``,
+    ``original_context_length``, optional ``beta_fast`` 32, ``beta_slow`` 1, ``truncate``)."""
+    factor = float(sc["factor"])
+    orig = float(sc["original_context_length"])
+    fast, slow = float(sc.get("beta_fast") or 32), float(sc.get("beta_slow") or 1)
+
+    def corr_dim(rot: float) -> float:
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr_dim(fast), corr_dim(slow)
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the frequency, 0: interpolate
+    return inv / factor * (1 - extrapolation) + inv * extrapolation
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The scale of cos/sin (so of q.k: its square): YaRN's ``attention_factor``, else
+    0.1 ln(factor) + 1 (with ``mscale`` / ``mscale_all_dim``: their ratio, as transformers);
+    1.0 for every other RoPE."""
+    sc = config.rope_scaling
+    if not sc or sc.get("type") != "yarn":
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+    factor = float(sc["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if sc.get("mscale") and sc.get("mscale_all_dim"):
+        return mscale(float(sc["mscale"])) / mscale(float(sc["mscale_all_dim"]))
+    return mscale()
 
 
 class LlamaModel(nn.Module):
@@ -507,12 +554,15 @@ class LlamaModel(nn.Module):
         inv = rope_inv_freq(c, weights.get("rope_freqs.weight"))
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv.double())  # [P, D/2]
-        self.rope_cis = torch.polar(torch.ones_like(freqs), freqs).to(torch.complex64).to(device)  # [P, D/2]
+        mag = torch.full_like(freqs, rope_attention_factor(c))  # YaRN scales cos/sin; 1 otherwise
+        self.rope_cis = torch.polar(mag, freqs).to(torch.complex64).to(device)  # [P, D/2]
         # the same rotation as real tables, for the compiled decode graph (inductor has no complex numbers)
         self.rope_cos = self.rope_cis.real.contiguous()
         self.rope_sin = self.rope_cis.imag.contiguous()
         self.q_size = c.n_head * c.head_dim
         self.kv_size = c.n_head_kv * c.head_dim
+        # [P] float32 per-position query scale after RoPE (mistral3's attention temperature), or None
+        self.q_scale: torch.Tensor | None = None
         self.scale = 1.0 / math.sqrt(c.head_dim)
 
     def projections(self) -> list[Linear]:
@@ -654,6 +704,7 @@ class LlamaModel(nn.Module):
         T = input_ids.shape[0]
         x = self.tok_embd[input_ids] if hidden is None else hidden  # [T, E]: the residual adds below are in place
         cis = self.rope_cis[batch.positions].unsqueeze(1)  # [T, 1, D/2]
+        q_scale = None if self.q_scale is None else self.q_scale[batch.positions].view(T, 1, 1)
         slots = batch.slot_mapping
         nq, nkv, hd = c.n_head, c.n_head_kv, c.head_dim
         qs, qks = self.q_size, self.q_size + self.kv_size
@@ -667,6 +718,8 @@ class LlamaModel(nn.Module):
             # RoPE on the q|k part, in place: pairs (2i, 2i+1) as complex numbers times cis
             torch.view_as_complex(qkv[:, :qks].view(T, nq + nkv, hd // 2, 2)).mul_(cis)
             q = qkv[:, :qs].view(T, nq, hd)
+            if q_scale is not None:
+                q.mul_(q_scale)
             k = qkv[:, qs:qks].view(T, nkv, hd)
             v = qkv[:, qks:].view(T, nkv, hd)
             kv_write(k_cache, slots, k)
@@ -719,6 +772,8 @@ class LlamaModel(nn.Module):
             a, b = pairs[..., 0], pairs[..., 1]
             qk = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).view(B, nq + nkv, hd)
             q, k = qk[:, :nq], qk[:, nq:]
+            if self.q_scale is not None:
+                q = q * self.q_scale[positions].view(B, 1, 1)
             v = qkv[:, nqk:].view(B, nkv, hd)
             kv_write(k_cache, slot_mapping, k)
             kv_write(v_cache, slot_mapping, v)

@@ -5,6 +5,8 @@ sequence, cold and with a prefix-cache hit."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -41,6 +43,34 @@ CASES = {
                                                                                  "factor": 4.0, "rope_theta": 1e6},
                                                               "sliding_attention": {"rope_type": "default",
                                                                                     "rope_theta": 10000.0}})),
+    # YaRN (shared RoPE code): the ramp over dims 2..6 of 8 (original context 4096, betas 16 / 2),
+    # cos/sin times 0.1 ln 4 + 1; llama.cpp's converter writes mistral as "llama" (q/k permuted)
+    "mistral-yarn": ("mistral", "llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                              "rope_theta": 10000.0,
+                                                              "original_max_position_embeddings": 4096,
+                                                              "beta_fast": 16.0, "beta_slow": 2.0},
+                                              max_position_embeddings=16384, sliding_window=None)),
+    # YaRN and the query temperature: 1 + 0.5 ln(1 + floor(p / 8)) grows over the 20-60 positions
+    "mistral3": ("ministral3", "mistral3", dict(rope_parameters={"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6,
+                                                                 "original_max_position_embeddings": 8,
+                                                                 "llama_4_scaling_beta": 0.5},
+                                                max_position_embeddings=512)),
+    # fused q|k|v and gate|up, half the head rotated, LongRoPE: the original context (8) is below
+    # every sequence (OTHER: 9) and the engine's (512): the long factors, attention factor sqrt(3)
+    # (512 / 8 = 64); transformers would take the short ones for a sequence of 8 or fewer
+    "phi3-longrope": ("phi3", "phi3", dict(max_position_embeddings=512, original_max_position_embeddings=8,
+                                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                            "partial_rotary_factor": 0.5,
+                                                            "original_max_position_embeddings": 8,
+                                                            "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                                            "long_factor": [1.0, 4.0, 9.0, 20.0]})),
+    # the original context (1024) above the engine's (512): the short factors, attention factor
+    # sqrt(1 + ln 2 / ln 1024); the whole head rotated
+    "phi3-short": ("phi3", "phi3", dict(max_position_embeddings=2048, original_max_position_embeddings=1024,
+                                        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                         "original_max_position_embeddings": 1024,
+                                                         "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0],
+                                                         "long_factor": [9.0] * 8})),
 }
 
 
@@ -130,13 +160,17 @@ def test_native_step_and_parallel_only_where_they_apply(case):
         assert "rope_freqs.weight" in loaded.weights and fam.native_decode(loaded.config) is True
         assert parallel_error(loaded.config, 2, 1) is None
         return
-    assert fam.native_decode(loaded.config) is False  # q/k norms, biases, experts, gemma: not in the C++ step
+    # q/k norms, biases, experts, gemma, phi3's and YaRN's RoPE: not in the C++ step
+    assert fam.native_decode(loaded.config) is False
     assert model.native_decode is False
     from kvserve.models.family import FULL, KVSpec
 
     swa = KVSpec("sliding", 8)
     assert fam.kv_spec(loaded.config) == {"gemma2": (swa, FULL, swa),
                                           "gemma3": (swa,) * 5 + (FULL, swa)}.get(name, (FULL,) * loaded.config.n_layer)
+    if name == "mistral-yarn":  # the llama block; shards build the same (YaRN) RoPE tables from the config
+        assert parallel_error(loaded.config, 2, 1) is None
+        return
     assert parallel_error(loaded.config, 2, 1).startswith("tensor and pipeline parallelism run the plain llama")
 
 
@@ -157,12 +191,12 @@ def test_unknown_rope_scaling_is_refused_naming_the_key(tmp_path):
     import json
 
     cfg = json.loads((hf / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
     (hf / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError) as e:
         load_files(hf)
-    assert str(e.value) == (f"{hf}: config.json rope_parameters.rope_type is 'yarn': kvserve computes linear, "
-                            "llama3 (or default)")
+    assert str(e.value) == (f"{hf}: config.json rope_parameters.rope_type is 'dynamic': kvserve computes linear, "
+                            "llama3, yarn (or default)")
 
 
 def test_missing_qk_norm_is_refused_naming_the_tensor(tmp_path):
@@ -232,10 +266,11 @@ def test_gguf_options_kvserve_lacks_are_refused_naming_the_key(tmp_path):
     import tinymodel
     from kvserve.models.family import read_gguf_config
 
-    p = tinymodel.write_tiny_gguf(tmp_path / "y.gguf", metadata={"llama.rope.scaling.type": "yarn"})
+    p = tinymodel.write_tiny_gguf(tmp_path / "y.gguf", metadata={"llama.rope.scaling.type": "longrope"})
     with pytest.raises(ModelLoadError) as e:
         load_files(p)
-    assert str(e.value) == f"{p}: GGUF key 'llama.rope.scaling.type' is 'yarn': kvserve computes linear, llama3 (or none)"
+    assert str(e.value) == (f"{p}: GGUF key 'llama.rope.scaling.type' is 'longrope': kvserve computes linear, llama3, "
+                            "yarn (or none)")
     llama = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
              "llama.block_count": 2, "llama.feed_forward_length": 128, "llama.context_length": 512}
     with pytest.raises(ModelLoadError, match=r"^l.gguf: tensor 'rope_freqs.weight' has shape \[16\], expected \[8\]"):
@@ -256,3 +291,139 @@ def test_gguf_options_kvserve_lacks_are_refused_naming_the_key(tmp_path):
     md = {**{k.replace("gemma3", "qwen3moe"): v for k, v in md.items()}, "general.architecture": "qwen3moe"}
     with pytest.raises(ModelLoadError, match="^q.gguf: missing GGUF key 'qwen3moe.expert_count'$"):
         read_gguf_config(md, "q.gguf")
+
+
+def test_phi3_rope_tables_fused_tensors_and_refusals(tmp_path):
+    """phi3: the long factors above the original context and the short ones at or below it (magnitude
+    the attention factor, pairs past rope_dim not rotated); fused tensors cut at load; a sliding
+    window, another RoPE type and factors of the wrong length refused naming the key / tensor."""
+    import json
+    import math
+
+    from kvserve.models.family import read_gguf_config
+    from kvserve.models.phi3 import rope_tables
+
+    _, _, opts = CASES["phi3-longrope"]
+    model = fmod.build("phi3", seed=3, **opts)
+    hf = fmod.save_hf(model, tmp_path / "hf")
+    loaded = load_files(str(hf))
+    c = loaded.config
+    assert (c.rope_dim, c.n_ctx_orig, c.rope_long) == (8, 8, (1.0, 4.0, 9.0, 20.0))
+    assert c.rope_attn_factor == pytest.approx(math.sqrt(3.0))
+    assert "blk.0.attn_qkv.weight" not in loaded.weights and loaded.weights["blk.0.attn_k.weight"].shape == (32, 64)
+    assert loaded.weights["blk.0.ffn_gate.weight"].shape == loaded.weights["blk.0.ffn_up.weight"].shape == (128, 64)
+    for n, factors in ((9, c.rope_long), (8, c.rope_short)):
+        t = rope_tables(c, n)
+        inv = [1.0 / (f * 10000.0 ** (2 * i / 8)) for i, f in enumerate(factors)]
+        assert torch.allclose(t[3, :4].angle().double(), torch.tensor([3 * x for x in inv], dtype=torch.float64),
+                              atol=1e-6)
+        assert torch.allclose(t[3, :4].abs(), torch.full((4,), math.sqrt(3.0)), atol=1e-6)
+        assert torch.equal(t[3, 4:], torch.ones(4, dtype=torch.complex64))
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "sliding_window": 256}))
+    with pytest.raises(ModelLoadError) as e:
+        load_files(str(hf))
+    assert str(e.value) == (f"{hf}: config.json sliding_window is 256, shorter than the context (512): kvserve's "
+                            "phi3 attends to the whole context (sliding-window phi3 is not supported)")
+    (hf / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}))
+    with pytest.raises(ModelLoadError) as e:
+        load_files(str(hf))
+    assert str(e.value) == (f"{hf}: config.json rope_parameters.rope_type is 'yarn': kvserve computes longrope "
+                            "(or default) for phi3")
+    md = {"general.architecture": "phi3", "phi3.embedding_length": 64, "phi3.attention.head_count": 4,
+          "phi3.block_count": 2, "phi3.feed_forward_length": 128, "phi3.context_length": 4096,
+          "phi3.rope.dimension_count": 12}
+    with pytest.raises(ModelLoadError, match=r"^p.gguf: tensor 'rope_factors_long.weight' has shape \[8\], "
+                                             r"expected \[6\] \(phi3.rope.dimension_count / 2\)$"):
+        read_gguf_config(md, "p.gguf", {"rope_factors_long.weight": (8,)})
+    with pytest.raises(ModelLoadError, match=r"^p.gguf: GGUF key 'phi3.attention.sliding_window' is 2047, "):
+        read_gguf_config({**md, "phi3.attention.sliding_window": 2047}, "p.gguf")
+    assert read_gguf_config({**md, "phi3.attention.sliding_window": 262144}, "p.gguf").rope_dim == 12
+
+
+@pytest.mark.parametrize("rope", [
+    {"factor": 8.0, "original_max_position_embeddings": 4096},
+    {"factor": 4.0, "original_max_position_embeddings": 32768, "beta_fast": 64, "beta_slow": 2, "truncate": False},
+    {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.707},
+    {"factor": 2.0, "original_max_position_embeddings": 2048, "attention_factor": 1.25},
+])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
+    """The shared YaRN code (kvserve.models.llama.rope_inv_freq / rope_attention_factor) against
+    transformers' _compute_yarn_parameters: frequencies and attention factor, every option."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvserve.models.family import read_hf_config
+    from kvserve.models.llama import rope_attention_factor, rope_inv_freq
+
+    params = {"rope_type": "yarn", "rope_theta": 500000.0, **rope}
+    hf = AutoConfig.for_model("llama", hidden_size=1024, num_attention_heads=8, head_dim=128, num_hidden_layers=1,
+                              intermediate_size=64, vocab_size=300, max_position_embeddings=131072,
+                              rope_parameters=dict(params))
+    ref_inv, ref_attn = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 1024, "num_attention_heads": 8, "head_dim": 128,
+           "num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 300, "max_position_embeddings": 131072,
+           "rope_parameters": params}
+    c = read_hf_config(cfg, "m")
+    assert torch.allclose(rope_inv_freq(c).double(), ref_inv.double(), rtol=1e-6, atol=0)
+    assert rope_attention_factor(c) == pytest.approx(ref_attn, rel=1e-12)
+
+
+def test_yarn_gguf_keys():
+    """llama.cpp's YaRN keys: betas, attn_factor times YaRN's mscale; yarn_log_multiplier (DeepSeek)
+    and a missing original context refused naming the key."""
+    import math
+
+    from kvserve.models.family import read_gguf_config
+    from kvserve.models.llama import rope_attention_factor
+
+    md = {"general.architecture": "qwen3", "qwen3.embedding_length": 64, "qwen3.attention.head_count": 4,
+          "qwen3.block_count": 2, "qwen3.feed_forward_length": 128, "qwen3.context_length": 131072,
+          "qwen3.rope.scaling.type": "yarn", "qwen3.rope.scaling.factor": 4.0}
+    with pytest.raises(ModelLoadError, match=r"^q.gguf: missing GGUF key 'qwen3.rope.scaling.original_context_length' "
+                                             r"\(YaRN\)$"):
+        read_gguf_config(md, "q.gguf")
+    md["qwen3.rope.scaling.original_context_length"] = 32768
+    c = read_gguf_config(md, "q.gguf")
+    assert c.rope_scaling == {"type": "yarn", "factor": 4.0, "original_context_length": 32768, "beta_fast": 32.0,
+                              "beta_slow": 1.0}
+    assert rope_attention_factor(c) == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    c = read_gguf_config({**md, "qwen3.rope.scaling.attn_factor": 0.5, "qwen3.rope.scaling.yarn_beta_fast": 16.0},
+                         "q.gguf")
+    assert c.rope_scaling["beta_fast"] == 16.0
+    assert rope_attention_factor(c) == pytest.approx(0.5 * (0.1 * math.log(4.0) + 1.0))
+    with pytest.raises(ModelLoadError, match=r"^q.gguf: GGUF key 'qwen3.rope.scaling.yarn_log_multiplier' is 0.0707"):
+        read_gguf_config({**md, "qwen3.rope.scaling.yarn_log_multiplier": 0.0707}, "q.gguf")
+
+
+def test_mistral3_query_temperature_and_refusals(tmp_path):
+    """mistral3: the query temperature changes the logits (the case above is sensitive to it); its
+    GGUF and HF keys read; a sliding window and YaRN's log multiplier refused naming the key."""
+    from kvserve.models.family import read_gguf_config, read_hf_config
+
+    _, _, opts = CASES["mistral3"]
+    model = fmod.build("ministral3", seed=4, **opts)
+    gg = fmod.save_gguf(model, tmp_path / "m.gguf", "mistral3")
+    core = _core(str(gg))
+    c = core.model_config
+    assert (c.attn_temp_beta, c.attn_temp_len) == (0.5, 8)
+    assert (c.rope_scaling["type"], c.rope_scaling["factor"]) == ("yarn", 8.0)
+    assert core.model.q_scale[[0, 7, 8, 16, 24]].tolist() == pytest.approx(
+        [1.0, 1.0, 1 + 0.5 * math.log(2), 1 + 0.5 * math.log(3), 1 + 0.5 * math.log(4)])
+    ref = fmod.reference_logits(model, PROMPT)
+    assert (_logits(core, PROMPT) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    core.model.q_scale = None
+    assert (_logits(core, PROMPT) - ref).abs().max().item() > 1e-2 * ref.abs().max().item()
+    md = {"general.architecture": "mistral3", "mistral3.embedding_length": 64, "mistral3.attention.head_count": 4,
+          "mistral3.block_count": 2, "mistral3.feed_forward_length": 128, "mistral3.context_length": 4096}
+    with pytest.raises(ModelLoadError, match=r"^m.gguf: GGUF key 'mistral3.attention.sliding_window' is 1024, "):
+        read_gguf_config({**md, "mistral3.attention.sliding_window": 1024}, "m.gguf")
+    with pytest.raises(ModelLoadError, match=r"^m.gguf: GGUF key 'mistral3.rope.scaling.yarn_log_multiplier' is 0.1"):
+        read_gguf_config({**md, "mistral3.rope.scaling.type": "yarn", "mistral3.rope.scaling.factor": 16.0,
+                          "mistral3.rope.scaling.original_context_length": 256,
+                          "mistral3.rope.scaling.yarn_log_multiplier": 0.1}, "m.gguf")
+    cfg = {"architectures": ["Ministral3ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+           "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 301, "max_position_embeddings": 4096}
+    assert read_hf_config(cfg, "d").attn_temp_beta == 0.0
+    with pytest.raises(ModelLoadError, match=r"^d: config.json sliding_window is 1024, shorter than the context"):
+        read_hf_config({**cfg, "sliding_window": 1024}, "d")
