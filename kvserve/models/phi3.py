@@ -151,9 +151,12 @@ def required_tensors(config: Phi3Config, weights: dict) -> list[str]:
 
 
 def _rows(w: Weight, a: int, b: int) -> Weight:
-    """Rows ``a:b`` of a 2-D weight (packed 4-bit rows stay packed)."""
+    """Rows ``a:b`` of a 2-D weight (packed 4-bit rows stay packed; GGUF blocks kept as the file's
+    stay a view of the mapping: whole rows of blocks)."""
     if w.dense is not None:
         return Weight((b - a, *w.shape[1:]), dense=np.ascontiguousarray(w.dense[a:b]), source_type=w.source_type)
+    if w.raw is not None:
+        return Weight((b - a, w.shape[1]), raw=w.raw[a:b], source_type=w.source_type)
     return Weight((b - a, w.shape[1]), q4=np.ascontiguousarray(w.q4[a:b]),
                   q4_scale=np.ascontiguousarray(w.q4_scale[a:b]), q4_zero=np.ascontiguousarray(w.q4_zero[a:b]),
                   source_type=w.source_type)

@@ -427,3 +427,20 @@ def test_mistral3_query_temperature_and_refusals(tmp_path):
     assert read_hf_config(cfg, "d").attn_temp_beta == 0.0
     with pytest.raises(ModelLoadError, match=r"^d: config.json sliding_window is 1024, shorter than the context"):
         read_hf_config({**cfg, "sliding_window": 1024}, "d")
+
+
+def test_phi3_cuts_gguf_blocks_as_row_views():
+    """A fused phi3 tensor kept as the file's GGUF blocks (Weight.raw, a Q4_K_M file's attn_qkv) is
+    cut into row views of the same bytes, with the values of the whole tensor's rows."""
+    import gguf
+    import numpy as np
+
+    from kvserve.loaders.weights import Weight
+    from kvserve.models.phi3 import _rows
+
+    dense = np.random.RandomState(0).standard_normal((48, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(dense, gguf.GGMLQuantizationType.Q8_0)  # [48, 68] bytes
+    w = Weight((48, 64), raw=raw, source_type="Q8_0")
+    part = _rows(w, 16, 40)
+    assert part.shape == (24, 64) and part.raw is not None and np.shares_memory(part.raw, raw)
+    np.testing.assert_array_equal(part.to_dense(), w.to_dense()[16:40])
