@@ -23,7 +23,8 @@ seconds, GET /slots says how many slots are idle.
 Prints ONE JSON object on stdout:
   {"url", "clients", "seconds", "sent", "completed", "hung_up", "hung", "lost", "errors": {kind: n},
    "latency_ms": {"p50", "p95", "max"} (completed requests, end to end), "ttft_ms": {"p50", "p95"}
-   (completed streams), "requests_per_s", "rss_mb": {"start", "max", "end", "pid"},
+   (completed streams), "requests_per_s", "rss_mb": {"start", "max", "end", "pid", "every_s", "samples"}
+   ("samples": the RSS every ``--rss-every`` seconds from the start, to show a plateau),
    "slots": {"idle", "total", "all_idle"}}
 Progress goes to stderr. Depends on httpx only.
 """
@@ -71,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="n_predict / max_tokens drawn from 1..N (default %(default)s)")
     ap.add_argument("--grace", type=float, default=5,
                     help="seconds to wait after the run before GET /slots and the last RSS (default %(default)s)")
+    ap.add_argument("--rss-every", type=int, default=10,
+                    help="seconds between the RSS samples listed in the output (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="random seed of the request mix (default %(default)s)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return ap.parse_args(argv)
@@ -281,7 +284,7 @@ async def soak(args) -> dict:
         "ttft_ms": {"p50": pct(st.ttft_ms, 50), "p95": pct(st.ttft_ms, 95)},
         "requests_per_s": round(st.ended() / elapsed, 2),
         "rss_mb": {"start": rss_start, "max": max(samples + [rss_end or 0]) if samples else None, "end": rss_end,
-                   "pid": pid},
+                   "pid": pid, "every_s": args.rss_every, "samples": samples[::max(args.rss_every, 1)]},
         "slots": slots,
     }
 

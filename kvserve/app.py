@@ -274,14 +274,17 @@ def uvicorn_config(app, args=None, **kw):
     ``args`` (a :class:`~kvserve.serving.args.ServerArgs`) adds what its flags ask of uvicorn:
     TLS (``--ssl-key-file``/``--ssl-cert-file``, vLLM's ``--ssl-keyfile``/``--ssl-certfile``,
     ``--ssl-ca-certs``, ``--ssl-cert-reqs``, ``--ssl-ciphers``), ``--root-path``/``--api-prefix``,
-    ``-to/--timeout`` as the keep-alive timeout of an idle connection (seconds) and
-    ``--uvicorn-log-level``."""
+    ``-to/--timeout/--timeout-keep-alive`` as the keep-alive timeout of an idle connection (seconds),
+    ``--header-timeout`` and ``--limit-concurrency`` (:func:`~kvserve.faces.connections.guarded_protocol`)
+    and ``--uvicorn-log-level``."""
     import uvicorn
 
     grace = getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT) if args is not None else 0.0
     # uvicorn's own deadline comes after DrainMiddleware's (--shutdown-timeout), which ends requests in their dialect
+    bounds = {} if args is None else {"header_timeout": args.header_timeout,
+                                      "max_connections": args.limit_concurrency}
     opts = dict(log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=grace + 3,
-                http=guarded_protocol(http_protocol()))
+                http=guarded_protocol(http_protocol(), **bounds))
     if args is not None:
         if args.ssl_key_file and args.ssl_cert_file:
             opts.update(ssl_keyfile=args.ssl_key_file, ssl_certfile=args.ssl_cert_file,

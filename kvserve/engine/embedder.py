@@ -42,13 +42,16 @@ EMPTY_INPUT = "Input content cannot be empty"
 
 @dataclass(slots=True)
 class _Job:
-    """One call: inputs (ids, token types), what to return, and the future the caller awaits."""
+    """One call: inputs (ids, token types), what to return, and the future the caller awaits.
+    ``cancelled`` is set by the caller's side when its task is cancelled; the worker reads it
+    between forward passes."""
 
     kind: str  # "embed" | "score"
     inputs: list[tuple[list[int], list[int] | None]]
     pooling: str
     normalize: int
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    cancelled: threading.Event = field(default_factory=threading.Event)
 
 
 class EmbeddingEngine:
@@ -75,6 +78,9 @@ class EmbeddingEngine:
         dim: vector size (n_embd).
         pooling, normalize: the defaults :meth:`embed` uses.
         error: the exception that killed the worker, or None.
+        n_forward: forward passes run since start (llama-server's ``n_decode_total``; written
+            by the worker thread only).
+        n_inputs_cancelled: inputs never run because their call was cancelled (worker only).
 
     Raises:
         ModelLoadError (from the registry): not an architecture that can embed.
@@ -111,6 +117,8 @@ class EmbeddingEngine:
         self._model = build_embedding_model(loaded, config, n_ctx)
         self._device = self._model.device
         self.error: BaseException | None = None
+        self.n_forward = 0
+        self.n_inputs_cancelled = 0
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._stopped = False
@@ -139,6 +147,8 @@ class EmbeddingEngine:
                 ContextSizeExceededError (an InvalidInputError with ``n_prompt_tokens`` and
                 ``n_ctx``): an input longer than :attr:`n_ctx`.
             EngineDeadError: after :meth:`shutdown` or when the worker died.
+            asyncio.CancelledError: the awaiting task was cancelled; the inputs not yet run
+                are dropped (see the module docstring).
         """
         mode = check_pooling(pooling or self.pooling)
         norm = check_normalize(normalize if normalize is not None else self.normalize)
@@ -221,7 +231,11 @@ class EmbeddingEngine:
             if self._stopped or self.error is not None:
                 raise EngineDeadError(f"the embedding engine is not running{self._cause()}")
             self._inbox.put(job)
-        return await asyncio.wrap_future(job.future)
+        try:
+            return await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            job.cancelled.set()  # the worker drops what it has not run (a waiting job never starts)
+            raise
 
     def _cause(self) -> str:
         return f": {self.error}" if self.error is not None else ""
@@ -267,7 +281,9 @@ class EmbeddingEngine:
 
     def _round(self, jobs: list[_Job]) -> None:
         """Run the inputs of ``jobs`` in length-sorted batches; resolve each job's future."""
-        jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
+        started = [j.future.set_running_or_notify_cancel() for j in jobs]  # False: cancelled while waiting
+        self.n_inputs_cancelled += sum(len(j.inputs) for j, ok in zip(jobs, started) if not ok)
+        jobs = [j for j, ok in zip(jobs, started) if ok]
         groups: dict[tuple, list[tuple[int, int]]] = {}  # (kind, pooling) -> (job index, input index)
         for ji, job in enumerate(jobs):
             key = (job.kind, job.pooling)
@@ -277,6 +293,9 @@ class EmbeddingEngine:
         for (kind, mode), items in groups.items():
             items.sort(key=lambda t: len(jobs[t[0]].inputs[t[1]][0]))
             for batch in self._batches(items, jobs):
+                batch = self._live(batch, jobs)
+                if not batch:
+                    continue
                 try:
                     outs = self._forward([jobs[ji].inputs[ii] for ji, ii in batch], kind, mode)
                 except Exception as e:  # noqa: BLE001 - fails the calls of this batch only
@@ -284,10 +303,14 @@ class EmbeddingEngine:
                     for ji, _ in batch:
                         failed.setdefault(ji, e)
                     continue
+                finally:
+                    self.n_forward += 1
                 for (ji, ii), out in zip(batch, outs):
                     results[ji][ii] = out
         for ji, job in enumerate(jobs):
-            if ji in failed:
+            if job.cancelled.is_set():  # nobody awaits it: resolved only so that nothing hangs on it
+                job.future.set_exception(asyncio.CancelledError())
+            elif ji in failed:
                 job.future.set_exception(failed[ji])
             elif job.kind == "score":
                 job.future.set_result([float(x) for x in results[ji]])
@@ -295,8 +318,15 @@ class EmbeddingEngine:
                 norm = job.normalize if job.pooling != "none" else -1
                 job.future.set_result([normalize_vec(v, norm) if norm != -1 else v for v in results[ji]])
 
+    def _live(self, batch: list[tuple[int, int]], jobs: list[_Job]) -> list[tuple[int, int]]:
+        """``batch`` less the inputs of jobs cancelled by now (counted in :attr:`n_inputs_cancelled`)."""
+        live = [it for it in batch if not jobs[it[0]].cancelled.is_set()]
+        self.n_inputs_cancelled += len(batch) - len(live)
+        return live
+
     def _batches(self, items: list[tuple[int, int]], jobs: list[_Job]):
-        """Cut length-sorted items into runs of at most ``_budget`` padded tokens (one at least)."""
+        """Cut length-sorted items into runs of at most ``_budget`` padded tokens (one at least).
+        Lazy, so that :meth:`_live` sees each batch just before it runs."""
         batch: list[tuple[int, int]] = []
         for it in items:
             n = len(jobs[it[0]].inputs[it[1]][0])

@@ -77,6 +77,7 @@ from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, inpu
 from kvserve.faces.http import read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
 from kvserve.faces.params import get_int, get_str, type_error
+from kvserve.faces.sse import until_disconnect
 from kvserve.serving.embed_runner import (
     EmbeddingRunner,
     cached_task,
@@ -191,14 +192,15 @@ def require_embedder(runner: Any, message: str = EMBEDDINGS_OFF) -> EmbeddingRun
 async def _serve(state: ServerState, http: HttpRequest, body: dict, off: str,
                  handler: Callable[[EmbeddingRunner], Awaitable[Response]]) -> Response:
     """Resolve ``body["model"]``, refuse a generative model with 501 ``off``, then run ``handler``
-    on the held runner (released when the response is done)."""
+    on the held runner (released when the response is done). A client that leaves meanwhile
+    cancels ``handler``, and with it the batches of its inputs not yet run (499, no answer)."""
     name = model_field(body)
     state.require_up()
     if not await serves_embeddings(state, name):
         raise ApiError(501, off)
 
     async def run(runner) -> Response:
-        return await handler(require_embedder(runner, off))
+        return await until_disconnect(http, handler(require_embedder(runner, off)))
 
     return await serve_model(state, name, keep_alive_field(body), run, http)
 

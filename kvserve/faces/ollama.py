@@ -1363,7 +1363,7 @@ async def _embed(state: ServerState, http: HttpRequest) -> Response:
             runner = lease.runner
             limit = min(num_ctx or runner.n_ctx, runner.n_ctx)
             ids = await asyncio.to_thread(_fit_inputs, runner, inputs, limit, truncate)
-            res = await runner.embed_ids(ids, normalize=2)
+            res = await until_disconnect(http, runner.embed_ids(ids, normalize=2))
         finally:
             lease.release()
         from kvserve.faces.embeddings import dumps_json
@@ -1406,7 +1406,7 @@ async def _embeddings(state: ServerState, http: HttpRequest) -> Response:
             if not prompt:
                 return _json({"embedding": []})
             try:
-                res = await lease.runner.embed([prompt])
+                res = await until_disconnect(http, lease.runner.embed([prompt]))
             except KvserveError as e:
                 if getattr(e, "type", None) == "exceed_context_size_error":
                     raise ApiError(400, TOO_LONG) from None

@@ -91,6 +91,8 @@ class ServerArgs:
     max_batch_inputs: int = 2048  # --max-batch-inputs: items of one embedding/rerank/score/completion batch
     max_input_bytes: int = 2 << 20  # --max-input-bytes: text of one embedding/rerank/score/tokenize request
     shutdown_timeout: float = 5.0  # --shutdown-timeout: seconds in-flight requests get after SIGTERM
+    header_timeout: float = 30.0  # --header-timeout: seconds a connection has to send a request head
+    limit_concurrency: int = 4096  # --limit-concurrency: open connections at most (newer ones are closed)
     pull_max_blob_size: int = 0  # --pull-max-blob-size: bytes a pulled blob may declare (0: free disk space only)
     pull_timeout: float = 12 * 3600.0  # --pull-timeout: seconds a whole /api/pull may take (0: none)
     keep_alive: float = 300.0  # --keep-alive seconds (math.inf: forever); Ollama's default 5m
@@ -585,7 +587,8 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         large_batch_dtype=v["large_batch_dtype"],
         max_request_bytes=v["max_request_bytes"], keep_alive=keep_alive,
         max_batch_inputs=v["max_batch_inputs"], max_input_bytes=v["max_input_bytes"],
-        shutdown_timeout=max(v["shutdown_timeout"], 0.0), pull_max_blob_size=max(v["pull_max_blob_size"], 0),
+        shutdown_timeout=max(v["shutdown_timeout"], 0.0), header_timeout=v["header_timeout"],
+        limit_concurrency=v["limit_concurrency"], pull_max_blob_size=max(v["pull_max_blob_size"], 0),
         pull_timeout=max(v["pull_timeout"], 0.0),
         max_loaded_models=max_loaded or DEFAULT_MAX_LOADED, max_memory=max_memory,
         max_queue=v["max_queue"], preload=v["preload"], allow_model_paths=v["allow_model_paths"],

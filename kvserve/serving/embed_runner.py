@@ -33,7 +33,7 @@ import logging
 import math
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -126,13 +126,18 @@ class _EncoderCore:
 @dataclass
 class EncoderStats:
     """Counters ``/metrics`` reads (llama-server's names): prompt tokens and seconds of the
-    forward passes, number of batches (``n_decode_total``), longest input (``n_tokens_max``)."""
+    requests answered, longest input (``n_tokens_max``), and the forward passes run
+    (``n_decode_total``: the engine's own count, batches of cancelled requests included)."""
 
     prompt_tokens_total: int = 0
     prompt_seconds_total: float = 0.0
-    n_decode_total: int = 0
     n_tokens_max: int = 0
     prompt_tokens_cached_total: int = 0
+    embedder: Any = field(default=None, repr=False)
+
+    @property
+    def n_decode_total(self) -> int:
+        return int(getattr(self.embedder, "n_forward", 0) or 0)
 
 
 class EncoderFacts:
@@ -155,7 +160,7 @@ class EncoderFacts:
         self.n_ctx = self.n_ctx_slot = int(embedder.n_ctx)
         self.core = _EncoderCore(str(getattr(embedder, "_device", None) or getattr(embedder, "device", "cpu")),
                                  name, task)
-        self.stats = EncoderStats()
+        self.stats = EncoderStats(embedder=embedder)
         self._name = name
         self._task = task
 
@@ -423,7 +428,6 @@ class EmbeddingRunner:
             return
         st.prompt_tokens_total += sum(len(x) for x in ids)
         st.prompt_seconds_total += ms / 1e3
-        st.n_decode_total += 1
         st.n_tokens_max = max([st.n_tokens_max, *(len(x) for x in ids)])
 
     # -- output size

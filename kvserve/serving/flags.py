@@ -865,9 +865,10 @@ FLAGS: tuple[Flag, ...] = (
     F("--allow-credentials", "bool", False, source=VLLM, why="as --cors-credentials (on by default, llama-server's)"),
     F("--allowed-methods", source=VLLM, convert=string_list, why="as --cors-methods (JSON list or comma-separated)"),
     F("--allowed-headers", source=VLLM, convert=string_list, why="as --cors-headers (JSON list or comma-separated)"),
-    F("-to --timeout", "float", help="seconds an idle keep-alive connection stays open",
+    F("-to --timeout --timeout-keep-alive", "float", help="seconds an idle keep-alive connection stays open",
       env="LLAMA_ARG_TIMEOUT VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
-      why="uvicorn's keep-alive timeout (uvicorn has no read/write timeout)"),
+      why="uvicorn's keep-alive timeout (--timeout-keep-alive is uvicorn's name; uvicorn has no read/write "
+      "timeout: see --header-timeout)"),
     F("--threads-http", "int", env="LLAMA_ARG_THREADS_HTTP", effect=NONE,
       why="HTTP requests are served by one asyncio event loop"),
     F("--sse-ping-interval", "float", 30.0, "seconds between SSE comment pings", env="LLAMA_ARG_SSE_PING_INTERVAL"),
@@ -878,6 +879,12 @@ FLAGS: tuple[Flag, ...] = (
     F("--max-input-bytes", "int", 2 << 20, "most text bytes one embedding, rerank, score or /tokenize request "
       "may send (400 above; generation routes check prompts against the context)", source=KV,
       env="KVSERVE_MAX_INPUT_BYTES", convert=human_int, metavar="BYTES"),
+    F("--header-timeout", "float", 30.0, "seconds a connection has to send a whole request head, after it opens "
+      "and after each response (then it is closed)", source=KV, env="KVSERVE_HEADER_TIMEOUT",
+      check=lambda n: None if n > 0 else f"--header-timeout must be > 0, got {n}"),
+    F("--limit-concurrency", "int", 4096, "open connections at most: a newer one is closed at once (uvicorn's name; "
+      "uvicorn answers it 503 in plain text)", source=KV, env="KVSERVE_LIMIT_CONCURRENCY",
+      check=_positive("--limit-concurrency")),
     F("--shutdown-timeout", "float", 5.0, "seconds requests in flight may go on after SIGTERM; then each ends "
       "with a 503 or a last error event", source=KV, env="KVSERVE_SHUTDOWN_TIMEOUT"),
     F("--pull-max-blob-size", "int", 0, "largest blob a pulled manifest may declare, bytes or 10G (0: no cap but "

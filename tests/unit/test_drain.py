@@ -103,15 +103,17 @@ def test_a_request_arriving_while_draining_is_refused():
 
 # -- idle and slow connections (slowloris) ----------------------------------------------------------
 
-def _live(monkeypatch, **consts):
+def _live(monkeypatch, *flags: str, **consts):
+    """A real uvicorn serving an app of ``kvserve serve FLAGS`` (flags reach uvicorn as in
+    ``kvserve serve``); ``consts`` patch kvserve.faces.http (``BODY_IDLE_S``)."""
     import kvserve.app as app_mod
-    import kvserve.faces.connections as conn_mod
     import kvserve.faces.http as http_mod
     from test_hardening_http import _Live, _state
 
     for name, value in consts.items():
-        monkeypatch.setattr(http_mod if name == "BODY_IDLE_S" else conn_mod, name, value)
-    return _Live(app_mod.build_app(_state()))
+        monkeypatch.setattr(http_mod, name, value)
+    state = _state(*flags)
+    return _Live(app_mod.build_app(state), state.args)
 
 
 def _closed_within(sock, seconds: float) -> bytes:
@@ -131,7 +133,7 @@ def _closed_within(sock, seconds: float) -> bytes:
 def test_half_open_and_slow_header_connections_are_closed(monkeypatch):
     import socket
 
-    with _live(monkeypatch, HEADER_TIMEOUT_S=0.5) as live:
+    with _live(monkeypatch, "--header-timeout", "0.5") as live:
         idle = socket.create_connection(("127.0.0.1", live.port))
         slow = socket.create_connection(("127.0.0.1", live.port))
         slow.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finishes its head
@@ -147,7 +149,7 @@ def test_half_open_and_slow_header_connections_are_closed(monkeypatch):
 def test_connections_beyond_the_cap_are_closed(monkeypatch):
     import socket
 
-    with _live(monkeypatch, MAX_CONNECTIONS=3) as live:
+    with _live(monkeypatch, "--limit-concurrency", "3") as live:
         socks = [socket.create_connection(("127.0.0.1", live.port)) for _ in range(3)]
         extra = socket.create_connection(("127.0.0.1", live.port))
         assert _closed_within(extra, 5) == b""
@@ -156,6 +158,19 @@ def test_connections_beyond_the_cap_are_closed(monkeypatch):
         assert socks[0].recv(65536).startswith(b"HTTP/1.1 503 ")
         for s in (*socks, extra):
             s.close()
+
+
+def test_connection_bounds_default_and_refuse_bad_values():
+    from kvserve.faces.connections import HEADER_TIMEOUT_S, MAX_CONNECTIONS
+    from kvserve.serving.args import parse_args
+
+    a = parse_args([])
+    assert (a.header_timeout, a.limit_concurrency) == (HEADER_TIMEOUT_S, MAX_CONNECTIONS) == (30.0, 4096)
+    b = parse_args(["--header-timeout", "2.5", "--limit-concurrency", "64", "--timeout-keep-alive", "7"])
+    assert (b.header_timeout, b.limit_concurrency, b.timeout) == (2.5, 64, 7.0)
+    for argv in (["--header-timeout", "0"], ["--limit-concurrency", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
 
 
 def test_a_body_that_stops_arriving_is_408(monkeypatch):

@@ -157,6 +157,72 @@ def test_shutdown_drops_the_model(tiny_dir):
         run(e.embed([[2, 7, 3]]))
 
 
+def _gated(e, stop_at: int):
+    """Make ``e``'s forward pass number ``stop_at`` (1-based) signal ``reached`` and wait for ``release``."""
+    import threading
+
+    reached, release, good, calls = threading.Event(), threading.Event(), e._forward, [0]
+
+    def forward(*a, **k):
+        calls[0] += 1
+        if calls[0] == stop_at:
+            reached.set()
+            release.wait(30)
+        return good(*a, **k)
+
+    e._forward = forward
+    return reached, release
+
+
+def test_cancelled_call_stops_between_batches(tiny_dir):
+    """A caller cancelled while its 3rd of 100 batches runs: that batch ends, the other 97 inputs
+    never run, the call raises CancelledError, and the engine answers the next call."""
+    e = EmbeddingEngine(load_files(tiny_dir), EngineConfig(threads=1, max_num_batched_tokens=6))
+    try:
+        ids = e.tokenizer.encode(SHORT, add_special=True)
+        assert len(ids) == 6  # [CLS] the cat sat . [SEP]: 6 tokens, a budget of one input per batch
+        reached, release = _gated(e, 3)
+
+        async def scenario():
+            task = asyncio.ensure_future(e.embed([ids] * 100))
+            assert await asyncio.to_thread(reached.wait, 30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            release.set()
+            return await e.embed([ids])
+
+        (v,) = run(scenario())
+        assert v.shape == (32,)
+        assert (e.n_forward, e.n_inputs_cancelled) == (4, 97)
+    finally:
+        e.shutdown()
+
+
+def test_call_cancelled_while_waiting_never_runs(tiny_dir):
+    """A call queued behind a running one and cancelled before its round starts runs no batch."""
+    e = EmbeddingEngine(load_files(tiny_dir), EngineConfig(threads=1, max_num_batched_tokens=6))
+    try:
+        ids = e.tokenizer.encode(SHORT, add_special=True)
+        reached, release = _gated(e, 1)
+
+        async def scenario():
+            first = asyncio.ensure_future(e.embed([ids] * 2))
+            assert await asyncio.to_thread(reached.wait, 30)
+            waiting = asyncio.ensure_future(e.embed([ids] * 40))
+            await asyncio.sleep(0.05)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            release.set()
+            return await first
+
+        assert len(run(scenario())) == 2
+        assert (e.n_forward, e.n_inputs_cancelled) == (2, 40)
+    finally:
+        e.shutdown()
+
+
 def test_a_failing_batch_fails_its_call_only(tiny_dir):
     e = EmbeddingEngine(load_files(tiny_dir), EngineConfig(threads=1))
     try:

@@ -114,14 +114,15 @@ def test_body_over_the_limit_on_anthropic_routes_is_anthropics_envelope():
 # -- 4. one traceback per 500, and the connection survives -----------------------------------
 
 class _Live:
-    """The app served by a real uvicorn on a free port, in a thread."""
+    """The app served by a real uvicorn on a free port, in a thread (with ``args``: the ServerArgs
+    whose flags reach uvicorn, as ``kvserve serve`` passes them)."""
 
-    def __init__(self, app):
+    def __init__(self, app, args=None):
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
         self.port = s.getsockname()[1]
         s.close()
-        self.server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=self.port, log_config=None))
+        self.server = uvicorn.Server(uvicorn_config(app, args, host="127.0.0.1", port=self.port, log_config=None))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
