@@ -395,6 +395,8 @@ def model_bytes(model: LlamaModel) -> int:
     for m in mods:
         for k in ("weight", "bias", "packed", "scales", "q8"):
             add(getattr(m, k, None))
+        blocks = getattr(m, "blocks", None)  # GGUF blocks (numpy views of the file's mapping)
+        total += blocks.nbytes if blocks is not None else 0
     return total
 
 

@@ -136,3 +136,20 @@ def test_nan_scale_in_raw_blocks_is_refused(tmp_path):
     bad.write_bytes(bytes(raw))
     with pytest.raises(ModelLoadError, match=r"tensor 'blk.1.ffn_down.weight' has 1 NaN/Inf values"):
         load_gguf(bad)
+
+
+def test_memory_accounting_counts_the_blocks(kernels, tmp_path):
+    """parallel.model_bytes (the plan's weights figure) and the draft's _tensor_bytes count the GGUF
+    blocks the Linear layers multiply: every matrix's file bytes, plus the float32 embedding and norms."""
+    from kvserve.engine.draft import _tensor_bytes
+    from kvserve.engine.parallel import model_bytes
+    from kvserve.loaders.gguf import read_gguf_header
+
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, qtype="Q8_0", seed=2)
+    model = _core(path).model
+    _, infos = read_gguf_header(str(path))
+    matrices = sum(t.n_bytes for t in infos if len(t.shape) == 2 and t.name != "token_embd.weight")
+    assert sum(lin.blocks.nbytes for lin in [*model.projections(), model.output]) == matrices
+    norms = sum(t.n_bytes for t in infos if len(t.shape) == 1)
+    assert model_bytes(model) == matrices + norms + model.tok_embd.nbytes
+    assert _tensor_bytes(model) >= matrices + norms + model.tok_embd.nbytes
