@@ -127,6 +127,8 @@ def _tensor_bytes(module: torch.nn.Module) -> int:
             total += t.untyped_storage().nbytes()
         blocks = getattr(m, "blocks", None)  # a Linear's GGUF blocks (numpy views of the file's mapping)
         total += blocks.nbytes if blocks is not None and hasattr(blocks, "parts") else 0
+        if getattr(m, "tok_embd_raw", None) is not None:  # an embedding table kept as GGUF blocks
+            total += m.embedding_nbytes()
     return total
 
 

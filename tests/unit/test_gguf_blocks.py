@@ -151,5 +151,30 @@ def test_memory_accounting_counts_the_blocks(kernels, tmp_path):
     matrices = sum(t.n_bytes for t in infos if len(t.shape) == 2 and t.name != "token_embd.weight")
     assert sum(lin.blocks.nbytes for lin in [*model.projections(), model.output]) == matrices
     norms = sum(t.n_bytes for t in infos if len(t.shape) == 1)
-    assert model_bytes(model) == matrices + norms + model.tok_embd.nbytes
-    assert _tensor_bytes(model) >= matrices + norms + model.tok_embd.nbytes
+    embd = next(t.n_bytes for t in infos if t.name == "token_embd.weight")  # kept as the file's blocks
+    assert model.tok_embd is None and model.embedding_nbytes() == embd
+    assert model_bytes(model) == matrices + norms + embd
+    assert _tensor_bytes(model) >= matrices + norms + embd
+
+
+@pytest.mark.parametrize("qtype,tied", [("Q8_0", False), ("Q4_K", False), ("Q6_K", True), ("F16", True)])
+def test_embedding_stays_packed_and_rows_are_dequantized_on_lookup(kernels, tmp_path, qtype, tied):
+    """token_embd keeps the file's blocks (no float table); embed() returns exactly the dequantized
+    table's rows (gguf's values), repeated ids included; tied, the head multiplies the same blocks
+    and the embedding adds no bytes; an id out of range is an IndexError."""
+    import gguf
+
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, qtype=qtype, seed=4,
+                                     tie_embeddings=tied)
+    model = _core(path).model
+    assert model.tok_embd is None and _mapped(model.tok_embd_raw.raw)
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+    table = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(model.tok_embd_raw.shape)
+    ids = [0, 7, 7, 300, table.shape[0] - 1]
+    rows = model.embed(torch.tensor(ids))
+    assert rows.dtype == torch.float32 and rows.shape == (5, 256)
+    assert torch.equal(rows, torch.from_numpy(table[ids].astype(np.float32)))
+    assert model.embed(torch.tensor([], dtype=torch.long)).shape == (0, 256)
+    assert model.embedding_nbytes() == (0 if tied else t.n_bytes)
+    with pytest.raises(IndexError):
+        model.embed(torch.tensor([table.shape[0]]))
