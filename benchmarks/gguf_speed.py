@@ -31,11 +31,12 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--decode", type=int, default=48)
     ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("-np", "--parallel", type=int, default=1, help="slots (kvserve bench uses 16, one pool)")
     ap.add_argument("--thread", action="store_true",
                     help="step the engine from a second thread, as the server's engine thread does")
     a = ap.parse_args()
     t0 = time.perf_counter()
-    core = create_engine_core(a.model, EngineConfig(n_ctx=2048, n_parallel=1))
+    core = create_engine_core(a.model, EngineConfig(n_ctx=4096, n_parallel=a.parallel, kv_unified=True))
     if a.thread:
         import threading
 

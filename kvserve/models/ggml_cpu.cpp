@@ -16,12 +16,8 @@
 //
 // Two builds, picked by -march: AVX512-VNNI (the u8 x s8 block dot products with vpdpbusd on 256-bit
 // vectors) or AVX2 + FMA + F16C (vpmaddubsw + vpmaddwd, llama.cpp's AVX2 route). The integer results
-// are the same; only the speed differs. Work is split over output rows on torch's intra-op pool
-// (at::parallel_for: OpenMP, built with -fopenmp), the same threads as the torch ops between
-// these products. A pool of our own (thread_pool.h, as the native decode step has) spun against
-// OpenMP's team on 2 cores: eager decode of a Q8_0 model ran 5x slower than with
-// OMP_WAIT_POLICY=PASSIVE. The native decode step runs every op of its step on its own pool, so
-// it has no torch op to contend with; an eager step does.
+// are the same; only the speed differs. Work is split over output rows on kvserve's pool
+// (thread_pool.h, torch's thread count).
 #include <torch/extension.h>
 
 #include <immintrin.h>
@@ -34,7 +30,7 @@
 #include <string>
 #include <vector>
 
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define GG_VNNI 1
@@ -643,7 +639,7 @@ class Matrix {
     if (q8_0_) {
       d0.resize(M * (K / 32));
       s0.resize(M * (K / 32));
-      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      kvserve_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m)
           quantize_q8_0_row(xp + m * K, K, q.data() + m * K, d0.data() + m * (K / 32), s0.data() + m * (K / 32));
       });
@@ -653,7 +649,7 @@ class Matrix {
       qk.resize(M * K);
       dk.resize(M * (K / 256));
       bs.resize(M * (K / 16));
-      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      kvserve_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
         for (int64_t m = m0; m < m1; ++m)
           quantize_q8_K_row(xp + m * K, K, qk.data() + m * K, dk.data() + m * (K / 256), bs.data() + m * (K / 16));
       });
@@ -664,7 +660,7 @@ class Matrix {
     // rows of activations at a time: a chunk of quantized rows stays in the core's L2 while every
     // weight row of the thread's range passes by
     const int64_t MC = 64;
-    at::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+    kvserve_pool::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
       for (int64_t mc = 0; mc < M; mc += MC) {
         const int64_t me = std::min(M, mc + MC);
         size_t pi = 0;

@@ -40,7 +40,7 @@ log = logging.getLogger("kvserve.engine")
 
 NAME = "kvserve_ggml_cpu"
 _DIR = Path(__file__).resolve().parent
-SOURCES = ("ggml_cpu.cpp",)
+SOURCES = ("ggml_cpu.cpp", "thread_pool.h")
 
 #: ggml type names with a kernel here, in the order of ``gguf.GGMLQuantizationType``
 TYPES = ("F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
