@@ -615,9 +615,9 @@ class EngineCore:
         """16-byte identity of the loaded model, written into slot files (computed once)."""
         fp = getattr(self, "_fingerprint", None)
         if fp is None:
-            emb = self.model.tok_embd
-            step = max(emb.shape[0] // 32, 1)
-            sample = emb[::step][:32].to(torch.bfloat16).cpu().contiguous().view(torch.uint8).numpy().tobytes()
+            step = max(self.model_config.n_vocab // 32, 1)
+            rows = self.model.embed(torch.arange(0, self.model_config.n_vocab, step)[:32])
+            sample = rows.to(torch.bfloat16).cpu().contiguous().view(torch.uint8).numpy().tobytes()
             fp = self._fingerprint = model_fingerprint(self.model_config, self.model_info, sample)
         return fp
 

@@ -106,7 +106,8 @@ def check_vocab(target_tok, draft_tok, n_vocab_target: int, n_vocab_draft: int) 
 
 
 def _tensor_bytes(module: torch.nn.Module) -> int:
-    """Bytes of the distinct tensors a module tree holds (parameters, buffers, plain attributes)."""
+    """Bytes of the distinct tensors a module tree holds (parameters, buffers, plain attributes), and
+    of the GGUF blocks its Linear layers multiply (Linear.blocks)."""
     seen: set[int] = set()
     total = 0
     for m in module.modules():
@@ -124,6 +125,10 @@ def _tensor_bytes(module: torch.nn.Module) -> int:
                 continue
             seen.add(key)
             total += t.untyped_storage().nbytes()
+        blocks = getattr(m, "blocks", None)  # a Linear's GGUF blocks (numpy views of the file's mapping)
+        total += blocks.nbytes if blocks is not None and hasattr(blocks, "parts") else 0
+        if getattr(m, "tok_embd_raw", None) is not None:  # an embedding table kept as GGUF blocks
+            total += m.embedding_nbytes()
     return total
 
 

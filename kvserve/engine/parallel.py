@@ -397,11 +397,14 @@ def model_bytes(model: LlamaModel) -> int:
             total += t.nbytes
 
     add(model.tok_embd)
+    total += model.embedding_nbytes() if model.tok_embd is None else 0  # GGUF blocks of the table
     mods = [m for layer in model.layers for m in layer.modules()]
     mods += [m for m in (model.output, model.output_norm) if m is not None]
     for m in mods:
         for k in ("weight", "bias", "packed", "scales", "q8"):
             add(getattr(m, k, None))
+        blocks = getattr(m, "blocks", None)  # GGUF blocks (numpy views of the file's mapping)
+        total += blocks.nbytes if blocks is not None else 0
     return total
 
 

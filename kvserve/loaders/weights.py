@@ -119,19 +119,21 @@ class Weight:
         if self.dense is not None:
             return self.dense
         if self.raw is not None:
-            if self.source_type == "Q8_0":  # gguf's values bit for bit, in one float32 buffer (~4x faster)
-                blocks = np.asarray(self.raw).reshape(-1, 34)
-                w = blocks[:, 2:].view(np.int8).astype(np.float32)
-                w *= blocks[:, :2].copy().view(np.float16).astype(np.float32)
-                return w.reshape(self.shape)
-            import gguf
-
-            arr = gguf.quants.dequantize(np.asarray(self.raw), gguf.GGMLQuantizationType[self.source_type])
-            return np.ascontiguousarray(arr.reshape(self.shape), dtype=np.float32)
+            return _dequantize_raw(np.asarray(self.raw), self.source_type, self.shape)
         out, inp = self.shape
         q = self.q4.astype(np.float32).reshape(out, inp // 32, 32)
         w = (q - 8.0) * self.q4_scale[:, :, None] + self.q4_zero[:, :, None]
         return w.reshape(out, inp)
+
+    def dense_rows(self, ids: np.ndarray) -> np.ndarray:
+        """float32 [len(ids), in] copy of rows ``ids`` (int array, values in [0, out); numpy's
+        IndexError otherwise), the same values as ``to_dense()[ids]``; of ``raw`` GGUF blocks only
+        those rows are dequantized (an embedding lookup without a float copy of the table)."""
+        if self.raw is not None and len(ids) == 0:
+            return np.zeros((0, self.shape[1]), np.float32)
+        if self.raw is not None:
+            return _dequantize_raw(np.asarray(self.raw)[ids], self.source_type, (len(ids), self.shape[1]))
+        return np.ascontiguousarray(self.to_dense()[ids], dtype=np.float32)
 
     def permute_rows(self, order: np.ndarray) -> "Weight":
         """The same weight with rows (output features) reordered by ``order``."""
@@ -197,6 +199,20 @@ def check_tensors(required: list[str], weights: dict[str, Weight], source: str) 
     for name in required:
         if name not in weights:
             raise ModelLoadError(f"{source}: missing tensor '{name}'")
+
+
+def _dequantize_raw(raw: np.ndarray, source_type: str, shape: tuple[int, int]) -> np.ndarray:
+    """float32 ``shape`` array of GGUF rows ``raw`` (uint8 [rows, bytes per row]) of ggml type
+    ``source_type``: gguf.quants.dequantize's values, Q8_0 bit for bit on a faster path."""
+    if source_type == "Q8_0":  # gguf's values bit for bit, in one float32 buffer (~4x faster)
+        blocks = raw.reshape(-1, 34)
+        w = blocks[:, 2:].view(np.int8).astype(np.float32)
+        w *= blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        return w.reshape(shape)
+    import gguf
+
+    arr = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[source_type])
+    return np.ascontiguousarray(arr.reshape(shape), dtype=np.float32)
 
 
 #: byte offsets of the float16 scales in a block of each ggml type (F16 / BF16: the values themselves)

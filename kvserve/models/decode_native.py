@@ -486,7 +486,7 @@ class NativeDecode:
         """One decode-only step: input_ids, positions, slot_mapping, lens [B] long, kv_index [B, L]
         long (each query's cache rows, valid up to lens[b]) -> float32 logits [B, n_vocab]."""
         m = self.model
-        x = m.tok_embd.index_select(0, input_ids)  # [B, E] float32, contiguous
+        x = m.embed(input_ids)  # [B, E] float32, contiguous
         cos = m.rope_cos.index_select(0, positions)
         sin = m.rope_sin.index_select(0, positions)
         ks = [k for k, _ in kv_caches]

@@ -502,13 +502,23 @@ inline __m256 widen(const uint8_t* p, bool bf16) {
 
 template <int MR, bool BF>
 void dot_half(const uint8_t* w, int64_t K, const float* x, int64_t r, float* out, int64_t ldo) {
-  __m256 acc[MR];
+  // two accumulators per row (values 16 j .. 16 j + 7 and 16 j + 8 .. 16 j + 15): one chain of
+  // dependent multiply-adds held a one-row product to a quarter of the read rate
+  __m256 acc[MR], acc2[MR];
   float tail[MR];
   for (int i = 0; i < MR; ++i) {
-    acc[i] = _mm256_setzero_ps();
+    acc[i] = acc2[i] = _mm256_setzero_ps();
     tail[i] = 0.f;
   }
   int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 w0 = widen(w + 2 * k, BF), w1 = widen(w + 2 * k + 16, BF);
+    for (int i = 0; i < MR; ++i) {
+      acc[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (r + i) * K + k), acc[i]);
+      acc2[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + (r + i) * K + k + 8), acc2[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_add_ps(acc[i], acc2[i]);
   for (; k + 8 <= K; k += 8) {
     const __m256 wv = widen(w + 2 * k, BF);
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (r + i) * K + k), acc[i]);

@@ -19,6 +19,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -513,7 +514,12 @@ class LlamaModel(nn.Module):
         self.compute_dtype = torch.float32 if self.device.type == "cpu" else dtype
         c = config
         emb = weights["token_embd.weight"]
-        self.tok_embd = torch.from_numpy(emb.to_dense()).to(device=device, dtype=self.compute_dtype)
+        #: the embedding table [V, E] as GGUF blocks (a view of the file's mapping; rows dequantized
+        #: by embed()) on CPU when the file's type stays raw, else None and tok_embd is dense
+        self.tok_embd_raw: Weight | None = emb if emb.raw is not None and self.device.type == "cpu" else None
+        self.tok_embd: torch.Tensor | None = None
+        if self.tok_embd_raw is None:
+            self.tok_embd = torch.from_numpy(emb.to_dense()).to(device=device, dtype=self.compute_dtype)
         self.layers = nn.ModuleList()
         lin = dict(dtype=dtype, device=device, kernel=kernel, small_max_rows=small_max_rows, large_dtype=large_dtype,
                    native_q4=native_q4)
@@ -549,8 +555,10 @@ class LlamaModel(nn.Module):
         self.output = Linear([head], None, dtype=dtype, device=device,
                              kernel=auto_head_kernel() if kernel == "auto" else kernel, small_max_rows=small_max_rows)
         w = self.output.weight
-        if head is weights["token_embd.weight"] and w is not None and w.dtype == self.tok_embd.dtype:
+        if head is emb and w is not None and self.tok_embd is not None and w.dtype == self.tok_embd.dtype:
             self.output.weight = self.tok_embd  # tied: one dense copy of the embedding, not two
+        elif head is emb and w is not None and w.dtype == torch.float32 and tuple(w.shape) == tuple(emb.shape):
+            self.tok_embd, self.tok_embd_raw = w, None  # the head dequantized its blocks: look up in that copy
         inv = rope_inv_freq(c, weights.get("rope_freqs.weight"))
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv.double())  # [P, D/2]
@@ -680,6 +688,29 @@ class LlamaModel(nn.Module):
 
     # -- forward -------------------------------------------------------------
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the token embedding: input_ids [T] long -> [T, E] in the compute dtype (a new
+        tensor). A GGUF table kept as blocks (``tok_embd_raw``) has only these rows dequantized
+        (gguf's values, as the dense table would hold); ids out of range raise IndexError."""
+        if self.tok_embd is not None:
+            return self.tok_embd.index_select(0, input_ids)
+        ids = input_ids.cpu().numpy()
+        n = self.tok_embd_raw.shape[0]
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            raise IndexError(f"token id out of range [0, {n})")
+        return torch.from_numpy(self.tok_embd_raw.dense_rows(ids))
+
+    def embedding_nbytes(self) -> int:
+        """Bytes the embedding table holds that no other part of the model does: the dense table,
+        or the GGUF blocks unless the tied head multiplies the same blocks (0 then)."""
+        if self.tok_embd is not None:
+            return self.tok_embd.nbytes
+        raw = np.asarray(self.tok_embd_raw.raw)
+        blocks = getattr(self.output, "blocks", None)
+        if blocks is not None and any(p.ctypes.data == raw.ctypes.data for p in blocks.parts):
+            return 0
+        return raw.nbytes
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 logits_indices: torch.Tensor | None, return_hidden: bool = False,
@@ -702,7 +733,7 @@ class LlamaModel(nn.Module):
         """
         c = self.config
         T = input_ids.shape[0]
-        x = self.tok_embd[input_ids] if hidden is None else hidden  # [T, E]: the residual adds below are in place
+        x = self.embed(input_ids) if hidden is None else hidden  # [T, E]: the residual adds below are in place
         cis = self.rope_cis[batch.positions].unsqueeze(1)  # [T, 1, D/2]
         q_scale = None if self.q_scale is None else self.q_scale[batch.positions].view(T, 1, 1)
         slots = batch.slot_mapping
@@ -759,7 +790,7 @@ class LlamaModel(nn.Module):
         B, L = kv_mask.shape[0], kv_mask.shape[-1]
         nq, nkv, hd = c.n_head, c.n_head_kv, c.head_dim
         nqk = (nq + nkv) * hd
-        x = self.tok_embd[input_ids]
+        x = self.embed(input_ids)
         cos = self.rope_cos[positions].view(B, 1, hd // 2)
         sin = self.rope_sin[positions].view(B, 1, hd // 2)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):

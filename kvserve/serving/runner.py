@@ -310,6 +310,26 @@ def model_shape(path: str) -> tuple:
     return _SHAPES[key]
 
 
+def gguf_raw_bytes(path: str) -> tuple[int, int]:
+    """(bytes, values) of a .gguf file's matrices that load as the file stores them (the types of
+    :data:`kvserve.loaders.gguf.RAW_TYPES`, multiplied by the GGUF block kernels with no dense
+    copy); (0, 0) for an HF directory. From the header only, cached by path, size and mtime."""
+    p = Path(path)
+    if p.is_dir():
+        return 0, 0
+    st = p.stat()
+    key = ("raw", str(p), st.st_size, st.st_mtime_ns)
+    if key not in _SHAPES:
+        import gguf
+
+        from kvserve.loaders.gguf import RAW_TYPES, read_gguf_header
+
+        _, tensors = read_gguf_header(str(p))
+        raw = [t for t in tensors if len(t.shape) == 2 and gguf.GGMLQuantizationType(t.ggml_type).name in RAW_TYPES]
+        _SHAPES[key] = (sum(t.n_bytes for t in raw), sum(t.n_elements for t in raw))
+    return _SHAPES[key]
+
+
 def _hf_params(files) -> int:
     import json
     import struct
@@ -330,12 +350,21 @@ def _hf_params(files) -> int:
     return n
 
 
+def _block_kernels_enabled() -> bool:
+    """Whether GGUF matrices stay as stored at load (kvserve.models.ggml_kernel.enabled)."""
+    from kvserve.models import ggml_kernel
+
+    return ggml_kernel.enabled()
+
+
 def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimate:
     """Predict one runner's memory before loading it (seed 004 Example 5's formula, for kvserve).
 
     - weights: the file's bytes (as Ollama counts them) plus the dense copy kvserve keeps for
-      large batches on CPU (parameters x 4 bytes in float32, x 2 in bfloat16), or the
-      parameters in the chosen ``--dtype`` when that replaces the file's format;
+      large batches on CPU (parameters x 4 bytes in float32, x 2 in bfloat16) of every tensor
+      but the GGUF matrices the block kernels multiply as stored (:func:`gguf_raw_bytes`: their
+      file bytes alone, the embedding table included), or the parameters in the chosen
+      ``--dtype`` when that replaces the file's format;
     - kv: n_ctx x the pool's bytes per token for ``-ctk``/``-ctv``
       (:func:`~kvserve.engine.kv_quant.kv_bytes_per_token`: 2 bytes a value for f16, 34/32 for
       q8_0, 18/32 for q4_0, 1 for fp8);
@@ -360,6 +389,8 @@ def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimat
     if cfg.dtype == "auto":
         large = 2 if cfg.large_batch_dtype in ("bfloat16",) else 4
         weights = file_bytes + n_params * large
+        if cfg.resolve_device() == "cpu" and _block_kernels_enabled():
+            weights -= gguf_raw_bytes(spec.path)[1] * large  # no dense copy of these
     else:
         weights = n_params * dense.get(cfg.dtype, 4)
     n_tok = min(max(cfg.max_num_batched_tokens, 1), n_ctx)
