@@ -494,6 +494,11 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
     kv_unified = v["kv_unified"]
     if kv_unified is None and "max_num_seqs" in given and v["parallel"] is None:
         kv_unified = True  # vLLM's sequences share one pool and each may use max_model_len
+    if given.get("ctx_size") == "OLLAMA_CONTEXT_LENGTH" and parallel > 1 and not kv_unified:
+        # Ollama's context length is each sequence's (num_ctx); -c is the total the slots split
+        v["ctx_size"] *= parallel
+        notes.append((logging.INFO, f"OLLAMA_CONTEXT_LENGTH={env['OLLAMA_CONTEXT_LENGTH'].strip()} tokens a "
+                                    f"sequence, as Ollama: -c {v['ctx_size']} for {parallel} slots"))
     allow_long = env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
     from kvserve.errors import InvalidInputError
     from kvserve.serving.manager import DEFAULT_MAX_LOADED, parse_keep_alive
