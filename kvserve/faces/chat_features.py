@@ -201,7 +201,7 @@ def template_kwargs(args, body: dict, template=None, tools: list | None = None) 
 def server_context(args, template, tools: list | None) -> dict:
     """What llama-server adds to a Jinja template's context (``common/chat.cpp``): ``enable_thinking``
     always defined (``--reasoning auto``, the default: true unless ``--reasoning-budget 0``) and the
-    Llama 3.x / firefunction variables of :func:`kvserve.chat.llama_context.family_context`. None
+    Llama 3.x / firefunction variables of :func:`kvserve.chat.llama_context.family_context`. Nothing
     for an Ollama Go template, which has its own ``think`` rule."""
     from kvserve.chat.go_chat_template import GoChatTemplate
     from kvserve.chat.llama_context import family_context
