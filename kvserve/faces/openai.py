@@ -67,7 +67,7 @@ from kvserve.engine.request import (
     SamplingParams,
     TokenLogprob,
 )
-from kvserve.faces.chat_features import chat_features, constraint_factory
+from kvserve.faces.chat_features import chat_features, constraint_factory, tool_constraint, with_system_text
 from kvserve.faces.chat_output import ChoiceOutput, OutputMode, preserved_token_ids
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import error_response, json_response, read_json
@@ -319,7 +319,10 @@ def chat_plan(state: Runner, body: dict) -> Plan:
         raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
     if add_gen is False and cont is None:
         cont = False
-    text, ids = render_chat(state.template, state.tokenizer, body["messages"],
+    render_msgs = body["messages"]
+    if feats.generic is not None and isinstance(render_msgs, list):
+        render_msgs = with_system_text(render_msgs, feats.generic[2])
+    text, ids = render_chat(state.template, state.tokenizer, render_msgs,
                             add_generation_prompt=add_gen is not False, tools=feats.template_tools,
                             continue_final_message=cont, **feats.template_kwargs)
     ids = _truncate(ids, truncate)
@@ -331,14 +334,7 @@ def chat_plan(state: Runner, body: dict) -> Plan:
     if logprobs:
         params = dataclasses.replace(params, n_probs=max(top or 0, 1))
     params = _with_prompt_logprobs(params, plp)
-    spec = _constraint_spec(body)
-    if feats.tool_grammar is not None:
-        if spec is not None:
-            raise ApiError(400, "tool_choice 'required' or a named function cannot be combined with "
-                                "response_format or structured outputs")
-        from kvserve.structured.spec import ConstraintSpec
-
-        spec = ConstraintSpec("grammar", feats.tool_grammar)
+    spec = tool_constraint(feats, _constraint_spec(body))
     mode = feats.output_mode(text, prefill)
     params = _special_tokens(body, params, preserved_token_ids(state.tokenizer, mode))
     make = constraint_factory(state, spec, prefill, mode, feats.thinking_budget)
