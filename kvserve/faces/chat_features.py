@@ -42,7 +42,7 @@ from kvserve.faces.errors import ApiError
 from kvserve.faces.params import check_text, get_bool, get_int, get_str, type_error
 
 __all__ = ["ChatFeatures", "chat_features", "parse_tool_choice", "parse_tools", "template_kwargs", "tool_constraint",
-           "with_system_text"]
+           "prompt_messages", "with_system_text"]
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
@@ -184,6 +184,18 @@ def with_system_text(messages: list, text: str) -> list:
             first["content"] = (c + "\n" + text) if isinstance(c, str) and c else text
         return [first, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]
+
+
+def prompt_messages(state, body: dict) -> list:
+    """``body["messages"]`` as the chat endpoint renders them: with the generic tool format's
+    system text when the request's tools use it (``/apply-template``, ``/tokenize`` with
+    ``messages``). 400s as :func:`chat_features` for bad tool fields."""
+    msgs = body["messages"]
+    if body.get("tools") and isinstance(msgs, list):
+        feats = chat_features(state, body)
+        if feats.generic is not None:
+            return with_system_text(msgs, feats.generic[2])
+    return msgs
 
 
 def tool_constraint(feats: ChatFeatures, spec):

@@ -320,7 +320,7 @@ def chat_plan(state: Runner, body: dict) -> Plan:
     if add_gen is False and cont is None:
         cont = False
     render_msgs = body["messages"]
-    if feats.generic is not None and isinstance(render_msgs, list):
+    if feats.generic is not None and isinstance(render_msgs, list):  # the tools and the JSON answer's shape
         render_msgs = with_system_text(render_msgs, feats.generic[2])
     text, ids = render_chat(state.template, state.tokenizer, render_msgs,
                             add_generation_prompt=add_gen is not False, tools=feats.template_tools,

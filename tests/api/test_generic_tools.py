@@ -79,7 +79,8 @@ def test_auto_answers_content_or_calls_never_json(oai):
 
 def test_prompt_carries_tools_and_format(oai):
     def prompt_tokens(**kw) -> int:
-        return oai.chat.completions.create(model="x", messages=MSGS, max_tokens=1, temperature=0, **kw).usage.prompt_tokens
+        r = oai.chat.completions.create(model="x", messages=MSGS, max_tokens=1, temperature=0, **kw)
+        return r.usage.prompt_tokens
 
     plain, listed = prompt_tokens(), prompt_tokens(tools=TOOLS[:1], tool_choice="required")
     assert listed > plain + 40  # the tool list and the answer's shape are in the system prompt
@@ -109,3 +110,15 @@ def test_anthropic_any_and_tool(smollm2_server):
 def test_vllm_parser_on_template_without_tools_logs(start_server):
     srv = start_server("--tool-call-parser", "hermes", "--enable-auto-tool-choice")
     assert "--tool-call-parser hermes: the chat template renders no tools" in srv.log()
+
+
+def test_apply_template_shows_the_generic_system_text(smollm2_server):
+    import httpx
+
+    body = {"messages": MSGS, "tools": TOOLS[:1], "tool_choice": "required", "parallel_tool_calls": False}
+    prompt = httpx.post(smollm2_server.url("/apply-template"), json=body, timeout=60).json()["prompt"]
+    assert prompt.startswith("<|im_start|>system\nYou can call any of the following tools to satisfy the user's "
+                             "requests: [\n  {\n    \"name\": \"get_weather\",")
+    assert "\n\nRespond in JSON format with `tool_call` (a request to call tools)<|im_end|>\n" in prompt
+    plain = httpx.post(smollm2_server.url("/apply-template"), json={"messages": MSGS}, timeout=60).json()["prompt"]
+    assert "get_weather" not in plain
