@@ -75,6 +75,7 @@ class ServerArgs:
     cors_credentials: bool = True  # --cors-credentials (llama-server's default) / vLLM --allow-credentials
     log_verbosity: int = 3
     embeddings: bool = False
+    pooling: str | None = None  # --pooling for embeddings: none/mean/cls/last; None: the model's own
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int = 0
@@ -571,7 +572,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         cache_type_k=kv_k, cache_type_v=kv_v, sse_ping_interval=v["sse_ping_interval"],
         cors_origins=cors_origins, cors_methods=cors_methods, cors_headers=cors_headers,
         cors_credentials=cors_credentials, log_verbosity=log_verbosity,
-        embeddings=embeddings, dtype=dtype, device=device, max_model_len=v["max_model_len"],
+        embeddings=embeddings, pooling=None if v["pooling"] in (None, "rank") else v["pooling"], dtype=dtype, device=device, max_model_len=v["max_model_len"],
         tool_call_parser=v["tool_call_parser"], enable_auto_tool_choice=v["enable_auto_tool_choice"],
         exclude_tools_when_tool_choice_none=v["exclude_tools_when_tool_choice_none"],
         reasoning_format=v["reasoning_format"], reasoning_parser=v["reasoning_parser"],
