@@ -97,18 +97,23 @@ def _partial_string(text: str) -> str:
         n = 6 if text[i + 1:i + 2] == "u" else 2
         if i + n > len(text):
             break
+        if n == 6 and _high_surrogate(text[i + 2:i + 6]):
+            n = 12  # a surrogate pair: both halves or nothing
+            if i + n > len(text):
+                break
         try:
             out.append(json.loads('"' + text[i:i + n] + '"'))
         except ValueError:
-            if n == 6 and 0xD800 <= int(text[i + 2:i + 6], 16) < 0xDC00:  # a surrogate pair's first half
-                if i + 12 > len(text):
-                    break
-                out.append(json.loads('"' + text[i:i + 12] + '"'))
-                i += 12
-                continue
             break
         i += n
     return "".join(out)
+
+
+def _high_surrogate(hex4: str) -> bool:
+    try:
+        return 0xD800 <= int(hex4, 16) < 0xDC00
+    except ValueError:
+        return False
 
 
 def _response_start(text: str) -> int:

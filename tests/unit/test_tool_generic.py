@@ -103,3 +103,11 @@ def test_generic_is_not_a_tool_call_parser_flag():
     assert "generic" not in TOOL_PARSERS
     assert isinstance(get_tool_parser("generic"), GenericToolParser)
     assert json.loads(json.dumps(generic_schema([WEATHER], "auto", False)))  # plain JSON
+
+
+@pytest.mark.parametrize(("text", "content"), [
+    ('{"response": "x\\ud83d', "x"), ('{"response": "x\\ud83d\\ude0', "x"),
+    ('{"response": "x\\ud83d\\ude00', "x\U0001F600"), ('{"response": "x\\uZZZZ', "x"),
+])
+def test_partial_escapes(text, content):
+    assert _parser().extract(text).content == content
