@@ -122,3 +122,4 @@ def test_apply_template_shows_the_generic_system_text(smollm2_server):
     assert "\n\nRespond in JSON format with `tool_call` (a request to call tools)<|im_end|>\n" in prompt
     plain = httpx.post(smollm2_server.url("/apply-template"), json={"messages": MSGS}, timeout=60).json()["prompt"]
     assert "get_weather" not in plain
+
