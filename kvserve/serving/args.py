@@ -451,7 +451,8 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
             raise _Exit(f'error while handling argument "--api-key-file": {e}') from None
     alias = list(v["served_model_name"] or [])
     if v["alias"]:
-        alias = [x.strip() for x in v["alias"].split(",") if x.strip()] + alias
+        # llama-server keeps its aliases in a std::set: the alphabetically first is the model's id
+        alias = sorted(dict.fromkeys(x.strip() for x in v["alias"].split(",") if x.strip())) + alias
     parallel = v["parallel"] if v["parallel"] is not None else (
         v["max_num_seqs"] if v["max_num_seqs"] is not None else -1)
     batch = v["batch_size"] or v["max_num_batched_tokens"] or 2048
