@@ -321,10 +321,26 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _log_listening(args) -> None:
-    """``listening on http://HOST:PORT``, one line per ``--host`` address (llama-server #28690)."""
+    """``listening on http://HOST:PORT``, one line per ``--host`` address (llama-server #28690),
+    then where to start: the chat page (unless ``--no-webui``) and an example request."""
     for host in args.hosts or [args.host]:
         shown = f"[{host}]" if ":" in host else host
         _srv(logging.INFO, "llama_server", "listening on %s://%s:%d", _scheme(args), shown, args.port)
+    for line in start_here_lines(args):
+        _srv(logging.INFO, "llama_server", "%s", line)
+
+
+def start_here_lines(args) -> list[str]:
+    """The last start-up lines: the chat page's URL and a request to try (curl), at the first
+    address, reached through loopback when it is unspecified (0.0.0.0, ::); an API key is shown
+    as a placeholder, never its value."""
+    host = (args.hosts or [args.host])[0]
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    base = f"{_scheme(args)}://{f'[{host}]' if ':' in host else host}:{args.port}"
+    auth = ' -H "Authorization: Bearer $API_KEY"' if args.api_keys else ""
+    body = '{"messages": [{"role": "user", "content": "Hello"}]}'
+    lines = [f"chat page: {base}/"] if args.webui else []
+    return lines + [f"try: curl {base}/v1/chat/completions -H \"Content-Type: application/json\"{auth} -d '{body}'"]
 
 
 def add_startup(app: FastAPI, state: ServerState, on_fail) -> None:

@@ -57,12 +57,17 @@ def tool_parser_error(name: str) -> str | None:
 def get_tool_parser(name: str, make_id: Callable[[], str] | None = None,
                     tools: list[dict] | None = None) -> ToolParser:
     """The parser registered as ``name``; ``tools`` (the request's OpenAI ``tools``) give the
-    parameter types the XML formats (``qwen3_coder``, ``glm45``) convert values by.
+    parameter types the XML formats (``qwen3_coder``, ``glm45``) convert values by. ``generic``
+    is :class:`kvserve.chat.tool_generic.GenericToolParser` (templates without a format of their own).
 
     Raises:
         ValueError: unknown name (the message lists the valid names).
     """
     cls = TOOL_PARSERS.get(name)
+    if cls is None and name == "generic":  # the chat plan's own format, not a --tool-call-parser name
+        from kvserve.chat.tool_generic import GenericToolParser
+
+        cls = GenericToolParser
     if cls is None:
         raise ValueError(f"unknown tool call parser {name!r}; valid names: {', '.join(sorted(TOOL_PARSERS))}")
     return cls(make_id, tools)

@@ -48,6 +48,16 @@ class StepResult:
     verified: list[list[int] | None] | None = None
 
 
+def _log_native_build() -> None:
+    """Say that the native decode step is being compiled and how long that may take (the first
+    start on a machine, or after a torch upgrade; measured: 25 s idle, 449 s on a busy 2-core one)."""
+    from kvserve.models.decode_native import build_dir
+
+    log.info("building the native decode step (C++, once per machine and torch version, cached in %s): "
+             "about 25 s on an idle machine, several minutes on a busy one; decoding eagerly until it is ready",
+             build_dir())
+
+
 class ModelRunner:
     """Runs steps of the model over a paged KV cache.
 
@@ -103,6 +113,8 @@ class ModelRunner:
         if getattr(model, "native_decode", False):
             self.native = NativeDecode(model, self.kv_caches, model.output.small_max_rows)
             self.native.start()
+            if self.native.reason is None and not self.native.cached:
+                _log_native_build()
 
     def start_compile(self, max_rows: int) -> CompiledDecode:
         """Compile the decode-only step in the background (see CompiledDecode); decode-only

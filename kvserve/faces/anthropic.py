@@ -420,7 +420,10 @@ def _tool_choice(tc: Any, chat: dict) -> None:
     elif typ == "none":
         chat["tool_choice"] = "none"
     elif typ == "tool":
-        chat["tool_choice"] = {"type": "function", "function": {"name": _str_field(tc, "name", "tool_choice")}}
+        name = _str_field(tc, "name", "tool_choice")
+        if all(t["function"]["name"] != name for t in chat.get("tools") or []):
+            raise _bad(f"tool_choice.name: Tool '{name}' not found in tools")
+        chat["tool_choice"] = {"type": "function", "function": {"name": name}}
     else:
         raise _bad("tool_choice.type: Input should be 'auto', 'any', 'tool' or 'none'")
     off = tc.get("disable_parallel_tool_use")

@@ -10,10 +10,15 @@ Tool calling (seed 002 Example 10, seed 000 Example 13):
   template, as llama-server does.
 - vLLM's rules apply when ``--tool-call-parser``/``--enable-auto-tool-choice`` is given or with
   ``--no-jinja``: ``auto`` needs both flags, ``required``/named need the parser, with vLLM's 400
-  texts. Otherwise llama-server's: ``auto`` is on with a tool-capable template.
+  texts. Otherwise llama-server's: every tool_choice works with any template (generic format below).
 - ``required`` and a named function add a grammar that forces valid calls (arguments match
   the tool's JSON schema) from the first generated token; ``auto`` parses what the model
   writes. ``--exclude-tools-when-tool-choice-none`` leaves tools out of the prompt for ``none``.
+  A forced call cut by max_tokens is dropped (finish_reason ``length``), never content.
+- A template with no tool-call format kvserve detects (SmolLM2's, ChatML...) gets llama-server's
+  generic format (:mod:`kvserve.chat.tool_generic`): the tools and the answer's shape in the
+  system prompt, the output constrained to a JSON call-or-response object for every
+  ``tool_choice`` but ``none``, parsed back into ``tool_calls`` / content.
 
 Reasoning (seed 000 Example 14, seed 002 Example 12): llama-server's ``--reasoning-format`` /
 request ``reasoning_format`` (``auto`` = ``deepseek``) fills ``reasoning_content``; with vLLM's
@@ -37,7 +42,8 @@ from kvserve.faces.errors import ApiError
 from kvserve.faces.limits import MAX_TOOLS, check_count
 from kvserve.faces.params import check_text, get_bool, get_int, get_str, type_error
 
-__all__ = ["ChatFeatures", "chat_features", "parse_tool_choice", "parse_tools", "template_kwargs"]
+__all__ = ["ChatFeatures", "chat_features", "parse_tool_choice", "parse_tools", "template_kwargs", "tool_constraint",
+           "prompt_messages", "with_system_text"]
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
@@ -96,6 +102,8 @@ class ChatFeatures:
         tool_parser: parser name used on the output (None: no parsing).
         parallel: parallel_tool_calls.
         tool_grammar: GBNF forcing the call(s) for required/named (None otherwise).
+        generic: the generic format's (choice, parallel, system text) when the template has no
+            tool-call format (:mod:`kvserve.chat.tool_generic`), else None.
         reasoning_style, reasoning_field, include_reasoning: see OutputMode.
         thinking_budget: thinking tokens before ``</think>`` is forced (-1: no limit).
     """
@@ -106,6 +114,7 @@ class ChatFeatures:
     tool_parser: str | None = None
     parallel: bool = True
     tool_grammar: str | None = None
+    generic: tuple[str | dict, bool, str] | None = None
     reasoning_style: str | None = None
     reasoning_field: str = "reasoning_content"
     include_reasoning: bool = True
@@ -119,6 +128,7 @@ class ChatFeatures:
         return OutputMode(tool_parser=self.tool_parser, parallel_tool_calls=self.parallel, tools=self.template_tools,
                           reasoning_style=self.reasoning_style, reasoning_field=self.reasoning_field,
                           include_reasoning=self.include_reasoning, started_in_prompt=tail is not None,
+                          forced_tools=self.tool_parser is not None and self.tool_choice not in ("none", "auto"),
                           prompt_tail=tail or "", thinking_enabled=self.template_kwargs.get("enable_thinking") is not False,
                           prefill=prefill)
 
@@ -132,7 +142,8 @@ def thinking_opened(prompt_text: str, prefill: str = "") -> bool:
 
 
 def _resolve_parser(state, choice: str | dict, template) -> str | None:
-    """The tool-call parser for this request, raising vLLM's/our 400s when none fits."""
+    """The tool-call parser for this request (``generic`` when the template has no format
+    kvserve detects), raising vLLM's 400s in vLLM mode."""
     args = state.args
     if choice == "none":
         return None
@@ -147,14 +158,77 @@ def _resolve_parser(state, choice: str | dict, template) -> str | None:
             raise ApiError(400, f"tool_choice={json.dumps(shown)} requires --tool-call-parser to be set")
         return args.tool_call_parser
     from kvserve.chat.tool_calls import detect_tool_parser
+    from kvserve.chat.tool_generic import GENERIC
 
     parser = detect_tool_parser(template.source) if template is not None else None
-    if parser is None:
-        if choice == "auto":
-            return None  # the template cannot call tools: plain text, as llama-server answers
-        raise ApiError(400, "tool_choice 'required' or a named function needs a chat template with tool-call "
-                            "support (--chat-template-file) or --tool-call-parser")
-    return parser
+    return GENERIC if parser is None else parser  # llama-server's generic format for any other template
+
+
+def _generic(template, tools: list[dict], choice: str | dict, parallel: bool) -> tuple[str | dict, bool, str]:
+    """The generic format's (choice, parallel, system text): the tools are listed in the system
+    text unless the template renders them itself (llama.cpp's minja polyfill)."""
+    from kvserve.chat.tool_generic import generic_system_text
+
+    rendered = bool(template.caps.get("supports_tools"))
+    return choice, parallel, generic_system_text(None if rendered else tools, choice, parallel)
+
+
+def with_system_text(messages: list, text: str) -> list:
+    """``messages`` with ``text`` appended to the first system message's content (after a
+    newline), or a system message carrying it in front (llama.cpp's ``add_system``). The
+    input list is not changed; non-dict entries are left for the renderer to refuse."""
+    if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
+        first = dict(messages[0])
+        c = first.get("content")
+        if isinstance(c, list):
+            first["content"] = [*c, {"type": "text", "text": text}]
+        else:
+            first["content"] = (c + "\n" + text) if isinstance(c, str) and c else text
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def prompt_messages(state, body: dict) -> list:
+    """``body["messages"]`` as the chat endpoint renders them: with the generic tool format's
+    system text when the request's tools use it (``/apply-template``, ``/tokenize`` with
+    ``messages``). 400s as :func:`chat_features` for bad tool fields."""
+    msgs = body["messages"]
+    if body.get("tools") and isinstance(msgs, list):
+        feats = chat_features(state, body)
+        if feats.generic is not None:
+            return with_system_text(msgs, feats.generic[2])
+    return msgs
+
+
+def tool_constraint(feats: ChatFeatures, spec):
+    """The request's constraint with the tool-call one applied: the GBNF of a forced call, or
+    the generic format's JSON schema (whose ``response`` takes a JSON schema / json_object
+    ``response_format``). Returns a ConstraintSpec or None.
+
+    Raises:
+        ApiError: 400 when a forced call meets another constraint, or the generic format one
+            that is not a JSON schema.
+    """
+    from kvserve.structured.spec import ConstraintSpec
+
+    if feats.generic is not None:
+        from kvserve.chat.tool_generic import generic_schema
+
+        choice, parallel, _ = feats.generic
+        response = None
+        if spec is not None:
+            if choice != "auto" or spec.kind not in ("json_schema", "json_object"):
+                raise ApiError(400, "tools on a chat template without tool-call support can be combined only with "
+                                    "a JSON schema or json_object response_format and tool_choice 'auto'")
+            response = json.loads(spec.value) if spec.kind == "json_schema" else {"type": "object"}
+        schema = generic_schema(feats.template_tools or [], choice, parallel, response)
+        return ConstraintSpec("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+    if feats.tool_grammar is None:
+        return spec
+    if spec is not None:
+        raise ApiError(400, "tool_choice 'required' or a named function cannot be combined with "
+                            "response_format or structured outputs")
+    return ConstraintSpec("grammar", feats.tool_grammar)
 
 
 def template_kwargs(args, body: dict, template=None, tools: list | None = None) -> dict:
@@ -203,7 +277,7 @@ def template_kwargs(args, body: dict, template=None, tools: list | None = None) 
 def server_context(args, template, tools: list | None) -> dict:
     """What llama-server adds to a Jinja template's context (``common/chat.cpp``): ``enable_thinking``
     always defined (``--reasoning auto``, the default: true unless ``--reasoning-budget 0``) and the
-    Llama 3.x / firefunction variables of :func:`kvserve.chat.llama_context.family_context`. None
+    Llama 3.x / firefunction variables of :func:`kvserve.chat.llama_context.family_context`. Nothing
     for an Ollama Go template, which has its own ``think`` rule."""
     from kvserve.chat.go_chat_template import GoChatTemplate
     from kvserve.chat.llama_context import family_context
@@ -226,7 +300,9 @@ def chat_features(state, body: dict) -> ChatFeatures:
         f.parallel = False  # a named function is called once (OpenAI, vLLM)
     if tools and not (f.tool_choice == "none" and args.exclude_tools_when_tool_choice_none):
         f.template_tools = tools
-    if f.tool_parser is not None and f.tool_choice not in ("none", "auto"):
+    if f.tool_parser == "generic":
+        f.generic = _generic(state.template, tools, f.tool_choice, f.parallel)
+    elif f.tool_parser is not None and f.tool_choice not in ("none", "auto"):
         from kvserve.chat.tool_grammar import tool_call_grammar
 
         name = f.tool_choice["name"] if isinstance(f.tool_choice, dict) else None

@@ -49,6 +49,8 @@ class OutputMode:
         prefill: the continued final assistant message's content ("" when not continuing).
         tools: the request's OpenAI ``tools`` (the XML tool formats convert values by their
             parameter types).
+        forced_tools: a grammar forces tool calls (``tool_choice`` required / a named function):
+            whatever is not a whole call (a call cut by max_tokens) is dropped, never content.
     """
 
     tool_parser: str | None = None
@@ -61,6 +63,7 @@ class OutputMode:
     thinking_enabled: bool = True
     prefill: str = ""
     tools: list | None = field(default=None, compare=False)
+    forced_tools: bool = False
 
     @property
     def splits_reasoning(self) -> bool:
@@ -194,7 +197,7 @@ class ChoiceOutput:
                 if calls:
                     self.has_tool_calls = True
                     out.append({"tool_calls": calls})
-            elif f.get("content"):
+            elif f.get("content") and not self.mode.forced_tools:
                 out.append(f)
         return out
 
@@ -229,6 +232,8 @@ class ChoiceOutput:
                 content = (res.content or "")[len(self.mode.prefill):]  # only newly generated text
                 msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments},
                                       "id": c.id} for c in calls]
+            elif self.mode.forced_tools:
+                content = ""  # a forced call cut off (max_tokens): dropped, its markup is no content
             elif parser.rewrites_content and not self.mode.prefill:
                 content = res.content or ""  # harmony: the messages' text, as the stream sends it
         msg["content"] = content

@@ -462,10 +462,10 @@ def vllm_tokenize(state: Runner, body: dict) -> VllmTokenizeResponse:
         if state.template is None:
             raise ApiError(500, "the model has no chat template")
         from kvserve.chat.prompt import render_chat
-        from kvserve.faces.chat_features import parse_tools, template_kwargs
+        from kvserve.faces.chat_features import parse_tools, prompt_messages, template_kwargs
 
         tools = parse_tools(body.get("tools"))
-        text, ids = render_chat(state.template, tok, body["messages"],
+        text, ids = render_chat(state.template, tok, prompt_messages(state, body),
                                 add_generation_prompt=get_bool(body, "add_generation_prompt", True),
                                 tools=tools,
                                 continue_final_message=bool(get_bool(body, "continue_final_message", False)),
@@ -799,11 +799,12 @@ def render_prompt(state: Runner, body: dict) -> str:
     if "messages" not in body:
         raise ApiError(400, "'messages' is required")
     from kvserve.chat.prompt import render_chat
-    from kvserve.faces.chat_features import parse_tools, template_kwargs
+    from kvserve.faces.chat_features import parse_tools, prompt_messages, template_kwargs
 
     tools = parse_tools(body.get("tools"))
     add = get_bool(body, "add_generation_prompt", True)  # llama-server honours false (no assistant header)
-    text, _ = render_chat(state.template, state.tokenizer, body["messages"], add_generation_prompt=add is not False,
-                          tools=tools, continue_final_message=body.get("continue_final_message"),
+    text, _ = render_chat(state.template, state.tokenizer, prompt_messages(state, body),
+                          add_generation_prompt=add is not False, tools=tools,
+                          continue_final_message=body.get("continue_final_message"),
                           **template_kwargs(state.args, body, state.template, tools))  # as the chat endpoint renders
     return text

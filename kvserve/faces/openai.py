@@ -67,7 +67,7 @@ from kvserve.engine.request import (
     SamplingParams,
     TokenLogprob,
 )
-from kvserve.faces.chat_features import chat_features, constraint_factory
+from kvserve.faces.chat_features import chat_features, constraint_factory, tool_constraint, with_system_text
 from kvserve.faces.chat_output import ChoiceOutput, OutputMode, preserved_token_ids
 from kvserve.faces.auth import caller
 from kvserve.faces.errors import ApiError
@@ -154,6 +154,7 @@ class Plan:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: candidates per prompt token to report
     role: str = "assistant"  # chat: the answer's role (vLLM's --response-role rule, :func:`_response_role`)
     token_ids: bool = False  # logprobs tokens as "token_id:N" (vLLM's --return-tokens-as-token-ids)
+    verbose: dict | None = None  # llama-server's "__verbose" object (the rendered prompt), non-streaming chat
 
 
 def _top_n(state: Runner, body: dict, key: str) -> int | None:
@@ -320,11 +321,17 @@ def chat_plan(state: Runner, body: dict) -> Plan:
         raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
     if add_gen is False and cont is None:
         cont = False
-    text, ids = render_chat(state.template, state.tokenizer, body["messages"],
+    msgs = normalize_messages(body["messages"])
+    if continues_final_message(msgs, cont) and len(msgs) >= 2 and msgs[-1].get("role") == msgs[-2].get("role") \
+            == "assistant":
+        raise ApiError(400, "Cannot have 2 or more assistant messages at the end of the list.")  # llama-server's
+    render_msgs = body["messages"]
+    if feats.generic is not None and isinstance(render_msgs, list):  # the tools and the JSON answer's shape
+        render_msgs = with_system_text(render_msgs, feats.generic[2])
+    text, ids = render_chat(state.template, state.tokenizer, render_msgs,
                             add_generation_prompt=add_gen is not False, tools=feats.template_tools,
                             continue_final_message=cont, **feats.template_kwargs)
     ids = _truncate(ids, truncate)
-    msgs = normalize_messages(body["messages"])
     prefill = (msgs[-1].get("content") or "") if continues_final_message(msgs, cont) else ""
     params = sampling_params_from_body(body, state.default_params, state.tokenizer,
                                        max_tokens_keys=("max_completion_tokens", "max_tokens", "n_predict"),
@@ -332,14 +339,7 @@ def chat_plan(state: Runner, body: dict) -> Plan:
     if logprobs:
         params = dataclasses.replace(params, n_probs=max(top or 0, 1))
     params = _with_prompt_logprobs(params, plp)
-    spec = _constraint_spec(body)
-    if feats.tool_grammar is not None:
-        if spec is not None:
-            raise ApiError(400, "tool_choice 'required' or a named function cannot be combined with "
-                                "response_format or structured outputs")
-        from kvserve.structured.spec import ConstraintSpec
-
-        spec = ConstraintSpec("grammar", feats.tool_grammar)
+    spec = tool_constraint(feats, _constraint_spec(body))
     mode = feats.output_mode(text, prefill)
     params = _special_tokens(body, params, preserved_token_ids(state.tokenizer, mode))
     make = constraint_factory(state, spec, prefill, mode, feats.thinking_budget)
@@ -349,7 +349,14 @@ def chat_plan(state: Runner, body: dict) -> Plan:
     return Plan("chat", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage,
                 (top or 0) if logprobs else None, mode=mode, grammar=_grammar_text(state, spec), prompt_logprobs=plp,
                 role=_response_role(state, msgs, add_gen is not False and not continues_final_message(msgs, cont)),
-                token_ids=_token_ids_field(state, body))
+                token_ids=_token_ids_field(state, body), verbose=_verbose(state, body, text))
+
+
+def _verbose(state: Runner, body: dict, prompt: str) -> dict | None:
+    """llama-server's ``__verbose`` object (its ``prompt``: the rendered chat prompt) when the server
+    runs with ``--verbose`` or the request sets ``"verbose": true``; None otherwise."""
+    on = get_bool(body, "verbose", False) or state.args.log_verbosity >= 5
+    return {"prompt": prompt} if on else None
 
 
 def _special_tokens(body: dict, params: SamplingParams, preserved: frozenset[int] = frozenset()) -> SamplingParams:
@@ -811,7 +818,10 @@ async def _serve(state: ServerState, http: HttpRequest, make_plan) -> Response:
             if plan.stream:
                 return await sse_response(stream_events(runner, plan), ping_interval=state.args.sse_ping_interval,
                                           done=True, headers={"X-Accel-Buffering": "no"})
-            return json_response((await until_disconnect(http, complete(runner, plan))).wire())
+            out = (await until_disconnect(http, complete(runner, plan))).wire()
+            if plan.verbose is not None:
+                out["__verbose"] = plan.verbose
+            return json_response(out)
 
         return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
     except ClientDisconnected:

@@ -75,6 +75,7 @@ class ServerArgs:
     cors_credentials: bool = True  # --cors-credentials (llama-server's default) / vLLM --allow-credentials
     log_verbosity: int = 3
     embeddings: bool = False
+    pooling: str | None = None  # --pooling for embeddings: none/mean/cls/last; None: the model's own
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int = 0
@@ -458,7 +459,8 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
             raise _Exit(f'error while handling argument "--api-key-file": {e}') from None
     alias = list(v["served_model_name"] or [])
     if v["alias"]:
-        alias = [x.strip() for x in v["alias"].split(",") if x.strip()] + alias
+        # llama-server keeps its aliases in a std::set: the alphabetically first is the model's id
+        alias = sorted(dict.fromkeys(x.strip() for x in v["alias"].split(",") if x.strip())) + alias
     parallel = v["parallel"] if v["parallel"] is not None else (
         v["max_num_seqs"] if v["max_num_seqs"] is not None else -1)
     batch = v["batch_size"] or v["max_num_batched_tokens"] or 2048
@@ -505,6 +507,11 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
     kv_unified = v["kv_unified"]
     if kv_unified is None and "max_num_seqs" in given and v["parallel"] is None:
         kv_unified = True  # vLLM's sequences share one pool and each may use max_model_len
+    if given.get("ctx_size") == "OLLAMA_CONTEXT_LENGTH" and parallel > 1 and not kv_unified:
+        # Ollama's context length is each sequence's (num_ctx); -c is the total the slots split
+        v["ctx_size"] *= parallel
+        notes.append((logging.INFO, f"OLLAMA_CONTEXT_LENGTH={env['OLLAMA_CONTEXT_LENGTH'].strip()} tokens a "
+                                    f"sequence, as Ollama: -c {v['ctx_size']} for {parallel} slots"))
     allow_long = env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
     from kvserve.errors import InvalidInputError
     from kvserve.serving.manager import DEFAULT_MAX_LOADED, parse_keep_alive
@@ -577,7 +584,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         cache_type_k=kv_k, cache_type_v=kv_v, sse_ping_interval=v["sse_ping_interval"],
         cors_origins=cors_origins, cors_methods=cors_methods, cors_headers=cors_headers,
         cors_credentials=cors_credentials, log_verbosity=log_verbosity,
-        embeddings=embeddings, dtype=dtype, device=device, max_model_len=v["max_model_len"],
+        embeddings=embeddings, pooling=None if v["pooling"] in (None, "rank") else v["pooling"], dtype=dtype, device=device, max_model_len=v["max_model_len"],
         tool_call_parser=v["tool_call_parser"], enable_auto_tool_choice=v["enable_auto_tool_choice"],
         exclude_tools_when_tool_choice_none=v["exclude_tools_when_tool_choice_none"],
         reasoning_format=v["reasoning_format"], reasoning_parser=v["reasoning_parser"],

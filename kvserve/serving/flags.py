@@ -805,8 +805,8 @@ FLAGS: tuple[Flag, ...] = (
       env="LLAMA_ARG_EMBEDDINGS"),
     F("--rerank --reranking", "bool", False, env="LLAMA_ARG_RERANKING", effect=NONE,
       why="/rerank is always on; it needs a cross-encoder or an embedding model"),
-    F("--pooling", env="LLAMA_ARG_POOLING", choices=("none", "mean", "cls", "last", "rank"), effect=WARN,
-      why="the model's own pooling is used"),
+    F("--pooling", help="pooled embedding of an input: none (a vector per token), mean, cls, last; rank: the "
+      "model's own (a reranker)", env="LLAMA_ARG_POOLING", choices=("none", "mean", "cls", "last", "rank")),
     F("--embd-normalize", "int", effect=WARN, why="send embd_normalize per request"),
     F("--task", source=VLLM, why="embed/embedding: as --embeddings; generate/auto: nothing to do",
       check=lambda v: None if v in ("auto", "generate", "embed", "embedding") else

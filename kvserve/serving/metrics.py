@@ -512,9 +512,14 @@ class VllmMetrics:
             busy = any((prompt_tp, gen_tp) + self._last_tp)
             self._last_tp = (prompt_tp, gen_tp)
         line = (f"Engine 000: Avg prompt throughput: {prompt_tp:.1f} tokens/s, Avg generation throughput: "
-                f"{gen_tp:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, GPU KV cache usage: "
+                f"{gen_tp:.1f} tokens/s, Running: {running} reqs, Waiting: {waiting} reqs, {self._kv_label()}: "
                 f"{usage * 100:.1f}%, Prefix cache hit rate: {hit * 100:.1f}%")
         return line, busy
+
+    def _kv_label(self) -> str:
+        """vLLM's ``GPU KV cache usage`` where the KV cache is on a GPU, ``KV cache usage`` on a CPU."""
+        device = getattr(getattr(getattr(self._state, "engine", None), "core", None), "device", None)
+        return "GPU KV cache usage" if getattr(device, "type", "cpu") != "cpu" else "KV cache usage"
 
     def log_stats(self) -> None:
         """Log :meth:`stats_line` (INFO while busy, DEBUG when idle, as vLLM)."""

@@ -96,6 +96,7 @@ class Runner:
         self.default_params = self.generation.params
         self.build_info = build_info
         self.measured_bytes = measured_bytes
+        _log_tool_support(args, template)
 
     @property
     def ready(self) -> bool:
@@ -472,3 +473,20 @@ def pid_rss_bytes(pid: int | str) -> int:
 
 __all__ = ["CHATML", "Runner", "estimate_runner_memory", "fair_share", "generate", "load_runner",
            "make_template", "model_shape", "pid_rss_bytes", "rss_bytes", "trim_heap"]
+
+
+def _log_tool_support(args: "ServerArgs", template: "ChatTemplate | None") -> None:
+    """Say at start when ``--tool-call-parser`` meets a chat template that renders no tools: the
+    model then never sees the tool definitions (vLLM passes them to the template only). Without
+    the flag a request's tools use the generic format (:mod:`kvserve.chat.tool_generic`)."""
+    if not args.tool_call_parser or template is None:
+        return
+    try:
+        renders = bool(template.caps.get("supports_tools"))
+    except Exception:  # a probe that fails says nothing about tools
+        return
+    if not renders:
+        log.warning("--tool-call-parser %s: the chat template renders no tools, so the model never sees the "
+                    "request's tool definitions; use a template with tool support (--chat-template-file) or "
+                    "leave out --tool-call-parser to get llama-server's generic tool format",
+                    args.tool_call_parser)

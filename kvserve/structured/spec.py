@@ -70,6 +70,24 @@ def _bad(field: str, msg: str) -> InvalidInputError:
     return InvalidInputError(f"Field '{field}': {msg}")
 
 
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # their values are data, not schemas
+
+
+def tuple_items(schema: Any) -> Any:
+    """``schema`` with every draft-4 tuple ``"items": [A, B]`` written as ``"prefixItems": [A, B],
+    "items": false, "minItems": 2`` (exactly those items, as llama.cpp's json-schema-to-grammar reads the
+    array form); the input is not changed. Other values are returned as they are."""
+    if isinstance(schema, list):
+        return [tuple_items(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA_KEYWORDS else tuple_items(v)) for k, v in schema.items()}
+    if isinstance(out.get("items"), list) and "prefixItems" not in out:
+        out["prefixItems"], out["items"] = out["items"], False
+        out.setdefault("minItems", len(out["prefixItems"]))
+    return out
+
+
 def schema_spec(schema: Any, field: str) -> ConstraintSpec:
     """A ``json_schema`` spec from a parsed schema, checked for keywords the backend cannot enforce.
 
@@ -83,6 +101,7 @@ def schema_spec(schema: Any, field: str) -> ConstraintSpec:
     """
     if not isinstance(schema, (dict, bool)):
         raise _bad(field, f"type must be object, but is {_type_name(schema)}")
+    schema = tuple_items(schema)
     try:
         check_schema(schema)
     except SchemaError as e:

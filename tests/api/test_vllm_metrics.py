@@ -136,7 +136,7 @@ def test_a_repeated_prompt_counts_its_prefix_cache_hits(client):
 # -- the stats line ---------------------------------------------------------------------------
 
 LINE = re.compile(r"^Engine 000: Avg prompt throughput: \d+\.\d tokens/s, Avg generation throughput: \d+\.\d "
-                  r"tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, GPU KV cache usage: \d+\.\d%, "
+                  r"tokens/s, Running: \d+ reqs, Waiting: \d+ reqs, KV cache usage: \d+\.\d%, "
                   r"Prefix cache hit rate: \d+\.\d%$")
 
 
@@ -152,6 +152,14 @@ def _feed(m: VllmMetrics) -> None:
                               arrival_time=t0, timings=Timings(prompt_ms=1.0)))
     m.on_output(RequestOutput("r", [6], "y", num_prompt_tokens=10, num_cached_tokens=4, num_output_tokens=2,
                               arrival_time=t0, finished=True, stop_type="eos"))
+
+
+def test_stats_line_names_where_the_kv_cache_is():
+    stub = _stub(True)
+    m = VllmMetrics(stub)
+    assert ", KV cache usage: 0.0%, " in m.stats_line()[0]  # on a CPU: vLLM's words less "GPU"
+    stub.engine.core = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
+    assert ", GPU KV cache usage: 0.0%, " in m.stats_line()[0]  # vLLM's line, word for word
 
 
 @pytest.mark.parametrize("disable", [False, True])

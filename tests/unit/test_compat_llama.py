@@ -248,3 +248,32 @@ def test_flag_names_with_underscores():
     # only known flags are respelled; values and words after "--" stay as given
     assert dashed_names(["--alias", "--my_alias", "--chat_template_kwargs={\"a_b\": 1}", "--", "--ctx_size"]) == \
         ["--alias", "--my_alias", "--chat-template-kwargs={\"a_b\": 1}", "--", "--ctx_size"]
+
+
+# -- start-up says what is going on -----------------------------------------------------------
+
+def test_start_here_lines():
+    from kvserve.app import start_here_lines
+    from kvserve.serving.args import parse_args
+
+    body = "-d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'"
+    assert start_here_lines(parse_args(["-m", "x.gguf", "--port", "8081"], environ={})) == [
+        "chat page: http://127.0.0.1:8081/",
+        f'try: curl http://127.0.0.1:8081/v1/chat/completions -H "Content-Type: application/json" {body}']
+    keyed = start_here_lines(parse_args(["-m", "x.gguf", "--host", "0.0.0.0", "--api-key", "s3cret", "--no-webui"],
+                                        environ={}))
+    assert keyed == [f'try: curl http://127.0.0.1:8080/v1/chat/completions -H "Content-Type: application/json" '
+                     f'-H "Authorization: Bearer $API_KEY" {body}']
+
+
+def test_native_build_is_announced(caplog, monkeypatch):
+    import logging
+
+    from kvserve.engine import runner
+
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        runner._log_native_build()
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert msg.startswith("building the native decode step (C++, once per machine and torch version, cached in ")
+    assert msg.endswith("about 25 s on an idle machine, several minutes on a busy one; decoding eagerly until "
+                        "it is ready")

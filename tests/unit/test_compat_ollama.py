@@ -16,7 +16,9 @@ OLLAMA_ENV = {"OLLAMA_HOST": "0.0.0.0:11500", "OLLAMA_NUM_PARALLEL": "3", "OLLAM
 def test_serve_reads_ollamas_environment():
     a = parse_args(["-m", "x.gguf"], environ=OLLAMA_ENV)
     assert (a.host, a.hosts, a.port) == ("0.0.0.0", ["0.0.0.0"], 11500)
-    assert (a.parallel, a.ctx_size, a.cache_type_k, a.cache_type_v) == (3, 2048, "q8_0", "q8_0")
+    # Ollama's context length is per sequence: 3 slots of 2048 tokens (-c is the total they split)
+    assert (a.parallel, a.ctx_size, a.cache_type_k, a.cache_type_v) == (3, 6144, "q8_0", "q8_0")
+    assert a.engine_config().n_ctx_slot(8192) == 2048
     notes = [text for _, text in a.flag_notes]
     assert "listening address from OLLAMA_HOST=0.0.0.0:11500" in notes
     assert any(t.startswith("flag OLLAMA_FLASH_ATTENTION=1: no effect here: ") for t in notes), notes
@@ -41,6 +43,10 @@ def test_precedence_flag_then_llama_arg_then_kvserve_then_ollama():
     assert (b.host, b.port) == ("127.0.0.1", 9001)  # --host/--port given: the variables are not read
     c = parse_args(["-m", "x.gguf"], environ={**OLLAMA_ENV, "LLAMA_ARG_HOST": "127.0.0.3"})
     assert (c.host, c.port) == ("127.0.0.3", 8080)
+    e = parse_args(["-m", "x.gguf"], environ={"OLLAMA_CONTEXT_LENGTH": "2048"})  # -np auto: one shared pool
+    assert (e.ctx_size, e.parallel) == (2048, -1)
+    f = parse_args(["-m", "x.gguf", "-np", "2", "-kvu"], environ={"OLLAMA_CONTEXT_LENGTH": "2048"})
+    assert f.ctx_size == 2048  # unified: every sequence may use all of it
     d = parse_args(["-m", "x.gguf"], environ={})
     assert (d.host, d.port, d.ctx_size, d.parallel) == ("127.0.0.1", 8080, 0, -1)
 

@@ -332,3 +332,18 @@ def test_the_override_logs_that_it_wins_over_a_flag():
     a = parse_args(["--temp", "0.9", "--override-generation-config", '{"temperature": 0.3}'], environ={})
     assert a.temp == 0.3
     assert (logging.INFO, "flag --override-generation-config: temperature = 0.3 wins over --temp 0.9") in a.flag_notes
+
+
+@pytest.mark.parametrize(("words", "pooling"), [
+    ([], None), (["--pooling", "cls"], "cls"), (["--pooling", "none"], "none"), (["--pooling", "rank"], None),
+])
+def test_pooling_reaches_server_args(words, pooling):
+    assert parse_args(words, environ={}).pooling == pooling
+    assert parse_args([], environ={"LLAMA_ARG_POOLING": "last"}).pooling == "last"
+
+
+def test_alias_list_sorted_as_llama_server_set():
+    """llama-server keeps --alias in a std::set: /models' id is the alphabetically first."""
+    assert parse_args(["-a", "tinyllama-2,fim,code,fim"], environ={}).alias == ["code", "fim", "tinyllama-2"]
+    a = parse_args(["-a", "b,a", "--served-model-name", "z", "y"], environ={})
+    assert a.alias == ["a", "b", "z", "y"]

@@ -754,3 +754,16 @@ def test_constrained_output_check(smol_core):
                             ('{"file": "Main.java", "line": 42}', "stop", 121)]:  # over the limit
         with pytest.raises((AssertionError, ValueError)):
             check_constrained(tok, body, "openai", text, finish, n, 120, valid)
+
+
+def test_tuple_items_array_form_as_llama_cpp():
+    """``"items": [A, B]`` (draft 4's tuple form) is exactly those items, as llama.cpp reads it."""
+    from kvserve.structured.spec import schema_spec, tuple_items
+
+    spec = schema_spec({"items": [{"type": "integer"}, {"type": "string"}]}, "response_format.schema")
+    assert json.loads(spec.value) == {"items": False, "prefixItems": [{"type": "integer"}, {"type": "string"}],
+                                      "minItems": 2}
+    assert accepts(spec, '[-3000, "a"]')
+    assert not accepts(spec, "[-3000]") and not accepts(spec, '[-3000, "a", 1]')
+    data = {"enum": [{"items": [1]}]}
+    assert tuple_items(data) == data  # enum values are data
