@@ -1,7 +1,8 @@
 """llama.cpp's own server tests (tools/server/tests of the llama-cpp-python sdist) against kvserve on
 the default model, offline: the files for the basic, chat, completion, security, template, tokenize,
-metrics and tool-call features (:mod:`tests.llama_cpp_suite`). Skipped when the suite is not on this
-machine (``$KVSERVE_LLAMA_CPP_TESTS``, or the sdist unpacked under /tmp/llama)."""
+metrics and tool-call features (:mod:`tests.llama_cpp_suite`). Opt-in: set ``$KVSERVE_LLAMA_CPP_TESTS``
+to the suite's directory (``tools/server/tests`` of the unpacked llama-cpp-python 0.3.36 sdist);
+skipped otherwise."""
 
 from __future__ import annotations
 
