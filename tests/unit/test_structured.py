@@ -725,3 +725,24 @@ def test_unsatisfiable_or_bad_bounds_are_400(schema, msg):
     with pytest.raises(InvalidInputError) as e:
         constraint_from_body({"json_schema": schema}, "llama")
     assert ApiError.from_exception(e.value).status == 400 and msg in str(e.value)
+
+
+def test_ambiguous_grammar_is_refused_quickly_and_remembered(smol_tok):
+    """'(a*)*' repeated makes xgrammar's next-token mask cost seconds to minutes (cubic in the
+    repeats), which would stall every request batched with it: a 400 within the probe's budget,
+    and the same spec again is refused at once; an ordinary regex still compiles."""
+    import time
+
+    be = GrammarBackend(smol_tok, smol_tok.n_vocab, max_mask_s=0.05)
+    assert be.constraint(ConstraintSpec("regex", "[a-z]+ [0-9]{3}")).is_completed() is False
+    spec = ConstraintSpec("regex", "(a*)*" * 300)  # ~0.3 s per mask here; 2,000 repeats: ~70 s
+    for _ in range(2):
+        t0 = time.monotonic()
+        with pytest.raises(InvalidInputError) as e:
+            be.constraint(spec)
+        assert time.monotonic() - t0 < 5
+        assert e.value.message == ("regex: the grammar is too expensive to enforce (one next-token mask takes more "
+                                   "than 0.05 s; an ambiguous expression such as nested repetition '(a*)*' usually "
+                                   "causes it)")
+        assert ApiError.from_exception(e.value).status == 400
+    assert be.cache_info()["size"] == 1
