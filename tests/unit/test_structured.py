@@ -746,3 +746,38 @@ def test_ambiguous_grammar_is_refused_quickly_and_remembered(smol_tok):
                                    "causes it)")
         assert ApiError.from_exception(e.value).status == 400
     assert be.cache_info()["size"] == 1
+
+
+def _nested_arrays(depth: int) -> dict:
+    s: dict = {"type": "integer"}
+    for _ in range(depth - 1):
+        s = {"type": "array", "items": s}
+    return s
+
+
+@pytest.mark.parametrize("face,body,field", [
+    ("llama", lambda s: {"json_schema": s}, "json_schema"),
+    ("openai", lambda s: {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": s}}},
+     "response_format.json_schema.schema"),
+    ("openai", lambda s: {"structured_outputs": {"json": s}}, "structured_outputs.json"),
+    ("ollama", lambda s: {"format": s}, "format"),
+])
+def test_schema_depth_and_size_are_capped_early(face, body, field):
+    """A 600-deep schema was a RecursionError (500) in the walk, a 400-deep one cost 5 s: both are a
+    400 naming the cap at once; 128 levels (the cap) still pass the check."""
+    import time
+
+    from kvserve.structured.schema import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
+
+    assert (MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES) == (128, 100_000)
+    assert spec_of(body(_nested_arrays(128)), face).kind == "json_schema"
+    for depth in (129, 400, 600, 5000):
+        t0 = time.monotonic()
+        err = api_error(body(_nested_arrays(depth)), face)
+        assert time.monotonic() - t0 < 1
+        assert err.message == (f"Field '{field}': the schema is nested too deeply (more than 128 levels of objects "
+                               "and arrays)")
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "array", "items": {"type": "integer"}}
+                                             for i in range(50_000)}}
+    assert api_error(body(wide), face).message.endswith("the schema is too large (more than 100000 objects and "
+                                                       "arrays)")
