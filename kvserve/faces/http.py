@@ -90,7 +90,8 @@ def parse_json_body(raw: bytes):
     try:
         return json.loads(raw)
     except UnicodeDecodeError as e:
-        raise ApiError(400, f"request body is not valid UTF-8: {e}") from e
+        raise ApiError(400, f"request body is not valid UTF-8: byte {e.object[e.start]:#04x} at offset {e.start} "
+                            "does not belong there") from None
     except json.JSONDecodeError as e:
         raise ApiError(400, f"invalid JSON: parse error at line {e.lineno}, column {e.colno}: {e.msg}") from e
     except RecursionError:
