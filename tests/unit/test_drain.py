@@ -212,3 +212,26 @@ def test_a_body_trickling_in_is_408_at_its_deadline(monkeypatch):
     assert 0.9 < elapsed < 4
     assert json.loads(body)["error"]["message"] == ("the request body arrived too slowly (it must be whole within 1 s "
                                                     "plus 1 s per 1000000000 bytes)")
+
+
+def test_a_responses_stream_ends_with_a_responses_error_event():
+    """Review 6: /v1/responses' last event at the deadline is the Responses API's ``error`` event, numbered one
+    past the last event sent (a delta whose text holds an escaped "sequence_number" does not count)."""
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        n = 0
+        while True:
+            ev = {"type": "response.output_text.delta", "sequence_number": n, "delta": '"sequence_number":999'}
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n".encode()})
+            n += 1
+            await asyncio.sleep(0.02)
+
+    sent = _run(app, "/v1/responses")
+    n_events = _body(sent[:-1]).count(b"event: response.output_text.delta")
+    assert n_events >= 2
+    last = sent[-1]["body"]
+    assert last.startswith(b"event: error\ndata: ") and last.endswith(b"\n\n")
+    assert json.loads(last[len(b"event: error\ndata: "):]) == {
+        "type": "error", "code": "unavailable_error", "message": SHUTTING_DOWN, "param": None,
+        "sequence_number": n_events}
