@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvserve.errors import InvalidInputError
+from kvserve.errors import InvalidInputError, UnavailableError
 from kvserve.structured.gbnf import GbnfError, gbnf_to_ebnf
 from kvserve.structured.regex import RegexError, check_anchors, python_dots
 from kvserve.structured.schema import SchemaError, check_schema
@@ -245,6 +245,12 @@ MAX_GRAMMAR_CHARS = 1024 * 1024
 #: batched with it in the engine's step, so it is a 400 instead. xgrammar releases the GIL while
 #: it fills a mask, so the probe stalls nobody; an abandoned probe runs to its end in its thread.
 MAX_MASK_S = 1.0
+#: most probes over :data:`MAX_MASK_S` still running (process-wide): each burns a core until its mask is
+#: done (a 1 MiB ambiguous grammar: hours), so while this many run a new grammar is not probed but refused
+#: with 503 (cached grammars still serve); the cores stay with the engine
+MAX_RUNAWAY_PROBES = 2
+_runaway_lock = threading.Lock()
+_runaway = [0]  # probes over the limit still running
 #: default byte budget of one backend's compile cache (xgrammar's ``memory_size_bytes`` + text)
 CACHE_BYTES = 256 * 1024 * 1024
 
@@ -347,7 +353,9 @@ class GrammarBackend:
 
         Raises:
             InvalidInputError: ``<kind>: <what is wrong>`` (a face answers 400) for an invalid
-                grammar, regex or schema (xgrammar's message without its source-file prefix).
+                grammar, regex or schema (xgrammar's message without its source-file prefix), or
+                one whose first next-token mask takes over ``max_mask_s``.
+            UnavailableError: too many such masks still running (503, see :meth:`_probe`).
         """
         with self._lock:
             hit = self._cache.get(spec)
@@ -385,18 +393,38 @@ class GrammarBackend:
         return entry
 
     def _probe(self, spec: ConstraintSpec, compiled) -> None:
-        """Fill one next-token mask of ``compiled`` in a daemon thread; raise InvalidInputError
-        (and remember the spec as refused) when it takes longer than ``max_mask_s``."""
+        """Fill one next-token mask of ``compiled`` in a daemon thread.
+
+        Raises:
+            InvalidInputError: it took longer than ``max_mask_s`` (the spec is remembered as refused;
+                the fill runs on to its end in its thread).
+            UnavailableError: :data:`MAX_RUNAWAY_PROBES` such fills are still running (503).
+        """
         import xgrammar as xgr
 
-        def fill():
-            xgr.GrammarMatcher(compiled).fill_next_token_bitmask(xgr.allocate_token_bitmask(1, self.vocab_size))
+        settled = threading.Event()  # set by whichever comes first: the end of the fill, or the timeout
 
+        def fill():
+            try:
+                xgr.GrammarMatcher(compiled).fill_next_token_bitmask(xgr.allocate_token_bitmask(1, self.vocab_size))
+            finally:
+                with _runaway_lock:
+                    if settled.is_set():  # timed out before: no longer running
+                        _runaway[0] -= 1
+                    settled.set()
+
+        with _runaway_lock:
+            if _runaway[0] >= MAX_RUNAWAY_PROBES:
+                raise UnavailableError(f"{_LABEL[spec.kind]}: {_runaway[0]} grammars too expensive to enforce are "
+                                       "still being measured; try again later")
         worker = threading.Thread(target=fill, name="kvserve-grammar-probe", daemon=True)
         worker.start()
         worker.join(self.max_mask_s)
-        if not worker.is_alive():
-            return
+        with _runaway_lock:
+            if settled.is_set():  # finished in time
+                return
+            settled.set()
+            _runaway[0] += 1
         message = (f"{_LABEL[spec.kind]}: the grammar is too expensive to enforce (one next-token mask takes "
                    f"more than {self.max_mask_s:g} s; an ambiguous expression such as nested repetition "
                    "'(a*)*' usually causes it)")

@@ -781,3 +781,36 @@ def test_schema_depth_and_size_are_capped_early(face, body, field):
                                              for i in range(50_000)}}
     assert api_error(body(wide), face).message.endswith("the schema is too large (more than 100000 objects and "
                                                        "arrays)")
+
+
+def test_runaway_probes_are_bounded(smol_tok):
+    """Each refused probe keeps a core until its mask is done: while MAX_RUNAWAY_PROBES (2) run, a new grammar is
+    a 503 (cached ones still serve); once they end, grammars compile again."""
+    import time
+
+    from kvserve.errors import UnavailableError
+    from kvserve.structured import backend as backend_mod
+
+    def settle():
+        t0 = time.monotonic()
+        while backend_mod._runaway[0] and time.monotonic() - t0 < 60:  # earlier tests' refused probes
+            time.sleep(0.05)
+        assert backend_mod._runaway[0] == 0
+
+    settle()
+    be = GrammarBackend(smol_tok, smol_tok.n_vocab, max_mask_s=0.02)
+    ok = ConstraintSpec("regex", "[a-z]+")
+    be.constraint(ok)
+    for n in (500, 501):  # ~1 s per mask here
+        with pytest.raises(InvalidInputError):
+            be.constraint(ConstraintSpec("regex", "(a*)*" * n))
+    assert backend_mod._runaway[0] == 2
+    with pytest.raises(UnavailableError) as e:
+        be.constraint(ConstraintSpec("regex", "[0-9]+"))
+    assert e.value.message == ("regex: 2 grammars too expensive to enforce are still being measured; try again "
+                               "later")
+    assert ApiError.from_exception(e.value).status == 503
+    assert be.constraint(ok).is_completed() is False  # a cached grammar is not probed again
+    settle()
+    slow = GrammarBackend(smol_tok, smol_tok.n_vocab)  # the default 1 s budget: a plain regex is fine
+    assert slow.constraint(ConstraintSpec("regex", "[0-9]+")).is_completed() is False
