@@ -37,8 +37,8 @@ from kvserve.errors import KvserveError
 from kvserve.faces.auth import add_api_guard, add_security, cors_policy
 from kvserve.faces.connections import guarded_protocol
 from kvserve.faces.drain import Drain, DrainMiddleware
-from kvserve.faces.envelopes import DialectErrorMiddleware
-from kvserve.faces.paths import ApiPrefixMiddleware
+from kvserve.faces.envelopes import DialectErrorMiddleware, dialect_of
+from kvserve.faces.paths import ApiPrefixMiddleware, route_path
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import (
     BodyLimitMiddleware,
@@ -114,7 +114,12 @@ def build_app(state: ServerState) -> FastAPI:
         return await _api_error(http, ApiError.from_exception(e))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: HttpRequest, e: StarletteHTTPException):
+    async def _http_error(http: HttpRequest, e: StarletteHTTPException):
+        if e.status_code == 405 and dialect_of(route_path(http.scope)) == "ollama":
+            # Ollama (gin, HandleMethodNotAllowed): a known /api path with another method is 405
+            r = json_response({"error": "405 method not allowed"}, 405)
+            r.headers.update(e.headers or {})  # Allow: the methods the path takes
+            return r
         if e.status_code in (404, 405):  # llama-server: any unknown method + path is 404
             return json_response({"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}},
                                  404)

@@ -311,10 +311,13 @@ class Scheduler:
         The result holds counts, positions and ``prompt_excerpt`` (the request's
         own text); ``cached_excerpt`` (the candidate's text around the first
         difference) only when the candidate is this slot's history (the same slot
-        and salt) and the caller's own: a non-empty ``cache_salt``, or the same
-        :attr:`~kvserve.engine.request.Request.owner` (API key). With neither,
-        counts and the reason only: an unsalted caller without a key never sees
-        text that another request left in the slot.
+        and salt) and the caller's own: when either request carried an API key
+        (:attr:`~kvserve.engine.request.Request.owner`), the same key, whatever
+        the salt (two keys sending the same salt see no text of each other);
+        without keys, a non-empty ``cache_salt``. With neither, counts and the
+        reason only: an unsalted caller without a key never sees text that
+        another request left in the slot. KV itself is shared by salt alone, as
+        in vLLM (keys sending one salt share its cached prefixes).
         """
         n = req.num_prompt_tokens
         limit = n - 1
@@ -325,7 +328,9 @@ class Scheduler:
         own = f"slot:{slot}" if slot >= 0 else None
 
         def callers(owner: str | None) -> bool:  # whether the candidate's text is the caller's own
-            return salt is not None or (req.owner is not None and owner == req.owner)
+            if req.owner is not None or owner is not None:  # keys: only the same key's text, salt or not
+                return owner == req.owner
+            return salt is not None
 
         # (tokens, still cached, this slot's history, its text may be shown)
         cands: list[tuple[np.ndarray, bool, bool, bool]] = []

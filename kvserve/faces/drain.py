@@ -11,7 +11,9 @@ stops listening. From then on:
 * after that each one still running is stopped (its handler is cancelled, which aborts its
   engine request) and ended in its dialect: a response that has not started gets the 503 JSON;
   a stream that has started gets a last error event (``data: {"error": ...}`` for SSE, Anthropic's
-  ``event: error``, one ``{"error": ...}`` line for Ollama's NDJSON) and then ends.
+  ``event: error``, the Responses API's ``event: error`` ``{"type": "error", "code", "message",
+  "param", "sequence_number"}`` (one past the last event sent) on ``/v1/responses``, one
+  ``{"error": ...}`` line for Ollama's NDJSON) and then ends.
 
 Nothing accepted is cut without a word; uvicorn's own graceful-shutdown timeout is set a few
 seconds longer so that this middleware ends the requests first. Then the lifespan shutdown unloads
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 
 from kvserve.faces.envelopes import dialect_error_body, dialect_of
@@ -40,8 +43,22 @@ def _error_json(path: str) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def _last_event(path: str, content_type: bytes) -> bytes:
-    """The error that ends a started stream of ``content_type`` on ``path``."""
+#: a Responses stream event's number as the face writes it (an escaped one inside text has ``\\"``)
+_SEQUENCE = re.compile(rb'"sequence_number":\s*(\d+)')
+
+
+def _responses_error(seq: int) -> bytes:
+    """The Responses API's ``error`` event numbered ``seq``."""
+    err = ApiError(503, SHUTTING_DOWN)
+    obj = {"type": "error", "code": err.type, "message": SHUTTING_DOWN, "param": None, "sequence_number": seq}
+    return b"event: error\ndata: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _last_event(path: str, content_type: bytes, last_seq: int = -1) -> bytes:
+    """The error that ends a started stream of ``content_type`` on ``path`` (``last_seq``: the last
+    ``sequence_number`` a Responses stream sent)."""
+    if (path == "/v1/responses" or path.startswith("/v1/responses/")) and b"event-stream" in content_type:
+        return _responses_error(last_seq + 1)
     body = _error_json(path)
     if b"ndjson" in content_type:
         return body + b"\n"
@@ -104,14 +121,18 @@ class DrainMiddleware:
         if drain.draining_since is not None:
             await _answer_503(send, path)
             return
-        state = {"started": False, "ended": False, "ctype": b""}
+        state = {"started": False, "ended": False, "ctype": b"", "seq": -1}
+        responses = path.startswith("/v1/responses")
 
         async def watch(msg):
             if msg["type"] == "http.response.start":
                 state["started"] = True
                 state["ctype"] = dict(msg.get("headers") or []).get(b"content-type", b"")
-            elif msg["type"] == "http.response.body" and not msg.get("more_body"):
-                state["ended"] = True
+            elif msg["type"] == "http.response.body":
+                state["ended"] = not msg.get("more_body")
+                if responses:
+                    numbers = _SEQUENCE.findall(msg.get("body") or b"")
+                    state["seq"] = int(numbers[-1]) if numbers else state["seq"]
             await send(msg)
 
         drain.in_flight += 1
@@ -139,8 +160,8 @@ class DrainMiddleware:
             if not state["started"]:
                 await _answer_503(send, path)
             elif not state["ended"]:
-                await send({"type": "http.response.body", "body": _last_event(path, state["ctype"]),
-                            "more_body": False})
+                await send({"type": "http.response.body",
+                            "body": _last_event(path, state["ctype"], state["seq"]), "more_body": False})
 
 
 async def _answer_503(send, path: str) -> None:

@@ -10,6 +10,7 @@ import ctypes
 import json
 import logging
 import re
+import time
 
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
@@ -89,7 +90,8 @@ def parse_json_body(raw: bytes):
     try:
         return json.loads(raw)
     except UnicodeDecodeError as e:
-        raise ApiError(400, f"request body is not valid UTF-8: {e}") from e
+        raise ApiError(400, f"request body is not valid UTF-8: byte {e.object[e.start]:#04x} at offset {e.start} "
+                            "does not belong there") from None
     except json.JSONDecodeError as e:
         raise ApiError(400, f"invalid JSON: parse error at line {e.lineno}, column {e.colno}: {e.msg}") from e
     except RecursionError:
@@ -174,6 +176,12 @@ def too_large(limit: int) -> ApiError:
 
 
 BODY_IDLE_S = 60.0  # seconds a request body may send nothing before it is refused (408)
+#: a request body must be whole within BODY_DEADLINE_S seconds of the first read plus one second
+#: per BODY_MIN_RATE bytes received (408 otherwise): a client trickling a byte every 59 s passes
+#: BODY_IDLE_S but not this, so slow bodies cannot pile up to --limit-concurrency and lock
+#: everyone out; a 64 MiB body may take 60 s + 1024 s.
+BODY_DEADLINE_S = 60.0
+BODY_MIN_RATE = 64 * 1024  # bytes per second
 
 
 class BodyLimitMiddleware:
@@ -187,7 +195,9 @@ class BodyLimitMiddleware:
     body was large (>= :data:`TRIM_AFTER`) trims the heap when it ends (:func:`release_memory`).
     Paths starting with one of ``unlimited`` (Ollama's ``/api/blobs/``: model weights, streamed
     to disk by their handler) have no limit. A body that sends nothing for :data:`BODY_IDLE_S`
-    seconds is refused with 408 (a slow-body client holds no handler forever).
+    seconds, or that is not whole :data:`BODY_DEADLINE_S` seconds (plus one per
+    :data:`BODY_MIN_RATE` bytes received) after the handler first reads it, is refused with 408
+    (a slow-body client holds no handler forever).
     """
 
     def __init__(self, app, max_bytes: int, unlimited: tuple[str, ...] = ()):
@@ -205,17 +215,23 @@ class BodyLimitMiddleware:
             await _send_error(send, too_large(limit), route_path(scope))
             return
         seen = 0
-
+        started = None
         body_done = False
 
         async def counted():
-            nonlocal seen, body_done
+            nonlocal seen, body_done, started
             if body_done:  # the body is read: what remains is the wait for a disconnect
                 return await receive()
+            now = time.monotonic()
+            started = now if started is None else started
+            left = started + BODY_DEADLINE_S + seen / BODY_MIN_RATE - now
             try:
-                msg = await asyncio.wait_for(receive(), BODY_IDLE_S)
+                msg = await asyncio.wait_for(receive(), max(0.0, min(BODY_IDLE_S, left)))
             except asyncio.TimeoutError:
-                raise ApiError(408, f"the request body sent nothing for {BODY_IDLE_S:g} s") from None
+                if left > BODY_IDLE_S:
+                    raise ApiError(408, f"the request body sent nothing for {BODY_IDLE_S:g} s") from None
+                raise ApiError(408, f"the request body arrived too slowly (it must be whole within "
+                                    f"{BODY_DEADLINE_S:g} s plus 1 s per {BODY_MIN_RATE} bytes)") from None
             body_done = msg["type"] != "http.request" or not msg.get("more_body")
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))

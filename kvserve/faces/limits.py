@@ -15,6 +15,8 @@ pairs, completion prompts (/completion,
 text of one embedding / rerank / score /       2 MiB        ``--max-input-bytes``
 /tokenize request (all its texts together,
 UTF-8 bytes)
+/detokenize ``tokens``                         2 Mi ids     ``--max-input-bytes`` (one id
+                                                            per byte, as /tokenize makes)
 ``samplers``                                   64           (there are 10 samplers)
 ``stop`` strings (llama, OpenAI, Ollama)       64 strings,  (Anthropic's face: the same)
                                                1000 chars

@@ -633,6 +633,8 @@ def build_router(state: ServerState) -> APIRouter:
     @r.post("/detokenize")
     async def detokenize(http: HttpRequest):
         body = await read_json(http)
+        if isinstance(body.get("tokens"), list):  # one id per byte: the most /tokenize makes of a text it accepts
+            check_count("tokens", len(body["tokens"]), input_bytes_cap(state.args), "token ids", "--max-input-bytes")
 
         async def run(runner: Runner) -> Response:
             runner.require_ready()

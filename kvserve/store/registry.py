@@ -308,10 +308,21 @@ def _reason(exc: Exception, timeout: httpx.Timeout) -> str:
     if isinstance(exc, httpx.TimeoutException):
         return text or "timed out"
     if isinstance(exc, httpx.ConnectError):
-        if "WRONG_VERSION_NUMBER" in text or "record layer failure" in text:
-            text += " (is it a plain http registry? then use --insecure)"
+        text = _tls_reason(text) or text
         return f"cannot connect: {text}" if text else "cannot connect"
     return text or type(exc).__name__
+
+
+def _tls_reason(text: str) -> str | None:
+    """OpenSSL's text (``[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1000)``) in our words,
+    or None when ``text`` is no TLS failure."""
+    if "WRONG_VERSION_NUMBER" in text or "record layer failure" in text:
+        return "the registry did not answer in TLS (is it a plain http registry? then use --insecure)"
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return "the registry's TLS certificate could not be verified"
+    if "[SSL" in text or "_ssl.c" in text:
+        return "the TLS handshake with the registry failed"
+    return None
 
 
 def _resolve(host: str) -> list[str]:

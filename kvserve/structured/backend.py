@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvserve.errors import InvalidInputError
+from kvserve.errors import InvalidInputError, UnavailableError
 from kvserve.structured.gbnf import GbnfError, gbnf_to_ebnf
 from kvserve.structured.regex import RegexError, check_anchors, python_dots
 from kvserve.structured.schema import SchemaError, check_schema
@@ -239,6 +239,18 @@ class GrammarConstraint:
 #: compile here); what takes long is a huge alternation (a 20,000-string enum: ~700 KiB, ~27 s,
 #: ~180 MiB), so the cap bounds one request's compile to about a minute of a compiler thread
 MAX_GRAMMAR_CHARS = 1024 * 1024
+#: longest the first next-token mask of a freshly compiled grammar may take (seconds), measured
+#: in a worker thread at compile time: a normal grammar fills one in well under 10 ms; an
+#: ambiguous one (``(a*)*`` repeated 2,000 times: minutes per token) would stall every request
+#: batched with it in the engine's step, so it is a 400 instead. xgrammar releases the GIL while
+#: it fills a mask, so the probe stalls nobody; an abandoned probe runs to its end in its thread.
+MAX_MASK_S = 1.0
+#: most probes over :data:`MAX_MASK_S` still running (process-wide): each burns a core until its mask is
+#: done (a 1 MiB ambiguous grammar: hours), so while this many run a new grammar is not probed but refused
+#: with 503 (cached grammars still serve); the cores stay with the engine
+MAX_RUNAWAY_PROBES = 2
+_runaway_lock = threading.Lock()
+_runaway = [0]  # probes over the limit still running
 #: default byte budget of one backend's compile cache (xgrammar's ``memory_size_bytes`` + text)
 CACHE_BYTES = 256 * 1024 * 1024
 
@@ -256,6 +268,7 @@ class GrammarBackend:
             its request and not kept.
         max_threads: xgrammar compiler threads.
         max_grammar_chars: the largest grammar compiled (:data:`MAX_GRAMMAR_CHARS`).
+        max_mask_s: the longest a new grammar's first mask may take (:data:`MAX_MASK_S`).
 
     Attributes:
         cache_hits, cache_misses: compile-cache counters since creation.
@@ -265,7 +278,7 @@ class GrammarBackend:
     """
 
     def __init__(self, tokenizer, n_vocab: int, *, cache_size: int = 64, cache_bytes: int = CACHE_BYTES,
-                 max_threads: int = 2, max_grammar_chars: int = MAX_GRAMMAR_CHARS):
+                 max_threads: int = 2, max_grammar_chars: int = MAX_GRAMMAR_CHARS, max_mask_s: float = MAX_MASK_S):
         self.tokenizer = tokenizer
         self.n_vocab = int(n_vocab)
         self.vocab_size = max(self.n_vocab, len(tokenizer))
@@ -274,6 +287,8 @@ class GrammarBackend:
         self.cache_bytes = int(cache_bytes)
         self.max_grammar_chars = int(max_grammar_chars)
         self.max_threads = int(max_threads)
+        self.max_mask_s = float(max_mask_s)
+        self._too_slow: OrderedDict[ConstraintSpec, str] = OrderedDict()  # refused specs -> their message
         self._bytes = 0  # of the cached entries
         self.cache_hits = 0
         self.cache_misses = 0
@@ -338,7 +353,9 @@ class GrammarBackend:
 
         Raises:
             InvalidInputError: ``<kind>: <what is wrong>`` (a face answers 400) for an invalid
-                grammar, regex or schema (xgrammar's message without its source-file prefix).
+                grammar, regex or schema (xgrammar's message without its source-file prefix), or
+                one whose first next-token mask takes over ``max_mask_s``.
+            UnavailableError: too many such masks still running (503, see :meth:`_probe`).
         """
         with self._lock:
             hit = self._cache.get(spec)
@@ -347,6 +364,9 @@ class GrammarBackend:
                 self.cache_hits += 1
                 return hit
             self.cache_misses += 1
+            slow = self._too_slow.get(spec)
+        if slow is not None:
+            raise InvalidInputError(slow)
         compiler = self._get_compiler()
         grammar, text = self._grammar(spec)
         size = len(str(grammar)) if spec.kind == "grammar" else len(text)
@@ -357,6 +377,7 @@ class GrammarBackend:
             compiled = compiler.compile_grammar(grammar)
         except Exception as e:  # noqa: BLE001
             raise InvalidInputError(f"{_LABEL[spec.kind]}: {clean_error(e)}") from None
+        self._probe(spec, compiled)
         entry = CompiledConstraint(compiled, text)
         if entry.nbytes > self.cache_bytes:
             return entry  # used by this request only
@@ -370,6 +391,49 @@ class GrammarBackend:
                 _, dropped = self._cache.popitem(last=False)
                 self._bytes -= dropped.nbytes
         return entry
+
+    def _probe(self, spec: ConstraintSpec, compiled) -> None:
+        """Fill one next-token mask of ``compiled`` in a daemon thread.
+
+        Raises:
+            InvalidInputError: it took longer than ``max_mask_s`` (the spec is remembered as refused;
+                the fill runs on to its end in its thread).
+            UnavailableError: :data:`MAX_RUNAWAY_PROBES` such fills are still running (503).
+        """
+        import xgrammar as xgr
+
+        settled = threading.Event()  # set by whichever comes first: the end of the fill, or the timeout
+
+        def fill():
+            try:
+                xgr.GrammarMatcher(compiled).fill_next_token_bitmask(xgr.allocate_token_bitmask(1, self.vocab_size))
+            finally:
+                with _runaway_lock:
+                    if settled.is_set():  # timed out before: no longer running
+                        _runaway[0] -= 1
+                    settled.set()
+
+        with _runaway_lock:
+            if _runaway[0] >= MAX_RUNAWAY_PROBES:
+                raise UnavailableError(f"{_LABEL[spec.kind]}: {_runaway[0]} grammars too expensive to enforce are "
+                                       "still being measured; try again later")
+        worker = threading.Thread(target=fill, name="kvserve-grammar-probe", daemon=True)
+        worker.start()
+        worker.join(self.max_mask_s)
+        with _runaway_lock:
+            if settled.is_set():  # finished in time
+                return
+            settled.set()
+            _runaway[0] += 1
+        message = (f"{_LABEL[spec.kind]}: the grammar is too expensive to enforce (one next-token mask takes "
+                   f"more than {self.max_mask_s:g} s; an ambiguous expression such as nested repetition "
+                   "'(a*)*' usually causes it)")
+        with self._lock:
+            self._too_slow[spec] = message
+            while len(self._too_slow) > self.cache_size:
+                self._too_slow.popitem(last=False)
+        log.warning("refused a grammar whose first mask took over %g s", self.max_mask_s)
+        raise InvalidInputError(message)
 
     def grammar_text(self, spec: ConstraintSpec) -> str:
         """What ``generation_settings.grammar`` shows: GBNF as given, else xgrammar's EBNF.

@@ -46,6 +46,11 @@ when every value has that type, and beside ``anyOf``/``oneOf`` when every branch
 type within it), type-specific keywords such as ``minimum`` in a schema without ``type``
 (unless ``properties``/``items`` make the type clear), ``multipleOf`` together with a
 range (``minimum``...), and an invalid or unsafe ``pattern`` (see above).
+
+Size: a schema nested deeper than :data:`MAX_SCHEMA_DEPTH` objects/arrays, or holding more
+than :data:`MAX_SCHEMA_NODES` of them, is refused before anything walks or compiles it (a
+600-deep ``items`` chain would otherwise exhaust Python's recursion in the walk, and a 400-deep
+one costs seconds in the compiler).
 """
 
 from __future__ import annotations
@@ -57,7 +62,14 @@ from typing import Any
 from kvserve.structured.regex import RegexError, check_json_pattern
 from kvserve.structured.xgrammar_text import clean_error
 
-__all__ = ["FORMATS", "SchemaError", "check_schema"]
+__all__ = ["FORMATS", "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_NODES", "SchemaError", "check_schema", "check_size"]
+
+#: deepest nesting of JSON objects/arrays in a schema (the root object is depth 1); a schema
+#: level is one or two of them (``items``: one, ``properties/x``: two). Real schemas stay
+#: far below it (the deepest OpenAI allows for structured outputs is 10 levels).
+MAX_SCHEMA_DEPTH = 128
+#: most JSON objects/arrays in one schema (a 150-tool set with 8 arguments each has ~5,000).
+MAX_SCHEMA_NODES = 100_000
 
 #: ``format`` values xgrammar enforces (each checked with a non-matching string).
 FORMATS = frozenset({
@@ -382,6 +394,28 @@ def _check_regex(pattern: Any, where: str) -> None:
         raise SchemaError(f"{where} is not a valid regular expression ({pattern!r}): {clean_error(e)}") from None
 
 
+def check_size(schema: Any) -> None:
+    """Refuse a schema nested deeper than :data:`MAX_SCHEMA_DEPTH` or holding more than
+    :data:`MAX_SCHEMA_NODES` objects/arrays (iterative: any depth is measured safely).
+
+    Raises:
+        SchemaError: naming the limit.
+    """
+    stack = [(schema, 1)]
+    nodes = 0
+    while stack:
+        v, depth = stack.pop()
+        if not isinstance(v, (dict, list)):
+            continue
+        nodes += 1
+        if depth > MAX_SCHEMA_DEPTH:
+            raise SchemaError(f"the schema is nested too deeply (more than {MAX_SCHEMA_DEPTH} levels of objects "
+                              "and arrays)")
+        if nodes > MAX_SCHEMA_NODES:
+            raise SchemaError(f"the schema is too large (more than {MAX_SCHEMA_NODES} objects and arrays)")
+        stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+
+
 def check_schema(schema: Any) -> None:
     """Refuse a JSON schema the grammar backend would not fully enforce.
 
@@ -390,6 +424,8 @@ def check_schema(schema: Any) -> None:
 
     Raises:
         SchemaError: naming the keyword and its location (``#/properties/x``); see the module
-            docstring for the rules.
+            docstring for the rules; or a schema over :data:`MAX_SCHEMA_DEPTH` /
+            :data:`MAX_SCHEMA_NODES`.
     """
+    check_size(schema)
     _Walker(schema).walk(schema, "")

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvserve.errors import InvalidInputError
 from kvserve.jsonvalues import json_type as _type_name
-from kvserve.structured.schema import SchemaError, check_schema
+from kvserve.structured.schema import SchemaError, check_schema, check_size
 
 __all__ = ["KINDS", "VLLM_MULTIPLE", "VLLM_NONE", "ConstraintSpec", "constraint_from_body", "schema_spec"]
 
@@ -101,8 +101,9 @@ def schema_spec(schema: Any, field: str) -> ConstraintSpec:
     """
     if not isinstance(schema, (dict, bool)):
         raise _bad(field, f"type must be object, but is {_type_name(schema)}")
-    schema = tuple_items(schema)
     try:
+        check_size(schema)  # before any recursive walk (tuple_items): a 600-deep schema is a 400, not a RecursionError
+        schema = tuple_items(schema)
         check_schema(schema)
     except SchemaError as e:
         raise _bad(field, str(e)) from None

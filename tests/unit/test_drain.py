@@ -186,3 +186,52 @@ def test_a_body_that_stops_arriving_is_408(monkeypatch):
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408 ")
     assert json.loads(body)["error"]["message"] == "the request body sent nothing for 0.5 s"
+
+
+def test_a_body_trickling_in_is_408_at_its_deadline(monkeypatch):
+    """One byte every 0.3 s never trips the idle timeout (5 s here) but the body must be whole
+    within BODY_DEADLINE_S (+ 1 s per BODY_MIN_RATE bytes): 408 about 1 s after the first read."""
+    import socket
+    import time
+
+    with _live(monkeypatch, BODY_IDLE_S=5.0, BODY_DEADLINE_S=1.0, BODY_MIN_RATE=10**9) as live:
+        s = socket.create_connection(("127.0.0.1", live.port))
+        s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{")
+        s.settimeout(0.3)
+        t0, data = time.monotonic(), b""
+        while time.monotonic() - t0 < 8 and not data:
+            try:
+                data = s.recv(65536)
+            except socket.timeout:
+                s.sendall(b" ")
+        elapsed = time.monotonic() - t0
+        s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), data
+    assert 0.9 < elapsed < 4
+    assert json.loads(body)["error"]["message"] == ("the request body arrived too slowly (it must be whole within 1 s "
+                                                    "plus 1 s per 1000000000 bytes)")
+
+
+def test_a_responses_stream_ends_with_a_responses_error_event():
+    """Review 6: /v1/responses' last event at the deadline is the Responses API's ``error`` event, numbered one
+    past the last event sent (a delta whose text holds an escaped "sequence_number" does not count)."""
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        n = 0
+        while True:
+            ev = {"type": "response.output_text.delta", "sequence_number": n, "delta": '"sequence_number":999'}
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n".encode()})
+            n += 1
+            await asyncio.sleep(0.02)
+
+    sent = _run(app, "/v1/responses")
+    n_events = _body(sent[:-1]).count(b"event: response.output_text.delta")
+    assert n_events >= 2
+    last = sent[-1]["body"]
+    assert last.startswith(b"event: error\ndata: ") and last.endswith(b"\n\n")
+    assert json.loads(last[len(b"event: error\ndata: "):]) == {
+        "type": "error", "code": "unavailable_error", "message": SHUTTING_DOWN, "param": None,
+        "sequence_number": n_events}

@@ -35,12 +35,22 @@ def _call(app, method: str, path: str, host: str = "127.0.0.1", **kw) -> httpx.R
     return asyncio.run(go())
 
 
-@pytest.mark.parametrize("method,path", [("GET", "/api/nothing"), ("POST", "/api/nothing/deeper"),
-                                         ("GET", "/api/chat"), ("DELETE", "/api/generate"), ("PUT", "/api/tags")])
-def test_unknown_api_paths_and_methods_are_ollamas_envelope(method, path):
+@pytest.mark.parametrize("method,path", [("GET", "/api/nothing"), ("POST", "/api/nothing/deeper")])
+def test_unknown_api_paths_are_ollamas_envelope(method, path):
     r = _call(build_app(_state()), method, path)
     assert (r.status_code, r.json(), r.headers["content-type"]) == (404, OLLAMA_404, "application/json; charset=utf-8")
     assert int(r.headers["content-length"]) == len(r.content)
+
+
+@pytest.mark.parametrize("method,path,allow", [("GET", "/api/chat", "POST"), ("DELETE", "/api/chat", "POST"),
+                                               ("DELETE", "/api/generate", "POST"), ("PUT", "/api/tags", "GET"),
+                                               ("GET", "/api/delete", "DELETE")])
+def test_other_methods_on_api_paths_are_405_as_ollama(method, path, allow):
+    """Review 6: Ollama (gin with HandleMethodNotAllowed) answers a known path's other methods 405; was 404."""
+    r = _call(build_app(_state()), method, path)
+    assert (r.status_code, r.json(), r.headers["allow"]) == (405, {"error": "405 method not allowed"}, allow)
+    assert int(r.headers["content-length"]) == len(r.content)
+    assert _call(build_app(_state()), "DELETE", "/completion").status_code == 404  # elsewhere llama-server's 404
 
 
 def test_other_routes_keep_llamas_envelope():

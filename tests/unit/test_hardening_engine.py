@@ -256,12 +256,12 @@ def test_cache_miss_shows_the_slots_text_only_to_its_owner(tiny_gguf):
     enc = lambda s: core.tokenizer.encode(s, add_special=False)  # noqa: E731
     keys = ["n_reused", "best_candidate_tokens", "first_diff_pos", "prompt_excerpt", "reason"]
 
-    def pair(word: str, owner_a: str | None, owner_b: str | None) -> dict:
+    def pair(word: str, owner_a: str | None, owner_b: str | None, salt: str | None = None) -> dict:
         secret = enc(f"the {word} password is hunter2 and more")
         probe = enc(f"the {word} password is guess and more")
         n_common = next(i for i, (x, y) in enumerate(zip(secret, probe)) if x != y)
-        drive(core, [req(f"{word}-a", secret, slot=0, owner=owner_a)])
-        m = drive(core, [req(f"{word}-b", probe, slot=0, owner=owner_b)])[f"{word}-b"][-1].timings.cache_miss
+        drive(core, [req(f"{word}-a", secret, slot=0, owner=owner_a, salt=salt)])
+        m = drive(core, [req(f"{word}-b", probe, slot=0, owner=owner_b, salt=salt)])[f"{word}-b"][-1].timings.cache_miss
         assert (m["reason"], m["n_reused"], m["first_diff_pos"]) == ("prefix differs", n_common, n_common)
         return m
 
@@ -271,6 +271,15 @@ def test_cache_miss_shows_the_slots_text_only_to_its_owner(tiny_gguf):
     assert list(m) == keys and "hunter" not in str(m)
     m = pair("third", "key-a", "key-a")  # the caller's own earlier request
     assert "hunter2" in m["cached_excerpt"] and "guess" in m["prompt_excerpt"]
+    # review 4: one salt under two keys shares KV (n_reused, as vLLM) but no text
+    m = pair("fourth", "key-a", "key-b", salt="shared")
+    assert list(m) == keys and "hunter" not in str(m)
+    m = pair("fifth", None, "key-b", salt="shared")  # a keyless request's text is no key's either
+    assert list(m) == keys and "hunter" not in str(m)
+    m = pair("sixth", "key-a", "key-a", salt="shared")
+    assert "hunter2" in m["cached_excerpt"]
+    m = pair("seventh", None, None, salt="shared")  # no keys: the salt is the caller's secret
+    assert "hunter2" in m["cached_excerpt"]
 
 
 # -- host tier: sized to the machine, erased with its slot -----------------------------------------

@@ -342,3 +342,14 @@ def test_bad_magic_says_not_a_gguf_file(tiny_gguf, tmp_path):
     asyncio.run(_preload(state, lambda: failed.append(True)))
     assert failed == [True]
     assert state.load_error == f"{bad}: not a GGUF file (bad magic b'GGUX')"
+
+
+def test_invalid_utf8_body_is_said_in_our_words():
+    """Review 6: the codec's text ("'utf-8' codec can't decode byte 0xff in position 39...") reached the client."""
+    with pytest.raises(ApiError) as e:
+        parse_json_body(b'{"prompt": "abc\xff"}')
+    assert (e.value.status, e.value.message) == (
+        400, "request body is not valid UTF-8: byte 0xff at offset 15 does not belong there")
+    with pytest.raises(ApiError) as e:
+        parse_json_body(b'{"prompt": "\xc3("}')
+    assert e.value.message == "request body is not valid UTF-8: byte 0xc3 at offset 12 does not belong there"

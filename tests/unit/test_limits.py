@@ -101,3 +101,23 @@ def test_a_30_mb_tokenize_is_refused_in_under_2_s(field):
     assert r.status_code == 400
     assert r.json()["error"]["message"] == \
         f"Field '{field}': the text is larger than {2 << 20} bytes (--max-input-bytes raises the cap)"
+
+
+def test_detokenize_ids_are_capped_before_any_model():
+    """Review 5: 10 M ids made a 200 MB answer and +1.1 GB RSS. /detokenize takes at most one id per byte of
+    --max-input-bytes (the most /tokenize returns for a text it accepts)."""
+    state = ServerState(parse_args(["--max-input-bytes", "1k"]))
+    state.preloading = True  # no model: refused before one is asked for
+    app = build_app(state)
+    r = _call(app, "POST", "/detokenize", json={"tokens": [1] * 1001})
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        400, "Field 'tokens': at most 1000 token ids per request, got 1001 (--max-input-bytes raises the cap)")
+    assert _call(app, "POST", "/detokenize", json={"tokens": [1] * 1000}).status_code == 503  # the cap passed
+    big = ("{\"tokens\": [" + "1," * (2 << 20) + "1]}").encode()
+    t0 = time.monotonic()
+    r = _call(build_app(ServerState(parse_args([]))), "POST", "/detokenize", content=big,
+              headers={"Content-Type": "application/json"})
+    assert time.monotonic() - t0 < 10
+    assert (r.status_code, r.json()["error"]["message"]) == (
+        400, f"Field 'tokens': at most {2 << 20} token ids per request, got {(2 << 20) + 1} "
+             "(--max-input-bytes raises the cap)")

@@ -1036,3 +1036,22 @@ def test_api_pull_passes_the_server_limits(tmp_path, evil):
     gen = _progress_events(SimpleNamespace(args=args), "pull", f"{evil[0]}/evil/ok", True)
     with pytest.raises(RegistryError, match="is larger than the 5 bytes allowed"):
         list(gen)
+
+
+@pytest.mark.parametrize("openssl,ours", [
+    ("[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1000)",
+     "the registry did not answer in TLS (is it a plain http registry? then use --insecure)"),
+    ("[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: self-signed certificate (_ssl.c:1000)",
+     "the registry's TLS certificate could not be verified"),
+    ("[SSL: SSLV3_ALERT_HANDSHAKE_FAILURE] sslv3 alert handshake failure (_ssl.c:1000)",
+     "the TLS handshake with the registry failed"),
+])
+def test_tls_failures_are_said_in_our_words(store, openssl, ours):
+    """Review 6: OpenSSL's bracketed text reached /api/pull's error; now a reason without it."""
+    def tls(request):
+        raise httpx.ConnectError(openssl, request=request)
+
+    with pytest.raises(RegistryError) as e:
+        pull_model("llama3.2", store=store, transport=httpx.MockTransport(tls), progress=lambda _: None)
+    assert e.value.message == ('pull model manifest: Get "https://registry.ollama.ai/v2/library/llama3.2/manifests/'
+                               f'latest": cannot connect: {ours}')

@@ -767,3 +767,92 @@ def test_tuple_items_array_form_as_llama_cpp():
     assert not accepts(spec, "[-3000]") and not accepts(spec, '[-3000, "a", 1]')
     data = {"enum": [{"items": [1]}]}
     assert tuple_items(data) == data  # enum values are data
+
+
+def test_ambiguous_grammar_is_refused_quickly_and_remembered(smol_tok):
+    """'(a*)*' repeated makes xgrammar's next-token mask cost seconds to minutes (cubic in the
+    repeats), which would stall every request batched with it: a 400 within the probe's budget,
+    and the same spec again is refused at once; an ordinary regex still compiles."""
+    import time
+
+    be = GrammarBackend(smol_tok, smol_tok.n_vocab, max_mask_s=0.05)
+    assert be.constraint(ConstraintSpec("regex", "[a-z]+ [0-9]{3}")).is_completed() is False
+    spec = ConstraintSpec("regex", "(a*)*" * 300)  # ~0.3 s per mask here; 2,000 repeats: ~70 s
+    for _ in range(2):
+        t0 = time.monotonic()
+        with pytest.raises(InvalidInputError) as e:
+            be.constraint(spec)
+        assert time.monotonic() - t0 < 5
+        assert e.value.message == ("regex: the grammar is too expensive to enforce (one next-token mask takes more "
+                                   "than 0.05 s; an ambiguous expression such as nested repetition '(a*)*' usually "
+                                   "causes it)")
+        assert ApiError.from_exception(e.value).status == 400
+    assert be.cache_info()["size"] == 1
+
+
+def _nested_arrays(depth: int) -> dict:
+    s: dict = {"type": "integer"}
+    for _ in range(depth - 1):
+        s = {"type": "array", "items": s}
+    return s
+
+
+@pytest.mark.parametrize("face,body,field", [
+    ("llama", lambda s: {"json_schema": s}, "json_schema"),
+    ("openai", lambda s: {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": s}}},
+     "response_format.json_schema.schema"),
+    ("openai", lambda s: {"structured_outputs": {"json": s}}, "structured_outputs.json"),
+    ("ollama", lambda s: {"format": s}, "format"),
+])
+def test_schema_depth_and_size_are_capped_early(face, body, field):
+    """A 600-deep schema was a RecursionError (500) in the walk, a 400-deep one cost 5 s: both are a
+    400 naming the cap at once; 128 levels (the cap) still pass the check."""
+    import time
+
+    from kvserve.structured.schema import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
+
+    assert (MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES) == (128, 100_000)
+    assert spec_of(body(_nested_arrays(128)), face).kind == "json_schema"
+    for depth in (129, 400, 600, 5000):
+        t0 = time.monotonic()
+        err = api_error(body(_nested_arrays(depth)), face)
+        assert time.monotonic() - t0 < 1
+        assert err.message == (f"Field '{field}': the schema is nested too deeply (more than 128 levels of objects "
+                               "and arrays)")
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "array", "items": {"type": "integer"}}
+                                             for i in range(50_000)}}
+    assert api_error(body(wide), face).message.endswith("the schema is too large (more than 100000 objects and "
+                                                       "arrays)")
+
+
+def test_runaway_probes_are_bounded(smol_tok):
+    """Each refused probe keeps a core until its mask is done: while MAX_RUNAWAY_PROBES (2) run, a new grammar is
+    a 503 (cached ones still serve); once they end, grammars compile again."""
+    import time
+
+    from kvserve.errors import UnavailableError
+    from kvserve.structured import backend as backend_mod
+
+    def settle():
+        t0 = time.monotonic()
+        while backend_mod._runaway[0] and time.monotonic() - t0 < 60:  # earlier tests' refused probes
+            time.sleep(0.05)
+        assert backend_mod._runaway[0] == 0
+
+    settle()
+    be = GrammarBackend(smol_tok, smol_tok.n_vocab, max_mask_s=0.02)
+    ok = ConstraintSpec("regex", "[a-z]+")
+    be.constraint(ok)
+    for n in (500, 501):  # ~1 s per mask here
+        with pytest.raises(InvalidInputError):
+            be.constraint(ConstraintSpec("regex", "(a*)*" * n))
+    assert backend_mod._runaway[0] == 2
+    with pytest.raises(UnavailableError) as e:
+        be.constraint(ConstraintSpec("regex", "[0-9]+"))
+    assert e.value.message == ("regex: 2 grammars too expensive to enforce are still being measured; try again "
+                               "later")
+    assert ApiError.from_exception(e.value).status == 503
+    assert be.constraint(ok).is_completed() is False  # a cached grammar is not probed again
+    settle()
+    slow = GrammarBackend(smol_tok, smol_tok.n_vocab)  # the default 1 s budget: a plain regex is fine
+    assert slow.constraint(ConstraintSpec("regex", "[0-9]+")).is_completed() is False
