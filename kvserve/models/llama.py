@@ -858,6 +858,10 @@ class CompiledDecode:
     """
 
     def __init__(self, model: LlamaModel, kv_like: tuple[torch.Tensor, torch.Tensor], max_rows: int):
+        if model.tok_embd is None and model.tok_embd_raw is not None:
+            # the graph cannot trace the numpy row lookup of a table kept as GGUF blocks (dynamo's
+            # guards fail on tensors made from numpy): --compile keeps a dense table, as before
+            model.tok_embd = torch.from_numpy(model.tok_embd_raw.to_dense()).to(model.compute_dtype)
         self.model = model
         self.fn = None
         self.error: str | None = None

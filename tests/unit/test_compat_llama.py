@@ -70,9 +70,11 @@ def test_live_server_writes_llama_server_header_names():
     from kvserve.app import build_app
 
     with _Live(build_app(_state())) as live:
-        data = _raw(live.port, b"GET /health HTTP/1.1\r\nHost: x\r\nOrigin: http://localhost:8080\r\n"
+        # a loopback Host: a browser request (one with an Origin) naming another host is refused on a
+        # loopback listener without a key (the DNS-rebinding guard)
+        data = _raw(live.port, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://localhost:8080\r\n"
                                b"Connection: close\r\n\r\n")
-        pre = _raw(live.port, b"OPTIONS /completion HTTP/1.1\r\nHost: x\r\nOrigin: http://localhost:8080\r\n"
+        pre = _raw(live.port, b"OPTIONS /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://localhost:8080\r\n"
                               b"Access-Control-Request-Method: POST\r\nConnection: close\r\n\r\n")
     head = data.partition(b"\r\n\r\n")[0].split(b"\r\n")
     names = [ln.partition(b":")[0] for ln in head[1:]]
