@@ -83,6 +83,12 @@ def build(model_type: str, seed: int = 0, **cfg):
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            elif name.endswith("sinks"):  # gpt-oss: sinks that take a visible share of each softmax
+                p.copy_(1.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith("experts.gate_up_proj") and model_type == "gpt_oss":  # gpt-oss: ~10% of gate/up values past the clamp (7)
+                p.copy_(0.6 * torch.randn(p.shape, generator=g))
+            elif name.endswith("experts.down_proj") and model_type == "gpt_oss":
+                p.copy_(0.03 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
     return model
@@ -120,8 +126,9 @@ def llama3_rope_factors(config) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def save_gguf(model, path: Path, arch: str) -> Path:
-    """The same model as a GGUF of ``general.architecture = arch`` (F32 tensors, llama.cpp's names)."""
+def save_gguf(model, path: Path, arch: str, expert_type: str = "F32") -> Path:
+    """The same model as a GGUF of ``general.architecture = arch`` (F32 tensors, llama.cpp's names;
+    gpt-oss's experts as ``expert_type`` "MXFP4" blocks when asked: see :func:`round_experts_mxfp4`)."""
     import gguf
 
     c = model.config
@@ -183,11 +190,21 @@ def save_gguf(model, path: Path, arch: str) -> Path:
     if getattr(c, "num_experts_per_tok", None):
         w.add_expert_count(c.num_local_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
-        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_feed_forward_length(getattr(c, "moe_intermediate_size", c.intermediate_size))
+    if arch == "gpt-oss":
+        w.add_sliding_window(c.sliding_window)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         data = t.detach().float().numpy().copy()
+        if arch == "gpt-oss":
+            for g, arr in gpt_oss_tensors(name, data):
+                if expert_type == "MXFP4" and g.endswith("_exps.weight"):
+                    w.add_tensor(g, gguf.quants.quantize(arr, gguf.GGMLQuantizationType.MXFP4),
+                                 raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+                else:
+                    w.add_tensor(g, np.ascontiguousarray(arr))
+            continue
         if name.endswith("mlp.experts.gate_up_proj"):  # transformers 5's fused experts [E, 2I, H]
             p = name[:-len("mlp.experts.gate_up_proj")].replace("model.layers.", "blk.")
             half = data.shape[1] // 2
@@ -214,6 +231,51 @@ def save_gguf(model, path: Path, arch: str) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+GPT_OSS_NAMES = {
+    "self_attn.sinks": "attn_sinks.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+    "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
+}
+
+
+def gpt_oss_tensors(name: str, data: np.ndarray):
+    """(llama.cpp name, array) pairs of one transformers gpt-oss tensor, as llama.cpp's converter
+    writes an unquantized checkpoint: gate_up [E, H, 2I] transposed and cut into its even (gate) and
+    odd (up) rows, down [E, I, H] transposed, the fused bias cut the same way; q/k left NEOX."""
+    if not name.startswith("model.layers."):
+        return [(gguf_name(name), data)]
+    idx, _, sub = name[len("model.layers."):].partition(".")
+    p = f"blk.{idx}."
+    if sub == "mlp.experts.gate_up_proj":
+        t = data.transpose(0, 2, 1)
+        return [(p + "ffn_gate_exps.weight", t[:, ::2]), (p + "ffn_up_exps.weight", t[:, 1::2])]
+    if sub == "mlp.experts.gate_up_proj_bias":
+        return [(p + "ffn_gate_exps.bias", data[:, ::2]), (p + "ffn_up_exps.bias", data[:, 1::2])]
+    if sub == "mlp.experts.down_proj":
+        return [(p + "ffn_down_exps.weight", data.transpose(0, 2, 1))]
+    if sub in GPT_OSS_NAMES:
+        return [(p + GPT_OSS_NAMES[sub], data)]
+    return [(gguf_name(name), data)]
+
+
+def round_experts_mxfp4(model) -> None:
+    """Replace a transformers gpt-oss model's expert matrices by their MXFP4 values (blocks of 32
+    along each GGUF row, the gguf package's quantizer), so a GGUF with MXFP4 experts holds exactly
+    the reference's weights."""
+    import gguf
+
+    def rt(a: np.ndarray) -> np.ndarray:
+        q = gguf.quants.quantize(np.ascontiguousarray(a), gguf.GGMLQuantizationType.MXFP4)
+        return gguf.quants.dequantize(q, gguf.GGMLQuantizationType.MXFP4).reshape(a.shape)
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                t = p.detach().float().numpy().transpose(0, 2, 1)  # GGUF rows: [E, out, in]
+                p.copy_(torch.from_numpy(np.ascontiguousarray(rt(t).transpose(0, 2, 1))))
 
 
 def reference_logits(model, ids: list[int]) -> torch.Tensor:

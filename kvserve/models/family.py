@@ -584,8 +584,31 @@ NOMIC_BERT = Family(
     packed_weights=False,
 )
 
+
+def _gpt_oss(name: str) -> Callable:
+    """A function of kvserve.models.gpt_oss, imported when first called."""
+    return _lazy("kvserve.models.gpt_oss", name)
+
+
+GPT_OSS = Family(
+    name="gpt-oss",
+    gguf_archs=("gpt-oss", "gptoss"),  # gptoss: the name Ollama's converter wrote (its loader renames it)
+    hf_archs={"GptOssForCausalLM": "generate"},
+    task="generate",
+    module="kvserve.models.gpt_oss:GptOssModel",
+    config_from_gguf=_gpt_oss("config_from_gguf"),
+    config_from_hf=_gpt_oss("config_from_hf"),
+    hf_tensor_name=_gpt_oss("hf_tensor_name"),
+    required_tensors=_gpt_oss("required_tensors"),
+    kv_spec=_gpt_oss("kv_spec"),
+    native_decode=lambda config: False,  # sinks, windows, biased experts: not the native llama layer
+    hf_model_types=("gpt_oss",),
+    finish_hf=llama_finish_hf,
+    prepare=_gpt_oss("prepare"),
+)
+
 #: every family kvserve runs, in the order error messages list them
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, QWEN3MOE, GEMMA2, GEMMA3, PHI3, MISTRAL3, BERT,
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, QWEN3MOE, GEMMA2, GEMMA3, PHI3, MISTRAL3, GPT_OSS, BERT,
                                    NOMIC_BERT)
 
 #: architecture names of encoders kvserve has no family for yet, with the task they would have:

@@ -71,6 +71,13 @@ CASES = {
                                                          "original_max_position_embeddings": 1024,
                                                          "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0],
                                                          "long_factor": [9.0] * 8})),
+    # sinks, windows of 4 on layers 0 and 2, biases everywhere, 8 experts top-4 with the clamped
+    # SwiGLU (about a tenth of gate/up values past 7), YaRN (NEOX in both formats)
+    "gpt-oss": ("gpt_oss", "gpt-oss", dict(num_hidden_layers=3, sliding_window=4, num_local_experts=8,
+                                           num_experts_per_tok=4, max_position_embeddings=512,
+                                           rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                            "original_max_position_embeddings": 128,
+                                                            "beta_fast": 32.0, "beta_slow": 1.0})),
 }
 
 
@@ -167,7 +174,9 @@ def test_native_step_and_parallel_only_where_they_apply(case):
 
     swa = KVSpec("sliding", 8)
     assert fam.kv_spec(loaded.config) == {"gemma2": (swa, FULL, swa),
-                                          "gemma3": (swa,) * 5 + (FULL, swa)}.get(name, (FULL,) * loaded.config.n_layer)
+                                          "gemma3": (swa,) * 5 + (FULL, swa),
+                                          "gpt-oss": (KVSpec("sliding", 4), FULL, KVSpec("sliding", 4))}.get(
+        name, (FULL,) * loaded.config.n_layer)
     if name == "mistral-yarn":  # the llama block; shards build the same (YaRN) RoPE tables from the config
         assert parallel_error(loaded.config, 2, 1) is None
         return
@@ -229,8 +238,9 @@ def test_compiled_decode_graph_matches_forward(case):
     q/k norms, biases and RoPE factors as forward: one decode after PROMPT."""
     core = _core(case["paths"]["gguf"])
     m, c = core.model, core.model_config
-    if case["name"].startswith("gemma"):  # not written for the compiled graph: CompiledDecode stays eager
-        with pytest.raises(NotImplementedError, match="does not implement the gemma block"):
+    if case["name"].startswith(("gemma", "gpt-oss")):  # not written for the compiled graph: CompiledDecode stays eager
+        block = "gpt-oss" if case["name"] == "gpt-oss" else "gemma"
+        with pytest.raises(NotImplementedError, match=f"does not implement the {block} block"):
             m.decode_step()
         return
     T = len(PROMPT)

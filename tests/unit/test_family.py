@@ -13,14 +13,16 @@ from kvserve.models.registry import load_files, probe_task
 
 
 def test_tables_derive_from_the_records():
-    assert [f.name for f in fm.FAMILIES] == ["llama", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "mistral3", "bert", "nomic-bert"]
+    assert [f.name for f in fm.FAMILIES] == ["llama", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "mistral3", "gpt-oss", "bert", "nomic-bert"]
     assert {a: f.name for a, f in fm.GGUF_ARCHS.items()} == {
         "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3moe",
-        "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "mistral3": "mistral3", "bert": "bert", "nomic-bert": "nomic-bert"}
+        "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "mistral3": "mistral3",
+        "gpt-oss": "gpt-oss", "gptoss": "gpt-oss", "bert": "bert", "nomic-bert": "nomic-bert"}
     assert {a: f.name for a, f in fm.HF_ARCHS.items()} == {
         "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "llama",
         "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Gemma2ForCausalLM": "gemma2",
-        "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3", "Ministral3ForCausalLM": "mistral3", "BertModel": "bert", "BertForMaskedLM": "bert", "BertForPreTraining": "bert",
+        "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3", "Ministral3ForCausalLM": "mistral3",
+        "GptOssForCausalLM": "gpt-oss", "BertModel": "bert", "BertForMaskedLM": "bert", "BertForPreTraining": "bert",
         "BertForSequenceClassification": "bert", "NomicBertModel": "nomic-bert"}
     assert fm.ARCH_TASKS["qwen2"] == "generate" and fm.ARCH_TASKS["BertForSequenceClassification"] == "score"
     assert fm.ENCODER_TASKS["bert"] == "embed" and fm.ENCODER_TASKS["nomic-bert"] == "embed"
@@ -62,7 +64,7 @@ def test_unknown_architecture_names_the_families(tmp_path):
         load_files(tmp_path / "x.gguf")
     assert str(e.value) == (f"{tmp_path / 'x.gguf'}: unknown model architecture 'gptj' (kvserve knows the "
                             "families llama (llama, mistral, qwen2), qwen3 (qwen3), qwen3moe (qwen3moe), "
-                            "gemma2 (gemma2), gemma3 (gemma3), phi3 (phi3), mistral3 (mistral3), bert (bert), nomic-bert (nomic-bert))")
+                            "gemma2 (gemma2), gemma3 (gemma3), phi3 (phi3), mistral3 (mistral3), gpt-oss (gpt-oss, gptoss), bert (bert), nomic-bert (nomic-bert))")
     assert probe_task(tmp_path / "x.gguf") == "generate"  # left for the loader to report
     hf = tinymodel.write_tiny_hf_dir(tmp_path / "hf")
     cfg = json.loads((hf / "config.json").read_text())
@@ -74,7 +76,7 @@ def test_unknown_architecture_names_the_families(tmp_path):
         f"{hf}: unknown model architecture ['GPTNeoXForCausalLM'] (kvserve knows the families llama "
         "(LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3moe "
         "(Qwen3MoeForCausalLM), gemma2 (Gemma2ForCausalLM), gemma3 (Gemma3ForCausalLM), phi3 (Phi3ForCausalLM), mistral3 (Ministral3ForCausalLM), "
-        "bert (BertModel, "
+        "gpt-oss (GptOssForCausalLM), bert (BertModel, "
         "BertForMaskedLM, BertForPreTraining, BertForSequenceClassification), nomic-bert (NomicBertModel))")
     with pytest.raises(ModelLoadError, match="unknown model architecture 'gptj'"):
         fm.family_of("gptj")

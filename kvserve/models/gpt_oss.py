@@ -1,0 +1,515 @@
+"""The gpt-oss family (OpenAI's gpt-oss-20b / -120b): a mixture-of-experts decoder over the paged KV cache.
+
+What differs from the llama block (kvserve.models.llama, whose Linear, RMSNorm, RoPE tables and cache
+reads it composes, as kvserve.models.gemma does):
+
+* attention sinks: one learned logit per query head joins each softmax's denominator and is dropped
+  from its numerator (transformers' ``GptOssAttention.sinks``, llama.cpp's ``attn_sinks``), so a head
+  may attend to nothing: ``p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k))``;
+* a sliding window (128 tokens in the released models) on alternate layers, the even ones: a query at
+  position p sees keys at p - window < j <= p (transformers' ``layer_types``; GGUF
+  ``attention.sliding_window`` with llama.cpp's pattern 2, or ``attention.sliding_window_pattern``);
+* biases on the q/k/v and output projections, on the router and on every expert;
+* YaRN RoPE in the NEOX (half-split) layout, permuted to kvserve's interleaved pairs at load. HF
+  directories carry ``truncate: false`` (the correction range is not rounded), which the shared YaRN
+  code follows; GGUF files are run as llama.cpp runs them (rounded range);
+* a MoE FFN after ``post_attention_norm`` (no dense FFN): ``n_expert`` experts, the top-k (4) by router
+  logit, their weights the softmax over those k logits (not over all experts), each expert a clamped
+  SwiGLU: ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha g)``
+  (alpha 1.702, limit 7.0; HF ``swiglu_alpha`` / ``swiglu_limit``). A step's rows are grouped by
+  expert and experts no row chose are not read.
+
+Tensors, in kvserve's (llama.cpp's) names: ``blk.N.attn_{q,k,v,output}.{weight,bias}``,
+``attn_sinks.weight`` [n_head], ``attn_norm`` / ``post_attention_norm``, ``ffn_gate_inp.{weight,bias}``
+[E, n_embd] / [E], ``ffn_{gate,up}_exps.weight`` [E, n_ff, n_embd], ``ffn_down_exps.weight``
+[E, n_embd, n_ff] with biases [E, n_ff] / [E, n_embd]. :func:`prepare` maps the other layouts to these:
+an HF directory's fused, transposed ``mlp.experts.gate_up_proj`` [E, n_embd, 2 n_ff] (gate and up
+interleaved by column), and Ollama's ``gptoss`` files (``attn_out``, ``ffn_norm``, ``attn_qkv``,
+``ffn_gate_up_exps`` interleaved by row, MXFP4 blocks in OpenAI's nibble order as ggml type 4).
+
+The KV spec per layer is a sliding window of ``window`` tokens or full attention; the attention is
+computed directly (scores, window mask, sinks, softmax in float32: SDPA has no sinks). kvserve's native
+decode step and the compiled decode graph do not implement this block (the family record turns the
+native step off; :meth:`GptOssModel.decode_step` refuses, so the engine stays eager).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvserve.engine.kv_quant import kv_gather, kv_round, kv_write
+from kvserve.loaders.weights import ModelConfig, ModelLoadError, Weight, interleave_qk
+from kvserve.models.llama import AttentionBatch, Linear, RMSNorm, auto_head_kernel, rope_attention_factor, \
+    rope_inv_freq
+from kvserve.models.moe import MoeConfig
+
+#: GGUF architecture names: llama.cpp's, and the one Ollama's converter wrote (its loader renames it)
+GGUF_ARCHS = ("gpt-oss", "gptoss")
+
+
+@dataclass(slots=True)
+class GptOssConfig(MoeConfig):
+    """A MoeConfig with gpt-oss's options.
+
+    Attributes:
+        layer_windows: per layer, the sliding window in tokens (0: full attention).
+        swiglu_alpha: the sigmoid gain of the experts' SwiGLU.
+        swiglu_limit: the clamp of gate (above) and up (both sides) before it.
+    """
+
+    layer_windows: tuple[int, ...] = ()
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+
+def _base_fields(base: ModelConfig) -> dict:
+    return {f: getattr(base, f) for f in ModelConfig.__slots__}
+
+
+# -- config readers ---------------------------------------------------------------------------------
+
+def _gguf_windows(md: dict, arch: str, n_layer: int, path: str) -> tuple[int, ...]:
+    """Per-layer windows from ``{arch}.attention.sliding_window`` and llama.cpp's pattern (2 unless
+    ``sliding_window_pattern`` says otherwise: an int n, layer il slides when il % n < n - 1, or one
+    bool per layer)."""
+    window = int(md.get(f"{arch}.attention.sliding_window") or 0)
+    if not window:
+        raise ModelLoadError(f"{path}: missing GGUF key '{arch}.attention.sliding_window'")
+    pattern = md.get(f"{arch}.attention.sliding_window_pattern") or 2
+    if isinstance(pattern, list):
+        if len(pattern) != n_layer:
+            raise ModelLoadError(f"{path}: GGUF key '{arch}.attention.sliding_window_pattern' has {len(pattern)} "
+                                 f"values for {n_layer} layers")
+        return tuple(window if bool(x) else 0 for x in pattern)
+    pattern = int(pattern)
+    return tuple(window if il % pattern < pattern - 1 else 0 for il in range(n_layer))
+
+
+def config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> GptOssConfig:
+    """A GptOssConfig from ``gpt-oss.*`` (llama.cpp) or ``gptoss.*`` (Ollama) GGUF metadata.
+
+    Ollama's files name no ``rope.scaling.type``: gpt-oss always runs YaRN, so a ``rope.scaling.factor``
+    above 1 means YaRN there (with ``rope.scaling.original_context_length``). The experts' width is
+    ``expert_feed_forward_length`` (llama.cpp), else ``feed_forward_length`` (Ollama).
+
+    Raises ModelLoadError naming a missing key or an option kvserve lacks."""
+    from kvserve.models.family import gguf_yarn, llama_config_from_gguf
+
+    arch = md.get("general.architecture")
+    base = llama_config_from_gguf(md, path, shapes)
+    kw = _base_fields(base)
+    factor = float(md.get(f"{arch}.rope.scaling.factor") or 1.0)
+    if kw["rope_scaling"] is None and factor > 1.0:
+        def get(key, default=None, required=True):
+            return md.get(f"{arch}.{key}", default)
+        kw["rope_scaling"] = gguf_yarn(get, arch, path)
+    if shapes is not None:  # biases: llama.cpp's names or Ollama's (fused q|k|v, attn_out)
+        kw["qkv_bias"] = "blk.0.attn_q.bias" in shapes or "blk.0.attn_qkv.bias" in shapes
+        kw["attn_bias"] = "blk.0.attn_output.bias" in shapes or "blk.0.attn_out.bias" in shapes
+
+    def count(key: str, default=None) -> int:
+        v = md.get(f"{arch}.{key}", default)
+        if v is None:
+            raise ModelLoadError(f"{path}: missing GGUF key '{arch}.{key}'")
+        return int(v[0] if isinstance(v, list) else v)
+
+    return GptOssConfig(**kw, n_expert=count("expert_count"), n_expert_used=count("expert_used_count"),
+                        n_ff_expert=count("expert_feed_forward_length", base.n_ff),
+                        layer_windows=_gguf_windows(md, arch, base.n_layer, path))
+
+
+def config_from_hf(cfg: dict, path: str) -> GptOssConfig:
+    """A GptOssConfig from config.json (transformers' GptOssConfig: ``num_local_experts``,
+    ``num_experts_per_tok``, ``intermediate_size`` (one expert's width), ``layer_types`` /
+    ``sliding_window``, ``swiglu_alpha`` / ``swiglu_limit``, YaRN in ``rope_parameters``).
+
+    Raises ModelLoadError: missing keys, a RoPE scaling kvserve lacks, layer types other than sliding
+    and full attention."""
+    from kvserve.models.family import llama_config_from_hf
+    from kvserve.models.gemma import _hf_windows
+
+    base = llama_config_from_hf(cfg, path, arch="gpt-oss")
+    kw = _base_fields(base)
+    kw["qkv_bias"] = kw["attn_bias"] = bool(cfg.get("attention_bias", True))
+    kw["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
+    n_expert = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 0)
+    if not n_expert or not top_k:
+        raise ModelLoadError(f"{path}: config.json lacks 'num_local_experts' / 'num_experts_per_tok'")
+    types = dict(cfg)
+    types.setdefault("sliding_window_pattern", 2)  # transformers' default: even layers slide
+    return GptOssConfig(**kw, n_expert=n_expert, n_expert_used=top_k, n_ff_expert=base.n_ff,
+                        expert_weights_norm=True, layer_windows=_hf_windows(types, base.n_layer, path),
+                        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+
+
+# -- tensors ----------------------------------------------------------------------------------------
+
+#: HF per-layer names -> kvserve's (the experts' fused tensors are cut by :func:`prepare`)
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.sinks": "attn_sinks.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+    "mlp.experts.gate_up_proj": "hf_gate_up_exps", "mlp.experts.gate_up_proj_bias": "hf_gate_up_exps_bias",
+    "mlp.experts.down_proj": "hf_down_exps", "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
+}
+
+#: per layer, the canonical tensors with the other names files use for them (HF's fused experts,
+#: Ollama's ``gptoss`` names); the first name is the one :func:`prepare` leaves
+LAYER_TENSORS = (
+    ("attn_norm.weight",),
+    ("attn_q.weight", "attn_qkv.weight"), ("attn_k.weight", "attn_qkv.weight"), ("attn_v.weight", "attn_qkv.weight"),
+    ("attn_output.weight", "attn_out.weight"),
+    ("attn_sinks.weight", "attn_sinks"),
+    ("post_attention_norm.weight", "ffn_norm.weight"),
+    ("ffn_gate_inp.weight",),
+    ("ffn_gate_exps.weight", "ffn_gate_up_exps.weight", "hf_gate_up_exps"),
+    ("ffn_up_exps.weight", "ffn_gate_up_exps.weight", "hf_gate_up_exps"),
+    ("ffn_down_exps.weight", "hf_down_exps"),
+    ("ffn_gate_inp.bias",),
+    ("ffn_gate_exps.bias", "ffn_gate_up_exps.bias", "hf_gate_up_exps_bias"),
+    ("ffn_up_exps.bias", "ffn_gate_up_exps.bias", "hf_gate_up_exps_bias"),
+    ("ffn_down_exps.bias",),
+)
+
+
+def hf_tensor_name(name: str, config=None) -> str | None:
+    """kvserve's name of an HF gpt-oss tensor (the fused experts under names :func:`prepare` cuts);
+    None for tensors not used."""
+    from kvserve.models.family import llama_hf_tensor_name
+
+    return llama_hf_tensor_name(name, config, HF_LAYER_NAMES)
+
+
+def required_tensors(config: GptOssConfig, weights: dict) -> list[str]:
+    """The tensors a gpt-oss model needs, in order, each under the name the file uses (the canonical
+    one when none is there, so a missing tensor is named as llama.cpp names it)."""
+    needed = ["token_embd.weight", "output_norm.weight"]
+    for i in range(config.n_layer):
+        p = f"blk.{i}."
+        for names in LAYER_TENSORS:
+            needed.append(next((p + n for n in names if p + n in weights), p + names[0]))
+        if config.qkv_bias:
+            for x in "qkv":
+                needed.append(next((p + n for n in (f"attn_{x}.bias", "attn_qkv.bias") if p + n in weights),
+                                   f"{p}attn_{x}.bias"))
+        if config.attn_bias:
+            needed.append(next((p + n for n in ("attn_output.bias", "attn_out.bias") if p + n in weights),
+                               f"{p}attn_output.bias"))
+    return list(dict.fromkeys(needed))
+
+
+def _dense(arr: np.ndarray, like: Weight) -> Weight:
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    return Weight(arr.shape, dense=arr, source_type=like.source_type)
+
+
+def _rename(weights: dict, old: str, new: str) -> None:
+    if old in weights and new not in weights:
+        weights[new] = weights.pop(old)
+
+
+def _deinterleave(w: Weight, axis: int) -> tuple[Weight, Weight]:
+    """(even, odd) slices of ``w`` along ``axis`` (gpt-oss fuses gate and up by alternating them)."""
+    arr = w.to_dense()
+    idx = [slice(None)] * arr.ndim
+    idx[axis] = slice(0, None, 2)
+    even = arr[tuple(idx)]
+    idx[axis] = slice(1, None, 2)
+    return _dense(even, w), _dense(arr[tuple(idx)], w)
+
+
+def prepare(config: GptOssConfig, weights: dict[str, Weight], fmt: str) -> None:
+    """The file's layout to the module's (see the module docstring), then Q/K rows (and biases) from
+    NEOX half-split to interleaved pairs (llama.cpp's converter leaves gpt-oss NEOX, HF always is)."""
+    hd = config.head_dim
+    for i in range(config.n_layer):
+        p = f"blk.{i}."
+        # HF: gate_up [E, n_embd, 2 n_ff] (gate even columns, up odd), down [E, n_ff, n_embd]
+        if p + "hf_gate_up_exps" in weights:
+            g, u = _deinterleave(weights.pop(p + "hf_gate_up_exps"), 2)
+            weights[p + "ffn_gate_exps.weight"] = _dense(g.dense.transpose(0, 2, 1), g)
+            weights[p + "ffn_up_exps.weight"] = _dense(u.dense.transpose(0, 2, 1), u)
+        if p + "hf_gate_up_exps_bias" in weights:
+            weights[p + "ffn_gate_exps.bias"], weights[p + "ffn_up_exps.bias"] = \
+                _deinterleave(weights.pop(p + "hf_gate_up_exps_bias"), 1)
+        if p + "hf_down_exps" in weights:
+            d = weights.pop(p + "hf_down_exps")
+            weights[p + "ffn_down_exps.weight"] = _dense(d.to_dense().transpose(0, 2, 1), d)
+        # Ollama's gptoss: gate and up alternate by row, under one name
+        for suffix, axis in (("weight", 1), ("bias", 1)):
+            fused = weights.pop(p + "ffn_gate_up_exps." + suffix, None)
+            if fused is not None:
+                weights[p + "ffn_gate_exps." + suffix], weights[p + "ffn_up_exps." + suffix] = \
+                    _deinterleave(fused, axis)
+        for suffix in ("weight", "bias"):
+            qkv = weights.pop(p + "attn_qkv." + suffix, None)
+            if qkv is not None:
+                sizes = [config.n_head * hd, config.n_head_kv * hd, config.n_head_kv * hd]
+                arr = qkv.to_dense()
+                cuts = np.split(arr, np.cumsum(sizes)[:-1], axis=0)
+                for x, part in zip("qkv", cuts):
+                    weights[f"{p}attn_{x}.{suffix}"] = _dense(part, qkv)
+        _rename(weights, p + "attn_out.weight", p + "attn_output.weight")
+        _rename(weights, p + "attn_out.bias", p + "attn_output.bias")
+        _rename(weights, p + "attn_sinks", p + "attn_sinks.weight")
+        _rename(weights, p + "ffn_norm.weight", p + "post_attention_norm.weight")
+    interleave_qk(config, weights)
+
+
+def kv_spec(config: GptOssConfig):
+    """Per layer: a sliding window of the layer's tokens, or full attention."""
+    from kvserve.models.family import FULL, KVSpec
+
+    return tuple(KVSpec("sliding", w) if w else FULL for w in config.layer_windows)
+
+
+# -- the module -------------------------------------------------------------------------------------
+
+#: the score tensor of one attention call is computed in query chunks of at most this many elements
+#: (B * H * Lq * Lk float32 values: 64 Mi = 256 MiB)
+SCORE_ELEMENTS_MAX = 1 << 26
+
+
+def attend(q, k, v, q_pos, k_pos, valid, scale: float, window: int, sinks) -> torch.Tensor:
+    """Attention with sinks and a window: q [B, Lq, H, D], k/v [B, Lk, Hkv, D], q_pos [B, Lq] and k_pos
+    [B, Lk] long, valid [B, Lk] bool or None, sinks [H] float32 or None -> [B, Lq, H, D].
+
+    Key j is seen by query i when k_pos <= q_pos, within ``window`` tokens (q_pos - k_pos < window;
+    0: no window) and valid; each head's softmax denominator adds ``exp(sinks[h])``. A query that sees
+    no key (only a sink) gets zeros. Computed in query chunks (:data:`SCORE_ELEMENTS_MAX`)."""
+    B, Lq, H, D = q.shape
+    Lk = k.shape[1]
+    g = H // k.shape[2]
+    if g > 1:
+        k = k.repeat_interleave(g, dim=2)
+        v = v.repeat_interleave(g, dim=2)
+    step = max(1, SCORE_ELEMENTS_MAX // max(1, B * H * Lk))
+    out = torch.empty_like(q)
+    for a in range(0, Lq, step):
+        b = min(Lq, a + step)
+        s = torch.einsum("bqhd,bkhd->bhqk", q[:, a:b], k).mul_(scale)  # [B, H, lq, Lk]
+        qp = q_pos[:, a:b, None]
+        seen = k_pos[:, None, :] <= qp
+        if window:
+            seen &= k_pos[:, None, :] > qp - window
+        if valid is not None:
+            seen &= valid[:, None, :]
+        s.masked_fill_(~seen[:, None], float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
+        if sinks is not None:
+            m = torch.maximum(m, sinks.view(1, H, 1, 1))
+        m = torch.nan_to_num(m, neginf=0.0)  # a row that sees nothing (no sink): zeros, not NaN
+        p = torch.exp(s - m)
+        denom = p.sum(dim=-1, keepdim=True)
+        if sinks is not None:
+            denom = denom + torch.exp(sinks.view(1, H, 1, 1) - m)
+        p = p / denom.clamp_min(torch.finfo(p.dtype).tiny)
+        out[:, a:b] = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return out
+
+
+class GptOssMoE(nn.Module):
+    """x [T, n_embd] float32 -> [T, n_embd]: the top-k experts' clamped SwiGLUs, weighted by the
+    softmax over the k router logits (see the module docstring).
+
+    Args:
+        weights: the model's weights; layer: the layer index; config: its GptOssConfig.
+        lin: keyword arguments of :class:`kvserve.models.llama.Linear` (kernel, dtype, device...).
+    Each expert is two Linears (gate|up fused, and down, with their biases) over rows of the stacked
+    [E, out, in] tensors.
+    """
+
+    def __init__(self, weights: dict[str, Weight], layer: int, config: GptOssConfig, lin: dict):
+        super().__init__()
+        p = f"blk.{layer}."
+        dev = lin["device"]
+        router = weights[p + "ffn_gate_inp.weight"]
+        self.router = torch.from_numpy(np.ascontiguousarray(router.to_dense(), dtype=np.float32)).to(dev)
+        self.router_bias = torch.from_numpy(weights[p + "ffn_gate_inp.bias"].to_dense()).float().to(dev)
+        self.top_k, self.alpha, self.limit = config.n_expert_used, config.swiglu_alpha, config.swiglu_limit
+        self.n_ff = config.n_ff_expert
+        gate, up, down = (expert_rows(weights[p + f"ffn_{x}_exps.weight"]) for x in ("gate", "up", "down"))
+        gb, ub, db = (expert_rows(weights[p + f"ffn_{x}_exps.bias"]) for x in ("gate", "up", "down"))
+        self.gate_up = nn.ModuleList(Linear([gate[e], up[e]], [gb[e], ub[e]], **lin) for e in range(config.n_expert))
+        self.down = nn.ModuleList(Linear([down[e]], [db[e]], **lin) for e in range(config.n_expert))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        logits = torch.addmm(self.router_bias, x, self.router.t())  # [T, E]
+        top, idx = torch.topk(logits, self.top_k, dim=-1)
+        w = torch.softmax(top, dim=-1)  # [T, k]
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = torch.arange(T, device=x.device).repeat_interleave(self.top_k)[order]
+        weights = w.reshape(-1)[order].to(x.dtype)
+        counts = torch.bincount(flat, minlength=len(self.gate_up)).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):  # experts no row chose are skipped (not read)
+            if not n:
+                continue
+            r = rows[start:start + n]
+            gu = self.gate_up[e].forward(x.index_select(0, r))
+            gate = gu[:, :self.n_ff].clamp(max=self.limit)
+            up = gu[:, self.n_ff:].clamp(min=-self.limit, max=self.limit)
+            y = self.down[e].forward((up + 1) * gate * torch.sigmoid(gate * self.alpha))
+            out.index_add_(0, r, y * weights[start:start + n, None])
+            start += n
+        return out
+
+
+def expert_rows(w: Weight) -> list[Weight]:
+    """The experts of a stacked [E, ...] weight as E Weights of ``shape[1:]``: views of the file's
+    blocks where ``w`` keeps them (``raw``: no copy, so idle experts are never read), else slices of
+    its float32 values."""
+    if w.raw is not None:
+        return [Weight(w.shape[1:], raw=w.raw[e], source_type=w.source_type) for e in range(w.shape[0])]
+    arr = w.to_dense()
+    return [Weight(w.shape[1:], dense=np.ascontiguousarray(arr[e]), source_type=w.source_type)
+            for e in range(w.shape[0])]
+
+
+def _cis(inv: torch.Tensor, max_positions: int, scale: float, device) -> torch.Tensor:
+    """[P, D/2] complex64 rotations ``scale * e^(i p inv)`` for positions 0..P-1."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv.double())
+    return torch.polar(torch.full_like(freqs, scale), freqs).to(torch.complex64).to(device)
+
+
+class GptOssModel(nn.Module):
+    """The gpt-oss decoder over a paged KV cache (see the module docstring).
+
+    Args: those of :class:`kvserve.models.llama.LlamaModel` (the same numerics options; ``native_q4``
+    does not apply).
+    """
+
+    native_decode = False
+
+    def __init__(self, config: GptOssConfig, weights: dict[str, Weight], dtype=torch.float32, device="cpu",
+                 kernel: str = "dense", small_max_rows: int = 0, max_positions: int = 8192,
+                 large_dtype=torch.float32, native_q4: bool | str = False):
+        super().__init__()
+        c = self.config = config
+        self.device = torch.device(device)
+        self.compute_dtype = torch.float32
+        emb = weights["token_embd.weight"]
+        #: the embedding as GGUF blocks (rows dequantized by embed()) where the file keeps them raw
+        self.tok_embd_raw = emb if emb.raw is not None and self.device.type == "cpu" else None
+        self.tok_embd = None if self.tok_embd_raw is not None else \
+            torch.from_numpy(emb.to_dense()).to(device=device, dtype=torch.float32)
+        lin = dict(dtype=dtype, device=device, kernel=kernel, small_max_rows=small_max_rows, large_dtype=large_dtype)
+        self.layers = nn.ModuleList()
+        for i in range(c.n_layer):
+            p = f"blk.{i}."
+            layer = nn.Module()
+            layer.attn_norm = RMSNorm(weights[p + "attn_norm.weight"], c.rms_eps, device)
+            layer.wqkv = Linear([weights[p + f"attn_{x}.weight"] for x in "qkv"],
+                                [weights[p + f"attn_{x}.bias"] for x in "qkv"] if c.qkv_bias else None, **lin)
+            layer.wo = Linear([weights[p + "attn_output.weight"]],
+                              [weights[p + "attn_output.bias"]] if c.attn_bias else None, **lin)
+            layer.sinks = torch.from_numpy(weights[p + "attn_sinks.weight"].to_dense()).float().to(device)
+            layer.post_attention_norm = RMSNorm(weights[p + "post_attention_norm.weight"], c.rms_eps, device)
+            layer.moe = GptOssMoE(weights, i, c, lin)
+            self.layers.append(layer)
+        self.output_norm = RMSNorm(weights["output_norm.weight"], c.rms_eps, device)
+        head = weights.get("output.weight", emb) if not c.tie_embeddings else emb
+        self.output = Linear([head], None, dtype=dtype, device=device,
+                             kernel=auto_head_kernel() if kernel == "auto" else kernel, small_max_rows=small_max_rows)
+        self.rope_cis = _cis(rope_inv_freq(c, weights.get("rope_freqs.weight")), max_positions,
+                             rope_attention_factor(c), device)
+        self.q_size = c.n_head * c.head_dim
+        self.kv_size = c.n_head_kv * c.head_dim
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+
+    def projections(self) -> list[Linear]:
+        """Every layer's attention projections (qkv, output) and experts' Linears, in layer order."""
+        out = []
+        for layer in self.layers:
+            out += [layer.wqkv, layer.wo, *layer.moe.gate_up, *layer.moe.down]
+        return out
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the token embedding: input_ids [T] long -> [T, E] float32 (a new tensor); of a
+        table kept as GGUF blocks only these rows are dequantized. IndexError for ids out of range."""
+        if self.tok_embd is not None:
+            return self.tok_embd.index_select(0, input_ids)
+        ids = input_ids.cpu().numpy()
+        n = self.tok_embd_raw.shape[0]
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            raise IndexError(f"token id out of range [0, {n})")
+        return torch.from_numpy(self.tok_embd_raw.dense_rows(ids))
+
+    def decode_step(self, *args, **kwargs):
+        """Not written for torch.compile yet: CompiledDecode logs this and the engine stays eager."""
+        raise NotImplementedError("the compiled decode step does not implement the gpt-oss block")
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_caches, logits_indices,
+                return_hidden: bool = False, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The flat batch -> float32 logits [len(logits_indices), n_vocab]; the contract of
+        LlamaModel.forward (no pipeline stages: ``hidden`` is refused)."""
+        if hidden is not None:
+            raise NotImplementedError("pipeline stages do not implement the gpt-oss block")
+        c = self.config
+        T = input_ids.shape[0]
+        x = self.embed(input_ids)
+        nq, nkv, hd = c.n_head, c.n_head_kv, c.head_dim
+        qs, qks = self.q_size, self.q_size + self.kv_size
+        cis = self.rope_cis[batch.positions].unsqueeze(1)  # [T, 1, D/2]
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            qkv = layer.wqkv.forward(layer.attn_norm.forward(x))
+            torch.view_as_complex(qkv[:, :qks].view(T, nq + nkv, hd // 2, 2)).mul_(cis)
+            q, k, v = qkv[:, :qs].view(T, nq, hd), qkv[:, qs:qks].view(T, nkv, hd), qkv[:, qks:].view(T, nkv, hd)
+            kv_write(k_cache, batch.slot_mapping, k)
+            kv_write(v_cache, batch.slot_mapping, v)
+            o = self._attention(q, k, v, k_cache, v_cache, batch, c.layer_windows[i], layer.sinks)
+            x = x + layer.wo.forward(o)
+            x = x + layer.moe.forward(layer.post_attention_norm.forward(x))
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = self.output_norm.forward(x)
+        if return_hidden:
+            return x
+        return self.output.forward(x).float()
+
+    def _attention(self, q, k, v, k_cache, v_cache, batch: AttentionBatch, window: int, sinks) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D] (already in the cache) -> [T, H * D]: the decode rows over
+        their cached rows, each prompt chunk over its own K/V or its cached prefix."""
+        c = self.config
+        T, nd = q.shape[0], batch.n_decode
+        out = torch.empty(T, c.n_head, c.head_dim, dtype=q.dtype, device=q.device)
+        args = (self.scale, window, sinks)
+        if nd:
+            idx = batch.decode_kv_index  # [B, L]: row j of query b is its position j
+            B, L = idx.shape
+            kd = kv_gather(k_cache, idx.reshape(-1), q.dtype).view(B, L, *k_cache.shape[1:])
+            vd = kv_gather(v_cache, idx.reshape(-1), q.dtype).view(B, L, *v_cache.shape[1:])
+            k_pos = torch.arange(L, device=q.device).expand(B, L)
+            valid = batch.decode_mask.view(B, L) if batch.decode_mask is not None else None
+            out[:nd] = attend(q[:nd].unsqueeze(1), kd, vd, batch.positions[:nd].unsqueeze(1), k_pos, valid,
+                              *args).squeeze(1)
+        for g in batch.prefills:
+            lq = g.end - g.start
+            q_pos = (g.n_past + torch.arange(lq, device=q.device)).unsqueeze(0)
+            if g.kv_index is None:  # the chunk's own K/V, rounded like the cache stores them
+                kp = kv_round(k_cache, k[g.start:g.end], q.dtype)
+                vp = kv_round(v_cache, v[g.start:g.end], q.dtype)
+                k_pos = q_pos
+            else:
+                kp = kv_gather(k_cache, g.kv_index, q.dtype)
+                vp = kv_gather(v_cache, g.kv_index, q.dtype)
+                k_pos = torch.arange(kp.shape[0], device=q.device).unsqueeze(0)
+            out[g.start:g.end] = attend(q[g.start:g.end].unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), q_pos,
+                                        k_pos, None, *args)[0]
+        return out.reshape(T, -1)

@@ -1,0 +1,158 @@
+"""gpt-oss beyond the shared family cases of tests/unit/test_families.py: each feature (sinks, windows,
+the clamp, YaRN without rounding) changes the logits, so the agreement there can fail; windows honoured
+in chunked prefill, decode over many blocks and prefix hits; MXFP4 experts; Ollama's ``gptoss`` files;
+refusals naming the tensor or key."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers", reason="transformers is a test-only dependency ([test] extra)")
+
+import family_models as fmod  # noqa: E402
+from kvserve.config import EngineConfig  # noqa: E402
+from kvserve.engine.core import EngineCore  # noqa: E402
+from kvserve.engine.request import Request, SamplingParams  # noqa: E402
+from kvserve.loaders.weights import ModelLoadError  # noqa: E402
+from kvserve.models.registry import load_files  # noqa: E402
+
+PROMPT = [5, 77, 120, 33, 250, 9, 18, 260, 41, 199, 7, 88, 150, 290, 61, 12, 3, 222, 140, 55]
+#: 3 layers (0 and 2 slide over 4 tokens), 8 experts top-4, YaRN as the released config has it (no rounding)
+CFG = dict(num_hidden_layers=3, sliding_window=4, num_local_experts=8, num_experts_per_tok=4,
+           max_position_embeddings=512,
+           rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                            "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The reference model, its HF directory, its GGUF with MXFP4 experts (the reference's experts
+    rounded to MXFP4 first), and Ollama's ``gptoss`` form of the same weights."""
+    model = fmod.build("gpt_oss", seed=5, **CFG)
+    d = tmp_path_factory.mktemp("gpt-oss")
+    hf = fmod.save_hf(model, d / "hf")
+    # the GGUF runs YaRN as llama.cpp does (the correction range rounded): its reference does too
+    rounded = fmod.build("gpt_oss", seed=5, **{**CFG, "rope_parameters": {**CFG["rope_parameters"], "truncate": True}})
+    fmod.round_experts_mxfp4(rounded)
+    eog = sorted(load_files(str(hf)).tokenizer.eog_token_ids)  # ignore_eos bans them, so the reference does too
+    return dict(model=model, hf=str(hf), rounded=rounded, eog=eog,
+                mxfp4=str(fmod.save_gguf(rounded, d / "mxfp4.gguf", "gpt-oss", expert_type="MXFP4")),
+                ref=fmod.reference_logits(model, PROMPT))
+
+
+def _core(path: str, **cfg) -> EngineCore:
+    cfg.setdefault("n_ctx", 512)
+    cfg.setdefault("dtype", "float32")
+    cfg.setdefault("kv_dtype", "f32")
+    return EngineCore(load_files(path), EngineConfig(**cfg))
+
+
+def _logits(core: EngineCore, ids: list[int]) -> torch.Tensor:
+    from kvserve.models.llama import AttentionBatch, PrefillGroup
+
+    c = core.model_config
+    T = len(ids)
+    kv = [(torch.zeros(T, c.n_head_kv, c.head_dim), torch.zeros(T, c.n_head_kv, c.head_dim)) for _ in range(c.n_layer)]
+    b = AttentionBatch(positions=torch.arange(T), slot_mapping=torch.arange(T), prefills=[PrefillGroup(0, T, 0, None)])
+    return core.model(torch.tensor(ids), b, kv, None)
+
+
+def _greedy(core: EngineCore, ids: list[int], n: int = 24) -> list[int]:
+    core.add_request(Request("g", ids, SamplingParams(n_predict=n, temperature=0.0, ignore_eos=True)))
+    out = []
+    for _ in range(500):
+        for o in core.step():
+            out += o.new_token_ids
+            if o.finished:
+                return out
+    raise AssertionError("did not finish")
+
+
+def _close(got, ref) -> float:
+    return (got - ref).abs().max().item() / ref.abs().max().item()
+
+
+def test_hf_without_yarn_rounding_matches_transformers(tiny):
+    """``truncate: false`` (the released config): the correction range is not rounded."""
+    assert _close(_logits(_core(tiny["hf"]), PROMPT), tiny["ref"]) <= 1e-4
+
+
+@pytest.mark.parametrize("change", ["sinks", "window", "clamp", "yarn-rounding", "router-bias"])
+def test_each_feature_moves_the_logits(tiny, change):
+    """Switching one feature off moves the logits far past the agreement tolerance (so the agreement
+    tests can see each one)."""
+    core = _core(tiny["hf"])
+    m, c = core.model, core.model_config
+    if change == "sinks":
+        for layer in m.layers:
+            layer.sinks.fill_(float("-inf"))
+    elif change == "window":
+        c.layer_windows = (0,) * c.n_layer
+    elif change == "clamp":
+        for layer in m.layers:
+            layer.moe.limit = 1e9
+    elif change == "yarn-rounding":
+        from kvserve.models.gpt_oss import _cis
+        from kvserve.models.llama import rope_attention_factor, rope_inv_freq
+
+        c.rope_scaling = {**c.rope_scaling, "truncate": True}
+        m.rope_cis = _cis(rope_inv_freq(c), 512, rope_attention_factor(c), "cpu")
+    else:
+        for layer in m.layers:
+            layer.moe.router_bias.zero_()
+    assert _close(_logits(core, PROMPT), tiny["ref"]) > 1e-3
+
+
+def test_windows_hold_across_chunks_blocks_and_prefix_hits(tiny):
+    """Prompt chunks of 3 tokens (each chunk over a cached prefix longer than the window), blocks of 4
+    tokens, and a resend that reuses the cached prefix: the same greedy tokens as transformers."""
+    model = tiny["model"]
+    want = fmod.reference_greedy(model, PROMPT, 24, tiny["eog"])
+    assert len(set(want)) >= 10
+    core = _core(tiny["hf"], max_num_batched_tokens=3, block_size=4)
+    assert _greedy(core, PROMPT) == want
+    longer = PROMPT + want[:6]
+    core.add_request(Request("h", longer, SamplingParams(n_predict=20, temperature=0.0, ignore_eos=True)))
+    outs = []
+    while not outs or not outs[-1].finished:
+        outs += core.step()
+    assert outs[-1].num_cached_tokens >= 20
+    assert [t for o in outs for t in o.new_token_ids] == fmod.reference_greedy(model, longer, 20, tiny["eog"])
+
+
+def test_mxfp4_experts_gguf_matches_transformers(tiny):
+    """llama.cpp's names with the experts as MXFP4 blocks (3-D, ggml type 39): the reference runs the
+    same MXFP4 values; logits within 1e-4 of their scale, 24 greedy tokens identical."""
+    import gguf
+
+    from kvserve.loaders.gguf import read_gguf_header
+
+    _, infos = read_gguf_header(tiny["mxfp4"])
+    types = {t.name: gguf.GGMLQuantizationType(t.ggml_type).name for t in infos}
+    assert types["blk.0.ffn_gate_exps.weight"] == "MXFP4" and types["blk.2.ffn_down_exps.weight"] == "MXFP4"
+    ref = fmod.reference_logits(tiny["rounded"], PROMPT)
+    assert _close(_logits(_core(tiny["mxfp4"]), PROMPT), ref) <= 1e-4
+    want = fmod.reference_greedy(tiny["rounded"], PROMPT, 24, tiny["eog"])
+    assert _greedy(_core(tiny["mxfp4"]), PROMPT) == want
+
+
+def test_missing_sinks_and_window_are_refused_naming_them(tiny):
+    from kvserve.models.family import read_gguf_config
+
+    md = {"general.architecture": "gpt-oss", "gpt-oss.embedding_length": 64, "gpt-oss.attention.head_count": 4,
+          "gpt-oss.block_count": 2, "gpt-oss.feed_forward_length": 128, "gpt-oss.context_length": 512,
+          "gpt-oss.expert_count": 8, "gpt-oss.expert_used_count": 4}
+    with pytest.raises(ModelLoadError, match="^g.gguf: missing GGUF key 'gpt-oss.attention.sliding_window'$"):
+        read_gguf_config(md, "g.gguf")
+    loaded = load_files(tiny["hf"])
+    from kvserve.models.family import family_of
+    from kvserve.loaders.weights import check_tensors
+
+    fam = family_of("gpt-oss")
+    weights = dict(loaded.weights)
+    del weights["blk.1.attn_sinks.weight"]
+    with pytest.raises(ModelLoadError, match="blk.1.attn_sinks.weight"):
+        check_tensors(fam.required_tensors(loaded.config, weights), weights, "m")
