@@ -278,6 +278,96 @@ def round_experts_mxfp4(model) -> None:
                 p.copy_(torch.from_numpy(np.ascontiguousarray(rt(t).transpose(0, 2, 1))))
 
 
+def ggml_mxfp4_to_openai(blocks: np.ndarray) -> np.ndarray:
+    """ggml MXFP4 blocks (uint8 [..., 17 * n]: byte j of a block holds elements j and j + 16) in the
+    checkpoint's order Ollama's ``gptoss`` files keep (byte k holds elements 2k and 2k + 1)."""
+    b = np.asarray(blocks).reshape(-1, 17)
+    e = np.concatenate([b[:, 1:] & 0x0F, b[:, 1:] >> 4], axis=1)  # [n, 32] element nibbles in order
+    out = b.copy()
+    out[:, 1:] = e[:, 0::2] | (e[:, 1::2] << 4)
+    return out.reshape(blocks.shape)
+
+
+def save_ollama_gptoss(model, path: Path) -> Path:
+    """A transformers gpt-oss model (experts already MXFP4 values: :func:`round_experts_mxfp4`) as
+    Ollama's converter wrote it: ``general.architecture = gptoss``, ``gptoss.*`` keys without a
+    ``rope.scaling.type`` (YaRN implied), HF-flavoured names (``attn_out``, ``attn_sinks``,
+    ``ffn_norm``, ``ffn_gate_inp``), gate and up fused and alternating by row
+    (``ffn_gate_up_exps``), the expert matrices as ggml type 4 (MXFP4 blocks in the checkpoint's
+    nibble order)."""
+    import gguf
+
+    c = model.config
+    rp = c.rope_parameters
+    tokens, types, merges = tinymodel.tiny_vocab()
+    w = gguf.GGUFWriter(str(path), "gptoss")
+    for key, value in (("block_count", c.num_hidden_layers), ("context_length", c.max_position_embeddings),
+                       ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
+                       ("expert_count", c.num_local_experts), ("expert_used_count", c.num_experts_per_tok),
+                       ("attention.head_count", c.num_attention_heads),
+                       ("attention.head_count_kv", c.num_key_value_heads), ("attention.key_length", c.head_dim),
+                       ("attention.value_length", c.head_dim), ("attention.sliding_window", c.sliding_window),
+                       ("rope.scaling.original_context_length", rp["original_max_position_embeddings"])):
+        w.add_uint32(f"gptoss.{key}", int(value))
+    for key, value in (("attention.layer_norm_rms_epsilon", c.rms_norm_eps), ("rope.freq_base", rp["rope_theta"]),
+                       ("rope.scaling.factor", rp["factor"])):
+        w.add_float32(f"gptoss.{key}", float(value))
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(0)
+    w.add_add_bos_token(False)
+    names = {"self_attn.o_proj": "attn_out", "self_attn.sinks": "attn_sinks",
+             "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.router": "ffn_gate_inp",
+             "mlp.experts.gate_up_proj_bias": "ffn_gate_up_exps.bias",
+             "mlp.experts.down_proj_bias": "ffn_down_exps.bias"}
+    packed = []
+    for name, t in model.state_dict().items():
+        data = t.detach().float().numpy().copy()
+        if not name.startswith("model.layers."):
+            w.add_tensor(gguf_name(name), data)
+            continue
+        idx, _, sub = name[len("model.layers."):].partition(".")
+        p = f"blk.{idx}."
+        if sub in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+            rows = np.ascontiguousarray(data.transpose(0, 2, 1))  # [E, out, in]; gate/up alternate by row
+            q = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.MXFP4)
+            g = p + ("ffn_gate_up_exps.weight" if "gate_up" in sub else "ffn_down_exps.weight")
+            w.add_tensor(g, ggml_mxfp4_to_openai(q), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            packed.append(g)
+            continue
+        for hf, ollama in names.items():
+            if sub.startswith(hf):
+                sub = ollama + sub[len(hf):]
+                break
+        else:
+            sub = LAYER_NAMES.get(sub, sub)
+        w.add_tensor(p + sub, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _retype(Path(path), packed, 39, 4)
+    return Path(path)
+
+
+def _retype(path: Path, names: list[str], old: int, new: int) -> None:
+    """Rewrite the ggml type of tensors ``names`` in a GGUF's tensor table from ``old`` to ``new``."""
+    import struct
+
+    buf = bytearray(path.read_bytes())
+    for name in names:
+        key = struct.pack("<Q", len(name)) + name.encode()
+        pos = buf.index(key) + len(key)
+        n_dims = struct.unpack_from("<I", buf, pos)[0]
+        at = pos + 4 + 8 * n_dims
+        assert struct.unpack_from("<I", buf, at)[0] == old
+        struct.pack_into("<I", buf, at, new)
+    path.write_bytes(bytes(buf))
+
+
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     """transformers' float32 logits [len(ids), vocab] for one sequence."""
     with torch.no_grad():

@@ -175,7 +175,8 @@ def _read_gguf_header(path: str) -> tuple[dict, list[TensorInfo]]:
         gtype = cur.scalar(4)
         offset = cur.scalar(10)
         try:
-            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(gtype)]
+            qtype = gguf.GGMLQuantizationType.MXFP4 if gtype == OLLAMA_MXFP4 else gguf.GGMLQuantizationType(gtype)
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
             raise ModelLoadError(f"{path}: tensor '{name}' has unknown ggml type {gtype}") from None
         n_el = 1
@@ -234,6 +235,24 @@ def _q8_0_dense(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return w.reshape(shape)
 
 
+#: the ggml type number Ollama's gpt-oss converter (architecture ``gptoss``) gave its MXFP4 tensors: the
+#: checkpoint's blocks as they are (a scale byte, then 16 bytes holding elements 2k and 2k+1 in the low
+#: and high nibble of byte k), which Ollama's loader reorders into ggml's MXFP4 (type 39: byte j holds
+#: elements j and j + 16) before use; :func:`ollama_mxfp4_to_ggml` does the same
+OLLAMA_MXFP4 = 4
+
+
+def ollama_mxfp4_to_ggml(data: np.ndarray) -> np.ndarray:
+    """uint8 blocks of 17 bytes in Ollama's ``gptoss`` MXFP4 order -> a new array in ggml's MXFP4 order
+    (the same scale byte; nibbles regrouped), the same length."""
+    blocks = np.asarray(data).reshape(-1, 17)
+    out = blocks.copy()
+    a, c = blocks[:, 1:9], blocks[:, 9:17]
+    out[:, 1:17:2] = (a & 0x0F) | (c << 4)
+    out[:, 2:17:2] = (a >> 4) | (c & 0xF0)
+    return out.reshape(-1)
+
+
 #: matrices of these ggml types stay as the file stores them (Weight.raw, a view of the mapping)
 #: for the block kernels (kvserve.models.ggml_kernel.TYPES less Q4_0/Q4_1, which keep their own path)
 RAW_TYPES = frozenset({"F16", "BF16", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
@@ -247,9 +266,12 @@ def _tensor_to_weight(t: TensorInfo, raw: np.ndarray) -> Weight:
     its type and shape (rows that are not whole blocks) or the type cannot be read."""
     import gguf
 
-    qtype = gguf.GGMLQuantizationType(t.ggml_type)
     shape = tuple(int(x) for x in reversed(t.shape))  # torch layout
     data = raw[t.offset: t.offset + t.n_bytes]
+    if t.ggml_type == OLLAMA_MXFP4:  # a copy in ggml's order (not the file's pages)
+        qtype, data = gguf.GGMLQuantizationType.MXFP4, ollama_mxfp4_to_ggml(data)
+    else:
+        qtype = gguf.GGMLQuantizationType(t.ggml_type)
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     if shape and shape[-1] % block or len(data) != t.n_elements // block * type_size:
         raise ModelLoadError(f"tensor '{t.name}' of type {qtype.name}: shape {list(t.shape)} is not whole "

@@ -156,3 +156,39 @@ def test_missing_sinks_and_window_are_refused_naming_them(tiny):
     del weights["blk.1.attn_sinks.weight"]
     with pytest.raises(ModelLoadError, match="blk.1.attn_sinks.weight"):
         check_tensors(fam.required_tensors(loaded.config, weights), weights, "m")
+
+
+def test_ollama_gptoss_file_loads_as_gpt_oss(tiny, tmp_path):
+    """Ollama's older form (architecture ``gptoss``, no rope.scaling.type, attn_out / attn_sinks / ffn_norm,
+    gate and up fused by alternating rows, MXFP4 as ggml type 4 in the checkpoint's nibble order): the
+    same logits and greedy tokens as the reference of the same MXFP4 values."""
+    from kvserve.loaders.gguf import OLLAMA_MXFP4, read_gguf_header
+
+    path = fmod.save_ollama_gptoss(tiny["rounded"], tmp_path / "ollama.gguf")
+    md, infos = read_gguf_header(str(path))
+    assert md["general.architecture"] == "gptoss" and "gptoss.rope.scaling.type" not in md
+    types = {t.name: t.ggml_type for t in infos}
+    assert types["blk.1.ffn_gate_up_exps.weight"] == OLLAMA_MXFP4 and "blk.1.attn_sinks" in types
+    loaded = load_files(str(path))
+    assert loaded.config.arch == "gptoss" and loaded.config.rope_scaling["type"] == "yarn"
+    assert loaded.config.layer_windows == (4, 0, 4) and loaded.config.n_expert_used == 4
+    ref = fmod.reference_logits(tiny["rounded"], PROMPT)
+    assert _close(_logits(_core(str(path)), PROMPT), ref) <= 1e-4
+    assert _greedy(_core(str(path)), PROMPT) == fmod.reference_greedy(tiny["rounded"], PROMPT, 24, tiny["eog"])
+
+
+def test_ollama_mxfp4_nibble_order_round_trips():
+    """ggml's MXFP4 order -> the checkpoint's (the test writer) -> ggml's (the loader): the same bytes,
+    and the checkpoint's order puts elements 2k, 2k + 1 in byte k."""
+    import gguf
+
+    from kvserve.loaders.gguf import ollama_mxfp4_to_ggml
+
+    vals = np.arange(-16, 16, dtype=np.float32).reshape(1, 32) / 4
+    q = gguf.quants.quantize(vals, gguf.GGMLQuantizationType.MXFP4)
+    raw = fmod.ggml_mxfp4_to_openai(q)
+    assert np.array_equal(ollama_mxfp4_to_ggml(raw), q.reshape(-1))
+    e = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.MXFP4)[0]
+    lo = gguf.quants.dequantize(np.concatenate([q[:, :1], raw[:, 1:] & 0x0F, np.zeros((1, 8), np.uint8)], 1)[:, :17],
+                                gguf.GGMLQuantizationType.MXFP4)
+    assert lo[0, :8].tolist() == e[0:16:2].tolist()  # low nibbles of bytes 0..7: elements 0, 2, ..., 14
