@@ -126,7 +126,7 @@ def llama3_rope_factors(config) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def save_gguf(model, path: Path, arch: str, expert_type: str = "F32") -> Path:
+def save_gguf(model, path: Path, arch: str, expert_type: str = "F32", chat_template: str | None = None) -> Path:
     """The same model as a GGUF of ``general.architecture = arch`` (F32 tensors, llama.cpp's names;
     gpt-oss's experts as ``expert_type`` "MXFP4" blocks when asked: see :func:`round_experts_mxfp4`)."""
     import gguf
@@ -158,7 +158,7 @@ def save_gguf(model, path: Path, arch: str, expert_type: str = "F32") -> Path:
     w.add_bos_token_id(0)
     w.add_eos_token_id(0)
     w.add_add_bos_token(False)
-    w.add_chat_template(tinymodel.CHATML_TEMPLATE)
+    w.add_chat_template(chat_template or tinymodel.CHATML_TEMPLATE)
     if arch.startswith("gemma"):
         w.add_sliding_window(c.sliding_window)
         if getattr(c, "attn_logit_softcapping", None):

@@ -199,6 +199,9 @@ BUILTIN_TEMPLATES: dict[str, str] = {
     "yandex": _YANDEX,
     "bailing": _BAILING,
     "smolvlm": _SMOLVLM,
+    # llama.cpp's "gpt-oss" (LLM_CHAT_TEMPLATE_OPENAI_MOE): harmony messages without channels
+    "gpt-oss": _each("{{- '<|start|>' + message['role'] + '<|message|>' + " + _C + " + "
+                     "('<|return|>' if message['role'] == 'assistant' else '<|end|>') -}}", "<|start|>assistant"),
 }
 
 

@@ -274,6 +274,15 @@ def template_kwargs(args, body: dict, template=None, tools: list | None = None) 
     return kwargs
 
 
+def is_harmony(template) -> bool:
+    """True for a chat template that writes OpenAI's harmony format (gpt-oss: ``<|start|>`` and
+    ``<|message|>``; llama.cpp's built-in "gpt-oss" has no channels): its output is harmony messages,
+    whose ``analysis`` channel is the reasoning (kvserve.chat.harmony), as llama-server's gpt-oss
+    chat format parses it."""
+    src = getattr(template, "source", "") or "" if template is not None else ""
+    return "<|start|>" in src and "<|message|>" in src
+
+
 def server_context(args, template, tools: list | None) -> dict:
     """What llama-server adds to a Jinja template's context (``common/chat.cpp``): ``enable_thinking``
     always defined (``--reasoning auto``, the default: true unless ``--reasoning-budget 0``) and the
@@ -323,6 +332,8 @@ def chat_features(state, body: dict) -> ChatFeatures:
             raise ApiError(400, f"Field 'reasoning_format': expected none, auto, deepseek or deepseek-legacy, "
                                 f"got {fmt!r}")
         f.reasoning_style = "deepseek" if fmt == "auto" else fmt
+        if f.reasoning_style == "deepseek" and is_harmony(state.template):
+            f.reasoning_style = "openai_gptoss"  # llama-server's gpt-oss format: the analysis channel is reasoning
     budget = get_int(body, "thinking_token_budget")
     if budget is None:
         budget = args.reasoning_budget

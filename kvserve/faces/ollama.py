@@ -479,14 +479,16 @@ def template_source(runner: Runner) -> str:
 def capabilities(template: str, tool_parser: str | None = None) -> list[str]:
     """Ollama's capabilities of a model from its chat template: ``completion``; ``tools`` when
     a tool-call parser fits the template (or ``--tool-call-parser`` is set); ``thinking`` when
-    the template writes or switches thinking blocks (``<think>``, ``enable_thinking``)."""
+    the template writes or switches thinking blocks (``<think>``, ``enable_thinking``) or writes
+    harmony messages (gpt-oss's analysis channel)."""
     from kvserve.chat.tool_calls import detect_tool_parser
 
     caps = ["completion"]
     if tool_parser or (template and detect_tool_parser(template)):
         caps.append("tools")
-    if "<think>" in template or "enable_thinking" in template:
-        caps.append("thinking")
+    if "<think>" in template or "enable_thinking" in template or ("<|channel|>" in template and
+                                                                    "<|message|>" in template):
+        caps.append("thinking")  # harmony (gpt-oss): the analysis channel
     return caps
 
 
@@ -546,7 +548,12 @@ def _openai_body(call: _Call, runner: Runner) -> dict:
     thinks = "thinking" in capabilities(template_source(runner), runner.args.tool_call_parser)
     if think not in (None, False) and not thinks:
         raise ApiError(400, f'"{call.model}" does not support thinking')
-    if thinks:
+    if thinks and "<|channel|>" in template_source(runner):
+        # gpt-oss always writes its analysis channel (Ollama: think takes low / medium / high); it is
+        # parsed out of the answer whatever think says, false included
+        if isinstance(think, str):
+            out["reasoning_effort"] = think
+    elif thinks:
         if think is False:
             out["chat_template_kwargs"] = {"enable_thinking": False}
             out["reasoning_format"] = "none"

@@ -24,6 +24,11 @@ CONVERSATION = [
 ]
 
 EXPECTED = {
+    # not in llama.cpp's test: the text of its llm_chat_apply_template branch for LLM_CHAT_TEMPLATE_OPENAI_MOE
+    "gpt-oss": "<|start|>system<|message|>You are a helpful assistant<|end|><|start|>user<|message|>Hello<|end|>"
+               "<|start|>assistant<|message|>Hi there<|return|><|start|>user<|message|>Who are you<|end|>"
+               "<|start|>assistant<|message|>   I am an assistant   <|return|><|start|>user<|message|>Another "
+               "question<|end|><|start|>assistant",
     "chatml": "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
               "<|im_start|>assistant\nHi there<|im_end|>\n<|im_start|>user\nWho are you<|im_end|>\n"
               "<|im_start|>assistant\n   I am an assistant   <|im_end|>\n<|im_start|>user\nAnother question<|im_end|>\n"
