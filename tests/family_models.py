@@ -128,7 +128,8 @@ def llama3_rope_factors(config) -> np.ndarray:
 
 def save_gguf(model, path: Path, arch: str, expert_type: str = "F32", chat_template: str | None = None) -> Path:
     """The same model as a GGUF of ``general.architecture = arch`` (F32 tensors, llama.cpp's names;
-    gpt-oss's experts as ``expert_type`` "MXFP4" blocks when asked: see :func:`round_experts_mxfp4`)."""
+    the experts as ``expert_type`` blocks when asked: "MXFP4" for gpt-oss (see
+    :func:`round_experts_mxfp4`), "F16" for qwen3moe)."""
     import gguf
 
     c = model.config
@@ -208,12 +209,13 @@ def save_gguf(model, path: Path, arch: str, expert_type: str = "F32", chat_templ
         if name.endswith("mlp.experts.gate_up_proj"):  # transformers 5's fused experts [E, 2I, H]
             p = name[:-len("mlp.experts.gate_up_proj")].replace("model.layers.", "blk.")
             half = data.shape[1] // 2
-            w.add_tensor(p + "ffn_gate_exps.weight", np.ascontiguousarray(data[:, :half]))
-            w.add_tensor(p + "ffn_up_exps.weight", np.ascontiguousarray(data[:, half:]))
+            ex = np.float16 if expert_type == "F16" else np.float32
+            w.add_tensor(p + "ffn_gate_exps.weight", np.ascontiguousarray(data[:, :half], dtype=ex))
+            w.add_tensor(p + "ffn_up_exps.weight", np.ascontiguousarray(data[:, half:], dtype=ex))
             continue
         if name.endswith("mlp.experts.down_proj"):
             w.add_tensor(name[:-len("mlp.experts.down_proj")].replace("model.layers.", "blk.") + "ffn_down_exps.weight",
-                         np.ascontiguousarray(data))
+                         np.ascontiguousarray(data, dtype=np.float16 if expert_type == "F16" else np.float32))
             continue
         if name.endswith("mlp.gate.weight"):
             w.add_tensor(name[:-len("mlp.gate.weight")].replace("model.layers.", "blk.") + "ffn_gate_inp.weight", data)

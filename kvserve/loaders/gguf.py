@@ -7,8 +7,10 @@ module's layout; this module only reads the file.
 Quantized tensors: Q4_0 and Q4_1 are kept packed (converted to torch's int4
 layout by the model); matrices of the types the GGUF block kernels multiply
 (F16, BF16, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS, MXFP4: :data:`RAW_TYPES`)
-keep the file's bytes (``Weight.raw``, a view of the mapping); every other type
-the ``gguf`` package can dequantize becomes float32 at load.
+keep the file's bytes (``Weight.raw``, a view of the mapping), stacked expert
+tensors [E, out, in] of those types too (a MoE module multiplies each expert's
+rows: idle experts are never read); every other type the ``gguf`` package can
+dequantize becomes float32 at load.
 """
 
 from __future__ import annotations
@@ -278,8 +280,8 @@ def _tensor_to_weight(t: TensorInfo, raw: np.ndarray) -> Weight:
                              f"{block}-value blocks of {type_size} bytes ({len(data)} bytes in the file)")
     if qtype.name in ("Q4_0", "Q4_1") and len(shape) == 2:
         return _q4_blocks(data, shape[0], shape[1], qtype.name)
-    if qtype.name in RAW_TYPES and len(shape) == 2:
-        return Weight(shape, raw=data.reshape(shape[0], shape[1] // block * type_size), source_type=qtype.name)
+    if qtype.name in RAW_TYPES and len(shape) in (2, 3):  # a matrix, or stacked experts [E, out, in]
+        return Weight(shape, raw=data.reshape(*shape[:-1], shape[-1] // block * type_size), source_type=qtype.name)
     if qtype == gguf.GGMLQuantizationType.Q8_0 and shape and shape[-1] % 32 == 0:
         return Weight(shape, dense=_q8_0_dense(data, shape), source_type=qtype.name)
     if qtype == gguf.GGMLQuantizationType.F32:

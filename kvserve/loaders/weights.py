@@ -101,7 +101,8 @@ class Weight:
     (float32 [out, in // 32]) such that ``w = (q - 8) * scale + zero``
     (torch's int4pack convention; for GGUF Q4_1 ``scale = d``, ``zero = m + 8d``;
     for Q4_0 ``scale = d``, ``zero = 0``), or ``raw``: a matrix's GGUF bytes as the
-    file stores them (uint8 [out, bytes per row], usually a view of the file's
+    file stores them (uint8 [out, bytes per row], or [E, out, bytes per row] for a MoE layer's
+    stacked experts; usually a view of the file's
     np.memmap: no copy), of ggml type ``source_type`` (the block kernels of
     :mod:`kvserve.models.ggml_kernel` multiply with it; :meth:`to_dense` dequantizes).
     """

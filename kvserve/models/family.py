@@ -13,7 +13,8 @@ The families: ``llama`` (llama, mistral, qwen2; llama 3's RoPE factors, tied emb
 biases), ``qwen3`` (kvserve.models.qwen3: q/k norm), ``qwen3moe`` (kvserve.models.moe: experts),
 ``gemma2`` / ``gemma3`` (kvserve.models.gemma: their own block, sliding-window layers), ``phi3``
 (kvserve.models.phi3: fused tensors cut at load, LongRoPE, partial rotary), ``mistral3``
-(kvserve.models.mistral3: YaRN and a query temperature), ``bert``
+(kvserve.models.mistral3: YaRN and a query temperature), ``gpt-oss`` (kvserve.models.gpt_oss:
+attention sinks, windows, a biased MoE; Ollama's older ``gptoss`` files too), ``bert``
 (kvserve.models.bert_config / bert: an encoder) and ``nomic-bert`` (kvserve.models.nomic_bert: the
 BERT encoder with rotary positions and a SwiGLU FFN).
 

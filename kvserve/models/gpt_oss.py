@@ -46,7 +46,7 @@ from kvserve.engine.kv_quant import kv_gather, kv_round, kv_write
 from kvserve.loaders.weights import ModelConfig, ModelLoadError, Weight, interleave_qk
 from kvserve.models.llama import AttentionBatch, Linear, RMSNorm, auto_head_kernel, rope_attention_factor, \
     rope_inv_freq
-from kvserve.models.moe import MoeConfig
+from kvserve.models.moe import MoeConfig, expert_linear, expert_rows
 
 #: GGUF architecture names: llama.cpp's, and the one Ollama's converter wrote (its loader renames it)
 GGUF_ARCHS = ("gpt-oss", "gptoss")
@@ -221,7 +221,13 @@ def _rename(weights: dict, old: str, new: str) -> None:
 
 
 def _deinterleave(w: Weight, axis: int) -> tuple[Weight, Weight]:
-    """(even, odd) slices of ``w`` along ``axis`` (gpt-oss fuses gate and up by alternating them)."""
+    """(even, odd) slices of ``w`` along ``axis`` (gpt-oss fuses gate and up by alternating them);
+    stacked experts kept as GGUF blocks ([E, rows, row bytes], ``axis`` 1) stay blocks (copies of
+    every other row, the same bytes)."""
+    if w.raw is not None and axis == 1 and len(w.shape) == 3:
+        shape = (w.shape[0], w.shape[1] // 2, w.shape[2])
+        return tuple(Weight(shape, raw=np.ascontiguousarray(w.raw[:, i::2]), source_type=w.source_type)
+                     for i in (0, 1))
     arr = w.to_dense()
     idx = [slice(None)] * arr.ndim
     idx[axis] = slice(0, None, 2)
@@ -327,8 +333,9 @@ class GptOssMoE(nn.Module):
     Args:
         weights: the model's weights; layer: the layer index; config: its GptOssConfig.
         lin: keyword arguments of :class:`kvserve.models.llama.Linear` (kernel, dtype, device...).
-    Each expert is two Linears (gate|up fused, and down, with their biases) over rows of the stacked
-    [E, out, in] tensors.
+    Each expert is two Linears (gate|up fused, and down, with their biases) over its rows of the
+    stacked [E, out, in] tensors (kvserve.models.moe.expert_rows / expert_linear: GGUF blocks
+    multiplied where they lie, idle experts never read).
     """
 
     def __init__(self, weights: dict[str, Weight], layer: int, config: GptOssConfig, lin: dict):
@@ -342,8 +349,9 @@ class GptOssMoE(nn.Module):
         self.n_ff = config.n_ff_expert
         gate, up, down = (expert_rows(weights[p + f"ffn_{x}_exps.weight"]) for x in ("gate", "up", "down"))
         gb, ub, db = (expert_rows(weights[p + f"ffn_{x}_exps.bias"]) for x in ("gate", "up", "down"))
-        self.gate_up = nn.ModuleList(Linear([gate[e], up[e]], [gb[e], ub[e]], **lin) for e in range(config.n_expert))
-        self.down = nn.ModuleList(Linear([down[e]], [db[e]], **lin) for e in range(config.n_expert))
+        self.gate_up = nn.ModuleList(expert_linear([gate[e], up[e]], [gb[e], ub[e]], lin)
+                                     for e in range(config.n_expert))
+        self.down = nn.ModuleList(expert_linear([down[e]], [db[e]], lin) for e in range(config.n_expert))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -368,17 +376,6 @@ class GptOssMoE(nn.Module):
             out.index_add_(0, r, y * weights[start:start + n, None])
             start += n
         return out
-
-
-def expert_rows(w: Weight) -> list[Weight]:
-    """The experts of a stacked [E, ...] weight as E Weights of ``shape[1:]``: views of the file's
-    blocks where ``w`` keeps them (``raw``: no copy, so idle experts are never read), else slices of
-    its float32 values."""
-    if w.raw is not None:
-        return [Weight(w.shape[1:], raw=w.raw[e], source_type=w.source_type) for e in range(w.shape[0])]
-    arr = w.to_dense()
-    return [Weight(w.shape[1:], dense=np.ascontiguousarray(arr[e]), source_type=w.source_type)
-            for e in range(w.shape[0])]
 
 
 def _cis(inv: torch.Tensor, max_positions: int, scale: float, device) -> torch.Tensor:

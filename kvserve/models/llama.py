@@ -539,7 +539,7 @@ class LlamaModel(nn.Module):
             if getattr(c, "is_moe", None) is not None and c.is_moe(i):  # a mixture of experts (kvserve.models.moe)
                 from kvserve.models.moe import build_moe
 
-                layer.moe = build_moe(c, weights, i, device)
+                layer.moe = build_moe(c, weights, i, device, lin)
             else:
                 layer.w_gate_up = Linear([weights[p + "ffn_gate.weight"], weights[p + "ffn_up.weight"]],
                                          _biases(weights, p, c.mlp_bias, "ffn_gate", "ffn_up"), **lin)

@@ -4,8 +4,9 @@
 their weights renormalised to sum to 1 (``norm_topk_prob``; llama.cpp always does for qwen3moe),
 each expert a SiLU-gated MLP of width ``n_ff_expert``. A step's rows are grouped by expert and
 experts no row chose are not read (vLLM's fused MoE, llama.cpp's ``mul_mat_id`` do the same).
-Expert weights are kept as float32 [E, out, in] tensors for now (packed experts are the weights
-issue's).
+Expert weights stay as the file stores them: a GGUF's stacked blocks are multiplied per expert by
+the block kernels (kvserve.models.ggml_kernel) where they lie, so idle experts are never read; float
+experts (HF, F32 GGUFs, types the kernels lack) are float32.
 
 qwen3moe = qwen3's attention (per-head q/k norm, NEOX RoPE) + this FFN, on layers the config
 names (transformers' ``mlp_only_layers`` / ``decoder_sparse_step``; every layer in a GGUF).
@@ -52,16 +53,22 @@ class MoE(nn.Module):
 
     Args:
         router: [E, n_embd]; gate, up: [E, n_ff_expert, n_embd]; down: [E, n_embd, n_ff_expert]
-            (Weight objects, read dense).
+            (Weight objects: GGUF blocks kept as the file stores them, or float32).
         top_k: experts per token; norm: renormalise their weights.
+        lin: keyword arguments of :class:`kvserve.models.llama.Linear` (dtype, device, kernel...).
+    Each expert is two Linears (gate|up fused, and down) over its rows of the stacked tensors
+    (:func:`expert_rows`, :func:`expert_linear`): a file's blocks are multiplied where they lie, so
+    an expert no row chose is never read.
     """
 
-    def __init__(self, router: Weight, gate: Weight, up: Weight, down: Weight, top_k: int, norm: bool, device):
+    def __init__(self, router: Weight, gate: Weight, up: Weight, down: Weight, top_k: int, norm: bool, lin: dict):
         super().__init__()
-        def t(w: Weight) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(w.to_dense(), dtype=np.float32)).to(device)
-        self.router, self.gate, self.up, self.down = t(router), t(gate), t(up), t(down)
+        self.router = torch.from_numpy(np.ascontiguousarray(router.to_dense(), dtype=np.float32)).to(lin["device"])
         self.top_k, self.norm = top_k, norm
+        self.n_ff = gate.shape[1]
+        g, u, d = expert_rows(gate), expert_rows(up), expert_rows(down)
+        self.gate_up = nn.ModuleList(expert_linear([g[e], u[e]], None, lin) for e in range(len(g)))
+        self.down = nn.ModuleList(expert_linear([d[e]], None, lin) for e in range(len(d)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -80,11 +87,33 @@ class MoE(nn.Module):
             if not n:
                 continue
             r = rows[start:start + n]
-            h = x.index_select(0, r)
-            y = F.linear(F.silu(F.linear(h, self.gate[e])) * F.linear(h, self.up[e]), self.down[e])
+            gu = self.gate_up[e].forward(x.index_select(0, r))
+            y = self.down[e].forward(F.silu(gu[:, :self.n_ff]) * gu[:, self.n_ff:])
             out.index_add_(0, r, y * weights[start:start + n, None])
             start += n
         return out
+
+
+def expert_rows(w: Weight) -> list[Weight]:
+    """The experts of a stacked [E, ...] weight as E Weights of ``shape[1:]``: views of the file's
+    blocks where ``w`` keeps them (``raw``: no copy, so an idle expert's pages are never read),
+    else float32 slices."""
+    if w.raw is not None:
+        return [Weight(w.shape[1:], raw=w.raw[e], source_type=w.source_type) for e in range(w.shape[0])]
+    arr = w.to_dense()
+    return [Weight(w.shape[1:], dense=np.ascontiguousarray(arr[e], dtype=np.float32), source_type=w.source_type)
+            for e in range(w.shape[0])]
+
+
+def expert_linear(weights: list[Weight], bias: list[Weight] | None, lin: dict):
+    """One expert's Linear over ``weights`` (row blocks, fused). Experts kept as GGUF blocks take
+    ``lin``'s kernel (the block kernels under "auto"); float32 experts stay dense float32 (their
+    values as the file gives them: no int8 requantization of a few rows)."""
+    from kvserve.models.llama import Linear
+
+    if any(w.raw is None for w in weights):
+        lin = {**lin, "kernel": "dense", "small_max_rows": 0, "native_q4": False}
+    return Linear(weights, bias, **lin)
 
 
 # -- the qwen3moe family --------------------------------------------------------------------------------
@@ -179,9 +208,11 @@ def prepare(config: MoeConfig, weights: dict[str, Weight], fmt: str) -> None:
     interleave_qk(config, weights)
 
 
-def build_moe(config: MoeConfig, weights: dict[str, Weight], layer: int, device) -> MoE:
-    """Layer ``layer``'s MoE FFN."""
+def build_moe(config: MoeConfig, weights: dict[str, Weight], layer: int, device, lin: dict | None = None) -> MoE:
+    """Layer ``layer``'s MoE FFN; ``lin``: the Linear options of the model's projections (default:
+    float32, dense, on ``device``)."""
     p = f"blk.{layer}."
+    lin = lin or dict(dtype=torch.float32, device=device, kernel="dense")
     return MoE(weights[p + "ffn_gate_inp.weight"], weights[p + "ffn_gate_exps.weight"],
                weights[p + "ffn_up_exps.weight"], weights[p + "ffn_down_exps.weight"],
-               config.n_expert_used, config.expert_weights_norm, device)
+               config.n_expert_used, config.expert_weights_norm, lin)

@@ -311,8 +311,15 @@ def model_shape(path: str) -> tuple:
     return _SHAPES[key]
 
 
+def _type_name(gguf, ggml_type: int) -> str:
+    """The ggml type's name ("MXFP4" for Ollama's gpt-oss type 4, see kvserve.loaders.gguf)."""
+    from kvserve.loaders.gguf import OLLAMA_MXFP4
+
+    return "MXFP4" if ggml_type == OLLAMA_MXFP4 else gguf.GGMLQuantizationType(ggml_type).name
+
+
 def gguf_raw_bytes(path: str) -> tuple[int, int]:
-    """(bytes, values) of a .gguf file's matrices that load as the file stores them (the types of
+    """(bytes, values) of a .gguf file's matrices and stacked experts that load as the file stores them (the types of
     :data:`kvserve.loaders.gguf.RAW_TYPES`, multiplied by the GGUF block kernels with no dense
     copy); (0, 0) for an HF directory. From the header only, cached by path, size and mtime."""
     p = Path(path)
@@ -326,7 +333,7 @@ def gguf_raw_bytes(path: str) -> tuple[int, int]:
         from kvserve.loaders.gguf import RAW_TYPES, read_gguf_header
 
         _, tensors = read_gguf_header(str(p))
-        raw = [t for t in tensors if len(t.shape) == 2 and gguf.GGMLQuantizationType(t.ggml_type).name in RAW_TYPES]
+        raw = [t for t in tensors if len(t.shape) in (2, 3) and _type_name(gguf, t.ggml_type) in RAW_TYPES]
         _SHAPES[key] = (sum(t.n_bytes for t in raw), sum(t.n_elements for t in raw))
     return _SHAPES[key]
 

@@ -192,3 +192,111 @@ def test_ollama_mxfp4_nibble_order_round_trips():
     lo = gguf.quants.dequantize(np.concatenate([q[:, :1], raw[:, 1:] & 0x0F, np.zeros((1, 8), np.uint8)], 1)[:, :17],
                                 gguf.GGMLQuantizationType.MXFP4)
     assert lo[0, :8].tolist() == e[0:16:2].tolist()  # low nibbles of bytes 0..7: elements 0, 2, ..., 14
+
+
+def _file_view(a: np.ndarray) -> bool:
+    """True when ``a`` is a view of a np.memmap (the file's pages), not a copy."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return isinstance(a, np.memmap)
+
+
+def _count_expert_calls(model) -> list[list[int]]:
+    """Per MoE layer, per expert: calls of its gate|up Linear from now on (instance-level wrappers)."""
+    counts = []
+    for layer in model.layers:
+        row = [0] * len(layer.moe.gate_up)
+        for e, lin in enumerate(layer.moe.gate_up):
+            def wrapped(x, _f=lin.forward, _e=e, _row=row):
+                _row[_e] += 1
+                return _f(x)
+            lin.forward = wrapped
+        counts.append(row)
+    return counts
+
+
+def _packed_case(path: str, ref: torch.Tensor, names: list[str]) -> list[list[int]]:
+    from kvserve.models import ggml_kernel
+
+    if ggml_kernel.ensure_built() is None:
+        pytest.skip("the GGUF block kernels cannot be built here")
+    loaded = load_files(path)
+    for n in names:
+        w = loaded.weights[n]
+        assert w.raw is not None and w.raw.ndim == 3 and _file_view(w.raw), n
+    core = EngineCore(loaded, EngineConfig(n_ctx=512, dtype="auto", kv_dtype="f32"))
+    m = core.model
+    assert all(lin.kernel == "gguf" and lin.weight is None for layer in m.layers for lin in layer.moe.gate_up)
+    # each MoE layer against the same layer dequantized to float32 (the agreement tests' numerics):
+    # the block kernels quantize activations to q8_0 as llama.cpp does (up to 1/254 of a 32-value
+    # block's largest value each), twice per expert (gate|up, then down): close, not exact
+    dense = _core(path).model
+    x = torch.randn(6, loaded.config.n_embd, generator=torch.Generator().manual_seed(0))
+    for packed_layer, dense_layer in zip(m.layers, dense.layers):
+        assert _close(packed_layer.moe.forward(x), dense_layer.moe.forward(x)) <= 3e-2
+    assert _close(_logits(_core(path), PROMPT), ref) <= 1e-4  # and the float32 path still agrees exactly
+    counts = _count_expert_calls(m)
+    _logits(core, PROMPT[:1])  # one token: only its top-k experts run
+    return counts
+
+
+def test_mxfp4_experts_stay_packed_and_idle_ones_are_not_run(tiny):
+    """Under the default numerics the MXFP4 experts are views of the file's blocks (no dense copy),
+    multiplied per expert by the block kernels; one token runs exactly its 4 experts per layer."""
+    ref = fmod.reference_logits(tiny["rounded"], PROMPT)
+    counts = _packed_case(tiny["mxfp4"], ref, [f"blk.{i}.ffn_{x}_exps.weight" for i in range(3) for x in
+                                               ("gate", "up", "down")])
+    assert [sum(c) for c in counts] == [4, 4, 4] and all(max(c) == 1 for c in counts)
+
+
+def test_qwen3moe_f16_experts_stay_packed(tmp_path):
+    """qwen3moe's stacked F16 experts are kept as the file's blocks too (top-2 of 8 per token)."""
+    cfg = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+               decoder_sparse_step=1, mlp_only_layers=[])
+    model = fmod.build("qwen3_moe", seed=11, **cfg)
+    with torch.no_grad():  # the reference holds the F16 values the file holds
+        for name, p in model.named_parameters():
+            if ".mlp.experts." in name:
+                p.copy_(p.half().float())
+    path = fmod.save_gguf(model, tmp_path / "moe.gguf", "qwen3moe", expert_type="F16")
+    counts = _packed_case(str(path), fmod.reference_logits(model, PROMPT),
+                          [f"blk.{i}.ffn_{x}_exps.weight" for i in range(2) for x in ("gate", "up", "down")])
+    assert [sum(c) for c in counts] == [2, 2] and all(max(c) == 1 for c in counts)
+
+
+def test_llama_server_reads_the_same_gguf_as_kvserve(tiny, tmp_path):
+    """llama.cpp is the GGUF oracle: llama-server (``$KVSERVE_LLAMA_SERVER``, a binary built from the
+    llama-cpp-python sdist; opt-in) and kvserve give the same 24 greedy tokens from the MXFP4 file."""
+    import os
+    import subprocess
+    import time
+
+    import httpx
+    from servers import free_port
+
+    binary = os.environ.get("KVSERVE_LLAMA_SERVER")
+    if not binary or not os.path.isfile(binary):
+        pytest.skip("set KVSERVE_LLAMA_SERVER to a llama-server binary")
+    port = free_port()
+    log = open(tmp_path / "llama-server.log", "wb")
+    proc = subprocess.Popen([binary, "-m", tiny["mxfp4"], "--host", "127.0.0.1", "--port", str(port), "-c", "512",
+                             "-np", "1", "-t", "1"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "llama-server.log").read_text()
+            time.sleep(0.2)
+        body = {"prompt": PROMPT, "n_predict": 24, "temperature": 0, "cache_prompt": False, "return_tokens": True,
+                "logit_bias": [[t, False] for t in tiny["eog"]]}
+        theirs = httpx.post(url + "/completion", json=body, timeout=60).json()["tokens"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
+    assert theirs == _greedy(_core(tiny["mxfp4"]), PROMPT)
