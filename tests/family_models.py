@@ -355,6 +355,37 @@ def save_ollama_gptoss(model, path: Path) -> Path:
     return Path(path)
 
 
+def save_hf_mxfp4(model, path: Path) -> Path:
+    """A transformers gpt-oss model (experts already MXFP4 values: :func:`round_experts_mxfp4`) as the
+    released checkpoints are: ``quantization_config`` ``{"quant_method": "mxfp4"}``, each expert matrix
+    as uint8 ``*_blocks`` [E, out, in / 32, 16] (the checkpoint's nibble order) and e8m0 ``*_scales``
+    [E, out, in / 32], gate and up alternating by row."""
+    import gguf
+    from safetensors.torch import save_file
+
+    path = save_hf(model, path)
+    state = {}
+    for name, t in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            rows = np.ascontiguousarray(t.detach().float().numpy().transpose(0, 2, 1))  # [E, out, in]
+            q = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.MXFP4)
+            e, out = rows.shape[:2]
+            q = ggml_mxfp4_to_openai(q).reshape(e, out, -1, 17)
+            state[name + "_blocks"] = torch.from_numpy(np.ascontiguousarray(q[..., 1:]))
+            state[name + "_scales"] = torch.from_numpy(np.ascontiguousarray(q[..., 0]))
+        else:
+            state[name] = t.detach().contiguous()
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    save_file(state, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                       "model.layers.*.mlp.router",
+                                                                                       "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
 def _retype(path: Path, names: list[str], old: int, new: int) -> None:
     """Rewrite the ggml type of tensors ``names`` in a GGUF's tensor table from ``old`` to ``new``."""
     import struct

@@ -120,6 +120,8 @@ def read_scheme(cfg: dict, path: str) -> QuantScheme | None:
     if not isinstance(qc, dict):
         raise ModelLoadError(f"{path}: config.json's quantization_config is not an object")
     method = str(qc.get("quant_method", "")).lower().replace("compressed_tensors", "compressed-tensors")
+    if method == "mxfp4" and "GptOssForCausalLM" in (cfg.get("architectures") or []):
+        return None  # gpt-oss's released experts: read as blocks by its family (kvserve.models.gpt_oss)
     reader = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors, "fp8": _fp8}.get(method)
     if reader is None:
         named = f"quant_method '{method}'" if method else "no quant_method"

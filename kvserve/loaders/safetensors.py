@@ -94,6 +94,9 @@ def load_hf_dir(path: str | os.PathLike) -> LoadedModel:
         g = family.hf_tensor_name(name, config)
         if g is None:
             continue
+        if t.dtype == torch.uint8:  # packed blocks (gpt-oss's MXFP4 experts): the family's prepare reads them
+            weights[g] = Weight(tuple(t.shape), raw=t.numpy(), source_type="U8")
+            continue
         arr = t.to(torch.float32).numpy()
         weights[g] = Weight(tuple(arr.shape), dense=np.ascontiguousarray(arr), source_type=str(t.dtype))
     for name, w in quant.finish() if quant is not None else ():

@@ -163,6 +163,9 @@ HF_LAYER_NAMES = {
     "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
     "mlp.experts.gate_up_proj": "hf_gate_up_exps", "mlp.experts.gate_up_proj_bias": "hf_gate_up_exps_bias",
     "mlp.experts.down_proj": "hf_down_exps", "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
+    # the released checkpoints (quant_method mxfp4): uint8 blocks [E, out, in / 32, 16] and scales
+    "mlp.experts.gate_up_proj_blocks": "hf_gate_up_blocks", "mlp.experts.gate_up_proj_scales": "hf_gate_up_scales",
+    "mlp.experts.down_proj_blocks": "hf_down_blocks", "mlp.experts.down_proj_scales": "hf_down_scales",
 }
 
 #: per layer, the canonical tensors with the other names files use for them (HF's fused experts,
@@ -174,9 +177,9 @@ LAYER_TENSORS = (
     ("attn_sinks.weight", "attn_sinks"),
     ("post_attention_norm.weight", "ffn_norm.weight"),
     ("ffn_gate_inp.weight",),
-    ("ffn_gate_exps.weight", "ffn_gate_up_exps.weight", "hf_gate_up_exps"),
-    ("ffn_up_exps.weight", "ffn_gate_up_exps.weight", "hf_gate_up_exps"),
-    ("ffn_down_exps.weight", "hf_down_exps"),
+    ("ffn_gate_exps.weight", "ffn_gate_up_exps.weight", "hf_gate_up_exps", "hf_gate_up_blocks"),
+    ("ffn_up_exps.weight", "ffn_gate_up_exps.weight", "hf_gate_up_exps", "hf_gate_up_scales"),
+    ("ffn_down_exps.weight", "hf_down_exps", "hf_down_blocks"),
     ("ffn_gate_inp.bias",),
     ("ffn_gate_exps.bias", "ffn_gate_up_exps.bias", "hf_gate_up_exps_bias"),
     ("ffn_up_exps.bias", "ffn_gate_up_exps.bias", "hf_gate_up_exps_bias"),
@@ -236,12 +239,41 @@ def _deinterleave(w: Weight, axis: int) -> tuple[Weight, Weight]:
     return _dense(even, w), _dense(arr[tuple(idx)], w)
 
 
+def hf_mxfp4(blocks: Weight, scales: Weight | None, name: str) -> Weight:
+    """An HF checkpoint's MXFP4 experts (uint8 ``blocks`` [E, out, in / 32, 16] in the checkpoint's
+    nibble order, e8m0 ``scales`` [E, out, in / 32]) as ggml MXFP4 rows [E, out, (in / 32) * 17] (what
+    llama.cpp's converter writes: the scale byte, then the nibbles regrouped).
+
+    Raises ModelLoadError: no scales, or shapes that do not pair up (``name`` is named)."""
+    from kvserve.loaders.gguf import ollama_mxfp4_to_ggml
+
+    if scales is None:
+        raise ModelLoadError(f"missing tensor '{name}_scales' (the scales of '{name}_blocks')")
+    b, sc = np.asarray(blocks.raw), np.asarray(scales.raw)
+    if b.ndim != 4 or b.shape[-1] != 16 or sc.shape != b.shape[:-1]:
+        raise ModelLoadError(f"tensors '{name}_blocks' {list(b.shape)} and '{name}_scales' {list(sc.shape)} are not "
+                             "MXFP4 blocks [E, out, in / 32, 16] with scales [E, out, in / 32]")
+    e, out, nb = sc.shape
+    joined = np.concatenate([sc[..., None], b], axis=-1)  # [E, out, nb, 17]
+    raw = ollama_mxfp4_to_ggml(joined.reshape(-1)).reshape(e, out, nb * 17)
+    return Weight((e, out, nb * 32), raw=raw, source_type="MXFP4")
+
+
 def prepare(config: GptOssConfig, weights: dict[str, Weight], fmt: str) -> None:
     """The file's layout to the module's (see the module docstring), then Q/K rows (and biases) from
     NEOX half-split to interleaved pairs (llama.cpp's converter leaves gpt-oss NEOX, HF always is)."""
     hd = config.head_dim
     for i in range(config.n_layer):
         p = f"blk.{i}."
+        # HF MXFP4 (the released checkpoints): gate|up rows alternate, as Ollama's fused tensor below
+        if p + "hf_gate_up_blocks" in weights:
+            weights[p + "ffn_gate_up_exps.weight"] = hf_mxfp4(weights.pop(p + "hf_gate_up_blocks"),
+                                                              weights.pop(p + "hf_gate_up_scales", None),
+                                                              f"model.layers.{i}.mlp.experts.gate_up_proj")
+        if p + "hf_down_blocks" in weights:
+            weights[p + "ffn_down_exps.weight"] = hf_mxfp4(weights.pop(p + "hf_down_blocks"),
+                                                           weights.pop(p + "hf_down_scales", None),
+                                                           f"model.layers.{i}.mlp.experts.down_proj")
         # HF: gate_up [E, n_embd, 2 n_ff] (gate even columns, up odd), down [E, n_ff, n_embd]
         if p + "hf_gate_up_exps" in weights:
             g, u = _deinterleave(weights.pop(p + "hf_gate_up_exps"), 2)

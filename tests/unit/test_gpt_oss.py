@@ -300,3 +300,25 @@ def test_llama_server_reads_the_same_gguf_as_kvserve(tiny, tmp_path):
         proc.wait(timeout=10)
         log.close()
     assert theirs == _greedy(_core(tiny["mxfp4"]), PROMPT)
+
+
+def test_released_hf_layout_with_mxfp4_blocks(tiny, tmp_path):
+    """An HF directory as OpenAI released gpt-oss (``quant_method: mxfp4``, uint8 ``*_blocks`` and
+    ``*_scales`` experts): loaded as ggml MXFP4 blocks, not dequantized; logits within 1e-4 of the
+    reference of the same values (its YaRN unrounded, as the config says), greedy tokens identical."""
+    model = fmod.build("gpt_oss", seed=5, **CFG)
+    fmod.round_experts_mxfp4(model)
+    path = fmod.save_hf_mxfp4(model, tmp_path / "released")
+    loaded = load_files(str(path))
+    w = loaded.weights["blk.1.ffn_up_exps.weight"]
+    assert (w.source_type, w.shape) == ("MXFP4", (8, 128, 64)) and w.raw is not None
+    ref = fmod.reference_logits(model, PROMPT)
+    assert _close(_logits(_core(str(path)), PROMPT), ref) <= 1e-4
+    assert _greedy(_core(str(path)), PROMPT) == fmod.reference_greedy(model, PROMPT, 24, tiny["eog"])
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="quant_method 'mxfp4'"):
+        load_files(str(path))
