@@ -514,18 +514,25 @@ class GptOssModel(nn.Module):
 
     def _attention(self, q, k, v, k_cache, v_cache, batch: AttentionBatch, window: int, sinks) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] (already in the cache) -> [T, H * D]: the decode rows over
-        their cached rows, each prompt chunk over its own K/V or its cached prefix."""
+        their cached rows, each prompt chunk over its own K/V or its cached prefix. On a window layer
+        only the cache rows some query's window reaches are read (row j of an index is position j),
+        so rows before every window are never touched."""
         c = self.config
         T, nd = q.shape[0], batch.n_decode
         out = torch.empty(T, c.n_head, c.head_dim, dtype=q.dtype, device=q.device)
         args = (self.scale, window, sinks)
         if nd:
             idx = batch.decode_kv_index  # [B, L]: row j of query b is its position j
+            valid = batch.decode_mask.view(idx.shape) if batch.decode_mask is not None else None
+            lo = 0
+            if window:  # only the positions some query's window reaches are read
+                lo = max(0, int(batch.positions[:nd].min()) - window + 1)
+                idx = idx[:, lo:]
+                valid = valid[:, lo:] if valid is not None else None
             B, L = idx.shape
             kd = kv_gather(k_cache, idx.reshape(-1), q.dtype).view(B, L, *k_cache.shape[1:])
             vd = kv_gather(v_cache, idx.reshape(-1), q.dtype).view(B, L, *v_cache.shape[1:])
-            k_pos = torch.arange(L, device=q.device).expand(B, L)
-            valid = batch.decode_mask.view(B, L) if batch.decode_mask is not None else None
+            k_pos = torch.arange(lo, lo + L, device=q.device).expand(B, L)
             out[:nd] = attend(q[:nd].unsqueeze(1), kd, vd, batch.positions[:nd].unsqueeze(1), k_pos, valid,
                               *args).squeeze(1)
         for g in batch.prefills:
@@ -535,10 +542,12 @@ class GptOssModel(nn.Module):
                 kp = kv_round(k_cache, k[g.start:g.end], q.dtype)
                 vp = kv_round(v_cache, v[g.start:g.end], q.dtype)
                 k_pos = q_pos
-            else:
-                kp = kv_gather(k_cache, g.kv_index, q.dtype)
-                vp = kv_gather(v_cache, g.kv_index, q.dtype)
-                k_pos = torch.arange(kp.shape[0], device=q.device).unsqueeze(0)
+            else:  # over the cached prefix: of a window layer only the rows the chunk's window reaches
+                lo = max(0, g.n_past - window + 1) if window else 0
+                rows = g.kv_index[lo:]
+                kp = kv_gather(k_cache, rows, q.dtype)
+                vp = kv_gather(v_cache, rows, q.dtype)
+                k_pos = torch.arange(lo, lo + kp.shape[0], device=q.device).unsqueeze(0)
             out[g.start:g.end] = attend(q[g.start:g.end].unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), q_pos,
                                         k_pos, None, *args)[0]
         return out.reshape(T, -1)

@@ -322,3 +322,35 @@ def test_released_hf_layout_with_mxfp4_blocks(tiny, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match="quant_method 'mxfp4'"):
         load_files(str(path))
+
+
+def test_window_layers_never_read_rows_before_their_windows(tiny):
+    """Rows of a window layer's cache before every query's window (here: NaN) change nothing, in a
+    decode step and in a prompt chunk over a cached prefix: they are not read (what freeing those
+    blocks needs)."""
+    from kvserve.models.llama import AttentionBatch, PrefillGroup
+
+    core = _core(tiny["hf"])
+    m, c = core.model, core.model_config
+    T = len(PROMPT)
+    rows = T + 3
+
+    def run(poison: bool) -> torch.Tensor:
+        kv = [(torch.zeros(rows, c.n_head_kv, c.head_dim), torch.zeros(rows, c.n_head_kv, c.head_dim))
+              for _ in range(c.n_layer)]
+        m(torch.tensor(PROMPT), AttentionBatch(positions=torch.arange(T), slot_mapping=torch.arange(T),
+                                               prefills=[PrefillGroup(0, T, 0, None)]), kv, None)
+        if poison:
+            for (k, v), w in zip(kv, c.layer_windows):
+                if w:
+                    k[:T - w + 1] = float("nan")  # the chunk below starts at position T: it sees T - w + 1 on
+                    v[:T - w + 1] = float("nan")
+        chunk = m(torch.tensor([7, 9]), AttentionBatch(positions=torch.tensor([T, T + 1]),
+                                                      slot_mapping=torch.tensor([T, T + 1]),
+                                                      prefills=[PrefillGroup(0, 2, T, torch.arange(T + 2))]), kv, None)
+        step = m(torch.tensor([11]), AttentionBatch(positions=torch.tensor([T + 2]), slot_mapping=torch.tensor([T + 2]),
+                                                   n_decode=1, decode_kv_index=torch.arange(T + 3).view(1, -1)), kv, None)
+        return torch.cat([chunk, step])
+
+    clean, poisoned = run(False), run(True)
+    assert torch.isfinite(poisoned).all() and torch.equal(clean, poisoned)
