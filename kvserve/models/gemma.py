@@ -13,8 +13,11 @@ cache reads it composes):
 * gemma3: per-head q/k RMSNorm before RoPE, a separate RoPE base on sliding layers (10,000) and
   the file's linear scaling on global ones;
 * sliding-window layers (gemma2: every other layer, gemma3: 5 of every 6): a query at position p
-  sees keys at positions p - window < j <= p. For now such a layer keeps all its KV blocks and masks
-  by the window exactly (freeing the blocks the window left is a later step).
+  sees keys at positions p - window < j <= p, masked exactly. When the engine's KV cache has
+  sliding-window groups (kvserve.engine.kv_cache), such a layer reads and writes its group's own
+  cache rows through ``AttentionBatch.windows[window]``, which lists only the blocks the window
+  reaches; otherwise (a batch without that view) it reads every row of the sequence and the mask
+  does the rest.
 
 Attention is computed directly (scores, soft-cap, mask, softmax in float32): SDPA has no soft-cap.
 kvserve's native decode step and the compiled decode graph do not implement this block: the family
@@ -231,11 +234,10 @@ def attend(q, k, v, q_pos, k_pos, valid, scale: float, window: int, softcap: flo
     """q: [B, Lq, H, D], k/v: [B, Lk, Hkv, D], q_pos [B, Lq], k_pos [B, Lk] long, valid [B, Lk] bool
     or None -> [B, Lq, H, D]. Key j is seen by query i when k_pos <= q_pos, within ``window``
     tokens (q_pos - k_pos < window; 0: no window) and valid; scores soft-capped by ``softcap``."""
-    g = q.shape[2] // k.shape[2]
-    if g > 1:
-        k = k.repeat_interleave(g, dim=2)
-        v = v.repeat_interleave(g, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # [B, H, Lq, Lk]
+    B, Lq, H, D = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(B, Lq, hkv, H // hkv, D)  # query head h reads KV head h // (H / Hkv), as HF's repeat_kv
+    s = torch.einsum("bqkgd,blkd->bkgql", qg, k) * scale  # [B, Hkv, G, Lq, Lk]
     if softcap:
         s = torch.tanh(s / softcap) * softcap
     seen = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, Lq, Lk]
@@ -243,8 +245,8 @@ def attend(q, k, v, q_pos, k_pos, valid, scale: float, window: int, softcap: flo
         seen &= k_pos[:, None, :] > q_pos[:, :, None] - window
     if valid is not None:
         seen &= valid[:, None, :]
-    s = s.masked_fill(~seen[:, None], float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v)
+    s = s.masked_fill(~seen[:, None, None], float("-inf"))
+    return torch.einsum("bkgql,blkd->bqkgd", torch.softmax(s, dim=-1), v).reshape(B, Lq, H, D)
 
 
 class GemmaModel(nn.Module):
@@ -328,9 +330,11 @@ class GemmaModel(nn.Module):
                 qkv[:, qs:qks] = layer.k_norm.forward(qkv[:, qs:qks].view(T, nkv, hd)).view(T, qks - qs)
             torch.view_as_complex(qkv[:, :qks].view(T, nq + nkv, hd // 2, 2)).mul_(cis)
             q, k, v = qkv[:, :qs].view(T, nq, hd), qkv[:, qs:qks].view(T, nkv, hd), qkv[:, qks:].view(T, nkv, hd)
-            kv_write(k_cache, batch.slot_mapping, k)
-            kv_write(v_cache, batch.slot_mapping, v)
-            o = self._attention(q, k, v, k_cache, v_cache, batch, c.layer_windows[i])
+            window = c.layer_windows[i]
+            b = batch.windows.get(window, batch) if window else batch  # a sliding group's own rows
+            kv_write(k_cache, b.slot_mapping, k)
+            kv_write(v_cache, b.slot_mapping, v)
+            o = self._attention(q, k, v, k_cache, v_cache, b, window)
             x = x + layer.post_attention_norm.forward(layer.wo.forward(o))
             gate, up = layer.w_gate_up.forward(layer.ffn_norm.forward(x)).chunk(2, dim=-1)
             x = x + layer.post_ffw_norm.forward(layer.w_down.forward(F.gelu(gate, approximate="tanh") * up))
@@ -356,6 +360,8 @@ class GemmaModel(nn.Module):
             kd = kv_gather(k_cache, idx.reshape(-1), q.dtype).view(B, L, *k_cache.shape[1:])
             vd = kv_gather(v_cache, idx.reshape(-1), q.dtype).view(B, L, *v_cache.shape[1:])
             k_pos = torch.arange(L, device=q.device).expand(B, L)
+            if batch.decode_kv_start is not None:  # a window's rows start at its first block
+                k_pos = k_pos + batch.decode_kv_start[:, None]
             valid = batch.decode_mask.view(B, L) if batch.decode_mask is not None else None
             out[:nd] = attend(q[:nd].unsqueeze(1), kd, vd, batch.positions[:nd].unsqueeze(1), k_pos, valid,
                               *args).squeeze(1)
@@ -369,7 +375,7 @@ class GemmaModel(nn.Module):
             else:
                 kp = kv_gather(k_cache, g.kv_index, q.dtype)
                 vp = kv_gather(v_cache, g.kv_index, q.dtype)
-                k_pos = torch.arange(kp.shape[0], device=q.device).unsqueeze(0)
+                k_pos = (g.kv_start + torch.arange(kp.shape[0], device=q.device)).unsqueeze(0)
             out[g.start:g.end] = attend(q[g.start:g.end].unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), q_pos,
                                         k_pos, None, *args)[0]
         return out.reshape(T, -1)
