@@ -271,3 +271,22 @@ def test_a_window_as_long_as_the_context_is_full_attention():
     assert window_groups(cfg, 4096) == ()  # -c 4096: no query ever loses a key
     assert kv_layout(cfg, block_size=16, n_slots=1, max_num_batched_tokens=512, kv_dtype="f16",
                      n_ctx_slot=2048).windows == ()
+
+
+def test_two_windows_each_keep_their_own_and_the_hit_agrees():
+    kv = KVCacheManager(64, BS, groups=[(W, 64, 0), (64, 64, 0)])
+    toks = list(range(1, 161))
+    assert _run_seq(kv, "a", toks) == 3  # the 32-token window's group
+    kv.slide("a", 160)
+    # window 32 reads from 129 on: blocks 8, 9 held; window 64 from 97 on: blocks 6..9
+    assert [[i for i, b in enumerate(kv.group_table(g, "a")) if b] for g in (0, 1)] == [[8, 9], [6, 7, 8, 9]]
+    kv.park("a", "slot:0")
+    # shares 150 tokens: window 32 needs 119..149 (block 7 is gone), and so does every earlier end
+    p150 = toks[:150] + [999] * 5
+    assert kv.hit_tokens(kv.match_prefix(p150, None, len(p150) - 1)) == 0
+    # shares 159: window 32 needs 128..158 (block 8, 15 rows of 9), window 64 needs 96..158 (6..8, 15 of 9)
+    p159 = toks[:159] + [999] * 5
+    hit = kv.match_prefix(p159, None, len(p159) - 1)
+    assert kv.hit_tokens(hit) == 159
+    assert [[i for i, b in enumerate(g.blocks) if b] for g in hit.groups] == [[8], [6, 7, 8]]
+    assert [g.cow_tokens for g in hit.groups] == [15, 15]
