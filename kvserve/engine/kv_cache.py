@@ -105,10 +105,13 @@ class KVCacheManager:
     """Allocates fixed-size KV blocks to sequences and indexes them for reuse.
 
     Args:
-        num_blocks: blocks in the pool (each ``block_size`` tokens, all layers).
+        num_blocks: blocks in the pool (each ``block_size`` tokens, all layers;
+            with ``groups``, the full-attention layers).
         block_size: tokens per block (default 16, as vLLM).
         host_blocks: host-tier budget: unreferenced indexed blocks kept for
             reuse (0 = free at once; -1 = as many as the pool holds).
+        groups: sliding-window layer groups, (window in tokens >= 2, blocks of its
+            pool, its host-tier budget) each (see the module docstring).
 
     Block 0 is the null block: never allocated, its rows stay zero, and the
     runner points padded attention positions at it (uninitialized memory
@@ -272,7 +275,8 @@ class KVCacheManager:
         hit.groups = [g._window_hit(keys, token_ids, root, n) for g in self.groups]
         return hit
 
-    def _window_src(self, keys: list[bytes], token_ids: list[int], root: bytes, k: int, t: int) -> tuple[int | None, int]:
+    def _window_src(self, keys: list[bytes], token_ids: list[int], root: bytes, k: int,
+                    t: int) -> tuple[int | None, int]:
         """A block of this (sliding) pool holding the first tokens of block ``k`` of the prompt:
         (block id, tokens of the first ``t`` it holds)."""
         if k < len(keys):
