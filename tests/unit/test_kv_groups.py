@@ -256,7 +256,15 @@ def test_slot_files_refused_and_cache_reuse_off_with_windows(gemma3_dir, tmp_pat
     with pytest.raises(SlotFileError):
         core.slot_file_spec()
     assert not (tmp_path / "s.bin").exists()
-    assert core.erase_slot(0) == {"n_erased": 41}
+    # the idle slot's parked blocks (every group's) serve the next request of the slot
+    nxt = Request("b", list(range(3, 43)) + [77, 78], SamplingParams(n_predict=1, temperature=0.0, ignore_eos=True),
+                  priority_slot=0)
+    core.add_request(nxt)
+    outs = []
+    while core.has_work():
+        outs += core.step()
+    assert outs[-1].num_cached_tokens == 40  # the prompt; the slot's generated token differs from 77
+    assert core.erase_slot(0) == {"n_erased": 42}
     assert core.kv.groups[0].parked_keys() == []
 
 
