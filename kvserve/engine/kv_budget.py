@@ -146,11 +146,18 @@ def window_groups(model_config, n_ctx_slot: int | None = None) -> tuple[tuple[in
     (kvserve.models.family): (window, layer indices), windows ascending; empty when no layer
     slides, when none attends to everything (then one pool, masked, as before), or for an
     architecture no family reads. A window of at least ``n_ctx_slot`` tokens (one sequence's
-    context) never leaves a token behind: its layers count as full attention."""
+    context) never leaves a token behind: its layers count as full attention.
+
+    Only a module that reads its sliding layers' rows through ``AttentionBatch.windows`` (class
+    attribute ``window_kv_views = True``, as kvserve.models.gemma's) gets groups; any other keeps
+    one pool for every layer and masks by the window."""
     from kvserve.models.family import family_of
 
     try:
-        specs = family_of(model_config.arch).kv_spec(model_config)
+        fam = family_of(model_config.arch)
+        specs = fam.kv_spec(model_config)
+        if not getattr(fam.module_class(), "window_kv_views", False):
+            return ()
     except (ModelLoadError, AttributeError):
         return ()
     by_window: dict[int, list[int]] = {}

@@ -260,6 +260,9 @@ class GemmaModel(nn.Module):
     """
 
     native_decode = False
+    #: sliding layers read and write their group's rows through ``AttentionBatch.windows`` (the engine
+    #: gives them pools of their own: kvserve.engine.kv_budget.window_groups)
+    window_kv_views = True
 
     def __init__(self, config: GemmaConfig, weights: dict[str, Weight], dtype=torch.float32, device="cpu",
                  kernel: str = "dense", small_max_rows: int = 0, max_positions: int = 8192,

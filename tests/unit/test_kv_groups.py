@@ -298,3 +298,14 @@ def test_two_windows_each_keep_their_own_and_the_hit_agrees():
     assert kv.hit_tokens(hit) == 159
     assert [[i for i, b in enumerate(g.blocks) if b] for g in hit.groups] == [[8], [6, 7, 8]]
     assert [g.cow_tokens for g in hit.groups] == [15, 15]
+
+
+def test_only_a_module_that_reads_the_window_views_gets_groups(monkeypatch):
+    from kvserve.engine.kv_budget import window_groups
+    from kvserve.models.gemma import GemmaConfig, GemmaModel
+
+    cfg = GemmaConfig(arch="gemma2", n_vocab=300, n_embd=64, n_layer=2, n_head=4, n_head_kv=1, head_dim=16,
+                      n_ff=128, n_ctx_train=8192, layer_windows=(64, 0))
+    assert window_groups(cfg) == ((64, (0,)),)
+    monkeypatch.setattr(GemmaModel, "window_kv_views", False)  # a module that masks a full cache
+    assert window_groups(cfg) == ()
