@@ -156,7 +156,8 @@ def window_groups(model_config, n_ctx_slot: int | None = None) -> tuple[tuple[in
     try:
         fam = family_of(model_config.arch)
         specs = fam.kv_spec(model_config)
-        if not getattr(fam.module_class(), "window_kv_views", False):
+        if not any(spec.kind == "sliding" for spec in specs) \
+                or not getattr(fam.module_class(), "window_kv_views", False):
             return ()
     except (ModelLoadError, AttributeError):
         return ()
