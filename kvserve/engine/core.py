@@ -18,7 +18,7 @@ import torch
 
 from kvserve.config import EngineConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.kv_budget import plan_engine_pool
+from kvserve.engine.kv_budget import kv_layout, plan_engine_pool
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.kv_quant import kv_bytes_per_token
 from kvserve.engine.request import (
@@ -131,12 +131,19 @@ class EngineCore:
         c = loaded.config
         self.block_bytes = bs * kv_bytes_per_token(c.n_layer, c.n_head_kv, c.head_dim, config.kv_dtype,
                                                    config.kv_dtype_v)
+        #: which layers keep which KV: sliding-window layers get pools of their own (kv_cache's
+        #: groups) when this process runs the model (a stand-in runner or a split model: one pool)
+        self.kv_layout = kv_layout(c, block_size=bs, n_slots=self.n_slots,
+                                   max_num_batched_tokens=config.max_num_batched_tokens, kv_dtype=config.kv_dtype,
+                                   kv_dtype_v=config.kv_dtype_v, windows=make_runner is None,
+                                   n_ctx_slot=self.n_ctx_slot)
         # the pool: blocks for running sequences (n_ctx tokens plus one partial block per
         # sequence, or a vLLM memory budget: see kv_budget), the host tier (--cache-ram), and
         # the null block
         dev_type = self.model.device.type if make_runner is None else torch.device(config.resolve_device()).type
         self.pool = plan_engine_pool(config, loaded.config, n_ctx=self.n_ctx, n_ctx_slot=self.n_ctx_slot,
-                                     n_slots=self.n_slots, block_bytes=self.block_bytes, device_type=dev_type,
+                                     n_slots=self.n_slots, block_bytes=self.kv_layout.block_bytes,
+                                     device_type=dev_type, windows=self.kv_layout.costs(),
                                      note=lambda level, text: log.log(level, "%s", text, extra={"func": "load_model"}))
         for line in self.pool.lines(dev_type):
             log.info("%s", line, extra={"func": "load_model"})
@@ -147,10 +154,20 @@ class EngineCore:
                  " (flag not given: min(8192 MiB, MemAvailable / 4))" if config.cache_ram is None else "",
                  host, self.block_bytes >> 10, extra={"func": "load_model"})
         num_blocks = 1 + active + host
-        self.kv = KVCacheManager(num_blocks, bs, host_blocks=host)
+        lay = self.kv_layout
+        # a sliding group's pool: its windows' blocks, and a host tier of as many blocks as the full
+        # layers' (a later prompt's hit needs the blocks before its end in every group)
+        group_blocks = [1 + n + host for n in lay.group_blocks(active, self.n_slots)]
+        self.kv = KVCacheManager(num_blocks, bs, host_blocks=host,
+                                 groups=[(w, nb, host) for (w, _), nb in zip(lay.windows, group_blocks)])
+        for (w, layers), nb in zip(lay.windows, group_blocks):
+            log.info("sliding-window layers (window %d tokens, %d layers): a pool of their own of %d blocks "
+                     "(%d for running sequences: %d a sequence at most)", w, len(layers), nb, nb - 1 - host,
+                     -(-w // bs) + 1, extra={"func": "load_model"})
         if make_runner is None:
             self.runner = ModelRunner(self.model, num_blocks, bs, config.kv_dtype, self.model.device,
-                                      kv_dtype_v=config.kv_dtype_v)
+                                      kv_dtype_v=config.kv_dtype_v,
+                                      groups=[(w, layers, nb) for (w, layers), nb in zip(lay.windows, group_blocks)])
         else:
             self.runner = make_runner(num_blocks, bs)
             self.model = self.runner.model
@@ -203,6 +220,7 @@ class EngineCore:
         #: row's ``mask()`` after the forward, one by one (the way before; same tokens either way)
         self.grammar_batch = True
         self.grammar_overlap = True
+        self._said_no_shift = False  # the --cache-reuse warning was logged (a model that cannot shift)
         self._slot_tables: dict[int, list[int]] = {}  # slot id -> parked block ids behind slot_cache
         self._slot_cache_version = self.kv.parked_version
 
@@ -236,6 +254,11 @@ class EngineCore:
         self.validate(request)
         if request.request_id in self._states:
             raise InvalidRequestError(f"duplicate request id {request.request_id}")
+        if request.params.n_cache_reuse > 0 and not self.kv.can_shift and not self._said_no_shift:
+            self._said_no_shift = True  # llama-server's line where its cache cannot shift, and why
+            log.warning("cache_reuse is not supported by this context, it will be disabled: this model's "
+                        "sliding-window layers keep only their window's KV, so a shifted chunk cannot be exact "
+                        "(prompts still reuse their cached prefix)")
         if not request.eog_token_ids:
             request.eog_token_ids = frozenset(self.tokenizer.eog_token_ids)
         sampler = SequenceSampler(request.params, self.model_config.n_vocab, request.eog_token_ids,
@@ -435,6 +458,7 @@ class EngineCore:
                   where, exc, len(reqs), exc_info=exc)
         self.kv.take_copies()
         self.kv.take_shifts()
+        self.kv.take_group_copies()
         return [self.fail_request(req, exc, where, quiet=True) for req in reqs]
 
     def _update(self, sched: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
@@ -625,8 +649,23 @@ class EngineCore:
         """Tokens whose KV the idle slot holds (empty when nothing is parked)."""
         return self.kv.parked_tokens(f"slot:{slot_id}")
 
+    def _check_slot_files(self) -> None:
+        """Raise SlotFileError where slot files cannot hold this cache exactly: sliding-window
+        layers keep only their window's rows (a slot file holds every layer's row of every
+        token; writing it would need rows that are gone, restoring one would index rows the
+        pool does not keep)."""
+        if self.kv.groups:
+            windows = ", ".join(str(g.window) for g in self.kv.groups)
+            raise SlotFileError(f"slot save/restore is not supported for this model: its sliding-window layers "
+                                f"keep the KV of their last {windows} tokens only, and a slot file holds every "
+                                f"layer's KV of every token (erase works)")
+
     def slot_file_spec(self) -> dict:
-        """What a slot file must match to be restored here: ``read_slot_file``'s keyword arguments."""
+        """What a slot file must match to be restored here: ``read_slot_file``'s keyword arguments.
+
+        Raises:
+            SlotFileError: a model with sliding-window layer groups (see :meth:`_check_slot_files`)."""
+        self._check_slot_files()
         c = self.model_config
         return {"fingerprint": self.model_fingerprint, "kv_dtype": self.config.kv_dtype, "n_layer": c.n_layer,
                 "n_head_kv": c.n_head_kv, "head_dim": c.head_dim, "kv_dtype_v": self.config.kv_dtype_v}
@@ -639,9 +678,10 @@ class EngineCore:
             arguments of ``write_slot_file``, which the caller runs off the engine thread.
 
         Raises:
-            SlotFileError: bad slot id, busy slot.
+            SlotFileError: bad slot id, busy slot, a model with sliding-window layer groups.
         """
         key = self._check_slot(slot_id)
+        self._check_slot_files()
         tokens = self.kv.parked_tokens(key)
         table = self.kv.parked_table(key)
         rows = torch.tensor([self.kv.row_of(table, p) for p in range(len(tokens))], dtype=torch.long)
@@ -664,9 +704,11 @@ class EngineCore:
 
         Raises:
             SlotFileError: bad slot id, busy slot, too many tokens for the slot's
-                context, a token id out of range, no room in the KV pool.
+                context, a token id out of range, no room in the KV pool, a model with
+                sliding-window layer groups.
         """
         key = self._check_slot(slot_id)
+        self._check_slot_files()
         if len(tokens) >= self.n_ctx_slot:
             raise SlotFileError(f"slot file holds {len(tokens)} tokens, more than the slot's context "
                                 f"({self.n_ctx_slot} tokens)")

@@ -34,6 +34,15 @@ kvserve's own limits on a budget (not vLLM's):
 Without a budget kvserve sizes the pool as llama-server does: ``cdiv(n_ctx, block_size)`` blocks
 plus one partial block per slot (``-c`` is the total context of all slots).
 
+Sliding-window layers (:class:`KVLayout`; gemma2, gemma3): the block counts above are those of
+the full-attention layers (``block_bytes`` counts only them); each sliding window's layers have a
+pool of their own. A sequence holds there the window's blocks (``cdiv(window, block_size) + 1``),
+one block more where a chunk starts mid-block, and the blocks of its step's chunk; the pool holds
+that twice per slot (a slot's idle, parked window beside the sequence it admits) plus one step's
+chunk (``cdiv(max_num_batched_tokens, block_size)``), never more than the full layers' blocks
+plus one per slot. A budget pays for those pools first; one request needs its full-layer blocks
+plus ``min(its blocks, the window's and a chunk's)`` in each sliding pool.
+
 Lower layer: no HTTP, no environment variables (the serving layer turns flags and ``VLLM_*``
 variables into :class:`~kvserve.config.EngineConfig` fields); :func:`plan_engine_pool` reads the
 host's ``MemAvailable`` (``/proc/meminfo``) on the CPU unless given a reader.
@@ -90,6 +99,95 @@ def not_enough_memory_text(max_model_len: int, needed_bytes: int, available_byte
 
 NO_MEMORY_TEXT = ("No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when "
                   "initializing the engine.")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Which layers keep which KV (sliding-window groups) and what a block costs in each.
+
+    Attributes:
+        windows: per sliding-window group, (window in tokens, layer indices); empty when every
+            layer attends to every earlier token (then one pool serves all layers).
+        block_bytes: K and V bytes of one block in the full-attention layers (all layers when
+            ``windows`` is empty).
+        all_block_bytes: K and V bytes of one block in every layer (the host tier's unit).
+        window_block_bytes: per group, one block's bytes in its layers.
+        window_seq_blocks: per group, the most blocks one sequence holds: ``cdiv(window,
+            block_size) + 2`` plus one step's chunk.
+        window_pool_blocks: per group, the blocks its pool holds for running sequences and idle
+            slots: two windows a slot (``2 * n_slots * (cdiv(window, block_size) + 2)``) and one
+            step's chunk.
+    """
+
+    windows: tuple[tuple[int, tuple[int, ...]], ...]
+    block_bytes: int
+    all_block_bytes: int
+    window_block_bytes: tuple[int, ...] = ()
+    window_seq_blocks: tuple[int, ...] = ()
+    window_pool_blocks: tuple[int, ...] = ()
+
+    def group_blocks(self, active_blocks: int, n_slots: int) -> list[int]:
+        """Blocks of each sliding group's pool for ``active_blocks`` full-layer blocks: its
+        windows' need, never more than the full layers' blocks plus one per sequence."""
+        return [min(p, active_blocks + max(n_slots, 1)) for p in self.window_pool_blocks]
+
+    def kv_bytes(self, active_blocks: int, n_slots: int) -> int:
+        """The pool's bytes for ``active_blocks`` full-layer blocks, sliding groups included."""
+        return active_blocks * self.block_bytes + sum(
+            n * b for n, b in zip(self.group_blocks(active_blocks, n_slots), self.window_block_bytes))
+
+    def costs(self) -> tuple[tuple[int, int, int], ...]:
+        """(pool blocks, block bytes, one sequence's blocks) per group, for :func:`plan_pool`."""
+        return tuple(zip(self.window_pool_blocks, self.window_block_bytes, self.window_seq_blocks))
+
+
+def window_groups(model_config, n_ctx_slot: int | None = None) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """The sliding-window layer groups of a model config, from its family's KV spec per layer
+    (kvserve.models.family): (window, layer indices), windows ascending; empty when no layer
+    slides, when none attends to everything (then one pool, masked, as before), or for an
+    architecture no family reads. A window of at least ``n_ctx_slot`` tokens (one sequence's
+    context) never leaves a token behind: its layers count as full attention.
+
+    Only a module that reads its sliding layers' rows through ``AttentionBatch.windows`` (class
+    attribute ``window_kv_views = True``, as kvserve.models.gemma's) gets groups; any other keeps
+    one pool for every layer and masks by the window."""
+    from kvserve.models.family import family_of
+
+    try:
+        fam = family_of(model_config.arch)
+        specs = fam.kv_spec(model_config)
+        if not any(spec.kind == "sliding" for spec in specs) \
+                or not getattr(fam.module_class(), "window_kv_views", False):
+            return ()
+    except (ModelLoadError, AttributeError):
+        return ()
+    by_window: dict[int, list[int]] = {}
+    for i, spec in enumerate(specs):
+        if spec.kind == "sliding" and (n_ctx_slot is None or spec.window < n_ctx_slot):
+            by_window.setdefault(spec.window, []).append(i)
+    if not by_window or sum(len(v) for v in by_window.values()) == len(specs):
+        return ()
+    return tuple((w, tuple(by_window[w])) for w in sorted(by_window))
+
+
+def kv_layout(model_config, *, block_size: int, n_slots: int, max_num_batched_tokens: int, kv_dtype: str,
+              kv_dtype_v: str | None = None, windows: bool = True, n_ctx_slot: int | None = None) -> KVLayout:
+    """The :class:`KVLayout` of a model config for an engine's settings (``windows`` False: one
+    pool for every layer, as a tensor- or pipeline-parallel engine keeps; ``n_ctx_slot``: one
+    sequence's context, windows at least that long are full attention)."""
+    c = model_config
+    tv = kv_dtype_v or kv_dtype
+    per = lambda n: block_size * kv_bytes_per_token(n, c.n_head_kv, c.head_dim, kv_dtype, tv)  # noqa: E731
+    groups = window_groups(c, n_ctx_slot) if windows else ()
+    all_bb = per(c.n_layer)
+    if not groups:
+        return KVLayout((), all_bb, all_bb)
+    n_sliding = sum(len(layers) for _, layers in groups)
+    chunk = cdiv(max(max_num_batched_tokens, 1), block_size)
+    seq = tuple(cdiv(w, block_size) + 2 + chunk for w, _ in groups)
+    pool = tuple(2 * max(n_slots, 1) * (cdiv(w, block_size) + 2) + chunk for w, _ in groups)
+    return KVLayout(groups, per(c.n_layer - n_sliding), all_bb, tuple(per(len(layers)) for _, layers in groups),
+                    seq, pool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +257,7 @@ def plan_pool(*, n_ctx: int, n_ctx_slot: int, n_slots: int, block_size: int, blo
               budget_bytes: int | None = None, source: str | None = None,
               num_blocks_override: int | None = None,
               note: Callable[[int, str], None] | None = None,
-              mem_available: int | None = None) -> PoolPlan:
+              mem_available: int | None = None, windows: tuple[tuple[int, int, int], ...] = ()) -> PoolPlan:
     """The pool for running sequences.
 
     Args:
@@ -172,6 +270,10 @@ def plan_pool(*, n_ctx: int, n_ctx_slot: int, n_slots: int, block_size: int, blo
         note: ``(logging level, text)`` sink for vLLM's override line.
         mem_available: the host's ``MemAvailable`` (bytes) where the pool is host memory (the
             CPU); a budget above it is refused. None: not checked.
+        windows: sliding-window groups' costs, (pool blocks, block bytes, one sequence's
+            blocks) each (:meth:`KVLayout.costs`): a budget pays for their pools first, and one
+            request needs ``min(its blocks, one sequence's)`` of each besides its full-layer
+            blocks (``block_bytes``: the full-attention layers' alone).
 
     Raises:
         KVCacheMemoryError: the budget (or the override) holds less than one request of
@@ -179,18 +281,23 @@ def plan_pool(*, n_ctx: int, n_ctx_slot: int, n_slots: int, block_size: int, blo
             ``mem_available`` (kvserve's).
     """
     per_request = cdiv(n_ctx_slot, block_size)
+    one_windows = sum(min(per_request, seq) * b for _, b, seq in windows)  # one request's sliding blocks
+    pools = sum(n * b for n, b, _ in windows)
     capped_from = None
     if budget_bytes is not None:
         if budget_bytes <= 0:
             raise KVCacheMemoryError(NO_MEMORY_TEXT)
-        _check_fits(budget_bytes, per_request * block_bytes, n_ctx_slot, block_size, block_bytes, source or "")
+        _check_fits(budget_bytes, per_request * block_bytes, n_ctx_slot, block_size, block_bytes, source or "",
+                    one_windows)
         if mem_available is not None and budget_bytes > mem_available:
             raise KVCacheMemoryError(
                 f"{source}: the KV cache budget ({format_gib(budget_bytes)} GiB) is larger than the memory available "
                 f"on this machine ({format_gib(mem_available)} GiB MemAvailable); on the CPU the KV cache is host "
                 f"memory. Try decreasing it (one request of {n_ctx_slot} tokens needs "
                 f"{per_request * block_bytes / (1 << 20):.2f} MiB).")
-        active = budget_bytes // block_bytes
+        active = (budget_bytes - pools) // block_bytes  # the sliding-window pools are paid first
+        if active < per_request:  # room for about one request: its own sliding blocks instead
+            active = (budget_bytes - one_windows) // block_bytes
         usable = max(n_slots, 1) * per_request
         if active > usable:
             capped_from, active = active, usable
@@ -200,8 +307,8 @@ def plan_pool(*, n_ctx: int, n_ctx_slot: int, n_slots: int, block_size: int, blo
     if num_blocks_override is not None:
         if note is not None:
             note(logging.INFO, f"Overriding num_gpu_blocks={active} with num_gpu_blocks_override={num_blocks_override}")
-        _check_fits(num_blocks_override * block_bytes, per_request * block_bytes, n_ctx_slot, block_size,
-                    block_bytes, "--num-gpu-blocks-override")
+        _check_fits(num_blocks_override * block_bytes + one_windows, per_request * block_bytes, n_ctx_slot,
+                    block_size, block_bytes, "--num-gpu-blocks-override", one_windows)
         active, source = num_blocks_override, "--num-gpu-blocks-override"
     tokens = active * block_size
     return PoolPlan(active, budget_bytes, source or "", tokens, tokens / n_ctx_slot, n_ctx_slot, capped_from,
@@ -209,10 +316,12 @@ def plan_pool(*, n_ctx: int, n_ctx_slot: int, n_slots: int, block_size: int, blo
 
 
 def _check_fits(available: int, needed: int, max_model_len: int, block_size: int, block_bytes: int,
-                source: str) -> None:
-    if needed > available:
-        est = estimate_max_model_len(available, max_model_len, block_size, block_bytes)
-        raise KVCacheMemoryError(not_enough_memory_text(max_model_len, needed, available, est,
+                source: str, windows_bytes: int = 0) -> None:
+    """``needed`` full-layer bytes plus ``windows_bytes`` (one request's sliding-window blocks)
+    against ``available``; the estimated length counts the full layers' blocks in what is left."""
+    if needed + windows_bytes > available:
+        est = estimate_max_model_len(available - windows_bytes, max_model_len, block_size, block_bytes)
+        raise KVCacheMemoryError(not_enough_memory_text(max_model_len, needed + windows_bytes, available, est,
                                                         _FIX.get(source, _FIX["--kv-cache-memory-bytes"])))
 
 
@@ -239,7 +348,8 @@ def activation_bytes(max_num_batched_tokens: int, n_ctx_slot: int, n_slots: int,
 def plan_engine_pool(config, model_config, *, n_ctx: int, n_ctx_slot: int, n_slots: int, block_bytes: int,
                      device_type: str, mem_get_info: Callable[[], tuple[int, int]] | None = None,
                      note: Callable[[int, str], None] | None = None,
-                     mem_available: Callable[[], int | None] | None = None) -> PoolPlan:
+                     mem_available: Callable[[], int | None] | None = None,
+                     windows: tuple[tuple[int, int, int], ...] = ()) -> PoolPlan:
     """:func:`plan_pool` for an engine: the budget from ``config``
     (:class:`~kvserve.config.EngineConfig`: ``kv_cache_memory_bytes``,
     ``gpu_memory_utilization`` on CUDA, ``cpu_kv_cache_memory_bytes`` on the CPU,
@@ -281,13 +391,14 @@ def plan_engine_pool(config, model_config, *, n_ctx: int, n_ctx_slot: int, n_slo
         host = mem_available()
     return plan_pool(n_ctx=n_ctx, n_ctx_slot=n_ctx_slot, n_slots=n_slots, block_size=bs, block_bytes=block_bytes,
                      budget_bytes=budget, source=source, num_blocks_override=config.num_gpu_blocks_override,
-                     note=note, mem_available=host)
+                     note=note, mem_available=host, windows=windows)
 
 
 __all__ = [
     "GIB",
     "NO_MEMORY_TEXT",
     "KVCacheMemoryError",
+    "KVLayout",
     "PoolPlan",
     "activation_bytes",
     "budget_source",
@@ -295,8 +406,10 @@ __all__ = [
     "cuda_budget_bytes",
     "estimate_max_model_len",
     "format_gib",
+    "kv_layout",
     "kv_bytes_per_token",
     "not_enough_memory_text",
     "plan_engine_pool",
     "plan_pool",
+    "window_groups",
 ]

@@ -27,6 +27,18 @@ that ran it), which keeps them referenced like llama-server's idle slot; the
 next request on that slot releases them after matching its own prefix.
 Parked blocks are released (oldest first) when the pool runs out.
 
+Layer groups (sliding-window models: gemma2, gemma3; vLLM's hybrid KV cache manager): with
+``groups`` the manager keeps one more pool per sliding window (its own block ids, free list, host
+tier and prefix index, a :class:`KVCacheManager` of its own in :attr:`KVCacheManager.groups`) for
+the layers of that window; the manager's own pool serves the full-attention layers. Every sequence
+then has a block table per group, of the same length, in which a sliding group's entries for
+blocks that no future query can see are 0 (the null block): :meth:`KVCacheManager.slide` gives
+them back (to the host tier while they are indexed, so a later prompt can still hit them). A
+prefix hit is the longest prefix for which the full group's blocks are cached *and* every sliding
+group holds the blocks of that prefix's last ``window - 1`` tokens (:meth:`match_prefix`); the
+rest is recomputed. Every public method acts on all groups at once; the sub-pools are never
+changed from outside.
+
 KV shifting (llama-server ``--cache-reuse N``, :meth:`KVCacheManager.reuse_shifted`):
 after the prefix match, runs of >= N of the slot's parked tokens that match the
 prompt further on are moved to their new positions: the manager emits
@@ -70,6 +82,9 @@ class PrefixHit:
     blocks: list[int] = field(default_factory=list)
     cow_src: int | None = None
     cow_tokens: int = 0
+    #: per sliding-window group (KVCacheManager.groups order): its hit over the same tokens, whose
+    #: ``blocks`` are 0 (the null block) for blocks wholly outside the window
+    groups: list["PrefixHit"] = field(default_factory=list)
 
 
 def root_key(salt: str | None) -> bytes:
@@ -90,10 +105,13 @@ class KVCacheManager:
     """Allocates fixed-size KV blocks to sequences and indexes them for reuse.
 
     Args:
-        num_blocks: blocks in the pool (each ``block_size`` tokens, all layers).
+        num_blocks: blocks in the pool (each ``block_size`` tokens, all layers;
+            with ``groups``, the full-attention layers).
         block_size: tokens per block (default 16, as vLLM).
         host_blocks: host-tier budget: unreferenced indexed blocks kept for
             reuse (0 = free at once; -1 = as many as the pool holds).
+        groups: sliding-window layer groups, (window in tokens >= 2, blocks of its
+            pool, its host-tier budget) each (see the module docstring).
 
     Block 0 is the null block: never allocated, its rows stay zero, and the
     runner points padded attention positions at it (uninitialized memory
@@ -102,9 +120,23 @@ class KVCacheManager:
     Thread-safety: engine thread only.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, host_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int = 16, host_blocks: int = 0,
+                 groups: "list[tuple[int, int, int]] | tuple" = ()):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        #: tokens a query of this pool's layers sees (0: full attention)
+        self.window = 0
+        #: the manager whose sub-pool this is (None: the manager itself)
+        self._parent: KVCacheManager | None = None
+        #: sliding-window groups' pools, one per (window, num_blocks, host_blocks) of ``groups``
+        self.groups: list[KVCacheManager] = []
+        for window, nb, hb in groups:
+            if window < 2:
+                raise ValueError(f"sliding window {window}: at least 2 tokens")
+            g = KVCacheManager(nb, block_size, hb)
+            g.window, g._parent = window, self
+            self.groups.append(g)
+        self.pending_group_copies: list[list[tuple[int, int, int]]] = [[] for _ in self.groups]
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.host_blocks = num_blocks if host_blocks < 0 else host_blocks
@@ -143,6 +175,17 @@ class KVCacheManager:
         """The sequence's block ids in position order (empty if it has none)."""
         return self._tables.get(request_id, [])
 
+    def group_table(self, group: int, request_id: str) -> list[int]:
+        """The sequence's block table in sliding group ``group`` (0 entries: released blocks)."""
+        return self.groups[group]._tables.get(request_id, [])
+
+    def group_tables(self, request_id: str) -> dict[str, list[int]]:
+        """Every group's table of the sequence, by name: "full" and "sliding N" (window N tokens)."""
+        out = {"full": self.block_table(request_id)}
+        for g in self.groups:
+            out[f"sliding {g.window}"] = g._tables.get(request_id, [])
+        return out
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -152,7 +195,13 @@ class KVCacheManager:
     # -- prefix lookup -----------------------------------------------------------
 
     def match_prefix(self, token_ids: list[int], salt: str | None, max_tokens: int) -> PrefixHit:
-        """Longest cached prefix of ``token_ids`` (at most ``max_tokens`` tokens). Changes nothing."""
+        """Longest cached prefix of ``token_ids`` (at most ``max_tokens`` tokens). Changes nothing.
+
+        With sliding-window groups: the longest prefix whose full-attention blocks are cached and
+        for which every group also holds the blocks of the prefix's last ``window - 1`` tokens
+        (what the first recomputed query reads), vLLM's hybrid rule made token-granular."""
+        if self.groups:
+            return self._match_hybrid(token_ids, salt, max_tokens)
         bs = self.block_size
         hit = PrefixHit()
         parent = root_key(salt)
@@ -183,6 +232,99 @@ class KVCacheManager:
             hit.cow_src, hit.cow_tokens = best, best_n
         return hit
 
+    def _best_child(self, parent: bytes, want: list[int]) -> tuple[int | None, int]:
+        """The indexed block under ``parent`` whose tokens share the longest start with ``want``:
+        (block id, tokens shared), (None, 0) when none shares a token."""
+        best, best_n = None, 0
+        for bid in self._children.get(parent, ()):
+            n = 0
+            for a, b in zip(self.blocks[bid].token_ids, want):
+                if a != b:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = bid, n
+        return best, best_n
+
+    def _match_hybrid(self, token_ids: list[int], salt: str | None, max_tokens: int) -> PrefixHit:
+        bs = self.block_size
+        root = root_key(salt)
+        keys: list[bytes] = []
+        blocks: list[int] = []
+        parent = root
+        for i in range(max_tokens // bs):
+            key = chain_key(parent, token_ids[i * bs:(i + 1) * bs])
+            bid = self._by_hash.get(key)
+            if bid is None:
+                break
+            keys.append(key)
+            blocks.append(bid)
+            parent = key
+        start = len(keys) * bs
+        cow, cow_n = self._best_child(parent, token_ids[start:min(start + bs, max_tokens)])
+        n = start + cow_n
+        while True:  # each group's longest servable prefix <= n, until all agree
+            m = min(g._window_reach(keys, token_ids, root, n) for g in self.groups)
+            if m == n:
+                break
+            n = m
+        k, t = divmod(n, bs)
+        hit = PrefixHit(blocks[:k])
+        if t:
+            hit.cow_src, hit.cow_tokens = (blocks[k] if k < len(blocks) else cow), t
+        hit.groups = [g._window_hit(keys, token_ids, root, n) for g in self.groups]
+        return hit
+
+    def _window_src(self, keys: list[bytes], token_ids: list[int], root: bytes, k: int,
+                    t: int) -> tuple[int | None, int]:
+        """A block of this (sliding) pool holding the first tokens of block ``k`` of the prompt:
+        (block id, tokens of the first ``t`` it holds)."""
+        if k < len(keys):
+            bid = self._by_hash.get(keys[k])
+            if bid is not None:
+                return bid, t
+        bs = self.block_size
+        return self._best_child(keys[k - 1] if k else root, token_ids[k * bs:k * bs + t])
+
+    def _window_reach(self, keys: list[bytes], token_ids: list[int], root: bytes, n: int) -> int:
+        """The longest prefix <= ``n`` tokens this sliding pool can continue: it holds the blocks
+        of the prefix's last ``window - 1`` tokens (0 always qualifies)."""
+        bs, w = self.block_size, self.window
+        k, t = divmod(n, bs)
+        present = [key in self._by_hash for key in keys[:k]]
+
+        def covered(end_block: int, end: int) -> bool:  # blocks [first needed, end_block) all here
+            lo = max(0, end - w + 1) // bs
+            return all(present[lo:end_block])
+
+        if t:
+            _, m = self._window_src(keys, token_ids, root, k, t)
+            if m and covered(k, k * bs + m):
+                return k * bs + m
+        # aligned ends, longest first: a run of present blocks long enough for the window
+        run = 0
+        runs = []
+        for p in present:
+            run = run + 1 if p else 0
+            runs.append(run)
+        for kk in range(k, 0, -1):
+            lo = max(0, kk * bs - w + 1) // bs
+            if runs[kk - 1] >= kk - lo:
+                return kk * bs
+        return 0
+
+    def _window_hit(self, keys: list[bytes], token_ids: list[int], root: bytes, n: int) -> PrefixHit:
+        """This sliding pool's hit for a prefix of ``n`` tokens that :meth:`_window_reach` allows:
+        the blocks of the last ``window - 1`` tokens, 0 (null) before them."""
+        bs, w = self.block_size, self.window
+        k, t = divmod(n, bs)
+        lo = max(0, n - w + 1) // bs
+        hit = PrefixHit([0] * lo + [self._by_hash[key] for key in keys[lo:k]])
+        if t:
+            hit.cow_src, hit.cow_tokens = self._window_src(keys, token_ids, root, k, t)
+            hit.cow_tokens = t
+        return hit
+
     # -- updates -----------------------------------------------------------------
 
     def _take_block(self) -> Block | None:
@@ -193,17 +335,24 @@ class KVCacheManager:
             b = self.blocks[bid]
             self._unindex(b)
         elif self._parked:
-            key, table = self._parked.popitem(last=False)
-            self._parked_salt.pop(key, None)
-            self._parked_owner.pop(key, None)
-            self.parked_version += 1
-            self._release_table(table)
+            (self._parent or self)._evict_parked(next(iter(self._parked)))
             return self._take_block()
         else:
             return None
         b.ref_count = 1
         b.token_ids = []
         return b
+
+    def _evict_parked(self, key: str) -> None:
+        """Release what ``key`` has parked in every group (a pool ran out of blocks)."""
+        table = self._parked.pop(key, None)
+        self._parked_salt.pop(key, None)
+        self._parked_owner.pop(key, None)
+        self.parked_version += 1
+        if table:
+            self._release_table(table)
+        for g in self.groups:
+            g.release_parked(key)
 
     def _unindex(self, b: Block) -> None:
         if b.hash is not None and self._by_hash.get(b.hash) == b.block_id:
@@ -220,11 +369,27 @@ class KVCacheManager:
     def allocate_prefix(self, request_id: str, hit: PrefixHit) -> bool:
         """Give a new sequence the blocks of ``hit``: shared full blocks (+1 ref)
         and, for a partial match, a fresh block whose first rows are copied from
-        the source (queued in ``pending_copies``). False (nothing changed) when
-        no block is free for the copy."""
+        the source (queued in ``pending_copies``; a sliding group's in
+        ``pending_group_copies``). False (nothing changed) when no block is free
+        for a copy."""
+        marks = self.job_marks()
+        if not self._allocate_prefix_one(request_id, hit):
+            return False
+        for i, (g, gh) in enumerate(zip(self.groups, hit.groups)):
+            if not g._allocate_prefix_one(request_id, gh):
+                self.free(request_id)
+                self.drop_jobs(marks)
+                return False
+            self.pending_group_copies[i].extend(g.take_copies())
+        return True
+
+    def _allocate_prefix_one(self, request_id: str, hit: PrefixHit) -> bool:
         table = self._tables.setdefault(request_id, [])
         assert not table, "allocate_prefix on a sequence that already has blocks"
         for bid in hit.blocks:
+            if bid == 0:  # a sliding group's block outside the window
+                table.append(0)
+                continue
             b = self.blocks[bid]
             if b.ref_count == 0:
                 self._lru.pop(bid, None)
@@ -238,7 +403,7 @@ class KVCacheManager:
             dst = self._take_block()
             self._unref(src)
             if dst is None:
-                self.free(request_id)
+                self._release_table(self._tables.pop(request_id, []))
                 return False
             dst.parent = src.parent
             dst.token_ids = src.token_ids[: hit.cow_tokens]
@@ -253,8 +418,30 @@ class KVCacheManager:
         Evicts host-tier blocks (LRU) and parked slot blocks when the pool has
         no empty block (``evict`` False: takes empty blocks only, as for draft
         tokens, which must not cost anyone's cached prefix). Returns False (and
-        changes nothing) when still short.
+        changes nothing) when still short, in any group.
         """
+        if not self.groups:
+            return self._allocate_one(request_id, num_tokens, evict)
+        managers = [self, *self.groups]
+        before = [len(m._tables.get(request_id, ())) for m in managers]
+        for i, m in enumerate(managers):
+            if not m._allocate_one(request_id, num_tokens, evict):
+                for m2, n in zip(managers[:i], before):
+                    m2._shrink(request_id, n)
+                return False
+        return True
+
+    def _shrink(self, request_id: str, n: int) -> None:
+        """Undo an allocation: drop the (empty) blocks past the first ``n`` of the table."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        self._drop_table(table[n:])
+        del table[n:]
+        if not table:
+            del self._tables[request_id]
+
+    def _allocate_one(self, request_id: str, num_tokens: int, evict: bool) -> bool:
         table = self._tables.setdefault(request_id, [])
         need = self.blocks_needed(num_tokens) - len(table)
         if need <= 0:
@@ -263,7 +450,7 @@ class KVCacheManager:
             if not table:
                 del self._tables[request_id]
             return False
-        parked = sum(len(t) for t in self._parked.values())
+        parked = sum(1 for t in self._parked.values() for b in t if b)
         if need > len(self._free) + len(self._lru) + parked:
             if not table:
                 del self._tables[request_id]
@@ -284,7 +471,9 @@ class KVCacheManager:
 
     def record_tokens(self, request_id: str, start: int, token_ids: list[int], salt: str | None = None) -> None:
         """Note that positions ``start..`` of the sequence now hold ``token_ids``;
-        blocks that become full are indexed by their chain key."""
+        blocks that become full are indexed by their chain key (in every group)."""
+        for g in self.groups:
+            g.record_tokens(request_id, start, token_ids, salt)
         table = self._tables[request_id]
         bs = self.block_size
         pos = start
@@ -312,6 +501,8 @@ class KVCacheManager:
         for their positions): they are emptied and go back to the free list, never to the
         host tier or the prefix index. Tokens recorded in the kept blocks stay as they are.
         """
+        for g in self.groups:
+            g.truncate(request_id, num_tokens)
         table = self._tables.get(request_id)
         if not table:
             return
@@ -340,20 +531,42 @@ class KVCacheManager:
 
     def _release_table(self, table: list[int]) -> None:
         for bid in reversed(table):  # tail first: it is the least reusable
-            self._unref(self.blocks[bid])
+            if bid:
+                self._unref(self.blocks[bid])
 
     def free(self, request_id: str) -> None:
         """Drop the sequence's references; unreferenced blocks go to the host tier or the free list."""
+        for g in self.groups:
+            g.free(request_id)
         self._release_table(self._tables.pop(request_id, []))
+
+    def slide(self, request_id: str, first_query: int) -> None:
+        """Give back the sliding groups' blocks that no query at position >= ``first_query``
+        (tokens) can see: those wholly before ``first_query - window + 1``. Their table entries
+        become 0 (the null block); indexed blocks go to the host tier (reusable by a later
+        prompt), the others to the free list. Nothing to do without sliding groups."""
+        for g in self.groups:
+            table = g._tables.get(request_id)
+            if not table:
+                continue
+            j = min(max(0, first_query - g.window + 1) // g.block_size, len(table)) - 1
+            while j >= 0 and table[j]:  # released entries are a prefix: stop at the first 0
+                g._unref(g.blocks[table[j]])
+                table[j] = 0
+                j -= 1
 
     def discard(self, request_id: str) -> None:
         """Drop the sequence's references like :meth:`free`, but blocks left unreferenced are
         unindexed and emptied, never kept in the host tier (a failed step may have left their
         rows incomplete; an erased slot's text must not be reusable)."""
+        for g in self.groups:
+            g.discard(request_id)
         self._drop_table(self._tables.pop(request_id, []))
 
     def _drop_table(self, table: list[int]) -> None:
         for bid in reversed(table):
+            if not bid:
+                continue
             b = self.blocks[bid]
             b.ref_count -= 1
             if b.ref_count <= 0:
@@ -366,6 +579,8 @@ class KVCacheManager:
 
         ``salt`` is the sequence's cache_salt (KV shifting only reuses parked rows of the same salt);
         ``owner`` the request's :attr:`~kvserve.engine.request.Request.owner` (see :meth:`parked_owner`)."""
+        for g in self.groups:
+            g.park(request_id, key, salt, owner)
         table = self._tables.pop(request_id, [])
         old = self._parked.pop(key, None)
         self._parked[key] = table
@@ -377,6 +592,8 @@ class KVCacheManager:
 
     def release_parked(self, key: str) -> None:
         """Drop the blocks parked under ``key`` (when its slot starts a new sequence)."""
+        for g in self.groups:
+            g.release_parked(key)
         table = self._parked.pop(key, None)
         self._parked_salt.pop(key, None)
         self._parked_owner.pop(key, None)
@@ -388,6 +605,8 @@ class KVCacheManager:
         """Drop the blocks parked under ``key`` from the slot, the host tier and the prefix index
         (a slot ``erase``: llama-server's next request then reuses nothing). Blocks that another
         sequence or slot still references stay as they are."""
+        for g in self.groups:
+            g.drop_parked(key)
         table = self._parked.pop(key, None)
         self._parked_salt.pop(key, None)
         self._parked_owner.pop(key, None)
@@ -443,8 +662,8 @@ class KVCacheManager:
             the parked salt differs, or no block was free.
         """
         src_table = self._parked.get(key)
-        if not src_table or min_run <= 0 or self._parked_salt.get(key) != salt:
-            return n_past
+        if not src_table or min_run <= 0 or self._parked_salt.get(key) != salt or self.groups:
+            return n_past  # sliding-window groups: see can_shift
         cached = self.parked_tokens(key)
         head_c = head_p = n_past
         runs: list[tuple[int, int, int]] = []  # (cached start, prompt start, length)
@@ -497,3 +716,25 @@ class KVCacheManager:
         """Copy-on-write jobs for the runner (emptied)."""
         c, self.pending_copies = self.pending_copies, []
         return c
+
+    def take_group_copies(self) -> list[list[tuple[int, int, int]]]:
+        """Per sliding group, its copy-on-write jobs (group block ids) for the runner (emptied)."""
+        c, self.pending_group_copies = self.pending_group_copies, [[] for _ in self.groups]
+        return c
+
+    def job_marks(self) -> tuple:
+        """Where the queued copy/shift jobs end now (see :meth:`drop_jobs`)."""
+        return len(self.pending_copies), len(self.pending_shifts), [len(c) for c in self.pending_group_copies]
+
+    def drop_jobs(self, marks: tuple) -> None:
+        """Forget the copy/shift jobs queued since ``marks`` (a request whose admission failed)."""
+        del self.pending_copies[marks[0]:], self.pending_shifts[marks[1]:]
+        for c, n in zip(self.pending_group_copies, marks[2]):
+            del c[n:]
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether KV shifting (``--cache-reuse``) applies: not with sliding-window groups (a
+        shifted run's sliding-layer rows before the window are gone, and its window would
+        hold other tokens than the prompt's at the new positions: not exact)."""
+        return not self.groups

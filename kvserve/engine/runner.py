@@ -69,6 +69,11 @@ class ModelRunner:
             ``--kv-cache-dtype``); see :mod:`kvserve.engine.kv_quant`.
         device: torch device of the model.
         kv_dtype_v: V's cache type (``-ctv``); None = the same as K's.
+        groups: sliding-window layer groups, as the KV cache manager's ``groups`` (same order):
+            (window in tokens, layer indices, blocks of the group's own pool). Those layers'
+            caches hold that many blocks and are addressed by the group's block tables (the
+            batch carries a view per window: ``AttentionBatch.windows``); the other layers by
+            the manager's own tables (``num_blocks``).
 
     Memory: ``num_blocks * block_size * kv_bytes_per_token(n_layer, n_head_kv, head_dim,
     kv_dtype, kv_dtype_v)`` bytes (:attr:`kv_bytes`, the tensors' own nbytes): f16 2
@@ -79,7 +84,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, kv_dtype: str = "f16",
-                 device: str | torch.device = "cpu", kv_dtype_v: str | None = None):
+                 device: str | torch.device = "cpu", kv_dtype_v: str | None = None,
+                 groups: list[tuple[int, tuple[int, ...], int]] | None = None):
         self.kv_types = (canonical_kv_type(kv_dtype), canonical_kv_type(kv_dtype_v or kv_dtype))
         c = model.config
         for t in self.kv_types:
@@ -91,15 +97,21 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
-        rows = num_blocks * block_size
+        self.groups = list(groups or [])
+        #: per layer: the sliding group whose tables address its cache (-1: the manager's own)
+        self.layer_group = [-1] * c.n_layer
+        blocks_of = [num_blocks] * c.n_layer
+        for gi, (_, layers, nb) in enumerate(self.groups):
+            for i in layers:
+                self.layer_group[i], blocks_of[i] = gi, nb
         tk, tv = self.kv_types
         # torch.empty: pages of the host tier cost memory only once written; block 0
         # (the null block, never allocated) is zeroed because padding reads it (all-zero
         # bytes are 0.0 in every stored type: a zero q8_0/q4_0 scale, fp8 +0)
         self.kv_caches = [
-            (new_kv_cache(tk, rows, c.n_head_kv, c.head_dim, self.device),
-             new_kv_cache(tv, rows, c.n_head_kv, c.head_dim, self.device))
-            for _ in range(c.n_layer)
+            (new_kv_cache(tk, nb * block_size, c.n_head_kv, c.head_dim, self.device),
+             new_kv_cache(tv, nb * block_size, c.n_head_kv, c.head_dim, self.device))
+            for nb in blocks_of
         ]
         for k, v in self.kv_caches:
             kv_data(k)[:block_size].zero_()
@@ -123,12 +135,14 @@ class ModelRunner:
         self.compiled.start()
         return self.compiled
 
-    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
-        """Copy the first ``rows`` KV rows of block ``src`` into block ``dst`` in every layer (copy on write;
-        quantized rows are copied in their stored form)."""
+    def copy_blocks(self, copies: list[tuple[int, int, int]], group: int = -1) -> None:
+        """Copy the first ``rows`` KV rows of block ``src`` into block ``dst`` in every layer of
+        ``group`` (-1: the layers the manager's own tables address, all of them without sliding
+        groups; copy on write; quantized rows are copied in their stored form)."""
         bs = self.block_size
+        caches = [kv for kv, g in zip(self.kv_caches, self.layer_group) if g == group]
         for src, dst, n in copies:
-            for kc, vc in self.kv_caches:
+            for kc, vc in caches:
                 k, v = kv_data(kc), kv_data(vc)
                 k[dst * bs: dst * bs + n] = k[src * bs: src * bs + n]
                 v[dst * bs: dst * bs + n] = v[src * bs: src * bs + n]
@@ -248,6 +262,8 @@ class ModelRunner:
         """
         self.shift_rows(sched.kv_shifts)
         self.copy_blocks(sched.kv_copies)
+        for gi, copies in enumerate(sched.kv_group_copies):
+            self.copy_blocks(copies, gi)
         batch = self.prepare(sched.chunks, kv)
         logits = self.run(batch)
         return StepResult(self.sample(batch, logits, samplers), self.prompt_logprobs(batch, logits),
@@ -337,6 +353,8 @@ class ModelRunner:
         if n_decode:
             attn.decode_kv_index, attn.decode_mask = self._decode_index(dec_tables, dec_lens)
             attn.decode_lens = torch.tensor(dec_lens, dtype=torch.long)
+        for gi, (window, _, _) in enumerate(self.groups):
+            attn.windows[window] = self._window_batch(gi, window, chunks, order, as_decode, kv, attn)
         # rows that need logits: last row of completing chunks, all rows for prompt logprobs,
         # every row of a verification chunk (speculative decoding)
         sample_ci = [ci for ci in range(len(chunks)) if chunks[ci].completes and not chunks[ci].spec_token_ids]
@@ -355,6 +373,46 @@ class ModelRunner:
         need_t = None if need == list(range(t)) else torch.tensor(need, dtype=torch.long, device=self.device)
         return PreparedBatch(chunks, torch.tensor(ids, dtype=torch.long, device=self.device), attn, t, need_t,
                              sample_ci, plp_off, spec_off)
+
+    def _window_batch(self, gi: int, window: int, chunks: list[ScheduledChunk], order: list[int],
+                      as_decode: list[bool], kv: KVCacheManager, attn: AttentionBatch) -> AttentionBatch:
+        """The step's batch as the layers of sliding group ``gi`` see it: the same rows, in the
+        same order, addressed by the group's block tables, and each query reading only the
+        blocks its window reaches (from the block of position ``p - window + 1``: rows before
+        it are released; ``decode_kv_start`` / ``PrefillGroup.kv_start`` give the position of
+        the first row read)."""
+        bs = self.block_size
+        slots: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        dec_start: list[int] = []
+        prefills: list[PrefillGroup] = []
+        t = 0
+        for ci in order:
+            ch = chunks[ci]
+            s, n = ch.request.num_computed_tokens, ch.num_new_tokens
+            table = kv.group_table(gi, ch.request.request_id)
+            if as_decode[ci]:
+                for p in range(s, s + n):
+                    b0 = max(0, p - window + 1) // bs
+                    slots.append(table[p // bs] * bs + p % bs)
+                    dec_tables.append(table[b0:])
+                    dec_lens.append(p + 1 - b0 * bs)
+                    dec_start.append(b0 * bs)
+            else:
+                slots.extend(self._rows(table, s, s + n).tolist())
+                k0 = (max(0, s - window + 1) // bs) * bs
+                kv_index = None if s == 0 else self._rows(table, k0, s + n).to(self.device)
+                prefills.append(PrefillGroup(t, t + n, s, kv_index, per_row=bool(ch.spec_token_ids), kv_start=k0))
+            t += n
+        view = AttentionBatch(positions=attn.positions,
+                              slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+                              n_decode=attn.n_decode, prefills=prefills)
+        if attn.n_decode:
+            view.decode_kv_index, view.decode_mask = self._decode_index(dec_tables, dec_lens)
+            view.decode_lens = torch.tensor(dec_lens, dtype=torch.long)
+            view.decode_kv_start = torch.tensor(dec_start, dtype=torch.long, device=self.device)
+        return view
 
     # -- run -------------------------------------------------------------------------
 

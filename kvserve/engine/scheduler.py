@@ -79,6 +79,8 @@ class SchedulerOutput:
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
     kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
     kv_shifts: list[tuple[int, int, int]] = field(default_factory=list)
+    #: per sliding-window group (KVCacheManager.groups), its copy-on-write jobs in its own block ids
+    kv_group_copies: list[list[tuple[int, int, int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -174,6 +176,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._chunk_len(req, budget)
+            self.kv.slide(req.request_id, req.num_computed_tokens)  # sliding groups: blocks out of every window
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -191,11 +194,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens - out.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
-            marks = len(self.kv.pending_copies), len(self.kv.pending_shifts)
+            marks = self.kv.job_marks()
             try:
                 admitted = self._admit(req, budget)
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
-                del self.kv.pending_copies[marks[0]:], self.kv.pending_shifts[marks[1]:]
+                self.kv.drop_jobs(marks)
                 self.waiting.popleft()
                 self.drop(req)
                 out.failed.append((req, e))
@@ -212,6 +215,8 @@ class Scheduler:
             self._add_drafts(out)
         out.kv_copies = self.kv.take_copies()
         out.kv_shifts = self.kv.take_shifts()
+        if self.kv.groups:
+            out.kv_group_copies = self.kv.take_group_copies()
         return out
 
     def _chunk_len(self, req: Request, budget: int) -> int:
@@ -264,7 +269,7 @@ class Scheduler:
         hit_tokens = 0
         fresh = req.num_cached_tokens < 0 and not req.output_token_ids
         slot_key = f"slot:{req.priority_slot}" if req.priority_slot >= 0 else None
-        mark = len(kv.pending_shifts)
+        marks = kv.job_marks()
         if req.params.cache_prompt:
             hit = kv.match_prefix(req.all_token_ids, req.cache_salt, req.num_tokens - 1)
             hit_tokens = kv.hit_tokens(hit)
@@ -276,7 +281,7 @@ class Scheduler:
         n = min(req.num_tokens - hit_tokens, budget)
         if not kv.allocate(req.request_id, hit_tokens + n):
             kv.free(req.request_id)
-            del kv.pending_shifts[mark:]  # this request's jobs: their rows belong to the blocks just freed
+            kv.drop_jobs(marks)  # this request's jobs: their rows belong to the blocks just freed
             return False
         req.num_computed_tokens = hit_tokens
         if req.num_cached_tokens < 0:

@@ -13,10 +13,14 @@ cache reads it composes):
 * gemma3: per-head q/k RMSNorm before RoPE, a separate RoPE base on sliding layers (10,000) and
   the file's linear scaling on global ones;
 * sliding-window layers (gemma2: every other layer, gemma3: 5 of every 6): a query at position p
-  sees keys at positions p - window < j <= p. For now such a layer keeps all its KV blocks and masks
-  by the window exactly (freeing the blocks the window left is a later step).
+  sees keys at positions p - window < j <= p, masked exactly. When the engine's KV cache has
+  sliding-window groups (kvserve.engine.kv_cache), such a layer reads and writes its group's own
+  cache rows through ``AttentionBatch.windows[window]``, which lists only the blocks the window
+  reaches; otherwise (a batch without that view) it reads every row of the sequence and the mask
+  does the rest.
 
-Attention is computed directly (scores, soft-cap, mask, softmax in float32): SDPA has no soft-cap.
+Attention with a soft-cap (gemma2) is computed directly (scores, soft-cap, mask, softmax in
+float32): SDPA has no soft-cap; without one (gemma3) it is SDPA with the window's mask.
 kvserve's native decode step and the compiled decode graph do not implement this block: the family
 record turns the native step off, and :meth:`GemmaModel.decode_step` refuses (the engine stays eager).
 """
@@ -231,20 +235,22 @@ def attend(q, k, v, q_pos, k_pos, valid, scale: float, window: int, softcap: flo
     """q: [B, Lq, H, D], k/v: [B, Lk, Hkv, D], q_pos [B, Lq], k_pos [B, Lk] long, valid [B, Lk] bool
     or None -> [B, Lq, H, D]. Key j is seen by query i when k_pos <= q_pos, within ``window``
     tokens (q_pos - k_pos < window; 0: no window) and valid; scores soft-capped by ``softcap``."""
-    g = q.shape[2] // k.shape[2]
-    if g > 1:
-        k = k.repeat_interleave(g, dim=2)
-        v = v.repeat_interleave(g, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale  # [B, H, Lq, Lk]
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
+    B, Lq, H, D = q.shape
+    hkv = k.shape[2]
     seen = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, Lq, Lk]
     if window:
         seen &= k_pos[:, None, :] > q_pos[:, :, None] - window
     if valid is not None:
         seen &= valid[:, None, :]
-    s = s.masked_fill(~seen[:, None], float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v)
+    if not softcap:  # SDPA (3-10x the einsums on the CPU; within 1e-6 of them): gemma3
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=seen[:, None], scale=scale, enable_gqa=hkv != H)
+        return o.transpose(1, 2)
+    qg = q.reshape(B, Lq, hkv, H // hkv, D)  # query head h reads KV head h // (H / Hkv), as HF's repeat_kv
+    s = torch.einsum("bqkgd,blkd->bkgql", qg, k) * scale  # [B, Hkv, G, Lq, Lk]
+    s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~seen[:, None, None], float("-inf"))
+    return torch.einsum("bkgql,blkd->bqkgd", torch.softmax(s, dim=-1), v).reshape(B, Lq, H, D)
 
 
 class GemmaModel(nn.Module):
@@ -254,6 +260,9 @@ class GemmaModel(nn.Module):
     """
 
     native_decode = False
+    #: sliding layers read and write their group's rows through ``AttentionBatch.windows`` (the engine
+    #: gives them pools of their own: kvserve.engine.kv_budget.window_groups)
+    window_kv_views = True
 
     def __init__(self, config: GemmaConfig, weights: dict[str, Weight], dtype=torch.float32, device="cpu",
                  kernel: str = "dense", small_max_rows: int = 0, max_positions: int = 8192,
@@ -328,9 +337,11 @@ class GemmaModel(nn.Module):
                 qkv[:, qs:qks] = layer.k_norm.forward(qkv[:, qs:qks].view(T, nkv, hd)).view(T, qks - qs)
             torch.view_as_complex(qkv[:, :qks].view(T, nq + nkv, hd // 2, 2)).mul_(cis)
             q, k, v = qkv[:, :qs].view(T, nq, hd), qkv[:, qs:qks].view(T, nkv, hd), qkv[:, qks:].view(T, nkv, hd)
-            kv_write(k_cache, batch.slot_mapping, k)
-            kv_write(v_cache, batch.slot_mapping, v)
-            o = self._attention(q, k, v, k_cache, v_cache, batch, c.layer_windows[i])
+            window = c.layer_windows[i]
+            b = batch.windows.get(window, batch) if window else batch  # a sliding group's own rows
+            kv_write(k_cache, b.slot_mapping, k)
+            kv_write(v_cache, b.slot_mapping, v)
+            o = self._attention(q, k, v, k_cache, v_cache, b, window)
             x = x + layer.post_attention_norm.forward(layer.wo.forward(o))
             gate, up = layer.w_gate_up.forward(layer.ffn_norm.forward(x)).chunk(2, dim=-1)
             x = x + layer.post_ffw_norm.forward(layer.w_down.forward(F.gelu(gate, approximate="tanh") * up))
@@ -356,6 +367,8 @@ class GemmaModel(nn.Module):
             kd = kv_gather(k_cache, idx.reshape(-1), q.dtype).view(B, L, *k_cache.shape[1:])
             vd = kv_gather(v_cache, idx.reshape(-1), q.dtype).view(B, L, *v_cache.shape[1:])
             k_pos = torch.arange(L, device=q.device).expand(B, L)
+            if batch.decode_kv_start is not None:  # a window's rows start at its first block
+                k_pos = k_pos + batch.decode_kv_start[:, None]
             valid = batch.decode_mask.view(B, L) if batch.decode_mask is not None else None
             out[:nd] = attend(q[:nd].unsqueeze(1), kd, vd, batch.positions[:nd].unsqueeze(1), k_pos, valid,
                               *args).squeeze(1)
@@ -369,7 +382,7 @@ class GemmaModel(nn.Module):
             else:
                 kp = kv_gather(k_cache, g.kv_index, q.dtype)
                 vp = kv_gather(v_cache, g.kv_index, q.dtype)
-                k_pos = torch.arange(kp.shape[0], device=q.device).unsqueeze(0)
+                k_pos = (g.kv_start + torch.arange(kp.shape[0], device=q.device)).unsqueeze(0)
             out[g.start:g.end] = attend(q[g.start:g.end].unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), q_pos,
                                         k_pos, None, *args)[0]
         return out.reshape(T, -1)

@@ -51,6 +51,9 @@ class PrefillGroup:
     n_past: int
     kv_index: torch.Tensor | None = None
     per_row: bool = False
+    #: position of ``kv_index``'s first row (a sliding-window view reads from the window's first
+    #: block; 0 otherwise)
+    kv_start: int = 0
     _mask: torch.Tensor | None = None
     _grouped: torch.Tensor | None = None
 
@@ -92,6 +95,11 @@ class AttentionBatch:
         decode_lens: [n_decode] long, the valid rows of each decode query (the native
             decode step's form of the mask).
         prefills: prompt chunks (see PrefillGroup).
+        decode_kv_start: [n_decode] long, the position of each decode query's first row (a
+            sliding-window view); None: every row list starts at position 0.
+        windows: window (tokens) -> the batch as the layers with that sliding window see it
+            (their own cache rows; ModelRunner builds them when the KV cache has sliding-window
+            groups); empty: every layer reads the rows above.
     """
 
     positions: torch.Tensor
@@ -101,6 +109,8 @@ class AttentionBatch:
     decode_mask: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
     prefills: list[PrefillGroup] = field(default_factory=list)
+    decode_kv_start: torch.Tensor | None = None
+    windows: dict[int, "AttentionBatch"] = field(default_factory=dict)
 
 
 def _int4_pack(w: Weight, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -375,7 +375,8 @@ def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimat
       ``--dtype`` when that replaces the file's format;
     - kv: n_ctx x the pool's bytes per token for ``-ctk``/``-ctv``
       (:func:`~kvserve.engine.kv_quant.kv_bytes_per_token`: 2 bytes a value for f16, 34/32 for
-      q8_0, 18/32 for q4_0, 1 for fp8);
+      q8_0, 18/32 for q4_0, 1 for fp8); sliding-window layers (gemma2, gemma3) counted at their
+      windows' blocks per slot and one step's chunk (:class:`~kvserve.engine.kv_budget.KVLayout`);
     - compute: one batch's activations plus one row of logits per slot, in float32;
     - cache: the host tier of the prompt cache at its limit (``--cache-ram``, or this model's
       share of the default).
@@ -405,15 +406,17 @@ def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimat
     compute = 4 * (n_tok * (8 * cfg_m.n_embd + 3 * cfg_m.n_ff) + cfg.n_slots * cfg_m.n_vocab)
     est = estimate_memory(weights, cfg_m.n_layer, cfg_m.n_head_kv, cfg_m.head_dim, n_ctx,
                           KV_BYTES.get(cfg.kv_dtype, 2), compute)
-    try:  # the pool's own bytes for the K and V types (q4_0: 18/32 bytes a value, fp8: 1)
-        from kvserve.engine.kv_quant import kv_bytes_per_token
+    from kvserve.serving.startup_checks import engine_kv_layout, known_kv_budget
 
-        per_token = kv_bytes_per_token(cfg_m.n_layer, cfg_m.n_head_kv, cfg_m.head_dim, cfg.kv_dtype,
-                                       getattr(cfg, "kv_dtype_v", None) or cfg.kv_dtype)
-        est = dataclasses.replace(est, kv=per_token * n_ctx)
+    try:  # the pool's own bytes for the K and V types (q4_0: 18/32 bytes a value, fp8: 1)
+        lay = engine_kv_layout(cfg, cfg_m)
+        kv = lay.block_bytes * n_ctx // cfg.block_size  # the full-attention layers: every token
+        if lay.windows:  # sliding-window layers: their windows' blocks (kvserve.engine.kv_budget)
+            blocks = -(-n_ctx // cfg.block_size) + cfg.n_slots
+            kv += lay.kv_bytes(blocks, cfg.n_slots) - blocks * lay.block_bytes
+        est = dataclasses.replace(est, kv=kv)
     except ValueError:  # a type or head_dim the load refuses with its own message
         pass
-    from kvserve.serving.startup_checks import known_kv_budget
 
     budget = known_kv_budget(cfg, cfg_m)  # a vLLM KV budget sizes the pool instead of n_ctx
     if budget is not None:

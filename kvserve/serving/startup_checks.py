@@ -333,13 +333,13 @@ def known_kv_budget(cfg, model_config: ModelConfig) -> int | None:
     ``n_slots`` sequences of ``n_ctx_slot`` tokens use at once (:mod:`kvserve.engine.kv_budget`)."""
     import torch
 
-    from kvserve.engine.kv_budget import cdiv, kv_bytes_per_token
+    from kvserve.engine.kv_budget import cdiv
 
     c = model_config
-    block_bytes = cfg.block_size * kv_bytes_per_token(c.n_layer, c.n_head_kv, c.head_dim, cfg.kv_dtype,
-                                                      getattr(cfg, "kv_dtype_v", None) or cfg.kv_dtype)
+    lay = engine_kv_layout(cfg, c)
+    block_bytes = lay.block_bytes  # the full-attention layers' (sliding-window pools on top)
     if cfg.num_gpu_blocks_override is not None:
-        return cfg.num_gpu_blocks_override * block_bytes
+        return lay.kv_bytes(cfg.num_gpu_blocks_override, cfg.n_slots)
     budget = None
     if cfg.kv_cache_memory_bytes is not None:
         budget = cfg.kv_cache_memory_bytes
@@ -348,7 +348,21 @@ def known_kv_budget(cfg, model_config: ModelConfig) -> int | None:
     if budget is None:
         return None
     usable = max(cfg.n_slots, 1) * cdiv(cfg.n_ctx_slot(c.n_ctx_train), cfg.block_size)
+    if lay.windows:
+        return min(budget, lay.kv_bytes(usable, cfg.n_slots))
     return min(budget // block_bytes, usable) * block_bytes
+
+
+def engine_kv_layout(cfg, model_config):
+    """The engine's :class:`~kvserve.engine.kv_budget.KVLayout` for EngineConfig ``cfg``: sliding-window
+    layers in pools of their own, except in a tensor- or pipeline-parallel engine (one pool)."""
+    from kvserve.engine.kv_budget import kv_layout
+
+    return kv_layout(model_config, block_size=cfg.block_size, n_slots=cfg.n_slots,
+                     max_num_batched_tokens=cfg.max_num_batched_tokens, kv_dtype=cfg.kv_dtype,
+                     kv_dtype_v=getattr(cfg, "kv_dtype_v", None),
+                     windows=getattr(cfg, "tensor_parallel_size", 1) * getattr(cfg, "pipeline_parallel_size", 1) == 1,
+                     n_ctx_slot=cfg.n_ctx_slot(model_config.n_ctx_train))
 
 
 # -- all of them ------------------------------------------------------------------------------
@@ -412,14 +426,13 @@ def run_startup_checks(args, path: str, cfg) -> list[tuple[int, str]]:
     pre = (cfg.kv_cache_memory_bytes is not None or cfg.num_gpu_blocks_override is not None
            or (device_type == "cpu" and cfg.cpu_kv_cache_memory_bytes is not None))
     if pre:  # a budget known before loading: refuse now, not after reading the weights
-        from kvserve.engine.kv_budget import kv_bytes_per_token
-
         c = h.config
-        block_bytes = cfg.block_size * kv_bytes_per_token(c.n_layer, c.n_head_kv, c.head_dim, cfg.kv_dtype,
-                                                          getattr(cfg, "kv_dtype_v", None) or cfg.kv_dtype)
+        lay = engine_kv_layout(cfg, c)
+        block_bytes = lay.block_bytes
         known = dataclasses.replace(cfg, gpu_memory_utilization=None)  # measured by the engine, after loading
         plan_engine_pool(known, c, n_ctx=cfg.resolve_n_ctx(n_ctx_train), n_ctx_slot=n_ctx_slot,
-                         n_slots=cfg.n_slots, block_bytes=block_bytes, device_type=device_type)
+                         n_slots=cfg.n_slots, block_bytes=block_bytes, device_type=device_type,
+                         windows=lay.costs())
     return notes
 
 
