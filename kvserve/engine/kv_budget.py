@@ -149,8 +149,8 @@ def window_groups(model_config, n_ctx_slot: int | None = None) -> tuple[tuple[in
     context) never leaves a token behind: its layers count as full attention.
 
     Only a module that reads its sliding layers' rows through ``AttentionBatch.windows`` (class
-    attribute ``window_kv_views = True``, as kvserve.models.gemma's) gets groups; any other keeps
-    one pool for every layer and masks by the window."""
+    attribute ``window_kv_views = True``, as kvserve.models.gemma's and kvserve.models.gpt_oss's) gets
+    groups; any other keeps one pool for every layer and masks by the window."""
     from kvserve.models.family import family_of
 
     try:

@@ -27,10 +27,12 @@ an HF directory's fused, transposed ``mlp.experts.gate_up_proj`` [E, n_embd, 2 n
 interleaved by column), and Ollama's ``gptoss`` files (``attn_out``, ``ffn_norm``, ``attn_qkv``,
 ``ffn_gate_up_exps`` interleaved by row, MXFP4 blocks in OpenAI's nibble order as ggml type 4).
 
-The KV spec per layer is a sliding window of ``window`` tokens or full attention; the attention is
-computed directly (scores, window mask, sinks, softmax in float32: SDPA has no sinks). kvserve's native
-decode step and the compiled decode graph do not implement this block (the family record turns the
-native step off; :meth:`GptOssModel.decode_step` refuses, so the engine stays eager).
+The KV spec per layer is a sliding window of ``window`` tokens or full attention; the sliding layers
+keep a pool of their own holding only their window's blocks (``window_kv_views``, read as
+kvserve.models.gemma does: kvserve.engine.kv_budget.window_groups). The attention is computed
+directly (scores, window mask, sinks, softmax in float32: SDPA has no sinks). kvserve's native decode
+step and the compiled decode graph do not implement this block (the family record turns the native
+step off; :meth:`GptOssModel.decode_step` refuses, so the engine stays eager).
 """
 
 from __future__ import annotations
@@ -424,6 +426,10 @@ class GptOssModel(nn.Module):
     """
 
     native_decode = False
+    #: sliding layers read and write their group's rows through ``AttentionBatch.windows`` (the engine
+    #: gives them pools of their own that hold only their window's blocks:
+    #: kvserve.engine.kv_budget.window_groups)
+    window_kv_views = True
 
     def __init__(self, config: GptOssConfig, weights: dict[str, Weight], dtype=torch.float32, device="cpu",
                  kernel: str = "dense", small_max_rows: int = 0, max_positions: int = 8192,
@@ -500,9 +506,11 @@ class GptOssModel(nn.Module):
             qkv = layer.wqkv.forward(layer.attn_norm.forward(x))
             torch.view_as_complex(qkv[:, :qks].view(T, nq + nkv, hd // 2, 2)).mul_(cis)
             q, k, v = qkv[:, :qs].view(T, nq, hd), qkv[:, qs:qks].view(T, nkv, hd), qkv[:, qks:].view(T, nkv, hd)
-            kv_write(k_cache, batch.slot_mapping, k)
-            kv_write(v_cache, batch.slot_mapping, v)
-            o = self._attention(q, k, v, k_cache, v_cache, batch, c.layer_windows[i], layer.sinks)
+            window = c.layer_windows[i]
+            b = batch.windows.get(window, batch) if window else batch  # a sliding group's own rows
+            kv_write(k_cache, b.slot_mapping, k)
+            kv_write(v_cache, b.slot_mapping, v)
+            o = self._attention(q, k, v, k_cache, v_cache, b, window, layer.sinks)
             x = x + layer.wo.forward(o)
             x = x + layer.moe.forward(layer.post_attention_norm.forward(x))
         if logits_indices is not None:
@@ -515,8 +523,10 @@ class GptOssModel(nn.Module):
     def _attention(self, q, k, v, k_cache, v_cache, batch: AttentionBatch, window: int, sinks) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] (already in the cache) -> [T, H * D]: the decode rows over
         their cached rows, each prompt chunk over its own K/V or its cached prefix. On a window layer
-        only the cache rows some query's window reaches are read (row j of an index is position j),
-        so rows before every window are never touched."""
+        only the cache rows some query's window reaches are read, so rows before every window are
+        never touched. ``batch`` is the whole step's (row j of an index is position j), or a sliding
+        group's view (``AttentionBatch.windows``: its rows start at ``decode_kv_start`` /
+        ``PrefillGroup.kv_start``, the window's first block; earlier blocks are released)."""
         c = self.config
         T, nd = q.shape[0], batch.n_decode
         out = torch.empty(T, c.n_head, c.head_dim, dtype=q.dtype, device=q.device)
@@ -525,7 +535,7 @@ class GptOssModel(nn.Module):
             idx = batch.decode_kv_index  # [B, L]: row j of query b is its position j
             valid = batch.decode_mask.view(idx.shape) if batch.decode_mask is not None else None
             lo = 0
-            if window:  # only the positions some query's window reaches are read
+            if window and batch.decode_kv_start is None:  # only the positions some window reaches
                 lo = max(0, int(batch.positions[:nd].min()) - window + 1)
                 idx = idx[:, lo:]
                 valid = valid[:, lo:] if valid is not None else None
@@ -533,6 +543,8 @@ class GptOssModel(nn.Module):
             kd = kv_gather(k_cache, idx.reshape(-1), q.dtype).view(B, L, *k_cache.shape[1:])
             vd = kv_gather(v_cache, idx.reshape(-1), q.dtype).view(B, L, *v_cache.shape[1:])
             k_pos = torch.arange(lo, lo + L, device=q.device).expand(B, L)
+            if batch.decode_kv_start is not None:  # a window's view: rows start at its first block
+                k_pos = k_pos + batch.decode_kv_start[:, None]
             out[:nd] = attend(q[:nd].unsqueeze(1), kd, vd, batch.positions[:nd].unsqueeze(1), k_pos, valid,
                               *args).squeeze(1)
         for g in batch.prefills:
@@ -543,8 +555,8 @@ class GptOssModel(nn.Module):
                 vp = kv_round(v_cache, v[g.start:g.end], q.dtype)
                 k_pos = q_pos
             else:  # over the cached prefix: of a window layer only the rows the chunk's window reaches
-                lo = max(0, g.n_past - window + 1) if window else 0
-                rows = g.kv_index[lo:]
+                lo = max(g.kv_start, g.n_past - window + 1) if window else g.kv_start
+                rows = g.kv_index[lo - g.kv_start:]
                 kp = kv_gather(k_cache, rows, q.dtype)
                 vp = kv_gather(v_cache, rows, q.dtype)
                 k_pos = torch.arange(lo, lo + kp.shape[0], device=q.device).unsqueeze(0)

@@ -1,6 +1,7 @@
 """gpt-oss beyond the shared family cases of tests/unit/test_families.py: each feature (sinks, windows,
 the clamp, YaRN without rounding) changes the logits, so the agreement there can fail; windows honoured
-in chunked prefill, decode over many blocks and prefix hits; MXFP4 experts; Ollama's ``gptoss`` files;
+in chunked prefill, decode over many blocks and prefix hits, with the window layers in pools of their own
+that hold only their window's blocks; MXFP4 experts; Ollama's ``gptoss`` files;
 refusals naming the tensor or key."""
 
 from __future__ import annotations
@@ -354,3 +355,74 @@ def test_window_layers_never_read_rows_before_their_windows(tiny):
 
     clean, poisoned = run(False), run(True)
     assert torch.isfinite(poisoned).all() and torch.equal(clean, poisoned)
+
+
+def _run_tracked(core: EngineCore, requests: list[Request]) -> tuple[dict, dict, dict]:
+    """Steps ``requests`` (added together) to the end: per request id its tokens, the most blocks
+    its sliding group (group 0) held after a step, and its last ``num_cached_tokens``."""
+    for r in requests:
+        core.add_request(r)
+    toks = {r.request_id: [] for r in requests}
+    most = dict.fromkeys(toks, 0)
+    cached = {}
+    while core.has_work():
+        for out in core.step():
+            toks[out.request_id] += out.new_token_ids
+            cached[out.request_id] = out.num_cached_tokens
+        for rid in toks:
+            if rid in core.scheduler.requests:
+                most[rid] = max(most[rid], sum(1 for b in core.kv.group_table(0, rid) if b))
+    return toks, most, cached
+
+
+@pytest.mark.parametrize("tier", ["slot", "host"])
+def test_window_pools_hold_only_the_window_and_agree_with_transformers(tiny, tier):
+    """Layers 0 and 2 (window 4) get a pool of their own (blocks of 4 tokens): cold, 24 greedy tokens
+    equal transformers' while that group holds at most the blocks one 8-token chunk and the 3 tokens
+    before it span; a resend of the prompt and its answer reuses all but its last token (cache_n 43)
+    and agrees again. ``slot``: one slot, no host tier: the hit comes from the window's blocks parked
+    with the slot as the server parks a finished request's (the sliding pool is 9 blocks in all);
+    ``host``: 4 unified slots, the released blocks wait in the host tier."""
+    model = tiny["model"]
+    cfg = dict(n_parallel=1, cache_ram=0) if tier == "slot" else {}
+    core = _core(tiny["hf"], max_num_batched_tokens=8, block_size=4, **cfg)
+    assert [g.window for g in core.kv.groups] == [4]
+    assert core.runner.layer_group == [0, -1, 0]
+    slots = 1 if tier == "slot" else 4
+    # per slot two windows (1 + 2 blocks each), an 8-token chunk (2 blocks), the null block, the host tier
+    assert len(core.kv.groups[0].blocks) == 1 + 2 * slots * (1 + 2) + 2 + core.kv.host_blocks
+    assert (core.kv.host_blocks == 0) == (tier == "slot")
+    params = SamplingParams(n_predict=24, temperature=0.0, ignore_eos=True)
+    slot = 0 if tier == "slot" else -1  # the server's slot: its blocks are parked when it finishes
+    toks, most, cached = _run_tracked(core, [Request("a", PROMPT, params, priority_slot=slot)])
+    assert toks["a"] == fmod.reference_greedy(model, PROMPT, 24, tiny["eog"])
+    assert cached["a"] == 0
+    # the chunk at 8..15 reads from position 5: blocks 1..3; a decode step at p reads blocks (p-3)//4..p//4
+    assert most["a"] == 3
+    g = core.kv.groups[0]
+    if tier == "slot":  # positions 0..42 computed: the window's blocks 9, 10 stay with the slot, 11 full-layer ones
+        assert core.kv.parked_keys() == g.parked_keys() == ["slot:0"]
+        assert [i for i, b in enumerate(g.parked_table("slot:0")) if b] == [9, 10]
+        assert len(core.kv.parked_table("slot:0")) == 11 and g.num_cached_blocks == 0
+    else:  # every block of both pools waits in the host tier, the window's released ones included
+        assert core.kv.parked_keys() == [] and (g.num_cached_blocks, core.kv.num_cached_blocks) == (11, 11)
+    longer = PROMPT + toks["a"]
+    toks2, most2, cached2 = _run_tracked(core, [Request("b", longer, params, priority_slot=slot)])
+    assert cached2["b"] == len(longer) - 1 == 43
+    assert most2["b"] == 2
+    assert toks2["b"] == fmod.reference_greedy(model, longer, 24, tiny["eog"])
+
+
+def test_window_pools_in_a_batch_of_sequences_at_different_positions(tiny):
+    """Two sequences decoded in one step, their windows starting at different blocks of the pool
+    (``decode_kv_start`` per row, padded rows masked): each one's 16 greedy tokens equal transformers'."""
+    model = tiny["model"]
+    core = _core(tiny["hf"], max_num_batched_tokens=64, block_size=4)
+    assert core.runner.layer_group == [0, -1, 0]
+    params = SamplingParams(n_predict=16, temperature=0.0, ignore_eos=True)
+    other = PROMPT[:7]
+    toks, most, _ = _run_tracked(core, [Request("a", PROMPT, params), Request("b", other, params)])
+    assert toks["a"] == fmod.reference_greedy(model, PROMPT, 16, tiny["eog"])
+    assert toks["b"] == fmod.reference_greedy(model, other, 16, tiny["eog"])
+    # the first step prefills each prompt whole: 5 blocks and 2; then at most two blocks each
+    assert most == {"a": 5, "b": 2}
