@@ -38,6 +38,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from kvserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
+from kvserve.engine.request import Timings as EngineTimings
 from kvserve.faces.auth import caller
 from kvserve.faces.errors import ApiError
 from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
@@ -242,6 +243,8 @@ class CompletionHandler:
         }
         # llama-server's return_progress: prompt_progress events, in streams only
         opts["return_progress"] = opts["stream"] and bool(get_bool(body, "return_progress", False))
+        # llama-server's timings_per_token: every streamed event carries the timings so far
+        opts["timings_per_token"] = opts["stream"] and bool(get_bool(body, "timings_per_token", False))
         prompts = split_prompts(body["prompt"])
         check_count("prompt", len(prompts), batch_cap(state.args), "prompts", "--max-batch-inputs")
         tasks = []
@@ -332,20 +335,24 @@ class CompletionHandler:
         results = [self.final_json(c, params, opts, stream=False).wire() for c in tasks]
         return json_response(results[0] if len(results) == 1 else results)
 
-    def _progress_chunk(self, c: _Completion, prog: PromptProgress) -> dict:
-        return CompletionChunk(index=c.index, content="", tokens=[], stop=False, id_slot=c.request.priority_slot,
-                               stop_type="none", tokens_predicted=0, tokens_evaluated=prog.total,
-                               prompt_progress=prog).wire()
+    def _progress_chunk(self, c: _Completion, prog: PromptProgress, timings: Timings | None) -> dict:
+        chunk = CompletionChunk(index=c.index, content="", tokens=[], stop=False, id_slot=c.request.priority_slot,
+                                stop_type="none", tokens_predicted=0, tokens_evaluated=prog.total)
+        if timings is not None:
+            chunk.timings = timings
+        chunk.prompt_progress = prog
+        return chunk.wire()
 
     async def _stream(self, c: _Completion, params: SamplingParams, opts: dict):
         """The stream's events. With ``return_progress`` (llama-server's): before the first token,
         one event at 0% (``processed`` = ``cache``), one per prompt chunk the engine ran, and one
         at 100% (``processed`` = ``total``)."""
         progress = ProgressEvents() if opts["return_progress"] else None
+        per_token = opts["timings_per_token"]
         async for out in generate(self.state, c.request, self._params_view(params, opts)):
             if progress is not None:
-                for prog in progress.feed(out):
-                    yield self._progress_chunk(c, prog)
+                for prog, timings in progress.feed(out):
+                    yield self._progress_chunk(c, prog, Timings.of(timings) if per_token else None)
             if out.prompt_progress is not None:
                 continue
             c.add(out, params.post_sampling_probs)
@@ -355,6 +362,8 @@ class CompletionHandler:
                                         stop=False, id_slot=c.request.priority_slot, stop_type="none",
                                         tokens_predicted=out.num_output_tokens,
                                         tokens_evaluated=out.num_prompt_tokens)
+                if per_token:
+                    chunk.timings = Timings.of(out.timings)
                 if params.n_probs > 0 and out.logprobs:
                     chunk.completion_probabilities = [token_probs(lp, params.post_sampling_probs)
                                                       for lp in out.logprobs]
@@ -368,14 +377,16 @@ class ProgressEvents:
     from its engine outputs: before the first token, one at 0% (``processed`` = ``cache``,
     ``time_ms`` 0), one per prompt chunk the engine ran (the engine's token-less outputs with
     ``prompt_progress``), and one at 100% (``processed`` = ``total``) when the first token comes.
-    Nothing after the first token. Used by this face and the OpenAI face."""
+    Nothing after the first token. Each event comes with the timings at that point (what
+    llama-server sends with ``timings_per_token``: the prompt tokens computed and their ms, no
+    predicted tokens yet). Used by this face and the OpenAI face."""
 
     def __init__(self) -> None:
         self.shown = False  # the 0% event was sent
         self.done = False  # the first token came
 
-    def feed(self, out: RequestOutput) -> list[PromptProgress]:
-        """The progress objects to send before ``out``'s own event (if any)."""
+    def feed(self, out: RequestOutput) -> list[tuple[PromptProgress, EngineTimings]]:
+        """The (progress, timings) pairs to send before ``out``'s own event (if any)."""
         if self.done:
             return []
         p = out.prompt_progress
@@ -385,11 +396,14 @@ class ProgressEvents:
             self.done = True
             total, cache = out.num_prompt_tokens, out.num_cached_tokens
             processed, ms = total, int(out.timings.prompt_ms)
+        t = out.timings
         events = []
         if not self.shown:
             self.shown = True
-            events.append(PromptProgress(total=total, cache=cache, processed=cache, time_ms=0))
-        events.append(PromptProgress(total=total, cache=cache, processed=processed, time_ms=ms))
+            events.append((PromptProgress(total=total, cache=cache, processed=cache, time_ms=0),
+                           EngineTimings(cache_n=cache)))
+        events.append((PromptProgress(total=total, cache=cache, processed=processed, time_ms=ms),
+                       EngineTimings(cache_n=cache, prompt_n=processed - cache, prompt_ms=t.prompt_ms)))
         return events
 
 

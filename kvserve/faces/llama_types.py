@@ -161,6 +161,7 @@ class CompletionChunk(WireModel):
     stop_type: str
     tokens_predicted: int
     tokens_evaluated: int
+    timings: Timings | None = None  # timings_per_token (llama-server's): the timings so far
     prompt_progress: PromptProgress | None = None
     completion_probabilities: list[TokenLogprobs | TokenProbs] | None = None
 
