@@ -525,7 +525,7 @@ def props_json(state: Runner, *, is_sleeping: bool = False) -> Props:
         eos_token=tok.eos_token,
         build_info=state.build_info,
         is_sleeping=is_sleeping,
-        cors_proxy_enabled=False,
+        cors_proxy_enabled=bool(getattr(state.args, "ui_mcp_proxy", False)),
     )
 
 
