@@ -244,6 +244,7 @@ class CompletionHandler:
         # llama-server's return_progress: prompt_progress events, in streams only
         opts["return_progress"] = opts["stream"] and bool(get_bool(body, "return_progress", False))
         # llama-server's timings_per_token: every streamed event carries the timings so far
+        opts["response_fields"] = response_fields(body)
         opts["timings_per_token"] = opts["stream"] and bool(get_bool(body, "timings_per_token", False))
         prompts = split_prompts(body["prompt"])
         check_count("prompt", len(prompts), batch_cap(state.args), "prompts", "--max-batch-inputs")
@@ -332,7 +333,8 @@ class CompletionHandler:
             await asyncio.gather(*(run_gated(c) for c in tasks))
 
         await until_disconnect(http, run_all())
-        results = [self.final_json(c, params, opts, stream=False).wire() for c in tasks]
+        results = [nested_values(opts["response_fields"], self.final_json(c, params, opts, stream=False).wire())
+                   for c in tasks]
         return json_response(results[0] if len(results) == 1 else results)
 
     def _progress_chunk(self, c: _Completion, prog: PromptProgress, timings: Timings | None) -> dict:
@@ -369,7 +371,39 @@ class CompletionHandler:
                                                       for lp in out.logprobs]
                 yield chunk.wire()
             if out.finished:
-                yield self.final_json(c, params, opts, stream=True).wire()
+                yield nested_values(opts["response_fields"], self.final_json(c, params, opts, stream=True).wire())
+
+
+def response_fields(body: dict) -> list[str]:
+    """llama-server's ``response_fields``: paths (``"a/b"``: member ``b`` of member ``a``) of the
+    final result to return instead of the whole result; [] (absent or null) returns it all.
+    Raises ApiError 400 when it is not an array of strings."""
+    v = body.get("response_fields")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(p, str) for p in v):
+        raise ApiError(400, "'response_fields' must be an array of strings")
+    return v
+
+
+def nested_values(paths: list[str], result: dict) -> dict:
+    """llama-server's ``json_get_nested_values``: ``{path: value}`` for each of ``paths`` found in
+    ``result`` (split on ``/``), in the order given; paths not found are left out. No paths:
+    ``result`` itself."""
+    if not paths:
+        return result
+    out: dict = {}
+    for path in paths:
+        cur, found = result, True
+        for k in path.split("/"):
+            if isinstance(cur, dict) and k in cur:
+                cur = cur[k]
+            else:
+                found = False
+                break
+        if found:
+            out[path] = cur
+    return out
 
 
 class ProgressEvents:

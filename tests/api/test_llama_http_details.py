@@ -450,3 +450,21 @@ def test_cors_keeps_the_apps_vary_header():
     assert (r.headers["vary"], r.headers["access-control-allow-origin"]) == ("Accept-Encoding", "*")
     r = _call(CorsMiddleware(app, CorsPolicy(["http://b.example"])), "GET", "/x", {"Origin": "http://a.example"})
     assert r.headers["vary"] == "Accept-Encoding, Origin" and "access-control-allow-origin" not in r.headers
+
+
+def test_response_fields_pick_nested_values(tiny):
+    """llama-server's response_fields: the final result is only the paths asked for ("a/b" reads
+    member b of a), in the order given, paths not found left out; streams' last event too."""
+    body = {"prompt": list(range(40, 50)), "n_predict": 3, "temperature": 0, "ignore_eos": True,
+            "response_fields": ["generation_settings/n_predict", "tokens_predicted", "timings/nope", "prompt"]}
+    r = tiny.post("/completion", json=body)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert list(d) == ["generation_settings/n_predict", "tokens_predicted", "prompt"]
+    assert (d["generation_settings/n_predict"], d["tokens_predicted"]) == (3, 3) and isinstance(d["prompt"], str)
+    last = _sse(tiny.post("/completion", json={**body, "stream": True}))[-1]
+    assert (list(last), last["tokens_predicted"]) == (["generation_settings/n_predict", "tokens_predicted", "prompt"], 3)
+    whole = tiny.post("/completion", json={**body, "response_fields": []}).json()
+    assert "generation_settings" in whole and "content" in whole
+    bad = tiny.post("/completion", json={**body, "response_fields": "prompt"})
+    assert (bad.status_code, bad.json()["error"]["message"]) == (400, "'response_fields' must be an array of strings")
