@@ -96,7 +96,7 @@ def _srv(level: int, func: str, msg: str, *a) -> None:
 
 def build_app(state: ServerState) -> FastAPI:
     """The ASGI app: native and OpenAI faces, error envelopes, API keys, CORS."""
-    from kvserve.faces import anthropic, embeddings, llama, ollama, responses, webui
+    from kvserve.faces import anthropic, cors_proxy, embeddings, llama, ollama, responses, webui
     from kvserve.faces import router as router_face  # what vllm-router reads from a worker
 
     # no slash redirects: llama-server answers /health/ with 404, not 307
@@ -146,6 +146,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(responses.build_router(state))
     app.include_router(anthropic.build_router(state))
     app.include_router(router_face.build_router(state))
+    app.include_router(cors_proxy.build_router(state))
     app.include_router(webui.build_router(state))
     # innermost first: the crash guard sits right outside the exception handlers above
     app.add_middleware(CrashGuardMiddleware)

@@ -360,6 +360,24 @@ def _tokenize(tokenizer, segs: list[Segment], force_split: bool = False) -> list
     return ids
 
 
+#: how llama-server joins the text parts of a continued final message (common_chat_msg::render_content)
+PREFILL_PART_SEPARATOR = "\n\n"
+
+
+def _prefill_parts_joined(messages: Any, msgs: list[dict], continue_final_message: bool | None,
+                          parts: bool) -> list[dict]:
+    """``msgs`` (normalized ``messages``) with a continued final message given as text parts
+    joined as llama-server joins them (blank lines: it appends the parts after the rendered
+    history, ``render_content``), not with the single newline of other messages. Unchanged for a
+    template that takes the parts themselves."""
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    if parts or not isinstance(last, dict) or not isinstance(last.get("content"), list) \
+            or not continues_final_message(msgs, continue_final_message):
+        return msgs
+    text = PREFILL_PART_SEPARATOR.join(p["text"] for p in last["content"])  # validated: text parts only
+    return [*msgs[:-1], {**msgs[-1], "content": text}]
+
+
 def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_generation_prompt: bool = True,
                 tools: list | None = None, continue_final_message: bool | None = False,
                 **template_kwargs: Any) -> tuple[str, list[int]]:
@@ -369,7 +387,8 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
         template: the model's ChatTemplate.
         tokenizer: the model's Tokenizer.
         messages: OpenAI-style messages (validated by :func:`normalize_messages`). Text parts
-            are joined with newlines, or stay parts for a template whose ``content_format`` is
+            are joined with newlines (a continued final message's with blank lines, as
+            llama-server), or stay parts for a template whose ``content_format`` is
             ``openai`` (it loops over content: vLLM's auto rule). Tool-call
             arguments sent as JSON strings reach the template as objects (vLLM); when the
             template fails on that, it is rendered once more with the strings as sent
@@ -388,7 +407,8 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
         InvalidInputError: invalid messages or a template error (a face answers 400).
     """
     parts = getattr(template, "content_format", "string") == "openai"
-    msgs = _as_template_input(normalize_messages(messages, keep_parts=parts))
+    msgs = _prefill_parts_joined(messages, _as_template_input(normalize_messages(messages, keep_parts=parts)),
+                                 continue_final_message, parts)
     try:
         return _render_segments(template, tokenizer, msgs, add_generation_prompt, tools, continue_final_message,
                                 template_kwargs)

@@ -508,13 +508,16 @@ class EngineCore:
 
     @staticmethod
     def _progress_output(req: Request, now: float) -> RequestOutput:
-        """A prompt chunk's output for a ``return_progress`` request: no tokens, its progress."""
+        """A prompt chunk's output for a ``return_progress`` request: no tokens, its progress, and
+        the timings so far (the prompt tokens computed and their ms)."""
         cached = max(req.num_cached_tokens, 0)
-        ms = int((now - (req.first_scheduled_time or now)) * 1000)
+        elapsed_ms = (now - (req.first_scheduled_time or now)) * 1e3
+        timings = Timings(cache_n=cached, prompt_n=max(req.num_computed_tokens - cached, 0), prompt_ms=elapsed_ms)
         return RequestOutput(request_id=req.request_id, new_token_ids=[], text="",
                              num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=cached,
-                             arrival_time=req.arrival_time,
-                             prompt_progress=PromptProgress(req.num_prompt_tokens, cached, req.num_computed_tokens, ms))
+                             arrival_time=req.arrival_time, timings=timings,
+                             prompt_progress=PromptProgress(req.num_prompt_tokens, cached, req.num_computed_tokens,
+                                                            int(elapsed_ms)))
 
     def _update_spec(self, ch: ScheduledChunk, target: list[int], now: float) -> RequestOutput:
         """Apply a verification chunk: accept the longest prefix of the draft that matches the

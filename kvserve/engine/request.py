@@ -251,9 +251,9 @@ class TokenLogprob:
 class Timings:
     """llama-server's ``timings`` object (ms and token counts).
 
-    ``predicted_per_token_ms`` divides by decode steps (generated tokens minus
-    one): the first token comes from the prefill logits (llama-server's
-    ``n_gen_steps``).
+    ``predicted_per_token_ms`` and ``predicted_per_second`` count decode steps (generated tokens
+    minus one): the first token comes from the prefill logits (llama-server's ``n_gen_steps``), so
+    one generated token gives 0.0 for both; a rate whose divisor is 0 is 0.0, as llama-server's.
 
     ``draft_n`` / ``draft_n_accepted``: speculative decoding, tokens proposed and tokens of
     those the target model accepted (llama-server's fields; ``to_dict`` includes them only
@@ -275,17 +275,16 @@ class Timings:
 
     def to_dict(self) -> dict:
         """The JSON shape llama-server returns (per-token and per-second rates derived)."""
-        steps = max(self.predicted_n - 1, 1) if self.predicted_n > 1 else max(self.predicted_n, 1)
-        prompt_n = max(self.prompt_n, 1)
+        steps = max(self.predicted_n - 1, 0)
         d = {
             "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
             "prompt_ms": self.prompt_ms,
-            "prompt_per_token_ms": self.prompt_ms / prompt_n,
+            "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n > 0 else 0.0,
             "prompt_per_second": (1e3 * self.prompt_n / self.prompt_ms) if self.prompt_ms > 0 else 0.0,
             "predicted_n": self.predicted_n,
             "predicted_ms": self.predicted_ms,
-            "predicted_per_token_ms": self.predicted_ms / steps,
+            "predicted_per_token_ms": self.predicted_ms / steps if steps > 0 else 0.0,
             "predicted_per_second": (1e3 * steps / self.predicted_ms) if self.predicted_ms > 0 else 0.0,
         }
         if self.draft_n > 0:

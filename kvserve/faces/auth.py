@@ -85,13 +85,25 @@ def request_key(headers: dict[bytes, bytes]) -> str:
     return headers.get(b"x-api-key", b"").decode("latin-1").strip()
 
 
+def unambiguous_keys(raw: list[tuple[bytes, bytes]], keys: list[str]) -> bool:
+    """False when which key counts could depend on a proxy in front: an ``Authorization`` or
+    ``X-Api-Key`` header given twice, or both given and one of them not a valid key (a request
+    sending the same valid key in both, as llama.cpp's own tests do, passes, as on llama-server,
+    which reads ``Authorization`` and falls back to ``X-Api-Key``)."""
+    given = [(n.lower(), v) for n, v in raw if n.lower() in (b"authorization", b"x-api-key")]
+    if len(given) != len({n for n, _ in given}):
+        return False
+    return len(given) < 2 or all(key_matches(request_key({n: v}), keys) for n, v in given)
+
+
 class ApiKeyMiddleware:
     """ASGI middleware answering 401 ``Invalid API Key`` to requests without a valid key
     (in Anthropic's envelope ``{"type": "error", "error": {...}}`` on ``/v1/messages`` and
     below, in llama-server's everywhere else).
 
-    A request with more than one ``Authorization`` or ``X-Api-Key`` header is refused the same
-    way (which one counts would depend on the proxy in front).
+    A request with two ``Authorization`` or two ``X-Api-Key`` headers is refused the same way
+    (which one counts would depend on the proxy in front), and so is one with both whose keys
+    are not both valid (:func:`unambiguous_keys`).
 
     Args:
         app: the wrapped ASGI app.
@@ -114,8 +126,7 @@ class ApiKeyMiddleware:
         raw = scope.get("headers") or []
         headers = dict(raw)
         key = request_key(headers)
-        single = sum(n.lower() in (b"authorization", b"x-api-key") for n, _ in raw) <= 1
-        if single and key_matches(key, self.keys):
+        if unambiguous_keys(raw, self.keys) and key_matches(key, self.keys):
             token = _CALLER.set(hashlib.sha256(key.encode()).hexdigest()[:16])
             try:
                 await self.app(scope, receive, send)

@@ -38,6 +38,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from kvserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
+from kvserve.engine.request import Timings as EngineTimings
 from kvserve.faces.auth import caller
 from kvserve.faces.errors import ApiError
 from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
@@ -242,6 +243,9 @@ class CompletionHandler:
         }
         # llama-server's return_progress: prompt_progress events, in streams only
         opts["return_progress"] = opts["stream"] and bool(get_bool(body, "return_progress", False))
+        # llama-server's timings_per_token: every streamed event carries the timings so far
+        opts["response_fields"] = response_fields(body)
+        opts["timings_per_token"] = opts["stream"] and bool(get_bool(body, "timings_per_token", False))
         prompts = split_prompts(body["prompt"])
         check_count("prompt", len(prompts), batch_cap(state.args), "prompts", "--max-batch-inputs")
         tasks = []
@@ -329,23 +333,28 @@ class CompletionHandler:
             await asyncio.gather(*(run_gated(c) for c in tasks))
 
         await until_disconnect(http, run_all())
-        results = [self.final_json(c, params, opts, stream=False).wire() for c in tasks]
+        results = [nested_values(opts["response_fields"], self.final_json(c, params, opts, stream=False).wire())
+                   for c in tasks]
         return json_response(results[0] if len(results) == 1 else results)
 
-    def _progress_chunk(self, c: _Completion, prog: PromptProgress) -> dict:
-        return CompletionChunk(index=c.index, content="", tokens=[], stop=False, id_slot=c.request.priority_slot,
-                               stop_type="none", tokens_predicted=0, tokens_evaluated=prog.total,
-                               prompt_progress=prog).wire()
+    def _progress_chunk(self, c: _Completion, prog: PromptProgress, timings: Timings | None) -> dict:
+        chunk = CompletionChunk(index=c.index, content="", tokens=[], stop=False, id_slot=c.request.priority_slot,
+                                stop_type="none", tokens_predicted=0, tokens_evaluated=prog.total)
+        if timings is not None:
+            chunk.timings = timings
+        chunk.prompt_progress = prog
+        return chunk.wire()
 
     async def _stream(self, c: _Completion, params: SamplingParams, opts: dict):
         """The stream's events. With ``return_progress`` (llama-server's): before the first token,
         one event at 0% (``processed`` = ``cache``), one per prompt chunk the engine ran, and one
         at 100% (``processed`` = ``total``)."""
         progress = ProgressEvents() if opts["return_progress"] else None
+        per_token = opts["timings_per_token"]
         async for out in generate(self.state, c.request, self._params_view(params, opts)):
             if progress is not None:
-                for prog in progress.feed(out):
-                    yield self._progress_chunk(c, prog)
+                for prog, timings in progress.feed(out):
+                    yield self._progress_chunk(c, prog, Timings.of(timings) if per_token else None)
             if out.prompt_progress is not None:
                 continue
             c.add(out, params.post_sampling_probs)
@@ -355,12 +364,46 @@ class CompletionHandler:
                                         stop=False, id_slot=c.request.priority_slot, stop_type="none",
                                         tokens_predicted=out.num_output_tokens,
                                         tokens_evaluated=out.num_prompt_tokens)
+                if per_token:
+                    chunk.timings = Timings.of(out.timings)
                 if params.n_probs > 0 and out.logprobs:
                     chunk.completion_probabilities = [token_probs(lp, params.post_sampling_probs)
                                                       for lp in out.logprobs]
                 yield chunk.wire()
             if out.finished:
-                yield self.final_json(c, params, opts, stream=True).wire()
+                yield nested_values(opts["response_fields"], self.final_json(c, params, opts, stream=True).wire())
+
+
+def response_fields(body: dict) -> list[str]:
+    """llama-server's ``response_fields``: paths (``"a/b"``: member ``b`` of member ``a``) of the
+    final result to return instead of the whole result; [] (absent or null) returns it all.
+    Raises ApiError 400 when it is not an array of strings."""
+    v = body.get("response_fields")
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(p, str) for p in v):
+        raise ApiError(400, "'response_fields' must be an array of strings")
+    return v
+
+
+def nested_values(paths: list[str], result: dict) -> dict:
+    """llama-server's ``json_get_nested_values``: ``{path: value}`` for each of ``paths`` found in
+    ``result`` (split on ``/``), in the order given; paths not found are left out. No paths:
+    ``result`` itself."""
+    if not paths:
+        return result
+    out: dict = {}
+    for path in paths:
+        cur, found = result, True
+        for k in path.split("/"):
+            if isinstance(cur, dict) and k in cur:
+                cur = cur[k]
+            else:
+                found = False
+                break
+        if found:
+            out[path] = cur
+    return out
 
 
 class ProgressEvents:
@@ -368,14 +411,16 @@ class ProgressEvents:
     from its engine outputs: before the first token, one at 0% (``processed`` = ``cache``,
     ``time_ms`` 0), one per prompt chunk the engine ran (the engine's token-less outputs with
     ``prompt_progress``), and one at 100% (``processed`` = ``total``) when the first token comes.
-    Nothing after the first token. Used by this face and the OpenAI face."""
+    Nothing after the first token. Each event comes with the timings at that point (what
+    llama-server sends with ``timings_per_token``: the prompt tokens computed and their ms, no
+    predicted tokens yet). Used by this face and the OpenAI face."""
 
     def __init__(self) -> None:
         self.shown = False  # the 0% event was sent
         self.done = False  # the first token came
 
-    def feed(self, out: RequestOutput) -> list[PromptProgress]:
-        """The progress objects to send before ``out``'s own event (if any)."""
+    def feed(self, out: RequestOutput) -> list[tuple[PromptProgress, EngineTimings]]:
+        """The (progress, timings) pairs to send before ``out``'s own event (if any)."""
         if self.done:
             return []
         p = out.prompt_progress
@@ -385,11 +430,14 @@ class ProgressEvents:
             self.done = True
             total, cache = out.num_prompt_tokens, out.num_cached_tokens
             processed, ms = total, int(out.timings.prompt_ms)
+        t = out.timings
         events = []
         if not self.shown:
             self.shown = True
-            events.append(PromptProgress(total=total, cache=cache, processed=cache, time_ms=0))
-        events.append(PromptProgress(total=total, cache=cache, processed=processed, time_ms=ms))
+            events.append((PromptProgress(total=total, cache=cache, processed=cache, time_ms=0),
+                           EngineTimings(cache_n=cache)))
+        events.append((PromptProgress(total=total, cache=cache, processed=processed, time_ms=ms),
+                       EngineTimings(cache_n=cache, prompt_n=processed - cache, prompt_ms=t.prompt_ms)))
         return events
 
 
@@ -511,7 +559,7 @@ def props_json(state: Runner, *, is_sleeping: bool = False) -> Props:
         eos_token=tok.eos_token,
         build_info=state.build_info,
         is_sleeping=is_sleeping,
-        cors_proxy_enabled=False,
+        cors_proxy_enabled=bool(getattr(state.args, "ui_mcp_proxy", False)),
     )
 
 

@@ -161,6 +161,7 @@ class CompletionChunk(WireModel):
     stop_type: str
     tokens_predicted: int
     tokens_evaluated: int
+    timings: Timings | None = None  # timings_per_token (llama-server's): the timings so far
     prompt_progress: PromptProgress | None = None
     completion_probabilities: list[TokenLogprobs | TokenProbs] | None = None
 
@@ -280,8 +281,8 @@ class Props(WireModel):
     ``n_ctx`` is one slot's context. The flag-driven fields come from the command line:
     ``endpoint_slots`` (``--slots``/``--no-slots``), ``endpoint_props`` (``--props``),
     ``endpoint_metrics`` (``--metrics``), ``ui``/``webui`` (``--webui``/``--no-webui``), ``ui_settings``/
-    ``webui_settings`` ({}: ``--ui-config`` has no effect here), ``cors_proxy_enabled`` (false: no MCP
-    proxy), ``is_sleeping`` (``--sleep-idle-seconds`` unloaded the model). llama-server's
+    ``webui_settings`` ({}: ``--ui-config`` has no effect here), ``cors_proxy_enabled``
+    (``--ui-mcp-proxy``: ``/cors-proxy`` is served), ``is_sleeping`` (``--sleep-idle-seconds`` unloaded the model). llama-server's
     ``media_marker`` is left out: kvserve takes no media.
     """
 

@@ -147,8 +147,8 @@ JSON_TYPE = "application/json; charset=utf-8"
 _FOREVER_NS = 2**63 - 1  # Go's maximal time.Duration: "forever" keep_alive shows ~292 years ahead
 
 #: Ollama's ``api.DefaultOptions`` for the options kvserve applies (``repeat_penalty`` 1.0 and
-#: ``min_p`` 0.0 as in Ollama's current source and Modelfile docs; ``num_ctx`` comes from the
-#: server's ``-c`` instead of Ollama's VRAM tiers).
+#: ``min_p`` 0.0 (unset) as in Ollama's source at commit fb30760, Aug 2026, ``api/types.go``, and its
+#: Modelfile docs; ``num_ctx`` comes from the server's ``-c`` instead of Ollama's VRAM tiers).
 DEFAULT_OPTIONS: dict[str, Any] = {
     "num_keep": 4, "seed": -1, "num_predict": -1, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "typical_p": 1.0,
     "repeat_last_n": 64, "temperature": 0.8, "repeat_penalty": 1.0, "presence_penalty": 0.0,

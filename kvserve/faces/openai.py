@@ -763,7 +763,7 @@ async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
     async for i, out in run_choices(state, plan):
         _check_output(out)
         if progress[i] is not None:  # llama-server's progress chunks: an empty delta (chat) or empty text
-            for prog in progress[i].feed(out):
+            for prog, _timings in progress[i].feed(out):
                 # the role went in the stream's first chunk: sent again, openai-python's stream
                 # helper would concatenate it ('assistantassistant...')
                 c = ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta()) \

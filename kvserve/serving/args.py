@@ -105,6 +105,7 @@ class ServerArgs:
     models_dir: str | None = None  # --models-dir: the store (Ollama layout); None: $OLLAMA_MODELS, $KVSERVE_HOME/models
     cache_ram_share: int | None = None  # set by the server: models sharing the host prompt-cache budget
     webui: bool = True  # --no-webui/--no-ui: GET / answers "Ollama is running" to browsers too
+    ui_mcp_proxy: bool = False  # --ui-mcp-proxy: serve llama-server's /cors-proxy (kvserve/faces/cors_proxy.py)
     # -- added with the flag table (kvserve/serving/flags.py)
     path: str | None = None  # --path: directory of static files served at / (llama-server)
     offline: bool = False  # --offline / HF_HUB_OFFLINE: nothing is pulled at start-up
@@ -599,7 +600,7 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
         pull_timeout=max(v["pull_timeout"], 0.0),
         max_loaded_models=max_loaded or DEFAULT_MAX_LOADED, max_memory=max_memory,
         max_queue=v["max_queue"], preload=v["preload"], allow_model_paths=v["allow_model_paths"],
-        models_dir=v["models_dir"], webui=v["webui"],
+        models_dir=v["models_dir"], webui=v["webui"], ui_mcp_proxy=v["ui_mcp_proxy"],
         path=v["path"], offline=v["offline"], kv_unified=kv_unified, block_size=v["block_size"],
         sampling=sampling, chat_template_content_format=v["chat_template_content_format"],
         ssl_key_file=ssl_key, ssl_cert_file=ssl_cert, ssl_ca_certs=v["ssl_ca_certs"],

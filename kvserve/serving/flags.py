@@ -836,7 +836,8 @@ FLAGS: tuple[Flag, ...] = (
     F("--ui-config-file --webui-config-file", env="LLAMA_ARG_UI_CONFIG_FILE", effect=NONE,
       why="the page's settings are its own"),
     F("--ui-mcp-proxy --webui-mcp-proxy", "bool", False, neg="--no-ui-mcp-proxy --no-webui-mcp-proxy",
-      env="LLAMA_ARG_UI_MCP_PROXY", effect=NONE, why="no MCP proxy"),
+      env="LLAMA_ARG_UI_MCP_PROXY", help="serve llama-server's /cors-proxy (forwards only the headers named "
+      "x-llama-server-proxy-header-*)"),
     F("--api-key", "append", help="API key(s), comma-separated or repeated", source=BOTH,
       env="LLAMA_API_KEY VLLM_API_KEY"),
     F("--api-key-file", help="file with one API key per line", env="LLAMA_ARG_API_KEY_FILE"),

@@ -297,6 +297,30 @@ def test_return_progress_objects_for_a_known_prompt(tiny):
     assert "prompt_progress" not in r
 
 
+def test_timings_per_token_on_progress_and_token_events(tiny):
+    """llama-server's timings_per_token: every streamed event carries the timings so far; on the
+    progress events, the prompt tokens computed (none on the 0% event) and no predicted tokens."""
+    body = {"prompt": list(range(40, 80)), "n_predict": 3, "temperature": 0, "stream": True, "return_progress": True,
+            "timings_per_token": True, "ignore_eos": True, "cache_prompt": False}
+    ev = _sse(tiny.post("/completion", json=body))
+    prog = [e for e in ev if "prompt_progress" in e]
+    assert list(prog[0]) == ["index", "content", "tokens", "stop", "id_slot", "stop_type", "tokens_predicted",
+                             "tokens_evaluated", "timings", "prompt_progress"]
+    assert [(e["timings"]["cache_n"], e["timings"]["prompt_n"], e["timings"]["predicted_n"]) for e in prog] == \
+        [(0, 0, 0), (0, 16, 0), (0, 32, 0), (0, 40, 0)]
+    first = prog[0]["timings"]
+    assert [first[k] for k in ("prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_ms",
+                               "predicted_per_token_ms", "predicted_per_second")] == [0.0] * 6
+    ms = [e["timings"]["prompt_ms"] for e in prog]
+    assert ms == sorted(ms) and ms[-1] > 0
+    tokens = [e for e in ev if "prompt_progress" not in e and not e["stop"]]
+    assert tokens and all(e["timings"]["predicted_n"] == e["tokens_predicted"] >= 1 for e in tokens)
+    assert all(e["timings"]["prompt_n"] == 40 for e in tokens)
+    # without it, only the last event has timings
+    plain = _sse(tiny.post("/completion", json={**body, "timings_per_token": False}))
+    assert [("timings" in e) for e in plain] == [False] * (len(plain) - 1) + [True]
+
+
 # -- --verbose request logging, several --host addresses ------------------------------------------
 
 def test_verbose_logs_requests_bounded_without_keys(tiny_path, caplog):
@@ -426,3 +450,21 @@ def test_cors_keeps_the_apps_vary_header():
     assert (r.headers["vary"], r.headers["access-control-allow-origin"]) == ("Accept-Encoding", "*")
     r = _call(CorsMiddleware(app, CorsPolicy(["http://b.example"])), "GET", "/x", {"Origin": "http://a.example"})
     assert r.headers["vary"] == "Accept-Encoding, Origin" and "access-control-allow-origin" not in r.headers
+
+
+def test_response_fields_pick_nested_values(tiny):
+    """llama-server's response_fields: the final result is only the paths asked for ("a/b" reads
+    member b of a), in the order given, paths not found left out; streams' last event too."""
+    body = {"prompt": list(range(40, 50)), "n_predict": 3, "temperature": 0, "ignore_eos": True,
+            "response_fields": ["generation_settings/n_predict", "tokens_predicted", "timings/nope", "prompt"]}
+    r = tiny.post("/completion", json=body)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert list(d) == ["generation_settings/n_predict", "tokens_predicted", "prompt"]
+    assert (d["generation_settings/n_predict"], d["tokens_predicted"]) == (3, 3) and isinstance(d["prompt"], str)
+    last = _sse(tiny.post("/completion", json={**body, "stream": True}))[-1]
+    assert (list(last), last["tokens_predicted"]) == (["generation_settings/n_predict", "tokens_predicted", "prompt"], 3)
+    whole = tiny.post("/completion", json={**body, "response_fields": []}).json()
+    assert "generation_settings" in whole and "content" in whole
+    bad = tiny.post("/completion", json={**body, "response_fields": "prompt"})
+    assert (bad.status_code, bad.json()["error"]["message"]) == (400, "'response_fields' must be an array of strings")

@@ -88,6 +88,21 @@ def test_continue_final_assistant(smol) -> None:
     assert closed.endswith("Hello, my name<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_continued_final_message_parts_joined_as_llama_server(smol) -> None:
+    """llama-server appends a continued message's text parts joined by blank lines (llama.cpp's
+    test_chat_template_assistant_prefill: 'Wh', 'ill' -> 'Wh\\n\\nill'); other messages' parts keep
+    the single newline."""
+    tmpl, tok = smol
+    parts = [{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]
+    msgs = [{"role": "user", "content": parts}, {"role": "assistant", "content": parts}]
+    for cont in (None, True):
+        text, ids = render_chat(tmpl, tok, msgs, continue_final_message=cont)
+        assert text.endswith("<|im_start|>user\nWh\nill<|im_end|>\n<|im_start|>assistant\nWh\n\nill")
+        assert ids == tok.encode(text)
+    closed, _ = render_chat(tmpl, tok, msgs, continue_final_message=False)
+    assert closed.endswith("<|im_start|>assistant\nWh\nill<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_continue_empty_final_message_starts_turn(smol) -> None:
     tmpl, tok = smol
     msgs = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": ""}]

@@ -165,9 +165,15 @@ def test_two_authorization_headers_are_refused():
     assert ok.status_code != 401
     for headers in ([("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {KEY}")],
                     [("Authorization", f"Bearer {KEY}"), ("Authorization", f"Bearer {KEY}")],
-                    [("Authorization", f"Bearer {KEY}"), ("X-Api-Key", KEY)]):
+                    [("X-Api-Key", KEY), ("X-Api-Key", KEY)],
+                    [("Authorization", f"Bearer {KEY}"), ("X-Api-Key", "wrong")],
+                    [("Authorization", "Bearer wrong"), ("X-Api-Key", KEY)],
+                    [("Authorization", f"Basic {KEY}"), ("X-Api-Key", KEY)]):
         r = _call(app, "GET", "/v1/models", headers=headers)
         assert (r.status_code, r.json()["error"]["message"]) == (401, "Invalid API Key"), headers
+    # the same valid key in both (llama.cpp's test_security.py sends this): accepted, as llama-server does
+    both = _call(app, "GET", "/v1/models", headers=[("Authorization", f"Bearer {KEY}"), ("X-Api-Key", KEY)])
+    assert both.status_code == ok.status_code != 401
 
 
 def test_path_files_need_the_key(tmp_path):

@@ -231,6 +231,19 @@ def test_absent_and_null():
     assert "cache_miss" not in t.wire() and t.wire() == Timings(prompt_n=4, predicted_n=1).to_dict()
 
 
+def test_timings_rates_count_decode_steps_as_llama_server():
+    """llama-server's server_slot_stats: the first token is free (it comes from the prompt's
+    logits), so rates count predicted_n - 1 steps; a rate whose divisor is 0 is 0.0."""
+    one = Timings(prompt_n=4, prompt_ms=8.0, predicted_n=1, predicted_ms=0.001).to_dict()
+    assert (one["predicted_per_token_ms"], one["predicted_per_second"]) == (0.0, 0.0)
+    assert (one["prompt_per_token_ms"], one["prompt_per_second"]) == (2.0, 500.0)
+    sixteen = Timings(prompt_n=2, prompt_ms=4.0, predicted_n=16, predicted_ms=30.0).to_dict()
+    assert (sixteen["predicted_per_token_ms"], sixteen["predicted_per_second"]) == (2.0, 500.0)
+    none = Timings(cache_n=3).to_dict()
+    assert [none[k] for k in ("prompt_per_token_ms", "prompt_per_second", "predicted_per_token_ms",
+                              "predicted_per_second")] == [0.0, 0.0, 0.0, 0.0]
+
+
 def test_refuses_unknown_keys_wrong_types_and_missing_fields():
     with pytest.raises(ValidationError):
         ot.ChatDelta(contents="typo")
@@ -329,6 +342,6 @@ def test_llama_face_completion_result_and_chunks():
               "truncated": False, "stop_type": "word", "stopping_word": "", "tokens_cached": 6,
               "timings": {"cache_n": 2, "prompt_n": 6, "prompt_ms": 10.5, "prompt_per_token_ms": 1.75,
                           "prompt_per_second": 571.4285714285714, "predicted_n": 1, "predicted_ms": 21.0,
-                          "predicted_per_token_ms": 21.0, "predicted_per_second": 47.61904761904762},
+                          "predicted_per_token_ms": 0.0, "predicted_per_second": 0.0},
               "completion_probabilities": [probs]})
     assert "completion_probabilities" not in handler.final_json(c, params, opts, stream=True).wire()
