@@ -59,8 +59,10 @@ TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", 
 #: kvserve's KV cache type for each llama-server run of the fixtures (regen.RUNS)
 KV_DTYPE = {"f32kv": "f32", "default": "f16"}
 #: (top-1 share, max |d logprob|, mean |d logprob|) each run must meet (see the module docstring);
-#: "f32kv" is the issue's bar on the matrix products alone, "default" adds float16 attention
-BOUNDS = {"f32kv": (0.99, 0.15, 0.005), "default": (0.975, 0.3, 0.035)}
+#: "f32kv" is the issue's bar on the matrix products alone, "default" adds float16 attention. The f32kv
+#: mean bound (measured up to 0.0037 on the decode path) leaves room for other CPUs' summation orders
+#: (AVX2, AMX) and still fails on a 1% wrong scale in one matrix (mean 0.013; 0.2%: 0.0056)
+BOUNDS = {"f32kv": (0.99, 0.15, 0.008), "default": (0.975, 0.3, 0.035)}
 #: mean |d logprob| where kvserve's arithmetic knowingly differs from llama.cpp's, per type (f32kv):
 #: BF16 rows multiply float32 activations (llama.cpp rounds them to bfloat16); Q4_0/Q4_1 run on torch's
 #: int4 kernel with bfloat16 activations (and a w8a8 head) or the native decode step, not on q8_0
@@ -249,26 +251,12 @@ def test_teacher_forced_prefill_default_flags(files, name):
     _check(name, run, agree, total, diffs)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", [_known("decode", t) for t in TYPES])
 def test_teacher_forced_decode_agrees_with_llama_cpp(files, name):
-    """400 decode steps per type (f32 KV; 15-70 s a type eagerly on 2 busy cores)."""
+    """400 decode steps per type, f32 KV (about 2 s a type on an idle 2-core machine)."""
     core = _core(files[name], "f32kv")
     agree, total, diffs = compare(_fixture(name)["runs"]["f32kv"], lambda t, s: decode_logprobs(core, t, s))
     _check(name, "f32kv", agree, total, diffs)
-
-
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_K_M", "IQ4_XS"])
-def test_teacher_forced_decode_one_sequence(files, name):
-    """The decode path in the default suite: 100 steps of one sequence for a 32-block type, a mix and
-    an IQ type; every top-1 equal to llama.cpp's (f32 KV)."""
-    core = _core(files[name])
-    run = _fixture(name)["runs"]["f32kv"]
-    run = {"teacher_forced": run["teacher_forced"][:1]}
-    agree, total, diffs = compare(run, lambda t, s: decode_logprobs(core, t, s))
-    assert (agree, total) == (100, 100)
-    # one sequence's mean rides on its few amplified positions (Q4_K_M: 0.008 here, 0.0017 over 400)
-    assert max(diffs) <= BOUNDS["f32kv"][1] and statistics.mean(diffs) <= 0.015
 
 
 def _greedy(core: EngineCore, prompts: list[list[int]], n: int) -> list[list[int]]:
