@@ -4,13 +4,13 @@ The file's ``general.architecture`` names its family (kvserve.models.family): th
 the config from the metadata, names the tensors it requires and turns the weights into its
 module's layout; this module only reads the file.
 
-Quantized tensors: Q4_0 and Q4_1 are kept packed (converted to torch's int4
-layout by the model); matrices of the types the GGUF block kernels multiply
-(F16, BF16, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS, MXFP4: :data:`RAW_TYPES`)
-keep the file's bytes (``Weight.raw``, a view of the mapping), stacked expert
-tensors [E, out, in] of those types too (a MoE module multiplies each expert's
-rows: idle experts are never read); every other type the ``gguf`` package can
-dequantize becomes float32 at load.
+Quantized tensors: matrices of the types the GGUF block kernels multiply (F16, BF16,
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS, MXFP4: :data:`RAW_TYPES`) keep
+the file's bytes (``Weight.raw``, a view of the mapping), stacked expert tensors [E, out, in]
+of those types too (a MoE module multiplies each expert's rows: idle experts are never read);
+where those kernels cannot be built (``kvserve.models.ggml_kernel.enabled``) Q4_0 and Q4_1
+matrices are unpacked for torch's int4 kernel instead; every other type the ``gguf`` package
+can dequantize becomes float32 at load.
 """
 
 from __future__ import annotations
@@ -256,14 +256,21 @@ def ollama_mxfp4_to_ggml(data: np.ndarray) -> np.ndarray:
 
 
 #: matrices of these ggml types stay as the file stores them (Weight.raw, a view of the mapping)
-#: for the block kernels (kvserve.models.ggml_kernel.TYPES less Q4_0/Q4_1, which keep their own path)
-RAW_TYPES = frozenset({"F16", "BF16", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
-                       "IQ4_XS", "MXFP4"})
+#: for the block kernels (kvserve.models.ggml_kernel.TYPES)
+RAW_TYPES = frozenset({"F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                       "IQ4_NL", "IQ4_XS", "MXFP4"})
+
+
+def _block_kernels() -> bool:
+    from kvserve.models import ggml_kernel
+
+    return ggml_kernel.enabled()
 
 
 def _tensor_to_weight(t: TensorInfo, raw: np.ndarray) -> Weight:
-    """One tensor's Weight: Q4_0/Q4_1 matrices unpacked to nibbles and scales, matrices of
-    :data:`RAW_TYPES` kept as their bytes in the file (``Weight.raw``, no copy), anything else
+    """One tensor's Weight: matrices of :data:`RAW_TYPES` kept as their bytes in the file
+    (``Weight.raw``, no copy; Q4_0/Q4_1 unpacked to nibbles and scales where the block kernels
+    cannot be built), anything else
     float32. Raises ModelLoadError naming the tensor and type when its byte size disagrees with
     its type and shape (rows that are not whole blocks) or the type cannot be read."""
     import gguf
@@ -278,7 +285,7 @@ def _tensor_to_weight(t: TensorInfo, raw: np.ndarray) -> Weight:
     if shape and shape[-1] % block or len(data) != t.n_elements // block * type_size:
         raise ModelLoadError(f"tensor '{t.name}' of type {qtype.name}: shape {list(t.shape)} is not whole "
                              f"{block}-value blocks of {type_size} bytes ({len(data)} bytes in the file)")
-    if qtype.name in ("Q4_0", "Q4_1") and len(shape) == 2:
+    if qtype.name in ("Q4_0", "Q4_1") and len(shape) == 2 and not _block_kernels():
         return _q4_blocks(data, shape[0], shape[1], qtype.name)
     if qtype.name in RAW_TYPES and len(shape) in (2, 3):  # a matrix, or stacked experts [E, out, in]
         return Weight(shape, raw=data.reshape(*shape[:-1], shape[-1] // block * type_size), source_type=qtype.name)

@@ -16,6 +16,7 @@
 #include <c10/util/BFloat16.h>
 #include <type_traits>
 #include <vector>
+#include "ggml_cpu.h"
 #include "q4_core.h"
 #include "thread_pool.h"
 
@@ -432,12 +433,15 @@ void q8_mm(const float* x, int64_t M, int64_t K, const uint8_t* W, const uint16_
 }
 #endif
 
+// One projection of the step: 4-bit weights in the step's own layout (q, d, m: Q4_0/Q4_1 packed by
+// decode_native.py) or a matrix of the GGUF file's blocks (mat: ggml_cpu.cpp's per-type products).
 struct Proj {
   const uint8_t* q;
   const uint16_t* d;
   const uint16_t* m;
   int64_t n, k;
   const float* bias;  // [n] or null
+  const kvserve_ggml::Matrix* mat;  // or null
 };
 
 struct Layer {
@@ -446,7 +450,19 @@ struct Layer {
   Proj qkv, wo, gate_up, down;
 };
 
-Proj proj_of(const std::vector<at::Tensor>& t, size_t i, const at::Tensor& bias) {
+void set_bias(Proj& p, const at::Tensor& bias) {
+  if (bias.defined() && bias.numel()) {
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == p.n, "decode_cpu: bad bias");
+    p.bias = bias.data_ptr<float>();
+  }
+}
+
+Proj proj_of(const std::vector<at::Tensor>& t, size_t i, const at::Tensor& bias, const kvserve_ggml::Matrix* mat = nullptr) {
+  if (mat != nullptr) {
+    Proj p{nullptr, nullptr, nullptr, mat->rows(), mat->cols(), nullptr, mat};
+    set_bias(p, bias);
+    return p;
+  }
   const at::Tensor& q = t[i];
   const at::Tensor& d = t[i + 1];
   const at::Tensor& m = t[i + 2];
@@ -454,12 +470,9 @@ Proj proj_of(const std::vector<at::Tensor>& t, size_t i, const at::Tensor& bias)
                   q.is_contiguous() && d.is_contiguous() && m.is_contiguous() && q.size(1) % 32 == 0,
               "decode_cpu: bad packed weights");
   Proj p{q.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()),
-         reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()), q.size(0), q.size(1) * 2, nullptr};
+         reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>()), q.size(0), q.size(1) * 2, nullptr, nullptr};
   TORCH_CHECK(d.size(0) == p.n && d.size(1) == p.k / 32, "decode_cpu: bad scales");
-  if (bias.defined() && bias.numel()) {
-    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == p.n, "decode_cpu: bad bias");
-    p.bias = bias.data_ptr<float>();
-  }
+  set_bias(p, bias);
   return p;
 }
 
@@ -470,20 +483,27 @@ struct Pieces {
 
 class Decoder {
  public:
-  // layers: per layer [attn_norm, ffn_norm, qkv q/d/m, wo q/d/m, gate_up q/d/m, down q/d/m, qkv bias (may be empty)]
-  Decoder(std::vector<std::vector<at::Tensor>> layers, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
-          double eps)
+  // layers: per layer [attn_norm, ffn_norm, qkv q/d/m, wo q/d/m, gate_up q/d/m, down q/d/m, qkv bias (may be empty)];
+  // mats: per layer the four projections' GGUF block matrices (qkv, wo, gate_up, down; None where the
+  // projection is given as q/d/m, whose tensors are ignored (may be empty) where a matrix is given).
+  // The matrices are owned by the caller and must outlive the decoder.
+  Decoder(std::vector<std::vector<at::Tensor>> layers, std::vector<std::vector<kvserve_ggml::Matrix*>> mats,
+          int64_t n_head, int64_t n_head_kv, int64_t head_dim, double eps)
       : keep_(std::move(layers)), nh_(n_head), nkv_(n_head_kv), hd_(head_dim), eps_(static_cast<float>(eps)) {
     TORCH_CHECK(hd_ % 32 == 0 && nh_ % nkv_ == 0, "decode_cpu: head_dim must be a multiple of 32");
-    for (const auto& t : keep_) {
+    TORCH_CHECK(mats.empty() || mats.size() == keep_.size(), "decode_cpu: one list of matrices per layer");
+    for (size_t li = 0; li < keep_.size(); ++li) {
+      const auto& t = keep_[li];
       TORCH_CHECK(t.size() == 15, "decode_cpu: 15 tensors per layer");
+      std::vector<kvserve_ggml::Matrix*> mt = mats.empty() ? std::vector<kvserve_ggml::Matrix*>(4, nullptr) : mats[li];
+      TORCH_CHECK(mt.size() == 4, "decode_cpu: 4 matrices (or None) per layer");
       Layer l;
       l.attn_norm = t[0].data_ptr<float>();
       l.ffn_norm = t[1].data_ptr<float>();
-      l.qkv = proj_of(t, 2, t[14]);
-      l.wo = proj_of(t, 5, at::Tensor());
-      l.gate_up = proj_of(t, 8, at::Tensor());
-      l.down = proj_of(t, 11, at::Tensor());
+      l.qkv = proj_of(t, 2, t[14], mt[0]);
+      l.wo = proj_of(t, 5, at::Tensor(), mt[1]);
+      l.gate_up = proj_of(t, 8, at::Tensor(), mt[2]);
+      l.down = proj_of(t, 11, at::Tensor(), mt[3]);
       E_ = l.qkv.k;
       F_ = l.down.k;
       TORCH_CHECK(l.qkv.n == (nh_ + 2 * nkv_) * hd_ && l.wo.k == nh_ * hd_ && l.wo.n == E_ && l.gate_up.k == E_ &&
@@ -503,18 +523,34 @@ class Decoder {
     TORCH_CHECK(n_vocab >= 1 && q.size(0) == (n_vocab + ROW_MULTIPLE - 1) / ROW_MULTIPLE * ROW_MULTIPLE,
                 "decode_cpu: head rows do not match the vocabulary");
     head_ = {norm, q, d};
+    head_mat_ = nullptr;
     n_vocab_ = n_vocab;
+  }
+
+  // the output norm [E] float32 and a head of GGUF blocks [V, E] (owned by the caller, alive while used)
+  void set_head_matrix(const at::Tensor& norm, kvserve_ggml::Matrix* mat) {
+    TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.numel() == E_ && norm.is_contiguous() && mat != nullptr &&
+                    mat->cols() == E_,
+                "decode_cpu: bad head");
+    head_ = {norm};
+    head_mat_ = mat;
+    n_vocab_ = mat->rows();
   }
 
   // x [B, E] hidden states -> logits [B, V] float32 (output norm, then the q8 head)
   at::Tensor logits(const at::Tensor& x) {
-    TORCH_CHECK(head_.size() == 3, "decode_cpu: no head set");
+    TORCH_CHECK(head_.size() == 3 || head_mat_ != nullptr, "decode_cpu: no head set");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == E_,
                 "decode_cpu: x must be a contiguous float32 [B, n_embd]");
     const int64_t B = x.size(0), V = n_vocab_;
     std::vector<float> h(B * E_);
     for (int64_t b = 0; b < B; ++b) rms_norm(x.data_ptr<float>() + b * E_, head_[0].data_ptr<float>(), h.data() + b * E_, E_, eps_);
     at::Tensor y = at::empty({B, V}, x.options());
+    if (head_mat_ != nullptr) {
+      kvserve_ggml::Scratch s;
+      head_mat_->mm_raw(h.data(), B, y.data_ptr<float>(), s);
+      return y;
+    }
     q8_mm(h.data(), B, E_, head_[1].data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(head_[2].data_ptr<at::Half>()),
           V, y.data_ptr<float>());
     return y;
@@ -558,12 +594,17 @@ class Decoder {
             std::memcmp(idx + b * L, idx + (b - 1) * L, static_cast<size_t>(len[b - 1]) * sizeof(int64_t)) == 0))
         gb.push_back(b);
     gb.push_back(B);
+    kvserve_ggml::Scratch gs;  // the block products' quantized activations, reused across layers
     auto mm = [&](const Proj& p, const float* in, float* o) {
+      if (p.mat != nullptr) {
+        p.mat->mm_raw(in, B, o, gs);
+      } else {
 #ifdef KVSERVE_AVX512
       q4_mm_t(in, B, p.k, p.q, p.d, p.m, p.n, o, xq.data(), xs.data(), xm.data());
 #else
       kvserve_q4::q4_mm_raw(in, B, p.k, p.q, p.d, p.m, p.n, o, xq.data(), xs.data(), xm.data(), PoolFor());
 #endif
+      }
       if (p.bias)
         for (int64_t b = 0; b < B; ++b)
           for (int64_t j = 0; j < p.n; ++j) o[b * p.n + j] += p.bias[j];
@@ -798,6 +839,7 @@ class Decoder {
   }
 
   std::vector<at::Tensor> head_;
+  kvserve_ggml::Matrix* head_mat_ = nullptr;
   std::vector<std::vector<at::Tensor>> keep_;  // owns the weights the raw pointers read
   std::vector<Layer> layers_;
   int64_t nh_, nkv_, hd_, E_ = 0, F_ = 0, n_vocab_ = 0;
@@ -921,6 +963,8 @@ std::vector<at::Tensor> greedy_stats(const at::Tensor& logits, const at::Tensor&
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  auto gg = m.def_submodule("ggml", "products with GGUF weights as the file stores them (ggml_cpu.cpp)");
+  kvserve_ggml::register_module(gg);
   m.def("greedy_stats", &greedy_stats, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("quantize", &quantize);
   m.def("proj_mm", &proj_mm, pybind11::call_guard<pybind11::gil_scoped_release>());
@@ -928,8 +972,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ISA") = W == 16 ? "avx512" : "avx2";
   m.attr("LAYOUT") = LAYOUT;  // the weights' layout the step reads: "tile16" (AVX512) or "pair"
   pybind11::class_<Decoder>(m, "Decoder")
-      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, int64_t, int64_t, int64_t, double>())
+      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, std::vector<std::vector<kvserve_ggml::Matrix*>>,
+                          int64_t, int64_t, int64_t, double>())
       .def("step", &Decoder::step, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("set_head", &Decoder::set_head)
+      .def("set_head_matrix", &Decoder::set_head_matrix)
       .def("logits", &Decoder::logits, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

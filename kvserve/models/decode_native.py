@@ -4,10 +4,18 @@ At one token per step, eager torch spends most of a SmolLM2 step outside the wei
 20 small ops per layer (norms, RoPE, casts, the KV write, attention, residuals), each a few
 microseconds of Python and dispatch, 30 layers deep. The native step runs a layer's RMSNorm,
 q|k|v projection, RoPE, KV write, attention, output projection, SwiGLU MLP and residuals for
-the B rows of a decode-only step in C++, with kvserve's 4-bit kernel (``q4_core.h``: AVX512-VNNI,
-or AVX2 + FMA + F16C, picked by ``-march=native``; activations quantized to int8 per block of 32,
-as llama.cpp's Q4_0/Q4_1 dot products do), then the output norm and a Q8_0 head
-(:func:`pack_q8`), on the step's own worker threads (``thread_pool.h``, as many as torch's).
+the B rows of a decode-only step in C++, then the output norm and the head, on the step's own
+worker threads (``thread_pool.h``, as many as torch's). Its projections are per-operation
+kernels the step composes: Q4_0/Q4_1 weights in kvserve's 4-bit tile kernel (``q4_core.h`` and
+the tiles here: AVX512-VNNI, or AVX2 + FMA + F16C, picked by ``-march=native``; packed from the
+file's blocks by :func:`q4_tiles`, or from HF int4 checkpoints), every other GGUF type as the
+file stores it through the per-type block products of ``ggml_cpu.cpp``
+(:mod:`kvserve.models.ggml_kernel`: Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, F16 ...: the same products
+the eager path runs, so a Q4_K_M file decodes with no copy of its weights); activations
+quantized as llama.cpp does for each type, once per projection and step (a fused q|k|v or
+gate|up shares it). The head: a small Q8_0 one in the step's int8 tiles (:func:`pack_q8`), a
+head of other GGUF blocks through its block product. Both sources are one extension, built
+and cached once (:func:`ensure_built`, :func:`ensure_started`).
 
 Numerics: llama.cpp-style q4 x q8 rounding instead of torch's bfloat16 int4 kernel, so logits
 differ from the eager path by that rounding (prefill stays eager, but a prompt's last token runs
@@ -16,7 +24,8 @@ the same operations whatever else runs in its step: a sequence's tokens do not d
 batch (for decode-only steps; a step mixed with a prompt chunk runs eagerly, as before).
 
 When it is used (the default): ``dtype`` auto on an x86-64 CPU with AVX512F/BW/VL and
-AVX512-VNNI or with AVX2, FMA and F16C (:func:`cpu_isa`), Q4_0/Q4_1 projections whose input sizes are multiples of 64, head_dim a multiple
+AVX512-VNNI or with AVX2, FMA and F16C (:func:`cpu_isa`), projections kept as GGUF blocks (any
+type of :mod:`kvserve.models.ggml_kernel`) or Q4 weights whose input sizes are multiples of 64, head_dim a multiple
 of 32, a float KV cache (f32/f16/bf16) and no ``--compile`` (the compiled graph takes those
 steps); speculative decoding's verification rows run through it as decode rows (see
 ModelRunner._decode_rows), so verified tokens equal plain decoding's. ``KVSERVE_NATIVE_DECODE=0``
@@ -25,7 +34,7 @@ turns it off.
 How it is built: with torch's C++ extension tooling (g++ and ninja) in a child process under
 ``nice -n 19`` started when the engine loads, so start-up does not wait and serving keeps its
 cores (about 40-60 s of one core the first time); the shared object is cached under
-``$KVSERVE_EXTENSIONS_DIR/decode_cpu_<key>`` (default ``$KVSERVE_HOME/extensions``), the key a
+``$KVSERVE_EXTENSIONS_DIR/cpu_<key>`` (default ``$KVSERVE_HOME/extensions``), the key a
 hash of the sources, torch's version and the CPU's flags, and reused by later starts and by
 every model (it holds no model shapes). The child runs in its own process group and kills it
 (the compiler included) when its parent dies; builders of one directory take turns under a
@@ -57,15 +66,19 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvserve.models import q4_kernel
 
 log = logging.getLogger("kvserve.engine")
 
-NAME = "kvserve_decode_cpu"
+#: kvserve's one CPU extension: the native decode step (decode_cpu.cpp) and the GGUF block kernels
+#: (ggml_cpu.cpp, the ``ggml`` submodule, :mod:`kvserve.models.ggml_kernel`), one build, one cache
+NAME = "kvserve_cpu"
 _DIR = Path(__file__).resolve().parent
-SOURCES = ("decode_cpu.cpp", "q4_core.h", "thread_pool.h")
+CPP_SOURCES = ("decode_cpu.cpp", "ggml_cpu.cpp")
+SOURCES = (*CPP_SOURCES, "ggml_cpu.h", "q4_core.h", "thread_pool.h")
 #: -fopenmp: at::parallel_for runs its loop in one thread when an extension is compiled without it
 #: (ATen/ParallelOpenMP.h is behind _OPENMP). The step itself now runs on its own worker threads
 #: (thread_pool.h: libgomp throttled its team's spin in a server, see docs/performance.md); the
@@ -118,8 +131,8 @@ def extensions_dir() -> Path:
 
 
 def build_dir() -> Path:
-    """Where the extension is built and cached: ``extensions_dir() / decode_cpu_<build_key>``."""
-    return extensions_dir() / f"decode_cpu_{build_key()}"
+    """Where the extension is built and cached: ``extensions_dir() / cpu_<build_key>``."""
+    return extensions_dir() / f"cpu_{build_key()}"
 
 
 _AVX2_FLAGS = ("avx2", "fma", "f16c")
@@ -189,7 +202,7 @@ def build_now() -> None:
         fcntl.flock(lk, fcntl.LOCK_EX)
         try:
             (d / "lock").unlink(missing_ok=True)
-            load(name=NAME, sources=[str(_DIR / "decode_cpu.cpp")], extra_cflags=cflags(), extra_ldflags=LDFLAGS,
+            load(name=NAME, sources=[str(_DIR / s) for s in CPP_SOURCES], extra_cflags=cflags(), extra_ldflags=list(LDFLAGS),
                  build_directory=str(d), is_python_module=True, verbose=False)
         finally:
             fcntl.flock(lk, fcntl.LOCK_UN)
@@ -279,6 +292,36 @@ def build_in_child(nice: int = 19, timeout: float = 900.0, cmd: list[str] | None
     return None
 
 
+def ensure_built(nice: int = 0):
+    """The extension, built first (in a child process, blocking) when not cached; None where it
+    cannot be built here (:func:`unavailable_reason`) or the build failed (logged once). What the
+    model loader calls when GGUF blocks need the block kernels from the first product on."""
+    global _build_error
+    if unavailable_reason() is not None:
+        return None
+    mod = load_cached()
+    if mod is not None or _build_error is not None:
+        return mod
+    t0 = time.perf_counter()
+    t = _build_thread
+    if t is not None:  # a background build (ensure_started) is under way: wait for it
+        t.join()
+        return _module
+    err = build_in_child(nice=nice)
+    if err is None:
+        try:
+            mod = load_cached()
+        except Exception as e:  # noqa: BLE001 - a broken build
+            err = f"{type(e).__name__}: {e}"
+    if mod is None:
+        _build_error = err or "the build left no module"
+        log.warning("kvserve's CPU extension not available (GGUF weights dequantized, decoding eagerly): %s",
+                    _build_error)
+    else:
+        log.info("built kvserve's CPU extension in %.1f s (%s)", time.perf_counter() - t0, build_dir())
+    return mod
+
+
 def ensure_started(on_ready) -> bool:
     """Load the cached build now and call ``on_ready(module)`` in a thread (it packs the weights), or
     start one background build (once per process) that calls ``on_ready(module)`` when loaded, or
@@ -288,8 +331,10 @@ def ensure_started(on_ready) -> bool:
     mod = load_cached()
     if mod is not None:
         # packing the weights takes ~2 s for SmolLM2: off the start-up path (the engine's
-        # first step waits for it, NativeDecode.activate)
-        threading.Thread(target=on_ready, args=(mod,), name="kvserve-native-pack", daemon=True).start()
+        # first step waits for it, NativeDecode.activate). Not a daemon: a process that ends while
+        # it packs waits for it (torch's and the block kernels' threads torn down under a running
+        # op aborted the process: "terminate called without an active exception")
+        threading.Thread(target=on_ready, args=(mod,), name="kvserve-native-pack").start()
         return True
     if _build_error is not None:
         on_ready(None)
@@ -339,13 +384,40 @@ def model_reason(model) -> str | None:
     if model.device.type != "cpu":
         return "not a CPU model"
     lins = model.projections()
-    if not lins or any(not lin.has_native_weights for lin in lins):
-        return "the projections are not Q4_0/Q4_1 kept for the native kernel"
+    if not lins or any(not native_projection(lin) for lin in lins):
+        return "the projections are neither Q4_0/Q4_1 kept for the native kernel nor GGUF blocks"
     if c.head_dim % 32 or c.n_head % c.n_head_kv:
         return f"head_dim {c.head_dim} is not a multiple of 32"
     if getattr(model, "stage_layers", None) is not None:
         return "a pipeline stage"
     return None
+
+
+def q4_tiles(blocks, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A projection of GGUF Q4_0/Q4_1 blocks (a ggml_kernel.BlockMatrix) in the step's own 4-bit
+    layout (``layout`` "tile16" or "pair", as Linear.native_weights packs unpacked Q4 weights), or
+    None for other types or shapes. Those tiles are 1.7-1.9x faster than the block product at one
+    row and 3-4x at 16 (SmolLM2's and Llama-1B's shapes); they are a copy of the file's bytes
+    beside them (the eager path and prefill read the file's)."""
+    from kvserve.loaders.gguf import _q4_blocks
+
+    n, k = blocks.shape
+    if any(t not in ("Q4_0", "Q4_1") for t in blocks.types) or k % 64 or (layout == "tile16" and n % 16):
+        return None
+    parts = [_q4_blocks(p, p.shape[0], k, t) for p, t in zip(blocks.parts, blocks.types)]
+    q4 = parts[0].q4 if len(parts) == 1 else np.concatenate([w.q4 for w in parts])
+    scale = np.concatenate([w.q4_scale for w in parts])
+    zero = np.concatenate([w.q4_zero for w in parts])
+    del parts
+    if layout == "tile16":
+        return q4_kernel.pack_tiles(q4, scale, zero)
+    return q4_kernel.pack_torch(q4, scale, zero)
+
+
+def native_projection(lin) -> bool:
+    """True when the step can run ``lin`` (a Linear): Q4_0/Q4_1 weights kept in the step's layout
+    (``has_native_weights``) or the GGUF file's blocks (``blocks``: the per-type block products)."""
+    return lin.has_native_weights or getattr(lin, "blocks", None) is not None
 
 
 class NativeDecode:
@@ -451,21 +523,30 @@ class NativeDecode:
         layout = getattr(mod, "LAYOUT", "pair")  # "tile16" on the AVX512 build (decode_cpu.cpp)
         self.isa = getattr(mod, "ISA", None)
         empty = torch.empty(0)
-        layers = []
+        layers, mats = [], []
         for layer in m.layers:
             t = [layer.attn_norm.weight.contiguous(), layer.ffn_norm.weight.contiguous()]
+            mt = []
             for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
-                t.extend(x.contiguous() for x in lin.native_weights(layout))
+                tiles = lin.native_weights(layout) if lin.has_native_weights else q4_tiles(lin.blocks, layout)
+                # other GGUF blocks: the per-type block products on the file's bytes (no copy)
+                t.extend([empty, empty, empty] if tiles is None else [x.contiguous() for x in tiles])
+                mt.append(lin.blocks.matrix if tiles is None else None)
             t.append(layer.wqkv.bias.contiguous() if layer.wqkv.bias is not None else empty)
             layers.append(t)
-        dec = mod.Decoder(layers, c.n_head, c.n_head_kv, c.head_dim, float(c.rms_eps))
+            mats.append(mt)
+        dec = mod.Decoder(layers, mats, c.n_head, c.n_head_kv, c.head_dim, float(c.rms_eps))
         head = m.output.weight
-        if head is None and getattr(m.output, "blocks", None) is not None and m.output.blocks.types == ["Q8_0"]:
-            # a Q8_0 head kept as the file's blocks (SmolLM2's tied embedding): the step requantizes
-            # it into its own tiles, as it did when the loader dequantized it (the float copy is
-            # transient); the step's head is one call, not a second thread pool after the step
-            head = m.output.blocks.dequantize()
-        if head is not None and head.shape[1] % 64 == 0:
+        blocks = getattr(m.output, "blocks", None)
+        if head is None and blocks is not None and blocks.types == ["Q8_0"] and blocks.nbytes <= SMALL_HEAD_BYTES:
+            # a small Q8_0 head kept as the file's blocks (SmolLM2's tied embedding): the step
+            # requantizes it into its own tiles (the same values; the float copy is transient), faster
+            # than the block product at this size; a larger head stays the file's blocks (no copy)
+            head = blocks.dequantize()
+        if head is None and blocks is not None:
+            dec.set_head_matrix(m.output_norm.weight.contiguous(), blocks.matrix)
+            self.native_head = True
+        elif head is not None and head.shape[1] % 64 == 0:
             dec.set_head(m.output_norm.weight.contiguous(), *pack_q8(head, layout), head.shape[0])
             self.native_head = True
         self._staged = dec
@@ -497,6 +578,10 @@ class NativeDecode:
             return self.decoder.logits(x)
         return m.output.forward(m.output_norm.forward(x)).float()
 
+
+#: a Q8_0 head of GGUF blocks up to this size is requantized into the step's own tiles (SmolLM2's
+#: 28 MB head: its tile kernel is faster); a larger one is multiplied as the file's blocks (no copy)
+SMALL_HEAD_BYTES = 64 << 20
 
 #: rows of the head quantized at a time by pack_q8 (a multiple of 16): its temporaries stay a few MB
 #: instead of fresh 113 MB tensors per operation (SmolLM2's head: 1.2 s -> ~0.2 s, mostly page faults)

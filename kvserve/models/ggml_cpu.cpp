@@ -4,8 +4,8 @@
 // Activations are quantized as llama.cpp quantizes them for each weight type:
 //   * 32-value blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4): int8 per block of 32, d = max|x| / 127
 //     rounded to float16, q = round half to even (x * 127 / max|x|) (llama.cpp's AVX quantize_row_q8_0);
-//     for the types with a minimum (Q4_1, Q5_1) also s = d * sum(q) per block (float32 here; llama.cpp's
-//     q8_1 rounds it to float16).
+//     for the types with a minimum (Q4_1, Q5_1) also s = float16(max|x| / 127 * sum(q)) per block (llama.cpp's
+//     q8_1: the unrounded scale times the sum, rounded to float16).
 //   * 256-value blocks (Q2_K .. Q6_K, IQ4_XS): llama.cpp's q8_K: the value of largest magnitude `max`,
 //     q = min(127, round half to even (-127 / max * x)), d = 1 / (-127 / max) as float32, and the sum of
 //     every 16 q (bsums).
@@ -15,8 +15,9 @@
 // row i of an M-row product equals the one-row product bit for bit.
 //
 // Two builds, picked by -march: AVX512-VNNI (the u8 x s8 block dot products with vpdpbusd on 256-bit
-// vectors) or AVX2 + FMA + F16C (vpmaddubsw + vpmaddwd, llama.cpp's AVX2 route). The integer results
-// are the same; only the speed differs. Work is split over output rows on kvserve's pool
+// vectors; Q4_K, Q5_K and Q6_K 64 values per 512-bit vector with vpmaddubsw + vpmaddwd) or AVX2 + FMA +
+// F16C (vpmaddubsw + vpmaddwd, llama.cpp's AVX2 route). The integer results are the same; only the
+// speed and the order of the float sums differ. Work is split over output rows on kvserve's pool
 // (thread_pool.h, torch's thread count).
 #include <torch/extension.h>
 
@@ -30,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "ggml_cpu.h"
 #include "thread_pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -144,7 +146,7 @@ void quantize_q8_0_row(const float* x, int64_t K, int8_t* q, float* d, float* s)
       sum += v;
     }
     d[b] = round_f16(amax / 127.f);
-    s[b] = d[b] * static_cast<float>(sum);
+    s[b] = round_f16(amax / 127.f * static_cast<float>(sum));  // llama.cpp's q8_1 s
   }
 }
 
@@ -303,6 +305,129 @@ inline void scales_mins_k4(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
   std::memcpy(mn, m, 8);
 }
 
+#ifdef GG_VNNI
+// The AVX512 build's K-quant products (Q4_K, Q5_K, Q6_K: the weights of a Q4_K_M file): 64 values of
+// a super-block per 512-bit vector, vpmaddubsw (u8 x s8 -> pairs summed in int16, exact: |u| <= 63,
+// |x| <= 127) then vpmaddwd by the sub-block's scale in both int16 halves of its 32-bit lanes (int32,
+// exact), so a super-block is 4 multiply pairs per row with no per-block horizontal sum; the mins
+// (and Q6_K's -32) are vector products of the scales with q8_K's sums of 16, kept in vectors too.
+// The order of every sum is fixed per output value (the same for any M or row block).
+
+inline __m512i zbroadcast32(const uint8_t* p) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// shift counts per 16-bit lane: lo in the low 256 bits, hi in the high 256 bits
+inline __m512i zshift(int lo, int hi) {
+  return _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(lo)), _mm256_set1_epi16(static_cast<int16_t>(hi)), 1);
+}
+
+// the super-block's prefetch: its bytes PF ahead, whole lines
+template <int BYTES>
+inline void prefetch_sb(const uint8_t* blk) {
+  constexpr int PF = 2048;
+  for (int c = 0; c < BYTES; c += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + PF + c), _MM_HINT_T0);
+}
+
+template <int MR, bool FIVE>
+void dot_q45k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out, int64_t ldo) {
+  constexpr int BYTES = FIVE ? 176 : 144;
+  const int64_t K = a.K, NB = K / 256;
+  __m512 acc[MR];
+  __m256 accm[MR];
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = _mm512_setzero_ps();
+    accm[i] = _mm256_setzero_ps();
+  }
+  const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1), sh4 = zshift(0, 4);
+  // vector p's scales: its low half sub-block 2 p, high half 2 p + 1 (32-bit lanes of the 8 scales)
+  __m512i pidx[4];
+  for (int p = 0; p < 4; ++p)
+    pidx[p] = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
+  __m512i hsh[4];  // Q5_K: the fifth bit of sub-block j is bit j of qh's bytes
+  for (int p = 0; p < 4; ++p) hsh[p] = zshift(2 * p, 2 * p + 1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * BYTES;
+    prefetch_sb<BYTES>(blk);
+    const float d = h2f(blk), dmin = h2f(blk + 2);
+    const uint8_t* qs = blk + (FIVE ? 48 : 16);
+    uint8_t sc[8], mn[8];
+    scales_mins_k4(blk + 4, sc, mn);
+    const __m512i s32 = _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+    const __m512i s16 = _mm512_or_si512(s32, _mm512_slli_epi32(s32, 16));  // the scale in both int16 halves
+    const __m128i m8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn));
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  // mn[j] at lanes 2 j, 2 j + 1
+    __m512i u[4], sv[4];
+    const __m512i qh = FIVE ? zbroadcast32(blk + 16) : _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+      u[p] = _mm512_and_si512(_mm512_srlv_epi16(zbroadcast32(qs + 32 * p), sh4), m4);
+      if (FIVE)
+        u[p] = _mm512_or_si512(u[p], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, hsh[p]), one), 4));
+      sv[p] = _mm512_permutexvar_epi32(pidx[p], s16);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const int64_t row = r + i;
+      const int8_t* xq = a.q + row * K + b * 256;
+      const __m256i bs = load32(a.bs + row * (K / 16) + b * 16);
+      __m512i sumi = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {
+        const __m512i x = _mm512_loadu_si512(xq + 64 * p);
+        sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(u[p], x), sv[p]));
+      }
+      const float dx = a.d[row * NB + b];
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d * dx), acc[i]);
+      accm[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mins, bs)), _mm256_set1_ps(dmin * dx), accm[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i * ldo] = _mm512_reduce_add_ps(acc[i]) - hsum(accm[i]);
+}
+
+template <int MR>
+void dot_q6k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out, int64_t ldo) {
+  const int64_t K = a.K, NB = K / 256;
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
+  const __m512i sh02 = zshift(0, 2), sh46 = zshift(4, 6);
+  __m512i pidx[4];  // vector p (values 64 p .. 64 p + 63): int16 lane l takes scale 4 p + l / 8
+  for (int p = 0; p < 4; ++p) {
+    alignas(64) int16_t ix[32];
+    for (int l = 0; l < 32; ++l) ix[l] = static_cast<int16_t>(4 * p + l / 8);
+    pidx[p] = _mm512_load_si512(ix);
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 210;
+    prefetch_sb<210>(blk);
+    const float d = h2f(blk + 208);
+    const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+    const __m512i scz = _mm512_castsi256_si512(sc16);
+    __m512i u[4], sv[4];  // u[p]: values 0..63 of elements 64 p .. 64 p + 63
+    for (int h = 0; h < 2; ++h) {
+      const __m512i l = _mm512_loadu_si512(blk + 64 * h), qh = zbroadcast32(blk + 128 + 32 * h);
+      u[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4),
+                                 _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh02), m2), 4));
+      u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+                                     _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh46), m2), 4));
+    }
+    for (int p = 0; p < 4; ++p) sv[p] = _mm512_permutexvar_epi16(pidx[p], scz);
+    for (int i = 0; i < MR; ++i) {
+      const int64_t row = r + i;
+      const int8_t* xq = a.q + row * K + b * 256;
+      const __m256i bs = load32(a.bs + row * (K / 16) + b * 16);
+      __m512i sumi = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {
+        const __m512i x = _mm512_loadu_si512(xq + 64 * p);
+        sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(u[p], x), sv[p]));
+      }
+      // the -32 of every value: 32 sum_g sc_g bsum_g
+      const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+      sumi = _mm512_sub_epi32(sumi, _mm512_zextsi256_si512(off));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d * a.d[row * NB + b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i * ldo] = _mm512_reduce_add_ps(acc[i]);
+}
+#else
 template <int MR, bool FIVE>
 void dot_q45k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out, int64_t ldo) {
   constexpr int BYTES = FIVE ? 176 : 144;
@@ -382,6 +507,7 @@ void dot_q6k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
   }
   for (int i = 0; i < MR; ++i) out[i * ldo] = hsum(acc[i]);
 }
+#endif
 
 template <int MR>
 void dot_q2k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out, int64_t ldo) {
@@ -584,9 +710,9 @@ void dot_rows(int t, const uint8_t* w, const Acts& A, int64_t K, int64_t r, floa
     case T_BF16: return dot_half<MR, true>(w, K, A.x, r, out, ldo);
     case T_Q4_0: return dot32<BQ4_0, MR>(w, nb32, A.a32, r, out, ldo);
     case T_Q4_1: return dot32<BQ4_1, MR>(w, nb32, A.a32, r, out, ldo);
+    case T_Q8_0: return dot32<BQ8_0, MR>(w, nb32, A.a32, r, out, ldo);
     case T_Q5_0: return dot32<BQ5_0, MR>(w, nb32, A.a32, r, out, ldo);
     case T_Q5_1: return dot32<BQ5_1, MR>(w, nb32, A.a32, r, out, ldo);
-    case T_Q8_0: return dot32<BQ8_0, MR>(w, nb32, A.a32, r, out, ldo);
     case T_IQ4_NL: return dot32<BIQ4_NL, MR>(w, nb32, A.a32, r, out, ldo);
     case T_MXFP4: return dot32<BMXFP4, MR>(w, nb32, A.a32, r, out, ldo);
     case T_Q2_K: return dot_q2k<MR>(w, nbk, A.ak, r, out, ldo);
@@ -599,100 +725,94 @@ void dot_rows(int t, const uint8_t* w, const Acts& A, int64_t K, int64_t r, floa
   }
 }
 
-// A weight matrix made of row blocks (a fused q|k|v or gate|up may mix types), each part's bytes
-// owned by the caller (a view of the GGUF file's mapping) and alive while this object is used.
-class Matrix {
- public:
-  Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vector<int64_t> rows, int64_t K) : K_(K) {
-    if (ptrs.size() != types.size() || ptrs.size() != rows.size() || ptrs.empty())
-      throw std::invalid_argument("ggml_cpu.Matrix: ptrs, types and rows must have one entry per part");
-    int64_t n = 0;
-    for (size_t i = 0; i < ptrs.size(); ++i) {
-      const TypeInfo ti = type_info(static_cast<int>(types[i]));
-      if (ti.block == 0) throw std::invalid_argument("ggml_cpu.Matrix: no kernel for ggml type " + std::to_string(types[i]));
-      if (K % ti.block) throw std::invalid_argument("ggml_cpu.Matrix: K is not a multiple of the type's block");
-      Part p{reinterpret_cast<const uint8_t*>(ptrs[i]), static_cast<int>(types[i]), n, rows[i],
-             K / ti.block * ti.bytes, ti.act};
-      if (ti.act == ActKind::Q8_0) q8_0_ = true;
-      if (ti.act == ActKind::Q8_K) q8_k_ = true;
-      parts_.push_back(p);
-      n += rows[i];
-    }
-    N_ = n;
+}  // namespace
+
+namespace kvserve_ggml {
+
+Matrix::Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vector<int64_t> rows, int64_t K) : K_(K) {
+  if (ptrs.size() != types.size() || ptrs.size() != rows.size() || ptrs.empty())
+    throw std::invalid_argument("ggml_cpu.Matrix: ptrs, types and rows must have one entry per part");
+  int64_t n = 0;
+  for (size_t i = 0; i < ptrs.size(); ++i) {
+    const TypeInfo ti = type_info(static_cast<int>(types[i]));
+    if (ti.block == 0) throw std::invalid_argument("ggml_cpu.Matrix: no kernel for ggml type " + std::to_string(types[i]));
+    if (K % ti.block) throw std::invalid_argument("ggml_cpu.Matrix: K is not a multiple of the type's block");
+    parts_.push_back({reinterpret_cast<const uint8_t*>(ptrs[i]), static_cast<int>(types[i]), n, rows[i],
+                      K / ti.block * ti.bytes});
+    if (ti.act == ActKind::Q8_0) q8_0_ = true;
+    if (ti.act == ActKind::Q8_K) q8_k_ = true;
+    n += rows[i];
   }
+  N_ = n;
+}
 
-  int64_t rows() const { return N_; }
-  int64_t cols() const { return K_; }
+int64_t Matrix::nbytes() const {
+  int64_t b = 0;
+  for (const Part& p : parts_) b += p.rows * p.row_bytes;
+  return b;
+}
 
-  // x [M, K] float32 -> [M, N] float32
-  at::Tensor mm(const at::Tensor& x_in) const {
-    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K_, "ggml_cpu.Matrix.mm: x must be [M, ", K_, "]");
-    const at::Tensor x = x_in.to(at::kFloat).contiguous();
-    const int64_t M = x.size(0), K = K_;
-    at::Tensor y = at::empty({M, N_}, x.options());
-    if (M == 0) return y;
-    std::vector<int8_t> q((q8_0_ || q8_k_) ? M * K : 0), qk;
-    std::vector<float> d0, s0, dk;
-    std::vector<int16_t> bs;
-    Acts A{x.data_ptr<float>(), {nullptr, nullptr, nullptr, K}, {nullptr, nullptr, nullptr, K}};
-    const float* xp = A.x;
-    if (q8_0_) {
-      d0.resize(M * (K / 32));
-      s0.resize(M * (K / 32));
-      kvserve_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-        for (int64_t m = m0; m < m1; ++m)
-          quantize_q8_0_row(xp + m * K, K, q.data() + m * K, d0.data() + m * (K / 32), s0.data() + m * (K / 32));
-      });
-      A.a32 = {q.data(), d0.data(), s0.data(), K};
-    }
-    if (q8_k_) {
-      qk.resize(M * K);
-      dk.resize(M * (K / 256));
-      bs.resize(M * (K / 16));
-      kvserve_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-        for (int64_t m = m0; m < m1; ++m)
-          quantize_q8_K_row(xp + m * K, K, qk.data() + m * K, dk.data() + m * (K / 256), bs.data() + m * (K / 16));
-      });
-      A.ak = {qk.data(), dk.data(), bs.data(), K};
-    }
-    float* Y = y.data_ptr<float>();
-    const int64_t N = N_;
-    // rows of activations at a time: a chunk of quantized rows stays in the core's L2 while every
-    // weight row of the thread's range passes by
-    const int64_t MC = 64;
-    kvserve_pool::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-      for (int64_t mc = 0; mc < M; mc += MC) {
-        const int64_t me = std::min(M, mc + MC);
-        size_t pi = 0;
-        for (int64_t n = n0; n < n1; ++n) {
-          while (n >= parts_[pi].first + parts_[pi].rows) ++pi;
-          const Part& p = parts_[pi];
-          const uint8_t* w = p.data + (n - p.first) * p.row_bytes;
-          int64_t r = mc;
-          for (; r + 4 <= me; r += 4) dot_rows<4>(p.type, w, A, K, r, Y + r * N + n, N);
-          switch (me - r) {
-            case 3: dot_rows<3>(p.type, w, A, K, r, Y + r * N + n, N); break;
-            case 2: dot_rows<2>(p.type, w, A, K, r, Y + r * N + n, N); break;
-            case 1: dot_rows<1>(p.type, w, A, K, r, Y + r * N + n, N); break;
-            default: break;
-          }
+at::Tensor Matrix::mm(const at::Tensor& x_in) const {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K_, "ggml_cpu.Matrix.mm: x must be [M, ", K_, "]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({x.size(0), N_}, x.options());
+  Scratch s;
+  mm_raw(x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), s);
+  return y;
+}
+
+void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s) const {
+  if (M == 0) return;
+  const int64_t K = K_, N = N_;
+  Acts A{xp, {nullptr, nullptr, nullptr, K}, {nullptr, nullptr, nullptr, K}};
+  // each kind of activation quantized once per product (a fused q|k|v or gate|up shares it)
+  if (q8_0_) {
+    s.q0.resize(M * K);
+    s.d0.resize(M * (K / 32));
+    s.s0.resize(M * (K / 32));
+    kvserve_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        quantize_q8_0_row(xp + m * K, K, s.q0.data() + m * K, s.d0.data() + m * (K / 32), s.s0.data() + m * (K / 32));
+    });
+    A.a32 = {s.q0.data(), s.d0.data(), s.s0.data(), K};
+  }
+  if (q8_k_) {
+    s.qk.resize(M * K);
+    s.dk.resize(M * (K / 256));
+    s.bs.resize(M * (K / 16));
+    kvserve_pool::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        quantize_q8_K_row(xp + m * K, K, s.qk.data() + m * K, s.dk.data() + m * (K / 256), s.bs.data() + m * (K / 16));
+    });
+    A.ak = {s.qk.data(), s.dk.data(), s.bs.data(), K};
+  }
+  // rows of activations at a time: a chunk of quantized rows stays in the core's L2 while every
+  // weight row of the thread's range passes by
+  const int64_t MC = 64;
+  kvserve_pool::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
+    for (int64_t mc = 0; mc < M; mc += MC) {
+      const int64_t me = std::min(M, mc + MC);
+      size_t pi = 0;
+      for (int64_t n = n0; n < n1; ++n) {
+        while (n >= parts_[pi].first + parts_[pi].rows) ++pi;
+        const Part& p = parts_[pi];
+        const uint8_t* w = p.data + (n - p.first) * p.row_bytes;
+        int64_t r = mc;
+        for (; r + 4 <= me; r += 4) dot_rows<4>(p.type, w, A, K, r, Y + r * N + n, N);
+        switch (me - r) {
+          case 3: dot_rows<3>(p.type, w, A, K, r, Y + r * N + n, N); break;
+          case 2: dot_rows<2>(p.type, w, A, K, r, Y + r * N + n, N); break;
+          case 1: dot_rows<1>(p.type, w, A, K, r, Y + r * N + n, N); break;
+          default: break;
         }
       }
-    });
-    return y;
-  }
+    }
+  });
+}
 
- private:
-  struct Part {
-    const uint8_t* data;
-    int type;
-    int64_t first, rows, row_bytes;
-    ActKind act;
-  };
-  std::vector<Part> parts_;
-  int64_t N_ = 0, K_ = 0;
-  bool q8_0_ = false, q8_k_ = false;
-};
+}  // namespace kvserve_ggml
+
+namespace {
 
 // the activations' quantization alone (tests compare it with a numpy emulation):
 // x [M, K] -> (q int8 [M, K], d float [M, K/32], s float [M, K/32]) for "q8_0", or
@@ -720,7 +840,7 @@ std::vector<at::Tensor> quantize(const at::Tensor& x_in, const std::string& kind
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void kvserve_ggml::register_module(pybind11::module_& m) {
   m.attr("ISA") =
 #ifdef GG_VNNI
       "avx512";
@@ -730,9 +850,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TYPES") = std::vector<int>{T_F16, T_BF16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_IQ4_NL, T_MXFP4,
                                      T_Q2_K, T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_IQ4_XS};
   m.def("quantize", &quantize);
-  pybind11::class_<Matrix>(m, "Matrix")
+  pybind11::class_<kvserve_ggml::Matrix>(m, "Matrix")
       .def(pybind11::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t>())
-      .def_property_readonly("rows", &Matrix::rows)
-      .def_property_readonly("cols", &Matrix::cols)
-      .def("mm", &Matrix::mm, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def_property_readonly("rows", &kvserve_ggml::Matrix::rows)
+      .def_property_readonly("cols", &kvserve_ggml::Matrix::cols)
+      .def("mm", &kvserve_ggml::Matrix::mm, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

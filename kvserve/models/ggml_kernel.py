@@ -1,4 +1,4 @@
-"""Products with GGUF weights as the file stores them: ``kvserve_ggml_cpu`` (``ggml_cpu.cpp``).
+"""Products with GGUF weights as the file stores them: the ``ggml`` submodule of kvserve's CPU extension (``ggml_cpu.cpp``).
 
 ``y[M, N] = x[M, K] @ W[N, K]^T`` (float32 in, float32 out) where W is the tensor's bytes exactly
 as the GGUF holds them (a view of the file's mapping: no copy, so the weights' memory is the page
@@ -8,72 +8,28 @@ llama.cpp's q8_K (int8 per block of 256, a float32 scale, sums of 16) for Q2_K..
 F16 and BF16 rows are widened to float32 and multiplied with the float32 activations. Row i of an
 M-row product equals the one-row product bit for bit (see ggml_cpu.cpp).
 
-Built like the native decode step (:mod:`kvserve.models.decode_native`): torch's C++ extension
-tooling, ``-march=native`` (or ``$KVSERVE_NATIVE_MARCH``), an AVX512-VNNI build or an AVX2 + FMA +
-F16C build, cached under ``$KVSERVE_EXTENSIONS_DIR/ggml_cpu_<key>`` (default
-``$KVSERVE_HOME/extensions``), the key a hash of the sources, the flags, torch's and Python's
-versions and the CPU's flags. :func:`ensure_built` builds in a child process (about a minute of one
-core the first time) and is what the model loader calls: the packed weights need the kernel from
-the first product on. ``KVSERVE_GGML_KERNELS=0`` turns it off (weights dequantized at load, as
-before).
+Built as part of kvserve's one CPU extension (:mod:`kvserve.models.decode_native`: the ``ggml``
+submodule of the native decode step's build, which composes its projections from these products):
+``-march=native`` (or ``$KVSERVE_NATIVE_MARCH``), an AVX512-VNNI build or an AVX2 + FMA + F16C build,
+cached under ``$KVSERVE_EXTENSIONS_DIR/cpu_<key>``. :func:`ensure_built` builds it in a child
+process (a minute or two of one core the first time) and is what the model loader calls: the
+packed weights need the kernel from the first product on. ``KVSERVE_GGML_KERNELS=0`` turns it off
+(weights dequantized at load, as before).
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import importlib.machinery
-import importlib.util
-import logging
 import os
-import sys
-import threading
-import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvserve.models import decode_native
 
-log = logging.getLogger("kvserve.engine")
-
-NAME = "kvserve_ggml_cpu"
-_DIR = Path(__file__).resolve().parent
-SOURCES = ("ggml_cpu.cpp", "thread_pool.h")
 
 #: ggml type names with a kernel here, in the order of ``gguf.GGMLQuantizationType``
 TYPES = ("F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
          "IQ4_XS", "BF16", "MXFP4")
-
-_lock = threading.Lock()
-_module = None
-_build_error: str | None = None
-
-
-def build_key() -> str:
-    """Hash of the sources, the compiler flags, torch's and Python's versions and this CPU's model
-    and flags (16 hex)."""
-    h = hashlib.sha256()
-    for s in SOURCES:
-        h.update((_DIR / s).read_bytes())
-    h.update(" ".join(decode_native.cflags() + decode_native.LDFLAGS).encode())
-    h.update(torch.__version__.encode())
-    h.update(sys.version.encode())
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "model name")):
-                h.update(line.encode())
-                if line.startswith("flags"):
-                    break
-    except OSError:
-        pass
-    return h.hexdigest()[:16]
-
-
-def build_dir() -> Path:
-    """``extensions_dir() / ggml_cpu_<build_key>`` (see decode_native.extensions_dir)."""
-    return decode_native.extensions_dir() / f"ggml_cpu_{build_key()}"
 
 
 def enabled() -> bool:
@@ -82,61 +38,19 @@ def enabled() -> bool:
 
 
 def load_cached():
-    """The extension if a build of these sources is cached (loaded once), else None."""
-    global _module
-    with _lock:
-        if _module is not None:
-            return _module
-        so = build_dir() / f"{NAME}.so"
-        if not so.exists():
-            return None
-        loader = importlib.machinery.ExtensionFileLoader(NAME, str(so))
-        spec = importlib.util.spec_from_file_location(NAME, str(so), loader=loader)
-        mod = importlib.util.module_from_spec(spec)
-        loader.exec_module(mod)
-        _module = mod
-        return mod
-
-
-def build_now() -> None:
-    """Build in this process (``python -m kvserve.models.ggml_kernel --build``), under an exclusive
-    flock on ``<build dir>.lock`` (builders of one directory take turns; see decode_native.build_now)."""
-    from torch.utils.cpp_extension import load
-
-    d = build_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    with open(str(d) + ".lock", "a+") as lk:
-        fcntl.flock(lk, fcntl.LOCK_EX)
-        try:
-            (d / "lock").unlink(missing_ok=True)
-            load(name=NAME, sources=[str(_DIR / "ggml_cpu.cpp")], extra_cflags=decode_native.cflags(),
-                 extra_ldflags=list(decode_native.LDFLAGS), build_directory=str(d), is_python_module=True, verbose=False)
-        finally:
-            fcntl.flock(lk, fcntl.LOCK_UN)
+    """The kernels (the extension's ``ggml`` submodule) if the extension is cached, else None."""
+    mod = decode_native.load_cached()
+    return None if mod is None else mod.ggml
 
 
 def ensure_built(nice: int = 0):
-    """The extension, built first (in a child process, blocking) when not cached; None where it
-    cannot be used (:func:`enabled` False, or the build failed: logged once)."""
-    global _build_error
+    """The kernels (the extension's ``ggml`` submodule: ISA, TYPES, quantize, Matrix), the extension
+    built first (in a child process, blocking) when not cached; None where they cannot be used
+    (:func:`enabled` False, or the build failed: logged once)."""
     if not enabled():
         return None
-    mod = load_cached()
-    if mod is not None or _build_error is not None:
-        return mod
-    t0 = time.perf_counter()
-    err = decode_native.build_in_child(nice=nice, cmd=[sys.executable, "-m", "kvserve.models.ggml_kernel", "--build"])
-    if err is None:
-        try:
-            mod = load_cached()
-        except Exception as e:  # noqa: BLE001 - a broken build: dense weights
-            err = f"{type(e).__name__}: {e}"
-    if mod is None:
-        _build_error = err or "the build left no module"
-        log.warning("GGUF block kernels not available, weights dequantized at load: %s", _build_error)
-    else:
-        log.info("built the GGUF block kernels in %.1f s (%s)", time.perf_counter() - t0, build_dir())
-    return mod
+    mod = decode_native.ensure_built(nice=nice)
+    return None if mod is None else mod.ggml
 
 
 class BlockMatrix:
@@ -172,6 +86,11 @@ class BlockMatrix:
         self.nbytes = sum(p.nbytes for p in self.parts)
         self._m = mod.Matrix([p.ctypes.data for p in self.parts], types, rows, k)
 
+    @property
+    def matrix(self):
+        """The extension's Matrix (what the native decode step composes its projections from)."""
+        return self._m
+
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> [M, N] float32 (see the module docstring for the arithmetic)."""
         return self._m.mm(x)
@@ -184,19 +103,3 @@ class BlockMatrix:
         k = self.shape[1]
         return torch.from_numpy(np.concatenate(
             [Weight((p.shape[0], k), raw=p, source_type=t).to_dense() for p, t in zip(self.parts, self.types)]))
-
-
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["--build"]:
-        parent = os.environ.get("KVSERVE_BUILD_PARENT")
-        if parent and parent.isdigit():
-            decode_native._die_with_parent(int(parent))
-        build_now()
-        print(build_dir())
-        return 0
-    print("usage: python -m kvserve.models.ggml_kernel --build", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

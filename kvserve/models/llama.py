@@ -150,7 +150,7 @@ class Linear(nn.Module):
             blocks kept packed for ``_weight_int4pack_mm_for_cpu``, group size 32,
             zero = m + 8d; other types fall back to dense) or "dense".
             Under "auto" (and "w8a8", the head's auto choice), weights that keep their GGUF bytes
-            (``Weight.raw``: every type of :mod:`kvserve.models.ggml_kernel` but Q4_0/Q4_1) are
+            (``Weight.raw``: every type of :mod:`kvserve.models.ggml_kernel`) are
             multiplied by the GGUF block kernels at every row count, with no dense copy
             (``kernel`` becomes "gguf"; ``small_max_rows`` and ``large_dtype`` do not apply);
             where those kernels cannot be built they are dequantized as other types are.
@@ -181,6 +181,9 @@ class Linear(nn.Module):
             self.blocks = _block_matrix(weights)
             if self.blocks is not None:
                 kernel = "gguf"
+        if kernel == "int4" or kernel == "auto" and self.blocks is None:
+            # GGUF Q4_0/Q4_1 blocks (Weight.raw) for torch's int4 kernel: asked for, or no block kernels
+            weights = [_unpack_q4(w) for w in weights]
         packed = all(w.q4 is not None for w in weights)
         if kernel == "auto":
             quantized = all(w.source_type not in _FLOAT_TYPES for w in weights)
@@ -293,6 +296,16 @@ class Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+def _unpack_q4(w: Weight) -> Weight:
+    """A GGUF Q4_0/Q4_1 matrix kept as the file's blocks, unpacked to nibbles and scales (torch's
+    int4 kernel's form); any other weight as it is."""
+    if w.raw is None or w.source_type not in ("Q4_0", "Q4_1"):
+        return w
+    from kvserve.loaders.gguf import _q4_blocks
+
+    return _q4_blocks(w.raw, w.shape[0], w.shape[1], w.source_type)
 
 
 def _block_matrix(weights: list[Weight]):

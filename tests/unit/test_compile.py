@@ -98,8 +98,11 @@ def test_compiled_engine_with_native_q4_kernel(q4_gguf, tmp_path, monkeypatch):
     """--compile --native-kernels: the native 4-bit kernel built, used inside the graphs, the same greedy
     tokens as the eager engine (torch's kernel) with logprobs within 2e-2 (int8 activations
     per block of 32, as llama.cpp computes Q4 dot products; measured 7.4e-3 here), and a
-    sequence's logprobs do not depend on the other sequences of its steps."""
+    sequence's logprobs do not depend on the other sequences of its steps. The 4-bit kernel
+    multiplies unpacked Q4 weights: GGUF Q4 files keep their blocks for the block products unless
+    those are off (KVSERVE_GGML_KERNELS=0, as here; HF int4 checkpoints are unpacked too)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("KVSERVE_GGML_KERNELS", "0")
     loaded = load_files(q4_gguf)
     cfg = dict(n_ctx=512, n_parallel=4, kv_unified=True)
     ref = _greedy(EngineCore(loaded, EngineConfig(**cfg)), PROMPTS)

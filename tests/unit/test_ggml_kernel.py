@@ -51,7 +51,7 @@ def random_rows(name: str, n: int, k: int, rng) -> np.ndarray:
 
 def q8_0_emulated(x: np.ndarray):
     """llama.cpp's q8_0 activations (its AVX route): per block of 32, d = float16(max|x| / 127),
-    q = round half to even (x * (127 / max|x|)); s = d * sum(q) in float32."""
+    q = round half to even (x * (127 / max|x|)); s = float16(max|x| / 127 * sum(q)) (its q8_1's s)."""
     m, k = x.shape
     xb = x.astype(np.float32).reshape(m, k // 32, 32)
     amax = np.abs(xb).max(-1)
@@ -59,7 +59,7 @@ def q8_0_emulated(x: np.ndarray):
         idv = np.where(amax != 0, np.float32(127.0) / amax, np.float32(0)).astype(np.float32)
     q = np.rint(xb * idv[..., None]).astype(np.int8)
     d = (amax / np.float32(127.0)).astype(np.float16).astype(np.float32)
-    s = (d * q.astype(np.int32).sum(-1).astype(np.float32)).astype(np.float32)
+    s = ((amax / np.float32(127.0)) * q.astype(np.int32).sum(-1).astype(np.float32)).astype(np.float16).astype(np.float32)
     return q.reshape(m, k), d, s
 
 
@@ -89,8 +89,15 @@ def reference(x: np.ndarray, raw: np.ndarray, name: str):
         q, d, _ = q8_K_emulated(x)
         xd = (q.reshape(x.shape[0], -1, 256).astype(np.float64) * d[..., None]).reshape(x.shape)
     else:
-        q, d, _ = q8_0_emulated(x)
+        q, d, s = q8_0_emulated(x)
         xd = (q.reshape(x.shape[0], -1, 32).astype(np.float64) * d[..., None]).reshape(x.shape)
+        if name in ("Q4_1", "Q5_1"):
+            # w = d u + m: the kernels multiply each block's m by llama.cpp's q8_1 s (a float16 of the
+            # unrounded scale times sum(q)), not by the sum of the rounded activations
+            m = raw.reshape(raw.shape[0], -1, raw.shape[1] * 32 // x.shape[1])[:, :, 2:4].copy().view(np.float16)
+            sumq = q.reshape(x.shape[0], -1, 32).astype(np.float64).sum(-1)
+            corr = (s.astype(np.float64) - d.astype(np.float64) * sumq) @ m[..., 0].astype(np.float64).T
+            return xd @ w.T + corr, np.abs(xd) @ np.abs(w).T
     return xd @ w.T, np.abs(xd) @ np.abs(w).T
 
 

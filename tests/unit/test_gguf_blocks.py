@@ -48,7 +48,7 @@ def _mapped(a: np.ndarray) -> bool:
 PROMPT = [5, 17, 200, 31, 8, 99, 4, 250, 3, 77, 41, 120]
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "F16", "BF16"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "F16", "BF16"])
 def test_block_kernels_agree_with_the_dequantized_model(kernels, tmp_path, qtype):
     """Every projection and the head run on the file's blocks (kernel "gguf", no dense copy, the
     bytes a view of the file's mapping); prefill logits agree with the float32 model of the
@@ -85,11 +85,33 @@ def test_turned_off_or_explicit_dense_dequantizes_as_before(kernels, tmp_path, m
     assert _core(path).model.layers[0].wqkv.kernel == "int8"
 
 
-def test_q4_0_and_q4_1_keep_their_own_path(kernels, tmp_path):
-    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, qtype="Q4_1", embd_qtype="Q8_0", seed=2)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_q4_0_and_q4_1_stay_blocks_and_decode_in_tiles(kernels, tmp_path, monkeypatch, qtype):
+    """Q4_0/Q4_1 matrices keep the file's bytes like every other type (the eager path multiplies them
+    with the block products: no unpacked nibbles, no int4 or dense copy); the native decode step
+    repacks them into its own 4-bit tiles (decode_native.q4_tiles), whose product equals the block
+    product's within the two roundings of the activations; with the block kernels off they are
+    unpacked for torch's int4 kernel, as before."""
+    from kvserve.models import decode_native
+
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, qtype=qtype, embd_qtype="Q8_0", seed=2)
+    core = _core(path)
+    lins = core.model.projections()
+    assert all(lin.kernel == "gguf" and lin.weight is None and not lin.has_native_weights for lin in lins)
+    assert all(set(lin.blocks.types) == {qtype} and all(_mapped(p) for p in lin.blocks.parts) for lin in lins)
+    assert core.model.output.kernel == "gguf"
+    mod = decode_native.load_cached()
+    gate_up = core.model.layers[1].w_gate_up.blocks
+    tiles = decode_native.q4_tiles(gate_up, mod.LAYOUT)
+    assert tiles[0].shape == (1024, 128)  # 4 bits a weight, as the file's nibbles
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    ref = gate_up.mm(x)
+    got = mod.proj_mm(x, *tiles)
+    assert (got - ref).abs().max().item() < 0.01 * ref.abs().max().item()  # a wrong packing: O(1)
+    monkeypatch.setenv("KVSERVE_GGML_KERNELS", "0")
     core = _core(path)
     assert all(lin.kernel == "int4" and lin.has_native_weights for lin in core.model.projections())
-    assert core.model.output.kernel == "w8a8"  # a Q4_1 head: unpacked nibbles, as before
+    assert core.model.output.kernel == "w8a8"  # a Q4 head: unpacked nibbles, as before
 
 
 def test_raw_weight_dequantizes_to_gguf_values(tmp_path):

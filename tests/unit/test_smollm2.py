@@ -58,9 +58,10 @@ def _teacher_forced(core: EngineCore, rows) -> tuple[int, int, list[float]]:
     return agree, total, diffs
 
 
-@pytest.mark.parametrize("kernel,body", [("auto", "int4"), ("int4", "int4"), ("dense", "dense")])
+@pytest.mark.parametrize("kernel,body", [("auto", "gguf"), ("int4", "int4"), ("dense", "dense")])
 def test_teacher_forced_agreement_with_llama_cpp(loaded, kernel, body):
-    """Each CPU kernel used for every row (small_batch_rows=0). auto: int4-packed
+    """Each CPU kernel used for every row (small_batch_rows=0). auto: the file's Q4_1 blocks and
+    Q8_0 head through the GGUF block products (8-bit activations as llama.cpp's); int4-packed
     projections + w8a8 head (343/352 measured; 346 with the earlier int8 head and
     its bfloat16 logits); int4 everywhere (343); float32 (343). int8 everywhere
     gives 340/352 (96.6%): below the bar, so not a default."""
@@ -74,14 +75,13 @@ def test_teacher_forced_agreement_with_llama_cpp(loaded, kernel, body):
 
 @pytest.mark.parametrize("large", ["bfloat16", "float32"])
 def test_teacher_forced_agreement_large_batch_copy(loaded, large):
-    """The dense copy that prefill steps (more than 16 rows) use: bfloat16 (the
-    default where the CPU has native bfloat16; 342/352 measured, median |dlogprob|
-    0.0096) or float32 (343/352, 0.0102)."""
-    core = _core(loaded, large_batch_dtype=large)
+    """The dense copy that prefill steps (more than 16 rows) use beside the int4 kernel
+    (``--cpu-kernel int4``; by default the file's blocks serve every row count): bfloat16
+    (342/352 measured, median |dlogprob| 0.0096) or float32 (343/352, 0.0102)."""
+    core = _core(loaded, cpu_kernel="int4", large_batch_dtype=large)
     assert core.model.layers[0].wqkv.weight.dtype == getattr(torch, large)
-    # the head (SmolLM2's tied Q8_0 embedding) is multiplied on the file's blocks at every row
-    # count (float32 logits, no dense copy)
-    assert core.model.output.kernel == "gguf" and core.model.output.weight is None
+    # the head (SmolLM2's tied Q8_0 embedding) under --cpu-kernel int4: a dense copy (int4 needs Q4)
+    assert core.model.output.kernel == "dense"
     agree, total, diffs = _teacher_forced(core, ROWS)
     assert total == 352
     assert agree / total >= 0.97, f"top-1 agreement {agree}/{total}"

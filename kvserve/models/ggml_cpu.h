@@ -1,0 +1,51 @@
+// The GGUF block kernels' interface (ggml_cpu.cpp) for the other translation unit of kvserve's CPU
+// extension (decode_cpu.cpp: the native decode step composes its projections from these products).
+#pragma once
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace kvserve_ggml {
+
+// Work buffers of one product's quantized activations (reused across the products of a step).
+struct Scratch {
+  std::vector<int8_t> q0, qk;
+  std::vector<float> d0, s0, dk;
+  std::vector<int16_t> bs;
+};
+
+// A weight matrix [N, K] made of row blocks in ggml formats (a fused q|k|v or gate|up may mix
+// types), each part's bytes owned by the caller (a view of the GGUF file's mapping) and alive
+// while this object is used. y[M, N] = x[M, K] @ W^T (see ggml_cpu.cpp for the arithmetic; row i of
+// an M-row product equals the one-row product bit for bit).
+class Matrix {
+ public:
+  Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vector<int64_t> rows, int64_t K);
+
+  int64_t rows() const { return N_; }
+  int64_t cols() const { return K_; }
+  // bytes of weights one product reads
+  int64_t nbytes() const;
+
+  // x [M, K] float32 -> [M, N] float32 (a new tensor)
+  at::Tensor mm(const at::Tensor& x) const;
+  // the same product on raw buffers: x [M, K] float32 (row stride K), y [M, N] (row stride N);
+  // s: the activations' buffers, resized as needed. Runs on kvserve's pool (thread_pool.h).
+  void mm_raw(const float* x, int64_t M, float* y, Scratch& s) const;
+
+ private:
+  struct Part {
+    const uint8_t* data;
+    int type;
+    int64_t first, rows, row_bytes;
+  };
+  std::vector<Part> parts_;
+  int64_t N_ = 0, K_ = 0;
+  bool q8_0_ = false, q8_k_ = false;
+};
+
+// registers ISA, TYPES, quantize and Matrix in m (the extension's "ggml" submodule)
+void register_module(pybind11::module_& m);
+
+}  // namespace kvserve_ggml
