@@ -538,6 +538,10 @@ void dot_half(const uint8_t* w, int64_t K, const float* x, int64_t r, float* out
   for (int i = 0; i < MR; ++i) out[i * ldo] = hsum(acc[i]) + tail[i];
 }
 
+// ---------------------------------------------------------------- prefill-sized products
+
+#include "ggml_gemm.h"
+
 // ---------------------------------------------------------------- the product
 
 enum class ActKind { F32, Q8_0, Q8_K };
@@ -624,13 +628,33 @@ class Matrix {
   int64_t rows() const { return N_; }
   int64_t cols() const { return K_; }
 
-  // x [M, K] float32 -> [M, N] float32
-  at::Tensor mm(const at::Tensor& x_in) const {
+  // true where mm's prefill path takes this matrix (the build has it, every part's type)
+  bool gemm_ok() const {
+#ifdef GG_GEMM
+    for (const Part& p : parts_)
+      if (!gemm::has_type(p.type)) return false;
+    return K_ % 2 == 0;
+#else
+    return false;
+#endif
+  }
+
+  // x [M, K] float32 -> [M, N] float32; with gemm_min_rows > 0 and M >= gemm_min_rows, the
+  // prefill path of ggml_gemm.h where this build has it and every part's type is one it takes
+  at::Tensor mm(const at::Tensor& x_in, int64_t gemm_min_rows) const {
     TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K_, "ggml_cpu.Matrix.mm: x must be [M, ", K_, "]");
     const at::Tensor x = x_in.to(at::kFloat).contiguous();
     const int64_t M = x.size(0), K = K_;
     at::Tensor y = at::empty({M, N_}, x.options());
     if (M == 0) return y;
+#ifdef GG_GEMM
+    if (gemm_min_rows > 0 && M >= gemm_min_rows && gemm_ok()) {
+      std::vector<gemm::Rows> rows;
+      for (const Part& p : parts_) rows.push_back({p.data, p.type, p.first, p.rows, p.row_bytes});
+      gemm::mm(rows, N_, K, x.data_ptr<float>(), M, y.data_ptr<float>());
+      return y;
+    }
+#endif
     std::vector<int8_t> q((q8_0_ || q8_k_) ? M * K : 0), qk;
     std::vector<float> d0, s0, dk;
     std::vector<int16_t> bs;
@@ -729,10 +753,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.attr("TYPES") = std::vector<int>{T_F16, T_BF16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_IQ4_NL, T_MXFP4,
                                      T_Q2_K, T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_IQ4_XS};
+  // the prefill path's instruction set ("avx512bf16"), "" where this build has none
+  m.attr("GEMM") =
+#ifdef GG_GEMM
+      "avx512bf16";
+#else
+      "";
+#endif
   m.def("quantize", &quantize);
   pybind11::class_<Matrix>(m, "Matrix")
       .def(pybind11::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t>())
       .def_property_readonly("rows", &Matrix::rows)
       .def_property_readonly("cols", &Matrix::cols)
-      .def("mm", &Matrix::mm, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def_property_readonly("gemm", &Matrix::gemm_ok)
+      .def("mm", &Matrix::mm, pybind11::arg("x"), pybind11::arg("gemm_min_rows") = 0,
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -142,8 +142,12 @@ class Linear(nn.Module):
             Under "auto" (and "w8a8", the head's auto choice), weights that keep their GGUF bytes
             (``Weight.raw``: every type of :mod:`kvserve.models.ggml_kernel` but Q4_0/Q4_1) are
             multiplied by the GGUF block kernels at every row count, with no dense copy
-            (``kernel`` becomes "gguf"; ``small_max_rows`` and ``large_dtype`` do not apply);
-            where those kernels cannot be built they are dequantized as other types are.
+            (``kernel`` becomes "gguf"; ``large_dtype`` does not apply): steps of more than
+            ``small_max_rows`` rows take their prefill path (weights dequantized a panel at a time
+            to bfloat16, see kvserve.models.ggml_kernel) where the CPU has AVX512-BF16, the per-row
+            kernels elsewhere and at fewer rows (so decode steps of up to ``small_max_rows`` rows
+            keep their numerics); where those kernels cannot be built they are dequantized as other
+            types are.
         small_max_rows: batches of at most this many rows use ``kernel``; larger
             ones use the dense weights (a dense GEMM wins there). 0 = always
             ``kernel`` and no dense copy is kept.
@@ -171,6 +175,7 @@ class Linear(nn.Module):
             self.blocks = _block_matrix(weights)
             if self.blocks is not None:
                 kernel = "gguf"
+                self.blocks.gemm_min_rows = small_max_rows + 1 if small_max_rows > 0 else 0
         packed = all(w.q4 is not None for w in weights)
         if kernel == "auto":
             quantized = all(w.source_type not in _FLOAT_TYPES for w in weights)

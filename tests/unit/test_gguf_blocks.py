@@ -77,6 +77,24 @@ def test_block_kernels_agree_with_the_dequantized_model(kernels, tmp_path, qtype
     assert same >= 48
 
 
+def test_steps_above_small_batch_rows_take_the_prefill_path(kernels, tmp_path):
+    """Linear hands the block matrix small_batch_rows + 1 as gemm_min_rows: a 16-row step (decode of
+    16 streams) is the per-row kernels' product bit for bit, a 17-row one the prefill path's (the
+    per-row kernels where the build has no such path); small_batch_rows 0 keeps the per-row kernels
+    at every row count."""
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, qtype="Q4_K", seed=3)
+    lin = _core(path).model.layers[0].w_gate_up
+    assert lin.kernel == "gguf" and lin.blocks.gemm_min_rows == 17
+    x = torch.randn(17, 256, generator=torch.Generator().manual_seed(0))
+    m = lin.blocks._m
+    assert torch.equal(lin.forward(x[:16]), m.mm(x[:16], 0))
+    assert torch.equal(lin.forward(x), m.mm(x, 1))
+    assert lin.blocks.has_gemm == (ggml_kernel.ensure_built().GEMM == "avx512bf16")
+    if lin.blocks.has_gemm:
+        assert not torch.equal(lin.forward(x)[:16], m.mm(x[:16], 0))
+    assert _core(path, small_batch_rows=0).model.layers[0].w_gate_up.blocks.gemm_min_rows == 0
+
+
 def test_turned_off_or_explicit_dense_dequantizes_as_before(kernels, tmp_path, monkeypatch):
     path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, qtype="Q8_0", seed=2)
     assert _core(path, dtype="float32").model.layers[0].wqkv.kernel == "dense"
