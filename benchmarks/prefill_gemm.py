@@ -10,19 +10,21 @@ M float32 rows (default 512, a prompt chunk), in GFLOP/s (2 M N K / the median t
 * ``torch_bf16``: torch's bfloat16 ``F.linear`` on a dense bfloat16 copy of the same weights (what
   kvserve ran before the weights stayed packed; 2 bytes a weight of extra memory).
 
-With ``--llama-server BIN --model FILE`` also llama-server's prefill on that file (402-token
-prompts, ``timings.prompt_per_second``, median of 3) turned into GFLOP/s of its projections:
+With ``--llama-server BIN --model FILE`` also both servers' prefill on that file, alternating
+(402-token prompts, ``timings.prompt_per_second``; and tokens per CPU-second of each server, the
+steadier figure on a shared machine; see servers_prefill), turned into GFLOP/s of the projections:
 tokens/s x 2 x the weights of the ``blk.*`` matrices (attention's own products left out, so a
 slight under-estimate of what it computes).
 
     python benchmarks/prefill_gemm.py [--m 512] [--threads 2] [--types Q4_K,Q6_K,Q8_0,Q4_0] [--reps 5]
-        [--llama-server BIN --model /tmp/l1b-Q4_K_M.gguf]
+        [--llama-server BIN --model /tmp/l1b-Q4_K_M.gguf [--rounds 3] [--servers-only]]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -51,9 +53,20 @@ def _ms(fn, reps: int, clock=time.perf_counter) -> float:
     return statistics.median(times) * 1e3
 
 
-def llama_server_gflops(binary: str, model: str, threads: int) -> dict:
-    """llama-server's prefill tokens/s on ``model`` (median of 3 402-token prompts after a warm-up)
-    and the GFLOP/s of its blk.* projections at that rate."""
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` and its threads used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def servers_prefill(binary: str, model: str, threads: int, rounds: int) -> dict:
+    """llama-server's and kvserve's prefill on ``model`` (``-np 1 -c 4096 -t threads``), 402-token
+    prompts in alternating rounds after a warm-up: per server the wall figure
+    (``timings.prompt_per_second``) and tokens per CPU-second of the server process (its threads
+    included) times ``threads``: what the prefill would reach with the cores to itself, steadier than
+    wall time on a shared machine (spinning threads count too); medians, and the GFLOP/s of the
+    blk.* projections at the wall rate."""
     import random
 
     import gguf
@@ -63,21 +76,41 @@ def llama_server_gflops(binary: str, model: str, threads: int) -> dict:
 
     params = sum(int(np.prod(t.shape)) for t in gguf.GGUFReader(model).tensors
                  if t.name.startswith("blk.") and len(t.shape) == 2)
-    port = free_port()
-    proc = subprocess.Popen([binary, "-m", model, "-np", "1", "-c", "4096", "-t", str(threads), "--host", "127.0.0.1",
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    common = ["-np", "1", "-c", "4096", "-t", str(threads), "--host", "127.0.0.1"]
+    cmds = {"llama-server": [binary, "-m", model, *common],
+            "kvserve": [sys.executable, "-m", "kvserve", "serve", model, *common]}
+    procs, urls = {}, {}
+    figs: dict = {name: {"wall": [], "cpu": []} for name in cmds}
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_health(url, proc)
+        for name, cmd in cmds.items():
+            port = free_port()
+            procs[name] = subprocess.Popen([*cmd, "--port", str(port)], stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL, cwd=str(Path(__file__).resolve().parents[1]))
+            urls[name] = f"http://127.0.0.1:{port}"
+            wait_health(urls[name], procs[name])
         rng = random.Random(7)
         with httpx.Client(timeout=600) as client:
-            fig_prefill(client, url, rng)
-            tok_s = statistics.median(fig_prefill(client, url, rng) for _ in range(3))
+            for name in cmds:
+                fig_prefill(client, urls[name], rng)
+            for r in range(rounds):
+                for name in (list(cmds) if r % 2 == 0 else list(cmds)[::-1]):
+                    c0 = _cpu_s(procs[name].pid)
+                    wall = fig_prefill(client, urls[name], rng)
+                    cpu = _cpu_s(procs[name].pid) - c0
+                    figs[name]["wall"].append(round(wall, 1))
+                    figs[name]["cpu"].append(round(402 / cpu * threads, 1))
     finally:
-        proc.terminate()
-        proc.wait(30)
-    return {"prefill_tok_s": round(tok_s, 1), "gflops": round(tok_s * 2 * params / 1e9, 1),
-            "projection_params": params}
+        for p in procs.values():
+            p.terminate()
+            p.wait(30)
+    out = {}
+    for name, f in figs.items():
+        w = statistics.median(f["wall"])
+        out[name] = {"prefill_tok_s": f["wall"], "cpu_tok_s": f["cpu"], "median_tok_s": w,
+                     "median_cpu_tok_s": statistics.median(f["cpu"]), "gflops": round(w * 2 * params / 1e9, 1)}
+    out["ratio"] = round(out["kvserve"]["median_tok_s"] / out["llama-server"]["median_tok_s"], 3)
+    out["ratio_cpu"] = round(out["kvserve"]["median_cpu_tok_s"] / out["llama-server"]["median_cpu_tok_s"], 3)
+    return out
 
 
 def main() -> int:
@@ -92,6 +125,8 @@ def main() -> int:
                          "steadier on a shared machine than wall time)")
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--rounds", type=int, default=3, help="prefill rounds per server (with --llama-server)")
+    ap.add_argument("--servers-only", action="store_true", help="only the servers' prefill (no kernel figures)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     mod = ggml_kernel.ensure_built()
@@ -103,7 +138,7 @@ def main() -> int:
     gemm = bool(getattr(mod, "GEMM", ""))
     rng = np.random.default_rng(0)
     out: dict = {"m": a.m, "threads": a.threads, "clock": "cpu" if a.cpu_time else "wall", "isa": mod.ISA, "gemm": getattr(mod, "GEMM", ""), "gflops": {}}
-    for t in a.types.split(","):
+    for t in ([] if a.servers_only else a.types.split(",")):
         for s in a.shapes.split(","):
             n, k = SHAPES[s]
             raw = random_rows(t, n, k, rng)
@@ -122,7 +157,7 @@ def main() -> int:
             out["gflops"][f"{t} {s} {n}x{k}"] = row
             print(json.dumps({f"{t} {s}": row}), file=sys.stderr, flush=True)
     if a.llama_server and a.model:
-        out["llama_server"] = llama_server_gflops(a.llama_server, a.model, a.threads)
+        out["servers"] = servers_prefill(a.llama_server, a.model, a.threads, a.rounds)
     print(json.dumps(out, indent=1))
     return 0
 

@@ -18,11 +18,12 @@
 // per-row kernels.
 //
 // Layout: per call, x is converted once to bfloat16 tiles of 32 rows, [K/2][32] pairs (row m's
-// (x[m, 2p], x[m, 2p + 1]) at [p][m]); rows past M are zeros. Work is split over panels of NR = 12
-// weight rows on kvserve's pool; a thread dequantizes its panel's rows into a buffer of NR x K
-// bfloat16 values (48 KiB at K = 2048, 192 KiB at K = 8192: the only per-thread buffer) and runs
-// the micro-kernel over every tile: 32 rows (two 16-lane accumulators) x NR weight rows, each
-// weight pair broadcast to every lane.
+// (x[m, 2p], x[m, 2p + 1]) at [p][m]); rows past M are zeros (M x K x 2 bytes, like x's own size).
+// Work is split over groups of up to 4 panels of NR = 12 weight rows on kvserve's pool; a thread
+// dequantizes a group's rows into a buffer of bfloat16 values (at most 48 x K: 192 KiB at K = 2048,
+// 768 KiB at K = 8192) and runs the micro-kernel, 32 rows (two 16-lane accumulators) x NR weight rows,
+// each weight pair broadcast to every lane, block of K by block of K over every tile, the partial
+// sums in a buffer of 48 x M floats (96 KiB at M = 512).
 
 #if defined(__AVX512BF16__) && defined(GG_VNNI)
 #define GG_GEMM 1
@@ -219,11 +220,16 @@ void pack_tile(const float* x, int64_t M, int64_t K, int64_t m0, uint32_t* tile)
   }
 }
 
-// one tile (uint32 [K2][32]) x NR_ weight rows (bfloat16, row n at w + n * ldw) -> c float [NR_][32]
+// one tile's pairs [p0, p0 + K2) (uint32 [K2][32], row stride 32) x NR_ weight rows (bfloat16,
+// row n at w + n * ldw, the same K range) -> c float [NR_][32]; with `add` the sums continue from
+// c's values (a float32 store and load: the same sums as one pass over K)
 template <int NR_>
-void micro(const uint32_t* tile, const uint16_t* w, int64_t ldw, int64_t K, float* c) {
+void micro(const uint32_t* tile, const uint16_t* w, int64_t ldw, int64_t K, float* c, bool add) {
   __m512 acc[NR_][2];
-  for (int n = 0; n < NR_; ++n) acc[n][0] = acc[n][1] = _mm512_setzero_ps();
+  for (int n = 0; n < NR_; ++n) {
+    acc[n][0] = add ? _mm512_loadu_ps(c + n * MT) : _mm512_setzero_ps();
+    acc[n][1] = add ? _mm512_loadu_ps(c + n * MT + 16) : _mm512_setzero_ps();
+  }
   const int64_t K2 = K / 2;
   for (int64_t p = 0; p < K2; ++p) {
     const __m512bh x0 = (__m512bh)_mm512_loadu_si512(tile + p * MT);
@@ -242,20 +248,20 @@ void micro(const uint32_t* tile, const uint16_t* w, int64_t ldw, int64_t K, floa
   }
 }
 
-void micro_n(int nr, const uint32_t* tile, const uint16_t* w, int64_t ldw, int64_t K, float* c) {
+void micro_n(int nr, const uint32_t* tile, const uint16_t* w, int64_t ldw, int64_t K, float* c, bool add) {
   switch (nr) {
-    case 12: return micro<12>(tile, w, ldw, K, c);
-    case 11: return micro<11>(tile, w, ldw, K, c);
-    case 10: return micro<10>(tile, w, ldw, K, c);
-    case 9: return micro<9>(tile, w, ldw, K, c);
-    case 8: return micro<8>(tile, w, ldw, K, c);
-    case 7: return micro<7>(tile, w, ldw, K, c);
-    case 6: return micro<6>(tile, w, ldw, K, c);
-    case 5: return micro<5>(tile, w, ldw, K, c);
-    case 4: return micro<4>(tile, w, ldw, K, c);
-    case 3: return micro<3>(tile, w, ldw, K, c);
-    case 2: return micro<2>(tile, w, ldw, K, c);
-    default: return micro<1>(tile, w, ldw, K, c);
+    case 12: return micro<12>(tile, w, ldw, K, c, add);
+    case 11: return micro<11>(tile, w, ldw, K, c, add);
+    case 10: return micro<10>(tile, w, ldw, K, c, add);
+    case 9: return micro<9>(tile, w, ldw, K, c, add);
+    case 8: return micro<8>(tile, w, ldw, K, c, add);
+    case 7: return micro<7>(tile, w, ldw, K, c, add);
+    case 6: return micro<6>(tile, w, ldw, K, c, add);
+    case 5: return micro<5>(tile, w, ldw, K, c, add);
+    case 4: return micro<4>(tile, w, ldw, K, c, add);
+    case 3: return micro<3>(tile, w, ldw, K, c, add);
+    case 2: return micro<2>(tile, w, ldw, K, c, add);
+    default: return micro<1>(tile, w, ldw, K, c, add);
   }
 }
 
@@ -266,36 +272,53 @@ struct Rows {
   int64_t first, rows, row_bytes;
 };
 
-// y [M, N] = x [M, K] @ W^T, W's rows in `parts` (each type has_type; K a multiple of 256 or of
-// the types' blocks, even)
+// y [M, N] = x [M, K] @ W^T, W's rows in `parts` (each type has_type; K a multiple of the types'
+// blocks, even). A thread takes groups of G panels (G x NR rows, dequantized once); for each block of
+// KC values of K, each tile's chunk of pairs (32 KiB) serves the G panels while in L1, so the
+// activations stream from L3 once per group rather than once per panel.
 void mm(const std::vector<Rows>& parts, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
-  const int64_t tiles = (M + MT - 1) / MT;
-  std::vector<uint32_t> xt(static_cast<size_t>(tiles) * MT * (K / 2));
+  constexpr int64_t KC = 512;
+  const int64_t tiles = (M + MT - 1) / MT, K2 = K / 2;
+  std::vector<uint32_t> xt(static_cast<size_t>(tiles) * MT * K2);
   kvserve_pool::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) pack_tile(x, M, K, t * MT, xt.data() + t * MT * (K / 2));
+    for (int64_t t = t0; t < t1; ++t) pack_tile(x, M, K, t * MT, xt.data() + t * MT * K2);
   });
   const int64_t panels = (N + NR - 1) / NR;
-  kvserve_pool::parallel_for(0, panels, 1, [&](int64_t q0, int64_t q1) {
+  const int64_t G = std::clamp<int64_t>(panels / (8 * std::max(1, at::get_num_threads())), 1, 4);
+  const int64_t groups = (panels + G - 1) / G;
+  kvserve_pool::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     // rows K + 32 values apart: at K a multiple of 2048 the NR rows' lines would share L1 sets
     // (4 KiB apart), and 12 streams in 8 ways evict each other at every pair
     const int64_t ldw = K + 32;
-    std::vector<uint16_t> wbuf(static_cast<size_t>(NR) * ldw);
-    alignas(64) float c[NR * MT];
+    std::vector<uint16_t> wbuf(static_cast<size_t>(G * NR) * ldw);
+    std::vector<float> cbuf(static_cast<size_t>(G * tiles) * NR * MT);
     size_t pi = 0;
-    for (int64_t q = q0; q < q1; ++q) {
-      const int64_t n0 = q * NR, nr = std::min<int64_t>(NR, N - n0);
-      for (int64_t i = 0; i < nr; ++i) {
-        const int64_t n = n0 + i;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t qb = g * G, qe = std::min(panels, qb + G);
+      const int64_t nb = qb * NR, ne = std::min(N, qe * NR);
+      for (int64_t n = nb; n < ne; ++n) {
         while (n >= parts[pi].first + parts[pi].rows) ++pi;
         const Rows& p = parts[pi];
-        dequantize_row(p.type, p.data + (n - p.first) * p.row_bytes, K, wbuf.data() + i * ldw);
+        dequantize_row(p.type, p.data + (n - p.first) * p.row_bytes, K, wbuf.data() + (n - nb) * ldw);
       }
-      for (int64_t t = 0; t < tiles; ++t) {
-        micro_n(static_cast<int>(nr), xt.data() + t * MT * (K / 2), wbuf.data(), ldw, K, c);
-        const int64_t mv = std::min<int64_t>(MT, M - t * MT);
-        for (int64_t i = 0; i < mv; ++i) {
-          float* yr = y + (t * MT + i) * N + n0;
-          for (int64_t n = 0; n < nr; ++n) yr[n] = c[n * MT + i];
+      for (int64_t kc = 0; kc < K; kc += KC) {
+        const int64_t kl = std::min(KC, K - kc);
+        for (int64_t t = 0; t < tiles; ++t)
+          for (int64_t q = qb; q < qe; ++q) {
+            const int nr = static_cast<int>(std::min<int64_t>(NR, N - q * NR));
+            micro_n(nr, xt.data() + t * MT * K2 + kc / 2 * MT, wbuf.data() + (q - qb) * NR * ldw + kc, ldw, kl,
+                    cbuf.data() + ((q - qb) * tiles + t) * NR * MT, kc > 0);
+          }
+      }
+      for (int64_t q = qb; q < qe; ++q) {
+        const int64_t n0 = q * NR, nr = std::min<int64_t>(NR, N - n0);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const float* c = cbuf.data() + ((q - qb) * tiles + t) * NR * MT;
+          const int64_t mv = std::min<int64_t>(MT, M - t * MT);
+          for (int64_t i = 0; i < mv; ++i) {
+            float* yr = y + (t * MT + i) * N + n0;
+            for (int64_t n = 0; n < nr; ++n) yr[n] = c[n * MT + i];
+          }
         }
       }
     }

@@ -10,9 +10,9 @@ M-row product equals the one-row product bit for bit (see ggml_cpu.cpp).
 
 Prefill-sized products (``BlockMatrix.gemm_min_rows``: at least that many rows) take another path
 where the build has AVX512-BF16 (``mod.GEMM == "avx512bf16"``) and every part's type is one it
-takes (all of :data:`TYPES` but F16; ``ggml_gemm.h``): activations rounded to bfloat16, each panel of
-12 weight rows dequantized from the file's blocks to bfloat16 into a per-thread buffer (192 KiB at
-K = 8192), float32 sums of vdpbf16ps products. Its numerics differ from the per-row kernels' q8
+takes (all of :data:`TYPES` but F16; ``ggml_gemm.h``): activations rounded to bfloat16 (a copy of x in
+tiles, M x K x 2 bytes), groups of up to 48 weight rows dequantized from the file's blocks to bfloat16
+into a per-thread buffer (at most 768 KiB, at K = 8192), float32 sums of vdpbf16ps products. Its numerics differ from the per-row kernels' q8
 rounding (about bfloat16's 2^-9 on each operand, no block-wise quantization of x); among its own
 products row i is again the same whatever the other rows are. About 2.3x the per-row kernels at
 512 rows on one Zen 4 core (``benchmarks/prefill_gemm.py``); elsewhere (AVX2, AVX512 without BF16)
@@ -89,6 +89,22 @@ def build_dir() -> Path:
 def enabled() -> bool:
     """False when ``KVSERVE_GGML_KERNELS=0`` or where the extension cannot be built (CPU, compiler)."""
     return os.environ.get("KVSERVE_GGML_KERNELS", "1") != "0" and decode_native.unavailable_reason() is None
+
+
+def gemm_expected(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True where the build made here has the prefill path (``GEMM``): the kernels on, no
+    ``$KVSERVE_NATIVE_MARCH`` (another target), and this CPU's flags include AVX512-BF16 and the
+    AVX512-VNNI build's (read from /proc/cpuinfo; for estimates made before the build is loaded)."""
+    if not enabled() or os.environ.get("KVSERVE_NATIVE_MARCH", "").strip():
+        return False
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return {"avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl"} <= set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return False
 
 
 def load_cached():
