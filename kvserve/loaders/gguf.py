@@ -202,7 +202,8 @@ def tensor_shapes(infos: list[TensorInfo]) -> dict[str, tuple[int, ...]]:
 
 
 def _q4_blocks(raw: np.ndarray, rows: int, cols: int, kind: str) -> Weight:
-    """Unpack GGUF Q4_0 / Q4_1 blocks (32 weights each) into nibbles and scales.
+    """Unpack GGUF Q4_0 / Q4_1 blocks (32 weights each) into nibbles and scales; the blocks
+    themselves (``raw``'s bytes, not copied) stay as ``Weight.q4_raw``.
 
     Q4_0 block: d (f16), 16 bytes; Q4_1 block: d (f16), m (f16), 16 bytes.
     Byte j holds weight j in its low nibble and weight j+16 in its high nibble.
@@ -221,7 +222,8 @@ def _q4_blocks(raw: np.ndarray, rows: int, cols: int, kind: str) -> Weight:
     q = np.empty((rows, nb, 32), dtype=np.uint8)
     q[:, :, :16] = qs & 0x0F
     q[:, :, 16:] = qs >> 4
-    return Weight((rows, cols), q4=q.reshape(rows, cols), q4_scale=d, q4_zero=zero, source_type=kind)
+    return Weight((rows, cols), q4=q.reshape(rows, cols), q4_scale=d, q4_zero=zero, source_type=kind,
+                  q4_raw=blocks.reshape(rows, nb * bsize))
 
 
 def _q8_0_dense(raw: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -105,6 +105,10 @@ class Weight:
     stacked experts; usually a view of the file's
     np.memmap: no copy), of ggml type ``source_type`` (the block kernels of
     :mod:`kvserve.models.ggml_kernel` multiply with it; :meth:`to_dense` dequantizes).
+    ``q4_raw``: beside ``q4``, the same Q4_0/Q4_1 blocks as the file stores them (a view of its
+    mapping, no copy), which the block kernels' prefill path multiplies (Linear, steps of more than
+    ``small_batch_rows`` rows) in place of a dense copy; None where there is none (a permuted or
+    sliced weight, a checkpoint's repacked groups).
     """
 
     shape: tuple[int, ...]
@@ -114,6 +118,7 @@ class Weight:
     q4_zero: np.ndarray | None = None
     source_type: str = "F32"
     raw: np.ndarray | None = None
+    q4_raw: np.ndarray | None = None
 
     def to_dense(self) -> np.ndarray:
         """float32 array of ``shape`` (dequantized when packed; a new array each call for ``raw``)."""

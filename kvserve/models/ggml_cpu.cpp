@@ -664,6 +664,10 @@ void dot_half(const uint8_t* w, int64_t K, const float* x, int64_t r, float* out
   for (int i = 0; i < MR; ++i) out[i * ldo] = hsum(acc[i]) + tail[i];
 }
 
+// ---------------------------------------------------------------- prefill-sized products
+
+#include "ggml_gemm.h"
+
 // ---------------------------------------------------------------- the product
 
 enum class ActKind { F32, Q8_0, Q8_K };
@@ -752,10 +756,30 @@ int64_t Matrix::nbytes() const {
   return b;
 }
 
-at::Tensor Matrix::mm(const at::Tensor& x_in) const {
+bool Matrix::gemm_ok() const {
+#ifdef GG_GEMM
+  for (const Part& p : parts_)
+    if (!gemm::has_type(p.type)) return false;
+  return K_ % 2 == 0;
+#else
+  return false;
+#endif
+}
+
+at::Tensor Matrix::mm(const at::Tensor& x_in, int64_t gemm_min_rows) const {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K_, "ggml_cpu.Matrix.mm: x must be [M, ", K_, "]");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({x.size(0), N_}, x.options());
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N_}, x.options());
+  if (M == 0) return y;
+#ifdef GG_GEMM
+  if (gemm_min_rows > 0 && M >= gemm_min_rows && gemm_ok()) {
+    std::vector<gemm::Rows> rows;
+    for (const Part& p : parts_) rows.push_back({p.data, p.type, p.first, p.rows, p.row_bytes});
+    gemm::mm(rows, N_, K_, x.data_ptr<float>(), M, y.data_ptr<float>());
+    return y;
+  }
+#endif
   Scratch s;
   mm_raw(x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), s);
   return y;
@@ -849,10 +873,19 @@ void kvserve_ggml::register_module(pybind11::module_& m) {
 #endif
   m.attr("TYPES") = std::vector<int>{T_F16, T_BF16, T_Q4_0, T_Q4_1, T_Q5_0, T_Q5_1, T_Q8_0, T_IQ4_NL, T_MXFP4,
                                      T_Q2_K, T_Q3_K, T_Q4_K, T_Q5_K, T_Q6_K, T_IQ4_XS};
+  // the prefill path's instruction set ("avx512bf16"), "" where this build has none
+  m.attr("GEMM") =
+#ifdef GG_GEMM
+      "avx512bf16";
+#else
+      "";
+#endif
   m.def("quantize", &quantize);
   pybind11::class_<kvserve_ggml::Matrix>(m, "Matrix")
       .def(pybind11::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t>())
       .def_property_readonly("rows", &kvserve_ggml::Matrix::rows)
       .def_property_readonly("cols", &kvserve_ggml::Matrix::cols)
-      .def("mm", &kvserve_ggml::Matrix::mm, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def_property_readonly("gemm", &kvserve_ggml::Matrix::gemm_ok)
+      .def("mm", &kvserve_ggml::Matrix::mm, pybind11::arg("x"), pybind11::arg("gemm_min_rows") = 0,
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

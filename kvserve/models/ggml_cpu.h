@@ -28,8 +28,11 @@ class Matrix {
   // bytes of weights one product reads
   int64_t nbytes() const;
 
-  // x [M, K] float32 -> [M, N] float32 (a new tensor)
-  at::Tensor mm(const at::Tensor& x) const;
+  // true where mm's prefill path (ggml_gemm.h) takes this matrix: the build has it, and every part's type
+  bool gemm_ok() const;
+  // x [M, K] float32 -> [M, N] float32 (a new tensor); with gemm_min_rows > 0 and M >= gemm_min_rows,
+  // the prefill path of ggml_gemm.h where gemm_ok(), else the per-row kernels (mm_raw)
+  at::Tensor mm(const at::Tensor& x, int64_t gemm_min_rows = 0) const;
   // the same product on raw buffers: x [M, K] float32 (row stride K), y [M, N] (row stride N);
   // s: the activations' buffers, resized as needed. Runs on kvserve's pool (thread_pool.h).
   void mm_raw(const float* x, int64_t M, float* y, Scratch& s) const;

@@ -8,6 +8,16 @@ llama.cpp's q8_K (int8 per block of 256, a float32 scale, sums of 16) for Q2_K..
 F16 and BF16 rows are widened to float32 and multiplied with the float32 activations. Row i of an
 M-row product equals the one-row product bit for bit (see ggml_cpu.cpp).
 
+Prefill-sized products (``BlockMatrix.gemm_min_rows``: at least that many rows) take another path
+where the build has AVX512-BF16 (``mod.GEMM == "avx512bf16"``) and every part's type is one it
+takes (all of :data:`TYPES` but F16; ``ggml_gemm.h``): activations rounded to bfloat16 (a copy of x in
+tiles, M x K x 2 bytes), groups of up to 48 weight rows dequantized from the file's blocks to bfloat16
+into a per-thread buffer (at most 768 KiB, at K = 8192), float32 sums of vdpbf16ps products. Its numerics differ from the per-row kernels' q8
+rounding (about bfloat16's 2^-9 on each operand, no block-wise quantization of x); among its own
+products row i is again the same whatever the other rows are. About 2.3x the per-row kernels at
+512 rows on one Zen 4 core (``benchmarks/prefill_gemm.py``); elsewhere (AVX2, AVX512 without BF16)
+every row count runs the per-row kernels.
+
 Built as part of kvserve's one CPU extension (:mod:`kvserve.models.decode_native`: the ``ggml``
 submodule of the native decode step's build, which composes its projections from these products):
 ``-march=native`` (or ``$KVSERVE_NATIVE_MARCH``), an AVX512-VNNI build or an AVX2 + FMA + F16C build,
@@ -37,6 +47,22 @@ def enabled() -> bool:
     return os.environ.get("KVSERVE_GGML_KERNELS", "1") != "0" and decode_native.unavailable_reason() is None
 
 
+def gemm_expected(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True where the build made here has the prefill path (``GEMM``): the kernels on, no
+    ``$KVSERVE_NATIVE_MARCH`` (another target), and this CPU's flags include AVX512-BF16 and the
+    AVX512-VNNI build's (read from /proc/cpuinfo; for estimates made before the build is loaded)."""
+    if not enabled() or os.environ.get("KVSERVE_NATIVE_MARCH", "").strip():
+        return False
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return {"avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl"} <= set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return False
+
+
 def load_cached():
     """The kernels (the extension's ``ggml`` submodule) if the extension is cached, else None."""
     mod = decode_native.load_cached()
@@ -63,11 +89,16 @@ class BlockMatrix:
             the file's np.memmap is kept, not copied, and must stay mapped: this object holds it).
         k: input features.
 
+    Attributes:
+        gemm_min_rows: products of at least this many rows run the prefill path (see the module
+            docstring) where this build and these types have it; 0 (default) = never.
+
     Raises:
         ValueError: a type without a kernel, K not a multiple of its block, or rows of the wrong size.
     """
 
     def __init__(self, mod, parts: list[tuple[np.ndarray, str]], k: int):
+        self.gemm_min_rows = 0
         import gguf
 
         self.parts = [np.ascontiguousarray(r) for r, _ in parts]  # views stay views when already contiguous
@@ -91,9 +122,15 @@ class BlockMatrix:
         """The extension's Matrix (what the native decode step composes its projections from)."""
         return self._m
 
+    @property
+    def has_gemm(self) -> bool:
+        """True where products of :attr:`gemm_min_rows` rows or more take the prefill path (this build
+        has it and every part's type is one it takes)."""
+        return bool(self._m.gemm)
+
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> [M, N] float32 (see the module docstring for the arithmetic)."""
-        return self._m.mm(x)
+        return self._m.mm(x, self.gemm_min_rows)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: the blocks' values (gguf's dequantization), a new tensor; for callers

@@ -152,11 +152,18 @@ class Linear(nn.Module):
             Under "auto" (and "w8a8", the head's auto choice), weights that keep their GGUF bytes
             (``Weight.raw``: every type of :mod:`kvserve.models.ggml_kernel`) are
             multiplied by the GGUF block kernels at every row count, with no dense copy
-            (``kernel`` becomes "gguf"; ``small_max_rows`` and ``large_dtype`` do not apply);
-            where those kernels cannot be built they are dequantized as other types are.
+            (``kernel`` becomes "gguf"): with ``large_dtype`` bfloat16, steps of more than
+            ``small_max_rows`` rows take their prefill path (weights dequantized a panel at a time
+            to bfloat16, see kvserve.models.ggml_kernel) where the CPU has AVX512-BF16; the per-row
+            kernels elsewhere, at fewer rows (so decode steps of up to ``small_max_rows`` rows
+            keep their numerics) and with ``large_dtype`` float32; where those kernels cannot be
+            built they are dequantized as other types are.
         small_max_rows: batches of at most this many rows use ``kernel``; larger
-            ones use the dense weights (a dense GEMM wins there). 0 = always
-            ``kernel`` and no dense copy is kept.
+            ones use the dense weights (a dense GEMM wins there); for "int4" weights
+            loaded from a GGUF file and ``large_dtype`` bfloat16, the file's blocks on the
+            block kernels' prefill path instead where it runs (AVX512-BF16:
+            ``large_blocks``, no dense copy).
+            0 = always ``kernel`` and no dense copy is kept.
         large_dtype: dtype of that dense copy when ``kernel`` is not "dense":
             bfloat16 on CPUs with native bfloat16 (AVX512-BF16/AMX: 2-2.5x the
             float32 GEMM rate, half the memory), float32 otherwise.
@@ -177,10 +184,15 @@ class Linear(nn.Module):
         super().__init__()
         cpu = torch.device(device).type == "cpu"
         self.blocks = None  # the GGUF block kernels' matrix (kernel "gguf")
+        #: kernel "int4": the file's Q4_0/Q4_1 blocks for steps of more than small_max_rows rows (the block
+        #: kernels' prefill path, in place of a dense copy), or None
+        self.large_blocks = None
         if cpu and kernel in ("auto", "w8a8") and all(w.raw is not None for w in weights):
             self.blocks = _block_matrix(weights)
             if self.blocks is not None:
                 kernel = "gguf"
+                # bfloat16 prefill (the dense copies' dtype elsewhere): steps of more rows take the prefill path
+                self.blocks.gemm_min_rows = small_max_rows + 1 if small_max_rows > 0 and large_dtype == torch.bfloat16 else 0
         if kernel == "int4" or kernel == "auto" and self.blocks is None:
             # GGUF Q4_0/Q4_1 blocks (Weight.raw) for torch's int4 kernel: asked for, or no block kernels
             weights = [_unpack_q4(w) for w in weights]
@@ -214,8 +226,13 @@ class Linear(nn.Module):
                 self._q4_src = merged
             elif native_q4 and self.in_features % 64 == 0:
                 self.q4w = q4_kernel.pack(merged.q4, merged.q4_scale, merged.q4_zero)
-            if small_max_rows:  # straight to the dense copy's dtype (no float32 copy of the whole matrix)
-                self.weight = _q4_dense(merged, large_dtype).to(device)
+            if small_max_rows:
+                # larger steps: the file's blocks on the block kernels' prefill path where it runs (bfloat16
+                # prefill), else a dense copy (straight to its dtype: no float32 copy of the whole matrix)
+                if large_dtype == torch.bfloat16:
+                    self.large_blocks = _q4_block_matrix(weights)
+                if self.large_blocks is None:
+                    self.weight = _q4_dense(merged, large_dtype).to(device)
             dense = None
         else:
             dense = _np_cat([w.to_dense() for w in weights])
@@ -280,6 +297,8 @@ class Linear(nn.Module):
         w = self.weight
         if self.blocks is not None:
             y = self.blocks.mm(x)
+        elif self.large_blocks is not None and x.shape[0] > self.small_max_rows:
+            y = self.large_blocks.mm(x)
         elif w is None or (self.kernel != "dense" and x.shape[0] <= self.small_max_rows):
             if self.kernel == "w8a8":
                 y = _w8a8_mm(x, self.q8, self.scales)  # float32 logits from int8 x int8
@@ -321,6 +340,19 @@ def _block_matrix(weights: list[Weight]):
         return ggml_kernel.BlockMatrix(mod, [(w.raw, w.source_type) for w in weights], weights[0].shape[1])
     except ValueError:
         return None
+
+
+def _q4_block_matrix(weights: list[Weight]):
+    """The block matrix over Q4_0/Q4_1 weights' file blocks (``Weight.q4_raw``), its prefill path on for
+    every row count it is given, or None where that path does not run here (no AVX512-BF16 build,
+    the kernels off or not built, a weight without its blocks)."""
+    if any(w.q4_raw is None for w in weights):
+        return None
+    m = _block_matrix([Weight(w.shape, raw=w.q4_raw, source_type=w.source_type) for w in weights])
+    if m is None or not m.has_gemm:
+        return None
+    m.gemm_min_rows = 1
+    return m
 
 
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64", "torch.float32", "torch.float16", "torch.bfloat16"}
@@ -897,7 +929,8 @@ class CompiledDecode:
         # Linear picks its kernel by row count (a dense copy above small_max_rows), so
         # larger steps would need another graph: those stay eager
         split = [lin.small_max_rows for lin in [*model.projections(), model.output]
-                 if lin.kernel != "dense" and lin.weight is not None and lin.small_max_rows > 0]
+                 if lin.kernel != "dense" and (lin.weight is not None or getattr(lin, "large_blocks", None) is not None)
+                 and lin.small_max_rows > 0]
         self.max_batch = min(split) if split else 1 << 30
 
     def start(self) -> None:

@@ -358,6 +358,31 @@ def _hf_params(files) -> int:
     return n
 
 
+def gguf_q4_values(path: str) -> int:
+    """Values of a .gguf file's Q4_0/Q4_1 matrices (0 for an HF directory), from the header only."""
+    p = Path(path)
+    if p.is_dir():
+        return 0
+    st = p.stat()
+    key = ("q4", str(p), st.st_size, st.st_mtime_ns)
+    if key not in _SHAPES:
+        import gguf
+
+        from kvserve.loaders.gguf import read_gguf_header
+
+        _, tensors = read_gguf_header(str(p))
+        _SHAPES[key] = sum(t.n_elements for t in tensors if len(t.shape) == 2
+                           and gguf.GGMLQuantizationType(t.ggml_type).name in ("Q4_0", "Q4_1"))
+    return _SHAPES[key]
+
+
+def _block_gemm_expected() -> bool:
+    """Whether Q4_0/Q4_1 prefill runs on the file's blocks (no dense copy; ggml_kernel.gemm_expected)."""
+    from kvserve.models import ggml_kernel
+
+    return ggml_kernel.gemm_expected()
+
+
 def _block_kernels_enabled() -> bool:
     """Whether GGUF matrices stay as stored at load (kvserve.models.ggml_kernel.enabled)."""
     from kvserve.models import ggml_kernel
@@ -371,7 +396,9 @@ def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimat
     - weights: the file's bytes (as Ollama counts them) plus the dense copy kvserve keeps for
       large batches on CPU (parameters x 4 bytes in float32, x 2 in bfloat16) of every tensor
       but the GGUF matrices the block kernels multiply as stored (:func:`gguf_raw_bytes`: their
-      file bytes alone, the embedding table included), or the parameters in the chosen
+      file bytes alone, the embedding table included) and, where the block kernels' prefill path
+      runs (AVX512-BF16, :func:`~kvserve.models.ggml_kernel.gemm_expected`), the Q4_0/Q4_1 matrices
+      (:func:`gguf_q4_values`: prefill multiplies their file blocks), or the parameters in the chosen
       ``--dtype`` when that replaces the file's format;
     - kv: n_ctx x the pool's bytes per token for ``-ctk``/``-ctv``
       (:func:`~kvserve.engine.kv_quant.kv_bytes_per_token`: 2 bytes a value for f16, 34/32 for
@@ -400,6 +427,8 @@ def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimat
         weights = file_bytes + n_params * large
         if cfg.resolve_device() == "cpu" and _block_kernels_enabled():
             weights -= gguf_raw_bytes(spec.path)[1] * large  # no dense copy of these
+            if cfg.small_batch_rows > 0 and cfg.large_batch_dtype != "float32" and _block_gemm_expected():
+                weights -= gguf_q4_values(spec.path) * large  # Q4_0/Q4_1: the file's blocks for prefill
     else:
         weights = n_params * dense.get(cfg.dtype, 4)
     n_tok = min(max(cfg.max_num_batched_tokens, 1), n_ctx)

@@ -1,7 +1,8 @@
 """The GGUF block kernels (kvserve.models.ggml_kernel, ggml_cpu.cpp) against float64 references:
 weights dequantized by ``gguf.quants.dequantize``, activations quantized as llama.cpp does (q8_0 per
 block of 32, q8_K per block of 256) emulated in numpy. Random blocks of every type, batch
-invariance, odd row counts, K not a multiple of 256; the AVX2 build runs this file in a child."""
+invariance, odd row counts, K not a multiple of 256; the AVX2 build runs this file in a child. The
+prefill path (AVX512-BF16 builds, ``gemm_min_rows``) against float64 references of bfloat16 operands."""
 
 import os
 import subprocess
@@ -172,6 +173,80 @@ def test_bad_parts_are_refused(mod):
         ggml_kernel.BlockMatrix(mod, [(np.zeros((2, 70), np.uint8), "Q8_0")], 64)
     with pytest.raises(ValueError, match="no GGUF block kernel for IQ2_XXS"):
         ggml_kernel.BlockMatrix(mod, [(np.zeros((2, 66), np.uint8), "IQ2_XXS")], 256)
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    """float64 copy of ``a`` rounded to bfloat16 (round to nearest even, as vcvtne2ps2bf16)."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(torch.bfloat16).double().numpy()
+
+
+def gemm_reference(x: np.ndarray, raw: np.ndarray, name: str):
+    """The prefill path's float64 reference: activations and dequantized weights (gguf's values, in
+    float32) each rounded to bfloat16, multiplied in float64; and the bound sum |x_i w_i|."""
+    w = bf16(np.asarray(gguf.quants.dequantize(raw, QT[name]), dtype=np.float32).reshape(raw.shape[0], -1))
+    xd = bf16(x)
+    return xd @ w.T, np.abs(xd) @ np.abs(w).T
+
+
+
+@pytest.mark.parametrize("name", ggml_kernel.TYPES)
+def test_prefill_path_matches_the_bfloat16_reference(mod, name):
+    """Products of at least gemm_min_rows rows: with AVX512-BF16, every type but F16 on the prefill
+    path (bfloat16 operands, float32 sums) within 2e-6 of sum |x w| of the float64 reference (a wrong
+    block, scale or row misses by orders of magnitude more); rows past a 32-row tile and weight rows
+    past a 12-row panel; row i of a 70-row product equals its one-row product. Without the path (the
+    AVX2 build, or F16) the per-row kernels run, bit for bit as with gemm_min_rows 0."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + 1)
+    k = 512 if name in Q8_K_TYPES else 352
+    n = 29
+    raw = random_rows(name, n, k, rng)
+    mat = ggml_kernel.BlockMatrix(mod, [(raw, name)], k)
+    mat.gemm_min_rows = 1
+    assert mat.has_gemm == (mod.GEMM == "avx512bf16" and name != "F16")
+    for m in (1, 33, 70):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        y = mat.mm(torch.from_numpy(x)).numpy()
+        assert y.shape == (m, n) and y.dtype == np.float32
+        if not mat.has_gemm:
+            assert np.array_equal(y, ggml_kernel.BlockMatrix(mod, [(raw, name)], k).mm(torch.from_numpy(x)).numpy())
+            continue
+        ref, bound = gemm_reference(x, raw, name)
+        err = np.abs(y - ref)
+        assert (err <= 2e-6 * bound + 1e-30).all(), (name, m, float((err / bound).max()))
+        assert np.abs(ref).max() > 0
+    one = mat.mm(torch.from_numpy(x[-1:])).numpy()
+    assert np.array_equal(one[0], y[-1])
+
+
+def test_prefill_path_odd_k_and_fused_types(mod):
+    """BF16 rows of 98 values (49 pairs: the activation packing's tail), and a fused Q4_K|Q4_K|Q6_K
+    matrix of 32 rows (panels of 12 cross the parts): each part's columns equal its own product."""
+    rng = np.random.default_rng(4)
+    raw = random_rows("BF16", 13, 98, rng)
+    mat = ggml_kernel.BlockMatrix(mod, [(raw, "BF16")], 98)
+    mat.gemm_min_rows = 17
+    x = rng.standard_normal((40, 98)).astype(np.float32)
+    y = mat.mm(torch.from_numpy(x)).numpy()
+    if mod.GEMM:
+        ref, bound = gemm_reference(x, raw, "BF16")
+        assert (np.abs(y - ref) <= 2e-6 * bound).all()
+        # 16 rows (below gemm_min_rows): the per-row kernels (float32 activations)
+        y16 = mat.mm(torch.from_numpy(x[:16])).numpy()
+        ref32 = x[:16].astype(np.float64) @ bf16(gguf.quants.dequantize(raw, QT.BF16).reshape(13, 98)).T
+        assert np.abs(y16 - ref32).max() < 1e-4 and not np.array_equal(y16, y[:16])
+    k = 512
+    parts = [(random_rows("Q4_K", 16, k, rng), "Q4_K"), (random_rows("Q4_K", 8, k, rng), "Q4_K"),
+             (random_rows("Q6_K", 8, k, rng), "Q6_K")]
+    fused = ggml_kernel.BlockMatrix(mod, parts, k)
+    fused.gemm_min_rows = 1
+    x = torch.from_numpy(rng.standard_normal((35, k)).astype(np.float32))
+    y = fused.mm(x)
+    col = 0
+    for raw, name in parts:
+        alone = ggml_kernel.BlockMatrix(mod, [(raw, name)], k)
+        alone.gemm_min_rows = 1
+        assert torch.equal(y[:, col:col + raw.shape[0]], alone.mm(x))
+        col += raw.shape[0]
 
 
 def test_avx2_build_passes_these_tests_on_an_avx512_cpu(mod):

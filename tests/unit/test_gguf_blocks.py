@@ -77,6 +77,32 @@ def test_block_kernels_agree_with_the_dequantized_model(kernels, tmp_path, qtype
     assert same >= 48
 
 
+def test_steps_above_small_batch_rows_take_the_prefill_path(kernels, tmp_path):
+    """With bfloat16 prefill (large_batch_dtype auto on a CPU with native bfloat16) Linear hands the
+    block matrix small_batch_rows + 1 as gemm_min_rows: a 16-row step (decode of 16 streams) is the
+    per-row kernels' product bit for bit, a 17-row one the prefill path's (the per-row kernels where
+    the build has no such path); small_batch_rows 0 or float32 prefill keep the per-row kernels at
+    every row count, and so does the head (float32 logits)."""
+    from kvserve.models.registry import cpu_native_bf16
+
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, qtype="Q4_K", seed=3)
+    model = _core(path, large_batch_dtype="bfloat16").model
+    lin = model.layers[0].w_gate_up
+    assert lin.kernel == "gguf" and lin.blocks.gemm_min_rows == 17 and model.output.blocks.gemm_min_rows == 0
+    auto = _core(path).model.layers[0].w_gate_up.blocks.gemm_min_rows
+    assert auto == (17 if cpu_native_bf16() else 0)
+    assert _core(path, large_batch_dtype="float32").model.layers[0].w_gate_up.blocks.gemm_min_rows == 0
+    x = torch.randn(17, 256, generator=torch.Generator().manual_seed(0))
+    m = lin.blocks._m
+    assert torch.equal(lin.forward(x[:16]), m.mm(x[:16], 0))
+    assert torch.equal(lin.forward(x), m.mm(x, 1))
+    assert lin.blocks.has_gemm == (ggml_kernel.ensure_built().GEMM == "avx512bf16")
+    if lin.blocks.has_gemm:
+        assert not torch.equal(lin.forward(x)[:16], m.mm(x[:16], 0))
+    assert _core(path, small_batch_rows=0, large_batch_dtype="bfloat16").model.layers[0].w_gate_up.blocks \
+        .gemm_min_rows == 0
+
+
 def test_turned_off_or_explicit_dense_dequantizes_as_before(kernels, tmp_path, monkeypatch):
     path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, qtype="Q8_0", seed=2)
     assert _core(path, dtype="float32").model.layers[0].wqkv.kernel == "dense"
@@ -112,6 +138,42 @@ def test_q4_0_and_q4_1_stay_blocks_and_decode_in_tiles(kernels, tmp_path, monkey
     core = _core(path)
     assert all(lin.kernel == "int4" and lin.has_native_weights for lin in core.model.projections())
     assert core.model.output.kernel == "w8a8"  # a Q4 head: unpacked nibbles, as before
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_q4_prefill_runs_on_the_file_blocks(kernels, tmp_path, qtype):
+    """Q4_0/Q4_1 projections keep torch's int4 kernel up to small_batch_rows rows; larger steps run
+    the file's blocks (Weight.q4_raw, a view of the mapping) on the block kernels' prefill path where
+    the build has it, with no dense copy (a bfloat16 copy as before where it has not). Prefill logits
+    agree with the float32 model of the dequantized weights as the other types' do."""
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, qtype=qtype,
+                                     embd_qtype="Q8_0", seed=21)
+    packed, dense = _core(path, large_batch_dtype="bfloat16"), _core(path, dtype="float32")
+    lins = packed.model.projections()
+    gemm = ggml_kernel.ensure_built().GEMM == "avx512bf16"
+    assert all(lin.kernel == "int4" for lin in lins)
+    if gemm:
+        assert all(lin.weight is None and lin.large_blocks.types == [qtype] * len(lin.large_blocks.types)
+                   and all(_mapped(p) for p in lin.large_blocks.parts) for lin in lins)
+    else:
+        assert all(lin.large_blocks is None and lin.weight.dtype == torch.bfloat16 for lin in lins)
+    f32 = _core(path, large_batch_dtype="float32").model.layers[0].wqkv
+    assert f32.large_blocks is None and f32.weight.dtype == torch.float32
+    lin = packed.model.layers[0].w_gate_up
+    x = torch.randn(17, 256, generator=torch.Generator().manual_seed(1))
+    if gemm:
+        assert torch.equal(lin.forward(x), lin.large_blocks.mm(x))
+        small = lin.forward(x[:16])
+        lin.large_blocks, kept = None, lin.large_blocks
+        assert torch.equal(small, lin.forward(x[:16]))  # 16 rows: the int4 kernel, as without the blocks
+        lin.large_blocks = kept
+    p = SamplingParams(n_predict=40, ignore_eos=True, temperature=0.0)
+    seq = PROMPT + LLM(dense).generate([PROMPT], p)[0].token_ids  # 52 rows: the prefill path
+    a, b = _logits(packed, seq), _logits(dense, seq)
+    assert (a - b).abs().max().item() < 0.04 * b.abs().max().item()
+    same = (a.argmax(-1) == b.argmax(-1)).sum().item()
+    print(qtype, "top-1 agreement", same, "of", len(seq))
+    assert same >= 48
 
 
 def test_raw_weight_dequantizes_to_gguf_values(tmp_path):
