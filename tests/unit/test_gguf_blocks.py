@@ -142,22 +142,27 @@ def test_q4_0_and_q4_1_stay_blocks_and_decode_in_tiles(kernels, tmp_path, monkey
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 def test_q4_prefill_runs_on_the_file_blocks(kernels, tmp_path, qtype):
-    """Q4_0/Q4_1 projections keep torch's int4 kernel up to small_batch_rows rows; larger steps run
+    """By default Q4_0/Q4_1 projections are the file's blocks on the block kernels at every row count
+    (kernel "gguf", the prefill path above small_batch_rows rows). Under ``--cpu-kernel int4`` they
+    keep torch's int4 kernel up to small_batch_rows rows; larger steps run
     the file's blocks (Weight.q4_raw, a view of the mapping) on the block kernels' prefill path where
     the build has it, with no dense copy (a bfloat16 copy as before where it has not). Prefill logits
     agree with the float32 model of the dequantized weights as the other types' do."""
     path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, n_head=4, n_head_kv=2, qtype=qtype,
                                      embd_qtype="Q8_0", seed=21)
-    packed, dense = _core(path, large_batch_dtype="bfloat16"), _core(path, dtype="float32")
-    lins = packed.model.projections()
     gemm = ggml_kernel.ensure_built().GEMM == "avx512bf16"
+    default = _core(path, large_batch_dtype="bfloat16").model.projections()
+    assert all(lin.kernel == "gguf" and lin.weight is None and lin.blocks.gemm_min_rows == 17 for lin in default)
+    packed = _core(path, large_batch_dtype="bfloat16", cpu_kernel="int4")
+    dense = _core(path, dtype="float32")
+    lins = packed.model.projections()
     assert all(lin.kernel == "int4" for lin in lins)
     if gemm:
         assert all(lin.weight is None and lin.large_blocks.types == [qtype] * len(lin.large_blocks.types)
                    and all(_mapped(p) for p in lin.large_blocks.parts) for lin in lins)
     else:
         assert all(lin.large_blocks is None and lin.weight.dtype == torch.bfloat16 for lin in lins)
-    f32 = _core(path, large_batch_dtype="float32").model.layers[0].wqkv
+    f32 = _core(path, large_batch_dtype="float32", cpu_kernel="int4").model.layers[0].wqkv
     assert f32.large_blocks is None and f32.weight.dtype == torch.float32
     lin = packed.model.layers[0].w_gate_up
     x = torch.randn(17, 256, generator=torch.Generator().manual_seed(1))
