@@ -27,10 +27,10 @@ a float64 simulation of llama.cpp's arithmetic with and without float16 K/V diff
 only where llama.cpp's top two are that close.
 
 Known differences (:data:`KNOWN`, :data:`MEAN_KNOWN`; strict xfails, so a fix shows): BF16 multiplies
-float32 activations (llama.cpp: bfloat16; mean 0.0066); Q4_0/Q4_1 run on torch's int4 kernel with
-bfloat16 activations (and a w8a8 head) or the native decode step (mean 0.022-0.027, decode top-1
-394-395/400, Q4_0 greedy 3/6); Q5_1 keeps q8_1's block sums in float32 (mean 0.014, top-1 395/400;
-rounding them as llama.cpp does gives 0.0028 and 399/400).
+float32 activations (llama.cpp: bfloat16; mean 0.0066); Q4_0's greedy chains on the native step's 4-bit
+tiles. The default bfloat16 prefill path (AVX512-BF16 CPUs) is checked on its own, with looser bounds
+(:data:`BF16_BOUNDS`; measured top-1 391-400 of 400, mean |d| 0.018-0.027 for the quantized types);
+``--large-batch-dtype float32`` gives prefill llama.cpp's q8 arithmetic (the bar above).
 """
 
 from __future__ import annotations
@@ -73,8 +73,7 @@ Q4_PATH = ("kvserve's Q4_0/Q4_1 path (torch's int4 kernel with bfloat16 activati
            "step) does not quantize activations to q8_0 as llama.cpp does")
 Q5_1_SUMS = ("ggml_cpu.cpp keeps q8_1's s = d * sum(q) in float32; llama.cpp's quantize_row_q8_1 stores "
              "fp16(d_unrounded * sum)")
-KNOWN = {("decode", "Q4_0"): Q4_PATH, ("decode", "Q4_1"): Q4_PATH, ("greedy", "Q4_0"): Q4_PATH,
-         ("prefill", "Q5_1"): Q5_1_SUMS}
+KNOWN = {("greedy", "Q4_0"): Q4_PATH}
 
 
 def _known(kind: str, name: str, run: str | None = None):
@@ -103,7 +102,13 @@ def files(tmp_path_factory) -> dict[str, str]:
 
 
 def _core(path: str, run: str = "f32kv", **kw) -> EngineCore:
+    """An engine on ``path`` with the KV type of llama-server's ``run``. Prefill steps multiply on the
+    per-row block kernels (``large_batch_dtype`` float32: activations quantized to q8_0 / q8_K as
+    llama.cpp does) unless ``large_batch_dtype`` says otherwise: the default bfloat16 prefill path
+    (ggml_gemm.h, AVX512-BF16 CPUs) rounds operands to bfloat16 instead and is checked on its own
+    (test_teacher_forced_prefill_bf16_path)."""
     kw.setdefault("n_ctx", 1024)
+    kw.setdefault("large_batch_dtype", "float32")
     return EngineCore(load_files(path), EngineConfig(kv_dtype=KV_DTYPE[run], **kw))
 
 
@@ -222,15 +227,11 @@ def test_pure_files_hold_one_type_and_mixes_mix():
 
 
 def test_kvserve_keeps_every_type_packed(files):
-    """The comparisons run on the file's blocks: no float copy of any matrix (Q4_0/Q4_1: their int4
-    kernel, which represents the blocks exactly)."""
+    """The comparisons run on the file's blocks: no float copy of any matrix."""
     for name in TYPES:
         core = _core(files[name])
         for lin in [core.model.output] + [m for layer in core.model.layers for m in (layer.wqkv, layer.wo)]:
-            if name in ("Q4_0", "Q4_1"):
-                assert lin.kernel in ("int4", "w8a8"), (name, lin.kernel)
-            else:
-                assert lin.kernel == "gguf" and lin.weight is None, (name, lin.kernel)
+            assert lin.kernel == "gguf" and lin.weight is None, (name, lin.kernel)
 
 
 @pytest.mark.parametrize("name", [_known("prefill", t) for t in TYPES])
@@ -239,6 +240,29 @@ def test_teacher_forced_prefill_agrees_with_llama_cpp(files, name):
     core = _core(files[name], "f32kv")
     agree, total, diffs = compare(_fixture(name)["runs"]["f32kv"], lambda t, s: prefill_logprobs(core, t)[s - 1:-1])
     _check(name, "f32kv", agree, total, diffs)
+
+
+#: the default bfloat16 prefill path against llama.cpp (f32kv): its operands are rounded to bfloat16,
+#: not quantized to q8 as llama.cpp's are, so it sits further from llama.cpp's arithmetic than the
+#: per-row kernels do (as far as llama.cpp's own float16-KV run does): top-1, max and mean |d logprob|
+BF16_BOUNDS = (0.975, 0.3, 0.035)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_teacher_forced_prefill_bf16_path(files, name):
+    """The prefill path kvserve takes by default on AVX512-BF16 CPUs (weights dequantized a panel at a
+    time to bfloat16; ggml_gemm.h) against llama.cpp's f32kv run, with BF16_BOUNDS."""
+    from kvserve.models import ggml_kernel
+
+    if not ggml_kernel.ensure_built().GEMM:
+        pytest.skip("this build has no bfloat16 prefill path (no AVX512-BF16)")
+    core = _core(files[name], "f32kv", large_batch_dtype="bfloat16")
+    assert core.model.layers[0].wqkv.blocks.gemm_min_rows > 0
+    agree, total, diffs = compare(_fixture(name)["runs"]["f32kv"], lambda t, s: prefill_logprobs(core, t)[s - 1:-1])
+    share, max_diff, mean_diff = BF16_BOUNDS
+    print(name, "bf16 prefill", agree, total, round(max(diffs), 4), round(statistics.mean(diffs), 5))
+    assert total == 400 and agree >= share * total, f"{name}: top-1 {agree}/{total}"
+    assert max(diffs) <= max_diff and statistics.mean(diffs) <= mean_diff, (max(diffs), statistics.mean(diffs))
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -290,10 +314,10 @@ def test_greedy_continuations_match_llama_cpp(files, name, run):
 @pytest.mark.parametrize("name", TYPES)
 def test_decode_rows_are_batch_invariant(files, name):
     """A sequence's decode row alone and beside two other sequences' rows (float16 KV, the engine's
-    default): identical logits through the native step (Q4_0/Q4_1) and wherever the products' int8
-    activations absorb the eager attention's rounding; the eager attention over a padded batch is not
-    bit-exact (SDPA over more, masked, keys), which F16/BF16 rows pass on: within 1e-5 of the logits'
-    range there, the same top-1."""
+    default): identical logits through the native step (the engine's decode path, every type); the
+    eager attention over a padded batch is not bit-exact (SDPA over more, masked, keys; the products'
+    int8 activations absorb its rounding only most of the time): within 1e-5 of the logits' range
+    there, the same top-1."""
     core = _core(files[name], "default")
     seqs = [s["tokens"][:40 + 7 * i] for i, s in enumerate(_fixture(name)["runs"]["default"]["teacher_forced"][:3])]
     caches = _caches(core.model, 3 * 128, torch.float16)
@@ -303,8 +327,8 @@ def test_decode_rows_are_batch_invariant(files, name):
     for nat in [None, _native(core, caches)] if core.model.native_decode else [None]:
         alone = decode_step(core.model, nat, [(k.clone(), v.clone()) for k, v in caches], rows[1:2])[0]
         together = decode_step(core.model, nat, [(k.clone(), v.clone()) for k, v in caches], rows)[1]
-        if nat is not None or name not in ("F16", "BF16"):
-            assert torch.equal(alone, together), (name, "native" if nat else "eager")
+        if nat is not None:
+            assert torch.equal(alone, together), (name, "native")
         else:
             assert (alone - together).abs().max() <= 1e-5 * (alone.max() - alone.min())
             assert alone.argmax() == together.argmax()
