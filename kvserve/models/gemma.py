@@ -16,8 +16,8 @@ cache reads it composes):
   sees keys at positions p - window < j <= p, masked exactly. When the engine's KV cache has
   sliding-window groups (kvserve.engine.kv_cache), such a layer reads and writes its group's own
   cache rows through ``AttentionBatch.windows[window]``, which lists only the blocks the window
-  reaches; otherwise (a batch without that view) it reads every row of the sequence and the mask
-  does the rest.
+  reaches; otherwise (a batch without that view) it reads the rows some query's window reaches and
+  the mask does the rest (the cache reads: kvserve.models.window_attention, shared with gpt-oss).
 
 Attention with a soft-cap (gemma2) is computed directly (scores, soft-cap, mask, softmax in
 float32): SDPA has no soft-cap; without one (gemma3) it is SDPA with the window's mask.
@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.engine.kv_quant import kv_gather, kv_round, kv_write
+from kvserve.engine.kv_quant import kv_write
 from kvserve.loaders.weights import ModelConfig, ModelLoadError, Weight, interleave_qk
 from kvserve.models.llama import (
     AttentionBatch,
@@ -43,6 +44,14 @@ from kvserve.models.llama import (
     auto_head_kernel,
     rope_attention_factor,
     rope_inv_freq,
+)
+from kvserve.models.window_attention import (
+    gguf_layer_windows,
+    hf_layer_windows,
+    layer_kv_spec,
+    paged_attention,
+    rope_cis,
+    visible,
 )
 
 
@@ -68,21 +77,6 @@ class GemmaConfig(ModelConfig):
 
 # -- config readers ---------------------------------------------------------------------------------
 
-def _gguf_windows(md: dict, arch: str, n_layer: int, path: str) -> tuple[int, ...]:
-    window = int(md.get(f"{arch}.attention.sliding_window") or 0)
-    if not window:
-        raise ModelLoadError(f"{path}: missing GGUF key '{arch}.attention.sliding_window'")
-    pattern = md.get(f"{arch}.attention.sliding_window_pattern") or (2 if arch == "gemma2" else 6)
-    if isinstance(pattern, list):  # one bool per layer (Ollama's converter): True slides
-        if len(pattern) != n_layer:
-            raise ModelLoadError(f"{path}: GGUF key '{arch}.attention.sliding_window_pattern' has {len(pattern)} "
-                                 f"values for {n_layer} layers")
-        return tuple(window if bool(x) else 0 for x in pattern)
-    pattern = int(pattern)
-    # llama.cpp's set_swa_pattern(n): layer il slides when il % n < n - 1
-    return tuple(window if il % pattern < pattern - 1 else 0 for il in range(n_layer))
-
-
 def config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> GemmaConfig:
     """A GemmaConfig from ``gemma2.*`` / ``gemma3.*`` GGUF metadata (llama.cpp's keys).
 
@@ -106,26 +100,12 @@ def config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> GemmaCo
     big = (arch == "gemma2" and base.n_layer == 46) or (arch == "gemma3" and base.n_layer == 62)  # the 27Bs
     return GemmaConfig(
         **kw,
-        layer_windows=_gguf_windows(md, arch, base.n_layer, path),
+        layer_windows=gguf_layer_windows(md, arch, base.n_layer, path, 2 if arch == "gemma2" else 6),
         attn_softcap=float(md.get(f"{arch}.attn_logit_softcapping") or 0.0) if arch == "gemma2" else 0.0,
         final_softcap=float(md.get(f"{arch}.final_logit_softcapping") or 0.0),
         query_scale=1.0 / math.sqrt(base.n_embd / base.n_head if big else base.head_dim),
         rope_local_base=float(local) if local else 10000.0 if arch == "gemma3" else None,
     )
-
-
-def _hf_windows(cfg: dict, n_layer: int, path: str) -> tuple[int, ...]:
-    window = int(cfg.get("sliding_window") or 0)
-    types = cfg.get("layer_types")
-    if types is None:  # transformers 4: gemma2 alternates, gemma3 has sliding_window_pattern
-        pattern = int(cfg.get("sliding_window_pattern") or (6 if cfg.get("model_type") == "gemma3_text" else 2))
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer)]
-    if len(types) != n_layer or set(types) - {"sliding_attention", "full_attention"}:
-        raise ModelLoadError(f"{path}: config.json layer_types {types!r}: kvserve runs sliding_attention and "
-                             f"full_attention layers, one per layer")
-    if "sliding_attention" in types and not window:
-        raise ModelLoadError(f"{path}: config.json lacks 'sliding_window'")
-    return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 
 def config_from_hf(cfg: dict, path: str) -> GemmaConfig:
@@ -163,7 +143,7 @@ def config_from_hf(cfg: dict, path: str) -> GemmaConfig:
         raise ModelLoadError(f"{path}: config.json lacks 'query_pre_attn_scalar'") from None
     return GemmaConfig(
         **kw,
-        layer_windows=_hf_windows(cfg, base.n_layer, path),
+        layer_windows=hf_layer_windows(cfg, base.n_layer, path),
         attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
         final_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
         query_scale=scalar ** -0.5,
@@ -222,11 +202,8 @@ def prepare(config: GemmaConfig, weights: dict[str, Weight], fmt: str) -> None:
     interleave_qk(config, weights)
 
 
-def kv_spec(config: GemmaConfig):
-    """Per layer: a sliding window of the layer's tokens, or full attention."""
-    from kvserve.models.family import FULL, KVSpec
-
-    return tuple(KVSpec("sliding", w) if w else FULL for w in config.layer_windows)
+#: per layer: a sliding window of the layer's tokens, or full attention
+kv_spec = layer_kv_spec
 
 
 # -- the module -------------------------------------------------------------------------------------
@@ -234,14 +211,11 @@ def kv_spec(config: GemmaConfig):
 def attend(q, k, v, q_pos, k_pos, valid, scale: float, window: int, softcap: float) -> torch.Tensor:
     """q: [B, Lq, H, D], k/v: [B, Lk, Hkv, D], q_pos [B, Lq], k_pos [B, Lk] long, valid [B, Lk] bool
     or None -> [B, Lq, H, D]. Key j is seen by query i when k_pos <= q_pos, within ``window``
-    tokens (q_pos - k_pos < window; 0: no window) and valid; scores soft-capped by ``softcap``."""
+    tokens (q_pos - k_pos < window; 0: no window) and valid (:func:`~kvserve.models.window_attention.visible`);
+    scores soft-capped by ``softcap``."""
     B, Lq, H, D = q.shape
     hkv = k.shape[2]
-    seen = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, Lq, Lk]
-    if window:
-        seen &= k_pos[:, None, :] > q_pos[:, :, None] - window
-    if valid is not None:
-        seen &= valid[:, None, :]
+    seen = visible(q_pos, k_pos, window, valid)  # [B, Lq, Lk]
     if not softcap:  # SDPA (3-10x the einsums on the CPU; within 1e-6 of them): gemma3
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=seen[:, None], scale=scale, enable_gqa=hkv != H)
@@ -293,13 +267,13 @@ class GemmaModel(nn.Module):
         self.output = Linear([head], None, dtype=dtype, device=device,
                              kernel=auto_head_kernel() if kernel == "auto" else kernel, small_max_rows=small_max_rows)
         # YaRN's attention factor scales cos/sin (1.0 for every other RoPE)
-        self.rope_cis = _cis(rope_inv_freq(c, weights.get("rope_freqs.weight")), max_positions, device) \
+        self.rope_cis = rope_cis(rope_inv_freq(c, weights.get("rope_freqs.weight")), max_positions, device) \
             * rope_attention_factor(c)
         local = self.rope_cis
         if c.rope_local_base is not None:
             d = c.head_dim
             inv = 1.0 / (c.rope_local_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-            local = _cis(inv.float(), max_positions, device)
+            local = rope_cis(inv.float(), max_positions, device)
         #: per layer, the RoPE table its keys were rotated with (ModelRunner.shift_rows reads it)
         self.layer_rope_cis = [local if w else self.rope_cis for w in c.layer_windows]
         self.q_size = c.n_head * c.head_dim
@@ -356,39 +330,8 @@ class GemmaModel(nn.Module):
         return logits
 
     def _attention(self, q, k, v, k_cache, v_cache, batch: AttentionBatch, window: int) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] (already in the cache) -> [T, H * D]."""
+        """q: [T, H, D], k/v: [T, Hkv, D] (already in the cache) -> [T, H * D]
+        (kvserve.models.window_attention.paged_attention with gemma's :func:`attend`)."""
         c = self.config
-        T, nd = q.shape[0], batch.n_decode
-        out = torch.empty(T, c.n_head, c.head_dim, dtype=q.dtype, device=q.device)
-        args = (self.config.query_scale, window, c.attn_softcap)
-        if nd:
-            idx = batch.decode_kv_index  # [B, L]
-            B, L = idx.shape
-            kd = kv_gather(k_cache, idx.reshape(-1), q.dtype).view(B, L, *k_cache.shape[1:])
-            vd = kv_gather(v_cache, idx.reshape(-1), q.dtype).view(B, L, *v_cache.shape[1:])
-            k_pos = torch.arange(L, device=q.device).expand(B, L)
-            if batch.decode_kv_start is not None:  # a window's rows start at its first block
-                k_pos = k_pos + batch.decode_kv_start[:, None]
-            valid = batch.decode_mask.view(B, L) if batch.decode_mask is not None else None
-            out[:nd] = attend(q[:nd].unsqueeze(1), kd, vd, batch.positions[:nd].unsqueeze(1), k_pos, valid,
-                              *args).squeeze(1)
-        for g in batch.prefills:
-            lq = g.end - g.start
-            q_pos = (g.n_past + torch.arange(lq, device=q.device)).unsqueeze(0)
-            if g.kv_index is None:  # the chunk's own K/V, rounded like the cache stores them
-                kp = kv_round(k_cache, k[g.start:g.end], q.dtype)
-                vp = kv_round(v_cache, v[g.start:g.end], q.dtype)
-                k_pos = q_pos
-            else:
-                kp = kv_gather(k_cache, g.kv_index, q.dtype)
-                vp = kv_gather(v_cache, g.kv_index, q.dtype)
-                k_pos = (g.kv_start + torch.arange(kp.shape[0], device=q.device)).unsqueeze(0)
-            out[g.start:g.end] = attend(q[g.start:g.end].unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), q_pos,
-                                        k_pos, None, *args)[0]
-        return out.reshape(T, -1)
-
-
-def _cis(inv: torch.Tensor, max_positions: int, device) -> torch.Tensor:
-    """[P, D/2] complex64 rotations e^(i p inv) for positions 0..P-1."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv.double())
-    return torch.polar(torch.ones_like(freqs), freqs).to(torch.complex64).to(device)
+        return paged_attention(q, k, v, k_cache, v_cache, batch, window,
+                               partial(attend, scale=c.query_scale, window=window, softcap=c.attn_softcap))

@@ -17,7 +17,8 @@ reads it composes, as kvserve.models.gemma does):
   logit, their weights the softmax over those k logits (not over all experts), each expert a clamped
   SwiGLU: ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha g)``
   (alpha 1.702, limit 7.0; HF ``swiglu_alpha`` / ``swiglu_limit``). A step's rows are grouped by
-  expert and experts no row chose are not read.
+  expert and experts no row chose are not read (kvserve.models.moe.combine_experts, shared with
+  qwen3moe).
 
 Tensors, in kvserve's (llama.cpp's) names: ``blk.N.attn_{q,k,v,output}.{weight,bias}``,
 ``attn_sinks.weight`` [n_head], ``attn_norm`` / ``post_attention_norm``, ``ffn_gate_inp.{weight,bias}``
@@ -29,7 +30,8 @@ interleaved by column), and Ollama's ``gptoss`` files (``attn_out``, ``ffn_norm`
 
 The KV spec per layer is a sliding window of ``window`` tokens or full attention; the sliding layers
 keep a pool of their own holding only their window's blocks (``window_kv_views``, read as
-kvserve.models.gemma does: kvserve.engine.kv_budget.window_groups). The attention is computed
+kvserve.models.gemma does: kvserve.engine.kv_budget.window_groups; the cache reads are
+kvserve.models.window_attention's, shared with gemma). The attention is computed
 directly (scores, window mask, sinks, softmax in float32: SDPA has no sinks). kvserve's native decode
 step and the compiled decode graph do not implement this block (the family record turns the native
 step off; :meth:`GptOssModel.decode_step` refuses, so the engine stays eager).
@@ -39,16 +41,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 from torch import nn
 
-from kvserve.engine.kv_quant import kv_gather, kv_round, kv_write
+from kvserve.engine.kv_quant import kv_write
 from kvserve.loaders.weights import ModelConfig, ModelLoadError, Weight, interleave_qk
 from kvserve.models.llama import AttentionBatch, Linear, RMSNorm, auto_head_kernel, rope_attention_factor, \
     rope_inv_freq
-from kvserve.models.moe import MoeConfig, expert_linear, expert_rows
+from kvserve.models.moe import MoeConfig, combine_experts, expert_linear, expert_rows
+from kvserve.models.window_attention import (
+    gguf_layer_windows,
+    hf_layer_windows,
+    layer_kv_spec,
+    paged_attention,
+    rope_cis,
+    visible,
+)
 
 #: GGUF architecture names: llama.cpp's, and the one Ollama's converter wrote (its loader renames it)
 GGUF_ARCHS = ("gpt-oss", "gptoss")
@@ -74,23 +85,6 @@ def _base_fields(base: ModelConfig) -> dict:
 
 
 # -- config readers ---------------------------------------------------------------------------------
-
-def _gguf_windows(md: dict, arch: str, n_layer: int, path: str) -> tuple[int, ...]:
-    """Per-layer windows from ``{arch}.attention.sliding_window`` and llama.cpp's pattern (2 unless
-    ``sliding_window_pattern`` says otherwise: an int n, layer il slides when il % n < n - 1, or one
-    bool per layer)."""
-    window = int(md.get(f"{arch}.attention.sliding_window") or 0)
-    if not window:
-        raise ModelLoadError(f"{path}: missing GGUF key '{arch}.attention.sliding_window'")
-    pattern = md.get(f"{arch}.attention.sliding_window_pattern") or 2
-    if isinstance(pattern, list):
-        if len(pattern) != n_layer:
-            raise ModelLoadError(f"{path}: GGUF key '{arch}.attention.sliding_window_pattern' has {len(pattern)} "
-                                 f"values for {n_layer} layers")
-        return tuple(window if bool(x) else 0 for x in pattern)
-    pattern = int(pattern)
-    return tuple(window if il % pattern < pattern - 1 else 0 for il in range(n_layer))
-
 
 def config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> GptOssConfig:
     """A GptOssConfig from ``gpt-oss.*`` (llama.cpp) or ``gptoss.*`` (Ollama) GGUF metadata.
@@ -122,7 +116,7 @@ def config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> GptOssC
 
     return GptOssConfig(**kw, n_expert=count("expert_count"), n_expert_used=count("expert_used_count"),
                         n_ff_expert=count("expert_feed_forward_length", base.n_ff),
-                        layer_windows=_gguf_windows(md, arch, base.n_layer, path))
+                        layer_windows=gguf_layer_windows(md, arch, base.n_layer, path, 2))
 
 
 def config_from_hf(cfg: dict, path: str) -> GptOssConfig:
@@ -133,7 +127,6 @@ def config_from_hf(cfg: dict, path: str) -> GptOssConfig:
     Raises ModelLoadError: missing keys, a RoPE scaling kvserve lacks, layer types other than sliding
     and full attention."""
     from kvserve.models.family import llama_config_from_hf
-    from kvserve.models.gemma import _hf_windows
 
     base = llama_config_from_hf(cfg, path, arch="gpt-oss")
     kw = _base_fields(base)
@@ -146,7 +139,7 @@ def config_from_hf(cfg: dict, path: str) -> GptOssConfig:
     types = dict(cfg)
     types.setdefault("sliding_window_pattern", 2)  # transformers' default: even layers slide
     return GptOssConfig(**kw, n_expert=n_expert, n_expert_used=top_k, n_ff_expert=base.n_ff,
-                        expert_weights_norm=True, layer_windows=_hf_windows(types, base.n_layer, path),
+                        expert_weights_norm=True, layer_windows=hf_layer_windows(types, base.n_layer, path),
                         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
                         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
 
@@ -308,11 +301,8 @@ def prepare(config: GptOssConfig, weights: dict[str, Weight], fmt: str) -> None:
     interleave_qk(config, weights)
 
 
-def kv_spec(config: GptOssConfig):
-    """Per layer: a sliding window of the layer's tokens, or full attention."""
-    from kvserve.models.family import FULL, KVSpec
-
-    return tuple(KVSpec("sliding", w) if w else FULL for w in config.layer_windows)
+#: per layer: a sliding window of the layer's tokens, or full attention
+kv_spec = layer_kv_spec
 
 
 # -- the module -------------------------------------------------------------------------------------
@@ -340,13 +330,7 @@ def attend(q, k, v, q_pos, k_pos, valid, scale: float, window: int, sinks) -> to
     for a in range(0, Lq, step):
         b = min(Lq, a + step)
         s = torch.einsum("bqhd,bkhd->bhqk", q[:, a:b], k).mul_(scale)  # [B, H, lq, Lk]
-        qp = q_pos[:, a:b, None]
-        seen = k_pos[:, None, :] <= qp
-        if window:
-            seen &= k_pos[:, None, :] > qp - window
-        if valid is not None:
-            seen &= valid[:, None, :]
-        s.masked_fill_(~seen[:, None], float("-inf"))
+        s.masked_fill_(~visible(q_pos[:, a:b], k_pos, window, valid)[:, None], float("-inf"))
         m = s.amax(dim=-1, keepdim=True)
         if sinks is not None:
             m = torch.maximum(m, sinks.view(1, H, 1, 1))
@@ -388,34 +372,16 @@ class GptOssMoE(nn.Module):
         self.down = nn.ModuleList(expert_linear([down[e]], [db[e]], lin) for e in range(config.n_expert))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
         logits = torch.addmm(self.router_bias, x, self.router.t())  # [T, E]
         top, idx = torch.topk(logits, self.top_k, dim=-1)
-        w = torch.softmax(top, dim=-1)  # [T, k]
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        rows = torch.arange(T, device=x.device).repeat_interleave(self.top_k)[order]
-        weights = w.reshape(-1)[order].to(x.dtype)
-        counts = torch.bincount(flat, minlength=len(self.gate_up)).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):  # experts no row chose are skipped (not read)
-            if not n:
-                continue
-            r = rows[start:start + n]
-            gu = self.gate_up[e].forward(x.index_select(0, r))
-            gate = gu[:, :self.n_ff].clamp(max=self.limit)
-            up = gu[:, self.n_ff:].clamp(min=-self.limit, max=self.limit)
-            y = self.down[e].forward((up + 1) * gate * torch.sigmoid(gate * self.alpha))
-            out.index_add_(0, r, y * weights[start:start + n, None])
-            start += n
-        return out
+        return combine_experts(x, idx, torch.softmax(top, dim=-1), len(self.gate_up), self._expert)
 
-
-def _cis(inv: torch.Tensor, max_positions: int, scale: float, device) -> torch.Tensor:
-    """[P, D/2] complex64 rotations ``scale * e^(i p inv)`` for positions 0..P-1."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv.double())
-    return torch.polar(torch.full_like(freqs, scale), freqs).to(torch.complex64).to(device)
+    def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s clamped SwiGLU of its rows xs [n, n_embd] -> [n, n_embd]."""
+        gu = self.gate_up[e].forward(xs)
+        gate = gu[:, :self.n_ff].clamp(max=self.limit)
+        up = gu[:, self.n_ff:].clamp(min=-self.limit, max=self.limit)
+        return self.down[e].forward((up + 1) * gate * torch.sigmoid(gate * self.alpha))
 
 
 class GptOssModel(nn.Module):
@@ -461,8 +427,8 @@ class GptOssModel(nn.Module):
         head = weights.get("output.weight", emb) if not c.tie_embeddings else emb
         self.output = Linear([head], None, dtype=dtype, device=device,
                              kernel=auto_head_kernel() if kernel == "auto" else kernel, small_max_rows=small_max_rows)
-        self.rope_cis = _cis(rope_inv_freq(c, weights.get("rope_freqs.weight")), max_positions,
-                             rope_attention_factor(c), device)
+        self.rope_cis = rope_cis(rope_inv_freq(c, weights.get("rope_freqs.weight")), max_positions, device,
+                                 rope_attention_factor(c))
         self.q_size = c.n_head * c.head_dim
         self.kv_size = c.n_head_kv * c.head_dim
         self.scale = 1.0 / math.sqrt(c.head_dim)
@@ -521,45 +487,8 @@ class GptOssModel(nn.Module):
         return self.output.forward(x).float()
 
     def _attention(self, q, k, v, k_cache, v_cache, batch: AttentionBatch, window: int, sinks) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] (already in the cache) -> [T, H * D]: the decode rows over
-        their cached rows, each prompt chunk over its own K/V or its cached prefix. On a window layer
-        only the cache rows some query's window reaches are read, so rows before every window are
-        never touched. ``batch`` is the whole step's (row j of an index is position j), or a sliding
-        group's view (``AttentionBatch.windows``: its rows start at ``decode_kv_start`` /
-        ``PrefillGroup.kv_start``, the window's first block; earlier blocks are released)."""
-        c = self.config
-        T, nd = q.shape[0], batch.n_decode
-        out = torch.empty(T, c.n_head, c.head_dim, dtype=q.dtype, device=q.device)
-        args = (self.scale, window, sinks)
-        if nd:
-            idx = batch.decode_kv_index  # [B, L]: row j of query b is its position j
-            valid = batch.decode_mask.view(idx.shape) if batch.decode_mask is not None else None
-            lo = 0
-            if window and batch.decode_kv_start is None:  # only the positions some window reaches
-                lo = max(0, int(batch.positions[:nd].min()) - window + 1)
-                idx = idx[:, lo:]
-                valid = valid[:, lo:] if valid is not None else None
-            B, L = idx.shape
-            kd = kv_gather(k_cache, idx.reshape(-1), q.dtype).view(B, L, *k_cache.shape[1:])
-            vd = kv_gather(v_cache, idx.reshape(-1), q.dtype).view(B, L, *v_cache.shape[1:])
-            k_pos = torch.arange(lo, lo + L, device=q.device).expand(B, L)
-            if batch.decode_kv_start is not None:  # a window's view: rows start at its first block
-                k_pos = k_pos + batch.decode_kv_start[:, None]
-            out[:nd] = attend(q[:nd].unsqueeze(1), kd, vd, batch.positions[:nd].unsqueeze(1), k_pos, valid,
-                              *args).squeeze(1)
-        for g in batch.prefills:
-            lq = g.end - g.start
-            q_pos = (g.n_past + torch.arange(lq, device=q.device)).unsqueeze(0)
-            if g.kv_index is None:  # the chunk's own K/V, rounded like the cache stores them
-                kp = kv_round(k_cache, k[g.start:g.end], q.dtype)
-                vp = kv_round(v_cache, v[g.start:g.end], q.dtype)
-                k_pos = q_pos
-            else:  # over the cached prefix: of a window layer only the rows the chunk's window reaches
-                lo = max(g.kv_start, g.n_past - window + 1) if window else g.kv_start
-                rows = g.kv_index[lo - g.kv_start:]
-                kp = kv_gather(k_cache, rows, q.dtype)
-                vp = kv_gather(v_cache, rows, q.dtype)
-                k_pos = torch.arange(lo, lo + kp.shape[0], device=q.device).unsqueeze(0)
-            out[g.start:g.end] = attend(q[g.start:g.end].unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), q_pos,
-                                        k_pos, None, *args)[0]
-        return out.reshape(T, -1)
+        """q: [T, H, D], k/v: [T, Hkv, D] (already in the cache) -> [T, H * D]
+        (kvserve.models.window_attention.paged_attention with :func:`attend`'s sinks: on a window
+        layer only the cache rows some query's window reaches are read)."""
+        return paged_attention(q, k, v, k_cache, v_cache, batch, window,
+                               partial(attend, scale=self.scale, window=window, sinks=sinks))

@@ -18,6 +18,7 @@ Tensors: GGUF ``blk.N.ffn_gate_inp.weight`` [E, n_embd] (router), ``ffn_{gate,up
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -71,27 +72,39 @@ class MoE(nn.Module):
         self.down = nn.ModuleList(expert_linear([d[e]], None, lin) for e in range(len(d)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
         probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)  # [T, E]
         w, idx = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm:
             w = w / w.sum(dim=-1, keepdim=True)
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        rows = torch.arange(T, device=x.device).repeat_interleave(self.top_k)[order]
-        weights = w.reshape(-1)[order].to(x.dtype)
-        counts = torch.bincount(flat, minlength=self.router.shape[0]).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):  # experts no row chose are skipped (not read)
-            if not n:
-                continue
-            r = rows[start:start + n]
-            gu = self.gate_up[e].forward(x.index_select(0, r))
-            y = self.down[e].forward(F.silu(gu[:, :self.n_ff]) * gu[:, self.n_ff:])
-            out.index_add_(0, r, y * weights[start:start + n, None])
-            start += n
-        return out
+        return combine_experts(x, idx, w, len(self.gate_up), self._expert)
+
+    def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
+        """Expert ``e``'s SiLU-gated MLP of its rows xs [n, n_embd] -> [n, n_embd]."""
+        gu = self.gate_up[e].forward(xs)
+        return self.down[e].forward(F.silu(gu[:, :self.n_ff]) * gu[:, self.n_ff:])
+
+
+def combine_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, n_expert: int,
+                    expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The weighted sum of each row's chosen experts: x [T, n_embd], idx [T, k] long (expert ids),
+    w [T, k] (their weights) -> [T, n_embd] in x's dtype, ``expert(e, rows [n, n_embd]) -> [n,
+    n_embd]``. The rows are grouped by expert (one call per expert, its rows together) and an
+    expert no row chose is not called, so its weights are never read."""
+    T, k = idx.shape
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = torch.arange(T, device=x.device).repeat_interleave(k)[order]
+    weights = w.reshape(-1)[order].to(x.dtype)
+    counts = torch.bincount(flat, minlength=n_expert).tolist()
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        r = rows[start:start + n]
+        out.index_add_(0, r, expert(e, x.index_select(0, r)) * weights[start:start + n, None])
+        start += n
+    return out
 
 
 def expert_rows(w: Weight) -> list[Weight]:

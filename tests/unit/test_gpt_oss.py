@@ -96,11 +96,11 @@ def test_each_feature_moves_the_logits(tiny, change):
         for layer in m.layers:
             layer.moe.limit = 1e9
     elif change == "yarn-rounding":
-        from kvserve.models.gpt_oss import _cis
         from kvserve.models.llama import rope_attention_factor, rope_inv_freq
+        from kvserve.models.window_attention import rope_cis
 
         c.rope_scaling = {**c.rope_scaling, "truncate": True}
-        m.rope_cis = _cis(rope_inv_freq(c), 512, rope_attention_factor(c), "cpu")
+        m.rope_cis = rope_cis(rope_inv_freq(c), 512, "cpu", rope_attention_factor(c))
     else:
         for layer in m.layers:
             layer.moe.router_bias.zero_()
