@@ -178,7 +178,11 @@ def save_gguf(model, path: Path, arch: str, expert_type: str = "F32", chat_templ
             w.add_rope_scaling_yarn_beta_slow(float(rp["beta_slow"]))
         if rp.get("llama_4_scaling_beta"):  # mistral3's query temperature
             w.add_attn_temperature_scale(float(rp["llama_4_scaling_beta"]))
-    elif rp.get("rope_type") == "longrope":  # llama.cpp's Phi3MiniModel: factor tensors, attn_factor key
+        if arch == "mistral3" and rp.get("mscale_all_dim") is not None:  # the converter's Ministral3Model
+            w.add_rope_scaling_yarn_log_mul(float(rp["mscale_all_dim"]))
+    if arch == "phi3":  # llama.cpp's Phi3MiniModel: 0 for no window
+        w.add_sliding_window(int(getattr(c, "sliding_window", None) or 0))
+    if rp.get("rope_type") == "longrope":  # llama.cpp's Phi3MiniModel: factor tensors, attn_factor key
         orig = rp.get("original_max_position_embeddings") or c.original_max_position_embeddings
         scale = c.max_position_embeddings / orig
         w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], dtype=np.float32))

@@ -199,12 +199,13 @@ def gguf_yarn(get: Callable, arch: str, path: str) -> dict:
     required=False)``): ``yarn_beta_fast`` / ``yarn_beta_slow`` (32 / 1), ``attn_factor`` (times
     YaRN's 0.1 ln(factor) + 1, as llama.cpp's ``rope_yarn``).
 
-    Raises ModelLoadError: ``yarn_log_multiplier`` (DeepSeek's mscale_all_dim), which kvserve does
-    not compute, or no ``original_context_length``."""
+    ``yarn_log_multiplier`` m (Ministral 3's ``mscale_all_dim``, which llama.cpp's converter writes)
+    makes that mscale a ratio, ``(0.1 ln(factor) + 1) / (0.1 m ln(factor) + 1)``: llama.cpp's
+    llama_context (``mscale`` taken as 1), transformers' ``get_mscale(factor, mscale) /
+    get_mscale(factor, mscale_all_dim)``.
+
+    Raises ModelLoadError: no ``original_context_length``."""
     log_mul = float(get("rope.scaling.yarn_log_multiplier", 0.0, required=False) or 0.0)
-    if log_mul:
-        raise ModelLoadError(f"{path}: GGUF key '{arch}.rope.scaling.yarn_log_multiplier' is {log_mul}: kvserve "
-                             "computes YaRN without it")
     orig = int(get("rope.scaling.original_context_length", 0, required=False) or 0)
     if not orig:
         raise ModelLoadError(f"{path}: missing GGUF key '{arch}.rope.scaling.original_context_length' (YaRN)")
@@ -213,8 +214,12 @@ def gguf_yarn(get: Callable, arch: str, path: str) -> dict:
           "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0, required=False)),
           "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0, required=False))}
     attn = float(get("rope.scaling.attn_factor", 1.0, required=False) or 1.0)
-    if attn != 1.0:
-        sc["attention_factor"] = attn * (1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0)
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if attn != 1.0 or log_mul:
+        sc["attention_factor"] = attn * mscale(1.0) / (mscale(log_mul) if log_mul else 1.0)
     return sc
 
 
@@ -534,8 +539,8 @@ PHI3 = Family(
     config_from_hf=_phi3("config_from_hf"),
     hf_tensor_name=_phi3("hf_tensor_name"),
     required_tensors=_phi3("required_tensors"),
-    kv_spec=all_full,
-    native_decode=lambda config: False,  # the native step has no partial rotary / LongRoPE magnitude
+    kv_spec=_phi3("kv_spec"),
+    native_decode=lambda config: False,  # the native step has no partial rotary / LongRoPE magnitude / window
     finish_hf=llama_finish_hf,
     prepare=_phi3("prepare"),
 )

@@ -7,9 +7,10 @@ are scaled by ``1 + beta * ln(1 + floor(p / original_context))`` (transformers'
 
 Reads transformers' ``Ministral3ForCausalLM`` (model_type ``ministral3``) directories and GGUF files
 of ``general.architecture = mistral3`` (q/k rows permuted to interleaved pairs, as llama.cpp's
-converter does for llama-derived models). Refused naming the key: a sliding window shorter than the
-context, RoPE types the llama block lacks, GGUF ``rope.scaling.yarn_log_multiplier`` (YaRN's
-``mscale_all_dim``, which this reader does not map).
+converter does for llama-derived models). YaRN's ``mscale`` / ``mscale_all_dim`` (Ministral 3: both 1,
+so cos/sin are not scaled) are read from ``rope_parameters``, and from GGUF
+``rope.scaling.yarn_log_multiplier`` (the converter's ``mscale_all_dim``; kvserve.models.family.gguf_yarn).
+Refused naming the key: a sliding window shorter than the context, RoPE types the llama block lacks.
 """
 
 from __future__ import annotations

@@ -18,9 +18,17 @@ fused tensors, LongRoPE and partial rotary.
   ``n_ctx``: equal to transformers for every sequence when the context is on one side of the
   original length.
 
-Refused at load, naming the key: a sliding window shorter than the context (Phi-3-mini-4k's
-2047; kvserve's llama block attends to the whole context), RoPE scaling types other than
-LongRoPE, factors of the wrong length.
+- Sliding window (Phi-3-mini-4k / Phi-3-small: ``sliding_window`` 2047; GGUF
+  ``phi3.attention.sliding_window``, 0 for none as llama.cpp's converter writes for Phi-4): every
+  layer's query at position p sees keys at p - window < j <= p, as transformers' ``Phi3Model``
+  masks them (``create_sliding_window_causal_mask``). Computed only where the window is shorter
+  than the engine's context (kvserve.models.window_attention over the whole sequence's rows: every
+  layer slides, so the cache keeps one pool, masked); a longer window (Phi-3-mini-128k's 262,144)
+  changes nothing. llama.cpp turns phi3's window off ("Phi SWA is currently disabled", full
+  attention on every layer): past the window kvserve follows transformers, not llama-server.
+
+Refused at load, naming the key: RoPE scaling types other than LongRoPE, factors of the wrong
+length.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -39,7 +48,8 @@ from kvserve.models.family import (
     llama_config_from_hf,
     llama_hf_tensor_name,
 )
-from kvserve.models.llama import LlamaModel
+from kvserve.models.llama import AttentionBatch, LlamaModel
+from kvserve.models.window_attention import paged_attention, sdpa_attend
 
 
 @dataclass(slots=True)
@@ -51,6 +61,7 @@ class Phi3Config(ModelConfig):
         rope_short, rope_long: LongRoPE factors [rope_dim/2] (empty: plain RoPE).
         rope_attn_factor: LongRoPE's cos/sin scale.
         n_ctx_orig: original training context (tokens): a context above it takes the long factors.
+        window: every layer's sliding window (tokens, the query included; 0: none).
     """
 
     rope_dim: int = 0
@@ -58,16 +69,11 @@ class Phi3Config(ModelConfig):
     rope_long: tuple[float, ...] = ()
     rope_attn_factor: float = 1.0
     n_ctx_orig: int = 0
+    window: int = 0
 
 
 def _phi3(base: ModelConfig, **extra) -> Phi3Config:
     return Phi3Config(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}, **extra)
-
-
-def _check_window(window, n_ctx: int, key: str, path: str) -> None:
-    if window and int(window) < n_ctx:
-        raise ModelLoadError(f"{path}: {key} is {int(window)}, shorter than the context ({n_ctx}): kvserve's "
-                             "phi3 attends to the whole context (sliding-window phi3 is not supported)")
 
 
 def config_from_hf(cfg: dict, path: str) -> Phi3Config:
@@ -75,8 +81,8 @@ def config_from_hf(cfg: dict, path: str) -> Phi3Config:
     ``rope_scaling`` with ``type`` "longrope"/"su", ``partial_rotary_factor``).
 
     Raises:
-        ModelLoadError: a missing key, a sliding window, a RoPE type other than LongRoPE, factors
-            of the wrong length (each names its key).
+        ModelLoadError: a missing key, a RoPE type other than LongRoPE, factors of the wrong
+            length (each names its key).
     """
     key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     rope = dict(cfg.get(key) or {})
@@ -87,10 +93,9 @@ def config_from_hf(cfg: dict, path: str) -> Phi3Config:
     theta = float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
     base = llama_config_from_hf({**cfg, "rope_scaling": None, "rope_parameters": {"rope_theta": theta}}, path,
                                 arch="phi3")
-    _check_window(cfg.get("sliding_window"), base.n_ctx_train, "config.json sliding_window", path)
-    partial = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
-    rope_dim = int(base.head_dim * partial)
-    extra = dict(rope_dim=rope_dim)
+    rotary = float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+    rope_dim = int(base.head_dim * rotary)
+    extra = dict(rope_dim=rope_dim, window=int(cfg.get("sliding_window") or 0))
     if rtype != "default":
         orig = int(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
                    or base.n_ctx_train)
@@ -110,14 +115,12 @@ def config_from_hf(cfg: dict, path: str) -> Phi3Config:
 def config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> Phi3Config:
     """A Phi3Config from ``phi3.*`` GGUF metadata (llama.cpp's keys: ``rope.dimension_count``,
     ``rope.scaling.attn_factor``, ``rope.scaling.original_context_length``,
-    ``attention.sliding_window``); the LongRoPE factors are tensors, read by :func:`prepare`.
+    ``attention.sliding_window``, 0: none); the LongRoPE factors are tensors, read by :func:`prepare`.
 
     Raises:
-        ModelLoadError: a missing key, a sliding window, factor tensors of the wrong shape.
+        ModelLoadError: a missing key, factor tensors of the wrong shape.
     """
     base = llama_config_from_gguf(md, path, shapes)
-    _check_window(md.get("phi3.attention.sliding_window"), base.n_ctx_train,
-                  "GGUF key 'phi3.attention.sliding_window'", path)
     rope_dim = int(md.get("phi3.rope.dimension_count") or base.head_dim)
     for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
         shape = (shapes or {}).get(name)
@@ -125,7 +128,15 @@ def config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> Phi3Con
             raise ModelLoadError(f"{path}: tensor '{name}' has shape {list(shape)}, expected [{rope_dim // 2}] "
                                  "(phi3.rope.dimension_count / 2)")
     return _phi3(base, rope_dim=rope_dim, rope_attn_factor=float(md.get("phi3.rope.scaling.attn_factor") or 1.0),
-                 n_ctx_orig=int(md.get("phi3.rope.scaling.original_context_length") or base.n_ctx_train))
+                 n_ctx_orig=int(md.get("phi3.rope.scaling.original_context_length") or base.n_ctx_train),
+                 window=int(md.get("phi3.attention.sliding_window") or 0))
+
+
+def kv_spec(config: Phi3Config):
+    """Per layer: the sliding window of every layer, or full attention (no window)."""
+    from kvserve.models.family import FULL, KVSpec
+
+    return (KVSpec("sliding", config.window) if config.window else FULL,) * config.n_layer
 
 
 #: HF per-layer names of phi3 (fused q|k|v and gate|up; the rest as llama's) -> kvserve's
@@ -217,10 +228,28 @@ def rope_tables(config: Phi3Config, max_positions: int) -> torch.Tensor:
 
 
 class Phi3Model(LlamaModel):
-    """The llama block with phi3's RoPE tables (:func:`rope_tables`); arguments as LlamaModel's."""
+    """The llama block with phi3's RoPE tables (:func:`rope_tables`) and, where the config's window
+    is shorter than ``max_positions``, its sliding window on every layer; arguments as LlamaModel's."""
 
     def __init__(self, config: Phi3Config, weights: dict[str, Weight], *args, max_positions: int = 8192, **kwargs):
         super().__init__(config, weights, *args, max_positions=max_positions, **kwargs)
         self.rope_cis = rope_tables(config, max_positions).to(self.device)
         self.rope_cos = self.rope_cis.real.contiguous()
         self.rope_sin = self.rope_cis.imag.contiguous()
+        #: the window every layer attends within (tokens); 0 when it reaches past every position
+        self.window = config.window if 0 < config.window < max_positions else 0
+
+    def _attention(self, q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
+        """LlamaModel's attention, or with a window the masked one over the rows it reaches
+        (kvserve.models.window_attention.paged_attention): q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
+        if not self.window:
+            return super()._attention(q, k, v, k_cache, v_cache, batch)
+        return paged_attention(q, k, v, k_cache, v_cache, batch, self.window,
+                               partial(sdpa_attend, scale=self.scale, window=self.window))
+
+    def decode_step(self, *args, **kwargs):
+        """LlamaModel's compiled decode step; refused with a window (CompiledDecode logs it and the
+        engine stays eager)."""
+        if self.window:
+            raise NotImplementedError("the compiled decode step does not implement phi3's sliding window")
+        return super().decode_step(*args, **kwargs)

@@ -50,9 +50,11 @@ CASES = {
                                                               "original_max_position_embeddings": 4096,
                                                               "beta_fast": 16.0, "beta_slow": 2.0},
                                               max_position_embeddings=16384, sliding_window=None)),
-    # YaRN and the query temperature: 1 + 0.5 ln(1 + floor(p / 8)) grows over the 20-60 positions
+    # YaRN and the query temperature: 1 + 0.5 ln(1 + floor(p / 8)) grows over the 20-60 positions;
+    # Ministral 3's mscale = mscale_all_dim = 1: cos/sin not scaled (the GGUF's yarn_log_multiplier 1)
     "mistral3": ("ministral3", "mistral3", dict(rope_parameters={"rope_type": "yarn", "factor": 8.0, "rope_theta": 1e6,
                                                                  "original_max_position_embeddings": 8,
+                                                                 "mscale": 1.0, "mscale_all_dim": 1.0,
                                                                  "llama_4_scaling_beta": 0.5},
                                                 max_position_embeddings=512)),
     # fused q|k|v and gate|up, half the head rotated, LongRoPE: the original context (8) is below
@@ -71,6 +73,9 @@ CASES = {
                                                          "original_max_position_embeddings": 1024,
                                                          "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0],
                                                          "long_factor": [9.0] * 8})),
+    # every layer's window 8 (Phi-3-mini-4k: 2047 of 4096), plain RoPE: PROMPT and the greedy tokens
+    # run past it
+    "phi3-window": ("phi3", "phi3", dict(sliding_window=8)),
     # sinks, windows of 4 on layers 0 and 2, biases everywhere, 8 experts top-4 with the clamped
     # SwiGLU (about a tenth of gate/up values past 7), YaRN (NEOX in both formats)
     "gpt-oss": ("gpt_oss", "gpt-oss", dict(num_hidden_layers=3, sliding_window=4, num_local_experts=8,
@@ -175,7 +180,8 @@ def test_native_step_and_parallel_only_where_they_apply(case):
     swa = KVSpec("sliding", 8)
     assert fam.kv_spec(loaded.config) == {"gemma2": (swa, FULL, swa),
                                           "gemma3": (swa,) * 5 + (FULL, swa),
-                                          "gpt-oss": (KVSpec("sliding", 4), FULL, KVSpec("sliding", 4))}.get(
+                                          "gpt-oss": (KVSpec("sliding", 4), FULL, KVSpec("sliding", 4)),
+                                          "phi3-window": (swa, swa)}.get(
         name, (FULL,) * loaded.config.n_layer)
     if name == "mistral-yarn":  # the llama block; shards build the same (YaRN) RoPE tables from the config
         assert parallel_error(loaded.config, 2, 1) is None
@@ -192,6 +198,18 @@ def test_rope_factors_change_the_logits(case):
     del loaded.weights["rope_freqs.weight"]
     core = EngineCore(loaded, EngineConfig(n_ctx=512, dtype="float32"))
     assert (_logits(core, PROMPT) - ref).abs().max().item() > 1e-2 * ref.abs().max().item()
+
+
+def test_phi3_window_changes_the_logits(case):
+    """The phi3 window case is sensitive to its window: attending to the whole prompt differs."""
+    name, paths, ref = case["name"], case["paths"], case["ref"]
+    if name != "phi3-window":
+        pytest.skip("the phi3 window case only")
+    for fmt in ("hf", "gguf"):
+        core = _core(paths[fmt])
+        assert core.model.window == 8
+        core.model.window = 0
+        assert (_logits(core, PROMPT) - ref).abs().max().item() > 1e-2 * ref.abs().max().item()
 
 
 def test_unknown_rope_scaling_is_refused_naming_the_key(tmp_path):
@@ -238,9 +256,11 @@ def test_compiled_decode_graph_matches_forward(case):
     q/k norms, biases and RoPE factors as forward: one decode after PROMPT."""
     core = _core(case["paths"]["gguf"])
     m, c = core.model, core.model_config
-    if case["name"].startswith(("gemma", "gpt-oss")):  # not written for the compiled graph: CompiledDecode stays eager
-        block = "gpt-oss" if case["name"] == "gpt-oss" else "gemma"
-        with pytest.raises(NotImplementedError, match=f"does not implement the {block} block"):
+    if case["name"].startswith(("gemma", "gpt-oss", "phi3-window")):  # not written for the compiled graph:
+        # CompiledDecode stays eager
+        block = {"gpt-oss": "the gpt-oss block", "phi3-window": "phi3's sliding window"}.get(case["name"],
+                                                                                         "the gemma block")
+        with pytest.raises(NotImplementedError, match=f"does not implement {block}"):
             m.decode_step()
         return
     T = len(PROMPT)
@@ -305,8 +325,9 @@ def test_gguf_options_kvserve_lacks_are_refused_naming_the_key(tmp_path):
 
 def test_phi3_rope_tables_fused_tensors_and_refusals(tmp_path):
     """phi3: the long factors above the original context and the short ones at or below it (magnitude
-    the attention factor, pairs past rope_dim not rotated); fused tensors cut at load; a sliding
-    window, another RoPE type and factors of the wrong length refused naming the key / tensor."""
+    the attention factor, pairs past rope_dim not rotated); fused tensors cut at load; the sliding
+    window read from both formats; another RoPE type and factors of the wrong length refused naming
+    the key / tensor."""
     import json
     import math
 
@@ -329,12 +350,10 @@ def test_phi3_rope_tables_fused_tensors_and_refusals(tmp_path):
                               atol=1e-6)
         assert torch.allclose(t[3, :4].abs(), torch.full((4,), math.sqrt(3.0)), atol=1e-6)
         assert torch.equal(t[3, 4:], torch.ones(4, dtype=torch.complex64))
+    assert c.window == 0
     cfg = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**cfg, "sliding_window": 256}))
-    with pytest.raises(ModelLoadError) as e:
-        load_files(str(hf))
-    assert str(e.value) == (f"{hf}: config.json sliding_window is 256, shorter than the context (512): kvserve's "
-                            "phi3 attends to the whole context (sliding-window phi3 is not supported)")
+    assert load_files(str(hf)).config.window == 256
     (hf / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}))
     with pytest.raises(ModelLoadError) as e:
         load_files(str(hf))
@@ -346,8 +365,8 @@ def test_phi3_rope_tables_fused_tensors_and_refusals(tmp_path):
     with pytest.raises(ModelLoadError, match=r"^p.gguf: tensor 'rope_factors_long.weight' has shape \[8\], "
                                              r"expected \[6\] \(phi3.rope.dimension_count / 2\)$"):
         read_gguf_config(md, "p.gguf", {"rope_factors_long.weight": (8,)})
-    with pytest.raises(ModelLoadError, match=r"^p.gguf: GGUF key 'phi3.attention.sliding_window' is 2047, "):
-        read_gguf_config({**md, "phi3.attention.sliding_window": 2047}, "p.gguf")
+    assert read_gguf_config({**md, "phi3.attention.sliding_window": 2047}, "p.gguf").window == 2047
+    assert read_gguf_config({**md, "phi3.attention.sliding_window": 0}, "p.gguf").window == 0
     assert read_gguf_config({**md, "phi3.attention.sliding_window": 262144}, "p.gguf").rope_dim == 12
 
 
@@ -380,8 +399,8 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
 
 
 def test_yarn_gguf_keys():
-    """llama.cpp's YaRN keys: betas, attn_factor times YaRN's mscale; yarn_log_multiplier (DeepSeek)
-    and a missing original context refused naming the key."""
+    """llama.cpp's YaRN keys: betas, attn_factor times YaRN's mscale, yarn_log_multiplier as
+    transformers' mscale_all_dim (with mscale 1); a missing original context refused naming the key."""
     import math
 
     from kvserve.models.family import read_gguf_config
@@ -402,14 +421,29 @@ def test_yarn_gguf_keys():
                          "q.gguf")
     assert c.rope_scaling["beta_fast"] == 16.0
     assert rope_attention_factor(c) == pytest.approx(0.5 * (0.1 * math.log(4.0) + 1.0))
-    with pytest.raises(ModelLoadError, match=r"^q.gguf: GGUF key 'qwen3.rope.scaling.yarn_log_multiplier' is 0.0707"):
-        read_gguf_config({**md, "qwen3.rope.scaling.yarn_log_multiplier": 0.0707}, "q.gguf")
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for log_mul, attn in ((0.0707, 1.0), (1.0, 1.0), (0.5, 0.5)):
+        c = read_gguf_config({**md, "qwen3.rope.scaling.yarn_log_multiplier": log_mul,
+                              "qwen3.rope.scaling.attn_factor": attn}, "q.gguf")
+        hf = AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+                                  intermediate_size=64, vocab_size=300, max_position_embeddings=131072,
+                                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                   "original_max_position_embeddings": 32768, "mscale": 1.0,
+                                                   "mscale_all_dim": log_mul})
+        assert rope_attention_factor(c) == pytest.approx(attn * ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")[1], rel=1e-12)
+    assert rope_attention_factor(c) == pytest.approx(0.5 * (0.1 * math.log(4.0) + 1.0) / (0.05 * math.log(4.0) + 1.0))
 
 
 def test_mistral3_query_temperature_and_refusals(tmp_path):
-    """mistral3: the query temperature changes the logits (the case above is sensitive to it); its
-    GGUF and HF keys read; a sliding window and YaRN's log multiplier refused naming the key."""
+    """mistral3: the query temperature changes the logits (the case above is sensitive to it), and
+    so does YaRN's mscale ratio (the GGUF's yarn_log_multiplier); its GGUF and HF keys read; a
+    sliding window refused naming the key."""
+    import json
+
     from kvserve.models.family import read_gguf_config, read_hf_config
+    from kvserve.models.llama import rope_attention_factor
 
     _, _, opts = CASES["mistral3"]
     model = fmod.build("ministral3", seed=4, **opts)
@@ -422,16 +456,21 @@ def test_mistral3_query_temperature_and_refusals(tmp_path):
         [1.0, 1.0, 1 + 0.5 * math.log(2), 1 + 0.5 * math.log(3), 1 + 0.5 * math.log(4)])
     ref = fmod.reference_logits(model, PROMPT)
     assert (_logits(core, PROMPT) - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
-    core.model.q_scale = None
+    assert rope_attention_factor(c) == 1.0 and rope_attention_factor(read_hf_config(
+        json.loads((fmod.save_hf(model, tmp_path / "hf") / "config.json").read_text()), "d")) == 1.0
+    q_scale, core.model.q_scale = core.model.q_scale, None
+    assert (_logits(core, PROMPT) - ref).abs().max().item() > 1e-2 * ref.abs().max().item()
+    core.model.q_scale = q_scale  # without the log multiplier: cos/sin times 0.1 ln 8 + 1
+    core.model.rope_cis = core.model.rope_cis * (0.1 * math.log(8.0) + 1.0)
     assert (_logits(core, PROMPT) - ref).abs().max().item() > 1e-2 * ref.abs().max().item()
     md = {"general.architecture": "mistral3", "mistral3.embedding_length": 64, "mistral3.attention.head_count": 4,
           "mistral3.block_count": 2, "mistral3.feed_forward_length": 128, "mistral3.context_length": 4096}
     with pytest.raises(ModelLoadError, match=r"^m.gguf: GGUF key 'mistral3.attention.sliding_window' is 1024, "):
         read_gguf_config({**md, "mistral3.attention.sliding_window": 1024}, "m.gguf")
-    with pytest.raises(ModelLoadError, match=r"^m.gguf: GGUF key 'mistral3.rope.scaling.yarn_log_multiplier' is 0.1"):
-        read_gguf_config({**md, "mistral3.rope.scaling.type": "yarn", "mistral3.rope.scaling.factor": 16.0,
+    c = read_gguf_config({**md, "mistral3.rope.scaling.type": "yarn", "mistral3.rope.scaling.factor": 16.0,
                           "mistral3.rope.scaling.original_context_length": 256,
-                          "mistral3.rope.scaling.yarn_log_multiplier": 0.1}, "m.gguf")
+                          "mistral3.rope.scaling.yarn_log_multiplier": 1.0}, "m.gguf")
+    assert rope_attention_factor(c) == 1.0
     cfg = {"architectures": ["Ministral3ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
            "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 301, "max_position_embeddings": 4096}
     assert read_hf_config(cfg, "d").attn_temp_beta == 0.0
