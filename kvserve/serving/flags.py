@@ -574,7 +574,9 @@ FLAGS: tuple[Flag, ...] = (
     F("--cuda-graph-sizes", "list", source=VLLM, effect=NONE, why="no CUDA graphs"),
     F("--max-cudagraph-capture-size", "int", source=VLLM, effect=NONE, why="no CUDA graphs"),
     F("--model-impl", source=VLLM, effect=NONE, why="kvserve's own model code"),
-    F("--disable-sliding-window", "bool", False, source=VLLM, effect=NONE, why="attention covers the whole context"),
+    F("--disable-sliding-window", "bool", False, source=VLLM, effect=NONE,
+      why="sliding-window layers (gemma2, gemma3, gpt-oss, phi3 with a window) keep the window the model "
+          "defines; the context is not capped to it as vLLM does"),
     F("--disable-cascade-attn", "bool", False, source=VLLM, effect=NONE, why="no cascade attention"),
     F("--enable-sleep-mode", "bool", False, source=VLLM, effect=NONE,
       why="see --sleep-idle-seconds and --keep-alive"),
