@@ -652,23 +652,8 @@ class EngineCore:
         """Tokens whose KV the idle slot holds (empty when nothing is parked)."""
         return self.kv.parked_tokens(f"slot:{slot_id}")
 
-    def _check_slot_files(self) -> None:
-        """Raise SlotFileError where slot files cannot hold this cache exactly: sliding-window
-        layers keep only their window's rows (a slot file holds every layer's row of every
-        token; writing it would need rows that are gone, restoring one would index rows the
-        pool does not keep)."""
-        if self.kv.groups:
-            windows = ", ".join(str(g.window) for g in self.kv.groups)
-            raise SlotFileError(f"slot save/restore is not supported for this model: its sliding-window layers "
-                                f"keep the KV of their last {windows} tokens only, and a slot file holds every "
-                                f"layer's KV of every token (erase works)")
-
     def slot_file_spec(self) -> dict:
-        """What a slot file must match to be restored here: ``read_slot_file``'s keyword arguments.
-
-        Raises:
-            SlotFileError: a model with sliding-window layer groups (see :meth:`_check_slot_files`)."""
-        self._check_slot_files()
+        """What a slot file must match to be restored here: ``read_slot_file``'s keyword arguments."""
         c = self.model_config
         return {"fingerprint": self.model_fingerprint, "kv_dtype": self.config.kv_dtype, "n_layer": c.n_layer,
                 "n_head_kv": c.n_head_kv, "head_dim": c.head_dim, "kv_dtype_v": self.config.kv_dtype_v}
@@ -677,21 +662,31 @@ class EngineCore:
         """Copy the idle slot's parked tokens and KV rows out of the cache (no file I/O).
 
         Returns:
-            (header, N token ids, per layer (K [N, H, D], V [N, H, D]) CPU tensors): the
-            arguments of ``write_slot_file``, which the caller runs off the engine thread.
+            (header, N token ids, per layer (K [rows, H, D], V [rows, H, D]) CPU tensors): the
+            arguments of ``write_slot_file``, which the caller runs off the engine thread. A
+            sliding-window layer's rows are those its group still holds (positions from the
+            group's first held block to N - 1: ``header.layer_first``), every other layer's all N.
 
         Raises:
-            SlotFileError: bad slot id, busy slot, a model with sliding-window layer groups.
+            SlotFileError: bad slot id, busy slot.
         """
         key = self._check_slot(slot_id)
-        self._check_slot_files()
         tokens = self.kv.parked_tokens(key)
+        n = len(tokens)
         table = self.kv.parked_table(key)
-        rows = torch.tensor([self.kv.row_of(table, p) for p in range(len(tokens))], dtype=torch.long)
-        layers = self.runner.read_rows(rows)
+        rows = torch.tensor([self.kv.row_of(table, p) for p in range(n)], dtype=torch.long)
+        firsts, group_rows = [], []
+        for g in self.kv.groups:  # a sliding group: from its first block still held (released: 0)
+            gt = g.parked_table(key)
+            first = min(n, next((i for i, b in enumerate(gt) if b), len(gt)) * g.block_size)
+            firsts.append(first)
+            group_rows.append(torch.tensor([g.row_of(gt, p) for p in range(first, n)], dtype=torch.long))
+        layers = self.runner.read_rows(rows, group_rows) if group_rows else self.runner.read_rows(rows)
         c = self.model_config
-        hdr = SlotHeader(self.model_fingerprint, len(tokens), self.config.kv_dtype, c.n_layer, c.n_head_kv,
-                         c.head_dim, kv_dtype_v=self.config.kv_dtype_v)
+        layer_group = getattr(self.runner, "layer_group", [-1] * c.n_layer)
+        hdr = SlotHeader(self.model_fingerprint, n, self.config.kv_dtype, c.n_layer, c.n_head_kv,
+                         c.head_dim, kv_dtype_v=self.config.kv_dtype_v,
+                         layer_first=tuple(firsts[g] if g >= 0 else 0 for g in layer_group))
         return hdr, tokens, layers
 
     def load_slot(self, slot_id: int, tokens: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
@@ -705,35 +700,76 @@ class EngineCore:
         Returns:
             {"n_restored": tokens, "tokens": the token ids}.
 
+        A layer with fewer rows than tokens holds the last ones (a file saved from sliding-window
+        layers, ``SlotHeader.layer_first``): sliding-window layers keep from it (block-aligned)
+        what their window still needs; a full-attention layer must have every row.
+
         Raises:
             SlotFileError: bad slot id, busy slot, too many tokens for the slot's
-                context, a token id out of range, no room in the KV pool, a model with
-                sliding-window layer groups.
+                context, a token id out of range, no room in the KV pool, a full-attention
+                layer without every token's row, a sliding group whose layers start apart.
         """
         key = self._check_slot(slot_id)
-        self._check_slot_files()
         if len(tokens) >= self.n_ctx_slot:
             raise SlotFileError(f"slot file holds {len(tokens)} tokens, more than the slot's context "
                                 f"({self.n_ctx_slot} tokens)")
         bad = next((t for t in tokens if not 0 <= t < self.model_config.n_vocab), None)
         if bad is not None:
             raise SlotFileError(f"slot file is corrupt: token id {bad} is out of range")
+        firsts = self._restored_firsts(len(tokens), layers)
         self.kv.release_parked(key)
         rid = f"restore:{key}:{time.monotonic_ns()}"
         try:
             if tokens:
-                if not self.kv.allocate(rid, len(tokens)):
+                if not self.kv.restore(rid, tokens, firsts):
                     raise SlotFileError("not enough free KV cache blocks to restore the slot")
                 table = self.kv.block_table(rid)
                 rows = torch.tensor([self.kv.row_of(table, p) for p in range(len(tokens))], dtype=torch.long)
-                self.runner.write_rows(rows, layers)
+                if firsts:
+                    self._write_group_rows(rid, rows, layers, firsts)
+                else:
+                    self.runner.write_rows(rows, layers)
                 if self.draft is not None:  # slot files hold the target's rows: the draft's are recomputed
                     self.draft.fill(tokens, table)
-                self.kv.record_tokens(rid, 0, tokens, None)
             self.kv.park(rid, key, None)
         finally:
             self._publish_slots()
         return {"n_restored": len(tokens), "tokens": tokens}
+
+    def _restored_firsts(self, n: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+        """Per sliding group, the first position (a multiple of the block size) whose rows a
+        restore keeps: past the file's first row of the group's layers, and no earlier than the
+        blocks a query at n - 1 reads (what :meth:`KVCacheManager.slide` would keep).
+
+        Raises SlotFileError: a full-attention layer without every row, a group's layers that
+        start at different rows."""
+        have = [n - k.shape[0] for k, _ in layers]
+        layer_group = getattr(self.runner, "layer_group", [-1] * len(layers))
+        if any(f and g < 0 for f, g in zip(have, layer_group)):
+            raise SlotFileError("slot file holds only the last tokens' KV of a layer that attends to every token "
+                                "here: restore it into a server with the same sliding-window layers")
+        out = []
+        for gi, g in enumerate(self.kv.groups):
+            mine = {f for f, lg in zip(have, layer_group) if lg == gi}
+            if len(mine) != 1:
+                raise SlotFileError("slot file is corrupt: the layers of one sliding window start at different rows")
+            bs = g.block_size
+            out.append(min(max(-(-mine.pop() // bs), max(0, n - g.window) // bs) * bs, n))
+        return out
+
+    def _write_group_rows(self, rid: str, rows: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]],
+                          firsts: list[int]) -> None:
+        """Write a restored sequence's rows: every row of the full layers, a sliding group's from
+        its ``firsts`` position on (the file's rows before it are skipped)."""
+        n = rows.shape[0]
+        group_rows = []
+        for gi, (g, first) in enumerate(zip(self.kv.groups, firsts)):
+            gt = self.kv.group_table(gi, rid)
+            group_rows.append(torch.tensor([g.row_of(gt, p) for p in range(first, n)], dtype=torch.long))
+        layer_group = self.runner.layer_group
+        cut = [(k[k.shape[0] - (n - firsts[g]):], v[v.shape[0] - (n - firsts[g]):]) if g >= 0 else (k, v)
+               for (k, v), g in zip(layers, layer_group)]
+        self.runner.write_rows(rows, cut, group_rows)
 
     def save_slot(self, slot_id: int, path: str) -> dict:
         """Write the slot's parked tokens and KV rows to ``path`` (format: kvserve.engine.slot_file),

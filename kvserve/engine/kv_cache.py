@@ -474,6 +474,13 @@ class KVCacheManager:
         blocks that become full are indexed by their chain key (in every group)."""
         for g in self.groups:
             g.record_tokens(request_id, start, token_ids, salt)
+        self._record(request_id, start, token_ids, salt)
+
+    def _record(self, request_id: str, start: int, token_ids: list[int], salt: str | None,
+                parent: bytes | None = None) -> None:
+        """:meth:`record_tokens` in this pool only. ``parent``: the chain key before the first
+        block, where the table has no block before it (a restored sliding group's table starts
+        with released entries)."""
         table = self._tables[request_id]
         bs = self.block_size
         pos = start
@@ -481,7 +488,8 @@ class KVCacheManager:
             idx, off = divmod(pos, bs)
             blk = self.blocks[table[idx]]
             if off == 0 and blk.parent is None:
-                blk.parent = root_key(salt) if idx == 0 else self.blocks[table[idx - 1]].hash
+                prev = table[idx - 1] if idx else 0
+                blk.parent = root_key(salt) if idx == 0 else self.blocks[prev].hash if prev else parent
                 if blk.parent is not None:
                     self._children.setdefault(blk.parent, set()).add(blk.block_id)
             if off < len(blk.token_ids):
@@ -492,6 +500,30 @@ class KVCacheManager:
                 blk.hash = key
                 self._by_hash.setdefault(key, blk.block_id)
             pos += 1
+
+    def restore(self, request_id: str, token_ids: list[int], group_firsts: list[int]) -> bool:
+        """Blocks for a sequence restored from a slot file, its tokens recorded: the full layers'
+        blocks for every token, sliding group g's only from position ``group_firsts[g]`` (a multiple
+        of the block size) on, the earlier entries 0 as :meth:`slide` leaves them. Every group's
+        blocks are indexed under the full layers' chain keys, so prefix hits find them. Returns
+        False (nothing changed) when a pool is short of blocks (parked blocks and the host tier
+        are evicted first, as :meth:`allocate` does)."""
+        n = len(token_ids)
+        managers = [self, *self.groups]
+        for i, m in enumerate(managers):
+            if i:
+                m._tables[request_id] = [0] * (group_firsts[i - 1] // m.block_size)
+            if not m._allocate_one(request_id, n, True):
+                for m2 in managers[:i + 1]:
+                    m2._shrink(request_id, 0)
+                return False
+        self._record(request_id, 0, token_ids, None)
+        full = self._tables[request_id]
+        for g, first in zip(self.groups, group_firsts):
+            if first < n:
+                k = first // g.block_size
+                g._record(request_id, first, token_ids[first:], None, self.blocks[full[k - 1]].hash if k else None)
+        return True
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Shrink the sequence's table to the blocks covering its first ``num_tokens`` tokens

@@ -183,17 +183,25 @@ class ModelRunner:
             vd = kv_data(v)
             vd[dst] = vd[src]
 
-    def read_rows(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (K, V) of cache ``rows`` ([N] long) in their stored form: CPU tensors [N, n_head_kv,
-        head_dim] of a float type, uint8 [N, n_head_kv, row bytes] of a quantized one (kv_quant.kv_data)."""
-        idx = rows.to(self.device)
-        return [(kv_data(k)[idx].cpu(), kv_data(v)[idx].cpu()) for k, v in self.kv_caches]
+    def _layer_rows(self, rows: torch.Tensor, group_rows: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Per layer, its cache rows on the device: ``rows``, or its sliding group's ``group_rows``."""
+        idx = [r.to(self.device) for r in (rows, *(group_rows or ()))]
+        return [idx[g + 1] if group_rows is not None and g >= 0 else idx[0] for g in self.layer_group]
 
-    def write_rows(self, rows: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def read_rows(self, rows: torch.Tensor, group_rows: list[torch.Tensor] | None = None,
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V) of cache ``rows`` ([N] long) in their stored form: CPU tensors [N, n_head_kv,
+        head_dim] of a float type, uint8 [N, n_head_kv, row bytes] of a quantized one (kv_quant.kv_data).
+        ``group_rows``: per sliding group (:attr:`groups` order), the rows its layers read instead
+        (addressed by the group's tables; any count)."""
+        return [(kv_data(k)[idx].cpu(), kv_data(v)[idx].cpu())
+                for (k, v), idx in zip(self.kv_caches, self._layer_rows(rows, group_rows))]
+
+    def write_rows(self, rows: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]],
+                   group_rows: list[torch.Tensor] | None = None) -> None:
         """Write per-layer (K, V) in their stored form (as :meth:`read_rows` returns them) into cache
-        ``rows`` ([N] long)."""
-        idx = rows.to(self.device)
-        for (kc, vc), (ks, vs) in zip(self.kv_caches, layers):
+        ``rows`` ([N] long), a sliding group's layers into its ``group_rows`` (as :meth:`read_rows`)."""
+        for (kc, vc), (ks, vs), idx in zip(self.kv_caches, layers, self._layer_rows(rows, group_rows)):
             k, v = kv_data(kc), kv_data(vc)
             k[idx] = ks.to(device=self.device, dtype=k.dtype)
             v[idx] = vs.to(device=self.device, dtype=v.dtype)

@@ -1,10 +1,10 @@
 """Slot files: one slot's tokens and KV rows on disk (``/slots/{id}?action=save|restore``).
 
-Format, version 2 (all integers little-endian)::
+Format, version 2 or 3 (all integers little-endian)::
 
     offset  size  field
     0       6     magic            b"KVSLOT"
-    6       2     version          u16, 2
+    6       2     version          u16, 2 (every layer holds every token) or 3
     8       16    model            blake2b-128 fingerprint of the model (see ``model_fingerprint``)
     24      4     n_tokens         u32, tokens saved (N)
     28      1     kv_dtype         u8, K's cache type: 0 = f32, 1 = f16, 2 = bf16, 3 = q8_0,
@@ -15,16 +15,23 @@ Format, version 2 (all integers little-endian)::
     34      2     head_dim         u16 (D)
     36      4     reserved         0
     40      4*N   token ids        int32[N], position order
-    ...           per layer l = 0..L-1: K rows then V rows, each N rows of H heads in the
-                  cache's stored form: D values of a float type, or a quantized type's bytes
-                  (q8_0: D/32 blocks of 34 bytes, q4_0: 18 bytes, llama.cpp's block layout;
-                  fp8: D bytes); see kvserve.engine.kv_quant
+    (v3)    4*L   first rows       u32[L]: per layer, the position F_l of its first saved row
+                                   (0 for full attention; a sliding-window layer keeps only
+                                   its window's rows, F_l <= N)
+    ...           per layer l = 0..L-1: K rows then V rows, each N - F_l rows (positions
+                  F_l..N-1; version 2: F_l = 0) of H heads in the cache's stored form: D
+                  values of a float type, or a quantized type's bytes (q8_0: D/32 blocks
+                  of 34 bytes, q4_0: 18 bytes, llama.cpp's block layout; fp8: D bytes);
+                  see kvserve.engine.kv_quant
 
-So a file is exactly ``40 + 4 N + L N H (row(K) + row(V))`` bytes, with row(t) =
+So a version 2 file is exactly ``40 + 4 N + L N H (row(K) + row(V))`` bytes, with row(t) =
 D * (4 | 2 | 34/32 | 18/32 | 1) bytes for f32 | f16/bf16 | q8_0 | q4_0 | fp8: the
-quantized form is saved as the cache holds it and restored bit for bit. K rows
-are stored after RoPE (as the cache holds them), at positions 0..N-1. Version 1
-files (byte 29 reserved, V in K's type) are still read.
+quantized form is saved as the cache holds it and restored bit for bit; a version 3
+file is ``40 + 4 N + 4 L + sum_l (N - F_l) H (row(K) + row(V))`` bytes. K rows
+are stored after RoPE (as the cache holds them). Version 2 is written whenever every
+F_l is 0 (every model without sliding-window layer groups), so such files stay readable
+by servers that know versions 1 and 2 only. Version 1 files (byte 29 reserved, V in K's
+type) are still read.
 
 Files are opened with ``O_NOFOLLOW`` and ``O_NONBLOCK`` and must be regular
 files (checked with ``fstat`` on the open descriptor): a symlink, FIFO, device
@@ -58,8 +65,10 @@ from kvserve.engine.kv_quant import canonical_kv_type, kv_row_bytes, stored_row_
 
 MAGIC = b"KVSLOT"
 VERSION = 2
-#: versions this code reads (1: V in K's type, byte 29 reserved)
-READ_VERSIONS = (1, 2)
+#: the version of a file whose layers start at different positions (sliding-window layer groups)
+VERSION_LAYER_FIRST = 3
+#: versions this code reads (1: V in K's type, byte 29 reserved; 3: per-layer first rows)
+READ_VERSIONS = (1, 2, 3)
 HEADER = struct.Struct("<6sH16sIBBHHHI")  # 40 bytes
 assert HEADER.size == 40
 
@@ -92,7 +101,9 @@ class SlotHeader:
     """The decoded header of a slot file.
 
     ``kv_dtype`` / ``kv_dtype_v``: K's and V's cache types (kvserve.engine.kv_quant names;
-    ``kv_dtype_v`` None = K's type). Names are canonicalized ("fp8" -> "fp8_e4m3")."""
+    ``kv_dtype_v`` None = K's type). Names are canonicalized ("fp8" -> "fp8_e4m3").
+    ``layer_first``: per layer, the position of its first saved row (empty: 0 for every layer);
+    a nonzero one makes the header version 3."""
 
     fingerprint: bytes
     n_tokens: int
@@ -102,10 +113,18 @@ class SlotHeader:
     head_dim: int
     version: int = VERSION
     kv_dtype_v: str | None = None
+    layer_first: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.kv_dtype = canonical_kv_type(self.kv_dtype)
         self.kv_dtype_v = canonical_kv_type(self.kv_dtype_v or self.kv_dtype)
+        self.layer_first = tuple(self.layer_first) or (0,) * self.n_layer
+        if any(self.layer_first):
+            self.version = max(self.version, VERSION_LAYER_FIRST)
+
+    def rows(self, layer: int) -> int:
+        """Rows saved for ``layer`` (its positions layer_first[layer]..n_tokens-1)."""
+        return self.n_tokens - self.layer_first[layer]
 
     def pack(self) -> bytes:
         return HEADER.pack(MAGIC, self.version, self.fingerprint, self.n_tokens, DTYPE_CODES[self.kv_dtype],
@@ -116,9 +135,13 @@ class SlotHeader:
         n = self.n_head_kv * self.head_dim
         return kv_row_bytes(n, self.kv_dtype), kv_row_bytes(n, self.kv_dtype_v)
 
+    def prefix_size(self) -> int:
+        """Bytes before the first layer's rows: the header, the token ids, version 3's first rows."""
+        return HEADER.size + 4 * self.n_tokens + (4 * self.n_layer if self.version >= VERSION_LAYER_FIRST else 0)
+
     def file_size(self) -> int:
         """Expected total file size in bytes."""
-        return HEADER.size + 4 * self.n_tokens + self.n_layer * self.n_tokens * sum(self.row_bytes())
+        return self.prefix_size() + sum(self.rows(i) for i in range(self.n_layer)) * sum(self.row_bytes())
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -160,8 +183,9 @@ def write_slot_file(path: str, header: SlotHeader, token_ids: list[int],
 
     Args:
         token_ids: N token ids.
-        layers: per layer (K, V) N rows each in the header's types' stored form (ModelRunner.read_rows:
-            [N, H, D] of a float type, uint8 [N, H, row bytes] of a quantized one).
+        layers: per layer (K, V) ``header.rows(layer)`` rows each (N, or those of positions
+            ``layer_first``..N-1) in the header's types' stored form (ModelRunner.read_rows: [rows, H, D]
+            of a float type, uint8 [rows, H, row bytes] of a quantized one).
 
     Raises:
         SlotFileError: ``path`` exists and is not a regular file (symlink, FIFO,
@@ -169,6 +193,8 @@ def write_slot_file(path: str, header: SlotHeader, token_ids: list[int],
     """
     if len(token_ids) != header.n_tokens or len(layers) != header.n_layer:
         raise SlotFileError("slot file: token or layer count does not match the header")
+    if any(k.shape[0] != header.rows(i) or v.shape[0] != header.rows(i) for i, (k, v) in enumerate(layers)):
+        raise SlotFileError("slot file: a layer's row count does not match the header")
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -181,7 +207,10 @@ def write_slot_file(path: str, header: SlotHeader, token_ids: list[int],
     n = 0
     try:
         with os.fdopen(_open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
-            for chunk in (header.pack(), struct.pack(f"<{len(token_ids)}i", *token_ids)):
+            chunks = [header.pack(), struct.pack(f"<{len(token_ids)}i", *token_ids)]
+            if header.version >= VERSION_LAYER_FIRST:
+                chunks.append(struct.pack(f"<{header.n_layer}I", *header.layer_first))
+            for chunk in chunks:
                 f.write(chunk)
                 n += len(chunk)
             for k, v in layers:
@@ -212,8 +241,9 @@ def read_slot_file(path: str, *, fingerprint: bytes, kv_dtype: str, n_layer: int
 
     Returns:
         (header, token ids, per layer (K, V) CPU tensors in their stored form (as
-        ModelRunner.write_rows takes them: [N, H, D] of a float type, uint8 [N, H, row bytes]
-        of a quantized one), bytes read).
+        ModelRunner.write_rows takes them: [rows, H, D] of a float type, uint8 [rows, H, row
+        bytes] of a quantized one; ``header.rows(layer)`` rows: the last ones of the N positions),
+        bytes read).
 
     Raises:
         FileNotFoundError: no such file.
@@ -246,21 +276,32 @@ def read_slot_file(path: str, *, fingerprint: bytes, kv_dtype: str, n_layer: int
         if (nl, nh, hd) != (n_layer, n_head_kv, head_dim):
             raise SlotFileError(f"slot file KV shape (n_layer {nl}, n_head_kv {nh}, head_dim {hd}) differs from "
                                 f"the model's ({n_layer}, {n_head_kv}, {head_dim})")
-        if size != hdr.file_size():
+        if version < VERSION_LAYER_FIRST and size != hdr.file_size():
             raise SlotFileError(f"slot file is corrupt: {size} bytes, expected {hdr.file_size()} for {n_tok} tokens")
+        if size < hdr.prefix_size():  # version 3: the layers' first rows (so the size) are in the body
+            raise SlotFileError(f"slot file is corrupt: {size} bytes, expected at least {hdr.prefix_size()} for "
+                                f"{n_tok} tokens")
         raw = f.read(size - HEADER.size)
         if len(raw) != size - HEADER.size:  # the file changed while being read
             raise SlotFileError(f"slot file is corrupt: {HEADER.size + len(raw)} bytes, expected {size}")
+    if version >= VERSION_LAYER_FIRST:
+        first = struct.unpack_from(f"<{nl}I", raw, 4 * n_tok)
+        if any(x > n_tok for x in first):
+            raise SlotFileError(f"slot file is corrupt: a layer's first row is past its {n_tok} tokens")
+        hdr = dataclasses.replace(hdr, layer_first=first)
+    if size != hdr.file_size():
+        raise SlotFileError(f"slot file is corrupt: {size} bytes, expected {hdr.file_size()} for {n_tok} tokens")
     tok = list(struct.unpack_from(f"<{n_tok}i", raw, 0))
     forms = [stored_row_shape(t, nh, hd) for t in (hdr.kv_dtype, hdr.kv_dtype_v)]
-    off = 4 * n_tok
+    off = hdr.prefix_size() - HEADER.size
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     layers = []
-    for _ in range(nl):
+    for i in range(nl):
         kv = []
+        n = hdr.rows(i)
         for (dt, shape), row in zip(forms, hdr.row_bytes()):
-            nb = n_tok * row
-            kv.append(buf[off: off + nb].view(dt).view(n_tok, *shape))
+            nb = n * row
+            kv.append(buf[off: off + nb].view(dt).view(n, *shape))
             off += nb
         layers.append((kv[0], kv[1]))
     return hdr, tok, layers, size

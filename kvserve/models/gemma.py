@@ -282,6 +282,11 @@ class GemmaModel(nn.Module):
         """Every layer's projections (qkv, output, gate|up, down), in layer order."""
         return [lin for layer in self.layers for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the token embedding, unscaled: input_ids [T] long -> [T, E] in the compute dtype
+        (a new tensor; the engine's model fingerprint samples them). IndexError for ids out of range."""
+        return self.tok_embd.index_select(0, input_ids)
+
     def decode_step(self, *args, **kwargs):
         """Not written for torch.compile yet: CompiledDecode logs this and the engine stays eager."""
         raise NotImplementedError("the compiled decode step does not implement the gemma block")
@@ -295,7 +300,7 @@ class GemmaModel(nn.Module):
             raise NotImplementedError("pipeline stages do not implement the gemma block")
         c = self.config
         T = input_ids.shape[0]
-        x = self.tok_embd[input_ids] * self.embed_scale  # [T, E]
+        x = self.embed(input_ids) * self.embed_scale  # [T, E]
         nq, nkv, hd = c.n_head, c.n_head_kv, c.head_dim
         qs, qks = self.q_size, self.q_size + self.kv_size
         cis_by_table = {}

@@ -232,15 +232,33 @@ def test_memory_estimate_counts_the_windows(gemma3_dir):
     assert round(kv / full, 3) == 0.25
 
 
-def test_slot_files_refused_and_cache_reuse_off_with_windows(gemma3_dir, tmp_path, caplog):
+def _greedy_run(core, rid: str, prompt: list[int], n: int) -> tuple[list[int], int]:
+    from kvserve.engine.request import Request, SamplingParams
+
+    core.add_request(Request(rid, prompt, SamplingParams(n_predict=n, temperature=0.0, ignore_eos=True),
+                             priority_slot=0))
+    outs = []
+    while core.has_work():
+        outs += [o for o in core.step() if o.request_id == rid]
+    return [t for o in outs for t in o.new_token_ids], outs[-1].num_cached_tokens
+
+
+def test_slot_files_carry_each_group_and_cache_reuse_off_with_windows(gemma3_dir, tmp_path, caplog):
+    """A slot saved from a gemma3 model (6 layers with a window of 32, one global) holds the global
+    layer's every row and the sliding layers' last blocks only (version 3, per-layer first rows);
+    restored into a fresh engine, the continuation equals the uninterrupted one token for token and
+    reuses the same prefix; with the sliding rows zeroed it does not. --cache-reuse stays off."""
+    import struct
+
     from kvserve.config import EngineConfig
     from kvserve.engine.core import EngineCore
     from kvserve.engine.request import Request, SamplingParams
-    from kvserve.engine.slot_file import SlotFileError
+    from kvserve.engine.slot_file import HEADER, read_slot_file
     from kvserve.models.registry import load_files
 
     path, _ = gemma3_dir
-    core = EngineCore(load_files(path), EngineConfig(n_ctx=512, n_parallel=1, dtype="float32"))
+    cfg = EngineConfig(n_ctx=512, n_parallel=1, dtype="float32", kv_dtype="f32")
+    core = EngineCore(load_files(path), cfg)
     req = Request("a", list(range(3, 43)), SamplingParams(n_predict=2, temperature=0.0, ignore_eos=True,
                                                           n_cache_reuse=4), priority_slot=0)
     with caplog.at_level("WARNING", logger="kvserve.engine"):
@@ -248,23 +266,37 @@ def test_slot_files_refused_and_cache_reuse_off_with_windows(gemma3_dir, tmp_pat
     assert "cache_reuse is not supported by this context, it will be disabled" in caplog.text
     while core.has_work():
         core.step()
-    msg = ("slot save/restore is not supported for this model: its sliding-window layers keep the KV of their "
-           "last 32 tokens only, and a slot file holds every layer's KV of every token (erase works)")
-    with pytest.raises(SlotFileError) as e:
-        core.save_slot(0, str(tmp_path / "s.bin"))
-    assert str(e.value) == msg
-    with pytest.raises(SlotFileError):
-        core.slot_file_spec()
-    assert not (tmp_path / "s.bin").exists()
-    # the idle slot's parked blocks (every group's) serve the next request of the slot
-    nxt = Request("b", list(range(3, 43)) + [77, 78], SamplingParams(n_predict=1, temperature=0.0, ignore_eos=True),
-                  priority_slot=0)
-    core.add_request(nxt)
-    outs = []
-    while core.has_work():
-        outs += core.step()
-    assert outs[-1].num_cached_tokens == 40  # the prompt; the slot's generated token differs from 77
-    assert core.erase_slot(0) == {"n_erased": 42}
+    prompt = [(7 * i) % 290 + 3 for i in range(100)]
+    _greedy_run(core, "p", prompt, 8)
+    parked = core.slot_tokens(0)
+    assert len(parked) == 107
+    f = tmp_path / "s.bin"
+    assert core.save_slot(0, str(f)) == {"n_saved": 107, "n_written": f.stat().st_size}
+    hdr, toks, layers, _ = read_slot_file(str(f), **core.slot_file_spec())
+    # the query at 106 reads from 106 - 31 = 75: blocks from 64 on; layer 5 is global
+    assert hdr.version == 3 and toks == parked
+    assert hdr.layer_first == (64, 64, 64, 64, 64, 0, 64)
+    assert [k.shape[0] for k, _ in layers] == [43] * 5 + [107, 43]
+    row = 2 * 16 * 4  # 2 KV heads of 16, f32
+    assert f.stat().st_size == HEADER.size + 4 * 107 + 4 * 7 + (6 * 43 + 107) * 2 * row
+    nxt = parked + [77, 78, 79]
+    ref, ref_cached = _greedy_run(core, "u", nxt, 12)  # the uninterrupted continuation
+    assert ref_cached == 107
+    fresh = EngineCore(load_files(path), cfg)
+    assert fresh.restore_slot(0, str(f)) == {"n_restored": 107, "tokens": parked, "n_read": f.stat().st_size}
+    assert [i for i, b in enumerate(fresh.kv.groups[0].parked_table("slot:0")) if b] == [4, 5, 6]
+    got, cached = _greedy_run(fresh, "r", nxt, 12)
+    assert (got, cached) == (ref, 107)
+    # the sliding rows matter: zeroed, the continuation differs
+    raw = bytearray(f.read_bytes())
+    off = HEADER.size + 4 * 107 + 4 * 7
+    raw[off: off + 43 * 2 * row] = bytes(43 * 2 * row)  # layer 0's K and V
+    (tmp_path / "z.bin").write_bytes(bytes(raw))
+    zeroed = EngineCore(load_files(path), cfg)
+    zeroed.restore_slot(0, str(tmp_path / "z.bin"))
+    assert _greedy_run(zeroed, "z", nxt, 12)[0] != ref
+    assert struct.unpack_from("<H", raw, 6) == (3,)
+    assert core.erase_slot(0)["n_erased"] > 0
     assert core.kv.groups[0].parked_keys() == []
 
 

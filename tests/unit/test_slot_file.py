@@ -125,3 +125,38 @@ def test_missing_file(saved, tmp_path):
 
 def test_header_is_40_bytes():
     assert HEADER.size == 40
+
+
+def test_version_3_keeps_each_layers_last_rows(tmp_path):
+    """Layers saved from their own first row (sliding windows): version 3, the first rows after
+    the token ids, each layer's rows read back as written; all-zero firsts stay version 2; a first
+    row past the tokens or a short file is refused."""
+    from kvserve.engine.slot_file import SlotHeader, read_slot_file, write_slot_file
+
+    g = torch.Generator().manual_seed(0)
+    firsts = (16, 0, 19)
+    layers = [(torch.randn(19 - f, 2, 8, generator=g), torch.randn(19 - f, 2, 8, generator=g)) for f in firsts]
+    hdr = SlotHeader(b"x" * 16, 19, "f32", 3, 2, 8, layer_first=firsts)
+    assert hdr.version == 3
+    path = tmp_path / "v3.bin"
+    n = write_slot_file(str(path), hdr, list(range(19)), layers)
+    assert n == path.stat().st_size == 40 + 4 * 19 + 4 * 3 + (3 + 19 + 0) * 2 * 2 * 8 * 4
+    spec = dict(fingerprint=b"x" * 16, kv_dtype="f32", n_layer=3, n_head_kv=2, head_dim=8)
+    back, toks, got, size = read_slot_file(str(path), **spec)
+    assert (back.version, back.layer_first, toks, size) == (3, firsts, list(range(19)), n)
+    for (k, v), (k2, v2) in zip(layers, got):
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<I", raw, 40 + 4 * 19, 20)
+    (tmp_path / "bad.bin").write_bytes(bytes(raw))
+    with pytest.raises(SlotFileError, match="^slot file is corrupt: a layer's first row is past its 19 tokens$"):
+        read_slot_file(str(tmp_path / "bad.bin"), **spec)
+    (tmp_path / "short.bin").write_bytes(bytes(raw[:100]))
+    with pytest.raises(SlotFileError, match=r"^slot file is corrupt: 100 bytes, expected at least 128 for 19 tokens$"):
+        read_slot_file(str(tmp_path / "short.bin"), **spec)
+    with pytest.raises(SlotFileError, match="^slot file: a layer's row count does not match the header$"):
+        write_slot_file(str(tmp_path / "x.bin"), hdr, list(range(19)), layers[::-1])
+    flat = SlotHeader(b"x" * 16, 19, "f32", 3, 2, 8, layer_first=(0, 0, 0))
+    full = [(torch.zeros(19, 2, 8), torch.zeros(19, 2, 8))] * 3
+    assert flat.version == 2
+    assert write_slot_file(str(tmp_path / "v2.bin"), flat, list(range(19)), full) == 40 + 4 * 19 + 3 * 19 * 2 * 64
