@@ -18,11 +18,11 @@ the strings they return too.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
-from kvserve.engine.request import SEED_RANDOM, InvalidRequestError, SamplingParams
+from kvserve.engine.request import SEED_RANDOM, SamplingParams
+from kvserve.errors import InvalidInputError
 from kvserve.faces.errors import ApiError
 from kvserve.faces.limits import MAX_SAMPLERS, MAX_STOP, MAX_STOP_CHARS, check_count
 from kvserve.jsonvalues import SURROGATE as _SURROGATE  # noqa: F401 - re-exported
@@ -251,14 +251,32 @@ DEFAULT_N_PREDICT_KEY = "_kvserve_n_predict_is_default"
 def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *,
                               max_tokens_keys: tuple[str, ...] = ("n_predict",),
                               max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplingParams:
-    """Build SamplingParams from a request body over the server ``defaults``.
+    """Build SamplingParams from a request body over the server ``defaults``: the fields
+    :func:`sampling_fields` reads, applied by :func:`kvserve.serving.chat_plan.apply_sampling`.
+
+    Raises:
+        ApiError: 400 on a wrong type or an out-of-range value.
+    """
+    from kvserve.serving.chat_plan import apply_sampling
+
+    kw = sampling_fields(body, tokenizer, max_tokens_keys=max_tokens_keys, max_logprobs=max_logprobs)
+    try:
+        return apply_sampling(defaults, kw)
+    except InvalidInputError as e:
+        raise ApiError(400, str(e)) from e.__cause__
+
+
+def sampling_fields(body: dict, tokenizer, *, max_tokens_keys: tuple[str, ...] = ("n_predict",),
+                    max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> dict[str, Any]:
+    """The :class:`SamplingParams` fields a request body sets (llama-server's and OpenAI's names),
+    checked for type and range; ``logit_bias`` as token id -> bias (not yet merged with the
+    server's).
 
     The whole body is checked for lone surrogates first (:func:`check_text`), so a face
     that builds its sampling parameters before tokenizing never hands such text on.
 
     Args:
         body: the request JSON object.
-        defaults: server-wide defaults (``--temp``, ``-n``...).
         tokenizer: resolves text keys of ``logit_bias`` (may be None).
         max_tokens_keys: fields read as n_predict, first present wins
             (``("n_predict", "max_tokens")`` on ``/completion``,
@@ -300,7 +318,7 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
         if v is not None:
             kw["n_predict"] = v
             # the request's own length is checked against the context; a default is capped to it.
-            # DEFAULT_N_PREDICT_KEY: a face that passes a default on in the body (Ollama's layers)
+            # DEFAULT_N_PREDICT_KEY: a face that passes a default on in the body (Ollama's generate)
             kw["n_predict_default"] = body.get(DEFAULT_N_PREDICT_KEY) is True
             break
     seed = get_int(body, "seed")
@@ -314,15 +332,10 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
         kw["dry_sequence_breakers"] = _dry_breakers(body["dry_sequence_breakers"])
     lb = body.get("logit_bias")
     if lb is not None:
-        kw["logit_bias"] = {**defaults.logit_bias, **parse_logit_bias(lb, tokenizer)}
-    if kw.get("spec_n_max") is not None and defaults.spec_n_max is not None:
-        kw["spec_n_max"] = max(min(kw["spec_n_max"], defaults.spec_n_max), 0)  # lowers the server's, never raises
+        kw["logit_bias"] = parse_logit_bias(lb, tokenizer)
     if "n_probs" in kw:
         check_logprobs(kw["n_probs"], max_logprobs, getattr(tokenizer, "n_vocab", None))
-    try:
-        return dataclasses.replace(defaults, **kw)
-    except InvalidRequestError as e:
-        raise ApiError(400, str(e)) from e
+    return kw
 
 
 def check_logprobs(n: int, max_logprobs: int, n_vocab: int | None, *, prompt: bool = False) -> None:
