@@ -248,8 +248,7 @@ def chat_request(state: Runner, body: dict) -> ChatRequest:
     req.template.continue_final_message, req.template.add_generation_prompt = _continuation_fields(body)
     req.sampling = sampling_fields(body, state.tokenizer, max_tokens_keys=_CHAT_MAX_TOKENS_KEYS,
                                    max_logprobs=_max_logprobs(state))
-    # DEFAULT_N_PREDICT_KEY: the Ollama face's default num_predict (its bodies still come through here)
-    req.n_predict_is_default = bool(req.sampling.pop("n_predict_default", False))
+    req.sampling.pop("n_predict_default", None)  # the client's own limit: the planner sets it from the request
     req.response_format = _constraint_spec(body)
     req.skip_special_tokens, req.spaces_between_special_tokens = _special_token_fields(body)
     req.stream = StreamOptions(stream, include_usage, _return_progress(body))
@@ -388,10 +387,12 @@ def check_request_count(n_prompts: int, n: int) -> None:
                             f"more than {MAX_ENGINE_REQUESTS} per request (split the request)")
 
 
-def completion_plan(state: Runner, body: dict, *, render: bool = False) -> Plan:
+def completion_plan(state: Runner, body: dict, *, render: bool = False, n_predict_default: bool = False) -> Plan:
     """Parse a legacy completion request (raises ApiError 400 on bad fields). ``render``: plan one
     request per prompt (``/v1/completions/render``: ``n`` does not change the ids; the bound of
-    :func:`check_request_count` still counts it)."""
+    :func:`check_request_count` still counts it). ``n_predict_default``: the body's ``n_predict``
+    is a default the calling face applied (Ollama's ``num_predict`` layers), capped to the
+    context's room instead of refused."""
     state.require_ready()
     suffix = get_str(body, "suffix")
     stream, include_usage = _stream_flags(body, bool(getattr(state.args, "enable_force_include_usage", False)))
@@ -413,7 +414,7 @@ def completion_plan(state: Runner, body: dict, *, render: bool = False) -> Plan:
     # OpenAI's default max_tokens for completions is 16 (llama-server uses -1).
     defaults = dataclasses.replace(state.default_params, n_predict=16)
     params = sampling_params_from_body(body, defaults, state.tokenizer, max_tokens_keys=("max_tokens", "n_predict"),
-                                       max_logprobs=_max_logprobs(state))
+                                       max_logprobs=_max_logprobs(state), n_predict_default=n_predict_default)
     if logprobs is not None:
         params = dataclasses.replace(params, n_probs=max(logprobs, 1))
         if echo:  # prompt logprobs need logits at every prompt position: no prefix reuse

@@ -146,7 +146,9 @@ def get_str(body: dict, key: str, default: str | None = None) -> str | None:
     return v
 
 
-def _stop(v: Any) -> tuple[str, ...]:
+def stop_strings(v: Any) -> tuple[str, ...]:
+    """``stop``: a string or an array of strings, at most ``MAX_STOP`` of at most ``MAX_STOP_CHARS``
+    characters each (400 naming ``stop``)."""
     if isinstance(v, str):
         v = [v]
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
@@ -242,15 +244,10 @@ def parse_logit_bias(v: Any, tokenizer) -> dict[int, float]:
     return out
 
 
-#: a key the Ollama face sets in the body it hands on when its ``n_predict`` is a default (the
-#: model's file or the store model's params), not the request's ``options``: the engine then caps
-#: it to the room left in the context (``SamplingParams.n_predict_default``)
-DEFAULT_N_PREDICT_KEY = "_kvserve_n_predict_is_default"
-
-
 def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *,
                               max_tokens_keys: tuple[str, ...] = ("n_predict",),
-                              max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplingParams:
+                              max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                              n_predict_default: bool = False) -> SamplingParams:
     """Build SamplingParams from a request body over the server ``defaults``: the fields
     :func:`sampling_fields` reads, applied by :func:`kvserve.serving.chat_plan.apply_sampling`.
 
@@ -259,7 +256,8 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
     """
     from kvserve.serving.chat_plan import apply_sampling
 
-    kw = sampling_fields(body, tokenizer, max_tokens_keys=max_tokens_keys, max_logprobs=max_logprobs)
+    kw = sampling_fields(body, tokenizer, max_tokens_keys=max_tokens_keys, max_logprobs=max_logprobs,
+                         n_predict_default=n_predict_default)
     try:
         return apply_sampling(defaults, kw)
     except InvalidInputError as e:
@@ -267,7 +265,7 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
 
 
 def sampling_fields(body: dict, tokenizer, *, max_tokens_keys: tuple[str, ...] = ("n_predict",),
-                    max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> dict[str, Any]:
+                    max_logprobs: int = DEFAULT_MAX_LOGPROBS, n_predict_default: bool = False) -> dict[str, Any]:
     """The :class:`SamplingParams` fields a request body sets (llama-server's and OpenAI's names),
     checked for type and range; ``logit_bias`` as token id -> bias (not yet merged with the
     server's).
@@ -283,6 +281,9 @@ def sampling_fields(body: dict, tokenizer, *, max_tokens_keys: tuple[str, ...] =
             ``("max_completion_tokens", "max_tokens")`` on chat...).
         max_logprobs: ``--max-logprobs``: the largest ``n_probs`` allowed (-1: the
             vocabulary size, vLLM's "no cap").
+        n_predict_default: the body's ``n_predict`` is a default the face applied (Ollama's
+            ``num_predict`` layers), not the client's: the engine caps it to the context's room
+            (``SamplingParams.n_predict_default``) instead of refusing it.
 
     Output constraints (``grammar``, ``json_schema``, ``response_format``,
     ``structured_outputs``...) are not sampling parameters: faces read them with
@@ -317,15 +318,14 @@ def sampling_fields(body: dict, tokenizer, *, max_tokens_keys: tuple[str, ...] =
         v = get_int(body, key)
         if v is not None:
             kw["n_predict"] = v
-            # the request's own length is checked against the context; a default is capped to it.
-            # DEFAULT_N_PREDICT_KEY: a face that passes a default on in the body (Ollama's generate)
-            kw["n_predict_default"] = body.get(DEFAULT_N_PREDICT_KEY) is True
+            # the request's own length is checked against the context; a default is capped to it
+            kw["n_predict_default"] = n_predict_default
             break
     seed = get_int(body, "seed")
     if seed is not None:
         kw["seed"] = SEED_RANDOM if seed < 0 else seed & 0xFFFFFFFF
     if body.get("stop") is not None:
-        kw["stop"] = _stop(body["stop"])
+        kw["stop"] = stop_strings(body["stop"])
     if body.get("samplers") is not None:
         kw["samplers"] = _samplers(body["samplers"])
     if body.get("dry_sequence_breakers") is not None:

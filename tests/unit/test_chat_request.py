@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.engine.request import ContextSizeExceededError
+from kvserve.engine.request import SEED_RANDOM, ContextSizeExceededError
 from kvserve.errors import InvalidInputError
 from kvserve.faces.errors import ApiError
 from kvserve.faces.openai import chat_plan, chat_request
@@ -123,3 +123,50 @@ def test_face_field_errors_keep_their_texts(runner):
         with pytest.raises(ApiError) as e:
             chat_plan(runner, body)
         assert (e.value.status, e.value.message) == (400, text)
+
+
+def _ollama_call(body: dict, model_params: dict | None = None):
+    from kvserve.faces.ollama import _Call, ollama_options
+
+    return _Call("chat", "m", body, stream=False, keep_alive=None, t0=0,
+                 options=ollama_options(model_params, body.get("options")))
+
+
+def test_ollama_options_become_typed_sampling_fields(runner):
+    from kvserve.faces.ollama import _chat_request, _rules
+
+    call = _ollama_call({"messages": _user("hi"), "options": {"temperature": 0.25, "seed": -5, "top_k": -1,
+                                                              "stop": ["a", "b"], "num_predict": 7}})
+    req = _chat_request(call, runner, _rules(call, runner), _user("hi"))
+    assert req.sampling == {"top_k": 0, "top_p": 0.9, "min_p": 0.0, "typical_p": 1.0, "repeat_last_n": 64,
+                            "temperature": 0.25, "repeat_penalty": 1.0, "presence_penalty": 0.0,
+                            "frequency_penalty": 0.0, "seed": SEED_RANDOM, "n_predict": 7, "stop": ("a", "b")}
+    assert (req.n_predict_is_default, req.tools, req.tool_choice, req.model) == (False, None, "none", "m")
+    assert req.reasoning == ReasoningOptions(format="none")  # ChatML: no thinking, never split
+    params = plan_chat(runner, req).requests[0].params
+    assert (params.seed, params.top_k, params.n_predict, params.stop, params.n_predict_default) == \
+        (SEED_RANDOM, 0, 7, ("a", "b"), False)  # a negative seed: random
+
+
+def test_ollama_num_predict_from_the_model_is_a_default_capped_to_the_context(runner):
+    """Ollama's rule as a field of the typed request (no private body key any more)."""
+    from kvserve.faces.ollama import _chat_request, _rules
+
+    layered = _ollama_call({"messages": _user("hi")}, {"num_predict": 10_000})
+    req = _chat_request(layered, runner, _rules(layered, runner), _user("hi"))
+    assert (req.sampling["n_predict"], req.n_predict_is_default) == (10_000, True)
+    r = plan_chat(runner, req).requests[0]
+    assert r.params.n_predict == N_CTX - len(r.prompt_token_ids)
+    own = _ollama_call({"messages": _user("hi"), "options": {"num_predict": 10_000}})
+    req = _chat_request(own, runner, _rules(own, runner), _user("hi"))
+    assert req.n_predict_is_default is False
+    with pytest.raises(ContextSizeExceededError):
+        plan_chat(runner, req)
+
+
+def test_ollama_think_on_a_model_without_thinking_is_ollamas_400(runner):
+    from kvserve.faces.ollama import _rules
+
+    with pytest.raises(ApiError) as e:
+        _rules(_ollama_call({"messages": _user("hi"), "think": True}), runner)
+    assert (e.value.status, e.value.message) == (400, '"m" does not support thinking')
