@@ -433,7 +433,7 @@ def _tool_choice(tc: Any, tools: list[dict] | None) -> tuple[str | dict, bool]:
         if all(t["function"]["name"] != name for t in tools or []):
             raise _bad(f"tool_choice.name: Tool '{name}' not found in tools")
         choice: str | dict = {"name": name}
-    elif typ in _TOOL_CHOICES:
+    elif isinstance(typ, str) and typ in _TOOL_CHOICES:  # any JSON value may come: a dict is no key
         choice = _TOOL_CHOICES[typ]
     else:
         raise _bad("tool_choice.type: Input should be 'auto', 'any', 'tool' or 'none'")

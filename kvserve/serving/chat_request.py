@@ -163,9 +163,9 @@ class ChatRequest:
         sampling: :class:`kvserve.engine.request.SamplingParams` fields the request sets (the rest
             are the model's defaults): temperature, top_k, stop strings, ``n_predict`` (the token
             limit; -1 none), seed, logit_bias (token id -> bias)...
-        n_predict_is_default: ``sampling["n_predict"]`` is a default the face applied (Ollama's
-            ``num_predict`` from the model's layers), not the client's limit: the engine caps it to
-            the room left in the context instead of refusing the request.
+        n_predict_is_default: ``sampling["n_predict"]`` is a bound, not a demand: the engine
+            lowers it to the room the prompt leaves in the context instead of refusing the request
+            (Ollama's ``num_predict`` from the model's layers; Anthropic's ``max_tokens``, a cap).
         n: choices per prompt (choice i samples with ``seed + i``).
         logprobs: top candidates to report per generated token (None: no logprobs).
         prompt_logprobs: candidates to report per prompt token (None: none); the prompt is then

@@ -93,6 +93,15 @@ def test_count_tokens_body_needs_no_max_tokens_and_drops_sampling():
     assert (req.response_format.kind, req.response_format.value) == ("json_schema", '{"type":"object"}')
 
 
+def test_tool_choice_type_of_any_json_value_is_a_400():
+    for typ in ({"a": 1}, ["any"], 3, None):
+        body = {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": typ}}
+        with pytest.raises(ApiError) as e:
+            chat_request(body)
+        assert (e.value.status, e.value.message) == (400, "tool_choice.type: Input should be 'auto', 'any', "
+                                                          "'tool' or 'none'")
+
+
 @pytest.mark.parametrize(("body", "message"), [
     ({"messages": []}, "max_tokens: Field required"),
     ({"max_tokens": True, "messages": []}, "max_tokens: Input should be a valid integer, got a boolean"),
