@@ -51,8 +51,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import secrets
-import string
 import time
 from collections.abc import AsyncIterator
 
@@ -121,23 +119,18 @@ from kvserve.serving.chat_plan import (
     with_prompt_logprobs,
     with_special_tokens,
 )
-from kvserve.serving.chat_request import ChatRequest, StreamOptions
+from kvserve.serving.chat_request import ChatRequest, StreamOptions, new_request_id
 from kvserve.serving.runner import Runner, fair_share, generate
 from kvserve.serving.state import ServerState
 
 __all__ = ["Plan", "build_router", "chat_plan", "chat_request", "router"]
 
-_ALNUM = string.ascii_letters + string.digits
 _MAX_N = 128
 # prompts x n of one completions request (and of its render): each is an engine request. OpenAI's
 # legacy completions take at most 2,048 prompts (as its embeddings' inputs); vLLM and llama-server
 # set no bound, so 200,000 one-token prompts ran for minutes. Split larger batches.
 MAX_ENGINE_REQUESTS = 2048
 _LOGPROB_FLOOR = -9999.0  # OpenAI/vLLM's stand-in for -inf (JSON has no infinities)
-
-
-def _rand_id(prefix: str) -> str:
-    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(32))
 
 
 def _lp(v: float) -> float:
@@ -240,8 +233,9 @@ def chat_request(state: Runner, body: dict) -> ChatRequest:
     top = _top_n(state, body, "top_logprobs")
     if top is not None and not logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be set to true")
-    req = ChatRequest(body["messages"], _rand_id("chatcmpl-"), model=model_field(body) or "",
-                      keep_alive=keep_alive_field(body), n=n, logprobs=(top or 0) if logprobs else None)
+    # keep_alive: applied by the model lease before planning (the render route never reads it)
+    req = ChatRequest(body["messages"], new_request_id("chatcmpl-"), model=model_field(body) or "", n=n,
+                      logprobs=(top or 0) if logprobs else None)
     read_chat_options(state.args, body, req)
     req.truncate_prompt_tokens = _truncate_field(state, body)
     req.prompt_logprobs = _prompt_logprobs_field(state, body, stream)
@@ -421,7 +415,7 @@ def completion_plan(state: Runner, body: dict, *, render: bool = False, n_predic
             params = dataclasses.replace(params, prompt_logprobs=max(logprobs, 1), cache_prompt=False)
     params = with_prompt_logprobs(params, plp)
     params = _special_tokens(body, params)
-    rid = _rand_id("cmpl-")
+    rid = new_request_id("cmpl-")
     spec = _constraint_spec(body)
     make = constraint_factory(state, spec, "", OutputMode(), -1) if spec is not None else None
     reqs = _completion_requests(state, body, rid, prompts, params, n, make)

@@ -152,7 +152,8 @@ class ChatRequest:
             checks it); the face has already put its own rules in (its system prompt, its roles).
         request_id: the response's id; engine request k is ``<request_id>-<k>``.
         model: the model name the request gave ("" when none).
-        keep_alive: seconds to keep the model loaded after this request (None: the server's).
+        keep_alive: seconds to keep the model loaded after this request, as the face read it
+            (None: not given, or left to the model lease, which applies it before planning).
         tools: tool definitions (None: no tools).
         tool_choice: :data:`ToolChoice`; ``"auto"`` with tools, else ``"none"``, by default.
         parallel_tool_calls: allow more than one call per answer.

@@ -65,6 +65,13 @@ def test_the_openai_face_reads_its_fields_into_the_request(runner):
     assert (req.skip_special_tokens, req.spaces_between_special_tokens) == (False, True)
 
 
+def test_the_openai_face_leaves_keep_alive_to_the_model_lease(runner):
+    """The render route (/v1/chat/completions/render) never read keep_alive: a value the lease
+    would refuse must not become a 400 there."""
+    req = chat_request(runner, {"messages": _user("a"), "keep_alive": "not a duration", "model": "x"})
+    assert (req.keep_alive, req.model) == (None, "x")
+
+
 def test_a_default_limit_is_capped_and_a_requested_one_refused(runner):
     """Ollama's rule as a field: a default n_predict is capped to the context's room."""
     ask = dict(sampling={"n_predict": 10_000})
