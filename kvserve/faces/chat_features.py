@@ -1,5 +1,8 @@
-"""Chat request fields for tools, reasoning and constrained output -> what the chat plan needs:
-the tools to render, the template kwargs, the output mode and a constraint per choice.
+"""Chat request fields for tools, reasoning and the template (OpenAI's names, llama-server's and
+vLLM's extensions) -> kvserve's :class:`~kvserve.serving.chat_request.ChatRequest`
+(:func:`read_chat_options`); what they mean on the loaded model (the parser, the forcing grammar,
+the generic format, the template's variables, the output mode) is decided by
+:mod:`kvserve.serving.chat_plan`.
 
 Tool calling (seed 002 Example 10, seed 000 Example 13):
 
@@ -37,21 +40,11 @@ from kvserve.chat.template import RESERVED_VARIABLES
 from kvserve.faces.errors import ApiError
 from kvserve.faces.limits import MAX_TOOLS, check_count
 from kvserve.faces.params import check_text, get_bool, get_int, get_str, type_error
-from kvserve.serving.chat_plan import (  # noqa: F401 - the planner's pieces, re-exported for the faces
-    ChatFeatures,
-    constraint_factory,
-    features,
-    is_harmony,
-    server_context,
-    template_variables,
-    thinking_opened,
-    tool_constraint,
-    with_system_text,
-)
+from kvserve.serving.chat_plan import ChatFeatures, features, template_variables, with_system_text
 from kvserve.serving.chat_request import ChatRequest, ReasoningOptions, TemplateOptions
 
-__all__ = ["ChatFeatures", "chat_features", "parse_tool_choice", "parse_tools", "read_chat_options",
-           "read_template_options", "template_kwargs", "tool_constraint", "prompt_messages", "with_system_text"]
+__all__ = ["chat_features", "parse_tool_choice", "parse_tools", "prompt_messages", "read_chat_options",
+           "read_template_options", "template_kwargs", "with_system_text"]
 
 
 def parse_tools(tools: Any) -> list[dict] | None:
