@@ -81,7 +81,7 @@ from kvserve.engine.request import InvalidRequestError, RequestOutput
 from kvserve.errors import KvserveError
 from kvserve.faces import anthropic_types as at
 from kvserve.faces.auth import caller
-from kvserve.faces.chat_features import parse_tools
+from kvserve.faces.chat_features import check_tool_choice, parse_tools
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import json_response, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
@@ -440,9 +440,8 @@ def _tool_choice(tc: Any, tools: list[dict] | None) -> tuple[str | dict, bool]:
     off = tc.get("disable_parallel_tool_use")
     if off is not None and not isinstance(off, bool):
         raise _bad(f"tool_choice.disable_parallel_tool_use: Input should be a valid boolean, got {_kind(off)}")
-    if choice in ("auto", "required") and not tools:  # the wording the chat path always answered with
-        raise ApiError(400, f"Field 'tool_choice': {choice!r} requires 'tools'")
-    return choice, off is not True
+    # auto / any without tools: 400 in the chat route's words, as this face always answered
+    return check_tool_choice(choice, tools), off is not True
 
 
 def _stop_sequences(v: Any) -> list[str]:

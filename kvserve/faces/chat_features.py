@@ -43,8 +43,9 @@ from kvserve.faces.params import check_text, get_bool, get_int, get_str, type_er
 from kvserve.serving.chat_plan import ChatFeatures, features, template_variables, with_system_text
 from kvserve.serving.chat_request import ChatRequest, ReasoningOptions, TemplateOptions
 
-__all__ = ["chat_features", "parse_tool_choice", "parse_tools", "prompt_messages", "read_chat_options",
-           "read_template_options", "template_kwargs", "with_system_text"]
+__all__ = ["chat_features", "check_tool_choice", "parse_tool_choice", "parse_tools", "prompt_messages",
+           "read_chat_options", "read_reasoning_options", "read_template_options", "template_kwargs",
+           "with_system_text"]
 
 
 def parse_tools(tools: Any) -> list[dict] | None:
@@ -71,23 +72,33 @@ def parse_tool_choice(body: dict, tools: list[dict] | None) -> str | dict:
     """``tool_choice`` as ``"none"``/``"auto"``/``"required"`` or the named function's name
     wrapped as ``{"name": ...}``; 400 for unknown values or a function not in ``tools``."""
     tc = body.get("tool_choice")
-    if tc is None:
-        return "auto" if tools else "none"
-    if isinstance(tc, str):
-        if tc not in ("none", "auto", "required"):
-            raise ApiError(400, f"Field 'tool_choice': expected 'none', 'auto', 'required' or a function, got {tc!r}")
-        if tc != "none" and not tools:
-            raise ApiError(400, f"Field 'tool_choice': {tc!r} requires 'tools'")
-        return tc
+    if isinstance(tc, str) and tc not in ("none", "auto", "required"):
+        raise ApiError(400, f"Field 'tool_choice': expected 'none', 'auto', 'required' or a function, got {tc!r}")
     if isinstance(tc, dict):
         fn = tc.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if tc.get("type", "function") != "function" or not isinstance(name, str):
             raise ApiError(400, "Field 'tool_choice': expected {\"type\": \"function\", \"function\": {\"name\": ...}}")
-        if not tools or all(t["function"]["name"] != name for t in tools):
-            raise ApiError(400, f"Field 'tool_choice': function {name!r} is not in 'tools'")
-        return {"name": name}
-    raise type_error("tool_choice", "string or object", tc)
+        tc = {"name": name}
+    elif tc is not None and not isinstance(tc, str):
+        raise type_error("tool_choice", "string or object", tc)
+    return check_tool_choice(tc, tools)
+
+
+def check_tool_choice(choice: str | dict | None, tools: list[dict] | None) -> str | dict:
+    """A tool choice (``None``: the default, ``"auto"`` with tools, else ``"none"``; ``"none"``,
+    ``"auto"``, ``"required"``, ``{"name": ...}``) checked against ``tools``: 400 when it needs tools
+    there are none of, or names a function not in them."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice != "none" and not tools:
+            raise ApiError(400, f"Field 'tool_choice': {choice!r} requires 'tools'")
+        return choice
+    name = choice["name"]
+    if not tools or all(t["function"]["name"] != name for t in tools):
+        raise ApiError(400, f"Field 'tool_choice': function {name!r} is not in 'tools'")
+    return choice
 
 
 def read_template_options(body: dict) -> TemplateOptions:
@@ -134,9 +145,10 @@ def template_kwargs(args, body: dict, template=None, tools: list | None = None) 
     return template_variables(args, opts, get_str(body, "reasoning_effort"), template, tools)
 
 
-def _reasoning_options(args, body: dict) -> ReasoningOptions:
-    """``include_reasoning`` (read under vLLM's ``--reasoning-parser``) or llama-server's
-    ``reasoning_format`` (otherwise), ``thinking_token_budget`` and ``reasoning_effort``."""
+def read_reasoning_options(args, body: dict) -> ReasoningOptions:
+    """The reasoning fields of a chat body: ``include_reasoning`` (read under vLLM's
+    ``--reasoning-parser``) or llama-server's ``reasoning_format`` (otherwise) and
+    ``thinking_token_budget`` (``args``: the server's flags; 400 on bad values)."""
     r = ReasoningOptions()
     if args.reasoning_parser:
         inc = get_bool(body, "include_reasoning", True)
@@ -167,7 +179,7 @@ def read_chat_options(args, body: dict, req: ChatRequest) -> None:
     opts = read_template_options(body)
     req.template.documents, req.template.variables = opts.documents, opts.variables
     effort = get_str(body, "reasoning_effort")
-    req.reasoning = _reasoning_options(args, body)
+    req.reasoning = read_reasoning_options(args, body)
     req.reasoning.effort = effort
 
 

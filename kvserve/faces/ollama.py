@@ -57,7 +57,8 @@ template's format (``<tool_call>\\n`` for hermes-style templates) is continued u
 that only allows a valid call of one of ``tools`` (``tool_choice`` ``required``). A chat becomes
 kvserve's :class:`~kvserve.serving.chat_request.ChatRequest` (:func:`_chat_request`: the options
 as sampling fields, a ``num_predict`` that is a default as ``n_predict_is_default``), planned by
-:func:`kvserve.serving.chat_plan.plan_chat`. ``format`` is ``"json"`` or a JSON schema (the output is constrained to it).
+:func:`kvserve.serving.chat_plan.plan_chat`. ``format`` is ``"json"`` or a JSON schema (the output
+is constrained to it).
 ``think``: for a model whose template thinks, default on, the thinking goes to
 ``message.thinking``; ``false`` turns it off (``enable_thinking``); ``true`` for a model that
 does not think is 400 ``"x" does not support thinking``.

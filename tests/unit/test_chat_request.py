@@ -177,3 +177,28 @@ def test_ollama_think_on_a_model_without_thinking_is_ollamas_400(runner):
     with pytest.raises(ApiError) as e:
         _rules(_ollama_call({"messages": _user("hi"), "think": True}), runner)
     assert (e.value.status, e.value.message) == (400, '"m" does not support thinking')
+
+
+def test_a_responses_turn_is_completed_with_the_model_and_planned(runner):
+    """Responses: the extension fields are read once the model is known, with the chat route's checks."""
+    from kvserve.faces.responses import chat_body
+    from kvserve.faces.responses import chat_request as responses_request
+    from kvserve.serving.response_store import ResponseStore
+
+    turn = chat_body({"input": "hi", "instructions": "Be brief.", "top_k": 3, "seed": 9, "max_output_tokens": 7,
+                      "reasoning": {"effort": "none"}, "stop": "x"}, ResponseStore())
+    req = responses_request(runner, turn)
+    assert req.sampling == {"top_k": 3, "seed": 9, "stop": ("x",), "n_predict": 7}
+    assert (req.template.variables, req.reasoning.budget, req.reasoning.effort) == ({"enable_thinking": False}, 0,
+                                                                                  "none")
+    p = plan_chat(runner, req).requests[0].params
+    assert (p.top_k, p.seed, p.stop, p.n_predict) == (3, 9, ("x",), 7)
+    many = chat_body({"input": "hi", "tools": [{"type": "function", "name": f"f{i}"} for i in range(600)]},
+                     ResponseStore())
+    assert len(many.chat.tools) == 600  # translated; the bound is the chat route's, checked with the model
+    with pytest.raises(ApiError) as e:
+        responses_request(runner, many)
+    assert e.value.message == "Field 'tools': at most 512 tools per request, got 600"
+    with pytest.raises(ApiError) as e:
+        responses_request(runner, chat_body({"input": "hi", "seed": "s"}, ResponseStore()))
+    assert e.value.message == "Field 'seed': type must be number, but is string"
