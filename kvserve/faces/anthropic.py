@@ -1,10 +1,10 @@
 """Anthropic's Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
-The face translates only. A Messages request becomes the chat-completions body the OpenAI face
-reads (:func:`chat_body`), which :func:`kvserve.faces.openai.chat_plan` turns into the one
-internal request, with its tools, tool_choice grammar, reasoning split and thinking budget
-(:mod:`kvserve.faces.chat_features`); the engine's outputs go through the same
-:class:`~kvserve.faces.chat_output.ChoiceOutput` and come back as Anthropic's message object or
+The face translates only. A Messages request becomes kvserve's
+:class:`~kvserve.serving.chat_request.ChatRequest` (:func:`chat_request`), which
+:func:`kvserve.serving.chat_plan.plan_chat` turns into the engine requests, with their tools,
+tool_choice grammar, reasoning split and thinking budget; the engine's outputs go through
+:class:`~kvserve.serving.chat_output.ChoiceOutput` and come back as Anthropic's message object or
 its SSE events (:mod:`kvserve.faces.anthropic_types`).
 
 Request fields:
@@ -65,7 +65,6 @@ not_found_error (unknown model, unknown route under ``/v1/messages``), 413 reque
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import math
@@ -81,11 +80,17 @@ from starlette.responses import Response, StreamingResponse
 from kvserve.engine.request import InvalidRequestError, RequestOutput
 from kvserve.errors import KvserveError
 from kvserve.faces import anthropic_types as at
-from kvserve.faces.chat_output import ChoiceOutput
+from kvserve.faces.auth import caller
+from kvserve.faces.chat_features import check_tool_choice, parse_tools
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import json_response, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
-from kvserve.faces.openai import Plan, chat_plan, run_choices
+from kvserve.faces.openai import run_choices
+from kvserve.faces.params import get_int, get_str, sampling_fields
+from kvserve.serving.chat_output import ChoiceOutput
+from kvserve.serving.chat_plan import Plan, plan_chat
+from kvserve.serving.chat_request import ChatRequest, new_request_id
+from kvserve.structured.spec import schema_spec
 from kvserve.faces.sse import (
     ClientDisconnected,
     sse_named,
@@ -95,7 +100,7 @@ from kvserve.faces.sse import (
 from kvserve.serving.runner import Runner
 from kvserve.serving.state import ServerState
 
-__all__ = ["build_router", "chat_body", "error_envelope"]
+__all__ = ["build_router", "chat_request", "error_envelope"]
 
 log = logging.getLogger("kvserve.server")
 
@@ -107,7 +112,7 @@ MAX_TOOLS = 512
 MAX_STOP_SEQUENCES = 64
 MAX_STOP_SEQUENCE_CHARS = 1_000
 #: llama-server / Ollama extensions passed on to the chat request as they are
-_PASSTHROUGH = ("seed", "cache_prompt", "id_slot", "cache_salt", "min_p", "repeat_penalty")
+_PASSTHROUGH = ("seed", "cache_prompt", "min_p", "repeat_penalty")  # llama-server's sampling fields, by its names
 #: Anthropic's error type for each status kvserve answers
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -127,12 +132,14 @@ def _kind(v: Any) -> str:
             int: "a number", float: "a number"}.get(type(v), type(v).__name__)
 
 
-# ------------------------------------------------------------------------ request -> chat body
+# ------------------------------------------------------------------------ request -> chat request
 
 
-def chat_body(body: dict, *, counting: bool = False) -> dict:
-    """A Messages request -> the chat-completions body :func:`kvserve.faces.openai.chat_plan`
-    reads (see the module docstring for each field).
+def chat_request(body: dict, *, counting: bool = False) -> ChatRequest:
+    """A Messages request -> kvserve's chat request (see the module docstring for each field).
+
+    ``max_tokens`` is a cap (``n_predict_is_default``): the engine lowers it to the room the
+    prompt leaves in the context instead of refusing the request.
 
     Args:
         body: the request JSON object.
@@ -143,23 +150,21 @@ def chat_body(body: dict, *, counting: bool = False) -> dict:
             e.g. ``max_tokens: Field required``.
     """
     max_tokens = 1 if counting else _max_tokens(body)  # checked first: the field clients forget
-    chat: dict[str, Any] = {"messages": _system(body.get("system")) + _messages(body.get("messages"))}
-    tools = _tools(body.get("tools"))
-    if tools is not None:
-        chat["tools"] = tools
-    _tool_choice(body.get("tool_choice"), chat)
-    chat["max_tokens"] = max_tokens
+    req = ChatRequest(_system(body.get("system")) + _messages(body.get("messages")), new_request_id("chatcmpl-"),
+                      model=model_field(body) or "", keep_alive=keep_alive_field(body))
+    req.tools = parse_tools(_tools(body.get("tools")))
+    req.tool_choice, req.parallel_tool_calls = _tool_choice(body.get("tool_choice"), req.tools)
+    req.sampling = {"n_predict": max_tokens}
     if not counting:
-        _sampling(body, chat)
-        for key in _PASSTHROUGH:
-            if body.get(key) is not None:
-                chat[key] = body[key]
-        stops = _stop_sequences(body.get("stop_sequences"))
-        if stops:
-            chat["stop"] = stops
-    _thinking(body.get("thinking"), chat, None if counting else chat["max_tokens"])
-    _output_config(body.get("output_config"), chat)
-    return chat
+        req.sampling = sampling_fields({**_sampling(body), "stop": _stop_sequences(body.get("stop_sequences")) or None},
+                                       None) | {"n_predict": max_tokens}
+        req.n_predict_is_default = True  # a cap, never refused for the context
+        id_slot = get_int(body, "id_slot", -1)
+        req.id_slot, req.cache_salt = (-1 if id_slot is None else id_slot), get_str(body, "cache_salt") or None
+    req.template.variables, req.reasoning.budget = _thinking(body.get("thinking"), None if counting else max_tokens)
+    req.response_format, req.reasoning.effort = _output_config(body.get("output_config"))
+    req.owner = caller()
+    return req
 
 
 #: top_k and thinking budgets above this are the same as this (no vocabulary or generation is
@@ -175,9 +180,11 @@ def _number(v: Any, where: str) -> float:
     return v
 
 
-def _sampling(body: dict, chat: dict) -> None:
+def _sampling(body: dict) -> dict[str, Any]:
     """``temperature`` and ``top_p`` in 0..1, ``top_k`` an integer >= 0, checked as Anthropic
-    checks them (400 naming the field); then passed on to the chat body."""
+    checks them (400 naming the field), and llama-server's sampling fields (:data:`_PASSTHROUGH`)
+    as sent: the values :func:`kvserve.faces.params.sampling_fields` reads."""
+    chat: dict[str, Any] = {key: body[key] for key in _PASSTHROUGH if body.get(key) is not None}
     for key in ("temperature", "top_p"):
         v = body.get(key)
         if v is None:
@@ -198,13 +205,16 @@ def _sampling(body: dict, chat: dict) -> None:
         if k < 0:
             raise _bad("top_k: Input should be greater than or equal to 0")
         chat["top_k"] = min(k, _INT_CAP)
+    return chat
 
 
-def _output_config(oc: Any, chat: dict) -> None:
-    """``output_config``: ``format`` (``json_schema``) -> the structured-output path;
-    ``effort`` -> the template's ``reasoning_effort``."""
+def _output_config(oc: Any) -> tuple[Any, str | None]:
+    """``output_config`` -> ``(constraint, effort)``: ``format`` (``json_schema``) -> a JSON-schema
+    constraint (its errors name ``response_format.json_schema.schema``, as before this face had its
+    own request type); ``effort`` -> the template's ``reasoning_effort``."""
+    spec = effort = None
     if oc is None:
-        return
+        return None, None
     if not isinstance(oc, dict):
         raise _bad(f"output_config: Input should be an object, got {_kind(oc)}")
     fmt = oc.get("format")
@@ -215,12 +225,11 @@ def _output_config(oc: Any, chat: dict) -> None:
         if not isinstance(schema, dict):
             raise _bad("output_config.format.schema: Field required" if schema is None else
                        f"output_config.format.schema: Input should be an object, got {_kind(schema)}")
-        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+        spec = schema_spec(schema, "response_format.json_schema.schema")
     effort = oc.get("effort")
-    if effort is not None:
-        if effort not in ("low", "medium", "high", "xhigh", "max"):
-            raise _bad("output_config.effort: Input should be 'low', 'medium', 'high', 'xhigh' or 'max'")
-        chat["reasoning_effort"] = effort
+    if effort is not None and effort not in ("low", "medium", "high", "xhigh", "max"):
+        raise _bad("output_config.effort: Input should be 'low', 'medium', 'high', 'xhigh' or 'max'")
+    return spec, effort
 
 
 def _max_tokens(body: dict) -> int:
@@ -407,30 +416,32 @@ def _tools(tools: Any) -> list[dict] | None:
     return out or None
 
 
-def _tool_choice(tc: Any, chat: dict) -> None:
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def _tool_choice(tc: Any, tools: list[dict] | None) -> tuple[str | dict, bool]:
+    """``tool_choice`` -> ``(choice, parallel)``: ``auto`` / ``any`` / ``tool`` (a name in
+    ``tools``) / ``none`` -> ``auto`` / ``required`` / ``{"name": ...}`` / ``none`` (default: ``auto``
+    with tools, else ``none``); ``disable_parallel_tool_use`` -> not parallel."""
     if tc is None:
-        return
+        return ("auto" if tools else "none"), True
     if not isinstance(tc, dict):
         raise _bad(f"tool_choice: Input should be an object, got {_kind(tc)}")
     typ = tc.get("type")
-    if typ == "auto":
-        chat["tool_choice"] = "auto"
-    elif typ == "any":
-        chat["tool_choice"] = "required"
-    elif typ == "none":
-        chat["tool_choice"] = "none"
-    elif typ == "tool":
+    if typ == "tool":
         name = _str_field(tc, "name", "tool_choice")
-        if all(t["function"]["name"] != name for t in chat.get("tools") or []):
+        if all(t["function"]["name"] != name for t in tools or []):
             raise _bad(f"tool_choice.name: Tool '{name}' not found in tools")
-        chat["tool_choice"] = {"type": "function", "function": {"name": name}}
+        choice: str | dict = {"name": name}
+    elif isinstance(typ, str) and typ in _TOOL_CHOICES:  # any JSON value may come: a dict is no key
+        choice = _TOOL_CHOICES[typ]
     else:
         raise _bad("tool_choice.type: Input should be 'auto', 'any', 'tool' or 'none'")
     off = tc.get("disable_parallel_tool_use")
-    if off is not None:
-        if not isinstance(off, bool):
-            raise _bad(f"tool_choice.disable_parallel_tool_use: Input should be a valid boolean, got {_kind(off)}")
-        chat["parallel_tool_calls"] = not off
+    if off is not None and not isinstance(off, bool):
+        raise _bad(f"tool_choice.disable_parallel_tool_use: Input should be a valid boolean, got {_kind(off)}")
+    # auto / any without tools: 400 in the chat route's words, as this face always answered
+    return check_tool_choice(choice, tools), off is not True
 
 
 def _stop_sequences(v: Any) -> list[str]:
@@ -448,20 +459,19 @@ def _stop_sequences(v: Any) -> list[str]:
     return list(v)
 
 
-def _thinking(th: Any, chat: dict, max_tokens: int | None) -> None:
+def _thinking(th: Any, max_tokens: int | None) -> tuple[dict, int | None]:
+    """``thinking`` -> ``(template variables, thinking budget or None)``."""
     if th is None:
-        return
+        return {}, None
     if not isinstance(th, dict):
         raise _bad(f"thinking: Input should be an object, got {_kind(th)}")
     typ = th.get("type")
     if typ == "disabled":
-        chat["chat_template_kwargs"] = {"enable_thinking": False}
-        return
+        return {"enable_thinking": False}, None
     if typ not in ("enabled", "adaptive", "between_tools"):
         raise _bad("thinking.type: Input should be 'enabled', 'adaptive', 'between_tools' or 'disabled'")
-    chat["chat_template_kwargs"] = {"enable_thinking": True}
     if typ != "enabled":
-        return
+        return {"enable_thinking": True}, None
     budget = th.get("budget_tokens")
     if budget is None:
         raise _bad("thinking.enabled.budget_tokens: Field required")
@@ -469,7 +479,7 @@ def _thinking(th: Any, chat: dict, max_tokens: int | None) -> None:
         raise _bad("thinking.enabled.budget_tokens: Input should be an integer >= 0")
     if max_tokens is not None and budget >= max_tokens:
         raise _bad("`max_tokens` must be greater than `thinking.budget_tokens`")
-    chat["thinking_token_budget"] = min(budget, _INT_CAP)  # max_tokens is a cap: any budget below it is valid
+    return {"enable_thinking": True}, min(budget, _INT_CAP)  # max_tokens is a cap: any budget below it is valid
 
 
 # ------------------------------------------------------------------------ plan and output
@@ -496,26 +506,22 @@ def _messages_plan(runner: Runner, body: dict) -> _Plan:
     fit the slot's context is still a 400. (The OpenAI face refuses prompt + max_tokens over
     the context, as llama-server does.)
     """
-    chat = chat_body(body)
+    req = chat_request(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad(f"stream: Input should be a valid boolean, got {_kind(stream)}")
-    cap = chat["max_tokens"]
-    # planned without a length (-1: until the context is full), so that only the prompt is checked
-    plan = chat_plan(runner, {**chat, "max_tokens": -1})
+    cap = req.sampling["n_predict"]
+    plan = plan_chat(runner, req)  # the engine lowered the cap to the room each prompt leaves
     n_ctx = runner.engine.n_ctx_slot
-    by_context = False
-    for r in plan.requests:
-        free = n_ctx - len(r.prompt_token_ids)  # >= 1: the engine refused a prompt that fills the context
-        by_context = by_context or cap > free
-        r.params = dataclasses.replace(r.params, n_predict=min(cap, free))
-    return _Plan(plan, chat.get("stop", []), stream, by_context)
+    # free >= 1: the engine refused a prompt that fills the context
+    by_context = any(cap > n_ctx - len(r.prompt_token_ids) for r in plan.requests)
+    return _Plan(plan, list(req.sampling.get("stop", ())), stream, by_context)
 
 
 def _count_tokens(runner: Runner, body: dict) -> at.CountTokens:
     """The token count of the prompt the same request to /v1/messages would run (the same
     rendering and tokenization). A prompt that cannot fit the model's context is a 400."""
-    plan = chat_plan(runner, chat_body(body, counting=True))
+    plan = plan_chat(runner, chat_request(body, counting=True))
     return at.CountTokens(input_tokens=len(plan.requests[0].prompt_token_ids))
 
 

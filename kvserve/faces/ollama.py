@@ -54,8 +54,11 @@ from its output (the parser detected from the template, as llama-server does, or
 ``--tool-call-parser``); they come back as ``message.tool_calls`` with ``arguments`` objects.
 A forced call: a final assistant message whose content is the opening of a call in the
 template's format (``<tool_call>\\n`` for hermes-style templates) is continued under a grammar
-that only allows a valid call of one of ``tools`` (the OpenAI face's ``tool_choice:
-"required"``). ``format`` is ``"json"`` or a JSON schema (the output is constrained to it).
+that only allows a valid call of one of ``tools`` (``tool_choice`` ``required``). A chat becomes
+kvserve's :class:`~kvserve.serving.chat_request.ChatRequest` (:func:`_chat_request`: the options
+as sampling fields, a ``num_predict`` that is a default as ``n_predict_is_default``), planned by
+:func:`kvserve.serving.chat_plan.plan_chat`. ``format`` is ``"json"`` or a JSON schema (the output
+is constrained to it).
 ``think``: for a model whose template thinks, default on, the thinking goes to
 ``message.thinking``; ``false`` turns it off (``enable_thinking``); ``true`` for a model that
 does not think is 400 ``"x" does not support thinking``.
@@ -106,9 +109,10 @@ from fastapi import APIRouter
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 
-from kvserve.engine.request import RequestOutput
+from kvserve.engine.request import SEED_RANDOM, RequestOutput
 from kvserve.errors import InvalidInputError, KvserveError, NotFoundError
-from kvserve.faces.chat_output import ChoiceOutput
+from kvserve.faces.auth import caller
+from kvserve.faces.chat_features import parse_tools
 from kvserve.faces.errors import INTERNAL_ERROR, ApiError
 from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
 from kvserve.faces.http import parse_json_body
@@ -128,8 +132,11 @@ from kvserve.faces.ollama_types import (
     ToolCallFunction,
     VersionResponse,
 )
-from kvserve.faces.params import DEFAULT_N_PREDICT_KEY
+from kvserve.faces.params import stop_strings
 from kvserve.faces.sse import ClientDisconnected, until_disconnect
+from kvserve.serving.chat_output import ChoiceOutput
+from kvserve.serving.chat_plan import plan_chat
+from kvserve.serving.chat_request import ChatRequest, ReasoningOptions, TemplateOptions, new_request_id
 from kvserve.serving.generation_config import ollama_layer
 from kvserve.serving.manager import Lease, ModelSpec, parse_keep_alive
 from kvserve.serving.runner import Runner
@@ -166,7 +173,7 @@ _FLOAT_OPTIONS = ("top_p", "min_p", "typical_p", "temperature", "repeat_penalty"
                   "frequency_penalty")
 _BOOL_OPTIONS = ("use_mmap",)
 _LIST_OPTIONS = ("stop",)
-# api.Options -> the OpenAI-shaped body field chat_plan/completion_plan read (same meaning)
+# api.Options -> the SamplingParams field (same meaning; completion_plan reads these names too)
 _SAMPLING_FIELDS = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical_p": "typical_p",
                     "repeat_last_n": "repeat_last_n", "temperature": "temperature", "repeat_penalty": "repeat_penalty",
                     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
@@ -454,7 +461,7 @@ class _Call:
 class _Run:
     """A planned request: the plan of the OpenAI face's pieces plus what Ollama's output needs."""
 
-    plan: Any  # kvserve.faces.openai.Plan
+    plan: Any  # kvserve.serving.chat_plan.Plan
     post: ChoiceOutput | None
     with_context: bool = False  # generate, not raw: return the token ids
 
@@ -525,42 +532,107 @@ def _with_model_turns(messages: list[dict], layers: ModelLayers) -> list[dict]:
     return msgs
 
 
-def _openai_body(call: _Call, runner: Runner) -> dict:
-    """The OpenAI-shaped body the plans read: sampling fields, ``stream``, ``format`` as a
-    ``response_format``, ``think`` as the template's ``enable_thinking``."""
-    from kvserve.structured.spec import constraint_from_body
+@dataclass
+class _Rules:
+    """What a chat or generate request's ``options``, ``format`` and ``think`` mean, for any plan.
 
-    body = call.body
-    out: dict[str, Any] = dict(call.options.sampling)
-    opts = body.get("options")
-    if out["n_predict"] < 0 and call.options.num_ctx is None and not runner.args.ctx_size:
-        out["n_predict"] = UNLIMITED_N_PREDICT  # unlimited, on the model's own context: Ollama's 4096
-        out[DEFAULT_N_PREDICT_KEY] = True
-    if out["n_predict"] > 0 and not (isinstance(opts, dict) and opts.get("num_predict") is not None):
-        out[DEFAULT_N_PREDICT_KEY] = True  # a default: capped to the context's room, never refused
-    if not out["stop"]:
-        del out["stop"]
-    spec = constraint_from_body({"format": body.get("format")}, "ollama")  # Ollama's field names in errors
-    if spec is not None:
-        f = body["format"]
-        out["response_format"] = {"type": "json_object"} if f == "json" else {"type": "json_object", "schema": f}
-    think = _think_value(body)
-    thinks = "thinking" in capabilities(template_source(runner), runner.args.tool_call_parser)
+    Attributes:
+        n_predict: the token limit after Ollama's rule (:func:`_n_predict`).
+        n_predict_is_default: the limit is a default (capped to the context's room, never refused).
+        spec: the ``format`` constraint (a ConstraintSpec) or None.
+        reasoning: the reasoning options ``think`` selects.
+        variables: template variables ``think`` sets (``enable_thinking``).
+    """
+
+    n_predict: int
+    n_predict_is_default: bool
+    spec: Any
+    reasoning: ReasoningOptions
+    variables: dict
+
+
+def _n_predict(call: _Call, runner: Runner) -> tuple[int, bool]:
+    """Ollama's ``num_predict`` -> ``(n_predict, is_default)``: unlimited on the model's own context
+    stops at :data:`UNLIMITED_N_PREDICT` (where Ollama stops); a limit the request's ``options`` did
+    not set (the model's params layer) is a default."""
+    n = call.options.sampling["n_predict"]
+    opts = call.body.get("options")
+    default = False
+    if n < 0 and call.options.num_ctx is None and not runner.args.ctx_size:
+        n, default = UNLIMITED_N_PREDICT, True  # unlimited, on the model's own context: Ollama's 4096
+    if n > 0 and not (isinstance(opts, dict) and opts.get("num_predict") is not None):
+        default = True  # a default: capped to the context's room, never refused
+    return n, default
+
+
+def _thinking(call: _Call, runner: Runner) -> tuple[ReasoningOptions, dict]:
+    """``think`` -> the reasoning options and template variables (400 for a model that does not
+    think): false switches thinking off in the template and the output is not split; a level is the
+    template's ``reasoning_effort``; a model without thinking is never split."""
+    think = _think_value(call.body)
+    source = template_source(runner)
+    thinks = "thinking" in capabilities(source, runner.args.tool_call_parser)
     if think not in (None, False) and not thinks:
         raise ApiError(400, f'"{call.model}" does not support thinking')
-    if thinks and "<|channel|>" in template_source(runner):
+    effort = think if isinstance(think, str) else None
+    if thinks and "<|channel|>" in source:
         # gpt-oss always writes its analysis channel (Ollama: think takes low / medium / high); it is
         # parsed out of the answer whatever think says, false included
-        if isinstance(think, str):
-            out["reasoning_effort"] = think
-    elif thinks:
-        if think is False:
-            out["chat_template_kwargs"] = {"enable_thinking": False}
-            out["reasoning_format"] = "none"
-        elif isinstance(think, str):
-            out["reasoning_effort"] = think
-    else:
-        out["reasoning_format"] = "none"
+        return ReasoningOptions(effort=effort), {}
+    if thinks and think is False:
+        return ReasoningOptions(format="none"), {"enable_thinking": False}
+    if thinks:
+        return ReasoningOptions(effort=effort), {}
+    return ReasoningOptions(format="none"), {}
+
+
+def _rules(call: _Call, runner: Runner) -> _Rules:
+    """Read ``options`` (already layered), ``format`` and ``think`` (400s in Ollama's words)."""
+    from kvserve.structured.spec import constraint_from_body
+
+    n_predict, default = _n_predict(call, runner)
+    spec = constraint_from_body({"format": call.body.get("format")}, "ollama")  # Ollama's field names in errors
+    reasoning, variables = _thinking(call, runner)
+    return _Rules(n_predict, default, spec, reasoning, variables)
+
+
+def _sampling(call: _Call, rules: _Rules) -> dict[str, Any]:
+    """The options' sampler values as SamplingParams fields, with llama.cpp's meanings: ``top_k``
+    <= 0 is off, a negative ``seed`` is random, seeds are 32 bits."""
+    opts = call.options.sampling
+    kw = {k: v for k, v in opts.items() if k != "stop"}
+    kw["n_predict"] = rules.n_predict
+    kw["top_k"] = max(kw["top_k"], 0)
+    kw["seed"] = SEED_RANDOM if kw["seed"] < 0 else kw["seed"] & 0xFFFFFFFF
+    if opts["stop"]:
+        kw["stop"] = stop_strings(opts["stop"])
+    return kw
+
+
+def _chat_request(call: _Call, runner: Runner, rules: _Rules, messages: list[dict], tools: Any = None) -> ChatRequest:
+    """An Ollama chat (or a generate rendered with the model's chat template) -> kvserve's
+    ChatRequest. ``tools`` are checked as tool definitions; a final assistant message that opens a
+    call in the template's format forces that call (``required``)."""
+    parsed = parse_tools(tools) if tools else None
+    forced = bool(tools) and _forced_call(runner, messages, tools)
+    choice = "required" if forced else ("auto" if parsed else "none")
+    return ChatRequest(messages, new_request_id("chatcmpl-"), model=call.model, keep_alive=call.keep_alive,
+                       tools=parsed, tool_choice=choice, response_format=rules.spec, reasoning=rules.reasoning,
+                       template=TemplateOptions(variables=dict(rules.variables)), sampling=_sampling(call, rules),
+                       n_predict_is_default=rules.n_predict_is_default, owner=caller())
+
+
+def _completion_body(call: _Call, rules: _Rules) -> dict:
+    """The body :func:`kvserve.faces.openai.completion_plan` reads for a generate that is not
+    rendered as a chat (raw, a template given, a context): the sampler values, ``format`` as a
+    ``response_format``."""
+    out: dict[str, Any] = dict(call.options.sampling)
+    out["n_predict"] = rules.n_predict
+    if not out["stop"]:
+        del out["stop"]
+    if rules.spec is not None:
+        f = call.body["format"]
+        out["response_format"] = {"type": "json_object"} if f == "json" else {"type": "json_object", "schema": f}
     return out
 
 
@@ -581,28 +653,23 @@ def _forced_call(runner: Runner, messages: list[dict], tools: Any) -> bool:
     return content == tool_call_prefix(parser)
 
 
+def _chat_run(runner: Runner, req: ChatRequest, with_context: bool = False) -> _Run:
+    plan = plan_chat(runner, req)
+    return _Run(plan, ChoiceOutput(plan.mode) if plan.mode.active else None, with_context)
+
+
 def _plan(runner: Runner, call: _Call) -> _Run:
     """Build the engine requests (worker-thread work: rendering, tokenizing, grammar compiles)."""
-    from kvserve.faces import openai as oai
-
-    body = _openai_body(call, runner)
+    rules = _rules(call, runner)
     b = call.body
     if call.kind == "chat":
         msgs = _with_model_turns(_chat_messages(b.get("messages")), call.layers)
-        body["messages"] = msgs
-        tools = b.get("tools")
-        if tools:
-            body["tools"] = tools
-            if _forced_call(runner, msgs, tools):
-                body["tool_choice"] = "required"
-        plan = oai.chat_plan(runner, body)
-        return _Run(plan, ChoiceOutput(plan.mode) if plan.mode.active else None)
-    return _generate_plan(runner, call, body)
+        return _chat_run(runner, _chat_request(call, runner, rules, msgs, b.get("tools")))
+    return _generate_plan(runner, call, rules)
 
 
-def _generate_plan(runner: Runner, call: _Call, body: dict) -> _Run:
-    from kvserve.faces import openai as oai
-
+def _generate_fields(call: _Call) -> tuple[str, str, str, str, bool, list[int]]:
+    """``(prompt, suffix, system, template, raw, context)`` of a generate request (Ollama's 400s)."""
     b = call.body
     prompt, suffix, system, template = (_string(b, k) for k in ("prompt", "suffix", "system", "template"))
     raw = _flag(b, "raw", False)
@@ -615,27 +682,31 @@ def _generate_plan(runner: Runner, call: _Call, body: dict) -> _Run:
         raise ApiError(400, "raw mode does not support template, system, or context")
     if suffix and not template:
         raise ApiError(400, f'"{call.model}" does not support insert')
+    return prompt, suffix, system, template, raw, context
+
+
+def _generate_plan(runner: Runner, call: _Call, rules: _Rules) -> _Run:
+    from kvserve.faces import openai as oai
+
+    prompt, suffix, system, template, raw, context = _generate_fields(call)
     if raw:
-        body["prompt"] = prompt
-        plan = oai.completion_plan(runner, body)
-        return _Run(plan, None)
+        body = {**_completion_body(call, rules), "prompt": prompt}
+        return _Run(oai.completion_plan(runner, body, n_predict_default=rules.n_predict_is_default), None)
     msgs = [{"role": "system", "content": system or call.layers.system}] if system or call.layers.system else []
     if not context:
         msgs += call.layers.messages
     msgs.append({"role": "user", "content": prompt})
     if template:
-        text = _go_template(template, msgs, _think_value(b), prompt, suffix, call.model)
-        body["prompt"] = [*context, text] if context else text
-        return _Run(oai.completion_plan(runner, body), None, with_context=True)
-    if context:  # Ollama prepends the context's text to the rendered prompt
+        text = _go_template(template, msgs, _think_value(call.body), prompt, suffix, call.model)
+    elif context:  # Ollama prepends the context's text to the rendered prompt
         from kvserve.chat.prompt import render_chat
 
-        text, _ = render_chat(runner.template, runner.tokenizer, msgs, **body.get("chat_template_kwargs", {}))
-        body["prompt"] = [*context, text]
-        return _Run(oai.completion_plan(runner, body), None, with_context=True)
-    body["messages"] = msgs
-    plan = oai.chat_plan(runner, body)
-    return _Run(plan, ChoiceOutput(plan.mode) if plan.mode.active else None, with_context=True)
+        text, _ = render_chat(runner.template, runner.tokenizer, msgs, **rules.variables)
+    else:
+        return _chat_run(runner, _chat_request(call, runner, rules, msgs), with_context=True)
+    body = {**_completion_body(call, rules), "prompt": [*context, text] if context else text}
+    return _Run(oai.completion_plan(runner, body, n_predict_default=rules.n_predict_is_default), None,
+                with_context=True)
 
 
 def _go_template(template: str, msgs: list[dict], think, prompt: str, suffix: str, model: str) -> str:

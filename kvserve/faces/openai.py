@@ -5,7 +5,9 @@ Shapes follow llama-server (000_6dcbf6b03a8c9f77.txt Examples 4, 5, 17): ``chatc
 characters, ``system_fingerprint`` = build string, ``usage.prompt_tokens_details.cached_tokens``
 always present, llama.cpp's ``timings`` on the response / the finish chunk. As in llama-server,
 ``/completions`` without ``/v1`` is the native endpoint (the llama face), not this one.
-Requests are read by :mod:`kvserve.faces.params` and the getters here; responses and chunks are
+Requests are read by :mod:`kvserve.faces.params` and the getters here; a chat completion becomes
+kvserve's :class:`~kvserve.serving.chat_request.ChatRequest` (:func:`chat_request`), which the
+serving layer plans (:func:`kvserve.serving.chat_plan.plan_chat`); responses and chunks are
 the wire types of :mod:`kvserve.faces.openai_types`, written with ``.wire()``.
 
 Streaming (SSE): a role-only first chunk, one chunk per text delta, a finish chunk with an
@@ -49,26 +51,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import secrets
-import string
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from fastapi import APIRouter
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
-from kvserve.chat.prompt import continues_final_message, normalize_messages, render_chat
 from kvserve.engine.request import (
-    SEED_RANDOM,
     Request,
     RequestOutput,
     SamplingParams,
     TokenLogprob,
 )
-from kvserve.faces.chat_features import chat_features, constraint_factory, tool_constraint, with_system_text
-from kvserve.faces.chat_output import ChoiceOutput, OutputMode, preserved_token_ids
+from kvserve.faces.chat_features import read_chat_options
 from kvserve.faces.auth import caller
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import error_response, json_response, read_json
@@ -101,6 +97,7 @@ from kvserve.faces.params import (
     get_int,
     get_str,
     params_to_dict,
+    sampling_fields,
     sampling_params_from_body,
     type_error,
 )
@@ -110,12 +107,24 @@ from kvserve.faces.sse import (
     sse_response,
     until_disconnect,
 )
+from kvserve.serving.chat_output import ChoiceOutput, OutputMode
+from kvserve.serving.chat_plan import (
+    Plan,
+    constraint_factory,
+    engine_requests,
+    grammar_text,
+    plan_chat,
+    truncate_ids,
+    validate_requests,
+    with_prompt_logprobs,
+    with_special_tokens,
+)
+from kvserve.serving.chat_request import ChatRequest, StreamOptions, new_request_id
 from kvserve.serving.runner import Runner, fair_share, generate
 from kvserve.serving.state import ServerState
 
-__all__ = ["build_router", "router"]
+__all__ = ["Plan", "build_router", "chat_plan", "chat_request", "router"]
 
-_ALNUM = string.ascii_letters + string.digits
 _MAX_N = 128
 # prompts x n of one completions request (and of its render): each is an engine request. OpenAI's
 # legacy completions take at most 2,048 prompts (as its embeddings' inputs); vLLM and llama-server
@@ -124,37 +133,11 @@ MAX_ENGINE_REQUESTS = 2048
 _LOGPROB_FLOOR = -9999.0  # OpenAI/vLLM's stand-in for -inf (JSON has no infinities)
 
 
-def _rand_id(prefix: str) -> str:
-    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(32))
-
-
 def _lp(v: float) -> float:
     return v if math.isfinite(v) else _LOGPROB_FLOOR
 
 
 # ------------------------------------------------------------------------ request plan
-
-
-@dataclass
-class Plan:
-    """What one HTTP request asks for: the engine requests (one per choice) and output options."""
-
-    kind: str  # "chat" | "text"
-    response_id: str
-    created: int
-    model: str
-    requests: list[Request]  # prompt-major: choice k = prompt k // n, sample k % n
-    n: int = 1
-    stream: bool = False
-    include_usage: bool = False
-    logprobs: int | None = None  # top candidates to report (chat: top_logprobs; legacy: logprobs)
-    echo_texts: list[str] = field(default_factory=list)  # legacy echo: prompt text per choice
-    mode: OutputMode = field(default_factory=OutputMode)  # chat: reasoning split and tool-call parsing
-    grammar: str = ""  # the constraint's grammar text, shown in /slots params
-    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: candidates per prompt token to report
-    role: str = "assistant"  # chat: the answer's role (vLLM's --response-role rule, :func:`_response_role`)
-    token_ids: bool = False  # logprobs tokens as "token_id:N" (vLLM's --return-tokens-as-token-ids)
-    verbose: dict | None = None  # llama-server's "__verbose" object (the rendered prompt), non-streaming chat
 
 
 def _top_n(state: Runner, body: dict, key: str) -> int | None:
@@ -199,15 +182,6 @@ def _token_ids_field(state: Runner, body: dict) -> bool:
     return bool(getattr(state.args, "return_tokens_as_token_ids", False) if v is None else v)
 
 
-def _response_role(state: Runner, msgs: list[dict], add_generation_prompt: bool) -> str:
-    """vLLM's ``get_chat_request_role``: ``--response-role`` (default ``assistant``) when the
-    prompt ends with the generation prompt, else the role of the last message (the one being
-    continued)."""
-    if add_generation_prompt or not msgs:
-        return str(getattr(state.args, "response_role", "assistant") or "assistant")
-    return str(msgs[-1].get("role") or "assistant")
-
-
 def token_id_text(token_id: int) -> str:
     """vLLM's ``format_token_id_placeholder``: ``token_id:N``."""
     return f"token_id:{token_id}"
@@ -230,14 +204,6 @@ def _prompt_logprobs_field(state: Runner, body: dict, stream: bool) -> int | Non
     return n
 
 
-def _with_prompt_logprobs(params: SamplingParams, k: int | None) -> SamplingParams:
-    """Ask the engine for prompt logprobs (at least the top one, which gives rank 1) and for
-    logits at every prompt position (no prefix reuse)."""
-    if k is None:
-        return params
-    return dataclasses.replace(params, prompt_logprobs=max(k, params.prompt_logprobs or 0, 1), cache_prompt=False)
-
-
 def _truncate_field(state: Runner, body: dict) -> int | None:
     """vLLM's ``truncate_prompt_tokens``: keep the last k prompt tokens (-1: ``max_model_len``)."""
     k = get_int(body, "truncate_prompt_tokens")
@@ -254,32 +220,82 @@ def _truncate_field(state: Runner, body: dict) -> int | None:
     return k
 
 
-def _truncate(ids: list[int], k: int | None) -> list[int]:
-    return ids[len(ids) - k:] if k is not None and len(ids) > k else ids
+def chat_request(state: Runner, body: dict) -> ChatRequest:
+    """An OpenAI chat-completions body (with llama-server's and vLLM's fields) -> kvserve's
+    :class:`~kvserve.serving.chat_request.ChatRequest` (ApiError 400 on bad fields, in this face's
+    wording; the model's limits on logprobs and truncation are checked here too)."""
+    state.require_ready()
+    if "messages" not in body or body["messages"] is None:
+        raise ApiError(400, "'messages' is required")
+    stream, include_usage = _stream_flags(body, bool(getattr(state.args, "enable_force_include_usage", False)))
+    n = _n_choices(body)
+    logprobs = get_bool(body, "logprobs", False)
+    top = _top_n(state, body, "top_logprobs")
+    if top is not None and not logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs to be set to true")
+    # keep_alive: applied by the model lease before planning (the render route never reads it)
+    req = ChatRequest(body["messages"], new_request_id("chatcmpl-"), model=model_field(body) or "", n=n,
+                      logprobs=(top or 0) if logprobs else None)
+    read_chat_options(state.args, body, req)
+    req.truncate_prompt_tokens = _truncate_field(state, body)
+    req.prompt_logprobs = _prompt_logprobs_field(state, body, stream)
+    req.template.continue_final_message, req.template.add_generation_prompt = _continuation_fields(body)
+    req.sampling = sampling_fields(body, state.tokenizer, max_tokens_keys=_CHAT_MAX_TOKENS_KEYS,
+                                   max_logprobs=_max_logprobs(state))
+    req.sampling.pop("n_predict_default", None)  # the client's own limit: the planner sets it from the request
+    req.response_format = _constraint_spec(body)
+    req.skip_special_tokens, req.spaces_between_special_tokens = _special_token_fields(body)
+    req.stream = StreamOptions(stream, include_usage, _return_progress(body))
+    _request_fields(state, body, req)
+    return req
 
 
-def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
-    """Choice i of n: a distinct seed derived from the request's seed (random stays random)."""
-    if i == 0 or params.seed == SEED_RANDOM:
-        return params
-    seed = (params.seed + i) % SEED_RANDOM
-    return dataclasses.replace(params, seed=seed)
+_CHAT_MAX_TOKENS_KEYS = ("max_completion_tokens", "max_tokens", "n_predict")
 
 
-def _engine_requests(state: Runner, body: dict, response_id: str, prompts: list[list[int]],
-                     params: SamplingParams, n: int, make_constraint=None) -> list[Request]:
+def _continuation_fields(body: dict) -> tuple[bool | None, bool | None]:
+    """``(continue_final_message, add_generation_prompt)`` as sent (None: absent); both true is
+    vLLM's 400."""
+    cont = get_bool(body, "continue_final_message")
+    add_gen = get_bool(body, "add_generation_prompt")
+    if cont and add_gen:
+        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    return cont, add_gen
+
+
+def _request_fields(state: Runner, body: dict, req: ChatRequest) -> None:
+    """The slot, cache and reporting fields: ``id_slot``, ``cache_salt``, ``verbose``,
+    ``return_tokens_as_token_ids``, and the caller."""
     id_slot = get_int(body, "id_slot", -1)
-    eog = state.tokenizer.eog_token_ids
-    reqs = []
-    for p, ids in enumerate(prompts):
-        for i in range(n):
-            k = p * n + i
-            reqs.append(Request(f"{response_id}-{k}", list(ids), _choice_params(params, k), eog_token_ids=eog,
-                                priority_slot=id_slot if id_slot is not None else -1,
-                                cache_salt=get_str(body, "cache_salt") or None, owner=caller(),
-                                grammar=make_constraint() if make_constraint is not None else None,
-                                return_progress=_return_progress(body)))
-    return reqs
+    req.id_slot = id_slot if id_slot is not None else -1
+    req.cache_salt = get_str(body, "cache_salt") or None
+    req.owner = caller()
+    req.token_ids = _token_ids_field(state, body)
+    req.verbose = _verbose(state, body)
+
+
+def chat_plan(state: Runner, body: dict) -> Plan:
+    """Parse a chat completion request and plan it (raises ApiError 400 on bad fields; the
+    serving layer's domain errors for what the model refuses)."""
+    return plan_chat(state, chat_request(state, body))
+
+
+def _verbose(state: Runner, body: dict) -> bool:
+    """llama-server's ``__verbose`` object (its ``prompt``: the rendered chat prompt) is wanted when
+    the server runs with ``--verbose`` or the request sets ``"verbose": true``."""
+    return bool(get_bool(body, "verbose", False) or state.args.log_verbosity >= 5)
+
+
+def _special_token_fields(body: dict) -> tuple[bool, bool]:
+    """vLLM's ``skip_special_tokens`` (default true; false renders every control token) and
+    ``spaces_between_special_tokens`` (accepted, no effect); 400 on a non-boolean."""
+    return get_bool(body, "skip_special_tokens", True), get_bool(body, "spaces_between_special_tokens", True)
+
+
+def _special_tokens(body: dict, params: SamplingParams, preserved: frozenset[int] = frozenset()) -> SamplingParams:
+    """:func:`_special_token_fields` applied to ``params``, keeping the ``preserved`` control
+    tokens (:func:`kvserve.serving.chat_output.preserved_token_ids`)."""
+    return with_special_tokens(params, *_special_token_fields(body), preserved)
 
 
 def _return_progress(body: dict) -> bool:
@@ -288,108 +304,16 @@ def _return_progress(body: dict) -> bool:
     return bool(get_bool(body, "stream", False)) and bool(get_bool(body, "return_progress", False))
 
 
-def _validate(state: Runner, reqs: list[Request]) -> None:
-    """Refuse now what the engine would refuse, so a stream never starts for a bad request."""
-    engine, slots = state.engine, state.slots
-    for r in reqs:
-        engine.validate(r)
-        if slots is not None and r.priority_slot >= len(slots.slots):
-            raise ApiError(400, f"Invalid id_slot: {r.priority_slot}")
-
-
-def chat_plan(state: Runner, body: dict) -> Plan:
-    """Parse a chat completion request (raises ApiError 400 on bad fields)."""
-    state.require_ready()
-    if "messages" not in body or body["messages"] is None:
-        raise ApiError(400, "'messages' is required")
-    if state.template is None:
-        raise ApiError(500, "this model has no chat template; use /v1/completions")
-    stream, include_usage = _stream_flags(body, bool(getattr(state.args, "enable_force_include_usage", False)))
-    n = _n_choices(body)
-    logprobs = get_bool(body, "logprobs", False)
-    top = _top_n(state, body, "top_logprobs")
-    if top is not None and not logprobs:
-        raise ApiError(400, "top_logprobs requires logprobs to be set to true")
-    feats = chat_features(state, body)
-    truncate = _truncate_field(state, body)
-    plp = _prompt_logprobs_field(state, body, stream)
-    if truncate is None:  # a prompt to be truncated may be longer than the context
-        _check_chat_fits(state, body)
-    cont = get_bool(body, "continue_final_message")
-    add_gen = get_bool(body, "add_generation_prompt")
-    if cont and add_gen:
-        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-    if add_gen is False and cont is None:
-        cont = False
-    msgs = normalize_messages(body["messages"])
-    if continues_final_message(msgs, cont) and len(msgs) >= 2 and msgs[-1].get("role") == msgs[-2].get("role") \
-            == "assistant":
-        raise ApiError(400, "Cannot have 2 or more assistant messages at the end of the list.")  # llama-server's
-    render_msgs = body["messages"]
-    if feats.generic is not None and isinstance(render_msgs, list):  # the tools and the JSON answer's shape
-        render_msgs = with_system_text(render_msgs, feats.generic[2])
-    text, ids = render_chat(state.template, state.tokenizer, render_msgs,
-                            add_generation_prompt=add_gen is not False, tools=feats.template_tools,
-                            continue_final_message=cont, **feats.template_kwargs)
-    ids = _truncate(ids, truncate)
-    prefill = (msgs[-1].get("content") or "") if continues_final_message(msgs, cont) else ""
-    params = sampling_params_from_body(body, state.default_params, state.tokenizer,
-                                       max_tokens_keys=("max_completion_tokens", "max_tokens", "n_predict"),
-                                       max_logprobs=_max_logprobs(state))
-    if logprobs:
-        params = dataclasses.replace(params, n_probs=max(top or 0, 1))
-    params = _with_prompt_logprobs(params, plp)
-    spec = tool_constraint(feats, _constraint_spec(body))
-    mode = feats.output_mode(text, prefill)
-    params = _special_tokens(body, params, preserved_token_ids(state.tokenizer, mode))
-    make = constraint_factory(state, spec, prefill, mode, feats.thinking_budget)
-    rid = _rand_id("chatcmpl-")
-    reqs = _engine_requests(state, body, rid, [ids], params, n, make)
-    _validate(state, reqs)
-    return Plan("chat", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage,
-                (top or 0) if logprobs else None, mode=mode, grammar=_grammar_text(state, spec), prompt_logprobs=plp,
-                role=_response_role(state, msgs, add_gen is not False and not continues_final_message(msgs, cont)),
-                token_ids=_token_ids_field(state, body), verbose=_verbose(state, body, text))
-
-
-def _verbose(state: Runner, body: dict, prompt: str) -> dict | None:
-    """llama-server's ``__verbose`` object (its ``prompt``: the rendered chat prompt) when the server
-    runs with ``--verbose`` or the request sets ``"verbose": true``; None otherwise."""
-    on = get_bool(body, "verbose", False) or state.args.log_verbosity >= 5
-    return {"prompt": prompt} if on else None
-
-
-def _special_tokens(body: dict, params: SamplingParams, preserved: frozenset[int] = frozenset()) -> SamplingParams:
-    """vLLM's ``skip_special_tokens`` (default true; false renders every control token) and
-    ``spaces_between_special_tokens`` (accepted, no effect) fields, and the chat parsers'
-    preserved control tokens (:func:`kvserve.faces.chat_output.preserved_token_ids`); 400 on a
-    non-boolean."""
-    skip = get_bool(body, "skip_special_tokens", True)
-    spaces = get_bool(body, "spaces_between_special_tokens", True)
-    if skip and spaces and not preserved:
-        return params
-    return dataclasses.replace(params, skip_special_tokens=skip, spaces_between_special_tokens=spaces,
-                               preserved_token_ids=preserved)
-
-
-def _check_chat_fits(state: Runner, body: dict) -> None:
-    """Refuse before rendering and tokenizing a chat whose text alone cannot fit the context:
-    the strings of ``messages`` and ``tools`` are (nearly all) rendered into the prompt, so
-    their length bounds its token count (``Tokenizer.check_fits``; TooManyTokensError)."""
-    texts, stack = [], [body.get("messages"), body.get("tools")]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            texts.append(v)
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    state.tokenizer.check_fits(texts, state.engine.n_ctx_slot)
-
-
-def _grammar_text(state: Runner, spec) -> str:
-    return state.grammars.grammar_text(spec) if spec is not None and state.grammars is not None else ""
+def _completion_requests(state: Runner, body: dict, response_id: str, prompts: list[list[int]],
+                         params: SamplingParams, n: int, make_constraint=None) -> list[Request]:
+    """The engine requests of a legacy completion (one per prompt and choice), checked now."""
+    id_slot = get_int(body, "id_slot", -1)
+    reqs = engine_requests(state, response_id, prompts, params, n, make_constraint,
+                           id_slot=id_slot if id_slot is not None else -1,
+                           cache_salt=get_str(body, "cache_salt") or None, owner=caller(),
+                           return_progress=_return_progress(body))
+    validate_requests(state, reqs)
+    return reqs
 
 
 def _constraint_spec(body: dict):
@@ -457,10 +381,12 @@ def check_request_count(n_prompts: int, n: int) -> None:
                             f"more than {MAX_ENGINE_REQUESTS} per request (split the request)")
 
 
-def completion_plan(state: Runner, body: dict, *, render: bool = False) -> Plan:
+def completion_plan(state: Runner, body: dict, *, render: bool = False, n_predict_default: bool = False) -> Plan:
     """Parse a legacy completion request (raises ApiError 400 on bad fields). ``render``: plan one
     request per prompt (``/v1/completions/render``: ``n`` does not change the ids; the bound of
-    :func:`check_request_count` still counts it)."""
+    :func:`check_request_count` still counts it). ``n_predict_default``: the body's ``n_predict``
+    is a default the calling face applied (Ollama's ``num_predict`` layers), capped to the
+    context's room instead of refused."""
     state.require_ready()
     suffix = get_str(body, "suffix")
     stream, include_usage = _stream_flags(body, bool(getattr(state.args, "enable_force_include_usage", False)))
@@ -478,25 +404,24 @@ def completion_plan(state: Runner, body: dict, *, render: bool = False) -> Plan:
         prompts = _prompt_list(state, body.get("prompt"), check_fits=truncate is None)
         if any(not p for p in prompts):
             raise ApiError(400, "Field 'prompt': the prompt is empty")
-    prompts = [_truncate(p, truncate) for p in prompts]
+    prompts = [truncate_ids(p, truncate) for p in prompts]
     # OpenAI's default max_tokens for completions is 16 (llama-server uses -1).
     defaults = dataclasses.replace(state.default_params, n_predict=16)
     params = sampling_params_from_body(body, defaults, state.tokenizer, max_tokens_keys=("max_tokens", "n_predict"),
-                                       max_logprobs=_max_logprobs(state))
+                                       max_logprobs=_max_logprobs(state), n_predict_default=n_predict_default)
     if logprobs is not None:
         params = dataclasses.replace(params, n_probs=max(logprobs, 1))
         if echo:  # prompt logprobs need logits at every prompt position: no prefix reuse
             params = dataclasses.replace(params, prompt_logprobs=max(logprobs, 1), cache_prompt=False)
-    params = _with_prompt_logprobs(params, plp)
+    params = with_prompt_logprobs(params, plp)
     params = _special_tokens(body, params)
-    rid = _rand_id("cmpl-")
+    rid = new_request_id("cmpl-")
     spec = _constraint_spec(body)
     make = constraint_factory(state, spec, "", OutputMode(), -1) if spec is not None else None
-    reqs = _engine_requests(state, body, rid, prompts, params, n, make)
-    _validate(state, reqs)
+    reqs = _completion_requests(state, body, rid, prompts, params, n, make)
     echo_texts = [state.tokenizer.decode(r.prompt_token_ids) if echo else "" for r in reqs]
     return Plan("text", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage, logprobs,
-                echo_texts, grammar=_grammar_text(state, spec), prompt_logprobs=plp,
+                echo_texts, grammar=grammar_text(state, spec), prompt_logprobs=plp,
                 token_ids=_token_ids_field(state, body))
 
 

@@ -18,11 +18,11 @@ the strings they return too.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
-from kvserve.engine.request import SEED_RANDOM, InvalidRequestError, SamplingParams
+from kvserve.engine.request import SEED_RANDOM, SamplingParams
+from kvserve.errors import InvalidInputError
 from kvserve.faces.errors import ApiError
 from kvserve.faces.limits import MAX_SAMPLERS, MAX_STOP, MAX_STOP_CHARS, check_count
 from kvserve.jsonvalues import SURROGATE as _SURROGATE  # noqa: F401 - re-exported
@@ -146,7 +146,9 @@ def get_str(body: dict, key: str, default: str | None = None) -> str | None:
     return v
 
 
-def _stop(v: Any) -> tuple[str, ...]:
+def stop_strings(v: Any) -> tuple[str, ...]:
+    """``stop``: a string or an array of strings, at most ``MAX_STOP`` of at most ``MAX_STOP_CHARS``
+    characters each (400 naming ``stop``)."""
     if isinstance(v, str):
         v = [v]
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
@@ -242,29 +244,46 @@ def parse_logit_bias(v: Any, tokenizer) -> dict[int, float]:
     return out
 
 
-#: a key the Ollama face sets in the body it hands on when its ``n_predict`` is a default (the
-#: model's file or the store model's params), not the request's ``options``: the engine then caps
-#: it to the room left in the context (``SamplingParams.n_predict_default``)
-DEFAULT_N_PREDICT_KEY = "_kvserve_n_predict_is_default"
-
-
 def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *,
                               max_tokens_keys: tuple[str, ...] = ("n_predict",),
-                              max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplingParams:
-    """Build SamplingParams from a request body over the server ``defaults``.
+                              max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+                              n_predict_default: bool = False) -> SamplingParams:
+    """Build SamplingParams from a request body over the server ``defaults``: the fields
+    :func:`sampling_fields` reads, applied by :func:`kvserve.serving.chat_plan.apply_sampling`.
+
+    Raises:
+        ApiError: 400 on a wrong type or an out-of-range value.
+    """
+    from kvserve.serving.chat_plan import apply_sampling
+
+    kw = sampling_fields(body, tokenizer, max_tokens_keys=max_tokens_keys, max_logprobs=max_logprobs,
+                         n_predict_default=n_predict_default)
+    try:
+        return apply_sampling(defaults, kw)
+    except InvalidInputError as e:
+        raise ApiError(400, str(e)) from e.__cause__
+
+
+def sampling_fields(body: dict, tokenizer, *, max_tokens_keys: tuple[str, ...] = ("n_predict",),
+                    max_logprobs: int = DEFAULT_MAX_LOGPROBS, n_predict_default: bool = False) -> dict[str, Any]:
+    """The :class:`SamplingParams` fields a request body sets (llama-server's and OpenAI's names),
+    checked for type and range; ``logit_bias`` as token id -> bias (not yet merged with the
+    server's).
 
     The whole body is checked for lone surrogates first (:func:`check_text`), so a face
     that builds its sampling parameters before tokenizing never hands such text on.
 
     Args:
         body: the request JSON object.
-        defaults: server-wide defaults (``--temp``, ``-n``...).
         tokenizer: resolves text keys of ``logit_bias`` (may be None).
         max_tokens_keys: fields read as n_predict, first present wins
             (``("n_predict", "max_tokens")`` on ``/completion``,
             ``("max_completion_tokens", "max_tokens")`` on chat...).
         max_logprobs: ``--max-logprobs``: the largest ``n_probs`` allowed (-1: the
             vocabulary size, vLLM's "no cap").
+        n_predict_default: the body's ``n_predict`` is a default the face applied (Ollama's
+            ``num_predict`` layers), not the client's: the engine caps it to the context's room
+            (``SamplingParams.n_predict_default``) instead of refusing it.
 
     Output constraints (``grammar``, ``json_schema``, ``response_format``,
     ``structured_outputs``...) are not sampling parameters: faces read them with
@@ -299,30 +318,24 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
         v = get_int(body, key)
         if v is not None:
             kw["n_predict"] = v
-            # the request's own length is checked against the context; a default is capped to it.
-            # DEFAULT_N_PREDICT_KEY: a face that passes a default on in the body (Ollama's layers)
-            kw["n_predict_default"] = body.get(DEFAULT_N_PREDICT_KEY) is True
+            # the request's own length is checked against the context; a default is capped to it
+            kw["n_predict_default"] = n_predict_default
             break
     seed = get_int(body, "seed")
     if seed is not None:
         kw["seed"] = SEED_RANDOM if seed < 0 else seed & 0xFFFFFFFF
     if body.get("stop") is not None:
-        kw["stop"] = _stop(body["stop"])
+        kw["stop"] = stop_strings(body["stop"])
     if body.get("samplers") is not None:
         kw["samplers"] = _samplers(body["samplers"])
     if body.get("dry_sequence_breakers") is not None:
         kw["dry_sequence_breakers"] = _dry_breakers(body["dry_sequence_breakers"])
     lb = body.get("logit_bias")
     if lb is not None:
-        kw["logit_bias"] = {**defaults.logit_bias, **parse_logit_bias(lb, tokenizer)}
-    if kw.get("spec_n_max") is not None and defaults.spec_n_max is not None:
-        kw["spec_n_max"] = max(min(kw["spec_n_max"], defaults.spec_n_max), 0)  # lowers the server's, never raises
+        kw["logit_bias"] = parse_logit_bias(lb, tokenizer)
     if "n_probs" in kw:
         check_logprobs(kw["n_probs"], max_logprobs, getattr(tokenizer, "n_vocab", None))
-    try:
-        return dataclasses.replace(defaults, **kw)
-    except InvalidRequestError as e:
-        raise ApiError(400, str(e)) from e
+    return kw
 
 
 def check_logprobs(n: int, max_logprobs: int, n_vocab: int | None, *, prompt: bool = False) -> None:

@@ -2,12 +2,14 @@
 ``GET /v1/responses/{id}/input_items``, ``DELETE /v1/responses/{id}`` (``POST /responses`` too, as
 llama-server serves it).
 
-The face translates only: a Responses request becomes the chat-completions body the OpenAI
-face reads (:func:`kvserve.faces.openai.chat_plan`), so tools, ``tool_choice``, structured
-output and reasoning go through the same chat features, and the chat chunk stream
-(:func:`kvserve.faces.openai.stream_events`) becomes the response object and its typed events.
+The face translates: a Responses request becomes kvserve's
+:class:`~kvserve.serving.chat_request.ChatRequest` (:func:`chat_body`, then :func:`chat_request`
+once the model is known), planned by :func:`kvserve.serving.chat_plan.plan_chat`, so tools,
+``tool_choice``, structured output and reasoning go through the same chat features; the chat
+chunk stream (:func:`kvserve.faces.openai.stream_events`) becomes the response object and its
+typed events.
 
-Request -> chat body:
+Request -> chat request:
 
 - ``instructions`` -> a first ``system`` message (not carried over by ``previous_response_id``,
   as OpenAI documents);
@@ -20,14 +22,15 @@ Request -> chat body:
   (``web_search``, ``file_search``, ``code_interpreter``, ``computer_use_preview``, ``mcp``...)
   is 400 naming them. ``tool_choice``: ``none``/``auto``/``required``, ``{"type": "function",
   "name"}``, ``{"type": "allowed_tools", "mode", "tools"}`` (only those tools are offered);
-- ``text.format``: ``json_schema``/``json_object`` -> ``response_format`` (the structured-output
-  grammar); ``max_output_tokens`` -> ``max_tokens``; ``temperature``, ``top_p``,
+- ``text.format``: ``json_schema``/``json_object`` -> the output constraint (the structured-output
+  grammar); ``max_output_tokens`` -> the token limit; ``temperature``, ``top_p``,
   ``parallel_tool_calls`` as they are;
 - ``reasoning.effort`` -> the template's ``reasoning_effort`` and a thinking budget
   (:data:`EFFORT_BUDGET`; ``none`` also sets ``enable_thinking: false``), never above
   ``--reasoning-budget``; ``reasoning.summary`` is echoed, no summary is written (the thinking
   itself is the reasoning item's ``reasoning_text``);
-- kvserve's sampling extensions (``top_k``, ``min_p``, ``seed``, ``stop``...) pass through.
+- kvserve's sampling extensions (``top_k``, ``min_p``, ``seed``, ``stop``...) are read with the
+  chat route's checks once the model is known.
 
 ``store`` (default true) keeps the response in memory (:class:`ResponseStore`, bounded by
 count and bytes, LRU) for GET/DELETE, the input-items list and ``previous_response_id``, which continues the stored
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import secrets
@@ -70,8 +74,11 @@ from kvserve.faces.auth import request_key
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import dumps, error_response, json_response, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
-from kvserve.faces.openai import chat_plan, stream_events
-from kvserve.faces.params import get_bool, get_int, get_str, type_error
+from kvserve.errors import InvalidInputError
+from kvserve.faces.auth import caller
+from kvserve.faces.chat_features import check_tool_choice, parse_tools, read_reasoning_options, read_template_options
+from kvserve.faces.openai import stream_events
+from kvserve.faces.params import get_bool, get_int, get_str, sampling_fields, type_error
 from kvserve.faces.responses_types import (
     ContentPartAdded,
     ContentPartDone,
@@ -104,7 +111,10 @@ from kvserve.faces.sse import (
     sse_response,
     until_disconnect,
 )
+from kvserve.serving.chat_plan import plan_chat
+from kvserve.serving.chat_request import ChatRequest, StreamOptions, TemplateOptions, new_request_id
 from kvserve.serving.response_store import ResponseStore
+from kvserve.structured.spec import ConstraintSpec, schema_spec
 from kvserve.serving.runner import Runner
 from kvserve.serving.state import ServerState
 
@@ -120,7 +130,8 @@ MAX_ECHO_DEPTH = 128
 EFFORT_BUDGET = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": -1, "xhigh": -1}
 #: OpenAI's metadata bounds: 16 pairs, keys up to 64 characters, values up to 512
 _META_PAIRS, _META_KEY, _META_VALUE = 16, 64, 512
-#: kvserve's own request fields that pass through to the chat plan unchanged
+#: kvserve's own request fields (llama-server's and vLLM's names), read when the model is known
+#: (:func:`chat_request`: ``logit_bias`` text keys need its vocabulary, the reasoning fields its flags)
 _PASSTHROUGH = ("top_k", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
                 "frequency_penalty", "seed", "stop", "logit_bias", "cache_salt", "id_slot",
                 "thinking_token_budget", "reasoning_format", "include_reasoning")
@@ -143,7 +154,10 @@ class Turn:
     """One Responses request, translated.
 
     Attributes:
-        chat: the chat-completions body for :func:`kvserve.faces.openai.chat_plan`.
+        chat: kvserve's chat request, all but the fields that need the model (:func:`chat_request`
+            completes it).
+        fields: those fields as sent (:data:`_PASSTHROUGH`, ``temperature``, ``top_p``, the
+            template variables).
         history: the conversation to store after this turn's output (earlier turns and this
             input, instructions left out), as chat messages.
         echo: the request's settings as the response object writes them (instructions,
@@ -155,7 +169,8 @@ class Turn:
         owner: who created it (:func:`owner_of`); only they see the stored response.
     """
 
-    chat: dict
+    chat: ChatRequest
+    fields: dict
     history: list[dict]
     echo: dict
     stream: bool = False
@@ -472,7 +487,8 @@ def _tools(body: dict) -> tuple[list[dict], list[dict]]:
 
 
 def _tool_choice(body: dict, chat_tools: list[dict]) -> tuple[Any, Any, list[dict]]:
-    """``tool_choice`` -> (chat tool_choice or None, the echoed value, the tools offered)."""
+    """``tool_choice`` -> (the chat request's tool choice or None (the default), the echoed value,
+    the tools offered)."""
     tc = body.get("tool_choice")
     if tc is None:
         return None, "auto", chat_tools
@@ -485,7 +501,7 @@ def _tool_choice(body: dict, chat_tools: list[dict]) -> tuple[Any, Any, list[dic
     kind = d.get("type")
     if kind == "function":
         name = _str_field(d, "name", "tool_choice")
-        return {"type": "function", "function": {"name": name}}, {"type": "function", "name": name}, chat_tools
+        return {"name": name}, {"type": "function", "name": name}, chat_tools
     if kind == "allowed_tools":
         mode = d.get("mode", "auto")
         if mode not in ("auto", "required"):
@@ -507,8 +523,9 @@ def _tool_choice(body: dict, chat_tools: list[dict]) -> tuple[Any, Any, list[dic
     raise _bad(f"Field 'tool_choice': type {str(kind)[:64]!r} not supported: {_BUILTIN_HINT}", "tool_choice.type")
 
 
-def _text_format(body: dict) -> tuple[dict | None, dict]:
-    """``text`` -> (chat response_format or None, the echoed ``text``)."""
+def _text_format(body: dict) -> tuple[ConstraintSpec | None, dict]:
+    """``text`` -> (the output constraint or None, the echoed ``text``). A schema's errors name
+    ``response_format.json_schema.schema``, as when this face planned through a chat body."""
     text = body.get("text")
     if text is None:
         return None, {"format": {"type": "text"}}
@@ -529,7 +546,7 @@ def _text_format(body: dict) -> tuple[dict | None, dict]:
         return None, echo
     if kind == "json_object":
         echo["format"] = {"type": "json_object"}
-        return {"type": "json_object"}, echo
+        return ConstraintSpec("json_object", ""), echo
     if kind == "json_schema":
         name = _str_field(fmt, "name", "text.format")
         schema = fmt.get("schema")
@@ -541,21 +558,22 @@ def _text_format(body: dict) -> tuple[dict | None, dict]:
         if strict is not None and not isinstance(strict, bool):
             raise type_error("text.format.strict", "boolean", strict)
         desc = _str_field(fmt, "description", "text.format", required=False)
-        js: dict = {"name": name, "schema": schema}
-        if strict is not None:
-            js["strict"] = strict
         echo["format"] = {"type": "json_schema", "name": name, "schema": schema}
         if desc is not None:
             echo["format"]["description"] = desc
         if strict is not None:
             echo["format"]["strict"] = strict
-        return {"type": "json_schema", "json_schema": js}, echo
+        try:
+            return schema_spec(schema, "response_format.json_schema.schema"), echo
+        except InvalidInputError as e:
+            raise ApiError(400, str(e)) from None
     raise _bad(f"Field 'text.format.type': expected 'text', 'json_object' or 'json_schema', got {kind!r}",
                "text.format.type")
 
 
-def _reasoning(body: dict, chat: dict, server_budget: int) -> dict:
-    """``reasoning`` -> template variables and a thinking budget in ``chat``; returns the echo."""
+def _reasoning(body: dict, chat: ChatRequest, fields: dict, server_budget: int) -> dict:
+    """``reasoning`` -> the reasoning effort and thinking budget of ``chat`` (``none`` switches
+    thinking off in ``fields``' template variables); returns the echo."""
     r = body.get("reasoning")
     if r is None:
         return {"effort": None, "summary": None}
@@ -569,16 +587,16 @@ def _reasoning(body: dict, chat: dict, server_budget: int) -> dict:
         raise _bad(f"Field 'reasoning.summary': expected 'auto', 'concise' or 'detailed', got {summary!r}",
                    "reasoning.summary")
     if effort is not None:
-        chat["reasoning_effort"] = effort
+        chat.reasoning.effort = effort
         if effort == "none":
-            kwargs = dict(chat.get("chat_template_kwargs") or {})
+            kwargs = dict(fields.get("chat_template_kwargs") or {})
             kwargs.setdefault("enable_thinking", False)
-            chat["chat_template_kwargs"] = kwargs
-        if "thinking_token_budget" not in chat:
+            fields["chat_template_kwargs"] = kwargs
+        if "thinking_token_budget" not in fields:
             budget = EFFORT_BUDGET[effort]
             if server_budget >= 0:
                 budget = server_budget if budget < 0 else min(budget, server_budget)
-            chat["thinking_token_budget"] = budget
+            chat.reasoning.budget = budget
     return {"effort": effort, "summary": summary}
 
 
@@ -622,7 +640,8 @@ def _max_output_tokens(body: dict) -> int | None:
 
 
 def chat_body(body: dict, store: ResponseStore, server_budget: int = -1, owner: str = "") -> Turn:
-    """Translate a Responses request into the chat-completions body of the same request.
+    """Translate a Responses request into kvserve's chat request (a :class:`Turn`; the fields that
+    need the model are read by :func:`chat_request` once it is known).
 
     CPU work linear in the body's size (the face runs it on a worker thread).
 
@@ -640,44 +659,28 @@ def chat_body(body: dict, store: ResponseStore, server_budget: int = -1, owner: 
     stream = bool(get_bool(body, "stream", False))
     keep = get_bool(body, "store", True)
     prev_id = get_str(body, "previous_response_id")
-    history: list[dict] = []
-    if prev_id is not None:
-        entry = store.get(prev_id, owner)
-        if entry is None:
-            raise ApiError(404, f"Previous response with id '{prev_id[:128]}' not found.",
-                           param="previous_response_id")
-        history = [dict(m) for m in entry.history]
+    history = _history(store, prev_id, owner)
     instructions = get_str(body, "instructions")
     check_item_ids(body.get("input"))
     new = input_messages(body.get("input"), history)
     if not new and not history:
         raise _bad("Missing required parameter: 'input'.", "input")
     system = [{"role": "system", "content": instructions}] if instructions else []
-    chat: dict = {"messages": system + history + new, "stream": True, "stream_options": {"include_usage": True},
-                  "continue_final_message": False}
-    for key in _PASSTHROUGH:
-        if body.get(key) is not None:
-            chat[key] = body[key]
-    if body.get("chat_template_kwargs") is not None:
-        chat["chat_template_kwargs"] = body["chat_template_kwargs"]
-    for key in ("temperature", "top_p"):
-        if body.get(key) is not None:
-            chat[key] = body[key]
+    # the face reads the answer as a stream of chat chunks, usage last
+    chat = ChatRequest(system + history + new, new_request_id("chatcmpl-"),
+                       stream=StreamOptions(stream=True, include_usage=True),
+                       template=TemplateOptions(continue_final_message=False))
+    fields = {key: body[key] for key in (*_PASSTHROUGH, "chat_template_kwargs", "temperature", "top_p")
+              if body.get(key) is not None}
     max_out = _max_output_tokens(body)
     if max_out is not None:
-        chat["max_tokens"] = max_out
+        chat.sampling["n_predict"] = max_out
     chat_tools, echo_tools = _tools(body)
     choice, echo_choice, offered = _tool_choice(body, chat_tools)
-    if offered:
-        chat["tools"] = offered
-    if choice is not None:
-        chat["tool_choice"] = choice
     parallel = get_bool(body, "parallel_tool_calls", True)
-    chat["parallel_tool_calls"] = parallel
-    fmt, echo_text = _text_format(body)
-    if fmt is not None:
-        chat["response_format"] = fmt
-    echo_reasoning = _reasoning(body, chat, server_budget)
+    _tool_fields(chat, offered, choice, parallel)
+    chat.response_format, echo_text = _text_format(body)
+    echo_reasoning = _reasoning(body, chat, fields, server_budget)
     truncation = get_str(body, "truncation", "disabled")
     if truncation not in ("auto", "disabled"):
         raise _bad(f"Field 'truncation': expected 'auto' or 'disabled', got {truncation[:64]!r}", "truncation")
@@ -688,8 +691,46 @@ def chat_body(body: dict, store: ResponseStore, server_budget: int = -1, owner: 
             "previous_response_id": prev_id, "reasoning": echo_reasoning, "store": keep, "text": echo_text,
             "tool_choice": echo_choice, "tools": echo_tools, "truncation": truncation,
             "user": get_str(body, "user"), "metadata": _metadata(body)}
-    return Turn(chat, history + new, echo, stream, keep, listed_input_items(body.get("input")) if keep else [],
-                owner)
+    return Turn(chat, fields, history + new, echo, stream, keep,
+                listed_input_items(body.get("input")) if keep else [], owner)
+
+
+def _history(store: ResponseStore, prev_id: str | None, owner: str) -> list[dict]:
+    """The stored conversation ``previous_response_id`` continues ([] without one; 404 when it is
+    not stored for ``owner``)."""
+    if prev_id is None:
+        return []
+    entry = store.get(prev_id, owner)
+    if entry is None:
+        raise ApiError(404, f"Previous response with id '{prev_id[:128]}' not found.", param="previous_response_id")
+    return [dict(m) for m in entry.history]
+
+
+def _tool_fields(chat: ChatRequest, offered: list[dict], choice: Any, parallel: bool | None) -> None:
+    """The offered tools, the tool choice (default: ``auto`` with tools, else ``none``) and parallel
+    calls (default true); their bounds and agreement are checked with the model (:func:`chat_request`)."""
+    chat.tools = offered or None
+    chat.tool_choice = choice if choice is not None else ("auto" if offered else "none")
+    chat.parallel_tool_calls = True if parallel is None else parallel
+
+
+def chat_request(runner: Runner, turn: Turn) -> ChatRequest:
+    """``turn.chat`` completed with the fields that need the model (checked as the chat route
+    checks them): the tools and tool choice, the sampling fields, the template variables and the
+    reasoning fields."""
+    chat, fields = turn.chat, turn.fields
+    tools = parse_tools(chat.tools)
+    choice = check_tool_choice(chat.tool_choice, tools)
+    sampling = sampling_fields(fields, runner.tokenizer, max_tokens_keys=(), max_logprobs=runner.args.max_logprobs)
+    opts = read_template_options(fields)
+    reasoning = read_reasoning_options(runner.args, fields)
+    budget = chat.reasoning.budget if reasoning.budget is None else reasoning.budget
+    id_slot = get_int(fields, "id_slot", -1)
+    return dataclasses.replace(
+        chat, tools=tools, tool_choice=choice, sampling={**sampling, **chat.sampling},
+        template=dataclasses.replace(chat.template, variables=opts.variables, documents=opts.documents),
+        reasoning=dataclasses.replace(reasoning, budget=budget, effort=chat.reasoning.effort),
+        id_slot=-1 if id_slot is None else id_slot, cache_salt=get_str(fields, "cache_salt") or None, owner=caller())
 
 
 # ------------------------------------------------------------------------ chat chunks -> response
@@ -951,7 +992,7 @@ async def _create(state: ServerState, store: ResponseStore, http: HttpRequest) -
 
         async def run(runner: Runner) -> Response:
             # rendering, tokenizing and grammar compiles are CPU work: off the event loop
-            plan = await asyncio.to_thread(chat_plan, runner, turn.chat)
+            plan = await asyncio.to_thread(plan_chat, runner, chat_request(runner, turn))
             job = _Run(runner, plan, turn, store)
             if turn.stream:
                 return await sse_response(job.events(), ping_interval=state.args.sse_ping_interval, done=False,

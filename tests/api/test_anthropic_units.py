@@ -1,5 +1,6 @@
-"""The Anthropic face without a model: the request translation (:func:`chat_body`), the error
-envelope for model-manager errors, and the stream writer's error event."""
+"""The Anthropic face without a model: the request translation (:func:`chat_request`: kvserve's
+typed chat request), the error envelope for model-manager errors, and the stream writer's error
+event."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from starlette.testclient import TestClient
 
 from kvserve.app import build_app
 from kvserve.errors import NotFoundError, UnavailableError
-from kvserve.faces.anthropic import _sse, chat_body, error_envelope
+from kvserve.faces.anthropic import _sse, chat_request, error_envelope
 from kvserve.faces.errors import ApiError
 from kvserve.serving.args import parse_args
+from kvserve.serving.chat_request import ReasoningOptions, TemplateOptions
 from kvserve.serving.state import ServerState
 
 
-def test_chat_body_translates_every_block_kind():
+def test_chat_request_translates_every_block_kind():
     body = {
         "model": "m", "max_tokens": 50, "system": [{"type": "text", "text": "S1"}, {"type": "text", "text": "S2"}],
         "messages": [
@@ -38,8 +40,8 @@ def test_chat_body_translates_every_block_kind():
         "thinking": {"type": "enabled", "budget_tokens": 20}, "metadata": {"user_id": "u"},
         "output_config": {"effort": "low"},
     }
-    assert chat_body(body) == {
-        "messages": [
+    req = chat_request(body)
+    assert req.messages == [
             {"role": "system", "content": "S1\nS2"},
             {"role": "user", "content": "Read it."},
             {"role": "assistant", "content": "Reading.", "tool_calls": [
@@ -47,32 +49,57 @@ def test_chat_body_translates_every_block_kind():
                 {"id": "toolu_2", "type": "function", "function": {"name": "ls", "arguments": {}}}]},
             {"role": "tool", "tool_call_id": "toolu_1", "content": "A"},
             {"role": "tool", "tool_call_id": "toolu_2", "content": "B"},
-            {"role": "user", "content": "Now?"}],
-        "tools": [{"type": "function", "function": {"name": "read", "description": "Read a file",
-                                                    "parameters": {"type": "object"}}},
-                  {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}],
-        "tool_choice": {"type": "function", "function": {"name": "read"}}, "parallel_tool_calls": False,
-        "max_tokens": 50, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3, "stop": ["END"],
-        "chat_template_kwargs": {"enable_thinking": True}, "thinking_token_budget": 20, "reasoning_effort": "low",
-    }
+            {"role": "user", "content": "Now?"}]
+    assert req.tools == [{"type": "function", "function": {"name": "read", "description": "Read a file",
+                                                           "parameters": {"type": "object"}}},
+                         {"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+    assert (req.tool_choice, req.parallel_tool_calls) == ({"name": "read"}, False)
+    # max_tokens is a cap: n_predict the engine may lower to the context's room
+    assert (req.sampling, req.n_predict_is_default) == (
+        {"n_predict": 50, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3, "stop": ("END",)}, True)
+    assert req.template == TemplateOptions(variables={"enable_thinking": True})
+    assert req.reasoning == ReasoningOptions(budget=20, effort="low")
+    assert (req.response_format, req.model, req.id_slot, req.cache_salt) == (None, "m", -1, None)
 
 
 @pytest.mark.parametrize(("choice", "expected"), [
     ({"type": "auto"}, "auto"), ({"type": "any"}, "required"), ({"type": "none"}, "none"),
 ])
 def test_tool_choice_names(choice, expected):
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": choice,
+            "tools": [{"name": "t", "input_schema": {"type": "object"}}]}
+    assert chat_request(body).tool_choice == expected
+
+
+@pytest.mark.parametrize(("choice", "shown"), [({"type": "auto"}, "'auto'"), ({"type": "any"}, "'required'")])
+def test_tool_choice_without_tools_keeps_the_chat_paths_text(choice, shown):
+    """As when this face built a chat-completions body: auto / any without tools is a 400 in that
+    path's words (kept as it was; Anthropic's own answer may differ)."""
     body = {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": choice}
-    assert chat_body(body)["tool_choice"] == expected
+    with pytest.raises(ApiError) as e:
+        chat_request(body)
+    assert (e.value.status, e.value.message) == (400, f"Field 'tool_choice': {shown} requires 'tools'")
+    assert chat_request({**body, "tool_choice": {"type": "none"}}).tool_choice == "none"
 
 
 def test_count_tokens_body_needs_no_max_tokens_and_drops_sampling():
     body = {"messages": [{"role": "user", "content": "x"}], "temperature": 1, "stop_sequences": ["a"],
             "thinking": {"type": "disabled"}, "output_config": {"format": {"type": "json_schema",
                                                                           "schema": {"type": "object"}}}}
-    assert chat_body(body, counting=True) == {
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
-        "chat_template_kwargs": {"enable_thinking": False},
-        "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}}}}
+    req = chat_request(body, counting=True)
+    assert req.messages == [{"role": "user", "content": "x"}]
+    assert (req.sampling, req.n_predict_is_default) == ({"n_predict": 1}, False)
+    assert req.template.variables == {"enable_thinking": False}
+    assert (req.response_format.kind, req.response_format.value) == ("json_schema", '{"type":"object"}')
+
+
+def test_tool_choice_type_of_any_json_value_is_a_400():
+    for typ in ({"a": 1}, ["any"], 3, None):
+        body = {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": typ}}
+        with pytest.raises(ApiError) as e:
+            chat_request(body)
+        assert (e.value.status, e.value.message) == (400, "tool_choice.type: Input should be 'auto', 'any', "
+                                                          "'tool' or 'none'")
 
 
 @pytest.mark.parametrize(("body", "message"), [
@@ -130,7 +157,7 @@ def test_count_tokens_body_needs_no_max_tokens_and_drops_sampling():
 ])
 def test_bad_fields_name_the_field(body, message):
     with pytest.raises(ApiError) as e:
-        chat_body(body)
+        chat_request(body)
     assert (e.value.status, e.value.message) == (400, message)
 
 
@@ -187,15 +214,15 @@ def test_sampling_fields_in_range_pass_on():
     any vocabulary), a huge thinking budget under a huge max_tokens (max_tokens is a cap): no
     error naming an internal field (``thinking_token_budget: integer out of range`` before)."""
     base = {"messages": [{"role": "user", "content": "x"}]}
-    c = chat_body({**base, "max_tokens": 10**30, "temperature": 1, "top_p": 0, "top_k": 10**20,
-                   "thinking": {"type": "enabled", "budget_tokens": 10**29}})
-    assert (c["temperature"], c["top_p"], c["top_k"], c["thinking_token_budget"], c["max_tokens"]) == \
-        (1, 0, 2**31 - 1, 2**31 - 1, 10**30)
-    c = chat_body({**base, "max_tokens": 5, "temperature": 0, "top_k": 3.0})
-    assert (c["temperature"], c["top_k"]) == (0, 3) and type(c["top_k"]) is int
+    c = chat_request({**base, "max_tokens": 10**30, "temperature": 1, "top_p": 0, "top_k": 10**20,
+                      "thinking": {"type": "enabled", "budget_tokens": 10**29}})
+    assert (c.sampling["temperature"], c.sampling["top_p"], c.sampling["top_k"], c.reasoning.budget,
+            c.sampling["n_predict"]) == (1.0, 0.0, 2**31 - 1, 2**31 - 1, 10**30)
+    c = chat_request({**base, "max_tokens": 5, "temperature": 0, "top_k": 3.0})
+    assert (c.sampling["temperature"], c.sampling["top_k"]) == (0, 3) and type(c.sampling["top_k"]) is int
     # an empty final assistant turn is allowed (Anthropic: "except for the optional final assistant message")
-    c = chat_body({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": []}]})
-    assert c["messages"] == [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]
+    c = chat_request({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": []}]})
+    assert c.messages == [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]
 
 
 def test_no_ping_before_message_start():

@@ -1,6 +1,7 @@
-"""Responses API request -> the chat-completions body the OpenAI face plans
-(kvserve/faces/responses.py chat_body), without a server: input items, tools, tool_choice,
-text.format, reasoning, previous_response_id and the 400/404s."""
+"""Responses API request -> kvserve's chat request (kvserve/faces/responses.py chat_body: a Turn
+whose ``chat`` is a ChatRequest, ``fields`` the extension fields read once the model is known),
+without a server: input items, tools, tool_choice, text.format, reasoning, previous_response_id
+and the 400/404s."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 
 from kvserve.faces.errors import ApiError
 from kvserve.faces.responses import MAX_INPUT_ITEMS, chat_body
+from kvserve.serving.chat_request import ChatRequest, StreamOptions, TemplateOptions
 from kvserve.serving.response_store import ResponseStore
 
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather of a city",
@@ -16,7 +18,7 @@ CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "descriptio
                                               "parameters": TOOL["parameters"]}}
 
 
-def _chat(body: dict, store: ResponseStore | None = None, budget: int = -1) -> dict:
+def _chat(body: dict, store: ResponseStore | None = None, budget: int = -1) -> ChatRequest:
     return chat_body(body, store or ResponseStore(), budget).chat
 
 
@@ -29,10 +31,14 @@ def _err(body: dict, store: ResponseStore | None = None) -> ApiError:
 def test_string_input_and_instructions():
     turn = chat_body({"input": "Hi", "instructions": "Be brief.", "max_output_tokens": 7, "temperature": 0.2,
                       "top_p": 0.5, "top_k": 3, "seed": 9}, ResponseStore())
-    assert turn.chat == {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-                         "stream": True, "stream_options": {"include_usage": True}, "continue_final_message": False,
-                         "top_k": 3, "seed": 9, "temperature": 0.2, "top_p": 0.5, "max_tokens": 7,
-                         "parallel_tool_calls": True}
+    c = turn.chat
+    assert c.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert c.stream == StreamOptions(stream=True, include_usage=True)  # read as chat chunks, usage last
+    assert c.template == TemplateOptions(continue_final_message=False)
+    assert (c.sampling, c.n_predict_is_default, c.parallel_tool_calls, c.tools, c.tool_choice) == \
+        ({"n_predict": 7}, False, True, None, "none")
+    # kvserve's extension fields and the sampler values, read once the model is known
+    assert turn.fields == {"top_k": 3, "seed": 9, "temperature": 0.2, "top_p": 0.5}
     assert turn.history == [{"role": "user", "content": "Hi"}]  # instructions are not carried over
     assert turn.store is True and turn.stream is False
     assert turn.echo["tool_choice"] == "auto" and turn.echo["text"] == {"format": {"type": "text"}}
@@ -52,7 +58,7 @@ def test_items_become_messages():
         {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "rain"}]},
         {"type": "function_call_output", "call_id": "zz", "output": "orphan"},
     ]
-    assert _chat({"input": items})["messages"] == [
+    assert _chat({"input": items}).messages == [
         {"role": "system", "content": "Rules."},
         {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": "Let me look.", "reasoning_content": "hmm", "tool_calls": [
@@ -69,7 +75,7 @@ def test_a_call_after_a_tool_message_starts_a_new_assistant_turn():
              {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
              {"type": "function_call_output", "call_id": "c1", "output": "1"},
              {"type": "function_call", "call_id": "c2", "name": "f", "arguments": ""}]
-    msgs = _chat({"input": items})["messages"]
+    msgs = _chat({"input": items}).messages
     assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant"]
     assert msgs[3] == {"role": "assistant", "content": "", "tool_calls": [
         {"id": "c2", "type": "function", "function": {"name": "f", "arguments": ""}}]}
@@ -82,23 +88,23 @@ def test_tools_tool_choice_and_format():
                       "text": {"format": {"type": "json_schema", "name": "s", "schema": schema, "strict": True}}},
                      ResponseStore())
     c = turn.chat
-    assert c["tools"] == [CHAT_TOOL]
-    assert c["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
-    assert c["parallel_tool_calls"] is False
-    assert c["response_format"] == {"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
-                                                                            "strict": True}}
+    assert c.tools == [CHAT_TOOL]
+    assert c.tool_choice == {"name": "get_weather"}
+    assert c.parallel_tool_calls is False
+    assert (c.response_format.kind, c.response_format.value) == \
+        ("json_schema", '{"type":"object","properties":{"a":{"type":"boolean"}}}')
     assert turn.echo["tools"] == [{**TOOL, "strict": True}]
     assert turn.echo["tool_choice"] == {"type": "function", "name": "get_weather"}
-    assert _chat({"input": "x", "text": {"format": {"type": "json_object"}}})["response_format"] == \
-        {"type": "json_object"}
-    assert "response_format" not in _chat({"input": "x", "text": {"format": {"type": "text"}}})
+    fmt = _chat({"input": "x", "text": {"format": {"type": "json_object"}}}).response_format
+    assert (fmt.kind, fmt.value) == ("json_object", "")
+    assert _chat({"input": "x", "text": {"format": {"type": "text"}}}).response_format is None
 
 
 def test_allowed_tools_offers_only_those():
     other = {**TOOL, "name": "other"}
     c = _chat({"input": "x", "tools": [TOOL, other], "tool_choice": {
         "type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "other"}]}})
-    assert c["tool_choice"] == "required" and [t["function"]["name"] for t in c["tools"]] == ["other"]
+    assert c.tool_choice == "required" and [t["function"]["name"] for t in c.tools] == ["other"]
 
 
 def test_builtin_tools_are_refused_by_name():
@@ -114,14 +120,15 @@ def test_builtin_tools_are_refused_by_name():
 
 def test_reasoning_effort_maps_to_template_and_budget():
     c = _chat({"input": "x", "reasoning": {"effort": "low", "summary": "auto"}})
-    assert c["reasoning_effort"] == "low" and c["thinking_token_budget"] == 1024
-    c = _chat({"input": "x", "reasoning": {"effort": "none"}})
-    assert c["chat_template_kwargs"] == {"enable_thinking": False} and c["thinking_token_budget"] == 0
-    assert _chat({"input": "x", "reasoning": {"effort": "high"}}, budget=300)["thinking_token_budget"] == 300
-    assert _chat({"input": "x", "reasoning": {"effort": "low"}}, budget=300)["thinking_token_budget"] == 300
-    assert _chat({"input": "x", "reasoning": {"effort": "high"}, "thinking_token_budget": 5})[
-        "thinking_token_budget"] == 5
-    assert "thinking_token_budget" not in _chat({"input": "x", "reasoning": {"summary": "auto"}})
+    assert c.reasoning.effort == "low" and c.reasoning.budget == 1024
+    turn = chat_body({"input": "x", "reasoning": {"effort": "none"}}, ResponseStore())
+    assert turn.fields["chat_template_kwargs"] == {"enable_thinking": False} and turn.chat.reasoning.budget == 0
+    assert _chat({"input": "x", "reasoning": {"effort": "high"}}, budget=300).reasoning.budget == 300
+    assert _chat({"input": "x", "reasoning": {"effort": "low"}}, budget=300).reasoning.budget == 300
+    # the request's own thinking_token_budget wins (read with the model: its checks need the flags)
+    turn = chat_body({"input": "x", "reasoning": {"effort": "high"}, "thinking_token_budget": 5}, ResponseStore())
+    assert (turn.chat.reasoning.budget, turn.fields["thinking_token_budget"]) == (None, 5)
+    assert _chat({"input": "x", "reasoning": {"summary": "auto"}}).reasoning.budget is None
     assert _err({"input": "x", "reasoning": {"effort": "max"}}).message.startswith("Field 'reasoning.effort'")
 
 
@@ -133,12 +140,12 @@ def test_previous_response_id_continues_the_stored_history():
                                                 "function": {"name": "f", "arguments": "{}"}}]}])
     turn = chat_body({"previous_response_id": "resp_1", "instructions": "New rules.",
                       "input": [{"type": "function_call_output", "call_id": "c9", "output": "42"}]}, store)
-    assert turn.chat["messages"] == [
+    assert turn.chat.messages == [
         {"role": "system", "content": "New rules."}, {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello", "tool_calls": [
             {"id": "c9", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "c9", "content": "42", "name": "f"}]
-    assert turn.history == turn.chat["messages"][1:]
+    assert turn.history == turn.chat.messages[1:]
     e = _err({"previous_response_id": "resp_gone", "input": "x"}, store)
     assert (e.status, e.message, e.type) == (404, "Previous response with id 'resp_gone' not found.",
                                              "not_found_error")
@@ -369,7 +376,7 @@ def test_allowed_tools_matches_names_in_linear_time_and_echoes_known_fields():
     c = _chat({"input": "x", "tools": tools, "tool_choice": {"type": "allowed_tools", "mode": "auto",
                                                              "tools": tools}})
     took = time.perf_counter() - t
-    assert len(c["tools"]) == 20_000 and c["tool_choice"] == "auto"
+    assert len(c.tools) == 20_000 and c.tool_choice == "auto"
     assert took < 2.0  # a list lookup per tool took ~8 s (20,000 x 20,000 string compares)
     turn = chat_body({"input": "x", "tools": [TOOL], "tool_choice": {
         "type": "allowed_tools", "mode": "required", "x": _nest(900),
@@ -386,7 +393,7 @@ def test_echoed_values_nested_too_deep_are_400_naming_the_field():
         e = _err(body)
         assert (e.status, e.message, e.body()["error"]["param"]) == (
             400, f"Field '{where}': nested deeper than 128 levels", where)
-    assert _chat({"input": "x", "tools": [{**TOOL, "parameters": ok}]})["tools"][0]["function"]["parameters"] == ok
+    assert _chat({"input": "x", "tools": [{**TOOL, "parameters": ok}]}).tools[0]["function"]["parameters"] == ok
     # a client's extra keys in text are not echoed (they were, at any depth, and failed the encoder)
     turn = chat_body({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": ok,
                                                         "strict": True, "y": _nest(950)},

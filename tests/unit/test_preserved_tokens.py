@@ -17,7 +17,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.request import Request, SamplingParams
-from kvserve.faces.chat_output import ChoiceOutput, OutputMode, marker_texts, preserved_token_ids
+from kvserve.serving.chat_output import ChoiceOutput, OutputMode, marker_texts, preserved_token_ids
 from kvserve.faces.errors import ApiError
 from kvserve.faces.openai import _special_tokens
 from kvserve.loaders.tokenizer import Tokenizer

@@ -14,7 +14,7 @@ from kvserve.chat.harmony import HarmonyParser, parse_header
 from kvserve.chat.tool_calls import detect_tool_parser
 from kvserve.chat.tool_formats import convert_param_value
 from kvserve.chat.tool_parsers import TOOL_PARSERS, VLLM_TOOL_PARSERS, get_tool_parser
-from kvserve.faces.chat_output import ChoiceOutput, OutputMode
+from kvserve.serving.chat_output import ChoiceOutput, OutputMode
 from kvserve.serving.args import parse_args
 
 TOOLS = [
