@@ -21,6 +21,7 @@ import dataclasses
 import gc
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -258,26 +259,63 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
         _srv(level, "load_model", "%s", text)
     if runner.generation.log_line():
         _srv(logging.WARNING, "load_model", "%s", runner.generation.log_line())
-    # import xgrammar and build its vocabulary table now, off the request path (~1.5 s), so the
-    # first constrained request does not pay for it; the model serves meanwhile
+    # import xgrammar and build its vocabulary table off the request path (~1.5-2 s of a core, most of
+    # it holding the GIL), so the first constrained request does not pay for it; at the first idle
+    # moment, so the first requests do not share the cores with it either
     native = getattr(core.runner, "native", None)
-    threading.Thread(target=_warm_grammars, args=(runner.grammars, native), name="grammar-warmup",
-                     daemon=True).start()
+    threading.Thread(target=_warm_grammars, args=(runner, native), name="grammar-warmup", daemon=True).start()
     return runner
 
 
-def _warm_grammars(grammars: GrammarBackend, native=None) -> None:
-    """Build the structured-output compiler. With a cached native decode step (``native``, a
-    NativeDecode) it first waits, up to 30 s, for the step's weights to be packed: the engine's
-    first step waits for that packing, and on 2 cores the warm-up beside it had made the first
-    request after /health wait ~1.3-2 s instead of ~0.2 s."""
+#: the grammar warm-up waits for this many seconds without a running or queued request
+WARMUP_IDLE_S = 0.5
+#: ... but not longer than this after the load (a server busy from its start warms up then)
+WARMUP_WAIT_MAX_S = 30.0
+
+
+def _warm_grammars(runner: Runner, native=None, idle_s: float | None = None,
+                   wait_max_s: float | None = None) -> None:
+    """Build the structured-output compiler of ``runner`` in the background.
+
+    First, with a cached native decode step (``native``, a NativeDecode), it waits up to 30 s for
+    the step's weights to be packed (the engine's first step waits for that packing) and trims the
+    heap. Then it waits until the runner has had no request running or queued for
+    :data:`WARMUP_IDLE_S` s (at most :data:`WARMUP_WAIT_MAX_S` s): on 2 cores the import beside
+    the first requests after /health had slowed them (the warm-up beside the packing: ~1.3-2 s
+    instead of ~0.2 s for the first request). A constrained request that comes earlier builds
+    the compiler itself (GrammarBackend's lock: once). Nothing when the runner is closed meanwhile."""
     if native is not None and native.cached:
         native.packed(30.0)
         trim_heap()  # the packing's temporaries (~25 MiB for SmolLM2) go back to the OS
+    _wait_idle(runner, WARMUP_IDLE_S if idle_s is None else idle_s,
+               WARMUP_WAIT_MAX_S if wait_max_s is None else wait_max_s)
+    grammars = runner.grammars
+    if grammars is None or runner.engine is None:  # closed meanwhile
+        return
     try:
         grammars._get_compiler()
     except Exception as e:  # noqa: BLE001 - a constrained request reports the real error later
         _srv(logging.WARNING, "load_model", "structured outputs backend failed to start: %s", e)
+
+
+def _wait_idle(runner: Runner, idle_s: float, wait_max_s: float, poll_s: float = 0.05) -> bool:
+    """Block until ``runner``'s slots have been idle with nobody queued for ``idle_s`` seconds (True),
+    or ``wait_max_s`` seconds passed or the runner closed (False). Reads the slots' counts from this
+    thread (plain integer reads; a stale one costs one more poll)."""
+    start = quiet = time.monotonic()
+    while runner.engine is not None:
+        now = time.monotonic()
+        slots = runner.slots
+        if slots is None:
+            return False
+        if slots.n_busy or slots.n_deferred:
+            quiet = now
+        elif now - quiet >= idle_s:
+            return True
+        if now - start >= wait_max_s:
+            return False
+        time.sleep(poll_s)
+    return False
 
 
 _SHAPES: dict[tuple[str, int, int], tuple] = {}
