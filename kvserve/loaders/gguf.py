@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvserve.loaders import file_cache
 from kvserve.loaders.weights import (
     LoadedModel,
     ModelInfo,
@@ -126,24 +127,43 @@ def read_gguf_header(path: str) -> tuple[dict, list[TensorInfo]]:
     per vocabulary string and takes ~5 s on a 49k-token vocabulary; tensor
     data is still decoded with the ``gguf`` package. The last file's header is
     remembered by path, device, inode, size, modification and change time: a
-    caller gets its own dict and list (shared values: treat them as read-only).
+    caller gets its own dict and list (shared values: treat them as read-only);
+    across processes it is kept in the file cache under ``$KVSERVE_HOME/cache``
+    (:mod:`kvserve.loaders.file_cache`, the same identity).
 
     Returns (metadata: key -> Python value, tensors). Raises ModelLoadError on a
     bad magic, unsupported version or a truncated file.
     """
     global _LAST_HEADER
-    st = os.stat(path)
     # the inode, device and change time too: a same-size copy that kept the modification time
     # (cp -p, rsync -a, tar) or a coarse file-system clock must not hand out the old header
-    key = (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    key = tuple(file_cache.identity(path))
     with _HEADER_LOCK:
         last = _LAST_HEADER
     if last is not None and last[0] == key:
         return dict(last[1]), list(last[2])
-    md, infos = _read_gguf_header(path)
+    md, infos = _cached_header(path, list(key))
     with _HEADER_LOCK:
         _LAST_HEADER = (key, md, infos)
     return dict(md), list(infos)
+
+
+_HEADER_KIND = "gguf-header"
+
+
+def _cached_header(path: str, ident: list) -> tuple[dict, list[TensorInfo]]:
+    """The header from the file cache (:mod:`kvserve.loaders.file_cache`, keyed on the file's
+    identity), else parsed and stored there: ~30 ms instead of 0.5-1 s for a 49k vocabulary."""
+    doc = file_cache.load(_HEADER_KIND, ident)
+    if doc is not None:
+        try:
+            return doc["metadata"], [TensorInfo(n, tuple(s), t, o, b) for n, s, t, o, b in doc["tensors"]]
+        except (KeyError, TypeError, ValueError):  # a malformed entry: parsed again and replaced
+            pass
+    md, infos = _read_gguf_header(path)
+    file_cache.store(_HEADER_KIND, ident, {"metadata": md, "tensors": [[t.name, list(t.shape), t.ggml_type, t.offset,
+                                                                         t.n_bytes] for t in infos]})
+    return md, infos
 
 
 def _read_gguf_header(path: str) -> tuple[dict, list[TensorInfo]]:

@@ -182,15 +182,30 @@ _BYTE_TO_CHAR = _bytes_to_unicode()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 
+def _latin1_table() -> dict[int, str]:
+    """str.translate table: each byte-level character -> the Latin-1 character of its byte, and
+    each other character below U+0100 -> its UTF-8 bytes as Latin-1 characters (so that
+    ``.encode("latin-1")`` of the result gives :func:`_byte_level_decode`'s bytes; characters
+    from U+0100 up that are not in the byte map make that encode fail)."""
+    table = {ord(c): chr(b) for c, b in _CHAR_TO_BYTE.items()}
+    for o in range(0x80, 0x100):
+        table.setdefault(o, chr(o).encode("utf-8").decode("latin-1"))
+    return table
+
+
+_TO_LATIN1 = _latin1_table()
+
+
 def _byte_level_decode(text: str) -> bytes:
     """Map a byte-level BPE token string back to raw bytes (llama.cpp ``llama_decode_text``).
 
     Characters outside the byte map are kept as their UTF-8 bytes (llama.cpp would emit an
     ``[UNK_BYTE_0x..]`` marker; this never happens for well-formed vocabularies).
+    One ``str.translate`` (C speed: a 49k vocabulary in ~15 ms instead of ~300 ms of start-up).
     """
     try:
-        return bytes(_CHAR_TO_BYTE[c] for c in text)
-    except KeyError:
+        return text.translate(_TO_LATIN1).encode("latin-1")
+    except UnicodeEncodeError:  # a character above U+00FF outside the byte map: one by one
         out = bytearray()
         for c in text:
             b = _CHAR_TO_BYTE.get(c)
@@ -309,6 +324,25 @@ _LONG_TEXT = 1 << 16
 _LONG_ENCODE = threading.Lock()
 
 
+def _plain_twin(hf: HFTokenizer) -> HFTokenizer:
+    """A second HF tokenizer that encodes control-token texts as ordinary text
+    (``encode_special_tokens``), sharing ``hf``'s model: the vocabulary and merges are not
+    copied (the bindings hand out the same model object; ``from_str(hf.to_str())`` parsed them
+    again: ~0.3-0.5 s of start-up for a 49k vocabulary). Its pipeline (normalizer,
+    pre-tokenizer, decoder, post-processor) and added tokens, in id order, are ``hf``'s, so
+    its JSON is ``hf``'s (tests compare them)."""
+    twin = HFTokenizer(hf.model)
+    for part in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
+        value = getattr(hf, part)
+        if value is not None:
+            setattr(twin, part, value)
+    added = hf.get_added_tokens_decoder()
+    if added:
+        twin.add_tokens([added[i] for i in sorted(added)])
+    twin.encode_special_tokens = True
+    return twin
+
+
 def _encode_long(hf: HFTokenizer):
     """``text -> Encoding`` for long texts: the batch encoder, one long text at a time."""
 
@@ -369,8 +403,7 @@ class Tokenizer:
         self._hf = hf
         # Second instance that splits control tokens like ordinary text (parse_special=False);
         # user-defined tokens (special=False added tokens) are still matched, as in llama.cpp.
-        self._hf_plain = HFTokenizer.from_str(hf.to_str())
-        self._hf_plain.encode_special_tokens = True
+        self._hf_plain = _plain_twin(hf)
         self._tokens = tokens
         self.n_vocab: int = len(tokens)
         self._types = token_types

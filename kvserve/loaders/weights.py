@@ -227,37 +227,51 @@ _RAW_SCALES = {"Q4_0": (18, (0,)), "Q4_1": (20, (0, 2)), "Q5_0": (22, (0,)), "Q5
                "Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "IQ4_XS": (136, (0,))}
 
 
-def raw_scales(w: Weight) -> np.ndarray | None:
-    """float32 copy of the scales of a ``raw`` GGUF weight's blocks (None for other weights or
-    types whose scales cannot be NaN: MXFP4's are powers of two), for :func:`check_finite`."""
+def raw_scale_bits(w: Weight) -> list[tuple[np.ndarray, int]]:
+    """The float16 scales of a ``raw`` GGUF weight's blocks (F16 / BF16: the values) as uint16
+    views of the file's bytes (strided, no copy), each with its exponent mask: a value is NaN or
+    Inf when ``bits & mask == mask`` (0x7C00 for float16, 0x7F80 for bfloat16). Empty for other
+    weights and for types whose scales cannot be NaN (MXFP4's are powers of two). For
+    :func:`check_finite`."""
     if w.raw is None:
-        return None
-    if w.source_type == "F16":
-        return np.asarray(w.raw).view(np.float16)
-    if w.source_type == "BF16":
-        return (np.asarray(w.raw).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return []
+    if w.source_type in ("F16", "BF16"):
+        return [(np.asarray(w.raw).reshape(-1).view(np.uint16), 0x7C00 if w.source_type == "F16" else 0x7F80)]
     if w.source_type not in _RAW_SCALES:
-        return None
+        return []
     size, offsets = _RAW_SCALES[w.source_type]
-    blocks = np.asarray(w.raw).reshape(-1, size)
-    return np.concatenate([blocks[:, o:o + 2].copy().view(np.float16)[:, 0].astype(np.float32) for o in offsets])
+    blocks = np.asarray(w.raw).reshape(-1, size).view(np.uint16)  # every block size is even
+    return [(blocks[:, o // 2], 0x7C00) for o in offsets]
+
+
+def _count_nonfinite_bits(bits: np.ndarray, mask: int) -> int:
+    """Values of ``bits`` (uint16 float16/bfloat16 patterns) whose exponent is all ones (NaN, Inf)."""
+    return int(np.count_nonzero((bits & np.uint16(mask)) == mask))
 
 
 def check_finite(weights: dict[str, Weight], source: str) -> None:
     """Raise ModelLoadError naming the first tensor holding NaN or Inf.
 
     Such a model loads and generates nothing useful (every logit NaN: empty text), so it is
-    refused at load. Cheap: one float32 sum per array (NaN and Inf propagate through it; about
+    refused at load. Cheap: one float32 sum per float array (NaN and Inf propagate through it; about
     40 ms for SmolLM2-360M's 28 M float values and Q4 scales, 1% of its load); only a sum that
     is not finite is checked element by element (a finite tensor whose sum overflows passes).
     Packed 4-bit weights are finite by construction except for their scales and zeros; of ``raw``
-    GGUF blocks the float16 scales are checked (:func:`raw_scales`).
+    GGUF blocks the float16 scales are checked by their exponent bits on views of the file's
+    bytes (:func:`raw_scale_bits`: no copy; a 1B Q4_K_M file's 10 M scales in ~30 ms, the
+    float32 copies they replaced took ~0.4 s).
     """
     for name, w in weights.items():
-        for a in (w.dense, w.q4_scale, w.q4_zero, raw_scales(w)):
+        bad = total = 0
+        for a in (w.dense, w.q4_scale, w.q4_zero):
             if a is None or math.isfinite(float(a.sum(dtype=np.float32))):
                 continue
-            bad = int(a.size - np.count_nonzero(np.isfinite(a)))
+            bad, total = int(a.size - np.count_nonzero(np.isfinite(a))), a.size
             if bad:
-                raise ModelLoadError(f"{source}: tensor '{name}' has {bad} NaN/Inf values "
-                                     f"(of {a.size}): the weights are corrupt")
+                break
+        if not bad:
+            scales = raw_scale_bits(w)
+            bad, total = sum(_count_nonfinite_bits(b, m) for b, m in scales), sum(b.size for b, _ in scales)
+        if bad:
+            raise ModelLoadError(f"{source}: tensor '{name}' has {bad} NaN/Inf values "
+                                 f"(of {total}): the weights are corrupt")

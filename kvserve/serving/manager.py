@@ -177,21 +177,43 @@ class MemoryEstimate:
         compute: bytes of the compute buffers (activations and logits of one batch).
         cache: bytes the host tier of the prompt cache may grow to (``--cache-ram``), which
             Ollama's llama-server children do not have.
+        tokenizer: bytes of the tokenizer's tables (vocabulary, merges, piece bytes).
+
+    :attr:`resident` is what the model adds to the process's resident memory once loaded with
+    its KV cache written (``/proc``'s VmRSS growth, KV counted as the manager's measured size
+    counts it); ``compute`` comes on top while a batch runs, ``cache`` as the host tier fills.
     """
 
     weights: int
     kv: int
     compute: int = 0
     cache: int = 0
+    tokenizer: int = 0
 
     @property
     def total(self) -> int:
-        """weights + kv + compute + cache."""
-        return self.weights + self.kv + self.compute + self.cache
+        """weights + kv + compute + cache + tokenizer: what the manager reserves."""
+        return self.weights + self.kv + self.compute + self.cache + self.tokenizer
 
     @property
     def total_mib(self) -> float:
         return self.total / MIB
+
+    @property
+    def resident(self) -> int:
+        """weights + kv + tokenizer (bytes)."""
+        return self.weights + self.kv + self.tokenizer
+
+    def summary(self) -> str:
+        """The log's text: ``estimate 787 MiB resident (weights 638, KV 128, tokenizer 21), compute
+        320 MiB, host cache up to 4562 MiB``."""
+        return (f"estimate {self.resident / MIB:.0f} MiB resident (weights {self.weights / MIB:.0f}, KV "
+                f"{self.kv / MIB:.0f}, tokenizer {self.tokenizer / MIB:.0f}), compute {self.compute / MIB:.0f} MiB, "
+                f"host cache up to {self.cache / MIB:.0f} MiB")
+
+
+#: what :meth:`ModelManager._make_room` returns without an estimator
+NO_ESTIMATE = MemoryEstimate(0, 0)
 
 
 def estimate_memory(weights_bytes: int, n_layers: int, n_kv_heads: int, head_dim: int, n_ctx: int,
@@ -303,7 +325,10 @@ class ModelManager:
             after loading, used instead of the prediction from then on) and
             ``needs_reload(spec) -> bool``.
         estimate: ``estimate(spec) -> MemoryEstimate`` (run in a worker thread), or None to skip
-            the memory check.
+            the memory check; the ``load`` event's reason is its :meth:`MemoryEstimate.summary`.
+        enforce_memory: False: the estimate is logged (and is a loading runner's size) but never
+            unloads a runner nor refuses a load, and an estimate that fails is left to the loader
+            (llama-server's mode, ``-m``: the one model loads whatever it takes).
         max_loaded: most runners at once (``--max-loaded-models``; Ollama's default 3).
         default_keep_alive: seconds (``math.inf`` forever) for requests that give none.
         max_memory: cap in bytes on all runners together (``--max-memory``), or None.
@@ -312,7 +337,8 @@ class ModelManager:
             (Ollama's OLLAMA_MAX_QUEUE, 512).
         clock: ``() -> seconds`` (monotonic).
         cleanup: ``() -> None`` run after a failed load (the server trims the heap).
-        on_event: ``(t, action, name, reason)``: action ``load`` (a load starts), ``loaded``
+        on_event: ``(t, action, name, reason)``: action ``load`` (a load starts; reason: the
+            estimate's summary, or ""), ``loaded``
             (reason: its size), ``unload`` (reason: ``keep_alive elapsed``, ``keep_alive 0``,
             ``make room``, ``reload``, ``requested``, ``shutdown``) or ``fail`` (reason: the error).
     """
@@ -323,9 +349,10 @@ class ModelManager:
                  max_memory: int | None = None, mem_available: Callable[[], int | None] | None = None,
                  max_queue: int = DEFAULT_MAX_QUEUE, clock: Callable[[], float] = time.monotonic,
                  on_event: Callable[[float, str, str, str], None] | None = None,
-                 cleanup: Callable[[], None] | None = None):
+                 cleanup: Callable[[], None] | None = None, enforce_memory: bool = True):
         self.loader = loader
         self.estimate = estimate
+        self.enforce_memory = enforce_memory
         self.max_loaded = max(1, max_loaded)
         self.default_keep_alive = default_keep_alive
         self.max_memory = max_memory
@@ -564,9 +591,9 @@ class ModelManager:
                 return e
         return None
 
-    async def _make_room(self, spec: ModelSpec) -> int | None:
-        """Unload idle runners until ``spec`` fits by count and memory. Returns the predicted
-        size in bytes (0 without an estimator), or None when the request must wait (room will
+    async def _make_room(self, spec: ModelSpec) -> MemoryEstimate | None:
+        """Unload idle runners until ``spec`` fits by count and memory. Returns the prediction
+        (:data:`NO_ESTIMATE` without an estimator), or None when the request must wait (room will
         come when a busy runner finishes). From the last check to the return nothing awaits, so
         the caller's load starts on the state checked; a loading runner counts with its
         predicted size.
@@ -580,7 +607,8 @@ class ModelManager:
             try:
                 need = await asyncio.to_thread(self.estimate, spec)
             except Exception as exc:  # noqa: BLE001 - a bad header is a failed load, said once
-                raise self._record_failure(spec, exc) from None
+                if self.enforce_memory:
+                    raise self._record_failure(spec, exc) from None
         while True:
             await self._closed()  # memory of runners being unloaded is back before we measure
             if len(self.loaded) >= self.max_loaded:
@@ -589,11 +617,11 @@ class ModelManager:
                     return None
                 self._unload(victim, "make room")
                 continue
-            if need is None:
-                return 0
+            if need is None or not self.enforce_memory:
+                return need or NO_ESTIMATE
             avail = self._available()
             if avail is None or need.total <= avail:
-                return need.total
+                return need
             victim = self._victim()
             if victim is None:
                 break
@@ -625,10 +653,10 @@ class ModelManager:
 
     # -- loading and unloading
 
-    def _start_load(self, spec: ModelSpec, keep: float, size: int = 0) -> Entry:
-        e = Entry(spec, keep, size=size)
+    def _start_load(self, spec: ModelSpec, keep: float, need: MemoryEstimate) -> Entry:
+        e = Entry(spec, keep, size=need.total)
         self.loaded[spec.name] = e
-        self._emit("load", spec.name)
+        self._emit("load", spec.name, need.summary() if need is not NO_ESTIMATE else "")
         e.loading = asyncio.get_running_loop().create_task(self._load(e))
         return e
 

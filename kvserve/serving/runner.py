@@ -21,6 +21,7 @@ import dataclasses
 import gc
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -258,25 +259,63 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
         _srv(level, "load_model", "%s", text)
     if runner.generation.log_line():
         _srv(logging.WARNING, "load_model", "%s", runner.generation.log_line())
-    # import xgrammar and build its vocabulary table now, off the request path (~1.5 s), so the
-    # first constrained request does not pay for it; the model serves meanwhile
+    # import xgrammar and build its vocabulary table off the request path (~1.5-2 s of a core, most of
+    # it holding the GIL), so the first constrained request does not pay for it; at the first idle
+    # moment, so the first requests do not share the cores with it either
     native = getattr(core.runner, "native", None)
-    threading.Thread(target=_warm_grammars, args=(runner.grammars, native), name="grammar-warmup",
-                     daemon=True).start()
+    threading.Thread(target=_warm_grammars, args=(runner, native), name="grammar-warmup", daemon=True).start()
     return runner
 
 
-def _warm_grammars(grammars: GrammarBackend, native=None) -> None:
-    """Build the structured-output compiler. With a cached native decode step (``native``, a
-    NativeDecode) it first waits, up to 30 s, for the step's weights to be packed: the engine's
-    first step waits for that packing, and on 2 cores the warm-up beside it had made the first
-    request after /health wait ~1.3-2 s instead of ~0.2 s."""
+#: the grammar warm-up waits for this many seconds without a running or queued request
+WARMUP_IDLE_S = 0.5
+#: ... but not longer than this after the load (a server busy from its start warms up then)
+WARMUP_WAIT_MAX_S = 30.0
+
+
+def _warm_grammars(runner: Runner, native=None, idle_s: float | None = None,
+                   wait_max_s: float | None = None) -> None:
+    """Build the structured-output compiler of ``runner`` in the background.
+
+    First, with a cached native decode step (``native``, a NativeDecode), it waits up to 30 s for
+    the step's weights to be packed (the engine's first step waits for that packing) and trims the
+    heap. Then it waits until the runner has had no request running or queued for
+    :data:`WARMUP_IDLE_S` s (at most :data:`WARMUP_WAIT_MAX_S` s): on 2 cores the import beside
+    the first requests after /health had slowed them (the warm-up beside the packing: ~1.3-2 s
+    instead of ~0.2 s for the first request). A constrained request that comes earlier builds
+    the compiler itself (GrammarBackend's lock: once). Nothing when the runner is closed meanwhile."""
     if native is not None and native.cached:
         native.packed(30.0)
+        trim_heap()  # the packing's temporaries (~25 MiB for SmolLM2) go back to the OS
+    _wait_idle(runner, WARMUP_IDLE_S if idle_s is None else idle_s,
+               WARMUP_WAIT_MAX_S if wait_max_s is None else wait_max_s)
+    grammars = runner.grammars
+    if grammars is None or runner.engine is None:  # closed meanwhile
+        return
     try:
         grammars._get_compiler()
     except Exception as e:  # noqa: BLE001 - a constrained request reports the real error later
         _srv(logging.WARNING, "load_model", "structured outputs backend failed to start: %s", e)
+
+
+def _wait_idle(runner: Runner, idle_s: float, wait_max_s: float, poll_s: float = 0.05) -> bool:
+    """Block until ``runner``'s slots have been idle with nobody queued for ``idle_s`` seconds (True),
+    or ``wait_max_s`` seconds passed or the runner closed (False). Reads the slots' counts from this
+    thread (plain integer reads; a stale one costs one more poll)."""
+    start = quiet = time.monotonic()
+    while runner.engine is not None:
+        now = time.monotonic()
+        slots = runner.slots
+        if slots is None:
+            return False
+        if slots.n_busy or slots.n_deferred:
+            quiet = now
+        elif now - quiet >= idle_s:
+            return True
+        if now - start >= wait_max_s:
+            return False
+        time.sleep(poll_s)
+    return False
 
 
 _SHAPES: dict[tuple[str, int, int], tuple] = {}
@@ -358,29 +397,66 @@ def _hf_params(files) -> int:
     return n
 
 
-def gguf_q4_values(path: str) -> int:
-    """Values of a .gguf file's Q4_0/Q4_1 matrices (0 for an HF directory), from the header only."""
+#: the projections the native decode step may hold in its own 4-bit tiles (decode_native.q4_tiles)
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def native_copy_bytes(path: str) -> int:
+    """Bytes the native decode step keeps beside a .gguf file's blocks (0 for an HF directory), from
+    the header only (:mod:`kvserve.models.decode_native`, measured on its layouts):
+
+    - Q4_0/Q4_1 projections repacked into its 4-bit tiles (:func:`~kvserve.models.decode_native.q4_tiles`:
+      half a byte a value plus a float16 scale and offset a block of 32: 0.625 bytes a value, rows
+      padded to 16);
+    - a Q8_0 head of at most ``SMALL_HEAD_BYTES`` (the output matrix, or the tied embedding)
+      requantized into its int8 tiles (:func:`~kvserve.models.decode_native.pack_q8`: a byte a value
+      plus a float16 scale a block of 32, rows padded to 16).
+
+    The caller decides whether the step runs (:func:`_native_step_expected`)."""
     p = Path(path)
     if p.is_dir():
         return 0
-    st = p.stat()
-    key = ("q4", str(p), st.st_size, st.st_mtime_ns)
-    if key not in _SHAPES:
-        import gguf
+    import gguf
 
-        from kvserve.loaders.gguf import read_gguf_header
+    from kvserve.loaders.gguf import read_gguf_header
+    from kvserve.models.decode_native import SMALL_HEAD_BYTES
 
-        _, tensors = read_gguf_header(str(p))
-        _SHAPES[key] = sum(t.n_elements for t in tensors if len(t.shape) == 2
-                           and gguf.GGMLQuantizationType(t.ggml_type).name in ("Q4_0", "Q4_1"))
-    return _SHAPES[key]
+    _, tensors = read_gguf_header(str(p))
+    by_name = {t.name: t for t in tensors}
+    total = 0
+    for t in tensors:
+        parts = t.name.split(".")
+        if (len(t.shape) == 2 and len(parts) == 4 and parts[0] == "blk" and parts[2] in _PROJECTIONS
+                and _type_name(gguf, t.ggml_type) in ("Q4_0", "Q4_1") and t.shape[0] % 64 == 0):
+            k, n = t.shape
+            total += -(-n // 16) * 16 * k * 5 // 8  # [N, K/2] nibbles + [N, K/32] float16 scales and offsets
+    head = by_name.get("output.weight") or by_name.get("token_embd.weight")
+    if (head is not None and len(head.shape) == 2 and _type_name(gguf, head.ggml_type) == "Q8_0"
+            and head.n_bytes <= SMALL_HEAD_BYTES and head.shape[0] % 64 == 0):
+        k, n = head.shape
+        total += -(-n // 16) * 16 * (k + k // 32 * 2)  # [N, K] int8 + [N, K/32] float16 scales
+    return total
 
 
-def _block_gemm_expected() -> bool:
-    """Whether Q4_0/Q4_1 prefill runs on the file's blocks (no dense copy; ggml_kernel.gemm_expected)."""
-    from kvserve.models import ggml_kernel
+def _native_step_expected(cfg, cfg_m) -> bool:
+    """Whether the native decode step will run for this model (as kvserve.models.registry and
+    NativeDecode decide: CPU, dtype auto, no --compile, ``KVSERVE_NATIVE_DECODE`` not 0, the
+    extension buildable here, a family with the native layer, head_dim a multiple of 32, a float
+    KV cache)."""
+    import os
 
-    return ggml_kernel.gemm_expected()
+    from kvserve.models import decode_native
+    from kvserve.models.family import family_of
+
+    if (cfg.resolve_device() != "cpu" or cfg.dtype != "auto" or cfg.compile
+            or os.environ.get("KVSERVE_NATIVE_DECODE", "1") == "0" or decode_native.unavailable_reason() is not None):
+        return False
+    if {cfg.kv_dtype, cfg.kv_dtype_v or cfg.kv_dtype} - {"f32", "f16", "bf16"}:
+        return False
+    try:
+        return bool(family_of(cfg_m.arch).native_decode(cfg_m)) and cfg_m.head_dim % 32 == 0
+    except Exception:  # noqa: BLE001 - an unknown family: the load says why
+        return False
 
 
 def _block_kernels_enabled() -> bool:
@@ -393,20 +469,25 @@ def _block_kernels_enabled() -> bool:
 def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimate:
     """Predict one runner's memory before loading it (seed 004 Example 5's formula, for kvserve).
 
-    - weights: the file's bytes (as Ollama counts them) plus the dense copy kvserve keeps for
-      large batches on CPU (parameters x 4 bytes in float32, x 2 in bfloat16) of every tensor
-      but the GGUF matrices the block kernels multiply as stored (:func:`gguf_raw_bytes`: their
-      file bytes alone, the embedding table included) and, where the block kernels' prefill path
-      runs (AVX512-BF16, :func:`~kvserve.models.ggml_kernel.gemm_expected`), the Q4_0/Q4_1 matrices
-      (:func:`gguf_q4_values`: prefill multiplies their file blocks), or the parameters in the chosen
-      ``--dtype`` when that replaces the file's format;
+    - weights: the file's bytes (as Ollama counts them; mapped, and resident once read) plus the
+      copies kvserve makes: of every tensor but the GGUF matrices the block kernels multiply as
+      stored (:func:`gguf_raw_bytes`: their file bytes alone, Q4_0/Q4_1 and the embedding table
+      included) a dense one (parameters x 4 bytes in float32, x 2 in bfloat16: the norms of a
+      quantized file), and the native decode step's tiles where it runs
+      (:func:`native_copy_bytes`); or the parameters in the chosen ``--dtype`` when that
+      replaces the file's format;
     - kv: n_ctx x the pool's bytes per token for ``-ctk``/``-ctv``
       (:func:`~kvserve.engine.kv_quant.kv_bytes_per_token`: 2 bytes a value for f16, 34/32 for
       q8_0, 18/32 for q4_0, 1 for fp8); sliding-window layers (gemma2, gemma3) counted at their
       windows' blocks per slot and one step's chunk (:class:`~kvserve.engine.kv_budget.KVLayout`);
     - compute: one batch's activations plus one row of logits per slot, in float32;
     - cache: the host tier of the prompt cache at its limit (``--cache-ram``, or this model's
-      share of the default).
+      share of the default);
+    - tokenizer: :data:`TOKENIZER_BYTES_PER_TOKEN` a vocabulary entry.
+
+    Measured against ``/proc`` (VmRSS growth after load, the native step's tiles packed, plus the
+    KV pool as written; random Llama-3.2-1B-shaped files and SmolLM2, ``-c 4096 -np 1``), the
+    resident part (:attr:`~kvserve.serving.manager.MemoryEstimate.resident`) is within 5%.
 
     An encoder (embedding or reranking model) has no KV cache:
     :func:`~kvserve.serving.embed_runner.estimate_encoder_memory`.
@@ -426,11 +507,12 @@ def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimat
         large = 2 if cfg.large_batch_dtype in ("bfloat16",) else 4
         weights = file_bytes + n_params * large
         if cfg.resolve_device() == "cpu" and _block_kernels_enabled():
-            weights -= gguf_raw_bytes(spec.path)[1] * large  # no dense copy of these
-            if cfg.small_batch_rows > 0 and cfg.large_batch_dtype != "float32" and _block_gemm_expected():
-                weights -= gguf_q4_values(spec.path) * large  # Q4_0/Q4_1: the file's blocks for prefill
+            weights -= gguf_raw_bytes(spec.path)[1] * large  # no dense copy of these (every row count)
+        if _native_step_expected(cfg, cfg_m):
+            weights += native_copy_bytes(spec.path)
     else:
         weights = n_params * dense.get(cfg.dtype, 4)
+    tokenizer = TOKENIZER_BYTES_PER_TOKEN * cfg_m.n_vocab
     n_tok = min(max(cfg.max_num_batched_tokens, 1), n_ctx)
     compute = 4 * (n_tok * (8 * cfg_m.n_embd + 3 * cfg_m.n_ff) + cfg.n_slots * cfg_m.n_vocab)
     est = estimate_memory(weights, cfg_m.n_layer, cfg_m.n_head_kv, cfg_m.head_dim, n_ctx,
@@ -450,7 +532,12 @@ def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimat
     budget = known_kv_budget(cfg, cfg_m)  # a vLLM KV budget sizes the pool instead of n_ctx
     if budget is not None:
         est = dataclasses.replace(est, kv=budget)
-    return dataclasses.replace(est, cache=max(cfg.cache_ram_mib(), 0) << 20)
+    return dataclasses.replace(est, cache=max(cfg.cache_ram_mib(), 0) << 20, tokenizer=tokenizer)
+
+
+#: resident bytes of a loaded tokenizer per vocabulary entry (the HF tokenizer's vocabulary and
+#: merges, the token texts and piece bytes): 24 MiB measured for SmolLM2's 49,152 entries
+TOKENIZER_BYTES_PER_TOKEN = 512
 
 
 # -- running a request --------------------------------------------------------------------

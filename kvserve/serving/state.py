@@ -110,7 +110,7 @@ class ServerState:
         check_memory = not self.pinned or args.max_memory is not None
         self.manager = manager or ModelManager(
             lambda spec: load_runner(self.args, spec, self.build_info),
-            estimate=(lambda spec: estimate_runner_memory(self.args, spec)) if check_memory else None,
+            estimate=lambda spec: estimate_runner_memory(self.args, spec), enforce_memory=check_memory,
             max_loaded=args.max_loaded_models, default_keep_alive=args.keep_alive,
             max_memory=args.max_memory, mem_available=mem_available_bytes, max_queue=args.max_queue,
             on_event=self._log_event, cleanup=trim_heap)
@@ -281,8 +281,8 @@ class ServerState:
     def _log_event(self, t: float, action: str, name: str, reason: str) -> None:
         m = self.manager
         if action == "load":
-            log.info("model manager: load '%s' (%d of at most %d loaded)", name, len(m.loaded), m.max_loaded,
-                     extra={"func": "manager"})
+            log.info("model manager: load '%s' (%d of at most %d loaded)%s", name, len(m.loaded), m.max_loaded,
+                     f", {reason}" if reason else "", extra={"func": "manager"})
         elif action == "loaded":
             e = m.loaded.get(name)
             keep = "forever (pinned)" if e is not None and e.spec.pinned else \

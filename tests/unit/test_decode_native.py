@@ -415,11 +415,17 @@ def test_grammar_warmup_waits_for_a_cached_steps_packing():
         def _get_compiler(self):
             order.append("compiler")
 
-    _warm_grammars(Grammars(), Native(True))
+    class Slots:
+        n_busy = n_deferred = 0
+
+    class Runner:  # an idle runner (the warm-up then waits WARMUP_IDLE_S for quiet slots)
+        grammars, slots, engine = Grammars(), Slots(), object()
+
+    _warm_grammars(Runner(), Native(True), idle_s=0.01)
     assert order == [("packed", 30.0), "compiler"]
     order.clear()
-    _warm_grammars(Grammars(), Native(False))
-    _warm_grammars(Grammars(), None)
+    _warm_grammars(Runner(), Native(False), idle_s=0.01)
+    _warm_grammars(Runner(), None, idle_s=0.01)
     assert order == ["compiler", "compiler"]
 
 

@@ -208,3 +208,52 @@ def test_long_text_batch_path_gives_the_same_ids(smol: Tokenizer) -> None:
     assert smol.encode(text) == direct
     assert smol.encode(text + "\ud800") == smol._hf.encode(text + "\ufffd", add_special_tokens=False).ids
     assert len(direct) == 25805
+
+
+# ---------------------------------------------------------------- start-up shortcuts
+
+def test_byte_level_decode_table_matches_the_char_map() -> None:
+    """The str.translate path gives the per-character map's bytes for every character below
+    U+0180 (byte-level characters, raw control and Latin-1 characters: UTF-8) and falls back
+    for characters above U+00FF outside the map."""
+    from kvserve.loaders.tokenizer import _BYTE_TO_CHAR, _CHAR_TO_BYTE, _byte_level_decode
+
+    def slow(text: str) -> bytes:
+        return b"".join(bytes([_CHAR_TO_BYTE[c]]) if c in _CHAR_TO_BYTE else c.encode("utf-8") for c in text)
+
+    assert _byte_level_decode("".join(_BYTE_TO_CHAR[b] for b in range(256))) == bytes(range(256))
+    for o in range(0x180):
+        c = chr(o)
+        assert _byte_level_decode("a" + c + "Ġ") == slow("a" + c + "Ġ"), o
+    assert _byte_level_decode("\xad") == b"\xc2\xad"  # a raw soft hyphen (not in the map): its UTF-8
+    assert _byte_level_decode("中Ġ") == "中".encode() + b" "  # the fallback
+    assert _byte_level_decode("ĠhelloĊ") == b" hello\n"
+
+
+def test_plain_twin_shares_the_model_and_matches_a_reparse(smol: Tokenizer) -> None:
+    """The parse_special=False tokenizer is built on the same model object (no second parse of
+    the vocabulary) and is the same tokenizer as one parsed from the JSON."""
+    from tokenizers import Tokenizer as HF
+
+    plain, hf = smol._hf_plain, smol._hf
+    assert plain.to_str() == hf.to_str()
+    assert plain.encode_special_tokens is True and hf.encode_special_tokens is False
+    ref = HF.from_str(hf.to_str())
+    ref.encode_special_tokens = True
+    for text in ["<|im_start|>user\nhi<|im_end|>", "<|endoftext|> x <reponame>", "plain text  \n\t", "é🇷中"]:
+        assert plain.encode(text, add_special_tokens=False).ids == ref.encode(text, add_special_tokens=False).ids
+    assert smol.encode("<|im_end|>", parse_special=False) == [44, 108, 306, 79, 486, 108, 46]
+    assert smol.encode("<|im_end|>") == [2]
+
+
+def test_plain_twin_of_an_hf_dir(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as HF
+
+    tm.hf_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    assert tok._hf_plain.to_str() == tok._hf.to_str()
+    ref = HF.from_str(tok._hf.to_str())
+    ref.encode_special_tokens = True
+    plain = tok.encode("<|im_end|>x", parse_special=False)
+    assert plain == ref.encode("<|im_end|>x", add_special_tokens=False).ids and len(plain) > 2
+    assert tok.encode("<|im_end|>x")[0] == 2

@@ -1,0 +1,163 @@
+"""The file cache under $KVSERVE_HOME/cache (kvserve.loaders.file_cache) and the GGUF header kept in it:
+a hit skips the parse, a changed file never reuses a stale entry, corrupt entries are rebuilt,
+concurrent writers never leave half an entry."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvserve.loaders import file_cache
+from kvserve.loaders import gguf as gguf_loader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import tinymodel  # noqa: E402
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("KVSERVE_CACHE_DIR", raising=False)
+    monkeypatch.delenv("KVSERVE_FILE_CACHE", raising=False)
+    monkeypatch.setattr(gguf_loader, "_LAST_HEADER", None)  # as a fresh process
+    monkeypatch.setattr(file_cache, "RACY_S", 0.0)  # the files here were written just now
+    return tmp_path / "home" / "cache"
+
+
+def _fresh_read(path):
+    gguf_loader._LAST_HEADER = None
+    return gguf_loader.read_gguf_header(str(path))
+
+
+def _no_parse(monkeypatch):
+    def fail(path):
+        raise AssertionError(f"parsed {path} again")
+
+    monkeypatch.setattr(gguf_loader, "_read_gguf_header", fail)
+
+
+def test_header_is_kept_and_read_back_without_parsing(home, tmp_path, monkeypatch):
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_layer=2, qtype="Q8_0")
+    parsed = gguf_loader._read_gguf_header(str(path))
+    assert _fresh_read(path) == parsed
+    entries = list(home.glob("gguf-header-*.json"))
+    assert len(entries) == 1 and not list(home.glob(".*.tmp"))
+    doc = json.loads(entries[0].read_text(encoding="utf-8"))
+    assert doc["identity"] == file_cache.identity(path) and doc["format"] == file_cache.FORMAT
+    _no_parse(monkeypatch)
+    md, infos = _fresh_read(path)
+    assert (md, infos) == parsed
+    assert md["llama.block_count"] == 2 and isinstance(infos[0], gguf_loader.TensorInfo)
+    assert infos[0].shape == parsed[1][0].shape and type(infos[0].shape) is tuple
+
+
+def test_a_changed_file_does_not_reuse_the_entry(home, tmp_path):
+    path = tmp_path / "m.gguf"
+    tinymodel.write_tiny_gguf(path, n_layer=2, seed=1, metadata={"x.marker": 1})
+    assert _fresh_read(path)[0]["x.marker"] == 1
+    st = os.stat(path)
+    time.sleep(0.05)  # past the file system clock's tick (see the racy test below)
+    # rewritten in place with other weights, the same size, and the old modification time put back
+    # (cp -p, tar): the change time still moves, so the identity differs
+    other = tinymodel.write_tiny_gguf(tmp_path / "other.gguf", n_layer=2, seed=2, metadata={"x.marker": 7})
+    data = other.read_bytes()
+    assert len(data) == st.st_size
+    with open(path, "r+b") as f:
+        f.truncate(0)
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    md, _ = _fresh_read(path)
+    assert md["x.marker"] == 7
+    # replaced by another file of another shape (rename over it: a new inode)
+    tinymodel.write_tiny_gguf(tmp_path / "new.gguf", n_layer=3)
+    os.replace(tmp_path / "new.gguf", path)
+    assert _fresh_read(path)[0]["llama.block_count"] == 3
+
+
+@pytest.mark.parametrize("garbage", [b"", b"{not json", b'{"format": 1}', b"\xff\xfe\x00",
+                                     b'{"format":1,"kind":"gguf-header","identity":[],"value":{}}'])
+def test_a_corrupt_entry_is_ignored_and_rebuilt(home, tmp_path, garbage):
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf")
+    want = _fresh_read(path)
+    entry = file_cache.entry_path("gguf-header", file_cache.identity(path))
+    entry.write_bytes(garbage)
+    assert _fresh_read(path) == want
+    assert json.loads(entry.read_text(encoding="utf-8"))["identity"] == file_cache.identity(path)
+
+
+def test_a_matching_entry_with_a_malformed_value_is_parsed_again(home, tmp_path):
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf")
+    want = _fresh_read(path)
+    ident = file_cache.identity(path)
+    assert file_cache.store("gguf-header", ident, {"metadata": {}, "tensors": [["x", 1]]})
+    assert _fresh_read(path) == want
+    assert file_cache.load("gguf-header", ident)["tensors"][0][0] == want[1][0].name
+
+
+def test_concurrent_writers_leave_one_whole_entry(home):
+    ident = ["/x/model.gguf", 1, 2, 3, 4, 5]
+    value = {"tokens": [f"tok{i}" for i in range(20000)]}
+    errors = []
+
+    def work():
+        try:
+            for _ in range(5):
+                file_cache.store("k", ident, value)
+                got = file_cache.load("k", ident)
+                assert got is None or got == value  # never half an entry
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert file_cache.load("k", ident) == value
+    assert [p.name for p in home.iterdir()] == [file_cache.entry_path("k", ident).name]  # no temp files left
+
+
+def test_off_and_unwritable(home, tmp_path, monkeypatch):
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf")
+    monkeypatch.setenv("KVSERVE_FILE_CACHE", "0")
+    want = _fresh_read(path)
+    assert not home.exists()
+    monkeypatch.delenv("KVSERVE_FILE_CACHE")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(blocker / "cache"))  # under a file: cannot be created
+    assert _fresh_read(path) == want
+    ident = ["/x/a.gguf", 1, 2, 3, 4, 5]
+    assert file_cache.store("k", ident, 1) is False and file_cache.load("k", ident) is None
+
+
+def test_old_entries_are_pruned(home, monkeypatch):
+    monkeypatch.setattr(file_cache, "MAX_ENTRIES", 3)
+    def ident(i):
+        return [f"/x/{i}.gguf", 1, i, 3, 4, 5]
+
+    for i in range(5):
+        assert file_cache.store("k", ident(i), i)
+        os.utime(file_cache.entry_path("k", ident(i)), ns=(i * 10**9, i * 10**9))
+    file_cache.store("k", ident(5), 5)
+    assert [file_cache.load("k", ident(i)) for i in range(6)] == [None, None, None, 3, 4, 5]
+
+
+def test_a_file_changed_just_now_is_not_cached(home, tmp_path, monkeypatch):
+    monkeypatch.setattr(file_cache, "RACY_S", 2.0)
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf")
+    want = _fresh_read(path)
+    assert not list(home.glob("gguf-header-*.json")) if home.exists() else True
+    old = time.time() - 10
+    os.utime(path, (old, old))  # the change time stays recent: still not cached
+    assert _fresh_read(path) == want and (not home.exists() or not list(home.glob("gguf-header-*.json")))
+    monkeypatch.setattr(file_cache, "RACY_S", 0.0)
+    _fresh_read(path)
+    assert len(list(home.glob("gguf-header-*.json"))) == 1
