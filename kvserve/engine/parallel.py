@@ -227,17 +227,6 @@ def layout_lines(config: ModelConfig, tp: int, pp: int, kv_type: str, kv_type_v:
 
 # -- sharding ---------------------------------------------------------------------------
 
-def _slice_rows(w: Weight, a: int, b: int) -> Weight:
-    """Output features [a, b) of a matrix (whole rows: packed 4-bit blocks stay packed), or of a vector."""
-    if w.raw is not None:  # GGUF block rows: a view of them
-        return Weight((b - a, w.shape[1]), raw=w.raw[a:b], source_type=w.source_type)
-    if w.dense is not None:
-        return Weight((b - a, *w.shape[1:]), dense=np.ascontiguousarray(w.dense[a:b]), source_type=w.source_type)
-    return Weight((b - a, w.shape[1]), q4=np.ascontiguousarray(w.q4[a:b]),
-                  q4_scale=np.ascontiguousarray(w.q4_scale[a:b]), q4_zero=np.ascontiguousarray(w.q4_zero[a:b]),
-                  source_type=w.source_type)
-
-
 def _slice_cols(w: Weight, a: int, b: int, notes: set[str], name: str) -> Weight:
     """Input features [a, b) of a matrix: packed 4-bit blocks stay packed when a and b are multiples
     of the 32-value block, else the slice is dequantized (noted in ``notes``)."""
@@ -281,17 +270,17 @@ def shard_weights(config: ModelConfig, weights: dict[str, Weight],
             for kind in ("weight", "bias"):
                 w = weights.get(src + f"attn_{x}.{kind}")
                 if w is not None:
-                    out[dst + f"attn_{x}.{kind}"] = w if tp == 1 else _slice_rows(w, h0 * hd, h1 * hd)
+                    out[dst + f"attn_{x}.{kind}"] = w if tp == 1 else w.rows(h0 * hd, h1 * hd)
         wo, down = weights[src + "attn_output.weight"], weights[src + "ffn_down.weight"]
         out[dst + "attn_output.weight"] = wo if tp == 1 else _slice_cols(wo, q0 * hd, q1 * hd, notes, "attn_output")
         out[dst + "ffn_down.weight"] = down if tp == 1 else _slice_cols(down, f0, f1, notes, "ffn_down")
         for n in ("ffn_gate.weight", "ffn_up.weight"):
-            out[dst + n] = weights[src + n] if tp == 1 else _slice_rows(weights[src + n], f0, f1)
+            out[dst + n] = weights[src + n] if tp == 1 else weights[src + n].rows(f0, f1)
     emb = weights["token_embd.weight"]
     out["token_embd.weight"] = emb if plan.first else Weight((1, c.n_embd), dense=np.zeros((1, c.n_embd), np.float32))
     head = emb if c.tie_embeddings or "output.weight" not in weights else weights["output.weight"]
     if plan.last:
-        out["output.weight"] = head if tp == 1 else _slice_rows(head, v0, v1)
+        out["output.weight"] = head if tp == 1 else head.rows(v0, v1)
         out["output_norm.weight"] = weights["output_norm.weight"]
     else:
         out["output.weight"] = Weight((16, c.n_embd), dense=np.zeros((16, c.n_embd), np.float32))

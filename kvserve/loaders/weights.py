@@ -141,6 +141,19 @@ class Weight:
             return _dequantize_raw(np.asarray(self.raw)[ids], self.source_type, (len(ids), self.shape[1]))
         return np.ascontiguousarray(self.to_dense()[ids], dtype=np.float32)
 
+    def rows(self, a: int, b: int) -> "Weight":
+        """Rows (output features) ``a:b`` of a matrix, or elements ``a:b`` of a vector: GGUF block
+        rows stay a view of the file's mapping (whole rows of blocks), packed 4-bit rows stay packed,
+        float32 rows are copied. Raises numpy's errors for bounds outside the tensor."""
+        if self.raw is not None:
+            return Weight((b - a, *self.shape[1:]), raw=self.raw[a:b], source_type=self.source_type)
+        if self.dense is not None:
+            return Weight((b - a, *self.shape[1:]), dense=np.ascontiguousarray(self.dense[a:b]),
+                          source_type=self.source_type)
+        return Weight((b - a, self.shape[1]), q4=np.ascontiguousarray(self.q4[a:b]),
+                      q4_scale=np.ascontiguousarray(self.q4_scale[a:b]),
+                      q4_zero=np.ascontiguousarray(self.q4_zero[a:b]), source_type=self.source_type)
+
     def permute_rows(self, order: np.ndarray) -> "Weight":
         """The same weight with rows (output features) reordered by ``order``."""
         if self.dense is not None:

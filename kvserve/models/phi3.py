@@ -161,18 +161,6 @@ def required_tensors(config: Phi3Config, weights: dict) -> list[str]:
     return needed
 
 
-def _rows(w: Weight, a: int, b: int) -> Weight:
-    """Rows ``a:b`` of a 2-D weight (packed 4-bit rows stay packed; GGUF blocks kept as the file's
-    stay a view of the mapping: whole rows of blocks)."""
-    if w.dense is not None:
-        return Weight((b - a, *w.shape[1:]), dense=np.ascontiguousarray(w.dense[a:b]), source_type=w.source_type)
-    if w.raw is not None:
-        return Weight((b - a, w.shape[1]), raw=w.raw[a:b], source_type=w.source_type)
-    return Weight((b - a, w.shape[1]), q4=np.ascontiguousarray(w.q4[a:b]),
-                  q4_scale=np.ascontiguousarray(w.q4_scale[a:b]), q4_zero=np.ascontiguousarray(w.q4_zero[a:b]),
-                  source_type=w.source_type)
-
-
 def rotary_order(n_rows: int, n_head: int, rope_dim: int) -> np.ndarray:
     """Row order turning each head's first ``rope_dim`` rows from half-split (NEOX) to interleaved
     pairs (the llama block's RoPE layout), the remaining rows (not rotated) kept after them."""
@@ -190,13 +178,13 @@ def prepare(config: Phi3Config, weights: dict[str, Weight], fmt: str) -> None:
         p = f"blk.{i}."
         qkv = weights.pop(p + "attn_qkv.weight", None)
         if qkv is not None:
-            weights[p + "attn_q.weight"] = _rows(qkv, 0, qs)
-            weights[p + "attn_k.weight"] = _rows(qkv, qs, qs + kvs)
-            weights[p + "attn_v.weight"] = _rows(qkv, qs + kvs, qs + 2 * kvs)
+            weights[p + "attn_q.weight"] = qkv.rows(0, qs)
+            weights[p + "attn_k.weight"] = qkv.rows(qs, qs + kvs)
+            weights[p + "attn_v.weight"] = qkv.rows(qs + kvs, qs + 2 * kvs)
         up = weights[p + "ffn_up.weight"]
         if up.shape[0] == 2 * c.n_ff:  # [gate | up]
-            weights[p + "ffn_gate.weight"] = _rows(up, 0, c.n_ff)
-            weights[p + "ffn_up.weight"] = _rows(up, c.n_ff, 2 * c.n_ff)
+            weights[p + "ffn_gate.weight"] = up.rows(0, c.n_ff)
+            weights[p + "ffn_up.weight"] = up.rows(c.n_ff, 2 * c.n_ff)
         elif p + "ffn_gate.weight" not in weights:
             raise ModelLoadError(f"tensor '{p}ffn_up.weight' has {up.shape[0]} rows: expected 2 x {c.n_ff} "
                                  "(gate | up) or a separate ffn_gate.weight")

@@ -485,11 +485,10 @@ def test_phi3_cuts_gguf_blocks_as_row_views():
     import numpy as np
 
     from kvserve.loaders.weights import Weight
-    from kvserve.models.phi3 import _rows
 
     dense = np.random.RandomState(0).standard_normal((48, 64)).astype(np.float32)
     raw = gguf.quants.quantize(dense, gguf.GGMLQuantizationType.Q8_0)  # [48, 68] bytes
     w = Weight((48, 64), raw=raw, source_type="Q8_0")
-    part = _rows(w, 16, 40)
+    part = w.rows(16, 40)
     assert part.shape == (24, 64) and part.raw is not None and np.shares_memory(part.raw, raw)
     np.testing.assert_array_equal(part.to_dense(), w.to_dense()[16:40])
