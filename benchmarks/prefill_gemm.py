@@ -45,17 +45,6 @@ from kvserve.models import ggml_kernel  # noqa: E402
 SHAPES = {"q_o": (2048, 2048), "k_v": (512, 2048), "gate_up": (8192, 2048), "down": (2048, 8192)}
 
 
-def _ms(fn, reps: int, clock=time.perf_counter) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` runs after one warm-up, on ``clock``."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return statistics.median(times) * 1e3
-
-
 def _cpu_s(pid: int) -> float:
     """CPU seconds (user + system) process ``pid`` and its threads used so far."""
     with open(f"/proc/{pid}/stat") as f:
