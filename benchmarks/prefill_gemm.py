@@ -5,8 +5,11 @@ For each weight type and each of Llama-3.2-1B's projection shapes (N x K: q/o 20
 M float32 rows (default 512, a prompt chunk), in GFLOP/s (2 M N K / the median time):
 
 * ``rows``: the per-row kernels (q8 activations, integer block dot products; every row count);
-* ``gemm``: the large-M path (weights dequantized a panel at a time to bfloat16, AVX512-BF16 dot
-  products), where this build has it (``Matrix.mm(x, gemm_min_rows=1)``);
+* ``gemm_bf16``: the bfloat16 prefill path (weights dequantized a panel at a time to bfloat16,
+  AVX512-BF16 dot products; ggml_gemm.h), where this build has it (``Matrix.mm(x, 1, "bf16")``);
+* ``gemm_int8``: the int8 prefill path (activations quantized to q8 as llama.cpp does, weights unpacked
+  a panel at a time, AVX512-VNNI integer dot products; ggml_gemm8.h), where this build and the type have
+  it (``Matrix.mm(x, 1, "int8")``; the default prefill path there), and its ratio to ``gemm_bf16``;
 * ``torch_bf16``: torch's bfloat16 ``F.linear`` on a dense bfloat16 copy of the same weights (what
   kvserve ran before the weights stayed packed; 2 bytes a weight of extra memory).
 
@@ -40,17 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
 from kvserve.models import ggml_kernel  # noqa: E402
 
 SHAPES = {"q_o": (2048, 2048), "k_v": (512, 2048), "gate_up": (8192, 2048), "down": (2048, 8192)}
-
-
-def _ms(fn, reps: int, clock=time.perf_counter) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` runs after one warm-up, on ``clock``."""
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return statistics.median(times) * 1e3
 
 
 def _cpu_s(pid: int) -> float:
@@ -136,6 +128,7 @@ def main() -> int:
     from test_ggml_kernel import random_rows  # the tests' random blocks of each type
 
     gemm = bool(getattr(mod, "GEMM", ""))
+    gemm8 = bool(getattr(mod, "GEMM8", ""))
     rng = np.random.default_rng(0)
     out: dict = {"m": a.m, "threads": a.threads, "clock": "cpu" if a.cpu_time else "wall", "isa": mod.ISA, "gemm": getattr(mod, "GEMM", ""), "gflops": {}}
     for t in ([] if a.servers_only else a.types.split(",")):
@@ -150,10 +143,22 @@ def main() -> int:
             # interleaved: each path timed in turn, so load on the shared machine hits all alike
             fns = {"rows": lambda: bm._m.mm(x), "torch_bf16": lambda: torch.nn.functional.linear(x.to(torch.bfloat16), w16)}
             if gemm:
-                fns["gemm"] = lambda: bm._m.mm(x, 1)
-            for name, fn in fns.items():
-                clock = time.process_time if a.cpu_time else time.perf_counter
-                row[name] = round(flop / (_ms(fn, a.reps, clock) * 1e-3) / 1e9, 1)
+                fns["gemm_bf16"] = lambda: bm._m.mm(x, 1, "bf16")
+            if gemm8 and bm._m.gemm8:
+                fns["gemm_int8"] = lambda: bm._m.mm(x, 1, "int8")
+            clock = time.process_time if a.cpu_time else time.perf_counter
+            times: dict = {name: [] for name in fns}
+            for fn in fns.values():
+                fn()  # warm-up
+            for _ in range(a.reps):  # interleaved rounds: A, B, C, A, B, C, ...
+                for name, fn in fns.items():
+                    t0 = clock()
+                    fn()
+                    times[name].append(clock() - t0)
+            for name, ts in times.items():
+                row[name] = round(flop / statistics.median(ts) / 1e9, 1)
+            if "gemm_int8" in row and "gemm_bf16" in row:
+                row["int8_over_bf16"] = round(row["gemm_int8"] / row["gemm_bf16"], 3)
             out["gflops"][f"{t} {s} {n}x{k}"] = row
             print(json.dumps({f"{t} {s}": row}), file=sys.stderr, flush=True)
     if a.llama_server and a.model:

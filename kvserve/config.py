@@ -89,9 +89,12 @@ class EngineConfig:
             float32 elsewhere), "bfloat16" or "float32". Measured on a 2-core
             AVX512-BF16 EPYC, SmolLM2 FFN GEMMs at 512 rows: bfloat16 240 GFLOP/s,
             float32 90. In bfloat16, GGUF matrices keep no dense copy where the block
-            kernels' prefill path runs (AVX512-BF16): such steps multiply the file's
-            blocks, a panel at a time (kvserve.models.ggml_kernel); in float32 they
-            run the per-row block kernels (or, for Q4_0/Q4_1, a float32 copy).
+            kernels' prefill paths run (AVX512-BF16 + VNNI): such steps multiply the
+            file's blocks, a panel at a time (kvserve.models.ggml_kernel): every type
+            but F16/BF16 on the int8 path (llama.cpp's q8 activations and integer block
+            sums, AVX512-VNNI; about 1.5x the bfloat16 path), BF16 rows on the bfloat16
+            one; in float32 they run the per-row block kernels (the same q8 arithmetic,
+            slower at prefill sizes; or, for Q4_0/Q4_1, a float32 copy).
         small_batch_rows: steps with more rows than this use the dense copy
             (default 16; 0 = always ``cpu_kernel``). Per layer of SmolLM2 on
             a 2-core AVX2 machine at 1 / 16 / 32 rows: int8 0.24 / 1.47 / 3.8

@@ -667,6 +667,7 @@ void dot_half(const uint8_t* w, int64_t K, const float* x, int64_t r, float* out
 // ---------------------------------------------------------------- prefill-sized products
 
 #include "ggml_gemm.h"
+#include "ggml_gemm8.h"
 
 // ---------------------------------------------------------------- the product
 
@@ -759,25 +760,48 @@ int64_t Matrix::nbytes() const {
 bool Matrix::gemm_ok() const {
 #ifdef GG_GEMM
   for (const Part& p : parts_)
-    if (!gemm::has_type(p.type)) return false;
+    if (!gemm::has_type(p.type) && !gemm8::has_type(p.type)) return false;
   return K_ % 2 == 0;
 #else
   return false;
 #endif
 }
 
-at::Tensor Matrix::mm(const at::Tensor& x_in, int64_t gemm_min_rows) const {
+bool Matrix::gemm8_ok() const {
+#ifdef GG_GEMM8
+  for (const Part& p : parts_)
+    if (!gemm8::has_type(p.type)) return false;
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor Matrix::mm(const at::Tensor& x_in, int64_t gemm_min_rows, const std::string& path) const {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K_, "ggml_cpu.Matrix.mm: x must be [M, ", K_, "]");
+  TORCH_CHECK(path == "auto" || path == "int8" || path == "bf16", "ggml_cpu.Matrix.mm: path must be auto, int8 or bf16");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N_}, x.options());
   if (M == 0) return y;
 #ifdef GG_GEMM
   if (gemm_min_rows > 0 && M >= gemm_min_rows && gemm_ok()) {
-    std::vector<gemm::Rows> rows;
-    for (const Part& p : parts_) rows.push_back({p.data, p.type, p.first, p.rows, p.row_bytes});
-    gemm::mm(rows, N_, K_, x.data_ptr<float>(), M, y.data_ptr<float>());
-    return y;
+    // the int8 path (ggml_gemm8.h: llama.cpp's q8 arithmetic) where every part's type has it, unless
+    // path says bf16; else the bfloat16 path (ggml_gemm.h)
+    if (path != "bf16" && gemm8_ok()) {
+      std::vector<gemm8::Rows> rows;
+      for (const Part& p : parts_) rows.push_back({p.data, p.type, p.first, p.rows, p.row_bytes});
+      gemm8::mm(rows, N_, K_, x.data_ptr<float>(), M, y.data_ptr<float>());
+      return y;
+    }
+    bool bf = K_ % 2 == 0;
+    for (const Part& p : parts_) bf = bf && gemm::has_type(p.type);
+    if (path != "int8" && bf) {
+      std::vector<gemm::Rows> rows;
+      for (const Part& p : parts_) rows.push_back({p.data, p.type, p.first, p.rows, p.row_bytes});
+      gemm::mm(rows, N_, K_, x.data_ptr<float>(), M, y.data_ptr<float>());
+      return y;
+    }
   }
 #endif
   Scratch s;
@@ -880,12 +904,21 @@ void kvserve_ggml::register_module(pybind11::module_& m) {
 #else
       "";
 #endif
+  // the int8 prefill path's instruction set ("avx512vnni": ggml_gemm8.h), "" where this build has none
+  m.attr("GEMM8") =
+#ifdef GG_GEMM8
+      "avx512vnni";
+#else
+      "";
+#endif
   m.def("quantize", &quantize);
   pybind11::class_<kvserve_ggml::Matrix>(m, "Matrix")
       .def(pybind11::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t>())
       .def_property_readonly("rows", &kvserve_ggml::Matrix::rows)
       .def_property_readonly("cols", &kvserve_ggml::Matrix::cols)
       .def_property_readonly("gemm", &kvserve_ggml::Matrix::gemm_ok)
+      .def_property_readonly("gemm8", &kvserve_ggml::Matrix::gemm8_ok)
       .def("mm", &kvserve_ggml::Matrix::mm, pybind11::arg("x"), pybind11::arg("gemm_min_rows") = 0,
+           pybind11::arg("path") = "auto",
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

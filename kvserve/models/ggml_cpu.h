@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace kvserve_ggml {
@@ -28,11 +29,15 @@ class Matrix {
   // bytes of weights one product reads
   int64_t nbytes() const;
 
-  // true where mm's prefill path (ggml_gemm.h) takes this matrix: the build has it, and every part's type
+  // true where mm's prefill paths (ggml_gemm8.h's int8 one, ggml_gemm.h's bfloat16 one) take this matrix:
+  // the build has them (AVX512-BF16 + VNNI), and every part's type is one of theirs
   bool gemm_ok() const;
-  // x [M, K] float32 -> [M, N] float32 (a new tensor); with gemm_min_rows > 0 and M >= gemm_min_rows,
-  // the prefill path of ggml_gemm.h where gemm_ok(), else the per-row kernels (mm_raw)
-  at::Tensor mm(const at::Tensor& x, int64_t gemm_min_rows = 0) const;
+  // true where the int8 prefill path (ggml_gemm8.h) takes this matrix
+  bool gemm8_ok() const;
+  // x [M, K] float32 -> [M, N] float32 (a new tensor); with gemm_min_rows > 0 and M >= gemm_min_rows
+  // a prefill path where gemm_ok(): path "auto" the int8 one where gemm8_ok(), else the bfloat16 one;
+  // "int8" / "bf16" only that one (where it does not take the matrix: the per-row kernels, mm_raw)
+  at::Tensor mm(const at::Tensor& x, int64_t gemm_min_rows = 0, const std::string& path = "auto") const;
   // the same product on raw buffers: x [M, K] float32 (row stride K), y [M, N] (row stride N);
   // s: the activations' buffers, resized as needed. Runs on kvserve's pool (thread_pool.h).
   void mm_raw(const float* x, int64_t M, float* y, Scratch& s) const;

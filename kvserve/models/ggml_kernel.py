@@ -8,15 +8,24 @@ llama.cpp's q8_K (int8 per block of 256, a float32 scale, sums of 16) for Q2_K..
 F16 and BF16 rows are widened to float32 and multiplied with the float32 activations. Row i of an
 M-row product equals the one-row product bit for bit (see ggml_cpu.cpp).
 
-Prefill-sized products (``BlockMatrix.gemm_min_rows``: at least that many rows) take another path
-where the build has AVX512-BF16 (``mod.GEMM == "avx512bf16"``) and every part's type is one it
-takes (all of :data:`TYPES` but F16; ``ggml_gemm.h``): activations rounded to bfloat16 (a copy of x in
-tiles, M x K x 2 bytes), groups of up to 48 weight rows dequantized from the file's blocks to bfloat16
-into a per-thread buffer (at most 768 KiB, at K = 8192), float32 sums of vdpbf16ps products. Its numerics differ from the per-row kernels' q8
-rounding (about bfloat16's 2^-9 on each operand, no block-wise quantization of x); among its own
-products row i is again the same whatever the other rows are. About 2.3x the per-row kernels at
-512 rows on one Zen 4 core (``benchmarks/prefill_gemm.py``); elsewhere (AVX2, AVX512 without BF16)
-every row count runs the per-row kernels.
+Prefill-sized products (``BlockMatrix.gemm_min_rows``: at least that many rows) take one of two other
+paths where the build has AVX512-BF16 and AVX512-VNNI (``mod.GEMM == "avx512bf16"``, ``mod.GEMM8 ==
+"avx512vnni"``), picked by ``BlockMatrix.gemm_path``:
+
+* the int8 path (``ggml_gemm8.h``; "auto" takes it where every part's type has it: all of
+  :data:`TYPES` but F16 and BF16): llama.cpp's arithmetic, as the per-row kernels (the same q8_0 /
+  q8_K activations, exact integer sums per block / super-block, float scaling per block) with the
+  float sums in another order (a few float32 ulps from the per-row kernels); groups of 32 weight rows
+  unpacked from the file's blocks into a per-thread buffer (K x 32 bytes), AVX512-VNNI vpdpbusd.
+  About 1.3-1.6x the bfloat16 path at 512 rows on one Zen 4 core (``benchmarks/prefill_gemm.py``);
+* the bfloat16 path (``ggml_gemm.h``; "auto" for BF16 rows, or ``gemm_path = "bf16"``):
+  activations rounded to bfloat16 (a copy of x in tiles, M x K x 2 bytes), groups of up to 48 weight
+  rows dequantized from the file's blocks to bfloat16 into a per-thread buffer (at most 768 KiB, at
+  K = 8192), float32 sums of vdpbf16ps products. Its numerics differ from the per-row kernels' q8
+  rounding (about bfloat16's 2^-9 on each operand, no block-wise quantization of x).
+
+On either path row i of a product is the same whatever the other rows are. Elsewhere (AVX2, AVX512
+without BF16) every row count runs the per-row kernels.
 
 Built as part of kvserve's one CPU extension (:mod:`kvserve.models.decode_native`: the ``ggml``
 submodule of the native decode step's build, which composes its projections from these products):
@@ -90,6 +99,8 @@ class BlockMatrix:
         k: input features.
 
     Attributes:
+        gemm_path: which prefill path: "auto" (default: int8 where every part's type has it, else
+            bfloat16), "int8" or "bf16" (see the module docstring).
         gemm_min_rows: products of at least this many rows run the prefill path (see the module
             docstring) where this build and these types have it; 0 (default) = never.
 
@@ -99,6 +110,7 @@ class BlockMatrix:
 
     def __init__(self, mod, parts: list[tuple[np.ndarray, str]], k: int):
         self.gemm_min_rows = 0
+        self.gemm_path = "auto"
         import gguf
 
         self.parts = [np.ascontiguousarray(r) for r, _ in parts]  # views stay views when already contiguous
@@ -130,7 +142,7 @@ class BlockMatrix:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> [M, N] float32 (see the module docstring for the arithmetic)."""
-        return self._m.mm(x, self.gemm_min_rows)
+        return self._m.mm(x, self.gemm_min_rows, self.gemm_path)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: the blocks' values (gguf's dequantization), a new tensor; for callers

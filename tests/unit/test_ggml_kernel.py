@@ -2,7 +2,8 @@
 weights dequantized by ``gguf.quants.dequantize``, activations quantized as llama.cpp does (q8_0 per
 block of 32, q8_K per block of 256) emulated in numpy. Random blocks of every type, batch
 invariance, odd row counts, K not a multiple of 256; the AVX2 build runs this file in a child. The
-prefill path (AVX512-BF16 builds, ``gemm_min_rows``) against float64 references of bfloat16 operands."""
+prefill paths (AVX512-BF16 + VNNI builds, ``gemm_min_rows``): the int8 one against the same q8 references,
+the bfloat16 one against float64 references of bfloat16 operands."""
 
 import os
 import subprocess
@@ -202,6 +203,7 @@ def test_prefill_path_matches_the_bfloat16_reference(mod, name):
     raw = random_rows(name, n, k, rng)
     mat = ggml_kernel.BlockMatrix(mod, [(raw, name)], k)
     mat.gemm_min_rows = 1
+    mat.gemm_path = "bf16"
     assert mat.has_gemm == (mod.GEMM == "avx512bf16" and name != "F16")
     for m in (1, 33, 70):
         x = rng.standard_normal((m, k)).astype(np.float32)
@@ -218,9 +220,47 @@ def test_prefill_path_matches_the_bfloat16_reference(mod, name):
     assert np.array_equal(one[0], y[-1])
 
 
+#: the types the int8 prefill path takes (ggml_gemm8.h)
+INT8_TYPES = [t for t in ggml_kernel.TYPES if t not in ("F16", "BF16")]
+
+
+@pytest.mark.parametrize("name", INT8_TYPES)
+def test_int8_prefill_path_matches_the_q8_reference(mod, name):
+    """The default prefill path of these types (AVX512-BF16 + VNNI builds): llama.cpp's q8 activations
+    and exact integer block sums, within 2e-6 of sum |x w| of the same float64 reference as the per-row
+    kernels (test_each_type_matches_the_float64_reference); 33 weight rows (a panel of 32 and one row),
+    row counts past the 4-row micro-kernel's multiples; row i equals its one-row product; mostly
+    not bit-equal to the per-row kernels (another float order), but within a few float32 ulps. Builds
+    without the path (AVX2) run the per-row kernels, bit for bit as with gemm_min_rows 0."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + 2)
+    k = 512 if name in Q8_K_TYPES else 352
+    n = 33
+    raw = random_rows(name, n, k, rng)
+    mat = ggml_kernel.BlockMatrix(mod, [(raw, name)], k)
+    mat.gemm_min_rows = 1
+    assert mat.matrix.gemm8 == (getattr(mod, "GEMM8", "") == "avx512vnni")
+    rows = ggml_kernel.BlockMatrix(mod, [(raw, name)], k)
+    for m in (1, 6, 37):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        y = mat.mm(torch.from_numpy(x)).numpy()
+        if not mat.matrix.gemm8:  # no prefill paths in this build (AVX2): the per-row kernels, bit for bit
+            assert np.array_equal(y, rows.mm(torch.from_numpy(x)).numpy())
+            continue
+        assert np.array_equal(y, mat.matrix.mm(torch.from_numpy(x), 1, "int8").numpy())
+        ref, bound = reference(x, raw, name)
+        err = np.abs(y - ref)
+        assert (err <= 2e-6 * bound + 1e-30).all(), (name, m, float((err / bound).max()))
+        assert np.abs(ref).max() > 0
+        y_rows = rows.mm(torch.from_numpy(x)).numpy()
+        assert (np.abs(y - y_rows) <= 1e-6 * bound + 1e-30).all()
+        for i in (0, m - 1):
+            assert np.array_equal(mat.mm(torch.from_numpy(x[i:i + 1])).numpy()[0], y[i])
+
+
 def test_prefill_path_odd_k_and_fused_types(mod):
     """BF16 rows of 98 values (49 pairs: the activation packing's tail), and a fused Q4_K|Q4_K|Q6_K
-    matrix of 32 rows (panels of 12 cross the parts): each part's columns equal its own product."""
+    matrix of 32 rows (the bfloat16 path's panels of 12 cross the parts), on both prefill paths: each
+    part's columns equal its own product."""
     rng = np.random.default_rng(4)
     raw = random_rows("BF16", 13, 98, rng)
     mat = ggml_kernel.BlockMatrix(mod, [(raw, "BF16")], 98)
@@ -237,16 +277,17 @@ def test_prefill_path_odd_k_and_fused_types(mod):
     k = 512
     parts = [(random_rows("Q4_K", 16, k, rng), "Q4_K"), (random_rows("Q4_K", 8, k, rng), "Q4_K"),
              (random_rows("Q6_K", 8, k, rng), "Q6_K")]
-    fused = ggml_kernel.BlockMatrix(mod, parts, k)
-    fused.gemm_min_rows = 1
     x = torch.from_numpy(rng.standard_normal((35, k)).astype(np.float32))
-    y = fused.mm(x)
-    col = 0
-    for raw, name in parts:
-        alone = ggml_kernel.BlockMatrix(mod, [(raw, name)], k)
-        alone.gemm_min_rows = 1
-        assert torch.equal(y[:, col:col + raw.shape[0]], alone.mm(x))
-        col += raw.shape[0]
+    for path in ("bf16", "int8"):
+        fused = ggml_kernel.BlockMatrix(mod, parts, k)
+        fused.gemm_min_rows, fused.gemm_path = 1, path
+        y = fused.mm(x)
+        col = 0
+        for raw, name in parts:
+            alone = ggml_kernel.BlockMatrix(mod, [(raw, name)], k)
+            alone.gemm_min_rows, alone.gemm_path = 1, path
+            assert torch.equal(y[:, col:col + raw.shape[0]], alone.mm(x)), path
+            col += raw.shape[0]
 
 
 def test_avx2_build_passes_these_tests_on_an_avx512_cpu(mod):

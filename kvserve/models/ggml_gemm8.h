@@ -1,0 +1,576 @@
+// Prefill-sized products on GGUF blocks with integer dot products: y[M, N] = x[M, K] @ W[N, K]^T for
+// large M, the file's blocks unpacked a panel of 32 weight rows at a time into a per-thread buffer,
+// AVX512-VNNI vpdpbusd (64 u8 x s8 products per instruction, twice vdpbf16ps's rate).
+//
+// Included by ggml_cpu.cpp inside its namespace, after the block types and the activations'
+// quantization (it uses h2f, round_f16, nibbles, table16, scales_mins_k4, the BQ* structs). Compiled
+// with the bfloat16 path (GG_GEMM: AVX512-BF16 + AVX512-VNNI), so a prefill path exists on the same
+// CPUs as before; Matrix::mm picks this one where every part's type has it (has_type: all but F16
+// and BF16).
+//
+// Arithmetic: llama.cpp's. Activations quantized as the per-row kernels quantize them (q8_K for
+// Q2_K..Q6_K and IQ4_XS, q8_0 for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4; q8_0_row / q8_K_row
+// below are quantize_q8_0_row / quantize_q8_K_row in 512-bit vectors, the same values bit for bit).
+// Per block (32 values) or super-block (256), the sum of weight quant x activation quant times the
+// block's integer sub-scales is the integer llama.cpp's vec_dot forms (exact in int32; for Q5_K, Q6_K
+// and IQ4_XS summed over sub-blocks in float32, exact below 2^24: see kernk), then
+//   32-value blocks:  y += float(sumi) * (d_w * d_x)            [+ m_w * s_x for Q4_1 / Q5_1]
+//   super-blocks:     y += float(sumi) * (d_w * d_x)            [- float(summs) * (dmin_w * d_x)]
+// (summs = sum over sub-blocks of min x the activations' sums, Q2_K / Q4_K / Q5_K), each y[m, n]
+// summed over its blocks in order, one float32 chain: the same whatever M is and whatever the other
+// rows are (row i of any product of this path equals its one-row product of this path bit for bit).
+// Not bit-equal to the per-row kernels (they sum 8 or 16 lanes of partial integers per block, then a
+// horizontal sum): the same integers, another float order (differences of a few float32 ulps).
+//
+// Layout: lanes are weight rows. A panel of NP = 32 rows of one part is unpacked per thread into
+//   w  uint8 [K/4][32][4]: each weight's quant made non-negative (signed types + 128, Q6_K's 0..63,
+//      Q3_K's 0..7): one 64-byte load gives 16 rows x 4 values, the u8 operand of vpdpbusd;
+//   per (super-)block: d (and dmin / m) float [32], integer sub-scales int32 [groups][32], Q2_K/Q4_K/
+//      Q5_K's mins as int16 pairs [pairs][32].
+// The offsets taken out of the quants (128, 32, 4) return through the accumulators' start values
+// (-offset x the activations' sums of the group). The micro-kernel: MR = 4 activation rows x 32 weight
+// rows, each 4 activation bytes broadcast from the q8 row ({1to16}), two vpdpbusd per broadcast; per
+// sub-block an int32 accumulator, multiplied by the sub-block's scale into the super-block's sum.
+// Measured on one Zen 4 core at 512 x 2048 x 2048 (CPU time): Q4_K 277 GFLOP/s, Q6_K 290, Q8_0 296,
+// Q4_0 305; the bfloat16 path 185-198 on the same shapes.
+
+#ifdef GG_GEMM
+#define GG_GEMM8 1
+
+namespace gemm8 {
+
+
+constexpr int NP = 32;  // weight rows per panel (two 16-lane vectors)
+constexpr int MR = 4;   // activation rows per micro-kernel call
+
+// the quantized activations of one product (row-major, the per-row kernels' layout)
+struct Acts {
+  int64_t K = 0;
+  // q8_0: q [M, K], d [M, K/32] (float16 values), s [M, K/32] (q8_1's float16 s), sum int32 [M, K/32]
+  std::vector<int8_t> q0;
+  std::vector<float> d0, s0;
+  std::vector<int32_t> sum0;
+  // q8_K: q [M, K], d [M, K/256], bs int16 [M, K/16], bsp int16 [M, K/32] (sums of 32)
+  std::vector<int8_t> qk;
+  std::vector<float> dk;
+  std::vector<int16_t> bs, bsp;
+};
+
+// how a type's panel is laid out and summed (see the file's comment)
+enum Kind { K32, KK };
+struct Traits {
+  Kind kind;
+  int group;   // KK: values per integer sub-scale (16 or 32)
+  int off;     // subtracted from every stored quant (the accumulators start at -off x the group's sum)
+  int mins;    // KK: 0, or the values per min (32: Q4_K/Q5_K, 16: Q2_K); K32: 1 for Q4_1/Q5_1's m
+};
+
+inline bool traits(int t, Traits& tr) {
+  switch (t) {
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL: case T_MXFP4: tr = {K32, 32, 128, 0}; return true;
+    case T_Q4_1: case T_Q5_1: tr = {K32, 32, 0, 1}; return true;
+    case T_Q4_K: case T_Q5_K: tr = {KK, 32, 0, 32}; return true;
+    case T_Q6_K: tr = {KK, 16, 32, 0}; return true;
+    case T_Q2_K: tr = {KK, 16, 0, 16}; return true;
+    case T_Q3_K: tr = {KK, 16, 4, 0}; return true;
+    case T_IQ4_XS: tr = {KK, 32, 128, 0}; return true;
+    default: return false;
+  }
+}
+
+inline bool has_type(int t) {
+  Traits tr;
+  return traits(t, tr);
+}
+
+// one thread's unpacked panel
+struct Panel {
+  std::vector<uint8_t> w;       // [K/4][NP][4]
+  std::vector<float> d, dm;     // [blocks][NP]
+  std::vector<int32_t> sc, mn;  // [blocks][groups][NP], [blocks][pairs][NP]
+  std::vector<uint8_t> row;     // one row's quants, [K]
+};
+
+// ---------------------------------------------------------------- unpacking one weight row (lane n)
+
+inline void store32(uint8_t* row, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(row), v); }
+
+template <class T>
+void row32(const uint8_t* w, int64_t K, int n, Panel& p) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < K / 32; ++b) {
+    float d, m = 0.f;
+    const __m256i v = T::vals(w + b * T::BYTES, d, m);
+    store32(p.row.data() + 32 * b, T::SIGNED ? _mm256_xor_si256(v, flip) : v);
+    p.d[b * NP + n] = d;
+    if (T::MIN) p.dm[b * NP + n] = m;
+  }
+}
+
+template <bool FIVE>
+void row_q45k(const uint8_t* w, int64_t K, int n, Panel& p) {
+  constexpr int BYTES = FIVE ? 176 : 144;
+  const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = w + b * BYTES;
+    p.d[b * NP + n] = h2f(blk);
+    p.dm[b * NP + n] = h2f(blk + 2);
+    const uint8_t* qs = blk + (FIVE ? 48 : 16);
+    uint8_t sc[8], mn[8];
+    scales_mins_k4(blk + 4, sc, mn);
+    for (int j = 0; j < 8; ++j) p.sc[(b * 8 + j) * NP + n] = sc[j];
+    for (int j = 0; j < 4; ++j) p.mn[(b * 4 + j) * NP + n] = mn[2 * j] | (static_cast<int32_t>(mn[2 * j + 1]) << 16);
+    const __m256i qh = FIVE ? load32(blk + 16) : _mm256_setzero_si256();
+    uint8_t* out = p.row.data() + 256 * b;
+    for (int q = 0; q < 4; ++q) {
+      const __m256i v = load32(qs + 32 * q);
+      __m256i u0 = _mm256_and_si256(v, m4), u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      if (FIVE) {
+        u0 = _mm256_or_si256(u0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * q), one), 4));
+        u1 = _mm256_or_si256(u1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * q + 1), one), 4));
+      }
+      store32(out + 64 * q, u0);
+      store32(out + 64 * q + 32, u1);
+    }
+  }
+}
+
+void row_q6k(const uint8_t* w, int64_t K, int n, Panel& p) {
+  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = w + b * 210;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    p.d[b * NP + n] = h2f(blk + 208);
+    for (int g = 0; g < 16; ++g) p.sc[(b * 16 + g) * NP + n] = sc[g];
+    uint8_t* out = p.row.data() + 256 * b;
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = load32(blk + 64 * h), l1 = load32(blk + 64 * h + 32), qh = load32(blk + 128 + 32 * h);
+      store32(out + 128 * h, _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)));
+      store32(out + 128 * h + 32, _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4)));
+      store32(out + 128 * h + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4)));
+      store32(out + 128 * h + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4)));
+    }
+  }
+}
+
+void row_q2k(const uint8_t* w, int64_t K, int n, Panel& p) {
+  const __m256i m2 = _mm256_set1_epi8(3);
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = w + b * 84;
+    p.d[b * NP + n] = h2f(blk + 80);
+    p.dm[b * NP + n] = h2f(blk + 82);
+    for (int g = 0; g < 16; ++g) p.sc[(b * 16 + g) * NP + n] = blk[g] & 0xF;
+    for (int j = 0; j < 8; ++j) p.mn[(b * 8 + j) * NP + n] = (blk[2 * j] >> 4) | (static_cast<int32_t>(blk[2 * j + 1] >> 4) << 16);
+    uint8_t* out = p.row.data() + 256 * b;
+    for (int h = 0; h < 2; ++h) {
+      const __m256i q = load32(blk + 16 + 32 * h);
+      for (int j = 0; j < 4; ++j) store32(out + 32 * (4 * h + j), _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m2));
+    }
+  }
+}
+
+void row_q3k(const uint8_t* w, int64_t K, int n, Panel& p) {
+  const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = w + b * 110;
+    const uint8_t* s = blk + 96;
+    p.d[b * NP + n] = h2f(blk + 108);
+    for (int g = 0; g < 16; ++g) {
+      const int low = g < 8 ? (s[g] & 0xF) : (s[g - 8] >> 4);
+      const int high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+      p.sc[(b * 16 + g) * NP + n] = (low | (high << 4)) - 32;
+    }
+    const __m256i hm = load32(blk);
+    uint8_t* out = p.row.data() + 256 * b;
+    for (int h = 0; h < 2; ++h) {
+      const __m256i q = load32(blk + 32 + 32 * h);
+      for (int j = 0; j < 4; ++j) {
+        const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + j), one);
+        store32(out + 32 * (4 * h + j),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m2), _mm256_slli_epi16(hb, 2)));
+      }
+    }
+  }
+}
+
+void row_iq4xs(const uint8_t* w, int64_t K, int n, Panel& p) {
+  const __m256i tab = table16(kIQ4NL), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = w + b * 136;
+    p.d[b * NP + n] = h2f(blk);
+    uint16_t sh;
+    std::memcpy(&sh, blk + 2, 2);
+    uint8_t* out = p.row.data() + 256 * b;
+    for (int j = 0; j < 8; ++j) {
+      p.sc[(b * 8 + j) * NP + n] = (((blk[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+      store32(out + 32 * j, _mm256_xor_si256(_mm256_shuffle_epi8(tab, nibbles(blk + 8 + 16 * j)), flip));
+    }
+  }
+}
+
+void unpack_row(int t, const uint8_t* w, int64_t K, int n, Panel& p) {
+  switch (t) {
+    case T_Q4_0: return row32<BQ4_0>(w, K, n, p);
+    case T_Q4_1: return row32<BQ4_1>(w, K, n, p);
+    case T_Q5_0: return row32<BQ5_0>(w, K, n, p);
+    case T_Q5_1: return row32<BQ5_1>(w, K, n, p);
+    case T_Q8_0: return row32<BQ8_0>(w, K, n, p);
+    case T_IQ4_NL: return row32<BIQ4_NL>(w, K, n, p);
+    case T_MXFP4: return row32<BMXFP4>(w, K, n, p);
+    case T_Q4_K: return row_q45k<false>(w, K, n, p);
+    case T_Q5_K: return row_q45k<true>(w, K, n, p);
+    case T_Q6_K: return row_q6k(w, K, n, p);
+    case T_Q2_K: return row_q2k(w, K, n, p);
+    case T_Q3_K: return row_q3k(w, K, n, p);
+    case T_IQ4_XS: return row_iq4xs(w, K, n, p);
+    default: throw std::runtime_error("ggml_cpu gemm8: no unpacking for ggml type " + std::to_string(t));
+  }
+}
+
+// rows [0, nr) of a panel from `w` (row_bytes apart); rows nr..NP-1 zero (scales 0: they add nothing)
+void unpack_panel(int t, const Traits& tr, const uint8_t* w, int64_t row_bytes, int nr, int64_t K, Panel& p) {
+  const int64_t nb = tr.kind == K32 ? K / 32 : K / 256;
+  const int groups = tr.kind == K32 ? 0 : 256 / tr.group;
+  const int pairs = tr.mins == 32 ? 4 : tr.mins == 16 ? 8 : 0;
+  p.w.resize(static_cast<size_t>(K) * NP);
+  p.row.resize(K);
+  p.d.assign(nb * NP, 0.f);
+  p.dm.assign(nb * NP, 0.f);
+  p.sc.assign(nb * groups * NP, 0);
+  p.mn.assign(nb * pairs * NP, 0);
+  uint32_t* wq = reinterpret_cast<uint32_t*>(p.w.data());
+  for (int n = 0; n < NP; ++n) {
+    if (n < nr) {
+      unpack_row(t, w + n * row_bytes, K, n, p);
+      const uint32_t* r = reinterpret_cast<const uint32_t*>(p.row.data());
+      for (int64_t k4 = 0; k4 < K / 4; ++k4) wq[k4 * NP + n] = r[k4];
+    } else {
+      for (int64_t k4 = 0; k4 < K / 4; ++k4) wq[k4 * NP + n] = 0;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- the micro-kernels
+
+inline __m512i bcast(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// R activation rows (m0 ..) x the panel's 32 rows, 32-value blocks -> y rows (stride ldy), lanes < nr
+template <int R, int OFF, bool MIN>
+void kern32(const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float* y, int64_t ldy, __mmask16 k0,
+            __mmask16 k1) {
+  const int64_t K = a.K, nb = K / 32;
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const uint8_t* w = p.w.data();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i s[R][2];
+    for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = OFF ? _mm512_set1_epi32(ini[(m0 + i) * nb + b]) : _mm512_setzero_si512();
+    const uint8_t* wb = w + b * 32 * NP;
+    for (int t = 0; t < 8; ++t) {
+      const __m512i w0 = _mm512_loadu_si512(wb + t * 4 * NP), w1 = _mm512_loadu_si512(wb + t * 4 * NP + 64);
+      for (int i = 0; i < R; ++i) {
+        const __m512i x = bcast(a.q0.data() + (m0 + i) * K + b * 32 + 4 * t);
+        s[i][0] = _mm512_dpbusd_epi32(s[i][0], w0, x);
+        s[i][1] = _mm512_dpbusd_epi32(s[i][1], w1, x);
+      }
+    }
+    const __m512 d0 = _mm512_loadu_ps(p.d.data() + b * NP), d1 = _mm512_loadu_ps(p.d.data() + b * NP + 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512 dx = _mm512_set1_ps(a.d0[(m0 + i) * nb + b]);
+      acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][0]), _mm512_mul_ps(d0, dx), acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][1]), _mm512_mul_ps(d1, dx), acc[i][1]);
+      if (MIN) {
+        const __m512 sx = _mm512_set1_ps(a.s0[(m0 + i) * nb + b]);
+        acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(p.dm.data() + b * NP), sx, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(_mm512_loadu_ps(p.dm.data() + b * NP + 16), sx, acc[i][1]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_mask_storeu_ps(y + (m0 + i) * ldy, k0, acc[i][0]);
+    _mm512_mask_storeu_ps(y + (m0 + i) * ldy + 16, k1, acc[i][1]);
+  }
+}
+
+// the same over super-blocks of 256: G values per integer sub-scale, OFF taken out of the quants
+// (ini: -OFF x the activations' sums of G values, int32 [M, K/G]), MINS values per min (0: none).
+// DP: a group's sum fits int16 in chunks of 16 values (|sum| <= 16 x max quant x 127 < 32768: Q2_K,
+// Q3_K, Q4_K), so vpdpwssd multiplies it by the scale and adds it into the super-block's int32 sum in
+// one instruction (the scale in the low int16 of its lane; the sum's sign-extension half times 0).
+// Else (Q5_K, Q6_K, IQ4_XS) each group's int32 sum is converted to float and multiplied by its scale
+// into a float sum of the super-block (vpmulld held these at about 0.75x): the products sc x sum are
+// integers below 2^24, so this equals the integer sum wherever the partial sums stay below 2^24 too
+// (else it differs by float32 rounding of those sums)
+template <int R, int G, int OFF, int MINS, bool DP>
+void kernk(const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float* y, int64_t ldy, __mmask16 k0,
+           __mmask16 k1) {
+  constexpr int NG = 256 / G, NPAIR = MINS == 32 ? 4 : MINS == 16 ? 8 : 0, CH = DP ? 16 : G;
+  static_assert(!DP || OFF == 0 || G == 16, "an offset's start value is per group");
+  const int64_t K = a.K, nb = K / 256;
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const uint8_t* w = p.w.data();
+  const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i tot[R][2];
+    __m512 totf[R][2];
+    for (int i = 0; i < R; ++i) {
+      tot[i][0] = tot[i][1] = _mm512_setzero_si512();
+      totf[i][0] = totf[i][1] = _mm512_setzero_ps();
+    }
+    for (int g = 0; g < NG; ++g) {
+      const __m512i sc0 = _mm512_loadu_si512(p.sc.data() + (b * NG + g) * NP);
+      const __m512i sc1 = _mm512_loadu_si512(p.sc.data() + (b * NG + g) * NP + 16);
+      for (int c = 0; c < G; c += CH) {
+        __m512i s[R][2];
+        for (int i = 0; i < R; ++i)
+          s[i][0] = s[i][1] = OFF ? _mm512_set1_epi32(ini[(m0 + i) * (K / G) + b * NG + g]) : _mm512_setzero_si512();
+        const uint8_t* wg = w + (b * 256 + g * G + c) * NP;
+        const int8_t* xg = a.qk.data() + b * 256 + g * G + c;
+        for (int t = 0; t < CH / 4; ++t) {
+          const __m512i w0 = _mm512_loadu_si512(wg + t * 4 * NP), w1 = _mm512_loadu_si512(wg + t * 4 * NP + 64);
+          for (int i = 0; i < R; ++i) {
+            const __m512i x = bcast(xg + (m0 + i) * K + 4 * t);
+            s[i][0] = _mm512_dpbusd_epi32(s[i][0], w0, x);
+            s[i][1] = _mm512_dpbusd_epi32(s[i][1], w1, x);
+          }
+        }
+        for (int i = 0; i < R; ++i) {
+          if (DP) {
+            tot[i][0] = _mm512_dpwssd_epi32(tot[i][0], s[i][0], _mm512_and_si512(sc0, lo16));
+            tot[i][1] = _mm512_dpwssd_epi32(tot[i][1], s[i][1], _mm512_and_si512(sc1, lo16));
+          } else {
+            totf[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][0]), _mm512_cvtepi32_ps(sc0), totf[i][0]);
+            totf[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][1]), _mm512_cvtepi32_ps(sc1), totf[i][1]);
+          }
+        }
+      }
+    }
+    if (DP)
+      for (int i = 0; i < R; ++i) {
+        totf[i][0] = _mm512_cvtepi32_ps(tot[i][0]);
+        totf[i][1] = _mm512_cvtepi32_ps(tot[i][1]);
+      }
+    const __m512 d0 = _mm512_loadu_ps(p.d.data() + b * NP), d1 = _mm512_loadu_ps(p.d.data() + b * NP + 16);
+    for (int i = 0; i < R; ++i) {
+      const int64_t m = m0 + i;
+      const __m512 dx = _mm512_set1_ps(a.dk[m * nb + b]);
+      acc[i][0] = _mm512_fmadd_ps(totf[i][0], _mm512_mul_ps(d0, dx), acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(totf[i][1], _mm512_mul_ps(d1, dx), acc[i][1]);
+      if (MINS) {
+        // summs: the mins (int16 pairs) times the activations' sums of MINS values (int16 pairs)
+        const int16_t* sums = MINS == 32 ? a.bsp.data() + m * (K / 32) + b * 8 : a.bs.data() + m * (K / 16) + b * 16;
+        __m512i ms0 = _mm512_setzero_si512(), ms1 = _mm512_setzero_si512();
+        for (int j = 0; j < NPAIR; ++j) {
+          int32_t pr;
+          std::memcpy(&pr, sums + 2 * j, 4);
+          const __m512i xs = _mm512_set1_epi32(pr);
+          ms0 = _mm512_dpwssd_epi32(ms0, _mm512_loadu_si512(p.mn.data() + (b * NPAIR + j) * NP), xs);
+          ms1 = _mm512_dpwssd_epi32(ms1, _mm512_loadu_si512(p.mn.data() + (b * NPAIR + j) * NP + 16), xs);
+        }
+        const __m512 dm0 = _mm512_loadu_ps(p.dm.data() + b * NP), dm1 = _mm512_loadu_ps(p.dm.data() + b * NP + 16);
+        acc[i][0] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms0), _mm512_mul_ps(dm0, dx), acc[i][0]);
+        acc[i][1] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms1), _mm512_mul_ps(dm1, dx), acc[i][1]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_mask_storeu_ps(y + (m0 + i) * ldy, k0, acc[i][0]);
+    _mm512_mask_storeu_ps(y + (m0 + i) * ldy + 16, k1, acc[i][1]);
+  }
+}
+
+// R activation rows against one unpacked panel of type t (ini: the start values, see start_values)
+template <int R>
+void kern(int t, const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float* y, int64_t ldy, __mmask16 k0,
+          __mmask16 k1) {
+  switch (t) {
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL: case T_MXFP4:
+      return kern32<R, 128, false>(p, a, ini, m0, y, ldy, k0, k1);
+    case T_Q4_1: case T_Q5_1: return kern32<R, 0, true>(p, a, ini, m0, y, ldy, k0, k1);
+    case T_Q4_K: return kernk<R, 32, 0, 32, true>(p, a, ini, m0, y, ldy, k0, k1);
+    case T_Q5_K: return kernk<R, 32, 0, 32, false>(p, a, ini, m0, y, ldy, k0, k1);
+    case T_Q6_K: return kernk<R, 16, 32, 0, false>(p, a, ini, m0, y, ldy, k0, k1);
+    case T_Q2_K: return kernk<R, 16, 0, 16, true>(p, a, ini, m0, y, ldy, k0, k1);
+    case T_Q3_K: return kernk<R, 16, 4, 0, true>(p, a, ini, m0, y, ldy, k0, k1);
+    case T_IQ4_XS: return kernk<R, 32, 128, 0, false>(p, a, ini, m0, y, ldy, k0, k1);
+    default: throw std::runtime_error("ggml_cpu gemm8: no kernel for ggml type " + std::to_string(t));
+  }
+}
+
+// ---------------------------------------------------------------- the product
+
+// a row block of W (as gemm::Rows): rows [first, first + rows) of the matrix, each row_bytes long
+struct Rows {
+  const uint8_t* data;
+  int type;
+  int64_t first, rows, row_bytes;
+};
+
+// ---------------------------------------------------------------- the activations
+
+// quantize_q8_0_row's values with 512-bit vectors (the same operations per value: max |x|, x * (127 /
+// max), round half to even; the same float16 d and s), and the blocks' integer sums of q
+void q8_0_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* sum) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+    const __m512 id = _mm512_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+    const int sm = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    sum[b] = sm;
+    d[b] = round_f16(amax / 127.f);
+    s[b] = round_f16(amax / 127.f * static_cast<float>(sm));
+  }
+}
+
+// quantize_q8_K_row's values with 512-bit vectors (the first value of largest magnitude, the same
+// scale and rounding), and the sums of 32 (bsp) beside those of 16 (bs)
+void q8_K_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs, int16_t* bsp) {
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  const __m512i top = _mm512_set1_epi32(127);
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const float* xb = x + 256 * b;
+    __m512 mv = _mm512_setzero_ps();
+    for (int j = 0; j < 16; ++j) mv = _mm512_max_ps(mv, _mm512_andnot_ps(sign, _mm512_loadu_ps(xb + 16 * j)));
+    const float amax = _mm512_reduce_max_ps(mv);
+    int8_t* qb = q + 256 * b;
+    if (amax == 0.f) {
+      std::memset(qb, 0, 256);
+      std::memset(bs + 16 * b, 0, 32);
+      std::memset(bsp + 8 * b, 0, 16);
+      d[b] = 0.f;
+      continue;
+    }
+    float mx = 0.f;
+    const __m512 am = _mm512_set1_ps(amax);
+    for (int j = 0; j < 16; ++j) {
+      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_andnot_ps(sign, _mm512_loadu_ps(xb + 16 * j)), am, _CMP_EQ_OQ);
+      if (hit) {
+        mx = xb[16 * j + __builtin_ctz(hit)];
+        break;
+      }
+    }
+    const float iscale = -127.f / mx;
+    const __m512 is = _mm512_set1_ps(iscale);
+    for (int j = 0; j < 16; ++j) {
+      const __m512i v = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * j), is)), top);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16 * j), _mm512_cvtepi32_epi8(v));
+      bs[16 * b + j] = static_cast<int16_t>(_mm512_reduce_add_epi32(v));
+    }
+    for (int j = 0; j < 8; ++j) bsp[8 * b + j] = static_cast<int16_t>(bs[16 * b + 2 * j] + bs[16 * b + 2 * j + 1]);
+    d[b] = 1.f / iscale;
+  }
+}
+
+// x [M, K] -> the activations every part's type needs (q8_0 and / or q8_K), on kvserve's pool
+void quantize(const std::vector<Rows>& parts, const float* x, int64_t M, int64_t K, Acts& a) {
+  bool q0 = false, qk = false;
+  for (const Rows& r : parts) {
+    Traits tr;
+    traits(r.type, tr);
+    (tr.kind == K32 ? q0 : qk) = true;
+  }
+  a.K = K;
+  if (q0) {
+    a.q0.resize(M * K);
+    a.d0.resize(M * (K / 32));
+    a.s0.resize(M * (K / 32));
+    a.sum0.resize(M * (K / 32));
+  }
+  if (qk) {
+    a.qk.resize(M * K);
+    a.dk.resize(M * (K / 256));
+    a.bs.resize(M * (K / 16));
+    a.bsp.resize(M * (K / 32));
+  }
+  kvserve_pool::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      if (q0)
+        q8_0_row(x + m * K, K, a.q0.data() + m * K, a.d0.data() + m * (K / 32), a.s0.data() + m * (K / 32),
+                 a.sum0.data() + m * (K / 32));
+      if (qk)
+        q8_K_row(x + m * K, K, a.qk.data() + m * K, a.dk.data() + m * (K / 256), a.bs.data() + m * (K / 16),
+                 a.bsp.data() + m * (K / 32));
+    }
+  });
+}
+
+// y [M, N] = x [M, K] @ W^T, W's rows in `parts` (each type has_type, K a multiple of its block).
+// Work: panels of NP rows within a part, split over kvserve's pool; a thread unpacks a panel (K x 32
+// bytes: 64 KiB at K = 2048, in L2) and runs every activation row against it, MR rows a call.
+// the accumulators' start values of a type that takes an offset out of its quants: -off x the
+// activations' sums of each group (int32 [M, K / group]); empty for the others
+std::vector<int32_t> start_values(const Traits& tr, const Acts& a, int64_t M) {
+  std::vector<int32_t> v;
+  if (tr.off == 0) return v;
+  const int64_t K = a.K, G = tr.group, ng = K / G;
+  v.resize(M * ng);
+  for (int64_t i = 0; i < M * ng; ++i)
+    v[i] = -tr.off * (tr.kind == K32 ? a.sum0[i] : G == 16 ? static_cast<int32_t>(a.bs[i]) : static_cast<int32_t>(a.bsp[i]));
+  return v;
+}
+
+void mm(const std::vector<Rows>& parts, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
+  Acts a;
+  quantize(parts, x, M, K, a);
+  // start values per part (parts of one type share them)
+  std::vector<std::vector<int32_t>> ini(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    Traits tr;
+    traits(parts[i].type, tr);
+    size_t same = 0;
+    while (same < i && parts[same].type != parts[i].type) ++same;
+    if (same < i) continue;
+    ini[i] = start_values(tr, a, M);
+  }
+  std::vector<const int32_t*> inip(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    size_t same = 0;
+    while (parts[same].type != parts[i].type) ++same;
+    inip[i] = ini[same].data();
+  }
+  struct Job {
+    size_t part;
+    int64_t row;  // first row within the part
+  };
+  std::vector<Job> jobs;
+  for (size_t i = 0; i < parts.size(); ++i)
+    for (int64_t r = 0; r < parts[i].rows; r += NP) jobs.push_back({i, r});
+  kvserve_pool::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t j0, int64_t j1) {
+    Panel p;
+    for (int64_t j = j0; j < j1; ++j) {
+      const Rows& r = parts[jobs[j].part];
+      Traits tr;
+      traits(r.type, tr);
+      const int nr = static_cast<int>(std::min<int64_t>(NP, r.rows - jobs[j].row));
+      unpack_panel(r.type, tr, r.data + jobs[j].row * r.row_bytes, r.row_bytes, nr, K, p);
+      const __mmask16 k0 = nr >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nr) - 1);
+      const __mmask16 k1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : static_cast<__mmask16>((1u << (nr - 16)) - 1);
+      float* yp = y + r.first + jobs[j].row;
+      const int32_t* iv = inip[jobs[j].part];
+      int64_t m = 0;
+      for (; m + MR <= M; m += MR) kern<MR>(r.type, p, a, iv, m, yp, N, k0, k1);
+      switch (M - m) {
+        case 3: kern<3>(r.type, p, a, iv, m, yp, N, k0, k1); break;
+        case 2: kern<2>(r.type, p, a, iv, m, yp, N, k0, k1); break;
+        case 1: kern<1>(r.type, p, a, iv, m, yp, N, k0, k1); break;
+        default: break;
+      }
+    }
+  });
+}
+
+}  // namespace gemm8
+
+#endif
