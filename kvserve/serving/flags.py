@@ -513,8 +513,10 @@ FLAGS: tuple[Flag, ...] = (
       "it; online methods (fp8, fp8_per_tensor, bitsandbytes, ...) on float weights: a "
       "warning, the weights are served as stored"),
     F("--large-batch-dtype", default="auto", source=KV, choices=("auto", "bfloat16", "float32"),
-      help="dense weight copy for steps above 16 rows (prefill) with --dtype auto on CPU: auto = bfloat16 "
-           "where the CPU has native bf16, else float32"),
+      help="steps above 16 rows (prefill) with --dtype auto on CPU: auto = bfloat16 where the CPU has "
+           "native bf16 (GGUF blocks are then multiplied in place: llama.cpp's int8 block sums on AVX512-VNNI, "
+           "bf16 for BF16 rows; no dense copy), else float32 (GGUF blocks: the per-row q8 kernels at every row "
+           "count, llama.cpp's arithmetic; other weights: a dense float32 copy)"),
     # -- device and threads
     F("--device -dev", default="auto", help="auto, cpu, cuda (llama-server: none = cpu, CUDA0 = cuda:0)",
       source=BOTH, env="LLAMA_ARG_DEVICE"),
