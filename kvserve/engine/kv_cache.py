@@ -307,7 +307,7 @@ class KVCacheManager:
         for p in present:
             run = run + 1 if p else 0
             runs.append(run)
-        for kk in range(k, 0, -1):
+        for kk in range(min(k, len(runs)), 0, -1):  # k is past the keys when the tail is a whole block
             lo = max(0, kk * bs - w + 1) // bs
             if runs[kk - 1] >= kk - lo:
                 return kk * bs

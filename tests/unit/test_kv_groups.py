@@ -97,6 +97,24 @@ def test_hit_shrinks_to_a_block_boundary_the_window_covers():
     assert kv.group_table(0, "b")[:4] == [0] * 4
 
 
+def test_a_whole_block_tail_past_the_indexed_keys_is_no_crash():
+    """Two sequences computed the same blocks (two identical prompts admitted together, or one slot
+    file restored into two slots): only the first's are indexed. Once it is dropped, the other's
+    first block is found only as a child of the root, a whole block past the (empty) chain of
+    indexed keys; the window check read past its list (IndexError in the scheduler: the request
+    failed). Now the hit is what the indexed keys cover: nothing here, then 2 blocks again."""
+    kv = _manager()
+    toks = list(range(1, 49))
+    _run_seq(kv, "a", toks, chunk=48)
+    _run_seq(kv, "b", toks, chunk=48)
+    kv.discard("a")
+    hit = kv.match_prefix(toks + [99], None, 48)
+    assert (kv.hit_tokens(hit), hit.blocks, hit.cow_src) == (0, [], None)
+    _run_seq(kv, "c", toks[:32], chunk=32)  # indexes blocks 0 and 1 again
+    hit = kv.match_prefix(toks + [99], None, 48)
+    assert kv.hit_tokens(hit) == 32 and hit.blocks == kv.block_table("c")
+
+
 def test_allocation_is_undone_when_a_group_runs_out():
     kv = KVCacheManager(64, BS, groups=[(W, 3, 0)])  # the group's pool: 2 usable blocks
     assert kv.allocate("a", 32)
