@@ -8,6 +8,16 @@ from pathlib import Path
 # on the same 2 cores, the contended case where passive waiting is fastest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import atexit
+import shutil
+import tempfile
+
+# the model-file facts cache (kvserve/loaders/file_cache.py) of the tests and their servers: a
+# directory of this run, removed at exit, never the user's $KVSERVE_HOME/cache
+if "KVSERVE_CACHE_DIR" not in os.environ:
+    os.environ["KVSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvserve-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["KVSERVE_CACHE_DIR"], True)
+
 import pytest
 
 TESTS = Path(__file__).resolve().parent
