@@ -123,6 +123,12 @@ struct Act32 {
   const float* d;
   const float* s;
   int64_t K;
+  // the AVX512 Q4_0 / Q4_1 kernel's (q4_acts_row): c8 int32 [M, K/32], -8 times each block's sum of q
+  // (Q4_0's w = d (u - 8): vpdpbusd's u8 x s8 sums u q, this starts the sum at -8 sum(q), exact);
+  // qt int8 [M, n16 * 32], q's whole groups of 16 blocks transposed (dword t of block j at 64 t + 4 j)
+  const int32_t* c8 = nullptr;
+  const int8_t* qt = nullptr;
+  int64_t n16 = 0;
 };
 
 // q8_K rows: q int8 [M, K], d float [M, K/256], bs int16 [M, K/16]
@@ -271,6 +277,144 @@ void dot32(const uint8_t* w, int64_t nb, const Act32& a, int64_t r, float* out, 
   }
   for (int i = 0; i < MR; ++i) out[i * ldo] = hsum(acc[i]) + accm[i];
 }
+
+#ifdef GG_VNNI
+// Q4_0 / Q4_1 in the AVX512 build, on the file's blocks: 16 blocks (512 values) per step, transposed
+// in registers so that int32 lane j of every vector belongs to block j. Four vpermt2w gather the 16
+// blocks' nibbles (4 blocks, 16 bytes each, per vector: every block starts on an even byte), four
+// 4 x 4 transposes of 128-bit lanes leave vector t with dword t (values 4 t .. 4 t + 3 in the low
+// nibbles, 16 + 4 t .. in the high ones) of block j in lane j; the activations are laid out the same
+// way once per product (Act32::qt). Per row the 8 vpdpbusd of a step add up each block's whole
+// integer dot product in its own lane (Q4_0's -8 enters as the sum's start, Act32::c8: exactly
+// llama.cpp's sum_j (u_j - 8) x_j), then one conversion and one multiply-add by d dx for 16 blocks:
+// the tile kernel's arithmetic without its copy of the weights. Blocks past the last 16 take one
+// 256-bit step each. A row's sums run in one order whatever the other rows are.
+template <bool ONE>
+struct Q4Blocks {
+  static constexpr int BYTES = ONE ? 20 : 18;  // d (float16), Q4_1's m (float16), 16 bytes of nibbles
+  static constexpr int QOFF = ONE ? 4 : 2;
+};
+
+// The vpermt2w indices of a group of 16 blocks, read as five 64-byte vectors L0..L4 (the last of
+// Q4_0's one 32 bytes: no load past the group): nib[q] gathers blocks 4 q .. 4 q + 3 (they lie in
+// L_q and L_q+1) so that 128-bit lane t holds dword t of each of them (dword c: block 4 q + c); the
+// float16 words at byte offset 0 (d) and 2 (Q4_1's m) of the 16 blocks come from (L0, L1), (L2, L3)
+// and L4 in three permutes merged by the masks, word j = block j.
+template <int BYTES, int QOFF>
+struct Q4Tab {
+  alignas(64) int16_t nib[4][32] = {};
+  alignas(64) int16_t half[2][3][32] = {};  // [d or m][source pair]
+  uint32_t mask[3] = {};                    // words taken from each source pair (the same for d and m)
+  constexpr Q4Tab() {
+    for (int q = 0; q < 4; ++q)
+      for (int w = 0; w < 32; ++w) {
+        const int t = w / 8, c = (w / 2) % 4, h = w % 2;  // lane t, dword c, its half h
+        nib[q][w] = static_cast<int16_t>((4 * q * BYTES - 64 * q + c * BYTES + QOFF + 4 * t + 2 * h) / 2);
+      }
+    for (int f = 0; f < 2; ++f)
+      for (int j = 0; j < 16; ++j) {
+        const int o = j * BYTES + 2 * f, i = o / 64, pair = i / 2;
+        half[f][pair][j] = static_cast<int16_t>(32 * (i % 2) + (o - 64 * i) / 2);
+        if (f == 0) mask[pair] |= 1u << j;
+      }
+  }
+};
+template <int BYTES, int QOFF>
+inline constexpr Q4Tab<BYTES, QOFF> kQ4Tab{};
+
+// the float16 words f (0: d, 1: m) of the 16 blocks as floats
+template <int BYTES, int QOFF>
+inline __m512 q4_halves16(const __m512i* L, int f) {
+  const auto& T = kQ4Tab<BYTES, QOFF>;
+  __m512i r = _mm512_permutex2var_epi16(L[0], _mm512_load_si512(T.half[f][0]), L[1]);
+  r = _mm512_mask_mov_epi16(r, T.mask[1], _mm512_permutex2var_epi16(L[2], _mm512_load_si512(T.half[f][1]), L[3]));
+  r = _mm512_mask_mov_epi16(r, T.mask[2], _mm512_permutexvar_epi16(_mm512_load_si512(T.half[f][2]), L[4]));
+  return _mm512_cvtph_ps(_mm512_castsi512_si256(r));
+}
+
+constexpr int Q4_PREFETCH = 2048;  // bytes ahead of the 16 blocks being read
+
+template <int MR, bool ONE>
+void dot_q4(const uint8_t* w, int64_t nb, const Act32& a, int64_t r, float* out, int64_t ldo) {
+  using F = Q4Blocks<ONE>;
+  constexpr int BY = F::BYTES;
+  const int64_t K = a.K, G = K / 32, n16 = nb / 16 * 16;
+  __m512 acc[MR], accm[MR];
+  __m256 acct[MR];
+  float tailm[MR];
+  for (int i = 0; i < MR; ++i) {
+    acc[i] = accm[i] = _mm512_setzero_ps();
+    acct[i] = _mm256_setzero_ps();
+    tailm[i] = 0.f;
+  }
+  const auto& T = kQ4Tab<BY, F::QOFF>;
+  const __m512i m4 = _mm512_set1_epi8(15);
+  for (int64_t b = 0; b < n16; b += 16) {
+    const uint8_t* blk = w + b * BY;
+    for (int c = 0; c < 16 * BY; c += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + Q4_PREFETCH + c), _MM_HINT_T0);
+    __m512i L[5];
+    for (int c = 0; c < 4; ++c) L[c] = _mm512_loadu_si512(blk + 64 * c);
+    L[4] = ONE ? _mm512_loadu_si512(blk + 256) : _mm512_zextsi256_si512(load32(blk + 256));
+    __m512i g[4];  // g[q], lane t: dword t of blocks 4 q .. 4 q + 3
+    for (int q = 0; q < 4; ++q) g[q] = _mm512_permutex2var_epi16(L[q], _mm512_load_si512(T.nib[q]), L[q + 1]);
+    // 4 x 4 transpose of 128-bit lanes: v[t] lane q = g[q] lane t
+    const __m512i t0 = _mm512_shuffle_i64x2(g[0], g[1], 0x44), t1 = _mm512_shuffle_i64x2(g[0], g[1], 0xEE);
+    const __m512i t2 = _mm512_shuffle_i64x2(g[2], g[3], 0x44), t3 = _mm512_shuffle_i64x2(g[2], g[3], 0xEE);
+    const __m512i v[4] = {_mm512_shuffle_i64x2(t0, t2, 0x88), _mm512_shuffle_i64x2(t0, t2, 0xDD),
+                          _mm512_shuffle_i64x2(t1, t3, 0x88), _mm512_shuffle_i64x2(t1, t3, 0xDD)};
+    __m512i lo[4], hi[4];
+    for (int t = 0; t < 4; ++t) {
+      lo[t] = _mm512_and_si512(v[t], m4);
+      hi[t] = _mm512_and_si512(_mm512_srli_epi16(v[t], 4), m4);
+    }
+    const __m512 d16 = q4_halves16<BY, F::QOFF>(L, 0);
+    __m512 m16 = _mm512_setzero_ps();
+    if (ONE) m16 = q4_halves16<BY, F::QOFF>(L, 1);
+    for (int i = 0; i < MR; ++i) {
+      const int64_t row = r + i;
+      const int8_t* xt = a.qt + row * (a.n16 * 32) + b * 32;  // 8 vectors: values 4 t .. 4 t + 3 of each block
+      __m512i sa = ONE ? _mm512_setzero_si512() : _mm512_loadu_si512(a.c8 + row * G + b), sb = _mm512_setzero_si512();
+      for (int t = 0; t < 4; ++t) {
+        sa = _mm512_dpbusd_epi32(sa, lo[t], _mm512_loadu_si512(xt + 64 * t));
+        sb = _mm512_dpbusd_epi32(sb, hi[t], _mm512_loadu_si512(xt + 64 * (t + 4)));
+      }
+      const __m512 s = _mm512_mul_ps(d16, _mm512_loadu_ps(a.d + row * G + b));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sa, sb)), s, acc[i]);
+      if (ONE) accm[i] = _mm512_fmadd_ps(m16, _mm512_loadu_ps(a.s + row * G + b), accm[i]);
+    }
+  }
+  for (int64_t b = n16; b < nb; ++b) {  // the last nb % 16 blocks, one at a time
+    const uint8_t* blk = w + b * BY;
+    const float d = h2f(blk), m = ONE ? h2f(blk + 2) : 0.f;
+    const __m256i u = nibbles(blk + F::QOFF);
+    for (int i = 0; i < MR; ++i) {
+      const int64_t row = r + i;
+      const __m256i start = ONE ? _mm256_setzero_si256() : _mm256_zextsi128_si256(_mm_cvtsi32_si128(a.c8[row * G + b]));
+      const __m256i dot = _mm256_dpbusd_epi32(start, u, load32(a.q + row * K + b * 32));
+      acct[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a.d[row * G + b]), acct[i]);
+      if (ONE) tailm[i] += m * a.s[row * G + b];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    out[i * ldo] = _mm512_reduce_add_ps(acc[i]) + hsum(acct[i]) + (_mm512_reduce_add_ps(accm[i]) + tailm[i]);
+}
+
+// the AVX512 Q4 kernel's activations of one q8_0 row q [K]: c8 [K/32] = -8 times each block's sum of
+// q, and qt [n16 * 32] (n16 = the whole groups of 16 blocks) its groups transposed: in group g, dword
+// t of block j at qt[g 512 + 64 t + 4 j]
+inline void q4_acts_row(const int8_t* q, int64_t K, int32_t* c8, int8_t* qt) {
+  const int64_t G = K / 32, n16 = G / 16 * 16;
+  for (int64_t b = 0; b < G; ++b) {
+    int s = 0;
+    for (int j = 0; j < 32; ++j) s += q[b * 32 + j];
+    c8[b] = -8 * s;
+  }
+  const __m512i ix = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
+  for (int64_t b = 0; b < n16; b += 16)
+    for (int t = 0; t < 8; ++t)
+      _mm512_storeu_si512(qt + b * 32 + 64 * t, _mm512_i32gather_epi32(ix, reinterpret_cast<const int*>(q + b * 32 + 4 * t), 4));
+}
+#endif
 
 // ---------------------------------------------------------------- 256-value block types (q8_K)
 
@@ -712,8 +856,13 @@ void dot_rows(int t, const uint8_t* w, const Acts& A, int64_t K, int64_t r, floa
   switch (t) {
     case T_F16: return dot_half<MR, false>(w, K, A.x, r, out, ldo);
     case T_BF16: return dot_half<MR, true>(w, K, A.x, r, out, ldo);
+#ifdef GG_VNNI
+    case T_Q4_0: return dot_q4<MR, false>(w, nb32, A.a32, r, out, ldo);
+    case T_Q4_1: return dot_q4<MR, true>(w, nb32, A.a32, r, out, ldo);
+#else
     case T_Q4_0: return dot32<BQ4_0, MR>(w, nb32, A.a32, r, out, ldo);
     case T_Q4_1: return dot32<BQ4_1, MR>(w, nb32, A.a32, r, out, ldo);
+#endif
     case T_Q8_0: return dot32<BQ8_0, MR>(w, nb32, A.a32, r, out, ldo);
     case T_Q5_0: return dot32<BQ5_0, MR>(w, nb32, A.a32, r, out, ldo);
     case T_Q5_1: return dot32<BQ5_1, MR>(w, nb32, A.a32, r, out, ldo);
@@ -744,6 +893,7 @@ Matrix::Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vecto
     parts_.push_back({reinterpret_cast<const uint8_t*>(ptrs[i]), static_cast<int>(types[i]), n, rows[i],
                       K / ti.block * ti.bytes});
     if (ti.act == ActKind::Q8_0) q8_0_ = true;
+    if (types[i] == T_Q4_0 || types[i] == T_Q4_1) q4_ = true;
     if (ti.act == ActKind::Q8_K) q8_k_ = true;
     n += rows[i];
   }
@@ -799,6 +949,18 @@ void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s) const {
         quantize_q8_0_row(xp + m * K, K, s.q0.data() + m * K, s.d0.data() + m * (K / 32), s.s0.data() + m * (K / 32));
     });
     A.a32 = {s.q0.data(), s.d0.data(), s.s0.data(), K};
+#ifdef GG_VNNI
+    if (q4_) {
+      const int64_t n16 = K / 512 * 16;
+      s.c8.resize(M * (K / 32));
+      s.qt.resize(M * n16 * 32);
+      for (int64_t m = 0; m < M; ++m)
+        q4_acts_row(s.q0.data() + m * K, K, s.c8.data() + m * (K / 32), s.qt.data() + m * n16 * 32);
+      A.a32.c8 = s.c8.data();
+      A.a32.qt = s.qt.data();
+      A.a32.n16 = n16;
+    }
+#endif
   }
   if (q8_k_) {
     s.qk.resize(M * K);
