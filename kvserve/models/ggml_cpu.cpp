@@ -466,6 +466,93 @@ void dot_q4(const uint8_t* w, int64_t nb, const Act32& a, int64_t r, float* out,
                    (_mm512_reduce_add_ps(_mm512_add_ps(accm[0][i], accm[1][i])) + tailm[i]);
 }
 
+// Two weight rows at once (products of one or two activation rows: decode): one group of 16 blocks
+// of each row in flight, each stage for both before the next, and every activation vector loaded
+// once for both rows. The per-row overhead (the sums' reduction, the call) is shared too; a row's
+// result is the same operations as dot_q4's (group g into acc[g % 2]), so pairing changes no bits.
+template <int MR, bool ONE>
+inline void q4_group_pair(const uint8_t* w0, const uint8_t* w1, int64_t b, const Act32& a, int64_t r,
+                          __m512 (&acc)[2][2][MR], __m512 (&accm)[2][2][MR], int slot) {
+  using F = Q4Blocks<ONE>;
+  constexpr int BY = F::BYTES;
+  const int64_t G = a.K / 32;
+  const auto& T = kQ4Tab<BY, F::QOFF>;
+  const __m512i m4 = _mm512_set1_epi8(15);
+  const uint8_t* ws[2] = {w0, w1};
+  __m512i L[2][5], g[2][4], lo[2][4], hi[2][4];
+  __m512 d16[2], m16[2];
+  for (int v = 0; v < 2; ++v) {
+    const uint8_t* blk = ws[v] + b * BY;
+    for (int c = 0; c < 16 * BY; c += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + Q4_PREFETCH + c), _MM_HINT_T0);
+    for (int c = 0; c < 4; ++c) L[v][c] = _mm512_loadu_si512(blk + 64 * c);
+    L[v][4] = ONE ? _mm512_loadu_si512(blk + 256) : _mm512_zextsi256_si512(load32(blk + 256));
+  }
+  for (int v = 0; v < 2; ++v)
+    for (int q = 0; q < 4; ++q) g[v][q] = _mm512_permutex2var_epi16(L[v][q], _mm512_load_si512(T.nib[q]), L[v][q + 1]);
+  for (int v = 0; v < 2; ++v) {
+    const __m512i t0 = _mm512_shuffle_i64x2(g[v][0], g[v][1], 0x44), t1 = _mm512_shuffle_i64x2(g[v][0], g[v][1], 0xEE);
+    const __m512i t2 = _mm512_shuffle_i64x2(g[v][2], g[v][3], 0x44), t3 = _mm512_shuffle_i64x2(g[v][2], g[v][3], 0xEE);
+    const __m512i vv[4] = {_mm512_shuffle_i64x2(t0, t2, 0x88), _mm512_shuffle_i64x2(t0, t2, 0xDD),
+                           _mm512_shuffle_i64x2(t1, t3, 0x88), _mm512_shuffle_i64x2(t1, t3, 0xDD)};
+    for (int t = 0; t < 4; ++t) {
+      lo[v][t] = _mm512_and_si512(vv[t], m4);
+      hi[v][t] = _mm512_and_si512(_mm512_srli_epi16(vv[t], 4), m4);
+    }
+  }
+  for (int v = 0; v < 2; ++v) {
+    d16[v] = q4_halves16<BY, F::QOFF>(L[v], 0);
+    m16[v] = ONE ? q4_halves16<BY, F::QOFF>(L[v], 1) : _mm512_setzero_ps();
+  }
+  for (int i = 0; i < MR; ++i) {
+    const int64_t row = r + i;
+    const __m512i c8 = ONE ? _mm512_setzero_si512() : _mm512_loadu_si512(a.c8 + row * G + b);
+    __m512i sa[2] = {c8, c8}, sb[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    const int8_t* xt = a.qt + row * (a.n16 * 32) + b * 32;
+    for (int t = 0; t < 4; ++t) {
+      const __m512i xl = _mm512_loadu_si512(xt + 64 * t), xh = _mm512_loadu_si512(xt + 64 * (t + 4));
+      for (int v = 0; v < 2; ++v) {
+        sa[v] = _mm512_dpbusd_epi32(sa[v], lo[v][t], xl);
+        sb[v] = _mm512_dpbusd_epi32(sb[v], hi[v][t], xh);
+      }
+    }
+    const __m512 dx = _mm512_loadu_ps(a.d + row * G + b);
+    for (int v = 0; v < 2; ++v) {
+      acc[v][slot][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sa[v], sb[v])), _mm512_mul_ps(d16[v], dx), acc[v][slot][i]);
+      if (ONE) accm[v][slot][i] = _mm512_fmadd_ps(m16[v], _mm512_loadu_ps(a.s + row * G + b), accm[v][slot][i]);
+    }
+  }
+}
+
+// weight rows w0 and w1 (one Q4 type, nb blocks each) against activation rows r .. r + MR - 1 (MR 1 or
+// 2): out0[i ldo] and out1[i ldo], each the bits dot_q4 gives
+template <int MR, bool ONE>
+void dot_q4_pair(const uint8_t* w0, const uint8_t* w1, int64_t nb, const Act32& a, int64_t r, float* out0, float* out1,
+                 int64_t ldo) {
+  const int64_t n16 = nb / 16 * 16;
+  if (n16 < nb) {  // a tail: each row alone (rare shapes)
+    dot_q4<MR, ONE>(w0, nb, a, r, out0, ldo);
+    dot_q4<MR, ONE>(w1, nb, a, r, out1, ldo);
+    return;
+  }
+  __m512 acc[2][2][MR], accm[2][2][MR];
+  for (int v = 0; v < 2; ++v)
+    for (int i = 0; i < MR; ++i) acc[v][0][i] = acc[v][1][i] = accm[v][0][i] = accm[v][1][i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < n16; b += 16) q4_group_pair<MR, ONE>(w0, w1, b, a, r, acc, accm, static_cast<int>((b / 16) & 1));
+  float* outs[2] = {out0, out1};
+  for (int v = 0; v < 2; ++v)
+    for (int i = 0; i < MR; ++i)
+      outs[v][i * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[v][0][i], acc[v][1][i])) + hsum(_mm256_setzero_ps()) +
+                         (_mm512_reduce_add_ps(_mm512_add_ps(accm[v][0][i], accm[v][1][i])) + 0.f);
+}
+
+// dot_q4_pair for a Q4 type t and 1 or 2 activation rows
+inline void q4_pair(int t, const uint8_t* w0, const uint8_t* w1, int64_t nb, const Act32& a, int64_t m, float* out0,
+                    float* out1, int64_t ldo) {
+  if (t == T_Q4_0)
+    return m == 1 ? dot_q4_pair<1, false>(w0, w1, nb, a, 0, out0, out1, ldo) : dot_q4_pair<2, false>(w0, w1, nb, a, 0, out0, out1, ldo);
+  return m == 1 ? dot_q4_pair<1, true>(w0, w1, nb, a, 0, out0, out1, ldo) : dot_q4_pair<2, true>(w0, w1, nb, a, 0, out0, out1, ldo);
+}
+
 // the AVX512 Q4 kernel's activations of one q8_0 row q [K]: c8 [K/32] = -8 times each block's sum of
 // q, and qt [n16 * 32] (n16 = the whole groups of 16 blocks) its groups transposed: in group g, dword
 // t of block j at qt[g 512 + 64 t + 4 j]
@@ -1048,6 +1135,14 @@ void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s) const {
         while (n >= parts_[pi].first + parts_[pi].rows) ++pi;
         const Part& p = parts_[pi];
         const uint8_t* w = p.data + (n - p.first) * p.row_bytes;
+#ifdef GG_VNNI
+        // decode (1-2 rows): Q4 weight rows in pairs (dot_q4_pair: the same bits as one at a time)
+        if ((p.type == T_Q4_0 || p.type == T_Q4_1) && M <= 2 && n + 1 < n1 && n + 1 < p.first + p.rows) {
+          q4_pair(p.type, w, w + p.row_bytes, K / 32, A.a32, M, Y + n, Y + n + 1, N);
+          ++n;
+          continue;
+        }
+#endif
         int64_t r = mc;
         for (; r + 4 <= me; r += 4) dot_rows<4>(p.type, w, A, K, r, Y + r * N + n, N);
         switch (me - r) {
