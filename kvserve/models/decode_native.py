@@ -6,9 +6,10 @@ microseconds of Python and dispatch, 30 layers deep. The native step runs a laye
 q|k|v projection, RoPE, KV write, attention, output projection, SwiGLU MLP and residuals for
 the B rows of a decode-only step in C++, then the output norm and the head, on the step's own
 worker threads (``thread_pool.h``, as many as torch's). Its projections are per-operation
-kernels the step composes: Q4_0/Q4_1 weights in kvserve's 4-bit tile kernel (``q4_core.h`` and
-the tiles here: AVX512-VNNI, or AVX2 + FMA + F16C, picked by ``-march=native``; packed from the
-file's blocks by :func:`q4_tiles`, or from HF int4 checkpoints), every other GGUF type as the
+kernels the step composes: unpacked Q4 weights (HF int4 checkpoints, ``--cpu-kernel int4``) in
+kvserve's 4-bit tile kernel (``q4_core.h`` and the tiles here: AVX512-VNNI, or AVX2 + FMA + F16C,
+picked by ``-march=native``; GGUF Q4_0/Q4_1 blocks are repacked into it too, :func:`q4_tiles`,
+except on AVX512 with ``KVSERVE_Q4_REPACK=0``), every other GGUF type as the
 file stores it through the per-type block products of ``ggml_cpu.cpp``
 (:mod:`kvserve.models.ggml_kernel`: Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, F16 ...: the same products
 the eager path runs, so a Q4_K_M file decodes with no copy of its weights); activations
@@ -417,12 +418,19 @@ def model_reason(model) -> str | None:
     return None
 
 
-def q4_tiles(blocks, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def q4_tiles(blocks, layout: str, isa: str | None = "avx2") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A projection of GGUF Q4_0/Q4_1 blocks (a ggml_kernel.BlockMatrix) in the step's own 4-bit
     layout (``layout`` "tile16" or "pair", as Linear.native_weights packs unpacked Q4 weights), or
-    None for other types or shapes. Those tiles are 1.7-1.9x faster than the block product at one
-    row and 3-4x at 16 (SmolLM2's and Llama-1B's shapes); they are a copy of the file's bytes
-    beside them (the eager path and prefill read the file's)."""
+    None for other types or shapes, and on the AVX512 build (``isa``) with ``KVSERVE_Q4_REPACK=0``:
+    then the step multiplies the file's blocks (ggml_cpu.cpp's AVX512 Q4_0/Q4_1 kernel) and keeps no
+    copy (a Llama-1B Q4_0 file's process: 964 MiB resident instead of ~1,830; no repack at start).
+    The repack stays the default because the tiles are still faster: on par with the block kernel at
+    1-4 rows in L2 (256 x 2048: 2.9 vs 3.0 us, 8.6 vs 8.3 us) but about twice as fast streaming from
+    L3 or memory (3072 x 2048 one row: 150 vs 71 us; a whole Llama-1B Q4_0 decode step on one thread,
+    CPU time: 53 vs 35 ms). The tiles are a copy of the file's bytes beside them (the eager path and
+    prefill read the file's)."""
+    if isa == "avx512" and os.environ.get("KVSERVE_Q4_REPACK", "1") == "0":
+        return None
     from kvserve.loaders.gguf import _q4_blocks
 
     n, k = blocks.shape
@@ -552,7 +560,7 @@ class NativeDecode:
             t = [layer.attn_norm.weight.contiguous(), layer.ffn_norm.weight.contiguous()]
             mt = []
             for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
-                tiles = lin.native_weights(layout) if lin.has_native_weights else q4_tiles(lin.blocks, layout)
+                tiles = lin.native_weights(layout) if lin.has_native_weights else q4_tiles(lin.blocks, layout, self.isa)
                 # other GGUF blocks: the per-type block products on the file's bytes (no copy)
                 t.extend([empty, empty, empty] if tiles is None else [x.contiguous() for x in tiles])
                 mt.append(lin.blocks.matrix if tiles is None else None)

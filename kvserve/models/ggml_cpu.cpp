@@ -123,6 +123,12 @@ struct Act32 {
   const float* d;
   const float* s;
   int64_t K;
+  // the AVX512 Q4_0 / Q4_1 kernel's (q4_acts_row): c8 int32 [M, K/32], -8 times each block's sum of q
+  // (Q4_0's w = d (u - 8): vpdpbusd's u8 x s8 sums u q, this starts the sum at -8 sum(q), exact);
+  // qt int8 [M, n16 * 32], q's whole groups of 16 blocks transposed (dword t of block j at 64 t + 4 j)
+  const int32_t* c8 = nullptr;
+  const int8_t* qt = nullptr;
+  int64_t n16 = 0;
 };
 
 // q8_K rows: q int8 [M, K], d float [M, K/256], bs int16 [M, K/16]
@@ -133,34 +139,57 @@ struct ActK {
   int64_t K;
 };
 
+// The activations' quantization, vectorized (AVX2, both builds) with the scalar reference's float
+// operations: max|x| is exact, x * (127 / max) one float product per value, vcvtps2dq rounds half to
+// even as nearbyint does (default rounding mode). At one row it runs on one thread before every
+// product: the scalar loops took ~0.6 ms of a Llama-1B token (230k values).
+
+inline float hmax256(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// 32 int32 (4 vectors, each |v| <= 127) -> 32 int8 in order
+inline void store_i8x32(int8_t* q, const __m256i* i) {
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
 void quantize_q8_0_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < K / 32; ++b) {
     const float* xb = x + b * 32;
-    float amax = 0.f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float id = amax != 0.f ? 127.f / amax : 0.f;
-    int sum = 0;
-    for (int j = 0; j < 32; ++j) {
-      const int v = static_cast<int>(std::nearbyint(xb[j] * id));
-      q[b * 32 + j] = static_cast<int8_t>(v);
-      sum += v;
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      v[c] = _mm256_loadu_ps(xb + 8 * c);
+      m = _mm256_max_ps(m, _mm256_and_ps(v[c], absm));
     }
+    const float amax = hmax256(m);
+    const float id = amax != 0.f ? 127.f / amax : 0.f;
+    __m256i iv[4];
+    for (int c = 0; c < 4; ++c) iv[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], _mm256_set1_ps(id)));
+    const int sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3])));
+    store_i8x32(q + b * 32, iv);
     d[b] = round_f16(amax / 127.f);
     s[b] = round_f16(amax / 127.f * static_cast<float>(sum));  // llama.cpp's q8_1 s
   }
 }
 
 void quantize_q8_K_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs) {
+  const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < K / 256; ++b) {
     const float* xb = x + b * 256;
-    float amax = 0.f, mx = 0.f;
-    for (int j = 0; j < 256; ++j) {
-      const float a = std::fabs(xb[j]);
-      if (a > amax) {
-        amax = a;
-        mx = xb[j];
-      }
-    }
+    __m256 m = _mm256_setzero_ps();
+    for (int c = 0; c < 32; ++c) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xb + 8 * c), absm));
+    const float amax = hmax256(m);
     int8_t* qb = q + b * 256;
     if (amax == 0.f) {
       std::memset(qb, 0, 256);
@@ -168,12 +197,26 @@ void quantize_q8_K_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* 
       d[b] = 0.f;
       continue;
     }
+    // the first value of that magnitude (llama.cpp's scan keeps the first maximum)
+    float mx = 0.f;
+    for (int c = 0; c < 32; ++c) {
+      const __m256 xv = _mm256_loadu_ps(xb + 8 * c);
+      const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(xv, absm), _mm256_set1_ps(amax), _CMP_EQ_OQ));
+      if (hit) {
+        mx = xb[8 * c + __builtin_ctz(static_cast<unsigned>(hit))];
+        break;
+      }
+    }
     const float iscale = -127.f / mx;
-    for (int j = 0; j < 256; ++j) qb[j] = static_cast<int8_t>(std::min(127, static_cast<int>(std::nearbyint(iscale * xb[j]))));
-    for (int g = 0; g < 16; ++g) {
-      int sum = 0;
-      for (int j = 0; j < 16; ++j) sum += qb[g * 16 + j];
-      bs[b * 16 + g] = static_cast<int16_t>(sum);
+    const __m256 is = _mm256_set1_ps(iscale);
+    const __m256i top = _mm256_set1_epi32(127);
+    for (int g = 0; g < 8; ++g) {  // 32 values: two groups of 16
+      __m256i iv[4];
+      for (int c = 0; c < 4; ++c)
+        iv[c] = _mm256_min_epi32(top, _mm256_cvtps_epi32(_mm256_mul_ps(is, _mm256_loadu_ps(xb + 32 * g + 8 * c))));
+      store_i8x32(qb + 32 * g, iv);
+      bs[b * 16 + 2 * g] = static_cast<int16_t>(hsum_epi32(_mm256_add_epi32(iv[0], iv[1])));
+      bs[b * 16 + 2 * g + 1] = static_cast<int16_t>(hsum_epi32(_mm256_add_epi32(iv[2], iv[3])));
     }
     d[b] = 1.f / iscale;
   }
@@ -271,6 +314,259 @@ void dot32(const uint8_t* w, int64_t nb, const Act32& a, int64_t r, float* out, 
   }
   for (int i = 0; i < MR; ++i) out[i * ldo] = hsum(acc[i]) + accm[i];
 }
+
+#ifdef GG_VNNI
+// Q4_0 / Q4_1 in the AVX512 build, on the file's blocks: 16 blocks (512 values) per step, transposed
+// in registers so that int32 lane j of every vector belongs to block j. Four vpermt2w gather the 16
+// blocks' nibbles (4 blocks, 16 bytes each, per vector: every block starts on an even byte), four
+// 4 x 4 transposes of 128-bit lanes leave vector t with dword t (values 4 t .. 4 t + 3 in the low
+// nibbles, 16 + 4 t .. in the high ones) of block j in lane j; the activations are laid out the same
+// way once per product (Act32::qt). Per row the 8 vpdpbusd of a step add up each block's whole
+// integer dot product in its own lane (Q4_0's -8 enters as the sum's start, Act32::c8: exactly
+// llama.cpp's sum_j (u_j - 8) x_j), then one conversion and one multiply-add by d dx for 16 blocks:
+// the tile kernel's arithmetic without its copy of the weights. Blocks past the last 16 take one
+// 256-bit step each. A row's sums run in one order whatever the other rows are.
+template <bool ONE>
+struct Q4Blocks {
+  static constexpr int BYTES = ONE ? 20 : 18;  // d (float16), Q4_1's m (float16), 16 bytes of nibbles
+  static constexpr int QOFF = ONE ? 4 : 2;
+};
+
+// The vpermt2w indices of a group of 16 blocks, read as five 64-byte vectors L0..L4 (the last of
+// Q4_0's one 32 bytes: no load past the group): nib[q] gathers blocks 4 q .. 4 q + 3 (they lie in
+// L_q and L_q+1) so that 128-bit lane t holds dword t of each of them (dword c: block 4 q + c); the
+// float16 words at byte offset 0 (d) and 2 (Q4_1's m) of the 16 blocks come from (L0, L1), (L2, L3)
+// and L4 in three permutes merged by the masks, word j = block j.
+template <int BYTES, int QOFF>
+struct Q4Tab {
+  alignas(64) int16_t nib[4][32] = {};
+  alignas(64) int16_t half[2][3][32] = {};  // [d or m][source pair]
+  uint32_t mask[3] = {};                    // words taken from each source pair (the same for d and m)
+  constexpr Q4Tab() {
+    for (int q = 0; q < 4; ++q)
+      for (int w = 0; w < 32; ++w) {
+        const int t = w / 8, c = (w / 2) % 4, h = w % 2;  // lane t, dword c, its half h
+        nib[q][w] = static_cast<int16_t>((4 * q * BYTES - 64 * q + c * BYTES + QOFF + 4 * t + 2 * h) / 2);
+      }
+    for (int f = 0; f < 2; ++f)
+      for (int j = 0; j < 16; ++j) {
+        const int o = j * BYTES + 2 * f, i = o / 64, pair = i / 2;
+        half[f][pair][j] = static_cast<int16_t>(32 * (i % 2) + (o - 64 * i) / 2);
+        if (f == 0) mask[pair] |= 1u << j;
+      }
+  }
+};
+template <int BYTES, int QOFF>
+inline constexpr Q4Tab<BYTES, QOFF> kQ4Tab{};
+
+// the float16 words f (0: d, 1: m) of the 16 blocks as floats
+template <int BYTES, int QOFF>
+inline __m512 q4_halves16(const __m512i* L, int f) {
+  const auto& T = kQ4Tab<BYTES, QOFF>;
+  __m512i r = _mm512_permutex2var_epi16(L[0], _mm512_load_si512(T.half[f][0]), L[1]);
+  r = _mm512_mask_mov_epi16(r, T.mask[1], _mm512_permutex2var_epi16(L[2], _mm512_load_si512(T.half[f][1]), L[3]));
+  r = _mm512_mask_mov_epi16(r, T.mask[2], _mm512_permutexvar_epi16(_mm512_load_si512(T.half[f][2]), L[4]));
+  return _mm512_cvtph_ps(_mm512_castsi512_si256(r));
+}
+
+constexpr int Q4_PREFETCH = 2048;  // bytes ahead of the 16 blocks being read
+
+// U groups of 16 blocks from block b, group u into acc[(slot + u) % 2]: every stage for all U before
+// the next. The groups are independent, and at one or two rows one group alone left the core waiting
+// on its chain (permutes, shuffles, 8 dependent vpdpbusd): two in flight took a one-row product in L2
+// from 4.1 to 2.9 us (2048 x 256; the 4-bit tile kernel 3.0), while at 3-4 rows they spill registers
+// (8.6 -> 13.6 us), so those take one group at a time. Either way group g's sums go into acc[g % 2],
+// the same operations in the same order: a row's result does not depend on U (batch invariance).
+template <int MR, bool ONE, int U>
+inline void q4_groups(const uint8_t* w, int64_t b, const Act32& a, int64_t r, __m512 (&acc)[2][MR], __m512 (&accm)[2][MR],
+                      int slot) {
+  using F = Q4Blocks<ONE>;
+  constexpr int BY = F::BYTES;
+  const int64_t G = a.K / 32;
+  const auto& T = kQ4Tab<BY, F::QOFF>;
+  const __m512i m4 = _mm512_set1_epi8(15);
+  __m512i L[U][5], g[U][4], lo[U][4], hi[U][4];
+  __m512 d16[U], m16[U];
+  for (int u = 0; u < U; ++u) {
+    const uint8_t* blk = w + (b + 16 * u) * BY;
+    for (int c = 0; c < 16 * BY; c += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + Q4_PREFETCH + c), _MM_HINT_T0);
+    for (int c = 0; c < 4; ++c) L[u][c] = _mm512_loadu_si512(blk + 64 * c);
+    L[u][4] = ONE ? _mm512_loadu_si512(blk + 256) : _mm512_zextsi256_si512(load32(blk + 256));
+  }
+  for (int u = 0; u < U; ++u)  // g[q], lane t: dword t of blocks 4 q .. 4 q + 3
+    for (int q = 0; q < 4; ++q) g[u][q] = _mm512_permutex2var_epi16(L[u][q], _mm512_load_si512(T.nib[q]), L[u][q + 1]);
+  for (int u = 0; u < U; ++u) {
+    // 4 x 4 transpose of 128-bit lanes: v[t] lane q = g[q] lane t
+    const __m512i t0 = _mm512_shuffle_i64x2(g[u][0], g[u][1], 0x44), t1 = _mm512_shuffle_i64x2(g[u][0], g[u][1], 0xEE);
+    const __m512i t2 = _mm512_shuffle_i64x2(g[u][2], g[u][3], 0x44), t3 = _mm512_shuffle_i64x2(g[u][2], g[u][3], 0xEE);
+    const __m512i v[4] = {_mm512_shuffle_i64x2(t0, t2, 0x88), _mm512_shuffle_i64x2(t0, t2, 0xDD),
+                          _mm512_shuffle_i64x2(t1, t3, 0x88), _mm512_shuffle_i64x2(t1, t3, 0xDD)};
+    for (int t = 0; t < 4; ++t) {
+      lo[u][t] = _mm512_and_si512(v[t], m4);
+      hi[u][t] = _mm512_and_si512(_mm512_srli_epi16(v[t], 4), m4);
+    }
+  }
+  for (int u = 0; u < U; ++u) {
+    d16[u] = q4_halves16<BY, F::QOFF>(L[u], 0);
+    m16[u] = ONE ? q4_halves16<BY, F::QOFF>(L[u], 1) : _mm512_setzero_ps();
+  }
+  for (int i = 0; i < MR; ++i) {
+    const int64_t row = r + i;
+    __m512i sa[U], sb[U];
+    for (int u = 0; u < U; ++u) {
+      sa[u] = ONE ? _mm512_setzero_si512() : _mm512_loadu_si512(a.c8 + row * G + b + 16 * u);
+      sb[u] = _mm512_setzero_si512();
+    }
+    const int8_t* xt = a.qt + row * (a.n16 * 32) + b * 32;  // per group 8 vectors: values 4 t .. 4 t + 3 of each block
+    for (int t = 0; t < 4; ++t)
+      for (int u = 0; u < U; ++u) {
+        sa[u] = _mm512_dpbusd_epi32(sa[u], lo[u][t], _mm512_loadu_si512(xt + 512 * u + 64 * t));
+        sb[u] = _mm512_dpbusd_epi32(sb[u], hi[u][t], _mm512_loadu_si512(xt + 512 * u + 64 * (t + 4)));
+      }
+    for (int u = 0; u < U; ++u) {
+      const __m512 s = _mm512_mul_ps(d16[u], _mm512_loadu_ps(a.d + row * G + b + 16 * u));
+      const int k = (slot + u) & 1;
+      acc[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sa[u], sb[u])), s, acc[k][i]);
+      if (ONE) accm[k][i] = _mm512_fmadd_ps(m16[u], _mm512_loadu_ps(a.s + row * G + b + 16 * u), accm[k][i]);
+    }
+  }
+}
+
+template <int MR, bool ONE>
+void dot_q4(const uint8_t* w, int64_t nb, const Act32& a, int64_t r, float* out, int64_t ldo) {
+  using F = Q4Blocks<ONE>;
+  constexpr int BY = F::BYTES;
+  const int64_t K = a.K, G = K / 32, n16 = nb / 16 * 16;
+  __m512 acc[2][MR], accm[2][MR];
+  __m256 acct[MR];
+  float tailm[MR];
+  for (int i = 0; i < MR; ++i) {
+    acc[0][i] = acc[1][i] = accm[0][i] = accm[1][i] = _mm512_setzero_ps();
+    acct[i] = _mm256_setzero_ps();
+    tailm[i] = 0.f;
+  }
+  int64_t b = 0;
+  if constexpr (MR <= 2)
+    for (; b + 32 <= n16; b += 32) q4_groups<MR, ONE, 2>(w, b, a, r, acc, accm, 0);
+  for (; b < n16; b += 16) q4_groups<MR, ONE, 1>(w, b, a, r, acc, accm, static_cast<int>((b / 16) & 1));
+  for (b = n16; b < nb; ++b) {  // the last nb % 16 blocks, one at a time
+    const uint8_t* blk = w + b * BY;
+    const float d = h2f(blk), m = ONE ? h2f(blk + 2) : 0.f;
+    const __m256i u = nibbles(blk + F::QOFF);
+    for (int i = 0; i < MR; ++i) {
+      const int64_t row = r + i;
+      const __m256i start = ONE ? _mm256_setzero_si256() : _mm256_zextsi128_si256(_mm_cvtsi32_si128(a.c8[row * G + b]));
+      const __m256i dot = _mm256_dpbusd_epi32(start, u, load32(a.q + row * K + b * 32));
+      acct[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a.d[row * G + b]), acct[i]);
+      if (ONE) tailm[i] += m * a.s[row * G + b];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    out[i * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][i], acc[1][i])) + hsum(acct[i]) +
+                   (_mm512_reduce_add_ps(_mm512_add_ps(accm[0][i], accm[1][i])) + tailm[i]);
+}
+
+// Two weight rows at once (products of one or two activation rows: decode): one group of 16 blocks
+// of each row in flight, each stage for both before the next, and every activation vector loaded
+// once for both rows. The per-row overhead (the sums' reduction, the call) is shared too; a row's
+// result is the same operations as dot_q4's (group g into acc[g % 2]), so pairing changes no bits.
+template <int MR, bool ONE>
+inline void q4_group_pair(const uint8_t* w0, const uint8_t* w1, int64_t b, const Act32& a, int64_t r,
+                          __m512 (&acc)[2][2][MR], __m512 (&accm)[2][2][MR], int slot) {
+  using F = Q4Blocks<ONE>;
+  constexpr int BY = F::BYTES;
+  const int64_t G = a.K / 32;
+  const auto& T = kQ4Tab<BY, F::QOFF>;
+  const __m512i m4 = _mm512_set1_epi8(15);
+  const uint8_t* ws[2] = {w0, w1};
+  __m512i L[2][5], g[2][4], lo[2][4], hi[2][4];
+  __m512 d16[2], m16[2];
+  for (int v = 0; v < 2; ++v) {
+    const uint8_t* blk = ws[v] + b * BY;
+    for (int c = 0; c < 16 * BY; c += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + Q4_PREFETCH + c), _MM_HINT_T0);
+    for (int c = 0; c < 4; ++c) L[v][c] = _mm512_loadu_si512(blk + 64 * c);
+    L[v][4] = ONE ? _mm512_loadu_si512(blk + 256) : _mm512_zextsi256_si512(load32(blk + 256));
+  }
+  for (int v = 0; v < 2; ++v)
+    for (int q = 0; q < 4; ++q) g[v][q] = _mm512_permutex2var_epi16(L[v][q], _mm512_load_si512(T.nib[q]), L[v][q + 1]);
+  for (int v = 0; v < 2; ++v) {
+    const __m512i t0 = _mm512_shuffle_i64x2(g[v][0], g[v][1], 0x44), t1 = _mm512_shuffle_i64x2(g[v][0], g[v][1], 0xEE);
+    const __m512i t2 = _mm512_shuffle_i64x2(g[v][2], g[v][3], 0x44), t3 = _mm512_shuffle_i64x2(g[v][2], g[v][3], 0xEE);
+    const __m512i vv[4] = {_mm512_shuffle_i64x2(t0, t2, 0x88), _mm512_shuffle_i64x2(t0, t2, 0xDD),
+                           _mm512_shuffle_i64x2(t1, t3, 0x88), _mm512_shuffle_i64x2(t1, t3, 0xDD)};
+    for (int t = 0; t < 4; ++t) {
+      lo[v][t] = _mm512_and_si512(vv[t], m4);
+      hi[v][t] = _mm512_and_si512(_mm512_srli_epi16(vv[t], 4), m4);
+    }
+  }
+  for (int v = 0; v < 2; ++v) {
+    d16[v] = q4_halves16<BY, F::QOFF>(L[v], 0);
+    m16[v] = ONE ? q4_halves16<BY, F::QOFF>(L[v], 1) : _mm512_setzero_ps();
+  }
+  for (int i = 0; i < MR; ++i) {
+    const int64_t row = r + i;
+    const __m512i c8 = ONE ? _mm512_setzero_si512() : _mm512_loadu_si512(a.c8 + row * G + b);
+    __m512i sa[2] = {c8, c8}, sb[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    const int8_t* xt = a.qt + row * (a.n16 * 32) + b * 32;
+    for (int t = 0; t < 4; ++t) {
+      const __m512i xl = _mm512_loadu_si512(xt + 64 * t), xh = _mm512_loadu_si512(xt + 64 * (t + 4));
+      for (int v = 0; v < 2; ++v) {
+        sa[v] = _mm512_dpbusd_epi32(sa[v], lo[v][t], xl);
+        sb[v] = _mm512_dpbusd_epi32(sb[v], hi[v][t], xh);
+      }
+    }
+    const __m512 dx = _mm512_loadu_ps(a.d + row * G + b);
+    for (int v = 0; v < 2; ++v) {
+      acc[v][slot][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sa[v], sb[v])), _mm512_mul_ps(d16[v], dx), acc[v][slot][i]);
+      if (ONE) accm[v][slot][i] = _mm512_fmadd_ps(m16[v], _mm512_loadu_ps(a.s + row * G + b), accm[v][slot][i]);
+    }
+  }
+}
+
+// weight rows w0 and w1 (one Q4 type, nb blocks each) against activation rows r .. r + MR - 1 (MR 1 or
+// 2): out0[i ldo] and out1[i ldo], each the bits dot_q4 gives
+template <int MR, bool ONE>
+void dot_q4_pair(const uint8_t* w0, const uint8_t* w1, int64_t nb, const Act32& a, int64_t r, float* out0, float* out1,
+                 int64_t ldo) {
+  const int64_t n16 = nb / 16 * 16;
+  if (n16 < nb) {  // a tail: each row alone (rare shapes)
+    dot_q4<MR, ONE>(w0, nb, a, r, out0, ldo);
+    dot_q4<MR, ONE>(w1, nb, a, r, out1, ldo);
+    return;
+  }
+  __m512 acc[2][2][MR], accm[2][2][MR];
+  for (int v = 0; v < 2; ++v)
+    for (int i = 0; i < MR; ++i) acc[v][0][i] = acc[v][1][i] = accm[v][0][i] = accm[v][1][i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < n16; b += 16) q4_group_pair<MR, ONE>(w0, w1, b, a, r, acc, accm, static_cast<int>((b / 16) & 1));
+  float* outs[2] = {out0, out1};
+  for (int v = 0; v < 2; ++v)
+    for (int i = 0; i < MR; ++i)
+      outs[v][i * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc[v][0][i], acc[v][1][i])) + hsum(_mm256_setzero_ps()) +
+                         (_mm512_reduce_add_ps(_mm512_add_ps(accm[v][0][i], accm[v][1][i])) + 0.f);
+}
+
+// dot_q4_pair for a Q4 type t and 1 or 2 activation rows
+inline void q4_pair(int t, const uint8_t* w0, const uint8_t* w1, int64_t nb, const Act32& a, int64_t m, float* out0,
+                    float* out1, int64_t ldo) {
+  if (t == T_Q4_0)
+    return m == 1 ? dot_q4_pair<1, false>(w0, w1, nb, a, 0, out0, out1, ldo) : dot_q4_pair<2, false>(w0, w1, nb, a, 0, out0, out1, ldo);
+  return m == 1 ? dot_q4_pair<1, true>(w0, w1, nb, a, 0, out0, out1, ldo) : dot_q4_pair<2, true>(w0, w1, nb, a, 0, out0, out1, ldo);
+}
+
+// the AVX512 Q4 kernel's activations of one q8_0 row q [K]: c8 [K/32] = -8 times each block's sum of
+// q, and qt [n16 * 32] (n16 = the whole groups of 16 blocks) its groups transposed: in group g, dword
+// t of block j at qt[g 512 + 64 t + 4 j]
+inline void q4_acts_row(const int8_t* q, int64_t K, int32_t* c8, int8_t* qt) {
+  const int64_t G = K / 32, n16 = G / 16 * 16;
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int64_t b = 0; b < G; ++b)
+    c8[b] = -8 * hsum_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, load32(q + b * 32)));
+  const __m512i ix = _mm512_setr_epi32(0, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120);
+  for (int64_t b = 0; b < n16; b += 16)
+    for (int t = 0; t < 8; ++t)
+      _mm512_storeu_si512(qt + b * 32 + 64 * t, _mm512_i32gather_epi32(ix, reinterpret_cast<const int*>(q + b * 32 + 4 * t), 4));
+}
+#endif
 
 // ---------------------------------------------------------------- 256-value block types (q8_K)
 
@@ -713,8 +1009,13 @@ void dot_rows(int t, const uint8_t* w, const Acts& A, int64_t K, int64_t r, floa
   switch (t) {
     case T_F16: return dot_half<MR, false>(w, K, A.x, r, out, ldo);
     case T_BF16: return dot_half<MR, true>(w, K, A.x, r, out, ldo);
+#ifdef GG_VNNI
+    case T_Q4_0: return dot_q4<MR, false>(w, nb32, A.a32, r, out, ldo);
+    case T_Q4_1: return dot_q4<MR, true>(w, nb32, A.a32, r, out, ldo);
+#else
     case T_Q4_0: return dot32<BQ4_0, MR>(w, nb32, A.a32, r, out, ldo);
     case T_Q4_1: return dot32<BQ4_1, MR>(w, nb32, A.a32, r, out, ldo);
+#endif
     case T_Q8_0: return dot32<BQ8_0, MR>(w, nb32, A.a32, r, out, ldo);
     case T_Q5_0: return dot32<BQ5_0, MR>(w, nb32, A.a32, r, out, ldo);
     case T_Q5_1: return dot32<BQ5_1, MR>(w, nb32, A.a32, r, out, ldo);
@@ -745,6 +1046,7 @@ Matrix::Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vecto
     parts_.push_back({reinterpret_cast<const uint8_t*>(ptrs[i]), static_cast<int>(types[i]), n, rows[i],
                       K / ti.block * ti.bytes});
     if (ti.act == ActKind::Q8_0) q8_0_ = true;
+    if (types[i] == T_Q4_0 || types[i] == T_Q4_1) q4_ = true;
     if (ti.act == ActKind::Q8_K) q8_k_ = true;
     n += rows[i];
   }
@@ -823,6 +1125,18 @@ void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s) const {
         quantize_q8_0_row(xp + m * K, K, s.q0.data() + m * K, s.d0.data() + m * (K / 32), s.s0.data() + m * (K / 32));
     });
     A.a32 = {s.q0.data(), s.d0.data(), s.s0.data(), K};
+#ifdef GG_VNNI
+    if (q4_) {
+      const int64_t n16 = K / 512 * 16;
+      s.c8.resize(M * (K / 32));
+      s.qt.resize(M * n16 * 32);
+      for (int64_t m = 0; m < M; ++m)
+        q4_acts_row(s.q0.data() + m * K, K, s.c8.data() + m * (K / 32), s.qt.data() + m * n16 * 32);
+      A.a32.c8 = s.c8.data();
+      A.a32.qt = s.qt.data();
+      A.a32.n16 = n16;
+    }
+#endif
   }
   if (q8_k_) {
     s.qk.resize(M * K);
@@ -845,6 +1159,14 @@ void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s) const {
         while (n >= parts_[pi].first + parts_[pi].rows) ++pi;
         const Part& p = parts_[pi];
         const uint8_t* w = p.data + (n - p.first) * p.row_bytes;
+#ifdef GG_VNNI
+        // decode (1-2 rows): Q4 weight rows in pairs (dot_q4_pair: the same bits as one at a time)
+        if ((p.type == T_Q4_0 || p.type == T_Q4_1) && M <= 2 && n + 1 < n1 && n + 1 < p.first + p.rows) {
+          q4_pair(p.type, w, w + p.row_bytes, K / 32, A.a32, M, Y + n, Y + n + 1, N);
+          ++n;
+          continue;
+        }
+#endif
         int64_t r = mc;
         for (; r + 4 <= me; r += 4) dot_rows<4>(p.type, w, A, K, r, Y + r * N + n, N);
         switch (me - r) {

@@ -112,11 +112,12 @@ def test_turned_off_or_explicit_dense_dequantizes_as_before(kernels, tmp_path, m
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
-def test_q4_0_and_q4_1_stay_blocks_and_decode_in_tiles(kernels, tmp_path, monkeypatch, qtype):
+def test_q4_0_and_q4_1_stay_blocks_and_decode_on_them(kernels, tmp_path, monkeypatch, qtype):
     """Q4_0/Q4_1 matrices keep the file's bytes like every other type (the eager path multiplies them
     with the block products: no unpacked nibbles, no int4 or dense copy); the native decode step
-    repacks them into its own 4-bit tiles (decode_native.q4_tiles), whose product equals the block
-    product's within the two roundings of the activations; with the block kernels off they are
+    repacks them into its own 4-bit layout (decode_native.q4_tiles), whose product equals the block
+    product's within the two roundings of the activations, except on the AVX512 build with
+    KVSERVE_Q4_REPACK=0 (it multiplies the file's blocks); with the block kernels off they are
     unpacked for torch's int4 kernel, as before."""
     from kvserve.models import decode_native
 
@@ -128,7 +129,11 @@ def test_q4_0_and_q4_1_stay_blocks_and_decode_in_tiles(kernels, tmp_path, monkey
     assert core.model.output.kernel == "gguf"
     mod = decode_native.load_cached()
     gate_up = core.model.layers[1].w_gate_up.blocks
-    tiles = decode_native.q4_tiles(gate_up, mod.LAYOUT)
+    monkeypatch.setenv("KVSERVE_Q4_REPACK", "0")
+    assert decode_native.q4_tiles(gate_up, "tile16", "avx512") is None
+    assert decode_native.q4_tiles(gate_up, "pair", "avx2") is not None  # the AVX2 build always repacks
+    monkeypatch.delenv("KVSERVE_Q4_REPACK")
+    tiles = decode_native.q4_tiles(gate_up, mod.LAYOUT, mod.ISA)
     assert tiles[0].shape == (1024, 128)  # 4 bits a weight, as the file's nibbles
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
     ref = gate_up.mm(x)
