@@ -82,7 +82,11 @@ def test_two_models_alternate_and_unload(start_server, two_model_home, smollm2_p
     assert httpx.get(srv.base_url + "/v1/models/smol-copy", timeout=30).json()["id"] == "smol-copy:latest"
     assert httpx.get(srv.base_url + "/v1/models/nope", timeout=30).status_code == 404
 
-    # keep_alive 0: unloaded as soon as the request ends, and the memory goes back
+    # keep_alive 0: unloaded as soon as the request ends, and the memory goes back. A constrained
+    # request first builds the runner's grammar compiler (xgrammar's import and vocabulary table),
+    # which the server otherwise builds at its first idle moment: it must not land between the two
+    # measurements
+    _chat(srv, "smollm2", response_format={"type": "json_object"}, max_tokens=4)
     time.sleep(0.5)
     loaded_rss = pid_rss_bytes(srv.proc.pid)
     _chat(srv, "smollm2", keep_alive=0)
