@@ -78,9 +78,12 @@ def test_compiled_engine_equals_eager(q4_gguf, tmp_path, monkeypatch):
     assert graph.fallbacks == 0  # 4, 3, 2 and 1 rows: all served by the two warmed-up graphs
     for rid, (toks, lps) in ref.items():
         assert got[rid][0] == toks
-        # 2e-3: one logprob of 18 differs by 1.9e-3 since the prompt's Q4_0 rows are prefilled on the
-        # file's blocks (bfloat16 panels; the same prefill in both engines, a different trajectory)
-        assert got[rid][1] == pytest.approx(lps, abs=2e-3)
+        # the eager engine decodes on the native step (activations quantized to q8_0, llama.cpp's
+        # arithmetic), the compiled graph on torch's int4 kernel (float32 activations): the same
+        # tokens, logprobs within the q8 rounding. Measured: 1.9e-3 with the prompt prefilled on
+        # bfloat16 panels, 5.8e-3 (one of 18) on the int8 prefill path (ggml_gemm8.h; the same
+        # prefill in both engines, a different trajectory)
+        assert got[rid][1] == pytest.approx(lps, abs=1e-2)
     # inputs no warmed-up graph accepts are refused (None: the runner runs the step eagerly),
     # never traced while serving
     b, L = 2, 9
