@@ -281,20 +281,27 @@ def read_slot_file(path: str, *, fingerprint: bytes, kv_dtype: str, n_layer: int
         if size < hdr.prefix_size():  # version 3: the layers' first rows (so the size) are in the body
             raise SlotFileError(f"slot file is corrupt: {size} bytes, expected at least {hdr.prefix_size()} for "
                                 f"{n_tok} tokens")
-        raw = f.read(size - HEADER.size)
-        if len(raw) != size - HEADER.size:  # the file changed while being read
-            raise SlotFileError(f"slot file is corrupt: {HEADER.size + len(raw)} bytes, expected {size}")
-    if version >= VERSION_LAYER_FIRST:
-        first = struct.unpack_from(f"<{nl}I", raw, 4 * n_tok)
-        if any(x > n_tok for x in first):
-            raise SlotFileError(f"slot file is corrupt: a layer's first row is past its {n_tok} tokens")
-        hdr = dataclasses.replace(hdr, layer_first=first)
-    if size != hdr.file_size():
-        raise SlotFileError(f"slot file is corrupt: {size} bytes, expected {hdr.file_size()} for {n_tok} tokens")
+        # the token ids (and version 3's first rows, which fix the size) first: the body is
+        # allocated and read only once the file's size is the one the header promises
+        pre = f.read(hdr.prefix_size() - HEADER.size)
+        if len(pre) != hdr.prefix_size() - HEADER.size:  # the file changed while being read
+            raise SlotFileError(f"slot file is corrupt: {HEADER.size + len(pre)} bytes, expected {size}")
+        if version >= VERSION_LAYER_FIRST:
+            first = struct.unpack_from(f"<{nl}I", pre, 4 * n_tok)
+            if any(x > n_tok for x in first):
+                raise SlotFileError(f"slot file is corrupt: a layer's first row is past its {n_tok} tokens")
+            hdr = dataclasses.replace(hdr, layer_first=first)
+        if size != hdr.file_size():
+            raise SlotFileError(f"slot file is corrupt: {size} bytes, expected {hdr.file_size()} for {n_tok} tokens")
+        raw = bytearray(size - HEADER.size)
+        raw[:len(pre)] = pre
+        got = len(pre) + (f.readinto(memoryview(raw)[len(pre):]) if size > hdr.prefix_size() else 0)
+        if got != size - HEADER.size:  # the file changed while being read
+            raise SlotFileError(f"slot file is corrupt: {HEADER.size + got} bytes, expected {size}")
     tok = list(struct.unpack_from(f"<{n_tok}i", raw, 0))
     forms = [stored_row_shape(t, nh, hd) for t in (hdr.kv_dtype, hdr.kv_dtype_v)]
     off = hdr.prefix_size() - HEADER.size
-    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    buf = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     layers = []
     for i in range(nl):
         kv = []

@@ -160,3 +160,49 @@ def test_version_3_keeps_each_layers_last_rows(tmp_path):
     full = [(torch.zeros(19, 2, 8), torch.zeros(19, 2, 8))] * 3
     assert flat.version == 2
     assert write_slot_file(str(tmp_path / "v2.bin"), flat, list(range(19)), full) == 40 + 4 * 19 + 3 * 19 * 2 * 64
+
+
+def test_version_3_size_is_checked_before_the_body_is_read(tmp_path, monkeypatch):
+    """A version 3 file whose size is not the one its first rows promise is refused after reading
+    the header, the token ids and the first rows only (128 bytes here), not its 1 MiB tail."""
+    from kvserve.engine import slot_file
+    from kvserve.engine.slot_file import SlotHeader, read_slot_file, write_slot_file
+
+    firsts = (16, 0, 19)
+    layers = [(torch.zeros(19 - f, 2, 8), torch.zeros(19 - f, 2, 8)) for f in firsts]
+    hdr = SlotHeader(b"x" * 16, 19, "f32", 3, 2, 8, layer_first=firsts)
+    path = tmp_path / "v3.bin"
+    n = write_slot_file(str(path), hdr, list(range(19)), layers)
+    with open(path, "ab") as f:
+        f.write(b"\0" * (1 << 20))
+    read_bytes = []
+    real_fdopen = os.fdopen
+
+    class Counting:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def fileno(self):
+            return self.f.fileno()
+
+        def read(self, k=-1):
+            b = self.f.read(k)
+            read_bytes.append(len(b))
+            return b
+
+        def readinto(self, buf):
+            k = self.f.readinto(buf)
+            read_bytes.append(k)
+            return k
+
+    monkeypatch.setattr(slot_file.os, "fdopen", lambda fd, mode: Counting(real_fdopen(fd, mode)))
+    spec = dict(fingerprint=b"x" * 16, kv_dtype="f32", n_layer=3, n_head_kv=2, head_dim=8)
+    with pytest.raises(SlotFileError, match=f"^slot file is corrupt: {n + (1 << 20)} bytes, expected {n} for 19 tokens$"):
+        read_slot_file(str(path), **spec)
+    assert read_bytes == [40, 4 * 19 + 4 * 3]
