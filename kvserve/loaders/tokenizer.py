@@ -606,7 +606,10 @@ class Tokenizer:
                 vocab_type=VOCAB_TYPE_SPM, pre="", model=model, eot_token_id=eot, eom_token_id=eom,
             )
         if model == "bert":
-            # WordPiece (llama.cpp's WPM): [CLS] text [SEP]; CLS is the BOS, SEP ends the input
+            # WordPiece (llama.cpp's WPM): [CLS] text [SEP]; CLS is the BOS, SEP ends the input. llama.cpp
+            # adds both whenever special tokens are asked for, whatever add_bos_token / add_sep_token say
+            # (its converter writes add_sep_token false for nomic-bert; llama-server's /tokenize still ends
+            # with [SEP]: tests/unit/test_llama_families.py)
             def named(text: str) -> int | None:
                 return next((i for i, t in enumerate(tokens) if t == text), None)
 
@@ -618,8 +621,7 @@ class Tokenizer:
             hf, piece_bytes = _build_wpm(tokens, types, unk if unk is not None else named("[UNK]"))
             return cls(
                 hf, tokens, types, piece_bytes, bos_token_id=cls_id, eos_token_id=sep_id,
-                add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", True)),
-                add_eos=bool(fields.get("tokenizer.ggml.add_sep_token", fields.get("tokenizer.ggml.add_eos_token", True))),
+                add_bos=True, add_eos=True,
                 extra_eog_ids=extra_eog, chat_template=template, vocab_type=VOCAB_TYPE_WPM, pre="", model=model,
             )
         raise UnsupportedTokenizerError(
