@@ -135,30 +135,36 @@ def metadata(path) -> list[list]:
     return out
 
 
-def rebuild(fixture: dict, path: Path) -> Path:
-    """The GGUF llama-server ran on: the fixture's metadata, the tensors of :func:`save_gguf_ours`
-    in the fixture's order. Raises AssertionError where a tensor's digest differs from the fixture's."""
+def write_like(path: Path, arch: str, fields: list[list], source: Path, order=None) -> Path:
+    """A GGUF of ``arch`` with the metadata ``fields`` (as :func:`metadata` lists them) and the tensors
+    of the GGUF ``source`` (in ``order``, a list of names, or the source's), bytes unchanged."""
     import gguf
 
-    path = Path(path)
-    ours = save_gguf_ours(fixture["case"], path.with_suffix(".ours.gguf"))
-    tensors = {t.name: t for t in gguf.GGUFReader(str(ours)).tensors}
-    w = gguf.GGUFWriter(str(path), fixture["arch"])
-    for key, vtype, sub, value in fixture["metadata"]:
+    tensors = {t.name: t for t in gguf.GGUFReader(str(source)).tensors}
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, vtype, sub, value in fields:
         w.add_key_value(key, value, gguf.GGUFValueType[vtype], None if sub is None else gguf.GGUFValueType[sub])
-    for name in fixture["tensors"]:
+    for name in order or list(tensors):
         t = tensors[name]
         raw = gguf.GGMLQuantizationType(t.tensor_type)
-        shape = list(reversed([int(n) for n in t.shape]))  # GGUFReader: ggml order
+        data = np.ascontiguousarray(t.data)
         if raw in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            w.add_tensor(name, np.ascontiguousarray(t.data).reshape(shape))
+            w.add_tensor(name, data.reshape(list(reversed([int(n) for n in t.shape]))))  # GGUFReader: ggml order
         else:
-            w.add_tensor(name, np.ascontiguousarray(t.data), raw_shape=np.ascontiguousarray(t.data).shape,
-                         raw_dtype=raw)
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return Path(path)
+
+
+def rebuild(fixture: dict, path: Path) -> Path:
+    """The GGUF llama-server ran on: the fixture's metadata, the tensors of :func:`save_gguf_ours`
+    in the fixture's order. Raises AssertionError where a tensor's digest differs from the fixture's."""
+    path = Path(path)
+    ours = save_gguf_ours(fixture["case"], path.with_suffix(".ours.gguf"))
+    write_like(path, fixture["arch"], fixture["metadata"], ours, list(fixture["tensors"]))
     got = tensor_digests(path)
     assert got == fixture["tensors"], [k for k in fixture["tensors"] if got.get(k) != fixture["tensors"][k]]
     return path
