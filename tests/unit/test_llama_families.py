@@ -132,7 +132,7 @@ def _check(case: str, got, max_diff: float = MAX_DIFF, min_same: int = 4 * 68) -
 #: gemma's GELU: llama.cpp's CPU GELU rounds its input to float16 and reads the result from a float16
 #: table (ggml-cpu vec.h, GGML_GELU_FP16); kvserve computes it in float32 as transformers does. Measured
 #: max |d logprob| 6.9e-4 / 7.8e-4 (gemma2 / gemma3; mean 2.1e-4 / 2.6e-4), top-1 one near tie apart
-#: (gemma3, 271 of 272); with llama.cpp's GELU in kvserve (test_gemma_with_llama_cpps_gelu_agrees_tightly)
+#: (gemma3, 271 of 272: llama.cpp's top-2 gap there is 1.4e-5); with llama.cpp's GELU in kvserve (test_gemma_with_llama_cpps_gelu_agrees_tightly)
 #: every top-1 equal, max 1.6e-4 / 3.3e-4, mean 1.6e-5 / 4.9e-5
 GELU_FP16 = ("gemma2", "gemma3")
 
@@ -140,8 +140,8 @@ GELU_FP16 = ("gemma2", "gemma3")
 @pytest.mark.parametrize("case", [c for c in CAUSAL if c != "phi3-window"])
 def test_teacher_forced_agrees_with_llama_cpp(files, case):
     got = compare(_core(files[case], case), family_oracle.load_fixture(REFERENCE, case))
-    if case in GELU_FP16:
-        _check(case, got, max_diff=2e-3, min_same=4 * 68 - 1)
+    if case in GELU_FP16:  # the two near ties (llama.cpp's top-2 gaps 1.4e-5 gemma3, 9.8e-5 gemma2) may flip
+        _check(case, got, max_diff=2e-3, min_same=4 * 68 - 2)
     else:
         _check(case, got)
 
@@ -156,8 +156,8 @@ def _llama_cpp_gelu(x, approximate="none"):
 @pytest.mark.parametrize("case", GELU_FP16)
 def test_gemma_with_llama_cpps_gelu_agrees_tightly(files, case, monkeypatch):
     """The gemma difference is mostly llama.cpp's float16 GELU: with it in kvserve every top-1 is equal
-    and the mean difference 5x smaller (measured max 1.6e-4 / 3.3e-4, mean 1.6e-5 / 4.9e-5; the rest
-    is summation order amplified by the soft-caps' tanh and the unit-scale random layers)."""
+    (measured) and the mean difference 5x smaller (max 1.6e-4 / 3.3e-4, mean 1.6e-5 / 4.9e-5; the
+    rest, still above the other families' 1e-5, is not traced further)."""
     import types
 
     from kvserve.models import gemma
@@ -167,7 +167,7 @@ def test_gemma_with_llama_cpps_gelu_agrees_tightly(files, case, monkeypatch):
     F.gelu = _llama_cpp_gelu
     monkeypatch.setattr(gemma, "F", F)
     got = compare(_core(files[case], case), family_oracle.load_fixture(REFERENCE, case))
-    _check(case, got, max_diff=5e-4)
+    _check(case, got, max_diff=5e-4, min_same=4 * 68 - 1)  # measured 272: see GELU_FP16's near ties
     assert statistics.mean(d for _, _, d in got) <= 1e-4
 
 
