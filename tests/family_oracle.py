@@ -8,7 +8,8 @@ convert_tiny.py changes only the vocabulary step). ``regen.py`` there runs llama
 and stores its outputs with the file's metadata (every key and value) and the SHA-256 of every tensor.
 CI has no llama.cpp: :func:`rebuild` writes the same file again from the fixture's metadata and the
 tensors of tests/family_models.py's own writer (which writes llama.cpp's names and layouts; regen.py
-checks it writes the converter's bytes, tensor by tensor), and the test checks the digests.
+checks it writes the converter's bytes, tensor by tensor), and the test checks the digests;
+:func:`rebuild_q8_0` does the same for the ``llama-quantize --pure`` Q8_0 copies.
 """
 
 from __future__ import annotations
@@ -168,6 +169,38 @@ def rebuild(fixture: dict, path: Path) -> Path:
     got = tensor_digests(path)
     assert got == fixture["tensors"], [k for k in fixture["tensors"] if got.get(k) != fixture["tensors"][k]]
     return path
+
+
+#: the causal cases also checked as ``llama-quantize --pure`` Q8_0 copies (gpt-oss: llama-quantize refuses
+#: its MXFP4 file; nomic-bert: the embedding cases stay F32)
+QUANTIZED = ("llama3-rope", "qwen3", "qwen3moe", "gemma2", "gemma3", "mistral3", "phi3-longrope")
+
+
+def rebuild_q8_0(run: dict, f32: Path, path: Path) -> Path:
+    """The Q8_0 copy llama-quantize made of the F32 file ``f32`` (:func:`rebuild`): the run's metadata,
+    each tensor the fixture records as Q8_0 quantized by the ``gguf`` package (llama-quantize's bytes
+    for Q8_0; checked here against the run's digests), the others as they are."""
+    import gguf
+
+    src = {t.name: t for t in gguf.GGUFReader(str(f32)).tensors}
+    w = gguf.GGUFWriter(str(path), run["arch"])
+    for key, vtype, sub, value in run["metadata"]:
+        w.add_key_value(key, value, gguf.GGUFValueType[vtype], None if sub is None else gguf.GGUFValueType[sub])
+    for name, digest in run["tensors"].items():
+        t = src[name]
+        data = np.ascontiguousarray(t.data).reshape(list(reversed([int(n) for n in t.shape])))
+        if digest.startswith("Q8_0 "):
+            q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    got = tensor_digests(path)
+    assert got == run["tensors"], [k for k in run["tensors"] if got.get(k) != run["tensors"][k]]
+    return Path(path)
 
 
 def sequences() -> list[list[int]]:

@@ -28,7 +28,10 @@ For each case of tests/family_oracle.py, all of it deterministic:
      prompts;
    * nomic-bert (``--embedding``; its GGUF's mean pooling): ``/tokenize`` and ``/embedding`` of
      :data:`TEXTS` (vectors normalized as llama-server does by default);
-5. writes ``CASE.json``: the converter's metadata and tensor digests, the server's version and flags,
+5. for the cases of ``family_oracle.QUANTIZED``: ``llama-quantize --pure F32 OUT Q8_0`` of the file
+   (checked to be what the ``gguf`` package writes, so the test rebuilds it too) and the same outputs
+   on it (``q8_0`` in the fixture);
+6. writes ``CASE.json``: the converter's metadata and tensor digests, the server's version and flags,
    the outputs.
 """
 
@@ -137,6 +140,23 @@ def record_embed(server: Server) -> dict:
     return {"embeddings": out}
 
 
+def quantized_run(root: Path, f32: Path, arch: str, tmp: Path) -> dict:
+    """``llama-quantize --pure F32 OUT Q8_0`` of the converter's file, checked to be what the ``gguf``
+    package writes (family_oracle.rebuild_q8_0), and llama-server's outputs on it (same flags)."""
+    dst = f32.with_suffix(".q8_0.gguf")
+    subprocess.run([str(root / "build" / "bin" / "llama-quantize"), "--pure", str(f32), str(dst), "Q8_0", "2"],
+                   check=True, capture_output=True)
+    run = {"arch": arch, "quantize": "llama-quantize --pure F32 OUT Q8_0", "metadata": family_oracle.metadata(dst),
+           "tensors": family_oracle.tensor_digests(dst)}
+    family_oracle.rebuild_q8_0(run, f32, tmp / f"{f32.stem}.q8_0.rebuilt.gguf")
+    server = Server(root / "build" / "bin" / "llama-server", dst)
+    try:
+        run.update(record_causal(server))
+    finally:
+        server.stop()
+    return run
+
+
 def regen(name: str, root: Path, out: Path, tmp: Path) -> dict:
     hf = family_oracle.save_hf(name, tmp / name)
     gg = tmp / f"{name}.gguf"
@@ -162,6 +182,8 @@ def regen(name: str, root: Path, out: Path, tmp: Path) -> dict:
         server.stop()
     warnings = [line.split(" W ", 1)[-1].strip() for line in log.read_text().splitlines()
                 if "disabled" in line.lower()]
+    if name in family_oracle.QUANTIZED:
+        fixture["q8_0"] = quantized_run(root, gg, arch, tmp)
     fixture.update(llama_server=" ".join((version.stdout + version.stderr).split()), flags=server.flags,
                    n_probs=N_PROBS, server_warnings=warnings, **outputs)
     family_oracle.fixture_path(out, name).write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
