@@ -136,7 +136,8 @@ def _check(case: str, got, max_diff: float = MAX_DIFF, min_same: int = 4 * 68) -
 #: gemma's GELU: llama.cpp's CPU GELU rounds its input to float16 and reads the result from a float16
 #: table (ggml-cpu vec.h, GGML_GELU_FP16); kvserve computes it in float32 as transformers does. Measured
 #: max |d logprob| 6.9e-4 / 7.8e-4 (gemma2 / gemma3; mean 2.1e-4 / 2.6e-4), top-1 one near tie apart
-#: (gemma3, 271 of 272: llama.cpp's top-2 gap there is 1.4e-5); with llama.cpp's GELU in kvserve (test_gemma_with_llama_cpps_gelu_agrees_tightly)
+#: (gemma3, 271 of 272: llama.cpp's top-2 gap there is 1.4e-5); with llama.cpp's GELU in kvserve
+#: (test_gemma_with_llama_cpps_gelu_agrees_tightly)
 #: every top-1 equal, max 1.6e-4 / 3.3e-4, mean 1.6e-5 / 4.9e-5
 GELU_FP16 = ("gemma2", "gemma3")
 

@@ -1,7 +1,7 @@
 """Run llama.cpp's ``convert_hf_to_gguf.py`` on a tiny test model with one change: the vocabulary.
 
-Usage: ``python convert_tiny.py LLAMA_CPP_DIR HF_DIR OUT.gguf [--outtype f32]`` (the converter's
-arguments after LLAMA_CPP_DIR).
+Usage: ``python convert_tiny.py LLAMA_CPP_DIR --outtype f32 --outfile OUT.gguf HF_DIR`` (after
+LLAMA_CPP_DIR, the converter's own arguments).
 
 The tiny models of tests/family_models.py share tests/tinymodel.py's 301-token byte-level BPE
 vocabulary. The converter identifies a BPE pre-tokenizer by the hash of its tokenization of a fixed
@@ -9,8 +9,8 @@ text and refuses hashes it does not know, and some families' ``set_vocab`` look 
 ``tokenizer.model`` first (qwen, gemma). Here every causal family's ``set_vocab`` is the converter's
 own ``_set_vocab_gpt2`` (tokens, types, merges, special ids and chat template from tokenizer.json and
 tokenizer_config.json) with the pre-tokenizer named ``smollm`` (the tiny vocabulary's); nomic-bert
-keeps its WordPiece ``set_vocab``, the pre-tokenizer named ``default``. Everything else (hyperparameters, tensor names, permutations,
-splits, types) is the converter's.
+keeps its WordPiece ``set_vocab``, the pre-tokenizer named ``default``. Everything else
+(hyperparameters, tensor names, permutations, splits, types) is the converter's.
 """
 
 from __future__ import annotations
