@@ -107,7 +107,16 @@ _QWEN2_RE = (
     + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# o200k (gpt-oss, GPT-4o; llama.cpp's "gpt-4o"): llama.cpp's rewrite of tokenizer.json's regex, where
+# an upper-case run is ((?=\p{L})[^a-z])* and a lower-case one ((?=\p{L})[^A-Z])+ (so a letter outside
+# ASCII counts as both), contractions case-insensitive
+_O200K_LETTERS = (r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+",
+                  r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*")
+_O200K_RE = "|".join(x + _CONTRACTIONS + "?" for x in _O200K_LETTERS) + \
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
 _PRE_REGEXES: dict[str, tuple[str, ...]] = {
+    "gpt4o": (_O200K_RE,),
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"),
     "llama3": (_LLAMA3_RE,),
     "gpt2": (_GPT2_RE,),
@@ -143,10 +152,16 @@ for _n in (
     _PRE_NAMES[_n] = ("gpt2", False, None)
 for _n in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open"):
     _PRE_NAMES[_n] = ("qwen2", False, None)
+for _n in ("gpt-4o", "llama4", "kanana2", "talkie"):
+    _PRE_NAMES[_n] = ("gpt4o", False, None)
 _PRE_NAMES["falcon"] = ("falcon", False, None)
 _PRE_NAMES["deepseek-coder"] = ("deepseek-coder", False, None)
 _PRE_NAMES["tekken"] = ("tekken", True, True)  # not supported: raises below
 
+
+#: Harmony's tokens that llama.cpp makes user-defined whatever the file says (llama-vocab.cpp): matched
+#: in text without parse_special and rendered in output, so gpt-oss's channel markup shows in the text
+_ALWAYS_USER_DEFINED = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
 
 # llama.cpp's end-of-generation detection by token text (llama-vocab.cpp, special_eog_ids).
 _EOG_TEXTS = frozenset({
@@ -555,6 +570,13 @@ class Tokenizer:
         types = [int(t) for t in types] if types is not None else [TOKEN_TYPE_NORMAL] * n
         if len(types) < n:
             types += [TOKEN_TYPE_NORMAL] * (n - len(types))
+        present = set(tokens)
+        # llama.cpp's o200k_harmony workaround: <|end|> (no longer end of generation there) is user-defined too
+        harmony_end = "<|end|>" in present and ({"<|return|>", "<|call|>"} <= present
+                                                 or {"<|calls|>", "<|flush|>"} <= present)
+        for i, t in enumerate(tokens):  # llama.cpp's "quick hack for gpt-oss, always render these tokens"
+            if t in _ALWAYS_USER_DEFINED or (harmony_end and t == "<|end|>"):
+                types[i] = TOKEN_TYPE_USER_DEFINED
 
         def opt_id(key: str) -> int | None:
             v = fields.get(key)
@@ -606,7 +628,10 @@ class Tokenizer:
                 vocab_type=VOCAB_TYPE_SPM, pre="", model=model, eot_token_id=eot, eom_token_id=eom,
             )
         if model == "bert":
-            # WordPiece (llama.cpp's WPM): [CLS] text [SEP]; CLS is the BOS, SEP ends the input
+            # WordPiece (llama.cpp's WPM): [CLS] text [SEP]; CLS is the BOS, SEP ends the input. llama.cpp
+            # adds both whenever special tokens are asked for, whatever add_bos_token / add_sep_token say
+            # (its converter writes add_sep_token false for nomic-bert; llama-server's /tokenize still ends
+            # with [SEP]: tests/unit/test_llama_families.py)
             def named(text: str) -> int | None:
                 return next((i for i, t in enumerate(tokens) if t == text), None)
 
@@ -618,8 +643,7 @@ class Tokenizer:
             hf, piece_bytes = _build_wpm(tokens, types, unk if unk is not None else named("[UNK]"))
             return cls(
                 hf, tokens, types, piece_bytes, bos_token_id=cls_id, eos_token_id=sep_id,
-                add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", True)),
-                add_eos=bool(fields.get("tokenizer.ggml.add_sep_token", fields.get("tokenizer.ggml.add_eos_token", True))),
+                add_bos=True, add_eos=True,
                 extra_eog_ids=extra_eog, chat_template=template, vocab_type=VOCAB_TYPE_WPM, pre="", model=model,
             )
         raise UnsupportedTokenizerError(

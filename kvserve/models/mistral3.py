@@ -51,27 +51,51 @@ def _check_window(window, n_ctx: int, key: str, path: str) -> None:
 
 def config_from_hf(cfg: dict, path: str) -> Mistral3Config:
     """A Mistral3Config from a Ministral3 config.json (``rope_parameters`` with YaRN and
-    ``llama_4_scaling_beta``).
+    ``llama_4_scaling_beta``; the temperature's period is the original context, as transformers'
+    ``get_llama_4_attn_scale`` takes it). Mistral's own ``llama_4_scaling`` block (``beta``,
+    ``original_max_position_embeddings``; params.json's, which vLLM reads) is read where a config.json
+    carries it.
 
-    Raises ModelLoadError: missing keys, a RoPE type kvserve lacks, a sliding window."""
+    Raises ModelLoadError: missing keys, a RoPE type kvserve lacks, a sliding window, a
+    ``llama_4_scaling`` that contradicts ``rope_parameters``."""
     base = llama_config_from_hf(cfg, path, arch="mistral3")
     _check_window(cfg.get("sliding_window"), base.n_ctx_train, "config.json sliding_window", path)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     beta = float(rope.get("llama_4_scaling_beta") or 0.0)
     length = int(rope.get("original_max_position_embeddings") or base.n_ctx_train)
+    l4 = cfg.get("llama_4_scaling") or {}
+    for key, ours, cast in (("beta", beta, float), ("original_max_position_embeddings", length, int)):
+        if l4.get(key) is not None and rope.get("llama_4_scaling_beta" if key == "beta" else key) is not None \
+                and cast(l4[key]) != ours:
+            raise ModelLoadError(f"{path}: config.json llama_4_scaling.{key} is {l4[key]!r}, rope_parameters "
+                                 f"says {ours!r}: kvserve does not guess which applies")
+    if l4:
+        beta = float(l4.get("beta") if l4.get("beta") is not None else beta)
+        length = int(l4.get("original_max_position_embeddings") or length)
     return _mistral3(base, beta, length)
 
 
 def config_from_gguf(md: dict, path: str, shapes: dict | None = None) -> Mistral3Config:
-    """A Mistral3Config from ``mistral3.*`` GGUF metadata (llama.cpp's keys; the temperature period
-    is ``rope.scaling.original_context_length``).
+    """A Mistral3Config from ``mistral3.*`` GGUF metadata (llama.cpp's keys). The temperature's period
+    is ``rope.scaling.original_context_length`` (else the training context), as llama.cpp takes it
+    (src/models/mistral3.cpp: ``n_attn_temp_floor_scale = n_ctx_orig_yarn``; it does not read
+    ``attention.temperature_length``, which its converter for Mistral's own format writes with the
+    same value). A file whose ``attention.temperature_length`` says otherwise is refused: llama.cpp
+    would ignore it, Mistral's reference would not, and kvserve does not guess.
 
-    Raises ModelLoadError: a missing key, a RoPE type kvserve lacks, a sliding window."""
+    Raises ModelLoadError: a missing key, a RoPE type kvserve lacks, a sliding window, a
+    temperature length other than the original context."""
     base = llama_config_from_gguf(md, path, shapes)
     _check_window(md.get("mistral3.attention.sliding_window"), base.n_ctx_train,
                   "GGUF key 'mistral3.attention.sliding_window'", path)
     beta = float(md.get("mistral3.attention.temperature_scale") or 0.0)
     length = int(md.get("mistral3.rope.scaling.original_context_length") or base.n_ctx_train)
+    temp_len = md.get("mistral3.attention.temperature_length")
+    if beta and temp_len and int(temp_len) != length:
+        raise ModelLoadError(f"{path}: GGUF key 'mistral3.attention.temperature_length' is {int(temp_len)}, not the "
+                             f"original context ({length}, 'mistral3.rope.scaling.original_context_length'): "
+                             "llama.cpp steps the attention temperature every original context and ignores the "
+                             "key; kvserve does not guess which applies")
     return _mistral3(base, beta, length)
 
 

@@ -471,9 +471,35 @@ def test_mistral3_query_temperature_and_refusals(tmp_path):
                           "mistral3.rope.scaling.original_context_length": 256,
                           "mistral3.rope.scaling.yarn_log_multiplier": 1.0}, "m.gguf")
     assert rope_attention_factor(c) == 1.0
+    # attention.temperature_length: llama.cpp's period is the original context whatever the key says
+    yarn = {**md, "mistral3.rope.scaling.type": "yarn", "mistral3.rope.scaling.factor": 16.0,
+            "mistral3.rope.scaling.original_context_length": 256, "mistral3.attention.temperature_scale": 0.1}
+    c = read_gguf_config({**yarn, "mistral3.attention.temperature_length": 256}, "m.gguf")
+    assert (c.attn_temp_beta, c.attn_temp_len) == (pytest.approx(0.1), 256)
+    assert read_gguf_config(yarn, "m.gguf").attn_temp_len == 256
+    with pytest.raises(ModelLoadError) as e:
+        read_gguf_config({**yarn, "mistral3.attention.temperature_length": 8192}, "m.gguf")
+    assert str(e.value) == ("m.gguf: GGUF key 'mistral3.attention.temperature_length' is 8192, not the original "
+                            "context (256, 'mistral3.rope.scaling.original_context_length'): llama.cpp steps the "
+                            "attention temperature every original context and ignores the key; kvserve does not "
+                            "guess which applies")
+    no_temp = {k: v for k, v in yarn.items() if k != "mistral3.attention.temperature_scale"}
+    assert read_gguf_config({**no_temp, "mistral3.attention.temperature_length": 8192}, "m.gguf").attn_temp_beta == 0
     cfg = {"architectures": ["Ministral3ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
            "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 301, "max_position_embeddings": 4096}
     assert read_hf_config(cfg, "d").attn_temp_beta == 0.0
+    # Mistral's own llama_4_scaling block (params.json's names) where a config.json carries it
+    l4 = read_hf_config({**cfg, "llama_4_scaling": {"beta": 0.1, "original_max_position_embeddings": 16384}}, "d")
+    assert (l4.attn_temp_beta, l4.attn_temp_len) == (0.1, 16384)
+    rope = {"rope_type": "yarn", "factor": 16.0, "rope_theta": 1e6, "original_max_position_embeddings": 16384,
+            "llama_4_scaling_beta": 0.1}
+    same = read_hf_config({**cfg, "rope_parameters": rope, "llama_4_scaling": {"beta": 0.1}}, "d")
+    assert (same.attn_temp_beta, same.attn_temp_len) == (0.1, 16384)
+    with pytest.raises(ModelLoadError) as e:
+        read_hf_config({**cfg, "rope_parameters": rope,
+                        "llama_4_scaling": {"beta": 0.1, "original_max_position_embeddings": 8192}}, "d")
+    assert str(e.value) == ("d: config.json llama_4_scaling.original_max_position_embeddings is 8192, rope_parameters "
+                            "says 16384: kvserve does not guess which applies")
     with pytest.raises(ModelLoadError, match=r"^d: config.json sliding_window is 1024, shorter than the context"):
         read_hf_config({**cfg, "sliding_window": 1024}, "d")
 

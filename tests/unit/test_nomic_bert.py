@@ -6,13 +6,11 @@ nomic's original names, fused ``Wqkv``) and from a GGUF as llama.cpp's converter
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from embed_conftest import TINY_WORDS, bert_tokenizer_json
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="transformers is a test-only dependency ([test] extra)")
@@ -22,77 +20,11 @@ from kvserve.engine.embedder import EmbeddingEngine  # noqa: E402
 from kvserve.loaders.weights import ModelLoadError  # noqa: E402
 from kvserve.models.bert import BertConfig, BertModel  # noqa: E402
 from kvserve.models.registry import load_files, probe_task  # noqa: E402
+from family_models import write_nomic_gguf, write_tiny_nomic  # noqa: E402
 
 SENTENCES = ["search_query: the cat sat on the mat.", "what is the red sky?",
              "search_document: rain falls mainly in spain, on the plain! the dog runs and the cat jumps on the mat",
              "dog runs", "the blue sea and the green sun, the moon ... jumping cats"]
-
-
-def write_tiny_nomic(path: Path, seed: int = 0) -> Path:
-    """A random-weight 2-layer transformers NomicBertModel (rope base 1000 as nomic-embed-text) saved
-    with the tiny WordPiece tokenizer; weights widened so outputs are far from the init's."""
-    from transformers import NomicBertConfig, NomicBertModel
-
-    torch.manual_seed(seed)
-    cfg = NomicBertConfig(vocab_size=5 + len(TINY_WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                          intermediate_size=64, max_position_embeddings=128, type_vocab_size=2, pad_token_id=0,
-                          rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
-    model = NomicBertModel(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn_like(p) * (0.05 if "norm" in name.lower() or "embed" in name else 0.3))
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
-    (path / "tokenizer.json").write_text(json.dumps(bert_tokenizer_json(list(TINY_WORDS))))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",
-        "mask_token": "[MASK]", "do_lower_case": True, "tokenizer_class": "BertTokenizer"}))
-    return path
-
-
-def write_nomic_gguf(src: Path, out: Path) -> Path:
-    """The tiny model as llama.cpp's converter writes a nomic-bert: gguf-py's NOMIC_BERT name map over
-    the directory's names (transformers 5 saves nomic's original ones: ``encoder.layers.N.attn.Wqkv``,
-    ``mlp.fc11``...), mean pooling, rope base, the WordPiece vocabulary with the U+2581 phantom space."""
-    import gguf
-    from safetensors.torch import load_file
-
-    cfg = json.loads((src / "config.json").read_text())
-    vocab = json.loads((src / "tokenizer.json").read_text())["model"]["vocab"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    types = [3 if t.startswith("[") and t.endswith("]") else 1 for t in tokens]
-    tokens = [t if t.startswith("[") and t.endswith("]") else t[2:] if t.startswith("##") else "\u2581" + t
-              for t in tokens]
-    n_layer = cfg["num_hidden_layers"]
-    w = gguf.GGUFWriter(str(out), "nomic-bert")
-    w.add_block_count(n_layer)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_layer_norm_eps(cfg["layer_norm_eps"])
-    w.add_causal_attention(False)
-    w.add_pooling_type(gguf.PoolingType.MEAN)
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_file_type(0)
-    w.add_token_type_count(cfg["type_vocab_size"])
-    w.add_tokenizer_model("bert")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_bos_token_id(vocab["[CLS]"])
-    w.add_sep_token_id(vocab["[SEP]"])
-    w.add_pad_token_id(vocab["[PAD]"])
-    w.add_unk_token_id(vocab["[UNK]"])
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.NOMIC_BERT, n_layer)
-    for name, t in load_file(str(src / "model.safetensors")).items():
-        new = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert new is not None, name
-        w.add_tensor(new, t.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
 
 
 @pytest.fixture(scope="module")

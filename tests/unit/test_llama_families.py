@@ -1,0 +1,265 @@
+"""Each model family against llama.cpp on the same GGUF: the file llama.cpp's own converter wrote from a
+tiny random transformers model, run by llama-server (fixtures: tests/reference/llama_families/CASE.json;
+``regen.py`` there makes them; CI needs no llama.cpp: tests/family_oracle.py rebuilds the exact file from
+the fixture's metadata and tests/family_models.py's tensors, checked against the fixture's digests).
+
+Both sides in float32 (F32 weights; llama-server ``-ctk f32 -ctv f32 -fa off``, kvserve ``kv_dtype``
+f32, ``dtype`` float32; gpt-oss: see :data:`OPTIONS`). For the causal families, over 4 fixed sequences
+(272 teacher-forced positions: the prediction after each prefix of 4..71 tokens): kvserve's top-1 equals
+llama.cpp's at every position and its log-probabilities of llama.cpp's top 5 are within :data:`MAX_DIFF`
+(measured: 2.1e-5 at most, phi3; 1e-6 to 1e-5 elsewhere: float32 summation order; gemma: see
+:data:`GELU_FP16`); the engine's 32 greedy tokens of all 6 prompts, decoded together, equal llama.cpp's.
+nomic-bert: ``/tokenize``'s ids and ``/embedding``'s normalized mean-pooled vectors (within 1e-5;
+measured 3.4e-7).
+
+The causal cases but gpt-oss (llama-quantize refuses its MXFP4 file) are also checked as
+``llama-quantize --pure`` Q8_0 copies, rebuilt here by the ``gguf`` package (the same bytes), on
+kvserve's block kernels: :data:`Q8_BOUNDS`.
+
+By design: llama.cpp disables phi3's sliding window ("Phi SWA is currently disabled"; the fixture keeps
+its warning) and kvserve honours it, so the phi3-window case agrees only while a sequence fits in the
+window, and agrees everywhere once the file's window is set to 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers", reason="transformers is a test-only dependency ([test] extra)")
+
+import family_oracle  # noqa: E402
+from kvserve.config import EngineConfig  # noqa: E402
+from kvserve.engine.core import EngineCore  # noqa: E402
+from kvserve.engine.request import Request, SamplingParams  # noqa: E402
+from kvserve.models.registry import load_files  # noqa: E402
+
+REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "llama_families"
+CAUSAL = [c for c in family_oracle.CASES if c not in family_oracle.EMBED]
+#: max |d logprob| over llama.cpp's top 5 (see the module docstring for the measured figure)
+MAX_DIFF = 2e-4
+WINDOW = 8  # phi3-window's sliding window (tests/family_oracle.py)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    """case -> the rebuilt GGUF llama-server ran on (every tensor checked against the fixture)."""
+    tmp = tmp_path_factory.mktemp("llama-families")
+    return {c: str(family_oracle.rebuild(family_oracle.load_fixture(REFERENCE, c), tmp / f"{c}.gguf"))
+            for c in family_oracle.CASES}
+
+
+#: the kvserve options per case: float32 throughout (F32 weights multiply in float32, as llama.cpp's do);
+#: gpt-oss on kvserve's defaults, so its MXFP4 experts multiply on their blocks with activations
+#: quantized to q8_0 as llama.cpp does (``dtype`` float32 multiplies the dequantized experts in float32,
+#: as transformers does: mean |d logprob| 0.077 against llama.cpp, 260 of 272 top-1). Not the defaults
+#: elsewhere: ``cpu_kernel`` auto turns an F32 output head into int8 ("w8a8") for decode steps on
+#: VNNI/AMX CPUs, where llama.cpp multiplies it in float32 (qwen3: 5 of 6 greedy chains equal)
+OPTIONS = {"gpt-oss": dict(large_batch_dtype="float32")}
+
+
+def _core(path: str, case: str = "", **kw) -> EngineCore:
+    """An engine on ``path`` with the case's :data:`OPTIONS` and an f32 KV cache (llama-server's
+    ``-ctk f32 -ctv f32``)."""
+    kw.setdefault("n_ctx", 512)
+    return EngineCore(load_files(path), EngineConfig(kv_dtype="f32", **{**OPTIONS.get(case, {"dtype": "float32"}),
+                                                                        **kw}))
+
+
+def prefill_logprobs(core: EngineCore, ids: list[int]) -> torch.Tensor:
+    """[len(ids), n_vocab] log-probabilities of one forward over the whole sequence."""
+    from kvserve.models.llama import AttentionBatch, PrefillGroup
+
+    c = core.model_config
+    T = len(ids)
+    kv = [(torch.zeros(T, c.n_head_kv, c.head_dim), torch.zeros(T, c.n_head_kv, c.head_dim)) for _ in range(c.n_layer)]
+    b = AttentionBatch(positions=torch.arange(T), slot_mapping=torch.arange(T), prefills=[PrefillGroup(0, T, 0, None)])
+    with torch.no_grad():
+        return torch.log_softmax(core.model(torch.tensor(ids), b, kv, None).float(), -1)
+
+
+def compare(core: EngineCore, fixture: dict) -> list[tuple[int, bool, float]]:
+    """(prefix length, top-1 equal, max |d logprob| of llama.cpp's top 5) per teacher-forced position."""
+    out = []
+    for s in fixture["teacher_forced"]:
+        lp = prefill_logprobs(core, s["tokens"])
+        for n, ids, lps in zip(range(s["start"], len(s["tokens"])), s["top_ids"], s["top_logprobs"]):
+            row = lp[n - 1]
+            out.append((n, int(row.argmax()) == ids[0], max(abs(row[i].item() - x) for i, x in zip(ids, lps))))
+    return out
+
+
+def greedy(core: EngineCore, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens of every prompt, all decoded together by the engine (``ignore_eos``)."""
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        core.add_request(Request(f"g{i}", p, SamplingParams(temperature=0, n_predict=n, ignore_eos=True)))
+        out[f"g{i}"] = []
+    while any(len(v) < n for v in out.values()):
+        for o in core.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return [out[f"g{i}"] for i in range(len(prompts))]
+
+
+def test_fixtures_are_llama_cpps_converter_and_server():
+    for c in family_oracle.CASES:
+        fx = family_oracle.load_fixture(REFERENCE, c)
+        assert fx["case"] == c and fx["arch"] == family_oracle.CASES[c][1]
+        assert fx["llama_server"].startswith("version: ") and "-ctk" in fx["flags"]
+        keys = {k for k, *_ in fx["metadata"]}
+        assert {"general.file_type", "tokenizer.ggml.model"} <= keys
+        assert {v.split()[0] for v in fx["tensors"].values()} <= {"F32", "MXFP4"}
+        if c in family_oracle.EMBED:
+            assert len(fx["embeddings"]) == 5
+        else:
+            assert len(fx["teacher_forced"]) == 4 and len(fx["greedy"]) == 6
+    assert family_oracle.load_fixture(REFERENCE, "phi3-window")["server_warnings"][0].startswith(
+        "load_arch_hparams: Phi SWA is currently disabled")
+    assert {v.split()[0] for v in family_oracle.load_fixture(REFERENCE, "gpt-oss")["tensors"].values()} == \
+        {"F32", "MXFP4"}
+
+
+def _check(case: str, got, max_diff: float = MAX_DIFF, min_same: int = 4 * 68) -> None:
+    diffs = [d for _, _, d in got]
+    print(case, "top-1", sum(s for _, s, _ in got), "of", len(got), "max |d logprob|", f"{max(diffs):.2e}", "mean",
+          f"{statistics.mean(diffs):.2e}")
+    assert len(got) == 4 * 68
+    assert sum(s for _, s, _ in got) >= min_same, [n for n, same, _ in got if not same]
+    assert max(diffs) <= max_diff
+
+
+#: gemma's GELU: llama.cpp's CPU GELU rounds its input to float16 and reads the result from a float16
+#: table (ggml-cpu vec.h, GGML_GELU_FP16); kvserve computes it in float32 as transformers does. Measured
+#: max |d logprob| 6.9e-4 / 7.8e-4 (gemma2 / gemma3; mean 2.1e-4 / 2.6e-4), top-1 one near tie apart
+#: (gemma3, 271 of 272: llama.cpp's top-2 gap there is 1.4e-5); with llama.cpp's GELU in kvserve
+#: (test_gemma_with_llama_cpps_gelu_agrees_tightly)
+#: every top-1 equal, max 1.6e-4 / 3.3e-4, mean 1.6e-5 / 4.9e-5
+GELU_FP16 = ("gemma2", "gemma3")
+
+
+@pytest.mark.parametrize("case", [c for c in CAUSAL if c != "phi3-window"])
+def test_teacher_forced_agrees_with_llama_cpp(files, case):
+    got = compare(_core(files[case], case), family_oracle.load_fixture(REFERENCE, case))
+    if case in GELU_FP16:  # the two near ties (llama.cpp's top-2 gaps 1.4e-5 gemma3, 9.8e-5 gemma2) may flip
+        _check(case, got, max_diff=2e-3, min_same=4 * 68 - 2)
+    else:
+        _check(case, got)
+
+
+def _llama_cpp_gelu(x, approximate="none"):
+    """ggml's CPU GELU: tanh GELU of the float16-rounded input, rounded to float16 (its table);
+    0 below -10, x above 10."""
+    y = torch.nn.functional.gelu(x.half().float(), approximate="tanh").half().float()
+    return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, y))
+
+
+@pytest.mark.parametrize("case", GELU_FP16)
+def test_gemma_with_llama_cpps_gelu_agrees_tightly(files, case, monkeypatch):
+    """The gemma difference is mostly llama.cpp's float16 GELU: with it in kvserve every top-1 is equal
+    (measured) and the mean difference 5x smaller (max 1.6e-4 / 3.3e-4, mean 1.6e-5 / 4.9e-5; the
+    rest, still above the other families' 1e-5, is not traced further)."""
+    import types
+
+    from kvserve.models import gemma
+
+    F = types.SimpleNamespace(**{k: getattr(torch.nn.functional, k) for k in dir(torch.nn.functional)
+                                 if not k.startswith("__")})
+    F.gelu = _llama_cpp_gelu
+    monkeypatch.setattr(gemma, "F", F)
+    got = compare(_core(files[case], case), family_oracle.load_fixture(REFERENCE, case))
+    _check(case, got, max_diff=5e-4, min_same=4 * 68 - 1)  # measured 272: see GELU_FP16's near ties
+    assert statistics.mean(d for _, _, d in got) <= 1e-4
+
+
+@pytest.mark.parametrize("case", CAUSAL)
+def test_greedy_tokens_equal_llama_cpps(files, case):
+    fx = family_oracle.load_fixture(REFERENCE, case)["greedy"]
+    ours = greedy(_core(files[case], case, n_parallel=len(fx)), [g["prompt"] for g in fx], 32)
+    if case == "phi3-window":  # llama.cpp attends past the window: the chains part (see test_phi3_window_*)
+        assert sum(o == g["tokens"] for o, g in zip(ours, fx)) == 0
+        return
+    assert ours == [g["tokens"] for g in fx]
+
+
+#: Q8_0 copies (llama-quantize --pure) on kvserve's defaults (the file's blocks, activations quantized
+#: to q8_0 as llama.cpp does; prefill steps on the per-row kernels, ``large_batch_dtype`` float32, as
+#: tests/unit/test_llama_numerics.py runs them): (top-1 share, max, mean |d logprob|) and 5 of 6 greedy
+#: chains (gemma: 3). Measured: mistral3 and phi3 within 5e-5 everywhere (the same q8 arithmetic); elsewhere exact
+#: up to a prefix of 35-39 tokens in one sequence, apart after it (not traced further; likely an
+#: activation on the other side of an int8 rounding step, llama.cpp's longer prompts multiplying on
+#: other kernels), the difference carried on: top-1 271-272 of 272, max 0.018-0.057, mean
+#: 0.0008-0.0086 (qwen3moe);
+#: gemma adds its float16 GELU (GELU_FP16): top-1 264 / 267, max 0.022 / 0.059, mean 0.009 / 0.013, and
+#: its greedy chains part sooner (gemma3: 3 of 6 equal for 32 tokens)
+Q8_BOUNDS = {"default": (0.99, 0.15, 0.015, 5), "gemma": (0.96, 0.15, 0.025, 3)}
+
+
+@pytest.fixture(scope="module")
+def q8_files(files, tmp_path_factory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("llama-families-q8")
+    return {c: str(family_oracle.rebuild_q8_0(family_oracle.load_fixture(REFERENCE, c)["q8_0"], Path(files[c]),
+                                              tmp / f"{c}.q8_0.gguf")) for c in family_oracle.QUANTIZED}
+
+
+def _q8_core(path: str, **kw) -> EngineCore:
+    return EngineCore(load_files(path), EngineConfig(n_ctx=512, kv_dtype="f32", large_batch_dtype="float32", **kw))
+
+
+@pytest.mark.parametrize("case", family_oracle.QUANTIZED)
+def test_q8_0_copies_agree_with_llama_cpp(q8_files, case):
+    run = family_oracle.load_fixture(REFERENCE, case)["q8_0"]
+    assert {v.split()[0] for v in run["tensors"].values()} == {"F32", "Q8_0"}
+    core = _q8_core(q8_files[case])
+    assert {m.kernel for m in core.model.modules() if hasattr(m, "kernel")} == {"gguf"}  # no float copy
+    got = compare(core, run)
+    share, max_diff, mean_diff, n_greedy = Q8_BOUNDS["gemma" if case in GELU_FP16 else "default"]
+    diffs = [d for _, _, d in got]
+    print(case, "Q8_0 top-1", sum(s for _, s, _ in got), "max", f"{max(diffs):.4f}", "mean",
+          f"{statistics.mean(diffs):.5f}")
+    assert sum(s for _, s, _ in got) >= share * len(got)
+    assert max(diffs) <= max_diff and statistics.mean(diffs) <= mean_diff
+    ours = greedy(_q8_core(q8_files[case], n_parallel=6), [g["prompt"] for g in run["greedy"]], 32)
+    same = sum(o == g["tokens"] for o, g in zip(ours, run["greedy"]))
+    print(case, "Q8_0 greedy", same, "of 6")
+    assert same >= n_greedy
+
+
+def test_phi3_window_agrees_within_the_window_and_without_it(files, tmp_path):
+    """kvserve honours phi3's window, llama.cpp disables it: equal while the sequence fits in the
+    window (prefixes of <= 8 tokens), apart after it; the same file with its window set to 0 agrees
+    everywhere, so the window is the whole difference."""
+    fx = family_oracle.load_fixture(REFERENCE, "phi3-window")
+    got = compare(_core(files["phi3-window"]), fx)
+    inside = [(same, d) for n, same, d in got if n <= WINDOW]
+    outside = [d for n, _, d in got if n > WINDOW]
+    assert len(inside) == 4 * (WINDOW - 3) and all(s and d <= MAX_DIFF for s, d in inside)
+    assert statistics.median(outside) > 100 * MAX_DIFF
+    no_window = {**fx, "metadata": [[k, t, s, 0 if k == "phi3.attention.sliding_window" else v]
+                                    for k, t, s, v in fx["metadata"]]}
+    path = family_oracle.rebuild(no_window, tmp_path / "phi3-no-window.gguf")
+    got = compare(_core(str(path)), fx)
+    assert all(same and d <= MAX_DIFF for _, same, d in got)
+    assert greedy(_core(str(path), n_parallel=6), [g["prompt"] for g in fx["greedy"]], 32) == \
+        [g["tokens"] for g in fx["greedy"]]
+
+
+def test_nomic_bert_tokens_and_vectors_equal_llama_cpps(files):
+    from kvserve.engine.embedder import EmbeddingEngine
+
+    fx = family_oracle.load_fixture(REFERENCE, "nomic-bert")["embeddings"]
+    e = EmbeddingEngine(load_files(files["nomic-bert"]), EngineConfig(threads=1))
+    try:
+        assert (e.pooling, e.normalize) == ("mean", 2)
+        ids = [e.tokenizer.encode(x["text"], add_special=True) for x in fx]
+        assert ids == [x["tokens"] for x in fx]
+        got = asyncio.run(e.embed(ids))
+    finally:
+        e.shutdown()
+    diff = max(float(np.abs(np.asarray(v) - np.asarray(x["embedding"])).max()) for v, x in zip(got, fx))
+    print("nomic-bert max |d|", f"{diff:.2e}")
+    assert diff <= 1e-5
