@@ -94,9 +94,11 @@ def _srv(level: int, func: str, msg: str, *a) -> None:
 
 # -- the app ------------------------------------------------------------------------------
 
-def build_app(state: ServerState) -> FastAPI:
-    """The ASGI app: native and OpenAI faces, error envelopes, API keys, CORS."""
-    from kvserve.faces import anthropic, cors_proxy, embeddings, llama, ollama, responses, webui
+def build_app(state: ServerState, gcp_settings=None) -> FastAPI:
+    """The ASGI app: native and OpenAI faces, error envelopes, API keys, CORS; Vertex AI's predict
+    route with ``gcp_settings`` enabled (default: :meth:`GcpSettings.from_env`; raises
+    :class:`~kvserve.faces.gcp.PredictRouteConflict` when its route is taken)."""
+    from kvserve.faces import anthropic, cors_proxy, embeddings, gcp, llama, ollama, responses, webui
     from kvserve.faces import router as router_face  # what vllm-router reads from a worker
 
     # no slash redirects: llama-server answers /health/ with 404, not 307
@@ -148,6 +150,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(router_face.build_router(state))
     app.include_router(cors_proxy.build_router(state))
     app.include_router(webui.build_router(state))
+    gcp.install(app, gcp_settings if gcp_settings is not None else gcp.GcpSettings.from_env())  # after every route
     # innermost first: the crash guard sits right outside the exception handlers above
     app.add_middleware(CrashGuardMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.args.max_request_bytes, unlimited=("/api/blobs/",))
@@ -449,9 +452,25 @@ def main(argv: list[str] | None = None) -> int:
         cors_all = "*" in args.cors_origins
         _srv(logging.WARNING, "llama_server", "security: no API key is set%s",
              " and CORS allows all origins (see https://github.com/ggml-org/llama.cpp/pull/25655)" if cors_all else "")
+    from kvserve.faces.gcp import GcpSettings, PredictRouteConflict
+
+    try:
+        gcp = GcpSettings.from_env()
+    except ValueError as e:
+        _srv(logging.ERROR, "llama_server", "%s", e)
+        return 1
+    if gcp.enabled:  # Vertex AI (llama-server's GCP compat): AIP_HTTP_PORT wins over --port
+        if args.port != gcp.port:
+            _srv(logging.WARNING, "llama_server", "Google Cloud Platform compat: overriding server port %d "
+                 "with AIP_HTTP_PORT %d", args.port, gcp.port)
+        args.port = gcp.port
     args.engine_config().apply_threads()  # once per process (each model's core finds it set)
     state = ServerState(args)
-    app = build_app(state)
+    try:
+        app = build_app(state, gcp)
+    except PredictRouteConflict as e:
+        _srv(logging.ERROR, "llama_server", "%s", e)
+        return 1
     socks: list[socket.socket] = []
     for host in args.hosts or [args.host]:  # llama-server: --host takes a comma-separated list (or repeated)
         try:

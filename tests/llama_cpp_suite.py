@@ -13,8 +13,10 @@ kvserve must pass is what llama-server itself passes with the same SmolLM2 file:
 :data:`LLAMA_SERVER_PASSES` (``tests/reference/llama_cpp_suite/llama_server_passes.json``),
 recorded by running the suite against the real llama-server. Usage as a script::
 
-    python tests/llama_cpp_suite.py [SUITE_DIR] [pytest args...]             # against kvserve
-    python tests/llama_cpp_suite.py --record-llama-server BIN [SUITE_DIR]     # rewrite the pass list
+    python tests/llama_cpp_suite.py [SUITE_DIR] [test_x.py ...] [pytest args...]   # against kvserve
+    python tests/llama_cpp_suite.py --record-llama-server BIN [SUITE_DIR] [test_x.py ...]
+        # record llama-server's passes, for the files named (default: all of SUITE_FILES); files not run
+        # keep their earlier record
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 #: the suite's files for the features kvserve implements (basic, chat, completion, security,
-#: template, tokenize, metrics, tool calls)
+#: template, tokenize, metrics, tool calls, sleeping, Vertex AI's predict route)
 SUITE_FILES = ("test_basic.py", "test_chat_completion.py", "test_completion.py", "test_security.py",
-               "test_template.py", "test_tokenize.py", "test_metrics.py", "test_tool_call.py")
+               "test_template.py", "test_tokenize.py", "test_metrics.py", "test_tool_call.py",
+               "test_sleep.py", "test_compat_gcp.py")
 
 #: the test ids (``unit/FILE::NAME``) llama-server passed on the default model, by file (see
 #: :func:`record_llama_server`)
@@ -131,23 +134,30 @@ def load_llama_server_passes() -> dict[str, list[str]]:
     return json.loads(LLAMA_SERVER_PASSES.read_text())["passed"]
 
 
-def record_llama_server(suite: Path, model: str, server: str, workdir: Path) -> dict:
-    """Run the suite (``-m "not slow"``) against the llama-server binary ``server`` and write
-    :data:`LLAMA_SERVER_PASSES`; returns what was written."""
-    outcomes, out = run_suite(suite, model, workdir, NOT_SLOW, server=server)
+def record_llama_server(suite: Path, model: str, server: str, workdir: Path,
+                        files: tuple[str, ...] = SUITE_FILES) -> dict:
+    """Run ``files`` of the suite (``-m "not slow"``) against the llama-server binary ``server`` and
+    merge their passes into :data:`LLAMA_SERVER_PASSES` (the files run replace their earlier record,
+    the others keep theirs); returns what was written."""
+    outcomes, out = run_suite(suite, model, workdir, NOT_SLOW, server=server, files=files)
     if not outcomes:
         raise RuntimeError("no JUnit report: " + out[-2000:])
     v = subprocess.run([server, "--version"], capture_output=True, text=True)
     version = (v.stdout + v.stderr).strip().splitlines()
+    old = json.loads(LLAMA_SERVER_PASSES.read_text()) if LLAMA_SERVER_PASSES.is_file() else {}
+    ran = by_file(outcomes)
+    passed = by_file(t for t, o in outcomes.items() if o == "passed")
+    counts = {f: c for f, c in old.get("counts", {}).items() if f not in ran}
+    counts.update({f: {"passed": len(passed.get(f, [])), "run": len(ids)} for f, ids in ran.items()})
+    kept = {f: ids for f, ids in old.get("passed", {}).items() if f not in ran}
     record = {
         "about": "tests of llama.cpp's tools/server/tests that the real llama-server passed with the default "
                  "model's file in place of the suite's models (-m 'not slow'); regenerate with "
-                 "python tests/llama_cpp_suite.py --record-llama-server BIN SUITE_DIR",
+                 "python tests/llama_cpp_suite.py --record-llama-server BIN SUITE_DIR [test_x.py ...]",
         "llama_server": [line for line in version if line.startswith("version")][:1],
         "model": Path(model).name,
-        "counts": {f: {"passed": len(v), "run": len(by_file(outcomes)[f])}
-                   for f, v in by_file(t for t, o in outcomes.items() if o == "passed").items()},
-        "passed": by_file(t for t, o in outcomes.items() if o == "passed"),
+        "counts": dict(sorted(counts.items())),
+        "passed": dict(sorted({**kept, **{f: ids for f, ids in passed.items()}}.items())),
     }
     LLAMA_SERVER_PASSES.parent.mkdir(parents=True, exist_ok=True)
     LLAMA_SERVER_PASSES.write_text(json.dumps(record, indent=1) + "\n")
@@ -171,12 +181,14 @@ if __name__ == "__main__":
     smollm2 = str(resolve_model("smollm2"))
     with tempfile.TemporaryDirectory() as d:
         if record_bin is not None:
-            rec = record_llama_server(suite, smollm2, record_bin, Path(d))
+            files = tuple(a for a in args if a.endswith(".py")) or SUITE_FILES
+            rec = record_llama_server(suite, smollm2, record_bin, Path(d), files)
             print(json.dumps(rec["counts"], indent=1))
             sys.exit(0)
-        outcomes, out = run_suite(suite, smollm2, Path(d), args)
+        files = tuple(a for a in args if a in SUITE_FILES) or SUITE_FILES
+        outcomes, out = run_suite(suite, smollm2, Path(d), [a for a in args if a not in files], files=files)
     print(out)
-    missing = {t for f in load_llama_server_passes().values() for t in f} - \
+    missing = {t for f, ids in load_llama_server_passes().items() if f in files for t in ids} - \
         {t for t, o in outcomes.items() if o == "passed"}
     print(f"kvserve on llama.cpp's server tests: {sum(o == 'passed' for o in outcomes.values())} passed of "
           f"{len(outcomes)}; passed by llama-server, not by kvserve: {len(missing)}")

@@ -39,6 +39,7 @@ from starlette.responses import Response
 
 from kvserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from kvserve.engine.request import Timings as EngineTimings
+from kvserve.errors import UnavailableError
 from kvserve.faces.auth import caller
 from kvserve.faces.errors import ApiError
 from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
@@ -75,6 +76,7 @@ from kvserve.faces.models import (
     model_field,
     model_json,
     models_json,
+    serve_loaded,
     serve_model,
     shown_path,
 )
@@ -605,23 +607,33 @@ def build_router(state: ServerState) -> APIRouter:
         state.require_up()
         return json_response(model_json(state, model_id))
 
-    last_props: dict[str, dict] = {}  # the pinned model's last /props, answered while it sleeps
+    last_props: dict[str, dict] = {}  # the pinned model's /props as it loaded, answered while it sleeps
+
+    def remember_props(runner: Runner) -> None:
+        if state.pinned:
+            last_props["pinned"] = props_json(runner).wire()
+
+    state.on_loaded.append(remember_props)
 
     @r.get("/props")
     async def props(http: HttpRequest):
         # llama-server answers /props without waking a sleeping server (is_sleeping: true)
-        if query_model(http) is None and _asleep(state) and "pinned" in last_props:
+        name = query_model(http)
+        if name is None and _asleep(state) and "pinned" in last_props:
             state.require_up()
             return json_response({**last_props["pinned"], "is_sleeping": True})
 
         async def run(runner: Runner) -> Response:
-            body = props_json(runner).wire()
-            if state.pinned:
-                last_props["pinned"] = body
-            return json_response(body)
+            return json_response(props_json(runner).wire())
 
+        if state.peek(name) is not None:
+            # a loaded model's expiry stays as it was: polling /props does not keep it awake
+            try:
+                return await serve_loaded(state, name, run)
+            except UnavailableError:  # unloaded meanwhile
+                pass
         # loads the model if needed, but leaves a loaded model's keep_alive as it is
-        return await serve_model(state, query_model(http), KEEP_CURRENT, run, http)
+        return await serve_model(state, name, KEEP_CURRENT, run, http)
 
     @r.post("/props")
     async def set_props(http: HttpRequest):

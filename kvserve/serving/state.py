@@ -24,6 +24,7 @@ import logging
 import math
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -116,6 +117,9 @@ class ServerState:
             on_event=self._log_event, cleanup=trim_heap)
         self.started = time.time()
         self.preload_task: asyncio.Task | None = None
+        #: called with each runner once it has loaded (on the event loop): a face keeps what it
+        #: must still answer while the model sleeps (the llama face's /props)
+        self.on_loaded: list[Callable[[Runner], None]] = []
 
     # -- names
 
@@ -292,6 +296,9 @@ class ServerState:
             log.info("model manager: unload '%s' (%s)", name, reason, extra={"func": "manager"})
         elif action == "fail":
             log.error("model manager: '%s' failed to load: %s", name, reason, extra={"func": "manager"})
+        if action == "loaded" and (e := m.loaded.get(name)) is not None and e.runner is not None:
+            for hook in self.on_loaded:
+                hook(e.runner)
 
 
 def _file_facts(path: str) -> tuple[int, float]:

@@ -412,6 +412,36 @@ def test_props_while_sleeping_does_not_wake_the_model(tiny_path, tmp_path):
         srv.stop()
 
 
+def test_props_polled_lets_the_model_sleep_and_never_wakes_it(tiny_path, tmp_path):
+    """llama.cpp's test_sleep.py: polling /props every 0.1 s (its wait_for_sleep) must not keep the
+    model awake, and /props asked for the first time while asleep answers is_sleeping true from
+    what the model said as it loaded, without loading it."""
+    import time
+
+    from servers import spawn
+
+    path, d = tiny_path
+    srv = spawn(str(path), ("-c", "256", "--sleep-idle-seconds", "1", "--models-dir", str(d / "models")), tmp_path)
+    try:
+        srv.wait_ready()
+        time.sleep(2.5)  # asleep before any /props
+        assert httpx.get(srv.url("/api/ps"), timeout=10).json()["models"] == []
+        first = httpx.get(srv.url("/props"), timeout=30).json()
+        assert first["is_sleeping"] is True and first["model_alias"] == str(path) and first["total_slots"] == 4
+        assert httpx.get(srv.url("/api/ps"), timeout=10).json()["models"] == []
+        assert httpx.post(srv.url("/tokenize"), json={"content": "hi"}, timeout=60).status_code == 200  # wakes it
+        awake = httpx.get(srv.url("/props"), timeout=30).json()
+        assert awake == {**first, "is_sleeping": False}
+        polls, t0 = 0, time.monotonic()
+        while httpx.get(srv.url("/props"), timeout=10).json()["is_sleeping"] is False:
+            polls += 1
+            assert time.monotonic() - t0 < 10, f"still awake after {polls} polls of /props"
+            time.sleep(0.1)
+        assert polls >= 1 and httpx.get(srv.url("/api/ps"), timeout=10).json()["models"] == []
+    finally:
+        srv.stop()
+
+
 def test_return_progress_in_openai_streams(tiny):
     prompt = list(range(40, 80))
     ev = _sse(tiny.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True,
