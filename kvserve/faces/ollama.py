@@ -132,11 +132,13 @@ from kvserve.faces.ollama_types import (
     ToolCallFunction,
     VersionResponse,
 )
-from kvserve.faces.params import stop_strings
+from kvserve.faces.params import sampling_fields, stop_strings
 from kvserve.faces.sse import ClientDisconnected, until_disconnect
 from kvserve.serving.chat_output import ChoiceOutput
 from kvserve.serving.chat_plan import plan_chat
 from kvserve.serving.chat_request import ChatRequest, ReasoningOptions, TemplateOptions, new_request_id
+from kvserve.serving.completion_plan import plan_completion
+from kvserve.serving.completion_request import CompletionRequest, Prompt
 from kvserve.serving.generation_config import ollama_layer
 from kvserve.serving.manager import Lease, ModelSpec, parse_keep_alive
 from kvserve.serving.runner import Runner
@@ -173,7 +175,7 @@ _FLOAT_OPTIONS = ("top_p", "min_p", "typical_p", "temperature", "repeat_penalty"
                   "frequency_penalty")
 _BOOL_OPTIONS = ("use_mmap",)
 _LIST_OPTIONS = ("stop",)
-# api.Options -> the SamplingParams field (same meaning; completion_plan reads these names too)
+# api.Options -> the SamplingParams field (same meaning; sampling_fields reads these names too)
 _SAMPLING_FIELDS = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical_p": "typical_p",
                     "repeat_last_n": "repeat_last_n", "temperature": "temperature", "repeat_penalty": "repeat_penalty",
                     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
@@ -459,7 +461,7 @@ class _Call:
 
 @dataclass
 class _Run:
-    """A planned request: the plan of the OpenAI face's pieces plus what Ollama's output needs."""
+    """A planned request: the serving layer's plan plus what Ollama's output needs."""
 
     plan: Any  # kvserve.serving.chat_plan.Plan
     post: ChoiceOutput | None
@@ -622,18 +624,19 @@ def _chat_request(call: _Call, runner: Runner, rules: _Rules, messages: list[dic
                        n_predict_is_default=rules.n_predict_is_default, owner=caller())
 
 
-def _completion_body(call: _Call, rules: _Rules) -> dict:
-    """The body :func:`kvserve.faces.openai.completion_plan` reads for a generate that is not
-    rendered as a chat (raw, a template given, a context): the sampler values, ``format`` as a
-    ``response_format``."""
-    out: dict[str, Any] = dict(call.options.sampling)
-    out["n_predict"] = rules.n_predict
-    if not out["stop"]:
-        del out["stop"]
-    if rules.spec is not None:
-        f = call.body["format"]
-        out["response_format"] = {"type": "json_object"} if f == "json" else {"type": "json_object", "schema": f}
-    return out
+def _completion_request(call: _Call, runner: Runner, rules: _Rules, prompt: Prompt) -> CompletionRequest:
+    """A generate that is not rendered as a chat (raw, a template given, a context) -> kvserve's
+    CompletionRequest: the options' sampler values (read with llama.cpp's names and checks),
+    ``format`` as the constraint, the ``num_predict`` rule."""
+    fields: dict[str, Any] = dict(call.options.sampling)
+    fields["n_predict"] = rules.n_predict
+    if not fields["stop"]:
+        del fields["stop"]
+    sampling = sampling_fields(fields, runner.tokenizer, max_logprobs=runner.args.max_logprobs)
+    sampling.pop("n_predict_default", None)  # the request's rule below
+    return CompletionRequest([prompt], new_request_id("cmpl-"), model=call.model, keep_alive=call.keep_alive,
+                             sampling=sampling, n_predict_is_default=rules.n_predict_is_default,
+                             response_format=rules.spec, refuse_empty=True, owner=caller())
 
 
 def _forced_call(runner: Runner, messages: list[dict], tools: Any) -> bool:
@@ -686,12 +689,9 @@ def _generate_fields(call: _Call) -> tuple[str, str, str, str, bool, list[int]]:
 
 
 def _generate_plan(runner: Runner, call: _Call, rules: _Rules) -> _Run:
-    from kvserve.faces import openai as oai
-
     prompt, suffix, system, template, raw, context = _generate_fields(call)
     if raw:
-        body = {**_completion_body(call, rules), "prompt": prompt}
-        return _Run(oai.completion_plan(runner, body, n_predict_default=rules.n_predict_is_default), None)
+        return _Run(plan_completion(runner, _completion_request(call, runner, rules, prompt)), None)
     msgs = [{"role": "system", "content": system or call.layers.system}] if system or call.layers.system else []
     if not context:
         msgs += call.layers.messages
@@ -704,9 +704,8 @@ def _generate_plan(runner: Runner, call: _Call, rules: _Rules) -> _Run:
         text, _ = render_chat(runner.template, runner.tokenizer, msgs, **rules.variables)
     else:
         return _chat_run(runner, _chat_request(call, runner, rules, msgs), with_context=True)
-    body = {**_completion_body(call, rules), "prompt": [*context, text] if context else text}
-    return _Run(oai.completion_plan(runner, body, n_predict_default=rules.n_predict_is_default), None,
-                with_context=True)
+    req = _completion_request(call, runner, rules, [*context, text] if context else text)
+    return _Run(plan_completion(runner, req), None, with_context=True)
 
 
 def _go_template(template: str, msgs: list[dict], think, prompt: str, suffix: str, model: str) -> str:

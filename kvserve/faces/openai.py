@@ -33,7 +33,7 @@ first token), on each legacy choice and at the top of a chat completion; refused
 reused from the cache. ``rank`` is null for a token outside the reported candidates (the engine
 reports the top k, not the rank of the rest). ``truncate_prompt_tokens`` k keeps the last k
 prompt tokens (-1: ``max_model_len``; above it: 400 with vLLM's text). ``suffix`` on
-``/v1/completions`` is fill-in-the-middle with the model's FIM tokens (:mod:`kvserve.faces.fim`,
+``/v1/completions`` is fill-in-the-middle with the model's FIM tokens (:mod:`kvserve.serving.fim`,
 llama-server's ``/infill`` layout); a vocabulary without them is 400 naming the missing tokens.
 
 vLLM's server flags: ``--return-tokens-as-token-ids`` (or the request's
@@ -49,9 +49,7 @@ message being continued (vLLM's ``get_chat_request_role``).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
@@ -98,7 +96,6 @@ from kvserve.faces.params import (
     get_str,
     params_to_dict,
     sampling_fields,
-    sampling_params_from_body,
     type_error,
 )
 from kvserve.faces.sse import (
@@ -107,23 +104,15 @@ from kvserve.faces.sse import (
     sse_response,
     until_disconnect,
 )
-from kvserve.serving.chat_output import ChoiceOutput, OutputMode
-from kvserve.serving.chat_plan import (
-    Plan,
-    constraint_factory,
-    engine_requests,
-    grammar_text,
-    plan_chat,
-    truncate_ids,
-    validate_requests,
-    with_prompt_logprobs,
-    with_special_tokens,
-)
+from kvserve.serving.chat_output import ChoiceOutput
+from kvserve.serving.chat_plan import Plan, plan_chat, with_special_tokens
 from kvserve.serving.chat_request import ChatRequest, StreamOptions, new_request_id
+from kvserve.serving.completion_plan import plan_completion
+from kvserve.serving.completion_request import CompletionRequest, Infill, Prompt
 from kvserve.serving.runner import Runner, fair_share, generate
 from kvserve.serving.state import ServerState
 
-__all__ = ["Plan", "build_router", "chat_plan", "chat_request", "router"]
+__all__ = ["Plan", "build_router", "chat_plan", "chat_request", "completion_plan", "completion_request", "router"]
 
 _MAX_N = 128
 # prompts x n of one completions request (and of its render): each is an engine request. OpenAI's
@@ -304,18 +293,6 @@ def _return_progress(body: dict) -> bool:
     return bool(get_bool(body, "stream", False)) and bool(get_bool(body, "return_progress", False))
 
 
-def _completion_requests(state: Runner, body: dict, response_id: str, prompts: list[list[int]],
-                         params: SamplingParams, n: int, make_constraint=None) -> list[Request]:
-    """The engine requests of a legacy completion (one per prompt and choice), checked now."""
-    id_slot = get_int(body, "id_slot", -1)
-    reqs = engine_requests(state, response_id, prompts, params, n, make_constraint,
-                           id_slot=id_slot if id_slot is not None else -1,
-                           cache_salt=get_str(body, "cache_salt") or None, owner=caller(),
-                           return_progress=_return_progress(body))
-    validate_requests(state, reqs)
-    return reqs
-
-
 def _constraint_spec(body: dict):
     """The structured-output constraint of an OpenAI-face request (any dialect), or None."""
     from kvserve.structured.spec import constraint_from_body
@@ -323,50 +300,43 @@ def _constraint_spec(body: dict):
     return constraint_from_body(body, "openai")
 
 
-def _prompt_list(state: Runner, prompt, *, check_fits: bool = True, add_special: bool = True,
-                 parse_special: bool = True) -> list[list[int]]:
-    """Legacy ``prompt``: a string, token ids, a list of strings, or a list of token-id lists.
+def _prompt_list(prompt) -> list[Prompt]:
+    """Legacy ``prompt``: a string, token ids, a list of strings, or a list of token-id lists,
+    split into kvserve's prompts (checked for shape; the planner tokenizes them).
 
     Token lists may mix ids and strings (llama-server); strings are tokenized with special
     tokens parsed and BOS added when the vocabulary asks for it, as ``/completion`` does.
     """
-    tok = state.tokenizer
-
-    def one(p) -> list[int]:
-        if check_fits and isinstance(p, (str, list)):
-            tok.check_fits(p, state.engine.n_ctx_slot)  # refuse what cannot fit before tokenizing
-        if isinstance(p, str):
-            return tok.encode(p, add_special=add_special, parse_special=parse_special)
-        ids: list[int] = []
-        for k, el in enumerate(p):
-            if isinstance(el, bool) or not isinstance(el, (int, str)):
-                raise ApiError(400, "Field 'prompt': elements must be token ids or strings")
-            if isinstance(el, str):
-                ids.extend(tok.encode(el, add_special=add_special and k == 0, parse_special=parse_special))
-            elif not 0 <= el < tok.n_vocab:
-                raise ApiError(400, f"Field 'prompt': token id {el} out of range [0, {tok.n_vocab})")
-            else:
-                ids.append(el)
-        return ids
-
     if prompt is None:
         raise ApiError(400, "'prompt' is required")
     if isinstance(prompt, str):
-        return [one(prompt)]
+        return [prompt]
     if not isinstance(prompt, list):
         raise type_error("prompt", "string or array", prompt)
     if not prompt:
         raise ApiError(400, "Field 'prompt': must not be empty")
-    if any(isinstance(p, list) for p in prompt) or all(isinstance(p, str) for p in prompt):
-        return [one(p) for p in prompt]  # several prompts: strings and/or token lists
-    return [one(prompt)]  # one prompt of token ids, possibly mixed with strings
+    if _several(prompt):
+        return [_one_prompt(p) for p in prompt]  # several prompts: strings and/or token lists
+    return [_one_prompt(prompt)]  # one prompt of token ids, possibly mixed with strings
+
+
+def _one_prompt(p) -> Prompt:
+    """One prompt: a string, or a list of token ids and strings (400 otherwise)."""
+    if isinstance(p, str):
+        return p
+    if not isinstance(p, list) or any(isinstance(el, bool) or not isinstance(el, (int, str)) for el in p):
+        raise ApiError(400, "Field 'prompt': elements must be token ids or strings")
+    return p
+
+
+def _several(prompt: list) -> bool:
+    """A list of prompts (strings and/or token lists), not one prompt of (mixed) token ids."""
+    return any(isinstance(p, list) for p in prompt) or all(isinstance(p, str) for p in prompt)
 
 
 def _prompt_count(prompt) -> int:
     """How many prompts ``prompt`` holds (as :func:`_prompt_list` splits it), before tokenizing."""
-    if isinstance(prompt, list) and (any(isinstance(p, list) for p in prompt) or all(isinstance(p, str) for p in prompt)):
-        return len(prompt)
-    return 1
+    return len(prompt) if isinstance(prompt, list) and _several(prompt) else 1
 
 
 def check_request_count(n_prompts: int, n: int) -> None:
@@ -381,67 +351,61 @@ def check_request_count(n_prompts: int, n: int) -> None:
                             f"more than {MAX_ENGINE_REQUESTS} per request (split the request)")
 
 
-def completion_plan(state: Runner, body: dict, *, render: bool = False, n_predict_default: bool = False) -> Plan:
-    """Parse a legacy completion request (raises ApiError 400 on bad fields). ``render``: plan one
-    request per prompt (``/v1/completions/render``: ``n`` does not change the ids; the bound of
-    :func:`check_request_count` still counts it). ``n_predict_default``: the body's ``n_predict``
-    is a default the calling face applied (Ollama's ``num_predict`` layers), capped to the
-    context's room instead of refused."""
+def completion_request(state: Runner, body: dict, *, render: bool = False) -> CompletionRequest:
+    """A legacy completions body (with llama-server's and vLLM's fields) -> kvserve's
+    :class:`~kvserve.serving.completion_request.CompletionRequest` (ApiError 400 on bad fields, in
+    this face's wording). ``render``: one request per prompt (``/v1/completions/render``: ``n``
+    does not change the ids; the bound of :func:`check_request_count` still counts it)."""
     state.require_ready()
     suffix = get_str(body, "suffix")
     stream, include_usage = _stream_flags(body, bool(getattr(state.args, "enable_force_include_usage", False)))
     n = _n_choices(body)
     check_request_count(_prompt_count(body.get("prompt")), n)
-    if render:
-        n = 1
-    echo = get_bool(body, "echo", False)
-    logprobs = _top_n(state, body, "logprobs")
-    truncate = _truncate_field(state, body)
-    plp = _prompt_logprobs_field(state, body, stream)
-    if suffix:
-        prompts = _fim_prompts(state, body, suffix)
-    else:
-        prompts = _prompt_list(state, body.get("prompt"), check_fits=truncate is None)
-        if any(not p for p in prompts):
-            raise ApiError(400, "Field 'prompt': the prompt is empty")
-    prompts = [truncate_ids(p, truncate) for p in prompts]
+    req = CompletionRequest([], new_request_id("cmpl-"), model=model_field(body) or "", n=1 if render else n,
+                            echo=bool(get_bool(body, "echo", False)), logprobs=_top_n(state, body, "logprobs"),
+                            truncate_prompt_tokens=_truncate_field(state, body),
+                            prompt_logprobs=_prompt_logprobs_field(state, body, stream))
+    req.prompts, req.infill = _prompts_of(state, body, suffix)
+    req.refuse_empty = req.infill is None
     # OpenAI's default max_tokens for completions is 16 (llama-server uses -1).
-    defaults = dataclasses.replace(state.default_params, n_predict=16)
-    params = sampling_params_from_body(body, defaults, state.tokenizer, max_tokens_keys=("max_tokens", "n_predict"),
-                                       max_logprobs=_max_logprobs(state), n_predict_default=n_predict_default)
-    if logprobs is not None:
-        params = dataclasses.replace(params, n_probs=max(logprobs, 1))
-        if echo:  # prompt logprobs need logits at every prompt position: no prefix reuse
-            params = dataclasses.replace(params, prompt_logprobs=max(logprobs, 1), cache_prompt=False)
-    params = with_prompt_logprobs(params, plp)
-    params = _special_tokens(body, params)
-    rid = new_request_id("cmpl-")
-    spec = _constraint_spec(body)
-    make = constraint_factory(state, spec, "", OutputMode(), -1) if spec is not None else None
-    reqs = _completion_requests(state, body, rid, prompts, params, n, make)
-    echo_texts = [state.tokenizer.decode(r.prompt_token_ids) if echo else "" for r in reqs]
-    return Plan("text", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage, logprobs,
-                echo_texts, grammar=grammar_text(state, spec), prompt_logprobs=plp,
-                token_ids=_token_ids_field(state, body))
+    req.sampling, req.default_n_predict = _completion_sampling(state, body), 16
+    req.response_format = _constraint_spec(body)
+    req.skip_special_tokens, req.spaces_between_special_tokens = _special_token_fields(body)
+    req.stream = StreamOptions(stream, include_usage, _return_progress(body))
+    id_slot = get_int(body, "id_slot", -1)
+    req.id_slot = id_slot if id_slot is not None else -1
+    req.cache_salt, req.owner = get_str(body, "cache_salt") or None, caller()
+    req.token_ids = _token_ids_field(state, body)
+    return req
 
 
-def _fim_prompts(state: Runner, body: dict, suffix: str) -> list[list[int]]:
-    """``prompt`` + ``suffix``: one fill-in-the-middle prompt per prompt (the code before the
-    hole) with the model's FIM tokens, laid out as llama-server's ``/infill``; 400 naming the
-    missing tokens when the vocabulary has none."""
-    from kvserve.faces.fim import fim_prompt, fim_tokens, missing_text
+def _completion_sampling(state: Runner, body: dict) -> dict:
+    """The sampling fields of a legacy completion (``max_tokens`` or ``n_predict`` the limit)."""
+    fields = sampling_fields(body, state.tokenizer, max_tokens_keys=("max_tokens", "n_predict"),
+                             max_logprobs=_max_logprobs(state))
+    fields.pop("n_predict_default", None)  # the client's own limit: the planner sets it from the request
+    return fields
 
-    tok = state.tokenizer
-    fim = fim_tokens(tok)
+
+def _prompts_of(state: Runner, body: dict, suffix: str | None) -> tuple[list[Prompt], Infill | None]:
+    """The prompts, and with a ``suffix`` the fill-in-the-middle around them (each prompt the code
+    before the hole; none: one empty prefix); 400 naming the missing FIM tokens when the
+    vocabulary has none."""
+    if not suffix:
+        return _prompt_list(body.get("prompt")), None
+    from kvserve.serving.fim import fim_tokens, missing_text
+
+    fim = fim_tokens(state.tokenizer)
     if fim.missing:
         raise ApiError(400, f"'suffix' is not supported by this model: {missing_text(fim)}".rstrip())
-    args = state.args
-    suffix_ids = tok.encode(suffix, add_special=False, parse_special=False)
-    prefixes = _prompt_list(state, body.get("prompt", ""), check_fits=False, add_special=False,
-                            parse_special=False) if body.get("prompt") not in (None, "") else [[]]
-    return [fim_prompt(tok, fim, p, suffix_ids, n_batch=getattr(args, "batch_size", 2048),
-                       n_predict=getattr(args, "n_predict", -1), n_ctx=state.engine.n_ctx_slot,
-                       spm_infill=bool(getattr(args, "spm_infill", False))) for p in prefixes]
+    prompt = body.get("prompt")
+    return (_prompt_list(prompt) if prompt not in (None, "") else [[]]), Infill(suffix)
+
+
+def completion_plan(state: Runner, body: dict, *, render: bool = False) -> Plan:
+    """Parse a legacy completion request and plan it (raises ApiError 400 on bad fields; the
+    serving layer's domain errors for what the model refuses)."""
+    return plan_completion(state, completion_request(state, body, render=render))
 
 
 # ------------------------------------------------------------------------ running choices

@@ -365,15 +365,19 @@ def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
 
 def engine_requests(runner: Runner, response_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
                     make_constraint=None, *, id_slot: int = -1, cache_salt: str | None = None,
-                    owner: str | None = None, return_progress: bool = False) -> list[Request]:
+                    owner: str | None = None, return_progress: bool = False,
+                    seed_per_request: bool = True) -> list[Request]:
     """One engine request per prompt and choice, prompt-major (request k = prompt k // n,
-    choice k % n, id ``<response_id>-<k>``); each choice gets its own constraint."""
+    choice k % n, id ``<response_id>-<k>``); each choice gets its own constraint. Request k
+    samples with ``seed + k`` (``seed_per_request``), else with ``seed + k % n`` (every prompt's
+    first choice keeps the seed, llama-server's ``/completion``)."""
     eog = runner.tokenizer.eog_token_ids
     reqs = []
     for p, ids in enumerate(prompts):
         for i in range(n):
             k = p * n + i
-            reqs.append(Request(f"{response_id}-{k}", list(ids), _choice_params(params, k), eog_token_ids=eog,
+            seeded = _choice_params(params, k if seed_per_request else i)
+            reqs.append(Request(f"{response_id}-{k}", list(ids), seeded, eog_token_ids=eog,
                                 priority_slot=id_slot, cache_salt=cache_salt, owner=owner,
                                 grammar=make_constraint() if make_constraint is not None else None,
                                 return_progress=return_progress))
