@@ -85,11 +85,11 @@ from kvserve.faces.chat_features import check_tool_choice, parse_tools
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import json_response, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
-from kvserve.faces.openai import run_choices
-from kvserve.faces.params import get_int, get_str, sampling_fields
+from kvserve.faces.params import get_int, get_str, sampling_fields, slot_view
 from kvserve.serving.chat_output import ChoiceOutput
 from kvserve.serving.chat_plan import Plan, plan_chat
 from kvserve.serving.chat_request import ChatRequest, new_request_id
+from kvserve.serving.choices import run_choices
 from kvserve.structured.spec import schema_spec
 from kvserve.faces.sse import (
     ClientDisconnected,
@@ -564,7 +564,7 @@ async def _complete(runner: Runner, mp: _Plan) -> at.Message:
     plan = mp.plan
     text, final = "", None
     post = ChoiceOutput(plan.mode) if plan.mode.active else None
-    async for _, out in run_choices(runner, plan):
+    async for _, out in run_choices(runner, plan, slot_view(plan.grammar)):
         _check(out)
         text += out.text
         if out.finished:
@@ -655,7 +655,7 @@ async def _stream_events(runner: Runner, mp: _Plan) -> AsyncIterator[dict]:
     post = ChoiceOutput(plan.mode) if plan.mode.active else None
     blocks = _Blocks(plan.mode.reasoning_field)
     final, started = None, False
-    async for _, out in run_choices(runner, plan):
+    async for _, out in run_choices(runner, plan, slot_view(plan.grammar)):
         _check(out)
         if not started:
             started = True

@@ -132,11 +132,12 @@ from kvserve.faces.ollama_types import (
     ToolCallFunction,
     VersionResponse,
 )
-from kvserve.faces.params import sampling_fields, stop_strings
+from kvserve.faces.params import sampling_fields, slot_view, stop_strings
 from kvserve.faces.sse import ClientDisconnected, until_disconnect
 from kvserve.serving.chat_output import ChoiceOutput
 from kvserve.serving.chat_plan import plan_chat
 from kvserve.serving.chat_request import ChatRequest, ReasoningOptions, TemplateOptions, new_request_id
+from kvserve.serving.choices import run_choices
 from kvserve.serving.completion_plan import plan_completion
 from kvserve.serving.completion_request import CompletionRequest, Prompt
 from kvserve.serving.generation_config import ollama_layer
@@ -809,9 +810,7 @@ def _object(call: _Call, content: str, thinking: str = "", calls: list[ToolCall]
 
 
 async def _outputs(runner: Runner, run: _Run) -> AsyncIterator[RequestOutput]:
-    from kvserve.faces import openai as oai
-
-    async for _, out in oai.run_choices(runner, run.plan):
+    async for _, out in run_choices(runner, run.plan, slot_view(run.plan.grammar)):
         if out.error:
             raise ApiError(500, out.error)
         yield out

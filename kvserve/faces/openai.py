@@ -94,8 +94,8 @@ from kvserve.faces.params import (
     get_bool,
     get_int,
     get_str,
-    params_to_dict,
     sampling_fields,
+    slot_view,
     type_error,
 )
 from kvserve.faces.sse import (
@@ -107,9 +107,10 @@ from kvserve.faces.sse import (
 from kvserve.serving.chat_output import ChoiceOutput
 from kvserve.serving.chat_plan import Plan, plan_chat, with_special_tokens
 from kvserve.serving.chat_request import ChatRequest, StreamOptions, new_request_id
+from kvserve.serving.choices import run_choices
 from kvserve.serving.completion_plan import plan_completion
 from kvserve.serving.completion_request import CompletionRequest, Infill, Prompt
-from kvserve.serving.runner import Runner, fair_share, generate
+from kvserve.serving.runner import Runner
 from kvserve.serving.state import ServerState
 
 __all__ = ["Plan", "build_router", "chat_plan", "chat_request", "completion_plan", "completion_request", "router"]
@@ -411,42 +412,6 @@ def completion_plan(state: Runner, body: dict, *, render: bool = False) -> Plan:
 # ------------------------------------------------------------------------ running choices
 
 
-async def run_choices(state: Runner, plan: Plan) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Run every choice concurrently and yield ``(index, output)`` as outputs come.
-
-    A choice's exception is raised here. Closing the iterator (client disconnect) cancels
-    every choice, which aborts them in the engine and frees their slots.
-    """
-    q: asyncio.Queue = asyncio.Queue()
-    gate = fair_share(state)
-
-    async def produce(i: int, req: Request) -> None:
-        view = params_to_dict(req.params, grammar=plan.grammar)
-        try:
-            async with gate:
-                async for out in generate(state, req, view):
-                    q.put_nowait((i, out))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            q.put_nowait((i, e))
-
-    tasks = [asyncio.create_task(produce(i, r)) for i, r in enumerate(plan.requests)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, item = await q.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                remaining -= 1
-            yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 def _check_output(out: RequestOutput) -> None:
     if out.error:
         raise ApiError(500, out.error)
@@ -566,7 +531,7 @@ async def complete(state: Runner, plan: Plan) -> ChatCompletion | TextCompletion
     started = [False] * len(plan.requests)
     post = [ChoiceOutput(plan.mode) if plan.kind == "chat" and plan.mode.active else None for _ in plan.requests]
     prompt_lps: list[list | None] = [None] * len(plan.requests)
-    async for i, out in run_choices(state, plan):
+    async for i, out in run_choices(state, plan, slot_view(plan.grammar)):
         _check_output(out)
         if plan.prompt_logprobs is not None and out.prompt_logprobs is not None and prompt_lps[i] is None:
             prompt_lps[i] = vllm_prompt_logprobs(out.prompt_logprobs, plan.prompt_logprobs)
@@ -649,7 +614,7 @@ async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
             legacy[i].add(lp)
         return legacy[i].take()
 
-    async for i, out in run_choices(state, plan):
+    async for i, out in run_choices(state, plan, slot_view(plan.grammar)):
         _check_output(out)
         if progress[i] is not None:  # llama-server's progress chunks: an empty delta (chat) or empty text
             for prog, _timings in progress[i].feed(out):

@@ -5,9 +5,9 @@ llama-server serves it).
 The face translates: a Responses request becomes kvserve's
 :class:`~kvserve.serving.chat_request.ChatRequest` (:func:`chat_body`, then :func:`chat_request`
 once the model is known), planned by :func:`kvserve.serving.chat_plan.plan_chat`, so tools,
-``tool_choice``, structured output and reasoning go through the same chat features; the chat
-chunk stream (:func:`kvserve.faces.openai.stream_events`) becomes the response object and its
-typed events.
+``tool_choice``, structured output and reasoning go through the same chat features; the serving
+layer's answer events (:func:`kvserve.serving.choices.chat_events`: content, reasoning and tool-call
+pieces, the finish reason, the usage) become the response object and its typed events.
 
 Request -> chat request:
 
@@ -77,8 +77,7 @@ from kvserve.faces.models import keep_alive_field, model_field, serve_model
 from kvserve.errors import InvalidInputError
 from kvserve.faces.auth import caller
 from kvserve.faces.chat_features import check_tool_choice, parse_tools, read_reasoning_options, read_template_options
-from kvserve.faces.openai import stream_events
-from kvserve.faces.params import get_bool, get_int, get_str, sampling_fields, type_error
+from kvserve.faces.params import get_bool, get_int, get_str, sampling_fields, slot_view, type_error
 from kvserve.faces.responses_types import (
     ContentPartAdded,
     ContentPartDone,
@@ -113,6 +112,7 @@ from kvserve.faces.sse import (
 )
 from kvserve.serving.chat_plan import plan_chat
 from kvserve.serving.chat_request import ChatRequest, StreamOptions, TemplateOptions, new_request_id
+from kvserve.serving.choices import ChatUsage, chat_events
 from kvserve.serving.response_store import ResponseStore
 from kvserve.structured.spec import ConstraintSpec, schema_spec
 from kvserve.serving.runner import Runner
@@ -748,7 +748,8 @@ class _Open:
 
 @dataclass
 class _Run:
-    """One response being produced: turns chat chunks into events and the response object."""
+    """One response being produced: turns the serving layer's chat events into the Responses
+    API's events and the response object."""
 
     runner: Runner
     plan: Any
@@ -761,7 +762,7 @@ class _Run:
     open: _Open | None = None
     pending: str = ""  # whitespace not yet in a message (between tool calls it is dropped)
     finish: str | None = None
-    usage: dict | None = None
+    usage: ChatUsage | None = None
     status: str = "in_progress"
     error: ResponseError | None = None
     failure: Exception | None = None  # what failed the response (a non-streamed answer raises it)
@@ -795,13 +796,11 @@ class _Run:
         u = self.usage
         if u is None:
             return None
-        reasoning = (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
-        return ResponseUsage(input_tokens=u["prompt_tokens"],
-                             input_tokens_details=InputTokensDetails(cached_tokens=u["prompt_tokens_details"]
-                                                                     ["cached_tokens"], cache_write_tokens=0),
-                             output_tokens=u["completion_tokens"],
-                             output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
-                             total_tokens=u["total_tokens"])
+        return ResponseUsage(input_tokens=u.prompt_tokens,
+                             input_tokens_details=InputTokensDetails(cached_tokens=u.cached_tokens, cache_write_tokens=0),
+                             output_tokens=u.completion_tokens,
+                             output_tokens_details=OutputTokensDetails(reasoning_tokens=u.reasoning_tokens or 0),
+                             total_tokens=u.prompt_tokens + u.completion_tokens)
 
     async def events(self) -> AsyncIterator[dict]:
         """Every event of the response, in order (the last one holds the final response)."""
@@ -810,15 +809,13 @@ class _Run:
         yield await asyncio.to_thread(self._life, "response.in_progress")
         try:
             # closed with this generator (a client that leaves): its generations are aborted
-            async with contextlib.aclosing(stream_events(self.runner, self.plan)) as chunks:
-                async for chunk in chunks:
-                    if chunk.get("usage") is not None:
-                        self.usage = chunk["usage"]
-                    for ch in chunk["choices"]:
-                        if ch.get("finish_reason"):
-                            self.finish = ch["finish_reason"]
-                        for ev in self._delta(ch["delta"]):
-                            yield ev
+            async with contextlib.aclosing(chat_events(self.runner, self.plan, slot_view(self.plan.grammar))) as evs:
+                async for ev in evs:
+                    self.usage = ev.usage or self.usage
+                    self.finish = ev.finish_reason or self.finish
+                    for d in ev.deltas:
+                        for out in self._delta(d):
+                            yield out
             for ev in self._finish():
                 yield ev
             self.status = "incomplete" if self.finish == "length" else "completed"
