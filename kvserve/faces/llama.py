@@ -87,8 +87,9 @@ from kvserve.faces.params import (
 )
 from kvserve.faces.sse import sse_response, until_disconnect
 from kvserve.serving import metrics as metrics_mod
-from kvserve.serving.chat_request import StreamOptions, new_request_id
+from kvserve.serving.chat_request import StreamOptions
 from kvserve.serving.completion_plan import plan_completion
+from kvserve.serving.ids import new_id
 from kvserve.serving.completion_request import CompletionRequest, Infill, Prompt
 from kvserve.serving.manager import KEEP_CURRENT
 from kvserve.serving.runner import Runner, fair_share, generate
@@ -268,7 +269,7 @@ class CompletionHandler:
         prompts = [infill[0]] if infill is not None else split_prompts(body["prompt"])
         check_count("prompt", len(prompts), batch_cap(state.args), "prompts", "--max-batch-inputs")
         prompts = [prompt_value(p) for p in prompts]
-        req = CompletionRequest(prompts, new_request_id("cmpl-"), sampling=sampling,
+        req = CompletionRequest(prompts, new_id("cmpl-"), sampling=sampling,
                                 infill=infill[1] if infill is not None else None, seed_per_request=False,
                                 response_format=opts["constraint"], id_slot=opts["id_slot"],
                                 stream=StreamOptions(opts["stream"], False, opts["return_progress"]),

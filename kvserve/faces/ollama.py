@@ -136,9 +136,10 @@ from kvserve.faces.params import sampling_fields, slot_view, stop_strings
 from kvserve.faces.sse import ClientDisconnected, until_disconnect
 from kvserve.serving.chat_output import ChoiceOutput
 from kvserve.serving.chat_plan import plan_chat
-from kvserve.serving.chat_request import ChatRequest, ReasoningOptions, TemplateOptions, new_request_id
+from kvserve.serving.chat_request import ChatRequest, ReasoningOptions, TemplateOptions
 from kvserve.serving.choices import run_choices
 from kvserve.serving.completion_plan import plan_completion
+from kvserve.serving.ids import new_id
 from kvserve.serving.completion_request import CompletionRequest, Prompt
 from kvserve.serving.generation_config import ollama_layer
 from kvserve.serving.manager import Lease, ModelSpec, parse_keep_alive
@@ -619,7 +620,7 @@ def _chat_request(call: _Call, runner: Runner, rules: _Rules, messages: list[dic
     parsed = parse_tools(tools) if tools else None
     forced = bool(tools) and _forced_call(runner, messages, tools)
     choice = "required" if forced else ("auto" if parsed else "none")
-    return ChatRequest(messages, new_request_id("chatcmpl-"), model=call.model, keep_alive=call.keep_alive,
+    return ChatRequest(messages, new_id("chatcmpl-"), model=call.model, keep_alive=call.keep_alive,
                        tools=parsed, tool_choice=choice, response_format=rules.spec, reasoning=rules.reasoning,
                        template=TemplateOptions(variables=dict(rules.variables)), sampling=_sampling(call, rules),
                        n_predict_is_default=rules.n_predict_is_default, owner=caller())
@@ -635,7 +636,7 @@ def _completion_request(call: _Call, runner: Runner, rules: _Rules, prompt: Prom
         del fields["stop"]
     sampling = sampling_fields(fields, runner.tokenizer, max_logprobs=runner.args.max_logprobs)
     sampling.pop("n_predict_default", None)  # the request's rule below
-    return CompletionRequest([prompt], new_request_id("cmpl-"), model=call.model, keep_alive=call.keep_alive,
+    return CompletionRequest([prompt], new_id("cmpl-"), model=call.model, keep_alive=call.keep_alive,
                              sampling=sampling, n_predict_is_default=rules.n_predict_is_default,
                              response_format=rules.spec, refuse_empty=True, owner=caller())
 

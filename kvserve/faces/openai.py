@@ -106,9 +106,10 @@ from kvserve.faces.sse import (
 )
 from kvserve.serving.chat_output import ChoiceOutput
 from kvserve.serving.chat_plan import Plan, plan_chat, with_special_tokens
-from kvserve.serving.chat_request import ChatRequest, StreamOptions, new_request_id
+from kvserve.serving.chat_request import ChatRequest, StreamOptions
 from kvserve.serving.choices import run_choices
 from kvserve.serving.completion_plan import plan_completion
+from kvserve.serving.ids import new_id
 from kvserve.serving.completion_request import CompletionRequest, Infill, Prompt
 from kvserve.serving.runner import Runner
 from kvserve.serving.state import ServerState
@@ -224,7 +225,7 @@ def chat_request(state: Runner, body: dict) -> ChatRequest:
     if top is not None and not logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be set to true")
     # keep_alive: applied by the model lease before planning (the render route never reads it)
-    req = ChatRequest(body["messages"], new_request_id("chatcmpl-"), model=model_field(body) or "", n=n,
+    req = ChatRequest(body["messages"], new_id("chatcmpl-"), model=model_field(body) or "", n=n,
                       logprobs=(top or 0) if logprobs else None)
     read_chat_options(state.args, body, req)
     req.truncate_prompt_tokens = _truncate_field(state, body)
@@ -362,7 +363,7 @@ def completion_request(state: Runner, body: dict, *, render: bool = False) -> Co
     stream, include_usage = _stream_flags(body, bool(getattr(state.args, "enable_force_include_usage", False)))
     n = _n_choices(body)
     check_request_count(_prompt_count(body.get("prompt")), n)
-    req = CompletionRequest([], new_request_id("cmpl-"), model=model_field(body) or "", n=1 if render else n,
+    req = CompletionRequest([], new_id("cmpl-"), model=model_field(body) or "", n=1 if render else n,
                             echo=bool(get_bool(body, "echo", False)), logprobs=_top_n(state, body, "logprobs"),
                             truncate_prompt_tokens=_truncate_field(state, body),
                             prompt_logprobs=_prompt_logprobs_field(state, body, stream))

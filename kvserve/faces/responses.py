@@ -60,7 +60,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -111,8 +110,9 @@ from kvserve.faces.sse import (
     until_disconnect,
 )
 from kvserve.serving.chat_plan import plan_chat
-from kvserve.serving.chat_request import ChatRequest, StreamOptions, TemplateOptions, new_request_id
+from kvserve.serving.chat_request import ChatRequest, StreamOptions, TemplateOptions
 from kvserve.serving.choices import ChatUsage, chat_events
+from kvserve.serving.ids import HEX, new_id
 from kvserve.serving.response_store import ResponseStore
 from kvserve.structured.spec import ConstraintSpec, schema_spec
 from kvserve.serving.runner import Runner
@@ -138,8 +138,9 @@ _PASSTHROUGH = ("top_k", "min_p", "typical_p", "repeat_penalty", "repeat_last_n"
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _rand_id(prefix: str) -> str:
-    return prefix + secrets.token_hex(24)
+def _responses_id(prefix: str) -> str:
+    """The Responses API's ids: ``resp_`` / ``msg_`` / ``rs_`` / ``fc_`` / ``call_`` + 48 hex digits."""
+    return new_id(prefix, 48, HEX)
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -409,7 +410,7 @@ def _listed_item(it: dict) -> dict:
     """One (checked) input item as listed: its known fields only, normalized (unknown keys are
     dropped: a stored item costs only what the list shows)."""
     kind = it.get("type") or "message"
-    item_id = it.get("id") or _rand_id(_ITEM_ID_PREFIX.get(kind, "item_"))
+    item_id = it.get("id") or _responses_id(_ITEM_ID_PREFIX.get(kind, "item_"))
     status = it.get("status") if it.get("status") in _STATUSES else "completed"
     if kind == "message":
         return {"id": item_id, "type": "message", "role": it["role"],
@@ -667,7 +668,7 @@ def chat_body(body: dict, store: ResponseStore, server_budget: int = -1, owner: 
         raise _bad("Missing required parameter: 'input'.", "input")
     system = [{"role": "system", "content": instructions}] if instructions else []
     # the face reads the answer as a stream of chat chunks, usage last
-    chat = ChatRequest(system + history + new, new_request_id("chatcmpl-"),
+    chat = ChatRequest(system + history + new, new_id("chatcmpl-"),
                        stream=StreamOptions(stream=True, include_usage=True),
                        template=TemplateOptions(continue_final_message=False))
     fields = {key: body[key] for key in (*_PASSTHROUGH, "chat_template_kwargs", "temperature", "top_p")
@@ -755,7 +756,7 @@ class _Run:
     plan: Any
     turn: Turn
     store: ResponseStore
-    response_id: str = field(default_factory=lambda: _rand_id("resp_"))
+    response_id: str = field(default_factory=lambda: _responses_id("resp_"))
     created_at: int = field(default_factory=lambda: int(time.time()))
     seq: int = 0
     output: list = field(default_factory=list)
@@ -893,12 +894,12 @@ class _Run:
     def _start(self, kind: str) -> list[dict]:
         index = len(self.output)
         if kind == "message":
-            o = _Open(kind, index, _rand_id("msg_"))
+            o = _Open(kind, index, _responses_id("msg_"))
             item = OutputMessage(type="message", id=o.id, status="in_progress", role="assistant", content=[])
             part = OutputText(type="output_text", text="", annotations=[])
         else:
             self.pending = ""
-            o = _Open(kind, index, _rand_id("rs_"))
+            o = _Open(kind, index, _responses_id("rs_"))
             item = ReasoningItem(type="reasoning", id=o.id, summary=[], content=[], status="in_progress")
             part = ReasoningText(type="reasoning_text", text="")
         self.open = o
@@ -936,8 +937,8 @@ class _Run:
         evs = self._close("completed") if self.open is not None else []
         self.pending = ""
         fn = call.get("function") or {}
-        index, item_id, args = len(self.output), _rand_id("fc_"), fn.get("arguments") or ""
-        item = FunctionCallItem(type="function_call", id=item_id, call_id=call.get("id") or _rand_id("call_"),
+        index, item_id, args = len(self.output), _responses_id("fc_"), fn.get("arguments") or ""
+        item = FunctionCallItem(type="function_call", id=item_id, call_id=call.get("id") or _responses_id("call_"),
                                 name=fn.get("name") or "", arguments="", status="in_progress")
         self.output.append(item)
         evs.append(self._ev(OutputItemAdded, type="response.output_item.added", output_index=index, item=item))
