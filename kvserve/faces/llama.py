@@ -505,15 +505,15 @@ def vllm_tokenize(state: Runner, body: dict) -> VllmTokenizeResponse:
     if "messages" in body and body.get("prompt") is None:
         if state.template is None:
             raise ApiError(500, "the model has no chat template")
-        from kvserve.chat.prompt import render_chat
         from kvserve.faces.chat_features import parse_tools, prompt_messages, template_kwargs
+        from kvserve.serving.chat_plan import render_prompt
 
         tools = parse_tools(body.get("tools"))
-        text, ids = render_chat(state.template, tok, prompt_messages(state, body),
-                                add_generation_prompt=get_bool(body, "add_generation_prompt", True),
-                                tools=tools,
-                                continue_final_message=bool(get_bool(body, "continue_final_message", False)),
-                                **template_kwargs(state.args, body, state.template, tools))
+        text, ids = render_prompt(state, prompt_messages(state, body),
+                                  add_generation_prompt=get_bool(body, "add_generation_prompt", True),
+                                  tools=tools,
+                                  continue_final_message=bool(get_bool(body, "continue_final_message", False)),
+                                  variables=template_kwargs(state.args, body, state.template, tools))
         if get_bool(body, "add_special_tokens", False):
             ids = tok.encode(text, add_special=True, parse_special=True)
     else:
@@ -844,13 +844,13 @@ def render_prompt(state: Runner, body: dict) -> str:
         raise ApiError(500, "the model has no chat template")
     if "messages" not in body:
         raise ApiError(400, "'messages' is required")
-    from kvserve.chat.prompt import render_chat
     from kvserve.faces.chat_features import parse_tools, prompt_messages, template_kwargs
+    from kvserve.serving.chat_plan import render_prompt
 
     tools = parse_tools(body.get("tools"))
     add = get_bool(body, "add_generation_prompt", True)  # llama-server honours false (no assistant header)
-    text, _ = render_chat(state.template, state.tokenizer, prompt_messages(state, body),
-                          add_generation_prompt=add is not False, tools=tools,
-                          continue_final_message=body.get("continue_final_message"),
-                          **template_kwargs(state.args, body, state.template, tools))  # as the chat endpoint renders
+    text, _ = render_prompt(state, prompt_messages(state, body),
+                            add_generation_prompt=add is not False, tools=tools,
+                            continue_final_message=body.get("continue_final_message"),
+                            variables=template_kwargs(state.args, body, state.template, tools))  # as the chat endpoint renders
     return text

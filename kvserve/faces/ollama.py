@@ -115,8 +115,8 @@ from kvserve.faces.auth import caller
 from kvserve.faces.chat_features import parse_tools
 from kvserve.faces.errors import INTERNAL_ERROR, ApiError
 from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
-from kvserve.faces.http import parse_json_body
-from kvserve.faces.models import LeasedResponse, watch_acquire
+from kvserve.faces.http import OLLAMA_EMPTY_BODY, OLLAMA_NOT_AN_OBJECT, read_json
+from kvserve.faces.models import LeasedResponse, acquire_model
 from kvserve.faces.ollama_types import (
     ChatResponse,
     ErrorResponse,
@@ -135,7 +135,7 @@ from kvserve.faces.ollama_types import (
 from kvserve.faces.params import sampling_fields, slot_view, stop_strings
 from kvserve.faces.sse import ClientDisconnected, until_disconnect
 from kvserve.serving.chat_output import ChoiceOutput
-from kvserve.serving.chat_plan import plan_chat
+from kvserve.serving.chat_plan import plan_chat, render_prompt
 from kvserve.serving.chat_request import ChatRequest, ReasoningOptions, TemplateOptions
 from kvserve.serving.choices import run_choices
 from kvserve.serving.completion_plan import plan_completion
@@ -231,17 +231,9 @@ def _error_of(e: BaseException) -> Response:
 
 
 async def _body(http: HttpRequest) -> dict:
-    """The JSON object of the request: 400 ``missing request body`` when there is none."""
-    raw = await http.body()
-    if not raw.strip():
-        raise ApiError(400, "missing request body")
-    body = await asyncio.to_thread(parse_json_body, raw) if len(raw) > 65536 else parse_json_body(raw)
-    if not isinstance(body, dict):
-        raise ApiError(400, "json: cannot unmarshal into Go value: the request body must be a JSON object")
-    from kvserve.jsonvalues import check_text
-
-    check_text(body)
-    return body
+    """The JSON object of the request (:func:`kvserve.faces.http.read_json`) with Ollama's texts:
+    400 ``missing request body`` when there is none."""
+    return await read_json(http, empty=OLLAMA_EMPTY_BODY, not_object=OLLAMA_NOT_AN_OBJECT)
 
 
 def _string(body: dict, key: str) -> str:
@@ -382,13 +374,26 @@ def _layers(state: ServerState, spec: ModelSpec) -> ModelLayers:
         stored = None
     if stored is None or (spec.path and stored.model_path is not None and str(stored.model_path) != spec.path):
         return ModelLayers()
-    m = stored.manifest
-    try:
-        return ModelLayers(store.params(m), store.layer_text(m, "system") or "", store.messages(m),
-                           store.layer_text(m, "template"), stored, _config(store, m))
-    except (OSError, KvserveError) as e:
-        log.warning("model '%s': cannot read its layers: %s", spec.name, e)
-        return ModelLayers(stored=stored)
+    key = (str(store.root), stored.digest)
+    known = _LAYERS.get(key)
+    if known is None:
+        m = stored.manifest
+        try:
+            known = ModelLayers(store.params(m), store.layer_text(m, "system") or "", store.messages(m),
+                                store.layer_text(m, "template"), None, _config(store, m))
+        except (OSError, KvserveError) as e:
+            log.warning("model '%s': cannot read its layers: %s", spec.name, e)
+            return ModelLayers(stored=stored)
+        if len(_LAYERS) >= 256:
+            _LAYERS.clear()
+        _LAYERS[key] = known
+    return dataclasses.replace(known, stored=stored)
+
+
+#: the layers read per (store root, manifest digest): a manifest names its blobs by digest, so the
+#: same manifest bytes always mean the same layers; a request reads only the manifest (a model's
+#: first request, usually the one that loads it, reads the blobs). Values are shared: never mutated.
+_LAYERS: dict[tuple[str, str], ModelLayers] = {}
 
 
 def _config(store, manifest) -> dict:
@@ -427,20 +432,6 @@ def _spec_for(state: ServerState, spec: ModelSpec, num_ctx: int | None) -> Model
         return dataclasses.replace(spec, n_ctx=e.spec.n_ctx)
     cfg = state.args.engine_config()
     return dataclasses.replace(spec, n_ctx=num_ctx * (1 if cfg.unified else max(cfg.n_slots, 1)))
-
-
-async def _acquire(state: ServerState, spec: ModelSpec, keep_alive: float | None, http: HttpRequest,
-                   poll_s: float = 0.25) -> Lease:
-    """Hold ``spec``'s runner (loading it), giving up when the client leaves meanwhile
-    (:func:`kvserve.faces.models.watch_acquire`)."""
-    state.require_up()
-    lease = await watch_acquire(http, state.manager.acquire(spec, keep_alive), poll_s)
-    try:
-        lease.runner.require_ready()
-    except BaseException:
-        lease.release()
-        raise
-    return lease
 
 
 # ------------------------------------------------------------------------ chat and generate
@@ -701,9 +692,8 @@ def _generate_plan(runner: Runner, call: _Call, rules: _Rules) -> _Run:
     if template:
         text = _go_template(template, msgs, _think_value(call.body), prompt, suffix, call.model)
     elif context:  # Ollama prepends the context's text to the rendered prompt
-        from kvserve.chat.prompt import render_chat
-
-        text, _ = render_chat(runner.template, runner.tokenizer, msgs, **rules.variables)
+        text, _ = render_prompt(runner, msgs, add_generation_prompt=True, continue_final_message=False,
+                                variables=rules.variables)
     else:
         return _chat_run(runner, _chat_request(call, runner, rules, msgs), with_context=True)
     req = _completion_request(call, runner, rules, [*context, text] if context else text)
@@ -895,7 +885,7 @@ async def _infer(state: ServerState, http: HttpRequest, kind: str) -> Response:
             return _json(_object(call, "", done=True, reason="unload"))
         call.layers = await asyncio.to_thread(_layers, state, spec)
         call.options = ollama_options(call.layers.params, b.get("options"))
-        lease = await _acquire(state, _spec_for(state, spec, call.options.num_ctx), keep_alive, http)
+        lease = await acquire_model(state, _spec_for(state, spec, call.options.num_ctx), keep_alive, http)
         call.t_loaded = time.monotonic_ns()
         if empty:
             return _json(_object(call, "", done=True, reason="load"))
@@ -1413,7 +1403,7 @@ async def _embed_lease(state: ServerState, http: HttpRequest, body: dict):
     spec = state.resolve(name)
     if not await serves_embeddings(state, name):
         raise ApiError(400, NO_EMBEDDINGS)
-    lease = await _acquire(state, spec, keep_alive, http)
+    lease = await acquire_model(state, spec, keep_alive, http)
     if not isinstance(lease.runner, EmbeddingRunner):
         lease.release()
         raise ApiError(400, NO_EMBEDDINGS)

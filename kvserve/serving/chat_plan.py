@@ -446,14 +446,30 @@ def _continuation(req: ChatRequest) -> tuple[list[dict], bool | None, bool]:
     return msgs, cont, continued
 
 
+def render_prompt(runner: Runner, messages: Any, *, add_generation_prompt: bool = True, tools: list | None = None,
+                  continue_final_message: bool | None = False, variables: dict | None = None) -> tuple[str, list[int]]:
+    """The one place a chat prompt is rendered with a runner's template and tokenizer
+    (:func:`kvserve.chat.prompt.render_chat`, whose arguments these are; ``variables`` are the
+    extra template variables): the chat planner, the prompt-showing routes (``/apply-template``,
+    ``/tokenize`` with messages) and Ollama's ``/api/generate`` with ``context``.
+
+    Returns:
+        (prompt text, prompt token ids).
+
+    Raises:
+        InvalidInputError: invalid messages or a template error.
+    """
+    return render_chat(runner.template, runner.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                       tools=tools, continue_final_message=continue_final_message, **(variables or {}))
+
+
 def _render(runner: Runner, req: ChatRequest, feats: ChatFeatures, cont: bool | None) -> tuple[str, list[int]]:
     """The prompt's text and token ids (truncated when asked)."""
     render_msgs = req.messages
     if feats.generic is not None and isinstance(render_msgs, list):  # the tools and the JSON answer's shape
         render_msgs = with_system_text(render_msgs, feats.generic[2])
-    text, ids = render_chat(runner.template, runner.tokenizer, render_msgs,
-                            add_generation_prompt=req.template.add_generation_prompt is not False,
-                            tools=feats.template_tools, continue_final_message=cont, **feats.template_kwargs)
+    text, ids = render_prompt(runner, render_msgs, add_generation_prompt=req.template.add_generation_prompt is not False,
+                              tools=feats.template_tools, continue_final_message=cont, variables=feats.template_kwargs)
     return text, truncate_ids(ids, req.truncate_prompt_tokens)
 
 
