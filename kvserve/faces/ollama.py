@@ -891,7 +891,7 @@ async def _infer(state: ServerState, http: HttpRequest, kind: str) -> Response:
             return _json(_object(call, "", done=True, reason="load"))
         runner = lease.runner
         # the model's own defaults (generation_config.json, general.sampling.*) under its params layer
-        call.options = ollama_options({**ollama_layer(getattr(runner, "generation", None)),
+        call.options = ollama_options({**ollama_layer(runner.generation),
                                        **(call.layers.params or {})}, b.get("options"))
         run = await asyncio.to_thread(_plan, runner, call)
         if call.stream:
@@ -1046,7 +1046,7 @@ def _ps(state: ServerState) -> dict:
         except ValueError:
             stored = None
         config = _config(store, stored.manifest) if stored is not None else {}
-        device = str(getattr(r.engine.core, "device", "cpu"))
+        device = r.device
         rows.append((expires, ProcessModel(
             name=e.spec.name, model=e.spec.name, size=int(e.size), digest=stored.digest if stored else "",
             details=_details(config), expires_at=go_time(min(expires, 2**63 - 1)),

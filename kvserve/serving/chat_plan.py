@@ -493,11 +493,13 @@ def plan_chat(runner: Runner, req: ChatRequest) -> Plan:
 
     Raises:
         ServerFaultError: the runner's engine died or was unloaded; the model has no chat template.
+        NotSupportedError: an encoder (it generates no text).
         InvalidInputError: messages the renderer refuses, a template error, tool or constraint
             conflicts, a value the sampler refuses, an unknown slot.
         TooManyTokensError / ContextSizeExceededError: the prompt cannot fit the context.
     """
     runner.require_ready()
+    runner.require_generative()
     if runner.template is None:
         raise ServerFaultError("this model has no chat template; use /v1/completions")
     feats = features(runner, req)

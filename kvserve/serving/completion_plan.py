@@ -137,11 +137,13 @@ def plan_completion(runner: Runner, req: CompletionRequest) -> Plan:
 
     Raises:
         ServerFaultError: the runner's engine died or was unloaded.
+        NotSupportedError: an encoder (it generates no text).
         InvalidInputError: a bad token id, an empty prompt, a constraint that does not compile, a
             value the sampler refuses, an unknown slot.
         TooManyTokensError / ContextSizeExceededError: a prompt cannot fit the context.
     """
     runner.require_ready()
+    runner.require_generative()
     prompts = prompt_ids(runner, req)
     params = _sampling(runner, req)
     spec = req.response_format
