@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import time
+from typing import Any
 
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
@@ -35,6 +36,20 @@ def json_response(obj, status: int = 200) -> Response:
 def error_response(e: ApiError) -> Response:
     """The error envelope as a response."""
     return json_response(e.body(), e.status)
+
+
+# -- JSON with numpy arrays (embedding vectors) ---------------------------------------------
+
+try:
+    import orjson
+
+    def dumps_json(obj: Any) -> bytes:
+        """JSON bytes of ``obj``; numpy arrays are written as lists (float32 in shortest form)."""
+        return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+except ImportError:  # pragma: no cover - orjson is a dependency; this keeps a broken install working
+    def dumps_json(obj: Any) -> bytes:
+        """JSON bytes of ``obj`` (numpy arrays written as lists)."""
+        return json.dumps(obj, separators=(",", ":"), default=lambda a: a.tolist()).encode()
 
 
 #: Bodies (and prompts) above this many bytes are parsed, tokenized and rendered off the event

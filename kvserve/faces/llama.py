@@ -37,7 +37,6 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from kvserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
-from kvserve.engine.request import Timings as EngineTimings
 from kvserve.faces.auth import caller
 from kvserve.faces.errors import ApiError
 from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
@@ -85,6 +84,7 @@ from kvserve.faces.params import (
     sampling_fields,
     type_error,
 )
+from kvserve.faces.server_extensions import ProgressEvents
 from kvserve.faces.sse import sse_response, until_disconnect
 from kvserve.serving import metrics as metrics_mod
 from kvserve.serving.chat_request import StreamOptions
@@ -408,41 +408,6 @@ def nested_values(paths: list[str], result: dict) -> dict:
         if found:
             out[path] = cur
     return out
-
-
-class ProgressEvents:
-    """llama-server's ``prompt_progress`` events of one sequence (``return_progress`` in a stream),
-    from its engine outputs: before the first token, one at 0% (``processed`` = ``cache``,
-    ``time_ms`` 0), one per prompt chunk the engine ran (the engine's token-less outputs with
-    ``prompt_progress``), and one at 100% (``processed`` = ``total``) when the first token comes.
-    Nothing after the first token. Each event comes with the timings at that point (what
-    llama-server sends with ``timings_per_token``: the prompt tokens computed and their ms, no
-    predicted tokens yet). Used by this face and the OpenAI face."""
-
-    def __init__(self) -> None:
-        self.shown = False  # the 0% event was sent
-        self.done = False  # the first token came
-
-    def feed(self, out: RequestOutput) -> list[tuple[PromptProgress, EngineTimings]]:
-        """The (progress, timings) pairs to send before ``out``'s own event (if any)."""
-        if self.done:
-            return []
-        p = out.prompt_progress
-        if p is not None:
-            total, cache, processed, ms = p.total, p.cache, p.processed, p.time_ms
-        else:
-            self.done = True
-            total, cache = out.num_prompt_tokens, out.num_cached_tokens
-            processed, ms = total, int(out.timings.prompt_ms)
-        t = out.timings
-        events = []
-        if not self.shown:
-            self.shown = True
-            events.append((PromptProgress(total=total, cache=cache, processed=cache, time_ms=0),
-                           EngineTimings(cache_n=cache)))
-        events.append((PromptProgress(total=total, cache=cache, processed=processed, time_ms=ms),
-                       EngineTimings(cache_n=cache, prompt_n=processed - cache, prompt_ms=t.prompt_ms)))
-        return events
 
 
 class InfillRoute:

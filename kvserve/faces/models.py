@@ -57,6 +57,22 @@ def keep_alive_field(body: dict | None) -> float | None:
     return parse_keep_alive(body["keep_alive"])
 
 
+async def serves_embeddings(state: ServerState, name: str | None) -> bool:
+    """Whether the model ``name`` means answers embedding routes: an encoder always, a
+    generative model only with ``--embeddings`` (read from the model's header, nothing loads).
+
+    Raises:
+        NotFoundError / UnavailableError / InvalidInputError: as ``ServerState.resolve``.
+    """
+    from kvserve.serving.embed_runner import cached_task, model_task
+
+    spec = state.resolve(name)
+    if state.args.embeddings:
+        return True
+    task = cached_task(spec.path) or await asyncio.to_thread(model_task, spec.path)
+    return task != "generate"
+
+
 class LeasedResponse(Response):
     """A response that holds a model until it is sent: streams keep the runner busy (never
     evicted, keep_alive not running) until their last byte, or until the client leaves."""
@@ -270,4 +286,4 @@ def model_json(state: ServerState, model_id: str) -> dict:
 
 
 __all__ = ["ApiError", "LeasedResponse", "acquire_model", "keep_alive_field", "model_entry", "model_field", "model_json",
-           "models_json", "serve_loaded", "serve_model"]
+           "models_json", "serve_loaded", "serve_model", "serves_embeddings"]

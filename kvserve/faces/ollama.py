@@ -115,8 +115,8 @@ from kvserve.faces.auth import caller
 from kvserve.faces.chat_features import parse_tools
 from kvserve.faces.errors import INTERNAL_ERROR, ApiError
 from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
-from kvserve.faces.http import OLLAMA_EMPTY_BODY, OLLAMA_NOT_AN_OBJECT, read_json
-from kvserve.faces.models import LeasedResponse, acquire_model
+from kvserve.faces.http import OLLAMA_EMPTY_BODY, OLLAMA_NOT_AN_OBJECT, dumps_json, read_json
+from kvserve.faces.models import LeasedResponse, acquire_model, serves_embeddings
 from kvserve.faces.ollama_types import (
     ChatResponse,
     ErrorResponse,
@@ -1395,7 +1395,6 @@ def _int_field(body: dict, key: str) -> int:
 async def _embed_lease(state: ServerState, http: HttpRequest, body: dict):
     """Hold the runner of the request's model for an embedding; 400 ``this model does not
     support embeddings`` for a generative model (without ``--embeddings``), before it loads."""
-    from kvserve.faces.embeddings import serves_embeddings
     from kvserve.serving.embed_runner import EmbeddingRunner
 
     name = _model_name(body)
@@ -1433,7 +1432,6 @@ async def _embed(state: ServerState, http: HttpRequest) -> Response:
             res = await until_disconnect(http, runner.embed_ids(ids, normalize=2))
         finally:
             lease.release()
-        from kvserve.faces.embeddings import dumps_json
         from kvserve.serving.embed_runner import cut_dimensions
 
         vectors = cut_dimensions(res.vectors, dims if 0 < dims < runner.dim else None)
@@ -1480,8 +1478,6 @@ async def _embeddings(state: ServerState, http: HttpRequest) -> Response:
                 raise
         finally:
             lease.release()
-        from kvserve.faces.embeddings import dumps_json
-
         return Response(dumps_json({"embedding": res.vectors[0].astype("float64")}), media_type=JSON_TYPE)
     except Exception as e:  # noqa: BLE001
         return _error_of(e)

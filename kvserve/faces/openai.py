@@ -66,8 +66,8 @@ from kvserve.faces.chat_features import read_chat_options
 from kvserve.faces.auth import caller
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import error_response, json_response, read_json
-from kvserve.faces.llama import ProgressEvents
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
+from kvserve.faces.server_extensions import ProgressEvents
 from kvserve.faces.openai_types import (
     ChatChoice,
     ChatChunkChoice,
