@@ -582,9 +582,104 @@ def _reasoning_tokens(plan: Plan, post: list[ChoiceOutput | None]) -> int | None
     return sum(p.reasoning_tokens for p in post if p is not None)
 
 
+class _ChatSteps:
+    """The choices of a chat stream's chunks: the role first, the text split into deltas by
+    :class:`ChoiceOutput` (one field each), each delta with the logprobs of its tokens."""
+
+    def __init__(self, plan: Plan):
+        n = len(plan.requests)
+        self.plan = plan
+        self.post = [ChoiceOutput(plan.mode) if plan.mode.active else None for _ in range(n)]
+        self.pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
+
+    def opening(self) -> list[ChatChunkChoice]:
+        return [ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(role=self.plan.role, content=None))
+                for i in range(len(self.post))]
+
+    def empty(self, i: int) -> ChatChunkChoice:
+        # the role went in the stream's first chunk: sent again, openai-python's stream helper
+        # would concatenate it ('assistantassistant...')
+        return ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta())
+
+    def _with_logprobs(self, c: ChatChunkChoice, i: int) -> ChatChunkChoice:
+        """``c`` with the logprobs of the tokens not reported yet (when any were asked for)."""
+        if self.pending[i]:
+            lps, self.pending[i] = self.pending[i], []
+            c.logprobs = ChatLogprobs(content=[_chat_logprob(lp, self.plan.logprobs, self.plan.token_ids)
+                                               for lp in lps])
+        return c
+
+    def pieces(self, i: int, out: RequestOutput) -> list[ChatChunkChoice]:
+        if out.logprobs and self.plan.logprobs is not None:
+            self.pending[i].extend(out.logprobs)
+        post, text = self.post[i], out.text
+        if not text:
+            deltas = post.finish() if out.finished and post is not None else []
+        elif post is None:
+            deltas = [{"content": text}]
+        else:
+            deltas = post.feed(text) + post.finish() if out.finished else post.feed(text)
+        # ChoiceOutput's delta fragments: one field each
+        return [self._with_logprobs(ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(**d)), i)
+                for d in deltas]
+
+    def finish(self, i: int, out: RequestOutput) -> ChatChunkChoice:
+        c = ChatChunkChoice(finish_reason=_finish_reason(out, self.post[i]), index=i, delta=ChatDelta())
+        return self._with_logprobs(c, i)
+
+    def reasoning_tokens(self) -> int | None:
+        return _reasoning_tokens(self.plan, self.post)
+
+
+class _TextSteps:
+    """The choices of a legacy completion stream's chunks: text pieces (the prompt first under
+    ``echo``), each with the legacy logprobs of its tokens."""
+
+    def __init__(self, state: Runner, plan: Plan):
+        n = len(plan.requests)
+        self.state, self.plan = state, plan
+        self.legacy = [_LegacyLogprobs(plan.logprobs or 0, 0, plan.token_ids) for _ in range(n)]
+        self.pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        self.started = [False] * n
+
+    def opening(self) -> list[TextChoice]:
+        return []
+
+    def empty(self, i: int) -> TextChoice:
+        return TextChoice(finish_reason=None, index=i, text="", logprobs=None)
+
+    def _logprobs(self, i: int) -> LegacyLogprobs | None:
+        if self.plan.logprobs is None:
+            return None
+        lps, self.pending[i] = self.pending[i], []
+        for lp in lps:
+            self.legacy[i].add(lp)
+        return self.legacy[i].take()
+
+    def pieces(self, i: int, out: RequestOutput) -> list[TextChoice]:
+        text, plan = out.text, self.plan
+        if not self.started[i]:
+            self.started[i] = True
+            if plan.echo_texts[i]:
+                if plan.logprobs is not None:
+                    _add_prompt_logprobs(self.legacy[i], self.state, plan.requests[i], out)
+                text = plan.echo_texts[i] + text
+        self.pending[i].extend(out.logprobs or [])
+        return [TextChoice(finish_reason=None, index=i, text=text, logprobs=self._logprobs(i))] if text else []
+
+    def finish(self, i: int, out: RequestOutput) -> TextChoice:
+        return TextChoice(finish_reason=out.finish_reason, index=i, text="",
+                          logprobs=self._logprobs(i) if self.pending[i] else None)
+
+    def reasoning_tokens(self) -> None:
+        return None
+
+
 async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
     """The SSE events of a streaming request, as JSON objects (see the module docstring):
-    :class:`ChatCompletionChunk` / :class:`TextCompletionChunk` written with ``.wire()``;
+    :class:`ChatCompletionChunk` / :class:`TextCompletionChunk` written with ``.wire()``, their
+    choices from :class:`_ChatSteps` / :class:`_TextSteps`; llama-server's ``prompt_progress``
+    chunks (``return_progress``) before a choice's first token;
     :func:`kvserve.faces.sse.sse_response` writes them, pings, the error event and [DONE]."""
     chat = plan.kind == "chat"
     make = ChatCompletionChunk if chat else TextCompletionChunk
@@ -594,70 +689,26 @@ async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
     def chunk(choices: list, **extra) -> dict:
         return make(choices=choices, **envelope, **extra).wire()
 
-    n = len(plan.requests)
-    finals: list[RequestOutput | None] = [None] * n
-    pending_lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
-    legacy = [_LegacyLogprobs(plan.logprobs or 0, 0, plan.token_ids) for _ in range(n)]
-    started = [False] * n
-    post = [ChoiceOutput(plan.mode) if chat and plan.mode.active else None for _ in range(n)]
+    steps = _ChatSteps(plan) if chat else _TextSteps(state, plan)
+    finals: list[RequestOutput | None] = [None] * len(plan.requests)
     progress = [ProgressEvents() if getattr(r, "return_progress", False) else None for r in plan.requests]
-    if chat:
-        for i in range(n):
-            yield chunk([ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(role=plan.role, content=None))])
-
-    def logprobs_of(i: int) -> ChatLogprobs | LegacyLogprobs | None:
-        if plan.logprobs is None:
-            return None
-        lps, pending_lps[i] = pending_lps[i], []
-        if chat:
-            return ChatLogprobs(content=[_chat_logprob(lp, plan.logprobs, plan.token_ids) for lp in lps])
-        for lp in lps:
-            legacy[i].add(lp)
-        return legacy[i].take()
-
+    for c in steps.opening():
+        yield chunk([c])
     async for i, out in run_choices(state, plan, slot_view(plan.grammar)):
         _check_output(out)
         if progress[i] is not None:  # llama-server's progress chunks: an empty delta (chat) or empty text
             for prog, _timings in progress[i].feed(out):
-                # the role went in the stream's first chunk: sent again, openai-python's stream
-                # helper would concatenate it ('assistantassistant...')
-                c = ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta()) \
-                    if chat else TextChoice(finish_reason=None, index=i, text="", logprobs=None)
-                yield chunk([c], prompt_progress=prog)
+                yield chunk([steps.empty(i)], prompt_progress=prog)
         if out.prompt_progress is not None:
             continue
-        text = out.text
-        if not started[i]:
-            started[i] = True
-            if not chat and plan.echo_texts[i]:
-                if plan.logprobs is not None:
-                    _add_prompt_logprobs(legacy[i], state, plan.requests[i], out)
-                text = plan.echo_texts[i] + text
-        pending_lps[i].extend(out.logprobs or [])
-        if chat:
-            deltas = (post[i].feed(text) if post[i] is not None else [{"content": text}]) if text else []
-            if out.finished and post[i] is not None:
-                deltas += post[i].finish()
-            for d in deltas:  # ChoiceOutput's delta fragments: one field each
-                c = ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(**d))
-                if plan.logprobs is not None and pending_lps[i]:
-                    c.logprobs = logprobs_of(i)
-                yield chunk([c])
-        elif text:
-            yield chunk([TextChoice(finish_reason=None, index=i, text=text, logprobs=logprobs_of(i))])
+        for c in steps.pieces(i, out):
+            yield chunk([c])
         if out.finished:
             finals[i] = out
-            if chat:
-                c = ChatChunkChoice(finish_reason=_finish_reason(out, post[i]), index=i, delta=ChatDelta())
-                if plan.logprobs is not None and pending_lps[i]:
-                    c.logprobs = logprobs_of(i)
-            else:
-                c = TextChoice(finish_reason=out.finish_reason, index=i, text="",
-                               logprobs=logprobs_of(i) if pending_lps[i] else None)
-            yield chunk([c], timings=Timings.of(out.timings))
+            yield chunk([steps.finish(i, out)], timings=Timings.of(out.timings))
     outs = [f for f in finals if f is not None]
     if plan.include_usage:
-        yield chunk([], usage=_usage(outs, plan.n, _reasoning_tokens(plan, post)), timings=Timings.of(outs[0].timings))
+        yield chunk([], usage=_usage(outs, plan.n, steps.reasoning_tokens()), timings=Timings.of(outs[0].timings))
 
 
 # ------------------------------------------------------------------------ routes
