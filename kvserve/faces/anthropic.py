@@ -68,8 +68,6 @@ import asyncio
 import json
 import logging
 import math
-import secrets
-import string
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -85,11 +83,12 @@ from kvserve.faces.chat_features import check_tool_choice, parse_tools
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import json_response, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
-from kvserve.faces.openai import run_choices
-from kvserve.faces.params import get_int, get_str, sampling_fields
+from kvserve.faces.params import get_int, get_str, sampling_fields, slot_view
 from kvserve.serving.chat_output import ChoiceOutput
 from kvserve.serving.chat_plan import Plan, plan_chat
-from kvserve.serving.chat_request import ChatRequest, new_request_id
+from kvserve.serving.chat_request import ChatRequest
+from kvserve.serving.choices import run_choices
+from kvserve.serving.ids import new_id
 from kvserve.structured.spec import schema_spec
 from kvserve.faces.sse import (
     ClientDisconnected,
@@ -104,7 +103,6 @@ __all__ = ["build_router", "chat_request", "error_envelope"]
 
 log = logging.getLogger("kvserve.server")
 
-_ALNUM = string.ascii_letters + string.digits
 #: Bounds on what one request may list (the body itself is bounded by --max-request-bytes).
 MAX_MESSAGES = 100_000  # Anthropic's own limit per request
 MAX_BLOCKS = 10_000  # content blocks per message
@@ -119,8 +117,9 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
-def _rand_id(prefix: str) -> str:
-    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(24))
+def _anthropic_id(prefix: str) -> str:
+    """Anthropic's ids: ``msg_`` / ``toolu_`` + 24 letters and digits."""
+    return new_id(prefix, 24)
 
 
 def _bad(message: str) -> ApiError:
@@ -150,7 +149,7 @@ def chat_request(body: dict, *, counting: bool = False) -> ChatRequest:
             e.g. ``max_tokens: Field required``.
     """
     max_tokens = 1 if counting else _max_tokens(body)  # checked first: the field clients forget
-    req = ChatRequest(_system(body.get("system")) + _messages(body.get("messages")), new_request_id("chatcmpl-"),
+    req = ChatRequest(_system(body.get("system")) + _messages(body.get("messages")), new_id("chatcmpl-"),
                       model=model_field(body) or "", keep_alive=keep_alive_field(body))
     req.tools = parse_tools(_tools(body.get("tools")))
     req.tool_choice, req.parallel_tool_calls = _tool_choice(body.get("tool_choice"), req.tools)
@@ -494,7 +493,7 @@ class _Plan:
         self.stops = stops
         self.stream = stream
         self.by_context = by_context
-        self.id = _rand_id("msg_")
+        self.id = _anthropic_id("msg_")
 
 
 def _messages_plan(runner: Runner, body: dict) -> _Plan:
@@ -564,7 +563,7 @@ async def _complete(runner: Runner, mp: _Plan) -> at.Message:
     plan = mp.plan
     text, final = "", None
     post = ChoiceOutput(plan.mode) if plan.mode.active else None
-    async for _, out in run_choices(runner, plan):
+    async for _, out in run_choices(runner, plan, slot_view(plan.grammar)):
         _check(out)
         text += out.text
         if out.finished:
@@ -578,7 +577,7 @@ async def _complete(runner: Runner, mp: _Plan) -> at.Message:
     if msg.get("content"):
         blocks.append(at.TextBlock(type="text", text=msg["content"]))
     for c in msg.get("tool_calls") or []:
-        blocks.append(at.ToolUseBlock(type="tool_use", id=_rand_id("toolu_"), name=c["function"]["name"],
+        blocks.append(at.ToolUseBlock(type="tool_use", id=_anthropic_id("toolu_"), name=c["function"]["name"],
                                       input=_tool_input(c["function"]["arguments"])))
     if not blocks:
         blocks.append(at.TextBlock(type="text", text=""))
@@ -623,7 +622,7 @@ class _Blocks:
             evs.append(self._delta(at.TextDelta(type="text_delta", text=frag["content"])))
         for c in frag.get("tool_calls") or []:
             fn = c["function"]
-            evs += self._start("tool_use", at.ToolUseBlock(type="tool_use", id=_rand_id("toolu_"),
+            evs += self._start("tool_use", at.ToolUseBlock(type="tool_use", id=_anthropic_id("toolu_"),
                                                            name=fn["name"], input={}))
             args = fn.get("arguments") or ""
             if args:
@@ -655,7 +654,7 @@ async def _stream_events(runner: Runner, mp: _Plan) -> AsyncIterator[dict]:
     post = ChoiceOutput(plan.mode) if plan.mode.active else None
     blocks = _Blocks(plan.mode.reasoning_field)
     final, started = None, False
-    async for _, out in run_choices(runner, plan):
+    async for _, out in run_choices(runner, plan, slot_view(plan.grammar)):
         _check(out)
         if not started:
             started = True

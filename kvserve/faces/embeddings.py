@@ -74,15 +74,13 @@ from starlette.responses import Response
 
 from kvserve.faces.errors import ApiError
 from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
-from kvserve.faces.http import read_json
-from kvserve.faces.models import keep_alive_field, model_field, serve_model
+from kvserve.faces.http import dumps_json, read_json
+from kvserve.faces.models import keep_alive_field, model_field, serve_model, serves_embeddings
 from kvserve.faces.params import get_int, get_str, type_error
 from kvserve.faces.sse import until_disconnect
 from kvserve.serving.embed_runner import (
     EmbeddingRunner,
-    cached_task,
     cut_dimensions,
-    model_task,
 )
 from kvserve.serving.state import ServerState
 
@@ -98,20 +96,6 @@ Inputs = list  # list[str | list[int]]
 
 
 # -- JSON -------------------------------------------------------------------------------------
-
-try:
-    import orjson
-
-    def dumps_json(obj: Any) -> bytes:
-        """JSON bytes of ``obj``; numpy arrays are written as lists (float32 in shortest form)."""
-        return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
-except ImportError:  # pragma: no cover - orjson is a dependency; this keeps a broken install working
-    import json
-
-    def dumps_json(obj: Any) -> bytes:
-        """JSON bytes of ``obj`` (numpy arrays written as lists)."""
-        return json.dumps(obj, separators=(",", ":"), default=lambda a: a.tolist()).encode()
-
 
 def _json(obj: Any, status: int = 200) -> Response:
     return Response(dumps_json(obj), status_code=status, media_type="application/json; charset=utf-8")
@@ -166,20 +150,6 @@ def _normalize(body: dict) -> int | None:
 
 
 # -- which model ------------------------------------------------------------------------------
-
-async def serves_embeddings(state: ServerState, name: str | None) -> bool:
-    """Whether the model ``name`` means answers embedding routes: an encoder always, a
-    generative model only with ``--embeddings`` (read from the model's header, nothing loads).
-
-    Raises:
-        NotFoundError / UnavailableError / InvalidInputError: as ``ServerState.resolve``.
-    """
-    spec = state.resolve(name)
-    if state.args.embeddings:
-        return True
-    task = cached_task(spec.path) or await asyncio.to_thread(model_task, spec.path)
-    return task != "generate"
-
 
 def require_embedder(runner: Any, message: str = EMBEDDINGS_OFF) -> EmbeddingRunner:
     """``runner`` as an :class:`EmbeddingRunner`, or 501 ``message`` for a generative runner."""

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import time
+from typing import Any
 
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
@@ -37,13 +38,37 @@ def error_response(e: ApiError) -> Response:
     return json_response(e.body(), e.status)
 
 
+# -- JSON with numpy arrays (embedding vectors) ---------------------------------------------
+
+try:
+    import orjson
+
+    def dumps_json(obj: Any) -> bytes:
+        """JSON bytes of ``obj``; numpy arrays are written as lists (float32 in shortest form)."""
+        return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+except ImportError:  # pragma: no cover - orjson is a dependency; this keeps a broken install working
+    def dumps_json(obj: Any) -> bytes:
+        """JSON bytes of ``obj`` (numpy arrays written as lists)."""
+        return json.dumps(obj, separators=(",", ":"), default=lambda a: a.tolist()).encode()
+
+
 #: Bodies (and prompts) above this many bytes are parsed, tokenized and rendered off the event
 #: loop, so that one large request does not stall every other connection.
 LARGE_BODY = 64 * 1024
 
 
-async def read_json(request: HttpRequest, *, required: bool = True) -> dict:
-    """The request body as a JSON object, whatever the Content-Type (curl -d sends form type).
+#: the 400 texts for an empty body and for a body that is not an object: kvserve's own, and
+#: Ollama's (its Go handlers' ``missing request body`` and json.Unmarshal's type error)
+EMPTY_BODY = "request body is empty: a JSON object is required"
+NOT_AN_OBJECT = "request body must be a JSON object"
+OLLAMA_EMPTY_BODY = "missing request body"
+OLLAMA_NOT_AN_OBJECT = "json: cannot unmarshal into Go value: the request body must be a JSON object"
+
+
+async def read_json(request: HttpRequest, *, required: bool = True, empty: str = EMPTY_BODY,
+                    not_object: str = NOT_AN_OBJECT) -> dict:
+    """The request body as a JSON object, whatever the Content-Type (curl -d sends form type):
+    every face's one body reader. ``empty`` and ``not_object`` are the dialect's 400 texts.
 
     Malformed JSON is a 400 ``invalid_request_error``: llama-server answers it with 500
     ``server_error`` (seed Example 17), which makes a client bug look like a server fault.
@@ -51,7 +76,8 @@ async def read_json(request: HttpRequest, *, required: bool = True) -> dict:
 
     Raises:
         ApiError: 400 on malformed JSON, an integer literal of more than 4,300 digits
-            (Python's int-string limit), or a body that is not an object; 413 from
+            (Python's int-string limit), a lone surrogate (naming its field), an empty body
+            (``empty``, when ``required``) or a body that is not an object (``not_object``); 413 from
             :class:`BodyLimitMiddleware` when the body exceeds ``--max-request-bytes``.
         ClientDisconnected: the client closed the connection before sending the whole body
             (Starlette's ``ClientDisconnect``): logged as one INFO line, the line
@@ -68,11 +94,11 @@ async def read_json(request: HttpRequest, *, required: bool = True) -> dict:
         raise ClientDisconnected("client disconnected while sending the request body") from None
     if not raw.strip():
         if required:
-            raise ApiError(400, "request body is empty: a JSON object is required")
+            raise ApiError(400, empty)
         return {}
     body = await asyncio.to_thread(parse_json_body, raw) if len(raw) > LARGE_BODY else parse_json_body(raw)
     if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
+        raise ApiError(400, not_object)
     if _SURROGATE_ESCAPE.search(raw):  # only a \uD800-\uDFFF escape can make a lone surrogate
         from kvserve.faces.params import check_text
 

@@ -10,7 +10,7 @@ llama-server's ``content`` and vLLM's ``prompt``.
 
 ``/infill`` is llama-server's: ``input_prefix``, ``input_suffix``, ``input_extra``
 (``[{"filename", "text"}]``) and ``prompt`` laid out with the model's FIM tokens
-(:mod:`kvserve.faces.fim`), then run as ``/completion`` (same fields, same answer); a vocabulary
+(:mod:`kvserve.serving.fim`), then run as ``/completion`` (same fields, same answer); a vocabulary
 without them is 501 ``Infill is not supported by this model: prefix token is missing. ...``.
 
 Each handler only translates: request JSON (read by :mod:`kvserve.faces.params` and the getters
@@ -30,7 +30,6 @@ import asyncio
 import itertools
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from fastapi import APIRouter
@@ -38,7 +37,6 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from kvserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
-from kvserve.engine.request import Timings as EngineTimings
 from kvserve.errors import UnavailableError
 from kvserve.faces.auth import caller
 from kvserve.faces.errors import ApiError
@@ -85,11 +83,16 @@ from kvserve.faces.params import (
     get_int,
     get_str,
     params_to_dict,
-    sampling_params_from_body,
+    sampling_fields,
     type_error,
 )
+from kvserve.faces.server_extensions import ProgressEvents
 from kvserve.faces.sse import sse_response, until_disconnect
 from kvserve.serving import metrics as metrics_mod
+from kvserve.serving.chat_request import StreamOptions
+from kvserve.serving.completion_plan import plan_completion
+from kvserve.serving.ids import new_id
+from kvserve.serving.completion_request import CompletionRequest, Infill, Prompt
 from kvserve.serving.manager import KEEP_CURRENT
 from kvserve.serving.runner import Runner, fair_share, generate
 from kvserve.serving.state import ServerState
@@ -136,6 +139,22 @@ def tokenize_mixed(tokenizer, prompt, *, add_special: bool, parse_special: bool 
                 raise type_error(field_name, "string, token id or an array of them", p)
         return out
     raise type_error(field_name, "string or array", prompt)
+
+
+def prompt_value(prompt, field_name: str = "prompt") -> Prompt:
+    """One prompt as kvserve's :data:`~kvserve.serving.completion_request.Prompt`: a string, or
+    token ids mixed with strings; a prompt object is its string (:func:`prompt_object_text`).
+    The types :func:`tokenize_mixed` takes, with its 400s."""
+    if isinstance(prompt, dict):
+        return prompt_object_text(prompt, field_name)
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list):
+        raise type_error(field_name, "string or array", prompt)
+    bad = next((p for p in prompt if not (_is_token(p) or isinstance(p, str))), None)
+    if bad is not None:
+        raise type_error(field_name, "string, token id or an array of them", bad)
+    return prompt
 
 
 def prompt_object_text(obj: dict, field_name: str = "prompt") -> str:
@@ -227,14 +246,15 @@ class CompletionHandler:
     def __init__(self, state: Runner):
         self.state = state
 
-    def _build(self, body: dict) -> tuple[list[_Completion], SamplingParams, dict]:
+    def _build(self, body: dict, infill: tuple[Prompt, Infill] | None = None) \
+            -> tuple[list[_Completion], SamplingParams, dict]:
         state = self.state
         tok = state.tokenizer
-        if "prompt" not in body or body["prompt"] is None:
+        if infill is None and ("prompt" not in body or body["prompt"] is None):
             raise ApiError(400, '"prompt" must be provided')
-        params = sampling_params_from_body(body, state.default_params, tok,
-                                           max_tokens_keys=("n_predict", "max_tokens"),
-                                           max_logprobs=state.args.max_logprobs)
+        sampling = sampling_fields(body, tok, max_tokens_keys=("n_predict", "max_tokens"),
+                                   max_logprobs=state.args.max_logprobs)
+        sampling.pop("n_predict_default", None)  # the client's own limit
         id_slot = get_int(body, "id_slot", -1)
         opts = {
             "stream": bool(get_bool(body, "stream", False)),
@@ -248,20 +268,19 @@ class CompletionHandler:
         # llama-server's timings_per_token: every streamed event carries the timings so far
         opts["response_fields"] = response_fields(body)
         opts["timings_per_token"] = opts["stream"] and bool(get_bool(body, "timings_per_token", False))
-        prompts = split_prompts(body["prompt"])
+        prompts = [infill[0]] if infill is not None else split_prompts(body["prompt"])
         check_count("prompt", len(prompts), batch_cap(state.args), "prompts", "--max-batch-inputs")
-        tasks = []
-        for i, p in enumerate(prompts):
-            ids = tokenize_mixed(tok, p, add_special=True, n_ctx=state.engine.n_ctx_slot)
-            bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
-            if bad is not None:
-                raise ApiError(400, f"Field 'prompt': token id {bad} out of range [0, {tok.n_vocab})")
-            text = p if isinstance(p, str) else p["prompt_string"] if isinstance(p, dict) else tok.decode(ids)
-            req = Request(f"cmpl-{uuid.uuid4().hex}", ids, params, priority_slot=opts["id_slot"],
-                          cache_salt=get_str(body, "cache_salt") or None, owner=caller(),
-                          return_progress=opts["return_progress"])
-            tasks.append(_Completion(i, text, ids, req))
-        return tasks, params, opts
+        prompts = [prompt_value(p) for p in prompts]
+        req = CompletionRequest(prompts, new_id("cmpl-"), sampling=sampling,
+                                infill=infill[1] if infill is not None else None, seed_per_request=False,
+                                response_format=opts["constraint"], id_slot=opts["id_slot"],
+                                stream=StreamOptions(opts["stream"], False, opts["return_progress"]),
+                                cache_salt=get_str(body, "cache_salt") or None, owner=caller())
+        plan = plan_completion(state, req)  # tokenizing and grammar compiles: the caller runs this off the loop
+        opts["grammar"] = plan.grammar
+        tasks = [_Completion(i, p if isinstance(p, str) and infill is None else tok.decode(r.prompt_token_ids),
+                             r.prompt_token_ids, r) for i, (p, r) in enumerate(zip(prompts, plan.requests))]
+        return tasks, plan.requests[0].params, opts
 
     def final_json(self, c: _Completion, params: SamplingParams, opts: dict, *, stream: bool) -> CompletionResult:
         """The final result object (Example 6 field order)."""
@@ -293,21 +312,6 @@ class CompletionHandler:
             res.completion_probabilities = c.probs
         return res
 
-    async def _constrain(self, tasks: list[_Completion], opts: dict) -> None:
-        """Give each task its own matcher for the request's constraint (compiled off the loop:
-        the first use loads xgrammar, a new schema takes ~30 ms)."""
-        spec = opts["constraint"]
-        if spec is None:
-            return
-        grammars = self.state.grammars
-
-        def build():
-            opts["grammar"] = grammars.grammar_text(spec)
-            for c in tasks:
-                c.request.grammar = grammars.constraint(spec)
-
-        await asyncio.to_thread(build)
-
     def _params_view(self, params: SamplingParams, opts: dict) -> dict:
         return params_to_dict(params, grammar=opts["grammar"])
 
@@ -316,10 +320,10 @@ class CompletionHandler:
         async for out in generate(self.state, c.request, self._params_view(params, opts)):
             c.add(out, params.post_sampling_probs)
 
-    async def serve(self, http: HttpRequest, body) -> Response:
+    async def serve(self, http: HttpRequest, body, infill: tuple[Prompt, Infill] | None = None) -> Response:
+        """Answer ``body`` (with ``infill``: /infill's prefix and fill-in-the-middle parts)."""
         self.state.require_ready()
-        tasks, params, opts = await asyncio.to_thread(self._build, body)  # tokenizing: off the loop
-        await self._constrain(tasks, opts)
+        tasks, params, opts = await asyncio.to_thread(self._build, body, infill)  # tokenizing: off the loop
         if opts["stream"]:
             if len(tasks) != 1:
                 raise ApiError(400, "streaming supports one prompt per request")
@@ -408,41 +412,6 @@ def nested_values(paths: list[str], result: dict) -> dict:
     return out
 
 
-class ProgressEvents:
-    """llama-server's ``prompt_progress`` events of one sequence (``return_progress`` in a stream),
-    from its engine outputs: before the first token, one at 0% (``processed`` = ``cache``,
-    ``time_ms`` 0), one per prompt chunk the engine ran (the engine's token-less outputs with
-    ``prompt_progress``), and one at 100% (``processed`` = ``total``) when the first token comes.
-    Nothing after the first token. Each event comes with the timings at that point (what
-    llama-server sends with ``timings_per_token``: the prompt tokens computed and their ms, no
-    predicted tokens yet). Used by this face and the OpenAI face."""
-
-    def __init__(self) -> None:
-        self.shown = False  # the 0% event was sent
-        self.done = False  # the first token came
-
-    def feed(self, out: RequestOutput) -> list[tuple[PromptProgress, EngineTimings]]:
-        """The (progress, timings) pairs to send before ``out``'s own event (if any)."""
-        if self.done:
-            return []
-        p = out.prompt_progress
-        if p is not None:
-            total, cache, processed, ms = p.total, p.cache, p.processed, p.time_ms
-        else:
-            self.done = True
-            total, cache = out.num_prompt_tokens, out.num_cached_tokens
-            processed, ms = total, int(out.timings.prompt_ms)
-        t = out.timings
-        events = []
-        if not self.shown:
-            self.shown = True
-            events.append((PromptProgress(total=total, cache=cache, processed=cache, time_ms=0),
-                           EngineTimings(cache_n=cache)))
-        events.append((PromptProgress(total=total, cache=cache, processed=processed, time_ms=ms),
-                       EngineTimings(cache_n=cache, prompt_n=processed - cache, prompt_ms=t.prompt_ms)))
-        return events
-
-
 class InfillRoute:
     """POST /infill: llama-server's checks and texts, the FIM prompt, then /completion."""
 
@@ -454,23 +423,22 @@ class InfillRoute:
 
         async def run(runner: Runner) -> Response:
             runner.require_ready()
-            ids = await asyncio.to_thread(infill_prompt, runner, body)
-            return await CompletionHandler(runner).serve(http, {**body, "prompt": ids})
+            return await CompletionHandler(runner).serve(http, body, infill_parts(runner, body))
 
         return await serve_model(self.state, model_field(body), keep_alive_field(body), run, http)
 
 
-def infill_prompt(state: Runner, body: dict) -> list[int]:
-    """The token ids of an ``/infill`` request (llama-server's ``handle_infill`` checks, in its
-    order and with its texts; the layout of :func:`kvserve.faces.fim.fim_prompt`).
+def infill_parts(state: Runner, body: dict) -> tuple[Prompt, Infill]:
+    """The prefix and the fill-in-the-middle parts of an ``/infill`` request (llama-server's
+    ``handle_infill`` checks, in its order and with its texts; the planner lays them out with
+    :func:`kvserve.serving.fim.fim_prompt`).
 
     Raises:
         ApiError: 501 when the vocabulary has no FIM tokens; 400 for a bad field.
     """
-    from kvserve.faces.fim import fim_prompt, fim_tokens, missing_text
+    from kvserve.serving.fim import fim_tokens, missing_text
 
-    tok = state.tokenizer
-    fim = fim_tokens(tok)
+    fim = fim_tokens(state.tokenizer)
     if fim.missing:
         raise ApiError(501, f"Infill is not supported by this model: {missing_text(fim)}")
     if "prompt" in body and not isinstance(body["prompt"], str):
@@ -488,16 +456,9 @@ def infill_prompt(state: Runner, body: dict) -> list[int]:
         if "filename" in c and not isinstance(c["filename"], str):
             raise ApiError(400, 'extra_context chunk\'s "filename" field must be a string')
         chunks.append((c.get("filename", "tmp"), c["text"]))
-    n_ctx = state.engine.n_ctx_slot
-    prefix = tokenize_mixed(tok, body["input_prefix"], add_special=False, parse_special=False,
-                            field_name="input_prefix")
-    suffix = tokenize_mixed(tok, body["input_suffix"], add_special=False, parse_special=False,
-                            field_name="input_suffix")
-    prompt = tok.encode(body.get("prompt") or "", add_special=False, parse_special=True)
-    args = state.args
-    return fim_prompt(tok, fim, prefix, suffix, prompt=prompt, extra=chunks, n_batch=getattr(args, "batch_size", 2048),
-                      n_predict=getattr(args, "n_predict", -1), n_ctx=n_ctx,
-                      spm_infill=bool(getattr(args, "spm_infill", False)))
+    prefix = prompt_value(body["input_prefix"], "input_prefix")
+    suffix = prompt_value(body["input_suffix"], "input_suffix")
+    return prefix, Infill(suffix, chunks, body.get("prompt") or "")
 
 
 def vllm_tokenize(state: Runner, body: dict) -> VllmTokenizeResponse:
@@ -511,15 +472,15 @@ def vllm_tokenize(state: Runner, body: dict) -> VllmTokenizeResponse:
     if "messages" in body and body.get("prompt") is None:
         if state.template is None:
             raise ApiError(500, "the model has no chat template")
-        from kvserve.chat.prompt import render_chat
         from kvserve.faces.chat_features import parse_tools, prompt_messages, template_kwargs
+        from kvserve.serving.chat_plan import render_prompt
 
         tools = parse_tools(body.get("tools"))
-        text, ids = render_chat(state.template, tok, prompt_messages(state, body),
-                                add_generation_prompt=get_bool(body, "add_generation_prompt", True),
-                                tools=tools,
-                                continue_final_message=bool(get_bool(body, "continue_final_message", False)),
-                                **template_kwargs(state.args, body, state.template, tools))
+        text, ids = render_prompt(state, prompt_messages(state, body),
+                                  add_generation_prompt=get_bool(body, "add_generation_prompt", True),
+                                  tools=tools,
+                                  continue_final_message=bool(get_bool(body, "continue_final_message", False)),
+                                  variables=template_kwargs(state.args, body, state.template, tools))
         if get_bool(body, "add_special_tokens", False):
             ids = tok.encode(text, add_special=True, parse_special=True)
     else:
@@ -860,13 +821,13 @@ def render_prompt(state: Runner, body: dict) -> str:
         raise ApiError(500, "the model has no chat template")
     if "messages" not in body:
         raise ApiError(400, "'messages' is required")
-    from kvserve.chat.prompt import render_chat
     from kvserve.faces.chat_features import parse_tools, prompt_messages, template_kwargs
+    from kvserve.serving.chat_plan import render_prompt
 
     tools = parse_tools(body.get("tools"))
     add = get_bool(body, "add_generation_prompt", True)  # llama-server honours false (no assistant header)
-    text, _ = render_chat(state.template, state.tokenizer, prompt_messages(state, body),
-                          add_generation_prompt=add is not False, tools=tools,
-                          continue_final_message=body.get("continue_final_message"),
-                          **template_kwargs(state.args, body, state.template, tools))  # as the chat endpoint renders
+    text, _ = render_prompt(state, prompt_messages(state, body),
+                            add_generation_prompt=add is not False, tools=tools,
+                            continue_final_message=body.get("continue_final_message"),
+                            variables=template_kwargs(state.args, body, state.template, tools))  # as the chat endpoint renders
     return text

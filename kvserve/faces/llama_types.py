@@ -5,8 +5,9 @@ They follow llama-server's ``tools/server/README.md`` and, for field order, the 
 seed 000 (``/work/shared/seeds/000_*.txt``): Example 2 (``/health``), 3 (``/props``), 6 (the
 ``/completion`` final result), 7 (``/tokenize``, ``/detokenize``, ``/apply-template``) and 11
 (slot files). llama-server builds its JSON with nlohmann's ``ordered_json``, so key order is
-insertion order, and the field order below is part of the contract. :class:`Timings` is
-llama.cpp's ``timings`` object, which the OpenAI face also returns.
+insertion order, and the field order below is part of the contract. ``Timings`` and
+``PromptProgress``, which the OpenAI face also writes, live in :mod:`kvserve.faces.server_extensions`
+(re-exported here).
 
 Which keys are written: see :mod:`kvserve.faces.wire` (fields without a default always; fields
 with a default only when given). Build with the constructor, write with ``.wire()``.
@@ -28,6 +29,7 @@ from typing import Any, Literal
 from pydantic import with_config
 from typing_extensions import TypedDict
 
+from kvserve.faces.server_extensions import PromptProgress, Timings
 from kvserve.faces.wire import LEAF_CONFIG, WireModel
 
 __all__ = [
@@ -57,34 +59,6 @@ __all__ = [
     "VersionResponse",
     "VllmTokenizeResponse",
 ]
-
-
-class Timings(WireModel):
-    """llama.cpp's ``timings`` (ms, token counts; rates derived by
-    :meth:`kvserve.engine.request.Timings.to_dict`, which :meth:`of` reads).
-
-    ``predicted_per_token_ms`` divides by decode steps (tokens - 1, seed 000 Example 6).
-    ``cache_miss`` is kvserve's: why fewer prompt tokens were reused than a cached candidate
-    offered; present only when something was missed.
-    """
-
-    cache_n: int
-    prompt_n: int
-    prompt_ms: float
-    prompt_per_token_ms: float
-    prompt_per_second: float
-    predicted_n: int
-    predicted_ms: float
-    predicted_per_token_ms: float
-    predicted_per_second: float
-    draft_n: int | None = None  # speculative decoding (llama-server): only when something was drafted
-    draft_n_accepted: int | None = None
-    cache_miss: dict[str, Any] | None = None
-
-    @classmethod
-    def of(cls, t) -> Timings:
-        """The wire object of an engine :class:`kvserve.engine.request.Timings`."""
-        return cls(**t.to_dict())
 
 
 # -- completion_probabilities ---------------------------------------------------------------
@@ -136,17 +110,6 @@ class TokenProbs(TypedDict):
 
 
 # -- /completion ----------------------------------------------------------------------------
-
-class PromptProgress(WireModel):
-    """llama-server's ``prompt_progress`` (``return_progress`` in a stream): prompt tokens in
-    all, reused from the cache, in the KV so far (cached ones included), and ms since prompt
-    processing started."""
-
-    total: int
-    cache: int
-    processed: int
-    time_ms: int
-
 
 class CompletionChunk(WireModel):
     """One streamed ``/completion`` event before the last (``stop`` false, ``stop_type``

@@ -20,11 +20,11 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 
-from kvserve.errors import NotFoundError, UnavailableError
+from kvserve.errors import NotFoundError
 from kvserve.faces.errors import ApiError
 from kvserve.faces.params import check_text, type_error
 from kvserve.faces.sse import ClientDisconnected
-from kvserve.serving.manager import Lease, parse_keep_alive
+from kvserve.serving.manager import Lease, ModelSpec, parse_keep_alive
 from kvserve.serving.runner import Runner
 from kvserve.serving.state import ServableModel, ServerState
 
@@ -57,6 +57,22 @@ def keep_alive_field(body: dict | None) -> float | None:
     return parse_keep_alive(body["keep_alive"])
 
 
+async def serves_embeddings(state: ServerState, name: str | None) -> bool:
+    """Whether the model ``name`` means answers embedding routes: an encoder always, a
+    generative model only with ``--embeddings`` (read from the model's header, nothing loads).
+
+    Raises:
+        NotFoundError / UnavailableError / InvalidInputError: as ``ServerState.resolve``.
+    """
+    from kvserve.serving.embed_runner import cached_task, model_task
+
+    spec = state.resolve(name)
+    if state.args.embeddings:
+        return True
+    task = cached_task(spec.path) or await asyncio.to_thread(model_task, spec.path)
+    return task != "generate"
+
+
 class LeasedResponse(Response):
     """A response that holds a model until it is sent: streams keep the runner busy (never
     evicted, keep_alive not running) until their last byte, or until the client leaves."""
@@ -75,22 +91,31 @@ class LeasedResponse(Response):
             self.lease.release()
 
 
-async def serve_model(state: ServerState, name: str | None, keep_alive: float | None,
-                      handler: Callable[[Runner], Awaitable[Response]], http: HttpRequest | None = None) -> Response:
-    """Acquire the runner of ``name``, run ``handler(runner)``, and release it when the response
-    is done: at once for a plain response, after the last byte for a stream.
+async def acquire_model(state: ServerState, model: str | ModelSpec | None, keep_alive: float | None,
+                        http: HttpRequest | None = None, poll_s: float = 0.25) -> Lease:
+    """Hold the runner of ``model`` (a request's name, or a resolved spec) for one request
+    (:meth:`ServerState.acquire`, loading it if needed): the one way a face takes a lease. With
+    ``http``, a client that leaves while its model loads or while it waits for room stops waiting
+    (its place in the queue is freed; a shared load goes on for the others).
 
-    With ``http``, a client that leaves while its model loads or while it waits for room stops
-    waiting (its place in the queue is freed; a shared load goes on for the others).
+    Raises:
+        whatever resolving or loading raises; ClientDisconnected when the client left while waiting.
+    """
+    if http is None:
+        return await state.acquire(model, keep_alive)
+    return await watch_acquire(http, state.acquire(model, keep_alive), poll_s)
+
+
+async def serve_model(state: ServerState, name: str | ModelSpec | None, keep_alive: float | None,
+                      handler: Callable[[Runner], Awaitable[Response]], http: HttpRequest | None = None) -> Response:
+    """Acquire the runner of ``name`` (:func:`acquire_model`), run ``handler(runner)``, and release
+    it when the response is done: at once for a plain response, after the last byte for a stream.
 
     Raises:
         whatever resolving, loading or the handler raises (the hold is released first);
         ClientDisconnected when the client left while waiting.
     """
-    if http is None:
-        lease = await state.acquire(name, keep_alive)
-    else:
-        lease = await _acquire_watching(http, state, name, keep_alive)
+    lease = await acquire_model(state, name, keep_alive, http)
     try:
         response = await handler(lease.runner)
     except BaseException:
@@ -102,42 +127,13 @@ async def serve_model(state: ServerState, name: str | None, keep_alive: float | 
     return response
 
 
-class _RenderLease:
-    """A hold on a runner that is already loaded, taken without the manager's queue, keep_alive
-    or expiry: the runner is not evicted while held, and on release its expiry is the one it
-    had (idle before), or the timer its other requests' end starts (busy before)."""
-
-    def __init__(self, manager, entry):
-        self._manager = manager
-        self._entry = entry
-        self._expires_at = entry.expires_at
-        self._was_busy = entry.ref_count > 0
-        entry.ref_count += 1
-        entry.expires_at = None  # not expired by the reaper while held
-        self.runner = entry.runner
-        self._released = False
-
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        e = self._entry
-        e.ref_count -= 1
-        if e.ref_count == 0:
-            if self._was_busy:  # the requests it overlapped ended meanwhile: their timer starts now
-                self._manager._idle(e)
-                return
-            e.expires_at = self._expires_at  # as before: the render did not count as use
-        self._manager._notify()
-
-
 async def serve_loaded(state: ServerState, name: str | None,
                        handler: Callable[[Runner], Awaitable[Response]]) -> Response:
-    """Run ``handler(runner)`` on the runner of ``name`` only when it is loaded already: never
-    loads, unloads or wakes a model, takes no place in the manager's queue, and leaves the
-    runner's keep_alive and expiry as they were (the render endpoints that ``vllm-router`` calls
-    on every replica for every request; a body's ``keep_alive`` is not read). ``handler`` must
-    answer a plain (non-streaming) response.
+    """Run ``handler(runner)`` on the runner of ``name`` only when it is loaded already
+    (:meth:`ServerState.hold_loaded`): never loads, unloads or wakes a model, takes no place in the
+    manager's queue, and leaves the runner's keep_alive and expiry as they were (the render
+    endpoints that ``vllm-router`` calls on every replica for every request; a body's
+    ``keep_alive`` is not read). ``handler`` must answer a plain (non-streaming) response.
 
     Raises:
         NotFoundError: an unknown name (``model 'x' not found``).
@@ -145,26 +141,11 @@ async def serve_loaded(state: ServerState, name: str | None,
             it is not loaded (also a ``-m`` model asleep by ``--sleep-idle-seconds``).
         whatever the handler raises (the hold is released first).
     """
-    state.require_up()
-    spec = state.resolve(name)
-    manager = state.manager
-    e = manager.get(spec.name)
-    if e is not None and e.runner is None and not e.closing:
-        raise UnavailableError("Loading model")
-    if e is None or e.closing:
-        raise UnavailableError(f"model '{spec.name[:256]}' is not loaded")
-    lease = _RenderLease(manager, e)
+    lease = state.hold_loaded(name)
     try:
-        lease.runner.require_ready()
         return await handler(lease.runner)
     finally:
         lease.release()
-
-
-async def _acquire_watching(http: HttpRequest, state: ServerState, name: str | None,
-                            keep_alive: float | None, poll_s: float = 0.25) -> Lease:
-    """``state.acquire`` that gives up when the client disconnects (:func:`watch_acquire`)."""
-    return await watch_acquire(http, state.acquire(name, keep_alive), poll_s)
 
 
 async def watch_acquire(http: HttpRequest, acquiring: Awaitable[Lease], poll_s: float = 0.25) -> Lease:
@@ -304,5 +285,5 @@ def model_json(state: ServerState, model_id: str) -> dict:
     raise NotFoundError(f"model '{model_id[:256]}' not found")
 
 
-__all__ = ["ApiError", "LeasedResponse", "keep_alive_field", "model_entry", "model_field", "model_json",
-           "models_json", "serve_loaded", "serve_model"]
+__all__ = ["ApiError", "LeasedResponse", "acquire_model", "keep_alive_field", "model_entry", "model_field", "model_json",
+           "models_json", "serve_loaded", "serve_model", "serves_embeddings"]

@@ -115,8 +115,8 @@ from kvserve.faces.auth import caller
 from kvserve.faces.chat_features import parse_tools
 from kvserve.faces.errors import INTERNAL_ERROR, ApiError
 from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
-from kvserve.faces.http import parse_json_body
-from kvserve.faces.models import LeasedResponse, watch_acquire
+from kvserve.faces.http import OLLAMA_EMPTY_BODY, OLLAMA_NOT_AN_OBJECT, dumps_json, read_json
+from kvserve.faces.models import LeasedResponse, acquire_model, serves_embeddings
 from kvserve.faces.ollama_types import (
     ChatResponse,
     ErrorResponse,
@@ -132,11 +132,15 @@ from kvserve.faces.ollama_types import (
     ToolCallFunction,
     VersionResponse,
 )
-from kvserve.faces.params import stop_strings
+from kvserve.faces.params import sampling_fields, slot_view, stop_strings
 from kvserve.faces.sse import ClientDisconnected, until_disconnect
 from kvserve.serving.chat_output import ChoiceOutput
-from kvserve.serving.chat_plan import plan_chat
-from kvserve.serving.chat_request import ChatRequest, ReasoningOptions, TemplateOptions, new_request_id
+from kvserve.serving.chat_plan import plan_chat, render_prompt
+from kvserve.serving.chat_request import ChatRequest, ReasoningOptions, TemplateOptions
+from kvserve.serving.choices import run_choices
+from kvserve.serving.completion_plan import plan_completion
+from kvserve.serving.ids import new_id
+from kvserve.serving.completion_request import CompletionRequest, Prompt
 from kvserve.serving.generation_config import ollama_layer
 from kvserve.serving.manager import Lease, ModelSpec, parse_keep_alive
 from kvserve.serving.runner import Runner
@@ -173,7 +177,7 @@ _FLOAT_OPTIONS = ("top_p", "min_p", "typical_p", "temperature", "repeat_penalty"
                   "frequency_penalty")
 _BOOL_OPTIONS = ("use_mmap",)
 _LIST_OPTIONS = ("stop",)
-# api.Options -> the SamplingParams field (same meaning; completion_plan reads these names too)
+# api.Options -> the SamplingParams field (same meaning; sampling_fields reads these names too)
 _SAMPLING_FIELDS = {"top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "typical_p": "typical_p",
                     "repeat_last_n": "repeat_last_n", "temperature": "temperature", "repeat_penalty": "repeat_penalty",
                     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
@@ -227,17 +231,9 @@ def _error_of(e: BaseException) -> Response:
 
 
 async def _body(http: HttpRequest) -> dict:
-    """The JSON object of the request: 400 ``missing request body`` when there is none."""
-    raw = await http.body()
-    if not raw.strip():
-        raise ApiError(400, "missing request body")
-    body = await asyncio.to_thread(parse_json_body, raw) if len(raw) > 65536 else parse_json_body(raw)
-    if not isinstance(body, dict):
-        raise ApiError(400, "json: cannot unmarshal into Go value: the request body must be a JSON object")
-    from kvserve.jsonvalues import check_text
-
-    check_text(body)
-    return body
+    """The JSON object of the request (:func:`kvserve.faces.http.read_json`) with Ollama's texts:
+    400 ``missing request body`` when there is none."""
+    return await read_json(http, empty=OLLAMA_EMPTY_BODY, not_object=OLLAMA_NOT_AN_OBJECT)
 
 
 def _string(body: dict, key: str) -> str:
@@ -378,13 +374,26 @@ def _layers(state: ServerState, spec: ModelSpec) -> ModelLayers:
         stored = None
     if stored is None or (spec.path and stored.model_path is not None and str(stored.model_path) != spec.path):
         return ModelLayers()
-    m = stored.manifest
-    try:
-        return ModelLayers(store.params(m), store.layer_text(m, "system") or "", store.messages(m),
-                           store.layer_text(m, "template"), stored, _config(store, m))
-    except (OSError, KvserveError) as e:
-        log.warning("model '%s': cannot read its layers: %s", spec.name, e)
-        return ModelLayers(stored=stored)
+    key = (str(store.root), stored.digest)
+    known = _LAYERS.get(key)
+    if known is None:
+        m = stored.manifest
+        try:
+            known = ModelLayers(store.params(m), store.layer_text(m, "system") or "", store.messages(m),
+                                store.layer_text(m, "template"), None, _config(store, m))
+        except (OSError, KvserveError) as e:
+            log.warning("model '%s': cannot read its layers: %s", spec.name, e)
+            return ModelLayers(stored=stored)
+        if len(_LAYERS) >= 256:
+            _LAYERS.clear()
+        _LAYERS[key] = known
+    return dataclasses.replace(known, stored=stored)
+
+
+#: the layers read per (store root, manifest digest): a manifest names its blobs by digest, so the
+#: same manifest bytes always mean the same layers; a request reads only the manifest (a model's
+#: first request, usually the one that loads it, reads the blobs). Values are shared: never mutated.
+_LAYERS: dict[tuple[str, str], ModelLayers] = {}
 
 
 def _config(store, manifest) -> dict:
@@ -425,20 +434,6 @@ def _spec_for(state: ServerState, spec: ModelSpec, num_ctx: int | None) -> Model
     return dataclasses.replace(spec, n_ctx=num_ctx * (1 if cfg.unified else max(cfg.n_slots, 1)))
 
 
-async def _acquire(state: ServerState, spec: ModelSpec, keep_alive: float | None, http: HttpRequest,
-                   poll_s: float = 0.25) -> Lease:
-    """Hold ``spec``'s runner (loading it), giving up when the client leaves meanwhile
-    (:func:`kvserve.faces.models.watch_acquire`)."""
-    state.require_up()
-    lease = await watch_acquire(http, state.manager.acquire(spec, keep_alive), poll_s)
-    try:
-        lease.runner.require_ready()
-    except BaseException:
-        lease.release()
-        raise
-    return lease
-
-
 # ------------------------------------------------------------------------ chat and generate
 
 
@@ -459,7 +454,7 @@ class _Call:
 
 @dataclass
 class _Run:
-    """A planned request: the plan of the OpenAI face's pieces plus what Ollama's output needs."""
+    """A planned request: the serving layer's plan plus what Ollama's output needs."""
 
     plan: Any  # kvserve.serving.chat_plan.Plan
     post: ChoiceOutput | None
@@ -616,24 +611,25 @@ def _chat_request(call: _Call, runner: Runner, rules: _Rules, messages: list[dic
     parsed = parse_tools(tools) if tools else None
     forced = bool(tools) and _forced_call(runner, messages, tools)
     choice = "required" if forced else ("auto" if parsed else "none")
-    return ChatRequest(messages, new_request_id("chatcmpl-"), model=call.model, keep_alive=call.keep_alive,
+    return ChatRequest(messages, new_id("chatcmpl-"), model=call.model, keep_alive=call.keep_alive,
                        tools=parsed, tool_choice=choice, response_format=rules.spec, reasoning=rules.reasoning,
                        template=TemplateOptions(variables=dict(rules.variables)), sampling=_sampling(call, rules),
                        n_predict_is_default=rules.n_predict_is_default, owner=caller())
 
 
-def _completion_body(call: _Call, rules: _Rules) -> dict:
-    """The body :func:`kvserve.faces.openai.completion_plan` reads for a generate that is not
-    rendered as a chat (raw, a template given, a context): the sampler values, ``format`` as a
-    ``response_format``."""
-    out: dict[str, Any] = dict(call.options.sampling)
-    out["n_predict"] = rules.n_predict
-    if not out["stop"]:
-        del out["stop"]
-    if rules.spec is not None:
-        f = call.body["format"]
-        out["response_format"] = {"type": "json_object"} if f == "json" else {"type": "json_object", "schema": f}
-    return out
+def _completion_request(call: _Call, runner: Runner, rules: _Rules, prompt: Prompt) -> CompletionRequest:
+    """A generate that is not rendered as a chat (raw, a template given, a context) -> kvserve's
+    CompletionRequest: the options' sampler values (read with llama.cpp's names and checks),
+    ``format`` as the constraint, the ``num_predict`` rule."""
+    fields: dict[str, Any] = dict(call.options.sampling)
+    fields["n_predict"] = rules.n_predict
+    if not fields["stop"]:
+        del fields["stop"]
+    sampling = sampling_fields(fields, runner.tokenizer, max_logprobs=runner.args.max_logprobs)
+    sampling.pop("n_predict_default", None)  # the request's rule below
+    return CompletionRequest([prompt], new_id("cmpl-"), model=call.model, keep_alive=call.keep_alive,
+                             sampling=sampling, n_predict_is_default=rules.n_predict_is_default,
+                             response_format=rules.spec, refuse_empty=True, owner=caller())
 
 
 def _forced_call(runner: Runner, messages: list[dict], tools: Any) -> bool:
@@ -686,12 +682,9 @@ def _generate_fields(call: _Call) -> tuple[str, str, str, str, bool, list[int]]:
 
 
 def _generate_plan(runner: Runner, call: _Call, rules: _Rules) -> _Run:
-    from kvserve.faces import openai as oai
-
     prompt, suffix, system, template, raw, context = _generate_fields(call)
     if raw:
-        body = {**_completion_body(call, rules), "prompt": prompt}
-        return _Run(oai.completion_plan(runner, body, n_predict_default=rules.n_predict_is_default), None)
+        return _Run(plan_completion(runner, _completion_request(call, runner, rules, prompt)), None)
     msgs = [{"role": "system", "content": system or call.layers.system}] if system or call.layers.system else []
     if not context:
         msgs += call.layers.messages
@@ -699,14 +692,12 @@ def _generate_plan(runner: Runner, call: _Call, rules: _Rules) -> _Run:
     if template:
         text = _go_template(template, msgs, _think_value(call.body), prompt, suffix, call.model)
     elif context:  # Ollama prepends the context's text to the rendered prompt
-        from kvserve.chat.prompt import render_chat
-
-        text, _ = render_chat(runner.template, runner.tokenizer, msgs, **rules.variables)
+        text, _ = render_prompt(runner, msgs, add_generation_prompt=True, continue_final_message=False,
+                                variables=rules.variables)
     else:
         return _chat_run(runner, _chat_request(call, runner, rules, msgs), with_context=True)
-    body = {**_completion_body(call, rules), "prompt": [*context, text] if context else text}
-    return _Run(oai.completion_plan(runner, body, n_predict_default=rules.n_predict_is_default), None,
-                with_context=True)
+    req = _completion_request(call, runner, rules, [*context, text] if context else text)
+    return _Run(plan_completion(runner, req), None, with_context=True)
 
 
 def _go_template(template: str, msgs: list[dict], think, prompt: str, suffix: str, model: str) -> str:
@@ -810,9 +801,7 @@ def _object(call: _Call, content: str, thinking: str = "", calls: list[ToolCall]
 
 
 async def _outputs(runner: Runner, run: _Run) -> AsyncIterator[RequestOutput]:
-    from kvserve.faces import openai as oai
-
-    async for _, out in oai.run_choices(runner, run.plan):
+    async for _, out in run_choices(runner, run.plan, slot_view(run.plan.grammar)):
         if out.error:
             raise ApiError(500, out.error)
         yield out
@@ -896,13 +885,13 @@ async def _infer(state: ServerState, http: HttpRequest, kind: str) -> Response:
             return _json(_object(call, "", done=True, reason="unload"))
         call.layers = await asyncio.to_thread(_layers, state, spec)
         call.options = ollama_options(call.layers.params, b.get("options"))
-        lease = await _acquire(state, _spec_for(state, spec, call.options.num_ctx), keep_alive, http)
+        lease = await acquire_model(state, _spec_for(state, spec, call.options.num_ctx), keep_alive, http)
         call.t_loaded = time.monotonic_ns()
         if empty:
             return _json(_object(call, "", done=True, reason="load"))
         runner = lease.runner
         # the model's own defaults (generation_config.json, general.sampling.*) under its params layer
-        call.options = ollama_options({**ollama_layer(getattr(runner, "generation", None)),
+        call.options = ollama_options({**ollama_layer(runner.generation),
                                        **(call.layers.params or {})}, b.get("options"))
         run = await asyncio.to_thread(_plan, runner, call)
         if call.stream:
@@ -1057,7 +1046,7 @@ def _ps(state: ServerState) -> dict:
         except ValueError:
             stored = None
         config = _config(store, stored.manifest) if stored is not None else {}
-        device = str(getattr(r.engine.core, "device", "cpu"))
+        device = r.device
         rows.append((expires, ProcessModel(
             name=e.spec.name, model=e.spec.name, size=int(e.size), digest=stored.digest if stored else "",
             details=_details(config), expires_at=go_time(min(expires, 2**63 - 1)),
@@ -1406,7 +1395,6 @@ def _int_field(body: dict, key: str) -> int:
 async def _embed_lease(state: ServerState, http: HttpRequest, body: dict):
     """Hold the runner of the request's model for an embedding; 400 ``this model does not
     support embeddings`` for a generative model (without ``--embeddings``), before it loads."""
-    from kvserve.faces.embeddings import serves_embeddings
     from kvserve.serving.embed_runner import EmbeddingRunner
 
     name = _model_name(body)
@@ -1414,7 +1402,7 @@ async def _embed_lease(state: ServerState, http: HttpRequest, body: dict):
     spec = state.resolve(name)
     if not await serves_embeddings(state, name):
         raise ApiError(400, NO_EMBEDDINGS)
-    lease = await _acquire(state, spec, keep_alive, http)
+    lease = await acquire_model(state, spec, keep_alive, http)
     if not isinstance(lease.runner, EmbeddingRunner):
         lease.release()
         raise ApiError(400, NO_EMBEDDINGS)
@@ -1444,7 +1432,6 @@ async def _embed(state: ServerState, http: HttpRequest) -> Response:
             res = await until_disconnect(http, runner.embed_ids(ids, normalize=2))
         finally:
             lease.release()
-        from kvserve.faces.embeddings import dumps_json
         from kvserve.serving.embed_runner import cut_dimensions
 
         vectors = cut_dimensions(res.vectors, dims if 0 < dims < runner.dim else None)
@@ -1491,8 +1478,6 @@ async def _embeddings(state: ServerState, http: HttpRequest) -> Response:
                 raise
         finally:
             lease.release()
-        from kvserve.faces.embeddings import dumps_json
-
         return Response(dumps_json({"embedding": res.vectors[0].astype("float64")}), media_type=JSON_TYPE)
     except Exception as e:  # noqa: BLE001
         return _error_of(e)

@@ -33,7 +33,7 @@ first token), on each legacy choice and at the top of a chat completion; refused
 reused from the cache. ``rank`` is null for a token outside the reported candidates (the engine
 reports the top k, not the rank of the rest). ``truncate_prompt_tokens`` k keeps the last k
 prompt tokens (-1: ``max_model_len``; above it: 400 with vLLM's text). ``suffix`` on
-``/v1/completions`` is fill-in-the-middle with the model's FIM tokens (:mod:`kvserve.faces.fim`,
+``/v1/completions`` is fill-in-the-middle with the model's FIM tokens (:mod:`kvserve.serving.fim`,
 llama-server's ``/infill`` layout); a vocabulary without them is 400 naming the missing tokens.
 
 vLLM's server flags: ``--return-tokens-as-token-ids`` (or the request's
@@ -49,9 +49,7 @@ message being continued (vLLM's ``get_chat_request_role``).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter
@@ -68,8 +66,8 @@ from kvserve.faces.chat_features import read_chat_options
 from kvserve.faces.auth import caller
 from kvserve.faces.errors import ApiError
 from kvserve.faces.http import error_response, json_response, read_json
-from kvserve.faces.llama import ProgressEvents
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
+from kvserve.faces.server_extensions import ProgressEvents
 from kvserve.faces.openai_types import (
     ChatChoice,
     ChatChunkChoice,
@@ -96,9 +94,8 @@ from kvserve.faces.params import (
     get_bool,
     get_int,
     get_str,
-    params_to_dict,
     sampling_fields,
-    sampling_params_from_body,
+    slot_view,
     type_error,
 )
 from kvserve.faces.sse import (
@@ -107,23 +104,17 @@ from kvserve.faces.sse import (
     sse_response,
     until_disconnect,
 )
-from kvserve.serving.chat_output import ChoiceOutput, OutputMode
-from kvserve.serving.chat_plan import (
-    Plan,
-    constraint_factory,
-    engine_requests,
-    grammar_text,
-    plan_chat,
-    truncate_ids,
-    validate_requests,
-    with_prompt_logprobs,
-    with_special_tokens,
-)
-from kvserve.serving.chat_request import ChatRequest, StreamOptions, new_request_id
-from kvserve.serving.runner import Runner, fair_share, generate
+from kvserve.serving.chat_output import ChoiceOutput
+from kvserve.serving.chat_plan import Plan, plan_chat, with_special_tokens
+from kvserve.serving.chat_request import ChatRequest, StreamOptions
+from kvserve.serving.choices import run_choices
+from kvserve.serving.completion_plan import plan_completion
+from kvserve.serving.ids import new_id
+from kvserve.serving.completion_request import CompletionRequest, Infill, Prompt
+from kvserve.serving.runner import Runner
 from kvserve.serving.state import ServerState
 
-__all__ = ["Plan", "build_router", "chat_plan", "chat_request", "router"]
+__all__ = ["Plan", "build_router", "chat_plan", "chat_request", "completion_plan", "completion_request", "router"]
 
 _MAX_N = 128
 # prompts x n of one completions request (and of its render): each is an engine request. OpenAI's
@@ -234,7 +225,7 @@ def chat_request(state: Runner, body: dict) -> ChatRequest:
     if top is not None and not logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be set to true")
     # keep_alive: applied by the model lease before planning (the render route never reads it)
-    req = ChatRequest(body["messages"], new_request_id("chatcmpl-"), model=model_field(body) or "", n=n,
+    req = ChatRequest(body["messages"], new_id("chatcmpl-"), model=model_field(body) or "", n=n,
                       logprobs=(top or 0) if logprobs else None)
     read_chat_options(state.args, body, req)
     req.truncate_prompt_tokens = _truncate_field(state, body)
@@ -304,18 +295,6 @@ def _return_progress(body: dict) -> bool:
     return bool(get_bool(body, "stream", False)) and bool(get_bool(body, "return_progress", False))
 
 
-def _completion_requests(state: Runner, body: dict, response_id: str, prompts: list[list[int]],
-                         params: SamplingParams, n: int, make_constraint=None) -> list[Request]:
-    """The engine requests of a legacy completion (one per prompt and choice), checked now."""
-    id_slot = get_int(body, "id_slot", -1)
-    reqs = engine_requests(state, response_id, prompts, params, n, make_constraint,
-                           id_slot=id_slot if id_slot is not None else -1,
-                           cache_salt=get_str(body, "cache_salt") or None, owner=caller(),
-                           return_progress=_return_progress(body))
-    validate_requests(state, reqs)
-    return reqs
-
-
 def _constraint_spec(body: dict):
     """The structured-output constraint of an OpenAI-face request (any dialect), or None."""
     from kvserve.structured.spec import constraint_from_body
@@ -323,50 +302,43 @@ def _constraint_spec(body: dict):
     return constraint_from_body(body, "openai")
 
 
-def _prompt_list(state: Runner, prompt, *, check_fits: bool = True, add_special: bool = True,
-                 parse_special: bool = True) -> list[list[int]]:
-    """Legacy ``prompt``: a string, token ids, a list of strings, or a list of token-id lists.
+def _prompt_list(prompt) -> list[Prompt]:
+    """Legacy ``prompt``: a string, token ids, a list of strings, or a list of token-id lists,
+    split into kvserve's prompts (checked for shape; the planner tokenizes them).
 
     Token lists may mix ids and strings (llama-server); strings are tokenized with special
     tokens parsed and BOS added when the vocabulary asks for it, as ``/completion`` does.
     """
-    tok = state.tokenizer
-
-    def one(p) -> list[int]:
-        if check_fits and isinstance(p, (str, list)):
-            tok.check_fits(p, state.engine.n_ctx_slot)  # refuse what cannot fit before tokenizing
-        if isinstance(p, str):
-            return tok.encode(p, add_special=add_special, parse_special=parse_special)
-        ids: list[int] = []
-        for k, el in enumerate(p):
-            if isinstance(el, bool) or not isinstance(el, (int, str)):
-                raise ApiError(400, "Field 'prompt': elements must be token ids or strings")
-            if isinstance(el, str):
-                ids.extend(tok.encode(el, add_special=add_special and k == 0, parse_special=parse_special))
-            elif not 0 <= el < tok.n_vocab:
-                raise ApiError(400, f"Field 'prompt': token id {el} out of range [0, {tok.n_vocab})")
-            else:
-                ids.append(el)
-        return ids
-
     if prompt is None:
         raise ApiError(400, "'prompt' is required")
     if isinstance(prompt, str):
-        return [one(prompt)]
+        return [prompt]
     if not isinstance(prompt, list):
         raise type_error("prompt", "string or array", prompt)
     if not prompt:
         raise ApiError(400, "Field 'prompt': must not be empty")
-    if any(isinstance(p, list) for p in prompt) or all(isinstance(p, str) for p in prompt):
-        return [one(p) for p in prompt]  # several prompts: strings and/or token lists
-    return [one(prompt)]  # one prompt of token ids, possibly mixed with strings
+    if _several(prompt):
+        return [_one_prompt(p) for p in prompt]  # several prompts: strings and/or token lists
+    return [_one_prompt(prompt)]  # one prompt of token ids, possibly mixed with strings
+
+
+def _one_prompt(p) -> Prompt:
+    """One prompt: a string, or a list of token ids and strings (400 otherwise)."""
+    if isinstance(p, str):
+        return p
+    if not isinstance(p, list) or any(isinstance(el, bool) or not isinstance(el, (int, str)) for el in p):
+        raise ApiError(400, "Field 'prompt': elements must be token ids or strings")
+    return p
+
+
+def _several(prompt: list) -> bool:
+    """A list of prompts (strings and/or token lists), not one prompt of (mixed) token ids."""
+    return any(isinstance(p, list) for p in prompt) or all(isinstance(p, str) for p in prompt)
 
 
 def _prompt_count(prompt) -> int:
     """How many prompts ``prompt`` holds (as :func:`_prompt_list` splits it), before tokenizing."""
-    if isinstance(prompt, list) and (any(isinstance(p, list) for p in prompt) or all(isinstance(p, str) for p in prompt)):
-        return len(prompt)
-    return 1
+    return len(prompt) if isinstance(prompt, list) and _several(prompt) else 1
 
 
 def check_request_count(n_prompts: int, n: int) -> None:
@@ -381,106 +353,64 @@ def check_request_count(n_prompts: int, n: int) -> None:
                             f"more than {MAX_ENGINE_REQUESTS} per request (split the request)")
 
 
-def completion_plan(state: Runner, body: dict, *, render: bool = False, n_predict_default: bool = False) -> Plan:
-    """Parse a legacy completion request (raises ApiError 400 on bad fields). ``render``: plan one
-    request per prompt (``/v1/completions/render``: ``n`` does not change the ids; the bound of
-    :func:`check_request_count` still counts it). ``n_predict_default``: the body's ``n_predict``
-    is a default the calling face applied (Ollama's ``num_predict`` layers), capped to the
-    context's room instead of refused."""
+def completion_request(state: Runner, body: dict, *, render: bool = False) -> CompletionRequest:
+    """A legacy completions body (with llama-server's and vLLM's fields) -> kvserve's
+    :class:`~kvserve.serving.completion_request.CompletionRequest` (ApiError 400 on bad fields, in
+    this face's wording). ``render``: one request per prompt (``/v1/completions/render``: ``n``
+    does not change the ids; the bound of :func:`check_request_count` still counts it)."""
     state.require_ready()
     suffix = get_str(body, "suffix")
     stream, include_usage = _stream_flags(body, bool(getattr(state.args, "enable_force_include_usage", False)))
     n = _n_choices(body)
     check_request_count(_prompt_count(body.get("prompt")), n)
-    if render:
-        n = 1
-    echo = get_bool(body, "echo", False)
-    logprobs = _top_n(state, body, "logprobs")
-    truncate = _truncate_field(state, body)
-    plp = _prompt_logprobs_field(state, body, stream)
-    if suffix:
-        prompts = _fim_prompts(state, body, suffix)
-    else:
-        prompts = _prompt_list(state, body.get("prompt"), check_fits=truncate is None)
-        if any(not p for p in prompts):
-            raise ApiError(400, "Field 'prompt': the prompt is empty")
-    prompts = [truncate_ids(p, truncate) for p in prompts]
+    req = CompletionRequest([], new_id("cmpl-"), model=model_field(body) or "", n=1 if render else n,
+                            echo=bool(get_bool(body, "echo", False)), logprobs=_top_n(state, body, "logprobs"),
+                            truncate_prompt_tokens=_truncate_field(state, body),
+                            prompt_logprobs=_prompt_logprobs_field(state, body, stream))
+    req.prompts, req.infill = _prompts_of(state, body, suffix)
+    req.refuse_empty = req.infill is None
     # OpenAI's default max_tokens for completions is 16 (llama-server uses -1).
-    defaults = dataclasses.replace(state.default_params, n_predict=16)
-    params = sampling_params_from_body(body, defaults, state.tokenizer, max_tokens_keys=("max_tokens", "n_predict"),
-                                       max_logprobs=_max_logprobs(state), n_predict_default=n_predict_default)
-    if logprobs is not None:
-        params = dataclasses.replace(params, n_probs=max(logprobs, 1))
-        if echo:  # prompt logprobs need logits at every prompt position: no prefix reuse
-            params = dataclasses.replace(params, prompt_logprobs=max(logprobs, 1), cache_prompt=False)
-    params = with_prompt_logprobs(params, plp)
-    params = _special_tokens(body, params)
-    rid = new_request_id("cmpl-")
-    spec = _constraint_spec(body)
-    make = constraint_factory(state, spec, "", OutputMode(), -1) if spec is not None else None
-    reqs = _completion_requests(state, body, rid, prompts, params, n, make)
-    echo_texts = [state.tokenizer.decode(r.prompt_token_ids) if echo else "" for r in reqs]
-    return Plan("text", rid, int(time.time()), state.model_alias, reqs, n, stream, include_usage, logprobs,
-                echo_texts, grammar=grammar_text(state, spec), prompt_logprobs=plp,
-                token_ids=_token_ids_field(state, body))
+    req.sampling, req.default_n_predict = _completion_sampling(state, body), 16
+    req.response_format = _constraint_spec(body)
+    req.skip_special_tokens, req.spaces_between_special_tokens = _special_token_fields(body)
+    req.stream = StreamOptions(stream, include_usage, _return_progress(body))
+    id_slot = get_int(body, "id_slot", -1)
+    req.id_slot = id_slot if id_slot is not None else -1
+    req.cache_salt, req.owner = get_str(body, "cache_salt") or None, caller()
+    req.token_ids = _token_ids_field(state, body)
+    return req
 
 
-def _fim_prompts(state: Runner, body: dict, suffix: str) -> list[list[int]]:
-    """``prompt`` + ``suffix``: one fill-in-the-middle prompt per prompt (the code before the
-    hole) with the model's FIM tokens, laid out as llama-server's ``/infill``; 400 naming the
-    missing tokens when the vocabulary has none."""
-    from kvserve.faces.fim import fim_prompt, fim_tokens, missing_text
+def _completion_sampling(state: Runner, body: dict) -> dict:
+    """The sampling fields of a legacy completion (``max_tokens`` or ``n_predict`` the limit)."""
+    fields = sampling_fields(body, state.tokenizer, max_tokens_keys=("max_tokens", "n_predict"),
+                             max_logprobs=_max_logprobs(state))
+    fields.pop("n_predict_default", None)  # the client's own limit: the planner sets it from the request
+    return fields
 
-    tok = state.tokenizer
-    fim = fim_tokens(tok)
+
+def _prompts_of(state: Runner, body: dict, suffix: str | None) -> tuple[list[Prompt], Infill | None]:
+    """The prompts, and with a ``suffix`` the fill-in-the-middle around them (each prompt the code
+    before the hole; none: one empty prefix); 400 naming the missing FIM tokens when the
+    vocabulary has none."""
+    if not suffix:
+        return _prompt_list(body.get("prompt")), None
+    from kvserve.serving.fim import fim_tokens, missing_text
+
+    fim = fim_tokens(state.tokenizer)
     if fim.missing:
         raise ApiError(400, f"'suffix' is not supported by this model: {missing_text(fim)}".rstrip())
-    args = state.args
-    suffix_ids = tok.encode(suffix, add_special=False, parse_special=False)
-    prefixes = _prompt_list(state, body.get("prompt", ""), check_fits=False, add_special=False,
-                            parse_special=False) if body.get("prompt") not in (None, "") else [[]]
-    return [fim_prompt(tok, fim, p, suffix_ids, n_batch=getattr(args, "batch_size", 2048),
-                       n_predict=getattr(args, "n_predict", -1), n_ctx=state.engine.n_ctx_slot,
-                       spm_infill=bool(getattr(args, "spm_infill", False))) for p in prefixes]
+    prompt = body.get("prompt")
+    return (_prompt_list(prompt) if prompt not in (None, "") else [[]]), Infill(suffix)
+
+
+def completion_plan(state: Runner, body: dict, *, render: bool = False) -> Plan:
+    """Parse a legacy completion request and plan it (raises ApiError 400 on bad fields; the
+    serving layer's domain errors for what the model refuses)."""
+    return plan_completion(state, completion_request(state, body, render=render))
 
 
 # ------------------------------------------------------------------------ running choices
-
-
-async def run_choices(state: Runner, plan: Plan) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Run every choice concurrently and yield ``(index, output)`` as outputs come.
-
-    A choice's exception is raised here. Closing the iterator (client disconnect) cancels
-    every choice, which aborts them in the engine and frees their slots.
-    """
-    q: asyncio.Queue = asyncio.Queue()
-    gate = fair_share(state)
-
-    async def produce(i: int, req: Request) -> None:
-        view = params_to_dict(req.params, grammar=plan.grammar)
-        try:
-            async with gate:
-                async for out in generate(state, req, view):
-                    q.put_nowait((i, out))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            q.put_nowait((i, e))
-
-    tasks = [asyncio.create_task(produce(i, r)) for i, r in enumerate(plan.requests)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, item = await q.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                remaining -= 1
-            yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _check_output(out: RequestOutput) -> None:
@@ -602,7 +532,7 @@ async def complete(state: Runner, plan: Plan) -> ChatCompletion | TextCompletion
     started = [False] * len(plan.requests)
     post = [ChoiceOutput(plan.mode) if plan.kind == "chat" and plan.mode.active else None for _ in plan.requests]
     prompt_lps: list[list | None] = [None] * len(plan.requests)
-    async for i, out in run_choices(state, plan):
+    async for i, out in run_choices(state, plan, slot_view(plan.grammar)):
         _check_output(out)
         if plan.prompt_logprobs is not None and out.prompt_logprobs is not None and prompt_lps[i] is None:
             prompt_lps[i] = vllm_prompt_logprobs(out.prompt_logprobs, plan.prompt_logprobs)
@@ -652,9 +582,104 @@ def _reasoning_tokens(plan: Plan, post: list[ChoiceOutput | None]) -> int | None
     return sum(p.reasoning_tokens for p in post if p is not None)
 
 
+class _ChatSteps:
+    """The choices of a chat stream's chunks: the role first, the text split into deltas by
+    :class:`ChoiceOutput` (one field each), each delta with the logprobs of its tokens."""
+
+    def __init__(self, plan: Plan):
+        n = len(plan.requests)
+        self.plan = plan
+        self.post = [ChoiceOutput(plan.mode) if plan.mode.active else None for _ in range(n)]
+        self.pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
+
+    def opening(self) -> list[ChatChunkChoice]:
+        return [ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(role=self.plan.role, content=None))
+                for i in range(len(self.post))]
+
+    def empty(self, i: int) -> ChatChunkChoice:
+        # the role went in the stream's first chunk: sent again, openai-python's stream helper
+        # would concatenate it ('assistantassistant...')
+        return ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta())
+
+    def _with_logprobs(self, c: ChatChunkChoice, i: int) -> ChatChunkChoice:
+        """``c`` with the logprobs of the tokens not reported yet (when any were asked for)."""
+        if self.pending[i]:
+            lps, self.pending[i] = self.pending[i], []
+            c.logprobs = ChatLogprobs(content=[_chat_logprob(lp, self.plan.logprobs, self.plan.token_ids)
+                                               for lp in lps])
+        return c
+
+    def pieces(self, i: int, out: RequestOutput) -> list[ChatChunkChoice]:
+        if out.logprobs and self.plan.logprobs is not None:
+            self.pending[i].extend(out.logprobs)
+        post, text = self.post[i], out.text
+        if not text:
+            deltas = post.finish() if out.finished and post is not None else []
+        elif post is None:
+            deltas = [{"content": text}]
+        else:
+            deltas = post.feed(text) + post.finish() if out.finished else post.feed(text)
+        # ChoiceOutput's delta fragments: one field each
+        return [self._with_logprobs(ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(**d)), i)
+                for d in deltas]
+
+    def finish(self, i: int, out: RequestOutput) -> ChatChunkChoice:
+        c = ChatChunkChoice(finish_reason=_finish_reason(out, self.post[i]), index=i, delta=ChatDelta())
+        return self._with_logprobs(c, i)
+
+    def reasoning_tokens(self) -> int | None:
+        return _reasoning_tokens(self.plan, self.post)
+
+
+class _TextSteps:
+    """The choices of a legacy completion stream's chunks: text pieces (the prompt first under
+    ``echo``), each with the legacy logprobs of its tokens."""
+
+    def __init__(self, state: Runner, plan: Plan):
+        n = len(plan.requests)
+        self.state, self.plan = state, plan
+        self.legacy = [_LegacyLogprobs(plan.logprobs or 0, 0, plan.token_ids) for _ in range(n)]
+        self.pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        self.started = [False] * n
+
+    def opening(self) -> list[TextChoice]:
+        return []
+
+    def empty(self, i: int) -> TextChoice:
+        return TextChoice(finish_reason=None, index=i, text="", logprobs=None)
+
+    def _logprobs(self, i: int) -> LegacyLogprobs | None:
+        if self.plan.logprobs is None:
+            return None
+        lps, self.pending[i] = self.pending[i], []
+        for lp in lps:
+            self.legacy[i].add(lp)
+        return self.legacy[i].take()
+
+    def pieces(self, i: int, out: RequestOutput) -> list[TextChoice]:
+        text, plan = out.text, self.plan
+        if not self.started[i]:
+            self.started[i] = True
+            if plan.echo_texts[i]:
+                if plan.logprobs is not None:
+                    _add_prompt_logprobs(self.legacy[i], self.state, plan.requests[i], out)
+                text = plan.echo_texts[i] + text
+        self.pending[i].extend(out.logprobs or [])
+        return [TextChoice(finish_reason=None, index=i, text=text, logprobs=self._logprobs(i))] if text else []
+
+    def finish(self, i: int, out: RequestOutput) -> TextChoice:
+        return TextChoice(finish_reason=out.finish_reason, index=i, text="",
+                          logprobs=self._logprobs(i) if self.pending[i] else None)
+
+    def reasoning_tokens(self) -> None:
+        return None
+
+
 async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
     """The SSE events of a streaming request, as JSON objects (see the module docstring):
-    :class:`ChatCompletionChunk` / :class:`TextCompletionChunk` written with ``.wire()``;
+    :class:`ChatCompletionChunk` / :class:`TextCompletionChunk` written with ``.wire()``, their
+    choices from :class:`_ChatSteps` / :class:`_TextSteps`; llama-server's ``prompt_progress``
+    chunks (``return_progress``) before a choice's first token;
     :func:`kvserve.faces.sse.sse_response` writes them, pings, the error event and [DONE]."""
     chat = plan.kind == "chat"
     make = ChatCompletionChunk if chat else TextCompletionChunk
@@ -664,70 +689,26 @@ async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
     def chunk(choices: list, **extra) -> dict:
         return make(choices=choices, **envelope, **extra).wire()
 
-    n = len(plan.requests)
-    finals: list[RequestOutput | None] = [None] * n
-    pending_lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
-    legacy = [_LegacyLogprobs(plan.logprobs or 0, 0, plan.token_ids) for _ in range(n)]
-    started = [False] * n
-    post = [ChoiceOutput(plan.mode) if chat and plan.mode.active else None for _ in range(n)]
+    steps = _ChatSteps(plan) if chat else _TextSteps(state, plan)
+    finals: list[RequestOutput | None] = [None] * len(plan.requests)
     progress = [ProgressEvents() if getattr(r, "return_progress", False) else None for r in plan.requests]
-    if chat:
-        for i in range(n):
-            yield chunk([ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(role=plan.role, content=None))])
-
-    def logprobs_of(i: int) -> ChatLogprobs | LegacyLogprobs | None:
-        if plan.logprobs is None:
-            return None
-        lps, pending_lps[i] = pending_lps[i], []
-        if chat:
-            return ChatLogprobs(content=[_chat_logprob(lp, plan.logprobs, plan.token_ids) for lp in lps])
-        for lp in lps:
-            legacy[i].add(lp)
-        return legacy[i].take()
-
-    async for i, out in run_choices(state, plan):
+    for c in steps.opening():
+        yield chunk([c])
+    async for i, out in run_choices(state, plan, slot_view(plan.grammar)):
         _check_output(out)
         if progress[i] is not None:  # llama-server's progress chunks: an empty delta (chat) or empty text
             for prog, _timings in progress[i].feed(out):
-                # the role went in the stream's first chunk: sent again, openai-python's stream
-                # helper would concatenate it ('assistantassistant...')
-                c = ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta()) \
-                    if chat else TextChoice(finish_reason=None, index=i, text="", logprobs=None)
-                yield chunk([c], prompt_progress=prog)
+                yield chunk([steps.empty(i)], prompt_progress=prog)
         if out.prompt_progress is not None:
             continue
-        text = out.text
-        if not started[i]:
-            started[i] = True
-            if not chat and plan.echo_texts[i]:
-                if plan.logprobs is not None:
-                    _add_prompt_logprobs(legacy[i], state, plan.requests[i], out)
-                text = plan.echo_texts[i] + text
-        pending_lps[i].extend(out.logprobs or [])
-        if chat:
-            deltas = (post[i].feed(text) if post[i] is not None else [{"content": text}]) if text else []
-            if out.finished and post[i] is not None:
-                deltas += post[i].finish()
-            for d in deltas:  # ChoiceOutput's delta fragments: one field each
-                c = ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(**d))
-                if plan.logprobs is not None and pending_lps[i]:
-                    c.logprobs = logprobs_of(i)
-                yield chunk([c])
-        elif text:
-            yield chunk([TextChoice(finish_reason=None, index=i, text=text, logprobs=logprobs_of(i))])
+        for c in steps.pieces(i, out):
+            yield chunk([c])
         if out.finished:
             finals[i] = out
-            if chat:
-                c = ChatChunkChoice(finish_reason=_finish_reason(out, post[i]), index=i, delta=ChatDelta())
-                if plan.logprobs is not None and pending_lps[i]:
-                    c.logprobs = logprobs_of(i)
-            else:
-                c = TextChoice(finish_reason=out.finish_reason, index=i, text="",
-                               logprobs=logprobs_of(i) if pending_lps[i] else None)
-            yield chunk([c], timings=Timings.of(out.timings))
+            yield chunk([steps.finish(i, out)], timings=Timings.of(out.timings))
     outs = [f for f in finals if f is not None]
     if plan.include_usage:
-        yield chunk([], usage=_usage(outs, plan.n, _reasoning_tokens(plan, post)), timings=Timings.of(outs[0].timings))
+        yield chunk([], usage=_usage(outs, plan.n, steps.reasoning_tokens()), timings=Timings.of(outs[0].timings))
 
 
 # ------------------------------------------------------------------------ routes

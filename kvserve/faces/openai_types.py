@@ -5,7 +5,7 @@ They follow OpenAI's API reference (the chat completion object, the chat complet
 object, the completion object) as llama-server writes them: seed 000 Example 4 (a chat
 completion), 5 (stream chunks, the ``include_usage`` chunk) and 13 (``tool_calls``). Field
 order is llama-server's (``choices`` first, ``id`` after ``usage`` in a whole response but after
-``created`` in a chunk); llama.cpp adds ``timings`` (:class:`kvserve.faces.llama_types.Timings`)
+``created`` in a chunk); llama.cpp adds ``timings`` (:class:`kvserve.faces.server_extensions.Timings`)
 and writes its build string as ``system_fingerprint``. kvserve adds ``reasoning_content`` /
 ``reasoning`` (llama-server's and vLLM's reasoning field) to messages and deltas and
 ``usage.completion_tokens_details.reasoning_tokens`` when the reasoning is split.
@@ -28,7 +28,7 @@ from typing import Literal
 from pydantic import with_config
 from typing_extensions import TypedDict
 
-from kvserve.faces.llama_types import PromptProgress, Timings
+from kvserve.faces.server_extensions import PromptProgress, Timings
 from kvserve.faces.wire import LEAF_CONFIG, WireModel
 
 __all__ = [

@@ -355,6 +355,12 @@ def check_logprobs(n: int, max_logprobs: int, n_vocab: int | None, *, prompt: bo
         raise ApiError(400, f"Requested {kind} logprobs of {n}, which is greater than max allowed: {cap}")
 
 
+def slot_view(grammar: str = ""):
+    """``/slots``' view of a running request (for :func:`kvserve.serving.choices.run_choices`):
+    :func:`params_to_dict` of its sampling parameters, with the request's ``grammar`` text."""
+    return lambda request: params_to_dict(request.params, grammar=grammar)
+
+
 def params_to_dict(p: SamplingParams, *, stream: bool = False, grammar: str = "") -> dict:
     """llama-server's ``generation_settings`` / ``/slots`` ``params`` object for ``p``.
 

@@ -5,9 +5,9 @@ llama-server serves it).
 The face translates: a Responses request becomes kvserve's
 :class:`~kvserve.serving.chat_request.ChatRequest` (:func:`chat_body`, then :func:`chat_request`
 once the model is known), planned by :func:`kvserve.serving.chat_plan.plan_chat`, so tools,
-``tool_choice``, structured output and reasoning go through the same chat features; the chat
-chunk stream (:func:`kvserve.faces.openai.stream_events`) becomes the response object and its
-typed events.
+``tool_choice``, structured output and reasoning go through the same chat features; the serving
+layer's answer events (:func:`kvserve.serving.choices.chat_events`: content, reasoning and tool-call
+pieces, the finish reason, the usage) become the response object and its typed events.
 
 Request -> chat request:
 
@@ -60,7 +60,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -77,8 +76,7 @@ from kvserve.faces.models import keep_alive_field, model_field, serve_model
 from kvserve.errors import InvalidInputError
 from kvserve.faces.auth import caller
 from kvserve.faces.chat_features import check_tool_choice, parse_tools, read_reasoning_options, read_template_options
-from kvserve.faces.openai import stream_events
-from kvserve.faces.params import get_bool, get_int, get_str, sampling_fields, type_error
+from kvserve.faces.params import get_bool, get_int, get_str, sampling_fields, slot_view, type_error
 from kvserve.faces.responses_types import (
     ContentPartAdded,
     ContentPartDone,
@@ -112,7 +110,9 @@ from kvserve.faces.sse import (
     until_disconnect,
 )
 from kvserve.serving.chat_plan import plan_chat
-from kvserve.serving.chat_request import ChatRequest, StreamOptions, TemplateOptions, new_request_id
+from kvserve.serving.chat_request import ChatRequest, StreamOptions, TemplateOptions
+from kvserve.serving.choices import ChatUsage, chat_events
+from kvserve.serving.ids import HEX, new_id
 from kvserve.serving.response_store import ResponseStore
 from kvserve.structured.spec import ConstraintSpec, schema_spec
 from kvserve.serving.runner import Runner
@@ -138,8 +138,9 @@ _PASSTHROUGH = ("top_k", "min_p", "typical_p", "repeat_penalty", "repeat_last_n"
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _rand_id(prefix: str) -> str:
-    return prefix + secrets.token_hex(24)
+def _responses_id(prefix: str) -> str:
+    """The Responses API's ids: ``resp_`` / ``msg_`` / ``rs_`` / ``fc_`` / ``call_`` + 48 hex digits."""
+    return new_id(prefix, 48, HEX)
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -409,7 +410,7 @@ def _listed_item(it: dict) -> dict:
     """One (checked) input item as listed: its known fields only, normalized (unknown keys are
     dropped: a stored item costs only what the list shows)."""
     kind = it.get("type") or "message"
-    item_id = it.get("id") or _rand_id(_ITEM_ID_PREFIX.get(kind, "item_"))
+    item_id = it.get("id") or _responses_id(_ITEM_ID_PREFIX.get(kind, "item_"))
     status = it.get("status") if it.get("status") in _STATUSES else "completed"
     if kind == "message":
         return {"id": item_id, "type": "message", "role": it["role"],
@@ -667,7 +668,7 @@ def chat_body(body: dict, store: ResponseStore, server_budget: int = -1, owner: 
         raise _bad("Missing required parameter: 'input'.", "input")
     system = [{"role": "system", "content": instructions}] if instructions else []
     # the face reads the answer as a stream of chat chunks, usage last
-    chat = ChatRequest(system + history + new, new_request_id("chatcmpl-"),
+    chat = ChatRequest(system + history + new, new_id("chatcmpl-"),
                        stream=StreamOptions(stream=True, include_usage=True),
                        template=TemplateOptions(continue_final_message=False))
     fields = {key: body[key] for key in (*_PASSTHROUGH, "chat_template_kwargs", "temperature", "top_p")
@@ -748,20 +749,21 @@ class _Open:
 
 @dataclass
 class _Run:
-    """One response being produced: turns chat chunks into events and the response object."""
+    """One response being produced: turns the serving layer's chat events into the Responses
+    API's events and the response object."""
 
     runner: Runner
     plan: Any
     turn: Turn
     store: ResponseStore
-    response_id: str = field(default_factory=lambda: _rand_id("resp_"))
+    response_id: str = field(default_factory=lambda: _responses_id("resp_"))
     created_at: int = field(default_factory=lambda: int(time.time()))
     seq: int = 0
     output: list = field(default_factory=list)
     open: _Open | None = None
     pending: str = ""  # whitespace not yet in a message (between tool calls it is dropped)
     finish: str | None = None
-    usage: dict | None = None
+    usage: ChatUsage | None = None
     status: str = "in_progress"
     error: ResponseError | None = None
     failure: Exception | None = None  # what failed the response (a non-streamed answer raises it)
@@ -795,13 +797,11 @@ class _Run:
         u = self.usage
         if u is None:
             return None
-        reasoning = (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
-        return ResponseUsage(input_tokens=u["prompt_tokens"],
-                             input_tokens_details=InputTokensDetails(cached_tokens=u["prompt_tokens_details"]
-                                                                     ["cached_tokens"], cache_write_tokens=0),
-                             output_tokens=u["completion_tokens"],
-                             output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
-                             total_tokens=u["total_tokens"])
+        return ResponseUsage(input_tokens=u.prompt_tokens,
+                             input_tokens_details=InputTokensDetails(cached_tokens=u.cached_tokens, cache_write_tokens=0),
+                             output_tokens=u.completion_tokens,
+                             output_tokens_details=OutputTokensDetails(reasoning_tokens=u.reasoning_tokens or 0),
+                             total_tokens=u.prompt_tokens + u.completion_tokens)
 
     async def events(self) -> AsyncIterator[dict]:
         """Every event of the response, in order (the last one holds the final response)."""
@@ -810,15 +810,13 @@ class _Run:
         yield await asyncio.to_thread(self._life, "response.in_progress")
         try:
             # closed with this generator (a client that leaves): its generations are aborted
-            async with contextlib.aclosing(stream_events(self.runner, self.plan)) as chunks:
-                async for chunk in chunks:
-                    if chunk.get("usage") is not None:
-                        self.usage = chunk["usage"]
-                    for ch in chunk["choices"]:
-                        if ch.get("finish_reason"):
-                            self.finish = ch["finish_reason"]
-                        for ev in self._delta(ch["delta"]):
-                            yield ev
+            async with contextlib.aclosing(chat_events(self.runner, self.plan, slot_view(self.plan.grammar))) as evs:
+                async for ev in evs:
+                    self.usage = ev.usage or self.usage
+                    self.finish = ev.finish_reason or self.finish
+                    for d in ev.deltas:
+                        for out in self._delta(d):
+                            yield out
             for ev in self._finish():
                 yield ev
             self.status = "incomplete" if self.finish == "length" else "completed"
@@ -896,12 +894,12 @@ class _Run:
     def _start(self, kind: str) -> list[dict]:
         index = len(self.output)
         if kind == "message":
-            o = _Open(kind, index, _rand_id("msg_"))
+            o = _Open(kind, index, _responses_id("msg_"))
             item = OutputMessage(type="message", id=o.id, status="in_progress", role="assistant", content=[])
             part = OutputText(type="output_text", text="", annotations=[])
         else:
             self.pending = ""
-            o = _Open(kind, index, _rand_id("rs_"))
+            o = _Open(kind, index, _responses_id("rs_"))
             item = ReasoningItem(type="reasoning", id=o.id, summary=[], content=[], status="in_progress")
             part = ReasoningText(type="reasoning_text", text="")
         self.open = o
@@ -939,8 +937,8 @@ class _Run:
         evs = self._close("completed") if self.open is not None else []
         self.pending = ""
         fn = call.get("function") or {}
-        index, item_id, args = len(self.output), _rand_id("fc_"), fn.get("arguments") or ""
-        item = FunctionCallItem(type="function_call", id=item_id, call_id=call.get("id") or _rand_id("call_"),
+        index, item_id, args = len(self.output), _responses_id("fc_"), fn.get("arguments") or ""
+        item = FunctionCallItem(type="function_call", id=item_id, call_id=call.get("id") or _responses_id("call_"),
                                 name=fn.get("name") or "", arguments="", status="in_progress")
         self.output.append(item)
         evs.append(self._ev(OutputItemAdded, type="response.output_item.added", output_index=index, item=item))

@@ -135,13 +135,13 @@ def _engine_load(runner) -> int:
     """Requests in one runner's engine: its batch, its queue, and those waiting for a slot
     (llama-server's deferred ones); what ``vllm:num_requests_running`` + ``_waiting`` count.
     Plain reads of the engine thread's containers: racy by a step, harmless."""
-    slots = getattr(runner, "slots", None)
-    deferred = int(getattr(slots, "n_deferred", 0) or 0)
+    slots = runner.slots
+    deferred = slots.n_deferred if slots is not None else 0
     try:
-        sched = runner.engine.core.scheduler
-        return len(sched.running) + len(sched.waiting) + deferred
-    except Exception:  # noqa: BLE001 - an encoder's engine (no scheduler), a closing one
+        running, queued, _ = runner.engine_counts()
+    except Exception:  # noqa: BLE001 - a closing engine
         return deferred
+    return running + queued + deferred
 
 
 def server_load(state: ServerState) -> int:

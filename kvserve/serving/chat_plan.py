@@ -365,15 +365,19 @@ def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
 
 def engine_requests(runner: Runner, response_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
                     make_constraint=None, *, id_slot: int = -1, cache_salt: str | None = None,
-                    owner: str | None = None, return_progress: bool = False) -> list[Request]:
+                    owner: str | None = None, return_progress: bool = False,
+                    seed_per_request: bool = True) -> list[Request]:
     """One engine request per prompt and choice, prompt-major (request k = prompt k // n,
-    choice k % n, id ``<response_id>-<k>``); each choice gets its own constraint."""
+    choice k % n, id ``<response_id>-<k>``); each choice gets its own constraint. Request k
+    samples with ``seed + k`` (``seed_per_request``), else with ``seed + k % n`` (every prompt's
+    first choice keeps the seed, llama-server's ``/completion``)."""
     eog = runner.tokenizer.eog_token_ids
     reqs = []
     for p, ids in enumerate(prompts):
         for i in range(n):
             k = p * n + i
-            reqs.append(Request(f"{response_id}-{k}", list(ids), _choice_params(params, k), eog_token_ids=eog,
+            seeded = _choice_params(params, k if seed_per_request else i)
+            reqs.append(Request(f"{response_id}-{k}", list(ids), seeded, eog_token_ids=eog,
                                 priority_slot=id_slot, cache_salt=cache_salt, owner=owner,
                                 grammar=make_constraint() if make_constraint is not None else None,
                                 return_progress=return_progress))
@@ -442,14 +446,30 @@ def _continuation(req: ChatRequest) -> tuple[list[dict], bool | None, bool]:
     return msgs, cont, continued
 
 
+def render_prompt(runner: Runner, messages: Any, *, add_generation_prompt: bool = True, tools: list | None = None,
+                  continue_final_message: bool | None = False, variables: dict | None = None) -> tuple[str, list[int]]:
+    """The one place a chat prompt is rendered with a runner's template and tokenizer
+    (:func:`kvserve.chat.prompt.render_chat`, whose arguments these are; ``variables`` are the
+    extra template variables): the chat planner, the prompt-showing routes (``/apply-template``,
+    ``/tokenize`` with messages) and Ollama's ``/api/generate`` with ``context``.
+
+    Returns:
+        (prompt text, prompt token ids).
+
+    Raises:
+        InvalidInputError: invalid messages or a template error.
+    """
+    return render_chat(runner.template, runner.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                       tools=tools, continue_final_message=continue_final_message, **(variables or {}))
+
+
 def _render(runner: Runner, req: ChatRequest, feats: ChatFeatures, cont: bool | None) -> tuple[str, list[int]]:
     """The prompt's text and token ids (truncated when asked)."""
     render_msgs = req.messages
     if feats.generic is not None and isinstance(render_msgs, list):  # the tools and the JSON answer's shape
         render_msgs = with_system_text(render_msgs, feats.generic[2])
-    text, ids = render_chat(runner.template, runner.tokenizer, render_msgs,
-                            add_generation_prompt=req.template.add_generation_prompt is not False,
-                            tools=feats.template_tools, continue_final_message=cont, **feats.template_kwargs)
+    text, ids = render_prompt(runner, render_msgs, add_generation_prompt=req.template.add_generation_prompt is not False,
+                              tools=feats.template_tools, continue_final_message=cont, variables=feats.template_kwargs)
     return text, truncate_ids(ids, req.truncate_prompt_tokens)
 
 
@@ -473,11 +493,13 @@ def plan_chat(runner: Runner, req: ChatRequest) -> Plan:
 
     Raises:
         ServerFaultError: the runner's engine died or was unloaded; the model has no chat template.
+        NotSupportedError: an encoder (it generates no text).
         InvalidInputError: messages the renderer refuses, a template error, tool or constraint
             conflicts, a value the sampler refuses, an unknown slot.
         TooManyTokensError / ContextSizeExceededError: the prompt cannot fit the context.
     """
     runner.require_ready()
+    runner.require_generative()
     if runner.template is None:
         raise ServerFaultError("this model has no chat template; use /v1/completions")
     feats = features(runner, req)

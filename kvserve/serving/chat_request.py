@@ -15,21 +15,11 @@ renderer's (:func:`kvserve.chat.prompt.normalize_messages`), done once when the 
 
 from __future__ import annotations
 
-import secrets
-import string
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict, Union
 
 __all__ = ["ChatRequest", "Message", "ReasoningOptions", "StreamOptions", "TemplateOptions", "TextPart",
-           "ToolCall", "ToolChoice", "ToolDefinition", "new_request_id"]
-
-_ALNUM = string.ascii_letters + string.digits
-
-
-def new_request_id(prefix: str) -> str:
-    """``prefix`` + 32 random letters and digits (``chatcmpl-...``, llama-server's and OpenAI's shape)."""
-    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(32))
-
+           "ToolCall", "ToolChoice", "ToolDefinition"]
 
 class TextPart(TypedDict):
     """One text part of a message's content."""

@@ -4,15 +4,16 @@ An :class:`EmbeddingRunner` is the model manager's runner for a model whose task
 (BERT-style sentence encoders such as all-MiniLM-L6-v2) or ``score`` (cross-encoders,
 ``BertForSequenceClassification``), and for a generative model loaded with ``--embeddings``
 (llama-server's mode: it then embeds and generates nothing). It holds the
-:class:`~kvserve.engine.embedder.EmbeddingEngine` and presents the same facts a generative
-:class:`~kvserve.serving.runner.Runner` does (``model_alias``, ``served_names``, ``args``,
-``require_ready``, ``close``, ``measured_bytes``, ``needs_reload``, ``engine.model_info``,
-``engine.n_ctx_slot``...), so ``/v1/models``, ``/props``, ``/api/ps``, ``/slots``, ``/metrics``,
-``/tokenize`` and keep_alive treat both kinds alike.
+:class:`~kvserve.engine.embedder.EmbeddingEngine` and implements the runner protocol a generative
+:class:`~kvserve.serving.runner.Runner` does (:class:`kvserve.serving.runner_protocol.ModelRunner`:
+``model_alias``, ``served_names``, ``args``, ``require_ready``, ``close``, ``measured_bytes``,
+``needs_reload``, ``device``, ``engine_counts``, ``engine.model_info``, ``engine.n_ctx_slot``...),
+so ``/v1/models``, ``/props``, ``/api/ps``, ``/slots``, ``/metrics``, ``/tokenize`` and keep_alive
+treat both kinds alike.
 
-Generation is refused: ``engine.validate`` (which every generative face calls before anything
-runs) raises :class:`~kvserve.errors.NotSupportedError` naming the model, and so does reading
-``grammars``; the runner has a ChatML template only so that a chat request reaches that check.
+Generation is refused: :meth:`EmbeddingRunner.require_generative` (which the chat and completion
+planners call first) and ``engine.validate`` raise :class:`~kvserve.errors.NotSupportedError`
+naming the model; the runner has a ChatML template only so that a chat request reaches that check.
 
 The faces call :meth:`EmbeddingRunner.embed` and :meth:`EmbeddingRunner.score`. Inputs are
 texts or token ids; texts of one request are tokenized together (the ``tokenizers`` batch
@@ -109,20 +110,6 @@ class ScoreResult:
 
 # -- the runner's engine facts ----------------------------------------------------------------
 
-class _EncoderCore:
-    """``runner.engine.core`` of an encoder: its ``device``; anything a generation path reads of
-    a generative core (``model_config`` for grammars, slot files...) refuses the request."""
-
-    def __init__(self, device: str, name: str, task: str):
-        self.device = device
-        self._refusal = (name, task)
-
-    def __getattr__(self, attr: str):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        raise not_generative(*self._refusal)
-
-
 @dataclass
 class EncoderStats:
     """Counters ``/metrics`` reads (llama-server's names): prompt tokens and seconds of the
@@ -141,9 +128,10 @@ class EncoderStats:
 
 
 class EncoderFacts:
-    """The ``runner.engine`` of an encoder: the facts faces read of any engine (``model_info``,
-    ``n_ctx``, ``n_ctx_slot``, ``n_slots``, ``tokenizer``, ``error``, ``stats``, ``core.device``)
-    and a ``validate`` that refuses generation.
+    """The ``runner.engine`` of an encoder: the facts faces read of any engine
+    (:class:`kvserve.serving.runner_protocol.EngineFacts`: ``model_info``, ``n_ctx``,
+    ``n_ctx_slot``, ``n_slots``, ``tokenizer``, ``error``), its ``stats``, its ``device`` and a
+    ``validate`` that refuses generation.
 
     Args:
         embedder: the EmbeddingEngine.
@@ -158,8 +146,7 @@ class EncoderFacts:
         self.tokenizer = embedder.tokenizer
         self.model_info = embedder.model_info
         self.n_ctx = self.n_ctx_slot = int(embedder.n_ctx)
-        self.core = _EncoderCore(str(getattr(embedder, "_device", None) or getattr(embedder, "device", "cpu")),
-                                 name, task)
+        self.device = str(getattr(embedder, "_device", None) or getattr(embedder, "device", "cpu"))
         self.stats = EncoderStats(embedder=embedder)
         self._name = name
         self._task = task
@@ -200,7 +187,6 @@ class EmbeddingRunner:
         engine: :class:`EncoderFacts` (None once closed): what faces read of any engine.
         task: ``embed`` (vectors; ``/v1/score`` by cosine similarity) or ``score`` (a
             cross-encoder: a relevance score per (query, document) pair).
-        generates: False (a generative Runner says True).
         tokenizer, template (ChatML, see the module docstring), slots (one idle slot),
         metrics, model_alias, served_names, model_path, default_params, build_info,
         measured_bytes (resident memory growth of the load, bytes).
@@ -209,7 +195,7 @@ class EmbeddingRunner:
             empty when it was not (any size then, or [] for none: see :meth:`check_dimensions`).
     """
 
-    generates = False
+    generation = None  # a generative Runner's model defaults: an encoder samples nothing
 
     def __init__(self, args: ServerArgs, spec: ModelSpec, embedder: Any, build_info: str,
                  measured_bytes: int = 0):
@@ -246,9 +232,22 @@ class EmbeddingRunner:
         return self.engine is not None
 
     @property
-    def grammars(self):
-        """Structured outputs are a generation feature: reading this refuses the request."""
+    def device(self) -> str:
+        """Where the encoder runs (``cpu``, ``cuda:0``...); ``cpu`` once closed."""
+        return self.engine.device if self.engine is not None else "cpu"
+
+    def require_generative(self) -> None:
+        """Refuse a generation request (chat, completion, structured outputs...).
+
+        Raises:
+            NotSupportedError: ``model 'x' is an embedding model: ...`` (501).
+        """
         raise not_generative(self.model_alias, self.task)
+
+    def engine_counts(self) -> tuple[int, int, float]:
+        """``(0, 0, 0.0)``: an encoder has no scheduler nor KV cache (its requests count in
+        ``metrics``)."""
+        return 0, 0, 0.0
 
     def require_ready(self) -> None:
         """Raise ServerFaultError when the model was unloaded or its engine failed."""

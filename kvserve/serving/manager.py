@@ -290,17 +290,19 @@ class Lease:
         runner: the loaded runner.
     """
 
-    def __init__(self, manager: "ModelManager", entry: Entry):
+    def __init__(self, manager: "ModelManager", entry: Entry, before: tuple[float | None, bool] | None = None):
         self._manager = manager
         self._entry = entry
+        self._before = before  # a hold_loaded hold: (the expiry it found, whether the runner was busy)
         self.runner = entry.runner
         self._released = False
 
     def release(self) -> None:
-        """Drop the hold: when it was the last one the runner's keep_alive timer starts."""
+        """Drop the hold: when it was the last one the runner's keep_alive timer starts (a
+        :meth:`ModelManager.hold_loaded` hold on an idle runner puts back the expiry it found)."""
         if not self._released:
             self._released = True
-            self._manager._release(self._entry)
+            self._manager._release(self._entry, self._before)
 
     @property
     def released(self) -> bool:
@@ -516,6 +518,26 @@ class ModelManager:
             raise
         return Lease(self, e)
 
+    def hold_loaded(self, name: str) -> Lease:
+        """Hold the runner of ``name`` only when it is loaded already: outside the queue, without
+        loading, unloading or waking anything, and without counting as use (the runner is not
+        evicted while held; on release its expiry is the one it had when idle before, or the
+        timer its other requests' end starts when it was busy). For vllm-router's render calls.
+
+        Raises:
+            UnavailableError: ``Loading model`` while it loads; ``model 'x' is not loaded`` when
+                it is not loaded (or is being unloaded).
+        """
+        e = self.get(name)
+        if e is None:
+            raise UnavailableError(f"model '{name[:256]}' is not loaded")
+        if e.runner is None:
+            raise UnavailableError("Loading model")
+        before = (e.expires_at, e.ref_count > 0)
+        e.ref_count += 1
+        e.expires_at = None  # not expired by the reaper while held
+        return Lease(self, e, before)
+
     def _keep(self, e: Entry | None, keep_alive: float | None) -> float:
         if keep_alive is KEEP_CURRENT:
             return e.keep_alive if e is not None else self.default_keep_alive
@@ -561,10 +583,13 @@ class ModelManager:
         check = getattr(e.runner, "needs_reload", None)
         return bool(check(spec)) if check is not None else False
 
-    def _release(self, e: Entry) -> None:
+    def _release(self, e: Entry, before: tuple[float | None, bool] | None = None) -> None:
         e.ref_count -= 1
         if e.ref_count == 0:
-            self._idle(e)
+            if before is None or before[1]:  # a request's end, or a hold its requests overlapped
+                self._idle(e)
+            else:
+                e.expires_at = before[0]  # as before the hold: it did not count as use
         self._notify()
 
     def _idle(self, e: Entry) -> None:

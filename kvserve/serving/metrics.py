@@ -366,11 +366,8 @@ class VllmMetrics:
                              REQUEST_LATENCY_BUCKETS)
         self._preempted_seen = 0
         # speculative decoding (vLLM's SpecDecodingProm): only on an engine that speculates
-        try:  # an encoder's engine refuses generative attributes (NotSupportedError, not AttributeError)
-            core = engine.core if engine is not None else None
-            spec_on = getattr(getattr(getattr(core, "config", None), "spec", None), "method", None) is not None
-        except Exception:  # noqa: BLE001
-            spec_on = False
+        core = getattr(engine, "core", None)  # a generative engine's; an encoder's engine has none
+        spec_on = core is not None and core.config.spec.method is not None
         self.spec = None
         if spec_on:
             per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
@@ -454,15 +451,13 @@ class VllmMetrics:
         in its queue plus those waiting for a slot (llama-server's deferred ones); the
         fraction of KV blocks held by sequences and idle slots."""
         state = self._state
-        engine = state.engine
-        core = getattr(engine, "core", None)
         slots = getattr(state, "slots", None)
         deferred = slots.n_deferred if slots is not None else 0
-        try:  # plain reads of the engine thread's containers: racy, harmless
-            sched = core.scheduler
-            return len(sched.running), len(sched.waiting) + deferred, float(core.kv.usage)
-        except Exception:  # noqa: BLE001 - no core (unloaded), an encoder's (refuses), a closing engine
+        try:  # the runner protocol's engine_counts: plain reads of the engine thread's containers
+            running, queued, usage = state.engine_counts()
+        except Exception:  # noqa: BLE001 - a closing engine
             return 0, deferred, 0.0
+        return running, queued + deferred, usage
 
     def _refresh(self) -> None:
         running, waiting, usage = self.scheduler_state()

@@ -84,24 +84,44 @@ class Runner:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.template = template
-        spec_cfg = getattr(getattr(engine.core, "config", None), "spec", None)
+        self._device = str(engine.core.device)
         self.slots = SlotManager(engine.n_slots, engine.n_ctx_slot, args.slot_prompt_similarity, engine=engine,
-                                 speculative=getattr(spec_cfg, "method", None) is not None)
+                                 speculative=engine.core.config.spec.method is not None)
         self.grammars = GrammarBackend(engine.tokenizer, engine.core.model_config.n_vocab)
         self.metrics = Metrics(self)
         self.model_alias = spec.name
         self.served_names = spec.served_names()
         self.model_path = spec.path
-        self.generation = model_defaults(args, spec.path,
-                                         getattr(getattr(engine.core, "model_info", None), "metadata", None))
+        self.generation = model_defaults(args, spec.path, engine.core.model_info.metadata)
         self.default_params = self.generation.params
         self.build_info = build_info
         self.measured_bytes = measured_bytes
         _log_tool_support(args, template)
 
+    task = "generate"  # the runner protocol's kinds (kvserve.serving.runner_protocol.ModelRunner)
+
     @property
     def ready(self) -> bool:
         return self.engine is not None
+
+    @property
+    def device(self) -> str:
+        """Where the engine runs (``cpu``, ``cuda:0``...)."""
+        return self._device
+
+    def require_generative(self) -> None:
+        """A generative model: nothing to refuse."""
+
+    def engine_counts(self) -> tuple[int, int, float]:
+        """``(running, queued, kv usage 0..1)``: the engine's batch, its queue and the fraction of
+        KV blocks held. Plain reads of the engine thread's containers: racy by a step, harmless.
+        ``(0, 0, 0.0)`` once closed."""
+        engine = self.engine
+        core = engine.core if engine is not None else None
+        if core is None:
+            return 0, 0, 0.0
+        sched = core.scheduler
+        return len(sched.running), len(sched.waiting), float(core.kv.usage)
 
     def require_ready(self) -> None:
         """Raise ServerFaultError when this model's engine died (its requests then fail at once)."""

@@ -208,16 +208,34 @@ class ServerState:
 
     # -- runners
 
-    async def acquire(self, name: str | None, keep_alive: float | None = None) -> Lease:
-        """Hold the runner for the model ``name`` for one request (loading it if needed).
+    async def acquire(self, model: str | ModelSpec | None, keep_alive: float | None = None) -> Lease:
+        """Hold the runner for ``model`` (a request's name, or a spec :meth:`resolve` gave) for
+        one request, loading it if needed: the one way a face holds a model.
 
         Raises:
             NotFoundError, UnavailableError, ServerFaultError: see :meth:`resolve` and
             :meth:`ModelManager.acquire`; ServerFaultError also when the runner's engine died.
         """
         self.require_up()
-        spec = self.resolve(name)
+        spec = model if isinstance(model, ModelSpec) else self.resolve(model)
         lease = await self.manager.acquire(spec, keep_alive)
+        try:
+            lease.runner.require_ready()
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    def hold_loaded(self, name: str | None) -> Lease:
+        """Hold the runner of ``name`` only when it is loaded and ready, leaving its keep_alive
+        and expiry as they were (:meth:`ModelManager.hold_loaded`).
+
+        Raises:
+            NotFoundError: an unknown name; UnavailableError: not loaded, or loading;
+            ServerFaultError: its engine died.
+        """
+        self.require_up()
+        lease = self.manager.hold_loaded(self.resolve(name).name)
         try:
             lease.runner.require_ready()
         except BaseException:

@@ -10,6 +10,7 @@ import pytest
 from kvserve.faces.errors import ApiError
 from kvserve.faces.responses import MAX_INPUT_ITEMS, chat_body
 from kvserve.serving.chat_request import ChatRequest, StreamOptions, TemplateOptions
+from kvserve.serving.choices import ChatEvent, ChatUsage
 from kvserve.serving.response_store import ResponseStore
 
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather of a city",
@@ -33,7 +34,7 @@ def test_string_input_and_instructions():
                       "top_p": 0.5, "top_k": 3, "seed": 9}, ResponseStore())
     c = turn.chat
     assert c.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    assert c.stream == StreamOptions(stream=True, include_usage=True)  # read as chat chunks, usage last
+    assert c.stream == StreamOptions(stream=True, include_usage=True)  # the usage comes with the last event
     assert c.template == TemplateOptions(continue_final_message=False)
     assert (c.sampling, c.n_predict_is_default, c.parallel_tool_calls, c.tools, c.tool_choice) == \
         ({"n_predict": 7}, False, True, None, "none")
@@ -230,15 +231,16 @@ def test_hostile_values_are_translated_or_refused_with_a_4xx(key):
         _translates_or_400({"input": "hi", "text": {"format": {"type": "json_schema", "name": "n", "schema": v}}})
 
 
-# -- chat chunks -> items and events (a fake chat stream, no engine) ---------------------------
+# -- the serving layer's chat events -> items and events (a fake event stream, no engine) ---------
 
-def _chunks(*deltas: dict, finish: str = "stop", usage: dict | None = None) -> list[dict]:
-    out = [{"choices": [{"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}]}]
-    out += [{"choices": [{"finish_reason": None, "index": 0, "delta": d}]} for d in deltas]
-    out.append({"choices": [{"finish_reason": finish, "index": 0, "delta": {}}]})
-    out.append({"choices": [], "usage": usage or {"completion_tokens": 5, "prompt_tokens": 9, "total_tokens": 14,
-                                                  "prompt_tokens_details": {"cached_tokens": 4},
-                                                  "completion_tokens_details": {"reasoning_tokens": 2}}})
+def _chunks(*deltas: dict, finish: str = "stop", usage: ChatUsage | None = None) -> list[ChatEvent]:
+    """The events of one choice: an empty first one (the engine's first output may carry no
+    text), one per delta, then the finish with the usage."""
+    out = [ChatEvent(0, None, [])]
+    out += [ChatEvent(0, None, [d]) for d in deltas]
+    out.append(ChatEvent(0, None, [], finish_reason=finish,
+                         usage=usage or ChatUsage(prompt_tokens=9, completion_tokens=5, cached_tokens=4,
+                                                  reasoning_tokens=2)))
     return out
 
 
@@ -248,16 +250,16 @@ def _run(monkeypatch, chunks: list, body: dict | None = None, fail: Exception | 
 
     import kvserve.faces.responses as face
 
-    async def fake_stream(runner, plan):
+    async def fake_stream(runner, plan, view=None):
         for c in chunks:
             yield c
         if fail is not None:
             raise fail
 
-    monkeypatch.setattr(face, "stream_events", fake_stream)
+    monkeypatch.setattr(face, "chat_events", fake_stream)
     store = ResponseStore()
     turn = chat_body(body or {"input": "hi"}, store)
-    plan = SimpleNamespace(model="m", requests=[SimpleNamespace(params=SimpleNamespace(temperature=0.8, top_p=0.95))])
+    plan = SimpleNamespace(model="m", grammar="", requests=[SimpleNamespace(params=SimpleNamespace(temperature=0.8, top_p=0.95))])
     job = face._Run(None, plan, turn, store)
 
     async def collect():
@@ -479,14 +481,14 @@ def test_the_stored_entry_is_written_off_the_event_loop_for_its_owner(monkeypatc
 
     import kvserve.faces.responses as face
 
-    async def fake_stream(runner, plan):
+    async def fake_stream(runner, plan, view=None):
         for c in _chunks({"content": "a"}):
             yield c
 
-    monkeypatch.setattr(face, "stream_events", fake_stream)
+    monkeypatch.setattr(face, "chat_events", fake_stream)
     store = ResponseStore()
     turn = chat_body({"input": "hi"}, store, owner="k1")
-    plan = SimpleNamespace(model="m", requests=[SimpleNamespace(params=SimpleNamespace(temperature=0.8, top_p=0.95))])
+    plan = SimpleNamespace(model="m", grammar="", requests=[SimpleNamespace(params=SimpleNamespace(temperature=0.8, top_p=0.95))])
     job = face._Run(None, plan, turn, store)
 
     async def collect():

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvserve.faces.models import _acquire_watching
+from kvserve.faces.models import acquire_model
 from kvserve.faces.sse import ClientDisconnected
 from kvserve.serving.manager import ModelManager, ModelSpec
 
@@ -57,7 +57,7 @@ def test_a_lease_that_arrives_while_the_disconnect_is_noticed_is_released():
 
         asyncio.ensure_future(open_gate_soon())
         with pytest.raises(ClientDisconnected):
-            await _acquire_watching(SlowDisconnect(), st, "m", 0, poll_s=0.01)
+            await acquire_model(st, "m", 0, SlowDisconnect(), poll_s=0.01)
         await asyncio.sleep(0.1)
         await m._closed()
         assert m.get("m") is None  # keep_alive 0 and no hold left: unloaded

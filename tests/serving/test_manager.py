@@ -433,3 +433,31 @@ def test_keep_alive_edge_values():
     for v in (float("inf"), float("-inf")):
         with pytest.raises(InvalidInputError, match="finite"):
             parse_keep_alive(v)
+
+
+def test_hold_loaded_neither_loads_nor_counts_as_use():
+    h = Harness()
+
+    async def main():
+        with pytest.raises(UnavailableError, match="model 'a' is not loaded"):
+            h.m.hold_loaded("a")
+        await h.start(0, "a", 100)
+        await h.finish(10, "a")
+        assert h.m.get("a").expires_at == 110
+        h.now = 50
+        hold = h.m.hold_loaded("a")  # idle: held without counting as use
+        assert (h.m.get("a").ref_count, h.m.get("a").expires_at) == (1, None)
+        h.m.expire(200)  # not evicted while held
+        hold.release()
+        hold.release()  # idempotent
+        assert (h.m.get("a").ref_count, h.m.get("a").expires_at) == (0, 110)
+        await h.start(60, "a", 100)
+        hold = h.m.hold_loaded("a")  # busy: the request's end starts the timer, whoever ends last
+        await h.finish(70, "a")
+        assert (h.m.get("a").ref_count, h.m.get("a").expires_at) == (1, None)
+        h.now = 80
+        hold.release()
+        assert (h.m.get("a").ref_count, h.m.get("a").expires_at) == (0, 180)
+        assert h.lines == ["t=  0s load   a"]
+
+    asyncio.run(main())

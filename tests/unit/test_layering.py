@@ -123,3 +123,77 @@ def test_structured_imports_go_one_way():
     assert "kvserve.structured.backend" not in g["kvserve.structured.spec"]
     assert "kvserve.structured.backend" not in g["kvserve.structured.schema"]
     assert "kvserve.structured.spec" not in g["kvserve.structured.schema"]
+
+
+# -- faces: one dialect each ----------------------------------------------------------------
+
+#: each face's own modules: its routes and its wire types. Shared pieces live in neutral faces
+#: modules (http, models, params, sse, server_extensions, chat_features...) or in kvserve.serving.
+FACES = {
+    "openai": ("kvserve.faces.openai", "kvserve.faces.openai_types"),
+    "ollama": ("kvserve.faces.ollama", "kvserve.faces.ollama_types"),
+    "anthropic": ("kvserve.faces.anthropic", "kvserve.faces.anthropic_types"),
+    "responses": ("kvserve.faces.responses", "kvserve.faces.responses_types"),
+    "llama": ("kvserve.faces.llama", "kvserve.faces.llama_types"),
+    "router": ("kvserve.faces.router",),
+    "embeddings": ("kvserve.faces.embeddings",),
+}
+
+#: (importer, imported face) pairs allowed, and why
+ALLOWED_FACE_IMPORTS = {
+    # vLLM's /v1/chat/completions/render and /v1/completions/render take OpenAI's requests
+    # (vllm-router sends the client's OpenAI body): the OpenAI face reads them
+    ("router", "openai"): "the render routes read OpenAI requests",
+}
+
+
+def _face_of(module: str) -> str | None:
+    for face, mods in FACES.items():
+        if _within(module, mods):
+            return face
+    return None
+
+
+def test_every_face_module_exists():
+    assert {m for mods in FACES.values() for m in mods} <= set(graph())
+
+
+def test_no_face_imports_another_faces_modules():
+    found = sorted({f"{mod} imports {dep}" for mod, deps in graph().items() if (face := _face_of(mod))
+                    for dep in deps if (other := _face_of(dep)) not in (None, face)
+                    and (face, other) not in ALLOWED_FACE_IMPORTS})
+    assert found == []
+
+
+#: strings only a dialect's JSON holds: object types, stream event types and usage keys
+DIALECT_WORDS = frozenset({
+    "chat.completion", "chat.completion.chunk", "text_completion",  # OpenAI
+    "message_start", "message_delta", "message_stop", "content_block_start", "content_block_delta",
+    "content_block_stop", "stop_reason",  # Anthropic
+    "response.created", "response.completed", "response.output_text.delta",  # Responses
+    "done_reason", "eval_count", "prompt_eval_count", "eval_duration",  # Ollama
+    "finish_reason", "prompt_tokens", "completion_tokens", "input_tokens", "output_tokens",
+})
+
+
+def dialect_strings(path: Path) -> list[str]:
+    """The string constants of ``path`` (docstrings left out) that only a dialect's JSON holds."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return sorted(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                  and id(n) not in docs and n.value in DIALECT_WORDS)
+
+
+def test_the_dialect_check_sees_a_serving_module_writing_openai(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text('"""Writes finish_reason."""\n\ndef f(out):\n    return {"object": "chat.completion", '
+                   '"finish_reason": out.reason}\n', encoding="utf-8")
+    assert dialect_strings(src) == ["chat.completion", "finish_reason"]
+
+
+def test_the_serving_layer_builds_no_dialect_json():
+    found = {str(p.relative_to(ROOT)): w for p in sorted((ROOT / "serving").rglob("*.py"))
+             if (w := dialect_strings(p))}
+    assert found == {}

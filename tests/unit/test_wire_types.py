@@ -295,7 +295,7 @@ def _plan(kind: str, **kw) -> openai_face.Plan:
 
 
 def _run(monkeypatch, outs):
-    async def run_choices(state, plan):
+    async def run_choices(state, plan, view=None):
         for o in outs:
             yield 0, o
 

@@ -1,0 +1,131 @@
+"""Running a plan's choices: every engine request of a :class:`~kvserve.serving.chat_plan.Plan`
+at once (:func:`run_choices`), and for chat plans the answer as the serving layer's events
+(:func:`chat_events`: the text split into content, reasoning and tool calls by
+:class:`~kvserve.serving.chat_output.ChoiceOutput`). Faces turn these into their dialect's JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvserve.engine.request import Request, RequestOutput
+from kvserve.errors import ServerFaultError
+from kvserve.serving.chat_output import ChoiceOutput
+from kvserve.serving.runner import fair_share, generate
+
+if TYPE_CHECKING:
+    from kvserve.serving.chat_plan import Plan
+    from kvserve.serving.runner import Runner
+
+__all__ = ["ChatEvent", "ChatUsage", "chat_events", "run_choices"]
+
+#: what ``/slots`` shows as a running request's ``params`` (a face renders it)
+ParamsView = Callable[[Request], dict]
+
+
+async def run_choices(runner: Runner, plan: Plan, view: ParamsView | None = None) \
+        -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Run every choice of ``plan`` concurrently (within the runner's fair share of slots) and
+    yield ``(index, output)`` as outputs come; ``view(request)`` is the request's ``/slots`` view.
+
+    A choice's exception is raised here. Closing the iterator (client disconnect) cancels
+    every choice, which aborts them in the engine and frees their slots.
+    """
+    q: asyncio.Queue = asyncio.Queue()
+    gate = fair_share(runner)
+
+    async def produce(i: int, req: Request) -> None:
+        try:
+            async with gate:
+                async for out in generate(runner, req, view(req) if view is not None else None):
+                    q.put_nowait((i, out))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(produce(i, r)) for i, r in enumerate(plan.requests)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await q.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class ChatUsage:
+    """Token counts of a finished chat plan (prompt counts once per prompt, not per choice)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reasoning_tokens: int | None = None  # None: the plan does not split reasoning out
+
+
+@dataclass
+class ChatEvent:
+    """One step of one choice's answer.
+
+    Attributes:
+        index: the choice.
+        output: the engine's output behind this event.
+        deltas: the new pieces, one field each: ``{"content": str}``, the reasoning
+            (``{"reasoning_content": str}``, or ``{"reasoning": str}`` under a ``--reasoning-parser``)
+            or ``{"tool_calls": [...]}`` (:class:`~kvserve.serving.chat_output.ChoiceOutput`'s fragments).
+        finish_reason: when the choice finished: ``tool_calls`` when it called tools, else the
+            engine's (``stop``, ``length``); None before.
+        usage: with the last event of the plan, the counts of every choice.
+    """
+
+    index: int
+    output: RequestOutput
+    deltas: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: ChatUsage | None = None
+
+
+def _usage(plan: Plan, finals: list[RequestOutput], posts: list[ChoiceOutput | None]) -> ChatUsage:
+    firsts = finals[::plan.n]  # one per prompt
+    reasoning = sum(p.reasoning_tokens for p in posts if p is not None) if plan.mode.splits_reasoning else None
+    return ChatUsage(sum(o.num_prompt_tokens for o in firsts), sum(o.num_output_tokens for o in finals),
+                     sum(o.num_cached_tokens for o in firsts), reasoning)
+
+
+async def chat_events(runner: Runner, plan: Plan, view: ParamsView | None = None) -> AsyncIterator[ChatEvent]:
+    """A chat plan's answers as :class:`ChatEvent` s (prompt-progress outputs are skipped).
+
+    Raises:
+        ServerFaultError: an engine output carries an error (its text).
+        whatever :func:`run_choices` raises.
+    """
+    n = len(plan.requests)
+    posts = [ChoiceOutput(plan.mode) if plan.mode.active else None for _ in range(n)]
+    finals: list[RequestOutput | None] = [None] * n
+    remaining = n
+    async for i, out in run_choices(runner, plan, view):
+        if out.error:
+            raise ServerFaultError(out.error)
+        if out.prompt_progress is not None:
+            continue
+        post, text = posts[i], out.text
+        deltas = (post.feed(text) if post is not None else [{"content": text}]) if text else []
+        ev = ChatEvent(i, out, deltas)
+        if out.finished:
+            if post is not None:
+                ev.deltas += post.finish()
+            ev.finish_reason = "tool_calls" if post is not None and post.has_tool_calls else out.finish_reason
+            finals[i], remaining = out, remaining - 1
+            if not remaining:
+                ev.usage = _usage(plan, [f for f in finals if f is not None], posts)
+        yield ev
