@@ -151,9 +151,9 @@ def prompt_value(prompt, field_name: str = "prompt") -> Prompt:
         return prompt
     if not isinstance(prompt, list):
         raise type_error(field_name, "string or array", prompt)
-    bad = next((p for p in prompt if not (_is_token(p) or isinstance(p, str))), None)
-    if bad is not None:
-        raise type_error(field_name, "string, token id or an array of them", bad)
+    for p in prompt:  # not next(..., None): a null element is itself the bad value
+        if not (_is_token(p) or isinstance(p, str)):
+            raise type_error(field_name, "string, token id or an array of them", p)
     return prompt
 
 

@@ -209,3 +209,19 @@ def test_ollama_raw_generate_builds_the_typed_request(runner):
     plan = plan_completion(runner, req)
     assert plan.requests[0].prompt_token_ids == [1, *_enc(runner, "hi", bos=False)]
     assert plan.requests[0].grammar is not None and plan.grammar != ""
+
+
+@pytest.mark.parametrize("field, prompt, bad", [
+    ("prompt", [1, None], "null"), ("input_prefix", [None], "null"), ("input_suffix", [None, "a"], "null"),
+    ("prompt", [1, 1.5], "number"), ("prompt", [1, {"a": 1}], "object")])
+def test_llama_prompt_value_refuses_every_bad_element(field, prompt, bad):
+    """A null element of a /completion or /infill prompt is a 400 naming the field, as any other bad
+    element (it was a 500: the check took the first bad element by next(..., None))."""
+    from kvserve.faces.llama import prompt_value
+
+    with pytest.raises(ApiError) as e:
+        prompt_value(prompt, field)
+    assert e.value.status == 400
+    assert str(e.value.message) == (f"Field '{field}': type must be string, token id or an array of them, "
+                                    f"but is {bad}")
+    assert prompt_value([1, "a", 2], field) == [1, "a", 2]
