@@ -137,7 +137,7 @@ struct ActK {
   const float* d;
   const int16_t* bs;
   int64_t K;
-  // the AVX512 Q4_K kernel's (dot_q4k): q with each super-block's 32-value sub-blocks in the order
+  // the AVX512 Q4_K / Q5_K kernel's (dot_q4k): q with each super-block's 32-value sub-blocks in the order
   // 0 2 1 3 4 6 5 7 (q4k_acts_row), so that one 64-byte load of Q4_K nibbles serves two vectors
   const int8_t* qp = nullptr;
 };
@@ -727,7 +727,7 @@ void dot_q6k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
   for (int i = 0; i < MR; ++i) out[i * ldo] = _mm512_reduce_add_ps(acc[i]);
 }
 
-// Q4_K on the interleaved activations (ActK::qp): 64 bytes of nibbles per load give two vectors,
+// Q4_K and Q5_K on the interleaved activations (ActK::qp): 64 bytes of nibbles per load give two vectors,
 // the low nibbles (sub-blocks 2 j, 2 j + 2: bytes 0-31 and 32-63 of the load) and the high ones
 // (2 j + 1, 2 j + 3), against qp's vectors in that order; each 128-bit lane's scale comes from a
 // vpshufb of the 8 scale bytes (broadcast) instead of a cross-lane permute. Against dot_q45k: 5
@@ -752,7 +752,7 @@ inline void scales_mins_k4_u64(const uint8_t* q, uint64_t& sc, uint64_t& mn) {
   mn = (u[1] & 0x3f3f3f3fu) | static_cast<uint64_t>(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)) << 32;
 }
 
-template <int MR>
+template <int MR, bool FIVE>
 void dot_q4k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out, int64_t ldo) {
   const int64_t K = a.K, NB = K / 256;
   __m512 acc[MR];
@@ -761,12 +761,17 @@ void dot_q4k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
     acc[i] = _mm512_setzero_ps();
     accm[i] = _mm256_setzero_ps();
   }
-  const __m512i m4 = _mm512_set1_epi8(15);
+  constexpr int BYTES = FIVE ? 176 : 144;
+  const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+  // Q5_K: the fifth bit of sub-block j is bit j of qh's bytes; vector 2 h + k holds sub-blocks
+  // 4 h + k (its low 256 bits) and 4 h + k + 2 (high)
+  __m512i hsh[4];
+  for (int p = 0; p < 4; ++p) hsh[p] = zshift(4 * (p / 2) + p % 2, 4 * (p / 2) + p % 2 + 2);
   __m512i ctl[4];
   for (int p = 0; p < 4; ++p) ctl[p] = _mm512_load_si512(kQ4kCtl.c[p]);
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * 144;
-    prefetch_sb<144>(blk);
+    const uint8_t* blk = w + b * BYTES;
+    prefetch_sb<BYTES>(blk);
     const float d = h2f(blk), dmin = h2f(blk + 2);
     uint64_t sc, mn;
     scales_mins_k4_u64(blk + 4, sc, mn);
@@ -775,9 +780,14 @@ void dot_q4k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
     const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));  // mn[j] at lanes 2 j, 2 j + 1
     __m512i u[4];
     for (int h = 0; h < 2; ++h) {
-      const __m512i q = _mm512_loadu_si512(blk + 16 + 64 * h);
+      const __m512i q = _mm512_loadu_si512(blk + (FIVE ? 48 : 16) + 64 * h);
       u[2 * h] = _mm512_and_si512(q, m4);
       u[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+    }
+    if (FIVE) {
+      const __m512i qh = zbroadcast32(blk + 16);
+      for (int p = 0; p < 4; ++p)
+        u[p] = _mm512_or_si512(u[p], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, hsh[p]), one), 4));
     }
     for (int i = 0; i < MR; ++i) {
       const int64_t row = r + i;
@@ -1105,11 +1115,12 @@ void dot_rows(int t, const uint8_t* w, const Acts& A, int64_t K, int64_t r, floa
     case T_Q2_K: return dot_q2k<MR>(w, nbk, A.ak, r, out, ldo);
     case T_Q3_K: return dot_q3k<MR>(w, nbk, A.ak, r, out, ldo);
 #ifdef GG_VNNI
-    case T_Q4_K: return A.ak.qp ? dot_q4k<MR>(w, nbk, A.ak, r, out, ldo) : dot_q45k<MR, false>(w, nbk, A.ak, r, out, ldo);
+    case T_Q4_K: return A.ak.qp ? dot_q4k<MR, false>(w, nbk, A.ak, r, out, ldo) : dot_q45k<MR, false>(w, nbk, A.ak, r, out, ldo);
+    case T_Q5_K: return A.ak.qp ? dot_q4k<MR, true>(w, nbk, A.ak, r, out, ldo) : dot_q45k<MR, true>(w, nbk, A.ak, r, out, ldo);
 #else
     case T_Q4_K: return dot_q45k<MR, false>(w, nbk, A.ak, r, out, ldo);
-#endif
     case T_Q5_K: return dot_q45k<MR, true>(w, nbk, A.ak, r, out, ldo);
+#endif
     case T_Q6_K: return dot_q6k<MR>(w, nbk, A.ak, r, out, ldo);
     case T_IQ4_XS: return dot_iq4xs<MR>(w, nbk, A.ak, r, out, ldo);
     default: throw std::runtime_error("ggml_cpu: no kernel for ggml type " + std::to_string(t));
@@ -1132,7 +1143,7 @@ Matrix::Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vecto
                       K / ti.block * ti.bytes});
     if (ti.act == ActKind::Q8_0) q8_0_ = true;
     if (types[i] == T_Q4_0 || types[i] == T_Q4_1) q4_ = true;
-    if (types[i] == T_Q4_K) q4k_ = true;
+    if (types[i] == T_Q4_K || types[i] == T_Q5_K) q4k_ = true;
     if (ti.act == ActKind::Q8_K) q8_k_ = true;
     n += rows[i];
   }

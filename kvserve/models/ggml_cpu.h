@@ -16,7 +16,7 @@ struct Scratch {
   std::vector<int16_t> bs;
   std::vector<int32_t> c8;  // the AVX512 Q4_0 / Q4_1 kernel's block offsets and
   std::vector<int8_t> qt;   // transposed activations (ggml_cpu.cpp, Act32)
-  std::vector<int8_t> qkp;  // the AVX512 Q4_K kernel's q8_K activations, sub-blocks interleaved (ActK::qp)
+  std::vector<int8_t> qkp;  // the AVX512 Q4_K / Q5_K kernel's q8_K activations, sub-blocks interleaved (ActK::qp)
 };
 
 // A weight matrix [N, K] made of row blocks in ggml formats (a fused q|k|v or gate|up may mix
