@@ -2,15 +2,15 @@
 // large M, the file's blocks unpacked a panel of 32 weight rows at a time into a per-thread buffer,
 // AVX512-VNNI vpdpbusd (64 u8 x s8 products per instruction, twice vdpbf16ps's rate).
 //
-// Included by ggml_cpu.cpp inside its namespace, after the block types and the activations'
-// quantization (it uses h2f, round_f16, nibbles, table16, scales_mins_k4, the BQ* structs). Compiled
+// Included by ggml_cpu.cpp inside its namespace, after the block types (it uses h2f, nibbles, table16,
+// scales_mins_k4, the BQ* structs) and q8_quant.h (the activations' quantization). Compiled
 // with the bfloat16 path (GG_GEMM: AVX512-BF16 + AVX512-VNNI), so a prefill path exists on the same
 // CPUs as before; Matrix::mm picks this one where every part's type has it (has_type: all but F16
 // and BF16).
 //
-// Arithmetic: llama.cpp's. Activations quantized as the per-row kernels quantize them (q8_K for
-// Q2_K..Q6_K and IQ4_XS, q8_0 for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4; q8_0_row / q8_K_row
-// below are quantize_q8_0_row / quantize_q8_K_row in 512-bit vectors, the same values bit for bit).
+// Arithmetic: llama.cpp's. Activations quantized by the per-row kernels' own functions (q8_quant.h:
+// q8_K for Q2_K..Q6_K and IQ4_XS, q8_0 for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4), with the
+// blocks' integer sums this path also needs (q8_0's sums, q8_K's sums of 32).
 // Per block (32 values) or super-block (256), the sum of weight quant x activation quant times the
 // block's integer sub-scales is the integer llama.cpp's vec_dot forms (exact in int32; for Q5_K, Q6_K
 // and IQ4_XS summed over sub-blocks in float32, exact below 2^24: see kernk), then
@@ -261,6 +261,10 @@ inline __m512i bcast(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// the panel's vectors stay in registers once loaded: without this GCC reloads them from L2 before
+// every vpdpbusd (8 512-bit loads per 8 vpdpbusd of 4 rows: load-bound at ~0.65 of vpdpbusd's rate)
+inline void pin(__m512i& a, __m512i& b) { asm("" : "+v"(a), "+v"(b)); }
+
 // R activation rows (m0 ..) x the panel's 32 rows, 32-value blocks -> y rows (stride ldy), lanes < nr
 template <int R, int OFF, bool MIN>
 void kern32(const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float* y, int64_t ldy, __mmask16 k0,
@@ -274,7 +278,8 @@ void kern32(const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float
     for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = OFF ? _mm512_set1_epi32(ini[(m0 + i) * nb + b]) : _mm512_setzero_si512();
     const uint8_t* wb = w + b * 32 * NP;
     for (int t = 0; t < 8; ++t) {
-      const __m512i w0 = _mm512_loadu_si512(wb + t * 4 * NP), w1 = _mm512_loadu_si512(wb + t * 4 * NP + 64);
+      __m512i w0 = _mm512_loadu_si512(wb + t * 4 * NP), w1 = _mm512_loadu_si512(wb + t * 4 * NP + 64);
+      pin(w0, w1);
       for (int i = 0; i < R; ++i) {
         const __m512i x = bcast(a.q0.data() + (m0 + i) * K + b * 32 + 4 * t);
         s[i][0] = _mm512_dpbusd_epi32(s[i][0], w0, x);
@@ -307,37 +312,53 @@ void kern32(const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float
 // Else (Q5_K, Q6_K, IQ4_XS) each group's int32 sum is converted to float and multiplied by its scale
 // into a float sum of the super-block (vpmulld held these at about 0.75x): the products sc x sum are
 // integers below 2^24, so this equals the integer sum wherever the partial sums stay below 2^24 too
-// (else it differs by float32 rounding of those sums)
+// (else it differs by float32 rounding of those sums).
+// Registers: the float sums of y live in y itself (read and written once per super-block, in L1), so
+// the loop over a super-block holds only the group sums and the super-block's sums (4R vectors) with
+// the panel's two weight vectors: with them in registers too (6R) the compiler spilled and reloaded
+// the weights (Q4_K at 0.8x of Q6_K)
 template <int R, int G, int OFF, int MINS, bool DP>
-void kernk(const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float* y, int64_t ldy, __mmask16 k0,
+__attribute__((noinline)) void kernk(const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float* y, int64_t ldy, __mmask16 k0,
            __mmask16 k1) {
   constexpr int NG = 256 / G, NPAIR = MINS == 32 ? 4 : MINS == 16 ? 8 : 0, CH = DP ? 16 : G;
   static_assert(!DP || OFF == 0 || G == 16, "an offset's start value is per group");
   const int64_t K = a.K, nb = K / 256;
-  __m512 acc[R][2];
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  const uint8_t* w = p.w.data();
+  const uint8_t* const w = p.w.data();
+  const int32_t* const scp = p.sc.data();
+  const int32_t* const mnp = p.mn.data();
+  const float* const dp = p.d.data();
+  const float* const dmp = p.dm.data();
+  const int8_t* const xq = a.qk.data() + m0 * K;
+  const float* const dk = a.dk.data() + m0 * nb;
+  const int16_t* const sums = MINS == 32 ? a.bsp.data() + m0 * (K / 32) : a.bs.data() + m0 * (K / 16);
+  const int64_t lds = MINS == 32 ? K / 32 : K / 16;
+  const int32_t* const iv = OFF ? ini + m0 * (K / G) : nullptr;
+  for (int i = 0; i < R; ++i) {
+    _mm512_mask_storeu_ps(y + (m0 + i) * ldy, k0, _mm512_setzero_ps());
+    _mm512_mask_storeu_ps(y + (m0 + i) * ldy + 16, k1, _mm512_setzero_ps());
+  }
   const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i tot[R][2];
     __m512 totf[R][2];
     for (int i = 0; i < R; ++i) {
-      tot[i][0] = tot[i][1] = _mm512_setzero_si512();
-      totf[i][0] = totf[i][1] = _mm512_setzero_ps();
+      if (DP) tot[i][0] = tot[i][1] = _mm512_setzero_si512();
+      else totf[i][0] = totf[i][1] = _mm512_setzero_ps();
     }
     for (int g = 0; g < NG; ++g) {
-      const __m512i sc0 = _mm512_loadu_si512(p.sc.data() + (b * NG + g) * NP);
-      const __m512i sc1 = _mm512_loadu_si512(p.sc.data() + (b * NG + g) * NP + 16);
+      const __m512i sc0 = _mm512_loadu_si512(scp + (b * NG + g) * NP);
+      const __m512i sc1 = _mm512_loadu_si512(scp + (b * NG + g) * NP + 16);
       for (int c = 0; c < G; c += CH) {
         __m512i s[R][2];
         for (int i = 0; i < R; ++i)
-          s[i][0] = s[i][1] = OFF ? _mm512_set1_epi32(ini[(m0 + i) * (K / G) + b * NG + g]) : _mm512_setzero_si512();
+          s[i][0] = s[i][1] = OFF ? _mm512_set1_epi32(iv[i * (K / G) + b * NG + g]) : _mm512_setzero_si512();
         const uint8_t* wg = w + (b * 256 + g * G + c) * NP;
-        const int8_t* xg = a.qk.data() + b * 256 + g * G + c;
+        const int8_t* xg = xq + b * 256 + g * G + c;
         for (int t = 0; t < CH / 4; ++t) {
-          const __m512i w0 = _mm512_loadu_si512(wg + t * 4 * NP), w1 = _mm512_loadu_si512(wg + t * 4 * NP + 64);
+          __m512i w0 = _mm512_loadu_si512(wg + t * 4 * NP), w1 = _mm512_loadu_si512(wg + t * 4 * NP + 64);
+          pin(w0, w1);
           for (int i = 0; i < R; ++i) {
-            const __m512i x = bcast(xg + (m0 + i) * K + 4 * t);
+            const __m512i x = bcast(xg + i * K + 4 * t);
             s[i][0] = _mm512_dpbusd_epi32(s[i][0], w0, x);
             s[i][1] = _mm512_dpbusd_epi32(s[i][1], w1, x);
           }
@@ -353,37 +374,32 @@ void kernk(const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float*
         }
       }
     }
-    if (DP)
-      for (int i = 0; i < R; ++i) {
-        totf[i][0] = _mm512_cvtepi32_ps(tot[i][0]);
-        totf[i][1] = _mm512_cvtepi32_ps(tot[i][1]);
-      }
-    const __m512 d0 = _mm512_loadu_ps(p.d.data() + b * NP), d1 = _mm512_loadu_ps(p.d.data() + b * NP + 16);
+    const __m512 d0 = _mm512_loadu_ps(dp + b * NP), d1 = _mm512_loadu_ps(dp + b * NP + 16);
     for (int i = 0; i < R; ++i) {
-      const int64_t m = m0 + i;
-      const __m512 dx = _mm512_set1_ps(a.dk[m * nb + b]);
-      acc[i][0] = _mm512_fmadd_ps(totf[i][0], _mm512_mul_ps(d0, dx), acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(totf[i][1], _mm512_mul_ps(d1, dx), acc[i][1]);
+      float* yi = y + (m0 + i) * ldy;
+      const __m512 dx = _mm512_set1_ps(dk[i * nb + b]);
+      const __m512 t0 = DP ? _mm512_cvtepi32_ps(tot[i][0]) : totf[i][0];
+      const __m512 t1 = DP ? _mm512_cvtepi32_ps(tot[i][1]) : totf[i][1];
+      __m512 acc0 = _mm512_fmadd_ps(t0, _mm512_mul_ps(d0, dx), _mm512_maskz_loadu_ps(k0, yi));
+      __m512 acc1 = _mm512_fmadd_ps(t1, _mm512_mul_ps(d1, dx), _mm512_maskz_loadu_ps(k1, yi + 16));
       if (MINS) {
         // summs: the mins (int16 pairs) times the activations' sums of MINS values (int16 pairs)
-        const int16_t* sums = MINS == 32 ? a.bsp.data() + m * (K / 32) + b * 8 : a.bs.data() + m * (K / 16) + b * 16;
+        const int16_t* si = sums + i * lds + b * (256 / MINS);
         __m512i ms0 = _mm512_setzero_si512(), ms1 = _mm512_setzero_si512();
         for (int j = 0; j < NPAIR; ++j) {
           int32_t pr;
-          std::memcpy(&pr, sums + 2 * j, 4);
+          std::memcpy(&pr, si + 2 * j, 4);
           const __m512i xs = _mm512_set1_epi32(pr);
-          ms0 = _mm512_dpwssd_epi32(ms0, _mm512_loadu_si512(p.mn.data() + (b * NPAIR + j) * NP), xs);
-          ms1 = _mm512_dpwssd_epi32(ms1, _mm512_loadu_si512(p.mn.data() + (b * NPAIR + j) * NP + 16), xs);
+          ms0 = _mm512_dpwssd_epi32(ms0, _mm512_loadu_si512(mnp + (b * NPAIR + j) * NP), xs);
+          ms1 = _mm512_dpwssd_epi32(ms1, _mm512_loadu_si512(mnp + (b * NPAIR + j) * NP + 16), xs);
         }
-        const __m512 dm0 = _mm512_loadu_ps(p.dm.data() + b * NP), dm1 = _mm512_loadu_ps(p.dm.data() + b * NP + 16);
-        acc[i][0] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms0), _mm512_mul_ps(dm0, dx), acc[i][0]);
-        acc[i][1] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms1), _mm512_mul_ps(dm1, dx), acc[i][1]);
+        const __m512 dm0 = _mm512_loadu_ps(dmp + b * NP), dm1 = _mm512_loadu_ps(dmp + b * NP + 16);
+        acc0 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms0), _mm512_mul_ps(dm0, dx), acc0);
+        acc1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms1), _mm512_mul_ps(dm1, dx), acc1);
       }
+      _mm512_mask_storeu_ps(yi, k0, acc0);
+      _mm512_mask_storeu_ps(yi + 16, k1, acc1);
     }
-  }
-  for (int i = 0; i < R; ++i) {
-    _mm512_mask_storeu_ps(y + (m0 + i) * ldy, k0, acc[i][0]);
-    _mm512_mask_storeu_ps(y + (m0 + i) * ldy + 16, k1, acc[i][1]);
   }
 }
 
@@ -416,63 +432,6 @@ struct Rows {
 
 // ---------------------------------------------------------------- the activations
 
-// quantize_q8_0_row's values with 512-bit vectors (the same operations per value: max |x|, x * (127 /
-// max), round half to even; the same float16 d and s), and the blocks' integer sums of q
-void q8_0_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* sum) {
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
-    const __m512 id = _mm512_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
-    const int sm = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    sum[b] = sm;
-    d[b] = round_f16(amax / 127.f);
-    s[b] = round_f16(amax / 127.f * static_cast<float>(sm));
-  }
-}
-
-// quantize_q8_K_row's values with 512-bit vectors (the first value of largest magnitude, the same
-// scale and rounding), and the sums of 32 (bsp) beside those of 16 (bs)
-void q8_K_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs, int16_t* bsp) {
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  const __m512i top = _mm512_set1_epi32(127);
-  for (int64_t b = 0; b < K / 256; ++b) {
-    const float* xb = x + 256 * b;
-    __m512 mv = _mm512_setzero_ps();
-    for (int j = 0; j < 16; ++j) mv = _mm512_max_ps(mv, _mm512_andnot_ps(sign, _mm512_loadu_ps(xb + 16 * j)));
-    const float amax = _mm512_reduce_max_ps(mv);
-    int8_t* qb = q + 256 * b;
-    if (amax == 0.f) {
-      std::memset(qb, 0, 256);
-      std::memset(bs + 16 * b, 0, 32);
-      std::memset(bsp + 8 * b, 0, 16);
-      d[b] = 0.f;
-      continue;
-    }
-    float mx = 0.f;
-    const __m512 am = _mm512_set1_ps(amax);
-    for (int j = 0; j < 16; ++j) {
-      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_andnot_ps(sign, _mm512_loadu_ps(xb + 16 * j)), am, _CMP_EQ_OQ);
-      if (hit) {
-        mx = xb[16 * j + __builtin_ctz(hit)];
-        break;
-      }
-    }
-    const float iscale = -127.f / mx;
-    const __m512 is = _mm512_set1_ps(iscale);
-    for (int j = 0; j < 16; ++j) {
-      const __m512i v = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * j), is)), top);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16 * j), _mm512_cvtepi32_epi8(v));
-      bs[16 * b + j] = static_cast<int16_t>(_mm512_reduce_add_epi32(v));
-    }
-    for (int j = 0; j < 8; ++j) bsp[8 * b + j] = static_cast<int16_t>(bs[16 * b + 2 * j] + bs[16 * b + 2 * j + 1]);
-    d[b] = 1.f / iscale;
-  }
-}
-
 // x [M, K] -> the activations every part's type needs (q8_0 and / or q8_K), on kvserve's pool
 void quantize(const std::vector<Rows>& parts, const float* x, int64_t M, int64_t K, Acts& a) {
   bool q0 = false, qk = false;
@@ -497,11 +456,11 @@ void quantize(const std::vector<Rows>& parts, const float* x, int64_t M, int64_t
   kvserve_pool::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       if (q0)
-        q8_0_row(x + m * K, K, a.q0.data() + m * K, a.d0.data() + m * (K / 32), a.s0.data() + m * (K / 32),
-                 a.sum0.data() + m * (K / 32));
+        quantize_q8_0_row(x + m * K, K, a.q0.data() + m * K, a.d0.data() + m * (K / 32), a.s0.data() + m * (K / 32),
+                          a.sum0.data() + m * (K / 32));
       if (qk)
-        q8_K_row(x + m * K, K, a.qk.data() + m * K, a.dk.data() + m * (K / 256), a.bs.data() + m * (K / 16),
-                 a.bsp.data() + m * (K / 32));
+        quantize_q8_K_row(x + m * K, K, a.qk.data() + m * K, a.dk.data() + m * (K / 256), a.bs.data() + m * (K / 16),
+                          a.bsp.data() + m * (K / 32));
     }
   });
 }
