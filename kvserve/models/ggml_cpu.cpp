@@ -983,6 +983,7 @@ int64_t Matrix::nbytes() const {
 }
 
 bool Matrix::gemm_ok() const {
+  if (gemm8_ok()) return true;
 #ifdef GG_GEMM
   for (const Part& p : parts_)
     if (!gemm::has_type(p.type) && !gemm8::has_type(p.type)) return false;
@@ -1009,16 +1010,17 @@ at::Tensor Matrix::mm(const at::Tensor& x_in, int64_t gemm_min_rows, const std::
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N_}, x.options());
   if (M == 0) return y;
-#ifdef GG_GEMM
+#ifdef GG_GEMM8
   if (gemm_min_rows > 0 && M >= gemm_min_rows && gemm_ok()) {
-    // the int8 path (ggml_gemm8.h: llama.cpp's q8 arithmetic) where every part's type has it, unless
-    // path says bf16; else the bfloat16 path (ggml_gemm.h)
+    // the int8 path (ggml_gemm8.h: llama.cpp's q8 arithmetic; every AVX512-VNNI build) where every
+    // part's type has it, unless path says bf16; else the bfloat16 path (ggml_gemm.h; AVX512-BF16)
     if (path != "bf16" && gemm8_ok()) {
       std::vector<gemm8::Rows> rows;
       for (const Part& p : parts_) rows.push_back({p.data, p.type, p.first, p.rows, p.row_bytes});
       gemm8::mm(rows, N_, K_, x.data_ptr<float>(), M, y.data_ptr<float>());
       return y;
     }
+#ifdef GG_GEMM
     bool bf = K_ % 2 == 0;
     for (const Part& p : parts_) bf = bf && gemm::has_type(p.type);
     if (path != "int8" && bf) {
@@ -1027,6 +1029,7 @@ at::Tensor Matrix::mm(const at::Tensor& x_in, int64_t gemm_min_rows, const std::
       gemm::mm(rows, N_, K_, x.data_ptr<float>(), M, y.data_ptr<float>());
       return y;
     }
+#endif
   }
 #endif
   Scratch s;

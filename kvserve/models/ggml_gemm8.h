@@ -4,9 +4,9 @@
 //
 // Included by ggml_cpu.cpp inside its namespace, after the block types (it uses h2f, nibbles, table16,
 // scales_mins_k4, the BQ* structs) and q8_quant.h (the activations' quantization). Compiled
-// with the bfloat16 path (GG_GEMM: AVX512-BF16 + AVX512-VNNI), so a prefill path exists on the same
-// CPUs as before; Matrix::mm picks this one where every part's type has it (has_type: all but F16
-// and BF16).
+// in every AVX512-VNNI build (GG_VNNI: AVX512F/BW/VL + VNNI; it needs no AVX512-BF16, unlike the
+// bfloat16 path: Cascade Lake and Ice Lake have it too); Matrix::mm picks this one where every part's
+// type has it (has_type: all but F16 and BF16).
 //
 // Arithmetic: llama.cpp's. Activations quantized by the per-row kernels' own functions (q8_quant.h:
 // q8_K for Q2_K..Q6_K and IQ4_XS, q8_0 for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4), with the
@@ -32,9 +32,13 @@
 // rows, each 4 activation bytes broadcast from the q8 row ({1to16}), two vpdpbusd per broadcast; per
 // sub-block an int32 accumulator, multiplied by the sub-block's scale into the super-block's sum.
 // Measured on one Zen 4 core at 512 x 2048 x 2048 (CPU time): Q4_K 277 GFLOP/s, Q6_K 290, Q8_0 296,
-// Q4_0 305; the bfloat16 path 185-198 on the same shapes.
+// Q4_0 305; the bfloat16 path 185-198 on the same shapes. With kernk's sums in y and the panel's
+// vectors pinned (below), best of 4 interleaved runs on a shared machine, 512 rows: Q4_K 268 (2048 x
+// 2048), 285 (8192 x 2048), 286 (2048 x 8192) against 258, 278, 271 before. vpdpbusd's own rate here
+// is 3.6 G/s (464 GOPS): Q6_K's 16-value sub-blocks (a convert and an FMA per 4 vpdpbusd) bound it
+// near 300.
 
-#ifdef GG_GEMM
+#ifdef GG_VNNI
 #define GG_GEMM8 1
 
 namespace gemm8 {
