@@ -92,7 +92,7 @@ struct Panel {
   std::vector<uint8_t> w;       // [K/4][NP][4]
   std::vector<float> d, dm;     // [blocks][NP]
   std::vector<int32_t> sc, mn;  // [blocks][groups][NP], [blocks][pairs][NP]
-  std::vector<uint8_t> row;     // one row's quants, [K]
+  std::vector<uint8_t> row;     // the rows' quants, [NP][K]
 };
 
 // ---------------------------------------------------------------- unpacking one weight row (lane n)
@@ -105,7 +105,7 @@ void row32(const uint8_t* w, int64_t K, int n, Panel& p) {
   for (int64_t b = 0; b < K / 32; ++b) {
     float d, m = 0.f;
     const __m256i v = T::vals(w + b * T::BYTES, d, m);
-    store32(p.row.data() + 32 * b, T::SIGNED ? _mm256_xor_si256(v, flip) : v);
+    store32(p.row.data() + n * K + 32 * b, T::SIGNED ? _mm256_xor_si256(v, flip) : v);
     p.d[b * NP + n] = d;
     if (T::MIN) p.dm[b * NP + n] = m;
   }
@@ -125,7 +125,7 @@ void row_q45k(const uint8_t* w, int64_t K, int n, Panel& p) {
     for (int j = 0; j < 8; ++j) p.sc[(b * 8 + j) * NP + n] = sc[j];
     for (int j = 0; j < 4; ++j) p.mn[(b * 4 + j) * NP + n] = mn[2 * j] | (static_cast<int32_t>(mn[2 * j + 1]) << 16);
     const __m256i qh = FIVE ? load32(blk + 16) : _mm256_setzero_si256();
-    uint8_t* out = p.row.data() + 256 * b;
+    uint8_t* out = p.row.data() + n * K + 256 * b;
     for (int q = 0; q < 4; ++q) {
       const __m256i v = load32(qs + 32 * q);
       __m256i u0 = _mm256_and_si256(v, m4), u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -146,7 +146,7 @@ void row_q6k(const uint8_t* w, int64_t K, int n, Panel& p) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
     p.d[b * NP + n] = h2f(blk + 208);
     for (int g = 0; g < 16; ++g) p.sc[(b * 16 + g) * NP + n] = sc[g];
-    uint8_t* out = p.row.data() + 256 * b;
+    uint8_t* out = p.row.data() + n * K + 256 * b;
     for (int h = 0; h < 2; ++h) {
       const __m256i l0 = load32(blk + 64 * h), l1 = load32(blk + 64 * h + 32), qh = load32(blk + 128 + 32 * h);
       store32(out + 128 * h, _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)));
@@ -168,7 +168,7 @@ void row_q2k(const uint8_t* w, int64_t K, int n, Panel& p) {
     p.dm[b * NP + n] = h2f(blk + 82);
     for (int g = 0; g < 16; ++g) p.sc[(b * 16 + g) * NP + n] = blk[g] & 0xF;
     for (int j = 0; j < 8; ++j) p.mn[(b * 8 + j) * NP + n] = (blk[2 * j] >> 4) | (static_cast<int32_t>(blk[2 * j + 1] >> 4) << 16);
-    uint8_t* out = p.row.data() + 256 * b;
+    uint8_t* out = p.row.data() + n * K + 256 * b;
     for (int h = 0; h < 2; ++h) {
       const __m256i q = load32(blk + 16 + 32 * h);
       for (int j = 0; j < 4; ++j) store32(out + 32 * (4 * h + j), _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m2));
@@ -188,7 +188,7 @@ void row_q3k(const uint8_t* w, int64_t K, int n, Panel& p) {
       p.sc[(b * 16 + g) * NP + n] = (low | (high << 4)) - 32;
     }
     const __m256i hm = load32(blk);
-    uint8_t* out = p.row.data() + 256 * b;
+    uint8_t* out = p.row.data() + n * K + 256 * b;
     for (int h = 0; h < 2; ++h) {
       const __m256i q = load32(blk + 32 + 32 * h);
       for (int j = 0; j < 4; ++j) {
@@ -207,7 +207,7 @@ void row_iq4xs(const uint8_t* w, int64_t K, int n, Panel& p) {
     p.d[b * NP + n] = h2f(blk);
     uint16_t sh;
     std::memcpy(&sh, blk + 2, 2);
-    uint8_t* out = p.row.data() + 256 * b;
+    uint8_t* out = p.row.data() + n * K + 256 * b;
     for (int j = 0; j < 8; ++j) {
       p.sc[(b * 8 + j) * NP + n] = (((blk[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32;
       store32(out + 32 * j, _mm256_xor_si256(_mm256_shuffle_epi8(tab, nibbles(blk + 8 + 16 * j)), flip));
@@ -235,25 +235,57 @@ void unpack_row(int t, const uint8_t* w, int64_t K, int n, Panel& p) {
 }
 
 // rows [0, nr) of a panel from `w` (row_bytes apart); rows nr..NP-1 zero (scales 0: they add nothing)
+// 16 vectors of 16 uint32 (rows) -> their transpose, in place (vector c: element c of every row)
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int c = 0; c < 4; ++c) {
+      t[8 * i + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0x88);
+      t[8 * i + 4 + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0xDD);
+    }
+  for (int c = 0; c < 8; ++c) {
+    r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xDD);
+  }
+}
+
+// rows [0, nr) of a panel from `w` (row_bytes apart); rows nr..NP-1 zero (scales 0: they add nothing).
+// Each row's quants are unpacked to p.row [NP][K], then moved to the [K/4][NP][4] layout 16 rows x 16
+// groups of 4 at a time (a 16 x 16 transpose of uint32: 64 shuffles for 256 values; one scattered
+// 4-byte store per value took ~5% of a 512-row Q4_K product)
 void unpack_panel(int t, const Traits& tr, const uint8_t* w, int64_t row_bytes, int nr, int64_t K, Panel& p) {
   const int64_t nb = tr.kind == K32 ? K / 32 : K / 256;
   const int groups = tr.kind == K32 ? 0 : 256 / tr.group;
   const int pairs = tr.mins == 32 ? 4 : tr.mins == 16 ? 8 : 0;
   p.w.resize(static_cast<size_t>(K) * NP);
-  p.row.resize(K);
+  p.row.resize(static_cast<size_t>(K) * NP);
   p.d.assign(nb * NP, 0.f);
   p.dm.assign(nb * NP, 0.f);
   p.sc.assign(nb * groups * NP, 0);
   p.mn.assign(nb * pairs * NP, 0);
-  uint32_t* wq = reinterpret_cast<uint32_t*>(p.w.data());
-  for (int n = 0; n < NP; ++n) {
-    if (n < nr) {
-      unpack_row(t, w + n * row_bytes, K, n, p);
-      const uint32_t* r = reinterpret_cast<const uint32_t*>(p.row.data());
-      for (int64_t k4 = 0; k4 < K / 4; ++k4) wq[k4 * NP + n] = r[k4];
-    } else {
-      for (int64_t k4 = 0; k4 < K / 4; ++k4) wq[k4 * NP + n] = 0;
+  for (int n = 0; n < nr; ++n) unpack_row(t, w + n * row_bytes, K, n, p);
+  if (nr < NP) std::memset(p.row.data() + nr * K, 0, (NP - nr) * K);
+  for (int h = 0; h < NP / 16; ++h)
+    for (int64_t j = 0; j < K / 64; ++j) {  // 64 bytes of 16 rows -> 16 groups of 4 x 16 rows
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(p.row.data() + (16 * h + i) * K + 64 * j);
+      transpose16(r);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(p.w.data() + ((16 * j + c) * NP + 16 * h) * 4, r[c]);
     }
+  uint32_t* wq = reinterpret_cast<uint32_t*>(p.w.data());
+  for (int n = 0; n < NP; ++n) {  // K not a multiple of 64 (32-value types): the last 8 groups of 4
+    const uint32_t* r = reinterpret_cast<const uint32_t*>(p.row.data() + n * K);
+    for (int64_t k4 = K / 64 * 16; k4 < K / 4; ++k4) wq[k4 * NP + n] = r[k4];
   }
 }
 
