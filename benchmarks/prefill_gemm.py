@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
 
+from bench_timing import interleaved  # noqa: E402
 from kvserve.models import ggml_kernel  # noqa: E402
 
 SHAPES = {"q_o": (2048, 2048), "k_v": (512, 2048), "gate_up": (8192, 2048), "down": (2048, 8192)}
@@ -140,23 +141,14 @@ def main() -> int:
             w16 = bm.dequantize().to(torch.bfloat16)
             flop = 2.0 * a.m * n * k
             row = {}
-            # interleaved: each path timed in turn, so load on the shared machine hits all alike
             fns = {"rows": lambda: bm._m.mm(x), "torch_bf16": lambda: torch.nn.functional.linear(x.to(torch.bfloat16), w16)}
             if gemm:
                 fns["gemm_bf16"] = lambda: bm._m.mm(x, 1, "bf16")
             if gemm8 and bm._m.gemm8:
                 fns["gemm_int8"] = lambda: bm._m.mm(x, 1, "int8")
             clock = time.process_time if a.cpu_time else time.perf_counter
-            times: dict = {name: [] for name in fns}
-            for fn in fns.values():
-                fn()  # warm-up
-            for _ in range(a.reps):  # interleaved rounds: A, B, C, A, B, C, ...
-                for name, fn in fns.items():
-                    t0 = clock()
-                    fn()
-                    times[name].append(clock() - t0)
-            for name, ts in times.items():
-                row[name] = round(flop / statistics.median(ts) / 1e9, 1)
+            for name, sec in interleaved(fns, a.reps, clock=clock).items():
+                row[name] = round(flop / sec / 1e9, 1)
             if "gemm_int8" in row and "gemm_bf16" in row:
                 row["int8_over_bf16"] = round(row["gemm_int8"] / row["gemm_bf16"], 3)
             out["gflops"][f"{t} {s} {n}x{k}"] = row

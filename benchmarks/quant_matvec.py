@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,19 +20,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
 
+from bench_timing import interleaved  # noqa: E402
 from kvserve.models import ggml_kernel  # noqa: E402
 
 
 def _time(fn, x, reps: int, nbytes: int) -> dict:
     """Median ms of ``fn(x)`` over ``reps`` runs after 3 warm-ups, and ``nbytes`` / that time in GB/s."""
-    for _ in range(3):
-        fn(x)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn(x)
-        times.append(time.perf_counter() - t0)
-    ms = statistics.median(times) * 1e3
+    ms = interleaved({"fn": lambda: fn(x)}, reps, warmup=3)["fn"] * 1e3
     return {"ms": round(ms, 3), "gbps": round(nbytes / (ms * 1e-3) / 1e9, 1)}
 
 

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "ggml_cpu.h"
+#include "q8_quant.h"
 #include "thread_pool.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -54,7 +55,7 @@ inline float h2f(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-inline float round_f16(float v) { return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT)); }
+using kvserve_q8::round_f16;
 
 inline float hsum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -142,88 +143,10 @@ struct ActK {
   const int8_t* qp = nullptr;
 };
 
-// The activations' quantization, vectorized (AVX2, both builds) with the scalar reference's float
-// operations: max|x| is exact, x * (127 / max) one float product per value, vcvtps2dq rounds half to
-// even as nearbyint does (default rounding mode). At one row it runs on one thread before every
-// product: the scalar loops took ~0.6 ms of a Llama-1B token (230k values).
-
-inline float hmax256(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-inline int hsum_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
-}
-
-// 32 int32 (4 vectors, each |v| <= 127) -> 32 int8 in order
-inline void store_i8x32(int8_t* q, const __m256i* i) {
-  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-}
-
-void quantize_q8_0_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
-  const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const float* xb = x + b * 32;
-    __m256 v[4], m = _mm256_setzero_ps();
-    for (int c = 0; c < 4; ++c) {
-      v[c] = _mm256_loadu_ps(xb + 8 * c);
-      m = _mm256_max_ps(m, _mm256_and_ps(v[c], absm));
-    }
-    const float amax = hmax256(m);
-    const float id = amax != 0.f ? 127.f / amax : 0.f;
-    __m256i iv[4];
-    for (int c = 0; c < 4; ++c) iv[c] = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], _mm256_set1_ps(id)));
-    const int sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3])));
-    store_i8x32(q + b * 32, iv);
-    d[b] = round_f16(amax / 127.f);
-    s[b] = round_f16(amax / 127.f * static_cast<float>(sum));  // llama.cpp's q8_1 s
-  }
-}
-
-void quantize_q8_K_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs) {
-  const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  for (int64_t b = 0; b < K / 256; ++b) {
-    const float* xb = x + b * 256;
-    __m256 m = _mm256_setzero_ps();
-    for (int c = 0; c < 32; ++c) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xb + 8 * c), absm));
-    const float amax = hmax256(m);
-    int8_t* qb = q + b * 256;
-    if (amax == 0.f) {
-      std::memset(qb, 0, 256);
-      std::memset(bs + b * 16, 0, 32);
-      d[b] = 0.f;
-      continue;
-    }
-    // the first value of that magnitude (llama.cpp's scan keeps the first maximum)
-    float mx = 0.f;
-    for (int c = 0; c < 32; ++c) {
-      const __m256 xv = _mm256_loadu_ps(xb + 8 * c);
-      const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(xv, absm), _mm256_set1_ps(amax), _CMP_EQ_OQ));
-      if (hit) {
-        mx = xb[8 * c + __builtin_ctz(static_cast<unsigned>(hit))];
-        break;
-      }
-    }
-    const float iscale = -127.f / mx;
-    const __m256 is = _mm256_set1_ps(iscale);
-    const __m256i top = _mm256_set1_epi32(127);
-    for (int g = 0; g < 8; ++g) {  // 32 values: two groups of 16
-      __m256i iv[4];
-      for (int c = 0; c < 4; ++c)
-        iv[c] = _mm256_min_epi32(top, _mm256_cvtps_epi32(_mm256_mul_ps(is, _mm256_loadu_ps(xb + 32 * g + 8 * c))));
-      store_i8x32(qb + 32 * g, iv);
-      bs[b * 16 + 2 * g] = static_cast<int16_t>(hsum_epi32(_mm256_add_epi32(iv[0], iv[1])));
-      bs[b * 16 + 2 * g + 1] = static_cast<int16_t>(hsum_epi32(_mm256_add_epi32(iv[2], iv[3])));
-    }
-    d[b] = 1.f / iscale;
-  }
-}
+// The activations' quantization (q8_0, q8_K): q8_quant.h, shared with the int8 prefill path
+using kvserve_q8::hsum_epi32;
+using kvserve_q8::quantize_q8_0_row;
+using kvserve_q8::quantize_q8_K_row;
 
 // ---------------------------------------------------------------- 32-value block types
 // Each: BYTES per block; SIGNED (values in int8, multiplied through the sign split) or unsigned
@@ -1157,6 +1080,7 @@ int64_t Matrix::nbytes() const {
 }
 
 bool Matrix::gemm_ok() const {
+  if (gemm8_ok()) return true;
 #ifdef GG_GEMM
   for (const Part& p : parts_)
     if (!gemm::has_type(p.type) && !gemm8::has_type(p.type)) return false;
@@ -1183,16 +1107,17 @@ at::Tensor Matrix::mm(const at::Tensor& x_in, int64_t gemm_min_rows, const std::
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N_}, x.options());
   if (M == 0) return y;
-#ifdef GG_GEMM
+#ifdef GG_GEMM8
   if (gemm_min_rows > 0 && M >= gemm_min_rows && gemm_ok()) {
-    // the int8 path (ggml_gemm8.h: llama.cpp's q8 arithmetic) where every part's type has it, unless
-    // path says bf16; else the bfloat16 path (ggml_gemm.h)
+    // the int8 path (ggml_gemm8.h: llama.cpp's q8 arithmetic; every AVX512-VNNI build) where every
+    // part's type has it, unless path says bf16; else the bfloat16 path (ggml_gemm.h; AVX512-BF16)
     if (path != "bf16" && gemm8_ok()) {
       std::vector<gemm8::Rows> rows;
       for (const Part& p : parts_) rows.push_back({p.data, p.type, p.first, p.rows, p.row_bytes});
       gemm8::mm(rows, N_, K_, x.data_ptr<float>(), M, y.data_ptr<float>());
       return y;
     }
+#ifdef GG_GEMM
     bool bf = K_ % 2 == 0;
     for (const Part& p : parts_) bf = bf && gemm::has_type(p.type);
     if (path != "int8" && bf) {
@@ -1201,6 +1126,7 @@ at::Tensor Matrix::mm(const at::Tensor& x_in, int64_t gemm_min_rows, const std::
       gemm::mm(rows, N_, K_, x.data_ptr<float>(), M, y.data_ptr<float>());
       return y;
     }
+#endif
   }
 #endif
   Scratch s;

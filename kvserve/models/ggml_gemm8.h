@@ -2,15 +2,15 @@
 // large M, the file's blocks unpacked a panel of 32 weight rows at a time into a per-thread buffer,
 // AVX512-VNNI vpdpbusd (64 u8 x s8 products per instruction, twice vdpbf16ps's rate).
 //
-// Included by ggml_cpu.cpp inside its namespace, after the block types and the activations'
-// quantization (it uses h2f, round_f16, nibbles, table16, scales_mins_k4, the BQ* structs). Compiled
-// with the bfloat16 path (GG_GEMM: AVX512-BF16 + AVX512-VNNI), so a prefill path exists on the same
-// CPUs as before; Matrix::mm picks this one where every part's type has it (has_type: all but F16
-// and BF16).
+// Included by ggml_cpu.cpp inside its namespace, after the block types (it uses h2f, nibbles, table16,
+// scales_mins_k4, the BQ* structs) and q8_quant.h (the activations' quantization). Compiled
+// in every AVX512-VNNI build (GG_VNNI: AVX512F/BW/VL + VNNI; it needs no AVX512-BF16, unlike the
+// bfloat16 path: Cascade Lake and Ice Lake have it too); Matrix::mm picks this one where every part's
+// type has it (has_type: all but F16 and BF16).
 //
-// Arithmetic: llama.cpp's. Activations quantized as the per-row kernels quantize them (q8_K for
-// Q2_K..Q6_K and IQ4_XS, q8_0 for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4; q8_0_row / q8_K_row
-// below are quantize_q8_0_row / quantize_q8_K_row in 512-bit vectors, the same values bit for bit).
+// Arithmetic: llama.cpp's. Activations quantized by the per-row kernels' own functions (q8_quant.h:
+// q8_K for Q2_K..Q6_K and IQ4_XS, q8_0 for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4), with the
+// blocks' integer sums this path also needs (q8_0's sums, q8_K's sums of 32).
 // Per block (32 values) or super-block (256), the sum of weight quant x activation quant times the
 // block's integer sub-scales is the integer llama.cpp's vec_dot forms (exact in int32; for Q5_K, Q6_K
 // and IQ4_XS summed over sub-blocks in float32, exact below 2^24: see kernk), then
@@ -32,9 +32,13 @@
 // rows, each 4 activation bytes broadcast from the q8 row ({1to16}), two vpdpbusd per broadcast; per
 // sub-block an int32 accumulator, multiplied by the sub-block's scale into the super-block's sum.
 // Measured on one Zen 4 core at 512 x 2048 x 2048 (CPU time): Q4_K 277 GFLOP/s, Q6_K 290, Q8_0 296,
-// Q4_0 305; the bfloat16 path 185-198 on the same shapes.
+// Q4_0 305; the bfloat16 path 185-198 on the same shapes. With kernk's sums in y and the panel's
+// vectors pinned (below), best of 4 interleaved runs on a shared machine, 512 rows: Q4_K 268 (2048 x
+// 2048), 285 (8192 x 2048), 286 (2048 x 8192) against 258, 278, 271 before. vpdpbusd's own rate here
+// is 3.6 G/s (464 GOPS): Q6_K's 16-value sub-blocks (a convert and an FMA per 4 vpdpbusd) bound it
+// near 300.
 
-#ifdef GG_GEMM
+#ifdef GG_VNNI
 #define GG_GEMM8 1
 
 namespace gemm8 {
@@ -88,7 +92,7 @@ struct Panel {
   std::vector<uint8_t> w;       // [K/4][NP][4]
   std::vector<float> d, dm;     // [blocks][NP]
   std::vector<int32_t> sc, mn;  // [blocks][groups][NP], [blocks][pairs][NP]
-  std::vector<uint8_t> row;     // one row's quants, [K]
+  std::vector<uint8_t> row;     // the rows' quants, [NP][K]
 };
 
 // ---------------------------------------------------------------- unpacking one weight row (lane n)
@@ -101,7 +105,7 @@ void row32(const uint8_t* w, int64_t K, int n, Panel& p) {
   for (int64_t b = 0; b < K / 32; ++b) {
     float d, m = 0.f;
     const __m256i v = T::vals(w + b * T::BYTES, d, m);
-    store32(p.row.data() + 32 * b, T::SIGNED ? _mm256_xor_si256(v, flip) : v);
+    store32(p.row.data() + n * K + 32 * b, T::SIGNED ? _mm256_xor_si256(v, flip) : v);
     p.d[b * NP + n] = d;
     if (T::MIN) p.dm[b * NP + n] = m;
   }
@@ -121,7 +125,7 @@ void row_q45k(const uint8_t* w, int64_t K, int n, Panel& p) {
     for (int j = 0; j < 8; ++j) p.sc[(b * 8 + j) * NP + n] = sc[j];
     for (int j = 0; j < 4; ++j) p.mn[(b * 4 + j) * NP + n] = mn[2 * j] | (static_cast<int32_t>(mn[2 * j + 1]) << 16);
     const __m256i qh = FIVE ? load32(blk + 16) : _mm256_setzero_si256();
-    uint8_t* out = p.row.data() + 256 * b;
+    uint8_t* out = p.row.data() + n * K + 256 * b;
     for (int q = 0; q < 4; ++q) {
       const __m256i v = load32(qs + 32 * q);
       __m256i u0 = _mm256_and_si256(v, m4), u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -142,7 +146,7 @@ void row_q6k(const uint8_t* w, int64_t K, int n, Panel& p) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
     p.d[b * NP + n] = h2f(blk + 208);
     for (int g = 0; g < 16; ++g) p.sc[(b * 16 + g) * NP + n] = sc[g];
-    uint8_t* out = p.row.data() + 256 * b;
+    uint8_t* out = p.row.data() + n * K + 256 * b;
     for (int h = 0; h < 2; ++h) {
       const __m256i l0 = load32(blk + 64 * h), l1 = load32(blk + 64 * h + 32), qh = load32(blk + 128 + 32 * h);
       store32(out + 128 * h, _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)));
@@ -164,7 +168,7 @@ void row_q2k(const uint8_t* w, int64_t K, int n, Panel& p) {
     p.dm[b * NP + n] = h2f(blk + 82);
     for (int g = 0; g < 16; ++g) p.sc[(b * 16 + g) * NP + n] = blk[g] & 0xF;
     for (int j = 0; j < 8; ++j) p.mn[(b * 8 + j) * NP + n] = (blk[2 * j] >> 4) | (static_cast<int32_t>(blk[2 * j + 1] >> 4) << 16);
-    uint8_t* out = p.row.data() + 256 * b;
+    uint8_t* out = p.row.data() + n * K + 256 * b;
     for (int h = 0; h < 2; ++h) {
       const __m256i q = load32(blk + 16 + 32 * h);
       for (int j = 0; j < 4; ++j) store32(out + 32 * (4 * h + j), _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m2));
@@ -184,7 +188,7 @@ void row_q3k(const uint8_t* w, int64_t K, int n, Panel& p) {
       p.sc[(b * 16 + g) * NP + n] = (low | (high << 4)) - 32;
     }
     const __m256i hm = load32(blk);
-    uint8_t* out = p.row.data() + 256 * b;
+    uint8_t* out = p.row.data() + n * K + 256 * b;
     for (int h = 0; h < 2; ++h) {
       const __m256i q = load32(blk + 32 + 32 * h);
       for (int j = 0; j < 4; ++j) {
@@ -203,7 +207,7 @@ void row_iq4xs(const uint8_t* w, int64_t K, int n, Panel& p) {
     p.d[b * NP + n] = h2f(blk);
     uint16_t sh;
     std::memcpy(&sh, blk + 2, 2);
-    uint8_t* out = p.row.data() + 256 * b;
+    uint8_t* out = p.row.data() + n * K + 256 * b;
     for (int j = 0; j < 8; ++j) {
       p.sc[(b * 8 + j) * NP + n] = (((blk[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32;
       store32(out + 32 * j, _mm256_xor_si256(_mm256_shuffle_epi8(tab, nibbles(blk + 8 + 16 * j)), flip));
@@ -231,25 +235,57 @@ void unpack_row(int t, const uint8_t* w, int64_t K, int n, Panel& p) {
 }
 
 // rows [0, nr) of a panel from `w` (row_bytes apart); rows nr..NP-1 zero (scales 0: they add nothing)
+// 16 vectors of 16 uint32 (rows) -> their transpose, in place (vector c: element c of every row)
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int c = 0; c < 4; ++c) {
+      t[8 * i + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0x88);
+      t[8 * i + 4 + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + 4 + c], 0xDD);
+    }
+  for (int c = 0; c < 8; ++c) {
+    r[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xDD);
+  }
+}
+
+// rows [0, nr) of a panel from `w` (row_bytes apart); rows nr..NP-1 zero (scales 0: they add nothing).
+// Each row's quants are unpacked to p.row [NP][K], then moved to the [K/4][NP][4] layout 16 rows x 16
+// groups of 4 at a time (a 16 x 16 transpose of uint32: 64 shuffles for 256 values; one scattered
+// 4-byte store per value took ~5% of a 512-row Q4_K product)
 void unpack_panel(int t, const Traits& tr, const uint8_t* w, int64_t row_bytes, int nr, int64_t K, Panel& p) {
   const int64_t nb = tr.kind == K32 ? K / 32 : K / 256;
   const int groups = tr.kind == K32 ? 0 : 256 / tr.group;
   const int pairs = tr.mins == 32 ? 4 : tr.mins == 16 ? 8 : 0;
   p.w.resize(static_cast<size_t>(K) * NP);
-  p.row.resize(K);
+  p.row.resize(static_cast<size_t>(K) * NP);
   p.d.assign(nb * NP, 0.f);
   p.dm.assign(nb * NP, 0.f);
   p.sc.assign(nb * groups * NP, 0);
   p.mn.assign(nb * pairs * NP, 0);
-  uint32_t* wq = reinterpret_cast<uint32_t*>(p.w.data());
-  for (int n = 0; n < NP; ++n) {
-    if (n < nr) {
-      unpack_row(t, w + n * row_bytes, K, n, p);
-      const uint32_t* r = reinterpret_cast<const uint32_t*>(p.row.data());
-      for (int64_t k4 = 0; k4 < K / 4; ++k4) wq[k4 * NP + n] = r[k4];
-    } else {
-      for (int64_t k4 = 0; k4 < K / 4; ++k4) wq[k4 * NP + n] = 0;
+  for (int n = 0; n < nr; ++n) unpack_row(t, w + n * row_bytes, K, n, p);
+  if (nr < NP) std::memset(p.row.data() + nr * K, 0, (NP - nr) * K);
+  for (int h = 0; h < NP / 16; ++h)
+    for (int64_t j = 0; j < K / 64; ++j) {  // 64 bytes of 16 rows -> 16 groups of 4 x 16 rows
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(p.row.data() + (16 * h + i) * K + 64 * j);
+      transpose16(r);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_si512(p.w.data() + ((16 * j + c) * NP + 16 * h) * 4, r[c]);
     }
+  uint32_t* wq = reinterpret_cast<uint32_t*>(p.w.data());
+  for (int n = 0; n < NP; ++n) {  // K not a multiple of 64 (32-value types): the last 8 groups of 4
+    const uint32_t* r = reinterpret_cast<const uint32_t*>(p.row.data() + n * K);
+    for (int64_t k4 = K / 64 * 16; k4 < K / 4; ++k4) wq[k4 * NP + n] = r[k4];
   }
 }
 
@@ -260,6 +296,10 @@ inline __m512i bcast(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
 }
+
+// the panel's vectors stay in registers once loaded: without this GCC reloads them from L2 before
+// every vpdpbusd (8 512-bit loads per 8 vpdpbusd of 4 rows: load-bound at ~0.65 of vpdpbusd's rate)
+inline void pin(__m512i& a, __m512i& b) { asm("" : "+v"(a), "+v"(b)); }
 
 // R activation rows (m0 ..) x the panel's 32 rows, 32-value blocks -> y rows (stride ldy), lanes < nr
 template <int R, int OFF, bool MIN>
@@ -274,7 +314,8 @@ void kern32(const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float
     for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = OFF ? _mm512_set1_epi32(ini[(m0 + i) * nb + b]) : _mm512_setzero_si512();
     const uint8_t* wb = w + b * 32 * NP;
     for (int t = 0; t < 8; ++t) {
-      const __m512i w0 = _mm512_loadu_si512(wb + t * 4 * NP), w1 = _mm512_loadu_si512(wb + t * 4 * NP + 64);
+      __m512i w0 = _mm512_loadu_si512(wb + t * 4 * NP), w1 = _mm512_loadu_si512(wb + t * 4 * NP + 64);
+      pin(w0, w1);
       for (int i = 0; i < R; ++i) {
         const __m512i x = bcast(a.q0.data() + (m0 + i) * K + b * 32 + 4 * t);
         s[i][0] = _mm512_dpbusd_epi32(s[i][0], w0, x);
@@ -307,37 +348,53 @@ void kern32(const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float
 // Else (Q5_K, Q6_K, IQ4_XS) each group's int32 sum is converted to float and multiplied by its scale
 // into a float sum of the super-block (vpmulld held these at about 0.75x): the products sc x sum are
 // integers below 2^24, so this equals the integer sum wherever the partial sums stay below 2^24 too
-// (else it differs by float32 rounding of those sums)
+// (else it differs by float32 rounding of those sums).
+// Registers: the float sums of y live in y itself (read and written once per super-block, in L1), so
+// the loop over a super-block holds only the group sums and the super-block's sums (4R vectors) with
+// the panel's two weight vectors: with them in registers too (6R) the compiler spilled and reloaded
+// the weights (Q4_K at 0.8x of Q6_K)
 template <int R, int G, int OFF, int MINS, bool DP>
-void kernk(const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float* y, int64_t ldy, __mmask16 k0,
+__attribute__((noinline)) void kernk(const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float* y, int64_t ldy, __mmask16 k0,
            __mmask16 k1) {
   constexpr int NG = 256 / G, NPAIR = MINS == 32 ? 4 : MINS == 16 ? 8 : 0, CH = DP ? 16 : G;
   static_assert(!DP || OFF == 0 || G == 16, "an offset's start value is per group");
   const int64_t K = a.K, nb = K / 256;
-  __m512 acc[R][2];
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  const uint8_t* w = p.w.data();
+  const uint8_t* const w = p.w.data();
+  const int32_t* const scp = p.sc.data();
+  const int32_t* const mnp = p.mn.data();
+  const float* const dp = p.d.data();
+  const float* const dmp = p.dm.data();
+  const int8_t* const xq = a.qk.data() + m0 * K;
+  const float* const dk = a.dk.data() + m0 * nb;
+  const int16_t* const sums = MINS == 32 ? a.bsp.data() + m0 * (K / 32) : a.bs.data() + m0 * (K / 16);
+  const int64_t lds = MINS == 32 ? K / 32 : K / 16;
+  const int32_t* const iv = OFF ? ini + m0 * (K / G) : nullptr;
+  for (int i = 0; i < R; ++i) {
+    _mm512_mask_storeu_ps(y + (m0 + i) * ldy, k0, _mm512_setzero_ps());
+    _mm512_mask_storeu_ps(y + (m0 + i) * ldy + 16, k1, _mm512_setzero_ps());
+  }
   const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
   for (int64_t b = 0; b < nb; ++b) {
     __m512i tot[R][2];
     __m512 totf[R][2];
     for (int i = 0; i < R; ++i) {
-      tot[i][0] = tot[i][1] = _mm512_setzero_si512();
-      totf[i][0] = totf[i][1] = _mm512_setzero_ps();
+      if (DP) tot[i][0] = tot[i][1] = _mm512_setzero_si512();
+      else totf[i][0] = totf[i][1] = _mm512_setzero_ps();
     }
     for (int g = 0; g < NG; ++g) {
-      const __m512i sc0 = _mm512_loadu_si512(p.sc.data() + (b * NG + g) * NP);
-      const __m512i sc1 = _mm512_loadu_si512(p.sc.data() + (b * NG + g) * NP + 16);
+      const __m512i sc0 = _mm512_loadu_si512(scp + (b * NG + g) * NP);
+      const __m512i sc1 = _mm512_loadu_si512(scp + (b * NG + g) * NP + 16);
       for (int c = 0; c < G; c += CH) {
         __m512i s[R][2];
         for (int i = 0; i < R; ++i)
-          s[i][0] = s[i][1] = OFF ? _mm512_set1_epi32(ini[(m0 + i) * (K / G) + b * NG + g]) : _mm512_setzero_si512();
+          s[i][0] = s[i][1] = OFF ? _mm512_set1_epi32(iv[i * (K / G) + b * NG + g]) : _mm512_setzero_si512();
         const uint8_t* wg = w + (b * 256 + g * G + c) * NP;
-        const int8_t* xg = a.qk.data() + b * 256 + g * G + c;
+        const int8_t* xg = xq + b * 256 + g * G + c;
         for (int t = 0; t < CH / 4; ++t) {
-          const __m512i w0 = _mm512_loadu_si512(wg + t * 4 * NP), w1 = _mm512_loadu_si512(wg + t * 4 * NP + 64);
+          __m512i w0 = _mm512_loadu_si512(wg + t * 4 * NP), w1 = _mm512_loadu_si512(wg + t * 4 * NP + 64);
+          pin(w0, w1);
           for (int i = 0; i < R; ++i) {
-            const __m512i x = bcast(xg + (m0 + i) * K + 4 * t);
+            const __m512i x = bcast(xg + i * K + 4 * t);
             s[i][0] = _mm512_dpbusd_epi32(s[i][0], w0, x);
             s[i][1] = _mm512_dpbusd_epi32(s[i][1], w1, x);
           }
@@ -353,37 +410,32 @@ void kernk(const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float*
         }
       }
     }
-    if (DP)
-      for (int i = 0; i < R; ++i) {
-        totf[i][0] = _mm512_cvtepi32_ps(tot[i][0]);
-        totf[i][1] = _mm512_cvtepi32_ps(tot[i][1]);
-      }
-    const __m512 d0 = _mm512_loadu_ps(p.d.data() + b * NP), d1 = _mm512_loadu_ps(p.d.data() + b * NP + 16);
+    const __m512 d0 = _mm512_loadu_ps(dp + b * NP), d1 = _mm512_loadu_ps(dp + b * NP + 16);
     for (int i = 0; i < R; ++i) {
-      const int64_t m = m0 + i;
-      const __m512 dx = _mm512_set1_ps(a.dk[m * nb + b]);
-      acc[i][0] = _mm512_fmadd_ps(totf[i][0], _mm512_mul_ps(d0, dx), acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(totf[i][1], _mm512_mul_ps(d1, dx), acc[i][1]);
+      float* yi = y + (m0 + i) * ldy;
+      const __m512 dx = _mm512_set1_ps(dk[i * nb + b]);
+      const __m512 t0 = DP ? _mm512_cvtepi32_ps(tot[i][0]) : totf[i][0];
+      const __m512 t1 = DP ? _mm512_cvtepi32_ps(tot[i][1]) : totf[i][1];
+      __m512 acc0 = _mm512_fmadd_ps(t0, _mm512_mul_ps(d0, dx), _mm512_maskz_loadu_ps(k0, yi));
+      __m512 acc1 = _mm512_fmadd_ps(t1, _mm512_mul_ps(d1, dx), _mm512_maskz_loadu_ps(k1, yi + 16));
       if (MINS) {
         // summs: the mins (int16 pairs) times the activations' sums of MINS values (int16 pairs)
-        const int16_t* sums = MINS == 32 ? a.bsp.data() + m * (K / 32) + b * 8 : a.bs.data() + m * (K / 16) + b * 16;
+        const int16_t* si = sums + i * lds + b * (256 / MINS);
         __m512i ms0 = _mm512_setzero_si512(), ms1 = _mm512_setzero_si512();
         for (int j = 0; j < NPAIR; ++j) {
           int32_t pr;
-          std::memcpy(&pr, sums + 2 * j, 4);
+          std::memcpy(&pr, si + 2 * j, 4);
           const __m512i xs = _mm512_set1_epi32(pr);
-          ms0 = _mm512_dpwssd_epi32(ms0, _mm512_loadu_si512(p.mn.data() + (b * NPAIR + j) * NP), xs);
-          ms1 = _mm512_dpwssd_epi32(ms1, _mm512_loadu_si512(p.mn.data() + (b * NPAIR + j) * NP + 16), xs);
+          ms0 = _mm512_dpwssd_epi32(ms0, _mm512_loadu_si512(mnp + (b * NPAIR + j) * NP), xs);
+          ms1 = _mm512_dpwssd_epi32(ms1, _mm512_loadu_si512(mnp + (b * NPAIR + j) * NP + 16), xs);
         }
-        const __m512 dm0 = _mm512_loadu_ps(p.dm.data() + b * NP), dm1 = _mm512_loadu_ps(p.dm.data() + b * NP + 16);
-        acc[i][0] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms0), _mm512_mul_ps(dm0, dx), acc[i][0]);
-        acc[i][1] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms1), _mm512_mul_ps(dm1, dx), acc[i][1]);
+        const __m512 dm0 = _mm512_loadu_ps(dmp + b * NP), dm1 = _mm512_loadu_ps(dmp + b * NP + 16);
+        acc0 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms0), _mm512_mul_ps(dm0, dx), acc0);
+        acc1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms1), _mm512_mul_ps(dm1, dx), acc1);
       }
+      _mm512_mask_storeu_ps(yi, k0, acc0);
+      _mm512_mask_storeu_ps(yi + 16, k1, acc1);
     }
-  }
-  for (int i = 0; i < R; ++i) {
-    _mm512_mask_storeu_ps(y + (m0 + i) * ldy, k0, acc[i][0]);
-    _mm512_mask_storeu_ps(y + (m0 + i) * ldy + 16, k1, acc[i][1]);
   }
 }
 
@@ -416,63 +468,6 @@ struct Rows {
 
 // ---------------------------------------------------------------- the activations
 
-// quantize_q8_0_row's values with 512-bit vectors (the same operations per value: max |x|, x * (127 /
-// max), round half to even; the same float16 d and s), and the blocks' integer sums of q
-void q8_0_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* sum) {
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
-    const __m512 id = _mm512_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm512_cvtepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
-    const int sm = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    sum[b] = sm;
-    d[b] = round_f16(amax / 127.f);
-    s[b] = round_f16(amax / 127.f * static_cast<float>(sm));
-  }
-}
-
-// quantize_q8_K_row's values with 512-bit vectors (the first value of largest magnitude, the same
-// scale and rounding), and the sums of 32 (bsp) beside those of 16 (bs)
-void q8_K_row(const float* x, int64_t K, int8_t* q, float* d, int16_t* bs, int16_t* bsp) {
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  const __m512i top = _mm512_set1_epi32(127);
-  for (int64_t b = 0; b < K / 256; ++b) {
-    const float* xb = x + 256 * b;
-    __m512 mv = _mm512_setzero_ps();
-    for (int j = 0; j < 16; ++j) mv = _mm512_max_ps(mv, _mm512_andnot_ps(sign, _mm512_loadu_ps(xb + 16 * j)));
-    const float amax = _mm512_reduce_max_ps(mv);
-    int8_t* qb = q + 256 * b;
-    if (amax == 0.f) {
-      std::memset(qb, 0, 256);
-      std::memset(bs + 16 * b, 0, 32);
-      std::memset(bsp + 8 * b, 0, 16);
-      d[b] = 0.f;
-      continue;
-    }
-    float mx = 0.f;
-    const __m512 am = _mm512_set1_ps(amax);
-    for (int j = 0; j < 16; ++j) {
-      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_andnot_ps(sign, _mm512_loadu_ps(xb + 16 * j)), am, _CMP_EQ_OQ);
-      if (hit) {
-        mx = xb[16 * j + __builtin_ctz(hit)];
-        break;
-      }
-    }
-    const float iscale = -127.f / mx;
-    const __m512 is = _mm512_set1_ps(iscale);
-    for (int j = 0; j < 16; ++j) {
-      const __m512i v = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16 * j), is)), top);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16 * j), _mm512_cvtepi32_epi8(v));
-      bs[16 * b + j] = static_cast<int16_t>(_mm512_reduce_add_epi32(v));
-    }
-    for (int j = 0; j < 8; ++j) bsp[8 * b + j] = static_cast<int16_t>(bs[16 * b + 2 * j] + bs[16 * b + 2 * j + 1]);
-    d[b] = 1.f / iscale;
-  }
-}
-
 // x [M, K] -> the activations every part's type needs (q8_0 and / or q8_K), on kvserve's pool
 void quantize(const std::vector<Rows>& parts, const float* x, int64_t M, int64_t K, Acts& a) {
   bool q0 = false, qk = false;
@@ -497,11 +492,11 @@ void quantize(const std::vector<Rows>& parts, const float* x, int64_t M, int64_t
   kvserve_pool::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       if (q0)
-        q8_0_row(x + m * K, K, a.q0.data() + m * K, a.d0.data() + m * (K / 32), a.s0.data() + m * (K / 32),
-                 a.sum0.data() + m * (K / 32));
+        quantize_q8_0_row(x + m * K, K, a.q0.data() + m * K, a.d0.data() + m * (K / 32), a.s0.data() + m * (K / 32),
+                          a.sum0.data() + m * (K / 32));
       if (qk)
-        q8_K_row(x + m * K, K, a.qk.data() + m * K, a.dk.data() + m * (K / 256), a.bs.data() + m * (K / 16),
-                 a.bsp.data() + m * (K / 32));
+        quantize_q8_K_row(x + m * K, K, a.qk.data() + m * K, a.dk.data() + m * (K / 256), a.bs.data() + m * (K / 16),
+                          a.bsp.data() + m * (K / 32));
     }
   });
 }

@@ -9,8 +9,9 @@ F16 and BF16 rows are widened to float32 and multiplied with the float32 activat
 M-row product equals the one-row product bit for bit (see ggml_cpu.cpp).
 
 Prefill-sized products (``BlockMatrix.gemm_min_rows``: at least that many rows) take one of two other
-paths where the build has AVX512-BF16 and AVX512-VNNI (``mod.GEMM == "avx512bf16"``, ``mod.GEMM8 ==
-"avx512vnni"``), picked by ``BlockMatrix.gemm_path``:
+paths, picked by ``BlockMatrix.gemm_path``, where the build has them (:func:`prefill_paths`): the int8
+one in every AVX512-VNNI build (``mod.GEMM8 == "avx512vnni"``), the bfloat16 one where the CPU also has
+AVX512-BF16 (``mod.GEMM == "avx512bf16"``):
 
 * the int8 path (``ggml_gemm8.h``; "auto" takes it where every part's type has it: all of
   :data:`TYPES` but F16 and BF16): llama.cpp's arithmetic, as the per-row kernels (the same q8_0 /
@@ -25,7 +26,7 @@ paths where the build has AVX512-BF16 and AVX512-VNNI (``mod.GEMM == "avx512bf16
   rounding (about bfloat16's 2^-9 on each operand, no block-wise quantization of x).
 
 On either path row i of a product is the same whatever the other rows are. Elsewhere (AVX2, AVX512
-without BF16) every row count runs the per-row kernels.
+without VNNI) every row count runs the per-row kernels.
 
 Built as part of kvserve's one CPU extension (:mod:`kvserve.models.decode_native`: the ``ggml``
 submodule of the native decode step's build, which composes its projections from these products):
@@ -49,6 +50,8 @@ from kvserve.models import decode_native
 #: ggml type names with a kernel here, in the order of ``gguf.GGMLQuantizationType``
 TYPES = ("F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
          "IQ4_XS", "BF16", "MXFP4")
+#: the types the int8 prefill path takes (ggml_gemm8.h)
+INT8_TYPES = tuple(t for t in TYPES if t not in ("F16", "BF16"))
 
 
 def enabled() -> bool:
@@ -56,20 +59,27 @@ def enabled() -> bool:
     return os.environ.get("KVSERVE_GGML_KERNELS", "1") != "0" and decode_native.unavailable_reason() is None
 
 
-def gemm_expected(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """True where the build made here has the prefill path (``GEMM``): the kernels on, no
-    ``$KVSERVE_NATIVE_MARCH`` (another target), and this CPU's flags include AVX512-BF16 and the
-    AVX512-VNNI build's (read from /proc/cpuinfo; for estimates made before the build is loaded)."""
+#: /proc/cpuinfo flags the int8 prefill path's build needs (ggml_gemm8.h: AVX512-VNNI; Cascade Lake,
+#: Ice Lake, Sapphire Rapids, Zen 4 ...) and the bfloat16 one's (ggml_gemm.h: also AVX512-BF16)
+INT8_PREFILL_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+BF16_PREFILL_FLAGS = INT8_PREFILL_FLAGS | {"avx512_bf16"}
+
+
+def prefill_paths(flags=None) -> tuple[str, ...]:
+    """The prefill paths the build made here has, by what each needs of the CPU: ("int8", "bf16") with
+    AVX512-VNNI and AVX512-BF16, ("int8",) with AVX512-VNNI alone, () elsewhere (AVX2 builds; also
+    with the kernels off or ``$KVSERVE_NATIVE_MARCH`` naming another target). For choices made before
+    the build is loaded (the model's prefill dtype); once loaded, ``mod.GEMM8`` / ``mod.GEMM`` say.
+
+    Args:
+        flags: the CPU's /proc/cpuinfo flags (default: this CPU's, ``q4_kernel.cpu_flags()``).
+    """
+    from kvserve.models import q4_kernel
+
     if not enabled() or os.environ.get("KVSERVE_NATIVE_MARCH", "").strip():
-        return False
-    try:
-        with open(cpuinfo, encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return {"avx512_bf16", "avx512_vnni", "avx512bw", "avx512vl"} <= set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return False
+        return ()
+    have = set(q4_kernel.cpu_flags() if flags is None else flags)
+    return tuple(name for name, need in (("int8", INT8_PREFILL_FLAGS), ("bf16", BF16_PREFILL_FLAGS)) if need <= have)
 
 
 def load_cached():

@@ -344,7 +344,7 @@ def _block_matrix(weights: list[Weight]):
 
 def _q4_block_matrix(weights: list[Weight]):
     """The block matrix over Q4_0/Q4_1 weights' file blocks (``Weight.q4_raw``), its prefill path on for
-    every row count it is given, or None where that path does not run here (no AVX512-BF16 build,
+    every row count it is given, or None where that path does not run here (no AVX512-VNNI build,
     the kernels off or not built, a weight without its blocks)."""
     if any(w.q4_raw is None for w in weights):
         return None

@@ -56,7 +56,8 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
     if config.dtype == "auto":
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         kernel = config.cpu_kernel if device == "cpu" else "dense"
-        if config.large_batch_dtype == "bfloat16" or config.large_batch_dtype == "auto" and cpu_native_bf16():
+        if config.large_batch_dtype == "bfloat16" or config.large_batch_dtype == "auto" and (
+                cpu_native_bf16() or int8_prefill_only(loaded.weights)):
             large = torch.bfloat16
         # the native decode step (kvserve.models.decode_native) is the default decode path on CPUs
         # with AVX512-VNNI or AVX2 + FMA + F16C: not with --compile (the compiled graph takes the
@@ -86,6 +87,21 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
     model.native_decode = (native_decode and native_q4 and family.native_decode(loaded.config)
                            and all(native_projection(lin) for lin in model.projections()))
     return model
+
+
+def int8_prefill_only(weights: dict, flags=None) -> bool:
+    """True where a CPU without native bfloat16 still prefills on the GGUF blocks: the build made here
+    has the int8 prefill path (AVX512-VNNI: :func:`ggml_kernel.prefill_paths` of ``flags``, default
+    this CPU's) and every layer matrix of ``weights`` (name -> Weight) is GGUF blocks of a type it
+    takes, so "bfloat16 prefill" (large_batch_dtype auto) makes no bfloat16 copy: the steps above
+    small_batch_rows run the int8 path, as on AVX512-BF16 CPUs."""
+    from kvserve.models import ggml_kernel
+
+    if "int8" not in ggml_kernel.prefill_paths(flags):
+        return False
+    mats = [w for name, w in weights.items() if name.startswith("blk.") and len(w.shape) == 2]
+    return bool(mats) and all((w.raw is not None and w.source_type in ggml_kernel.INT8_TYPES)
+                              or w.q4_raw is not None for w in mats)
 
 
 def cpu_native_bf16() -> bool:

@@ -77,6 +77,35 @@ def test_block_kernels_agree_with_the_dequantized_model(kernels, tmp_path, qtype
     assert same >= 48
 
 
+def test_int8_prefill_path_needs_vnni_not_bf16(kernels, tmp_path, monkeypatch):
+    """The int8 prefill path is chosen by what it needs: AVX512F/BW/VL + AVX512-VNNI (Cascade Lake, Ice
+    Lake: no AVX512-BF16), not the bfloat16 path's AVX512-BF16. Capability flags forced: with VNNI and
+    no native bfloat16, large_batch_dtype auto still hands a Q4_K model's block matrices
+    small_batch_rows + 1 (the int8 path, no bfloat16 copy); without VNNI, or with F16 matrices (no
+    int8 path for them: a bfloat16 copy would be made), it does not."""
+    from kvserve.models import q4_kernel, registry
+
+    vnni = ["fpu", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"]
+    no_vnni = vnni[:-1]
+    assert ggml_kernel.prefill_paths(vnni) == ("int8",)
+    assert ggml_kernel.prefill_paths(vnni + ["avx512_bf16"]) == ("int8", "bf16")
+    assert ggml_kernel.prefill_paths(no_vnni + ["avx512_bf16"]) == ()
+    assert ggml_kernel.prefill_paths(["avx2", "fma", "f16c", "avx_vnni"]) == ()
+    q4k = tinymodel.write_tiny_gguf(tmp_path / "q4k.gguf", n_embd=256, n_ff=512, qtype="Q4_K", seed=3)
+    f16 = tinymodel.write_tiny_gguf(tmp_path / "f16.gguf", n_embd=256, n_ff=512, qtype="F16", seed=3)
+    assert registry.int8_prefill_only(load_files(str(q4k)).weights, vnni)
+    assert not registry.int8_prefill_only(load_files(str(q4k)).weights, no_vnni)
+    assert not registry.int8_prefill_only(load_files(str(f16)).weights, vnni)
+    monkeypatch.setattr(registry, "cpu_native_bf16", lambda: False)
+    monkeypatch.setattr(q4_kernel, "cpu_flags", lambda: vnni)
+    lin = _core(q4k).model.layers[0].w_gate_up
+    assert lin.kernel == "gguf" and lin.blocks.gemm_min_rows == 17 and lin.blocks.matrix.gemm8
+    assert _core(q4k, large_batch_dtype="float32").model.layers[0].w_gate_up.blocks.gemm_min_rows == 0
+    assert _core(f16).model.layers[0].w_gate_up.blocks.gemm_min_rows == 0
+    monkeypatch.setattr(q4_kernel, "cpu_flags", lambda: no_vnni)
+    assert _core(q4k).model.layers[0].w_gate_up.blocks.gemm_min_rows == 0
+
+
 def test_steps_above_small_batch_rows_take_the_prefill_path(kernels, tmp_path):
     """With bfloat16 prefill (large_batch_dtype auto on a CPU with native bfloat16) Linear hands the
     block matrix small_batch_rows + 1 as gemm_min_rows: a 16-row step (decode of 16 streams) is the
