@@ -42,7 +42,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kvserve, not the venv's
 
 SOURCE = '''"""A small inventory service: items, stock levels and orders."""
 

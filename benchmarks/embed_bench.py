@@ -69,7 +69,9 @@ def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str, P
     log = Path(tempfile.mkstemp(prefix="embed-bench-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "kvserve", "serve", model, "--host", "127.0.0.1", "--port", str(port), *extra]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        root = str(Path(__file__).resolve().parents[1])  # this checkout's kvserve, not the venv's
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

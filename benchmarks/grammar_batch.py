@@ -29,7 +29,11 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kvserve, not the venv's
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 24}, "count": {"type": "integer"},

@@ -15,7 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kvserve, not the venv's
 
 from kvserve.config import EngineConfig
 from kvserve.engine.core import create_engine_core

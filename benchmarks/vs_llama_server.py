@@ -64,6 +64,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _this_checkout_env() -> dict[str, str]:
+    """The environment with this checkout first on PYTHONPATH, so ``python -m kvserve`` runs this
+    checkout's code whatever the caller's directory (the venv's editable install may be another)."""
+    root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
 def wait_health(url: str, proc: subprocess.Popen, timeout: float = 600) -> float:
     """Seconds until GET /health answers 200; raises if the process exits first. One client for
     all polls: ``httpx.get`` builds a client (and its TLS context) per call, which took about a
@@ -203,7 +210,7 @@ def main() -> None:
             port = free_port()
             log = open(os.path.join(logs, f"{name}.log"), "wb")
             procs[name] = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
+                                           start_new_session=True, env=_this_checkout_env())
             urls[name] = f"http://127.0.0.1:{port}"
             secs = wait_health(urls[name], procs[name])
             out.setdefault("startup_s", {})[name] = round(secs, 2)
