@@ -81,7 +81,7 @@ class MoE(nn.Module):
     def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s SiLU-gated MLP of its rows xs [n, n_embd] -> [n, n_embd]."""
         gu = self.gate_up[e].forward(xs)
-        return self.down[e].forward(F.silu(gu[:, :self.n_ff]) * gu[:, self.n_ff:])
+        return self.down[e].forward(F.silu(gu[:, :self.n_ff]).mul_(gu[:, self.n_ff:]))
 
 
 def combine_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, n_expert: int,
@@ -92,19 +92,19 @@ def combine_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, n_exper
     expert no row chose is not called, so its weights are never read."""
     T, k = idx.shape
     flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    rows = torch.arange(T, device=x.device).repeat_interleave(k)[order]
-    weights = w.reshape(-1)[order].to(x.dtype)
+    order = torch.argsort(flat, stable=True)  # the T*k (row, expert) pairs, grouped by expert
+    xs = x.index_select(0, order // k)  # one gather: each expert's rows lie together
+    ys = torch.empty_like(xs)
     counts = torch.bincount(flat, minlength=n_expert).tolist()
-    out = torch.zeros_like(x)
     start = 0
     for e, n in enumerate(counts):
-        if not n:
-            continue
-        r = rows[start:start + n]
-        out.index_add_(0, r, expert(e, x.index_select(0, r)) * weights[start:start + n, None])
-        start += n
-    return out
+        if n:
+            ys[start:start + n] = expert(e, xs[start:start + n])
+            start += n
+    # back to (row, choice) order by the inverse permutation (a gather: no index_add_, whose CPU
+    # kernel costs milliseconds on a one-row step), then each row's k outputs weighted and summed
+    ys = ys.index_select(0, torch.argsort(order)).view(T, k, -1)
+    return torch.bmm(w.to(x.dtype).unsqueeze(1), ys).squeeze(1)
 
 
 def expert_rows(w: Weight) -> list[Weight]:
