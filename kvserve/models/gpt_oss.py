@@ -45,7 +45,6 @@ from functools import partial
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvserve.engine.kv_quant import kv_write
@@ -308,40 +307,40 @@ kv_spec = layer_kv_spec
 
 # -- the module -------------------------------------------------------------------------------------
 
-#: the float mask of one attention call is built in query chunks of at most this many elements
-#: (B * H * Lq * (Lk + 1) float32 values: 64 Mi = 256 MiB)
+#: the score tensor of one attention call is computed in query chunks of at most this many elements
+#: (B * H * Lq * Lk float32 values: 64 Mi = 256 MiB)
 SCORE_ELEMENTS_MAX = 1 << 26
 
 
 def attend(q, k, v, q_pos, k_pos, valid, scale: float, window: int, sinks) -> torch.Tensor:
-    """Attention with sinks and a window: q [B, Lq, H, D], k/v [B, Lk, Hkv, D] (query head h reads KV
-    head h // (H / Hkv)), q_pos [B, Lq] and k_pos [B, Lk] long, valid [B, Lk] bool or None, sinks [H]
-    float32 or None -> [B, Lq, H, D].
+    """Attention with sinks and a window: q [B, Lq, H, D], k/v [B, Lk, Hkv, D], q_pos [B, Lq] and k_pos
+    [B, Lk] long, valid [B, Lk] bool or None, sinks [H] float32 or None -> [B, Lq, H, D].
 
     Key j is seen by query i when k_pos <= q_pos, within ``window`` tokens (q_pos - k_pos < window;
     0: no window) and valid; each head's softmax denominator adds ``exp(sinks[h])``. A query that sees
-    no key (only a sink) gets zeros. The sink is one more key of zeros (value zeros) whose additive
-    mask is ``sinks[h]`` (transformers' eager gpt-oss concatenates the sink logit the same way), so
-    SDPA's fused kernel does the rest (GQA without copies of K/V per query head); the float mask is
-    built in query chunks of at most :data:`SCORE_ELEMENTS_MAX` elements."""
+    no key (only a sink) gets zeros. Computed in query chunks (:data:`SCORE_ELEMENTS_MAX`)."""
     B, Lq, H, D = q.shape
-    Lk, Hkv = k.shape[1], k.shape[2]
-    if sinks is not None:
-        zero = k.new_zeros(B, 1, Hkv, D)
-        k, v = torch.cat([k, zero], dim=1), torch.cat([v, zero], dim=1)
-    kt, vt = k.transpose(1, 2), v.transpose(1, 2)
-    step = max(1, SCORE_ELEMENTS_MAX // max(1, B * H * k.shape[1]))
+    Lk = k.shape[1]
+    g = H // k.shape[2]
+    if g > 1:
+        k = k.repeat_interleave(g, dim=2)
+        v = v.repeat_interleave(g, dim=2)
+    step = max(1, SCORE_ELEMENTS_MAX // max(1, B * H * Lk))
     out = torch.empty_like(q)
     for a in range(0, Lq, step):
         b = min(Lq, a + step)
-        hidden = ~visible(q_pos[:, a:b], k_pos, window, valid)[:, None]  # [B, 1, lq, Lk]
-        mask = q.new_zeros(B, H, b - a, k.shape[1])
-        mask[..., :Lk].masked_fill_(hidden, float("-inf"))
+        s = torch.einsum("bqhd,bkhd->bhqk", q[:, a:b], k).mul_(scale)  # [B, H, lq, Lk]
+        s.masked_fill_(~visible(q_pos[:, a:b], k_pos, window, valid)[:, None], float("-inf"))
+        m = s.amax(dim=-1, keepdim=True)
         if sinks is not None:
-            mask[..., Lk] = sinks.view(1, H, 1).to(q.dtype)
-        o = F.scaled_dot_product_attention(q[:, a:b].transpose(1, 2), kt, vt, attn_mask=mask, scale=scale,
-                                           enable_gqa=Hkv != H)
-        out[:, a:b] = o.transpose(1, 2).nan_to_num_(nan=0.0)  # no key and no sink: zeros, not NaN
+            m = torch.maximum(m, sinks.view(1, H, 1, 1))
+        m = torch.nan_to_num(m, neginf=0.0)  # a row that sees nothing (no sink): zeros, not NaN
+        p = torch.exp(s - m)
+        denom = p.sum(dim=-1, keepdim=True)
+        if sinks is not None:
+            denom = denom + torch.exp(sinks.view(1, H, 1, 1) - m)
+        p = p / denom.clamp_min(torch.finfo(p.dtype).tiny)
+        out[:, a:b] = torch.einsum("bhqk,bkhd->bqhd", p, v)
     return out
 
 
