@@ -378,10 +378,10 @@ class GptOssMoE(nn.Module):
 
     def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s clamped SwiGLU of its rows xs [n, n_embd] -> [n, n_embd]."""
-        gu = self.gate_up[e].forward(xs)
-        gate = gu[:, :self.n_ff].clamp(max=self.limit)
-        up = gu[:, self.n_ff:].clamp(min=-self.limit, max=self.limit)
-        return self.down[e].forward((up + 1) * gate * torch.sigmoid(gate * self.alpha))
+        gu = self.gate_up[e].forward(xs)  # a new tensor: worked on in place (one [n, n_ff] allocation)
+        gate = gu[:, :self.n_ff].clamp_(max=self.limit)
+        up = gu[:, self.n_ff:].clamp_(min=-self.limit, max=self.limit).add_(1)
+        return self.down[e].forward(torch.sigmoid(gate * self.alpha).mul_(gate).mul_(up))
 
 
 class GptOssModel(nn.Module):
