@@ -741,10 +741,10 @@ def build_router(state: ServerState) -> APIRouter:
         state.require_up()
         name = query_model(http)
         if name is not None or state.pinned:  # one model: llama-server's exact lines
-            runner = state.peek(name)
-            if runner is None:
+            kept = state.peek_metrics(name)  # a sleeping model answers from its snapshot
+            if kept is None:
                 return Response(metrics_mod.render_empty(), headers=metrics_mod.response_headers())
-            return Response(runner.metrics.render(), headers=metrics_mod.response_headers())
+            return Response(kept.render(), headers=metrics_mod.response_headers())
         return Response(metrics_mod.render_models(state.manager), headers=metrics_mod.response_headers())
 
     return r

@@ -267,6 +267,7 @@ class EmbeddingRunner:
         """Stop the engine and drop every reference to the model, then return freed heap to the OS."""
         from kvserve.serving.runner import trim_heap
 
+        self.metrics.freeze()  # the counters outlive the runner (kvserve.serving.metrics)
         engine, self.engine, self.embedder = self.engine, None, None
         if engine is not None:
             engine.shutdown()

@@ -6,6 +6,14 @@ Names, HELP texts and TYPEs follow the seed's Example 15 (llama-server's
 ``n_busy_slots_per_decode``) are averaged over the window since the previous
 scrape, so every scrape starts a new window.
 
+The counters outlive the runner, as llama-server's survive ``--sleep-idle-seconds``
+(tools/server/tests/unit/test_sleep.py): when a runner closes, :meth:`Metrics.freeze` folds its
+engine's totals into the object's base and stops reading the engine, so ``/metrics`` on a
+sleeping model answers from that snapshot (the vLLM gauges keep the values read on freezing,
+the llamacpp rates report what happened since the last scrape once, then 0). The server state
+keeps the latest Metrics of each model and hands it to the next runner loaded for that name
+(:meth:`Metrics.attach`): totals continue from the snapshot instead of restarting at 0.
+
 The text is written here, not with prometheus-client: its Counter type appends
 ``_total`` (and ``_created`` samples) to names and would turn llama-server's
 ``llamacpp:n_tokens_max`` counter into ``llamacpp:n_tokens_max_total``; the
@@ -101,6 +109,9 @@ _METRICS = (
 
 _WINDOW_KEYS = ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_total",
                 "tokens_predicted_seconds_total", "n_decode_total", "n_busy_slots_total")
+#: the engine's counters summed over a model's runners (``n_tokens_max``: the largest)
+_TOTAL_KEYS = _WINDOW_KEYS + ("prompt_tokens_cached_total", "n_tokens_max", "spec_draft_tokens_total",
+                              "spec_accepted_tokens_total", "spec_drafts_total")
 
 
 def _fmt(v: float) -> str:
@@ -126,9 +137,78 @@ class Metrics:
         self._lock = threading.Lock()
         self._last = {k: 0.0 for k in _WINDOW_KEYS}
         self._vllm: VllmMetrics | None = None
+        #: totals of the engines of earlier runners of this model (see :meth:`freeze`)
+        self._base = dict.fromkeys(_TOTAL_KEYS, 0.0)
+        self._base_per_pos: list[int] = []
+        self._frozen = False
+        self._listen(state)
+
+    def _listen(self, state: Runner) -> None:
         listeners = getattr(state.engine, "step_listeners", None)
         if isinstance(listeners, list):  # a generative engine: aborted requests are seen there
             listeners.append(self._on_step)
+
+    @property
+    def frozen(self) -> bool:
+        """True between :meth:`freeze` and :meth:`attach`: the model is not loaded."""
+        return self._frozen
+
+    def freeze(self) -> None:
+        """The runner is closing (called before its engine stops): fold the engine's totals
+        into the base, read the vLLM gauges one last time, and stop reading the engine.
+        Idempotent. Thread-safe (runs in the unloading worker thread)."""
+        if self._frozen:
+            return
+        if self._vllm is not None:
+            self._vllm.freeze()
+        with self._lock:
+            self._base = self._totals_locked()
+            self._base_per_pos = self._per_pos_locked()
+            self._frozen = True
+
+    def attach(self, runner: Runner) -> None:
+        """Continue counting on ``runner`` (a new load of this model): it takes over this
+        object as ``runner.metrics``, the engine's counters add to the kept totals, and the
+        gauge window goes on from the last scrape (so a wake does not report rates again).
+
+        Raises:
+            RuntimeError: this Metrics is not frozen (its runner is still loaded).
+        """
+        if not self._frozen:
+            raise RuntimeError("Metrics.attach: the previous runner is still loaded")
+        fresh = getattr(runner, "metrics", None)
+        listeners = getattr(runner.engine, "step_listeners", None)
+        if fresh is not None and isinstance(listeners, list) and fresh._on_step in listeners:
+            listeners.remove(fresh._on_step)
+        with self._lock:
+            self._state = runner
+            self._frozen = False
+        self._listen(runner)
+        if self._vllm is not None:
+            self._vllm.attach(runner)
+        runner.metrics = self
+
+    def _totals_locked(self) -> dict[str, float]:
+        """Counters since start: the base plus the live engine's (caller holds the lock)."""
+        if self._frozen:
+            return dict(self._base)
+        engine = self._state.engine
+        st = engine.stats if engine is not None else None
+        out = {}
+        for k in _TOTAL_KEYS:  # reading the engine's plain counters from this thread is racy but harmless
+            v = float(getattr(st, k, 0) or 0)
+            out[k] = max(self._base[k], v) if k == "n_tokens_max" else self._base[k] + v
+        return out
+
+    def _per_pos_locked(self) -> list[int]:
+        if self._frozen:
+            return list(self._base_per_pos)
+        engine = self._state.engine
+        st = engine.stats if engine is not None else None
+        live = [int(v) for v in (getattr(st, "spec_accepted_per_pos", ()) or ())]
+        base = self._base_per_pos
+        return [(base[i] if i < len(base) else 0) + (live[i] if i < len(live) else 0)
+                for i in range(max(len(base), len(live)))]
 
     @property
     def vllm(self) -> VllmMetrics:
@@ -152,29 +232,24 @@ class Metrics:
         self.vllm.on_output(out)
 
     def _values(self) -> dict[str, float]:
-        state = self._state
-        engine = state.engine
-        st = engine.stats if engine is not None else None
-        cur = {k: float(getattr(st, k, 0) or 0) for k in _WINDOW_KEYS}
-        # reading the engine's plain counters from this thread is racy but harmless
         with self._lock:
+            cur = self._totals_locked()
             d = {k: cur[k] - self._last[k] for k in _WINDOW_KEYS}
-            self._last = cur
-        slots = state.slots
-        # the engine counts reused prompt tokens when a request's first token is sampled
-        cached = st.prompt_tokens_cached_total if st else 0
+            self._last = {k: cur[k] for k in _WINDOW_KEYS}
+        slots = None if self._frozen else self._state.slots
         return {
             "prompt_tokens_total": cur["prompt_tokens_total"],
-            "prompt_tokens_cached_total": cached,
+            # the engine counts reused prompt tokens when a request's first token is sampled
+            "prompt_tokens_cached_total": cur["prompt_tokens_cached_total"],
             "prompt_seconds_total": cur["prompt_seconds_total"],
             "tokens_predicted_total": cur["tokens_predicted_total"],
             "tokens_predicted_seconds_total": cur["tokens_predicted_seconds_total"],
             "n_decode_total": cur["n_decode_total"],
-            "n_tokens_max": float(getattr(st, "n_tokens_max", 0) or 0),
+            "n_tokens_max": cur["n_tokens_max"],
             # speculative decoding (--spec-type ngram): the engine's totals, 0 without it
-            "spec_decode_num_draft_tokens_total": float(getattr(st, "spec_draft_tokens_total", 0) or 0),
-            "spec_decode_num_accepted_tokens_total": float(getattr(st, "spec_accepted_tokens_total", 0) or 0),
-            "spec_decode_num_drafts_total": float(getattr(st, "spec_drafts_total", 0) or 0),
+            "spec_decode_num_draft_tokens_total": cur["spec_draft_tokens_total"],
+            "spec_decode_num_accepted_tokens_total": cur["spec_accepted_tokens_total"],
+            "spec_decode_num_drafts_total": cur["spec_drafts_total"],
             "prompt_tokens_seconds": (d["prompt_tokens_total"] / d["prompt_seconds_total"]
                                       if d["prompt_seconds_total"] > 0 else 0.0),
             "predicted_tokens_seconds": (d["tokens_predicted_total"] / d["tokens_predicted_seconds_total"]
@@ -186,11 +261,10 @@ class Metrics:
         }
 
     def accepted_per_pos(self) -> list[int]:
-        """Draft tokens accepted at each draft position (0-based), from the engine; [] without
-        speculative decoding."""
-        engine = self._state.engine
-        st = engine.stats if engine is not None else None
-        return [int(v) for v in (getattr(st, "spec_accepted_per_pos", ()) or ())]
+        """Draft tokens accepted at each draft position (0-based) since start (earlier runners'
+        included); [] without speculative decoding."""
+        with self._lock:
+            return self._per_pos_locked()
 
     def render(self) -> str:
         """The exposition text: llama-server's exact lines, then vLLM's families; starts a new
@@ -388,6 +462,7 @@ class VllmMetrics:
         self._recent: deque[tuple[int, int]] = deque(maxlen=HIT_RATE_REQUESTS)
         self._recent_q = self._recent_h = 0
         self._logger_started = False
+        self._frozen = False
 
     # -- counting ---------------------------------------------------------------------------
 
@@ -460,6 +535,8 @@ class VllmMetrics:
         return running, queued + deferred, usage
 
     def _refresh(self) -> None:
+        if self._frozen:
+            return
         running, waiting, usage = self.scheduler_state()
         self.running.set(running)
         self.waiting.set(waiting)
@@ -485,9 +562,28 @@ class VllmMetrics:
                 self._spec_pos_seen = per_pos
 
     def render(self) -> str:
-        """This model's ``vllm:`` families in the text format (gauges read now)."""
+        """This model's ``vllm:`` families in the text format (gauges read now; while frozen,
+        the values read on freezing)."""
         self._refresh()
         return generate_latest(self.registry).decode("utf-8")
+
+    def freeze(self) -> None:
+        """The runner is closing: read the gauges and engine totals one last time, then keep
+        them (:meth:`_refresh` does nothing until :meth:`attach`)."""
+        self._refresh()
+        self._frozen = True
+
+    def attach(self, runner: Runner) -> None:
+        """Count on ``runner`` (a new load): its engine's totals start at 0 again, so the
+        increments seen so far restart; the stats-line logger starts with its first output."""
+        with self._lock:
+            self._state = runner
+            self._preempted_seen = 0
+            if self.spec is not None:
+                self._spec_seen = dict.fromkeys(self.spec, 0)
+                self._spec_pos_seen = []
+            self._frozen = False
+            self._logger_started = False
 
     # -- the stats line -----------------------------------------------------------------------
 
@@ -525,22 +621,31 @@ class VllmMetrics:
         self._logger_started = True
         if getattr(getattr(self._state, "args", None), "disable_log_stats", False):
             return
-        threading.Thread(target=_log_loop, args=(weakref.ref(self), log_interval_s()),
+        threading.Thread(target=_log_loop, args=(weakref.ref(self), self._state, log_interval_s()),
                          name=f"kvserve-stats-log:{self.model_name}", daemon=True).start()
 
 
-def _log_loop(ref: weakref.ref[VllmMetrics], interval: float) -> None:
-    """Log the stats line every ``interval`` seconds until the model is unloaded."""
+def _log_loop(ref: weakref.ref[VllmMetrics], runner: Runner, interval: float) -> None:
+    """Log the stats line every ``interval`` seconds until ``runner`` is unloaded."""
+    runner = weakref.ref(runner) if _weakrefable(runner) else (lambda r=runner: r)
     while True:
         time.sleep(interval)
         m = ref()
-        if m is None or m._state.engine is None:
+        if m is None or m._state is not runner() or m._state.engine is None:
             return
         try:
             m.log_stats()
         except Exception:
             log.exception("stats log line failed", extra={"func": "loggers.py"})
         del m
+
+
+def _weakrefable(obj: object) -> bool:
+    try:
+        weakref.ref(obj)
+    except TypeError:
+        return False
+    return True
 
 
 class _Merged:

@@ -46,6 +46,7 @@ from kvserve.serving.runner import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvserve.serving.args import ServerArgs
+    from kvserve.serving.metrics import Metrics
 
 log = logging.getLogger("kvserve.server")
 
@@ -119,7 +120,10 @@ class ServerState:
         self.preload_task: asyncio.Task | None = None
         #: called with each runner once it has loaded (on the event loop): a face keeps what it
         #: must still answer while the model sleeps (the llama face's /props)
-        self.on_loaded: list[Callable[[Runner], None]] = []
+        self.on_loaded: list[Callable[[Runner], None]] = [self._keep_metrics]
+        #: each model's latest Metrics (served name -> Metrics): /metrics answers from it while
+        #: the model sleeps, and the next runner of that name continues its counters
+        self.kept_metrics: dict[str, Metrics] = {}
 
     # -- names
 
@@ -253,6 +257,18 @@ class ServerState:
         e = self.manager.get(spec.name)
         return e.runner if e is not None else None
 
+    def peek_metrics(self, name: str | None) -> Metrics | None:
+        """``name``'s Metrics without loading anything: the loaded runner's, else the snapshot
+        its last runner left (a sleeping model), else None (never loaded).
+
+        Raises:
+            NotFoundError: an unknown name.
+        """
+        runner = self.peek(name)
+        if runner is not None:
+            return runner.metrics
+        return self.kept_metrics.get(self.resolve(name).name)
+
     def require_up(self) -> None:
         """``/health``: 503 ``Loading model`` while the start-up model loads, 500 when it failed
         or the pinned model's engine died."""
@@ -299,6 +315,18 @@ class ServerState:
             await self.manager.preload(spec)
         finally:
             self.preloading = False
+
+    def _keep_metrics(self, runner: Runner) -> None:
+        """``on_loaded`` hook: a reloaded model's runner takes over the counters its previous
+        runner left (llama-server keeps its metrics through sleep), else its own are kept."""
+        metrics = getattr(runner, "metrics", None)
+        if metrics is None:
+            return
+        kept = self.kept_metrics.get(runner.spec.name)
+        if kept is not None and kept is not metrics and kept.frozen:
+            kept.attach(runner)
+        else:
+            self.kept_metrics[runner.spec.name] = metrics
 
     def _log_event(self, t: float, action: str, name: str, reason: str) -> None:
         m = self.manager

@@ -498,3 +498,74 @@ def test_response_fields_pick_nested_values(tiny):
     assert "generation_settings" in whole and "content" in whole
     bad = tiny.post("/completion", json={**body, "response_fields": "prompt"})
     assert (bad.status_code, bad.json()["error"]["message"]) == (400, "'response_fields' must be an array of strings")
+
+
+def _metric(text: str, name: str) -> float:
+    """The one sample ``name`` (with its labels, if any) of a /metrics page."""
+    values = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
+    assert len(values) == 1, f"{name} not on the page"
+    return float(values[0][len(name) + 1:])
+
+
+def test_metrics_kept_through_sleep(tiny_path, tmp_path):
+    """llama.cpp's test_sleep.py: /metrics on a sleeping model answers from the snapshot taken as
+    it went to sleep (the page of the last scrape, byte for byte, without waking it); after the
+    reload the totals continue from there instead of restarting at 0; the rate window goes on
+    across the sleep (the first scrape after a generation reports it, the next one 0). Before the
+    change the sleeping page was all zeros and the totals after the wake were the new runner's."""
+    import time
+
+    from servers import spawn
+
+    path, d = tiny_path
+    srv = spawn(str(path), ("-c", "256", "--metrics", "--sleep-idle-seconds", "1", "--models-dir",
+                            str(d / "models")), tmp_path)
+
+    def scrape() -> str:
+        r = httpx.get(srv.url("/metrics"), timeout=30)
+        assert r.status_code == 200
+        return r.text
+
+    def asleep() -> bool:
+        return httpx.get(srv.url("/api/ps"), timeout=10).json()["models"] == []
+
+    def wait_asleep() -> None:
+        deadline = time.monotonic() + 30
+        while not asleep() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert asleep()
+
+    def complete(n: int) -> dict:
+        r = httpx.post(srv.url("/completion"), json={"prompt": [40, 41, 42, 43, 44], "n_predict": n,
+                                                       "ignore_eos": True, "cache_prompt": False}, timeout=60)
+        assert r.status_code == 200
+        return r.json()["timings"]
+
+    try:
+        srv.wait_ready()
+        t1 = complete(4)
+        assert _metric(scrape(), "llamacpp:predicted_tokens_seconds") > 0
+        awake = scrape()  # an empty window: the same page the snapshot must give
+        assert _metric(awake, "llamacpp:tokens_predicted_total") == 4 == t1["predicted_n"]
+        assert _metric(awake, "llamacpp:prompt_tokens_total") == t1["prompt_n"] == 5
+        assert _metric(awake, "llamacpp:predicted_tokens_seconds") == 0
+        decodes = _metric(awake, "llamacpp:n_decode_total")
+        assert decodes >= 4
+        wait_asleep()
+        assert scrape() == awake  # the snapshot (the vLLM gauges included)
+        assert asleep()  # scraping did not wake it
+        t2 = complete(3)  # wakes it
+        wait_asleep()
+        after = scrape()  # the window since the last scrape holds the second generation
+        assert _metric(after, "llamacpp:tokens_predicted_total") == 7 == t1["predicted_n"] + t2["predicted_n"]
+        assert _metric(after, "llamacpp:prompt_tokens_total") == 10
+        assert _metric(after, "llamacpp:n_decode_total") >= decodes + 3
+        assert _metric(after, "llamacpp:predicted_tokens_seconds") > 0
+        assert _metric(after, 'vllm:generation_tokens_total{engine="0",model_name="%s"}' % path) == 7
+        assert _metric(after, 'vllm:request_success_total{engine="0",finished_reason="length",model_name="%s"}'
+                       % path) == 2
+        again = scrape()
+        assert _metric(again, "llamacpp:predicted_tokens_seconds") == 0
+        assert _metric(again, "llamacpp:tokens_predicted_total") == 7 and asleep()
+    finally:
+        srv.stop()
