@@ -86,6 +86,7 @@ from kvserve.faces.responses_types import (
     FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,
+    ResponseInputTokens,
     OutputItemAdded,
     OutputItemDone,
     OutputMessage,
@@ -1015,6 +1016,31 @@ async def _create(state: ServerState, store: ResponseStore, http: HttpRequest) -
             json_response(error_body(e), ApiError.from_exception(e).status)
 
 
+async def _count(state: ServerState, store: ResponseStore, http: HttpRequest) -> Response:
+    """``POST /v1/responses/input_tokens`` (llama-server's ``handle_count_tokens``): the request is
+    read as ``/v1/responses`` reads it (``previous_response_id`` included), planned, and nothing
+    runs; a prompt that cannot fit the context is a 400."""
+    try:
+        body = await read_json(http)
+        turn = await asyncio.to_thread(chat_body, {**body, "stream": False}, store, state.args.reasoning_budget,
+                                       owner_of(state, http))
+
+        def count(runner: Runner) -> ResponseInputTokens:
+            plan = plan_chat(runner, chat_request(runner, turn))
+            return ResponseInputTokens(object="response.input_tokens",
+                                       input_tokens=len(plan.requests[0].prompt_token_ids))
+
+        async def run(runner: Runner) -> Response:
+            return json_response((await asyncio.to_thread(count, runner)).wire())
+
+        return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except Exception as e:  # noqa: BLE001 - every failure answers with the error envelope
+        return error_response(ApiError.from_exception(e)) if isinstance(e, ApiError) else \
+            json_response(error_body(e), ApiError.from_exception(e).status)
+
+
 def _query_limit(query) -> int:
     """``limit``: ASCII digits only (``str.isdigit`` also takes ``²`` and other Unicode digits), 1-100."""
     raw = query.get("limit", "20")
@@ -1067,6 +1093,11 @@ def build_router(state: ServerState, store: ResponseStore | None = None) -> APIR
     @r.post("/responses")  # llama-server serves it without /v1 too
     async def create(http: HttpRequest) -> Response:
         return await _create(state, kept, http)
+
+    @r.post("/v1/responses/input_tokens")
+    @r.post("/responses/input_tokens")
+    async def input_tokens(http: HttpRequest) -> Response:
+        return await _count(state, kept, http)
 
     @r.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, http: HttpRequest) -> Response:

@@ -179,6 +179,15 @@ class DeletedResponse(WireModel):
     deleted: bool
 
 
+class ResponseInputTokens(WireModel):
+    """The answer to ``POST /v1/responses/input_tokens`` (OpenAI's and llama-server's token
+    counting route): the length in tokens of the prompt the same request to ``/v1/responses``
+    would run."""
+
+    object: Literal["response.input_tokens"]
+    input_tokens: int
+
+
 # -- streaming events -----------------------------------------------------------------------
 
 class ResponseLifecycle(WireModel):

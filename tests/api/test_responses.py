@@ -473,3 +473,28 @@ def test_translation_store_writes_and_listings_run_off_the_event_loop(keyed, mon
             assert (r.status_code, r.json()["error"]["message"]) == (
                 400, f"Field '{where}': nested deeper than 128 levels")
     assert len(seen["put"]) == 1
+
+
+def test_input_tokens_counts_what_create_would_run(client, hermes):
+    """``POST /v1/responses/input_tokens`` (and without ``/v1``, as llama-server serves it): the
+    prompt's length as ``/v1/responses`` would run it, ``previous_response_id`` included; nothing
+    runs; a bad field is the same 400 as on create."""
+    r1 = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=3, **G)
+    body = {"model": MODEL, "input": "What is my name?", "instructions": "Be brief."}
+    want = _prompt_tokens(hermes, [{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "What is my name?"}])
+    for path in ("/v1/responses/input_tokens", "/responses/input_tokens"):
+        r = httpx.post(hermes.url(path), json=body, timeout=60)
+        assert (r.status_code, r.json()) == (200, {"object": "response.input_tokens", "input_tokens": want})
+    chained = httpx.post(hermes.url("/v1/responses/input_tokens"), timeout=60,
+                         json={"input": "What is my name?", "previous_response_id": r1.id}).json()
+    assert chained["input_tokens"] == _prompt_tokens(hermes, [
+        {"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": r1.output_text},
+        {"role": "user", "content": "What is my name?"}])
+    bad = httpx.post(hermes.url("/v1/responses/input_tokens"), json={"input": "x", "truncation": "middle"},
+                     timeout=60)
+    assert bad.status_code == 400
+    assert bad.json()["error"]["message"] == "Field 'truncation': expected 'auto' or 'disabled', got 'middle'"
+    missing = httpx.post(hermes.url("/v1/responses/input_tokens"), json={"previous_response_id": "resp_x",
+                                                                         "input": "x"}, timeout=60)
+    assert missing.status_code == 404
