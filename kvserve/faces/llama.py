@@ -720,6 +720,7 @@ def build_router(state: ServerState) -> APIRouter:
 
         async def run(runner: Runner) -> Response:
             runner.require_ready()
+            runner.require_generative()  # an encoder has no KV cache to save, restore or erase: 501
             # ASCII digits only: int() would also take "١" (Arabic-Indic one), " 1" or "1_0"
             if not (id_slot.isascii() and id_slot.isdigit()) or len(id_slot) > 9 \
                     or int(id_slot) >= len(runner.slots.slots):

@@ -91,7 +91,8 @@ def srv(minilm_dir, smollm2_path, tmp_path_factory):
         port = sock.getsockname()[1]
     log = tmp_path_factory.mktemp("log") / "server.log"
     cmd = [sys.executable, "-m", "kvserve", "serve", "--host", "127.0.0.1", "--port", str(port), "--models-dir",
-           str(store.root), "--no-preload", "-np", "2", "-c", "2048", "--metrics"]
+           str(store.root), "--no-preload", "-np", "2", "-c", "2048", "--metrics",
+           "--slot-save-path", str(tmp_path_factory.mktemp("slots"))]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2],
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -241,3 +242,20 @@ def test_rerank_and_score_by_cosine(srv):
     s = [d["score"] for d in r["data"]]
     vecs, _ = embed(srv, ["A man is eating food.", "A man is eating a piece of bread."])
     assert s[0] > s[1] and abs(s[0] - cos(*vecs)) < 1e-5
+
+
+def test_slot_actions_on_the_encoder_are_501(srv):
+    """/slots/{id}?action=save|restore|erase on an embedding model: 501 not_supported_error in
+    llama-server's envelope (they reached the engine's call and raised AttributeError: a 500 with
+    a traceback); the chat model beside it still saves and restores."""
+    for action in ("save", "restore", "erase"):
+        r = httpx.post(srv.url(f"/slots/0?action={action}&model=all-minilm"), json={"filename": "e.bin"}, timeout=TIMEOUT)
+        assert r.status_code == 501, r.text
+        assert r.json()["error"] == {"code": 501, "type": "not_supported_error", "message":
+                                     "model 'all-minilm:latest' is an embedding model: it does not generate text (use /v1/embeddings)"}
+    assert post(srv, "/completion", {"model": "smollm2", "prompt": "Hi", "n_predict": 1}).status_code == 200
+    saved = httpx.post(srv.url("/slots/0?action=save&model=smollm2"), json={"filename": "c.bin"}, timeout=TIMEOUT)
+    assert saved.status_code == 200, saved.text
+    restored = httpx.post(srv.url("/slots/1?action=restore&model=smollm2"), json={"filename": "c.bin"}, timeout=TIMEOUT)
+    assert restored.status_code == 200 and restored.json()["n_restored"] == saved.json()["n_saved"], restored.text
+    assert "Traceback" not in srv.log.read_text(errors="replace")
