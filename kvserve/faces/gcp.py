@@ -9,7 +9,8 @@ With ``AIP_MODE=PREDICTION`` in the environment:
   JSON objects, each with a string ``@requestFormat``: a route's camelCase alias
   (``chatCompletions`` for ``/v1/chat/completions``: ``/v1`` dropped, ``/``, ``-`` and ``_`` start
   a capital; the first route registered under an alias keeps it) or a route's path. The rest of
-  the instance is that route's request body (a ``stream`` member is set to false); the instances
+  the instance is that route's request body (a ``stream`` member is set to false, and added as
+  false for Ollama's ``/api/*`` routes, which stream by default: llama-server has none); the instances
   run concurrently, and the answer is ``{"predictions": [...]}``, each the route's JSON answer
   (its error envelope included, whatever its status), in the instances' order. An instance that
   is not an object, lacks ``@requestFormat`` or names no route gets an error object in its place;
@@ -73,7 +74,7 @@ class GcpSettings:
         """The settings of ``environ`` (default ``os.environ``).
 
         Raises:
-            ValueError: ``AIP_HTTP_PORT`` is not an integer (with ``AIP_MODE=PREDICTION``).
+            ValueError: ``AIP_HTTP_PORT`` is not an integer in 0-65535 (with ``AIP_MODE=PREDICTION``).
         """
         env = os.environ if environ is None else environ
         if env.get("AIP_MODE", "") != "PREDICTION":
@@ -82,7 +83,9 @@ class GcpSettings:
         try:
             port_n = int(port)
         except ValueError:
-            raise ValueError(f"AIP_HTTP_PORT must be a port number, got {port[:32]!r}") from None
+            port_n = -1
+        if not 0 <= port_n <= 65535:  # as --port: else bind() raises OverflowError (a traceback)
+            raise ValueError(f"AIP_HTTP_PORT must be a port number, got {port[:32]!r}")
         return cls(True, _route_env(env, "AIP_HEALTH_ROUTE", ""), _route_env(env, "AIP_PREDICT_ROUTE", "/predict"),
                    port_n)
 
@@ -204,7 +207,7 @@ async def _predict(http: HttpRequest, table: dict[str, tuple[str, str]]) -> Resp
         if target is None:
             return _error("no handler registered for @requestFormat: " + fmt[:256])
         payload = {k: v for k, v in instance.items() if k != "@requestFormat"}
-        if "stream" in payload:
+        if "stream" in payload or target[0].startswith("/api/"):  # Ollama's routes stream by default
             payload["stream"] = False
         return await _serve_instance(http, target, payload)
 
