@@ -65,7 +65,7 @@ from kvserve.engine.request import (
 from kvserve.faces.chat_features import read_chat_options
 from kvserve.faces.auth import caller
 from kvserve.faces.errors import ApiError
-from kvserve.faces.http import error_response, json_response, read_json
+from kvserve.faces.http import json_response, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
 from kvserve.faces.server_extensions import ProgressEvents
 from kvserve.faces.openai_types import (
@@ -100,7 +100,7 @@ from kvserve.faces.params import (
 )
 from kvserve.faces.sse import (
     ClientDisconnected,
-    error_body,
+    error_answer,
     sse_response,
     until_disconnect,
 )
@@ -733,8 +733,7 @@ async def _serve(state: ServerState, http: HttpRequest, make_plan) -> Response:
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as e:  # noqa: BLE001 - every failure answers with the error envelope
-        return error_response(ApiError.from_exception(e)) if isinstance(e, ApiError) else \
-            json_response(error_body(e), ApiError.from_exception(e).status)
+        return error_answer(e)
 
 
 def input_tokens_plan(state: Runner, body: dict) -> InputTokens:
@@ -753,8 +752,7 @@ async def _count(state: ServerState, http: HttpRequest) -> Response:
         body = await read_json(http)
         return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
     except Exception as e:  # noqa: BLE001 - every failure answers with the error envelope
-        return error_response(ApiError.from_exception(e)) if isinstance(e, ApiError) else \
-            json_response(error_body(e), ApiError.from_exception(e).status)
+        return error_answer(e)
 
 
 def build_router(state: ServerState) -> APIRouter:

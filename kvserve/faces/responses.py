@@ -105,6 +105,7 @@ from kvserve.faces.responses_types import (
 from kvserve.faces.responses_types import Response as ResponseObject
 from kvserve.faces.sse import (
     ClientDisconnected,
+    error_answer,
     error_body,
     sse_named,
     sse_response,
@@ -1012,8 +1013,7 @@ async def _create(state: ServerState, store: ResponseStore, http: HttpRequest) -
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as e:  # noqa: BLE001 - every failure answers with the error envelope
-        return error_response(ApiError.from_exception(e)) if isinstance(e, ApiError) else \
-            json_response(error_body(e), ApiError.from_exception(e).status)
+        return error_answer(e)
 
 
 async def _count(state: ServerState, store: ResponseStore, http: HttpRequest) -> Response:
@@ -1037,8 +1037,7 @@ async def _count(state: ServerState, store: ResponseStore, http: HttpRequest) ->
     except ClientDisconnected:
         return Response(status_code=499)
     except Exception as e:  # noqa: BLE001 - every failure answers with the error envelope
-        return error_response(ApiError.from_exception(e)) if isinstance(e, ApiError) else \
-            json_response(error_body(e), ApiError.from_exception(e).status)
+        return error_answer(e)
 
 
 def _query_limit(query) -> int:

@@ -26,7 +26,7 @@ from starlette.responses import StreamingResponse
 from kvserve.engine.request import InvalidRequestError
 from kvserve.errors import KvserveError
 from kvserve.faces.errors import ApiError
-from kvserve.faces.http import dumps
+from kvserve.faces.http import dumps, json_response
 
 log = logging.getLogger("kvserve.server")
 
@@ -45,6 +45,12 @@ def error_body(e: BaseException) -> dict:
     if not client:  # client mistakes (and "not now") are not server faults: no traceback
         log.exception("request failed", exc_info=e)
     return ApiError.from_exception(e).body()
+
+
+def error_answer(e: BaseException):
+    """The error envelope of any exception as a JSON response with its status (a server fault is
+    logged with its traceback, as :func:`error_body` does)."""
+    return json_response(error_body(e), ApiError.from_exception(e).status)
 
 
 def sse_named(obj: dict) -> str:
