@@ -29,6 +29,11 @@ HARMONY = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>"
 EXTRA = KIMI + HARMONY  # ids 301..312 (the tiny vocab has 301 tokens)
 KIMI_IDS = frozenset(range(301, 306))
 HARMONY_IDS = frozenset(range(306, 313))
+#: <|start|> <|channel|> <|message|> <|constrain|> and harmony's <|end|> are user-defined tokens whatever
+#: the file says, as llama.cpp makes them (llama-vocab.cpp): matched in text, always rendered; only
+#: <|call|> and <|return|> stay control tokens for the preserved-token machinery
+HARMONY_USER_DEFINED = frozenset(range(306, 311))
+HARMONY_CONTROL = HARMONY_IDS - HARMONY_USER_DEFINED
 
 KIMI_TEXT = ('Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.read_file:0'
              '<|tool_call_argument_begin|>{"path": "a.txt"}<|tool_call_end|><|tool_calls_section_end|>')
@@ -106,15 +111,15 @@ def _stream(mode: OutputMode, deltas: list[str]) -> dict:
 def test_vocab_has_the_markers_as_single_control_tokens(tok):
     ids = tok.encode("".join(EXTRA), add_special=False, parse_special=True)
     assert ids == list(range(301, 313))
-    assert all(tok.is_control(i) for i in ids)
+    assert [i for i in ids if tok.is_control(i)] == [*sorted(KIMI_IDS), *sorted(HARMONY_CONTROL)]
     assert tok.token_bytes(301, special=False) == b""
 
 
 def test_preserved_ids_per_mode(tok):
     assert preserved_token_ids(tok, OutputMode(tool_parser="kimi_k2")) == KIMI_IDS
-    assert preserved_token_ids(tok, OutputMode(tool_parser="openai", reasoning_style="openai_gptoss")) == HARMONY_IDS
-    # the reasoning parser alone needs the harmony markers too
-    assert preserved_token_ids(tok, OutputMode(reasoning_style="openai_gptoss")) == HARMONY_IDS
+    assert preserved_token_ids(tok, OutputMode(tool_parser="openai", reasoning_style="openai_gptoss")) == HARMONY_CONTROL
+    # the reasoning parser alone needs the harmony markers too (the user-defined ones always render)
+    assert preserved_token_ids(tok, OutputMode(reasoning_style="openai_gptoss")) == HARMONY_CONTROL
     # <think> is several plain tokens here; hermes' markers likewise: nothing to preserve
     assert preserved_token_ids(tok, OutputMode(tool_parser="hermes", reasoning_style="deepseek")) == frozenset()
     assert preserved_token_ids(tok, OutputMode()) == frozenset()
@@ -134,8 +139,9 @@ def _detok(tok, ids, **kw) -> str:
 
 def test_detokenizer_renders_preserved_ids_only(tok):
     ids = [1] + tok.encode("ab", add_special=False) + [302, 307, 2]  # <|im_start|> ab <|tool_call_begin|> <|channel|> <|im_end|>
-    assert _detok(tok, ids) == "ab"
-    assert _detok(tok, ids, preserved=KIMI_IDS) == "ab<|tool_call_begin|>"
+    # <|channel|> is user-defined (llama.cpp's rule): rendered with or without a parser
+    assert _detok(tok, ids) == "ab<|channel|>"
+    assert _detok(tok, ids, preserved=KIMI_IDS) == "ab<|tool_call_begin|><|channel|>"
     assert _detok(tok, ids, preserved=HARMONY_IDS) == "ab<|channel|>"
     assert _detok(tok, ids, include_control=True) == "<|im_start|>ab<|tool_call_begin|><|channel|><|im_end|>"
 
