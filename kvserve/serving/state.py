@@ -222,13 +222,7 @@ class ServerState:
         """
         self.require_up()
         spec = model if isinstance(model, ModelSpec) else self.resolve(model)
-        lease = await self.manager.acquire(spec, keep_alive)
-        try:
-            lease.runner.require_ready()
-        except BaseException:
-            lease.release()
-            raise
-        return lease
+        return _ready(await self.manager.acquire(spec, keep_alive))
 
     def hold_loaded(self, name: str | None) -> Lease:
         """Hold the runner of ``name`` only when it is loaded and ready, leaving its keep_alive
@@ -239,13 +233,7 @@ class ServerState:
             ServerFaultError: its engine died.
         """
         self.require_up()
-        lease = self.manager.hold_loaded(self.resolve(name).name)
-        try:
-            lease.runner.require_ready()
-        except BaseException:
-            lease.release()
-            raise
-        return lease
+        return _ready(self.manager.hold_loaded(self.resolve(name).name))
 
     def peek(self, name: str | None) -> Runner | None:
         """The loaded runner for ``name`` without loading anything (None when not loaded).
@@ -345,6 +333,17 @@ class ServerState:
         if action == "loaded" and (e := m.loaded.get(name)) is not None and e.runner is not None:
             for hook in self.on_loaded:
                 hook(e.runner)
+
+
+def _ready(lease: Lease) -> Lease:
+    """``lease`` when its runner is ready; else the lease is released and the runner's error
+    (ServerFaultError: its engine died) raised."""
+    try:
+        lease.runner.require_ready()
+    except BaseException:
+        lease.release()
+        raise
+    return lease
 
 
 def _file_facts(path: str) -> tuple[int, float]:
