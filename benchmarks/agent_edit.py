@@ -267,7 +267,7 @@ def main() -> None:
     from kvserve.config import EngineConfig
     from kvserve.engine.core import EngineCore
     from kvserve.engine.spec_decode import SpecConfig
-    from kvserve.models.registry import load_files
+    from kvserve.models.build import load_files
     from kvserve.store import resolve_model
 
     loaded = load_files(resolve_model(a.model, pull_missing=True))

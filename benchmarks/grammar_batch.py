@@ -127,7 +127,7 @@ def main() -> None:
 
     from kvserve.config import EngineConfig
     from kvserve.engine.core import EngineCore
-    from kvserve.models.registry import load_files
+    from kvserve.models.build import load_files
     from kvserve.store import resolve_model
     from kvserve.structured.backend import GrammarBackend
     from kvserve.structured.spec import schema_spec

@@ -229,7 +229,7 @@ def agent_workload(router: Proc, agents: int, requests: int, n_words: int) -> di
 def _engine(model: str, tp: int, pp: int, ctx: int):
     from kvserve.config import EngineConfig
     from kvserve.engine.core import EngineCore
-    from kvserve.models.registry import load_files
+    from kvserve.models.build import load_files
 
     return EngineCore(load_files(model), EngineConfig(n_ctx=4 * ctx, n_parallel=4, tensor_parallel_size=tp,
                                                       pipeline_parallel_size=pp, threads=2 if tp * pp == 1 else 1))

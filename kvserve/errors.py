@@ -2,7 +2,7 @@
 
 The layers below the faces (engine, chat, structured, serving) raise these; each face maps
 a :class:`KvserveError` to its dialect's envelope and status through ``kind``
-(``kvserve.faces.errors.ApiError.from_exception``). ``kind`` is one of:
+(``kvserve.faces.api_error.ApiError.from_exception``). ``kind`` is one of:
 
 - ``invalid_request``: the client's input is wrong (HTTP 400);
 - ``not_found``: the thing named does not exist (404);

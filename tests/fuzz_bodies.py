@@ -1,7 +1,7 @@
 """Hypothesis strategies for hostile HTTP requests to kvserve (issue #11, "keep it fixed").
 
 :func:`cases` draws one :class:`Case`: a method, a path (with query), headers and the raw
-body bytes, for any route that ``kvserve/faces/llama.py`` and ``kvserve/faces/openai.py``
+body bytes, for any route that ``kvserve/faces/llama_api.py`` and ``kvserve/faces/openai.py``
 register, OpenAI's Responses API (``POST /v1/responses``, ``GET|DELETE /v1/responses/{id}``,
 ``GET /v1/responses/{id}/input_items``), Anthropic's Messages API (``POST /v1/messages``,
 ``POST /v1/messages/count_tokens``), the page at ``GET /`` (with Accept headers), plus a few

@@ -32,7 +32,7 @@ from kvserve.engine.request import (
     TokenLogprob,
     TopLogprob,
 )
-from kvserve.engine.runner import ModelRunner, SampleFailure, StepResult
+from kvserve.engine.model_runner import ModelRunner, SampleFailure, StepResult
 from kvserve.engine.sampler import BreakerCache, SampleResult, SequenceSampler
 from kvserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvserve.engine.slot_file import (
@@ -51,7 +51,7 @@ from kvserve.engine.spec_decode import (
     accepted_prefix,
 )
 from kvserve.loaders.weights import LoadedModel
-from kvserve.models.registry import build_model
+from kvserve.models.build import build_model
 
 log = logging.getLogger("kvserve.engine")
 
@@ -907,7 +907,7 @@ def _piece_text(tokenizer, tok: int) -> str:
 
 def create_engine_core(model: str, config: EngineConfig | None = None) -> EngineCore:
     """Load ``model`` (a .gguf path, an HF directory or a cached name) and build an EngineCore."""
-    from kvserve.models.registry import load_files
+    from kvserve.models.build import load_files
     from kvserve.store import resolve_model
 
     path = resolve_model(model, pull_missing=True)

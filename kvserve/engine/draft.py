@@ -2,7 +2,7 @@
 ``--speculative-config '{"model": ..., "num_speculative_tokens": K}'``).
 
 The draft runs beside the target on the same cache discipline: its own KV pool (a second
-:class:`~kvserve.engine.runner.ModelRunner`) with the target's block count and block size,
+:class:`~kvserve.engine.model_runner.ModelRunner`) with the target's block count and block size,
 addressed by the block ids of the engine's one :class:`~kvserve.engine.kv_cache.KVCacheManager`.
 A block therefore holds the target's rows in the target's pool and the draft's rows for the
 same tokens in the draft's pool, and everything the manager does to blocks holds for both:
@@ -51,7 +51,7 @@ import logging
 import torch
 
 from kvserve.engine.kv_cache import KVCacheManager
-from kvserve.engine.runner import ModelRunner
+from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.engine.spec_decode import accepted_prefix, draw
 from kvserve.models.llama import AttentionBatch, PrefillGroup
@@ -168,7 +168,7 @@ class DraftModel:
         """Resolve ``spec`` (a GGUF path, an HF directory or a store name, as ``-m``), check its
         vocabulary against the target's (:class:`DraftVocabError`) and build it with the
         target's EngineConfig numerics; logs the draft's memory (weights and KV pool)."""
-        from kvserve.models.registry import build_model, load_files
+        from kvserve.models.build import build_model, load_files
         from kvserve.store import resolve_model
 
         path = resolve_model(spec, pull_missing=False)

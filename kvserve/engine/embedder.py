@@ -58,7 +58,7 @@ class EmbeddingEngine:
     """An encoder model behind one worker thread; whole inputs, batched, one forward pass per batch.
 
     Args:
-        loaded: a LoadedModel (``kvserve.models.registry.load_files``) of a BERT encoder or a
+        loaded: a LoadedModel (``kvserve.models.build.load_files``) of a BERT encoder or a
             llama-family decoder.
         config: EngineConfig: ``n_ctx`` (0 = the model's positions; never above them),
             ``max_model_len``, ``max_num_batched_tokens`` (padded tokens per forward pass; at
@@ -89,7 +89,7 @@ class EmbeddingEngine:
 
     def __init__(self, loaded, config: EngineConfig, *, pooling: str | None = None, normalize: int | None = None):
         from kvserve.models.bert import BertConfig
-        from kvserve.models.registry import build_embedding_model
+        from kvserve.models.build import build_embedding_model
 
         self.tokenizer = loaded.tokenizer
         self.model_info = loaded.info

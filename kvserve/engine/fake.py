@@ -1,6 +1,6 @@
 """A stand-in for the model: scheduler and engine-core tests in milliseconds, with no weights.
 
-:class:`FakeRunner` has :class:`~kvserve.engine.runner.ModelRunner`'s interface but runs no
+:class:`FakeRunner` has :class:`~kvserve.engine.model_runner.ModelRunner`'s interface but runs no
 forward: the token sampled after a sequence is a fixed function of its last token
 (:func:`next_token`), so every test knows the whole output in advance. It checks the
 scheduler's promises as it goes (every scheduled token has a KV row of the sequence's block
@@ -22,7 +22,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.kv_cache import KVCacheManager
-from kvserve.engine.runner import StepResult
+from kvserve.engine.model_runner import StepResult
 from kvserve.engine.sampler import SampleResult, SequenceSampler
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.loaders.weights import LoadedModel, ModelConfig, ModelInfo

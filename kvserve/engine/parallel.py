@@ -1,6 +1,6 @@
 """Tensor and pipeline parallelism on torch.distributed (vLLM's ``-tp`` / ``-pp``).
 
-:class:`ParallelRunner` has :class:`~kvserve.engine.runner.ModelRunner`'s interface, so the
+:class:`ParallelRunner` has :class:`~kvserve.engine.model_runner.ModelRunner`'s interface, so the
 engine and the faces keep their shape (issue 18 item 4). Rank 0 is the server process: it
 runs the scheduler and the samplers and holds shard (or stage) 0; ranks 1 .. N-1 run
 :func:`worker_main`, a loop that receives each step's inputs and runs its part of the model.
@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kvserve.engine.kv_quant import kv_bytes_per_token, kv_data
-from kvserve.engine.runner import ModelRunner, PreparedBatch, StepResult
+from kvserve.engine.model_runner import ModelRunner, PreparedBatch, StepResult
 from kvserve.loaders.weights import ModelConfig, Weight
 from kvserve.models.llama import AttentionBatch, LlamaModel, PrefillGroup
 
@@ -357,7 +357,7 @@ def tp_groups(tp: int, pp: int) -> list:
 
 def build_shard(loaded_config: ModelConfig, weights: dict[str, Weight], plan: RankPlan, build, stats: CommStats,
                 group=None) -> tuple[LlamaModel, list[str]]:
-    """One rank's LlamaModel: ``build(config, weights)`` (kvserve.models.registry's numerics) of
+    """One rank's LlamaModel: ``build(config, weights)`` (kvserve.models.build's numerics) of
     :func:`shard_weights`, with RowParallel after attn_output / ffn_down and a VocabParallelHead
     under tp (over ``group``, the stage's tensor-parallel group), and no final norm / head on a
     pipeline stage that is not the last."""
@@ -535,7 +535,7 @@ def _engine_config_dict(config) -> dict:
 def _build_fn(config, max_positions: int):
     """``(shard config, weights) -> LlamaModel`` with registry.build_model's numerics."""
     from kvserve.loaders.weights import LoadedModel
-    from kvserve.models.registry import build_model
+    from kvserve.models.build import build_model
 
     cfg = dataclasses.replace(config, compile=False, native_kernels=False)
 
@@ -1065,7 +1065,7 @@ def worker_main(model_path: str | None = None) -> int:
     torch.set_num_threads(msg["threads"])
     stats = CommStats()
     try:
-        from kvserve.models.registry import load_files
+        from kvserve.models.build import load_files
 
         loaded = load_files(model_path or msg["model"])
         plan = rank_plan(loaded.config, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, rank)

@@ -80,7 +80,7 @@ from kvserve.errors import KvserveError
 from kvserve.faces import anthropic_types as at
 from kvserve.faces.auth import caller
 from kvserve.faces.chat_features import check_tool_choice, parse_tools
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.http import json_response, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
 from kvserve.faces.params import get_int, get_str, sampling_fields, slot_view
@@ -96,7 +96,7 @@ from kvserve.faces.sse import (
     sse_response,
     until_disconnect,
 )
-from kvserve.serving.runner import Runner
+from kvserve.serving.chat_runner import Runner
 from kvserve.serving.state import ServerState
 
 __all__ = ["build_router", "chat_request", "error_envelope"]

@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.chat.template import RESERVED_VARIABLES
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.limits import MAX_TOOLS, check_count
 from kvserve.faces.params import check_text, get_bool, get_int, get_str, type_error
 from kvserve.serving.chat_plan import ChatFeatures, features, template_variables, with_system_text

@@ -25,7 +25,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.http import json_response
 from kvserve.serving.state import ServerState
 

@@ -29,7 +29,7 @@ import re
 import time
 
 from kvserve.faces.envelopes import dialect_error_body, dialect_of
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.paths import route_path
 
 __all__ = ["SHUTTING_DOWN", "Drain", "DrainMiddleware"]

@@ -1,7 +1,7 @@
 """The routes that ask for vectors and scores: OpenAI's and vLLM's ``/v1/embeddings``,
 llama-server's ``/embedding`` and ``/embeddings`` and its ``/rerank`` (``/reranking``,
 ``/v1/rerank``, ``/v1/reranking``), and vLLM's ``/v1/score`` (``/score``). Ollama's
-``/api/embed`` and ``/api/embeddings`` live in :mod:`kvserve.faces.ollama` and use the input
+``/api/embed`` and ``/api/embeddings`` live in :mod:`kvserve.faces.ollama_api` and use the input
 and JSON helpers here.
 
 Which models answer: an encoder (an embedding model such as ``all-minilm``, or a cross-encoder
@@ -72,7 +72,7 @@ from fastapi import APIRouter
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
 from kvserve.faces.http import dumps_json, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model, serves_embeddings

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.http import json_response, read_json
 
 __all__ = ["GcpSettings", "MAX_INSTANCES", "PredictRouteConflict", "gcp_format", "install"]

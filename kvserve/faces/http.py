@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.paths import route_path
 
 _log = logging.getLogger("kvserve.server")

@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvserve.chat.prompt import MAX_CONTENT_PARTS, MAX_MESSAGES
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 
 __all__ = ["MAX_BATCH_INPUTS", "MAX_CONTENT_PARTS", "MAX_INPUT_BYTES", "MAX_MESSAGES", "MAX_SAMPLERS", "MAX_STOP",
            "MAX_STOP_CHARS", "MAX_TOOLS", "batch_cap", "check_count", "check_input_bytes", "input_bytes_cap"]

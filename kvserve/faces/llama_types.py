@@ -1,4 +1,4 @@
-"""Wire types of the llama-server face (:mod:`kvserve.faces.llama`): the response objects of
+"""Wire types of the llama-server face (:mod:`kvserve.faces.llama_api`): the response objects of
 llama.cpp's native endpoints.
 
 They follow llama-server's ``tools/server/README.md`` and, for field order, the real outputs in

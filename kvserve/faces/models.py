@@ -21,11 +21,11 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response, StreamingResponse
 
 from kvserve.errors import NotFoundError
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.params import check_text, type_error
 from kvserve.faces.sse import ClientDisconnected
 from kvserve.serving.manager import Lease, ModelSpec, parse_keep_alive
-from kvserve.serving.runner import Runner
+from kvserve.serving.chat_runner import Runner
 from kvserve.serving.state import ServableModel, ServerState
 
 
@@ -185,7 +185,7 @@ def _max_model_len(state: ServerState, m: ServableModel) -> int | None:
         return m.runner.engine.n_ctx_slot
     try:
         from kvserve.serving.manager import ModelSpec
-        from kvserve.serving.runner import engine_config, model_shape
+        from kvserve.serving.chat_runner import engine_config, model_shape
 
         cfg_m, _, _ = model_shape(m.path)
         return engine_config(state.args, ModelSpec(m.name, m.path)).n_ctx_slot(cfg_m.n_ctx_train)

@@ -1,4 +1,4 @@
-"""Wire types of the Ollama face (:mod:`kvserve.faces.ollama`): the JSON objects of ``/api/*``.
+"""Wire types of the Ollama face (:mod:`kvserve.faces.ollama_api`): the JSON objects of ``/api/*``.
 
 They follow Ollama's ``api/types.go`` (the reference the seed 004 Examples 1-5 cite) key for key
 and in its order: :class:`GenerateResponse` and :class:`ChatResponse` (one per NDJSON line, the
@@ -20,7 +20,7 @@ nanoseconds, trailing zeros dropped, as Go's ``time.Time`` marshals (``2026-10-0
 kvserve writes UTC).
 
 Requests are not modelled here, as on the other faces: the face reads them field by field
-(:mod:`kvserve.faces.ollama`) because Ollama's error texts (``option "top_k" must be of type
+(:mod:`kvserve.faces.ollama_api`) because Ollama's error texts (``option "top_k" must be of type
 integer``, ``missing request body``) and its lenient options map are the contract.
 """
 

@@ -64,7 +64,7 @@ from kvserve.engine.request import (
 )
 from kvserve.faces.chat_features import read_chat_options
 from kvserve.faces.auth import caller
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.http import json_response, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
 from kvserve.faces.server_extensions import ProgressEvents
@@ -111,7 +111,7 @@ from kvserve.serving.choices import run_choices
 from kvserve.serving.completion_plan import plan_completion
 from kvserve.serving.ids import new_id
 from kvserve.serving.completion_request import CompletionRequest, Infill, Prompt
-from kvserve.serving.runner import Runner
+from kvserve.serving.chat_runner import Runner
 from kvserve.serving.state import ServerState
 
 __all__ = ["Plan", "build_router", "chat_plan", "chat_request", "completion_plan", "completion_request", "router"]

@@ -23,7 +23,7 @@ from typing import Any
 
 from kvserve.engine.request import SEED_RANDOM, SamplingParams
 from kvserve.errors import InvalidInputError
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.limits import MAX_SAMPLERS, MAX_STOP, MAX_STOP_CHARS, check_count
 from kvserve.jsonvalues import SURROGATE as _SURROGATE  # noqa: F401 - re-exported
 from kvserve.jsonvalues import check_text, json_type

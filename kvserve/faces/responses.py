@@ -70,7 +70,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
 from kvserve.faces.auth import request_key
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.http import dumps, error_response, json_response, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
 from kvserve.errors import InvalidInputError
@@ -117,7 +117,7 @@ from kvserve.serving.choices import ChatUsage, chat_events
 from kvserve.serving.ids import HEX, new_id
 from kvserve.serving.response_store import ResponseStore
 from kvserve.structured.spec import ConstraintSpec, schema_spec
-from kvserve.serving.runner import Runner
+from kvserve.serving.chat_runner import Runner
 from kvserve.serving.state import ServerState
 
 __all__ = ["EFFORT_BUDGET", "MAX_ECHO_DEPTH", "MAX_INPUT_ITEMS", "build_router", "chat_body", "owner_of"]

@@ -66,7 +66,7 @@ from starlette.responses import Response
 from kvserve.engine.request import SEED_RANDOM, Request, SamplingParams
 from kvserve.faces.http import json_response, read_json
 from kvserve.faces.models import model_field, serve_loaded
-from kvserve.serving.runner import Runner
+from kvserve.serving.chat_runner import Runner
 from kvserve.serving.state import ServerState
 
 __all__ = ["build_router", "generate_request", "server_load", "vllm_sampling_params"]

@@ -1,6 +1,6 @@
 """What llama-server adds to every dialect it serves, in one place for the faces that write it:
 the ``timings`` object and the ``prompt_progress`` events of a stream (``return_progress``), which
-llama-server's own ``/completion`` (:mod:`kvserve.faces.llama`) and its OpenAI-compatible routes
+llama-server's own ``/completion`` (:mod:`kvserve.faces.llama_api`) and its OpenAI-compatible routes
 (:mod:`kvserve.faces.openai`) both send. Neither face imports the other for them.
 
 Wire rules: see :mod:`kvserve.faces.wire` (fields without a default always written; fields with a

@@ -25,7 +25,7 @@ from starlette.responses import StreamingResponse
 
 from kvserve.engine.request import InvalidRequestError
 from kvserve.errors import KvserveError
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.http import dumps, json_response
 
 log = logging.getLogger("kvserve.server")

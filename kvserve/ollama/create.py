@@ -86,7 +86,7 @@ from kvserve.store import (
 __all__ = ["Pull", "iter_create", "iter_create_modelfile", "request_file_names"]
 
 #: ``pull(name)``: the progress events of pulling a missing base model into the store (e.g.
-#: ``lambda n: kvserve.store.registry.iter_pull(n, store=store)``).
+#: ``lambda n: kvserve.store.registry_client.iter_pull(n, store=store)``).
 Pull = Callable[[str], Iterator[dict]]
 
 _DIGEST = re.compile(r"@?sha256[:-][0-9a-fA-F]{64}")

@@ -42,7 +42,7 @@ from kvserve.serving.chat_output import OutputMode, preserved_token_ids
 from kvserve.serving.chat_request import ChatRequest, TemplateOptions
 
 if TYPE_CHECKING:
-    from kvserve.serving.runner import Runner
+    from kvserve.serving.chat_runner import Runner
 
 __all__ = ["ChatFeatures", "Plan", "apply_sampling", "constraint_factory", "engine_requests", "features",
            "grammar_text", "is_harmony", "plan_chat", "server_context", "template_variables", "thinking_opened",

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 from kvserve.engine.request import Request, RequestOutput
 from kvserve.errors import ServerFaultError
 from kvserve.serving.chat_output import ChoiceOutput
-from kvserve.serving.runner import fair_share, generate
+from kvserve.serving.chat_runner import fair_share, generate
 
 if TYPE_CHECKING:
     from kvserve.serving.chat_plan import Plan
-    from kvserve.serving.runner import Runner
+    from kvserve.serving.chat_runner import Runner
 
 __all__ = ["ChatEvent", "ChatUsage", "chat_events", "run_choices"]
 

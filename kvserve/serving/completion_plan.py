@@ -40,7 +40,7 @@ from kvserve.serving.chat_plan import (
 from kvserve.serving.completion_request import CompletionRequest, Infill, Prompt
 
 if TYPE_CHECKING:
-    from kvserve.serving.runner import Runner
+    from kvserve.serving.chat_runner import Runner
 
 __all__ = ["plan_completion", "prompt_ids"]
 

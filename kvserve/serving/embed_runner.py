@@ -5,7 +5,7 @@ An :class:`EmbeddingRunner` is the model manager's runner for a model whose task
 ``BertForSequenceClassification``), and for a generative model loaded with ``--embeddings``
 (llama-server's mode: it then embeds and generates nothing). It holds the
 :class:`~kvserve.engine.embedder.EmbeddingEngine` and implements the runner protocol a generative
-:class:`~kvserve.serving.runner.Runner` does (:class:`kvserve.serving.runner_protocol.ModelRunner`:
+:class:`~kvserve.serving.chat_runner.Runner` does (:class:`kvserve.serving.runner_protocol.ModelRunner`:
 ``model_alias``, ``served_names``, ``args``, ``require_ready``, ``close``, ``measured_bytes``,
 ``needs_reload``, ``device``, ``engine_counts``, ``engine.model_info``, ``engine.n_ctx_slot``...),
 so ``/v1/models``, ``/props``, ``/api/ps``, ``/slots``, ``/metrics``, ``/tokenize`` and keep_alive
@@ -201,7 +201,7 @@ class EmbeddingRunner:
                  measured_bytes: int = 0):
         from kvserve.chat.template import ChatTemplate
         from kvserve.serving.metrics import Metrics
-        from kvserve.serving.runner import CHATML
+        from kvserve.serving.chat_runner import CHATML
         from kvserve.serving.slots import SlotManager
 
         self.spec = spec
@@ -265,7 +265,7 @@ class EmbeddingRunner:
 
     def close(self) -> None:
         """Stop the engine and drop every reference to the model, then return freed heap to the OS."""
-        from kvserve.serving.runner import trim_heap
+        from kvserve.serving.chat_runner import trim_heap
 
         self.metrics.freeze()  # the counters outlive the runner (kvserve.serving.metrics)
         engine, self.engine, self.embedder = self.engine, None, None
@@ -549,7 +549,7 @@ def cached_task(path: str) -> str | None:
 
 def model_task(path: str) -> str:
     """``generate``, ``embed`` or ``score`` for the model at ``path``, from its header only: the
-    model registry's answer (``kvserve.models.registry.probe_task``), else
+    model registry's answer (``kvserve.models.build.probe_task``), else
     :data:`ENCODER_TASKS` over :func:`architectures`, else ``generate`` (a file that cannot be
     read is left for the loader to report). Remembered per file (path, mtime, size)."""
     if not path:
@@ -567,7 +567,7 @@ def model_task(path: str) -> str:
 
 def _probe(path: str) -> str:
     try:
-        from kvserve.models.registry import probe_task
+        from kvserve.models.build import probe_task
     except ImportError:
         probe_task = None
     if probe_task is not None:
@@ -615,8 +615,8 @@ def load_embedding_runner(args: ServerArgs, spec: ModelSpec, build_info: str) ->
         ModelLoadError / FileNotFoundError: the files are bad or the architecture unknown.
     """
     from kvserve.engine.embedder import EmbeddingEngine
-    from kvserve.models.registry import load_files
-    from kvserve.serving.runner import engine_config, rss_bytes
+    from kvserve.models.build import load_files
+    from kvserve.serving.chat_runner import engine_config, rss_bytes
 
     before = rss_bytes()
     log.info("loading model '%s'", spec.path, extra={"func": "load_model"})
@@ -639,7 +639,7 @@ def estimate_encoder_memory(args: ServerArgs, spec: ModelSpec) -> MemoryEstimate
         OSError / ModelLoadError: the header cannot be read.
     """
     from kvserve.serving.manager import estimate_memory
-    from kvserve.serving.runner import engine_config
+    from kvserve.serving.chat_runner import engine_config
 
     n_params, hidden, n_heads, n_ctx, n_ff = _encoder_shape(spec.path)
     cfg = engine_config(args, spec)

@@ -1,6 +1,6 @@
 """The model manager: the one owner of which models are loaded (Ollama's scheduler).
 
-Each loaded model is a *runner* (here :class:`~kvserve.serving.runner.Runner`, or anything with
+Each loaded model is a *runner* (here :class:`~kvserve.serving.chat_runner.Runner`, or anything with
 ``close()``): its engine with its own engine thread, tokenizer, template and slots. The manager
 keeps a reference count per runner (requests in progress) and applies Ollama's rules
 (004_f1934c15643344cc.txt, Example 2) exactly:

@@ -25,7 +25,7 @@ prometheus-client from one registry per model (so counters are ``*_total`` with 
 beside them, exactly as vLLM's page shows): every series has the labels ``model_name`` (the
 served model name) and ``engine`` (``"0"``). The gauges are read when the page is scraped; the
 counters and histograms are counted per request output as it reaches a face
-(:meth:`Metrics.on_output`, called by :func:`kvserve.serving.runner.generate` before the face
+(:meth:`Metrics.on_output`, called by :func:`kvserve.serving.chat_runner.generate` before the face
 sees the output, so a response a client holds is always counted):
 
 - ``vllm:prompt_tokens`` (the whole prompt, cached tokens included, once per request at its
@@ -73,7 +73,7 @@ from kvserve.engine.request import RequestOutput
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvserve.serving.manager import ModelManager
-    from kvserve.serving.runner import Runner
+    from kvserve.serving.chat_runner import Runner
 
 #: llama-server's exact ``Content-Type`` of ``/metrics`` (no charset; the text is ASCII but for labels)
 CONTENT_TYPE = "text/plain; version=0.0.4"

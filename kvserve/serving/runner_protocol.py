@@ -1,6 +1,6 @@
 """What a face may ask of a loaded model: the runner protocol.
 
-Two kinds of runner implement it: :class:`kvserve.serving.runner.Runner` (a generative model, its
+Two kinds of runner implement it: :class:`kvserve.serving.chat_runner.Runner` (a generative model, its
 engine on its own thread) and :class:`kvserve.serving.embed_runner.EmbeddingRunner` (an encoder:
 embeddings and scores). A face holds either through the model manager
 (:func:`kvserve.faces.models.serve_model`) and reads only what is declared here; what only one

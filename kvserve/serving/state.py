@@ -37,7 +37,7 @@ from kvserve.errors import (
     UnavailableError,
 )
 from kvserve.serving.manager import Lease, ModelManager, ModelSpec, format_keep_alive
-from kvserve.serving.runner import (
+from kvserve.serving.chat_runner import (
     Runner,
     estimate_runner_memory,
     load_runner,

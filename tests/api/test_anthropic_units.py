@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 from kvserve.app import build_app
 from kvserve.errors import NotFoundError, UnavailableError
 from kvserve.faces.anthropic import _sse, chat_request, error_envelope
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.serving.args import parse_args
 from kvserve.serving.chat_request import ReasoningOptions, TemplateOptions
 from kvserve.serving.state import ServerState

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from kvserve.serving.manager import ModelSpec
-from kvserve.serving.runner import estimate_runner_memory, pid_rss_bytes
+from kvserve.serving.chat_runner import estimate_runner_memory, pid_rss_bytes
 from kvserve.store import Layer, Store, media_type
 
 pytestmark = pytest.mark.slow

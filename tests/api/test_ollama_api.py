@@ -13,7 +13,7 @@ import re
 import httpx
 import pytest
 
-from kvserve.faces.ollama import DEFAULT_OPTIONS, capabilities, go_time, ollama_options
+from kvserve.faces.ollama_api import DEFAULT_OPTIONS, capabilities, go_time, ollama_options
 
 GO_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,9})?Z$")
 
@@ -48,7 +48,7 @@ def test_options_layering_and_types(caplog):
     assert 'invalid option provided: option "mirostat" is ignored' in caplog.text
     assert "num_thread" not in caplog.text  # known to Ollama: accepted silently
     assert ollama_options(None, {"num_predict": -2}).sampling["n_predict"] == -1
-    from kvserve.faces.errors import ApiError
+    from kvserve.faces.api_error import ApiError
 
     for opts, msg in (({"top_k": "40"}, 'option "top_k" must be of type integer'),
                       ({"temperature": "hot"}, 'option "temperature" must be of type float32'),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.responses import MAX_INPUT_ITEMS, chat_body
 from kvserve.serving.chat_request import ChatRequest, StreamOptions, TemplateOptions
 from kvserve.serving.choices import ChatEvent, ChatUsage

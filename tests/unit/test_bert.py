@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is a tes
 
 from kvserve.loaders.weights import ModelLoadError  # noqa: E402
 from kvserve.models.bert import BertConfig, BertModel  # noqa: E402
-from kvserve.models.registry import load_files, model_task, probe_task  # noqa: E402
+from kvserve.models.build import load_files, model_task, probe_task  # noqa: E402
 
 SENTENCES = ["the cat sat on the mat.", "what is the red sky?", "rain falls mainly in spain, on the plain!",
              "dog runs", "the blue sea and the green sun, the moon ... jumping cats"]

@@ -7,7 +7,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.request import Request, SamplingParams
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 
 HEADER = [3, 4, 5, 6, 7]  # "File: Main.java\n": 5 tokens, as seed Example 10
 PRE = list(range(20, 53)) + [60, 61, 62, 63, 64]  # 38 tokens

@@ -11,7 +11,7 @@ from kvserve.chat import prompt as prompt_mod
 from kvserve.chat.prompt import continues_final_message, normalize_messages, render_chat
 from kvserve.chat.template import ChatTemplate
 from kvserve.errors import InvalidInputError
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.loaders.tokenizer import Tokenizer, read_gguf_metadata
 
 REF = Path(__file__).parents[1] / "reference" / "smollm2"

@@ -9,13 +9,13 @@ import pytest
 
 from kvserve.engine.request import SEED_RANDOM, ContextSizeExceededError
 from kvserve.errors import InvalidInputError
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.openai import chat_plan, chat_request
 from kvserve.serving.args import parse_args
 from kvserve.serving.chat_plan import plan_chat
 from kvserve.serving.chat_request import ChatRequest, ReasoningOptions, StreamOptions, TemplateOptions
 from kvserve.serving.manager import ModelSpec
-from kvserve.serving.runner import load_runner
+from kvserve.serving.chat_runner import load_runner
 
 N_CTX = 256
 
@@ -133,14 +133,14 @@ def test_face_field_errors_keep_their_texts(runner):
 
 
 def _ollama_call(body: dict, model_params: dict | None = None):
-    from kvserve.faces.ollama import _Call, ollama_options
+    from kvserve.faces.ollama_api import _Call, ollama_options
 
     return _Call("chat", "m", body, stream=False, keep_alive=None, t0=0,
                  options=ollama_options(model_params, body.get("options")))
 
 
 def test_ollama_options_become_typed_sampling_fields(runner):
-    from kvserve.faces.ollama import _chat_request, _rules
+    from kvserve.faces.ollama_api import _chat_request, _rules
 
     call = _ollama_call({"messages": _user("hi"), "options": {"temperature": 0.25, "seed": -5, "top_k": -1,
                                                               "stop": ["a", "b"], "num_predict": 7}})
@@ -157,7 +157,7 @@ def test_ollama_options_become_typed_sampling_fields(runner):
 
 def test_ollama_num_predict_from_the_model_is_a_default_capped_to_the_context(runner):
     """Ollama's rule as a field of the typed request (no private body key any more)."""
-    from kvserve.faces.ollama import _chat_request, _rules
+    from kvserve.faces.ollama_api import _chat_request, _rules
 
     layered = _ollama_call({"messages": _user("hi")}, {"num_predict": 10_000})
     req = _chat_request(layered, runner, _rules(layered, runner), _user("hi"))
@@ -172,7 +172,7 @@ def test_ollama_num_predict_from_the_model_is_a_default_capped_to_the_context(ru
 
 
 def test_ollama_think_on_a_model_without_thinking_is_ollamas_400(runner):
-    from kvserve.faces.ollama import _rules
+    from kvserve.faces.ollama_api import _rules
 
     with pytest.raises(ApiError) as e:
         _rules(_ollama_call({"messages": _user("hi"), "think": True}), runner)

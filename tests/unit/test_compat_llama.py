@@ -271,7 +271,7 @@ def test_start_here_lines():
 def test_native_build_is_announced(caplog, monkeypatch):
     import logging
 
-    from kvserve.engine import runner
+    from kvserve.engine import model_runner as runner
 
     with caplog.at_level(logging.INFO, logger="kvserve.engine"):
         runner._log_native_build()

@@ -68,7 +68,7 @@ def _stopped(d: dict, limit: int) -> bool:
 
 
 def test_unlimited_num_predict_stops(tiny_gguf, tmp_path, monkeypatch):
-    from kvserve.faces import ollama
+    from kvserve.faces import ollama_api as ollama
 
     monkeypatch.setattr(ollama, "UNLIMITED_N_PREDICT", 40)  # the tiny model's context is small
     given = app_client(tiny_gguf, tmp_path / "a", "-np", "1")  # -c 512: 512 tokens a sequence

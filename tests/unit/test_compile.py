@@ -12,7 +12,7 @@ from kvserve.engine.core import EngineCore
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.models import q4_kernel
 from kvserve.models.llama import CompiledDecode
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 
 PROMPTS = [[1, 5, 9, 200, 31], [7, 7, 7], [100, 3, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55],
            [2]]

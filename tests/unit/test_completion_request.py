@@ -11,14 +11,14 @@ import pytest
 from kvserve.engine.request import ContextSizeExceededError, InvalidRequestError
 from kvserve.errors import InvalidInputError
 from kvserve.loaders.tokenizer import TooManyTokensError
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.openai import completion_plan, completion_request
 from kvserve.serving.args import parse_args
 from kvserve.serving.chat_request import StreamOptions
 from kvserve.serving.completion_plan import plan_completion, prompt_ids
 from kvserve.serving.completion_request import CompletionRequest, Infill
 from kvserve.serving.manager import ModelSpec
-from kvserve.serving.runner import load_runner
+from kvserve.serving.chat_runner import load_runner
 
 N_CTX = 256
 QWEN_FIM = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
@@ -188,14 +188,14 @@ def test_the_openai_face_refuses_suffix_without_fim_tokens(runner):
 
 
 def _ollama_generate(body: dict, model_params: dict | None = None):
-    from kvserve.faces.ollama import _Call, ollama_options
+    from kvserve.faces.ollama_api import _Call, ollama_options
 
     return _Call("generate", "m", body, stream=False, keep_alive=None, t0=0,
                  options=ollama_options(model_params, body.get("options")))
 
 
 def test_ollama_raw_generate_builds_the_typed_request(runner):
-    from kvserve.faces.ollama import _completion_request, _rules
+    from kvserve.faces.ollama_api import _completion_request, _rules
 
     call = _ollama_generate({"prompt": "hi", "raw": True, "format": "json",
                              "options": {"temperature": 0.25, "seed": 3, "top_k": -1, "stop": ["a"]}})
@@ -217,7 +217,7 @@ def test_ollama_raw_generate_builds_the_typed_request(runner):
 def test_llama_prompt_value_refuses_every_bad_element(field, prompt, bad):
     """A null element of a /completion or /infill prompt is a 400 naming the field, as any other bad
     element (it was a 500: the check took the first bad element by next(..., None))."""
-    from kvserve.faces.llama import prompt_value
+    from kvserve.faces.llama_api import prompt_value
 
     with pytest.raises(ApiError) as e:
         prompt_value(prompt, field)

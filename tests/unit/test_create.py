@@ -1,6 +1,6 @@
 """Ollama's create on a store (kvserve/ollama/create.py, server/create.go's rules) and a store
 model's TEMPLATE/SYSTEM layers as the runner's chat template (kvserve/chat/go_chat_template.py,
-kvserve.serving.runner.make_template), with the tiny random GGUF; no server."""
+kvserve.serving.chat_runner.make_template), with the tiny random GGUF; no server."""
 
 from __future__ import annotations
 
@@ -294,7 +294,7 @@ def test_default_system_for_jinja_templates(tok):
 
 def test_make_template_picks_the_template_layer(store, weights, tmp_path, caplog):
     from kvserve.serving.manager import ModelSpec
-    from kvserve.serving.runner import CHATML, make_template
+    from kvserve.serving.chat_runner import CHATML, make_template
 
     list(iter_create(store, {"model": "plain", "files": {"tiny.gguf": weights}}))
     list(iter_create(store, {"model": "sys", "from": "plain", "system": "S"}))

@@ -17,7 +17,7 @@ from kvserve.engine.core import EngineCore
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.models import decode_native
 from kvserve.models.llama import AttentionBatch
-from kvserve.models.registry import build_model, load_files
+from kvserve.models.build import build_model, load_files
 
 NEEDS = decode_native.unavailable_reason()
 
@@ -399,7 +399,7 @@ def test_grammar_warmup_waits_for_a_cached_steps_packing():
     vocabulary table) starts only once the step's weights are packed (the engine's first step
     waits for that packing; both at once on 2 cores made the first request wait ~1.3-2 s), at
     most 30 s; without a cached step it starts at once."""
-    from kvserve.serving.runner import _warm_grammars
+    from kvserve.serving.chat_runner import _warm_grammars
 
     order = []
 

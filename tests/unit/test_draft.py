@@ -13,7 +13,7 @@ from kvserve.engine.core import EngineCore
 from kvserve.engine.draft import DraftVocabError, check_vocab
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.engine.spec_decode import SpecConfig
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 from kvserve.structured.backend import ConstraintSpec, GrammarBackend
 
 GREEDY = {"temperature": 0.0}

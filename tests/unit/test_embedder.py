@@ -20,7 +20,7 @@ from kvserve.engine.async_engine import EngineDeadError  # noqa: E402
 from kvserve.engine.embedder import EmbeddingEngine  # noqa: E402
 from kvserve.engine.request import ContextSizeExceededError  # noqa: E402
 from kvserve.errors import InvalidInputError, NotSupportedError  # noqa: E402
-from kvserve.models.registry import load_files  # noqa: E402
+from kvserve.models.build import load_files  # noqa: E402
 
 SHORT = "the cat sat."
 LONGER = ["the dog runs on the mat and the cat jumps , the sun is red and the sea is blue .",

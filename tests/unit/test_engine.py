@@ -18,7 +18,7 @@ from kvserve.engine.request import ContextSizeExceededError, InvalidRequestError
 from kvserve.engine.sampler import SequenceSampler
 from kvserve.llm import LLM
 from kvserve.loaders.weights import ModelLoadError
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 
 GREEDY = dict(temperature=0.0)
 

@@ -17,9 +17,9 @@ from test_hardening_http import _Live, _state
 from kvserve.app import build_app
 from kvserve.engine.request import Request
 from kvserve.errors import InvalidInputError
-from kvserve.faces.errors import INTERNAL_ERROR, ApiError
+from kvserve.faces.api_error import INTERNAL_ERROR, ApiError
 from kvserve.faces.http import json_response
-from kvserve.faces.ollama import ollama_options
+from kvserve.faces.ollama_api import ollama_options
 from kvserve.faces.router import generate_request
 from kvserve.ollama.create import iter_create
 from kvserve.store import Store

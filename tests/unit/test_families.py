@@ -17,7 +17,7 @@ from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.engine.core import EngineCore  # noqa: E402
 from kvserve.engine.request import Request, SamplingParams  # noqa: E402
 from kvserve.loaders.weights import ModelLoadError  # noqa: E402
-from kvserve.models.registry import build_model, load_files  # noqa: E402
+from kvserve.models.build import build_model, load_files  # noqa: E402
 
 PROMPT = [5, 77, 120, 33, 250, 9, 18, 260, 41, 199, 7, 88, 150, 290, 61, 12, 3, 222, 140, 55]
 OTHER = [100, 4, 37, 299, 11, 76, 180, 23, 9]

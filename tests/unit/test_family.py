@@ -9,7 +9,7 @@ import pytest
 import tinymodel
 from kvserve.loaders.weights import ModelLoadError
 from kvserve.models import family as fm
-from kvserve.models.registry import load_files, probe_task
+from kvserve.models.build import load_files, probe_task
 
 
 def test_tables_derive_from_the_records():

@@ -221,7 +221,7 @@ CONV = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
 
 
 def _template(args):
-    from kvserve.serving.runner import make_template
+    from kvserve.serving.chat_runner import make_template
 
     tok = SimpleNamespace(bos_token="<s>", eos_token="</s>", chat_template=None)
     return make_template(args, SimpleNamespace(tokenizer=tok, chat_template="{{ 'model own' }}"))

@@ -16,7 +16,7 @@ import tinymodel  # tests/ is on sys.path (tests/conftest.py)
 from starlette.testclient import TestClient
 
 from kvserve.app import build_app
-from kvserve.faces.ollama import ollama_options
+from kvserve.faces.ollama_api import ollama_options
 from kvserve.faces.params import sampling_params_from_body
 from kvserve.serving.args import parse_args
 from kvserve.serving.generation_config import (

@@ -15,7 +15,7 @@ from kvserve.loaders.gguf import TensorInfo, _tensor_to_weight, load_gguf
 from kvserve.loaders.weights import ModelLoadError
 from kvserve.models import ggml_kernel
 from kvserve.models.llama import AttentionBatch, PrefillGroup
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_int8_prefill_path_needs_vnni_not_bf16(kernels, tmp_path, monkeypatch):
     no native bfloat16, large_batch_dtype auto still hands a Q4_K model's block matrices
     small_batch_rows + 1 (the int8 path, no bfloat16 copy); without VNNI, or with F16 matrices (no
     int8 path for them: a bfloat16 copy would be made), it does not."""
-    from kvserve.models import q4_kernel, registry
+    from kvserve.models import build, q4_kernel
 
     vnni = ["fpu", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"]
     no_vnni = vnni[:-1]
@@ -93,9 +93,9 @@ def test_int8_prefill_path_needs_vnni_not_bf16(kernels, tmp_path, monkeypatch):
     assert ggml_kernel.prefill_paths(["avx2", "fma", "f16c", "avx_vnni"]) == ()
     q4k = tinymodel.write_tiny_gguf(tmp_path / "q4k.gguf", n_embd=256, n_ff=512, qtype="Q4_K", seed=3)
     f16 = tinymodel.write_tiny_gguf(tmp_path / "f16.gguf", n_embd=256, n_ff=512, qtype="F16", seed=3)
-    assert registry.int8_prefill_only(load_files(str(q4k)).weights, vnni)
-    assert not registry.int8_prefill_only(load_files(str(q4k)).weights, no_vnni)
-    assert not registry.int8_prefill_only(load_files(str(f16)).weights, vnni)
+    assert build.int8_prefill_only(load_files(str(q4k)).weights, vnni)
+    assert not build.int8_prefill_only(load_files(str(q4k)).weights, no_vnni)
+    assert not build.int8_prefill_only(load_files(str(f16)).weights, vnni)
     monkeypatch.setattr(registry, "cpu_native_bf16", lambda: False)
     monkeypatch.setattr(q4_kernel, "cpu_flags", lambda: vnni)
     lin = _core(q4k).model.layers[0].w_gate_up
@@ -112,7 +112,7 @@ def test_steps_above_small_batch_rows_take_the_prefill_path(kernels, tmp_path):
     per-row kernels' product bit for bit, a 17-row one the prefill path's (the per-row kernels where
     the build has no such path); small_batch_rows 0 or float32 prefill keep the per-row kernels at
     every row count, and so does the head (float32 logits)."""
-    from kvserve.models.registry import cpu_native_bf16
+    from kvserve.models.build import cpu_native_bf16
 
     path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, qtype="Q4_K", seed=3)
     model = _core(path, large_batch_dtype="bfloat16").model
@@ -332,7 +332,7 @@ def test_memory_estimate_counts_the_blocks_as_resident(kernels, tmp_path):
 
     from kvserve.serving.args import parse_args
     from kvserve.serving.manager import ModelSpec
-    from kvserve.serving.runner import estimate_runner_memory, gguf_raw_bytes
+    from kvserve.serving.chat_runner import estimate_runner_memory, gguf_raw_bytes
 
     path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_layer=6, n_embd=1024, n_head=8, n_head_kv=2, n_ff=4096,
                                      qtype="Q8_0", seed=3)
@@ -346,7 +346,7 @@ def test_memory_estimate_counts_the_blocks_as_resident(kernels, tmp_path):
                                  ModelSpec("m", str(path)))
     norms = 4 * 1024 * 13  # the F32 norms: the file's bytes and their float32 copy
     # where the native decode step runs, its int8 tiles of the small Q8_0 head (301 rows padded to 304)
-    from kvserve.serving.runner import _native_step_expected, model_shape, native_copy_bytes
+    from kvserve.serving.chat_runner import _native_step_expected, model_shape, native_copy_bytes
 
     native = native_copy_bytes(str(path)) if _native_step_expected(
         parse_args(["-c", "256"], environ={}).engine_config(), model_shape(str(path))[0]) else 0

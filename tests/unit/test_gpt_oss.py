@@ -17,7 +17,7 @@ from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.engine.core import EngineCore  # noqa: E402
 from kvserve.engine.request import Request, SamplingParams  # noqa: E402
 from kvserve.loaders.weights import ModelLoadError  # noqa: E402
-from kvserve.models.registry import load_files  # noqa: E402
+from kvserve.models.build import load_files  # noqa: E402
 
 PROMPT = [5, 77, 120, 33, 250, 9, 18, 260, 41, 199, 7, 88, 150, 290, 61, 12, 3, 222, 140, 55]
 #: 3 layers (0 and 2 slide over 4 tokens), 8 experts top-4, YaRN as the released config has it (no rounding)

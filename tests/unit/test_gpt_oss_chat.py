@@ -51,7 +51,7 @@ def client(gguf_path, tmp_path_factory):
 def forced(client, monkeypatch):
     """``forced(text)``: every request's generated tokens spell ``text`` (the served model's own
     tokens), then end of generation."""
-    from kvserve.engine import runner as runner_mod
+    from kvserve.engine import model_runner as runner_mod
 
     real = runner_mod.sample_batch
     script: list[int] = []
@@ -79,7 +79,7 @@ _TOKENIZER: dict = {}
 
 @pytest.fixture(autouse=True, scope="module")
 def _tok(gguf_path):
-    from kvserve.models.registry import load_files
+    from kvserve.models.build import load_files
 
     _TOKENIZER["t"] = load_files(gguf_path).tokenizer
 

@@ -11,7 +11,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.loaders.tokenizer import Tokenizer
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 from kvserve.structured import batch as mask_batch
 from kvserve.structured.backend import ConstraintSpec, GrammarBackend, GrammarConstraint
 from kvserve.structured.spec import schema_spec

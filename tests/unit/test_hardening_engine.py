@@ -17,7 +17,7 @@ from kvserve.engine.core import EngineCore
 from kvserve.engine.kv_cache import root_key
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.engine.slot_file import SlotFileError, read_slot_file
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 
 
 def core_for(path, **kw) -> EngineCore:
@@ -202,10 +202,10 @@ def test_repeated_step_failures_kill_the_engine_loudly(tiny_gguf, monkeypatch):
         with pytest.raises(EngineDeadError):  # at once: a call never hangs on a dead engine
             eng.call(lambda core: 1).result(timeout=1)
         # the server then answers 500 on every route of that model, /health included
-        from kvserve.faces.errors import ApiError
+        from kvserve.faces.api_error import ApiError
         from kvserve.serving.args import parse_args
         from kvserve.serving.manager import ModelSpec
-        from kvserve.serving.runner import Runner
+        from kvserve.serving.chat_runner import Runner
 
         runner = Runner(parse_args(["m.gguf"]), ModelSpec("m", "m.gguf", pinned=True), eng, None, "b1-test")
         with pytest.raises(Exception) as e:

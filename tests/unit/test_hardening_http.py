@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import uvicorn
 
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.http import parse_json_body
 from kvserve.loaders.gguf import load_gguf, read_gguf_header
 from kvserve.loaders.tokenizer import Tokenizer, TooManyTokensError

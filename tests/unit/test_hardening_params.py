@@ -21,7 +21,7 @@ from kvserve.engine.request import InvalidRequestError, SamplingParams
 from kvserve.engine.sampler import SequenceSampler
 from kvserve.errors import KvserveError
 from kvserve.faces.chat_features import template_kwargs
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.params import (
     MAX_DRY_BREAKERS,
     check_text,

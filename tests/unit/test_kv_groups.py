@@ -185,7 +185,7 @@ def test_gemma3_engine_with_window_pools_matches_transformers(tmp_path):
     from kvserve.config import EngineConfig
     from kvserve.engine.core import EngineCore
     from kvserve.engine.request import Request, SamplingParams
-    from kvserve.models.registry import load_files
+    from kvserve.models.build import load_files
 
     model = fmod.build("gemma3_text", seed=5, num_hidden_layers=7, sliding_window=W, query_pre_attn_scalar=16)
     loaded = load_files(str(fmod.save_hf(model, tmp_path / "hf")))
@@ -238,7 +238,7 @@ def test_memory_estimate_counts_the_windows(gemma3_dir):
     blocks each) and one step's chunk (16 blocks): 0.25 of every layer at 4096 tokens."""
     from kvserve.serving.args import parse_args
     from kvserve.serving.manager import ModelSpec
-    from kvserve.serving.runner import estimate_runner_memory
+    from kvserve.serving.chat_runner import estimate_runner_memory
 
     path, _ = gemma3_dir
     per_layer_token = 2 * 2 * 16 * 2  # K and V, 2 KV heads of 16, f16
@@ -272,7 +272,7 @@ def test_slot_files_carry_each_group_and_cache_reuse_off_with_windows(gemma3_dir
     from kvserve.engine.core import EngineCore
     from kvserve.engine.request import Request, SamplingParams
     from kvserve.engine.slot_file import HEADER, read_slot_file
-    from kvserve.models.registry import load_files
+    from kvserve.models.build import load_files
 
     path, _ = gemma3_dir
     cfg = EngineConfig(n_ctx=512, n_parallel=1, dtype="float32", kv_dtype="f32")

@@ -24,10 +24,10 @@ from kvserve.engine.kv_quant import (
     quantize_q8_0,
 )
 from kvserve.engine.request import Request, SamplingParams
-from kvserve.engine.runner import FP8_KV_LOG
+from kvserve.engine.model_runner import FP8_KV_LOG
 from kvserve.engine.slot_file import SlotFileError
 from kvserve.engine.spec_decode import SpecConfig
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 
 # -- block bytes ------------------------------------------------------------------------------------
 
@@ -536,7 +536,7 @@ def test_memory_estimate_counts_the_pools_bytes_per_token(head32, flags, per_tok
     bytes for -ctk/-ctv, not 2 bytes a value for every type."""
     from kvserve.serving.args import parse_args
     from kvserve.serving.manager import ModelSpec
-    from kvserve.serving.runner import estimate_runner_memory
+    from kvserve.serving.chat_runner import estimate_runner_memory
 
     args = parse_args(["-m", head32, "-c", "512", *flags], environ={})
     assert estimate_runner_memory(args, ModelSpec("m", head32)).kv == 512 * per_token

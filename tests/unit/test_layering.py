@@ -77,8 +77,8 @@ def test_the_walk_sees_function_level_and_relative_imports(tmp_path):
     assert "kvserve.structured.schema" in imports_of(pkg)
     src = tmp_path / "kvserve" / "chat" / "x.py"
     src.parent.mkdir(parents=True)
-    src.write_text("def f():\n    from ..faces import errors\n    import kvserve.serving.state\n", encoding="utf-8")
-    assert {"kvserve.faces", "kvserve.faces.errors", "kvserve.serving.state"} <= imports_of(src, tmp_path / "kvserve")
+    src.write_text("def f():\n    from ..faces import api_error\n    import kvserve.serving.state\n", encoding="utf-8")
+    assert {"kvserve.faces", "kvserve.faces.api_error", "kvserve.serving.state"} <= imports_of(src, tmp_path / "kvserve")
 
 
 def test_lower_layers_import_no_faces_and_no_serving():
@@ -131,10 +131,10 @@ def test_structured_imports_go_one_way():
 #: modules (http, models, params, sse, server_extensions, chat_features...) or in kvserve.serving.
 FACES = {
     "openai": ("kvserve.faces.openai", "kvserve.faces.openai_types"),
-    "ollama": ("kvserve.faces.ollama", "kvserve.faces.ollama_types"),
+    "ollama": ("kvserve.faces.ollama_api", "kvserve.faces.ollama_types"),
     "anthropic": ("kvserve.faces.anthropic", "kvserve.faces.anthropic_types"),
     "responses": ("kvserve.faces.responses", "kvserve.faces.responses_types"),
-    "llama": ("kvserve.faces.llama", "kvserve.faces.llama_types"),
+    "llama": ("kvserve.faces.llama_api", "kvserve.faces.llama_types"),
     "router": ("kvserve.faces.router",),
     "embeddings": ("kvserve.faces.embeddings",),
 }

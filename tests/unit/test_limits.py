@@ -15,7 +15,7 @@ from kvserve.chat.prompt import MAX_CONTENT_PARTS, MAX_MESSAGES, normalize_messa
 from kvserve.engine.request import SamplingParams
 from kvserve.errors import InvalidInputError
 from kvserve.faces.chat_features import parse_tools
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.limits import check_input_bytes
 from kvserve.faces.params import sampling_params_from_body
 from kvserve.serving.args import parse_args

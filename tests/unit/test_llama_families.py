@@ -37,7 +37,7 @@ import family_oracle  # noqa: E402
 from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.engine.core import EngineCore  # noqa: E402
 from kvserve.engine.request import Request, SamplingParams  # noqa: E402
-from kvserve.models.registry import load_files  # noqa: E402
+from kvserve.models.build import load_files  # noqa: E402
 
 REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "llama_families"
 CAUSAL = [c for c in family_oracle.CASES if c not in family_oracle.EMBED]

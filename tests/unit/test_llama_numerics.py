@@ -50,7 +50,7 @@ from kvserve.engine.core import EngineCore
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.models import decode_native
 from kvserve.models.llama import AttentionBatch, PrefillGroup
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 
 REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "llama_numerics"
 sys.path.insert(0, str(REFERENCE.parents[1]))  # tests/ (numerics_model)

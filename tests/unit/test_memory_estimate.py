@@ -12,8 +12,8 @@ import pytest
 from kvserve.errors import UnavailableError
 from kvserve.serving.args import parse_args
 from kvserve.serving.manager import MIB, MemoryEstimate, ModelManager, ModelSpec
-from kvserve.serving import runner as runner_mod
-from kvserve.serving.runner import TOKENIZER_BYTES_PER_TOKEN, estimate_runner_memory, native_copy_bytes
+from kvserve.serving import chat_runner as runner_mod
+from kvserve.serving.chat_runner import TOKENIZER_BYTES_PER_TOKEN, estimate_runner_memory, native_copy_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tinymodel  # noqa: E402
@@ -128,7 +128,7 @@ def test_native_copy_bytes_equals_what_the_native_step_packs(tmp_path):
     """The formula against the step's own packing functions (decode_native.q4_tiles, pack_q8) on the
     tiny model: if their layouts change, this fails and the estimate is updated with them."""
     from kvserve.models import decode_native, ggml_kernel
-    from kvserve.models.registry import build_model, load_files
+    from kvserve.models.build import build_model, load_files
 
     if ggml_kernel.ensure_built() is None:
         pytest.skip("the GGUF block kernels cannot be built here")

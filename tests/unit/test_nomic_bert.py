@@ -19,7 +19,7 @@ from kvserve.config import EngineConfig  # noqa: E402
 from kvserve.engine.embedder import EmbeddingEngine  # noqa: E402
 from kvserve.loaders.weights import ModelLoadError  # noqa: E402
 from kvserve.models.bert import BertConfig, BertModel  # noqa: E402
-from kvserve.models.registry import load_files, probe_task  # noqa: E402
+from kvserve.models.build import load_files, probe_task  # noqa: E402
 from family_models import write_nomic_gguf, write_tiny_nomic  # noqa: E402
 
 SENTENCES = ["search_query: the cat sat on the mat.", "what is the red sky?",

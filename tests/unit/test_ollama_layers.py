@@ -1,4 +1,4 @@
-"""The Ollama face's model layers (kvserve/faces/ollama.py ``_layers``): a store model's params,
+"""The Ollama face's model layers (kvserve/faces/ollama_api.py ``_layers``): a store model's params,
 SYSTEM, MESSAGE and TEMPLATE layers, read once per manifest and read again when it changes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvserve import cli
-from kvserve.faces import ollama
+from kvserve.faces import ollama_api as ollama
 from kvserve.serving.manager import ModelSpec
 from kvserve.store import Store
 

@@ -34,7 +34,7 @@ from kvserve.engine.parallel import (
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.engine.spec_decode import SpecConfig
 from kvserve.loaders.weights import ModelConfig, Weight
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 
 SMOL = ModelConfig(arch="llama", n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_vocab=49152,
                    head_dim=64, n_ctx_train=8192)

@@ -8,7 +8,7 @@ from kvserve.engine.core import EngineCore
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.llm import LLM
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 
 BS = 4
 

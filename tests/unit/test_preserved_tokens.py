@@ -18,10 +18,10 @@ from kvserve.engine.core import EngineCore
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.serving.chat_output import ChoiceOutput, OutputMode, marker_texts, preserved_token_ids
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.openai import _special_tokens
 from kvserve.loaders.tokenizer import Tokenizer
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 
 KIMI = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
         "<|tool_call_end|>", "<|tool_calls_section_end|>")

@@ -1,4 +1,4 @@
-"""Pull and push over the OCI distribution API (kvserve.store.registry) against a real registry.
+"""Pull and push over the OCI distribution API (kvserve.store.registry_client) against a real registry.
 
 The registry is Debian's ``docker-registry`` (the Docker distribution registry), started on a free
 127.0.0.1 port with a temporary config (tests/ociregistry.py); its token-auth variant trusts an
@@ -28,8 +28,8 @@ import ociregistry
 import pytest
 
 from kvserve.store import Store, go_json, parse_name
-from kvserve.store import registry as registry_mod
-from kvserve.store.registry import (
+from kvserve.store import registry_client as registry_mod
+from kvserve.store.registry_client import (
     ERR_INSECURE,
     RegistryError,
     iter_pull,
@@ -246,7 +246,7 @@ def test_empty_blob(store):
 
 
 def test_push_delete_pull_roundtrip(registry, store, tiny_gguf_path):
-    from kvserve.models.registry import load_files
+    from kvserve.models.build import load_files
 
     name = registry.name("library/tiny:latest")
     model = make_model(store, name, tiny_gguf_path)
@@ -589,7 +589,7 @@ def test_cli_pull_of_a_package_index_name_uses_the_index(tmp_path, monkeypatch, 
 
 @pytest.mark.slow
 def test_smollm2_push_pull_roundtrip(registry, tmp_path, smollm2_gguf):
-    from kvserve.models.registry import load_files
+    from kvserve.models.build import load_files
 
     store = Store(tmp_path / "real")
     name = registry.name("library/smollm2:135m")
@@ -1030,7 +1030,7 @@ def test_api_pull_passes_the_server_limits(tmp_path, evil):
     """/api/pull's generator carries --pull-max-blob-size and --pull-timeout (0: none) to the pull."""
     from types import SimpleNamespace
 
-    from kvserve.faces.ollama import _progress_events
+    from kvserve.faces.ollama_api import _progress_events
 
     args = SimpleNamespace(models_dir=str(tmp_path / "models"), pull_timeout=0.0, pull_max_blob_size=5)
     gen = _progress_events(SimpleNamespace(args=args), "pull", f"{evil[0]}/evil/ok", True)

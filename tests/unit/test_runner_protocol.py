@@ -14,7 +14,7 @@ from kvserve.serving.completion_plan import plan_completion
 from kvserve.serving.completion_request import CompletionRequest
 from kvserve.serving.embed_runner import EmbeddingRunner
 from kvserve.serving.manager import ModelSpec
-from kvserve.serving.runner import load_runner
+from kvserve.serving.chat_runner import load_runner
 from kvserve.serving.runner_protocol import EngineFacts, ModelRunner
 
 

@@ -10,7 +10,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.engine.slot_file import HEADER, SlotFileError
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 
 
 def core_for(path, **kw) -> EngineCore:

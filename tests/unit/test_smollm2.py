@@ -19,7 +19,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.request import SamplingParams
 from kvserve.llm import LLM
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 
 REFERENCE = Path(__file__).resolve().parents[1] / "reference" / "smollm2"
 ROWS = [json.loads(line) for line in (REFERENCE / "completions.jsonl").read_text().splitlines()]

@@ -21,7 +21,7 @@ from kvserve.engine.spec_decode import (
     SpecDecoder,
     accepted_prefix,
 )
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 from kvserve.structured.backend import ConstraintSpec, GrammarBackend
 
 # -- the proposer ------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from kvserve.engine.core import EngineCore
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.engine import spec_decode
 from kvserve.engine.spec_decode import SpecConfig
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 
 SOURCE = '''def parse_config(path):
     """Read a key=value config file into a dict."""

@@ -11,7 +11,7 @@ from kvserve.engine import spec_decode
 from kvserve.engine.core import EngineCore
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.engine.spec_decode import SpecConfig, SpecDecoder, draft_length
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 
 CPU = spec_decode.STEP_BASE_ROWS_CPU
 GPU = spec_decode.STEP_BASE_ROWS_GPU

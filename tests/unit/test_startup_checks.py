@@ -31,7 +31,7 @@ from kvserve.engine.kv_budget import (
 from kvserve.loaders.weights import ModelLoadError
 from kvserve.serving.args import parse_args
 from kvserve.serving.manager import ModelSpec
-from kvserve.serving.runner import load_runner
+from kvserve.serving.chat_runner import load_runner
 from kvserve.serving.startup_checks import (
     LONG_MAX_MODEL_LEN_WARNING,
     StartupCheckError,
@@ -501,7 +501,7 @@ def test_server_serves_with_example3s_budget(tiny_long_gguf, tmp_path):
 
 
 def test_memory_estimate_counts_the_kv_budget(tiny_long_gguf):
-    from kvserve.serving.runner import estimate_runner_memory
+    from kvserve.serving.chat_runner import estimate_runner_memory
 
     spec = ModelSpec("m", tiny_long_gguf)
     plain = estimate_runner_memory(parse_args(["-m", tiny_long_gguf, "--device", "cpu"], environ={}), spec)
@@ -608,7 +608,7 @@ def test_a_huge_budget_on_the_tiny_model_starts_capped_and_counts_the_pool(tiny_
 
 
 def test_known_kv_budget_is_capped_as_the_pool_is(tiny_gguf):
-    from kvserve.serving.runner import model_shape
+    from kvserve.serving.chat_runner import model_shape
     from kvserve.serving.startup_checks import known_kv_budget
 
     cfg = parse_args(["-c", "512", "-np", "2", "--kv-cache-memory-bytes", "1G"], environ={}).engine_config()

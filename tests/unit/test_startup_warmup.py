@@ -1,4 +1,4 @@
-"""The grammar warm-up after a load waits for an idle engine (kvserve.serving.runner._warm_grammars): the first
+"""The grammar warm-up after a load waits for an idle engine (kvserve.serving.chat_runner._warm_grammars): the first
 requests after /health do not share the cores with xgrammar's import."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvserve.serving import runner as runner_mod
+from kvserve.serving import chat_runner as runner_mod
 
 
 class _Slots:

@@ -16,9 +16,9 @@ from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.request import Request, SamplingParams
 from kvserve.errors import InvalidInputError
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.loaders.tokenizer import Tokenizer
-from kvserve.models.registry import load_files
+from kvserve.models.build import load_files
 from kvserve.structured.backend import GrammarBackend, bound_numbers, clean_error
 from kvserve.structured.gbnf import GbnfError, gbnf_to_ebnf
 from kvserve.structured.schema import SchemaError, check_schema

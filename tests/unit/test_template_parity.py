@@ -542,7 +542,7 @@ def test_request_documents_field(kv_tok) -> None:
     from types import SimpleNamespace
 
     from kvserve.faces.chat_features import template_kwargs
-    from kvserve.faces.errors import ApiError
+    from kvserve.faces.api_error import ApiError
 
     args = SimpleNamespace(chat_template_kwargs={}, reasoning=None)
     kw = template_kwargs(args, {"documents": DOCS})

@@ -15,7 +15,7 @@ from types import SimpleNamespace as NS
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-import kvserve.faces.llama as llama_face
+import kvserve.faces.llama_api as llama_face
 import kvserve.faces.openai as openai_face
 from kvserve.engine.request import (
     RequestOutput,

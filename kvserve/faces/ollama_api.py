@@ -85,7 +85,7 @@ stored model, pulled first when missing, as Ollama does; from GGUF blobs uploade
 (``parsing GGUF``, ``using existing layer sha256:…``, ``creating new layer sha256:…``, ``writing
 manifest``, ``success``). A runner loaded under the created name is unloaded (once idle), so the
 next request renders with the new TEMPLATE and SYSTEM. ``/api/pull`` and ``/api/push`` stream
-:mod:`kvserve.store.registry`'s progress events (``pulling manifest``, ``pulling <12 hex>`` with
+:mod:`kvserve.store.registry_client`'s progress events (``pulling manifest``, ``pulling <12 hex>`` with
 ``total``/``completed``, ``verifying sha256 digest``, ``writing manifest``, ``success``); a failure
 is 500 ``{"error": ...}`` as in Ollama (400 for an invalid name).
 """
@@ -113,7 +113,7 @@ from kvserve.engine.request import SEED_RANDOM, RequestOutput
 from kvserve.errors import InvalidInputError, KvserveError, NotFoundError
 from kvserve.faces.auth import caller
 from kvserve.faces.chat_features import parse_tools
-from kvserve.faces.errors import INTERNAL_ERROR, ApiError
+from kvserve.faces.api_error import INTERNAL_ERROR, ApiError
 from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
 from kvserve.faces.http import OLLAMA_EMPTY_BODY, OLLAMA_NOT_AN_OBJECT, dumps_json, read_json
 from kvserve.faces.models import LeasedResponse, acquire_model, serves_embeddings
@@ -143,7 +143,7 @@ from kvserve.serving.ids import new_id
 from kvserve.serving.completion_request import CompletionRequest, Prompt
 from kvserve.serving.generation_config import ollama_layer
 from kvserve.serving.manager import Lease, ModelSpec, parse_keep_alive
-from kvserve.serving.runner import Runner
+from kvserve.serving.chat_runner import Runner
 from kvserve.serving.state import ServerState
 
 __all__ = ["DEFAULT_OPTIONS", "OLLAMA_VERSION", "build_router", "go_time", "ollama_options"]
@@ -967,7 +967,7 @@ def _runner_template(state: ServerState, layers: ModelLayers, md: dict) -> str:
         except OSError:
             return ""
     if a.chat_template:
-        from kvserve.serving.runner import CHATML
+        from kvserve.serving.chat_runner import CHATML
 
         return CHATML if a.chat_template == "chatml" else a.chat_template
     return str(md.get("tokenizer.chat_template") or "")
@@ -1099,11 +1099,11 @@ _uploads_running = 0
 
 def _progress_events(state: ServerState, kind: str, name: str, insecure: bool,
                      cancel: threading.Event | None = None):
-    """The generator of /api/pull or /api/push progress events (:mod:`kvserve.store.registry`);
+    """The generator of /api/pull or /api/push progress events (:mod:`kvserve.store.registry_client`);
     ``cancel`` stops the transfer at its next chunk (the client left)."""
     import inspect
 
-    from kvserve.store import registry
+    from kvserve.store import registry_client as registry
 
     fn = registry.iter_pull if kind == "pull" else registry.iter_push
     kw = {"cancel": cancel} if cancel is not None and "cancel" in inspect.signature(fn).parameters else {}
@@ -1217,7 +1217,7 @@ def _create_events(state: ServerState, body: dict):
     """The blocking generator of /api/create's statuses (:func:`kvserve.ollama.create.iter_create`
     on the server's store); a base model the store lacks is pulled first, as Ollama does."""
     from kvserve.ollama.create import iter_create
-    from kvserve.store import registry
+    from kvserve.store import registry_client as registry
 
     store = _store(state)
     return iter_create(store, body, pull=lambda name: registry.iter_pull(name, store=store))

@@ -39,7 +39,7 @@ from starlette.responses import Response
 from kvserve.engine.request import Request, RequestOutput, SamplingParams, TokenLogprob
 from kvserve.errors import UnavailableError
 from kvserve.faces.auth import caller
-from kvserve.faces.errors import ApiError
+from kvserve.faces.api_error import ApiError
 from kvserve.faces.limits import batch_cap, check_count, check_input_bytes, input_bytes_cap
 from kvserve.faces.http import json_response, read_json
 from kvserve.faces.llama_types import (
@@ -94,7 +94,7 @@ from kvserve.serving.completion_plan import plan_completion
 from kvserve.serving.ids import new_id
 from kvserve.serving.completion_request import CompletionRequest, Infill, Prompt
 from kvserve.serving.manager import KEEP_CURRENT
-from kvserve.serving.runner import Runner, fair_share, generate
+from kvserve.serving.chat_runner import Runner, fair_share, generate
 from kvserve.serving.state import ServerState
 from kvserve.structured.spec import constraint_from_body
 

@@ -255,7 +255,7 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
     """
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.core import EngineCore
-    from kvserve.models.registry import load_files
+    from kvserve.models.build import load_files
     from kvserve.serving.embed_runner import load_embedding_runner, model_task
     from kvserve.serving.startup_checks import run_startup_checks
 
@@ -460,7 +460,7 @@ def native_copy_bytes(path: str) -> int:
 
 
 def _native_step_expected(cfg, cfg_m) -> bool:
-    """Whether the native decode step will run for this model (as kvserve.models.registry and
+    """Whether the native decode step will run for this model (as kvserve.models.build and
     NativeDecode decide: CPU, dtype auto, no --compile, ``KVSERVE_NATIVE_DECODE`` not 0, the
     extension buildable here, a family with the native layer, head_dim a multiple of 32, a float
     KV cache)."""
