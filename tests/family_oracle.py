@@ -9,7 +9,8 @@ and stores its outputs with the file's metadata (every key and value) and the SH
 CI has no llama.cpp: :func:`rebuild` writes the same file again from the fixture's metadata and the
 tensors of tests/family_models.py's own writer (which writes llama.cpp's names and layouts; regen.py
 checks it writes the converter's bytes, tensor by tensor), and the test checks the digests;
-:func:`rebuild_q8_0` does the same for the ``llama-quantize --pure`` Q8_0 copies.
+:func:`rebuild_q8_0` does the same for the ``llama-quantize --pure`` Q8_0 copies, :func:`rebuild_q4_k_m` for
+the Q4_K_M copies of the wide models (llama-quantize's types, tests/tinymodel.py's blocks).
 """
 
 from __future__ import annotations
@@ -63,22 +64,37 @@ CASES = {
     "nomic-bert": ("nomic_bert", "nomic-bert", {}),
 }
 EMBED = ("nomic-bert",)
+#: the widths of the Q4_K_M copies' models: K-quant rows are multiples of 256 values (the narrow
+#: cases' 64 would leave llama-quantize nothing but fallback types); heads and head_dim unchanged, so
+#: attn_output's rows (4 x 16) take llama-quantize's fallback type, as narrow heads do in real files
+WIDE = dict(hidden_size=256, intermediate_size=512)
 
 
-def build_model(name: str):
-    """The case's transformers model (experts rounded to MXFP4 values for gpt-oss)."""
+def wide_options(name: str) -> dict:
+    """The case's config options with :data:`WIDE`'s widths (qwen3moe: experts of 256 too)."""
+    cfg = {**CASES[name][2], **WIDE}
+    if "moe_intermediate_size" in cfg:
+        cfg["moe_intermediate_size"] = 256
+    if CASES[name][0] == "phi3":  # transformers' phi3 takes head_dim = hidden / heads: keep it 16
+        cfg["num_attention_heads"] = 16
+    return cfg
+
+
+def build_model(name: str, wide: bool = False):
+    """The case's transformers model (experts rounded to MXFP4 values for gpt-oss); ``wide``: with
+    :data:`WIDE`'s widths (the Q4_K_M copies)."""
     model_type, _, cfg = CASES[name]
-    model = fmod.build(model_type, seed=SEED, **cfg)
+    model = fmod.build(model_type, seed=SEED, **(wide_options(name) if wide else cfg))
     if model_type == "gpt_oss":
         fmod.round_experts_mxfp4(model)
     return model
 
 
-def save_hf(name: str, path: Path) -> Path:
-    """The case as the HF directory the converter reads."""
+def save_hf(name: str, path: Path, wide: bool = False) -> Path:
+    """The case as the HF directory the converter reads (``wide``: :func:`build_model`'s)."""
     if name == "nomic-bert":
         return _nomic_original_config(fmod.write_tiny_nomic(Path(path), seed=3))
-    model = build_model(name)
+    model = build_model(name, wide)
     return (fmod.save_hf_mxfp4 if name == "gpt-oss" else fmod.save_hf)(model, Path(path))
 
 
@@ -103,12 +119,12 @@ def _nomic_original_config(path: Path) -> Path:
     return path
 
 
-def save_gguf_ours(name: str, path: Path, hf: Path | None = None) -> Path:
+def save_gguf_ours(name: str, path: Path, hf: Path | None = None, wide: bool = False) -> Path:
     """The case through tests/family_models.py's GGUF writer (the tensors :func:`rebuild` takes)."""
     if name == "nomic-bert":
         return fmod.write_nomic_gguf(hf or fmod.write_tiny_nomic(Path(path).with_suffix(".hf"), seed=3), Path(path))
     arch = CASES[name][1]
-    return fmod.save_gguf(build_model(name), Path(path), arch, expert_type="MXFP4" if arch == "gpt-oss" else "F32")
+    return fmod.save_gguf(build_model(name, wide), Path(path), arch, expert_type="MXFP4" if arch == "gpt-oss" else "F32")
 
 
 def tensor_digests(path) -> dict[str, str]:
@@ -164,7 +180,7 @@ def rebuild(fixture: dict, path: Path) -> Path:
     """The GGUF llama-server ran on: the fixture's metadata, the tensors of :func:`save_gguf_ours`
     in the fixture's order. Raises AssertionError where a tensor's digest differs from the fixture's."""
     path = Path(path)
-    ours = save_gguf_ours(fixture["case"], path.with_suffix(".ours.gguf"))
+    ours = save_gguf_ours(fixture["case"], path.with_suffix(".ours.gguf"), wide=fixture.get("wide", False))
     write_like(path, fixture["arch"], fixture["metadata"], ours, list(fixture["tensors"]))
     got = tensor_digests(path)
     assert got == fixture["tensors"], [k for k in fixture["tensors"] if got.get(k) != fixture["tensors"][k]]
@@ -177,10 +193,20 @@ QUANTIZED = ("llama3-rope", "qwen3", "qwen3moe", "gemma2", "gemma3", "mistral3",
 
 
 def rebuild_q8_0(run: dict, f32: Path, path: Path) -> Path:
-    """The Q8_0 copy llama-quantize made of the F32 file ``f32`` (:func:`rebuild`): the run's metadata,
-    each tensor the fixture records as Q8_0 quantized by the ``gguf`` package (llama-quantize's bytes
-    for Q8_0; checked here against the run's digests), the others as they are."""
+    """The Q8_0 copy llama-quantize made of the F32 file ``f32``: :func:`rebuild_quantized` (the
+    ``gguf`` package's Q8_0 blocks are llama-quantize's bytes)."""
+    return rebuild_quantized(run, f32, path)
+
+
+def rebuild_quantized(run: dict, f32: Path, path: Path, check: bool = True) -> Path:
+    """A quantized copy of the F32 file ``f32`` (:func:`rebuild`): the run's metadata, each tensor in
+    the type the run records for it, its blocks made by tests/tinymodel.py's ``quantize`` (the
+    ``gguf`` package's for Q8_0, Q5_0 ...; its own min/max packer for Q4_K and Q6_K, which the
+    ``gguf`` package cannot write), the F32 ones as they are. Raises AssertionError where a digest
+    differs from the run's."""
     import gguf
+
+    import tinymodel
 
     src = {t.name: t for t in gguf.GGUFReader(str(f32)).tensors}
     w = gguf.GGUFWriter(str(path), run["arch"])
@@ -189,18 +215,30 @@ def rebuild_q8_0(run: dict, f32: Path, path: Path) -> Path:
     for name, digest in run["tensors"].items():
         t = src[name]
         data = np.ascontiguousarray(t.data).reshape(list(reversed([int(n) for n in t.shape])))
-        if digest.startswith("Q8_0 "):
-            q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        qtype = digest.split()[0]
+        if qtype != "F32":
+            q = tinymodel.quantize(data, qtype)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType[qtype])
         else:
             w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    got = tensor_digests(path)
-    assert got == run["tensors"], [k for k in run["tensors"] if got.get(k) != run["tensors"][k]]
+    if check:
+        got = tensor_digests(path)
+        assert got == run["tensors"], [k for k in run["tensors"] if got.get(k) != run["tensors"][k]]
     return Path(path)
+
+
+def rebuild_q4_k_m(run: dict, tmp: Path) -> Path:
+    """The Q4_K_M copy of a case's wide model (``fixture["q4_k_m"]``): the wide F32 file
+    (:func:`rebuild` of the run's ``f32`` part), then :func:`rebuild_quantized` with the types
+    llama-quantize chose for Q4_K_M."""
+    tmp = Path(tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    f32 = rebuild({"case": run["case"], "arch": run["arch"], "wide": True, **run["f32"]}, tmp / f"{run['case']}.wide.gguf")
+    return rebuild_quantized(run, f32, tmp / f"{run['case']}.q4_k_m.gguf")
 
 
 def sequences() -> list[list[int]]:

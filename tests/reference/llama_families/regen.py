@@ -30,7 +30,8 @@ For each case of tests/family_oracle.py, all of it deterministic:
      :data:`TEXTS` (vectors normalized as llama-server does by default);
 5. for the cases of ``family_oracle.QUANTIZED``: ``llama-quantize --pure F32 OUT Q8_0`` of the file
    (checked to be what the ``gguf`` package writes, so the test rebuilds it too) and the same outputs
-   on it (``q8_0`` in the fixture);
+   on it (``q8_0`` in the fixture); and a Q4_K_M copy of the case's wide model (:func:`q4_k_m_run`:
+   llama-quantize's types, tests/tinymodel.py's blocks; ``q4_k_m`` in the fixture);
 6. writes ``CASE.json``: the converter's metadata and tensor digests, the server's version and flags,
    the outputs.
 """
@@ -157,6 +158,43 @@ def quantized_run(root: Path, f32: Path, arch: str, tmp: Path) -> dict:
     return run
 
 
+def q4_k_m_run(name: str, root: Path, tmp: Path) -> dict:
+    """The case's wide model (family_oracle.WIDE) converted to F32 (checked against
+    tests/family_models.py's writer as in :func:`regen`), ``llama-quantize F32 OUT Q4_K_M`` of it for
+    the types it picks per tensor (Q4_K, Q6_K, and fallbacks for rows that are not multiples of 256),
+    a copy with those types whose blocks tests/tinymodel.py's quantizer makes (the ``gguf`` package
+    cannot write K-quants, so CI could not rebuild llama-quantize's own blocks; the types, the
+    metadata and the kernels that read them are the same), and llama-server's outputs on that copy."""
+    arch = family_oracle.CASES[name][1]
+    hf = family_oracle.save_hf(name, tmp / f"{name}-wide", wide=True)
+    gg = tmp / f"{name}.wide.gguf"
+    subprocess.run([sys.executable, str(HERE / "convert_tiny.py"), str(root), "--outtype", "f32", "--model-name",
+                    "kvserve tiny", "--outfile", str(gg), str(hf)], check=True, capture_output=True)
+    digests = family_oracle.tensor_digests(gg)
+    ours = family_oracle.tensor_digests(family_oracle.save_gguf_ours(name, tmp / f"{name}.wide.ours.gguf", hf, wide=True))
+    if ours != digests:
+        raise SystemExit(f"{name} (wide): tests/family_models.py does not write the converter's tensors")
+    lq = tmp / f"{name}.llama-quantize.q4_k_m.gguf"
+    subprocess.run([str(root / "build" / "bin" / "llama-quantize"), str(gg), str(lq), "Q4_K_M", "2"],
+                   check=True, capture_output=True)
+    types = {k: v.split()[0] for k, v in family_oracle.tensor_digests(lq).items()}
+    run = {"case": name, "arch": arch, "quantize": "llama-quantize F32 OUT Q4_K_M (its types; the blocks "
+           "by tests/tinymodel.py)", "f32": {"metadata": family_oracle.metadata(gg), "tensors": digests},
+           "metadata": family_oracle.metadata(lq),
+           "tensors": {k: f"{t} {digests[k].split(' ', 1)[1].rsplit(' ', 1)[0]} ?" for k, t in types.items()}}
+    dst = tmp / f"{name}.q4_k_m.gguf"
+    family_oracle.rebuild_quantized(run, gg, dst, check=False)
+    run["tensors"] = family_oracle.tensor_digests(dst)
+    assert {k: v.split()[0] for k, v in run["tensors"].items()} == types
+    assert family_oracle.tensor_digests(family_oracle.rebuild_q4_k_m(run, tmp / "rebuilt")) == run["tensors"]
+    server = Server(root / "build" / "bin" / "llama-server", dst)
+    try:
+        run.update(record_causal(server))
+    finally:
+        server.stop()
+    return run
+
+
 def regen(name: str, root: Path, out: Path, tmp: Path) -> dict:
     hf = family_oracle.save_hf(name, tmp / name)
     gg = tmp / f"{name}.gguf"
@@ -184,6 +222,7 @@ def regen(name: str, root: Path, out: Path, tmp: Path) -> dict:
                 if "disabled" in line.lower()]
     if name in family_oracle.QUANTIZED:
         fixture["q8_0"] = quantized_run(root, gg, arch, tmp)
+        fixture["q4_k_m"] = q4_k_m_run(name, root, tmp)
     fixture.update(llama_server=" ".join((version.stdout + version.stderr).split()), flags=server.flags,
                    n_probs=N_PROBS, server_warnings=warnings, **outputs)
     family_oracle.fixture_path(out, name).write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
@@ -196,11 +235,21 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE)
     ap.add_argument("--cases", nargs="*", default=list(family_oracle.CASES))
     ap.add_argument("--work", type=Path, help="a folder to keep the HF folders, GGUFs and server logs in")
+    ap.add_argument("--only-q4-k-m", action="store_true",
+                    help="remake only the q4_k_m part of the QUANTIZED cases' existing fixtures")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = a.work or tmp
         for name in a.cases:
             t0 = time.time()
+            if a.only_q4_k_m:
+                if name not in family_oracle.QUANTIZED:
+                    continue
+                fixture = family_oracle.load_fixture(a.out, name)
+                fixture["q4_k_m"] = q4_k_m_run(name, a.llama_cpp.resolve(), Path(tmp))
+                family_oracle.fixture_path(a.out, name).write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
+                print(json.dumps({"case": name, "q4_k_m": "remade", "seconds": round(time.time() - t0, 1)}), flush=True)
+                continue
             info = regen(name, a.llama_cpp.resolve(), a.out, Path(tmp))
             print(json.dumps({**info, "seconds": round(time.time() - t0, 1)}), flush=True)
 
