@@ -35,6 +35,7 @@ end-of-turn text the template adds after it is dropped and the model continues t
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 import weakref
@@ -43,6 +44,8 @@ from typing import Any
 from kvserve.chat.template import ChatTemplate, TemplateError
 from kvserve.errors import InvalidInputError
 from kvserve.jsonvalues import check_text
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ROLES", "continues_final_message", "normalize_messages", "render_chat"]
 
@@ -186,6 +189,38 @@ def _as_template_input(messages: list[dict]) -> list[dict]:
     ``message.content`` render it instead of failing on an absent member (transformers drops
     null members, :func:`~kvserve.chat.template.template_messages`)."""
     return [{**m, "content": ""} if m.get("content") is None else m for m in messages]
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, list):
+        return "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content if isinstance(content, str) else ""
+
+
+def merge_system_message(messages: list[dict]) -> list[dict]:
+    """llama-server's answer to a template that rejects the system role (gemma's raise "System role
+    not supported"; ``supports_system_role`` false in :attr:`ChatTemplate.caps`): a leading system
+    message's text goes before the next message's content, joined by ``"\n"``; alone, it is
+    dropped with a warning (llama.cpp ``system_message_not_supported``). Tools in the generic
+    format, described in a system message, then work on such models too. Other messages as given."""
+    if not messages or messages[0].get("role") != "system":
+        return messages
+    if len(messages) == 1:
+        log.warning("removing the system prompt: the chat template does not support the system role")
+        return []
+    sys_text, nxt = _text_of(messages[0].get("content")), dict(messages[1])
+    content = nxt.get("content")
+    if isinstance(content, list):
+        parts = list(content)
+        at = next((i for i, p in enumerate(parts) if isinstance(p, dict) and p.get("type") == "text"), None)
+        if at is None:
+            parts.insert(0, {"type": "text", "text": sys_text})
+        else:
+            parts[at] = {**parts[at], "text": sys_text + "\n" + parts[at].get("text", "")}
+        nxt["content"] = parts
+    else:
+        nxt["content"] = sys_text + "\n" + (content if isinstance(content, str) else "")
+    return [nxt] + messages[2:]
 
 
 def continues_final_message(messages: list[dict], continue_final_message: bool | None) -> bool:
@@ -386,7 +421,9 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
     Args:
         template: the model's ChatTemplate.
         tokenizer: the model's Tokenizer.
-        messages: OpenAI-style messages (validated by :func:`normalize_messages`). Text parts
+        messages: OpenAI-style messages (validated by :func:`normalize_messages`); a leading
+            system message merged into the next for a template without the system role
+            (:func:`merge_system_message`, llama-server). Text parts
             are joined with newlines (a continued final message's with blank lines, as
             llama-server), or stay parts for a template whose ``content_format`` is
             ``openai`` (it loops over content: vLLM's auto rule). Tool-call
@@ -409,6 +446,8 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
     parts = getattr(template, "content_format", "string") == "openai"
     msgs = _prefill_parts_joined(messages, _as_template_input(normalize_messages(messages, keep_parts=parts)),
                                  continue_final_message, parts)
+    if not template.caps.get("supports_system_role", True):
+        msgs = merge_system_message(msgs)
     try:
         return _render_segments(template, tokenizer, msgs, add_generation_prompt, tools, continue_final_message,
                                 template_kwargs)
@@ -419,6 +458,8 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
         # firefunction-v2) fails on the parsed objects: render the client's JSON strings as
         # given, as transformers renders what it is given. If that fails too, the first error.
         raw = _as_template_input(normalize_messages(messages, parse_arguments=False, keep_parts=parts))
+        if not template.caps.get("supports_system_role", True):
+            raw = merge_system_message(raw)
         try:
             return _render_segments(template, tokenizer, raw, add_generation_prompt, tools,
                                     continue_final_message, template_kwargs)
