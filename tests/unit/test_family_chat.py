@@ -175,3 +175,27 @@ def test_anthropic_face(client, files, forced, case):
     uses = [b for b in r["content"] if b["type"] == "tool_use"]
     assert r["stop_reason"] == "tool_use" and [(b["name"], b["input"]) for b in uses] == [("read_file", {"path": "pom.xml"})]
     assert not [b for b in r["content"] if b["type"] == "text" and b["text"]]
+
+
+def test_system_message_merged_for_templates_without_the_system_role(files, caplog):
+    """llama-server's workaround (common/chat.cpp system_message_not_supported), exactly."""
+    from kvserve.chat.prompt import merge_system_message, render_chat
+    from kvserve.chat.template import ChatTemplate
+
+    sys_msg = {"role": "system", "content": "Be brief."}
+    assert merge_system_message([sys_msg, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]) \
+        == [{"role": "user", "content": "Be brief.\nHi"}, {"role": "assistant", "content": "Yo"}]
+    parts = [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "Hi"}]
+    assert merge_system_message([sys_msg, {"role": "user", "content": parts}]) == \
+        [{"role": "user", "content": [parts[0], {"type": "text", "text": "Be brief.\nHi"}]}]
+    assert merge_system_message([{"role": "user", "content": "Hi"}]) == [{"role": "user", "content": "Hi"}]
+    with caplog.at_level("WARNING"):
+        assert merge_system_message([sys_msg]) == []
+    assert "does not support the system role" in caplog.text
+    gemma = ChatTemplate((VENDOR / "google-gemma-2-2b-it.jinja").read_text(), "<bos>", "<eos>")
+    assert gemma.caps["supports_system_role"] is False
+
+    from kvserve.models.build import load_files
+
+    text, _ = render_chat(gemma, load_files(files["gemma2"]).tokenizer, [sys_msg, {"role": "user", "content": "Hi"}])
+    assert text == "<bos><start_of_turn>user\nBe brief.\nHi<end_of_turn>\n<start_of_turn>model\n"
