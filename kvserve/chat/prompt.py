@@ -422,7 +422,9 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
         template: the model's ChatTemplate.
         tokenizer: the model's Tokenizer.
         messages: OpenAI-style messages (validated by :func:`normalize_messages`); a leading
-            system message merged into the next for a template without the system role
+            system message that the template rejects (it fails to render, and its
+            ``supports_system_role`` cap is false: gemma's "System role not supported") is
+            merged into the next message and the rendering tried once more
             (:func:`merge_system_message`, llama-server). Text parts
             are joined with newlines (a continued final message's with blank lines, as
             llama-server), or stay parts for a template whose ``content_format`` is
@@ -443,10 +445,27 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
     Raises:
         InvalidInputError: invalid messages or a template error (a face answers 400).
     """
+    kw = dict(add_generation_prompt=add_generation_prompt, tools=tools, continue_final_message=continue_final_message)
+    try:
+        return _render_chat(template, tokenizer, messages, False, template_kwargs, **kw)
+    except InvalidInputError as first:
+        if not (isinstance(messages, list) and messages and isinstance(messages[0], dict)
+                and messages[0].get("role") == "system") or template.caps.get("supports_system_role", True):
+            raise
+        try:  # llama-server: a template without the system role gets the system text in the next message
+            return _render_chat(template, tokenizer, messages, True, template_kwargs, **kw)
+        except InvalidInputError:
+            raise first from None
+
+
+def _render_chat(template: ChatTemplate, tokenizer, messages: Any, merge_system: bool, template_kwargs: dict, *,
+                 add_generation_prompt: bool, tools: list | None,
+                 continue_final_message: bool | None) -> tuple[str, list[int]]:
+    """:func:`render_chat`, with a leading system message merged into the next when ``merge_system``."""
     parts = getattr(template, "content_format", "string") == "openai"
     msgs = _prefill_parts_joined(messages, _as_template_input(normalize_messages(messages, keep_parts=parts)),
                                  continue_final_message, parts)
-    if not template.caps.get("supports_system_role", True):
+    if merge_system:
         msgs = merge_system_message(msgs)
     try:
         return _render_segments(template, tokenizer, msgs, add_generation_prompt, tools, continue_final_message,
@@ -458,7 +477,7 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
         # firefunction-v2) fails on the parsed objects: render the client's JSON strings as
         # given, as transformers renders what it is given. If that fails too, the first error.
         raw = _as_template_input(normalize_messages(messages, parse_arguments=False, keep_parts=parts))
-        if not template.caps.get("supports_system_role", True):
+        if merge_system:
             raw = merge_system_message(raw)
         try:
             return _render_segments(template, tokenizer, raw, add_generation_prompt, tools,
