@@ -1,9 +1,14 @@
 """``kvserve serve`` command line: llama-server's flag names (short and long) and vLLM's.
 
-Every flag, its spellings, environment variables and what kvserve does with it is one row of
-:data:`kvserve.serving.flags.FLAGS`; this module turns a command line (and the environment)
-into :class:`ServerArgs`. An unknown flag is an error (exit 2), abbreviations are not accepted,
-and llama-server's short flags (``-ngl``, ``-md``, ``-tb``, ``-cb``...) are never split.
+Every flag, its spellings, environment variables, default, check (the error text) and
+ServerArgs value is one row of :data:`kvserve.serving.flags.FLAGS`; this module turns a command
+line (and the environment) into :class:`ServerArgs` in four steps: the values (command line,
+else environment, else default: :func:`_values`), the table's checks and effects of the flags
+given (:func:`_check_given`, in command-line order: the first bad flag is the one reported), the
+fields named as a flag (:func:`_table_fields`), and the rules that join several flags (one short
+function each: the model, slots, manager, device, HTTP, chat, sampling, speculative decoding).
+An unknown flag is an error (exit 2), abbreviations are not accepted, and llama-server's short
+flags (``-ngl``, ``-md``, ``-tb``, ``-cb``...) are never split.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from kvserve.engine.spec_decode import (
     DEFAULT_PROMPT_LOOKUP_MIN,
     SpecConfig,
 )
+from kvserve.serving import flags as ft
 
 DEFAULT_MODEL = "smollm2"
 
@@ -207,37 +213,102 @@ class ServerArgs:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of ``kvserve serve`` (generated from the flag table; see
     :func:`kvserve.serving.flags.build_parser`)."""
-    from kvserve.serving.flags import build_parser as from_table
-
-    return from_table()
-
-
-_UNITS = {"": 1 << 20, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40}
-
-
-def parse_memory(text: str) -> int:
-    """``--max-memory``: a number of MiB, or a number with a unit (``8GiB``, ``512MB``) -> bytes.
-
-    Raises:
-        ValueError: not such a size, or not positive.
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"invalid --max-memory {text!r}: a number of MiB or a size such as 8GiB")
-    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise ValueError(f"invalid --max-memory {text!r}: must be positive")
-    return value
-
-
-def _read_keys(path: str) -> list[str]:
-    with open(path, encoding="utf-8") as f:
-        return [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+    return ft.build_parser()
 
 
 class _Exit(Exception):
-    """Internal: a usage error (message, exit status 2)."""
+    """Internal: a usage error (exit status 2): its text after the usage, or alone when it is a
+    :class:`kvserve.serving.flags.Plain` text."""
+
+
+@dataclass
+class _Parsed:
+    """Where the flags' values came from, as :func:`parse_args` found them.
+
+    Attributes:
+        v: dest -> final value (command line, else environment, else the table's default).
+        given: dest -> the spelling or environment variable that gave it (flags not given: absent).
+        how: dest -> how it was given, for messages (``-ngl 99``, ``LLAMA_ARG_X=1``; secrets ``***``).
+        negative: dest -> whether a negative spelling (``--no-x``) gave it.
+        env: the environment.
+        notes: (logging level, text) lines for the log, in the order found.
+    """
+
+    v: dict[str, Any]
+    given: dict[str, str]
+    how: dict[str, str] = field(default_factory=dict)
+    negative: dict[str, bool] = field(default_factory=dict)
+    env: Any = None
+    notes: list = field(default_factory=list)
+
+
+def parse_args(argv: list[str], environ: dict | None = None) -> ServerArgs:
+    """Parse ``kvserve serve`` arguments (and the environment variables the flag table names).
+
+    ``-h``/``--help`` prints every flag and exits 0; ``--version`` and ``--list-devices`` print
+    and exit 0. A usage error (an unknown flag, a bad value, a refused flag) prints the usage and
+    an ``error:`` line to stderr and exits 2.
+
+    Args:
+        argv: the words after ``kvserve serve``.
+        environ: the environment (default ``os.environ``).
+    """
+    p = ft.build_parser()
+    ns = _command_line(p, argv)
+    s = _values(p, ns, os.environ if environ is None else environ)
+    try:
+        return _build(p, s)
+    except _Exit as e:
+        if isinstance(e.args[0], ft.Plain):
+            p.exit(2, f"{e.args[0]}\n")
+        p.error(str(e))
+
+
+def _command_line(p, argv: list[str]) -> argparse.Namespace:
+    """The namespace of the command line (``--config`` file first); ``--help`` prints and exits."""
+    argv = ft.dashed_names(list(argv))
+    try:
+        argv = _with_config(argv)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
+    ns = p.parse_args(ft.fill_optional_values(argv))
+    if ns.help:
+        sys.stdout.write(ft.help_text())
+        p.exit(0)
+    return ns
+
+
+def _values(p, ns: argparse.Namespace, env) -> _Parsed:
+    """Each flag's value: the command line's, else its first set environment variable's, else
+    the default. A bad environment value exits 2 (except :data:`~kvserve.serving.flags.LENIENT_ENV`)."""
+    s = _Parsed({"model_pos": getattr(ns, "model_pos", None)}, dict(getattr(ns, "_given", {})), env=env)
+    for f in ft.FLAGS:
+        if hasattr(ns, f.dest):
+            value, opt = getattr(ns, f.dest), s.given[f.dest]
+            s.negative[f.dest] = opt in f.neg
+            s.how[f.dest] = opt if f.kind == "bool" else f"{opt} {'***' if f.dest in _SECRET else _shown(value)}"
+        elif (found := _from_env(p, f, env)) is not None:
+            opt, value = found
+            s.given[f.dest] = opt
+            s.negative[f.dest] = f.kind == "bool" and value is False and bool(f.neg)
+            s.how[f.dest] = f"{opt}={'***' if f.dest in _SECRET else env[opt]}"
+        else:
+            value = f.default
+        s.v[f.dest] = value
+    return s
+
+
+def _from_env(p, flag, env) -> tuple[str, Any] | None:
+    """``(variable, value)`` of the flag's first non-empty environment variable, or None."""
+    name = next((n for n in flag.env if env.get(n, "") != ""), None)
+    if name is None:
+        return None
+    try:
+        return name, _env_value(flag, env[name])
+    except ValueError as e:
+        if name in ft.LENIENT_ENV:
+            return None
+        p.exit(2, f'error while handling environment variable "{name}": {e}\n')
 
 
 def _env_value(flag, text: str) -> Any:
@@ -271,110 +342,7 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-_SAMPLER_NAMES = {"typical_p": "typ_p", "typical": "typ_p", "temp": "temperature", "nucleus": "top_p",
-                  "top-k": "top_k", "top-p": "top_p", "min-p": "min_p", "top-n-sigma": "top_n_sigma"}
-
-
-def _samplers(text: str) -> tuple[str, ...]:
-    from kvserve.engine.request import DEFAULT_SAMPLERS
-
-    names = tuple(_SAMPLER_NAMES.get(n.strip(), n.strip()) for n in re.split(r"[;,]", text) if n.strip())
-    bad = [n for n in names if n not in DEFAULT_SAMPLERS]
-    if bad:
-        raise _Exit(f"invalid --samplers {text!r}: unknown sampler(s) {', '.join(bad)}; "
-                    f"known: {';'.join(DEFAULT_SAMPLERS)}")
-    return names
-
-
-def _logit_bias(items: list[str]) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for item in items:
-        for part in item.split(","):
-            m = re.fullmatch(r"\s*(\d+)\s*([+-]\s*(?:inf|\d+(?:\.\d+)?))\s*", part, re.IGNORECASE)
-            if m is None:
-                raise _Exit(f"invalid --logit-bias {part!r}: TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 2-inf")
-            out[int(m.group(1))] = float(m.group(2).replace(" ", ""))
-    return out
-
-
-#: --override-generation-config keys (vLLM / HF generation_config names) -> ServerArgs fields
-_GEN_KEYS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-             "repetition_penalty": "repeat_penalty", "max_new_tokens": "n_predict", "max_tokens": "n_predict"}
-_GEN_SAMPLING = {"presence_penalty", "frequency_penalty"}
-
-
-def _device(text: str) -> str:
-    """``--device``: kvserve's auto/cpu/cuda[:N]; llama-server's ``none`` and ``CUDA0[,CUDA1]``."""
-    first = text.split(",")[0].strip()
-    if first.lower() == "none":
-        return "cpu"
-    m = re.fullmatch(r"(?i)cuda(\d+)", first)
-    return f"cuda:{m.group(1)}" if m else first
-
-
-def _hf_model(repo: str) -> str:
-    """``-hf user/model[:quant]`` -> the store name ``hf.co/user/model[:quant]``."""
-    repo = re.sub(r"^(https?://)?(huggingface\.co|hf\.co)/", "", repo.strip())
-    return f"hf.co/{repo}"
-
-
-def parse_args(argv: list[str], environ: dict | None = None) -> ServerArgs:
-    """Parse ``kvserve serve`` arguments (and the environment variables the flag table names).
-
-    ``-h``/``--help`` prints every flag and exits 0; ``--version`` and ``--list-devices`` print
-    and exit 0. A usage error (an unknown flag, a bad value, a refused flag) prints the usage and
-    an ``error:`` line to stderr and exits 2.
-
-    Args:
-        argv: the words after ``kvserve serve``.
-        environ: the environment (default ``os.environ``).
-    """
-    from kvserve.serving import flags as ft
-
-    env = os.environ if environ is None else environ
-    p = ft.build_parser()
-    argv = ft.dashed_names(list(argv))
-    try:
-        argv = _with_config(argv, ft)
-    except (OSError, ValueError) as e:
-        p.error(str(e))
-    ns = p.parse_args(ft.fill_optional_values(argv))
-    if ns.help:
-        sys.stdout.write(ft.help_text())
-        p.exit(0)
-    given: dict[str, str] = dict(getattr(ns, "_given", {}))
-    v: dict[str, Any] = {}
-    how: dict[str, str] = {}  # dest -> how it was given, for messages ("-ngl 99", "LLAMA_ARG_X=1")
-    negative: dict[str, bool] = {}
-    v["model_pos"] = getattr(ns, "model_pos", None)
-    for f in ft.FLAGS:
-        if hasattr(ns, f.dest):
-            v[f.dest] = getattr(ns, f.dest)
-            opt = given[f.dest]
-            negative[f.dest] = opt in f.neg
-            how[f.dest] = opt if f.kind == "bool" else f"{opt} {'***' if f.dest in _SECRET else _shown(v[f.dest])}"
-            continue
-        name = next((n for n in f.env if env.get(n, "") != ""), None)
-        if name is None:
-            v[f.dest] = f.default
-            continue
-        try:
-            v[f.dest] = _env_value(f, env[name])
-        except ValueError as e:
-            if name in ft.LENIENT_ENV:
-                v[f.dest] = f.default
-                continue
-            p.exit(2, f'error while handling environment variable "{name}": {e}\n')
-        given[f.dest] = name
-        negative[f.dest] = f.kind == "bool" and v[f.dest] is False and bool(f.neg)
-        how[f.dest] = f"{name}={'***' if f.dest in _SECRET else env[name]}"
-    try:
-        return _build(p, ft, v, given, how, negative, env)
-    except _Exit as e:
-        p.error(str(e))
-
-
-def _with_config(argv: list[str], ft) -> list[str]:
+def _with_config(argv: list[str]) -> list[str]:
     """vLLM's ``--config FILE``: its flags first, so the command line overrides them."""
     if "--config" not in argv:
         return argv
@@ -388,242 +356,17 @@ def _with_config(argv: list[str], ft) -> list[str]:
     return words + rest
 
 
-def _notes_for_given(p, ft, v, given, how, negative) -> list[tuple[int, str]]:
-    """The log lines of given flags without effect or not available; refused flags exit 2."""
-    notes: list[tuple[int, str]] = []
-    for dest in given:
-        f = ft.BY_DEST[dest]
-        effect, why = f.effect_for(negative.get(dest, False))
-        if f.check is not None and v[dest] is not None:
-            problem = f.check(v[dest])
-            if problem:
-                raise _Exit(problem)
-        if effect == ft.REFUSE:
-            raise _Exit(f"{how[dest]}: not supported by kvserve: {why}")
-        if dest == "gpu_layers" and str(v[dest]) == "0":
-            continue  # -ngl 0: the CPU (applied in _build)
-        if effect == ft.NONE:
-            notes.append((logging.INFO, f"flag {how[dest]}: no effect here: {why}"))
-        elif effect == ft.WARN:
-            notes.append((logging.WARNING, f"flag {how[dest]}: ignored, not available in kvserve: {why}"))
-    return notes
-
-
-def _env_address(v: dict, given: dict, notes: list, env) -> None:
-    """The listening address from ``$KVSERVE_HOST``, else ``$OLLAMA_HOST`` (Ollama's forms; a port
-    left out is 8080, resp. Ollama's 11434), the variables ``kvserve``'s other commands find the
-    server by, when neither ``--host`` nor ``--port`` (nor ``LLAMA_ARG_HOST``/``LLAMA_ARG_PORT``)
-    is given. Precedence: flag, then llama-server's variable, then these."""
-    from kvserve.ollama.client import KVSERVE_DEFAULT_PORT, OLLAMA_DEFAULT_PORT, listen_address
-
-    if "host" in given or "port" in given:
-        return
-    for name, port in (("KVSERVE_HOST", KVSERVE_DEFAULT_PORT), ("OLLAMA_HOST", OLLAMA_DEFAULT_PORT)):
-        text = env.get(name, "").strip()
-        if text:
-            host, v["port"] = listen_address(text, port)
-            v["host"] = [host]
-            given["host"] = given["port"] = name
-            notes.append((logging.INFO, f"listening address from {name}={text}"))
-            return
-
-
-def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> ServerArgs:
-    """ServerArgs from the flags' final values ``v`` (dest -> value)."""
-    if v["version"]:
-        from kvserve.serving.state import build_info
-
-        sys.stdout.write(f"kvserve {build_info()}\n")
-        p.exit(0)
-    if v["list_devices"]:
-        _print_devices()
-        p.exit(0)
-    notes = _notes_for_given(p, ft, v, given, how, negative)
-    model = v["model"]
-    if model and v["model_pos"] and model != v["model_pos"]:
-        raise _Exit("give the model once: positional MODEL or -m/--model")
-    model = model or v["model_pos"]
-    if v["hf_repo"]:
-        if model:
-            raise _Exit("give the model once: -hf/--hf-repo or MODEL/-m")
-        model = _hf_model(v["hf_repo"])
-    if v["slot_save_path"] is not None and not os.path.isdir(v["slot_save_path"]):
-        # llama-server's wording (seed Example 1); it exits at once
-        p.exit(2, f'error while handling argument "--slot-save-path": not a directory: {v["slot_save_path"]}\n')
-    keys: list[str] = []
-    for item in v["api_key"] or []:
-        keys += [k.strip() for k in item.split(",") if k.strip()]
-    if v["api_key_file"]:
-        try:
-            keys += _read_keys(v["api_key_file"])
-        except OSError as e:
-            raise _Exit(f'error while handling argument "--api-key-file": {e}') from None
-    alias = list(v["served_model_name"] or [])
-    if v["alias"]:
-        # llama-server keeps its aliases in a std::set: the alphabetically first is the model's id
-        alias = sorted(dict.fromkeys(x.strip() for x in v["alias"].split(",") if x.strip())) + alias
-    parallel = v["parallel"] if v["parallel"] is not None else (
-        v["max_num_seqs"] if v["max_num_seqs"] is not None else -1)
-    batch = v["batch_size"] or v["max_num_batched_tokens"] or 2048
-    _env_address(v, given, notes, env)
-    if not 0 <= v["port"] <= 65535:
-        raise _Exit(f"invalid --port value {v['port']}: 0-65535")
-    if v["enable_auto_tool_choice"] and not v["tool_call_parser"]:
-        # vLLM's startup check (validate_parsed_serve_args)
-        p.exit(2, "error: --enable-auto-tool-choice requires --tool-call-parser\n")
-    if v["tool_call_parser"]:
-        from kvserve.chat.tool_parsers import tool_parser_error
-
-        err = tool_parser_error(v["tool_call_parser"])
-        if err:
-            raise _Exit(err)
-    if v["reasoning_parser"]:
-        from kvserve.chat.reasoning import reasoning_parser_error
-
-        err = reasoning_parser_error(v["reasoning_parser"])
-        if err:
-            raise _Exit(err)
-    if v["reasoning_budget"] < -1:
-        raise _Exit(f"invalid --reasoning-budget {v['reasoning_budget']}: -1 (no limit) or >= 0")
-    tkw = _template_kwargs(v)
-    _check_chat_template(v)
-    if v["max_logprobs"] < -1:
-        raise _Exit(f"invalid --max-logprobs {v['max_logprobs']}: -1 (vocabulary size) or >= 0")
-    if v["max_request_bytes"] < 1:
-        raise _Exit(f"invalid --max-request-bytes {v['max_request_bytes']}: at least 1")
-    for flag in ("max_batch_inputs", "max_input_bytes"):
-        if v[flag] < 1:
-            raise _Exit(f"invalid --{flag.replace('_', '-')} {v[flag]}: at least 1")
-    if parallel == 0 or parallel < -1:
-        raise _Exit(f"invalid -np value {parallel}: -1 (auto) or >= 1")
-    vllm_batch = "max_num_seqs" in given or "max_num_batched_tokens" in given
-    if vllm_batch:  # vLLM's SchedulerConfig check (002 Example 4)
-        from kvserve.serving.startup_checks import batch_error
-
-        seqs = v["max_num_seqs"] if "max_num_seqs" in given else parallel  # the value the user typed
-        problem = batch_error(batch, 4 if seqs == -1 else seqs)
-        if problem:
-            raise _Exit(problem)
-    cpu_kv_bytes = _cpu_kvcache_space(p, env)
-    kv_unified = v["kv_unified"]
-    if kv_unified is None and "max_num_seqs" in given and v["parallel"] is None:
-        kv_unified = True  # vLLM's sequences share one pool and each may use max_model_len
-    if given.get("ctx_size") == "OLLAMA_CONTEXT_LENGTH" and parallel > 1 and not kv_unified:
-        # Ollama's context length is each sequence's (num_ctx); -c is the total the slots split
-        v["ctx_size"] *= parallel
-        notes.append((logging.INFO, f"OLLAMA_CONTEXT_LENGTH={env['OLLAMA_CONTEXT_LENGTH'].strip()} tokens a "
-                                    f"sequence, as Ollama: -c {v['ctx_size']} for {parallel} slots"))
-    allow_long = env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
-    from kvserve.errors import InvalidInputError
-    from kvserve.serving.manager import DEFAULT_MAX_LOADED, parse_keep_alive
-
-    try:
-        keep_alive = parse_keep_alive(v["keep_alive"], "--keep-alive")
-    except InvalidInputError as e:
-        raise _Exit(str(e).replace("Field '--keep-alive'", "invalid --keep-alive")) from None
-    max_loaded = v["max_loaded_models"]
-    if max_loaded < 0:
-        raise _Exit(f"invalid --max-loaded-models {max_loaded}: 0 (default 3) or more")
-    if "max_loaded_models" not in given and v["models_max"] is not None:
-        if v["models_max"] < 0:
-            raise _Exit(f"invalid --models-max {v['models_max']}: 0 (no limit) or more")
-        max_loaded = v["models_max"] or 1 << 20  # llama-server: 0 = no limit
-    if v["max_queue"] < 1:
-        raise _Exit(f"invalid --max-queue {v['max_queue']}: at least 1")
-    max_memory = None
-    if v["max_memory"]:
-        try:
-            max_memory = parse_memory(v["max_memory"])
-        except ValueError as e:
-            raise _Exit(str(e)) from None
-    device = _device(v["device"])
-    if str(v["gpu_layers"]) == "0" and "device" not in given:
-        device = "cpu"
-        notes.append((logging.INFO, f"flag {how['gpu_layers']}: the model runs on the CPU (as --device cpu)"))
-    dtype = {"half": "float16", "float": "float32"}.get(v["dtype"], v["dtype"])
-    embeddings = v["embedding"] or v["task"] in ("embed", "embedding") or v["runner"] == "pooling" \
-        or v["convert"] == "embed"
-    log_verbosity = v["log_verbosity"]
-    if v["verbose"]:
-        log_verbosity = max(log_verbosity, 5)
-    reasoning = None if v["reasoning"] in (None, "auto") else v["reasoning"]
-    cors_origins, cors_methods, cors_headers, cors_credentials = _cors(v, given, notes)
-    if not str(v["response_role"]).strip():
-        raise _Exit("--response-role: the role must not be empty (e.g. --response-role assistant)")
-    ssl_key, ssl_cert = v["ssl_key_file"], v["ssl_cert_file"]
-    for flag, path in (("--ssl-key-file", ssl_key), ("--ssl-cert-file", ssl_cert), ("--ssl-ca-certs",
-                                                                                   v["ssl_ca_certs"])):
-        if path is not None and not os.path.isfile(path):
-            raise _Exit(f'error while handling argument "{flag}": no such file: {path}')
-    if (ssl_key is None) != (ssl_cert is None):
-        raise _Exit("--ssl-key-file and --ssl-cert-file go together: give both for HTTPS")
-    if v["sleep_idle_seconds"] < 0 and v["sleep_idle_seconds"] != -1:
-        raise _Exit(f"invalid --sleep-idle-seconds {v['sleep_idle_seconds']}: -1 (never) or >= 0")
-    if v["timeout"] is not None and v["timeout"] <= 0:
-        raise _Exit(f"invalid --timeout {v['timeout']}: seconds, > 0")
-    host_items = v["host"] if isinstance(v["host"], list) else [v["host"]]  # repeated --host (llama-server)
-    hosts = list(dict.fromkeys(h.strip() for item in host_items for h in item.split(",") if h.strip()))
-    if not hosts:
-        raise _Exit("invalid --host: no address given")
-    sock_paths = [h for h in hosts if h.endswith(".sock") or "/" in h]
-    if sock_paths:
-        raise _Exit(f"--host {sock_paths[0]}: UNIX sockets are not supported: kvserve listens on TCP addresses")
-    kv_k, kv_v = _kv_types(v, given)
-    sampling, gen = _sampling(v, given, notes)
-    spec = _spec_config(v, given, how, notes)
-    args = ServerArgs(
-        model=model or DEFAULT_MODEL, model_given=bool(model), alias=alias, host=hosts[0], port=v["port"],
-        ctx_size=v["ctx_size"], parallel=parallel, threads=v["threads"], batch_size=batch,
-        ubatch_size=v["ubatch_size"], n_predict=gen.get("n_predict", v["predict"]), temp=gen.get("temp", v["temp"]),
-        top_k=gen.get("top_k", v["top_k"]), top_p=gen.get("top_p", v["top_p"]), min_p=gen.get("min_p", v["min_p"]),
-        repeat_penalty=gen.get("repeat_penalty", v["repeat_penalty"]),
-        seed=SEED_RANDOM if v["seed"] < 0 else v["seed"] & 0xFFFFFFFF,
-        api_keys=keys, metrics=v["metrics"], slots=bool(v["slots"]),
-        slots_text=given.get("slots") == "--slots", props=v["props"], slot_save_path=v["slot_save_path"],
-        cache_ram=v["cache_ram"], cache_reuse=v["cache_reuse"], slot_prompt_similarity=v["slot_prompt_similarity"],
-        jinja=v["jinja"], chat_template=v["chat_template"], chat_template_file=v["chat_template_file"],
-        cache_type_k=kv_k, cache_type_v=kv_v, sse_ping_interval=v["sse_ping_interval"],
-        cors_origins=cors_origins, cors_methods=cors_methods, cors_headers=cors_headers,
-        cors_credentials=cors_credentials, log_verbosity=log_verbosity,
-        embeddings=embeddings, pooling=None if v["pooling"] in (None, "rank") else v["pooling"], dtype=dtype, device=device, max_model_len=v["max_model_len"],
-        tool_call_parser=v["tool_call_parser"], enable_auto_tool_choice=v["enable_auto_tool_choice"],
-        exclude_tools_when_tool_choice_none=v["exclude_tools_when_tool_choice_none"],
-        reasoning_format=v["reasoning_format"], reasoning_parser=v["reasoning_parser"],
-        reasoning_budget=v["reasoning_budget"], reasoning=reasoning, chat_template_kwargs=tkw,
-        max_logprobs=v["max_logprobs"],
-        compile=v["compile"] and not v["enforce_eager"], native_kernels=v["native_kernels"],
-        large_batch_dtype=v["large_batch_dtype"],
-        max_request_bytes=v["max_request_bytes"], keep_alive=keep_alive,
-        max_batch_inputs=v["max_batch_inputs"], max_input_bytes=v["max_input_bytes"],
-        shutdown_timeout=max(v["shutdown_timeout"], 0.0), header_timeout=v["header_timeout"],
-        limit_concurrency=v["limit_concurrency"], pull_max_blob_size=max(v["pull_max_blob_size"], 0),
-        pull_timeout=max(v["pull_timeout"], 0.0),
-        max_loaded_models=max_loaded or DEFAULT_MAX_LOADED, max_memory=max_memory,
-        max_queue=v["max_queue"], preload=v["preload"], allow_model_paths=v["allow_model_paths"],
-        models_dir=v["models_dir"], webui=v["webui"], ui_mcp_proxy=v["ui_mcp_proxy"],
-        path=v["path"], offline=v["offline"], kv_unified=kv_unified, block_size=v["block_size"],
-        sampling=sampling, chat_template_content_format=v["chat_template_content_format"],
-        ssl_key_file=ssl_key, ssl_cert_file=ssl_cert, ssl_ca_certs=v["ssl_ca_certs"],
-        ssl_cert_reqs=v["ssl_cert_reqs"], ssl_ciphers=v["ssl_ciphers"],
-        root_path=(v["root_path"] or "").rstrip("/"), api_prefix=_prefix(v["api_prefix"]),
-        timeout=v["timeout"],
-        uvicorn_log_level=v["uvicorn_log_level"], log_file=v["log_file"], log_disable=v["log_disable"],
-        sleep_idle_seconds=v["sleep_idle_seconds"],
-        tags=[t.strip() for t in (v["tags"] or "").split(",") if t.strip()],
-        gpu_memory_utilization=v["gpu_memory_utilization"] if "gpu_memory_utilization" in given else None,
-        kv_cache_memory_bytes=v["kv_cache_memory_bytes"], num_gpu_blocks_override=v["num_gpu_blocks_override"],
-        cpu_kvcache_space_bytes=cpu_kv_bytes, allow_long_max_model_len=allow_long, vllm_batch_limits=vllm_batch,
-        max_num_seqs=v["max_num_seqs"] if "max_num_seqs" in given else None,
-        kv_cache_dtype=v["kv_cache_dtype"], generation_config=v["generation_config"],
-        override_generation_config=dict(v["override_generation_config"] or {}), quantization=v["quantization"],
-        tensor_parallel_size=v["tensor_parallel_size"], pipeline_parallel_size=v["pipeline_parallel_size"],
-        data_parallel_size=v["data_parallel_size"], disable_log_stats=v["disable_log_stats"],
-        enable_log_requests=v["enable_log_requests"], response_role=v["response_role"],
-        return_tokens_as_token_ids=v["return_tokens_as_token_ids"],
-        enable_force_include_usage=v["enable_force_include_usage"],
-        enable_prompt_tokens_details=v["enable_prompt_tokens_details"],
-        flag_notes=notes, flags_given=given, hosts=hosts, spec=spec,
-    )
+def _build(p, s: _Parsed) -> ServerArgs:
+    """ServerArgs from the flags' final values: the table's checks and each field's value
+    (:attr:`Flag.config <kvserve.serving.flags.Flag.config>`), then the rules that join flags."""
+    _print_and_exit(p, s.v)
+    _check_given(s)
+    _env_address(s)
+    fields: dict[str, Any] = {}
+    for rule in (_model_fields, _slots_fields, _manager_fields, _device_fields, _http_fields, _chat_fields,
+                 _sampling_fields, _spec_fields):
+        fields.update(rule(s))
+    args = ServerArgs(**{**_table_fields(s.v), **fields, "flag_notes": s.notes, "flags_given": s.given})
     try:
         args.default_sampling_params()
         args.engine_config()
@@ -632,10 +375,194 @@ def _build(p, ft, v: dict, given: dict, how: dict, negative: dict, env) -> Serve
     return args
 
 
-def _prefix(text: str | None) -> str:
-    """``--api-prefix``: ``/pfx`` for ``pfx``, ``/pfx/`` or ``/pfx``; ``""`` for none or ``/``."""
-    p = (text or "").strip().strip("/")
-    return f"/{p}" if p else ""
+def _print_and_exit(p, v: dict) -> None:
+    """``--version`` and ``--list-devices`` print and exit 0."""
+    if v["version"]:
+        from kvserve.serving.state import build_info
+
+        sys.stdout.write(f"kvserve {build_info()}\n")
+        p.exit(0)
+    if v["list_devices"]:
+        _print_devices()
+        p.exit(0)
+
+
+def _check_given(s: _Parsed) -> None:
+    """Each given flag's check (the table's error text) and effect: refused flags exit 2; flags
+    without effect or not available add a log line."""
+    for dest in s.given:
+        f = ft.BY_DEST[dest]
+        effect, why = f.effect_for(s.negative.get(dest, False))
+        if f.check is not None and s.v[dest] is not None:
+            problem = f.check(s.v[dest])
+            if problem:
+                raise _Exit(problem)
+        if effect == ft.REFUSE:
+            raise _Exit(f"{s.how[dest]}: not supported by kvserve: {why}")
+        if dest == "gpu_layers" and str(s.v[dest]) == "0":
+            continue  # -ngl 0: the CPU (_device_fields)
+        if effect == ft.NONE:
+            s.notes.append((logging.INFO, f"flag {s.how[dest]}: no effect here: {why}"))
+        elif effect == ft.WARN:
+            s.notes.append((logging.WARNING, f"flag {s.how[dest]}: ignored, not available in kvserve: {why}"))
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(ServerArgs))
+
+
+def _table_fields(v: dict) -> dict[str, Any]:
+    """The ServerArgs fields named as a flag's dest: its value, through the flag's ``config``."""
+    return {f.dest: f.config(v[f.dest]) if f.config else v[f.dest] for f in ft.FLAGS if f.dest in _FIELDS}
+
+
+def _env_address(s: _Parsed) -> None:
+    """The listening address from ``$KVSERVE_HOST``, else ``$OLLAMA_HOST`` (Ollama's forms; a port
+    left out is 8080, resp. Ollama's 11434), the variables ``kvserve``'s other commands find the
+    server by, when neither ``--host`` nor ``--port`` (nor ``LLAMA_ARG_HOST``/``LLAMA_ARG_PORT``)
+    is given. Precedence: flag, then llama-server's variable, then these. The address gets the
+    flags' checks."""
+    from kvserve.ollama.client import KVSERVE_DEFAULT_PORT, OLLAMA_DEFAULT_PORT, listen_address
+    if "host" in s.given or "port" in s.given:
+        return
+    for name, port in (("KVSERVE_HOST", KVSERVE_DEFAULT_PORT), ("OLLAMA_HOST", OLLAMA_DEFAULT_PORT)):
+        text = s.env.get(name, "").strip()
+        if text:
+            host, s.v["port"] = listen_address(text, port)
+            s.v["host"] = [host]
+            s.given["host"] = s.given["port"] = name
+            s.notes.append((logging.INFO, f"listening address from {name}={text}"))
+            problem = ft.BY_DEST["port"].check(s.v["port"]) or ft.BY_DEST["host"].check(s.v["host"])
+            if problem:
+                raise _Exit(problem)
+            return
+
+
+def _model_fields(s: _Parsed) -> dict[str, Any]:
+    """The model (``-m``, positional MODEL or ``-hf``; given once), its API names and the API keys."""
+    v = s.v
+    model = v["model"]
+    if model and v["model_pos"] and model != v["model_pos"]:
+        raise _Exit("give the model once: positional MODEL or -m/--model")
+    model = model or v["model_pos"]
+    if v["hf_repo"]:
+        if model:
+            raise _Exit("give the model once: -hf/--hf-repo or MODEL/-m")
+        model = _hf_model(v["hf_repo"])
+    keys = [k.strip() for item in v["api_key"] or [] for k in item.split(",") if k.strip()]
+    if v["api_key_file"]:
+        keys += ft.read_keys(v["api_key_file"])
+    alias = list(v["served_model_name"] or [])
+    if v["alias"]:
+        # llama-server keeps its aliases in a std::set: the alphabetically first is the model's id
+        alias = sorted(dict.fromkeys(x.strip() for x in v["alias"].split(",") if x.strip())) + alias
+    return {"model": model or DEFAULT_MODEL, "model_given": bool(model), "alias": alias, "api_keys": keys}
+
+
+def _hf_model(repo: str) -> str:
+    """``-hf user/model[:quant]`` -> the store name ``hf.co/user/model[:quant]``."""
+    repo = re.sub(r"^(https?://)?(huggingface\.co|hf\.co)/", "", repo.strip())
+    return f"hf.co/{repo}"
+
+
+def _slots_fields(s: _Parsed) -> dict[str, Any]:
+    """Slots, the step's token budget and the KV pool: ``-np`` else vLLM's ``--max-num-seqs``
+    (vLLM's batch check when given; sequences then share one pool), ``-b`` else
+    ``--max-num-batched-tokens``; ``OLLAMA_CONTEXT_LENGTH`` is each slot's context."""
+    v, given = s.v, s.given
+    parallel = v["parallel"] if v["parallel"] is not None else (
+        v["max_num_seqs"] if v["max_num_seqs"] is not None else -1)
+    batch = v["batch_size"] or v["max_num_batched_tokens"] or 2048
+    vllm_batch = "max_num_seqs" in given or "max_num_batched_tokens" in given
+    if vllm_batch:  # vLLM's SchedulerConfig check (002 Example 4)
+        from kvserve.serving.startup_checks import batch_error
+
+        seqs = v["max_num_seqs"] if "max_num_seqs" in given else parallel  # the value the user typed
+        problem = batch_error(batch, 4 if seqs == -1 else seqs)
+        if problem:
+            raise _Exit(problem)
+    cpu_kv_bytes = _cpu_kvcache_space(s.env)
+    kv_unified = v["kv_unified"]
+    if kv_unified is None and "max_num_seqs" in given and v["parallel"] is None:
+        kv_unified = True  # vLLM's sequences share one pool and each may use max_model_len
+    ctx_size = v["ctx_size"]
+    if given.get("ctx_size") == "OLLAMA_CONTEXT_LENGTH" and parallel > 1 and not kv_unified:
+        # Ollama's context length is each sequence's (num_ctx); -c is the total the slots split
+        ctx_size *= parallel
+        s.notes.append((logging.INFO, f"OLLAMA_CONTEXT_LENGTH={s.env['OLLAMA_CONTEXT_LENGTH'].strip()} tokens a "
+                                      f"sequence, as Ollama: -c {ctx_size} for {parallel} slots"))
+    return {"parallel": parallel, "batch_size": batch, "ctx_size": ctx_size, "kv_unified": kv_unified,
+            "cpu_kvcache_space_bytes": cpu_kv_bytes, "vllm_batch_limits": vllm_batch,
+            "max_num_seqs": v["max_num_seqs"] if "max_num_seqs" in given else None,
+            "allow_long_max_model_len": s.env.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower()
+            in ("1", "true"),
+            "gpu_memory_utilization": v["gpu_memory_utilization"] if "gpu_memory_utilization" in given else None}
+
+
+def _cpu_kvcache_space(env) -> int | None:
+    """vLLM's ``VLLM_CPU_KVCACHE_SPACE``: the CPU's KV cache budget in GiB (a number; unset, empty
+    or 0: none) -> bytes. A bad value exits 2 as a bad environment variable does."""
+    text = env.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if not text:
+        return None
+    try:
+        gib = float(text)
+        if not math.isfinite(gib) or gib < 0:
+            raise ValueError
+    except ValueError:
+        raise _Exit(ft.Plain(f'error while handling environment variable "VLLM_CPU_KVCACHE_SPACE": expected a '
+                             f'number of GiB, got {text!r}')) from None
+    return int(gib * (1 << 30)) or None
+
+
+def _manager_fields(s: _Parsed) -> dict[str, Any]:
+    """Models loaded at once: ``--max-loaded-models`` (0: 3), else llama-server's ``--models-max``
+    (0: no limit)."""
+    from kvserve.serving.manager import DEFAULT_MAX_LOADED
+
+    v = s.v
+    max_loaded = v["max_loaded_models"]
+    if "max_loaded_models" not in s.given and v["models_max"] is not None:
+        if v["models_max"] < 0:
+            raise _Exit(f"invalid --models-max {v['models_max']}: 0 (no limit) or more")
+        max_loaded = v["models_max"] or 1 << 20  # llama-server: 0 = no limit
+    return {"max_loaded_models": max_loaded or DEFAULT_MAX_LOADED}
+
+
+def _device_fields(s: _Parsed) -> dict[str, Any]:
+    """The device (``-ngl 0`` is the CPU unless ``--device`` is given), KV types, compiling,
+    embeddings mode, log verbosity."""
+    v = s.v
+    device = ft.device_name(v["device"])
+    if str(v["gpu_layers"]) == "0" and "device" not in s.given:
+        device = "cpu"
+        s.notes.append((logging.INFO, f"flag {s.how['gpu_layers']}: the model runs on the CPU (as --device cpu)"))
+    kv_k, kv_v = _kv_types(v, s.given)
+    embeddings = v["embedding"] or v["task"] in ("embed", "embedding") or v["runner"] == "pooling" \
+        or v["convert"] == "embed"
+    return {"device": device, "cache_type_k": kv_k, "cache_type_v": kv_v, "embeddings": embeddings,
+            "compile": v["compile"] and not v["enforce_eager"],
+            "log_verbosity": max(v["log_verbosity"], 5) if v["verbose"] else v["log_verbosity"]}
+
+
+def _http_fields(s: _Parsed) -> dict[str, Any]:
+    """Listening addresses, TLS (key and certificate together) and CORS."""
+    if (s.v["ssl_key_file"] is None) != (s.v["ssl_cert_file"] is None):
+        raise _Exit("--ssl-key-file and --ssl-cert-file go together: give both for HTTPS")
+    origins, methods, headers, credentials = _cors(s.v, s.given, s.notes)
+    hosts = ft.host_list(s.v["host"])  # repeated --host (llama-server), each comma-separated
+    return {"host": hosts[0], "hosts": hosts, "cors_origins": origins, "cors_methods": methods,
+            "cors_headers": headers, "cors_credentials": credentials}
+
+
+def _chat_fields(s: _Parsed) -> dict[str, Any]:
+    """Tool choice (vLLM: ``--enable-auto-tool-choice`` needs a parser), template variables and
+    ``--reasoning``."""
+    if s.v["enable_auto_tool_choice"] and not s.v["tool_call_parser"]:
+        # vLLM's startup check (validate_parsed_serve_args)
+        raise _Exit(ft.Plain("error: --enable-auto-tool-choice requires --tool-call-parser"))
+    return {"slots_text": s.given.get("slots") == "--slots",
+            "chat_template_kwargs": _template_kwargs(s.v),
+            "reasoning": None if s.v["reasoning"] in (None, "auto") else s.v["reasoning"]}
 
 
 def _cors(v: dict, given: dict, notes: list) -> tuple[list[str], str, str, bool]:
@@ -668,22 +595,6 @@ def _cors(v: dict, given: dict, notes: list) -> tuple[list[str], str, str, bool]
     return origins if origins or explicit else ["*"], methods, headers, credentials
 
 
-def _cpu_kvcache_space(p, env) -> int | None:
-    """vLLM's ``VLLM_CPU_KVCACHE_SPACE``: the CPU's KV cache budget in GiB (a number; unset, empty
-    or 0: none) -> bytes. A bad value exits 2 as a bad environment variable does."""
-    text = env.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
-    if not text:
-        return None
-    try:
-        gib = float(text)
-        if not math.isfinite(gib) or gib < 0:
-            raise ValueError
-    except ValueError:
-        p.exit(2, f'error while handling environment variable "VLLM_CPU_KVCACHE_SPACE": expected a number of GiB, '
-                  f'got {text!r}\n')
-    return int(gib * (1 << 30)) or None
-
-
 def _kv_types(v: dict, given: dict) -> tuple[str, str]:
     """(K, V) cache types from -ctk/-ctv and vLLM's --kv-cache-dtype: bfloat16 -> bf16, fp8 ->
     fp8_e4m3, fp8_e5m2 for both halves, except a half whose -ctk/-ctv is given (it wins)."""
@@ -694,6 +605,10 @@ def _kv_types(v: dict, given: dict) -> tuple[str, str]:
         kv_k = kv_k if "cache_type_k" in given else t
         kv_v = kv_v if "cache_type_v" in given else t
     return kv_k, kv_v
+
+
+def _spec_fields(s: _Parsed) -> dict[str, Any]:
+    return {"spec": _spec_config(s.v, s.given, s.how, s.notes)}
 
 
 def _spec_config(v: dict, given: dict, how: dict, notes: list) -> SpecConfig:
@@ -746,70 +661,52 @@ def _template_kwargs(v: dict) -> dict:
     return tkw
 
 
-def _check_chat_template(v: dict) -> None:
-    """``--chat-template`` must be a file, a built-in name or Jinja text that compiles."""
-    if v["chat_template"] is None:
-        return
-    from kvserve.chat.builtin_templates import (
-        ChatTemplateChoiceError,
-        resolve_chat_template,
-    )
-    from kvserve.chat.template import ChatTemplate, TemplateError
+def _sampling_fields(s: _Parsed) -> dict[str, Any]:
+    """Server-wide sampling defaults: ``--temp``/``--top-k``/``-n``... under
+    ``--override-generation-config``, and the other SamplingParams defaults (``sampling``)."""
+    v = s.v
+    overrides = v["override_generation_config"] or {}
+    for key, value in overrides.items():
+        if key in ft.GEN_KEYS and ft.is_number(value):
+            dest = {"n_predict": "predict"}.get(ft.GEN_KEYS[key], ft.GEN_KEYS[key])
+            if dest in s.given:
+                s.notes.append((logging.INFO, (f"flag --override-generation-config: {key} = "
+                                               f"{ft.generation_value(key, value)!r} wins over {s.given[dest]} "
+                                               f"{v[dest]!r}")))
+        elif not (key in ft.GEN_SAMPLING and isinstance(value, (int, float))):
+            s.notes.append((logging.WARNING, (f"flag --override-generation-config: key {key!r} ignored: kvserve "
+                            f"takes {', '.join(sorted(set(ft.GEN_KEYS) | ft.GEN_SAMPLING))} (numbers)")))
+    gen = ft.generation_overrides(overrides)
+    fields = {name: gen.get(name, v[name]) for name in ("temp", "top_k", "top_p", "min_p", "repeat_penalty")}
+    return {**fields, "n_predict": gen.get("n_predict", v["predict"]), "sampling": _sampling(v)}
 
-    try:
-        _, source = resolve_chat_template(v["chat_template"])
-        ChatTemplate(source)
-    except ChatTemplateChoiceError as e:
-        raise _Exit(str(e)) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise _Exit(f'error while handling argument "--chat-template": {e}') from None
-    except TemplateError as e:
-        raise _Exit(f"invalid --chat-template: {e}") from None
+
+#: flags whose value is a SamplingParams default of the same meaning (dest -> SamplingParams field)
+_SAMPLING_FLAGS = {"presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+                   "repeat_last_n": "repeat_last_n", "typical": "typical_p", "top_nsigma": "top_n_sigma",
+                   "xtc_probability": "xtc_probability", "xtc_threshold": "xtc_threshold",
+                   "dry_multiplier": "dry_multiplier", "dry_base": "dry_base",
+                   "dry_allowed_length": "dry_allowed_length", "dry_penalty_last_n": "dry_penalty_last_n"}
 
 
-def _sampling(v: dict, given: dict, notes: list) -> tuple[dict, dict]:
-    """``(SamplingParams defaults beyond temp/top-k/..., ServerArgs sampling fields from
-    --override-generation-config)``."""
-    s: dict[str, Any] = {}
-    for dest, name in (("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
-                       ("repeat_last_n", "repeat_last_n"), ("typical", "typical_p"), ("top_nsigma", "top_n_sigma"),
-                       ("xtc_probability", "xtc_probability"), ("xtc_threshold", "xtc_threshold"),
-                       ("dry_multiplier", "dry_multiplier"), ("dry_base", "dry_base"),
-                       ("dry_allowed_length", "dry_allowed_length"), ("dry_penalty_last_n", "dry_penalty_last_n")):
-        if v[dest] is not None:
-            s[name] = v[dest]
+def _sampling(v: dict) -> dict[str, Any]:
+    """SamplingParams defaults beyond temp/top-k/...: the sampling flags given, and
+    ``--override-generation-config``'s presence and frequency penalties."""
+    s: dict[str, Any] = {name: v[dest] for dest, name in _SAMPLING_FLAGS.items() if v[dest] is not None}
     if v["dry_sequence_breaker"]:
         s["dry_sequence_breakers"] = () if v["dry_sequence_breaker"] == ["none"] else tuple(v["dry_sequence_breaker"])
     if v["samplers"]:
-        s["samplers"] = _samplers(v["samplers"])
+        s["samplers"] = ft.samplers(v["samplers"])
     if v["ignore_eos"]:
         s["ignore_eos"] = True
     if v["logit_bias"]:
-        s["logit_bias"] = _logit_bias(v["logit_bias"])
+        s["logit_bias"] = ft.logit_bias(v["logit_bias"])
     if not v["cache_prompt"] or not v["enable_prefix_caching"]:
         s["cache_prompt"] = False
-    gen: dict[str, Any] = {}
-    from kvserve.serving.generation_config import check_value
-
     for key, value in (v["override_generation_config"] or {}).items():
-        if key in _GEN_KEYS and isinstance(value, (int, float)) and not isinstance(value, bool):
-            field_name = _GEN_KEYS[key]
-            try:  # the checks the model's file gets; refused here, since the user typed it
-                gen[field_name] = check_value({"temp": "temperature"}.get(field_name, field_name), value)
-            except ValueError as e:
-                raise _Exit(f"invalid --override-generation-config: {key} = {value!r}: {e}") from None
-            dest = {"n_predict": "predict"}.get(field_name, field_name)
-            if dest in given:
-                notes.append((logging.INFO, (f"flag --override-generation-config: {key} = {gen[field_name]!r} "
-                                             f"wins over {given[dest]} {v[dest]!r}")))
-        elif key in _GEN_SAMPLING and isinstance(value, (int, float)):
+        if key not in ft.GEN_KEYS and key in ft.GEN_SAMPLING and isinstance(value, (int, float)):
             s[key] = float(value)
-        else:
-            notes.append((logging.WARNING, (f"flag --override-generation-config: key {key!r} ignored: kvserve takes "
-                          f"{', '.join(sorted(set(_GEN_KEYS) | _GEN_SAMPLING))} (numbers)")))
-    if not math.isfinite(gen.get("temp", 0.0)):
-        raise _Exit("invalid --override-generation-config: temperature must be finite")
-    return s, gen
+    return s
 
 
 def _print_devices() -> None:

@@ -12,7 +12,11 @@ What kvserve does with a flag (:attr:`Flag.effect`):
   (a feature kvserve does not have yet, such as a draft model); the server starts without it;
 * ``refused``: the server does not start: exit status 2 and a message saying why.
 
-A flag may also refuse some values only (:attr:`Flag.check`: ``-tp 2``, ``-ctk q8_0``).
+A flag may also refuse some values only (:attr:`Flag.check`: ``-tp 2``, ``-ctk q4_1``,
+``--port 70000``); the check's text is the error message, word for word. :attr:`Flag.config`
+turns a checked value into its :class:`~kvserve.serving.args.ServerArgs` field (``--seed -1``:
+random, ``--keep-alive 5m``: 300.0 s). Rules that join several flags live in
+:mod:`kvserve.serving.args`.
 
 Short flags parse as llama-server parses them: ``-ngl 99`` is ``-ngl``, never ``-n gl``
 (argparse's single-dash clustering and prefix matching are off: an unknown ``-xyz`` is an
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -60,8 +65,12 @@ class Flag:
         choices: the values accepted (None: any).
         const: the value of an ``opt`` flag given without one.
         metavar: the value's name in ``--help``.
-        check: ``value -> error text or None``: values refused although the flag is accepted.
+        check: ``value -> error text or None``: values refused although the flag is accepted (the
+            server does not start: exit status 2, the text after the usage, or alone for a
+            :class:`Plain` text). It runs on values given by the command line or the environment.
         convert: ``text -> value`` in place of the kind's conversion (raises ValueError).
+        config: ``value -> ServerArgs value`` of the field named ``dest`` (default: the value as
+            it is), applied after the checks pass.
     """
 
     names: tuple[str, ...]
@@ -81,6 +90,7 @@ class Flag:
     metavar: str | None = None
     check: Callable[[Any], str | None] | None = None
     convert: Callable[[str], Any] | None = None
+    config: Callable[[Any], Any] | None = None
 
     @property
     def spelled(self) -> str:
@@ -333,6 +343,248 @@ def _ngl_value(text: str) -> str:
     raise ValueError(f"expected a number, 'auto' or 'all', got {text!r}")
 
 
+# -- checks of single values (the error text is the contract: seeds and tests hold it) -------
+
+class Plain(str):
+    """A check's error text printed as it is, without the usage and ``error:`` lines argparse adds
+    (llama-server's ``error while handling argument ...`` lines); the exit status is 2 all the same."""
+
+
+def _at_least(flag: str, low: int | float, what: str) -> Callable[[Any], str | None]:
+    """``invalid FLAG N: WHAT`` below ``low``."""
+    return lambda n: f"invalid {flag} {n}: {what}" if n < low else None
+
+
+def _port_check(n: int) -> str | None:
+    return None if 0 <= n <= 65535 else f"invalid --port value {n}: 0-65535"
+
+
+def _parallel_slots_check(n: int) -> str | None:
+    return None if n == -1 or n >= 1 else f"invalid -np value {n}: -1 (auto) or >= 1"
+
+
+def host_list(value: Any) -> list[str]:
+    """``--host`` (repeated, each comma-separated) -> the addresses, each once, in order."""
+    items = value if isinstance(value, list) else [value]
+    return list(dict.fromkeys(h.strip() for item in items for h in item.split(",") if h.strip()))
+
+
+def _host_check(value: Any) -> str | None:
+    hosts = host_list(value)
+    if not hosts:
+        return "invalid --host: no address given"
+    sock_paths = [h for h in hosts if h.endswith(".sock") or "/" in h]
+    if sock_paths:
+        return f"--host {sock_paths[0]}: UNIX sockets are not supported: kvserve listens on TCP addresses"
+    return None
+
+
+def _existing_file(flag: str) -> Callable[[str], str | None]:
+    def check(path: str) -> str | None:
+        return None if os.path.isfile(path) else f'error while handling argument "{flag}": no such file: {path}'
+    return check
+
+
+def _slot_save_path_check(path: str) -> str | None:
+    if os.path.isdir(path):
+        return None
+    # llama-server's wording (seed Example 1); it exits at once
+    return Plain(f'error while handling argument "--slot-save-path": not a directory: {path}')
+
+
+def read_keys(path: str) -> list[str]:
+    """``--api-key-file``: one key a line; blank lines and ``#`` comments skipped. Raises OSError."""
+    with open(path, encoding="utf-8") as f:
+        return [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def _api_key_file_check(path: str) -> str | None:
+    if not path:
+        return None  # "" names no file: no keys are read
+    try:
+        read_keys(path)
+    except OSError as e:
+        return f'error while handling argument "--api-key-file": {e}'
+    return None
+
+
+_UNITS = {"": 1 << 20, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10 ** 6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "t": 1 << 40, "tb": 10 ** 12, "tib": 1 << 40}
+
+
+def parse_memory(text: str) -> int:
+    """``--max-memory``: a number of MiB, or a number with a unit (``8GiB``, ``512MB``) -> bytes.
+
+    Raises:
+        ValueError: not such a size, or not positive.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"invalid --max-memory {text!r}: a number of MiB or a size such as 8GiB")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"invalid --max-memory {text!r}: must be positive")
+    return value
+
+
+def _error_of(parse: Callable[[Any], Any]) -> Callable[[Any], str | None]:
+    """A check from a parser: its ValueError's text."""
+    def check(value: Any) -> str | None:
+        try:
+            parse(value)
+        except ValueError as e:
+            return str(e)
+        return None
+    return check
+
+
+def keep_alive_seconds(text: str) -> float:
+    """``--keep-alive`` -> seconds (math.inf: forever), as Ollama's ``keep_alive``.
+
+    Raises:
+        ValueError: not a duration (``invalid --keep-alive ...``).
+    """
+    from kvserve.errors import InvalidInputError
+    from kvserve.serving.manager import parse_keep_alive
+
+    try:
+        return parse_keep_alive(text, "--keep-alive")
+    except InvalidInputError as e:
+        raise ValueError(str(e).replace("Field '--keep-alive'", "invalid --keep-alive")) from None
+
+
+def _tool_parser_check(name: str) -> str | None:
+    from kvserve.chat.tool_parsers import tool_parser_error
+
+    return (tool_parser_error(name) or None) if name else None
+
+
+def _reasoning_parser_check(name: str) -> str | None:
+    from kvserve.chat.reasoning import reasoning_parser_error
+
+    return (reasoning_parser_error(name) or None) if name else None
+
+
+def _chat_template_check(spec: str) -> str | None:
+    """``--chat-template`` must be a file, a built-in name or Jinja text that compiles."""
+    from kvserve.chat.builtin_templates import ChatTemplateChoiceError, resolve_chat_template
+    from kvserve.chat.template import ChatTemplate, TemplateError
+
+    try:
+        _, source = resolve_chat_template(spec)
+        ChatTemplate(source)
+    except ChatTemplateChoiceError as e:
+        return str(e)
+    except (OSError, UnicodeDecodeError) as e:
+        return f'error while handling argument "--chat-template": {e}'
+    except TemplateError as e:
+        return f"invalid --chat-template: {e}"
+    return None
+
+
+_SAMPLER_NAMES = {"typical_p": "typ_p", "typical": "typ_p", "temp": "temperature", "nucleus": "top_p",
+                  "top-k": "top_k", "top-p": "top_p", "min-p": "min_p", "top-n-sigma": "top_n_sigma"}
+
+
+def samplers(text: str) -> tuple[str, ...]:
+    """``--samplers top_k;temp;...`` -> the sampler chain's names (llama-server's aliases taken).
+
+    Raises:
+        ValueError: an unknown sampler (the text names the known ones).
+    """
+    from kvserve.engine.request import DEFAULT_SAMPLERS
+
+    names = tuple(_SAMPLER_NAMES.get(n.strip(), n.strip()) for n in re.split(r"[;,]", text) if n.strip())
+    bad = [n for n in names if n not in DEFAULT_SAMPLERS]
+    if bad:
+        raise ValueError(f"invalid --samplers {text!r}: unknown sampler(s) {', '.join(bad)}; "
+                         f"known: {';'.join(DEFAULT_SAMPLERS)}")
+    return names
+
+
+def logit_bias(items: list[str]) -> dict[int, float]:
+    """``-l 15043+1 -l 2-inf,3+0.5`` -> ``{token id: bias}``.
+
+    Raises:
+        ValueError: an item not ``TOKEN_ID(+/-)BIAS``.
+    """
+    out: dict[int, float] = {}
+    for item in items:
+        for part in item.split(","):
+            m = re.fullmatch(r"\s*(\d+)\s*([+-]\s*(?:inf|\d+(?:\.\d+)?))\s*", part, re.IGNORECASE)
+            if m is None:
+                raise ValueError(f"invalid --logit-bias {part!r}: TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 2-inf")
+            out[int(m.group(1))] = float(m.group(2).replace(" ", ""))
+    return out
+
+
+#: --override-generation-config keys (vLLM / HF generation_config names) -> ServerArgs fields
+GEN_KEYS = {"temperature": "temp", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+            "repetition_penalty": "repeat_penalty", "max_new_tokens": "n_predict", "max_tokens": "n_predict"}
+#: --override-generation-config keys that become SamplingParams defaults
+GEN_SAMPLING = frozenset({"presence_penalty", "frequency_penalty"})
+
+
+def is_number(value: Any) -> bool:
+    """A JSON number (not a boolean)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def generation_value(key: str, value: int | float) -> Any:
+    """One ``--override-generation-config`` number (``key`` in :data:`GEN_KEYS`), checked as a
+    model's generation_config.json is.
+
+    Raises:
+        ValueError: a value the model's file would not be allowed (``invalid --override-...``).
+    """
+    from kvserve.serving.generation_config import check_value
+
+    name = GEN_KEYS[key]
+    try:  # the checks the model's file gets; refused here, since the user typed it
+        return check_value({"temp": "temperature"}.get(name, name), value)
+    except ValueError as e:
+        raise ValueError(f"invalid --override-generation-config: {key} = {value!r}: {e}") from None
+
+
+def generation_overrides(cfg: dict) -> dict[str, Any]:
+    """``--override-generation-config``'s numbers for ServerArgs fields (``temp``, ``top_k``,
+    ``n_predict``...): :func:`generation_value` of each, the last key of a field winning.
+
+    Raises:
+        ValueError: a value refused (:func:`generation_value`), or a temperature not finite.
+    """
+    import math
+
+    gen = {GEN_KEYS[k]: generation_value(k, v) for k, v in cfg.items() if k in GEN_KEYS and is_number(v)}
+    if not math.isfinite(gen.get("temp", 0.0)):
+        raise ValueError("invalid --override-generation-config: temperature must be finite")
+    return gen
+
+
+# -- ServerArgs values of single flags (Flag.config) ------------------------------------------
+
+def device_name(text: str) -> str:
+    """``--device``: kvserve's auto/cpu/cuda[:N]; llama-server's ``none`` and ``CUDA0[,CUDA1]``."""
+    first = text.split(",")[0].strip()
+    if first.lower() == "none":
+        return "cpu"
+    m = re.fullmatch(r"(?i)cuda(\d+)", first)
+    return f"cuda:{m.group(1)}" if m else first
+
+
+def _seed(n: int) -> int:
+    """``-s N``: a negative seed is random; others as llama-server's uint32."""
+    from kvserve.engine.request import SEED_RANDOM
+
+    return SEED_RANDOM if n < 0 else n & 0xFFFFFFFF
+
+
+def _api_prefix(text: str | None) -> str:
+    """``--api-prefix``: ``/pfx`` for ``pfx``, ``/pfx/`` or ``/pfx``; ``""`` for none or ``/``."""
+    p = (text or "").strip().strip("/")
+    return f"/{p}" if p else ""
+
+
 # -- the table ------------------------------------------------------------------------------
 
 def _dest(names: tuple[str, ...]) -> str:
@@ -413,7 +665,7 @@ FLAGS: tuple[Flag, ...] = (
       "(GGUF context_length) the server does not start (vLLM's error) unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 "
       "(vLLM's warning; the context grows to it); -c may exceed it with llama-server's warning"),
     F("-np --parallel", "int", None, "slots (-1 = auto: 4, unified KV)",
-      env="LLAMA_ARG_N_PARALLEL OLLAMA_NUM_PARALLEL"),
+      env="LLAMA_ARG_N_PARALLEL OLLAMA_NUM_PARALLEL", check=_parallel_slots_check),
     F("--max-num-seqs", "int", None, "slots (vLLM name of -np)", source=VLLM,
       why="slots (-np wins) sharing one KV pool, each up to max_model_len (as -kvu; -np splits -c among slots); "
       "given, vLLM's checks apply: max_num_batched_tokens >= max_num_seqs (else the server "
@@ -503,6 +755,7 @@ FLAGS: tuple[Flag, ...] = (
       why="the fp8 KV cache uses scale 1.0 (vLLM's default without calibrated scales)"),
     F("--dtype", default="auto", help="weight/activation dtype", source=VLLM,
       choices=("auto", "float32", "bfloat16", "float16", "half", "float"),
+      config=lambda d: {"half": "float16", "float": "float32"}.get(d, d),
       why="half = float16, float = float32; auto on CUDA: vLLM's rule (float16 for float32 and float16 "
       "checkpoints, bfloat16 for bfloat16; GGUF bfloat16); auto on the CPU: float32 (bfloat16 copies for large "
       "batches where the CPU has native bfloat16), logged as vLLM's Upcasting line"),
@@ -519,7 +772,7 @@ FLAGS: tuple[Flag, ...] = (
            "count, llama.cpp's arithmetic; other weights: a dense float32 copy)"),
     # -- device and threads
     F("--device -dev", default="auto", help="auto, cpu, cuda (llama-server: none = cpu, CUDA0 = cuda:0)",
-      source=BOTH, env="LLAMA_ARG_DEVICE"),
+      source=BOTH, env="LLAMA_ARG_DEVICE", config=device_name),
     F("--list-devices", "bool", False, "print the devices and exit"),
     F("-ngl --gpu-layers --n-gpu-layers", help="layers on the GPU (N, auto, all)", env="LLAMA_ARG_N_GPU_LAYERS",
       convert=_ngl_value, effect=NONE, why=_NO_GPU_LAYERS),
@@ -636,10 +889,11 @@ FLAGS: tuple[Flag, ...] = (
     F("--dry-penalty-last-n", "int", help="DRY look-back (default -1 = context)", why="request default"),
     F("--dry-sequence-breaker", "append", help="DRY sequence breaker (repeatable; none = no breakers)",
       why="request default"),
-    F("--samplers", help="sampler order, ';'-separated", why="request default"),
+    F("--samplers", help="sampler order, ';'-separated", why="request default", check=_error_of(samplers)),
     F("--ignore-eos", "bool", False, "keep generating after end of text", why="request default"),
-    F("-l --logit-bias", "append", help="TOKEN_ID(+/-)BIAS, e.g. 15043+1 (repeatable)", why="request default"),
-    F("-s --seed", "int", -1, "RNG seed (-1 = random)", source=BOTH),
+    F("-l --logit-bias", "append", help="TOKEN_ID(+/-)BIAS, e.g. 15043+1 (repeatable)", why="request default",
+      check=_error_of(logit_bias)),
+    F("-s --seed", "int", -1, "RNG seed (-1 = random)", source=BOTH, config=_seed),
     F("--sampling-seq --sampler-seq", effect=WARN, why="use --samplers with full names"),
     F("--mirostat", "int", effect=WARN, why="mirostat is not available: the sampler chain is used"),
     F("--mirostat-lr", "float", effect=WARN, why="mirostat is not available"),
@@ -661,7 +915,8 @@ FLAGS: tuple[Flag, ...] = (
     F("--override-generation-config", help="JSON sampling defaults (temperature, top_p, top_k, min_p, "
       "repetition_penalty, presence_penalty, frequency_penalty, max_new_tokens)", source=VLLM, convert=json_object,
       why="the keys become every model's sampling defaults, over its generation_config.json and the sampling "
-      "flags (a request's own fields win)"),
+      "flags (a request's own fields win)", check=_error_of(generation_overrides),
+      config=lambda cfg: dict(cfg or {})),
     F("--generation-config", default="auto", help="auto (the model's generation_config.json, or a GGUF's "
       "general.sampling.* keys), vllm (no file; vLLM's neutral sampling values) or a directory holding a "
       "generation_config.json", source=VLLM,
@@ -669,13 +924,14 @@ FLAGS: tuple[Flag, ...] = (
       why="the model's sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; "
       "a GGUF's general.sampling.*) apply to requests that leave them out; a sampling flag given wins over them"),
     F("--max-logprobs", "int", 20, "most logprobs per token a request may ask for (-1: vocabulary size)",
-      source=VLLM),
+      source=VLLM, check=_at_least("--max-logprobs", -1, "-1 (vocabulary size) or >= 0")),
     F("--logprobs-mode", source=VLLM, effect=NONE, why="logprobs are of the processed distribution"),
     # -- chat templates, tools, reasoning
     F("--jinja", "bool", True, "use the Jinja chat template", neg="--no-jinja", env="LLAMA_ARG_JINJA"),
     F("--chat-template", help="a file (vLLM), a built-in name (chatml, llama3, ...) or Jinja text", source=BOTH,
       env="LLAMA_ARG_CHAT_TEMPLATE", metavar="TEMPLATE",
-      why="a file's path, one of llama-server's built-in names, or inline Jinja (contains {{ or {%)"),
+      why="a file's path, one of llama-server's built-in names, or inline Jinja (contains {{ or {%)",
+      check=_chat_template_check),
     F("--chat-template-file", help="file with a Jinja chat template", env="LLAMA_ARG_CHAT_TEMPLATE_FILE"),
     F("--chat-template-content-format", default="auto", help="message content as string or openai parts",
       source=VLLM, choices=("auto", "string", "openai"),
@@ -689,7 +945,7 @@ FLAGS: tuple[Flag, ...] = (
     F("--tool-call-parser", help="tool-call parser, a vLLM name: deepseek_v3, deepseek_v31, glm45, glm47, granite, "
       "granite4, hermes, kimi_k2, llama3_json, llama4_json, llama4_pythonic, longcat, mimo, minimax_m2, mistral, "
       "openai, phi4_mini_json, pythonic, qwen3_coder, qwen3_xml, seed_oss (other vLLM names: start-up error)",
-      source=VLLM),
+      source=VLLM, check=_tool_parser_check),
     F("--enable-auto-tool-choice", "bool", False, 'allow tool_choice "auto"', source=VLLM),
     F("--exclude-tools-when-tool-choice-none", "bool", False,
       'leave tool definitions out of the prompt when tool_choice is "none"', source=VLLM),
@@ -700,9 +956,9 @@ FLAGS: tuple[Flag, ...] = (
     F("--reasoning-parser", help="split thinking into the 'reasoning' field, a vLLM name: deepseek_r1, "
       "deepseek_v3, glm45, granite, kimi_k2, minimax_m2, minimax_m2_append_think, mistral, openai_gptoss, qwen3, "
       "seed_oss, step3 (other vLLM names: start-up error)",
-      source=VLLM),
+      source=VLLM, check=_reasoning_parser_check),
     F("--reasoning-budget", "int", -1, "thinking tokens before </think> is forced (-1: no limit)",
-      env="LLAMA_ARG_THINK_BUDGET"),
+      env="LLAMA_ARG_THINK_BUDGET", check=_at_least("--reasoning-budget", -1, "-1 (no limit) or >= 0")),
     F("-rea --reasoning", "opt", None, "enable_thinking for every request's template (on, off, auto)",
       const="on", choices=("on", "off", "auto"), env="LLAMA_ARG_REASONING"),
     F("--reasoning-effort", env="LLAMA_ARG_REASONING_EFFORT", effect=WARN,
@@ -718,7 +974,9 @@ FLAGS: tuple[Flag, ...] = (
       neg_why="a final assistant message is still continued"),
     F("--response-role", default="assistant", help="role of chat completion answers", source=VLLM,
       why="message.role and the first stream delta's role when add_generation_prompt (vLLM's); else the last "
-          "message's role; an empty role is refused at start-up (exit 2)"),
+          "message's role; an empty role is refused at start-up (exit 2)",
+      check=lambda r: None if str(r).strip() else
+      "--response-role: the role must not be empty (e.g. --response-role assistant)"),
     F("--tools", help="built-in server tools", env="LLAMA_ARG_TOOLS", effect=WARN,
       why="kvserve has no built-in server tools (file and shell access): none are offered"),
     F("--tools-runtime", env="LLAMA_ARG_TOOLS_RUNTIME", effect=WARN, why="kvserve has no built-in server tools"),
@@ -810,7 +1068,8 @@ FLAGS: tuple[Flag, ...] = (
     F("--rerank --reranking", "bool", False, env="LLAMA_ARG_RERANKING", effect=NONE,
       why="/rerank is always on; it needs a cross-encoder or an embedding model"),
     F("--pooling", help="pooled embedding of an input: none (a vector per token), mean, cls, last; rank: the "
-      "model's own (a reranker)", env="LLAMA_ARG_POOLING", choices=("none", "mean", "cls", "last", "rank")),
+      "model's own (a reranker)", env="LLAMA_ARG_POOLING", choices=("none", "mean", "cls", "last", "rank"),
+      config=lambda p: None if p == "rank" else p),
     F("--embd-normalize", "int", effect=WARN, why="send embd_normalize per request"),
     F("--task", source=VLLM, why="embed/embedding: as --embeddings; generate/auto: nothing to do",
       check=lambda v: None if v in ("auto", "generate", "embed", "embedding") else
@@ -825,15 +1084,17 @@ FLAGS: tuple[Flag, ...] = (
     # -- HTTP server
     F("--host", "append", "127.0.0.1", help="address(es) to listen on: comma-separated or repeated", source=BOTH,
       env="LLAMA_ARG_HOST", why="every address gets a socket on --port (llama-server #28690: comma list or "
-                                "repeated, all must bind; each listening URL logged); the first one guards /api"),
-    F("--port", "int", 8080, "port to listen on", source=BOTH, env="LLAMA_ARG_PORT"),
+                                "repeated, all must bind; each listening URL logged); the first one guards /api",
+      check=_host_check),
+    F("--port", "int", 8080, "port to listen on", source=BOTH, env="LLAMA_ARG_PORT", check=_port_check),
     F("--uds", source=VLLM, effect=REFUSE, why="kvserve listens on TCP (--host, --port)"),
     F("--reuse-port", "bool", False, env="LLAMA_ARG_REUSE_PORT", effect=NONE, why="one listening socket"),
     F("--path", help="directory of static files served at /", env="LLAMA_ARG_STATIC_PATH",
       why="the web UI serves its files from it"),
     F("--api-prefix", help="path prefix the server serves from", env="LLAMA_ARG_API_PREFIX",
-      why="routes answer under the prefix and without it; every guard reads the path below it"),
-    F("--root-path", help="path prefix behind a proxy", source=VLLM, why="uvicorn's root_path"),
+      why="routes answer under the prefix and without it; every guard reads the path below it", config=_api_prefix),
+    F("--root-path", help="path prefix behind a proxy", source=VLLM, why="uvicorn's root_path",
+      config=lambda p: (p or "").rstrip("/")),
     F("--webui --ui", "bool", True, "serve the web chat page at / to browsers", neg="--no-webui --no-ui",
       env="LLAMA_ARG_UI LLAMA_ARG_WEBUI"),
     F("--ui-config --webui-config", env="LLAMA_ARG_UI_CONFIG", effect=NONE, why="the page's settings are its own"),
@@ -844,12 +1105,14 @@ FLAGS: tuple[Flag, ...] = (
       "x-llama-server-proxy-header-*)"),
     F("--api-key", "append", help="API key(s), comma-separated or repeated", source=BOTH,
       env="LLAMA_API_KEY VLLM_API_KEY"),
-    F("--api-key-file", help="file with one API key per line", env="LLAMA_ARG_API_KEY_FILE"),
+    F("--api-key-file", help="file with one API key per line", env="LLAMA_ARG_API_KEY_FILE",
+      check=_api_key_file_check),
     F("--ssl-key-file --ssl-keyfile", help="PEM private key (TLS)", source=BOTH, env="LLAMA_ARG_SSL_KEY_FILE",
-      why="uvicorn serves HTTPS with it (needs --ssl-cert-file)"),
+      why="uvicorn serves HTTPS with it (needs --ssl-cert-file)", check=_existing_file("--ssl-key-file")),
     F("--ssl-cert-file --ssl-certfile", help="PEM certificate (TLS)", source=BOTH, env="LLAMA_ARG_SSL_CERT_FILE",
-      why="uvicorn serves HTTPS with it (needs --ssl-key-file)"),
-    F("--ssl-ca-certs", help="CA certificates file", source=VLLM, why="uvicorn's ssl_ca_certs"),
+      why="uvicorn serves HTTPS with it (needs --ssl-key-file)", check=_existing_file("--ssl-cert-file")),
+    F("--ssl-ca-certs", help="CA certificates file", source=VLLM, why="uvicorn's ssl_ca_certs",
+      check=_existing_file("--ssl-ca-certs")),
     F("--ssl-cert-reqs", "int", 0, "client certificate: 0 none, 1 optional, 2 required", source=VLLM,
       why="uvicorn's ssl_cert_reqs"),
     F("--ssl-ciphers", source=VLLM, why="uvicorn's ssl_ciphers"),
@@ -873,17 +1136,20 @@ FLAGS: tuple[Flag, ...] = (
     F("-to --timeout --timeout-keep-alive", "float", help="seconds an idle keep-alive connection stays open",
       env="LLAMA_ARG_TIMEOUT VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
       why="uvicorn's keep-alive timeout (--timeout-keep-alive is uvicorn's name; uvicorn has no read/write "
-      "timeout: see --header-timeout)"),
+      "timeout: see --header-timeout)",
+      check=lambda n: f"invalid --timeout {n}: seconds, > 0" if n <= 0 else None),
     F("--threads-http", "int", env="LLAMA_ARG_THREADS_HTTP", effect=NONE,
       why="HTTP requests are served by one asyncio event loop"),
     F("--sse-ping-interval", "float", 30.0, "seconds between SSE comment pings", env="LLAMA_ARG_SSE_PING_INTERVAL"),
     F("--max-request-bytes", "int", 32 * 1024 * 1024, "largest request body in bytes (413 above it)", source=KV,
-      env="KVSERVE_MAX_REQUEST_BYTES"),
+      env="KVSERVE_MAX_REQUEST_BYTES", check=_at_least("--max-request-bytes", 1, "at least 1")),
     F("--max-batch-inputs", "int", 2048, "most embedding inputs, rerank documents, score pairs or completion "
-      "prompts in one request (400 above)", source=KV, env="KVSERVE_MAX_BATCH_INPUTS"),
+      "prompts in one request (400 above)", source=KV, env="KVSERVE_MAX_BATCH_INPUTS",
+      check=_at_least("--max-batch-inputs", 1, "at least 1")),
     F("--max-input-bytes", "int", 2 << 20, "most text bytes one embedding, rerank, score or /tokenize request "
       "may send (400 above; generation routes check prompts against the context)", source=KV,
-      env="KVSERVE_MAX_INPUT_BYTES", convert=human_int, metavar="BYTES"),
+      env="KVSERVE_MAX_INPUT_BYTES", convert=human_int, metavar="BYTES",
+      check=_at_least("--max-input-bytes", 1, "at least 1")),
     F("--header-timeout", "float", 30.0, "seconds a connection has to send a whole request head, after it opens "
       "and after each response (then it is closed)", source=KV, env="KVSERVE_HEADER_TIMEOUT",
       check=lambda n: None if n > 0 else f"--header-timeout must be > 0, got {n}"),
@@ -891,12 +1157,12 @@ FLAGS: tuple[Flag, ...] = (
       "uvicorn answers it 503 in plain text)", source=KV, env="KVSERVE_LIMIT_CONCURRENCY",
       check=_positive("--limit-concurrency")),
     F("--shutdown-timeout", "float", 5.0, "seconds requests in flight may go on after SIGTERM; then each ends "
-      "with a 503 or a last error event", source=KV, env="KVSERVE_SHUTDOWN_TIMEOUT"),
+      "with a 503 or a last error event", source=KV, env="KVSERVE_SHUTDOWN_TIMEOUT", config=lambda s: max(s, 0.0)),
     F("--pull-max-blob-size", "int", 0, "largest blob a pulled manifest may declare, bytes or 10G (0: no cap but "
       "free disk space, which every pull checks)", source=KV, env="KVSERVE_PULL_MAX_BLOB_SIZE", convert=human_int,
-      metavar="BYTES"),
+      metavar="BYTES", config=lambda n: max(n, 0)),
     F("--pull-timeout", "float", 12 * 3600.0, "seconds one /api/pull may take in all (0: no limit)", source=KV,
-      env="KVSERVE_PULL_TIMEOUT"),
+      env="KVSERVE_PULL_TIMEOUT", config=lambda s: max(s, 0.0)),
     F("--middleware", "append", source=VLLM, effect=REFUSE, why="kvserve imports no middleware"),
     F("--enable-request-id-headers", "bool", False, source=VLLM, effect=NONE, why="no X-Request-Id header"),
     F("--disable-fastapi-docs", "bool", False, source=VLLM, effect=NONE, why="kvserve serves no API docs"),
@@ -910,10 +1176,12 @@ FLAGS: tuple[Flag, ...] = (
     F("--metrics", "bool", False, "enable /metrics", env="LLAMA_ARG_ENDPOINT_METRICS"),
     F("--props", "bool", False, "enable POST /props", env="LLAMA_ARG_ENDPOINT_PROPS"),
     F("--slots", "bool", True, "GET /slots (given: with requests' text)", neg="--no-slots",
-      env="LLAMA_ARG_ENDPOINT_SLOTS"),
-    F("--slot-save-path", help="existing directory for slot files", env="LLAMA_ARG_SLOT_SAVE_PATH"),
+      env="LLAMA_ARG_ENDPOINT_SLOTS", config=bool),
+    F("--slot-save-path", help="existing directory for slot files", env="LLAMA_ARG_SLOT_SAVE_PATH",
+      check=_slot_save_path_check),
     F("--tags", help="model tags, comma-separated (informational)", env="LLAMA_ARG_TAGS",
-      why="/v1/models data[].tags: sorted, each once (llama-server's)"),
+      why="/v1/models data[].tags: sorted, each once (llama-server's)",
+      config=lambda t: [x.strip() for x in (t or "").split(",") if x.strip()]),
     F("--return-tokens-as-token-ids", "bool", False, "logprobs tokens as token_id:N", source=VLLM,
       why="OpenAI logprobs tokens (and top_logprobs) read token_id:N, their bytes those of the token's text"),
     F("--enable-prompt-tokens-details", "bool", False, source=VLLM, effect=NONE,
@@ -948,15 +1216,18 @@ FLAGS: tuple[Flag, ...] = (
     F("--log-error-stack", "bool", False, source=VLLM, effect=NONE, why="unhandled errors log their traceback"),
     # -- model manager (Ollama) and lifetime
     F("--keep-alive", default="5m", help="how long an idle model stays loaded: seconds or a duration (5m, 1h30m); "
-      "negative = forever, 0 = unload after each request", source=OLLAMA, env="KVSERVE_KEEP_ALIVE OLLAMA_KEEP_ALIVE"),
+      "negative = forever, 0 = unload after each request", source=OLLAMA, env="KVSERVE_KEEP_ALIVE OLLAMA_KEEP_ALIVE",
+      check=_error_of(keep_alive_seconds), config=keep_alive_seconds),
     F("--sleep-idle-seconds", "float", -1.0, "unload the -m model after this many idle seconds (-1: never); it "
-      "loads again on the next request", why="the -m model is unloaded when idle and reloaded on demand"),
+      "loads again on the next request", why="the -m model is unloaded when idle and reloaded on demand",
+      check=lambda n: f"invalid --sleep-idle-seconds {n}: -1 (never) or >= 0" if n < 0 and n != -1 else None),
     F("--max-loaded-models", "int", 0, "most models loaded at once (0 = default 3)", source=OLLAMA,
-      env="OLLAMA_MAX_LOADED_MODELS"),
+      env="OLLAMA_MAX_LOADED_MODELS", check=_at_least("--max-loaded-models", 0, "0 (default 3) or more")),
     F("--max-memory", help="cap on the memory of all loaded models together (MiB, or 8GiB)", source=KV,
-      env="KVSERVE_MAX_MEMORY"),
+      env="KVSERVE_MAX_MEMORY", check=lambda t: _error_of(parse_memory)(t) if t else None,
+      config=lambda t: parse_memory(t) if t else None),
     F("--max-queue", "int", 512, "most requests waiting for a model at once (503 above)", source=OLLAMA,
-      env="OLLAMA_MAX_QUEUE"),
+      env="OLLAMA_MAX_QUEUE", check=_at_least("--max-queue", 1, "at least 1")),
     F("--preload", "bool", True, neg="--no-preload", source=KV,
       help="load the start-up model at once (--no-preload: on its first request)"),
     F("--allow-model-paths", "bool", False, "requests may name .gguf files or HF directories on the server",

@@ -347,3 +347,29 @@ def test_alias_list_sorted_as_llama_server_set():
     assert parse_args(["-a", "tinyllama-2,fim,code,fim"], environ={}).alias == ["code", "fim", "tinyllama-2"]
     a = parse_args(["-a", "b,a", "--served-model-name", "z", "y"], environ={})
     assert a.alias == ["a", "b", "z", "y"]
+
+
+@pytest.mark.parametrize("words, message", [
+    (["--max-queue", "0", "--reasoning-budget", "-5"], "error: invalid --max-queue 0: at least 1"),
+    (["--reasoning-budget", "-5", "--max-queue", "0"], "error: invalid --reasoning-budget -5: -1 (no limit) or >= 0"),
+    (["--timeout", "0", "--lora", "x"], "error: invalid --timeout 0.0: seconds, > 0"),
+    (["--lora", "x", "--timeout", "0"], "error: --lora x: not supported by kvserve: LoRA adapters are not"),
+])
+def test_the_first_bad_flag_on_the_command_line_is_reported(words, message, capsys):
+    """Each flag's check is in the table and runs in command-line order, as llama-server reports
+    the first bad argument it reads."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(words, {})
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(message)
+
+
+def test_an_address_from_ollama_host_gets_the_host_check(capsys):
+    """$OLLAMA_HOST's address is checked as --host is (the table's text); its port falls back to
+    Ollama's 11434 when out of range, as Ollama's own parsing does."""
+    with pytest.raises(SystemExit) as e:
+        parse_args([], {"OLLAMA_HOST": "a.sock"})
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("error: --host a.sock: UNIX sockets are not supported: "
+                                                        "kvserve listens on TCP addresses")
+    assert parse_args([], {"OLLAMA_HOST": "h:99999"}).port == 11434
