@@ -6,7 +6,6 @@ caller of ``kvserve.LLM``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -22,7 +21,6 @@ from kvserve.engine.kv_budget import kv_layout, plan_engine_pool
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.kv_quant import kv_bytes_per_token
 from kvserve.engine.request import (
-    ContextSizeExceededError,
     InvalidRequestError,
     PromptProgress,
     Request,
@@ -31,6 +29,7 @@ from kvserve.engine.request import (
     Timings,
     TokenLogprob,
     TopLogprob,
+    check_prompt,
 )
 from kvserve.engine.model_runner import ModelRunner, SampleFailure, StepResult
 from kvserve.engine.sampler import BreakerCache, SampleResult, SequenceSampler
@@ -227,28 +226,17 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------
 
     def validate(self, request: Request) -> None:
-        """Raise InvalidRequestError / ContextSizeExceededError before scheduling.
-
-        A server-default ``n_predict`` (``params.n_predict_default``) larger than the room left
-        in the context is capped to that room here (``request.params`` is replaced), as vLLM's
-        ``get_max_tokens`` does; a request's own ``n_predict`` is refused instead."""
-        n = len(request.prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty: at least one token is required")
-        nv = self.model_config.n_vocab
-        bad = next((t for t in request.prompt_token_ids if not 0 <= t < nv), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is out of range (vocabulary size {nv})")
-        p = request.params
-        if p.n_predict_default and p.n_predict > 0 and n < self.n_ctx_slot and n + p.n_predict > self.n_ctx_slot:
-            request.params = dataclasses.replace(p, n_predict=self.n_ctx_slot - n)
-        need = n + max(request.params.n_predict, 0)
-        if n >= self.n_ctx_slot or need > self.n_ctx_slot:
-            raise ContextSizeExceededError(n, self.n_ctx_slot, max(request.params.n_predict, 0))
+        """Raise InvalidRequestError / ContextSizeExceededError for a request this engine cannot
+        run (:func:`~kvserve.engine.request.check_prompt` against ``n_ctx_slot`` and the model's
+        vocabulary). Read-only: a request comes admitted (and its default ``n_predict`` capped)
+        by the serving layer (:func:`kvserve.serving.admission.admit`); the engine never changes
+        its parameters."""
+        check_prompt(request.prompt_token_ids, request.params.n_predict, self.n_ctx_slot,
+                     self.model_config.n_vocab)
 
     def add_request(self, request: Request) -> None:
-        """Validate and queue a request (raises InvalidRequestError subclasses; RuntimeError
-        once the core is closed)."""
+        """Check (:meth:`validate`) and queue an admitted request (raises InvalidRequestError
+        subclasses; RuntimeError once the core is closed)."""
         if self.closed:
             raise RuntimeError("the engine is closed")
         self.validate(request)
