@@ -112,9 +112,10 @@ class SamplingParams:
     Attributes (units in brackets):
         n_predict: max tokens to generate; -1 = until the context is full.
         n_predict_default: ``n_predict`` is a server default (the model's ``max_new_tokens``,
-            ``--override-generation-config``, ``-n``), not the request's own: the engine caps it
-            to the room left in the context (vLLM's ``get_max_tokens``: ``min(default,
-            max_model_len - prompt_len)``) instead of refusing the request.
+            ``--override-generation-config``, ``-n``), not the request's own: admission
+            (:func:`kvserve.serving.admission.admit`) caps it to the room left in the context
+            (vLLM's ``get_max_tokens``: ``min(default, max_model_len - prompt_len)``) instead of
+            refusing the request; the engine never changes it.
         temperature: <= 0 means greedy (argmax), as in llama.cpp.
         seed: RNG seed; ``SEED_RANDOM`` (4294967295) picks a random one.
         logit_bias: token id -> additive bias; ``float('-inf')`` bans the token,
