@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore, create_engine_core
 from kvserve.engine.request import Request, SamplingParams, TokenLogprob
+from kvserve.serving.admission import admit
 
 
 @dataclass
@@ -52,6 +53,9 @@ class LLM:
                  add_special: bool = True) -> list[Completion]:
         """Generate for each prompt (text, or a list of token ids); returns Completions in order.
 
+        Each request is admitted as a server's are (:func:`kvserve.serving.admission.admit`: a
+        ``SamplingParams(n_predict_default=True)`` limit is capped to the context's room).
+
         Raises InvalidRequestError / ContextSizeExceededError for a bad prompt.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -62,6 +66,7 @@ class LLM:
             ids = self.tokenizer.encode(prompt, add_special=add_special, parse_special=True) \
                 if isinstance(prompt, str) else list(prompt)
             req = Request(f"llm-{next(self._ids)}", ids, p)
+            admit(req, n_ctx_slot=self.core.n_ctx_slot, n_vocab=self.core.model_config.n_vocab)
             self.core.add_request(req)
             reqs.append((prompt, req))
         results: dict[str, Completion] = {

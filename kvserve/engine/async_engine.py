@@ -47,7 +47,7 @@ class AsyncEngine:
         core: the EngineCore to drive (moved to the engine thread).
 
     Attributes (read-only from other threads): tokenizer, model_info,
-    n_ctx, n_ctx_slot, n_slots, stats. ``core`` and ``tokenizer`` are None after
+    n_ctx, n_ctx_slot, n_slots, n_vocab, stats. ``core`` and ``tokenizer`` are None after
     :meth:`shutdown`; the others stay readable.
     """
 
@@ -56,6 +56,7 @@ class AsyncEngine:
         self.tokenizer = core.tokenizer
         self.model_info = core.model_info
         self._n_ctx, self._n_ctx_slot, self._n_slots = core.n_ctx, core.n_ctx_slot, core.n_slots
+        self._n_vocab = core.model_config.n_vocab
         self._stats = core.stats
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -84,6 +85,11 @@ class AsyncEngine:
         return self._n_slots
 
     @property
+    def n_vocab(self) -> int:
+        """The model's vocabulary size (the logits' width), which prompt token ids must stay below."""
+        return self._n_vocab
+
+    @property
     def stats(self):
         return self._stats
 
@@ -97,19 +103,20 @@ class AsyncEngine:
     # -- API -------------------------------------------------------------------------
 
     def validate(self, request: Request) -> None:
-        """Raise InvalidRequestError/ContextSizeExceededError now (before any streaming starts);
-        EngineDeadError after :meth:`shutdown`."""
+        """Raise InvalidRequestError/ContextSizeExceededError now (:meth:`EngineCore.validate`,
+        read-only); EngineDeadError after :meth:`shutdown`. The serving layer admits requests
+        itself (:func:`kvserve.serving.admission.admit`)."""
         self._core().validate(request)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Submit ``request`` and yield its outputs until the finished one.
 
         Raises InvalidRequestError (incl. ContextSizeExceededError) before the
-        first output when the request is refused; EngineDeadError if the engine
-        thread died. Cancelling the iteration aborts the request.
+        first output when the engine refuses the request (:meth:`EngineCore.add_request`
+        checks it on the engine thread); EngineDeadError if the engine thread died.
+        Cancelling the iteration aborts the request.
         """
         self._raise_if_dead()
-        self._core().validate(request)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         rid = request.request_id

@@ -6,7 +6,6 @@ caller of ``kvserve.LLM``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -22,7 +21,6 @@ from kvserve.engine.kv_budget import kv_layout, plan_engine_pool
 from kvserve.engine.kv_cache import KVCacheManager
 from kvserve.engine.kv_quant import kv_bytes_per_token
 from kvserve.engine.request import (
-    ContextSizeExceededError,
     InvalidRequestError,
     PromptProgress,
     Request,
@@ -31,6 +29,7 @@ from kvserve.engine.request import (
     Timings,
     TokenLogprob,
     TopLogprob,
+    check_prompt,
 )
 from kvserve.engine.model_runner import ModelRunner, SampleFailure, StepResult
 from kvserve.engine.sampler import BreakerCache, SampleResult, SequenceSampler
@@ -120,28 +119,45 @@ class EngineCore:
         self.n_ctx = config.resolve_n_ctx(loaded.config.n_ctx_train)
         self.n_ctx_slot = config.n_ctx_slot(loaded.config.n_ctx_train)
         self.n_slots = config.n_slots
-        bs = config.block_size
+        max_pos = max(self.n_ctx_slot, self.n_ctx) + config.block_size
         if make_runner is None and config.tensor_parallel_size * config.pipeline_parallel_size > 1:
             from kvserve.engine.parallel import ParallelRunner  # tp/pp: the model is split over ranks
 
-            max_pos = max(self.n_ctx_slot, self.n_ctx) + bs
             make_runner = lambda nb, b: ParallelRunner(loaded, config, nb, b, max_pos)  # noqa: E731
         if make_runner is None:
-            self.model = build_model(loaded, config, max_positions=max(self.n_ctx_slot, self.n_ctx) + bs)
-        c = loaded.config
+            self.model = build_model(loaded, config, max_positions=max_pos)
+        dev_type = self.model.device.type if make_runner is None else torch.device(config.resolve_device()).type
+        num_blocks, group_blocks = self._plan_kv(loaded.config, dev_type, windows=make_runner is None)
+        self._start_runner(make_runner, num_blocks, group_blocks)
+        #: speculative decoding's draft model (method "draft_model"; kvserve.engine.draft), or None
+        self.draft = None
+        if config.spec.enabled and config.spec.method == "draft_model" and make_runner is None:
+            self._load_draft(loaded, num_blocks, max_pos)
+        if config.compile:
+            self.runner.start_compile(self.n_slots * ModelRunner.DECODE_LIKE_MAX)
+        self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens, self.n_ctx_slot)
+        self.scheduler.detokenize = self._excerpt
+        self._setup_spec()
+        self._init_state()
+
+    def _plan_kv(self, c, dev_type: str, *, windows: bool) -> tuple[int, list[int]]:
+        """Size the KV pool for model config ``c`` and build the KV cache manager (``self.kv``);
+        logs llama-server's lines about it. Returns the pool's blocks and each sliding-window
+        group's blocks.
+
+        ``windows``: sliding-window layers get pools of their own (kv_cache's groups) when this
+        process runs the model (a stand-in runner or a split model: one pool)."""
+        config, bs = self.config, self.config.block_size
         self.block_bytes = bs * kv_bytes_per_token(c.n_layer, c.n_head_kv, c.head_dim, config.kv_dtype,
                                                    config.kv_dtype_v)
-        #: which layers keep which KV: sliding-window layers get pools of their own (kv_cache's
-        #: groups) when this process runs the model (a stand-in runner or a split model: one pool)
+        #: which layers keep which KV
         self.kv_layout = kv_layout(c, block_size=bs, n_slots=self.n_slots,
                                    max_num_batched_tokens=config.max_num_batched_tokens, kv_dtype=config.kv_dtype,
-                                   kv_dtype_v=config.kv_dtype_v, windows=make_runner is None,
-                                   n_ctx_slot=self.n_ctx_slot)
+                                   kv_dtype_v=config.kv_dtype_v, windows=windows, n_ctx_slot=self.n_ctx_slot)
         # the pool: blocks for running sequences (n_ctx tokens plus one partial block per
         # sequence, or a vLLM memory budget: see kv_budget), the host tier (--cache-ram), and
         # the null block
-        dev_type = self.model.device.type if make_runner is None else torch.device(config.resolve_device()).type
-        self.pool = plan_engine_pool(config, loaded.config, n_ctx=self.n_ctx, n_ctx_slot=self.n_ctx_slot,
+        self.pool = plan_engine_pool(config, c, n_ctx=self.n_ctx, n_ctx_slot=self.n_ctx_slot,
                                      n_slots=self.n_slots, block_bytes=self.kv_layout.block_bytes,
                                      device_type=dev_type, windows=self.kv_layout.costs(),
                                      note=lambda level, text: log.log(level, "%s", text, extra={"func": "load_model"}))
@@ -164,48 +180,60 @@ class EngineCore:
             log.info("sliding-window layers (window %d tokens, %d layers): a pool of their own of %d blocks "
                      "(%d for running sequences: %d a sequence at most)", w, len(layers), nb, nb - 1 - host,
                      -(-w // bs) + 1, extra={"func": "load_model"})
+        return num_blocks, group_blocks
+
+    def _start_runner(self, make_runner: Callable[[int, int], ModelRunner] | None, num_blocks: int,
+                      group_blocks: list[int]) -> None:
+        """The model runner over ``num_blocks`` KV blocks (``self.runner``, ``self.device``): this
+        process's ModelRunner around ``self.model``, or ``make_runner``'s (a stand-in, a split model)."""
+        config, bs = self.config, self.config.block_size
         if make_runner is None:
             self.runner = ModelRunner(self.model, num_blocks, bs, config.kv_dtype, self.model.device,
                                       kv_dtype_v=config.kv_dtype_v,
-                                      groups=[(w, layers, nb) for (w, layers), nb in zip(lay.windows, group_blocks)])
+                                      groups=[(w, layers, nb) for (w, layers), nb
+                                              in zip(self.kv_layout.windows, group_blocks)])
         else:
             self.runner = make_runner(num_blocks, bs)
             self.model = self.runner.model
         self.device = self.runner.device
-        #: speculative decoding's draft model (method "draft_model"; kvserve.engine.draft), or None
-        self.draft = None
-        if config.spec.enabled and config.spec.method == "draft_model" and make_runner is None:
-            from kvserve.engine.draft import DraftModel
 
-            try:
-                self.draft = DraftModel.load(config.spec.draft_model, loaded, config, num_blocks, bs,
-                                             max(self.n_ctx_slot, self.n_ctx) + bs)
-            except BaseException:
-                # the target's native step packs its weights in a daemon thread (torch ops): let it end
-                # first, else a start-up error that exits the process aborts it in that thread (SIGABRT)
-                nat = getattr(self.runner, "native", None)
-                if nat is not None:
-                    nat.wait(timeout=120.0)
-                raise
-            self._draft_cost = self.draft.cost_ratio
-        if config.compile:
-            self.runner.start_compile(self.n_slots * ModelRunner.DECODE_LIKE_MAX)
-        self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens, self.n_ctx_slot)
-        self.scheduler.detokenize = self._excerpt
+    def _load_draft(self, loaded: LoadedModel, num_blocks: int, max_pos: int) -> None:
+        """Load speculative decoding's draft model (``self.draft``)."""
+        from kvserve.engine.draft import DraftModel
+
+        try:
+            self.draft = DraftModel.load(self.config.spec.draft_model, loaded, self.config, num_blocks,
+                                         self.config.block_size, max_pos)
+        except BaseException:
+            # the target's native step packs its weights in a daemon thread (torch ops): let it end
+            # first, else a start-up error that exits the process aborts it in that thread (SIGABRT)
+            nat = getattr(self.runner, "native", None)
+            if nat is not None:
+                nat.wait(timeout=120.0)
+            raise
+        self._draft_cost = self.draft.cost_ratio
+
+    def _setup_spec(self) -> None:
+        """The speculative decoding policy (``self.spec``, None when off) and the scheduler's view of it."""
+        config = self.config
         #: speculative decoding policy (None: off)
         self.spec = SpecDecoder(config.spec) if config.spec.enabled else None
         #: the policy takes the native decode step's costs once it is loaded (see _step)
         self._spec_native_pending = self.spec is not None and getattr(self.runner, "native", None) is not None
-        if self.spec is not None:
-            self.scheduler.spec = self.spec
-            if self.draft is not None:  # the policy charges each drafted token a draft step
-                self.spec.draft_cost = self._draft_cost
-            if self.device.type != "cpu":
-                self.spec.base_rows, self.spec.chunk_rows = STEP_BASE_ROWS_GPU, CHUNK_ROWS_GPU
-            if self.device.type == "cpu" and config.small_batch_rows > 0:
-                # verification steps stay within the small-batch kernel's rows: the drafts'
-                # logits then come from the kernels a plain decode step uses
-                self.scheduler.spec_max_rows = config.small_batch_rows
+        if self.spec is None:
+            return
+        self.scheduler.spec = self.spec
+        if self.draft is not None:  # the policy charges each drafted token a draft step
+            self.spec.draft_cost = self._draft_cost
+        if self.device.type != "cpu":
+            self.spec.base_rows, self.spec.chunk_rows = STEP_BASE_ROWS_GPU, CHUNK_ROWS_GPU
+        if self.device.type == "cpu" and config.small_batch_rows > 0:
+            # verification steps stay within the small-batch kernel's rows: the drafts'
+            # logits then come from the kernels a plain decode step uses
+            self.scheduler.spec_max_rows = config.small_batch_rows
+
+    def _init_state(self) -> None:
+        """The per-request state, counters and options of a fresh engine."""
         # DRY breaker sets shared by this engine's requests; bound to the tokenizer, not to
         # self, so that nothing outside this engine holds it (see BreakerCache)
         self.breakers = BreakerCache(functools.partial(_piece_text, self.tokenizer))
@@ -227,28 +255,17 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------
 
     def validate(self, request: Request) -> None:
-        """Raise InvalidRequestError / ContextSizeExceededError before scheduling.
-
-        A server-default ``n_predict`` (``params.n_predict_default``) larger than the room left
-        in the context is capped to that room here (``request.params`` is replaced), as vLLM's
-        ``get_max_tokens`` does; a request's own ``n_predict`` is refused instead."""
-        n = len(request.prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty: at least one token is required")
-        nv = self.model_config.n_vocab
-        bad = next((t for t in request.prompt_token_ids if not 0 <= t < nv), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is out of range (vocabulary size {nv})")
-        p = request.params
-        if p.n_predict_default and p.n_predict > 0 and n < self.n_ctx_slot and n + p.n_predict > self.n_ctx_slot:
-            request.params = dataclasses.replace(p, n_predict=self.n_ctx_slot - n)
-        need = n + max(request.params.n_predict, 0)
-        if n >= self.n_ctx_slot or need > self.n_ctx_slot:
-            raise ContextSizeExceededError(n, self.n_ctx_slot, max(request.params.n_predict, 0))
+        """Raise InvalidRequestError / ContextSizeExceededError for a request this engine cannot
+        run (:func:`~kvserve.engine.request.check_prompt` against ``n_ctx_slot`` and the model's
+        vocabulary). Read-only: a request comes admitted (and its default ``n_predict`` capped)
+        by the serving layer (:func:`kvserve.serving.admission.admit`); the engine never changes
+        its parameters."""
+        check_prompt(request.prompt_token_ids, request.params.n_predict, self.n_ctx_slot,
+                     self.model_config.n_vocab)
 
     def add_request(self, request: Request) -> None:
-        """Validate and queue a request (raises InvalidRequestError subclasses; RuntimeError
-        once the core is closed)."""
+        """Check (:meth:`validate`) and queue an admitted request (raises InvalidRequestError
+        subclasses; RuntimeError once the core is closed)."""
         if self.closed:
             raise RuntimeError("the engine is closed")
         self.validate(request)

@@ -73,6 +73,35 @@ class ContextSizeExceededError(InvalidRequestError):
         super().__init__(msg)
 
 
+def check_prompt(prompt_token_ids: list[int], n_predict: int, n_ctx_slot: int, n_vocab: int) -> None:
+    """Refuse a prompt the engine cannot run: the engine's invariants on a request it admits.
+
+    Read-only (it changes nothing); the serving layer calls it when it admits a request
+    (:func:`kvserve.serving.admission.admit`, which first caps a server-default ``n_predict``),
+    the engine again when the request arrives (:meth:`kvserve.engine.core.EngineCore.add_request`).
+
+    Args:
+        prompt_token_ids: the prompt (token ids); n_predict: tokens to generate (-1: until the
+            context is full); n_ctx_slot: one sequence's context [tokens]; n_vocab: the model's
+            vocabulary size (the logits' width).
+
+    Raises:
+        InvalidRequestError: ``the prompt is empty: at least one token is required``;
+            ``token id N is out of range (vocabulary size V)`` (the first such id).
+        ContextSizeExceededError: the prompt, or the prompt plus ``n_predict``, does not fit
+            ``n_ctx_slot`` (at least one token must be left to generate).
+    """
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise InvalidRequestError("the prompt is empty: at least one token is required")
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= n_vocab:  # C-speed scans; the first bad id below
+        bad = next(t for t in prompt_token_ids if not 0 <= t < n_vocab)
+        raise InvalidRequestError(f"token id {bad} is out of range (vocabulary size {n_vocab})")
+    n_gen = max(n_predict, 0)
+    if n >= n_ctx_slot or n + n_gen > n_ctx_slot:
+        raise ContextSizeExceededError(n, n_ctx_slot, n_gen)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request generation parameters, llama.cpp names and defaults.
@@ -83,9 +112,10 @@ class SamplingParams:
     Attributes (units in brackets):
         n_predict: max tokens to generate; -1 = until the context is full.
         n_predict_default: ``n_predict`` is a server default (the model's ``max_new_tokens``,
-            ``--override-generation-config``, ``-n``), not the request's own: the engine caps it
-            to the room left in the context (vLLM's ``get_max_tokens``: ``min(default,
-            max_model_len - prompt_len)``) instead of refusing the request.
+            ``--override-generation-config``, ``-n``), not the request's own: admission
+            (:func:`kvserve.serving.admission.admit`) caps it to the room left in the context
+            (vLLM's ``get_max_tokens``: ``min(default, max_model_len - prompt_len)``) instead of
+            refusing the request; the engine never changes it.
         temperature: <= 0 means greedy (argmax), as in llama.cpp.
         seed: RNG seed; ``SEED_RANDOM`` (4294967295) picks a random one.
         logit_bias: token id -> additive bias; ``float('-inf')`` bans the token,

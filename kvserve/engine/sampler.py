@@ -855,6 +855,51 @@ def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
 _BATCHABLE = frozenset({"top_p", "min_p", "temperature"})
 
 
+def _mask_beyond_k(samplers: list[SequenceSampler], vals: torch.Tensor) -> torch.Tensor:
+    """A copy of ``vals`` (float32 [R, k_max]) with each row's entries past its own top_k at ``-inf``."""
+    k_max = vals.shape[1]
+    ks = [min(s.params.top_k, k_max) for s in samplers]
+    if min(ks) < k_max:
+        pos = torch.arange(k_max, device=vals.device)[None, :]
+        kt = torch.tensor(ks, device=vals.device)[:, None]
+        return vals.masked_fill(pos >= kt, NEG_INF)
+    return vals.clone()
+
+
+def _batched_top_p(samplers: list[SequenceSampler], vals: torch.Tensor) -> torch.Tensor:
+    p = torch.tensor([s.params.top_p for s in samplers], dtype=torch.float32, device=vals.device)[:, None]
+    cum = torch.cumsum(torch.softmax(vals, dim=-1), dim=-1)
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
+    return vals.masked_fill(before >= p, NEG_INF)  # keep through the first cum >= p
+
+
+def _batched_min_p(samplers: list[SequenceSampler], vals: torch.Tensor) -> torch.Tensor:
+    lp = torch.tensor([math.log(s.params.min_p) for s in samplers], dtype=torch.float32, device=vals.device)
+    thr = vals[:, :1] + lp[:, None]  # column 0 is the row max
+    return vals.masked_fill(vals < thr, NEG_INF)
+
+
+def _batched_temperature(samplers: list[SequenceSampler], vals: torch.Tensor) -> torch.Tensor:
+    dev = vals.device
+    temps = [s.params.temperature for s in samplers]
+    if any(t <= 0.0 for t in temps):  # greedy rows keep their first (top) candidate
+        greedy = torch.tensor([t <= 0.0 for t in temps], device=dev)[:, None]
+        later = torch.arange(vals.shape[1], device=dev)[None, :] > 0
+        vals = vals.masked_fill(greedy & later, NEG_INF)
+    if any(t > 0.0 and t != 1.0 for t in temps):
+        div = torch.tensor([t if t > 0.0 else 1.0 for t in temps], dtype=torch.float32, device=dev)
+        vals = vals / div[:, None]
+    return vals
+
+
+#: the batched stages of :data:`_BATCHABLE`: (R samplers, float32 [R, k] sorted values) -> new values
+_BATCHED_STAGES: dict[str, Callable[[list[SequenceSampler], torch.Tensor], torch.Tensor]] = {
+    "top_p": _batched_top_p,
+    "min_p": _batched_min_p,
+    "temperature": _batched_temperature,
+}
+
+
 def _batched_after_top_k(
     samplers: list[SequenceSampler],
     vals: torch.Tensor,
@@ -873,64 +918,46 @@ def _batched_after_top_k(
     Removed candidates are ``-inf`` in place (the rows stay sorted), which is the
     same set, order and draw as the per-row path.
     """
-    n_rows, k_max = vals.shape
-    dev = vals.device
-    ks = [min(s.params.top_k, k_max) for s in samplers]
-    if min(ks) < k_max:
-        pos = torch.arange(k_max, device=dev)[None, :]
-        kt = torch.tensor(ks, device=dev)[:, None]
-        vals = vals.masked_fill(pos >= kt, NEG_INF)
-    else:
-        vals = vals.clone()
+    vals = _mask_beyond_k(samplers, vals)
     for name in stages:
-        if name == "top_p":
-            p = torch.tensor([s.params.top_p for s in samplers], dtype=torch.float32, device=dev)[:, None]
-            cum = torch.cumsum(torch.softmax(vals, dim=-1), dim=-1)
-            before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
-            vals = vals.masked_fill(before >= p, NEG_INF)  # keep through the first cum >= p
-        elif name == "min_p":
-            lp = torch.tensor([math.log(s.params.min_p) for s in samplers], dtype=torch.float32, device=dev)
-            thr = vals[:, :1] + lp[:, None]  # column 0 is the row max
-            vals = vals.masked_fill(vals < thr, NEG_INF)
-        else:  # temperature
-            temps = [s.params.temperature for s in samplers]
-            if any(t <= 0.0 for t in temps):
-                greedy = torch.tensor([t <= 0.0 for t in temps], device=dev)[:, None]
-                later = torch.arange(k_max, device=dev)[None, :] > 0
-                vals = vals.masked_fill(greedy & later, NEG_INF)
-            if any(t > 0.0 and t != 1.0 for t in temps):
-                div = torch.tensor([t if t > 0.0 else 1.0 for t in temps], dtype=torch.float32, device=dev)
-                vals = vals / div[:, None]
-    logp = torch.log_softmax(vals, dim=-1)
+        vals = _BATCHED_STAGES[name](samplers, vals)
+    logp = torch.log_softmax(vals, dim=-1)  # [R, k_max]
     probs = logp.exp()
     cum = torch.cumsum(probs, dim=-1)
     u = torch.tensor(
         [float(torch.rand((), generator=s._rng, dtype=torch.float64)) for s in samplers],
         dtype=torch.float32,
-        device=dev,
+        device=vals.device,
     )
-    pos = torch.searchsorted(cum, cum[:, -1:] * u[:, None]).clamp_(max=k_max - 1)
+    pos = torch.searchsorted(cum, cum[:, -1:] * u[:, None]).clamp_(max=vals.shape[1] - 1)
     tok = ids.gather(1, pos).squeeze(1)
     post_lp = logp.gather(1, pos).squeeze(1)
     raw_lp = raw.gather(1, tok[:, None]).squeeze(1) - lse
-    tok_l, post_l, raw_l = tok.tolist(), post_lp.tolist(), raw_lp.tolist()
+    return _batched_results(samplers, tok.tolist(), post_lp.tolist(), raw_lp.tolist(), logp, probs, ids, raw, lse)
+
+
+def _batched_results(samplers: list[SequenceSampler], tok_l: list[int], post_l: list[float], raw_l: list[float],
+                     logp: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor, raw: torch.Tensor,
+                     lse: torch.Tensor) -> list[SampleResult]:
+    """The R rows' SampleResults: the drawn token, its logprob (after the chain with
+    ``post_sampling_probs``, else raw) and its ``n_probs`` top candidates (one topk of the raw
+    logits for every row that reports raw probabilities)."""
     raw_n = [s.params.n_probs if not s.params.post_sampling_probs else 0 for s in samplers]
     raw_top_v = raw_top_i = None
-    if max(raw_n) > 0:  # one topk for every row that reports raw probabilities
+    if max(raw_n) > 0:
         tv, ti = torch.topk(raw, min(max(raw_n), raw.shape[1]), dim=-1)
         raw_top_v, raw_top_i = (tv - lse[:, None]).tolist(), ti.tolist()
     out = []
     for j, s in enumerate(samplers):
         p = s.params
+        top = None
         if p.post_sampling_probs:
-            top = None
             if p.n_probs > 0:
                 n = min(p.n_probs, int((probs[j] > 0).sum().item()))
                 tv, ti = torch.topk(logp[j], n)
                 top = list(zip(ids[j][ti].tolist(), tv.tolist()))
             out.append(SampleResult(int(tok_l[j]), float(post_l[j]), top))
         else:
-            top = None
             if p.n_probs > 0:
                 n = min(p.n_probs, raw.shape[1])
                 top = list(zip(raw_top_i[j][:n], raw_top_v[j][:n]))
@@ -989,6 +1016,157 @@ def _native_stats(logits: torch.Tensor):
     return getattr(mod, "greedy_stats", None) if mod is not None else None
 
 
+@dataclass(slots=True)
+class _Batch:
+    """One :func:`sample_batch` call: its inputs, what the strategies share and their results.
+
+    Attributes:
+        logits: float32 [B, n_vocab]; lse: float32 [B] their logsumexp.
+        fast: the native ``greedy_stats`` (:func:`_native_stats`) or None; stats: its pass over
+            ``logits`` with nothing banned (index, max, ties, lse per row) or None.
+        results: B entries, None until a strategy samples the row.
+        pre: row -> its top-k candidates ``(vals, ids)``, for a row the top-k strategy leaves to
+            the chain.
+    """
+
+    logits: torch.Tensor
+    samplers: list[SequenceSampler]
+    histories: list[Sequence[int]]
+    num_generated: list[int]
+    masks: list[torch.Tensor | None]
+    lse: torch.Tensor
+    fast: Callable | None
+    stats: tuple | None
+    results: list[SampleResult | None]
+    pre: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Strategy:
+    """One way to sample rows of a batch: ``applies(batch, row)`` says which rows it takes (among
+    those not sampled yet), ``sample(batch, rows)`` fills ``batch.results`` for them; a row it
+    leaves None (a tie, a NaN) goes on to the next strategy."""
+
+    name: str
+    applies: Callable[[_Batch, int], bool]
+    sample: Callable[[_Batch, list[int]], None]
+
+
+def _plain_greedy(b: _Batch, i: int) -> bool:
+    return b.samplers[i].is_plain_greedy(b.num_generated[i], b.masks[i])
+
+
+def _sample_greedy(b: _Batch, rows: list[int]) -> None:
+    """Plain greedy rows: the native pass's pick (a row with a NaN excepted), else one batched argmax."""
+    results = b.results
+    if b.stats is not None:
+        toks, best, lses, ties = (t.tolist() for t in b.stats)
+        for r in rows:
+            if ties[r] >= 0:  # -1: a NaN in the row, torch's argmax below decides
+                results[r] = SampleResult(int(toks[r]), float(best[r] - lses[r]), None)
+        rows = [r for r in rows if results[r] is None]
+    if rows:
+        sub = _rows(b.logits, rows)
+        tok = sub.argmax(dim=-1)
+        lp = sub.gather(1, tok[:, None]).squeeze(1) - _rows(b.lse[:, None], rows).squeeze(1)
+        for r, t, lpv in zip(rows, tok.tolist(), lp.tolist()):
+            results[r] = SampleResult(int(t), float(lpv), None)
+
+
+def _greedy_banning_eog(b: _Batch, i: int) -> bool:
+    return b.samplers[i].is_greedy_without_eog(b.num_generated[i], b.masks[i])
+
+
+def _sample_greedy_without_eog(b: _Batch, rows: list[int]) -> None:
+    """Greedy rows under ignore_eos / min_tokens: the native pass with the EOG ids excluded (one
+    EOG set), else :func:`_greedy_without_eog`; a tie is left for the chain."""
+    logits, samplers, results = b.logits, b.samplers, b.results
+    if b.fast is not None and len({samplers[r].eog_token_ids for r in rows}) == 1:
+        sub = _rows(logits, rows).contiguous()
+        toks, best, _, ties = (t.tolist() for t in b.fast(sub, samplers[rows[0]].eog_index(logits.device)))
+        raw = logits[torch.tensor(rows), torch.tensor(toks)].tolist()
+        lses = b.lse.tolist()
+        for j, r in enumerate(rows):
+            if best[j] > NEG_INF and ties[j] == 1:  # as _greedy_without_eog: a tie goes through the chain
+                results[r] = SampleResult(int(toks[j]), float(raw[j] - lses[r]), None)
+        rows = [r for r in rows if results[r] is None]
+    if rows:
+        _greedy_without_eog(logits, b.lse, rows, samplers, results)
+
+
+def _top_k_first(b: _Batch, i: int) -> bool:
+    return b.samplers[i].topk_after_lead
+
+
+def _lead_applied(b: _Batch, rows: list[int]) -> torch.Tensor:
+    """``b.logits``, or a copy with each row that needs it prepared (mask, bias, EOG ban) and run
+    through its stages before top_k (penalties, dry)."""
+    logits, work = b.logits, b.logits
+    for i in rows:
+        smp = b.samplers[i]
+        if b.masks[i] is None and not smp._bias and not smp._bans_eog(b.num_generated[i]) and not smp._lead:
+            continue
+        if work is logits:
+            work = logits.clone()
+        cand = _Cand(smp._prepare(logits[i], b.num_generated[i], b.masks[i]), None, False)
+        for name in smp._stages[: smp._lead]:
+            if name == "penalties":
+                smp._apply_penalties(cand, b.histories[i])
+            else:
+                smp._apply_dry(cand, b.histories[i])
+        work[i] = cand.vals
+    return work
+
+
+def _sample_top_k(b: _Batch, rows: list[int]) -> None:
+    """Rows whose first active stage is top_k: one batched ``torch.topk``; rows whose chain after it
+    is only top_p / min_p / temperature (llama-server's defaults) finish batched on [R, k]
+    (:func:`_batched_after_top_k`, grouped by that tail), the others keep their candidates
+    (``b.pre``) for the chain."""
+    samplers, logits = b.samplers, b.logits
+    k_max = min(max(samplers[i].params.top_k for i in rows), logits.shape[1])
+    sub = _rows(_lead_applied(b, rows), rows)
+    raw_sub = _rows(logits, rows)
+    vals, ids = torch.topk(sub, k_max, dim=-1, sorted=True)  # [R, k_max]
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for j, r in enumerate(rows):
+        tail = samplers[r]._stages[samplers[r]._lead + 1 :]
+        if _BATCHABLE.issuperset(tail):
+            groups.setdefault(tail, []).append(j)
+        else:
+            b.pre[r] = (vals[j], ids[j])
+    sub_lse = _rows(b.lse[:, None], rows).squeeze(1)
+    for tail, js in groups.items():
+        sel = torch.tensor(js, dtype=torch.long, device=logits.device) if len(js) < len(rows) else None
+        pick = (lambda t: t) if sel is None else (lambda t: t.index_select(0, sel))
+        outs = _batched_after_top_k([samplers[rows[j]] for j in js], pick(vals), pick(ids), pick(raw_sub),
+                                    pick(sub_lse), tail)
+        for j, res in zip(js, outs):
+            b.results[rows[j]] = res
+
+
+def _any_row(b: _Batch, i: int) -> bool:
+    return True
+
+
+def _sample_chain(b: _Batch, rows: list[int]) -> None:
+    """Every row left: :meth:`SequenceSampler._sample`, the full chain (with the top-k strategy's
+    candidates where it left them)."""
+    for i in rows:
+        b.results[i] = b.samplers[i]._sample(b.logits[i], b.histories[i], b.num_generated[i], b.masks[i], b.lse[i],
+                                             b.pre.get(i))
+
+
+#: :func:`sample_batch`'s strategies, tried in this order on the rows not sampled yet; the last
+#: takes every row, so each row gets a result.
+STRATEGIES: tuple[_Strategy, ...] = (
+    _Strategy("greedy", _plain_greedy, _sample_greedy),
+    _Strategy("greedy_without_eog", _greedy_banning_eog, _sample_greedy_without_eog),
+    _Strategy("top_k", _top_k_first, _sample_top_k),
+    _Strategy("chain", _any_row, _sample_chain),
+)
+
+
 def sample_batch(
     logits: torch.Tensor,
     samplers: list[SequenceSampler],
@@ -1007,21 +1185,21 @@ def sample_batch(
 
     Returns:
         B SampleResults, in row order, the same as calling
-        :meth:`SequenceSampler.sample` row by row (up to float rounding):
+        :meth:`SequenceSampler.sample` row by row (up to float rounding). The rows go
+        through :data:`STRATEGIES` in order, each taking the rows it applies to:
 
-        - plain greedy rows (:meth:`SequenceSampler.is_plain_greedy`): one
-          batched argmax;
-        - rows whose first active stage is ``top_k`` (no mask, bias or EOG ban):
-          one batched ``torch.topk``; when the rest of their chain is only
-          top_p / min_p / temperature (llama-server's defaults) the whole chain
-          and the draw run batched on [R, k] tensors;
-        - every other row goes through the per-row chain.
+        - ``greedy``: plain greedy rows (:meth:`SequenceSampler.is_plain_greedy`): the
+          native pass's argmax, else one batched argmax;
+        - ``greedy_without_eog``: greedy rows with an EOG ban and nothing else
+          (:meth:`SequenceSampler.is_greedy_without_eog`): the same with the EOG ids excluded;
+        - ``top_k``: rows whose first active stage is ``top_k``: one batched ``torch.topk``;
+          when the rest of their chain is only top_p / min_p / temperature (llama-server's
+          defaults) the whole chain and the draw run batched on [R, k] tensors;
+        - ``chain``: every other row goes through the per-row chain.
     """
     bsz = logits.shape[0]
     if not (len(samplers) == len(histories) == len(num_generated) == bsz):
         raise ValueError("sample_batch: samplers, histories and num_generated must have B entries")
-    if masks is None:
-        masks = [None] * bsz
     logits = logits.to(torch.float32)
     fast = _native_stats(logits)
     stats = None
@@ -1031,81 +1209,13 @@ def sample_batch(
         lse = stats[2]
     else:
         lse = torch.logsumexp(logits, dim=-1)  # [B]
-    results: list[SampleResult | None] = [None] * bsz
-
-    greedy_rows = [i for i in range(bsz) if samplers[i].is_plain_greedy(num_generated[i], masks[i])]
-    if greedy_rows and stats is not None:
-        toks, best, lses, ties = (t.tolist() for t in stats)
-        for r in greedy_rows:
-            if ties[r] >= 0:  # -1: a NaN in the row, torch's argmax below decides
-                results[r] = SampleResult(int(toks[r]), float(best[r] - lses[r]), None)
-        greedy_rows = [r for r in greedy_rows if results[r] is None]
-    if greedy_rows:
-        sub = _rows(logits, greedy_rows)
-        tok = sub.argmax(dim=-1)
-        lp = sub.gather(1, tok[:, None]).squeeze(1) - _rows(lse[:, None], greedy_rows).squeeze(1)
-        for r, t, lpv in zip(greedy_rows, tok.tolist(), lp.tolist()):
-            results[r] = SampleResult(int(t), float(lpv), None)
-
-    ban_rows = [i for i in range(bsz)
-                if results[i] is None and samplers[i].is_greedy_without_eog(num_generated[i], masks[i])]
-    if ban_rows and fast is not None and len({samplers[r].eog_token_ids for r in ban_rows}) == 1:
-        # greedy under ignore_eos / min_tokens: the same pass with the EOG ids excluded
-        sub = _rows(logits, ban_rows).contiguous()
-        toks, best, _, ties = (t.tolist() for t in fast(sub, samplers[ban_rows[0]].eog_index(logits.device)))
-        raw = logits[torch.tensor(ban_rows), torch.tensor(toks)].tolist()
-        lses = lse.tolist()
-        for j, r in enumerate(ban_rows):
-            if best[j] > NEG_INF and ties[j] == 1:  # as _greedy_without_eog: a tie goes through the chain
-                results[r] = SampleResult(int(toks[j]), float(raw[j] - lses[r]), None)
-        ban_rows = [r for r in ban_rows if results[r] is None]
-    if ban_rows:
-        _greedy_without_eog(logits, lse, ban_rows, samplers, results)
-
-    rest = [i for i in range(bsz) if results[i] is None]
-    topk_rows = [i for i in rest if samplers[i].topk_after_lead]
-    pre: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    if topk_rows:
-        k_max = min(max(samplers[i].params.top_k for i in topk_rows), logits.shape[1])
-        work = logits
-        for i in topk_rows:
-            smp = samplers[i]
-            if masks[i] is None and not smp._bias and not smp._bans_eog(num_generated[i]) and not smp._lead:
-                continue
-            if work is logits:
-                work = logits.clone()
-            cand = _Cand(smp._prepare(logits[i], num_generated[i], masks[i]), None, False)
-            for name in smp._stages[: smp._lead]:
-                if name == "penalties":
-                    smp._apply_penalties(cand, histories[i])
-                else:
-                    smp._apply_dry(cand, histories[i])
-            work[i] = cand.vals
-        sub = _rows(work, topk_rows)
-        raw_sub = _rows(logits, topk_rows)
-        vals, ids = torch.topk(sub, k_max, dim=-1, sorted=True)
-        groups: dict[tuple[str, ...], list[int]] = {}
-        for j, r in enumerate(topk_rows):
-            tail = samplers[r]._stages[samplers[r]._lead + 1 :]
-            if _BATCHABLE.issuperset(tail):
-                groups.setdefault(tail, []).append(j)
-            else:
-                pre[r] = (vals[j], ids[j])
-        sub_lse = _rows(lse[:, None], topk_rows).squeeze(1)
-        for tail, js in groups.items():
-            sel = torch.tensor(js, dtype=torch.long, device=logits.device) if len(js) < len(topk_rows) else None
-            pick = (lambda t: t) if sel is None else (lambda t: t.index_select(0, sel))
-            outs = _batched_after_top_k(
-                [samplers[topk_rows[j]] for j in js], pick(vals), pick(ids), pick(raw_sub), pick(sub_lse), tail
-            )
-            for j, res in zip(js, outs):
-                results[topk_rows[j]] = res
-    for i in rest:
-        if results[i] is None:
-            results[i] = samplers[i]._sample(
-                logits[i], histories[i], num_generated[i], masks[i], lse[i], pre.get(i)
-            )
-    return results  # type: ignore[return-value]
+    b = _Batch(logits, samplers, histories, num_generated, masks if masks is not None else [None] * bsz, lse,
+               fast, stats, [None] * bsz, {})
+    for strategy in STRATEGIES:
+        rows = [i for i in range(bsz) if b.results[i] is None and strategy.applies(b, i)]
+        if rows:
+            strategy.sample(b, rows)
+    return b.results  # type: ignore[return-value]
 
 
 def compute_logprobs(

@@ -282,7 +282,7 @@ def sampling_fields(body: dict, tokenizer, *, max_tokens_keys: tuple[str, ...] =
         max_logprobs: ``--max-logprobs``: the largest ``n_probs`` allowed (-1: the
             vocabulary size, vLLM's "no cap").
         n_predict_default: the body's ``n_predict`` is a default the face applied (Ollama's
-            ``num_predict`` layers), not the client's: the engine caps it to the context's room
+            ``num_predict`` layers), not the client's: admission caps it to the context's room
             (``SamplingParams.n_predict_default``) instead of refusing it.
 
     Output constraints (``grammar``, ``json_schema``, ``response_format``,

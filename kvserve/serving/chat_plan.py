@@ -19,8 +19,8 @@ What the plan decides, with the loaded model in hand:
   documents, variables and reasoning effort.
 - the prompt: rendered and tokenized (:func:`kvserve.chat.prompt.render_chat`), refused before
   rendering when its text alone cannot fit the context, truncated when asked.
-- the engine requests: one per choice, checked by the engine now so a stream never starts for a
-  request the engine would refuse.
+- the engine requests: one per choice, admitted now (:func:`kvserve.serving.admission.admit`) so a
+  stream never starts for a request the engine would refuse.
 
 Errors are :mod:`kvserve.errors`' domain errors (a face maps them to its envelope).
 """
@@ -38,6 +38,7 @@ from kvserve.chat.prompt import continues_final_message, normalize_messages, ren
 from kvserve.chat.template import RESERVED_VARIABLES
 from kvserve.engine.request import SEED_RANDOM, InvalidRequestError, Request, SamplingParams
 from kvserve.errors import InvalidInputError, ServerFaultError
+from kvserve.serving.admission import admit
 from kvserve.serving.chat_output import OutputMode, preserved_token_ids
 from kvserve.serving.chat_request import ChatRequest, TemplateOptions
 
@@ -385,17 +386,18 @@ def engine_requests(runner: Runner, response_id: str, prompts: list[list[int]], 
 
 
 def validate_requests(runner: Runner, reqs: list[Request]) -> None:
-    """Refuse now what the engine would refuse, so a stream never starts for a bad request.
+    """Admit ``reqs`` for ``runner``'s model (:func:`kvserve.serving.admission.admit`: the one
+    check of prompt, limit and ``id_slot``, and the cap of a default ``n_predict``), so a stream
+    never starts for a request the engine would refuse.
 
     Raises:
-        InvalidRequestError / ContextSizeExceededError: the engine's refusal.
+        InvalidRequestError / ContextSizeExceededError: the prompt or its limit.
         InvalidInputError: ``Invalid id_slot: N`` for a slot the server does not have.
     """
     engine, slots = runner.engine, runner.slots
+    n_slots = len(slots.slots) if slots is not None else None
     for r in reqs:
-        engine.validate(r)
-        if slots is not None and r.priority_slot >= len(slots.slots):
-            raise InvalidInputError(f"Invalid id_slot: {r.priority_slot}")
+        admit(r, n_ctx_slot=engine.n_ctx_slot, n_vocab=engine.n_vocab, n_slots=n_slots)
 
 
 def grammar_text(runner: Runner, spec) -> str:

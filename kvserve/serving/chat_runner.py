@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvserve.engine.request import Request, RequestOutput
-from kvserve.errors import InvalidInputError, ServerFaultError
+from kvserve.errors import ServerFaultError
 from kvserve.serving.generation_config import model_defaults
 from kvserve.serving.manager import MemoryEstimate, ModelSpec, estimate_memory
 from kvserve.serving.metrics import Metrics
@@ -574,21 +574,18 @@ def fair_share(runner: Runner) -> asyncio.Semaphore:
 async def generate(runner: Runner, request: Request, params_view: dict | None = None) -> AsyncIterator[RequestOutput]:
     """Run ``request`` in one of ``runner``'s slots and yield its outputs.
 
-    ``request.priority_slot`` is the requested ``id_slot`` (-1 = any); it is set
-    to the slot actually used. Waits (counted as deferred) while every slot is
-    busy. Validation errors (InvalidRequestError, ContextSizeExceededError) and
-    a bad ``id_slot`` (InvalidInputError) are raised before the first output. Closing
-    the iterator early (client disconnect) aborts the request in the engine and
-    frees the slot.
+    ``request`` comes admitted by its plan (:func:`kvserve.serving.admission.admit`: its prompt,
+    limit and ``id_slot`` checked against this runner's model). ``request.priority_slot`` is the
+    requested ``id_slot`` (-1 = any); it is set to the slot actually used. Waits (counted as
+    deferred) while every slot is busy. A refusal by the engine (InvalidRequestError) is raised
+    before the first output. Closing the iterator early (client disconnect) aborts the request in
+    the engine and frees the slot.
 
     Args:
         params_view: what ``/slots`` shows as the slot's ``params`` (the face renders it).
     """
     runner.require_ready()
     engine, slots = runner.engine, runner.slots
-    engine.validate(request)
-    if request.priority_slot >= len(slots.slots):
-        raise InvalidInputError(f"Invalid id_slot: {request.priority_slot}")
     slot = await slots.acquire(request.prompt_token_ids, request.priority_slot)
     try:
         request.priority_slot = slot.id

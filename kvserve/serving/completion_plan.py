@@ -11,8 +11,9 @@ What the plan decides, with the loaded model in hand:
   truncation to the last k tokens when asked.
 - the sampling parameters: the model's defaults, the dialect's default limit, the request's
   fields, logprobs (with ``echo``, the prompt's too) and the detokenizer's rules.
-- the engine requests: one per prompt and choice, each with its own constraint, checked by the
-  engine now so a stream never starts for a request the engine would refuse.
+- the engine requests: one per prompt and choice, each with its own constraint, admitted now
+  (:func:`kvserve.serving.admission.admit`) so a stream never starts for a request the engine
+  would refuse.
 
 Errors are :mod:`kvserve.errors`' domain errors (a face maps them to its envelope).
 """

@@ -467,3 +467,41 @@ def test_top_p_large_vocab_matches_bruteforce(scale):
     probs, order = torch.sort(torch.softmax(x, 0), descending=True)
     keep = int((torch.cumsum(probs, 0) < 0.9).sum()) + 1
     assert sorted(t for t, _ in r.top) == sorted(order[:keep].tolist())
+
+
+def test_sample_batch_picks_each_strategy_where_expected(monkeypatch):
+    """Each row of a batch goes to the first strategy of ``STRATEGIES`` that applies to it (issue
+    #33: the fast paths as a list); a greedy row whose top is tied under an EOG ban falls through."""
+    import dataclasses as dc
+
+    from kvserve.engine import sampler as smod
+
+    picked: dict[int, str] = {}
+
+    def recording(st):
+        def sample(b, rows):
+            before = [b.results[r] for r in rows]
+            st.sample(b, rows)
+            for r, was in zip(rows, before):
+                if was is None and b.results[r] is not None:
+                    picked[r] = st.name
+        return dc.replace(st, sample=sample)
+
+    assert [s.name for s in smod.STRATEGIES] == ["greedy", "greedy_without_eog", "top_k", "chain"]
+    monkeypatch.setattr(smod, "STRATEGIES", tuple(recording(s) for s in smod.STRATEGIES))
+    n_vocab = 200
+    logits = torch.randn(6, n_vocab, generator=torch.Generator().manual_seed(5))
+    logits[4, 10] = logits[4, 11] = logits[4].max() + 1.0  # a tie for the top: left for the chain
+    eog = frozenset({0})
+    cfgs = [
+        dict(temperature=0.0),  # greedy
+        dict(temperature=0.0, ignore_eos=True),  # greedy_without_eog
+        dict(seed=1),  # llama-server's defaults: top_k first, batched tail
+        dict(seed=2, top_k=0, typical_p=0.9),  # no top_k: the chain
+        dict(temperature=0.0, ignore_eos=True),  # tied: greedy_without_eog leaves it, top_k takes it
+        dict(seed=3, top_k=8, typical_p=0.5),  # top_k first, a tail it cannot batch: candidates for the chain
+    ]
+    samplers = [SequenceSampler(SamplingParams(**c), n_vocab, eog) for c in cfgs]
+    out = sample_batch(logits, samplers, [[1, 2, 3]] * 6, [0] * 6, None)
+    assert picked == {0: "greedy", 1: "greedy_without_eog", 2: "top_k", 3: "chain", 4: "top_k", 5: "chain"}
+    assert out[0].token_id == int(logits[0].argmax()) and out[4].token_id in (10, 11)
