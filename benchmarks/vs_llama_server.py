@@ -320,12 +320,17 @@ def tree_memory_mib(pid: int) -> tuple[float, float]:
 def decode_weight_bytes(path: str) -> int:
     """Bytes of the tensors one decode step reads: every tensor of the GGUF but the token
     embedding (a step gathers one of its rows), or the embedding too where it is also the output
-    head (tied: no ``output.weight``)."""
+    head (tied: no ``output.weight``); of a mixture of experts' stacked ``*_exps`` tensors the share
+    of the experts a token runs (``expert_used_count / expert_count``)."""
     from kvserve.loaders.gguf import read_gguf_header
 
-    _, infos = read_gguf_header(path)
+    md, infos = read_gguf_header(path)
     names = {t.name for t in infos}
-    return sum(t.n_bytes for t in infos if t.name != "token_embd.weight" or "output.weight" not in names)
+    arch = md.get("general.architecture")
+    used, count = md.get(f"{arch}.expert_used_count"), md.get(f"{arch}.expert_count")
+    share = used / count if used and count else 1.0
+    return int(sum(t.n_bytes * (share if "_exps." in t.name else 1.0) for t in infos
+                   if t.name != "token_embd.weight" or "output.weight" not in names))
 
 
 def read_bandwidth_gb_s(threads: int) -> float:

@@ -138,9 +138,10 @@ class OneRowExperts:
                  act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """x [1, n_embd] float32, idx [1, k] long (the chosen experts), w [1, k] (their weights),
         ``act``: gate|up rows [k, 2 n_ff] -> activated rows [k, n_ff] -> [1, n_embd]."""
-        ids, pos = idx[0].sort()  # expert-id order
-        w = w[0].index_select(0, pos).to(x.dtype)
-        ids = ids.tolist()
+        # expert-id order, the weights as Python floats (float32 values exactly: y.mul_(float) scales
+        # in float32 as a float32 tensor's element would), no small tensor ops per expert
+        pairs = sorted(zip(idx[0].tolist(), w[0].to(x.dtype).tolist()))
+        ids = [e for e, _ in pairs]
         ptrs, types, rows = [], [], []
         for e in ids:
             p, t, r = self._gu[e]
@@ -152,11 +153,11 @@ class OneRowExperts:
             gu += self._gu_bias[ids]
         h = act(gu)  # [k, n_ff]
         out = None
-        for j, e in enumerate(ids):
+        for j, (e, wj) in enumerate(pairs):
             y = self._down[e].mm(h[j:j + 1], 0, "auto")  # [1, n_embd]
             if self._down_bias[e] is not None:
                 y += self._down_bias[e]
-            y.mul_(w[j])
+            y.mul_(wj)
             out = y if out is None else out.add_(y)
         return out
 
