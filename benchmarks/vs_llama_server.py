@@ -16,7 +16,8 @@ way (``prompt_per_second``, ``predicted_per_second``), or from the client's cloc
   ``timings.predicted_per_second``.
 - ``decode_16_tok_s``: ``--parallel`` streams at once, 128 tokens each, 32-token prompts: all
   output tokens / the time from the first stream's first token to the last stream's end
-  (``decode_16_wall_tok_s``: over the whole wall time, prefills included).
+  (``decode_16_wall_tok_s``: over the whole wall time, prefills included). With ``--parallel 1`` these
+  are ``decode_1_client_tok_s`` / ``decode_1_client_wall_tok_s``: one stream by the client's clock.
 - ``ttft_cold_s`` / ``ttft_warm_s``: time to the first streamed token of a fresh 1,500-token prompt,
   then of the same prompt plus one token (``cache_n`` of the warm one is printed).
 - ``agent_tok_s``: ``benchmarks/agent_edit.py``'s prompt (a 500-token source file to be printed
@@ -234,8 +235,10 @@ def main() -> None:
                     add("prefill_tok_s", name, fig_prefill(client, u, rng))
                     add("decode_1_tok_s", name, fig_decode_1(client, u, rng))
                     d, w = fig_decode_n(client, u, rng, a.parallel)
-                    add(f"decode_{a.parallel}_tok_s", name, d)
-                    add(f"decode_{a.parallel}_wall_tok_s", name, w)
+                    # --parallel 1: the client's clock, not mixed into decode_1_tok_s (the servers' timings)
+                    many = f"decode_{a.parallel}" if a.parallel > 1 else "decode_1_client"
+                    add(f"{many}_tok_s", name, d)
+                    add(f"{many}_wall_tok_s", name, w)
                     if not a.skip_ttft:
                         c, wm, cn = fig_ttft(client, u, rng)
                         add("ttft_cold_s", name, c)
@@ -317,12 +320,17 @@ def tree_memory_mib(pid: int) -> tuple[float, float]:
 def decode_weight_bytes(path: str) -> int:
     """Bytes of the tensors one decode step reads: every tensor of the GGUF but the token
     embedding (a step gathers one of its rows), or the embedding too where it is also the output
-    head (tied: no ``output.weight``)."""
+    head (tied: no ``output.weight``); of a mixture of experts' stacked ``*_exps`` tensors the share
+    of the experts a token runs (``expert_used_count / expert_count``)."""
     from kvserve.loaders.gguf import read_gguf_header
 
-    _, infos = read_gguf_header(path)
+    md, infos = read_gguf_header(path)
     names = {t.name for t in infos}
-    return sum(t.n_bytes for t in infos if t.name != "token_embd.weight" or "output.weight" not in names)
+    arch = md.get("general.architecture")
+    used, count = md.get(f"{arch}.expert_used_count"), md.get(f"{arch}.expert_count")
+    share = used / count if used and count else 1.0
+    return int(sum(t.n_bytes * (share if "_exps." in t.name else 1.0) for t in infos
+                   if t.name != "token_embd.weight" or "output.weight" not in names))
 
 
 def read_bandwidth_gb_s(threads: int) -> float:

@@ -51,7 +51,7 @@ from kvserve.engine.kv_quant import kv_write
 from kvserve.loaders.weights import ModelConfig, ModelLoadError, Weight, interleave_qk
 from kvserve.models.llama import AttentionBatch, Linear, RMSNorm, auto_head_kernel, rope_attention_factor, \
     rope_inv_freq
-from kvserve.models.moe import MoeConfig, combine_experts, expert_linear, expert_rows
+from kvserve.models.moe import MoeConfig, OneRowExperts, combine_experts, expert_linear, expert_rows
 from kvserve.models.window_attention import (
     gguf_layer_windows,
     hf_layer_windows,
@@ -370,18 +370,25 @@ class GptOssMoE(nn.Module):
         self.gate_up = nn.ModuleList(expert_linear([gate[e], up[e]], [gb[e], ub[e]], lin)
                                      for e in range(config.n_expert))
         self.down = nn.ModuleList(expert_linear([down[e]], [db[e]], lin) for e in range(config.n_expert))
+        self.one_row = OneRowExperts.build(list(self.gate_up), list(self.down))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = torch.addmm(self.router_bias, x, self.router.t())  # [T, E]
         top, idx = torch.topk(logits, self.top_k, dim=-1)
-        return combine_experts(x, idx, torch.softmax(top, dim=-1), len(self.gate_up), self._expert)
+        w = torch.softmax(top, dim=-1)
+        if x.shape[0] == 1 and self.one_row is not None:  # a one-row (decode) step
+            return self.one_row(x, idx, w, self._act)
+        return combine_experts(x, idx, w, len(self.gate_up), self._expert)
+
+    def _act(self, gu: torch.Tensor) -> torch.Tensor:
+        """The clamped SwiGLU of gate|up rows gu [n, 2 n_ff] (worked on in place) -> [n, n_ff]."""
+        gate = gu[:, :self.n_ff].clamp_(max=self.limit)
+        up = gu[:, self.n_ff:].clamp_(min=-self.limit, max=self.limit).add_(1)
+        return torch.sigmoid(gate * self.alpha).mul_(gate).mul_(up)
 
     def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s clamped SwiGLU of its rows xs [n, n_embd] -> [n, n_embd]."""
-        gu = self.gate_up[e].forward(xs)  # a new tensor: worked on in place (one [n, n_ff] allocation)
-        gate = gu[:, :self.n_ff].clamp_(max=self.limit)
-        up = gu[:, self.n_ff:].clamp_(min=-self.limit, max=self.limit).add_(1)
-        return self.down[e].forward(torch.sigmoid(gate * self.alpha).mul_(gate).mul_(up))
+        return self.down[e].forward(self._act(self.gate_up[e].forward(xs)))  # gate|up: a new tensor
 
 
 class GptOssModel(nn.Module):

@@ -313,7 +313,8 @@ class Linear(nn.Module):
         else:
             y = F.linear(x.to(w.dtype), w).to(x.dtype)
         if self.bias is not None:
-            y = y + self.bias
+            # in place: y is a new tensor on every path above (float32 ones stay float32 as y + bias keeps them)
+            y = y.add_(self.bias) if y.dtype == self.bias.dtype else y + self.bias
         return y
 
 

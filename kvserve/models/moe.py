@@ -70,18 +70,96 @@ class MoE(nn.Module):
         g, u, d = expert_rows(gate), expert_rows(up), expert_rows(down)
         self.gate_up = nn.ModuleList(expert_linear([g[e], u[e]], None, lin) for e in range(len(g)))
         self.down = nn.ModuleList(expert_linear([d[e]], None, lin) for e in range(len(d)))
+        self.one_row = OneRowExperts.build(list(self.gate_up), list(self.down))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)  # [T, E]
         w, idx = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm:
             w = w / w.sum(dim=-1, keepdim=True)
+        if x.shape[0] == 1 and self.one_row is not None:  # a one-row (decode) step
+            return self.one_row(x, idx, w, self._act)
         return combine_experts(x, idx, w, len(self.gate_up), self._expert)
+
+    def _act(self, gu: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up of gate|up rows gu [n, 2 n_ff] (worked on in place) -> [n, n_ff]."""
+        return F.silu(gu[:, :self.n_ff]).mul_(gu[:, self.n_ff:])
 
     def _expert(self, e: int, xs: torch.Tensor) -> torch.Tensor:
         """Expert ``e``'s SiLU-gated MLP of its rows xs [n, n_embd] -> [n, n_embd]."""
-        gu = self.gate_up[e].forward(xs)
-        return self.down[e].forward(F.silu(gu[:, :self.n_ff]).mul_(gu[:, self.n_ff:]))
+        return self.down[e].forward(self._act(self.gate_up[e].forward(xs)))
+
+
+class OneRowExperts:
+    """A layer's experts for a one-row step (a single sequence's decode) on the GGUF block kernels.
+
+    The k chosen experts share the row, so their gate|up rows are multiplied in one block-kernel
+    product (a matrix made per step of the chosen experts' row blocks, as the file stores them: no
+    copy; one activation quantization and one pass of the thread pool instead of k), then each
+    expert's down product on its own activated row; no sort, gather or scatter of rows. The values
+    are those of :func:`combine_experts` bit for bit: each output row of a block-kernel product is
+    computed alone (kvserve.models.ggml_kernel), the biases are added as Linear adds them, and the
+    weighted outputs are summed one by one in expert-id order.
+
+    Use :meth:`build` (None where an expert is not on the block kernels: float experts, the
+    kernels off or unbuilt).
+    """
+
+    def __init__(self, mod, gate_up: list, down: list):
+        import gguf
+
+        self._mod = mod
+        self._k = gate_up[0].in_features
+        self._gu: list[tuple[list[int], list[int], list[int]]] = []  # per expert: part pointers, types, rows
+        for lin in gate_up:
+            b = lin.blocks
+            self._gu.append(([p.ctypes.data for p in b.parts], [int(gguf.GGMLQuantizationType[t]) for t in b.types],
+                             [p.shape[0] for p in b.parts]))
+        self._gu_keep = [lin.blocks for lin in gate_up]  # the mapped views the pointers point into
+        self._gu_bias = torch.stack([lin.bias for lin in gate_up]) if gate_up[0].bias is not None else None
+        self._down = [lin.blocks.matrix for lin in down]
+        self._down_keep = [lin.blocks for lin in down]
+        self._down_bias = [lin.bias for lin in down]
+
+    @classmethod
+    def build(cls, gate_up: list, down: list) -> "OneRowExperts | None":
+        """From each expert's gate|up and down :class:`kvserve.models.llama.Linear` (index = expert
+        id); None unless every one multiplies GGUF blocks with the block kernels."""
+        from kvserve.models import ggml_kernel
+
+        if not gate_up or any(lin.blocks is None for lin in (*gate_up, *down)):
+            return None
+        if any((lin.bias is None) != (gate_up[0].bias is None) for lin in gate_up):
+            return None
+        mod = ggml_kernel.load_cached()
+        return None if mod is None else cls(mod, gate_up, down)
+
+    def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                 act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """x [1, n_embd] float32, idx [1, k] long (the chosen experts), w [1, k] (their weights),
+        ``act``: gate|up rows [k, 2 n_ff] -> activated rows [k, n_ff] -> [1, n_embd]."""
+        # expert-id order, the weights as Python floats (float32 values exactly: y.mul_(float) scales
+        # in float32 as a float32 tensor's element would), no small tensor ops per expert
+        pairs = sorted(zip(idx[0].tolist(), w[0].to(x.dtype).tolist()))
+        ids = [e for e, _ in pairs]
+        ptrs, types, rows = [], [], []
+        for e in ids:
+            p, t, r = self._gu[e]
+            ptrs += p
+            types += t
+            rows += r
+        gu = self._mod.Matrix(ptrs, types, rows, self._k).mm(x, 0, "auto").view(len(ids), -1)  # [k, 2 n_ff]
+        if self._gu_bias is not None:
+            gu += self._gu_bias[ids]
+        h = act(gu)  # [k, n_ff]
+        out = None
+        for j, (e, wj) in enumerate(pairs):
+            y = self._down[e].mm(h[j:j + 1], 0, "auto")  # [1, n_embd]
+            if self._down_bias[e] is not None:
+                y += self._down_bias[e]
+            y.mul_(wj)
+            out = y if out is None else out.add_(y)
+        return out
 
 
 def combine_experts(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, n_expert: int,

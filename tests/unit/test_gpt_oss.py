@@ -202,8 +202,21 @@ def _file_view(a: np.ndarray) -> bool:
     return isinstance(a, np.memmap)
 
 
+class _CountedMatrix:
+    """A block-kernel matrix whose products are counted (the one-row path's down matrices)."""
+
+    def __init__(self, m, e: int, row: list[int]):
+        self._m, self._e, self._row = m, e, row
+
+    def mm(self, *args):
+        self._row[self._e] += 1
+        return self._m.mm(*args)
+
+
 def _count_expert_calls(model) -> list[list[int]]:
-    """Per MoE layer, per expert: calls of its gate|up Linear from now on (instance-level wrappers)."""
+    """Per MoE layer, per expert: runs of it from now on: calls of its gate|up Linear (steps of several
+    rows) plus products of its down matrix on the one-row path (``moe.one_row``: the chosen experts'
+    gate|up rows in one product, then one down product per expert), instance-level wrappers."""
     counts = []
     for layer in model.layers:
         row = [0] * len(layer.moe.gate_up)
@@ -212,6 +225,8 @@ def _count_expert_calls(model) -> list[list[int]]:
                 _row[_e] += 1
                 return _f(x)
             lin.forward = wrapped
+        if layer.moe.one_row is not None:
+            layer.moe.one_row._down = [_CountedMatrix(m, e, row) for e, m in enumerate(layer.moe.one_row._down)]
         counts.append(row)
     return counts
 
@@ -235,6 +250,13 @@ def _packed_case(path: str, ref: torch.Tensor, names: list[str]) -> list[list[in
     x = torch.randn(6, loaded.config.n_embd, generator=torch.Generator().manual_seed(0))
     for packed_layer, dense_layer in zip(m.layers, dense.layers):
         assert _close(packed_layer.moe.forward(x), dense_layer.moe.forward(x)) <= 3e-2
+    for layer in m.layers:  # one row (decode): the one-row path gives combine_experts' values bit for bit
+        one_row = layer.moe.one_row
+        assert one_row is not None
+        fast = layer.moe.forward(x[:1])
+        layer.moe.one_row = None
+        assert torch.equal(fast, layer.moe.forward(x[:1]))
+        layer.moe.one_row = one_row
     assert _close(_logits(_core(path), PROMPT), ref) <= 1e-4  # and the float32 path still agrees exactly
     counts = _count_expert_calls(m)
     _logits(core, PROMPT[:1])  # one token: only its top-k experts run
