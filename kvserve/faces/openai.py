@@ -553,15 +553,16 @@ def _message(runner: Runner, plan: Plan, ans: Answer) -> ChatMessage:
     return ChatMessage(**fields)
 
 
-def _delta(runner: Runner, piece: Piece) -> ChatDelta:
-    """One piece as a chunk's ``delta`` (one field: ``content``, the reasoning field, ``tool_calls``)."""
+def _delta(runner: Runner, piece: Piece) -> dict:
+    """One piece as a chunk's ``delta`` object (one field: ``content``, the reasoning field,
+    ``tool_calls``), validated as :class:`ChatDelta` with the chunk."""
     t = type(piece)
     if t is TextPiece:
-        return ChatDelta(content=piece.text)
+        return {"content": piece.text}
     if t is ReasoningPiece:
-        return ChatDelta(**{_reasoning_key(runner): piece.text})
-    return ChatDelta(tool_calls=[{"index": piece.index, "id": piece.id, "type": "function",
-                                  "function": {"name": piece.name, "arguments": piece.arguments}}])
+        return {_reasoning_key(runner): piece.text}
+    return {"tool_calls": [{"index": piece.index, "id": piece.id, "type": "function",
+                            "function": {"name": piece.name, "arguments": piece.arguments}}]}
 
 
 async def _complete_chat(runner: Runner, plan: Plan) -> ChatCompletion:
@@ -646,24 +647,25 @@ class _ChatSteps:
         # would concatenate it ('assistantassistant...')
         return ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta())
 
-    def _with_logprobs(self, c: ChatChunkChoice, i: int) -> ChatChunkChoice:
-        """``c`` with the logprobs of the tokens not reported yet (when any were asked for)."""
+    def _choice(self, i: int, delta: dict, finish_reason: str | None = None) -> dict:
+        """One choice of a chunk (validated as :class:`ChatChunkChoice` with the chunk: one
+        validation per chunk, not three), with the logprobs of the tokens not reported yet
+        (when any were asked for)."""
+        c = {"finish_reason": finish_reason, "index": i, "delta": delta}
         if self.pending[i]:
             lps, self.pending[i] = self.pending[i], []
-            c.logprobs = ChatLogprobs(content=[_chat_logprob(lp, self.plan.logprobs, self.plan.token_ids)
-                                               for lp in lps])
+            c["logprobs"] = ChatLogprobs(content=[_chat_logprob(lp, self.plan.logprobs, self.plan.token_ids)
+                                                  for lp in lps])
         return c
 
-    def pieces(self, ev: ChatEvent) -> list[ChatChunkChoice]:
+    def pieces(self, ev: ChatEvent) -> list[dict]:
         i, out = ev.index, ev.output
         if out.logprobs and self.plan.logprobs is not None:
             self.pending[i].extend(out.logprobs)
-        return [self._with_logprobs(ChatChunkChoice(finish_reason=None, index=i, delta=_delta(self.runner, p)), i)
-                for p in ev.pieces]
+        return [self._choice(i, _delta(self.runner, p)) for p in ev.pieces]
 
-    def finish(self, ev: ChatEvent) -> ChatChunkChoice:
-        c = ChatChunkChoice(finish_reason=_chat_finish_reason(ev), index=ev.index, delta=ChatDelta())
-        return self._with_logprobs(c, ev.index)
+    def finish(self, ev: ChatEvent) -> dict:
+        return self._choice(ev.index, {}, _chat_finish_reason(ev))
 
 
 class _TextSteps:

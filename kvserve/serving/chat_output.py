@@ -170,7 +170,8 @@ class ChoiceOutput:
     """Post-processing state of one choice.
 
     Streaming: call :meth:`feed` with each text delta (one engine output) and :meth:`finish`
-    at the end; both return :data:`Piece` s (consecutive text or reasoning pieces joined).
+    at the end; both return :data:`Piece` s (one text piece per parser fragment; ``finish`` joins
+    consecutive text, and consecutive reasoning, pieces).
     Non-streaming: call :meth:`count` with each text delta and :meth:`answer` once with the
     whole text. Afterwards :attr:`has_tool_calls` says whether the choice called tools and
     :attr:`reasoning_tokens` counts thinking tokens.
