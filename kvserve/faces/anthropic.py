@@ -3,9 +3,10 @@
 The face translates only. A Messages request becomes kvserve's
 :class:`~kvserve.serving.chat_request.ChatRequest` (:func:`chat_request`), which
 :func:`kvserve.serving.chat_plan.plan_chat` turns into the engine requests, with their tools,
-tool_choice grammar, reasoning split and thinking budget; the engine's outputs go through
-:class:`~kvserve.serving.chat_output.ChoiceOutput` and come back as Anthropic's message object or
-its SSE events (:mod:`kvserve.faces.anthropic_types`).
+tool_choice grammar, reasoning split and thinking budget; the answer comes back from
+:func:`kvserve.serving.choices.chat_events` as text, reasoning and tool-call pieces (or the whole
+answer) and leaves as Anthropic's message object or its SSE events
+(:mod:`kvserve.faces.anthropic_types`).
 
 Request fields:
 
@@ -84,10 +85,10 @@ from kvserve.faces.api_error import ApiError
 from kvserve.faces.http import json_response, read_json
 from kvserve.faces.models import keep_alive_field, model_field, serve_model
 from kvserve.faces.params import get_int, get_str, sampling_fields, slot_view
-from kvserve.serving.chat_output import ChoiceOutput
+from kvserve.serving.chat_output import Piece, ReasoningPiece, TextPiece
 from kvserve.serving.chat_plan import Plan, plan_chat
 from kvserve.serving.chat_request import ChatRequest
-from kvserve.serving.choices import run_choices
+from kvserve.serving.choices import chat_events
 from kvserve.serving.ids import new_id
 from kvserve.structured.spec import schema_spec
 from kvserve.faces.sse import (
@@ -545,11 +546,6 @@ def _stop(out: RequestOutput, calls: bool, stops: list[str], by_context: bool = 
     return "end_turn", None
 
 
-def _check(out: RequestOutput) -> None:
-    if out.error:
-        raise ApiError(500, out.error)
-
-
 def _tool_input(arguments: str) -> dict:
     try:
         v = json.loads(arguments) if arguments.strip() else {}
@@ -559,39 +555,35 @@ def _tool_input(arguments: str) -> dict:
 
 
 async def _complete(runner: Runner, mp: _Plan) -> at.Message:
-    """Run a non-streaming request to the end and build the message object."""
+    """Run a non-streaming request to the end and build the message object (the serving
+    layer's whole answer, :func:`chat_events` with ``whole``)."""
     plan = mp.plan
-    text, final = "", None
-    post = ChoiceOutput(plan.mode) if plan.mode.active else None
-    async for _, out in run_choices(runner, plan, slot_view(plan.grammar)):
-        _check(out)
-        text += out.text
-        if out.finished:
-            final = out
-    assert final is not None
-    msg = post.message(text) if post is not None else {"content": text}
+    last = None
+    async for ev in chat_events(runner, plan, slot_view(plan.grammar), whole=True):
+        if ev.answer is not None:
+            last = ev
+    assert last is not None
+    ans = last.answer
     blocks: list = []
-    thinking = msg.get(plan.mode.reasoning_field)
-    if thinking:
-        blocks.append(at.ThinkingBlock(type="thinking", thinking=thinking, signature=""))
-    if msg.get("content"):
-        blocks.append(at.TextBlock(type="text", text=msg["content"]))
-    for c in msg.get("tool_calls") or []:
-        blocks.append(at.ToolUseBlock(type="tool_use", id=_anthropic_id("toolu_"), name=c["function"]["name"],
-                                      input=_tool_input(c["function"]["arguments"])))
+    if ans.reasoning:
+        blocks.append(at.ThinkingBlock(type="thinking", thinking=ans.reasoning, signature=""))
+    if ans.text:
+        blocks.append(at.TextBlock(type="text", text=ans.text))
+    for c in ans.tool_calls:
+        blocks.append(at.ToolUseBlock(type="tool_use", id=_anthropic_id("toolu_"), name=c.name,
+                                      input=_tool_input(c.arguments)))
     if not blocks:
         blocks.append(at.TextBlock(type="text", text=""))
-    reason, seq = _stop(final, bool(msg.get("tool_calls")), mp.stops, mp.by_context)
+    reason, seq = _stop(last.output, bool(ans.tool_calls), mp.stops, mp.by_context)
     return at.Message(id=mp.id, type="message", role="assistant", model=plan.model, content=blocks,
-                      stop_reason=reason, stop_sequence=seq, usage=_usage(final))
+                      stop_reason=reason, stop_sequence=seq, usage=_usage(last.output))
 
 
 class _Blocks:
-    """Turns ChoiceOutput's delta fragments into content block events: a block opens when the
-    kind of output changes (thinking, text, a tool call) and closes when the next one opens."""
+    """Turns the answer's pieces into content block events: a block opens when the kind of
+    output changes (thinking, text, a tool call) and closes when the next one opens."""
 
-    def __init__(self, reasoning_field: str):
-        self.reasoning_field = reasoning_field
+    def __init__(self):
         self.index = -1
         self.open: str | None = None
         self.pinged = False
@@ -609,24 +601,24 @@ class _Blocks:
     def _delta(self, delta) -> dict:
         return at.ContentBlockDelta(type="content_block_delta", index=self.index, delta=delta).wire()
 
-    def feed(self, frag: dict) -> list[dict]:
-        """Events for one fragment (``{"content"}``, ``{<reasoning field>}`` or ``{"tool_calls"}``)."""
+    def feed(self, piece: Piece) -> list[dict]:
+        """Events for one piece (text, reasoning or a whole tool call)."""
         evs: list[dict] = []
-        if frag.get(self.reasoning_field):
-            if self.open != "thinking":
-                evs += self._start("thinking", at.ThinkingBlock(type="thinking", thinking="", signature=""))
-            evs.append(self._delta(at.ThinkingDelta(type="thinking_delta", thinking=frag[self.reasoning_field])))
-        if frag.get("content"):
-            if self.open != "text":
-                evs += self._start("text", at.TextBlock(type="text", text=""))
-            evs.append(self._delta(at.TextDelta(type="text_delta", text=frag["content"])))
-        for c in frag.get("tool_calls") or []:
-            fn = c["function"]
+        if isinstance(piece, ReasoningPiece):
+            if piece.text:
+                if self.open != "thinking":
+                    evs += self._start("thinking", at.ThinkingBlock(type="thinking", thinking="", signature=""))
+                evs.append(self._delta(at.ThinkingDelta(type="thinking_delta", thinking=piece.text)))
+        elif isinstance(piece, TextPiece):
+            if piece.text:
+                if self.open != "text":
+                    evs += self._start("text", at.TextBlock(type="text", text=""))
+                evs.append(self._delta(at.TextDelta(type="text_delta", text=piece.text)))
+        else:
             evs += self._start("tool_use", at.ToolUseBlock(type="tool_use", id=_anthropic_id("toolu_"),
-                                                           name=fn["name"], input={}))
-            args = fn.get("arguments") or ""
-            if args:
-                evs.append(self._delta(at.InputJsonDelta(type="input_json_delta", partial_json=args)))
+                                                           name=piece.name, input={}))
+            if piece.arguments:
+                evs.append(self._delta(at.InputJsonDelta(type="input_json_delta", partial_json=piece.arguments)))
         return evs
 
     def close(self) -> list[dict]:
@@ -649,32 +641,28 @@ class _Blocks:
 
 async def _stream_events(runner: Runner, mp: _Plan) -> AsyncIterator[dict]:
     """The stream's events as JSON objects (see the module docstring), ``message_start`` once
-    the first output arrived (the prompt is processed: its usage is known)."""
+    the first output arrived (the prompt is processed: its usage is known); the content blocks
+    from the serving layer's answer pieces (:func:`chat_events`)."""
     plan = mp.plan
-    post = ChoiceOutput(plan.mode) if plan.mode.active else None
-    blocks = _Blocks(plan.mode.reasoning_field)
-    final, started = None, False
-    async for _, out in run_choices(runner, plan, slot_view(plan.grammar)):
-        _check(out)
+    blocks = _Blocks()
+    last, started = None, False
+    async for ev in chat_events(runner, plan, slot_view(plan.grammar)):
         if not started:
             started = True
             start = at.Message(id=mp.id, type="message", role="assistant", model=plan.model, content=[],
-                               stop_reason=None, stop_sequence=None, usage=_usage(out, 0))
+                               stop_reason=None, stop_sequence=None, usage=_usage(ev.output, 0))
             yield at.MessageStart(type="message_start", message=start).wire()
-        frags = (post.feed(out.text) if post is not None else [{"content": out.text}]) if out.text else []
-        if out.finished and post is not None:
-            frags += post.finish()
-        for f in frags:
-            for ev in blocks.feed(f):
-                yield ev
-        if out.finished:
-            final = out
-    assert final is not None
-    for ev in blocks.finish():
-        yield ev
-    reason, seq = _stop(final, post is not None and post.has_tool_calls, mp.stops, mp.by_context)
+        for p in ev.pieces:
+            for e in blocks.feed(p):
+                yield e
+        if ev.output.finished:
+            last = ev
+    assert last is not None
+    for e in blocks.finish():
+        yield e
+    reason, seq = _stop(last.output, last.called_tools, mp.stops, mp.by_context)
     yield at.MessageDelta(type="message_delta", delta=at.MessageDeltaBody(stop_reason=reason, stop_sequence=seq),
-                          usage=_usage(final)).wire()
+                          usage=_usage(last.output)).wire()
     yield at.MessageStop(type="message_stop").wire()
 
 

@@ -134,10 +134,10 @@ from kvserve.faces.ollama_types import (
 )
 from kvserve.faces.params import sampling_fields, slot_view, stop_strings
 from kvserve.faces.sse import ClientDisconnected, until_disconnect
-from kvserve.serving.chat_output import ChoiceOutput
+from kvserve.serving.chat_output import Piece, ReasoningPiece, TextPiece, ToolCallPiece
 from kvserve.serving.chat_plan import plan_chat, render_prompt
 from kvserve.serving.chat_request import ChatRequest, ReasoningOptions, TemplateOptions
-from kvserve.serving.choices import run_choices
+from kvserve.serving.choices import chat_events
 from kvserve.serving.completion_plan import plan_completion
 from kvserve.serving.ids import new_id
 from kvserve.serving.completion_request import CompletionRequest, Prompt
@@ -457,7 +457,6 @@ class _Run:
     """A planned request: the serving layer's plan plus what Ollama's output needs."""
 
     plan: Any  # kvserve.serving.chat_plan.Plan
-    post: ChoiceOutput | None
     with_context: bool = False  # generate, not raw: return the token ids
 
 
@@ -651,7 +650,7 @@ def _forced_call(runner: Runner, messages: list[dict], tools: Any) -> bool:
 
 def _chat_run(runner: Runner, req: ChatRequest, with_context: bool = False) -> _Run:
     plan = plan_chat(runner, req)
-    return _Run(plan, ChoiceOutput(plan.mode) if plan.mode.active else None, with_context)
+    return _Run(plan, with_context)
 
 
 def _plan(runner: Runner, call: _Call) -> _Run:
@@ -684,7 +683,7 @@ def _generate_fields(call: _Call) -> tuple[str, str, str, str, bool, list[int]]:
 def _generate_plan(runner: Runner, call: _Call, rules: _Rules) -> _Run:
     prompt, suffix, system, template, raw, context = _generate_fields(call)
     if raw:
-        return _Run(plan_completion(runner, _completion_request(call, runner, rules, prompt)), None)
+        return _Run(plan_completion(runner, _completion_request(call, runner, rules, prompt)))
     msgs = [{"role": "system", "content": system or call.layers.system}] if system or call.layers.system else []
     if not context:
         msgs += call.layers.messages
@@ -697,7 +696,7 @@ def _generate_plan(runner: Runner, call: _Call, rules: _Rules) -> _Run:
     else:
         return _chat_run(runner, _chat_request(call, runner, rules, msgs), with_context=True)
     req = _completion_request(call, runner, rules, [*context, text] if context else text)
-    return _Run(plan_completion(runner, req), None, with_context=True)
+    return _Run(plan_completion(runner, req), with_context=True)
 
 
 def _go_template(template: str, msgs: list[dict], think, prompt: str, suffix: str, model: str) -> str:
@@ -717,52 +716,31 @@ def _go_template(template: str, msgs: list[dict], think, prompt: str, suffix: st
 # -- output ---------------------------------------------------------------------------------
 
 
-def _tool_calls(calls: list[dict], start: int) -> list[ToolCall]:
-    """OpenAI-style calls (arguments as JSON text) -> Ollama's (arguments as objects)."""
+def _tool_calls(calls: list[ToolCallPiece]) -> list[ToolCall]:
+    """The answer's calls (arguments as JSON text) -> Ollama's (arguments as objects; text that
+    is not a JSON object becomes ``{}``)."""
     out = []
-    for k, c in enumerate(calls):
-        f = c.get("function") or {}
+    for c in calls:
         try:
-            args = json.loads(f.get("arguments") or "{}")
+            args = json.loads(c.arguments or "{}")
         except ValueError:
             args = {}
-        out.append(ToolCall(id=c.get("id") or "", function=ToolCallFunction(
-            index=start + k, name=f.get("name", ""), arguments=args if isinstance(args, dict) else {})))
+        out.append(ToolCall(id=c.id or "", function=ToolCallFunction(
+            index=c.index, name=c.name, arguments=args if isinstance(args, dict) else {})))
     return out
 
 
-class _Pieces:
-    """Turns the plan's text deltas into Ollama's fields: content, thinking, tool calls."""
-
-    def __init__(self, post: ChoiceOutput | None):
-        self.post = post
-        self.n_calls = 0
-
-    def feed(self, text: str, finished: bool) -> tuple[str, str, list[ToolCall]]:
-        if self.post is None:
-            return text, "", []
-        deltas = self.post.feed(text) if text else []
-        if finished:
-            deltas += self.post.finish()
-        return self._fields(deltas)
-
-    def _fields(self, deltas: list[dict]) -> tuple[str, str, list[ToolCall]]:
-        content, thinking, calls = [], [], []
-        for d in deltas:
-            content.append(d.get("content") or "")
-            thinking.append(d.get("reasoning_content") or d.get("reasoning") or "")
-            if d.get("tool_calls"):
-                new = _tool_calls(d["tool_calls"], self.n_calls)
-                self.n_calls += len(new)
-                calls += new
-        return "".join(content), "".join(thinking), calls
-
-    def whole(self, text: str) -> tuple[str, str, list[ToolCall]]:
-        if self.post is None:
-            return text, "", []
-        msg = self.post.message(text)
-        calls = _tool_calls(msg.get("tool_calls") or [], 0)
-        return msg.get("content") or "", msg.get("reasoning_content") or msg.get("reasoning") or "", calls
+def _fields(pieces: list[Piece]) -> tuple[str, str, list[ToolCall]]:
+    """One step's pieces as Ollama's ``content``, ``thinking`` and ``tool_calls``."""
+    content, thinking, calls = [], [], []
+    for p in pieces:
+        if type(p) is TextPiece:
+            content.append(p.text)
+        elif type(p) is ReasoningPiece:
+            thinking.append(p.text)
+        else:
+            calls.append(p)
+    return "".join(content), "".join(thinking), _tool_calls(calls)
 
 
 def _metrics(call: _Call, out: RequestOutput | None) -> dict:
@@ -800,20 +778,13 @@ def _object(call: _Call, content: str, thinking: str = "", calls: list[ToolCall]
     return r.wire()
 
 
-async def _outputs(runner: Runner, run: _Run) -> AsyncIterator[RequestOutput]:
-    async for _, out in run_choices(runner, run.plan, slot_view(run.plan.grammar)):
-        if out.error:
-            raise ApiError(500, out.error)
-        yield out
-
-
 async def _stream_lines(runner: Runner, call: _Call, run: _Run) -> AsyncIterator[bytes]:
-    """The NDJSON lines of a streamed answer."""
-    pieces = _Pieces(run.post)
+    """The NDJSON lines of a streamed answer (the serving layer's pieces, :func:`chat_events`)."""
     ids: list[int] = []
-    async for out in _outputs(runner, run):
+    async for ev in chat_events(runner, run.plan, slot_view(run.plan.grammar)):
+        out = ev.output
         ids += out.new_token_ids
-        content, thinking, calls = pieces.feed(out.text, out.finished)
+        content, thinking, calls = _fields(ev.pieces)
         if content or thinking or calls:
             yield _go_json(_object(call, content, thinking, calls)) + b"\n"
         if out.finished:
@@ -823,17 +794,16 @@ async def _stream_lines(runner: Runner, call: _Call, run: _Run) -> AsyncIterator
 
 
 async def _whole(runner: Runner, call: _Call, run: _Run) -> dict:
-    """The one object of a non-streamed answer."""
-    text, ids, final = [], [], None
-    async for out in _outputs(runner, run):
-        text.append(out.text)
-        ids += out.new_token_ids
-        if out.finished:
-            final = out
-    content, thinking, calls = _Pieces(run.post).whole("".join(text))
+    """The one object of a non-streamed answer (the serving layer's whole answer)."""
+    ids, last = [], None
+    async for ev in chat_events(runner, run.plan, slot_view(run.plan.grammar), whole=True):
+        ids += ev.output.new_token_ids
+        if ev.answer is not None:
+            last = ev
+    ans = last.answer
     ctx = [*run.plan.requests[0].prompt_token_ids, *ids] if run.with_context else None
-    return _object(call, content, thinking, calls, done=True, reason=(final.finish_reason if final else None) or "stop",
-                   out=final, context=ctx)
+    return _object(call, ans.text, ans.reasoning or "", _tool_calls(ans.tool_calls), done=True,
+                   reason=last.output.finish_reason or "stop", out=last.output, context=ctx)
 
 
 async def _ndjson(lines: AsyncIterator[bytes]) -> StreamingResponse:

@@ -78,6 +78,7 @@ from kvserve.faces.openai_types import (
     ChatMessage,
     ChatTokenLogprob,
     ChatTopLogprob,
+    FunctionCall,
     CompletionTokensDetails,
     InputTokens,
     LegacyLogprobs,
@@ -87,6 +88,7 @@ from kvserve.faces.openai_types import (
     TextCompletion,
     TextCompletionChunk,
     Timings,
+    ToolCall,
     Usage,
 )
 from kvserve.faces.params import (
@@ -104,10 +106,10 @@ from kvserve.faces.sse import (
     sse_response,
     until_disconnect,
 )
-from kvserve.serving.chat_output import ChoiceOutput
+from kvserve.serving.chat_output import Answer, Piece, ReasoningPiece, TextPiece
 from kvserve.serving.chat_plan import Plan, plan_chat, with_special_tokens
 from kvserve.serving.chat_request import ChatRequest, StreamOptions
-from kvserve.serving.choices import run_choices
+from kvserve.serving.choices import ChatEvent, ChatUsage, chat_events, run_choices
 from kvserve.serving.completion_plan import plan_completion
 from kvserve.serving.ids import new_id
 from kvserve.serving.completion_request import CompletionRequest, Infill, Prompt
@@ -131,18 +133,18 @@ def _lp(v: float) -> float:
 # ------------------------------------------------------------------------ request plan
 
 
-def _top_n(state: Runner, body: dict, key: str) -> int | None:
+def _top_n(runner: Runner, body: dict, key: str) -> int | None:
     """``top_logprobs`` (chat) / ``logprobs`` (legacy): >= 0 and at most ``--max-logprobs``."""
     n = get_int(body, key)
     if n is not None:
         if n < 0:
             raise ApiError(400, f"Field '{key}': must be >= 0")
-        check_logprobs(n, _max_logprobs(state), state.tokenizer.n_vocab)
+        check_logprobs(n, _max_logprobs(runner), runner.tokenizer.n_vocab)
     return n
 
 
-def _max_logprobs(state: Runner) -> int:
-    return state.args.max_logprobs
+def _max_logprobs(runner: Runner) -> int:
+    return runner.args.max_logprobs
 
 
 def _n_choices(body: dict) -> int:
@@ -166,11 +168,11 @@ def _stream_flags(body: dict, force_usage: bool = False) -> tuple[bool, bool]:
     return stream, include_usage or force_usage
 
 
-def _token_ids_field(state: Runner, body: dict) -> bool:
+def _token_ids_field(runner: Runner, body: dict) -> bool:
     """vLLM's ``return_tokens_as_token_ids``: the request's field, else the server's
     ``--return-tokens-as-token-ids``."""
     v = get_bool(body, "return_tokens_as_token_ids")
-    return bool(getattr(state.args, "return_tokens_as_token_ids", False) if v is None else v)
+    return bool(getattr(runner.args, "return_tokens_as_token_ids", False) if v is None else v)
 
 
 def token_id_text(token_id: int) -> str:
@@ -178,7 +180,7 @@ def token_id_text(token_id: int) -> str:
     return f"token_id:{token_id}"
 
 
-def _prompt_logprobs_field(state: Runner, body: dict, stream: bool) -> int | None:
+def _prompt_logprobs_field(runner: Runner, body: dict, stream: bool) -> int | None:
     """vLLM's ``prompt_logprobs``: None (not asked, or 0 with a stream: nothing is sent), else
     the candidates per prompt token (-1 = the vocabulary); vLLM's checks and texts."""
     if body.get("prompt_logprobs") is None:
@@ -190,17 +192,17 @@ def _prompt_logprobs_field(state: Runner, body: dict, stream: bool) -> int | Non
         raise ApiError(400, "`prompt_logprobs` must be a positive value or -1.")
     if stream:
         return None
-    n = state.tokenizer.n_vocab if n == -1 else n
-    check_logprobs(n, _max_logprobs(state), state.tokenizer.n_vocab, prompt=True)
+    n = runner.tokenizer.n_vocab if n == -1 else n
+    check_logprobs(n, _max_logprobs(runner), runner.tokenizer.n_vocab, prompt=True)
     return n
 
 
-def _truncate_field(state: Runner, body: dict) -> int | None:
+def _truncate_field(runner: Runner, body: dict) -> int | None:
     """vLLM's ``truncate_prompt_tokens``: keep the last k prompt tokens (-1: ``max_model_len``)."""
     k = get_int(body, "truncate_prompt_tokens")
     if k is None:
         return None
-    max_len = state.engine.n_ctx_slot
+    max_len = runner.engine.n_ctx_slot
     if k < -1:
         raise ApiError(400, "Field 'truncate_prompt_tokens': must be >= -1")
     if k <= -1:
@@ -211,33 +213,33 @@ def _truncate_field(state: Runner, body: dict) -> int | None:
     return k
 
 
-def chat_request(state: Runner, body: dict) -> ChatRequest:
+def chat_request(runner: Runner, body: dict) -> ChatRequest:
     """An OpenAI chat-completions body (with llama-server's and vLLM's fields) -> kvserve's
     :class:`~kvserve.serving.chat_request.ChatRequest` (ApiError 400 on bad fields, in this face's
     wording; the model's limits on logprobs and truncation are checked here too)."""
-    state.require_ready()
+    runner.require_ready()
     if "messages" not in body or body["messages"] is None:
         raise ApiError(400, "'messages' is required")
-    stream, include_usage = _stream_flags(body, bool(getattr(state.args, "enable_force_include_usage", False)))
+    stream, include_usage = _stream_flags(body, bool(getattr(runner.args, "enable_force_include_usage", False)))
     n = _n_choices(body)
     logprobs = get_bool(body, "logprobs", False)
-    top = _top_n(state, body, "top_logprobs")
+    top = _top_n(runner, body, "top_logprobs")
     if top is not None and not logprobs:
         raise ApiError(400, "top_logprobs requires logprobs to be set to true")
     # keep_alive: applied by the model lease before planning (the render route never reads it)
     req = ChatRequest(body["messages"], new_id("chatcmpl-"), model=model_field(body) or "", n=n,
                       logprobs=(top or 0) if logprobs else None)
-    read_chat_options(state.args, body, req)
-    req.truncate_prompt_tokens = _truncate_field(state, body)
-    req.prompt_logprobs = _prompt_logprobs_field(state, body, stream)
+    read_chat_options(runner.args, body, req)
+    req.truncate_prompt_tokens = _truncate_field(runner, body)
+    req.prompt_logprobs = _prompt_logprobs_field(runner, body, stream)
     req.template.continue_final_message, req.template.add_generation_prompt = _continuation_fields(body)
-    req.sampling = sampling_fields(body, state.tokenizer, max_tokens_keys=_CHAT_MAX_TOKENS_KEYS,
-                                   max_logprobs=_max_logprobs(state))
+    req.sampling = sampling_fields(body, runner.tokenizer, max_tokens_keys=_CHAT_MAX_TOKENS_KEYS,
+                                   max_logprobs=_max_logprobs(runner))
     req.sampling.pop("n_predict_default", None)  # the client's own limit: the planner sets it from the request
     req.response_format = _constraint_spec(body)
     req.skip_special_tokens, req.spaces_between_special_tokens = _special_token_fields(body)
     req.stream = StreamOptions(stream, include_usage, _return_progress(body))
-    _request_fields(state, body, req)
+    _request_fields(runner, body, req)
     return req
 
 
@@ -254,27 +256,27 @@ def _continuation_fields(body: dict) -> tuple[bool | None, bool | None]:
     return cont, add_gen
 
 
-def _request_fields(state: Runner, body: dict, req: ChatRequest) -> None:
+def _request_fields(runner: Runner, body: dict, req: ChatRequest) -> None:
     """The slot, cache and reporting fields: ``id_slot``, ``cache_salt``, ``verbose``,
     ``return_tokens_as_token_ids``, and the caller."""
     id_slot = get_int(body, "id_slot", -1)
     req.id_slot = id_slot if id_slot is not None else -1
     req.cache_salt = get_str(body, "cache_salt") or None
     req.owner = caller()
-    req.token_ids = _token_ids_field(state, body)
-    req.verbose = _verbose(state, body)
+    req.token_ids = _token_ids_field(runner, body)
+    req.verbose = _verbose(runner, body)
 
 
-def chat_plan(state: Runner, body: dict) -> Plan:
+def chat_plan(runner: Runner, body: dict) -> Plan:
     """Parse a chat completion request and plan it (raises ApiError 400 on bad fields; the
     serving layer's domain errors for what the model refuses)."""
-    return plan_chat(state, chat_request(state, body))
+    return plan_chat(runner, chat_request(runner, body))
 
 
-def _verbose(state: Runner, body: dict) -> bool:
+def _verbose(runner: Runner, body: dict) -> bool:
     """llama-server's ``__verbose`` object (its ``prompt``: the rendered chat prompt) is wanted when
     the server runs with ``--verbose`` or the request sets ``"verbose": true``."""
-    return bool(get_bool(body, "verbose", False) or state.args.log_verbosity >= 5)
+    return bool(get_bool(body, "verbose", False) or runner.args.log_verbosity >= 5)
 
 
 def _special_token_fields(body: dict) -> tuple[bool, bool]:
@@ -353,43 +355,43 @@ def check_request_count(n_prompts: int, n: int) -> None:
                             f"more than {MAX_ENGINE_REQUESTS} per request (split the request)")
 
 
-def completion_request(state: Runner, body: dict, *, render: bool = False) -> CompletionRequest:
+def completion_request(runner: Runner, body: dict, *, render: bool = False) -> CompletionRequest:
     """A legacy completions body (with llama-server's and vLLM's fields) -> kvserve's
     :class:`~kvserve.serving.completion_request.CompletionRequest` (ApiError 400 on bad fields, in
     this face's wording). ``render``: one request per prompt (``/v1/completions/render``: ``n``
     does not change the ids; the bound of :func:`check_request_count` still counts it)."""
-    state.require_ready()
+    runner.require_ready()
     suffix = get_str(body, "suffix")
-    stream, include_usage = _stream_flags(body, bool(getattr(state.args, "enable_force_include_usage", False)))
+    stream, include_usage = _stream_flags(body, bool(getattr(runner.args, "enable_force_include_usage", False)))
     n = _n_choices(body)
     check_request_count(_prompt_count(body.get("prompt")), n)
     req = CompletionRequest([], new_id("cmpl-"), model=model_field(body) or "", n=1 if render else n,
-                            echo=bool(get_bool(body, "echo", False)), logprobs=_top_n(state, body, "logprobs"),
-                            truncate_prompt_tokens=_truncate_field(state, body),
-                            prompt_logprobs=_prompt_logprobs_field(state, body, stream))
-    req.prompts, req.infill = _prompts_of(state, body, suffix)
+                            echo=bool(get_bool(body, "echo", False)), logprobs=_top_n(runner, body, "logprobs"),
+                            truncate_prompt_tokens=_truncate_field(runner, body),
+                            prompt_logprobs=_prompt_logprobs_field(runner, body, stream))
+    req.prompts, req.infill = _prompts_of(runner, body, suffix)
     req.refuse_empty = req.infill is None
     # OpenAI's default max_tokens for completions is 16 (llama-server uses -1).
-    req.sampling, req.default_n_predict = _completion_sampling(state, body), 16
+    req.sampling, req.default_n_predict = _completion_sampling(runner, body), 16
     req.response_format = _constraint_spec(body)
     req.skip_special_tokens, req.spaces_between_special_tokens = _special_token_fields(body)
     req.stream = StreamOptions(stream, include_usage, _return_progress(body))
     id_slot = get_int(body, "id_slot", -1)
     req.id_slot = id_slot if id_slot is not None else -1
     req.cache_salt, req.owner = get_str(body, "cache_salt") or None, caller()
-    req.token_ids = _token_ids_field(state, body)
+    req.token_ids = _token_ids_field(runner, body)
     return req
 
 
-def _completion_sampling(state: Runner, body: dict) -> dict:
+def _completion_sampling(runner: Runner, body: dict) -> dict:
     """The sampling fields of a legacy completion (``max_tokens`` or ``n_predict`` the limit)."""
-    fields = sampling_fields(body, state.tokenizer, max_tokens_keys=("max_tokens", "n_predict"),
-                             max_logprobs=_max_logprobs(state))
+    fields = sampling_fields(body, runner.tokenizer, max_tokens_keys=("max_tokens", "n_predict"),
+                             max_logprobs=_max_logprobs(runner))
     fields.pop("n_predict_default", None)  # the client's own limit: the planner sets it from the request
     return fields
 
 
-def _prompts_of(state: Runner, body: dict, suffix: str | None) -> tuple[list[Prompt], Infill | None]:
+def _prompts_of(runner: Runner, body: dict, suffix: str | None) -> tuple[list[Prompt], Infill | None]:
     """The prompts, and with a ``suffix`` the fill-in-the-middle around them (each prompt the code
     before the hole; none: one empty prefix); 400 naming the missing FIM tokens when the
     vocabulary has none."""
@@ -397,17 +399,17 @@ def _prompts_of(state: Runner, body: dict, suffix: str | None) -> tuple[list[Pro
         return _prompt_list(body.get("prompt")), None
     from kvserve.serving.fim import fim_tokens, missing_text
 
-    fim = fim_tokens(state.tokenizer)
+    fim = fim_tokens(runner.tokenizer)
     if fim.missing:
         raise ApiError(400, f"'suffix' is not supported by this model: {missing_text(fim)}".rstrip())
     prompt = body.get("prompt")
     return (_prompt_list(prompt) if prompt not in (None, "") else [[]]), Infill(suffix)
 
 
-def completion_plan(state: Runner, body: dict, *, render: bool = False) -> Plan:
+def completion_plan(runner: Runner, body: dict, *, render: bool = False) -> Plan:
     """Parse a legacy completion request and plan it (raises ApiError 400 on bad fields; the
     serving layer's domain errors for what the model refuses)."""
-    return plan_completion(state, completion_request(state, body, render=render))
+    return plan_completion(runner, completion_request(runner, body, render=render))
 
 
 # ------------------------------------------------------------------------ running choices
@@ -498,146 +500,181 @@ def vllm_prompt_logprobs(plp: list[TokenLogprob | None], k: int) -> list[dict[st
     return res
 
 
-def _add_prompt_logprobs(acc: _LegacyLogprobs, state: Runner, req: Request, out: RequestOutput) -> None:
+def _add_prompt_logprobs(acc: _LegacyLogprobs, runner: Runner, req: Request, out: RequestOutput) -> None:
     plp = out.prompt_logprobs or [None] * len(req.prompt_token_ids)
     for tok, lp in zip(req.prompt_token_ids, plp):
-        acc.add(lp, state.tokenizer.token_bytes(tok).decode("utf-8", errors="replace") if lp is None else None,
+        acc.add(lp, runner.tokenizer.token_bytes(tok).decode("utf-8", errors="replace") if lp is None else None,
                 token_id=tok)
 
 
 # ------------------------------------------------------------------------ responses
 
 
-def _usage(outs: list[RequestOutput], n_per_prompt: int, reasoning_tokens: int | None = None) -> Usage:
+def _usage(outs: list[RequestOutput], n_per_prompt: int) -> Usage:
+    """OpenAI's ``usage`` of a legacy completion's final outputs (a prompt counts once for its n)."""
     prompt = sum(o.num_prompt_tokens for o in outs[::n_per_prompt]) if outs else 0
     completion = sum(o.num_output_tokens for o in outs)
     cached = sum(o.num_cached_tokens for o in outs[::n_per_prompt]) if outs else 0
-    u = Usage(completion_tokens=completion, prompt_tokens=prompt, total_tokens=prompt + completion,
-              prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-    if reasoning_tokens is not None:
-        u.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
-    return u
+    return Usage(completion_tokens=completion, prompt_tokens=prompt, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def _finish_reason(out: RequestOutput, co: ChoiceOutput | None) -> str:
-    return "tool_calls" if co is not None and co.has_tool_calls else out.finish_reason
+def _chat_usage(u: ChatUsage) -> Usage:
+    """OpenAI's ``usage`` of a chat plan's counts (``completion_tokens_details`` when the reasoning
+    is split)."""
+    out = Usage(completion_tokens=u.completion_tokens, prompt_tokens=u.prompt_tokens,
+                total_tokens=u.prompt_tokens + u.completion_tokens,
+                prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
+    if u.reasoning_tokens is not None:
+        out.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=u.reasoning_tokens)
+    return out
 
 
-async def complete(state: Runner, plan: Plan) -> ChatCompletion | TextCompletion:
-    """Run a non-streaming request to the end and build the response object."""
-    texts = ["" for _ in plan.requests]
-    finals: list[RequestOutput | None] = [None] * len(plan.requests)
-    chat_lps: list[list[ChatTokenLogprob]] = [[] for _ in plan.requests]
-    legacy = [_LegacyLogprobs(plan.logprobs or 0, 0, plan.token_ids) for _ in plan.requests]
-    started = [False] * len(plan.requests)
-    post = [ChoiceOutput(plan.mode) if plan.kind == "chat" and plan.mode.active else None for _ in plan.requests]
-    prompt_lps: list[list | None] = [None] * len(plan.requests)
-    async for i, out in run_choices(state, plan, slot_view(plan.grammar)):
-        _check_output(out)
+def _chat_finish_reason(ev: ChatEvent) -> str:
+    """OpenAI's ``finish_reason``: ``tool_calls`` when the choice called tools, else the engine's."""
+    return "tool_calls" if ev.called_tools else ev.finish_reason
+
+
+def _reasoning_key(runner: Runner) -> str:
+    """The message's and delta's reasoning field: vLLM's ``reasoning`` under ``--reasoning-parser``,
+    else llama-server's ``reasoning_content``."""
+    return "reasoning" if runner.args.reasoning_parser else "reasoning_content"
+
+
+def _message(runner: Runner, plan: Plan, ans: Answer) -> ChatMessage:
+    """The whole answer as OpenAI's ``message``: the reasoning (:func:`_reasoning_key`) when it
+    was split out, ``tool_calls`` when there are any."""
+    fields: dict = {"role": plan.role, "content": ans.text}
+    if ans.reasoning is not None:
+        fields[_reasoning_key(runner)] = ans.reasoning
+    if ans.tool_calls:
+        fields["tool_calls"] = [ToolCall(type="function", function=FunctionCall(name=c.name, arguments=c.arguments),
+                                         id=c.id) for c in ans.tool_calls]
+    return ChatMessage(**fields)
+
+
+def _delta(runner: Runner, piece: Piece) -> dict:
+    """One piece as a chunk's ``delta`` object (one field: ``content``, the reasoning field,
+    ``tool_calls``), validated as :class:`ChatDelta` with the chunk."""
+    t = type(piece)
+    if t is TextPiece:
+        return {"content": piece.text}
+    if t is ReasoningPiece:
+        return {_reasoning_key(runner): piece.text}
+    return {"tool_calls": [{"index": piece.index, "id": piece.id, "type": "function",
+                            "function": {"name": piece.name, "arguments": piece.arguments}}]}
+
+
+async def _complete_chat(runner: Runner, plan: Plan) -> ChatCompletion:
+    """Run a non-streaming chat completion to the end (:func:`chat_events`, whole answers)."""
+    n = len(plan.requests)
+    chat_lps: list[list[ChatTokenLogprob]] = [[] for _ in range(n)]
+    prompt_lps: list[list | None] = [None] * n
+    lasts: list[ChatEvent | None] = [None] * n
+    usage = None
+    async for ev in chat_events(runner, plan, slot_view(plan.grammar), whole=True):
+        i, out = ev.index, ev.output
         if plan.prompt_logprobs is not None and out.prompt_logprobs is not None and prompt_lps[i] is None:
             prompt_lps[i] = vllm_prompt_logprobs(out.prompt_logprobs, plan.prompt_logprobs)
-        if plan.kind == "text" and plan.logprobs is not None and not started[i] and plan.echo_texts[i]:
-            _add_prompt_logprobs(legacy[i], state, plan.requests[i], out)
-        started[i] = True
-        texts[i] += out.text
-        if post[i] is not None:
-            post[i].count(out.text)
         for lp in out.logprobs or []:
-            if plan.kind == "chat":
-                chat_lps[i].append(_chat_logprob(lp, plan.logprobs or 0, plan.token_ids))
-            else:
-                legacy[i].add(lp)
-        if out.finished:
-            finals[i] = out
-    outs = [f for f in finals if f is not None]
-    envelope = {"created": plan.created, "model": plan.model, "system_fingerprint": state.build_info,
-                "usage": _usage(outs, plan.n, _reasoning_tokens(plan, post)), "id": plan.response_id,
-                "timings": Timings.of(outs[0].timings)}
-    if plan.kind != "chat":
-        tchoices = []
-        for i, out in enumerate(outs):
-            tc = TextChoice(finish_reason=out.finish_reason, index=i, text=plan.echo_texts[i] + texts[i],
-                            logprobs=legacy[i].result() if plan.logprobs is not None else None)
-            if plan.prompt_logprobs is not None:
-                tc.prompt_logprobs = prompt_lps[i]
-            tchoices.append(tc)
-        return TextCompletion(choices=tchoices, object="text_completion", **envelope)
+            chat_lps[i].append(_chat_logprob(lp, plan.logprobs or 0, plan.token_ids))
+        if ev.answer is not None:
+            lasts[i] = ev
+        usage = ev.usage or usage
+    evs = [e for e in lasts if e is not None]
     choices = []
-    for i, out in enumerate(outs):
-        fields = post[i].message(texts[i]) if post[i] is not None else {"content": texts[i]}
-        msg = ChatMessage(**{**fields, "role": plan.role})
-        c = ChatChoice(finish_reason=_finish_reason(out, post[i]), index=i, message=msg)
+    for i, ev in enumerate(evs):
+        c = ChatChoice(finish_reason=_chat_finish_reason(ev), index=i, message=_message(runner, plan, ev.answer))
         if plan.logprobs is not None:
             c.logprobs = ChatLogprobs(content=chat_lps[i])
         choices.append(c)
-    resp = ChatCompletion(choices=choices, object="chat.completion", **envelope)
+    resp = ChatCompletion(choices=choices, created=plan.created, model=plan.model, system_fingerprint=runner.build_info,
+                          object="chat.completion", usage=_chat_usage(usage), id=plan.response_id,
+                          timings=Timings.of(evs[0].output.timings))
     if plan.prompt_logprobs is not None:
         resp.prompt_logprobs = prompt_lps[0] if prompt_lps else None
     return resp
 
 
-def _reasoning_tokens(plan: Plan, post: list[ChoiceOutput | None]) -> int | None:
-    if plan.kind != "chat" or not plan.mode.splits_reasoning:
-        return None
-    return sum(p.reasoning_tokens for p in post if p is not None)
+async def complete(runner: Runner, plan: Plan) -> ChatCompletion | TextCompletion:
+    """Run a non-streaming request to the end and build the response object."""
+    if plan.kind == "chat":
+        return await _complete_chat(runner, plan)
+    texts = ["" for _ in plan.requests]
+    finals: list[RequestOutput | None] = [None] * len(plan.requests)
+    legacy = [_LegacyLogprobs(plan.logprobs or 0, 0, plan.token_ids) for _ in plan.requests]
+    started = [False] * len(plan.requests)
+    prompt_lps: list[list | None] = [None] * len(plan.requests)
+    async for i, out in run_choices(runner, plan, slot_view(plan.grammar)):
+        _check_output(out)
+        if plan.prompt_logprobs is not None and out.prompt_logprobs is not None and prompt_lps[i] is None:
+            prompt_lps[i] = vllm_prompt_logprobs(out.prompt_logprobs, plan.prompt_logprobs)
+        if plan.logprobs is not None and not started[i] and plan.echo_texts[i]:
+            _add_prompt_logprobs(legacy[i], runner, plan.requests[i], out)
+        started[i] = True
+        texts[i] += out.text
+        for lp in out.logprobs or []:
+            legacy[i].add(lp)
+        if out.finished:
+            finals[i] = out
+    outs = [f for f in finals if f is not None]
+    tchoices = []
+    for i, out in enumerate(outs):
+        tc = TextChoice(finish_reason=out.finish_reason, index=i, text=plan.echo_texts[i] + texts[i],
+                        logprobs=legacy[i].result() if plan.logprobs is not None else None)
+        if plan.prompt_logprobs is not None:
+            tc.prompt_logprobs = prompt_lps[i]
+        tchoices.append(tc)
+    return TextCompletion(choices=tchoices, object="text_completion", created=plan.created, model=plan.model,
+                          system_fingerprint=runner.build_info, usage=_usage(outs, plan.n), id=plan.response_id,
+                          timings=Timings.of(outs[0].timings))
 
 
 class _ChatSteps:
-    """The choices of a chat stream's chunks: the role first, the text split into deltas by
-    :class:`ChoiceOutput` (one field each), each delta with the logprobs of its tokens."""
+    """The choices of a chat stream's chunks: the role first, then one per piece of the answer
+    (:func:`chat_events`), each with the logprobs of the tokens not reported yet."""
 
-    def __init__(self, plan: Plan):
-        n = len(plan.requests)
-        self.plan = plan
-        self.post = [ChoiceOutput(plan.mode) if plan.mode.active else None for _ in range(n)]
-        self.pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    def __init__(self, runner: Runner, plan: Plan):
+        self.runner, self.plan = runner, plan
+        self.pending: list[list[TokenLogprob]] = [[] for _ in plan.requests]
 
     def opening(self) -> list[ChatChunkChoice]:
         return [ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(role=self.plan.role, content=None))
-                for i in range(len(self.post))]
+                for i in range(len(self.pending))]
 
     def empty(self, i: int) -> ChatChunkChoice:
         # the role went in the stream's first chunk: sent again, openai-python's stream helper
         # would concatenate it ('assistantassistant...')
         return ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta())
 
-    def _with_logprobs(self, c: ChatChunkChoice, i: int) -> ChatChunkChoice:
-        """``c`` with the logprobs of the tokens not reported yet (when any were asked for)."""
+    def _choice(self, i: int, delta: dict, finish_reason: str | None = None) -> dict:
+        """One choice of a chunk (validated as :class:`ChatChunkChoice` with the chunk: one
+        validation per chunk, not three), with the logprobs of the tokens not reported yet
+        (when any were asked for)."""
+        c = {"finish_reason": finish_reason, "index": i, "delta": delta}
         if self.pending[i]:
             lps, self.pending[i] = self.pending[i], []
-            c.logprobs = ChatLogprobs(content=[_chat_logprob(lp, self.plan.logprobs, self.plan.token_ids)
-                                               for lp in lps])
+            c["logprobs"] = ChatLogprobs(content=[_chat_logprob(lp, self.plan.logprobs, self.plan.token_ids)
+                                                  for lp in lps])
         return c
 
-    def pieces(self, i: int, out: RequestOutput) -> list[ChatChunkChoice]:
+    def pieces(self, ev: ChatEvent) -> list[dict]:
+        i, out = ev.index, ev.output
         if out.logprobs and self.plan.logprobs is not None:
             self.pending[i].extend(out.logprobs)
-        post, text = self.post[i], out.text
-        if not text:
-            deltas = post.finish() if out.finished and post is not None else []
-        elif post is None:
-            deltas = [{"content": text}]
-        else:
-            deltas = post.feed(text) + post.finish() if out.finished else post.feed(text)
-        # ChoiceOutput's delta fragments: one field each
-        return [self._with_logprobs(ChatChunkChoice(finish_reason=None, index=i, delta=ChatDelta(**d)), i)
-                for d in deltas]
+        return [self._choice(i, _delta(self.runner, p)) for p in ev.pieces]
 
-    def finish(self, i: int, out: RequestOutput) -> ChatChunkChoice:
-        c = ChatChunkChoice(finish_reason=_finish_reason(out, self.post[i]), index=i, delta=ChatDelta())
-        return self._with_logprobs(c, i)
-
-    def reasoning_tokens(self) -> int | None:
-        return _reasoning_tokens(self.plan, self.post)
+    def finish(self, ev: ChatEvent) -> dict:
+        return self._choice(ev.index, {}, _chat_finish_reason(ev))
 
 
 class _TextSteps:
     """The choices of a legacy completion stream's chunks: text pieces (the prompt first under
     ``echo``), each with the legacy logprobs of its tokens."""
 
-    def __init__(self, state: Runner, plan: Plan):
+    def __init__(self, runner: Runner, plan: Plan):
         n = len(plan.requests)
-        self.state, self.plan = state, plan
+        self.runner, self.plan = runner, plan
         self.legacy = [_LegacyLogprobs(plan.logprobs or 0, 0, plan.token_ids) for _ in range(n)]
         self.pending: list[list[TokenLogprob]] = [[] for _ in range(n)]
         self.started = [False] * n
@@ -662,7 +699,7 @@ class _TextSteps:
             self.started[i] = True
             if plan.echo_texts[i]:
                 if plan.logprobs is not None:
-                    _add_prompt_logprobs(self.legacy[i], self.state, plan.requests[i], out)
+                    _add_prompt_logprobs(self.legacy[i], self.runner, plan.requests[i], out)
                 text = plan.echo_texts[i] + text
         self.pending[i].extend(out.logprobs or [])
         return [TextChoice(finish_reason=None, index=i, text=text, logprobs=self._logprobs(i))] if text else []
@@ -671,32 +708,63 @@ class _TextSteps:
         return TextChoice(finish_reason=out.finish_reason, index=i, text="",
                           logprobs=self._logprobs(i) if self.pending[i] else None)
 
-    def reasoning_tokens(self) -> None:
-        return None
 
 
-async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
-    """The SSE events of a streaming request, as JSON objects (see the module docstring):
-    :class:`ChatCompletionChunk` / :class:`TextCompletionChunk` written with ``.wire()``, their
-    choices from :class:`_ChatSteps` / :class:`_TextSteps`; llama-server's ``prompt_progress``
-    chunks (``return_progress``) before a choice's first token;
-    :func:`kvserve.faces.sse.sse_response` writes them, pings, the error event and [DONE]."""
+def _chunk_maker(runner: Runner, plan: Plan):
+    """``chunk(choices, **extra)``: one stream chunk of ``plan``, as a JSON object."""
     chat = plan.kind == "chat"
     make = ChatCompletionChunk if chat else TextCompletionChunk
     envelope = {"created": plan.created, "id": plan.response_id, "model": plan.model,
-                "system_fingerprint": state.build_info, "object": "chat.completion.chunk" if chat else "text_completion"}
+                "system_fingerprint": runner.build_info, "object": "chat.completion.chunk" if chat else "text_completion"}
 
     def chunk(choices: list, **extra) -> dict:
         return make(choices=choices, **envelope, **extra).wire()
 
-    steps = _ChatSteps(plan) if chat else _TextSteps(state, plan)
-    finals: list[RequestOutput | None] = [None] * len(plan.requests)
-    progress = [ProgressEvents() if getattr(r, "return_progress", False) else None for r in plan.requests]
+    return chunk
+
+
+def _progress(plan: Plan) -> list[ProgressEvents | None]:
+    """llama-server's ``return_progress`` per choice (None: not asked for)."""
+    return [ProgressEvents() if getattr(r, "return_progress", False) else None for r in plan.requests]
+
+
+def stream_events(runner: Runner, plan: Plan) -> AsyncIterator[dict]:
+    """The SSE events of a streaming request, as JSON objects (see the module docstring):
+    :class:`ChatCompletionChunk` / :class:`TextCompletionChunk` written with ``.wire()``, their
+    choices from :class:`_ChatSteps` (the serving layer's :func:`chat_events`) /
+    :class:`_TextSteps`; llama-server's ``prompt_progress`` chunks (``return_progress``) before a
+    choice's first token; :func:`kvserve.faces.sse.sse_response` writes them, pings, the error
+    event and [DONE]."""
+    return _chat_stream(runner, plan) if plan.kind == "chat" else _text_stream(runner, plan)
+
+
+async def _chat_stream(runner: Runner, plan: Plan) -> AsyncIterator[dict]:
+    chunk, steps, progress = _chunk_maker(runner, plan), _ChatSteps(runner, plan), _progress(plan)
+    first = None
     for c in steps.opening():
         yield chunk([c])
-    async for i, out in run_choices(state, plan, slot_view(plan.grammar)):
+    async for ev in chat_events(runner, plan, slot_view(plan.grammar), progress=any(progress)):
+        i, out = ev.index, ev.output
+        if progress[i] is not None:  # llama-server's progress chunks: an empty delta
+            for prog, _timings in progress[i].feed(out):
+                yield chunk([steps.empty(i)], prompt_progress=prog)
+            if out.prompt_progress is not None:
+                continue
+        for c in steps.pieces(ev):
+            yield chunk([c])
+        if out.finished:
+            first = first or (ev if i == 0 else None)
+            yield chunk([steps.finish(ev)], timings=Timings.of(out.timings))
+        if ev.usage is not None and plan.include_usage:
+            yield chunk([], usage=_chat_usage(ev.usage), timings=Timings.of(first.output.timings))
+
+
+async def _text_stream(runner: Runner, plan: Plan) -> AsyncIterator[dict]:
+    chunk, steps, progress = _chunk_maker(runner, plan), _TextSteps(runner, plan), _progress(plan)
+    finals: list[RequestOutput | None] = [None] * len(plan.requests)
+    async for i, out in run_choices(runner, plan, slot_view(plan.grammar)):
         _check_output(out)
-        if progress[i] is not None:  # llama-server's progress chunks: an empty delta (chat) or empty text
+        if progress[i] is not None:  # llama-server's progress chunks: empty text
             for prog, _timings in progress[i].feed(out):
                 yield chunk([steps.empty(i)], prompt_progress=prog)
         if out.prompt_progress is not None:
@@ -708,7 +776,7 @@ async def stream_events(state: Runner, plan: Plan) -> AsyncIterator[dict]:
             yield chunk([steps.finish(i, out)], timings=Timings.of(out.timings))
     outs = [f for f in finals if f is not None]
     if plan.include_usage:
-        yield chunk([], usage=_usage(outs, plan.n, steps.reasoning_tokens()), timings=Timings.of(outs[0].timings))
+        yield chunk([], usage=_usage(outs, plan.n), timings=Timings.of(outs[0].timings))
 
 
 # ------------------------------------------------------------------------ routes
@@ -736,11 +804,11 @@ async def _serve(state: ServerState, http: HttpRequest, make_plan) -> Response:
         return error_answer(e)
 
 
-def input_tokens_plan(state: Runner, body: dict) -> InputTokens:
+def input_tokens_plan(runner: Runner, body: dict) -> InputTokens:
     """llama-server's ``/v1/chat/completions/input_tokens``: the request is read as a chat
     completion (the same checks, rendering and tokenization; a prompt that cannot fit the context
     is a 400) and nothing runs."""
-    plan = chat_plan(state, {**body, "stream": False})
+    plan = chat_plan(runner, {**body, "stream": False})
     return InputTokens(input_tokens=len(plan.requests[0].prompt_token_ids))
 
 

@@ -113,6 +113,7 @@ from kvserve.faces.sse import (
 )
 from kvserve.serving.chat_plan import plan_chat
 from kvserve.serving.chat_request import ChatRequest, StreamOptions, TemplateOptions
+from kvserve.serving.chat_output import Piece, ReasoningPiece, TextPiece, ToolCallPiece
 from kvserve.serving.choices import ChatUsage, chat_events
 from kvserve.serving.ids import HEX, new_id
 from kvserve.serving.response_store import ResponseStore
@@ -815,9 +816,10 @@ class _Run:
             async with contextlib.aclosing(chat_events(self.runner, self.plan, slot_view(self.plan.grammar))) as evs:
                 async for ev in evs:
                     self.usage = ev.usage or self.usage
-                    self.finish = ev.finish_reason or self.finish
-                    for d in ev.deltas:
-                        for out in self._delta(d):
+                    if ev.finish_reason is not None:  # an answer that called tools is complete, never cut
+                        self.finish = "stop" if ev.called_tools else ev.finish_reason
+                    for p in ev.pieces:
+                        for out in self._piece(p):
                             yield out
             for ev in self._finish():
                 yield ev
@@ -861,18 +863,16 @@ class _Run:
             msg["tool_calls"] = calls
         return msg
 
-    # -- chat deltas -> items ----------------------------------------------------------
+    # -- answer pieces -> items ----------------------------------------------------------
 
-    def _delta(self, d: dict) -> list[dict]:
-        evs: list[dict] = []
-        thought = d.get("reasoning_content") or d.get("reasoning")
-        if thought:
-            evs += self._text("reasoning", thought)
-        if d.get("content"):
-            evs += self._text("message", d["content"])
-        for call in d.get("tool_calls") or []:
-            evs += self._call(call)
-        return evs
+    def _piece(self, p: Piece) -> list[dict]:
+        """The events of one piece of the answer: reasoning and text go to the open item of their
+        kind, a tool call is a ``function_call`` item."""
+        if type(p) is ReasoningPiece:
+            return self._text("reasoning", p.text) if p.text else []
+        if type(p) is TextPiece:
+            return self._text("message", p.text) if p.text else []
+        return self._call(p)
 
     def _text(self, kind: str, text: str) -> list[dict]:
         evs: list[dict] = []
@@ -935,13 +935,12 @@ class _Run:
                          content_index=0, part=part),
                 self._ev(OutputItemDone, type="response.output_item.done", output_index=o.index, item=item)]
 
-    def _call(self, call: dict) -> list[dict]:
+    def _call(self, call: ToolCallPiece) -> list[dict]:
         evs = self._close("completed") if self.open is not None else []
         self.pending = ""
-        fn = call.get("function") or {}
-        index, item_id, args = len(self.output), _responses_id("fc_"), fn.get("arguments") or ""
-        item = FunctionCallItem(type="function_call", id=item_id, call_id=call.get("id") or _responses_id("call_"),
-                                name=fn.get("name") or "", arguments="", status="in_progress")
+        index, item_id, args = len(self.output), _responses_id("fc_"), call.arguments or ""
+        item = FunctionCallItem(type="function_call", id=item_id, call_id=call.id or _responses_id("call_"),
+                                name=call.name or "", arguments="", status="in_progress")
         self.output.append(item)
         evs.append(self._ev(OutputItemAdded, type="response.output_item.added", output_index=index, item=item))
         evs.append(self._ev(FunctionCallArgumentsDelta, type="response.function_call_arguments.delta",

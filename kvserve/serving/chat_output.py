@@ -1,13 +1,15 @@
-"""One chat choice's generated text -> the assistant message's fields: ``content``, the
-reasoning field and ``tool_calls`` (whole, and as streaming deltas).
+"""One chat choice's generated text -> the answer's parts: text, reasoning and tool calls,
+whole (:class:`Answer`) and as streamed pieces (:class:`TextPiece`, :class:`ReasoningPiece`,
+:class:`ToolCallPiece`). Faces write these in their dialect (OpenAI's ``content`` /
+``reasoning_content`` / ``tool_calls``, Anthropic's content blocks, Ollama's ``message``).
 
 The text goes through two stages:
 
 1. reasoning split (:mod:`kvserve.chat.reasoning`): thinking between ``<think>`` and
-   ``</think>`` goes to ``reasoning_content`` (llama-server, ``--reasoning-format``) or
-   ``reasoning`` (vLLM, ``--reasoning-parser``);
-2. tool-call parsing (:mod:`kvserve.chat.tool_calls`) of what is left: calls become
-   ``tool_calls`` and the text before the first call stays ``content``.
+   ``</think>`` becomes reasoning (llama-server's ``--reasoning-format``, vLLM's
+   ``--reasoning-parser``);
+2. tool-call parsing (:mod:`kvserve.chat.tool_calls`) of what is left: calls become tool calls
+   and the text before the first call stays text.
 
 A continued assistant message (``prefill``, e.g. ``"<tool_call>\\n"`` in seed 000 Example 13)
 is part of the text the parsers see, but only newly generated text is returned as content,
@@ -29,7 +31,59 @@ from dataclasses import dataclass, field
 from kvserve.chat.reasoning import ReasoningStreamer, split_reasoning
 from kvserve.chat.tool_parsers import get_tool_parser
 
-__all__ = ["ChoiceOutput", "OutputMode", "marker_texts", "preserved_token_ids"]
+__all__ = ["Answer", "ChoiceOutput", "OutputMode", "Piece", "ReasoningPiece", "TextPiece", "ToolCallPiece",
+           "marker_texts", "preserved_token_ids"]
+
+
+@dataclass(slots=True)
+class TextPiece:
+    """New answer text of one step (what the user reads)."""
+
+    text: str
+
+
+@dataclass(slots=True)
+class ReasoningPiece:
+    """New reasoning (thinking) text of one step."""
+
+    text: str
+
+
+@dataclass(slots=True)
+class ToolCallPiece:
+    """One whole tool call (sent once it closed and parsed, never in parts).
+
+    Attributes:
+        index: the call's number in the choice (0, 1, ...).
+        id: the call's id (the parser's, e.g. ``functions.read_file:0``, or a made one).
+        name: the function's name.
+        arguments: the arguments as JSON text, as the model wrote them (parsers normalize some).
+    """
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+#: one streamed piece of a choice's answer
+Piece = TextPiece | ReasoningPiece | ToolCallPiece
+
+
+@dataclass(slots=True)
+class Answer:
+    """A choice's whole answer (non-streaming).
+
+    Attributes:
+        text: the answer text ("" when none).
+        reasoning: the reasoning text; None when the reasoning is not split out or is dropped
+            (``include_reasoning`` false), "" when split and empty.
+        tool_calls: the calls, in order (``index`` 0, 1, ...).
+    """
+
+    text: str
+    reasoning: str | None = None
+    tool_calls: list[ToolCallPiece] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -41,7 +95,6 @@ class OutputMode:
         parallel_tool_calls: False keeps only the first call (vLLM/OpenAI semantics).
         reasoning_style: split style for :func:`kvserve.chat.reasoning.split_reasoning`
             (``deepseek``, ``deepseek-legacy``, ``deepseek_r1``, ``qwen3``) or None / ``none``.
-        reasoning_field: ``reasoning_content`` (llama-server) or ``reasoning`` (vLLM).
         include_reasoning: False drops the reasoning from the response (vLLM's field).
         started_in_prompt: the generation prompt ended inside an opened ``<think>`` block.
         prompt_tail: the prompt's text after that ``<think>`` (llama-server parses it with the output).
@@ -56,7 +109,6 @@ class OutputMode:
     tool_parser: str | None = None
     parallel_tool_calls: bool = True
     reasoning_style: str | None = None
-    reasoning_field: str = "reasoning_content"
     include_reasoning: bool = True
     started_in_prompt: bool = False
     prompt_tail: str = ""
@@ -118,10 +170,14 @@ class ChoiceOutput:
     """Post-processing state of one choice.
 
     Streaming: call :meth:`feed` with each text delta (one engine output) and :meth:`finish`
-    at the end; both return OpenAI ``delta`` objects (``{"content": ...}``,
-    ``{"<reasoning field>": ...}`` or ``{"tool_calls": [...]}``). Non-streaming: call
-    :meth:`message` once with the whole text. Afterwards :attr:`has_tool_calls` says whether
-    finish_reason becomes ``tool_calls`` and :attr:`reasoning_tokens` counts thinking tokens.
+    at the end; both return :data:`Piece` s (one text piece per parser fragment; ``finish`` joins
+    consecutive text, and consecutive reasoning, pieces).
+    Non-streaming: call :meth:`count` with each text delta and :meth:`answer` once with the
+    whole text. Afterwards :attr:`has_tool_calls` says whether the choice called tools and
+    :attr:`reasoning_tokens` counts thinking tokens.
+
+    Internally the :mod:`kvserve.chat` parsers' fragments (``{"content"}``, ``{"reasoning"}``,
+    their tool-call fragments) are read and turned into pieces here.
     """
 
     def __init__(self, mode: OutputMode):
@@ -130,7 +186,6 @@ class ChoiceOutput:
         self.reasoning_tokens = 0
         self._reasoning = None
         self._tools = None
-        self._n_calls = 0
         self._counter = None
         if mode.splits_reasoning:
             self._reasoning = self._new_reasoning()
@@ -148,57 +203,59 @@ class ChoiceOutput:
 
     # -- streaming ------------------------------------------------------------------
 
-    def feed(self, text: str) -> list[dict]:
-        """Delta objects for one piece of generated text (may be empty: text held back)."""
+    def feed(self, text: str) -> list[Piece]:
+        """Pieces for one piece of generated text (may be empty: text held back)."""
         if not text:
             return []
-        return self._stage2(self._stage1(self._reasoning.feed(text) if self._reasoning else [{"content": text}]))
+        return self._stage2(self._stage1(self._reasoning.feed(text) if self._reasoning else [TextPiece(text)]))
 
-    def finish(self) -> list[dict]:
-        """Delta objects for the text still held back at the end of the choice."""
+    def finish(self) -> list[Piece]:
+        """Pieces for the text still held back at the end of the choice."""
         out = self._stage1(self._reasoning.finish()) if self._reasoning else []
-        deltas = self._stage2(out)
+        pieces = self._stage2(out)
         if self._tools is not None:
-            deltas += self._calls(self._tools.finish())
-        return _merge(deltas)
+            pieces += self._calls(self._tools.finish())
+        return _merge(pieces)
 
-    def _stage1(self, frags: list[dict]) -> list[dict]:
-        """Reasoning fragments -> response field name; count thinking pieces."""
-        out = []
-        if self._reasoning is not None:
-            self.reasoning_tokens = self._reasoning.reasoning_tokens
+    def _stage1(self, frags: list) -> list[Piece]:
+        """Reasoning fragments -> pieces; count thinking pieces. (Without a reasoning split the
+        text comes as pieces already.)"""
+        if self._reasoning is None:
+            return frags
+        out: list[Piece] = []
+        self.reasoning_tokens = self._reasoning.reasoning_tokens
         for f in frags:
             if "reasoning" in f:
                 if self.mode.include_reasoning and f["reasoning"]:
-                    out.append({self.mode.reasoning_field: f["reasoning"]})
+                    out.append(ReasoningPiece(f["reasoning"]))
             elif f.get("content"):
-                out.append({"content": f["content"]})
+                out.append(TextPiece(f["content"]))
         return out
 
-    def _stage2(self, frags: list[dict]) -> list[dict]:
+    def _stage2(self, pieces: list[Piece]) -> list[Piece]:
+        """Text pieces through the tool-call parser (when there is one)."""
         if self._tools is None:
-            return frags
-        out = []
-        for f in frags:
-            if "content" in f:
-                out += self._calls(self._tools.feed(f["content"]))
+            return pieces
+        out: list[Piece] = []
+        for p in pieces:
+            if type(p) is TextPiece:
+                out += self._calls(self._tools.feed(p.text))
             else:
-                out.append(f)
+                out.append(p)
         return out
 
-    def _calls(self, frags: list[dict]) -> list[dict]:
-        out = []
+    def _calls(self, frags: list[dict]) -> list[Piece]:
+        """The tool-call parser's fragments -> pieces (only the first call unless parallel)."""
+        out: list[Piece] = []
         for f in frags:
             if "tool_calls" in f:
-                calls = []
                 for c in f["tool_calls"]:
                     if c["index"] == 0 or self.mode.parallel_tool_calls:
-                        calls.append(c)
-                if calls:
-                    self.has_tool_calls = True
-                    out.append({"tool_calls": calls})
+                        fn = c["function"]
+                        out.append(ToolCallPiece(c["index"], c["id"], fn["name"], fn["arguments"]))
+                        self.has_tool_calls = True
             elif f.get("content") and not self.mode.forced_tools:
-                out.append(f)
+                out.append(TextPiece(f["content"]))
         return out
 
     # -- whole message ----------------------------------------------------------------
@@ -211,43 +268,38 @@ class ChoiceOutput:
             self._counter.feed(text)
             self.reasoning_tokens = self._counter.reasoning_tokens
 
-    def message(self, text: str) -> dict:
-        """The assistant message for the whole generated ``text`` (role, content, reasoning,
-        tool_calls)."""
-        msg: dict = {"role": "assistant"}
+    def answer(self, text: str) -> Answer:
+        """The whole answer for the whole generated ``text`` (text, reasoning, tool calls)."""
+        ans = Answer(text)
         content = text
-        if self.mode.splits_reasoning:
-            m = self.mode
+        m = self.mode
+        if m.splits_reasoning:
             reasoning, content = split_reasoning(text, style=m.reasoning_style, started_in_prompt=m.started_in_prompt,
                                                  prompt_tail=m.prompt_tail, thinking_enabled=m.thinking_enabled)
-            if reasoning is not None and self.mode.include_reasoning:
-                msg[self.mode.reasoning_field] = reasoning
-        if self.mode.tool_parser is not None:
-            parser = get_tool_parser(self.mode.tool_parser, tools=self.mode.tools)
-            full = self.mode.prefill + content
-            res = parser.extract(full)
+            if reasoning is not None and m.include_reasoning:
+                ans.reasoning = reasoning
+        if m.tool_parser is not None:
+            parser = get_tool_parser(m.tool_parser, tools=m.tools)
+            res = parser.extract(m.prefill + content)
             if res.calls:
-                calls = res.calls if self.mode.parallel_tool_calls else res.calls[:1]
+                calls = res.calls if m.parallel_tool_calls else res.calls[:1]
                 self.has_tool_calls = True
-                content = (res.content or "")[len(self.mode.prefill):]  # only newly generated text
-                msg["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments},
-                                      "id": c.id} for c in calls]
-            elif self.mode.forced_tools:
+                content = (res.content or "")[len(m.prefill):]  # only newly generated text
+                ans.tool_calls = [ToolCallPiece(k, c.id, c.name, c.arguments) for k, c in enumerate(calls)]
+            elif m.forced_tools:
                 content = ""  # a forced call cut off (max_tokens): dropped, its markup is no content
-            elif parser.rewrites_content and not self.mode.prefill:
+            elif parser.rewrites_content and not m.prefill:
                 content = res.content or ""  # harmony: the messages' text, as the stream sends it
-        msg["content"] = content
-        return msg
+        ans.text = content
+        return ans
 
 
-def _merge(deltas: list[dict]) -> list[dict]:
-    """Join consecutive deltas of the same single text field (fewer SSE events)."""
-    out: list[dict] = []
-    for d in deltas:
-        if out and len(d) == 1 and len(out[-1]) == 1:
-            (k, v), (pk, pv) = next(iter(d.items())), next(iter(out[-1].items()))
-            if k == pk and isinstance(v, str) and isinstance(pv, str):
-                out[-1] = {k: pv + v}
-                continue
-        out.append(d)
+def _merge(pieces: list[Piece]) -> list[Piece]:
+    """Join consecutive text pieces, and consecutive reasoning pieces (fewer events)."""
+    out: list[Piece] = []
+    for p in pieces:
+        if out and type(p) is type(out[-1]) and type(p) is not ToolCallPiece:
+            out[-1] = type(p)(out[-1].text + p.text)
+            continue
+        out.append(p)
     return out

@@ -90,7 +90,7 @@ class ChatFeatures:
         tool_grammar: GBNF forcing the call(s) for required/named (None otherwise).
         generic: the generic format's (choice, parallel, system text) when the template has no
             tool-call format (:mod:`kvserve.chat.tool_generic`), else None.
-        reasoning_style, reasoning_field, include_reasoning: see OutputMode.
+        reasoning_style, include_reasoning: see OutputMode.
         thinking_budget: thinking tokens before ``</think>`` is forced (-1: no limit).
     """
 
@@ -102,7 +102,6 @@ class ChatFeatures:
     tool_grammar: str | None = None
     generic: tuple[str | dict, bool, str] | None = None
     reasoning_style: str | None = None
-    reasoning_field: str = "reasoning_content"
     include_reasoning: bool = True
     thinking_budget: int = -1
 
@@ -112,7 +111,7 @@ class ChatFeatures:
 
         tail = prompt_thinking_tail(prompt_text) if thinking_opened(prompt_text, prefill) else None
         return OutputMode(tool_parser=self.tool_parser, parallel_tool_calls=self.parallel, tools=self.template_tools,
-                          reasoning_style=self.reasoning_style, reasoning_field=self.reasoning_field,
+                          reasoning_style=self.reasoning_style,
                           include_reasoning=self.include_reasoning, started_in_prompt=tail is not None,
                           forced_tools=self.tool_parser is not None and self.tool_choice not in ("none", "auto"),
                           prompt_tail=tail or "", thinking_enabled=self.template_kwargs.get("enable_thinking") is not False,
@@ -274,7 +273,7 @@ def features(runner: Runner, req: ChatRequest) -> ChatFeatures:
     _tool_features(f, runner, req)
     f.template_kwargs = template_variables(args, req.template, req.reasoning.effort, runner.template, req.tools)
     if args.reasoning_parser:
-        f.reasoning_style, f.reasoning_field = args.reasoning_parser, "reasoning"
+        f.reasoning_style = args.reasoning_parser
         f.include_reasoning = req.reasoning.include
     else:
         fmt = req.reasoning.format or args.reasoning_format

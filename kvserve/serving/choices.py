@@ -1,7 +1,8 @@
 """Running a plan's choices: every engine request of a :class:`~kvserve.serving.chat_plan.Plan`
 at once (:func:`run_choices`), and for chat plans the answer as the serving layer's events
-(:func:`chat_events`: the text split into content, reasoning and tool calls by
-:class:`~kvserve.serving.chat_output.ChoiceOutput`). Faces turn these into their dialect's JSON.
+(:func:`chat_events`: the text split into text, reasoning and tool-call pieces by
+:class:`~kvserve.serving.chat_output.ChoiceOutput`, or each choice's whole answer). Faces turn
+these into their dialect's JSON.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.engine.request import Request, RequestOutput
 from kvserve.errors import ServerFaultError
-from kvserve.serving.chat_output import ChoiceOutput
+from kvserve.serving.chat_output import Answer, ChoiceOutput, Piece, TextPiece
 from kvserve.serving.chat_runner import fair_share, generate
 
 if TYPE_CHECKING:
@@ -73,25 +74,28 @@ class ChatUsage:
     reasoning_tokens: int | None = None  # None: the plan does not split reasoning out
 
 
-@dataclass
+@dataclass(slots=True)
 class ChatEvent:
     """One step of one choice's answer.
 
     Attributes:
         index: the choice.
-        output: the engine's output behind this event.
-        deltas: the new pieces, one field each: ``{"content": str}``, the reasoning
-            (``{"reasoning_content": str}``, or ``{"reasoning": str}`` under a ``--reasoning-parser``)
-            or ``{"tool_calls": [...]}`` (:class:`~kvserve.serving.chat_output.ChoiceOutput`'s fragments).
-        finish_reason: when the choice finished: ``tool_calls`` when it called tools, else the
-            engine's (``stop``, ``length``); None before.
+        output: the engine's output behind this event (its tokens, logprobs, timings; under
+            ``progress=True`` a prompt-progress output, with no pieces).
+        pieces: the new parts of the answer (streaming; empty under ``whole=True``).
+        finish_reason: when the choice finished: the engine's (``stop``, ``length``); None before.
+        called_tools: when the choice finished: whether it called tools (the dialects name
+            that finish their own way).
+        answer: under ``whole=True``, on the choice's last event: the whole answer.
         usage: with the last event of the plan, the counts of every choice.
     """
 
     index: int
     output: RequestOutput
-    deltas: list[dict] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
     finish_reason: str | None = None
+    called_tools: bool = False
+    answer: Answer | None = None
     usage: ChatUsage | None = None
 
 
@@ -102,8 +106,13 @@ def _usage(plan: Plan, finals: list[RequestOutput], posts: list[ChoiceOutput | N
                      sum(o.num_cached_tokens for o in firsts), reasoning)
 
 
-async def chat_events(runner: Runner, plan: Plan, view: ParamsView | None = None) -> AsyncIterator[ChatEvent]:
-    """A chat plan's answers as :class:`ChatEvent` s (prompt-progress outputs are skipped).
+async def chat_events(runner: Runner, plan: Plan, view: ParamsView | None = None, *, whole: bool = False,
+                      progress: bool = False) -> AsyncIterator[ChatEvent]:
+    """A chat plan's answers as :class:`ChatEvent` s, one per engine output.
+
+    ``whole``: no pieces; each choice's last event carries its :class:`Answer` (the whole text
+    parsed at once, as a non-streamed answer is). ``progress``: prompt-progress outputs (requests
+    with ``return_progress``) come as events without pieces; otherwise they are skipped.
 
     Raises:
         ServerFaultError: an engine output carries an error (its text).
@@ -111,21 +120,39 @@ async def chat_events(runner: Runner, plan: Plan, view: ParamsView | None = None
     """
     n = len(plan.requests)
     posts = [ChoiceOutput(plan.mode) if plan.mode.active else None for _ in range(n)]
+    texts: list[list[str]] = [[] for _ in range(n)] if whole else []
     finals: list[RequestOutput | None] = [None] * n
     remaining = n
     async for i, out in run_choices(runner, plan, view):
         if out.error:
             raise ServerFaultError(out.error)
         if out.prompt_progress is not None:
+            if progress:
+                yield ChatEvent(i, out)
             continue
         post, text = posts[i], out.text
-        deltas = (post.feed(text) if post is not None else [{"content": text}]) if text else []
-        ev = ChatEvent(i, out, deltas)
-        if out.finished:
+        if whole:
+            ev = ChatEvent(i, out)
+            texts[i].append(text)
             if post is not None:
-                ev.deltas += post.finish()
-            ev.finish_reason = "tool_calls" if post is not None and post.has_tool_calls else out.finish_reason
+                post.count(text)
+        elif post is None:
+            ev = ChatEvent(i, out, [TextPiece(text)] if text else [])
+        else:
+            ev = ChatEvent(i, out, post.feed(text) if text else [])
+        if out.finished:
+            _finish(ev, post, "".join(texts[i]) if whole else None)
             finals[i], remaining = out, remaining - 1
             if not remaining:
                 ev.usage = _usage(plan, [f for f in finals if f is not None], posts)
         yield ev
+
+
+def _finish(ev: ChatEvent, post: ChoiceOutput | None, whole_text: str | None) -> None:
+    """Complete a choice's last event: the held-back pieces (or the whole answer) and its finish."""
+    if whole_text is not None:
+        ev.answer = post.answer(whole_text) if post is not None else Answer(whole_text)
+    elif post is not None:
+        ev.pieces += post.finish()
+    ev.finish_reason = ev.output.finish_reason
+    ev.called_tools = post is not None and post.has_tool_calls

@@ -10,6 +10,7 @@ import pytest
 from kvserve.faces.api_error import ApiError
 from kvserve.faces.responses import MAX_INPUT_ITEMS, chat_body
 from kvserve.serving.chat_request import ChatRequest, StreamOptions, TemplateOptions
+from kvserve.serving.chat_output import ReasoningPiece, TextPiece, ToolCallPiece
 from kvserve.serving.choices import ChatEvent, ChatUsage
 from kvserve.serving.response_store import ResponseStore
 
@@ -237,11 +238,22 @@ def _chunks(*deltas: dict, finish: str = "stop", usage: ChatUsage | None = None)
     """The events of one choice: an empty first one (the engine's first output may carry no
     text), one per delta, then the finish with the usage."""
     out = [ChatEvent(0, None, [])]
-    out += [ChatEvent(0, None, [d]) for d in deltas]
-    out.append(ChatEvent(0, None, [], finish_reason=finish,
+    out += [ChatEvent(0, None, [_piece(d)]) for d in deltas]
+    out.append(ChatEvent(0, None, [], finish_reason="stop" if finish == "tool_calls" else finish,
+                         called_tools=finish == "tool_calls",
                          usage=usage or ChatUsage(prompt_tokens=9, completion_tokens=5, cached_tokens=4,
                                                   reasoning_tokens=2)))
     return out
+
+
+def _piece(d: dict):
+    """A piece of the serving layer's answer, written here in OpenAI's delta shape for short tests."""
+    if "tool_calls" in d:
+        (c,) = d["tool_calls"]
+        return ToolCallPiece(c["index"], c["id"], c["function"]["name"], c["function"]["arguments"])
+    if "content" in d:
+        return TextPiece(d["content"])
+    return ReasoningPiece(d.get("reasoning_content") or d["reasoning"])
 
 
 def _run(monkeypatch, chunks: list, body: dict | None = None, fail: Exception | None = None):

@@ -1,5 +1,5 @@
 """The serving layer's chat events (kvserve.serving.choices.chat_events), from fake engine
-outputs: the pieces of each choice, its finish reason, the usage with the last event."""
+outputs: the pieces of each choice (or its whole answer), its finish reason, the usage with the last event."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import kvserve.serving.choices as choices
 from kvserve.engine.request import PromptProgress, RequestOutput
 from kvserve.errors import ServerFaultError
-from kvserve.serving.chat_output import OutputMode
+from kvserve.serving.chat_output import Answer, OutputMode, ReasoningPiece, TextPiece, ToolCallPiece
 
 
 def _out(text: str, *, finished: bool = False, stop: str = "eos", prompt: int = 7, cached: int = 3, n_out: int = 0,
@@ -21,7 +21,7 @@ def _out(text: str, *, finished: bool = False, stop: str = "eos", prompt: int = 
                          **kw)
 
 
-def _events(monkeypatch, outs: list[tuple[int, RequestOutput]], mode: OutputMode, n: int = 1) -> list:
+def _events(monkeypatch, outs: list[tuple[int, RequestOutput]], mode: OutputMode, n: int = 1, **kw) -> list:
     async def fake(runner, plan, view=None):
         for item in outs:
             yield item
@@ -30,19 +30,20 @@ def _events(monkeypatch, outs: list[tuple[int, RequestOutput]], mode: OutputMode
     plan = SimpleNamespace(requests=[None] * len({i for i, _ in outs}), n=n, mode=mode)
 
     async def collect():
-        return [e async for e in choices.chat_events(None, plan)]
+        return [e async for e in choices.chat_events(None, plan, **kw)]
 
     return asyncio.run(collect())
 
 
-def test_plain_choices_give_content_pieces_and_usage_once_per_prompt(monkeypatch):
+def test_plain_choices_give_text_pieces_and_usage_once_per_prompt(monkeypatch):
     outs = [(0, _out("Hel")), (1, _out("Yo")), (0, _out("lo", finished=True, n_out=2)),
             (1, _out("", finished=True, stop="limit", n_out=4))]
     evs = _events(monkeypatch, outs, OutputMode(), n=2)
-    assert [(e.index, e.deltas, e.finish_reason) for e in evs] == [
-        (0, [{"content": "Hel"}], None), (1, [{"content": "Yo"}], None), (0, [{"content": "lo"}], "stop"),
-        (1, [], "length")]
+    assert [(e.index, e.pieces, e.finish_reason, e.called_tools) for e in evs] == [
+        (0, [TextPiece("Hel")], None, False), (1, [TextPiece("Yo")], None, False),
+        (0, [TextPiece("lo")], "stop", False), (1, [], "length", False)]
     assert [e.usage for e in evs[:3]] == [None] * 3
+    assert [e.answer for e in evs] == [None] * 4
     # two choices of one prompt: its tokens count once
     assert evs[3].usage == choices.ChatUsage(prompt_tokens=7, completion_tokens=6, cached_tokens=3,
                                              reasoning_tokens=None)
@@ -51,16 +52,40 @@ def test_plain_choices_give_content_pieces_and_usage_once_per_prompt(monkeypatch
 def test_reasoning_is_split_and_counted(monkeypatch):
     outs = [(0, _out("<think>")), (0, _out("a b")), (0, _out("</think>")), (0, _out("Hi", finished=True, n_out=4))]
     evs = _events(monkeypatch, outs, OutputMode(reasoning_style="deepseek"))
-    pieces = [d for e in evs for d in e.deltas]
-    assert "".join(d.get("reasoning_content", "") for d in pieces) == "a b"
-    assert "".join(d.get("content", "") for d in pieces) == "Hi"
+    pieces = [p for e in evs for p in e.pieces]
+    assert pieces == [ReasoningPiece("a b"), TextPiece("Hi")]
     # one per engine output of the thinking block, its tags included (ChoiceOutput's count, as the OpenAI face reports)
     assert evs[-1].finish_reason == "stop" and evs[-1].usage.reasoning_tokens == 3
 
 
-def test_progress_outputs_are_skipped_and_an_engine_error_is_a_server_fault(monkeypatch):
+def test_whole_answers_come_with_the_last_event(monkeypatch):
+    outs = [(0, _out("<think>")), (0, _out("a b")), (0, _out("</think>")), (0, _out("Hi", finished=True, n_out=4))]
+    evs = _events(monkeypatch, outs, OutputMode(reasoning_style="deepseek"), whole=True)
+    assert [e.pieces for e in evs] == [[]] * 4
+    assert [e.answer for e in evs] == [None] * 3 + [Answer("Hi", "a b", [])]
+    assert evs[-1].usage.reasoning_tokens == 3  # counted as the stream counts
+
+
+def test_tool_calls_are_pieces_and_the_finish_says_so(monkeypatch):
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    outs = [(0, _out("Go")), (0, _out(text, finished=True, n_out=9))]
+    evs = _events(monkeypatch, outs, OutputMode(tool_parser="hermes"))
+    calls = [p for e in evs for p in e.pieces if isinstance(p, ToolCallPiece)]
+    assert [(c.index, c.name, c.arguments) for c in calls] == [(0, "f", '{"a": 1}')]
+    assert [p for e in evs for p in e.pieces if isinstance(p, TextPiece)] == [TextPiece("Go")]
+    assert (evs[-1].finish_reason, evs[-1].called_tools) == ("stop", True)
+    whole = _events(monkeypatch, outs, OutputMode(tool_parser="hermes"), whole=True)[-1]
+    assert (whole.answer.text, [(c.index, c.name, c.arguments) for c in whole.answer.tool_calls]) == \
+        ("Go", [(0, "f", '{"a": 1}')])
+    assert whole.called_tools
+
+
+def test_progress_outputs_are_skipped_unless_asked_and_an_engine_error_is_a_server_fault(monkeypatch):
     prog = _out("", prompt_progress=PromptProgress(total=7, cache=0, processed=4, time_ms=1))
     evs = _events(monkeypatch, [(0, prog), (0, _out("x", finished=True, n_out=1))], OutputMode())
-    assert [e.deltas for e in evs] == [[{"content": "x"}]]
+    assert [e.pieces for e in evs] == [[TextPiece("x")]]
+    evs = _events(monkeypatch, [(0, prog), (0, _out("x", finished=True, n_out=1))], OutputMode(), progress=True)
+    assert [(e.output is prog, e.pieces, e.finish_reason) for e in evs] == [(True, [], None),
+                                                                          (False, [TextPiece("x")], "stop")]
     with pytest.raises(ServerFaultError, match="^engine died$"):
         _events(monkeypatch, [(0, _out("", finished=True, error="engine died"))], OutputMode())

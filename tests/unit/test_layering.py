@@ -197,3 +197,41 @@ def test_the_serving_layer_builds_no_dialect_json():
     found = {str(p.relative_to(ROOT)): w for p in sorted((ROOT / "serving").rglob("*.py"))
              if (w := dialect_strings(p))}
     assert found == {}
+
+
+#: OpenAI's answer fields (message and delta keys): only the OpenAI face writes them
+OPENAI_ANSWER_FIELDS = frozenset({"tool_calls", "reasoning_content", "tool_call_id"})
+
+
+def written_openai_fields(path: Path) -> list[str]:
+    """The OpenAI answer field names ``path`` may write: string constants of
+    :data:`OPENAI_ANSWER_FIELDS` anywhere but where a dict is read (``"k" in d``, ``d["k"]``,
+    ``d.get("k")``: the serving layer reads the chat parsers' fragments and the messages it was
+    given; docstrings and comments are not code)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    reads: set[int] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Compare) and all(isinstance(op, (ast.In, ast.NotIn)) for op in n.ops):
+            reads.add(id(n.left))
+        elif isinstance(n, ast.Subscript) and isinstance(n.ctx, ast.Load):
+            reads.add(id(n.slice))
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get" and n.args:
+            reads.add(id(n.args[0]))
+    return sorted(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                  and n.value in OPENAI_ANSWER_FIELDS and id(n) not in reads)
+
+
+def test_the_openai_field_check_tells_reading_from_writing(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text('def f(d):\n    if "tool_calls" in d and d["tool_calls"] and d.get("reasoning_content"):\n'
+                   '        return {"tool_calls": d["tool_calls"]}\n    d["reasoning_content"] = 1\n'
+                   '    return dict(reasoning_field="reasoning_content")\n', encoding="utf-8")
+    assert written_openai_fields(src) == ["reasoning_content", "reasoning_content", "tool_calls"]
+
+
+def test_the_serving_layer_writes_no_openai_answer_fields():
+    """The serving layer's answer is typed pieces (kvserve.serving.chat_output); the OpenAI face
+    alone names them ``content`` / ``reasoning_content`` / ``tool_calls``."""
+    found = {str(p.relative_to(ROOT)): w for p in sorted((ROOT / "serving").rglob("*.py"))
+             if (w := written_openai_fields(p))}
+    assert found == {}

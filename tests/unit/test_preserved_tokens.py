@@ -17,7 +17,16 @@ from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.request import Request, SamplingParams
-from kvserve.serving.chat_output import ChoiceOutput, OutputMode, marker_texts, preserved_token_ids
+from kvserve.serving.chat_output import (
+    Answer,
+    ChoiceOutput,
+    OutputMode,
+    ReasoningPiece,
+    TextPiece,
+    ToolCallPiece,
+    marker_texts,
+    preserved_token_ids,
+)
 from kvserve.faces.api_error import ApiError
 from kvserve.faces.openai import _special_tokens
 from kvserve.loaders.tokenizer import Tokenizer
@@ -97,10 +106,13 @@ def _generate(core: EngineCore, ids: list[int], **params) -> tuple[list[str], li
 def _stream(mode: OutputMode, deltas: list[str]) -> dict:
     co = ChoiceOutput(mode)
     out: dict = {"content": "", "reasoning": "", "calls": []}
-    for d in [x for piece in deltas for x in co.feed(piece)] + co.finish():
-        out["content"] += d.get("content") or ""
-        out["reasoning"] += d.get("reasoning") or ""
-        out["calls"] += [(c["function"]["name"], c["function"]["arguments"]) for c in d.get("tool_calls") or []]
+    for p in [x for piece in deltas for x in co.feed(piece)] + co.finish():
+        if isinstance(p, TextPiece):
+            out["content"] += p.text
+        elif isinstance(p, ReasoningPiece):
+            out["reasoning"] += p.text
+        else:
+            out["calls"].append((p.name, p.arguments))
     out["has_tool_calls"] = co.has_tool_calls
     return out
 
@@ -175,10 +187,9 @@ def test_kimi_call_parsed_whole_and_streamed(core, tok):
     assert toks == ids and stop == "limit"
     text = "".join(deltas)
     assert text == KIMI_TEXT
-    msg = ChoiceOutput(mode).message(text)
-    assert msg["content"] == "Checking."
-    assert msg["tool_calls"] == [{"type": "function", "id": "functions.read_file:0",
-                                  "function": {"name": "read_file", "arguments": '{"path": "a.txt"}'}}]
+    ans = ChoiceOutput(mode).answer(text)
+    assert ans.text == "Checking."
+    assert ans.tool_calls == [ToolCallPiece(0, "functions.read_file:0", "read_file", '{"path": "a.txt"}')]
     s = _stream(mode, deltas)
     assert (s["content"], s["calls"], s["has_tool_calls"]) == ("Checking.", [("read_file", '{"path": "a.txt"}')], True)
 
@@ -188,8 +199,7 @@ def test_kimi_markers_hidden_without_parser(core, tok):
     deltas, _, _ = _generate(core, ids)  # no parser: nothing preserved
     text = "".join(deltas)
     assert text == 'Checking.functions.read_file:0{"path": "a.txt"}'
-    msg = ChoiceOutput(OutputMode(tool_parser="kimi_k2")).message(text)
-    assert msg == {"role": "assistant", "content": text}
+    assert ChoiceOutput(OutputMode(tool_parser="kimi_k2")).answer(text) == Answer(text, None, [])
     # skip_special_tokens=False: every control token, the parser's or not
     deltas, _, _ = _generate(core, [1] + ids[:8], skip_special_tokens=False)
     assert "".join(deltas) == "<|im_start|>Checking.<|tool_calls_section_begin|><|tool_call_begin|>"
@@ -198,16 +208,15 @@ def test_kimi_markers_hidden_without_parser(core, tok):
 def test_harmony_call_and_reasoning(core, tok):
     ids = tok.encode(HARMONY_TEXT, add_special=False, parse_special=True)
     assert len(ids) == 73 and ids[-1] == 311 and 311 in core.tokenizer.eog_token_ids  # <|call|> ends generation
-    mode = OutputMode(tool_parser="openai", reasoning_style="openai_gptoss", reasoning_field="reasoning")
+    mode = OutputMode(tool_parser="openai", reasoning_style="openai_gptoss")
     deltas, toks, stop = _generate(core, ids, preserved_token_ids=preserved_token_ids(tok, mode))
     assert toks == ids and stop == "eos"
     text = "".join(deltas)
     assert text == HARMONY_TEXT[: -len("<|call|>")]
-    msg = ChoiceOutput(mode).message(text)
-    assert msg["reasoning"] == "Need it."
-    assert not msg["content"]
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
-        ("read_file", '{"path": "a.txt"}')]
+    ans = ChoiceOutput(mode).answer(text)
+    assert ans.reasoning == "Need it."
+    assert not ans.text
+    assert [(c.name, c.arguments) for c in ans.tool_calls] == [("read_file", '{"path": "a.txt"}')]
     s = _stream(mode, deltas)
     assert (s["reasoning"], s["content"], s["calls"]) == ("Need it.", "", [("read_file", '{"path": "a.txt"}')])
 
@@ -217,7 +226,7 @@ def test_unconsumed_marker_stays_in_content(core, tok):
     ids = tok.encode("ok<|tool_call_end|>", add_special=False, parse_special=True)
     mode = OutputMode(tool_parser="kimi_k2")
     deltas, _, _ = _generate(core, ids, preserved_token_ids=preserved_token_ids(tok, mode))
-    assert ChoiceOutput(mode).message("".join(deltas))["content"] == "ok<|tool_call_end|>"
+    assert ChoiceOutput(mode).answer("".join(deltas)).text == "ok<|tool_call_end|>"
 
 
 # -- the request fields -------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from kvserve.chat.harmony import HarmonyParser, parse_header
 from kvserve.chat.tool_calls import detect_tool_parser
 from kvserve.chat.tool_formats import convert_param_value
 from kvserve.chat.tool_parsers import TOOL_PARSERS, VLLM_TOOL_PARSERS, get_tool_parser
-from kvserve.serving.chat_output import ChoiceOutput, OutputMode
+from kvserve.serving.chat_output import Answer, ChoiceOutput, OutputMode, ReasoningPiece, TextPiece, ToolCallPiece
 from kvserve.serving.args import parse_args
 
 TOOLS = [
@@ -297,19 +297,18 @@ def test_plain_text_is_content_for_every_parser():
 
 def test_choice_output_gpt_oss_both_parsers():
     """--reasoning-parser openai_gptoss --tool-call-parser openai, whole and streamed."""
-    mode = OutputMode(tool_parser="openai", reasoning_style="openai_gptoss", reasoning_field="reasoning")
-    msg = ChoiceOutput(mode).message(HARMONY_CALLS)
-    assert msg["reasoning"] == "I need the file and the listing."
-    assert msg["content"] == "Reading both."
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == \
-        [("read_file", MAIN), ("list_dir", SRC)]
+    mode = OutputMode(tool_parser="openai", reasoning_style="openai_gptoss")
+    ans = ChoiceOutput(mode).answer(HARMONY_CALLS)
+    assert ans.reasoning == "I need the file and the listing."
+    assert ans.text == "Reading both."
+    assert [(c.index, c.name, c.arguments) for c in ans.tool_calls] == [(0, "read_file", MAIN), (1, "list_dir", SRC)]
     for k in range(len(HARMONY_CALLS) + 1):
         out = ChoiceOutput(mode)
-        deltas = out.feed(HARMONY_CALLS[:k]) + out.feed(HARMONY_CALLS[k:]) + out.finish()
-        assert "".join(d.get("reasoning", "") for d in deltas) == "I need the file and the listing."
-        assert "".join(d.get("content", "") for d in deltas) == "Reading both."
-        got = [(c["function"]["name"], c["function"]["arguments"]) for d in deltas for c in d.get("tool_calls", [])]
-        assert got == [("read_file", MAIN), ("list_dir", SRC)], k
+        pieces = out.feed(HARMONY_CALLS[:k]) + out.feed(HARMONY_CALLS[k:]) + out.finish()
+        assert "".join(p.text for p in pieces if isinstance(p, ReasoningPiece)) == "I need the file and the listing."
+        assert "".join(p.text for p in pieces if isinstance(p, TextPiece)) == "Reading both."
+        got = [(p.index, p.name, p.arguments) for p in pieces if isinstance(p, ToolCallPiece)]
+        assert got == [(0, "read_file", MAIN), (1, "list_dir", SRC)], k
         assert out.has_tool_calls
 
 
@@ -317,19 +316,19 @@ def test_choice_output_harmony_without_a_reasoning_parser():
     """--tool-call-parser openai alone: analysis is left out of the content, whole and streamed."""
     text = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Four."
     mode = OutputMode(tool_parser="openai")
-    assert ChoiceOutput(mode).message(text) == {"role": "assistant", "content": "Four."}
+    assert ChoiceOutput(mode).answer(text) == Answer("Four.", None, [])
     out = ChoiceOutput(mode)
-    deltas = [d for ch in text for d in out.feed(ch)] + out.finish()
-    assert "".join(d.get("content", "") for d in deltas) == "Four."
+    pieces = [p for ch in text for p in out.feed(ch)] + out.finish()
+    assert all(isinstance(p, TextPiece) for p in pieces) and "".join(p.text for p in pieces) == "Four."
 
 
 def test_choice_output_passes_the_tools_to_qwen3_coder():
     mode = OutputMode(tool_parser="qwen3_coder", tools=TOOLS)
     text = "<tool_call>\n<function=read_file>\n<parameter=limit>\n40\n</parameter>\n</function>\n</tool_call>"
-    assert json.loads(ChoiceOutput(mode).message(text)["tool_calls"][0]["function"]["arguments"]) == {"limit": 40}
+    assert json.loads(ChoiceOutput(mode).answer(text).tool_calls[0].arguments) == {"limit": 40}
     out = ChoiceOutput(mode)
-    deltas = [d for ch in text for d in out.feed(ch)] + out.finish()
-    assert [c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", [])] == ['{"limit": 40}']
+    pieces = [p for ch in text for p in out.feed(ch)] + out.finish()
+    assert [p.arguments for p in pieces if isinstance(p, ToolCallPiece)] == ['{"limit": 40}']
 
 
 @pytest.mark.parametrize("source,expected", [

@@ -17,6 +17,7 @@ from pydantic import TypeAdapter, ValidationError
 
 import kvserve.faces.llama_api as llama_face
 import kvserve.faces.openai as openai_face
+import kvserve.serving.choices as choices
 from kvserve.engine.request import (
     RequestOutput,
     SamplingParams,
@@ -299,7 +300,8 @@ def _run(monkeypatch, outs):
         for o in outs:
             yield 0, o
 
-    monkeypatch.setattr(openai_face, "run_choices", run_choices)
+    monkeypatch.setattr(openai_face, "run_choices", run_choices)  # legacy completions
+    monkeypatch.setattr(choices, "run_choices", run_choices)  # chat: through the serving layer's chat_events
 
 
 async def _collect(agen) -> list:
