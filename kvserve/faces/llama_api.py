@@ -86,6 +86,8 @@ from kvserve.faces.params import (
     sampling_fields,
     type_error,
 )
+from kvserve.faces import route_table
+from kvserve.faces.route_table import Route
 from kvserve.faces.server_extensions import ProgressEvents
 from kvserve.faces.sse import sse_response, until_disconnect
 from kvserve.serving import metrics as metrics_mod
@@ -228,16 +230,11 @@ class _Completion:
         self.last = out
 
 
-class CompletionRoute:
+async def completion(state: ServerState, http: HttpRequest) -> Response:
     """POST /completion and /completions: find the model, then :class:`CompletionHandler`."""
-
-    def __init__(self, state: ServerState):
-        self.state = state
-
-    async def __call__(self, http: HttpRequest) -> Response:
-        body = await read_json(http)
-        return await serve_model(self.state, model_field(body), keep_alive_field(body),
-                                 lambda runner: CompletionHandler(runner).serve(http, body), http)
+    body = await read_json(http)
+    return await serve_model(state, model_field(body), keep_alive_field(body),
+                             lambda runner: CompletionHandler(runner).serve(http, body), http)
 
 
 class CompletionHandler:
@@ -412,20 +409,15 @@ def nested_values(paths: list[str], result: dict) -> dict:
     return out
 
 
-class InfillRoute:
+async def infill(state: ServerState, http: HttpRequest) -> Response:
     """POST /infill: llama-server's checks and texts, the FIM prompt, then /completion."""
+    body = await read_json(http)
 
-    def __init__(self, state: ServerState):
-        self.state = state
+    async def run(runner: Runner) -> Response:
+        runner.require_ready()
+        return await CompletionHandler(runner).serve(http, body, infill_parts(runner, body))
 
-    async def __call__(self, http: HttpRequest) -> Response:
-        body = await read_json(http)
-
-        async def run(runner: Runner) -> Response:
-            runner.require_ready()
-            return await CompletionHandler(runner).serve(http, body, infill_parts(runner, body))
-
-        return await serve_model(self.state, model_field(body), keep_alive_field(body), run, http)
+    return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
 
 
 def infill_parts(state: Runner, body: dict) -> tuple[Prompt, Infill]:
@@ -544,40 +536,47 @@ def slots_debug() -> bool:
     return os.environ.get("LLAMA_SERVER_SLOTS_DEBUG", "") not in ("", "0")
 
 
-def build_router(state: ServerState) -> APIRouter:
-    """The native endpoints bound to ``state``."""
-    r = APIRouter()
-    completion = CompletionRoute(state)
+# -- the routes: one function each, then the table ----------------------------------------
 
-    def query_model(http: HttpRequest) -> str | None:
-        return model_field(dict(http.query_params))
+def query_model(http: HttpRequest) -> str | None:
+    """The ``?model=`` of a GET /props, /slots, /metrics or POST /slots/{id} (None: the default)."""
+    return model_field(dict(http.query_params))
 
-    @r.get("/health")
-    @r.get("/v1/health")
-    async def health():
-        state.require_up()
-        return json_response(HealthResponse(status="ok").wire())
 
-    @r.get("/v1/models")
-    @r.get("/models")
-    async def models():
-        return json_response(await asyncio.to_thread(models_json, state))
+async def health(state: ServerState, http: HttpRequest) -> Response:
+    """GET /health and /v1/health: 200 ``{"status": "ok"}``, 503 while the start-up model loads."""
+    state.require_up()
+    return json_response(HealthResponse(status="ok").wire())
 
-    @r.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        state.require_up()
-        return json_response(model_json(state, model_id))
 
-    last_props: dict[str, dict] = {}  # the pinned model's /props as it loaded, answered while it sleeps
+async def models(state: ServerState, http: HttpRequest) -> Response:
+    """GET /models and /v1/models: the served models (llama-server's and OpenAI's lists in one)."""
+    return json_response(await asyncio.to_thread(models_json, state))
 
-    def remember_props(runner: Runner) -> None:
-        if state.pinned:
-            last_props["pinned"] = props_json(runner).wire()
 
-    state.on_loaded.append(remember_props)
+async def model(state: ServerState, http: HttpRequest) -> Response:
+    """GET /v1/models/{model_id}: one model (the id may hold slashes)."""
+    model_id = http.path_params["model_id"]
+    state.require_up()
+    return json_response(model_json(state, model_id))
 
-    @r.get("/props")
-    async def props(http: HttpRequest):
+
+class PropsRoute:
+    """GET /props: the model's :func:`props_json`. llama-server answers /props without waking a
+    sleeping server (``is_sleeping: true``): the pinned model's answer as it loaded is kept for that
+    (one per router, fed by ``state.on_loaded``)."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.last_props: dict[str, dict] = {}  # the pinned model's /props as it loaded, answered while it sleeps
+        state.on_loaded.append(self.remember_props)
+
+    def remember_props(self, runner: Runner) -> None:
+        if self.state.pinned:
+            self.last_props["pinned"] = props_json(runner).wire()
+
+    async def __call__(self, http: HttpRequest) -> Response:
+        state, last_props = self.state, self.last_props
         # llama-server answers /props without waking a sleeping server (is_sleeping: true)
         name = query_model(http)
         if name is None and _asleep(state) and "pinned" in last_props:
@@ -596,159 +595,193 @@ def build_router(state: ServerState) -> APIRouter:
         # loads the model if needed, but leaves a loaded model's keep_alive as it is
         return await serve_model(state, name, KEEP_CURRENT, run, http)
 
-    @r.post("/props")
-    async def set_props(http: HttpRequest):
-        if not state.args.props:
-            raise ApiError(501, PROPS_OFF)
-        state.require_up()
-        await read_json(http, required=False)
-        return json_response(PropsUpdateResponse(success=True).wire())
 
-    r.add_api_route("/completion", completion, methods=["POST"])
-    r.add_api_route("/completions", completion, methods=["POST"])
-    r.add_api_route("/infill", InfillRoute(state), methods=["POST"])
+async def set_props(state: ServerState, http: HttpRequest) -> Response:
+    """POST /props: 501 without ``--props``; else the body is read and ``{"success": true}``."""
+    if not state.args.props:
+        raise ApiError(501, PROPS_OFF)
+    state.require_up()
+    await read_json(http, required=False)
+    return json_response(PropsUpdateResponse(success=True).wire())
 
-    @r.get("/version")
-    async def version():
-        from kvserve import __version__
 
-        return json_response(VersionResponse(version=__version__).wire())
+async def version(state: ServerState, http: HttpRequest) -> Response:
+    """GET /version (vLLM's): kvserve's version."""
+    from kvserve import __version__
 
-    @r.get("/ping")
-    @r.post("/ping")
-    async def ping():
-        state.require_up()  # as /health: 503 while the start-up model loads
-        return Response(status_code=200)  # vLLM answers an empty 200
+    return json_response(VersionResponse(version=__version__).wire())
 
-    @r.post("/tokenize")
-    async def tokenize(http: HttpRequest):
-        body = await read_json(http)
-        field = "content" if body.get("content") is not None else "prompt"
-        texts = body.get(field)  # refused before any model is asked: a 30 MB text took 21 s and +4 GB
-        check_input_bytes(field, texts if isinstance(texts, list) else (texts,), input_bytes_cap(state.args))
 
-        async def run(runner: Runner) -> Response:
-            runner.require_ready()
-            tok = runner.tokenizer
+async def ping(state: ServerState, http: HttpRequest) -> Response:
+    """GET and POST /ping (vLLM's): an empty 200."""
+    state.require_up()  # as /health: 503 while the start-up model loads
+    return Response(status_code=200)  # vLLM answers an empty 200
 
-            def work() -> Response:  # off the event loop: 2 MiB of text takes about a second
-                if body.get("content") is None and ("prompt" in body or "messages" in body):
-                    return json_response(vllm_tokenize(runner, body).wire())
-                ids: list[int] = []
-                if body.get("content") is not None:
-                    ids = tokenize_mixed(tok, body["content"],
-                                         add_special=bool(get_bool(body, "add_special", False)),
-                                         parse_special=bool(get_bool(body, "parse_special", True)),
-                                         field_name="content")
-                # built unvalidated (model_construct, TokenPiece entries as dict literals): the ids
-                # come from the tokenizer, and a large text has millions (1e6 pieces: +4% over dumps)
-                if get_bool(body, "with_pieces", False):
-                    pieces: list[TokenPiece] = [{"id": t, "piece": tok.piece(t)} for t in ids]
-                    return json_response(TokenizePiecesResponse.model_construct(tokens=pieces).wire())
-                return json_response(TokenizeResponse.model_construct(tokens=ids).wire())
 
-            return await asyncio.to_thread(work)
+async def tokenize(state: ServerState, http: HttpRequest) -> Response:
+    """POST /tokenize: llama-server's ``content`` (``with_pieces``) or vLLM's ``prompt`` / ``messages``."""
+    body = await read_json(http)
+    field = "content" if body.get("content") is not None else "prompt"
+    texts = body.get(field)  # refused before any model is asked: a 30 MB text took 21 s and +4 GB
+    check_input_bytes(field, texts if isinstance(texts, list) else (texts,), input_bytes_cap(state.args))
 
-        return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
-
-    @r.post("/detokenize")
-    async def detokenize(http: HttpRequest):
-        body = await read_json(http)
-        if isinstance(body.get("tokens"), list):  # one id per byte: the most /tokenize makes of a text it accepts
-            check_count("tokens", len(body["tokens"]), input_bytes_cap(state.args), "token ids", "--max-input-bytes")
-
-        async def run(runner: Runner) -> Response:
-            runner.require_ready()
-            tok = runner.tokenizer
-
-            def work() -> Response:  # off the event loop: checking 10^7 ids takes a second
-                ids = body.get("tokens") or []
-                if not isinstance(ids, list) or not all(_is_token(t) for t in ids):
-                    raise type_error("tokens", "array of token ids", ids)
-                bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
-                if bad is not None:
-                    raise ApiError(400, f"token id {bad} is out of range (vocabulary size {tok.n_vocab})")
-                text = tok.decode(ids)
-                return json_response(DetokenizeResponse(content=text, prompt=text).wire())
-
-            return await asyncio.to_thread(work)
-
-        return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
-
-    @r.post("/apply-template")
-    async def apply_template(http: HttpRequest):
-        body = await read_json(http)
-
-        async def run(runner: Runner) -> Response:
-            runner.require_ready()
-            prompt = await asyncio.to_thread(render_prompt, runner, body)
-            return json_response(ApplyTemplateResponse(prompt=prompt).wire())
-
-        return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
-
-    @r.get("/slots")
-    async def slots(http: HttpRequest):
-        if not state.args.slots:
-            raise ApiError(501, SLOTS_OFF)
-        state.require_up()
-        if query_model(http) is None and _asleep(state):
-            # llama-server: every route but /health and /props wakes a sleeping server
-            # (llama.cpp PR #18228), /slots too: load the -m model, then answer its slots
-            async def woken(runner: Runner) -> Response:
-                return json_response(runner.slots.views(show_text=state.args.slots_text or slots_debug(),
-                                                        detokenize=runner.tokenizer.decode if slots_debug() else None))
-
-            return await serve_model(state, None, KEEP_CURRENT, woken, http)
-        runner = state.peek(query_model(http))  # a model that is not loaded has no slots
-        fail = http.query_params.get("fail_on_no_slot", "")
-        if fail not in ("", "0", "false") and (runner is None or not runner.slots.has_idle()):
-            raise ApiError(503, "no slot available")
-        if runner is None:
-            return json_response([])
+    async def run(runner: Runner) -> Response:
         runner.require_ready()
-        debug = slots_debug()
-        detok = runner.tokenizer.decode if debug else None
-        return json_response(runner.slots.views(show_text=state.args.slots_text or debug, detokenize=detok))
+        tok = runner.tokenizer
 
-    @r.post("/slots/{id_slot}")
-    async def slot_action(id_slot: str, http: HttpRequest):
-        if not state.args.slot_save_path:
-            raise ApiError(501, SLOT_ACTIONS_OFF)
-        action = http.query_params.get("action", "")
-        # the body is read before waiting for the model: the disconnect watch consumes messages
-        body = (await read_json(http, required=False) or {}) if action in ("save", "restore") else {}
+        def work() -> Response:  # off the event loop: 2 MiB of text takes about a second
+            if body.get("content") is None and ("prompt" in body or "messages" in body):
+                return json_response(vllm_tokenize(runner, body).wire())
+            ids: list[int] = []
+            if body.get("content") is not None:
+                ids = tokenize_mixed(tok, body["content"],
+                                     add_special=bool(get_bool(body, "add_special", False)),
+                                     parse_special=bool(get_bool(body, "parse_special", True)),
+                                     field_name="content")
+            # built unvalidated (model_construct, TokenPiece entries as dict literals): the ids
+            # come from the tokenizer, and a large text has millions (1e6 pieces: +4% over dumps)
+            if get_bool(body, "with_pieces", False):
+                pieces: list[TokenPiece] = [{"id": t, "piece": tok.piece(t)} for t in ids]
+                return json_response(TokenizePiecesResponse.model_construct(tokens=pieces).wire())
+            return json_response(TokenizeResponse.model_construct(tokens=ids).wire())
 
-        async def run(runner: Runner) -> Response:
-            runner.require_ready()
-            runner.require_generative()  # an encoder has no KV cache to save, restore or erase: 501
-            # ASCII digits only: int() would also take "١" (Arabic-Indic one), " 1" or "1_0"
-            if not (id_slot.isascii() and id_slot.isdigit()) or len(id_slot) > 9 \
-                    or int(id_slot) >= len(runner.slots.slots):
-                raise ApiError(400, "Invalid slot ID")
-            slot = runner.slots.slots[int(id_slot)]
-            if action not in ("save", "restore", "erase"):
-                raise ApiError(400, "Invalid action")
-            if slot.is_processing:
-                raise ApiError(400, "Slot is busy")
-            return json_response((await _slot_file_action(runner, slot, action, body)).wire())
+        return await asyncio.to_thread(work)
 
-        # loads the model if needed, but leaves a loaded model's keep_alive as it is
-        return await serve_model(state, query_model(http), KEEP_CURRENT, run, http)
+    return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
 
-    @r.get("/metrics")
-    async def metrics(http: HttpRequest):
-        if not state.args.metrics:
-            raise ApiError(501, METRICS_OFF)
-        state.require_up()
-        name = query_model(http)
-        if name is not None or state.pinned:  # one model: llama-server's exact lines
-            kept = state.peek_metrics(name)  # a sleeping model answers from its snapshot
-            if kept is None:
-                return Response(metrics_mod.render_empty(), headers=metrics_mod.response_headers())
-            return Response(kept.render(), headers=metrics_mod.response_headers())
-        return Response(metrics_mod.render_models(state.manager), headers=metrics_mod.response_headers())
 
-    return r
+async def detokenize(state: ServerState, http: HttpRequest) -> Response:
+    """POST /detokenize: ``tokens`` -> llama-server's ``content`` and vLLM's ``prompt``."""
+    body = await read_json(http)
+    if isinstance(body.get("tokens"), list):  # one id per byte: the most /tokenize makes of a text it accepts
+        check_count("tokens", len(body["tokens"]), input_bytes_cap(state.args), "token ids", "--max-input-bytes")
+
+    async def run(runner: Runner) -> Response:
+        runner.require_ready()
+        tok = runner.tokenizer
+
+        def work() -> Response:  # off the event loop: checking 10^7 ids takes a second
+            ids = body.get("tokens") or []
+            if not isinstance(ids, list) or not all(_is_token(t) for t in ids):
+                raise type_error("tokens", "array of token ids", ids)
+            bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"token id {bad} is out of range (vocabulary size {tok.n_vocab})")
+            text = tok.decode(ids)
+            return json_response(DetokenizeResponse(content=text, prompt=text).wire())
+
+        return await asyncio.to_thread(work)
+
+    return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
+
+
+async def apply_template(state: ServerState, http: HttpRequest) -> Response:
+    """POST /apply-template: the chat template's prompt for ``messages`` (:func:`render_prompt`)."""
+    body = await read_json(http)
+
+    async def run(runner: Runner) -> Response:
+        runner.require_ready()
+        prompt = await asyncio.to_thread(render_prompt, runner, body)
+        return json_response(ApplyTemplateResponse(prompt=prompt).wire())
+
+    return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
+
+
+async def slots(state: ServerState, http: HttpRequest) -> Response:
+    """GET /slots (``--slots``): the model's slot views; ``?fail_on_no_slot=1``: 503 when none is idle."""
+    if not state.args.slots:
+        raise ApiError(501, SLOTS_OFF)
+    state.require_up()
+    if query_model(http) is None and _asleep(state):
+        # llama-server: every route but /health and /props wakes a sleeping server
+        # (llama.cpp PR #18228), /slots too: load the -m model, then answer its slots
+        async def woken(runner: Runner) -> Response:
+            return json_response(runner.slots.views(show_text=state.args.slots_text or slots_debug(),
+                                                    detokenize=runner.tokenizer.decode if slots_debug() else None))
+
+        return await serve_model(state, None, KEEP_CURRENT, woken, http)
+    runner = state.peek(query_model(http))  # a model that is not loaded has no slots
+    fail = http.query_params.get("fail_on_no_slot", "")
+    if fail not in ("", "0", "false") and (runner is None or not runner.slots.has_idle()):
+        raise ApiError(503, "no slot available")
+    if runner is None:
+        return json_response([])
+    runner.require_ready()
+    debug = slots_debug()
+    detok = runner.tokenizer.decode if debug else None
+    return json_response(runner.slots.views(show_text=state.args.slots_text or debug, detokenize=detok))
+
+
+async def slot_action(state: ServerState, http: HttpRequest) -> Response:
+    """POST /slots/{id_slot}?action=save|restore|erase (``--slot-save-path``): :func:`_slot_file_action`."""
+    id_slot: str = http.path_params["id_slot"]
+    if not state.args.slot_save_path:
+        raise ApiError(501, SLOT_ACTIONS_OFF)
+    action = http.query_params.get("action", "")
+    # the body is read before waiting for the model: the disconnect watch consumes messages
+    body = (await read_json(http, required=False) or {}) if action in ("save", "restore") else {}
+
+    async def run(runner: Runner) -> Response:
+        runner.require_ready()
+        runner.require_generative()  # an encoder has no KV cache to save, restore or erase: 501
+        # ASCII digits only: int() would also take "١" (Arabic-Indic one), " 1" or "1_0"
+        if not (id_slot.isascii() and id_slot.isdigit()) or len(id_slot) > 9 \
+                or int(id_slot) >= len(runner.slots.slots):
+            raise ApiError(400, "Invalid slot ID")
+        slot = runner.slots.slots[int(id_slot)]
+        if action not in ("save", "restore", "erase"):
+            raise ApiError(400, "Invalid action")
+        if slot.is_processing:
+            raise ApiError(400, "Slot is busy")
+        return json_response((await _slot_file_action(runner, slot, action, body)).wire())
+
+    # loads the model if needed, but leaves a loaded model's keep_alive as it is
+    return await serve_model(state, query_model(http), KEEP_CURRENT, run, http)
+
+
+async def metrics(state: ServerState, http: HttpRequest) -> Response:
+    """GET /metrics (``--metrics``): one model's llama-server lines, or every model's."""
+    if not state.args.metrics:
+        raise ApiError(501, METRICS_OFF)
+    state.require_up()
+    name = query_model(http)
+    if name is not None or state.pinned:  # one model: llama-server's exact lines
+        kept = state.peek_metrics(name)  # a sleeping model answers from its snapshot
+        if kept is None:
+            return Response(metrics_mod.render_empty(), headers=metrics_mod.response_headers())
+        return Response(kept.render(), headers=metrics_mod.response_headers())
+    return Response(metrics_mod.render_models(state.manager), headers=metrics_mod.response_headers())
+
+
+GET, POST = ("GET",), ("POST",)
+
+#: the native endpoints in Starlette's matching order (the first match wins)
+ROUTES: tuple[Route, ...] = (
+    Route("/v1/health", GET, health),
+    Route("/health", GET, health),
+    Route("/models", GET, models),
+    Route("/v1/models", GET, models),
+    Route("/v1/models/{model_id:path}", GET, model),
+    Route("/props", GET, PropsRoute),
+    Route("/props", POST, set_props),
+    Route("/completion", POST, completion),
+    Route("/completions", POST, completion),
+    Route("/infill", POST, infill),
+    Route("/version", GET, version),
+    Route("/ping", POST, ping),
+    Route("/ping", GET, ping),
+    Route("/tokenize", POST, tokenize),
+    Route("/detokenize", POST, detokenize),
+    Route("/apply-template", POST, apply_template),
+    Route("/slots", GET, slots),
+    Route("/slots/{id_slot}", POST, slot_action),
+    Route("/metrics", GET, metrics),
+)
+
+
+def build_router(state: ServerState) -> APIRouter:
+    """The native endpoints (:data:`ROUTES`) bound to ``state``."""
+    return route_table.build_router(state, ROUTES)
 
 
 def _slot_filename(state: Runner, body: dict) -> tuple[str, str]:
