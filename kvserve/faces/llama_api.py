@@ -240,17 +240,17 @@ async def completion(state: ServerState, http: HttpRequest) -> Response:
 class CompletionHandler:
     """One /completion request on one model's runner: one or more prompts, streaming or not."""
 
-    def __init__(self, state: Runner):
-        self.state = state
+    def __init__(self, runner: Runner):
+        self.runner = runner
 
     def _build(self, body: dict, infill: tuple[Prompt, Infill] | None = None) \
             -> tuple[list[_Completion], SamplingParams, dict]:
-        state = self.state
-        tok = state.tokenizer
+        runner = self.runner
+        tok = runner.tokenizer
         if infill is None and ("prompt" not in body or body["prompt"] is None):
             raise ApiError(400, '"prompt" must be provided')
         sampling = sampling_fields(body, tok, max_tokens_keys=("n_predict", "max_tokens"),
-                                   max_logprobs=state.args.max_logprobs)
+                                   max_logprobs=runner.args.max_logprobs)
         sampling.pop("n_predict_default", None)  # the client's own limit
         id_slot = get_int(body, "id_slot", -1)
         opts = {
@@ -266,14 +266,14 @@ class CompletionHandler:
         opts["response_fields"] = response_fields(body)
         opts["timings_per_token"] = opts["stream"] and bool(get_bool(body, "timings_per_token", False))
         prompts = [infill[0]] if infill is not None else split_prompts(body["prompt"])
-        check_count("prompt", len(prompts), batch_cap(state.args), "prompts", "--max-batch-inputs")
+        check_count("prompt", len(prompts), batch_cap(runner.args), "prompts", "--max-batch-inputs")
         prompts = [prompt_value(p) for p in prompts]
         req = CompletionRequest(prompts, new_id("cmpl-"), sampling=sampling,
                                 infill=infill[1] if infill is not None else None, seed_per_request=False,
                                 response_format=opts["constraint"], id_slot=opts["id_slot"],
                                 stream=StreamOptions(opts["stream"], False, opts["return_progress"]),
                                 cache_salt=get_str(body, "cache_salt") or None, owner=caller())
-        plan = plan_completion(state, req)  # tokenizing and grammar compiles: the caller runs this off the loop
+        plan = plan_completion(runner, req)  # tokenizing and grammar compiles: the caller runs this off the loop
         opts["grammar"] = plan.grammar
         tasks = [_Completion(i, p if isinstance(p, str) and infill is None else tok.decode(r.prompt_token_ids),
                              r.prompt_token_ids, r) for i, (p, r) in enumerate(zip(prompts, plan.requests))]
@@ -292,7 +292,7 @@ class CompletionHandler:
             tokens=[] if stream or not opts["return_tokens"] else c.tokens,
             id_slot=c.request.priority_slot,
             stop=True,
-            model=self.state.model_alias,
+            model=self.runner.model_alias,
             tokens_predicted=n_pred,
             tokens_evaluated=out.num_prompt_tokens,
             generation_settings=params_to_dict(params, stream=opts["stream"], grammar=opts["grammar"]),
@@ -314,19 +314,19 @@ class CompletionHandler:
 
     async def run_one(self, c: _Completion, params: SamplingParams, opts: dict) -> None:
         """Drive one task to its end (non-streaming)."""
-        async for out in generate(self.state, c.request, self._params_view(params, opts)):
+        async for out in generate(self.runner, c.request, self._params_view(params, opts)):
             c.add(out, params.post_sampling_probs)
 
     async def serve(self, http: HttpRequest, body, infill: tuple[Prompt, Infill] | None = None) -> Response:
         """Answer ``body`` (with ``infill``: /infill's prefix and fill-in-the-middle parts)."""
-        self.state.require_ready()
+        self.runner.require_ready()
         tasks, params, opts = await asyncio.to_thread(self._build, body, infill)  # tokenizing: off the loop
         if opts["stream"]:
             if len(tasks) != 1:
                 raise ApiError(400, "streaming supports one prompt per request")
             return await sse_response(self._stream(tasks[0], params, opts), done=False,
-                                      ping_interval=self.state.args.sse_ping_interval)
-        gate = fair_share(self.state)
+                                      ping_interval=self.runner.args.sse_ping_interval)
+        gate = fair_share(self.runner)
 
         async def run_gated(c: _Completion) -> None:
             async with gate:
@@ -354,7 +354,7 @@ class CompletionHandler:
         at 100% (``processed`` = ``total``)."""
         progress = ProgressEvents() if opts["return_progress"] else None
         per_token = opts["timings_per_token"]
-        async for out in generate(self.state, c.request, self._params_view(params, opts)):
+        async for out in generate(self.runner, c.request, self._params_view(params, opts)):
             if progress is not None:
                 for prog, timings in progress.feed(out):
                     yield self._progress_chunk(c, prog, Timings.of(timings) if per_token else None)
@@ -420,7 +420,7 @@ async def infill(state: ServerState, http: HttpRequest) -> Response:
     return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
 
 
-def infill_parts(state: Runner, body: dict) -> tuple[Prompt, Infill]:
+def infill_parts(runner: Runner, body: dict) -> tuple[Prompt, Infill]:
     """The prefix and the fill-in-the-middle parts of an ``/infill`` request (llama-server's
     ``handle_infill`` checks, in its order and with its texts; the planner lays them out with
     :func:`kvserve.serving.fim.fim_prompt`).
@@ -430,7 +430,7 @@ def infill_parts(state: Runner, body: dict) -> tuple[Prompt, Infill]:
     """
     from kvserve.serving.fim import fim_tokens, missing_text
 
-    fim = fim_tokens(state.tokenizer)
+    fim = fim_tokens(runner.tokenizer)
     if fim.missing:
         raise ApiError(501, f"Infill is not supported by this model: {missing_text(fim)}")
     if "prompt" in body and not isinstance(body["prompt"], str):
@@ -453,26 +453,26 @@ def infill_parts(state: Runner, body: dict) -> tuple[Prompt, Infill]:
     return prefix, Infill(suffix, chunks, body.get("prompt") or "")
 
 
-def vllm_tokenize(state: Runner, body: dict) -> VllmTokenizeResponse:
+def vllm_tokenize(runner: Runner, body: dict) -> VllmTokenizeResponse:
     """``/tokenize`` in vLLM's shape (its ``TokenizeCompletionRequest`` / ``TokenizeChatRequest``):
     ``prompt`` tokenized with ``add_special_tokens`` (default true), or ``messages`` rendered
     with the chat template (``add_generation_prompt`` default true, ``continue_final_message``,
     ``tools``, ``chat_template_kwargs``) and tokenized with ``add_special_tokens`` (default
     false: the template writes its own BOS)."""
-    tok = state.tokenizer
-    n_ctx = state.engine.n_ctx_slot
+    tok = runner.tokenizer
+    n_ctx = runner.engine.n_ctx_slot
     if "messages" in body and body.get("prompt") is None:
-        if state.template is None:
+        if runner.template is None:
             raise ApiError(500, "the model has no chat template")
         from kvserve.faces.chat_features import parse_tools, prompt_messages, template_kwargs
         from kvserve.serving.chat_plan import render_prompt
 
         tools = parse_tools(body.get("tools"))
-        text, ids = render_prompt(state, prompt_messages(state, body),
+        text, ids = render_prompt(runner, prompt_messages(runner, body),
                                   add_generation_prompt=get_bool(body, "add_generation_prompt", True),
                                   tools=tools,
                                   continue_final_message=bool(get_bool(body, "continue_final_message", False)),
-                                  variables=template_kwargs(state.args, body, state.template, tools))
+                                  variables=template_kwargs(runner.args, body, runner.template, tools))
         if get_bool(body, "add_special_tokens", False):
             ids = tok.encode(text, add_special=True, parse_special=True)
     else:
@@ -486,20 +486,20 @@ def vllm_tokenize(state: Runner, body: dict) -> VllmTokenizeResponse:
 
 # -- the router ---------------------------------------------------------------------------
 
-def props_json(state: Runner, *, is_sleeping: bool = False) -> Props:
+def props_json(runner: Runner, *, is_sleeping: bool = False) -> Props:
     """GET /props (llama-server's ``get_props``, seed 000 Example 3) of one model's runner; the
     flag-driven fields from its ServerArgs (see :class:`~kvserve.faces.llama_types.Props`)."""
     from kvserve.serving.slots import metrics_params
 
-    state.require_ready()
-    args, tok, tmpl = state.args, state.tokenizer, state.template
+    runner.require_ready()
+    args, tok, tmpl = runner.args, runner.tokenizer, runner.template
     webui = bool(getattr(args, "webui", True))
     return Props(
         default_generation_settings=DefaultGenerationSettings(
-            params=metrics_params(params_to_dict(state.default_params)), n_ctx=state.engine.n_ctx_slot),
-        total_slots=state.engine.n_slots,
-        model_alias=state.model_alias,
-        model_path=shown_path(args, state.model_path, state.model_alias),
+            params=metrics_params(params_to_dict(runner.default_params)), n_ctx=runner.engine.n_ctx_slot),
+        total_slots=runner.engine.n_slots,
+        model_alias=runner.model_alias,
+        model_path=shown_path(args, runner.model_path, runner.model_alias),
         modalities=Modalities(vision=False, video=False, audio=False),
         endpoint_slots=args.slots,
         endpoint_props=args.props,
@@ -512,9 +512,9 @@ def props_json(state: Runner, *, is_sleeping: bool = False) -> Props:
         chat_template_caps=dict(tmpl.caps) if tmpl else {},
         bos_token=tok.bos_token,
         eos_token=tok.eos_token,
-        build_info=state.build_info,
+        build_info=runner.build_info,
         is_sleeping=is_sleeping,
-        cors_proxy_enabled=bool(getattr(state.args, "ui_mcp_proxy", False)),
+        cors_proxy_enabled=bool(getattr(runner.args, "ui_mcp_proxy", False)),
     )
 
 
@@ -784,7 +784,7 @@ def build_router(state: ServerState) -> APIRouter:
     return route_table.build_router(state, ROUTES)
 
 
-def _slot_filename(state: Runner, body: dict) -> tuple[str, str]:
+def _slot_filename(runner: Runner, body: dict) -> tuple[str, str]:
     """(filename, full path) of a save/restore request; 400 ``Invalid filename`` for anything
     that could leave the save directory."""
     import os
@@ -797,10 +797,10 @@ def _slot_filename(state: Runner, body: dict) -> tuple[str, str]:
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or ".." in name \
             or "\x00" in name or name in (".",) or os.path.isabs(name):
         raise ApiError(400, "Invalid filename")
-    return name, os.path.join(state.args.slot_save_path, name)
+    return name, os.path.join(runner.args.slot_save_path, name)
 
 
-async def _slot_file_action(state: Runner, slot, action: str, body: dict) \
+async def _slot_file_action(runner: Runner, slot, action: str, body: dict) \
         -> SlotSaveResponse | SlotRestoreResponse | SlotEraseResponse:
     """POST /slots/{id}?action=save|restore|erase (seed Example 11).
 
@@ -813,10 +813,10 @@ async def _slot_file_action(state: Runner, slot, action: str, body: dict) \
     from kvserve.engine.slot_file import SlotFileError, read_slot_file, write_slot_file
 
     sid = slot.id
-    engine = state.engine
+    engine = runner.engine
     filename, path = "", ""
     if action in ("save", "restore"):
-        filename, path = _slot_filename(state, body)
+        filename, path = _slot_filename(runner, body)
     t0 = time.perf_counter()
     try:
         if action == "save":
@@ -849,9 +849,9 @@ async def _slot_file_action(state: Runner, slot, action: str, body: dict) \
     return SlotEraseResponse(id_slot=sid, n_erased=res["n_erased"])
 
 
-def render_prompt(state: Runner, body: dict) -> str:
+def render_prompt(runner: Runner, body: dict) -> str:
     """The chat prompt text for ``body["messages"]``, rendered as the chat endpoint does."""
-    if state.template is None:
+    if runner.template is None:
         raise ApiError(500, "the model has no chat template")
     if "messages" not in body:
         raise ApiError(400, "'messages' is required")
@@ -860,8 +860,8 @@ def render_prompt(state: Runner, body: dict) -> str:
 
     tools = parse_tools(body.get("tools"))
     add = get_bool(body, "add_generation_prompt", True)  # llama-server honours false (no assistant header)
-    text, _ = render_prompt(state, prompt_messages(state, body),
+    text, _ = render_prompt(runner, prompt_messages(runner, body),
                             add_generation_prompt=add is not False, tools=tools,
                             continue_final_message=body.get("continue_final_message"),
-                            variables=template_kwargs(state.args, body, state.template, tools))  # as the chat endpoint renders
+                            variables=template_kwargs(runner.args, body, runner.template, tools))  # as the chat endpoint renders
     return text
