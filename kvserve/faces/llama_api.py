@@ -86,6 +86,8 @@ from kvserve.faces.params import (
     sampling_fields,
     type_error,
 )
+from kvserve.faces import route_table
+from kvserve.faces.route_table import Route
 from kvserve.faces.server_extensions import ProgressEvents
 from kvserve.faces.sse import sse_response, until_disconnect
 from kvserve.serving import metrics as metrics_mod
@@ -228,32 +230,27 @@ class _Completion:
         self.last = out
 
 
-class CompletionRoute:
+async def completion(state: ServerState, http: HttpRequest) -> Response:
     """POST /completion and /completions: find the model, then :class:`CompletionHandler`."""
-
-    def __init__(self, state: ServerState):
-        self.state = state
-
-    async def __call__(self, http: HttpRequest) -> Response:
-        body = await read_json(http)
-        return await serve_model(self.state, model_field(body), keep_alive_field(body),
-                                 lambda runner: CompletionHandler(runner).serve(http, body), http)
+    body = await read_json(http)
+    return await serve_model(state, model_field(body), keep_alive_field(body),
+                             lambda runner: CompletionHandler(runner).serve(http, body), http)
 
 
 class CompletionHandler:
     """One /completion request on one model's runner: one or more prompts, streaming or not."""
 
-    def __init__(self, state: Runner):
-        self.state = state
+    def __init__(self, runner: Runner):
+        self.runner = runner
 
     def _build(self, body: dict, infill: tuple[Prompt, Infill] | None = None) \
             -> tuple[list[_Completion], SamplingParams, dict]:
-        state = self.state
-        tok = state.tokenizer
+        runner = self.runner
+        tok = runner.tokenizer
         if infill is None and ("prompt" not in body or body["prompt"] is None):
             raise ApiError(400, '"prompt" must be provided')
         sampling = sampling_fields(body, tok, max_tokens_keys=("n_predict", "max_tokens"),
-                                   max_logprobs=state.args.max_logprobs)
+                                   max_logprobs=runner.args.max_logprobs)
         sampling.pop("n_predict_default", None)  # the client's own limit
         id_slot = get_int(body, "id_slot", -1)
         opts = {
@@ -269,14 +266,14 @@ class CompletionHandler:
         opts["response_fields"] = response_fields(body)
         opts["timings_per_token"] = opts["stream"] and bool(get_bool(body, "timings_per_token", False))
         prompts = [infill[0]] if infill is not None else split_prompts(body["prompt"])
-        check_count("prompt", len(prompts), batch_cap(state.args), "prompts", "--max-batch-inputs")
+        check_count("prompt", len(prompts), batch_cap(runner.args), "prompts", "--max-batch-inputs")
         prompts = [prompt_value(p) for p in prompts]
         req = CompletionRequest(prompts, new_id("cmpl-"), sampling=sampling,
                                 infill=infill[1] if infill is not None else None, seed_per_request=False,
                                 response_format=opts["constraint"], id_slot=opts["id_slot"],
                                 stream=StreamOptions(opts["stream"], False, opts["return_progress"]),
                                 cache_salt=get_str(body, "cache_salt") or None, owner=caller())
-        plan = plan_completion(state, req)  # tokenizing and grammar compiles: the caller runs this off the loop
+        plan = plan_completion(runner, req)  # tokenizing and grammar compiles: the caller runs this off the loop
         opts["grammar"] = plan.grammar
         tasks = [_Completion(i, p if isinstance(p, str) and infill is None else tok.decode(r.prompt_token_ids),
                              r.prompt_token_ids, r) for i, (p, r) in enumerate(zip(prompts, plan.requests))]
@@ -295,7 +292,7 @@ class CompletionHandler:
             tokens=[] if stream or not opts["return_tokens"] else c.tokens,
             id_slot=c.request.priority_slot,
             stop=True,
-            model=self.state.model_alias,
+            model=self.runner.model_alias,
             tokens_predicted=n_pred,
             tokens_evaluated=out.num_prompt_tokens,
             generation_settings=params_to_dict(params, stream=opts["stream"], grammar=opts["grammar"]),
@@ -317,19 +314,19 @@ class CompletionHandler:
 
     async def run_one(self, c: _Completion, params: SamplingParams, opts: dict) -> None:
         """Drive one task to its end (non-streaming)."""
-        async for out in generate(self.state, c.request, self._params_view(params, opts)):
+        async for out in generate(self.runner, c.request, self._params_view(params, opts)):
             c.add(out, params.post_sampling_probs)
 
     async def serve(self, http: HttpRequest, body, infill: tuple[Prompt, Infill] | None = None) -> Response:
         """Answer ``body`` (with ``infill``: /infill's prefix and fill-in-the-middle parts)."""
-        self.state.require_ready()
+        self.runner.require_ready()
         tasks, params, opts = await asyncio.to_thread(self._build, body, infill)  # tokenizing: off the loop
         if opts["stream"]:
             if len(tasks) != 1:
                 raise ApiError(400, "streaming supports one prompt per request")
             return await sse_response(self._stream(tasks[0], params, opts), done=False,
-                                      ping_interval=self.state.args.sse_ping_interval)
-        gate = fair_share(self.state)
+                                      ping_interval=self.runner.args.sse_ping_interval)
+        gate = fair_share(self.runner)
 
         async def run_gated(c: _Completion) -> None:
             async with gate:
@@ -357,7 +354,7 @@ class CompletionHandler:
         at 100% (``processed`` = ``total``)."""
         progress = ProgressEvents() if opts["return_progress"] else None
         per_token = opts["timings_per_token"]
-        async for out in generate(self.state, c.request, self._params_view(params, opts)):
+        async for out in generate(self.runner, c.request, self._params_view(params, opts)):
             if progress is not None:
                 for prog, timings in progress.feed(out):
                     yield self._progress_chunk(c, prog, Timings.of(timings) if per_token else None)
@@ -412,23 +409,18 @@ def nested_values(paths: list[str], result: dict) -> dict:
     return out
 
 
-class InfillRoute:
+async def infill(state: ServerState, http: HttpRequest) -> Response:
     """POST /infill: llama-server's checks and texts, the FIM prompt, then /completion."""
+    body = await read_json(http)
 
-    def __init__(self, state: ServerState):
-        self.state = state
+    async def run(runner: Runner) -> Response:
+        runner.require_ready()
+        return await CompletionHandler(runner).serve(http, body, infill_parts(runner, body))
 
-    async def __call__(self, http: HttpRequest) -> Response:
-        body = await read_json(http)
-
-        async def run(runner: Runner) -> Response:
-            runner.require_ready()
-            return await CompletionHandler(runner).serve(http, body, infill_parts(runner, body))
-
-        return await serve_model(self.state, model_field(body), keep_alive_field(body), run, http)
+    return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
 
 
-def infill_parts(state: Runner, body: dict) -> tuple[Prompt, Infill]:
+def infill_parts(runner: Runner, body: dict) -> tuple[Prompt, Infill]:
     """The prefix and the fill-in-the-middle parts of an ``/infill`` request (llama-server's
     ``handle_infill`` checks, in its order and with its texts; the planner lays them out with
     :func:`kvserve.serving.fim.fim_prompt`).
@@ -438,7 +430,7 @@ def infill_parts(state: Runner, body: dict) -> tuple[Prompt, Infill]:
     """
     from kvserve.serving.fim import fim_tokens, missing_text
 
-    fim = fim_tokens(state.tokenizer)
+    fim = fim_tokens(runner.tokenizer)
     if fim.missing:
         raise ApiError(501, f"Infill is not supported by this model: {missing_text(fim)}")
     if "prompt" in body and not isinstance(body["prompt"], str):
@@ -461,26 +453,26 @@ def infill_parts(state: Runner, body: dict) -> tuple[Prompt, Infill]:
     return prefix, Infill(suffix, chunks, body.get("prompt") or "")
 
 
-def vllm_tokenize(state: Runner, body: dict) -> VllmTokenizeResponse:
+def vllm_tokenize(runner: Runner, body: dict) -> VllmTokenizeResponse:
     """``/tokenize`` in vLLM's shape (its ``TokenizeCompletionRequest`` / ``TokenizeChatRequest``):
     ``prompt`` tokenized with ``add_special_tokens`` (default true), or ``messages`` rendered
     with the chat template (``add_generation_prompt`` default true, ``continue_final_message``,
     ``tools``, ``chat_template_kwargs``) and tokenized with ``add_special_tokens`` (default
     false: the template writes its own BOS)."""
-    tok = state.tokenizer
-    n_ctx = state.engine.n_ctx_slot
+    tok = runner.tokenizer
+    n_ctx = runner.engine.n_ctx_slot
     if "messages" in body and body.get("prompt") is None:
-        if state.template is None:
+        if runner.template is None:
             raise ApiError(500, "the model has no chat template")
         from kvserve.faces.chat_features import parse_tools, prompt_messages, template_kwargs
         from kvserve.serving.chat_plan import render_prompt
 
         tools = parse_tools(body.get("tools"))
-        text, ids = render_prompt(state, prompt_messages(state, body),
+        text, ids = render_prompt(runner, prompt_messages(runner, body),
                                   add_generation_prompt=get_bool(body, "add_generation_prompt", True),
                                   tools=tools,
                                   continue_final_message=bool(get_bool(body, "continue_final_message", False)),
-                                  variables=template_kwargs(state.args, body, state.template, tools))
+                                  variables=template_kwargs(runner.args, body, runner.template, tools))
         if get_bool(body, "add_special_tokens", False):
             ids = tok.encode(text, add_special=True, parse_special=True)
     else:
@@ -494,20 +486,20 @@ def vllm_tokenize(state: Runner, body: dict) -> VllmTokenizeResponse:
 
 # -- the router ---------------------------------------------------------------------------
 
-def props_json(state: Runner, *, is_sleeping: bool = False) -> Props:
+def props_json(runner: Runner, *, is_sleeping: bool = False) -> Props:
     """GET /props (llama-server's ``get_props``, seed 000 Example 3) of one model's runner; the
     flag-driven fields from its ServerArgs (see :class:`~kvserve.faces.llama_types.Props`)."""
     from kvserve.serving.slots import metrics_params
 
-    state.require_ready()
-    args, tok, tmpl = state.args, state.tokenizer, state.template
+    runner.require_ready()
+    args, tok, tmpl = runner.args, runner.tokenizer, runner.template
     webui = bool(getattr(args, "webui", True))
     return Props(
         default_generation_settings=DefaultGenerationSettings(
-            params=metrics_params(params_to_dict(state.default_params)), n_ctx=state.engine.n_ctx_slot),
-        total_slots=state.engine.n_slots,
-        model_alias=state.model_alias,
-        model_path=shown_path(args, state.model_path, state.model_alias),
+            params=metrics_params(params_to_dict(runner.default_params)), n_ctx=runner.engine.n_ctx_slot),
+        total_slots=runner.engine.n_slots,
+        model_alias=runner.model_alias,
+        model_path=shown_path(args, runner.model_path, runner.model_alias),
         modalities=Modalities(vision=False, video=False, audio=False),
         endpoint_slots=args.slots,
         endpoint_props=args.props,
@@ -520,9 +512,9 @@ def props_json(state: Runner, *, is_sleeping: bool = False) -> Props:
         chat_template_caps=dict(tmpl.caps) if tmpl else {},
         bos_token=tok.bos_token,
         eos_token=tok.eos_token,
-        build_info=state.build_info,
+        build_info=runner.build_info,
         is_sleeping=is_sleeping,
-        cors_proxy_enabled=bool(getattr(state.args, "ui_mcp_proxy", False)),
+        cors_proxy_enabled=bool(getattr(runner.args, "ui_mcp_proxy", False)),
     )
 
 
@@ -544,40 +536,47 @@ def slots_debug() -> bool:
     return os.environ.get("LLAMA_SERVER_SLOTS_DEBUG", "") not in ("", "0")
 
 
-def build_router(state: ServerState) -> APIRouter:
-    """The native endpoints bound to ``state``."""
-    r = APIRouter()
-    completion = CompletionRoute(state)
+# -- the routes: one function each, then the table ----------------------------------------
 
-    def query_model(http: HttpRequest) -> str | None:
-        return model_field(dict(http.query_params))
+def query_model(http: HttpRequest) -> str | None:
+    """The ``?model=`` of a GET /props, /slots, /metrics or POST /slots/{id} (None: the default)."""
+    return model_field(dict(http.query_params))
 
-    @r.get("/health")
-    @r.get("/v1/health")
-    async def health():
-        state.require_up()
-        return json_response(HealthResponse(status="ok").wire())
 
-    @r.get("/v1/models")
-    @r.get("/models")
-    async def models():
-        return json_response(await asyncio.to_thread(models_json, state))
+async def health(state: ServerState, http: HttpRequest) -> Response:
+    """GET /health and /v1/health: 200 ``{"status": "ok"}``, 503 while the start-up model loads."""
+    state.require_up()
+    return json_response(HealthResponse(status="ok").wire())
 
-    @r.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        state.require_up()
-        return json_response(model_json(state, model_id))
 
-    last_props: dict[str, dict] = {}  # the pinned model's /props as it loaded, answered while it sleeps
+async def models(state: ServerState, http: HttpRequest) -> Response:
+    """GET /models and /v1/models: the served models (llama-server's and OpenAI's lists in one)."""
+    return json_response(await asyncio.to_thread(models_json, state))
 
-    def remember_props(runner: Runner) -> None:
-        if state.pinned:
-            last_props["pinned"] = props_json(runner).wire()
 
-    state.on_loaded.append(remember_props)
+async def model(state: ServerState, http: HttpRequest) -> Response:
+    """GET /v1/models/{model_id}: one model (the id may hold slashes)."""
+    model_id = http.path_params["model_id"]
+    state.require_up()
+    return json_response(model_json(state, model_id))
 
-    @r.get("/props")
-    async def props(http: HttpRequest):
+
+class PropsRoute:
+    """GET /props: the model's :func:`props_json`. llama-server answers /props without waking a
+    sleeping server (``is_sleeping: true``): the pinned model's answer as it loaded is kept for that
+    (one per router, fed by ``state.on_loaded``)."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.last_props: dict[str, dict] = {}  # the pinned model's /props as it loaded, answered while it sleeps
+        state.on_loaded.append(self.remember_props)
+
+    def remember_props(self, runner: Runner) -> None:
+        if self.state.pinned:
+            self.last_props["pinned"] = props_json(runner).wire()
+
+    async def __call__(self, http: HttpRequest) -> Response:
+        state, last_props = self.state, self.last_props
         # llama-server answers /props without waking a sleeping server (is_sleeping: true)
         name = query_model(http)
         if name is None and _asleep(state) and "pinned" in last_props:
@@ -596,162 +595,196 @@ def build_router(state: ServerState) -> APIRouter:
         # loads the model if needed, but leaves a loaded model's keep_alive as it is
         return await serve_model(state, name, KEEP_CURRENT, run, http)
 
-    @r.post("/props")
-    async def set_props(http: HttpRequest):
-        if not state.args.props:
-            raise ApiError(501, PROPS_OFF)
-        state.require_up()
-        await read_json(http, required=False)
-        return json_response(PropsUpdateResponse(success=True).wire())
 
-    r.add_api_route("/completion", completion, methods=["POST"])
-    r.add_api_route("/completions", completion, methods=["POST"])
-    r.add_api_route("/infill", InfillRoute(state), methods=["POST"])
+async def set_props(state: ServerState, http: HttpRequest) -> Response:
+    """POST /props: 501 without ``--props``; else the body is read and ``{"success": true}``."""
+    if not state.args.props:
+        raise ApiError(501, PROPS_OFF)
+    state.require_up()
+    await read_json(http, required=False)
+    return json_response(PropsUpdateResponse(success=True).wire())
 
-    @r.get("/version")
-    async def version():
-        from kvserve import __version__
 
-        return json_response(VersionResponse(version=__version__).wire())
+async def version(state: ServerState, http: HttpRequest) -> Response:
+    """GET /version (vLLM's): kvserve's version."""
+    from kvserve import __version__
 
-    @r.get("/ping")
-    @r.post("/ping")
-    async def ping():
-        state.require_up()  # as /health: 503 while the start-up model loads
-        return Response(status_code=200)  # vLLM answers an empty 200
+    return json_response(VersionResponse(version=__version__).wire())
 
-    @r.post("/tokenize")
-    async def tokenize(http: HttpRequest):
-        body = await read_json(http)
-        field = "content" if body.get("content") is not None else "prompt"
-        texts = body.get(field)  # refused before any model is asked: a 30 MB text took 21 s and +4 GB
-        check_input_bytes(field, texts if isinstance(texts, list) else (texts,), input_bytes_cap(state.args))
 
-        async def run(runner: Runner) -> Response:
-            runner.require_ready()
-            tok = runner.tokenizer
+async def ping(state: ServerState, http: HttpRequest) -> Response:
+    """GET and POST /ping (vLLM's): an empty 200."""
+    state.require_up()  # as /health: 503 while the start-up model loads
+    return Response(status_code=200)  # vLLM answers an empty 200
 
-            def work() -> Response:  # off the event loop: 2 MiB of text takes about a second
-                if body.get("content") is None and ("prompt" in body or "messages" in body):
-                    return json_response(vllm_tokenize(runner, body).wire())
-                ids: list[int] = []
-                if body.get("content") is not None:
-                    ids = tokenize_mixed(tok, body["content"],
-                                         add_special=bool(get_bool(body, "add_special", False)),
-                                         parse_special=bool(get_bool(body, "parse_special", True)),
-                                         field_name="content")
-                # built unvalidated (model_construct, TokenPiece entries as dict literals): the ids
-                # come from the tokenizer, and a large text has millions (1e6 pieces: +4% over dumps)
-                if get_bool(body, "with_pieces", False):
-                    pieces: list[TokenPiece] = [{"id": t, "piece": tok.piece(t)} for t in ids]
-                    return json_response(TokenizePiecesResponse.model_construct(tokens=pieces).wire())
-                return json_response(TokenizeResponse.model_construct(tokens=ids).wire())
 
-            return await asyncio.to_thread(work)
+async def tokenize(state: ServerState, http: HttpRequest) -> Response:
+    """POST /tokenize: llama-server's ``content`` (``with_pieces``) or vLLM's ``prompt`` / ``messages``."""
+    body = await read_json(http)
+    field = "content" if body.get("content") is not None else "prompt"
+    texts = body.get(field)  # refused before any model is asked: a 30 MB text took 21 s and +4 GB
+    check_input_bytes(field, texts if isinstance(texts, list) else (texts,), input_bytes_cap(state.args))
 
-        return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
-
-    @r.post("/detokenize")
-    async def detokenize(http: HttpRequest):
-        body = await read_json(http)
-        if isinstance(body.get("tokens"), list):  # one id per byte: the most /tokenize makes of a text it accepts
-            check_count("tokens", len(body["tokens"]), input_bytes_cap(state.args), "token ids", "--max-input-bytes")
-
-        async def run(runner: Runner) -> Response:
-            runner.require_ready()
-            tok = runner.tokenizer
-
-            def work() -> Response:  # off the event loop: checking 10^7 ids takes a second
-                ids = body.get("tokens") or []
-                if not isinstance(ids, list) or not all(_is_token(t) for t in ids):
-                    raise type_error("tokens", "array of token ids", ids)
-                bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
-                if bad is not None:
-                    raise ApiError(400, f"token id {bad} is out of range (vocabulary size {tok.n_vocab})")
-                text = tok.decode(ids)
-                return json_response(DetokenizeResponse(content=text, prompt=text).wire())
-
-            return await asyncio.to_thread(work)
-
-        return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
-
-    @r.post("/apply-template")
-    async def apply_template(http: HttpRequest):
-        body = await read_json(http)
-
-        async def run(runner: Runner) -> Response:
-            runner.require_ready()
-            prompt = await asyncio.to_thread(render_prompt, runner, body)
-            return json_response(ApplyTemplateResponse(prompt=prompt).wire())
-
-        return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
-
-    @r.get("/slots")
-    async def slots(http: HttpRequest):
-        if not state.args.slots:
-            raise ApiError(501, SLOTS_OFF)
-        state.require_up()
-        if query_model(http) is None and _asleep(state):
-            # llama-server: every route but /health and /props wakes a sleeping server
-            # (llama.cpp PR #18228), /slots too: load the -m model, then answer its slots
-            async def woken(runner: Runner) -> Response:
-                return json_response(runner.slots.views(show_text=state.args.slots_text or slots_debug(),
-                                                        detokenize=runner.tokenizer.decode if slots_debug() else None))
-
-            return await serve_model(state, None, KEEP_CURRENT, woken, http)
-        runner = state.peek(query_model(http))  # a model that is not loaded has no slots
-        fail = http.query_params.get("fail_on_no_slot", "")
-        if fail not in ("", "0", "false") and (runner is None or not runner.slots.has_idle()):
-            raise ApiError(503, "no slot available")
-        if runner is None:
-            return json_response([])
+    async def run(runner: Runner) -> Response:
         runner.require_ready()
-        debug = slots_debug()
-        detok = runner.tokenizer.decode if debug else None
-        return json_response(runner.slots.views(show_text=state.args.slots_text or debug, detokenize=detok))
+        tok = runner.tokenizer
 
-    @r.post("/slots/{id_slot}")
-    async def slot_action(id_slot: str, http: HttpRequest):
-        if not state.args.slot_save_path:
-            raise ApiError(501, SLOT_ACTIONS_OFF)
-        action = http.query_params.get("action", "")
-        # the body is read before waiting for the model: the disconnect watch consumes messages
-        body = (await read_json(http, required=False) or {}) if action in ("save", "restore") else {}
+        def work() -> Response:  # off the event loop: 2 MiB of text takes about a second
+            if body.get("content") is None and ("prompt" in body or "messages" in body):
+                return json_response(vllm_tokenize(runner, body).wire())
+            ids: list[int] = []
+            if body.get("content") is not None:
+                ids = tokenize_mixed(tok, body["content"],
+                                     add_special=bool(get_bool(body, "add_special", False)),
+                                     parse_special=bool(get_bool(body, "parse_special", True)),
+                                     field_name="content")
+            # built unvalidated (model_construct, TokenPiece entries as dict literals): the ids
+            # come from the tokenizer, and a large text has millions (1e6 pieces: +4% over dumps)
+            if get_bool(body, "with_pieces", False):
+                pieces: list[TokenPiece] = [{"id": t, "piece": tok.piece(t)} for t in ids]
+                return json_response(TokenizePiecesResponse.model_construct(tokens=pieces).wire())
+            return json_response(TokenizeResponse.model_construct(tokens=ids).wire())
 
-        async def run(runner: Runner) -> Response:
-            runner.require_ready()
-            runner.require_generative()  # an encoder has no KV cache to save, restore or erase: 501
-            # ASCII digits only: int() would also take "١" (Arabic-Indic one), " 1" or "1_0"
-            if not (id_slot.isascii() and id_slot.isdigit()) or len(id_slot) > 9 \
-                    or int(id_slot) >= len(runner.slots.slots):
-                raise ApiError(400, "Invalid slot ID")
-            slot = runner.slots.slots[int(id_slot)]
-            if action not in ("save", "restore", "erase"):
-                raise ApiError(400, "Invalid action")
-            if slot.is_processing:
-                raise ApiError(400, "Slot is busy")
-            return json_response((await _slot_file_action(runner, slot, action, body)).wire())
+        return await asyncio.to_thread(work)
 
-        # loads the model if needed, but leaves a loaded model's keep_alive as it is
-        return await serve_model(state, query_model(http), KEEP_CURRENT, run, http)
-
-    @r.get("/metrics")
-    async def metrics(http: HttpRequest):
-        if not state.args.metrics:
-            raise ApiError(501, METRICS_OFF)
-        state.require_up()
-        name = query_model(http)
-        if name is not None or state.pinned:  # one model: llama-server's exact lines
-            kept = state.peek_metrics(name)  # a sleeping model answers from its snapshot
-            if kept is None:
-                return Response(metrics_mod.render_empty(), headers=metrics_mod.response_headers())
-            return Response(kept.render(), headers=metrics_mod.response_headers())
-        return Response(metrics_mod.render_models(state.manager), headers=metrics_mod.response_headers())
-
-    return r
+    return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
 
 
-def _slot_filename(state: Runner, body: dict) -> tuple[str, str]:
+async def detokenize(state: ServerState, http: HttpRequest) -> Response:
+    """POST /detokenize: ``tokens`` -> llama-server's ``content`` and vLLM's ``prompt``."""
+    body = await read_json(http)
+    if isinstance(body.get("tokens"), list):  # one id per byte: the most /tokenize makes of a text it accepts
+        check_count("tokens", len(body["tokens"]), input_bytes_cap(state.args), "token ids", "--max-input-bytes")
+
+    async def run(runner: Runner) -> Response:
+        runner.require_ready()
+        tok = runner.tokenizer
+
+        def work() -> Response:  # off the event loop: checking 10^7 ids takes a second
+            ids = body.get("tokens") or []
+            if not isinstance(ids, list) or not all(_is_token(t) for t in ids):
+                raise type_error("tokens", "array of token ids", ids)
+            bad = next((t for t in ids if not 0 <= t < tok.n_vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"token id {bad} is out of range (vocabulary size {tok.n_vocab})")
+            text = tok.decode(ids)
+            return json_response(DetokenizeResponse(content=text, prompt=text).wire())
+
+        return await asyncio.to_thread(work)
+
+    return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
+
+
+async def apply_template(state: ServerState, http: HttpRequest) -> Response:
+    """POST /apply-template: the chat template's prompt for ``messages`` (:func:`render_prompt`)."""
+    body = await read_json(http)
+
+    async def run(runner: Runner) -> Response:
+        runner.require_ready()
+        prompt = await asyncio.to_thread(render_prompt, runner, body)
+        return json_response(ApplyTemplateResponse(prompt=prompt).wire())
+
+    return await serve_model(state, model_field(body), keep_alive_field(body), run, http)
+
+
+async def slots(state: ServerState, http: HttpRequest) -> Response:
+    """GET /slots (``--slots``): the model's slot views; ``?fail_on_no_slot=1``: 503 when none is idle."""
+    if not state.args.slots:
+        raise ApiError(501, SLOTS_OFF)
+    state.require_up()
+    if query_model(http) is None and _asleep(state):
+        # llama-server: every route but /health and /props wakes a sleeping server
+        # (llama.cpp PR #18228), /slots too: load the -m model, then answer its slots
+        async def woken(runner: Runner) -> Response:
+            return json_response(runner.slots.views(show_text=state.args.slots_text or slots_debug(),
+                                                    detokenize=runner.tokenizer.decode if slots_debug() else None))
+
+        return await serve_model(state, None, KEEP_CURRENT, woken, http)
+    runner = state.peek(query_model(http))  # a model that is not loaded has no slots
+    fail = http.query_params.get("fail_on_no_slot", "")
+    if fail not in ("", "0", "false") and (runner is None or not runner.slots.has_idle()):
+        raise ApiError(503, "no slot available")
+    if runner is None:
+        return json_response([])
+    runner.require_ready()
+    debug = slots_debug()
+    detok = runner.tokenizer.decode if debug else None
+    return json_response(runner.slots.views(show_text=state.args.slots_text or debug, detokenize=detok))
+
+
+async def slot_action(state: ServerState, http: HttpRequest) -> Response:
+    """POST /slots/{id_slot}?action=save|restore|erase (``--slot-save-path``): :func:`_slot_file_action`."""
+    id_slot: str = http.path_params["id_slot"]
+    if not state.args.slot_save_path:
+        raise ApiError(501, SLOT_ACTIONS_OFF)
+    action = http.query_params.get("action", "")
+    # the body is read before waiting for the model: the disconnect watch consumes messages
+    body = (await read_json(http, required=False) or {}) if action in ("save", "restore") else {}
+
+    async def run(runner: Runner) -> Response:
+        runner.require_ready()
+        runner.require_generative()  # an encoder has no KV cache to save, restore or erase: 501
+        # ASCII digits only: int() would also take "١" (Arabic-Indic one), " 1" or "1_0"
+        if not (id_slot.isascii() and id_slot.isdigit()) or len(id_slot) > 9 \
+                or int(id_slot) >= len(runner.slots.slots):
+            raise ApiError(400, "Invalid slot ID")
+        slot = runner.slots.slots[int(id_slot)]
+        if action not in ("save", "restore", "erase"):
+            raise ApiError(400, "Invalid action")
+        if slot.is_processing:
+            raise ApiError(400, "Slot is busy")
+        return json_response((await _slot_file_action(runner, slot, action, body)).wire())
+
+    # loads the model if needed, but leaves a loaded model's keep_alive as it is
+    return await serve_model(state, query_model(http), KEEP_CURRENT, run, http)
+
+
+async def metrics(state: ServerState, http: HttpRequest) -> Response:
+    """GET /metrics (``--metrics``): one model's llama-server lines, or every model's."""
+    if not state.args.metrics:
+        raise ApiError(501, METRICS_OFF)
+    state.require_up()
+    name = query_model(http)
+    if name is not None or state.pinned:  # one model: llama-server's exact lines
+        kept = state.peek_metrics(name)  # a sleeping model answers from its snapshot
+        if kept is None:
+            return Response(metrics_mod.render_empty(), headers=metrics_mod.response_headers())
+        return Response(kept.render(), headers=metrics_mod.response_headers())
+    return Response(metrics_mod.render_models(state.manager), headers=metrics_mod.response_headers())
+
+
+GET, POST = ("GET",), ("POST",)
+
+#: the native endpoints in Starlette's matching order (the first match wins)
+ROUTES: tuple[Route, ...] = (
+    Route("/v1/health", GET, health),
+    Route("/health", GET, health),
+    Route("/models", GET, models),
+    Route("/v1/models", GET, models),
+    Route("/v1/models/{model_id:path}", GET, model),
+    Route("/props", GET, PropsRoute),
+    Route("/props", POST, set_props),
+    Route("/completion", POST, completion),
+    Route("/completions", POST, completion),
+    Route("/infill", POST, infill),
+    Route("/version", GET, version),
+    Route("/ping", POST, ping),
+    Route("/ping", GET, ping),
+    Route("/tokenize", POST, tokenize),
+    Route("/detokenize", POST, detokenize),
+    Route("/apply-template", POST, apply_template),
+    Route("/slots", GET, slots),
+    Route("/slots/{id_slot}", POST, slot_action),
+    Route("/metrics", GET, metrics),
+)
+
+
+def build_router(state: ServerState) -> APIRouter:
+    """The native endpoints (:data:`ROUTES`) bound to ``state``."""
+    return route_table.build_router(state, ROUTES)
+
+
+def _slot_filename(runner: Runner, body: dict) -> tuple[str, str]:
     """(filename, full path) of a save/restore request; 400 ``Invalid filename`` for anything
     that could leave the save directory."""
     import os
@@ -764,10 +797,10 @@ def _slot_filename(state: Runner, body: dict) -> tuple[str, str]:
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or ".." in name \
             or "\x00" in name or name in (".",) or os.path.isabs(name):
         raise ApiError(400, "Invalid filename")
-    return name, os.path.join(state.args.slot_save_path, name)
+    return name, os.path.join(runner.args.slot_save_path, name)
 
 
-async def _slot_file_action(state: Runner, slot, action: str, body: dict) \
+async def _slot_file_action(runner: Runner, slot, action: str, body: dict) \
         -> SlotSaveResponse | SlotRestoreResponse | SlotEraseResponse:
     """POST /slots/{id}?action=save|restore|erase (seed Example 11).
 
@@ -780,10 +813,10 @@ async def _slot_file_action(state: Runner, slot, action: str, body: dict) \
     from kvserve.engine.slot_file import SlotFileError, read_slot_file, write_slot_file
 
     sid = slot.id
-    engine = state.engine
+    engine = runner.engine
     filename, path = "", ""
     if action in ("save", "restore"):
-        filename, path = _slot_filename(state, body)
+        filename, path = _slot_filename(runner, body)
     t0 = time.perf_counter()
     try:
         if action == "save":
@@ -816,9 +849,9 @@ async def _slot_file_action(state: Runner, slot, action: str, body: dict) \
     return SlotEraseResponse(id_slot=sid, n_erased=res["n_erased"])
 
 
-def render_prompt(state: Runner, body: dict) -> str:
+def render_prompt(runner: Runner, body: dict) -> str:
     """The chat prompt text for ``body["messages"]``, rendered as the chat endpoint does."""
-    if state.template is None:
+    if runner.template is None:
         raise ApiError(500, "the model has no chat template")
     if "messages" not in body:
         raise ApiError(400, "'messages' is required")
@@ -827,8 +860,8 @@ def render_prompt(state: Runner, body: dict) -> str:
 
     tools = parse_tools(body.get("tools"))
     add = get_bool(body, "add_generation_prompt", True)  # llama-server honours false (no assistant header)
-    text, _ = render_prompt(state, prompt_messages(state, body),
+    text, _ = render_prompt(runner, prompt_messages(runner, body),
                             add_generation_prompt=add is not False, tools=tools,
                             continue_final_message=body.get("continue_final_message"),
-                            variables=template_kwargs(state.args, body, state.template, tools))  # as the chat endpoint renders
+                            variables=template_kwargs(runner.args, body, runner.template, tools))  # as the chat endpoint renders
     return text

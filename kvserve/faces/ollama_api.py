@@ -133,6 +133,8 @@ from kvserve.faces.ollama_types import (
     VersionResponse,
 )
 from kvserve.faces.params import sampling_fields, slot_view, stop_strings
+from kvserve.faces import route_table
+from kvserve.faces.route_table import Route
 from kvserve.faces.sse import ClientDisconnected, until_disconnect
 from kvserve.serving.chat_output import Piece, ReasoningPiece, TextPiece, ToolCallPiece
 from kvserve.serving.chat_plan import plan_chat, render_prompt
@@ -1453,86 +1455,110 @@ async def _embeddings(state: ServerState, http: HttpRequest) -> Response:
         return _error_of(e)
 
 
+# -- the routes: one function each, then the table ----------------------------------------
+
+async def version(state: ServerState, http: HttpRequest) -> Response:
+    """GET /api/version: Ollama's version that kvserve matches (:data:`OLLAMA_VERSION`)."""
+    return _json(VersionResponse(version=OLLAMA_VERSION).wire())
+
+
+async def generate(state: ServerState, http: HttpRequest) -> Response:
+    """POST /api/generate."""
+    return await _infer(state, http, "generate")
+
+
+async def chat(state: ServerState, http: HttpRequest) -> Response:
+    """POST /api/chat."""
+    return await _infer(state, http, "chat")
+
+
+async def tags(state: ServerState, http: HttpRequest) -> Response:
+    """GET /api/tags: the store's models."""
+    try:
+        return _json(await asyncio.to_thread(_tags, state))
+    except Exception as e:  # noqa: BLE001
+        return _error_of(e)
+
+
+async def ps(state: ServerState, http: HttpRequest) -> Response:
+    """GET /api/ps: the loaded models."""
+    try:
+        return _json(await asyncio.to_thread(_ps, state))
+    except Exception as e:  # noqa: BLE001
+        return _error_of(e)
+
+
+async def show(state: ServerState, http: HttpRequest) -> Response:
+    """POST /api/show: one model's details, template, parameters and model info."""
+    try:
+        body = await _body(http)
+        return _json(await asyncio.to_thread(_show, state, body))
+    except Exception as e:  # noqa: BLE001
+        return _error_of(e)
+
+
+async def copy(state: ServerState, http: HttpRequest) -> Response:
+    """POST /api/copy: ``source`` -> ``destination`` in the store; an empty 200."""
+    try:
+        await asyncio.to_thread(_copy, state, await _body(http))
+        return Response(status_code=200)
+    except Exception as e:  # noqa: BLE001
+        return _error_of(e)
+
+
+async def delete(state: ServerState, http: HttpRequest) -> Response:
+    """DELETE /api/delete: removes ``model`` from the store; an empty 200."""
+    try:
+        await asyncio.to_thread(_delete, state, await _body(http))
+        return Response(status_code=200)
+    except Exception as e:  # noqa: BLE001
+        return _error_of(e)
+
+
+async def head_blob(state: ServerState, http: HttpRequest) -> Response:
+    """HEAD /api/blobs/{digest} (arrives as GET: :class:`~kvserve.faces.http.HeadAsGetMiddleware`)."""
+    digest: str = http.path_params["digest"]
+    return await asyncio.to_thread(_head_blob, state, digest)
+
+
+async def create_blob(state: ServerState, http: HttpRequest) -> Response:
+    """POST /api/blobs/{digest}: :func:`_upload_blob`."""
+    digest: str = http.path_params["digest"]
+    return await _upload_blob(state, http, digest)
+
+
+async def pull(state: ServerState, http: HttpRequest) -> Response:
+    """POST /api/pull."""
+    return await _pull_push(state, http, "pull")
+
+
+async def push(state: ServerState, http: HttpRequest) -> Response:
+    """POST /api/push."""
+    return await _pull_push(state, http, "push")
+
+
+GET, POST, DELETE = ("GET",), ("POST",), ("DELETE",)
+
+#: the Ollama face's routes in Starlette's matching order (the first match wins)
+ROUTES: tuple[Route, ...] = (
+    Route("/api/version", GET, version),
+    Route("/api/generate", POST, generate),
+    Route("/api/chat", POST, chat),
+    Route("/api/tags", GET, tags),
+    Route("/api/ps", GET, ps),
+    Route("/api/show", POST, show),
+    Route("/api/copy", POST, copy),
+    Route("/api/delete", DELETE, delete),
+    Route("/api/blobs/{digest}", GET, head_blob),  # HEAD arrives as GET (HeadAsGetMiddleware)
+    Route("/api/blobs/{digest}", POST, create_blob),
+    Route("/api/embed", POST, _embed),
+    Route("/api/embeddings", POST, _embeddings),
+    Route("/api/pull", POST, pull),
+    Route("/api/push", POST, push),
+    Route("/api/create", POST, _create),
+)
+
+
 def build_router(state: ServerState) -> APIRouter:
-    """The Ollama face's routes, bound to ``state``."""
-    r = APIRouter()
-
-    @r.get("/api/version")
-    async def version() -> Response:
-        return _json(VersionResponse(version=OLLAMA_VERSION).wire())
-
-    @r.post("/api/generate")
-    async def generate(http: HttpRequest) -> Response:
-        return await _infer(state, http, "generate")
-
-    @r.post("/api/chat")
-    async def chat(http: HttpRequest) -> Response:
-        return await _infer(state, http, "chat")
-
-    @r.get("/api/tags")
-    async def tags() -> Response:
-        try:
-            return _json(await asyncio.to_thread(_tags, state))
-        except Exception as e:  # noqa: BLE001
-            return _error_of(e)
-
-    @r.get("/api/ps")
-    async def ps() -> Response:
-        try:
-            return _json(await asyncio.to_thread(_ps, state))
-        except Exception as e:  # noqa: BLE001
-            return _error_of(e)
-
-    @r.post("/api/show")
-    async def show(http: HttpRequest) -> Response:
-        try:
-            body = await _body(http)
-            return _json(await asyncio.to_thread(_show, state, body))
-        except Exception as e:  # noqa: BLE001
-            return _error_of(e)
-
-    @r.post("/api/copy")
-    async def copy(http: HttpRequest) -> Response:
-        try:
-            await asyncio.to_thread(_copy, state, await _body(http))
-            return Response(status_code=200)
-        except Exception as e:  # noqa: BLE001
-            return _error_of(e)
-
-    @r.delete("/api/delete")
-    async def delete(http: HttpRequest) -> Response:
-        try:
-            await asyncio.to_thread(_delete, state, await _body(http))
-            return Response(status_code=200)
-        except Exception as e:  # noqa: BLE001
-            return _error_of(e)
-
-    @r.get("/api/blobs/{digest}")  # HEAD arrives as GET (HeadAsGetMiddleware)
-    async def head_blob(digest: str) -> Response:
-        return await asyncio.to_thread(_head_blob, state, digest)
-
-    @r.post("/api/blobs/{digest}")
-    async def create_blob(digest: str, http: HttpRequest) -> Response:
-        return await _upload_blob(state, http, digest)
-
-    @r.post("/api/embed")
-    async def embed(http: HttpRequest) -> Response:
-        return await _embed(state, http)
-
-    @r.post("/api/embeddings")
-    async def embeddings(http: HttpRequest) -> Response:
-        return await _embeddings(state, http)
-
-    @r.post("/api/pull")
-    async def pull(http: HttpRequest) -> Response:
-        return await _pull_push(state, http, "pull")
-
-    @r.post("/api/push")
-    async def push(http: HttpRequest) -> Response:
-        return await _pull_push(state, http, "push")
-
-    @r.post("/api/create")
-    async def create(http: HttpRequest) -> Response:
-        return await _create(state, http)
-
-    return r
+    """The Ollama face's routes (:data:`ROUTES`), bound to ``state``."""
+    return route_table.build_router(state, ROUTES)
