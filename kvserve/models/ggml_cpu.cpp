@@ -11,8 +11,11 @@
 //     every 16 q (bsums).
 //   * F16 / BF16 weights: float32 activations, the weights widened to float32 (fused multiply-adds).
 // Every integer dot product of a block is exact; the float sums follow one fixed order per output
-// value (8 lanes, then a fixed horizontal sum), the same whatever the other rows of the product are:
-// row i of an M-row product equals the one-row product bit for bit.
+// value (8 lanes, then a fixed horizontal sum; in the AVX512 build's Q4_K / Q5_K / Q6_K kernels each
+// super-block's exact integer sums into one float chain, KChain), the same whatever the other rows of
+// the product are: row i of an M-row product equals the one-row product bit for bit. Small batches of
+// Q4_K / Q5_K / Q6_K (6+ rows, the batched decode step) run ggml_gemm8.h's panels with kexact, which
+// keeps KChain's arithmetic: the same bits at 4-16x the weight reuse.
 //
 // Two builds, picked by -march: AVX512-VNNI (the u8 x s8 block dot products with vpdpbusd on 256-bit
 // vectors; Q4_K, Q5_K and Q6_K 64 values per 512-bit vector with vpmaddubsw + vpmaddwd) or AVX2 + FMA +
@@ -528,6 +531,47 @@ inline void scales_mins_k4(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
 }
 
 #ifdef GG_VNNI
+// One output value of the AVX512 build's Q4_K / Q5_K / Q6_K per-row kernels (dot_q4k, dot_q6k) and of
+// the small-batch path (ggml_gemm8.h's kexact) alike: per super-block the integer sum of quant x
+// activation quant x sub-scale (tot, exact in int32; Q6_K's -32 included) and of the mins x the
+// activations' sums (ms, exact; Q4_K / Q5_K), then one float32 chain over the super-blocks in order:
+//   y = fma(float(tot), d_w d_x, y);  y = fma(float(ms), -(dmin_w d_x), y)
+// so an output's bits depend on its row alone, whichever path and batch computed it. The per-row
+// kernels hand each super-block's partial sums here (push); the horizontal sums of 8 vectors are
+// taken together (flush: a transposing tree, about a third of the instructions of 8 separate ones).
+template <bool MINS>
+struct KChain {
+  __m256i v[8];  // entries: per super-block tot's lanes (then ms's lanes with MINS)
+  float c[8];    // each entry's factor: d_w d_x (then -(dmin_w d_x))
+  int n = 0;
+  float y = 0.f;
+  inline void push(__m512i tot, __m256i ms, float ddx, float dmdx) {
+    v[n] = _mm256_add_epi32(_mm512_castsi512_si256(tot), _mm512_extracti64x4_epi64(tot, 1));
+    c[n++] = ddx;
+    if (MINS) {
+      v[n] = ms;
+      c[n++] = -dmdx;
+    }
+    if (n == 8) flush();
+  }
+  inline void flush() {
+    if (n == 0) return;
+    for (int k = n; k < 8; ++k) v[k] = _mm256_setzero_si256();
+    const __m256i a0 = _mm256_hadd_epi32(v[0], v[1]), a1 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i a2 = _mm256_hadd_epi32(v[4], v[5]), a3 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i b0 = _mm256_hadd_epi32(a0, a1), b1 = _mm256_hadd_epi32(a2, a3);
+    // lane k: the sum of v[k]'s lanes
+    const __m256i t = _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+    alignas(32) float e[8];
+    _mm256_store_ps(e, _mm256_cvtepi32_ps(t));
+    for (int k = 0; k < n; ++k) y = std::fma(e[k], c[k], y);
+    n = 0;
+  }
+  inline float result() {
+    flush();
+    return y;
+  }
+};
 // The AVX512 build's K-quant products (Q4_K, Q5_K, Q6_K: the weights of a Q4_K_M file): 64 values of
 // a super-block per 512-bit vector, vpmaddubsw (u8 x s8 -> pairs summed in int16, exact: |u| <= 63,
 // |x| <= 127) then vpmaddwd by the sub-block's scale in both int16 halves of its 32-bit lanes (int32,
@@ -607,8 +651,7 @@ void dot_q45k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out
 template <int MR>
 void dot_q6k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out, int64_t ldo) {
   const int64_t K = a.K, NB = K / 256;
-  __m512 acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  KChain<false> y[MR];
   const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
   const __m512i sh02 = zshift(0, 2), sh46 = zshift(4, 6);
   __m512i pidx[4];  // vector p (values 64 p .. 64 p + 63): int16 lane l takes scale 4 p + l / 8
@@ -644,10 +687,10 @@ void dot_q6k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
       // the -32 of every value: 32 sum_g sc_g bsum_g
       const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
       sumi = _mm512_sub_epi32(sumi, _mm512_zextsi256_si512(off));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d * a.d[row * NB + b]), acc[i]);
+      y[i].push(sumi, _mm256_setzero_si256(), d * a.d[row * NB + b], 0.f);
     }
   }
-  for (int i = 0; i < MR; ++i) out[i * ldo] = _mm512_reduce_add_ps(acc[i]);
+  for (int i = 0; i < MR; ++i) out[i * ldo] = y[i].result();
 }
 
 // Q4_K and Q5_K on the interleaved activations (ActK::qp): 64 bytes of nibbles per load give two vectors,
@@ -678,12 +721,7 @@ inline void scales_mins_k4_u64(const uint8_t* q, uint64_t& sc, uint64_t& mn) {
 template <int MR, bool FIVE>
 void dot_q4k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out, int64_t ldo) {
   const int64_t K = a.K, NB = K / 256;
-  __m512 acc[MR];
-  __m256 accm[MR];
-  for (int i = 0; i < MR; ++i) {
-    acc[i] = _mm512_setzero_ps();
-    accm[i] = _mm256_setzero_ps();
-  }
+  KChain<true> y[MR];
   constexpr int BYTES = FIVE ? 176 : 144;
   const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
   // Q5_K: the fifth bit of sub-block j is bit j of qh's bytes; vector 2 h + k holds sub-blocks
@@ -723,11 +761,11 @@ void dot_q4k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
         sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(u[p], x), _mm512_shuffle_epi8(scb, ctl[p])));
       }
       const float dx = a.d[row * NB + b];
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi), _mm512_set1_ps(d * dx), acc[i]);
-      accm[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mins, bs)), _mm256_set1_ps(dmin * dx), accm[i]);
+      // the super-block's exact integer sums, then one float chain (KChain: the small-batch path's bits)
+      y[i].push(sumi, _mm256_madd_epi16(mins, bs), d * dx, dmin * dx);
     }
   }
-  for (int i = 0; i < MR; ++i) out[i * ldo] = _mm512_reduce_add_ps(acc[i]) - hsum(accm[i]);
+  for (int i = 0; i < MR; ++i) out[i * ldo] = y[i].result();
 }
 
 // q8_K row q [K] -> qp [K]: each super-block's sub-blocks of 32 in the order 0 2 1 3 4 6 5 7
@@ -981,6 +1019,9 @@ void dot_half(const uint8_t* w, int64_t K, const float* x, int64_t r, float* out
 
 // ---------------------------------------------------------------- the product
 
+// rows from which Matrix::mm_raw takes the small-batch path (below: the per-row kernels, the same bits)
+constexpr int64_t KB_MIN = 6;
+
 enum class ActKind { F32, Q8_0, Q8_K };
 
 struct TypeInfo {
@@ -1102,13 +1143,14 @@ bool Matrix::gemm8_ok() const {
 
 at::Tensor Matrix::mm(const at::Tensor& x_in, int64_t gemm_min_rows, const std::string& path) const {
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K_, "ggml_cpu.Matrix.mm: x must be [M, ", K_, "]");
-  TORCH_CHECK(path == "auto" || path == "int8" || path == "bf16", "ggml_cpu.Matrix.mm: path must be auto, int8 or bf16");
+  TORCH_CHECK(path == "auto" || path == "int8" || path == "bf16" || path == "rows",
+              "ggml_cpu.Matrix.mm: path must be auto, int8, bf16 or rows");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N_}, x.options());
   if (M == 0) return y;
 #ifdef GG_GEMM8
-  if (gemm_min_rows > 0 && M >= gemm_min_rows && gemm_ok()) {
+  if (gemm_min_rows > 0 && M >= gemm_min_rows && path != "rows" && gemm_ok()) {
     // the int8 path (ggml_gemm8.h: llama.cpp's q8 arithmetic; every AVX512-VNNI build) where every
     // part's type has it, unless path says bf16; else the bfloat16 path (ggml_gemm.h; AVX512-BF16)
     if (path != "bf16" && gemm8_ok()) {
@@ -1130,12 +1172,24 @@ at::Tensor Matrix::mm(const at::Tensor& x_in, int64_t gemm_min_rows, const std::
   }
 #endif
   Scratch s;
-  mm_raw(x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), s);
+  mm_raw(x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), s, path != "rows");
   return y;
 }
 
-void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s) const {
+void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s, bool batch) const {
   if (M == 0) return;
+#ifdef GG_GEMM8
+  // KB_MIN or more rows of Q4_K / Q5_K / Q6_K alone: the small-batch path (ggml_gemm8.h's panels with
+  // kexact: each row the one-row kernels' bits)
+  bool exact = batch && M >= KB_MIN;
+  for (const Part& p : parts_) exact = exact && gemm8::exact_type(p.type);
+  if (exact) {
+    std::vector<gemm8::Rows> rows;
+    for (const Part& p : parts_) rows.push_back({p.data, p.type, p.first, p.rows, p.row_bytes});
+    gemm8::mm(rows, N_, K_, xp, M, Y, true);
+    return;
+  }
+#endif
   const int64_t K = K_, N = N_;
   Acts A{xp, {nullptr, nullptr, nullptr, K}, {nullptr, nullptr, nullptr, K}};
   // each kind of activation quantized once per product (a fused q|k|v or gate|up shares it)

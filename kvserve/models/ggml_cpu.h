@@ -39,11 +39,15 @@ class Matrix {
   bool gemm8_ok() const;
   // x [M, K] float32 -> [M, N] float32 (a new tensor); with gemm_min_rows > 0 and M >= gemm_min_rows
   // a prefill path where gemm_ok(): path "auto" the int8 one where gemm8_ok(), else the bfloat16 one;
-  // "int8" / "bf16" only that one (where it does not take the matrix: the per-row kernels, mm_raw)
+  // "int8" / "bf16" only that one (where it does not take the matrix: the per-row kernels, mm_raw);
+  // "rows": the per-row kernels in blocks of up to 4 rows alone (no prefill path, no small-batch
+  // kernel: the route before those, for tests and benchmarks; the same bits as the small-batch one)
   at::Tensor mm(const at::Tensor& x, int64_t gemm_min_rows = 0, const std::string& path = "auto") const;
   // the same product on raw buffers: x [M, K] float32 (row stride K), y [M, N] (row stride N);
-  // s: the activations' buffers, resized as needed. Runs on kvserve's pool (thread_pool.h).
-  void mm_raw(const float* x, int64_t M, float* y, Scratch& s) const;
+  // s: the activations' buffers, resized as needed. Runs on kvserve's pool (thread_pool.h). batch:
+  // 6 rows or more of a matrix of Q4_K / Q5_K / Q6_K parts take the small-batch path (AVX512-VNNI
+  // builds: ggml_gemm8.h's panels with kexact; each row's bits the one-row kernels'), else the per-row ones
+  void mm_raw(const float* x, int64_t M, float* y, Scratch& s, bool batch = true) const;
 
  private:
   struct Part {

@@ -8,6 +8,14 @@ llama.cpp's q8_K (int8 per block of 256, a float32 scale, sums of 16) for Q2_K..
 F16 and BF16 rows are widened to float32 and multiplied with the float32 activations. Row i of an
 M-row product equals the one-row product bit for bit (see ggml_cpu.cpp).
 
+Small batches (the batched decode step, speculative verification: 6 rows or more, below
+``gemm_min_rows``) of matrices made only of Q4_K / Q5_K / Q6_K parts take a small-batch path in
+AVX512-VNNI builds: groups of 32 weight rows unpacked into a per-thread panel (as the int8 prefill
+path does) and multiplied with every activation row by ``vpdpbusd``, each super-block's sums kept
+exact in int32 and added into the output in the per-row kernels' float order, so each row is still
+the one-row product bit for bit (about 2x the per-row kernels at 16 rows on one Zen 4 core).
+``mm(x, 0, "rows")`` on :attr:`BlockMatrix.matrix` runs the per-row kernels alone (tests, benchmarks).
+
 Prefill-sized products (``BlockMatrix.gemm_min_rows``: at least that many rows) take one of two other
 paths, picked by ``BlockMatrix.gemm_path``, where the build has them (:func:`prefill_paths`): the int8
 one in every AVX512-VNNI build (``mod.GEMM8 == "avx512vnni"``), the bfloat16 one where the CPU also has

@@ -151,6 +151,28 @@ def test_rows_do_not_depend_on_the_batch(mod, name):
             assert torch.equal(y[i], mat.mm(x[i:i + 1])[0]), (name, m, i)
 
 
+@pytest.mark.parametrize("names", [("Q4_K",), ("Q5_K",), ("Q6_K",), ("Q4_K", "Q6_K")])
+def test_small_batch_kernel_rows_equal_one_row_products(mod, names):
+    """The small-batch path (2..16 rows and more of Q4_K / Q5_K / Q6_K: the batched decode step) gives
+    each row the one-row kernel's bits: M rows against M one-row calls, and against the per-row
+    kernels' route ("rows"), torch.equal; 45 weight rows (a partial panel of 32), K = 768."""
+    rng = np.random.default_rng(zlib.crc32("|".join(names).encode()))
+    k = 768
+    parts = [(random_rows(name, 45 if i == 0 else 19, k, rng), name) for i, name in enumerate(names)]
+    mat = ggml_kernel.BlockMatrix(mod, parts, k)
+    for m in (2, 5, 6, 8, 16, 70):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+        y = mat.mm(x)
+        one = torch.cat([mat.mm(x[i:i + 1]) for i in range(m)])
+        assert torch.equal(y, one), (names, m, float((y - one).abs().max()))
+        assert torch.equal(y, mat.matrix.mm(x, 0, "rows")), (names, m)
+    if mod.GEMM8 and names == ("Q4_K",):  # the int8 prefill path's Q4_K sums are the same (kexact, kernk)
+        assert torch.equal(mat.matrix.mm(x, 1, "int8"), y)
+    ref, bound = reference(x.numpy(), parts[0][0], names[0])
+    err = np.abs(y[:, :45].numpy() - ref)
+    assert (err <= 2e-6 * bound + 1e-30).all(), float((err / bound).max())
+
+
 def test_fused_parts_of_different_types(mod):
     """q|k|v as a Q4_K_M file holds them (two Q4_K parts, a Q6_K one): the parts' products side by side."""
     rng = np.random.default_rng(3)
