@@ -8,8 +8,8 @@ the B rows of a decode-only step in C++, then the output norm and the head, on t
 worker threads (``thread_pool.h``, as many as torch's). Its projections are per-operation
 kernels the step composes: unpacked Q4 weights (HF int4 checkpoints, ``--cpu-kernel int4``) in
 kvserve's 4-bit tile kernel (``q4_core.h`` and the tiles here: AVX512-VNNI, or AVX2 + FMA + F16C,
-picked by ``-march=native``; GGUF Q4_0/Q4_1 blocks are repacked into it too, :func:`q4_tiles`,
-except on AVX512 with ``KVSERVE_Q4_REPACK=0``), every other GGUF type as the
+picked by ``-march=native``; GGUF Q4_1 blocks are repacked into it too, :func:`q4_tiles`, and
+Q4_0 on the AVX2 build; :func:`q4_repacked`), every other GGUF type (Q4_0 on AVX512) as the
 file stores it through the per-type block products of ``ggml_cpu.cpp``
 (:mod:`kvserve.models.ggml_kernel`: Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, F16 ...: the same products
 the eager path runs, so a Q4_K_M file decodes with no copy of its weights); activations
@@ -418,18 +418,28 @@ def model_reason(model) -> str | None:
     return None
 
 
+def q4_repacked(qtype: str, isa: str | None) -> bool:
+    """Whether the native step repacks GGUF projections of ``qtype`` ("Q4_0", "Q4_1") into its own
+    4-bit layout (:func:`q4_tiles`) on a build for ``isa``: always on the AVX2 build; on the AVX512
+    build Q4_1 only, Q4_0 being multiplied where the file stores it (q4_core.h's ``q40_dot``, through
+    ggml_cpu.cpp's Matrix: no copy; a Llama-1B Q4_0 file's process ~1,000 MiB resident instead of
+    ~1,660), unless ``KVSERVE_Q4_REPACK`` is "1" (both repacked, the tiles: faster at 4-16 rows
+    where compute, not memory, bounds the step) or "0" (neither)."""
+    if isa != "avx512":
+        return True
+    env = os.environ.get("KVSERVE_Q4_REPACK", "")
+    return env == "1" or (env != "0" and qtype == "Q4_1")
+
+
 def q4_tiles(blocks, layout: str, isa: str | None = "avx2") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A projection of GGUF Q4_0/Q4_1 blocks (a ggml_kernel.BlockMatrix) in the step's own 4-bit
     layout (``layout`` "tile16" or "pair", as Linear.native_weights packs unpacked Q4 weights), or
-    None for other types or shapes, and on the AVX512 build (``isa``) with ``KVSERVE_Q4_REPACK=0``:
-    then the step multiplies the file's blocks (ggml_cpu.cpp's AVX512 Q4_0/Q4_1 kernel) and keeps no
-    copy (a Llama-1B Q4_0 file's process: 964 MiB resident instead of ~1,830; no repack at start).
-    The repack stays the default because the tiles are still faster: on par with the block kernel at
-    1-4 rows in L2 (256 x 2048: 2.9 vs 3.0 us, 8.6 vs 8.3 us) but about twice as fast streaming from
-    L3 or memory (3072 x 2048 one row: 150 vs 71 us; a whole Llama-1B Q4_0 decode step on one thread,
-    CPU time: 53 vs 35 ms). The tiles are a copy of the file's bytes beside them (the eager path and
-    prefill read the file's)."""
-    if isa == "avx512" and os.environ.get("KVSERVE_Q4_REPACK", "1") == "0":
+    None for other types or shapes, and where :func:`q4_repacked` says the build for ``isa`` keeps
+    the file's blocks (then the step multiplies them through ggml_cpu.cpp's Matrix and keeps no
+    copy). The tiles are a copy of the file's bytes beside them (the eager path and prefill read the
+    file's). Timings (2-core EPYC Zen 4, one thread): one row of the 1B file's projections 1.04x the
+    tiles' time on the file's Q4_0 blocks (q40_dot), 4-16 rows 1.5-1.8x (compute-bound there)."""
+    if not all(q4_repacked(t, isa) for t in blocks.types):
         return None
     from kvserve.loaders.gguf import _q4_blocks
 

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "ggml_cpu.h"
+#include "q4_core.h"
 #include "q8_quant.h"
 #include "thread_pool.h"
 
@@ -1106,7 +1107,8 @@ Matrix::Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vecto
     parts_.push_back({reinterpret_cast<const uint8_t*>(ptrs[i]), static_cast<int>(types[i]), n, rows[i],
                       K / ti.block * ti.bytes});
     if (ti.act == ActKind::Q8_0) q8_0_ = true;
-    if (types[i] == T_Q4_0 || types[i] == T_Q4_1) q4_ = true;
+    if (types[i] == T_Q4_1) q4_ = true;
+    if (types[i] == T_Q4_0) q40_ = true;
     if (types[i] == T_Q4_K || types[i] == T_Q5_K) q4k_ = true;
     if (ti.act == ActKind::Q8_K) q8_k_ = true;
     n += rows[i];
@@ -1213,6 +1215,15 @@ void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s, bool batch
       A.a32.qt = s.qt.data();
       A.a32.n16 = n16;
     }
+    if (q40_) {  // Q4_0 on the file's blocks (q4_core.h, kvserve_q4::q40_dot): its activation layout
+      const int64_t ng = kvserve_q4::q40_groups(K);
+      s.x7.resize(M * ng * 256);
+      s.c7.resize(M * ng * 16);
+      s.d7.resize(M * ng * 16);
+      for (int64_t m = 0; m < M; ++m)
+        kvserve_q4::q40_acts_row(s.q0.data() + m * K, s.d0.data() + m * (K / 32), K, s.x7.data() + m * ng * 256,
+                                 s.c7.data() + m * ng * 16, s.d7.data() + m * ng * 16);
+    }
 #endif
   }
   if (q8_k_) {
@@ -1244,8 +1255,15 @@ void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s, bool batch
         const Part& p = parts_[pi];
         const uint8_t* w = p.data + (n - p.first) * p.row_bytes;
 #ifdef GG_VNNI
+        if (p.type == T_Q4_0) {  // this part's rows n .. e - 1, every activation row of the chunk
+          const int64_t e = std::min(n1, p.first + p.rows), ng = kvserve_q4::q40_groups(K);
+          const kvserve_q4::Q40Acts a7{s.x7.data() + mc * ng * 256, s.c7.data() + mc * ng * 16, s.d7.data() + mc * ng * 16, ng};
+          kvserve_q4::q40_rows(w, p.row_bytes, e - n, K, me - mc, a7, Y + mc * N + n, N);
+          n = e - 1;
+          continue;
+        }
         // decode (1-2 rows): Q4 weight rows in pairs (dot_q4_pair: the same bits as one at a time)
-        if ((p.type == T_Q4_0 || p.type == T_Q4_1) && M <= 2 && n + 1 < n1 && n + 1 < p.first + p.rows) {
+        if (p.type == T_Q4_1 && M <= 2 && n + 1 < n1 && n + 1 < p.first + p.rows) {
           q4_pair(p.type, w, w + p.row_bytes, K / 32, A.a32, M, Y + n, Y + n + 1, N);
           ++n;
           continue;

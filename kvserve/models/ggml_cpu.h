@@ -16,7 +16,10 @@ struct Scratch {
   std::vector<int16_t> bs;
   std::vector<int32_t> c8;  // the AVX512 Q4_0 / Q4_1 kernel's block offsets and
   std::vector<int8_t> qt;   // transposed activations (ggml_cpu.cpp, Act32)
-  std::vector<int8_t> qkp;  // the AVX512 Q4_K / Q5_K kernel's q8_K activations, sub-blocks interleaved (ActK::qp)
+  std::vector<int8_t> qkp;
+  std::vector<int8_t> x7;   // the AVX512 Q4_0 kernel's activations (q4_core.h, Q40Acts)
+  std::vector<int32_t> c7;
+  std::vector<float> d7;  // the AVX512 Q4_K / Q5_K kernel's q8_K activations, sub-blocks interleaved (ActK::qp)
 };
 
 // A weight matrix [N, K] made of row blocks in ggml formats (a fused q|k|v or gate|up may mix
@@ -57,7 +60,7 @@ class Matrix {
   };
   std::vector<Part> parts_;
   int64_t N_ = 0, K_ = 0;
-  bool q8_0_ = false, q8_k_ = false, q4_ = false, q4k_ = false;
+  bool q8_0_ = false, q8_k_ = false, q4_ = false, q40_ = false, q4k_ = false;
 };
 
 // registers ISA, TYPES, quantize and Matrix in m (the extension's "ggml" submodule)

@@ -428,7 +428,8 @@ def native_copy_bytes(path: str) -> int:
 
     - Q4_0/Q4_1 projections repacked into its 4-bit tiles (:func:`~kvserve.models.decode_native.q4_tiles`:
       half a byte a value plus a float16 scale and offset a block of 32: 0.625 bytes a value, rows
-      padded to 16);
+      padded to 16) where :func:`~kvserve.models.decode_native.q4_repacked` says this CPU's build
+      repacks them (AVX2; on AVX512 Q4_1 only: Q4_0 stays the file's blocks);
     - a Q8_0 head of at most ``SMALL_HEAD_BYTES`` (the output matrix, or the tied embedding)
       requantized into its int8 tiles (:func:`~kvserve.models.decode_native.pack_q8`: a byte a value
       plus a float16 scale a block of 32, rows padded to 16).
@@ -440,15 +441,17 @@ def native_copy_bytes(path: str) -> int:
     import gguf
 
     from kvserve.loaders.gguf import read_gguf_header
-    from kvserve.models.decode_native import SMALL_HEAD_BYTES
+    from kvserve.models.decode_native import SMALL_HEAD_BYTES, cpu_isa, q4_repacked
 
     _, tensors = read_gguf_header(str(p))
     by_name = {t.name: t for t in tensors}
     total = 0
+    isa = cpu_isa()
     for t in tensors:
         parts = t.name.split(".")
         if (len(t.shape) == 2 and len(parts) == 4 and parts[0] == "blk" and parts[2] in _PROJECTIONS
-                and _type_name(gguf, t.ggml_type) in ("Q4_0", "Q4_1") and t.shape[0] % 64 == 0):
+                and _type_name(gguf, t.ggml_type) in ("Q4_0", "Q4_1") and t.shape[0] % 64 == 0
+                and q4_repacked(_type_name(gguf, t.ggml_type), isa)):
             k, n = t.shape
             total += -(-n // 16) * 16 * k * 5 // 8  # [N, K/2] nibbles + [N, K/32] float16 scales and offsets
     head = by_name.get("output.weight") or by_name.get("token_embd.weight")

@@ -147,9 +147,9 @@ def test_q4_0_and_q4_1_stay_blocks_and_decode_on_them(kernels, tmp_path, monkeyp
     """Q4_0/Q4_1 matrices keep the file's bytes like every other type (the eager path multiplies them
     with the block products: no unpacked nibbles, no int4 or dense copy); the native decode step
     repacks them into its own 4-bit layout (decode_native.q4_tiles), whose product equals the block
-    product's within the two roundings of the activations, except on the AVX512 build with
-    KVSERVE_Q4_REPACK=0 (it multiplies the file's blocks); with the block kernels off they are
-    unpacked for torch's int4 kernel, as before."""
+    product's within the two roundings of the activations, except on the AVX512 build for Q4_0 by
+    default and for both with KVSERVE_Q4_REPACK=0 (it multiplies the file's blocks; =1 repacks both);
+    with the block kernels off they are unpacked for torch's int4 kernel, as before."""
     from kvserve.models import decode_native
 
     path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, qtype=qtype, embd_qtype="Q8_0", seed=2)
@@ -164,6 +164,8 @@ def test_q4_0_and_q4_1_stay_blocks_and_decode_on_them(kernels, tmp_path, monkeyp
     assert decode_native.q4_tiles(gate_up, "tile16", "avx512") is None
     assert decode_native.q4_tiles(gate_up, "pair", "avx2") is not None  # the AVX2 build always repacks
     monkeypatch.delenv("KVSERVE_Q4_REPACK")
+    assert (decode_native.q4_tiles(gate_up, "tile16", "avx512") is None) == (qtype == "Q4_0")
+    monkeypatch.setenv("KVSERVE_Q4_REPACK", "1")
     tiles = decode_native.q4_tiles(gate_up, mod.LAYOUT, mod.ISA)
     assert tiles[0].shape == (1024, 128)  # 4 bits a weight, as the file's nibbles
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))

@@ -27,10 +27,17 @@ def _q4(tmp_path, **kw) -> Path:
                                      qtype="Q4_0", **kw)
 
 
-def test_native_copy_bytes_counts_the_q4_tiles_and_a_small_q8_head(tmp_path):
+def test_native_copy_bytes_counts_the_q4_tiles_and_a_small_q8_head(tmp_path, monkeypatch):
     # per layer: q 64x64, k 32x64, v 32x64, o 64x64, gate 128x64, up 128x64, down 64x128 values at 5/8 byte
     per_layer = (64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 128 * 64 + 128 * 64 + 64 * 128) * 5 // 8
     assert per_layer == 23040
+    from kvserve.models import decode_native
+
+    # the AVX512 build multiplies Q4_0 where the file stores it (no tiles) unless KVSERVE_Q4_REPACK=1
+    default = 2 * per_layer if decode_native.q4_repacked("Q4_0", decode_native.cpu_isa()) else 0
+    assert default == (0 if decode_native.cpu_isa() == "avx512" else 2 * per_layer)
+    assert native_copy_bytes(str(_q4(tmp_path))) == default
+    monkeypatch.setenv("KVSERVE_Q4_REPACK", "1")
     assert native_copy_bytes(str(_q4(tmp_path))) == 2 * per_layer  # the Q4_0 output head is not repacked
     tied = tinymodel.write_tiny_gguf(tmp_path / "tied.gguf", n_layer=2, n_embd=64, n_head=2, n_head_kv=1, n_ff=128,
                                      qtype="Q4_0", tie_embeddings=True, embd_qtype="Q8_0")
@@ -60,7 +67,11 @@ def test_estimate_formula_q4_0(tmp_path, monkeypatch):
     assert est.resident == est.weights + est.kv + est.tokenizer
     assert est.total == est.resident + est.compute
     monkeypatch.delenv("KVSERVE_NATIVE_DECODE")
-    native = 46080 if runner_mod._native_step_expected(_args().engine_config(), runner_mod.model_shape(str(path))[0]) else 0
+    from kvserve.models import decode_native
+
+    tiles = decode_native.q4_repacked("Q4_0", decode_native.cpu_isa())  # not on AVX512: the file's blocks
+    native = 46080 if tiles and runner_mod._native_step_expected(_args().engine_config(),
+                                                                 runner_mod.model_shape(str(path))[0]) else 0
     assert estimate_runner_memory(_args(), ModelSpec("m", str(path))).weights == size + norms + native
     assert estimate_runner_memory(_args("--dtype", "float32"), ModelSpec("m", str(path))).weights == \
         4 * runner_mod.model_shape(str(path))[2]  # a dense float32 model: no file pages, no tiles
@@ -124,7 +135,7 @@ def test_manager_logs_the_estimate_and_under_pinned_mode_never_refuses():
     asyncio.run(main())
 
 
-def test_native_copy_bytes_equals_what_the_native_step_packs(tmp_path):
+def test_native_copy_bytes_equals_what_the_native_step_packs(tmp_path, monkeypatch):
     """The formula against the step's own packing functions (decode_native.q4_tiles, pack_q8) on the
     tiny model: if their layouts change, this fails and the estimate is updated with them."""
     from kvserve.models import decode_native, ggml_kernel
@@ -132,6 +143,7 @@ def test_native_copy_bytes_equals_what_the_native_step_packs(tmp_path):
 
     if ggml_kernel.ensure_built() is None:
         pytest.skip("the GGUF block kernels cannot be built here")
+    monkeypatch.setenv("KVSERVE_Q4_REPACK", "1")  # the tiles on every build (AVX512 keeps Q4_0 blocks by default)
     path = tinymodel.write_tiny_gguf(tmp_path / "tied.gguf", n_layer=2, n_embd=64, n_head=2, n_head_kv=1, n_ff=128,
                                      qtype="Q4_0", tie_embeddings=True, embd_qtype="Q8_0")
     model = build_model(load_files(str(path)), _args().engine_config(), 256)
