@@ -91,7 +91,8 @@ MAX_MESSAGES = 100_000  # messages of one request (Anthropic's own limit)
 MAX_CONTENT_PARTS = 10_000  # content parts of one message (Anthropic's content blocks: the same)
 
 
-def normalize_messages(messages: Any, *, parse_arguments: bool = True, keep_parts: bool = False) -> list[dict]:
+def normalize_messages(messages: Any, *, parse_arguments: bool = True, keep_parts: bool = False,
+                       allow_empty: bool = False) -> list[dict]:
     """Validate OpenAI-style chat messages and return copies with string/null content.
 
     Each message must be an object whose ``role`` is one of ``ROLES`` (a template writes the
@@ -102,10 +103,13 @@ def normalize_messages(messages: Any, *, parse_arguments: bool = True, keep_part
     given as a JSON string become the object it encodes (vLLM, llama.cpp) unless
     ``parse_arguments`` is False (then the string is checked and kept). With ``keep_parts``
     an array content stays an array of ``{"type": "text", "text"}`` parts (for templates that
-    loop over content, see :attr:`~kvserve.chat.template.ChatTemplate.content_format`).
+    loop over content, see :attr:`~kvserve.chat.template.ChatTemplate.content_format`). With
+    ``allow_empty`` an empty list is valid (the template then renders its generation prompt
+    alone, as llama-server's Anthropic endpoint does); otherwise it is refused.
 
     Raises:
-        InvalidInputError: ``'messages' is required`` when None, more than :data:`MAX_MESSAGES`
+        InvalidInputError: ``'messages' is required`` when None, ``'messages' must not be empty``
+            (unless ``allow_empty``), more than :data:`MAX_MESSAGES`
             messages or :data:`MAX_CONTENT_PARTS` parts in one, others naming the field (a face
             answers 400).
     """
@@ -113,7 +117,7 @@ def normalize_messages(messages: Any, *, parse_arguments: bool = True, keep_part
         raise InvalidInputError("'messages' is required")
     if not isinstance(messages, list):
         raise InvalidInputError(f"Expected 'messages' to be an array, got {_type_name(messages)}")
-    if not messages:
+    if not messages and not allow_empty:
         raise InvalidInputError("'messages' must not be empty")
     if len(messages) > MAX_MESSAGES:
         raise InvalidInputError(f"'messages': at most {MAX_MESSAGES} messages per request, got {len(messages)}")
@@ -380,7 +384,7 @@ def _prefill_parts_joined(messages: Any, msgs: list[dict], continue_final_messag
 
 def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_generation_prompt: bool = True,
                 tools: list | None = None, continue_final_message: bool | None = False,
-                **template_kwargs: Any) -> tuple[str, list[int]]:
+                allow_empty: bool = False, **template_kwargs: Any) -> tuple[str, list[int]]:
     """Render ``messages`` with ``template`` and tokenize, user content without special tokens.
 
     Args:
@@ -398,6 +402,8 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
         continue_final_message: True continues the final message (no generation prompt, no
             end-of-turn after its content); None does so when the final message is the
             assistant's (llama-server's default); False never.
+        allow_empty: an empty ``messages`` renders the generation prompt alone (see
+            :func:`normalize_messages`).
         **template_kwargs: extra template variables (``chat_template_kwargs``).
 
     Returns:
@@ -407,7 +413,8 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
         InvalidInputError: invalid messages or a template error (a face answers 400).
     """
     parts = getattr(template, "content_format", "string") == "openai"
-    msgs = _prefill_parts_joined(messages, _as_template_input(normalize_messages(messages, keep_parts=parts)),
+    msgs = _prefill_parts_joined(messages, _as_template_input(normalize_messages(messages, keep_parts=parts,
+                                                                                 allow_empty=allow_empty)),
                                  continue_final_message, parts)
     try:
         return _render_segments(template, tokenizer, msgs, add_generation_prompt, tools, continue_final_message,
@@ -418,7 +425,8 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
         # A template that concatenates tool-call arguments as text (DeepSeek-V3.1,
         # firefunction-v2) fails on the parsed objects: render the client's JSON strings as
         # given, as transformers renders what it is given. If that fails too, the first error.
-        raw = _as_template_input(normalize_messages(messages, parse_arguments=False, keep_parts=parts))
+        raw = _as_template_input(normalize_messages(messages, parse_arguments=False, keep_parts=parts,
+                                                    allow_empty=allow_empty))
         try:
             return _render_segments(template, tokenizer, raw, add_generation_prompt, tools,
                                     continue_final_message, template_kwargs)
