@@ -125,15 +125,15 @@ class Metrics:
     families and vLLM's ``vllm:`` ones (:class:`VllmMetrics`, made on first use).
 
     Args:
-        state: the model's Runner (engine stats and slots are read from it).
+        runner: the model's Runner (engine stats and slots are read from it).
 
     Thread-safety: :meth:`on_output` and :meth:`render` run on the server's loop; the stats
     line is logged from a daemon thread (started with the first output unless
     ``--disable-log-stats``), which reads the vLLM counters under their lock.
     """
 
-    def __init__(self, state: Runner):
-        self._state = state
+    def __init__(self, runner: Runner):
+        self._runner = runner
         self._lock = threading.Lock()
         self._last = {k: 0.0 for k in _WINDOW_KEYS}
         self._vllm: VllmMetrics | None = None
@@ -141,10 +141,10 @@ class Metrics:
         self._base = dict.fromkeys(_TOTAL_KEYS, 0.0)
         self._base_per_pos: list[int] = []
         self._frozen = False
-        self._listen(state)
+        self._listen(runner)
 
-    def _listen(self, state: Runner) -> None:
-        listeners = getattr(state.engine, "step_listeners", None)
+    def _listen(self, runner: Runner) -> None:
+        listeners = getattr(runner.engine, "step_listeners", None)
         if isinstance(listeners, list):  # a generative engine: aborted requests are seen there
             listeners.append(self._on_step)
 
@@ -181,7 +181,7 @@ class Metrics:
         if fresh is not None and isinstance(listeners, list) and fresh._on_step in listeners:
             listeners.remove(fresh._on_step)
         with self._lock:
-            self._state = runner
+            self._runner = runner
             self._frozen = False
         self._listen(runner)
         if self._vllm is not None:
@@ -192,7 +192,7 @@ class Metrics:
         """Counters since start: the base plus the live engine's (caller holds the lock)."""
         if self._frozen:
             return dict(self._base)
-        engine = self._state.engine
+        engine = self._runner.engine
         st = engine.stats if engine is not None else None
         out = {}
         for k in _TOTAL_KEYS:  # reading the engine's plain counters from this thread is racy but harmless
@@ -203,7 +203,7 @@ class Metrics:
     def _per_pos_locked(self) -> list[int]:
         if self._frozen:
             return list(self._base_per_pos)
-        engine = self._state.engine
+        engine = self._runner.engine
         st = engine.stats if engine is not None else None
         live = [int(v) for v in (getattr(st, "spec_accepted_per_pos", ()) or ())]
         base = self._base_per_pos
@@ -216,7 +216,7 @@ class Metrics:
         if self._vllm is None:
             with self._lock:
                 if self._vllm is None:
-                    self._vllm = VllmMetrics(self._state)
+                    self._vllm = VllmMetrics(self._runner)
         return self._vllm
 
     def _on_step(self, core, outputs: list[RequestOutput]) -> None:
@@ -236,7 +236,7 @@ class Metrics:
             cur = self._totals_locked()
             d = {k: cur[k] - self._last[k] for k in _WINDOW_KEYS}
             self._last = {k: cur[k] for k in _WINDOW_KEYS}
-        slots = None if self._frozen else self._state.slots
+        slots = None if self._frozen else self._runner.slots
         return {
             "prompt_tokens_total": cur["prompt_tokens_total"],
             # the engine counts reused prompt tokens when a request's first token is sampled
@@ -394,13 +394,13 @@ class VllmMetrics:
     """One model's ``vllm:`` families (see the module docstring) and its stats-line window.
 
     Args:
-        state: the model's Runner (served name, engine, slots, args).
+        runner: the model's Runner (served name, engine, slots, args).
     """
 
-    def __init__(self, state: Runner):
-        self._state = state
-        engine = state.engine
-        self.model_name = str(getattr(state, "model_alias", "") or getattr(getattr(state, "spec", None), "name", ""))
+    def __init__(self, runner: Runner):
+        self._runner = runner
+        engine = runner.engine
+        self.model_name = str(getattr(runner, "model_alias", "") or getattr(getattr(runner, "spec", None), "name", ""))
         self.max_model_len = int(getattr(engine, "n_ctx_slot", 0) or 0) if engine is not None else 0
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
@@ -525,11 +525,11 @@ class VllmMetrics:
         """``(running, waiting, kv usage 0..1)`` now: requests in the engine's batch; requests
         in its queue plus those waiting for a slot (llama-server's deferred ones); the
         fraction of KV blocks held by sequences and idle slots."""
-        state = self._state
-        slots = getattr(state, "slots", None)
+        runner = self._runner
+        slots = getattr(runner, "slots", None)
         deferred = slots.n_deferred if slots is not None else 0
         try:  # the runner protocol's engine_counts: plain reads of the engine thread's containers
-            running, queued, usage = state.engine_counts()
+            running, queued, usage = runner.engine_counts()
         except Exception:  # noqa: BLE001 - a closing engine
             return 0, deferred, 0.0
         return running, queued + deferred, usage
@@ -541,7 +541,7 @@ class VllmMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(usage)
-        engine = self._state.engine
+        engine = self._runner.engine
         st = getattr(engine, "stats", None)
         n = int(getattr(st, "num_preemptions", 0) or 0)
         with self._lock:
@@ -577,7 +577,7 @@ class VllmMetrics:
         """Count on ``runner`` (a new load): its engine's totals start at 0 again, so the
         increments seen so far restart; the stats-line logger starts with its first output."""
         with self._lock:
-            self._state = runner
+            self._runner = runner
             self._preempted_seen = 0
             if self.spec is not None:
                 self._spec_seen = dict.fromkeys(self.spec, 0)
@@ -609,7 +609,7 @@ class VllmMetrics:
 
     def _kv_label(self) -> str:
         """vLLM's ``GPU KV cache usage`` where the KV cache is on a GPU, ``KV cache usage`` on a CPU."""
-        device = getattr(getattr(getattr(self._state, "engine", None), "core", None), "device", None)
+        device = getattr(getattr(getattr(self._runner, "engine", None), "core", None), "device", None)
         return "GPU KV cache usage" if getattr(device, "type", "cpu") != "cpu" else "KV cache usage"
 
     def log_stats(self) -> None:
@@ -619,9 +619,9 @@ class VllmMetrics:
 
     def _start_logger(self) -> None:
         self._logger_started = True
-        if getattr(getattr(self._state, "args", None), "disable_log_stats", False):
+        if getattr(getattr(self._runner, "args", None), "disable_log_stats", False):
             return
-        threading.Thread(target=_log_loop, args=(weakref.ref(self), self._state, log_interval_s()),
+        threading.Thread(target=_log_loop, args=(weakref.ref(self), self._runner, log_interval_s()),
                          name=f"kvserve-stats-log:{self.model_name}", daemon=True).start()
 
 
@@ -631,7 +631,7 @@ def _log_loop(ref: weakref.ref[VllmMetrics], runner: Runner, interval: float) ->
     while True:
         time.sleep(interval)
         m = ref()
-        if m is None or m._state is not runner() or m._state.engine is None:
+        if m is None or m._runner is not runner() or m._runner.engine is None:
             return
         try:
             m.log_stats()
