@@ -746,7 +746,8 @@ def build_router(state: ServerState) -> APIRouter:
             if kept is None:
                 return Response(metrics_mod.render_empty(), headers=metrics_mod.response_headers())
             return Response(kept.render(), headers=metrics_mod.response_headers())
-        return Response(metrics_mod.render_models(state.manager), headers=metrics_mod.response_headers())
+        return Response(metrics_mod.render_models(state.manager, state.kept_metrics),
+                        headers=metrics_mod.response_headers())
 
     return r
 

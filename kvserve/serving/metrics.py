@@ -11,8 +11,11 @@ The counters outlive the runner, as llama-server's survive ``--sleep-idle-second
 engine's totals into the object's base and stops reading the engine, so ``/metrics`` on a
 sleeping model answers from that snapshot (the vLLM gauges keep the values read on freezing,
 the llamacpp rates report what happened since the last scrape once, then 0). The server state
-keeps the latest Metrics of each model and hands it to the next runner loaded for that name
-(:meth:`Metrics.attach`): totals continue from the snapshot instead of restarting at 0.
+keeps the latest Metrics of each model (:class:`KeptMetrics`, at most :data:`MAX_KEPT_MODELS`
+unloaded ones) and hands it to the next runner loaded for that name (:meth:`Metrics.attach`):
+totals continue from the snapshot instead of restarting at 0. The page of several models
+(``/metrics`` without ``?model=`` and without ``-m``, :func:`render_models`) lists every kept
+model, loaded or not, so a counter never leaves the page while its model sleeps.
 
 The text is written here, not with prometheus-client: its Counter type appends
 ``_total`` (and ``_created`` samples) to names and would turn llama-server's
@@ -304,12 +307,74 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def render_models(manager: ModelManager) -> str:
-    """Several models (no ``-m``): each llama-server family once, one sample per loaded model
-    labelled ``model="<name>"`` (vLLM labels its series by model too), then the manager's own
-    series: models loaded, requests waiting for room, loads and unloads by reason."""
-    runners = [e for e in manager.runners() if e.runner is not None and getattr(e.runner, "metrics", None)]
-    values = [(e.name, e.runner.metrics._values()) for e in runners]
+#: models whose counters :class:`KeptMetrics` keeps at most (beyond it, the unloaded model kept
+#: longest ago is dropped; a loaded model is never dropped)
+MAX_KEPT_MODELS = 64
+
+
+class KeptMetrics:
+    """Each model's latest :class:`Metrics`, by served name: what ``/metrics`` answers from while a
+    model sleeps or is unloaded, and what the next runner of that name continues counting on.
+
+    Bounded: at most ``cap`` models (:data:`MAX_KEPT_MODELS`) plus any that are loaded; keeping
+    one more drops the unloaded (frozen) model whose runner loaded longest ago, so a server that
+    loads many models in turn keeps the counters of the ``cap`` most recent. A dropped model's
+    series leave the page, and count from 0 if it loads again (a counter reset to Prometheus).
+
+    Thread-safety: used on the server's event loop only.
+    """
+
+    def __init__(self, cap: int = MAX_KEPT_MODELS):
+        if cap < 1:
+            raise ValueError("KeptMetrics: cap must be >= 1")
+        self.cap = cap
+        self._by_name: OrderedDict[str, Metrics] = OrderedDict()  # least recently loaded first
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def get(self, name: str) -> Metrics | None:
+        """``name``'s Metrics (loaded or frozen), else None."""
+        return self._by_name.get(name)
+
+    def keep(self, name: str, runner: Runner) -> None:
+        """A runner of ``name`` has loaded: it continues the counters its previous runner left
+        (:meth:`Metrics.attach`, llama-server keeps its metrics through sleep), else its own
+        Metrics are kept; then the bound is applied."""
+        metrics = getattr(runner, "metrics", None)
+        if metrics is None:
+            return
+        kept = self._by_name.get(name)
+        if kept is not None and kept is not metrics and kept.frozen:
+            kept.attach(runner)
+        else:
+            self._by_name[name] = metrics
+        self._by_name.move_to_end(name)
+        self._evict()
+
+    def _evict(self) -> None:
+        over = len(self._by_name) - self.cap
+        for name in [n for n, m in self._by_name.items() if m.frozen][:max(over, 0)]:
+            del self._by_name[name]
+
+    def models(self) -> list[tuple[str, Metrics]]:
+        """``(served name, Metrics)`` of every kept model, loaded or not, sorted by name."""
+        return sorted(self._by_name.items())
+
+
+def render_models(manager: ModelManager, kept: KeptMetrics) -> str:
+    """Several models (no ``-m``): each llama-server family once, one sample per model labelled
+    ``model="<name>"`` (vLLM labels its series by model too), then the manager's own series:
+    models loaded, requests waiting for room, loads and unloads by reason.
+
+    The models listed are those ``kept`` holds, loaded or not: a model that slept or was
+    unloaded keeps its series, its counters held at their last values (Prometheus counters stay
+    monotonic: a series that vanished and came back would read as a gap or a reset to
+    ``rate()``), its gauges 0; they continue when it loads again, as llama-server's counters
+    survive its sleep. A loaded model's vLLM series are listed; an unloaded one's only when it
+    had built them (it ran a request or was scraped)."""
+    listed = kept.models()
+    values = [(name, m._values()) for name, m in listed]
     lines = []
     for name, typ, help_ in _METRICS:
         full = f"llamacpp:{name}"
@@ -317,7 +382,7 @@ def render_models(manager: ModelManager) -> str:
         lines += [f'{full}{{model="{_label(m)}"}} {_fmt(v[name])}' for m, v in values]
     st = manager.stats
     lines += ["# HELP kvserve:models_loaded Number of models loaded now.", "# TYPE kvserve:models_loaded gauge",
-              f"kvserve:models_loaded {len(runners)}",
+              f"kvserve:models_loaded {len(manager.runners())}",
               "# HELP kvserve:model_requests_waiting Requests waiting for a model to make room.",
               "# TYPE kvserve:model_requests_waiting gauge", f"kvserve:model_requests_waiting {manager.waiting}",
               "# HELP kvserve:model_loads_total Models loaded since start.", "# TYPE kvserve:model_loads_total counter",
@@ -327,7 +392,8 @@ def render_models(manager: ModelManager) -> str:
               "# HELP kvserve:model_unloads_total Models unloaded, by reason.",
               "# TYPE kvserve:model_unloads_total counter"]
     lines += [f'kvserve:model_unloads_total{{reason="{_label(r)}"}} {n}' for r, n in sorted(st.unloads.items())]
-    return "\n".join(lines) + "\n" + render_vllm([e.runner.metrics.vllm for e in runners])
+    vllm = [m.vllm if not m.frozen else m._vllm for _, m in listed]
+    return "\n".join(lines) + "\n" + render_vllm([v for v in vllm if v is not None])
 
 
 # -- vLLM's metrics ---------------------------------------------------------------------------
