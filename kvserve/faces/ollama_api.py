@@ -683,8 +683,18 @@ def _generate_fields(call: _Call) -> tuple[str, str, str, str, bool, list[int]]:
     return prompt, suffix, system, template, raw, context
 
 
+def _check_context(context: list[int], n_vocab: int) -> None:
+    """Every id of ``context`` is in the vocabulary: else 400 naming the field and the first bad
+    id (Ollama detokenizes the ids through its llama-server child and answers its 500
+    ``detokenize error: ... vector::_M_range_check ...``; a client's bad id is a 400 here)."""
+    bad = next((t for t in context if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"Field 'context': token id {bad} out of range [0, {n_vocab})")
+
+
 def _generate_plan(runner: Runner, call: _Call, rules: _Rules) -> _Run:
     prompt, suffix, system, template, raw, context = _generate_fields(call)
+    _check_context(context, runner.tokenizer.n_vocab)
     if raw:
         return _Run(plan_completion(runner, _completion_request(call, runner, rules, prompt)), None)
     msgs = [{"role": "system", "content": system or call.layers.system}] if system or call.layers.system else []

@@ -6,6 +6,8 @@
 - An embedding model on Ollama's ``/api/generate`` and ``/api/chat``: 400 ``"x" does not support
   generate`` / ``chat`` before loading, as Ollama checks the model's capabilities (an empty request
   too; ``keep_alive: 0`` still unloads).
+- A bad token id in Ollama's ``context``: 400 naming ``context`` (Ollama's own answer is its
+  llama-server child's 500 from ``/detokenize``).
 """
 
 from __future__ import annotations
@@ -83,3 +85,22 @@ def test_embedding_model_unload_request_still_unloads(bert_server):
     r = httpx.post(bert_server.url("/api/generate"), json={"model": "my-bert", "keep_alive": 0}, timeout=60)
     assert r.status_code == 200
     assert (r.json()["done"], r.json()["done_reason"]) == (True, "unload")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(start_server_module, tiny_gguf):
+    return start_server_module("-np", "1", "-c", "512", model=tiny_gguf)
+
+
+@pytest.mark.parametrize("bad", [99_999_999, -3])
+def test_bad_context_id_names_context(tiny_server, tiny_gguf, bad):
+    from kvserve.loaders.tokenizer import Tokenizer
+
+    n_vocab = Tokenizer.from_gguf_file(tiny_gguf).n_vocab
+    r = httpx.post(tiny_server.url("/api/generate"), json={"model": "tiny", "prompt": "hi", "stream": False,
+                                                           "context": [1, 2, bad, n_vocab]}, timeout=60)
+    assert (r.status_code, r.json()) == (400, {"error": f"Field 'context': token id {bad} out of range [0, {n_vocab})"})
+    r = httpx.post(tiny_server.url("/api/generate"), json={"model": "tiny", "prompt": "hi", "stream": False,
+                                                           "context": [1, 2, n_vocab - 1], "options": {"num_predict": 1}},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["eval_count"] == 1
