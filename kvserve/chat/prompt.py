@@ -94,7 +94,8 @@ MAX_MESSAGES = 100_000  # messages of one request (Anthropic's own limit)
 MAX_CONTENT_PARTS = 10_000  # content parts of one message (Anthropic's content blocks: the same)
 
 
-def normalize_messages(messages: Any, *, parse_arguments: bool = True, keep_parts: bool = False) -> list[dict]:
+def normalize_messages(messages: Any, *, parse_arguments: bool = True, keep_parts: bool = False,
+                       allow_empty: bool = False) -> list[dict]:
     """Validate OpenAI-style chat messages and return copies with string/null content.
 
     Each message must be an object whose ``role`` is one of ``ROLES`` (a template writes the
@@ -105,10 +106,13 @@ def normalize_messages(messages: Any, *, parse_arguments: bool = True, keep_part
     given as a JSON string become the object it encodes (vLLM, llama.cpp) unless
     ``parse_arguments`` is False (then the string is checked and kept). With ``keep_parts``
     an array content stays an array of ``{"type": "text", "text"}`` parts (for templates that
-    loop over content, see :attr:`~kvserve.chat.template.ChatTemplate.content_format`).
+    loop over content, see :attr:`~kvserve.chat.template.ChatTemplate.content_format`). With
+    ``allow_empty`` an empty list is valid (the template then renders its generation prompt
+    alone, as llama-server's Anthropic endpoint does); otherwise it is refused.
 
     Raises:
-        InvalidInputError: ``'messages' is required`` when None, more than :data:`MAX_MESSAGES`
+        InvalidInputError: ``'messages' is required`` when None, ``'messages' must not be empty``
+            (unless ``allow_empty``), more than :data:`MAX_MESSAGES`
             messages or :data:`MAX_CONTENT_PARTS` parts in one, others naming the field (a face
             answers 400).
     """
@@ -116,7 +120,7 @@ def normalize_messages(messages: Any, *, parse_arguments: bool = True, keep_part
         raise InvalidInputError("'messages' is required")
     if not isinstance(messages, list):
         raise InvalidInputError(f"Expected 'messages' to be an array, got {_type_name(messages)}")
-    if not messages:
+    if not messages and not allow_empty:
         raise InvalidInputError("'messages' must not be empty")
     if len(messages) > MAX_MESSAGES:
         raise InvalidInputError(f"'messages': at most {MAX_MESSAGES} messages per request, got {len(messages)}")
@@ -415,7 +419,7 @@ def _prefill_parts_joined(messages: Any, msgs: list[dict], continue_final_messag
 
 def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_generation_prompt: bool = True,
                 tools: list | None = None, continue_final_message: bool | None = False,
-                **template_kwargs: Any) -> tuple[str, list[int]]:
+                allow_empty: bool = False, **template_kwargs: Any) -> tuple[str, list[int]]:
     """Render ``messages`` with ``template`` and tokenize, user content without special tokens.
 
     Args:
@@ -437,6 +441,8 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
         continue_final_message: True continues the final message (no generation prompt, no
             end-of-turn after its content); None does so when the final message is the
             assistant's (llama-server's default); False never.
+        allow_empty: an empty ``messages`` renders the generation prompt alone (see
+            :func:`normalize_messages`).
         **template_kwargs: extra template variables (``chat_template_kwargs``).
 
     Returns:
@@ -445,7 +451,8 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
     Raises:
         InvalidInputError: invalid messages or a template error (a face answers 400).
     """
-    kw = dict(add_generation_prompt=add_generation_prompt, tools=tools, continue_final_message=continue_final_message)
+    kw = dict(add_generation_prompt=add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
+              allow_empty=allow_empty)
     try:
         return _render_chat(template, tokenizer, messages, False, template_kwargs, **kw)
     except InvalidInputError as first:
@@ -460,10 +467,11 @@ def render_chat(template: ChatTemplate, tokenizer, messages: Any, /, *, add_gene
 
 def _render_chat(template: ChatTemplate, tokenizer, messages: Any, merge_system: bool, template_kwargs: dict, *,
                  add_generation_prompt: bool, tools: list | None,
-                 continue_final_message: bool | None) -> tuple[str, list[int]]:
+                 continue_final_message: bool | None, allow_empty: bool) -> tuple[str, list[int]]:
     """:func:`render_chat`, with a leading system message merged into the next when ``merge_system``."""
     parts = getattr(template, "content_format", "string") == "openai"
-    msgs = _prefill_parts_joined(messages, _as_template_input(normalize_messages(messages, keep_parts=parts)),
+    msgs = _prefill_parts_joined(messages, _as_template_input(normalize_messages(messages, keep_parts=parts,
+                                                                                 allow_empty=allow_empty)),
                                  continue_final_message, parts)
     if merge_system:
         msgs = merge_system_message(msgs)
@@ -476,7 +484,8 @@ def _render_chat(template: ChatTemplate, tokenizer, messages: Any, merge_system:
         # A template that concatenates tool-call arguments as text (DeepSeek-V3.1,
         # firefunction-v2) fails on the parsed objects: render the client's JSON strings as
         # given, as transformers renders what it is given. If that fails too, the first error.
-        raw = _as_template_input(normalize_messages(messages, parse_arguments=False, keep_parts=parts))
+        raw = _as_template_input(normalize_messages(messages, parse_arguments=False, keep_parts=parts,
+                                                    allow_empty=allow_empty))
         if merge_system:
             raw = merge_system_message(raw)
         try:

@@ -13,9 +13,14 @@ Request fields:
 - ``system``: a string or text blocks -> the system message;
 - ``messages``: ``user`` / ``assistant`` turns, content a string or blocks: ``text``;
   ``tool_use`` (assistant) -> ``tool_calls``; ``tool_result`` (user; content a string or text
-  blocks; its ``tool_use_id`` must name an earlier ``tool_use``, else 400) -> a ``tool`` message; ``thinking`` / ``redacted_thinking`` are dropped (Anthropic
-  drops earlier turns' thinking from the context too); images and documents are refused (400).
-  A final assistant turn is continued (Anthropic's prefill);
+  blocks; its ``tool_use_id`` must name an earlier ``tool_use``, else 400) -> a ``tool`` message;
+  ``thinking`` (assistant) -> the message's ``reasoning_content``, rendered by the chat template
+  where it keeps reasoning (Qwen 3 keeps it after the last user query), as llama-server converts
+  it; ``redacted_thinking`` is dropped. An ``image`` (in a turn or a ``tool_result``) is
+  llama-server's answer for a model without a vision projector: 500 ``image input is not
+  supported - hint: ...``; ``document`` blocks are refused (400). An empty ``messages`` list is
+  accepted as llama-server accepts it: the prompt is the template's generation prompt (after
+  ``system``, when given). A final assistant turn is continued (Anthropic's prefill);
 - ``tools`` (custom tools: ``name``, ``description``, ``input_schema``) -> function tools;
   server tools (``web_search_...``, ``bash_...``) are refused with 400 naming their type;
 - ``tool_choice``: ``auto`` / ``any`` / ``tool`` (name) / ``none`` -> ``auto`` / ``required`` /
@@ -151,7 +156,7 @@ def chat_request(body: dict, *, counting: bool = False) -> ChatRequest:
     """
     max_tokens = 1 if counting else _max_tokens(body)  # checked first: the field clients forget
     req = ChatRequest(_system(body.get("system")) + _messages(body.get("messages")), new_id("chatcmpl-"),
-                      model=model_field(body) or "", keep_alive=keep_alive_field(body))
+                      model=model_field(body) or "", keep_alive=keep_alive_field(body), messages_may_be_empty=True)
     req.tools = parse_tools(_tools(body.get("tools")))
     req.tool_choice, req.parallel_tool_calls = _tool_choice(body.get("tool_choice"), req.tools)
     req.sampling = {"n_predict": max_tokens}
@@ -281,8 +286,6 @@ def _messages(messages: Any) -> list[dict]:
         raise _bad("messages: Field required")
     if not isinstance(messages, list):
         raise _bad(f"messages: Input should be a valid list, got {_kind(messages)}")
-    if not messages:
-        raise _bad("messages: at least one message is required")
     if len(messages) > MAX_MESSAGES:
         raise _bad(f"messages: at most {MAX_MESSAGES} messages")
     out: list[dict] = []
@@ -324,8 +327,17 @@ def _block_type(b: Any, where: str) -> str:
     return t
 
 
+#: llama-server's answer to an image for a model without a vision projector (a 500, its status)
+NO_IMAGE_INPUT = "image input is not supported - hint: if this is unexpected, you may need to provide the mmproj"
+
+
 def _unsupported(t: str, where: str) -> ApiError:
-    if t in ("image", "document"):
+    """The error for a block of type ``t`` that this place does not take: an ``image`` is
+    llama-server's 500 :data:`NO_IMAGE_INPUT` (kvserve's models are text-only), a ``document``
+    400 naming the block, any other type 400."""
+    if t == "image":
+        return ApiError(500, NO_IMAGE_INPUT)
+    if t == "document":
         return _bad(f"{where}: {t} blocks are not supported by this server (text-only models)")
     return _bad(f"{where}: content block type {t[:64]!r} is not supported here")
 
@@ -351,7 +363,7 @@ def _user_blocks(blocks: list, where: str, tool_ids: set[str]) -> list[dict]:
             flush()
             tid = _str_field(b, "tool_use_id", w)
             c = b.get("content")
-            text = "" if c is None else _text_of(c, f"{w}.content")
+            text = "" if c is None else _result_text(c, f"{w}.content")
             if tid not in tool_ids:  # checked after the block's shape, as Anthropic orders its errors
                 raise _bad(f"{w}: unexpected `tool_use_id` found in `tool_result` blocks: {tid[:128]}. Each "
                            f"`tool_result` block must have a corresponding `tool_use` block in an earlier message.")
@@ -362,10 +374,24 @@ def _user_blocks(blocks: list, where: str, tool_ids: set[str]) -> list[dict]:
     return out
 
 
+def _result_text(content: Any, where: str) -> str:
+    """A ``tool_result``'s content (a string or text blocks) as text; an image block in it is
+    llama-server's 500 (:data:`NO_IMAGE_INPUT`), other blocks 400."""
+    if isinstance(content, list):
+        for j, b in enumerate(content[:MAX_BLOCKS]):
+            if isinstance(b, dict) and b.get("type") == "image":
+                raise _unsupported("image", f"{where}.{j}")
+    return _text_of(content, where)
+
+
 def _assistant_blocks(blocks: list, where: str) -> list[dict]:
-    """An assistant turn's blocks -> one assistant message (text joined, tool_use as tool_calls)."""
+    """An assistant turn's blocks -> one assistant message: text joined, ``tool_use`` as
+    ``tool_calls``, ``thinking`` as ``reasoning_content`` (the thinking texts joined with
+    newlines), which the chat template renders in its reasoning markup where it keeps reasoning,
+    as llama-server converts them; ``redacted_thinking`` (no text) is dropped."""
     texts: list[str] = []
     calls: list[dict] = []
+    thoughts: list[str] = []
     for j, b in enumerate(blocks):
         w = f"{where}.content.{j}"
         t = _block_type(b, w)
@@ -377,13 +403,15 @@ def _assistant_blocks(blocks: list, where: str) -> list[dict]:
                 raise _bad(f"{w}.input: Input should be an object, got {_kind(args)}")
             calls.append({"id": _str_field(b, "id", w), "type": "function",
                           "function": {"name": _str_field(b, "name", w), "arguments": args}})
-        elif t in ("thinking", "redacted_thinking"):
-            continue
-        else:
+        elif t == "thinking":
+            thoughts.append(_str_field(b, "thinking", w))
+        elif t != "redacted_thinking":
             raise _unsupported(t, w)
     msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
     if calls:
         msg["tool_calls"] = calls
+    if any(thoughts):
+        msg["reasoning_content"] = "\n".join(thoughts)
     return [msg]
 
 

@@ -750,7 +750,8 @@ async def metrics(state: ServerState, http: HttpRequest) -> Response:
         if kept is None:
             return Response(metrics_mod.render_empty(), headers=metrics_mod.response_headers())
         return Response(kept.render(), headers=metrics_mod.response_headers())
-    return Response(metrics_mod.render_models(state.manager), headers=metrics_mod.response_headers())
+    return Response(metrics_mod.render_models(state.manager, state.kept_metrics),
+                    headers=metrics_mod.response_headers())
 
 
 GET, POST = ("GET",), ("POST",)

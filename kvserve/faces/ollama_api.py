@@ -27,7 +27,9 @@ error after a stream started is one last NDJSON line ``{"error": "..."}``.
 
 Loading without generating (ChatHandler/GenerateHandler): an empty ``messages`` (``prompt``)
 loads the model and answers ``done_reason: "load"``; with ``keep_alive: 0`` it unloads it
-instead (``"unload"``, nothing is loaded for it). ``keep_alive`` takes Ollama's forms
+instead (``"unload"``, nothing is loaded for it). Before loading, a model that does not generate
+text (an embedding model) is 400 ``"x" does not support chat`` / ``"x" does not support
+generate``, as Ollama checks the model's capabilities first. ``keep_alive`` takes Ollama's forms
 (:func:`kvserve.serving.manager.parse_keep_alive`).
 
 Options (``options`` of the request over the model's ``params`` layer over Ollama's
@@ -682,8 +684,18 @@ def _generate_fields(call: _Call) -> tuple[str, str, str, str, bool, list[int]]:
     return prompt, suffix, system, template, raw, context
 
 
+def _check_context(context: list[int], n_vocab: int) -> None:
+    """Every id of ``context`` is in the vocabulary: else 400 naming the field and the first bad
+    id (Ollama detokenizes the ids through its llama-server child and answers its 500
+    ``detokenize error: ... vector::_M_range_check ...``; a client's bad id is a 400 here)."""
+    bad = next((t for t in context if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"Field 'context': token id {bad} out of range [0, {n_vocab})")
+
+
 def _generate_plan(runner: Runner, call: _Call, rules: _Rules) -> _Run:
     prompt, suffix, system, template, raw, context = _generate_fields(call)
+    _check_context(context, runner.tokenizer.n_vocab)
     if raw:
         return _Run(plan_completion(runner, _completion_request(call, runner, rules, prompt)))
     msgs = [{"role": "system", "content": system or call.layers.system}] if system or call.layers.system else []
@@ -833,6 +845,18 @@ async def _ndjson(lines: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(body(), media_type=NDJSON)
 
 
+async def _check_generates(spec: ModelSpec, kind: str, model: str) -> None:
+    """Ollama's capability check before anything loads (``scheduleRunner``'s
+    ``CheckCapabilities``): a model that does not generate text (an embedding model) answers
+    /api/chat and /api/generate, an empty one included, with 400 ``"<model>" does not support
+    chat`` / ``generate`` (the name as the request gave it); read from the model's files."""
+    from kvserve.serving.embed_runner import cached_task, model_task
+
+    task = cached_task(spec.path) or await asyncio.to_thread(model_task, spec.path)
+    if task != "generate":
+        raise ApiError(400, f'"{model}" does not support {"chat" if kind == "chat" else "generate"}')
+
+
 async def _infer(state: ServerState, http: HttpRequest, kind: str) -> Response:
     """/api/chat and /api/generate (see the module docstring)."""
     t0 = time.monotonic_ns()
@@ -855,6 +879,7 @@ async def _infer(state: ServerState, http: HttpRequest, kind: str) -> Response:
             await state.manager.unload(spec.name)
             call.t_loaded = time.monotonic_ns()
             return _json(_object(call, "", done=True, reason="unload"))
+        await _check_generates(spec, kind, model)
         call.layers = await asyncio.to_thread(_layers, state, spec)
         call.options = ollama_options(call.layers.params, b.get("options"))
         lease = await acquire_model(state, _spec_for(state, spec, call.options.num_ctx), keep_alive, http)

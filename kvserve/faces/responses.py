@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
@@ -1080,6 +1081,19 @@ def _not_found(response_id: str) -> ApiError:
     return ApiError(404, f"Response with id '{response_id[:128]}' not found.")
 
 
+#: the path segment of the POST-only ``/v1/responses/input_tokens`` route
+_COUNT_ROUTE = "input_tokens"
+
+
+def _check_not_count_route(response_id: str) -> None:
+    """``GET`` / ``DELETE /v1/responses/input_tokens`` name the POST-only count route, not a
+    response (ids are ``resp_...``): the server's answer to any method a route does not take
+    (llama-server's 404 ``File Not Found``, as ``GET /responses/input_tokens`` and ``GET
+    /v1/chat/completions`` answer), not ``Response with id 'input_tokens' not found``."""
+    if response_id == _COUNT_ROUTE:
+        raise StarletteHTTPException(405, headers={"Allow": "POST"})
+
+
 def build_router(state: ServerState, store: ResponseStore | None = None) -> APIRouter:
     """The Responses API's routes (create, retrieve, input items, delete), bound to ``state``, with
     their own store of responses (``store``: default a :class:`ResponseStore` with its default
@@ -1099,6 +1113,7 @@ def build_router(state: ServerState, store: ResponseStore | None = None) -> APIR
 
     @r.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, http: HttpRequest) -> Response:
+        _check_not_count_route(response_id)
         entry = kept.get(response_id, owner_of(state, http))
         if entry is None:
             return error_response(_not_found(response_id))
@@ -1120,6 +1135,7 @@ def build_router(state: ServerState, store: ResponseStore | None = None) -> APIR
 
     @r.delete("/v1/responses/{response_id}")
     async def delete(response_id: str, http: HttpRequest) -> Response:
+        _check_not_count_route(response_id)
         if not kept.delete(response_id, owner_of(state, http)):
             return error_response(_not_found(response_id))
         return json_response(DeletedResponse(id=response_id, object="response", deleted=True).wire())

@@ -440,7 +440,7 @@ def _continuation(req: ChatRequest) -> tuple[list[dict], bool | None, bool]:
     cont, add_gen = opts.continue_final_message, opts.add_generation_prompt
     if add_gen is False and cont is None:
         cont = False
-    msgs = normalize_messages(req.messages)
+    msgs = normalize_messages(req.messages, allow_empty=req.messages_may_be_empty)
     continued = continues_final_message(msgs, cont)
     if continued and len(msgs) >= 2 and msgs[-1].get("role") == msgs[-2].get("role") == "assistant":
         raise InvalidInputError("Cannot have 2 or more assistant messages at the end of the list.")
@@ -448,7 +448,8 @@ def _continuation(req: ChatRequest) -> tuple[list[dict], bool | None, bool]:
 
 
 def render_prompt(runner: Runner, messages: Any, *, add_generation_prompt: bool = True, tools: list | None = None,
-                  continue_final_message: bool | None = False, variables: dict | None = None) -> tuple[str, list[int]]:
+                  continue_final_message: bool | None = False, variables: dict | None = None,
+                  allow_empty: bool = False) -> tuple[str, list[int]]:
     """The one place a chat prompt is rendered with a runner's template and tokenizer
     (:func:`kvserve.chat.prompt.render_chat`, whose arguments these are; ``variables`` are the
     extra template variables): the chat planner, the prompt-showing routes (``/apply-template``,
@@ -461,7 +462,8 @@ def render_prompt(runner: Runner, messages: Any, *, add_generation_prompt: bool 
         InvalidInputError: invalid messages or a template error.
     """
     return render_chat(runner.template, runner.tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                       tools=tools, continue_final_message=continue_final_message, **(variables or {}))
+                       tools=tools, continue_final_message=continue_final_message, allow_empty=allow_empty,
+                       **(variables or {}))
 
 
 def _render(runner: Runner, req: ChatRequest, feats: ChatFeatures, cont: bool | None) -> tuple[str, list[int]]:
@@ -470,7 +472,8 @@ def _render(runner: Runner, req: ChatRequest, feats: ChatFeatures, cont: bool | 
     if feats.generic is not None and isinstance(render_msgs, list):  # the tools and the JSON answer's shape
         render_msgs = with_system_text(render_msgs, feats.generic[2])
     text, ids = render_prompt(runner, render_msgs, add_generation_prompt=req.template.add_generation_prompt is not False,
-                              tools=feats.template_tools, continue_final_message=cont, variables=feats.template_kwargs)
+                              tools=feats.template_tools, continue_final_message=cont, variables=feats.template_kwargs,
+                              allow_empty=req.messages_may_be_empty)
     return text, truncate_ids(ids, req.truncate_prompt_tokens)
 
 

@@ -140,6 +140,9 @@ class ChatRequest:
     Attributes:
         messages: the conversation (:class:`Message` list, as the client sent it: the renderer
             checks it); the face has already put its own rules in (its system prompt, its roles).
+        messages_may_be_empty: an empty ``messages`` renders the template's generation prompt
+            alone (llama-server's Anthropic endpoint accepts it); False: 400 ``'messages' must not
+            be empty``.
         request_id: the response's id; engine request k is ``<request_id>-<k>``.
         model: the model name the request gave ("" when none).
         keep_alive: seconds to keep the model loaded after this request, as the face read it
@@ -195,5 +198,6 @@ class ChatRequest:
     id_slot: int = -1
     cache_salt: str | None = None
     owner: str | None = None
+    messages_may_be_empty: bool = False
     verbose: bool = False
     token_ids: bool = False

@@ -11,8 +11,11 @@ The counters outlive the runner, as llama-server's survive ``--sleep-idle-second
 engine's totals into the object's base and stops reading the engine, so ``/metrics`` on a
 sleeping model answers from that snapshot (the vLLM gauges keep the values read on freezing,
 the llamacpp rates report what happened since the last scrape once, then 0). The server state
-keeps the latest Metrics of each model and hands it to the next runner loaded for that name
-(:meth:`Metrics.attach`): totals continue from the snapshot instead of restarting at 0.
+keeps the latest Metrics of each model (:class:`KeptMetrics`, at most :data:`MAX_KEPT_MODELS`
+unloaded ones) and hands it to the next runner loaded for that name (:meth:`Metrics.attach`):
+totals continue from the snapshot instead of restarting at 0. The page of several models
+(``/metrics`` without ``?model=`` and without ``-m``, :func:`render_models`) lists every kept
+model, loaded or not, so a counter never leaves the page while its model sleeps.
 
 The text is written here, not with prometheus-client: its Counter type appends
 ``_total`` (and ``_created`` samples) to names and would turn llama-server's
@@ -125,15 +128,15 @@ class Metrics:
     families and vLLM's ``vllm:`` ones (:class:`VllmMetrics`, made on first use).
 
     Args:
-        state: the model's Runner (engine stats and slots are read from it).
+        runner: the model's Runner (engine stats and slots are read from it).
 
     Thread-safety: :meth:`on_output` and :meth:`render` run on the server's loop; the stats
     line is logged from a daemon thread (started with the first output unless
     ``--disable-log-stats``), which reads the vLLM counters under their lock.
     """
 
-    def __init__(self, state: Runner):
-        self._state = state
+    def __init__(self, runner: Runner):
+        self._runner = runner
         self._lock = threading.Lock()
         self._last = {k: 0.0 for k in _WINDOW_KEYS}
         self._vllm: VllmMetrics | None = None
@@ -141,10 +144,10 @@ class Metrics:
         self._base = dict.fromkeys(_TOTAL_KEYS, 0.0)
         self._base_per_pos: list[int] = []
         self._frozen = False
-        self._listen(state)
+        self._listen(runner)
 
-    def _listen(self, state: Runner) -> None:
-        listeners = getattr(state.engine, "step_listeners", None)
+    def _listen(self, runner: Runner) -> None:
+        listeners = getattr(runner.engine, "step_listeners", None)
         if isinstance(listeners, list):  # a generative engine: aborted requests are seen there
             listeners.append(self._on_step)
 
@@ -181,7 +184,7 @@ class Metrics:
         if fresh is not None and isinstance(listeners, list) and fresh._on_step in listeners:
             listeners.remove(fresh._on_step)
         with self._lock:
-            self._state = runner
+            self._runner = runner
             self._frozen = False
         self._listen(runner)
         if self._vllm is not None:
@@ -192,7 +195,7 @@ class Metrics:
         """Counters since start: the base plus the live engine's (caller holds the lock)."""
         if self._frozen:
             return dict(self._base)
-        engine = self._state.engine
+        engine = self._runner.engine
         st = engine.stats if engine is not None else None
         out = {}
         for k in _TOTAL_KEYS:  # reading the engine's plain counters from this thread is racy but harmless
@@ -203,7 +206,7 @@ class Metrics:
     def _per_pos_locked(self) -> list[int]:
         if self._frozen:
             return list(self._base_per_pos)
-        engine = self._state.engine
+        engine = self._runner.engine
         st = engine.stats if engine is not None else None
         live = [int(v) for v in (getattr(st, "spec_accepted_per_pos", ()) or ())]
         base = self._base_per_pos
@@ -216,7 +219,7 @@ class Metrics:
         if self._vllm is None:
             with self._lock:
                 if self._vllm is None:
-                    self._vllm = VllmMetrics(self._state)
+                    self._vllm = VllmMetrics(self._runner)
         return self._vllm
 
     def _on_step(self, core, outputs: list[RequestOutput]) -> None:
@@ -236,7 +239,7 @@ class Metrics:
             cur = self._totals_locked()
             d = {k: cur[k] - self._last[k] for k in _WINDOW_KEYS}
             self._last = {k: cur[k] for k in _WINDOW_KEYS}
-        slots = None if self._frozen else self._state.slots
+        slots = None if self._frozen else self._runner.slots
         return {
             "prompt_tokens_total": cur["prompt_tokens_total"],
             # the engine counts reused prompt tokens when a request's first token is sampled
@@ -304,12 +307,74 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def render_models(manager: ModelManager) -> str:
-    """Several models (no ``-m``): each llama-server family once, one sample per loaded model
-    labelled ``model="<name>"`` (vLLM labels its series by model too), then the manager's own
-    series: models loaded, requests waiting for room, loads and unloads by reason."""
-    runners = [e for e in manager.runners() if e.runner is not None and getattr(e.runner, "metrics", None)]
-    values = [(e.name, e.runner.metrics._values()) for e in runners]
+#: models whose counters :class:`KeptMetrics` keeps at most (beyond it, the unloaded model kept
+#: longest ago is dropped; a loaded model is never dropped)
+MAX_KEPT_MODELS = 64
+
+
+class KeptMetrics:
+    """Each model's latest :class:`Metrics`, by served name: what ``/metrics`` answers from while a
+    model sleeps or is unloaded, and what the next runner of that name continues counting on.
+
+    Bounded: at most ``cap`` models (:data:`MAX_KEPT_MODELS`) plus any that are loaded; keeping
+    one more drops the unloaded (frozen) model whose runner loaded longest ago, so a server that
+    loads many models in turn keeps the counters of the ``cap`` most recent. A dropped model's
+    series leave the page, and count from 0 if it loads again (a counter reset to Prometheus).
+
+    Thread-safety: used on the server's event loop only.
+    """
+
+    def __init__(self, cap: int = MAX_KEPT_MODELS):
+        if cap < 1:
+            raise ValueError("KeptMetrics: cap must be >= 1")
+        self.cap = cap
+        self._by_name: OrderedDict[str, Metrics] = OrderedDict()  # least recently loaded first
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def get(self, name: str) -> Metrics | None:
+        """``name``'s Metrics (loaded or frozen), else None."""
+        return self._by_name.get(name)
+
+    def keep(self, name: str, runner: Runner) -> None:
+        """A runner of ``name`` has loaded: it continues the counters its previous runner left
+        (:meth:`Metrics.attach`, llama-server keeps its metrics through sleep), else its own
+        Metrics are kept; then the bound is applied."""
+        metrics = getattr(runner, "metrics", None)
+        if metrics is None:
+            return
+        kept = self._by_name.get(name)
+        if kept is not None and kept is not metrics and kept.frozen:
+            kept.attach(runner)
+        else:
+            self._by_name[name] = metrics
+        self._by_name.move_to_end(name)
+        self._evict()
+
+    def _evict(self) -> None:
+        over = len(self._by_name) - self.cap
+        for name in [n for n, m in self._by_name.items() if m.frozen][:max(over, 0)]:
+            del self._by_name[name]
+
+    def models(self) -> list[tuple[str, Metrics]]:
+        """``(served name, Metrics)`` of every kept model, loaded or not, sorted by name."""
+        return sorted(self._by_name.items())
+
+
+def render_models(manager: ModelManager, kept: KeptMetrics) -> str:
+    """Several models (no ``-m``): each llama-server family once, one sample per model labelled
+    ``model="<name>"`` (vLLM labels its series by model too), then the manager's own series:
+    models loaded, requests waiting for room, loads and unloads by reason.
+
+    The models listed are those ``kept`` holds, loaded or not: a model that slept or was
+    unloaded keeps its series, its counters held at their last values (Prometheus counters stay
+    monotonic: a series that vanished and came back would read as a gap or a reset to
+    ``rate()``), its gauges 0; they continue when it loads again, as llama-server's counters
+    survive its sleep. A loaded model's vLLM series are listed; an unloaded one's only when it
+    had built them (it ran a request or was scraped)."""
+    listed = kept.models()
+    values = [(name, m._values()) for name, m in listed]
     lines = []
     for name, typ, help_ in _METRICS:
         full = f"llamacpp:{name}"
@@ -317,7 +382,7 @@ def render_models(manager: ModelManager) -> str:
         lines += [f'{full}{{model="{_label(m)}"}} {_fmt(v[name])}' for m, v in values]
     st = manager.stats
     lines += ["# HELP kvserve:models_loaded Number of models loaded now.", "# TYPE kvserve:models_loaded gauge",
-              f"kvserve:models_loaded {len(runners)}",
+              f"kvserve:models_loaded {len(manager.runners())}",
               "# HELP kvserve:model_requests_waiting Requests waiting for a model to make room.",
               "# TYPE kvserve:model_requests_waiting gauge", f"kvserve:model_requests_waiting {manager.waiting}",
               "# HELP kvserve:model_loads_total Models loaded since start.", "# TYPE kvserve:model_loads_total counter",
@@ -327,7 +392,8 @@ def render_models(manager: ModelManager) -> str:
               "# HELP kvserve:model_unloads_total Models unloaded, by reason.",
               "# TYPE kvserve:model_unloads_total counter"]
     lines += [f'kvserve:model_unloads_total{{reason="{_label(r)}"}} {n}' for r, n in sorted(st.unloads.items())]
-    return "\n".join(lines) + "\n" + render_vllm([e.runner.metrics.vllm for e in runners])
+    vllm = [m.vllm if not m.frozen else m._vllm for _, m in listed]
+    return "\n".join(lines) + "\n" + render_vllm([v for v in vllm if v is not None])
 
 
 # -- vLLM's metrics ---------------------------------------------------------------------------
@@ -394,13 +460,13 @@ class VllmMetrics:
     """One model's ``vllm:`` families (see the module docstring) and its stats-line window.
 
     Args:
-        state: the model's Runner (served name, engine, slots, args).
+        runner: the model's Runner (served name, engine, slots, args).
     """
 
-    def __init__(self, state: Runner):
-        self._state = state
-        engine = state.engine
-        self.model_name = str(getattr(state, "model_alias", "") or getattr(getattr(state, "spec", None), "name", ""))
+    def __init__(self, runner: Runner):
+        self._runner = runner
+        engine = runner.engine
+        self.model_name = str(getattr(runner, "model_alias", "") or getattr(getattr(runner, "spec", None), "name", ""))
         self.max_model_len = int(getattr(engine, "n_ctx_slot", 0) or 0) if engine is not None else 0
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
@@ -525,11 +591,11 @@ class VllmMetrics:
         """``(running, waiting, kv usage 0..1)`` now: requests in the engine's batch; requests
         in its queue plus those waiting for a slot (llama-server's deferred ones); the
         fraction of KV blocks held by sequences and idle slots."""
-        state = self._state
-        slots = getattr(state, "slots", None)
+        runner = self._runner
+        slots = getattr(runner, "slots", None)
         deferred = slots.n_deferred if slots is not None else 0
         try:  # the runner protocol's engine_counts: plain reads of the engine thread's containers
-            running, queued, usage = state.engine_counts()
+            running, queued, usage = runner.engine_counts()
         except Exception:  # noqa: BLE001 - a closing engine
             return 0, deferred, 0.0
         return running, queued + deferred, usage
@@ -541,7 +607,7 @@ class VllmMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(usage)
-        engine = self._state.engine
+        engine = self._runner.engine
         st = getattr(engine, "stats", None)
         n = int(getattr(st, "num_preemptions", 0) or 0)
         with self._lock:
@@ -577,7 +643,7 @@ class VllmMetrics:
         """Count on ``runner`` (a new load): its engine's totals start at 0 again, so the
         increments seen so far restart; the stats-line logger starts with its first output."""
         with self._lock:
-            self._state = runner
+            self._runner = runner
             self._preempted_seen = 0
             if self.spec is not None:
                 self._spec_seen = dict.fromkeys(self.spec, 0)
@@ -609,7 +675,7 @@ class VllmMetrics:
 
     def _kv_label(self) -> str:
         """vLLM's ``GPU KV cache usage`` where the KV cache is on a GPU, ``KV cache usage`` on a CPU."""
-        device = getattr(getattr(getattr(self._state, "engine", None), "core", None), "device", None)
+        device = getattr(getattr(getattr(self._runner, "engine", None), "core", None), "device", None)
         return "GPU KV cache usage" if getattr(device, "type", "cpu") != "cpu" else "KV cache usage"
 
     def log_stats(self) -> None:
@@ -619,9 +685,9 @@ class VllmMetrics:
 
     def _start_logger(self) -> None:
         self._logger_started = True
-        if getattr(getattr(self._state, "args", None), "disable_log_stats", False):
+        if getattr(getattr(self._runner, "args", None), "disable_log_stats", False):
             return
-        threading.Thread(target=_log_loop, args=(weakref.ref(self), self._state, log_interval_s()),
+        threading.Thread(target=_log_loop, args=(weakref.ref(self), self._runner, log_interval_s()),
                          name=f"kvserve-stats-log:{self.model_name}", daemon=True).start()
 
 
@@ -631,7 +697,7 @@ def _log_loop(ref: weakref.ref[VllmMetrics], runner: Runner, interval: float) ->
     while True:
         time.sleep(interval)
         m = ref()
-        if m is None or m._state is not runner() or m._state.engine is None:
+        if m is None or m._runner is not runner() or m._runner.engine is None:
             return
         try:
             m.log_stats()

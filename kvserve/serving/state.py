@@ -37,6 +37,7 @@ from kvserve.errors import (
     UnavailableError,
 )
 from kvserve.serving.manager import Lease, ModelManager, ModelSpec, format_keep_alive
+from kvserve.serving.metrics import KeptMetrics
 from kvserve.serving.chat_runner import (
     Runner,
     estimate_runner_memory,
@@ -121,9 +122,9 @@ class ServerState:
         #: called with each runner once it has loaded (on the event loop): a face keeps what it
         #: must still answer while the model sleeps (the llama face's /props)
         self.on_loaded: list[Callable[[Runner], None]] = [self._keep_metrics]
-        #: each model's latest Metrics (served name -> Metrics): /metrics answers from it while
-        #: the model sleeps, and the next runner of that name continues its counters
-        self.kept_metrics: dict[str, Metrics] = {}
+        #: each model's latest Metrics (served name -> Metrics, bounded): /metrics answers from it
+        #: while the model sleeps or is unloaded, and the next runner of that name continues its counters
+        self.kept_metrics = KeptMetrics()
 
     # -- names
 
@@ -307,14 +308,7 @@ class ServerState:
     def _keep_metrics(self, runner: Runner) -> None:
         """``on_loaded`` hook: a reloaded model's runner takes over the counters its previous
         runner left (llama-server keeps its metrics through sleep), else its own are kept."""
-        metrics = getattr(runner, "metrics", None)
-        if metrics is None:
-            return
-        kept = self.kept_metrics.get(runner.spec.name)
-        if kept is not None and kept is not metrics and kept.frozen:
-            kept.attach(runner)
-        else:
-            self.kept_metrics[runner.spec.name] = metrics
+        self.kept_metrics.keep(runner.spec.name, runner)
 
     def _log_event(self, t: float, action: str, name: str, reason: str) -> None:
         m = self.manager

@@ -353,9 +353,14 @@ def test_missing_max_tokens_is_a_bad_request(client, srv):
     ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}, 400,
      "invalid_request_error", "messages.0.role: Input should be 'user' or 'assistant'"),
     ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "see"}, {"type": "image", "source": {"type": "base64", "data": ""}}]}]}, 400,
-     "invalid_request_error", ("messages.0.content.1: image blocks are not supported by this server "
+        {"type": "text", "text": "see"}, {"type": "document", "source": {"type": "text", "data": ""}}]}]}, 400,
+     "invalid_request_error", ("messages.0.content.1: document blocks are not supported by this server "
                                "(text-only models)")),
+    # an image on a text-only model: llama-server's 500 and words (tests/api/test_anthropic_requests.py)
+    ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "see"}, {"type": "image", "source": {"type": "base64", "data": ""}}]}]}, 500,
+     "api_error", ("image input is not supported - hint: if this is unexpected, you may need to provide the "
+                   "mmproj")),
     ({"model": MODEL, "max_tokens": 4, "messages": MULTI, "tools": [{"type": "web_search_20250305",
                                                                      "name": "web_search"}]}, 400,
      "invalid_request_error", ("tools.0: tool type 'web_search_20250305' is not supported by this server "

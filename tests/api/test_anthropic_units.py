@@ -46,7 +46,8 @@ def test_chat_request_translates_every_block_kind():
             {"role": "user", "content": "Read it."},
             {"role": "assistant", "content": "Reading.", "tool_calls": [
                 {"id": "toolu_1", "type": "function", "function": {"name": "read", "arguments": {"path": "a"}}},
-                {"id": "toolu_2", "type": "function", "function": {"name": "ls", "arguments": {}}}]},
+                {"id": "toolu_2", "type": "function", "function": {"name": "ls", "arguments": {}}}],
+             "reasoning_content": "hmm"},
             {"role": "tool", "tool_call_id": "toolu_1", "content": "A"},
             {"role": "tool", "tool_call_id": "toolu_2", "content": "B"},
             {"role": "user", "content": "Now?"}]
@@ -105,15 +106,15 @@ def test_tool_choice_type_of_any_json_value_is_a_400():
 @pytest.mark.parametrize(("body", "message"), [
     ({"messages": []}, "max_tokens: Field required"),
     ({"max_tokens": True, "messages": []}, "max_tokens: Input should be a valid integer, got a boolean"),
-    ({"max_tokens": 5, "messages": []}, "messages: at least one message is required"),
+    ({"max_tokens": 5, "messages": "hi"}, "messages: Input should be a valid list, got a string"),
     ({"max_tokens": 5, "messages": [{"role": "user"}]}, "messages.0.content: Field required"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
      "messages.0.content.0.text: Field required"),
     ({"max_tokens": 5, "messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
      "messages.0.content.0: content block type 'tool_result' is not supported here"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
-                                                                  "content": [{"type": "image"}]}]}]},
-     "messages.0.content.0.content.0: only text blocks are supported here, got 'image'"),
+                                                                  "content": [{"type": "document"}]}]}]},
+     "messages.0.content.0.content.0: only text blocks are supported here, got 'document'"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "t"}]},
      "tools.0.input_schema: Field required"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"}},
