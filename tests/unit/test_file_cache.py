@@ -161,3 +161,74 @@ def test_a_file_changed_just_now_is_not_cached(home, tmp_path, monkeypatch):
     monkeypatch.setattr(file_cache, "RACY_S", 0.0)
     _fresh_read(path)
     assert len(list(home.glob("gguf-header-*.json"))) == 1
+
+
+# -- the finite check (loaders.weights.check_finite) kept per file --------------------------------
+
+def _poison(src: Path, dst: Path, tensor: str = "blk.1.attn_norm.weight") -> Path:
+    """A copy of the F32 GGUF ``src`` whose ``tensor`` starts with a NaN."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    t = next(t for t in GGUFReader(str(src)).tensors if t.name == tensor)
+    raw = bytearray(src.read_bytes())
+    raw[int(t.data_offset):int(t.data_offset) + 4] = np.array([np.nan], np.float32).tobytes()
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+def _counting_check(monkeypatch) -> list:
+    calls: list = []
+    real = gguf_loader.check_finite
+
+    def check(weights, source):
+        calls.append(source)
+        return real(weights, source)
+
+    monkeypatch.setattr(gguf_loader, "check_finite", check)
+    return calls
+
+
+def test_a_finite_file_is_scanned_once(home, tmp_path, monkeypatch):
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_layer=2)
+    calls = _counting_check(monkeypatch)
+    gguf_loader.load_gguf(path)
+    gguf_loader.load_gguf(path)
+    assert calls == [str(path)]
+    assert len(list(home.glob("gguf-finite-*.json"))) == 1
+
+
+def test_a_file_with_nan_is_refused_every_time(home, tmp_path, monkeypatch):
+    from kvserve.loaders.weights import ModelLoadError
+
+    good = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_layer=2)
+    bad = _poison(good, tmp_path / "bad.gguf")
+    calls = _counting_check(monkeypatch)
+    for _ in range(2):
+        with pytest.raises(ModelLoadError, match=r"tensor 'blk.1.attn_norm.weight' has 1 NaN/Inf values"):
+            gguf_loader.load_gguf(bad)
+    assert calls == [str(bad)] * 2 and not list(home.glob("gguf-finite-*.json"))
+
+
+def test_a_file_changed_to_nan_is_scanned_again(home, tmp_path, monkeypatch):
+    from kvserve.loaders.weights import ModelLoadError
+
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_layer=2)
+    gguf_loader.load_gguf(path)  # passes: kept
+    time.sleep(0.05)
+    data = _poison(path, tmp_path / "bad.gguf").read_bytes()
+    path.write_bytes(data)  # same path, same size, NaN inside: another identity (ctime, mtime)
+    gguf_loader._LAST_HEADER = None
+    with pytest.raises(ModelLoadError, match="NaN/Inf"):
+        gguf_loader.load_gguf(path)
+
+
+def test_a_corrupt_finite_entry_is_ignored(home, tmp_path, monkeypatch):
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_layer=2)
+    gguf_loader.load_gguf(path)
+    (entry,) = home.glob("gguf-finite-*.json")
+    entry.write_bytes(b"{not json")
+    calls = _counting_check(monkeypatch)
+    gguf_loader.load_gguf(path)  # scanned again, not fatal, and the entry rewritten
+    assert calls == [str(path)]
+    assert json.loads(entry.read_text(encoding="utf-8"))["value"] is True
