@@ -232,3 +232,47 @@ def test_a_corrupt_finite_entry_is_ignored(home, tmp_path, monkeypatch):
     gguf_loader.load_gguf(path)  # scanned again, not fatal, and the entry rewritten
     assert calls == [str(path)]
     assert json.loads(entry.read_text(encoding="utf-8"))["value"] is True
+
+
+# -- the BPE tokenizer built from a GGUF vocabulary (loaders.tokenizer._cached_bpe) ---------------
+
+def _tiny_tokenizer(tmp_path, monkeypatch=None):
+    from kvserve.loaders.tokenizer import Tokenizer
+
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_layer=1)
+    md, _ = _fresh_read(path)
+    return md, Tokenizer.from_gguf
+
+
+def test_the_bpe_tokenizer_is_kept_and_read_back_without_building(home, tmp_path, monkeypatch):
+    from kvserve.loaders import tokenizer as tok_mod
+
+    md, from_gguf = _tiny_tokenizer(tmp_path)
+    text = "Hello world, héllo <|im_start|>user\n 123"
+    built = from_gguf(md)
+    assert md["tokenizer.ggml.model"] == "gpt2" and len(list(home.glob("bpe-tokenizer-*.json"))) == 1
+
+    def fail(*a):
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(tok_mod, "_build_bpe", fail)
+    kept = from_gguf(md)
+    assert kept.encode(text) == built.encode(text) and len(built.encode(text)) > 5
+    assert [kept.token_bytes(i) for i in range(kept.n_vocab)] == [built.token_bytes(i) for i in range(built.n_vocab)]
+    assert kept.encode("<|im_start|>user", parse_special=False) == built.encode("<|im_start|>user", parse_special=False)
+    md2 = dict(md, **{"tokenizer.ggml.merges": list(md["tokenizer.ggml.merges"])[:-1]})  # another input
+    with pytest.raises(AssertionError, match="built again"):
+        from_gguf(md2)
+
+
+def test_a_corrupt_bpe_entry_is_ignored(home, tmp_path, monkeypatch):
+    md, from_gguf = _tiny_tokenizer(tmp_path)
+    text = "Hello world, héllo"
+    built = from_gguf(md)
+    (entry,) = home.glob("bpe-tokenizer-*.json")
+    doc = json.loads(entry.read_text(encoding="utf-8"))
+    doc["value"]["hf"] = "{not a tokenizer"
+    entry.write_text(json.dumps(doc), encoding="utf-8")
+    assert from_gguf(md).encode(text) == built.encode(text)  # rebuilt, not fatal
+    assert json.loads(entry.read_text(encoding="utf-8"))["value"]["hf"].startswith("{")
+    assert json.loads(entry.read_text(encoding="utf-8"))["value"]["hf"] != "{not a tokenizer"
