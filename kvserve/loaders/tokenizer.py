@@ -897,15 +897,28 @@ _BPE_KIND = "bpe-tokenizer"
 def _bpe_key(tokens: list[str], types: list[int], merges: list[str], regexes: tuple[str, ...],
              ignore_merges: bool) -> list:
     """A file-cache identity (:func:`kvserve.loaders.file_cache.identity`'s shape) naming every input of
-    :func:`_build_bpe` by its SHA-256: equal inputs, whatever file they came from, share one entry."""
+    :func:`_build_bpe` by its SHA-256 (with the builder's own bytecode and the tokenizers version): equal
+    inputs, whatever file they came from, share one entry."""
     import hashlib
 
+    import tokenizers
+
     h = hashlib.sha256()
-    for part in (json.dumps([len(tokens), len(types), len(merges), list(regexes), ignore_merges]),
+    h.update(_builder_digest(_build_bpe))  # an edit of the builder (or another tokenizers version) misses old entries
+    for part in (json.dumps([len(tokens), len(types), len(merges), list(regexes), ignore_merges,
+                             tokenizers.__version__]),
                  "\x00".join(tokens), ",".join(map(str, types)), "\x00".join(merges)):
         h.update(part.encode("utf-8", "surrogatepass"))
         h.update(b"\x01")
     return ["bpe:" + h.hexdigest(), 0, 0, 0, 0, 0]
+
+
+def _builder_digest(fn) -> bytes:
+    """SHA-256 of a function's bytecode and constants (what an edit of its body changes)."""
+    import hashlib
+
+    code = fn.__code__
+    return hashlib.sha256(code.co_code + repr(code.co_consts).encode("utf-8", "surrogatepass")).digest()
 
 
 def _cached_bpe(

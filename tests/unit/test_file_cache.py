@@ -255,6 +255,8 @@ def test_the_bpe_tokenizer_is_kept_and_read_back_without_building(home, tmp_path
     def fail(*a):
         raise AssertionError("built again")
 
+    real = tok_mod._builder_digest(tok_mod._build_bpe)
+    monkeypatch.setattr(tok_mod, "_builder_digest", lambda fn: real)  # the key as for the real builder
     monkeypatch.setattr(tok_mod, "_build_bpe", fail)
     kept = from_gguf(md)
     assert kept.encode(text) == built.encode(text) and len(built.encode(text)) > 5
@@ -276,3 +278,19 @@ def test_a_corrupt_bpe_entry_is_ignored(home, tmp_path, monkeypatch):
     assert from_gguf(md).encode(text) == built.encode(text)  # rebuilt, not fatal
     assert json.loads(entry.read_text(encoding="utf-8"))["value"]["hf"].startswith("{")
     assert json.loads(entry.read_text(encoding="utf-8"))["value"]["hf"] != "{not a tokenizer"
+
+
+def test_the_bpe_key_follows_the_builder_and_the_inputs():
+    from kvserve.loaders import tokenizer as tok_mod
+
+    args = (["a", "b", "ab"], [1, 1, 1], ["a b"], ("x",), False)
+    key = tok_mod._bpe_key(*args)
+    assert key == tok_mod._bpe_key(*args) and key[0].startswith("bpe:") and key[1:] == [0, 0, 0, 0, 0]
+    assert tok_mod._bpe_key(["a", "b", "ab"], [1, 1, 3], ["a b"], ("x",), False) != key
+    assert tok_mod._bpe_key(*args[:4], True) != key
+    saved = tok_mod._build_bpe.__code__
+    try:
+        tok_mod._build_bpe.__code__ = tok_mod._build_wpm.__code__.replace(co_name="_build_bpe")
+        assert tok_mod._bpe_key(*args) != key
+    finally:
+        tok_mod._build_bpe.__code__ = saved
