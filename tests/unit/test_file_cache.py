@@ -161,3 +161,136 @@ def test_a_file_changed_just_now_is_not_cached(home, tmp_path, monkeypatch):
     monkeypatch.setattr(file_cache, "RACY_S", 0.0)
     _fresh_read(path)
     assert len(list(home.glob("gguf-header-*.json"))) == 1
+
+
+# -- the finite check (loaders.weights.check_finite) kept per file --------------------------------
+
+def _poison(src: Path, dst: Path, tensor: str = "blk.1.attn_norm.weight") -> Path:
+    """A copy of the F32 GGUF ``src`` whose ``tensor`` starts with a NaN."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    t = next(t for t in GGUFReader(str(src)).tensors if t.name == tensor)
+    raw = bytearray(src.read_bytes())
+    raw[int(t.data_offset):int(t.data_offset) + 4] = np.array([np.nan], np.float32).tobytes()
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+def _counting_check(monkeypatch) -> list:
+    calls: list = []
+    real = gguf_loader.check_finite
+
+    def check(weights, source):
+        calls.append(source)
+        return real(weights, source)
+
+    monkeypatch.setattr(gguf_loader, "check_finite", check)
+    return calls
+
+
+def test_a_finite_file_is_scanned_once(home, tmp_path, monkeypatch):
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_layer=2)
+    calls = _counting_check(monkeypatch)
+    gguf_loader.load_gguf(path)
+    gguf_loader.load_gguf(path)
+    assert calls == [str(path)]
+    assert len(list(home.glob("gguf-finite-*.json"))) == 1
+
+
+def test_a_file_with_nan_is_refused_every_time(home, tmp_path, monkeypatch):
+    from kvserve.loaders.weights import ModelLoadError
+
+    good = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_layer=2)
+    bad = _poison(good, tmp_path / "bad.gguf")
+    calls = _counting_check(monkeypatch)
+    for _ in range(2):
+        with pytest.raises(ModelLoadError, match=r"tensor 'blk.1.attn_norm.weight' has 1 NaN/Inf values"):
+            gguf_loader.load_gguf(bad)
+    assert calls == [str(bad)] * 2 and not list(home.glob("gguf-finite-*.json"))
+
+
+def test_a_file_changed_to_nan_is_scanned_again(home, tmp_path, monkeypatch):
+    from kvserve.loaders.weights import ModelLoadError
+
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_layer=2)
+    gguf_loader.load_gguf(path)  # passes: kept
+    time.sleep(0.05)
+    data = _poison(path, tmp_path / "bad.gguf").read_bytes()
+    path.write_bytes(data)  # same path, same size, NaN inside: another identity (ctime, mtime)
+    gguf_loader._LAST_HEADER = None
+    with pytest.raises(ModelLoadError, match="NaN/Inf"):
+        gguf_loader.load_gguf(path)
+
+
+def test_a_corrupt_finite_entry_is_ignored(home, tmp_path, monkeypatch):
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_layer=2)
+    gguf_loader.load_gguf(path)
+    (entry,) = home.glob("gguf-finite-*.json")
+    entry.write_bytes(b"{not json")
+    calls = _counting_check(monkeypatch)
+    gguf_loader.load_gguf(path)  # scanned again, not fatal, and the entry rewritten
+    assert calls == [str(path)]
+    assert json.loads(entry.read_text(encoding="utf-8"))["value"] is True
+
+
+# -- the BPE tokenizer built from a GGUF vocabulary (loaders.tokenizer._cached_bpe) ---------------
+
+def _tiny_tokenizer(tmp_path, monkeypatch=None):
+    from kvserve.loaders.tokenizer import Tokenizer
+
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_layer=1)
+    md, _ = _fresh_read(path)
+    return md, Tokenizer.from_gguf
+
+
+def test_the_bpe_tokenizer_is_kept_and_read_back_without_building(home, tmp_path, monkeypatch):
+    from kvserve.loaders import tokenizer as tok_mod
+
+    md, from_gguf = _tiny_tokenizer(tmp_path)
+    text = "Hello world, héllo <|im_start|>user\n 123"
+    built = from_gguf(md)
+    assert md["tokenizer.ggml.model"] == "gpt2" and len(list(home.glob("bpe-tokenizer-*.json"))) == 1
+
+    def fail(*a):
+        raise AssertionError("built again")
+
+    real = tok_mod._builder_digest(tok_mod._build_bpe)
+    monkeypatch.setattr(tok_mod, "_builder_digest", lambda fn: real)  # the key as for the real builder
+    monkeypatch.setattr(tok_mod, "_build_bpe", fail)
+    kept = from_gguf(md)
+    assert kept.encode(text) == built.encode(text) and len(built.encode(text)) > 5
+    assert [kept.token_bytes(i) for i in range(kept.n_vocab)] == [built.token_bytes(i) for i in range(built.n_vocab)]
+    assert kept.encode("<|im_start|>user", parse_special=False) == built.encode("<|im_start|>user", parse_special=False)
+    md2 = dict(md, **{"tokenizer.ggml.merges": list(md["tokenizer.ggml.merges"])[:-1]})  # another input
+    with pytest.raises(AssertionError, match="built again"):
+        from_gguf(md2)
+
+
+def test_a_corrupt_bpe_entry_is_ignored(home, tmp_path, monkeypatch):
+    md, from_gguf = _tiny_tokenizer(tmp_path)
+    text = "Hello world, héllo"
+    built = from_gguf(md)
+    (entry,) = home.glob("bpe-tokenizer-*.json")
+    doc = json.loads(entry.read_text(encoding="utf-8"))
+    doc["value"]["hf"] = "{not a tokenizer"
+    entry.write_text(json.dumps(doc), encoding="utf-8")
+    assert from_gguf(md).encode(text) == built.encode(text)  # rebuilt, not fatal
+    assert json.loads(entry.read_text(encoding="utf-8"))["value"]["hf"].startswith("{")
+    assert json.loads(entry.read_text(encoding="utf-8"))["value"]["hf"] != "{not a tokenizer"
+
+
+def test_the_bpe_key_follows_the_builder_and_the_inputs():
+    from kvserve.loaders import tokenizer as tok_mod
+
+    args = (["a", "b", "ab"], [1, 1, 1], ["a b"], ("x",), False)
+    key = tok_mod._bpe_key(*args)
+    assert key == tok_mod._bpe_key(*args) and key[0].startswith("bpe:") and key[1:] == [0, 0, 0, 0, 0]
+    assert tok_mod._bpe_key(["a", "b", "ab"], [1, 1, 3], ["a b"], ("x",), False) != key
+    assert tok_mod._bpe_key(*args[:4], True) != key
+    saved = tok_mod._build_bpe.__code__
+    try:
+        tok_mod._build_bpe.__code__ = tok_mod._build_wpm.__code__.replace(co_name="_build_bpe")
+        assert tok_mod._bpe_key(*args) != key
+    finally:
+        tok_mod._build_bpe.__code__ = saved
