@@ -96,7 +96,7 @@ def test_int8_prefill_path_needs_vnni_not_bf16(kernels, tmp_path, monkeypatch):
     assert build.int8_prefill_only(load_files(str(q4k)).weights, vnni)
     assert not build.int8_prefill_only(load_files(str(q4k)).weights, no_vnni)
     assert not build.int8_prefill_only(load_files(str(f16)).weights, vnni)
-    monkeypatch.setattr(registry, "cpu_native_bf16", lambda: False)
+    monkeypatch.setattr(build, "cpu_native_bf16", lambda: False)
     monkeypatch.setattr(q4_kernel, "cpu_flags", lambda: vnni)
     lin = _core(q4k).model.layers[0].w_gate_up
     assert lin.kernel == "gguf" and lin.blocks.gemm_min_rows == 17 and lin.blocks.matrix.gemm8
