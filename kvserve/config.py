@@ -104,7 +104,8 @@ class EngineConfig:
             packed int4 weights (a quarter of the bytes) win up to 16 rows and
             more: 16 streams on the EPYC above, 291 tok/s with int4, 225 with
             the bfloat16 copy.
-        threads: torch intra-op threads (``-t``); 0 = all cores.
+        threads: torch intra-op threads (``-t``); 0 or less = all cores (llama.cpp's ``-t``: a
+            value <= 0 becomes the hardware's thread count).
         compile: compile the decode-only step with ``torch.compile`` in a
             background thread, serving eagerly until it is ready (see
             ``kvserve.models.llama.CompiledDecode``; ``--compile``). Off by default:
@@ -232,7 +233,7 @@ class EngineConfig:
     def apply_threads(self) -> int:
         import torch
 
-        n = self.threads or os.cpu_count() or 1
+        n = self.threads if self.threads > 0 else (os.cpu_count() or 1)
         if torch.get_num_threads() != n:  # a process-wide setting: loading another model leaves it
             torch.set_num_threads(n)
         return n

@@ -745,7 +745,7 @@ class ParallelRunner(ModelRunner):
         device = torch.device(config.resolve_device())
         self._comm = _Comm(self.world, device)
         cores = os.cpu_count() or 1
-        threads = config.threads or max(1, cores // self.world)
+        threads = config.threads if config.threads > 0 else max(1, cores // self.world)
         if self.world > cores:
             log.warning("%d ranks on %d CPU cores: less than one core per rank, the ranks share cores (each runs "
                         "%d thread%s)", self.world, cores, threads, "" if threads == 1 else "s",

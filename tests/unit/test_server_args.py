@@ -34,3 +34,18 @@ def test_speed_flags_reach_the_engine_config():
     assert (cfg.compile, cfg.native_kernels, cfg.large_batch_dtype) == (True, False, "float32")
     cfg = parse_args(["m.gguf", "--compile", "--native-kernels"]).engine_config()
     assert (cfg.compile, cfg.native_kernels) == (True, True)
+
+
+@pytest.mark.parametrize("value", ["-1", "-3"])
+def test_negative_threads_mean_all_cores(value):
+    """llama.cpp's -t: a value <= 0 becomes the hardware's thread count (torch refused -3 with a traceback)."""
+    import os
+
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert parse_args(["m", "-t", value]).engine_config().apply_threads() == (os.cpu_count() or 1)
+        assert torch.get_num_threads() == (os.cpu_count() or 1)
+    finally:
+        torch.set_num_threads(before)
