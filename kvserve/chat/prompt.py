@@ -205,7 +205,9 @@ def merge_system_message(messages: list[dict]) -> list[dict]:
     """llama-server's answer to a template that rejects the system role (gemma's raise "System role
     not supported"; ``supports_system_role`` false in :attr:`ChatTemplate.caps`): a leading system
     message's text goes before the next message's content, joined by ``"\n"``; alone, it is
-    dropped with a warning (llama.cpp ``system_message_not_supported``). Tools in the generic
+    dropped with a warning (llama.cpp ``system_message_not_supported``), and the empty conversation
+    left is refused as any empty ``messages`` is, so :func:`render_chat` answers the template's
+    first error. Tools in the generic
     format, described in a system message, then work on such models too. Other messages as given."""
     if not messages or messages[0].get("role") != "system":
         return messages
