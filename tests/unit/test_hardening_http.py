@@ -164,6 +164,12 @@ def test_unexpected_500_logged_once_and_connection_kept(caplog):
     assert [rec.name for rec in tracebacks] == ["kvserve.server", "kvserve.server"]
 
 
+def _stats_line(record: logging.LogRecord) -> bool:
+    """The periodic "Engine 000: Avg prompt throughput ..." line that an engine still alive in this
+    process (another test's) may log on kvserve.server while a test captures (a CI flake)."""
+    return record.getMessage().startswith("Engine ") and "Avg prompt throughput" in record.getMessage()
+
+
 def test_client_leaving_mid_body_is_one_quiet_line(caplog):
     """Review of the fixes: a client that hung up before sending its whole body was logged as
     an "unhandled error" with a 50-line traceback (starlette's ClientDisconnect)."""
@@ -178,7 +184,7 @@ def test_client_leaving_mid_body_is_one_quiet_line(caplog):
         while time.monotonic() < deadline and not any("client disconnected" in r.getMessage()
                                                       for r in caplog.records):
             time.sleep(0.05)
-    mine = [r for r in caplog.records if r.name == "kvserve.server"]
+    mine = [r for r in caplog.records if r.name == "kvserve.server" and not _stats_line(r)]
     assert [(r.levelname, r.getMessage()) for r in mine] == [
         ("INFO", "client disconnected before sending the whole body: POST /tokenize")]
     assert not any(r.exc_info for r in caplog.records)
@@ -203,7 +209,7 @@ def test_client_leaving_mid_body_is_quiet_on_every_face(caplog, path):
                                                       for r in caplog.records):
             time.sleep(0.05)
         time.sleep(0.2)  # a face's error line would follow the INFO line
-    mine = [r for r in caplog.records if r.name == "kvserve.server"]
+    mine = [r for r in caplog.records if r.name == "kvserve.server" and not _stats_line(r)]
     assert [(r.levelname, r.getMessage()) for r in mine] == [
         ("INFO", f"client disconnected before sending the whole body: POST {path}")]
     assert not any(r.exc_info for r in caplog.records)
