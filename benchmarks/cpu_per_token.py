@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_llama_server import _this_checkout_env, free_port, wait_health  # noqa: E402
+from vs_llama_server import _this_checkout_env, free_port, stop_servers, wait_health  # noqa: E402
 
 
 def tree_cpu_s(pid: int) -> float:
@@ -94,14 +93,7 @@ def main() -> None:
         out["ratio_kvserve_over_llama_server"] = round(
             out["cpu_ms_per_token"]["kvserve"]["median"] / out["cpu_ms_per_token"]["llama-server"]["median"], 3)
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_servers(procs)
     print(json.dumps(out, indent=1))
 
 

@@ -279,15 +279,20 @@ def main() -> None:
                 print(f"{name} exited with {p.returncode}; its log: {logs}/{name}.log", file=sys.stderr)
         raise
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_servers(procs)
     print(json.dumps(out, indent=1))
+
+
+def stop_servers(procs: dict) -> None:
+    """SIGTERM each server's process group, then SIGKILL any still up after 20 s."""
+    for p in procs.values():
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs.values():
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
 
 
 def tree_memory_mib(pid: int) -> tuple[float, float]:
