@@ -25,10 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_shaped_gguf import _tokenizer_kv  # noqa: E402
+from make_shaped_gguf import _tokenizer_kv, write_random_tensors  # noqa: E402
 
 #: Qwen3-30B-A3B with widths shrunk (see the module docstring); "n_layer" is --layers
 SHAPE = dict(n_embd=1024, n_head=16, n_head_kv=2, head_dim=128, n_expert=128, n_expert_used=8, n_ff_expert=512,
@@ -78,22 +77,7 @@ def write(out: str, tokenizer_src: str, n_layer: int, seed: int = 0) -> dict:
     for key, val, vtype, sub in tok:
         w.add_key_value(key, val, vtype, sub_type=sub)
     ts = tensors(s, n_layer, n_vocab)
-    for name, shp in ts:
-        dt = np.float32 if len(shp) == 1 or name.endswith("ffn_gate_inp.weight") else np.float16
-        w.add_tensor_info(name, shp, np.dtype(dt), int(np.prod(shp)) * np.dtype(dt).itemsize)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    for name, shp in ts:
-        if len(shp) == 1:
-            w.write_tensor_data(np.ones(shp, dtype=np.float32))
-            continue
-        a = rng.standard_normal(shp, dtype=np.float32)
-        a *= 0.02
-        w.write_tensor_data(a if name.endswith("ffn_gate_inp.weight") else a.astype(np.float16))
-        del a
-    w.close()
+    write_random_tensors(w, ts, seed, keep_f32=lambda name: name.endswith("ffn_gate_inp.weight"))
     return {"path": out, "shape": {**s, "n_layer": n_layer, "n_vocab": n_vocab}, "n_tensors": len(ts),
             "bytes": os.path.getsize(out)}
 

@@ -74,6 +74,32 @@ def _tensors(s: dict, n_vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     return t
 
 
+def write_random_tensors(w, tensors: list[tuple[str, tuple[int, ...]]], seed: int,
+                         keep_f32=lambda name: False) -> None:
+    """Write the header, the metadata and ``tensors`` (name, torch shape) to the GGUFWriter ``w``,
+    one tensor at a time (a 16 GB file never sits in memory), and close it: 1-D tensors ones in
+    float32, matrices N(0, 0.02) in float16 (float32 where ``keep_f32(name)``), drawn from ``seed``."""
+    def dtype(name, shp):
+        return np.float32 if len(shp) == 1 or keep_f32(name) else np.float16
+
+    for name, shp in tensors:
+        dt = np.dtype(dtype(name, shp))
+        w.add_tensor_info(name, shp, dt, int(np.prod(shp)) * dt.itemsize)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, shp in tensors:
+        if len(shp) == 1:
+            w.write_tensor_data(np.ones(shp, dtype=np.float32))
+            continue
+        a = rng.standard_normal(shp, dtype=np.float32)
+        a *= 0.02
+        w.write_tensor_data(a if dtype(name, shp) is np.float32 else a.astype(np.float16))
+        del a
+    w.close()
+
+
 def write(shape: str, out: str, tokenizer_src: str, seed: int = 0) -> dict:
     """Write the file; returns the JSON summary."""
     import gguf
@@ -97,21 +123,7 @@ def write(shape: str, out: str, tokenizer_src: str, seed: int = 0) -> dict:
     for key, val, vtype, sub in tok:
         w.add_key_value(key, val, vtype, sub_type=sub)
     tensors = _tensors(s, n_vocab)
-    for name, shp in tensors:
-        dt = np.float32 if len(shp) == 1 else np.float16
-        w.add_tensor_info(name, shp, np.dtype(dt), int(np.prod(shp)) * np.dtype(dt).itemsize)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    rng = np.random.default_rng(seed)
-    for name, shp in tensors:
-        if len(shp) == 1:
-            w.write_tensor_data(np.ones(shp, dtype=np.float32))
-            continue
-        a = rng.standard_normal(shp, dtype=np.float32)
-        a *= 0.02
-        w.write_tensor_data(a.astype(np.float16))
-    w.close()
+    write_random_tensors(w, tensors, seed)
     return {"path": out, "shape": shape, "n_tensors": len(tensors), "bytes": os.path.getsize(out)}
 
 
