@@ -352,3 +352,44 @@ def test_without_tools_the_page_sends_what_it_sent_before(bare_standin, browser)
     assert bare_standin.chats[0]["messages"] == [{"role": "user", "content": "Hello"},
                                                  {"role": "assistant", "content": ""},
                                                  {"role": "user", "content": "Again"}]
+
+
+def test_shell_output_streams_and_stop_ends_the_running_command(standin, browser):
+    from selenium.webdriver.common.by import By
+
+    open_tools(browser, standin)
+    # allowed ahead, from the conversation's tool panel: no confirmation for this conversation
+    browser.find_element(By.ID, "tools-toggle").click()
+    browser.find_element(By.CSS_SELECTOR, '.tool-row[data-tool="exec_shell_command"] .tool-always').click()
+    browser.find_element(By.ID, "tools-toggle").click()
+    cmd = "echo started; sleep 27.25; echo never"
+    standin.script([tool_call("exec_shell_command", {"command": cmd}, "long1")], "Not reached.")
+    ask(browser, "Run the long one")
+    # the output shows while the command still runs
+    running = wait_for(lambda: (m := messages(browser)[-1]) and m["kind"] == "tool" and m["status"] == "running"
+                       and m["result"] == "started\n" and m, what="streamed output")
+    assert running["badge"] == "running\u2026" and not running["confirm"]
+    assert _sleepers("sleep 27.25")
+    t0 = time.monotonic()
+    browser.find_element(By.ID, "stop").click()
+    wait_for(lambda: js(browser, "return document.body.dataset.busy") == "", timeout=5, what="the turn to end")
+    assert time.monotonic() - t0 < 5
+    last = messages(browser)[-1]
+    assert last["status"] == "stopped" and last["result"] == "started\n\nThe user stopped this tool call."
+    assert len(standin.chats) == 1  # no completion after a stop
+    # the server ended the command with the request (its process group)
+    wait_for(lambda: not _sleepers("sleep 27.25"), timeout=10, what="the command's process to end")
+    standin.script("Ok.")
+    ask(browser, "Next")
+    wait_for(lambda: standin.chats, what="the next request")
+    assert standin.chats[0]["messages"][-2] == {"role": "tool", "tool_call_id": "long1",
+                                                "content": "started\n\nThe user stopped this tool call."}
+    wait_turn_done(browser, 2)
+
+
+def _sleepers(marker: str) -> list[str]:
+    """Command lines of this machine's processes that contain ``marker`` (the test's unique command)."""
+    import subprocess
+
+    out = subprocess.run(["ps", "-eo", "args="], capture_output=True, text=True, timeout=10).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
