@@ -18,6 +18,9 @@ only ``/`` (``DIR/index.html``) is public, as in llama-server, which checks the 
 static files: every other file of ``DIR``, as ``/webui/<file>`` or ``/<file>``, needs the key
 (issue 31: ``/webui/<file>`` once served all of ``DIR`` without it).
 
+When ``GET /tools`` lists tools (:mod:`kvserve.faces.tools_api`), the built-in page runs the model's
+tool calls through ``POST /tools`` (its own agent loop, in ``app.js``); without them it is unchanged.
+
 The built-in page sends a Content-Security-Policy that allows only its own scripts, styles and
 same-origin requests: model text is rendered through text nodes (never ``innerHTML``), and the
 policy is the second fence should that ever slip.

@@ -304,6 +304,9 @@
     ui.toolsList.replaceChildren();
     if (!state.tools) return;
     const c = toolChoices(currentConv());
+    const n = offeredTools(currentConv()).length;
+    ui.toolsToggle.textContent = "Tools " + n + "/" + state.tools.length;
+    ui.toolsToggle.title = n + " of the server's " + state.tools.length + " tools offered in this conversation";
     ui.toolsAll.checked = c.enabled;
     for (const t of state.tools) {
       const row = document.createElement("div");
@@ -320,6 +323,7 @@
         ch.disabled = ch.disabled.filter((n) => n !== t.name);
         if (!box.checked) ch.disabled.push(t.name);
         saveToolChoices();
+        renderToolsPanel();
       });
       const name = document.createElement("span");
       name.className = "tool-display";

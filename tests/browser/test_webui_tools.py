@@ -268,6 +268,7 @@ def test_disabled_tools_are_not_offered_and_hostile_calls_are_refused(standin, b
     browser.find_element(By.CSS_SELECTOR, '.tool-row[data-tool="exec_shell_command"] .tool-enabled').click()
     browser.find_element(By.CSS_SELECTOR, '.tool-row[data-tool="read_file"] .tool-enabled').click()
     (tmp_path / "secret.txt").write_text("s3cret")
+    browser.save_screenshot(str(tmp_path / "tools-panel.png"))
     # the model calls the disabled tools anyway, a tool the server does not list, and one with
     # arguments that are not an object: none of them reaches the server
     standin.script([tool_call("exec_shell_command", {"command": "touch pwned"}, "h1"),
