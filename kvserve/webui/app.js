@@ -682,7 +682,9 @@
         const tools = round < maxRounds ? offeredTools(conv) : [];
         const msg = await streamAnswer(conv, tools, controller.signal);
         if (msg.status !== "done" || !msg.tool_calls || !msg.tool_calls.length) break;
-        const over = round >= maxRounds ? "the limit of " + maxRounds + " tool rounds per answer was reached" : "";
+        const over = round >= maxRounds ? "the limit of " + maxRounds + " tool rounds per answer was reached"
+          : msg.stats.finish_reason === "length" ? "the answer reached max tokens before its tool calls were complete"
+          : "";
         const ran = await runToolCalls(conv, msg, over, controller.signal);
         if (!ran || over) break;
       }

@@ -55,8 +55,9 @@ class ChatStandIn:
         return f"http://127.0.0.1:{self.port}{path}"
 
     def script(self, *turns) -> None:
-        """The answers of the next completions, in order: a str (the text), or a list of
-        :func:`tool_call` dicts (an answer that calls them). Past the script: ``"(no more script)"``."""
+        """The answers of the next completions, in order: a str (the text), a list of
+        :func:`tool_call` dicts (an answer that calls them, finish_reason ``tool_calls``), or
+        ``(finish_reason, calls)`` for another finish reason. Past the script: ``"(no more script)"``."""
         self.turns = list(turns)
         self.chats.clear()
         self.tool_calls.clear()
@@ -152,7 +153,8 @@ async def _sse(turn, n: int):
             yield _chunk(n, {"content": piece})
         finish = "stop"
     else:
-        for i, c in enumerate(turn):
+        finish, calls = turn if isinstance(turn, tuple) else ("tool_calls", turn)
+        for i, c in enumerate(calls):
             head = {"index": i, "type": "function", "function": {"name": c["name"], "arguments": ""}}
             if c["id"] is not None:
                 head["id"] = c["id"]
@@ -160,7 +162,6 @@ async def _sse(turn, n: int):
             half = len(c["arguments"]) // 2
             for piece in (c["arguments"][:half], c["arguments"][half:]):
                 yield _chunk(n, {"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
-        finish = "tool_calls"
     yield _chunk(n, {}, finish)
     usage = {"id": f"chatcmpl-{n}", "object": "chat.completion.chunk", "created": 0, "model": MODEL, "choices": [],
              "usage": {"prompt_tokens": 10 * n, "completion_tokens": 5, "total_tokens": 10 * n + 5}}

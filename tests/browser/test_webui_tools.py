@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 from chat_standin import MODEL, ChatStandIn, tool_call
-from test_webui_browser import ask, js, open_fresh, set_settings, wait_for, wait_ready
+from test_webui_browser import ask, js, open_fresh, wait_for, wait_ready
 
 MCP_TOOLS = [  # stand-ins for an MCP server's tools: one that writes, one marked read-only
     {"entry": {"display_name": "notes_append", "tool": "notes_append", "type": "mcp", "permissions": {"write": False},
@@ -106,10 +106,12 @@ def test_read_file_is_run_shown_collapsed_and_answered(standin, tools_server, br
     listed = [t["tool"] for t in httpx.get(tools_server.url("/tools")).json()]
     assert {"read_file", "write_file", "edit_file", "exec_shell_command"} <= set(listed)
     open_tools(browser, standin)
-    set_settings(browser)  # open and close: the tool settings are shown with tools
+    # the tool settings show when the server has tools; the working directory is typed in
+    browser.find_element(By.ID, "settings-toggle").click()
+    assert browser.find_element(By.ID, "set-tool-rounds").get_attribute("placeholder") == "10"
+    browser.find_element(By.ID, "set-cwd").send_keys(str(tmp_path))
+    browser.find_element(By.ID, "settings-toggle").click()
     standin.script([tool_call("read_file", {"path": "notes.txt"}, "call_1")], "The file says alpha and beta.")
-    js(browser, "const c = document.getElementById('set-cwd'); c.value = arguments[0];"
-                "c.dispatchEvent(new Event('input'));", str(tmp_path))
     ask(browser, "What is in notes.txt?")
     shown = wait_turn_done(browser, 2)
 
@@ -328,6 +330,19 @@ def test_tool_rounds_per_answer_are_bounded(standin, browser, tmp_path):
     stored = js(browser, "return JSON.parse(localStorage.getItem('kvserve.conversations'))[0].messages")
     ids = [m["tool_call_id"] for m in stored if m["role"] == "tool"]
     assert len(set(ids)) == 3 and all(i.startswith("call_") for i in ids)
+
+
+def test_calls_of_an_answer_cut_at_max_tokens_are_not_run(standin, browser, tmp_path):
+    (tmp_path / "a.txt").write_text("a")
+    open_tools(browser, standin)
+    js(browser, "const c = document.getElementById('set-cwd'); c.value = arguments[0];"
+                "c.dispatchEvent(new Event('input'));", str(tmp_path))
+    standin.script(("length", [tool_call("read_file", {"path": "a.txt"}, "cut1")]), "never reached")
+    ask(browser, "Read a.txt")
+    shown = wait_turn_done(browser, 1)
+    assert standin.tool_calls == [] and len(standin.chats) == 1
+    assert shown[-1]["kind"] == "tool" and shown[-1]["status"] == "error"
+    assert shown[-1]["result"] == "Error: the answer reached max tokens before its tool calls were complete"
 
 
 def test_without_tools_the_page_sends_what_it_sent_before(bare_standin, browser):
