@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 import httpx
 import uvicorn
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvserve.faces.webui import _PAGE_HEADERS, builtin_assets
+from kvserve.faces.webui import CSP, builtin_assets
 from servers import free_port
 
 MODEL = "scripted-model"
@@ -70,7 +71,7 @@ class ChatStandIn:
 
         async def index(request: Request) -> Response:
             body, ctype = assets["index.html"]
-            return Response(body, media_type=ctype, headers=_PAGE_HEADERS)
+            return Response(body, media_type=ctype, headers={"Content-Security-Policy": CSP})
 
         async def asset(request: Request) -> Response:
             found = assets.get(request.path_params["name"])
@@ -108,7 +109,7 @@ class ChatStandIn:
             req = client.build_request("POST", self.upstream + "/tools", content=raw, headers=headers)
             r = await client.send(req, stream=True)
             return StreamingResponse(r.aiter_raw(), status_code=r.status_code,
-                                     media_type=r.headers.get("content-type"), background=None)
+                                     media_type=r.headers.get("content-type"), background=BackgroundTask(r.aclose))
 
         return Starlette(routes=[
             Route("/", index), Route("/webui/{name:path}", asset), Route("/v1/models", models),
