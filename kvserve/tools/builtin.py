@@ -593,33 +593,13 @@ class GrepSearch(_Builtin):
             if data is None or len(data) > GREP_MAX_FILE_SIZE or b"\x00" in data[:8192]:
                 continue
             lines = [_text(x) for x in _split_lines(data)]
-            for i, line in enumerate(lines):
-                if total >= GREP_SEARCH_MAX_RESULTS:
-                    limit_reached = True
-                    break
-                left = deadline - time.monotonic()
-                try:
-                    if left <= 0 or not rx.search(line, timeout=left):
-                        if left <= 0:
-                            stopped = True
-                            break
-                        continue
-                except TimeoutError:
-                    stopped = True
-                    break
-                lo, hi = (max(0, i - ctx_lines), min(len(lines) - 1, i + ctx_lines)) if ctx_lines else (i, i)
-                for j in range(lo, hi + 1):
-                    sep = ":" if j == i else "-"
-                    piece = f"{display}{sep}" + (f"{j + 1}{sep}" if show else "") + lines[j] + "\n"
-                    out.append(piece)
-                    size += len(piece)
-                if ctx_lines:
-                    out.append("--\n")
-                total += 1
-                if size > GREP_MAX_OUTPUT:
-                    stopped = True
-                    break
-            await asyncio.sleep(0)  # let other requests in between files
+            pieces, found, limit_reached, stop = await asyncio.to_thread(
+                _grep_lines, rx, lines, display, GREP_SEARCH_MAX_RESULTS - total, ctx_lines, show, deadline,
+                GREP_MAX_OUTPUT - size)
+            out += pieces
+            size += sum(len(x) for x in pieces)
+            total += found
+            stopped = stopped or stop
         text = "".join(out)
         if len(text) > GREP_MAX_OUTPUT:
             text = text[:GREP_MAX_OUTPUT] + "[output truncated]\n"
@@ -630,6 +610,38 @@ class GrepSearch(_Builtin):
         if stopped:
             text += "[search stopped: time or output limit reached. Narrow the path/pattern/include.]\n"
         return {"plain_text_response": text}
+
+
+def _grep_lines(rx, lines: list[str], display: str, room: int, ctx_lines: int, show: bool, deadline: float,
+                max_size: int) -> tuple[list[str], int, bool, bool]:
+    """One file's matches (run in a worker thread: ``regex`` releases the GIL): ``(output pieces,
+    matches, the match limit reached, stopped by time or size)``; at most ``room`` matches, each
+    search limited to the time left before ``deadline``."""
+    out: list[str] = []
+    size = found = 0
+    for i, line in enumerate(lines):
+        if found >= room:
+            return out, found, True, False
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return out, found, False, True
+        try:
+            if not rx.search(line, timeout=left, concurrent=True):
+                continue
+        except TimeoutError:
+            return out, found, False, True
+        lo, hi = (max(0, i - ctx_lines), min(len(lines) - 1, i + ctx_lines)) if ctx_lines else (i, i)
+        for j in range(lo, hi + 1):
+            sep = ":" if j == i else "-"
+            piece = f"{display}{sep}" + (f"{j + 1}{sep}" if show else "") + lines[j] + "\n"
+            out.append(piece)
+            size += len(piece)
+        if ctx_lines:
+            out.append("--\n")
+        found += 1
+        if size > max_size:
+            return out, found, False, True
+    return out, found, False, False
 
 
 class ExecShellCommand(_Builtin):
