@@ -9,7 +9,9 @@ with its Content-Security-Policy), and ``/tools`` is forwarded to a real kvserve
 ``--tools`` (``upstream``), recording each call (:attr:`ChatStandIn.tool_calls`) and the headers the
 page sent. ``extra_tools`` add entries to ``GET /tools`` answered here (a stand-in for an MCP
 server's tools, which need no real MCP server to test the page's confirmation rules);
-``upstream=None`` and no extras answer ``/tools`` with 404, as kvserve without ``--tools`` once did.
+``upstream=None`` and no extras answer ``/tools`` with :attr:`ChatStandIn.no_tools_status`: 404 (a
+server without the route) or 403 ``this feature is disabled`` (llama-server and kvserve without
+``--tools``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class ChatStandIn:
 
     upstream: str | None = None
     extra_tools: list[dict] = field(default_factory=list)
+    no_tools_status: int = 404
     chats: list[dict] = field(default_factory=list)
     tool_calls: list[dict] = field(default_factory=list)
     turns: list = field(default_factory=list)
@@ -90,8 +93,11 @@ class ChatStandIn:
 
         async def list_tools(request: Request) -> Response:
             if self.upstream is None and not self.extra_tools:
-                return JSONResponse({"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}},
-                                    status_code=404)
+                if self.no_tools_status == 403:
+                    body = {"error": {"message": "this feature is disabled", "type": "feature_disabled"}}
+                else:
+                    body = {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}}
+                return JSONResponse(body, status_code=self.no_tools_status)
             listed = []
             if self.upstream is not None:
                 r = await client.get(self.upstream + "/tools")

@@ -346,9 +346,12 @@ def test_calls_of_an_answer_cut_at_max_tokens_are_not_run(standin, browser, tmp_
     assert shown[-1]["result"] == "Error: the answer reached max tokens before its tool calls were complete"
 
 
-def test_without_tools_the_page_sends_what_it_sent_before(bare_standin, browser):
+@pytest.mark.parametrize("status", [404, 403])
+def test_without_tools_the_page_sends_what_it_sent_before(bare_standin, browser, status):
     from selenium.webdriver.common.by import By
 
+    bare_standin.no_tools_status = status
+    assert httpx.get(bare_standin.url("/tools")).status_code == status
     open_fresh(browser, bare_standin)
     wait_ready(browser)
     assert js(browser, "return document.body.dataset.tools") == "0"
