@@ -264,6 +264,25 @@ def test_stream_client_gone_kills_the_group(srv):
     assert _wait_gone(pgid, 15) == []
 
 
+def test_stream_client_gone_before_any_output(srv, tmp_path):
+    pidfile = tmp_path / "pid"
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.stream("POST", srv.url("/tools"), json={"tool": "exec_shell_command", "stream": True, "params": {
+                "command": f"echo $$ > {pidfile}; sleep 300", "timeout": 60}}, timeout=2) as r:
+            r.read()
+    pgid = int(pidfile.read_text())
+    assert _wait_gone(pgid, 15) == []
+
+
+def test_utf8_cwd_header(srv, tmp_path):
+    d = tmp_path / "d\u00e9j\u00e0-vu"
+    d.mkdir()
+    (d / "f.txt").write_text("ok\n")
+    r = httpx.post(srv.url("/tools"), json={"tool": "read_file", "params": {"path": "f.txt"}},
+                   headers={"x-tool-cwd": str(d).encode()}, timeout=10)
+    assert r.json() == {"plain_text_response": "ok\n"}
+
+
 def test_client_gone_kills_a_non_streaming_call(srv, tmp_path):
     pidfile = tmp_path / "pid"
     with pytest.raises(httpx.ReadTimeout):
