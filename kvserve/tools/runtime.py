@@ -163,6 +163,21 @@ def _feed(pipe, data: bytes) -> None:
             pass
 
 
+async def _wait_exit(proc: subprocess.Popen, deadline: float, ctx: ToolContext, res: ProcessResult) -> None:
+    """Poll until ``proc`` exits, its deadline passes (``res.timed_out``) or the call is cancelled
+    (``res.cancelled``)."""
+    pause = 0.001
+    while proc.poll() is None:
+        if ctx.cancelled.is_set():
+            res.cancelled = True
+            return
+        if time.monotonic() >= deadline:
+            res.timed_out = True
+            return
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
 async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, max_output: int,
                          cwd: str | None = None, stdin: bytes | None = None,
                          registry=None, result: ProcessResult | None = None) -> AsyncIterator[bytes]:
@@ -213,6 +228,9 @@ async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, ma
                     break
                 continue
             if not data:
+                # the output is closed (a coreutils program closes it before it exits): the command
+                # still has until its deadline to exit, as llama-server waits for it
+                await _wait_exit(proc, deadline, ctx, res)
                 break
             await asyncio.sleep(0)  # a flood must not hold the event loop
             if truncated:
