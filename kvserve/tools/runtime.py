@@ -47,6 +47,21 @@ _CHUNK = 4096
 _KILL_WINDOW = 2.0
 
 
+_EXECUTOR = None
+
+
+def in_thread(fn, *args):
+    """Run ``fn(*args)`` in the tools' own worker threads (4 at most; an awaitable): file I/O, walks
+    and regular expressions of tool calls never take the default executor's threads, which model
+    loading and the other faces use."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _EXECUTOR = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvserve-tools")
+    return asyncio.get_running_loop().run_in_executor(_EXECUTOR, fn, *args)
+
+
 @dataclass(frozen=True, slots=True)
 class RuntimeSpec:
     """A validated container runtime: ``engine`` (``docker`` | ``podman``) and ``container``."""
@@ -202,7 +217,7 @@ async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, ma
     os.set_blocking(fd, False)
     readable = asyncio.Event()
     loop.add_reader(fd, readable.set)
-    feeder = loop.run_in_executor(None, _feed, proc.stdin, stdin) if stdin is not None else None
+    feeder = in_thread(_feed, proc.stdin, stdin) if stdin is not None else None
     kept = bytearray()
     truncated = False
     deadline = time.monotonic() + limit
