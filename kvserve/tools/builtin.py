@@ -36,6 +36,7 @@ from kvserve.tools.runtime import (
     ISOLATE_EXEC_TIMEOUT,
     ProcessResult,
     container_argv,
+    in_thread,
     parse_runtime,
     run_process,
     stream_process,
@@ -64,7 +65,7 @@ JUNK_DIR_NAMES = frozenset({".git", ".svn", ".hg", "node_modules", "__pycache__"
 # -- glob ---------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=256)
-def _glob_regex(pattern: str) -> re.Pattern:
+def _glob_regex(pattern: str):
     """llama-server's glob as a regular expression: ``*`` any run without ``/``, ``**`` anything,
     ``**/`` any leading directories (or none), ``?`` one character but ``/``, ``[...]`` a class
     (``!`` negates)."""
@@ -104,14 +105,23 @@ def _glob_regex(pattern: str) -> re.Pattern:
         else:
             out.append(re.escape(c))
             i += 1
-    return re.compile("".join(out) + r"\Z", re.S)
+    import regex
+
+    return regex.compile("".join(out) + r"\Z", regex.S | regex.V0)
+
+
+#: seconds one glob match may take (a pattern of many ``*`` backtracks)
+GLOB_MATCH_TIMEOUT = 0.05
 
 
 def glob_match(pattern: str, text: str) -> bool:
-    """True when ``text`` matches the glob ``pattern`` whole."""
+    """True when ``text`` matches the glob ``pattern`` whole (False for an invalid pattern or one
+    that takes longer than :data:`GLOB_MATCH_TIMEOUT`)."""
+    import regex
+
     try:
-        return _glob_regex(pattern).match(text) is not None
-    except re.error:
+        return _glob_regex(pattern).match(text, timeout=GLOB_MATCH_TIMEOUT) is not None
+    except (regex.error, TimeoutError):
         return False
 
 
@@ -123,6 +133,12 @@ def path_glob_match(pattern: str, rel: str) -> bool:
     if pattern == "**" or pattern.startswith("**/") or pattern.startswith("/"):
         return glob_match(pattern, rel)
     return glob_match("**/" + pattern, rel)
+
+
+def _filter(entries: list[tuple[str, bool]], include: str, exclude: str) -> list[tuple[str, bool]]:
+    """The entries ``include`` matches and ``exclude`` does not."""
+    return [(rel, d) for rel, d in entries
+            if path_glob_match(include, rel) and not (exclude and path_glob_match(exclude, rel))]
 
 
 def _depth(rel: str) -> int:
@@ -152,7 +168,7 @@ class HostIO:
         return P.resolve(path, self.ctx.cwd, self.confine)
 
     async def file_size(self, path: str) -> int | None:
-        st = await asyncio.to_thread(P.check_regular, path)
+        st = await in_thread(P.check_regular, path)
         return None if st is None else st.st_size
 
     async def is_dir(self, path: str) -> bool:
@@ -170,7 +186,7 @@ class HostIO:
                 return None
             with os.fdopen(fd, "rb") as f:
                 return f.read(max_bytes)
-        return await asyncio.to_thread(read)
+        return await in_thread(read)
 
     async def read_lines(self, path: str, start: int, end: int, max_bytes: int) -> list[bytes] | None:
         """Lines ``start``..``end`` (1-based, inclusive; -1: to the end), each without its newline,
@@ -189,7 +205,7 @@ class HostIO:
                     if n >= start:
                         out.append(line[:-1] if line.endswith(b"\n") else line)
             return out
-        return await asyncio.to_thread(read)
+        return await in_thread(read)
 
     async def write(self, path: str, data: bytes) -> bool:
         def write() -> bool:
@@ -202,7 +218,7 @@ class HostIO:
                 f.truncate(0)
                 f.write(data)
             return True
-        return await asyncio.to_thread(write)
+        return await in_thread(write)
 
     async def run(self, argv: list[str], timeout_s: float, max_output: int, stream: bool = False,
                   result: ProcessResult | None = None):
@@ -240,8 +256,8 @@ class HostIO:
                         if os.path.isfile(os.path.join(base, line)):
                             out.append((line, False))
                     return out
-                return Listing(entries=await asyncio.to_thread(keep))
-        return await asyncio.to_thread(self._walk, base, max_depth, kind, deadline)
+                return Listing(entries=await in_thread(keep))
+        return await in_thread(self._walk, base, max_depth, kind, deadline)
 
     def _walk(self, base: str, max_depth: int, kind: str, deadline: float) -> Listing:
         out = Listing()
@@ -507,8 +523,7 @@ class FileGlobSearch(_Builtin):
         listing = await io.list_entries(base, max_depth, kind)
         if listing.err:
             return {"error": f"{listing.err}: {path}"}
-        matches = [(rel, d) for rel, d in listing.entries
-                   if path_glob_match(include, rel) and not (exclude and path_glob_match(exclude, rel))]
+        matches = await in_thread(_filter, listing.entries, include, exclude)
         total, shown = len(matches), min(len(matches), limit)
         text = "".join(f"{rel}{'/' if d else ''}\n" for rel, d in matches[:shown])
         text += f"\n---\nTotal matches: {total}\n"
@@ -570,9 +585,8 @@ class GrepSearch(_Builtin):
             listing = await io.list_entries(abs_path, 0, "file")
             if listing.err:
                 return {"error": f"{listing.err}: {path}"}
-            for rel, _ in listing.entries:
-                if path_glob_match(include, rel) and not (exclude and path_glob_match(exclude, rel)):
-                    files.append((abs_path.rstrip("/") + "/" + rel, rel))
+            for rel, _ in await in_thread(_filter, listing.entries, include, exclude):
+                files.append((abs_path.rstrip("/") + "/" + rel, rel))
         else:
             return {"error": f"path does not exist: {path}"}
         deadline = time.monotonic() + min(LIST_TIMEOUT, max(0.0, ctx.remaining()))
@@ -593,7 +607,7 @@ class GrepSearch(_Builtin):
             if data is None or len(data) > GREP_MAX_FILE_SIZE or b"\x00" in data[:8192]:
                 continue
             lines = [_text(x) for x in _split_lines(data)]
-            pieces, found, limit_reached, stop = await asyncio.to_thread(
+            pieces, found, limit_reached, stop = await in_thread(
                 _grep_lines, rx, lines, display, GREP_SEARCH_MAX_RESULTS - total, ctx_lines, show, deadline,
                 GREP_MAX_OUTPUT - size)
             out += pieces
@@ -708,7 +722,7 @@ class WriteFile(_Builtin):
         try:
             full = io.resolve(path)
             if isinstance(io, HostIO):
-                await asyncio.to_thread(P.check_regular, full)
+                await in_thread(P.check_regular, full)
         except P.PathRefused as e:
             return {"error": e.message}
         if not await io.write(full, content):

@@ -47,6 +47,21 @@ _CHUNK = 4096
 _KILL_WINDOW = 2.0
 
 
+_EXECUTOR = None
+
+
+def in_thread(fn, *args):
+    """Run ``fn(*args)`` in the tools' own worker threads (4 at most; an awaitable): file I/O, walks
+    and regular expressions of tool calls never take the default executor's threads, which model
+    loading and the other faces use."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _EXECUTOR = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvserve-tools")
+    return asyncio.get_running_loop().run_in_executor(_EXECUTOR, fn, *args)
+
+
 @dataclass(frozen=True, slots=True)
 class RuntimeSpec:
     """A validated container runtime: ``engine`` (``docker`` | ``podman``) and ``container``."""
@@ -163,6 +178,21 @@ def _feed(pipe, data: bytes) -> None:
             pass
 
 
+async def _wait_exit(proc: subprocess.Popen, deadline: float, ctx: ToolContext, res: ProcessResult) -> None:
+    """Poll until ``proc`` exits, its deadline passes (``res.timed_out``) or the call is cancelled
+    (``res.cancelled``)."""
+    pause = 0.001
+    while proc.poll() is None:
+        if ctx.cancelled.is_set():
+            res.cancelled = True
+            return
+        if time.monotonic() >= deadline:
+            res.timed_out = True
+            return
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
 async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, max_output: int,
                          cwd: str | None = None, stdin: bytes | None = None,
                          registry=None, result: ProcessResult | None = None) -> AsyncIterator[bytes]:
@@ -187,7 +217,7 @@ async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, ma
     os.set_blocking(fd, False)
     readable = asyncio.Event()
     loop.add_reader(fd, readable.set)
-    feeder = loop.run_in_executor(None, _feed, proc.stdin, stdin) if stdin is not None else None
+    feeder = in_thread(_feed, proc.stdin, stdin) if stdin is not None else None
     kept = bytearray()
     truncated = False
     deadline = time.monotonic() + limit
@@ -213,6 +243,9 @@ async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, ma
                     break
                 continue
             if not data:
+                # the output is closed (a coreutils program closes it before it exits): the command
+                # still has until its deadline to exit, as llama-server waits for it
+                await _wait_exit(proc, deadline, ctx, res)
                 break
             await asyncio.sleep(0)  # a flood must not hold the event loop
             if truncated:

@@ -202,6 +202,54 @@ def test_container_argv_keeps_caller_text_after_the_id(monkeypatch):
     assert container_argv(parse_runtime("docker-container:a"), ["ls"]) == ["docker", "exec", "a", "ls"]
 
 
+FAKE_ENGINE = """#!/bin/sh
+# stands in for `docker exec [-i] ID CMD...` (no container engine on this machine): logs the id and
+# runs CMD here, so the tools' container code paths run end to end
+[ "$1" = exec ] || exit 125
+shift
+[ "$1" = -i ] && shift
+printf '%s\\n' "$1" >> "$FAKE_ENGINE_LOG"
+shift
+exec "$@"
+"""
+
+
+def test_container_runtime_end_to_end_with_a_stand_in_engine(monkeypatch, tmp_path):
+    """The container I/O (write through stdin, cat, wc, find, the in-container timeout) against a
+    stand-in ``docker`` that runs the command on this machine (a mock: no engine can run here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(FAKE_ENGINE)
+    (bin_dir / "docker").chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    log = tmp_path / "engine.log"
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_ENGINE_LOG", str(log))
+    reg = ToolRegistry.from_names("all")
+
+    def run(tool, params):
+        return asyncio.run(reg.get(tool).run(params, ToolContext(cwd=str(work), runtime="docker-container:c1")))
+
+    assert run("write_file", {"path": "sub/test.log", "content": "hello container\n"}) == {
+        "result": "file written successfully", "path": "sub/test.log", "bytes": 16}
+    assert (work / "sub" / "test.log").read_text() == "hello container\n"
+    assert run("read_file", {"path": "sub/test.log", "append_loc": True}) == {
+        "plain_text_response": "1\u2192hello container\n"}
+    assert run("exec_shell_command", {"command": "cat sub/test.log"}) == {
+        "plain_text_response": "hello container\n\n[exit code: 0]"}
+    assert run("edit_file", {"path": "sub/test.log", "edits": [{"old_text": "hello", "new_text": "bye"}]})[
+        "edits_applied"] == 1
+    assert run("grep_search", {"path": ".", "pattern": "bye"})["plain_text_response"] == (
+        "sub/test.log:bye container\n\n---\nTotal matches: 1\n")
+    res = run("file_glob_search", {"path": ".", "type": "all"})
+    assert sorted((e["path"], e["type"]) for e in res["entries"]) == [("sub", "dir"), ("sub/test.log", "file")]
+    assert run("read_file", {"path": "missing.txt"}) == {"error": "cannot stat file: missing.txt"}
+    res = run("exec_shell_command", {"command": "sleep 30", "timeout": 1})
+    assert res["plain_text_response"].startswith("\n[exit code: 124]")  # the in-container timeout's status
+    assert set(log.read_text().split()) == {"c1"}
+
+
 # -- bounds: floods, timeouts, process groups -----------------------------------------------------
 
 def test_output_flood_capped(srv):
@@ -262,6 +310,25 @@ def test_stream_client_gone_kills_the_group(srv):
         assert len(group_members(pgid)) >= 100  # the client is still there: the command runs on
     # the connection is closed: the command must not run on to its 60 s
     assert _wait_gone(pgid, 15) == []
+
+
+def test_stream_client_gone_before_any_output(srv, tmp_path):
+    pidfile = tmp_path / "pid"
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.stream("POST", srv.url("/tools"), json={"tool": "exec_shell_command", "stream": True, "params": {
+                "command": f"echo $$ > {pidfile}; sleep 300", "timeout": 60}}, timeout=2) as r:
+            r.read()
+    pgid = int(pidfile.read_text())
+    assert _wait_gone(pgid, 15) == []
+
+
+def test_utf8_cwd_header(srv, tmp_path):
+    d = tmp_path / "d\u00e9j\u00e0-vu"
+    d.mkdir()
+    (d / "f.txt").write_text("ok\n")
+    r = httpx.post(srv.url("/tools"), json={"tool": "read_file", "params": {"path": "f.txt"}},
+                   headers={"x-tool-cwd": str(d).encode()}, timeout=10)
+    assert r.json() == {"plain_text_response": "ok\n"}
 
 
 def test_client_gone_kills_a_non_streaming_call(srv, tmp_path):
