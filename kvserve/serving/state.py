@@ -125,6 +125,8 @@ class ServerState:
         #: each model's latest Metrics (served name -> Metrics, bounded): /metrics answers from it
         #: while the model sleeps or is unloaded, and the next runner of that name continues its counters
         self.kept_metrics = KeptMetrics()
+        #: the MCP servers of --mcp-servers-config / --mcp-servers-json (kvserve.tools.mcp.McpManager), or None
+        self.mcp = None
 
     # -- names
 
