@@ -280,6 +280,11 @@ _FORBIDDEN = json.dumps({"error": "origin not allowed"}, separators=(",", ":")).
 _BAD_HOST = json.dumps({"error": "host not allowed"}, separators=(",", ":")).encode()
 _BAD_HOST_LLAMA = json.dumps({"error": {"message": "host not allowed", "type": "permission_error", "code": 403}},
                              separators=(",", ":")).encode()
+_BAD_ORIGIN_LLAMA = json.dumps({"error": {"message": "origin not allowed", "type": "permission_error", "code": 403}},
+                               separators=(",", ":")).encode()
+#: llama-server routes under /api's rules (local origins; loopback Host names on a loopback listener),
+#: in llama-server's envelope: the server tools, which read, write and run things on this machine
+LOCAL_ONLY_PATHS = frozenset({"/tools"})
 
 
 def _host_of(value: str) -> str:
@@ -310,7 +315,8 @@ def local_host(host: str) -> bool:
 
 class ApiOriginGuard:
     """ASGI middleware for ``/api/*`` (Ollama's face, whose routes delete, copy, create and pull
-    models): a browser request whose ``Origin`` is not local (Ollama's defaults, plus
+    models) and ``/tools`` (:data:`LOCAL_ONLY_PATHS`, llama-server's envelope): a browser request whose
+    ``Origin`` is not local (Ollama's defaults, plus
     ``OLLAMA_ORIGINS``) gets 403, preflights included; and when the server listens on loopback, a
     ``Host`` that is not a loopback name gets 403 (DNS rebinding), as Ollama does. The other faces
     keep llama-server's CORS rules (``--cors-origins``, default ``*``), with one check more (issue
@@ -343,14 +349,15 @@ class ApiOriginGuard:
 
     async def __call__(self, scope, receive, send):
         path = route_path(scope) if scope["type"] == "http" else ""
-        if path == "/api" or path.startswith("/api/"):
+        ollama = path == "/api" or path.startswith("/api/")
+        if ollama or path in LOCAL_ONLY_PATHS:
             headers = {k.lower(): v for k, v in scope.get("headers", [])}
             origin = headers.get(b"origin")
             if origin is not None and not self._origin_ok(origin.decode("latin-1")):
-                return await _plain(send, 403, _FORBIDDEN)
+                return await _plain(send, 403, _FORBIDDEN if ollama else _BAD_ORIGIN_LLAMA)
             host = headers.get(b"host")
             if self.check_host and host is not None and not local_host(_host_of(host.decode("latin-1"))):
-                return await _plain(send, 403, _BAD_HOST)
+                return await _plain(send, 403, _BAD_HOST if ollama else _BAD_HOST_LLAMA)
         elif path and self.check_host and not self.keyed:
             headers = {k.lower(): v for k, v in scope.get("headers", [])}
             host = headers.get(b"host")

@@ -112,6 +112,9 @@ class ServerArgs:
     cache_ram_share: int | None = None  # set by the server: models sharing the host prompt-cache budget
     webui: bool = True  # --no-webui/--no-ui: GET / answers "Ollama is running" to browsers too
     ui_mcp_proxy: bool = False  # --ui-mcp-proxy: serve llama-server's /cors-proxy (kvserve/faces/cors_proxy.py)
+    tools: list[str] = field(default_factory=list)  # --tools: built-in server tools (names or all; kvserve.tools)
+    tools_runtime: str | None = None  # --tools-runtime: docker-container:ID / podman-container:ID
+    tools_confine: bool = False  # --tools-confine: absolute tool paths stay inside x-tool-cwd too
     # -- added with the flag table (kvserve/serving/flags.py)
     path: str | None = None  # --path: directory of static files served at / (llama-server)
     offline: bool = False  # --offline / HF_HUB_OFFLINE: nothing is pulled at start-up
@@ -571,8 +574,7 @@ def _cors(v: dict, given: dict, notes: list) -> tuple[list[str], str, str, bool]
     llama-server's ``--cors-*`` flags win; vLLM's ``--allowed-origins/--allowed-methods/
     --allowed-headers/--allow-credentials`` apply when their llama-server twin is not given.
     As llama-server, ``--tools`` without an explicit origin list limits CORS to ``localhost``
-    (kvserve offers no built-in tools, but a command line copied with ``--tools`` keeps the
-    protection it had). An explicitly empty list (``--cors-origins ''``, ``--allowed-origins '[]'``)
+    (the tools read, write and run things on this machine). An explicitly empty list (``--cors-origins ''``, ``--allowed-origins '[]'``)
     allows no origin: no CORS headers are sent (vLLM's CORSMiddleware with no origins)."""
     origins = [o.strip() for o in v["cors_origins"].split(",") if o.strip()]
     explicit = "cors_origins" in given  # an explicitly empty list allows no cross-origin page

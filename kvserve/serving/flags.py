@@ -379,6 +379,27 @@ def _host_check(value: Any) -> str | None:
     return None
 
 
+def _tools_check(names: list[str]) -> str | None:
+    """``--tools``: llama-server's start-up refusal of a name that is not a built-in tool."""
+    from kvserve.tools.base import BUILTIN_NAMES
+
+    bad = [n for n in names if n != "all" and n not in BUILTIN_NAMES]
+    return Plain(f'tools setup failed: unknown tool "{bad[0]}". available tools: {", ".join(BUILTIN_NAMES)}') \
+        if bad else None
+
+
+def _tools_runtime_check(spec: str) -> str | None:
+    """``--tools-runtime``: a running container's spec (:func:`kvserve.tools.runtime.parse_runtime`)."""
+    from kvserve.tools.base import ToolRuntimeError
+    from kvserve.tools.runtime import parse_runtime
+
+    try:
+        parse_runtime(spec)
+    except ToolRuntimeError as e:
+        return Plain(f"tools setup failed: {e.message}")
+    return None
+
+
 def _existing_file(flag: str) -> Callable[[str], str | None]:
     def check(path: str) -> str | None:
         return None if os.path.isfile(path) else f'error while handling argument "{flag}": no such file: {path}'
@@ -977,9 +998,16 @@ FLAGS: tuple[Flag, ...] = (
           "message's role; an empty role is refused at start-up (exit 2)",
       check=lambda r: None if str(r).strip() else
       "--response-role: the role must not be empty (e.g. --response-role assistant)"),
-    F("--tools", help="built-in server tools", env="LLAMA_ARG_TOOLS", effect=WARN,
-      why="kvserve has no built-in server tools (file and shell access): none are offered"),
-    F("--tools-runtime", env="LLAMA_ARG_TOOLS_RUNTIME", effect=WARN, why="kvserve has no built-in server tools"),
+    F("--tools", "str", None, "built-in server tools (file and shell access) served at /tools: TOOL1,TOOL2,... or all",
+      env="LLAMA_ARG_TOOLS", metavar="TOOL1,TOOL2,...", convert=string_list, check=_tools_check,
+      why="GET/POST /tools (kvserve.tools); CORS limited to localhost unless --cors-origins; routes behind --api-key "
+          "and the local-origin/Host rules of /api"),
+    F("--tools-runtime", help="run every tool call in a running container: docker-container:ID, podman-container:ID",
+      env="LLAMA_ARG_TOOLS_RUNTIME", check=_tools_runtime_check,
+      why="only an existing container (docker:IMAGE and ssh: are refused at start-up)"),
+    F("--tools-confine", "bool", False, "keep absolute tool paths inside the caller's x-tool-cwd too", source=KV,
+      neg="--no-tools-confine", env="KVSERVE_TOOLS_CONFINE",
+      why="relative paths always stay inside the cwd; llama-server (and its tests) let absolute paths go anywhere"),
     F("--mcp-servers-config", help="JSON file of MCP servers ({\"mcpServers\": ...}) whose tools /tools offers",
       env="LLAMA_ARG_MCP_SERVERS_CONFIG", metavar="FILE",
       why="stdio (command/args/env) and streamable-HTTP (url/headers) servers, started at warm-up; their tools are "

@@ -125,6 +125,11 @@ class ServerState:
         #: each model's latest Metrics (served name -> Metrics, bounded): /metrics answers from it
         #: while the model sleeps or is unloaded, and the next runner of that name continues its counters
         self.kept_metrics = KeptMetrics()
+        #: the tools /tools serves (kvserve.tools): --tools' built-in ones, then what MCP servers add
+        from kvserve.tools import ToolRegistry
+
+        self.tools = ToolRegistry.from_names(getattr(args, "tools", None) or [], getattr(args, "tools_runtime", None),
+                                             confine=bool(getattr(args, "tools_confine", False)))
         #: the MCP servers of --mcp-servers-config / --mcp-servers-json (kvserve.tools.mcp.McpManager), or None
         self.mcp = None
 

@@ -1,0 +1,218 @@
+"""Where a tool's processes run, and how they are started, capped and killed.
+
+Runtimes (llama-server's ``x-tool-runtime`` / ``--tools-runtime`` specs, :func:`parse_runtime`):
+
+* none: the host, in the call's cwd;
+* ``docker-container:ID`` / ``podman-container:ID``: an already running container, driven through
+  ``ENGINE exec [-i] ID ARGV...``. The id must start with a letter or digit and hold only letters,
+  digits, ``.``, ``-`` and ``_`` (llama-server's rule): an id such as ``--privileged`` would become an
+  option of the engine. The engine is one of the two fixed names, never the caller's text, and
+  everything the caller gives (cwd, paths, the command) travels after the id, where the engine reads
+  no options: the inner ``sh -c 'cd "$1" ...' _ CWD`` takes the cwd as a positional argument, never
+  spliced into a script. Any other spec is refused with llama-server's texts: ``docker:IMAGE`` (a
+  container kvserve would start: not available here), ``ssh:TARGET`` (remoting, not isolation: not
+  offered; a target starting with ``-`` is refused as ``invalid ssh target`` first, as llama-server),
+  anything else ``unknown tool runtime: SPEC``.
+
+Processes (:func:`run_process`): every command starts in its own session and process group
+(``start_new_session``), with stdin from ``/dev/null`` (or the bytes given), stdout and stderr
+combined; output past ``max_output`` bytes is read and dropped (the child never blocks on a full pipe)
+and ``[output truncated]`` is added. The whole group gets SIGKILL, repeated until it is empty, when
+the time is up, when the call's :attr:`~kvserve.tools.base.ToolContext.cancelled` is set (client
+gone) or the server stops (:meth:`~kvserve.tools.base.ToolRegistry.close`), and always once the
+command's own process has exited (background children it left die with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvserve.tools.base import ToolContext, ToolRuntimeError
+
+ENGINES = ("docker", "podman")
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+_SSH_TARGET = re.compile(r"[A-Za-z0-9._@-]+\Z")
+#: seconds a container's auxiliary command (stat, cat, find) may take (llama-server's)
+ISOLATE_EXEC_TIMEOUT = 15.0
+#: bytes read from a pipe at once
+_CHUNK = 4096
+#: how long the kill loop keeps sending SIGKILL to a group that still has members (s)
+_KILL_WINDOW = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSpec:
+    """A validated container runtime: ``engine`` (``docker`` | ``podman``) and ``container``."""
+
+    engine: str
+    container: str
+
+    @property
+    def spec(self) -> str:
+        return f"{self.engine}-container:{self.container}"
+
+
+def parse_runtime(spec: str | None) -> RuntimeSpec | None:
+    """The runtime ``spec`` names (None or "": the host). Raises ToolRuntimeError with llama-server's
+    texts: ``invalid container id: X``, ``tool runtime must name a running container: X``,
+    ``invalid ssh target: X``, ``unknown tool runtime: X``."""
+    if not spec:
+        return None
+    for engine in ENGINES:
+        attach = f"{engine}-container:"
+        if spec.startswith(attach):
+            cid = spec[len(attach):]
+            if not _ID.match(cid):
+                raise ToolRuntimeError(f"invalid container id: {cid}")
+            return RuntimeSpec(engine, cid)
+        if spec.startswith(f"{engine}:"):
+            raise ToolRuntimeError(f"tool runtime must name a running container: {spec}")
+    if spec.startswith("ssh:"):
+        target = spec[4:]
+        if not target or target.startswith("-") or not _SSH_TARGET.match(target):
+            raise ToolRuntimeError(f"invalid ssh target: {target}")
+        raise ToolRuntimeError(f"unknown tool runtime: {spec} (kvserve runs tools on the host or in a running "
+                               "docker/podman container)")
+    raise ToolRuntimeError(f"unknown tool runtime: {spec}")
+
+
+def container_argv(rt: RuntimeSpec, inner: list[str], stdin: bool = False, cwd: str | None = None) -> list[str]:
+    """The host argv that runs ``inner`` (a complete argv) in ``rt``'s container: ``ENGINE exec [-i]
+    ID [sh -c 'cd "$1" || exit 127; shift; exec "$@"' _ CWD] INNER...`` (no option after the id)."""
+    if cwd:
+        inner = ["sh", "-c", 'cd "$1" || exit 127; shift; exec "$@"', "_", cwd, *inner]
+    return [rt.engine, "exec", *(["-i"] if stdin else []), rt.container, *inner]
+
+
+@dataclass
+class ProcessResult:
+    """What :func:`run_process` saw: ``output`` (text, capped, ``[output truncated]`` appended when
+    cut), ``exit_code`` (the command's status; -SIG when killed by a signal; -1 when it could not
+    start), ``timed_out``, ``cancelled`` (the caller went away) and ``raw`` (the capped bytes)."""
+
+    output: str
+    exit_code: int
+    timed_out: bool = False
+    cancelled: bool = False
+    raw: bytes = b""
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of group ``pgid``, read from ``/proc`` (Linux); [] elsewhere."""
+    out = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
+            out.append(int(name))
+    return out
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL every process of group ``pgid``, repeated while live members remain (a fork loop may
+    add members while a signal is delivered), for at most :data:`_KILL_WINDOW` seconds."""
+    end = time.monotonic() + _KILL_WINDOW
+    while True:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # gone, or the id is someone else's now
+            return
+        if not group_members(pgid) or time.monotonic() > end:
+            return
+        time.sleep(0.005)
+
+
+async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, max_output: int,
+                         cwd: str | None = None, stdin: bytes | None = None,
+                         registry=None, result: ProcessResult | None = None) -> AsyncIterator[bytes]:
+    """Run ``argv`` (its own process group) and yield its combined output as it comes, at most
+    ``max_output`` bytes; fill ``result`` (exit code, timed_out, cancelled, the capped bytes) when
+    done. Kills the group on timeout, on ``ctx.cancelled``, when the consumer stops iterating
+    (client gone: the generator is closed) and after the command exits."""
+    res = result if result is not None else ProcessResult("", -1)
+    limit = max(0.0, min(timeout_s, ctx.remaining()))
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, cwd=cwd or None, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+    except (OSError, ValueError) as e:
+        res.output, res.exit_code = f"failed to spawn process: {e.strerror or e}" if isinstance(e, OSError) \
+            else "failed to spawn process", -1
+        return
+    pgid = proc.pid
+    if registry is not None:
+        registry.track(pgid)
+    kept = bytearray()
+    truncated = False
+    deadline = time.monotonic() + limit
+    cancel_wait = asyncio.ensure_future(ctx.cancelled.wait())
+    try:
+        if stdin is not None:
+            try:
+                proc.stdin.write(stdin)
+                await asyncio.wait_for(proc.stdin.drain(), timeout=max(0.1, limit))
+            except (BrokenPipeError, ConnectionResetError, asyncio.TimeoutError):
+                pass
+            proc.stdin.close()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                res.timed_out = True
+                break
+            read = asyncio.ensure_future(proc.stdout.read(_CHUNK))
+            done, _ = await asyncio.wait({read, cancel_wait}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if read not in done:
+                read.cancel()
+                if cancel_wait in done:
+                    res.cancelled = True
+                else:
+                    res.timed_out = True
+                break
+            data = read.result()
+            if not data:
+                break
+            if truncated:
+                continue
+            room = max_output - len(kept)
+            if len(data) > room:
+                data = data[:room]
+                truncated = True
+            if data:
+                kept += data
+                yield data
+    finally:
+        cancel_wait.cancel()
+        kill_group(pgid)
+        try:
+            res.exit_code = await asyncio.wait_for(proc.wait(), timeout=5)
+        except asyncio.TimeoutError:
+            res.exit_code = -1
+        if registry is not None:
+            registry.untrack(pgid)
+        res.raw = bytes(kept)
+        res.output = bytes(kept).decode("utf-8", "replace") + ("\n[output truncated]" if truncated else "")
+
+
+async def run_process(argv: list[str], ctx: ToolContext, timeout_s: float, max_output: int,
+                      cwd: str | None = None, stdin: bytes | None = None, registry=None) -> ProcessResult:
+    """:func:`stream_process` to the end: the whole :class:`ProcessResult`."""
+    res = ProcessResult("", -1)
+    async for _ in stream_process(argv, ctx, timeout_s, max_output, cwd, stdin, registry, res):
+        pass
+    return res
