@@ -56,6 +56,8 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.tools.base import BaseTool, UnknownToolError
+
 log = logging.getLogger("kvserve.tools.mcp")
 
 #: seconds one server's warm-up (start, initialize, tools/list) may take (llama-server's)
@@ -572,25 +574,42 @@ class McpManager:
             if self.stopping or (cancelled is not None and cancelled.is_set()):
                 return {"error": "cancelled"}
             if conn.dead.is_set():
-                return {"error": f"MCP server '{server}' exited: {conn.diagnostics() or 'transport closed'}"}
+                log.warning("MCP '%s' exited during a call: %s", server, conn.diagnostics() or "transport closed",
+                            extra={"func": "mcp"})
+                return {"error": "transport closed"}
             return {"error": "request timed out"}
         try:
             result = call.result()
-        except MCPError as e:
-            if "timed out" in str(e).lower() or getattr(getattr(e, "error", None), "code", None) == -32001:
-                return {"error": "request timed out"}
-            return {"error": getattr(getattr(e, "error", None), "message", None) or str(e)}
-        except TimeoutError:
-            return {"error": "request timed out"}
-        except Exception as e:  # noqa: BLE001 - the transport broke: the next call starts it again
-            conn.dead.set()
-            if self.stopping:
-                return {"error": "cancelled"}
-            return {"error": f"MCP server '{server}' failed: {_describe(e)}"}
+        except Exception as e:  # noqa: BLE001 - every failure is an answer
+            return self._call_error(server, conn, e, cancelled)
         text, is_error = _result_text(result)
         if is_error:
             return {"error": text or "MCP tool returned an error"}
         return {"plain_text_response": text}
+
+    def _call_error(self, server: str, conn: _Connection, e: Exception, cancelled: asyncio.Event | None) -> dict:
+        """The ``{"error": TEXT}`` answer for a call that raised ``e`` (llama-server's texts: a
+        JSON-RPC error reply's message, ``request timed out``, ``transport closed``, ``cancelled``);
+        a broken connection is marked dead, so the next call starts the server again."""
+        from mcp.shared.exceptions import MCPError
+        from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
+
+        if self.stopping or (cancelled is not None and cancelled.is_set()):
+            return {"error": "cancelled"}
+        if isinstance(e, TimeoutError):
+            return {"error": "request timed out"}
+        if isinstance(e, MCPError):
+            code = getattr(getattr(e, "error", None), "code", None)
+            if code == REQUEST_TIMEOUT:
+                return {"error": "request timed out"}
+            message = getattr(getattr(e, "error", None), "message", None) or str(e)
+            # the SDK's own "connection closed" (a server may send the same code, -32000, as its own error)
+            if code == CONNECTION_CLOSED and message == "Connection closed":
+                conn.dead.set()
+                return {"error": "transport closed"}
+            return {"error": message}
+        conn.dead.set()  # the transport broke
+        return {"error": f"MCP server '{server}' failed: {_describe(e)}"}
 
     # stop
     def pids(self) -> list[int]:
@@ -619,7 +638,7 @@ class McpManager:
         return [McpTool(d, self) for d in self.tool_defs]
 
 
-class McpTool:
+class McpTool(BaseTool):
     """One MCP server's tool as a ``/tools`` tool (the :class:`kvserve.tools.base.Tool` protocol),
     named ``<server>_<tool>``, type ``mcp``, no write permission, no streaming (llama-server's
     ``server_mcp_tool``)."""
@@ -642,12 +661,6 @@ class McpTool:
         return {"type": "function", "function": {"name": self.name, "description": self.tool_def.description,
                                                  "parameters": schema}}
 
-    def entry(self) -> dict:
-        """The ``GET /tools`` element (llama-server's ``server_tool::to_json``)."""
-        return {"display_name": self.display_name, "tool": self.name, "type": self.type,
-                "permissions": {"write": self.permission_write}, "uses_cwd": self.uses_cwd,
-                "definition": self.definition()}
-
     async def run(self, params: dict, ctx: Any = None) -> dict:
         """Call the tool with ``params`` (the ``cwd``, ``runtime`` and ``resp_type`` the server adds
         from headers are not the tool's and are left out); ends early when ``ctx.cancelled`` is set."""
@@ -656,8 +669,6 @@ class McpTool:
                                             getattr(ctx, "cancelled", None))
 
     def stream(self, params: dict, ctx: Any = None):
-        from kvserve.tools.base import UnknownToolError
-
         raise UnknownToolError(f'tool "{self.name}" does not support stream = true')
 
 
@@ -688,18 +699,14 @@ def _drop_traceback(record: logging.LogRecord) -> bool:
 
 async def start_mcp(state: Any) -> None:
     """Warm-up (on the serving loop, before the server answers): list every server's tools and add
-    them to the server's tool registry (``state.tools``, made when ``--tools`` was not given: MCP
-    servers alone enable ``/tools``, as llama-server). A name already taken (a built-in tool, another
+    them to the server's tool registry (``state.tools``; MCP servers alone enable ``/tools``, as
+    llama-server). A name already taken (a built-in tool, another
     server's tool) is skipped with a warning."""
     mcp: McpManager | None = getattr(state, "mcp", None)
     if not mcp:
         return
     await mcp.warm_up()
-    registry = getattr(state, "tools", None)
-    if registry is None:
-        from kvserve.tools.base import ToolRegistry
-
-        registry = state.tools = ToolRegistry()
+    registry = state.tools
     n = sum(bool(registry.add(t)) for t in mcp.tools())
     registry.enabled = True
     if n:
