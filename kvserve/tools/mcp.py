@@ -70,6 +70,8 @@ DEFAULT_TIMEOUT_MS = 30000
 MAX_LINE_BYTES = 8 * 1024 * 1024
 #: the most characters of one call's answer text; the rest is cut with a note
 MAX_OUTPUT_CHARS = 1024 * 1024
+#: the most tools one server may list (the rest are dropped with a warning)
+MAX_TOOLS_PER_SERVER = 1024
 #: bytes of a stdio server's stderr kept for diagnostics
 STDERR_TAIL_BYTES = 4096
 #: seconds a stopping stdio server gets to exit after its stdin closes before its group is killed
@@ -504,7 +506,10 @@ class McpManager:
                 log.warning("MCP warmup: '%s' tools/list failed: %s", cfg.name, _describe(e) or "timed out",
                             extra={"func": "mcp"})
                 return []
-            for t in result.tools:
+            if len(result.tools) > MAX_TOOLS_PER_SERVER:
+                log.warning("MCP warmup: '%s' lists %d tools, keeping the first %d", cfg.name, len(result.tools),
+                            MAX_TOOLS_PER_SERVER, extra={"func": "mcp"})
+            for t in result.tools[:MAX_TOOLS_PER_SERVER]:
                 schema = t.input_schema if isinstance(getattr(t, "input_schema", None), dict) else {}
                 defs.append(McpToolDef(cfg.name, t.name, t.description or "", schema))
             log.info("MCP warmup: '%s' discovered %d tools", cfg.name, len(defs), extra={"func": "mcp"})

@@ -308,6 +308,50 @@ def test_concurrent_calls(server):
     assert results == [{"plain_text_response": f"echo: m{i}"} for i in range(16)]
 
 
+def test_http_server_restarted_is_reconnected(fixtures):
+    """The manager alone (no kvserve): a streamable-HTTP server that went away answers ``transport
+    closed`` at once; once it is back, the next call opens a new session."""
+    import asyncio
+    import subprocess
+
+    from kvserve.tools.mcp import McpManager, McpServerConfig
+
+    port = free_port()
+
+    def start():
+        p = subprocess.Popen([sys.executable, str(fixtures / "web.py"), str(port)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+                return p
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        return p
+
+    async def run(p):
+        m = McpManager([McpServerConfig("web", url=f"http://127.0.0.1:{port}/mcp",
+                                        headers={"X-Test-Token": "secret"}, timeout_ms=5000)])
+        out = [[d.name for d in await m.warm_up()], await m.call_tool("web", "greet", {"name": "a"})]
+        p.kill()
+        p.wait(10)
+        out.append(await m.call_tool("web", "greet", {"name": "b"}))
+        p = await asyncio.to_thread(start)
+        out.append(await m.call_tool("web", "greet", {"name": "c"}))
+        await m.aclose()
+        return out, p
+
+    p = start()
+    try:
+        out, p = asyncio.run(run(p))
+    finally:
+        p.kill()
+        p.wait(10)
+    assert out == [["greet"], {"plain_text_response": "hello a"}, {"error": "transport closed"},
+                   {"plain_text_response": "hello c"}]
+
+
 def test_timeout(tiny_gguf, fixtures, tmp_path):
     cfg = _config(fixtures)
     cfg["mcpServers"]["fx"]["timeout_ms"] = 500
