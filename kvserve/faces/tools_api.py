@@ -63,10 +63,21 @@ def _context(reg: ToolRegistry, http: HttpRequest) -> ToolContext:
     """The call's context from the headers (and ``--tools-runtime``)."""
     from kvserve.tools.runtime import parse_runtime
 
-    runtime = http.headers.get("x-tool-runtime") or reg.runtime
+    runtime = _header(http, "x-tool-runtime") or reg.runtime
     parse_runtime(runtime)  # raises ToolRuntimeError (500) for a refused spec
-    return ToolContext(cwd=http.headers.get("x-tool-cwd") or None, runtime=runtime or None,
-                       resp_type=http.headers.get("x-resp-type") or None, timeout_s=CALL_TIMEOUT_S)
+    return ToolContext(cwd=_header(http, "x-tool-cwd") or None, runtime=runtime or None,
+                       resp_type=_header(http, "x-resp-type") or None, timeout_s=CALL_TIMEOUT_S)
+
+
+def _header(http: HttpRequest, name: str) -> str:
+    """A header's value as UTF-8 text (llama-server reads the bytes as UTF-8; Starlette decodes
+    latin-1): a cwd with non-ASCII letters names the same directory. Bytes that are not UTF-8 stay
+    as surrogate escapes, as Python's file functions take them."""
+    value = http.headers.get(name) or ""
+    try:
+        return value.encode("latin-1").decode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return value
 
 
 def _error(e: ToolError) -> Response:
@@ -97,7 +108,7 @@ async def call_tool(state: ServerState, http: HttpRequest) -> Response:
     except ToolError as e:
         return _error(e)
     if stream:
-        return await _stream(tool, params, ctx)
+        return await _stream(http, tool, params, ctx)
     watcher = asyncio.ensure_future(_watch_disconnect(http, ctx))
     try:
         result = await tool.run(params, ctx)
@@ -122,15 +133,19 @@ def _event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _stream(tool, params: dict, ctx: ToolContext) -> Response:
+async def _stream(http: HttpRequest, tool, params: dict, ctx: ToolContext) -> Response:
     chunks = tool.stream(params, ctx).__aiter__()
-    # a refused call (bad params, path outside the cwd) answers with its status before the stream
+    # a refused call (bad params, path outside the cwd) answers with its status before the stream;
+    # a client that leaves while the first chunk is awaited cancels the call too
+    watcher = asyncio.ensure_future(_watch_disconnect(http, ctx))
     try:
         first = await chunks.__anext__()
     except StopAsyncIteration:
         first = None
     except ToolError as e:
         return _error(e)
+    finally:
+        watcher.cancel()
 
     async def events():
         error = None

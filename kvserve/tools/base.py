@@ -200,7 +200,7 @@ class ToolRegistry:
         if runtime:
             parse_runtime(runtime)
         reg = cls(runtime=runtime or None, confine=confine)
-        for tool in builtin_tools():
+        for tool in builtin_tools(confine, reg):
             if "all" in wanted or tool.name in wanted:
                 reg.add(tool)
         reg.enabled = bool(wanted)

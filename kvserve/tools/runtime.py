@@ -29,6 +29,7 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -44,6 +45,21 @@ ISOLATE_EXEC_TIMEOUT = 15.0
 _CHUNK = 4096
 #: how long the kill loop keeps sending SIGKILL to a group that still has members (s)
 _KILL_WINDOW = 2.0
+
+
+_EXECUTOR = None
+
+
+def in_thread(fn, *args):
+    """Run ``fn(*args)`` in the tools' own worker threads (4 at most; an awaitable): file I/O, walks
+    and regular expressions of tool calls never take the default executor's threads, which model
+    loading and the other faces use."""
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _EXECUTOR = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvserve-tools")
+    return asyncio.get_running_loop().run_in_executor(_EXECUTOR, fn, *args)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +154,45 @@ def kill_group(pgid: int) -> None:
         time.sleep(0.005)
 
 
+def _spawn(argv: list[str], cwd: str | None, stdin: bool) -> subprocess.Popen:
+    """``argv`` in a new session (its own process group), stdout and stderr into one pipe, every
+    other descriptor of the server closed (``close_fds``: uvloop's own spawn lets its sockets and
+    pipes leak into the child, where a background grandchild would hold the output open and a
+    command could write into the server's descriptors)."""
+    return subprocess.Popen(argv, cwd=cwd or None, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            close_fds=True)
+
+
+def _feed(pipe, data: bytes) -> None:
+    """Write ``data`` to the child's stdin and close it (a worker thread; a child that stops reading
+    gets its stdin closed when it is killed)."""
+    try:
+        pipe.write(data)
+    except (BrokenPipeError, OSError, ValueError):
+        pass
+    finally:
+        try:
+            pipe.close()
+        except (BrokenPipeError, OSError):
+            pass
+
+
+async def _wait_exit(proc: subprocess.Popen, deadline: float, ctx: ToolContext, res: ProcessResult) -> None:
+    """Poll until ``proc`` exits, its deadline passes (``res.timed_out``) or the call is cancelled
+    (``res.cancelled``)."""
+    pause = 0.001
+    while proc.poll() is None:
+        if ctx.cancelled.is_set():
+            res.cancelled = True
+            return
+        if time.monotonic() >= deadline:
+            res.timed_out = True
+            return
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
 async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, max_output: int,
                          cwd: str | None = None, stdin: bytes | None = None,
                          registry=None, result: ProcessResult | None = None) -> AsyncIterator[bytes]:
@@ -148,46 +203,55 @@ async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, ma
     res = result if result is not None else ProcessResult("", -1)
     limit = max(0.0, min(timeout_s, ctx.remaining()))
     try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=cwd or None, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
-    except (OSError, ValueError) as e:
-        res.output, res.exit_code = f"failed to spawn process: {e.strerror or e}" if isinstance(e, OSError) \
-            else "failed to spawn process", -1
+        proc = _spawn(argv, cwd, stdin is not None)
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        res.output = f"failed to spawn process: {e.strerror or e}" if isinstance(e, OSError) else \
+            "failed to spawn process"
+        res.exit_code = -1
         return
     pgid = proc.pid
     if registry is not None:
         registry.track(pgid)
+    loop = asyncio.get_running_loop()
+    fd = proc.stdout.fileno()
+    os.set_blocking(fd, False)
+    readable = asyncio.Event()
+    loop.add_reader(fd, readable.set)
+    feeder = in_thread(_feed, proc.stdin, stdin) if stdin is not None else None
     kept = bytearray()
     truncated = False
     deadline = time.monotonic() + limit
     cancel_wait = asyncio.ensure_future(ctx.cancelled.wait())
     try:
-        if stdin is not None:
-            try:
-                proc.stdin.write(stdin)
-                await asyncio.wait_for(proc.stdin.drain(), timeout=max(0.1, limit))
-            except (BrokenPipeError, ConnectionResetError, asyncio.TimeoutError):
-                pass
-            proc.stdin.close()
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                res.timed_out = True
-                break
-            read = asyncio.ensure_future(proc.stdout.read(_CHUNK))
-            done, _ = await asyncio.wait({read, cancel_wait}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            if read not in done:
-                read.cancel()
+            try:
+                data = os.read(fd, _CHUNK)
+            except BlockingIOError:
+                readable.clear()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    res.timed_out = True
+                    break
+                ready = asyncio.ensure_future(readable.wait())
+                done, _ = await asyncio.wait({ready, cancel_wait}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                ready.cancel()
                 if cancel_wait in done:
                     res.cancelled = True
-                else:
+                    break
+                if ready not in done:
                     res.timed_out = True
-                break
-            data = read.result()
+                    break
+                continue
             if not data:
+                # the output is closed (a coreutils program closes it before it exits): the command
+                # still has until its deadline to exit, as llama-server waits for it
+                await _wait_exit(proc, deadline, ctx, res)
                 break
+            await asyncio.sleep(0)  # a flood must not hold the event loop
             if truncated:
+                if time.monotonic() >= deadline:
+                    res.timed_out = True
+                    break
                 continue
             room = max_output - len(kept)
             if len(data) > room:
@@ -198,11 +262,15 @@ async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, ma
                 yield data
     finally:
         cancel_wait.cancel()
+        loop.remove_reader(fd)
         kill_group(pgid)
-        try:
-            res.exit_code = await asyncio.wait_for(proc.wait(), timeout=5)
-        except asyncio.TimeoutError:
-            res.exit_code = -1
+        proc.stdout.close()
+        end = time.monotonic() + 5
+        while proc.poll() is None and time.monotonic() < end:
+            await asyncio.sleep(0.005)
+        res.exit_code = proc.returncode if proc.returncode is not None else -1
+        if feeder is not None:
+            await asyncio.wait({feeder}, timeout=5)
         if registry is not None:
             registry.untrack(pgid)
         res.raw = bytes(kept)
