@@ -361,6 +361,10 @@ def add_startup(app: FastAPI, state: ServerState, on_fail) -> None:
 
     async def startup() -> None:
         _clean_store(state)
+        if getattr(state, "mcp", None):  # --mcp-servers-*: list their tools before the server answers
+            from kvserve.tools.mcp import start_mcp
+
+            await start_mcp(state)
         state.manager.start_reaper()
         if state.args.preload or state.pinned:
             state.preload_task = asyncio.get_running_loop().create_task(_preload(state, on_fail))
@@ -369,6 +373,8 @@ def add_startup(app: FastAPI, state: ServerState, on_fail) -> None:
             _log_listening(state.args)
 
     async def shutdown() -> None:
+        if getattr(state, "mcp", None):
+            await state.mcp.aclose()
         state.tools.close()  # the tools' process groups die with the server
         await state.manager.shutdown()
 
@@ -469,6 +475,14 @@ def main(argv: list[str] | None = None) -> int:
         args.port = gcp.port
     args.engine_config().apply_threads()  # once per process (each model's core finds it set)
     state = ServerState(args)
+    if args.mcp_servers_config or args.mcp_servers_json:  # a config that cannot be used refuses start-up
+        from kvserve.tools.mcp import McpConfigError, McpUnavailableError, manager_from_args
+
+        try:
+            state.mcp = manager_from_args(args)
+        except (McpConfigError, McpUnavailableError) as e:
+            _srv(logging.ERROR, "llama_server", "MCP starting failed: %s", e)
+            return 1
     try:
         app = build_app(state, gcp)
     except PredictRouteConflict as e:
@@ -495,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
             s.close()
         return 1
     server = _draining_server(config, app.state.drain)
+    if state.mcp:  # SIGTERM/SIGINT: in-flight MCP calls end now, the servers' process groups die
+        app.state.drain.on_begin.append(state.mcp.begin_stop)
     failed = threading.Event()
 
     def on_fail() -> None:

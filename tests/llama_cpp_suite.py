@@ -32,11 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: the suite's files for the features kvserve implements (basic, chat, completion, security,
 #: template, tokenize, metrics, tool calls, sleeping, Vertex AI's predict route, Anthropic's Messages API,
-#: the server tools and the /cors-proxy)
+#: the server tools, the /cors-proxy, MCP servers)
 SUITE_FILES = ("test_basic.py", "test_chat_completion.py", "test_completion.py", "test_security.py",
                "test_template.py", "test_tokenize.py", "test_metrics.py", "test_tool_call.py",
                "test_sleep.py", "test_compat_gcp.py", "test_compat_anthropic.py",
-               "test_tools_builtin.py", "test_proxy.py")
+               "test_tools_builtin.py", "test_proxy.py", "test_mcp_servers.py")
 
 #: the test ids (``unit/FILE::NAME``) llama-server passed on the default model, by file (see
 #: :func:`record_llama_server`)

@@ -80,12 +80,17 @@ class Drain:
         self.in_flight = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._expired: asyncio.Event | None = None
+        #: called once by :meth:`begin` (so each must be safe from a signal handler): work that must
+        #: stop at once rather than drain, e.g. MCP servers' calls (kvserve.tools.mcp)
+        self.on_begin: list = []
 
     def begin(self) -> None:
         """Start draining (idempotent; safe from a signal handler or another thread)."""
         if self.draining_since is not None:
             return
         self.draining_since = time.monotonic()
+        for fn in self.on_begin:
+            fn()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._arm)
 

@@ -115,6 +115,8 @@ class ServerArgs:
     tools: list[str] = field(default_factory=list)  # --tools: built-in server tools (names or all; kvserve.tools)
     tools_runtime: str | None = None  # --tools-runtime: docker-container:ID / podman-container:ID
     tools_confine: bool = False  # --tools-confine: absolute tool paths stay inside x-tool-cwd too
+    mcp_servers_config: str | None = None  # --mcp-servers-config FILE: MCP servers (kvserve.tools.mcp)
+    mcp_servers_json: str | None = None  # --mcp-servers-json JSON: the same, inline
     # -- added with the flag table (kvserve/serving/flags.py)
     path: str | None = None  # --path: directory of static files served at / (llama-server)
     offline: bool = False  # --offline / HF_HUB_OFFLINE: nothing is pulled at start-up

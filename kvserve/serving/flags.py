@@ -1008,8 +1008,12 @@ FLAGS: tuple[Flag, ...] = (
     F("--tools-confine", "bool", False, "keep absolute tool paths inside the caller's x-tool-cwd too", source=KV,
       neg="--no-tools-confine", env="KVSERVE_TOOLS_CONFINE",
       why="relative paths always stay inside the cwd; llama-server (and its tests) let absolute paths go anywhere"),
-    F("--mcp-servers-config", env="LLAMA_ARG_MCP_SERVERS_CONFIG", effect=WARN, why="kvserve runs no MCP servers"),
-    F("--mcp-servers-json", env="LLAMA_ARG_MCP_SERVERS_JSON", effect=WARN, why="kvserve runs no MCP servers"),
+    F("--mcp-servers-config", help="JSON file of MCP servers ({\"mcpServers\": ...}) whose tools /tools offers",
+      env="LLAMA_ARG_MCP_SERVERS_CONFIG", metavar="FILE",
+      why="stdio (command/args/env) and streamable-HTTP (url/headers) servers, started at warm-up; their tools are "
+          "listed and run by /tools as <server>_<tool>; a file that cannot be read or parsed refuses start-up"),
+    F("--mcp-servers-json", help="the same MCP servers JSON inline", env="LLAMA_ARG_MCP_SERVERS_JSON", metavar="JSON",
+      why="as --mcp-servers-config (both may be given: the file's servers first); invalid JSON refuses start-up"),
     F("-ag --agent", "bool", False, neg="-no-ag --no-agent", env="LLAMA_ARG_AGENT", effect=WARN,
       why="kvserve has no built-in server tools"),
     # -- features kvserve does not have

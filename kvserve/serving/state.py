@@ -130,6 +130,8 @@ class ServerState:
 
         self.tools = ToolRegistry.from_names(getattr(args, "tools", None) or [], getattr(args, "tools_runtime", None),
                                              confine=bool(getattr(args, "tools_confine", False)))
+        #: the MCP servers of --mcp-servers-config / --mcp-servers-json (kvserve.tools.mcp.McpManager), or None
+        self.mcp = None
 
     # -- names
 
