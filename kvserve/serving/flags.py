@@ -371,7 +371,10 @@ def lora_scaled(values: list[str] | None) -> list[tuple[str, float]]:
             path, sep, scale = item.rpartition(":")
             if not sep or not path:
                 raise ValueError(f"{item!r}: lora-scaled format: FNAME:SCALE")
-            s = float(scale)
+            try:
+                s = float(scale)
+            except ValueError:
+                raise ValueError(f"{item!r}: the scale {scale!r} is not a number (format: FNAME:SCALE)") from None
             if not math.isfinite(s) or abs(s) > 1000.0:
                 raise ValueError(f"{item!r}: the scale must be a finite number in [-1000, 1000]")
             out.append((path, s))
