@@ -161,6 +161,13 @@ class ServerArgs:
     enable_prompt_tokens_details: bool = False
     # speculative decoding (--spec-type ngram, --draft-max/--draft-min, --speculative-config)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    # LoRA (kvserve.lora): llama-server's --lora paths and --lora-scaled (path, scale) pairs of the -m model,
+    # --lora-init-without-apply (every global scale 0), vLLM's limits (None: no limit)
+    lora: list[str] = field(default_factory=list)
+    lora_scaled: list[tuple[str, float]] = field(default_factory=list)
+    lora_init_without_apply: bool = False
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
     # what parsing found: log lines for flags without effect or not available ((logging level, text)),
     # and how each flag was given (dest -> "--flag" or "ENV_NAME")
     flag_notes: list = field(default_factory=list)
@@ -176,6 +183,14 @@ class ServerArgs:
     def served_names(self) -> list[str]:
         """Names the model answers to: ``-a``/``--served-model-name``, else the model spec."""
         return list(self.alias) if self.alias else [self.model]
+
+    def lora_adapters(self) -> tuple[tuple[str, float], ...]:
+        """The start-up model's LoRA adapters, ``(path, global scale)``: ``--lora`` paths (scale 1), then
+        ``--lora-scaled`` pairs; every scale 0 with ``--lora-init-without-apply`` (llama-server's)."""
+        pairs = [(p, 1.0) for p in self.lora] + list(self.lora_scaled)
+        if self.lora_init_without_apply:
+            pairs = [(p, 0.0) for p, _ in pairs]
+        return tuple(pairs)
 
     def default_sampling_params(self) -> SamplingParams:
         """Server-wide sampling defaults from ``--temp``, ``--top-k``, ``-n``..."""
@@ -271,7 +286,7 @@ def parse_args(argv: list[str], environ: dict | None = None) -> ServerArgs:
 
 def _command_line(p, argv: list[str]) -> argparse.Namespace:
     """The namespace of the command line (``--config`` file first); ``--help`` prints and exits."""
-    argv = ft.dashed_names(list(argv))
+    argv = ft.join_lora_scaled(ft.dashed_names(list(argv)))
     try:
         argv = _with_config(argv)
     except (OSError, ValueError) as e:

@@ -283,7 +283,15 @@ class ServerState:
     # -- start-up
 
     def preload_blocking_part(self) -> ModelSpec:
-        """Find (pulling if needed) the start-up model's files: worker-thread work."""
+        """Find (pulling if needed) the start-up model's files: worker-thread work. Its spec carries
+        the ``--lora`` / ``--lora-scaled`` adapters (ServerArgs.lora_adapters)."""
+        import dataclasses
+
+        spec = self._startup_spec()
+        adapters = self.args.lora_adapters() if hasattr(self.args, "lora_adapters") else ()
+        return dataclasses.replace(spec, adapters=adapters) if adapters else spec
+
+    def _startup_spec(self) -> ModelSpec:
         from kvserve.store import resolve_model
 
         given = Path(self.args.model).expanduser()

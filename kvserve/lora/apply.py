@@ -1,0 +1,207 @@
+"""Multi-LoRA in the forward: each target Linear adds its adapters' deltas to its own output.
+
+A model's fused projections (q|k|v, gate|up) keep one :class:`LoraLinear` each; per adapter it holds
+``a`` [R, in] (the modules' A stacked) and ``b`` [out, R] (their B, module scales folded in, block
+diagonal over the fused parts, zero rows where the adapter leaves a part alone). A step's
+:class:`LoraBatch` groups the rows by adapter: per adapter, the rows' indices and their request
+scales. For each group::
+
+    y[rows] += ((x[rows] @ a^T) * scales) @ b^T          # x: [n, in], a^T: [in, R], b^T: [R, out]
+
+(punica's "shrink" then "expand": a row costs (in + out) * R multiply-adds per adapter, against
+in * out for the base). A step of one adapter runs two plain matmuls; a step of several runs the same
+as two batched matmuls over the groups padded to the largest (``torch.bmm`` of the adapters' stacked
+weights, cached per Linear for the step's adapter set), so the Python cost per projection does not
+grow with the number of adapters. Rows of no adapter are never touched. The
+base weights stay as they are (packed, any kernel); the delta runs in float32 on the activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: a Linear attribute name -> the module names its output rows hold, in order
+_PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",),
+          "w_gate_up": ("ffn_gate", "ffn_up"), "w_down": ("ffn_down",)}
+
+
+@dataclass(slots=True)
+class LoraGroup:
+    """The rows of one adapter in a step: ``adapter_id``, ``rows`` [n] long (None: every row of the
+    step, in order), ``scales`` [n, 1] float32 (each row's request scale)."""
+
+    adapter_id: int
+    rows: torch.Tensor | None
+    scales: torch.Tensor
+
+
+@dataclass(slots=True)
+class LoraBatch:
+    """One step's adapter groups (what every LoraLinear reads while the step runs).
+
+    Attributes:
+        groups: one LoraGroup per adapter (ids in first-seen order).
+        n_rows: the step's rows T.
+        ids: the groups' adapter ids, in order (the key of each LoraLinear's stacked weights).
+        index: [G * maxn] long, each group's rows padded to ``maxn`` (with row 0).
+        scales: [G, maxn, 1] float32, each row's scale (0 on padding, so it adds nothing).
+    """
+
+    groups: list[LoraGroup]
+    n_rows: int
+    ids: tuple[int, ...] = ()
+    index: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+
+    @property
+    def adapter_ids(self) -> frozenset[int]:
+        return frozenset(g.adapter_id for g in self.groups)
+
+    @classmethod
+    def build(cls, row_lora, known, device) -> "LoraBatch | None":
+        """From ``(first row, end row, ((id, scale), ...))`` ranges in batch order (rows absent or
+        with an empty tuple: the base). Adapters not in ``known`` (removed meanwhile) are skipped.
+        None when no row carries a known adapter."""
+        rows: dict[int, list[int]] = {}
+        scales: dict[int, list[float]] = {}
+        n_rows = 0
+        for a, b, lora in row_lora:
+            n_rows = max(n_rows, b)
+            for aid, s in lora:
+                if aid not in known:
+                    continue
+                rows.setdefault(aid, []).extend(range(a, b))
+                scales.setdefault(aid, []).extend([s] * (b - a))
+        if not rows:
+            return None
+        groups = []
+        for aid, r in rows.items():
+            sc = torch.tensor(scales[aid], dtype=torch.float32, device=device).unsqueeze(1)
+            idx = None if r == list(range(n_rows)) else torch.tensor(r, dtype=torch.long, device=device)
+            groups.append(LoraGroup(aid, idx, sc))
+        batch = cls(groups, n_rows, tuple(rows))
+        if len(groups) > 1:  # the padded layout of the batched (bmm) path
+            maxn = max(len(r) for r in rows.values())
+            index = torch.zeros(len(rows), maxn, dtype=torch.long)
+            sc = torch.zeros(len(rows), maxn, 1, dtype=torch.float32)
+            for g, aid in enumerate(rows):
+                n = len(rows[aid])
+                index[g, :n] = torch.tensor(rows[aid], dtype=torch.long)
+                sc[g, :n, 0] = torch.tensor(scales[aid], dtype=torch.float32)
+            batch.index, batch.scales = index.view(-1).to(device), sc.to(device)
+        return batch
+
+
+class LoraLinear:
+    """The adapters of one Linear (see the module docstring). ``registry.active`` is the step's
+    LoraBatch (None: no adapter rows in this step)."""
+
+    __slots__ = ("registry", "parts", "weights", "_stack_key", "_stack")
+
+    def __init__(self, registry, parts: list[tuple[str, int, int]]):
+        self.registry = registry
+        #: (module suffix, first output row, rows) of each fused part
+        self.parts = parts
+        #: adapter id -> (a [R, in], b [out, R]) float32
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stack_key: tuple | None = None
+        #: the last step's adapters stacked: a [G, Rmax, in], b^T [G, Rmax, out] (zero-padded ranks)
+        self._stack: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _stacked(self, ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adapters ``ids`` stacked (an adapter this Linear lacks: zeros), cached per id tuple."""
+        key = (ids, tuple(id(self.weights.get(i)) for i in ids))
+        if self._stack_key != key:
+            ws = [self.weights.get(i) for i in ids]
+            some = next(w for w in ws if w is not None)
+            r = max(w[0].shape[0] for w in ws if w is not None)
+            a = some[0].new_zeros(len(ids), r, some[0].shape[1])
+            bt = some[1].new_zeros(len(ids), r, some[1].shape[0])
+            for g, w in enumerate(ws):
+                if w is not None:
+                    a[g, :w[0].shape[0]] = w[0]
+                    bt[g, :w[0].shape[0]] = w[1].t()
+            self._stack_key, self._stack = key, (a, bt)
+        return self._stack
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Add the step's deltas to ``y`` ([T, out] float32, the base output of ``x`` [T, in])."""
+        batch = self.registry.active
+        if batch is None or batch.n_rows != x.shape[0]:
+            return y
+        if batch.index is not None:  # several adapters: two batched matmuls over the padded groups
+            if not any(i in self.weights for i in batch.ids):
+                return y
+            a, bt = self._stacked(batch.ids)
+            G = len(batch.ids)
+            xg = x.index_select(0, batch.index).view(G, -1, x.shape[1]).float()  # [G, n, in]
+            h = torch.bmm(xg, a.transpose(1, 2)).mul_(batch.scales)  # [G, n, R]
+            y.index_add_(0, batch.index, torch.bmm(h, bt).view(-1, y.shape[1]).to(y.dtype))
+            return y
+        g = batch.groups[0]
+        w = self.weights.get(g.adapter_id)
+        if w is None:
+            return y
+        a, b = w
+        if g.rows is None:
+            h = torch.mm(x.float(), a.t()).mul_(g.scales)  # [T, R]
+            y.add_(torch.mm(h, b.t()).to(y.dtype))
+        else:
+            h = torch.mm(x.index_select(0, g.rows).float(), a.t()).mul_(g.scales)  # [n, R]
+            y.index_add_(0, g.rows, torch.mm(h, b.t()).to(y.dtype))
+        return y
+
+
+def _linears(model):
+    """(layer index, attribute, Linear) of every projection a LoRA may target."""
+    for i, layer in enumerate(model.layers):
+        for attr in _PARTS:
+            lin = getattr(layer, attr, None)
+            if lin is not None and hasattr(lin, "out_features"):
+                yield i, attr, lin
+
+
+def _parts(model, attr: str, lin) -> list[tuple[str, int, int]]:
+    c = model.config
+    if attr == "wqkv":
+        q = c.n_head * c.head_dim
+        kv = (lin.out_features - q) // 2
+        return [("attn_q", 0, q), ("attn_k", q, kv), ("attn_v", q + kv, kv)]
+    if attr == "w_gate_up":
+        h = lin.out_features // 2
+        return [("ffn_gate", 0, h), ("ffn_up", h, h)]
+    return [(_PARTS[attr][0], 0, lin.out_features)]
+
+
+def install(registry, model, aid: int, adapter) -> None:
+    """Give every Linear the adapter touches its fused (a, b) under id ``aid`` (a LoraLinear is
+    attached on first use)."""
+    for i, attr, lin in _linears(model):
+        parts = _parts(model, attr, lin)
+        mods = [(name, off, n, adapter.modules.get(f"blk.{i}.{name}")) for name, off, n in parts]
+        if all(m is None for *_, m in mods):
+            continue
+        R = sum(m.rank for *_, m in mods if m is not None)
+        a = torch.zeros(R, lin.in_features, dtype=torch.float32)
+        b = torch.zeros(lin.out_features, R, dtype=torch.float32)
+        r0 = 0
+        for name, off, n, m in mods:
+            if m is None:
+                continue
+            a[r0:r0 + m.rank] = m.a
+            b[off:off + n, r0:r0 + m.rank] = m.b * m.scale
+            r0 += m.rank
+        dev = getattr(model, "device", torch.device("cpu"))
+        if getattr(lin, "lora", None) is None:
+            lin.lora = LoraLinear(registry, parts)
+        lin.lora.weights[aid] = (a.to(dev), b.to(dev))
+
+
+def uninstall(model, aid: int) -> None:
+    """Drop adapter ``aid`` from every Linear."""
+    for _, _, lin in _linears(model):
+        lo = getattr(lin, "lora", None)
+        if lo is not None:
+            lo.weights.pop(aid, None)
