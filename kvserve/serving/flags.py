@@ -343,6 +343,15 @@ def _ngl_value(text: str) -> str:
     raise ValueError(f"expected a number, 'auto' or 'all', got {text!r}")
 
 
+#: vLLM's ``MaxLoRARanks``: the values ``--max-lora-rank`` takes
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _lora_rank_check(n: int) -> str | None:
+    return None if n in MAX_LORA_RANKS else \
+        f"--max-lora-rank: expected one of {', '.join(map(str, MAX_LORA_RANKS))}, got {n}"
+
+
 # -- checks of single values (the error text is the contract: seeds and tests hold it) -------
 
 class Plain(str):
@@ -988,12 +997,20 @@ FLAGS: tuple[Flag, ...] = (
     F("--lora", effect=REFUSE, why="LoRA adapters are not available: the base model would answer"),
     F("--lora-scaled", effect=REFUSE, why="LoRA adapters are not available: the base model would answer"),
     F("--lora-init-without-apply", "bool", False, effect=NONE, why="no LoRA adapters"),
-    F("--lora-modules", "list", source=VLLM, effect=REFUSE,
-      why="LoRA adapters are not available: the base model would answer"),
-    F("--enable-lora", "bool", False, source=VLLM, effect=NONE, why="no LoRA adapters (--lora-modules is refused)"),
-    F("--max-loras", "int", source=VLLM, effect=NONE, why="no LoRA adapters"),
-    F("--max-lora-rank", "int", source=VLLM, effect=NONE, why="no LoRA adapters"),
-    F("--max-cpu-loras", "int", source=VLLM, effect=NONE, why="no LoRA adapters"),
+    F("--lora-modules", "list", source=VLLM, metavar="NAME=PATH|JSON",
+      help="LoRA adapters served as model names: name=path or JSON {\"name\", \"path\", \"base_model_name\"}",
+      why="each adapter is a model name in /v1/models (parent: its base) chosen by `model` in any face's request; "
+          "checked against its base at start-up (implies --enable-lora)"),
+    F("--enable-lora", "bool", False, source=VLLM, help="serve LoRA adapters (--lora-modules, /v1/load_lora_adapter)",
+      why="adapters are weights beside the base, never merged; /v1/load_lora_adapter also needs "
+          "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"),
+    F("--max-loras", "int", 1, source=VLLM, help="most distinct LoRA adapters in one engine step",
+      check=_positive("--max-loras"), why="requests for more adapters wait for a step with room (vLLM's queueing)"),
+    F("--max-lora-rank", "int", 16, source=VLLM, help="largest LoRA rank a vLLM-style adapter may have",
+      check=_lora_rank_check, why="an adapter of a larger rank is refused at load (vLLM's text)"),
+    F("--max-cpu-loras", "int", source=VLLM, help="LoRA adapters kept in memory per model (LRU; default --max-loras)",
+      check=_positive("--max-cpu-loras"),
+      why="a request for an adapter not in memory loads it, evicting the least recently used idle one"),
     F("--control-vector", effect=REFUSE, why="control vectors are not available: the model would answer unsteered"),
     F("--control-vector-scaled", effect=REFUSE, why="control vectors are not available"),
     F("--control-vector-layer-range", "list", effect=REFUSE, why="control vectors are not available"),

@@ -36,6 +36,7 @@ from kvserve.errors import (
     ServerFaultError,
     UnavailableError,
 )
+from kvserve.serving.lora_modules import AdapterSpec, LoraServing, with_store_adapters
 from kvserve.serving.manager import Lease, ModelManager, ModelSpec, format_keep_alive
 from kvserve.serving.metrics import KeptMetrics
 from kvserve.serving.chat_runner import (
@@ -125,6 +126,9 @@ class ServerState:
         #: each model's latest Metrics (served name -> Metrics, bounded): /metrics answers from it
         #: while the model sleeps or is unloaded, and the next runner of that name continues its counters
         self.kept_metrics = KeptMetrics()
+        #: vLLM's served LoRA adapters (--lora-modules, /v1/load_lora_adapter) and the adapters each
+        #: runner holds (kvserve.serving.lora_modules)
+        self.loras = LoraServing(args)
 
     # -- names
 
@@ -138,6 +142,9 @@ class ServerState:
         """
         if name is not None and len(name) > MAX_MODEL_NAME:
             raise InvalidInputError(f"Field 'model': longer than {MAX_MODEL_NAME} characters")
+        module = self.loras.lookup(name)
+        if module is not None:  # a vLLM adapter's name: its base with the adapter (AdapterSpec)
+            return self.loras.spec(self, module)
         if self.pinned:
             if self._pinned_spec is None:
                 raise UnavailableError("Loading model")
@@ -145,8 +152,8 @@ class ServerState:
         if not name:
             name = self.default_name
         found = self._store_path(name)
-        if found is not None:
-            return ModelSpec(*found)
+        if found is not None:  # a store model; with adapter layers an AdapterSpec (Ollama's ADAPTER)
+            return with_store_adapters(ModelSpec(found[0], found[1]), found[2])
         if self.args.allow_model_paths:
             spec = self._path_spec(name)
             if spec is not None:
@@ -156,8 +163,8 @@ class ServerState:
             return loaded.spec
         raise NotFoundError(f"model '{name[:256]}' not found")
 
-    def _store_path(self, name: str) -> tuple[str, str] | None:
-        """``(display name, model blob)`` of the store model ``name`` means (any of Ollama's forms:
+    def _store_path(self, name: str) -> tuple[str, str, list[str]] | None:
+        """``(display name, model blob, adapter blobs)`` of the store model ``name`` means (any of Ollama's forms:
         ``smollm2``, ``smollm2:latest``, ``registry.ollama.ai/library/smollm2:latest``, or a
         registry alias), else None (no such model, no weights blob, or not a valid name)."""
         from kvserve.store import canonical_name, open_store
@@ -169,7 +176,8 @@ class ServerState:
             return None
         if stored is None or stored.model_path is None:
             return None
-        return stored.display, str(stored.model_path)
+        adapters = [str(store.blob_path(x.digest)) for x in stored.manifest.layers_of("adapter")]
+        return stored.display, str(stored.model_path), adapters
 
     def _path_spec(self, name: str) -> ModelSpec | None:
         p = Path(name).expanduser()
@@ -223,6 +231,9 @@ class ServerState:
         """
         self.require_up()
         spec = model if isinstance(model, ModelSpec) else self.resolve(model)
+        if isinstance(spec, AdapterSpec):  # the base runner, with the request's adapters held in it
+            lease = _ready(await self.manager.acquire(spec.base(), keep_alive))
+            return await self.loras.attach(self, lease, spec)
         return _ready(await self.manager.acquire(spec, keep_alive))
 
     def hold_loaded(self, name: str | None) -> Lease:
@@ -304,6 +315,7 @@ class ServerState:
             await self.manager.preload(spec)
         finally:
             self.preloading = False
+        await self.loras.check_static(self)  # vLLM: a bad --lora-modules adapter stops the server
 
     def _keep_metrics(self, runner: Runner) -> None:
         """``on_loaded`` hook: a reloaded model's runner takes over the counters its previous
