@@ -137,6 +137,7 @@ class EngineCore:
             self.runner.start_compile(self.n_slots * ModelRunner.DECODE_LIKE_MAX)
         self.scheduler = Scheduler(self.kv, self.n_slots, config.max_num_batched_tokens, self.n_ctx_slot)
         self.scheduler.detokenize = self._excerpt
+        self.scheduler.lora = getattr(self.runner, "lora", None)
         self._setup_spec()
         self._init_state()
 
@@ -503,7 +504,7 @@ class EngineCore:
         req = ch.request
         start = req.num_computed_tokens
         self.kv.record_tokens(req.request_id, start,
-                              [req.token_at(p) for p in range(start, start + ch.num_new_tokens)], req.cache_salt)
+                              [req.token_at(p) for p in range(start, start + ch.num_new_tokens)], req.cache_key)
         req.num_computed_tokens += ch.num_new_tokens
         state = self._states[req.request_id]
         if plp is not None:
@@ -565,7 +566,7 @@ class EngineCore:
         for i, tok in enumerate(target[: a + 1]):
             pos = start + i
             # the KV at ``pos`` (the previous token) is now part of the sequence
-            self.kv.record_tokens(req.request_id, pos, [req.token_at(pos)], req.cache_salt)
+            self.kv.record_tokens(req.request_id, pos, [req.token_at(pos)], req.cache_key)
             req.num_computed_tokens = pos + 1
             out = self._accept(req, state, SampleResult(tok, 0.0, None), now)
             toks += out.new_token_ids

@@ -19,6 +19,7 @@ from kvserve.engine.kv_quant import canonical_kv_type, head_dim_error, kv_data, 
 from kvserve.engine.sampler import SampleResult, SequenceSampler, compute_logprobs, sample_batch
 from kvserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from kvserve.engine.spec_decode import speculative_accept
+from kvserve.lora.registry import LoraRegistry
 from kvserve.models.decode_native import NativeDecode
 from kvserve.models.llama import AttentionBatch, CompiledDecode, LlamaModel, PrefillGroup
 
@@ -122,6 +123,10 @@ class ModelRunner:
         self.native: NativeDecode | None = None
         #: decode-only steps run by the eager model or the compiled graph (not the native step)
         self.eager_decode_steps = 0
+        #: the model's LoRA adapters (kvserve.lora): steps with adapter rows run the eager model
+        self.lora = LoraRegistry(model)
+        #: steps run eagerly because they carried LoRA rows (the native / compiled step has no delta)
+        self.lora_steps = 0
         if getattr(model, "native_decode", False):
             self.native = NativeDecode(model, self.kv_caches, model.output.small_max_rows)
             self.native.start()
@@ -292,6 +297,8 @@ class ModelRunner:
         (LlamaModel._grouped_attention).
         """
         nat = self.native
+        if any(ch.request.lora for ch in chunks):  # eager (ModelRunner._run_lora): its own rows rule
+            return [ch.num_new_tokens == 1 for ch in chunks]
         if (nat is not None and nat.ready and any(ch.spec_token_ids for ch in chunks)
                 and all(ch.num_new_tokens == 1 or ch.spec_token_ids for ch in chunks)
                 and sum(ch.num_new_tokens for ch in chunks) <= nat.max_batch):
@@ -325,6 +332,7 @@ class ModelRunner:
         dec_lens: list[int] = []
         prefills: list[PrefillGroup] = []
         row_of: dict[int, int] = {}  # chunk index -> last row in batch
+        row_lora: list[tuple[int, int, tuple]] = []  # (first row, end row, the request's adapters)
         plp_rows: dict[int, tuple[int, int]] = {}  # chunk index -> its rows [a, b)
         t = 0
         for ci in order:
@@ -349,6 +357,8 @@ class ModelRunner:
                 # a verification chunk: every query exactly as a decode step computes it
                 prefills.append(PrefillGroup(t, t + n, s, kv_index, per_row=bool(ch.spec_token_ids)))
             row_of[ci] = t + n - 1
+            if req.lora:
+                row_lora.append((t, t + n, req.lora))
             if req.params.prompt_logprobs is not None and s < req.num_prompt_tokens:
                 plp_rows[ci] = (t, t + n)
             t += n
@@ -379,8 +389,12 @@ class ModelRunner:
                 need.extend(range(last + 1 - ch.num_new_tokens, last + 1))
         # every row, in order (a decode-only step): no gather of the hidden states
         need_t = None if need == list(range(t)) else torch.tensor(need, dtype=torch.long, device=self.device)
+        lora = None
+        if row_lora:
+            row_lora.append((t, t, ()))  # the step's row count
+            lora = self.lora.batch(row_lora, self.device)
         return PreparedBatch(chunks, torch.tensor(ids, dtype=torch.long, device=self.device), attn, t, need_t,
-                             sample_ci, plp_off, spec_off)
+                             sample_ci, plp_off, spec_off, lora)
 
     def _window_batch(self, gi: int, window: int, chunks: list[ScheduledChunk], order: list[int],
                       as_decode: list[bool], kv: KVCacheManager, attn: AttentionBatch) -> AttentionBatch:
@@ -432,6 +446,8 @@ class ModelRunner:
         step once it is loaded (see kvserve.models.decode_native), else through the compiled
         graph when it is ready and accepts the step (see CompiledDecode); every other step,
         and one the graph refuses, runs the eager model."""
+        if batch.lora is not None:
+            return self._run_lora(batch)
         comp = self.compiled
         attn = batch.attn
         n_decode = attn.n_decode
@@ -463,6 +479,16 @@ class ModelRunner:
         if n_decode == batch.n_rows:
             self.eager_decode_steps += 1
         return self.model(batch.input_ids, attn, self.kv_caches, batch.need)
+
+    def _run_lora(self, batch: PreparedBatch) -> torch.Tensor:
+        """A step with LoRA rows: the eager model with the step's adapter groups active (the native
+        and compiled decode steps add no delta; steps without adapter rows keep them)."""
+        self.lora_steps += 1
+        self.lora.active = batch.lora
+        try:
+            return self.model(batch.input_ids, batch.attn, self.kv_caches, batch.need)
+        finally:
+            self.lora.active = None
 
     # -- sample ----------------------------------------------------------------------
 
@@ -569,6 +595,7 @@ class PreparedBatch:
         sample_ci: indices of the chunks that sample; logits rows 0 .. len - 1 are theirs.
         plp_off: chunk index -> first logits row of its prompt-logprobs rows.
         spec_off: chunk index -> first logits row of a verification chunk's rows (all of them).
+        lora: the step's LoRA row groups (kvserve.lora.apply.LoraBatch), None without adapter rows.
     """
 
     chunks: list[ScheduledChunk]
@@ -579,6 +606,7 @@ class PreparedBatch:
     sample_ci: list[int]
     plp_off: dict[int, int]
     spec_off: dict[int, int] = field(default_factory=dict)
+    lora: object | None = None
 
 
 @dataclass(slots=True)

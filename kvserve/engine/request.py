@@ -357,6 +357,10 @@ class Request:
             then only lets it through when nothing else is allowed).
         priority_slot: llama-server ``id_slot`` (-1 = any); used by the serving layer.
         cache_salt: extra key for the prefix cache (vLLM ``cache_salt``).
+        lora: the LoRA adapters applied to this request's rows: ``(adapter id, scale)`` pairs of the
+            engine's ``kvserve.lora.LoraRegistry`` (sorted by id, no zero scales: build it with
+            ``LoraRegistry.resolve``); () = the base model. Part of the prefix cache's key
+            (:attr:`cache_key`).
         owner: an opaque id of who sent the request (the faces: a digest of its API key; None: no
             key), used only to decide whose cached text ``cache_miss`` may show; not a cache key.
         cache_miss: set by the scheduler at admission (cache_miss diagnostics dict or None).
@@ -372,6 +376,7 @@ class Request:
     priority_slot: int = -1
     cache_salt: str | None = None
     owner: str | None = None
+    lora: tuple[tuple[int, float], ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     return_progress: bool = False  # llama-server's return_progress: each prompt chunk yields a progress output
     # --- engine-owned state below ---
@@ -392,6 +397,21 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def cache_key(self) -> str | None:
+        """The prefix cache's extra key: ``cache_salt``, plus the LoRA adapters and their scales when
+        any (seed 002: the block hash covers the adapter), so KV computed under one adapter (or
+        scale) is reused only by requests under the same one."""
+        if not self.lora:
+            return self.cache_salt
+        tag = ",".join(f"{aid}@{s!r}" for aid, s in self.lora)
+        return f"{self.cache_salt or ''}\x00lora:{tag}"
+
+    @property
+    def lora_ids(self) -> frozenset[int]:
+        """The ids of the adapters this request applies."""
+        return frozenset(aid for aid, _ in self.lora)
 
     @property
     def num_tokens(self) -> int:

@@ -119,6 +119,10 @@ class Scheduler:
         #: EngineCore while the native decode step runs, so that a prompt's first token is computed
         #: the same way whether its prefix was cached (a one-token warm recompute) or not
         self.split_last_token = False
+        #: the engine's LoRA registry (kvserve.lora.LoraRegistry; set by EngineCore), whose
+        #: ``max_loras`` bounds the distinct adapters of one step (None = no limit): a request whose
+        #: adapters would exceed it waits for a later step
+        self.lora = None
 
     # -- queue changes -----------------------------------------------------------
 
@@ -143,10 +147,10 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
         n = request.num_computed_tokens
         if n > 0:
-            self.recent.append((np.asarray(request.all_token_ids[:n], dtype=np.int32), request.cache_salt,
+            self.recent.append((np.asarray(request.all_token_ids[:n], dtype=np.int32), request.cache_key,
                                 request.priority_slot, request.owner))
         if request.priority_slot >= 0:
-            self.kv.park(request.request_id, f"slot:{request.priority_slot}", request.cache_salt, request.owner)
+            self.kv.park(request.request_id, f"slot:{request.priority_slot}", request.cache_key, request.owner)
         else:
             self.kv.free(request.request_id)
 
@@ -172,9 +176,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
+        loras: set[int] = set()  # the step's adapters
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if not self._lora_fits(req, loras):
+                i += 1  # held back: another adapter set fills this step
+                continue
             n = self._chunk_len(req, budget)
             self.kv.slide(req.request_id, req.num_computed_tokens)  # sliding groups: blocks out of every window
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
@@ -189,11 +197,16 @@ class Scheduler:
                 break
             out.chunks.append(ScheduledChunk(req, n))
             scheduled.add(req.request_id)
+            loras.update(req.lora_ids)
             budget -= n
             i += 1
         budget = self.max_num_batched_tokens - out.num_tokens
+        held: list[Request] = []  # waiting requests whose adapters would exceed max_loras this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
+            if not self._lora_fits(req, loras):
+                held.append(self.waiting.popleft())
+                continue
             marks = self.kv.job_marks()
             try:
                 admitted = self._admit(req, budget)
@@ -210,7 +223,9 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, n))
+            loras.update(req.lora_ids)
             budget -= n
+        self.waiting.extendleft(reversed(held))  # back at the head, in their order
         if self.spec is not None and not out.preempted:
             self._add_drafts(out)
         out.kv_copies = self.kv.take_copies()
@@ -218,6 +233,13 @@ class Scheduler:
         if self.kv.groups:
             out.kv_group_copies = self.kv.take_group_copies()
         return out
+
+    def _lora_fits(self, req: Request, loras: set[int]) -> bool:
+        """Whether ``req``'s adapters join the step's ``loras`` within the registry's ``max_loras``."""
+        limit = getattr(self.lora, "max_loras", None)
+        if limit is None or not req.lora:
+            return True
+        return len(loras | req.lora_ids) <= limit
 
     def _chunk_len(self, req: Request, budget: int) -> int:
         """Tokens of ``req`` to compute this step: what is left, at most ``budget``; under
@@ -271,13 +293,13 @@ class Scheduler:
         slot_key = f"slot:{req.priority_slot}" if req.priority_slot >= 0 else None
         marks = kv.job_marks()
         if req.params.cache_prompt:
-            hit = kv.match_prefix(req.all_token_ids, req.cache_salt, req.num_tokens - 1)
+            hit = kv.match_prefix(req.all_token_ids, req.cache_key, req.num_tokens - 1)
             hit_tokens = kv.hit_tokens(hit)
             if hit_tokens and not kv.allocate_prefix(req.request_id, hit):
                 return False
             if fresh and slot_key is not None and req.params.n_cache_reuse > 0:
                 hit_tokens = kv.reuse_shifted(req.request_id, req.prompt_token_ids, hit_tokens, slot_key,
-                                              req.params.n_cache_reuse, req.num_prompt_tokens - 1, req.cache_salt)
+                                              req.params.n_cache_reuse, req.num_prompt_tokens - 1, req.cache_key)
         n = min(req.num_tokens - hit_tokens, budget)
         if not kv.allocate(req.request_id, hit_tokens + n):
             kv.free(req.request_id)
@@ -329,13 +351,13 @@ class Scheduler:
         if n_reused >= limit or n == 0:
             return None
         prompt = np.asarray(req.prompt_token_ids, dtype=np.int32)
-        salt, slot = req.cache_salt, req.priority_slot
+        salt, slot = req.cache_key, req.priority_slot
         own = f"slot:{slot}" if slot >= 0 else None
 
         def callers(owner: str | None) -> bool:  # whether the candidate's text is the caller's own
             if req.owner is not None or owner is not None:  # keys: only the same key's text, salt or not
                 return owner == req.owner
-            return salt is not None
+            return req.cache_salt is not None  # a salt the caller knows (not the LoRA part of the key)
 
         # (tokens, still cached, this slot's history, its text may be shown)
         cands: list[tuple[np.ndarray, bool, bool, bool]] = []

@@ -250,6 +250,8 @@ class Linear(nn.Module):
         self.bias = None
         if bias is not None:
             self.bias = torch.from_numpy(_np_cat([b.to_dense() for b in bias])).to(device=device, dtype=torch.float32)
+        #: LoRA adapters of this projection (kvserve.lora.apply.LoraLinear), attached when one is added
+        self.lora = None
 
     @property
     def has_native_weights(self) -> bool:
@@ -315,6 +317,8 @@ class Linear(nn.Module):
         if self.bias is not None:
             # in place: y is a new tensor on every path above (float32 ones stay float32 as y + bias keeps them)
             y = y.add_(self.bias) if y.dtype == self.bias.dtype else y + self.bias
+        if self.lora is not None:  # the step's adapter rows get their deltas (kvserve.lora.apply)
+            y = self.lora.apply(x, y)
         return y
 
 

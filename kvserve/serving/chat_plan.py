@@ -363,22 +363,38 @@ def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
     return dataclasses.replace(params, seed=seed)
 
 
+def resolve_lora(runner: Runner, lora) -> tuple[tuple[int, float], ...]:
+    """A request's LoRA adapters for the engine: ``lora`` (``(id, scale)`` pairs; None or empty =
+    the global scales) checked by the runner's registry (kvserve.lora.LoraRegistry.resolve).
+
+    Raises InvalidRequestError: adapters asked of a runner without LoRA support, an unknown id, a
+    bad scale, more adapters than --max-loras."""
+    reg = getattr(runner, "lora", None)
+    if reg is None:
+        if lora:
+            raise InvalidRequestError("this model has no LoRA adapters")
+        return ()
+    return reg.resolve(lora or None)
+
+
 def engine_requests(runner: Runner, response_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
                     make_constraint=None, *, id_slot: int = -1, cache_salt: str | None = None,
                     owner: str | None = None, return_progress: bool = False,
-                    seed_per_request: bool = True) -> list[Request]:
+                    seed_per_request: bool = True, lora=None) -> list[Request]:
     """One engine request per prompt and choice, prompt-major (request k = prompt k // n,
     choice k % n, id ``<response_id>-<k>``); each choice gets its own constraint. Request k
     samples with ``seed + k`` (``seed_per_request``), else with ``seed + k % n`` (every prompt's
-    first choice keeps the seed, llama-server's ``/completion``)."""
+    first choice keeps the seed, llama-server's ``/completion``). ``lora``: the request's
+    adapters, resolved by :func:`resolve_lora`."""
     eog = runner.tokenizer.eog_token_ids
+    adapters = resolve_lora(runner, lora)
     reqs = []
     for p, ids in enumerate(prompts):
         for i in range(n):
             k = p * n + i
             seeded = _choice_params(params, k if seed_per_request else i)
             reqs.append(Request(f"{response_id}-{k}", list(ids), seeded, eog_token_ids=eog,
-                                priority_slot=id_slot, cache_salt=cache_salt, owner=owner,
+                                priority_slot=id_slot, cache_salt=cache_salt, owner=owner, lora=adapters,
                                 grammar=make_constraint() if make_constraint is not None else None,
                                 return_progress=return_progress))
     return reqs
@@ -517,7 +533,8 @@ def plan_chat(runner: Runner, req: ChatRequest) -> Plan:
     spec = tool_constraint(feats, req.response_format)
     make = constraint_factory(runner, spec, prefill, mode, feats.thinking_budget)
     reqs = engine_requests(runner, req.request_id, [ids], params, req.n, make, id_slot=req.id_slot,
-                           cache_salt=req.cache_salt, owner=req.owner, return_progress=req.stream.return_progress)
+                           cache_salt=req.cache_salt, owner=req.owner, return_progress=req.stream.return_progress,
+                           lora=req.lora)
     validate_requests(runner, reqs)
     add_gen = req.template.add_generation_prompt is not False and not continued
     return Plan("chat", req.request_id, int(time.time()), runner.model_alias, reqs, req.n, req.stream.stream,

@@ -133,6 +133,13 @@ class Runner:
             raise ServerFaultError(f"the engine failed ({type(err).__name__}) and serves no more requests: "
                                    "restart the server")
 
+    @property
+    def lora(self):
+        """The engine's LoRA adapters (kvserve.lora.LoraRegistry), or None (unloaded, or an engine
+        without them: an embedding model, tensor/pipeline parallelism)."""
+        core = getattr(self.engine, "core", None)
+        return getattr(getattr(core, "runner", None), "lora", None)
+
     def needs_reload(self, spec: ModelSpec) -> bool:
         """A runner whose engine died is replaced by a fresh load once idle (not a pinned one:
         its requests keep saying what happened, as llama-server does)."""

@@ -151,7 +151,7 @@ def plan_completion(runner: Runner, req: CompletionRequest) -> Plan:
     make = constraint_factory(runner, spec, "", OutputMode(), -1) if spec is not None else None
     reqs = engine_requests(runner, req.request_id, prompts, params, req.n, make, id_slot=req.id_slot,
                            cache_salt=req.cache_salt, owner=req.owner, return_progress=req.stream.return_progress,
-                           seed_per_request=req.seed_per_request)
+                           seed_per_request=req.seed_per_request, lora=req.lora)
     validate_requests(runner, reqs)
     echo_texts = [runner.tokenizer.decode(r.prompt_token_ids) if req.echo else "" for r in reqs]
     return Plan("text", req.request_id, int(time.time()), runner.model_alias, reqs, req.n, req.stream.stream,

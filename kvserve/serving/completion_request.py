@@ -79,6 +79,9 @@ class CompletionRequest:
         spaces_between_special_tokens: accepted, no effect.
         id_slot: the slot to run in (-1: any).
         cache_salt: an extra key of the prefix cache's hashes (None: none).
+        lora: the LoRA adapters to apply, ``(adapter id, scale)`` pairs (llama-server's per-request
+            ``lora``, adapters not listed get 0); None or empty = the runner's global scales
+            (``LoraRegistry.default_lora``). Checked by ``LoraRegistry.resolve`` when planned.
         owner: the caller's id (:attr:`kvserve.engine.request.Request.owner`).
         token_ids: write logprobs tokens as ``token_id:N``.
     """
@@ -105,4 +108,5 @@ class CompletionRequest:
     id_slot: int = -1
     cache_salt: str | None = None
     owner: str | None = None
+    lora: Any = None
     token_ids: bool = False
