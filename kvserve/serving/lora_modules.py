@@ -338,7 +338,7 @@ class _RunnerAdapters:
             h = self.held.get(name)
             if h is None:
                 continue
-            h.users -= 1
+            h.users = max(0, h.users - 1)
             if h.users == 0 and h.doomed:
                 self._drop(name)
         self._notify()
