@@ -82,6 +82,7 @@ from kvserve.faces.params import (
     get_bool,
     get_int,
     get_str,
+    lora_field,
     params_to_dict,
     sampling_fields,
     type_error,
@@ -272,9 +273,11 @@ class CompletionHandler:
                                 infill=infill[1] if infill is not None else None, seed_per_request=False,
                                 response_format=opts["constraint"], id_slot=opts["id_slot"],
                                 stream=StreamOptions(opts["stream"], False, opts["return_progress"]),
-                                cache_salt=get_str(body, "cache_salt") or None, owner=caller())
+                                cache_salt=get_str(body, "cache_salt") or None, owner=caller(),
+                                lora=lora_field(body))
         plan = plan_completion(runner, req)  # tokenizing and grammar compiles: the caller runs this off the loop
         opts["grammar"] = plan.grammar
+        opts["lora"] = plan.requests[0].lora
         tasks = [_Completion(i, p if isinstance(p, str) and infill is None else tok.decode(r.prompt_token_ids),
                              r.prompt_token_ids, r) for i, (p, r) in enumerate(zip(prompts, plan.requests))]
         return tasks, plan.requests[0].params, opts
@@ -295,7 +298,8 @@ class CompletionHandler:
             model=self.runner.model_alias,
             tokens_predicted=n_pred,
             tokens_evaluated=out.num_prompt_tokens,
-            generation_settings=params_to_dict(params, stream=opts["stream"], grammar=opts["grammar"]),
+            generation_settings=params_to_dict(params, stream=opts["stream"], grammar=opts["grammar"],
+                                               lora=c.request.lora),
             prompt=c.prompt_text,
             has_new_line="\n" in c.content,
             truncated=out.truncated,
@@ -310,7 +314,7 @@ class CompletionHandler:
         return res
 
     def _params_view(self, params: SamplingParams, opts: dict) -> dict:
-        return params_to_dict(params, grammar=opts["grammar"])
+        return params_to_dict(params, grammar=opts["grammar"], lora=opts.get("lora", ()))
 
     async def run_one(self, c: _Completion, params: SamplingParams, opts: dict) -> None:
         """Drive one task to its end (non-streaming)."""
@@ -754,6 +758,50 @@ async def metrics(state: ServerState, http: HttpRequest) -> Response:
                     headers=metrics_mod.response_headers())
 
 
+def _lora_entries(runner: Runner) -> list[dict]:
+    """llama-server's ``GET /lora-adapters`` list: ``id``, ``path``, ``scale`` (the global scale),
+    ``task_name``, ``prompt_prefix`` (the GGUF's ``adapter.lora.*`` keys, "" otherwise)."""
+    reg = runner.lora
+    if reg is None:
+        return []
+    return [{"id": e.id, "path": e.path, "scale": e.scale, "task_name": e.adapter.task_name,
+             "prompt_prefix": e.adapter.prompt_prefix} for e in reg.entries()]
+
+
+async def lora_adapters(state: ServerState, http: HttpRequest) -> Response:
+    """GET /lora-adapters: the model's LoRA adapters (``?model=`` picks one in router mode)."""
+    async def run(runner: Runner) -> Response:
+        runner.require_ready()
+        return json_response(_lora_entries(runner))
+
+    return await serve_model(state, query_model(http), KEEP_CURRENT, run, http)
+
+
+async def set_lora_adapters(state: ServerState, http: HttpRequest) -> Response:
+    """POST /lora-adapters ``[{"id": N, "scale": S}, ...]``: the global scales (adapters not listed get
+    0, as llama-server); ``{"success": true}``. 400 (nothing changed): a body that is not an array, an
+    unknown id (llama-server ignores it), a scale that is not a finite number in [-1000, 1000]."""
+    from kvserve.faces.http import parse_json_body
+    from kvserve.faces.params import lora_field
+
+    body = parse_json_body(await http.body() or b"null")
+    if not isinstance(body, list):
+        raise ApiError(400, "Request body must be an array")
+    scales = dict(lora_field({"lora": body}) or [])
+
+    async def run(runner: Runner) -> Response:
+        runner.require_ready()
+        reg = runner.lora
+        if reg is None:
+            if scales:
+                raise ApiError(400, f"invalid adapter id {next(iter(scales))}: this model has no LoRA adapters")
+            return json_response({"success": True})
+        reg.set_scales(scales)
+        return json_response({"success": True})
+
+    return await serve_model(state, query_model(http), KEEP_CURRENT, run, http)
+
+
 GET, POST = ("GET",), ("POST",)
 
 #: the native endpoints in Starlette's matching order (the first match wins)
@@ -777,6 +825,8 @@ ROUTES: tuple[Route, ...] = (
     Route("/slots", GET, slots),
     Route("/slots/{id_slot}", POST, slot_action),
     Route("/metrics", GET, metrics),
+    Route("/lora-adapters", GET, lora_adapters),
+    Route("/lora-adapters", POST, set_lora_adapters),
 )
 
 

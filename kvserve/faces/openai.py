@@ -96,6 +96,7 @@ from kvserve.faces.params import (
     get_bool,
     get_int,
     get_str,
+    lora_field,
     sampling_fields,
     slot_view,
     type_error,
@@ -262,6 +263,7 @@ def _request_fields(runner: Runner, body: dict, req: ChatRequest) -> None:
     id_slot = get_int(body, "id_slot", -1)
     req.id_slot = id_slot if id_slot is not None else -1
     req.cache_salt = get_str(body, "cache_salt") or None
+    req.lora = lora_field(body)  # llama-server's per-request LoRA scales
     req.owner = caller()
     req.token_ids = _token_ids_field(runner, body)
     req.verbose = _verbose(runner, body)
@@ -379,6 +381,7 @@ def completion_request(runner: Runner, body: dict, *, render: bool = False) -> C
     id_slot = get_int(body, "id_slot", -1)
     req.id_slot = id_slot if id_slot is not None else -1
     req.cache_salt, req.owner = get_str(body, "cache_salt") or None, caller()
+    req.lora = lora_field(body)  # llama-server's per-request LoRA scales
     req.token_ids = _token_ids_field(runner, body)
     return req
 

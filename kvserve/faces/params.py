@@ -18,6 +18,7 @@ the strings they return too.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -358,14 +359,44 @@ def check_logprobs(n: int, max_logprobs: int, n_vocab: int | None, *, prompt: bo
 def slot_view(grammar: str = ""):
     """``/slots``' view of a running request (for :func:`kvserve.serving.choices.run_choices`):
     :func:`params_to_dict` of its sampling parameters, with the request's ``grammar`` text."""
-    return lambda request: params_to_dict(request.params, grammar=grammar)
+    return lambda request: params_to_dict(request.params, grammar=grammar, lora=request.lora)
 
 
-def params_to_dict(p: SamplingParams, *, stream: bool = False, grammar: str = "") -> dict:
+def lora_field(body: dict) -> list[tuple[int, float]] | None:
+    """llama-server's per-request ``lora``: ``[{"id": N, "scale": S}, ...]`` -> ``[(N, S), ...]``; None
+    when absent or null (the runner's global scales apply). Adapters not listed get scale 0, as in
+    llama-server; ids and scales are checked against the runner's adapters when the request is
+    planned (kvserve.lora.LoraRegistry.resolve: unknown id, NaN, out of range: 400).
+
+    Raises ApiError 400: not an array of objects, an ``id`` that is not an integer, a ``scale`` that is
+    not a number (a missing ``scale`` is 0, as llama-server's)."""
+    value = body.get("lora")
+    if value is None:
+        return None
+    msg = "Error: 'lora' must be an array of objects with 'id' and 'scale' fields"
+    if not isinstance(value, list) or len(value) > 1024:
+        raise ApiError(400, msg)
+    out = []
+    for item in value:
+        if not isinstance(item, dict):
+            raise ApiError(400, msg)
+        aid, scale = item.get("id"), item.get("scale", 0.0)
+        if isinstance(aid, bool) or not isinstance(aid, int):
+            raise ApiError(400, f"{msg}: 'id' must be an integer, got {json.dumps(aid)[:40]}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise ApiError(400, f"{msg}: 'scale' must be a number, got {json.dumps(scale)[:40]}")
+        out.append((aid, float(scale)))
+    return out
+
+
+def params_to_dict(p: SamplingParams, *, stream: bool = False, grammar: str = "", lora=()) -> dict:
     """llama-server's ``generation_settings`` / ``/slots`` ``params`` object for ``p``.
 
     Args:
         grammar: the request's grammar text (``GrammarBackend.grammar_text``), "" without one.
+        lora: the LoRA adapters the request applies (``Request.lora``: ``(id, scale)`` pairs), shown as
+            ``lora: [{"id", "scale"}]`` (llama-server shows the request's own list; kvserve the
+            adapters in effect, the global scales included, zero scales left out).
     """
     # -inf is written false (llama-server's input form); +inf null (what nlohmann writes for it)
     bias = [[tid, b if math.isfinite(b) else (False if b < 0 else None)] for tid, b in sorted(p.logit_bias.items())]
@@ -421,5 +452,5 @@ def params_to_dict(p: SamplingParams, *, stream: bool = False, grammar: str = ""
         "timings_per_token": False,
         "post_sampling_probs": p.post_sampling_probs,
         "cache_prompt": p.cache_prompt,
-        "lora": [],
+        "lora": [{"id": aid, "scale": s} for aid, s in lora],
     }

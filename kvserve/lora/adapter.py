@@ -272,7 +272,7 @@ def _load_peft(d: Path, base: LoraBase, name: str) -> LoraAdapter:
                                     f"expected rank {mod_r} rows")
         scale = mod_alpha / math.sqrt(mod_r) if rslora else mod_alpha / mod_r
         _add_module(modules, g[: -len(".weight")], ab["A"], ab["B"], scale, base, "hf", f"{d}: module {hf}")
-    return _adapter(name, str(d), "peft", alpha, base, modules, rslora=rslora,
+    return _adapter(name, str(d), "peft", alpha, base, modules, use_rslora=rslora,
                     base_model_name=str(cfg.get("base_model_name_or_path") or ""))
 
 

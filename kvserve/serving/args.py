@@ -157,11 +157,16 @@ class ServerArgs:
     # vLLM's LoRA serving (kvserve.serving.lora_modules): adapters as model names
     enable_lora: bool = False  # --enable-lora (--lora-modules implies it)
     lora_modules: list = field(default_factory=list)  # --lora-modules: LoraModulePath items
-    max_loras: int = 1  # --max-loras: most distinct adapters in one engine step (with --enable-lora)
-    max_lora_rank: int = 16  # --max-lora-rank: largest rank of a vLLM-style adapter
-    max_cpu_loras: int = 1  # --max-cpu-loras: adapters in memory per model (LRU); default --max-loras
+    max_cpu_loras: int = 1  # --max-cpu-loras: vLLM adapters in memory per model (LRU); default --max-loras
     # speculative decoding (--spec-type ngram, --draft-max/--draft-min, --speculative-config)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    # LoRA (kvserve.lora): llama-server's --lora paths and --lora-scaled (path, scale) pairs of the -m model,
+    # --lora-init-without-apply (every global scale 0), vLLM's limits (None: no limit)
+    lora: list[str] = field(default_factory=list)
+    lora_scaled: list[tuple[str, float]] = field(default_factory=list)
+    lora_init_without_apply: bool = False
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
     # what parsing found: log lines for flags without effect or not available ((logging level, text)),
     # and how each flag was given (dest -> "--flag" or "ENV_NAME")
     flag_notes: list = field(default_factory=list)
@@ -177,6 +182,14 @@ class ServerArgs:
     def served_names(self) -> list[str]:
         """Names the model answers to: ``-a``/``--served-model-name``, else the model spec."""
         return list(self.alias) if self.alias else [self.model]
+
+    def lora_adapters(self) -> tuple[tuple[str, float], ...]:
+        """The start-up model's LoRA adapters, ``(path, global scale)``: ``--lora`` paths (scale 1), then
+        ``--lora-scaled`` pairs; every scale 0 with ``--lora-init-without-apply`` (llama-server's)."""
+        pairs = [(p, 1.0) for p in self.lora] + list(self.lora_scaled)
+        if self.lora_init_without_apply:
+            pairs = [(p, 0.0) for p, _ in pairs]
+        return tuple(pairs)
 
     def default_sampling_params(self) -> SamplingParams:
         """Server-wide sampling defaults from ``--temp``, ``--top-k``, ``-n``..."""
@@ -272,7 +285,7 @@ def parse_args(argv: list[str], environ: dict | None = None) -> ServerArgs:
 
 def _command_line(p, argv: list[str]) -> argparse.Namespace:
     """The namespace of the command line (``--config`` file first); ``--help`` prints and exits."""
-    argv = ft.dashed_names(list(argv))
+    argv = ft.join_lora_scaled(ft.dashed_names(list(argv)))
     try:
         argv = _with_config(argv)
     except (OSError, ValueError) as e:
@@ -573,7 +586,9 @@ def _chat_fields(s: _Parsed) -> dict[str, Any]:
 
 def _lora_fields(s: _Parsed) -> dict[str, Any]:
     """vLLM's LoRA flags: ``--lora-modules`` words (``name=path`` or JSON; vLLM's texts for a bad
-    one), ``--max-cpu-loras`` (default ``--max-loras``; vLLM's check that it is not smaller)."""
+    one; they imply ``--enable-lora``); with ``--enable-lora`` vLLM's defaults ``--max-loras 1`` and
+    ``--max-lora-rank 16``, else no limits (llama-server's ``--lora``); ``--max-cpu-loras`` (default
+    ``--max-loras``; vLLM's check that it is not smaller)."""
     from kvserve.serving.lora_modules import parse_lora_modules
 
     v = s.v
@@ -581,11 +596,16 @@ def _lora_fields(s: _Parsed) -> dict[str, Any]:
         modules = parse_lora_modules(v["lora_modules"] or [])
     except ValueError as e:
         raise _Exit(str(e)) from None
-    max_loras = v["max_loras"]
-    max_cpu = v["max_cpu_loras"] if v["max_cpu_loras"] is not None else max_loras
-    if max_cpu < max_loras:
+    enable = bool(v["enable_lora"] or modules)
+    max_loras, max_rank = v["max_loras"], v["max_lora_rank"]
+    if enable:
+        max_loras = 1 if max_loras is None else max_loras
+        max_rank = 16 if max_rank is None else max_rank
+    max_cpu = v["max_cpu_loras"] if v["max_cpu_loras"] is not None else (max_loras or 1)
+    if max_loras is not None and max_cpu < max_loras:
         raise _Exit(f"max_cpu_loras ({max_cpu}) must be >= max_loras ({max_loras})")
-    return {"lora_modules": modules, "enable_lora": bool(v["enable_lora"] or modules), "max_cpu_loras": max_cpu}
+    return {"lora_modules": modules, "enable_lora": enable, "max_loras": max_loras, "max_lora_rank": max_rank,
+            "max_cpu_loras": max_cpu}
 
 
 def _cors(v: dict, given: dict, notes: list) -> tuple[list[str], str, str, bool]:

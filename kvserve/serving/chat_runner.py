@@ -274,6 +274,7 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
     for level, text in run_startup_checks(args, spec.path, cfg):  # vLLM's checks, before reading the weights
         _srv(level, "load_model", "%s", text)
     core = EngineCore(load_files(spec.path), cfg)
+    load_adapters(core, args, spec)  # before measuring: the adapters' memory is the runner's
     template = make_template(args, core, spec)
     _srv(logging.INFO, "load_model", "initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = '%s'",
          core.n_slots, core.n_ctx_slot, "true" if cfg.unified else "false")
@@ -293,6 +294,29 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
     native = getattr(core.runner, "native", None)
     threading.Thread(target=_warm_grammars, args=(runner, native), name="grammar-warmup", daemon=True).start()
     return runner
+
+
+def load_adapters(core, args: "ServerArgs", spec: ModelSpec) -> None:
+    """Set the engine's LoRA limits (``--max-loras``, ``--max-lora-rank``) and load ``spec.adapters``
+    (llama-server's ``--lora`` / ``--lora-scaled``), logging llama-server's lines.
+
+    Raises ModelLoadError: an adapter that does not load (the message names the file and why)."""
+    from kvserve.errors import KvserveError
+    from kvserve.loaders.weights import ModelLoadError
+
+    reg = getattr(core.runner, "lora", None)
+    if reg is None:
+        if spec.adapters:
+            raise ModelLoadError(f"LoRA adapters are not supported with this engine ({spec.adapters[0][0]})")
+        return
+    reg.max_loras = getattr(args, "max_loras", None)
+    reg.max_lora_rank = getattr(args, "max_lora_rank", None)
+    for path, scale in spec.adapters:
+        _srv(logging.INFO, "load_model", "loading LoRA adapter '%s'", path)
+        try:
+            reg.load(path, scale=scale)
+        except KvserveError as e:
+            raise ModelLoadError(f"failed to load LoRA adapter: {e.message}") from e
 
 
 #: the grammar warm-up waits for this many seconds without a running or queued request

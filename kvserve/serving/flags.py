@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -362,6 +363,63 @@ class Plain(str):
 def _at_least(flag: str, low: int | float, what: str) -> Callable[[Any], str | None]:
     """``invalid FLAG N: WHAT`` below ``low``."""
     return lambda n: f"invalid {flag} {n}: {what}" if n < low else None
+
+
+def lora_paths(values: list[str] | None) -> list[str]:
+    """``--lora`` values (each comma-separated, as llama-server's) -> the adapter paths, in order."""
+    return [p for v in values or [] for p in v.split(",") if p]
+
+
+def lora_scaled(values: list[str] | None) -> list[tuple[str, float]]:
+    """``--lora-scaled FNAME:SCALE,...`` values -> (path, scale) pairs, in order. Raises ValueError
+    on an item without ``:SCALE`` or a scale that is not a finite number of at most 1000 in size
+    (kvserve.lora.MAX_SCALE)."""
+    out = []
+    for v in values or []:
+        for item in v.split(","):
+            path, sep, scale = item.rpartition(":")
+            if not sep or not path:
+                raise ValueError(f"{item!r}: lora-scaled format: FNAME:SCALE")
+            s = float(scale)
+            if not math.isfinite(s) or abs(s) > 1000.0:
+                raise ValueError(f"{item!r}: the scale must be a finite number in [-1000, 1000]")
+            out.append((path, s))
+    return out
+
+
+def _lora_scaled_check(values) -> str | None:
+    try:
+        lora_scaled(values)
+    except ValueError as e:
+        return f"invalid --lora-scaled {e}"
+    return None
+
+
+def join_lora_scaled(argv: list[str]) -> list[str]:
+    """llama-server's older two-word ``--lora-scaled FNAME SCALE`` -> ``--lora-scaled FNAME:SCALE`` (the
+    current form), when the second word is a number. Words after a bare ``--`` are untouched."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return out + argv[i:]
+        if (word == "--lora-scaled" and i + 2 < len(argv) and ":" not in argv[i + 1]
+                and _is_number(argv[i + 2])):
+            out += [word, f"{argv[i + 1]}:{argv[i + 2]}"]
+            i += 3
+            continue
+        out.append(word)
+        i += 1
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _port_check(n: int) -> str | None:
@@ -994,20 +1052,24 @@ FLAGS: tuple[Flag, ...] = (
     F("-ag --agent", "bool", False, neg="-no-ag --no-agent", env="LLAMA_ARG_AGENT", effect=WARN,
       why="kvserve has no built-in server tools"),
     # -- features kvserve does not have
-    F("--lora", effect=REFUSE, why="LoRA adapters are not available: the base model would answer"),
-    F("--lora-scaled", effect=REFUSE, why="LoRA adapters are not available: the base model would answer"),
-    F("--lora-init-without-apply", "bool", False, effect=NONE, why="no LoRA adapters"),
+    F("--lora", "append", help="LoRA adapter: a llama.cpp LoRA GGUF or a PEFT directory (comma-separated or "
+      "repeated for several; ids in order)", metavar="FNAME", config=lora_paths),
+    F("--lora-scaled", "append", help="LoRA adapter with its scale, FNAME:SCALE,... (or FNAME SCALE); ids after "
+      "--lora's", metavar="FNAME:SCALE", check=_lora_scaled_check, config=lora_scaled),
+    F("--lora-init-without-apply", "bool", False, help="load LoRA adapters with scale 0 (apply later via POST "
+      "/lora-adapters)"),
     F("--lora-modules", "list", source=VLLM, metavar="NAME=PATH|JSON",
       help="LoRA adapters served as model names: name=path or JSON {\"name\", \"path\", \"base_model_name\"}",
       why="each adapter is a model name in /v1/models (parent: its base) chosen by `model` in any face's request; "
           "checked against its base at start-up (implies --enable-lora)"),
     F("--enable-lora", "bool", False, source=VLLM, help="serve LoRA adapters (--lora-modules, /v1/load_lora_adapter)",
-      why="adapters are weights beside the base, never merged; /v1/load_lora_adapter also needs "
-          "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"),
-    F("--max-loras", "int", 1, source=VLLM, help="most distinct LoRA adapters in one engine step",
-      check=_positive("--max-loras"), why="requests for more adapters wait for a step with room (vLLM's queueing)"),
-    F("--max-lora-rank", "int", 16, source=VLLM, help="largest LoRA rank a vLLM-style adapter may have",
-      check=_lora_rank_check, why="an adapter of a larger rank is refused at load (vLLM's text)"),
+      why="adapters are weights beside the base, never merged; --max-loras then defaults to 1 and --max-lora-rank to "
+          "16 (vLLM's); /v1/load_lora_adapter also needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"),
+    F("--max-loras", "int", help="most distinct LoRA adapters in one engine step (default: 1 with --enable-lora, "
+      "as vLLM; else no limit, as llama-server)", source=VLLM, check=_positive("--max-loras"),
+      why="rows of more adapters wait for a later step (vLLM's queueing); a request naming more is refused"),
+    F("--max-lora-rank", "int", help="largest LoRA rank accepted (default: 16 with --enable-lora, as vLLM; else any)",
+      source=VLLM, check=_lora_rank_check, why="an adapter of a larger rank is refused when it loads"),
     F("--max-cpu-loras", "int", source=VLLM, help="LoRA adapters kept in memory per model (LRU; default --max-loras)",
       check=_positive("--max-cpu-loras"),
       why="a request for an adapter not in memory loads it, evicting the least recently used idle one"),

@@ -1,27 +1,25 @@
-"""LoRA adapters chosen by model name: vLLM's served adapters and Ollama's adapter layers.
+"""vLLM's LoRA adapters chosen by model name (``--lora-modules``, ``/v1/load_lora_adapter``).
 
-Two ways a request's ``model`` names an adapter, one mechanism under both:
+Each adapter is a model name of its own (``--lora-modules name=path``, its JSON form ``{"name",
+"path", "base_model_name"}``, ``POST /v1/load_lora_adapter``); ``/v1/models`` lists it with
+``parent`` (its base) and ``root`` (its path). :class:`LoraServing` keeps the table of these names
+(:class:`LoraModulePath`). (Ollama's adapter layers are a store model's own ``ModelSpec.adapters``,
+loaded with its runner at global scale 1.0, as Ollama starts llama-server with ``--lora``: see
+:meth:`kvserve.serving.state.ServerState.resolve`.)
 
-- **vLLM** (``--lora-modules name=path``, its JSON form ``{"name", "path", "base_model_name"}``,
-  ``POST /v1/load_lora_adapter``): each adapter is a model name of its own; ``/v1/models`` lists it
-  with ``parent`` (its base) and ``root`` (its path). :class:`LoraServing` keeps the table of these
-  names (:class:`LoraModulePath`).
-- **Ollama** (an ``application/vnd.ollama.image.adapter`` layer in a store model's manifest): the
-  store model serves with its adapter(s) applied to every request, as Ollama starts llama-server
-  with ``--lora`` for each adapter layer.
-
-Either way :meth:`kvserve.serving.state.ServerState.resolve` answers an :class:`AdapterSpec`: the
-base model's spec plus the adapters to apply (:class:`AdapterRef`, scale 1.0).
-:meth:`LoraServing.attach` then holds the base runner (the manager loads, counts and evicts it as
-any model) and makes sure each adapter is in that runner's :class:`~kvserve.lora.LoraRegistry`:
+For an adapter's name :meth:`kvserve.serving.state.ServerState.resolve` answers an
+:class:`AdapterSpec`: the base model's spec plus the adapter to apply (:class:`AdapterRef`, scale
+1.0). :meth:`LoraServing.attach` then holds the base runner (the manager loads, counts and evicts it
+as any model) and makes sure the adapter is in that runner's :class:`~kvserve.lora.LoraRegistry`:
 an adapter not in memory is read now (:func:`kvserve.lora.load_adapter`, checked against the base),
-at most ``--max-cpu-loras`` vLLM adapters stay in memory per model (least recently used idle one
+at most ``--max-cpu-loras`` of them stay in memory per model (the least recently used idle one is
 evicted first; when every one is in use the request waits), and their bytes count in the model's
 size in the model manager. The face then sees an :class:`AdapterRunner`: the base runner whose
-``lora`` registry's default for a request is that adapter selection, and whose ``model_alias`` is
-the adapter's name (vLLM answers ``"model": "<adapter name>"``). Adapters enter the registry with
+``lora`` registry's default for a request is that adapter, and whose ``model_alias`` is the
+adapter's name (vLLM answers ``"model": "<adapter name>"``). Adapters enter the registry with
 global scale 0, so requests for the base model (and llama-server's ``/lora-adapters`` defaults) are
-not touched by them.
+not touched by them. ``--max-loras`` (the engine's distinct adapters per step) holds back rows of
+further adapters to a later step: requests queue, none is refused.
 
 Differences from vLLM, on purpose: a failure to read an adapter at ``/v1/load_lora_adapter`` is a
 400 ``BadRequestError`` with the reason (vLLM >= 0.10 answers 500 for everything but a missing
@@ -139,24 +137,21 @@ class AdapterRef:
         path: its PEFT directory or GGUF file.
         scale: the request's scale (1.0: vLLM and Ollama).
         max_rank: the largest rank accepted (vLLM's ``--max-lora-rank``); None: any (Ollama).
-        pinned: kept in memory while its runner is loaded (an Ollama adapter layer: part of its
-            model); False: subject to ``--max-cpu-loras`` (a vLLM adapter).
     """
 
     name: str
     path: str
     scale: float = 1.0
     max_rank: int | None = None
-    pinned: bool = False
 
 
 @dataclass(frozen=True)
 class AdapterSpec(ModelSpec):
-    """A request's model that applies adapters: the base runner's spec (``name``, ``path``...) plus
-    ``adapters`` and ``alias`` (the name responses show: the vLLM adapter's name, or the store
-    model's). The manager never sees it: :meth:`base` is what it loads."""
+    """A request's model that is a served adapter: the base runner's spec (``name``, ``path``, its
+    own ``adapters``...) plus ``selected`` (the adapters this request applies) and ``alias`` (the name
+    responses show: the adapter's). The manager never sees it: :meth:`base` is what it loads."""
 
-    adapters: tuple[AdapterRef, ...] = ()
+    selected: tuple[AdapterRef, ...] = ()
     alias: str = ""
 
     def base(self) -> ModelSpec:
@@ -242,7 +237,6 @@ class AdapterLease:
 class _Held:
     id: int
     nbytes: int
-    pinned: bool
     path: str
     users: int = 0
     doomed: bool = False  # unloaded by /v1/unload_lora_adapter while in use: removed at its last release
@@ -253,7 +247,7 @@ class _RunnerAdapters:
 
     Args:
         runner: the base runner (its ``lora`` registry). capacity: ``--max-cpu-loras`` (vLLM
-            adapters in memory at once; pinned ones do not count). on_bytes: ``(delta bytes)``
+            adapters in memory at once). on_bytes: ``(delta bytes)``
             when adapter memory is added or freed (the manager's count of the model's size).
     """
 
@@ -291,8 +285,8 @@ class _RunnerAdapters:
             if fut is not None:
                 await asyncio.shield(fut)  # a failed load raises here too
                 continue
-            if not ref.pinned and self._count() >= self.capacity:
-                victim = next((k for k, x in self.held.items() if not x.pinned and x.users == 0), None)
+            if self._count() >= self.capacity:
+                victim = next((k for k, x in self.held.items() if x.users == 0), None)
                 if victim is None:
                     await self._wait()  # every adapter in memory is in use: vLLM queues the request
                     continue
@@ -317,8 +311,7 @@ class _RunnerAdapters:
                      h.nbytes / (1 << 20), extra={"func": "lora"})
 
     def _count(self) -> int:
-        return sum(1 for x in self.held.values() if not x.pinned) + \
-            sum(1 for k in self.loading if k not in self.held)
+        return len(self.held) + sum(1 for k in self.loading if k not in self.held)
 
     def _load(self, ref: AdapterRef) -> _Held:
         """Worker thread: read, check and register the adapter (global scale 0)."""
@@ -331,7 +324,7 @@ class _RunnerAdapters:
         if ref.max_rank is not None and adapter.rank > ref.max_rank:
             raise InvalidInputError(f"LoRA rank {adapter.rank} is greater than max_lora_rank {ref.max_rank}.")
         aid = reg.add(adapter, scale=0.0)
-        return _Held(aid, 2 * adapter.nbytes, ref.pinned, ref.path)
+        return _Held(aid, 2 * adapter.nbytes, ref.path)
 
     def release(self, names: list[str]) -> None:
         for name in names:
@@ -440,7 +433,7 @@ class LoraServing:
                 raise NotSupportedError(f"model '{spec.name}' cannot apply LoRA adapters (not a generative model)")
             cache = self._cache(state, runner, spec)
             ids = []
-            for ref in spec.adapters:
+            for ref in spec.selected:
                 ids.append((await cache.hold(ref), ref.scale))
                 held.append(ref.name)
         except BaseException:
@@ -458,8 +451,6 @@ class LoraServing:
             cache = _RunnerAdapters(runner, self.args.max_cpu_loras,
                                     lambda delta: state.manager.add_bytes(name, delta))
             self._runners[runner] = cache
-            if self.enabled and runner.lora.max_loras is None:
-                runner.lora.max_loras = self.args.max_loras  # vLLM's --max-loras: distinct adapters per step
         return cache
 
     # -- vLLM's runtime routes
@@ -547,19 +538,4 @@ class LoraServing:
 
 def _with_adapters(base: ModelSpec, refs: tuple[AdapterRef, ...], alias: str) -> AdapterSpec:
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelSpec)}
-    if isinstance(base, AdapterSpec):  # an adapter over a store model that has its own adapter layers
-        refs = base.adapters + refs
-    return AdapterSpec(**fields, adapters=refs, alias=alias)
-
-
-def store_adapter_refs(paths: list[str]) -> tuple[AdapterRef, ...]:
-    """An Ollama model's adapter layers (blob paths) as AdapterRefs: scale 1.0, any rank, pinned."""
-    return tuple(AdapterRef(os.path.basename(p), p, 1.0, None, True) for p in paths)
-
-
-def with_store_adapters(spec: ModelSpec, paths: list[str]) -> ModelSpec:
-    """``spec`` of a store model with these adapter layers: an AdapterSpec (alias: its own name),
-    or ``spec`` itself when there are none."""
-    if not paths:
-        return spec
-    return _with_adapters(spec, store_adapter_refs(paths), spec.name)
+    return AdapterSpec(**fields, selected=refs, alias=alias)

@@ -244,6 +244,9 @@ class ModelSpec:
         names: every name the runner answers to (defaults to ``[name]``).
         sleep_s: a pinned runner is unloaded after this many idle seconds and loads again on
             the next request (llama-server's ``--sleep-idle-seconds``); None: never.
+        adapters: LoRA adapters loaded with it, ``(path, global scale)`` pairs (ids 0, 1, ... in
+            this order; kvserve.lora): llama-server's ``--lora`` / ``--lora-scaled`` for the start-up
+            model. A path that does not load fails the load, naming the file.
     """
 
     name: str
@@ -252,6 +255,7 @@ class ModelSpec:
     n_ctx: int | None = None
     names: tuple[str, ...] = ()
     sleep_s: float | None = None
+    adapters: tuple[tuple[str, float], ...] = ()
 
     def served_names(self) -> list[str]:
         return list(self.names) if self.names else [self.name]

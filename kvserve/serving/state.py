@@ -36,7 +36,7 @@ from kvserve.errors import (
     ServerFaultError,
     UnavailableError,
 )
-from kvserve.serving.lora_modules import AdapterSpec, LoraServing, with_store_adapters
+from kvserve.serving.lora_modules import AdapterSpec, LoraServing
 from kvserve.serving.manager import Lease, ModelManager, ModelSpec, format_keep_alive
 from kvserve.serving.metrics import KeptMetrics
 from kvserve.serving.chat_runner import (
@@ -152,8 +152,8 @@ class ServerState:
         if not name:
             name = self.default_name
         found = self._store_path(name)
-        if found is not None:  # a store model; with adapter layers an AdapterSpec (Ollama's ADAPTER)
-            return with_store_adapters(ModelSpec(found[0], found[1]), found[2])
+        if found is not None:  # a store model; its adapter layers load with it at scale 1 (Ollama's --lora)
+            return ModelSpec(found[0], found[1], adapters=tuple((p, 1.0) for p in found[2]))
         if self.args.allow_model_paths:
             spec = self._path_spec(name)
             if spec is not None:
@@ -287,7 +287,23 @@ class ServerState:
     # -- start-up
 
     def preload_blocking_part(self) -> ModelSpec:
-        """Find (pulling if needed) the start-up model's files: worker-thread work."""
+        """Find (pulling if needed) the start-up model's files: worker-thread work. Its spec carries
+        the ``--lora`` / ``--lora-scaled`` adapters (ServerArgs.lora_adapters)."""
+        import dataclasses
+
+        spec = self._startup_spec()
+        adapters = self.args.lora_adapters() if hasattr(self.args, "lora_adapters") else ()
+        adapters = self._store_adapters() + tuple(adapters)  # a store model's ADAPTER layers first
+        return dataclasses.replace(spec, adapters=adapters) if adapters else spec
+
+    def _store_adapters(self) -> tuple[tuple[str, float], ...]:
+        """The start-up model's adapter layers (``(blob path, 1.0)``) when it is a store model."""
+        if Path(self.args.model).expanduser().exists():
+            return ()
+        found = self._store_path(self.args.model)
+        return tuple((p, 1.0) for p in found[2]) if found is not None else ()
+
+    def _startup_spec(self) -> ModelSpec:
         from kvserve.store import resolve_model
 
         given = Path(self.args.model).expanduser()
