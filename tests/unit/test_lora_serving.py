@@ -48,13 +48,10 @@ def test_runtime_updates_env(value, want):
 def test_adapter_spec_base_is_the_plain_spec():
     from kvserve.serving.manager import ModelSpec
 
-    base = ModelSpec("tiny", "/m", pinned=True, names=("tiny", "t2"))
+    base = ModelSpec("tiny", "/m", pinned=True, names=("tiny", "t2"), adapters=(("/l.gguf", 0.5),))
     spec = lm._with_adapters(base, (AdapterRef("sql", "/a"),), "sql")
-    assert (spec.name, spec.path, spec.alias, spec.adapters[0].name) == ("tiny", "/m", "sql", "sql")
-    assert type(spec.base()) is ModelSpec and spec.base() == base
-    store = lm.with_store_adapters(ModelSpec("tuned:latest", "/blob"), ["/blobs/sha256-ab"])
-    assert store.adapters == (AdapterRef("sha256-ab", "/blobs/sha256-ab", 1.0, None, True),)
-    assert lm.with_store_adapters(base, []) is base
+    assert (spec.name, spec.path, spec.alias, spec.selected[0].name) == ("tiny", "/m", "sql", "sql")
+    assert type(spec.base()) is ModelSpec and spec.base() == base  # the base's own --lora adapters kept
 
 
 # -- the per-runner adapter cache ----------------------------------------------------------------------
@@ -156,16 +153,6 @@ def test_cache_lru_waits_and_counts_bytes(fake_loads):
     asyncio.run(scenario())
 
 
-def test_cache_pinned_adapters_do_not_count(fake_loads):
-    async def scenario():
-        cache = lm._RunnerAdapters(_FakeRunner(), 1, lambda d: None)
-        await cache.hold(AdapterRef("a", fake_loads["a"], pinned=True))
-        await cache.hold(AdapterRef("b", fake_loads["b"]))  # capacity 1: the pinned one is not counted
-        assert sorted(cache.held) == ["a", "b"]
-
-    asyncio.run(scenario())
-
-
 # -- PEFT -> LoRA GGUF ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw", [dict(), dict(use_rslora=True), dict(rank_pattern={"q_proj": 4},
@@ -238,15 +225,14 @@ def test_create_with_a_gguf_adapter_and_a_peft_dir(store, tmp_path):
     md, tensors = read_gguf_header(str(store.blob_path(layer.digest)))
     assert (md["general.type"], md["adapter.type"], md["general.architecture"]) == ("adapter", "lora", "llama")
     assert len(tensors) == 28  # 2 layers x 7 projections x (lora_a, lora_b)
-    # the store model resolves to its base with the adapter applied
+    # the store model loads with its adapter layer at scale 1 (Ollama's llama-server --lora)
     from kvserve.serving.args import parse_args
     from kvserve.serving.state import ServerState
 
     state = ServerState(parse_args(["--no-preload", "--models-dir", str(store.root)]))
     spec = state.resolve("tuned2")
-    assert isinstance(spec, lm.AdapterSpec) and spec.alias == "tuned2:latest"
-    assert [r.path for r in spec.adapters] == [str(store.blob_path(layer.digest))] and spec.adapters[0].pinned
-    assert type(state.resolve("tiny")) is not lm.AdapterSpec
+    assert (spec.name, spec.adapters) == ("tuned2:latest", ((str(store.blob_path(layer.digest)), 1.0),))
+    assert state.resolve("tiny").adapters == ()
 
 
 def test_create_adapter_errors(store, tmp_path):
