@@ -350,7 +350,7 @@ MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 def _lora_rank_check(n: int) -> str | None:
     return None if n in MAX_LORA_RANKS else \
-        f"--max-lora-rank: expected one of {', '.join(map(str, MAX_LORA_RANKS))}, got {n}"
+        f"invalid --max-lora-rank {n}: one of {', '.join(map(str, MAX_LORA_RANKS))} (vLLM's values)"
 
 
 # -- checks of single values (the error text is the contract: seeds and tests hold it) -------
@@ -380,7 +380,10 @@ def lora_scaled(values: list[str] | None) -> list[tuple[str, float]]:
             path, sep, scale = item.rpartition(":")
             if not sep or not path:
                 raise ValueError(f"{item!r}: lora-scaled format: FNAME:SCALE")
-            s = float(scale)
+            try:
+                s = float(scale)
+            except ValueError:
+                raise ValueError(f"{item!r}: the scale {scale!r} is not a number (format: FNAME:SCALE)") from None
             if not math.isfinite(s) or abs(s) > 1000.0:
                 raise ValueError(f"{item!r}: the scale must be a finite number in [-1000, 1000]")
             out.append((path, s))
@@ -1066,12 +1069,12 @@ FLAGS: tuple[Flag, ...] = (
       why="adapters are weights beside the base, never merged; --max-loras then defaults to 1 and --max-lora-rank to "
           "16 (vLLM's); /v1/load_lora_adapter also needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"),
     F("--max-loras", "int", help="most distinct LoRA adapters in one engine step (default: 1 with --enable-lora, "
-      "as vLLM; else no limit, as llama-server)", source=VLLM, check=_positive("--max-loras"),
+      "as vLLM; else no limit, as llama-server)", source=VLLM, check=_at_least("--max-loras", 1, ">= 1"),
       why="rows of more adapters wait for a later step (vLLM's queueing); a request naming more is refused"),
     F("--max-lora-rank", "int", help="largest LoRA rank accepted (default: 16 with --enable-lora, as vLLM; else any)",
       source=VLLM, check=_lora_rank_check, why="an adapter of a larger rank is refused when it loads"),
     F("--max-cpu-loras", "int", source=VLLM, help="LoRA adapters kept in memory per model (LRU; default --max-loras)",
-      check=_positive("--max-cpu-loras"),
+      check=_at_least("--max-cpu-loras", 1, ">= 1"),
       why="a request for an adapter not in memory loads it, evicting the least recently used idle one"),
     F("--control-vector", effect=REFUSE, why="control vectors are not available: the model would answer unsteered"),
     F("--control-vector-scaled", effect=REFUSE, why="control vectors are not available"),

@@ -159,8 +159,8 @@ def test_bad_environment_value(capsys):
 @pytest.mark.parametrize("words,message", [
     (["-tp", "0"], "--tensor-parallel-size must be at least 1, got 0"),
     (["-pp", "0"], "--pipeline-parallel-size must be at least 1, got 0"),
-    (["--lora", "a.gguf"], ("--lora a.gguf: not supported by kvserve: LoRA adapters are not available: the base "
-                           "model would answer")),
+    (["--control-vector", "a.gguf"], ("--control-vector a.gguf: not supported by kvserve: control vectors are not "
+                                     "available: the model would answer unsteered")),
     (["-ctk", "q4_1"], ("-ctk q4_1: KV cache type q4_1 is not available; kvserve stores K and V as f32, f16, bf16, "
                        "q8_0, q4_0 (or float8 with --kv-cache-dtype fp8)")),
     (["-ctv", "iq4_nl"], ("-ctv iq4_nl: KV cache type iq4_nl is not available; kvserve stores K and V as f32, f16, "
@@ -352,8 +352,8 @@ def test_alias_list_sorted_as_llama_server_set():
 @pytest.mark.parametrize("words, message", [
     (["--max-queue", "0", "--reasoning-budget", "-5"], "error: invalid --max-queue 0: at least 1"),
     (["--reasoning-budget", "-5", "--max-queue", "0"], "error: invalid --reasoning-budget -5: -1 (no limit) or >= 0"),
-    (["--timeout", "0", "--lora", "x"], "error: invalid --timeout 0.0: seconds, > 0"),
-    (["--lora", "x", "--timeout", "0"], "error: --lora x: not supported by kvserve: LoRA adapters are not"),
+    (["--timeout", "0", "--lora-scaled", "x"], "error: invalid --timeout 0.0: seconds, > 0"),
+    (["--lora-scaled", "x", "--timeout", "0"], "error: invalid --lora-scaled 'x': lora-scaled format: FNAME:SCALE"),
 ])
 def test_the_first_bad_flag_on_the_command_line_is_reported(words, message, capsys):
     """Each flag's check is in the table and runs in command-line order, as llama-server reports
