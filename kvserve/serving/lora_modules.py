@@ -422,15 +422,15 @@ class LoraServing:
         released.
 
         Raises:
-            NotSupportedError: the model is not generative (an encoder).
-            NotFoundError / InvalidInputError: an adapter's path is gone, or it does not fit.
+            InvalidInputError: the model is not generative (an encoder), or an adapter does not fit.
+            NotFoundError: an adapter's path is gone.
         """
         runner = lease.runner
         held: list[str] = []
         cache = None
         try:
             if getattr(runner, "lora", None) is None:
-                raise NotSupportedError(f"model '{spec.name}' cannot apply LoRA adapters (not a generative model)")
+                raise InvalidInputError(f"model '{spec.name}' cannot apply LoRA adapters (not a generative model)")
             cache = self._cache(state, runner, spec)
             ids = []
             for ref in spec.selected:
