@@ -252,12 +252,19 @@ class _RunnerAdapters:
     """
 
     def __init__(self, runner, capacity: int, on_bytes):
-        self.runner = runner
+        self._runner = weakref.ref(runner)  # the server's table is keyed weakly by runner: no strong cycle
         self.capacity = max(1, capacity)
         self.on_bytes = on_bytes
         self.held: OrderedDict[str, _Held] = OrderedDict()
         self.loading: dict[str, asyncio.Future] = {}
         self.changed = asyncio.Condition()
+
+    @property
+    def runner(self):
+        runner = self._runner()
+        if runner is None:  # pragma: no cover - a lease holds the runner while this is used
+            raise NotFoundError("the model was unloaded")
+        return runner
 
     async def hold(self, ref: AdapterRef) -> int:
         """Make sure ``ref`` is loaded, count one user; its registry id.
