@@ -320,10 +320,11 @@ def _base_weights(store: Store, layers: list[Layer]) -> Path:
     raise InvalidInputError("an ADAPTER needs a base model with weights (FROM a model or a GGUF file)")
 
 
-def _adapter_layers(store: Store, adapters: dict[str, str], base: list[Layer]) -> Iterator[dict | list[Layer]]:
+def _adapter_layers(store: Store, adapters: dict[str, str], base: list[Layer],
+                    created: set[str]) -> Iterator[dict | list[Layer]]:
     """The ``adapter`` layer of ``adapters`` ({file name: digest}): a LoRA GGUF as it is, a PEFT
-    directory's files converted to one LoRA GGUF; each checked against the base's weights. Yields
-    statuses, then the list of layers.
+    directory's files converted to one LoRA GGUF (its digest added to ``created`` when the blob is
+    new); each checked against the base's weights. Yields statuses, then the list of layers.
 
     Raises:
         InvalidInputError: Ollama's ``unknown type``, ``only one adapter is currently supported``,
@@ -342,7 +343,10 @@ def _adapter_layers(store: Store, adapters: dict[str, str], base: list[Layer]) -
     names = sorted(digests)
     if any(n.endswith(".safetensors") for n in names):
         yield {"status": "converting adapter"}
-        yield [_convert_peft(store, digests, config)]
+        layer, existed = _convert_peft(store, digests, config)
+        if not existed:
+            created.add(layer.digest)
+        yield [layer]
         return
     if not any(n.endswith(".gguf") or _is_gguf(store, digests[n]) for n in names):
         raise InvalidInputError("unknown type")
@@ -372,9 +376,10 @@ def _check_adapter(path: str, config, shown: str) -> None:
         raise InvalidInputError(str(e).replace(path, shown)) from None
 
 
-def _convert_peft(store: Store, digests: dict[str, str], config) -> Layer:
+def _convert_peft(store: Store, digests: dict[str, str], config) -> tuple[Layer, bool]:
     """A PEFT adapter's blobs, linked under their names into a temporary directory of the store,
-    converted to one LoRA GGUF blob (Ollama's ``convertFromSafetensors`` with ``isAdapter``)."""
+    converted to one LoRA GGUF blob (Ollama's ``convertFromSafetensors`` with ``isAdapter``); the
+    layer and whether its blob was in the store already."""
     import shutil
     import tempfile
 
@@ -402,7 +407,7 @@ def _convert_peft(store: Store, digests: dict[str, str], config) -> Layer:
         w = store.import_file(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return Layer(media_type("adapter"), w.digest, w.size)
+    return Layer(media_type("adapter"), w.digest, w.size), w.existed
 
 
 # ------------------------------------------------------------------------------ new layers
@@ -627,14 +632,15 @@ def iter_create(store: Store, body: dict, *, pull: Pull | None = None) -> Iterat
     else:
         raise InvalidInputError("neither 'from' or 'files' was specified")
 
-    adapters = _str_map(body, "adapters")
+    adapters, converted = _str_map(body, "adapters"), set()
     if adapters:
-        for item in _adapter_layers(store, adapters, base):
+        for item in _adapter_layers(store, adapters, base, converted):
             if isinstance(item, dict):
                 yield item
             else:
                 base = base + item
     layers = _Layers(store, base)
+    layers.status.update({d: "creating new layer" for d in converted})
     template, system = _str(body, "template"), _str(body, "system")
     if template:
         _template(layers, template)

@@ -195,7 +195,8 @@ class _SelectedRegistry:
 class AdapterRunner:
     """A loaded runner seen through one request's adapters: every attribute is the base runner's,
     except ``lora`` (its registry, with this request's adapters as the default ``lora`` tuple of
-    ``(adapter id, scale)`` pairs), ``model_alias`` and ``served_names`` (the adapter's name).
+    ``(adapter id, scale)`` pairs; an explicit per-request ``lora`` field replaces it, as it replaces
+    llama-server's global scales), ``model_alias`` and ``served_names`` (the adapter's name).
 
     Attributes:
         base_runner: the runner it wraps. lora_selection: the ``(id, scale)`` tuple applied.

@@ -6,7 +6,6 @@ Ollama's create with ``adapters`` / ``ADAPTER`` (layers, errors with Ollama's te
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 
 import pytest
@@ -219,6 +218,7 @@ def test_create_with_a_gguf_adapter_and_a_peft_dir(store, tmp_path):
              "adapter_model.safetensors": _put(store, peft / "adapter_model.safetensors")}
     st = _create(store, {"model": "tuned2", "from": "tiny", "adapters": files})
     assert st[0] == "converting adapter" and st[-1] == "success"
+    assert sum(x.startswith("creating new layer ") for x in st) == 1  # the converted GGUF
     layer = store.get("tuned2").manifest.layers_of("adapter")[0]
     from kvserve.loaders.gguf import read_gguf_header
 
