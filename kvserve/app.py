@@ -100,6 +100,7 @@ def build_app(state: ServerState, gcp_settings=None) -> FastAPI:
     :class:`~kvserve.faces.gcp.PredictRouteConflict` when its route is taken)."""
     from kvserve.faces import anthropic, cors_proxy, embeddings, gcp, llama_api, ollama_api, responses, webui
     from kvserve.faces import tools_api
+    from kvserve.faces import lora_api
     from kvserve.faces import router as router_face  # what vllm-router reads from a worker
 
     # no slash redirects: llama-server answers /health/ with 404, not 307
@@ -151,6 +152,7 @@ def build_app(state: ServerState, gcp_settings=None) -> FastAPI:
     app.include_router(router_face.build_router(state))
     app.include_router(cors_proxy.build_router(state))
     app.include_router(tools_api.build_router(state))
+    app.include_router(lora_api.build_router(state))  # VLLM_ALLOW_RUNTIME_LORA_UPDATING only
     app.include_router(webui.build_router(state))
     gcp.install(app, gcp_settings if gcp_settings is not None else gcp.GcpSettings.from_env())  # after every route
     # innermost first: the crash guard sits right outside the exception handlers above

@@ -456,15 +456,26 @@ def _create_body(api, name: str, req, status) -> dict:
     names = _file_names(paths)
     for path in paths:
         files[names[path]] = _upload(api, path, status)
-    return req.to_json(model=name, files=files or None)
+    adapters: dict[str, str] = {}
+    for value in req.adapters[-1:]:  # Ollama's client: the last ADAPTER line (a GGUF, a PEFT dir, a digest)
+        from kvserve.ollama.create import _adapter_files
+        from kvserve.ollama.modelfile import classify_from
+
+        if classify_from(value).kind == "blob":
+            adapters = {"adapter.gguf": classify_from(value).digest}
+            continue
+        found = _adapter_files(value)
+        shown = _file_names(found)
+        adapters = {shown[p]: _upload(api, p, status) for p in found}
+    return req.to_json(model=name, files=files or None, adapters=adapters or None)
 
 
 def _create(argv: list[str]) -> int:
     """``kvserve create NAME [-f Modelfile]``: Ollama's statuses on stderr (``gathering model
     components``, ``copying file sha256:… 100%``, ``parsing GGUF``, ``using existing layer
     sha256:…``, ``creating new layer sha256:…``, ``writing manifest``, ``success``). The weights
-    blob is shared with the model it derives from; ADAPTER, DRAFT and ``-q`` are refused (not
-    supported yet)."""
+    blob is shared with the model it derives from; ADAPTER (a LoRA GGUF or a PEFT directory) is
+    uploaded and stored as an ``adapter`` layer; DRAFT and ``-q`` are refused (not supported yet)."""
     from kvserve.errors import InvalidInputError, NotSupportedError
     from kvserve.ollama.modelfile import parse_modelfile
     from kvserve.store import parse_name

@@ -264,14 +264,41 @@ def _ollama_entry(m: ServableModel) -> dict:
     }
 
 
+def adapter_entry(state: ServerState, name: str, created: int) -> dict:
+    """One served LoRA adapter's ``data`` item (vLLM's card: ``root`` the adapter's path, ``parent``
+    its base model's name), with its base's ``max_model_len`` and status.
+
+    Raises:
+        NotFoundError: its base model is not served."""
+    module = state.loras.modules[name]
+    spec = state.loras.spec(state, module)
+    parent = state.loras.parent(state, module)
+    base = next((m for m in state.catalog() if m.name == spec.name), None)
+    d = {"id": name, "aliases": [name], "tags": sorted(set(getattr(state.args, "tags", ()) or ())),
+         "object": "model", "created": created, "owned_by": "llamacpp", "root": module.path, "parent": parent,
+         "max_model_len": _max_model_len(state, base) if base is not None else None,
+         "permission": _permission(created), "status": {"value": _status(base) if base is not None else "unloaded"}}
+    return d
+
+
+def _adapter_entries(state: ServerState, created: int) -> list[dict]:
+    out = []
+    for name in list(state.loras.modules):
+        try:
+            out.append(adapter_entry(state, name, created))
+        except NotFoundError:  # its base is gone from the store: not servable now
+            continue
+    return out
+
+
 def models_json(state: ServerState) -> dict:
-    """GET /v1/models and /models: every servable model, loaded or not (reads the store and
-    model headers: call it off the event loop)."""
+    """GET /v1/models and /models: every servable model, loaded or not, then the served LoRA
+    adapters (``parent``: their base; reads the store and model headers: call it off the event loop)."""
     state.require_up()
     created = int(time.time())
     cat = state.catalog()
     return {"models": [_ollama_entry(m) for m in cat], "object": "list",
-            "data": [model_entry(state, m, created) for m in cat]}
+            "data": [model_entry(state, m, created) for m in cat] + _adapter_entries(state, created)}
 
 
 def model_json(state: ServerState, model_id: str) -> dict:
@@ -279,6 +306,8 @@ def model_json(state: ServerState, model_id: str) -> dict:
     store names with or without ``:latest``, aliases; with ``-m`` the pinned model), 404
     ``model 'x' not found`` otherwise."""
     spec = state.resolve(model_id)
+    if state.loras.lookup(model_id) is not None:
+        return adapter_entry(state, model_id, int(time.time()))
     for m in state.catalog():
         if m.name == spec.name:
             return model_entry(state, m, int(time.time()))

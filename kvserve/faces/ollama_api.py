@@ -935,6 +935,8 @@ def _show(state: ServerState, body: dict) -> dict:
 
     r.modelfile = show_modelfile(short_name=layers.stored.display if layers.stored is not None else spec.name,
                                  model_path=spec.path, template=layers.template, system=system,
+                                 adapters=[p for p, _ in spec.adapters] +  # LoRA: the model's own, the chosen
+                                 [a.path for a in getattr(spec, "selected", ())],
                                  parameters=layers.params, licenses=[lic] if lic else [],
                                  messages=layers.messages)
     params = show_parameters(layers.params)

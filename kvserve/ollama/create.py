@@ -19,7 +19,10 @@ The request (Ollama's ``api.CreateRequest``)::
     renderer, parser, requires  kept in the config (else the base's)
     info                        Ollama's config overrides: capabilities, model_family, base_name,
                                 quantization_level, parameter_size, context_length, embedding_length
-    quantize, adapters, draft_files, remote_host    refused: not supported yet (see below)
+    adapters                    {file name: digest}: one LoRA GGUF, or a PEFT directory's files
+                                (``adapter_config.json`` + ``*.safetensors``, converted to a GGUF);
+                                an ``adapter`` layer after the base's layers (see below)
+    quantize, draft_files, remote_host    refused: not supported yet (see below)
     modelfile                   the older form (Ollama < 0.5): a Modelfile's text, parsed with
                                 :mod:`kvserve.ollama.modelfile`; FROM must then be a model name or a
                                 blob digest (the server cannot read the client's files)
@@ -38,7 +41,15 @@ How the layers are built (Ollama's ``CreateHandler``/``createModel``):
 3. The config: model fields from the weights' GGUF header (``gguf``, the architecture, the
    parameter count as Ollama's HumanNumber, the file type), renderer/parser/requires/
    capabilities from the request, else from the base's config, then ``info``.
-4. One ``using existing layer sha256:…`` / ``creating new layer sha256:…`` per layer in
+4. ``adapters`` (Ollama's ``convertModelFromFiles(..., isAdapter)``): a LoRA GGUF blob becomes an
+   ``application/vnd.ollama.image.adapter`` layer as it is (``parsing GGUF``); a PEFT directory's
+   files are converted to one LoRA GGUF blob (``converting adapter``, as Ollama does, so that the
+   layer is one file that llama-server's ``--lora`` and Ollama's registry carry:
+   :mod:`kvserve.ollama.adapter_convert`). Unlike Ollama, the adapter is checked against the base
+   model's weights here (architecture, every module's shape: a 400 naming the module), not when
+   the model first loads. A model with adapter layers serves with each applied at scale 1.0 in
+   every face (:mod:`kvserve.serving.lora_modules`).
+5. One ``using existing layer sha256:…`` / ``creating new layer sha256:…`` per layer in
    manifest order, ``writing manifest``, the manifest, then the blobs only the replaced
    manifest of that name used are removed, and ``success``.
 
@@ -46,7 +57,7 @@ Differences from Ollama, on purpose: a GGUF given as ``files`` is stored as it i
 re-writes it through llama-quantize to validate it, and maps its Jinja chat template to one of
 its library's Go templates: kvserve renders the GGUF's own Jinja template when there is no
 TEMPLATE, so no template layer is invented); files that are not GGUF, more than one model GGUF,
-split GGUFs, adapters, projectors (vision), draft models, safetensors weights and
+split GGUFs, projectors (vision), draft models, safetensors weights and
 ``quantize`` are refused with a :class:`~kvserve.errors.NotSupportedError` or an
 :class:`~kvserve.errors.InvalidInputError` that says so. A safetensors (Hugging Face) directory
 is refused: the store keeps one GGUF weights file per model, and converting is llama.cpp's
@@ -93,7 +104,7 @@ _DIGEST = re.compile(r"@?sha256[:-][0-9a-fA-F]{64}")
 
 QUANTIZE_UNSUPPORTED = ("quantize is not supported yet: kvserve serves a GGUF's weights as they are "
                         "(quantize it with llama.cpp's llama-quantize first)")
-ADAPTER_UNSUPPORTED = "ADAPTER is not supported yet: kvserve has no LoRA adapters"
+ONLY_ONE_ADAPTER = "only one adapter is currently supported"  # Ollama's errOnlyOneAdapterSupported
 DRAFT_UNSUPPORTED = "DRAFT is not supported yet: kvserve has no draft-model speculative decoding (prompt lookup: kvserve serve --spec-type ngram)"
 SAFETENSORS_UNSUPPORTED = ("creating a model from safetensors weights is not supported yet: kvserve's store "
                            "holds GGUF weights (convert them with llama.cpp's convert_hf_to_gguf.py, then "
@@ -166,8 +177,9 @@ def _check_request(body: dict) -> None:
             raise InvalidInputError("invalid digest format")
     if _str(body, "quantize") or _str(body, "quantization"):
         raise NotSupportedError(QUANTIZE_UNSUPPORTED)
-    if _str_map(body, "adapters"):
-        raise NotSupportedError(ADAPTER_UNSUPPORTED)
+    for name in _str_map(body, "adapters") or {}:
+        if not _valid_path(name):
+            raise InvalidInputError("file path must be relative")
     if _str_map(body, "draft_files") or _str(body, "draft_quantize"):
         raise NotSupportedError(DRAFT_UNSUPPORTED)
     if _str(body, "remote_host"):
@@ -187,8 +199,14 @@ def _from_modelfile_text(body: dict) -> dict:
         if s.kind not in ("model", "blob"):
             raise InvalidInputError(f"FROM {s.value}: a file path needs the current create request (upload the "
                                     "file with POST /api/blobs/:digest and name it in 'files')")
+    adapters = {}
+    for a in req.adapters[-1:]:
+        if not _DIGEST.fullmatch(a):
+            raise InvalidInputError(f"ADAPTER {a}: a file path needs the current create request (upload the file "
+                                    "with POST /api/blobs/:digest and name it in 'adapters')")
+        adapters = {"adapter.gguf": _digest(a)}
     out = {k: v for k, v in body.items() if k != "modelfile"}
-    for k, v in req.to_json().items():
+    for k, v in req.to_json(adapters=adapters or None).items():
         out.setdefault(k, v)
     return out
 
@@ -260,7 +278,8 @@ def _gguf_layers(store: Store, files: dict[str, str]) -> Iterator[dict | list[La
         md = _header(path)
         kind = str(md.get("general.type") or "")
         if kind == "adapter":
-            raise NotSupportedError(ADAPTER_UNSUPPORTED)
+            raise InvalidInputError("a LoRA adapter GGUF was given as the model's weights: name the base model in "
+                                    "FROM and the adapter in ADAPTER ('adapters')")
         if kind in ("projector", "mmproj") or str(md.get("general.architecture")) == "clip":
             raise NotSupportedError("projector (vision) GGUF files are not supported yet: kvserve has no vision "
                                     "models")
@@ -288,6 +307,107 @@ def _split_count(md: dict) -> int:
         if isinstance(v, int):
             return v
     return 0
+
+
+# ------------------------------------------------------------------------------ adapters
+
+
+def _base_weights(store: Store, layers: list[Layer]) -> Path:
+    """The base model's weights blob (the ``model`` layer): what an adapter is checked against."""
+    for x in layers:
+        if x.media_type == media_type("model"):
+            return store.blob_path(x.digest)
+    raise InvalidInputError("an ADAPTER needs a base model with weights (FROM a model or a GGUF file)")
+
+
+def _adapter_layers(store: Store, adapters: dict[str, str], base: list[Layer],
+                    created: set[str]) -> Iterator[dict | list[Layer]]:
+    """The ``adapter`` layer of ``adapters`` ({file name: digest}): a LoRA GGUF as it is, a PEFT
+    directory's files converted to one LoRA GGUF (its digest added to ``created`` when the blob is
+    new); each checked against the base's weights. Yields statuses, then the list of layers.
+
+    Raises:
+        InvalidInputError: Ollama's ``unknown type``, ``only one adapter is currently supported``,
+            ``invalid digest format``; a GGUF that is not a LoRA adapter; a PEFT directory without
+            ``adapter_config.json``; an adapter that does not fit the base (naming the module).
+        NotFoundError: ``blob "sha256:…" not found``.
+    """
+    from kvserve.serving.chat_runner import model_shape
+
+    digests = {name: _digest(d) for name, d in adapters.items()}
+    for d in digests.values():
+        if not store.blob_path(d).is_file():
+            raise NotFoundError(f'blob "{d}" not found')
+    base_path = _base_weights(store, base)
+    config = model_shape(str(base_path))[0]
+    names = sorted(digests)
+    if any(n.endswith(".safetensors") for n in names):
+        yield {"status": "converting adapter"}
+        layer, existed = _convert_peft(store, digests, config)
+        if not existed:
+            created.add(layer.digest)
+        yield [layer]
+        return
+    if not any(n.endswith(".gguf") or _is_gguf(store, digests[n]) for n in names):
+        raise InvalidInputError("unknown type")
+    if len(names) > 1:
+        raise InvalidInputError(ONLY_ONE_ADAPTER)
+    name = names[0]
+    yield {"status": "parsing GGUF"}
+    digest = digests[name]
+    path = store.blob_path(digest)
+    if not _is_gguf(store, digest):
+        raise InvalidInputError("supplied file was not in GGUF format")
+    kind = str(_header(path).get("general.type") or "")
+    if kind != "adapter":
+        raise InvalidInputError(f"the ADAPTER file {name} is not a LoRA adapter (its GGUF general.type is "
+                                f"{kind or 'unset'!r}, not 'adapter')")
+    _check_adapter(str(path), config, name)
+    yield [Layer(media_type("adapter"), digest, path.stat().st_size, name)]
+
+
+def _check_adapter(path: str, config, shown: str) -> None:
+    """The adapter read against the base's config; its errors name ``shown``, not the blob path."""
+    from kvserve.lora import LoraBase, load_adapter
+
+    try:
+        load_adapter(path, LoraBase.of(config))
+    except InvalidInputError as e:
+        raise InvalidInputError(str(e).replace(path, shown)) from None
+
+
+def _convert_peft(store: Store, digests: dict[str, str], config) -> tuple[Layer, bool]:
+    """A PEFT adapter's blobs, linked under their names into a temporary directory of the store,
+    converted to one LoRA GGUF blob (Ollama's ``convertFromSafetensors`` with ``isAdapter``); the
+    layer and whether its blob was in the store already."""
+    import shutil
+    import tempfile
+
+    from kvserve.ollama.adapter_convert import peft_to_gguf
+
+    if "adapter_config.json" not in {posixpath.basename(n) for n in digests}:
+        raise InvalidInputError("a PEFT adapter needs its adapter_config.json beside its .safetensors file")
+    store.blobs_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="kvserve-adapter-", dir=store.root))
+    try:
+        src = tmp / "peft"
+        for name, digest in digests.items():
+            target = src / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(store.blob_path(digest), target)
+            except OSError:
+                shutil.copyfile(store.blob_path(digest), target)
+        peft = next(p.parent for p in src.rglob("adapter_config.json"))
+        out = tmp / "adapter.gguf"
+        try:
+            peft_to_gguf(peft, config, out)
+        except InvalidInputError as e:
+            raise InvalidInputError(str(e).replace(str(peft), "the PEFT adapter")) from None
+        w = store.import_file(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Layer(media_type("adapter"), w.digest, w.size), w.existed
 
 
 # ------------------------------------------------------------------------------ new layers
@@ -512,7 +632,15 @@ def iter_create(store: Store, body: dict, *, pull: Pull | None = None) -> Iterat
     else:
         raise InvalidInputError("neither 'from' or 'files' was specified")
 
+    adapters, converted = _str_map(body, "adapters"), set()
+    if adapters:
+        for item in _adapter_layers(store, adapters, base, converted):
+            if isinstance(item, dict):
+                yield item
+            else:
+                base = base + item
     layers = _Layers(store, base)
+    layers.status.update({d: "creating new layer" for d in converted})
     template, system = _str(body, "template"), _str(body, "system")
     if template:
         _template(layers, template)
@@ -599,8 +727,8 @@ def iter_create_modelfile(store: Store, name: str, modelfile: Any, base_dir: str
 
     Raises:
         ModelfileError (an InvalidInputError) for a Modelfile that does not parse (with its line),
-        NotSupportedError (ADAPTER, DRAFT, safetensors), NotFoundError (a FROM path that is not
-        there), InvalidInputError ``invalid model name``, and what :func:`iter_create` raises.
+        NotSupportedError (DRAFT, safetensors weights), NotFoundError (a FROM or ADAPTER path that
+        is not there), InvalidInputError ``invalid model name``, and what :func:`iter_create` raises.
     """
     from kvserve.ollama.modelfile import Modelfile, parse_modelfile
 
@@ -620,4 +748,32 @@ def iter_create_modelfile(store: Store, name: str, modelfile: Any, base_dir: str
         w = store.import_file(path)
         yield {"status": f"copying file {w.digest} 100%"}
         files[names[path]] = w.digest
-    yield from iter_create(store, req.to_json(model=name, files=files or None), pull=pull)
+    adapters: dict[str, str] = {}
+    for value in req.adapters[-1:]:  # Ollama's client: the last ADAPTER line's files
+        if _DIGEST.fullmatch(value):
+            adapters = {"adapter.gguf": _digest(value)}
+            continue
+        found = _adapter_files(value)
+        for path, shown in request_file_names(found).items():
+            w = store.import_file(path)
+            yield {"status": f"copying file {w.digest} 100%"}
+            adapters[shown] = w.digest
+    yield from iter_create(store, req.to_json(model=name, files=files or None, adapters=adapters or None),
+                           pull=pull)
+
+
+def _adapter_files(path: str) -> list[str]:
+    """The files an ADAPTER path stands for: the file (a LoRA GGUF), or a PEFT directory's
+    ``adapter_config.json`` and ``*.safetensors`` (Ollama's ``filesForModel`` of an adapter)."""
+    p = Path(path)
+    if p.is_file():
+        return [str(p)]
+    found = sorted(str(x) for x in p.glob("*.safetensors"))
+    if not found:
+        if (p / "adapter_model.bin").is_file():
+            raise InvalidInputError(f"ADAPTER {path}: adapter_model.bin (a pickle) is not read: save the adapter as "
+                                    "safetensors (PEFT's save_pretrained(safe_serialization=True))")
+        raise InvalidInputError(f"ADAPTER {path}: no .safetensors file and no GGUF: not a LoRA adapter")
+    if not (p / "adapter_config.json").is_file():
+        raise InvalidInputError(f"ADAPTER {path}: no adapter_config.json: not a PEFT adapter directory")
+    return [str(p / "adapter_config.json"), *found]

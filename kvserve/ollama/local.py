@@ -208,6 +208,7 @@ class LocalApi:
             resp["license"] = "\n".join(licenses)
         resp["modelfile"] = show_modelfile(
             short_name=stored.display, model_path=model_path, template=go_template, system=system,
+            adapters=[str(store.blob_path(x.digest)) for x in m.layers_of("adapter")],
             renderer=str(config.get("renderer") or ""), parser=str(config.get("parser") or ""),
             parameters=params, licenses=licenses, messages=messages,
             capabilities=[c for c in config.get("capabilities") or [] if isinstance(c, str)])

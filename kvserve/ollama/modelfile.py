@@ -29,8 +29,9 @@ PARAMETER name value    :attr:`Modelfile.parameters`, typed by Ollama's ``api.Op
                         dropped with a warning (:attr:`Modelfile.warnings`), as Ollama does.
 TEMPLATE t              :attr:`Modelfile.template`: a Go template (checked by :meth:`create_request`).
 SYSTEM s                :attr:`Modelfile.system` (the last one).
-ADAPTER path            :attr:`Modelfile.adapters`: parsed and kept; ``create`` refuses it
-                        (:meth:`Modelfile.check_supported`: kvserve has no LoRA yet).
+ADAPTER path            :attr:`Modelfile.adapters`: a LoRA GGUF file, a PEFT directory
+                        (``adapter_config.json`` + ``*.safetensors``) or a blob digest; ``create``
+                        stores it as an ``adapter`` layer (:mod:`kvserve.ollama.create`).
 LICENSE l               :attr:`Modelfile.licenses` (repeatable: one license layer each).
 MESSAGE role content    :attr:`Modelfile.messages`.
 REQUIRES version        :attr:`Modelfile.requires`: a semantic version (``0.14.0``, ``v0.14``);
@@ -271,13 +272,9 @@ class Modelfile:
         """Refuse what kvserve's create cannot build yet.
 
         Raises:
-            NotSupportedError: an ADAPTER (``ADAPTER is not supported yet: kvserve has no LoRA
-                adapters``) or a DRAFT (no speculative decoding), naming the line.
+            NotSupportedError: a DRAFT (no draft-model speculative decoding), naming the line.
         """
         for cmd in self.commands:
-            if cmd.name == "adapter":
-                raise NotSupportedError(
-                    f"(line {cmd.line}): ADAPTER is not supported yet: kvserve has no LoRA adapters")
             if cmd.name == "draft":
                 raise NotSupportedError(
                     f"(line {cmd.line}): DRAFT is not supported yet: kvserve has no draft-model speculative decoding (prompt lookup: kvserve serve --spec-type ngram)")
@@ -309,7 +306,9 @@ class Modelfile:
                                else classify_from(cmd.args))
         names = [s for s in sources if s.kind in ("model", "blob")]
         from_ = (names[-1].digest or names[-1].value) if names else None
-        adapters = [_resolve_path(a, base_dir, self.line_of("adapter")) for a in self.adapters]
+        # ADAPTER: a GGUF file, a PEFT directory, or (a kvserve extension) a blob digest
+        adapters = [a if _DIGEST.fullmatch(a) else _resolve_path(a, base_dir, self.line_of("adapter"))
+                    for a in self.adapters]
         draft = _resolve_path(self.draft, base_dir, self.line_of("draft")) if self.draft is not None else None
         return CreateRequest(
             sources=sources, from_=from_, adapters=adapters, draft=draft, template=self.template,

@@ -159,6 +159,10 @@ class ServerArgs:
     return_tokens_as_token_ids: bool = False
     enable_force_include_usage: bool = False
     enable_prompt_tokens_details: bool = False
+    # vLLM's LoRA serving (kvserve.serving.lora_modules): adapters as model names
+    enable_lora: bool = False  # --enable-lora (--lora-modules implies it)
+    lora_modules: list = field(default_factory=list)  # --lora-modules: LoraModulePath items
+    max_cpu_loras: int = 1  # --max-cpu-loras: vLLM adapters in memory per model (LRU); default --max-loras
     # speculative decoding (--spec-type ngram, --draft-max/--draft-min, --speculative-config)
     spec: SpecConfig = field(default_factory=SpecConfig)
     # LoRA (kvserve.lora): llama-server's --lora paths and --lora-scaled (path, scale) pairs of the -m model,
@@ -384,7 +388,7 @@ def _build(p, s: _Parsed) -> ServerArgs:
     _env_address(s)
     fields: dict[str, Any] = {}
     for rule in (_model_fields, _slots_fields, _manager_fields, _device_fields, _http_fields, _chat_fields,
-                 _sampling_fields, _spec_fields):
+                 _sampling_fields, _spec_fields, _lora_fields):
         fields.update(rule(s))
     args = ServerArgs(**{**_table_fields(s.v), **fields, "flag_notes": s.notes, "flags_given": s.given})
     try:
@@ -583,6 +587,30 @@ def _chat_fields(s: _Parsed) -> dict[str, Any]:
     return {"slots_text": s.given.get("slots") == "--slots",
             "chat_template_kwargs": _template_kwargs(s.v),
             "reasoning": None if s.v["reasoning"] in (None, "auto") else s.v["reasoning"]}
+
+
+def _lora_fields(s: _Parsed) -> dict[str, Any]:
+    """vLLM's LoRA flags: ``--lora-modules`` words (``name=path`` or JSON; vLLM's texts for a bad
+    one; they imply ``--enable-lora``); with ``--enable-lora`` vLLM's defaults ``--max-loras 1`` and
+    ``--max-lora-rank 16``, else no limits (llama-server's ``--lora``); ``--max-cpu-loras`` (default
+    ``--max-loras``; vLLM's check that it is not smaller)."""
+    from kvserve.serving.lora_modules import parse_lora_modules
+
+    v = s.v
+    try:
+        modules = parse_lora_modules(v["lora_modules"] or [])
+    except ValueError as e:
+        raise _Exit(str(e)) from None
+    enable = bool(v["enable_lora"] or modules)
+    max_loras, max_rank = v["max_loras"], v["max_lora_rank"]
+    if enable:
+        max_loras = 1 if max_loras is None else max_loras
+        max_rank = 16 if max_rank is None else max_rank
+    max_cpu = v["max_cpu_loras"] if v["max_cpu_loras"] is not None else (max_loras or 1)
+    if max_loras is not None and max_cpu < max_loras:
+        raise _Exit(f"max_cpu_loras ({max_cpu}) must be >= max_loras ({max_loras})")
+    return {"lora_modules": modules, "enable_lora": enable, "max_loras": max_loras, "max_lora_rank": max_rank,
+            "max_cpu_loras": max_cpu}
 
 
 def _cors(v: dict, given: dict, notes: list) -> tuple[list[str], str, str, bool]:

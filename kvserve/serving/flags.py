@@ -344,6 +344,15 @@ def _ngl_value(text: str) -> str:
     raise ValueError(f"expected a number, 'auto' or 'all', got {text!r}")
 
 
+#: vLLM's ``MaxLoRARanks``: the values ``--max-lora-rank`` takes
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _lora_rank_check(n: int) -> str | None:
+    return None if n in MAX_LORA_RANKS else \
+        f"invalid --max-lora-rank {n}: one of {', '.join(map(str, MAX_LORA_RANKS))} (vLLM's values)"
+
+
 # -- checks of single values (the error text is the contract: seeds and tests hold it) -------
 
 class Plain(str):
@@ -1084,14 +1093,21 @@ FLAGS: tuple[Flag, ...] = (
       "--lora's", metavar="FNAME:SCALE", check=_lora_scaled_check, config=lora_scaled),
     F("--lora-init-without-apply", "bool", False, help="load LoRA adapters with scale 0 (apply later via POST "
       "/lora-adapters)"),
-    F("--lora-modules", "list", source=VLLM, effect=REFUSE,
-      why="LoRA adapters are not available: the base model would answer"),
-    F("--enable-lora", "bool", False, source=VLLM, effect=NONE, why="no LoRA adapters (--lora-modules is refused)"),
-    F("--max-loras", "int", help="most distinct LoRA adapters in one batch (default: no limit, as llama-server)",
-      source=VLLM, check=_at_least("--max-loras", 1, ">= 1")),
-    F("--max-lora-rank", "int", help="largest LoRA rank accepted (default: any)", source=VLLM,
-      check=_at_least("--max-lora-rank", 1, ">= 1")),
-    F("--max-cpu-loras", "int", source=VLLM, effect=NONE, why="no LoRA adapters"),
+    F("--lora-modules", "list", source=VLLM, metavar="NAME=PATH|JSON",
+      help="LoRA adapters served as model names: name=path or JSON {\"name\", \"path\", \"base_model_name\"}",
+      why="each adapter is a model name in /v1/models (parent: its base) chosen by `model` in any face's request; "
+          "checked against its base at start-up (implies --enable-lora)"),
+    F("--enable-lora", "bool", False, source=VLLM, help="serve LoRA adapters (--lora-modules, /v1/load_lora_adapter)",
+      why="adapters are weights beside the base, never merged; --max-loras then defaults to 1 and --max-lora-rank to "
+          "16 (vLLM's); /v1/load_lora_adapter also needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"),
+    F("--max-loras", "int", help="most distinct LoRA adapters in one engine step (default: 1 with --enable-lora, "
+      "as vLLM; else no limit, as llama-server)", source=VLLM, check=_at_least("--max-loras", 1, ">= 1"),
+      why="rows of more adapters wait for a later step (vLLM's queueing); a request naming more is refused"),
+    F("--max-lora-rank", "int", help="largest LoRA rank accepted (default: 16 with --enable-lora, as vLLM; else any)",
+      source=VLLM, check=_lora_rank_check, why="an adapter of a larger rank is refused when it loads"),
+    F("--max-cpu-loras", "int", source=VLLM, help="LoRA adapters kept in memory per model (LRU; default --max-loras)",
+      check=_at_least("--max-cpu-loras", 1, ">= 1"),
+      why="a request for an adapter not in memory loads it, evicting the least recently used idle one"),
     F("--control-vector", effect=REFUSE, why="control vectors are not available: the model would answer unsteered"),
     F("--control-vector-scaled", effect=REFUSE, why="control vectors are not available"),
     F("--control-vector-layer-range", "list", effect=REFUSE, why="control vectors are not available"),

@@ -522,6 +522,13 @@ class ModelManager:
             raise
         return Lease(self, e)
 
+    def add_bytes(self, name: str, delta: int) -> None:
+        """Count ``delta`` more bytes (negative: fewer) in the loaded runner ``name``'s size: memory
+        it took after loading (LoRA adapters read on demand). Nothing when it is not loaded."""
+        e = self.get(name)
+        if e is not None and e.runner is not None:
+            e.size = max(0, e.size + int(delta))
+
     def hold_loaded(self, name: str) -> Lease:
         """Hold the runner of ``name`` only when it is loaded already: outside the queue, without
         loading, unloading or waking anything, and without counting as use (the runner is not

@@ -36,6 +36,7 @@ from kvserve.errors import (
     ServerFaultError,
     UnavailableError,
 )
+from kvserve.serving.lora_modules import AdapterSpec, LoraServing
 from kvserve.serving.manager import Lease, ModelManager, ModelSpec, format_keep_alive
 from kvserve.serving.metrics import KeptMetrics
 from kvserve.serving.chat_runner import (
@@ -132,6 +133,9 @@ class ServerState:
                                              confine=bool(getattr(args, "tools_confine", False)))
         #: the MCP servers of --mcp-servers-config / --mcp-servers-json (kvserve.tools.mcp.McpManager), or None
         self.mcp = None
+        #: vLLM's served LoRA adapters (--lora-modules, /v1/load_lora_adapter) and the adapters each
+        #: runner holds (kvserve.serving.lora_modules)
+        self.loras = LoraServing(args)
 
     # -- names
 
@@ -145,6 +149,9 @@ class ServerState:
         """
         if name is not None and len(name) > MAX_MODEL_NAME:
             raise InvalidInputError(f"Field 'model': longer than {MAX_MODEL_NAME} characters")
+        module = self.loras.lookup(name)
+        if module is not None:  # a vLLM adapter's name: its base with the adapter (AdapterSpec)
+            return self.loras.spec(self, module)
         if self.pinned:
             if self._pinned_spec is None:
                 raise UnavailableError("Loading model")
@@ -152,8 +159,8 @@ class ServerState:
         if not name:
             name = self.default_name
         found = self._store_path(name)
-        if found is not None:
-            return ModelSpec(*found)
+        if found is not None:  # a store model; its adapter layers load with it at scale 1 (Ollama's --lora)
+            return ModelSpec(found[0], found[1], adapters=tuple((p, 1.0) for p in found[2]))
         if self.args.allow_model_paths:
             spec = self._path_spec(name)
             if spec is not None:
@@ -163,8 +170,8 @@ class ServerState:
             return loaded.spec
         raise NotFoundError(f"model '{name[:256]}' not found")
 
-    def _store_path(self, name: str) -> tuple[str, str] | None:
-        """``(display name, model blob)`` of the store model ``name`` means (any of Ollama's forms:
+    def _store_path(self, name: str) -> tuple[str, str, list[str]] | None:
+        """``(display name, model blob, adapter blobs)`` of the store model ``name`` means (any of Ollama's forms:
         ``smollm2``, ``smollm2:latest``, ``registry.ollama.ai/library/smollm2:latest``, or a
         registry alias), else None (no such model, no weights blob, or not a valid name)."""
         from kvserve.store import canonical_name, open_store
@@ -176,7 +183,8 @@ class ServerState:
             return None
         if stored is None or stored.model_path is None:
             return None
-        return stored.display, str(stored.model_path)
+        adapters = [str(store.blob_path(x.digest)) for x in stored.manifest.layers_of("adapter")]
+        return stored.display, str(stored.model_path), adapters
 
     def _path_spec(self, name: str) -> ModelSpec | None:
         p = Path(name).expanduser()
@@ -230,6 +238,9 @@ class ServerState:
         """
         self.require_up()
         spec = model if isinstance(model, ModelSpec) else self.resolve(model)
+        if isinstance(spec, AdapterSpec):  # the base runner, with the request's adapters held in it
+            lease = _ready(await self.manager.acquire(spec.base(), keep_alive))
+            return await self.loras.attach(self, lease, spec)
         return _ready(await self.manager.acquire(spec, keep_alive))
 
     def hold_loaded(self, name: str | None) -> Lease:
@@ -289,7 +300,15 @@ class ServerState:
 
         spec = self._startup_spec()
         adapters = self.args.lora_adapters() if hasattr(self.args, "lora_adapters") else ()
+        adapters = self._store_adapters() + tuple(adapters)  # a store model's ADAPTER layers first
         return dataclasses.replace(spec, adapters=adapters) if adapters else spec
+
+    def _store_adapters(self) -> tuple[tuple[str, float], ...]:
+        """The start-up model's adapter layers (``(blob path, 1.0)``) when it is a store model."""
+        if Path(self.args.model).expanduser().exists():
+            return ()
+        found = self._store_path(self.args.model)
+        return tuple((p, 1.0) for p in found[2]) if found is not None else ()
 
     def _startup_spec(self) -> ModelSpec:
         from kvserve.store import resolve_model
@@ -319,6 +338,7 @@ class ServerState:
             await self.manager.preload(spec)
         finally:
             self.preloading = False
+        await self.loras.check_static(self)  # vLLM: a bad --lora-modules adapter stops the server
 
     def _keep_metrics(self, runner: Runner) -> None:
         """``on_loaded`` hook: a reloaded model's runner takes over the counters its previous

@@ -176,7 +176,7 @@ def test_errors_are_ollamas(client, srv, tiny, store):
         ({"model": "x"}, 400, "neither 'from' or 'files' was specified"),
         ({"model": "bad name!", "from": "tiny"}, 400, "invalid model name"),
         ({"model": "x", "files": {"../w.gguf": tiny}}, 400, "file path must be relative"),
-        ({"model": "x", "from": "tiny", "adapters": {"a.gguf": tiny}}, 501, "ADAPTER is not supported yet"),
+        ({"model": "x", "from": "tiny", "adapters": {"a.gguf": tiny}}, 400, "the ADAPTER file a.gguf is not a LoRA adapter"),
     ]
     for body, status, text in cases:
         with pytest.raises(ollama.ResponseError) as e:

@@ -224,6 +224,13 @@ _HAND: list[tuple[str, dict]] = [
     ('--speculative-config {"method":"ngram","num_speculative_tokens":100000}', {}),
     ('--speculative-config {"method":"ngram","num_speculative_tokens":true}', {}),
     ('--speculative-config [1]', {}), ('--speculative-config notjson', {}),
+    # vLLM's LoRA flags (kvserve.serving.lora_modules)
+    ("--lora-modules a=/x b=/y --max-loras 2", {}),
+    ("--lora-modules '{\"name\":\"a\",\"path\":\"/x\",\"base_model_name\":\"m\"}'", {}),
+    ("--lora-modules {bad", {}), ("--lora-modules '{\"name\":\"a\"}'", {}),
+    ("--lora-modules '{\"name\":\"a\",\"path\":\"/x\",\"r\":1}'", {}),
+    ("--lora-modules a=/x a=/y", {}), ("--lora-modules =/x", {}), ("--enable-lora --max-loras 4 --max-cpu-loras 2", {}),
+    ("--max-lora-rank 7", {}), ("--max-lora-rank 64 --max-cpu-loras 3", {}), ("--max-loras 0", {}),
     # refused, not available, no effect; several errors at once
     ("--lora x", {}), ("--lora x --max-queue 0", {}), ("--max-queue 0 --reasoning-budget -5", {}),
     ("--reasoning-budget -5 --max-queue 0", {}), ("-np 0 --port 70000", {}), ("--timeout 0 --lora x", {}),

@@ -255,7 +255,7 @@ def test_create_defaults_to_the_modelfile_here(store, tiny_gguf, tmp_path, capsy
 
 
 @pytest.mark.parametrize("text, error", [
-    ("FROM {gguf}\nADAPTER ./lora.gguf\n", "(line 2): ADAPTER is not supported yet: kvserve has no LoRA adapters"),
+    ("FROM {gguf}\nADAPTER ./lora.gguf\n", "(line 2): no such file or directory: ./lora.gguf"),
     ("FROM {gguf}\nDRAFT ./small.gguf\n", "(line 2): DRAFT is not supported yet: kvserve has no draft-model speculative decoding (prompt lookup: kvserve serve --spec-type ngram)"),
     ("FROM nothere\n", "model 'nothere' not found"),
     ("FROM ./missing.gguf\n", "(line 1): no such file or directory: ./missing.gguf"),

@@ -162,8 +162,8 @@ def test_a_missing_base_is_pulled_when_the_caller_can(store, weights):
     ({"model": "m", "files": {"x.gguf": "sha256:" + "0" * 64}}, NotFoundError, 'blob "sha256:0000'),
     ({"model": "m", "files": {"model.safetensors": "sha256:" + "0" * 64}}, NotSupportedError, "safetensors"),
     ({"model": "m", "from": "tiny", "quantize": "q4_K_M"}, NotSupportedError, "quantize is not supported yet"),
-    ({"model": "m", "from": "tiny", "adapters": {"a.gguf": "sha256:" + "0" * 64}}, NotSupportedError,
-     "ADAPTER is not supported yet"),
+    ({"model": "m", "from": "tiny", "adapters": {"a.gguf": "sha256:" + "0" * 64}}, NotFoundError,
+     'blob "sha256:0000'),
     ({"model": "m", "from": "tiny", "draft_files": {"d.gguf": "sha256:" + "0" * 64}}, NotSupportedError,
      "DRAFT is not supported yet"),
     ({"model": "m", "from": "tiny", "template": "{{ .Prompt"}, InvalidInputError, "template error: "),
@@ -215,8 +215,8 @@ def test_create_from_a_modelfile_in_this_process(store, tiny_gguf, tmp_path):
     (work / "model.safetensors").write_bytes(b"x")
     with pytest.raises(NotSupportedError, match="safetensors"):
         list(iter_create_modelfile(store, "hf", "FROM .\n", work))
-    with pytest.raises(NotSupportedError, match=r"\(line 2\): ADAPTER is not supported yet"):
-        list(iter_create_modelfile(store, "a", "FROM mf\nADAPTER ./w.gguf\n", work))
+    with pytest.raises(InvalidInputError, match=r"the ADAPTER file w.gguf is not a LoRA adapter"):
+        list(iter_create_modelfile(store, "a", "FROM mf\nADAPTER ./w.gguf\n", work))  # a model's weights
     with pytest.raises(InvalidInputError, match="invalid model name"):
         list(iter_create_modelfile(store, "bad name!", "FROM mf\n", work))
 

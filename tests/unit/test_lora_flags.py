@@ -39,7 +39,8 @@ def test_two_word_form_leaves_a_model_path_alone():
     (["--lora-scaled", "x:big"], "error: invalid --lora-scaled 'x:big': the scale 'big' is not a number (format: "
                                  "FNAME:SCALE)"),
     (["--max-loras", "0"], "error: invalid --max-loras 0: >= 1"),
-    (["--max-lora-rank", "0"], "error: invalid --max-lora-rank 0: >= 1"),
+    (["--max-lora-rank", "0"], "error: invalid --max-lora-rank 0: one of 1, 8, 16, 32, 64, 128, 256, 320, 512 "
+                               "(vLLM's values)"),
 ])
 def test_bad_values_exit_2(words, message, capsys):
     with pytest.raises(SystemExit) as e:

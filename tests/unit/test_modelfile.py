@@ -203,11 +203,12 @@ def test_capabilities_renderer_parser_are_kept():
         parse_modelfile("FROM x\nCAPABILITY flying\n")
 
 
-def test_adapter_and_draft_are_parsed_then_refused_by_create():
+def test_adapter_is_parsed_and_kept_draft_refused_by_create():
     mf = parse_modelfile("FROM x\nADAPTER ./lora.gguf\nDRAFT ./small\n")
     assert mf.adapters == ["./lora.gguf"] and mf.draft == "./small"
-    with pytest.raises(NotSupportedError, match=r"^\(line 2\): ADAPTER is not supported yet"):
+    with pytest.raises(NotSupportedError, match=r"^\(line 3\): DRAFT is not supported yet"):
         mf.check_supported()
+    parse_modelfile("FROM x\nADAPTER ./lora.gguf\n").check_supported()  # ADAPTER: an adapter layer
     with pytest.raises(NotSupportedError, match=r"^\(line 2\): DRAFT is not supported yet"):
         parse_modelfile("FROM x\nDRAFT ./small\n").check_supported()
     parse_modelfile("FROM x\nRENDERER r\nPARSER p\nCAPABILITY tools\n").check_supported()
