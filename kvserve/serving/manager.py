@@ -639,7 +639,7 @@ class ModelManager:
                     raise self._record_failure(spec, exc) from None
         while True:
             await self._closed()  # memory of runners being unloaded is back before we measure
-            if len(self.loaded) >= self.max_loaded:
+            if sum(not e.spec.remote for e in self.loaded.values()) >= self.max_loaded and not spec.remote:
                 victim = self._victim()
                 if victim is None:
                     return None
