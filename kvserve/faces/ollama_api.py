@@ -690,7 +690,7 @@ def _remote_plan(runner, call: _Call) -> _Run:
         del sampling["seed"]
     think = _think_value(b)
     reasoning = ReasoningOptions(effort=think if isinstance(think, str) else None)
-    variables = {"enable_thinking": False} if think is False else {}
+    variables = {"enable_thinking": think} if isinstance(think, bool) else {}
     parsed = parse_tools(tools) if tools else None
     req = ChatRequest(msgs, new_id("chatcmpl-"), model=call.model, keep_alive=call.keep_alive, tools=parsed,
                       tool_choice="auto" if parsed else "none",
