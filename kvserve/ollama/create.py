@@ -20,7 +20,7 @@ The request (Ollama's ``api.CreateRequest``)::
     info                        Ollama's config overrides: capabilities, model_family, base_name,
                                 quantization_level, parameter_size, context_length, embedding_length
     remote_host                 a remote model (:mod:`kvserve.remote`): ``from`` is the upstream's model;
-                                kvserve's ``remote_dialect`` (openai, the default, or ollama) and
+                                kvserve's ``remote_dialect`` (ollama, the default as in Ollama, or openai) and
                                 ``remote_key_env`` (the key's environment variable) go with it
     quantize, adapters, draft_files    refused: not supported yet (see below)
     modelfile                   the older form (Ollama < 0.5): a Modelfile's text, parsed with
@@ -406,7 +406,7 @@ def _remote(body: dict, target, source: str) -> dict | None:
 
     if not source or _DIGEST.fullmatch(source.strip()):
         raise InvalidInputError("a remote model needs 'from' to name the upstream's model")
-    dialect = _str(body, "remote_dialect") or "openai"
+    dialect = _str(body, "remote_dialect") or "ollama"  # Ollama's remote_host names an Ollama server
     key_env = _str(body, "remote_key_env") or None
     spec = RemoteSpec("remote", host, dialect, source, key_env)  # InvalidInputError: a bad URL, dialect, env name
     return {"remote_host": spec.base_url, "remote_model": source, "remote_dialect": dialect,

@@ -709,7 +709,8 @@ def format_command(name: str, args: str) -> str:
     ``MESSAGE role content``, ``PARAMETER name value``... (values through :func:`quote`)."""
     if name == "model":
         return f"FROM {quote(args)}"
-    if name in ("license", "template", "system", "adapter", "renderer", "parser", "requires", "draft", "capability"):
+    if name in ("license", "template", "system", "adapter", "renderer", "parser", "requires", "draft", "capability",
+                "remote"):
         return f"{name.upper()} {quote(args)}"
     if name == "message":
         role, _, content = args.partition(": ")

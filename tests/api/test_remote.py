@@ -438,3 +438,35 @@ def test_metrics_count_remote_requests(front, oai):
     before = successes()
     oai.chat.completions.create(model="oll", messages=MSGS)
     assert successes() == before + 1
+
+
+def test_modelfile_remote_model(servers, tmp_path):
+    """``kvserve create`` from a Modelfile with REMOTE, then a server on that store: the model is
+    checked at start, listed, shown and answers through the OpenAI and Ollama clients."""
+    home = tmp_path / "home"
+    mf = tmp_path / "Modelfile"
+    mf.write_text(f"FROM echo\nREMOTE {servers['oll']} dialect=ollama\n")
+    env = {"KVSERVE_HOME": str(home), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "kvserve", "create", "echo-remote", "-f", str(mf)], capture_output=True,
+                         text=True, timeout=60, cwd=REPO, env=env)
+    assert out.returncode == 0 and out.stderr.splitlines()[-1] == "success", out.stderr
+    show = subprocess.run([sys.executable, "-m", "kvserve", "show", "--models-dir", str(home / "models"), "echo-remote"],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert "Remote check    ok: " in show.stdout, show.stdout + show.stderr
+    srv = spawn("", ("--no-preload",), tmp_path, {"KVSERVE_HOME": str(home)})
+    try:
+        srv.wait_ready()
+        _wait_checks(srv, 1)
+        assert f"remote model 'echo-remote:latest' (ollama, {servers['oll']}): ok: " in srv.log()
+        c = openai.OpenAI(base_url=srv.url("/v1"), api_key="unused", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model="echo-remote", messages=MSGS)
+        assert r.choices[0].message.content == "echo: Hello you"
+        assert ollama.Client(host=srv.base_url).chat(model="echo-remote", messages=MSGS).message.content == \
+            "echo: Hello you"
+        data = {m["id"]: m for m in httpx.get(srv.url("/v1/models")).json()["data"]}
+        assert data["echo-remote:latest"]["remote"]["model"] == "echo"
+        tags = httpx.get(srv.url("/api/tags")).json()["models"]
+        assert [(t["name"], t["remote_model"], t["remote_host"]) for t in tags] == [
+            ("echo-remote:latest", "echo", servers["oll"])]
+    finally:
+        srv.stop()

@@ -291,3 +291,57 @@ def test_runner_holds_like_a_model():
         r.plan_chat(_req(n=3))
     r.close()
     assert closed == [1] and not r.ready
+
+
+# -- the Modelfile form and the store ------------------------------------------------------------
+
+def test_modelfile_remote_command():
+    from kvserve.ollama.modelfile import ModelfileError, parse_modelfile
+
+    mf = parse_modelfile("FROM qwen3:8b\nREMOTE http://ws:11434 dialect=ollama key=WS_KEY\nSYSTEM be brief\n")
+    assert mf.remote == "http://ws:11434 dialect=ollama key=WS_KEY"
+    body = mf.create_request().to_json(model="ws")
+    assert body == {"model": "ws", "from": "qwen3:8b", "system": "be brief", "remote_host": "http://ws:11434",
+                    "remote_dialect": "ollama", "remote_key_env": "WS_KEY"}
+    assert parse_modelfile("FROM m\nremote https://api.example.com/v1\n").create_request().to_json()["remote_dialect"] \
+        == "openai"
+    with pytest.raises(ModelfileError) as e:
+        parse_modelfile("FROM m\nREMOTE http://h colour=red\n").create_request()
+    assert str(e.value) == ("(line 2): REMOTE takes a base URL, then dialect=openai|ollama and key=ENV_VAR; "
+                            "got 'colour=red'")
+    with pytest.raises(ModelfileError, match="REMOTE needs FROM to name the upstream's model"):
+        parse_modelfile("FROM ./w.gguf\nREMOTE http://h\n").create_request()
+    assert parse_modelfile("FROM m\nREMOTE http://h\n").to_text() == "FROM m\nREMOTE http://h\n"
+
+
+def test_create_remote_model(tmp_path):
+    from kvserve.ollama.create import iter_create, iter_create_modelfile
+    from kvserve.store import Store
+
+    store = Store(tmp_path / "models")
+    events = [e["status"] for e in iter_create_modelfile(store, "ws", "FROM qwen3:8b\nREMOTE http://ws:11434/ "
+                                                         "dialect=ollama key=WS_KEY\n")]
+    assert events[0] == "gathering model components" and events[-1] == "success"
+    m = store.get("ws")
+    assert m is not None and m.model_path is None
+    cfg = json.loads(store.blob_path(m.manifest.config.digest).read_bytes())
+    assert (cfg["remote_host"], cfg["remote_model"], cfg["remote_dialect"], cfg["remote_key_env"]) == (
+        "http://ws:11434", "qwen3:8b", "ollama", "WS_KEY")
+    with pytest.raises(InvalidInputError, match="must start with http:// or https://"):
+        list(iter_create(store, {"model": "x", "from": "m", "remote_host": "ftp://h"}))
+    with pytest.raises(InvalidInputError, match="a remote model needs 'from' to name the upstream's model"):
+        list(iter_create(store, {"model": "x", "files": {"a.gguf": "sha256:" + "0" * 64}, "remote_host": "http://h"}))
+
+
+def test_state_serves_a_store_remote_model(tmp_path):
+    from kvserve.ollama.create import iter_create
+    from kvserve.serving.state import ServerState
+    from kvserve.store import Store
+
+    list(iter_create(Store(tmp_path / "models"), {"model": "ws", "from": "qwen3:8b", "remote_host": "http://ws:11434"}))
+    state = ServerState(parse_args(["--models-dir", str(tmp_path / "models"), "--no-preload"]))
+    spec = state.resolve("ws")
+    assert (spec.name, spec.remote, spec.pinned) == ("ws:latest", True, True)
+    r = state.remote_of("ws:latest")  # made by Ollama's create form: its dialect is Ollama's
+    assert (r.base_url, r.dialect, r.upstream_model, r.key_env) == ("http://ws:11434", "ollama", "qwen3:8b", None)
+    assert [m.name for m in state.catalog() if m.remote is not None] == ["ws:latest"]
