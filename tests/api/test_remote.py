@@ -378,6 +378,15 @@ def test_client_disconnect_reaches_upstream(front, servers):
     while httpx.get(servers["oll"] + "/stats").json()["disconnects"] == before:
         assert time.monotonic() < deadline, "the upstream never saw the client leave"
         time.sleep(0.05)
+    # not streamed: a client that gives up waiting closes the upstream request too
+    before += 1
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(front.url("/v1/chat/completions"), json={"model": "forever", "messages": MSGS}, timeout=1.5)
+    deadline = time.monotonic() + 10
+    while httpx.get(servers["oll"] + "/stats").json()["disconnects"] < before + 1:
+        assert time.monotonic() < deadline, "the upstream never saw the non-streaming client leave"
+        time.sleep(0.05)
+    assert httpx.get(front.url("/health")).status_code == 200
 
 
 def test_huge_json_is_capped(oai):
