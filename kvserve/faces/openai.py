@@ -530,6 +530,8 @@ def _chat_usage(u: ChatUsage) -> Usage:
                 prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
     if u.reasoning_tokens is not None:
         out.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=u.reasoning_tokens)
+    if u.estimated:  # a remote model's upstream gave no usage (kvserve.remote): counted from the text
+        out.estimated = True
     return out
 
 
@@ -812,7 +814,7 @@ def input_tokens_plan(runner: Runner, body: dict) -> InputTokens:
     completion (the same checks, rendering and tokenization; a prompt that cannot fit the context
     is a 400) and nothing runs."""
     plan = chat_plan(runner, {**body, "stream": False})
-    return InputTokens(input_tokens=len(plan.requests[0].prompt_token_ids))
+    return InputTokens(input_tokens=plan.input_tokens())
 
 
 async def _count(state: ServerState, http: HttpRequest) -> Response:

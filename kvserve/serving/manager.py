@@ -247,6 +247,8 @@ class ModelSpec:
         adapters: LoRA adapters loaded with it, ``(path, global scale)`` pairs (ids 0, 1, ... in
             this order; kvserve.lora): llama-server's ``--lora`` / ``--lora-scaled`` for the start-up
             model. A path that does not load fails the load, naming the file.
+        remote: a remote model (:mod:`kvserve.remote`): no memory, not counted against
+            ``max_loaded``.
     """
 
     name: str
@@ -256,6 +258,7 @@ class ModelSpec:
     names: tuple[str, ...] = ()
     sleep_s: float | None = None
     adapters: tuple[tuple[str, float], ...] = ()
+    remote: bool = False
 
     def served_names(self) -> list[str]:
         return list(self.names) if self.names else [self.name]
@@ -647,7 +650,7 @@ class ModelManager:
                     raise self._record_failure(spec, exc) from None
         while True:
             await self._closed()  # memory of runners being unloaded is back before we measure
-            if len(self.loaded) >= self.max_loaded:
+            if sum(not e.spec.remote for e in self.loaded.values()) >= self.max_loaded and not spec.remote:
                 victim = self._victim()
                 if victim is None:
                     return None

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvserve.config import mem_available_bytes
 from kvserve.errors import (
@@ -84,6 +84,12 @@ class ServableModel:
     loading: bool
     size: int  # bytes of the file(s)
     modified: float  # seconds since the epoch (file mtime)
+    remote: Any = None  # a remote model's RemoteSpec (kvserve.remote), None for a local one
+
+    @property
+    def available(self) -> bool:
+        """False for a remote model whose upstream failed its latest check or request."""
+        return self.runner is None or getattr(self.runner, "available", True)
 
 
 class ServerState:
@@ -112,9 +118,12 @@ class ServerState:
             args.cache_ram_share = max(1, args.max_loaded_models)
         # with -m (llama-server's mode) the one model loads whatever it takes, unless --max-memory
         check_memory = not self.pinned or args.max_memory is not None
+        #: remote models (``--remote``; kvserve.remote): served name -> RemoteSpec
+        self.remotes = {r.name: r for r in getattr(args, "remote", None) or ()}
+        #: remote models of the store (Modelfile REMOTE), found on first use: name -> RemoteSpec
+        self.store_remotes: dict = {}
         self.manager = manager or ModelManager(
-            lambda spec: load_runner(self.args, spec, self.build_info),
-            estimate=lambda spec: estimate_runner_memory(self.args, spec), enforce_memory=check_memory,
+            self._load, estimate=self._estimate, enforce_memory=check_memory,
             max_loaded=args.max_loaded_models, default_keep_alive=args.keep_alive,
             max_memory=args.max_memory, mem_available=mem_available_bytes, max_queue=args.max_queue,
             on_event=self._log_event, cleanup=trim_heap)
@@ -152,6 +161,9 @@ class ServerState:
         module = self.loras.lookup(name)
         if module is not None:  # a vLLM adapter's name: its base with the adapter (AdapterSpec)
             return self.loras.spec(self, module)
+        remote = self.remote_spec(name)
+        if remote is not None:
+            return remote
         if self.pinned:
             if self._pinned_spec is None:
                 raise UnavailableError("Loading model")
@@ -169,6 +181,112 @@ class ServerState:
         if loaded is not None:
             return loaded.spec
         raise NotFoundError(f"model '{name[:256]}' not found")
+
+    def remote_spec(self, name: str | None) -> ModelSpec | None:
+        """The ModelSpec of remote model ``name`` (``--remote``, or a store model created with a
+        Modelfile's REMOTE: :meth:`store_remote`), else None. A remote model is pinned (never
+        unloaded by keep_alive or to make room) and has no memory."""
+        if not name:
+            return None
+        if name not in self.remotes:
+            if self.pinned:  # with -m every other name is that model (the store is not read)
+                return None
+            found = self.store_remote(name)
+            if found is None:
+                return None
+            name = found.name
+        return ModelSpec(name, pinned=True, remote=True)
+
+    def _find_store_remotes(self) -> None:
+        """Every store model whose config names a remote upstream, into :attr:`store_remotes`."""
+        from kvserve.store import open_store
+
+        try:
+            stored = open_store(self.args.models_dir).list()
+        except OSError:
+            return
+        for m in stored:
+            if m.model_path is None and m.display not in self.store_remotes:
+                self.store_remote(m.display)
+
+    def remote_of(self, name: str):
+        """The RemoteSpec of remote model ``name`` (a flag's or the store's). KeyError: none."""
+        return self.remotes[name] if name in self.remotes else self.store_remotes[name]
+
+    def store_remote(self, name: str):
+        """The RemoteSpec of store model ``name`` when its config names a remote upstream
+        (``remote_host``: kvserve's Modelfile REMOTE, or Ollama's create with ``remote_host``; an
+        Ollama-created one speaks Ollama's dialect), kept in :attr:`store_remotes`; else None."""
+        import json as _json
+
+        from kvserve.store import canonical_name, open_store
+
+        try:
+            store = open_store(self.args.models_dir)
+            stored = store.get(canonical_name(name, self.args.models_dir))
+        except (ValueError, OSError):
+            return None
+        if stored is None or stored.model_path is not None or stored.manifest.config is None:
+            return None
+        try:
+            cfg = _json.loads(store.blob_path(stored.manifest.config.digest).read_bytes())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(cfg, dict) or not cfg.get("remote_host"):
+            return None
+        from kvserve.remote import RemoteSpec
+
+        try:
+            spec = RemoteSpec(stored.display, str(cfg["remote_host"]), str(cfg.get("remote_dialect") or "ollama"),
+                              str(cfg.get("remote_model") or ""), str(cfg.get("remote_key_env") or "") or None)
+        except InvalidInputError as e:
+            log.warning("store model '%s': its remote upstream is not usable: %s", stored.display, e)
+            return None
+        self.store_remotes[spec.name] = spec
+        return spec
+
+    def _load(self, spec: ModelSpec):
+        """The manager's loader: a :class:`kvserve.remote.RemoteRunner` for a remote model, else
+        :func:`load_runner`."""
+        if spec.remote:
+            from kvserve.remote import RemoteRunner
+
+            return RemoteRunner(self.remote_of(spec.name), self.args, model_spec=spec, build_info=self.build_info)
+        return load_runner(self.args, spec, self.build_info)
+
+    def _estimate(self, spec: ModelSpec):
+        from kvserve.serving.manager import NO_ESTIMATE
+
+        return NO_ESTIMATE if spec.remote else estimate_runner_memory(self.args, spec)
+
+    async def start_remotes(self) -> None:
+        """Start-up: check every remote model's upstream (seed 004 Example 13: ok, rejected key, no
+        server, each logged with its own message) and hold its runner. An upstream that fails the
+        check does not stop the server: its model lists as unavailable and its requests answer
+        502/503 with the upstream's reason until it answers."""
+        from kvserve.remote import check_remote
+
+        if not self.remotes and not self.store_remotes and self.pinned:
+            return
+
+        async def one(remote) -> None:
+            spec = self.remote_spec(remote.name)
+            check = await asyncio.to_thread(check_remote, remote)
+            level = logging.INFO if check.ok else logging.WARNING
+            log.log(level, "remote model '%s' (%s, %s): %s", remote.name, remote.dialect, remote.shown_url,
+                    check.message, extra={"func": "remote"})
+            try:
+                await self.manager.preload(spec)
+            except Exception as e:  # noqa: BLE001 - one remote model's trouble is not the server's
+                log.error("remote model '%s': %s", remote.name, e, extra={"func": "remote"})
+                return
+            e = self.manager.get(remote.name)
+            if e is not None and e.runner is not None:
+                e.runner.last_check = check
+
+        if not self.pinned:
+            await asyncio.to_thread(self._find_store_remotes)
+        await asyncio.gather(*(one(r) for r in {**self.store_remotes, **self.remotes}.values()))
 
     def _store_path(self, name: str) -> tuple[str, str, list[str]] | None:
         """``(display name, model blob, adapter blobs)`` of the store model ``name`` means (any of Ollama's forms:
@@ -212,6 +330,12 @@ class ServerState:
         for e in list(self.manager.loaded.values()):
             out[e.name] = ServableModel(e.name, e.spec.path, e.spec.served_names(), e.runner,
                                         e.runner is None, *_file_facts(e.spec.path))
+        if not self.pinned:
+            self._find_store_remotes()
+        for name, r in {**self.store_remotes, **self.remotes}.items():
+            if name not in out:
+                out[name] = ServableModel(name, "", [name], None, False, 0, 0.0)
+            out[name].remote = r
         if self.pinned:
             if self._pinned_spec is not None and self._pinned_spec.name not in out:
                 s = self._pinned_spec
@@ -348,8 +472,13 @@ class ServerState:
     def _log_event(self, t: float, action: str, name: str, reason: str) -> None:
         m = self.manager
         if action == "load":
-            log.info("model manager: load '%s' (%d of at most %d loaded)%s", name, len(m.loaded), m.max_loaded,
-                     f", {reason}" if reason else "", extra={"func": "manager"})
+            e = m.loaded.get(name)
+            if e is not None and e.spec.remote:
+                log.info("model manager: load remote model '%s' (no memory, not counted)", name, extra={"func": "manager"})
+            else:
+                log.info("model manager: load '%s' (%d of at most %d loaded)%s", name,
+                         sum(not x.spec.remote for x in m.loaded.values()), m.max_loaded,
+                         f", {reason}" if reason else "", extra={"func": "manager"})
         elif action == "loaded":
             e = m.loaded.get(name)
             keep = "forever (pinned)" if e is not None and e.spec.pinned else \
