@@ -7,6 +7,7 @@
   kvserve list (ls) [PREFIX]                         stored models: NAME ID SIZE MODIFIED
   kvserve ps [PREFIX]                                loaded models: NAME ID SIZE PROCESSOR CONTEXT UNTIL
   kvserve show NAME [--modelfile | --parameters | --template | --system | --license] [-v]
+  kvserve show PATH                                  a file or folder: its format, its engines, what kvserve does
   kvserve rm NAME...                                 remove models (blobs another model uses stay)
   kvserve cp SOURCE DESTINATION                      a second name for a model (blobs shared)
   kvserve create NAME [-f Modelfile]                 build a model from a Modelfile (default ./Modelfile)
@@ -291,7 +292,9 @@ _SHOW_FLAGS = ("license", "modelfile", "parameters", "system", "template")
 def _show(argv: list[str]) -> int:
     """``kvserve show NAME``: Ollama's sections (Model, Capabilities, Parameters, System, License;
     Metadata and Tensors with ``-v``), or one of ``--modelfile``, ``--parameters``,
-    ``--template``, ``--system``, ``--license`` as it is."""
+    ``--template``, ``--system``, ``--license`` as it is. ``kvserve show PATH`` (a file or
+    folder): its format, the engines that run it and what kvserve does with it
+    (:meth:`kvserve.loaders.detect.Detection.report`)."""
     from kvserve.ollama.format import show_info
 
     p = _parser("show", "show information for a model (Ollama's `ollama show`)")
@@ -304,6 +307,11 @@ def _show(argv: list[str]) -> int:
     if len(chosen) > 1:
         raise UsageError("only one of '--license', '--modelfile', '--parameters', '--system', or '--template' "
                          "can be specified")
+    if not chosen and os.path.exists(os.path.expanduser(args.name)):  # a path: its format and what kvserve does
+        from kvserve.loaders.detect import detect
+
+        sys.stdout.write(detect(args.name).report())
+        return 0
     resp = _api(args.models_dir).show(args.name, verbose=args.verbose)
     if not chosen:
         sys.stdout.write(show_info(resp, verbose=args.verbose))
@@ -398,14 +406,18 @@ def _modelfile_text(path: str | None) -> tuple[bytes, str]:
 
 def _weights_files(source) -> list[str]:
     """The files a FROM path stands for: a GGUF file, or the GGUF files in a directory
-    (safetensors directories are refused: kvserve stores GGUF models)."""
+    (safetensors directories are refused: kvserve stores GGUF models; other formats get their
+    line from :func:`kvserve.ollama.create.refuse_other_formats`)."""
     from pathlib import Path
 
     from kvserve.errors import InvalidInputError, NotSupportedError
 
+    from kvserve.ollama.create import refuse_other_formats
+
     if source.kind == "gguf":
         return [source.path]
     d = Path(source.path)
+    refuse_other_formats(d)  # ONNX, EXL2/EXL3, MLX, TensorRT-LLM: the format's one line
     if any(d.glob("*.safetensors")) or any(d.glob("pytorch_model*.bin")) or any(d.glob("consolidated*.pth")):
         raise NotSupportedError("creating a model from safetensors or torch files is not supported yet: kvserve "
                                 "stores GGUF models (convert it with llama.cpp's convert_hf_to_gguf.py)")

@@ -21,18 +21,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def load_files(path: str | os.PathLike) -> LoadedModel:
     """Read a .gguf file or an HF directory (config.json + safetensors).
 
-    Raises FileNotFoundError / ModelLoadError with a message naming the problem.
+    Raises FileNotFoundError / ModelLoadError with a message naming the problem; for a format
+    kvserve does not run, UnsupportedFormatError (a ModelLoadError) with its one-line refusal.
     """
-    p = Path(path)
-    if p.is_dir():
-        from kvserve.loaders.safetensors import load_hf_dir
+    from kvserve.loaders.detect import require_loadable
 
-        return load_hf_dir(p)
+    p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model not found: {path}")
-    from kvserve.loaders.gguf import load_gguf
+    found = require_loadable(p)  # a format kvserve does not run: its one line (kvserve.loaders.detect)
+    if found.weights is not None:  # a GGUF file, or a folder holding one
+        from kvserve.loaders.gguf import load_gguf
 
-    return load_gguf(p)
+        return load_gguf(found.weights)
+    from kvserve.loaders.safetensors import load_hf_dir
+
+    return load_hf_dir(p)
 
 
 def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -> LlamaModel:

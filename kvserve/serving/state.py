@@ -174,14 +174,18 @@ class ServerState:
     def _path_spec(self, name: str) -> ModelSpec | None:
         p = Path(name).expanduser()
         try:
-            if p.is_file():
-                with open(p, "rb") as f:
-                    if f.read(4) != b"GGUF":
-                        return None
-            elif not (p.is_dir() and (p / "config.json").is_file()):
+            if not (p.is_file() or p.is_dir()):
                 return None
+            from kvserve.loaders.detect import detect
+
+            found = detect(p, deep=False)
         except OSError:
             return None
+        if found.format.key in ("unknown", "not-gguf"):  # not a model: "not found", as before
+            return None
+        found.require_loadable()  # ONNX, EXL2, MLX...: the format's one line (a NotSupportedError)
+        if found.weights is not None:
+            p = Path(found.weights)
         full = str(p.resolve())
         from kvserve.store import list_models
 
