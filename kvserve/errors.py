@@ -8,7 +8,8 @@ a :class:`KvserveError` to its dialect's envelope and status through ``kind``
 - ``not_found``: the thing named does not exist (404);
 - ``unavailable``: not now: loading, no room, no slot (503);
 - ``not_supported``: a feature this build or this model does not have (501);
-- ``server``: our fault (500).
+- ``server``: our fault (500);
+- ``bad_gateway``: the server kvserve forwards to (a remote model's upstream) failed (502).
 
 ``message`` is the text a client reads; ``extra`` holds further members of the error object
 (for example ``n_prompt_tokens`` and ``n_ctx`` of a context-size error).
@@ -20,7 +21,7 @@ chat and structured layers' input errors.
 
 from __future__ import annotations
 
-KINDS = ("invalid_request", "not_found", "unavailable", "not_supported", "server")
+KINDS = ("invalid_request", "not_found", "unavailable", "not_supported", "server", "bad_gateway")
 
 
 class KvserveError(Exception):
@@ -69,3 +70,9 @@ class ServerFaultError(KvserveError):
     """Our fault: a model failed to load, an engine died (500)."""
 
     kind = "server"
+
+
+class BadGatewayError(KvserveError):
+    """The upstream server of a remote model refused or failed the request (502)."""
+
+    kind = "bad_gateway"

@@ -23,6 +23,7 @@ ERROR_TYPES = {
     413: "invalid_request_error",
     500: "server_error",
     501: "not_supported_error",
+    502: "bad_gateway_error",
     503: "unavailable_error",
 }
 
@@ -34,6 +35,7 @@ KIND_STATUS = {
     "unavailable": 503,
     "not_supported": 501,
     "server": 500,
+    "bad_gateway": 502,
 }
 
 

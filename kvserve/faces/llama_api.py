@@ -510,8 +510,8 @@ def props_json(runner: Runner, *, is_sleeping: bool = False) -> Props:
         webui_settings={},
         chat_template=tmpl.source if tmpl else "",
         chat_template_caps=dict(tmpl.caps) if tmpl else {},
-        bos_token=tok.bos_token,
-        eos_token=tok.eos_token,
+        bos_token=tok.bos_token if tok is not None else "",  # a remote model (kvserve.remote): no tokenizer here
+        eos_token=tok.eos_token if tok is not None else "",
         build_info=runner.build_info,
         is_sleeping=is_sleeping,
         cors_proxy_enabled=bool(getattr(runner.args, "ui_mcp_proxy", False)),
@@ -572,7 +572,7 @@ class PropsRoute:
         state.on_loaded.append(self.remember_props)
 
     def remember_props(self, runner: Runner) -> None:
-        if self.state.pinned:
+        if self.state.pinned and not getattr(runner.spec, "remote", False):
             self.last_props["pinned"] = props_json(runner).wire()
 
     async def __call__(self, http: HttpRequest) -> Response:

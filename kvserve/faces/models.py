@@ -177,10 +177,24 @@ async def watch_acquire(http: HttpRequest, acquiring: Awaitable[Lease], poll_s: 
 # -- model lists ------------------------------------------------------------------------
 
 def _status(m: ServableModel) -> str:
+    if m.remote is not None:  # a remote model (kvserve.remote): its upstream's latest state
+        return "loaded" if m.runner is not None and m.available else "unavailable" if m.runner is not None \
+            else "loading"
     return "loaded" if m.runner is not None else "loading" if m.loading else "unloaded"
 
 
+def _remote_fields(m: ServableModel) -> dict:
+    """A remote model's ``remote`` member: its upstream (base URL without user info, dialect,
+    upstream model name), ``available`` and the latest check's message (never the key)."""
+    r = m.remote
+    check = getattr(m.runner, "last_check", None)
+    return {"url": r.shown_url, "dialect": r.dialect, "model": r.upstream_model, "available": m.available,
+            "check": check.message if check is not None else None}
+
+
 def _max_model_len(state: ServerState, m: ServableModel) -> int | None:
+    if m.remote is not None:
+        return None  # the upstream's
     if m.runner is not None and m.runner.engine is not None:
         return m.runner.engine.n_ctx_slot
     try:
@@ -233,7 +247,10 @@ def model_entry(state: ServerState, m: ServableModel, created: int) -> dict:
          "max_model_len": _max_model_len(state, m),
          "permission": _permission(created), "status": {"value": _status(m)}}
     r = m.runner
-    if r is not None and r.engine is not None:
+    if m.remote is not None:
+        d["owned_by"], d["root"] = "remote", m.remote.upstream_model
+        d["remote"] = _remote_fields(m)
+    elif r is not None and r.engine is not None:
         info = r.engine.model_info
         d["meta"] = {"vocab_type": info.vocab_type, "n_vocab": info.n_vocab, "n_ctx": r.engine.n_ctx_slot,
                      "n_ctx_train": info.n_ctx_train, "n_embd": info.n_embd, "n_params": info.n_params,
@@ -244,6 +261,8 @@ def model_entry(state: ServerState, m: ServableModel, created: int) -> dict:
 def _capabilities(m: ServableModel) -> list[str]:
     """``["embedding"]`` for an encoder (loaded, or known from its file's header: read once per
     file, then remembered), else ``["completion"]``. Reads files: call off the event loop."""
+    if m.remote is not None:
+        return ["completion", "tools"]
     task = getattr(m.runner, "task", None) if m.runner is not None else None
     if task is None and m.path:
         from kvserve.serving.embed_runner import model_task
@@ -255,6 +274,13 @@ def _capabilities(m: ServableModel) -> list[str]:
 def _ollama_entry(m: ServableModel) -> dict:
     r = m.runner
     info = r.engine.model_info if r is not None and r.engine is not None else None
+    if m.remote is not None:
+        return {"name": m.name, "model": m.name, "modified_at": "", "size": 0, "digest": "", "type": "model",
+                "description": "", "tags": [""], "capabilities": _capabilities(m), "parameters": "",
+                "status": {"value": _status(m)}, "remote_model": m.remote.upstream_model,
+                "remote_host": m.remote.shown_url,
+                "details": {"parent_model": "", "format": "", "family": "", "families": [""], "parameter_size": "",
+                            "quantization_level": ""}}
     return {
         "name": m.name, "model": m.name, "modified_at": "", "size": m.size if info is None else info.size,
         "digest": "", "type": "model", "description": "", "tags": [""], "capabilities": _capabilities(m),

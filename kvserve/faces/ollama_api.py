@@ -294,6 +294,13 @@ class OllamaOptions:
     sampling: dict[str, Any]
     num_ctx: int | None = None
 
+    @staticmethod
+    def sampling_given(request_options: dict) -> dict[str, Any]:
+        """The sampling options a request's ``options`` set itself (checked, by Ollama's names;
+        nulls and unknown keys left out): what a remote model forwards."""
+        return {k: _check_option(k, v) for k, v in request_options.items()
+                if k in _SAMPLING_FIELDS and v is not None}
+
 
 def _check_option(key: str, v: Any) -> Any:
     """Ollama's ``Options.FromMap`` type checks (its error texts), returning the value."""
@@ -657,8 +664,46 @@ def _chat_run(runner: Runner, req: ChatRequest, with_context: bool = False) -> _
     return _Run(plan, with_context)
 
 
+def _remote_plan(runner, call: _Call) -> _Run:
+    """/api/chat and /api/generate for a remote model (:mod:`kvserve.remote`): the request as a chat
+    (a generate's ``system`` and ``prompt`` as its messages) with only the ``options`` the request
+    set (the upstream's own defaults apply to the rest), ``format``, ``think`` and tools; the
+    upstream renders the prompt, so ``raw``, ``template``, ``suffix`` and ``context`` are refused."""
+    from kvserve.structured.spec import constraint_from_body
+
+    b = call.body
+    if call.kind == "chat":
+        msgs = _chat_messages(b.get("messages"))
+        tools = b.get("tools")
+    else:
+        prompt, suffix, system, template, raw, context = _generate_fields(call)
+        if raw or template or suffix or context:
+            raise ApiError(400, f'"{call.model}" is a remote model: raw, template, suffix and context are not '
+                                "forwarded")
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        tools = None
+    opts = b.get("options") if isinstance(b.get("options"), dict) else {}
+    sampling = {_SAMPLING_FIELDS[k]: v for k, v in call.options.sampling_given(opts).items()}
+    if "stop" in sampling:
+        sampling["stop"] = stop_strings(sampling["stop"]) if sampling["stop"] else ()
+    if sampling.get("seed", 0) < 0:
+        del sampling["seed"]
+    think = _think_value(b)
+    reasoning = ReasoningOptions(effort=think if isinstance(think, str) else None)
+    variables = {"enable_thinking": False} if think is False else {}
+    parsed = parse_tools(tools) if tools else None
+    req = ChatRequest(msgs, new_id("chatcmpl-"), model=call.model, keep_alive=call.keep_alive, tools=parsed,
+                      tool_choice="auto" if parsed else "none",
+                      response_format=constraint_from_body({"format": b.get("format")}, "ollama"),
+                      reasoning=reasoning, template=TemplateOptions(variables=variables), sampling=sampling,
+                      owner=caller())
+    return _Run(plan_chat(runner, req))
+
+
 def _plan(runner: Runner, call: _Call) -> _Run:
     """Build the engine requests (worker-thread work: rendering, tokenizing, grammar compiles)."""
+    if getattr(runner, "remote", None) is not None:
+        return _remote_plan(runner, call)
     rules = _rules(call, runner)
     b = call.body
     if call.kind == "chat":
@@ -879,17 +924,20 @@ async def _infer(state: ServerState, http: HttpRequest, kind: str) -> Response:
             await state.manager.unload(spec.name)
             call.t_loaded = time.monotonic_ns()
             return _json(_object(call, "", done=True, reason="unload"))
-        await _check_generates(spec, kind, model)
-        call.layers = await asyncio.to_thread(_layers, state, spec)
+        if not spec.remote:  # a remote model (kvserve.remote): no files, no layers; its upstream decides
+            await _check_generates(spec, kind, model)
+            call.layers = await asyncio.to_thread(_layers, state, spec)
         call.options = ollama_options(call.layers.params, b.get("options"))
-        lease = await acquire_model(state, _spec_for(state, spec, call.options.num_ctx), keep_alive, http)
+        lease = await acquire_model(state, spec if spec.remote else _spec_for(state, spec, call.options.num_ctx),
+                                    keep_alive, http)
         call.t_loaded = time.monotonic_ns()
         if empty:
             return _json(_object(call, "", done=True, reason="load"))
         runner = lease.runner
         # the model's own defaults (generation_config.json, general.sampling.*) under its params layer
-        call.options = ollama_options({**ollama_layer(runner.generation),
-                                       **(call.layers.params or {})}, b.get("options"))
+        if runner.generation is not None:
+            call.options = ollama_options({**ollama_layer(runner.generation),
+                                           **(call.layers.params or {})}, b.get("options"))
         run = await asyncio.to_thread(_plan, runner, call)
         if call.stream:
             response = await _ndjson(_stream_lines(runner, call, run))
@@ -1018,6 +1066,10 @@ def _tags(state: ServerState) -> dict:
     for m in store.list():
         models.append(ListModel(name=m.display, model=m.display, modified_at=go_time(int(m.modified * 1e9)),
                                 size=m.size, digest=m.digest, details=_details(_config(store, m.manifest))))
+    for name, r in state.remotes.items():  # remote models (--remote): no files; the upstream named
+        models.append(ListModel(name=name, model=name, modified_at=go_time(int(state.started * 1e9)), size=0,
+                                digest="", details=_details({}), remote_model=r.upstream_model,
+                                remote_host=r.shown_url))
     return ListResponse(models=models).wire()
 
 
@@ -1047,7 +1099,8 @@ def _ps(state: ServerState) -> dict:
         rows.append((expires, ProcessModel(
             name=e.spec.name, model=e.spec.name, size=int(e.size), digest=stored.digest if stored else "",
             details=_details(config), expires_at=go_time(min(expires, 2**63 - 1)),
-            size_vram=0 if device.startswith("cpu") else int(e.size), context_length=r.engine.n_ctx_slot)))
+            size_vram=0 if device.startswith(("cpu", "remote")) else int(e.size),
+            context_length=0 if e.spec.remote else r.engine.n_ctx_slot)))
     rows.sort(key=lambda row: -(row[0] // 1_000_000_000))
     return ProcessResponse(models=[p for _, p in rows]).wire()
 

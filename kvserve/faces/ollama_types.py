@@ -142,6 +142,8 @@ class ListModel(WireModel):
     size: int
     digest: str
     details: ModelDetails
+    remote_model: str | None = None  # a remote model (kvserve.remote): Ollama's fields for one
+    remote_host: str | None = None
 
 
 class ListResponse(WireModel):

@@ -108,6 +108,7 @@ class ServerArgs:
     max_queue: int = 512  # --max-queue: requests waiting for a model at once (OLLAMA_MAX_QUEUE)
     preload: bool = True  # --no-preload: start with no model loaded
     allow_model_paths: bool = False  # --allow-model-paths: requests may name model files on the server
+    remote: list = field(default_factory=list)  # --remote: kvserve.remote.RemoteSpec of each remote model
     models_dir: str | None = None  # --models-dir: the store (Ollama layout); None: $OLLAMA_MODELS, $KVSERVE_HOME/models
     cache_ram_share: int | None = None  # set by the server: models sharing the host prompt-cache budget
     webui: bool = True  # --no-webui/--no-ui: GET / answers "Ollama is running" to browsers too

@@ -72,6 +72,7 @@ class Plan:
     role: str = "assistant"  # chat: the answer's role (vLLM's --response-role rule, :func:`_response_role`)
     token_ids: bool = False  # logprobs tokens as "token_id:N" (vLLM's --return-tokens-as-token-ids)
     verbose: dict | None = None  # llama-server's "__verbose" object (the rendered prompt), non-streaming chat
+    remote: Any = None  # a remote model's plan: the ChatRequest forwarded whole (kvserve.remote)
 
 
 # ------------------------------------------------------------------------ tools and reasoning
@@ -501,7 +502,12 @@ def plan_chat(runner: Runner, req: ChatRequest) -> Plan:
         InvalidInputError: messages the renderer refuses, a template error, tool or constraint
             conflicts, a value the sampler refuses, an unknown slot.
         TooManyTokensError / ContextSizeExceededError: the prompt cannot fit the context.
+
+    A remote model (:class:`kvserve.remote.RemoteRunner`) plans its own: the request is kept whole
+    for its upstream (``plan.remote``).
     """
+    if getattr(runner, "remote", None) is not None:
+        return runner.plan_chat(req)
     runner.require_ready()
     runner.require_generative()
     if runner.template is None:

@@ -72,6 +72,7 @@ class ChatUsage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     reasoning_tokens: int | None = None  # None: the plan does not split reasoning out
+    estimated: bool = False  # a remote model's upstream gave no usage: counted from the text (kvserve.remote)
 
 
 @dataclass(slots=True)
@@ -118,6 +119,10 @@ async def chat_events(runner: Runner, plan: Plan, view: ParamsView | None = None
         ServerFaultError: an engine output carries an error (its text).
         whatever :func:`run_choices` raises.
     """
+    if getattr(plan, "remote", None) is not None:  # a remote model: its upstream answers (kvserve.remote)
+        async for ev in runner.chat_events(plan, whole=whole, progress=progress):
+            yield ev
+        return
     n = len(plan.requests)
     posts = [ChoiceOutput(plan.mode) if plan.mode.active else None for _ in range(n)]
     texts: list[list[str]] = [[] for _ in range(n)] if whole else []

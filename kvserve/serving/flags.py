@@ -609,6 +609,29 @@ _NO_MM = "kvserve serves text only: requests with image or audio parts are refus
 _LOG_SHAPE = "kvserve logs in llama-server's line shape to stderr (--log-file adds a file)"
 
 #: every flag of ``kvserve serve``, in ``--help`` order within each source
+def _remote_models(values: list[str]) -> str | None:
+    """``--remote``: each value parses (:func:`kvserve.remote.parse_remote`), names once."""
+    from kvserve.errors import InvalidInputError
+    from kvserve.remote.spec import parse_remote
+
+    seen: set[str] = set()
+    for v in values or ():
+        try:
+            name = parse_remote(v).name
+        except InvalidInputError as e:
+            return f"invalid --remote: {e}"
+        if name in seen:
+            return f"invalid --remote: model '{name}' is given twice"
+        seen.add(name)
+    return None
+
+
+def _remote_specs(values: list[str] | None) -> list:
+    from kvserve.remote.spec import parse_remote
+
+    return [parse_remote(v) for v in values or ()]
+
+
 FLAGS: tuple[Flag, ...] = (
     # -- the model
     F("-m --model", help="model name, .gguf path or HF directory", source=BOTH, env="LLAMA_ARG_MODEL",
@@ -1232,6 +1255,9 @@ FLAGS: tuple[Flag, ...] = (
       help="load the start-up model at once (--no-preload: on its first request)"),
     F("--allow-model-paths", "bool", False, "requests may name .gguf files or HF directories on the server",
       source=KV),
+    F("--remote", "append", help="serve a model another server runs (repeatable): "
+      "name=URL[,key=ENV_VAR][,model=UPSTREAM_NAME][,dialect=openai|ollama]", source=KV,
+      metavar="NAME=URL[,...]", check=_remote_models, config=_remote_specs),
     F("--version", "bool", False, "print the version and exit", source=BOTH),
 )
 

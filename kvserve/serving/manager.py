@@ -244,6 +244,8 @@ class ModelSpec:
         names: every name the runner answers to (defaults to ``[name]``).
         sleep_s: a pinned runner is unloaded after this many idle seconds and loads again on
             the next request (llama-server's ``--sleep-idle-seconds``); None: never.
+        remote: a remote model (:mod:`kvserve.remote`): no memory, not counted against
+            ``max_loaded``.
     """
 
     name: str
@@ -252,6 +254,7 @@ class ModelSpec:
     n_ctx: int | None = None
     names: tuple[str, ...] = ()
     sleep_s: float | None = None
+    remote: bool = False
 
     def served_names(self) -> list[str]:
         return list(self.names) if self.names else [self.name]
@@ -636,7 +639,7 @@ class ModelManager:
                     raise self._record_failure(spec, exc) from None
         while True:
             await self._closed()  # memory of runners being unloaded is back before we measure
-            if len(self.loaded) >= self.max_loaded:
+            if sum(not e.spec.remote for e in self.loaded.values()) >= self.max_loaded and not spec.remote:
                 victim = self._victim()
                 if victim is None:
                     return None

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvserve.config import mem_available_bytes
 from kvserve.errors import (
@@ -83,6 +83,12 @@ class ServableModel:
     loading: bool
     size: int  # bytes of the file(s)
     modified: float  # seconds since the epoch (file mtime)
+    remote: Any = None  # a remote model's RemoteSpec (kvserve.remote), None for a local one
+
+    @property
+    def available(self) -> bool:
+        """False for a remote model whose upstream failed its latest check or request."""
+        return self.runner is None or getattr(self.runner, "available", True)
 
 
 class ServerState:
@@ -111,9 +117,10 @@ class ServerState:
             args.cache_ram_share = max(1, args.max_loaded_models)
         # with -m (llama-server's mode) the one model loads whatever it takes, unless --max-memory
         check_memory = not self.pinned or args.max_memory is not None
+        #: remote models (``--remote``; kvserve.remote): served name -> RemoteSpec
+        self.remotes = {r.name: r for r in getattr(args, "remote", None) or ()}
         self.manager = manager or ModelManager(
-            lambda spec: load_runner(self.args, spec, self.build_info),
-            estimate=lambda spec: estimate_runner_memory(self.args, spec), enforce_memory=check_memory,
+            self._load, estimate=self._estimate, enforce_memory=check_memory,
             max_loaded=args.max_loaded_models, default_keep_alive=args.keep_alive,
             max_memory=args.max_memory, mem_available=mem_available_bytes, max_queue=args.max_queue,
             on_event=self._log_event, cleanup=trim_heap)
@@ -138,6 +145,9 @@ class ServerState:
         """
         if name is not None and len(name) > MAX_MODEL_NAME:
             raise InvalidInputError(f"Field 'model': longer than {MAX_MODEL_NAME} characters")
+        remote = self.remote_spec(name)
+        if remote is not None:
+            return remote
         if self.pinned:
             if self._pinned_spec is None:
                 raise UnavailableError("Loading model")
@@ -155,6 +165,51 @@ class ServerState:
         if loaded is not None:
             return loaded.spec
         raise NotFoundError(f"model '{name[:256]}' not found")
+
+    def remote_spec(self, name: str | None) -> ModelSpec | None:
+        """The ModelSpec of remote model ``name`` (``--remote``), else None. A remote model is
+        pinned (never unloaded by keep_alive or to make room) and has no memory."""
+        if not name or name not in self.remotes:
+            return None
+        return ModelSpec(name, pinned=True, remote=True)
+
+    def _load(self, spec: ModelSpec):
+        """The manager's loader: a :class:`kvserve.remote.RemoteRunner` for a remote model, else
+        :func:`load_runner`."""
+        if spec.remote:
+            from kvserve.remote import RemoteRunner
+
+            return RemoteRunner(self.remotes[spec.name], self.args, model_spec=spec, build_info=self.build_info)
+        return load_runner(self.args, spec, self.build_info)
+
+    def _estimate(self, spec: ModelSpec):
+        from kvserve.serving.manager import NO_ESTIMATE
+
+        return NO_ESTIMATE if spec.remote else estimate_runner_memory(self.args, spec)
+
+    async def start_remotes(self) -> None:
+        """Start-up: check every remote model's upstream (seed 004 Example 13: ok, rejected key, no
+        server, each logged with its own message) and hold its runner. An upstream that fails the
+        check does not stop the server: its model lists as unavailable and its requests answer
+        502/503 with the upstream's reason until it answers."""
+        from kvserve.remote import check_remote
+
+        async def one(remote) -> None:
+            spec = self.remote_spec(remote.name)
+            check = await asyncio.to_thread(check_remote, remote)
+            level = logging.INFO if check.ok else logging.WARNING
+            log.log(level, "remote model '%s' (%s, %s): %s", remote.name, remote.dialect, remote.shown_url,
+                    check.message, extra={"func": "remote"})
+            try:
+                await self.manager.preload(spec)
+            except Exception as e:  # noqa: BLE001 - one remote model's trouble is not the server's
+                log.error("remote model '%s': %s", remote.name, e, extra={"func": "remote"})
+                return
+            e = self.manager.get(remote.name)
+            if e is not None and e.runner is not None:
+                e.runner.last_check = check
+
+        await asyncio.gather(*(one(r) for r in self.remotes.values()))
 
     def _store_path(self, name: str) -> tuple[str, str] | None:
         """``(display name, model blob)`` of the store model ``name`` means (any of Ollama's forms:
@@ -201,6 +256,10 @@ class ServerState:
         for e in list(self.manager.loaded.values()):
             out[e.name] = ServableModel(e.name, e.spec.path, e.spec.served_names(), e.runner,
                                         e.runner is None, *_file_facts(e.spec.path))
+        for name, r in self.remotes.items():
+            if name not in out:
+                out[name] = ServableModel(name, "", [name], None, False, 0, 0.0)
+            out[name].remote = r
         if self.pinned:
             if self._pinned_spec is not None and self._pinned_spec.name not in out:
                 s = self._pinned_spec
