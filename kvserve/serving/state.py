@@ -20,6 +20,7 @@ work in worker threads).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import subprocess
@@ -119,6 +120,9 @@ class ServerState:
         check_memory = not self.pinned or args.max_memory is not None
         #: remote models (``--remote``; kvserve.remote): served name -> RemoteSpec
         self.remotes = {r.name: r for r in getattr(args, "remote", None) or ()}
+        #: supervised engines (``--engine``; kvserve.supervisor): served name -> EngineSpec
+        self.engines = {e.name: dataclasses.replace(e, start_timeout_s=getattr(args, "engine_start_timeout", 600.0))
+                        for e in getattr(args, "engine", None) or ()}
         self.manager = manager or ModelManager(
             self._load, estimate=self._estimate, enforce_memory=check_memory,
             max_loaded=args.max_loaded_models, default_keep_alive=args.keep_alive,
@@ -145,7 +149,7 @@ class ServerState:
         """
         if name is not None and len(name) > MAX_MODEL_NAME:
             raise InvalidInputError(f"Field 'model': longer than {MAX_MODEL_NAME} characters")
-        remote = self.remote_spec(name)
+        remote = self.remote_spec(name) or self.engine_spec(name)
         if remote is not None:
             return remote
         if self.pinned:
@@ -173,9 +177,23 @@ class ServerState:
             return None
         return ModelSpec(name, pinned=True, remote=True)
 
+    def engine_spec(self, name: str | None) -> ModelSpec | None:
+        """The ModelSpec of supervised engine ``name`` (``--engine``), else None. Served as a
+        remote model (no memory estimate, not counted against ``--max-loaded-models``: the
+        child's memory is its own) but not pinned: keep_alive and eviction unload it, which
+        stops the child."""
+        if not name or name not in self.engines:
+            return None
+        return ModelSpec(name, pinned=False, remote=True)
+
     def _load(self, spec: ModelSpec):
-        """The manager's loader: a :class:`kvserve.remote.RemoteRunner` for a remote model, else
-        :func:`load_runner`."""
+        """The manager's loader: a supervised engine's :class:`kvserve.supervisor.SupervisedRunner`
+        (its child started and healthy), a :class:`kvserve.remote.RemoteRunner` for a remote
+        model, else :func:`load_runner`."""
+        if spec.remote and spec.name in self.engines:
+            from kvserve.supervisor import load_supervised
+
+            return load_supervised(self.engines[spec.name], self.args, spec, self.build_info)
         if spec.remote:
             from kvserve.remote import RemoteRunner
 
@@ -260,6 +278,11 @@ class ServerState:
             if name not in out:
                 out[name] = ServableModel(name, "", [name], None, False, 0, 0.0)
             out[name].remote = r
+        for name in self.engines:  # supervised engines: listed as remote models while their child runs
+            if name not in out:
+                out[name] = ServableModel(name, "", [name], None, False, 0, 0.0)
+            elif out[name].runner is not None:
+                out[name].remote = out[name].runner.remote
         if self.pinned:
             if self._pinned_spec is not None and self._pinned_spec.name not in out:
                 s = self._pinned_spec
