@@ -960,6 +960,8 @@ def _show(state: ServerState, body: dict) -> dict:
 
     name = _model_name(body, "model", "name")
     spec = state.resolve(name)
+    if spec.remote:
+        return _show_remote(state, spec)
     layers = _layers(state, spec)
     if layers.stored is None and not spec.path:
         raise NotFoundError(f"model '{name}' not found")
@@ -997,6 +999,27 @@ def _show(state: ServerState, body: dict) -> dict:
     r.capabilities = capabilities(source, state.args.tool_call_parser) if model_task(spec.path) == "generate" \
         else ["embedding"]
     return r.wire()
+
+
+def _show_remote(state: ServerState, spec: ModelSpec) -> dict:
+    """/api/show of a remote model (:mod:`kvserve.remote`): its upstream (Ollama's ``remote_model``
+    and ``remote_host``) and the start-up check run now (``remote_check``: ok with the upstream's
+    models, rejected key, or no server; logged too). Never the key. Worker-thread work."""
+    from kvserve.remote import check_remote
+
+    remote = state.remotes[spec.name]
+    check = check_remote(remote)
+    log.log(logging.INFO if check.ok else logging.WARNING, "remote model '%s' (%s, %s): %s", spec.name,
+            remote.dialect, remote.shown_url, check.message, extra={"func": "remote"})
+    e = state.manager.get(spec.name)
+    if e is not None and e.runner is not None:
+        e.runner.last_check = check
+    lines = [f"FROM {remote.upstream_model}", f"REMOTE {remote.shown_url} dialect={remote.dialect}"
+             + (f" key={remote.key_env}" if remote.key_env else "")]
+    return ShowResponse(details=_details({}), model_info={}, modified_at=go_time(int(state.started * 1e9)),
+                        modelfile="\n".join(lines) + "\n", capabilities=["completion", "tools"],
+                        remote_model=remote.upstream_model, remote_host=remote.shown_url,
+                        remote_check=check.message).wire()
 
 
 def _runner_template(state: ServerState, layers: ModelLayers, md: dict) -> str:

@@ -168,6 +168,9 @@ class ShowResponse(WireModel):
     model_info: dict[str, Any]
     capabilities: list[str] = Field(default_factory=list)
     modified_at: str
+    remote_model: str | None = None  # a remote model (kvserve.remote): Ollama's fields for one
+    remote_host: str | None = None
+    remote_check: str | None = None  # kvserve: the check run for this answer (ok / rejected / no server)
 
 
 class ProcessModel(WireModel):

@@ -527,6 +527,8 @@ def _chat_usage(u: ChatUsage) -> Usage:
                 prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
     if u.reasoning_tokens is not None:
         out.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=u.reasoning_tokens)
+    if u.estimated:  # a remote model's upstream gave no usage (kvserve.remote): counted from the text
+        out.estimated = True
     return out
 
 

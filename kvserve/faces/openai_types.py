@@ -89,6 +89,7 @@ class Usage(WireModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     completion_tokens_details: CompletionTokensDetails | None = None
+    estimated: bool | None = None  # kvserve: a remote model's upstream gave none: counted from the text
 
 
 # -- logprobs -------------------------------------------------------------------------------

@@ -335,6 +335,10 @@ def _model_rows(resp: dict) -> list[list[str]]:
     if resp.get("remote_host"):
         rows += [["", "Remote model", str(resp.get("remote_model") or "")],
                  ["", "Remote URL", str(resp["remote_host"])]]
+        if resp.get("remote_check"):  # kvserve: the upstream's check (ok / rejected / no server)
+            rows.append(["", "Remote check", str(resp["remote_check"])])
+        if not info and not details.get("quantization_level"):  # kvserve's remote models: no file to describe
+            return rows
     if isinstance(info, dict):
         arch = info.get("general.architecture")
         arch = arch if isinstance(arch, str) else ""

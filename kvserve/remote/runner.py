@@ -60,8 +60,6 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 300.0
 #: answer pieces (about tokens) a request without max_tokens may receive
 DEFAULT_MAX_CHUNKS = 32768
-#: pieces past the request's max_tokens an upstream may send before it is cut off ("length")
-CHUNK_SLACK = 16
 #: a context size that never limits: the upstream applies its own
 _NO_LIMIT = 1 << 30
 
@@ -265,7 +263,9 @@ class RemoteRunner:
         self.require_ready()
         body = self._body(req)
         n_predict = req.sampling.get("n_predict", -1) or -1
-        max_chunks = n_predict + CHUNK_SLACK if n_predict > 0 else DEFAULT_MAX_CHUNKS
+        # an upstream sends at least one token per piece: more pieces than max_tokens means it ignores
+        # the limit; it is cut there (finish "length")
+        max_chunks = n_predict if n_predict > 0 else DEFAULT_MAX_CHUNKS
         parser = OpenAIStream() if self.remote.dialect == "openai" else OllamaStream()
         rid = plan.requests[0].request_id
         t0 = time.monotonic()
@@ -290,6 +290,9 @@ class RemoteRunner:
                         if parser.error is not None:
                             raise self._fail(BadGatewayError(self._scrub(
                                 f"remote model '{self.model_alias}': the upstream failed: {parser.error}")))
+                        if parser.chunks > max_chunks:  # past max_tokens: the upstream did not stop
+                            cut = True
+                            break
                         if not pieces:
                             continue
                         if t_first is None:
@@ -302,9 +305,6 @@ class RemoteRunner:
                             out = RequestOutput(rid, [], "".join(p.text for p in pieces if type(p) is TextPiece),
                                                 num_output_tokens=n_out, arrival_time=arrival)
                             yield _event(out, pieces)
-                        if parser.chunks > max_chunks:
-                            cut = True
-                            break
                     else:
                         if parser.final.finish_reason is None and not parser.called_tools:
                             raise UpstreamProtocolError("the upstream's stream ended before its answer did")

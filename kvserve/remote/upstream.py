@@ -74,6 +74,38 @@ def _response_format_openai(spec) -> dict[str, Any]:
     return {}
 
 
+def _openai_messages(messages: list) -> list:
+    """The messages as OpenAI's wire wants them: a tool call's ``arguments`` as JSON text (the
+    Ollama face gives an object), with ``type`` and an ``id``; a tool result without
+    ``tool_call_id`` answers the earliest call not answered yet. Other messages pass as they are."""
+    out, open_ids, k = [], [], 0
+    for m in messages:
+        if not isinstance(m, dict):
+            out.append(m)
+            continue
+        if m.get("tool_calls"):
+            m = dict(m)
+            calls = []
+            for c in m["tool_calls"]:
+                if not isinstance(c, dict):
+                    continue
+                fn = dict(c.get("function") or {})
+                if not isinstance(fn.get("arguments"), str):
+                    fn["arguments"] = json.dumps(fn.get("arguments") or {}, ensure_ascii=False)
+                cid = c.get("id") or f"call_{k}"
+                k += 1
+                open_ids.append(cid)
+                calls.append({**c, "id": cid, "type": "function", "function": fn})
+            m["tool_calls"] = calls
+        elif m.get("role") == "tool":
+            if not m.get("tool_call_id") and open_ids:
+                m = {**m, "tool_call_id": open_ids[0]}
+            if m.get("tool_call_id") in open_ids:
+                open_ids.remove(m["tool_call_id"])
+        out.append(m)
+    return out
+
+
 def openai_body(req, model: str, name: str) -> dict[str, Any]:
     """``req`` (a :class:`~kvserve.serving.chat_request.ChatRequest`) as an OpenAI
     chat-completions streaming body for ``model``.
@@ -82,7 +114,7 @@ def openai_body(req, model: str, name: str) -> dict[str, Any]:
         NotSupportedError: what cannot be forwarded (``n`` > 1, logprobs, token-id logit bias).
     """
     _refuse_unforwardable(req, name)
-    body: dict[str, Any] = {"model": model, "messages": req.messages, "stream": True,
+    body: dict[str, Any] = {"model": model, "messages": _openai_messages(req.messages), "stream": True,
                             "stream_options": {"include_usage": True}}
     s = req.sampling
     for k, v in _OPENAI_SAMPLING.items():
