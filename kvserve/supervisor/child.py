@@ -193,6 +193,8 @@ class EngineChild:
                     log.info("engine '%s': health %s", self.spec.name, code, extra={"func": "engine"})
                 if code == 200:
                     return states
+                if self._stopping:
+                    raise EngineStartError(f"engine for model '{self.spec.name}' was stopped while starting")
                 rc = proc.poll()
                 if rc is not None:
                     self._reader.join(timeout=2)  # its last lines
@@ -229,16 +231,18 @@ class EngineChild:
             if self.restarts >= 1:
                 self._serving = False
                 self.error = f"{cause}, after its one restart{self._last_line()}"
-                log.error("engine '%s': %s", self.spec.name, self.error, extra={"func": "engine"})
+                log.error("%s", self.error, extra={"func": "engine"})
                 return
             self.restarts += 1
-            log.warning("engine '%s': %s; restarting it (once)", self.spec.name, cause, extra={"func": "engine"})
+            log.warning("%s; restarting it (once)", cause, extra={"func": "engine"})
             try:
                 self._spawn_and_wait()
             except EngineStartError as e:
                 self._serving = False
+                if self._stopping:  # unloaded while it restarted
+                    return
                 self.error = f"{cause}; its restart failed: {e.message}"
-                log.error("engine '%s': %s", self.spec.name, self.error, extra={"func": "engine"})
+                log.error("%s", self.error, extra={"func": "engine"})
                 return
             new = self._proc
         if self.on_restart is not None:
@@ -250,8 +254,8 @@ class EngineChild:
     def stop(self, reason: str = "unload") -> int | None:
         """Stop the child (SIGTERM to its group, SIGKILL after :data:`STOP_GRACE_S`), read its log
         to the end and return its exit code (None when none was running). Idempotent."""
+        self._stopping = True  # before the lock: a restart waiting for health gives up at its next poll
         with self._lock:
-            self._stopping = True
             self._serving = False
             proc = self._proc
             if proc is None:

@@ -100,7 +100,7 @@ def test_a_crash_restarts_the_child_once(front):
     ask = lambda: oai.chat.completions.create(model="eng", messages=[{"role": "user", "content": "hi"}])  # noqa: E731
     first = _pid(ask().choices[0].message.content)
     os.kill(first, signal.SIGKILL)
-    _wait_log(front, f"engine 'eng': engine for model 'eng' (pid {first}) exited with SIGKILL (code 137) while "
+    _wait_log(front, f"engine for model 'eng' (pid {first}) exited with SIGKILL (code 137) while "
                      "serving; restarting it (once)")
     _wait_log(front, "health states [503, 200]", within=30)
     deadline = time.monotonic() + 30

@@ -134,7 +134,7 @@ def test_a_crash_while_serving_restarts_once(caplog):
             time.sleep(0.05)
         assert moved == [child.port] and child.pid != first and child.restarts == 1 and child.error is None
         assert child.states == [503, 200] and child.alive
-        assert (f"engine 'm': engine for model 'm' (pid {first}) exited with SIGKILL (code 137) while serving; "
+        assert (f"engine for model 'm' (pid {first}) exited with SIGKILL (code 137) while serving; "
                 "restarting it (once)") in lines(caplog)
         second = child.pid
         os.kill(second, signal.SIGKILL)  # and again: dead for good
