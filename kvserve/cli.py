@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from typing import Any
@@ -194,6 +195,8 @@ def _push(argv: list[str]) -> int:
     args = _transfer_args("push", argv, [])
     api = _api(args.models_dir)
     for name in args.names:
+        if _remove_engine_model(args, name):
+            continue
         if _is_server(api):
             try:
                 _show_progress(api.push(name, insecure=args.insecure))
@@ -339,6 +342,8 @@ def _rm(argv: list[str]) -> int:
     args = p.parse_args(argv)
     api = _api(args.models_dir)
     for name in args.names:
+        if _remove_engine_model(args, name):
+            continue
         if _is_server(api):
             try:
                 _unload(api, name)
@@ -350,6 +355,22 @@ def _rm(argv: list[str]) -> int:
         api.delete(name)
         print(f"deleted '{name}'")
     return 0
+
+
+def _remove_engine_model(args, name: str) -> bool:
+    """``kvserve rm`` of a model created with an ENGINE line (kvserve.supervisor.modelfile): its
+    definition is deleted (a running server stops its child when it next unloads it)."""
+    from kvserve.store import open_store, parse_name
+    from kvserve.supervisor.modelfile import remove_engine
+
+    try:
+        display = parse_name(name).display
+    except ValueError:
+        return False
+    if not remove_engine(open_store(args.models_dir).root, display):
+        return False
+    print(f"deleted '{name}'")
+    return True
 
 
 def _cp(argv: list[str]) -> int:
@@ -471,6 +492,24 @@ def _create_body(api, name: str, req, status) -> dict:
     return req.to_json(model=name, files=files or None)
 
 
+def _create_engine_model(args, text: bytes, base_dir: str) -> bool:
+    """A Modelfile with an ``ENGINE`` line (:mod:`kvserve.supervisor.modelfile`): its definition is
+    written to the store in this process (never sent to a server: a request body does not start
+    processes); True when it was one."""
+    from kvserve.store import open_store, parse_name
+    from kvserve.supervisor.modelfile import create_engine_model, split_engine
+
+    decoded = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+    if split_engine(decoded)[0] is None:
+        return False
+    _err("gathering model components")
+    name = parse_name(args.name).display
+    spec = create_engine_model(open_store(args.models_dir).root, name, decoded, base_dir, args.models_dir)
+    _err(f"writing engine definition: {shlex.join(spec.argv)}")
+    _err("success")
+    return True
+
+
 def _create(argv: list[str]) -> int:
     """``kvserve create NAME [-f Modelfile]``: Ollama's statuses on stderr (``gathering model
     components``, ``copying file sha256:… 100%``, ``parsing GGUF``, ``using existing layer
@@ -494,6 +533,8 @@ def _create(argv: list[str]) -> int:
         raise NotSupportedError("quantize is not supported yet: kvserve serves a GGUF's weights as they are "
                                 "(quantize it with llama.cpp's llama-quantize first)")
     text, base_dir = _modelfile_text(args.file)
+    if _create_engine_model(args, text, base_dir):
+        return 0
     mf = parse_modelfile(text)
     mf.check_supported()
     last = [None]

@@ -2,7 +2,7 @@
 or ``vllm serve`` cannot be built or run in CI; the by-hand check with llama-server is in the
 issue's closing note). It behaves as llama-server does where the supervisor looks:
 
-- prints ``loading model``, then listens on 127.0.0.1:PORT and prints ``listening``;
+- prints ``loading model`` (``loading model PATH`` with ``--model PATH``), then listens on 127.0.0.1:PORT and prints ``listening``;
 - ``GET /health`` answers 503 ``{"error": ...loading...}`` for its first ``--loading N`` polls,
   then 200 (``--never-healthy``: 503 forever);
 - ``GET /v1/models`` lists one model ``standin``;
@@ -33,8 +33,9 @@ def main() -> None:
     p.add_argument("--never-healthy", action="store_true")
     p.add_argument("--exit", type=int, default=None)
     p.add_argument("--ignore-term", action="store_true")
+    p.add_argument("--model", default=None)
     a = p.parse_args()
-    print("loading model", flush=True)
+    print("loading model" + (f" {a.model}" if a.model else ""), flush=True)
     if a.exit is not None:
         print("cannot load model", flush=True)
         sys.exit(a.exit)

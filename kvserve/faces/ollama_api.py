@@ -1110,7 +1110,7 @@ def _tags(state: ServerState) -> dict:
         models.append(ListModel(name=name, model=name, modified_at=go_time(int(state.started * 1e9)), size=0,
                                 digest="", details=_details({}), remote_model=r.upstream_model,
                                 remote_host=r.shown_url))
-    for name in getattr(state, "engines", {}):  # supervised engines (--engine): the child's files are its own
+    for name in state.all_engines():  # supervised engines (kvserve.supervisor): the child's files are its own
         models.append(ListModel(name=name, model=name, modified_at=go_time(int(state.started * 1e9)), size=0,
                                 digest="", details=_details({})))
     return ListResponse(models=models).wire()

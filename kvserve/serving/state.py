@@ -182,9 +182,45 @@ class ServerState:
         remote model (no memory estimate, not counted against ``--max-loaded-models``: the
         child's memory is its own) but not pinned: keep_alive and eviction unload it, which
         stops the child."""
-        if not name or name not in self.engines:
+        if not name:
             return None
+        if name not in self.engines:
+            found = self._store_engine(name)
+            if found is None:
+                return None
+            name = found.name
         return ModelSpec(name, pinned=False, remote=True)
+
+    def all_engines(self) -> dict:
+        """Every supervised engine a request may name: ``--engine``'s and (without ``-m``) the
+        store's ENGINE models (kvserve.supervisor.modelfile); served name -> EngineSpec."""
+        if not self.pinned:
+            from kvserve.store import open_store
+            from kvserve.supervisor.modelfile import engine_files
+
+            for eng in engine_files(open_store(self.args.models_dir).root):
+                self.engines.setdefault(eng.name, dataclasses.replace(
+                    eng, start_timeout_s=getattr(self.args, "engine_start_timeout", 600.0)))
+        return self.engines
+
+    def _store_engine(self, name: str):
+        """The store's ENGINE model ``name`` means (``kvserve create`` with an ENGINE line:
+        kvserve.supervisor.modelfile), remembered in :attr:`engines`; else None."""
+        from kvserve.store import canonical_name, open_store
+        from kvserve.supervisor.modelfile import find_engine
+
+        if self.pinned:  # with -m only --engine's
+            return None
+        try:
+            display = canonical_name(name, self.args.models_dir)
+        except ValueError:
+            return None
+        found = find_engine(open_store(self.args.models_dir).root, display)
+        if found is None:
+            return None
+        found = dataclasses.replace(found, start_timeout_s=getattr(self.args, "engine_start_timeout", 600.0))
+        self.engines[found.name] = found
+        return found
 
     def _load(self, spec: ModelSpec):
         """The manager's loader: a supervised engine's :class:`kvserve.supervisor.SupervisedRunner`
@@ -278,7 +314,7 @@ class ServerState:
             if name not in out:
                 out[name] = ServableModel(name, "", [name], None, False, 0, 0.0)
             out[name].remote = r
-        for name in self.engines:  # supervised engines: listed as remote models while their child runs
+        for name in self.all_engines():  # supervised engines: listed as remote models while their child runs
             if name not in out:
                 out[name] = ServableModel(name, "", [name], None, False, 0, 0.0)
             elif out[name].runner is not None:

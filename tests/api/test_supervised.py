@@ -150,3 +150,37 @@ def test_sigkill_of_kvserve_leaves_no_child(tiny_gguf, tmp_path):
         assert _gone(pid, within=10)
     finally:
         srv.stop()
+
+
+def test_modelfile_engine_created_here_and_served(tiny_gguf, tmp_path, monkeypatch, capsys):
+    """``kvserve create NAME -f Modelfile`` with an ENGINE line writes the definition in this
+    process; a server on that store serves it by name; the server's /api/create refuses ENGINE
+    (a request body never starts a process)."""
+    from kvserve import cli
+
+    models = tmp_path / "models"
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "Modelfile").write_text(f"FROM {tiny_gguf}\nENGINE {PY} {STANDIN} --port {{port}} --model {{model}}\n")
+    monkeypatch.setenv("KVSERVE_HOST", "127.0.0.1:9")  # no server: create works on the store
+    assert cli.main(["create", "stand", "-f", str(work / "Modelfile"), "--models-dir", str(models)]) == 0
+    err = capsys.readouterr().err
+    assert err.endswith(f"writing engine definition: {PY} {STANDIN} --port '{{port}}' --model '{{model}}'\nsuccess\n")
+    srv = spawn("", ("--no-preload", "--models-dir", str(models), "--engine-start-timeout", "30"), tmp_path)
+    try:
+        srv.wait_ready()
+        names = [m["name"] for m in httpx.get(srv.url("/api/tags")).json()["models"]]
+        assert "stand:latest" in names
+        r = httpx.post(srv.url("/api/chat"), json={"model": "stand", "stream": False, "messages": [
+            {"role": "user", "content": "hi"}], "keep_alive": 0}, timeout=60)
+        pid = _pid(r.json()["message"]["content"])
+        assert f"[stand:latest] loading model {tiny_gguf}" in srv.log()
+        assert _gone(pid)
+        bad = httpx.post(srv.url("/api/create"), json={"model": "evil", "modelfile": (
+            f"FROM {tiny_gguf}\nENGINE touch /tmp/pwned --port {{port}}\n")}, timeout=30)
+        assert bad.status_code == 400 and "command must be one of" in bad.json()["error"]
+        assert httpx.post(srv.url("/api/chat"), json={"model": "evil", "messages": []}).status_code == 404
+        assert cli.main(["rm", "stand", "--models-dir", str(models)]) == 0
+        assert capsys.readouterr().out == "deleted 'stand'\n"
+    finally:
+        srv.stop()

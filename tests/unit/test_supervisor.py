@@ -145,3 +145,43 @@ def test_a_crash_while_serving_restarts_once(caplog):
         assert moved == [moved[0]] and not child.alive
     finally:
         child.stop()
+
+
+def test_the_modelfile_form(tmp_path, tiny_gguf):
+    from kvserve.errors import NotFoundError
+    from kvserve.supervisor.modelfile import (create_engine_model, engine_files, find_engine, remove_engine,
+                                              split_engine)
+
+    assert split_engine("FROM x\n") == (None, 0, "FROM x\n")
+    assert split_engine("FROM x\nengine  srv --port {port}  \n") == ("srv --port {port}", 2, "FROM x\n\n")
+    with pytest.raises(InvalidInputError, match=r"^\(line 3\): only one ENGINE line is allowed$"):
+        split_engine("FROM x\nENGINE a --port {port}\nENGINE b --port {port}\n")
+    with pytest.raises(InvalidInputError, match=r"^\(line 1\): ENGINE needs a command"):
+        split_engine("ENGINE\nFROM x\n")
+    root = tmp_path / "store"
+    work = tmp_path / "work"
+    (work / "qwen-mlx").mkdir(parents=True)
+    text = "# served by mlx-lm\nFROM ./qwen-mlx\nENGINE mlx_lm.server --model {model} --host {host} --port {port}\n"
+    spec = create_engine_model(root, "qwen:latest", text, work)
+    assert spec.argv == ("mlx_lm.server", "--model", "{model}", "--host", "{host}", "--port", "{port}")
+    assert spec.command(9000) == ["mlx_lm.server", "--model", str(work / "qwen-mlx"), "--host", "127.0.0.1",
+                                  "--port", "9000"]
+    assert find_engine(root, "qwen:latest") == spec and engine_files(root) == [spec]
+    assert (root / "kvserve" / "engines" / "qwen%3Alatest.json").is_file()
+    # FROM a path given as a GGUF file
+    g = create_engine_model(root, "g:latest", f"FROM {tiny_gguf}\nENGINE llama-server -m {{model}} --port {{port}}\n",
+                            work)
+    assert g.model == tiny_gguf
+    for bad, text in (("FROM ./qwen-mlx\nENGINE srv -m {model}\n",
+                       "(line 2): engine 'x:latest': the command must pass {port} to the engine"),
+                      ("FROM ./qwen-mlx\nPARAMETER temperature 0\nENGINE srv --port {port}\n",
+                       "(line 2): a model served by an ENGINE takes one FROM and the ENGINE line only"),
+                      ("ENGINE srv --port {port}\n", "no FROM line")):
+        with pytest.raises(InvalidInputError) as e:
+            create_engine_model(root, "x:latest", bad, work)
+        assert text in e.value.message, e.value.message
+    with pytest.raises(NotFoundError, match="no such file or directory: ./nothere"):
+        create_engine_model(root, "x:latest", "FROM ./nothere\nENGINE srv --port {port}\n", work)
+    assert find_engine(root, "x:latest") is None
+    assert remove_engine(root, "qwen:latest") and not remove_engine(root, "qwen:latest")
+    assert [s.name for s in engine_files(root)] == ["g:latest"]
