@@ -91,6 +91,7 @@ _COPY = "a GGUF or HF safetensors copy"
 FORMATS: dict[str, Format] = {f.key: f for f in (
     Format("gguf", "GGUF file", "llama.cpp (llama-server), Ollama, LM Studio", True,
            "a GGUF of a family it knows", supervise="llama-server -m {model} --port {port}"),
+    Format("gguf-folder", "folder of GGUF files", "", False, "the path of the one to load"),
     Format("safetensors", "HF safetensors folder", "vLLM, SGLang, TGI, Transformers, "
            "TensorRT-LLM (after its build step)", True, "a GGUF copy of a family it knows", supervise="vllm serve {model} --port {port}"),
     Format("safetensors-quantized", "HF safetensors folder, quantized", "vLLM, SGLang, Transformers", True,
@@ -211,9 +212,9 @@ def _gguf(ls: Listing) -> Detection | None:
     models = [n for n in found if "mmproj" not in n.lower()]
     detail = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
     if len(models) != 1:
-        return Detection(ls.path, FORMATS["gguf"], detail,
-                         problem=f"{len(models)} model GGUF files: name the one to load" if models else
-                         "only projector (mmproj) GGUF files")
+        return Detection(ls.path, FORMATS["gguf-folder"], detail,
+                         problem=f"{len(models)} model GGUF files" if models else
+                         "only projector (mmproj) files: kvserve has no vision models")
     if not ls.deep:
         return Detection(ls.path, FORMATS["gguf"], detail, weights=os.path.join(ls.path, models[0]))
     return _gguf_file(os.path.join(ls.path, models[0]), detail=detail, shown=ls.path)

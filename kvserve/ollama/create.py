@@ -255,7 +255,7 @@ def refuse_other_formats(directory: str | os.PathLike) -> None:
     from kvserve.loaders.detect import detect
 
     kind = detect(directory, deep=False)
-    if kind.format.key not in ("gguf", "unknown", "hf-no-weights", *_HF_KEYS):
+    if kind.format.key not in ("gguf", "gguf-folder", "unknown", "hf-no-weights", *_HF_KEYS):
         kind.require_loadable()
 
 
@@ -276,7 +276,7 @@ def _refuse_other_formats(store: Store, files: dict[str, str]) -> None:
     kind = detect_files(files, config)
     if kind.format.key in _HF_KEYS:
         raise NotSupportedError(SAFETENSORS_UNSUPPORTED)
-    if kind.format.key not in ("gguf", "unknown", "hf-no-weights"):
+    if kind.format.key not in ("gguf", "gguf-folder", "unknown", "hf-no-weights"):
         kind.require_loadable()
 
 

@@ -461,9 +461,17 @@ def resolve_model(spec: str, pull_missing: bool = False, progress: bool = True,
     """
     path = Path(spec).expanduser()
     if path.is_file() or path.is_dir():
-        from kvserve.loaders.detect import require_loadable
+        from kvserve.loaders.detect import detect
 
-        found = require_loadable(path)  # the format's one-line refusal (kvserve.loaders.detect)
+        found = detect(path, deep=False)
+        if found.format.key == "not-gguf":
+            raise ModelNotFoundError(f"model file {spec!r} is not a GGUF file" + (f" ({found.detail})" if found.detail
+                                                                                 else ""))
+        if found.format.key == "unknown":
+            raise ModelNotFoundError(f"model directory {spec!r} has no config.json (not an HF model directory) "
+                                     "and no .gguf file")
+        if found.format.key != "hf-no-weights":  # that one: the loader names what is missing
+            found.require_loadable()  # ONNX, EXL2, MLX...: the format's one-line refusal (kvserve.loaders.detect)
         return Path(found.weights) if found.weights is not None else path
 
     store = open_store(models_dir)

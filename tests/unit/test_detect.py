@@ -17,7 +17,7 @@ from kvserve.loaders.detect import FORMATS, UnsupportedFormatError, detect, dete
 from kvserve.loaders.weights import ModelLoadError
 from kvserve.models.build import load_files
 from kvserve.ollama.create import SAFETENSORS_UNSUPPORTED, iter_create, iter_create_modelfile
-from kvserve.store import Store, resolve_model
+from kvserve.store import ModelNotFoundError, Store, resolve_model
 
 COPY = "give kvserve a GGUF or HF safetensors copy"
 
@@ -75,13 +75,19 @@ def test_each_format_gets_its_line_on_resolve_and_load(refused):
     for name, d in refused.items():
         line = f"{d}: {REFUSED[name][2]}"
         assert detect(d).refusal() == line
-        with pytest.raises(UnsupportedFormatError) as e:
-            resolve_model(str(d))  # serve, run and the draft model resolve here
-        assert str(e.value) == line and e.value.message == line
-        assert isinstance(e.value, NotSupportedError) and isinstance(e.value, ModelLoadError)
+        if name not in ("no-weights", "empty"):  # not a model: resolve keeps its "not found" (below)
+            with pytest.raises(UnsupportedFormatError) as e:
+                resolve_model(str(d))  # serve, run and the draft model resolve here
+            assert str(e.value) == line and e.value.message == line
+            assert isinstance(e.value, NotSupportedError) and isinstance(e.value, ModelLoadError)
         with pytest.raises(UnsupportedFormatError) as e:
             load_files(d)  # every load (on-demand ones too) reads here
         assert str(e.value) == line
+    assert resolve_model(str(refused["no-weights"])) == refused["no-weights"]  # the loader names what is missing
+    with pytest.raises(ModelNotFoundError) as e:
+        resolve_model(str(refused["empty"]))
+    assert str(e.value) == (f"model directory {str(refused['empty'])!r} has no config.json (not an HF model "
+                            "directory) and no .gguf file")
 
 
 def test_mlx_community_naming_and_the_seed_order(tmp_path):
@@ -135,6 +141,11 @@ def test_a_real_gguf_and_hf_folder_still_load(tiny_gguf, tmp_path):
     (d / "mmproj-tiny-f16.gguf").write_bytes(b"GGUF")
     assert resolve_model(str(d)) == d / "tiny-q8_0.gguf"
     assert load_files(d).config.n_layer == 2
+    os.link(tiny_gguf, d / "tiny-q4_0.gguf")  # two quantizations: which one?
+    with pytest.raises(UnsupportedFormatError) as e:
+        resolve_model(str(d))
+    assert str(e.value) == (f"{d}: folder of GGUF files (mmproj-tiny-f16.gguf, tiny-q4_0.gguf, tiny-q8_0.gguf): "
+                            "kvserve cannot run it (2 model GGUF files); give kvserve the path of the one to load")
     hf = tinymodel.write_tiny_hf_dir(tmp_path / "hf")
     h = detect(hf)
     assert (h.format.key, h.detail, h.problem) == ("safetensors", "1 safetensors file", "")
@@ -173,8 +184,12 @@ def test_a_gguf_of_a_family_kvserve_lacks(tmp_path):
            "(when llama-server is installed)\n" in report
     # not a GGUF at all
     (tmp_path / "w.safetensors").write_bytes(b"abc")
-    with pytest.raises(UnsupportedFormatError) as e:
+    with pytest.raises(ModelNotFoundError) as e:
         resolve_model(str(tmp_path / "w.safetensors"))
+    assert str(e.value) == (f"model file {str(tmp_path / 'w.safetensors')!r} is not a GGUF file (a safetensors "
+                            "file: kvserve needs its HF folder (config.json, tokenizer))")
+    with pytest.raises(UnsupportedFormatError) as e:
+        load_files(tmp_path / "w.safetensors")
     assert str(e.value) == (f"{tmp_path / 'w.safetensors'}: file that is not GGUF (no GGUF magic) (a safetensors "
                             "file: kvserve needs its HF folder (config.json, tokenizer)): kvserve cannot run it; give "
                             "kvserve a .gguf file or an HF model folder")
