@@ -112,7 +112,7 @@ FORMATS: dict[str, Format] = {f.key: f for f in (
     Format("hf-no-weights", "HF folder without weights (config.json but no *.safetensors or "
            "pytorch_model*.bin)", "", False, "the folder with its weights files"),
     Format("not-gguf", "file that is not GGUF (no GGUF magic)", "", False, "a .gguf file or an HF model folder"),
-    Format("unknown", "folder with no model kvserve recognizes (no .gguf, config.json or genai_config.json)",
+    Format("unknown", "folder with no model kvserve recognizes (no config.json, .gguf or genai_config.json)",
            "", False, "a .gguf file or an HF model folder (see the model card for its format)"),
 )}
 
@@ -178,10 +178,12 @@ class Detection:
         unknown family, a quantization method kvserve lacks) is left to the loaders, whose
         messages name what kvserve runs instead.
 
+        A file that is not GGUF is left to the GGUF loader too (its message names the bad magic).
+
         Raises:
             UnsupportedFormatError: the :meth:`refusal` line, for a format kvserve does not run.
         """
-        if not self.format.runs:
+        if not self.format.runs and self.format.key != "not-gguf":  # that one: the GGUF loader names its magic
             raise UnsupportedFormatError(self.refusal())
         return self
 

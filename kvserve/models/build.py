@@ -30,13 +30,13 @@ def load_files(path: str | os.PathLike) -> LoadedModel:
     if not p.exists():
         raise FileNotFoundError(f"model not found: {path}")
     found = require_loadable(p)  # a format kvserve does not run: its one line (kvserve.loaders.detect)
-    if found.weights is not None:  # a GGUF file, or a folder holding one
-        from kvserve.loaders.gguf import load_gguf
+    if p.is_dir() and found.weights is None:
+        from kvserve.loaders.safetensors import load_hf_dir
 
-        return load_gguf(found.weights)
-    from kvserve.loaders.safetensors import load_hf_dir
+        return load_hf_dir(p)
+    from kvserve.loaders.gguf import load_gguf
 
-    return load_hf_dir(p)
+    return load_gguf(found.weights or p)  # a GGUF file, a folder holding one, or a file the loader refuses
 
 
 def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -> LlamaModel:

@@ -61,7 +61,7 @@ REFUSED = {
                    "HF folder without weights (config.json but no *.safetensors or pytorch_model*.bin): kvserve "
                    "cannot run it; give kvserve the folder with its weights files"),
     "empty": (["README.md"], None,
-              "folder with no model kvserve recognizes (no .gguf, config.json or genai_config.json): kvserve "
+              "folder with no model kvserve recognizes (no config.json, .gguf or genai_config.json): kvserve "
               "cannot run it; give kvserve a .gguf file or an HF model folder (see the model card for its format)"),
 }
 
@@ -188,11 +188,12 @@ def test_a_gguf_of_a_family_kvserve_lacks(tmp_path):
         resolve_model(str(tmp_path / "w.safetensors"))
     assert str(e.value) == (f"model file {str(tmp_path / 'w.safetensors')!r} is not a GGUF file (a safetensors "
                             "file: kvserve needs its HF folder (config.json, tokenizer))")
-    with pytest.raises(UnsupportedFormatError) as e:
-        load_files(tmp_path / "w.safetensors")
-    assert str(e.value) == (f"{tmp_path / 'w.safetensors'}: file that is not GGUF (no GGUF magic) (a safetensors "
-                            "file: kvserve needs its HF folder (config.json, tokenizer)): kvserve cannot run it; give "
-                            "kvserve a .gguf file or an HF model folder")
+    with pytest.raises(ModelLoadError, match="not a GGUF file") as e:
+        load_files(tmp_path / "w.safetensors")  # the GGUF loader names the magic
+    assert not isinstance(e.value, UnsupportedFormatError)
+    assert detect(tmp_path / "w.safetensors").refusal() == (
+        f"{tmp_path / 'w.safetensors'}: file that is not GGUF (no GGUF magic) (a safetensors file: kvserve needs its "
+        "HF folder (config.json, tokenizer)): kvserve cannot run it; give kvserve a .gguf file or an HF model folder")
 
 
 # ------------------------------------------------------------------------------ create
@@ -270,3 +271,20 @@ def test_cli_show_run_and_create(refused, tiny_gguf, tmp_path, capsys, no_server
     assert cli.main(["create", "x", "-f", str(mf)]) == 1
     err = capsys.readouterr().err
     assert err.endswith(f"Error: {refused['qwen3-4bit']}: {REFUSED['qwen3-4bit'][2]}\n"), err
+
+
+def test_on_demand_loads_by_path_get_the_line(refused, tmp_path):
+    """A request naming a path (``--allow-model-paths``) resolves through ServerState: a format
+    kvserve does not run gets its line (a NotSupportedError: 501 in every face), what is no model
+    stays "not found"."""
+    from kvserve.errors import NotFoundError
+    from kvserve.serving.args import parse_args
+    from kvserve.serving.state import ServerState
+
+    state = ServerState(parse_args(["--allow-model-paths", "--no-preload", "--models-dir", str(tmp_path / "s")]))
+    d = refused["qwen3-4bit"]
+    with pytest.raises(UnsupportedFormatError) as e:
+        state.resolve(str(d))
+    assert e.value.message == f"{d}: {REFUSED['qwen3-4bit'][2]}" and e.value.kind == "not_supported"
+    with pytest.raises(NotFoundError, match="not found"):
+        state.resolve(str(refused["empty"]))
