@@ -360,8 +360,9 @@ def add_startup(app: FastAPI, state: ServerState, on_fail) -> None:
     async def startup() -> None:
         _clean_store(state)
         state.manager.start_reaper()
-        if state.remotes:  # checked in the background: an unreachable upstream does not delay the start
-            state.remote_task = asyncio.get_running_loop().create_task(state.start_remotes())
+        # remote models (--remote, the store's REMOTE ones) are checked in the background: an unreachable
+        # upstream does not delay the start
+        state.remote_task = asyncio.get_running_loop().create_task(state.start_remotes())
         if state.args.preload or state.pinned:
             state.preload_task = asyncio.get_running_loop().create_task(_preload(state, on_fail))
         else:

@@ -690,7 +690,7 @@ def _remote_plan(runner, call: _Call) -> _Run:
         del sampling["seed"]
     think = _think_value(b)
     reasoning = ReasoningOptions(effort=think if isinstance(think, str) else None)
-    variables = {"enable_thinking": False} if think is False else {}
+    variables = {"enable_thinking": think} if isinstance(think, bool) else {}
     parsed = parse_tools(tools) if tools else None
     req = ChatRequest(msgs, new_id("chatcmpl-"), model=call.model, keep_alive=call.keep_alive, tools=parsed,
                       tool_choice="auto" if parsed else "none",
@@ -1024,7 +1024,7 @@ def _show_remote(state: ServerState, spec: ModelSpec) -> dict:
     models, rejected key, or no server; logged too). Never the key. Worker-thread work."""
     from kvserve.remote import check_remote
 
-    remote = state.remotes[spec.name]
+    remote = state.remote_of(spec.name)
     check = check_remote(remote)
     log.log(logging.INFO if check.ok else logging.WARNING, "remote model '%s' (%s, %s): %s", spec.name,
             remote.dialect, remote.shown_url, check.message, extra={"func": "remote"})
@@ -1104,8 +1104,14 @@ def _tags(state: ServerState) -> dict:
     store = _store(state)
     models = []
     for m in store.list():
-        models.append(ListModel(name=m.display, model=m.display, modified_at=go_time(int(m.modified * 1e9)),
-                                size=m.size, digest=m.digest, details=_details(_config(store, m.manifest))))
+        cfg = _config(store, m.manifest)
+        lm = ListModel(name=m.display, model=m.display, modified_at=go_time(int(m.modified * 1e9)),
+                       size=m.size, digest=m.digest, details=_details(cfg))
+        if cfg.get("remote_host"):  # a remote model of the store (Modelfile REMOTE)
+            from kvserve.remote import redact_url
+
+            lm.remote_model, lm.remote_host = str(cfg.get("remote_model") or ""), redact_url(str(cfg["remote_host"]))
+        models.append(lm)
     for name, r in state.remotes.items():  # remote models (--remote): no files; the upstream named
         models.append(ListModel(name=name, model=name, modified_at=go_time(int(state.started * 1e9)), size=0,
                                 digest="", details=_details({}), remote_model=r.upstream_model,

@@ -19,7 +19,10 @@ The request (Ollama's ``api.CreateRequest``)::
     renderer, parser, requires  kept in the config (else the base's)
     info                        Ollama's config overrides: capabilities, model_family, base_name,
                                 quantization_level, parameter_size, context_length, embedding_length
-    quantize, adapters, draft_files, remote_host    refused: not supported yet (see below)
+    remote_host                 a remote model (:mod:`kvserve.remote`): ``from`` is the upstream's model;
+                                kvserve's ``remote_dialect`` (ollama, the default as in Ollama, or openai) and
+                                ``remote_key_env`` (the key's environment variable) go with it
+    quantize, adapters, draft_files    refused: not supported yet (see below)
     modelfile                   the older form (Ollama < 0.5): a Modelfile's text, parsed with
                                 :mod:`kvserve.ollama.modelfile`; FROM must then be a model name or a
                                 blob digest (the server cannot read the client's files)
@@ -152,7 +155,7 @@ def _digest(d: str) -> str:
 
 def _check_request(body: dict) -> None:
     """What Ollama's CreateHandler checks before it starts: file paths and digests, then what
-    kvserve refuses (quantize, adapters, draft models, remote models)."""
+    kvserve refuses (quantize, adapters, draft models)."""
     for key in ("files", "draft_files"):
         for name, digest in (_str_map(body, key) or {}).items():
             if not _valid_path(name):
@@ -170,8 +173,6 @@ def _check_request(body: dict) -> None:
         raise NotSupportedError(ADAPTER_UNSUPPORTED)
     if _str_map(body, "draft_files") or _str(body, "draft_quantize"):
         raise NotSupportedError(DRAFT_UNSUPPORTED)
-    if _str(body, "remote_host"):
-        raise NotSupportedError("remote models are not supported yet: kvserve serves the models in its store")
 
 
 def _from_modelfile_text(body: dict) -> dict:
@@ -435,9 +436,28 @@ def _messages(layers: _Layers, messages: Any) -> None:
     layers.replace("messages", messages_layer(items))
 
 
+def _remote(body: dict, target, source: str) -> dict | None:
+    """A remote model's config fields (``remote_host``, ``remote_model``, ``remote_dialect``,
+    ``remote_key_env``) from the request, checked as ``--remote`` checks them; None when
+    ``remote_host`` is not given."""
+    host = _str(body, "remote_host")
+    if not host:
+        return None
+    from kvserve.remote import RemoteSpec
+
+    if not source or _DIGEST.fullmatch(source.strip()):
+        raise InvalidInputError("a remote model needs 'from' to name the upstream's model")
+    dialect = _str(body, "remote_dialect") or "ollama"  # Ollama's remote_host names an Ollama server
+    key_env = _str(body, "remote_key_env") or None
+    spec = RemoteSpec("remote", host, dialect, source, key_env)  # InvalidInputError: a bad URL, dialect, env name
+    return {"remote_host": spec.base_url, "remote_model": source, "remote_dialect": dialect,
+            "remote_key_env": key_env or ""}
+
+
 def _config(store: Store, layers: list[Layer], base: dict, body: dict) -> bytes:
     """The config blob (Ollama's ConfigV2 as its create fills it)."""
-    opt: dict[str, Any] = {}
+    opt: dict[str, Any] = {k: base[k] for k in ("remote_host", "remote_model", "remote_dialect", "remote_key_env")
+                           if base.get(k) and _str(body, "remote_host")}
     for key in ("renderer", "parser", "requires"):
         opt[key] = _str(body, key) or str(base.get(key) or "")
     caps = [c for c in base.get("capabilities") or [] if isinstance(c, str)]
@@ -527,7 +547,10 @@ def iter_create(store: Store, body: dict, *, pull: Pull | None = None) -> Iterat
     old = store.get(target)
 
     base_config: dict = {}
-    if source and _DIGEST.fullmatch(source.strip()):
+    remote = _remote(body, target, source)
+    if remote is not None:  # a remote model: no weights, the upstream's model named by ``from``
+        base, base_config = [], remote
+    elif source and _DIGEST.fullmatch(source.strip()):
         digest = _digest(source)
         if not _is_gguf(store, digest):
             if not store.has_blob(digest):

@@ -230,6 +230,8 @@ class LocalApi:
                                for t in tensors]
         resp["capabilities"] = capabilities_of(template, config, _task(stored.model_path))
         resp["modified_at"] = go_time(stored.modified)
+        if config.get("remote_host"):  # a remote model (Modelfile REMOTE): its upstream, checked now
+            _show_remote(resp, stored.display, config)
         return resp
 
     def delete(self, name: str) -> None:
@@ -278,3 +280,28 @@ def iter_create(store: Store, body: dict) -> Iterator[dict]:
     from kvserve.ollama.create import iter_create as create
 
     return create(store, body)
+
+
+def _show_remote(resp: dict, name: str, config: dict) -> None:
+    """A remote store model's ``show``: the upstream (Ollama's ``remote_model``, ``remote_host``),
+    the start-up check run now (``remote_check``: ok, rejected key or no server; never the key),
+    and its REMOTE line in the Modelfile."""
+    from kvserve.errors import InvalidInputError
+    from kvserve.remote import RemoteSpec, check_remote
+
+    try:
+        spec = RemoteSpec(name, str(config["remote_host"]), str(config.get("remote_dialect") or "ollama"),
+                          str(config.get("remote_model") or ""), str(config.get("remote_key_env") or "") or None)
+    except InvalidInputError as e:
+        resp["remote_check"] = f"not usable: {e}"
+        return
+    resp["remote_model"], resp["remote_host"] = spec.upstream_model, spec.shown_url
+    resp["remote_check"] = check_remote(spec).message
+    resp["capabilities"] = ["completion", "tools"]
+    resp["model_info"] = {}
+    lines = [f"FROM {spec.upstream_model}" if ln.startswith("FROM ") else ln
+             for ln in resp.get("modelfile", "").splitlines()]
+    remote = f"REMOTE {spec.shown_url} dialect={spec.dialect}" + (f" key={spec.key_env}" if spec.key_env else "")
+    froms = [i for i, ln in enumerate(lines) if ln.startswith("FROM ")]
+    at = froms[-1] + 1 if froms else len(lines)
+    resp["modelfile"] = "\n".join([*lines[:at], remote, *lines[at:]]) + "\n"

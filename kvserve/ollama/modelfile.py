@@ -43,6 +43,11 @@ PARSER name             :attr:`Modelfile.parser`: like RENDERER. kvserve renders
                         so both are carried for ``show`` and for Ollama, not acted on.
 CAPABILITY name         :attr:`Modelfile.capabilities` (repeatable): one of Ollama's capability
                         names (:data:`CAPABILITIES`); kept and stored in the config.
+REMOTE url [k=v...]     kvserve's own command (Ollama refuses the file): a remote model
+                        (:mod:`kvserve.remote`): FROM names the upstream's model, ``url`` its
+                        base URL, then ``dialect=openai|ollama`` and ``key=ENV_VAR``
+                        (:attr:`Modelfile.remote`); stored as the config's ``remote_host``,
+                        ``remote_model`` (Ollama's fields), ``remote_dialect``, ``remote_key_env``.
 ======================  =====================================================================
 
 Errors are :class:`ModelfileError` (an InvalidInputError) with Ollama's wording and a line
@@ -80,7 +85,7 @@ __all__ = [
 #: Commands a Modelfile may use, lower-case (Ollama's ``isValidCommand``, plus CAPABILITY of
 #: Ollama's later versions).
 COMMANDS = ("from", "license", "template", "system", "adapter", "draft", "renderer", "parser",
-            "parameter", "message", "requires", "capability")
+            "parameter", "message", "requires", "capability", "remote")
 
 #: PARAMETER names and their types: Ollama's ``api.Options`` and ``api.Runner`` JSON names.
 #: ``list`` is a list of strings (``stop``, one per PARAMETER line).
@@ -197,6 +202,7 @@ class CreateRequest:
     parser: str | None = None
     capabilities: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    remote: dict[str, str] | None = None  # REMOTE: remote_host, remote_dialect, remote_key_env
 
     def to_json(self, model: str = "", files: dict[str, str] | None = None,
                 adapters: dict[str, str] | None = None) -> dict:
@@ -226,6 +232,8 @@ class CreateRequest:
                 body[key] = value
         if self.capabilities:
             body["info"] = {"capabilities": list(self.capabilities)}
+        if self.remote:  # kvserve's REMOTE: Ollama's remote_host and kvserve's two fields
+            body.update(self.remote)
         return body
 
 
@@ -252,6 +260,7 @@ class Modelfile:
     parser: str | None = None
     capabilities: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    remote: str | None = None  # REMOTE's value (kvserve: a remote model)
 
     @property
     def from_(self) -> str:
@@ -316,7 +325,26 @@ class Modelfile:
             system=self.system, licenses=list(self.licenses),
             parameters={k: list(v) if isinstance(v, list) else v for k, v in self.parameters.items()},
             messages=list(self.messages), requires=self.requires, renderer=self.renderer,
-            parser=self.parser, capabilities=list(self.capabilities), warnings=list(self.warnings))
+            parser=self.parser, capabilities=list(self.capabilities), warnings=list(self.warnings),
+            remote=self._remote_fields(names))
+
+    def _remote_fields(self, names: list) -> dict[str, str] | None:
+        """REMOTE's value -> the create request's ``remote_host``, ``remote_dialect`` and
+        ``remote_key_env`` (ModelfileError naming the line: a bad option, no FROM model name)."""
+        if self.remote is None:
+            return None
+        line = self.line_of("remote")
+        url, *opts = self.remote.split()
+        out = {"remote_host": url, "remote_dialect": "openai"}
+        for o in opts:
+            k, sep, v = o.partition("=")
+            if not sep or k not in ("dialect", "key") or not v:
+                raise ModelfileError(f"REMOTE takes a base URL, then dialect=openai|ollama and key=ENV_VAR; "
+                                     f"got {o[:64]!r}", line)
+            out["remote_dialect" if k == "dialect" else "remote_key_env"] = v
+        if not names or names[-1].kind != "model":
+            raise ModelfileError("REMOTE needs FROM to name the upstream's model", line)
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -484,6 +512,8 @@ def _apply(mf: Modelfile, cmd: Command) -> None:
         mf.adapters.append(args)
     elif name == "draft":
         mf.draft = args
+    elif name == "remote":
+        mf.remote = args
     elif name in ("template", "system", "renderer", "parser"):
         setattr(mf, name, args)
     elif name == "license":
@@ -679,7 +709,8 @@ def format_command(name: str, args: str) -> str:
     ``MESSAGE role content``, ``PARAMETER name value``... (values through :func:`quote`)."""
     if name == "model":
         return f"FROM {quote(args)}"
-    if name in ("license", "template", "system", "adapter", "renderer", "parser", "requires", "draft", "capability"):
+    if name in ("license", "template", "system", "adapter", "renderer", "parser", "requires", "draft", "capability",
+                "remote"):
         return f"{name.upper()} {quote(args)}"
     if name == "message":
         role, _, content = args.partition(": ")

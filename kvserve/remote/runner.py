@@ -356,7 +356,9 @@ class RemoteRunner:
             ev.answer = Answer(text, "".join(reasoning) if reasoning else None, _numbered(calls))
         ev.usage = ChatUsage(prompt_n, out_n, final.cached_tokens, final.reasoning_tokens)
         ev.usage.estimated = estimated
-        self.metrics.on_output(last)
+        self.metrics.on_output(last)  # the request and its prompt tokens (vLLM's families)
+        if out_n:  # no token ids came: the generated tokens counted from the upstream's usage
+            self.metrics.vllm.generation_tokens.inc(out_n)
         yield ev
 
     def _client(self) -> httpx.AsyncClient:

@@ -224,8 +224,8 @@ def ollama_body(req, model: str, name: str) -> dict[str, Any]:
                                     "Ollama upstream (it takes a JSON schema or \"json\")")
     if req.reasoning.effort:
         body["think"] = req.reasoning.effort
-    elif req.template.variables.get("enable_thinking") is False:
-        body["think"] = False
+    elif isinstance(req.template.variables.get("enable_thinking"), bool):
+        body["think"] = req.template.variables["enable_thinking"]
     return body
 
 

@@ -123,6 +123,8 @@ class ServerState:
         #: supervised engines (``--engine``; kvserve.supervisor): served name -> EngineSpec
         self.engines = {e.name: dataclasses.replace(e, start_timeout_s=getattr(args, "engine_start_timeout", 600.0))
                         for e in getattr(args, "engine", None) or ()}
+        #: remote models of the store (Modelfile REMOTE), found on first use: name -> RemoteSpec
+        self.store_remotes: dict = {}
         self.manager = manager or ModelManager(
             self._load, estimate=self._estimate, enforce_memory=check_memory,
             max_loaded=args.max_loaded_models, default_keep_alive=args.keep_alive,
@@ -171,10 +173,16 @@ class ServerState:
         raise NotFoundError(f"model '{name[:256]}' not found")
 
     def remote_spec(self, name: str | None) -> ModelSpec | None:
-        """The ModelSpec of remote model ``name`` (``--remote``), else None. A remote model is
-        pinned (never unloaded by keep_alive or to make room) and has no memory."""
-        if not name or name not in self.remotes:
+        """The ModelSpec of remote model ``name`` (``--remote``, or a store model created with a
+        Modelfile's REMOTE: :meth:`store_remote`), else None. A remote model is pinned (never
+        unloaded by keep_alive or to make room) and has no memory."""
+        if not name:
             return None
+        if name not in self.remotes:
+            found = self.store_remote(name)
+            if found is None:
+                return None
+            name = found.name
         return ModelSpec(name, pinned=True, remote=True)
 
     def engine_spec(self, name: str | None) -> ModelSpec | None:
@@ -222,6 +230,54 @@ class ServerState:
         self.engines[found.name] = found
         return found
 
+    def _find_store_remotes(self) -> None:
+        """Every store model whose config names a remote upstream, into :attr:`store_remotes`."""
+        from kvserve.store import open_store
+
+        try:
+            stored = open_store(self.args.models_dir).list()
+        except OSError:
+            return
+        for m in stored:
+            if m.model_path is None and m.display not in self.store_remotes:
+                self.store_remote(m.display)
+
+    def remote_of(self, name: str):
+        """The RemoteSpec of remote model ``name`` (a flag's or the store's). KeyError: none."""
+        return self.remotes[name] if name in self.remotes else self.store_remotes[name]
+
+    def store_remote(self, name: str):
+        """The RemoteSpec of store model ``name`` when its config names a remote upstream
+        (``remote_host``: kvserve's Modelfile REMOTE, or Ollama's create with ``remote_host``; an
+        Ollama-created one speaks Ollama's dialect), kept in :attr:`store_remotes`; else None."""
+        import json as _json
+
+        from kvserve.store import canonical_name, open_store
+
+        try:
+            store = open_store(self.args.models_dir)
+            stored = store.get(canonical_name(name, self.args.models_dir))
+        except (ValueError, OSError):
+            return None
+        if stored is None or stored.model_path is not None or stored.manifest.config is None:
+            return None
+        try:
+            cfg = _json.loads(store.blob_path(stored.manifest.config.digest).read_bytes())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(cfg, dict) or not cfg.get("remote_host"):
+            return None
+        from kvserve.remote import RemoteSpec
+
+        try:
+            spec = RemoteSpec(stored.display, str(cfg["remote_host"]), str(cfg.get("remote_dialect") or "ollama"),
+                              str(cfg.get("remote_model") or ""), str(cfg.get("remote_key_env") or "") or None)
+        except InvalidInputError as e:
+            log.warning("store model '%s': its remote upstream is not usable: %s", stored.display, e)
+            return None
+        self.store_remotes[spec.name] = spec
+        return spec
+
     def _load(self, spec: ModelSpec):
         """The manager's loader: a supervised engine's :class:`kvserve.supervisor.SupervisedRunner`
         (its child started and healthy), a :class:`kvserve.remote.RemoteRunner` for a remote
@@ -233,7 +289,7 @@ class ServerState:
         if spec.remote:
             from kvserve.remote import RemoteRunner
 
-            return RemoteRunner(self.remotes[spec.name], self.args, model_spec=spec, build_info=self.build_info)
+            return RemoteRunner(self.remote_of(spec.name), self.args, model_spec=spec, build_info=self.build_info)
         return load_runner(self.args, spec, self.build_info)
 
     def _estimate(self, spec: ModelSpec):
@@ -247,6 +303,9 @@ class ServerState:
         check does not stop the server: its model lists as unavailable and its requests answer
         502/503 with the upstream's reason until it answers."""
         from kvserve.remote import check_remote
+
+        if not self.remotes and not self.store_remotes and self.pinned:
+            return
 
         async def one(remote) -> None:
             spec = self.remote_spec(remote.name)
@@ -263,7 +322,9 @@ class ServerState:
             if e is not None and e.runner is not None:
                 e.runner.last_check = check
 
-        await asyncio.gather(*(one(r) for r in self.remotes.values()))
+        if not self.pinned:
+            await asyncio.to_thread(self._find_store_remotes)
+        await asyncio.gather(*(one(r) for r in {**self.store_remotes, **self.remotes}.values()))
 
     def _store_path(self, name: str) -> tuple[str, str] | None:
         """``(display name, model blob)`` of the store model ``name`` means (any of Ollama's forms:
@@ -310,7 +371,9 @@ class ServerState:
         for e in list(self.manager.loaded.values()):
             out[e.name] = ServableModel(e.name, e.spec.path, e.spec.served_names(), e.runner,
                                         e.runner is None, *_file_facts(e.spec.path))
-        for name, r in self.remotes.items():
+        if not self.pinned:
+            self._find_store_remotes()
+        for name, r in {**self.store_remotes, **self.remotes}.items():
             if name not in out:
                 out[name] = ServableModel(name, "", [name], None, False, 0, 0.0)
             out[name].remote = r

@@ -197,7 +197,8 @@ def human_number(n: int) -> str:
     return str(n)
 
 
-_CONFIG_OPTIONAL = ("renderer", "parser", "requires", "remote_host", "remote_model", "capabilities",
+_CONFIG_OPTIONAL = ("renderer", "parser", "requires", "remote_host", "remote_model", "remote_dialect", "remote_key_env",
+                    "capabilities",
                     "context_length", "embedding_length", "base_name", "draft")
 
 
