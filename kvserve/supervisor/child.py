@@ -6,8 +6,9 @@ Each step answers one supervision problem:
 
 - **a free port**: bound on 127.0.0.1 with port 0, then given to the child (``{port}``);
 - **its log**: stdout and stderr (merged) read line by line on a thread into the
-  ``kvserve.server`` logger, each line prefixed with ``[MODEL]`` (a line is cut at
-  :data:`MAX_LINE_BYTES`); the last :data:`TAIL_LINES` are kept for error messages;
+  ``kvserve.server`` logger, each line prefixed with ``[MODEL]`` (a line longer than
+  :data:`MAX_LINE_BYTES` is logged in pieces of that size); the last :data:`TAIL_LINES` are kept
+  for error messages;
 - **ready**: ``GET /health`` from 50 ms, doubling to 1 s between polls. Connection refused is not
   recorded (how many happen depends on how fast the child starts); each change of status is
   (``[503, 200]``: llama-server answers 503 while it loads). A child without ``/health`` (404)
@@ -52,7 +53,7 @@ __all__ = ["EngineChild", "EngineStartError", "STOP_GRACE_S", "free_port"]
 
 #: seconds a child has between SIGTERM and SIGKILL
 STOP_GRACE_S = 10.0
-#: a log line longer than this is cut (bytes)
+#: a log line longer than this is logged in pieces (bytes)
 MAX_LINE_BYTES = 8192
 #: the child's last log lines kept for error messages
 TAIL_LINES = 20
