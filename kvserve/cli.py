@@ -7,6 +7,7 @@
   kvserve list (ls) [PREFIX]                         stored models: NAME ID SIZE MODIFIED
   kvserve ps [PREFIX]                                loaded models: NAME ID SIZE PROCESSOR CONTEXT UNTIL
   kvserve show NAME [--modelfile | --parameters | --template | --system | --license] [-v]
+  kvserve show PATH                                  a file or folder: its format, its engines, what kvserve does
   kvserve rm NAME...                                 remove models (blobs another model uses stay)
   kvserve cp SOURCE DESTINATION                      a second name for a model (blobs shared)
   kvserve create NAME [-f Modelfile]                 build a model from a Modelfile (default ./Modelfile)
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from typing import Any
@@ -193,6 +195,8 @@ def _push(argv: list[str]) -> int:
     args = _transfer_args("push", argv, [])
     api = _api(args.models_dir)
     for name in args.names:
+        if _remove_engine_model(args, name):
+            continue
         if _is_server(api):
             try:
                 _show_progress(api.push(name, insecure=args.insecure))
@@ -291,7 +295,9 @@ _SHOW_FLAGS = ("license", "modelfile", "parameters", "system", "template")
 def _show(argv: list[str]) -> int:
     """``kvserve show NAME``: Ollama's sections (Model, Capabilities, Parameters, System, License;
     Metadata and Tensors with ``-v``), or one of ``--modelfile``, ``--parameters``,
-    ``--template``, ``--system``, ``--license`` as it is."""
+    ``--template``, ``--system``, ``--license`` as it is. ``kvserve show PATH`` (a file or
+    folder): its format, the engines that run it and what kvserve does with it
+    (:meth:`kvserve.loaders.detect.Detection.report`)."""
     from kvserve.ollama.format import show_info
 
     p = _parser("show", "show information for a model (Ollama's `ollama show`)")
@@ -304,6 +310,11 @@ def _show(argv: list[str]) -> int:
     if len(chosen) > 1:
         raise UsageError("only one of '--license', '--modelfile', '--parameters', '--system', or '--template' "
                          "can be specified")
+    if not chosen and os.path.exists(os.path.expanduser(args.name)):  # a path: its format and what kvserve does
+        from kvserve.loaders.detect import detect
+
+        sys.stdout.write(detect(args.name).report())
+        return 0
     resp = _api(args.models_dir).show(args.name, verbose=args.verbose)
     if not chosen:
         sys.stdout.write(show_info(resp, verbose=args.verbose))
@@ -331,6 +342,8 @@ def _rm(argv: list[str]) -> int:
     args = p.parse_args(argv)
     api = _api(args.models_dir)
     for name in args.names:
+        if _remove_engine_model(args, name):
+            continue
         if _is_server(api):
             try:
                 _unload(api, name)
@@ -342,6 +355,22 @@ def _rm(argv: list[str]) -> int:
         api.delete(name)
         print(f"deleted '{name}'")
     return 0
+
+
+def _remove_engine_model(args, name: str) -> bool:
+    """``kvserve rm`` of a model created with an ENGINE line (kvserve.supervisor.modelfile): its
+    definition is deleted (a running server stops its child when it next unloads it)."""
+    from kvserve.store import open_store, parse_name
+    from kvserve.supervisor.modelfile import remove_engine
+
+    try:
+        display = parse_name(name).display
+    except ValueError:
+        return False
+    if not remove_engine(open_store(args.models_dir).root, display):
+        return False
+    print(f"deleted '{name}'")
+    return True
 
 
 def _cp(argv: list[str]) -> int:
@@ -398,14 +427,18 @@ def _modelfile_text(path: str | None) -> tuple[bytes, str]:
 
 def _weights_files(source) -> list[str]:
     """The files a FROM path stands for: a GGUF file, or the GGUF files in a directory
-    (safetensors directories are refused: kvserve stores GGUF models)."""
+    (safetensors directories are refused: kvserve stores GGUF models; other formats get their
+    line from :func:`kvserve.ollama.create.refuse_other_formats`)."""
     from pathlib import Path
 
     from kvserve.errors import InvalidInputError, NotSupportedError
 
+    from kvserve.ollama.create import refuse_other_formats
+
     if source.kind == "gguf":
         return [source.path]
     d = Path(source.path)
+    refuse_other_formats(d)  # ONNX, EXL2/EXL3, MLX, TensorRT-LLM: the format's one line
     if any(d.glob("*.safetensors")) or any(d.glob("pytorch_model*.bin")) or any(d.glob("consolidated*.pth")):
         raise NotSupportedError("creating a model from safetensors or torch files is not supported yet: kvserve "
                                 "stores GGUF models (convert it with llama.cpp's convert_hf_to_gguf.py)")
@@ -470,6 +503,24 @@ def _create_body(api, name: str, req, status) -> dict:
     return req.to_json(model=name, files=files or None, adapters=adapters or None)
 
 
+def _create_engine_model(args, text: bytes, base_dir: str) -> bool:
+    """A Modelfile with an ``ENGINE`` line (:mod:`kvserve.supervisor.modelfile`): its definition is
+    written to the store in this process (never sent to a server: a request body does not start
+    processes); True when it was one."""
+    from kvserve.store import open_store, parse_name
+    from kvserve.supervisor.modelfile import create_engine_model, split_engine
+
+    decoded = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+    if split_engine(decoded)[0] is None:
+        return False
+    _err("gathering model components")
+    name = parse_name(args.name).display
+    spec = create_engine_model(open_store(args.models_dir).root, name, decoded, base_dir, args.models_dir)
+    _err(f"writing engine definition: {shlex.join(spec.argv)}")
+    _err("success")
+    return True
+
+
 def _create(argv: list[str]) -> int:
     """``kvserve create NAME [-f Modelfile]``: Ollama's statuses on stderr (``gathering model
     components``, ``copying file sha256:… 100%``, ``parsing GGUF``, ``using existing layer
@@ -493,6 +544,8 @@ def _create(argv: list[str]) -> int:
         raise NotSupportedError("quantize is not supported yet: kvserve serves a GGUF's weights as they are "
                                 "(quantize it with llama.cpp's llama-quantize first)")
     text, base_dir = _modelfile_text(args.file)
+    if _create_engine_model(args, text, base_dir):
+        return 0
     mf = parse_modelfile(text)
     mf.check_supported()
     last = [None]

@@ -960,6 +960,8 @@ def _show(state: ServerState, body: dict) -> dict:
 
     name = _model_name(body, "model", "name")
     spec = state.resolve(name)
+    if spec.remote and spec.name in getattr(state, "engines", {}):
+        return _show_engine(state, spec)
     if spec.remote:
         return _show_remote(state, spec)
     layers = _layers(state, spec)
@@ -1001,6 +1003,21 @@ def _show(state: ServerState, body: dict) -> dict:
     r.capabilities = capabilities(source, state.args.tool_call_parser) if model_task(spec.path) == "generate" \
         else ["embedding"]
     return r.wire()
+
+
+def _show_engine(state: ServerState, spec: ModelSpec) -> dict:
+    """/api/show of a supervised engine (:mod:`kvserve.supervisor`): its command (``ENGINE`` in the
+    modelfile text) and, while its child runs, the child's loopback URL (``remote_host``)."""
+    eng = state.engines[spec.name]
+    import shlex
+
+    e = state.manager.get(spec.name)
+    runner = e.runner if e is not None else None
+    lines = [f"ENGINE {shlex.join(eng.argv)}"]
+    return ShowResponse(details=_details({}), model_info={}, modified_at=go_time(int(state.started * 1e9)),
+                        modelfile="\n".join(lines) + "\n", capabilities=["completion", "tools"],
+                        remote_model=runner.remote.upstream_model if runner is not None else None,
+                        remote_host=runner.remote.shown_url if runner is not None else None).wire()
 
 
 def _show_remote(state: ServerState, spec: ModelSpec) -> dict:
@@ -1101,6 +1118,9 @@ def _tags(state: ServerState) -> dict:
         models.append(ListModel(name=name, model=name, modified_at=go_time(int(state.started * 1e9)), size=0,
                                 digest="", details=_details({}), remote_model=r.upstream_model,
                                 remote_host=r.shown_url))
+    for name in state.all_engines():  # supervised engines (kvserve.supervisor): the child's files are its own
+        models.append(ListModel(name=name, model=name, modified_at=go_time(int(state.started * 1e9)), size=0,
+                                digest="", details=_details({})))
     return ListResponse(models=models).wire()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +43,8 @@ def read_config(d: Path) -> dict:
 
 def _read_tensors(d: Path):
     """(name, torch tensor) pairs of the directory's ``*.safetensors`` files, else of its
-    ``pytorch_model.bin``. Raises ModelLoadError when it has neither."""
+    ``pytorch_model.bin`` (or its shards ``pytorch_model-0000N-of-0000M.bin``). Raises
+    ModelLoadError when it has neither."""
     import torch
 
     files = sorted(d.glob("*.safetensors"))
@@ -53,9 +55,12 @@ def _read_tensors(d: Path):
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
                     yield name, st.get_tensor(name)
-    elif (d / "pytorch_model.bin").is_file():
-        state = torch.load(str(d / "pytorch_model.bin"), map_location="cpu", weights_only=True)
-        yield from state.items()
+    elif bins := sorted(p for p in d.glob("pytorch_model*.bin")
+                        if re.fullmatch(r"pytorch_model(-\d+-of-\d+)?\.bin", p.name)):
+        for f in bins:  # one file, or Transformers' shards (pytorch_model-00001-of-00002.bin)
+            state = torch.load(str(f), map_location="cpu", weights_only=True)  # tensors only: no pickled code
+            yield from state.items()
+            del state
     else:
         raise ModelLoadError(f"{d}: no *.safetensors files")
 

@@ -21,18 +21,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def load_files(path: str | os.PathLike) -> LoadedModel:
     """Read a .gguf file or an HF directory (config.json + safetensors).
 
-    Raises FileNotFoundError / ModelLoadError with a message naming the problem.
+    Raises FileNotFoundError / ModelLoadError with a message naming the problem; for a format
+    kvserve does not run, UnsupportedFormatError (a ModelLoadError) with its one-line refusal.
     """
+    from kvserve.loaders.detect import require_loadable
+
     p = Path(path)
-    if p.is_dir():
+    if not p.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    found = require_loadable(p)  # a format kvserve does not run: its one line (kvserve.loaders.detect)
+    if p.is_dir() and found.weights is None:
         from kvserve.loaders.safetensors import load_hf_dir
 
         return load_hf_dir(p)
-    if not p.exists():
-        raise FileNotFoundError(f"model not found: {path}")
     from kvserve.loaders.gguf import load_gguf
 
-    return load_gguf(p)
+    return load_gguf(found.weights or p)  # a GGUF file, a folder holding one, or a file the loader refuses
 
 
 def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -> LlamaModel:

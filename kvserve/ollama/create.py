@@ -97,7 +97,7 @@ from kvserve.store import (
     parse_name,
 )
 
-__all__ = ["Pull", "iter_create", "iter_create_modelfile", "request_file_names"]
+__all__ = ["Pull", "iter_create", "iter_create_modelfile", "refuse_other_formats", "request_file_names"]
 
 #: ``pull(name)``: the progress events of pulling a missing base model into the store (e.g.
 #: ``lambda n: kvserve.store.registry_client.iter_pull(n, store=store)``).
@@ -259,10 +259,51 @@ def _base_model(store: Store, source: str, pull: Pull | None) -> Iterator[dict |
     yield layers, _config_of(store, base)
 
 
+#: the formats of kvserve.loaders.detect that are HF checkpoints (create stores GGUF weights only)
+_HF_KEYS = ("safetensors", "safetensors-quantized", "pytorch-bin")
+
+
+def refuse_other_formats(directory: str | os.PathLike) -> None:
+    """A FROM directory laid out as a format kvserve does not run (ONNX Runtime GenAI, EXL2/EXL3,
+    MLX, TensorRT-LLM) gets that format's one line (:mod:`kvserve.loaders.detect`); GGUF, HF
+    checkpoints and unknown folders are left to create's own checks.
+
+    Raises:
+        UnsupportedFormatError: the format's one line.
+    """
+    from kvserve.loaders.detect import detect
+
+    kind = detect(directory, deep=False)
+    if kind.format.key not in ("gguf", "gguf-folder", "unknown", "hf-no-weights", *_HF_KEYS):
+        kind.require_loadable()
+
+
+def _refuse_other_formats(store: Store, files: dict[str, str]) -> None:
+    """A ``files`` listing laid out as a format kvserve does not run (ONNX Runtime GenAI, EXL2,
+    MLX, TensorRT-LLM) gets that format's one line (:mod:`kvserve.loaders.detect`); an HF
+    checkpoint gets :data:`SAFETENSORS_UNSUPPORTED`; anything else is left to the GGUF checks."""
+    from kvserve.loaders.detect import detect_files
+
+    config = None
+    if "config.json" in files:
+        try:
+            blob = store.blob_path(_digest(files["config.json"]))
+            if blob.is_file() and blob.stat().st_size <= 4 << 20:
+                config = json.loads(blob.read_bytes())
+        except (OSError, ValueError):
+            config = None
+    kind = detect_files(files, config)
+    if kind.format.key in _HF_KEYS:
+        raise NotSupportedError(SAFETENSORS_UNSUPPORTED)
+    if kind.format.key not in ("gguf", "gguf-folder", "unknown", "hf-no-weights"):
+        kind.require_loadable()
+
+
 def _gguf_layers(store: Store, files: dict[str, str]) -> Iterator[dict | list[Layer]]:
     """One ``model`` layer per GGUF blob of ``files`` (sorted by name, ``parsing GGUF`` before
     each); yields the statuses, then the list of layers."""
     names = sorted(files)
+    _refuse_other_formats(store, files)
     if any(n.endswith(".safetensors") for n in names):
         raise NotSupportedError(SAFETENSORS_UNSUPPORTED)
     if not names or not any(n.endswith(".gguf") or _is_gguf(store, files[n]) for n in names):
@@ -701,6 +742,8 @@ def _weights_files(source) -> list[str]:
     if source.kind == "gguf":
         return [source.path]
     d = Path(source.path)
+    refuse_other_formats(d)
+    # safetensors before GGUF, as Ollama's client picks a directory's files
     if any(d.glob("*.safetensors")) or any(d.glob("pytorch_model*.bin")) or any(d.glob("consolidated*.pth")):
         raise NotSupportedError(SAFETENSORS_UNSUPPORTED)
     found = sorted(str(p) for p in d.glob("*.gguf"))

@@ -109,6 +109,8 @@ class ServerArgs:
     preload: bool = True  # --no-preload: start with no model loaded
     allow_model_paths: bool = False  # --allow-model-paths: requests may name model files on the server
     remote: list = field(default_factory=list)  # --remote: kvserve.remote.RemoteSpec of each remote model
+    engine: list = field(default_factory=list)  # --engine: kvserve.supervisor.EngineSpec of each supervised engine
+    engine_start_timeout: float = 600.0  # --engine-start-timeout: seconds to a healthy /health
     models_dir: str | None = None  # --models-dir: the store (Ollama layout); None: $OLLAMA_MODELS, $KVSERVE_HOME/models
     cache_ram_share: int | None = None  # set by the server: models sharing the host prompt-cache budget
     webui: bool = True  # --no-webui/--no-ui: GET / answers "Ollama is running" to browsers too

@@ -258,7 +258,9 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
     Logs llama-server's lines (``loading model``, ``initializing, n_slots = ...``).
 
     Raises:
-        ModelLoadError / FileNotFoundError / TemplateError: the file or template is bad.
+        ModelLoadError / FileNotFoundError / TemplateError: the file or template is bad;
+        UnsupportedFormatError (a ModelLoadError): a format kvserve does not run
+        (:mod:`kvserve.loaders.detect`).
     """
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.core import EngineCore
@@ -266,6 +268,10 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
     from kvserve.serving.embed_runner import load_embedding_runner, model_task
     from kvserve.serving.startup_checks import run_startup_checks
 
+    if spec.path:  # a format kvserve does not run gets its one line before any check reads it
+        from kvserve.loaders.detect import require_loadable
+
+        require_loadable(spec.path)
     if args.embeddings or model_task(spec.path) != "generate":  # an encoder, or llama-server's --embeddings
         return load_embedding_runner(args, spec, build_info)
     before = rss_bytes()
@@ -548,9 +554,15 @@ def estimate_runner_memory(args: "ServerArgs", spec: ModelSpec) -> MemoryEstimat
     :func:`~kvserve.serving.embed_runner.estimate_encoder_memory`.
 
     Raises:
-        ModelLoadError / OSError: the file's header cannot be read.
+        ModelLoadError / OSError: the file's header cannot be read; UnsupportedFormatError (a
+            ModelLoadError): a format kvserve does not run, its one line (kvserve.loaders.detect).
     """
     from kvserve.serving.embed_runner import estimate_encoder_memory, model_task
+
+    if spec.path:
+        from kvserve.loaders.detect import require_loadable
+
+        require_loadable(spec.path)
 
     if model_task(spec.path) != "generate":
         return estimate_encoder_memory(args, spec)

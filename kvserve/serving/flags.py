@@ -723,6 +723,29 @@ def _remote_specs(values: list[str] | None) -> list:
     return [parse_remote(v) for v in values or ()]
 
 
+def _engine_models(values: list[str]) -> str | None:
+    """``--engine``: each value parses (:func:`kvserve.supervisor.parse_engine`), names once."""
+    from kvserve.errors import InvalidInputError
+    from kvserve.supervisor.spec import parse_engine
+
+    seen: set[str] = set()
+    for v in values or ():
+        try:
+            name = parse_engine(v).name
+        except InvalidInputError as e:
+            return f"invalid --engine: {e}"
+        if name in seen:
+            return f"invalid --engine: model '{name}' is given twice"
+        seen.add(name)
+    return None
+
+
+def _engine_specs(values: list[str] | None) -> list:
+    from kvserve.supervisor.spec import parse_engine
+
+    return [parse_engine(v) for v in values or ()]
+
+
 FLAGS: tuple[Flag, ...] = (
     # -- the model
     F("-m --model", help="model name, .gguf path or HF directory", source=BOTH, env="LLAMA_ARG_MODEL",
@@ -1372,6 +1395,12 @@ FLAGS: tuple[Flag, ...] = (
     F("--remote", "append", help="serve a model another server runs (repeatable): "
       "name=URL[,key=ENV_VAR][,model=UPSTREAM_NAME][,dialect=openai|ollama]", source=KV,
       metavar="NAME=URL[,...]", check=_remote_models, config=_remote_specs),
+    F("--engine", "append", help="serve a model through an engine kvserve starts and supervises (repeatable): "
+      "NAME=COMMAND, the command holding {port} (e.g. 'smol=llama-server -m x.gguf --port {port}')", source=KV,
+      metavar="NAME=COMMAND", check=_engine_models, config=_engine_specs),
+    F("--engine-start-timeout", "float", 600.0, "seconds a supervised engine may take to answer 200 on /health",
+      source=KV, metavar="SECONDS",
+      check=lambda v: None if v > 0 else f"--engine-start-timeout must be positive, got {v:g}"),
     F("--version", "bool", False, "print the version and exit", source=BOTH),
 )
 

@@ -20,6 +20,7 @@ work in worker threads).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import subprocess
@@ -120,6 +121,9 @@ class ServerState:
         check_memory = not self.pinned or args.max_memory is not None
         #: remote models (``--remote``; kvserve.remote): served name -> RemoteSpec
         self.remotes = {r.name: r for r in getattr(args, "remote", None) or ()}
+        #: supervised engines (``--engine``; kvserve.supervisor): served name -> EngineSpec
+        self.engines = {e.name: dataclasses.replace(e, start_timeout_s=getattr(args, "engine_start_timeout", 600.0))
+                        for e in getattr(args, "engine", None) or ()}
         #: remote models of the store (Modelfile REMOTE), found on first use: name -> RemoteSpec
         self.store_remotes: dict = {}
         self.manager = manager or ModelManager(
@@ -161,7 +165,7 @@ class ServerState:
         module = self.loras.lookup(name)
         if module is not None:  # a vLLM adapter's name: its base with the adapter (AdapterSpec)
             return self.loras.spec(self, module)
-        remote = self.remote_spec(name)
+        remote = self.remote_spec(name) or self.engine_spec(name)
         if remote is not None:
             return remote
         if self.pinned:
@@ -196,6 +200,51 @@ class ServerState:
                 return None
             name = found.name
         return ModelSpec(name, pinned=True, remote=True)
+
+    def engine_spec(self, name: str | None) -> ModelSpec | None:
+        """The ModelSpec of supervised engine ``name`` (``--engine``), else None. Served as a
+        remote model (no memory estimate, not counted against ``--max-loaded-models``: the
+        child's memory is its own) but not pinned: keep_alive and eviction unload it, which
+        stops the child."""
+        if not name:
+            return None
+        if name not in self.engines:
+            found = self._store_engine(name)
+            if found is None:
+                return None
+            name = found.name
+        return ModelSpec(name, pinned=False, remote=True)
+
+    def all_engines(self) -> dict:
+        """Every supervised engine a request may name: ``--engine``'s and (without ``-m``) the
+        store's ENGINE models (kvserve.supervisor.modelfile); served name -> EngineSpec."""
+        if not self.pinned:
+            from kvserve.store import open_store
+            from kvserve.supervisor.modelfile import engine_files
+
+            for eng in engine_files(open_store(self.args.models_dir).root):
+                self.engines.setdefault(eng.name, dataclasses.replace(
+                    eng, start_timeout_s=getattr(self.args, "engine_start_timeout", 600.0)))
+        return self.engines
+
+    def _store_engine(self, name: str):
+        """The store's ENGINE model ``name`` means (``kvserve create`` with an ENGINE line:
+        kvserve.supervisor.modelfile), remembered in :attr:`engines`; else None."""
+        from kvserve.store import canonical_name, open_store
+        from kvserve.supervisor.modelfile import find_engine
+
+        if self.pinned:  # with -m only --engine's
+            return None
+        try:
+            display = canonical_name(name, self.args.models_dir)
+        except ValueError:
+            return None
+        found = find_engine(open_store(self.args.models_dir).root, display)
+        if found is None:
+            return None
+        found = dataclasses.replace(found, start_timeout_s=getattr(self.args, "engine_start_timeout", 600.0))
+        self.engines[found.name] = found
+        return found
 
     def _find_store_remotes(self) -> None:
         """Every store model whose config names a remote upstream, into :attr:`store_remotes`."""
@@ -246,8 +295,13 @@ class ServerState:
         return spec
 
     def _load(self, spec: ModelSpec):
-        """The manager's loader: a :class:`kvserve.remote.RemoteRunner` for a remote model, else
-        :func:`load_runner`."""
+        """The manager's loader: a supervised engine's :class:`kvserve.supervisor.SupervisedRunner`
+        (its child started and healthy), a :class:`kvserve.remote.RemoteRunner` for a remote
+        model, else :func:`load_runner`."""
+        if spec.remote and spec.name in self.engines:
+            from kvserve.supervisor import load_supervised
+
+            return load_supervised(self.engines[spec.name], self.args, spec, self.build_info)
         if spec.remote:
             from kvserve.remote import RemoteRunner
 
@@ -307,14 +361,18 @@ class ServerState:
     def _path_spec(self, name: str) -> ModelSpec | None:
         p = Path(name).expanduser()
         try:
-            if p.is_file():
-                with open(p, "rb") as f:
-                    if f.read(4) != b"GGUF":
-                        return None
-            elif not (p.is_dir() and (p / "config.json").is_file()):
+            if not (p.is_file() or p.is_dir()):
                 return None
+            from kvserve.loaders.detect import detect
+
+            found = detect(p, deep=False)
         except OSError:
             return None
+        if found.format.key in ("unknown", "not-gguf"):  # not a model: "not found", as before
+            return None
+        found.require_loadable()  # ONNX, EXL2, MLX...: the format's one line (a NotSupportedError)
+        if found.weights is not None:
+            p = Path(found.weights)
         full = str(p.resolve())
         from kvserve.store import list_models
 
@@ -336,6 +394,11 @@ class ServerState:
             if name not in out:
                 out[name] = ServableModel(name, "", [name], None, False, 0, 0.0)
             out[name].remote = r
+        for name in self.all_engines():  # supervised engines: listed as remote models while their child runs
+            if name not in out:
+                out[name] = ServableModel(name, "", [name], None, False, 0, 0.0)
+            elif out[name].runner is not None:
+                out[name].remote = out[name].runner.remote
         if self.pinned:
             if self._pinned_spec is not None and self._pinned_spec.name not in out:
                 s = self._pinned_spec

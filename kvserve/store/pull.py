@@ -447,24 +447,32 @@ def resolve_model(spec: str, pull_missing: bool = False, progress: bool = True,
     """Turn a model spec into a path for the loaders.
 
     ``spec`` is, in this order: an existing file (any GGUF file: checked by magic), an existing
-    HF directory (holding ``config.json``), a model in the store (``smollm2``,
+    folder kvserve runs (an HF directory; a folder holding one model GGUF gives that file), a
+    model in the store (``smollm2``,
     ``smollm2:latest``, ``registry.ollama.ai/library/smollm2:latest``, any case), or a registry
     key or alias whose model is stored. Known names not pulled yet are pulled when
     ``pull_missing``.
 
     Raises:
         ModelNotFoundError: (a FileNotFoundError and a NotFoundError) nothing matches.
+        UnsupportedFormatError: a file or folder in a format kvserve does not run (ONNX, EXL2,
+            MLX, TensorRT-LLM...): its one line from :mod:`kvserve.loaders.detect`.
         PullError: pulling failed.
     """
     path = Path(spec).expanduser()
-    if path.is_file():
-        if _is_gguf(path):
-            return path
-        raise ModelNotFoundError(f"model file {spec!r} is not a GGUF file")
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return path
-        raise ModelNotFoundError(f"model directory {spec!r} has no config.json (not an HF model directory)")
+    if path.is_file() or path.is_dir():
+        from kvserve.loaders.detect import detect
+
+        found = detect(path, deep=False)
+        if found.format.key == "not-gguf":
+            raise ModelNotFoundError(f"model file {spec!r} is not a GGUF file" + (f" ({found.detail})" if found.detail
+                                                                                 else ""))
+        if found.format.key == "unknown":
+            raise ModelNotFoundError(f"model directory {spec!r} has no config.json (not an HF model directory) "
+                                     "and no .gguf file")
+        if found.format.key != "hf-no-weights":  # that one: the loader names what is missing
+            found.require_loadable()  # ONNX, EXL2, MLX...: the format's one-line refusal (kvserve.loaders.detect)
+        return Path(found.weights) if found.weights is not None else path
 
     store = open_store(models_dir)
     n = _try_parse(spec)
