@@ -418,6 +418,14 @@ def _bert(name: str) -> Callable:
 
 # -- the records -----------------------------------------------------------------------------------
 
+def _native_llama_block(config, qk_norm: bool = False) -> bool:
+    """Whether kvserve's native decode step (decode_cpu.cpp's llama layer: q|k|v biases allowed, no
+    output or MLP biases, no YaRN magnitude) computes ``config``'s layers; ``qk_norm``: the family's
+    per-head q/k RMSNorm is one the step runs (qwen3, qwen3moe)."""
+    return not (config.attn_bias or config.mlp_bias or (config.qk_norm and not qk_norm)
+                or (config.rope_scaling or {}).get("type") == "yarn")
+
+
 LLAMA = Family(
     name="llama",
     gguf_archs=("llama", "mistral", "qwen2"),
@@ -429,8 +437,7 @@ LLAMA = Family(
     hf_tensor_name=llama_hf_tensor_name,
     required_tensors=llama_required_tensors,
     kv_spec=all_full,
-    native_decode=lambda config: not (config.attn_bias or config.mlp_bias or config.qk_norm
-                                      or (config.rope_scaling or {}).get("type") == "yarn"),
+    native_decode=lambda config: _native_llama_block(config),
     finish_hf=llama_finish_hf,
     prepare=llama_prepare,
 )
@@ -446,7 +453,8 @@ QWEN3 = Family(
     hf_tensor_name=llama_hf_tensor_name,
     required_tensors=llama_required_tensors,
     kv_spec=all_full,
-    native_decode=lambda config: False,  # the native step has no q/k norm
+    # the native step's layer with qwen3's per-head q/k norm (Decoder.set_qk_norm)
+    native_decode=lambda config: _native_llama_block(config, qk_norm=True),
     finish_hf=llama_finish_hf,
     prepare=_lazy("kvserve.models.qwen3", "prepare"),
 )
@@ -462,7 +470,8 @@ QWEN3MOE = Family(
     hf_tensor_name=_lazy("kvserve.models.moe", "hf_tensor_name"),
     required_tensors=_lazy("kvserve.models.moe", "required_tensors"),
     kv_spec=all_full,
-    native_decode=lambda config: False,  # the native step has no q/k norm and no experts
+    # and the router + top-k experts on the file's blocks (Decoder.set_moe; decode_native.experts_reason)
+    native_decode=lambda config: _native_llama_block(config, qk_norm=True),
     finish_hf=llama_finish_hf,
     prepare=_lazy("kvserve.models.moe", "prepare"),
 )
