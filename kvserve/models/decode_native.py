@@ -4,7 +4,10 @@ At one token per step, eager torch spends most of a SmolLM2 step outside the wei
 20 small ops per layer (norms, RoPE, casts, the KV write, attention, residuals), each a few
 microseconds of Python and dispatch, 30 layers deep. The native step runs a layer's RMSNorm,
 q|k|v projection, RoPE, KV write, attention, output projection, SwiGLU MLP and residuals for
-the B rows of a decode-only step in C++, then the output norm and the head, on the step's own
+the B rows of a decode-only step in C++ (qwen3's per-head q/k RMSNorm before RoPE; qwen3moe's
+mixture of experts in place of the MLP: the router's softmax, the top-k experts, their weights
+renormalised, the chosen experts' gate|up and down on the file's blocks with the rows grouped by
+expert, as llama.cpp's mul_mat_id: ggml_cpu.cpp's ``Matrix.mm_jobs``), then the output norm and the head, on the step's own
 worker threads (``thread_pool.h``, as many as torch's). Its projections are per-operation
 kernels the step composes: unpacked Q4 weights (HF int4 checkpoints, ``--cpu-kernel int4``) in
 kvserve's 4-bit tile kernel (``q4_core.h`` and the tiles here: AVX512-VNNI, or AVX2 + FMA + F16C,

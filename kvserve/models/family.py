@@ -28,7 +28,8 @@ Adding a family:
    flags (q/k norm, biases, experts), a module composing the shared pieces (Linear, RMSNorm, RoPE
    tables, the KV cache reads), as kvserve.models.gemma does;
 2. add one :class:`Family` record to :data:`FAMILIES` below, with its KV spec per layer and whether
-   the native decode step applies (only for exactly the plain llama block). Nothing else names
+   the native decode step applies (the llama block, with qwen3's q/k norm and qwen3moe's experts
+   where the file keeps them as GGUF blocks; :func:`_native_llama_block`). Nothing else names
    architectures; tests/unit/test_families.py compares each family with transformers.
 
 An option a family cannot run (a rope scaling type it lacks, a missing tensor) is refused at load
@@ -90,6 +91,7 @@ class Family:
         required_tensors: ``(config, weights) -> names`` the module needs, in order.
         kv_spec: ``config -> per-layer KVSpec`` (tuple, one per layer).
         native_decode: ``config -> bool``: kvserve's native decode step (a llama layer in C++,
+            with optional per-head q/k RMSNorm and a softmax top-k mixture of experts:
             kvserve.models.decode_native) computes this model exactly (it has no other
             operations); False for every model of a family it does not implement.
         hf_model_types: config.json ``model_type`` values that name the family when
