@@ -86,10 +86,11 @@ def build_model(loaded: LoadedModel, config: EngineConfig, max_positions: int) -
                 native_q4=native_q4)
     # ModelRunner starts it (see NativeDecode): Q4_0/Q4_1 projections kept for the native kernel, or
     # GGUF blocks of any type the block kernels multiply (decode_native.native_projection)
-    from kvserve.models.decode_native import native_projection
+    from kvserve.models.decode_native import experts_reason, native_projection
 
     model.native_decode = (native_decode and native_q4 and family.native_decode(loaded.config)
-                           and all(native_projection(lin) for lin in model.projections()))
+                           and all(native_projection(lin) for lin in model.projections())
+                           and experts_reason(model) is None)
     return model
 
 

@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #include <c10/util/Half.h>
 #include <c10/util/BFloat16.h>
+#include <algorithm>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #include "ggml_cpu.h"
@@ -444,10 +446,24 @@ struct Proj {
   const kvserve_ggml::Matrix* mat;  // or null
 };
 
+// A mixture-of-experts FFN (qwen3moe; kvserve/models/moe.py): a float32 router [n_expert, E], softmax
+// over the experts, the top_k chosen (their weights renormalised to sum 1 where norm), each chosen
+// expert's SiLU-gated MLP on the GGUF file's blocks (gate|up [2 F, E] and down [E, F] per expert).
+struct Moe {
+  const float* router = nullptr;
+  int64_t n_expert = 0, top_k = 0, F = 0;
+  bool norm = true;
+  std::vector<const kvserve_ggml::Matrix*> gate_up, down;
+};
+
 struct Layer {
   const float* attn_norm;
   const float* ffn_norm;
   Proj qkv, wo, gate_up, down;
+  bool dense_ffn = true;  // false: the FFN is moe (set_moe)
+  const float* q_norm = nullptr;  // qwen3's per-head RMSNorm of q and k before RoPE ([head_dim], or null)
+  const float* k_norm = nullptr;
+  std::unique_ptr<Moe> moe;
 };
 
 void set_bias(Proj& p, const at::Tensor& bias) {
@@ -502,15 +518,62 @@ class Decoder {
       l.ffn_norm = t[1].data_ptr<float>();
       l.qkv = proj_of(t, 2, t[14], mt[0]);
       l.wo = proj_of(t, 5, at::Tensor(), mt[1]);
-      l.gate_up = proj_of(t, 8, at::Tensor(), mt[2]);
-      l.down = proj_of(t, 11, at::Tensor(), mt[3]);
+      // no gate|up and down (no matrices, empty tensors): a layer whose FFN set_moe gives
+      l.dense_ffn = mt[2] != nullptr || mt[3] != nullptr || t[8].numel() || t[11].numel();
       E_ = l.qkv.k;
-      F_ = l.down.k;
-      TORCH_CHECK(l.qkv.n == (nh_ + 2 * nkv_) * hd_ && l.wo.k == nh_ * hd_ && l.wo.n == E_ && l.gate_up.k == E_ &&
-                      l.gate_up.n == 2 * F_ && l.down.n == E_ && E_ % 64 == 0 && F_ % 64 == 0 && (nh_ * hd_) % 64 == 0,
+      if (l.dense_ffn) {
+        l.gate_up = proj_of(t, 8, at::Tensor(), mt[2]);
+        l.down = proj_of(t, 11, at::Tensor(), mt[3]);
+        F_ = std::max(F_, l.down.k);
+        TORCH_CHECK(l.gate_up.k == E_ && l.gate_up.n == 2 * l.down.k && l.down.n == E_ && l.down.k % 64 == 0,
+                    "decode_cpu: projection shapes do not match the model");
+      }
+      TORCH_CHECK(l.qkv.n == (nh_ + 2 * nkv_) * hd_ && l.wo.k == nh_ * hd_ && l.wo.n == E_ && E_ % 64 == 0 &&
+                      (nh_ * hd_) % 64 == 0,
                   "decode_cpu: projection shapes do not match the model");
-      layers_.push_back(l);
+      layers_.push_back(std::move(l));
     }
+  }
+
+  // qwen3's q/k norms of layer li: RMSNorm weights [head_dim] float32 applied per head to q and k
+  // (after the q|k|v projection and its bias, before RoPE); kept alive by the decoder
+  void set_qk_norm(int64_t li, const at::Tensor& q_norm, const at::Tensor& k_norm) {
+    TORCH_CHECK(li >= 0 && li < static_cast<int64_t>(layers_.size()), "decode_cpu: layer out of range");
+    for (const at::Tensor* t : {&q_norm, &k_norm})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == hd_,
+                  "decode_cpu: q/k norm weights must be float32 [head_dim]");
+    extra_.push_back(q_norm);
+    extra_.push_back(k_norm);
+    layers_[li].q_norm = q_norm.data_ptr<float>();
+    layers_[li].k_norm = k_norm.data_ptr<float>();
+  }
+
+  // layer li's FFN as a mixture of experts: router [n_expert, E] float32, per expert its gate|up
+  // matrix [2 F, E] and down matrix [E, F] (GGUF blocks; owned by the caller, alive while used),
+  // top_k experts per row, their weights renormalised to sum 1 where norm
+  void set_moe(int64_t li, const at::Tensor& router, std::vector<kvserve_ggml::Matrix*> gate_up,
+               std::vector<kvserve_ggml::Matrix*> down, int64_t top_k, bool norm) {
+    TORCH_CHECK(li >= 0 && li < static_cast<int64_t>(layers_.size()), "decode_cpu: layer out of range");
+    const int64_t NE = router.dim() == 2 ? router.size(0) : 0;
+    TORCH_CHECK(router.scalar_type() == at::kFloat && router.is_contiguous() && NE > 0 && router.size(1) == E_ &&
+                    static_cast<int64_t>(gate_up.size()) == NE && static_cast<int64_t>(down.size()) == NE &&
+                    top_k >= 1 && top_k <= NE,
+                "decode_cpu: bad router or expert lists");
+    auto m = std::make_unique<Moe>();
+    m->F = down[0] != nullptr ? down[0]->cols() : 0;
+    for (int64_t e = 0; e < NE; ++e)
+      TORCH_CHECK(gate_up[e] != nullptr && down[e] != nullptr && gate_up[e]->cols() == E_ &&
+                      gate_up[e]->rows() == 2 * m->F && down[e]->cols() == m->F && down[e]->rows() == E_ && m->F > 0 &&
+                      m->F % 32 == 0,
+                  "decode_cpu: expert shapes do not match the model");
+    extra_.push_back(router);
+    m->router = router.data_ptr<float>();
+    m->n_expert = NE;
+    m->top_k = top_k;
+    m->norm = norm;
+    m->gate_up.assign(gate_up.begin(), gate_up.end());
+    m->down.assign(down.begin(), down.end());
+    layers_[li].moe = std::move(m);
   }
 
   // the output norm [E] float32 and head: q [Vp, E] uint8 (see q8_mm), d [Vp, E/32] float16, Vp the
@@ -571,7 +634,9 @@ class Decoder {
                 "decode_cpu: index types");
     const int64_t B = x.size(0), L = kv_index.size(1), D = hd_, H = nh_, HKV = nkv_;
     const int64_t QKV = (H + 2 * HKV) * D, KMAX = std::max(E_, F_);
+    for (const Layer& l : layers_) TORCH_CHECK(l.dense_ffn || l.moe, "decode_cpu: a layer without its FFN (set_moe)");
     std::vector<float> h(B * E_), qkv(B * QKV), att(B * H * D), gu(B * 2 * F_), act(B * F_), out(B * E_);
+    MoeBuffers mb;  // the experts' work buffers, reused across layers
     std::vector<int8_t> xq(B * KMAX);
     Pieces pieces;  // attention's per-chunk pieces, reused across layers (per call: the step is reentrant)
     std::vector<float> xs(B * KMAX / 32), xm(B * KMAX / 32);
@@ -613,6 +678,12 @@ class Decoder {
       const Layer& l = layers_[li];
       for (int64_t b = 0; b < B; ++b) rms_norm(X + b * E_, l.attn_norm, h.data() + b * E_, E_, eps_);
       mm(l.qkv, h.data(), qkv.data());
+      if (l.q_norm != nullptr)  // qwen3: RMSNorm of each q and k head (in place), before RoPE
+        for (int64_t b = 0; b < B; ++b) {
+          float* r = qkv.data() + b * QKV;
+          for (int64_t hh = 0; hh < H; ++hh) rms_norm(r + hh * D, l.q_norm, r + hh * D, D, eps_);
+          for (int64_t hh = H; hh < H + HKV; ++hh) rms_norm(r + hh * D, l.k_norm, r + hh * D, D, eps_);
+        }
       // RoPE on the q and k heads: pair (2i, 2i+1) times (cos_i + i sin_i)
       for (int64_t b = 0; b < B; ++b) {
         float* r = qkv.data() + b * QKV;
@@ -640,16 +711,14 @@ class Decoder {
       mm(l.wo, att.data(), out.data());
       for (int64_t i = 0; i < B * E_; ++i) X[i] += out[i];
       for (int64_t b = 0; b < B; ++b) rms_norm(X + b * E_, l.ffn_norm, h.data() + b * E_, E_, eps_);
-      mm(l.gate_up, h.data(), gu.data());
-      for (int64_t b = 0; b < B; ++b) {
-        const float* g = gu.data() + b * 2 * F_;
-        float* a = act.data() + b * F_;
-        for (int64_t j = 0; j < F_; j += W) {
-          const vf gv = vld(g + j);
-          const vf sg = vdiv(gv, vadd(vset1(1.f), vexp(vsub(vzero(), gv))));
-          vst(a + j, vmul(sg, vld(g + F_ + j)));
-        }
+      if (!l.dense_ffn) {
+        moe_ffn(*l.moe, h.data(), out.data(), B, mb);
+        for (int64_t i = 0; i < B * E_; ++i) X[i] += out[i];
+        continue;
       }
+      mm(l.gate_up, h.data(), gu.data());
+      const int64_t FF = l.down.k;
+      for (int64_t b = 0; b < B; ++b) swiglu(gu.data() + b * 2 * FF, act.data() + b * FF, FF);
       mm(l.down, act.data(), out.data());
       for (int64_t i = 0; i < B * E_; ++i) X[i] += out[i];
     }
@@ -703,7 +772,12 @@ class Decoder {
     kvserve_pool::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
       // kt: the chunk's keys as float32 in blocks of W keys, [block][d][W] (zero past the chunk's keys, up
       // to a whole tile of KT blocks); vfl: its values [key][d]
-      std::vector<float> kt(CHUNK * D), vfl(CHUNK * D), sc(QB * (CHUNK + W));
+      // per thread and kept between steps (every value read is written first): fresh zeroed buffers per
+      // task (2 x 128 KiB at head_dim 128) were ~4% of a short-context qwen3moe step (memset, page faults)
+      thread_local std::vector<float> kt, vfl, sc;
+      if (static_cast<int64_t>(kt.size()) < CHUNK * D) kt.resize(CHUNK * D);
+      if (static_cast<int64_t>(vfl.size()) < CHUNK * D) vfl.resize(CHUNK * D);
+      if (static_cast<int64_t>(sc.size()) < QB * (CHUNK + W)) sc.resize(QB * (CHUNK + W));
       for (int64_t t = t0; t < t1; ++t) {
         const Task tk = tasks[t];
         const int64_t blast = gb[tk.g + 1] - 1, j0 = tk.c * CHUNK;
@@ -838,6 +912,127 @@ class Decoder {
     if (d0 < D) pass(std::integral_constant<int64_t, 32 / W>{}, d0);  // D is a multiple of 32
   }
 
+  // the experts' per-step work buffers
+  struct MoeBuffers {
+    std::vector<float> logits, xg, gu, yd;
+    std::vector<kvserve_ggml::Scratch> scratch;
+  };
+
+  // SiLU(gate) * up: g [2 F] (gate then up) -> a [F] (a may alias g's first half)
+  static void swiglu(const float* g, float* a, int64_t F) {
+    for (int64_t j = 0; j < F; j += W) {
+      const vf gv = vld(g + j);
+      const vf sg = vdiv(gv, vadd(vset1(1.f), vexp(vsub(vzero(), gv))));
+      vst(a + j, vmul(sg, vld(g + F + j)));
+    }
+  }
+
+  // out [B, E] = the mixture of experts of h [B, E] (kvserve/models/moe.py's MoE, llama.cpp's
+  // build_moe_ffn with softmax gating): per row the router's logits, their softmax, the top_k experts
+  // (the larger index loses a tie), weights renormalised to sum 1 (norm); the chosen experts' rows
+  // grouped by expert (an expert is read once per step, idle ones never), gate|up of every chosen
+  // expert in one pass of the pool, SiLU * up, every down product in a second pass, then each row's
+  // weighted outputs added one by one in expert-id order (as combine_experts). A row's arithmetic does
+  // not depend on the other rows (each product row has the one-row kernels' bits).
+  void moe_ffn(const Moe& m, const float* h, float* out, int64_t B, MoeBuffers& mb) const {
+    const int64_t NE = m.n_expert, k = m.top_k, F = m.F, E = E_;
+    mb.logits.resize(B * NE);
+    float* lg = mb.logits.data();
+    kvserve_pool::parallel_for(0, B * NE, 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const float* x = h + (i / NE) * E;
+        const float* w = m.router + (i % NE) * E;
+        vf acc[4] = {vzero(), vzero(), vzero(), vzero()};  // 4 chains: the router streams at memory speed
+        int64_t j = 0;
+        for (; j + 4 * W <= E; j += 4 * W)
+          for (int u = 0; u < 4; ++u) acc[u] = vfma(vld(x + j + u * W), vld(w + j + u * W), acc[u]);
+        for (; j < E; j += W) acc[0] = vfma(vld(x + j), vld(w + j), acc[0]);
+        lg[i] = hsum(vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3])));
+      }
+    });
+    // per row: the chosen experts in id order and their weights
+    std::vector<int64_t> sel(B * k);
+    std::vector<float> wsel(B * k);
+    std::vector<int64_t> order(NE);
+    for (int64_t b = 0; b < B; ++b) {
+      float* p = lg + b * NE;
+      float mx = -INFINITY;
+      for (int64_t e = 0; e < NE; ++e) mx = std::max(mx, p[e]);
+      float sum = 0.f;
+      for (int64_t e = 0; e < NE; ++e) {
+        p[e] = std::exp(p[e] - mx);
+        sum += p[e];
+      }
+      for (int64_t e = 0; e < NE; ++e) p[e] /= sum;
+      for (int64_t e = 0; e < NE; ++e) order[e] = e;
+      std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                        [&](int64_t a, int64_t c) { return p[a] > p[c] || (p[a] == p[c] && a < c); });
+      float ws = 0.f;
+      for (int64_t j = 0; j < k; ++j) ws += p[order[j]];  // in the top-k order, as torch's sum of topk's values
+      std::sort(order.begin(), order.begin() + k);
+      for (int64_t j = 0; j < k; ++j) {
+        sel[b * k + j] = order[j];
+        wsel[b * k + j] = m.norm ? p[order[j]] / ws : p[order[j]];
+      }
+    }
+    // the (row, choice) pairs grouped by expert: slot s of the grouped order is pair pairs[s]
+    std::vector<int64_t> cnt(NE + 1, 0);
+    for (int64_t i = 0; i < B * k; ++i) ++cnt[sel[i] + 1];
+    for (int64_t e = 0; e < NE; ++e) cnt[e + 1] += cnt[e];
+    std::vector<int64_t> pairs(B * k), slot_of(B * k);
+    {
+      std::vector<int64_t> fill(cnt.begin(), cnt.end() - 1);
+      for (int64_t i = 0; i < B * k; ++i) {  // rows ascending within an expert
+        const int64_t s = fill[sel[i]]++;
+        pairs[s] = i;
+        slot_of[i] = s;
+      }
+    }
+    const int64_t S = B * k;
+    mb.gu.resize(S * 2 * F);
+    mb.yd.resize(S * E);
+    mb.xg.resize(B > 1 ? S * E : 0);
+    std::vector<kvserve_ggml::Matrix::Job> jobs;
+    for (int64_t e = 0; e < NE; ++e) {
+      const int64_t s0 = cnt[e], n = cnt[e + 1] - cnt[e];
+      if (n == 0) continue;
+      const float* x = h + (pairs[s0] / k) * E;  // one row: read in place (a one-row step's experts share it)
+      if (n > 1) {
+        for (int64_t s = s0; s < s0 + n; ++s) std::memcpy(mb.xg.data() + s * E, h + (pairs[s] / k) * E, E * sizeof(float));
+        x = mb.xg.data() + s0 * E;
+      }
+      jobs.push_back({m.gate_up[e], x, n, mb.gu.data() + s0 * 2 * F});
+    }
+    kvserve_ggml::Matrix::mm_jobs(jobs, mb.scratch);
+    // SiLU(gate) * up of every slot, into the first half of its gate|up row (row stride 2 F)
+    kvserve_pool::parallel_for(0, S, 4, [&](int64_t s0, int64_t s1) {
+      for (int64_t s = s0; s < s1; ++s) swiglu(mb.gu.data() + s * 2 * F, mb.gu.data() + s * 2 * F, F);
+    });
+    // the down products read each expert's activated rows: packed [n, F] per expert (in place, forward)
+    std::vector<kvserve_ggml::Matrix::Job> down;
+    for (int64_t e = 0; e < NE; ++e) {
+      const int64_t s0 = cnt[e], n = cnt[e + 1] - cnt[e];
+      if (n == 0) continue;
+      float* a = mb.gu.data() + s0 * 2 * F;
+      for (int64_t r = 1; r < n; ++r) std::memmove(a + r * F, a + r * 2 * F, F * sizeof(float));
+      down.push_back({m.down[e], a, n, mb.yd.data() + s0 * E});
+    }
+    kvserve_ggml::Matrix::mm_jobs(down, mb.scratch);
+    // each row's k weighted outputs, added one by one in expert-id order: (y w) rounded, then added
+    for (int64_t b = 0; b < B; ++b) {
+      float* o = out + b * E;
+      for (int64_t j = 0; j < k; ++j) {
+        const float* y = mb.yd.data() + slot_of[b * k + j] * E;
+        const vf wv = vset1(wsel[b * k + j]);
+        for (int64_t i = 0; i < E; i += W) {
+          const vf t = in_reg(vmul(vld(y + i), wv));
+          vst(o + i, j == 0 ? t : vadd(vld(o + i), t));
+        }
+      }
+    }
+  }
+
+  std::vector<at::Tensor> extra_;  // owns the q/k norms' and routers' weights
   std::vector<at::Tensor> head_;
   kvserve_ggml::Matrix* head_mat_ = nullptr;
   std::vector<std::vector<at::Tensor>> keep_;  // owns the weights the raw pointers read
@@ -976,6 +1171,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, int64_t, int64_t, double>())
       .def("step", &Decoder::step, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("set_head", &Decoder::set_head)
+      .def("set_qk_norm", &Decoder::set_qk_norm)
+      .def("set_moe", &Decoder::set_moe)
       .def("set_head_matrix", &Decoder::set_head_matrix)
       .def("logits", &Decoder::logits, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

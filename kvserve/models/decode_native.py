@@ -4,7 +4,10 @@ At one token per step, eager torch spends most of a SmolLM2 step outside the wei
 20 small ops per layer (norms, RoPE, casts, the KV write, attention, residuals), each a few
 microseconds of Python and dispatch, 30 layers deep. The native step runs a layer's RMSNorm,
 q|k|v projection, RoPE, KV write, attention, output projection, SwiGLU MLP and residuals for
-the B rows of a decode-only step in C++, then the output norm and the head, on the step's own
+the B rows of a decode-only step in C++ (qwen3's per-head q/k RMSNorm before RoPE; qwen3moe's
+mixture of experts in place of the MLP: the router's softmax, the top-k experts, their weights
+renormalised, the chosen experts' gate|up and down on the file's blocks with the rows grouped by
+expert, as llama.cpp's mul_mat_id: ggml_cpu.cpp's ``Matrix.mm_jobs``), then the output norm and the head, on the step's own
 worker threads (``thread_pool.h``, as many as torch's). Its projections are per-operation
 kernels the step composes: unpacked Q4 weights (HF int4 checkpoints, ``--cpu-kernel int4``) in
 kvserve's 4-bit tile kernel (``q4_core.h`` and the tiles here: AVX512-VNNI, or AVX2 + FMA + F16C,
@@ -411,10 +414,31 @@ def model_reason(model) -> str | None:
     lins = model.projections()
     if not lins or any(not native_projection(lin) for lin in lins):
         return "the projections are neither Q4_0/Q4_1 kept for the native kernel nor GGUF blocks"
+    why = experts_reason(model)
+    if why is not None:
+        return why
     if c.head_dim % 32 or c.n_head % c.n_head_kv:
         return f"head_dim {c.head_dim} is not a multiple of 32"
     if getattr(model, "stage_layers", None) is not None:
         return "a pipeline stage"
+    return None
+
+
+def experts_reason(model) -> str | None:
+    """Why the step cannot run ``model``'s mixture-of-experts layers (kvserve.models.moe.MoE), None
+    when it can (or there are none): every expert's gate|up and down must be GGUF blocks the block
+    kernels multiply (:attr:`Linear.blocks`), without biases, and the expert width a multiple of 32."""
+    for layer in model.layers:
+        moe = getattr(layer, "moe", None)
+        if moe is None:
+            continue
+        lins = [*moe.gate_up, *moe.down]
+        if any(getattr(lin, "blocks", None) is None for lin in lins):
+            return "experts that are not GGUF blocks"
+        if any(lin.bias is not None for lin in lins):
+            return "expert biases"
+        if moe.n_ff % 32:
+            return f"expert width {moe.n_ff} is not a multiple of 32"
     return None
 
 
@@ -570,6 +594,10 @@ class NativeDecode:
             t = [layer.attn_norm.weight.contiguous(), layer.ffn_norm.weight.contiguous()]
             mt = []
             for lin in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down):
+                if lin is None:  # a mixture-of-experts layer: no dense gate|up and down (set_moe below)
+                    t.extend([empty, empty, empty])
+                    mt.append(None)
+                    continue
                 tiles = lin.native_weights(layout) if lin.has_native_weights else q4_tiles(lin.blocks, layout, self.isa)
                 # other GGUF blocks: the per-type block products on the file's bytes (no copy)
                 t.extend([empty, empty, empty] if tiles is None else [x.contiguous() for x in tiles])
@@ -578,6 +606,13 @@ class NativeDecode:
             layers.append(t)
             mats.append(mt)
         dec = mod.Decoder(layers, mats, c.n_head, c.n_head_kv, c.head_dim, float(c.rms_eps))
+        for i, layer in enumerate(m.layers):
+            if getattr(layer, "q_norm", None) is not None:  # qwen3's per-head q/k RMSNorm
+                dec.set_qk_norm(i, layer.q_norm.weight.contiguous(), layer.k_norm.weight.contiguous())
+            moe = getattr(layer, "moe", None)
+            if moe is not None:  # the experts' matrices: the file's blocks, as the eager path multiplies them
+                dec.set_moe(i, moe.router.contiguous(), [lin.blocks.matrix for lin in moe.gate_up],
+                            [lin.blocks.matrix for lin in moe.down], moe.top_k, bool(moe.norm))
         head = m.output.weight
         blocks = getattr(m.output, "blocks", None)
         if head is None and blocks is not None and blocks.types == ["Q8_0"] and blocks.nbytes <= SMALL_HEAD_BYTES:

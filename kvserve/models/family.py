@@ -28,7 +28,8 @@ Adding a family:
    flags (q/k norm, biases, experts), a module composing the shared pieces (Linear, RMSNorm, RoPE
    tables, the KV cache reads), as kvserve.models.gemma does;
 2. add one :class:`Family` record to :data:`FAMILIES` below, with its KV spec per layer and whether
-   the native decode step applies (only for exactly the plain llama block). Nothing else names
+   the native decode step applies (the llama block, with qwen3's q/k norm and qwen3moe's experts
+   where the file keeps them as GGUF blocks; :func:`_native_llama_block`). Nothing else names
    architectures; tests/unit/test_families.py compares each family with transformers.
 
 An option a family cannot run (a rope scaling type it lacks, a missing tensor) is refused at load
@@ -90,6 +91,7 @@ class Family:
         required_tensors: ``(config, weights) -> names`` the module needs, in order.
         kv_spec: ``config -> per-layer KVSpec`` (tuple, one per layer).
         native_decode: ``config -> bool``: kvserve's native decode step (a llama layer in C++,
+            with optional per-head q/k RMSNorm and a softmax top-k mixture of experts:
             kvserve.models.decode_native) computes this model exactly (it has no other
             operations); False for every model of a family it does not implement.
         hf_model_types: config.json ``model_type`` values that name the family when
@@ -418,6 +420,14 @@ def _bert(name: str) -> Callable:
 
 # -- the records -----------------------------------------------------------------------------------
 
+def _native_llama_block(config, qk_norm: bool = False) -> bool:
+    """Whether kvserve's native decode step (decode_cpu.cpp's llama layer: q|k|v biases allowed, no
+    output or MLP biases, no YaRN magnitude) computes ``config``'s layers; ``qk_norm``: the family's
+    per-head q/k RMSNorm is one the step runs (qwen3, qwen3moe)."""
+    return not (config.attn_bias or config.mlp_bias or (config.qk_norm and not qk_norm)
+                or (config.rope_scaling or {}).get("type") == "yarn")
+
+
 LLAMA = Family(
     name="llama",
     gguf_archs=("llama", "mistral", "qwen2"),
@@ -429,8 +439,7 @@ LLAMA = Family(
     hf_tensor_name=llama_hf_tensor_name,
     required_tensors=llama_required_tensors,
     kv_spec=all_full,
-    native_decode=lambda config: not (config.attn_bias or config.mlp_bias or config.qk_norm
-                                      or (config.rope_scaling or {}).get("type") == "yarn"),
+    native_decode=lambda config: _native_llama_block(config),
     finish_hf=llama_finish_hf,
     prepare=llama_prepare,
 )
@@ -446,7 +455,8 @@ QWEN3 = Family(
     hf_tensor_name=llama_hf_tensor_name,
     required_tensors=llama_required_tensors,
     kv_spec=all_full,
-    native_decode=lambda config: False,  # the native step has no q/k norm
+    # the native step's layer with qwen3's per-head q/k norm (Decoder.set_qk_norm)
+    native_decode=lambda config: _native_llama_block(config, qk_norm=True),
     finish_hf=llama_finish_hf,
     prepare=_lazy("kvserve.models.qwen3", "prepare"),
 )
@@ -462,7 +472,8 @@ QWEN3MOE = Family(
     hf_tensor_name=_lazy("kvserve.models.moe", "hf_tensor_name"),
     required_tensors=_lazy("kvserve.models.moe", "required_tensors"),
     kv_spec=all_full,
-    native_decode=lambda config: False,  # the native step has no q/k norm and no experts
+    # and the router + top-k experts on the file's blocks (Decoder.set_moe; decode_native.experts_reason)
+    native_decode=lambda config: _native_llama_block(config, qk_norm=True),
     finish_hf=llama_finish_hf,
     prepare=_lazy("kvserve.models.moe", "prepare"),
 )

@@ -1192,10 +1192,17 @@ void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s, bool batch
     return;
   }
 #endif
-  const int64_t K = K_, N = N_;
-  Acts A{xp, {nullptr, nullptr, nullptr, K}, {nullptr, nullptr, nullptr, K}};
+  quantize_acts(xp, M, K_, s, kinds());
+  kvserve_pool::parallel_for(0, N_, 8, [&](int64_t n0, int64_t n1) { out_rows(xp, M, s, n0, n1, Y); });
+}
+
+int Matrix::kinds() const {
+  return (q8_0_ ? 1 : 0) | (q4_ ? 2 : 0) | (q40_ ? 4 : 0) | (q8_k_ ? 8 : 0) | (q4k_ ? 16 : 0);
+}
+
+void Matrix::quantize_acts(const float* xp, int64_t M, int64_t K, Scratch& s, int kinds) {
   // each kind of activation quantized once per product (a fused q|k|v or gate|up shares it)
-  if (q8_0_) {
+  if (kinds & 1) {
     s.q0.resize(M * K);
     s.d0.resize(M * (K / 32));
     s.s0.resize(M * (K / 32));
@@ -1203,19 +1210,15 @@ void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s, bool batch
       for (int64_t m = m0; m < m1; ++m)
         quantize_q8_0_row(xp + m * K, K, s.q0.data() + m * K, s.d0.data() + m * (K / 32), s.s0.data() + m * (K / 32));
     });
-    A.a32 = {s.q0.data(), s.d0.data(), s.s0.data(), K};
 #ifdef GG_VNNI
-    if (q4_) {
+    if (kinds & 2) {
       const int64_t n16 = K / 512 * 16;
       s.c8.resize(M * (K / 32));
       s.qt.resize(M * n16 * 32);
       for (int64_t m = 0; m < M; ++m)
         q4_acts_row(s.q0.data() + m * K, K, s.c8.data() + m * (K / 32), s.qt.data() + m * n16 * 32);
-      A.a32.c8 = s.c8.data();
-      A.a32.qt = s.qt.data();
-      A.a32.n16 = n16;
     }
-    if (q40_) {  // Q4_0 on the file's blocks (q4_core.h, kvserve_q4::q40_dot): its activation layout
+    if (kinds & 4) {  // Q4_0 on the file's blocks (q4_core.h, kvserve_q4::q40_dot): its activation layout
       const int64_t ng = kvserve_q4::q40_groups(K);
       s.x7.resize(M * ng * 256);
       s.c7.resize(M * ng * 16);
@@ -1226,7 +1229,7 @@ void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s, bool batch
     }
 #endif
   }
-  if (q8_k_) {
+  if (kinds & 8) {
     s.qk.resize(M * K);
     s.dk.resize(M * (K / 256));
     s.bs.resize(M * (K / 16));
@@ -1234,50 +1237,99 @@ void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s, bool batch
       for (int64_t m = m0; m < m1; ++m)
         quantize_q8_K_row(xp + m * K, K, s.qk.data() + m * K, s.dk.data() + m * (K / 256), s.bs.data() + m * (K / 16));
     });
-    A.ak = {s.qk.data(), s.dk.data(), s.bs.data(), K};
 #ifdef GG_VNNI
-    if (q4k_) {
+    if (kinds & 16) {
       s.qkp.resize(M * K);
       for (int64_t m = 0; m < M; ++m) q4k_acts_row(s.qk.data() + m * K, K, s.qkp.data() + m * K);
-      A.ak.qp = s.qkp.data();
     }
+#endif
+  }
+}
+
+void Matrix::out_rows(const float* xp, int64_t M, const Scratch& s, int64_t n0, int64_t n1, float* Y) const {
+  const int64_t K = K_, N = N_;
+  Acts A{xp, {nullptr, nullptr, nullptr, K}, {nullptr, nullptr, nullptr, K}};
+  if (q8_0_) {
+    A.a32 = {s.q0.data(), s.d0.data(), s.s0.data(), K};
+#ifdef GG_VNNI
+    if (q4_) {
+      A.a32.c8 = s.c8.data();
+      A.a32.qt = s.qt.data();
+      A.a32.n16 = K / 512 * 16;
+    }
+#endif
+  }
+  if (q8_k_) {
+    A.ak = {s.qk.data(), s.dk.data(), s.bs.data(), K};
+#ifdef GG_VNNI
+    if (q4k_) A.ak.qp = s.qkp.data();
 #endif
   }
   // rows of activations at a time: a chunk of quantized rows stays in the core's L2 while every
   // weight row of the thread's range passes by
   const int64_t MC = 64;
-  kvserve_pool::parallel_for(0, N, 8, [&](int64_t n0, int64_t n1) {
-    for (int64_t mc = 0; mc < M; mc += MC) {
-      const int64_t me = std::min(M, mc + MC);
-      size_t pi = 0;
-      for (int64_t n = n0; n < n1; ++n) {
-        while (n >= parts_[pi].first + parts_[pi].rows) ++pi;
-        const Part& p = parts_[pi];
-        const uint8_t* w = p.data + (n - p.first) * p.row_bytes;
+  for (int64_t mc = 0; mc < M; mc += MC) {
+    const int64_t me = std::min(M, mc + MC);
+    size_t pi = 0;
+    for (int64_t n = n0; n < n1; ++n) {
+      while (n >= parts_[pi].first + parts_[pi].rows) ++pi;
+      const Part& p = parts_[pi];
+      const uint8_t* w = p.data + (n - p.first) * p.row_bytes;
 #ifdef GG_VNNI
-        if (p.type == T_Q4_0) {  // this part's rows n .. e - 1, every activation row of the chunk
-          const int64_t e = std::min(n1, p.first + p.rows), ng = kvserve_q4::q40_groups(K);
-          const kvserve_q4::Q40Acts a7{s.x7.data() + mc * ng * 256, s.c7.data() + mc * ng * 16, s.d7.data() + mc * ng * 16, ng};
-          kvserve_q4::q40_rows(w, p.row_bytes, e - n, K, me - mc, a7, Y + mc * N + n, N);
-          n = e - 1;
-          continue;
-        }
-        // decode (1-2 rows): Q4 weight rows in pairs (dot_q4_pair: the same bits as one at a time)
-        if (p.type == T_Q4_1 && M <= 2 && n + 1 < n1 && n + 1 < p.first + p.rows) {
-          q4_pair(p.type, w, w + p.row_bytes, K / 32, A.a32, M, Y + n, Y + n + 1, N);
-          ++n;
-          continue;
-        }
-#endif
-        int64_t r = mc;
-        for (; r + 4 <= me; r += 4) dot_rows<4>(p.type, w, A, K, r, Y + r * N + n, N);
-        switch (me - r) {
-          case 3: dot_rows<3>(p.type, w, A, K, r, Y + r * N + n, N); break;
-          case 2: dot_rows<2>(p.type, w, A, K, r, Y + r * N + n, N); break;
-          case 1: dot_rows<1>(p.type, w, A, K, r, Y + r * N + n, N); break;
-          default: break;
-        }
+      if (p.type == T_Q4_0) {  // this part's rows n .. e - 1, every activation row of the chunk
+        const int64_t e = std::min(n1, p.first + p.rows), ng = kvserve_q4::q40_groups(K);
+        const kvserve_q4::Q40Acts a7{s.x7.data() + mc * ng * 256, s.c7.data() + mc * ng * 16, s.d7.data() + mc * ng * 16, ng};
+        kvserve_q4::q40_rows(w, p.row_bytes, e - n, K, me - mc, a7, Y + mc * N + n, N);
+        n = e - 1;
+        continue;
       }
+      // decode (1-2 rows): Q4 weight rows in pairs (dot_q4_pair: the same bits as one at a time)
+      if (p.type == T_Q4_1 && M <= 2 && n + 1 < n1 && n + 1 < p.first + p.rows) {
+        q4_pair(p.type, w, w + p.row_bytes, K / 32, A.a32, M, Y + n, Y + n + 1, N);
+        ++n;
+        continue;
+      }
+#endif
+      int64_t r = mc;
+      for (; r + 4 <= me; r += 4) dot_rows<4>(p.type, w, A, K, r, Y + r * N + n, N);
+      switch (me - r) {
+        case 3: dot_rows<3>(p.type, w, A, K, r, Y + r * N + n, N); break;
+        case 2: dot_rows<2>(p.type, w, A, K, r, Y + r * N + n, N); break;
+        case 1: dot_rows<1>(p.type, w, A, K, r, Y + r * N + n, N); break;
+        default: break;
+      }
+    }
+  }
+}
+
+void Matrix::mm_jobs(const std::vector<Job>& jobs, std::vector<Scratch>& scratch) {
+  const size_t J = jobs.size();
+  if (J == 0) return;
+  // activation sets: one per distinct (x, M, K), quantized for the union of its jobs' kinds
+  struct Set { const float* x; int64_t M, K; int kinds; };
+  std::vector<Set> sets;
+  std::vector<size_t> set_of(J);
+  std::vector<int64_t> start(J + 1, 0);
+  for (size_t j = 0; j < J; ++j) {
+    const Job& jb = jobs[j];
+    size_t i = 0;
+    while (i < sets.size() && !(sets[i].x == jb.x && sets[i].M == jb.M && sets[i].K == jb.mat->K_)) ++i;
+    if (i == sets.size()) sets.push_back({jb.x, jb.M, jb.mat->K_, 0});
+    sets[i].kinds |= jb.mat->kinds();
+    set_of[j] = i;
+    start[j + 1] = start[j] + (jb.M > 0 ? jb.mat->N_ : 0);
+  }
+  if (scratch.size() < sets.size()) scratch.resize(sets.size());
+  for (size_t i = 0; i < sets.size(); ++i)
+    if (sets[i].M > 0) quantize_acts(sets[i].x, sets[i].M, sets[i].K, scratch[i], sets[i].kinds);
+  // the jobs' output rows as one range [0, total): job j's rows at [start[j], start[j + 1])
+  kvserve_pool::parallel_for(0, start[J], 8, [&](int64_t a, int64_t b) {
+    size_t j = static_cast<size_t>(std::upper_bound(start.begin(), start.end(), a) - start.begin()) - 1;
+    while (a < b && j < J) {
+      const int64_t e = std::min(b, start[j + 1]);
+      if (e > a) jobs[j].mat->out_rows(jobs[j].x, jobs[j].M, scratch[set_of[j]], a - start[j], e - start[j], jobs[j].y);
+      a = std::max(a, e);
+      ++j;
     }
   });
 }

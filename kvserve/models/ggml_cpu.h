@@ -52,7 +52,32 @@ class Matrix {
   // builds: ggml_gemm8.h's panels with kexact; each row's bits the one-row kernels'), else the per-row ones
   void mm_raw(const float* x, int64_t M, float* y, Scratch& s, bool batch = true) const;
 
+  // One product of a batch run by mm_jobs: y [M, mat->rows()] = x [M, K] @ W^T (row strides K and rows()).
+  struct Job {
+    const Matrix* mat;
+    const float* x;
+    int64_t M;
+    float* y;
+  };
+  // Several products in one pass of kvserve's pool: llama.cpp's mul_mat_id for a step's experts (each
+  // chosen expert's gate|up on its rows, then each one's down on its own activated rows). Jobs with the
+  // same x and M quantize their activations once (the k experts of a one-row step share the row); the
+  // work is split over the jobs' output rows together, so k small products cost one dispatch. Every
+  // output row has the bits of mm_raw's per-row kernels (row i of any product = the one-row product).
+  // scratch: work buffers, resized as needed (one per distinct activation set). Every job's K must be
+  // its matrix's cols(); the matrices may differ in shape and type.
+  static void mm_jobs(const std::vector<Job>& jobs, std::vector<Scratch>& scratch);
+
  private:
+  // the kinds of quantized activations this matrix's types read (bits: 1 q8_0, 2 the AVX512 Q4_1
+  // layout, 4 the AVX512 Q4_0 layout, 8 q8_K, 16 the AVX512 Q4_K / Q5_K layout)
+  int kinds() const;
+  // x [M, K] quantized into s as the kinds (a union of matrices' kinds()) ask
+  static void quantize_acts(const float* x, int64_t M, int64_t K, Scratch& s, int kinds);
+  // output columns [n0, n1) of y [M, N] (row stride N) for x [M, K], its activations in s (quantize_acts
+  // with at least kinds()); runs on the calling thread
+  void out_rows(const float* x, int64_t M, const Scratch& s, int64_t n0, int64_t n1, float* y) const;
+
   struct Part {
     const uint8_t* data;
     int type;

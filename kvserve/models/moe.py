@@ -8,6 +8,10 @@ Expert weights stay as the file stores them: a GGUF's stacked blocks are multipl
 the block kernels (kvserve.models.ggml_kernel) where they lie, so idle experts are never read; float
 experts (HF, F32 GGUFs, types the kernels lack) are float32.
 
+Decode steps run in kvserve's native step where every expert is GGUF blocks
+(kvserve.models.decode_native: the same router, top-k, renormalisation and block products in C++,
+``Decoder.set_moe``); this module is the eager path (prefill, and decode elsewhere).
+
 qwen3moe = qwen3's attention (per-head q/k norm, NEOX RoPE) + this FFN, on layers the config
 names (transformers' ``mlp_only_layers`` / ``decoder_sparse_step``; every layer in a GGUF).
 Tensors: GGUF ``blk.N.ffn_gate_inp.weight`` [E, n_embd] (router), ``ffn_{gate,up}_exps.weight``

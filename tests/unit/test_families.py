@@ -172,9 +172,14 @@ def test_native_step_and_parallel_only_where_they_apply(case):
         assert "rope_freqs.weight" in loaded.weights and fam.native_decode(loaded.config) is True
         assert parallel_error(loaded.config, 2, 1) is None
         return
-    # q/k norms, biases, experts, gemma, phi3's and YaRN's RoPE: not in the C++ step
-    assert fam.native_decode(loaded.config) is False
-    assert model.native_decode is False
+    # the C++ step's layer with qwen3's q/k norm and qwen3moe's experts applies to these families (on the
+    # file's blocks: tests/unit/test_decode_native_qwen3.py), not to these F32 files (no GGUF blocks)
+    if name in ("qwen3", "qwen3moe"):
+        assert fam.native_decode(loaded.config) is True
+        assert model.native_decode is False
+    else:  # biases, gemma, phi3's and YaRN's RoPE, gpt-oss: not in the C++ step
+        assert fam.native_decode(loaded.config) is False
+        assert model.native_decode is False
     from kvserve.models.family import FULL, KVSpec
 
     swa = KVSpec("sliding", 8)

@@ -42,7 +42,15 @@ def test_module_kv_spec_and_native_step_per_family(tmp_path):
     assert fm.family_of(cfg.arch) is fm.LLAMA
     assert fm.LLAMA.kv_spec(cfg) == (fm.KVSpec("full"),) * cfg.n_layer
     assert fm.LLAMA.native_decode(cfg) is True and fm.BERT.native_decode(cfg) is False
-    assert fm.QWEN3.native_decode(cfg) is False
+    # the C++ step's layer runs qwen3's q/k norm (and qwen3moe's experts), not the llama family's own
+    # q/k-normed configs, nor output or MLP biases
+    import dataclasses
+
+    qk = dataclasses.replace(cfg, qk_norm=True)
+    assert fm.QWEN3.native_decode(qk) is True and fm.QWEN3MOE.native_decode(qk) is True
+    assert fm.LLAMA.native_decode(qk) is False
+    assert fm.QWEN3.native_decode(dataclasses.replace(qk, attn_bias=True)) is False
+    assert fm.QWEN3.native_decode(dataclasses.replace(qk, mlp_bias=True)) is False
     assert fm.BERT.kv_spec(cfg) == (fm.KVSpec("none"),) * cfg.n_layer
     assert fm.KVSpec("sliding", 512).window == 512
     with pytest.raises(ValueError):
