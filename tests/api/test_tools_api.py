@@ -361,6 +361,17 @@ def test_server_stop_kills_running_commands(tmp_path_factory, tmp_path):
     assert _wait_gone(pgid, 15) == []
 
 
+def test_file_names_that_are_not_utf8(srv, tmp_path):
+    d = tmp_path / "names"
+    d.mkdir()
+    with open(os.path.join(os.fsencode(d), b"bad-\xff.txt"), "w") as f:
+        f.write("hit\n")
+    status, body = call(srv, "file_glob_search", {"path": str(d)})
+    assert status == 200 and body["entries"] == [{"path": "bad-\ufffd.txt", "type": "file"}]
+    status, body = call(srv, "grep_search", {"path": str(d), "pattern": "hit"})
+    assert body["plain_text_response"] == "bad-\ufffd.txt:hit\n\n---\nTotal matches: 1\n"
+
+
 def test_missing_cwd_and_bad_params(srv, tmp_path):
     status, body = call(srv, "exec_shell_command", {"command": "echo hi"}, {"x-tool-cwd": str(tmp_path / "nope")})
     assert status == 200 and body["plain_text_response"].endswith("[exit code: -1]")
