@@ -150,11 +150,11 @@ def clean_text(obj):
 
 
 async def _stream(http: HttpRequest, tool, params: dict, ctx: ToolContext) -> Response:
-    chunks = tool.stream(params, ctx).__aiter__()
     # a refused call (bad params, path outside the cwd) answers with its status before the stream;
     # a client that leaves while the first chunk is awaited cancels the call too
     watcher = asyncio.ensure_future(_watch_disconnect(http, ctx))
     try:
+        chunks = tool.stream(params, ctx).__aiter__()
         first = await chunks.__anext__()
     except StopAsyncIteration:
         first = None

@@ -190,17 +190,23 @@ class HostIO:
 
     async def read_lines(self, path: str, start: int, end: int, max_bytes: int) -> list[bytes] | None:
         """Lines ``start``..``end`` (1-based, inclusive; -1: to the end), each without its newline,
-        reading no further than needed and at most ``max_bytes`` in all."""
+        reading no further than needed and at most ``max_bytes`` in all (a last None: the cap was
+        reached there)."""
         def read() -> list[bytes] | None:
             try:
                 fd = P.open_regular(path)
             except OSError:
                 return None
-            out, seen = [], 0
+            out, seen, n = [], 0, 0
             with os.fdopen(fd, "rb") as f:
-                for n, line in enumerate(f, 1):
+                while True:
+                    line = f.readline(max_bytes - seen + 1)  # a file of one huge line stays bounded too
+                    n += 1
                     seen += len(line)
-                    if seen > max_bytes or (end != -1 and n > end) or not self.ctx.alive():
+                    if seen > max_bytes:
+                        out.append(None)  # stopped at the read cap
+                        break
+                    if not line or (end != -1 and n > end) or not self.ctx.alive():
                         break
                     if n >= start:
                         out.append(line[:-1] if line.endswith(b"\n") else line)
@@ -470,6 +476,9 @@ class ReadFile(_Builtin):
         out, used = [], 0
         first = max(1, start)
         for i, raw in enumerate(lines):
+            if raw is None:  # the read stopped at its cap
+                out.append("[output truncated]")
+                break
             line = (f"{first + i}\u2192" if append_loc else "") + _text(raw) + "\n"
             n = len(line.encode())
             if used + n > READ_FILE_MAX_SIZE:

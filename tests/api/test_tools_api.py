@@ -372,6 +372,21 @@ def test_file_names_that_are_not_utf8(srv, tmp_path):
     assert body["plain_text_response"] == "bad-\ufffd.txt:hit\n\n---\nTotal matches: 1\n"
 
 
+def test_read_range_of_a_huge_line_is_bounded(monkeypatch, tmp_path):
+    """A line range of a file with one huge line reads at most the range cap (here 1 MiB), not the line."""
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.write(b"x" * (3 << 20) + b"\nsecond\n")
+    monkeypatch.setattr(B, "READ_FILE_MAX_RANGE_SIZE", 1 << 20)
+    res = asyncio.run(B.ReadFile().run({"path": str(big), "start_line": 2, "end_line": 2}, ToolContext()))
+    assert res == {"plain_text_response": "[output truncated]"}
+    res = asyncio.run(B.ReadFile().run({"path": str(big), "start_line": 1, "end_line": 1}, ToolContext()))
+    assert res == {"plain_text_response": "[output truncated]"}
+    (tmp_path / "s.txt").write_text("a\nb\nc")
+    res = asyncio.run(B.ReadFile().run({"path": str(tmp_path / "s.txt"), "start_line": 2}, ToolContext()))
+    assert res == {"plain_text_response": "b\nc\n"}
+
+
 def test_missing_cwd_and_bad_params(srv, tmp_path):
     status, body = call(srv, "exec_shell_command", {"command": "echo hi"}, {"x-tool-cwd": str(tmp_path / "nope")})
     assert status == 200 and body["plain_text_response"].endswith("[exit code: -1]")
