@@ -20,7 +20,6 @@ differs from llama-server, it is stricter or bounded where llama-server is not:
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import codecs
 import functools
@@ -502,7 +501,8 @@ class FileGlobSearch(_Builtin):
         "Note: directory listings do not apply .gitignore filtering.")
     properties = {
         "path": _prop("string", "Base directory to search in"),
-        "include": _prop("string", "Glob pattern for files to include (e.g. \"*.cpp\" or \"src/**/*.cpp\"). Default: **"),
+        "include": _prop("string", "Glob pattern for files to include (e.g. \"*.cpp\" or \"src/**/*.cpp\"). "
+                                   "Default: **"),
         "exclude": _prop("string", "Glob pattern for files to exclude"),
         "type": _prop("string", "Entry type to return: \"file\" (default), \"dir\" or \"all\""),
         "max_depth": _prop("integer", "Maximum depth to descend into subdirectories (default: 0 = unlimited; "
@@ -561,9 +561,11 @@ class GrepSearch(_Builtin):
         "include": _prop("string", "Glob pattern to filter files (default: **)"),
         "exclude": _prop("string", "Glob pattern to exclude files"),
         "return_line_numbers": _prop("boolean", "If true, include line numbers in results"),
-        "literal": _prop("boolean", "Treat pattern as a literal string instead of a regular expression (default: false)"),
+        "literal": _prop("boolean", "Treat pattern as a literal string instead of a regular expression "
+                                    "(default: false)"),
         "ignore_case": _prop("boolean", "Case-insensitive search (default: false)"),
-        "context_lines": _prop("integer", "Number of lines of context to show before and after each match (default: 0)"),
+        "context_lines": _prop("integer", "Number of lines of context to show before and after each match "
+                                          "(default: 0)"),
     }
     required = ("path", "pattern")
 
