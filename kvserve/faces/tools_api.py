@@ -116,7 +116,7 @@ async def call_tool(state: ServerState, http: HttpRequest) -> Response:
         return _error(e)
     finally:
         watcher.cancel()
-    return json_response(result)
+    return json_response(clean_text(result))
 
 
 async def _watch_disconnect(http: HttpRequest, ctx: ToolContext) -> None:
@@ -130,15 +130,31 @@ async def _watch_disconnect(http: HttpRequest, ctx: ToolContext) -> None:
 
 
 def _event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json.dumps(clean_text(obj), ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def clean_text(obj):
+    """``obj`` with every string made valid Unicode: a file name that is not UTF-8 (kept by Python
+    as surrogate escapes) is answered with U+FFFD in place of its bad bytes."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+            return obj
+        except UnicodeEncodeError:
+            return obj.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    if isinstance(obj, dict):
+        return {clean_text(k): clean_text(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clean_text(v) for v in obj]
+    return obj
 
 
 async def _stream(http: HttpRequest, tool, params: dict, ctx: ToolContext) -> Response:
-    chunks = tool.stream(params, ctx).__aiter__()
     # a refused call (bad params, path outside the cwd) answers with its status before the stream;
     # a client that leaves while the first chunk is awaited cancels the call too
     watcher = asyncio.ensure_future(_watch_disconnect(http, ctx))
     try:
+        chunks = tool.stream(params, ctx).__aiter__()
         first = await chunks.__anext__()
     except StopAsyncIteration:
         first = None

@@ -20,7 +20,6 @@ differs from llama-server, it is stricter or bounded where llama-server is not:
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import codecs
 import functools
@@ -190,17 +189,23 @@ class HostIO:
 
     async def read_lines(self, path: str, start: int, end: int, max_bytes: int) -> list[bytes] | None:
         """Lines ``start``..``end`` (1-based, inclusive; -1: to the end), each without its newline,
-        reading no further than needed and at most ``max_bytes`` in all."""
+        reading no further than needed and at most ``max_bytes`` in all (a last None: the cap was
+        reached there)."""
         def read() -> list[bytes] | None:
             try:
                 fd = P.open_regular(path)
             except OSError:
                 return None
-            out, seen = [], 0
+            out, seen, n = [], 0, 0
             with os.fdopen(fd, "rb") as f:
-                for n, line in enumerate(f, 1):
+                while True:
+                    line = f.readline(max_bytes - seen + 1)  # a file of one huge line stays bounded too
+                    n += 1
                     seen += len(line)
-                    if seen > max_bytes or (end != -1 and n > end) or not self.ctx.alive():
+                    if seen > max_bytes:
+                        out.append(None)  # stopped at the read cap
+                        break
+                    if not line or (end != -1 and n > end) or not self.ctx.alive():
                         break
                     if n >= start:
                         out.append(line[:-1] if line.endswith(b"\n") else line)
@@ -470,6 +475,9 @@ class ReadFile(_Builtin):
         out, used = [], 0
         first = max(1, start)
         for i, raw in enumerate(lines):
+            if raw is None:  # the read stopped at its cap
+                out.append("[output truncated]")
+                break
             line = (f"{first + i}\u2192" if append_loc else "") + _text(raw) + "\n"
             n = len(line.encode())
             if used + n > READ_FILE_MAX_SIZE:
@@ -493,7 +501,8 @@ class FileGlobSearch(_Builtin):
         "Note: directory listings do not apply .gitignore filtering.")
     properties = {
         "path": _prop("string", "Base directory to search in"),
-        "include": _prop("string", "Glob pattern for files to include (e.g. \"*.cpp\" or \"src/**/*.cpp\"). Default: **"),
+        "include": _prop("string", "Glob pattern for files to include (e.g. \"*.cpp\" or \"src/**/*.cpp\"). "
+                                   "Default: **"),
         "exclude": _prop("string", "Glob pattern for files to exclude"),
         "type": _prop("string", "Entry type to return: \"file\" (default), \"dir\" or \"all\""),
         "max_depth": _prop("integer", "Maximum depth to descend into subdirectories (default: 0 = unlimited; "
@@ -552,9 +561,11 @@ class GrepSearch(_Builtin):
         "include": _prop("string", "Glob pattern to filter files (default: **)"),
         "exclude": _prop("string", "Glob pattern to exclude files"),
         "return_line_numbers": _prop("boolean", "If true, include line numbers in results"),
-        "literal": _prop("boolean", "Treat pattern as a literal string instead of a regular expression (default: false)"),
+        "literal": _prop("boolean", "Treat pattern as a literal string instead of a regular expression "
+                                    "(default: false)"),
         "ignore_case": _prop("boolean", "Case-insensitive search (default: false)"),
-        "context_lines": _prop("integer", "Number of lines of context to show before and after each match (default: 0)"),
+        "context_lines": _prop("integer", "Number of lines of context to show before and after each match "
+                                          "(default: 0)"),
     }
     required = ("path", "pattern")
 

@@ -154,6 +154,17 @@ def kill_group(pgid: int) -> None:
         time.sleep(0.005)
 
 
+def _kill_group_soon(pgid: int) -> None:
+    """SIGKILL group ``pgid`` now; when members are still alive after the first signal, the repeats of
+    :func:`kill_group` go on in a tools worker thread, not on the event loop."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+    if group_members(pgid):
+        in_thread(kill_group, pgid)
+
+
 def _spawn(argv: list[str], cwd: str | None, stdin: bool) -> subprocess.Popen:
     """``argv`` in a new session (its own process group), stdout and stderr into one pipe, every
     other descriptor of the server closed (``close_fds``: uvloop's own spawn lets its sockets and
@@ -263,7 +274,7 @@ async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, ma
     finally:
         cancel_wait.cancel()
         loop.remove_reader(fd)
-        kill_group(pgid)
+        _kill_group_soon(pgid)
         proc.stdout.close()
         end = time.monotonic() + 5
         while proc.poll() is None and time.monotonic() < end:

@@ -19,9 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -361,6 +359,32 @@ def test_server_stop_kills_running_commands(tmp_path_factory, tmp_path):
     assert _wait_gone(pgid, 15) == []
 
 
+def test_file_names_that_are_not_utf8(srv, tmp_path):
+    d = tmp_path / "names"
+    d.mkdir()
+    with open(os.path.join(os.fsencode(d), b"bad-\xff.txt"), "w") as f:
+        f.write("hit\n")
+    status, body = call(srv, "file_glob_search", {"path": str(d)})
+    assert status == 200 and body["entries"] == [{"path": "bad-\ufffd.txt", "type": "file"}]
+    status, body = call(srv, "grep_search", {"path": str(d), "pattern": "hit"})
+    assert body["plain_text_response"] == "bad-\ufffd.txt:hit\n\n---\nTotal matches: 1\n"
+
+
+def test_read_range_of_a_huge_line_is_bounded(monkeypatch, tmp_path):
+    """A line range of a file with one huge line reads at most the range cap (here 1 MiB), not the line."""
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.write(b"x" * (3 << 20) + b"\nsecond\n")
+    monkeypatch.setattr(B, "READ_FILE_MAX_RANGE_SIZE", 1 << 20)
+    res = asyncio.run(B.ReadFile().run({"path": str(big), "start_line": 2, "end_line": 2}, ToolContext()))
+    assert res == {"plain_text_response": "[output truncated]"}
+    res = asyncio.run(B.ReadFile().run({"path": str(big), "start_line": 1, "end_line": 1}, ToolContext()))
+    assert res == {"plain_text_response": "[output truncated]"}
+    (tmp_path / "s.txt").write_text("a\nb\nc")
+    res = asyncio.run(B.ReadFile().run({"path": str(tmp_path / "s.txt"), "start_line": 2}, ToolContext()))
+    assert res == {"plain_text_response": "b\nc\n"}
+
+
 def test_missing_cwd_and_bad_params(srv, tmp_path):
     status, body = call(srv, "exec_shell_command", {"command": "echo hi"}, {"x-tool-cwd": str(tmp_path / "nope")})
     assert status == 200 and body["plain_text_response"].endswith("[exit code: -1]")
@@ -489,3 +513,82 @@ def test_edit_rules():
     assert B.apply_edits("keep  \nsay \u201chi\u201d  \n", [('say "hi"', "bye")], "f") == ("keep  \nbye\n", None)
     assert B.apply_edits("a", [("a", "a")], "f")[1] == "no changes made: the replacement(s) produced identical content"
     assert B.apply_edits("a", [("zz", "a")], "f")[1].startswith("could not find edits[0].old_text in f")
+
+
+# -- llama-server as the oracle ---------------------------------------------------------------------
+
+def _oracle_cases(d: Path) -> list[tuple[str, dict]]:
+    f = str(d / "a.txt")
+    return [
+        ("write_file", {"path": f, "content": "alpha\nbeta\n  gamma  \nbeta2\ndelta"}),
+        ("read_file", {"path": f}),
+        ("read_file", {"path": f, "start_line": 2, "end_line": 3, "append_loc": True}),
+        ("read_file", {"path": f, "start_line": 9}),
+        ("read_file", {"path": str(d / "missing.txt")}),
+        ("grep_search", {"path": str(d), "pattern": "beta"}),
+        ("grep_search", {"path": str(d), "pattern": "BETA", "ignore_case": True, "return_line_numbers": True}),
+        ("grep_search", {"path": str(d), "pattern": "gamma", "context_lines": 1}),
+        ("grep_search", {"path": f, "pattern": "a.", "literal": True}),
+        ("grep_search", {"path": str(d), "pattern": "alpha", "include": "*.md"}),
+        ("grep_search", {"path": str(d), "pattern": "alpha", "exclude": "a.*"}),
+        ("grep_search", {"path": str(d / "nope"), "pattern": "x"}),
+        ("write_file", {"path": str(d / "sub" / "deep" / "b.md"), "content": "alpha\n"}),
+        ("file_glob_search", {"path": str(d)}),
+        ("file_glob_search", {"path": str(d), "type": "dir"}),
+        ("file_glob_search", {"path": str(d), "type": "all", "max_depth": 2}),
+        ("file_glob_search", {"path": str(d), "include": "*.md", "limit": 1}),
+        ("file_glob_search", {"path": str(d), "limit": 0}),
+        ("file_glob_search", {"path": str(d), "type": "x"}),
+        ("file_glob_search", {"path": str(d / "nope")}),
+        ("edit_file", {"path": f, "edits": [{"old_text": "beta", "new_text": "B"}]}),
+        ("edit_file", {"path": f, "edits": [{"old_text": "alpha\nbeta", "new_text": "x"},
+                                            {"old_text": "beta\n", "new_text": "y"}]}),
+        ("edit_file", {"path": f, "edits": [{"old_text": "zzz", "new_text": "y"}]}),
+        ("edit_file", {"path": f, "edits": [{"old_text": "", "new_text": "y"}]}),
+        ("edit_file", {"path": f, "edits": []}),
+        ("edit_file", {"path": f, "edits": [{"old_text": "delta", "new_text": "delta"}]}),
+        ("edit_file", {"path": f, "edits": [{"old_text": "gamma\n", "new_text": "G\n"},
+                                            {"old_text": "alpha", "new_text": "A"}]}),
+        ("read_file", {"path": f}),
+        ("exec_shell_command", {"command": "echo out; echo err >&2; exit 4"}),
+        ("exec_shell_command", {"command": "printf 'x%.0s' $(seq 50)", "max_output_size": 10}),
+    ]
+
+
+def test_answers_match_llama_server(srv, smollm2_path, tmp_path):
+    """The same calls, in two fresh directories, answered by kvserve and by the real llama-server
+    (``$KVSERVE_LLAMA_SERVER``, built from the commit the seeds pin): identical JSON, the paths aside."""
+    import subprocess
+
+    binary = os.environ.get("KVSERVE_LLAMA_SERVER")
+    if not binary or not os.path.exists(binary):
+        pytest.skip("set KVSERVE_LLAMA_SERVER to a llama-server binary")
+    from servers import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([binary, "-m", smollm2_path, "--host", "127.0.0.1", "--port", str(port), "-c", "512",
+                             "--tools", "all"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert httpx.get(base + "/tools").json() == httpx.get(srv.url("/tools")).json()
+        answers = {}
+        for who, url in (("llama", base), ("kv", srv.base_url)):
+            d = tmp_path / who
+            d.mkdir()
+            out = []
+            for tool, params in _oracle_cases(d):
+                r = httpx.post(url + "/tools", json={"tool": tool, "params": params}, timeout=30)
+                out.append((r.status_code, json.loads(r.text.replace(str(d), "<D>"))))
+            answers[who] = out
+        for case, a, b in zip(_oracle_cases(tmp_path), answers["llama"], answers["kv"]):
+            assert a == b, case
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
