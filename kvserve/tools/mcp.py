@@ -692,7 +692,8 @@ def manager_from_args(args: Any) -> McpManager | None:
         require_sdk()
         # the SDK logs a traceback (logger "client") for each notification it cannot validate, e.g.
         # a progress notification without a token: one warning line is enough
-        logging.getLogger("client").addFilter(_drop_traceback)
+        if _drop_traceback not in logging.getLogger("client").filters:
+            logging.getLogger("client").addFilter(_drop_traceback)
     return McpManager(configs)
 
 
