@@ -550,7 +550,7 @@ def _count_tokens(runner: Runner, body: dict) -> at.CountTokens:
     """The token count of the prompt the same request to /v1/messages would run (the same
     rendering and tokenization). A prompt that cannot fit the model's context is a 400."""
     plan = plan_chat(runner, chat_request(body, counting=True))
-    return at.CountTokens(input_tokens=len(plan.requests[0].prompt_token_ids))
+    return at.CountTokens(input_tokens=plan.input_tokens())
 
 
 def _usage(out: RequestOutput, output_tokens: int | None = None) -> at.Usage:

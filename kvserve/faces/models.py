@@ -193,7 +193,7 @@ def _remote_fields(m: ServableModel) -> dict:
 
 
 def _max_model_len(state: ServerState, m: ServableModel) -> int | None:
-    if m.remote is not None:
+    if m.remote is not None or getattr(getattr(m.runner, "engine", None), "remote", False):
         return None  # the upstream's
     if m.runner is not None and m.runner.engine is not None:
         return m.runner.engine.n_ctx_slot
@@ -250,7 +250,7 @@ def model_entry(state: ServerState, m: ServableModel, created: int) -> dict:
     if m.remote is not None:
         d["owned_by"], d["root"] = "remote", m.remote.upstream_model
         d["remote"] = _remote_fields(m)
-    elif r is not None and r.engine is not None:
+    elif r is not None and r.engine is not None and r.engine.model_info is not None:
         info = r.engine.model_info
         d["meta"] = {"vocab_type": info.vocab_type, "n_vocab": info.n_vocab, "n_ctx": r.engine.n_ctx_slot,
                      "n_ctx_train": info.n_ctx_train, "n_embd": info.n_embd, "n_params": info.n_params,

@@ -1149,7 +1149,7 @@ def _ps(state: ServerState) -> dict:
             name=e.spec.name, model=e.spec.name, size=int(e.size), digest=stored.digest if stored else "",
             details=_details(config), expires_at=go_time(min(expires, 2**63 - 1)),
             size_vram=0 if device.startswith(("cpu", "remote")) else int(e.size),
-            context_length=0 if e.spec.remote else r.engine.n_ctx_slot)))
+            context_length=0 if getattr(r.engine, "remote", False) else r.engine.n_ctx_slot)))
     rows.sort(key=lambda row: -(row[0] // 1_000_000_000))
     return ProcessResponse(models=[p for _, p in rows]).wire()
 

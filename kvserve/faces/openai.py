@@ -811,7 +811,7 @@ def input_tokens_plan(runner: Runner, body: dict) -> InputTokens:
     completion (the same checks, rendering and tokenization; a prompt that cannot fit the context
     is a 400) and nothing runs."""
     plan = chat_plan(runner, {**body, "stream": False})
-    return InputTokens(input_tokens=len(plan.requests[0].prompt_token_ids))
+    return InputTokens(input_tokens=plan.input_tokens())
 
 
 async def _count(state: ServerState, http: HttpRequest) -> Response:

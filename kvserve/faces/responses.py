@@ -1028,7 +1028,7 @@ async def _count(state: ServerState, store: ResponseStore, http: HttpRequest) ->
         def count(runner: Runner) -> ResponseInputTokens:
             plan = plan_chat(runner, chat_request(runner, turn))
             return ResponseInputTokens(object="response.input_tokens",
-                                       input_tokens=len(plan.requests[0].prompt_token_ids))
+                                       input_tokens=plan.input_tokens())
 
         async def run(runner: Runner) -> Response:
             return json_response((await asyncio.to_thread(count, runner)).wire())

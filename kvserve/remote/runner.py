@@ -86,6 +86,29 @@ class RemoteEngineFacts:
         self.n_slots = 1
 
 
+class RemoteNotSupportedError(NotSupportedError, AttributeError):
+    """What a remote model has not: a tokenizer, slots (501 in every face; an AttributeError too,
+    so ``getattr(x, name, default)`` probes get their default)."""
+
+
+class _Absent:
+    """A remote model's ``tokenizer`` and ``slots``: false, and any use of them is a 501 naming the
+    model (``/tokenize``, ``/completion``, ``/slots``...: the upstream tokenizes and schedules)."""
+
+    def __init__(self, model: str, what: str):
+        self._model, self._what = model, what
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise RemoteNotSupportedError(f"model '{self._model}' is a remote model: kvserve has no {self._what} for it "
+                                      "(it serves chat: /v1/chat/completions, /v1/responses, /v1/messages, /api/chat, "
+                                      "/api/generate)")
+
+
 class _Bounded:
     """The lines of a streamed response body, each at most :data:`MAX_EVENT_BYTES`, all of them
     at most :data:`MAX_STREAM_BYTES` (raises UpstreamProtocolError beyond)."""
@@ -142,9 +165,9 @@ class RemoteRunner:
         self.args = args
         self.spec = model_spec if model_spec is not None else ModelSpec(remote.name, pinned=True, remote=True)
         self.engine: RemoteEngineFacts | None = RemoteEngineFacts()
-        self.tokenizer = None
+        self.tokenizer = _Absent(self.spec.name, "tokenizer")
         self.template = None
-        self.slots = None
+        self.slots = _Absent(self.spec.name, "slots")
         self.grammars = None
         self.model_alias = self.spec.name
         self.served_names = self.spec.served_names()

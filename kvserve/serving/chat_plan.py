@@ -74,6 +74,18 @@ class Plan:
     verbose: dict | None = None  # llama-server's "__verbose" object (the rendered prompt), non-streaming chat
     remote: Any = None  # a remote model's plan: the ChatRequest forwarded whole (kvserve.remote)
 
+    def input_tokens(self) -> int:
+        """Tokens of the first prompt (the token-counting routes).
+
+        Raises:
+            NotSupportedError: a remote model's plan (its upstream tokenizes; kvserve has no tokenizer for it).
+        """
+        if self.remote is not None:
+            from kvserve.errors import NotSupportedError
+
+            raise NotSupportedError(f"model '{self.model}' is a remote model: its upstream counts its tokens")
+        return len(self.requests[0].prompt_token_ids)
+
 
 # ------------------------------------------------------------------------ tools and reasoning
 

@@ -593,7 +593,7 @@ class VllmMetrics:
         fraction of KV blocks held by sequences and idle slots."""
         runner = self._runner
         slots = getattr(runner, "slots", None)
-        deferred = slots.n_deferred if slots is not None else 0
+        deferred = slots.n_deferred if slots else 0  # none: a remote model (kvserve.remote)
         try:  # the runner protocol's engine_counts: plain reads of the engine thread's containers
             running, queued, usage = runner.engine_counts()
         except Exception:  # noqa: BLE001 - a closing engine

@@ -179,6 +179,8 @@ class ServerState:
         if not name:
             return None
         if name not in self.remotes:
+            if self.pinned:  # with -m every other name is that model (the store is not read)
+                return None
             found = self.store_remote(name)
             if found is None:
                 return None
@@ -498,8 +500,13 @@ class ServerState:
     def _log_event(self, t: float, action: str, name: str, reason: str) -> None:
         m = self.manager
         if action == "load":
-            log.info("model manager: load '%s' (%d of at most %d loaded)%s", name, len(m.loaded), m.max_loaded,
-                     f", {reason}" if reason else "", extra={"func": "manager"})
+            e = m.loaded.get(name)
+            if e is not None and e.spec.remote:
+                log.info("model manager: load remote model '%s' (no memory, not counted)", name, extra={"func": "manager"})
+            else:
+                log.info("model manager: load '%s' (%d of at most %d loaded)%s", name,
+                         sum(not x.spec.remote for x in m.loaded.values()), m.max_loaded,
+                         f", {reason}" if reason else "", extra={"func": "manager"})
         elif action == "loaded":
             e = m.loaded.get(name)
             keep = "forever (pinned)" if e is not None and e.spec.pinned else \

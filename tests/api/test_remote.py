@@ -378,6 +378,15 @@ def test_client_disconnect_reaches_upstream(front, servers):
     while httpx.get(servers["oll"] + "/stats").json()["disconnects"] == before:
         assert time.monotonic() < deadline, "the upstream never saw the client leave"
         time.sleep(0.05)
+    # not streamed: a client that gives up waiting closes the upstream request too
+    before += 1
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(front.url("/v1/chat/completions"), json={"model": "forever", "messages": MSGS}, timeout=1.5)
+    deadline = time.monotonic() + 10
+    while httpx.get(servers["oll"] + "/stats").json()["disconnects"] < before + 1:
+        assert time.monotonic() < deadline, "the upstream never saw the non-streaming client leave"
+        time.sleep(0.05)
+    assert httpx.get(front.url("/health")).status_code == 200
 
 
 def test_huge_json_is_capped(oai):
@@ -470,3 +479,20 @@ def test_modelfile_remote_model(servers, tmp_path):
             ("echo-remote:latest", "echo", servers["oll"])]
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4}),
+    ("/completion", {"prompt": "hi", "n_predict": 4}),
+    ("/tokenize", {"content": "hi"}),
+    ("/detokenize", {"tokens": [1, 2]}),
+    ("/v1/chat/completions/input_tokens", {"messages": MSGS}),
+])
+def test_what_needs_a_tokenizer_is_501(front, path, body):
+    r = httpx.post(front.url(path), json={"model": "oll", **body}, timeout=30)
+    assert r.status_code == 501, r.text
+    assert r.json()["error"]["message"].startswith("model 'oll' is a remote model: ")
+    assert httpx.get(front.url("/slots"), params={"model": "oll"}).status_code == 501
+    a = httpx.post(front.url("/v1/messages/count_tokens"), json={"model": "oll", "messages": MSGS})
+    assert a.status_code == 400  # Anthropic has no 501
+    assert a.json()["error"]["message"] == "model 'oll' is a remote model: its upstream counts its tokens"
