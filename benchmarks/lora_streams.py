@@ -2,7 +2,7 @@
 
     python benchmarks/lora_streams.py [--model smollm2] [--streams 16] [--adapters 4] [--rank 16]
                                       [--targets all|attn] [--n-predict 64] [--prompt-tokens 64]
-                                      [--runs 2] [--dtype auto]
+                                      [--runs 2] [--dtype auto] [--threads 0]
 
 In process (``EngineCore``, no HTTP), on kvserve's defaults for the model (``--dtype auto``: packed
 weights, the native decode step where the CPU has it). The adapters are random float32 A/B of rank
@@ -16,6 +16,11 @@ Figures per run: ``tok_s`` (generated tokens / wall seconds, prefill included) a
 (tokens / seconds of the steps in which every stream decodes). Prints one JSON object: the
 settings, every run's figures, the medians and ``ratio`` = LoRA decode tok/s / base decode tok/s
 (the issue's goal: >= 0.8), plus how many LoRA steps ran on the eager path.
+
+LoRA steps run the eager model (the native decode step adds no delta): on a loaded machine the eager
+path's multi-threaded torch ops stall on descheduled threads (a [4, 576] x [576, 32] matmul measured
+0.005 ms with one thread and 2-28 ms with two on a 2-core machine at load 10), so measure on an idle
+machine, or compare with ``--threads 1``.
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (-t; 0: every core)")
     a = ap.parse_args()
 
     import torch
@@ -105,7 +111,8 @@ def main() -> None:
     path = a.model if Path(a.model).exists() else str(resolve_model(a.model, pull_missing=True))
     loaded = load_files(path)
     n_ctx = (a.prompt_tokens + a.n_predict + 16) * a.streams
-    core = EngineCore(loaded, EngineConfig(n_ctx=n_ctx, n_parallel=a.streams, kv_unified=True, dtype=a.dtype))
+    core = EngineCore(loaded, EngineConfig(n_ctx=n_ctx, n_parallel=a.streams, kv_unified=True, dtype=a.dtype,
+                                           threads=a.threads))
     nat = getattr(core.runner, "native", None)
     if nat is not None and nat.reason is None:
         nat.wait(300)
@@ -133,7 +140,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "lora_streams", "model": path, "arch": loaded.config.arch, "streams": a.streams,
         "adapters": a.adapters, "rank": a.rank, "targets": list(targets), "n_predict": a.n_predict,
-        "prompt_tokens": a.prompt_tokens, "dtype": a.dtype,
+        "prompt_tokens": a.prompt_tokens, "dtype": a.dtype, "threads": torch.get_num_threads(),
         "native_decode": bool(nat is not None and nat.ready), "adapter_mib": round(reg.nbytes / 2 ** 20, 2),
         "base": {"tok_s": med(base_runs, "tok_s"), "decode_tok_s": base_dec, "runs": base_runs},
         "lora": {"tok_s": med(lora_runs, "tok_s"), "decode_tok_s": lora_dec, "runs": lora_runs},

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 #: a Linear attribute name -> the module names its output rows hold, in order
 _PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",),
@@ -107,7 +108,7 @@ class LoraLinear:
         #: adapter id -> (a [R, in], b [out, R]) float32
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stack_key: tuple | None = None
-        #: the last step's adapters stacked: a [G, Rmax, in], b^T [G, Rmax, out] (zero-padded ranks)
+        #: the last step's adapters stacked: a [G, Rmax, in], b [G, out, Rmax] (zero-padded ranks)
         self._stack: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _stacked(self, ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,12 +119,12 @@ class LoraLinear:
             some = next(w for w in ws if w is not None)
             r = max(w[0].shape[0] for w in ws if w is not None)
             a = some[0].new_zeros(len(ids), r, some[0].shape[1])
-            bt = some[1].new_zeros(len(ids), r, some[1].shape[0])
+            b = some[1].new_zeros(len(ids), some[1].shape[0], r)
             for g, w in enumerate(ws):
                 if w is not None:
                     a[g, :w[0].shape[0]] = w[0]
-                    bt[g, :w[0].shape[0]] = w[1].t()
-            self._stack_key, self._stack = key, (a, bt)
+                    b[g, :, :w[0].shape[0]] = w[1]
+            self._stack_key, self._stack = key, (a, b)
         return self._stack
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -134,23 +135,25 @@ class LoraLinear:
         if batch.index is not None:  # several adapters: two batched matmuls over the padded groups
             if not any(i in self.weights for i in batch.ids):
                 return y
-            a, bt = self._stacked(batch.ids)
+            a, b = self._stacked(batch.ids)
             G = len(batch.ids)
             xg = x.index_select(0, batch.index).view(G, -1, x.shape[1]).float()  # [G, n, in]
             h = torch.bmm(xg, a.transpose(1, 2)).mul_(batch.scales)  # [G, n, R]
-            y.index_add_(0, batch.index, torch.bmm(h, bt).view(-1, y.shape[1]).to(y.dtype))
+            y.index_add_(0, batch.index, torch.bmm(h, b.transpose(1, 2)).view(-1, y.shape[1]).to(y.dtype))
             return y
         g = batch.groups[0]
         w = self.weights.get(g.adapter_id)
         if w is None:
             return y
         a, b = w
+        # F.linear (x @ W^T on the [out, in] weights as stored): torch's mm of a transposed view takes a
+        # slower path in some builds
         if g.rows is None:
-            h = torch.mm(x.float(), a.t()).mul_(g.scales)  # [T, R]
-            y.add_(torch.mm(h, b.t()).to(y.dtype))
+            h = F.linear(x.float(), a).mul_(g.scales)  # [T, R]
+            y.add_(F.linear(h, b).to(y.dtype))
         else:
-            h = torch.mm(x.index_select(0, g.rows).float(), a.t()).mul_(g.scales)  # [n, R]
-            y.index_add_(0, g.rows, torch.mm(h, b.t()).to(y.dtype))
+            h = F.linear(x.index_select(0, g.rows).float(), a).mul_(g.scales)  # [n, R]
+            y.index_add_(0, g.rows, F.linear(h, b).to(y.dtype))
         return y
 
 
