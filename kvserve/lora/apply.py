@@ -8,8 +8,11 @@ scales. For each group::
 
     y[rows] += ((x[rows] @ a^T) * scales) @ b^T          # x: [n, in], a^T: [in, R], b^T: [R, out]
 
-(punica's "shrink" then "expand", as gathered small GEMMs per adapter: a row costs (in + out) * R
-multiply-adds per adapter, against in * out for the base). Rows of no adapter are never touched. The
+(punica's "shrink" then "expand": a row costs (in + out) * R multiply-adds per adapter, against
+in * out for the base). A step of one adapter runs two plain matmuls; a step of several runs the same
+as two batched matmuls over the groups padded to the largest (``torch.bmm`` of the adapters' stacked
+weights, cached per Linear for the step's adapter set), so the Python cost per projection does not
+grow with the number of adapters. Rows of no adapter are never touched. The
 base weights stay as they are (packed, any kernel); the delta runs in float32 on the activations.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 #: a Linear attribute name -> the module names its output rows hold, in order
 _PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",),
@@ -36,10 +40,21 @@ class LoraGroup:
 
 @dataclass(slots=True)
 class LoraBatch:
-    """One step's adapter groups (what every LoraLinear reads while the step runs)."""
+    """One step's adapter groups (what every LoraLinear reads while the step runs).
+
+    Attributes:
+        groups: one LoraGroup per adapter (ids in first-seen order).
+        n_rows: the step's rows T.
+        ids: the groups' adapter ids, in order (the key of each LoraLinear's stacked weights).
+        index: [G * maxn] long, each group's rows padded to ``maxn`` (with row 0).
+        scales: [G, maxn, 1] float32, each row's scale (0 on padding, so it adds nothing).
+    """
 
     groups: list[LoraGroup]
     n_rows: int
+    ids: tuple[int, ...] = ()
+    index: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
 
     @property
     def adapter_ids(self) -> frozenset[int]:
@@ -67,14 +82,24 @@ class LoraBatch:
             sc = torch.tensor(scales[aid], dtype=torch.float32, device=device).unsqueeze(1)
             idx = None if r == list(range(n_rows)) else torch.tensor(r, dtype=torch.long, device=device)
             groups.append(LoraGroup(aid, idx, sc))
-        return cls(groups, n_rows)
+        batch = cls(groups, n_rows, tuple(rows))
+        if len(groups) > 1:  # the padded layout of the batched (bmm) path
+            maxn = max(len(r) for r in rows.values())
+            index = torch.zeros(len(rows), maxn, dtype=torch.long)
+            sc = torch.zeros(len(rows), maxn, 1, dtype=torch.float32)
+            for g, aid in enumerate(rows):
+                n = len(rows[aid])
+                index[g, :n] = torch.tensor(rows[aid], dtype=torch.long)
+                sc[g, :n, 0] = torch.tensor(scales[aid], dtype=torch.float32)
+            batch.index, batch.scales = index.view(-1).to(device), sc.to(device)
+        return batch
 
 
 class LoraLinear:
     """The adapters of one Linear (see the module docstring). ``registry.active`` is the step's
     LoraBatch (None: no adapter rows in this step)."""
 
-    __slots__ = ("registry", "parts", "weights")
+    __slots__ = ("registry", "parts", "weights", "_stack_key", "_stack")
 
     def __init__(self, registry, parts: list[tuple[str, int, int]]):
         self.registry = registry
@@ -82,24 +107,53 @@ class LoraLinear:
         self.parts = parts
         #: adapter id -> (a [R, in], b [out, R]) float32
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stack_key: tuple | None = None
+        #: the last step's adapters stacked: a [G, Rmax, in], b [G, out, Rmax] (zero-padded ranks)
+        self._stack: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _stacked(self, ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adapters ``ids`` stacked (an adapter this Linear lacks: zeros), cached per id tuple."""
+        key = (ids, tuple(id(self.weights.get(i)) for i in ids))
+        if self._stack_key != key:
+            ws = [self.weights.get(i) for i in ids]
+            some = next(w for w in ws if w is not None)
+            r = max(w[0].shape[0] for w in ws if w is not None)
+            a = some[0].new_zeros(len(ids), r, some[0].shape[1])
+            b = some[1].new_zeros(len(ids), some[1].shape[0], r)
+            for g, w in enumerate(ws):
+                if w is not None:
+                    a[g, :w[0].shape[0]] = w[0]
+                    b[g, :, :w[0].shape[0]] = w[1]
+            self._stack_key, self._stack = key, (a, b)
+        return self._stack
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Add the step's deltas to ``y`` ([T, out] float32, the base output of ``x`` [T, in])."""
         batch = self.registry.active
         if batch is None or batch.n_rows != x.shape[0]:
             return y
-        weights = self.weights
-        for g in batch.groups:
-            w = weights.get(g.adapter_id)
-            if w is None:
-                continue
-            a, b = w
-            if g.rows is None:
-                h = torch.mm(x.float(), a.t()).mul_(g.scales)  # [T, R]
-                y.add_(torch.mm(h, b.t()).to(y.dtype))
-            else:
-                h = torch.mm(x.index_select(0, g.rows).float(), a.t()).mul_(g.scales)  # [n, R]
-                y.index_add_(0, g.rows, torch.mm(h, b.t()).to(y.dtype))
+        if batch.index is not None:  # several adapters: two batched matmuls over the padded groups
+            if not any(i in self.weights for i in batch.ids):
+                return y
+            a, b = self._stacked(batch.ids)
+            G = len(batch.ids)
+            xg = x.index_select(0, batch.index).view(G, -1, x.shape[1]).float()  # [G, n, in]
+            h = torch.bmm(xg, a.transpose(1, 2)).mul_(batch.scales)  # [G, n, R]
+            y.index_add_(0, batch.index, torch.bmm(h, b.transpose(1, 2)).view(-1, y.shape[1]).to(y.dtype))
+            return y
+        g = batch.groups[0]
+        w = self.weights.get(g.adapter_id)
+        if w is None:
+            return y
+        a, b = w
+        # F.linear (x @ W^T on the [out, in] weights as stored): torch's mm of a transposed view takes a
+        # slower path in some builds
+        if g.rows is None:
+            h = F.linear(x.float(), a).mul_(g.scales)  # [T, R]
+            y.add_(F.linear(h, b).to(y.dtype))
+        else:
+            h = F.linear(x.index_select(0, g.rows).float(), a).mul_(g.scales)  # [n, R]
+            y.index_add_(0, g.rows, F.linear(h, b).to(y.dtype))
         return y
 
 
