@@ -2,7 +2,7 @@
 
     python benchmarks/lora_streams.py [--model smollm2] [--streams 16] [--adapters 4] [--rank 16]
                                       [--targets all|attn] [--n-predict 64] [--prompt-tokens 64]
-                                      [--runs 2] [--dtype auto]
+                                      [--runs 2] [--dtype auto] [--threads 0]
 
 In process (``EngineCore``, no HTTP), on kvserve's defaults for the model (``--dtype auto``: packed
 weights, the native decode step where the CPU has it). The adapters are random float32 A/B of rank
@@ -15,7 +15,14 @@ kinds of run alternate (base, lora, base, lora, ...) so that machine load hits b
 Figures per run: ``tok_s`` (generated tokens / wall seconds, prefill included) and ``decode_tok_s``
 (tokens / seconds of the steps in which every stream decodes). Prints one JSON object: the
 settings, every run's figures, the medians and ``ratio`` = LoRA decode tok/s / base decode tok/s
-(the issue's goal: >= 0.8), plus how many LoRA steps ran on the eager path.
+(the issue's goal: >= 0.8), plus how many LoRA steps ran on the eager path. A third kind of run,
+``base_eager``, is the base with the native decode step switched off: the path LoRA steps take, so
+``ratio_vs_eager_base`` is what the deltas themselves cost.
+
+LoRA steps run the eager model (the native decode step adds no delta): on a loaded machine the eager
+path's multi-threaded torch ops stall on descheduled threads (a [4, 576] x [576, 32] matmul measured
+0.005 ms with one thread and 2-28 ms with two on a 2-core machine at load 10), so measure on an idle
+machine, or compare with ``--threads 1``.
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (-t; 0: every core)")
     a = ap.parse_args()
 
     import torch
@@ -105,7 +113,8 @@ def main() -> None:
     path = a.model if Path(a.model).exists() else str(resolve_model(a.model, pull_missing=True))
     loaded = load_files(path)
     n_ctx = (a.prompt_tokens + a.n_predict + 16) * a.streams
-    core = EngineCore(loaded, EngineConfig(n_ctx=n_ctx, n_parallel=a.streams, kv_unified=True, dtype=a.dtype))
+    core = EngineCore(loaded, EngineConfig(n_ctx=n_ctx, n_parallel=a.streams, kv_unified=True, dtype=a.dtype,
+                                           threads=a.threads))
     nat = getattr(core.runner, "native", None)
     if nat is not None and nat.reason is None:
         nat.wait(300)
@@ -118,12 +127,17 @@ def main() -> None:
     def prompts(run: int) -> list[list[int]]:  # distinct per stream and run: nothing cached
         return [torch.randint(100, vocab - 1, (a.prompt_tokens,), generator=g).tolist() for _ in range(a.streams)]
 
-    base_runs, lora_runs = [], []
+    base_runs, lora_runs, eager_runs = [], [], []
     run_once(core, prompts(-1)[:2], 4, [()] * 2)  # warm-up (kernels, allocator)
     for i in range(a.runs):
-        base_runs.append(run_once(core, prompts(2 * i), a.n_predict, [()] * a.streams))
-        lora_runs.append(run_once(core, prompts(2 * i + 1), a.n_predict,
+        base_runs.append(run_once(core, prompts(3 * i), a.n_predict, [()] * a.streams))
+        lora_runs.append(run_once(core, prompts(3 * i + 1), a.n_predict,
                                   [((ids[j % len(ids)], 1.0),) for j in range(a.streams)]))
+        native, core.runner.native = core.runner.native, None  # the base on the path LoRA steps take
+        try:
+            eager_runs.append(run_once(core, prompts(3 * i + 2), a.n_predict, [()] * a.streams))
+        finally:
+            core.runner.native = native
 
     def med(runs, key):
         vals = [r[key] for r in runs if r[key] is not None]
@@ -133,10 +147,14 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "lora_streams", "model": path, "arch": loaded.config.arch, "streams": a.streams,
         "adapters": a.adapters, "rank": a.rank, "targets": list(targets), "n_predict": a.n_predict,
-        "prompt_tokens": a.prompt_tokens, "dtype": a.dtype,
+        "prompt_tokens": a.prompt_tokens, "dtype": a.dtype, "threads": torch.get_num_threads(),
         "native_decode": bool(nat is not None and nat.ready), "adapter_mib": round(reg.nbytes / 2 ** 20, 2),
         "base": {"tok_s": med(base_runs, "tok_s"), "decode_tok_s": base_dec, "runs": base_runs},
         "lora": {"tok_s": med(lora_runs, "tok_s"), "decode_tok_s": lora_dec, "runs": lora_runs},
+        "base_eager": {"tok_s": med(eager_runs, "tok_s"), "decode_tok_s": med(eager_runs, "decode_tok_s"),
+                       "runs": eager_runs},
+        "ratio_vs_eager_base": (round(lora_dec / med(eager_runs, "decode_tok_s"), 3)
+                                if lora_dec and med(eager_runs, "decode_tok_s") else None),
         "ratio": round(lora_dec / base_dec, 3) if base_dec and lora_dec else None,
         "machine": {"cpu_count": torch.get_num_threads(), "platform": platform.platform()},
     }, indent=2))

@@ -299,7 +299,7 @@ class CompletionHandler:
             tokens_predicted=n_pred,
             tokens_evaluated=out.num_prompt_tokens,
             generation_settings=params_to_dict(params, stream=opts["stream"], grammar=opts["grammar"],
-                                               lora=c.request.lora),
+                                               lora=getattr(c.request, "lora", ())),
             prompt=c.prompt_text,
             has_new_line="\n" in c.content,
             truncated=out.truncated,
@@ -761,7 +761,7 @@ async def metrics(state: ServerState, http: HttpRequest) -> Response:
 def _lora_entries(runner: Runner) -> list[dict]:
     """llama-server's ``GET /lora-adapters`` list: ``id``, ``path``, ``scale`` (the global scale),
     ``task_name``, ``prompt_prefix`` (the GGUF's ``adapter.lora.*`` keys, "" otherwise)."""
-    reg = runner.lora
+    reg = getattr(runner, "lora", None)  # an embedding runner has none
     if reg is None:
         return []
     return [{"id": e.id, "path": e.path, "scale": e.scale, "task_name": e.adapter.task_name,
@@ -791,7 +791,7 @@ async def set_lora_adapters(state: ServerState, http: HttpRequest) -> Response:
 
     async def run(runner: Runner) -> Response:
         runner.require_ready()
-        reg = runner.lora
+        reg = getattr(runner, "lora", None)
         if reg is None:
             if scales:
                 raise ApiError(400, f"invalid adapter id {next(iter(scales))}: this model has no LoRA adapters")

@@ -33,6 +33,14 @@ routing a vLLM ``model`` name to an adapter does::
     entry = runner.lora.get(name)                 # LoraEntry or None
     lora = runner.lora.resolve([(entry.id, 1.0)])  # -> ((entry.id, 1.0),)
 
+Adapters chosen by name on a runner that also serves the base (vLLM's ``--lora-modules`` /
+``/v1/load_lora_adapter``) should be added with ``scale=0.0``: the global scales apply to every
+request that names no adapters (llama-server's semantics), so an adapter added with scale 1.0 would
+change the base model's answers too. (A runner of its own for base + adapter, as an Ollama model
+with an adapter layer could be, adds it with 1.0.) Start-up adapters travel in ``ModelSpec.adapters`` (``(path, global
+scale)`` pairs, loaded by ``kvserve.serving.chat_runner.load_adapters`` with the runner, a failure
+failing the load); ``LoraRegistry.nbytes`` is their memory.
+
 The engine (:mod:`kvserve.lora.apply`) adds ``(x @ A^T) @ B^T * module_scale * scale`` to each target
 projection's output for the rows of that request; one step mixes rows of several adapters and of
 none. ``module_scale`` is ``alpha / r`` (``alpha / sqrt(r)`` with rslora; a GGUF adapter's alpha of 0

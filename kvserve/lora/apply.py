@@ -1,26 +1,26 @@
 """Multi-LoRA in the forward: each target Linear adds its adapters' deltas to its own output.
 
 A model's fused projections (q|k|v, gate|up) keep one :class:`LoraLinear` each; per adapter it holds
-``a`` [R, in] (the modules' A stacked) and ``b`` [out, R] (their B, module scales folded in, block
-diagonal over the fused parts, zero rows where the adapter leaves a part alone). A step's
-:class:`LoraBatch` groups the rows by adapter: per adapter, the rows' indices and their request
-scales. For each group::
+``a`` [R, in] (the A of the parts it targets, stacked) and per part a ``b`` [rows, r] (its B, module
+scale folded in). A step's :class:`LoraBatch` groups the rows by adapter: per adapter, the rows'
+indices and their request scales. For each group and part::
 
-    y[rows] += ((x[rows] @ a^T) * scales) @ b^T          # x: [n, in], a^T: [in, R], b^T: [R, out]
+    h = (x[rows] @ a^T) * scales                   # x: [n, in], a^T: [in, R] -> h: [n, R]
+    y[rows, part] += h[:, part's ranks] @ b^T       # b^T: [r, rows of the part]
 
-(punica's "shrink" then "expand": a row costs (in + out) * R multiply-adds per adapter, against
-in * out for the base). A step of one adapter runs two plain matmuls; a step of several runs the same
-as two batched matmuls over the groups padded to the largest (``torch.bmm`` of the adapters' stacked
-weights, cached per Linear for the step's adapter set), so the Python cost per projection does not
-grow with the number of adapters. Rows of no adapter are never touched. The
-base weights stay as they are (packed, any kernel); the delta runs in float32 on the activations.
-"""
+(punica's "shrink" then "expand": a row costs about (in + out) * r multiply-adds per adapter and
+module, against in * out for the base). A step of one adapter runs plain matmuls; a step of several
+runs them as batched matmuls over the groups padded to the largest (``torch.bmm`` of the adapters'
+stacked weights, cached per Linear for the step's adapter set), so the Python cost per projection
+does not grow with the number of adapters. Rows of no adapter are never touched. The base weights
+stay as they are (packed, any kernel); the delta runs in float32 on the activations."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 #: a Linear attribute name -> the module names its output rows hold, in order
 _PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",),
@@ -96,7 +96,11 @@ class LoraBatch:
 
 class LoraLinear:
     """The adapters of one Linear (see the module docstring). ``registry.active`` is the step's
-    LoraBatch (None: no adapter rows in this step)."""
+    LoraBatch (None: no adapter rows in this step).
+
+    Per adapter it keeps ``a`` [R, in] (the A of every fused part it targets, stacked) and, per part,
+    ``(first output row, rows, first rank, end rank, b)`` with ``b`` [rows, rank] (the part's B times
+    its module scale): each part's output multiplies only its own rank slice of ``x @ a^T``."""
 
     __slots__ = ("registry", "parts", "weights", "_stack_key", "_stack")
 
@@ -104,26 +108,41 @@ class LoraLinear:
         self.registry = registry
         #: (module suffix, first output row, rows) of each fused part
         self.parts = parts
-        #: adapter id -> (a [R, in], b [out, R]) float32
-        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: adapter id -> (a [R, in], [(out0, n_out, r0, r1, b [n_out, r1 - r0]), ...]) float32
+        self.weights: dict[int, tuple[torch.Tensor, list]] = {}
         self._stack_key: tuple | None = None
-        #: the last step's adapters stacked: a [G, Rmax, in], b^T [G, Rmax, out] (zero-padded ranks)
-        self._stack: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: the last step's adapters stacked: (a [G, W, in], [(out0, n_out, c0, c1, b [G, n_out, c1 - c0])]),
+        #: each part's ranks in its own zero-padded column range [c0, c1)
+        self._stack: tuple | None = None
 
-    def _stacked(self, ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _stacked(self, ids: tuple[int, ...]):
         """The adapters ``ids`` stacked (an adapter this Linear lacks: zeros), cached per id tuple."""
         key = (ids, tuple(id(self.weights.get(i)) for i in ids))
-        if self._stack_key != key:
-            ws = [self.weights.get(i) for i in ids]
-            some = next(w for w in ws if w is not None)
-            r = max(w[0].shape[0] for w in ws if w is not None)
-            a = some[0].new_zeros(len(ids), r, some[0].shape[1])
-            bt = some[1].new_zeros(len(ids), r, some[1].shape[0])
-            for g, w in enumerate(ws):
-                if w is not None:
-                    a[g, :w[0].shape[0]] = w[0]
-                    bt[g, :w[0].shape[0]] = w[1].t()
-            self._stack_key, self._stack = key, (a, bt)
+        if self._stack_key == key:
+            return self._stack
+        ws = [self.weights.get(i) for i in ids]
+        some = next(w for w in ws if w is not None)
+        # every part's widest rank among these adapters, in part order
+        widths: dict[int, int] = {}
+        for w in ws:
+            for out0, n_out, r0, r1, _ in (w[1] if w is not None else ()):
+                widths[out0] = max(widths.get(out0, 0), r1 - r0)
+        cols, c = {}, 0
+        for out0 in sorted(widths):
+            cols[out0] = (c, c + widths[out0])
+            c += widths[out0]
+        a = some[0].new_zeros(len(ids), c, some[0].shape[1])
+        sizes = {out0: n_out for w in ws if w is not None for out0, n_out, *_ in w[1]}
+        bs = {out0: some[0].new_zeros(len(ids), sizes[out0], c1 - c0) for out0, (c0, c1) in cols.items()}
+        for g, w in enumerate(ws):
+            if w is None:
+                continue
+            for out0, n_out, r0, r1, b in w[1]:
+                c0 = cols[out0][0]
+                a[g, c0:c0 + r1 - r0] = w[0][r0:r1]
+                bs[out0][g, :, :r1 - r0] = b
+        parts = [(out0, sizes[out0], c0, c1, bs[out0]) for out0, (c0, c1) in cols.items()]
+        self._stack_key, self._stack = key, (a, parts)
         return self._stack
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -131,26 +150,32 @@ class LoraLinear:
         batch = self.registry.active
         if batch is None or batch.n_rows != x.shape[0]:
             return y
-        if batch.index is not None:  # several adapters: two batched matmuls over the padded groups
+        if batch.index is not None:  # several adapters: batched matmuls over the padded groups
             if not any(i in self.weights for i in batch.ids):
                 return y
-            a, bt = self._stacked(batch.ids)
+            a, parts = self._stacked(batch.ids)
             G = len(batch.ids)
             xg = x.index_select(0, batch.index).view(G, -1, x.shape[1]).float()  # [G, n, in]
-            h = torch.bmm(xg, a.transpose(1, 2)).mul_(batch.scales)  # [G, n, R]
-            y.index_add_(0, batch.index, torch.bmm(h, bt).view(-1, y.shape[1]).to(y.dtype))
+            h = torch.bmm(xg, a.transpose(1, 2)).mul_(batch.scales)  # [G, n, W]
+            for out0, n_out, c0, c1, b in parts:
+                d = torch.bmm(h[:, :, c0:c1], b.transpose(1, 2))  # [G, n, n_out]
+                y[:, out0:out0 + n_out].index_add_(0, batch.index, d.view(-1, n_out).to(y.dtype))
             return y
         g = batch.groups[0]
         w = self.weights.get(g.adapter_id)
         if w is None:
             return y
-        a, b = w
-        if g.rows is None:
-            h = torch.mm(x.float(), a.t()).mul_(g.scales)  # [T, R]
-            y.add_(torch.mm(h, b.t()).to(y.dtype))
-        else:
-            h = torch.mm(x.index_select(0, g.rows).float(), a.t()).mul_(g.scales)  # [n, R]
-            y.index_add_(0, g.rows, torch.mm(h, b.t()).to(y.dtype))
+        a, parts = w
+        # F.linear (x @ W^T on the [out, in] weights as stored): torch's mm of a transposed view takes a
+        # slower path in some builds
+        xs = x.float() if g.rows is None else x.index_select(0, g.rows).float()
+        h = F.linear(xs, a).mul_(g.scales)  # [n, R]
+        for out0, n_out, r0, r1, b in parts:
+            d = F.linear(h[:, r0:r1], b).to(y.dtype)  # [n, n_out]
+            if g.rows is None:
+                y[:, out0:out0 + n_out].add_(d)
+            else:
+                y[:, out0:out0 + n_out].index_add_(0, g.rows, d)
         return y
 
 
@@ -176,27 +201,24 @@ def _parts(model, attr: str, lin) -> list[tuple[str, int, int]]:
 
 
 def install(registry, model, aid: int, adapter) -> None:
-    """Give every Linear the adapter touches its fused (a, b) under id ``aid`` (a LoraLinear is
+    """Give every Linear the adapter touches its (a, parts) under id ``aid`` (a LoraLinear is
     attached on first use)."""
+    dev = getattr(model, "device", torch.device("cpu"))
     for i, attr, lin in _linears(model):
         parts = _parts(model, attr, lin)
-        mods = [(name, off, n, adapter.modules.get(f"blk.{i}.{name}")) for name, off, n in parts]
+        mods = [(off, n, adapter.modules.get(f"blk.{i}.{name}")) for name, off, n in parts]
         if all(m is None for *_, m in mods):
             continue
-        R = sum(m.rank for *_, m in mods if m is not None)
-        a = torch.zeros(R, lin.in_features, dtype=torch.float32)
-        b = torch.zeros(lin.out_features, R, dtype=torch.float32)
-        r0 = 0
-        for name, off, n, m in mods:
+        a = torch.cat([m.a for *_, m in mods if m is not None]).to(torch.float32)
+        out, r0 = [], 0
+        for off, n, m in mods:
             if m is None:
                 continue
-            a[r0:r0 + m.rank] = m.a
-            b[off:off + n, r0:r0 + m.rank] = m.b * m.scale
+            out.append((off, n, r0, r0 + m.rank, (m.b * m.scale).contiguous().to(dev)))
             r0 += m.rank
-        dev = getattr(model, "device", torch.device("cpu"))
         if getattr(lin, "lora", None) is None:
             lin.lora = LoraLinear(registry, parts)
-        lin.lora.weights[aid] = (a.to(dev), b.to(dev))
+        lin.lora.weights[aid] = (a.contiguous().to(dev), out)
 
 
 def uninstall(model, aid: int) -> None:

@@ -101,6 +101,8 @@ def test_models_list_parent_and_root(srv, client, files):
     assert data["tiny"]["parent"] is None
     one = httpx.get(srv.url("/v1/models/sql")).json()
     assert (one["id"], one["parent"], one["root"]) == ("sql", "tiny", str(files["peft"]))
+    shown = httpx.post(srv.url("/api/show"), json={"model": "sql"}, timeout=60).json()["modelfile"]
+    assert f"\nADAPTER {files['peft']}\n" in shown  # Ollama's show: the adapter after FROM
 
 
 def test_openai_client_adapter_tokens_equal_merged(client, reference):
