@@ -435,3 +435,30 @@ def test_non_finite_adapter_refused(core, files, tmp_path):
     save_file(t, str(d / "adapter_model.safetensors"))
     with pytest.raises(InvalidInputError, match=r"module model\.layers\.1\.mlp\.up_proj: non-finite"):
         load_adapter(str(d), core.model)
+
+
+def test_removing_an_adapter_mid_request_keeps_the_engine_going(files, refs):
+    """An adapter removed while a request uses it: the engine goes on (that request's later rows get
+    no delta), another adapter's request is unaffected, and the id is never reused."""
+    c = make_core(files["base"])
+    reg = c.runner.lora
+    a = reg.load(files["peft1"])
+    b = reg.load(files["peft2"])
+    ra, rb = req([(a, 1.0)], n=6), req([(b, 1.0)], n=6)
+    c.add_request(ra)
+    c.add_request(rb)
+    toks: dict[str, list[int]] = {ra.request_id: [], rb.request_id: []}
+    done: set[str] = set()
+    for step in range(50):
+        if step == 2:
+            reg.remove(a)
+        for o in c.step():
+            toks[o.request_id] += o.new_token_ids
+            if o.finished:
+                done.add(o.request_id)
+        if len(done) == 2:
+            break
+    assert done == {ra.request_id, rb.request_id}
+    assert len(toks[ra.request_id]) == 6 and ra.stop_type == "limit"
+    assert toks[rb.request_id] == refs["merged2"][0][:6]
+    assert reg.load(files["peft1"]) == 2
