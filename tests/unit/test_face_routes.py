@@ -33,6 +33,8 @@ LLAMA_ROUTES = [
     ("/slots", ["GET"]),
     ("/slots/{id_slot}", ["POST"]),
     ("/metrics", ["GET"]),
+    ("/lora-adapters", ["GET"]),
+    ("/lora-adapters", ["POST"]),
 ]
 
 OLLAMA_ROUTES = [
