@@ -251,7 +251,6 @@ class CompletionHandler:
             raise ApiError(400, '"prompt" must be provided')
         sampling = sampling_fields(body, tok, max_tokens_keys=("n_predict", "max_tokens"),
                                    max_logprobs=runner.args.max_logprobs)
-        sampling.pop("n_predict_default", None)  # the client's own limit
         id_slot = get_int(body, "id_slot", -1)
         opts = {
             "stream": bool(get_bool(body, "stream", False)),
