@@ -47,8 +47,9 @@ if TYPE_CHECKING:
     from kvserve.serving.chat_runner import Runner
 
 __all__ = ["ChatFeatures", "Plan", "apply_sampling", "constraint_factory", "engine_requests", "features",
-           "grammar_text", "is_harmony", "plan_chat", "request_template", "server_context", "template_variables", "thinking_opened",
-           "tool_constraint", "truncate_ids", "validate_requests", "with_prompt_logprobs", "with_system_text"]
+           "grammar_text", "is_harmony", "plan_chat", "request_template", "server_context", "template_variables",
+           "thinking_opened", "tool_constraint", "truncate_ids", "validate_requests", "with_prompt_logprobs",
+           "with_request_template", "with_system_text"]
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
@@ -533,6 +534,18 @@ def request_template(runner: Runner, source: str):
         raise InvalidInputError(f"chat_template: {e}") from None
 
 
+def with_request_template(runner: Runner, source: str | None) -> Runner:
+    """``runner`` itself (``source`` None), or ``runner`` seen with the request's own chat template
+    ``source`` (:func:`request_template`) for planning and rendering.
+
+    Raises:
+        InvalidInputError: the template does not compile.
+    """
+    if source is None:
+        return runner
+    return _RequestTemplate(runner, request_template(runner, source))  # type: ignore[return-value]
+
+
 def plan_chat(runner: Runner, req: ChatRequest) -> Plan:
     """Plan ``req`` on ``runner``: render, constrain, build and check the engine requests.
 
@@ -545,8 +558,7 @@ def plan_chat(runner: Runner, req: ChatRequest) -> Plan:
     """
     runner.require_ready()
     runner.require_generative()
-    if req.template.chat_template is not None:
-        runner = _RequestTemplate(runner, request_template(runner, req.template.chat_template))
+    runner = with_request_template(runner, req.template.chat_template)
     if runner.template is None:
         raise ServerFaultError("this model has no chat template; use /v1/completions")
     feats = features(runner, req)

@@ -239,3 +239,17 @@ def test_a_trusted_request_chat_template_renders_the_prompt(runner, monkeypatch)
     assert (e.value.status, e.value.message) == (400, "Field 'chat_template': type must be string, but is number")
     with pytest.raises(InvalidInputError, match=r"^chat_template: chat template syntax error at line 1"):
         plan_chat(runner, ChatRequest(_user("hi"), "r", template=TemplateOptions(chat_template="{% if %}")))
+
+
+def test_vllm_tokenize_takes_a_request_chat_template_under_the_same_rule(runner, monkeypatch):
+    """vLLM's /tokenize (TokenizeChatRequest) has ``chat_template`` too, refused the same way."""
+    from kvserve.faces.llama_api import vllm_tokenize
+
+    body = {"messages": _user("hi"), "chat_template": _TEMPLATE}
+    with pytest.raises(ApiError) as e:
+        vllm_tokenize(runner, body)
+    assert (e.value.status, e.value.message) == (400, _UNTRUSTED)
+    monkeypatch.setattr(runner.args, "trust_request_chat_template", True)
+    got = vllm_tokenize(runner, body)
+    assert got.tokens == runner.tokenizer.encode("[user]hi[assistant]", add_special=False, parse_special=True)
+    assert got.count == len(got.tokens)
