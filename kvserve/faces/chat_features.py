@@ -44,7 +44,8 @@ from kvserve.serving.chat_plan import ChatFeatures, features, template_variables
 from kvserve.serving.chat_request import ChatRequest, ReasoningOptions, TemplateOptions
 
 __all__ = ["chat_features", "check_tool_choice", "parse_tool_choice", "parse_tools", "prompt_messages",
-           "read_chat_options", "read_reasoning_options", "read_template_options", "template_kwargs",
+           "read_chat_options", "read_reasoning_options", "read_template_options", "request_chat_template",
+           "template_kwargs",
            "with_system_text"]
 
 
@@ -130,6 +131,39 @@ def read_template_options(body: dict) -> TemplateOptions:
     return opts
 
 
+#: vLLM's refusal of a request's chat template without ``--trust-request-chat-template``
+#: (``OpenAIServing._validate_chat_template``), word for word
+UNTRUSTED_CHAT_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                           "Refused request with untrusted chat template.")
+
+
+def request_chat_template(args, body: dict) -> str | None:
+    """The request's own chat template (vLLM's ``chat_template`` field), None when it gives none.
+
+    As vLLM: a ``chat_template`` field, or a ``chat_template`` key of ``chat_template_kwargs``,
+    that is not null is refused unless the server runs with ``--trust-request-chat-template``;
+    trusted, the field's Jinja text renders this request's prompt (the key is not a template
+    variable: vLLM leaves ``chat_template`` out of the template's variables).
+    llama-server has no such field (it ignores it).
+
+    Raises:
+        ApiError: 400 with vLLM's text when untrusted; 400 when the field is not a string.
+    """
+    source = body.get("chat_template")
+    kwargs = body.get("chat_template_kwargs")
+    in_kwargs = isinstance(kwargs, dict) and kwargs.get("chat_template") is not None
+    if source is None and not in_kwargs:
+        return None
+    if not getattr(args, "trust_request_chat_template", False):
+        raise ApiError(400, UNTRUSTED_CHAT_TEMPLATE)
+    if source is None:
+        return None
+    if not isinstance(source, str):
+        raise type_error("chat_template", "string", source)
+    check_text(source, "chat_template")
+    return source
+
+
 def template_kwargs(args, body: dict, template=None, tools: list | None = None) -> dict:
     """Extra template variables: ``--chat-template-kwargs``, ``--reasoning on|off``
     (``enable_thinking``), the variables llama-server gives a Jinja ``template``
@@ -177,7 +211,9 @@ def read_chat_options(args, body: dict, req: ChatRequest) -> None:
     par = get_bool(body, "parallel_tool_calls", True)
     req.parallel_tool_calls = True if par is None else par
     opts = read_template_options(body)
-    req.template.documents, req.template.variables = opts.documents, opts.variables
+    req.template.chat_template = request_chat_template(args, body)
+    variables = {k: v for k, v in opts.variables.items() if k != "chat_template"}
+    req.template.documents, req.template.variables = opts.documents, variables
     effort = get_str(body, "reasoning_effort")
     req.reasoning = read_reasoning_options(args, body)
     req.reasoning.effort = effort

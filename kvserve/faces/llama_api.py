@@ -252,7 +252,6 @@ class CompletionHandler:
             raise ApiError(400, '"prompt" must be provided')
         sampling = sampling_fields(body, tok, max_tokens_keys=("n_predict", "max_tokens"),
                                    max_logprobs=runner.args.max_logprobs)
-        sampling.pop("n_predict_default", None)  # the client's own limit
         id_slot = get_int(body, "id_slot", -1)
         opts = {
             "stream": bool(get_bool(body, "stream", False)),
@@ -468,10 +467,12 @@ def vllm_tokenize(runner: Runner, body: dict) -> VllmTokenizeResponse:
     if "messages" in body and body.get("prompt") is None:
         if runner.template is None:
             raise ApiError(500, "the model has no chat template")
-        from kvserve.faces.chat_features import parse_tools, prompt_messages, template_kwargs
-        from kvserve.serving.chat_plan import render_prompt
+        from kvserve.faces.chat_features import parse_tools, prompt_messages, request_chat_template, template_kwargs
+        from kvserve.serving.chat_plan import render_prompt, with_request_template
 
         tools = parse_tools(body.get("tools"))
+        # vLLM's TokenizeChatRequest takes chat_template too, under the same trust rule
+        runner = with_request_template(runner, request_chat_template(runner.args, body))
         text, ids = render_prompt(runner, prompt_messages(runner, body),
                                   add_generation_prompt=get_bool(body, "add_generation_prompt", True),
                                   tools=tools,

@@ -636,7 +636,6 @@ def _completion_request(call: _Call, runner: Runner, rules: _Rules, prompt: Prom
     if not fields["stop"]:
         del fields["stop"]
     sampling = sampling_fields(fields, runner.tokenizer, max_logprobs=runner.args.max_logprobs)
-    sampling.pop("n_predict_default", None)  # the request's rule below
     return CompletionRequest([prompt], new_id("cmpl-"), model=call.model, keep_alive=call.keep_alive,
                              sampling=sampling, n_predict_is_default=rules.n_predict_is_default,
                              response_format=rules.spec, refuse_empty=True, owner=caller())

@@ -236,7 +236,6 @@ def chat_request(runner: Runner, body: dict) -> ChatRequest:
     req.template.continue_final_message, req.template.add_generation_prompt = _continuation_fields(body)
     req.sampling = sampling_fields(body, runner.tokenizer, max_tokens_keys=_CHAT_MAX_TOKENS_KEYS,
                                    max_logprobs=_max_logprobs(runner))
-    req.sampling.pop("n_predict_default", None)  # the client's own limit: the planner sets it from the request
     req.response_format = _constraint_spec(body)
     req.skip_special_tokens, req.spaces_between_special_tokens = _special_token_fields(body)
     req.stream = StreamOptions(stream, include_usage, _return_progress(body))
@@ -390,7 +389,6 @@ def _completion_sampling(runner: Runner, body: dict) -> dict:
     """The sampling fields of a legacy completion (``max_tokens`` or ``n_predict`` the limit)."""
     fields = sampling_fields(body, runner.tokenizer, max_tokens_keys=("max_tokens", "n_predict"),
                              max_logprobs=_max_logprobs(runner))
-    fields.pop("n_predict_default", None)  # the client's own limit: the planner sets it from the request
     return fields
 
 

@@ -247,8 +247,7 @@ def parse_logit_bias(v: Any, tokenizer) -> dict[int, float]:
 
 def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *,
                               max_tokens_keys: tuple[str, ...] = ("n_predict",),
-                              max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-                              n_predict_default: bool = False) -> SamplingParams:
+                              max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> SamplingParams:
     """Build SamplingParams from a request body over the server ``defaults``: the fields
     :func:`sampling_fields` reads, applied by :func:`kvserve.serving.chat_plan.apply_sampling`.
 
@@ -257,8 +256,7 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
     """
     from kvserve.serving.chat_plan import apply_sampling
 
-    kw = sampling_fields(body, tokenizer, max_tokens_keys=max_tokens_keys, max_logprobs=max_logprobs,
-                         n_predict_default=n_predict_default)
+    kw = sampling_fields(body, tokenizer, max_tokens_keys=max_tokens_keys, max_logprobs=max_logprobs)
     try:
         return apply_sampling(defaults, kw)
     except InvalidInputError as e:
@@ -266,7 +264,7 @@ def sampling_params_from_body(body: dict, defaults: SamplingParams, tokenizer, *
 
 
 def sampling_fields(body: dict, tokenizer, *, max_tokens_keys: tuple[str, ...] = ("n_predict",),
-                    max_logprobs: int = DEFAULT_MAX_LOGPROBS, n_predict_default: bool = False) -> dict[str, Any]:
+                    max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> dict[str, Any]:
     """The :class:`SamplingParams` fields a request body sets (llama-server's and OpenAI's names),
     checked for type and range; ``logit_bias`` as token id -> bias (not yet merged with the
     server's).
@@ -282,9 +280,11 @@ def sampling_fields(body: dict, tokenizer, *, max_tokens_keys: tuple[str, ...] =
             ``("max_completion_tokens", "max_tokens")`` on chat...).
         max_logprobs: ``--max-logprobs``: the largest ``n_probs`` allowed (-1: the
             vocabulary size, vLLM's "no cap").
-        n_predict_default: the body's ``n_predict`` is a default the face applied (Ollama's
-            ``num_predict`` layers), not the client's: admission caps it to the context's room
-            (``SamplingParams.n_predict_default``) instead of refusing it.
+
+    Whether ``n_predict`` is a default the face applied rather than the client's own limit is
+    not a body field: the request carries it (``ChatRequest.n_predict_is_default``,
+    ``CompletionRequest.n_predict_is_default``) and the plan sets
+    ``SamplingParams.n_predict_default`` from it.
 
     Output constraints (``grammar``, ``json_schema``, ``response_format``,
     ``structured_outputs``...) are not sampling parameters: faces read them with
@@ -319,8 +319,6 @@ def sampling_fields(body: dict, tokenizer, *, max_tokens_keys: tuple[str, ...] =
         v = get_int(body, key)
         if v is not None:
             kw["n_predict"] = v
-            # the request's own length is checked against the context; a default is capped to it
-            kw["n_predict_default"] = n_predict_default
             break
     seed = get_int(body, "seed")
     if seed is not None:

@@ -88,6 +88,7 @@ class ServerArgs:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     exclude_tools_when_tool_choice_none: bool = False
+    trust_request_chat_template: bool = False
     reasoning_format: str = "auto"
     reasoning_parser: str | None = None
     reasoning_budget: int = -1

@@ -187,14 +187,20 @@ class ChoiceOutput:
         self._reasoning = None
         self._tools = None
         self._counter = None
+        self._prefill_left = 0  # characters of the prefill the tool parser still holds back
         if mode.splits_reasoning:
             self._reasoning = self._new_reasoning()
         if mode.tool_parser is not None:
             # whole calls only: a call is sent once it closed and parsed, so a stream never
             # carries a call that the non-streamed answer drops (cut off by max_tokens, broken)
-            self._tools = get_tool_parser(mode.tool_parser, tools=mode.tools).stream(incremental=False)
-            if mode.prefill:
-                self._tools.feed(mode.prefill)  # content fragments of the prefill are not new text
+            parser = get_tool_parser(mode.tool_parser, tools=mode.tools)
+            self._tools = parser.stream(incremental=False)
+            if mode.prefill:  # content fragments of the prefill are not new text
+                sent = sum(len(f.get("content") or "") for f in self._tools.feed(mode.prefill))
+                if not parser.rewrites_content:
+                    # what it holds back (a call's opening, trailing space) comes out as content
+                    # later, before the new text, unless it becomes a call
+                    self._prefill_left = len(mode.prefill) - sent
 
     def _new_reasoning(self) -> ReasoningStreamer:
         m = self.mode
@@ -254,8 +260,14 @@ class ChoiceOutput:
                         fn = c["function"]
                         out.append(ToolCallPiece(c["index"], c["id"], fn["name"], fn["arguments"]))
                         self.has_tool_calls = True
+                self._prefill_left = 0  # the held-back prefill was the call's opening
             elif f.get("content") and not self.mode.forced_tools:
-                out.append(TextPiece(f["content"]))
+                text = f["content"]
+                if self._prefill_left:  # released prefill text: not new, as the whole answer says
+                    cut = min(self._prefill_left, len(text))
+                    text, self._prefill_left = text[cut:], self._prefill_left - cut
+                if text:
+                    out.append(TextPiece(text))
         return out
 
     # -- whole message ----------------------------------------------------------------

@@ -28,6 +28,7 @@ Errors are :mod:`kvserve.errors`' domain errors (a face maps them to its envelop
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -46,8 +47,9 @@ if TYPE_CHECKING:
     from kvserve.serving.chat_runner import Runner
 
 __all__ = ["ChatFeatures", "Plan", "apply_sampling", "constraint_factory", "engine_requests", "features",
-           "grammar_text", "is_harmony", "plan_chat", "server_context", "template_variables", "thinking_opened",
-           "tool_constraint", "truncate_ids", "validate_requests", "with_prompt_logprobs", "with_system_text"]
+           "grammar_text", "is_harmony", "plan_chat", "request_template", "server_context", "template_variables",
+           "thinking_opened", "tool_constraint", "truncate_ids", "validate_requests", "with_prompt_logprobs",
+           "with_request_template", "with_system_text"]
 
 _THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
 
@@ -521,6 +523,58 @@ def _sampling(runner: Runner, req: ChatRequest, mode: OutputMode) -> SamplingPar
                                preserved_token_ids(runner.tokenizer, mode))
 
 
+class _RequestTemplate:
+    """``runner`` seen with a request's own chat template (vLLM's ``chat_template`` field): every
+    decision of the plan (tool format, reasoning, rendering) reads ``template``; the rest is the
+    runner's."""
+
+    def __init__(self, runner: Runner, template) -> None:
+        self._runner = runner
+        self.template = template
+
+    def __getattr__(self, name: str):
+        return getattr(self._runner, name)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(source: str, bos: str, eos: str, content_format: str):
+    from kvserve.chat.builtin_templates import with_content_format
+    from kvserve.chat.template import ChatTemplate
+
+    return with_content_format(ChatTemplate, content_format)(source, bos, eos)
+
+
+def request_template(runner: Runner, source: str):
+    """A request's Jinja chat template (``source``) compiled for ``runner``'s tokenizer (its
+    BOS/EOS texts, ``--chat-template-content-format``), as vLLM renders a trusted request's
+    ``chat_template`` in place of the model's. The last 16 compiled templates are kept.
+
+    Raises:
+        InvalidInputError: the template does not compile.
+    """
+    from kvserve.chat.template import TemplateError
+
+    tok = runner.tokenizer
+    fmt = getattr(runner.args, "chat_template_content_format", "auto") or "auto"
+    try:
+        return _compiled_template(source, getattr(tok, "bos_token", "") or "", getattr(tok, "eos_token", "") or "",
+                                  fmt)
+    except TemplateError as e:
+        raise InvalidInputError(f"chat_template: {e}") from None
+
+
+def with_request_template(runner: Runner, source: str | None) -> Runner:
+    """``runner`` itself (``source`` None), or ``runner`` seen with the request's own chat template
+    ``source`` (:func:`request_template`) for planning and rendering.
+
+    Raises:
+        InvalidInputError: the template does not compile.
+    """
+    if source is None:
+        return runner
+    return _RequestTemplate(runner, request_template(runner, source))  # type: ignore[return-value]
+
+
 def plan_chat(runner: Runner, req: ChatRequest) -> Plan:
     """Plan ``req`` on ``runner``: render, constrain, build and check the engine requests.
 
@@ -538,6 +592,7 @@ def plan_chat(runner: Runner, req: ChatRequest) -> Plan:
         return runner.plan_chat(req)
     runner.require_ready()
     runner.require_generative()
+    runner = with_request_template(runner, req.template.chat_template)
     if runner.template is None:
         raise ServerFaultError("this model has no chat template; use /v1/completions")
     feats = features(runner, req)

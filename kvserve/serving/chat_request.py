@@ -110,12 +110,15 @@ class TemplateOptions:
         variables: the request's extra template variables (over the server's
             ``--chat-template-kwargs``); never the reserved ones.
         documents: RAG documents for the template (None: none).
+        chat_template: the request's own Jinja chat template (vLLM's ``chat_template`` field,
+            accepted only under ``--trust-request-chat-template``); None: the model's.
     """
 
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     variables: dict[str, Any] = field(default_factory=dict)
     documents: list[dict] | None = None
+    chat_template: str | None = None
 
 
 @dataclass(slots=True)

@@ -1077,8 +1077,8 @@ FLAGS: tuple[Flag, ...] = (
       env="LLAMA_ARG_CHAT_TEMPLATE_KWARGS", convert=json_object),
     F("--default-chat-template-kwargs", help="JSON object of template variables; a request's own win",
       source=VLLM, convert=json_object, why="merged with --chat-template-kwargs (this one first)"),
-    F("--trust-request-chat-template", "bool", False, source=VLLM, effect=NONE,
-      why="request chat templates are not accepted"),
+    F("--trust-request-chat-template", "bool", False, source=VLLM,
+      help="render a chat request with its own chat_template (without it such a request gets vLLM's 400)"),
     F("--tool-call-parser", help="tool-call parser, a vLLM name: deepseek_v3, deepseek_v31, glm45, glm47, granite, "
       "granite4, hermes, kimi_k2, llama3_json, llama4_json, llama4_pythonic, longcat, mimo, minimax_m2, mistral, "
       "openai, phi4_mini_json, pythonic, qwen3_coder, qwen3_xml, seed_oss (other vLLM names: start-up error)",

@@ -245,3 +245,35 @@ def test_a_vocabulary_without_fim_tokens_says_why(tiny):
         400, "'suffix' is not supported by this model: " + NO_FIM.rstrip())
     # an empty suffix is no suffix (OpenAI's default)
     assert tiny.post("/v1/completions", json={"prompt": "a", "suffix": "", "max_tokens": 1}).status_code == 200
+
+
+# -- a request's own chat_template (vLLM: refused unless --trust-request-chat-template) ------------
+
+_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+             "{% if add_generation_prompt %}[assistant]{% endif %}")
+_UNTRUSTED = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
+              "Refused request with untrusted chat template.")
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_a_request_chat_template_is_refused_without_trust(tiny, path):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template": _TEMPLATE}
+    assert error(tiny.post(path, json=body)) == (400, _UNTRUSTED)
+
+
+def test_a_trusted_request_chat_template_renders_chat_and_tokenize(tmp_path):
+    path = tinymodel.write_tiny_gguf(tmp_path / "tiny.gguf")
+    c = _client(path, tmp_path, "--trust-request-chat-template")
+    try:
+        msgs = [{"role": "user", "content": "hi"}]
+        want = ids_of(c, "[user]hi[assistant]")
+        tok = c.post("/tokenize", json={"messages": msgs, "chat_template": _TEMPLATE}).json()
+        assert tok["tokens"] == want
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, "chat_template": _TEMPLATE})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want)
+        bad = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, "chat_template": "{% if %}"})
+        assert bad.status_code == 400
+        assert bad.json()["error"]["message"].startswith("chat_template: chat template syntax error at line 1")
+    finally:
+        c.portal.call(c.state.manager.shutdown)
+        c.__exit__(None, None, None)

@@ -202,3 +202,54 @@ def test_a_responses_turn_is_completed_with_the_model_and_planned(runner):
     with pytest.raises(ApiError) as e:
         responses_request(runner, chat_body({"input": "hi", "seed": "s"}, ResponseStore()))
     assert e.value.message == "Field 'seed': type must be number, but is string"
+
+
+_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+             "{% if add_generation_prompt %}[assistant]{% endif %}")
+_UNTRUSTED = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
+              "Refused request with untrusted chat template.")
+
+
+@pytest.mark.parametrize("field", [{"chat_template": _TEMPLATE}, {"chat_template_kwargs": {"chat_template": _TEMPLATE}}])
+def test_a_request_chat_template_is_refused_untrusted_as_vllm_does(runner, field):
+    """vLLM refuses a request's chat template (the field, or the key of chat_template_kwargs)
+    without --trust-request-chat-template, with a 400 and these words; it was ignored silently."""
+    with pytest.raises(ApiError) as e:
+        chat_request(runner, {"messages": _user("hi"), **field})
+    assert (e.value.status, e.value.message) == (400, _UNTRUSTED)
+    # null is no template (vLLM's check is "is not None")
+    assert chat_request(runner, {"messages": _user("hi"), "chat_template": None}).template.chat_template is None
+
+
+def test_a_trusted_request_chat_template_renders_the_prompt(runner, monkeypatch):
+    """Under --trust-request-chat-template the request's template renders its prompt (vLLM)."""
+    monkeypatch.setattr(runner.args, "trust_request_chat_template", True)
+    req = chat_request(runner, {"messages": _user("hi"), "chat_template": _TEMPLATE,
+                                "chat_template_kwargs": {"chat_template": "x", "y": 1}})
+    assert (req.template.chat_template, req.template.variables) == (_TEMPLATE, {"y": 1})
+    req.verbose = True
+    plan = plan_chat(runner, req)
+    assert plan.verbose == {"prompt": "[user]hi[assistant]"}
+    assert plan.requests[0].prompt_token_ids == runner.tokenizer.encode("[user]hi[assistant]", add_special=True,
+                                                                        parse_special=True)
+    model = plan_chat(runner, ChatRequest(_user("hi"), "r", verbose=True))  # the model's own template
+    assert model.verbose["prompt"] != "[user]hi[assistant]"
+    with pytest.raises(ApiError) as e:
+        chat_request(runner, {"messages": _user("hi"), "chat_template": 5})
+    assert (e.value.status, e.value.message) == (400, "Field 'chat_template': type must be string, but is number")
+    with pytest.raises(InvalidInputError, match=r"^chat_template: chat template syntax error at line 1"):
+        plan_chat(runner, ChatRequest(_user("hi"), "r", template=TemplateOptions(chat_template="{% if %}")))
+
+
+def test_vllm_tokenize_takes_a_request_chat_template_under_the_same_rule(runner, monkeypatch):
+    """vLLM's /tokenize (TokenizeChatRequest) has ``chat_template`` too, refused the same way."""
+    from kvserve.faces.llama_api import vllm_tokenize
+
+    body = {"messages": _user("hi"), "chat_template": _TEMPLATE}
+    with pytest.raises(ApiError) as e:
+        vllm_tokenize(runner, body)
+    assert (e.value.status, e.value.message) == (400, _UNTRUSTED)
+    monkeypatch.setattr(runner.args, "trust_request_chat_template", True)
+    got = vllm_tokenize(runner, body)
+    assert got.tokens == runner.tokenizer.encode("[user]hi[assistant]", add_special=False, parse_special=True)
+    assert got.count == len(got.tokens)

@@ -89,3 +89,57 @@ def test_progress_outputs_are_skipped_unless_asked_and_an_engine_error_is_a_serv
                                                                           (False, [TextPiece("x")], "stop")]
     with pytest.raises(ServerFaultError, match="^engine died$"):
         _events(monkeypatch, [(0, _out("", finished=True, error="engine died"))], OutputMode())
+
+
+def _text_of(evs) -> str:
+    return "".join(p.text for e in evs for p in e.pieces if isinstance(p, TextPiece))
+
+
+def _prefix_cases():
+    from kvserve.chat.tool_parsers import TOOL_PARSERS
+
+    for name, cls in TOOL_PARSERS.items():
+        if name == "openai":  # harmony: <|start|> / <|channel|> are message boundaries, not a call's start
+            continue
+        for m in cls.start_markers or cls.marker_texts:
+            for cut in sorted({max(1, len(m) // 2), len(m)}):
+                yield name, m[:cut]
+
+
+@pytest.mark.parametrize(("parser", "held"), list(_prefix_cases()))
+def test_text_held_back_for_a_call_that_never_came_is_content_at_the_end(monkeypatch, parser, held):
+    """The parser holds back what may open a call; when the answer stops (max_tokens, EOS) before
+    it became one, that text is content, streamed and whole alike (llama-server, vLLM)."""
+    outs = [(0, _out("Hello ")), (0, _out(held, finished=True, stop="limit", n_out=4))]
+    mode = OutputMode(tool_parser=parser)
+    evs = _events(monkeypatch, outs, mode)
+    assert (_text_of(evs), evs[-1].finish_reason, evs[-1].called_tools) == ("Hello " + held, "length", False)
+    whole = _events(monkeypatch, outs, mode, whole=True)[-1]
+    assert (whole.answer.text, whole.answer.tool_calls) == ("Hello " + held, [])
+
+
+@pytest.mark.parametrize(("prefill", "outs", "content"), [
+    # a continued "<tool_call>\n" cut off by max_tokens: only the new text, never the prefill's marker
+    ("<tool_call>\n", ['{"name": "f", ', '"argu'], '{"name": "f", "argu'),
+    # the prefill's trailing space was held back: it is not new text either
+    ("Sure ", ["here <tool", "_call>\n{"], "here <tool_call>\n{"),
+    ("Sure ", ["here"], "here"),
+])
+def test_a_continued_message_streams_only_new_text(monkeypatch, prefill, outs, content):
+    """A continued assistant message (prefill) is fed to the tool parser but is not new text:
+    the stream gives what the whole answer gives (it used to send the held-back prefill too)."""
+    engine = [(0, _out(t)) for t in outs[:-1]] + [(0, _out(outs[-1], finished=True, stop="limit", n_out=5))]
+    mode = OutputMode(tool_parser="hermes", prefill=prefill)
+    assert _text_of(_events(monkeypatch, engine, mode)) == content
+    assert _events(monkeypatch, engine, mode, whole=True)[-1].answer.text == content
+
+
+def test_a_continued_call_streams_the_call_and_only_the_new_text(monkeypatch):
+    outs = [(0, _out('{"name": "f", "arguments": {}}\n</tool_call>')), (0, _out(" ok", finished=True, n_out=9))]
+    mode = OutputMode(tool_parser="hermes", prefill="<tool_call>\n")
+    evs = _events(monkeypatch, outs, mode)
+    calls = [(p.index, p.name, p.arguments) for e in evs for p in e.pieces if isinstance(p, ToolCallPiece)]
+    assert (calls, evs[-1].called_tools) == ([(0, "f", "{}")], True)
+    whole = _events(monkeypatch, outs, mode, whole=True)[-1].answer
+    assert [(c.index, c.name, c.arguments) for c in whole.tool_calls] == [(0, "f", "{}")]
+    assert _text_of(evs) == whole.text

@@ -291,3 +291,13 @@ def test_every_allowed_role_renders():
 
     text, _ = render_chat(ChatTemplate(CHATML_TEMPLATE), Tok(), msgs)
     assert text.count("<|im_start|>") == len(ROLES) + 1
+
+
+def test_sampling_fields_reads_only_body_fields():
+    """``sampling_fields`` returns what the body sets; whether ``n_predict`` is a server default is
+    the request's (``n_predict_is_default``), not a key of the body's fields (it was a dead key)."""
+    from kvserve.faces.params import sampling_fields
+
+    fields = sampling_fields({"max_tokens": 7, "seed": 3}, None, max_tokens_keys=("max_tokens",))
+    assert fields == {"n_predict": 7, "seed": 3}
+    assert _params({"n_predict": 7}).n_predict_default is False
