@@ -126,6 +126,7 @@ class ServerState:
                         for e in getattr(args, "engine", None) or ()}
         #: remote models of the store (Modelfile REMOTE), found on first use: name -> RemoteSpec
         self.store_remotes: dict = {}
+        self._refused_remotes: set[str] = set()  # store remote models outside OLLAMA_REMOTES (warned once)
         self.manager = manager or ModelManager(
             self._load, estimate=self._estimate, enforce_memory=check_memory,
             max_loaded=args.max_loaded_models, default_keep_alive=args.keep_alive,
@@ -301,6 +302,9 @@ class ServerState:
         from kvserve.remote import REMOTE_NOT_ALLOWED, remote_host_allowed
 
         if not remote_host_allowed(spec.base_url):
+            if spec.name in self._refused_remotes:
+                raise InvalidInputError(REMOTE_NOT_ALLOWED)
+            self._refused_remotes.add(spec.name)  # logged once, not at every listing
             log.warning("store model '%s': its remote host %s is not in OLLAMA_REMOTES: %s", stored.display,
                         spec.shown_url, REMOTE_NOT_ALLOWED)
             raise InvalidInputError(REMOTE_NOT_ALLOWED)

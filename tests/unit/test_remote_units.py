@@ -349,7 +349,7 @@ def test_state_serves_a_store_remote_model(tmp_path, monkeypatch):
     assert [m.name for m in state.catalog() if m.remote is not None] == ["ws:latest"]
 
 
-def test_state_refuses_a_store_remote_model_outside_ollama_remotes(tmp_path, monkeypatch):
+def test_state_refuses_a_store_remote_model_outside_ollama_remotes(tmp_path, monkeypatch, caplog):
     """Ollama's rule: a stored remote model whose host is not in OLLAMA_REMOTES (default
     ollama.com) is 400 ``this server cannot run this remote model`` and never listed as remote."""
     from kvserve.ollama.create import iter_create
@@ -368,5 +368,13 @@ def test_state_refuses_a_store_remote_model_outside_ollama_remotes(tmp_path, mon
         state.resolve("ws")
     assert str(e.value) == "this server cannot run this remote model"
     assert state.store_remotes == {}
+    assert sum("OLLAMA_REMOTES" in r.getMessage() for r in caplog.records) == 1
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            state.catalog()
+            with pytest.raises(InvalidInputError):
+                state.resolve("ws")
+    assert [r.getMessage() for r in caplog.records if "OLLAMA_REMOTES" in r.getMessage()] == []  # warned once
     monkeypatch.setenv("OLLAMA_REMOTES", " ollama.com , WS ")
     assert remote_host_allowed("http://ws:11434") and not remote_host_allowed("http://ws2:11434")
