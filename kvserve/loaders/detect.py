@@ -355,7 +355,10 @@ def _gguf_file(path: str, detail: str = "", shown: str | None = None) -> Detecti
     arch = str(md.get("general.architecture") or "")
     bits = [b for b in (detail, f"architecture {arch}" if arch else "") if b]
     problem = ""
-    if arch and arch not in GGUF_ARCHS and md.get("general.type") not in ("adapter", "projector", "mmproj"):
+    if md.get("general.type") == "adapter":  # `kvserve serve` would stop on a missing model key
+        problem = ("a LoRA adapter, not a model: give it to --lora (or --lora-modules, a Modelfile's ADAPTER) "
+                   "with its base model")
+    elif arch and arch not in GGUF_ARCHS and md.get("general.type") not in ("projector", "mmproj"):
         problem = f"kvserve has no family for architecture '{arch}'"
     return Detection(shown, FORMATS["gguf"], ", ".join(bits), problem, weights=path)
 

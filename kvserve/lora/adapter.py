@@ -169,7 +169,7 @@ def load_adapter(path: str, base, name: str | None = None) -> LoraAdapter:
         name: the adapter's name (default: the path's last component without ``.gguf``).
 
     Raises:
-        InvalidInputError: a missing file, a file that is neither format, a GGUF that is not a LoRA
+        InvalidInputError: a missing file, a FIFO or device, a file that is neither format, a GGUF that is not a LoRA
             adapter (``general.type`` / ``adapter.type``), another architecture than the base's, a
             module the base does not have, a shape that does not match (the message names the
             module), a target kvserve does not apply (embeddings, the output head, MoE experts,
@@ -179,6 +179,8 @@ def load_adapter(path: str, base, name: str | None = None) -> LoraAdapter:
     p = Path(path)
     if not p.exists():
         raise InvalidInputError(f"LoRA adapter not found: {path}")
+    if not p.is_dir() and not p.is_file():  # a FIFO would block the read forever; devices are no adapters
+        raise InvalidInputError(f"LoRA adapter {path}: not a regular file or a directory")
     if name is None:
         name = p.name[:-5] if p.name.endswith(".gguf") else p.name
     try:

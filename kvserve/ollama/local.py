@@ -288,7 +288,7 @@ def _show_remote(resp: dict, name: str, config: dict) -> None:
     the start-up check run now (``remote_check``: ok, rejected key or no server; never the key),
     and its REMOTE line in the Modelfile."""
     from kvserve.errors import InvalidInputError
-    from kvserve.remote import RemoteSpec, check_remote
+    from kvserve.remote import REMOTE_NOT_ALLOWED, RemoteSpec, check_remote, remote_host_allowed
 
     try:
         spec = RemoteSpec(name, str(config["remote_host"]), str(config.get("remote_dialect") or "ollama"),
@@ -297,7 +297,8 @@ def _show_remote(resp: dict, name: str, config: dict) -> None:
         resp["remote_check"] = f"not usable: {e}"
         return
     resp["remote_model"], resp["remote_host"] = spec.upstream_model, spec.shown_url
-    resp["remote_check"] = check_remote(spec).message
+    resp["remote_check"] = (check_remote(spec).message if remote_host_allowed(spec.base_url) else
+                            f"not run: {REMOTE_NOT_ALLOWED} (its host is not in OLLAMA_REMOTES)")
     resp["capabilities"] = ["completion", "tools"]
     resp["model_info"] = {}
     lines = [f"FROM {spec.upstream_model}" if ln.startswith("FROM ") else ln

@@ -41,7 +41,14 @@ the start-up check against the child (``/v1/models``).
 
 from kvserve.remote.check import RemoteCheck, check_remote
 from kvserve.remote.runner import RemoteRunner, estimate_tokens
-from kvserve.remote.spec import DIALECTS, RemoteSpec, parse_remote, redact_url
+from kvserve.remote.spec import (
+    DIALECTS,
+    REMOTE_NOT_ALLOWED,
+    RemoteSpec,
+    parse_remote,
+    redact_url,
+    remote_host_allowed,
+)
 
 __all__ = ["DIALECTS", "RemoteCheck", "RemoteRunner", "RemoteSpec", "check_remote", "estimate_tokens",
-           "parse_remote", "redact_url"]
+           "parse_remote", "redact_url", "remote_host_allowed", "REMOTE_NOT_ALLOWED"]

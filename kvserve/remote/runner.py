@@ -56,7 +56,8 @@ __all__ = ["CONNECT_TIMEOUT_S", "DEFAULT_MAX_CHUNKS", "READ_TIMEOUT_S", "RemoteE
            "estimate_tokens"]
 
 CONNECT_TIMEOUT_S = 10.0
-#: seconds the upstream may stay silent in the middle of an answer
+#: seconds the upstream may go without sending a piece of the answer (bytes that carry none, such
+#: as keep-alive comments and empty deltas, do not count)
 READ_TIMEOUT_S = 300.0
 #: answer pieces (about tokens) a request without max_tokens may receive
 DEFAULT_MAX_CHUNKS = 32768
@@ -305,7 +306,11 @@ class RemoteRunner:
             async with self._client() as client:
                 async with self._open(client, body) as resp:
                     bounded = _Bounded(resp)
+                    last_piece = time.monotonic()
                     async for line in bounded.lines():
+                        # keep-alive comments and empty deltas are no answer: they do not reset the bound
+                        if time.monotonic() - last_piece > READ_TIMEOUT_S:
+                            raise httpx.ReadTimeout("no answer piece")
                         data = self._payload(line)
                         if data is None:
                             continue
@@ -318,6 +323,7 @@ class RemoteRunner:
                             break
                         if not pieces:
                             continue
+                        last_piece = time.monotonic()
                         if t_first is None:
                             t_first = time.monotonic()
                         for p in pieces:

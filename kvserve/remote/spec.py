@@ -15,13 +15,33 @@ from urllib.parse import urlsplit, urlunsplit
 
 from kvserve.errors import InvalidInputError
 
-__all__ = ["DIALECTS", "RemoteSpec", "parse_remote", "redact_url"]
+__all__ = ["DIALECTS", "RemoteSpec", "parse_remote", "redact_url", "remote_host_allowed", "REMOTE_NOT_ALLOWED"]
 
 #: the upstream dialects kvserve forwards to: OpenAI chat completions, Ollama's /api/chat
 DIALECTS = ("openai", "ollama")
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _NAME = re.compile(r"[^\s,=]{1,256}")
+
+
+#: Ollama's answer (400) for a stored remote model whose host is not in ``OLLAMA_REMOTES``
+REMOTE_NOT_ALLOWED = "this server cannot run this remote model"
+
+
+def remote_host_allowed(base_url: str) -> bool:
+    """True when the host of ``base_url`` is in ``OLLAMA_REMOTES`` (a comma list of host names,
+    compared exactly and without case; unset or empty: ``ollama.com``), Ollama's allow-list for
+    remote models stored in the model store. A stored model is data any client of ``/api/create``
+    can write: without this rule it could point the server at any host and name any of the
+    server's environment variables as its key. ``--remote`` models are the operator's and are
+    not checked."""
+    raw = (os.environ.get("OLLAMA_REMOTES") or "").strip()
+    hosts = {h.strip().lower() for h in raw.split(",") if h.strip()} if raw else {"ollama.com"}
+    try:
+        host = (urlsplit(base_url).hostname or "").lower()
+    except ValueError:
+        return False
+    return bool(host) and host in hosts
 
 
 def redact_url(url: str) -> str:

@@ -126,6 +126,7 @@ class ServerState:
                         for e in getattr(args, "engine", None) or ()}
         #: remote models of the store (Modelfile REMOTE), found on first use: name -> RemoteSpec
         self.store_remotes: dict = {}
+        self._refused_remotes: set[str] = set()  # store remote models outside OLLAMA_REMOTES (warned once)
         self.manager = manager or ModelManager(
             self._load, estimate=self._estimate, enforce_memory=check_memory,
             max_loaded=args.max_loaded_models, default_keep_alive=args.keep_alive,
@@ -256,7 +257,10 @@ class ServerState:
             return
         for m in stored:
             if m.model_path is None and m.display not in self.store_remotes:
-                self.store_remote(m.display)
+                try:
+                    self.store_remote(m.display)
+                except InvalidInputError:
+                    pass  # its host is not in OLLAMA_REMOTES: logged, never contacted
 
     def remote_of(self, name: str):
         """The RemoteSpec of remote model ``name`` (a flag's or the store's). KeyError: none."""
@@ -265,7 +269,11 @@ class ServerState:
     def store_remote(self, name: str):
         """The RemoteSpec of store model ``name`` when its config names a remote upstream
         (``remote_host``: kvserve's Modelfile REMOTE, or Ollama's create with ``remote_host``; an
-        Ollama-created one speaks Ollama's dialect), kept in :attr:`store_remotes`; else None."""
+        Ollama-created one speaks Ollama's dialect), kept in :attr:`store_remotes`; else None.
+        Raises InvalidInputError (Ollama's 400 ``this server cannot run this remote model``) when
+        its host is not in ``OLLAMA_REMOTES`` (:func:`kvserve.remote.remote_host_allowed`): the
+        store is writable by any client of ``/api/create``, so its models may not send requests
+        and the key of their ``remote_key_env`` to hosts the operator did not allow."""
         import json as _json
 
         from kvserve.store import canonical_name, open_store
@@ -291,6 +299,15 @@ class ServerState:
         except InvalidInputError as e:
             log.warning("store model '%s': its remote upstream is not usable: %s", stored.display, e)
             return None
+        from kvserve.remote import REMOTE_NOT_ALLOWED, remote_host_allowed
+
+        if not remote_host_allowed(spec.base_url):
+            if spec.name in self._refused_remotes:
+                raise InvalidInputError(REMOTE_NOT_ALLOWED)
+            self._refused_remotes.add(spec.name)  # logged once, not at every listing
+            log.warning("store model '%s': its remote host %s is not in OLLAMA_REMOTES: %s", stored.display,
+                        spec.shown_url, REMOTE_NOT_ALLOWED)
+            raise InvalidInputError(REMOTE_NOT_ALLOWED)
         self.store_remotes[spec.name] = spec
         return spec
 

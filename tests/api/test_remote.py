@@ -455,14 +455,14 @@ def test_modelfile_remote_model(servers, tmp_path):
     home = tmp_path / "home"
     mf = tmp_path / "Modelfile"
     mf.write_text(f"FROM echo\nREMOTE {servers['oll']} dialect=ollama\n")
-    env = {"KVSERVE_HOME": str(home), "PATH": "/usr/bin:/bin"}
+    env = {"KVSERVE_HOME": str(home), "PATH": "/usr/bin:/bin", "OLLAMA_REMOTES": "127.0.0.1"}  # Ollama's allow-list
     out = subprocess.run([sys.executable, "-m", "kvserve", "create", "echo-remote", "-f", str(mf)], capture_output=True,
                          text=True, timeout=60, cwd=REPO, env=env)
     assert out.returncode == 0 and out.stderr.splitlines()[-1] == "success", out.stderr
     show = subprocess.run([sys.executable, "-m", "kvserve", "show", "--models-dir", str(home / "models"), "echo-remote"],
                           capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
     assert "Remote check    ok: " in show.stdout, show.stdout + show.stderr
-    srv = spawn("", ("--no-preload",), tmp_path, {"KVSERVE_HOME": str(home)})
+    srv = spawn("", ("--no-preload",), tmp_path, {"KVSERVE_HOME": str(home), "OLLAMA_REMOTES": "127.0.0.1"})
     try:
         srv.wait_ready()
         _wait_checks(srv, 1)

@@ -333,10 +333,12 @@ def test_create_remote_model(tmp_path):
         list(iter_create(store, {"model": "x", "files": {"a.gguf": "sha256:" + "0" * 64}, "remote_host": "http://h"}))
 
 
-def test_state_serves_a_store_remote_model(tmp_path):
+def test_state_serves_a_store_remote_model(tmp_path, monkeypatch):
     from kvserve.ollama.create import iter_create
     from kvserve.serving.state import ServerState
     from kvserve.store import Store
+
+    monkeypatch.setenv("OLLAMA_REMOTES", "ws")  # Ollama's allow-list for stored remote models
 
     list(iter_create(Store(tmp_path / "models"), {"model": "ws", "from": "qwen3:8b", "remote_host": "http://ws:11434"}))
     state = ServerState(parse_args(["--models-dir", str(tmp_path / "models"), "--no-preload"]))
@@ -345,3 +347,34 @@ def test_state_serves_a_store_remote_model(tmp_path):
     r = state.remote_of("ws:latest")  # made by Ollama's create form: its dialect is Ollama's
     assert (r.base_url, r.dialect, r.upstream_model, r.key_env) == ("http://ws:11434", "ollama", "qwen3:8b", None)
     assert [m.name for m in state.catalog() if m.remote is not None] == ["ws:latest"]
+
+
+def test_state_refuses_a_store_remote_model_outside_ollama_remotes(tmp_path, monkeypatch, caplog):
+    """Ollama's rule: a stored remote model whose host is not in OLLAMA_REMOTES (default
+    ollama.com) is 400 ``this server cannot run this remote model`` and never listed as remote."""
+    from kvserve.ollama.create import iter_create
+    from kvserve.remote import remote_host_allowed
+    from kvserve.serving.state import ServerState
+    from kvserve.store import Store
+
+    monkeypatch.delenv("OLLAMA_REMOTES", raising=False)
+    assert [remote_host_allowed(u) for u in ("https://ollama.com", "https://OLLAMA.com:443/x", "http://ws:11434",
+                                             "http://ollama.com.evil.org", "http://evil.org/?ollama.com")] == [
+        True, True, False, False, False]
+    list(iter_create(Store(tmp_path / "models"), {"model": "ws", "from": "qwen3:8b", "remote_host": "http://ws:11434",
+                                                  "remote_key_env": "HOME"}))
+    state = ServerState(parse_args(["--models-dir", str(tmp_path / "models"), "--no-preload"]))
+    with pytest.raises(InvalidInputError) as e:
+        state.resolve("ws")
+    assert str(e.value) == "this server cannot run this remote model"
+    assert state.store_remotes == {}
+    assert sum("OLLAMA_REMOTES" in r.getMessage() for r in caplog.records) == 1
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            state.catalog()
+            with pytest.raises(InvalidInputError):
+                state.resolve("ws")
+    assert [r.getMessage() for r in caplog.records if "OLLAMA_REMOTES" in r.getMessage()] == []  # warned once
+    monkeypatch.setenv("OLLAMA_REMOTES", " ollama.com , WS ")
+    assert remote_host_allowed("http://ws:11434") and not remote_host_allowed("http://ws2:11434")
