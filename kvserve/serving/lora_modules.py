@@ -489,6 +489,10 @@ class LoraServing:
             if not self.enabled:
                 raise LoraApiError(400, "LoRA is not enabled: start the server with --enable-lora",
                                    "BadRequestError")
+            if name not in self.modules and await asyncio.to_thread(_served_model_name, state, name):
+                # an adapter by a served model's name would answer that model's every client
+                raise LoraApiError(400, f"The lora adapter name '{name}' is the name of a served model: "
+                                        "choose another name.", "BadRequestError")
             module = LoraModulePath(name, path, base_name or None)
             if not os.path.exists(path):
                 raise LoraApiError(404, str(_missing(name, path)), "NotFoundError")
@@ -547,3 +551,18 @@ class LoraServing:
 def _with_adapters(base: ModelSpec, refs: tuple[AdapterRef, ...], alias: str) -> AdapterSpec:
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelSpec)}
     return AdapterSpec(**fields, selected=refs, alias=alias)
+
+
+def _served_model_name(state: "ServerState", name: str) -> bool:
+    """True when ``name`` already names a model this server serves (a loaded or store model, a
+    remote or supervised one, the pinned model's served names): a runtime adapter may not take it
+    (kvserve refuses it where vLLM would let the adapter shadow the base for every client)."""
+    for m in state.catalog():
+        if name == m.name or name in m.aliases:
+            return True
+    if state.pinned:
+        return name in state.args.served_names()
+    try:
+        return state._store_path(name) is not None
+    except (OSError, ValueError):
+        return False

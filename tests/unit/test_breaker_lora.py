@@ -55,16 +55,11 @@ def test_device_adapter_path_is_refused(path):
     assert str(e) == f"LoRA adapter {path}: not a regular file or a directory"
 
 
-@pytest.mark.xfail(strict=True, reason="kvserve/serving/lora_modules.py (helper #34) accepts a lora_name "
-                   "that is a served model's name, and ServerState.resolve looks adapters up first, so the "
-                   "adapter replaces the base for every client. Fix: LoraModules.load refuses (400 "
-                   "BadRequestError) a name that resolves to a served model other than an adapter (and "
-                   "--lora-modules the same at start), or resolve() tries served names before adapters, "
-                   "as vLLM does.")
 def test_runtime_adapter_cannot_take_the_base_models_name(tmp_path, monkeypatch):
     """Found by hand: ``load_lora_adapter {"lora_name": "tiny", "lora_path": A}`` on a server of
     base ``tiny`` answered 200, ``/v1/models`` then listed ``tiny`` twice, and ``model: "tiny"``
-    got the adapter's logprob (-3.2077) instead of the base's (-3.5826) for every client."""
+    got the adapter's logprob (-3.2077) instead of the base's (-3.5826) for every client. Now a 400
+    (LoraModules.load refuses a served model's name)."""
     import tinylora
     import tinymodel
     from servers import app_client
