@@ -94,6 +94,14 @@ def _srv(level: int, func: str, msg: str, *a) -> None:
 
 # -- the app ------------------------------------------------------------------------------
 
+def _abandon_engine_starts() -> None:
+    """SIGTERM/SIGINT: supervised engines still starting give up now (kvserve.supervisor.child),
+    rather than holding the stop until their start timeout. Nothing to do when none was ever made."""
+    child = sys.modules.get("kvserve.supervisor.child")
+    if child is not None:
+        child.abandon_starts()
+
+
 def build_app(state: ServerState, gcp_settings=None) -> FastAPI:
     """The ASGI app: native and OpenAI faces, error envelopes, API keys, CORS; Vertex AI's predict
     route with ``gcp_settings`` enabled (default: :meth:`GcpSettings.from_env`; raises
@@ -516,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     server = _draining_server(config, app.state.drain)
     if state.mcp:  # SIGTERM/SIGINT: in-flight MCP calls end now, the servers' process groups die
         app.state.drain.on_begin.append(state.mcp.begin_stop)
+    app.state.drain.on_begin.append(_abandon_engine_starts)
     failed = threading.Event()
 
     def on_fail() -> None:

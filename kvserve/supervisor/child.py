@@ -65,6 +65,17 @@ POLL_TIMEOUT_S = 5.0
 _PR_SET_PDEATHSIG = 1
 #: every child is forked from this thread (PR_SET_PDEATHSIG fires when the forking thread ends)
 _SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="engine-spawner")
+#: set by :func:`abandon_starts` when the server stops: children still starting give up at their next
+#: health poll (at most POLL_MAX_S later) and are stopped, so a stop never waits for a start timeout
+_SERVER_STOPPING = False
+
+
+def abandon_starts() -> None:
+    """The server is stopping: every child still waiting to become healthy gives up and is stopped
+    (its load fails with "was stopped while starting"). Only sets a flag, so it is safe from a
+    signal handler (``Drain.on_begin``)."""
+    global _SERVER_STOPPING
+    _SERVER_STOPPING = True
 
 
 class EngineStartError(ServerFaultError):
@@ -194,7 +205,7 @@ class EngineChild:
                     log.info("engine '%s': health %s", self.spec.name, code, extra={"func": "engine"})
                 if code == 200:
                     return states
-                if self._stopping:
+                if self._stopping or _SERVER_STOPPING:
                     raise EngineStartError(f"engine for model '{self.spec.name}' was stopped while starting")
                 rc = proc.poll()
                 if rc is not None:
