@@ -231,8 +231,9 @@ def _list(argv: list[str]) -> int:
         name = str(m.get("name") or m.get("model") or "")
         if args.prefix and not name.lower().startswith(args.prefix.lower()):
             continue
-        size = "-" if m.get("remote_model") else human_bytes(int(m.get("size") or 0))
-        rows.append([name, str(m.get("digest") or "")[:12], size,
+        # a remote model and a supervised engine (no digest: kvserve keeps none of its files) have no size
+        size = "-" if m.get("remote_model") or not m.get("digest") else human_bytes(int(m.get("size") or 0))
+        rows.append([name, str(m.get("digest") or "")[:12] or "-", size,
                      human_time(parse_go_time(str(m.get("modified_at") or "")), now)])
     sys.stdout.write(render_table(rows, ["NAME", "ID", "SIZE", "MODIFIED"]))
     return 0
@@ -509,6 +510,7 @@ def _create_engine_model(args, text: bytes, base_dir: str) -> bool:
     processes); True when it was one."""
     from kvserve.store import open_store, parse_name
     from kvserve.supervisor.modelfile import create_engine_model, split_engine
+    from kvserve.supervisor.spec import shown_command
 
     decoded = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
     if split_engine(decoded)[0] is None:
@@ -516,7 +518,7 @@ def _create_engine_model(args, text: bytes, base_dir: str) -> bool:
     _err("gathering model components")
     name = parse_name(args.name).display
     spec = create_engine_model(open_store(args.models_dir).root, name, decoded, base_dir, args.models_dir)
-    _err(f"writing engine definition: {shlex.join(spec.argv)}")
+    _err(f"writing engine definition: {shown_command(spec.argv)}")
     _err("success")
     return True
 

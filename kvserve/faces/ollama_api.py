@@ -1006,15 +1006,17 @@ def _show(state: ServerState, body: dict) -> dict:
 
 def _show_engine(state: ServerState, spec: ModelSpec) -> dict:
     """/api/show of a supervised engine (:mod:`kvserve.supervisor`): its command (``ENGINE`` in the
-    modelfile text) and, while its child runs, the child's loopback URL (``remote_host``)."""
-    eng = state.engines[spec.name]
-    import shlex
+    modelfile text and ``engine``, values that look like keys written ``***``) and, while its child
+    runs, the child's loopback URL (``remote_host``)."""
+    from kvserve.supervisor.modelfile import engine_modelfile
+    from kvserve.supervisor.spec import shown_command
 
+    eng = state.engines[spec.name]
     e = state.manager.get(spec.name)
     runner = e.runner if e is not None else None
-    lines = [f"ENGINE {shlex.join(eng.argv)}"]
     return ShowResponse(details=_details({}), model_info={}, modified_at=go_time(int(state.started * 1e9)),
-                        modelfile="\n".join(lines) + "\n", capabilities=["completion", "tools"],
+                        modelfile=engine_modelfile(eng), capabilities=["completion", "tools"],
+                        engine=shown_command(eng.argv), engine_model=eng.model or None,
                         remote_model=runner.remote.upstream_model if runner is not None else None,
                         remote_host=runner.remote.shown_url if runner is not None else None).wire()
 

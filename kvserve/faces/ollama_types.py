@@ -171,6 +171,8 @@ class ShowResponse(WireModel):
     remote_model: str | None = None  # a remote model (kvserve.remote): Ollama's fields for one
     remote_host: str | None = None
     remote_check: str | None = None  # kvserve: the check run for this answer (ok / rejected / no server)
+    engine: str | None = None  # kvserve: a supervised engine's command line (key-like values ***)
+    engine_model: str | None = None  # kvserve: what {model} becomes in it (a Modelfile's FROM)
 
 
 class ProcessModel(WireModel):

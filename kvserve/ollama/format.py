@@ -332,6 +332,12 @@ def _model_rows(resp: dict) -> list[list[str]]:
     details = resp.get("details") or {}
     info = resp.get("model_info")
     rows: list[list[str]] = []
+    if resp.get("engine"):  # kvserve's supervised engines: the command that serves it, no file of ours
+        rows.append(["", "Engine", str(resp["engine"])])
+        if resp.get("engine_model"):
+            rows.append(["", "Engine model", str(resp["engine_model"])])
+        if not resp.get("remote_host"):
+            return rows
     if resp.get("remote_host"):
         rows += [["", "Remote model", str(resp.get("remote_model") or "")],
                  ["", "Remote URL", str(resp["remote_host"])]]
@@ -391,5 +397,7 @@ def show_info(resp: dict, verbose: bool = False) -> str:
     out = []
     for title, rows in _sections(resp, verbose):
         width = 100 if title in ("Template", "System", "License") else 30
+        if title == "Model" and resp.get("engine"):
+            width = 4096  # an engine's command line is printed whole (it is copied into a shell)
         out.append(f"  {title}\n" + render_table(rows, col_width=width) + "\n")
     return "".join(out)

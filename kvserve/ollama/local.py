@@ -163,7 +163,39 @@ class LocalApi:
         for m in self.store.list():
             models.append({"name": m.display, "model": m.display, "modified_at": go_time(m.modified),
                            "size": m.size, "digest": m.digest, "details": _details(_config(self.store, m))})
+        models += self._engine_models()
         return {"models": models}
+
+    def _engine_models(self) -> list[dict]:
+        """The store's ENGINE models (kvserve.supervisor.modelfile) as /api/tags entries: no files of
+        kvserve's (size 0, no digest), modified when created; after the stored models, by name."""
+        from kvserve.supervisor.modelfile import engine_files, engine_modified
+
+        out = []
+        for spec in engine_files(self.store.root):
+            modified = engine_modified(self.store.root, spec.name) or 0.0
+            out.append({"name": spec.name, "model": spec.name, "modified_at": go_time(modified), "size": 0,
+                        "digest": "", "details": _details({})})
+        return out
+
+    def _show_engine(self, name: str) -> dict | None:
+        """/api/show of the store's ENGINE model ``name``, else None: its Modelfile (FROM and the
+        ENGINE line, key-like values ``***``), ``engine`` (that command line) and ``engine_model``
+        (what ``{model}`` becomes)."""
+        from kvserve.supervisor.modelfile import engine_modelfile, engine_modified, find_engine
+        from kvserve.supervisor.spec import shown_command
+
+        try:
+            display = parse_name(name).display
+        except InvalidInputError:
+            return None
+        spec = find_engine(self.store.root, display)
+        if spec is None:
+            return None
+        return {"license": "", "modelfile": engine_modelfile(spec), "parameters": "", "template": "", "system": "",
+                "details": _details({}), "model_info": {}, "capabilities": ["completion", "tools"],
+                "modified_at": go_time(engine_modified(self.store.root, display) or 0.0),
+                "engine": shown_command(spec.argv), "engine_model": spec.model or None}
 
     def ps(self) -> dict:
         """GET /api/ps: without a server nothing is loaded."""
@@ -189,6 +221,12 @@ class LocalApi:
         """
         from kvserve.ollama.modelfile import show_modelfile, show_parameters
 
+        try:
+            found = self.store.get(name)
+        except InvalidInputError:
+            found = None
+        if found is None and (engine := self._show_engine(name)) is not None:
+            return engine
         stored = self._stored(name)
         store, m = self.store, stored.manifest
         config = _config(store, stored)

@@ -16,10 +16,10 @@ Each step answers one supervision problem:
 - **stop**: SIGTERM to the child's process group (it has its own: ``start_new_session``), SIGKILL
   to the group after :data:`STOP_GRACE_S`; the log is read to its end before the exit code is
   taken, so the child's last lines are kept;
-- **kvserve dies**: the child is started with ``PR_SET_PDEATHSIG`` = SIGKILL (Linux), so even a
-  SIGKILLed kvserve leaves no child. The kernel sends it when the *thread* that forked the child
-  ends, so every child is forked from one long-lived spawner thread. (Processes the engine
-  starts itself, such as vLLM's workers, are the engine's to stop: they see their parent die.)
+- **kvserve dies**: the child is started by :func:`kvserve.procs.spawn` (``PR_SET_PDEATHSIG`` =
+  SIGKILL from one long-lived spawner thread), so even a SIGKILLed kvserve leaves no child.
+  (Processes the engine starts itself, such as vLLM's workers, are the engine's to stop: they
+  see their parent die.)
 - **dies while serving**: a watcher thread sees the exit; the child is started again once (a new
   port, the same health wait); a second death, or a failed restart, leaves it dead with the
   reason in :attr:`EngineChild.error`.
@@ -31,7 +31,6 @@ only appends to a bounded deque.
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import os
 import signal
@@ -39,11 +38,11 @@ import socket
 import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import httpx
 
+from kvserve import procs
 from kvserve.errors import ServerFaultError
 from kvserve.supervisor.spec import HOST, EngineSpec
 
@@ -62,9 +61,6 @@ POLL_FIRST_S, POLL_MAX_S = 0.05, 1.0
 #: one health request's timeout, seconds
 POLL_TIMEOUT_S = 5.0
 
-_PR_SET_PDEATHSIG = 1
-#: every child is forked from this thread (PR_SET_PDEATHSIG fires when the forking thread ends)
-_SPAWNER = ThreadPoolExecutor(1, thread_name_prefix="engine-spawner")
 #: set by :func:`abandon_starts` when the server stops: children still starting give up at their next
 #: health poll (at most POLL_MAX_S later) and are stopped, so a stop never waits for a start timeout
 _SERVER_STOPPING = False
@@ -89,18 +85,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    def preexec() -> None:  # runs in the child between fork and exec
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):  # not Linux: the process group and stop() remain
-            return
-        if os.getppid() != parent:  # kvserve died before prctl took effect
-            os._exit(1)
-    return preexec
 
 
 class EngineChild:
@@ -166,9 +150,7 @@ class EngineChild:
         log.info("engine '%s': starting %s", self.spec.name, " ".join(argv), extra={"func": "engine"})
         t0 = time.monotonic()
         try:
-            proc = _SPAWNER.submit(subprocess.Popen, argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, start_new_session=True,
-                                   preexec_fn=_die_with_parent(os.getpid())).result()
+            proc = procs.spawn(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         except OSError as e:
             raise EngineStartError(f"engine for model '{self.spec.name}' cannot start: {self.spec.program}: "
                                    f"{e.strerror or e}") from None

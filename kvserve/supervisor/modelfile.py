@@ -31,9 +31,10 @@ from pathlib import Path
 from urllib.parse import quote
 
 from kvserve.errors import InvalidInputError
-from kvserve.supervisor.spec import EngineSpec
+from kvserve.supervisor.spec import EngineSpec, shown_command
 
-__all__ = ["ENGINES_DIR", "create_engine_model", "engine_files", "find_engine", "remove_engine", "split_engine"]
+__all__ = ["ENGINES_DIR", "create_engine_model", "engine_files", "engine_modelfile", "engine_modified", "find_engine",
+           "remove_engine", "split_engine"]
 
 #: under the store's root
 ENGINES_DIR = Path("kvserve") / "engines"
@@ -150,6 +151,22 @@ def engine_files(store_root: str | os.PathLike) -> list[EngineSpec]:
         if spec is not None:
             out.append(spec)
     return out
+
+
+def engine_modified(store_root: str | os.PathLike, name: str) -> float | None:
+    """When the ENGINE model ``name`` was created (its definition's mtime, Unix seconds), else None."""
+    try:
+        return _file(Path(store_root), name).stat().st_mtime
+    except OSError:
+        return None
+
+
+def engine_modelfile(spec: EngineSpec) -> str:
+    """The Modelfile ``show`` prints for an ENGINE model: ``FROM`` its model (when it has one) and
+    the ``ENGINE`` line with values that look like keys written ``***``
+    (:func:`~kvserve.supervisor.spec.shown_command`)."""
+    lines = [f"FROM {spec.model}"] if spec.model else []
+    return "\n".join([*lines, f"ENGINE {shown_command(spec.argv)}"]) + "\n"
 
 
 def remove_engine(store_root: str | os.PathLike, name: str) -> bool:

@@ -24,12 +24,19 @@ from dataclasses import dataclass
 
 from kvserve.errors import InvalidInputError
 
-__all__ = ["HOST", "EngineSpec", "parse_engine"]
+__all__ = ["HOST", "EngineSpec", "parse_engine", "shown_command"]
 
 #: where every child listens
 HOST = "127.0.0.1"
 
 _NAME = re.compile(r"[^\s,=]{1,256}")
+#: an environment name or option that holds a secret (``HF_TOKEN=``, ``OPENAI_API_KEY=``, ``--api-key``)
+#: (one of its ``-``/``_``-separated words is one of these: ``--tokenizer`` and ``--ssl-keyfile`` are not)
+_SECRET_WORDS = frozenset({"key", "apikey", "token", "secret", "password", "passwd", "pwd", "auth", "credential",
+                           "credentials", "cookie"})
+#: values shaped like well-known keys, wherever they stand (OpenAI, Anthropic, Hugging Face, GitHub)
+_SECRET_VALUE = re.compile(r"(sk-|sk_|hf_|ghp_|gho_|github_pat_|xox[bp]-)[A-Za-z0-9_-]{8,}")
+_REDACTED = "***"
 _FIELDS = ("port", "host", "model")
 
 
@@ -85,6 +92,41 @@ class EngineSpec:
     def installed(self) -> bool:
         """True when the executable is on PATH (or a path to an executable file)."""
         return shutil.which(self.argv[0]) is not None
+
+
+def _secret_name(name: str) -> bool:
+    return any(w in _SECRET_WORDS for w in re.split(r"[-_]+", name.lower()))
+
+
+def shown_command(argv: tuple[str, ...] | list[str]) -> str:
+    """The command line as ``show`` and logs print it, with values that look like keys written
+    ``***``: an environment assignment whose name names a secret (``env HF_TOKEN=*** vllm ...``,
+    ``OPENAI_API_KEY=***``), the value of an option that does (``--api-key ***``,
+    ``--hf-token=***``), and any word shaped like a well-known key (``sk-...``, ``hf_...``).
+    Shell-quoted (:func:`shlex.join`) so it reads as the ``ENGINE`` line it came from."""
+    out: list[str] = []
+    hide_next = False
+    for w in argv:
+        if hide_next:
+            out.append(_REDACTED)
+            hide_next = False
+            continue
+        if w.startswith("-"):
+            opt, eq, _ = w.partition("=")
+            if _secret_name(opt):
+                if eq:
+                    out.append(f"{opt}={_REDACTED}")
+                else:
+                    out.append(w)
+                    hide_next = True
+                continue
+        elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", w, re.DOTALL):
+            name, _, value = w.partition("=")
+            if _secret_name(name) and value:
+                out.append(f"{name}={_REDACTED}")
+                continue
+        out.append(_SECRET_VALUE.sub(_REDACTED, w))
+    return shlex.join(out)
 
 
 def parse_engine(value: str, start_timeout_s: float = 600.0) -> EngineSpec:

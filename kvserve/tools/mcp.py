@@ -50,12 +50,14 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve import procs
 from kvserve.tools.base import BaseTool, UnknownToolError
 
 log = logging.getLogger("kvserve.tools.mcp")
@@ -198,12 +200,48 @@ def require_sdk() -> None:
 
 # -- the stdio transport --------------------------------------------------------------------------
 
+class _PipedChild:
+    """A :class:`subprocess.Popen` whose stdin/stdout/stderr pipes are asyncio streams: the parts of
+    :class:`asyncio.subprocess.Process` the stdio transport uses (``pid``, ``stdin``, ``stdout``,
+    ``stderr``, ``returncode``, ``wait()``). Lines on stdout/stderr are limited to
+    :data:`MAX_LINE_BYTES` as ``create_subprocess_exec(limit=...)`` would."""
+
+    def __init__(self, popen: subprocess.Popen, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader,
+                 stderr: asyncio.StreamReader):
+        self.popen, self.pid = popen, popen.pid
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+
+    @classmethod
+    async def wrap(cls, popen: subprocess.Popen) -> "_PipedChild":
+        loop = asyncio.get_running_loop()
+        readers = []
+        for pipe in (popen.stdout, popen.stderr):
+            reader = asyncio.StreamReader(limit=MAX_LINE_BYTES, loop=loop)
+            await loop.connect_read_pipe(lambda r=reader: asyncio.StreamReaderProtocol(r, loop=loop), pipe)
+            readers.append(reader)
+        transport, protocol = await loop.connect_write_pipe(lambda: asyncio.streams.FlowControlMixin(loop=loop),
+                                                            popen.stdin)
+        return cls(popen, asyncio.StreamWriter(transport, protocol, None, loop), *readers)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    async def wait(self) -> int:
+        """The exit code, polled (no child watcher: the process was not started by asyncio)."""
+        pause = 0.005
+        while (rc := self.popen.poll()) is None:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        return rc
+
+
 class _StdioProcess:
     """A stdio server's child process (its own session and process group) and what is known of it."""
 
     def __init__(self, cfg: McpServerConfig):
         self.cfg = cfg
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: _PipedChild | None = None
         self.stderr_tail = b""
         self.exited = asyncio.Event()
 
@@ -212,12 +250,20 @@ class _StdioProcess:
         return self.proc.pid if self.proc is not None else None
 
     async def spawn(self) -> None:
-        """Start the program. Raises OSError (no such program, bad cwd)."""
+        """Start the program through :func:`kvserve.procs.spawn_async` (its own process group, no
+        inherited descriptors, SIGKILLed by the kernel if kvserve dies) with its three pipes as
+        asyncio streams. Raises OSError (no such program, bad cwd)."""
         env = {**os.environ, **self.cfg.env}
-        self.proc = await asyncio.create_subprocess_exec(
-            self.cfg.command, *self.cfg.args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, cwd=self.cfg.cwd or None, start_new_session=True,
-            limit=MAX_LINE_BYTES)
+        popen = await procs.spawn_async([self.cfg.command, *self.cfg.args], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                        cwd=self.cfg.cwd or None)
+        try:
+            self.proc = await _PipedChild.wrap(popen)
+        except BaseException:
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(popen.pid, signal.SIGKILL)
+            await asyncio.to_thread(popen.wait)
+            raise
 
     def kill_group(self) -> None:
         """SIGKILL the whole process group (the server and every descendant still in it)."""

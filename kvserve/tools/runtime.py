@@ -20,7 +20,9 @@ combined; output past ``max_output`` bytes is read and dropped (the child never 
 and ``[output truncated]`` is added. The whole group gets SIGKILL, repeated until it is empty, when
 the time is up, when the call's :attr:`~kvserve.tools.base.ToolContext.cancelled` is set (client
 gone) or the server stops (:meth:`~kvserve.tools.base.ToolRegistry.close`), and always once the
-command's own process has exited (background children it left die with it).
+command's own process has exited (background children it left die with it). If kvserve itself is
+SIGKILLed, the kernel kills the command (``PR_SET_PDEATHSIG``, :mod:`kvserve.procs`); children it
+started in the background are not reached by that signal (see :mod:`kvserve.procs` for the limit).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from kvserve import procs
 from kvserve.tools.base import ToolContext, ToolRuntimeError
 
 ENGINES = ("docker", "podman")
@@ -165,14 +168,14 @@ def _kill_group_soon(pgid: int) -> None:
         in_thread(kill_group, pgid)
 
 
-def _spawn(argv: list[str], cwd: str | None, stdin: bool) -> subprocess.Popen:
-    """``argv`` in a new session (its own process group), stdout and stderr into one pipe, every
-    other descriptor of the server closed (``close_fds``: uvloop's own spawn lets its sockets and
-    pipes leak into the child, where a background grandchild would hold the output open and a
-    command could write into the server's descriptors)."""
-    return subprocess.Popen(argv, cwd=cwd or None, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            close_fds=True)
+async def _spawn(argv: list[str], cwd: str | None, stdin: bool) -> subprocess.Popen:
+    """``argv`` through :func:`kvserve.procs.spawn_async`: a new session (its own process group),
+    every other descriptor of the server closed (``close_fds``: uvloop's own spawn lets its sockets
+    and pipes leak into the child, where a background grandchild would hold the output open and a
+    command could write into the server's descriptors), SIGKILLed by the kernel if kvserve dies;
+    stdout and stderr into one pipe."""
+    return await procs.spawn_async(argv, cwd=cwd or None, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def _feed(pipe, data: bytes) -> None:
@@ -214,7 +217,7 @@ async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, ma
     res = result if result is not None else ProcessResult("", -1)
     limit = max(0.0, min(timeout_s, ctx.remaining()))
     try:
-        proc = _spawn(argv, cwd, stdin is not None)
+        proc = await _spawn(argv, cwd, stdin is not None)
     except (OSError, ValueError, subprocess.SubprocessError) as e:
         res.output = f"failed to spawn process: {e.strerror or e}" if isinstance(e, OSError) else \
             "failed to spawn process"

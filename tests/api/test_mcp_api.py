@@ -422,3 +422,45 @@ def test_invalid_config_refuses_start(tiny_gguf, tmp_path, flags, text):
         assert text in s.log()
     finally:
         s.stop()
+
+
+def test_sigkill_of_kvserve_leaves_no_tool_process(fixtures, tmp_path):
+    """kvserve SIGKILLed (no shutdown code runs) while a ``/tools`` shell command and an MCP stdio
+    server are both busy: the kernel kills both (PR_SET_PDEATHSIG, kvserve/procs.py), checked by
+    pid within 5 s. The shell command ``exec``s its sleep, so the sleep is kvserve's direct child:
+    PDEATHSIG does not reach grandchildren (see kvserve/procs.py)."""
+    cfg = _config(fixtures)
+    s = spawn("", ("--no-preload", "--tools", "all", "--mcp-servers-json", json.dumps(cfg), "--models-dir",
+                   str(tmp_path / "models")), tmp_path)
+    try:
+        s.wait_ready(60)
+        mcp_pid = int(_call(s, "fx_pid")["plain_text_response"])
+        busy = threading.Thread(target=lambda: _swallow(lambda: httpx.post(
+            s.url("/tools"), json={"tool": "fx_sleep", "params": {"seconds": 600}}, timeout=30)), daemon=True)
+        busy.start()
+        with httpx.stream("POST", s.url("/tools"), json={"tool": "exec_shell_command", "stream": True,
+                          "params": {"command": "echo $$; exec sleep 600", "timeout": 600}}, timeout=30) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            shell_pid = int(json.loads(first[6:])["chunk"].split("\n", 1)[0])
+            time.sleep(0.3)  # the fx_sleep call reaches the MCP server
+            assert _alive(mcp_pid) and _alive(shell_pid)
+            with open(f"/proc/{shell_pid}/cmdline", "rb") as f:
+                assert f.read().split(b"\0")[:2] == [b"sleep", b"600"]  # the exec happened
+            assert os.getpgid(shell_pid) == shell_pid and os.getpgid(mcp_pid) == mcp_pid  # own groups
+            s.proc.kill()
+            s.proc.wait(timeout=10)
+        assert _wait_gone([shell_pid, mcp_pid], 5) == []
+    finally:
+        s.stop()
+        for pid in ("shell_pid", "mcp_pid"):  # a failed assertion must not leave them running
+            p = locals().get(pid)
+            if p and _alive(p):
+                os.kill(p, 9)
+
+
+def _swallow(fn):
+    try:
+        fn()
+    except httpx.HTTPError:
+        pass

@@ -295,6 +295,51 @@ def test_rm_and_cp_messages(store, tiny, capsys):
     assert run(capsys, "rm", "bad name!") == (1, "", 'Error: name "bad name!" is invalid\n')
 
 
+def test_engine_model_listed_shown_and_removed(store, tiny, tmp_path, capsys):
+    """A model created with an ENGINE line (kvserve.supervisor.modelfile) is in ``kvserve list``
+    (no ID or size: its files are the engine's), ``kvserve show`` prints its engine command with
+    key-like values ``***`` (environment assignments, ``--api-key``, key-shaped words), and
+    ``kvserve rm`` deletes it (then list and show no longer know it)."""
+    mf = write(tmp_path / "Modelfile.engine", "FROM ./weights\nENGINE env HF_TOKEN=hf_abcdefghijklmnop PATH=/usr/bin "
+               "vllm serve {model} --api-key s3cret --hf-token=abc --tokenizer tok --port {port} "
+               "--header 'Authorization: Bearer sk-abcdefghijklmnop'\n")
+    (tmp_path / "weights").mkdir()
+    rc, _, err = run(capsys, "create", "eng", "-f", mf)
+    assert rc == 0, err
+    shown = ("env 'HF_TOKEN=***' PATH=/usr/bin vllm serve '{model}' --api-key '***' '--hf-token=***' "
+             "--tokenizer tok --port '{port}' --header 'Authorization: Bearer ***'")
+    assert err.endswith(f"writing engine definition: {shown}\nsuccess\n")  # create echoes it redacted too
+    assert "hf_abc" not in err and "s3cret" not in err
+    defn = store.root / "kvserve" / "engines" / "eng%3Alatest.json"
+    os.utime(defn, (NOW - 7200, NOW - 7200))
+    age(store, "tiny", 150)
+    d = tiny.digest[:12]
+    rc, out, err = run(capsys, "list")
+    assert (rc, err) == (0, "")
+    assert out == ("NAME           ID              SIZE      MODIFIED      \n"
+                   f"tiny:latest    {d}    457 KB    2 minutes ago    \n"
+                   "eng:latest     -               -         2 hours ago      \n")
+    assert run(capsys, "ls", "en")[1] == ("NAME          ID    SIZE    MODIFIED    \n"
+                                          "eng:latest    -     -       2 hours ago    \n")
+    rc, out, err = run(capsys, "show", "eng")
+    assert (rc, err) == (0, "")
+    assert out == ("  Model\n"
+                   f"    Engine          {shown}    \n"
+                   f"    Engine model    {str(tmp_path / 'weights').ljust(len(shown))}    \n"
+                   "\n"
+                   "  Capabilities\n"
+                   "    completion    \n"
+                   "    tools         \n"
+                   "\n")
+    assert run(capsys, "show", "eng", "--modelfile") == (0, f"FROM {tmp_path / 'weights'}\nENGINE {shown}\n\n", "")
+    assert run(capsys, "rm", "eng") == (0, "deleted 'eng'\n", "")
+    assert not defn.exists()
+    assert run(capsys, "list")[1] == ("NAME           ID              SIZE      MODIFIED      \n"
+                                      f"tiny:latest    {d}    457 KB    2 minutes ago    \n")
+    assert run(capsys, "show", "eng") == (1, "", "Error: model 'eng' not found\n")
+    assert run(capsys, "rm", "eng") == (1, "", "Error: model 'eng' not found\n")
+
+
 # ------------------------------------------------------------------------------ ps, stop, run
 
 

@@ -4,6 +4,7 @@ playing the child (real engines cannot run in CI; see its docstring)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -185,3 +186,43 @@ def test_the_modelfile_form(tmp_path, tiny_gguf):
     assert find_engine(root, "x:latest") is None
     assert remove_engine(root, "qwen:latest") and not remove_engine(root, "qwen:latest")
     assert [s.name for s in engine_files(root)] == ["g:latest"]
+
+
+def test_shown_command_redacts_key_like_values():
+    """``show``'s engine command: secrets in environment assignments, in options (both spellings)
+    and key-shaped words are ``***``; paths, ports and look-alikes (``--tokenizer``,
+    ``--ssl-keyfile``, ``PATH=``) are kept."""
+    from kvserve.supervisor.spec import shown_command
+
+    argv = ["env", "HF_TOKEN=hf_abcdefghijklmnop", "OPENAI_API_KEY=x", "AWS_SECRET_ACCESS_KEY=y", "PATH=/usr/bin",
+            "EMPTY_TOKEN=", "vllm", "serve", "{model}", "--api-key", "k1", "--hf-token=k2", "--password", "p",
+            "--tokenizer", "tok", "--ssl-keyfile", "k.pem", "--port", "{port}", "--header",
+            "Authorization: Bearer sk-abcdefghijklmnop", "--api-key"]
+    assert shown_command(argv) == (
+        "env 'HF_TOKEN=***' 'OPENAI_API_KEY=***' 'AWS_SECRET_ACCESS_KEY=***' PATH=/usr/bin EMPTY_TOKEN= vllm serve "
+        "'{model}' --api-key '***' '--hf-token=***' --password '***' --tokenizer tok --ssl-keyfile k.pem "
+        "--port '{port}' --header 'Authorization: Bearer ***' --api-key")
+
+
+def test_spawn_fixes_group_fds_and_parent_death():
+    """kvserve.procs.spawn: its own process group, no inherited descriptor, and the fixed
+    arguments refused."""
+    import subprocess
+
+    from kvserve import procs
+
+    r, w = os.pipe()  # inheritable descriptors the child must not see
+    os.set_inheritable(r, True)
+    try:
+        code = "import json, os; print(os.getpgid(0), json.dumps(sorted(os.listdir('/proc/self/fd'))))"
+        p = procs.spawn([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        out, _ = p.communicate(timeout=30)
+    finally:
+        os.close(r)
+        os.close(w)
+    pgid, fds = out.decode().split(" ", 1)
+    assert int(pgid) == p.pid
+    assert json.loads(fds) == ["0", "1", "2", "3"]  # stdio and listdir's own descriptor
+    for fixed in ("start_new_session", "close_fds", "preexec_fn", "process_group"):
+        with pytest.raises(TypeError, match=f"^procs.spawn fixes {fixed}$"):
+            procs.spawn(["true"], **{fixed: None})
