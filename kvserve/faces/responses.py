@@ -1112,7 +1112,8 @@ def build_router(state: ServerState, store: ResponseStore | None = None) -> APIR
         return await _count(state, kept, http)
 
     @r.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str, http: HttpRequest) -> Response:
+    async def retrieve(http: HttpRequest) -> Response:
+        response_id = http.path_params["response_id"]  # read here: a typed parameter costs FastAPI a model field
         _check_not_count_route(response_id)
         entry = kept.get(response_id, owner_of(state, http))
         if entry is None:
@@ -1123,7 +1124,8 @@ def build_router(state: ServerState, store: ResponseStore | None = None) -> APIR
         return Response(entry.response_json, media_type=_JSON)  # stored as the JSON text the client got
 
     @r.get("/v1/responses/{response_id}/input_items")
-    async def input_items(response_id: str, http: HttpRequest) -> Response:
+    async def input_items(http: HttpRequest) -> Response:
+        response_id = http.path_params["response_id"]  # read here: a typed parameter costs FastAPI a model field
         entry = kept.get(response_id, owner_of(state, http))
         if entry is None:
             return error_response(_not_found(response_id))
@@ -1134,7 +1136,8 @@ def build_router(state: ServerState, store: ResponseStore | None = None) -> APIR
         return Response(text, media_type=_JSON)
 
     @r.delete("/v1/responses/{response_id}")
-    async def delete(response_id: str, http: HttpRequest) -> Response:
+    async def delete(http: HttpRequest) -> Response:
+        response_id = http.path_params["response_id"]  # read here: a typed parameter costs FastAPI a model field
         _check_not_count_route(response_id)
         if not kept.delete(response_id, owner_of(state, http)):
             return error_response(_not_found(response_id))

@@ -142,8 +142,11 @@ def build_router(state: ServerState) -> APIRouter:
     if not enabled:
         return r
 
+    # the path read from the request, not a typed parameter: FastAPI would build a pydantic field for
+    # it (and import pydantic.v1 to check its type) at start-up
     @r.get("/webui/{name:path}")
-    async def asset(name: str) -> Response:
+    async def asset(http: HttpRequest) -> Response:
+        name = http.path_params["name"]
         if root is not None:
             return serve_dir(name)
         found = assets.get(name)
@@ -155,7 +158,7 @@ def build_router(state: ServerState) -> APIRouter:
 
     if root is not None:
         @r.get("/{name:path}")
-        async def static_file(name: str) -> Response:  # llama-server serves --path at the root
-            return serve_dir(name)
+        async def static_file(http: HttpRequest) -> Response:  # llama-server serves --path at the root
+            return serve_dir(http.path_params["name"])
 
     return r

@@ -718,6 +718,8 @@ def _remote_models(values: list[str]) -> str | None:
 
 
 def _remote_specs(values: list[str] | None) -> list:
+    if not values:  # no --remote: kvserve.remote (and httpx) stays off the start-up path
+        return []
     from kvserve.remote.spec import parse_remote
 
     return [parse_remote(v) for v in values or ()]
@@ -741,6 +743,8 @@ def _engine_models(values: list[str]) -> str | None:
 
 
 def _engine_specs(values: list[str] | None) -> list:
+    if not values:  # no --engine: kvserve.supervisor stays off the start-up path
+        return []
     from kvserve.supervisor.spec import parse_engine
 
     return [parse_engine(v) for v in values or ()]

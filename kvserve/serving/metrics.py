@@ -64,14 +64,6 @@ import weakref
 from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
-
 from kvserve.engine.request import RequestOutput
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -468,6 +460,9 @@ class VllmMetrics:
         engine = runner.engine
         self.model_name = str(getattr(runner, "model_alias", "") or getattr(getattr(runner, "spec", None), "name", ""))
         self.max_model_len = int(getattr(engine, "n_ctx_slot", 0) or 0) if engine is not None else 0
+        # prometheus-client (and the http.server it brings) loads with the first vLLM families, not at start-up
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
         self.registry = CollectorRegistry(auto_describe=True)
         self._lock = threading.Lock()
         self._tracked: OrderedDict[str, _Tracked] = OrderedDict()
@@ -631,6 +626,8 @@ class VllmMetrics:
         """This model's ``vllm:`` families in the text format (gauges read now; while frozen,
         the values read on freezing)."""
         self._refresh()
+        from prometheus_client import generate_latest
+
         return generate_latest(self.registry).decode("utf-8")
 
     def freeze(self) -> None:
@@ -738,4 +735,6 @@ def render_vllm(models: list[VllmMetrics]) -> str:
         m._refresh()
     if not models:
         return ""
+    from prometheus_client import generate_latest
+
     return generate_latest(_Merged([m.registry for m in models])).decode("utf-8")

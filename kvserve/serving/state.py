@@ -335,10 +335,9 @@ class ServerState:
         server, each logged with its own message) and hold its runner. An upstream that fails the
         check does not stop the server: its model lists as unavailable and its requests answer
         502/503 with the upstream's reason until it answers."""
-        from kvserve.remote import check_remote
-
         if not self.remotes and not self.store_remotes and self.pinned:
             return
+        from kvserve.remote import check_remote  # httpx: only with remote models
 
         async def one(remote) -> None:
             spec = self.remote_spec(remote.name)
