@@ -44,7 +44,7 @@ def read_config(d: Path) -> dict:
 def _read_tensors(d: Path):
     """(name, torch tensor) pairs of the directory's ``*.safetensors`` files, else of its
     ``pytorch_model.bin`` (or its shards ``pytorch_model-0000N-of-0000M.bin``). Raises
-    ModelLoadError when it has neither."""
+    ModelLoadError when it has neither, or a safetensors file cannot be opened (empty, corrupt header)."""
     import torch
 
     files = sorted(d.glob("*.safetensors"))
@@ -52,7 +52,11 @@ def _read_tensors(d: Path):
         from safetensors import safe_open
 
         for f in files:
-            with safe_open(str(f), framework="pt") as st:
+            try:
+                st = safe_open(str(f), framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors' own error type: a corrupt or empty file
+                raise ModelLoadError(f"{f}: not a readable safetensors file: {e}") from None
+            with st:
                 for name in st.keys():
                     yield name, st.get_tensor(name)
     elif bins := sorted(p for p in d.glob("pytorch_model*.bin")

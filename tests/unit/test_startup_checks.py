@@ -79,9 +79,11 @@ def _llama8b_config() -> dict:
 
 @pytest.fixture(scope="module")
 def llama8b_dir(tmp_path_factory) -> str:
-    """config.json of Llama 3.1 8B and no weights: a start that passes every check would fail reading them."""
+    """config.json of Llama 3.1 8B and an empty weights file: detection (kvserve.loaders.detect) sees an HF
+    safetensors folder, and a start that passes every check would fail reading the weights."""
     d = tmp_path_factory.mktemp("llama8b")
     (d / "config.json").write_text(json.dumps(_llama8b_config()))
+    (d / "model.safetensors").write_bytes(b"")
     return str(d)
 
 
@@ -92,6 +94,7 @@ def _quant_dir(root: Path, name: str, quant: dict | None, torch_dtype: str = "fl
     d = root / name
     d.mkdir()
     (d / "config.json").write_text(json.dumps(cfg))
+    (d / "model.safetensors").write_bytes(b"")  # see llama8b_dir
     return str(d)
 
 
