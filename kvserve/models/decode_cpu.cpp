@@ -16,6 +16,8 @@
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <map>
 #include <unordered_map>
 #include <memory>
 #include <type_traits>
@@ -693,7 +695,7 @@ class Decoder {
   at::Tensor step(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                   const at::Tensor& kv_index, const at::Tensor& lens, const std::vector<at::Tensor>& k_caches,
                   const std::vector<at::Tensor>& v_caches) {
-    return run(std::move(x), cos, sin, slots, kv_index, lens, k_caches, v_caches, nullptr, nullptr, nullptr);
+    return run(std::move(x), cos, sin, slots, kv_index, lens, k_caches, v_caches, nullptr);
   }
 
   // step, with LoRA deltas on the rows that carry adapters: row b applies the entries
@@ -712,60 +714,150 @@ class Decoder {
                 "decode_cpu: bad LoRA rows");
     const int64_t* off = row_off.data_ptr<int64_t>();
     const int64_t* id = ids.data_ptr<int64_t>();
+    const float* sc = scales.data_ptr<float>();
     TORCH_CHECK(off[0] == 0 && off[B] == ids.numel(), "decode_cpu: bad LoRA row offsets");
-    std::vector<const LoraAdapter*> ads(ids.numel());
+    std::map<int64_t, LoraRows> by_id;  // ascending ids: a row's adapters are added in the same order in any step
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(off[b + 1] >= off[b], "decode_cpu: bad LoRA row offsets");
       for (int64_t e = off[b]; e < off[b + 1]; ++e) {
         auto it = lora_.find(id[e]);
         TORCH_CHECK(it != lora_.end(), "decode_cpu: LoRA adapter ", id[e], " is not registered");
-        ads[e] = &it->second;
+        LoraRows& g = by_id[id[e]];
+        g.ad = &it->second;
+        g.rows.push_back(b);
+        g.scales.push_back(sc[e]);
       }
     }
-    return run(std::move(x), cos, sin, slots, kv_index, lens, k_caches, v_caches, off, ads.data(),
-               scales.data_ptr<float>());
+    std::vector<LoraRows> groups;
+    for (auto& kv : by_id) groups.push_back(std::move(kv.second));
+    return run(std::move(x), cos, sin, slots, kv_index, lens, k_caches, v_caches, &groups);
   }
 
  private:
-  // one projection's LoRA deltas for the step's rows: o [B, n] += per row's entries scale * B (A in[b])
-  void lora_delta(size_t li, int pi, const float* in, float* o, int64_t B, int64_t n, const int64_t* off,
-                  const LoraAdapter* const* ads, const float* scales) const {
-    kvserve_pool::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<float> h;
-      for (int64_t b = b0; b < b1; ++b)
-        for (int64_t e = off[b]; e < off[b + 1]; ++e) {
-          const LoraProj& lp = ads[e]->layers[li][pi];
-          if (lp.a == nullptr) continue;
-          const float* x = in + b * lp.k;
-          h.resize(lp.R);
-          for (int64_t r = 0; r < lp.R; ++r) {  // shrink: h = (A x) * scale
-            const float* ar = lp.a + r * lp.k;
-            vf acc = vzero();
-            int64_t i = 0;
-            for (; i + W <= lp.k; i += W) acc = vfma(vld(ar + i), vld(x + i), acc);
-            float s = hsum(acc);
-            for (; i < lp.k; ++i) s += ar[i] * x[i];
-            h[r] = s * scales[e];
-          }
-          float* y = o + b * n;
-          for (const LoraPart& pt : lp.parts) {  // expand: y[part] += B_part h[part's ranks]
-            float* yp = y + pt.out0;
-            for (int64_t r = pt.r0; r < pt.r1; ++r) {
-              const float* br = pt.bt + (r - pt.r0) * pt.n_out;
-              const vf hv = vset1(h[r]);
-              int64_t j = 0;
-              for (; j + W <= pt.n_out; j += W) vst(yp + j, vfma(vld(br + j), hv, vld(yp + j)));
-              for (; j < pt.n_out; ++j) yp[j] += br[j] * h[r];
-            }
-          }
-        }
+  // the step's rows of one adapter (step_lora): row indices and their scales
+  struct LoraRows {
+    const LoraAdapter* ad = nullptr;
+    std::vector<int64_t> rows;
+    std::vector<float> scales;
+  };
+
+  // one projection's LoRA deltas: o [B, n] += scale * B (A in[b]) for each row b of each group. Grouped
+  // by adapter so each A and B row is read once per step for all of its rows (punica's batching);
+  // a row's result depends only on its own input and adapters (ascending ids, parts, ranks in order;
+  // fused multiply-adds lane by lane, so the column blocks do not change it)
+  void lora_delta(size_t li, int pi, const float* in, float* o, int64_t n, const std::vector<LoraRows>& groups) const {
+    const int64_t G = static_cast<int64_t>(groups.size());
+    std::vector<std::vector<float>> hs(G);  // per group [rows, R]: (A x) * scale
+    kvserve_pool::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const LoraProj& lp = groups[g].ad->layers[li][pi];
+        if (lp.a == nullptr) continue;
+        const auto& rows = groups[g].rows;
+        const int64_t nr = static_cast<int64_t>(rows.size());
+        hs[g].assign(nr * lp.R, 0.f);
+        for (int64_t i0 = 0; i0 < nr; i0 += LRB) lora_shrink(lp, in, rows.data() + i0, groups[g].scales.data() + i0,
+                                                              std::min(LRB, nr - i0), hs[g].data() + i0 * lp.R);
+      }
     });
+    constexpr int64_t CB = 4 * W;  // output columns per task of the expand
+    kvserve_pool::parallel_for(0, (n + CB - 1) / CB, 1, [&](int64_t t0, int64_t t1) {
+      const int64_t c0 = t0 * CB, c1 = std::min(n, t1 * CB);
+      for (int64_t g = 0; g < G; ++g) {
+        const LoraProj& lp = groups[g].ad->layers[li][pi];
+        if (lp.a == nullptr) continue;
+        const auto& rows = groups[g].rows;
+        const int64_t nr = static_cast<int64_t>(rows.size());
+        for (const LoraPart& pt : lp.parts) {  // expand: y[part] += B_part h[part's ranks]
+          const int64_t lo = std::max(c0, pt.out0), hi = std::min(c1, pt.out0 + pt.n_out);
+          for (int64_t i0 = 0; i0 < nr && lo < hi; i0 += LRB)
+            lora_expand(pt, o, n, rows.data() + i0, std::min(LRB, nr - i0), hs[g].data() + i0 * lp.R, lp.R, lo, hi);
+        }
+      }
+    });
+  }
+
+  // rows of one LoRA delta at a time (register blocking: each A and B vector loaded once for them)
+  static constexpr int64_t LRB = W == 16 ? 4 : 2;
+
+  // h[i * R + r] = (A_r . x_{rows[i]}) * scales[i] for nr <= LRB rows; each row's dot product in the same
+  // order (two accumulators over alternate vectors of k) whatever the other rows
+  static void lora_shrink(const LoraProj& lp, const float* in, const int64_t* rows, const float* scales, int64_t nr,
+                          float* h) {
+    const int64_t k = lp.k;
+    for (int64_t r = 0; r < lp.R; ++r) {
+      const float* ar = lp.a + r * k;
+      vf acc0[LRB], acc1[LRB];
+      const float* x[LRB];
+      for (int64_t i = 0; i < nr; ++i) {
+        acc0[i] = vzero();
+        acc1[i] = vzero();
+        x[i] = in + rows[i] * k;
+      }
+      int64_t c = 0;
+      for (; c + 2 * W <= k; c += 2 * W) {
+        const vf a0 = vld(ar + c), a1 = vld(ar + c + W);
+        for (int64_t i = 0; i < nr; ++i) {
+          acc0[i] = vfma(a0, vld(x[i] + c), acc0[i]);
+          acc1[i] = vfma(a1, vld(x[i] + c + W), acc1[i]);
+        }
+      }
+      for (; c + W <= k; c += W) {
+        const vf a0 = vld(ar + c);
+        for (int64_t i = 0; i < nr; ++i) acc0[i] = vfma(a0, vld(x[i] + c), acc0[i]);
+      }
+      for (int64_t i = 0; i < nr; ++i) {
+        float sum = hsum(vadd(acc0[i], acc1[i]));
+        for (int64_t cc = c; cc < k; ++cc) sum = std::fma(ar[cc], x[i][cc], sum);
+        h[i * lp.R + r] = sum * scales[i];
+      }
+    }
+  }
+
+  // o[rows[i], lo:hi] += sum over the part's ranks r (in order) of B^T[r, lo:hi] * h[i * R + r], nr <= LRB rows
+  // ([lo, hi) within the part); each output element's fused multiply-adds in rank order, so blocking
+  // does not change it
+  static void lora_expand(const LoraPart& pt, float* o, int64_t n, const int64_t* rows, int64_t nr, const float* h,
+                          int64_t R, int64_t lo, int64_t hi) {
+    const int64_t c0 = lo - pt.out0;  // the part's first column here
+    auto brow = [&](int64_t r, int64_t j) { return pt.bt + (r - pt.r0) * pt.n_out + c0 + (j - lo); };  // B^T[r, j]
+    float* y[LRB];
+    for (int64_t i = 0; i < nr; ++i) y[i] = o + rows[i] * n;
+    int64_t j = lo;
+    for (; j + 4 * W <= hi; j += 4 * W) {
+      vf acc[LRB][4];
+      for (int64_t i = 0; i < nr; ++i)
+        for (int v = 0; v < 4; ++v) acc[i][v] = vld(y[i] + j + v * W);
+      for (int64_t r = pt.r0; r < pt.r1; ++r) {
+        const float* br = brow(r, j);
+        const vf b0 = vld(br), b1 = vld(br + W), b2 = vld(br + 2 * W), b3 = vld(br + 3 * W);
+        for (int64_t i = 0; i < nr; ++i) {
+          const vf hv = vset1(h[i * R + r]);
+          acc[i][0] = vfma(b0, hv, acc[i][0]);
+          acc[i][1] = vfma(b1, hv, acc[i][1]);
+          acc[i][2] = vfma(b2, hv, acc[i][2]);
+          acc[i][3] = vfma(b3, hv, acc[i][3]);
+        }
+      }
+      for (int64_t i = 0; i < nr; ++i)
+        for (int v = 0; v < 4; ++v) vst(y[i] + j + v * W, acc[i][v]);
+    }
+    for (; j + W <= hi; j += W)
+      for (int64_t i = 0; i < nr; ++i) {
+        vf acc = vld(y[i] + j);
+        for (int64_t r = pt.r0; r < pt.r1; ++r) acc = vfma(vld(brow(r, j)), vset1(h[i * R + r]), acc);
+        vst(y[i] + j, acc);
+      }
+    for (; j < hi; ++j)
+      for (int64_t i = 0; i < nr; ++i) {
+        float acc = y[i][j];
+        for (int64_t r = pt.r0; r < pt.r1; ++r) acc = std::fma(*brow(r, j), h[i * R + r], acc);
+        y[i][j] = acc;
+      }
   }
 
   at::Tensor run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                  const at::Tensor& kv_index, const at::Tensor& lens, const std::vector<at::Tensor>& k_caches,
-                 const std::vector<at::Tensor>& v_caches, const int64_t* lora_off, const LoraAdapter* const* lora_ads,
-                 const float* lora_scales) {
+                 const std::vector<at::Tensor>& v_caches, const std::vector<LoraRows>* lora) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == E_,
                 "decode_cpu: x must be a contiguous float32 [B, n_embd]");
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "decode_cpu: caches");
@@ -814,7 +906,7 @@ class Decoder {
       if (p.bias)
         for (int64_t b = 0; b < B; ++b)
           for (int64_t j = 0; j < p.n; ++j) o[b * p.n + j] += p.bias[j];
-      if (lora_off != nullptr) lora_delta(cur, pi, in, o, B, p.n, lora_off, lora_ads, lora_scales);
+      if (lora != nullptr) lora_delta(cur, pi, in, o, p.n, *lora);
     };
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& l = layers_[li];
