@@ -301,7 +301,7 @@ class ModelRunner:
         (LlamaModel._grouped_attention).
         """
         nat = self.native
-        if any(ch.request.lora for ch in chunks):  # eager (ModelRunner._run_lora): its own rows rule
+        if any(ch.request.lora for ch in chunks):  # single tokens only: the native step (deltas inside) or eager
             return [ch.num_new_tokens == 1 for ch in chunks]
         if (nat is not None and nat.ready and any(ch.spec_token_ids for ch in chunks)
                 and all(ch.num_new_tokens == 1 or ch.spec_token_ids for ch in chunks)

@@ -32,7 +32,9 @@ AVX512-VNNI or with AVX2, FMA and F16C (:func:`cpu_isa`), projections kept as GG
 type of :mod:`kvserve.models.ggml_kernel`) or Q4 weights whose input sizes are multiples of 64, head_dim a multiple
 of 32, a float KV cache (f32/f16/bf16) and no ``--compile`` (the compiled graph takes those
 steps); speculative decoding's verification rows run through it as decode rows (see
-ModelRunner._decode_rows), so verified tokens equal plain decoding's. ``KVSERVE_NATIVE_DECODE=0``
+ModelRunner._decode_rows), so verified tokens equal plain decoding's. Rows of LoRA adapters
+(kvserve.lora) run in it too: each projection adds its rows' ``scale * B (A x)`` in float32 after the
+base product, the rows grouped by adapter (:meth:`NativeDecode.lora_ready`, ``Decoder.step_lora``). ``KVSERVE_NATIVE_DECODE=0``
 turns it off.
 
 How it is built: with torch's C++ extension tooling (g++ and ninja) in a child process under
