@@ -123,10 +123,14 @@ class ModelRunner:
         self.native: NativeDecode | None = None
         #: decode-only steps run by the eager model or the compiled graph (not the native step)
         self.eager_decode_steps = 0
-        #: the model's LoRA adapters (kvserve.lora): steps with adapter rows run the eager model
+        #: the model's LoRA adapters (kvserve.lora): steps with adapter rows run the native decode step
+        #: (decode-only steps) or the eager model
         self.lora = LoraRegistry(model)
-        #: steps run eagerly because they carried LoRA rows (the native / compiled step has no delta)
+        #: steps run eagerly because they carried LoRA rows (prefill chunks; decode-only steps where the
+        #: native step is off or refused an adapter; the compiled graph has no delta)
         self.lora_steps = 0
+        #: decode-only steps with LoRA rows run by the native decode step (deltas added inside it)
+        self.native_lora_steps = 0
         if getattr(model, "native_decode", False):
             self.native = NativeDecode(model, self.kv_caches, model.output.small_max_rows)
             self.native.start()
@@ -297,7 +301,7 @@ class ModelRunner:
         (LlamaModel._grouped_attention).
         """
         nat = self.native
-        if any(ch.request.lora for ch in chunks):  # eager (ModelRunner._run_lora): its own rows rule
+        if any(ch.request.lora for ch in chunks):  # single tokens only: the native step (deltas inside) or eager
             return [ch.num_new_tokens == 1 for ch in chunks]
         if (nat is not None and nat.ready and any(ch.spec_token_ids for ch in chunks)
                 and all(ch.num_new_tokens == 1 or ch.spec_token_ids for ch in chunks)
@@ -446,22 +450,26 @@ class ModelRunner:
         step once it is loaded (see kvserve.models.decode_native), else through the compiled
         graph when it is ready and accepts the step (see CompiledDecode); every other step,
         and one the graph refuses, runs the eager model."""
-        if batch.lora is not None:
-            return self._run_lora(batch)
         comp = self.compiled
         attn = batch.attn
         n_decode = attn.n_decode
         nat = self.native
         if nat is not None and nat.cached and nat.pending:
             nat.activate(idle=False)  # a cached build: waits for the packing (see NativeDecode.activate)
-        if nat is not None and nat.ready and n_decode == batch.n_rows and n_decode <= nat.max_batch:
+        if (nat is not None and nat.ready and n_decode == batch.n_rows and n_decode <= nat.max_batch
+                and (batch.lora is None or nat.lora_ready(batch.lora, self.lora.known_ids()))):
             # decode rows, a prompt's last token among them: while the native step runs, the
             # scheduler gives every prompt's last token a step of its own (Scheduler.split_last_token),
             # cold or warm, so a prompt's first token is computed here whether its prefix was
-            # cached or not (the rest of a cold prompt is prefilled eagerly)
+            # cached or not (the rest of a cold prompt is prefilled eagerly). LoRA rows get their
+            # adapters' deltas inside the step (NativeDecode.lora_ready registers the adapters)
             logits = nat(batch.input_ids, attn.positions, attn.slot_mapping, attn.decode_kv_index, attn.decode_lens,
-                         self.kv_caches)
+                         self.kv_caches, batch.lora)
+            if batch.lora is not None:
+                self.native_lora_steps += 1
             return logits if batch.need is None else logits.index_select(0, batch.need)
+        if batch.lora is not None:
+            return self._run_lora(batch)
         # L >= 2: a size of 1 would be a new (specialized) graph
         if (comp is not None and comp.ready and n_decode == batch.n_rows and n_decode <= comp.max_batch
                 and attn.decode_kv_index.shape[1] >= 2):
@@ -481,8 +489,8 @@ class ModelRunner:
         return self.model(batch.input_ids, attn, self.kv_caches, batch.need)
 
     def _run_lora(self, batch: PreparedBatch) -> torch.Tensor:
-        """A step with LoRA rows: the eager model with the step's adapter groups active (the native
-        and compiled decode steps add no delta; steps without adapter rows keep them)."""
+        """A step with LoRA rows the native decode step does not take: the eager model with the step's
+        adapter groups active (the compiled graph adds no delta; steps without adapter rows keep it)."""
         self.lora_steps += 1
         self.lora.active = batch.lora
         try:

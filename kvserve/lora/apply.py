@@ -13,7 +13,11 @@ module, against in * out for the base). A step of one adapter runs plain matmuls
 runs them as batched matmuls over the groups padded to the largest (``torch.bmm`` of the adapters'
 stacked weights, cached per Linear for the step's adapter set), so the Python cost per projection
 does not grow with the number of adapters. Rows of no adapter are never touched. The base weights
-stay as they are (packed, any kernel); the delta runs in float32 on the activations."""
+stay as they are (packed, any kernel); the delta runs in float32 on the activations.
+
+Decode-only steps run in the native decode step instead (kvserve.models.decode_native): it is given
+these same per-Linear weights once per adapter (``NativeDecode.lora_ready``) and adds the same deltas
+per row inside its C++ step (decode_cpu.cpp's ``step_lora``)."""
 
 from __future__ import annotations
 

@@ -147,6 +147,10 @@ class LoraRegistry:
         """Every entry, by id."""
         return [self._entries[k] for k in sorted(self._entries)]
 
+    def known_ids(self):
+        """The registered adapters' ids (a live view; read per step by the native decode step)."""
+        return self._entries.keys()
+
     def __len__(self) -> int:
         return len(self._entries)
 

@@ -15,6 +15,10 @@
 #include <c10/util/Half.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
+#include <array>
+#include <cmath>
+#include <map>
+#include <unordered_map>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -466,6 +470,25 @@ struct Layer {
   std::unique_ptr<Moe> moe;
 };
 
+// LoRA (kvserve/lora/apply.py): one adapter's delta on one projection of one layer. a [R, k] float32 holds
+// the A of every fused part it targets (q|k|v, gate|up), stacked; each part adds, to its output columns
+// [out0, out0 + n_out), bt^T times its rank slice [r0, r1) of (a x) * scale, bt [r1 - r0, n_out] float32
+// its B transposed with the module scale folded in (punica's shrink, then expand)
+struct LoraPart {
+  int64_t out0, n_out, r0, r1;
+  const float* bt;
+};
+struct LoraProj {
+  const float* a = nullptr;  // null: the adapter leaves this projection alone
+  int64_t R = 0, k = 0;
+  std::vector<LoraPart> parts;
+};
+// one adapter: per layer, its deltas on qkv, wo, gate_up, down (in that order)
+struct LoraAdapter {
+  std::vector<std::array<LoraProj, 4>> layers;
+  std::vector<at::Tensor> keep;  // owns what the raw pointers read
+};
+
 void set_bias(Proj& p, const at::Tensor& bias) {
   if (bias.defined() && bias.numel()) {
     TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == p.n, "decode_cpu: bad bias");
@@ -619,6 +642,52 @@ class Decoder {
     return y;
   }
 
+  // LoRA adapter `id`'s delta on projection `proj` (0 qkv, 1 wo, 2 gate_up, 3 down) of layer li:
+  // a [R, k] float32 (k the projection's input size), per part bts[i] [r1 - r0, n_out] float32 (B^T,
+  // module scale folded in) and spec[4 i .. 4 i + 3] = out0, n_out, r0, r1 (see LoraPart). Registered
+  // once per adapter (kvserve/models/decode_native.py); the tensors are kept alive by the decoder.
+  void set_lora(int64_t id, int64_t li, int64_t proj, const at::Tensor& a, const std::vector<at::Tensor>& bts,
+                const std::vector<int64_t>& spec) {
+    TORCH_CHECK(li >= 0 && li < static_cast<int64_t>(layers_.size()) && proj >= 0 && proj < 4,
+                "decode_cpu: LoRA layer or projection out of range");
+    const Layer& l = layers_[li];
+    const Proj& p = proj == 0 ? l.qkv : proj == 1 ? l.wo : proj == 2 ? l.gate_up : l.down;
+    TORCH_CHECK(proj < 2 || l.dense_ffn, "decode_cpu: LoRA on a mixture-of-experts layer's FFN");
+    TORCH_CHECK(a.scalar_type() == at::kFloat && a.dim() == 2 && a.is_contiguous() && a.size(1) == p.k &&
+                    spec.size() == 4 * bts.size(),
+                "decode_cpu: bad LoRA A or parts");
+    LoraAdapter& ad = lora_[id];
+    if (ad.layers.empty()) ad.layers.resize(layers_.size());
+    LoraProj lp;
+    lp.a = a.data_ptr<float>();
+    lp.R = a.size(0);
+    lp.k = a.size(1);
+    ad.keep.push_back(a);
+    for (size_t i = 0; i < bts.size(); ++i) {
+      const at::Tensor& bt = bts[i];
+      LoraPart part{spec[4 * i], spec[4 * i + 1], spec[4 * i + 2], spec[4 * i + 3], nullptr};
+      TORCH_CHECK(bt.scalar_type() == at::kFloat && bt.dim() == 2 && bt.is_contiguous() && part.out0 >= 0 &&
+                      part.n_out >= 1 && part.out0 + part.n_out <= p.n && part.r0 >= 0 && part.r1 > part.r0 &&
+                      part.r1 <= lp.R && bt.size(0) == part.r1 - part.r0 && bt.size(1) == part.n_out,
+                  "decode_cpu: bad LoRA B");
+      part.bt = bt.data_ptr<float>();
+      ad.keep.push_back(bt);
+      lp.parts.push_back(part);
+    }
+    ad.layers[li][proj] = std::move(lp);
+  }
+
+  // forget adapter `id` (no-op when unknown)
+  void remove_lora(int64_t id) { lora_.erase(id); }
+
+  // the registered adapters' ids
+  std::vector<int64_t> lora_ids() const {
+    std::vector<int64_t> out;
+    for (const auto& kv : lora_) out.push_back(kv.first);
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
   // x [B, E] float32 (the token embeddings; overwritten with the last layer's hidden states and
   // returned), cos/sin [B, D/2] float32, slots [B] long (cache row of each query's K/V),
   // kv_index [B, L] long (the rows each query reads, valid up to lens[b]), lens [B] long,
@@ -626,6 +695,169 @@ class Decoder {
   at::Tensor step(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
                   const at::Tensor& kv_index, const at::Tensor& lens, const std::vector<at::Tensor>& k_caches,
                   const std::vector<at::Tensor>& v_caches) {
+    return run(std::move(x), cos, sin, slots, kv_index, lens, k_caches, v_caches, nullptr);
+  }
+
+  // step, with LoRA deltas on the rows that carry adapters: row b applies the entries
+  // [row_off[b], row_off[b + 1]) of ids (registered adapter ids, long) and scales (float32, the
+  // request's scale); row_off [B + 1] long. Each projection's output row gets, after the base product
+  // and bias, sum over its entries of scale * B (A x) (kvserve/lora/apply.py's math); rows without
+  // entries are computed exactly as step computes them.
+  at::Tensor step_lora(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                       const at::Tensor& kv_index, const at::Tensor& lens, const std::vector<at::Tensor>& k_caches,
+                       const std::vector<at::Tensor>& v_caches, const at::Tensor& row_off, const at::Tensor& ids,
+                       const at::Tensor& scales) {
+    const int64_t B = x.size(0);
+    TORCH_CHECK(row_off.scalar_type() == at::kLong && row_off.is_contiguous() && row_off.numel() == B + 1 &&
+                    ids.scalar_type() == at::kLong && ids.is_contiguous() && scales.scalar_type() == at::kFloat &&
+                    scales.is_contiguous() && ids.numel() == scales.numel(),
+                "decode_cpu: bad LoRA rows");
+    const int64_t* off = row_off.data_ptr<int64_t>();
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const float* sc = scales.data_ptr<float>();
+    TORCH_CHECK(off[0] == 0 && off[B] == ids.numel(), "decode_cpu: bad LoRA row offsets");
+    std::map<int64_t, LoraRows> by_id;  // ascending ids: a row's adapters are added in the same order in any step
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(off[b + 1] >= off[b], "decode_cpu: bad LoRA row offsets");
+      for (int64_t e = off[b]; e < off[b + 1]; ++e) {
+        auto it = lora_.find(id[e]);
+        TORCH_CHECK(it != lora_.end(), "decode_cpu: LoRA adapter ", id[e], " is not registered");
+        LoraRows& g = by_id[id[e]];
+        g.ad = &it->second;
+        g.rows.push_back(b);
+        g.scales.push_back(sc[e]);
+      }
+    }
+    std::vector<LoraRows> groups;
+    for (auto& kv : by_id) groups.push_back(std::move(kv.second));
+    return run(std::move(x), cos, sin, slots, kv_index, lens, k_caches, v_caches, &groups);
+  }
+
+ private:
+  // the step's rows of one adapter (step_lora): row indices and their scales
+  struct LoraRows {
+    const LoraAdapter* ad = nullptr;
+    std::vector<int64_t> rows;
+    std::vector<float> scales;
+  };
+
+  // one projection's LoRA deltas: o [B, n] += scale * B (A in[b]) for each row b of each group. Grouped
+  // by adapter so each A and B row is read once per step for all of its rows (punica's batching);
+  // a row's result depends only on its own input and adapters (ascending ids, parts, ranks in order;
+  // fused multiply-adds lane by lane, so the column blocks do not change it)
+  void lora_delta(size_t li, int pi, const float* in, float* o, int64_t n, const std::vector<LoraRows>& groups) const {
+    const int64_t G = static_cast<int64_t>(groups.size());
+    std::vector<std::vector<float>> hs(G);  // per group [rows, R]: (A x) * scale
+    kvserve_pool::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const LoraProj& lp = groups[g].ad->layers[li][pi];
+        if (lp.a == nullptr) continue;
+        const auto& rows = groups[g].rows;
+        const int64_t nr = static_cast<int64_t>(rows.size());
+        hs[g].assign(nr * lp.R, 0.f);
+        for (int64_t i0 = 0; i0 < nr; i0 += LRB) lora_shrink(lp, in, rows.data() + i0, groups[g].scales.data() + i0,
+                                                              std::min(LRB, nr - i0), hs[g].data() + i0 * lp.R);
+      }
+    });
+    constexpr int64_t CB = 4 * W;  // output columns per task of the expand
+    kvserve_pool::parallel_for(0, (n + CB - 1) / CB, 1, [&](int64_t t0, int64_t t1) {
+      const int64_t c0 = t0 * CB, c1 = std::min(n, t1 * CB);
+      for (int64_t g = 0; g < G; ++g) {
+        const LoraProj& lp = groups[g].ad->layers[li][pi];
+        if (lp.a == nullptr) continue;
+        const auto& rows = groups[g].rows;
+        const int64_t nr = static_cast<int64_t>(rows.size());
+        for (const LoraPart& pt : lp.parts) {  // expand: y[part] += B_part h[part's ranks]
+          const int64_t lo = std::max(c0, pt.out0), hi = std::min(c1, pt.out0 + pt.n_out);
+          for (int64_t i0 = 0; i0 < nr && lo < hi; i0 += LRB)
+            lora_expand(pt, o, n, rows.data() + i0, std::min(LRB, nr - i0), hs[g].data() + i0 * lp.R, lp.R, lo, hi);
+        }
+      }
+    });
+  }
+
+  // rows of one LoRA delta at a time (register blocking: each A and B vector loaded once for them)
+  static constexpr int64_t LRB = W == 16 ? 4 : 2;
+
+  // h[i * R + r] = (A_r . x_{rows[i]}) * scales[i] for nr <= LRB rows; each row's dot product in the same
+  // order (two accumulators over alternate vectors of k) whatever the other rows
+  static void lora_shrink(const LoraProj& lp, const float* in, const int64_t* rows, const float* scales, int64_t nr,
+                          float* h) {
+    const int64_t k = lp.k;
+    for (int64_t r = 0; r < lp.R; ++r) {
+      const float* ar = lp.a + r * k;
+      vf acc0[LRB], acc1[LRB];
+      const float* x[LRB];
+      for (int64_t i = 0; i < nr; ++i) {
+        acc0[i] = vzero();
+        acc1[i] = vzero();
+        x[i] = in + rows[i] * k;
+      }
+      int64_t c = 0;
+      for (; c + 2 * W <= k; c += 2 * W) {
+        const vf a0 = vld(ar + c), a1 = vld(ar + c + W);
+        for (int64_t i = 0; i < nr; ++i) {
+          acc0[i] = vfma(a0, vld(x[i] + c), acc0[i]);
+          acc1[i] = vfma(a1, vld(x[i] + c + W), acc1[i]);
+        }
+      }
+      for (; c + W <= k; c += W) {
+        const vf a0 = vld(ar + c);
+        for (int64_t i = 0; i < nr; ++i) acc0[i] = vfma(a0, vld(x[i] + c), acc0[i]);
+      }
+      for (int64_t i = 0; i < nr; ++i) {
+        float sum = hsum(vadd(acc0[i], acc1[i]));
+        for (int64_t cc = c; cc < k; ++cc) sum = std::fma(ar[cc], x[i][cc], sum);
+        h[i * lp.R + r] = sum * scales[i];
+      }
+    }
+  }
+
+  // o[rows[i], lo:hi] += sum over the part's ranks r (in order) of B^T[r, lo:hi] * h[i * R + r], nr <= LRB rows
+  // ([lo, hi) within the part); each output element's fused multiply-adds in rank order, so blocking
+  // does not change it
+  static void lora_expand(const LoraPart& pt, float* o, int64_t n, const int64_t* rows, int64_t nr, const float* h,
+                          int64_t R, int64_t lo, int64_t hi) {
+    const int64_t c0 = lo - pt.out0;  // the part's first column here
+    auto brow = [&](int64_t r, int64_t j) { return pt.bt + (r - pt.r0) * pt.n_out + c0 + (j - lo); };  // B^T[r, j]
+    float* y[LRB];
+    for (int64_t i = 0; i < nr; ++i) y[i] = o + rows[i] * n;
+    int64_t j = lo;
+    for (; j + 4 * W <= hi; j += 4 * W) {
+      vf acc[LRB][4];
+      for (int64_t i = 0; i < nr; ++i)
+        for (int v = 0; v < 4; ++v) acc[i][v] = vld(y[i] + j + v * W);
+      for (int64_t r = pt.r0; r < pt.r1; ++r) {
+        const float* br = brow(r, j);
+        const vf b0 = vld(br), b1 = vld(br + W), b2 = vld(br + 2 * W), b3 = vld(br + 3 * W);
+        for (int64_t i = 0; i < nr; ++i) {
+          const vf hv = vset1(h[i * R + r]);
+          acc[i][0] = vfma(b0, hv, acc[i][0]);
+          acc[i][1] = vfma(b1, hv, acc[i][1]);
+          acc[i][2] = vfma(b2, hv, acc[i][2]);
+          acc[i][3] = vfma(b3, hv, acc[i][3]);
+        }
+      }
+      for (int64_t i = 0; i < nr; ++i)
+        for (int v = 0; v < 4; ++v) vst(y[i] + j + v * W, acc[i][v]);
+    }
+    for (; j + W <= hi; j += W)
+      for (int64_t i = 0; i < nr; ++i) {
+        vf acc = vld(y[i] + j);
+        for (int64_t r = pt.r0; r < pt.r1; ++r) acc = vfma(vld(brow(r, j)), vset1(h[i * R + r]), acc);
+        vst(y[i] + j, acc);
+      }
+    for (; j < hi; ++j)
+      for (int64_t i = 0; i < nr; ++i) {
+        float acc = y[i][j];
+        for (int64_t r = pt.r0; r < pt.r1; ++r) acc = std::fma(*brow(r, j), h[i * R + r], acc);
+        y[i][j] = acc;
+      }
+  }
+
+  at::Tensor run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                 const at::Tensor& kv_index, const at::Tensor& lens, const std::vector<at::Tensor>& k_caches,
+                 const std::vector<at::Tensor>& v_caches, const std::vector<LoraRows>* lora) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == E_,
                 "decode_cpu: x must be a contiguous float32 [B, n_embd]");
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(), "decode_cpu: caches");
@@ -660,7 +892,8 @@ class Decoder {
         gb.push_back(b);
     gb.push_back(B);
     kvserve_ggml::Scratch gs;  // the block products' quantized activations, reused across layers
-    auto mm = [&](const Proj& p, const float* in, float* o) {
+    size_t cur = 0;  // the layer being computed (the LoRA deltas' layer)
+    auto mm = [&](const Proj& p, const float* in, float* o, int pi) {
       if (p.mat != nullptr) {
         p.mat->mm_raw(in, B, o, gs);
       } else {
@@ -673,11 +906,13 @@ class Decoder {
       if (p.bias)
         for (int64_t b = 0; b < B; ++b)
           for (int64_t j = 0; j < p.n; ++j) o[b * p.n + j] += p.bias[j];
+      if (lora != nullptr) lora_delta(cur, pi, in, o, p.n, *lora);
     };
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& l = layers_[li];
+      cur = li;
       for (int64_t b = 0; b < B; ++b) rms_norm(X + b * E_, l.attn_norm, h.data() + b * E_, E_, eps_);
-      mm(l.qkv, h.data(), qkv.data());
+      mm(l.qkv, h.data(), qkv.data(), 0);
       if (l.q_norm != nullptr)  // qwen3: RMSNorm of each q and k head (in place), before RoPE
         for (int64_t b = 0; b < B; ++b) {
           float* r = qkv.data() + b * QKV;
@@ -708,7 +943,7 @@ class Decoder {
         case at::kBFloat16: attend<c10::BFloat16>(kc, vc, qkv.data(), att.data(), B, L, slot, idx, len, gb, pieces); break;
         default: TORCH_CHECK(false, "decode_cpu: cache type");
       }
-      mm(l.wo, att.data(), out.data());
+      mm(l.wo, att.data(), out.data(), 1);
       for (int64_t i = 0; i < B * E_; ++i) X[i] += out[i];
       for (int64_t b = 0; b < B; ++b) rms_norm(X + b * E_, l.ffn_norm, h.data() + b * E_, E_, eps_);
       if (!l.dense_ffn) {
@@ -716,16 +951,15 @@ class Decoder {
         for (int64_t i = 0; i < B * E_; ++i) X[i] += out[i];
         continue;
       }
-      mm(l.gate_up, h.data(), gu.data());
+      mm(l.gate_up, h.data(), gu.data(), 2);
       const int64_t FF = l.down.k;
       for (int64_t b = 0; b < B; ++b) swiglu(gu.data() + b * 2 * FF, act.data() + b * FF, FF);
-      mm(l.down, act.data(), out.data());
+      mm(l.down, act.data(), out.data(), 3);
       for (int64_t i = 0; i < B * E_; ++i) X[i] += out[i];
     }
     return x;
   }
 
- private:
   // keys per attention task: a query's keys are cut at the multiples of CHUNK of their position (not
   // of the batch), each piece's softmax sum and weighted values computed on their own and merged in
   // order, so a row's result is the same in any step; the pieces let 2 threads share one sequence
@@ -1032,6 +1266,7 @@ class Decoder {
     }
   }
 
+  std::unordered_map<int64_t, LoraAdapter> lora_;  // the registered LoRA adapters by id (set_lora)
   std::vector<at::Tensor> extra_;  // owns the q/k norms' and routers' weights
   std::vector<at::Tensor> head_;
   kvserve_ggml::Matrix* head_mat_ = nullptr;
@@ -1170,6 +1405,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, std::vector<std::vector<kvserve_ggml::Matrix*>>,
                           int64_t, int64_t, int64_t, double>())
       .def("step", &Decoder::step, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("step_lora", &Decoder::step_lora, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("set_lora", &Decoder::set_lora)
+      .def("remove_lora", &Decoder::remove_lora)
+      .def("lora_ids", &Decoder::lora_ids)
       .def("set_head", &Decoder::set_head)
       .def("set_qk_norm", &Decoder::set_qk_norm)
       .def("set_moe", &Decoder::set_moe)

@@ -32,7 +32,9 @@ AVX512-VNNI or with AVX2, FMA and F16C (:func:`cpu_isa`), projections kept as GG
 type of :mod:`kvserve.models.ggml_kernel`) or Q4 weights whose input sizes are multiples of 64, head_dim a multiple
 of 32, a float KV cache (f32/f16/bf16) and no ``--compile`` (the compiled graph takes those
 steps); speculative decoding's verification rows run through it as decode rows (see
-ModelRunner._decode_rows), so verified tokens equal plain decoding's. ``KVSERVE_NATIVE_DECODE=0``
+ModelRunner._decode_rows), so verified tokens equal plain decoding's. Rows of LoRA adapters
+(kvserve.lora) run in it too: each projection adds its rows' ``scale * B (A x)`` in float32 after the
+base product, the rows grouped by adapter (:meth:`NativeDecode.lora_ready`, ``Decoder.step_lora``). ``KVSERVE_NATIVE_DECODE=0``
 turns it off.
 
 How it is built: with torch's C++ extension tooling (g++ and ninja) in a child process under
@@ -511,6 +513,8 @@ class NativeDecode:
         self.native_head = False  # the output head in C++ too (else the model's Linear)
         self.isa: str | None = None  # the loaded build's instruction set ("avx512", "avx2")
         self.calls = 0
+        #: LoRA adapter id -> registered with the decoder (True) or refused by it (False): lora_ready
+        self._lora: dict[int, bool] = {}
         self.reason = unavailable_reason() or model_reason(model)
         if self.reason is None and any(not isinstance(t, torch.Tensor) or t.dtype not in
                                        (torch.float32, torch.float16, torch.bfloat16) for kv in kv_caches for t in kv):
@@ -638,18 +642,90 @@ class NativeDecode:
             self.activate(idle=False)
         return self.decoder is not None
 
+    # -- LoRA ---------------------------------------------------------------------------------------
+
+    def lora_ready(self, lora, known) -> bool:
+        """Whether the step can run ``lora`` (a kvserve.lora.apply.LoraBatch) natively: registers each
+        of its adapters with the decoder on first use (:meth:`_register_lora`, from the model's
+        LoraLinears), first dropping the decoder's copies of adapters no longer in ``known`` (the
+        registry's ids; ids are never reused). False when an adapter cannot be registered (logged
+        once; such steps run eagerly)."""
+        dec = self.decoder
+        if dec is None:
+            return False
+        missing = [aid for aid in lora.ids if aid not in self._lora]
+        if missing:
+            for aid in [a for a in self._lora if a not in known]:
+                dec.remove_lora(aid)
+                del self._lora[aid]
+            for aid in missing:
+                try:
+                    self._register_lora(aid)
+                    self._lora[aid] = True
+                except Exception as e:  # noqa: BLE001 - a layout the step refuses: that adapter's steps run eagerly
+                    dec.remove_lora(aid)
+                    self._lora[aid] = False
+                    log.warning("LoRA adapter %d runs on the eager path: %s: %s", aid, type(e).__name__, e)
+        return all(self._lora[aid] for aid in lora.ids)
+
+    _PROJ = ("wqkv", "wo", "w_gate_up", "w_down")  # decode_cpu.cpp's projection order
+
+    def _register_lora(self, aid: int) -> None:
+        """Give the decoder adapter ``aid``'s A and B (kvserve.lora.apply.install's fused per-Linear
+        weights: a [R, in], each part's B [n_out, r] transposed to [r, n_out] float32)."""
+        for li, layer in enumerate(self.model.layers):
+            for pi, attr in enumerate(self._PROJ):
+                lin = getattr(layer, attr, None)
+                lo = getattr(lin, "lora", None) if lin is not None else None
+                w = lo.weights.get(aid) if lo is not None else None
+                if w is None:
+                    continue
+                a, parts = w
+                bts = [b.detach().float().t().contiguous() for *_, b in parts]
+                spec = [int(v) for out0, n_out, r0, r1, _ in parts for v in (out0, n_out, r0, r1)]
+                self.decoder.set_lora(aid, li, pi, a.detach().float().contiguous(), bts, spec)
+
+    @staticmethod
+    def lora_rows(lora) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A LoraBatch as the step's per-row entries: row offsets [T + 1] long, adapter ids [nnz]
+        long, scales [nnz] float32 (row b's entries at [off[b], off[b + 1]), in the groups' order)."""
+        per_row: list[list[tuple[int, float]]] = [[] for _ in range(lora.n_rows)]
+        for g in lora.groups:
+            rows = range(lora.n_rows) if g.rows is None else g.rows.tolist()
+            for r, s in zip(rows, g.scales[:, 0].tolist()):
+                per_row[r].append((g.adapter_id, s))
+        off = [0]
+        ids: list[int] = []
+        scales: list[float] = []
+        for entries in per_row:
+            for aid, s in entries:
+                ids.append(aid)
+                scales.append(s)
+            off.append(len(ids))
+        return (torch.tensor(off, dtype=torch.long), torch.tensor(ids, dtype=torch.long),
+                torch.tensor(scales, dtype=torch.float32))
+
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                 kv_index: torch.Tensor, lens: torch.Tensor, kv_caches) -> torch.Tensor:
+                 kv_index: torch.Tensor, lens: torch.Tensor, kv_caches, lora=None) -> torch.Tensor:
         """One decode-only step: input_ids, positions, slot_mapping, lens [B] long, kv_index [B, L]
-        long (each query's cache rows, valid up to lens[b]) -> float32 logits [B, n_vocab]."""
+        long (each query's cache rows, valid up to lens[b]) -> float32 logits [B, n_vocab].
+
+        ``lora``: the step's adapter rows (a kvserve.lora.apply.LoraBatch whose adapters
+        :meth:`lora_ready` accepted), or None: each such row gets its adapters' deltas on every
+        projection they target, in float32 on the projection's input (kvserve.lora.apply's math);
+        the other rows are computed exactly as without it."""
         m = self.model
         x = m.embed(input_ids)  # [B, E] float32, contiguous
         cos = m.rope_cos.index_select(0, positions)
         sin = m.rope_sin.index_select(0, positions)
         ks = [k for k, _ in kv_caches]
         vs = [v for _, v in kv_caches]
-        x = self.decoder.step(x, cos, sin, slot_mapping, kv_index.contiguous(), lens, ks, vs)
+        if lora is None:
+            x = self.decoder.step(x, cos, sin, slot_mapping, kv_index.contiguous(), lens, ks, vs)
+        else:
+            x = self.decoder.step_lora(x, cos, sin, slot_mapping, kv_index.contiguous(), lens, ks, vs,
+                                       *self.lora_rows(lora))
         self.calls += 1
         if self.native_head:
             return self.decoder.logits(x)

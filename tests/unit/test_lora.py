@@ -299,8 +299,9 @@ def q8_files(tmp_path_factory):
 
 def test_packed_q8_base_with_native_decode(q8_files):
     """A Q8_0 base on kvserve's defaults (weights packed, the native decode step where the CPU has
-    it): base-only steps stay native, adapter steps run eagerly on the packed weights plus the float
-    delta, and agree with the dequantized base merged by hand (to the int8 activations' rounding)."""
+    it): base-only steps stay native, adapter decode steps too (the delta in float32 inside the step),
+    the prefill eagerly on the packed weights plus the float delta, and agree with the dequantized base
+    merged by hand (to the int8 activations' rounding)."""
     c = make_core(q8_files["base"], dtype="auto")
     assert all(lin.weight is None and lin.kernel == "gguf" for lin in c.model.projections())  # no dense copy
     nat = c.runner.native
@@ -314,9 +315,11 @@ def test_packed_q8_base_with_native_decode(q8_files):
         assert c.runner.eager_decode_steps == eager
     toks, logits = gen(c, [(aid, 1.0)])
     assert toks == ref_toks and toks != base_toks
-    # the prefill and 7 decode steps, eagerly (with the native step, the prompt's last token runs in a
-    # step of its own: Scheduler.split_last_token)
-    assert c.runner.lora_steps == (9 if native else 8)
+    # with the native step: the prefill eagerly, the prompt's last token (a step of its own:
+    # Scheduler.split_last_token) and 7 decode steps natively with the delta inside (test_lora_native.py);
+    # without it: the prefill and 7 decode steps, eagerly
+    assert c.runner.lora_steps == (1 if native else 8)
+    assert c.runner.native_lora_steps == (8 if native else 0)
     assert_close(logits, ref, rel=3e-2)
 
 
