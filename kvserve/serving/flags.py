@@ -699,57 +699,47 @@ _ROPE = "the model file's RoPE parameters are used"
 _NO_MM = "kvserve serves text only: requests with image or audio parts are refused"
 _LOG_SHAPE = "kvserve logs in llama-server's line shape to stderr (--log-file adds a file)"
 
+def _parser(flag: str):
+    """The value parser of ``--remote`` (:func:`kvserve.remote.parse_remote`) or ``--engine``
+    (:func:`kvserve.supervisor.parse_engine`), imported only when the flag is given: neither module
+    (nor httpx) is on the start-up path otherwise."""
+    if flag == "--remote":
+        from kvserve.remote.spec import parse_remote
+
+        return parse_remote
+    from kvserve.supervisor.spec import parse_engine
+
+    return parse_engine
+
+
+def _named_models_check(flag: str):
+    """A ``check`` for ``--remote`` / ``--engine``: each value parses and names its model once."""
+    def check(values: list[str]) -> str | None:
+        from kvserve.errors import InvalidInputError
+
+        if not values:
+            return None
+        parse, seen = _parser(flag), set()
+        for v in values:
+            try:
+                name = parse(v).name
+            except InvalidInputError as e:
+                return f"invalid {flag}: {e}"
+            if name in seen:
+                return f"invalid {flag}: model '{name}' is given twice"
+            seen.add(name)
+        return None
+    return check
+
+
+def _named_models_config(flag: str):
+    """A ``config`` for ``--remote`` / ``--engine``: the parsed specs ([] without the flag)."""
+    def config(values: list[str] | None) -> list:
+        return [_parser(flag)(v) for v in values] if values else []
+    return config
+
+
 #: every flag of ``kvserve serve``, in ``--help`` order within each source
-def _remote_models(values: list[str]) -> str | None:
-    """``--remote``: each value parses (:func:`kvserve.remote.parse_remote`), names once."""
-    from kvserve.errors import InvalidInputError
-    from kvserve.remote.spec import parse_remote
-
-    seen: set[str] = set()
-    for v in values or ():
-        try:
-            name = parse_remote(v).name
-        except InvalidInputError as e:
-            return f"invalid --remote: {e}"
-        if name in seen:
-            return f"invalid --remote: model '{name}' is given twice"
-        seen.add(name)
-    return None
-
-
-def _remote_specs(values: list[str] | None) -> list:
-    if not values:  # no --remote: kvserve.remote (and httpx) stays off the start-up path
-        return []
-    from kvserve.remote.spec import parse_remote
-
-    return [parse_remote(v) for v in values or ()]
-
-
-def _engine_models(values: list[str]) -> str | None:
-    """``--engine``: each value parses (:func:`kvserve.supervisor.parse_engine`), names once."""
-    from kvserve.errors import InvalidInputError
-    from kvserve.supervisor.spec import parse_engine
-
-    seen: set[str] = set()
-    for v in values or ():
-        try:
-            name = parse_engine(v).name
-        except InvalidInputError as e:
-            return f"invalid --engine: {e}"
-        if name in seen:
-            return f"invalid --engine: model '{name}' is given twice"
-        seen.add(name)
-    return None
-
-
-def _engine_specs(values: list[str] | None) -> list:
-    if not values:  # no --engine: kvserve.supervisor stays off the start-up path
-        return []
-    from kvserve.supervisor.spec import parse_engine
-
-    return [parse_engine(v) for v in values or ()]
-
-
 FLAGS: tuple[Flag, ...] = (
     # -- the model
     F("-m --model", help="model name, .gguf path or HF directory", source=BOTH, env="LLAMA_ARG_MODEL",
@@ -1398,10 +1388,10 @@ FLAGS: tuple[Flag, ...] = (
       source=KV),
     F("--remote", "append", help="serve a model another server runs (repeatable): "
       "name=URL[,key=ENV_VAR][,model=UPSTREAM_NAME][,dialect=openai|ollama]", source=KV,
-      metavar="NAME=URL[,...]", check=_remote_models, config=_remote_specs),
+      metavar="NAME=URL[,...]", check=_named_models_check("--remote"), config=_named_models_config("--remote")),
     F("--engine", "append", help="serve a model through an engine kvserve starts and supervises (repeatable): "
       "NAME=COMMAND, the command holding {port} (e.g. 'smol=llama-server -m x.gguf --port {port}')", source=KV,
-      metavar="NAME=COMMAND", check=_engine_models, config=_engine_specs),
+      metavar="NAME=COMMAND", check=_named_models_check("--engine"), config=_named_models_config("--engine")),
     F("--engine-start-timeout", "float", 600.0, "seconds a supervised engine may take to answer 200 on /health",
       source=KV, metavar="SECONDS",
       check=lambda v: None if v > 0 else f"--engine-start-timeout must be positive, got {v:g}"),
