@@ -152,3 +152,36 @@ def write_merged_hf_dir(path, adapters: list[tuple[dict, float]], *, seed: int =
     save_file({k: np.ascontiguousarray(v.astype(np.float32)) for k, v in tensors.items()}, str(st),
               metadata={"format": "pt"})
     return d
+
+def run_capture(core, reqs):
+    """Step an EngineCore until every request (kvserve.engine.request.Request) finished. Returns (tokens by request id, logits by request id: one
+    float32 row per sampled token, the steps' LoRA batches (None for base-only steps), the number of
+    steps)."""
+    logits: dict[str, list] = {r.request_id: [] for r in reqs}
+    toks: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    batches = []
+    run = core.runner.run
+
+    def spy(batch):
+        out = run(batch)
+        batches.append(batch.lora)
+        for k, ci in enumerate(batch.sample_ci):
+            logits[batch.chunks[ci].request.request_id].append(out[k].detach().float().clone())
+        return out
+
+    core.runner.run = spy
+    try:
+        for r in reqs:
+            core.add_request(r)
+        done: set[str] = set()
+        steps = 0
+        while len(done) < len(reqs):
+            for o in core.step():
+                toks[o.request_id].extend(o.new_token_ids)
+                if o.finished:
+                    done.add(o.request_id)
+            steps += 1
+            assert steps < 2000
+    finally:
+        core.runner.run = run
+    return toks, logits, batches, steps

@@ -47,33 +47,7 @@ def req(lora=(), prompt=PROMPT) -> Request:
 def run(core: EngineCore, reqs: list[Request]):
     """Step until every request finished: (tokens, logits [N, V] per request id, the steps' LoRA
     batches (None for base-only steps))."""
-    logits = {r.request_id: [] for r in reqs}
-    toks = {r.request_id: [] for r in reqs}
-    batches = []
-    inner = core.runner.run
-
-    def spy(batch):
-        out = inner(batch)
-        batches.append(batch.lora)
-        for k, ci in enumerate(batch.sample_ci):
-            logits[batch.chunks[ci].request.request_id].append(out[k].detach().float().clone())
-        return out
-
-    core.runner.run = spy
-    try:
-        for r in reqs:
-            core.add_request(r)
-        done = set()
-        for _ in range(500):
-            for o in core.step():
-                toks[o.request_id].extend(o.new_token_ids)
-                if o.finished:
-                    done.add(o.request_id)
-            if len(done) == len(reqs):
-                break
-    finally:
-        core.runner.run = inner
-    assert len(done) == len(reqs)
+    toks, logits, batches, _ = tinylora.run_capture(core, reqs)
     return toks, {k: torch.stack(v) for k, v in logits.items()}, batches
 
 
