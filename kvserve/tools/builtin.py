@@ -431,6 +431,13 @@ class _Builtin(BaseTool):
     def io(self, ctx: ToolContext):
         return make_io(ctx, self.confine, self.registry)
 
+    async def sized(self, ctx: ToolContext, path: str):
+        """``(io, resolved path, size in bytes or None when it cannot be stat'ed)`` of the caller's
+        ``path`` in ``ctx``'s runtime. Raises P.PathRefused: the path may not be used."""
+        io = self.io(ctx)
+        full = io.resolve(path)
+        return io, full, await io.file_size(full)
+
 
 def _prop(t: str, d: str) -> dict:
     return {"type": t, "description": d}
@@ -451,10 +458,8 @@ class ReadFile(_Builtin):
         start = param(params, "start_line", int, 1)
         end = param(params, "end_line", int, -1)
         append_loc = param(params, "append_loc", bool, False)
-        io = self.io(ctx)
         try:
-            full = io.resolve(path)
-            size = await io.file_size(full)
+            io, full, size = await self.sized(ctx, path)
         except P.PathRefused as e:
             return {"error": e.message}
         if size is None:
@@ -771,10 +776,8 @@ class EditFile(_Builtin):
             if not old:
                 return {"error": f"edits[{i}].old_text must not be empty"}
             edits.append((old, new))
-        io = self.io(ctx)
         try:
-            full = io.resolve(path)
-            size = await io.file_size(full)
+            io, full, size = await self.sized(ctx, path)
         except P.PathRefused as e:
             return {"error": e.message}
         data = await io.read(full, READ_FILE_MAX_RANGE_SIZE + 1) if size is not None else None
