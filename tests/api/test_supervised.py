@@ -66,6 +66,8 @@ def front(tiny_gguf, tmp_path_factory):
 
 
 def test_every_face_reaches_the_child_and_keep_alive_0_stops_it(front):
+    """OpenAI chat (whole and streamed), Anthropic Messages, Ollama /api/chat and OpenAI Responses all reach
+    the supervised child; keep_alive 0 then stops it."""
     oai = openai.OpenAI(base_url=front.url("/v1"), api_key="x", max_retries=0)
     r = oai.chat.completions.create(model="eng", messages=[{"role": "user", "content": "hi"}])
     pid = _pid(r.choices[0].message.content)
@@ -82,6 +84,7 @@ def test_every_face_reaches_the_child_and_keep_alive_0_stops_it(front):
     oll = ollama.Client(host=front.base_url)
     assert oll.chat(model="eng", messages=[{"role": "user", "content": "hi"}]).message.content == \
         f"hello from pid {pid}"
+    assert oai.responses.create(model="eng", input="hi").output_text == f"hello from pid {pid}"  # the fourth face
     listed = {x["id"]: x for x in httpx.get(front.url("/v1/models")).json()["data"]}
     assert listed["eng"]["status"]["value"] == "loaded" and listed["eng"]["owned_by"] == "remote"
     ps = {x.model: x for x in oll.ps().models}
