@@ -914,11 +914,31 @@ def _bpe_key(tokens: list[str], types: list[int], merges: list[str], regexes: tu
 
 
 def _builder_digest(fn) -> bytes:
-    """SHA-256 of a function's bytecode and constants (what an edit of its body changes)."""
+    """SHA-256 of a function's bytecode, names and constants (what an edit of its body changes),
+    the same in every process: nested code objects (a comprehension's) are digested by their
+    contents, not their ``repr`` (which holds their address), and a frozenset constant (``x in
+    ("a", "b")``) by its members in sorted order (its iteration order follows the per-process
+    string hash seed)."""
     import hashlib
 
-    code = fn.__code__
-    return hashlib.sha256(code.co_code + repr(code.co_consts).encode("utf-8", "surrogatepass")).digest()
+    h = hashlib.sha256()
+    _digest_code(fn.__code__, h)
+    return h.digest()
+
+
+def _digest_code(code, h) -> None:
+    import types
+
+    h.update(code.co_code)
+    h.update(repr((code.co_names, code.co_varnames)).encode("utf-8", "surrogatepass"))
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            h.update(b"\x02")
+            _digest_code(c, h)
+            h.update(b"\x03")
+        else:
+            text = repr(sorted(map(repr, c))) if isinstance(c, frozenset) else repr(c)
+            h.update(text.encode("utf-8", "surrogatepass") + b"\x01")
 
 
 def _cached_bpe(

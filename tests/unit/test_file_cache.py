@@ -294,3 +294,22 @@ def test_the_bpe_key_follows_the_builder_and_the_inputs():
         assert tok_mod._bpe_key(*args) != key
     finally:
         tok_mod._build_bpe.__code__ = saved
+
+
+def test_the_bpe_key_is_the_same_in_every_process():
+    """The key must not depend on the process: a comprehension's code object inside the builder
+    (its repr holds an address) or a frozenset constant (its order follows the string hash seed)
+    made every start miss the entry its previous start wrote."""
+    import subprocess
+
+    from kvserve.loaders import tokenizer as tok_mod
+
+    assert any(isinstance(c, type(tok_mod._build_bpe.__code__)) for c in tok_mod._build_bpe.__code__.co_consts)
+    args = (["a", "b", "ab"], [1, 1, 1], ["a b"], ("x",), False)
+    code = ("from kvserve.loaders import tokenizer as t; "
+            f"print(t._bpe_key(*{args!r})[0], t._builder_digest(t._build_wpm).hex())")
+    root = str(Path(__file__).resolve().parents[2])
+    seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                           env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": root}).stdout
+            for seed in ("1", "2")}
+    assert seen == {f"{tok_mod._bpe_key(*args)[0]} {tok_mod._builder_digest(tok_mod._build_wpm).hex()}\n"}
