@@ -937,6 +937,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd in ("serve", "start"):
+        from kvserve import startup
+
+        startup.pause()  # no garbage collection passes over the imports and the model load (kvserve.startup)
         from kvserve.app import main as serve_main
 
         return serve_main(rest)

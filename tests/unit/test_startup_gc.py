@@ -1,0 +1,83 @@
+"""kvserve.startup: the garbage collector off during ``kvserve serve``'s start-up, on again after the
+start-up model's load (or its failure), never turned on where the caller had it off."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+
+from kvserve import app, startup
+
+
+@pytest.fixture()
+def gc_state(monkeypatch):
+    monkeypatch.delenv("KVSERVE_STARTUP_GC", raising=False)
+    was = gc.isenabled()
+    gc.enable()
+    monkeypatch.setattr(startup, "_paused", False)
+    yield
+    startup.resume()
+    gc.unfreeze()
+    (gc.enable if was else gc.disable)()
+
+
+def test_pause_then_resume(gc_state):
+    startup.pause()
+    assert not gc.isenabled() and startup.paused()
+    startup.pause()  # twice: still one pause
+    startup.resume()
+    assert gc.isenabled() and not startup.paused()
+    startup.resume()  # idempotent
+    assert gc.isenabled()
+
+
+def test_a_collector_the_caller_turned_off_stays_off(gc_state):
+    gc.disable()
+    startup.pause()
+    assert not startup.paused()
+    startup.resume()
+    assert not gc.isenabled()
+
+
+def test_the_escape_hatch_keeps_the_collector_on(gc_state, monkeypatch):
+    monkeypatch.setenv("KVSERVE_STARTUP_GC", "1")
+    startup.pause()
+    assert gc.isenabled() and not startup.paused()
+
+
+def test_freeze_only_while_paused(gc_state):
+    gc.unfreeze()
+    startup.freeze()
+    assert gc.get_freeze_count() == 0
+    startup.pause()
+    startup.freeze()
+    assert gc.get_freeze_count() > 1000  # the modules imported so far
+    startup.resume()
+    assert gc.isenabled()
+
+
+class _Args:
+    model = "m.gguf"
+    host, hosts, port, webui, api_keys = "127.0.0.1", [], 8080, False, []
+    ssl_key_file = ssl_cert_file = None
+
+
+class _State:
+    def __init__(self, error: BaseException | None):
+        self.args, self.error, self.load_error = _Args(), error, None
+
+    async def preload(self):
+        assert not gc.isenabled()  # the load runs with the collector off
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.mark.parametrize("error", [None, FileNotFoundError("model file not found: m.gguf")])
+def test_the_preload_turns_the_collector_back_on(gc_state, error):
+    failed = []
+    startup.pause()
+    asyncio.run(app._preload(_State(error), lambda: failed.append(1)))
+    assert gc.isenabled() and not startup.paused()
+    assert failed == ([] if error is None else [1])
