@@ -20,6 +20,10 @@ if "OMP_WAIT_POLICY" not in _os.environ and "GOMP_SPINCOUNT" not in _os.environ:
     _os.environ["GOMP_SPINCOUNT"] = "3000"
     _os.environ.setdefault("KMP_BLOCKTIME", "0")
 
+from kvserve import bytecode_cache as _bytecode_cache  # noqa: E402
+
+_bytecode_cache.install()  # kvserve's compiled modules kept across starts when Python writes no .pyc files
+
 from kvserve.engine.request import SamplingParams  # noqa: E402
 
 
