@@ -305,8 +305,9 @@ def uvicorn_config(app, args=None, **kw):
     # uvicorn's own deadline comes after DrainMiddleware's (--shutdown-timeout), which ends requests in their dialect
     bounds = {} if args is None else {"header_timeout": args.header_timeout,
                                       "max_connections": args.limit_concurrency}
+    # ws="none": no route speaks WebSocket, and uvicorn's "auto" imports the websockets package (~20 ms of start-up)
     opts = dict(log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=grace + 3,
-                http=guarded_protocol(http_protocol(), **bounds))
+                http=guarded_protocol(http_protocol(), **bounds), ws="none")
     if args is not None:
         if args.ssl_key_file and args.ssl_cert_file:
             opts.update(ssl_keyfile=args.ssl_key_file, ssl_certfile=args.ssl_cert_file,

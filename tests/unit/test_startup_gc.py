@@ -81,3 +81,18 @@ def test_the_preload_turns_the_collector_back_on(gc_state, error):
     asyncio.run(app._preload(_State(error), lambda: failed.append(1)))
     assert gc.isenabled() and not startup.paused()
     assert failed == ([] if error is None else [1])
+
+
+def test_uvicorn_runs_without_websocket_support():
+    """No route speaks WebSocket: uvicorn is told so (its "auto" would import the websockets package
+    at every start)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    assert app.uvicorn_config(None).ws == "none"
+    code = ("import sys; from fastapi import FastAPI; from kvserve import app; "
+            "c = app.uvicorn_config(FastAPI()); c.load(); print(c.ws_protocol_class, 'websockets' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.stdout.split() == ["None", "False"]
