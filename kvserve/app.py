@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 
-from kvserve import startup
+from kvserve import startup as startup_gc
 from kvserve.engine.request import InvalidRequestError
 from kvserve.errors import KvserveError
 from kvserve.faces.auth import add_api_guard, add_security, cors_policy
@@ -384,7 +384,7 @@ def add_startup(app: FastAPI, state: ServerState, on_fail) -> None:
         if state.args.preload or state.pinned:
             state.preload_task = asyncio.get_running_loop().create_task(_preload(state, on_fail))
         else:
-            startup.resume()
+            startup_gc.resume()
             _srv(logging.INFO, "llama_server", "no model preloaded (--no-preload): models load on demand")
             _log_listening(state.args)
 
@@ -429,7 +429,7 @@ async def _preload(state: ServerState, on_fail) -> None:
         _srv(logging.ERROR, "llama_server", "exiting due to model loading error")
         on_fail()
     finally:
-        startup.resume()  # the model is in (or failed): the collector runs again (kvserve.startup)
+        startup_gc.resume()  # the model is in (or failed): the collector runs again (kvserve.startup)
 
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0  # seconds (--shutdown-timeout)
@@ -461,11 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the server until SIGINT/SIGTERM; returns the exit status. The garbage collector is off
     from here (from before the imports under ``kvserve serve``) until the start-up model has loaded
     (:mod:`kvserve.startup`)."""
-    startup.pause()
+    startup_gc.pause()
     try:
         return _main(argv)
     finally:
-        startup.resume()
+        startup_gc.resume()
 
 
 def _main(argv: list[str] | None) -> int:
@@ -547,6 +547,6 @@ def _main(argv: list[str] | None) -> int:
         server.should_exit = True
 
     add_startup(app, state, on_fail)
-    startup.freeze()  # the modules and the app: never freed, never walked by a full collection again
+    startup_gc.freeze()  # the modules and the app: never freed, never walked by a full collection again
     server.run(sockets=socks)
     return 1 if failed.is_set() else 0

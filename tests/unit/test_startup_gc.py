@@ -96,3 +96,33 @@ def test_uvicorn_runs_without_websocket_support():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
                          env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert out.stdout.split() == ["None", "False"]
+
+
+def test_no_preload_turns_the_collector_back_on_at_start(gc_state, tmp_path):
+    """``--no-preload``: nothing to wait for, the collector is on again once the server has started."""
+    from fastapi import FastAPI
+
+    class _Manager:
+        def start_reaper(self):
+            pass
+
+    class _NoPreload(_State):
+        pinned, mcp = False, None
+
+        def __init__(self):
+            super().__init__(None)
+            self.args.preload, self.args.models_dir = False, str(tmp_path / "models")
+            self.manager = _Manager()
+
+        async def start_remotes(self):
+            pass
+
+    fast = FastAPI()
+    app.add_startup(fast, _NoPreload(), lambda: None)
+    startup.pause()
+
+    async def run():
+        await fast.router.on_startup[0]()
+
+    asyncio.run(run())
+    assert gc.isenabled() and not startup.paused()
