@@ -12,7 +12,7 @@ PYTHONPATH and polls ``GET /health`` as ``benchmarks/vs_llama_server.py`` does (
 - ``cpu_s``: the server process tree's user + system CPU seconds at that moment (``/proc/PID/stat``
   and its children's): robust to other processes' load on a shared machine, unlike ``wall_s``;
 
-then sends ``--requests`` identical greedy ``/completion`` requests one after another (a fresh
+then, ``--pause-s`` seconds later, sends ``--requests`` identical greedy ``/completion`` requests one after another (a fresh
 16-token prompt of random token ids each time, so nothing is cached, 32 tokens out, streamed) and
 records the first's and the last's time to first token (client clock), prefill time
 (``timings.prompt_ms``), decode speed (``timings.predicted_per_second``) and the server's CPU
@@ -61,7 +61,8 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
-def one_start(checkout: str, model: str, extra: list[str], requests: int, rng: random.Random) -> dict:
+def one_start(checkout: str, model: str, extra: list[str], requests: int, rng: random.Random,
+              pause_s: float = 0.0) -> dict:
     """Start, time /health, run ``requests`` completions, stop; the figures of this one start."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": checkout}
@@ -87,6 +88,7 @@ def one_start(checkout: str, model: str, extra: list[str], requests: int, rng: r
         out["wall_s"] = time.perf_counter() - t0
         out["cpu_s"] = tree_cpu_s(proc.pid)
         if requests:
+            time.sleep(pause_s)  # a client that does not send at once (background start-up work may run then)
             with httpx.Client(timeout=300) as client:
                 for i in range(requests):
                     prompt = [rng.randrange(1000, 20000) for _ in range(16)]
@@ -118,13 +120,14 @@ def main() -> None:
                     help="a kvserve checkout to time (repeat to compare; default: this one)")
     ap.add_argument("--requests", type=int, default=10, help="completions after /health (0: none)")
     ap.add_argument("--kvserve-args", default="-np 1 -c 4096 -t 2")
+    ap.add_argument("--pause-s", type=float, default=0.0, help="seconds between /health 200 and the first request")
     a = ap.parse_args()
     checkouts = a.checkout or [str(Path(__file__).resolve().parents[1])]
     rng = random.Random(1234)
     runs: dict[str, dict[str, list]] = {c: {} for c in checkouts}
     for rnd in range(a.rounds):
         for c in (checkouts if rnd % 2 == 0 else checkouts[::-1]):
-            for k, v in one_start(c, a.model, a.kvserve_args.split(), a.requests, rng).items():
+            for k, v in one_start(c, a.model, a.kvserve_args.split(), a.requests, rng, a.pause_s).items():
                 runs[c].setdefault(k, []).append(round(v, 3))
             print(json.dumps({"round": rnd, "checkout": c, **{k: v[-1] for k, v in runs[c].items()}}),
                   file=sys.stderr, flush=True)
