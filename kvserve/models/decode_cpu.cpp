@@ -22,6 +22,9 @@
 #include <memory>
 #include <type_traits>
 #include <vector>
+#include <sys/mman.h>
+#include <cstdlib>
+#include <cstring>
 #include "ggml_cpu.h"
 #include "q4_core.h"
 #include "thread_pool.h"
@@ -472,8 +475,11 @@ struct Layer {
 
 // LoRA (kvserve/lora/apply.py): one adapter's delta on one projection of one layer. a [R, k] float32 holds
 // the A of every fused part it targets (q|k|v, gate|up), stacked; each part adds, to its output columns
-// [out0, out0 + n_out), bt^T times its rank slice [r0, r1) of (a x) * scale, bt [r1 - r0, n_out] float32
-// its B transposed with the module scale folded in (punica's shrink, then expand)
+// [out0, out0 + n_out), B^T times its rank slice [r0, r1) of (a x) * scale, B^T [r1 - r0, n_out] float32
+// (B transposed, the module scale folded in) stored in column panels of LORA_PW columns: panel p (columns
+// [p PW, p PW + w), w = min(PW, n_out - p PW)) at bt + p PW (r1 - r0), row-major [r1 - r0, w], so the
+// expand reads each part front to back (punica's shrink, then expand)
+constexpr int64_t LORA_PW = 4 * W;
 struct LoraPart {
   int64_t out0, n_out, r0, r1;
   const float* bt;
@@ -483,10 +489,40 @@ struct LoraProj {
   int64_t R = 0, k = 0;
   std::vector<LoraPart> parts;
 };
+// where an adapter's A and B live: 2 MiB-aligned chunks (transparent huge pages where the kernel
+// gives them, MADV_HUGEPAGE), filled in registration order (layer by layer, qkv, wo, gate_up, down: the
+// order a step reads them), so a step streams each adapter's weights front to back
+struct LoraArena {
+  static constexpr size_t kChunk = size_t(4) << 20;  // bytes per chunk (larger for a larger piece)
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::vector<std::unique_ptr<float, Free>> chunks;
+  size_t used = 0, cap = 0;  // floats used of / in the last chunk
+  size_t bytes = 0;          // allocated in all
+  float* take(size_t n) {  // n floats, 64-byte aligned
+    n = (n + 15) & ~size_t(15);
+    if (chunks.empty() || used + n > cap) {
+      const size_t sz = std::max(kChunk, (n * sizeof(float) + kChunk - 1) / kChunk * kChunk);
+      float* p = static_cast<float*>(std::aligned_alloc(size_t(2) << 20, sz));
+      TORCH_CHECK(p != nullptr, "decode_cpu: out of memory for a LoRA adapter");
+#ifdef MADV_HUGEPAGE
+      madvise(p, sz, MADV_HUGEPAGE);
+#endif
+      chunks.emplace_back(p);
+      used = 0;
+      cap = sz / sizeof(float);
+      bytes += sz;
+    }
+    float* p = chunks.back().get() + used;
+    used += n;
+    return p;
+  }
+};
 // one adapter: per layer, its deltas on qkv, wo, gate_up, down (in that order)
 struct LoraAdapter {
   std::vector<std::array<LoraProj, 4>> layers;
-  std::vector<at::Tensor> keep;  // owns what the raw pointers read
+  LoraArena arena;  // owns what the raw pointers read
 };
 
 void set_bias(Proj& p, const at::Tensor& bias) {
@@ -645,7 +681,8 @@ class Decoder {
   // LoRA adapter `id`'s delta on projection `proj` (0 qkv, 1 wo, 2 gate_up, 3 down) of layer li:
   // a [R, k] float32 (k the projection's input size), per part bts[i] [r1 - r0, n_out] float32 (B^T,
   // module scale folded in) and spec[4 i .. 4 i + 3] = out0, n_out, r0, r1 (see LoraPart). Registered
-  // once per adapter (kvserve/models/decode_native.py); the tensors are kept alive by the decoder.
+  // once per adapter, layer by layer in projection order (kvserve/models/decode_native.py); copied into
+  // the adapter's arena (A as given, each B^T in column panels), the tensors are not kept.
   void set_lora(int64_t id, int64_t li, int64_t proj, const at::Tensor& a, const std::vector<at::Tensor>& bts,
                 const std::vector<int64_t>& spec) {
     TORCH_CHECK(li >= 0 && li < static_cast<int64_t>(layers_.size()) && proj >= 0 && proj < 4,
@@ -656,13 +693,9 @@ class Decoder {
     TORCH_CHECK(a.scalar_type() == at::kFloat && a.dim() == 2 && a.is_contiguous() && a.size(1) == p.k &&
                     spec.size() == 4 * bts.size(),
                 "decode_cpu: bad LoRA A or parts");
-    LoraAdapter& ad = lora_[id];
-    if (ad.layers.empty()) ad.layers.resize(layers_.size());
     LoraProj lp;
-    lp.a = a.data_ptr<float>();
     lp.R = a.size(0);
     lp.k = a.size(1);
-    ad.keep.push_back(a);
     for (size_t i = 0; i < bts.size(); ++i) {
       const at::Tensor& bt = bts[i];
       LoraPart part{spec[4 * i], spec[4 * i + 1], spec[4 * i + 2], spec[4 * i + 3], nullptr};
@@ -670,9 +703,24 @@ class Decoder {
                       part.n_out >= 1 && part.out0 + part.n_out <= p.n && part.r0 >= 0 && part.r1 > part.r0 &&
                       part.r1 <= lp.R && bt.size(0) == part.r1 - part.r0 && bt.size(1) == part.n_out,
                   "decode_cpu: bad LoRA B");
-      part.bt = bt.data_ptr<float>();
-      ad.keep.push_back(bt);
       lp.parts.push_back(part);
+    }
+    LoraAdapter& ad = lora_[id];
+    if (ad.layers.empty()) ad.layers.resize(layers_.size());
+    float* ac = ad.arena.take(static_cast<size_t>(lp.R * lp.k));
+    std::memcpy(ac, a.data_ptr<float>(), sizeof(float) * lp.R * lp.k);
+    lp.a = ac;
+    for (size_t i = 0; i < bts.size(); ++i) {  // B^T [Rp, n_out] into column panels
+      LoraPart& part = lp.parts[i];
+      const int64_t Rp = part.r1 - part.r0, n_out = part.n_out;
+      const float* src = bts[i].data_ptr<float>();
+      float* dst = ad.arena.take(static_cast<size_t>(Rp * n_out));
+      for (int64_t c0 = 0; c0 < n_out; c0 += LORA_PW) {
+        const int64_t w = std::min(LORA_PW, n_out - c0);
+        for (int64_t r = 0; r < Rp; ++r)
+          std::memcpy(dst + c0 * Rp + r * w, src + r * n_out + c0, sizeof(float) * w);
+      }
+      part.bt = dst;
     }
     ad.layers[li][proj] = std::move(lp);
   }
@@ -759,18 +807,24 @@ class Decoder {
                                                               std::min(LRB, nr - i0), hs[g].data() + i0 * lp.R);
       }
     });
-    constexpr int64_t CB = 4 * W;  // output columns per task of the expand
+    constexpr int64_t CB = LORA_PW;  // output columns per task of the expand
     kvserve_pool::parallel_for(0, (n + CB - 1) / CB, 1, [&](int64_t t0, int64_t t1) {
       const int64_t c0 = t0 * CB, c1 = std::min(n, t1 * CB);
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = 0; g < G; ++g) {  // each group's parts front to back over this task's columns
         const LoraProj& lp = groups[g].ad->layers[li][pi];
         if (lp.a == nullptr) continue;
         const auto& rows = groups[g].rows;
         const int64_t nr = static_cast<int64_t>(rows.size());
         for (const LoraPart& pt : lp.parts) {  // expand: y[part] += B_part h[part's ranks]
-          const int64_t lo = std::max(c0, pt.out0), hi = std::min(c1, pt.out0 + pt.n_out);
-          for (int64_t i0 = 0; i0 < nr && lo < hi; i0 += LRB)
-            lora_expand(pt, o, n, rows.data() + i0, std::min(LRB, nr - i0), hs[g].data() + i0 * lp.R, lp.R, lo, hi);
+          const int64_t lo = std::max(c0, pt.out0) - pt.out0, hi = std::min(c1, pt.out0 + pt.n_out) - pt.out0;
+          for (int64_t p0 = lo - lo % LORA_PW; p0 < hi; p0 += LORA_PW) {  // the panels (part's columns)
+            const int64_t w = std::min(LORA_PW, pt.n_out - p0);
+            const int64_t j0 = std::max(lo, p0), j1 = std::min(hi, p0 + w);
+            const float* panel = pt.bt + p0 * (pt.r1 - pt.r0);
+            for (int64_t i0 = 0; i0 < nr; i0 += LRB)  // the panel stays in L1 for the next rows
+              lora_expand(pt, panel, w, o + pt.out0 + p0, n, rows.data() + i0, std::min(LRB, nr - i0),
+                          hs[g].data() + i0 * lp.R, lp.R, j0 - p0, j1 - p0);
+          }
         }
       }
     });
@@ -813,15 +867,15 @@ class Decoder {
     }
   }
 
-  // o[rows[i], lo:hi] += sum over the part's ranks r (in order) of B^T[r, lo:hi] * h[i * R + r], nr <= LRB rows
-  // ([lo, hi) within the part); each output element's fused multiply-adds in rank order, so blocking
-  // does not change it
-  static void lora_expand(const LoraPart& pt, float* o, int64_t n, const int64_t* rows, int64_t nr, const float* h,
-                          int64_t R, int64_t lo, int64_t hi) {
-    const int64_t c0 = lo - pt.out0;  // the part's first column here
-    auto brow = [&](int64_t r, int64_t j) { return pt.bt + (r - pt.r0) * pt.n_out + c0 + (j - lo); };  // B^T[r, j]
+  // one column panel of a part (panel [r1 - r0, w], see LoraPart; y0 = o + its first output column, o's
+  // rows n wide): y0[rows[i], lo:hi] += sum over the part's ranks r (in order) of panel[r, lo:hi] *
+  // h[i * R + r], nr <= LRB rows, 0 <= lo < hi <= w; each output element's fused multiply-adds in rank
+  // order, so the blocking does not change it
+  static void lora_expand(const LoraPart& pt, const float* panel, int64_t w, float* y0, int64_t n, const int64_t* rows,
+                          int64_t nr, const float* h, int64_t R, int64_t lo, int64_t hi) {
+    auto brow = [&](int64_t r, int64_t j) { return panel + (r - pt.r0) * w + j; };  // B^T[r, panel column j]
     float* y[LRB];
-    for (int64_t i = 0; i < nr; ++i) y[i] = o + rows[i] * n;
+    for (int64_t i = 0; i < nr; ++i) y[i] = y0 + rows[i] * n;
     int64_t j = lo;
     for (; j + 4 * W <= hi; j += 4 * W) {
       vf acc[LRB][4];
