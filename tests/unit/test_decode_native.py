@@ -827,3 +827,44 @@ def test_native_step_from_two_threads_at_once(built, q4_gguf):
         t.join(120)
     assert all(len(g) == 20 for g in got)
     assert all(torch.equal(a, b) for g in got for a, b in zip(g, ref))
+
+
+@pytest.mark.parametrize("qtype,block_bytes,qk", [("Q4_K", 144, 256), ("Q6_K", 210, 256), ("Q8_0", 34, 32)])
+def test_embed_rows_equal_gguf_dequantization(built, qtype, block_bytes, qk):
+    """The native step's embedding lookup (decode_cpu.cpp embed_rows, wired by decode_native's
+    _native_embedding) gives the model's rows bit for bit: gguf.quants' float32 arithmetic on random
+    blocks (random bytes, finite float16 scales), every row and in any order; an id out of range is
+    an IndexError, as the model's own lookup raises."""
+    import numpy as np
+
+    from kvserve.loaders.weights import Weight
+
+    mod = built.load_cached()
+    rng = np.random.default_rng(7)
+    k, rows = 2 * 256, 300
+    nb = k // qk
+    raw = rng.integers(0, 256, (rows, nb * block_bytes), dtype=np.uint8)
+    blocks = raw.reshape(rows, nb, block_bytes)
+    scales = (rng.standard_normal((rows, nb, 2)) * 0.01).astype(np.float16).view(np.uint8)  # [rows, nb, 4]
+    if qtype == "Q4_K":
+        blocks[:, :, 0:4] = scales  # d, dmin
+    elif qtype == "Q6_K":
+        blocks[:, :, 208:210] = scales[:, :, :2]  # d (last)
+    else:
+        blocks[:, :, 0:2] = scales[:, :, :2]
+    weight = Weight((rows, k), raw=raw, source_type=qtype)
+
+    class Model:  # what _native_embedding reads of a LlamaModel
+        tok_embd = None
+        tok_embd_raw = weight
+
+    embed = decode_native._native_embedding(mod, Model())
+    assert embed is not None
+    ids = np.array([5, 0, rows - 1, 5, 123, *range(rows)])
+    got = embed(torch.from_numpy(ids))
+    assert got.dtype == torch.float32 and got.shape == (len(ids), k)
+    assert torch.equal(got, torch.from_numpy(weight.dense_rows(ids)))
+    with pytest.raises(IndexError, match="token id out of range"):
+        embed(torch.tensor([rows]))
+    Model.tok_embd_raw = Weight((rows, k), raw=raw, source_type="Q5_K")  # a type it leaves to gguf
+    assert decode_native._native_embedding(mod, Model()) is None
