@@ -1023,7 +1023,8 @@ class _Batch:
     Attributes:
         logits: float32 [B, n_vocab]; lse: float32 [B] their logsumexp.
         fast: the native ``greedy_stats`` (:func:`_native_stats`) or None; stats: its pass over
-            ``logits`` with nothing banned (index, max, ties, lse per row) or None.
+            ``logits`` with nothing banned (index, max, ties, lse per row) or None; banned: its pass
+            with the EOG ids banned when every row bans one EOG set (then ``stats`` is None).
         results: B entries, None until a strategy samples the row.
         pre: row -> its top-k candidates ``(vals, ids)``, for a row the top-k strategy leaves to
             the chain.
@@ -1039,6 +1040,9 @@ class _Batch:
     stats: tuple | None
     results: list[SampleResult | None]
     pre: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    #: the native pass over every row with the EOG ids excluded (index, max, ties, lse per row), when
+    #: every row is greedy under one EOG ban (``ignore_eos`` greedy streams): the only pass then
+    banned: tuple | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1082,13 +1086,17 @@ def _sample_greedy_without_eog(b: _Batch, rows: list[int]) -> None:
     EOG set), else :func:`_greedy_without_eog`; a tie is left for the chain."""
     logits, samplers, results = b.logits, b.samplers, b.results
     if b.fast is not None and len({samplers[r].eog_token_ids for r in rows}) == 1:
-        sub = _rows(logits, rows).contiguous()
-        toks, best, _, ties = (t.tolist() for t in b.fast(sub, samplers[rows[0]].eog_index(logits.device)))
-        raw = logits[torch.tensor(rows), torch.tensor(toks)].tolist()
-        lses = b.lse.tolist()
+        if b.banned is not None and len(rows) == logits.shape[0]:  # the batch's one pass (sample_batch)
+            toks, best, lses, ties = (t.tolist() for t in b.banned)
+        else:
+            sub = _rows(logits, rows).contiguous()
+            toks, best, _, ties = (t.tolist() for t in b.fast(sub, samplers[rows[0]].eog_index(logits.device)))
+            lse_all = b.lse.tolist()
+            lses = [lse_all[r] for r in rows]
         for j, r in enumerate(rows):
+            # a finite maximum is at an id not banned: best[j] is logits[r, toks[j]] itself
             if best[j] > NEG_INF and ties[j] == 1:  # as _greedy_without_eog: a tie goes through the chain
-                results[r] = SampleResult(int(toks[j]), float(raw[j] - lses[r]), None)
+                results[r] = SampleResult(int(toks[j]), float(best[j] - lses[j]), None)
         rows = [r for r in rows if results[r] is None]
     if rows:
         _greedy_without_eog(logits, b.lse, rows, samplers, results)
@@ -1167,6 +1175,23 @@ STRATEGIES: tuple[_Strategy, ...] = (
 )
 
 
+def _one_eog_ban(samplers: list[SequenceSampler], num_generated: list[int], masks: list,
+                 device: torch.device) -> torch.Tensor | None:
+    """The EOG ids (int64 tensor) when every row is taken by the ``greedy_without_eog`` strategy (not
+    plain greedy, greedy with its EOG ids banned, no mask) and all rows ban the same ids, else None:
+    then one native pass with that ban serves the whole batch (the greedy streams of ``ignore_eos``
+    benchmarks and ``min_tokens`` requests)."""
+    eog = None
+    for smp, n, mask in zip(samplers, num_generated, masks):
+        if mask is not None or smp.is_plain_greedy(n) or not smp.is_greedy_without_eog(n):
+            return None
+        if eog is None:
+            eog = smp.eog_token_ids
+        elif smp.eog_token_ids != eog:
+            return None
+    return None if eog is None else samplers[0].eog_index(device)
+
+
 def sample_batch(
     logits: torch.Tensor,
     samplers: list[SequenceSampler],
@@ -1202,15 +1227,20 @@ def sample_batch(
         raise ValueError("sample_batch: samplers, histories and num_generated must have B entries")
     logits = logits.to(torch.float32)
     fast = _native_stats(logits)
-    stats = None
+    masks = masks if masks is not None else [None] * bsz
+    stats = banned = None
     if fast is not None:  # one native pass per row (see _native_stats)
         logits = logits.contiguous()
-        stats = fast(logits, _NO_BAN)
-        lse = stats[2]
+        ban = _one_eog_ban(samplers, num_generated, masks, logits.device)
+        if ban is not None:  # every row greedy under one EOG ban: that pass alone (its lse bans nothing)
+            banned = fast(logits, ban)
+            lse = banned[2]
+        else:
+            stats = fast(logits, _NO_BAN)
+            lse = stats[2]
     else:
         lse = torch.logsumexp(logits, dim=-1)  # [B]
-    b = _Batch(logits, samplers, histories, num_generated, masks if masks is not None else [None] * bsz, lse,
-               fast, stats, [None] * bsz, {})
+    b = _Batch(logits, samplers, histories, num_generated, masks, lse, fast, stats, [None] * bsz, {}, banned)
     for strategy in STRATEGIES:
         rows = [i for i in range(bsz) if b.results[i] is None and strategy.applies(b, i)]
         if rows:

@@ -513,6 +513,8 @@ class NativeDecode:
         self.native_head = False  # the output head in C++ too (else the model's Linear)
         self.isa: str | None = None  # the loaded build's instruction set ("avx512", "avx2")
         self.calls = 0
+        #: the token embedding's rows in C++ (input_ids -> float32 [B, E]), or None: the model's embed
+        self._embed = None
         #: LoRA adapter id -> registered with the decoder (True) or refused by it (False): lora_ready
         self._lora: dict[int, bool] = {}
         self.reason = unavailable_reason() or model_reason(model)
@@ -630,6 +632,7 @@ class NativeDecode:
         elif head is not None and head.shape[1] % 64 == 0:
             dec.set_head(m.output_norm.weight.contiguous(), *pack_q8(head, layout), head.shape[0])
             self.native_head = True
+        self._embed = _native_embedding(mod, m)
         self._staged = dec
         log.info("native decode step loaded (%s head)", "native" if self.native_head else "torch")
 
@@ -716,7 +719,7 @@ class NativeDecode:
         projection they target, in float32 on the projection's input (kvserve.lora.apply's math);
         the other rows are computed exactly as without it."""
         m = self.model
-        x = m.embed(input_ids)  # [B, E] float32, contiguous
+        x = m.embed(input_ids) if self._embed is None else self._embed(input_ids)  # [B, E] float32, contiguous
         cos = m.rope_cos.index_select(0, positions)
         sin = m.rope_sin.index_select(0, positions)
         ks = [k for k, _ in kv_caches]
@@ -730,6 +733,32 @@ class NativeDecode:
         if self.native_head:
             return self.decoder.logits(x)
         return m.output.forward(m.output_norm.forward(x)).float()
+
+
+#: GGUF types of a token embedding whose rows the extension dequantizes (``embed_rows``)
+EMBED_TYPES = ("Q4_K", "Q6_K", "Q8_0")
+
+
+def _native_embedding(mod, model):
+    """``input_ids [B] long -> float32 [B, E]`` by the extension's ``embed_rows`` for a token
+    embedding kept as GGUF blocks of :data:`EMBED_TYPES` (the values of the model's ``embed``, bit
+    for bit: gguf's float32 arithmetic; ~1 us a row where gguf's numpy dequantization took 50-300 us
+    of a one-row step), else None (the model's own lookup)."""
+    raw = getattr(model, "tok_embd_raw", None)
+    fn = getattr(mod, "embed_rows", None)
+    if (fn is None or getattr(model, "tok_embd", None) is not None or raw is None or raw.raw is None
+            or raw.source_type not in EMBED_TYPES or len(raw.shape) != 2):
+        return None
+    import warnings
+
+    arr = np.asarray(raw.raw)
+    if arr.ndim != 2 or arr.strides[1] != 1:
+        return None
+    with warnings.catch_warnings():  # a read-only mapping of the file: the extension only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        table = torch.from_numpy(arr)
+    qtype, k = raw.source_type, int(raw.shape[1])
+    return lambda ids: fn(table, ids.contiguous(), qtype, k)
 
 
 #: a Q8_0 head of GGUF blocks up to this size is requantized into the step's own tiles (SmolLM2's

@@ -724,6 +724,62 @@ def test_greedy_stats_match_torch(built):
     assert lse[4].isnan() and lse_b[4].isnan()  # as torch's logsumexp of a row with a NaN
     with pytest.raises(RuntimeError, match="ban id out of range"):
         mod.greedy_stats(x, torch.tensor([49157]))
+    # the ids in any order and repeated; a row whose unbanned entries are all -inf: every entry ties
+    # (a banned one counts as -inf too), the first index wins, banned or not
+    y = x[[0, 1, 2, 5]].clone()
+    y[3] = -float("inf")
+    tok_r, best_r, _, ties_r = mod.greedy_stats(y, torch.tensor([49156, 3, 5, 3]))
+    want = y.clone()
+    want[:, ban] = -float("inf")
+    assert tok_r.tolist() == want.argmax(-1).tolist() == [int(want[0].argmax()), 7, int(want[2].argmax()), 0]
+    assert ties_r.tolist() == [1, 3, 1, 49157] and torch.equal(best_r, want.amax(-1))
+    # rows shorter than a vector, and ties across the vector tail
+    z = torch.tensor([[1.0, 5.0, 5.0], [2.0, 1.0, 2.0]])
+    tok_z, best_z, _, ties_z = mod.greedy_stats(z, torch.tensor([1]))
+    assert tok_z.tolist() == [2, 0] and ties_z.tolist() == [1, 2] and best_z.tolist() == [5.0, 2.0]
+
+
+def test_sample_batch_one_banned_pass_for_ignore_eos_rows(built, monkeypatch):
+    """A batch whose every row is greedy under one EOG ban (ignore_eos streams) takes one native
+    greedy_stats pass, with the ban: the same tokens and logprobs as each row sampled alone, a tie
+    left for the chain; a batch with a plain greedy row keeps the unbanned pass first."""
+    from kvserve.engine import sampler as smod
+    from kvserve.engine.sampler import SequenceSampler, sample_batch
+
+    built.load_cached()
+    calls = []
+    real = smod._native_stats
+
+    def spy(logits):
+        fast = real(logits)
+        assert fast is not None
+
+        def counted(x, ban):
+            calls.append(ban.tolist())
+            return fast(x, ban)
+        return counted
+
+    monkeypatch.setattr(smod, "_native_stats", spy)
+    n_vocab = 3000
+    logits = torch.randn(5, n_vocab, generator=torch.Generator().manual_seed(4)) * 3
+    logits[1, 17] = logits[1].max() + 2.0  # the EOG id is row 1's maximum: the ban moves the pick
+    logits[3, 40] = logits[3, 41] = logits[3].max() + 1.0  # a tie: the chain decides
+    eog = frozenset({17})
+    mk = [SequenceSampler(SamplingParams(temperature=0.0, ignore_eos=True), n_vocab, eog) for _ in range(5)]
+    got = sample_batch(logits, mk, [[1, 2]] * 5, [3] * 5, None)
+    assert calls == [[17]]
+    for i in range(5):
+        want = SequenceSampler(SamplingParams(temperature=0.0, ignore_eos=True), n_vocab, eog).sample(
+            logits[i], [1, 2], 3)
+        assert got[i].token_id == want.token_id
+        assert got[i].logprob == pytest.approx(want.logprob, abs=1e-5)
+    assert got[1].token_id != 17 and got[1].token_id == int(logits[1].index_fill(0, torch.tensor([17]), -1e30).argmax())
+    assert got[3].token_id in (40, 41)
+    calls.clear()
+    mixed = [SequenceSampler(SamplingParams(temperature=0.0), n_vocab, eog), *mk[1:]]
+    out = sample_batch(logits, mixed, [[1, 2]] * 5, [3] * 5, None)
+    assert calls == [[], [17]] and out[0].token_id == int(logits[0].argmax())
+    assert [r.token_id for r in out[1:]] == [r.token_id for r in got[1:]]
 
 
 @pytest.mark.slow
@@ -771,3 +827,44 @@ def test_native_step_from_two_threads_at_once(built, q4_gguf):
         t.join(120)
     assert all(len(g) == 20 for g in got)
     assert all(torch.equal(a, b) for g in got for a, b in zip(g, ref))
+
+
+@pytest.mark.parametrize("qtype,block_bytes,qk", [("Q4_K", 144, 256), ("Q6_K", 210, 256), ("Q8_0", 34, 32)])
+def test_embed_rows_equal_gguf_dequantization(built, qtype, block_bytes, qk):
+    """The native step's embedding lookup (decode_cpu.cpp embed_rows, wired by decode_native's
+    _native_embedding) gives the model's rows bit for bit: gguf.quants' float32 arithmetic on random
+    blocks (random bytes, finite float16 scales), every row and in any order; an id out of range is
+    an IndexError, as the model's own lookup raises."""
+    import numpy as np
+
+    from kvserve.loaders.weights import Weight
+
+    mod = built.load_cached()
+    rng = np.random.default_rng(7)
+    k, rows = 2 * 256, 300
+    nb = k // qk
+    raw = rng.integers(0, 256, (rows, nb * block_bytes), dtype=np.uint8)
+    blocks = raw.reshape(rows, nb, block_bytes)
+    scales = (rng.standard_normal((rows, nb, 2)) * 0.01).astype(np.float16).view(np.uint8)  # [rows, nb, 4]
+    if qtype == "Q4_K":
+        blocks[:, :, 0:4] = scales  # d, dmin
+    elif qtype == "Q6_K":
+        blocks[:, :, 208:210] = scales[:, :, :2]  # d (last)
+    else:
+        blocks[:, :, 0:2] = scales[:, :, :2]
+    weight = Weight((rows, k), raw=raw, source_type=qtype)
+
+    class Model:  # what _native_embedding reads of a LlamaModel
+        tok_embd = None
+        tok_embd_raw = weight
+
+    embed = decode_native._native_embedding(mod, Model())
+    assert embed is not None
+    ids = np.array([5, 0, rows - 1, 5, 123, *range(rows)])
+    got = embed(torch.from_numpy(ids))
+    assert got.dtype == torch.float32 and got.shape == (len(ids), k)
+    assert torch.equal(got, torch.from_numpy(weight.dense_rows(ids)))
+    with pytest.raises(IndexError, match="token id out of range"):
+        embed(torch.tensor([rows]))
+    Model.tok_embd_raw = Weight((rows, k), raw=raw, source_type="Q5_K")  # a type it leaves to gguf
+    assert decode_native._native_embedding(mod, Model()) is None
