@@ -272,6 +272,19 @@ class EngineCore:
         self.validate(request)
         if request.request_id in self._states:
             raise InvalidRequestError(f"duplicate request id {request.request_id}")
+        # the adapters stay in the model until the request leaves (Scheduler.finish/drop release them)
+        lora = self.scheduler.lora if request.lora else None
+        if lora is not None:
+            lora.hold(request.lora)  # InvalidRequestError: one was unloaded since the request was checked
+        try:
+            self._add_request(request)
+        except BaseException:
+            if lora is not None:
+                lora.release(request.lora)
+            self._states.pop(request.request_id, None)
+            raise
+
+    def _add_request(self, request: Request) -> None:
         if request.params.n_cache_reuse > 0 and not self.kv.can_shift and not self._said_no_shift:
             self._said_no_shift = True  # llama-server's line where its cache cannot shift, and why
             log.warning("cache_reuse is not supported by this context, it will be disabled: this model's "

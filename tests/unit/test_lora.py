@@ -409,9 +409,10 @@ def test_non_finite_adapter_refused(core, files, tmp_path):
         load_adapter(str(d), core.model)
 
 
-def test_removing_an_adapter_mid_request_keeps_the_engine_going(files, refs):
-    """An adapter removed while a request uses it: the engine goes on (that request's later rows get
-    no delta), another adapter's request is unaffected, and the id is never reused."""
+def test_removing_an_adapter_mid_request_keeps_it_until_the_request_ends(files, refs):
+    """An adapter removed while a request uses it (``/v1/unload_lora_adapter``): the request keeps its
+    delta to the end (vLLM keeps serving), the name is gone at once, the weights leave the model with
+    the last request, a request checked before the removal is refused clearly, ids are never reused."""
     c = make_core(files["base"])
     reg = c.runner.lora
     a = reg.load(files["peft1"])
@@ -419,11 +420,13 @@ def test_removing_an_adapter_mid_request_keeps_the_engine_going(files, refs):
     ra, rb = req([(a, 1.0)], n=6), req([(b, 1.0)], n=6)
     c.add_request(ra)
     c.add_request(rb)
+    assert (reg.users(a), reg.users(b)) == (1, 1)
     toks: dict[str, list[int]] = {ra.request_id: [], rb.request_id: []}
     done: set[str] = set()
     for step in range(50):
         if step == 2:
             reg.remove(a)
+            assert [e.id for e in reg.entries()] == [b] and sorted(reg.known_ids()) == [a, b]
         for o in c.step():
             toks[o.request_id] += o.new_token_ids
             if o.finished:
@@ -431,6 +434,12 @@ def test_removing_an_adapter_mid_request_keeps_the_engine_going(files, refs):
         if len(done) == 2:
             break
     assert done == {ra.request_id, rb.request_id}
-    assert len(toks[ra.request_id]) == 6 and ra.stop_type == "limit"
+    assert toks[ra.request_id] == refs["merged1"][0][:6] and ra.stop_type == "limit"
     assert toks[rb.request_id] == refs["merged2"][0][:6]
-    assert reg.load(files["peft1"]) == 2
+    assert (reg.users(a), reg.users(b), sorted(reg.known_ids())) == (0, 0, [b])  # a's weights are gone
+    late = req([(a, 1.0)], n=2)
+    with pytest.raises(InvalidInputError, match=r"^LoRA adapter 0 was unloaded before the request started$"):
+        c.add_request(late)
+    assert late.request_id not in c.scheduler.requests and reg.users(a) == 0
+    reg.remove(b)  # idle: out of the model at once
+    assert list(reg.known_ids()) == [] and reg.load(files["peft1"]) == 2
