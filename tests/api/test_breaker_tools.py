@@ -119,3 +119,36 @@ def test_escaped_child_dies_when_the_call_is_cancelled_or_the_server_stops(tmp_p
         for m in markers:
             for pid in _pids_with(f"sleep\x00{m}"):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_escaped_child_dies_when_kvserve_is_sigkilled(tmp_path):
+    """The process running the tools is SIGKILLed mid-call (no cleanup runs): the reaper gets its
+    parent-death signal and kills the child that left the session."""
+    import subprocess
+    import sys
+
+    marker = f"{uuid.uuid4().int % 10**6 + 10**6}"
+    code = ("import asyncio\nfrom kvserve.tools import ToolContext, ToolRegistry\n"
+            "reg = ToolRegistry.from_names('exec_shell_command')\n"
+            f"asyncio.run(reg.get('exec_shell_command').run({{'command': 'setsid sleep {marker} & sleep 600', "
+            f"'timeout': 600}}, ToolContext(cwd={str(tmp_path)!r})))\n")
+    import kvserve
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvserve.__file__)))
+    host = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": root})
+    try:
+        end = time.monotonic() + 30
+        while not _pids_with(f"sleep\x00{marker}") and time.monotonic() < end:
+            time.sleep(0.05)
+        assert len(_pids_with(f"sleep\x00{marker}")) == 1
+        host.kill()
+        host.wait(10)
+        end = time.monotonic() + 5
+        while _pids_with(f"sleep\x00{marker}") and time.monotonic() < end:
+            time.sleep(0.05)
+        assert _pids_with(f"sleep\x00{marker}") == []
+    finally:
+        if host.poll() is None:
+            host.kill()
+        for pid in _pids_with(f"sleep\x00{marker}"):
+            os.kill(pid, signal.SIGKILL)
