@@ -20,6 +20,9 @@ init and live on until they exit by themselves (many do, on the EOF or EPIPE of 
 shared with their killed parent; ``sleep 600 &`` does not). Every orderly stop (a call's end,
 timeout or cancel, an MCP server's close, an engine's unload, kvserve's shutdown) kills the whole
 process group, grandchildren included. Without ``prctl`` (not Linux) only those stops remain.
+``/tools`` commands go further (kvserve/tools/reaper.py): they run under a child subreaper that kills
+every descendant, one that left the process group or session included, at the call's end and when
+kvserve dies.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +30,9 @@ from kvserve.engine.request import (
     Timings,
     TokenLogprob,
     TopLogprob,
+    cache_key_of,
     check_prompt,
+    split_cache_key,
 )
 from kvserve.engine.model_runner import ModelRunner, SampleFailure, StepResult
 from kvserve.engine.sampler import BreakerCache, SampleResult, SequenceSampler
@@ -37,6 +40,7 @@ from kvserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvserve.engine.slot_file import (
     SlotFileError,
     SlotHeader,
+    adapter_fingerprint,
     model_fingerprint,
     read_slot_file,
     write_slot_file,
@@ -272,6 +276,19 @@ class EngineCore:
         self.validate(request)
         if request.request_id in self._states:
             raise InvalidRequestError(f"duplicate request id {request.request_id}")
+        # the adapters stay in the model until the request leaves (Scheduler.finish/drop release them)
+        lora = self.scheduler.lora if request.lora else None
+        if lora is not None:
+            lora.hold(request.lora)  # InvalidRequestError: one was unloaded since the request was checked
+        try:
+            self._add_request(request)
+        except BaseException:
+            if lora is not None:
+                lora.release(request.lora)
+            self._states.pop(request.request_id, None)
+            raise
+
+    def _add_request(self, request: Request) -> None:
         if request.params.n_cache_reuse > 0 and not self.kv.can_shift and not self._said_no_shift:
             self._said_no_shift = True  # llama-server's line where its cache cannot shift, and why
             log.warning("cache_reuse is not supported by this context, it will be disabled: this model's "
@@ -704,16 +721,65 @@ class EngineCore:
         layer_group = getattr(self.runner, "layer_group", [-1] * c.n_layer)
         hdr = SlotHeader(self.model_fingerprint, n, self.config.kv_dtype, c.n_layer, c.n_head_kv,
                          c.head_dim, kv_dtype_v=self.config.kv_dtype_v,
-                         layer_first=tuple(firsts[g] if g >= 0 else 0 for g in layer_group))
+                         layer_first=tuple(firsts[g] if g >= 0 else 0 for g in layer_group),
+                         meta=self._slot_meta(self.kv.parked_salt(key)))
         return hdr, tokens, layers
 
-    def load_slot(self, slot_id: int, tokens: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    def _slot_meta(self, key: str | None) -> dict:
+        """A slot file's metadata for KV parked under cache key ``key``: its ``cache_salt`` and the LoRA
+        adapters it was computed under (name, path, scale, weights' fingerprint); {} for plain KV.
+
+        Raises SlotFileError: an adapter of the KV has been unloaded since."""
+        salt, lora = split_cache_key(key)
+        if salt is None and not lora:
+            return {}
+        reg = getattr(self.runner, "lora", None)
+        adapters = []
+        for aid, scale in lora:
+            e = reg.by_id(aid) if reg is not None else None
+            if e is None:
+                raise SlotFileError(f"the slot's KV was computed under LoRA adapter {aid}, which has been unloaded "
+                                    "since: it cannot be saved")
+            adapters.append({"name": e.name, "path": e.path, "scale": scale,
+                             "fingerprint": adapter_fingerprint(e.adapter)})
+        return {"cache_salt": salt, "lora": adapters}
+
+    def _restored_key(self, meta: dict | None) -> str | None:
+        """The cache key restored KV is indexed and parked under: the file's ``cache_salt`` and its LoRA
+        adapters, each found among this engine's adapters by its weights' fingerprint (its id here).
+
+        Raises SlotFileError: malformed metadata, or an adapter that is not loaded here."""
+        if not meta:
+            return None
+        salt, items = meta.get("cache_salt"), meta.get("lora") or []
+        if not (salt is None or isinstance(salt, str)) or not isinstance(items, list) \
+                or not all(isinstance(x, dict) for x in items):
+            raise SlotFileError("slot file is corrupt: bad cache_salt or lora metadata")
+        reg = getattr(self.runner, "lora", None)
+        loaded = {adapter_fingerprint(e.adapter): e for e in reg.entries()} if reg is not None and items else {}
+        pairs = []
+        for x in items:
+            scale, fp, name = x.get("scale"), x.get("fingerprint"), x.get("name")
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+                    or not isinstance(fp, str) or not isinstance(name, str):
+                raise SlotFileError("slot file is corrupt: bad lora metadata")
+            e = loaded.get(fp)
+            if e is None:
+                raise SlotFileError(f"slot file's KV was computed under LoRA adapter '{name[:200]}', which is not "
+                                    "loaded here: load the same adapter to restore it")
+            pairs.append((e.id, float(scale)))
+        return cache_key_of(salt, tuple(sorted(pairs)))
+
+    def load_slot(self, slot_id: int, tokens: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]],
+                  meta: dict | None = None) -> dict:
         """Make ``tokens`` and their KV rows (as ``read_slot_file`` returns them) the idle slot's
         parked, indexed KV (no file I/O).
 
         The next request on the slot (or any request, through the prefix index)
-        reuses them; at least one prompt token is still evaluated. Restored
-        blocks are indexed without a cache_salt.
+        reuses them; at least one prompt token is still evaluated. Restored blocks are indexed under
+        the cache key they were computed under (``meta``, the file header's: its ``cache_salt`` and
+        LoRA adapters, found here by their weights), so only requests of that salt and those
+        adapters reuse them; none: no salt, the base model.
 
         Returns:
             {"n_restored": tokens, "tokens": the token ids}.
@@ -725,9 +791,11 @@ class EngineCore:
         Raises:
             SlotFileError: bad slot id, busy slot, too many tokens for the slot's
                 context, a token id out of range, no room in the KV pool, a full-attention
-                layer without every token's row, a sliding group whose layers start apart.
+                layer without every token's row, a sliding group whose layers start apart, a LoRA
+                adapter of the KV that is not loaded here.
         """
         key = self._check_slot(slot_id)
+        salt = self._restored_key(meta)
         if len(tokens) >= self.n_ctx_slot:
             raise SlotFileError(f"slot file holds {len(tokens)} tokens, more than the slot's context "
                                 f"({self.n_ctx_slot} tokens)")
@@ -739,7 +807,7 @@ class EngineCore:
         rid = f"restore:{key}:{time.monotonic_ns()}"
         try:
             if tokens:
-                if not self.kv.restore(rid, tokens, firsts):
+                if not self.kv.restore(rid, tokens, firsts, salt):
                     raise SlotFileError("not enough free KV cache blocks to restore the slot")
                 table = self.kv.block_table(rid)
                 rows = torch.tensor([self.kv.row_of(table, p) for p in range(len(tokens))], dtype=torch.long)
@@ -749,7 +817,7 @@ class EngineCore:
                     self.runner.write_rows(rows, layers)
                 if self.draft is not None:  # slot files hold the target's rows: the draft's are recomputed
                     self.draft.fill(tokens, table)
-            self.kv.park(rid, key, None)
+            self.kv.park(rid, key, salt)
         finally:
             self._publish_slots()
         return {"n_restored": len(tokens), "tokens": tokens}
@@ -814,8 +882,8 @@ class EngineCore:
             SlotFileError: see :meth:`load_slot` and ``read_slot_file``.
         """
         self._check_slot(slot_id)
-        _, tokens, layers, n_read = read_slot_file(path, **self.slot_file_spec())
-        return {**self.load_slot(slot_id, tokens, layers), "n_read": n_read}
+        hdr, tokens, layers, n_read = read_slot_file(path, **self.slot_file_spec())
+        return {**self.load_slot(slot_id, tokens, layers, hdr.meta), "n_read": n_read}
 
     def erase_slot(self, slot_id: int) -> dict:
         """Drop the slot's parked KV, from the host tier and the prefix index too (llama-server's

@@ -501,8 +501,9 @@ class KVCacheManager:
                 self._by_hash.setdefault(key, blk.block_id)
             pos += 1
 
-    def restore(self, request_id: str, token_ids: list[int], group_firsts: list[int]) -> bool:
-        """Blocks for a sequence restored from a slot file, its tokens recorded: the full layers'
+    def restore(self, request_id: str, token_ids: list[int], group_firsts: list[int], salt: str | None = None) -> bool:
+        """Blocks for a sequence restored from a slot file, its tokens recorded under ``salt`` (the
+        cache key it was computed under): the full layers'
         blocks for every token, sliding group g's only from position ``group_firsts[g]`` (a multiple
         of the block size) on, the earlier entries 0 as :meth:`slide` leaves them. Every group's
         blocks are indexed under the full layers' chain keys, so prefix hits find them. Returns
@@ -517,12 +518,12 @@ class KVCacheManager:
                 for m2 in managers[:i + 1]:
                     m2._shrink(request_id, 0)
                 return False
-        self._record(request_id, 0, token_ids, None)
+        self._record(request_id, 0, token_ids, salt)
         full = self._tables[request_id]
         for g, first in zip(self.groups, group_firsts):
             if first < n:
                 k = first // g.block_size
-                g._record(request_id, first, token_ids[first:], None, self.blocks[full[k - 1]].hash if k else None)
+                g._record(request_id, first, token_ids[first:], salt, self.blocks[full[k - 1]].hash if k else None)
         return True
 
     def truncate(self, request_id: str, num_tokens: int) -> None:

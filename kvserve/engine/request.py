@@ -325,6 +325,30 @@ class Timings:
         return d
 
 
+def cache_key_of(cache_salt: str | None, lora: tuple[tuple[int, float], ...] = ()) -> str | None:
+    """The prefix cache's extra key of a request's ``cache_salt`` and ``lora`` (``(adapter id, scale)``
+    pairs): the salt alone without adapters, else ``"\\x00lora:ID@SCALE,...\\x00SALT"``. A salt that
+    itself starts with NUL is written ``"\\x00salt:SALT"``, so no salt can name an adapter's key (a
+    base request never reads KV computed under an adapter). :func:`split_cache_key` inverts it."""
+    if not lora:
+        return "\x00salt:" + cache_salt if cache_salt is not None and cache_salt.startswith("\x00") else cache_salt
+    tag = ",".join(f"{aid}@{s!r}" for aid, s in lora)
+    return f"\x00lora:{tag}\x00{cache_salt or ''}"
+
+
+def split_cache_key(key: str | None) -> tuple[str | None, tuple[tuple[int, float], ...]]:
+    """``(cache_salt, lora)`` of a key :func:`cache_key_of` made (scales exactly as given)."""
+    if key is None:
+        return None, ()
+    if key.startswith("\x00salt:"):
+        return key[len("\x00salt:"):], ()
+    if key.startswith("\x00lora:"):
+        tag, _, salt = key[len("\x00lora:"):].partition("\x00")
+        pairs = (t.split("@", 1) for t in tag.split(","))
+        return salt or None, tuple((int(a), float(s)) for a, s in pairs)
+    return key, ()
+
+
 @dataclass(slots=True)
 class Request:
     """Everything the engine needs for one sequence, and its whole state.
@@ -402,11 +426,8 @@ class Request:
     def cache_key(self) -> str | None:
         """The prefix cache's extra key: ``cache_salt``, plus the LoRA adapters and their scales when
         any (seed 002: the block hash covers the adapter), so KV computed under one adapter (or
-        scale) is reused only by requests under the same one."""
-        if not self.lora:
-            return self.cache_salt
-        tag = ",".join(f"{aid}@{s!r}" for aid, s in self.lora)
-        return f"{self.cache_salt or ''}\x00lora:{tag}"
+        scale) is reused only by requests under the same one (:func:`cache_key_of`)."""
+        return cache_key_of(self.cache_salt, self.lora)
 
     @property
     def lora_ids(self) -> frozenset[int]:

@@ -144,7 +144,8 @@ class Scheduler:
                 self.waiting.remove(request)
             except ValueError:
                 pass
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None and request.lora and self.lora is not None:
+            self.lora.release(request.lora)  # held by EngineCore.add_request
         n = request.num_computed_tokens
         if n > 0:
             self.recent.append((np.asarray(request.all_token_ids[:n], dtype=np.int32), request.cache_key,
@@ -165,6 +166,8 @@ class Scheduler:
             self.waiting.remove(request)
         if self.requests.get(request.request_id) is request:
             del self.requests[request.request_id]
+            if request.lora and self.lora is not None:
+                self.lora.release(request.lora)  # held by EngineCore.add_request
         self.kv.discard(request.request_id)
 
     def has_work(self) -> bool:

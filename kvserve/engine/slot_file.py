@@ -1,6 +1,6 @@
 """Slot files: one slot's tokens and KV rows on disk (``/slots/{id}?action=save|restore``).
 
-Format, version 2 or 3 (all integers little-endian)::
+Format, version 2, 3 or 4 (all integers little-endian)::
 
     offset  size  field
     0       6     magic            b"KVSLOT"
@@ -13,11 +13,15 @@ Format, version 2 or 3 (all integers little-endian)::
     30      2     n_layer          u16 (L)
     32      2     n_head_kv        u16 (H)
     34      2     head_dim         u16 (D)
-    36      4     reserved         0
+    36      4     meta length      u32 M: bytes of the metadata (version 4; 0 before)
     40      4*N   token ids        int32[N], position order
-    (v3)    4*L   first rows       u32[L]: per layer, the position F_l of its first saved row
+    (v3, v4) 4*L  first rows       u32[L]: per layer, the position F_l of its first saved row
                                    (0 for full attention; a sliding-window layer keeps only
                                    its window's rows, F_l <= N)
+    (v4)    M     metadata         UTF-8 JSON object, spaces after it to a multiple of 4 bytes: ``cache_salt`` (the KV's vLLM cache_salt or
+                                   null) and ``lora`` (the LoRA adapters it was computed under:
+                                   ``[{"name", "path", "scale", "fingerprint"}]``, see
+                                   :func:`adapter_fingerprint`)
     ...           per layer l = 0..L-1: K rows then V rows, each N - F_l rows (positions
                   F_l..N-1; version 2: F_l = 0) of H heads in the cache's stored form: D
                   values of a float type, or a quantized type's bytes (q8_0: D/32 blocks
@@ -30,8 +34,10 @@ quantized form is saved as the cache holds it and restored bit for bit; a versio
 file is ``40 + 4 N + 4 L + sum_l (N - F_l) H (row(K) + row(V))`` bytes. K rows
 are stored after RoPE (as the cache holds them). Version 2 is written whenever every
 F_l is 0 (every model without sliding-window layer groups), so such files stay readable
-by servers that know versions 1 and 2 only. Version 1 files (byte 29 reserved, V in K's
-type) are still read.
+by servers that know versions 1 and 2 only. Version 4 is written when the KV was computed
+under a ``cache_salt`` or LoRA adapters (seed 002: the prefix cache's key covers both): a restore
+indexes it under the same key, never as base or unsalted KV. Version 1 files (byte 29 reserved, V
+in K's type) are still read.
 
 Files are opened with ``O_NOFOLLOW`` and ``O_NONBLOCK`` and must be regular
 files (checked with ``fstat`` on the open descriptor): a symlink, FIFO, device
@@ -53,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import json
 import os
 import stat
 import struct
@@ -67,8 +74,12 @@ MAGIC = b"KVSLOT"
 VERSION = 2
 #: the version of a file whose layers start at different positions (sliding-window layer groups)
 VERSION_LAYER_FIRST = 3
-#: versions this code reads (1: V in K's type, byte 29 reserved; 3: per-layer first rows)
-READ_VERSIONS = (1, 2, 3)
+#: the version of a file with metadata (the KV's cache_salt / LoRA adapters)
+VERSION_META = 4
+#: versions this code reads (1: V in K's type, byte 29 reserved; 3: per-layer first rows; 4: metadata)
+READ_VERSIONS = (1, 2, 3, 4)
+#: the most metadata bytes a file may hold
+MAX_META = 1 << 20
 HEADER = struct.Struct("<6sH16sIBBHHHI")  # 40 bytes
 assert HEADER.size == 40
 
@@ -103,7 +114,8 @@ class SlotHeader:
     ``kv_dtype`` / ``kv_dtype_v``: K's and V's cache types (kvserve.engine.kv_quant names;
     ``kv_dtype_v`` None = K's type). Names are canonicalized ("fp8" -> "fp8_e4m3").
     ``layer_first``: per layer, the position of its first saved row (empty: 0 for every layer);
-    a nonzero one makes the header version 3."""
+    a nonzero one makes the header version 3. ``meta``: the KV's ``cache_salt`` and LoRA adapters
+    (see the module docstring; empty: none), which make it version 4."""
 
     fingerprint: bytes
     n_tokens: int
@@ -114,6 +126,9 @@ class SlotHeader:
     version: int = VERSION
     kv_dtype_v: str | None = None
     layer_first: tuple[int, ...] = ()
+    meta: dict = dataclasses.field(default_factory=dict)
+    #: the metadata's bytes in the file (made from ``meta`` when empty)
+    meta_raw: bytes = b""
 
     def __post_init__(self) -> None:
         self.kv_dtype = canonical_kv_type(self.kv_dtype)
@@ -121,6 +136,15 @@ class SlotHeader:
         self.layer_first = tuple(self.layer_first) or (0,) * self.n_layer
         if any(self.layer_first):
             self.version = max(self.version, VERSION_LAYER_FIRST)
+        if self.meta:
+            self.version = max(self.version, VERSION_META)
+            if not self.meta_raw:
+                raw = json.dumps(self.meta, sort_keys=True, separators=(",", ":")).encode()
+                self.meta_raw = raw + b" " * (-len(raw) % 4)  # the rows stay 4-byte aligned
+
+    def meta_bytes(self) -> bytes:
+        """The metadata's bytes (version 4), b"" before."""
+        return self.meta_raw if self.version >= VERSION_META else b""
 
     def rows(self, layer: int) -> int:
         """Rows saved for ``layer`` (its positions layer_first[layer]..n_tokens-1)."""
@@ -128,7 +152,8 @@ class SlotHeader:
 
     def pack(self) -> bytes:
         return HEADER.pack(MAGIC, self.version, self.fingerprint, self.n_tokens, DTYPE_CODES[self.kv_dtype],
-                           DTYPE_CODES[self.kv_dtype_v], self.n_layer, self.n_head_kv, self.head_dim, 0)
+                           DTYPE_CODES[self.kv_dtype_v], self.n_layer, self.n_head_kv, self.head_dim,
+                           len(self.meta_bytes()))
 
     def row_bytes(self) -> tuple[int, int]:
         """Bytes of one token's K row and V row in one layer (H heads of D values, stored form)."""
@@ -136,12 +161,28 @@ class SlotHeader:
         return kv_row_bytes(n, self.kv_dtype), kv_row_bytes(n, self.kv_dtype_v)
 
     def prefix_size(self) -> int:
-        """Bytes before the first layer's rows: the header, the token ids, version 3's first rows."""
-        return HEADER.size + 4 * self.n_tokens + (4 * self.n_layer if self.version >= VERSION_LAYER_FIRST else 0)
+        """Bytes before the first layer's rows: the header, the token ids, version 3's first rows,
+        version 4's metadata."""
+        return (HEADER.size + 4 * self.n_tokens + (4 * self.n_layer if self.version >= VERSION_LAYER_FIRST else 0)
+                + len(self.meta_bytes()))
 
     def file_size(self) -> int:
         """Expected total file size in bytes."""
         return self.prefix_size() + sum(self.rows(i) for i in range(self.n_layer)) * sum(self.row_bytes())
+
+
+def adapter_fingerprint(adapter) -> str:
+    """Hex blake2b-128 of a LoRA adapter's weights (``kvserve.lora.LoraAdapter``): every module's name,
+    factor and A and B as float32, so a slot file names the adapter its KV was computed under by
+    content, whatever its id, name or path in the server that restores it."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(adapter.modules):
+        m = adapter.modules[name]
+        h.update(name.encode() + b"\x00" + struct.pack("<d", float(m.scale)))
+        for t in (m.a, m.b):
+            h.update(struct.pack("<2I", *t.shape))
+            h.update(_bytes(t.float()))
+    return h.hexdigest()
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -210,6 +251,7 @@ def write_slot_file(path: str, header: SlotHeader, token_ids: list[int],
             chunks = [header.pack(), struct.pack(f"<{len(token_ids)}i", *token_ids)]
             if header.version >= VERSION_LAYER_FIRST:
                 chunks.append(struct.pack(f"<{header.n_layer}I", *header.layer_first))
+            chunks.append(header.meta_bytes())
             for chunk in chunks:
                 f.write(chunk)
                 n += len(chunk)
@@ -255,7 +297,7 @@ def read_slot_file(path: str, *, fingerprint: bytes, kv_dtype: str, n_layer: int
         head = f.read(HEADER.size)
         if len(head) < HEADER.size:
             raise SlotFileError(f"not a slot file: {size} bytes is shorter than the {HEADER.size}-byte header")
-        magic, version, fp, n_tok, code, code_v, nl, nh, hd, _ = HEADER.unpack(head)
+        magic, version, fp, n_tok, code, code_v, nl, nh, hd, meta_len = HEADER.unpack(head)
         if magic != MAGIC:
             raise SlotFileError("not a slot file (bad magic)")
         if version not in READ_VERSIONS:
@@ -268,6 +310,11 @@ def read_slot_file(path: str, *, fingerprint: bytes, kv_dtype: str, n_layer: int
             if c not in DTYPE_NAMES:
                 raise SlotFileError(f"slot file has an unknown KV dtype code {c}")
         hdr = SlotHeader(fp, n_tok, DTYPE_NAMES[code], nl, nh, hd, version, DTYPE_NAMES[code_v])
+        if version >= VERSION_META:
+            if not 0 < meta_len <= MAX_META or meta_len % 4:
+                raise SlotFileError(f"slot file is corrupt: {meta_len} bytes of metadata (a multiple of 4, "
+                                    f"at most {MAX_META})")
+            hdr.meta_raw = bytes(meta_len)  # its size until it is read with the token ids
         want = (canonical_kv_type(kv_dtype), canonical_kv_type(kv_dtype_v or kv_dtype))
         if (hdr.kv_dtype, hdr.kv_dtype_v) != want:
             raise SlotFileError(f"slot file KV dtype (K {hdr.kv_dtype}, V {hdr.kv_dtype_v}) differs from the "
@@ -291,6 +338,15 @@ def read_slot_file(path: str, *, fingerprint: bytes, kv_dtype: str, n_layer: int
             if any(x > n_tok for x in first):
                 raise SlotFileError(f"slot file is corrupt: a layer's first row is past its {n_tok} tokens")
             hdr = dataclasses.replace(hdr, layer_first=first)
+        if version >= VERSION_META:
+            end = hdr.prefix_size() - HEADER.size
+            hdr.meta_raw = bytes(pre[end - meta_len:end])
+            try:
+                hdr.meta = json.loads(hdr.meta_raw.decode("utf-8"))
+            except ValueError:
+                hdr.meta = None
+            if not isinstance(hdr.meta, dict):
+                raise SlotFileError("slot file is corrupt: its metadata is not a JSON object")
         if size != hdr.file_size():
             raise SlotFileError(f"slot file is corrupt: {size} bytes, expected {hdr.file_size()} for {n_tok} tokens")
         raw = bytearray(size - HEADER.size)

@@ -283,8 +283,9 @@ _BAD_HOST_LLAMA = json.dumps({"error": {"message": "host not allowed", "type": "
 _BAD_ORIGIN_LLAMA = json.dumps({"error": {"message": "origin not allowed", "type": "permission_error", "code": 403}},
                                separators=(",", ":")).encode()
 #: llama-server routes under /api's rules (local origins; loopback Host names on a loopback listener),
-#: in llama-server's envelope: the server tools, which read, write and run things on this machine
-LOCAL_ONLY_PATHS = frozenset({"/tools"})
+#: in llama-server's envelope: the server tools, which read, write and run things on this machine, and
+#: the web page's proxy (``--ui-mcp-proxy``), which reaches whatever this machine can
+LOCAL_ONLY_PATHS = frozenset({"/tools", "/cors-proxy"})
 
 
 def _host_of(value: str) -> str:
@@ -315,7 +316,7 @@ def local_host(host: str) -> bool:
 
 class ApiOriginGuard:
     """ASGI middleware for ``/api/*`` (Ollama's face, whose routes delete, copy, create and pull
-    models) and ``/tools`` (:data:`LOCAL_ONLY_PATHS`, llama-server's envelope): a browser request whose
+    models) and ``/tools``, ``/cors-proxy`` (:data:`LOCAL_ONLY_PATHS`, llama-server's envelope): a browser request whose
     ``Origin`` is not local (Ollama's defaults, plus
     ``OLLAMA_ORIGINS``) gets 403, preflights included; and when the server listens on loopback, a
     ``Host`` that is not a loopback name gets 403 (DNS rebinding), as Ollama does. The other faces

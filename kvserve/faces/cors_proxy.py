@@ -12,7 +12,10 @@ status, ``Content-Type`` and body come back, its other headers too except ``Serv
 CORS answer applies). Without ``--ui-mcp-proxy`` both methods answer 403 ``this feature is
 disabled`` (llama-server's body). A target URL without a host, with credentials or with another
 scheme is a 400 here (llama-server answers those with a 500); an unreachable target is a 502.
-The route sits behind ``--api-key`` like every non-page route.
+The route sits behind ``--api-key`` like every non-page route, and behind the ``/tools`` guard
+(:class:`kvserve.faces.auth.ApiOriginGuard`): a page of a foreign ``Origin``, or a ``Host`` that is
+not a loopback name on a loopback listener (DNS rebinding), gets 403, since the proxy reaches
+whatever this machine can.
 """
 
 from __future__ import annotations

@@ -877,8 +877,8 @@ async def _slot_file_action(runner: Runner, slot, action: str, body: dict) \
             res = {"n_saved": len(tokens), "n_written": n}
         elif action == "restore":
             spec = await asyncio.wrap_future(engine.call(lambda core: core.slot_file_spec()))
-            _, tokens, layers, n_read = await asyncio.to_thread(read_slot_file, path, **spec)
-            res = await asyncio.wrap_future(engine.call(lambda core: core.load_slot(sid, tokens, layers)))
+            hdr, tokens, layers, n_read = await asyncio.to_thread(read_slot_file, path, **spec)
+            res = await asyncio.wrap_future(engine.call(lambda core: core.load_slot(sid, tokens, layers, hdr.meta)))
             res["n_read"] = n_read
         else:
             res = await asyncio.wrap_future(engine.call(lambda core: core.erase_slot(sid)))

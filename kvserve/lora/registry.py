@@ -62,6 +62,10 @@ class LoraRegistry:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self._entries: dict[int, LoraEntry] = {}
+        #: every adapter still in the model: the registered ones and those removed while requests use them
+        self._installed: dict[int, LoraEntry] = {}
+        #: adapter id -> requests in the engine applying it (:meth:`hold` / :meth:`release`)
+        self._users: dict[int, int] = {}
         self._next_id = 0
         self._lock = threading.Lock()
         #: the step being computed (set by ModelRunner.run around the forward), read by LoraLinear
@@ -110,21 +114,57 @@ class LoraRegistry:
             aid = self._next_id
             self._next_id += 1
             install(self, self.model, aid, adapter)
-            self._entries[aid] = LoraEntry(aid, adapter.name, adapter.path, s, adapter)
+            self._entries[aid] = self._installed[aid] = LoraEntry(aid, adapter.name, adapter.path, s, adapter)
         return aid
 
     def remove(self, name_or_id: str | int) -> LoraEntry:
-        """Unregister an adapter by name or id; the removed entry. Rows of requests still running
-        under it get no delta from the next step on (callers should let them finish first).
+        """Unregister an adapter by name or id; the removed entry. New requests can no longer name
+        it; requests in the engine that apply it (:meth:`hold`) keep getting its delta to their end:
+        its weights leave the model at the last one's :meth:`release` (vLLM keeps serving them too).
 
         Raises NotFoundError: no such adapter."""
         from kvserve.lora.apply import uninstall
 
         with self._lock:
             e = self._find(name_or_id)
-            uninstall(self.model, e.id)
             del self._entries[e.id]
+            if not self._users.get(e.id):
+                uninstall(self.model, e.id)
+                del self._installed[e.id]
         return e
+
+    def hold(self, lora: Iterable[tuple[int, float]]) -> None:
+        """Count one more request in the engine applying each adapter of ``lora`` (``(id, scale)``
+        pairs; the engine calls it when it takes a request, :meth:`release` when the request leaves).
+
+        Raises InvalidInputError: an adapter was removed since the request was checked (nothing counted)."""
+        ids = [aid for aid, _ in lora]
+        with self._lock:
+            gone = [aid for aid in ids if aid not in self._entries]
+            if gone:
+                raise InvalidInputError(f"LoRA adapter {gone[0]} was unloaded before the request started")
+            for aid in ids:
+                self._users[aid] = self._users.get(aid, 0) + 1
+
+    def release(self, lora: Iterable[tuple[int, float]]) -> None:
+        """One request applying ``lora`` left the engine; an adapter removed meanwhile leaves the model
+        with its last request."""
+        from kvserve.lora.apply import uninstall
+
+        with self._lock:
+            for aid, _ in lora:
+                n = self._users.get(aid, 0) - 1
+                if n > 0:
+                    self._users[aid] = n
+                    continue
+                self._users.pop(aid, None)
+                if aid in self._installed and aid not in self._entries:
+                    uninstall(self.model, aid)
+                    del self._installed[aid]
+
+    def users(self, aid: int) -> int:
+        """Requests in the engine applying adapter ``aid`` now."""
+        return self._users.get(aid, 0)
 
     def _find(self, name_or_id: str | int) -> LoraEntry:
         if isinstance(name_or_id, int) and not isinstance(name_or_id, bool):
@@ -148,16 +188,17 @@ class LoraRegistry:
         return [self._entries[k] for k in sorted(self._entries)]
 
     def known_ids(self):
-        """The registered adapters' ids (a live view; read per step by the native decode step)."""
-        return self._entries.keys()
+        """The ids of the adapters in the model (a live view; read per step by the native decode step):
+        the registered ones and those removed while requests still apply them."""
+        return self._installed.keys()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every registered adapter's tensors (A, B and the engine's fused copies)."""
-        return sum(2 * e.adapter.nbytes for e in self._entries.values())
+        """Bytes of every adapter's tensors in the model (A, B and the engine's fused copies)."""
+        return sum(2 * e.adapter.nbytes for e in list(self._installed.values()))
 
     # -- scales ----------------------------------------------------------------------------------
 
@@ -216,4 +257,4 @@ class LoraRegistry:
         ranges in batch order; None when no row carries an adapter."""
         from kvserve.lora.apply import LoraBatch
 
-        return LoraBatch.build(row_lora, self._entries.keys(), device)
+        return LoraBatch.build(row_lora, self._installed.keys(), device)

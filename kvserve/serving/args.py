@@ -173,6 +173,8 @@ class ServerArgs:
     # --lora-init-without-apply (every global scale 0), vLLM's limits (None: no limit)
     lora: list[str] = field(default_factory=list)
     lora_scaled: list[tuple[str, float]] = field(default_factory=list)
+    # both as (path, scale) pairs in command-line order (llama-server's adapter ids); empty: --lora's first
+    lora_in_order: list[tuple[str, float]] = field(default_factory=list)
     lora_init_without_apply: bool = False
     max_loras: int | None = None
     max_lora_rank: int | None = None
@@ -193,9 +195,11 @@ class ServerArgs:
         return list(self.alias) if self.alias else [self.model]
 
     def lora_adapters(self) -> tuple[tuple[str, float], ...]:
-        """The start-up model's LoRA adapters, ``(path, global scale)``: ``--lora`` paths (scale 1), then
-        ``--lora-scaled`` pairs; every scale 0 with ``--lora-init-without-apply`` (llama-server's)."""
-        pairs = [(p, 1.0) for p in self.lora] + list(self.lora_scaled)
+        """The start-up model's LoRA adapters, ``(path, global scale)``, their ids in order: ``--lora``
+        paths (scale 1) and ``--lora-scaled`` pairs in command-line order, as llama-server numbers them
+        (``lora_in_order``; a ServerArgs built without it: ``--lora``'s first); every scale 0 with
+        ``--lora-init-without-apply`` (llama-server's)."""
+        pairs = list(self.lora_in_order) or [(p, 1.0) for p in self.lora] + list(self.lora_scaled)
         if self.lora_init_without_apply:
             pairs = [(p, 0.0) for p, _ in pairs]
         return tuple(pairs)
@@ -268,6 +272,8 @@ class _Parsed:
     negative: dict[str, bool] = field(default_factory=dict)
     env: Any = None
     notes: list = field(default_factory=list)
+    #: (dest, word) of every repeatable flag given on the command line, in order
+    appended: list = field(default_factory=list)
 
 
 def parse_args(argv: list[str], environ: dict | None = None) -> ServerArgs:
@@ -309,7 +315,8 @@ def _command_line(p, argv: list[str]) -> argparse.Namespace:
 def _values(p, ns: argparse.Namespace, env) -> _Parsed:
     """Each flag's value: the command line's, else its first set environment variable's, else
     the default. A bad environment value exits 2 (except :data:`~kvserve.serving.flags.LENIENT_ENV`)."""
-    s = _Parsed({"model_pos": getattr(ns, "model_pos", None)}, dict(getattr(ns, "_given", {})), env=env)
+    s = _Parsed({"model_pos": getattr(ns, "model_pos", None)}, dict(getattr(ns, "_given", {})), env=env,
+                appended=list(getattr(ns, "_appended", [])))
     for f in ft.FLAGS:
         if hasattr(ns, f.dest):
             value, opt = getattr(ns, f.dest), s.given[f.dest]
@@ -614,7 +621,27 @@ def _lora_fields(s: _Parsed) -> dict[str, Any]:
     if max_loras is not None and max_cpu < max_loras:
         raise _Exit(f"max_cpu_loras ({max_cpu}) must be >= max_loras ({max_loras})")
     return {"lora_modules": modules, "enable_lora": enable, "max_loras": max_loras, "max_lora_rank": max_rank,
-            "max_cpu_loras": max_cpu}
+            "max_cpu_loras": max_cpu, "lora_in_order": _lora_in_order(s)}
+
+
+def _lora_in_order(s: _Parsed) -> list[tuple[str, float]]:
+    """``--lora`` (scale 1) and ``--lora-scaled`` adapters as (path, scale) pairs in command-line order:
+    llama-server gives adapter ids in that order across both flags. Values from the environment (not
+    in the command line's record) follow, ``--lora``'s first."""
+    words = {"lora": [], "lora_scaled": []}
+    order = []
+    for dest, word in s.appended:
+        if dest in words:
+            words[dest].append(word)
+            order.append((dest, word))
+    out = []
+    for dest, word in order:
+        out += [(p, 1.0) for p in ft.lora_paths([word])] if dest == "lora" else ft.lora_scaled([word])
+    if s.v["lora"] and not words["lora"]:
+        out += [(p, 1.0) for p in ft.lora_paths(s.v["lora"])]
+    if s.v["lora_scaled"] and not words["lora_scaled"]:
+        out += ft.lora_scaled(s.v["lora_scaled"])
+    return out
 
 
 def _cors(v: dict, given: dict, notes: list) -> tuple[list[str], str, str, bool]:

@@ -1128,9 +1128,9 @@ FLAGS: tuple[Flag, ...] = (
       why="kvserve has no built-in server tools"),
     # -- features kvserve does not have
     F("--lora", "append", help="LoRA adapter: a llama.cpp LoRA GGUF or a PEFT directory (comma-separated or "
-      "repeated for several; ids in order)", metavar="FNAME", config=lora_paths),
-    F("--lora-scaled", "append", help="LoRA adapter with its scale, FNAME:SCALE,... (or FNAME SCALE); ids after "
-      "--lora's", metavar="FNAME:SCALE", check=_lora_scaled_check, config=lora_scaled),
+      "repeated for several; ids in command-line order with --lora-scaled's)", metavar="FNAME", config=lora_paths),
+    F("--lora-scaled", "append", help="LoRA adapter with its scale, FNAME:SCALE,... (or FNAME SCALE); ids in "
+      "command-line order with --lora's", metavar="FNAME:SCALE", check=_lora_scaled_check, config=lora_scaled),
     F("--lora-init-without-apply", "bool", False, help="load LoRA adapters with scale 0 (apply later via POST "
       "/lora-adapters)"),
     F("--lora-modules", "list", source=VLLM, metavar="NAME=PATH|JSON",
@@ -1430,6 +1430,9 @@ class _Given(argparse.Action):
             value = not self.negative
         elif f.kind == "append":
             value = list(getattr(namespace, self.dest, None) or []) + [values]
+            # every repeatable flag's words in command-line order (llama-server numbers --lora and
+            # --lora-scaled adapters together, in the order given)
+            namespace._appended = list(getattr(namespace, "_appended", [])) + [(self.dest, values)]
         else:
             value = values
             if f.convert is not None and isinstance(values, str):

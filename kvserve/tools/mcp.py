@@ -27,7 +27,10 @@ What happens, as llama-server's ``server_mcp`` (tools/server/server-mcp.cpp) doe
   llama-server runs them one at a time.
 - answers: the text parts of the result joined with newlines as ``{"plain_text_response": TEXT}``;
   a result with ``isError`` or a JSON-RPC error reply as ``{"error": TEXT}`` (200, llama-server's
-  shapes); a call past ``timeout_ms`` as ``{"error": "request timed out"}``.
+  shapes); a call past ``timeout_ms`` as ``{"error": "request timed out"}``, and the server is then
+  taken for stuck: a stdio server's process group is killed (an HTTP session closed) and the next
+  call starts it again (llama-server keeps the stuck server, so every later call times out too);
+  other calls in flight to it end with ``transport closed``.
 - stop (:meth:`McpManager.begin_stop`, then :meth:`McpManager.aclose`): in-flight calls end at
   once with ``{"error": "cancelled"}`` and every server's process group is killed (a stdio server
   runs in its own session and process group, so the grandchildren it spawned die with it, even
@@ -628,7 +631,7 @@ class McpManager:
                 log.warning("MCP '%s' exited during a call: %s", server, conn.diagnostics() or "transport closed",
                             extra={"func": "mcp"})
                 return {"error": "transport closed"}
-            return {"error": "request timed out"}
+            return self._timed_out(server, conn)
         try:
             result = call.result()
         except Exception as e:  # noqa: BLE001 - every failure is an answer
@@ -648,11 +651,11 @@ class McpManager:
         if self.stopping or (cancelled is not None and cancelled.is_set()):
             return {"error": "cancelled"}
         if isinstance(e, TimeoutError):
-            return {"error": "request timed out"}
+            return self._timed_out(server, conn)
         if isinstance(e, MCPError):
             code = getattr(getattr(e, "error", None), "code", None)
             if code == REQUEST_TIMEOUT:
-                return {"error": "request timed out"}
+                return self._timed_out(server, conn)
             message = getattr(getattr(e, "error", None), "message", None) or str(e)
             # the SDK's own "connection closed" (a server may send the same code, -32000, as its own error)
             if code == CONNECTION_CLOSED and message == "Connection closed":
@@ -661,6 +664,16 @@ class McpManager:
             return {"error": message}
         conn.dead.set()  # the transport broke
         return {"error": f"MCP server '{server}' failed: {_describe(e)}"}
+
+    def _timed_out(self, server: str, conn: _Connection) -> dict:
+        """A call past ``timeout_ms``: llama-server's ``request timed out``. The server may be stuck (a
+        stdio server answers one request at a time, so every later call would time out too): its
+        process group is killed and the connection marked dead, so the next call starts it again."""
+        log.warning("MCP '%s': a call timed out after %d ms: the server is stopped and started again on its next "
+                    "use", server, self.configs[server].timeout_ms, extra={"func": "mcp"})
+        conn.kill_now()
+        conn.dead.set()
+        return {"error": "request timed out"}
 
     # stop
     def pids(self) -> list[int]:

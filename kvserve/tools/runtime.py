@@ -20,9 +20,13 @@ combined; output past ``max_output`` bytes is read and dropped (the child never 
 and ``[output truncated]`` is added. The whole group gets SIGKILL, repeated until it is empty, when
 the time is up, when the call's :attr:`~kvserve.tools.base.ToolContext.cancelled` is set (client
 gone) or the server stops (:meth:`~kvserve.tools.base.ToolRegistry.close`), and always once the
-command's own process has exited (background children it left die with it). If kvserve itself is
-SIGKILLed, the kernel kills the command (``PR_SET_PDEATHSIG``, :mod:`kvserve.procs`); children it
-started in the background are not reached by that signal (see :mod:`kvserve.procs` for the limit).
+command's own process has exited (background children it left die with it).
+
+On Linux every command runs under a reaper (kvserve/tools/reaper.py: a child subreaper, which the
+command's orphaned descendants are reparented to, whatever session or group they moved to): at each of
+those ends kvserve first SIGTERMs the reaper, which SIGKILLs the command's whole remaining tree, so a
+``setsid``/double-fork child dies with its call too. If kvserve itself is SIGKILLed, the reaper gets
+SIGTERM from the kernel (its parent-death signal) and does the same.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import select
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -48,6 +54,12 @@ ISOLATE_EXEC_TIMEOUT = 15.0
 _CHUNK = 4096
 #: how long the kill loop keeps sending SIGKILL to a group that still has members (s)
 _KILL_WINDOW = 2.0
+#: the reaper every command runs under (Linux: kvserve/tools/reaper.py, see :func:`stream_process`)
+_REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+USE_REAPER = sys.platform.startswith("linux")
+#: seconds the reaper may take to start the command, and to clean up when told to
+_REAPER_START_S = 10.0
+_REAPER_STOP_S = 2.0
 
 
 _EXECUTOR = None
@@ -143,9 +155,35 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
+def _running(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] != b"Z"
+
+
 def kill_group(pgid: int) -> None:
-    """SIGKILL every process of group ``pgid``, repeated while live members remain (a fork loop may
+    """End a tool command's group: when its leader is a reaper (kvserve/tools/reaper.py), SIGTERM it (it
+    SIGKILLs every descendant of the command, those that left its group included) and wait for it at most
+    :data:`_REAPER_STOP_S` seconds; then
+    SIGKILL every process of group ``pgid``, repeated while live members remain (a fork loop may
     add members while a signal is delivered), for at most :data:`_KILL_WINDOW` seconds."""
+    try:
+        with open(f"/proc/{pgid}/cmdline", "rb") as f:
+            reaper = _REAPER.encode() in f.read().split(b"\0")
+    except OSError:
+        reaper = False
+    if reaper:
+        try:
+            os.kill(pgid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+        end = time.monotonic() + _REAPER_STOP_S
+        while _running(pgid) and time.monotonic() < end:
+            time.sleep(0.005)
     end = time.monotonic() + _KILL_WINDOW
     while True:
         try:
@@ -168,14 +206,112 @@ def _kill_group_soon(pgid: int) -> None:
         in_thread(kill_group, pgid)
 
 
-async def _spawn(argv: list[str], cwd: str | None, stdin: bool) -> subprocess.Popen:
+class _Status:
+    """The reaper's status pipe (kvserve/tools/reaper.py): whether the command's own process has ended,
+    and its exit code (:attr:`subprocess.Popen.returncode`'s convention). Without a reaper: the
+    process itself."""
+
+    def __init__(self, proc: subprocess.Popen, fd: int | None, pgid: int):
+        self.proc, self.fd = proc, fd
+        #: the command's process group (its own pid; without a reaper: the process's)
+        self.pgid = pgid
+        self.code: int | None = None
+        self._buf = b""
+
+    def _read(self) -> None:
+        while self.fd is not None:
+            try:
+                data = os.read(self.fd, 256)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:  # the reaper is gone
+                os.close(self.fd)
+                self.fd = None
+                return
+            self._buf += data
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                if line.startswith(b"X"):
+                    self.code = int(line[1:])
+
+    def exited(self) -> bool:
+        """Whether the command's own process has ended (or its reaper did)."""
+        if self.fd is None and self.code is None:
+            return self.proc.poll() is not None
+        self._read()
+        return self.code is not None or self.fd is None
+
+    def returncode(self) -> int:
+        self._read()
+        if self.code is not None:
+            return self.code
+        return self.proc.returncode if self.proc.returncode is not None else -1
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _first_status(fd: int) -> bytes:
+    """The reaper's first line (``S<pid>`` or ``E<errno>``); b"" when none came in time (a worker thread)."""
+    out = b""
+    end = time.monotonic() + _REAPER_START_S
+    while not out.endswith(b"\n") and len(out) < 64:
+        left = end - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return b""
+        c = os.read(fd, 1)
+        if not c:
+            return b""
+        out += c
+    return out.strip()
+
+
+async def _spawn(argv: list[str], cwd: str | None, stdin: bool) -> tuple[subprocess.Popen, _Status]:
     """``argv`` through :func:`kvserve.procs.spawn_async`: a new session (its own process group),
     every other descriptor of the server closed (``close_fds``: uvloop's own spawn lets its sockets
     and pipes leak into the child, where a background grandchild would hold the output open and a
     command could write into the server's descriptors), SIGKILLed by the kernel if kvserve dies;
-    stdout and stderr into one pipe."""
-    return await procs.spawn_async(argv, cwd=cwd or None, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    stdout and stderr into one pipe. On Linux ``argv`` runs under the reaper (kvserve/tools/reaper.py,
+    the process spawned here and the group's leader), which kills every descendant of the command
+    when the call ends, those that left its session included.
+
+    Raises OSError: ``argv`` cannot run (the reaper reports exec's errno)."""
+    kw = dict(cwd=cwd or None, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if not USE_REAPER:
+        proc = await procs.spawn_async(argv, **kw)
+        return proc, _Status(proc, None, proc.pid)
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        proc = await procs.spawn_async([sys.executable, "-I", "-S", _REAPER, str(w), *argv], pass_fds=(w,), **kw)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    try:
+        first = await in_thread(_first_status, r)
+    except BaseException:
+        os.close(r)
+        _kill_group_soon(proc.pid)
+        raise
+    if not (first.startswith(b"S") and first[1:].isdigit()):
+        os.close(r)
+        _kill_group_soon(proc.pid)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+        proc.wait()
+        if first.startswith(b"E") and first[1:].isdigit():
+            code = int(first[1:])
+            raise OSError(code, os.strerror(code), argv[0])
+        raise OSError("the command's reaper did not start")
+    os.set_blocking(r, False)
+    return proc, _Status(proc, r, int(first[1:]))
 
 
 def _feed(pipe, data: bytes) -> None:
@@ -192,11 +328,11 @@ def _feed(pipe, data: bytes) -> None:
             pass
 
 
-async def _wait_exit(proc: subprocess.Popen, deadline: float, ctx: ToolContext, res: ProcessResult) -> None:
-    """Poll until ``proc`` exits, its deadline passes (``res.timed_out``) or the call is cancelled
-    (``res.cancelled``)."""
+async def _wait_exit(status: _Status, deadline: float, ctx: ToolContext, res: ProcessResult) -> None:
+    """Poll until the command's process exits, its deadline passes (``res.timed_out``) or the call is
+    cancelled (``res.cancelled``)."""
     pause = 0.001
-    while proc.poll() is None:
+    while not status.exited():
         if ctx.cancelled.is_set():
             res.cancelled = True
             return
@@ -217,15 +353,16 @@ async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, ma
     res = result if result is not None else ProcessResult("", -1)
     limit = max(0.0, min(timeout_s, ctx.remaining()))
     try:
-        proc = await _spawn(argv, cwd, stdin is not None)
+        proc, status = await _spawn(argv, cwd, stdin is not None)
     except (OSError, ValueError, subprocess.SubprocessError) as e:
         res.output = f"failed to spawn process: {e.strerror or e}" if isinstance(e, OSError) else \
             "failed to spawn process"
         res.exit_code = -1
         return
-    pgid = proc.pid
+    pgid = proc.pid  # the reaper's group (the command's own: status.pgid)
     if registry is not None:
         registry.track(pgid)
+        registry.track(status.pgid)
     loop = asyncio.get_running_loop()
     fd = proc.stdout.fileno()
     os.set_blocking(fd, False)
@@ -259,7 +396,7 @@ async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, ma
             if not data:
                 # the output is closed (a coreutils program closes it before it exits): the command
                 # still has until its deadline to exit, as llama-server waits for it
-                await _wait_exit(proc, deadline, ctx, res)
+                await _wait_exit(status, deadline, ctx, res)
                 break
             await asyncio.sleep(0)  # a flood must not hold the event loop
             if truncated:
@@ -277,16 +414,27 @@ async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, ma
     finally:
         cancel_wait.cancel()
         loop.remove_reader(fd)
+        if status.fd is not None:  # the reaper kills every descendant (those that left the group too)
+            try:
+                os.kill(pgid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+            end = time.monotonic() + _REAPER_STOP_S
+            while proc.poll() is None and time.monotonic() < end:
+                await asyncio.sleep(0.002)
+        _kill_group_soon(status.pgid)
         _kill_group_soon(pgid)
         proc.stdout.close()
         end = time.monotonic() + 5
         while proc.poll() is None and time.monotonic() < end:
             await asyncio.sleep(0.005)
-        res.exit_code = proc.returncode if proc.returncode is not None else -1
+        res.exit_code = status.returncode()
+        status.close()
         if feeder is not None:
             await asyncio.wait({feeder}, timeout=5)
         if registry is not None:
             registry.untrack(pgid)
+            registry.untrack(status.pgid)
         res.raw = bytes(kept)
         res.output = bytes(kept).decode("utf-8", "replace") + ("\n[output truncated]" if truncated else "")
 

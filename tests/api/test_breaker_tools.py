@@ -34,11 +34,6 @@ def _pids_with(marker: str) -> list[int]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="kvserve kills the command's process group only; a child that "
-                   "calls setsid() leaves it. Fix (kvserve/tools/runtime.py, helper #36's file): run each "
-                   "command under a small reaper that sets PR_SET_CHILD_SUBREAPER and on exit/timeout/cancel "
-                   "kills every descendant it reaped (or tag the command's environment and kill every process "
-                   "that carries the tag, or a cgroup per call where one is writable).")
 def test_setsid_child_dies_with_its_call(tmp_path):
     marker = f"{uuid.uuid4().int % 10**6 + 10**6}"  # a unique sleep length: `sleep 1234567`
     reg = ToolRegistry.from_names("exec_shell_command")
@@ -53,5 +48,107 @@ def test_setsid_child_dies_with_its_call(tmp_path):
         assert _pids_with(f"sleep\x00{marker}") == []
     finally:
         reg.close()
+        for pid in _pids_with(f"sleep\x00{marker}"):
+            os.kill(pid, signal.SIGKILL)
+
+
+DOUBLE_FORK = ("python3 -c 'import os, sys, time\n"
+               "if os.fork() == 0:\n"
+               "    os.setsid()\n"
+               "    if os.fork() == 0:\n"
+               "        os.execvp(\"sleep\", [\"sleep\", sys.argv[1]])\n"
+               "    os._exit(0)\n"
+               "os.wait()\n' {marker}")
+
+
+@pytest.mark.parametrize("form", ["nohup setsid sleep {marker} >/dev/null 2>&1 & echo started",
+                                  "setsid -f sleep {marker}; echo started",
+                                  DOUBLE_FORK + "; echo started"])
+def test_escaped_children_die_when_the_command_ends(tmp_path, form):
+    """Every process the command left, in any session, dies with the call (the call ends at once when
+    the output is closed, else at its timeout: the left process still holds the output)."""
+    marker = f"{uuid.uuid4().int % 10**6 + 10**6}"
+    reg = ToolRegistry.from_names("exec_shell_command")
+    try:
+        t0 = time.monotonic()
+        out = asyncio.run(reg.get("exec_shell_command").run(
+            {"command": form.format(marker=marker), "timeout": 3}, ToolContext(cwd=str(tmp_path))))
+        assert out["plain_text_response"].startswith("started\n"), out
+        assert time.monotonic() - t0 < (3 if form.startswith("nohup") else 10)
+        time.sleep(0.5)
+        assert _pids_with(f"sleep\x00{marker}") == []
+    finally:
+        reg.close()
+        for pid in _pids_with(f"sleep\x00{marker}"):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_escaped_child_dies_when_the_call_is_cancelled_or_the_server_stops(tmp_path):
+    """A call still running: cancelling it (client gone) and the registry's close (server stop) kill
+    the process that left the session too."""
+    reg = ToolRegistry.from_names("exec_shell_command")
+    markers = [f"{uuid.uuid4().int % 10**6 + 10**6}" for _ in range(2)]
+
+    async def scenario():
+        ctx = ToolContext(cwd=str(tmp_path))
+        call = asyncio.ensure_future(reg.get("exec_shell_command").run(
+            {"command": f"setsid sleep {markers[0]} & sleep 30", "timeout": 60}, ctx))
+        for _ in range(200):
+            if _pids_with(f"sleep\x00{markers[0]}"):
+                break
+            await asyncio.sleep(0.05)
+        assert len(_pids_with(f"sleep\x00{markers[0]}")) == 1
+        ctx.cancelled.set()
+        await asyncio.wait_for(call, 10)
+        stuck = asyncio.ensure_future(reg.get("exec_shell_command").run(
+            {"command": f"setsid sleep {markers[1]} & sleep 30", "timeout": 60}, ToolContext(cwd=str(tmp_path))))
+        for _ in range(200):
+            if _pids_with(f"sleep\x00{markers[1]}"):
+                break
+            await asyncio.sleep(0.05)
+        assert len(_pids_with(f"sleep\x00{markers[1]}")) == 1
+        await asyncio.get_running_loop().run_in_executor(None, reg.close)
+        await asyncio.wait_for(stuck, 10)
+
+    try:
+        asyncio.run(scenario())
+        time.sleep(0.5)
+        assert [_pids_with(f"sleep\x00{m}") for m in markers] == [[], []]
+    finally:
+        reg.close()
+        for m in markers:
+            for pid in _pids_with(f"sleep\x00{m}"):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_escaped_child_dies_when_kvserve_is_sigkilled(tmp_path):
+    """The process running the tools is SIGKILLed mid-call (no cleanup runs): the reaper gets its
+    parent-death signal and kills the child that left the session."""
+    import subprocess
+    import sys
+
+    marker = f"{uuid.uuid4().int % 10**6 + 10**6}"
+    code = ("import asyncio\nfrom kvserve.tools import ToolContext, ToolRegistry\n"
+            "reg = ToolRegistry.from_names('exec_shell_command')\n"
+            f"asyncio.run(reg.get('exec_shell_command').run({{'command': 'setsid sleep {marker} & sleep 600', "
+            f"'timeout': 600}}, ToolContext(cwd={str(tmp_path)!r})))\n")
+    import kvserve
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvserve.__file__)))
+    host = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": root})
+    try:
+        end = time.monotonic() + 30
+        while not _pids_with(f"sleep\x00{marker}") and time.monotonic() < end:
+            time.sleep(0.05)
+        assert len(_pids_with(f"sleep\x00{marker}")) == 1
+        host.kill()
+        host.wait(10)
+        end = time.monotonic() + 5
+        while _pids_with(f"sleep\x00{marker}") and time.monotonic() < end:
+            time.sleep(0.05)
+        assert _pids_with(f"sleep\x00{marker}") == []
+    finally:
+        if host.poll() is None:
+            host.kill()
         for pid in _pids_with(f"sleep\x00{marker}"):
             os.kill(pid, signal.SIGKILL)

@@ -123,6 +123,28 @@ def test_disabled_bad_targets_and_the_key(target):
     assert r.status_code == 502 and r.json()["error"]["message"].startswith("proxy: the target could not be reached")
 
 
+def test_foreign_origin_and_rebinding_host_are_refused(target):
+    """/cors-proxy reaches anything this machine can (intranet, loopback services): it takes the
+    /tools guard (a foreign Origin, a non-loopback Host on a loopback listener: 403), as /tools."""
+    app = _app("--ui-mcp-proxy")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    url = f"http://127.0.0.1:{target.server_port}/capture"
+    n = len(target.seen)
+    for method in ("GET", "POST"):
+        r = _call(app, method, f"/cors-proxy?url={url}", headers={**auth, "Origin": "https://evil.example"})
+        assert (r.status_code, r.json()) == (403, {"error": {"message": "origin not allowed",
+                                                             "type": "permission_error", "code": 403}})
+    r = _call(app, "OPTIONS", f"/cors-proxy?url={url}", headers={"Origin": "https://evil.example",
+                                                                 "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+    r = _call(app, "GET", f"/cors-proxy?url={url}", headers={**auth, "Host": "rebind.example:8080"})
+    assert (r.status_code, r.json()["error"]["message"]) == (403, "host not allowed")
+    assert len(target.seen) == n  # none reached the target
+    r = _call(app, "GET", f"/cors-proxy?url={url}", headers={**auth, "Origin": "http://localhost:5173"})
+    assert (r.status_code, r.json()) == (201, {"ok": True, "got": ""})
+    assert len(target.seen) == n + 1
+
+
 class socket_closed:
     """A loopback port nothing listens on (bound, then closed)."""
 

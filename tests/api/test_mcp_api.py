@@ -368,6 +368,30 @@ def test_timeout(tiny_gguf, fixtures, tmp_path):
         s.stop()
 
 
+def test_hung_server_is_restarted_after_a_timeout(tiny_gguf, fixtures, tmp_path):
+    """A call that times out on a server stuck in it (``sleep`` 600 s; the fixture answers one request at a
+    time): the server's process is killed, and the next call starts it again (a new pid) and answers."""
+    cfg = _config(fixtures)
+    cfg["mcpServers"]["fx"]["timeout_ms"] = 1000
+    s = spawn(tiny_gguf, ("--mcp-servers-json", json.dumps(cfg), "--models-dir", str(tmp_path / "models")), tmp_path)
+    try:
+        s.wait_ready(60)
+        pid = int(_call(s, "fx_pid")["plain_text_response"])
+        t0 = time.monotonic()
+        assert _call(s, "fx_sleep", {"seconds": 600}) == {"error": "request timed out"}
+        assert time.monotonic() - t0 < 4.0
+        assert _wait_gone([pid], 5.0) == []
+        t0 = time.monotonic()
+        again = _call(s, "fx_pid")
+        assert "plain_text_response" in again, again
+        assert int(again["plain_text_response"]) != pid and time.monotonic() - t0 < 4.0
+        assert _call(s, "fx_echo", {"message": "next"}) == {"plain_text_response": "echo: next"}
+        assert "MCP 'fx': a call timed out after 1000 ms: the server is stopped and started again on its next use" \
+            in s.log()
+    finally:
+        s.stop()
+
+
 def test_stop_reaps_children_and_grandchildren(tiny_gguf, fixtures, tmp_path):
     """Stopping kvserve during a slow call: the call ends at once, kvserve exits within 3 s, and the
     MCP server and the grandchildren it spawned (at launch and in a call) are all gone; the

@@ -13,6 +13,7 @@ import tinymodel
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
 from kvserve.engine.request import Request, SamplingParams
+from kvserve.engine.slot_file import SlotFileError
 from kvserve.errors import InvalidInputError, NotFoundError
 from kvserve.lora import LoraRegistry, load_adapter
 from kvserve.models.build import load_files
@@ -409,9 +410,10 @@ def test_non_finite_adapter_refused(core, files, tmp_path):
         load_adapter(str(d), core.model)
 
 
-def test_removing_an_adapter_mid_request_keeps_the_engine_going(files, refs):
-    """An adapter removed while a request uses it: the engine goes on (that request's later rows get
-    no delta), another adapter's request is unaffected, and the id is never reused."""
+def test_removing_an_adapter_mid_request_keeps_it_until_the_request_ends(files, refs):
+    """An adapter removed while a request uses it (``/v1/unload_lora_adapter``): the request keeps its
+    delta to the end (vLLM keeps serving), the name is gone at once, the weights leave the model with
+    the last request, a request checked before the removal is refused clearly, ids are never reused."""
     c = make_core(files["base"])
     reg = c.runner.lora
     a = reg.load(files["peft1"])
@@ -419,11 +421,13 @@ def test_removing_an_adapter_mid_request_keeps_the_engine_going(files, refs):
     ra, rb = req([(a, 1.0)], n=6), req([(b, 1.0)], n=6)
     c.add_request(ra)
     c.add_request(rb)
+    assert (reg.users(a), reg.users(b)) == (1, 1)
     toks: dict[str, list[int]] = {ra.request_id: [], rb.request_id: []}
     done: set[str] = set()
     for step in range(50):
         if step == 2:
             reg.remove(a)
+            assert [e.id for e in reg.entries()] == [b] and sorted(reg.known_ids()) == [a, b]
         for o in c.step():
             toks[o.request_id] += o.new_token_ids
             if o.finished:
@@ -431,6 +435,71 @@ def test_removing_an_adapter_mid_request_keeps_the_engine_going(files, refs):
         if len(done) == 2:
             break
     assert done == {ra.request_id, rb.request_id}
-    assert len(toks[ra.request_id]) == 6 and ra.stop_type == "limit"
+    assert toks[ra.request_id] == refs["merged1"][0][:6] and ra.stop_type == "limit"
     assert toks[rb.request_id] == refs["merged2"][0][:6]
-    assert reg.load(files["peft1"]) == 2
+    assert (reg.users(a), reg.users(b), sorted(reg.known_ids())) == (0, 0, [b])  # a's weights are gone
+    late = req([(a, 1.0)], n=2)
+    with pytest.raises(InvalidInputError, match=r"^LoRA adapter 0 was unloaded before the request started$"):
+        c.add_request(late)
+    assert late.request_id not in c.scheduler.requests and reg.users(a) == 0
+    reg.remove(b)  # idle: out of the model at once
+    assert list(reg.known_ids()) == [] and reg.load(files["peft1"]) == 2
+
+
+# -- slot files keep the adapter (and cache_salt) of their KV ------------------------------------------
+
+PRE = list(range(20, 48))  # 28 tokens
+Q = PRE + [60, 61, 62, 63, 64, 65, 66, 67, 68, 69]
+
+
+def _slot_run(c, lora=(), salt=None, slot=0, prompt=Q, n=3):
+    """(cache_n, tokens) of a greedy request in ``slot``."""
+    r = req(lora, n=n, prompt=prompt, priority_slot=slot, cache_salt=salt)
+    toks, _, _, _ = run_capture(c, [r])
+    return r.num_cached_tokens, toks[r.request_id]
+
+
+def test_slot_file_keeps_the_adapter_and_salt_of_its_kv(files, tmp_path):
+    """A slot saved from an adapter's (or a salted) request is restored under that adapter (found by its
+    weights, whatever its id in the new engine) and salt: the base, another adapter or another salt
+    reuse none of it; a server without the adapter refuses the file with a clear message."""
+    c1 = make_core(files["base"], n_parallel=2, cache_ram=0)
+    a = c1.runner.lora.load(files["peft1"])
+    _slot_run(c1, [(a, 1.0)], prompt=PRE, n=0)
+    c1.save_slot(0, str(tmp_path / "lora.bin"))
+    _slot_run(c1, salt="tenant", slot=1, prompt=PRE, n=0)
+    c1.save_slot(1, str(tmp_path / "salt.bin"))
+
+    ref = make_core(files["base"], n_parallel=2, cache_ram=0)
+    ref.runner.lora.load(files["peft1"])
+    want = _slot_run(ref, [(0, 1.0)])
+    assert want[0] == 0 and len(want[1]) == 3
+
+    c2 = make_core(files["base"], n_parallel=2, cache_ram=0)
+    assert c2.runner.lora.load(files["peft2"]) == 0
+    assert c2.runner.lora.load(files["peft1"]) == 1  # the file's adapter has another id here
+    for lora, cached in (([], 0), ([(0, 1.0)], 0), ([(1, 0.5)], 0), ([(1, 1.0)], 28)):
+        assert c2.restore_slot(0, str(tmp_path / "lora.bin"))["n_restored"] == 28
+        got = _slot_run(c2, lora)
+        assert got[0] == cached, lora
+    assert got == (28, want[1])  # the restored rows are the adapter's own: the same tokens
+    for salt, cached in ((None, 0), ("other", 0), ("tenant", 28)):
+        assert c2.restore_slot(1, str(tmp_path / "salt.bin"))["n_restored"] == 28
+        assert _slot_run(c2, salt=salt, slot=1)[0] == cached, salt
+
+    c3 = make_core(files["base"], n_parallel=2, cache_ram=0)
+    c3.runner.lora.load(files["peft2"])
+    with pytest.raises(SlotFileError, match=r"^slot file's KV was computed under LoRA adapter 'peft1', which is "
+                                            r"not loaded here: load the same adapter to restore it$"):
+        c3.restore_slot(0, str(tmp_path / "lora.bin"))
+    assert c3.slot_tokens(0) == []
+
+
+def test_no_cache_salt_names_an_adapters_kv(files):
+    """A cache_salt spelled like an adapter's part of the prefix-cache key reuses none of its KV."""
+    c = make_core(files["base"])
+    a = c.runner.lora.load(files["peft1"])
+    _slot_run(c, [(a, 1.0)], slot=-1, prompt=PRE, n=1)
+    assert _slot_run(c, [(a, 1.0)], slot=-1, prompt=PRE, n=1)[0] == 27  # the adapter's own prefix
+    for salt in (f"\x00lora:{a}@1.0", f"\x00lora:{a}@1.0\x00"):
+        assert _slot_run(c, salt=salt, slot=-1, prompt=PRE, n=1)[0] == 0, repr(salt)

@@ -16,6 +16,17 @@ def test_lora_flags_in_order_with_scales():
     assert (a.max_loras, a.max_lora_rank, a.model) == (4, 64, "m.gguf")
 
 
+def test_lora_ids_follow_the_command_line_order_across_both_flags():
+    """llama-server numbers adapters in the order given, --lora and --lora-scaled together."""
+    a = parse_args(["--lora-scaled", "s1.gguf", "0.5", "--lora", "a.gguf,b.gguf", "--lora-scaled", "s2:2,s3:-1",
+                    "--lora", "c.gguf", "m.gguf"], environ={})
+    assert a.lora_adapters() == (("s1.gguf", 0.5), ("a.gguf", 1.0), ("b.gguf", 1.0), ("s2", 2.0), ("s3", -1.0),
+                                 ("c.gguf", 1.0))
+    assert a.lora == ["a.gguf", "b.gguf", "c.gguf"] and a.lora_scaled == [("s1.gguf", 0.5), ("s2", 2.0), ("s3", -1.0)]
+    a = parse_args(["--lora-scaled", "y:3", "--lora", "x", "--lora-init-without-apply"], environ={})
+    assert a.lora_adapters() == (("y", 0.0), ("x", 0.0))
+
+
 def test_defaults_and_init_without_apply():
     a = parse_args([], environ={})
     assert (a.lora, a.lora_scaled, a.lora_init_without_apply, a.max_loras, a.max_lora_rank) == ([], [], False,

@@ -206,3 +206,42 @@ def test_version_3_size_is_checked_before_the_body_is_read(tmp_path, monkeypatch
     with pytest.raises(SlotFileError, match=f"^slot file is corrupt: {n + (1 << 20)} bytes, expected {n} for 19 tokens$"):
         read_slot_file(str(path), **spec)
     assert read_bytes == [40, 4 * 19 + 4 * 3]
+
+
+def _salted(tiny_gguf, tmp_path):
+    core = core_for(tiny_gguf)
+    r = Request("salted", list(PRE), SamplingParams(temperature=0, n_predict=0, ignore_eos=True), priority_slot=0,
+                cache_salt="tenant-1")
+    core.add_request(r)
+    while not any(o.finished for o in core.step()):
+        pass
+    path = str(tmp_path / "salted.bin")
+    return core, path, core.save_slot(0, path)
+
+
+def test_version_4_keeps_the_cache_salt(tiny_gguf, tmp_path):
+    """KV computed under a cache_salt is saved as version 4 (its metadata after the token ids and
+    first rows, 4-byte aligned) and restored under the same salt only."""
+    import json
+
+    core, path, res = _salted(tiny_gguf, tmp_path)
+    c = core.model_config
+    data = open(path, "rb").read()
+    meta = b'{"cache_salt":"tenant-1","lora":[]}'
+    meta += b" " * (-len(meta) % 4)
+    assert struct.unpack_from("<H", data, 6)[0] == 4 and struct.unpack_from("<I", data, 36)[0] == len(meta) == 36
+    off = 40 + 4 * 28 + 4 * c.n_layer
+    assert data[off:off + len(meta)] == meta and json.loads(meta) == {"cache_salt": "tenant-1", "lora": []}
+    assert res["n_written"] == len(data) == off + len(meta) + 2 * c.n_layer * 28 * c.n_head_kv * c.head_dim * 2
+    fresh = core_for(tiny_gguf)
+    assert fresh.restore_slot(0, path)["n_restored"] == 28
+    assert fresh.kv.parked_salt("slot:0") == "tenant-1"
+    for name, fn, msg in (
+            ("odd", lambda d: d[:36] + struct.pack("<I", 35) + d[40:], r"^slot file is corrupt: 35 bytes of metadata "
+             r"\(a multiple of 4, at most 1048576\)$"),
+            ("huge", lambda d: d[:36] + struct.pack("<I", 1 << 24) + d[40:], "corrupt: 16777216 bytes of metadata"),
+            ("notjson", lambda d: d[:off] + b"[1, 2]" + b" " * 30 + d[off + 36:],
+             r"^slot file is corrupt: its metadata is not a JSON object$")):
+        with pytest.raises(SlotFileError, match=msg):
+            fresh.restore_slot(1, _patched(path, tmp_path, name, fn))
+    assert fresh.slot_tokens(1) == []
