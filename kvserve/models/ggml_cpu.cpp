@@ -776,6 +776,15 @@ inline void q4k_acts_row(const int8_t* q, int64_t K, int8_t* qp) {
     for (int j = 0; j < 8; ++j) std::memcpy(qp + b + 32 * j, q + b + 32 * order[j], 32);
 }
 
+// the x8 kernels' prefetch: the 8 rows [w, w + 8 rb) are read interleaved (8 streams, BYTES each a
+// step), so the next 8 rows are fetched in order as one stream, 8 BYTES a super-block step (the whole
+// next group by the end of this one)
+template <int BYTES>
+inline void prefetch_next8(const uint8_t* w, int64_t rb, int64_t b) {
+  const uint8_t* p = w + 8 * rb + b * 8 * BYTES;
+  for (int c = 0; c < 8 * BYTES; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p + c), _MM_HINT_T0);
+}
+
 // lane k: the sum of v[k]'s 8 int32 lanes (KChain's transposing tree)
 inline __m256i tree8(const __m256i (&v)[8]) {
   const __m256i a0 = _mm256_hadd_epi32(v[0], v[1]), a1 = _mm256_hadd_epi32(v[2], v[3]);
@@ -796,6 +805,7 @@ inline __m256i fold512(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si2
 // for the 8 rows. out[0..7] (stride 1).
 template <bool FIVE>
 void dot_q4k_x8(const uint8_t* w, int64_t rb, int64_t nb, const ActK& a, int64_t row, float* out) {
+  const __m256i rbx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(rb)));
   const int64_t K = a.K, NB = K / 256;
   constexpr int BYTES = FIVE ? 176 : 144;
   const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
@@ -811,13 +821,12 @@ void dot_q4k_x8(const uint8_t* w, int64_t rb, int64_t nb, const ActK& a, int64_t
     __m512i x[4];
     for (int p = 0; p < 4; ++p) x[p] = _mm512_loadu_si512(xq0 + b * 256 + 64 * p);
     const __m256i bs = load32(bs0 + b * 16);
-    alignas(16) uint16_t dh[8], dmh[8];
+    prefetch_next8<BYTES>(w, rb, b);
+    // the 8 rows' d (low halves) and dmin (high halves) in one gather
+    const __m256i ddm = _mm256_i32gather_epi32(reinterpret_cast<const int*>(w + b * BYTES), rbx, 1);
     __m256i tv[8], mv[8];
     for (int j = 0; j < 8; ++j) {
       const uint8_t* blk = w + j * rb + b * BYTES;
-      prefetch_sb<BYTES>(blk);
-      std::memcpy(&dh[j], blk, 2);
-      std::memcpy(&dmh[j], blk + 2, 2);
       uint64_t sc, mn;
       scales_mins_k4_u64(blk + 4, sc, mn);
       const __m512i scb = _mm512_set1_epi64(static_cast<int64_t>(sc));
@@ -841,8 +850,8 @@ void dot_q4k_x8(const uint8_t* w, int64_t rb, int64_t nb, const ActK& a, int64_t
       mv[j] = _mm256_madd_epi16(mins, bs);
     }
     const __m256 dx = _mm256_set1_ps(dk[b]);
-    const __m256 d8 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
-    const __m256 dm8 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dmh)));
+    const __m256 d8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(ddm));
+    const __m256 dm8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(ddm, 16)));
     y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tree8(tv)), _mm256_mul_ps(d8, dx), y);
     y = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(tree8(mv)), _mm256_mul_ps(dm8, dx), y);
   }
@@ -851,9 +860,10 @@ void dot_q4k_x8(const uint8_t* w, int64_t rb, int64_t nb, const ActK& a, int64_t
 
 // dot_q4k_x8 for Q6_K (dot_q6k's sums, KChain<false>'s steps: y_j = fma(float(tot_j), d_j dx, y_j))
 inline void dot_q6k_x8(const uint8_t* w, int64_t rb, int64_t nb, const ActK& a, int64_t row, float* out) {
+  const __m512i m30 = _mm512_set1_epi8(0x30), sl42 = zshift(4, 2), sr02 = zshift(0, 2);
+  const __m256i rbx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(rb)));
   const int64_t K = a.K, NB = K / 256;
-  const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
-  const __m512i sh02 = zshift(0, 2), sh46 = zshift(4, 6);
+  const __m512i m4 = _mm512_set1_epi8(15);
   __m512i pidx[4];
   for (int p = 0; p < 4; ++p) {
     alignas(64) int16_t ix[32];
@@ -868,21 +878,22 @@ inline void dot_q6k_x8(const uint8_t* w, int64_t rb, int64_t nb, const ActK& a, 
     __m512i x[4];
     for (int p = 0; p < 4; ++p) x[p] = _mm512_loadu_si512(xq0 + b * 256 + 64 * p);
     const __m256i bs = load32(bs0 + b * 16);
-    alignas(16) uint16_t dh[8];
+    prefetch_next8<210>(w, rb, b);
+    // the 8 rows' d: the high halves of the dwords at byte 206 (one gather; no read past the block)
+    const __m256i dd = _mm256_i32gather_epi32(reinterpret_cast<const int*>(w + b * 210 + 206), rbx, 1);
     __m256i tv[8];
     for (int j = 0; j < 8; ++j) {
       const uint8_t* blk = w + j * rb + b * 210;
-      prefetch_sb<210>(blk);
-      std::memcpy(&dh[j], blk + 208, 2);
       const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
       const __m512i scz = _mm512_castsi256_si512(sc16);
       __m512i u[4];
       for (int h = 0; h < 2; ++h) {
         const __m512i l = _mm512_loadu_si512(blk + 64 * h), qh = zbroadcast32(blk + 128 + 32 * h);
-        u[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4),
-                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh02), m2), 4));
-        u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                       _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh46), m2), 4));
+        // bits 4-5 of each byte from qh's pair (0-1 | 2-3, then 4-5 | 6-7), bits 0-3 the nibble
+        const __m512i h0 = _mm512_and_si512(_mm512_sllv_epi16(qh, sl42), m30);
+        const __m512i h1 = _mm512_and_si512(_mm512_srlv_epi16(qh, sr02), m30);
+        u[2 * h] = _mm512_ternarylogic_epi32(l, h0, m4, 0xE4);  // bitwise m4 ? l : h0
+        u[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 4), h1, m4, 0xE4);
       }
       __m512i sumi = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p)
@@ -890,7 +901,7 @@ inline void dot_q6k_x8(const uint8_t* w, int64_t rb, int64_t nb, const ActK& a, 
       const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
       tv[j] = _mm256_sub_epi32(fold512(sumi), off);
     }
-    const __m256 d8 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
+    const __m256 d8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(dd, 16)));
     y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tree8(tv)), _mm256_mul_ps(d8, _mm256_set1_ps(dk[b])), y);
   }
   _mm256_storeu_ps(out, y);
@@ -1139,6 +1150,9 @@ void dot_half(const uint8_t* w, int64_t K, const float* x, int64_t r, float* out
 #include "ggml_gemm8.h"
 
 // ---------------------------------------------------------------- the product
+
+// the most bytes of 8 weight rows the one-row products take 8 rows at a time (Matrix::out_rows)
+constexpr int64_t X8_MAX_BYTES = 16384;
 
 // rows from which Matrix::mm_raw takes the small-batch path (below: the per-row kernels, the same bits)
 constexpr int64_t KB_MIN = 6;
@@ -1409,8 +1423,11 @@ void Matrix::out_rows(const float* xp, int64_t M, const Scratch& s, int64_t n0, 
         ++n;
         continue;
       }
-      // decode (one row): Q4_K / Q5_K / Q6_K weight rows 8 at a time (dot_q4k_x8: the same bits)
-      if (M == 1 && (p.type == T_Q6_K || (A.ak.qp && (p.type == T_Q4_K || p.type == T_Q5_K)))) {
+      // decode (one row): Q4_K / Q5_K / Q6_K weight rows 8 at a time (dot_q4k_x8: the same bits) where 8
+      // rows are at most X8_MAX_BYTES: past that the 8 interleaved streams read from memory slower than
+      // one row at a time (one thread, from DRAM: Q6_K 16384 x 4096 3.4 ms against 2.7, Q4_K 8192 x
+      // 8192 2.8 against 2.3), while at K = 2048 they are faster (Q4_K 32768 x 2048: 1.73 against 2.45)
+      if (M == 1 && 8 * p.row_bytes <= X8_MAX_BYTES && (p.type == T_Q6_K || (A.ak.qp && (p.type == T_Q4_K || p.type == T_Q5_K)))) {
         const int64_t e = std::min(n1, p.first + p.rows);
         if (n + 8 <= e) {
           for (; n + 8 <= e; n += 8, w += 8 * p.row_bytes) {
