@@ -576,7 +576,8 @@ struct KChain {
 // The AVX512 build's K-quant products (Q4_K, Q5_K, Q6_K: the weights of a Q4_K_M file): 64 values of
 // a super-block per 512-bit vector, vpmaddubsw (u8 x s8 -> pairs summed in int16, exact: |u| <= 63,
 // |x| <= 127) then vpmaddwd by the sub-block's scale in both int16 halves of its 32-bit lanes (int32,
-// exact), so a super-block is 4 multiply pairs per row with no per-block horizontal sum; the mins
+// exact; in dot_q4k, dot_q6k and the x8 kernels vpdpwssd, the same products added into the sum), so a
+// super-block is 4 multiply pairs per row with no per-block horizontal sum; the mins
 // (and Q6_K's -32) are vector products of the scales with q8_K's sums of 16, kept in vectors too.
 // The order of every sum is fixed per output value (the same for any M or row block).
 
@@ -653,8 +654,8 @@ template <int MR>
 void dot_q6k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out, int64_t ldo) {
   const int64_t K = a.K, NB = K / 256;
   KChain<false> y[MR];
-  const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
-  const __m512i sh02 = zshift(0, 2), sh46 = zshift(4, 6);
+  const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+  const __m512i sl42 = zshift(4, 2), sr02 = zshift(0, 2);
   __m512i pidx[4];  // vector p (values 64 p .. 64 p + 63): int16 lane l takes scale 4 p + l / 8
   for (int p = 0; p < 4; ++p) {
     alignas(64) int16_t ix[32];
@@ -670,10 +671,11 @@ void dot_q6k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
     __m512i u[4], sv[4];  // u[p]: values 0..63 of elements 64 p .. 64 p + 63
     for (int h = 0; h < 2; ++h) {
       const __m512i l = _mm512_loadu_si512(blk + 64 * h), qh = zbroadcast32(blk + 128 + 32 * h);
-      u[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4),
-                                 _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh02), m2), 4));
-      u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                     _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh46), m2), 4));
+      // bits 4-5 of each byte from qh's pair (0-1 | 2-3, then 4-5 | 6-7), bits 0-3 the nibble
+      const __m512i h0 = _mm512_and_si512(_mm512_sllv_epi16(qh, sl42), m30);
+      const __m512i h1 = _mm512_and_si512(_mm512_srlv_epi16(qh, sr02), m30);
+      u[2 * h] = _mm512_ternarylogic_epi32(l, h0, m4, 0xE4);  // bitwise m4 ? l : h0
+      u[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 4), h1, m4, 0xE4);
     }
     for (int p = 0; p < 4; ++p) sv[p] = _mm512_permutexvar_epi16(pidx[p], scz);
     for (int i = 0; i < MR; ++i) {
@@ -683,7 +685,7 @@ void dot_q6k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
       __m512i sumi = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) {
         const __m512i x = _mm512_loadu_si512(xq + 64 * p);
-        sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(u[p], x), sv[p]));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(u[p], x), sv[p]);
       }
       // the -32 of every value: 32 sum_g sc_g bsum_g
       const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
@@ -759,7 +761,7 @@ void dot_q4k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
       for (int p = 0; p < 4; ++p) {
         const __m512i x = _mm512_loadu_si512(xq + 64 * p);
         // the scales shuffled per use (in-lane, cheap): fewer live registers at MR = 4
-        sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(u[p], x), _mm512_shuffle_epi8(scb, ctl[p])));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(u[p], x), _mm512_shuffle_epi8(scb, ctl[p]));
       }
       const float dx = a.d[row * NB + b];
       // the super-block's exact integer sums, then one float chain (KChain: the small-batch path's bits)
