@@ -15,7 +15,9 @@
 // super-block's exact integer sums into one float chain, KChain), the same whatever the other rows of
 // the product are: row i of an M-row product equals the one-row product bit for bit. Small batches of
 // Q4_K / Q5_K / Q6_K (6+ rows, the batched decode step) run ggml_gemm8.h's panels with kexact, which
-// keeps KChain's arithmetic: the same bits at 4-16x the weight reuse.
+// keeps KChain's arithmetic: the same bits at 4-16x the weight reuse. One-row products (decode) take
+// those types 8 weight rows at a time where 8 rows are small enough (dot_q4k_x8, dot_q6k_x8: the 8
+// rows' chains in the lanes of one vector, KChain's steps per lane, the same bits again).
 //
 // Two builds, picked by -march: AVX512-VNNI (the u8 x s8 block dot products with vpdpbusd on 256-bit
 // vectors; Q4_K, Q5_K and Q6_K 64 values per 512-bit vector with vpmaddubsw + vpmaddwd) or AVX2 + FMA +
@@ -576,7 +578,8 @@ struct KChain {
 // The AVX512 build's K-quant products (Q4_K, Q5_K, Q6_K: the weights of a Q4_K_M file): 64 values of
 // a super-block per 512-bit vector, vpmaddubsw (u8 x s8 -> pairs summed in int16, exact: |u| <= 63,
 // |x| <= 127) then vpmaddwd by the sub-block's scale in both int16 halves of its 32-bit lanes (int32,
-// exact), so a super-block is 4 multiply pairs per row with no per-block horizontal sum; the mins
+// exact; in dot_q4k, dot_q6k and the x8 kernels vpdpwssd, the same products added into the sum), so a
+// super-block is 4 multiply pairs per row with no per-block horizontal sum; the mins
 // (and Q6_K's -32) are vector products of the scales with q8_K's sums of 16, kept in vectors too.
 // The order of every sum is fixed per output value (the same for any M or row block).
 
@@ -653,8 +656,8 @@ template <int MR>
 void dot_q6k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out, int64_t ldo) {
   const int64_t K = a.K, NB = K / 256;
   KChain<false> y[MR];
-  const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
-  const __m512i sh02 = zshift(0, 2), sh46 = zshift(4, 6);
+  const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+  const __m512i sl42 = zshift(4, 2), sr02 = zshift(0, 2);
   __m512i pidx[4];  // vector p (values 64 p .. 64 p + 63): int16 lane l takes scale 4 p + l / 8
   for (int p = 0; p < 4; ++p) {
     alignas(64) int16_t ix[32];
@@ -670,10 +673,11 @@ void dot_q6k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
     __m512i u[4], sv[4];  // u[p]: values 0..63 of elements 64 p .. 64 p + 63
     for (int h = 0; h < 2; ++h) {
       const __m512i l = _mm512_loadu_si512(blk + 64 * h), qh = zbroadcast32(blk + 128 + 32 * h);
-      u[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4),
-                                 _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh02), m2), 4));
-      u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
-                                     _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, sh46), m2), 4));
+      // bits 4-5 of each byte from qh's pair (0-1 | 2-3, then 4-5 | 6-7), bits 0-3 the nibble
+      const __m512i h0 = _mm512_and_si512(_mm512_sllv_epi16(qh, sl42), m30);
+      const __m512i h1 = _mm512_and_si512(_mm512_srlv_epi16(qh, sr02), m30);
+      u[2 * h] = _mm512_ternarylogic_epi32(l, h0, m4, 0xE4);  // bitwise m4 ? l : h0
+      u[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 4), h1, m4, 0xE4);
     }
     for (int p = 0; p < 4; ++p) sv[p] = _mm512_permutexvar_epi16(pidx[p], scz);
     for (int i = 0; i < MR; ++i) {
@@ -683,7 +687,7 @@ void dot_q6k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
       __m512i sumi = _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) {
         const __m512i x = _mm512_loadu_si512(xq + 64 * p);
-        sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(u[p], x), sv[p]));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(u[p], x), sv[p]);
       }
       // the -32 of every value: 32 sum_g sc_g bsum_g
       const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
@@ -759,7 +763,7 @@ void dot_q4k(const uint8_t* w, int64_t nb, const ActK& a, int64_t r, float* out,
       for (int p = 0; p < 4; ++p) {
         const __m512i x = _mm512_loadu_si512(xq + 64 * p);
         // the scales shuffled per use (in-lane, cheap): fewer live registers at MR = 4
-        sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(_mm512_maddubs_epi16(u[p], x), _mm512_shuffle_epi8(scb, ctl[p])));
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(u[p], x), _mm512_shuffle_epi8(scb, ctl[p]));
       }
       const float dx = a.d[row * NB + b];
       // the super-block's exact integer sums, then one float chain (KChain: the small-batch path's bits)
@@ -774,6 +778,137 @@ inline void q4k_acts_row(const int8_t* q, int64_t K, int8_t* qp) {
   static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
   for (int64_t b = 0; b < K; b += 256)
     for (int j = 0; j < 8; ++j) std::memcpy(qp + b + 32 * j, q + b + 32 * order[j], 32);
+}
+
+// the x8 kernels' prefetch: the 8 rows [w, w + 8 rb) are read interleaved (8 streams, BYTES each a
+// step), so the next 8 rows are fetched in order as one stream, 8 BYTES a super-block step (the whole
+// next group by the end of this one)
+template <int BYTES>
+inline void prefetch_next8(const uint8_t* w, int64_t rb, int64_t b) {
+  const uint8_t* p = w + 8 * rb + b * 8 * BYTES;
+  for (int c = 0; c < 8 * BYTES; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p + c), _MM_HINT_T0);
+}
+
+// lane k: the sum of v[k]'s 8 int32 lanes (KChain's transposing tree)
+inline __m256i tree8(const __m256i (&v)[8]) {
+  const __m256i a0 = _mm256_hadd_epi32(v[0], v[1]), a1 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i a2 = _mm256_hadd_epi32(v[4], v[5]), a3 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i b0 = _mm256_hadd_epi32(a0, a1), b1 = _mm256_hadd_epi32(a2, a3);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+// 512 -> 256 bits of int32 lanes (KChain::push's fold)
+inline __m256i fold512(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+
+// One activation row (decode) against 8 weight rows of Q4_K / Q5_K at once, w[j] = w + j rb: per super-block
+// each row's exact integer sums as in dot_q4k, the 8 rows' sums transposed into one vector (lane j: row j)
+// and KChain's float steps done for the 8 rows in one vector:
+//   y_j = fma(float(tot_j), d_j dx, y_j);  y_j = fma(float(ms_j), -(dmin_j dx), y_j)
+// the same operations in the same order per output as dot_q4k<1> and kexact (the same bits), with one
+// tree per 8 rows instead of one per row and no scalar chain; every activation vector is loaded once
+// for the 8 rows. out[0..7] (stride 1).
+template <bool FIVE>
+void dot_q4k_x8(const uint8_t* w, int64_t rb, int64_t nb, const ActK& a, int64_t row, float* out) {
+  const __m256i rbx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(rb)));
+  const int64_t K = a.K, NB = K / 256;
+  constexpr int BYTES = FIVE ? 176 : 144;
+  const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+  __m512i hsh[4];
+  for (int p = 0; p < 4; ++p) hsh[p] = zshift(4 * (p / 2) + p % 2, 4 * (p / 2) + p % 2 + 2);
+  __m512i ctl[4];
+  for (int p = 0; p < 4; ++p) ctl[p] = _mm512_load_si512(kQ4kCtl.c[p]);
+  const int8_t* xq0 = a.qp + row * K;
+  const int16_t* bs0 = a.bs + row * (K / 16);
+  const float* dk = a.d + row * NB;
+  __m256 y = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i x[4];
+    for (int p = 0; p < 4; ++p) x[p] = _mm512_loadu_si512(xq0 + b * 256 + 64 * p);
+    const __m256i bs = load32(bs0 + b * 16);
+    prefetch_next8<BYTES>(w, rb, b);
+    // the 8 rows' d (low halves) and dmin (high halves) in one gather
+    const __m256i ddm = _mm256_i32gather_epi32(reinterpret_cast<const int*>(w + b * BYTES), rbx, 1);
+    __m256i tv[8], mv[8];
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* blk = w + j * rb + b * BYTES;
+      uint64_t sc, mn;
+      scales_mins_k4_u64(blk + 4, sc, mn);
+      const __m512i scb = _mm512_set1_epi64(static_cast<int64_t>(sc));
+      const __m128i m8 = _mm_cvtsi64_si128(static_cast<int64_t>(mn));
+      const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+      __m512i u[4];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i q = _mm512_loadu_si512(blk + (FIVE ? 48 : 16) + 64 * h);
+        u[2 * h] = _mm512_and_si512(q, m4);
+        u[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+      }
+      if (FIVE) {
+        const __m512i qh = zbroadcast32(blk + 16);
+        for (int p = 0; p < 4; ++p)
+          u[p] = _mm512_or_si512(u[p], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(qh, hsh[p]), one), 4));
+      }
+      __m512i sumi = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p)
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(u[p], x[p]), _mm512_shuffle_epi8(scb, ctl[p]));
+      tv[j] = fold512(sumi);
+      mv[j] = _mm256_madd_epi16(mins, bs);
+    }
+    const __m256 dx = _mm256_set1_ps(dk[b]);
+    const __m256 d8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(ddm));
+    const __m256 dm8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(ddm, 16)));
+    y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tree8(tv)), _mm256_mul_ps(d8, dx), y);
+    y = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(tree8(mv)), _mm256_mul_ps(dm8, dx), y);
+  }
+  _mm256_storeu_ps(out, y);
+}
+
+// dot_q4k_x8 for Q6_K (dot_q6k's sums, KChain<false>'s steps: y_j = fma(float(tot_j), d_j dx, y_j))
+inline void dot_q6k_x8(const uint8_t* w, int64_t rb, int64_t nb, const ActK& a, int64_t row, float* out) {
+  const __m512i m30 = _mm512_set1_epi8(0x30), sl42 = zshift(4, 2), sr02 = zshift(0, 2);
+  const __m256i rbx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(rb)));
+  const int64_t K = a.K, NB = K / 256;
+  const __m512i m4 = _mm512_set1_epi8(15);
+  __m512i pidx[4];
+  for (int p = 0; p < 4; ++p) {
+    alignas(64) int16_t ix[32];
+    for (int l = 0; l < 32; ++l) ix[l] = static_cast<int16_t>(4 * p + l / 8);
+    pidx[p] = _mm512_load_si512(ix);
+  }
+  const int8_t* xq0 = a.q + row * K;
+  const int16_t* bs0 = a.bs + row * (K / 16);
+  const float* dk = a.d + row * NB;
+  __m256 y = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i x[4];
+    for (int p = 0; p < 4; ++p) x[p] = _mm512_loadu_si512(xq0 + b * 256 + 64 * p);
+    const __m256i bs = load32(bs0 + b * 16);
+    prefetch_next8<210>(w, rb, b);
+    // the 8 rows' d: the high halves of the dwords at byte 206 (one gather; no read past the block)
+    const __m256i dd = _mm256_i32gather_epi32(reinterpret_cast<const int*>(w + b * 210 + 206), rbx, 1);
+    __m256i tv[8];
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t* blk = w + j * rb + b * 210;
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+      const __m512i scz = _mm512_castsi256_si512(sc16);
+      __m512i u[4];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i l = _mm512_loadu_si512(blk + 64 * h), qh = zbroadcast32(blk + 128 + 32 * h);
+        // bits 4-5 of each byte from qh's pair (0-1 | 2-3, then 4-5 | 6-7), bits 0-3 the nibble
+        const __m512i h0 = _mm512_and_si512(_mm512_sllv_epi16(qh, sl42), m30);
+        const __m512i h1 = _mm512_and_si512(_mm512_srlv_epi16(qh, sr02), m30);
+        u[2 * h] = _mm512_ternarylogic_epi32(l, h0, m4, 0xE4);  // bitwise m4 ? l : h0
+        u[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 4), h1, m4, 0xE4);
+      }
+      __m512i sumi = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p)
+        sumi = _mm512_dpwssd_epi32(sumi, _mm512_maddubs_epi16(u[p], x[p]), _mm512_permutexvar_epi16(pidx[p], scz));
+      const __m256i off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+      tv[j] = _mm256_sub_epi32(fold512(sumi), off);
+    }
+    const __m256 d8 = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(dd, 16)));
+    y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tree8(tv)), _mm256_mul_ps(d8, _mm256_set1_ps(dk[b])), y);
+  }
+  _mm256_storeu_ps(out, y);
 }
 
 #else
@@ -1019,6 +1154,9 @@ void dot_half(const uint8_t* w, int64_t K, const float* x, int64_t r, float* out
 #include "ggml_gemm8.h"
 
 // ---------------------------------------------------------------- the product
+
+// the most bytes of 8 weight rows the one-row products take 8 rows at a time (Matrix::out_rows)
+constexpr int64_t X8_MAX_BYTES = 16384;
 
 // rows from which Matrix::mm_raw takes the small-batch path (below: the per-row kernels, the same bits)
 constexpr int64_t KB_MIN = 6;
@@ -1288,6 +1426,22 @@ void Matrix::out_rows(const float* xp, int64_t M, const Scratch& s, int64_t n0, 
         q4_pair(p.type, w, w + p.row_bytes, K / 32, A.a32, M, Y + n, Y + n + 1, N);
         ++n;
         continue;
+      }
+      // decode (one row): Q4_K / Q5_K / Q6_K weight rows 8 at a time (dot_q4k_x8: the same bits) where 8
+      // rows are at most X8_MAX_BYTES: past that the 8 interleaved streams read from memory slower than
+      // one row at a time (one thread, from DRAM: Q6_K 16384 x 4096 3.4 ms against 2.7, Q4_K 8192 x
+      // 8192 2.8 against 2.3), while at K = 2048 they are faster (Q4_K 32768 x 2048: 1.73 against 2.45)
+      if (M == 1 && 8 * p.row_bytes <= X8_MAX_BYTES && (p.type == T_Q6_K || (A.ak.qp && (p.type == T_Q4_K || p.type == T_Q5_K)))) {
+        const int64_t e = std::min(n1, p.first + p.rows);
+        if (n + 8 <= e) {
+          for (; n + 8 <= e; n += 8, w += 8 * p.row_bytes) {
+            if (p.type == T_Q6_K) dot_q6k_x8(w, p.row_bytes, K / 256, A.ak, 0, Y + n);
+            else if (p.type == T_Q4_K) dot_q4k_x8<false>(w, p.row_bytes, K / 256, A.ak, 0, Y + n);
+            else dot_q4k_x8<true>(w, p.row_bytes, K / 256, A.ak, 0, Y + n);
+          }
+          --n;  // the loop's ++n; the rows left (fewer than 8) take the per-row kernels
+          continue;
+        }
       }
 #endif
       int64_t r = mc;
