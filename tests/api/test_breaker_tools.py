@@ -152,3 +152,22 @@ def test_escaped_child_dies_when_kvserve_is_sigkilled(tmp_path):
             host.kill()
         for pid in _pids_with(f"sleep\x00{marker}"):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.xfail(strict=True, reason="brk2: a command that SIGKILLs its reaper ($PPID) escapes it: its setsid "
+                                       "child outlives the call (reparented to init) and the call reports the "
+                                       "reaper's -9 as the command's exit code although the command exited 0")
+def test_command_that_kills_its_reaper_leaves_nothing_behind(tmp_path):
+    marker = f"{uuid.uuid4().int % 10**6 + 10**6}"
+    reg = ToolRegistry.from_names("exec_shell_command")
+    try:
+        out = asyncio.run(reg.get("exec_shell_command").run(
+            {"command": f"sleep 0.3; kill -9 $PPID; setsid sleep {marker} >/dev/null 2>&1 & sleep 0.3; echo started",
+             "timeout": 3}, ToolContext(cwd=str(tmp_path))))
+        time.sleep(0.5)
+        left = _pids_with(f"sleep\x00{marker}")
+        assert (out["plain_text_response"], left) == ("started\n\n[exit code: 0]", [])
+    finally:
+        reg.close()
+        for pid in _pids_with(f"sleep\x00{marker}"):
+            os.kill(pid, signal.SIGKILL)
