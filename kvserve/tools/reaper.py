@@ -125,7 +125,8 @@ def main() -> None:
             try:
                 os.close(check_r)
                 os.close(fd)
-                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                # SIGPIPE, SIGXFSZ: Python ignores them, and the command would inherit that (subprocess restores them)
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ):
                     signal.signal(sig, signal.SIG_DFL)
                 libc.prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)
                 os.setpgid(0, 0)  # the command leads its own process group, as without a reaper

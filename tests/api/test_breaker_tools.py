@@ -152,3 +152,44 @@ def test_escaped_child_dies_when_kvserve_is_sigkilled(tmp_path):
             host.kill()
         for pid in _pids_with(f"sleep\x00{marker}"):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.xfail(strict=True, reason="brk2: a command that SIGKILLs its reaper ($PPID) escapes it: its setsid "
+                                       "child outlives the call (reparented to init) and the call reports the "
+                                       "reaper's -9 as the command's exit code although the command exited 0")
+def test_command_that_kills_its_reaper_leaves_nothing_behind(tmp_path):
+    marker = f"{uuid.uuid4().int % 10**6 + 10**6}"
+    reg = ToolRegistry.from_names("exec_shell_command")
+    try:
+        out = asyncio.run(reg.get("exec_shell_command").run(
+            {"command": f"sleep 0.3; kill -9 $PPID; setsid sleep {marker} >/dev/null 2>&1 & sleep 0.3; echo started",
+             "timeout": 3}, ToolContext(cwd=str(tmp_path))))
+        time.sleep(0.5)
+        left = _pids_with(f"sleep\x00{marker}")
+        assert (out["plain_text_response"], left) == ("started\n\n[exit code: 0]", [])
+    finally:
+        reg.close()
+        for pid in _pids_with(f"sleep\x00{marker}"):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_commands_get_sigpipe_and_sigxfsz_at_their_default(tmp_path):
+    """brk2: the reaper (a Python process, which ignores SIGPIPE and SIGXFSZ) forked and exec'd the command
+    with both still ignored, so ``yes | head -n 2`` printed ``yes: standard output: Broken pipe`` and a
+    pipeline's producer exited 1 instead of 141; without the reaper (subprocess's restore_signals) both
+    were at their default. The command now gets them at their default again."""
+    reg = ToolRegistry.from_names("exec_shell_command")
+    tool = reg.get("exec_shell_command")
+
+    def run(command: str) -> dict:
+        return asyncio.run(tool.run({"command": command, "timeout": 10}, ToolContext(cwd=str(tmp_path))))
+    try:
+        out = run("yes | head -n 2")
+        assert out == {"plain_text_response": "y\ny\n\n[exit code: 0]"}
+        out = run("bash -c 'seq 1 100000 | head -n 1; echo ${PIPESTATUS[@]}'")
+        assert out == {"plain_text_response": "1\n141 0\n\n[exit code: 0]"}
+        out = run("grep SigIgn /proc/self/status")
+        ignored = int(out["plain_text_response"].split()[1], 16)
+        assert ignored & (1 << (signal.SIGPIPE - 1) | 1 << (signal.SIGXFSZ - 1)) == 0, out
+    finally:
+        reg.close()

@@ -245,3 +245,35 @@ def test_version_4_keeps_the_cache_salt(tiny_gguf, tmp_path):
         with pytest.raises(SlotFileError, match=msg):
             fresh.restore_slot(1, _patched(path, tmp_path, name, fn))
     assert fresh.slot_tokens(1) == []
+
+
+def _with_meta(path, tmp_path, name, meta: bytes) -> str:
+    """``path`` (a version 4 file) with its metadata block replaced by ``meta`` (padded to 4 bytes),
+    the header's length and so the file's size made consistent with it."""
+    d = open(path, "rb").read()
+    n, nl, old = struct.unpack_from("<I", d, 24)[0], struct.unpack_from("<H", d, 30)[0], struct.unpack_from("<I", d, 36)[0]
+    off = 40 + 4 * n + 4 * nl
+    meta += b" " * (-len(meta) % 4)
+    out = tmp_path / name
+    out.write_bytes(d[:36] + struct.pack("<I", len(meta)) + d[40:off] + meta + d[off + old:])
+    return str(out)
+
+
+@pytest.mark.xfail(strict=True, reason="brk2: deeply nested JSON metadata (within MAX_META) raises RecursionError "
+                                       "from json.loads in read_slot_file, not SlotFileError (HTTP 500, not 400)")
+def test_version_4_deeply_nested_metadata_is_a_clear_error(tiny_gguf, tmp_path):
+    core, path, _ = _salted(tiny_gguf, tmp_path)
+    bad = _with_meta(path, tmp_path, "deep.bin", b"[" * 200_000 + b"]" * 200_000)
+    with pytest.raises(SlotFileError, match="^slot file is corrupt"):
+        core_for(tiny_gguf).restore_slot(0, bad)
+
+
+@pytest.mark.xfail(strict=True, reason="brk2: a lora scale that is a JSON integer too large for a float makes "
+                                       "math.isfinite raise OverflowError in EngineCore._restored_key (HTTP 500, not 400)")
+def test_version_4_huge_integer_lora_scale_is_a_clear_error(tiny_gguf, tmp_path):
+    core, path, _ = _salted(tiny_gguf, tmp_path)
+    meta = b'{"cache_salt":null,"lora":[{"name":"a","fingerprint":"f","scale":' + b"9" * 400 + b'}]}'
+    fresh = core_for(tiny_gguf)
+    with pytest.raises(SlotFileError, match="^slot file is corrupt: bad lora metadata$"):
+        fresh.restore_slot(0, _with_meta(path, tmp_path, "huge_scale.bin", meta))
+    assert fresh.slot_tokens(0) == []
