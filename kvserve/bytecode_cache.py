@@ -27,8 +27,10 @@ import importlib.machinery
 import importlib.util
 import marshal
 import os
+import stat
 import sys
 import tempfile
+import types
 
 #: the entry's header: magic, source size, source mtime (ns); then the marshalled code object
 _MAGIC = b"kvsbc1\n" + importlib.util.MAGIC_NUMBER
@@ -72,15 +74,35 @@ class CachingSourceLoader(importlib.machinery.SourceFileLoader):
         path = entry_path(self.directory, source)
         head = _header(st)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
-            if data[:len(head)] == head:
-                return marshal.loads(memoryview(data)[len(head):])
+            code = _read_entry(path, head)
+            if code is not None:
+                return code
         except (OSError, EOFError, ValueError, TypeError):  # missing, truncated or foreign: compiled again
             pass
         code = self.source_to_code(self.get_data(source), source)
         _write(path, head + marshal.dumps(code))
         return code
+
+
+def _read_entry(path: str, head: bytes) -> types.CodeType | None:
+    """The code object of the entry at ``path`` when its header is ``head``; None for an entry of another
+    source, a body that is not a code object, or anything but a regular file (a FIFO or device is
+    opened without blocking and never read). Raises OSError / EOFError / ValueError / TypeError for a
+    missing or damaged entry."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            data = f.read()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if data[:len(head)] != head:
+        return None
+    code = marshal.loads(memoryview(data)[len(head):])
+    return code if isinstance(code, types.CodeType) else None
 
 
 def _write(path: str, data: bytes) -> None:

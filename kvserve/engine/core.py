@@ -115,6 +115,7 @@ class EngineCore:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, *,
                  make_runner: Callable[[int, int], ModelRunner] | None = None):
         self.config = config
+        self._lora_fingerprints: dict[int, tuple[object, str]] = {}  # adapter id -> (adapter, fingerprint)
         self.threads = config.apply_threads()
         self.tokenizer = loaded.tokenizer
         self.model_info = loaded.info
@@ -741,8 +742,23 @@ class EngineCore:
                 raise SlotFileError(f"the slot's KV was computed under LoRA adapter {aid}, which has been unloaded "
                                     "since: it cannot be saved")
             adapters.append({"name": e.name, "path": e.path, "scale": scale,
-                             "fingerprint": adapter_fingerprint(e.adapter)})
+                             "fingerprint": self._adapter_fingerprint(e)})
         return {"cache_salt": salt, "lora": adapters}
+
+    def _adapter_fingerprint(self, entry) -> str:
+        """``adapter_fingerprint`` of a registry entry's adapter, computed once per loaded adapter object
+        (its weights never change once loaded) and kept by entry id while that object is loaded, so a
+        restore does not hash every loaded adapter again on the engine thread."""
+        kept = self._lora_fingerprints.get(entry.id)
+        if kept is not None and kept[0] is entry.adapter:
+            return kept[1]
+        reg = getattr(self.runner, "lora", None)
+        live = {e.id for e in reg.entries()} if reg is not None else set()
+        for i in [i for i in self._lora_fingerprints if i not in live]:  # unloaded adapters: forget them
+            del self._lora_fingerprints[i]
+        fp = adapter_fingerprint(entry.adapter)
+        self._lora_fingerprints[entry.id] = (entry.adapter, fp)
+        return fp
 
     def _restored_key(self, meta: dict | None) -> str | None:
         """The cache key restored KV is indexed and parked under: the file's ``cache_salt`` and its LoRA
@@ -756,11 +772,11 @@ class EngineCore:
                 or not all(isinstance(x, dict) for x in items):
             raise SlotFileError("slot file is corrupt: bad cache_salt or lora metadata")
         reg = getattr(self.runner, "lora", None)
-        loaded = {adapter_fingerprint(e.adapter): e for e in reg.entries()} if reg is not None and items else {}
+        loaded = {self._adapter_fingerprint(e): e for e in reg.entries()} if reg is not None and items else {}
         pairs = []
         for x in items:
             scale, fp, name = x.get("scale"), x.get("fingerprint"), x.get("name")
-            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not _finite(scale) \
                     or not isinstance(fp, str) or not isinstance(name, str):
                 raise SlotFileError("slot file is corrupt: bad lora metadata")
             e = loaded.get(fp)
@@ -998,3 +1014,11 @@ def create_engine_core(model: str, config: EngineConfig | None = None) -> Engine
 
     path = resolve_model(model, pull_missing=True)
     return EngineCore(load_files(path), config or EngineConfig())
+
+
+def _finite(x: int | float) -> bool:
+    """True for a finite number a float can hold (an int past float's range is not: no OverflowError)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False

@@ -343,7 +343,7 @@ def read_slot_file(path: str, *, fingerprint: bytes, kv_dtype: str, n_layer: int
             hdr.meta_raw = bytes(pre[end - meta_len:end])
             try:
                 hdr.meta = json.loads(hdr.meta_raw.decode("utf-8"))
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser's stack
                 hdr.meta = None
             if not isinstance(hdr.meta, dict):
                 raise SlotFileError("slot file is corrupt: its metadata is not a JSON object")

@@ -106,9 +106,6 @@ def test_off_when_python_writes_bytecode_or_when_asked(tmp_path):
     assert not (tmp_path / "c" / "bytecode").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="brk2: an entry whose header matches but whose body unmarshals to something "
-                                       "other than a code object (a corrupt entry) is returned as the module's code: "
-                                       "the import fails with TypeError instead of compiling the source again")
 def test_an_entry_that_is_not_code_is_compiled_again(tmp_path):
     import marshal
 
@@ -121,9 +118,6 @@ def test_an_entry_that_is_not_code_is_compiled_again(tmp_path):
     assert _run(lambda ld: ld.get_code("kvserve_bc_probe"), loader) == 7
 
 
-@pytest.mark.xfail(strict=True, reason="brk2: a FIFO in the entry's place blocks open() for ever: the import, so "
-                                       "kvserve's start-up, hangs (the entry is not opened O_NONBLOCK nor checked "
-                                       "to be a regular file, as slot files are)")
 def test_a_fifo_entry_does_not_hang_the_import(tmp_path):
     import threading
 

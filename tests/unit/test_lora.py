@@ -505,10 +505,6 @@ def test_no_cache_salt_names_an_adapters_kv(files):
         assert _slot_run(c, salt=salt, slot=-1, prompt=PRE, n=1)[0] == 0, repr(salt)
 
 
-@pytest.mark.xfail(strict=True, reason="brk2: every restore of a slot file with LoRA metadata hashes the weights of "
-                                       "every loaded adapter (blake2b of A and B as float32) on the engine thread, "
-                                       "again and again: a large adapter set stalls every stream per restore, and a "
-                                       "crafted file (any fingerprint) triggers it; fingerprints are not kept")
 def test_slot_restore_does_not_rehash_every_adapter_each_time(files, tmp_path, monkeypatch):
     from kvserve.engine import core as core_mod
 
