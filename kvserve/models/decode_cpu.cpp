@@ -499,7 +499,11 @@ struct LoraProj {
 // gives them, MADV_HUGEPAGE), filled in registration order (layer by layer, qkv, wo, gate_up, down: the
 // order a step reads them), so a step streams each adapter's weights front to back
 struct LoraArena {
-  static constexpr size_t kChunk = size_t(4) << 20;  // bytes per chunk (larger for a larger piece)
+  // Chunks grow geometrically from kFirst to kChunk bytes (a larger piece gets a chunk of its own size), so
+  // a small adapter costs about its size; chunks of 2 MiB and more are 2 MiB-aligned and advised as huge pages.
+  static constexpr size_t kFirst = size_t(64) << 10;
+  static constexpr size_t kChunk = size_t(4) << 20;
+  static constexpr size_t kHuge = size_t(2) << 20;
   struct Free {
     void operator()(float* p) const { std::free(p); }
   };
@@ -509,11 +513,13 @@ struct LoraArena {
   float* take(size_t n) {  // n floats, 64-byte aligned
     n = (n + 15) & ~size_t(15);
     if (chunks.empty() || used + n > cap) {
-      const size_t sz = std::max(kChunk, (n * sizeof(float) + kChunk - 1) / kChunk * kChunk);
-      float* p = static_cast<float*>(std::aligned_alloc(size_t(2) << 20, sz));
+      const size_t step = std::min(kChunk, std::max(kFirst, bytes));  // doubles the arena, up to kChunk
+      const size_t sz = std::max(step, (n * sizeof(float) + step - 1) / step * step);
+      const bool huge = sz >= kHuge && sz % kHuge == 0;
+      float* p = static_cast<float*>(std::aligned_alloc(huge ? kHuge : size_t(64), sz));
       TORCH_CHECK(p != nullptr, "decode_cpu: out of memory for a LoRA adapter");
 #ifdef MADV_HUGEPAGE
-      madvise(p, sz, MADV_HUGEPAGE);
+      if (huge) madvise(p, sz, MADV_HUGEPAGE);
 #endif
       chunks.emplace_back(p);
       used = 0;

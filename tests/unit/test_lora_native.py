@@ -225,10 +225,6 @@ def _rss_anon_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
 
 
-@pytest.mark.xfail(strict=True, reason="brk2: decode_cpu's LoRA arena allocates at least one 4 MiB, 2 MiB-aligned "
-                                       "MADV_HUGEPAGE chunk per adapter: a 128 KiB rank-8 adapter costs ~2.2 MiB of "
-                                       "resident memory in the native step (~17x its weights), so many small "
-                                       "adapters (--max-loras) take far more memory than they hold")
 def test_native_copy_of_a_small_adapter_costs_about_its_size(files):
     c = make_core(files, "llama-Q8_0", native=True)
     run(c, [req(((0, 1.0),))])
