@@ -18,6 +18,7 @@ up start-up, and invalid configurations refusing start-up with llama-server's te
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -494,3 +495,46 @@ def _swallow(fn):
         fn()
     except httpx.HTTPError:
         pass
+
+
+def test_warm_up_starts_a_server_again_after_a_bad_descriptor(fixtures, monkeypatch):
+    """A spawn that fails with EBADF (seen once in a loaded CI run: a pipe's descriptor already closed
+    when the transport took it) is tried once more within the warm-up's time; other errors are not."""
+    import errno
+
+    from kvserve.tools import mcp as mcp_mod
+
+    real = mcp_mod._StdioProcess.spawn
+    spawns = []
+
+    async def flaky(self):
+        spawns.append(self.cfg.name)
+        if len(spawns) == 1:
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        await real(self)
+
+    monkeypatch.setattr(mcp_mod._StdioProcess, "spawn", flaky)
+
+    async def run():
+        m = mcp_mod.McpManager([mcp_mod.McpServerConfig("fx", command=sys.executable,
+                                                        args=[str(fixtures / "fx.py")])])
+        defs = await m.warm_up()
+        await m.aclose()
+        return [d.name for d in defs]
+
+    assert asyncio.run(run())[:2] == ["echo", "add"]
+    assert spawns == ["fx", "fx"]
+    spawns.clear()
+    monkeypatch.setattr(mcp_mod._StdioProcess, "spawn", lambda self: (spawns.append(1), _raise_enoent())[1])
+
+    async def run_enoent():
+        m = mcp_mod.McpManager([mcp_mod.McpServerConfig("fx", command=sys.executable, args=["x"])])
+        defs = await m.warm_up()
+        await m.aclose()
+        return defs
+
+    assert asyncio.run(run_enoent()) == [] and spawns == [1]
+
+
+async def _raise_enoent():
+    raise FileNotFoundError(2, "No such file or directory", "x")
