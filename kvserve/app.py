@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import sys
 import threading
@@ -483,6 +484,8 @@ def _main(argv: list[str] | None) -> int:
             sys.stderr.write(f'error while handling argument "--log-file": {e}\n')
             return 2
     _srv(logging.INFO, "llama_server", "initializing ...")
+    if args.mmap is not None:  # --mmap / --no-mmap: how GGUF weights are held (kvserve.loaders.gguf), here and in children
+        os.environ["KVSERVE_MMAP"] = "1" if args.mmap else "0"
     for level, text in args.flag_notes:  # flags accepted without effect, or not available
         _srv(level, "llama_server", "%s", text)
     if not args.api_keys:

@@ -125,6 +125,7 @@ class ServerArgs:
     path: str | None = None  # --path: directory of static files served at / (llama-server)
     offline: bool = False  # --offline / HF_HUB_OFFLINE: nothing is pulled at start-up
     kv_unified: bool | None = None  # -kvu/--no-kv-unified (None: on with -np auto)
+    mmap: bool | None = None  # --mmap/--no-mmap: GGUF weights mapped / read into huge pages (None: auto)
     block_size: int = 16  # --block-size: tokens per KV block (vLLM)
     sampling: dict = field(default_factory=dict)  # other SamplingParams defaults (--presence-penalty, ...)
     chat_template_content_format: str = "auto"  # vLLM: auto | string | openai

@@ -929,7 +929,11 @@ FLAGS: tuple[Flag, ...] = (
       env="LLAMA_ARG_FLASH_ATTN OLLAMA_FLASH_ATTENTION", effect=NONE,
       why="attention is torch's scaled_dot_product_attention on the paged cache"),
     F("--mlock", "bool", False, effect=NONE, why="weights are read into memory, not mapped"),
-    F("--mmap", "bool", True, neg="--no-mmap", effect=NONE, why="weights are read into memory, not mapped"),
+    F("--mmap", "bool", None, neg="--no-mmap",
+      help="GGUF weights: --mmap serves them from the file's mapping (4 KiB page-cache pages, shared with "
+           "other processes); --no-mmap reads them into private memory on 2 MiB huge pages (faster decode, "
+           "a copy per process). Default: --no-mmap where the kernel grants transparent huge pages, else --mmap "
+           "(KVSERVE_MMAP=1/0 sets the default)"),
     F("-lm --load-mode", env="LLAMA_ARG_LOAD_MODE", effect=NONE, why="weights are read into memory, not mapped"),
     F("-lzm --lazy-mode", env="LLAMA_ARG_LAZY_MODE", effect=NONE, why="weights are read into memory, not mapped"),
     F("--numa", env="LLAMA_ARG_NUMA", effect=NONE, why=_CPU_AFFINITY),

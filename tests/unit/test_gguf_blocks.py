@@ -2,6 +2,8 @@
 the block kernels (kvserve.models.ggml_kernel) in Linear, with no dense copy: agreement with the
 dequantized float path, the fallbacks, and the loader's refusal of tensors that are not whole blocks."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -37,9 +39,13 @@ def _logits(core: EngineCore, ids: list[int]) -> torch.Tensor:
 
 
 def _mapped(a: np.ndarray) -> bool:
-    """True when ``a`` is a view of a np.memmap (the file's pages, not a copy)."""
+    """True when ``a`` is a view of the loader's one buffer of the file's bytes (not a copy of its own):
+    the file's np.memmap (--mmap) or the anonymous mapping it was read into (--no-mmap, the default
+    where the kernel grants huge pages: kvserve.loaders.gguf._weight_bytes)."""
+    import mmap
+
     while a is not None:
-        if isinstance(a, np.memmap):
+        if isinstance(a, np.memmap) or isinstance(getattr(a.base, "obj", a.base), mmap.mmap):
             return True
         a = a.base if isinstance(a.base, np.ndarray) else None
     return False
@@ -369,3 +375,61 @@ def test_memory_estimate_counts_the_blocks_as_resident(kernels, tmp_path):
     # (one batch's activations) bounds it from above
     assert abs(added - (est.weights + est.kv)) <= 0.1 * added
     assert added <= est.weights + est.kv + est.compute
+
+
+@pytest.mark.parametrize("mode", ["read", "mmap"])
+def test_weight_memory_modes_hold_the_files_bytes(tmp_path, monkeypatch, mode):
+    """--no-mmap ("read"): the tensors' bytes are read into private anonymous memory, 2 MiB-aligned
+    and advised MADV_HUGEPAGE, equal to the file's, the header's bytes never read; --mmap: views of
+    the file's mapping. Both give the same weights; KVSERVE_MMAP=1 / 0 picks the default mode."""
+    import mmap
+
+    from kvserve.loaders import gguf as gl
+
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, qtype="Q4_K", embd_qtype="Q6_K", seed=4)
+    monkeypatch.setattr(gl, "_WEIGHT_MEMORY", mode)
+    loaded = load_gguf(path)
+    data = Path(path).read_bytes()
+    _, infos = gl.read_gguf_header(str(path))
+    by_name = {t.name: t for t in infos}
+    raws = {n: w.raw for n, w in loaded.weights.items() if w.raw is not None}
+    assert set(raws) >= {"blk.0.attn_q.weight", "blk.0.ffn_down.weight", "token_embd.weight"}
+    for name, raw in raws.items():
+        t = by_name[name]
+        assert raw.tobytes() == data[t.offset: t.offset + t.n_bytes], name
+        assert not raw.flags.writeable and _mapped(raw)
+        base = raw
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        if mode == "read":
+            assert isinstance(getattr(base.base, "obj", base.base), mmap.mmap) and not isinstance(base, np.memmap)
+            assert (raw.ctypes.data - t.offset) % (2 << 20) == 0  # at its file offset in a 2 MiB-aligned buffer
+        else:
+            assert isinstance(base, np.memmap)
+    # the environment picks the default mode
+    monkeypatch.setattr(gl, "_WEIGHT_MEMORY", "auto")
+    monkeypatch.setenv("KVSERVE_MMAP", "1")
+    assert gl._weight_memory() == "mmap"
+    monkeypatch.setenv("KVSERVE_MMAP", "0")
+    assert gl._weight_memory() == "read"
+    monkeypatch.delenv("KVSERVE_MMAP")
+    assert gl._weight_memory() == ("read" if gl._thp_available() else "mmap")
+    with pytest.raises(ValueError, match="auto, read or mmap"):
+        gl.set_weight_memory("huge")
+
+
+def test_read_mode_buffer_is_huge_page_aligned(tmp_path, monkeypatch):
+    """The read buffer starts on a 2 MiB boundary (every whole 2 MiB of weights can be one huge page)
+    and a file shorter than its tensor table still fails as truncated, naming the tensor."""
+    from kvserve.loaders import gguf as gl
+
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, qtype="Q4_K", seed=4)
+    _, infos = gl.read_gguf_header(str(path))
+    monkeypatch.setattr(gl, "_WEIGHT_MEMORY", "read")
+    buf = gl._weight_bytes(str(path), infos, True)
+    assert buf.ctypes.data % (2 << 20) == 0 and len(buf) == Path(path).stat().st_size
+    assert isinstance(gl._weight_bytes(str(path), infos, False), np.memmap)  # float32 families: mapped
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(Path(path).read_bytes()[:-1000])
+    with pytest.raises(ModelLoadError, match="truncated|not whole"):
+        load_gguf(cut)

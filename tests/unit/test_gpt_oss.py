@@ -196,10 +196,13 @@ def test_ollama_mxfp4_nibble_order_round_trips():
 
 
 def _file_view(a: np.ndarray) -> bool:
-    """True when ``a`` is a view of a np.memmap (the file's pages), not a copy."""
+    """True when ``a`` is a view of the loader's one buffer of the file's bytes, not a copy: the file's
+    np.memmap (--mmap) or the anonymous memory it was read into (--no-mmap: kvserve.loaders.gguf)."""
+    import mmap
+
     while isinstance(a.base, np.ndarray):
         a = a.base
-    return isinstance(a, np.memmap)
+    return isinstance(a, np.memmap) or isinstance(getattr(a.base, "obj", a.base), mmap.mmap)
 
 
 class _CountedMatrix:
