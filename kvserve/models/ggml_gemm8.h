@@ -512,6 +512,221 @@ __attribute__((noinline)) void kexact(const Panel& p, const Acts& a, const int32
 // the types kexact takes
 inline bool exact_type(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
 
+// ---------------------------------------------------------------- the small-batch path, a super-block at a time
+//
+// The decode step's batched products (6..16 rows) read every weight once per step, so unpacking is
+// paid once per weight and per step, not amortized over hundreds of rows as in prefill. Here a panel
+// of NP rows is unpacked one super-block at a time (NP x 256 values: an 8 KiB Tile that stays in L1)
+// straight from the file's blocks into the [64][NP][4] layout: 16 rows' packed bytes are transposed
+// as uint32 first (transpose16 on the packed nibbles: half the shuffles of transposing the unpacked
+// bytes) and split into quants after; the 16 rows' scales and mins come from gathers of the blocks'
+// headers and are split with vector shifts (no per-row scalar stores). Every activation row then runs
+// against the tile (ksb: kexact's arithmetic for one super-block, the same integers and float steps,
+// so the same bits). Meanwhile the next panel's bytes (contiguous: NP rows of the part) are
+// prefetched in order into L2, spread over this panel's calls of ksb: the weights stream from memory
+// once a step, and without it the unpacking waited on them (32 rows' super-blocks fetched ahead as 32
+// separate streams were slower).
+
+// one super-block of a panel: quants [64 k4][NP][4] (u8), integer sub-scales [groups][NP], Q4_K / Q5_K's
+// mins as int16 pairs [4][NP], the super-block scales d, dmin [NP]
+struct Tile {
+  alignas(64) uint8_t w[64 * NP * 4];
+  alignas(64) int32_t sc[16 * NP];
+  alignas(64) int32_t mn[4 * NP];
+  alignas(64) float d[NP];
+  alignas(64) float dm[NP];
+};
+
+inline void tile_store(Tile& t, int k4, int h, __m512i v) {
+  _mm512_store_si512(reinterpret_cast<__m512i*>(t.w + (k4 * NP + 16 * h) * 4), v);
+}
+
+// 16 rows' 64 bytes at offset `off` of their super-block -> r[c]: bytes 4c .. 4c + 3 of every row
+inline void load_t16(const uint8_t* const* rp, int off, __m512i* r) {
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rp[i] + off);
+  transpose16(r);
+}
+
+// Q4_K (FIVE: Q5_K) super-block of rows rp[0..15] -> lanes 16 h .. 16 h + 15 of the tile; idx: the
+// rows' byte offsets from rp[0] (int32), for the header gathers
+template <bool FIVE>
+inline void tile_q45k(const uint8_t* const* rp, __m512i idx, int h, Tile& t) {
+  const __m512i g0 = _mm512_i32gather_epi32(idx, rp[0], 1), g1 = _mm512_i32gather_epi32(idx, rp[0] + 4, 1);
+  const __m512i g2 = _mm512_i32gather_epi32(idx, rp[0] + 8, 1), g3 = _mm512_i32gather_epi32(idx, rp[0] + 12, 1);
+  _mm512_store_ps(t.d + 16 * h, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g0)));
+  _mm512_store_ps(t.dm + 16 * h, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g0, 16))));
+  // scales_mins_k4 on 16 rows at once (a row's u[0..2] in g1..g3)
+  const __m512i m3f = _mm512_set1_epi32(0x3f3f3f3f), m0f = _mm512_set1_epi32(0x0f0f0f0f), m03 = _mm512_set1_epi32(0x03030303);
+  const __m512i s[2] = {_mm512_and_si512(g1, m3f),
+                        _mm512_or_si512(_mm512_and_si512(g3, m0f), _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(g1, 6), m03), 4))};
+  const __m512i m[2] = {_mm512_and_si512(g2, m3f),
+                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(g3, 4), m0f),
+                                        _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(g2, 6), m03), 4))};
+  const __m512i ff = _mm512_set1_epi32(0xFF), ff00 = _mm512_set1_epi32(0xFF00);
+  for (int j = 0; j < 8; ++j)
+    _mm512_store_si512(reinterpret_cast<__m512i*>(t.sc + j * NP + 16 * h),
+                       _mm512_and_si512(_mm512_srli_epi32(s[j / 4], 8 * (j % 4)), ff));
+  for (int j = 0; j < 4; ++j) {  // mins 2 j, 2 j + 1 as an int16 pair
+    const __m512i v = _mm512_srli_epi32(m[j / 2], 16 * (j % 2));
+    _mm512_store_si512(reinterpret_cast<__m512i*>(t.mn + j * NP + 16 * h),
+                       _mm512_or_si512(_mm512_and_si512(v, ff), _mm512_slli_epi32(_mm512_and_si512(v, ff00), 8)));
+  }
+  const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+  __m512i qh[16];
+  if (FIVE) {
+    for (int i = 0; i < 16; ++i) qh[i] = _mm512_zextsi256_si512(load32(rp[i] + 16));
+    transpose16(qh);  // qh[c], c < 8: the high-bit bytes 4c .. 4c + 3
+  }
+  for (int hh = 0; hh < 2; ++hh) {  // 64 packed bytes: chunks q = 2 hh, 2 hh + 1 of 32 bytes
+    __m512i r[16];
+    load_t16(rp, (FIVE ? 48 : 16) + 64 * hh, r);
+    for (int c = 0; c < 16; ++c) {
+      const int q = 2 * hh + c / 8, c8 = c % 8;
+      __m512i lo = _mm512_and_si512(r[c], m4), hi = _mm512_and_si512(_mm512_srli_epi16(r[c], 4), m4);
+      if (FIVE) {
+        lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh[c8], 2 * q), one), 4));
+        hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh[c8], 2 * q + 1), one), 4));
+      }
+      tile_store(t, 16 * q + c8, h, lo);      // values 64 q + 4 c8 ..
+      tile_store(t, 16 * q + 8 + c8, h, hi);  // values 64 q + 32 + 4 c8 ..
+    }
+  }
+}
+
+inline void tile_q6k(const uint8_t* const* rp, __m512i idx, int h, Tile& t) {
+  // d: the float16 at 208 (read as the upper half of the word at 206: nothing past the block)
+  const __m512i gd = _mm512_i32gather_epi32(idx, rp[0] + 206, 1);
+  _mm512_store_ps(t.d + 16 * h, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(gd, 16))));
+  for (int w = 0; w < 4; ++w) {  // the 16 int8 scales at 192
+    const __m512i g = _mm512_i32gather_epi32(idx, rp[0] + 192 + 4 * w, 1);
+    for (int j = 0; j < 4; ++j)
+      _mm512_store_si512(reinterpret_cast<__m512i*>(t.sc + (4 * w + j) * NP + 16 * h),
+                         _mm512_srai_epi32(_mm512_slli_epi32(g, 24 - 8 * j), 24));
+  }
+  const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
+  __m512i qh[16];
+  load_t16(rp, 128, qh);  // qh[c]: high-bit bytes 4c .. 4c + 3 (c < 8: the first half's)
+  for (int hf = 0; hf < 2; ++hf) {
+    __m512i r[16];
+    load_t16(rp, 64 * hf, r);  // r[c]: l0's bytes 4c.. (c < 8), l1's bytes 4 (c - 8).. (c >= 8)
+    for (int c = 0; c < 8; ++c) {
+      const __m512i l0 = r[c], l1 = r[8 + c], hb = qh[8 * hf + c];
+      const auto hi2 = [&](int sh) { return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, sh), m3), 4); };
+      tile_store(t, 32 * hf + c, h, _mm512_or_si512(_mm512_and_si512(l0, m4), hi2(0)));
+      tile_store(t, 32 * hf + 8 + c, h, _mm512_or_si512(_mm512_and_si512(l1, m4), hi2(2)));
+      tile_store(t, 32 * hf + 16 + c, h, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), hi2(4)));
+      tile_store(t, 32 * hf + 24 + c, h, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4), hi2(6)));
+    }
+  }
+}
+
+// R activation rows (m0 ..) x the tile of super-block b: kexact's loop body for one super-block (the
+// same integer sums and float steps in the same order: the same bits)
+template <int R, int G, int OFF, int MINS>
+inline void ksb(const Tile& tl, const Acts& a, const int32_t* ini, int64_t m0, int64_t b, float* y, int64_t ldy,
+                __mmask16 k0, __mmask16 k1, const char* pf, int64_t npf) {
+  constexpr int NG = 256 / G, NPAIR = MINS == 32 ? 4 : 0;
+  const int64_t K = a.K, nb = K / 256;
+  const int8_t* const xq = a.qk.data() + m0 * K + b * 256;
+  __m512i tot[R][2];
+  for (int i = 0; i < R; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_si512();
+  for (int g = 0; g < NG; ++g) {
+    __m512i s[R][2];
+    for (int i = 0; i < R; ++i)
+      s[i][0] = s[i][1] = OFF ? _mm512_set1_epi32(ini[(m0 + i) * (K / G) + b * NG + g]) : _mm512_setzero_si512();
+    const uint8_t* wg = tl.w + g * G * NP;
+    const int8_t* xg = xq + g * G;
+    for (int t = 0; t < G / 4; ++t) {
+      __m512i w0 = _mm512_load_si512(wg + t * 4 * NP), w1 = _mm512_load_si512(wg + t * 4 * NP + 64);
+      pin(w0, w1);
+      for (int i = 0; i < R; ++i) {
+        const __m512i x = bcast(xg + i * K + 4 * t);
+        s[i][0] = _mm512_dpbusd_epi32(s[i][0], w0, x);
+        s[i][1] = _mm512_dpbusd_epi32(s[i][1], w1, x);
+      }
+    }
+    for (int64_t l = g * npf / NG; l < (g + 1) * npf / NG; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
+    const __m512i sc0 = _mm512_load_si512(tl.sc + g * NP), sc1 = _mm512_load_si512(tl.sc + g * NP + 16);
+    for (int i = 0; i < R; ++i) {
+      tot[i][0] = _mm512_add_epi32(tot[i][0], _mm512_mullo_epi32(s[i][0], sc0));
+      tot[i][1] = _mm512_add_epi32(tot[i][1], _mm512_mullo_epi32(s[i][1], sc1));
+    }
+  }
+  const __m512 d0 = _mm512_load_ps(tl.d), d1 = _mm512_load_ps(tl.d + 16);
+  for (int i = 0; i < R; ++i) {
+    float* yi = y + (m0 + i) * ldy;
+    const __m512 dx = _mm512_set1_ps(a.dk[(m0 + i) * nb + b]);
+    __m512 acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[i][0]), _mm512_mul_ps(d0, dx), _mm512_maskz_loadu_ps(k0, yi));
+    __m512 acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[i][1]), _mm512_mul_ps(d1, dx), _mm512_maskz_loadu_ps(k1, yi + 16));
+    if (MINS) {
+      const int16_t* si = a.bsp.data() + (m0 + i) * (K / 32) + b * 8;
+      __m512i ms0 = _mm512_setzero_si512(), ms1 = _mm512_setzero_si512();
+      for (int j = 0; j < NPAIR; ++j) {
+        int32_t pr;
+        std::memcpy(&pr, si + 2 * j, 4);
+        const __m512i xs = _mm512_set1_epi32(pr);
+        ms0 = _mm512_dpwssd_epi32(ms0, _mm512_load_si512(tl.mn + j * NP), xs);
+        ms1 = _mm512_dpwssd_epi32(ms1, _mm512_load_si512(tl.mn + j * NP + 16), xs);
+      }
+      const __m512 dm0 = _mm512_load_ps(tl.dm), dm1 = _mm512_load_ps(tl.dm + 16);
+      acc0 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms0), _mm512_mul_ps(dm0, dx), acc0);
+      acc1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms1), _mm512_mul_ps(dm1, dx), acc1);
+    }
+    _mm512_mask_storeu_ps(yi, k0, acc0);
+    _mm512_mask_storeu_ps(yi + 16, k1, acc1);
+  }
+}
+
+// rows [0, nr) of one part's panel (row_bytes apart, type T_Q4_K / T_Q5_K / T_Q6_K) x every activation
+// row -> y (rows nr .. NP - 1 read row nr - 1 again; their lanes are never stored)
+template <int TYPE>
+__attribute__((noinline)) void panel_exact(const uint8_t* w, int64_t row_bytes, int nr, const Acts& a,
+                                           const int32_t* ini, int64_t M, float* y, int64_t ldy, Tile& tl) {
+  constexpr int BYTES = TYPE == T_Q4_K ? 144 : TYPE == T_Q5_K ? 176 : 210;
+  constexpr int G = TYPE == T_Q6_K ? 16 : 32, OFF = TYPE == T_Q6_K ? 32 : 0, MINS = TYPE == T_Q6_K ? 0 : 32;
+  const int64_t nb = a.K / 256;
+  const __mmask16 k0 = nr >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nr) - 1);
+  const __mmask16 k1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : static_cast<__mmask16>((1u << (nr - 16)) - 1);
+  for (int64_t i = 0; i < M; ++i) {
+    _mm512_mask_storeu_ps(y + i * ldy, k0, _mm512_setzero_ps());
+    _mm512_mask_storeu_ps(y + i * ldy + 16, k1, _mm512_setzero_ps());
+  }
+  const uint8_t* rows[NP];
+  for (int n = 0; n < NP; ++n) rows[n] = w + std::min(n, nr - 1) * row_bytes;
+  __m512i idx[2];
+  for (int h = 0; h < 2; ++h) {
+    alignas(64) int32_t o[16];
+    for (int i = 0; i < 16; ++i) o[i] = static_cast<int32_t>((rows[16 * h + i] - rows[16 * h]));
+    idx[h] = _mm512_load_si512(o);
+  }
+  // what to prefetch two super-blocks ahead: this panel's rows, then (the last two steps) the next
+  // panel's first super-blocks (the thread's next job, as parallel_for's ranges are contiguous)
+  const char* const next = reinterpret_cast<const char*>(w + NP * row_bytes);
+  const int64_t lines = NP * row_bytes / 64, calls = nb * ((M + MR - 1) / MR);
+  int64_t call = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rp[NP];
+    for (int n = 0; n < NP; ++n) rp[n] = rows[n] + b * BYTES;
+    for (int h = 0; h < 2; ++h) {
+      if (TYPE == T_Q6_K) tile_q6k(rp + 16 * h, idx[h], h, tl);
+      else tile_q45k<TYPE == T_Q5_K>(rp + 16 * h, idx[h], h, tl);
+    }
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR, ++call)
+      ksb<MR, G, OFF, MINS>(tl, a, ini, m, b, y, ldy, k0, k1, next + 64 * (call * lines / calls),
+                            (call + 1) * lines / calls - call * lines / calls);
+    // the remainder (M not a multiple of MR) takes the last share of the prefetches
+    const char* pf = next + 64 * (call * lines / calls);
+    const int64_t npf = (call + 1) * lines / calls - call * lines / calls;
+    switch (M - m) {
+      case 3: ksb<3, G, OFF, MINS>(tl, a, ini, m, b, y, ldy, k0, k1, pf, npf); ++call; break;
+      case 2: ksb<2, G, OFF, MINS>(tl, a, ini, m, b, y, ldy, k0, k1, pf, npf); ++call; break;
+      case 1: ksb<1, G, OFF, MINS>(tl, a, ini, m, b, y, ldy, k0, k1, pf, npf); ++call; break;
+      default: break;
+    }
+  }
+}
+
 // R activation rows against one unpacked panel of type t (ini: the start values, see start_values)
 template <int R>
 void kern(int t, const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float* y, int64_t ldy, __mmask16 k0,
@@ -622,11 +837,21 @@ void mm(const std::vector<Rows>& parts, int64_t N, int64_t K, const float* x, in
     for (int64_t r = 0; r < parts[i].rows; r += NP) jobs.push_back({i, r});
   kvserve_pool::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t j0, int64_t j1) {
     Panel p;
+    Tile tl;
     for (int64_t j = j0; j < j1; ++j) {
       const Rows& r = parts[jobs[j].part];
       Traits tr;
       traits(r.type, tr);
       const int nr = static_cast<int>(std::min<int64_t>(NP, r.rows - jobs[j].row));
+      if (exact) {  // the small-batch path: a super-block at a time (panel_exact)
+        const uint8_t* wp = r.data + jobs[j].row * r.row_bytes;
+        float* yp = y + r.first + jobs[j].row;
+        const int32_t* iv = inip[jobs[j].part];
+        if (r.type == T_Q4_K) panel_exact<T_Q4_K>(wp, r.row_bytes, nr, a, iv, M, yp, N, tl);
+        else if (r.type == T_Q5_K) panel_exact<T_Q5_K>(wp, r.row_bytes, nr, a, iv, M, yp, N, tl);
+        else panel_exact<T_Q6_K>(wp, r.row_bytes, nr, a, iv, M, yp, N, tl);
+        continue;
+      }
       unpack_panel(r.type, tr, r.data + jobs[j].row * r.row_bytes, r.row_bytes, nr, K, p);
       const __mmask16 k0 = nr >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nr) - 1);
       const __mmask16 k1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : static_cast<__mmask16>((1u << (nr - 16)) - 1);
