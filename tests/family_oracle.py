@@ -187,9 +187,37 @@ def rebuild(fixture: dict, path: Path) -> Path:
     return path
 
 
-#: the causal cases also checked as ``llama-quantize --pure`` Q8_0 copies (gpt-oss: llama-quantize refuses
-#: its MXFP4 file; nomic-bert: the embedding cases stay F32)
+#: the causal cases also checked as ``llama-quantize --pure`` Q8_0 copies and Q4_K_M copies of their wide
+#: models (gpt-oss: see :data:`F32_EXPERTS`; nomic-bert: the embedding cases stay F32)
 QUANTIZED = ("llama3-rope", "qwen3", "qwen3moe", "gemma2", "gemma3", "mistral3", "phi3-longrope")
+#: cases whose own file keeps MXFP4 experts, which llama-quantize refuses to requantize: their Q8_0 copy
+#: is made from the same model with F32 experts (the converter's output from an HF directory whose
+#: experts are plain tensors, :func:`save_gguf_f32_experts`)
+F32_EXPERTS = ("gpt-oss",)
+#: every case with a Q8_0 copy (``fixture["q8_0"]``)
+Q8_0_CASES = QUANTIZED + F32_EXPERTS
+
+
+def save_hf_f32_experts(name: str, path: Path) -> Path:
+    """The case's HF directory with its experts as plain float32 tensors (``mlp.experts.gate_up_proj``
+    ...: the converter writes them as F32 with ``--outtype f32``), the same values as :func:`save_hf`'s
+    MXFP4 blocks (:func:`build_model` rounds them to MXFP4 values)."""
+    return fmod.save_hf(build_model(name), Path(path))
+
+
+def save_gguf_f32_experts(name: str, path: Path) -> Path:
+    """:func:`save_hf_f32_experts`'s model through tests/family_models.py's writer with F32 experts:
+    the converter's tensors (regen.py checks it), the source of the Q8_0 copy of an
+    :data:`F32_EXPERTS` case."""
+    return fmod.save_gguf(build_model(name), Path(path), CASES[name][1], expert_type="F32")
+
+
+def q8_0_source(name: str, f32: Path, tmp: Path) -> Path:
+    """The F32 file a case's Q8_0 copy was quantized from: ``f32`` (the case's rebuilt file), or for
+    an :data:`F32_EXPERTS` case the same model with F32 experts, written into ``tmp``."""
+    if name in F32_EXPERTS:
+        return save_gguf_f32_experts(name, Path(tmp) / f"{name}.f32-experts.gguf")
+    return Path(f32)
 
 
 def rebuild_q8_0(run: dict, f32: Path, path: Path) -> Path:

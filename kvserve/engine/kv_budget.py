@@ -109,7 +109,7 @@ class KVLayout:
         windows: per sliding-window group, (window in tokens, layer indices); empty when every
             layer attends to every earlier token (then one pool serves all layers).
         block_bytes: K and V bytes of one block in the full-attention layers (all layers when
-            ``windows`` is empty).
+            ``windows`` is empty; 0 when every layer slides).
         all_block_bytes: K and V bytes of one block in every layer (the host tier's unit).
         window_block_bytes: per group, one block's bytes in its layers.
         window_seq_blocks: per group, the most blocks one sequence holds: ``cdiv(window,
@@ -128,7 +128,11 @@ class KVLayout:
 
     def group_blocks(self, active_blocks: int, n_slots: int) -> list[int]:
         """Blocks of each sliding group's pool for ``active_blocks`` full-layer blocks: its
-        windows' need, never more than the full layers' blocks plus one per sequence."""
+        windows' need, never more than the full layers' blocks plus one per sequence. When every
+        layer slides (phi3 with its window), ``active_blocks`` is the one pool's plan (see
+        :func:`plan_pool`) and caps each group: never more memory than the one pool."""
+        if not self.block_bytes and self.windows:
+            return [min(p, active_blocks) for p in self.window_pool_blocks]
         return [min(p, active_blocks + max(n_slots, 1)) for p in self.window_pool_blocks]
 
     def kv_bytes(self, active_blocks: int, n_slots: int) -> int:
@@ -144,9 +148,10 @@ class KVLayout:
 def window_groups(model_config, n_ctx_slot: int | None = None) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """The sliding-window layer groups of a model config, from its family's KV spec per layer
     (kvserve.models.family): (window, layer indices), windows ascending; empty when no layer
-    slides, when none attends to everything (then one pool, masked, as before), or for an
-    architecture no family reads. A window of at least ``n_ctx_slot`` tokens (one sequence's
-    context) never leaves a token behind: its layers count as full attention.
+    slides, or for an architecture no family reads. A window of at least ``n_ctx_slot`` tokens
+    (one sequence's context) never leaves a token behind: its layers count as full attention.
+    When every layer slides (phi3's window), the groups cover every layer: the full-attention
+    pool keeps the block tables and the prefix index with no layer's rows (0 bytes a block).
 
     Only a module that reads its sliding layers' rows through ``AttentionBatch.windows`` (class
     attribute ``window_kv_views = True``, as kvserve.models.gemma's and kvserve.models.gpt_oss's) gets
@@ -165,7 +170,7 @@ def window_groups(model_config, n_ctx_slot: int | None = None) -> tuple[tuple[in
     for i, spec in enumerate(specs):
         if spec.kind == "sliding" and (n_ctx_slot is None or spec.window < n_ctx_slot):
             by_window.setdefault(spec.window, []).append(i)
-    if not by_window or sum(len(v) for v in by_window.values()) == len(specs):
+    if not by_window:
         return ()
     return tuple((w, tuple(by_window[w])) for w in sorted(by_window))
 
@@ -273,13 +278,17 @@ def plan_pool(*, n_ctx: int, n_ctx_slot: int, n_slots: int, block_size: int, blo
         windows: sliding-window groups' costs, (pool blocks, block bytes, one sequence's
             blocks) each (:meth:`KVLayout.costs`): a budget pays for their pools first, and one
             request needs ``min(its blocks, one sequence's)`` of each besides its full-layer
-            blocks (``block_bytes``: the full-attention layers' alone).
+            blocks (``block_bytes``: the full-attention layers' alone). With ``block_bytes`` 0
+            (no full-attention layer: every layer slides) the pool is planned as one pool of every
+            layer, as without groups, and :meth:`KVLayout.group_blocks` caps each group by it.
 
     Raises:
         KVCacheMemoryError: the budget (or the override) holds less than one request of
             ``n_ctx_slot`` tokens; or a budget of 0 bytes or less (vLLM's texts); a budget above
             ``mem_available`` (kvserve's).
     """
+    if not block_bytes and windows:  # every layer slides: planned as one pool, each group capped by it
+        block_bytes, windows = sum(b for _, b, _ in windows), ()
     per_request = cdiv(n_ctx_slot, block_size)
     one_windows = sum(min(per_request, seq) * b for _, b, seq in windows)  # one request's sliding blocks
     pools = sum(n * b for n, b, _ in windows)

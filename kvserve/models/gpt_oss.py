@@ -31,8 +31,8 @@ interleaved by column), and Ollama's ``gptoss`` files (``attn_out``, ``ffn_norm`
 The KV spec per layer is a sliding window of ``window`` tokens or full attention; the sliding layers
 keep a pool of their own holding only their window's blocks (``window_kv_views``, read as
 kvserve.models.gemma does: kvserve.engine.kv_budget.window_groups; the cache reads are
-kvserve.models.window_attention's, shared with gemma). The attention is computed
-directly (scores, window mask, sinks, softmax in float32: SDPA has no sinks). kvserve's native decode
+kvserve.models.window_attention's, shared with gemma). The attention is SDPA's
+with the sinks as one more key of zeros whose score the additive mask carries (:func:`attend`). kvserve's native decode
 step and the compiled decode graph do not implement this block (the family record turns the native
 step off; :meth:`GptOssModel.decode_step` refuses, so the engine stays eager).
 """
@@ -45,6 +45,7 @@ from functools import partial
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvserve.engine.kv_quant import kv_write
@@ -307,41 +308,50 @@ kv_spec = layer_kv_spec
 
 # -- the module -------------------------------------------------------------------------------------
 
-#: the score tensor of one attention call is computed in query chunks of at most this many elements
-#: (B * H * Lq * Lk float32 values: 64 Mi = 256 MiB)
+#: the additive mask of one attention call is built in query chunks of at most this many elements
+#: (B * H * Lq * (Lk + 1) float values: 64 Mi = 256 MiB in float32)
 SCORE_ELEMENTS_MAX = 1 << 26
+
+#: the sink logit used where a layer has none: below every score a query can reach, so its weight is
+#: exactly 0 next to any visible key, and a query that sees no key gets zeros (the sink's value)
+NO_SINK = -1e30
 
 
 def attend(q, k, v, q_pos, k_pos, valid, scale: float, window: int, sinks) -> torch.Tensor:
-    """Attention with sinks and a window: q [B, Lq, H, D], k/v [B, Lk, Hkv, D], q_pos [B, Lq] and k_pos
-    [B, Lk] long, valid [B, Lk] bool or None, sinks [H] float32 or None -> [B, Lq, H, D].
+    """Attention with sinks and a window: q [B, Lq, H, D], k/v [B, Lk, Hkv, D] (H a multiple of Hkv),
+    q_pos [B, Lq] and k_pos [B, Lk] long, valid [B, Lk] bool or None, sinks [H] float32 or None
+    -> [B, Lq, H, D] in q's dtype.
 
     Key j is seen by query i when k_pos <= q_pos, within ``window`` tokens (q_pos - k_pos < window;
-    0: no window) and valid; each head's softmax denominator adds ``exp(sinks[h])``. A query that sees
-    no key (only a sink) gets zeros. Computed in query chunks (:data:`SCORE_ELEMENTS_MAX`)."""
+    0: no window) and valid; each head's softmax denominator adds ``exp(sinks[h])``
+    (transformers' ``eager_attention_forward`` with ``s_aux``, llama.cpp's ``ggml_soft_max_add_sinks``).
+
+    Computed by SDPA (2-3x the explicit float32 softmax on the CPU): the sink is one more key whose
+    K and V are zero and whose score comes from the additive mask (``sinks[h]`` in that column, 0 where
+    a key is seen, -inf where not), so ``softmax([s, sink]) @ [v, 0]`` is the sinks' attention exactly.
+    A query that sees no key attends to the sink alone and gets zeros. The mask is built in query
+    chunks of at most :data:`SCORE_ELEMENTS_MAX` elements."""
     B, Lq, H, D = q.shape
-    Lk = k.shape[1]
-    g = H // k.shape[2]
-    if g > 1:
-        k = k.repeat_interleave(g, dim=2)
-        v = v.repeat_interleave(g, dim=2)
-    step = max(1, SCORE_ELEMENTS_MAX // max(1, B * H * Lk))
-    out = torch.empty_like(q)
+    Lk, Hkv = k.shape[1], k.shape[2]
+    zero = k.new_zeros(B, 1, Hkv, D)
+    kt = torch.cat([k, zero], dim=1).transpose(1, 2)  # [B, Hkv, Lk + 1, D]: the sink's key is last
+    vt = torch.cat([v, zero.to(v.dtype)], dim=1).transpose(1, 2)
+    if sinks is None:
+        sink = torch.full((1, H, 1, 1), NO_SINK, dtype=q.dtype, device=q.device)
+    else:  # an -inf sink (none) still leaves a row that sees nothing one finite logit: zeros, not NaN
+        sink = sinks.to(q.dtype).clamp_min(NO_SINK).view(1, H, 1, 1)
+    qt = q.transpose(1, 2)  # [B, H, Lq, D]
+    out = torch.empty(B, H, Lq, D, dtype=q.dtype, device=q.device)
+    step = max(1, SCORE_ELEMENTS_MAX // max(1, B * H * (Lk + 1)))
     for a in range(0, Lq, step):
         b = min(Lq, a + step)
-        s = torch.einsum("bqhd,bkhd->bhqk", q[:, a:b], k).mul_(scale)  # [B, H, lq, Lk]
-        s.masked_fill_(~visible(q_pos[:, a:b], k_pos, window, valid)[:, None], float("-inf"))
-        m = s.amax(dim=-1, keepdim=True)
-        if sinks is not None:
-            m = torch.maximum(m, sinks.view(1, H, 1, 1))
-        m = torch.nan_to_num(m, neginf=0.0)  # a row that sees nothing (no sink): zeros, not NaN
-        p = torch.exp(s - m)
-        denom = p.sum(dim=-1, keepdim=True)
-        if sinks is not None:
-            denom = denom + torch.exp(sinks.view(1, H, 1, 1) - m)
-        p = p / denom.clamp_min(torch.finfo(p.dtype).tiny)
-        out[:, a:b] = torch.einsum("bhqk,bkhd->bqhd", p, v)
-    return out
+        seen = visible(q_pos[:, a:b], k_pos, window, valid)  # [B, lq, Lk]
+        mask = q.new_empty(B, H, b - a, Lk + 1)
+        mask[..., :Lk] = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~seen, float("-inf"))[:, None]
+        mask[..., Lk:] = sink
+        out[:, :, a:b] = F.scaled_dot_product_attention(qt[:, :, a:b], kt, vt, attn_mask=mask, scale=scale,
+                                                        enable_gqa=Hkv != H)
+    return out.transpose(1, 2)
 
 
 class GptOssMoE(nn.Module):

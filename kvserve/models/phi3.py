@@ -22,9 +22,13 @@ fused tensors, LongRoPE and partial rotary.
   ``phi3.attention.sliding_window``, 0 for none as llama.cpp's converter writes for Phi-4): every
   layer's query at position p sees keys at p - window < j <= p, as transformers' ``Phi3Model``
   masks them (``create_sliding_window_causal_mask``). Computed only where the window is shorter
-  than the engine's context (kvserve.models.window_attention over the whole sequence's rows: every
-  layer slides, so the cache keeps one pool, masked); a longer window (Phi-3-mini-128k's 262,144)
-  changes nothing. llama.cpp turns phi3's window off ("Phi SWA is currently disabled", full
+  than the engine's context (kvserve.models.window_attention); a longer window (Phi-3-mini-128k's
+  262,144) changes nothing. Every layer slides, so a sequence keeps only the blocks its window
+  still reaches, as gemma's sliding layers do: the engine gives the layers one sliding group
+  (kvserve.engine.kv_budget.window_groups, ``window_kv_views``) whose pool holds about
+  window / block_size blocks a sequence, and the full-attention pool keeps only the block tables
+  and the prefix index (0 bytes a block). Prefix hits need the window's blocks before the hit's end
+  (kvserve.engine.kv_cache); ``--cache-reuse`` shifts are refused as for gemma (not exact). llama.cpp turns phi3's window off ("Phi SWA is currently disabled", full
   attention on every layer): past the window kvserve follows transformers, not llama-server.
 
 Refused at load, naming the key: RoPE scaling types other than LongRoPE, factors of the wrong
@@ -226,6 +230,20 @@ class Phi3Model(LlamaModel):
         self.rope_sin = self.rope_cis.imag.contiguous()
         #: the window every layer attends within (tokens); 0 when it reaches past every position
         self.window = config.window if 0 < config.window < max_positions else 0
+
+    #: with a window, every layer reads and writes the sliding group's rows through
+    #: ``AttentionBatch.windows`` when the engine gives it one (kvserve.engine.kv_budget.window_groups:
+    #: a window shorter than one sequence's context); else the whole sequence's rows, masked
+    window_kv_views = True
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_caches, logits_indices,
+                return_hidden: bool = False, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """LlamaModel.forward over the sliding group's view of the batch where the engine keeps one
+        (``batch.windows[window]``: every layer's cache is that group's), else over ``batch``."""
+        if self.window and batch.windows:
+            batch = batch.windows.get(self.window, batch)
+        return super().forward(input_ids, batch, kv_caches, logits_indices, return_hidden, hidden)
 
     def _attention(self, q, k, v, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
         """LlamaModel's attention, or with a window the masked one over the rows it reaches

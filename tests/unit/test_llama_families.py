@@ -12,9 +12,10 @@ llama.cpp's at every position and its log-probabilities of llama.cpp's top 5 are
 nomic-bert: ``/tokenize``'s ids and ``/embedding``'s normalized mean-pooled vectors (within 1e-5;
 measured 3.4e-7).
 
-The causal cases but gpt-oss (llama-quantize refuses its MXFP4 file) are also checked as
-``llama-quantize --pure`` Q8_0 copies, rebuilt here by the ``gguf`` package (the same bytes), on
-kvserve's block kernels: :data:`Q8_BOUNDS`; and as Q4_K_M copies of the same families at K-quant widths
+The causal cases are also checked as ``llama-quantize --pure`` Q8_0 copies, rebuilt here by the
+``gguf`` package (the same bytes), on kvserve's block kernels: :data:`Q8_BOUNDS` (gpt-oss: llama-quantize
+refuses to requantize its MXFP4 experts, so its copy is of the same model converted with F32 experts,
+family_oracle.F32_EXPERTS); and the causal cases but gpt-oss as Q4_K_M copies of the same families at K-quant widths
 (family_oracle.WIDE: llama-quantize's types per tensor, Q4_K / Q6_K / Q5_0, blocks by tests/tinymodel.py
 since the ``gguf`` package cannot write K-quants; llama-server ran on those very bytes):
 :data:`Q4_K_M_BOUNDS`.
@@ -198,22 +199,24 @@ def test_greedy_tokens_equal_llama_cpps(files, case):
 #: other kernels), the difference carried on: top-1 271-272 of 272, max 0.018-0.057, mean
 #: 0.0008-0.0086 (qwen3moe);
 #: gemma adds its float16 GELU (GELU_FP16): top-1 264 / 267, max 0.022 / 0.059, mean 0.009 / 0.013, and
-#: its greedy chains part sooner (gemma3: 3 of 6 equal for 32 tokens)
+#: its greedy chains part sooner (gemma3: 3 of 6 equal for 32 tokens); gpt-oss (every tensor but the
+#: norms, biases and sinks Q8_0, experts included): top-1 272 of 272, max 0.029, mean 0.0005, 6 of 6
 Q8_BOUNDS = {"default": (0.99, 0.15, 0.015, 5), "gemma": (0.96, 0.15, 0.025, 3)}
 
 
 @pytest.fixture(scope="module")
 def q8_files(files, tmp_path_factory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("llama-families-q8")
-    return {c: str(family_oracle.rebuild_q8_0(family_oracle.load_fixture(REFERENCE, c)["q8_0"], Path(files[c]),
-                                              tmp / f"{c}.q8_0.gguf")) for c in family_oracle.QUANTIZED}
+    return {c: str(family_oracle.rebuild_q8_0(family_oracle.load_fixture(REFERENCE, c)["q8_0"],
+                                              family_oracle.q8_0_source(c, Path(files[c]), tmp),
+                                              tmp / f"{c}.q8_0.gguf")) for c in family_oracle.Q8_0_CASES}
 
 
 def _q8_core(path: str, **kw) -> EngineCore:
     return EngineCore(load_files(path), EngineConfig(n_ctx=512, kv_dtype="f32", large_batch_dtype="float32", **kw))
 
 
-@pytest.mark.parametrize("case", family_oracle.QUANTIZED)
+@pytest.mark.parametrize("case", family_oracle.Q8_0_CASES)
 def test_q8_0_copies_agree_with_llama_cpp(q8_files, case):
     run = family_oracle.load_fixture(REFERENCE, case)["q8_0"]
     assert {v.split()[0] for v in run["tensors"].values()} == {"F32", "Q8_0"}

@@ -6,6 +6,8 @@ llama.cpp from the llama-cpp-python sdist (``benchmarks/build_llama_server.sh`` 
     python tests/reference/llama_families/regen.py \\
         --llama-cpp /tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp
 
+(``--cases gpt-oss --only-q8-0``: remake only that case's Q8_0 part.)
+
 For each case of tests/family_oracle.py, all of it deterministic:
 
 1. builds the tiny random transformers model and saves it as an HF directory;
@@ -31,7 +33,9 @@ For each case of tests/family_oracle.py, all of it deterministic:
 5. for the cases of ``family_oracle.QUANTIZED``: ``llama-quantize --pure F32 OUT Q8_0`` of the file
    (checked to be what the ``gguf`` package writes, so the test rebuilds it too) and the same outputs
    on it (``q8_0`` in the fixture); and a Q4_K_M copy of the case's wide model (:func:`q4_k_m_run`:
-   llama-quantize's types, tests/tinymodel.py's blocks; ``q4_k_m`` in the fixture);
+   llama-quantize's types, tests/tinymodel.py's blocks; ``q4_k_m`` in the fixture); for the cases of
+   ``family_oracle.F32_EXPERTS`` (gpt-oss: llama-quantize refuses to requantize MXFP4 experts) the
+   Q8_0 copy of the same model converted with F32 experts (:func:`f32_experts_q8_run`);
 6. writes ``CASE.json``: the converter's metadata and tensor digests, the server's version and flags,
    the outputs.
 """
@@ -158,6 +162,23 @@ def quantized_run(root: Path, f32: Path, arch: str, tmp: Path) -> dict:
     return run
 
 
+def f32_experts_q8_run(name: str, root: Path, tmp: Path) -> dict:
+    """The Q8_0 copy of a case whose file keeps MXFP4 experts (family_oracle.F32_EXPERTS: llama-quantize
+    refuses to requantize MXFP4): the same model saved with plain float32 experts, converted with
+    ``--outtype f32`` (checked against tests/family_models.py's writer), then :func:`quantized_run`."""
+    arch = family_oracle.CASES[name][1]
+    hf = family_oracle.save_hf_f32_experts(name, tmp / f"{name}-f32-experts")
+    gg = tmp / f"{name}.f32-experts.gguf"
+    subprocess.run([sys.executable, str(HERE / "convert_tiny.py"), str(root), "--outtype", "f32", "--model-name",
+                    "kvserve tiny", "--outfile", str(gg), str(hf)], check=True, capture_output=True)
+    digests = family_oracle.tensor_digests(gg)
+    ours = family_oracle.tensor_digests(family_oracle.save_gguf_f32_experts(name, tmp / f"{name}.f32-experts.ours.gguf"))
+    if ours != digests:
+        bad = sorted(set(ours) ^ set(digests)) + [k for k in digests if k in ours and ours[k] != digests[k]]
+        raise SystemExit(f"{name} (F32 experts): tests/family_models.py does not write the converter's tensors: {bad}")
+    return quantized_run(root, gg, arch, tmp)
+
+
 def q4_k_m_run(name: str, root: Path, tmp: Path) -> dict:
     """The case's wide model (family_oracle.WIDE) converted to F32 (checked against
     tests/family_models.py's writer as in :func:`regen`), ``llama-quantize F32 OUT Q4_K_M`` of it for
@@ -223,6 +244,8 @@ def regen(name: str, root: Path, out: Path, tmp: Path) -> dict:
     if name in family_oracle.QUANTIZED:
         fixture["q8_0"] = quantized_run(root, gg, arch, tmp)
         fixture["q4_k_m"] = q4_k_m_run(name, root, tmp)
+    if name in family_oracle.F32_EXPERTS:
+        fixture["q8_0"] = f32_experts_q8_run(name, root, tmp)
     fixture.update(llama_server=" ".join((version.stdout + version.stderr).split()), flags=server.flags,
                    n_probs=N_PROBS, server_warnings=warnings, **outputs)
     family_oracle.fixture_path(out, name).write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
@@ -237,11 +260,26 @@ def main() -> None:
     ap.add_argument("--work", type=Path, help="a folder to keep the HF folders, GGUFs and server logs in")
     ap.add_argument("--only-q4-k-m", action="store_true",
                     help="remake only the q4_k_m part of the QUANTIZED cases' existing fixtures")
+    ap.add_argument("--only-q8-0", action="store_true",
+                    help="remake only the q8_0 part of the Q8_0 cases' existing fixtures")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = a.work or tmp
         for name in a.cases:
             t0 = time.time()
+            if a.only_q8_0:
+                if name not in family_oracle.Q8_0_CASES:
+                    continue
+                fixture = family_oracle.load_fixture(a.out, name)
+                root, work = a.llama_cpp.resolve(), Path(tmp)
+                if name in family_oracle.F32_EXPERTS:
+                    fixture["q8_0"] = f32_experts_q8_run(name, root, work)
+                else:
+                    gg = family_oracle.rebuild(fixture, work / f"{name}.gguf")
+                    fixture["q8_0"] = quantized_run(root, gg, fixture["arch"], work)
+                family_oracle.fixture_path(a.out, name).write_text(json.dumps(fixture, separators=(",", ":")) + "\n")
+                print(json.dumps({"case": name, "q8_0": "remade", "seconds": round(time.time() - t0, 1)}), flush=True)
+                continue
             if a.only_q4_k_m:
                 if name not in family_oracle.QUANTIZED:
                     continue

@@ -1,0 +1,171 @@
+"""phi3 with a sliding window on every layer (Phi-3-mini-4k: 2047 tokens) keeps only the blocks its
+window still reaches, as gemma's sliding layers do (tests/unit/test_kv_groups.py): every layer in one
+sliding group, the full-attention pool holding block tables and the prefix index at 0 bytes a block.
+Outputs equal transformers' and the one-pool masked path; resends reuse their prefix; slot files carry
+the window's rows; ``--cache-reuse`` stays off; the budget and the memory estimate count the window."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers", reason="transformers is a test-only dependency ([test] extra)")
+
+import family_models as fmod  # noqa: E402
+from kvserve.config import EngineConfig  # noqa: E402
+from kvserve.engine.core import EngineCore  # noqa: E402
+from kvserve.engine.kv_budget import kv_layout, plan_pool, window_groups  # noqa: E402
+from kvserve.engine.request import Request, SamplingParams  # noqa: E402
+from kvserve.models.build import load_files  # noqa: E402
+from kvserve.models.phi3 import Phi3Config, Phi3Model  # noqa: E402
+
+W = 32  # the window (tokens); blocks of 16
+
+
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory):
+    """A tiny phi3 (2 layers, both sliding over 32 tokens) as an HF directory, its transformers model
+    and the tokenizer's end-of-generation ids (banned by ignore_eos, so the reference bans them too)."""
+    model = fmod.build("phi3", seed=7, sliding_window=W)
+    path = str(fmod.save_hf(model, tmp_path_factory.mktemp("phi3w") / "hf"))
+    return path, model, sorted(load_files(path).tokenizer.eog_token_ids)
+
+
+def _core(path: str, **cfg) -> EngineCore:
+    cfg = {"n_ctx": 512, "dtype": "float32", "kv_dtype": "f32", "max_num_batched_tokens": 64, **cfg}
+    return EngineCore(load_files(path), EngineConfig(**cfg))
+
+
+def _run(core: EngineCore, rid: str, ids: list[int], n: int = 16, slot: int = -1) -> tuple[list[int], int, int]:
+    """Greedy ``n`` tokens of ``ids``: (tokens, the most blocks the sliding group held, cache_n)."""
+    core.add_request(Request(rid, ids, SamplingParams(n_predict=n, temperature=0.0, ignore_eos=True),
+                             priority_slot=slot))
+    toks, most, cached = [], 0, None
+    while core.has_work():
+        for out in core.step():
+            if out.request_id == rid:
+                toks += out.new_token_ids
+                cached = out.num_cached_tokens
+        if rid in core.scheduler.requests:  # the sliding group's blocks, else the one pool's
+            table = core.kv.group_table(0, rid) if core.kv.groups else core.kv.block_table(rid)
+            most = max(most, sum(1 for b in table if b))
+    return toks, most, cached
+
+
+def _cfg(**kw) -> Phi3Config:
+    base = dict(arch="phi3", n_vocab=32064, n_embd=3072, n_layer=32, n_head=32, n_head_kv=32, head_dim=96,
+                n_ff=8192, n_ctx_train=4096, rms_eps=1e-5, rope_freq_base=10000.0, rope_dim=96, window=2047)
+    return Phi3Config(**{**base, **kw})
+
+
+def test_every_layer_in_one_group_and_the_budget_as_one_pool():
+    """Phi-3-mini-4k's shape at -c 16384: one group of all 32 layers, 0 bytes a full-pool block; the
+    group's pool two windows a slot and a chunk, capped by the one pool's plan; a budget plans the
+    pool as without groups (the same blocks), and the group never costs more than that pool."""
+    c = _cfg()
+    assert window_groups(c) == ((2047, tuple(range(32))),)
+    assert window_groups(c, 2047) == ()  # a window as long as the context: full attention, one pool
+    assert window_groups(_cfg(window=0)) == ()
+    lay = kv_layout(c, block_size=16, n_slots=1, max_num_batched_tokens=512, kv_dtype="f16", n_ctx_slot=16384)
+    per_block = 32 * 2 * 32 * 96 * 2 * 16  # every layer's K and V, f16, 16 tokens
+    assert (lay.block_bytes, lay.all_block_bytes, lay.window_block_bytes) == (0, per_block, (per_block,))
+    assert lay.window_pool_blocks == (2 * (128 + 2) + 32,)
+    # 16384 tokens: 1024 + 1 blocks unwindowed; the window pool 292 (0.285 of it)
+    assert lay.group_blocks(1025, 1) == [292]
+    assert lay.kv_bytes(1025, 1) == 292 * per_block
+    assert lay.group_blocks(100, 1) == [100]  # never more than the one pool's blocks
+    kw = dict(n_ctx=16384, n_ctx_slot=16384, n_slots=1, block_size=16, source="--kv-cache-memory-bytes")
+    for budget in (2000 * per_block, 1024 * per_block, 1500 * per_block + 7):
+        windowed = plan_pool(budget_bytes=budget, block_bytes=lay.block_bytes, windows=lay.costs(), **kw)
+        one_pool = plan_pool(budget_bytes=budget, block_bytes=per_block, **kw)
+        assert windowed == one_pool and windowed.active_blocks == 1024
+        assert lay.kv_bytes(windowed.active_blocks, 1) <= budget
+    from kvserve.engine.kv_budget import KVCacheMemoryError
+
+    with pytest.raises(KVCacheMemoryError, match="estimated maximum model length is 16368"):
+        plan_pool(budget_bytes=1024 * per_block - 1, block_bytes=0, windows=lay.costs(), **kw)
+
+
+def test_long_sequence_holds_the_window_and_equals_the_masked_path(phi3, monkeypatch):
+    """A 150-token prompt in 64-token chunks and 16 greedy tokens: equal transformers' and the one-pool
+    masked path (``window_kv_views`` off) token for token, with the group holding at most 6 blocks
+    (a chunk and the 31 tokens before it) against the masked path's 11 (every token). A resend of the
+    prompt and its answer reuses all but its last token (cache_n 165) and agrees again."""
+    path, model, eog = phi3
+    core = _core(path)
+    assert [g.window for g in core.kv.groups] == [W] and core.runner.layer_group == [0, 0]
+    assert core.kv_layout.block_bytes == 0
+    # 4 slots: the group's pool two windows a slot (2 + 2 blocks) and a 64-token chunk (4 blocks)
+    assert len(core.kv.groups[0].blocks) == 1 + 4 * 2 * (2 + 2) + 4 + core.kv.host_blocks
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, 300) for _ in range(150)]
+    want = fmod.reference_greedy(model, prompt, 16, eog)
+    assert len(set(want)) >= 8
+    toks, most, cached = _run(core, "a", prompt)
+    assert (toks, most, cached) == (want, 6, 0)
+    longer = prompt + toks
+    toks2, most2, cached2 = _run(core, "b", longer)
+    assert cached2 == len(longer) - 1 == 165
+    assert most2 == 3
+    assert toks2 == fmod.reference_greedy(model, longer, 16, eog)
+
+    monkeypatch.setattr(Phi3Model, "window_kv_views", False)  # one pool for every layer, masked
+    masked = _core(path)
+    assert masked.kv.groups == [] and masked.model.window == W
+    assert _run(masked, "a", prompt) == (want, 11, 0)  # 166 tokens: every block kept
+    assert _run(masked, "b", longer) == (toks2, 12, 165)
+
+
+def test_slot_files_and_cache_reuse_with_every_layer_sliding(phi3, tmp_path, caplog):
+    """A slot of 107 tokens is saved with every layer from block 4 (the query at 106 reads from 75
+    on); restored into a fresh engine, the continuation equals the uninterrupted one and reuses the
+    same prefix. ``--cache-reuse`` is refused with llama-server's line (a shift cannot be exact)."""
+    from kvserve.engine.slot_file import HEADER, read_slot_file
+
+    path, _, _ = phi3
+    core = _core(path, n_parallel=1)
+    with caplog.at_level("WARNING", logger="kvserve.engine"):
+        core.add_request(Request("x", list(range(3, 43)), SamplingParams(n_predict=2, temperature=0.0,
+                                                                        ignore_eos=True, n_cache_reuse=4)))
+    assert "cache_reuse is not supported by this context, it will be disabled" in caplog.text
+    assert not core.kv.can_shift
+    while core.has_work():
+        core.step()
+    prompt = [(7 * i) % 290 + 3 for i in range(100)]
+    _run(core, "p", prompt, 8, slot=0)
+    parked = core.slot_tokens(0)
+    assert len(parked) == 107
+    f = tmp_path / "s.bin"
+    assert core.save_slot(0, str(f)) == {"n_saved": 107, "n_written": f.stat().st_size}
+    hdr, toks, layers, _ = read_slot_file(str(f), **core.slot_file_spec())
+    assert hdr.version == 3 and toks == parked and hdr.layer_first == (64, 64)
+    assert [k.shape[0] for k, _ in layers] == [43, 43]
+    c = core.model_config
+    row = c.n_head_kv * c.head_dim * 4
+    assert f.stat().st_size == HEADER.size + 4 * 107 + 4 * 2 + 2 * 43 * 2 * row
+    nxt = parked + [77, 78, 79]
+    ref, _, ref_cached = _run(core, "u", nxt, 12, slot=0)
+    assert ref_cached == 107
+    fresh = _core(path, n_parallel=1)
+    assert fresh.restore_slot(0, str(f)) == {"n_restored": 107, "tokens": parked, "n_read": f.stat().st_size}
+    assert [i for i, b in enumerate(fresh.kv.groups[0].parked_table("slot:0")) if b] == [4, 5, 6]
+    got, _, cached = _run(fresh, "r", nxt, 12, slot=0)
+    assert (got, cached) == (ref, 107)
+
+
+def test_memory_estimate_counts_the_window(phi3):
+    """The model manager's prediction at -c 4096 -np 2 -b 256, f16: both layers at two windows a slot
+    (2 + 2 blocks each) and one step's chunk (16 blocks): 32 blocks of 256 (0.125 of a full cache)."""
+    from kvserve.serving.args import parse_args
+    from kvserve.serving.chat_runner import estimate_runner_memory
+    from kvserve.serving.manager import ModelSpec
+
+    path, _, _ = phi3
+    c = load_files(path).config
+    per_token = c.n_layer * 2 * c.n_head_kv * c.head_dim * 2  # every layer's K and V, f16
+    args = parse_args(["-m", path, "-c", "4096", "-np", "2", "-b", "256", "--cache-ram", "0"], environ={})
+    kv = estimate_runner_memory(args, ModelSpec("m", path)).kv
+    assert kv == (2 * 2 * (2 + 2) + 256 // 16) * 16 * per_token
+    assert round(kv / (4096 * per_token), 3) == 0.125
