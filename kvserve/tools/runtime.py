@@ -278,19 +278,27 @@ def _first_status(fd: int, wait_s: float = _REAPER_START_S) -> bytes:
 
 async def _spawn(argv: list[str], cwd: str | None, stdin: bool,
                  limit_s: float = _REAPER_START_S) -> tuple[subprocess.Popen, _Status]:
-    """``argv`` through :func:`kvserve.procs.spawn_async`: a new session (its own process group),
-    every other descriptor of the server closed (``close_fds``: uvloop's own spawn lets its sockets
-    and pipes leak into the child, where a background grandchild would hold the output open and a
-    command could write into the server's descriptors), SIGKILLed by the kernel if kvserve dies;
-    stdout and stderr into one pipe. On Linux ``argv`` runs under the reaper (kvserve/tools/reaper.py,
-    the process spawned here and the group's leader), which kills every descendant of the command
-    when the call ends, those that left its session included. The reaper gets
-    :data:`_REAPER_START_S` seconds to start the command, or the call's ``limit_s`` when shorter.
+    """``argv`` for a tool call (:func:`spawn_reaped`): stdin from a pipe (``stdin``) or ``/dev/null``,
+    stdout and stderr into one pipe. Raises as :func:`spawn_reaped`."""
+    kw = dict(cwd=cwd or None, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return await spawn_reaped(argv, limit_s, **kw)
+
+
+async def spawn_reaped(argv: list[str], limit_s: float = _REAPER_START_S,
+                       **kw) -> tuple[subprocess.Popen, _Status]:
+    """``argv`` through :func:`kvserve.procs.spawn_async` (``kw``: its pipes, cwd, env): a new session (its own
+    process group), every other descriptor of the server closed (``close_fds``: uvloop's own spawn lets
+    its sockets and pipes leak into the child, where a background grandchild would hold the output open
+    and a command could write into the server's descriptors), SIGKILLed by the kernel if kvserve dies.
+    On Linux ``argv`` runs under the reaper (kvserve/tools/reaper.py, the process spawned here and the
+    group's leader; the command leads a group of its own, ``_Status.pgid``), which kills every
+    descendant of the command when told to (SIGTERM: :func:`kill_group`), those that left its session
+    included. The reaper gets :data:`_REAPER_START_S` seconds to start the command, or ``limit_s`` when
+    shorter. Tool commands (:func:`stream_process`) and MCP stdio servers (kvserve/tools/mcp.py) start here.
 
     Raises OSError: ``argv`` cannot run (the reaper reports exec's errno); _StartTimeout (an OSError):
     ``limit_s`` (< :data:`_REAPER_START_S`) passed before the reaper had started it."""
-    kw = dict(cwd=cwd or None, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if not USE_REAPER:
         proc = await procs.spawn_async(argv, **kw)
         return proc, _Status(proc, None, proc.pid)
@@ -312,7 +320,7 @@ async def _spawn(argv: list[str], cwd: str | None, stdin: bool,
     if not (first.startswith(b"S") and first[1:].isdigit()):
         os.close(r)
         _kill_group_soon(proc.pid)
-        for pipe in (proc.stdin, proc.stdout):
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
         proc.wait()
