@@ -119,7 +119,9 @@ def tool_call_grammar(parser_name: str, tools: list[dict], *, required_name: str
         ValueError: unknown parser, no tools, ``required_name`` not among them, a schema
             xgrammar cannot convert, or (pythonic) a name/property that is not an identifier.
     """
-    import xgrammar as xgr
+    from kvserve.structured.xgr import xgrammar_module
+
+    xgr = xgrammar_module()
     from xgrammar import structural_tag as st
 
     if parser_name not in TOOL_GRAMMAR_FORMATS:

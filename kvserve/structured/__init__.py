@@ -5,13 +5,15 @@
 - :mod:`kvserve.structured.gbnf`: llama.cpp GBNF -> xgrammar EBNF;
 - :mod:`kvserve.structured.regex`: which regular expressions are accepted, and Python's ``.``;
 - :mod:`kvserve.structured.xgrammar_text`: xgrammar's error texts, cleaned for a client;
+- :mod:`kvserve.structured.xgr`: imports xgrammar without transformers (which it needs only for HF hooks);
 - :mod:`kvserve.structured.backend`: compile cache and the per-request matcher (the engine's
   ``Request.grammar`` hook).
 
 Imports go one way, down this list (imports inside functions included)::
 
-    backend -> spec -> schema -> regex, xgrammar_text
-    backend -> gbnf, regex, schema, xgrammar_text
+    backend -> spec -> schema -> regex, xgrammar_text, xgr
+    backend -> gbnf, regex, schema, xgrammar_text, xgr
+    batch -> xgr
 
 ``spec`` and ``schema`` never import ``backend``. Nothing here imports ``kvserve.faces`` or
 ``kvserve.serving``: malformed input raises :class:`kvserve.errors.InvalidInputError`, which a

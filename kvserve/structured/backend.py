@@ -45,6 +45,7 @@ from kvserve.structured.gbnf import GbnfError, gbnf_to_ebnf
 from kvserve.structured.regex import RegexError, check_anchors, python_dots
 from kvserve.structured.schema import SchemaError, check_schema
 from kvserve.structured.spec import ConstraintSpec
+from kvserve.structured.xgr import xgrammar_module
 from kvserve.structured.xgrammar_text import clean_error
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -168,8 +169,7 @@ class GrammarConstraint:
 
     def __init__(self, matcher: xgrammar.GrammarMatcher, n_vocab: int, vocab_size: int, stop_ids: list[int],
                  text: str):
-        import xgrammar as xgr
-
+        xgr = xgrammar_module()
         self._matcher = matcher
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # int32 [1, ceil(vocab_size / 32)]
         self._n_vocab = int(n_vocab)
@@ -302,8 +302,7 @@ class GrammarBackend:
     def _get_compiler(self):
         with self._lock:
             if self._compiler is None:
-                import xgrammar as xgr
-
+                xgr = xgrammar_module()
                 tok = self.tokenizer
                 eog = set(self.stop_ids)
                 vocab = [b"" if i in eog else tok.token_bytes(i, special=False) for i in range(len(tok))]
@@ -317,8 +316,7 @@ class GrammarBackend:
 
     def _grammar(self, spec: ConstraintSpec):
         """The ``xgrammar.Grammar`` for a spec and the text to report; raises InvalidInputError."""
-        import xgrammar as xgr
-
+        xgr = xgrammar_module()
         kind, value = spec.kind, spec.value
         try:
             if kind == "grammar":
@@ -400,8 +398,7 @@ class GrammarBackend:
                 the fill runs on to its end in its thread).
             UnavailableError: :data:`MAX_RUNAWAY_PROBES` such fills are still running (503).
         """
-        import xgrammar as xgr
-
+        xgr = xgrammar_module()
         settled = threading.Event()  # set by whichever comes first: the end of the fill, or the timeout
 
         def fill():
@@ -455,8 +452,7 @@ class GrammarBackend:
             InvalidInputError: a spec that does not compile, or a ``prefill`` the constraint
                 does not allow.
         """
-        import xgrammar as xgr
-
+        xgr = xgrammar_module()
         entry = self.compile(spec)
         matcher = xgr.GrammarMatcher(entry.compiled)
         if prefill and not matcher.accept_string(prefill):

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.structured.xgr import xgrammar_module
+
 log = logging.getLogger("kvserve.structured")
 
 __all__ = ["STATS", "MaskBatch", "MaskStats", "fill_masks", "prefetch_masks"]
@@ -95,8 +97,7 @@ class _Worker:
     that, which at one constrained row is as much as the mask)."""
 
     def __init__(self) -> None:
-        import xgrammar as xgr
-
+        xgr = xgrammar_module()
         self.xgr = xgr
         #: xgrammar's BatchGrammarMatcher, used where it has cores to spread rows over (see fill_masks)
         self.threads = _batch_threads()

@@ -60,6 +60,7 @@ import math
 from typing import Any
 
 from kvserve.structured.regex import RegexError, check_json_pattern
+from kvserve.structured.xgr import xgrammar_module
 from kvserve.structured.xgrammar_text import clean_error
 
 __all__ = ["FORMATS", "MAX_SCHEMA_DEPTH", "MAX_SCHEMA_NODES", "SchemaError", "check_schema", "check_size"]
@@ -386,8 +387,7 @@ def _check_regex(pattern: Any, where: str) -> None:
         check_json_pattern(pattern)
     except RegexError as e:
         raise SchemaError(f"{where} ({pattern!r}) is not supported: {e}") from None
-    import xgrammar as xgr
-
+    xgr = xgrammar_module()
     try:
         xgr.Grammar.from_regex(pattern)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError subclasses

@@ -33,8 +33,9 @@ What happens, as llama-server's ``server_mcp`` (tools/server/server-mcp.cpp) doe
   other calls in flight to it end with ``transport closed``.
 - stop (:meth:`McpManager.begin_stop`, then :meth:`McpManager.aclose`): in-flight calls end at
   once with ``{"error": "cancelled"}`` and every server's process group is killed (a stdio server
-  runs in its own session and process group, so the grandchildren it spawned die with it, even
-  when it exits by itself first).
+  runs in its own session and process group, under the tools' reaper on Linux as shell commands do,
+  kvserve/tools/reaper.py: the grandchildren it spawned die with it, even those that left its session
+  and group, and even when it exits by itself first).
 
 Bounds: every request and the warm-up have a deadline; one line of a stdio server's output is
 at most :data:`MAX_LINE_BYTES` (a longer line is dropped); a call's answer text at most
@@ -61,7 +62,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve import procs
+from kvserve.tools import runtime
 from kvserve.tools.base import BaseTool, UnknownToolError
 
 log = logging.getLogger("kvserve.tools.mcp")
@@ -211,12 +212,15 @@ class _PipedChild:
     :data:`MAX_LINE_BYTES` as ``create_subprocess_exec(limit=...)`` would."""
 
     def __init__(self, popen: subprocess.Popen, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader,
-                 stderr: asyncio.StreamReader):
-        self.popen, self.pid = popen, popen.pid
+                 stderr: asyncio.StreamReader, status=None):
+        #: ``popen``: the reaper (kvserve/tools/reaper.py) where ``status`` (its status pipe) is given, else the server
+        self.popen, self.status = popen, status
+        #: the server's own pid (its process group's id too)
+        self.pid = status.pgid if status is not None else popen.pid
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
 
     @classmethod
-    async def wrap(cls, popen: subprocess.Popen) -> "_PipedChild":
+    async def wrap(cls, popen: subprocess.Popen, status=None) -> "_PipedChild":
         loop = asyncio.get_running_loop()
         readers = []
         for pipe in (popen.stdout, popen.stderr):
@@ -225,19 +229,39 @@ class _PipedChild:
             readers.append(reader)
         transport, protocol = await loop.connect_write_pipe(lambda: asyncio.streams.FlowControlMixin(loop=loop),
                                                             popen.stdin)
-        return cls(popen, asyncio.StreamWriter(transport, protocol, None, loop), *readers)
+        return cls(popen, asyncio.StreamWriter(transport, protocol, None, loop), *readers, status)
 
     @property
     def returncode(self) -> int | None:
+        """The server's exit code (None while it runs; under the reaper, from its status pipe)."""
+        if self.status is not None:
+            return self.status.returncode() if self.status.exited() else None
         return self.popen.poll()
 
     async def wait(self) -> int:
-        """The exit code, polled (no child watcher: the process was not started by asyncio)."""
+        """The exit code of the spawned process (the reaper's, which ends once the server and all it
+        started have ended), polled (no child watcher: the process was not started by asyncio)."""
         pause = 0.005
         while (rc := self.popen.poll()) is None:
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.1)
         return rc
+
+    def close_status(self) -> None:
+        if self.status is not None:
+            self.status.close()
+
+
+def _kill(spawned: int, status) -> None:
+    """Signal-safe: end a stdio server spawned as ``spawned`` (the reaper where ``status`` is given)."""
+    if status is not None:
+        with suppress(ProcessLookupError, PermissionError):
+            os.kill(spawned, signal.SIGTERM)
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(status.pgid, signal.SIGKILL)
+        return
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(spawned, signal.SIGKILL)
 
 
 class _StdioProcess:
@@ -254,27 +278,32 @@ class _StdioProcess:
         return self.proc.pid if self.proc is not None else None
 
     async def spawn(self) -> None:
-        """Start the program through :func:`kvserve.procs.spawn_async` (its own process group, no
-        inherited descriptors, SIGKILLed by the kernel if kvserve dies) with its three pipes as
-        asyncio streams. Raises OSError (no such program, bad cwd)."""
+        """Start the program as tool commands start (:func:`kvserve.tools.runtime.spawn_reaped`: under
+        the reaper on Linux, so every process it starts dies with it, those that left its session
+        included; its own process group; no inherited descriptors; the reaper SIGTERMed by the kernel
+        if kvserve dies) with its three pipes as asyncio streams. Raises OSError (no such program,
+        bad cwd)."""
         env = {**os.environ, **self.cfg.env}
-        popen = await procs.spawn_async([self.cfg.command, *self.cfg.args], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                        cwd=self.cfg.cwd or None)
+        popen, status = await runtime.spawn_reaped(
+            [self.cfg.command, *self.cfg.args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env=env, cwd=self.cfg.cwd or None)
+        if status.fd is None:  # no reaper (not Linux): the server is the spawned process
+            status = None
         try:
-            self.proc = await _PipedChild.wrap(popen)
+            self.proc = await _PipedChild.wrap(popen, status)
         except BaseException:
-            with suppress(ProcessLookupError, PermissionError):
-                os.killpg(popen.pid, signal.SIGKILL)
+            _kill(popen.pid, status)
             await asyncio.to_thread(popen.wait)
+            if status is not None:
+                status.close()
             raise
 
     def kill_group(self) -> None:
-        """SIGKILL the whole process group (the server and every descendant still in it)."""
-        if self.proc is None:
-            return
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        """Signal-safe: kill the server and everything it started: under the reaper, SIGTERM the reaper
+        (it SIGKILLs every descendant, those that left the group included, then exits) and SIGKILL the
+        server's process group at once; else SIGKILL the server's process group."""
+        if self.proc is not None:
+            _kill(self.proc.popen.pid, self.proc.status)
 
     def diagnostics(self) -> str:
         tail = self.stderr_tail.decode("utf-8", "replace").strip()
@@ -372,6 +401,10 @@ async def stdio_transport(proc: _StdioProcess):
         await asyncio.gather(*tasks, return_exceptions=True)
         with suppress(Exception):
             await asyncio.wait_for(p.wait(), 2.0)
+        if p.popen.poll() is None:  # a reaper that did not finish in time: its group (and it) now
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.popen.pid, signal.SIGKILL)
+        p.close_status()
         proc.exited.set()
 
 

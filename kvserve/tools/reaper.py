@@ -7,6 +7,10 @@ its parent is reparented to it instead of init, whatever session or group it mov
 reaper's children are always the command's whole remaining tree. Then:
 
 - ARGV runs in a process group of its own (its pid), the reaper stays in the one kvserve made;
+- ARGV's parent is not the reaper but a fork of it that only waits (:func:`_middle`): a command that
+  kills its parent (``kill -9 $PPID``) kills that one, and the command and everything it started are
+  reparented to the reaper, which still kills them at the end and still reports the command's exit
+  status (the middle process waits for the command without reaping it, so the reaper reaps it);
 - it reports on ``STATUS_FD`` (a pipe to kvserve): ``S<pid>\\n`` once ARGV is running, or ``E<errno>\\n`` when
   it could not be run (the reaper then exits 127); ``X<code>\\n`` when ARGV's own process ended
   (``code`` as :attr:`subprocess.Popen.returncode`: the exit status, or -SIGNAL);
@@ -105,26 +109,24 @@ def _kill_all(main: int, fd: int) -> None:
         time.sleep(0.001)
 
 
-def main() -> None:
-    fd = int(sys.argv[1])
-    argv = sys.argv[2:]
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    parent = os.getppid()
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)  # kvserve gone: clean up (was SIGKILL)
-    if os.getppid() != parent or parent == 1:
-        os._exit(1)
-    check_r, check_w = os.pipe2(os.O_CLOEXEC)
-    main_pid = -1
+def _middle(info_w: int, status_fd: int, argv: list[str], libc) -> None:
+    """The process between the reaper and the command (a fork of the reaper, never exec'd): the
+    command's parent, so the command's ``$PPID`` is not the reaper and a command that kills its parent
+    (``kill -9 $PPID``) kills only this one; the command and its descendants are then reparented to
+    the reaper (the nearest child subreaper), which still kills them all and still reaps the command
+    for its exit code. Forks and execs ARGV, writes ``S<pid>`` or ``E<errno>`` on ``info_w``, waits for
+    the command to end *without reaping it* (``waitid(WNOWAIT)``) and exits: the command's zombie goes
+    to the reaper, which reaps it and reports its status. Never returns."""
     try:
-        main_pid = os.fork()
-        if main_pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the reaper's handler (its cleanup is its own)
+        os.close(status_fd)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the reaper gone: nothing to wait for
+        check_r, check_w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:
             try:
                 os.close(check_r)
-                os.close(fd)
+                os.close(info_w)
                 # SIGPIPE, SIGXFSZ: Python ignores them, and the command would inherit that (subprocess restores them)
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ):
                     signal.signal(sig, signal.SIG_DFL)
@@ -141,9 +143,54 @@ def main() -> None:
             err += chunk
         os.close(check_r)
         if err:
-            _report(fd, f"E{int(err)}\n")
-            os.waitpid(main_pid, 0)
+            os.waitpid(pid, 0)
+            os.write(info_w, b"E%d\n" % int(err))
             os._exit(127)
+        os.write(info_w, b"S%d\n" % pid)
+        os.close(info_w)
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except OSError as e:  # fork failed (EAGAIN, ENOMEM): the reaper reports it as exec's errno
+        try:
+            os.write(info_w, b"E%d\n" % (e.errno or errno.EAGAIN))
+        except OSError:
+            pass
+    finally:
+        os._exit(0)
+
+
+def main() -> None:
+    fd = int(sys.argv[1])
+    argv = sys.argv[2:]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    parent = os.getppid()
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)  # kvserve gone: clean up (was SIGKILL)
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)
+    main_pid = -1
+    try:
+        info_r, info_w = os.pipe2(os.O_CLOEXEC)
+        if os.fork() == 0:
+            os.close(info_r)
+            _middle(info_w, fd, argv, libc)
+        os.close(info_w)
+        first = b""
+        while chunk := os.read(info_r, 64):
+            first += chunk
+        os.close(info_r)
+        if not first.startswith((b"S", b"E")):  # the middle process was killed before it could tell
+            _report(fd, f"E{errno.ECHILD}\n")
+            _kill_all(main_pid, fd)
+            os._exit(127)
+        if first.startswith(b"E"):
+            _report(fd, first.decode())
+            while _reap(main_pid, fd, True):
+                pass
+            os._exit(127)
+        main_pid = int(first[1:])
         _report(fd, f"S{main_pid}\n")
         null = os.open(os.devnull, os.O_RDWR)
         for std in (0, 1, 2):  # the command's pipes are its own: EOF comes when its processes close them

@@ -57,7 +57,8 @@ _KILL_WINDOW = 2.0
 #: the reaper every command runs under (Linux: kvserve/tools/reaper.py, see :func:`stream_process`)
 _REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
 USE_REAPER = sys.platform.startswith("linux")
-#: seconds the reaper may take to start the command, and to clean up when told to
+#: seconds the reaper may take to start the command (at most: a call's shorter timeout bounds it), and
+#: to clean up when told to
 _REAPER_START_S = 10.0
 _REAPER_STOP_S = 2.0
 
@@ -255,10 +256,15 @@ class _Status:
             self.fd = None
 
 
-def _first_status(fd: int) -> bytes:
-    """The reaper's first line (``S<pid>`` or ``E<errno>``); b"" when none came in time (a worker thread)."""
+class _StartTimeout(OSError):
+    """The call's time ran out before the reaper had started the command (reported as a timeout)."""
+
+
+def _first_status(fd: int, wait_s: float = _REAPER_START_S) -> bytes:
+    """The reaper's first line (``S<pid>`` or ``E<errno>``); b"" when none came within ``wait_s`` seconds
+    (a worker thread)."""
     out = b""
-    end = time.monotonic() + _REAPER_START_S
+    end = time.monotonic() + wait_s
     while not out.endswith(b"\n") and len(out) < 64:
         left = end - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
@@ -270,18 +276,29 @@ def _first_status(fd: int) -> bytes:
     return out.strip()
 
 
-async def _spawn(argv: list[str], cwd: str | None, stdin: bool) -> tuple[subprocess.Popen, _Status]:
-    """``argv`` through :func:`kvserve.procs.spawn_async`: a new session (its own process group),
-    every other descriptor of the server closed (``close_fds``: uvloop's own spawn lets its sockets
-    and pipes leak into the child, where a background grandchild would hold the output open and a
-    command could write into the server's descriptors), SIGKILLed by the kernel if kvserve dies;
-    stdout and stderr into one pipe. On Linux ``argv`` runs under the reaper (kvserve/tools/reaper.py,
-    the process spawned here and the group's leader), which kills every descendant of the command
-    when the call ends, those that left its session included.
-
-    Raises OSError: ``argv`` cannot run (the reaper reports exec's errno)."""
+async def _spawn(argv: list[str], cwd: str | None, stdin: bool,
+                 limit_s: float = _REAPER_START_S) -> tuple[subprocess.Popen, _Status]:
+    """``argv`` for a tool call (:func:`spawn_reaped`): stdin from a pipe (``stdin``) or ``/dev/null``,
+    stdout and stderr into one pipe. Raises as :func:`spawn_reaped`."""
     kw = dict(cwd=cwd or None, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return await spawn_reaped(argv, limit_s, **kw)
+
+
+async def spawn_reaped(argv: list[str], limit_s: float = _REAPER_START_S,
+                       **kw) -> tuple[subprocess.Popen, _Status]:
+    """``argv`` through :func:`kvserve.procs.spawn_async` (``kw``: its pipes, cwd, env): a new session (its own
+    process group), every other descriptor of the server closed (``close_fds``: uvloop's own spawn lets
+    its sockets and pipes leak into the child, where a background grandchild would hold the output open
+    and a command could write into the server's descriptors), SIGKILLed by the kernel if kvserve dies.
+    On Linux ``argv`` runs under the reaper (kvserve/tools/reaper.py, the process spawned here and the
+    group's leader; the command leads a group of its own, ``_Status.pgid``), which kills every
+    descendant of the command when told to (SIGTERM: :func:`kill_group`), those that left its session
+    included. The reaper gets :data:`_REAPER_START_S` seconds to start the command, or ``limit_s`` when
+    shorter. Tool commands (:func:`stream_process`) and MCP stdio servers (kvserve/tools/mcp.py) start here.
+
+    Raises OSError: ``argv`` cannot run (the reaper reports exec's errno); _StartTimeout (an OSError):
+    ``limit_s`` (< :data:`_REAPER_START_S`) passed before the reaper had started it."""
     if not USE_REAPER:
         proc = await procs.spawn_async(argv, **kw)
         return proc, _Status(proc, None, proc.pid)
@@ -294,7 +311,8 @@ async def _spawn(argv: list[str], cwd: str | None, stdin: bool) -> tuple[subproc
     finally:
         os.close(w)
     try:
-        first = await in_thread(_first_status, r)
+        wait_s = min(_REAPER_START_S, max(limit_s, 0.0))
+        first = await in_thread(_first_status, r, wait_s)
     except BaseException:
         os.close(r)
         _kill_group_soon(proc.pid)
@@ -302,13 +320,15 @@ async def _spawn(argv: list[str], cwd: str | None, stdin: bool) -> tuple[subproc
     if not (first.startswith(b"S") and first[1:].isdigit()):
         os.close(r)
         _kill_group_soon(proc.pid)
-        for pipe in (proc.stdin, proc.stdout):
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
         proc.wait()
         if first.startswith(b"E") and first[1:].isdigit():
             code = int(first[1:])
             raise OSError(code, os.strerror(code), argv[0])
+        if not first and wait_s < _REAPER_START_S:
+            raise _StartTimeout("the call's time ran out before its command started")
         raise OSError("the command's reaper did not start")
     os.set_blocking(r, False)
     return proc, _Status(proc, r, int(first[1:]))
@@ -353,7 +373,10 @@ async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, ma
     res = result if result is not None else ProcessResult("", -1)
     limit = max(0.0, min(timeout_s, ctx.remaining()))
     try:
-        proc, status = await _spawn(argv, cwd, stdin is not None)
+        proc, status = await _spawn(argv, cwd, stdin is not None, limit)
+    except _StartTimeout:
+        res.output, res.exit_code, res.timed_out = "", -1, True
+        return
     except (OSError, ValueError, subprocess.SubprocessError) as e:
         res.output = f"failed to spawn process: {e.strerror or e}" if isinstance(e, OSError) else \
             "failed to spawn process"

@@ -154,10 +154,11 @@ def test_escaped_child_dies_when_kvserve_is_sigkilled(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.xfail(strict=True, reason="brk2: a command that SIGKILLs its reaper ($PPID) escapes it: its setsid "
-                                       "child outlives the call (reparented to init) and the call reports the "
-                                       "reaper's -9 as the command's exit code although the command exited 0")
 def test_command_that_kills_its_reaper_leaves_nothing_behind(tmp_path):
+    """brk2: a command that SIGKILLs its parent ($PPID, which was the reaper) escaped it: its setsid child
+    outlived the call (reparented to init) and the call reported the reaper's -9 as the command's exit
+    code although the command exited 0. The command's parent is now a fork of the reaper that only
+    waits; killing it hands the command and its children to the reaper (the subreaper above it)."""
     marker = f"{uuid.uuid4().int % 10**6 + 10**6}"
     reg = ToolRegistry.from_names("exec_shell_command")
     try:
@@ -193,3 +194,22 @@ def test_commands_get_sigpipe_and_sigxfsz_at_their_default(tmp_path):
         assert ignored & (1 << (signal.SIGPIPE - 1) | 1 << (signal.SIGXFSZ - 1)) == 0, out
     finally:
         reg.close()
+
+
+def test_reaper_start_wait_is_bounded_by_the_calls_timeout(tmp_path, monkeypatch):
+    """The reaper's start-up wait (10 s) ignored a shorter call timeout: a call with a 0.5 s timeout whose
+    reaper was slow to start took 10 s and reported ``failed to spawn process``. It now ends at its
+    timeout, reported as one (``timed_out``), and the slow reaper is killed. (The slow reaper is a
+    stand-in script that never reports; a real one starts in milliseconds.)"""
+    from kvserve.tools import runtime
+
+    marker = f"{uuid.uuid4().int % 10**6 + 10**6}"
+    slow = tmp_path / "slow_reaper.py"
+    slow.write_text(f"import time\ntime.sleep({marker})\n")
+    monkeypatch.setattr(runtime, "_REAPER", str(slow))
+    t0 = time.monotonic()
+    res = asyncio.run(runtime.run_process(["true"], ToolContext(cwd=str(tmp_path)), 0.5, 1000))
+    took = time.monotonic() - t0
+    time.sleep(0.2)
+    assert (res.output, res.exit_code, res.timed_out, _pids_with(str(slow))) == ("", -1, True, [])
+    assert 0.4 < took < 3.0, took

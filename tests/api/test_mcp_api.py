@@ -97,8 +97,9 @@ for line in sys.stdin:
         elif name == "sleep":
             time.sleep(float(args.get("seconds", 5)))
             text(req_id, "slept")
-        elif name == "spawn":
-            g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        elif name == "spawn":  # FX_NEW_SESSION: the grandchild leaves the server's session and group
+            g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 start_new_session=bool(os.environ.get("FX_NEW_SESSION")))
             text(req_id, str(g.pid))
         elif name == "pid":
             text(req_id, str(os.getpid()))
@@ -538,3 +539,28 @@ def test_warm_up_starts_a_server_again_after_a_bad_descriptor(fixtures, monkeypa
 
 async def _raise_enoent():
     raise FileNotFoundError(2, "No such file or directory", "x")
+
+
+def test_grandchild_in_its_own_session_dies_with_the_server(fixtures):
+    """A stdio server runs under the tools' reaper (kvserve/tools/reaper.py), as shell commands do: a
+    grandchild that left the server's session and process group (``setsid``) is killed when the server
+    is stopped. Before, the server ran in a plain process group, and such a grandchild outlived it."""
+    from kvserve.tools import mcp as mcp_mod
+
+    async def run():
+        m = mcp_mod.McpManager([mcp_mod.McpServerConfig("fx", command=sys.executable, args=[str(fixtures / "fx.py")],
+                                                        env={"FX_NEW_SESSION": "1"})])
+        await m.warm_up()
+        server = int((await m.call_tool("fx", "pid", {}))["plain_text_response"])
+        child = int((await m.call_tool("fx", "spawn", {}))["plain_text_response"])
+        alive = (_alive(server), _alive(child), os.getsid(child) == child, os.getpgid(server) == server)
+        await m.aclose()
+        return server, child, alive
+
+    server, child, alive = asyncio.run(run())
+    try:
+        assert alive == (True, True, True, True)
+        assert _wait_gone([server, child], 5) == []
+    finally:
+        if _alive(child):
+            os.kill(child, 9)

@@ -1,0 +1,75 @@
+"""Import xgrammar without importing transformers (issue #29: a first request as fast as the tenth).
+
+xgrammar 0.2's package ``__init__`` imports ``transformers`` for two things kvserve never uses:
+``TokenizerInfo.from_huggingface`` (kvserve builds its TokenizerInfo from its own tokenizer's bytes,
+``VocabType.RAW``) and ``xgrammar.contrib.hf.LogitsProcessor`` (a ``transformers.generate`` hook).
+Importing transformers costs ~1.4-1.6 s of a core, most of it holding the GIL; in a server warming
+its grammar compiler in the background that stretch slowed the first requests after ``/health``
+(TTFT 2.0-3.6 s instead of 0.7-1.2 s on the 1B file). :func:`xgrammar_module` imports xgrammar
+with a stand-in ``transformers`` module in ``sys.modules`` for the length of that import: its
+classes are placeholders whose ``isinstance``/``issubclass`` checks import the real transformers
+and ask its class, so ``from_huggingface`` still works for a caller that has transformers. The
+stand-in is removed afterwards; a later ``import transformers`` loads the real package.
+
+Where transformers is already imported (or xgrammar is), the plain import is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+import types
+
+__all__ = ["xgrammar_module"]
+
+#: the names xgrammar 0.2 takes from transformers at import time
+_NAMES = ("PreTrainedTokenizerBase", "PreTrainedTokenizerFast", "LogitsProcessor")
+
+_lock = threading.Lock()
+
+
+class _Deferred(type):
+    """Metaclass of the stand-in classes: type checks against a stand-in itself are answered by the
+    real transformers class of the same name (imported then); a subclass of a stand-in (xgrammar's
+    ``contrib.hf.LogitsProcessor``) checks as an ordinary class."""
+
+    def _real(cls):
+        return getattr(importlib.import_module("transformers"), cls.__name__)
+
+    def __instancecheck__(cls, obj) -> bool:
+        if cls.__dict__.get("_kvserve_stand_in"):
+            return isinstance(obj, cls._real())
+        return super().__instancecheck__(obj)
+
+    def __subclasscheck__(cls, sub) -> bool:
+        if cls.__dict__.get("_kvserve_stand_in"):
+            return issubclass(sub, cls._real())
+        return super().__subclasscheck__(sub)
+
+
+def _stand_in() -> types.ModuleType:
+    mod = types.ModuleType("transformers", "kvserve's stand-in for transformers while xgrammar is imported")
+    for name in _NAMES:
+        setattr(mod, name, _Deferred(name, (), {"_kvserve_stand_in": True, "__module__": "transformers"}))
+    return mod
+
+
+def xgrammar_module() -> types.ModuleType:
+    """The ``xgrammar`` module, imported on first call without importing ``transformers`` (see the
+    module docstring). Thread-safe; later calls return ``sys.modules["xgrammar"]``.
+
+    Raises ImportError: xgrammar is not installed (or fails to import)."""
+    mod = sys.modules.get("xgrammar")
+    if mod is not None:
+        return mod
+    with _lock:
+        if "xgrammar" in sys.modules or "transformers" in sys.modules:
+            return importlib.import_module("xgrammar")
+        stand_in = _stand_in()
+        sys.modules["transformers"] = stand_in
+        try:
+            return importlib.import_module("xgrammar")
+        finally:
+            if sys.modules.get("transformers") is stand_in:
+                del sys.modules["transformers"]
