@@ -43,6 +43,11 @@ chunk (``cdiv(max_num_batched_tokens, block_size)``), never more than the full l
 plus one per slot. A budget pays for those pools first; one request needs its full-layer blocks
 plus ``min(its blocks, the window's and a chunk's)`` in each sliding pool.
 
+When every layer slides (phi3 with its window; a gemma3 of fewer than 6 layers) there is no
+full-attention layer: the full pool keeps the block tables and the prefix index at 0 bytes a
+block (every slot's whole context), and a budget caps each sliding pool instead
+(:attr:`PoolPlan.group_cap`); one request then needs only its window's blocks.
+
 Lower layer: no HTTP, no environment variables (the serving layer turns flags and ``VLLM_*``
 variables into :class:`~kvserve.config.EngineConfig` fields); :func:`plan_engine_pool` reads the
 host's ``MemAvailable`` (``/proc/meminfo``) on the CPU unless given a reader.
