@@ -179,7 +179,7 @@ class EngineCore:
         lay = self.kv_layout
         # a sliding group's pool: its windows' blocks, and a host tier of as many blocks as the full
         # layers' (a later prompt's hit needs the blocks before its end in every group)
-        group_blocks = [1 + n + host for n in lay.group_blocks(active, self.n_slots)]
+        group_blocks = [1 + n + host for n in lay.group_blocks(active, self.n_slots, self.pool.group_cap)]
         self.kv = KVCacheManager(num_blocks, bs, host_blocks=host,
                                  groups=[(w, nb, host) for (w, _), nb in zip(lay.windows, group_blocks)])
         for (w, layers), nb in zip(lay.windows, group_blocks):

@@ -43,6 +43,11 @@ chunk (``cdiv(max_num_batched_tokens, block_size)``), never more than the full l
 plus one per slot. A budget pays for those pools first; one request needs its full-layer blocks
 plus ``min(its blocks, the window's and a chunk's)`` in each sliding pool.
 
+When every layer slides (phi3 with its window; a gemma3 of fewer than 6 layers) there is no
+full-attention layer: the full pool keeps the block tables and the prefix index at 0 bytes a
+block (every slot's whole context), and a budget caps each sliding pool instead
+(:attr:`PoolPlan.group_cap`); one request then needs only its window's blocks.
+
 Lower layer: no HTTP, no environment variables (the serving layer turns flags and ``VLLM_*``
 variables into :class:`~kvserve.config.EngineConfig` fields); :func:`plan_engine_pool` reads the
 host's ``MemAvailable`` (``/proc/meminfo``) on the CPU unless given a reader.
@@ -126,19 +131,22 @@ class KVLayout:
     window_seq_blocks: tuple[int, ...] = ()
     window_pool_blocks: tuple[int, ...] = ()
 
-    def group_blocks(self, active_blocks: int, n_slots: int) -> list[int]:
+    def group_blocks(self, active_blocks: int, n_slots: int, cap: int | None = None) -> list[int]:
         """Blocks of each sliding group's pool for ``active_blocks`` full-layer blocks: its
         windows' need, never more than the full layers' blocks plus one per sequence. When every
-        layer slides (phi3 with its window), ``active_blocks`` is the one pool's plan (see
-        :func:`plan_pool`) and caps each group: never more memory than the one pool."""
+        layer slides (phi3 with its window; ``block_bytes`` 0), never more than ``active_blocks``
+        (what one pool of every layer would hold) nor ``cap`` (:attr:`PoolPlan.group_cap`, a
+        budget's blocks)."""
         if not self.block_bytes and self.windows:
-            return [min(p, active_blocks) for p in self.window_pool_blocks]
+            most = active_blocks if cap is None else min(active_blocks, cap)
+            return [min(p, most) for p in self.window_pool_blocks]
         return [min(p, active_blocks + max(n_slots, 1)) for p in self.window_pool_blocks]
 
-    def kv_bytes(self, active_blocks: int, n_slots: int) -> int:
-        """The pool's bytes for ``active_blocks`` full-layer blocks, sliding groups included."""
+    def kv_bytes(self, active_blocks: int, n_slots: int, cap: int | None = None) -> int:
+        """The pool's bytes for ``active_blocks`` full-layer blocks, sliding groups included
+        (``cap``: as :meth:`group_blocks`)."""
         return active_blocks * self.block_bytes + sum(
-            n * b for n, b in zip(self.group_blocks(active_blocks, n_slots), self.window_block_bytes))
+            n * b for n, b in zip(self.group_blocks(active_blocks, n_slots, cap), self.window_block_bytes))
 
     def costs(self) -> tuple[tuple[int, int, int], ...]:
         """(pool blocks, block bytes, one sequence's blocks) per group, for :func:`plan_pool`."""
@@ -210,6 +218,9 @@ class PoolPlan:
         capped_from: the blocks the budget held before the cap to what ``n_slots`` sequences
             can use at once (see the module docstring), None when not capped.
         n_slots: sequences at once (the cap's figure).
+        group_cap: when every layer slides (no full-attention layer: ``active_blocks`` are block
+            tables at 0 bytes), the most blocks each sliding group's pool may hold under the
+            budget (:meth:`KVLayout.group_blocks`); None without a budget.
     """
 
     active_blocks: int
@@ -220,6 +231,7 @@ class PoolPlan:
     max_model_len: int
     capped_from: int | None = None
     n_slots: int = 1
+    group_cap: int | None = None
 
     def lines(self, device_type: str) -> list[str]:
         """vLLM's start-up log lines for this pool (``GPU`` on CUDA, ``CPU`` on the CPU), after
@@ -279,16 +291,19 @@ def plan_pool(*, n_ctx: int, n_ctx_slot: int, n_slots: int, block_size: int, blo
             blocks) each (:meth:`KVLayout.costs`): a budget pays for their pools first, and one
             request needs ``min(its blocks, one sequence's)`` of each besides its full-layer
             blocks (``block_bytes``: the full-attention layers' alone). With ``block_bytes`` 0
-            (no full-attention layer: every layer slides) the pool is planned as one pool of every
-            layer, as without groups, and :meth:`KVLayout.group_blocks` caps each group by it.
+            (no full-attention layer: every layer slides) the full pool's blocks cost nothing:
+            it holds every slot's whole context, and a budget caps the sliding pools instead
+            (:attr:`PoolPlan.group_cap`; one request needs its window's blocks).
 
     Raises:
         KVCacheMemoryError: the budget (or the override) holds less than one request of
             ``n_ctx_slot`` tokens; or a budget of 0 bytes or less (vLLM's texts); a budget above
             ``mem_available`` (kvserve's).
     """
-    if not block_bytes and windows:  # every layer slides: planned as one pool, each group capped by it
-        block_bytes, windows = sum(b for _, b, _ in windows), ()
+    if not block_bytes and windows:  # every layer slides
+        return _plan_sliding_only(n_ctx=n_ctx, n_ctx_slot=n_ctx_slot, n_slots=n_slots, block_size=block_size,
+                                  budget_bytes=budget_bytes, source=source, num_blocks_override=num_blocks_override,
+                                  note=note, mem_available=mem_available, windows=windows)
     per_request = cdiv(n_ctx_slot, block_size)
     one_windows = sum(min(per_request, seq) * b for _, b, seq in windows)  # one request's sliding blocks
     pools = sum(n * b for n, b, _ in windows)
@@ -322,6 +337,45 @@ def plan_pool(*, n_ctx: int, n_ctx_slot: int, n_slots: int, block_size: int, blo
     tokens = active * block_size
     return PoolPlan(active, budget_bytes, source or "", tokens, tokens / n_ctx_slot, n_ctx_slot, capped_from,
                     max(n_slots, 1))
+
+
+def _plan_sliding_only(*, n_ctx: int, n_ctx_slot: int, n_slots: int, block_size: int, budget_bytes: int | None,
+                       source: str | None, num_blocks_override: int | None, note, mem_available: int | None,
+                       windows: tuple[tuple[int, int, int], ...]) -> PoolPlan:
+    """:func:`plan_pool` when every layer slides (phi3's window): the full pool keeps block tables at
+    0 bytes a block (``cdiv(n_ctx, block_size)`` plus one a slot, or every slot's whole context under
+    a budget); a budget (or ``--num-gpu-blocks-override``: blocks of every layer) caps each sliding
+    pool at what it pays for, and must hold one request's window blocks."""
+    per_request = cdiv(n_ctx_slot, block_size)
+    every = sum(b for _, b, _ in windows)  # one block of every group: every layer
+    one = sum(min(per_request, seq) * b for _, b, seq in windows)  # one request's sliding blocks
+    active = cdiv(n_ctx, block_size) + n_slots
+    cap = None
+    if budget_bytes is not None:
+        if budget_bytes <= 0:
+            raise KVCacheMemoryError(NO_MEMORY_TEXT)
+        if mem_available is not None and budget_bytes > mem_available:
+            raise KVCacheMemoryError(
+                f"{source}: the KV cache budget ({format_gib(budget_bytes)} GiB) is larger than the memory available "
+                f"on this machine ({format_gib(mem_available)} GiB MemAvailable); on the CPU the KV cache is host "
+                f"memory. Try decreasing it (one request of {n_ctx_slot} tokens needs {one / (1 << 20):.2f} MiB).")
+        cap = budget_bytes // every
+        active = max(n_slots, 1) * per_request
+    else:
+        source = "-c/-np"
+    if num_blocks_override is not None:
+        if note is not None:
+            note(logging.INFO, f"Overriding num_gpu_blocks={cap if cap is not None else active} with "
+                               f"num_gpu_blocks_override={num_blocks_override}")
+        cap, source = num_blocks_override, "--num-gpu-blocks-override"
+        active = max(n_slots, 1) * per_request
+    if cap is not None and cap * every < one:
+        raise KVCacheMemoryError(not_enough_memory_text(
+            n_ctx_slot, one, cap * every, estimate_max_model_len(cap * every, n_ctx_slot, block_size, every),
+            _FIX.get(source or "", _FIX["--kv-cache-memory-bytes"])))
+    tokens = active * block_size
+    return PoolPlan(active, budget_bytes, source or "", tokens, tokens / n_ctx_slot, n_ctx_slot, None,
+                    max(n_slots, 1), cap)
 
 
 def _check_fits(available: int, needed: int, max_model_len: int, block_size: int, block_bytes: int,

@@ -60,10 +60,13 @@ def _cfg(**kw) -> Phi3Config:
     return Phi3Config(**{**base, **kw})
 
 
-def test_every_layer_in_one_group_and_the_budget_as_one_pool():
+def test_every_layer_in_one_group_and_the_budget_pays_for_the_window():
     """Phi-3-mini-4k's shape at -c 16384: one group of all 32 layers, 0 bytes a full-pool block; the
-    group's pool two windows a slot and a chunk, capped by the one pool's plan; a budget plans the
-    pool as without groups (the same blocks), and the group never costs more than that pool."""
+    group's pool two windows a slot and a chunk (292 blocks, 0.285 of the unwindowed 1025); a budget
+    caps the group's pool at what it pays for, keeps every slot's whole context in the (free) full
+    pool, and needs only one request's window (128 + 2 + 32 blocks) where one pool needed 1024."""
+    from kvserve.engine.kv_budget import KVCacheMemoryError
+
     c = _cfg()
     assert window_groups(c) == ((2047, tuple(range(32))),)
     assert window_groups(c, 2047) == ()  # a window as long as the context: full attention, one pool
@@ -71,21 +74,25 @@ def test_every_layer_in_one_group_and_the_budget_as_one_pool():
     lay = kv_layout(c, block_size=16, n_slots=1, max_num_batched_tokens=512, kv_dtype="f16", n_ctx_slot=16384)
     per_block = 32 * 2 * 32 * 96 * 2 * 16  # every layer's K and V, f16, 16 tokens
     assert (lay.block_bytes, lay.all_block_bytes, lay.window_block_bytes) == (0, per_block, (per_block,))
-    assert lay.window_pool_blocks == (2 * (128 + 2) + 32,)
-    # 16384 tokens: 1024 + 1 blocks unwindowed; the window pool 292 (0.285 of it)
-    assert lay.group_blocks(1025, 1) == [292]
-    assert lay.kv_bytes(1025, 1) == 292 * per_block
-    assert lay.group_blocks(100, 1) == [100]  # never more than the one pool's blocks
-    kw = dict(n_ctx=16384, n_ctx_slot=16384, n_slots=1, block_size=16, source="--kv-cache-memory-bytes")
-    for budget in (2000 * per_block, 1024 * per_block, 1500 * per_block + 7):
-        windowed = plan_pool(budget_bytes=budget, block_bytes=lay.block_bytes, windows=lay.costs(), **kw)
-        one_pool = plan_pool(budget_bytes=budget, block_bytes=per_block, **kw)
-        assert windowed == one_pool and windowed.active_blocks == 1024
-        assert lay.kv_bytes(windowed.active_blocks, 1) <= budget
-    from kvserve.engine.kv_budget import KVCacheMemoryError
-
-    with pytest.raises(KVCacheMemoryError, match="estimated maximum model length is 16368"):
-        plan_pool(budget_bytes=1024 * per_block - 1, block_bytes=0, windows=lay.costs(), **kw)
+    assert lay.window_pool_blocks == (2 * (128 + 2) + 32,) and lay.window_seq_blocks == (128 + 2 + 32,)
+    assert lay.group_blocks(1025, 1) == [292] and lay.kv_bytes(1025, 1) == 292 * per_block
+    assert lay.group_blocks(100, 1) == [100] and lay.group_blocks(1025, 1, cap=200) == [200]
+    kw = dict(n_ctx=16384, n_ctx_slot=16384, n_slots=1, block_size=16, block_bytes=lay.block_bytes,
+              windows=lay.costs())
+    plan = plan_pool(**kw)
+    assert (plan.active_blocks, plan.group_cap, plan.source) == (1025, None, "-c/-np")
+    kw["source"] = "--kv-cache-memory-bytes"
+    for budget, cap in ((2000 * per_block, 2000), (200 * per_block + 7, 200), (162 * per_block, 162)):
+        plan = plan_pool(budget_bytes=budget, **kw)
+        assert (plan.active_blocks, plan.group_cap, plan.tokens) == (1024, cap, 16384)
+        assert lay.kv_bytes(plan.active_blocks, 1, plan.group_cap) <= budget
+    # one pool of every layer refuses what the window's blocks serve
+    with pytest.raises(KVCacheMemoryError):
+        plan_pool(budget_bytes=162 * per_block, **{**kw, "block_bytes": per_block, "windows": ()})
+    with pytest.raises(KVCacheMemoryError, match="estimated maximum model length is 2576"):
+        plan_pool(budget_bytes=162 * per_block - 1, **kw)
+    plan = plan_pool(num_blocks_override=300, **{**kw, "source": None})
+    assert (plan.group_cap, plan.source) == (300, "--num-gpu-blocks-override")
 
 
 def test_long_sequence_holds_the_window_and_equals_the_masked_path(phi3, monkeypatch):
@@ -169,3 +176,48 @@ def test_memory_estimate_counts_the_window(phi3):
     kv = estimate_runner_memory(args, ModelSpec("m", path)).kv
     assert kv == (2 * 2 * (2 + 2) + 256 // 16) * 16 * per_token
     assert round(kv / (4096 * per_token), 3) == 0.125
+
+
+def test_a_slot_file_of_the_one_pool_layout_restores_into_the_group(phi3, tmp_path, monkeypatch):
+    """A slot saved while phi3 kept one pool for every layer (every row from position 0, as kvserve
+    before the window groups wrote it) restores into the sliding group (its last window's blocks) and
+    continues exactly as the engine that saved it."""
+    from kvserve.engine.slot_file import read_slot_file
+
+    path, _, _ = phi3
+    monkeypatch.setattr(Phi3Model, "window_kv_views", False)
+    old = _core(path, n_parallel=1)
+    assert old.kv.groups == []
+    prompt = [(5 * i) % 290 + 3 for i in range(100)]
+    _run(old, "p", prompt, 8, slot=0)
+    parked = old.slot_tokens(0)
+    f = tmp_path / "one-pool.bin"
+    old.save_slot(0, str(f))
+    hdr, _, layers, _ = read_slot_file(str(f), **old.slot_file_spec())
+    assert [k.shape[0] for k, _ in layers] == [107, 107]  # every row
+    nxt = parked + [77, 78, 79]
+    ref, _, ref_cached = _run(old, "u", nxt, 12, slot=0)
+    monkeypatch.setattr(Phi3Model, "window_kv_views", True)
+    new = _core(path, n_parallel=1)
+    assert [g.window for g in new.kv.groups] == [W]
+    assert new.restore_slot(0, str(f))["n_restored"] == 107
+    assert [i for i, b in enumerate(new.kv.groups[0].parked_table("slot:0")) if b] == [4, 5, 6]
+    assert _run(new, "r", nxt, 12, slot=0)[::2] == (ref, ref_cached) and ref_cached == 107
+
+
+def test_engine_with_a_kv_budget(phi3):
+    """``--kv-cache-memory-bytes`` of 20 blocks of every layer (f32), below one request of 512 tokens
+    in one pool (32 blocks): the engine starts, its group's pool holds the 20 blocks the budget pays
+    for (4 slots' windows would take 37), its caches stay within the budget, and a 150-token prompt
+    runs to the same tokens as transformers'."""
+    path, model, eog = phi3
+    c = load_files(path).config
+    block = 16 * c.n_layer * 2 * c.n_head_kv * c.head_dim * 4  # every layer's K and V, f32
+    core = _core(path, kv_cache_memory_bytes=20 * block, cache_ram=0)
+    assert (core.pool.active_blocks, core.pool.group_cap) == (4 * 32, 20)
+    assert len(core.kv.groups[0].blocks) == 1 + 20
+    assert core.runner.kv_bytes == 21 * block  # the null block and the 20
+    rng = random.Random(4)
+    prompt = [rng.randrange(3, 300) for _ in range(150)]
+    toks, most, _ = _run(core, "a", prompt)
+    assert toks == fmod.reference_greedy(model, prompt, 16, eog) and most == 6
