@@ -160,7 +160,7 @@ def test_small_batch_kernel_rows_equal_one_row_products(mod, names):
     k = 768
     parts = [(random_rows(name, 45 if i == 0 else 19, k, rng), name) for i, name in enumerate(names)]
     mat = ggml_kernel.BlockMatrix(mod, parts, k)
-    for m in (2, 5, 6, 8, 16, 70):
+    for m in (2, 5, 6, 8, 9, 16, 70):
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
         y = mat.mm(x)
         one = torch.cat([mat.mm(x[i:i + 1]) for i in range(m)])
