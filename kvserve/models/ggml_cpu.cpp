@@ -14,7 +14,7 @@
 // value (8 lanes, then a fixed horizontal sum; in the AVX512 build's Q4_K / Q5_K / Q6_K kernels each
 // super-block's exact integer sums into one float chain, KChain), the same whatever the other rows of
 // the product are: row i of an M-row product equals the one-row product bit for bit. Small batches of
-// Q4_K / Q5_K / Q6_K (6+ rows, the batched decode step) run ggml_gemm8.h's panels with kexact, which
+// Q4_K / Q5_K / Q6_K (6+ rows, the batched decode step) run ggml_gemm8.h's panel_exact, which
 // keeps KChain's arithmetic: the same bits at 4-16x the weight reuse. One-row products (decode) take
 // those types 8 weight rows at a time where 8 rows are small enough (dot_q4k_x8, dot_q6k_x8: the 8
 // rows' chains in the lanes of one vector, KChain's steps per lane, the same bits again).
@@ -1326,8 +1326,8 @@ at::Tensor Matrix::mm(const at::Tensor& x_in, int64_t gemm_min_rows, const std::
 void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s, bool batch) const {
   if (M == 0) return;
 #ifdef GG_GEMM8
-  // KB_MIN or more rows of Q4_K / Q5_K / Q6_K alone: the small-batch path (ggml_gemm8.h's panels with
-  // kexact: each row the one-row kernels' bits)
+  // KB_MIN or more rows of Q4_K / Q5_K / Q6_K alone: the small-batch path (ggml_gemm8.h's panel_exact:
+  // each row the one-row kernels' bits)
   bool exact = batch && M >= KB_MIN;
   for (const Part& p : parts_) exact = exact && gemm8::exact_type(p.type);
   if (exact) {

@@ -49,7 +49,7 @@ class Matrix {
   // the same product on raw buffers: x [M, K] float32 (row stride K), y [M, N] (row stride N);
   // s: the activations' buffers, resized as needed. Runs on kvserve's pool (thread_pool.h). batch:
   // 6 rows or more of a matrix of Q4_K / Q5_K / Q6_K parts take the small-batch path (AVX512-VNNI
-  // builds: ggml_gemm8.h's panels with kexact; each row's bits the one-row kernels'), else the per-row ones
+  // builds: ggml_gemm8.h's panel_exact; each row's bits the one-row kernels'), else the per-row ones
   void mm_raw(const float* x, int64_t M, float* y, Scratch& s, bool batch = true) const;
 
   // One product of a batch run by mm_jobs: y [M, mat->rows()] = x [M, K] @ W^T (row strides K and rows()).

@@ -439,77 +439,7 @@ __attribute__((noinline)) void kernk(const Panel& p, const Acts& a, const int32_
   }
 }
 
-// The small-batch product of Q4_K / Q5_K / Q6_K (decode's 2..gemm_min_rows rows): kernk's panel and
-// loop, with every super-block's sums kept in int32 (a group's sum times its scale with vpmulld; exact,
-// |sum| < 2^31) and the float steps of the per-row kernels (ggml_cpu.cpp, KChain):
-//   y = fma(float(tot), d_w d_x, y);  y = fma(float(summs), -(dmin_w d_x), y)
-// so that row i of any product here equals the one-row product of the per-row kernels bit for bit.
-template <int R, int G, int OFF, int MINS>
-__attribute__((noinline)) void kexact(const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float* y, int64_t ldy,
-                                      __mmask16 k0, __mmask16 k1) {
-  constexpr int NG = 256 / G, NPAIR = MINS == 32 ? 4 : 0;
-  const int64_t K = a.K, nb = K / 256;
-  const uint8_t* const w = p.w.data();
-  const int8_t* const xq = a.qk.data() + m0 * K;
-  const float* const dk = a.dk.data() + m0 * nb;
-  const int16_t* const sums = a.bsp.data() + m0 * (K / 32);
-  const int32_t* const iv = OFF ? ini + m0 * (K / G) : nullptr;
-  for (int i = 0; i < R; ++i) {
-    _mm512_mask_storeu_ps(y + (m0 + i) * ldy, k0, _mm512_setzero_ps());
-    _mm512_mask_storeu_ps(y + (m0 + i) * ldy + 16, k1, _mm512_setzero_ps());
-  }
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i tot[R][2];
-    for (int i = 0; i < R; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_si512();
-    for (int g = 0; g < NG; ++g) {
-      __m512i s[R][2];
-      for (int i = 0; i < R; ++i)
-        s[i][0] = s[i][1] = OFF ? _mm512_set1_epi32(iv[i * (K / G) + b * NG + g]) : _mm512_setzero_si512();
-      const uint8_t* wg = w + (b * 256 + g * G) * NP;
-      const int8_t* xg = xq + b * 256 + g * G;
-      for (int t = 0; t < G / 4; ++t) {
-        __m512i w0 = _mm512_loadu_si512(wg + t * 4 * NP), w1 = _mm512_loadu_si512(wg + t * 4 * NP + 64);
-        pin(w0, w1);
-        for (int i = 0; i < R; ++i) {
-          const __m512i x = bcast(xg + i * K + 4 * t);
-          s[i][0] = _mm512_dpbusd_epi32(s[i][0], w0, x);
-          s[i][1] = _mm512_dpbusd_epi32(s[i][1], w1, x);
-        }
-      }
-      const __m512i sc0 = _mm512_loadu_si512(p.sc.data() + (b * NG + g) * NP);
-      const __m512i sc1 = _mm512_loadu_si512(p.sc.data() + (b * NG + g) * NP + 16);
-      for (int i = 0; i < R; ++i) {
-        tot[i][0] = _mm512_add_epi32(tot[i][0], _mm512_mullo_epi32(s[i][0], sc0));
-        tot[i][1] = _mm512_add_epi32(tot[i][1], _mm512_mullo_epi32(s[i][1], sc1));
-      }
-    }
-    const __m512 d0 = _mm512_loadu_ps(p.d.data() + b * NP), d1 = _mm512_loadu_ps(p.d.data() + b * NP + 16);
-    for (int i = 0; i < R; ++i) {
-      float* yi = y + (m0 + i) * ldy;
-      const __m512 dx = _mm512_set1_ps(dk[i * nb + b]);
-      __m512 acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[i][0]), _mm512_mul_ps(d0, dx), _mm512_maskz_loadu_ps(k0, yi));
-      __m512 acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[i][1]), _mm512_mul_ps(d1, dx), _mm512_maskz_loadu_ps(k1, yi + 16));
-      if (MINS) {
-        const int16_t* si = sums + i * (K / 32) + b * 8;
-        __m512i ms0 = _mm512_setzero_si512(), ms1 = _mm512_setzero_si512();
-        for (int j = 0; j < NPAIR; ++j) {
-          int32_t pr;
-          std::memcpy(&pr, si + 2 * j, 4);
-          const __m512i xs = _mm512_set1_epi32(pr);
-          ms0 = _mm512_dpwssd_epi32(ms0, _mm512_loadu_si512(p.mn.data() + (b * NPAIR + j) * NP), xs);
-          ms1 = _mm512_dpwssd_epi32(ms1, _mm512_loadu_si512(p.mn.data() + (b * NPAIR + j) * NP + 16), xs);
-        }
-        const __m512 dm0 = _mm512_loadu_ps(p.dm.data() + b * NP), dm1 = _mm512_loadu_ps(p.dm.data() + b * NP + 16);
-        acc0 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms0), _mm512_mul_ps(dm0, dx), acc0);
-        acc1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ms1), _mm512_mul_ps(dm1, dx), acc1);
-      }
-      _mm512_mask_storeu_ps(yi, k0, acc0);
-      _mm512_mask_storeu_ps(yi + 16, k1, acc1);
-    }
-  }
-}
-
-// the types kexact takes
+// the types the small-batch path takes (panel_exact, below)
 inline bool exact_type(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K; }
 
 // ---------------------------------------------------------------- the small-batch path, a super-block at a time
@@ -521,8 +451,10 @@ inline bool exact_type(int t) { return t == T_Q4_K || t == T_Q5_K || t == T_Q6_K
 // as uint32 first (transpose16 on the packed nibbles: half the shuffles of transposing the unpacked
 // bytes) and split into quants after; the 16 rows' scales and mins come from gathers of the blocks'
 // headers and are split with vector shifts (no per-row scalar stores). Every activation row then runs
-// against the tile (ksb: kexact's arithmetic for one super-block, the same integers and float steps,
-// so the same bits). Meanwhile the next panel's bytes (contiguous: NP rows of the part) are
+// against the tile (ksb), with every super-block's sums kept in int32 (a group's sum times its scale
+// with vpmulld; exact, |sum| < 2^31) and the float steps of the per-row kernels (ggml_cpu.cpp, KChain):
+//   y = fma(float(tot), d_w d_x, y);  y = fma(float(summs), -(dmin_w d_x), y)
+// so that row i of any product here equals the one-row product of the per-row kernels bit for bit. Meanwhile the next panel's bytes (contiguous: NP rows of the part) are
 // prefetched in order into L2, spread over this panel's calls of ksb: the weights stream from memory
 // once a step, and without it the unpacking waited on them (32 rows' super-blocks fetched ahead as 32
 // separate streams were slower).
@@ -620,8 +552,8 @@ inline void tile_q6k(const uint8_t* const* rp, __m512i idx, int h, Tile& t) {
   }
 }
 
-// R activation rows (m0 ..) x the tile of super-block b: kexact's loop body for one super-block (the
-// same integer sums and float steps in the same order: the same bits)
+// R activation rows (m0 ..) x the tile of super-block b -> y's running sums (each output's chain of
+// super-blocks in order: the per-row kernels' bits)
 template <int R, int G, int OFF, int MINS>
 inline void ksb(const Tile& tl, const Acts& a, const int32_t* ini, int64_t m0, int64_t b, float* y, int64_t ldy,
                 __mmask16 k0, __mmask16 k1, const char* pf, int64_t npf) {
@@ -730,11 +662,7 @@ __attribute__((noinline)) void panel_exact(const uint8_t* w, int64_t row_bytes, 
 // R activation rows against one unpacked panel of type t (ini: the start values, see start_values)
 template <int R>
 void kern(int t, const Panel& p, const Acts& a, const int32_t* ini, int64_t m0, float* y, int64_t ldy, __mmask16 k0,
-          __mmask16 k1, bool exact = false) {
-  if (exact) {
-    if (t == T_Q6_K) return kexact<R, 16, 32, 0>(p, a, ini, m0, y, ldy, k0, k1);
-    return kexact<R, 32, 0, 32>(p, a, ini, m0, y, ldy, k0, k1);  // Q4_K, Q5_K (exact_type)
-  }
+          __mmask16 k1) {
   switch (t) {
     case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL: case T_MXFP4:
       return kern32<R, 128, false>(p, a, ini, m0, y, ldy, k0, k1);
@@ -808,7 +736,7 @@ std::vector<int32_t> start_values(const Traits& tr, const Acts& a, int64_t M) {
   return v;
 }
 
-// exact: every part exact_type, the products kexact's (the per-row kernels' bits; the small-batch path)
+// exact: every part exact_type, the small-batch path (panel_exact: the per-row kernels' bits)
 void mm(const std::vector<Rows>& parts, int64_t N, int64_t K, const float* x, int64_t M, float* y, bool exact = false) {
   Acts a;
   quantize(parts, x, M, K, a);
@@ -858,11 +786,11 @@ void mm(const std::vector<Rows>& parts, int64_t N, int64_t K, const float* x, in
       float* yp = y + r.first + jobs[j].row;
       const int32_t* iv = inip[jobs[j].part];
       int64_t m = 0;
-      for (; m + MR <= M; m += MR) kern<MR>(r.type, p, a, iv, m, yp, N, k0, k1, exact);
+      for (; m + MR <= M; m += MR) kern<MR>(r.type, p, a, iv, m, yp, N, k0, k1);
       switch (M - m) {
-        case 3: kern<3>(r.type, p, a, iv, m, yp, N, k0, k1, exact); break;
-        case 2: kern<2>(r.type, p, a, iv, m, yp, N, k0, k1, exact); break;
-        case 1: kern<1>(r.type, p, a, iv, m, yp, N, k0, k1, exact); break;
+        case 3: kern<3>(r.type, p, a, iv, m, yp, N, k0, k1); break;
+        case 2: kern<2>(r.type, p, a, iv, m, yp, N, k0, k1); break;
+        case 1: kern<1>(r.type, p, a, iv, m, yp, N, k0, k1); break;
         default: break;
       }
     }

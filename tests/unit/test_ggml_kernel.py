@@ -160,13 +160,13 @@ def test_small_batch_kernel_rows_equal_one_row_products(mod, names):
     k = 768
     parts = [(random_rows(name, 45 if i == 0 else 19, k, rng), name) for i, name in enumerate(names)]
     mat = ggml_kernel.BlockMatrix(mod, parts, k)
-    for m in (2, 5, 6, 8, 16, 70):
+    for m in (2, 5, 6, 8, 9, 16, 70):
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
         y = mat.mm(x)
         one = torch.cat([mat.mm(x[i:i + 1]) for i in range(m)])
         assert torch.equal(y, one), (names, m, float((y - one).abs().max()))
         assert torch.equal(y, mat.matrix.mm(x, 0, "rows")), (names, m)
-    if mod.GEMM8 and names == ("Q4_K",):  # the int8 prefill path's Q4_K sums are the same (kexact, kernk)
+    if mod.GEMM8 and names == ("Q4_K",):  # the int8 prefill path's Q4_K sums are the same (panel_exact, kernk)
         assert torch.equal(mat.matrix.mm(x, 1, "int8"), y)
     ref, bound = reference(x.numpy(), parts[0][0], names[0])
     err = np.abs(y[:, :45].numpy() - ref)
