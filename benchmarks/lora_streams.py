@@ -2,7 +2,7 @@
 
     python benchmarks/lora_streams.py [--model smollm2] [--streams 16] [--adapters 4] [--rank 16]
                                       [--targets all|attn] [--n-predict 64] [--prompt-tokens 64]
-                                      [--runs 2] [--dtype auto] [--threads 0]
+                                      [--runs 2] [--dtype auto] [--threads 0] [--lora-dtype auto]
 
 In process (``EngineCore``, no HTTP), on kvserve's defaults for the model (``--dtype auto``: packed
 weights, the native decode step where the CPU has it). The adapters are random float32 A/B of rank
@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (-t; 0: every core)")
+    ap.add_argument("--lora-dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"),
+                    help="the adapters' storage dtype (kvserve's --lora-dtype, vLLM's)")
     a = ap.parse_args()
 
     import torch
@@ -128,6 +130,7 @@ def main() -> None:
     if nat is not None and nat.reason is None:
         nat.wait(300)
     reg = core.runner.lora
+    reg.lora_dtype = a.lora_dtype
     targets = TARGETS if a.targets == "all" else TARGETS[:4]
     ids = [reg.add(random_adapter(reg.base, f"a{k}", a.rank, targets, k)) for k in range(a.adapters)]
     vocab = loaded.config.n_vocab
@@ -157,7 +160,8 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "lora_streams", "model": path, "arch": loaded.config.arch, "streams": a.streams,
         "adapters": a.adapters, "rank": a.rank, "targets": list(targets), "n_predict": a.n_predict,
-        "prompt_tokens": a.prompt_tokens, "dtype": a.dtype, "threads": torch.get_num_threads(),
+        "prompt_tokens": a.prompt_tokens, "dtype": a.dtype, "lora_dtype": a.lora_dtype,
+        "threads": torch.get_num_threads(),
         "native_decode": bool(nat is not None and nat.ready), "adapter_mib": round(reg.nbytes / 2 ** 20, 2),
         "base": {"tok_s": med(base_runs, "tok_s"), "decode_tok_s": base_dec, "decode_cpu_tok_s": base_cpu,
                  "runs": base_runs},

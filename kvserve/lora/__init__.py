@@ -1,4 +1,5 @@
-"""LoRA adapters: float32 A/B weights beside the (packed) base model, never merged into it.
+"""LoRA adapters: A/B weights (float32, or float16/bfloat16 with ``--lora-dtype``) beside the (packed) base
+model, never merged into it.
 
 What each piece does (llama-server's, vLLM's and Ollama's LoRA features build on these):
 

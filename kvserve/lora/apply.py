@@ -13,7 +13,10 @@ module, against in * out for the base). A step of one adapter runs plain matmuls
 runs them as batched matmuls over the groups padded to the largest (``torch.bmm`` of the adapters'
 stacked weights, cached per Linear for the step's adapter set), so the Python cost per projection
 does not grow with the number of adapters. Rows of no adapter are never touched. The base weights
-stay as they are (packed, any kernel); the delta runs in float32 on the activations.
+stay as they are (packed, any kernel); the delta runs in float32 on the activations. The adapters are
+stored in ``LoraRegistry.dtype`` (vLLM's ``--lora-dtype``: float32, the default on the CPU, or
+bfloat16/float16, half the memory and reads) and read as float32: a narrow adapter's delta is exactly
+the float32 delta of its rounded weights (vLLM computes in the narrow type instead).
 
 Decode-only steps run in the native decode step instead (kvserve.models.decode_native): it is given
 these same per-Linear weights once per adapter (``NativeDecode.lora_ready``) and adds the same deltas
@@ -135,9 +138,10 @@ class LoraLinear:
         for out0 in sorted(widths):
             cols[out0] = (c, c + widths[out0])
             c += widths[out0]
-        a = some[0].new_zeros(len(ids), c, some[0].shape[1])
+        f32 = dict(dtype=torch.float32)  # the stack is float32 whatever the adapters' dtype (narrow ones widened)
+        a = some[0].new_zeros(len(ids), c, some[0].shape[1], **f32)
         sizes = {out0: n_out for w in ws if w is not None for out0, n_out, *_ in w[1]}
-        bs = {out0: some[0].new_zeros(len(ids), sizes[out0], c1 - c0) for out0, (c0, c1) in cols.items()}
+        bs = {out0: some[0].new_zeros(len(ids), sizes[out0], c1 - c0, **f32) for out0, (c0, c1) in cols.items()}
         for g, w in enumerate(ws):
             if w is None:
                 continue
@@ -173,9 +177,9 @@ class LoraLinear:
         # F.linear (x @ W^T on the [out, in] weights as stored): torch's mm of a transposed view takes a
         # slower path in some builds
         xs = x.float() if g.rows is None else x.index_select(0, g.rows).float()
-        h = F.linear(xs, a).mul_(g.scales)  # [n, R]
+        h = F.linear(xs, a.float()).mul_(g.scales)  # [n, R] (a narrow adapter's A read as float32)
         for out0, n_out, r0, r1, b in parts:
-            d = F.linear(h[:, r0:r1], b).to(y.dtype)  # [n, n_out]
+            d = F.linear(h[:, r0:r1], b.float()).to(y.dtype)  # [n, n_out]
             if g.rows is None:
                 y[:, out0:out0 + n_out].add_(d)
             else:
@@ -204,9 +208,10 @@ def _parts(model, attr: str, lin) -> list[tuple[str, int, int]]:
     return [(_PARTS[attr][0], 0, lin.out_features)]
 
 
-def install(registry, model, aid: int, adapter) -> None:
+def install(registry, model, aid: int, adapter, dtype: torch.dtype = torch.float32) -> None:
     """Give every Linear the adapter touches its (a, parts) under id ``aid`` (a LoraLinear is
-    attached on first use)."""
+    attached on first use), stored in ``dtype`` (vLLM's ``--lora-dtype``; the module scale folded into
+    B in float32 before the cast)."""
     dev = getattr(model, "device", torch.device("cpu"))
     for i, attr, lin in _linears(model):
         parts = _parts(model, attr, lin)
@@ -218,11 +223,11 @@ def install(registry, model, aid: int, adapter) -> None:
         for off, n, m in mods:
             if m is None:
                 continue
-            out.append((off, n, r0, r0 + m.rank, (m.b * m.scale).contiguous().to(dev)))
+            out.append((off, n, r0, r0 + m.rank, (m.b * m.scale).to(device=dev, dtype=dtype).contiguous()))
             r0 += m.rank
         if getattr(lin, "lora", None) is None:
             lin.lora = LoraLinear(registry, parts)
-        lin.lora.weights[aid] = (a.contiguous().to(dev), out)
+        lin.lora.weights[aid] = (a.to(device=dev, dtype=dtype).contiguous(), out)
 
 
 def uninstall(model, aid: int) -> None:

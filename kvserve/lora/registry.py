@@ -17,6 +17,9 @@ import torch
 from kvserve.errors import InvalidInputError, NotFoundError
 from kvserve.lora.adapter import LoraAdapter, LoraBase
 
+#: ``--lora-dtype`` names (vLLM's) and their torch dtypes ("auto": the model's)
+LORA_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
 #: the largest |scale| accepted (global or per request): far past 1 an adapter's delta only adds
 #: noise, and 1e308 would overflow float32 to inf and NaN logits
 MAX_SCALE = 1000.0
@@ -43,6 +46,8 @@ class LoraEntry:
     path: str
     scale: float
     adapter: LoraAdapter
+    #: bytes per element of its installed (fused) A and B: :attr:`LoraRegistry.dtype`'s when it was added
+    itemsize: int = 4
 
 
 class LoraRegistry:
@@ -55,12 +60,17 @@ class LoraRegistry:
             back rows that would exceed it; a request naming more adapters is refused.
         max_lora_rank: the largest rank accepted by :meth:`add` (vLLM's ``--max-lora-rank``); None =
             any.
+        lora_dtype: the dtype adapters are installed in (vLLM's ``--lora-dtype``): "auto" (the model's
+            compute dtype: float32 on the CPU), "float32", "bfloat16" or "float16"; set it before
+            adding adapters (those added earlier keep theirs).
     """
 
-    def __init__(self, model, max_loras: int | None = None, max_lora_rank: int | None = None):
+    def __init__(self, model, max_loras: int | None = None, max_lora_rank: int | None = None,
+                 lora_dtype: str = "auto"):
         self.model = model
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        self.lora_dtype = lora_dtype
         self._entries: dict[int, LoraEntry] = {}
         #: every adapter still in the model: the registered ones and those removed while requests use them
         self._installed: dict[int, LoraEntry] = {}
@@ -113,8 +123,10 @@ class LoraRegistry:
                 raise InvalidInputError(f"LoRA adapter name {adapter.name!r} is already loaded")
             aid = self._next_id
             self._next_id += 1
-            install(self, self.model, aid, adapter)
-            self._entries[aid] = self._installed[aid] = LoraEntry(aid, adapter.name, adapter.path, s, adapter)
+            dtype = self.dtype
+            install(self, self.model, aid, adapter, dtype)
+            self._entries[aid] = self._installed[aid] = LoraEntry(aid, adapter.name, adapter.path, s, adapter,
+                                                                  dtype.itemsize)
         return aid
 
     def remove(self, name_or_id: str | int) -> LoraEntry:
@@ -196,9 +208,28 @@ class LoraRegistry:
         return len(self._entries)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype :attr:`lora_dtype` names (auto: the model's ``compute_dtype``, else float32).
+
+        Raises ValueError: an unknown name."""
+        if self.lora_dtype == "auto":
+            return getattr(self.model, "compute_dtype", torch.float32)
+        try:
+            return LORA_DTYPES[self.lora_dtype]
+        except KeyError:
+            raise ValueError(f"unsupported lora_dtype {self.lora_dtype!r} (auto, {', '.join(LORA_DTYPES)})") from None
+
+    @property
     def nbytes(self) -> int:
-        """Bytes of every adapter's tensors in the model (A, B and the engine's fused copies)."""
-        return sum(2 * e.adapter.nbytes for e in list(self._installed.values()))
+        """Bytes of every adapter's tensors in the model (A, B as loaded, float32, and the engine's fused
+        copies in :attr:`dtype`)."""
+        return sum(self.installed_nbytes(e.adapter, e.itemsize) for e in list(self._installed.values()))
+
+    def installed_nbytes(self, adapter: LoraAdapter, itemsize: int | None = None) -> int:
+        """Bytes ``adapter`` holds once added: its float32 A and B plus the fused copies in :attr:`dtype`
+        (``itemsize`` bytes per element; default: :attr:`dtype`'s)."""
+        itemsize = self.dtype.itemsize if itemsize is None else itemsize
+        return adapter.nbytes + adapter.nbytes * itemsize // 4
 
     # -- scales ----------------------------------------------------------------------------------
 

@@ -484,15 +484,18 @@ struct Layer {
 // [out0, out0 + n_out), B^T times its rank slice [r0, r1) of (a x) * scale, B^T [r1 - r0, n_out] float32
 // (B transposed, the module scale folded in) stored in column panels of LORA_PW columns: panel p (columns
 // [p PW, p PW + w), w = min(PW, n_out - p PW)) at bt + p PW (r1 - r0), row-major [r1 - r0, w], so the
-// expand reads each part front to back (punica's shrink, then expand)
+// expand reads each part front to back (punica's shrink, then expand). A and B^T are stored in the adapter's
+// dtype (vLLM's --lora-dtype: float32, bfloat16 or float16; `dt`), read as float32 vectors (vload), so a
+// narrow adapter is half the bytes per step; the arithmetic stays float32
 constexpr int64_t LORA_PW = 4 * W;
 struct LoraPart {
   int64_t out0, n_out, r0, r1;
-  const float* bt;
+  const void* bt;  // elements of the projection's dt
 };
 struct LoraProj {
-  const float* a = nullptr;  // null: the adapter leaves this projection alone
+  const void* a = nullptr;  // null: the adapter leaves this projection alone
   int64_t R = 0, k = 0;
+  at::ScalarType dt = at::kFloat;  // kFloat, kBFloat16 or kHalf: A's and every B^T's
   std::vector<LoraPart> parts;
 };
 // where an adapter's A and B live: 2 MiB-aligned chunks (transparent huge pages where the kernel
@@ -691,8 +694,8 @@ class Decoder {
   }
 
   // LoRA adapter `id`'s delta on projection `proj` (0 qkv, 1 wo, 2 gate_up, 3 down) of layer li:
-  // a [R, k] float32 (k the projection's input size), per part bts[i] [r1 - r0, n_out] float32 (B^T,
-  // module scale folded in) and spec[4 i .. 4 i + 3] = out0, n_out, r0, r1 (see LoraPart). Registered
+  // a [R, k] float32, bfloat16 or float16 (k the projection's input size), per part bts[i] [r1 - r0, n_out]
+  // of the same dtype (B^T, module scale folded in) and spec[4 i .. 4 i + 3] = out0, n_out, r0, r1 (see LoraPart). Registered
   // once per adapter, layer by layer in projection order (kvserve/models/decode_native.py); copied into
   // the adapter's arena (A as given, each B^T in column panels), the tensors are not kept.
   void set_lora(int64_t id, int64_t li, int64_t proj, const at::Tensor& a, const std::vector<at::Tensor>& bts,
@@ -702,16 +705,19 @@ class Decoder {
     const Layer& l = layers_[li];
     const Proj& p = proj == 0 ? l.qkv : proj == 1 ? l.wo : proj == 2 ? l.gate_up : l.down;
     TORCH_CHECK(proj < 2 || l.dense_ffn, "decode_cpu: LoRA on a mixture-of-experts layer's FFN");
-    TORCH_CHECK(a.scalar_type() == at::kFloat && a.dim() == 2 && a.is_contiguous() && a.size(1) == p.k &&
-                    spec.size() == 4 * bts.size(),
+    const at::ScalarType dt = a.scalar_type();
+    TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && a.dim() == 2 && a.is_contiguous() &&
+                    a.size(1) == p.k && spec.size() == 4 * bts.size(),
                 "decode_cpu: bad LoRA A or parts");
+    const size_t es = a.element_size();
     LoraProj lp;
     lp.R = a.size(0);
     lp.k = a.size(1);
+    lp.dt = dt;
     for (size_t i = 0; i < bts.size(); ++i) {
       const at::Tensor& bt = bts[i];
       LoraPart part{spec[4 * i], spec[4 * i + 1], spec[4 * i + 2], spec[4 * i + 3], nullptr};
-      TORCH_CHECK(bt.scalar_type() == at::kFloat && bt.dim() == 2 && bt.is_contiguous() && part.out0 >= 0 &&
+      TORCH_CHECK(bt.scalar_type() == dt && bt.dim() == 2 && bt.is_contiguous() && part.out0 >= 0 &&
                       part.n_out >= 1 && part.out0 + part.n_out <= p.n && part.r0 >= 0 && part.r1 > part.r0 &&
                       part.r1 <= lp.R && bt.size(0) == part.r1 - part.r0 && bt.size(1) == part.n_out,
                   "decode_cpu: bad LoRA B");
@@ -719,18 +725,21 @@ class Decoder {
     }
     LoraAdapter& ad = lora_[id];
     if (ad.layers.empty()) ad.layers.resize(layers_.size());
-    float* ac = ad.arena.take(static_cast<size_t>(lp.R * lp.k));
-    std::memcpy(ac, a.data_ptr<float>(), sizeof(float) * lp.R * lp.k);
+    auto take = [&](int64_t n) {  // n elements of dt (the arena counts floats)
+      return reinterpret_cast<char*>(ad.arena.take((static_cast<size_t>(n) * es + sizeof(float) - 1) / sizeof(float)));
+    };
+    char* ac = take(lp.R * lp.k);
+    std::memcpy(ac, a.data_ptr(), es * lp.R * lp.k);
     lp.a = ac;
     for (size_t i = 0; i < bts.size(); ++i) {  // B^T [Rp, n_out] into column panels
       LoraPart& part = lp.parts[i];
       const int64_t Rp = part.r1 - part.r0, n_out = part.n_out;
-      const float* src = bts[i].data_ptr<float>();
-      float* dst = ad.arena.take(static_cast<size_t>(Rp * n_out));
+      const char* src = static_cast<const char*>(bts[i].data_ptr());
+      char* dst = take(Rp * n_out);
       for (int64_t c0 = 0; c0 < n_out; c0 += LORA_PW) {
         const int64_t w = std::min(LORA_PW, n_out - c0);
         for (int64_t r = 0; r < Rp; ++r)
-          std::memcpy(dst + c0 * Rp + r * w, src + r * n_out + c0, sizeof(float) * w);
+          std::memcpy(dst + (c0 * Rp + r * w) * es, src + (r * n_out + c0) * es, es * w);
       }
       part.bt = dst;
     }
@@ -815,8 +824,15 @@ class Decoder {
         const auto& rows = groups[g].rows;
         const int64_t nr = static_cast<int64_t>(rows.size());
         hs[g].assign(nr * lp.R, 0.f);
-        for (int64_t i0 = 0; i0 < nr; i0 += LRB) lora_shrink(lp, in, rows.data() + i0, groups[g].scales.data() + i0,
-                                                              std::min(LRB, nr - i0), hs[g].data() + i0 * lp.R);
+        for (int64_t i0 = 0; i0 < nr; i0 += LRB) {
+          const int64_t* ri = rows.data() + i0;
+          const float* si = groups[g].scales.data() + i0;
+          const int64_t m = std::min(LRB, nr - i0);
+          float* hi = hs[g].data() + i0 * lp.R;
+          if (lp.dt == at::kBFloat16) lora_shrink<c10::BFloat16>(lp, in, ri, si, m, hi);
+          else if (lp.dt == at::kHalf) lora_shrink<c10::Half>(lp, in, ri, si, m, hi);
+          else lora_shrink<float>(lp, in, ri, si, m, hi);
+        }
       }
     });
     constexpr int64_t CB = LORA_PW;  // output columns per task of the expand
@@ -832,10 +848,21 @@ class Decoder {
           for (int64_t p0 = lo - lo % LORA_PW; p0 < hi; p0 += LORA_PW) {  // the panels (part's columns)
             const int64_t w = std::min(LORA_PW, pt.n_out - p0);
             const int64_t j0 = std::max(lo, p0), j1 = std::min(hi, p0 + w);
-            const float* panel = pt.bt + p0 * (pt.r1 - pt.r0);
-            for (int64_t i0 = 0; i0 < nr; i0 += LRB)  // the panel stays in L1 for the next rows
-              lora_expand(pt, panel, w, o + pt.out0 + p0, n, rows.data() + i0, std::min(LRB, nr - i0),
-                          hs[g].data() + i0 * lp.R, lp.R, j0 - p0, j1 - p0);
+            for (int64_t i0 = 0; i0 < nr; i0 += LRB) {  // the panel stays in L1 for the next rows
+              float* y0 = o + pt.out0 + p0;
+              const int64_t* ri = rows.data() + i0;
+              const int64_t m = std::min(LRB, nr - i0);
+              const float* hi = hs[g].data() + i0 * lp.R;
+              if (lp.dt == at::kBFloat16)
+                lora_expand(pt, static_cast<const c10::BFloat16*>(pt.bt) + p0 * (pt.r1 - pt.r0), w, y0, n, ri, m, hi,
+                            lp.R, j0 - p0, j1 - p0);
+              else if (lp.dt == at::kHalf)
+                lora_expand(pt, static_cast<const c10::Half*>(pt.bt) + p0 * (pt.r1 - pt.r0), w, y0, n, ri, m, hi,
+                            lp.R, j0 - p0, j1 - p0);
+              else
+                lora_expand(pt, static_cast<const float*>(pt.bt) + p0 * (pt.r1 - pt.r0), w, y0, n, ri, m, hi, lp.R,
+                            j0 - p0, j1 - p0);
+            }
           }
         }
       }
@@ -847,11 +874,13 @@ class Decoder {
 
   // h[i * R + r] = (A_r . x_{rows[i]}) * scales[i] for nr <= LRB rows; each row's dot product in the same
   // order (two accumulators over alternate vectors of k) whatever the other rows
+  // (A's elements of type T: float, c10::BFloat16 or c10::Half, read as float32)
+  template <typename T>
   static void lora_shrink(const LoraProj& lp, const float* in, const int64_t* rows, const float* scales, int64_t nr,
                           float* h) {
     const int64_t k = lp.k;
     for (int64_t r = 0; r < lp.R; ++r) {
-      const float* ar = lp.a + r * k;
+      const T* ar = static_cast<const T*>(lp.a) + r * k;
       vf acc0[LRB], acc1[LRB];
       const float* x[LRB];
       for (int64_t i = 0; i < nr; ++i) {
@@ -861,19 +890,19 @@ class Decoder {
       }
       int64_t c = 0;
       for (; c + 2 * W <= k; c += 2 * W) {
-        const vf a0 = vld(ar + c), a1 = vld(ar + c + W);
+        const vf a0 = vload<T>(ar + c), a1 = vload<T>(ar + c + W);
         for (int64_t i = 0; i < nr; ++i) {
           acc0[i] = vfma(a0, vld(x[i] + c), acc0[i]);
           acc1[i] = vfma(a1, vld(x[i] + c + W), acc1[i]);
         }
       }
       for (; c + W <= k; c += W) {
-        const vf a0 = vld(ar + c);
+        const vf a0 = vload<T>(ar + c);
         for (int64_t i = 0; i < nr; ++i) acc0[i] = vfma(a0, vld(x[i] + c), acc0[i]);
       }
       for (int64_t i = 0; i < nr; ++i) {
         float sum = hsum(vadd(acc0[i], acc1[i]));
-        for (int64_t cc = c; cc < k; ++cc) sum = std::fma(ar[cc], x[i][cc], sum);
+        for (int64_t cc = c; cc < k; ++cc) sum = std::fma(static_cast<float>(ar[cc]), x[i][cc], sum);
         h[i * lp.R + r] = sum * scales[i];
       }
     }
@@ -883,7 +912,9 @@ class Decoder {
   // rows n wide): y0[rows[i], lo:hi] += sum over the part's ranks r (in order) of panel[r, lo:hi] *
   // h[i * R + r], nr <= LRB rows, 0 <= lo < hi <= w; each output element's fused multiply-adds in rank
   // order, so the blocking does not change it
-  static void lora_expand(const LoraPart& pt, const float* panel, int64_t w, float* y0, int64_t n, const int64_t* rows,
+  // (B^T's elements of type T: float, c10::BFloat16 or c10::Half, read as float32)
+  template <typename T>
+  static void lora_expand(const LoraPart& pt, const T* panel, int64_t w, float* y0, int64_t n, const int64_t* rows,
                           int64_t nr, const float* h, int64_t R, int64_t lo, int64_t hi) {
     auto brow = [&](int64_t r, int64_t j) { return panel + (r - pt.r0) * w + j; };  // B^T[r, panel column j]
     float* y[LRB];
@@ -894,8 +925,8 @@ class Decoder {
       for (int64_t i = 0; i < nr; ++i)
         for (int v = 0; v < 4; ++v) acc[i][v] = vld(y[i] + j + v * W);
       for (int64_t r = pt.r0; r < pt.r1; ++r) {
-        const float* br = brow(r, j);
-        const vf b0 = vld(br), b1 = vld(br + W), b2 = vld(br + 2 * W), b3 = vld(br + 3 * W);
+        const T* br = brow(r, j);
+        const vf b0 = vload<T>(br), b1 = vload<T>(br + W), b2 = vload<T>(br + 2 * W), b3 = vload<T>(br + 3 * W);
         for (int64_t i = 0; i < nr; ++i) {
           const vf hv = vset1(h[i * R + r]);
           acc[i][0] = vfma(b0, hv, acc[i][0]);
@@ -910,13 +941,13 @@ class Decoder {
     for (; j + W <= hi; j += W)
       for (int64_t i = 0; i < nr; ++i) {
         vf acc = vld(y[i] + j);
-        for (int64_t r = pt.r0; r < pt.r1; ++r) acc = vfma(vld(brow(r, j)), vset1(h[i * R + r]), acc);
+        for (int64_t r = pt.r0; r < pt.r1; ++r) acc = vfma(vload<T>(brow(r, j)), vset1(h[i * R + r]), acc);
         vst(y[i] + j, acc);
       }
     for (; j < hi; ++j)
       for (int64_t i = 0; i < nr; ++i) {
         float acc = y[i][j];
-        for (int64_t r = pt.r0; r < pt.r1; ++r) acc = std::fma(*brow(r, j), h[i * R + r], acc);
+        for (int64_t r = pt.r0; r < pt.r1; ++r) acc = std::fma(static_cast<float>(*brow(r, j)), h[i * R + r], acc);
         y[i][j] = acc;
       }
   }

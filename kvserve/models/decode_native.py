@@ -675,7 +675,8 @@ class NativeDecode:
 
     def _register_lora(self, aid: int) -> None:
         """Give the decoder adapter ``aid``'s A and B (kvserve.lora.apply.install's fused per-Linear
-        weights: a [R, in], each part's B [n_out, r] transposed to [r, n_out] float32)."""
+        weights: a [R, in], each part's B [n_out, r] transposed to [r, n_out], in the adapter's dtype:
+        float32, bfloat16 or float16, ``--lora-dtype``; the decoder reads them as they are)."""
         for li, layer in enumerate(self.model.layers):
             for pi, attr in enumerate(self._PROJ):
                 lin = getattr(layer, attr, None)
@@ -684,9 +685,10 @@ class NativeDecode:
                 if w is None:
                     continue
                 a, parts = w
-                bts = [b.detach().float().t().contiguous() for *_, b in parts]
+                dt = a.dtype if a.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+                bts = [b.detach().to(dt).t().contiguous() for *_, b in parts]
                 spec = [int(v) for out0, n_out, r0, r1, _ in parts for v in (out0, n_out, r0, r1)]
-                self.decoder.set_lora(aid, li, pi, a.detach().float().contiguous(), bts, spec)
+                self.decoder.set_lora(aid, li, pi, a.detach().to(dt).contiguous(), bts, spec)
 
     @staticmethod
     def lora_rows(lora) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -179,6 +179,7 @@ class ServerArgs:
     lora_init_without_apply: bool = False
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    lora_dtype: str = "auto"  # vLLM's --lora-dtype: the adapters' A/B dtype (auto: the model's)
     # what parsing found: log lines for flags without effect or not available ((logging level, text)),
     # and how each flag was given (dest -> "--flag" or "ENV_NAME")
     flag_notes: list = field(default_factory=list)

@@ -318,6 +318,7 @@ def load_adapters(core, args: "ServerArgs", spec: ModelSpec) -> None:
         return
     reg.max_loras = getattr(args, "max_loras", None)
     reg.max_lora_rank = getattr(args, "max_lora_rank", None)
+    reg.lora_dtype = getattr(args, "lora_dtype", "auto")  # vLLM's --lora-dtype
     for path, scale in spec.adapters:
         _srv(logging.INFO, "load_model", "loading LoRA adapter '%s'", path)
         try:

@@ -1149,6 +1149,11 @@ FLAGS: tuple[Flag, ...] = (
       why="rows of more adapters wait for a later step (vLLM's queueing); a request naming more is refused"),
     F("--max-lora-rank", "int", help="largest LoRA rank accepted (default: 16 with --enable-lora, as vLLM; else any)",
       source=VLLM, check=_lora_rank_check, why="an adapter of a larger rank is refused when it loads"),
+    F("--lora-dtype", default="auto", source=VLLM, choices=("auto", "float16", "bfloat16", "float32"),
+      help="dtype of the LoRA adapters' A and B (auto: the model's dtype; float32 on the CPU)",
+      why="the adapters' A and B are stored in it (float16/bfloat16: half of float32's memory and of the native "
+          "decode step's LoRA reads) and read as float32: the delta's arithmetic stays float32 (vLLM computes it "
+          "in the narrow type)"),
     F("--max-cpu-loras", "int", source=VLLM, help="LoRA adapters kept in memory per model (LRU; default --max-loras)",
       check=_at_least("--max-cpu-loras", 1, ">= 1"),
       why="a request for an adapter not in memory loads it, evicting the least recently used idle one"),

@@ -332,7 +332,7 @@ class _RunnerAdapters:
         if ref.max_rank is not None and adapter.rank > ref.max_rank:
             raise InvalidInputError(f"LoRA rank {adapter.rank} is greater than max_lora_rank {ref.max_rank}.")
         aid = reg.add(adapter, scale=0.0)
-        return _Held(aid, 2 * adapter.nbytes, ref.path)
+        return _Held(aid, reg.installed_nbytes(adapter), ref.path)
 
     def release(self, names: list[str]) -> None:
         for name in names:

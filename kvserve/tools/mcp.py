@@ -404,6 +404,8 @@ async def stdio_transport(proc: _StdioProcess):
         if p.popen.poll() is None:  # a reaper that did not finish in time: its group (and it) now
             with suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.popen.pid, signal.SIGKILL)
+        if p.status is not None and p.status.token and (p.popen.poll() or 0) < 0:  # the reaper was killed
+            await asyncio.to_thread(runtime.kill_marked, p.status.token)
         p.close_status()
         proc.exited.set()
 

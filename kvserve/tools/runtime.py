@@ -26,7 +26,10 @@ On Linux every command runs under a reaper (kvserve/tools/reaper.py: a child sub
 command's orphaned descendants are reparented to, whatever session or group they moved to): at each of
 those ends kvserve first SIGTERMs the reaper, which SIGKILLs the command's whole remaining tree, so a
 ``setsid``/double-fork child dies with its call too. If kvserve itself is SIGKILLed, the reaper gets
-SIGTERM from the kernel (its parent-death signal) and does the same.
+SIGTERM from the kernel (its parent-death signal) and does the same. A command that SIGKILLs its
+parent hands its tree to the reaper (the parent is a waiting fork of it); one that SIGKILLs the reaper
+itself leaves orphans that kvserve finds by the per-call variable ``KVSERVE_TOOL_CALL`` they started
+with (:func:`kill_marked`) and kills.
 """
 
 from __future__ import annotations
@@ -166,6 +169,39 @@ def _running(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2:][:1] != b"Z"
 
 
+#: the environment variable every reaped command starts with (a per-call token; :func:`kill_marked`)
+CALL_MARKER = "KVSERVE_TOOL_CALL"
+
+
+def kill_marked(token: str) -> list[int]:
+    """SIGKILL every process whose initial environment (``/proc/PID/environ``) holds
+    ``KVSERVE_TOOL_CALL=token``; the pids signalled. The fallback for a reaper that died before it could
+    clean up (a command that SIGKILLed it): its orphans, reparented to init, are found by the marker
+    their call gave them. A process that replaced its environment by exec (``env -i``) is not found."""
+    want = f"{CALL_MARKER}={token}".encode()
+    hit = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return hit
+    me = os.getpid()
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if want in env.split(b"\0"):
+            try:
+                os.kill(int(name), signal.SIGKILL)
+                hit.append(int(name))
+            except (ProcessLookupError, PermissionError):
+                pass
+    return hit
+
+
 def kill_group(pgid: int) -> None:
     """End a tool command's group: when its leader is a reaper (kvserve/tools/reaper.py), SIGTERM it (it
     SIGKILLs every descendant of the command, those that left its group included) and wait for it at most
@@ -217,6 +253,8 @@ class _Status:
         #: the command's process group (its own pid; without a reaper: the process's)
         self.pgid = pgid
         self.code: int | None = None
+        #: the call's :data:`CALL_MARKER` value (under the reaper), for :func:`kill_marked`
+        self.token: str | None = None
         self._buf = b""
 
     def _read(self) -> None:
@@ -302,6 +340,8 @@ async def spawn_reaped(argv: list[str], limit_s: float = _REAPER_START_S,
     if not USE_REAPER:
         proc = await procs.spawn_async(argv, **kw)
         return proc, _Status(proc, None, proc.pid)
+    token = os.urandom(8).hex()
+    kw["env"] = {**(kw.get("env") or os.environ), CALL_MARKER: token}
     r, w = os.pipe2(os.O_CLOEXEC)
     try:
         proc = await procs.spawn_async([sys.executable, "-I", "-S", _REAPER, str(w), *argv], pass_fds=(w,), **kw)
@@ -331,7 +371,9 @@ async def spawn_reaped(argv: list[str], limit_s: float = _REAPER_START_S,
             raise _StartTimeout("the call's time ran out before its command started")
         raise OSError("the command's reaper did not start")
     os.set_blocking(r, False)
-    return proc, _Status(proc, r, int(first[1:]))
+    status = _Status(proc, r, int(first[1:]))
+    status.token = token
+    return proc, status
 
 
 def _feed(pipe, data: bytes) -> None:
@@ -451,6 +493,8 @@ async def stream_process(argv: list[str], ctx: ToolContext, timeout_s: float, ma
         end = time.monotonic() + 5
         while proc.poll() is None and time.monotonic() < end:
             await asyncio.sleep(0.005)
+        if status.token is not None and (proc.returncode or 0) < 0:  # the reaper was killed: no cleanup ran
+            await in_thread(kill_marked, status.token)
         res.exit_code = status.returncode()
         status.close()
         if feeder is not None:

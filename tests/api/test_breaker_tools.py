@@ -213,3 +213,24 @@ def test_reaper_start_wait_is_bounded_by_the_calls_timeout(tmp_path, monkeypatch
     time.sleep(0.2)
     assert (res.output, res.exit_code, res.timed_out, _pids_with(str(slow))) == ("", -1, True, [])
     assert 0.4 < took < 3.0, took
+
+
+def test_command_that_kills_the_reaper_itself_leaves_nothing_behind(tmp_path):
+    """A command that SIGKILLs the reaper itself (its parent's parent, found in /proc), not only its parent:
+    the reaper's cleanup never runs and the command's tree is reparented to init. kvserve then kills every
+    process that started with the call's marker variable (``KVSERVE_TOOL_CALL``, runtime.kill_marked): the
+    ``setsid`` grandchild started after the kill is gone too."""
+    marker = f"{uuid.uuid4().int % 10**6 + 10**6}"
+    reg = ToolRegistry.from_names("exec_shell_command")
+    try:
+        out = asyncio.run(reg.get("exec_shell_command").run(
+            {"command": "sleep 0.3; kill -9 $(awk '{print $4}' /proc/$PPID/stat); "
+                        f"setsid sleep {marker} >/dev/null 2>&1 & sleep 0.5; echo started", "timeout": 3},
+            ToolContext(cwd=str(tmp_path))))
+        time.sleep(1.0)
+        left = _pids_with(f"sleep\x00{marker}")
+        assert (out["plain_text_response"].endswith("[exit code: -9]"), left) == (True, [])
+    finally:
+        reg.close()
+        for pid in _pids_with(f"sleep\x00{marker}"):
+            os.kill(pid, signal.SIGKILL)

@@ -230,6 +230,7 @@ _HAND: list[tuple[str, dict]] = [
     ("--lora-modules {bad", {}), ("--lora-modules '{\"name\":\"a\"}'", {}),
     ("--lora-modules '{\"name\":\"a\",\"path\":\"/x\",\"r\":1}'", {}),
     ("--lora-modules a=/x a=/y", {}), ("--lora-modules =/x", {}), ("--enable-lora --max-loras 4 --max-cpu-loras 2", {}),
+    ("--lora-dtype bfloat16", {}), ("--lora-dtype float16 --enable-lora", {}), ("--lora-dtype int8", {}),
     ("--max-lora-rank 7", {}), ("--max-lora-rank 64 --max-cpu-loras 3", {}), ("--max-loras 0", {}),
     # refused, not available, no effect; several errors at once
     ("--lora x", {}), ("--lora x --max-queue 0", {}), ("--max-queue 0 --reasoning-budget -5", {}),

@@ -37,7 +37,7 @@ def tmp():
 def test_the_cases_are_the_recorded_ones(recorded):
     """The case list and the recording agree (a new case needs a regenerated recording)."""
     assert [(r["argv"], r["env"]) for r in recorded[1:]] == [(a, e) for a, e in args_cases.cases()]
-    assert len(recorded) == 3970
+    assert len(recorded) == 3981
 
 
 @pytest.mark.slow

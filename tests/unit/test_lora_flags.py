@@ -58,3 +58,32 @@ def test_bad_values_exit_2(words, message, capsys):
         parse_args(words, environ={})
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().endswith(message)
+
+
+def test_lora_dtype_reaches_the_registry():
+    """vLLM's ``--lora-dtype`` (auto, float16, bfloat16, float32): parsed, and set on the engine's
+    LoraRegistry by chat_runner.load_adapters before any adapter loads (auto: the model's compute dtype)."""
+    import torch
+
+    from kvserve.lora.registry import LoraRegistry
+    from kvserve.serving.chat_runner import load_adapters
+
+    class Model:
+        compute_dtype = torch.float32
+
+    class Core:
+        class runner:
+            lora = LoraRegistry(Model())
+
+    class Spec:
+        adapters = []
+
+    assert parse_args([], environ={}).lora_dtype == "auto"
+    assert Core.runner.lora.dtype == torch.float32
+    for word, want in (("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32),
+                       ("auto", torch.float32)):
+        load_adapters(Core, parse_args(["--lora-dtype", word], environ={}), Spec)
+        assert (Core.runner.lora.lora_dtype, Core.runner.lora.dtype) == (word, want)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--lora-dtype", "int8"], environ={})
+    assert e.value.code == 2

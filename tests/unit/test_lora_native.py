@@ -237,3 +237,59 @@ def test_native_copy_of_a_small_adapter_costs_about_its_size(files):
     per_adapter = (_rss_anon_kib() - before) * 1024 / n
     # the registry's A and B (float32, nbytes) plus the step's float32 copy of them: about 2 x nbytes
     assert len(c.runner.native.decoder.lora_ids()) == n + 1 and per_adapter < 4 * nbytes, (per_adapter, nbytes)
+
+
+def _core_lora_dtype(files, native: bool, lora_dtype: str, round_to: torch.dtype | None = None) -> EngineCore:
+    """llama-Q8_0 with adapter 0 = peft1 installed in ``lora_dtype`` (``--lora-dtype``); with ``round_to``
+    the installed float32 weights are rounded to that dtype in place (before the native step copies them)."""
+    old = os.environ.get("KVSERVE_NATIVE_DECODE")
+    os.environ["KVSERVE_NATIVE_DECODE"] = "1" if native else "0"
+    try:
+        c = EngineCore(load_files(files["llama-Q8_0"]), EngineConfig(n_ctx=512, dtype="auto", n_parallel=8))
+    finally:
+        if old is None:
+            del os.environ["KVSERVE_NATIVE_DECODE"]
+        else:
+            os.environ["KVSERVE_NATIVE_DECODE"] = old
+    if native:
+        assert c.runner.native is not None and c.runner.native.wait(300)
+    c.runner.lora.lora_dtype = lora_dtype
+    c.runner.lora.load(files["peft1"], name="peft1")
+    if round_to is not None:
+        for layer in c.runner.model.layers:
+            for lin in (getattr(layer, attr, None) for attr in ("wqkv", "wo", "w_gate_up", "w_down")):
+                lo = getattr(lin, "lora", None)
+                if lo is not None and 0 in lo.weights:
+                    a, parts = lo.weights[0]
+                    a.copy_(a.to(round_to).float())
+                    for *_, b in parts:
+                        b.copy_(b.to(round_to).float())
+    return c
+
+
+@pytest.mark.parametrize("native,lora_dtype", [(True, "bfloat16"), (True, "float16"), (False, "bfloat16")])
+def test_narrow_lora_dtype_is_the_float32_delta_of_the_rounded_weights(files, native, lora_dtype):
+    """``--lora-dtype bfloat16/float16`` (vLLM's flag): the adapter's fused A and B are stored narrow (the
+    native step's copy too: it reads them with vload<T>), half of float32's bytes, and the arithmetic stays
+    float32, so the logits are bit-identical to a float32 adapter whose weights were rounded to that dtype;
+    on the native path every decode step ran natively. Before, the flag did not exist and the adapter was
+    float32 (not rounded): the logits differed."""
+    dt = getattr(torch, lora_dtype)
+    narrow = _core_lora_dtype(files, native, lora_dtype)
+    wide = _core_lora_dtype(files, native, "auto", round_to=dt)
+    lin = narrow.runner.model.layers[0].wqkv.lora.weights[0]
+    assert (lin[0].dtype, lin[1][0][4].dtype, wide.runner.model.layers[0].wqkv.lora.weights[0][0].dtype) == (
+        dt, dt, torch.float32)
+    n = narrow.runner.lora.by_id(0).adapter.nbytes
+    assert (narrow.runner.lora.nbytes, wide.runner.lora.nbytes) == (n + n // 2, 2 * n)
+    native0 = narrow.runner.native_lora_steps
+    toks_n, logits_n, _ = run(narrow, [req(((0, 1.0),))])
+    toks_w, logits_w, _ = run(wide, [req(((0, 1.0),))])
+    assert narrow.runner.native_lora_steps - native0 == (N if native else 0)  # the prompt's last token, N - 1 decodes
+    (ln,), (lw,) = logits_n.values(), logits_w.values()
+    assert list(toks_n.values()) == list(toks_w.values())
+    assert torch.equal(ln, lw)
+    # and the rounding matters: the unrounded float32 adapter's logits differ
+    plain = _core_lora_dtype(files, native, "float32")
+    _, logits_p, _ = run(plain, [req(((0, 1.0),))])
+    assert not torch.equal(next(iter(logits_p.values())), lw)

@@ -66,7 +66,7 @@ class _FakeEntry:
 
 
 class _FakeRegistry:
-    """LoraRegistry's surface the cache uses (add/remove/by_id/base)."""
+    """LoraRegistry's surface the cache uses (add/remove/by_id/base/installed_nbytes)."""
 
     base = None
 
@@ -88,6 +88,9 @@ class _FakeRegistry:
 
     def by_id(self, aid):
         return self.entries.get(aid)
+
+    def installed_nbytes(self, adapter):  # LoraRegistry's at the default --lora-dtype (float32 copies)
+        return 2 * adapter.nbytes
 
 
 class _FakeRunner:
