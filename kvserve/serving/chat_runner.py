@@ -288,7 +288,7 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
         _srv(logging.INFO, "load_model", "prompt cache is enabled, size limit: %d MiB", core.cache_ram_mib)
     grown = max(rss_bytes() - before, 0)
     if core.device.type == "cpu":  # the KV pool is torch.empty host memory: resident only once written
-        grown += core.pool.active_blocks * core.block_bytes
+        grown += kv_pool_bytes(core)
     runner = Runner(args, spec, AsyncEngine(core), template, build_info, grown)
     for level, text in runner.generation.notes:
         _srv(level, "load_model", "%s", text)
@@ -301,6 +301,14 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
     native = getattr(core.runner, "native", None)
     threading.Thread(target=_warm_grammars, args=(runner, native), name="grammar-warmup", daemon=True).start()
     return runner
+
+
+def kv_pool_bytes(core) -> int:
+    """The bytes of an engine's KV pool for its running sequences (``pool.active_blocks``; the null
+    block and the ``--cache-ram`` host tier not counted), as its layout keeps them: the full-attention
+    layers' blocks plus each sliding-window group's own pool (gemma's sliding layers, phi3's window:
+    kvserve.engine.kv_budget.KVLayout.kv_bytes), not every layer's bytes for every block."""
+    return core.kv_layout.kv_bytes(core.pool.active_blocks, core.n_slots, core.pool.group_cap)
 
 
 def load_adapters(core, args: "ServerArgs", spec: ModelSpec) -> None:

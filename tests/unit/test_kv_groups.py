@@ -359,3 +359,29 @@ def test_only_a_module_that_reads_the_window_views_gets_groups(monkeypatch):
     assert window_groups(cfg) == ((64, (0,)),)
     monkeypatch.setattr(GemmaModel, "window_kv_views", False)  # a module that masks a full cache
     assert window_groups(cfg) == ()
+
+
+def test_load_counts_the_sliding_layers_at_their_pool(gemma3_dir, monkeypatch):
+    """load_runner's resident figure (``Runner.measured_bytes``: RSS growth plus the KV pool) counts
+    each layer at its own pool: -c 512 -np 2 -b 64, f16: the global layer 34 blocks (512 / 16 and one
+    partial block a slot), the 6 sliding layers 20 (two windows a slot, 2 * 2 * (2 + 2), and one
+    step's chunk, 4), blocks of 16 tokens; not 34 blocks of all 7 layers as it counted before."""
+    from kvserve.models.build import load_files
+    from kvserve.serving import chat_runner
+    from kvserve.serving.args import parse_args
+    from kvserve.serving.manager import ModelSpec
+
+    path, _ = gemma3_dir
+    c = load_files(path).config
+    per_layer_token = 2 * c.n_head_kv * c.head_dim * 2  # one layer's K and V of a token, f16
+    monkeypatch.setattr(chat_runner, "rss_bytes", lambda: 0)  # the KV term alone
+    args = parse_args(["-m", path, "--device", "cpu", "-c", "512", "-np", "2", "-b", "64", "--cache-ram", "0"],
+                      environ={})
+    runner = chat_runner.load_runner(args, ModelSpec("m", path), "test")
+    try:
+        core = runner.engine.core
+        assert core.pool.active_blocks == 34 and core.kv_layout.windows == ((W, (0, 1, 2, 3, 4, 6)),)
+        assert runner.measured_bytes == chat_runner.kv_pool_bytes(core) == (34 * 1 + 20 * 6) * 16 * per_layer_token
+        assert core.pool.active_blocks * core.block_bytes == 34 * 7 * 16 * per_layer_token  # the former figure
+    finally:
+        runner.close()

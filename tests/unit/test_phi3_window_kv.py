@@ -221,3 +221,30 @@ def test_engine_with_a_kv_budget(phi3):
     prompt = [rng.randrange(3, 300) for _ in range(150)]
     toks, most, _ = _run(core, "a", prompt)
     assert toks == fmod.reference_greedy(model, prompt, 16, eog) and most == 6
+
+
+def test_load_logs_the_window_pool_bytes_not_every_layers(phi3, monkeypatch):
+    """The resident figure load_runner measures (``Runner.measured_bytes``: RSS growth plus the KV pool,
+    torch.empty memory resident only once written) counts the sliding group's blocks, not every
+    layer's bytes for each of the pool's blocks. At -c 512 -np 2 -b 64, f16: the pool plans 34 blocks
+    for running sequences (512 / 16 and one partial block a slot) at 0 bytes (no full-attention
+    layer); the group holds two windows a slot (2 * 2 * (2 + 2) blocks) and one step's chunk (4):
+    20 blocks of 16 tokens of every layer's K and V (the former figure: 34 blocks)."""
+    from kvserve.serving import chat_runner
+    from kvserve.serving.args import parse_args
+    from kvserve.serving.manager import ModelSpec
+
+    path, _, _ = phi3
+    c = load_files(path).config
+    per_token = c.n_layer * 2 * c.n_head_kv * c.head_dim * 2
+    monkeypatch.setattr(chat_runner, "rss_bytes", lambda: 0)  # the KV term alone
+    args = parse_args(["-m", path, "--device", "cpu", "-c", "512", "-np", "2", "-b", "64", "--cache-ram", "0"],
+                      environ={})
+    runner = chat_runner.load_runner(args, ModelSpec("m", path), "test")
+    try:
+        core = runner.engine.core
+        assert (core.pool.active_blocks, core.kv_layout.block_bytes) == (34, 0)
+        assert chat_runner.kv_pool_bytes(core) == runner.measured_bytes == 20 * 16 * per_token
+        assert core.pool.active_blocks * core.block_bytes == 34 * 16 * per_token  # what was counted
+    finally:
+        runner.close()
