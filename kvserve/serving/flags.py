@@ -928,14 +928,14 @@ FLAGS: tuple[Flag, ...] = (
     F("-fa --flash-attn", "opt", const="on", choices=("on", "off", "auto"),
       env="LLAMA_ARG_FLASH_ATTN OLLAMA_FLASH_ATTENTION", effect=NONE,
       why="attention is torch's scaled_dot_product_attention on the paged cache"),
-    F("--mlock", "bool", False, effect=NONE, why="weights are read into memory, not mapped"),
+    F("--mlock", "bool", False, effect=NONE, why="weights are not locked in memory (--mmap / --no-mmap pick how they are held)"),
     F("--mmap", "bool", None, neg="--no-mmap",
       help="GGUF weights: --mmap serves them from the file's mapping (4 KiB page-cache pages, shared with "
            "other processes); --no-mmap reads them into private memory on 2 MiB huge pages (faster decode, "
            "a copy per process). Default: --no-mmap where the kernel grants transparent huge pages, else --mmap "
            "(KVSERVE_MMAP=1/0 sets the default)"),
-    F("-lm --load-mode", env="LLAMA_ARG_LOAD_MODE", effect=NONE, why="weights are read into memory, not mapped"),
-    F("-lzm --lazy-mode", env="LLAMA_ARG_LAZY_MODE", effect=NONE, why="weights are read into memory, not mapped"),
+    F("-lm --load-mode", env="LLAMA_ARG_LOAD_MODE", effect=NONE, why="--mmap / --no-mmap pick how weights are held"),
+    F("-lzm --lazy-mode", env="LLAMA_ARG_LAZY_MODE", effect=NONE, why="--mmap / --no-mmap pick how weights are held"),
     F("--numa", env="LLAMA_ARG_NUMA", effect=NONE, why=_CPU_AFFINITY),
     F("--rpc", env="LLAMA_ARG_RPC", effect=REFUSE, why="kvserve has no RPC backend: the model runs in this process"),
     F("-t --threads", "int", 0, "CPU threads (0 = all cores)", env="LLAMA_ARG_THREADS"),
