@@ -535,7 +535,7 @@ inline void scales_mins_k4(const uint8_t* q, uint8_t* sc, uint8_t* mn) {
 
 #ifdef GG_VNNI
 // One output value of the AVX512 build's Q4_K / Q5_K / Q6_K per-row kernels (dot_q4k, dot_q6k) and of
-// the small-batch path (ggml_gemm8.h's kexact) alike: per super-block the integer sum of quant x
+// the small-batch path (ggml_gemm8.h's panel_exact) alike: per super-block the integer sum of quant x
 // activation quant x sub-scale (tot, exact in int32; Q6_K's -32 included) and of the mins x the
 // activations' sums (ms, exact; Q4_K / Q5_K), then one float32 chain over the super-blocks in order:
 //   y = fma(float(tot), d_w d_x, y);  y = fma(float(ms), -(dmin_w d_x), y)
@@ -819,7 +819,7 @@ inline __m256i fold512(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si2
 // each row's exact integer sums as in dot_q4k, the 8 rows' sums transposed into one vector (lane j: row j)
 // and KChain's float steps done for the 8 rows in one vector:
 //   y_j = fma(float(tot_j), d_j dx, y_j);  y_j = fma(float(ms_j), -(dmin_j dx), y_j)
-// the same operations in the same order per output as dot_q4k<1> and kexact (the same bits), with one
+// the same operations in the same order per output as dot_q4k<1> and panel_exact (the same bits), with one
 // tree per 8 rows instead of one per row and no scalar chain; every activation vector is loaded once
 // for the 8 rows. out[0..7] (stride 1).
 template <bool FIVE>
