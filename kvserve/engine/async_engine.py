@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator
 
@@ -35,6 +37,10 @@ log = logging.getLogger("kvserve.engine")
 class EngineDeadError(RuntimeError):
     """The engine thread failed; no further requests can run."""
 
+
+#: seconds a non-streamed request's merged outputs wait on the engine thread at most before the
+#: loop gets them (its first output and its last go at once)
+WHOLE_FLUSH_S = 0.05
 
 #: steps in a row that fail as a whole (no step ran in between) before the engine counts as dead
 MAX_CONSECUTIVE_FAILED_STEPS = 5
@@ -59,7 +65,7 @@ class AsyncEngine:
         self._n_vocab = core.model_config.n_vocab
         self._stats = core.stats
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stopped = False
         self.error: BaseException | None = None
@@ -108,8 +114,12 @@ class AsyncEngine:
         itself (:func:`kvserve.serving.admission.admit`)."""
         self._core().validate(request)
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: Request, *, whole: bool = False) -> AsyncIterator[RequestOutput]:
         """Submit ``request`` and yield its outputs until the finished one.
+
+        ``whole``: the caller wants the answer only when it is complete (a non-streamed
+        response): after the first output, outputs come merged (:meth:`RequestOutput.merge`,
+        ``parts`` telling them apart), at the finish and every :data:`WHOLE_FLUSH_S` seconds.
 
         Raises InvalidRequestError (incl. ContextSizeExceededError) before the
         first output when the engine refuses the request (:meth:`EngineCore.add_request`
@@ -117,24 +127,31 @@ class AsyncEngine:
         Cancelling the iteration aborts the request.
         """
         self._raise_if_dead()
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        st = _Stream(asyncio.get_running_loop(), whole)
         rid = request.request_id
-        with self._lock:  # with the death path's lock: a request is either seen by it or refused here
+        lock = self._lock
+        with lock:  # with the death path's lock: a request is either seen by it or refused here
             self._raise_if_dead()
-            self._streams[rid] = (loop, q)
+            self._streams[rid] = st
             self._inbox.put(("add", request))
         finished = False
         try:
             while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+                with lock:
+                    batch, st.items = st.items, []
+                    if not batch:
+                        st.waiter = waiter = st.loop.create_future()
+                if not batch:
+                    await waiter
+                    continue
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        finished = True
+                        raise item
+                    yield item
+                    if item.finished:
+                        finished = True
+                        return
         finally:
             with self._lock:
                 self._streams.pop(rid, None)
@@ -223,16 +240,46 @@ class AsyncEngine:
 
     # -- engine thread -----------------------------------------------------------------
 
-    def _deliver(self, rid: str, item) -> None:
+    def _deliver(self, rid: str, item, now: float = 0.0) -> None:
+        """Hand ``item`` (a RequestOutput or an exception) to request ``rid``'s consumer, if it
+        still listens; on the engine thread. ``now``: the ``time.monotonic()`` to stamp outputs
+        with (0: read it here)."""
+        if isinstance(item, RequestOutput):
+            item.made_time = now or time.monotonic()
         with self._lock:
-            target = self._streams.get(rid)
-        if target is None:
-            return
-        loop, q = target
+            st = self._streams.get(rid)
+            if st is None:
+                return
+            if st.whole and isinstance(item, RequestOutput) and item.prompt_progress is None:
+                if st.started:  # merge until the finish or the flush interval
+                    held = st.held
+                    if held is None:
+                        held = st.held = dataclasses.replace(item)
+                    else:
+                        held.merge(item)
+                    if not item.finished and item.made_time - st.flushed < WHOLE_FLUSH_S:
+                        return
+                    item, st.held = held, None
+                st.started, st.flushed = True, item.made_time
+            elif st.held is not None:  # an error after merged outputs: they go first
+                st.items.append(st.held)
+                st.held = None
+            st.items.append(item)
+            if st.woken:
+                return  # the consumer's wake is on its way and takes this too
+            st.woken = True
         try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
+            st.loop.call_soon_threadsafe(self._wake, st)
         except RuntimeError:  # loop closed
             pass
+
+    def _wake(self, st: _Stream) -> None:
+        """On the consumer's loop: let :meth:`generate` take what arrived."""
+        with self._lock:
+            st.woken = False
+            waiter, st.waiter = st.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _handle(self, kind: str, payload) -> None:
         core = self.core
@@ -286,8 +333,9 @@ class AsyncEngine:
             if not core.has_work():
                 continue
             outputs = core.step()
+            now = time.monotonic()
             for out in outputs:
-                self._deliver(out.request_id, out)
+                self._deliver(out.request_id, out, now)
             if core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
                 raise EngineDeadError(f"{core.consecutive_failed_steps} engine steps in a row failed")
             for fn in self.step_listeners:
@@ -315,6 +363,23 @@ class AsyncEngine:
                 return
             if kind == "call" and payload[1].set_running_or_notify_cancel():
                 payload[1].set_exception(err)
+
+
+class _Stream:
+    """One consumer of :meth:`AsyncEngine.generate`: its loop, what arrived for it (``items``,
+    guarded by the engine's lock), the future it waits on, whether a wake is scheduled, and for
+    a ``whole`` request the merged outputs held back (``held``) and when it last got some."""
+
+    __slots__ = ("loop", "whole", "items", "waiter", "woken", "held", "started", "flushed")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, whole: bool):
+        self.loop, self.whole = loop, whole
+        self.items: list = []
+        self.waiter: asyncio.Future | None = None
+        self.woken = False
+        self.held: RequestOutput | None = None
+        self.started = False
+        self.flushed = 0.0
 
 
 def _weak_call(method):

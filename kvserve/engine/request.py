@@ -495,6 +495,13 @@ class RequestOutput:
             latency metrics measured from arrival (vLLM's time to first token, e2e latency).
         prompt_progress: set (and nothing else new) on a prompt chunk's output for a request
             with ``return_progress``; None otherwise.
+        made_time: ``time.monotonic()`` seconds when the engine thread handed the output over
+            (:class:`~kvserve.engine.async_engine.AsyncEngine`); 0.0 = not stamped. Latency
+            metrics use it, not the time a face's loop got to the output.
+        parts: on an output merged from several (a non-streamed request's outputs, delivered
+            together: :meth:`merge`), one ``(made_time, number of new tokens, number of text
+            characters)`` per engine output in it, in order; None on an output the engine made
+            as it is. ``text`` and ``new_token_ids`` are the parts' concatenations.
     """
 
     request_id: str
@@ -513,6 +520,37 @@ class RequestOutput:
     error: str | None = None
     arrival_time: float = 0.0
     prompt_progress: PromptProgress | None = None
+    made_time: float = 0.0
+    parts: list[tuple[float, int, int]] | None = None
+
+    def merge(self, later: RequestOutput) -> None:
+        """Append ``later`` (the same request's next output, not a prompt-progress one) to this
+        one in place: tokens, text and logprobs concatenated (the first ``prompt_logprobs``
+        kept), every other field ``later``'s; :attr:`parts` records both. Used on an output the
+        caller owns (a copy), never on one the engine still holds."""
+        if self.parts is None:
+            self.parts = [(self.made_time, len(self.new_token_ids), len(self.text))]
+        self.parts += later.parts or [(later.made_time, len(later.new_token_ids), len(later.text))]
+        self.new_token_ids = self.new_token_ids + later.new_token_ids
+        self.text += later.text
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished, self.stop_type, self.stopping_word = later.finished, later.stop_type, later.stopping_word
+        self.num_prompt_tokens, self.num_cached_tokens = later.num_prompt_tokens, later.num_cached_tokens
+        self.num_output_tokens, self.timings, self.truncated = later.num_output_tokens, later.timings, later.truncated
+        self.error, self.made_time = later.error, later.made_time
+
+    def part_texts(self) -> list[str]:
+        """The text of each engine output merged into this one (:attr:`parts`), or ``[text]``."""
+        if self.parts is None:
+            return [self.text]
+        texts, at = [], 0
+        for _, _, n in self.parts:
+            texts.append(self.text[at:at + n])
+            at += n
+        return texts
 
     @property
     def cache_miss(self) -> dict | None:

@@ -317,7 +317,7 @@ class CompletionHandler:
 
     async def run_one(self, c: _Completion, params: SamplingParams, opts: dict) -> None:
         """Drive one task to its end (non-streaming)."""
-        async for out in generate(self.runner, c.request, self._params_view(params, opts)):
+        async for out in generate(self.runner, c.request, self._params_view(params, opts), whole=True):
             c.add(out, params.post_sampling_probs)
 
     async def serve(self, http: HttpRequest, body, infill: tuple[Prompt, Infill] | None = None) -> Response:

@@ -608,7 +608,7 @@ async def complete(runner: Runner, plan: Plan) -> ChatCompletion | TextCompletio
     legacy = [_LegacyLogprobs(plan.logprobs or 0, 0, plan.token_ids) for _ in plan.requests]
     started = [False] * len(plan.requests)
     prompt_lps: list[list | None] = [None] * len(plan.requests)
-    async for i, out in run_choices(runner, plan, slot_view(plan.grammar)):
+    async for i, out in run_choices(runner, plan, slot_view(plan.grammar), whole=True):
         _check_output(out)
         if plan.prompt_logprobs is not None and out.prompt_logprobs is not None and prompt_lps[i] is None:
             prompt_lps[i] = vllm_prompt_logprobs(out.prompt_logprobs, plan.prompt_logprobs)

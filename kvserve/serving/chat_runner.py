@@ -627,7 +627,8 @@ def fair_share(runner: Runner) -> asyncio.Semaphore:
     return asyncio.Semaphore(max(1, runner.engine.n_slots if runner.engine is not None else 1))
 
 
-async def generate(runner: Runner, request: Request, params_view: dict | None = None) -> AsyncIterator[RequestOutput]:
+async def generate(runner: Runner, request: Request, params_view: dict | None = None, *,
+                   whole: bool = False) -> AsyncIterator[RequestOutput]:
     """Run ``request`` in one of ``runner``'s slots and yield its outputs.
 
     ``request`` comes admitted by its plan (:func:`kvserve.serving.admission.admit`: its prompt,
@@ -639,6 +640,9 @@ async def generate(runner: Runner, request: Request, params_view: dict | None = 
 
     Args:
         params_view: what ``/slots`` shows as the slot's ``params`` (the face renders it).
+        whole: the caller answers only once the request is complete (non-streamed): the engine
+            merges its outputs after the first (:meth:`AsyncEngine.generate`), so the loop is not
+            woken per token; merged outputs carry ``parts``, which the metrics count one by one.
     """
     runner.require_ready()
     engine, slots = runner.engine, runner.slots
@@ -646,7 +650,7 @@ async def generate(runner: Runner, request: Request, params_view: dict | None = 
     try:
         request.priority_slot = slot.id
         slot.begin(request.prompt_token_ids, slots.next_task_id(), request.params.n_predict, params_view or {})
-        stream = engine.generate(request)
+        stream = engine.generate(request, whole=True) if whole else engine.generate(request)
         try:
             async for out in stream:
                 slot.update(out)

@@ -27,10 +27,12 @@ __all__ = ["ChatEvent", "ChatUsage", "chat_events", "run_choices"]
 ParamsView = Callable[[Request], dict]
 
 
-async def run_choices(runner: Runner, plan: Plan, view: ParamsView | None = None) \
+async def run_choices(runner: Runner, plan: Plan, view: ParamsView | None = None, *, whole: bool = False) \
         -> AsyncIterator[tuple[int, RequestOutput]]:
     """Run every choice of ``plan`` concurrently (within the runner's fair share of slots) and
     yield ``(index, output)`` as outputs come; ``view(request)`` is the request's ``/slots`` view.
+    ``whole``: a non-streamed answer; outputs after a choice's first may come merged
+    (:func:`~kvserve.serving.chat_runner.generate`).
 
     A choice's exception is raised here. Closing the iterator (client disconnect) cancels
     every choice, which aborts them in the engine and frees their slots.
@@ -41,7 +43,7 @@ async def run_choices(runner: Runner, plan: Plan, view: ParamsView | None = None
     async def produce(i: int, req: Request) -> None:
         try:
             async with gate:
-                async for out in generate(runner, req, view(req) if view is not None else None):
+                async for out in generate(runner, req, view(req) if view is not None else None, whole=whole):
                     q.put_nowait((i, out))
         except asyncio.CancelledError:
             raise
@@ -128,7 +130,7 @@ async def chat_events(runner: Runner, plan: Plan, view: ParamsView | None = None
     texts: list[list[str]] = [[] for _ in range(n)] if whole else []
     finals: list[RequestOutput | None] = [None] * n
     remaining = n
-    async for i, out in run_choices(runner, plan, view):
+    async for i, out in run_choices(runner, plan, view, whole=whole):
         if out.error:
             raise ServerFaultError(out.error)
         if out.prompt_progress is not None:
@@ -139,8 +141,9 @@ async def chat_events(runner: Runner, plan: Plan, view: ParamsView | None = None
         if whole:
             ev = ChatEvent(i, out)
             texts[i].append(text)
-            if post is not None:
-                post.count(text)
+            if post is not None:  # thinking tokens are counted per engine output
+                for part in out.part_texts():
+                    post.count(part)
         elif post is None:
             ev = ChatEvent(i, out, [TextPiece(text)] if text else [])
         else:

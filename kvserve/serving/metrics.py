@@ -29,7 +29,9 @@ beside them, exactly as vLLM's page shows): every series has the labels ``model_
 served model name) and ``engine`` (``"0"``). The gauges are read when the page is scraped; the
 counters and histograms are counted per request output as it reaches a face
 (:meth:`Metrics.on_output`, called by :func:`kvserve.serving.chat_runner.generate` before the face
-sees the output, so a response a client holds is always counted):
+sees the output, so a response a client holds is always counted), with the times the engine
+thread stamped on the outputs (``made_time``; a non-streamed request's merged output counts each
+engine output in it, its ``parts``, as its own):
 
 - ``vllm:prompt_tokens`` (the whole prompt, cached tokens included, once per request at its
   first token), ``vllm:generation_tokens``, ``vllm:request_success{finished_reason}`` (stop,
@@ -531,30 +533,34 @@ class VllmMetrics:
         """Count one output of a request (see the module docstring for what each family counts)."""
         if out.finished and out.stop_type == "abort" and not out.error:
             return  # counted by the engine's step listener (:meth:`on_abort`)
-        now = time.monotonic()
+        # times are the engine thread's (made_time), one per engine output a merged output holds
+        parts = out.parts or ((out.made_time or time.monotonic(), len(out.new_token_ids), 0),)
+        now = parts[-1][0]
         arrival = out.arrival_time or now
+        last_part = len(parts) - 1
         with self._lock:
             t = self._tracked.get(out.request_id)
             if t is None:
                 t = self._tracked[out.request_id] = _Tracked()
                 while len(self._tracked) > MAX_TRACKED:
                     self._tracked.popitem(last=False)
-            n_new = len(out.new_token_ids)
-            first_now = not t.first and (n_new > 0 or (out.finished and out.timings.prompt_ms > 0))
-            if first_now:  # the prompt was processed: its tokens and cache lookups count once
-                t.first = True
-                self.ttft.observe(max(0.0, now - arrival))
-                self.prompt_tokens.inc(out.num_prompt_tokens)
-                self.prefix_queries.inc(out.num_prompt_tokens)
-                self.prefix_hits.inc(out.num_cached_tokens)
-                self._win_prompt += out.num_prompt_tokens
-                self._hit_rate_add(out.num_prompt_tokens, out.num_cached_tokens)
-            elif n_new > 0:
-                self.itl.observe(max(0.0, now - t.last))
-            if n_new:
-                self.generation_tokens.inc(n_new)
-                self._win_gen += n_new
-                t.last = now
+            for k, (when, n_new, _) in enumerate(parts):
+                first_now = not t.first and (n_new > 0 or (out.finished and k == last_part
+                                                           and out.timings.prompt_ms > 0))
+                if first_now:  # the prompt was processed: its tokens and cache lookups count once
+                    t.first = True
+                    self.ttft.observe(max(0.0, when - arrival))
+                    self.prompt_tokens.inc(out.num_prompt_tokens)
+                    self.prefix_queries.inc(out.num_prompt_tokens)
+                    self.prefix_hits.inc(out.num_cached_tokens)
+                    self._win_prompt += out.num_prompt_tokens
+                    self._hit_rate_add(out.num_prompt_tokens, out.num_cached_tokens)
+                elif n_new > 0:
+                    self.itl.observe(max(0.0, when - t.last))
+                if n_new:
+                    self.generation_tokens.inc(n_new)
+                    self._win_gen += n_new
+                    t.last = when
             if out.finished:
                 self._tracked.pop(out.request_id, None)
                 self.success[_finish_reason(out)].inc()

@@ -4,6 +4,7 @@ outputs: the pieces of each choice (or its whole answer), its finish reason, the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +23,7 @@ def _out(text: str, *, finished: bool = False, stop: str = "eos", prompt: int = 
 
 
 def _events(monkeypatch, outs: list[tuple[int, RequestOutput]], mode: OutputMode, n: int = 1, **kw) -> list:
-    async def fake(runner, plan, view=None):
+    async def fake(runner, plan, view=None, *, whole=False):
         for item in outs:
             yield item
 
@@ -64,6 +65,19 @@ def test_whole_answers_come_with_the_last_event(monkeypatch):
     assert [e.pieces for e in evs] == [[]] * 4
     assert [e.answer for e in evs] == [None] * 3 + [Answer("Hi", "a b", [])]
     assert evs[-1].usage.reasoning_tokens == 3  # counted as the stream counts
+
+
+def test_whole_answers_from_merged_outputs_count_as_their_parts(monkeypatch):
+    """A non-streamed request's outputs after the first come merged (AsyncEngine ``whole``):
+    thinking tokens are still counted per engine output, the answer is the same."""
+    first, *rest = [_out("<think>"), _out("a b"), _out("</think>"), _out("Hi", finished=True, n_out=4)]
+    merged = dataclasses.replace(rest[0])
+    for o in rest[1:]:
+        merged.merge(o)
+    assert merged.part_texts() == ["a b", "</think>", "Hi"] and merged.new_token_ids == [1, 1, 1]
+    evs = _events(monkeypatch, [(0, first), (0, merged)], OutputMode(reasoning_style="deepseek"), whole=True)
+    assert [e.answer for e in evs] == [None, Answer("Hi", "a b", [])]
+    assert evs[-1].usage.reasoning_tokens == 3 and evs[-1].usage.completion_tokens == 4
 
 
 def test_tool_calls_are_pieces_and_the_finish_says_so(monkeypatch):

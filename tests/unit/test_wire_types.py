@@ -296,7 +296,7 @@ def _plan(kind: str, **kw) -> openai_face.Plan:
 
 
 def _run(monkeypatch, outs):
-    async def run_choices(state, plan, view=None):
+    async def run_choices(state, plan, view=None, *, whole=False):
         for o in outs:
             yield 0, o
 
