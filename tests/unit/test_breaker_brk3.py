@@ -1,0 +1,112 @@
+"""Breaker brk3: attacks on the session's changes (weights read into huge pages, xgrammar imported
+without transformers, ...). Each test shows a defect found, fixed where the fix was small."""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tinymodel
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(code: str, timeout: float = 120) -> dict:
+    """Run ``code`` in a fresh interpreter (this process may have imported xgrammar/transformers);
+    returns the JSON of its last stdout line."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env,
+                         cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- weights read into huge pages (kvserve.loaders.gguf._weight_bytes) ---------------------------------
+
+
+class _NoThpMmap(mmap.mmap):
+    """An anonymous mapping whose madvise fails as on a kernel built without transparent huge pages
+    (CONFIG_TRANSPARENT_HUGEPAGE=n: madvise(MADV_HUGEPAGE) is EINVAL). A stand-in for such a kernel,
+    which this machine is not."""
+
+    def madvise(self, *args):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+
+def test_no_mmap_loads_where_madvise_hugepage_fails(tmp_path, monkeypatch):
+    """--no-mmap / KVSERVE_MMAP=0 on a kernel without THP: madvise(MADV_HUGEPAGE) fails with EINVAL.
+    Before: load_gguf raised that bare OSError (a crash at start-up); now the private copy loads on
+    4 KiB pages, byte-equal to the file."""
+    from kvserve.loaders import gguf as gl
+
+    path = tinymodel.write_tiny_gguf(tmp_path / "m.gguf", n_embd=256, n_ff=512, qtype="Q4_K", seed=4)
+    monkeypatch.setattr(gl, "_WEIGHT_MEMORY", "read")
+    monkeypatch.setattr(mmap, "mmap", _NoThpMmap)
+    loaded = gl.load_gguf(path)
+    data = Path(path).read_bytes()
+    _, infos = gl.read_gguf_header(str(path))
+    t = next(t for t in infos if t.name == "blk.0.attn_q.weight")
+    raw = loaded.weights[t.name].raw
+    assert raw.tobytes() == data[t.offset: t.offset + t.n_bytes]
+    assert not isinstance(raw.base, np.memmap)
+
+
+# -- xgrammar imported without transformers (kvserve.structured.xgr) ------------------------------------
+
+_HALF = r'''
+import json, sys, threading
+from kvserve.structured.xgr import xgrammar_module
+res = {}
+def other():
+    while "xgrammar" not in sys.modules:  # xgrammar's import has begun in the main thread
+        pass
+    res["complete"] = hasattr(xgrammar_module(), "GrammarCompiler")
+t = threading.Thread(target=other)
+t.start()
+xgrammar_module()
+t.join(60)
+print(json.dumps(res))
+'''
+
+
+def test_xgrammar_module_never_returns_a_half_imported_module():
+    """Two threads ask for xgrammar at once (the grammar warm-up thread and a first tool-call request).
+    Before: the second got ``sys.modules["xgrammar"]`` while the first was still executing its
+    ``__init__`` (no ``GrammarCompiler`` yet: AttributeError in a request); now it waits for the import."""
+    assert _run(_HALF) == {"complete": True}
+
+
+_CONCURRENT = r'''
+import json, sys, threading
+from kvserve.structured.xgr import xgrammar_module
+res = {}
+def other():
+    while not isinstance(sys.modules.get("transformers"), type(sys)):  # the stand-in is installed
+        pass
+    import transformers
+    res["auto"] = hasattr(transformers, "AutoTokenizer")
+    res["fast_module"] = transformers.PreTrainedTokenizerFast.__module__
+t = threading.Thread(target=other)
+t.start()
+xgr = xgrammar_module()
+t.join(120)
+res["compiler"] = hasattr(xgr, "GrammarCompiler")
+res["real_after"] = hasattr(sys.modules.get("transformers"), "AutoTokenizer")
+print(json.dumps(res))
+'''
+
+
+def test_import_transformers_while_the_stand_in_is_installed_gets_the_real_package():
+    """Another thread of the process runs ``import transformers`` while xgrammar is being imported under
+    the stand-in. Before: it got the stand-in (no ``AutoTokenizer``, placeholder classes) for good;
+    now its attribute lookups wait for xgrammar's import and answer from the real package."""
+    assert _run(_CONCURRENT) == {"auto": True, "fast_module": "transformers.tokenization_utils_tokenizers",
+                                 "compiler": True, "real_after": True}
