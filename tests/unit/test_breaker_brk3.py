@@ -110,3 +110,48 @@ def test_import_transformers_while_the_stand_in_is_installed_gets_the_real_packa
     now its attribute lookups wait for xgrammar's import and answer from the real package."""
     assert _run(_CONCURRENT) == {"auto": True, "fast_module": "transformers.tokenization_utils_tokenizers",
                                  "compiler": True, "real_after": True}
+
+
+# -- MCP stdio servers under the reaper (kvserve/tools/mcp.py) ------------------------------------------
+
+
+def test_mcp_server_that_crashes_leaving_a_child_on_its_stdout_ends_the_call_at_once(tmp_path):
+    """A stdio server starts a child that keeps its stdout (a setsid grandchild, as many servers' helper
+    daemons do), then crashes during a call. Before: no EOF on stdout, so the call waited for its whole
+    timeout (30 s) and answered ``request timed out``; now the server's exit (the reaper's status pipe)
+    ends the transport: ``transport closed`` within seconds; the next call starts the server again and
+    the orphaned child is killed."""
+    import asyncio
+    import time
+
+    sys.path.insert(0, str(ROOT / "tests" / "api"))
+    from test_mcp_api import FX, _alive, _wait_gone
+
+    from kvserve.tools import mcp as mcp_mod
+
+    fx = tmp_path / "fx.py"
+    fx.write_text(FX)
+
+    async def run():
+        m = mcp_mod.McpManager([mcp_mod.McpServerConfig("fx", command=sys.executable, args=[str(fx)],
+                                                        env={"FX_NEW_SESSION": "1"})])
+        try:
+            await m.warm_up()
+            server = int((await m.call_tool("fx", "pid", {}))["plain_text_response"])
+            child = int((await m.call_tool("fx", "spawn", {}))["plain_text_response"])
+            t0 = time.monotonic()
+            crashed = await asyncio.wait_for(m.call_tool("fx", "crash", {}), 40)
+            took = time.monotonic() - t0
+            again = await m.call_tool("fx", "echo", {"message": "again"})
+            return server, child, crashed, took, again
+        finally:
+            await m.aclose()
+
+    server, child, crashed, took, again = asyncio.run(run())
+    try:
+        assert (crashed, again) == ({"error": "transport closed"}, {"plain_text_response": "echo: again"})
+        assert took < 5, took
+        assert _wait_gone([server, child], 5) == []
+    finally:
+        if _alive(child):
+            os.kill(child, 9)
