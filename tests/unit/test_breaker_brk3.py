@@ -155,3 +155,36 @@ def test_mcp_server_that_crashes_leaving_a_child_on_its_stdout_ends_the_call_at_
     finally:
         if _alive(child):
             os.kill(child, 9)
+
+
+# -- every layer sliding (phi3) and the window groups (kvserve.engine.kv_budget.window_groups) ----------
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gpt_oss"])
+def test_a_window_of_one_token_loads_and_equals_transformers(tmp_path, arch):
+    """A sliding window of 1 (each query sees only its own key; transformers' mask allows it). Before:
+    phi3 now giving its layers a sliding group, the engine refused the model at load
+    (``ValueError: sliding window 1: at least 2 tokens`` from the group's pool; phi3 loaded on the
+    masked path before this session; gpt-oss likewise refused). Now such a window keeps one pool,
+    masked: the greedy tokens equal transformers'."""
+    pytest.importorskip("transformers")
+    import family_models as fmod
+
+    from kvserve.config import EngineConfig
+    from kvserve.engine.core import EngineCore
+    from kvserve.engine.request import Request, SamplingParams
+    from kvserve.models.build import load_files
+
+    extra = dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2) if arch == "gpt_oss" else {}
+    model = fmod.build(arch, seed=7, sliding_window=1, **extra)
+    path = str(fmod.save_hf(model, tmp_path / "hf"))
+    eog = sorted(load_files(path).tokenizer.eog_token_ids)
+    prompt = [5, 77, 120, 33, 250, 9, 18, 260, 41, 199, 7, 88]
+    core = EngineCore(load_files(path), EngineConfig(n_ctx=256, dtype="float32", kv_dtype="f32"))
+    assert core.kv.groups == []
+    core.add_request(Request("a", prompt, SamplingParams(n_predict=12, temperature=0.0, ignore_eos=True)))
+    got = []
+    while core.has_work():
+        for o in core.step():
+            got += o.new_token_ids
+    assert got == fmod.reference_greedy(model, prompt, 12, eog)
