@@ -928,13 +928,15 @@ FLAGS: tuple[Flag, ...] = (
     F("-fa --flash-attn", "opt", const="on", choices=("on", "off", "auto"),
       env="LLAMA_ARG_FLASH_ATTN OLLAMA_FLASH_ATTENTION", effect=NONE,
       why="attention is torch's scaled_dot_product_attention on the paged cache"),
-    F("--mlock", "bool", False, effect=NONE, why="weights are read into memory, not mapped"),
+    F("--mlock", "bool", False, effect=NONE, why="weights are not locked in memory"),
     F("--mmap", "bool", None, neg="--no-mmap",
       help="GGUF weights: --mmap serves them from the file's mapping (4 KiB page-cache pages, shared with "
            "other processes); --no-mmap reads them into private memory on 2 MiB huge pages (faster decode, "
            "a copy per process). Default: --no-mmap where the kernel grants transparent huge pages, else --mmap "
            "(KVSERVE_MMAP=1/0 sets the default)"),
-    F("-lm --load-mode", env="LLAMA_ARG_LOAD_MODE", effect=NONE, why="weights are read into memory, not mapped"),
+    F("-lm --load-mode", env="LLAMA_ARG_LOAD_MODE",
+      help="llama-server's model loading mode: mmap / mmap+mlock as --mmap, none / mlock / dio as --no-mmap, "
+           "auto the default (--mmap / --no-mmap win; nothing is locked in memory)"),
     F("-lzm --lazy-mode", env="LLAMA_ARG_LAZY_MODE", effect=NONE, why="weights are read into memory, not mapped"),
     F("--numa", env="LLAMA_ARG_NUMA", effect=NONE, why=_CPU_AFFINITY),
     F("--rpc", env="LLAMA_ARG_RPC", effect=REFUSE, why="kvserve has no RPC backend: the model runs in this process"),

@@ -188,3 +188,25 @@ def test_a_window_of_one_token_loads_and_equals_transformers(tmp_path, arch):
         for o in core.step():
             got += o.new_token_ids
     assert got == fmod.reference_greedy(model, prompt, 12, eog)
+
+
+def test_llama_servers_load_mode_picks_how_weights_are_held(monkeypatch):
+    """llama-server of this tree has no --mmap: it spells the choice ``-lm/--load-mode`` (env
+    LLAMA_ARG_LOAD_MODE: auto, none, mmap, mlock, mmap+mlock, dio). Before: kvserve accepted ``-lm``
+    without effect ("weights are read into memory, not mapped", no longer true with --mmap), so
+    ``-lm mmap`` still read the weights into private memory and ``-lm bogus`` passed silently. Now
+    mmap / mmap+mlock act as --mmap, none / mlock / dio as --no-mmap, --mmap/--no-mmap win, and an
+    unknown mode is refused as llama-server refuses it."""
+    from kvserve.serving.args import parse_args
+
+    assert parse_args([]).mmap is None
+    assert [parse_args(["-lm", m]).mmap for m in ("auto", "mmap", "mmap+mlock", "none", "mlock", "dio")] == \
+        [None, True, True, False, False, False]
+    assert parse_args(["-lm", "mmap", "--no-mmap"]).mmap is False
+    assert parse_args(["--load-mode", "none", "--mmap"]).mmap is True
+    monkeypatch.setenv("LLAMA_ARG_LOAD_MODE", "mmap")
+    assert parse_args([]).mmap is True
+    monkeypatch.delenv("LLAMA_ARG_LOAD_MODE")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["-lm", "bogus"])
+    assert e.value.code == 2
