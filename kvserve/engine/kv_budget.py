@@ -156,7 +156,8 @@ class KVLayout:
 def window_groups(model_config, n_ctx_slot: int | None = None) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """The sliding-window layer groups of a model config, from its family's KV spec per layer
     (kvserve.models.family): (window, layer indices), windows ascending; empty when no layer
-    slides, or for an architecture no family reads. A window of at least ``n_ctx_slot`` tokens
+    slides, or for an architecture no family reads. A window of 1 gets no group (its layers are
+    masked in the one pool). A window of at least ``n_ctx_slot`` tokens
     (one sequence's context) never leaves a token behind: its layers count as full attention.
     When every layer slides (phi3's window), the groups cover every layer: the full-attention
     pool keeps the block tables and the prefix index with no layer's rows (0 bytes a block).
@@ -176,7 +177,9 @@ def window_groups(model_config, n_ctx_slot: int | None = None) -> tuple[tuple[in
         return ()
     by_window: dict[int, list[int]] = {}
     for i, spec in enumerate(specs):
-        if spec.kind == "sliding" and (n_ctx_slot is None or spec.window < n_ctx_slot):
+        # a window of 1 (each query sees only its own key) keeps one pool, masked: a group's pool
+        # needs 2 tokens at least (kvserve.engine.kv_cache)
+        if spec.kind == "sliding" and spec.window >= 2 and (n_ctx_slot is None or spec.window < n_ctx_slot):
             by_window.setdefault(spec.window, []).append(i)
     if not by_window:
         return ()

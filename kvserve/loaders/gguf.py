@@ -419,7 +419,10 @@ def _weight_bytes(path: str, infos: list[TensorInfo], packed: bool) -> np.ndarra
         return np.memmap(path, dtype=np.uint8, mode="r")
     whole = np.frombuffer(m, dtype=np.uint8)  # holds m (the buffer export) for as long as a view lives
     shift = -whole.ctypes.data % _HUGE  # the 2 MiB-aligned start: every whole 2 MiB of it can be one page
-    m.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel built without THP (EINVAL): the private copy still loads, on 4 KiB pages
+        pass
     buf = whole[shift: shift + size]
     view = memoryview(buf)
     # 64 MiB pieces read on up to as many threads as CPUs (4 at most): the faults of fresh huge pages

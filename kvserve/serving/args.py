@@ -475,7 +475,8 @@ def _env_address(s: _Parsed) -> None:
 
 
 def _model_fields(s: _Parsed) -> dict[str, Any]:
-    """The model (``-m``, positional MODEL or ``-hf``; given once), its API names and the API keys."""
+    """The model (``-m``, positional MODEL or ``-hf``; given once), its API names, the API keys and how
+    its GGUF weights are held (``--mmap`` / ``--no-mmap``, else llama-server's ``-lm``)."""
     v = s.v
     model = v["model"]
     if model and v["model_pos"] and model != v["model_pos"]:
@@ -492,7 +493,15 @@ def _model_fields(s: _Parsed) -> dict[str, Any]:
     if v["alias"]:
         # llama-server keeps its aliases in a std::set: the alphabetically first is the model's id
         alias = sorted(dict.fromkeys(x.strip() for x in v["alias"].split(",") if x.strip())) + alias
-    return {"model": model or DEFAULT_MODEL, "model_given": bool(model), "alias": alias, "api_keys": keys}
+    mmap = v["mmap"]
+    if mmap is None and v["load_mode"]:  # llama-server's -lm: how GGUF weights are held (--mmap / --no-mmap)
+        modes = {"auto": None, "mmap": True, "mmap+mlock": True, "none": False, "mlock": False, "dio": False}
+        if v["load_mode"] not in modes:
+            raise _Exit(f'error while handling argument "-lm": invalid value {v["load_mode"]!r} '
+                        f'(auto, none, mmap, mlock, mmap+mlock or dio)')
+        mmap = modes[v["load_mode"]]
+    return {"model": model or DEFAULT_MODEL, "model_given": bool(model), "alias": alias, "api_keys": keys,
+            "mmap": mmap}
 
 
 def _hf_model(repo: str) -> str:

@@ -934,7 +934,9 @@ FLAGS: tuple[Flag, ...] = (
            "other processes); --no-mmap reads them into private memory on 2 MiB huge pages (faster decode, "
            "a copy per process). Default: --no-mmap where the kernel grants transparent huge pages, else --mmap "
            "(KVSERVE_MMAP=1/0 sets the default)"),
-    F("-lm --load-mode", env="LLAMA_ARG_LOAD_MODE", effect=NONE, why="--mmap / --no-mmap pick how weights are held"),
+    F("-lm --load-mode", env="LLAMA_ARG_LOAD_MODE",
+      help="llama-server's model loading mode: mmap / mmap+mlock as --mmap, none / mlock / dio as --no-mmap, "
+           "auto the default (--mmap / --no-mmap win; nothing is locked in memory)"),
     F("-lzm --lazy-mode", env="LLAMA_ARG_LAZY_MODE", effect=NONE, why="--mmap / --no-mmap pick how weights are held"),
     F("--numa", env="LLAMA_ARG_NUMA", effect=NONE, why=_CPU_AFFINITY),
     F("--rpc", env="LLAMA_ARG_RPC", effect=REFUSE, why="kvserve has no RPC backend: the model runs in this process"),

@@ -27,6 +27,7 @@ __all__ = ["xgrammar_module"]
 _NAMES = ("PreTrainedTokenizerBase", "PreTrainedTokenizerFast", "LogitsProcessor")
 
 _lock = threading.Lock()
+_module: types.ModuleType | None = None  # xgrammar, once its import is over
 
 
 class _Deferred(type):
@@ -48,28 +49,47 @@ class _Deferred(type):
         return super().__subclasscheck__(sub)
 
 
-def _stand_in() -> types.ModuleType:
+def _stand_in(importer: int) -> types.ModuleType:
+    """The stand-in ``transformers`` module. To the importing thread (``importer``, a thread ident) it
+    offers only the placeholder classes of :data:`_NAMES`; another thread that ran ``import
+    transformers`` while it was in ``sys.modules`` gets every attribute (a placeholder's name too)
+    from the real package, imported once xgrammar's import is over (PEP 562 ``__getattr__``)."""
     mod = types.ModuleType("transformers", "kvserve's stand-in for transformers while xgrammar is imported")
-    for name in _NAMES:
-        setattr(mod, name, _Deferred(name, (), {"_kvserve_stand_in": True, "__module__": "transformers"}))
+    classes = {name: _Deferred(name, (), {"_kvserve_stand_in": True, "__module__": "transformers"})
+               for name in _NAMES}
+
+    def __getattr__(name: str):
+        if threading.get_ident() == importer:
+            if name in classes:
+                return classes[name]
+            raise AttributeError(f"module 'transformers' has no attribute {name!r}")
+        with _lock:  # wait out xgrammar's import: the stand-in is out of sys.modules after it
+            pass
+        return getattr(importlib.import_module("transformers"), name)
+
+    mod.__getattr__ = __getattr__
     return mod
 
 
 def xgrammar_module() -> types.ModuleType:
     """The ``xgrammar`` module, imported on first call without importing ``transformers`` (see the
-    module docstring). Thread-safe; later calls return ``sys.modules["xgrammar"]``.
+    module docstring). Thread-safe: a caller never gets the module half-imported by another thread;
+    later calls return the same module.
 
     Raises ImportError: xgrammar is not installed (or fails to import)."""
-    mod = sys.modules.get("xgrammar")
-    if mod is not None:
-        return mod
+    global _module
+    if _module is not None:
+        return _module
     with _lock:
-        if "xgrammar" in sys.modules or "transformers" in sys.modules:
-            return importlib.import_module("xgrammar")
-        stand_in = _stand_in()
-        sys.modules["transformers"] = stand_in
-        try:
-            return importlib.import_module("xgrammar")
-        finally:
-            if sys.modules.get("transformers") is stand_in:
-                del sys.modules["transformers"]
+        if _module is None:
+            if "xgrammar" in sys.modules or "transformers" in sys.modules:
+                _module = importlib.import_module("xgrammar")  # waits for an import in progress elsewhere
+            else:
+                stand_in = _stand_in(threading.get_ident())
+                sys.modules["transformers"] = stand_in
+                try:
+                    _module = importlib.import_module("xgrammar")
+                finally:
+                    if sys.modules.get("transformers") is stand_in:
+                        del sys.modules["transformers"]
+    return _module

@@ -387,6 +387,19 @@ async def stdio_transport(proc: _StdioProcess):
                           extra={"func": "mcp"})
 
     tasks = [asyncio.ensure_future(f()) for f in (reader, writer, errlog)]
+
+    async def watch() -> None:
+        # the server's own process ended, though a process it left may hold its stdout open (no EOF):
+        # the lines it wrote before are read (up to 1 s), then the transport ends, so calls in flight
+        # answer "transport closed" at once instead of at their timeout
+        pause = 0.01
+        while p.returncode is None:
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.2)
+        await asyncio.wait({tasks[0]}, timeout=1.0)
+        proc.exited.set()
+
+    tasks.append(asyncio.ensure_future(watch()))
     try:
         yield read_recv, write_send
     finally:
