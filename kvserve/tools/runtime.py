@@ -138,24 +138,30 @@ class ProcessResult:
     raw: bytes = b""
 
 
-def group_members(pgid: int) -> list[int]:
-    """The live (not zombie) processes of group ``pgid``, read from ``/proc`` (Linux); [] elsewhere."""
-    out = []
+def _proc_files(leaf: str):
+    """(pid, bytes of /proc/PID/<leaf>) for every process this one can read (Linux); nothing elsewhere.
+    A process that ends during the scan is skipped."""
     try:
         names = os.listdir("/proc")
     except OSError:
-        return out
+        return
     for name in names:
         if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
+            with open(f"/proc/{name}/{leaf}", "rb") as f:
+                yield int(name), f.read()
         except OSError:
             continue
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of group ``pgid``, read from ``/proc`` (Linux); [] elsewhere."""
+    out = []
+    for pid, stat in _proc_files("stat"):
         fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
         if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
-            out.append(int(name))
+            out.append(pid)
     return out
 
 
@@ -180,23 +186,14 @@ def kill_marked(token: str) -> list[int]:
     their call gave them. A process that replaced its environment by exec (``env -i``) is not found."""
     want = f"{CALL_MARKER}={token}".encode()
     hit = []
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return hit
     me = os.getpid()
-    for name in names:
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = f.read()
-        except OSError:
+    for pid, env in _proc_files("environ"):
+        if pid == me:
             continue
         if want in env.split(b"\0"):
             try:
-                os.kill(int(name), signal.SIGKILL)
-                hit.append(int(name))
+                os.kill(pid, signal.SIGKILL)
+                hit.append(pid)
             except (ProcessLookupError, PermissionError):
                 pass
     return hit
