@@ -12,6 +12,12 @@ and ask its class, so ``from_huggingface`` still works for a caller that has tra
 stand-in is removed afterwards; a later ``import transformers`` loads the real package.
 
 Where transformers is already imported (or xgrammar is), the plain import is used.
+
+Where xgrammar cannot be imported (not installed, a missing or mismatched native library), every
+caller gets :class:`StructuredOutputUnavailableError`: "structured output is unavailable: xgrammar
+failed to import: <why>", a server fault each face answers 500 in its own envelope with that text
+(before, a bare ImportError became the faces' generic "internal server error"). The failure is
+remembered: a broken package is not imported again for every request.
 """
 
 from __future__ import annotations
@@ -21,13 +27,26 @@ import sys
 import threading
 import types
 
-__all__ = ["xgrammar_module"]
+from kvserve.errors import ServerFaultError
+
+__all__ = ["StructuredOutputUnavailableError", "xgrammar_module"]
 
 #: the names xgrammar 0.2 takes from transformers at import time
 _NAMES = ("PreTrainedTokenizerBase", "PreTrainedTokenizerFast", "LogitsProcessor")
 
 _lock = threading.Lock()
 _module: types.ModuleType | None = None  # xgrammar, once its import is over
+_failure: str | None = None  # why xgrammar's import failed, once it has
+
+
+class StructuredOutputUnavailableError(ServerFaultError, ImportError):
+    """xgrammar failed to import, so no constrained output (JSON schema, grammar, regex, choice, forced
+    tool calls) can be served: a server fault (a face answers 500 in its dialect's envelope, with the
+    message; llama-server built without its grammar support has no such state). An ImportError too, for
+    callers that treat a missing optional package as such."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"structured output is unavailable: xgrammar failed to import: {reason}")
 
 
 class _Deferred(type):
@@ -76,20 +95,35 @@ def xgrammar_module() -> types.ModuleType:
     module docstring). Thread-safe: a caller never gets the module half-imported by another thread;
     later calls return the same module.
 
-    Raises ImportError: xgrammar is not installed (or fails to import)."""
-    global _module
+    Raises:
+        StructuredOutputUnavailableError: xgrammar is not installed or fails to import (an
+            ImportError, and a :class:`~kvserve.errors.ServerFaultError` naming the cause); the
+            first failure is remembered and raised again without a new import.
+    """
+    global _module, _failure
     if _module is not None:
         return _module
     with _lock:
         if _module is None:
-            if "xgrammar" in sys.modules or "transformers" in sys.modules:
-                _module = importlib.import_module("xgrammar")  # waits for an import in progress elsewhere
-            else:
-                stand_in = _stand_in(threading.get_ident())
-                sys.modules["transformers"] = stand_in
-                try:
-                    _module = importlib.import_module("xgrammar")
-                finally:
-                    if sys.modules.get("transformers") is stand_in:
-                        del sys.modules["transformers"]
+            if _failure is not None:
+                raise StructuredOutputUnavailableError(_failure)
+            try:
+                _module = _import()
+            except Exception as e:  # noqa: BLE001 - ImportError, or whatever a broken package raises
+                _failure = f"{type(e).__name__}: {e}" if not isinstance(e, ImportError) else str(e)
+                raise StructuredOutputUnavailableError(_failure) from e
     return _module
+
+
+def _import() -> types.ModuleType:
+    """``import xgrammar`` (with the stand-in transformers where neither is imported yet); the caller
+    holds :data:`_lock`."""
+    if "xgrammar" in sys.modules or "transformers" in sys.modules:
+        return importlib.import_module("xgrammar")  # waits for an import in progress elsewhere
+    stand_in = _stand_in(threading.get_ident())
+    sys.modules["transformers"] = stand_in
+    try:
+        return importlib.import_module("xgrammar")
+    finally:
+        if sys.modules.get("transformers") is stand_in:
+            del sys.modules["transformers"]
