@@ -486,6 +486,12 @@ def _main(argv: list[str] | None) -> int:
     _srv(logging.INFO, "llama_server", "initializing ...")
     if args.mmap is not None:  # --mmap / --no-mmap: how GGUF weights are held (kvserve.loaders.gguf), here and in children
         os.environ["KVSERVE_MMAP"] = "1" if args.mmap else "0"
+    else:
+        from kvserve.serving.startup_checks import mmap_env_error
+
+        if problem := mmap_env_error(os.environ):  # a typo is not taken as the default without a word
+            _srv(logging.ERROR, "llama_server", "%s", problem)
+            return 1
     for level, text in args.flag_notes:  # flags accepted without effect, or not available
         _srv(level, "llama_server", "%s", text)
     if not args.api_keys:

@@ -365,6 +365,33 @@ def engine_kv_layout(cfg, model_config):
                      n_ctx_slot=cfg.n_ctx_slot(model_config.n_ctx_train))
 
 
+# -- the environment ----------------------------------------------------------------------------
+
+#: ``KVSERVE_MMAP``'s values (any case, spaces around ignored), as kvserve.loaders.gguf reads them:
+#: the file's mapping (``--mmap``), a private copy (``--no-mmap``), the default (unset, empty or auto)
+MMAP_ON = ("1", "true", "on", "yes")
+MMAP_OFF = ("0", "false", "off", "no")
+MMAP_DEFAULT = ("", "auto")
+
+
+def mmap_env_error(environ) -> str | None:
+    """The start-up error for a ``KVSERVE_MMAP`` value that is none of :data:`MMAP_ON`,
+    :data:`MMAP_OFF`, :data:`MMAP_DEFAULT` (case-insensitive), else None. ``kvserve serve`` logs it
+    and exits 1 when neither ``--mmap`` / ``--no-mmap`` nor ``-lm`` picks the mode (a flag wins over
+    the variable, as a flag wins over llama-server's ``LLAMA_ARG_*`` variables). Before, the loader
+    took any other value, a typo included, as the default without a word.
+
+    Args:
+        environ: the environment (a mapping of str to str).
+    """
+    text = environ.get("KVSERVE_MMAP")
+    if text is None or text.strip().lower() in MMAP_ON + MMAP_OFF + MMAP_DEFAULT:
+        return None
+    return (f"error while handling environment variable \"KVSERVE_MMAP\": invalid value {text!r} "
+            f"(accepted: {', '.join(MMAP_ON)} = --mmap; {', '.join(MMAP_OFF)} = --no-mmap; "
+            "auto or empty = the default)")
+
+
 # -- all of them ------------------------------------------------------------------------------
 
 def run_startup_checks(args, path: str, cfg) -> list[tuple[int, str]]:
@@ -439,6 +466,9 @@ def run_startup_checks(args, path: str, cfg) -> list[tuple[int, str]]:
 __all__ = [
     "LONG_MAX_MODEL_LEN_WARNING",
     "MAX_LEN_KEYS",
+    "MMAP_DEFAULT",
+    "MMAP_OFF",
+    "MMAP_ON",
     "ONLINE_QUANT_METHODS",
     "QUANT_METHODS",
     "VLLM_QUANT_METHODS",
@@ -450,6 +480,7 @@ __all__ = [
     "check_quantization",
     "derived_max_model_len",
     "known_kv_budget",
+    "mmap_env_error",
     "quantization_name_error",
     "read_header",
     "resolve_dtype",

@@ -627,3 +627,52 @@ def test_the_batch_warning_names_the_max_num_seqs_typed(tiny_long_gguf, caplog):
     runner.close()
     assert ("max_num_batched_tokens (16384) exceeds max_num_seqs * max_model_len (12288). This may lead to "
             "unexpected behavior.") in _messages(caplog)
+
+
+# -- KVSERVE_MMAP ------------------------------------------------------------------------------
+
+_MMAP_ACCEPTED = "accepted: 1, true, on, yes = --mmap; 0, false, off, no = --no-mmap; auto or empty = the default"
+
+
+@pytest.mark.parametrize("text", ["1", "TRUE", " on ", "Yes", "0", "false", "OFF", "no", "", "  ", "auto", "Auto"])
+def test_kvserve_mmap_values_the_loader_reads_pass(text, monkeypatch):
+    """Every accepted value means what kvserve.loaders.gguf makes of it (mmap / read / the default)."""
+    from kvserve.loaders import gguf
+
+    from kvserve.serving.startup_checks import MMAP_OFF, MMAP_ON, mmap_env_error
+
+    assert mmap_env_error({"KVSERVE_MMAP": text}) is None
+    monkeypatch.setattr(gguf, "_WEIGHT_MEMORY", "auto")
+    monkeypatch.setattr(gguf, "_thp_available", lambda: None)
+    monkeypatch.setenv("KVSERVE_MMAP", text)
+    low = text.strip().lower()
+    assert gguf._weight_memory() == ("mmap" if low in MMAP_ON else "read" if low in MMAP_OFF else "mmap")
+    monkeypatch.setattr(gguf, "_thp_available", lambda: True)
+    assert gguf._weight_memory() == ("mmap" if low in MMAP_ON else "read")
+
+
+@pytest.mark.parametrize("text", ["2", "ture", "mmap", "read", "enabled", "-1"])
+def test_kvserve_mmap_typo_is_one_line_naming_variable_value_and_accepted(text):
+    from kvserve.serving.startup_checks import mmap_env_error
+
+    assert mmap_env_error({"KVSERVE_MMAP": text}) == (
+        f'error while handling environment variable "KVSERVE_MMAP": invalid value {text!r} ({_MMAP_ACCEPTED})')
+    assert mmap_env_error({}) is None
+
+
+def test_server_with_a_kvserve_mmap_typo_stops_with_exit_1(tiny_gguf, tmp_path):
+    """Before: the server started, holding the weights as the default mode picked. Now it stops
+    before serving; a flag that picks the mode wins over the variable (then the next start-up check,
+    a bad AIP_HTTP_PORT, is the one that stops it)."""
+    env = {"KVSERVE_MMAP": "ture", "KVSERVE_HOME": str(tmp_path)}
+    out = _serve(["-m", tiny_gguf], env, timeout=60)
+    assert out.returncode == 1, out.stderr[-2000:]
+    line = f'error while handling environment variable "KVSERVE_MMAP": invalid value \'ture\' ({_MMAP_ACCEPTED})'
+    errors = [ln for ln in out.stderr.splitlines() if "KVSERVE_MMAP" in ln]
+    assert len(errors) == 1 and errors[0].endswith(line), out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    gcp = {**env, "AIP_MODE": "PREDICTION", "AIP_HTTP_PORT": "x"}
+    for flag in ("--no-mmap", "--mmap"):
+        out = _serve(["-m", tiny_gguf, flag], gcp, timeout=60)
+        assert out.returncode == 1 and "KVSERVE_MMAP" not in out.stderr, out.stderr[-2000:]
+        assert "AIP_HTTP_PORT must be a port number" in out.stderr
