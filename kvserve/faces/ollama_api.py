@@ -36,8 +36,12 @@ Options (``options`` of the request over the model's ``params`` layer over Ollam
 ``api.DefaultOptions``): see :data:`DEFAULT_OPTIONS` and :func:`ollama_options`. ``num_ctx``
 is the context of one sequence, as in Ollama: a runner loaded with another one is reloaded
 (``ModelSpec(n_ctx=num_ctx x slots)``) once idle; without ``num_ctx`` the server's ``-c``
-applies. Options Ollama knows but kvserve has no use for (``num_batch``, ``num_gpu``,
-``num_thread``, ``use_mmap``, ``main_gpu``, ``draft_num_predict``, ``num_keep``: kvserve does
+applies. ``use_mmap`` picks how the weights of a model the request loads are held, as Ollama's
+runner option: false reads them into memory, true keeps the file's mapping (``--no-mmap`` /
+``--mmap`` for that model; without it, the server's mode); a runner loaded with another mode is
+reloaded once idle, and one loaded in the server's mode is kept where that mode is the one asked
+for (Ollama's ``needsReload``). Options Ollama knows but kvserve has no use for (``num_batch``,
+``num_gpu``, ``num_thread``, ``main_gpu``, ``draft_num_predict``, ``num_keep``: kvserve does
 no context shift) are accepted; unknown ones are ignored with a warning in the log
 (``invalid option provided``), as Ollama does. Sampling is otherwise llama.cpp's chain.
 ``num_predict`` -1 or -2 (unlimited, Ollama's default) stops when the sequence's context is full,
@@ -289,10 +293,13 @@ class OllamaOptions:
         sampling: the fields for the chat/completion plan (``temperature``, ``n_predict``...).
         num_ctx: tokens of context per sequence, None when neither the request nor the
             model sets it (the server's ``-c`` applies).
+        use_mmap: Ollama's ``use_mmap`` (True: the file's mapping, False: read into memory),
+            None when neither the request nor the model sets it (the server's mode).
     """
 
     sampling: dict[str, Any]
     num_ctx: int | None = None
+    use_mmap: bool | None = None
 
     @staticmethod
     def sampling_given(request_options: dict) -> dict[str, Any]:
@@ -357,7 +364,7 @@ def ollama_options(model_params: dict | None, request_options: Any) -> OllamaOpt
             merged[key] = v
     sampling = {_SAMPLING_FIELDS[k]: merged[k] for k in _SAMPLING_FIELDS}
     sampling["n_predict"] = max(sampling["n_predict"], -1)
-    return OllamaOptions(sampling, num_ctx)
+    return OllamaOptions(sampling, num_ctx, merged.get("use_mmap"))
 
 
 # ------------------------------------------------------------------------ the model's layers
@@ -427,10 +434,13 @@ def _details(config: dict) -> ModelDetails:
 # ------------------------------------------------------------------------ leases
 
 
-def _spec_for(state: ServerState, spec: ModelSpec, num_ctx: int | None) -> ModelSpec:
-    """``spec`` with the context ``num_ctx`` (tokens per sequence) asks for; a loaded runner
-    whose sequences already have it keeps its spec (no reload). Pinned models (``-m``) keep
-    the server's context (logged)."""
+def _spec_for(state: ServerState, spec: ModelSpec, num_ctx: int | None, use_mmap: bool | None = None) -> ModelSpec:
+    """``spec`` with the context ``num_ctx`` (tokens per sequence) and the weight memory mode
+    ``use_mmap`` ask for; a loaded runner that already has them keeps its spec (no reload): its
+    sequences' context, and for ``use_mmap`` the server's mode when that is the one asked for (as
+    Ollama keeps a runner whose mmap choice was its default). Pinned models (``-m``) keep the
+    server's context and mode (logged)."""
+    spec = _mmap_spec(state, spec, use_mmap)
     if num_ctx is None:
         return spec
     if spec.pinned:
@@ -443,6 +453,21 @@ def _spec_for(state: ServerState, spec: ModelSpec, num_ctx: int | None) -> Model
         return dataclasses.replace(spec, n_ctx=e.spec.n_ctx)
     cfg = state.args.engine_config()
     return dataclasses.replace(spec, n_ctx=num_ctx * (1 if cfg.unified else max(cfg.n_slots, 1)))
+
+
+def _mmap_spec(state: ServerState, spec: ModelSpec, use_mmap: bool | None) -> ModelSpec:
+    """``spec`` with ``use_mmap`` (see :func:`_spec_for`)."""
+    if use_mmap is None:
+        return spec
+    if spec.pinned:
+        log.warning("use_mmap %s ignored: the model was given with -m (--mmap / --no-mmap hold its weights)",
+                    str(use_mmap).lower(), extra={"func": "ollama"})
+        return spec
+    e = state.manager.get(spec.name)
+    if e is not None and e.runner is not None and e.spec.use_mmap is None \
+            and getattr(e.runner, "weight_memory", None) == ("mmap" if use_mmap else "read"):
+        return spec  # loaded in the server's mode, the one asked for
+    return dataclasses.replace(spec, use_mmap=use_mmap)
 
 
 # ------------------------------------------------------------------------ chat and generate
@@ -927,7 +952,8 @@ async def _infer(state: ServerState, http: HttpRequest, kind: str) -> Response:
             await _check_generates(spec, kind, model)
             call.layers = await asyncio.to_thread(_layers, state, spec)
         call.options = ollama_options(call.layers.params, b.get("options"))
-        lease = await acquire_model(state, spec if spec.remote else _spec_for(state, spec, call.options.num_ctx),
+        lease = await acquire_model(state, spec if spec.remote else _spec_for(state, spec, call.options.num_ctx,
+                                                                              call.options.use_mmap),
                                     keep_alive, http)
         call.t_loaded = time.monotonic_ns()
         if empty:

@@ -262,16 +262,54 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
         UnsupportedFormatError (a ModelLoadError): a format kvserve does not run
         (:mod:`kvserve.loaders.detect`).
     """
+    if spec.path:  # a format kvserve does not run gets its one line before any check reads it
+        from kvserve.loaders.detect import require_loadable
+
+        require_loadable(spec.path)
+    with weight_memory(spec.use_mmap):
+        runner = _load_runner(args, spec, build_info)
+        from kvserve.loaders import gguf
+
+        # the mode its GGUF weights were loaded in: "mmap" or "read" (a face compares use_mmap with it)
+        runner.weight_memory = gguf._weight_memory()
+    return runner
+
+
+def weight_memory(use_mmap: bool | None):
+    """A context in which GGUF weights load as ``use_mmap`` asks (Ollama's option, a
+    :class:`~kvserve.serving.manager.ModelSpec` field): True the file's mapping ("mmap"), False
+    read into memory ("read"; kvserve.loaders.gguf.set_weight_memory), logged; None the server's
+    mode (``--mmap`` / ``--no-mmap`` / ``KVSERVE_MMAP``). The mode is the process's: this is safe
+    because the model manager runs one load at a time."""
+    import contextlib
+
+    if use_mmap is None:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def held():
+        from kvserve.loaders import gguf
+
+        before = getattr(gguf, "_WEIGHT_MEMORY", "auto")  # "auto" unless a caller set it
+        _srv(logging.INFO, "load_model", "use_mmap %s: %s", str(use_mmap).lower(),
+             "the weights are served from the file's mapping" if use_mmap else "the weights are read into memory")
+        gguf.set_weight_memory("mmap" if use_mmap else "read")
+        try:
+            yield
+        finally:
+            gguf.set_weight_memory(before)
+
+    return held()
+
+
+def _load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
+    """:func:`load_runner` after the format check, in the spec's weight memory mode."""
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.core import EngineCore
     from kvserve.models.build import load_files
     from kvserve.serving.embed_runner import load_embedding_runner, model_task
     from kvserve.serving.startup_checks import run_startup_checks
 
-    if spec.path:  # a format kvserve does not run gets its one line before any check reads it
-        from kvserve.loaders.detect import require_loadable
-
-        require_loadable(spec.path)
     if args.embeddings or model_task(spec.path) != "generate":  # an encoder, or llama-server's --embeddings
         return load_embedding_runner(args, spec, build_info)
     before = rss_bytes()

@@ -249,6 +249,10 @@ class ModelSpec:
             model. A path that does not load fails the load, naming the file.
         remote: a remote model (:mod:`kvserve.remote`): no memory, not counted against
             ``max_loaded``.
+        use_mmap: how a GGUF file's weights are held (Ollama's ``use_mmap`` option): True keeps
+            the file's mapping, False reads them into memory (llama-server's ``--mmap`` /
+            ``--no-mmap``, kvserve.loaders.gguf.set_weight_memory); None: the server's mode. A
+            loaded runner with another value is reloaded, as Ollama reloads on changed runner options.
     """
 
     name: str
@@ -259,6 +263,7 @@ class ModelSpec:
     sleep_s: float | None = None
     adapters: tuple[tuple[str, float], ...] = ()
     remote: bool = False
+    use_mmap: bool | None = None
 
     def served_names(self) -> list[str]:
         return list(self.names) if self.names else [self.name]
@@ -593,6 +598,8 @@ class ModelManager:
 
     def _needs_reload(self, e: Entry, spec: ModelSpec) -> bool:
         if spec.n_ctx != e.spec.n_ctx:  # None is the server's default: one client's num_ctx does not stick
+            return True
+        if spec.use_mmap != e.spec.use_mmap:  # nor its use_mmap (Ollama: changed runner options reload)
             return True
         check = getattr(e.runner, "needs_reload", None)
         return bool(check(spec)) if check is not None else False

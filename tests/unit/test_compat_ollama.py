@@ -86,3 +86,101 @@ def test_unlimited_num_predict_stops(tiny_gguf, tmp_path, monkeypatch):
         for c in (given, own):
             c.portal.call(c.state.manager.shutdown)
             c.__exit__(None, None, None)
+
+
+# -- options.use_mmap ----------------------------------------------------------------------------
+
+def _store_client(tiny_gguf: str, d):
+    """An in-process server without -m whose store holds the tiny model as ``tiny:latest``."""
+    from starlette.testclient import TestClient
+
+    from kvserve.app import build_app
+    from kvserve.serving.state import ServerState
+    from kvserve.store import Layer, Store, media_type
+
+    store = Store(d / "models")
+    w = store.import_file(tiny_gguf)
+    store.create("tiny", [Layer(media_type("model"), w.digest, w.size)])
+    state = ServerState(parse_args(["-c", "512", "-np", "1", "--models-dir", str(d / "models")]))
+    c = TestClient(build_app(state), base_url="http://127.0.0.1")
+    c.__enter__()
+    c.state = state
+    return c
+
+
+@pytest.fixture
+def load_modes(monkeypatch):
+    """The weight memory mode ("mmap" / "read") of each GGUF load, in order; the server's own
+    mode is the file's mapping (KVSERVE_MMAP=1)."""
+    from kvserve.loaders import gguf
+
+    modes: list[str] = []
+    real = gguf._weight_bytes
+
+    def recording(path, infos, packed):
+        modes.append(gguf._weight_memory())
+        return real(path, infos, packed)
+
+    monkeypatch.setattr(gguf, "_weight_bytes", recording)
+    monkeypatch.setenv("KVSERVE_MMAP", "1")
+    return modes
+
+
+def test_use_mmap_picks_the_weight_memory_of_the_load(tiny_gguf, tmp_path, load_modes, caplog):
+    """Before: ``use_mmap`` was accepted without effect (one load, the server's mode). As Ollama: a
+    changed value reloads the runner; the value the runner was loaded in does not; a request
+    without it goes back to the server's mode (Ollama reloads when the runner's options differ)."""
+    import ollama
+
+    from kvserve.loaders import gguf
+
+    # the official client's field (its Options model), as it sends it
+    assert ollama.Options(use_mmap=False, num_predict=2).model_dump(exclude_none=True) == \
+        {"use_mmap": False, "num_predict": 2}
+    c = _store_client(tiny_gguf, tmp_path)
+    steps = []
+    try:
+        with caplog.at_level(logging.INFO, logger="kvserve"):
+            for options in (None, {"use_mmap": True}, {"use_mmap": False}, {"use_mmap": False}, None):
+                r = c.post("/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False,
+                                                  "options": {"num_predict": 2, **(options or {})}})
+                steps.append((r.json()["eval_count"], list(load_modes)))
+            r = c.post("/api/chat", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                          "stream": False, "options": {"num_predict": 2, "use_mmap": False}})
+            steps.append((r.json()["eval_count"], list(load_modes)))
+            r = c.post("/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False,
+                                              "options": {"num_predict": 2, "use_mmap": "false"}})
+            assert (r.status_code, r.json()) == (400, {"error": 'option "use_mmap" must be of type boolean'})
+        assert steps == [(2, ["mmap"]), (2, ["mmap"]), (2, ["mmap", "read"]), (2, ["mmap", "read"]),
+                         (2, ["mmap", "read", "mmap"]), (2, ["mmap", "read", "mmap", "read"])]
+        assert c.state.manager.get("tiny:latest").runner.weight_memory == "read"
+        assert gguf._WEIGHT_MEMORY == "auto"  # the process's mode is back to the server's after each load
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("use_mmap")]
+        assert lines == ["use_mmap false: the weights are read into memory"] * 2
+    finally:
+        c.portal.call(c.state.manager.shutdown)
+        c.__exit__(None, None, None)
+
+
+def test_use_mmap_of_a_model_given_with_m_is_logged_and_ignored(tiny_gguf, tmp_path, load_modes, caplog):
+    c = app_client(tiny_gguf, tmp_path)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvserve"):
+            r = c.post("/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False,
+                                              "options": {"num_predict": 2, "use_mmap": False}})
+        assert (r.status_code, r.json()["eval_count"], load_modes) == (200, 2, ["mmap"])
+        assert "use_mmap false ignored: the model was given with -m (--mmap / --no-mmap hold its weights)" in \
+            [r.getMessage() for r in caplog.records]
+    finally:
+        c.portal.call(c.state.manager.shutdown)
+        c.__exit__(None, None, None)
+
+
+def test_use_mmap_layers_as_ollamas_options():
+    """The request's value over the model's params layer (a Modelfile's PARAMETER use_mmap); null is skipped."""
+    from kvserve.faces.ollama_api import ollama_options
+
+    assert ollama_options(None, None).use_mmap is None
+    assert ollama_options({"use_mmap": False}, None).use_mmap is False
+    assert ollama_options({"use_mmap": False}, {"use_mmap": True}).use_mmap is True
+    assert ollama_options({"use_mmap": True}, {"use_mmap": None}).use_mmap is True
