@@ -16,8 +16,8 @@
 // the product are: row i of an M-row product equals the one-row product bit for bit. Small batches of
 // Q4_K / Q5_K / Q6_K (6+ rows, the batched decode step) run ggml_gemm8.h's panel_exact, which
 // keeps KChain's arithmetic: the same bits at 4-16x the weight reuse. One-row products (decode) take
-// those types 8 weight rows at a time where 8 rows are small enough (dot_q4k_x8, dot_q6k_x8: the 8
-// rows' chains in the lanes of one vector, KChain's steps per lane, the same bits again).
+// those types 8 weight rows at a time at every K (dot_q4k_x8, dot_q6k_x8: the 8 rows' chains in the
+// lanes of one vector, KChain's steps per lane, the same bits again; the rows ahead prefetched into L2).
 //
 // Two builds, picked by -march: AVX512-VNNI (the u8 x s8 block dot products with vpdpbusd on 256-bit
 // vectors; Q4_K, Q5_K and Q6_K 64 values per 512-bit vector with vpmaddubsw + vpmaddwd) or AVX2 + FMA +
