@@ -16,8 +16,8 @@
 // the product are: row i of an M-row product equals the one-row product bit for bit. Small batches of
 // Q4_K / Q5_K / Q6_K (6+ rows, the batched decode step) run ggml_gemm8.h's panel_exact, which
 // keeps KChain's arithmetic: the same bits at 4-16x the weight reuse. One-row products (decode) take
-// those types 8 weight rows at a time where 8 rows are small enough (dot_q4k_x8, dot_q6k_x8: the 8
-// rows' chains in the lanes of one vector, KChain's steps per lane, the same bits again).
+// those types 8 weight rows at a time at every K (dot_q4k_x8, dot_q6k_x8: the 8 rows' chains in the
+// lanes of one vector, KChain's steps per lane, the same bits again; the rows ahead prefetched into L2).
 //
 // Two builds, picked by -march: AVX512-VNNI (the u8 x s8 block dot products with vpdpbusd on 256-bit
 // vectors; Q4_K, Q5_K and Q6_K 64 values per 512-bit vector with vpmaddubsw + vpmaddwd) or AVX2 + FMA +
@@ -796,12 +796,22 @@ inline void q4k_acts_row(const int8_t* q, int64_t K, int8_t* qp) {
 }
 
 // the x8 kernels' prefetch: the 8 rows [w, w + 8 rb) are read interleaved (8 streams, BYTES each a
-// step), so the next 8 rows are fetched in order as one stream, 8 BYTES a super-block step (the whole
-// next group by the end of this one)
+// step), which the hardware prefetchers follow badly from memory, so the rows `ahead` bytes on
+// (x8_ahead: whole groups of 8 rows) are fetched in order as one stream, 8 BYTES a super-block step
+// (that whole group by the end of this one), into L2 (_MM_HINT_T1): a group is 9-94 KiB at K = 2048-14336,
+// more than L1 holds beside the group being read. Against fetching the next group into L1, one thread
+// from memory (benchmarks/matvec_dram.py, 2 MiB pages): Llama-3.1-8B's Q4_K 28672 x 4096 2.77 ms against
+// 4.54 (23.8 against 14.5 GB/s), Q6_K 4096 x 14336 1.60 against 2.64; Llama-3.2-1B's Q4_K 16384 x 2048
+// 0.78 ms against 0.96 (two groups ahead), its Q6_K head 128256 x 2048 7.1 against 7.8.
+constexpr int64_t X8_AHEAD_MIN = 16384;
+inline int64_t x8_ahead(int64_t rb) {
+  const int64_t g = 8 * rb;
+  return g * std::max<int64_t>(1, (X8_AHEAD_MIN + g - 1) / g);
+}
 template <int BYTES>
-inline void prefetch_next8(const uint8_t* w, int64_t rb, int64_t b) {
-  const uint8_t* p = w + 8 * rb + b * 8 * BYTES;
-  for (int c = 0; c < 8 * BYTES; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p + c), _MM_HINT_T0);
+inline void prefetch_ahead8(const uint8_t* w, int64_t ahead, int64_t b) {
+  const uint8_t* p = w + ahead + b * 8 * BYTES;
+  for (int c = 0; c < 8 * BYTES; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p + c), _MM_HINT_T1);
 }
 
 // lane k: the sum of v[k]'s 8 int32 lanes (KChain's transposing tree)
@@ -835,12 +845,13 @@ void dot_q4k_x8(const uint8_t* w, int64_t rb, int64_t nb, const ActK& a, int64_t
   const int8_t* xq0 = a.qp + row * K;
   const int16_t* bs0 = a.bs + row * (K / 16);
   const float* dk = a.d + row * NB;
+  const int64_t ahead = x8_ahead(rb);
   __m256 y = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512i x[4];
     for (int p = 0; p < 4; ++p) x[p] = _mm512_loadu_si512(xq0 + b * 256 + 64 * p);
     const __m256i bs = load32(bs0 + b * 16);
-    prefetch_next8<BYTES>(w, rb, b);
+    prefetch_ahead8<BYTES>(w, ahead, b);
     // the 8 rows' d (low halves) and dmin (high halves) in one gather
     const __m256i ddm = _mm256_i32gather_epi32(reinterpret_cast<const int*>(w + b * BYTES), rbx, 1);
     __m256i tv[8], mv[8];
@@ -888,6 +899,7 @@ inline void dot_q6k_x8(const uint8_t* w, int64_t rb, int64_t nb, const ActK& a, 
   const __m512i c32 = _mm512_set1_epi8(32);
   const int8_t* xq0 = a.q + row * K;
   const float* dk = a.d + row * NB;
+  const int64_t ahead = x8_ahead(rb);
   __m256 y = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512i x[4], nx[4];
@@ -895,15 +907,15 @@ inline void dot_q6k_x8(const uint8_t* w, int64_t rb, int64_t nb, const ActK& a, 
       x[p] = _mm512_loadu_si512(xq0 + b * 256 + 64 * p);
       nx[p] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), c32, x[p]));
     }
-    // the next 8 rows' bytes of this step (prefetch_next8's), 4 lines at each row below: spread among the
+    // the bytes prefetch_ahead8 would fetch at this step, 4 lines at each row below: spread among the
     // arithmetic rather than 27 at once (one thread from memory, 32768 x 2048: ~0.78x the time of the burst)
-    const uint8_t* pf = w + 8 * rb + b * 8 * 210;
+    const uint8_t* pf = w + ahead + b * 8 * 210;
     // the 8 rows' d: the high halves of the dwords at byte 206 (one gather; no read past the block)
     const __m256i dd = _mm256_i32gather_epi32(reinterpret_cast<const int*>(w + b * 210 + 206), rbx, 1);
     __m256i tv[8];
     for (int j = 0; j < 8; ++j) {
       const uint8_t* blk = w + j * rb + b * 210;
-      for (int c = 256 * j; c < std::min(256 * j + 256, 8 * 210); c += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + c), _MM_HINT_T0);
+      for (int c = 256 * j; c < std::min(256 * j + 256, 8 * 210); c += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + c), _MM_HINT_T1);
       const __m512i scz = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
       __m512i u[4];
       q6k_unpack(blk, u);
@@ -1161,9 +1173,6 @@ void dot_half(const uint8_t* w, int64_t K, const float* x, int64_t r, float* out
 #include "ggml_gemm8.h"
 
 // ---------------------------------------------------------------- the product
-
-// the most bytes of 8 weight rows the one-row products take 8 rows at a time (Matrix::out_rows)
-constexpr int64_t X8_MAX_BYTES = 16384;
 
 // rows from which Matrix::mm_raw takes the small-batch path (below: the per-row kernels, the same bits)
 constexpr int64_t KB_MIN = 6;
@@ -1434,11 +1443,11 @@ void Matrix::out_rows(const float* xp, int64_t M, const Scratch& s, int64_t n0, 
         ++n;
         continue;
       }
-      // decode (one row): Q4_K / Q5_K / Q6_K weight rows 8 at a time (dot_q4k_x8: the same bits) where 8
-      // rows are at most X8_MAX_BYTES: past that the 8 interleaved streams read from memory slower than
-      // one row at a time (one thread, from DRAM: Q6_K 16384 x 4096 3.4 ms against 2.7, Q4_K 8192 x
-      // 8192 2.8 against 2.3), while at K = 2048 they are faster (Q4_K 32768 x 2048: 1.73 against 2.45)
-      if (M == 1 && 8 * p.row_bytes <= X8_MAX_BYTES && (p.type == T_Q6_K || (A.ak.qp && (p.type == T_Q4_K || p.type == T_Q5_K)))) {
+      // decode (one row): Q4_K / Q5_K / Q6_K weight rows 8 at a time (dot_q4k_x8: the same bits), at every
+      // K: with the next rows prefetched into L2 (prefetch_ahead8) the 8 interleaved streams read from
+      // memory faster than one row at a time at K = 4096-14336 too (one thread, Llama-3.1-8B's layer from
+      // memory: Q4_K 28672 x 4096 2.77 ms against 3.74, Q6_K 4096 x 14336 1.60 against 2.89)
+      if (M == 1 && (p.type == T_Q6_K || (A.ak.qp && (p.type == T_Q4_K || p.type == T_Q5_K)))) {
         const int64_t e = std::min(n1, p.first + p.rows);
         if (n + 8 <= e) {
           for (; n + 8 <= e; n += 8, w += 8 * p.row_bytes) {

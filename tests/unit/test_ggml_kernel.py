@@ -173,6 +173,26 @@ def test_small_batch_kernel_rows_equal_one_row_products(mod, names):
     assert (err <= 2e-6 * bound + 1e-30).all(), float((err / bound).max())
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_one_row_products_at_large_k_equal_the_per_row_kernels(mod, name):
+    """At Llama-3.1-8B's K (4096; 14336: its down projection) one-row products take these types 8
+    weight rows at a time (dot_q4k_x8 / dot_q6k_x8, with the rows ahead prefetched into L2); each
+    output equals, bit for bit, the per-row kernels' (row i of a 2-row product, which runs them) and
+    stays within the float64 reference's bound. 19 weight rows: two groups of 8 and 3 left over."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + 29)
+    for k in (4096, 14336):
+        raw = random_rows(name, 19, k, rng)
+        mat = ggml_kernel.BlockMatrix(mod, [(raw, name)], k)
+        x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
+        two = mat.mm(x)
+        for i in range(2):
+            one = mat.mm(x[i:i + 1])[0]
+            assert torch.equal(one, two[i]), (name, k, i, float((one - two[i]).abs().max()))
+        ref, bound = reference(x.numpy(), raw, name)
+        err = np.abs(two.numpy() - ref)
+        assert (err <= 2e-6 * bound + 1e-30).all(), (name, k, float((err / bound).max()))
+
+
 def test_fused_parts_of_different_types(mod):
     """q|k|v as a Q4_K_M file holds them (two Q4_K parts, a Q6_K one): the parts' products side by side."""
     rng = np.random.default_rng(3)
