@@ -1167,6 +1167,8 @@ constexpr int64_t X8_MAX_BYTES = 16384;
 
 // rows from which Matrix::mm_raw takes the small-batch path (below: the per-row kernels, the same bits)
 constexpr int64_t KB_MIN = 6;
+// the same for the 32-value block types of panel32 (Q8_0, Q5_0, IQ4_NL, MXFP4)
+constexpr int64_t KB32_MIN = 2;
 
 enum class ActKind { F32, Q8_0, Q8_K };
 
@@ -1326,10 +1328,11 @@ at::Tensor Matrix::mm(const at::Tensor& x_in, int64_t gemm_min_rows, const std::
 void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s, bool batch) const {
   if (M == 0) return;
 #ifdef GG_GEMM8
-  // KB_MIN or more rows of Q4_K / Q5_K / Q6_K alone: the small-batch path (ggml_gemm8.h's panel_exact:
-  // each row the one-row kernels' bits)
-  bool exact = batch && M >= KB_MIN;
-  for (const Part& p : parts_) exact = exact && gemm8::exact_type(p.type);
+  // KB_MIN or more rows of Q4_K / Q5_K / Q6_K, KB32_MIN or more of Q8_0 / Q5_0 / IQ4_NL / MXFP4, alone or
+  // mixed: the small-batch path (ggml_gemm8.h's panel_exact and panel32: each row the one-row kernels' bits)
+  bool exact = batch && M >= KB32_MIN;
+  for (const Part& p : parts_)
+    exact = exact && ((gemm8::exact_type(p.type) && M >= KB_MIN) || gemm8::exact32_type(p.type));
   if (exact) {
     std::vector<gemm8::Rows> rows;
     for (const Part& p : parts_) rows.push_back({p.data, p.type, p.first, p.rows, p.row_bytes});
