@@ -15,7 +15,8 @@
 // super-block's exact integer sums into one float chain, KChain), the same whatever the other rows of
 // the product are: row i of an M-row product equals the one-row product bit for bit. Small batches of
 // Q4_K / Q5_K / Q6_K (6+ rows, the batched decode step) run ggml_gemm8.h's panel_exact, which
-// keeps KChain's arithmetic: the same bits at 4-16x the weight reuse. One-row products (decode) take
+// keeps KChain's arithmetic: the same bits at 4-16x the weight reuse; those of Q8_0 / Q5_0 / IQ4_NL /
+// MXFP4 (2+ rows) its panel32, dot32's 8 lanes per output two weight rows to a vector (the same bits). One-row products (decode) take
 // those types 8 weight rows at a time where 8 rows are small enough (dot_q4k_x8, dot_q6k_x8: the 8
 // rows' chains in the lanes of one vector, KChain's steps per lane, the same bits again).
 //

@@ -675,6 +675,15 @@ __attribute__((noinline)) void panel_exact(const uint8_t* w, int64_t row_bytes, 
 // blocks in L1, the chunk's activations in L1 for every pair of the panel), the accumulators of the
 // panel's 16 pairs kept in a per-thread buffer between chunks. Each output then has dot32's
 // operations in dot32's order: row i of any product equals the one-row product bit for bit.
+// Measured (CPU time at one thread, 16 rows, the 1B shapes all Q8_0, medians of 3 runs alternating
+// with the per-row kernels' build): the step's products 500 -> 305 ms. dot32's lanes bound it: a
+// conversion, a multiply and an FMA per vpdpbusd (64 products) where panel_exact's Q4_K needs about
+// one per 8; a Q8_0 product here costs about 2x a Q4_K one. Tried and no faster on this shared
+// machine: the scales d_w d_x formed 16 at a time and broadcast from memory as pairs (weights' and
+// activations' dwords interleaved, the offset on the activations), and two pairs per activation load.
+// Only another arithmetic for Q8_0 at every row count (kern32's: one float chain per output) cuts the
+// float work 8x; a lanes-are-rows one-row kernel for it (16 rows transposed per 2 blocks) read memory
+// at about half dot32's rate at one row, so it is not here.
 
 inline bool exact32_type(int t) { return t == T_Q8_0 || t == T_Q5_0 || t == T_IQ4_NL || t == T_MXFP4; }
 
