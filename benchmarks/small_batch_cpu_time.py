@@ -6,9 +6,10 @@ the tied Q6_K head), a random matrix of the tests' blocks times a float32 [M, K]
 ``time.thread_time_ns`` at one thread: the median and the minimum over ``--reps`` calls (ms), and
 the step's total (each shape times its count per step).
 
-    PYTHONPATH=. python benchmarks/small_batch_cpu_time.py [--rows 16] [--reps 7] [--prefill 0]
+    PYTHONPATH=. python benchmarks/small_batch_cpu_time.py [--rows 16] [--reps 7] [--prefill 0] [--type Q8_0]
 
 ``--prefill R``: instead time ``mm`` with ``gemm_min_rows`` 1 on R rows (the int8 prefill path).
+``--type T``: every part of type T instead (the 1B Q8_0 file: ``--type Q8_0``), the same shapes.
 """
 
 from __future__ import annotations
@@ -45,18 +46,19 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--prefill", type=int, default=0)
     ap.add_argument("--only", default="")
+    ap.add_argument("--type", default="", help="every part of this ggml type (e.g. Q8_0) instead of the Q4_K_M mix")
     a = ap.parse_args()
     torch.set_num_threads(1)
     mod = ggml_kernel.ensure_built()
     from test_ggml_kernel import random_rows
 
     rng = np.random.default_rng(0)
-    out: dict = {"isa": mod.ISA, "rows": a.prefill or a.rows, "ms_median_min": {}}
+    out: dict = {"isa": mod.ISA, "rows": a.prefill or a.rows, "type": a.type or "Q4_K_M mix", "ms_median_min": {}}
     total = 0.0
     for name, parts, k, count in SHAPES:
         if a.only and name not in a.only.split(","):
             continue
-        bm = ggml_kernel.BlockMatrix(mod, [(random_rows(t, n, k, rng), t) for t, n in parts], k)
+        bm = ggml_kernel.BlockMatrix(mod, [(random_rows(a.type or t, n, k, rng), a.type or t) for t, n in parts], k)
         m = bm.matrix
         rows = a.prefill or a.rows
         x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))

@@ -15,9 +15,11 @@
 // super-block's exact integer sums into one float chain, KChain), the same whatever the other rows of
 // the product are: row i of an M-row product equals the one-row product bit for bit. Small batches of
 // Q4_K / Q5_K / Q6_K (6+ rows, the batched decode step) run ggml_gemm8.h's panel_exact, which
-// keeps KChain's arithmetic: the same bits at 4-16x the weight reuse. One-row products (decode) take
-// those types 8 weight rows at a time at every K (dot_q4k_x8, dot_q6k_x8: the 8 rows' chains in the
-// lanes of one vector, KChain's steps per lane, the same bits again; the rows ahead prefetched into L2).
+// keeps KChain's arithmetic: the same bits at 4-16x the weight reuse; those of Q8_0 / Q5_0 / IQ4_NL /
+// MXFP4 (2+ rows) its panel32, dot32's 8 lanes per output two weight rows to a vector (the same bits).
+// One-row products (decode) take the K-quants 8 weight rows at a time at every K (dot_q4k_x8,
+// dot_q6k_x8: the 8 rows' chains in the lanes of one vector, KChain's steps per lane, the same bits
+// again; the rows ahead prefetched into L2).
 //
 // Two builds, picked by -march: AVX512-VNNI (the u8 x s8 block dot products with vpdpbusd on 256-bit
 // vectors; Q4_K, Q5_K and Q6_K 64 values per 512-bit vector with vpmaddubsw + vpmaddwd) or AVX2 + FMA +
@@ -1176,6 +1178,8 @@ void dot_half(const uint8_t* w, int64_t K, const float* x, int64_t r, float* out
 
 // rows from which Matrix::mm_raw takes the small-batch path (below: the per-row kernels, the same bits)
 constexpr int64_t KB_MIN = 6;
+// the same for the 32-value block types of panel32 (Q8_0, Q5_0, IQ4_NL, MXFP4)
+constexpr int64_t KB32_MIN = 2;
 
 enum class ActKind { F32, Q8_0, Q8_K };
 
@@ -1335,10 +1339,11 @@ at::Tensor Matrix::mm(const at::Tensor& x_in, int64_t gemm_min_rows, const std::
 void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s, bool batch) const {
   if (M == 0) return;
 #ifdef GG_GEMM8
-  // KB_MIN or more rows of Q4_K / Q5_K / Q6_K alone: the small-batch path (ggml_gemm8.h's panel_exact:
-  // each row the one-row kernels' bits)
-  bool exact = batch && M >= KB_MIN;
-  for (const Part& p : parts_) exact = exact && gemm8::exact_type(p.type);
+  // KB_MIN or more rows of Q4_K / Q5_K / Q6_K, KB32_MIN or more of Q8_0 / Q5_0 / IQ4_NL / MXFP4, alone or
+  // mixed: the small-batch path (ggml_gemm8.h's panel_exact and panel32: each row the one-row kernels' bits)
+  bool exact = batch && M >= KB32_MIN;
+  for (const Part& p : parts_)
+    exact = exact && ((gemm8::exact_type(p.type) && M >= KB_MIN) || gemm8::exact32_type(p.type));
   if (exact) {
     std::vector<gemm8::Rows> rows;
     for (const Part& p : parts_) rows.push_back({p.data, p.type, p.first, p.rows, p.row_bytes});

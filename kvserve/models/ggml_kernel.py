@@ -13,7 +13,10 @@ Small batches (the batched decode step, speculative verification: 6 rows or more
 AVX512-VNNI builds: groups of 32 weight rows unpacked into a per-thread panel (as the int8 prefill
 path does) and multiplied with every activation row by ``vpdpbusd``, each super-block's sums kept
 exact in int32 and added into the output in the per-row kernels' float order, so each row is still
-the one-row product bit for bit (about 2x the per-row kernels at 16 rows on one Zen 4 core).
+the one-row product bit for bit (about 2x the per-row kernels at 16 rows on one Zen 4 core). Matrices
+of Q8_0 / Q5_0 / IQ4_NL / MXFP4 parts (alone or with those K-quants) take the same route from 2 rows:
+``panel32`` in ggml_gemm8.h keeps the per-row kernel's 8 float lanes per output (two weight rows per
+512-bit vector), the one-row bits again (about 1.6x the per-row kernels at 16 rows: Q8_0 1B shapes).
 ``mm(x, 0, "rows")`` on :attr:`BlockMatrix.matrix` runs the per-row kernels alone (tests, benchmarks).
 
 Prefill-sized products (``BlockMatrix.gemm_min_rows``: at least that many rows) take one of two other
