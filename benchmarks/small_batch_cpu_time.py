@@ -6,9 +6,9 @@ the tied Q6_K head), a random matrix of the tests' blocks times a float32 [M, K]
 ``time.thread_time_ns`` at one thread: the median and the minimum over ``--reps`` calls (ms), and
 the step's total (each shape times its count per step).
 
-    PYTHONPATH=. python benchmarks/small_batch_cpu_time.py [--rows 16] [--reps 7] [--prefill 0]
+    PYTHONPATH=. python benchmarks/small_batch_cpu_time.py [--rows 16] [--reps 7] [--prefill 0] [--file q4_0]
 
-``--prefill R``: instead time ``mm`` with ``gemm_min_rows`` 1 on R rows (the int8 prefill path).
+``--file q4_0``: the 1B Q4_0 file's shapes instead. ``--prefill R``: instead time ``mm`` with ``gemm_min_rows`` 1 on R rows (the int8 prefill path).
 """
 
 from __future__ import annotations
@@ -37,6 +37,14 @@ SHAPES = [
     ("down_q4k", [("Q4_K", 2048)], 8192, 8),
     ("head", [("Q6_K", 49152)], 2048, 1),
 ]
+# the same for the 1B Q4_0 file (every layer's matrix Q4_0, the tied head Q6_K)
+SHAPES_Q4_0 = [
+    ("qkv", [("Q4_0", 2048), ("Q4_0", 512), ("Q4_0", 512)], 2048, 16),
+    ("o", [("Q4_0", 2048)], 2048, 16),
+    ("gate_up", [("Q4_0", 8192), ("Q4_0", 8192)], 2048, 16),
+    ("down", [("Q4_0", 2048)], 8192, 16),
+    ("head", [("Q6_K", 49152)], 2048, 1),
+]
 
 
 def main() -> int:
@@ -45,6 +53,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--prefill", type=int, default=0)
     ap.add_argument("--only", default="")
+    ap.add_argument("--file", default="q4_k_m", choices=["q4_k_m", "q4_0"], help="whose shapes and types")
     a = ap.parse_args()
     torch.set_num_threads(1)
     mod = ggml_kernel.ensure_built()
@@ -53,7 +62,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     out: dict = {"isa": mod.ISA, "rows": a.prefill or a.rows, "ms_median_min": {}}
     total = 0.0
-    for name, parts, k, count in SHAPES:
+    for name, parts, k, count in (SHAPES_Q4_0 if a.file == "q4_0" else SHAPES):
         if a.only and name not in a.only.split(","):
             continue
         bm = ggml_kernel.BlockMatrix(mod, [(random_rows(t, n, k, rng), t) for t, n in parts], k)
