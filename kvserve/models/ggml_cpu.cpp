@@ -1363,14 +1363,9 @@ void Matrix::quantize_acts(const float* xp, int64_t M, int64_t K, Scratch& s, in
       for (int64_t m = 0; m < M; ++m)
         q4_acts_row(s.q0.data() + m * K, K, s.c8.data() + m * (K / 32), s.qt.data() + m * n16 * 32);
     }
-    if (kinds & 4) {  // Q4_0 on the file's blocks (q4_core.h, kvserve_q4::q40_dot): its activation layout
-      const int64_t ng = kvserve_q4::q40_groups(K);
-      s.x7.resize(M * ng * 256);
-      s.c7.resize(M * ng * 16);
-      s.d7.resize(M * ng * 16);
-      for (int64_t m = 0; m < M; ++m)
-        kvserve_q4::q40_acts_row(s.q0.data() + m * K, s.d0.data() + m * (K / 32), K, s.x7.data() + m * ng * 256,
-                                 s.c7.data() + m * ng * 16, s.d7.data() + m * ng * 16);
+    if (kinds & 4) {  // Q4_0 on the file's blocks (q4_core.h, kvserve_q4::q40_panels): -8 x each block's sum
+      s.c7.resize(M * (K / 32));
+      kvserve_q4::q40_ini(s.q0.data(), M, K, s.c7.data());
     }
 #endif
   }
@@ -1422,9 +1417,9 @@ void Matrix::out_rows(const float* xp, int64_t M, const Scratch& s, int64_t n0, 
       const uint8_t* w = p.data + (n - p.first) * p.row_bytes;
 #ifdef GG_VNNI
       if (p.type == T_Q4_0) {  // this part's rows n .. e - 1, every activation row of the chunk
-        const int64_t e = std::min(n1, p.first + p.rows), ng = kvserve_q4::q40_groups(K);
-        const kvserve_q4::Q40Acts a7{s.x7.data() + mc * ng * 256, s.c7.data() + mc * ng * 16, s.d7.data() + mc * ng * 16, ng};
-        kvserve_q4::q40_rows(w, p.row_bytes, e - n, K, me - mc, a7, Y + mc * N + n, N);
+        const int64_t e = std::min(n1, p.first + p.rows);
+        const kvserve_q4::Q40Rows a7{s.q0.data() + mc * K, s.d0.data() + mc * (K / 32), s.c7.data() + mc * (K / 32), K};
+        kvserve_q4::q40_panels(w, p.row_bytes, e - n, me - mc, a7, Y + mc * N + n, N);
         n = e - 1;
         continue;
       }

@@ -410,6 +410,165 @@ inline void q40_rows(const uint8_t* W, int64_t rb, int64_t n, int64_t K, int64_t
     }
   }
 }
+
+// ---------------------------------------------------------------- Q4_0 panels: one float chain per output
+// GGUF Q4_0 rows (the file's blocks) against q8_0 activations, every row count (decode's one row, the
+// batched step's 2-16, the rest of a prefill chunk) with one arithmetic: per output, over the blocks in
+// order, acc = fma(float(sumi), d_w * d_x, acc) from 0, sumi = sum (u - 8) q the block's exact integer
+// dot product (llama.cpp's). That is the int8 prefill path's (ggml_gemm8.h, kern32) too: row i of any
+// product equals its one-row product bit for bit, whichever path runs it.
+// Layout: lanes are weight rows. A panel of Q40_NP = 32 rows is taken Q40_CB blocks at a time into an
+// L1 tile (w: [CB][8][32 rows][4] nibbles as uint8, dword t of a block's lane = values 4 t .. 4 t + 3;
+// d: [CB][32] floats), gathered from the rows (one 4-byte gather per 16 rows gives a dword of
+// nibbles: the low ones values 4 q .., the high ones 16 + 4 q ..); then every activation row, 4 at a
+// time, against the tile: per 4 values a broadcast of the row's 4 quants and two vpdpbusd (32 rows),
+// the sum started at -8 sum(q) of the block (Q40Ini), then one conversion and one multiply-add by
+// d_w d_x per block. The chains live in registers within a tile and in y between tiles.
+constexpr int Q40_NP = 32;  // weight rows per panel (two vectors of 16)
+constexpr int Q40_CB = 8;   // blocks per tile (8 KiB of nibbles)
+
+struct Q40Tile {
+  alignas(64) uint8_t w[Q40_CB * 8 * Q40_NP * 4];
+  alignas(64) float d[Q40_CB * Q40_NP];
+};
+
+//! q8_0 activations for q40_panels: q int8 [M, K] (row stride K), dx float [M, K/32], ini int32 [M, K/32]
+//! = -8 x each block's sum of q
+struct Q40Rows {
+  const int8_t* q;
+  const float* dx;
+  const int32_t* ini;
+  int64_t K;
+};
+
+// the start values of the chains' integer sums: ini [M, K/32] = -8 x the sum of each block's 32 quants
+inline void q40_ini(const int8_t* q, int64_t M, int64_t K, int32_t* ini) {
+  const __m512i one = _mm512_set1_epi8(1);
+  for (int64_t i = 0; i < M * (K / 32); i += 2) {  // two blocks (64 bytes) a step; K / 32 may be odd
+    if (i + 2 <= M * (K / 32)) {
+      const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), one, _mm512_loadu_si512(q + 32 * i));
+      ini[i] = -8 * _mm512_mask_reduce_add_epi32(0x00FF, s);
+      ini[i + 1] = -8 * _mm512_mask_reduce_add_epi32(0xFF00, s);
+    } else {
+      int t = 0;
+      for (int j = 0; j < 32; ++j) t += q[32 * i + j];
+      ini[i] = -8 * t;
+    }
+  }
+}
+
+// blocks b0 .. b0 + cb - 1 of the panel's 32 rows (rows[n]: row n's first byte) -> the tile. Per block and
+// 16 rows, the 16 nibble bytes of each row as 128-bit lanes of 4 vectors (rows k, 4 + k, 8 + k,
+// 12 + k in vector k), then a 4 x 4 transpose of dwords within the lanes: vector q, lane i = dword q
+// of row i (4-byte gathers took 3x this: the one-row product at a third of its speed). The scales by
+// scalar loads, then converted 16 at a time.
+inline void q40_tile_build(const uint8_t* const* rows, int64_t b0, int cb, Q40Tile& t) {
+  const __m512i m4 = _mm512_set1_epi8(15);
+  alignas(64) uint16_t dh[Q40_CB * Q40_NP];
+  for (int j = 0; j < cb; ++j) {
+    const int64_t off = (b0 + j) * 18;
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* const* rp = rows + 16 * h;
+      __m512i z[4];
+      for (int k = 0; k < 4; ++k) {
+        z[k] = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[k] + off + 2)));
+        z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[4 + k] + off + 2)), 1);
+        z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[8 + k] + off + 2)), 2);
+        z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[12 + k] + off + 2)), 3);
+      }
+      const __m512i A = _mm512_unpacklo_epi32(z[0], z[1]), B = _mm512_unpackhi_epi32(z[0], z[1]);
+      const __m512i C = _mm512_unpacklo_epi32(z[2], z[3]), D = _mm512_unpackhi_epi32(z[2], z[3]);
+      const __m512i q[4] = {_mm512_unpacklo_epi64(A, C), _mm512_unpackhi_epi64(A, C), _mm512_unpacklo_epi64(B, D),
+                            _mm512_unpackhi_epi64(B, D)};
+      for (int c = 0; c < 4; ++c) {
+        _mm512_store_si512(t.w + ((j * 8 + c) * Q40_NP + 16 * h) * 4, _mm512_and_si512(q[c], m4));
+        _mm512_store_si512(t.w + ((j * 8 + 4 + c) * Q40_NP + 16 * h) * 4,
+                           _mm512_and_si512(_mm512_srli_epi16(q[c], 4), m4));
+      }
+    }
+    for (int n = 0; n < Q40_NP; ++n) std::memcpy(dh + j * Q40_NP + n, rows[n] + off, 2);
+  }
+  for (int i = 0; i < cb * 2; ++i)
+    _mm512_store_ps(t.d + 16 * i, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh + 16 * i))));
+}
+
+inline void q40_pin(__m512i& a, __m512i& b) { asm("" : "+v"(a), "+v"(b)); }
+
+// R activation rows (a's rows from r) against the tile (blocks b0 .. b0 + cb - 1): y's chains (lanes k0,
+// k1 of the panel's two halves; first: the chains start here at 0, else they continue from y)
+template <int R>
+inline void q40_tile_rows(const Q40Tile& tl, int cb, const Q40Rows& a, int64_t r, int64_t b0, bool first, float* y,
+                          int64_t ldy, __mmask16 k0, __mmask16 k1) {
+  const int64_t K = a.K, nb = K / 32;
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i) {
+    acc[i][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(k0, y + i * ldy);
+    acc[i][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(k1, y + i * ldy + 16);
+  }
+  for (int j = 0; j < cb; ++j) {
+    const int64_t b = b0 + j;
+    __m512i s[R][2];
+    for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm512_set1_epi32(a.ini[(r + i) * nb + b]);
+    const uint8_t* wb = tl.w + j * 8 * Q40_NP * 4;
+    const int8_t* xb = a.q + r * K + 32 * b;
+    for (int t = 0; t < 8; ++t) {
+      __m512i w0 = _mm512_load_si512(wb + t * Q40_NP * 4), w1 = _mm512_load_si512(wb + t * Q40_NP * 4 + 64);
+      q40_pin(w0, w1);
+      for (int i = 0; i < R; ++i) {
+        int32_t v;
+        std::memcpy(&v, xb + i * K + 4 * t, 4);
+        const __m512i x = _mm512_set1_epi32(v);
+        s[i][0] = _mm512_dpbusd_epi32(s[i][0], w0, x);
+        s[i][1] = _mm512_dpbusd_epi32(s[i][1], w1, x);
+      }
+    }
+    const __m512 d0 = _mm512_load_ps(tl.d + j * Q40_NP), d1 = _mm512_load_ps(tl.d + j * Q40_NP + 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512 dx = _mm512_set1_ps(a.dx[(r + i) * nb + b]);
+      acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][0]), _mm512_mul_ps(d0, dx), acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][1]), _mm512_mul_ps(d1, dx), acc[i][1]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_mask_storeu_ps(y + i * ldy, k0, acc[i][0]);
+    _mm512_mask_storeu_ps(y + i * ldy + 16, k1, acc[i][1]);
+  }
+}
+
+// weight rows [0, n) of W (Q4_0, rb bytes each, K values, back to back) against activation rows
+// [0, M) of a -> Y[r * ldo + i] for weight row i: panels of 32 rows (the last one's missing rows read
+// its last row again, their lanes never stored), a tile of Q40_CB blocks at a time, activation rows 4
+// at a time (then 3, 2 or 1) against it. While a panel runs, the next one's bytes are brought into L2.
+inline void q40_panels(const uint8_t* W, int64_t rb, int64_t n, int64_t M, const Q40Rows& a, float* Y, int64_t ldo) {
+  const int64_t nb = a.K / 32;
+  Q40Tile tl;
+  for (int64_t p0 = 0; p0 < n; p0 += Q40_NP) {
+    const int nr = static_cast<int>(std::min<int64_t>(Q40_NP, n - p0));
+    const uint8_t* const w = W + p0 * rb;
+    const __mmask16 k0 = nr >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nr) - 1);
+    const __mmask16 k1 = nr >= 32 ? 0xFFFF : nr <= 16 ? 0 : static_cast<__mmask16>((1u << (nr - 16)) - 1);
+    const uint8_t* rows[Q40_NP];
+    for (int i = 0; i < Q40_NP; ++i) rows[i] = w + std::min(i, nr - 1) * rb;
+    // the next panel's lines (at most 32 rows; none past the n rows), spread over this panel's tiles
+    const char* const next = reinterpret_cast<const char*>(w + nr * rb);
+    const int64_t lines = p0 + nr < n ? (std::min<int64_t>(Q40_NP, n - p0 - nr) * rb) / 64 : 0;
+    const int64_t tiles = (nb + Q40_CB - 1) / Q40_CB;
+    for (int64_t b0 = 0, ti = 0; b0 < nb; b0 += Q40_CB, ++ti) {
+      const int cb = static_cast<int>(std::min<int64_t>(Q40_CB, nb - b0));
+      for (int64_t l = ti * lines / tiles; l < (ti + 1) * lines / tiles; ++l)
+        _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+      q40_tile_build(rows, b0, cb, tl);
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) q40_tile_rows<4>(tl, cb, a, r, b0, b0 == 0, Y + r * ldo + p0, ldo, k0, k1);
+      switch (M - r) {
+        case 3: q40_tile_rows<3>(tl, cb, a, r, b0, b0 == 0, Y + r * ldo + p0, ldo, k0, k1); break;
+        case 2: q40_tile_rows<2>(tl, cb, a, r, b0, b0 == 0, Y + r * ldo + p0, ldo, k0, k1); break;
+        case 1: q40_tile_rows<1>(tl, cb, a, r, b0, b0 == 0, Y + r * ldo + p0, ldo, k0, k1); break;
+        default: break;
+      }
+    }
+  }
+}
 #endif
 
 }  // namespace kvserve_q4
