@@ -535,6 +535,56 @@ inline void q40_tile_rows(const Q40Tile& tl, int cb, const Q40Rows& a, int64_t r
   }
 }
 
+// one activation row against a panel (q40_panels' arithmetic, no tile: each block's transposed
+// nibbles go straight into the vpdpbusd): decode's product, read from memory once
+inline void q40_panel_one(const uint8_t* const* rows, const Q40Rows& a, float* y, __mmask16 k0, __mmask16 k1,
+                          const char* next, int64_t lines) {
+  const int64_t nb = a.K / 32;
+  const __m512i m4 = _mm512_set1_epi8(15);
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  alignas(64) uint16_t dh[Q40_CB * Q40_NP];
+  alignas(64) float df[Q40_CB * Q40_NP];
+  const int64_t tiles = (nb + Q40_CB - 1) / Q40_CB;
+  for (int64_t b0 = 0, ti = 0; b0 < nb; b0 += Q40_CB, ++ti) {
+    const int cb = static_cast<int>(std::min<int64_t>(Q40_CB, nb - b0));
+    for (int64_t l = ti * lines / tiles; l < (ti + 1) * lines / tiles; ++l) _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+    for (int j = 0; j < cb; ++j)
+      for (int n = 0; n < Q40_NP; ++n) std::memcpy(dh + j * Q40_NP + n, rows[n] + (b0 + j) * 18, 2);
+    for (int i = 0; i < cb * 2; ++i)
+      _mm512_store_ps(df + 16 * i, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh + 16 * i))));
+    for (int j = 0; j < cb; ++j) {
+      const int64_t b = b0 + j, off = b * 18 + 2;
+      const int8_t* xb = a.q + 32 * b;
+      const __m512 dx = _mm512_set1_ps(a.dx[b]);
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* const* rp = rows + 16 * h;
+        __m512i z[4];
+        for (int k = 0; k < 4; ++k) {
+          z[k] = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[k] + off)));
+          z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[4 + k] + off)), 1);
+          z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[8 + k] + off)), 2);
+          z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[12 + k] + off)), 3);
+        }
+        const __m512i A = _mm512_unpacklo_epi32(z[0], z[1]), B = _mm512_unpackhi_epi32(z[0], z[1]);
+        const __m512i C = _mm512_unpacklo_epi32(z[2], z[3]), D = _mm512_unpackhi_epi32(z[2], z[3]);
+        const __m512i q[4] = {_mm512_unpacklo_epi64(A, C), _mm512_unpackhi_epi64(A, C),
+                              _mm512_unpacklo_epi64(B, D), _mm512_unpackhi_epi64(B, D)};
+        __m512i s = _mm512_set1_epi32(a.ini[b]);
+        for (int c = 0; c < 4; ++c) {
+          int32_t lo, hi;
+          std::memcpy(&lo, xb + 4 * c, 4);
+          std::memcpy(&hi, xb + 16 + 4 * c, 4);
+          s = _mm512_dpbusd_epi32(s, _mm512_and_si512(q[c], m4), _mm512_set1_epi32(lo));
+          s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(q[c], 4), m4), _mm512_set1_epi32(hi));
+        }
+        acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_load_ps(df + j * Q40_NP + 16 * h), dx), acc[h]);
+      }
+    }
+  }
+  _mm512_mask_storeu_ps(y, k0, acc[0]);
+  _mm512_mask_storeu_ps(y + 16, k1, acc[1]);
+}
+
 // weight rows [0, n) of W (Q4_0, rb bytes each, K values, back to back) against activation rows
 // [0, M) of a -> Y[r * ldo + i] for weight row i: panels of 32 rows (the last one's missing rows read
 // its last row again, their lanes never stored), a tile of Q40_CB blocks at a time, activation rows 4
@@ -552,6 +602,10 @@ inline void q40_panels(const uint8_t* W, int64_t rb, int64_t n, int64_t M, const
     // the next panel's lines (at most 32 rows; none past the n rows), spread over this panel's tiles
     const char* const next = reinterpret_cast<const char*>(w + nr * rb);
     const int64_t lines = p0 + nr < n ? (std::min<int64_t>(Q40_NP, n - p0 - nr) * rb) / 64 : 0;
+    if (M == 1) {
+      q40_panel_one(rows, a, Y + p0, k0, k1, next, lines);
+      continue;
+    }
     const int64_t tiles = (nb + Q40_CB - 1) / Q40_CB;
     for (int64_t b0 = 0, ti = 0; b0 < nb; b0 += Q40_CB, ++ti) {
       const int cb = static_cast<int>(std::min<int64_t>(Q40_CB, nb - b0));
