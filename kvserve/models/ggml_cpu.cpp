@@ -1165,6 +1165,10 @@ void dot_half(const uint8_t* w, int64_t K, const float* x, int64_t r, float* out
 // the most bytes of 8 weight rows the one-row products take 8 rows at a time (Matrix::out_rows)
 constexpr int64_t X8_MAX_BYTES = 16384;
 
+// activation rows from which Q4_0 takes q40_panels (q4_core.h: a tile of 32 weight rows per 8 blocks
+// that every activation row runs against; below, q40_dot, with the same bits)
+constexpr int64_t Q40_PANEL_MIN = 4;
+
 // rows from which Matrix::mm_raw takes the small-batch path (below: the per-row kernels, the same bits)
 constexpr int64_t KB_MIN = 6;
 
@@ -1363,9 +1367,14 @@ void Matrix::quantize_acts(const float* xp, int64_t M, int64_t K, Scratch& s, in
       for (int64_t m = 0; m < M; ++m)
         q4_acts_row(s.q0.data() + m * K, K, s.c8.data() + m * (K / 32), s.qt.data() + m * n16 * 32);
     }
-    if (kinds & 4) {  // Q4_0 on the file's blocks (q4_core.h, kvserve_q4::q40_panels): -8 x each block's sum
-      s.c7.resize(M * (K / 32));
-      kvserve_q4::q40_ini(s.q0.data(), M, K, s.c7.data());
+    if (kinds & 4) {  // Q4_0 on the file's blocks (q4_core.h, kvserve_q4::q40_dot): its activation layout
+      const int64_t ng = kvserve_q4::q40_groups(K);
+      s.x7.resize(M * ng * 256);
+      s.c7.resize(M * ng * 16);
+      s.d7.resize(M * ng * 16);
+      for (int64_t m = 0; m < M; ++m)
+        kvserve_q4::q40_acts_row(s.q0.data() + m * K, s.d0.data() + m * (K / 32), K, s.x7.data() + m * ng * 256,
+                                 s.c7.data() + m * ng * 16, s.d7.data() + m * ng * 16);
     }
 #endif
   }
@@ -1417,9 +1426,14 @@ void Matrix::out_rows(const float* xp, int64_t M, const Scratch& s, int64_t n0, 
       const uint8_t* w = p.data + (n - p.first) * p.row_bytes;
 #ifdef GG_VNNI
       if (p.type == T_Q4_0) {  // this part's rows n .. e - 1, every activation row of the chunk
-        const int64_t e = std::min(n1, p.first + p.rows);
-        const kvserve_q4::Q40Rows a7{s.q0.data() + mc * K, s.d0.data() + mc * (K / 32), s.c7.data() + mc * (K / 32), K};
-        kvserve_q4::q40_panels(w, p.row_bytes, e - n, me - mc, a7, Y + mc * N + n, N);
+        const int64_t e = std::min(n1, p.first + p.rows), ng = kvserve_q4::q40_groups(K);
+        const kvserve_q4::Q40Acts a7{s.x7.data() + mc * ng * 256, s.c7.data() + mc * ng * 16, s.d7.data() + mc * ng * 16, ng};
+        if (me - mc >= Q40_PANEL_MIN) {  // the batched step: panels (the same bits, see q40_panels)
+          const kvserve_q4::Q40Rows ar{s.q0.data() + mc * K, s.d0.data() + mc * (K / 32), a7.c, K, ng};
+          kvserve_q4::q40_panels(w, p.row_bytes, e - n, me - mc, ar, Y + mc * N + n, N);
+        } else {
+          kvserve_q4::q40_rows(w, p.row_bytes, e - n, K, me - mc, a7, Y + mc * N + n, N);
+        }
         n = e - 1;
         continue;
       }

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 namespace kvserve_q4 {
 
@@ -432,30 +433,14 @@ struct Q40Tile {
   alignas(64) float d[Q40_CB * Q40_NP];
 };
 
-//! q8_0 activations for q40_panels: q int8 [M, K] (row stride K), dx float [M, K/32], ini int32 [M, K/32]
-//! = -8 x each block's sum of q
+//! q8_0 activations for q40_panels: q int8 [M, K] (row stride K), dx float [M, K/32], and Q40Acts' c
+//! (-8 x each block's sum of q: block b of row m at c[(m ng + b / 7) 16 + 2 (b % 7)])
 struct Q40Rows {
   const int8_t* q;
   const float* dx;
-  const int32_t* ini;
-  int64_t K;
+  const int32_t* c;
+  int64_t K, ng;
 };
-
-// the start values of the chains' integer sums: ini [M, K/32] = -8 x the sum of each block's 32 quants
-inline void q40_ini(const int8_t* q, int64_t M, int64_t K, int32_t* ini) {
-  const __m512i one = _mm512_set1_epi8(1);
-  for (int64_t i = 0; i < M * (K / 32); i += 2) {  // two blocks (64 bytes) a step; K / 32 may be odd
-    if (i + 2 <= M * (K / 32)) {
-      const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), one, _mm512_loadu_si512(q + 32 * i));
-      ini[i] = -8 * _mm512_mask_reduce_add_epi32(0x00FF, s);
-      ini[i + 1] = -8 * _mm512_mask_reduce_add_epi32(0xFF00, s);
-    } else {
-      int t = 0;
-      for (int j = 0; j < 32; ++j) t += q[32 * i + j];
-      ini[i] = -8 * t;
-    }
-  }
-}
 
 // blocks b0 .. b0 + cb - 1 of the panel's 32 rows (rows[n]: row n's first byte) -> the tile. Per block and
 // 16 rows, the 16 nibble bytes of each row as 128-bit lanes of 4 vectors (rows k, 4 + k, 8 + k,
@@ -494,21 +479,19 @@ inline void q40_tile_build(const uint8_t* const* rows, int64_t b0, int cb, Q40Ti
 
 inline void q40_pin(__m512i& a, __m512i& b) { asm("" : "+v"(a), "+v"(b)); }
 
-// R activation rows (a's rows from r) against the tile (blocks b0 .. b0 + cb - 1): y's chains (lanes k0,
-// k1 of the panel's two halves; first: the chains start here at 0, else they continue from y)
+// R activation rows (a's rows from r) against the tile (blocks b0 .. b0 + cb - 1): q40_dot's 14 chains
+// of each output, ch [R][14][32] (chain 2 j + h: half h of blocks 7 g + j, g = 0, 1, ...; a panel's 32
+// rows in the lanes)
 template <int R>
-inline void q40_tile_rows(const Q40Tile& tl, int cb, const Q40Rows& a, int64_t r, int64_t b0, bool first, float* y,
-                          int64_t ldy, __mmask16 k0, __mmask16 k1) {
+inline void q40_tile_rows(const Q40Tile& tl, int cb, const Q40Rows& a, int64_t r, int64_t b0, float* ch) {
   const int64_t K = a.K, nb = K / 32;
-  __m512 acc[R][2];
-  for (int i = 0; i < R; ++i) {
-    acc[i][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(k0, y + i * ldy);
-    acc[i][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(k1, y + i * ldy + 16);
-  }
   for (int j = 0; j < cb; ++j) {
     const int64_t b = b0 + j;
-    __m512i s[R][2];
-    for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm512_set1_epi32(a.ini[(r + i) * nb + b]);
+    __m512i s[R][2][2];  // [row][panel half][block half: values 4 t .. with t even, t odd]
+    for (int i = 0; i < R; ++i) {
+      s[i][0][0] = s[i][1][0] = _mm512_set1_epi32(a.c[((r + i) * a.ng + b / 7) * 16 + 2 * (b % 7)]);
+      s[i][0][1] = s[i][1][1] = _mm512_setzero_si512();
+    }
     const uint8_t* wb = tl.w + j * 8 * Q40_NP * 4;
     const int8_t* xb = a.q + r * K + 32 * b;
     for (int t = 0; t < 8; ++t) {
@@ -518,71 +501,37 @@ inline void q40_tile_rows(const Q40Tile& tl, int cb, const Q40Rows& a, int64_t r
         int32_t v;
         std::memcpy(&v, xb + i * K + 4 * t, 4);
         const __m512i x = _mm512_set1_epi32(v);
-        s[i][0] = _mm512_dpbusd_epi32(s[i][0], w0, x);
-        s[i][1] = _mm512_dpbusd_epi32(s[i][1], w1, x);
+        s[i][0][t & 1] = _mm512_dpbusd_epi32(s[i][0][t & 1], w0, x);
+        s[i][1][t & 1] = _mm512_dpbusd_epi32(s[i][1][t & 1], w1, x);
       }
     }
     const __m512 d0 = _mm512_load_ps(tl.d + j * Q40_NP), d1 = _mm512_load_ps(tl.d + j * Q40_NP + 16);
+    const int64_t slot = b % 7;
     for (int i = 0; i < R; ++i) {
       const __m512 dx = _mm512_set1_ps(a.dx[(r + i) * nb + b]);
-      acc[i][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][0]), _mm512_mul_ps(d0, dx), acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][1]), _mm512_mul_ps(d1, dx), acc[i][1]);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    _mm512_mask_storeu_ps(y + i * ldy, k0, acc[i][0]);
-    _mm512_mask_storeu_ps(y + i * ldy + 16, k1, acc[i][1]);
-  }
-}
-
-// one activation row against a panel (q40_panels' arithmetic, no tile: each block's transposed
-// nibbles go straight into the vpdpbusd): decode's product, read from memory once
-inline void q40_panel_one(const uint8_t* const* rows, const Q40Rows& a, float* y, __mmask16 k0, __mmask16 k1,
-                          const char* next, int64_t lines) {
-  const int64_t nb = a.K / 32;
-  const __m512i m4 = _mm512_set1_epi8(15);
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  alignas(64) uint16_t dh[Q40_CB * Q40_NP];
-  alignas(64) float df[Q40_CB * Q40_NP];
-  const int64_t tiles = (nb + Q40_CB - 1) / Q40_CB;
-  for (int64_t b0 = 0, ti = 0; b0 < nb; b0 += Q40_CB, ++ti) {
-    const int cb = static_cast<int>(std::min<int64_t>(Q40_CB, nb - b0));
-    for (int64_t l = ti * lines / tiles; l < (ti + 1) * lines / tiles; ++l) _mm_prefetch(next + 64 * l, _MM_HINT_T1);
-    for (int j = 0; j < cb; ++j)
-      for (int n = 0; n < Q40_NP; ++n) std::memcpy(dh + j * Q40_NP + n, rows[n] + (b0 + j) * 18, 2);
-    for (int i = 0; i < cb * 2; ++i)
-      _mm512_store_ps(df + 16 * i, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh + 16 * i))));
-    for (int j = 0; j < cb; ++j) {
-      const int64_t b = b0 + j, off = b * 18 + 2;
-      const int8_t* xb = a.q + 32 * b;
-      const __m512 dx = _mm512_set1_ps(a.dx[b]);
+      const __m512 dd0 = _mm512_mul_ps(d0, dx), dd1 = _mm512_mul_ps(d1, dx);
       for (int h = 0; h < 2; ++h) {
-        const uint8_t* const* rp = rows + 16 * h;
-        __m512i z[4];
-        for (int k = 0; k < 4; ++k) {
-          z[k] = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[k] + off)));
-          z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[4 + k] + off)), 1);
-          z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[8 + k] + off)), 2);
-          z[k] = _mm512_inserti32x4(z[k], _mm_loadu_si128(reinterpret_cast<const __m128i*>(rp[12 + k] + off)), 3);
-        }
-        const __m512i A = _mm512_unpacklo_epi32(z[0], z[1]), B = _mm512_unpackhi_epi32(z[0], z[1]);
-        const __m512i C = _mm512_unpacklo_epi32(z[2], z[3]), D = _mm512_unpackhi_epi32(z[2], z[3]);
-        const __m512i q[4] = {_mm512_unpacklo_epi64(A, C), _mm512_unpackhi_epi64(A, C),
-                              _mm512_unpacklo_epi64(B, D), _mm512_unpackhi_epi64(B, D)};
-        __m512i s = _mm512_set1_epi32(a.ini[b]);
-        for (int c = 0; c < 4; ++c) {
-          int32_t lo, hi;
-          std::memcpy(&lo, xb + 4 * c, 4);
-          std::memcpy(&hi, xb + 16 + 4 * c, 4);
-          s = _mm512_dpbusd_epi32(s, _mm512_and_si512(q[c], m4), _mm512_set1_epi32(lo));
-          s = _mm512_dpbusd_epi32(s, _mm512_and_si512(_mm512_srli_epi16(q[c], 4), m4), _mm512_set1_epi32(hi));
-        }
-        acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(_mm512_load_ps(df + j * Q40_NP + 16 * h), dx), acc[h]);
+        float* c = ch + (i * 14 + 2 * slot + h) * Q40_NP;
+        _mm512_store_ps(c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][0][h]), dd0, _mm512_load_ps(c)));
+        _mm512_store_ps(c + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][1][h]), dd1, _mm512_load_ps(c + 16)));
       }
     }
   }
-  _mm512_mask_storeu_ps(y, k0, acc[0]);
-  _mm512_mask_storeu_ps(y + 16, k1, acc[1]);
+}
+
+// one output row's 14 chains (ch [14][32]) -> its 32 sums, in _mm512_reduce_add_ps's order over the 16
+// lanes of q40_dot's accumulator (lanes 14, 15: +0), lanes k0, k1 stored
+inline void q40_chains_sum(const float* ch, float* y, __mmask16 k0, __mmask16 k1) {
+  for (int h = 0; h < 2; ++h) {
+    __m512 L[16];
+    for (int l = 0; l < 14; ++l) L[l] = _mm512_load_ps(ch + l * Q40_NP + 16 * h);
+    L[14] = L[15] = _mm512_setzero_ps();
+    __m512 t3[8], t6[4];
+    for (int i = 0; i < 8; ++i) t3[i] = _mm512_add_ps(L[i + 8], L[i]);
+    for (int i = 0; i < 4; ++i) t6[i] = _mm512_add_ps(t3[i + 4], t3[i]);
+    const __m512 r = _mm512_add_ps(_mm512_add_ps(t6[0], t6[2]), _mm512_add_ps(t6[1], t6[3]));
+    _mm512_mask_storeu_ps(y + 16 * h, h ? k1 : k0, r);
+  }
 }
 
 // weight rows [0, n) of W (Q4_0, rb bytes each, K values, back to back) against activation rows
@@ -592,7 +541,11 @@ inline void q40_panel_one(const uint8_t* const* rows, const Q40Rows& a, float* y
 inline void q40_panels(const uint8_t* W, int64_t rb, int64_t n, int64_t M, const Q40Rows& a, float* Y, int64_t ldo) {
   const int64_t nb = a.K / 32;
   Q40Tile tl;
+  thread_local std::vector<__m512> chains;  // [M][14][32] floats
+  if (static_cast<int64_t>(chains.size()) < M * 14 * 2) chains.resize(M * 14 * 2);
+  float* const ch = reinterpret_cast<float*>(chains.data());
   for (int64_t p0 = 0; p0 < n; p0 += Q40_NP) {
+    std::memset(ch, 0, M * 14 * Q40_NP * sizeof(float));
     const int nr = static_cast<int>(std::min<int64_t>(Q40_NP, n - p0));
     const uint8_t* const w = W + p0 * rb;
     const __mmask16 k0 = nr >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nr) - 1);
@@ -602,10 +555,6 @@ inline void q40_panels(const uint8_t* W, int64_t rb, int64_t n, int64_t M, const
     // the next panel's lines (at most 32 rows; none past the n rows), spread over this panel's tiles
     const char* const next = reinterpret_cast<const char*>(w + nr * rb);
     const int64_t lines = p0 + nr < n ? (std::min<int64_t>(Q40_NP, n - p0 - nr) * rb) / 64 : 0;
-    if (M == 1) {
-      q40_panel_one(rows, a, Y + p0, k0, k1, next, lines);
-      continue;
-    }
     const int64_t tiles = (nb + Q40_CB - 1) / Q40_CB;
     for (int64_t b0 = 0, ti = 0; b0 < nb; b0 += Q40_CB, ++ti) {
       const int cb = static_cast<int>(std::min<int64_t>(Q40_CB, nb - b0));
@@ -613,14 +562,15 @@ inline void q40_panels(const uint8_t* W, int64_t rb, int64_t n, int64_t M, const
         _mm_prefetch(next + 64 * l, _MM_HINT_T1);
       q40_tile_build(rows, b0, cb, tl);
       int64_t r = 0;
-      for (; r + 4 <= M; r += 4) q40_tile_rows<4>(tl, cb, a, r, b0, b0 == 0, Y + r * ldo + p0, ldo, k0, k1);
+      for (; r + 4 <= M; r += 4) q40_tile_rows<4>(tl, cb, a, r, b0, ch + r * 14 * Q40_NP);
       switch (M - r) {
-        case 3: q40_tile_rows<3>(tl, cb, a, r, b0, b0 == 0, Y + r * ldo + p0, ldo, k0, k1); break;
-        case 2: q40_tile_rows<2>(tl, cb, a, r, b0, b0 == 0, Y + r * ldo + p0, ldo, k0, k1); break;
-        case 1: q40_tile_rows<1>(tl, cb, a, r, b0, b0 == 0, Y + r * ldo + p0, ldo, k0, k1); break;
+        case 3: q40_tile_rows<3>(tl, cb, a, r, b0, ch + r * 14 * Q40_NP); break;
+        case 2: q40_tile_rows<2>(tl, cb, a, r, b0, ch + r * 14 * Q40_NP); break;
+        case 1: q40_tile_rows<1>(tl, cb, a, r, b0, ch + r * 14 * Q40_NP); break;
         default: break;
       }
     }
+    for (int64_t r = 0; r < M; ++r) q40_chains_sum(ch + r * 14 * Q40_NP, Y + r * ldo + p0, k0, k1);
   }
 }
 #endif
