@@ -562,7 +562,7 @@ inline void q40_panels(const uint8_t* W, int64_t rb, int64_t n, int64_t M, const
         _mm_prefetch(next + 64 * l, _MM_HINT_T1);
       q40_tile_build(rows, b0, cb, tl);
       int64_t r = 0;
-      for (; r + 4 <= M; r += 4) q40_tile_rows<4>(tl, cb, a, r, b0, ch + r * 14 * Q40_NP);
+      for (; r + 2 <= M; r += 2) q40_tile_rows<2>(tl, cb, a, r, b0, ch + r * 14 * Q40_NP);
       switch (M - r) {
         case 3: q40_tile_rows<3>(tl, cb, a, r, b0, ch + r * 14 * Q40_NP); break;
         case 2: q40_tile_rows<2>(tl, cb, a, r, b0, ch + r * 14 * Q40_NP); break;

@@ -151,16 +151,17 @@ def test_rows_do_not_depend_on_the_batch(mod, name):
             assert torch.equal(y[i], mat.mm(x[i:i + 1])[0]), (name, m, i)
 
 
-@pytest.mark.parametrize("names", [("Q4_K",), ("Q5_K",), ("Q6_K",), ("Q4_K", "Q6_K")])
+@pytest.mark.parametrize("names", [("Q4_K",), ("Q5_K",), ("Q6_K",), ("Q4_K", "Q6_K"), ("Q4_0",), ("Q4_0", "Q8_0")])
 def test_small_batch_kernel_rows_equal_one_row_products(mod, names):
-    """The small-batch path (2..16 rows and more of Q4_K / Q5_K / Q6_K: the batched decode step) gives
-    each row the one-row kernel's bits: M rows against M one-row calls, and against the per-row
-    kernels' route ("rows"), torch.equal; 45 weight rows (a partial panel of 32), K = 768."""
+    """The small-batch path (2..16 rows and more of Q4_K / Q5_K / Q6_K, and Q4_0's panels from 4 rows:
+    the batched decode step) gives each row the one-row kernel's bits: M rows against M one-row calls,
+    and against the per-row kernels' route ("rows"), torch.equal; 45 weight rows (a partial panel of
+    32), K = 768 (Q4_0: 24 blocks, three whole groups of 7 and a partial one)."""
     rng = np.random.default_rng(zlib.crc32("|".join(names).encode()))
     k = 768
     parts = [(random_rows(name, 45 if i == 0 else 19, k, rng), name) for i, name in enumerate(names)]
     mat = ggml_kernel.BlockMatrix(mod, parts, k)
-    for m in (2, 5, 6, 8, 9, 16, 70):
+    for m in (2, 3, 4, 5, 6, 8, 9, 16, 70):
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
         y = mat.mm(x)
         one = torch.cat([mat.mm(x[i:i + 1]) for i in range(m)])
