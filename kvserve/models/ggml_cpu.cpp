@@ -1167,7 +1167,7 @@ constexpr int64_t X8_MAX_BYTES = 16384;
 
 // activation rows from which Q4_0 takes q40_panels (q4_core.h: a tile of 32 weight rows per 8 blocks
 // that every activation row runs against; below, q40_dot, with the same bits)
-constexpr int64_t Q40_PANEL_MIN = 4;
+constexpr int64_t Q40_PANEL_MIN = 8;
 
 // rows from which Matrix::mm_raw takes the small-batch path (below: the per-row kernels, the same bits)
 constexpr int64_t KB_MIN = 6;

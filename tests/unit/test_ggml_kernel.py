@@ -153,7 +153,7 @@ def test_rows_do_not_depend_on_the_batch(mod, name):
 
 @pytest.mark.parametrize("names", [("Q4_K",), ("Q5_K",), ("Q6_K",), ("Q4_K", "Q6_K"), ("Q4_0",), ("Q4_0", "Q8_0")])
 def test_small_batch_kernel_rows_equal_one_row_products(mod, names):
-    """The small-batch path (2..16 rows and more of Q4_K / Q5_K / Q6_K, and Q4_0's panels from 4 rows:
+    """The small-batch path (2..16 rows and more of Q4_K / Q5_K / Q6_K, and Q4_0's panels from 8 rows:
     the batched decode step) gives each row the one-row kernel's bits: M rows against M one-row calls,
     and against the per-row kernels' route ("rows"), torch.equal; 45 weight rows (a partial panel of
     32), K = 768 (Q4_0: 24 blocks, three whole groups of 7 and a partial one)."""
