@@ -412,19 +412,22 @@ inline void q40_rows(const uint8_t* W, int64_t rb, int64_t n, int64_t K, int64_t
   }
 }
 
-// ---------------------------------------------------------------- Q4_0 panels: one float chain per output
-// GGUF Q4_0 rows (the file's blocks) against q8_0 activations, every row count (decode's one row, the
-// batched step's 2-16, the rest of a prefill chunk) with one arithmetic: per output, over the blocks in
-// order, acc = fma(float(sumi), d_w * d_x, acc) from 0, sumi = sum (u - 8) q the block's exact integer
-// dot product (llama.cpp's). That is the int8 prefill path's (ggml_gemm8.h, kern32) too: row i of any
-// product equals its one-row product bit for bit, whichever path runs it.
-// Layout: lanes are weight rows. A panel of Q40_NP = 32 rows is taken Q40_CB blocks at a time into an
-// L1 tile (w: [CB][8][32 rows][4] nibbles as uint8, dword t of a block's lane = values 4 t .. 4 t + 3;
-// d: [CB][32] floats), gathered from the rows (one 4-byte gather per 16 rows gives a dword of
-// nibbles: the low ones values 4 q .., the high ones 16 + 4 q ..); then every activation row, 4 at a
-// time, against the tile: per 4 values a broadcast of the row's 4 quants and two vpdpbusd (32 rows),
-// the sum started at -8 sum(q) of the block (Q40Ini), then one conversion and one multiply-add by
-// d_w d_x per block. The chains live in registers within a tile and in y between tiles.
+// ---------------------------------------------------------------- Q4_0 panels: the batched step
+// q40_dot's arithmetic with the weight rows in the lanes, for 8+ activation rows (Matrix::out_rows'
+// Q40_PANEL_MIN): per output the same 14 float chains (chain 2 j + h: half h of block 7 g + j, i.e. the
+// values 4 t .. 4 t + 3 with t even or odd, over g in order: acc = fma(float(sumi), d_w * d_x, acc)), then
+// _mm512_reduce_add_ps's tree over them and two +0 lanes: row i of an M-row product equals its one-row
+// product (q40_dot<1, 4>) bit for bit. q40_dot unpacked each weight group once per 4 activation rows
+// and fed every vpdpbusd a whole activation vector; here a panel of Q40_NP = 32 weight rows is taken
+// Q40_CB blocks at a time into an L1 tile (w: [CB][8][32 rows][4] nibbles as uint8, dword t of a row's
+// lane = values 4 t .. 4 t + 3; d: [CB][32] floats), and every activation row, 2 at a time, runs against
+// it: per 4 values a broadcast of the row's 4 quants and two vpdpbusd (32 rows), the even-t sum started
+// at -8 sum(q) of the block, then per block and half a conversion and a multiply-add into its chain
+// (the chains in a per-thread buffer, [M][14][32] floats). Measured (one thread, CPU time, 16 rows,
+// 1B shapes, shared machine): 2048 x 2048 0.69-0.75 ms against q40_dot's 0.87-1.05, 16384 x 2048 6.0-6.6
+// against 7.3-9.8 (4 activation rows a call spilled registers: 1.3 ms). One float chain per output (the
+// int8 prefill path's) ran 0.56 ms, but its one-row kernel on the file's blocks cost 1.5x q40_dot's CPU
+// in decode: not taken.
 constexpr int Q40_NP = 32;  // weight rows per panel (two vectors of 16)
 constexpr int Q40_CB = 8;   // blocks per tile (8 KiB of nibbles)
 
@@ -536,8 +539,9 @@ inline void q40_chains_sum(const float* ch, float* y, __mmask16 k0, __mmask16 k1
 
 // weight rows [0, n) of W (Q4_0, rb bytes each, K values, back to back) against activation rows
 // [0, M) of a -> Y[r * ldo + i] for weight row i: panels of 32 rows (the last one's missing rows read
-// its last row again, their lanes never stored), a tile of Q40_CB blocks at a time, activation rows 4
-// at a time (then 3, 2 or 1) against it. While a panel runs, the next one's bytes are brought into L2.
+// its last row again, their lanes never stored), a tile of Q40_CB blocks at a time, activation rows 2
+// at a time (an odd last one alone) against it, then each output's chains summed (q40_chains_sum).
+// While a panel runs, the next one's bytes are brought into L2.
 inline void q40_panels(const uint8_t* W, int64_t rb, int64_t n, int64_t M, const Q40Rows& a, float* Y, int64_t ldo) {
   const int64_t nb = a.K / 32;
   Q40Tile tl;
