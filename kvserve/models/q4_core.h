@@ -422,8 +422,9 @@ inline void q40_rows(const uint8_t* W, int64_t rb, int64_t n, int64_t K, int64_t
 // Q40_CB blocks at a time into an L1 tile (w: [CB][8][32 rows][4] nibbles as uint8, dword t of a row's
 // lane = values 4 t .. 4 t + 3; d: [CB][32] floats), and every activation row, 2 at a time, runs against
 // it: per 4 values a broadcast of the row's 4 quants and two vpdpbusd (32 rows), the even-t sum started
-// at -8 sum(q) of the block, then per block and half a conversion and a multiply-add into its chain
-// (the chains in a per-thread buffer, [M][14][32] floats). Measured (one thread, CPU time, 16 rows,
+// at -8 sum(q) of the block, then per block and half a conversion and a multiply-add into its chain.
+// A tile holds blocks of one slot j (j, j + 7, j + 14, ...), so that only chains 2 j and 2 j + 1 run
+// in it (in registers; between tiles in a per-thread buffer, [M][14][32] floats). Measured (one thread, CPU time, 16 rows,
 // 1B shapes, shared machine): 2048 x 2048 0.69-0.75 ms against q40_dot's 0.87-1.05, 16384 x 2048 6.0-6.6
 // against 7.3-9.8 (4 activation rows a call spilled registers: 1.3 ms). One float chain per output (the
 // int8 prefill path's) ran 0.56 ms, but its one-row kernel on the file's blocks cost 1.5x q40_dot's CPU
@@ -450,11 +451,11 @@ struct Q40Rows {
 // 12 + k in vector k), then a 4 x 4 transpose of dwords within the lanes: vector q, lane i = dword q
 // of row i (4-byte gathers took 3x this: the one-row product at a third of its speed). The scales by
 // scalar loads, then converted 16 at a time.
-inline void q40_tile_build(const uint8_t* const* rows, int64_t b0, int cb, Q40Tile& t) {
+inline void q40_tile_build(const uint8_t* const* rows, int64_t b0, int64_t stride, int cb, Q40Tile& t) {
   const __m512i m4 = _mm512_set1_epi8(15);
   alignas(64) uint16_t dh[Q40_CB * Q40_NP];
   for (int j = 0; j < cb; ++j) {
-    const int64_t off = (b0 + j) * 18;
+    const int64_t off = (b0 + stride * j) * 18;
     for (int h = 0; h < 2; ++h) {
       const uint8_t* const* rp = rows + 16 * h;
       __m512i z[4];
@@ -482,21 +483,29 @@ inline void q40_tile_build(const uint8_t* const* rows, int64_t b0, int cb, Q40Ti
 
 inline void q40_pin(__m512i& a, __m512i& b) { asm("" : "+v"(a), "+v"(b)); }
 
-// R activation rows (a's rows from r) against the tile (blocks b0 .. b0 + cb - 1): q40_dot's 14 chains
-// of each output, ch [R][14][32] (chain 2 j + h: half h of blocks 7 g + j, g = 0, 1, ...; a panel's 32
-// rows in the lanes)
+// R activation rows (a's rows from r) against the tile (blocks b0, b0 + 7, ..., cb of them: all of one
+// slot j = b0 % 7): the two chains of slot j (halves h = 0, 1) of each output, ch: row r's chain 2 j
+// (then 2 j + 1, the next row 14 chains on), [32] floats each, read at the start and written back
 template <int R>
 inline void q40_tile_rows(const Q40Tile& tl, int cb, const Q40Rows& a, int64_t r, int64_t b0, float* ch) {
-  const int64_t K = a.K, nb = K / 32;
+  // the fields in registers (the stores into ch could alias them: GCC reloaded them each block)
+  const int64_t K = a.K, nb = K / 32, ng = a.ng;
+  const int8_t* const aq = a.q;
+  const float* const adx = a.dx;
+  const int32_t* const ac = a.c;
+  __m512 acc[R][2][2];  // [row][panel half][block half]
+  for (int i = 0; i < R; ++i)
+    for (int p = 0; p < 2; ++p)
+      for (int h = 0; h < 2; ++h) acc[i][p][h] = _mm512_load_ps(ch + (i * 14 + h) * Q40_NP + 16 * p);
   for (int j = 0; j < cb; ++j) {
-    const int64_t b = b0 + j;
+    const int64_t b = b0 + 7 * j;
     __m512i s[R][2][2];  // [row][panel half][block half: values 4 t .. with t even, t odd]
     for (int i = 0; i < R; ++i) {
-      s[i][0][0] = s[i][1][0] = _mm512_set1_epi32(a.c[((r + i) * a.ng + b / 7) * 16 + 2 * (b % 7)]);
+      s[i][0][0] = s[i][1][0] = _mm512_set1_epi32(ac[((r + i) * ng + b / 7) * 16 + 2 * (b % 7)]);
       s[i][0][1] = s[i][1][1] = _mm512_setzero_si512();
     }
     const uint8_t* wb = tl.w + j * 8 * Q40_NP * 4;
-    const int8_t* xb = a.q + r * K + 32 * b;
+    const int8_t* xb = aq + r * K + 32 * b;
     for (int t = 0; t < 8; ++t) {
       __m512i w0 = _mm512_load_si512(wb + t * Q40_NP * 4), w1 = _mm512_load_si512(wb + t * Q40_NP * 4 + 64);
       q40_pin(w0, w1);
@@ -509,17 +518,18 @@ inline void q40_tile_rows(const Q40Tile& tl, int cb, const Q40Rows& a, int64_t r
       }
     }
     const __m512 d0 = _mm512_load_ps(tl.d + j * Q40_NP), d1 = _mm512_load_ps(tl.d + j * Q40_NP + 16);
-    const int64_t slot = b % 7;
     for (int i = 0; i < R; ++i) {
-      const __m512 dx = _mm512_set1_ps(a.dx[(r + i) * nb + b]);
+      const __m512 dx = _mm512_set1_ps(adx[(r + i) * nb + b]);
       const __m512 dd0 = _mm512_mul_ps(d0, dx), dd1 = _mm512_mul_ps(d1, dx);
       for (int h = 0; h < 2; ++h) {
-        float* c = ch + (i * 14 + 2 * slot + h) * Q40_NP;
-        _mm512_store_ps(c, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][0][h]), dd0, _mm512_load_ps(c)));
-        _mm512_store_ps(c + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][1][h]), dd1, _mm512_load_ps(c + 16)));
+        acc[i][0][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][0][h]), dd0, acc[i][0][h]);
+        acc[i][1][h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i][1][h]), dd1, acc[i][1][h]);
       }
     }
   }
+  for (int i = 0; i < R; ++i)
+    for (int p = 0; p < 2; ++p)
+      for (int h = 0; h < 2; ++h) _mm512_store_ps(ch + (i * 14 + h) * Q40_NP + 16 * p, acc[i][p][h]);
 }
 
 // one output row's 14 chains (ch [14][32]) -> its 32 sums, in _mm512_reduce_add_ps's order over the 16
@@ -559,19 +569,22 @@ inline void q40_panels(const uint8_t* W, int64_t rb, int64_t n, int64_t M, const
     // the next panel's lines (at most 32 rows; none past the n rows), spread over this panel's tiles
     const char* const next = reinterpret_cast<const char*>(w + nr * rb);
     const int64_t lines = p0 + nr < n ? (std::min<int64_t>(Q40_NP, n - p0 - nr) * rb) / 64 : 0;
-    const int64_t tiles = (nb + Q40_CB - 1) / Q40_CB;
-    for (int64_t b0 = 0, ti = 0; b0 < nb; b0 += Q40_CB, ++ti) {
-      const int cb = static_cast<int>(std::min<int64_t>(Q40_CB, nb - b0));
-      for (int64_t l = ti * lines / tiles; l < (ti + 1) * lines / tiles; ++l)
-        _mm_prefetch(next + 64 * l, _MM_HINT_T1);
-      q40_tile_build(rows, b0, cb, tl);
-      int64_t r = 0;
-      for (; r + 2 <= M; r += 2) q40_tile_rows<2>(tl, cb, a, r, b0, ch + r * 14 * Q40_NP);
-      switch (M - r) {
-        case 3: q40_tile_rows<3>(tl, cb, a, r, b0, ch + r * 14 * Q40_NP); break;
-        case 2: q40_tile_rows<2>(tl, cb, a, r, b0, ch + r * 14 * Q40_NP); break;
-        case 1: q40_tile_rows<1>(tl, cb, a, r, b0, ch + r * 14 * Q40_NP); break;
-        default: break;
+    // slot by slot (blocks j, j + 7, ...: the chains 2 j, 2 j + 1), Q40_CB of the slot's blocks a tile
+    int64_t tiles = 0;
+    for (int64_t j = 0; j < 7 && j < nb; ++j) tiles += ((nb - j + 6) / 7 + Q40_CB - 1) / Q40_CB;
+    int64_t ti = 0;
+    for (int64_t j = 0; j < 7 && j < nb; ++j) {
+      const int64_t nj = (nb - j + 6) / 7;
+      for (int64_t g0 = 0; g0 < nj; g0 += Q40_CB, ++ti) {
+        const int cb = static_cast<int>(std::min<int64_t>(Q40_CB, nj - g0));
+        for (int64_t l = ti * lines / tiles; l < (ti + 1) * lines / tiles; ++l)
+          _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+        const int64_t b0 = j + 7 * g0;
+        q40_tile_build(rows, b0, 7, cb, tl);
+        float* const cj = ch + 2 * j * Q40_NP;
+        int64_t r = 0;
+        for (; r + 2 <= M; r += 2) q40_tile_rows<2>(tl, cb, a, r, b0, cj + r * 14 * Q40_NP);
+        if (r < M) q40_tile_rows<1>(tl, cb, a, r, b0, cj + r * 14 * Q40_NP);
       }
     }
     for (int64_t r = 0; r < M; ++r) q40_chains_sum(ch + r * 14 * Q40_NP, Y + r * ldo + p0, k0, k1);
