@@ -6,10 +6,11 @@ the tied Q6_K head), a random matrix of the tests' blocks times a float32 [M, K]
 ``time.thread_time_ns`` at one thread: the median and the minimum over ``--reps`` calls (ms), and
 the step's total (each shape times its count per step).
 
-    PYTHONPATH=. python benchmarks/small_batch_cpu_time.py [--rows 16] [--reps 7] [--prefill 0] [--type Q8_0]
+    PYTHONPATH=. python benchmarks/small_batch_cpu_time.py [--rows 16] [--reps 7] [--prefill 0] [--type Q8_0] [--file q4_0]
 
 ``--prefill R``: instead time ``mm`` with ``gemm_min_rows`` 1 on R rows (the int8 prefill path).
 ``--type T``: every part of type T instead (the 1B Q8_0 file: ``--type Q8_0``), the same shapes.
+``--file q4_0``: the 1B Q4_0 file's shapes and types instead.
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ SHAPES = [
     ("down_q4k", [("Q4_K", 2048)], 8192, 8),
     ("head", [("Q6_K", 49152)], 2048, 1),
 ]
+# the same for the 1B Q4_0 file (every layer's matrix Q4_0, the tied head Q6_K)
+SHAPES_Q4_0 = [
+    ("qkv", [("Q4_0", 2048), ("Q4_0", 512), ("Q4_0", 512)], 2048, 16),
+    ("o", [("Q4_0", 2048)], 2048, 16),
+    ("gate_up", [("Q4_0", 8192), ("Q4_0", 8192)], 2048, 16),
+    ("down", [("Q4_0", 2048)], 8192, 16),
+    ("head", [("Q6_K", 49152)], 2048, 1),
+]
 
 
 def main() -> int:
@@ -47,6 +56,7 @@ def main() -> int:
     ap.add_argument("--prefill", type=int, default=0)
     ap.add_argument("--only", default="")
     ap.add_argument("--type", default="", help="every part of this ggml type (e.g. Q8_0) instead of the Q4_K_M mix")
+    ap.add_argument("--file", default="q4_k_m", choices=["q4_k_m", "q4_0"], help="whose shapes and types")
     a = ap.parse_args()
     torch.set_num_threads(1)
     mod = ggml_kernel.ensure_built()
@@ -55,7 +65,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     out: dict = {"isa": mod.ISA, "rows": a.prefill or a.rows, "type": a.type or "Q4_K_M mix", "ms_median_min": {}}
     total = 0.0
-    for name, parts, k, count in SHAPES:
+    for name, parts, k, count in (SHAPES_Q4_0 if a.file == "q4_0" else SHAPES):
         if a.only and name not in a.only.split(","):
             continue
         bm = ggml_kernel.BlockMatrix(mod, [(random_rows(a.type or t, n, k, rng), a.type or t) for t, n in parts], k)

@@ -1176,6 +1176,10 @@ void dot_half(const uint8_t* w, int64_t K, const float* x, int64_t r, float* out
 
 // ---------------------------------------------------------------- the product
 
+// activation rows from which Q4_0 takes q40_panels (q4_core.h: a tile of 32 weight rows per 8 blocks
+// that every activation row runs against; below, q40_dot, with the same bits)
+constexpr int64_t Q40_PANEL_MIN = 8;
+
 // rows from which Matrix::mm_raw takes the small-batch path (below: the per-row kernels, the same bits)
 constexpr int64_t KB_MIN = 6;
 // the same for the 32-value block types of panel32 (Q8_0, Q5_0, IQ4_NL, MXFP4)
@@ -1438,7 +1442,12 @@ void Matrix::out_rows(const float* xp, int64_t M, const Scratch& s, int64_t n0, 
       if (p.type == T_Q4_0) {  // this part's rows n .. e - 1, every activation row of the chunk
         const int64_t e = std::min(n1, p.first + p.rows), ng = kvserve_q4::q40_groups(K);
         const kvserve_q4::Q40Acts a7{s.x7.data() + mc * ng * 256, s.c7.data() + mc * ng * 16, s.d7.data() + mc * ng * 16, ng};
-        kvserve_q4::q40_rows(w, p.row_bytes, e - n, K, me - mc, a7, Y + mc * N + n, N);
+        if (me - mc >= Q40_PANEL_MIN) {  // the batched step: panels (the same bits, see q40_panels)
+          const kvserve_q4::Q40Rows ar{s.q0.data() + mc * K, s.d0.data() + mc * (K / 32), a7.c, K, ng};
+          kvserve_q4::q40_panels(w, p.row_bytes, e - n, me - mc, ar, Y + mc * N + n, N);
+        } else {
+          kvserve_q4::q40_rows(w, p.row_bytes, e - n, K, me - mc, a7, Y + mc * N + n, N);
+        }
         n = e - 1;
         continue;
       }

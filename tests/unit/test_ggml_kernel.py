@@ -152,18 +152,19 @@ def test_rows_do_not_depend_on_the_batch(mod, name):
 
 
 @pytest.mark.parametrize("names", [("Q4_K",), ("Q5_K",), ("Q6_K",), ("Q4_K", "Q6_K"), ("Q8_0",), ("Q5_0",), ("IQ4_NL",),
-                                   ("MXFP4",), ("Q8_0", "Q5_0"), ("Q8_0", "Q4_K")])
+                                   ("MXFP4",), ("Q8_0", "Q5_0"), ("Q8_0", "Q4_K"), ("Q4_0",), ("Q4_0", "Q8_0")])
 def test_small_batch_kernel_rows_equal_one_row_products(mod, names):
     """The small-batch path (the batched decode step: 6 rows and more of Q4_K / Q5_K / Q6_K, 2 and more
-    of Q8_0 / Q5_0 / IQ4_NL / MXFP4, ggml_gemm8.h's panel_exact and panel32) gives each row the one-row
-    kernel's bits: M rows against M one-row calls, and against the per-row kernels' route ("rows"),
-    torch.equal; 45 weight rows (a partial panel of 32 and an odd row: half a pair), K = 768 (24
-    blocks of 32: three chunks of panel32's 8), M past 16 (panel32's passes of 16 rows) too."""
+    of Q8_0 / Q5_0 / IQ4_NL / MXFP4, ggml_gemm8.h's panel_exact and panel32; Q4_0's panels from 8 rows,
+    q4_core.h) gives each row the one-row kernel's bits: M rows against M one-row calls, and against
+    the per-row kernels' route ("rows"), torch.equal; 45 weight rows (a partial panel of 32 and an odd
+    row: half a pair), K = 768 (24 blocks of 32: three chunks of panel32's 8; Q4_0: three whole groups
+    of 7 and a partial one), M past 16 (panel32's passes of 16 rows) too."""
     rng = np.random.default_rng(zlib.crc32("|".join(names).encode()))
     k = 768
     parts = [(random_rows(name, 45 if i == 0 else 19, k, rng), name) for i, name in enumerate(names)]
     mat = ggml_kernel.BlockMatrix(mod, parts, k)
-    for m in (2, 3, 5, 6, 8, 9, 16, 17, 70):
+    for m in (2, 3, 4, 5, 6, 8, 9, 16, 17, 70):
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
         y = mat.mm(x)
         one = torch.cat([mat.mm(x[i:i + 1]) for i in range(m)])
