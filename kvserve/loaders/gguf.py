@@ -401,24 +401,34 @@ def _weight_bytes(path: str, infos: list[TensorInfo], packed: bool) -> np.ndarra
     ``preadv`` (:class:`kvserve.loaders.weight_read.WeightRead`; the file's pages are in the page
     cache but not in this process's resident set). A read that ``kvserve serve`` began before its
     imports (:func:`kvserve.loaders.weight_read.prefetch`) is taken over and finished here."""
+    r = _start_read(path, infos) if packed and infos and _weight_memory() == "read" else None
+    if r is None:
+        return np.memmap(path, dtype=np.uint8, mode="r")
+    return _finish_read(r, infos)
+
+
+def _start_read(path: str, infos: list[TensorInfo]):
+    """The :class:`~kvserve.loaders.weight_read.WeightRead` of ``path``'s tensor data: the prefetch
+    ``kvserve serve`` began, else a new one (nothing read yet); None when the memory cannot be had
+    (the caller maps the file instead)."""
     from kvserve.loaders import weight_read
 
-    if not packed or not infos or _weight_memory() != "read":
-        return np.memmap(path, dtype=np.uint8, mode="r")
-    start = min(t.offset for t in infos)
-    workers = min(4, os.cpu_count() or 1)
     r = weight_read.claim(path)
     if r is not None:
-        workers -= 1  # the prefetch's own thread is still reading
         log.debug("weight read of %s: taking over the prefetch", path)
-    else:
-        try:
-            r = weight_read.WeightRead(path, start)
-        except OSError:
-            return np.memmap(path, dtype=np.uint8, mode="r")
-    r.finish(max(1, workers))
-    buf = np.frombuffer(r.result(start), dtype=np.uint8)
-    log.debug("weight read of %s: %.3f s", path, r.read_s)
+        return r
+    try:
+        return weight_read.WeightRead(path, min(t.offset for t in infos))
+    except OSError:
+        return None
+
+
+def _finish_read(r, infos: list[TensorInfo]) -> np.ndarray:
+    """Read what is left of ``r`` on this thread and up to 3 more (4 readers at most, one per CPU, the
+    threads already reading counted as one), wait for all of it; the bytes as uint8 [file size]."""
+    r.finish(max(1, min(4, os.cpu_count() or 1) - 1))
+    buf = np.frombuffer(r.result(min(t.offset for t in infos)), dtype=np.uint8)
+    log.debug("weight read of %s: %.3f s", r.path, r.read_s)
     return buf
 
 
@@ -441,13 +451,25 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
     md, infos = read_gguf_header(path)
     family = gguf_family(md, path)
     config = family.config_from_gguf(md, path, tensor_shapes(infos))
-    raw = _weight_bytes(path, infos, family.packed_weights)
+    size = sum(t.n_bytes for t in infos)
+    n_params = sum(t.n_elements for t in infos)
+    # the weights' read (in the kernel: preadv releases the GIL) on a thread of its own while this one
+    # builds the tokenizer (Python and the tokenizers library: the GIL); a tokenizer that fails is
+    # reported after the tensors' checks, as when the two ran one after the other
+    reading = _start_read(path, infos) if family.packed_weights and infos and _weight_memory() == "read" else None
+    if reading is not None:
+        threading.Thread(target=reading.work, name="weight-read", daemon=True).start()
+    tok_error: BaseException | None = None
+    try:
+        tokenizer, info = _tokenizer_and_info(md, path, config, config.arch, n_params, size, 2)
+    except Exception as e:  # noqa: BLE001 - raised below, after the weights' own errors
+        tok_error = e
+    if reading is not None:  # this thread (and more, with more CPUs) reads what is left, then waits
+        raw = _finish_read(reading, infos)
+    else:
+        raw = _weight_bytes(path, infos, family.packed_weights)
     weights: dict[str, Weight] = {}
-    size = 0
-    n_params = 0
     for t in infos:
-        size += t.n_bytes
-        n_params += t.n_elements
         try:
             w = _tensor_to_weight(t, raw)
         except ValueError as e:
@@ -460,7 +482,8 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
     check_tensors(family.required_tensors(config, weights), weights, path)
     _check_finite_cached(weights, path)
     family.prepare(config, weights, "gguf")
-    tokenizer, info = _tokenizer_and_info(md, path, config, config.arch, n_params, size, 2)
+    if tok_error is not None:
+        raise tok_error
     template = md.get("tokenizer.chat_template") if family.task == "generate" else None
     return LoadedModel(config, info, weights, tokenizer, template)
 
