@@ -252,3 +252,20 @@ def test_idle_engine_trims_once_after_work_and_never_while_busy(monkeypatch):
         assert len(calls) == 1  # once per idle period
     finally:
         eng.shutdown()
+
+
+def test_tokenizer_error_comes_after_the_tensors_errors(tmp_path, monkeypatch):
+    """The tokenizer is built while the weights are read (load_gguf): a file whose tokenizer cannot be
+    built fails naming the tokenizer, and one that is also cut short fails naming the truncated tensor
+    first, as when the two steps ran one after the other."""
+    from kvserve.loaders.weights import ModelLoadError
+
+    monkeypatch.setattr(gl, "_WEIGHT_MEMORY", "read")
+    p = tinymodel.write_tiny_gguf(tmp_path / "t.gguf", n_embd=256, n_ff=512, qtype="Q8_0", seed=3,
+                                  metadata={"tokenizer.ggml.pre": "no-such-pre-tokenizer"})
+    with pytest.raises(ModelLoadError, match="cannot build tokenizer.*no-such-pre-tokenizer"):
+        gl.load_gguf(p)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(p.read_bytes()[:-3000])
+    with pytest.raises(ModelLoadError, match="truncated|not whole"):
+        gl.load_gguf(cut)
