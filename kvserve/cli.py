@@ -940,6 +940,12 @@ def main(argv: list[str] | None = None) -> int:
         from kvserve import startup
 
         startup.pause()  # no garbage collection passes over the imports and the model load (kvserve.startup)
+        from kvserve.engine.heap import one_arena
+        from kvserve.loaders.weight_read import prefetch_for_argv
+
+        one_arena()  # before any thread: kvserve.engine.heap
+
+        prefetch_for_argv(rest)  # the model file's read into huge pages runs on another core during the imports
         from kvserve.app import main as serve_main
 
         return serve_main(rest)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 _paused = False
 
@@ -51,8 +52,12 @@ def freeze() -> None:
 
 
 def resume() -> None:
-    """Turn the collector back on when :func:`pause` turned it off (idempotent)."""
+    """Turn the collector back on when :func:`pause` turned it off (idempotent), and free a weight
+    prefetch the start-up load did not claim (:func:`kvserve.loaders.weight_read.release`)."""
     global _paused
     if _paused:
         _paused = False
         gc.enable()
+    wr = sys.modules.get("kvserve.loaders.weight_read")
+    if wr is not None:  # a prefetched file the start-up load did not take (kvserve.loaders.weight_read)
+        wr.release()

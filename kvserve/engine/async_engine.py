@@ -315,24 +315,36 @@ class AsyncEngine:
             self._release()
 
     def _loop(self) -> None:
+        from kvserve.engine import heap
+
         core = self.core
+        stepped = False  # a step ran since the heap was last trimmed
         while not self._stopped:
             block = not core.has_work()
             try:
-                kind, payload = self._inbox.get(block=block, timeout=None if block else 0)
-                if kind == "stop":
-                    return
-                self._handle(kind, payload)
-                while True:  # drain everything that arrived
-                    kind, payload = self._inbox.get_nowait()
+                kind, payload = self._inbox.get(block=block, timeout=(heap.IDLE_TRIM_S if stepped else None)
+                                                if block else 0)
+            except queue.Empty:
+                if block:  # idle IDLE_TRIM_S seconds after work: the steps' freed buffers go back to the kernel
+                    heap.trim()
+                    stepped = False
+                    continue
+            else:
+                try:
                     if kind == "stop":
                         return
                     self._handle(kind, payload)
-            except queue.Empty:
-                pass
+                    while True:  # drain everything that arrived
+                        kind, payload = self._inbox.get_nowait()
+                        if kind == "stop":
+                            return
+                        self._handle(kind, payload)
+                except queue.Empty:
+                    pass
             if not core.has_work():
                 continue
             outputs = core.step()
+            stepped = True
             now = time.monotonic()
             for out in outputs:
                 self._deliver(out.request_id, out, now)

@@ -15,6 +15,7 @@ can dequantize becomes float32 at load.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import threading
@@ -41,6 +42,8 @@ _FTYPE_NAMES = {
     18: "Q6_K", 32: "BF16",
 }
 
+
+log = logging.getLogger("kvserve.loaders")
 
 GGUF_MAGIC = b"GGUF"
 # GGUF value types -> struct format (numbers) ; 8 = string, 9 = array
@@ -349,7 +352,6 @@ def _tensor_to_weight(t: TensorInfo, raw: np.ndarray) -> Weight:
 #: where the kernel grants transparent huge pages to memory that asks for them, else "mmap"), "read" or
 #: "mmap"; KVSERVE_MMAP=1 / 0 overrides the default ("mmap" / "read")
 _WEIGHT_MEMORY = "auto"
-_HUGE = 2 << 20  # a transparent huge page (x86-64's PMD size)
 
 
 def set_weight_memory(mode: str) -> None:
@@ -379,85 +381,54 @@ def set_weight_memory(mode: str) -> None:
 
 def _thp_available() -> bool:
     """True where the kernel gives transparent huge pages to memory that asks (madvise) or to all."""
-    try:
-        txt = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return False
-    return "[always]" in txt or "[madvise]" in txt
+    from kvserve.loaders.weight_read import thp_available
+
+    return thp_available()
 
 
 def _weight_memory() -> str:
     """The mode :func:`load_gguf` uses now: "read" or "mmap" (see :func:`set_weight_memory`)."""
-    mode = _WEIGHT_MEMORY
-    if mode == "auto":
-        env = os.environ.get("KVSERVE_MMAP", "").strip().lower()
-        if env in ("1", "true", "on", "yes"):
-            return "mmap"
-        if env in ("0", "false", "off", "no"):
-            return "read"
-        return "read" if _thp_available() else "mmap"
-    return mode
+    from kvserve.loaders.weight_read import weight_memory_mode
+
+    return weight_memory_mode(_WEIGHT_MEMORY)
 
 
 def _weight_bytes(path: str, infos: list[TensorInfo], packed: bool) -> np.ndarray:
     """The file's bytes as uint8 [file size], indexed by file offset: the file's read-only mapping, or
     (mode "read", see :func:`set_weight_memory`, and ``packed``: weights kept as the file stores
     them) private anonymous memory, 2 MiB-aligned and advised MADV_HUGEPAGE, holding the tensor data
-    (from the first tensor's offset to the end; the header's pages are never touched, so they take no
-    memory). The file is read with read(2), so its pages are in the page cache but not in this
-    process's resident set."""
-    import mmap
-
-    size = os.path.getsize(path)
-    if not packed or not infos or _weight_memory() != "read" or not hasattr(mmap, "MADV_HUGEPAGE"):
+    (from the first tensor's offset to the end; the header's pages take no memory), read with
+    ``preadv`` (:class:`kvserve.loaders.weight_read.WeightRead`; the file's pages are in the page
+    cache but not in this process's resident set). A read that ``kvserve serve`` began before its
+    imports (:func:`kvserve.loaders.weight_read.prefetch`) is taken over and finished here."""
+    r = _start_read(path, infos) if packed and infos and _weight_memory() == "read" else None
+    if r is None:
         return np.memmap(path, dtype=np.uint8, mode="r")
-    start = min(t.offset for t in infos)
-    start -= start % 4096  # whole pages: readinto below starts on a page boundary
+    return _finish_read(r, infos)
+
+
+def _start_read(path: str, infos: list[TensorInfo]):
+    """The :class:`~kvserve.loaders.weight_read.WeightRead` of ``path``'s tensor data: the prefetch
+    ``kvserve serve`` began, else a new one (nothing read yet); None when the memory cannot be had
+    (the caller maps the file instead)."""
+    from kvserve.loaders import weight_read
+
+    r = weight_read.claim(path)
+    if r is not None:
+        log.debug("weight read of %s: taking over the prefetch", path)
+        return r
     try:
-        m = mmap.mmap(-1, size + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return weight_read.WeightRead(path, min(t.offset for t in infos))
     except OSError:
-        return np.memmap(path, dtype=np.uint8, mode="r")
-    whole = np.frombuffer(m, dtype=np.uint8)  # holds m (the buffer export) for as long as a view lives
-    shift = -whole.ctypes.data % _HUGE  # the 2 MiB-aligned start: every whole 2 MiB of it can be one page
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # a kernel built without THP (EINVAL): the private copy still loads, on 4 KiB pages
-        pass
-    buf = whole[shift: shift + size]
-    view = memoryview(buf)
-    # 64 MiB pieces read on up to as many threads as CPUs (4 at most): the faults of fresh huge pages
-    # (zeroed by the kernel) and the copies from the page cache run in parallel (pread releases the GIL)
-    step = 64 << 20
-    pieces = [(o, min(size, o + step)) for o in range(start, size, step)]
-    got = [0] * len(pieces)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        def read_piece(i: int) -> None:
-            a, b = pieces[i]
-            pos = a
-            while pos < b:
-                n = os.preadv(fd, [view[pos:b]], pos)
-                if n <= 0:  # the file is shorter than its size a moment ago
-                    break
-                pos += n
-            got[i] = pos - a
+        return None
 
-        workers = min(4, os.cpu_count() or 1, len(pieces))
-        if workers > 1:
-            from concurrent.futures import ThreadPoolExecutor
 
-            with ThreadPoolExecutor(workers) as ex:
-                list(ex.map(read_piece, range(len(pieces))))
-        else:
-            for i in range(len(pieces)):
-                read_piece(i)
-    finally:
-        os.close(fd)
-    for (a, b), n in zip(pieces, got):
-        if n < b - a:  # truncated since the header was read: the tensors past it fail as truncated
-            buf = buf[:a + n]
-            break
-    buf.flags.writeable = False
+def _finish_read(r, infos: list[TensorInfo]) -> np.ndarray:
+    """Read what is left of ``r`` on this thread and up to 3 more (4 readers at most, one per CPU, the
+    threads already reading counted as one), wait for all of it; the bytes as uint8 [file size]."""
+    r.finish(max(1, min(4, os.cpu_count() or 1) - 1))
+    buf = np.frombuffer(r.result(min(t.offset for t in infos)), dtype=np.uint8)
+    log.debug("weight read of %s: %.3f s", r.path, r.read_s)
     return buf
 
 
@@ -480,13 +451,25 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
     md, infos = read_gguf_header(path)
     family = gguf_family(md, path)
     config = family.config_from_gguf(md, path, tensor_shapes(infos))
-    raw = _weight_bytes(path, infos, family.packed_weights)
+    size = sum(t.n_bytes for t in infos)
+    n_params = sum(t.n_elements for t in infos)
+    # the weights' read (in the kernel: preadv releases the GIL) on a thread of its own while this one
+    # builds the tokenizer (Python and the tokenizers library: the GIL); a tokenizer that fails is
+    # reported after the tensors' checks, as when the two ran one after the other
+    reading = _start_read(path, infos) if family.packed_weights and infos and _weight_memory() == "read" else None
+    if reading is not None:
+        threading.Thread(target=reading.work, name="weight-read", daemon=True).start()
+    tok_error: BaseException | None = None
+    try:
+        tokenizer, info = _tokenizer_and_info(md, path, config, config.arch, n_params, size, 2)
+    except Exception as e:  # noqa: BLE001 - raised below, after the weights' own errors
+        tok_error = e
+    if reading is not None:  # this thread (and more, with more CPUs) reads what is left, then waits
+        raw = _finish_read(reading, infos)
+    else:
+        raw = _weight_bytes(path, infos, family.packed_weights)
     weights: dict[str, Weight] = {}
-    size = 0
-    n_params = 0
     for t in infos:
-        size += t.n_bytes
-        n_params += t.n_elements
         try:
             w = _tensor_to_weight(t, raw)
         except ValueError as e:
@@ -499,7 +482,8 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
     check_tensors(family.required_tensors(config, weights), weights, path)
     _check_finite_cached(weights, path)
     family.prepare(config, weights, "gguf")
-    tokenizer, info = _tokenizer_and_info(md, path, config, config.arch, n_params, size, 2)
+    if tok_error is not None:
+        raise tok_error
     template = md.get("tokenizer.chat_template") if family.task == "generate" else None
     return LoadedModel(config, info, weights, tokenizer, template)
 

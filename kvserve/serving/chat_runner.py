@@ -324,6 +324,9 @@ def _load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner
          core.n_slots, core.n_ctx_slot, "true" if cfg.unified else "false")
     if args.log_verbosity >= 4:
         _srv(logging.INFO, "load_model", "prompt cache is enabled, size limit: %d MiB", core.cache_ram_mib)
+    from kvserve.engine import heap
+
+    heap.trim()  # the load's temporaries (header strings, the tokenizer's build) back to the kernel first
     grown = max(rss_bytes() - before, 0)
     if core.device.type == "cpu":  # the KV pool is torch.empty host memory: resident only once written
         grown += kv_pool_bytes(core)
