@@ -796,7 +796,8 @@ def _run_here(a) -> int:
     """Load the model in this process and chat with it, streaming tokens as they come. A store
     model's Modelfile layers apply as they do through a server's /api/chat: its TEMPLATE, its
     SYSTEM message (``-sys`` replaces it), its MESSAGE turns before the conversation and its
-    PARAMETERs (num_ctx included) under the flags."""
+    PARAMETERs (num_ctx and use_mmap included) under the flags. A ``KVSERVE_MMAP`` value
+    ``kvserve serve`` refuses is refused here too (``Error: ...``, exit 1)."""
     from kvserve.chat.go_chat_template import GoChatTemplate
     from kvserve.chat.template import CHATML_TEMPLATE, ChatTemplate
     from kvserve.config import EngineConfig
@@ -812,8 +813,21 @@ def _run_here(a) -> int:
     _refuse_non_generative(a.model, model, a.models_dir)
     go_template, system, turns, model_params = layers or (None, "", [], {})
     params, num_ctx = _run_params(a, model_params)
+    from kvserve.serving.startup_checks import mmap_env_error
+
+    if problem := mmap_env_error(os.environ):  # as `kvserve serve`: a typo is not taken as the default
+        raise UsageError(problem)
+    from kvserve.loaders import gguf
+
+    use_mmap = model_params.get("use_mmap")
+    before = gguf._WEIGHT_MEMORY
+    if isinstance(use_mmap, bool):  # PARAMETER use_mmap: how this load holds the weights, as a server's
+        gguf.set_weight_memory("mmap" if use_mmap else "read")
     t_load = time.monotonic_ns()
-    core = create_engine_core(model, EngineConfig(n_ctx=a.ctx_size or num_ctx or 4096, n_parallel=1))
+    try:
+        core = create_engine_core(model, EngineConfig(n_ctx=a.ctx_size or num_ctx or 4096, n_parallel=1))
+    finally:
+        gguf.set_weight_memory(before)
     load_ns = time.monotonic_ns() - t_load
     tok = core.tokenizer
     template = None

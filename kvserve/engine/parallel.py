@@ -709,6 +709,16 @@ def _await_join(joiner: threading.Thread, comm: _Comm, interval: float = 0.1) ->
         _check_forming(comm)
 
 
+def _weight_memory_env() -> str:
+    """KVSERVE_MMAP for spawned workers: the mode this process loads GGUF weights in now ("1" the
+    file's mapping, "0" read into memory; kvserve.loaders.gguf._weight_memory), so a load that sets
+    it for itself (Ollama's ``use_mmap``, kvserve.serving.chat_runner.weight_memory) holds every
+    rank's shard the same way, not only rank 0's."""
+    from kvserve.loaders import gguf
+
+    return "1" if gguf._weight_memory() == "mmap" else "0"
+
+
 class ParallelRunner(ModelRunner):
     """ModelRunner over a tensor- or pipeline-parallel group; this process is rank 0.
 
@@ -762,7 +772,7 @@ class ParallelRunner(ModelRunner):
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(self.world),
                        KVSERVE_PARALLEL_BACKEND=_backend(device),
                        OMP_NUM_THREADS=str(threads), KVSERVE_PARALLEL_PARENT=str(os.getpid()),
-                       KVSERVE_PARALLEL_CHECK_IN="1")
+                       KVSERVE_PARALLEL_CHECK_IN="1", KVSERVE_MMAP=_weight_memory_env())
             if threading.current_thread() is threading.main_thread():
                 env["KVSERVE_PARALLEL_PDEATHSIG"] = "1"  # PDEATHSIG follows the spawning thread
             for r in range(1, self.world):

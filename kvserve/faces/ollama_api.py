@@ -1520,9 +1520,12 @@ def _int_field(body: dict, key: str) -> int:
     return v
 
 
-async def _embed_lease(state: ServerState, http: HttpRequest, body: dict):
+async def _embed_lease(state: ServerState, http: HttpRequest, body: dict, use_mmap: bool | None = None):
     """Hold the runner of the request's model for an embedding; 400 ``this model does not
-    support embeddings`` for a generative model (without ``--embeddings``), before it loads."""
+    support embeddings`` for a generative model (without ``--embeddings``), before it loads.
+    ``use_mmap`` (the request's ``options.use_mmap``) picks the weight memory of the load it
+    causes, as for chat (:func:`_mmap_spec`; Ollama's EmbedHandler schedules its runner with the
+    request's options too)."""
     from kvserve.serving.embed_runner import EmbeddingRunner
 
     name = _model_name(body)
@@ -1530,6 +1533,8 @@ async def _embed_lease(state: ServerState, http: HttpRequest, body: dict):
     spec = state.resolve(name)
     if not await serves_embeddings(state, name):
         raise ApiError(400, NO_EMBEDDINGS)
+    if not spec.remote:
+        spec = _mmap_spec(state, spec, use_mmap)
     lease = await acquire_model(state, spec, keep_alive, http)
     if not isinstance(lease.runner, EmbeddingRunner):
         lease.release()
@@ -1541,15 +1546,17 @@ async def _embed(state: ServerState, http: HttpRequest) -> Response:
     """POST /api/embed (Ollama's EmbedHandler): ``input`` a string or a list of strings,
     ``truncate`` (default true: cut to the context, special tokens kept; false: 400 ``the
     input length exceeds the context length``), ``dimensions`` (cut, normalized again),
-    ``options.num_ctx`` (a smaller context), ``keep_alive``. Vectors are L2-normalized, as
+    ``options.num_ctx`` (a smaller context), ``options.use_mmap`` (the weight memory of the load it
+    causes, as for chat), ``keep_alive``. Vectors are L2-normalized, as
     Ollama normalizes them; no input loads the model and answers ``embeddings: []``."""
     t0 = time.monotonic_ns()
     try:
         body = await _body(http)
         inputs = _embed_inputs(body.get("input"), state.args)
         truncate, dims = _flag(body, "truncate", True), _int_field(body, "dimensions")
-        num_ctx = ollama_options(None, body.get("options")).num_ctx
-        lease = await _embed_lease(state, http, body)
+        options = ollama_options(None, body.get("options"))
+        num_ctx = options.num_ctx
+        lease = await _embed_lease(state, http, body, options.use_mmap)
         try:
             t_loaded = time.monotonic_ns()
             if not inputs:
@@ -1593,8 +1600,8 @@ async def _embeddings(state: ServerState, http: HttpRequest) -> Response:
         body = await _body(http)
         prompt = _string(body, "prompt")
         check_input_bytes("prompt", (prompt,), input_bytes_cap(state.args))
-        ollama_options(None, body.get("options"))  # type-checked as Ollama does; nothing applies
-        lease = await _embed_lease(state, http, body)
+        options = ollama_options(None, body.get("options"))  # type-checked as Ollama does; use_mmap applies
+        lease = await _embed_lease(state, http, body, options.use_mmap)
         try:
             if not prompt:
                 return _json({"embedding": []})

@@ -379,7 +379,8 @@ def mmap_env_error(environ) -> str | None:
     :data:`MMAP_OFF`, :data:`MMAP_DEFAULT` (case-insensitive), else None. ``kvserve serve`` logs it
     and exits 1 when neither ``--mmap`` / ``--no-mmap`` nor ``-lm`` picks the mode (a flag wins over
     the variable, as a flag wins over llama-server's ``LLAMA_ARG_*`` variables). Before, the loader
-    took any other value, a typo included, as the default without a word.
+    took any other value, a typo included, as the default without a word. A value longer than 64
+    characters is shown cut, with its length; control characters are escaped (``repr``).
 
     Args:
         environ: the environment (a mapping of str to str).
@@ -387,7 +388,8 @@ def mmap_env_error(environ) -> str | None:
     text = environ.get("KVSERVE_MMAP")
     if text is None or text.strip().lower() in MMAP_ON + MMAP_OFF + MMAP_DEFAULT:
         return None
-    return (f"error while handling environment variable \"KVSERVE_MMAP\": invalid value {text!r} "
+    shown = repr(text) if len(text) <= 64 else repr(text[:64]) + f"... ({len(text)} characters)"
+    return (f"error while handling environment variable \"KVSERVE_MMAP\": invalid value {shown} "
             f"(accepted: {', '.join(MMAP_ON)} = --mmap; {', '.join(MMAP_OFF)} = --no-mmap; "
             "auto or empty = the default)")
 

@@ -23,6 +23,8 @@ remembered: a broken package is not imported again for every request.
 from __future__ import annotations
 
 import importlib
+import logging
+import re
 import sys
 import threading
 import types
@@ -36,7 +38,21 @@ _NAMES = ("PreTrainedTokenizerBase", "PreTrainedTokenizerFast", "LogitsProcessor
 
 _lock = threading.Lock()
 _module: types.ModuleType | None = None  # xgrammar, once its import is over
-_failure: str | None = None  # why xgrammar's import failed, once it has
+_failure: str | None = None  # why xgrammar's import failed, once it has (as clients see it)
+
+log = logging.getLogger("kvserve.structured")
+
+#: the directories of an absolute path (``/home/u/.venv/.../``): clients see a file's name, not where
+#: the server's packages live (the log has the whole text)
+_DIRS = re.compile(r"(?<![\w.~:/])/(?:[^\s/'\"()\[\]<>]+/)+")
+_REASON_MAX = 500  # characters of the cause a client sees
+
+
+def _public_reason(text: str) -> str:
+    """``text`` (an import error's message) as a client sees it: absolute paths cut to their file
+    names, one line, at most :data:`_REASON_MAX` characters."""
+    out = " ".join(_DIRS.sub("", text).split())
+    return out if len(out) <= _REASON_MAX else out[:_REASON_MAX - 3] + "..."
 
 
 class StructuredOutputUnavailableError(ServerFaultError, ImportError):
@@ -98,7 +114,9 @@ def xgrammar_module() -> types.ModuleType:
     Raises:
         StructuredOutputUnavailableError: xgrammar is not installed or fails to import (an
             ImportError, and a :class:`~kvserve.errors.ServerFaultError` naming the cause); the
-            first failure is remembered and raised again without a new import.
+            first failure is remembered and raised again without a new import. Its message
+            names files but not their directories (:func:`_public_reason`); the log has the whole
+            text, once.
     """
     global _module, _failure
     if _module is not None:
@@ -110,7 +128,9 @@ def xgrammar_module() -> types.ModuleType:
             try:
                 _module = _import()
             except Exception as e:  # noqa: BLE001 - ImportError, or whatever a broken package raises
-                _failure = f"{type(e).__name__}: {e}" if not isinstance(e, ImportError) else str(e)
+                why = f"{type(e).__name__}: {e}" if not isinstance(e, ImportError) else str(e)
+                log.error("structured output is unavailable: xgrammar failed to import: %s", why)
+                _failure = _public_reason(why)
                 raise StructuredOutputUnavailableError(_failure) from e
     return _module
 

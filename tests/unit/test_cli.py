@@ -489,3 +489,35 @@ def test_run_in_process_applies_the_modelfile_layers(tiny_gguf, store, tmp_path,
     rc, _, err = run(capsys, "run", "templated", "Hello", "-n", "1", "--models-dir", str(store.root))
     assert rc == 0, err
     assert seen[0][1] == "GoChatTemplate" and seen[0][3] == "S|Hello"
+
+
+def test_run_in_process_refuses_a_kvserve_mmap_typo(tiny_gguf, capsys, monkeypatch):
+    """Before: ``kvserve run FILE`` loaded the weights in the default mode whatever KVSERVE_MMAP
+    said (``kvserve serve`` stops on a typo). Now it prints serve's line and exits 1, loading nothing."""
+    from kvserve.loaders import gguf
+
+    loads = []
+    monkeypatch.setattr(gguf, "_weight_bytes", lambda *a: loads.append(a) or [][0])
+    monkeypatch.setenv("KVSERVE_MMAP", "ture")
+    assert run(capsys, "run", tiny_gguf, "Hello", "-n", "2") == (
+        1, "", "Error: error while handling environment variable \"KVSERVE_MMAP\": invalid value 'ture' (accepted: "
+        "1, true, on, yes = --mmap; 0, false, off, no = --no-mmap; auto or empty = the default)\n")
+    assert loads == []
+
+
+def test_run_in_process_applies_parameter_use_mmap(tiny_gguf, store, tmp_path, capsys, monkeypatch):
+    """A store model's PARAMETER use_mmap picks how ``kvserve run`` holds its weights, as a server
+    loads it (before: ignored); the process's mode is put back after the load."""
+    from kvserve.loaders import gguf
+
+    modes = []
+    real = gguf._weight_bytes
+    monkeypatch.setattr(gguf, "_weight_bytes", lambda *a: modes.append(gguf._weight_memory()) or real(*a))
+    monkeypatch.setenv("KVSERVE_MMAP", "1")
+    for name, param in (("tiny-read", "false"), ("tiny-map", "true")):
+        mf = write(tmp_path / f"Modelfile-{name}", f"FROM {tiny_gguf}\nPARAMETER use_mmap {param}\n")
+        assert run(capsys, "create", name, "-f", mf)[0] == 0
+        rc, out, err = run(capsys, "run", name, "Hello", "-n", "2", "--models-dir", str(store.root))
+        assert rc == 0 and len(out) > 1, err
+    assert modes == ["read", "mmap"]
+    assert gguf._WEIGHT_MEMORY == "auto"

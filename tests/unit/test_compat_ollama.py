@@ -90,7 +90,7 @@ def test_unlimited_num_predict_stops(tiny_gguf, tmp_path, monkeypatch):
 
 # -- options.use_mmap ----------------------------------------------------------------------------
 
-def _store_client(tiny_gguf: str, d):
+def _store_client(tiny_gguf: str, d, extra: tuple[str, ...] = ()):
     """An in-process server without -m whose store holds the tiny model as ``tiny:latest``."""
     from starlette.testclient import TestClient
 
@@ -101,7 +101,7 @@ def _store_client(tiny_gguf: str, d):
     store = Store(d / "models")
     w = store.import_file(tiny_gguf)
     store.create("tiny", [Layer(media_type("model"), w.digest, w.size)])
-    state = ServerState(parse_args(["-c", "512", "-np", "1", "--models-dir", str(d / "models")]))
+    state = ServerState(parse_args(["-c", "512", "-np", "1", "--models-dir", str(d / "models"), *extra]))
     c = TestClient(build_app(state), base_url="http://127.0.0.1")
     c.__enter__()
     c.state = state
@@ -184,3 +184,25 @@ def test_use_mmap_layers_as_ollamas_options():
     assert ollama_options({"use_mmap": False}, None).use_mmap is False
     assert ollama_options({"use_mmap": False}, {"use_mmap": True}).use_mmap is True
     assert ollama_options({"use_mmap": True}, {"use_mmap": None}).use_mmap is True
+
+
+def test_use_mmap_picks_the_weight_memory_of_an_embedding_load(tiny_gguf, tmp_path, load_modes):
+    """Before: /api/embed and /api/embeddings type-checked ``options.use_mmap`` and dropped it (the
+    load kept the server's mode). Ollama's EmbedHandler schedules its runner with the request's
+    options: the value picks the load's mode, a changed one reloads, as on /api/chat."""
+    c = _store_client(tiny_gguf, tmp_path, ("--embeddings",))
+    try:
+        got = []
+        for options in (None, {"use_mmap": False}, {"use_mmap": False}):
+            r = c.post("/api/embed", json={"model": "tiny", "input": "hi", **({"options": options} if options else {})})
+            got.append((r.status_code, len(r.json()["embeddings"][0]), list(load_modes)))
+        r = c.post("/api/embeddings", json={"model": "tiny", "prompt": "hi", "options": {"use_mmap": True}})
+        got.append((r.status_code, len(r.json()["embedding"]), list(load_modes)))
+        r = c.post("/api/embed", json={"model": "tiny", "input": "hi", "options": {"use_mmap": 0}})
+        assert (r.status_code, r.json()) == (400, {"error": 'option "use_mmap" must be of type boolean'})
+        assert got == [(200, 64, ["mmap"]), (200, 64, ["mmap", "read"]), (200, 64, ["mmap", "read"]),
+                       (200, 64, ["mmap", "read", "mmap"])]
+        assert c.state.manager.get("tiny:latest").runner.weight_memory == "mmap"
+    finally:
+        c.portal.call(c.state.manager.shutdown)
+        c.__exit__(None, None, None)

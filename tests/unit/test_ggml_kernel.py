@@ -197,6 +197,50 @@ def test_one_row_products_at_large_k_equal_the_per_row_kernels(mod, name):
         assert (err <= 2e-6 * bound + 1e-30).all(), (name, k, float((err / bound).max()))
 
 
+def _before_a_guard_page(raw: np.ndarray, keep: list) -> np.ndarray:
+    """A copy of ``raw`` whose last byte is the last one before a PROT_NONE page (a read past it
+    faults), as the last tensor of a mapped file that ends at the file's end."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    total = (raw.nbytes + page - 1) // page * page + page
+    m = mmap.mmap(-1, total)
+    whole = np.frombuffer(m, dtype=np.uint8)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(whole.ctypes.data + total - page, page, 0) == 0, ctypes.get_errno()
+    view = whole[total - page - raw.nbytes: total - page].reshape(raw.shape)
+    view[...] = raw
+    keep.append((m, whole))
+    return view
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_one_row_products_of_rows_ending_at_a_guard_page(mod, name):
+    """The x8 kernels prefetch the rows x8_ahead bytes on (past the tensor's end for its last
+    groups) and gather the 8 rows' scales: nothing may be read past the last row. Rows ending just
+    before an unreadable page, 1-17 and 25 of them (8k + 1..7 left to the per-row kernels), at K = 256
+    (x8 before too), 2560 and 14592 (x8 only since every K takes it), on 1 and 3 threads: no fault,
+    and each one-row output equals the 2-row product's (the per-row kernels), bit for bit."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + 31)
+    keep: list = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            for k in (256, 2560, 14592):
+                for n in (*range(1, 18), 25):
+                    raw = _before_a_guard_page(random_rows(name, n, k, rng), keep)
+                    mat = ggml_kernel.BlockMatrix(mod, [(raw, name)], k)
+                    x = torch.from_numpy(rng.standard_normal((2, k)).astype(np.float32))
+                    two = mat.mm(x)
+                    for i in range(2):
+                        assert torch.equal(mat.mm(x[i:i + 1])[0], two[i]), (name, threads, k, n, i)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_fused_parts_of_different_types(mod):
     """q|k|v as a Q4_K_M file holds them (two Q4_K parts, a Q6_K one): the parts' products side by side."""
     rng = np.random.default_rng(3)

@@ -471,3 +471,34 @@ def test_more_ranks_than_cores_is_a_warning(tiny, monkeypatch, caplog):
                 in caplog.text)
     finally:
         core.close()
+
+
+def test_spawned_workers_load_in_rank_0s_weight_memory_mode(tiny, monkeypatch):
+    """Before: the workers read KVSERVE_MMAP from the server's environment, so a load in another mode
+    (Ollama's use_mmap: kvserve.serving.chat_runner.weight_memory sets the process's mode) held rank
+    0's shard as asked and every other rank's in the server's mode. Now each worker is told rank 0's
+    mode; the group still forms and answers."""
+    import subprocess
+
+    from kvserve.engine import parallel
+    from kvserve.loaders import gguf
+
+    envs = []
+    real = subprocess.Popen
+
+    def recording(*a, **kw):
+        envs.append(kw.get("env", {}).get("KVSERVE_MMAP"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(parallel.subprocess, "Popen", recording)
+    monkeypatch.setenv("KVSERVE_MMAP", "1")
+    for mode, want in (("read", "0"), ("mmap", "1")):
+        monkeypatch.setattr(gguf, "_WEIGHT_MEMORY", mode)
+        core = _core(tiny["q4"], 2, 1)
+        try:
+            assert len(core.runner.worker_pids) == 1
+            first, _ = _run(core, _prompts()[:1])
+            assert [len(t) for t in first] == [10]
+        finally:
+            core.close()
+        assert envs.pop() == want and envs == []

@@ -676,3 +676,16 @@ def test_server_with_a_kvserve_mmap_typo_stops_with_exit_1(tiny_gguf, tmp_path):
         out = _serve(["-m", tiny_gguf, flag], gcp, timeout=60)
         assert out.returncode == 1 and "KVSERVE_MMAP" not in out.stderr, out.stderr[-2000:]
         assert "AIP_HTTP_PORT must be a port number" in out.stderr
+
+
+def test_kvserve_mmap_a_very_long_value_is_shown_cut_and_control_characters_escaped():
+    """Before: the whole value went into the one line (a 100 000-character variable, a 100 000-
+    character log line)."""
+    from kvserve.serving.startup_checks import mmap_env_error
+
+    assert mmap_env_error({"KVSERVE_MMAP": "y" * 100000}) == (
+        f'error while handling environment variable "KVSERVE_MMAP": invalid value {"y" * 64!r}... '
+        f"(100000 characters) ({_MMAP_ACCEPTED})")
+    assert mmap_env_error({"KVSERVE_MMAP": "\x1b[2J1"}) == (
+        f'error while handling environment variable "KVSERVE_MMAP": invalid value \'\\x1b[2J1\' ({_MMAP_ACCEPTED})')
+    assert mmap_env_error({"KVSERVE_MMAP": "\u00a0on\t"}) is None  # spaces of any kind around, as the loader strips them

@@ -108,3 +108,48 @@ def test_constrained_requests_get_the_cause_in_each_envelope(no_xgrammar, tiny_g
     finally:
         c.portal.call(c.state.manager.shutdown)
         c.__exit__(None, None, None)
+
+
+def test_the_cause_clients_see_names_files_without_their_directories(monkeypatch, caplog, tiny_gguf, tmp_path):
+    """Before: the 500's text held the absolute paths of the server's packages (Python's import
+    errors name the file they came from): a client learnt the server's directory layout (a user's
+    home, the virtual environment). Now a client sees the file's name; the log has the whole text."""
+    import logging
+
+    monkeypatch.setattr(xgr, "_module", None)
+    monkeypatch.setattr(xgr, "_failure", None, raising=False)
+    so = "/home/alice/secret-project/.venv/lib/python3.12/site-packages/xgrammar/xgrammar_bindings.so"
+
+    def broken():
+        raise ImportError(f"{so}: undefined symbol: _ZN3c10\ncannot import name 'Grammar' from "
+                          "'xgrammar.grammar' (/home/alice/secret-project/xgrammar/grammar.py)")
+
+    monkeypatch.setattr(xgr, "_import", broken)
+    want = ("structured output is unavailable: xgrammar failed to import: xgrammar_bindings.so: undefined "
+            "symbol: _ZN3c10 cannot import name 'Grammar' from 'xgrammar.grammar' (grammar.py)")
+    c = app_client(tiny_gguf, tmp_path)
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvserve"):
+            r = c.post("/api/chat", json={"model": "tiny", "messages": USER, "format": "json", "stream": False,
+                                          "options": {"num_predict": 2}})
+            r2 = c.post("/v1/chat/completions", json={"model": "tiny", "messages": USER, "max_tokens": 2,
+                                                      "response_format": {"type": "json_object"}})
+        assert (r.status_code, r.json()) == (500, {"error": want})
+        assert (r2.status_code, r2.json()) == (500, {"error": {"code": 500, "message": want, "type": "server_error"}})
+        assert "/home/alice" not in r.text + r2.text
+        logged = [x.getMessage() for x in caplog.records if so in x.getMessage()]
+        assert logged == ["structured output is unavailable: xgrammar failed to import: " + so +
+                          ": undefined symbol: _ZN3c10\ncannot import name 'Grammar' from 'xgrammar.grammar' "
+                          "(/home/alice/secret-project/xgrammar/grammar.py)"]
+    finally:
+        c.portal.call(c.state.manager.shutdown)
+        c.__exit__(None, None, None)
+
+
+def test_a_long_cause_is_cut_for_clients(monkeypatch):
+    monkeypatch.setattr(xgr, "_module", None)
+    monkeypatch.setattr(xgr, "_failure", None, raising=False)
+    monkeypatch.setattr(xgr, "_import", lambda: (_ for _ in ()).throw(ImportError("x" * 5000)))
+    with pytest.raises(xgr.StructuredOutputUnavailableError) as e:
+        xgr.xgrammar_module()
+    assert e.value.message == "structured output is unavailable: xgrammar failed to import: " + "x" * 497 + "..."
