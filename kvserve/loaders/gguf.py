@@ -425,8 +425,16 @@ def _start_read(path: str, infos: list[TensorInfo]):
 
 def _finish_read(r, infos: list[TensorInfo]) -> np.ndarray:
     """Read what is left of ``r`` on this thread and up to 3 more (4 readers at most, one per CPU, the
-    threads already reading counted as one), wait for all of it; the bytes as uint8 [file size]."""
+    threads already reading counted as one), wait for all of it; the bytes as uint8 [file size].
+
+    Raises:
+        ModelLoadError: the file's identity (size, modification and change times) differs from when
+            the read began (it was written in place meanwhile)."""
     r.finish(max(1, min(4, os.cpu_count() or 1) - 1))
+    if r.changed():  # written in place during the read: the bytes may mix two files
+        r.close()
+        raise ModelLoadError(f"{r.path}: the file changed while its weights were read (written in place "
+                             "during the load); load it again once it is complete")
     buf = np.frombuffer(r.result(min(t.offset for t in infos)), dtype=np.uint8)
     log.debug("weight read of %s: %.3f s", r.path, r.read_s)
     return buf

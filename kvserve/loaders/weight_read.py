@@ -141,6 +141,20 @@ class WeightRead:
             while self._active:
                 self._idle.wait()
 
+    def changed(self) -> bool:
+        """True when the file (the descriptor the bytes come from: the same inode even if another file
+        was renamed over the path) no longer has the identity it had when the read began: written in
+        place meanwhile, so the bytes read may mix old and new. Call after :meth:`finish`, before
+        :meth:`result` (which closes the descriptor)."""
+        with self._lock:
+            fd = self._fd
+        if fd < 0:
+            return True
+        try:
+            return _identity(os.fstat(fd)) != self.ident
+        except OSError:
+            return True
+
     def result(self, start: int | None = None):
         """The bytes read, as a read-only memoryview of [file size] indexed by file offset (shorter
         when the file was cut meanwhile: the tensors past its end fail as truncated); the pages

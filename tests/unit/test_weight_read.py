@@ -269,3 +269,22 @@ def test_tokenizer_error_comes_after_the_tensors_errors(tmp_path, monkeypatch):
     cut.write_bytes(p.read_bytes()[:-3000])
     with pytest.raises(ModelLoadError, match="truncated|not whole"):
         gl.load_gguf(cut)
+
+
+def test_a_file_written_in_place_during_the_read_fails_the_load(tmp_path, big_gguf):
+    """The file is rewritten in place (same inode: ``cp new old``) while its weights are read: the bytes
+    read may mix the two files, so the load fails with a clear ModelLoadError naming the file (the
+    identity, checked again once the read ended, on the descriptor the bytes came from), never loads them."""
+    p = tmp_path / "m.gguf"
+    p.write_bytes(Path(big_gguf).read_bytes())
+    _, infos = gl.read_gguf_header(str(p))
+    r = wr.WeightRead(str(p), min(t.offset for t in infos))
+    with open(p, "r+b") as f:  # same inode, new bytes and a new modification time
+        f.seek(infos[-1].offset)
+        f.write(b"\x01" * 64)
+    os.utime(p, ns=(10**9, 10**9))
+    with pytest.raises(gl.ModelLoadError, match=r"m\.gguf.*changed while"):
+        gl._finish_read(r, infos)
+    # a file left alone reads as before
+    r = wr.WeightRead(str(p), min(t.offset for t in infos))
+    assert gl._finish_read(r, infos).tobytes()[infos[0].offset:] == p.read_bytes()[infos[0].offset:]
