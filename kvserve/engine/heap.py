@@ -56,17 +56,33 @@ def _malloc_trim():
 def one_arena() -> bool:
     """Make every thread allocate from glibc's main arena (``mallopt(M_ARENA_MAX, 1)``), so that
     :func:`trim` can give back all of the heap's free memory. Call before the process starts threads
-    (arenas made before stay). False on a C library without ``mallopt`` or where it refuses.
-    ``KVSERVE_MALLOC_ARENAS=0`` leaves glibc's default (one arena per thread, up to 8 per core)."""
+    (arenas made before stay). False on a C library without ``mallopt``, where it refuses, or where
+    glibc's default is kept.
+
+    ``KVSERVE_MALLOC_ARENAS``: ``0`` / ``false`` / ``off`` / ``no`` (any case; the words KVSERVE_MMAP
+    takes) keep glibc's default (one arena per thread, up to 8 per core); a number N > 0 allows N
+    arenas; unset, 1, or a value that is neither (warned): one. When it is unset and glibc's own
+    ``MALLOC_ARENA_MAX`` is set, that is the user's choice and stays (``mallopt`` would override it)."""
     import os
 
-    if os.environ.get("KVSERVE_MALLOC_ARENAS", "1") == "0":
+    raw = os.environ.get("KVSERVE_MALLOC_ARENAS")
+    if raw is None and os.environ.get("MALLOC_ARENA_MAX"):
         return False
+    val = (raw or "1").strip().lower()
+    if val in ("0", "false", "off", "no"):
+        return False
+    try:
+        n = int(val)
+    except ValueError:
+        n = 0
+    if n < 1:
+        log.warning("KVSERVE_MALLOC_ARENAS=%r is not 0/false/off/no or a number of arenas: one arena", raw[:64])
+        n = 1
     try:
         fn = ctypes.CDLL(None).mallopt
         fn.argtypes = [ctypes.c_int, ctypes.c_int]
         fn.restype = ctypes.c_int
-        return bool(fn(_M_ARENA_MAX, 1))
+        return bool(fn(_M_ARENA_MAX, n))
     except (OSError, AttributeError):
         return False
 

@@ -288,3 +288,35 @@ def test_a_file_written_in_place_during_the_read_fails_the_load(tmp_path, big_gg
     # a file left alone reads as before
     r = wr.WeightRead(str(p), min(t.offset for t in infos))
     assert gl._finish_read(r, infos).tobytes()[infos[0].offset:] == p.read_bytes()[infos[0].offset:]
+
+
+@pytest.mark.parametrize("env, want", [
+    ({}, "1"), ({"KVSERVE_MALLOC_ARENAS": "1"}, "1"), ({"KVSERVE_MALLOC_ARENAS": "0"}, "default"),
+    ({"KVSERVE_MALLOC_ARENAS": "false"}, "default"), ({"KVSERVE_MALLOC_ARENAS": " Off "}, "default"),
+    ({"KVSERVE_MALLOC_ARENAS": "no"}, "default"), ({"KVSERVE_MALLOC_ARENAS": "4"}, "4"),
+    ({"KVSERVE_MALLOC_ARENAS": "-3"}, "1"), ({"KVSERVE_MALLOC_ARENAS": "lots"}, "1"),
+    ({"MALLOC_ARENA_MAX": "2"}, "default"), ({"MALLOC_ARENA_MAX": "2", "KVSERVE_MALLOC_ARENAS": "3"}, "3"),
+])
+def test_malloc_arenas_setting(env, want):
+    """KVSERVE_MALLOC_ARENAS: 0 / false / off / no (any case, spaces: as KVSERVE_MMAP reads its words)
+    keep glibc's default; N > 0 limits glibc to N arenas; unset, negative or not a number: one arena
+    (a warning for the last two). glibc's own MALLOC_ARENA_MAX, when set and ours is not, is the user's
+    choice and stays (mallopt would override it). Each case in a fresh process (mallopt is per process);
+    mallopt itself is replaced by a recorder: the value asked for, or "default" when it is not called."""
+    code = ("import ctypes, kvserve.engine.heap as h\n"
+            "calls = []\n"
+            "class L:\n"
+            "    def __init__(self, *a): pass\n"
+            "    @property\n"
+            "    def mallopt(self):\n"
+            "        def f(p, v): calls.append((p, v)); return 1\n"
+            "        return f\n"
+            "h.ctypes = type('C', (), {'CDLL': L, 'c_int': ctypes.c_int})\n"
+            "ok = h.one_arena()\n"
+            "assert ok == bool(calls), (ok, calls)\n"
+            "print(calls[0][1] if calls else 'default')\n")
+    e = {k: v for k, v in os.environ.items() if k not in ("KVSERVE_MALLOC_ARENAS", "MALLOC_ARENA_MAX")}
+    e.update(env, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == want, (env, out.stdout, out.stderr)
