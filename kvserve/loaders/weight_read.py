@@ -309,12 +309,39 @@ def model_path_from_argv(argv: list[str]) -> str | None:
     return None
 
 
+def _argv_weight_memory(argv: list[str]) -> str:
+    """"read", "mmap" or "auto": how ``kvserve serve``'s flags ask GGUF weights to be held, read as its
+    parser does (:func:`kvserve.serving.args.parse_args`): the last of ``--mmap`` / ``--no-mmap``, else
+    llama-server's ``-lm`` / ``--load-mode`` (or LLAMA_ARG_LOAD_MODE): mmap, mmap+mlock -> "mmap";
+    none, mlock, dio -> "read"; auto or anything else -> "auto"."""
+    mode, load_mode = None, None
+    for i, a in enumerate(argv):
+        if a == "--mmap":
+            mode = "mmap"
+        elif a == "--no-mmap":
+            mode = "read"
+        elif a in ("-lm", "--load-mode") and i + 1 < len(argv):
+            load_mode = argv[i + 1]
+        elif a.startswith(("--load-mode=", "-lm=")):
+            load_mode = a.split("=", 1)[1]
+    if mode:
+        return mode
+    if load_mode is None:
+        load_mode = os.environ.get("LLAMA_ARG_LOAD_MODE", "")
+    return {"mmap": "mmap", "mmap+mlock": "mmap", "none": "read", "mlock": "read", "dio": "read"}.get(
+        load_mode.strip(), "auto")
+
+
 def prefetch_for_argv(argv: list[str]) -> bool:
-    """:func:`prefetch` of the model file ``argv`` (``kvserve serve``'s arguments) names, unless
-    ``--mmap`` asks for the file's mapping (``--no-mmap`` sets the read, as KVSERVE_MMAP=0)."""
-    if "--mmap" in argv or "--no-preload" in argv:
+    """:func:`prefetch` of the model file ``argv`` (``kvserve serve``'s arguments) names, unless the
+    flags ask for the file's mapping (``--mmap``, ``-lm mmap``: :func:`_argv_weight_memory`) or
+    ``--no-preload``; ``--no-mmap`` / ``-lm none`` set the read as KVSERVE_MMAP=0 does."""
+    if "--no-preload" in argv:
+        return False
+    mode = _argv_weight_memory(argv)
+    if mode == "mmap":
         return False
     p = model_path_from_argv(argv)
     if not p:
         return False
-    return prefetch(os.path.expanduser(p), "read" if "--no-mmap" in argv else "auto")
+    return prefetch(os.path.expanduser(p), mode)

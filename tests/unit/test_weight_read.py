@@ -320,3 +320,30 @@ def test_malloc_arenas_setting(env, want):
     out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == want, (env, out.stdout, out.stderr)
+
+
+def test_prefetch_for_argv_follows_llama_servers_load_mode(big_gguf, monkeypatch):
+    """llama-server's ``-lm`` / ``--load-mode`` (and LLAMA_ARG_LOAD_MODE), which kvserve serve's
+    parser maps to --mmap / --no-mmap (kvserve.serving.args): mmap and mmap+mlock start no read (the
+    server maps the file: a read would only hold a second copy of it until start-up ends); none, mlock
+    and dio read even where KVSERVE_MMAP=1 asks for the mapping; --mmap / --no-mmap (the last one given)
+    win over it, as in the parser."""
+    if not wr.thp_available():
+        pytest.skip("no transparent huge pages: no prefetch")
+    p = str(big_gguf)
+    for argv in ([p, "-lm", "mmap"], [p, "--load-mode", "mmap+mlock"], [p, "--load-mode=mmap"],
+                 [p, "--no-mmap", "--mmap"]):
+        assert wr.prefetch_for_argv(argv) is False, argv
+        assert wr.pending() == []
+    monkeypatch.setenv("LLAMA_ARG_LOAD_MODE", "mmap")
+    assert wr.prefetch_for_argv([p]) is False
+    assert wr.prefetch_for_argv([p, "-lm", "none"]) is True  # the flag wins over its variable
+    wr.release()
+    assert wr.prefetch_for_argv([p, "--no-mmap", "-lm", "mmap"]) is True  # --no-mmap wins over -lm
+    wr.release()
+    monkeypatch.delenv("LLAMA_ARG_LOAD_MODE")
+    monkeypatch.setenv("KVSERVE_MMAP", "1")
+    for argv in ([p, "-lm", "dio"], [p, "--load-mode=mlock"], [p, "--mmap", "--no-mmap"]):
+        assert wr.prefetch_for_argv(argv) is True, argv
+        wr.release()
+    assert wr.prefetch_for_argv([p, "-lm", "auto"]) is False  # auto: KVSERVE_MMAP=1 decides
