@@ -637,17 +637,19 @@ _MMAP_ACCEPTED = "accepted: 1, true, on, yes = --mmap; 0, false, off, no = --no-
 @pytest.mark.parametrize("text", ["1", "TRUE", " on ", "Yes", "0", "false", "OFF", "no", "", "  ", "auto", "Auto"])
 def test_kvserve_mmap_values_the_loader_reads_pass(text, monkeypatch):
     """Every accepted value means what kvserve.loaders.gguf makes of it (mmap / read / the default)."""
-    from kvserve.loaders import gguf
+    from kvserve.loaders import gguf, weight_read
 
     from kvserve.serving.startup_checks import MMAP_OFF, MMAP_ON, mmap_env_error
 
     assert mmap_env_error({"KVSERVE_MMAP": text}) is None
     monkeypatch.setattr(gguf, "_WEIGHT_MEMORY", "auto")
-    monkeypatch.setattr(gguf, "_thp_available", lambda: None)
+    # the default's test of huge pages is weight_read.thp_available (gguf._weight_memory asks
+    # weight_read.weight_memory_mode, which calls it directly): patched there, or the machine's answer counts
+    monkeypatch.setattr(weight_read, "thp_available", lambda: None)
     monkeypatch.setenv("KVSERVE_MMAP", text)
     low = text.strip().lower()
     assert gguf._weight_memory() == ("mmap" if low in MMAP_ON else "read" if low in MMAP_OFF else "mmap")
-    monkeypatch.setattr(gguf, "_thp_available", lambda: True)
+    monkeypatch.setattr(weight_read, "thp_available", lambda: True)
     assert gguf._weight_memory() == ("mmap" if low in MMAP_ON else "read")
 
 
