@@ -393,6 +393,13 @@ def _weight_memory() -> str:
     return weight_memory_mode(_WEIGHT_MEMORY)
 
 
+def _load_weight_memory(packed: bool, infos: list[TensorInfo]) -> str:
+    """How one :func:`load_gguf` call holds its file's bytes, decided once per load: "read" (the
+    weights kept as the file stores them, ``packed``, and the mode now is "read": see
+    :func:`set_weight_memory`) or "mmap" (the file's read-only mapping)."""
+    return "read" if packed and infos and _weight_memory() == "read" else "mmap"
+
+
 def _weight_bytes(path: str, infos: list[TensorInfo], packed: bool) -> np.ndarray:
     """The file's bytes as uint8 [file size], indexed by file offset: the file's read-only mapping, or
     (mode "read", see :func:`set_weight_memory`, and ``packed``: weights kept as the file stores
@@ -401,7 +408,7 @@ def _weight_bytes(path: str, infos: list[TensorInfo], packed: bool) -> np.ndarra
     ``preadv`` (:class:`kvserve.loaders.weight_read.WeightRead`; the file's pages are in the page
     cache but not in this process's resident set). A read that ``kvserve serve`` began before its
     imports (:func:`kvserve.loaders.weight_read.prefetch`) is taken over and finished here."""
-    r = _start_read(path, infos) if packed and infos and _weight_memory() == "read" else None
+    r = _start_read(path, infos) if _load_weight_memory(packed, infos) == "read" else None
     if r is None:
         return np.memmap(path, dtype=np.uint8, mode="r")
     return _finish_read(r, infos)
@@ -464,7 +471,8 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
     # the weights' read (in the kernel: preadv releases the GIL) on a thread of its own while this one
     # builds the tokenizer (Python and the tokenizers library: the GIL); a tokenizer that fails is
     # reported after the tensors' checks, as when the two ran one after the other
-    reading = _start_read(path, infos) if family.packed_weights and infos and _weight_memory() == "read" else None
+    mode = _load_weight_memory(family.packed_weights, infos)
+    reading = _start_read(path, infos) if mode == "read" else None
     if reading is not None:
         threading.Thread(target=reading.work, name="weight-read", daemon=True).start()
     tok_error: BaseException | None = None
@@ -474,8 +482,8 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
         tok_error = e
     if reading is not None:  # this thread (and more, with more CPUs) reads what is left, then waits
         raw = _finish_read(reading, infos)
-    else:
-        raw = _weight_bytes(path, infos, family.packed_weights)
+    else:  # mode "mmap", or the private memory could not be had (_start_read said so once)
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
     weights: dict[str, Weight] = {}
     for t in infos:
         try:

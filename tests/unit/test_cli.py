@@ -497,7 +497,7 @@ def test_run_in_process_refuses_a_kvserve_mmap_typo(tiny_gguf, capsys, monkeypat
     from kvserve.loaders import gguf
 
     loads = []
-    monkeypatch.setattr(gguf, "_weight_bytes", lambda *a: loads.append(a) or [][0])
+    monkeypatch.setattr(gguf, "_load_weight_memory", lambda *a: loads.append(a) or [][0])
     monkeypatch.setenv("KVSERVE_MMAP", "ture")
     assert run(capsys, "run", tiny_gguf, "Hello", "-n", "2") == (
         1, "", "Error: error while handling environment variable \"KVSERVE_MMAP\": invalid value 'ture' (accepted: "
@@ -511,8 +511,8 @@ def test_run_in_process_applies_parameter_use_mmap(tiny_gguf, store, tmp_path, c
     from kvserve.loaders import gguf
 
     modes = []
-    real = gguf._weight_bytes
-    monkeypatch.setattr(gguf, "_weight_bytes", lambda *a: modes.append(gguf._weight_memory()) or real(*a))
+    real = gguf._load_weight_memory
+    monkeypatch.setattr(gguf, "_load_weight_memory", lambda *a: modes.append(gguf._weight_memory()) or real(*a))
     monkeypatch.setenv("KVSERVE_MMAP", "1")
     for name, param in (("tiny-read", "false"), ("tiny-map", "true")):
         mf = write(tmp_path / f"Modelfile-{name}", f"FROM {tiny_gguf}\nPARAMETER use_mmap {param}\n")

@@ -115,13 +115,13 @@ def load_modes(monkeypatch):
     from kvserve.loaders import gguf
 
     modes: list[str] = []
-    real = gguf._weight_bytes
+    real = gguf._load_weight_memory
 
-    def recording(path, infos, packed):
+    def recording(packed, infos):
         modes.append(gguf._weight_memory())
-        return real(path, infos, packed)
+        return real(packed, infos)
 
-    monkeypatch.setattr(gguf, "_weight_bytes", recording)
+    monkeypatch.setattr(gguf, "_load_weight_memory", recording)
     monkeypatch.setenv("KVSERVE_MMAP", "1")
     return modes
 
