@@ -379,13 +379,6 @@ def set_weight_memory(mode: str) -> None:
     _WEIGHT_MEMORY = mode
 
 
-def _thp_available() -> bool:
-    """True where the kernel gives transparent huge pages to memory that asks (madvise) or to all."""
-    from kvserve.loaders.weight_read import thp_available
-
-    return thp_available()
-
-
 def _weight_memory() -> str:
     """The mode :func:`load_gguf` uses now: "read" or "mmap" (see :func:`set_weight_memory`)."""
     from kvserve.loaders.weight_read import weight_memory_mode

@@ -413,7 +413,9 @@ def test_weight_memory_modes_hold_the_files_bytes(tmp_path, monkeypatch, mode):
     monkeypatch.setenv("KVSERVE_MMAP", "0")
     assert gl._weight_memory() == "read"
     monkeypatch.delenv("KVSERVE_MMAP")
-    assert gl._weight_memory() == ("read" if gl._thp_available() else "mmap")
+    from kvserve.loaders.weight_read import thp_available
+
+    assert gl._weight_memory() == ("read" if thp_available() else "mmap")
     with pytest.raises(ValueError, match="auto, read or mmap"):
         gl.set_weight_memory("huge")
 
