@@ -32,7 +32,7 @@ def _gone(pid: int, within: float = 15.0) -> bool:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().split(") ")[1].startswith("Z"):
                     return True
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone between open and read: ESRCH
             return True
         time.sleep(0.05)
     return False

@@ -529,7 +529,7 @@ def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as f:
             return any(line.startswith("State:") and "Z" in line for line in f)  # a zombie: dead
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or gone between open and read (ESRCH)
         return True
 
 
