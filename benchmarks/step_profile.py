@@ -10,7 +10,8 @@ which every stream decodes, measures the engine thread's CPU time (``time.thread
 ``decoder_step`` (the C++ layers) and ``head`` (``Decoder.logits``), ``prepare``
 (``ModelRunner.prepare``: the flat batch), ``sample`` (``ModelRunner.sample``), ``schedule``
 (``Scheduler.schedule``), ``update`` (``EngineCore._update``: appending tokens, stop checks, outputs)
-and ``other`` (the rest of ``EngineCore.step``). Prints one JSON object: ms per step and per token
+and ``other`` (the rest of ``EngineCore.step``), with ``step_wall`` (the step's wall time) and ``step_process_cpu``
+(every thread's CPU in it). Prints one JSON object: ms per step and per token
 for each part (medians over runs). ``--cprofile`` also prints cProfile's top functions by own time
 over the non-native part (the native call excluded) to stderr.
 """
@@ -146,7 +147,7 @@ def main() -> None:
             core.add_request(r)
         left = {r.request_id for r in reqs}
         steps = toks = 0
-        cpu = 0.0
+        cpu = wall = proc = 0.0
         part0 = dict(acc)
         parts = {p: 0.0 for p in PARTS}
         while left:
@@ -155,35 +156,40 @@ def main() -> None:
             before = dict(acc)
             if full and prof is not None and measure:
                 prof.enable()
-            t0 = time.thread_time()
+            t0, w0, p0 = time.thread_time(), time.perf_counter(), time.process_time()
             outs = core.step()
             dt = time.thread_time() - t0
+            dw, dp = time.perf_counter() - w0, time.process_time() - p0
             if prof is not None:
                 prof.disable()
             if full:
                 steps += 1
                 toks += sum(len(o.new_token_ids) for o in outs)
                 cpu += dt
+                wall += dw
+                proc += dp
                 for p in PARTS:
                     parts[p] += acc[p] - before[p]
             for o in outs:
                 if o.finished:
                     left.discard(o.request_id)
         del part0
-        return steps, toks, cpu, parts
+        return steps, toks, cpu, parts, wall, proc
 
     run_once(2, 4, False)  # warm-up
     for e in gc_acc.values():
         e[0], e[1] = 0, 0.0
     rows = []
     for _ in range(a.runs):
-        steps, toks, cpu, parts = run_once(a.streams, a.n_predict, True)
+        steps, toks, cpu, parts, wall, proc = run_once(a.streams, a.n_predict, True)
         other = cpu - parts["prepare"] - parts["native"] - parts["sample"] - parts["schedule"] - parts["update"]
         ms = {p: parts[p] * 1e3 / steps for p in PARTS}
         ms["native_python"] = ms["native"] - ms["decoder_step"] - ms["head"]
         ms["other"] = other * 1e3 / steps
         ms["outside_native"] = (cpu - parts["native"]) * 1e3 / steps
         ms["step"] = cpu * 1e3 / steps
+        ms["step_wall"] = wall * 1e3 / steps  # the step's wall time (with --threads > 1: the figure that counts)
+        ms["step_process_cpu"] = proc * 1e3 / steps  # every thread's CPU during the step (workers' spin included)
         rows.append({"steps": steps, "tokens": toks, "ms_per_step": {k: round(v, 3) for k, v in ms.items()},
                      "ms_per_token": round(cpu * 1e3 / toks, 3)})
     keys = rows[0]["ms_per_step"].keys()
