@@ -495,6 +495,11 @@ class ModelManager:
                     ticket = await self._wait(cond, ticket)
                     continue
                 e = self.get(spec.name)
+                if e is not None and e.runner is None and self._needs_reload(e, spec):
+                    # loading with other runner options (num_ctx, use_mmap): wait for that load, then
+                    # reload for this request as below (joining it would run with the other options)
+                    ticket = await self._wait(cond, ticket)
+                    continue
                 if e is not None and e.runner is not None and self._needs_reload(e, spec):
                     if e.ref_count == 0:
                         self._unload(e, "reload")

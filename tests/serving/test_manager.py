@@ -230,6 +230,44 @@ def test_reload_for_another_context_size_waits_for_idle():
     run(main())
 
 
+def test_a_request_for_another_context_size_does_not_join_a_load_in_flight():
+    """A request whose num_ctx (or use_mmap) differs from a load in flight waits for it and then
+    reloads, as it does when the runner is loaded: joining the load ran it with the other context."""
+    gate = threading.Event()
+    specs: list[ModelSpec] = []
+
+    def loader(spec):
+        specs.append(spec)
+        if len(specs) == 1:
+            gate.wait(5)
+        return FakeRunner(spec.name)
+
+    async def main():
+        h = Harness(loader=loader)
+        first = asyncio.create_task(h.m.acquire(ModelSpec("m", n_ctx=2048)))
+        await asyncio.sleep(0.05)
+        other = asyncio.create_task(h.m.acquire(ModelSpec("m", n_ctx=4096)))
+        same = asyncio.create_task(h.m.acquire(ModelSpec("m", n_ctx=2048, use_mmap=False)))
+        await asyncio.sleep(0.05)
+        assert not other.done() and not same.done() and len(specs) == 1
+        gate.set()
+        lease = await asyncio.wait_for(first, 2)
+        assert lease.runner.name == "m" and h.m.get("m").spec.n_ctx == 2048
+        await asyncio.sleep(0.05)
+        assert not other.done()  # the loaded runner is busy: the reload waits for it to be idle
+        lease.release()
+        new = await asyncio.wait_for(other, 2)
+        assert [s.n_ctx for s in specs] == [2048, 4096] and h.m.get("m").spec.n_ctx == 4096
+        new.release()
+        last = await asyncio.wait_for(same, 2)
+        assert [(s.n_ctx, s.use_mmap) for s in specs][-1] == (2048, False)
+        last.release()
+        assert h.lines == ["t=  0s load   m", "t=  0s unload m (reload)", "t=  0s load   m",
+                           "t=  0s unload m (reload)", "t=  0s load   m"]
+
+    run(main())
+
+
 def test_memory_evicts_idle_then_refuses_with_the_mib():
     sizes = {"a": 600 * MIB, "b": 600 * MIB, "big": 5000 * MIB}
 
