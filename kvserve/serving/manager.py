@@ -377,7 +377,9 @@ class ModelManager:
         self.loaded: dict[str, Entry] = {}  # insertion order = load order
         self.cleanup = cleanup  # after a failed load, in the loader's thread (e.g. malloc_trim)
         self._queue: deque[object] = deque()  # tickets of waiting requests, first come first served
-        self._failures: dict[str, tuple[float, LoadFailedError]] = {}
+        # failed loads by (name, file, num_ctx, use_mmap): another file under the name or other runner
+        # options load again at once
+        self._failures: dict[tuple, tuple[float, LoadFailedError]] = {}
         self.stats = ManagerStats()
         self._changed: asyncio.Condition | None = None
         self._load_lock: asyncio.Lock | None = None
@@ -586,17 +588,25 @@ class ModelManager:
             raise
         return ticket
 
+    @staticmethod
+    def _failure_key(spec: ModelSpec) -> tuple:
+        return (spec.name, spec.path, spec.n_ctx, spec.use_mmap)
+
     def _check_failure_memo(self, spec: ModelSpec) -> None:
-        hit = self._failures.get(spec.name)
+        key = self._failure_key(spec)
+        hit = self._failures.get(key)
         if hit is not None:
             when, err = hit
             if self.clock() - when < FAILURE_MEMO_S and self.get(spec.name) is None:
                 raise LoadFailedError(err.message, err.cause_type, err.detail)
-            del self._failures[spec.name]
+            del self._failures[key]
 
     def _record_failure(self, spec: ModelSpec, exc: BaseException) -> LoadFailedError:
         err = exc if isinstance(exc, LoadFailedError) else LoadFailedError.of(spec, exc)
-        self._failures[spec.name] = (self.clock(), err)
+        now = self.clock()
+        for k in [k for k, (when, _) in self._failures.items() if now - when >= FAILURE_MEMO_S]:
+            del self._failures[k]  # bounded: old entries go when another failure comes
+        self._failures[self._failure_key(spec)] = (now, err)
         self.stats.load_failures += 1
         self._emit("fail", spec.name, err.detail)
         return err

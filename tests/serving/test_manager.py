@@ -429,6 +429,12 @@ def test_a_failed_load_leaves_nothing_behind_and_is_remembered_briefly():
             await h.m.acquire(ModelSpec("bad", "/srv/blobs/sha256-1"))
         assert calls == ["bad", "bad"]
         assert h.m.stats.load_failures == 2  # a remembered failure is not another load
+        # another context size or another file under the name is another load, not the remembered failure
+        with pytest.raises(ServerFaultError):
+            await h.m.acquire(ModelSpec("bad", "/srv/blobs/sha256-1", n_ctx=512))
+        with pytest.raises(ServerFaultError):
+            await h.m.acquire(ModelSpec("bad", "/srv/blobs/sha256-2"))
+        assert calls == ["bad"] * 4 and h.m.stats.load_failures == 4
 
     run(main())
 
