@@ -951,18 +951,31 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd in ("serve", "start"):
-        from kvserve import startup
+        try:
+            from kvserve import startup
 
-        startup.pause()  # no garbage collection passes over the imports and the model load (kvserve.startup)
-        from kvserve.engine.heap import one_arena
-        from kvserve.loaders.weight_read import prefetch_for_argv
+            startup.pause()  # no garbage collection passes over the imports and the model load (kvserve.startup)
+            from kvserve.engine.heap import one_arena
+            from kvserve.loaders.weight_read import prefetch_for_argv
 
-        one_arena()  # before any thread: kvserve.engine.heap
+            one_arena()  # before any thread: kvserve.engine.heap
 
-        prefetch_for_argv(rest)  # the model file's read into huge pages runs on another core during the imports
-        from kvserve.app import main as serve_main
+            prefetch_for_argv(rest)  # the model file's read into huge pages runs on another core during the imports
+            from kvserve.app import main as serve_main
 
-        return serve_main(rest)
+            return serve_main(rest)
+        except KeyboardInterrupt:  # Ctrl-C in the imports or the model load (before the server's own
+            # handlers), or the one uvicorn raises again after its graceful shutdown: no traceback
+            import logging
+
+            print("kvserve: interrupted", file=sys.stderr)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # not a return: an interrupt that landed in Python code a C extension ran during its import
+            # (PyRun_String: torch) leaves CPython's "unhandled KeyboardInterrupt" mark, and the
+            # interpreter would kill itself with SIGINT at exit although it was handled (status -2)
+            os._exit(130)
     if cmd == "bench":
         from kvserve.bench import main as bench_main
 
