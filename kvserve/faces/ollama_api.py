@@ -464,9 +464,11 @@ def _mmap_spec(state: ServerState, spec: ModelSpec, use_mmap: bool | None) -> Mo
                     str(use_mmap).lower(), extra={"func": "ollama"})
         return spec
     e = state.manager.get(spec.name)
-    if e is not None and e.runner is not None and e.spec.use_mmap is None \
+    if e is not None and e.runner is not None \
             and getattr(e.runner, "weight_memory", None) == ("mmap" if use_mmap else "read"):
-        return spec  # loaded in the server's mode, the one asked for
+        # its weights are held as asked (the server's mode, or a read that fell back to the mapping):
+        # the loaded runner's own value, so no reload
+        return dataclasses.replace(spec, use_mmap=e.spec.use_mmap)
     return dataclasses.replace(spec, use_mmap=use_mmap)
 
 

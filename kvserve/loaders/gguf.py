@@ -494,7 +494,8 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
     if tok_error is not None:
         raise tok_error
     template = md.get("tokenizer.chat_template") if family.task == "generate" else None
-    return LoadedModel(config, info, weights, tokenizer, template)
+    return LoadedModel(config, info, weights, tokenizer, template,
+                       weight_memory="read" if reading is not None else "mmap")
 
 
 def _tokenizer_and_info(md: dict, path: str, config, arch: str, n_params: int, size: int,

@@ -210,6 +210,9 @@ class LoadedModel:
     tokenizer: object
     chat_template: str | None = None
     generation_defaults: dict = field(default_factory=dict)
+    #: how a GGUF file's weights ended up held: "read" (private memory) or "mmap" (the file's mapping,
+    #: also when the private memory could not be had); None for other formats
+    weight_memory: str | None = None
 
 
 def check_tensors(required: list[str], weights: dict[str, Weight], source: str) -> None:

@@ -268,10 +268,10 @@ def load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner:
         require_loadable(spec.path)
     with weight_memory(spec.use_mmap):
         runner = _load_runner(args, spec, build_info)
-        from kvserve.loaders import gguf
+        if getattr(runner, "weight_memory", None) is None:  # not a GGUF chat model: the mode asked for
+            from kvserve.loaders import gguf
 
-        # the mode its GGUF weights were loaded in: "mmap" or "read" (a face compares use_mmap with it)
-        runner.weight_memory = gguf._weight_memory()
+            runner.weight_memory = gguf._weight_memory()
     return runner
 
 
@@ -317,7 +317,8 @@ def _load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner
     cfg = engine_config(args, spec)
     for level, text in run_startup_checks(args, spec.path, cfg):  # vLLM's checks, before reading the weights
         _srv(level, "load_model", "%s", text)
-    core = EngineCore(load_files(spec.path), cfg)
+    loaded = load_files(spec.path)
+    core = EngineCore(loaded, cfg)
     load_adapters(core, args, spec)  # before measuring: the adapters' memory is the runner's
     template = make_template(args, core, spec)
     _srv(logging.INFO, "load_model", "initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = '%s'",
@@ -331,6 +332,9 @@ def _load_runner(args: "ServerArgs", spec: ModelSpec, build_info: str) -> Runner
     if core.device.type == "cpu":  # the KV pool is torch.empty host memory: resident only once written
         grown += kv_pool_bytes(core)
     runner = Runner(args, spec, AsyncEngine(core), template, build_info, grown)
+    # the mode its GGUF weights were loaded in: "mmap" or "read" (a face compares use_mmap with it);
+    # "mmap" also where "read" was asked and the private memory could not be had
+    runner.weight_memory = getattr(loaded, "weight_memory", None)
     for level, text in runner.generation.notes:
         _srv(level, "load_model", "%s", text)
     if runner.generation.log_line():

@@ -162,6 +162,26 @@ def test_use_mmap_picks_the_weight_memory_of_the_load(tiny_gguf, tmp_path, load_
         c.__exit__(None, None, None)
 
 
+def test_a_read_that_could_not_be_had_is_said_as_the_mapping(tiny_gguf, tmp_path, load_modes, monkeypatch):
+    """use_mmap false where the private memory cannot be had (``_start_read`` None: the loader maps the
+    file): the runner says "mmap", what it holds, so a later use_mmap true finds it loaded as asked
+    (before, it said "read" and that request reloaded it for nothing)."""
+    from kvserve.loaders import gguf
+
+    monkeypatch.setattr(gguf, "_start_read", lambda path, infos: None)
+    c = _store_client(tiny_gguf, tmp_path)
+    try:
+        for use_mmap in (False, True):
+            r = c.post("/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False,
+                                              "options": {"num_predict": 2, "use_mmap": use_mmap}})
+            assert (r.status_code, r.json()["eval_count"]) == (200, 2)
+            assert c.state.manager.get("tiny:latest").runner.weight_memory == "mmap"
+        assert load_modes == ["read"], (load_modes, c.state.manager.stats)  # one load: the second request found the mapping
+    finally:
+        c.portal.call(c.state.manager.shutdown)
+        c.__exit__(None, None, None)
+
+
 def test_use_mmap_of_a_model_given_with_m_is_logged_and_ignored(tiny_gguf, tmp_path, load_modes, caplog):
     c = app_client(tiny_gguf, tmp_path)
     try:
