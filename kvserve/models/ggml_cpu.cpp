@@ -1451,6 +1451,13 @@ void Matrix::out_rows(const float* xp, int64_t M, const Scratch& s, int64_t n0, 
         n = e - 1;
         continue;
       }
+      if (p.type == T_Q8_0) {  // this part's rows n .. e - 1 (ggml_gemm8.h's q80_product: q80_x8's bits)
+        const int64_t e = std::min(n1, p.first + p.rows);
+        gemm8::q80_product(w, p.row_bytes, e - n, K, A.a32.q + mc * K, A.a32.d + mc * (K / 32), nullptr, me - mc,
+                           Y + mc * N + n, N);
+        n = e - 1;
+        continue;
+      }
       // decode (1-2 rows): Q4 weight rows in pairs (dot_q4_pair: the same bits as one at a time)
       if (p.type == T_Q4_1 && M <= 2 && n + 1 < n1 && n + 1 < p.first + p.rows) {
         q4_pair(p.type, w, w + p.row_bytes, K / 32, A.a32, M, Y + n, Y + n + 1, N);
