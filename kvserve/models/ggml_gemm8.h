@@ -901,6 +901,7 @@ inline void q80_kern(const Tile80& t, int nblk, const int8_t* xq, int64_t K, con
 }
 
 constexpr int MR80 = 8;  // activation rows per q80_kern call
+constexpr int Q80_L1_AHEAD = 4;  // blocks ahead that q80_rows fetches into L1
 
 // y [M, rows] (row stride ldy) = the activations (llama.cpp's q8_0: quants q int8 [M, K], scales d
 // [M, K/32]; ini int32 [M, K/32]: -128 x each block's quant sum) x the Q8_0 weight rows w [rows]
@@ -945,6 +946,13 @@ inline void q80_rows(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t 
         r[i] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), off);
       }
       for (int64_t l = (b / 2) * lines / tiles; l < (b / 2 + 1) * lines / tiles; ++l) _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+      // the 16 rows' blocks two tiles on, from L2 into L1 (16 streams: more than L1's prefetcher follows)
+      if (b + Q80_L1_AHEAD < nb)
+        for (int i = 0; i < 16; ++i) {
+          const char* pb = reinterpret_cast<const char*>(rp[i] + (b + Q80_L1_AHEAD) * 34);
+          _mm_prefetch(pb, _MM_HINT_T0);
+          _mm_prefetch(pb + 67, _MM_HINT_T0);
+        }
       transpose16(r);
 #pragma GCC unroll 16
       for (int c = 0; c < 16; ++c) _mm512_store_si512(t.w[c], r[c]);
