@@ -20,7 +20,9 @@
 // summed over its blocks in order, one float32 chain: the same whatever M is and whatever the other
 // rows are (row i of any product of this path equals its one-row product of this path bit for bit).
 // Not bit-equal to the per-row kernels (they sum 8 or 16 lanes of partial integers per block, then a
-// horizontal sum): the same integers, another float order (differences of a few float32 ulps).
+// horizontal sum): the same integers, another float order (differences of a few float32 ulps), except
+// for Q8_0 (its decode kernels, q80_x8 / q80_rows below, form this chain: the same bits) and Q4_K
+// (panel_exact / KChain's order).
 //
 // Layout: lanes are weight rows. A panel of NP = 32 rows of one part is unpacked per thread into
 //   w  uint8 [K/4][32][4]: each weight's quant made non-negative (signed types + 128, Q6_K's 0..63,
@@ -661,8 +663,9 @@ __attribute__((noinline)) void panel_exact(const uint8_t* w, int64_t row_bytes, 
 
 // ---------------------------------------------------------------- the small-batch path of the 32-value blocks
 //
-// Q8_0, Q5_0, IQ4_NL and MXFP4 (the signed 32-value types the per-row kernels take with dot32; Q4_0
-// has its own route, q4_core.h). dot32's arithmetic per output (weight row n, activation row m):
+// Q5_0, IQ4_NL and MXFP4 (the signed 32-value types the per-row kernels take with dot32; Q4_0 has
+// its own route, q4_core.h; Q8_0 its own arithmetic, q80_x8 / q80_rows below, since it read the most
+// float work per byte here). dot32's arithmetic per output (weight row n, activation row m):
 // 8 float32 lanes, lane l of block b adding float(S) x (d_w d_x), S = the exact integer sum of
 // the block's values 4 l .. 4 l + 3 times the activations', then hsum's fixed tree of the 8 lanes.
 // Here one 512-bit vector holds two weight rows' 8 lanes (n: lanes 0-7, n + 1: lanes 8-15): the two
@@ -678,12 +681,14 @@ __attribute__((noinline)) void panel_exact(const uint8_t* w, int64_t row_bytes, 
 // Measured (CPU time at one thread, 16 rows, the 1B shapes all Q8_0, medians of 3 runs alternating
 // with the per-row kernels' build): the step's products 500 -> 305 ms. dot32's lanes bound it: a
 // conversion, a multiply and an FMA per vpdpbusd (64 products) where panel_exact's Q4_K needs about
-// one per 8; a Q8_0 product here costs about 2x a Q4_K one. Tried and no faster on this shared
+// one per 8; a Q8_0 product here cost about 2x a Q4_K one. Tried and no faster on this shared
 // machine: the scales d_w d_x formed 16 at a time and broadcast from memory as pairs (weights' and
 // activations' dwords interleaved, the offset on the activations), and two pairs per activation load.
-// Only another arithmetic for Q8_0 at every row count (kern32's: one float chain per output) cuts the
-// float work 8x; a lanes-are-rows one-row kernel for it (16 rows transposed per 2 blocks) read memory
-// at about half dot32's rate at one row, so it is not here.
+// Hence Q8_0's other arithmetic (kern32's: one float chain per output) at every row count, below:
+// the lanes-are-rows tile (q80_rows) for 2+ rows, and for one row a kernel that reads 8 weight rows'
+// blocks as they lie and sums each row's lanes after (q80_x8; a lanes-are-rows one-row kernel, 16
+// rows transposed per 2 blocks, read memory at about half dot32's rate). The 1B Q8_0 step's products
+// at 16 rows: 305 -> about 205 ms.
 
 inline bool exact32_type(int t) { return t == T_Q8_0 || t == T_Q5_0 || t == T_IQ4_NL || t == T_MXFP4; }
 
