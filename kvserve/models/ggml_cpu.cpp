@@ -12,14 +12,17 @@
 //   * F16 / BF16 weights: float32 activations, the weights widened to float32 (fused multiply-adds).
 // Every integer dot product of a block is exact; the float sums follow one fixed order per output
 // value (8 lanes, then a fixed horizontal sum; in the AVX512 build's Q4_K / Q5_K / Q6_K kernels each
-// super-block's exact integer sums into one float chain, KChain), the same whatever the other rows of
+// super-block's exact integer sums into one float chain, KChain; its Q8_0 kernels each block's exact
+// sum into one float chain, fma(float(S), d_w d_x, y)), the same whatever the other rows of
 // the product are: row i of an M-row product equals the one-row product bit for bit. Small batches of
 // Q4_K / Q5_K / Q6_K (6+ rows, the batched decode step) run ggml_gemm8.h's panel_exact, which
-// keeps KChain's arithmetic: the same bits at 4-16x the weight reuse; those of Q8_0 / Q5_0 / IQ4_NL /
-// MXFP4 (2+ rows) its panel32, dot32's 8 lanes per output two weight rows to a vector (the same bits).
+// keeps KChain's arithmetic: the same bits at 4-16x the weight reuse; those of Q5_0 / IQ4_NL /
+// MXFP4 (2+ rows) its panel32, dot32's 8 lanes per output two weight rows to a vector (the same bits);
+// Q8_0 at every row count its q80_x8 (one row) and q80_rows (2+ rows), the int8 prefill path's one
+// chain per output (kern32: prefill and decode give Q8_0 the same bits).
 // One-row products (decode) take the K-quants 8 weight rows at a time at every K (dot_q4k_x8,
 // dot_q6k_x8: the 8 rows' chains in the lanes of one vector, KChain's steps per lane, the same bits
-// again; the rows ahead prefetched into L2).
+// again; the rows ahead prefetched into L2), and Q8_0 the same way (q80_x8).
 //
 // Two builds, picked by -march: AVX512-VNNI (the u8 x s8 block dot products with vpdpbusd on 256-bit
 // vectors; Q4_K, Q5_K and Q6_K 64 values per 512-bit vector with vpmaddubsw + vpmaddwd) or AVX2 + FMA +
@@ -221,7 +224,12 @@ struct BMXFP4 {
   }
 };
 
-// MR activation rows (r .. r + MR - 1) against one weight row of nb blocks
+// MR activation rows (r .. r + MR - 1) against one weight row of nb blocks: per output 8 float32 lanes,
+// lane l of block b adding float(S_l) x (d_w d_x), S_l the exact integer sum of the block's values
+// 4 l .. 4 l + 3 times the activations' (u = |w|, x's sign flipped where w < 0), then hsum's fixed
+// tree. The route of every 32-value type in the AVX2 build, and of Q5_0 / Q5_1 / IQ4_NL / MXFP4 in the
+// AVX512 one (its Q4_0 / Q4_1 take dot_q4 and q4_core.h; its Q8_0 one float chain per output instead:
+// ggml_gemm8.h's q80_x8 / q80_rows, an eighth of this float work per value)
 template <class T, int MR>
 void dot32(const uint8_t* w, int64_t nb, const Act32& a, int64_t r, float* out, int64_t ldo) {
   const int64_t K = a.K, G = K / 32;
@@ -1182,7 +1190,7 @@ constexpr int64_t Q40_PANEL_MIN = 8;
 
 // rows from which Matrix::mm_raw takes the small-batch path (below: the per-row kernels, the same bits)
 constexpr int64_t KB_MIN = 6;
-// the same for the 32-value block types of panel32 (Q8_0, Q5_0, IQ4_NL, MXFP4)
+// the same for the 32-value block types of panel32 and q80_rows (Q8_0, Q5_0, IQ4_NL, MXFP4)
 constexpr int64_t KB32_MIN = 2;
 
 enum class ActKind { F32, Q8_0, Q8_K };
@@ -1344,7 +1352,8 @@ void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s, bool batch
   if (M == 0) return;
 #ifdef GG_GEMM8
   // KB_MIN or more rows of Q4_K / Q5_K / Q6_K, KB32_MIN or more of Q8_0 / Q5_0 / IQ4_NL / MXFP4, alone or
-  // mixed: the small-batch path (ggml_gemm8.h's panel_exact and panel32: each row the one-row kernels' bits)
+  // mixed: the small-batch path (ggml_gemm8.h's panel_exact, q80_rows and panel32: each row the one-row
+  // kernels' bits)
   bool exact = batch && M >= KB32_MIN;
   for (const Part& p : parts_)
     exact = exact && ((gemm8::exact_type(p.type) && M >= KB_MIN) || gemm8::exact32_type(p.type));
@@ -1448,6 +1457,13 @@ void Matrix::out_rows(const float* xp, int64_t M, const Scratch& s, int64_t n0, 
         } else {
           kvserve_q4::q40_rows(w, p.row_bytes, e - n, K, me - mc, a7, Y + mc * N + n, N);
         }
+        n = e - 1;
+        continue;
+      }
+      if (p.type == T_Q8_0) {  // this part's rows n .. e - 1 (ggml_gemm8.h's q80_product: q80_x8's bits)
+        const int64_t e = std::min(n1, p.first + p.rows);
+        gemm8::q80_product(w, p.row_bytes, e - n, K, A.a32.q + mc * K, A.a32.d + mc * (K / 32), nullptr, me - mc,
+                           Y + mc * N + n, N);
         n = e - 1;
         continue;
       }

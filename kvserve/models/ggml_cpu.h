@@ -50,7 +50,7 @@ class Matrix {
   // s: the activations' buffers, resized as needed. Runs on kvserve's pool (thread_pool.h). batch:
   // 6 rows or more of a matrix of Q4_K / Q5_K / Q6_K parts, 2 or more where the parts are Q8_0 / Q5_0 /
   // IQ4_NL / MXFP4 (or those mixed with the K-quants, from 6), take the small-batch path (AVX512-VNNI
-  // builds: ggml_gemm8.h's panel_exact, panel32; each row's bits the one-row kernels'), else the per-row ones
+  // builds: ggml_gemm8.h's panel_exact, q80_rows, panel32; each row's bits the one-row kernels'), else the per-row ones
   void mm_raw(const float* x, int64_t M, float* y, Scratch& s, bool batch = true) const;
 
   // One product of a batch run by mm_jobs: y [M, mat->rows()] = x [M, K] @ W^T (row strides K and rows()).

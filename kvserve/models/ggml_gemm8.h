@@ -20,7 +20,9 @@
 // summed over its blocks in order, one float32 chain: the same whatever M is and whatever the other
 // rows are (row i of any product of this path equals its one-row product of this path bit for bit).
 // Not bit-equal to the per-row kernels (they sum 8 or 16 lanes of partial integers per block, then a
-// horizontal sum): the same integers, another float order (differences of a few float32 ulps).
+// horizontal sum): the same integers, another float order (differences of a few float32 ulps), except
+// for Q8_0 (its decode kernels, q80_x8 / q80_rows below, form this chain: the same bits) and Q4_K
+// (panel_exact / KChain's order).
 //
 // Layout: lanes are weight rows. A panel of NP = 32 rows of one part is unpacked per thread into
 //   w  uint8 [K/4][32][4]: each weight's quant made non-negative (signed types + 128, Q6_K's 0..63,
@@ -661,8 +663,9 @@ __attribute__((noinline)) void panel_exact(const uint8_t* w, int64_t row_bytes, 
 
 // ---------------------------------------------------------------- the small-batch path of the 32-value blocks
 //
-// Q8_0, Q5_0, IQ4_NL and MXFP4 (the signed 32-value types the per-row kernels take with dot32; Q4_0
-// has its own route, q4_core.h). dot32's arithmetic per output (weight row n, activation row m):
+// Q5_0, IQ4_NL and MXFP4 (the signed 32-value types the per-row kernels take with dot32; Q4_0 has
+// its own route, q4_core.h; Q8_0 its own arithmetic, q80_x8 / q80_rows below, since it read the most
+// float work per byte here). dot32's arithmetic per output (weight row n, activation row m):
 // 8 float32 lanes, lane l of block b adding float(S) x (d_w d_x), S = the exact integer sum of
 // the block's values 4 l .. 4 l + 3 times the activations', then hsum's fixed tree of the 8 lanes.
 // Here one 512-bit vector holds two weight rows' 8 lanes (n: lanes 0-7, n + 1: lanes 8-15): the two
@@ -678,12 +681,14 @@ __attribute__((noinline)) void panel_exact(const uint8_t* w, int64_t row_bytes, 
 // Measured (CPU time at one thread, 16 rows, the 1B shapes all Q8_0, medians of 3 runs alternating
 // with the per-row kernels' build): the step's products 500 -> 305 ms. dot32's lanes bound it: a
 // conversion, a multiply and an FMA per vpdpbusd (64 products) where panel_exact's Q4_K needs about
-// one per 8; a Q8_0 product here costs about 2x a Q4_K one. Tried and no faster on this shared
+// one per 8; a Q8_0 product here cost about 2x a Q4_K one. Tried and no faster on this shared
 // machine: the scales d_w d_x formed 16 at a time and broadcast from memory as pairs (weights' and
 // activations' dwords interleaved, the offset on the activations), and two pairs per activation load.
-// Only another arithmetic for Q8_0 at every row count (kern32's: one float chain per output) cuts the
-// float work 8x; a lanes-are-rows one-row kernel for it (16 rows transposed per 2 blocks) read memory
-// at about half dot32's rate at one row, so it is not here.
+// Hence Q8_0's other arithmetic (kern32's: one float chain per output) at every row count, below:
+// the lanes-are-rows tile (q80_rows) for 2+ rows, and for one row a kernel that reads 8 weight rows'
+// blocks as they lie and sums each row's lanes after (q80_x8; a lanes-are-rows one-row kernel, 16
+// rows transposed per 2 blocks, read memory at about half dot32's rate). The 1B Q8_0 step's products
+// at 16 rows: 305 -> about 205 ms.
 
 inline bool exact32_type(int t) { return t == T_Q8_0 || t == T_Q5_0 || t == T_IQ4_NL || t == T_MXFP4; }
 
@@ -778,6 +783,231 @@ __attribute__((noinline)) void panel32(const uint8_t* w, int64_t row_bytes, int 
         if (2 * p + 1 < nr) yi[1] = hsum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))) + 0.f;
       }
   }
+}
+
+// ---------------------------------------------------------------- Q8_0 at every row count: q80_x8, q80_rows
+//
+// In the AVX512-VNNI build Q8_0 has one arithmetic whatever the number of activation rows and the
+// route (decode's one row: q80_x8; the batched step's 2..70 rows: q80_rows; prefill: kern32 above):
+// per output y[m, n] ONE float32 chain over the blocks in order,
+//   y = fma(float(S), d_w d_x, y)   from y = 0,
+// S the block's whole integer sum of weight quant x activation quant (exact in int32), d_w d_x the
+// float product of the two float16 scales (rounded once). vpdpbusd needs one unsigned operand: the
+// weight quants + 128 (xor 0x80), the sum started at -128 x the activations' sum of its 4 bytes, so
+// that it ends at S exactly. Every row of every product thus has the bits of the one-row product,
+// and the int8 prefill path's (kern32 forms the same S and the same chain): prefill and decode agree.
+// Against dot32 (8 float lanes per output and block, then a horizontal sum) an eighth of the float
+// work per value, which bounded the batched step (panel32 below, still the route of Q5_0 / IQ4_NL /
+// MXFP4).
+
+// the Q8_0 row tree: s[r] (16 int32 lanes: lanes 0-7 the 8 partial sums of block b of row r, 8-15
+// those of block b + 1) -> lanes 0-7: row r's S of block b, lanes 8-15: of block b + 1
+inline __m512i q80_tree(const __m512i (&s)[8]) {
+  __m512i t[4];
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: (r0 a+c, r1 a+c, r0 b+d, r1 b+d) of dwords (a b c d)
+    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2 * i], s[2 * i + 1]), _mm512_unpackhi_epi32(s[2 * i], s[2 * i + 1]));
+  // per 128-bit lane: rows 0-3 (u0), 4-7 (u1), each the sum of the lane's 4 dwords
+  const __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[0], t[1]), _mm512_unpackhi_epi64(t[0], t[1]));
+  const __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2], t[3]), _mm512_unpackhi_epi64(t[2], t[3]));
+  // 128-bit lanes 0, 1: dwords 0-3, 4-7 of block b; 2, 3: of block b + 1
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+  const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  return _mm512_add_epi32(_mm512_permutex2var_epi32(u0, lo, u1), _mm512_permutex2var_epi32(u0, hi, u1));
+}
+
+// One activation row (decode) against nr (1..8) Q8_0 weight rows w + j rb (rows past nr read row
+// nr - 1 again and are not stored) of nb blocks: q the row's quants [nb x 32], dx its scales [nb]
+// -> out[0 .. nr). Two blocks a step: per row one 512-bit vector of its two blocks' quants (+128)
+// and one vpdpbusd against the activations' two blocks (loaded once for the 8 rows, with their start
+// values), the 8 rows' vectors summed to one (q80_tree: lane j row j's S of block b, lane 8 + j of
+// b + 1), one conversion, the 16 scales d_w (one gather of the blocks' float16 words) times d_x, and
+// the 8 rows' chains in one 256-bit vector: two fused multiply-adds. The group of 8 rows `ahead` bytes
+// on is prefetched into L2 in order (prefetch_ahead8, as the K-quants' x8 kernels).
+inline void q80_x8(const uint8_t* w, int64_t rb, int nr, int64_t nb, const int8_t* q, const float* dx, float* out,
+                   int64_t ahead) {
+  const uint8_t* rp[8];
+  alignas(64) int32_t o[16];
+  for (int r = 0; r < 8; ++r) {
+    rp[r] = w + std::min(r, nr - 1) * rb;
+    o[r] = static_cast<int32_t>(rp[r] - w);
+    o[8 + r] = o[r] + 34;
+  }
+  const __m512i gidx = _mm512_load_si512(o);
+  const __m512i off = _mm512_set1_epi8(static_cast<char>(0x80)), one = _mm512_set1_epi8(1);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    if (ahead) prefetch_ahead8<68>(w, ahead, b / 2);
+    const __m512i x = _mm512_loadu_si512(q + b * 32);
+    const __m512i c = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), one, x), 7));
+    __m512i s[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) {
+      const uint8_t* blk = rp[r] + b * 34;
+      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(load32(blk + 2)), load32(blk + 36), 1);
+      s[r] = _mm512_dpbusd_epi32(c, _mm512_xor_si512(v, off), x);
+    }
+    const __m512 f = _mm512_cvtepi32_ps(q80_tree(s));
+    const __m512 dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(gidx, w + b * 34, 1)));
+    const __m512 dd = _mm512_mul_ps(dw, _mm512_insertf32x8(_mm512_set1_ps(dx[b]), _mm256_set1_ps(dx[b + 1]), 1));
+    acc = _mm256_fmadd_ps(_mm512_castps512_ps256(f), _mm512_castps512_ps256(dd), acc);
+    acc = _mm256_fmadd_ps(_mm512_extractf32x8_ps(f, 1), _mm512_extractf32x8_ps(dd, 1), acc);
+  }
+  if (b < nb) {  // an odd block count: the last block alone (lanes 8-15 zero; only its 8 sums used)
+    const __m512i xz = _mm512_zextsi256_si512(load32(q + b * 32));
+    const __m512i c = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), one, xz), 7));
+    __m512i s[8];
+    for (int r = 0; r < 8; ++r)
+      s[r] = _mm512_dpbusd_epi32(c, _mm512_xor_si512(_mm512_zextsi256_si512(load32(rp[r] + b * 34 + 2)), off), xz);
+    const __m256 f = _mm512_castps512_ps256(_mm512_cvtepi32_ps(q80_tree(s)));
+    const __m256 dw = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_i32gather_epi32(reinterpret_cast<const int*>(w + b * 34), _mm512_castsi512_si256(gidx), 1)));
+    acc = _mm256_fmadd_ps(f, _mm256_mul_ps(dw, _mm256_set1_ps(dx[b])), acc);
+  }
+  _mm256_mask_storeu_ps(out, static_cast<__mmask8>((1u << nr) - 1), acc);
+}
+
+// q80_rows' tile: 16 weight rows x 2 blocks, lanes are rows: vector 8 j + c holds dword c (values
+// 4 c .. 4 c + 3, + 128) of block j of every row; d[j]: the rows' d_w of block j
+struct Tile80 {
+  alignas(64) uint8_t w[16][64];
+  alignas(64) float d[2][16];
+};
+
+// R activation rows (quants xq, row stride K; ini: -128 x each block's quant sum, dx: scales, both
+// [R][nb]) against blocks b, b + 1 (nblk of them) of the tile: y (64-byte aligned, row stride ldy)
+// holds the chains, read and written once per tile
+template <int R>
+inline void q80_kern(const Tile80& t, int nblk, const int8_t* xq, int64_t K, const int32_t* ini, const float* dx,
+                     int64_t nb, int64_t b, float* y, int64_t ldy) {
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_load_ps(y + i * ldy);
+  for (int j = 0; j < nblk; ++j) {
+    __m512i s[R];
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) s[i] = _mm512_set1_epi32(ini[i * nb + b + j]);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_load_si512(t.w[8 * j + c]);
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i) {
+        int32_t xv;
+        std::memcpy(&xv, xq + i * K + (b + j) * 32 + 4 * c, 4);
+        s[i] = _mm512_dpbusd_epi32(s[i], v, _mm512_set1_epi32(xv));
+      }
+    }
+    const __m512 dw = _mm512_load_ps(t.d[j]);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(dw, _mm512_set1_ps(dx[i * nb + b + j])), acc[i]);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) _mm512_store_ps(y + i * ldy, acc[i]);
+}
+
+constexpr int MR80 = 8;  // activation rows per q80_kern call
+constexpr int Q80_L1_AHEAD = 4;  // blocks ahead that q80_rows fetches into L1
+
+// y [M, rows] (row stride ldy) = the activations (llama.cpp's q8_0: quants q int8 [M, K], scales d
+// [M, K/32]; ini int32 [M, K/32]: -128 x each block's quant sum) x the Q8_0 weight rows w [rows]
+// (row_bytes apart), 2+ activation rows: the weight rows in the lanes, 16 rows x 2 blocks transposed
+// at a time (transpose16 of the rows' 64 quant bytes, + 128) into a 1 KiB tile in L1, their scales
+// gathered; every activation row then runs against the tile, 8 vpdpbusd per block (the activation
+// dword broadcast) and one conversion, multiply and fused multiply-add per block for 16 outputs:
+// q80_x8's operations per output (see above), the same bits.
+inline void q80_rows(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, const int8_t* q, const float* d,
+                     const int32_t* ini, int64_t M, float* y, int64_t ldy) {
+  const int64_t nb = K / 32;
+  Tile80 t;
+  // the chains of the 16 rows' outputs, [M][16] contiguous (rows of y lie N floats apart: at the 1B
+  // model's 16384 all in one set of L1, evicted at every tile), copied to y after the group
+  thread_local std::vector<__m512> accv;
+  accv.resize(M);
+  float* const acc = reinterpret_cast<float*>(accv.data());
+  const __m512i off = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t n0 = 0; n0 < rows; n0 += 16) {
+    const int nr = static_cast<int>(std::min<int64_t>(16, rows - n0));
+    const __mmask16 k = nr >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nr) - 1);
+    const uint8_t* rp[16];
+    alignas(64) int32_t o[16];
+    for (int r = 0; r < 16; ++r) {
+      rp[r] = w + (n0 + std::min(r, nr - 1)) * row_bytes;
+      o[r] = static_cast<int32_t>(rp[r] - rp[0]);
+    }
+    const __m512i idx = _mm512_load_si512(o);
+    for (int64_t m = 0; m < M; ++m) _mm512_store_ps(acc + 16 * m, _mm512_setzero_ps());
+    // the next 16 rows (contiguous), prefetched into L2 in order over this group's tiles: one stream
+    // from memory (16 rows' blocks fetched as 16 streams ran at a quarter of the bandwidth)
+    const char* const next = reinterpret_cast<const char*>(w + (n0 + 16) * row_bytes);
+    const int64_t lines = n0 + 16 < rows ? std::min<int64_t>(16, rows - n0 - 16) * row_bytes / 64 : 0, tiles = (nb + 1) / 2;
+    for (int64_t b = 0; b < nb; b += 2) {
+      const int nblk = b + 1 < nb ? 2 : 1;
+      __m512i r[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        const uint8_t* blk = rp[i] + b * 34;
+        const __m256i lo = load32(blk + 2);
+        const __m256i hi = nblk == 2 ? load32(blk + 36) : _mm256_setzero_si256();
+        r[i] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), off);
+      }
+      for (int64_t l = (b / 2) * lines / tiles; l < (b / 2 + 1) * lines / tiles; ++l) _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+      // the 16 rows' blocks two tiles on, from L2 into L1 (16 streams: more than L1's prefetcher follows)
+      if (b + Q80_L1_AHEAD < nb)
+        for (int i = 0; i < 16; ++i) {
+          const char* pb = reinterpret_cast<const char*>(rp[i] + (b + Q80_L1_AHEAD) * 34);
+          _mm_prefetch(pb, _MM_HINT_T0);
+          _mm_prefetch(pb + 67, _MM_HINT_T0);
+        }
+      transpose16(r);
+#pragma GCC unroll 16
+      for (int c = 0; c < 16; ++c) _mm512_store_si512(t.w[c], r[c]);
+      for (int j = 0; j < nblk; ++j)
+        _mm512_store_ps(t.d[j], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(idx, rp[0] + (b + j) * 34, 1))));
+      int64_t m = 0;
+      for (; m + MR80 <= M; m += MR80)
+        q80_kern<MR80>(t, nblk, q + m * K, K, ini + m * nb, d + m * nb, nb, b, acc + 16 * m, 16);
+      switch (M - m) {
+        case 7: q80_kern<7>(t, nblk, q + m * K, K, ini + m * nb, d + m * nb, nb, b, acc + 16 * m, 16); break;
+        case 6: q80_kern<6>(t, nblk, q + m * K, K, ini + m * nb, d + m * nb, nb, b, acc + 16 * m, 16); break;
+        case 5: q80_kern<5>(t, nblk, q + m * K, K, ini + m * nb, d + m * nb, nb, b, acc + 16 * m, 16); break;
+        case 4: q80_kern<4>(t, nblk, q + m * K, K, ini + m * nb, d + m * nb, nb, b, acc + 16 * m, 16); break;
+        case 3: q80_kern<3>(t, nblk, q + m * K, K, ini + m * nb, d + m * nb, nb, b, acc + 16 * m, 16); break;
+        case 2: q80_kern<2>(t, nblk, q + m * K, K, ini + m * nb, d + m * nb, nb, b, acc + 16 * m, 16); break;
+        case 1: q80_kern<1>(t, nblk, q + m * K, K, ini + m * nb, d + m * nb, nb, b, acc + 16 * m, 16); break;
+        default: break;
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) _mm512_mask_storeu_ps(y + m * ldy + n0, k, _mm512_load_ps(acc + 16 * m));
+  }
+}
+
+// -128 x each block's quant sum of q int8 [n x 32] -> ini [n] (q80_rows' start values)
+inline void q80_ini(const int8_t* q, int64_t n, int32_t* ini) {
+  const __m256i one = _mm256_set1_epi8(1);
+  for (int64_t i = 0; i < n; ++i)
+    ini[i] = -128 * kvserve_q8::hsum_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), one, load32(q + i * 32)));
+}
+
+// Q8_0 weight rows w [rows] (row_bytes apart) x M activation rows (q, d as q80_rows) -> y [M, rows]
+// (row stride ldy): one row with q80_x8, 8 weight rows at a time; 2+ rows q80_rows (ini: as there, or
+// null: formed here). Either way q80_x8's bits per output.
+inline void q80_product(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t K, const int8_t* q, const float* d,
+                        const int32_t* ini, int64_t M, float* y, int64_t ldy) {
+  const int64_t nb = K / 32;
+  if (M == 1) {
+    const int64_t ahead = x8_ahead(row_bytes);
+    for (int64_t n = 0; n < rows; n += 8) {
+      const int nr = static_cast<int>(std::min<int64_t>(8, rows - n));
+      // prefetch the group ahead only where it lies within these rows (the thread's own range)
+      q80_x8(w + n * row_bytes, row_bytes, nr, nb, q, d, y + n, n + 8 + ahead / row_bytes <= rows ? ahead : 0);
+    }
+    return;
+  }
+  if (ini) return q80_rows(w, row_bytes, rows, K, q, d, ini, M, y, ldy);
+  thread_local std::vector<int32_t> own;
+  own.resize(M * nb);
+  q80_ini(q, M * nb, own.data());
+  q80_rows(w, row_bytes, rows, K, q, d, own.data(), M, y, ldy);
 }
 
 // R activation rows against one unpacked panel of type t (ini: the start values, see start_values)
@@ -889,7 +1119,7 @@ void mm(const std::vector<Rows>& parts, int64_t N, int64_t K, const float* x, in
   Acts32 a32;
   if (exact)
     for (const Rows& r : parts)
-      if (exact32_type(r.type)) {
+      if (exact32_type(r.type) && r.type != T_Q8_0) {
         acts32(a, M, a32);
         break;
       }
@@ -910,7 +1140,7 @@ void mm(const std::vector<Rows>& parts, int64_t N, int64_t K, const float* x, in
           case T_Q4_K: panel_exact<T_Q4_K>(wp, r.row_bytes, nr, a, iv, M, yp, N, tl); break;
           case T_Q5_K: panel_exact<T_Q5_K>(wp, r.row_bytes, nr, a, iv, M, yp, N, tl); break;
           case T_Q6_K: panel_exact<T_Q6_K>(wp, r.row_bytes, nr, a, iv, M, yp, N, tl); break;
-          case T_Q8_0: panel32<BQ8_0>(wp, r.row_bytes, nr, a32, K, M, yp, N, acc32); break;
+          case T_Q8_0: q80_product(wp, r.row_bytes, nr, K, a.q0.data(), a.d0.data(), iv, M, yp, N); break;
           case T_Q5_0: panel32<BQ5_0>(wp, r.row_bytes, nr, a32, K, M, yp, N, acc32); break;
           case T_IQ4_NL: panel32<BIQ4_NL>(wp, r.row_bytes, nr, a32, K, M, yp, N, acc32); break;
           case T_MXFP4: panel32<BMXFP4>(wp, r.row_bytes, nr, a32, K, M, yp, N, acc32); break;

@@ -14,9 +14,19 @@ AVX512-VNNI builds: groups of 32 weight rows unpacked into a per-thread panel (a
 path does) and multiplied with every activation row by ``vpdpbusd``, each super-block's sums kept
 exact in int32 and added into the output in the per-row kernels' float order, so each row is still
 the one-row product bit for bit (about 2x the per-row kernels at 16 rows on one Zen 4 core). Matrices
-of Q8_0 / Q5_0 / IQ4_NL / MXFP4 parts (alone or with those K-quants) take the same route from 2 rows:
+of Q5_0 / IQ4_NL / MXFP4 parts (alone or with those K-quants) take the same route from 2 rows:
 ``panel32`` in ggml_gemm8.h keeps the per-row kernel's 8 float lanes per output (two weight rows per
-512-bit vector), the one-row bits again (about 1.6x the per-row kernels at 16 rows: Q8_0 1B shapes).
+512-bit vector), the one-row bits again.
+
+Q8_0 in AVX512-VNNI builds has one arithmetic at every row count and on every route (ggml_gemm8.h:
+``q80_x8`` for one row, ``q80_rows`` for 2+, ``kern32`` for prefill): per output one float32 chain
+over the blocks in order, ``y = fma(float(S), d_w * d_x, y)`` from 0, S the block's exact integer
+sum. So its batched decode rows, its one-row products and its prefill rows all agree bit for bit.
+One row reads 8 weight rows at a time from the file's blocks (about 24 GB/s from memory at one
+thread on the 1B shapes, against dot32's 20-21); 2+ rows put 16 weight rows in the lanes of a
+transposed 2-block tile, an eighth of dot32's float work per value (the 1B Q8_0 step's products at
+16 rows and one thread: about 205 ms against 315). In the AVX2 build Q8_0 keeps dot32 (8 float lanes
+per output, then a horizontal sum) at every row count.
 ``mm(x, 0, "rows")`` on :attr:`BlockMatrix.matrix` runs the per-row kernels alone (tests, benchmarks).
 
 Prefill-sized products (``BlockMatrix.gemm_min_rows``: at least that many rows) take one of two other
@@ -27,7 +37,8 @@ AVX512-BF16 (``mod.GEMM == "avx512bf16"``):
 * the int8 path (``ggml_gemm8.h``; "auto" takes it where every part's type has it: all of
   :data:`TYPES` but F16 and BF16): llama.cpp's arithmetic, as the per-row kernels (the same q8_0 /
   q8_K activations, exact integer sums per block / super-block, float scaling per block) with the
-  float sums in another order (a few float32 ulps from the per-row kernels); groups of 32 weight rows
+  float sums in another order (a few float32 ulps from the per-row kernels; Q8_0's and Q4_K's in the
+  same order: the same bits as decode, see above); groups of 32 weight rows
   unpacked from the file's blocks into a per-thread buffer (K x 32 bytes), AVX512-VNNI vpdpbusd.
   About 1.3-1.6x the bfloat16 path at 512 rows on one Zen 4 core (``benchmarks/prefill_gemm.py``);
 * the bfloat16 path (``ggml_gemm.h``; "auto" for BF16 rows, or ``gemm_path = "bf16"``):

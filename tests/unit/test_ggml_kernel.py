@@ -155,7 +155,7 @@ def test_rows_do_not_depend_on_the_batch(mod, name):
                                    ("MXFP4",), ("Q8_0", "Q5_0"), ("Q8_0", "Q4_K"), ("Q4_0",), ("Q4_0", "Q8_0")])
 def test_small_batch_kernel_rows_equal_one_row_products(mod, names):
     """The small-batch path (the batched decode step: 6 rows and more of Q4_K / Q5_K / Q6_K, 2 and more
-    of Q8_0 / Q5_0 / IQ4_NL / MXFP4, ggml_gemm8.h's panel_exact and panel32; Q4_0's panels from 8 rows,
+    of Q8_0 / Q5_0 / IQ4_NL / MXFP4, ggml_gemm8.h's panel_exact, q80_rows and panel32; Q4_0's panels from 8 rows,
     q4_core.h) gives each row the one-row kernel's bits: M rows against M one-row calls, and against
     the per-row kernels' route ("rows"), torch.equal; 45 weight rows (a partial panel of 32 and an odd
     row: half a pair), K = 768 (24 blocks of 32: three chunks of panel32's 8; Q4_0: three whole groups
@@ -177,10 +177,71 @@ def test_small_batch_kernel_rows_equal_one_row_products(mod, names):
     assert (err <= 2e-6 * bound + 1e-30).all(), float((err / bound).max())
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_q8_0_every_row_count_has_the_one_row_bits(mod):
+    """Q8_0 (AVX512-VNNI: q80_x8 for one row, q80_rows for 2+, ggml_gemm8.h; AVX2: dot32) gives row i
+    of an M-row product the one-row product's bits at every M from 1 to 70 (not only multiples of 8;
+    past the 64-row activation chunks), through mm_raw's small-batch route and the per-row route
+    ("rows") alike: weight row counts 1, 7, 13 and 45 (groups of 8 and 16 with rows left over), K = 352
+    (11 blocks: an odd count, the last block alone) and 2048; within the float64 reference's bound."""
+    rng = np.random.default_rng(8080)
+    for k, n in ((352, 45), (352, 7), (2048, 13), (96, 1)):
+        raw = random_rows("Q8_0", n, k, rng)
+        mat = ggml_kernel.BlockMatrix(mod, [(raw, "Q8_0")], k)
+        x = torch.from_numpy(rng.standard_normal((70, k)).astype(np.float32))
+        one = torch.cat([mat.mm(x[i:i + 1]) for i in range(70)])
+        for m in range(1, 71):
+            y = mat.mm(x[:m])
+            assert torch.equal(y, one[:m]), (k, n, m, float((y - one[:m]).abs().max()))
+            if m in (2, 9, 16, 23, 70):
+                assert torch.equal(mat.matrix.mm(x[:m], 0, "rows"), one[:m]), (k, n, m)
+        ref, bound = reference(x.numpy(), raw, "Q8_0")
+        err = np.abs(one.numpy() - ref)
+        assert (err <= 2e-6 * bound + 1e-30).all(), (k, n, float((err / bound).max()))
+
+
+def test_q8_0_fused_with_q4_k_keeps_each_parts_bits(mod):
+    """A fused matrix of Q8_0 and Q4_K parts (as a Q4_K_M file's q|k|v may be): every row count 1..40
+    gives each row the one-row bits, and each part's columns equal that part alone (the Q8_0 part's
+    bits do not depend on the route its neighbour takes)."""
+    rng = np.random.default_rng(8081)
+    k = 768
+    parts = [(random_rows("Q8_0", 21, k, rng), "Q8_0"), (random_rows("Q4_K", 11, k, rng), "Q4_K"),
+             (random_rows("Q8_0", 5, k, rng), "Q8_0")]
+    mat = ggml_kernel.BlockMatrix(mod, parts, k)
+    alone = [ggml_kernel.BlockMatrix(mod, [p], k) for p in parts]
+    x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
+    one = torch.cat([mat.mm(x[i:i + 1]) for i in range(40)])
+    for m in range(1, 41):
+        y = mat.mm(x[:m])
+        assert torch.equal(y, one[:m]), m
+        col = 0
+        for (raw, name), am in zip(parts, alone):
+            assert torch.equal(y[:, col:col + raw.shape[0]], am.mm(x[:m])), (m, name)
+            col += raw.shape[0]
+
+
+def test_q8_0_prefill_and_decode_give_the_same_bits(mod):
+    """In the AVX512-VNNI build Q8_0's decode kernels (q80_x8, q80_rows) and the int8 prefill path
+    (kern32) form each output alike: the block's exact integer sum S, one float32 chain over the blocks
+    in order, fma(float(S), d_w d_x, y) from 0. So prefill and decode agree bit for bit: a prompt's
+    logits do not depend on whether its rows ran as prefill or as decode steps. K = 352 (odd block
+    count, not a multiple of 64), 2048; 70 weight rows (two panels of 32 and a partial one). (The AVX2
+    build has no int8 prefill path: "int8" runs the per-row kernels there, the same bits trivially.)"""
+    rng = np.random.default_rng(8082)
+    for k in (352, 2048):
+        raw = random_rows("Q8_0", 70, k, rng)
+        mat = ggml_kernel.BlockMatrix(mod, [(raw, "Q8_0")], k)
+        for m in (1, 5, 16, 40):
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+            pre = mat.matrix.mm(x, 1, "int8")
+            assert torch.equal(pre, mat.mm(x)), (k, m, float((pre - mat.mm(x)).abs().max()))
+            assert torch.equal(pre[m - 1], mat.mm(x[m - 1:])[0]), (k, m)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0"])
 def test_one_row_products_at_large_k_equal_the_per_row_kernels(mod, name):
     """At Llama-3.1-8B's K (4096; 14336: its down projection) one-row products take these types 8
-    weight rows at a time (dot_q4k_x8 / dot_q6k_x8, with the rows ahead prefetched into L2); each
+    weight rows at a time (dot_q4k_x8 / dot_q6k_x8 / q80_x8, with the rows ahead prefetched into L2); each
     output equals, bit for bit, the per-row kernels' (row i of a 2-row product, which runs them) and
     stays within the float64 reference's bound. 19 weight rows: two groups of 8 and 3 left over."""
     rng = np.random.default_rng(zlib.crc32(name.encode()) + 29)
@@ -216,10 +277,11 @@ def _before_a_guard_page(raw: np.ndarray, keep: list) -> np.ndarray:
     return view
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0"])
 def test_one_row_products_of_rows_ending_at_a_guard_page(mod, name):
     """The x8 kernels prefetch the rows x8_ahead bytes on (past the tensor's end for its last
-    groups) and gather the 8 rows' scales: nothing may be read past the last row. Rows ending just
+    groups) and gather the 8 rows' scales (Q8_0's q80_x8 two blocks' a step, q80_rows 16 rows' two
+    blocks a tile): nothing may be read past the last row. Rows ending just
     before an unreadable page, 1-17 and 25 of them (8k + 1..7 left to the per-row kernels), at K = 256
     (x8 before too), 2560 and 14592 (x8 only since every K takes it), on 1 and 3 threads: no fault,
     and each one-row output equals the 2-row product's (the per-row kernels), bit for bit."""
