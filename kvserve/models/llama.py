@@ -342,7 +342,8 @@ def _block_matrix(weights: list[Weight]):
     if mod is None:
         return None
     try:
-        return ggml_kernel.BlockMatrix(mod, [(w.raw, w.source_type) for w in weights], weights[0].shape[1])
+        return ggml_kernel.BlockMatrix(mod, [(w.raw, w.source_type) for w in weights], weights[0].shape[1],
+                                       repack=ggml_kernel.repack_q4_0())
     except ValueError:
         return None
 
