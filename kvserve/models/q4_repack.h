@@ -71,11 +71,13 @@ inline void rq40_group(const uint8_t* g, int64_t nb, const int8_t* q, int64_t K,
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = qs + 256 * b;
-    if constexpr (MR <= 2) {
-      _mm_prefetch(reinterpret_cast<const char*>(p + RQ_PREFETCH), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(p + RQ_PREFETCH + 64), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(p + RQ_PREFETCH + 128), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(p + RQ_PREFETCH + 192), _MM_HINT_T1);
+    if constexpr (MR <= 2) {  // decode: the next group's same bytes, into L2 (see RQ_PREFETCH)
+      const int64_t ahead = nb * BLOCK;
+      _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 64), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 128), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(p + ahead + 192), _MM_HINT_T1);
+      if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(sc + 32 * b + ahead), _MM_HINT_T1);
     }
     const __m512i v0 = _mm512_loadu_si512(p), v1 = _mm512_loadu_si512(p + 64);
     const __m512i v2 = _mm512_loadu_si512(p + 128), v3 = _mm512_loadu_si512(p + 192);
@@ -86,17 +88,26 @@ inline void rq40_group(const uint8_t* g, int64_t nb, const int8_t* q, int64_t K,
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32 * b)));
     for (int r = 0; r < MR; ++r) {
       const int8_t* x = q + r * K + 32 * b;
+      // S is an exact int32 sum: one chain or two (the latency of one row alone) give the same bits
       __m512i s0 = _mm512_set1_epi32(c[r * nb + b]);
-      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), h0, bcast32(x + 16));
       s0 = _mm512_dpbusd_epi32(s0, l0, bcast32(x));
+      __m512i s1 = MR >= 4 ? s0 : _mm512_setzero_si512();
+      s1 = _mm512_dpbusd_epi32(s1, h0, bcast32(x + 16));
+      s0 = MR >= 4 ? s1 : s0;
       s0 = _mm512_dpbusd_epi32(s0, l1, bcast32(x + 4));
+      s1 = MR >= 4 ? s0 : s1;
       s1 = _mm512_dpbusd_epi32(s1, h1, bcast32(x + 20));
+      s0 = MR >= 4 ? s1 : s0;
       s0 = _mm512_dpbusd_epi32(s0, l2, bcast32(x + 8));
+      s1 = MR >= 4 ? s0 : s1;
       s1 = _mm512_dpbusd_epi32(s1, h2, bcast32(x + 24));
+      s0 = MR >= 4 ? s1 : s0;
       s0 = _mm512_dpbusd_epi32(s0, l3, bcast32(x + 12));
+      s1 = MR >= 4 ? s0 : s1;
       s1 = _mm512_dpbusd_epi32(s1, h3, bcast32(x + 28));
+      const __m512i S = MR >= 4 ? s1 : _mm512_add_epi32(s0, s1);
       const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), d, acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), d, acc[r]);
     }
   }
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo, km, acc[r]);
