@@ -1289,10 +1289,13 @@ Matrix::Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vecto
         total += p.rows * p.row_bytes;
       }
   if (total > 0) {
-    const size_t align = size_t(2) << 20, size = (static_cast<size_t>(total) + align - 1) / align * align;
+    const size_t align = size_t(2) << 20, size = (static_cast<size_t>(total) + 4095) / 4096 * 4096;
     void* buf = nullptr;
     if (posix_memalign(&buf, align, size) != 0) throw std::bad_alloc();
-    madvise(buf, size, MADV_HUGEPAGE);
+    // huge pages for the whole 2 MiB pieces only: a tail in one would take a whole 2 MiB page
+    const size_t whole = static_cast<size_t>(total) / align * align;
+    if (whole > 0) madvise(buf, whole, MADV_HUGEPAGE);
+    if (size > whole) madvise(static_cast<uint8_t*>(buf) + whole, size - whole, MADV_NOHUGEPAGE);
     own_.reset(static_cast<uint8_t*>(buf), [](uint8_t* q) { std::free(q); });
     uint8_t* dst = own_.get();
     for (Part& p : parts_) {
