@@ -78,8 +78,8 @@ BF16_PREFILL_FLAGS = INT8_PREFILL_FLAGS | {"avx512_bf16"}
 
 def repack_q4_0() -> bool:
     """Whether model families ask :class:`BlockMatrix` to repack Q4_0 parts (``repack``):
-    KVSERVE_Q4_0_REPACK=1 / 0 (default 0: off)."""
-    return os.environ.get("KVSERVE_Q4_0_REPACK", "0").strip().lower() in ("1", "true", "on", "yes")
+    KVSERVE_Q4_0_REPACK=1 / 0 (default 1: on, AVX512-VNNI builds)."""
+    return os.environ.get("KVSERVE_Q4_0_REPACK", "1").strip().lower() in ("1", "true", "on", "yes")
 
 
 def prefill_paths(flags=None) -> tuple[str, ...]:
