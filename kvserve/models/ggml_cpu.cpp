@@ -1183,6 +1183,9 @@ void dot_half(const uint8_t* w, int64_t K, const float* x, int64_t r, float* out
 // that every activation row runs against; below, q40_dot, with the same bits)
 constexpr int64_t Q40_PANEL_MIN = 8;
 
+// (a matrix with repacked Q4_0 parts, q4_repack.h, takes its own kernel at every row count: no prefill path,
+// no small-batch path; its other parts the per-row kernels)
+
 // rows from which Matrix::mm_raw takes the small-batch path (below: the per-row kernels, the same bits)
 constexpr int64_t KB_MIN = 6;
 // the same for the 32-value block types of panel32 (Q8_0, Q5_0, IQ4_NL, MXFP4)
@@ -1288,10 +1291,13 @@ Matrix::Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vecto
         p.rp = true;
         total += p.rows * p.row_bytes;
       }
-  if (total > 0) {
-    const size_t align = size_t(2) << 20, size = (static_cast<size_t>(total) + 4095) / 4096 * 4096;
-    void* buf = nullptr;
-    if (posix_memalign(&buf, align, size) != 0) throw std::bad_alloc();
+  void* buf = nullptr;
+  const size_t align = size_t(2) << 20, size = (static_cast<size_t>(total) + 4095) / 4096 * 4096;
+  if (total > 0 && posix_memalign(&buf, align, size) != 0) {  // no memory for it: the file's layout, as without repack
+    for (Part& p : parts_) p.rp = false;
+    buf = nullptr;
+  }
+  if (buf != nullptr) {
     // huge pages for the whole 2 MiB pieces only: a tail in one would take a whole 2 MiB page
     const size_t whole = static_cast<size_t>(total) / align * align;
     if (whole > 0) madvise(buf, whole, MADV_HUGEPAGE);

@@ -44,7 +44,7 @@ class Matrix {
   int64_t nbytes() const;
 
   // true where mm's prefill paths (ggml_gemm8.h's int8 one, ggml_gemm.h's bfloat16 one) take this matrix:
-  // the build has them (AVX512-BF16 + VNNI), and every part's type is one of theirs
+  // the build has them (AVX512-BF16 + VNNI), every part's type is one of theirs and none is repacked
   bool gemm_ok() const;
   // true where the int8 prefill path (ggml_gemm8.h) takes this matrix
   bool gemm8_ok() const;
