@@ -403,8 +403,17 @@ def _weight_bytes(path: str, infos: list[TensorInfo], packed: bool) -> np.ndarra
     imports (:func:`kvserve.loaders.weight_read.prefetch`) is taken over and finished here."""
     r = _start_read(path, infos) if _load_weight_memory(packed, infos) == "read" else None
     if r is None:
-        return np.memmap(path, dtype=np.uint8, mode="r")
+        return _file_map(path)
     return _finish_read(r, infos)
+
+
+def _file_map(path: str) -> np.ndarray:
+    """The file's read-only mapping, uint8 [file size] (recorded for weight_read.give_back)."""
+    from kvserve.loaders import weight_read
+
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    weight_read.register_file_view(raw, path, "mmap")
+    return raw
 
 
 def _start_read(path: str, infos: list[TensorInfo]):
@@ -436,6 +445,9 @@ def _finish_read(r, infos: list[TensorInfo]) -> np.ndarray:
         raise ModelLoadError(f"{r.path}: the file changed while its weights were read (written in place "
                              "during the load); load it again once it is complete")
     buf = np.frombuffer(r.result(min(t.offset for t in infos)), dtype=np.uint8)
+    from kvserve.loaders import weight_read
+
+    weight_read.register_file_view(buf, r.path, "read")
     log.debug("weight read of %s: %.3f s", r.path, r.read_s)
     return buf
 
@@ -476,7 +488,7 @@ def load_gguf(path: str | os.PathLike) -> LoadedModel:
     if reading is not None:  # this thread (and more, with more CPUs) reads what is left, then waits
         raw = _finish_read(reading, infos)
     else:  # mode "mmap", or the private memory could not be had (_start_read said so once)
-        raw = np.memmap(path, dtype=np.uint8, mode="r")
+        raw = _file_map(path)
     weights: dict[str, Weight] = {}
     for t in infos:
         try:

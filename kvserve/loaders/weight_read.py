@@ -345,3 +345,82 @@ def prefetch_for_argv(argv: list[str]) -> bool:
     if not p:
         return False
     return prefetch(os.path.expanduser(p), mode)
+
+
+# ---------------------------------------------------------------- giving pages back
+# The file-indexed arrays the loader hands out (uint8 [file size], index = file offset: the file's
+# mapping, or a WeightRead buffer), so that a part of one that a kernel copied into a layout of its
+# own (ggml_cpu.cpp's repacked Q4_0) can take no resident memory while still reading the file's bytes.
+_VIEWS: list[tuple] = []  # (weakref to the bytes' owner, address of offset 0, size, path, identity, kind)
+_VIEWS_LOCK = threading.Lock()
+
+
+def _owner(a):
+    """The object that holds an array's memory: the end of its ``.base`` chain (an mmap, a memoryview)."""
+    while getattr(a, "base", None) is not None:
+        a = a.base
+    return a
+
+
+def register_file_view(arr, path: str, kind: str) -> None:
+    """Record ``arr`` (uint8 [file size] of ``path``, index = file offset; ``kind`` "mmap": the file's
+    read-only mapping, "read": a :class:`WeightRead` buffer) for :func:`give_back`. Entries whose
+    memory is gone are dropped (weak references)."""
+    import weakref
+
+    try:
+        ref = weakref.ref(_owner(arr))
+        ident = _identity(os.stat(path))
+    except (TypeError, OSError):  # an owner without weak references, or the file gone: nothing recorded
+        return
+    with _VIEWS_LOCK:
+        _VIEWS[:] = [v for v in _VIEWS if v[0]() is not None]
+        _VIEWS.append((ref, int(arr.ctypes.data), int(arr.size), path, ident, kind))
+
+
+def _mmap_fixed(addr: int, length: int, fd: int, offset: int) -> bool:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    r = libc.mmap(addr, length, mmap.PROT_READ, mmap.MAP_PRIVATE | 0x10, fd, offset)  # 0x10: MAP_FIXED
+    return r == addr
+
+
+def give_back(part) -> int:
+    """Give the resident memory of ``part``'s whole 4 KiB pages back to the kernel while the array
+    keeps reading the file's bytes: ``part`` (a C-contiguous view of an array given to
+    :func:`register_file_view`, not written since) of the file's mapping: ``madvise(MADV_DONTNEED)``
+    (a later read faults the page cache's page in again); of a read buffer: the file mapped over those
+    pages (``mmap(MAP_PRIVATE | MAP_FIXED)`` at the same file offsets), so a later reader sees the same
+    bytes from the page cache. Returns the bytes given back: 0 where ``part`` is no such view, or the
+    file is no longer the one loaded (identity changed), or the call failed (nothing changed then)."""
+    addr, n = int(part.ctypes.data), int(part.nbytes)
+    owner = _owner(part)
+    with _VIEWS_LOCK:
+        hit = next((v for v in reversed(_VIEWS) if v[0]() is owner and v[1] <= addr and addr + n <= v[1] + v[2]), None)
+    if hit is None:
+        return 0
+    _, base, _, path, ident, kind = hit
+    lo = (addr + 4095) // 4096 * 4096
+    hi = (addr + n) // 4096 * 4096
+    if hi <= lo or (lo - base) % 4096:
+        return 0
+    if kind == "mmap":
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            if libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED) != 0:
+                return 0
+        except (OSError, AttributeError):
+            return 0
+        return hi - lo
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return 0
+    try:
+        if _identity(os.fstat(fd)) != ident or not _mmap_fixed(lo, hi - lo, fd, lo - base):
+            return 0
+    finally:
+        os.close(fd)
+    return hi - lo

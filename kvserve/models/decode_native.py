@@ -84,7 +84,7 @@ log = logging.getLogger("kvserve.engine")
 NAME = "kvserve_cpu"
 _DIR = Path(__file__).resolve().parent
 CPP_SOURCES = ("decode_cpu.cpp", "ggml_cpu.cpp")
-SOURCES = (*CPP_SOURCES, "ggml_cpu.h", "ggml_gemm.h", "ggml_gemm8.h", "q4_core.h", "q8_quant.h", "thread_pool.h")
+SOURCES = (*CPP_SOURCES, "ggml_cpu.h", "ggml_gemm.h", "ggml_gemm8.h", "q4_core.h", "q4_repack.h", "q8_quant.h", "thread_pool.h")
 #: -fopenmp: at::parallel_for runs its loop in one thread when an extension is compiled without it
 #: (ATen/ParallelOpenMP.h is behind _OPENMP). The step itself now runs on its own worker threads
 #: (thread_pool.h: libgomp throttled its team's spin in a server, see docs/performance.md); the

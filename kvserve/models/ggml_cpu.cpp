@@ -37,12 +37,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
+#include <sys/mman.h>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "ggml_cpu.h"
 #include "q4_core.h"
+#include "q4_repack.h"
 #include "q8_quant.h"
 #include "thread_pool.h"
 
@@ -1188,6 +1191,9 @@ void dot_half(const uint8_t* w, int64_t K, const float* x, int64_t r, float* out
 // that every activation row runs against; below, q40_dot, with the same bits)
 constexpr int64_t Q40_PANEL_MIN = 8;
 
+// (a matrix with repacked Q4_0 parts, q4_repack.h, takes its own kernel at every row count: no prefill path,
+// no small-batch path; its other parts the per-row kernels)
+
 // rows from which Matrix::mm_raw takes the small-batch path (below: the per-row kernels, the same bits)
 constexpr int64_t KB_MIN = 6;
 // the same for the 32-value block types of panel32 and q80_rows (Q8_0, Q5_0, IQ4_NL, MXFP4)
@@ -1266,7 +1272,8 @@ void dot_rows(int t, const uint8_t* w, const Acts& A, int64_t K, int64_t r, floa
 
 namespace kvserve_ggml {
 
-Matrix::Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vector<int64_t> rows, int64_t K) : K_(K) {
+Matrix::Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vector<int64_t> rows, int64_t K, bool repack)
+    : K_(K) {
   if (ptrs.size() != types.size() || ptrs.size() != rows.size() || ptrs.empty())
     throw std::invalid_argument("ggml_cpu.Matrix: ptrs, types and rows must have one entry per part");
   int64_t n = 0;
@@ -1278,12 +1285,56 @@ Matrix::Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vecto
                       K / ti.block * ti.bytes});
     if (ti.act == ActKind::Q8_0) q8_0_ = true;
     if (types[i] == T_Q4_1) q4_ = true;
-    if (types[i] == T_Q4_0) q40_ = true;
     if (types[i] == T_Q4_K || types[i] == T_Q5_K) q4k_ = true;
     if (ti.act == ActKind::Q8_K) q8_k_ = true;
     n += rows[i];
   }
   N_ = n;
+#ifdef GG_VNNI
+  // Q4_0 parts of 16k rows: into one buffer of q4_repack.h's layout (2 MiB-aligned, transparent huge pages)
+  int64_t total = 0;
+  if (repack && K % 64 == 0)
+    for (Part& p : parts_)
+      if (p.type == T_Q4_0 && p.rows % kvserve_q4r::GROUP == 0 && p.rows > 0) {
+        p.rp = true;
+        total += p.rows * p.row_bytes;
+      }
+  void* buf = nullptr;
+  const size_t align = size_t(2) << 20, size = (static_cast<size_t>(total) + 4095) / 4096 * 4096;
+  if (total > 0 && posix_memalign(&buf, align, size) != 0) {  // no memory for it: the file's layout, as without repack
+    for (Part& p : parts_) p.rp = false;
+    buf = nullptr;
+  }
+  if (buf != nullptr) {
+    // huge pages for the whole 2 MiB pieces only: a tail in one would take a whole 2 MiB page
+    const size_t whole = static_cast<size_t>(total) / align * align;
+    if (whole > 0) madvise(buf, whole, MADV_HUGEPAGE);
+    if (size > whole) madvise(static_cast<uint8_t*>(buf) + whole, size - whole, MADV_NOHUGEPAGE);
+    own_.reset(static_cast<uint8_t*>(buf), [](uint8_t* q) { std::free(q); });
+    uint8_t* dst = own_.get();
+    for (Part& p : parts_) {
+      if (!p.rp) continue;
+      const int64_t nb = K / 32, ng = p.rows / kvserve_q4r::GROUP;
+      const uint8_t* src = p.data;
+      kvserve_pool::parallel_for(0, ng, 16, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g)
+          kvserve_q4r::repack_group(src + g * kvserve_q4r::GROUP * p.row_bytes, nb, dst + g * nb * kvserve_q4r::BLOCK);
+      });
+      p.data = dst;
+      dst += p.rows * p.row_bytes;
+    }
+  }
+#endif
+  for (const Part& p : parts_) {
+    if (p.type == T_Q4_0 && !p.rp) q40_ = true;
+    if (p.rp) rq40_ = true;
+  }
+}
+
+std::vector<bool> Matrix::repacked() const {
+  std::vector<bool> r;
+  for (const Part& p : parts_) r.push_back(p.rp);
+  return r;
 }
 
 int64_t Matrix::nbytes() const {
@@ -1293,6 +1344,7 @@ int64_t Matrix::nbytes() const {
 }
 
 bool Matrix::gemm_ok() const {
+  if (rq40_) return false;  // repacked Q4_0: its own kernel at every row count
   if (gemm8_ok()) return true;
 #ifdef GG_GEMM
   for (const Part& p : parts_)
@@ -1305,6 +1357,7 @@ bool Matrix::gemm_ok() const {
 
 bool Matrix::gemm8_ok() const {
 #ifdef GG_GEMM8
+  if (rq40_) return false;
   for (const Part& p : parts_)
     if (!gemm8::has_type(p.type)) return false;
   return true;
@@ -1369,7 +1422,7 @@ void Matrix::mm_raw(const float* xp, int64_t M, float* Y, Scratch& s, bool batch
 }
 
 int Matrix::kinds() const {
-  return (q8_0_ ? 1 : 0) | (q4_ ? 2 : 0) | (q40_ ? 4 : 0) | (q8_k_ ? 8 : 0) | (q4k_ ? 16 : 0);
+  return (q8_0_ ? 1 : 0) | (q4_ ? 2 : 0) | (q40_ ? 4 : 0) | (q8_k_ ? 8 : 0) | (q4k_ ? 16 : 0) | (rq40_ ? 32 : 0);
 }
 
 void Matrix::quantize_acts(const float* xp, int64_t M, int64_t K, Scratch& s, int kinds) {
@@ -1398,6 +1451,16 @@ void Matrix::quantize_acts(const float* xp, int64_t M, int64_t K, Scratch& s, in
       for (int64_t m = 0; m < M; ++m)
         kvserve_q4::q40_acts_row(s.q0.data() + m * K, s.d0.data() + m * (K / 32), K, s.x7.data() + m * ng * 256,
                                  s.c7.data() + m * ng * 16, s.d7.data() + m * ng * 16);
+    }
+    if (kinds & 32) {  // repacked Q4_0 (q4_repack.h): -8 x each block's sum of q
+      const int64_t nb = K / 32;
+      s.cr.resize(M * nb);
+      for (int64_t i = 0; i < M * nb; ++i) {
+        const int8_t* xb = s.q0.data() + 32 * i;
+        int t = 0;
+        for (int k = 0; k < 32; ++k) t += xb[k];
+        s.cr[i] = -8 * t;
+      }
     }
 #endif
   }
@@ -1448,6 +1511,13 @@ void Matrix::out_rows(const float* xp, int64_t M, const Scratch& s, int64_t n0, 
       const Part& p = parts_[pi];
       const uint8_t* w = p.data + (n - p.first) * p.row_bytes;
 #ifdef GG_VNNI
+      if (p.rp) {  // repacked Q4_0 (q4_repack.h): this part's rows n .. e - 1, every activation row of the chunk
+        const int64_t e = std::min(n1, p.first + p.rows), nb = K / 32;
+        kvserve_q4r::rq40_rows(p.data, nb, n - p.first, e - p.first, me - mc, s.q0.data() + mc * K, K,
+                               s.d0.data() + mc * nb, s.cr.data() + mc * nb, Y + mc * N + n, N);
+        n = e - 1;
+        continue;
+      }
       if (p.type == T_Q4_0) {  // this part's rows n .. e - 1, every activation row of the chunk
         const int64_t e = std::min(n1, p.first + p.rows), ng = kvserve_q4::q40_groups(K);
         const kvserve_q4::Q40Acts a7{s.x7.data() + mc * ng * 256, s.c7.data() + mc * ng * 16, s.d7.data() + mc * ng * 16, ng};
@@ -1589,7 +1659,10 @@ void kvserve_ggml::register_module(pybind11::module_& m) {
 #endif
   m.def("quantize", &quantize);
   pybind11::class_<kvserve_ggml::Matrix>(m, "Matrix")
-      .def(pybind11::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t>())
+      .def(pybind11::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t, bool>(),
+           pybind11::arg("ptrs"), pybind11::arg("types"), pybind11::arg("rows"), pybind11::arg("K"),
+           pybind11::arg("repack") = false)
+      .def_property_readonly("repacked", &kvserve_ggml::Matrix::repacked)
       .def_property_readonly("rows", &kvserve_ggml::Matrix::rows)
       .def_property_readonly("cols", &kvserve_ggml::Matrix::cols)
       .def_property_readonly("gemm", &kvserve_ggml::Matrix::gemm_ok)

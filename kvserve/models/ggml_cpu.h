@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,7 @@ struct Scratch {
   std::vector<int8_t> x7;   // the AVX512 Q4_0 kernel's activations (q4_core.h, Q40Acts)
   std::vector<int32_t> c7;
   std::vector<float> d7;  // the AVX512 Q4_K / Q5_K kernel's q8_K activations, sub-blocks interleaved (ActK::qp)
+  std::vector<int32_t> cr;  // repacked Q4_0 (q4_repack.h): -8 x each q8_0 block's sum of q, int32 [M, K/32]
 };
 
 // A weight matrix [N, K] made of row blocks in ggml formats (a fused q|k|v or gate|up may mix
@@ -28,7 +30,13 @@ struct Scratch {
 // an M-row product equals the one-row product bit for bit).
 class Matrix {
  public:
-  Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vector<int64_t> rows, int64_t K);
+  // repack: Q4_0 parts whose row count is a multiple of 16 are copied into a buffer this object owns,
+  // in q4_repack.h's layout (AVX512-VNNI builds; elsewhere ignored); their caller bytes are no longer
+  // read after construction (repacked() says which; the caller may give their pages back)
+  Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vector<int64_t> rows, int64_t K,
+         bool repack = false);
+  // per part: true where it was repacked
+  std::vector<bool> repacked() const;
 
   int64_t rows() const { return N_; }
   int64_t cols() const { return K_; }
@@ -36,7 +44,7 @@ class Matrix {
   int64_t nbytes() const;
 
   // true where mm's prefill paths (ggml_gemm8.h's int8 one, ggml_gemm.h's bfloat16 one) take this matrix:
-  // the build has them (AVX512-BF16 + VNNI), and every part's type is one of theirs
+  // the build has them (AVX512-BF16 + VNNI), every part's type is one of theirs and none is repacked
   bool gemm_ok() const;
   // true where the int8 prefill path (ggml_gemm8.h) takes this matrix
   bool gemm8_ok() const;
@@ -71,7 +79,7 @@ class Matrix {
 
  private:
   // the kinds of quantized activations this matrix's types read (bits: 1 q8_0, 2 the AVX512 Q4_1
-  // layout, 4 the AVX512 Q4_0 layout, 8 q8_K, 16 the AVX512 Q4_K / Q5_K layout)
+  // layout, 4 the AVX512 Q4_0 layout, 8 q8_K, 16 the AVX512 Q4_K / Q5_K layout, 32 repacked Q4_0's sums)
   int kinds() const;
   // x [M, K] quantized into s as the kinds (a union of matrices' kinds()) ask
   static void quantize_acts(const float* x, int64_t M, int64_t K, Scratch& s, int kinds);
@@ -83,10 +91,12 @@ class Matrix {
     const uint8_t* data;
     int type;
     int64_t first, rows, row_bytes;
+    bool rp = false;  // repacked (q4_repack.h's layout in own_)
   };
+  std::shared_ptr<uint8_t> own_;  // the repacked parts' bytes
   std::vector<Part> parts_;
   int64_t N_ = 0, K_ = 0;
-  bool q8_0_ = false, q8_k_ = false, q4_ = false, q40_ = false, q4k_ = false;
+  bool q8_0_ = false, q8_k_ = false, q4_ = false, q40_ = false, q4k_ = false, rq40_ = false;
 };
 
 // registers ISA, TYPES, quantize and Matrix in m (the extension's "ggml" submodule)

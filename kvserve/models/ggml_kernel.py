@@ -87,6 +87,12 @@ INT8_PREFILL_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"
 BF16_PREFILL_FLAGS = INT8_PREFILL_FLAGS | {"avx512_bf16"}
 
 
+def repack_q4_0() -> bool:
+    """Whether model families ask :class:`BlockMatrix` to repack Q4_0 parts (``repack``):
+    KVSERVE_Q4_0_REPACK=1 / 0 (default 1: on, AVX512-VNNI builds)."""
+    return os.environ.get("KVSERVE_Q4_0_REPACK", "1").strip().lower() in ("1", "true", "on", "yes")
+
+
 def prefill_paths(flags=None) -> tuple[str, ...]:
     """The prefill paths the build made here has, by what each needs of the CPU: ("int8", "bf16") with
     AVX512-VNNI and AVX512-BF16, ("int8",) with AVX512-VNNI alone, () elsewhere (AVX2 builds; also
@@ -129,6 +135,10 @@ class BlockMatrix:
         parts: (raw, type name) per row block; raw uint8 [rows, row bytes], C-contiguous (a view of
             the file's np.memmap is kept, not copied, and must stay mapped: this object holds it).
         k: input features.
+        repack: copy the Q4_0 parts of 16k rows into the kernels' own layout (AVX512-VNNI builds:
+            ggml_cpu.cpp's repacked Q4_0, ``q4_repack.h``, one float chain per output), then give the
+            resident memory of their file bytes back (:func:`kvserve.loaders.weight_read.give_back`:
+            the parts still read the file's bytes, e.g. for :meth:`dequantize`); ignored elsewhere.
 
     Attributes:
         gemm_path: which prefill path: "auto" (default: int8 where every part's type has it, else
@@ -140,7 +150,7 @@ class BlockMatrix:
         ValueError: a type without a kernel, K not a multiple of its block, or rows of the wrong size.
     """
 
-    def __init__(self, mod, parts: list[tuple[np.ndarray, str]], k: int):
+    def __init__(self, mod, parts: list[tuple[np.ndarray, str]], k: int, repack: bool = False):
         self.gemm_min_rows = 0
         self.gemm_path = "auto"
         import gguf
@@ -159,7 +169,17 @@ class BlockMatrix:
             rows.append(raw.shape[0])
         self.shape = (sum(rows), k)
         self.nbytes = sum(p.nbytes for p in self.parts)
-        self._m = mod.Matrix([p.ctypes.data for p in self.parts], types, rows, k)
+        self._m = mod.Matrix([p.ctypes.data for p in self.parts], types, rows, k, repack)
+        #: per part: True where the kernels read their own repacked copy (``repack``)
+        self.repacked = list(self._m.repacked)
+        #: bytes of the repacked parts' file pages given back to the kernel
+        self.given_back = 0
+        if any(self.repacked):
+            from kvserve.loaders import weight_read
+
+            for p, r in zip(self.parts, self.repacked):
+                if r:
+                    self.given_back += weight_read.give_back(p)
 
     @property
     def matrix(self):

@@ -332,17 +332,20 @@ def _unpack_q4(w: Weight) -> Weight:
     return _q4_blocks(w.raw, w.shape[0], w.shape[1], w.source_type)
 
 
-def _block_matrix(weights: list[Weight]):
+def _block_matrix(weights: list[Weight], repack: bool | None = None):
     """The GGUF block kernels' matrix over ``weights`` (raw GGUF rows, stacked along the output
-    dimension, the bytes not copied), or None where the kernels cannot be used (not built here,
-    ``KVSERVE_GGML_KERNELS=0``, a type or row length they lack)."""
+    dimension, the bytes not copied; Q4_0 parts repacked where ``repack``, default
+    :func:`~kvserve.models.ggml_kernel.repack_q4_0`: then their file pages are given back), or None
+    where the kernels cannot be used (not built here, ``KVSERVE_GGML_KERNELS=0``, a type or row length
+    they lack)."""
     from kvserve.models import ggml_kernel
 
     mod = ggml_kernel.ensure_built()
     if mod is None:
         return None
     try:
-        return ggml_kernel.BlockMatrix(mod, [(w.raw, w.source_type) for w in weights], weights[0].shape[1])
+        return ggml_kernel.BlockMatrix(mod, [(w.raw, w.source_type) for w in weights], weights[0].shape[1],
+                                       repack=ggml_kernel.repack_q4_0() if repack is None else repack)
     except ValueError:
         return None
 
@@ -353,7 +356,8 @@ def _q4_block_matrix(weights: list[Weight]):
     the kernels off or not built, a weight without its blocks)."""
     if any(w.q4_raw is None for w in weights):
         return None
-    m = _block_matrix([Weight(w.shape, raw=w.q4_raw, source_type=w.source_type) for w in weights])
+    # the file's layout: the prefill path reads it (a repacked Q4_0 part has its own kernel, no prefill path)
+    m = _block_matrix([Weight(w.shape, raw=w.q4_raw, source_type=w.source_type) for w in weights], repack=False)
     if m is None or not m.has_gemm:
         return None
     m.gemm_min_rows = 1

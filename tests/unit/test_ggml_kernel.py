@@ -238,6 +238,96 @@ def test_q8_0_prefill_and_decode_give_the_same_bits(mod):
             assert torch.equal(pre[m - 1], mat.mm(x[m - 1:])[0]), (k, m)
 
 
+@pytest.mark.parametrize("layout", [(("Q4_0", 16),), (("Q4_0", 32), ("Q4_0", 45)), (("Q4_0", 48), ("Q8_0", 19)),
+                                    (("Q4_K", 17), ("Q4_0", 32), ("Q4_0", 16))])
+def test_repacked_q4_0_rows_equal_one_row_products(mod, layout):
+    """Repacked Q4_0 (``repack=True``, q4_repack.h: AVX512-VNNI builds; the AVX2 build keeps the file's
+    layout): parts of 16k rows are repacked, others (45 rows, Q8_0, Q4_K) keep their kernels. Every row
+    of an M-row product (M = 1 .. 70: the per-row and batch routes, past the 64-row chunks) equals the
+    one-row product bit for bit, prefill-sized calls give the same bits (no prefill path takes a matrix
+    with repacked parts), each part agrees with the float64 reference, a part left in the file's layout
+    keeps today's bits, and dequantize still gives the file's values. K = 1280: 40 blocks."""
+    rng = np.random.default_rng(zlib.crc32(repr(layout).encode()))
+    k = 1280
+    parts = [(random_rows(name, n, k, rng), name) for name, n in layout]
+    mat = ggml_kernel.BlockMatrix(mod, parts, k, repack=True)
+    want = [name == "Q4_0" and n % 16 == 0 and mod.ISA == "avx512" for name, n in layout]
+    assert mat.repacked == want
+    if any(want):
+        assert not mat.has_gemm and not mat.matrix.gemm8
+    x = torch.from_numpy(rng.standard_normal((70, k)).astype(np.float32))
+    one = torch.cat([mat.mm(x[i:i + 1]) for i in range(70)])
+    for m in (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 33, 64, 65, 70):
+        y = mat.mm(x[:m])
+        assert torch.equal(y, one[:m]), (layout, m, float((y - one[:m]).abs().max()))
+    assert torch.equal(mat.matrix.mm(x, 0, "rows"), one)
+    if any(want):
+        for path in ("auto", "int8", "bf16"):
+            assert torch.equal(mat.matrix.mm(x, 1, path), one), path
+    col = 0
+    for (raw, name), rp in zip(parts, want):
+        ref, bound = reference(x.numpy(), raw, name)
+        err = np.abs(one[:, col:col + raw.shape[0]].numpy() - ref)
+        assert (err <= 2e-6 * bound + 1e-30).all(), (name, float((err / bound).max()))
+        if not rp:  # a part left in the file's layout: today's kernel, the same bits
+            alone = ggml_kernel.BlockMatrix(mod, [(raw, name)], k)
+            assert torch.equal(one[:, col:col + raw.shape[0]], torch.cat([alone.mm(x[i:i + 1]) for i in range(70)]))
+        col += raw.shape[0]
+    dense = mat.dequantize().numpy()
+    want_dense = np.concatenate([np.asarray(gguf.quants.dequantize(r, QT[n]), np.float32).reshape(r.shape[0], k)
+                                 for r, n in parts])
+    assert np.array_equal(dense, want_dense)
+
+
+def _resident_kib(addr: int, n: int) -> int:
+    """KiB of [addr, addr + n) resident in this process (/proc/self/pagemap: the present bit per page)."""
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(addr // 4096 * 8)
+        words = np.frombuffer(f.read(((addr + n - 1) // 4096 - addr // 4096 + 1) * 8), dtype=np.uint64)
+    return int(((words >> np.uint64(63)) & np.uint64(1)).sum()) * 4
+
+
+@pytest.mark.parametrize("kind", ["read", "mmap"])
+def test_repacked_parts_give_their_pages_back(mod, kind, tmp_path):
+    """After the repack, a Q4_0 part's whole pages in the loader's file-indexed bytes (a weight_read
+    buffer: the file mapped over them; the file's mapping: MADV_DONTNEED) are no longer resident and
+    still read the file's bytes; the bytes around the part (another tensor's) are untouched; an array
+    no loader registered gives nothing back. The AVX2 build keeps the file's layout: nothing repacked,
+    nothing given back."""
+    from kvserve.loaders import weight_read
+
+    rng = np.random.default_rng(3)
+    k, n = 2048, 64
+    raw = random_rows("Q4_0", n, k, rng)
+    path = tmp_path / "w.bin"
+    head = rng.integers(0, 256, size=12345, dtype=np.uint8)  # an odd offset: the part's edges share pages
+    path.write_bytes(head.tobytes() + raw.tobytes() + head.tobytes())
+    if kind == "read":
+        r = weight_read.WeightRead(str(path), 0)
+        r.finish(1)
+        buf = np.frombuffer(r.result(), dtype=np.uint8)
+    else:
+        buf = np.memmap(str(path), dtype=np.uint8, mode="r")
+    weight_read.register_file_view(buf, str(path), kind)
+    part = buf[head.size:head.size + raw.nbytes].reshape(n, -1)
+    assert np.array_equal(part, raw)  # touched: resident
+    addr = part.ctypes.data
+    lo, hi = (addr + 4095) // 4096 * 4096, (addr + raw.nbytes) // 4096 * 4096
+    assert hi - lo >= 60 * 1024 and _resident_kib(lo, hi - lo) == (hi - lo) // 1024
+    mat = ggml_kernel.BlockMatrix(mod, [(part, "Q4_0")], k, repack=True)
+    if mod.ISA != "avx512":
+        assert mat.repacked == [False] and mat.given_back == 0
+        assert _resident_kib(lo, hi - lo) == (hi - lo) // 1024
+        return
+    assert mat.repacked == [True] and mat.given_back == hi - lo
+    assert _resident_kib(lo, hi - lo) == 0
+    assert np.array_equal(part, raw) and np.array_equal(buf[:head.size], head)
+    assert np.array_equal(buf[head.size + raw.nbytes:], head)
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+    assert torch.equal(mat.mm(x), ggml_kernel.BlockMatrix(mod, [(raw, "Q4_0")], k, repack=True).mm(x))
+    assert ggml_kernel.BlockMatrix(mod, [(raw.copy(), "Q4_0")], k, repack=True).given_back == 0
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K", "Q8_0"])
 def test_one_row_products_at_large_k_equal_the_per_row_kernels(mod, name):
     """At Llama-3.1-8B's K (4096; 14336: its down projection) one-row products take these types 8

@@ -263,13 +263,16 @@ def test_teacher_forced_prefill_default_path(files, name):
     """kvserve's default prefill path (``large_batch_dtype`` auto) against llama.cpp's f32kv run, at the
     issue's bar: on AVX512-BF16 + VNNI builds the int8 prefill path (ggml_gemm8.h: llama.cpp's q8
     arithmetic) for every type but F16 (per-row kernels) and BF16 (the bfloat16 path: BF16_BOUNDS);
-    elsewhere the per-row kernels. Measured (int8 path): top-1 398-400 of 400 for the quantized types."""
+    elsewhere the per-row kernels; Q4_0 parts of 16k rows repacked (q4_repack.h) take their own kernel at
+    every row count. Measured (int8 path): top-1 398-400 of 400 for the quantized types; repacked Q4_0
+    400 of 400."""
     from kvserve.models import ggml_kernel
 
     core = _core(files[name], "f32kv", large_batch_dtype="auto")
     mats = [m for m in _block_matrices(core.model) if m.gemm_min_rows > 0]  # the head: per-row kernels
     on_gemm = bool(ggml_kernel.ensure_built().GEMM) and len(mats) > 0
-    int8 = on_gemm and all(m.matrix.gemm8 for m in mats)
+    # repacked Q4_0 (AVX512-VNNI builds, ggml_kernel.repack_q4_0): its own kernel at every row count
+    int8 = on_gemm and all(m.matrix.gemm8 or any(m.repacked) for m in mats)
     agree, total, diffs = compare(_fixture(name)["runs"]["f32kv"], lambda t, s: prefill_logprobs(core, t)[s - 1:-1])
     print(name, "default prefill", "int8" if int8 else "bf16" if on_gemm and name == "BF16" else "rows", agree, total,
           round(max(diffs), 4), round(statistics.mean(diffs), 5))
