@@ -378,11 +378,23 @@ def register_file_view(arr, path: str, kind: str) -> None:
         _VIEWS.append((ref, int(arr.ctypes.data), int(arr.size), path, ident, kind))
 
 
+_LIBC = None
+
+
+def _libc():
+    """libc's mmap and madvise through ctypes (loaded once)."""
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _LIBC = libc
+    return _LIBC
+
+
 def _mmap_fixed(addr: int, length: int, fd: int, offset: int) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    r = libc.mmap(addr, length, mmap.PROT_READ, mmap.MAP_PRIVATE | 0x10, fd, offset)  # 0x10: MAP_FIXED
+    r = _libc().mmap(addr, length, mmap.PROT_READ, mmap.MAP_PRIVATE | 0x10, fd, offset)  # 0x10: MAP_FIXED
     return r == addr
 
 
@@ -407,9 +419,7 @@ def give_back(part) -> int:
         return 0
     if kind == "mmap":
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            if libc.madvise(lo, hi - lo, mmap.MADV_DONTNEED) != 0:
+            if _libc().madvise(lo, hi - lo, mmap.MADV_DONTNEED) != 0:
                 return 0
         except (OSError, AttributeError):
             return 0

@@ -1452,15 +1452,12 @@ void Matrix::quantize_acts(const float* xp, int64_t M, int64_t K, Scratch& s, in
         kvserve_q4::q40_acts_row(s.q0.data() + m * K, s.d0.data() + m * (K / 32), K, s.x7.data() + m * ng * 256,
                                  s.c7.data() + m * ng * 16, s.d7.data() + m * ng * 16);
     }
-    if (kinds & 32) {  // repacked Q4_0 (q4_repack.h): -8 x each block's sum of q
-      const int64_t nb = K / 32;
-      s.cr.resize(M * nb);
-      for (int64_t i = 0; i < M * nb; ++i) {
-        const int8_t* xb = s.q0.data() + 32 * i;
-        int t = 0;
-        for (int k = 0; k < 32; ++k) t += xb[k];
-        s.cr[i] = -8 * t;
-      }
+    if (kinds & 32) {  // repacked Q4_0 (q4_repack.h): the activations in tiles of 16 rows
+      const int64_t n = (M + 15) / 16 * 16 * (K / 32);
+      s.xr.resize(n * 32);
+      s.cr.resize(n);
+      s.dr.resize(n);
+      kvserve_q4r::rq40_acts(s.q0.data(), s.d0.data(), M, K, s.xr.data(), s.cr.data(), s.dr.data());
     }
 #endif
   }
@@ -1513,8 +1510,9 @@ void Matrix::out_rows(const float* xp, int64_t M, const Scratch& s, int64_t n0, 
 #ifdef GG_VNNI
       if (p.rp) {  // repacked Q4_0 (q4_repack.h): this part's rows n .. e - 1, every activation row of the chunk
         const int64_t e = std::min(n1, p.first + p.rows), nb = K / 32;
-        kvserve_q4r::rq40_rows(p.data, nb, n - p.first, e - p.first, me - mc, s.q0.data() + mc * K, K,
-                               s.d0.data() + mc * nb, s.cr.data() + mc * nb, Y + mc * N + n, N);
+        const int64_t t0 = mc * nb;  // chunk mc (a multiple of 16 rows): its first tile (rq40_acts)
+        kvserve_q4r::rq40_rows(p.data, nb, n - p.first, e - p.first, me - mc, s.xr.data() + 32 * t0, s.dr.data() + t0,
+                               s.cr.data() + t0, Y + mc * N + n, N);
         n = e - 1;
         continue;
       }

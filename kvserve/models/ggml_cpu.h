@@ -21,7 +21,9 @@ struct Scratch {
   std::vector<int8_t> x7;   // the AVX512 Q4_0 kernel's activations (q4_core.h, Q40Acts)
   std::vector<int32_t> c7;
   std::vector<float> d7;  // the AVX512 Q4_K / Q5_K kernel's q8_K activations, sub-blocks interleaved (ActK::qp)
-  std::vector<int32_t> cr;  // repacked Q4_0 (q4_repack.h): -8 x each q8_0 block's sum of q, int32 [M, K/32]
+  std::vector<int8_t> xr;   // repacked Q4_0's activations (q4_repack.h, rq40_acts: tiles of 16 rows)
+  std::vector<int32_t> cr;
+  std::vector<float> dr;
 };
 
 // A weight matrix [N, K] made of row blocks in ggml formats (a fused q|k|v or gate|up may mix

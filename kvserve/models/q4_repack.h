@@ -58,11 +58,31 @@ inline __m512i bcast32(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// one group g (nb blocks) against MR activation rows: q int8 (row r at q + r * K), dx float and c int32
-// (-8 x each block's sum of q; row r at + r * nb) -> out[r * ldo + lane] for the lanes in km (masked
-// stores: the other lanes' memory is not written)
+// the activations in tiles of 16 rows (rq40_acts): tile t, block b, row r (of the tile) at (t nb + b) 16 + r:
+// 32 q int8 at 32 x that, c (-8 sum q) and dx at that; the kernel's addresses are then a base per block
+// and constant offsets (no register per row)
+inline void rq40_acts(const int8_t* q, const float* d, int64_t M, int64_t K, int8_t* X, int32_t* C, float* D) {
+  const int64_t nb = K / 32, T = (M + 15) / 16;
+  std::memset(X, 0, T * nb * 16 * 32);
+  std::memset(C, 0, T * nb * 16 * 4);
+  std::memset(D, 0, T * nb * 16 * 4);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t i = ((m / 16) * nb + b) * 16 + m % 16;
+      const int8_t* xb = q + m * K + 32 * b;
+      std::memcpy(X + 32 * i, xb, 32);
+      int t = 0;
+      for (int k = 0; k < 32; ++k) t += xb[k];
+      C[i] = -8 * t;
+      D[i] = d[m * nb + b];
+    }
+}
+
+// one group g (nb blocks) against MR activation rows of one tile (q, c, dx: the first row's entries of
+// block 0 in rq40_acts' layout) -> out[r * ldo + lane] for the lanes in km (masked stores: the other
+// lanes' memory is not written)
 template <int MR>
-inline void rq40_group(const uint8_t* g, int64_t nb, const int8_t* q, int64_t K, const float* dx, const int32_t* c,
+inline void rq40_group(const uint8_t* g, int64_t nb, const int8_t* q, const float* dx, const int32_t* c,
                        float* out, int64_t ldo, __mmask16 km) {
   const uint8_t* sc = g;
   const uint8_t* qs = g + nb * 32;
@@ -87,9 +107,9 @@ inline void rq40_group(const uint8_t* g, int64_t nb, const int8_t* q, int64_t K,
     const __m512i l3 = _mm512_and_si512(v3, m4), h3 = _mm512_and_si512(_mm512_srli_epi16(v3, 4), m4);
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32 * b)));
     for (int r = 0; r < MR; ++r) {
-      const int8_t* x = q + r * K + 32 * b;
+      const int8_t* x = q + 512 * b + 32 * r;
       // S is an exact int32 sum: one chain or two (the latency of one row alone) give the same bits
-      __m512i s0 = _mm512_set1_epi32(c[r * nb + b]);
+      __m512i s0 = _mm512_set1_epi32(c[16 * b + r]);
       s0 = _mm512_dpbusd_epi32(s0, l0, bcast32(x));
       __m512i s1 = MR >= 4 ? s0 : _mm512_setzero_si512();
       s1 = _mm512_dpbusd_epi32(s1, h0, bcast32(x + 16));
@@ -106,17 +126,18 @@ inline void rq40_group(const uint8_t* g, int64_t nb, const int8_t* q, int64_t K,
       s1 = MR >= 4 ? s0 : s1;
       s1 = _mm512_dpbusd_epi32(s1, h3, bcast32(x + 28));
       const __m512i S = MR >= 4 ? s1 : _mm512_add_epi32(s0, s1);
-      const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb + b]));
+      const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(dx[16 * b + r]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), d, acc[r]);
     }
   }
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo, km, acc[r]);
 }
 
-// groups of a repacked part (W: group 0; nb blocks) against M activation rows: output rows [n, e) of the
+// groups of a repacked part (W: group 0; nb blocks) against M activation rows (rq40_acts' tiles, from
+// the first): output rows [n, e) of the
 // part (0-based in the part) -> Y[r * ldo + i - n] for row i. Activation rows 16 or 8 at a time per group
 // (each loaded weight vector unpacked once for all of them), the last M % 8 together.
-inline void rq40_rows(const uint8_t* W, int64_t nb, int64_t n, int64_t e, int64_t M, const int8_t* q, int64_t K,
+inline void rq40_rows(const uint8_t* W, int64_t nb, int64_t n, int64_t e, int64_t M, const int8_t* q,
                       const float* dx, const int32_t* c, float* Y, int64_t ldo) {
   for (int64_t G = n / GROUP; G * GROUP < e; ++G) {
     const int64_t g0 = G * GROUP, a = n > g0 ? n - g0 : 0, z = e < g0 + GROUP ? e - g0 : GROUP;
@@ -125,7 +146,8 @@ inline void rq40_rows(const uint8_t* W, int64_t nb, int64_t n, int64_t e, int64_
     float* y = Y + (g0 - n);  // lanes a .. z - 1 land on rows n .. e - 1 (the others masked)
     auto run = [&](auto mr, int64_t r) {
       constexpr int MR = decltype(mr)::value;
-      rq40_group<MR>(g, nb, q + r * K, K, dx + r * nb, c + r * nb, y + r * ldo, ldo, km);
+      const int64_t i = (r / 16) * nb * 16 + r % 16;  // row r's entry of block 0 (rq40_acts)
+      rq40_group<MR>(g, nb, q + 32 * i, dx + i, c + i, y + r * ldo, ldo, km);
     };
     int64_t r = 0;  // 16 at a time: each weight vector unpacked once per 16 rows (8: 8% more CPU at M = 16)
     for (; r + 16 <= M; r += 16) run(std::integral_constant<int, 16>{}, r);
