@@ -120,6 +120,12 @@ class OneRowExperts:
             self._gu.append(([p.ctypes.data for p in b.parts], [int(gguf.GGMLQuantizationType[t]) for t in b.types],
                              [p.shape[0] for p in b.parts]))
         self._gu_keep = [lin.blocks for lin in gate_up]  # the mapped views the pointers point into
+        # experts whose Q4_0 blocks were repacked at load (BlockMatrix.repacked) are multiplied by their own
+        # matrices, one product each: a matrix made per step over the file's bytes would take the file
+        # layout's Q4_0 kernel (other float sums than the repacked copy every other route multiplies) and
+        # fault the pages given back at load in again
+        self._gu_mats = [lin.blocks.matrix for lin in gate_up] if any(
+            any(lin.blocks.repacked) for lin in gate_up) else None
         self._gu_bias = torch.stack([lin.bias for lin in gate_up]) if gate_up[0].bias is not None else None
         self._down = [lin.blocks.matrix for lin in down]
         self._down_keep = [lin.blocks for lin in down]
@@ -146,13 +152,16 @@ class OneRowExperts:
         # in float32 as a float32 tensor's element would), no small tensor ops per expert
         pairs = sorted(zip(idx[0].tolist(), w[0].to(x.dtype).tolist()))
         ids = [e for e, _ in pairs]
-        ptrs, types, rows = [], [], []
-        for e in ids:
-            p, t, r = self._gu[e]
-            ptrs += p
-            types += t
-            rows += r
-        gu = self._mod.Matrix(ptrs, types, rows, self._k).mm(x, 0, "auto").view(len(ids), -1)  # [k, 2 n_ff]
+        if self._gu_mats is not None:
+            gu = torch.cat([self._gu_mats[e].mm(x, 0, "auto") for e in ids])  # [k, 2 n_ff]
+        else:
+            ptrs, types, rows = [], [], []
+            for e in ids:
+                p, t, r = self._gu[e]
+                ptrs += p
+                types += t
+                rows += r
+            gu = self._mod.Matrix(ptrs, types, rows, self._k).mm(x, 0, "auto").view(len(ids), -1)  # [k, 2 n_ff]
         if self._gu_bias is not None:
             gu += self._gu_bias[ids]
         h = act(gu)  # [k, n_ff]
