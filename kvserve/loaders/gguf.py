@@ -447,7 +447,7 @@ def _finish_read(r, infos: list[TensorInfo]) -> np.ndarray:
     buf = np.frombuffer(r.result(min(t.offset for t in infos)), dtype=np.uint8)
     from kvserve.loaders import weight_read
 
-    weight_read.register_file_view(buf, r.path, "read")
+    weight_read.register_file_view(buf, r.path, "read", r.ident)
     log.debug("weight read of %s: %.3f s", r.path, r.read_s)
     return buf
 

@@ -362,15 +362,17 @@ def _owner(a):
     return a
 
 
-def register_file_view(arr, path: str, kind: str) -> None:
+def register_file_view(arr, path: str, kind: str, ident: tuple | None = None) -> None:
     """Record ``arr`` (uint8 [file size] of ``path``, index = file offset; ``kind`` "mmap": the file's
-    read-only mapping, "read": a :class:`WeightRead` buffer) for :func:`give_back`. Entries whose
-    memory is gone are dropped (weak references)."""
+    read-only mapping, "read": a :class:`WeightRead` buffer) for :func:`give_back`. ``ident``: the
+    identity of the file the bytes came from (a read's :attr:`WeightRead.ident`); default the path's
+    now (a file renamed over the path after the read would otherwise be taken for the one read).
+    Entries whose memory is gone are dropped (weak references)."""
     import weakref
 
     try:
         ref = weakref.ref(_owner(arr))
-        ident = _identity(os.stat(path))
+        ident = ident if ident is not None else _identity(os.stat(path))
     except (TypeError, OSError):  # an owner without weak references, or the file gone: nothing recorded
         return
     with _VIEWS_LOCK:
