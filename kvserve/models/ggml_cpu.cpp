@@ -1299,18 +1299,33 @@ Matrix::Matrix(std::vector<int64_t> ptrs, std::vector<int64_t> types, std::vecto
         p.rp = true;
         total += p.rows * p.row_bytes;
       }
-  void* buf = nullptr;
+  // The buffer is an anonymous mapping of its own (munmap gives its pages back when the matrix goes),
+  // its start 2 MiB-aligned where a whole huge page fits (those pieces madvised MADV_HUGEPAGE; the
+  // partial last 2 MiB cannot take a huge page: the mapping ends there). A smaller one is one plain
+  // mapping, no madvise: posix_memalign + MADV_HUGEPAGE / MADV_NOHUGEPAGE cost two VMAs per matrix,
+  // and a Q4_0 MoE file's experts (Qwen3-30B-A3B: 12,288 matrices, with give_back's two per part
+  // about 61,000) come near vm.max_map_count (65,530), past which every mmap in the process fails
+  uint8_t* buf = nullptr;
   const size_t align = size_t(2) << 20, size = (static_cast<size_t>(total) + 4095) / 4096 * 4096;
-  if (total > 0 && posix_memalign(&buf, align, size) != 0) {  // no memory for it: the file's layout, as without repack
-    for (Part& p : parts_) p.rp = false;
-    buf = nullptr;
+  const size_t whole = static_cast<size_t>(total) / align * align;
+  if (total > 0) {
+    const size_t span = whole > 0 ? size + align : size;
+    void* m = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) {  // no memory for it: the file's layout, as without repack
+      for (Part& p : parts_) p.rp = false;
+    } else {
+      uint8_t* const base = static_cast<uint8_t*>(m);
+      buf = base;
+      if (whole > 0) {  // the 2 MiB-aligned start; the slack before and after it unmapped
+        buf = base + (align - reinterpret_cast<uintptr_t>(base) % align) % align;
+        if (buf > base) munmap(base, buf - base);
+        if (base + span > buf + size) munmap(buf + size, base + span - (buf + size));
+        madvise(buf, whole, MADV_HUGEPAGE);
+      }
+    }
   }
   if (buf != nullptr) {
-    // huge pages for the whole 2 MiB pieces only: a tail in one would take a whole 2 MiB page
-    const size_t whole = static_cast<size_t>(total) / align * align;
-    if (whole > 0) madvise(buf, whole, MADV_HUGEPAGE);
-    if (size > whole) madvise(static_cast<uint8_t*>(buf) + whole, size - whole, MADV_NOHUGEPAGE);
-    own_.reset(static_cast<uint8_t*>(buf), [](uint8_t* q) { std::free(q); });
+    own_.reset(buf, [size](uint8_t* q) { munmap(q, size); });
     uint8_t* dst = own_.get();
     for (Part& p : parts_) {
       if (!p.rp) continue;

@@ -219,3 +219,31 @@ def test_no_memory_for_the_repacked_copy_keeps_the_file_layout(mod, tmp_path):
                        env={**os.environ, "PYTHONPATH": root})
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split() == ["[False]", "0", "True"]
+
+
+def test_repacked_matrices_cost_no_vmas_each(mod):
+    """Each repacked matrix's copy is an anonymous mapping of its own: a small one (under 2 MiB: a MoE
+    expert's) takes no madvise, so its mapping merges with its neighbours instead of adding VMAs (the
+    posix_memalign + MADV_HUGEPAGE / MADV_NOHUGEPAGE copy cost two each; a Q4_0 MoE file's thousands of
+    expert matrices, with give_back's file mappings, came near vm.max_map_count, past which every mmap
+    in the process fails), and freeing the matrices unmaps them (RSS back, VMAs back)."""
+    if mod.ISA != "avx512":
+        pytest.skip("nothing is repacked in the AVX2 build")
+    import gc
+
+    def vmas():
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    rng = np.random.default_rng(11)
+    raw = random_rows("Q4_0", 32, 2048, rng)
+    gc.collect()
+    before = vmas()
+    mats = [ggml_kernel.BlockMatrix(mod, [(raw, "Q4_0")], 2048, repack=True) for _ in range(200)]
+    assert all(m.repacked == [True] for m in mats)
+    assert vmas() - before <= 20, vmas() - before
+    x = torch.from_numpy(rng.standard_normal((2, 2048)).astype(np.float32))
+    assert all(torch.equal(m.mm(x), mats[0].mm(x)) for m in mats[1:])
+    del mats
+    gc.collect()
+    assert vmas() - before <= 5
