@@ -247,3 +247,32 @@ def test_repacked_matrices_cost_no_vmas_each(mod):
     del mats
     gc.collect()
     assert vmas() - before <= 5
+
+
+def test_a_part_given_back_twice_and_repacked_again_reads_the_same(mod, tmp_path):
+    """The same part given back twice (two models of one loaded file, a reload over the same read
+    buffer): the second give_back maps the same file pages again (the same byte count), the bytes stay
+    the file's, and a second repacked matrix made from the given-back pages multiplies the same bits."""
+    from kvserve.loaders import weight_read
+
+    if mod.ISA != "avx512":
+        pytest.skip("nothing is repacked (given back) in the AVX2 build")
+    rng = np.random.default_rng(17)
+    k, n = 2048, 64
+    raw = random_rows("Q4_0", n, k, rng)
+    path = tmp_path / "w.bin"
+    path.write_bytes(bytes(1000) + raw.tobytes() + bytes(1000))
+    r = weight_read.WeightRead(str(path), 0)
+    r.finish(1)
+    buf = np.frombuffer(r.result(), dtype=np.uint8)
+    weight_read.register_file_view(buf, str(path), "read", r.ident)
+    part = buf[1000:1000 + raw.nbytes].reshape(n, -1)
+    a = ggml_kernel.BlockMatrix(mod, [(part, "Q4_0")], k, repack=True)
+    b = ggml_kernel.BlockMatrix(mod, [(part, "Q4_0")], k, repack=True)
+    assert a.given_back > 0 and b.given_back == a.given_back
+    assert weight_read.give_back(part) == a.given_back
+    assert np.array_equal(part, raw)
+    x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32))
+    assert torch.equal(a.mm(x), b.mm(x))
+    del a
+    assert torch.equal(b.mm(x), ggml_kernel.BlockMatrix(mod, [(raw, "Q4_0")], k, repack=True).mm(x))
