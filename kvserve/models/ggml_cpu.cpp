@@ -1674,7 +1674,10 @@ void kvserve_ggml::register_module(pybind11::module_& m) {
   pybind11::class_<kvserve_ggml::Matrix>(m, "Matrix")
       .def(pybind11::init<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t, bool>(),
            pybind11::arg("ptrs"), pybind11::arg("types"), pybind11::arg("rows"), pybind11::arg("K"),
-           pybind11::arg("repack") = false)
+           pybind11::arg("repack") = false,
+           // the repack copies the parts (~200 ms for 72 MiB): other Python threads (the server's loop, other
+           // models' engines) run meanwhile
+           pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("repacked", &kvserve_ggml::Matrix::repacked)
       .def_property_readonly("rows", &kvserve_ggml::Matrix::rows)
       .def_property_readonly("cols", &kvserve_ggml::Matrix::cols)
