@@ -263,7 +263,7 @@ class GemmaModel(nn.Module):
             self.layers.append(layer)
         self.output_norm = RMSNorm(weights["output_norm.weight"], c.rms_eps, device)
         head = weights.get("output.weight", emb)
-        self.output = Linear([head], None, dtype=dtype, device=device,
+        self.output = Linear([head], None, dtype=dtype, device=device, tied=head is emb,
                              kernel=auto_head_kernel() if kernel == "auto" else kernel, small_max_rows=small_max_rows)
         # YaRN's attention factor scales cos/sin (1.0 for every other RoPE)
         self.rope_cis = rope_cis(rope_inv_freq(c, weights.get("rope_freqs.weight")), max_positions, device) \

@@ -139,6 +139,9 @@ class BlockMatrix:
             ggml_cpu.cpp's repacked Q4_0, ``q4_repack.h``, one float chain per output), then give the
             resident memory of their file bytes back (:func:`kvserve.loaders.weight_read.give_back`:
             the parts still read the file's bytes, e.g. for :meth:`dequantize`); ignored elsewhere.
+        give_back: False keeps the repacked parts' bytes where they are (a tied head: the embedding
+            lookup reads them every step, and a file truncated under the server would make that read
+            SIGBUS once they are the file's pages again).
 
     Attributes:
         gemm_path: which prefill path: "auto" (default: int8 where every part's type has it, else
@@ -150,7 +153,8 @@ class BlockMatrix:
         ValueError: a type without a kernel, K not a multiple of its block, or rows of the wrong size.
     """
 
-    def __init__(self, mod, parts: list[tuple[np.ndarray, str]], k: int, repack: bool = False):
+    def __init__(self, mod, parts: list[tuple[np.ndarray, str]], k: int, repack: bool = False,
+                 give_back: bool = True):
         self.gemm_min_rows = 0
         self.gemm_path = "auto"
         import gguf
@@ -174,7 +178,7 @@ class BlockMatrix:
         self.repacked = list(self._m.repacked)
         #: bytes of the repacked parts' file pages given back to the kernel
         self.given_back = 0
-        if any(self.repacked):
+        if give_back and any(self.repacked):
             from kvserve.loaders import weight_read
 
             for p, r in zip(self.parts, self.repacked):

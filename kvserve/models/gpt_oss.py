@@ -442,7 +442,7 @@ class GptOssModel(nn.Module):
             self.layers.append(layer)
         self.output_norm = RMSNorm(weights["output_norm.weight"], c.rms_eps, device)
         head = weights.get("output.weight", emb) if not c.tie_embeddings else emb
-        self.output = Linear([head], None, dtype=dtype, device=device,
+        self.output = Linear([head], None, dtype=dtype, device=device, tied=head is emb,
                              kernel=auto_head_kernel() if kernel == "auto" else kernel, small_max_rows=small_max_rows)
         self.rope_cis = rope_cis(rope_inv_freq(c, weights.get("rope_freqs.weight")), max_positions, device,
                                  rope_attention_factor(c))

@@ -174,13 +174,16 @@ class Linear(nn.Module):
             of memory. "decode": the same layout for the native decode step only
             (:mod:`kvserve.models.decode_native`), packed when it first asks
             (:meth:`native_weights`, off the start-up path) and never used by ``forward``.
+        tied: the weight is also the token embedding (a tied head): its file bytes stay where they
+            are when the block kernels repack them (``_block_matrix``'s ``give_back``).
 
     Input x: [T, in] float32; output [T, out] float32 (the small-batch kernels
     and a bfloat16 dense copy compute in bfloat16, accumulating in float32).
     """
 
     def __init__(self, weights: list[Weight], bias: list[Weight] | None, dtype, device, kernel: str = "dense",
-                 small_max_rows: int = 0, large_dtype=torch.float32, native_q4: bool | str = False):
+                 small_max_rows: int = 0, large_dtype=torch.float32, native_q4: bool | str = False,
+                 tied: bool = False):
         super().__init__()
         cpu = torch.device(device).type == "cpu"
         self.blocks = None  # the GGUF block kernels' matrix (kernel "gguf")
@@ -188,7 +191,7 @@ class Linear(nn.Module):
         #: kernels' prefill path, in place of a dense copy), or None
         self.large_blocks = None
         if cpu and kernel in ("auto", "w8a8") and all(w.raw is not None for w in weights):
-            self.blocks = _block_matrix(weights)
+            self.blocks = _block_matrix(weights, give_back=not tied)
             if self.blocks is not None:
                 kernel = "gguf"
                 # bfloat16 prefill (the dense copies' dtype elsewhere): steps of more rows take the prefill path
@@ -332,12 +335,13 @@ def _unpack_q4(w: Weight) -> Weight:
     return _q4_blocks(w.raw, w.shape[0], w.shape[1], w.source_type)
 
 
-def _block_matrix(weights: list[Weight], repack: bool | None = None):
+def _block_matrix(weights: list[Weight], repack: bool | None = None, give_back: bool = True):
     """The GGUF block kernels' matrix over ``weights`` (raw GGUF rows, stacked along the output
     dimension, the bytes not copied; Q4_0 parts repacked where ``repack``, default
-    :func:`~kvserve.models.ggml_kernel.repack_q4_0`: then their file pages are given back), or None
-    where the kernels cannot be used (not built here, ``KVSERVE_GGML_KERNELS=0``, a type or row length
-    they lack)."""
+    :func:`~kvserve.models.ggml_kernel.repack_q4_0`: then their file pages are given back unless
+    ``give_back`` is False: a tied head, whose bytes the embedding lookup keeps reading every step), or
+    None where the kernels cannot be used (not built here, ``KVSERVE_GGML_KERNELS=0``, a type or row
+    length they lack)."""
     from kvserve.models import ggml_kernel
 
     mod = ggml_kernel.ensure_built()
@@ -345,7 +349,8 @@ def _block_matrix(weights: list[Weight], repack: bool | None = None):
         return None
     try:
         return ggml_kernel.BlockMatrix(mod, [(w.raw, w.source_type) for w in weights], weights[0].shape[1],
-                                       repack=ggml_kernel.repack_q4_0() if repack is None else repack)
+                                       repack=ggml_kernel.repack_q4_0() if repack is None else repack,
+                                       give_back=give_back)
     except ValueError:
         return None
 
@@ -616,7 +621,7 @@ class LlamaModel(nn.Module):
             else weights["output.weight"]
         # the head's dense copy stays float32: bfloat16 logits (steps with many logits rows:
         # prompt logprobs, many sequences finishing a prefill together) would tie
-        self.output = Linear([head], None, dtype=dtype, device=device,
+        self.output = Linear([head], None, dtype=dtype, device=device, tied=head is emb,
                              kernel=auto_head_kernel() if kernel == "auto" else kernel, small_max_rows=small_max_rows)
         w = self.output.weight
         if head is emb and w is not None and self.tok_embd is not None and w.dtype == self.tok_embd.dtype:
