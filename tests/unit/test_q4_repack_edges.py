@@ -14,17 +14,9 @@ import torch
 
 from kvserve.loaders.weights import Weight
 from kvserve.models import ggml_kernel
-from test_ggml_kernel import _before_a_guard_page, random_rows, reference
+from test_ggml_kernel import _before_a_guard_page, mod, random_rows, reference  # noqa: F401 - mod: a fixture
 
 gguf = pytest.importorskip("gguf")
-
-
-@pytest.fixture(scope="module")
-def mod():
-    m = ggml_kernel.ensure_built()
-    if m is None:
-        pytest.skip("the GGUF block kernels cannot be built here")
-    return m
 
 
 def _moe(rng, n_expert=4, n_embd=128, n_ff=64, top_k=2, qtype="Q4_0"):
